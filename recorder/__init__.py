@@ -1,0 +1,39 @@
+"""PaperDebugger's recorder: mark the paper's steps, record them while training runs.
+
+    @recorder.paper_step("Eq. 2", description="SmoothReLU")
+    def smooth_relu(x, beta=1.0, gamma=1.0): ...
+
+    with recorder.record("run.zarr", model=model, optimizer=opt) as run:
+        train()
+
+Importing this package is cheap: zarr and the writer load when a recording starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .annotate import StepDef, annotate, paper_step, watch
+from .capture import RecorderWarning
+from .errors import (FormatError, NotARecordingError, PdbgError, RecordingError, SchemaVersionError,
+                     StepNotFoundError)
+
+__all__ = ["paper_step", "annotate", "watch", "record", "open_run", "StepDef", "RecorderWarning",
+           "PdbgError", "NotARecordingError", "FormatError", "SchemaVersionError", "RecordingError",
+           "StepNotFoundError"]
+
+
+def record(path: Any, model: Any = None, optimizer: Any = None, mode: str = "full", every: int = 1,
+           compressor: Any = None, **options: Any) -> Any:
+    """Record the paper steps run inside a ``with`` block (see ``recorder.run.record``)."""
+    from .run import record as _record
+
+    return _record(path, model=model, optimizer=optimizer, mode=mode, every=every, compressor=compressor,
+                   **options)
+
+
+def open_run(path: Any) -> Any:
+    """Open a recording's store for reading (low level; most users want ``replayer.open``)."""
+    from .store.reader import RunReader
+
+    return RunReader(path)

@@ -1,0 +1,213 @@
+"""Marking paper steps: ``paper_step`` for functions and module classes, ``annotate`` for module
+instances, ``watch`` for named intermediate tensors.
+
+Decorating changes nothing while no recording is active: the wrapper checks one global and calls
+through. Definitions (paper reference, import reference, source) are computed once, lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from . import capture, jsonval
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class StepDef:
+    """What a paper step is: its name, its place in the paper and where its code lives."""
+
+    name: str
+    label: str
+    algorithm: str | int | None
+    step: str | int | None
+    equation: str | None
+    description: str | None
+    kind: str  # "function" or "module"
+    target: Any  # the undecorated function, or the class
+    _doc: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def paper(self) -> dict[str, Any]:
+        return {"label": self.label, "algorithm": self.algorithm, "step": self.step,
+                "equation": self.equation, "description": self.description}
+
+    def doc(self) -> dict[str, Any]:
+        """The definition document stored with every step (computed once)."""
+        if self._doc is None:
+            self._doc = {"name": self.name, "paper": self.paper, "kind": self.kind, **code_info(self.target)}
+        return self._doc
+
+
+def code_info(target: Any) -> dict[str, Any]:
+    """Import reference, file, first line, source text and its SHA-256 for a function or class."""
+    module = getattr(target, "__module__", None) or "?"
+    info: dict[str, Any] = {"ref": f"{module}:{getattr(target, '__qualname__', repr(target))}",
+                            "file": None, "line": None, "source": None, "source_sha256": None}
+    try:
+        info["file"] = inspect.getsourcefile(target)
+        lines, info["line"] = inspect.getsourcelines(target)
+        source = "".join(lines)
+        info["source"] = source
+        info["source_sha256"] = hashlib.sha256(source.encode()).hexdigest()
+    except (OSError, TypeError):  # built in, or defined where no source exists (a REPL)
+        pass
+    if module == "__main__":
+        main = sys.modules.get("__main__")
+        info["script"] = getattr(main, "__file__", None)
+    return info
+
+
+def _check_label(label: Any) -> None:
+    if not isinstance(label, str) or not label:
+        raise TypeError(f"paper_step needs the paper's label as a non-empty string first, e.g. "
+                        f"paper_step('Eq. 2'), not {label!r}")
+
+
+def paper_step(label: str, *, algorithm: str | int | None = None, step: str | int | None = None,
+               equation: str | None = None, description: str | None = None,
+               name: str | None = None) -> Callable[[T], T]:
+    """Mark a function or an ``nn.Module`` class as one step of the paper.
+
+    Args:
+        label: what the paper calls it ("Algorithm 1", "Eq. 2").
+        algorithm: the algorithm it belongs to, if any.
+        step: its step number in that algorithm.
+        equation: the equation it implements ("Eq. 7").
+        description: one line in the paper's words.
+        name: the step's name; defaults to the function's or class's qualified name.
+
+    A decorated class records its ``forward`` calls and, as data, the arguments each instance was
+    constructed with (so replay can rebuild it).
+    """
+    _check_label(label)
+
+    def decorate(target: T) -> T:
+        if isinstance(target, type) and issubclass(target, torch.nn.Module):
+            return _decorate_class(target, name or target.__qualname__, label, algorithm, step, equation,
+                                   description)  # type: ignore[return-value]
+        if callable(target):
+            defn = StepDef(name or target.__qualname__, label, algorithm, step, equation, description,  # type: ignore[attr-defined]
+                           "function", target)
+            return _wrap_function(target, defn)  # type: ignore[return-value]
+        raise TypeError(f"paper_step decorates functions and nn.Module classes, not {type(target).__name__}")
+
+    return decorate
+
+
+def _wrap_function(fn: Callable[..., Any], defn: StepDef) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def step_wrapper(*args: Any, **kwargs: Any) -> Any:
+        if capture.ACTIVE is None:
+            return fn(*args, **kwargs)
+        return capture.ACTIVE.call(defn, fn, None, args, kwargs)
+
+    step_wrapper.__pdbg_step__ = defn  # type: ignore[attr-defined]
+    return step_wrapper
+
+
+def _decorate_class(cls: type, name: str, *paper: Any) -> type:
+    defn = StepDef(name, *paper, kind="module", target=cls)
+    forward = cls.forward
+
+    @functools.wraps(forward)
+    def forward_wrapper(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if capture.ACTIVE is None:
+            return forward(self, *args, **kwargs)
+        return capture.ACTIVE.call(defn, forward, self, args, kwargs)
+
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def init_wrapper(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        # The outermost decorated __init__ wins: a subclass's super().__init__() must not overwrite it.
+        outermost = "_pdbg_init" not in self.__dict__
+        if outermost:
+            self.__dict__["_pdbg_init"] = _init_record(cls, args, kwargs)
+        init(self, *args, **kwargs)
+
+    forward_wrapper.__pdbg_step__ = defn  # type: ignore[attr-defined]
+    cls.forward = forward_wrapper  # type: ignore[attr-defined]
+    cls.__init__ = init_wrapper  # type: ignore[misc]
+    cls.__pdbg_step__ = defn  # type: ignore[attr-defined]
+    return cls
+
+
+def _init_record(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Constructor arguments as data (never raises: a failure only loses this record)."""
+    try:
+        return {"class": jsonval.type_ref(cls), "args": jsonval.encode(list(args)),
+                "kwargs": jsonval.encode(kwargs)}
+    except Exception:
+        return None
+
+
+def annotate(module: torch.nn.Module, label: str, *, algorithm: str | int | None = None,
+             step: str | int | None = None, equation: str | None = None, description: str | None = None,
+             name: str | None = None) -> torch.nn.Module:
+    """Mark one module instance (one you cannot decorate: a library's) as a paper step.
+
+    Args:
+        module: the instance; its ``forward`` calls are recorded from now on.
+        label, algorithm, step, equation, description, name: as for ``paper_step``; ``name``
+            defaults to the module's class name.
+
+    Returns the same module, so it can wrap a construction expression.
+    """
+    _check_label(label)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"annotate() takes an nn.Module instance, not {type(module).__name__}")
+    defn = StepDef(name or type(module).__qualname__, label, algorithm, step, equation, description,
+                   "module", type(module))
+    forward = module.forward  # bound; may itself be an earlier annotation
+
+    def forward_wrapper(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if capture.ACTIVE is None:
+            return forward(*args, **kwargs)
+        return capture.ACTIVE.call(defn, lambda _self, *a, **k: forward(*a, **k), self, args, kwargs)
+
+    forward_wrapper.__pdbg_step__ = defn  # type: ignore[attr-defined]
+    module.forward = types.MethodType(forward_wrapper, module)  # type: ignore[method-assign]
+    module.__dict__["_pdbg_step"] = defn
+    return module
+
+
+def watch(tensor: T, name: str, *, expected_shape: tuple[int | None, ...] | None = None,
+          expected_range: tuple[float, float] | None = None,
+          expected_norm_range: tuple[float, float] | None = None,
+          expected_mean: tuple[float, float] | None = None, reference: str | None = None) -> T:
+    """Record a named intermediate tensor with the step that is running, and check expectations.
+
+    Args:
+        tensor: the tensor to record; returned unchanged.
+        name: its name in the paper's terms ("attention_weights").
+        expected_shape: dimensions it must have; ``None`` matches any size in that position.
+        expected_range: (lo, hi) every value must lie in (NaN and Inf break it).
+        expected_norm_range: (lo, hi) for its L2 norm.
+        expected_mean: (value, tolerance) for its mean.
+        reference: where the expectation comes from ("Eq. 7").
+
+    A broken expectation marks the step ``alert``. Outside a recording this does nothing.
+    """
+    if capture.ACTIVE is not None:
+        capture.ACTIVE.watch(tensor, name, {
+            "name": name, "expected_shape": None if expected_shape is None else list(expected_shape),
+            "expected_range": _pair(expected_range), "expected_norm_range": _pair(expected_norm_range),
+            "expected_mean": _pair(expected_mean), "reference": reference})
+    return tensor
+
+
+def _pair(value: Any) -> list[float] | None:
+    if value is None:
+        return None
+    lo, hi = value
+    return [float(lo), float(hi)]

@@ -1,0 +1,395 @@
+"""The live side of a recording: what happens on every call of a paper step, forward and backward.
+
+Everything here runs on the training thread (or autograd's), so it only snapshots: statistics,
+hashes, copies of new bytes. Encoding and writing happen on the writer thread (pipeline.py). Any
+failure in here is caught, reported once, and recording degrades; the user's call always proceeds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch.autograd import Variable
+
+from . import jsonval, modstack, snapshot, taps
+from . import payload as payload_mod
+from . import stats as stats_mod
+from .items import PayloadItem, StepItem, TensorItem
+from .store import layout
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+ACTIVE: Session | None = None  # the recording in progress, if any (set by recorder.record)
+
+ROLE = {name: i for i, name in enumerate(layout.ROLES)}
+_SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
+
+
+class RecorderWarning(UserWarning):
+    """The recorder hit a problem and degraded; training goes on."""
+
+
+@dataclass
+class Frame:
+    """One step in progress (forward call or backward of a call)."""
+
+    index: int
+    phase: int
+    defn: Any
+    module: torch.nn.Module | None
+    path: str
+    call: int
+    parent: int
+    iteration: int
+    t_start: float
+    payloads: bool
+    forward: int = layout.NO_REF
+    rng: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] | None = None
+    args_doc: Any = None
+    output_doc: Any = None
+    tensors: list[TensorItem] = field(default_factory=list)
+    expectations: list[dict[str, Any]] = field(default_factory=list)
+    exception: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    t_end: float = 0.0
+
+
+@dataclass
+class BackwardLink:
+    """Ties a forward call to its backward: names of the tapped tensors and the open backward frame."""
+
+    fwd: Frame
+    input_names: list[str] = field(default_factory=list)
+    output_names: list[str] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
+    frame: Frame | None = None
+
+
+class Session:
+    """State of one active recording."""
+
+    def __init__(self, pipeline: Pipeline, *, mode: str, every: int, model: torch.nn.Module | None,
+                 t0: float) -> None:
+        self.pipeline, self.mode, self.every, self.t0 = pipeline, mode, every, t0
+        self.lock = threading.RLock()
+        self.local = threading.local()
+        self.modules = modstack.ModuleStack(model)
+        self.iteration = 0
+        self.next_index = 0
+        self.calls: dict[tuple[str, str], int] = {}
+        self.seen: set[tuple[int, int, int]] = set()
+        self.enabled = True
+        self.failure: str | None = None
+        self._token = 0
+        self._links: list[BackwardLink] = []  # forward calls whose backward may still come
+        self._pass: list[BackwardLink] = []  # backward frames open in the current backward pass
+        self._callback_queued = False
+        self._module_docs: dict[int, dict[str, Any]] = {}
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def _stack(self) -> list[Frame]:
+        stack = getattr(self.local, "stack", None)
+        if stack is None:
+            stack = self.local.stack = []
+        return stack
+
+    def _new_index(self) -> int:
+        with self.lock:
+            index = self.next_index
+            self.next_index += 1
+            return index
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        """Stop capturing after an internal error; warn once. Training is never interrupted."""
+        if self.failure is None:
+            self.failure = f"{where}: {type(exc).__name__}: {exc}"
+            warnings.warn(f"PaperDebugger stopped recording ({self.failure}); training continues and the "
+                          "steps committed so far stay readable", RecorderWarning, stacklevel=3)
+        self.enabled = False
+
+    def next_iteration(self) -> None:
+        with self.lock:
+            self.iteration += 1
+            self.calls.clear()
+            # Backward hooks of calls whose backward never ran (evaluation, a discarded graph).
+            stale = [link for link in self._links if link.frame is None]
+            self._links = [link for link in self._links if link.frame is not None]
+        for link in stale:
+            for handle in link.handles:
+                handle.remove()
+
+    def _payloads_now(self) -> bool:
+        return self.mode == "full" and self.iteration % self.every == 0
+
+    # -- forward ---------------------------------------------------------------------------------
+    def call(self, defn: Any, fn: Callable[..., Any], module: torch.nn.Module | None,
+             args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one step call with capture around it."""
+        if not self.enabled or getattr(self.local, "busy", False):
+            return fn(module, *args, **kwargs) if module is not None else fn(*args, **kwargs)
+        try:
+            frame, args, kwargs, link = self._enter(defn, module, args, kwargs)
+        except Exception as exc:
+            self.fail("capturing a step's inputs", exc)
+            return fn(module, *args, **kwargs) if module is not None else fn(*args, **kwargs)
+        stack = self._stack()
+        stack.append(frame)
+        try:
+            out = fn(module, *args, **kwargs) if module is not None else fn(*args, **kwargs)
+        except BaseException as exc:
+            stack.pop()
+            self._exit_exception(frame, exc)
+            raise
+        stack.pop()
+        try:
+            return self._exit(frame, out, link)
+        except Exception as exc:
+            self.fail("capturing a step's outputs", exc)
+            return out
+
+    def _enter(self, defn: Any, module: torch.nn.Module | None, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> tuple[Frame, tuple[Any, ...], dict[str, Any], BackwardLink | None]:
+        self.local.busy = True
+        try:
+            stack = self._stack()
+            path = self.modules.path_of(module) if module is not None else self.modules.enclosing_path()
+            with self.lock:
+                key = (defn.name, path)
+                call = self.calls.get(key, 0)
+                self.calls[key] = call + 1
+            frame = Frame(index=self._new_index(), phase=0, defn=defn, module=module, path=path, call=call,
+                          parent=stack[-1].index if stack else layout.NO_REF, iteration=self.iteration,
+                          t_start=time.perf_counter() - self.t0, payloads=self._payloads_now())
+            frame.rng = snapshot.rng_parts()
+            frame.settings = snapshot.settings()
+            frame.args_doc = jsonval.encode(
+                {"args": list(args), "kwargs": kwargs},
+                tensor_name=lambda t, p: self._capture(frame, "input", p, t))
+            if module is not None:
+                for name, p in module.named_parameters():
+                    self._capture(frame, "param", name, p)
+                for name, b in module.named_buffers():
+                    self._capture(frame, "buffer", name, b)
+            link = None
+            if torch.is_grad_enabled():
+                link = BackwardLink(frame)
+                args, kwargs, link.input_names = taps.tap_arguments(
+                    args, kwargs, lambda grads, lk=link: self._on_grad_input(lk, grads))
+                if module is not None:
+                    for name, p in module.named_parameters():
+                        if p.requires_grad:
+                            link.handles.append(p.register_hook(
+                                lambda g, lk=link, n=name: self._on_param_grad(lk, n, g)))
+            return frame, args, kwargs, link
+        finally:
+            self.local.busy = False
+
+    def _exit(self, frame: Frame, out: Any, link: BackwardLink | None) -> Any:
+        self.local.busy = True
+        try:
+            frame.t_end = time.perf_counter() - self.t0
+            frame.output_doc = jsonval.encode(
+                out, tensor_name=lambda t, p: self._capture(frame, "output", f"output.{p}" if p else "output", t))
+            if link is not None:
+                out, link.output_names = taps.tap_output(
+                    out, lambda grads, lk=link: self._on_grad_output(lk, grads))
+                if link.output_names or link.handles:
+                    with self.lock:
+                        self._links.append(link)
+            self._submit(frame)
+            return out
+        finally:
+            self.local.busy = False
+
+    def _exit_exception(self, frame: Frame, exc: BaseException) -> None:
+        try:
+            frame.t_end = time.perf_counter() - self.t0
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=50))
+            frame.exception = {"type": jsonval.type_ref(type(exc)), "message": str(exc)[:10000],
+                               "traceback": tb[-20000:]}
+            self._submit(frame)
+        except Exception as err:
+            self.fail("recording an exception", err)
+
+    def watch(self, tensor: Any, name: str, expect: dict[str, Any]) -> None:
+        """Attach a watched tensor and its expectations to the innermost running step."""
+        if not self.enabled:
+            return
+        try:
+            stack = self._stack()
+            if not stack:
+                return
+            frame = stack[-1]
+            if not isinstance(tensor, torch.Tensor):
+                frame.notes.append(f"watch({name!r}) got a {type(tensor).__name__}, not a tensor")
+                return
+            shape = expect.get("expected_shape")
+            if shape is not None and (len(shape) != tensor.dim() or any(
+                    e is not None and e != s for e, s in zip(shape, tensor.shape))):
+                expect["shape_alert"] = {"watch": name, "check": "shape", "expected": shape,
+                                         "actual": list(tensor.shape), "reference": expect.get("reference")}
+            self._capture(frame, "watch", name, tensor)
+            frame.expectations.append(expect)
+        except Exception as exc:
+            self.fail("recording a watched tensor", exc)
+
+    # -- tensors ---------------------------------------------------------------------------------
+    def _capture(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
+        """Snapshot one tensor into the frame; returns its record name (for the arguments document)."""
+        t = t.detach()
+        meta_only = t.layout != torch.strided or t.device.type == "meta"
+        item = TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype), device=str(t.device),
+                          requires_grad=t.requires_grad, shape=tuple(t.shape),
+                          stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None)
+        if meta_only:
+            frame.notes.append(f"{name}: {t.layout} tensor on {t.device}: metadata only")
+        else:
+            try:
+                item.stats = stats_mod.host_stats(t) if t.device.type == "cpu" else stats_mod.device_stats(t)
+                if frame.payloads:
+                    item.payload = self._payload(t)
+            except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
+                frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
+        frame.tensors.append(item)
+        return name
+
+    def _payload(self, t: torch.Tensor) -> tuple[int, int, int] | int:
+        if t.device.type != "cpu":
+            return self._device_payload(t)
+        units, unit = payload_mod.as_units(t)
+        key = payload_mod.content_key(units, unit)
+        if key in self.seen:
+            return key
+        if len(self.seen) >= _SEEN_LIMIT:
+            self.seen.clear()  # the writer still deduplicates; this only saves copies
+        self.seen.add(key)
+        data = units.copy() if t.is_contiguous() else units  # a non-contiguous tensor was already copied
+        self._send(PayloadItem(key=key, unit=unit, data=data), data.nbytes)
+        return key
+
+    def _device_payload(self, t: torch.Tensor) -> int:
+        unit = payload_mod.unit_of(t.dtype)
+        flat = t.reshape(-1)
+        nbytes = flat.numel() * t.element_size()
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if nbytes:
+            pinned.copy_(flat.view(torch.uint8), non_blocking=True)
+        event = torch.cuda.Event() if t.device.type == "cuda" else None
+        if event is not None:
+            event.record()
+        with self.lock:
+            self._token += 1
+            token = self._token
+        self._send(PayloadItem(key=None, unit=unit, pinned=pinned, event=event, token=token), nbytes)
+        return token
+
+    def _send(self, item: Any, nbytes: int) -> None:
+        if not self.pipeline.submit(item, nbytes):
+            raise RuntimeError(f"the writer stopped: {self.pipeline.error!r}")
+
+    def _submit(self, frame: Frame) -> None:
+        docs = {"name": frame.defn.name, "definition": frame.defn.doc(), "module_path": frame.path,
+                "module": self._module_doc(frame.module), "settings": frame.settings,
+                "args": frame.args_doc, "output": frame.output_doc}
+        row = {"phase": frame.phase, "iteration": frame.iteration, "call": frame.call, "parent": frame.parent,
+               "forward": frame.forward, "t_start": frame.t_start, "t_end": frame.t_end}
+        self._send(StepItem(index=frame.index, row=row, docs=docs, rng=frame.rng, tensors=frame.tensors,
+                            exception=frame.exception, expectations=frame.expectations, notes=frame.notes), 0)
+
+    def _module_doc(self, module: torch.nn.Module | None) -> dict[str, Any] | None:
+        if module is None:
+            return None
+        doc = self._module_docs.get(id(module))
+        if doc is None:
+            doc = {"class": jsonval.type_ref(type(module)), "init": module.__dict__.get("_pdbg_init")}
+            self._module_docs[id(module)] = doc
+        return doc
+
+    # -- backward --------------------------------------------------------------------------------
+    def _guard(self, where: str, fn: Callable[[], None]) -> None:
+        if not self.enabled or ACTIVE is not self:
+            return
+        try:
+            with self.lock:
+                fn()
+        except Exception as exc:
+            self.fail(where, exc)
+
+    def _on_grad_output(self, link: BackwardLink, grads: tuple[torch.Tensor | None, ...]) -> None:
+        def run() -> None:
+            frame = self._open_backward(link)
+            for name, g in zip(link.output_names, grads):
+                if g is not None:
+                    self._capture(frame, "grad_output", name, g)
+        self._guard("capturing grad outputs", run)
+
+    def _on_grad_input(self, link: BackwardLink, grads: tuple[torch.Tensor | None, ...]) -> None:
+        def run() -> None:
+            frame = self._open_backward(link)
+            for name, g in zip(link.input_names, grads):
+                if g is not None:
+                    self._capture(frame, "grad_input", name, g)
+            frame.t_end = time.perf_counter() - self.t0
+        self._guard("capturing grad inputs", run)
+
+    def _on_param_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
+        def run() -> None:
+            frame = self._open_backward(link)
+            self._capture(frame, "param_grad", name, grad)
+            frame.t_end = max(frame.t_end, time.perf_counter() - self.t0)
+        self._guard("capturing parameter grads", run)
+
+    def _open_backward(self, link: BackwardLink) -> Frame:
+        if link.frame is not None:
+            return link.frame
+        fwd = link.fwd
+        parent = next((lk.frame.index for lk in self._pass if lk.fwd.index == fwd.parent and lk.frame), -1)
+        now = time.perf_counter() - self.t0
+        frame = Frame(index=self._new_index(), phase=1, defn=fwd.defn, module=fwd.module, path=fwd.path,
+                      call=fwd.call, parent=parent, iteration=self.iteration, t_start=now,
+                      payloads=self._payloads_now(), forward=fwd.index, t_end=now)
+        frame.rng = snapshot.rng_parts()
+        frame.settings = snapshot.settings()
+        link.frame = frame
+        self._pass.append(link)
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        return frame
+
+    def _end_of_backward(self) -> None:
+        """Autograd calls this when a backward pass is over: the open backward steps are complete."""
+        with self.lock:
+            done, self._pass, self._callback_queued = self._pass, [], False
+            frames = [link.frame for link in done]
+            for link in done:
+                for handle in link.handles:
+                    handle.remove()
+                link.handles.clear()
+                link.frame = None  # a second backward through the same graph is a new step
+            ids = {id(lk) for lk in done}
+            self._links = [lk for lk in self._links if id(lk) not in ids]
+        if not self.enabled or ACTIVE is not self:
+            return
+        try:
+            for frame in sorted((f for f in frames if f is not None), key=lambda f: f.index):
+                self._submit(frame)
+        except Exception as exc:
+            self.fail("finishing a backward pass", exc)
+
+    def close(self) -> None:
+        """Remove every hook this session added."""
+        self.modules.close()
+        with self.lock:
+            links, self._links = self._links, []
+        for link in links:
+            for handle in link.handles:
+                handle.remove()

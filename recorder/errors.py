@@ -1,0 +1,37 @@
+"""Errors of the data layers.
+
+Every error that reaches a user is one of these. Its message is one line that names the problem and
+says what to do; the command line prints it and exits with code 2, never a traceback. Each class also
+inherits the builtin it refines, so ``except FileNotFoundError`` keeps working in user code.
+"""
+
+from __future__ import annotations
+
+
+class PdbgError(Exception):
+    """Base class: a problem with the user's input or recording, not a bug in PaperDebugger."""
+
+    exit_code = 2
+
+
+class NotARecordingError(PdbgError, FileNotFoundError):
+    """The path does not exist or holds no PaperDebugger recording."""
+
+
+class FormatError(PdbgError, ValueError):
+    """The recording exists but its contents are damaged or inconsistent."""
+
+
+class SchemaVersionError(FormatError):
+    """The recording was written by a newer, incompatible PaperDebugger."""
+
+
+class RecordingError(PdbgError, RuntimeError):
+    """``recorder.record`` was used in a way that cannot work (for example, nested recordings)."""
+
+
+class StepNotFoundError(PdbgError, KeyError):
+    """A step index or selector does not name a recorded step."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it one plain line
+        return str(self.args[0]) if self.args else ""

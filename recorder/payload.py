@@ -1,0 +1,71 @@
+"""Tensor bytes: exact conversion between any torch dtype and the store's unsigned-integer units.
+
+numpy has no bfloat16, float8 or complex32, so payloads are stored as a view of same-width unsigned
+integers and the true dtype is kept in the tensor record; the round trip is a reinterpretation of
+bits, never a conversion of values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xxhash
+
+# Element width in bytes -> store unit index (layout.BLOB_UNITS) and the torch view dtype.
+_UNIT_OF_WIDTH = {1: 0, 2: 1, 4: 2, 8: 3}
+_VIEW_DTYPE = {0: torch.uint8, 1: torch.int16, 2: torch.int32, 3: torch.int64}
+_NUMPY_UNIT = {0: np.uint8, 1: np.uint16, 2: np.uint32, 3: np.uint64}
+_COMPLEX_COMPONENT = {torch.complex32: 2, torch.complex64: 4, torch.complex128: 8}
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+
+
+class UnsupportedDtype(TypeError):
+    """A dtype whose bytes are not a plain array of elements (quantized tensors)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+def unit_of(dtype: torch.dtype) -> int:
+    """The store unit that holds a dtype's bytes (complex numbers by their component width)."""
+    if dtype in _QUANTIZED:
+        raise UnsupportedDtype(f"quantized dtype {dtype_name(dtype)} has no plain byte layout")
+    width = _COMPLEX_COMPONENT.get(dtype, dtype.itemsize)
+    return _UNIT_OF_WIDTH[width]
+
+
+def as_units(t: torch.Tensor) -> tuple[np.ndarray, int]:
+    """A 1-D numpy view (no copy when ``t`` is contiguous on the CPU) of the tensor's bytes.
+
+    Returns (array, unit). The array aliases ``t``'s memory: copy it before ``t`` can change.
+    """
+    unit = unit_of(t.dtype)
+    flat = t.detach().reshape(-1)  # a copy only when t is not contiguous
+    if flat.numel() == 0:
+        return np.empty(0, dtype=_NUMPY_UNIT[unit]), unit
+    # Through uint8 first: a direct view between some dtypes (bool, float8, complex) is refused.
+    flat = flat.view(torch.uint8).view(_VIEW_DTYPE[unit])
+    return flat.numpy().view(_NUMPY_UNIT[unit]), unit
+
+
+def content_key(units: np.ndarray, unit: int) -> tuple[int, int, int]:
+    """Content address of a payload: xxh3-128 of its bytes (high, low) and its unit."""
+    digest = xxhash.xxh3_128_intdigest(units.data)
+    return digest >> 64, digest & 0xFFFFFFFFFFFFFFFF, unit
+
+
+def from_units(units: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rebuild a contiguous CPU tensor from stored units (copies, so the result owns its memory)."""
+    unit = unit_of(dtype)
+    if len(units) == 0:
+        return torch.empty(shape, dtype=dtype)
+    owned = np.array(units, dtype=_NUMPY_UNIT[unit], copy=True).view(np.uint8)
+    return torch.from_numpy(owned).view(dtype).reshape(shape)

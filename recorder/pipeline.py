@@ -1,0 +1,237 @@
+"""The background writer: one thread, fed by a queue bounded in bytes.
+
+The training thread hands over snapshots (payload bytes it copied, statistics, step rows); this
+thread hashes what came from accelerators, deduplicates, encodes and writes, and commits every
+``flush_interval`` seconds. Only one thread ever touches the store, so no update is lost.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import jsonval
+from . import payload as payload_mod
+from . import snapshot
+from .store import layout
+from .items import PayloadItem, StepItem, TensorItem
+from .store.writer import StoreWriter
+
+HEARTBEAT_S = 30.0
+
+
+class Pipeline:
+    """Queue + writer thread around a StoreWriter."""
+
+    def __init__(self, writer: StoreWriter, *, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0,
+                 backpressure_timeout: float = 120.0) -> None:
+        self.writer = writer
+        self.max_queue_bytes, self.flush_interval = max_queue_bytes, flush_interval
+        self.backpressure_timeout = backpressure_timeout
+        self._queue: deque[Any] = deque()
+        self._bytes = 0
+        self._cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.error_trace = ""
+        self._tokens: dict[int, tuple[int, int, int]] = {}
+        self._rng_docs: dict[tuple[str, Any], int] = {}
+        self.peak_queue_bytes = 0
+        self._thread = threading.Thread(target=self._run, name="pdbg-writer", daemon=True)
+        self._thread.start()
+
+    # -- training-thread side --------------------------------------------------------------------
+    def submit(self, item: Any, nbytes: int = 0) -> bool:
+        """Enqueue an item; blocks while the queue holds more than ``max_queue_bytes`` (backpressure).
+        Returns False when the writer has failed or stayed stuck past ``backpressure_timeout``."""
+        with self._cond:
+            deadline = time.monotonic() + self.backpressure_timeout
+            while self._bytes > self.max_queue_bytes and self.error is None:
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())) and \
+                        time.monotonic() >= deadline:
+                    self.error = TimeoutError(f"the recording writer made no progress for "
+                                              f"{self.backpressure_timeout:.0f} s (disk stalled?)")
+                    break
+            if self.error is not None:
+                return False
+            self._queue.append((item, nbytes))
+            self._bytes += nbytes
+            self.peak_queue_bytes = max(self.peak_queue_bytes, self._bytes)
+            self._cond.notify_all()
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Commit everything submitted so far; waits for it. Returns False on failure or timeout."""
+        done = threading.Event()
+        if not self.submit(("flush", done)):
+            return False
+        return done.wait(timeout) and self.error is None
+
+    def close(self, status: str, info: dict[str, Any], timeout: float | None = None) -> None:
+        """Drain the queue, write the final status and stop the thread."""
+        if self._thread.is_alive():
+            self.submit(("close", status, info))
+            self._thread.join(timeout)
+        if self.error is not None:
+            try:  # still publish what was committed, and why the rest is missing
+                self.writer.close("crashed", {**info, "writer_error": repr(self.error)})
+            except Exception:
+                pass
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    # -- writer-thread side ----------------------------------------------------------------------
+    def _run(self) -> None:
+        last_flush = last_commit = time.monotonic()
+        dirty = False
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(timeout=self.flush_interval)
+                batch = list(self._queue)
+                self._queue.clear()
+            try:
+                for item, nbytes in batch:
+                    if isinstance(item, tuple) and item[0] == "close":
+                        self.writer.close(item[1], item[2])
+                        self._release(nbytes)
+                        return
+                    if isinstance(item, tuple) and item[0] == "flush":
+                        self.writer.flush()
+                        last_commit = time.monotonic()
+                        dirty = False
+                        item[1].set()
+                    else:
+                        self._handle(item)
+                        dirty = True
+                    self._release(nbytes)
+                now = time.monotonic()
+                if (dirty and now - last_flush >= self.flush_interval) or now - last_commit >= HEARTBEAT_S:
+                    self.writer.flush()
+                    last_flush = last_commit = now
+                    dirty = False
+            except BaseException as exc:  # never let the writer die silently: the session reports it
+                with self._cond:
+                    self.error, self.error_trace = exc, traceback.format_exc()
+                    self._queue.clear()
+                    self._bytes = 0
+                    self._cond.notify_all()
+                for item, _ in batch:
+                    if isinstance(item, tuple) and item[0] == "flush":
+                        item[1].set()
+                return
+
+    def _release(self, nbytes: int) -> None:
+        if nbytes:
+            with self._cond:
+                self._bytes -= nbytes
+                self._cond.notify_all()
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, PayloadItem):
+            self._store_payload(item)
+        elif isinstance(item, StepItem):
+            self._store_step(item)
+        else:
+            raise TypeError(f"unexpected queue item {type(item).__name__}")
+
+    def _store_payload(self, item: PayloadItem) -> None:
+        data, key = item.data, item.key
+        if item.pinned is not None:
+            if item.event is not None:
+                item.event.synchronize()
+            data = item.pinned.numpy().view(payload_mod._NUMPY_UNIT[item.unit])
+            key = payload_mod.content_key(data, item.unit)
+            self._tokens[item.token] = key
+        assert key is not None
+        self.writer.payload(key, data)
+
+    def _rng_doc(self, parts: dict[str, tuple[Any, Any]]) -> int:
+        ids = {}
+        for name, (key, state) in parts.items():
+            cache_key = (name, key)
+            doc_id = self._rng_docs.get(cache_key)
+            if doc_id is None:
+                doc_id = self.writer.doc({"rng": name, **snapshot.encode_rng_part(name, state)})
+                self._rng_docs[cache_key] = doc_id
+            ids[name] = doc_id
+        return self.writer.doc(ids)
+
+    def _store_step(self, item: StepItem) -> None:
+        w = self.writer
+        row = dict(item.row)
+        for col, value in item.docs.items():
+            row[col] = layout.NO_REF if value is None else w.doc(value)
+        row["rng"] = self._rng_doc(item.rng) if item.rng else layout.NO_REF
+        nonfinite = False
+        stats_by_name: dict[str, tuple[float, ...]] = {}
+        row["tensor_start"] = w.tensors
+        for t in item.tensors:
+            stats = t.stats
+            if isinstance(stats, torch.Tensor):
+                stats = tuple(float(v) for v in stats.cpu().tolist())
+            stats_by_name[f"{t.role}:{t.name}"] = stats
+            if (stats[6] or stats[7]) and layout.ROLES[t.role] in _NONFINITE_ROLES[row["phase"]]:
+                nonfinite = True
+            pid = layout.NO_REF
+            if t.payload is not None:
+                key = self._tokens.pop(t.payload) if isinstance(t.payload, int) else t.payload
+                pid = w.payload(key, None)
+            w.tensor({"step": item.index, "role": t.role, "name": w.doc(t.name), "dtype": w.doc(t.dtype),
+                      "device": w.doc(t.device), "requires_grad": t.requires_grad, "ndim": len(t.shape),
+                      "dims_start": w.dims(t.shape, t.stride), "stats": stats, "payload": pid})
+        row["tensor_count"] = len(item.tensors)
+        alerts = [a for e in item.expectations for a in _check(e, stats_by_name.get(f"watch:{e['name']}"))]
+        alerts += [e["shape_alert"] for e in item.expectations if e.get("shape_alert")]
+        extra: dict[str, Any] = {}
+        if item.exception:
+            extra["exception"] = item.exception
+        if alerts:
+            extra["alerts"] = alerts
+        if item.expectations:
+            extra["watches"] = [{k: v for k, v in e.items() if k != "shape_alert"} for e in item.expectations]
+        if item.notes:
+            extra["notes"] = item.notes
+        row["extra"] = w.doc(jsonval.encode(extra)) if extra else layout.NO_REF  # tags nan/inf
+        status = "exception" if item.exception else "nonfinite" if nonfinite else "alert" if alerts else "ok"
+        row["status"] = layout.STATUSES.index(status)
+        w.step(item.index, row)
+
+
+_NONFINITE_ROLES = {0: ("output",), 1: ("grad_input", "param_grad")}
+
+
+def _num(value: float) -> float | None:
+    """A statistic as strict JSON (None where it is NaN or infinite)."""
+    return value if np.isfinite(value) else None
+
+
+def _check(expect: dict[str, Any], stats: tuple[float, ...] | None) -> list[dict[str, Any]]:
+    """Broken value expectations of one watched tensor, from its statistics."""
+    if stats is None:
+        return []
+    lo, hi, mean, norm, nan, inf = (stats[0], stats[1], stats[2], stats[5], stats[6], stats[7])
+    out = []
+    base = {"watch": expect["name"], "reference": expect.get("reference")}
+    if expect.get("expected_range") is not None:
+        a, b = expect["expected_range"]
+        if nan or inf or lo < a or hi > b:
+            out.append({**base, "check": "range", "expected": [a, b], "actual": [_num(lo), _num(hi)],
+                        "nonfinite": int(nan + inf)})
+    if expect.get("expected_norm_range") is not None:
+        a, b = expect["expected_norm_range"]
+        if nan or inf or not a <= norm <= b:
+            out.append({**base, "check": "norm", "expected": [a, b], "actual": _num(norm)})
+    if expect.get("expected_mean") is not None:
+        value, tol = expect["expected_mean"]
+        if nan or inf or not abs(mean - value) <= tol:
+            out.append({**base, "check": "mean", "expected": [value, tol], "actual": _num(mean)})
+    return out

@@ -1,0 +1,175 @@
+"""``recorder.record``: the context manager that turns recording on around a block of training."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import capture, jsonval, snapshot
+from .store import codecs as codecs_api
+from .errors import RecordingError
+from .pipeline import Pipeline
+from .store import backend, layout
+from .store.writer import StoreWriter
+
+MODES = ("full", "stats")
+
+
+class Run:
+    """A recording in progress. Use as a context manager (``with recorder.record(...) as run``) or
+    call ``close()`` yourself."""
+
+    def __init__(self, path: backend.StoreTarget, *, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, mode: str = "full", every: int = 1,
+                 compressor: Any = None, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0) -> None:
+        if mode not in MODES:
+            raise RecordingError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+        if not isinstance(every, int) or every < 1:
+            raise RecordingError(f"every must be a positive integer (payloads every k-th iteration), not {every!r}")
+        if capture.ACTIVE is not None:
+            raise RecordingError("a recording is already active in this process; close it before starting another")
+        if not isinstance(path, (str, os.PathLike)) and not hasattr(path, "set"):
+            raise RecordingError(f"path must be a directory path or a zarr store, not {type(path).__name__}")
+        if isinstance(path, (str, os.PathLike)) and Path(path).exists() and any(Path(path).iterdir()):
+            raise RecordingError(f"{path} already exists and is not empty; choose a new path or delete it")
+        self.path, self.mode, self.every = path, mode, every
+        compression = codecs_api.parse(compressor)
+        self.t0 = time.perf_counter()
+        self.started = time.time()
+        store = backend.open_store(path, mode="w")
+        writer = StoreWriter(store, run_attrs=run_metadata(self.started, mode, every), compression=compression)
+        self.pipeline = Pipeline(writer, max_queue_bytes=max_queue_bytes, flush_interval=flush_interval)
+        self.session = capture.Session(self.pipeline, mode=mode, every=every, model=model, t0=self.t0)
+        self._hooks: list[Any] = []
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.next_iteration()))
+        self.closed = False
+        self.status: str | None = None
+        capture.ACTIVE = self.session
+
+    # -- while recording ---------------------------------------------------------------------------
+    @property
+    def iteration(self) -> int:
+        return self.session.iteration
+
+    @property
+    def steps(self) -> int:
+        """Steps started so far."""
+        return self.session.next_index
+
+    def next_iteration(self) -> None:
+        """Start the next iteration (done for you on ``optimizer.step()`` when an optimizer is given)."""
+        self.session.next_iteration()
+
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        """Commit everything recorded so far; returns False if the writer failed."""
+        return self.pipeline.flush(timeout)
+
+    @property
+    def failure(self) -> str | None:
+        """Why recording degraded, if it did."""
+        if self.session.failure is None and self.pipeline.error is not None:
+            self.session.failure = f"writer: {self.pipeline.error!r}"
+        return self.session.failure
+
+    # -- ending --------------------------------------------------------------------------------------
+    def close(self, status: str = "complete", exception: BaseException | None = None) -> None:
+        """Stop recording, write everything out and mark the run ``complete`` (or ``crashed``)."""
+        if self.closed:
+            return
+        self.closed = True
+        if capture.ACTIVE is self.session:
+            capture.ACTIVE = None
+        for hook in self._hooks:
+            hook.remove()
+        self.session.close()
+        info: dict[str, Any] = {"ended_unix": time.time(), "iterations": self.session.iteration + 1,
+                                "steps_started": self.session.next_index,
+                                "peak_queue_bytes": self.pipeline.peak_queue_bytes}
+        if exception is not None:
+            info["exception"] = jsonval.encode({
+                "type": jsonval.type_ref(type(exception)), "message": str(exception)[:10000],
+                "traceback": "".join(traceback.format_exception(exception))[-20000:]})
+        if self.failure:
+            info["recorder_failure"] = self.failure
+        self.pipeline.close(status, info)
+        self.status = "crashed" if self.pipeline.error is not None else status
+        if self.pipeline.error is not None and self.session.failure is None:
+            warnings.warn(f"PaperDebugger's writer failed ({self.pipeline.error!r}); the recording holds the "
+                          "steps committed before it", capture.RecorderWarning, stacklevel=2)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close("crashed" if exc is not None else "complete", exc)
+
+
+def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
+           optimizer: torch.optim.Optimizer | None = None, mode: str = "full", every: int = 1,
+           compressor: Any = None, **options: Any) -> Run:
+    """Record the paper steps run inside the ``with`` block into a Zarr store.
+
+    Args:
+        path: a new directory (``run.zarr``) or a zarr Store (``zarr.storage.MemoryStore()``).
+        model: the model being trained; module paths are relative to it.
+        optimizer: iterations advance after each of its ``step()`` calls.
+        mode: "full" (payloads of every tensor) or "stats" (statistics only, tiny).
+        every: with mode="full", keep payloads every k-th iteration and statistics for the rest.
+        compressor: None (Blosc lz4 + bit shuffle), "lz4", "zstd", "none", or a dict with
+            ``cname``, ``clevel`` and ``shuffle``.
+        options: ``max_queue_bytes`` (memory the writer queue may hold, default 512 MiB) and
+            ``flush_interval`` (seconds between commits, default 1.0).
+
+    Returns:
+        The Run; leaving the ``with`` block closes it (``complete``, or ``crashed`` on an exception).
+    """
+    return Run(path, model=model, optimizer=optimizer, mode=mode, every=every, compressor=compressor, **options)
+
+
+def run_metadata(started: float, mode: str, every: int) -> dict[str, Any]:
+    """What a reader needs to know about where and how the run was recorded (plain JSON)."""
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = [{"name": torch.cuda.get_device_name(i),
+                 "sm_count": torch.cuda.get_device_properties(i).multi_processor_count}
+                for i in range(torch.cuda.device_count())]
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    return {
+        "started": datetime.fromtimestamp(started, timezone.utc).isoformat(), "started_unix": started,
+        "mode": mode, "every": every, "argv": list(sys.argv), "cwd": os.getcwd(),
+        "script": os.path.abspath(script) if script else None,
+        "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+        "platform": platform.platform(), "machine": platform.machine(), "hostname": socket.gethostname(),
+        "pid": os.getpid(), "cuda": cuda, "torch_cuda": torch.version.cuda,
+        "cpu_capability": snapshot.settings()["cpu_capability"], "git": _git_commit(script),
+    }
+
+
+def _git_commit(script: str | None) -> dict[str, Any] | None:
+    """Commit and dirtiness of the repository holding the user's script (or the cwd), if any."""
+    where = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                               capture_output=True, text=True, timeout=5)
+        return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return None

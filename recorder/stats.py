@@ -1,0 +1,90 @@
+"""Summary statistics of a tensor: min, max, mean, std, abs-max, L2 norm, NaN count, Inf count.
+
+The value statistics are over the finite elements only, so a half-NaN tensor still shows the range of
+its other values; the NaN and Inf counts say how many were left out. std is the sample standard
+deviation (torch.std's default, correction=1). Complex tensors are summarised by magnitude; integer
+and boolean tensors by value. An empty tensor has NaN value statistics and zero counts.
+
+On the CPU the common case (no NaN, no Inf) costs three passes over the data. On an accelerator the
+statistics stay on the device as one small tensor (no host synchronisation per tensor); the recorder
+copies them to the host in bulk later.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NAN = float("nan")
+EMPTY: tuple[float, ...] = (NAN, NAN, NAN, NAN, NAN, NAN, 0.0, 0.0)
+
+
+def _working(t: torch.Tensor) -> torch.Tensor:
+    """The values to summarise, in a dtype reductions support exactly enough."""
+    t = t.detach()
+    if t.is_complex():
+        return t.abs().to(torch.float64 if t.dtype == torch.complex128 else torch.float32)
+    if t.dtype in (torch.float32, torch.float64):
+        return t
+    if t.is_floating_point():  # half, bfloat16, float8: reduce in float32 as torch does internally
+        return t.to(torch.float32)
+    return t.to(torch.float64)  # bool and integers: exact up to 2**53
+
+
+def host_stats(t: torch.Tensor) -> tuple[float, ...]:
+    """Statistics of a CPU tensor as Python floats, in layout.STAT_NAMES order."""
+    x = _working(t)
+    n = x.numel()
+    if n == 0:
+        return EMPTY
+    if x.dtype == torch.float64 and not t.is_floating_point() and not t.is_complex():
+        finite = True  # integers and bools are always finite
+    else:
+        lo, hi = torch.aminmax(x)
+        finite = math.isfinite(lo.item()) and math.isfinite(hi.item())
+    if finite:
+        return _finite_stats(x, 0, 0)
+    nan = int(torch.isnan(x).sum())
+    inf = int(torch.isinf(x).sum())
+    kept = x[torch.isfinite(x)]
+    if kept.numel() == 0:
+        return (NAN, NAN, NAN, NAN, NAN, NAN, float(nan), float(inf))
+    return _finite_stats(kept, nan, inf)
+
+
+def _finite_stats(x: torch.Tensor, nan: int, inf: int) -> tuple[float, ...]:
+    lo, hi = torch.aminmax(x)
+    n = x.numel()
+    if n > 1:
+        std, mean = torch.std_mean(x)
+        std_f = std.item()
+    else:
+        mean, std_f = x.reshape(()), NAN
+    lo_f, hi_f = lo.item(), hi.item()
+    norm = torch.linalg.vector_norm(x).item()
+    return (lo_f, hi_f, mean.item(), std_f, max(abs(lo_f), abs(hi_f)), norm, float(nan), float(inf))
+
+
+def device_stats(t: torch.Tensor) -> torch.Tensor:
+    """Statistics as a float64 tensor of 8 on the tensor's own device, without a host sync."""
+    x = _working(t)
+    if x.numel() == 0:
+        return torch.tensor(EMPTY, dtype=torch.float64, device=x.device)
+    x = x.reshape(-1)
+    finite = torch.isfinite(x)
+    count = finite.sum()
+    nan = torch.isnan(x).sum()
+    inf = x.numel() - count - nan
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    lo = torch.where(finite, x, torch.full_like(x, math.inf)).amin()
+    hi = torch.where(finite, x, torch.full_like(x, -math.inf)).amax()
+    xs = torch.where(finite, x, zero)
+    countf = count.to(x.dtype)
+    mean = xs.sum() / countf
+    var = torch.where(finite, x - mean, zero).square().sum() / (countf - 1)
+    norm = torch.linalg.vector_norm(xs)
+    out = torch.stack([lo, hi, mean, var.sqrt(), torch.maximum(lo.abs(), hi.abs()), norm]).to(torch.float64)
+    out = torch.where(count > 0, out, torch.full_like(out, math.nan))
+    std = torch.where(count > 1, out[3], torch.full_like(out[3], math.nan))
+    return torch.cat([out[:3], std.reshape(1), out[4:], torch.stack([nan, inf]).to(torch.float64)])

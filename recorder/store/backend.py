@@ -1,0 +1,96 @@
+"""Where a recording's bytes go: a directory, memory (for tests) or a read-only zip.
+
+Zarr stores do the storage; this module adds the two things the recorder needs beyond them: writing
+a pre-encoded chunk with one call (no per-call codec pipeline), and an atomic, durable write for the
+manifest (temporary file, fsync, rename), which is what makes a killed recording safe to open.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from zarr.abc.store import Store
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+from zarr.storage import LocalStore, MemoryStore, ZipStore
+
+StoreTarget = str | os.PathLike[str] | Store
+
+
+def open_store(target: StoreTarget, *, mode: str) -> Store:
+    """Open a store for reading (``mode="r"``) or create one for writing (``mode="w"``).
+
+    Args:
+        target: a directory path, a ``.zip``/``.pdbg`` file (read only), or a zarr Store object.
+        mode: "r" or "w".
+    """
+    if isinstance(target, Store):
+        return target
+    path = Path(target)
+    if mode == "r" and path.is_file():
+        return ZipStore(path, mode="r")
+    if mode == "w":
+        path.mkdir(parents=True, exist_ok=True)
+    return LocalStore(path, read_only=(mode == "r"))
+
+
+def local_root(store: Store) -> Path | None:
+    """The directory behind a LocalStore, else None."""
+    return Path(store.root) if isinstance(store, LocalStore) else None
+
+
+def put(store: Store, key: str, data: bytes, *, durable: bool = False) -> None:
+    """Write one key. Local files go through a temporary file and ``os.replace`` so a reader or a
+    crash sees either the old bytes or the new ones, never a torn write."""
+    root = local_root(store)
+    if root is None:
+        sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+        return
+    path = root / key
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        fh = open(tmp, "wb")
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(tmp, "wb")
+    with fh:
+        fh.write(data)
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def get(store: Store, key: str) -> bytes | None:
+    """Read one key, or None when it does not exist."""
+    root = local_root(store)
+    if root is not None:
+        try:
+            return (root / key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+    buf = sync(store.get(key, prototype=default_buffer_prototype()))
+    return None if buf is None else buf.to_bytes()
+
+
+def remove_partials(store: Store) -> int:
+    """Delete ``*.partial`` leftovers of a killed writer; returns how many were removed."""
+    root = local_root(store)
+    if root is None or store.read_only:
+        return 0
+    removed = 0
+    for tmp in root.rglob("*.partial"):
+        tmp.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def describe(target: Any) -> str:
+    """How to name a store target in a message."""
+    if isinstance(target, MemoryStore):
+        return "<memory store>"
+    if isinstance(target, Store):
+        return f"<{type(target).__name__}>"
+    return str(target)

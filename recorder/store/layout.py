@@ -1,0 +1,135 @@
+"""The on-disk layout of a recording: the one place that names arrays, columns and the schema version.
+
+A run is a Zarr v3 group::
+
+    run.zarr/
+      zarr.json             group attributes: {"paperdebugger": {"format", "schema_version", "run": {...}}}
+      manifest.json         committed lengths of every array and the run status (plain JSON, written last)
+      rank0/                one sub-tree per process (torch.distributed rank)
+        steps/<column>      one row per step, in execution order
+        tensors/<column>    one row per tensor record; a step's records are contiguous
+        payloads/<column>   one row per distinct tensor content (deduplicated by xxh3-128)
+        docs/<column>       one row per distinct JSON document (offset, length into docs/bytes)
+        docs/bytes          the JSON documents, concatenated (utf-8)
+        dims/values         shapes and strides of tensor records, concatenated (int64)
+        blobs/u1 u2 u4 u8   payload bytes, appended; one array per element size so shuffle filters
+                            see the real element width
+
+Every array is 1-D or 2-D with a fixed second dimension and grows along axis 0. Arrays may be longer
+than their committed length (capacity grows geometrically, and a killed writer may have written
+chunks past its last commit): readers slice every array to the length in ``manifest.json``.
+See docs/FORMAT.md for the meaning of every column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORMAT_NAME = "paperdebugger.run"
+SCHEMA_VERSION = "1.0"
+SCHEMA_MAJOR = 1
+ATTRS_KEY = "paperdebugger"
+MANIFEST_KEY = "manifest.json"
+
+NO_REF = -1  # a missing reference in an integer column (no parent, no payload, no document)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One appendable array: its path under the rank group, dtype, row shape and rows per chunk."""
+
+    path: str
+    dtype: str
+    row_shape: tuple[int, ...] = ()
+    chunk_rows: int = 32768
+    kind: str = "index"  # "index" (small columns), "blob" (payload bytes) or "docs" (JSON bytes)
+
+
+# Step table. Integer references to documents point into the docs table.
+STEP_COLUMNS: dict[str, str] = {
+    "name": "int64",  # doc: the step's name (str)
+    "definition": "int64",  # doc: paper reference, kind, import reference, file, source and its hash
+    "phase": "int8",  # 0 forward, 1 backward
+    "iteration": "int64",
+    "call": "int32",  # forward calls of the same (name, module path) in this iteration, from 0
+    "parent": "int64",  # enclosing step's index, or -1
+    "forward": "int64",  # for a backward step: its forward step's index; -1 for forward steps
+    "module_path": "int64",  # doc: str, relative to the outermost module called ("" for that module)
+    "module": "int64",  # doc: class reference and constructor arguments of the step's module, or -1
+    "status": "int8",  # see STATUSES
+    "t_start": "float64",  # seconds since the run's start (run attribute "started_unix")
+    "t_end": "float64",
+    "rng": "int64",  # doc: RNG snapshot at step entry
+    "settings": "int64",  # doc: numerics settings snapshot at step entry
+    "args": "int64",  # doc: {"args": [...], "kwargs": {...}} tagged JSON, tensors by record name; -1
+    "output": "int64",  # doc: the output structure, tensors by record name; -1
+    "extra": "int64",  # doc: exception, alerts, watch expectations; -1 when there is nothing
+    "tensor_start": "int64",  # first row of this step's tensor records
+    "tensor_count": "int32",
+}
+
+TENSOR_COLUMNS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "step": ("int64", ()),
+    "role": ("int8", ()),  # see ROLES
+    "name": ("int64", ()),  # doc: str
+    "dtype": ("int64", ()),  # doc: str, torch's name without "torch." ("bfloat16")
+    "device": ("int64", ()),  # doc: str ("cpu", "cuda:0")
+    "requires_grad": ("bool", ()),
+    "ndim": ("int16", ()),
+    "dims_start": ("int64", ()),  # shape then stride: dims/values[dims_start : dims_start + 2 * ndim]
+    "stats": ("float64", (8,)),  # see STAT_NAMES
+    "payload": ("int64", ()),  # row of the payloads table, or -1 when only statistics were kept
+}
+
+PAYLOAD_COLUMNS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "hash": ("uint64", (2,)),  # xxh3-128 of the bytes, (high, low)
+    "blob": ("int8", ()),  # index into BLOB_UNITS
+    "offset": ("int64", ()),  # element offset in blobs/<unit>
+    "count": ("int64", ()),  # elements of the unit
+}
+
+DOC_COLUMNS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "offset": ("int64", ()),  # byte offset in docs/bytes
+    "length": ("int64", ()),
+}
+
+# Payload bytes are stored in the array whose element width matches the tensor's (complex numbers by
+# their component), so byte- and bit-shuffle filters group the right bytes together.
+BLOB_UNITS: tuple[str, ...] = ("u1", "u2", "u4", "u8")
+BLOB_DTYPES: dict[str, str] = {"u1": "uint8", "u2": "uint16", "u4": "uint32", "u8": "uint64"}
+BLOB_CHUNK_BYTES = 4 << 20
+
+DOCS_CHUNK_BYTES = 1 << 20
+DIMS_CHUNK = 65536
+
+ROLES: tuple[str, ...] = (
+    "input", "output", "param", "buffer", "grad_output", "grad_input", "param_grad", "watch",
+)
+PHASES: tuple[str, ...] = ("forward", "backward")
+STATUSES: tuple[str, ...] = ("ok", "alert", "nonfinite", "exception")
+STAT_NAMES: tuple[str, ...] = ("min", "max", "mean", "std", "absmax", "norm", "nan", "inf")
+RUN_STATUSES: tuple[str, ...] = ("recording", "complete", "crashed")
+
+
+def columns() -> list[Column]:
+    """Every array of a rank group, in the order a writer creates them."""
+    cols = [Column(f"steps/{n}", d) for n, d in STEP_COLUMNS.items()]
+    cols += [Column(f"tensors/{n}", d, s) for n, (d, s) in TENSOR_COLUMNS.items()]
+    cols += [Column(f"payloads/{n}", d, s) for n, (d, s) in PAYLOAD_COLUMNS.items()]
+    cols += [Column(f"docs/{n}", d, s) for n, (d, s) in DOC_COLUMNS.items()]
+    cols.append(Column("docs/bytes", "uint8", (), DOCS_CHUNK_BYTES, kind="docs"))
+    cols.append(Column("dims/values", "int64", (), DIMS_CHUNK))
+    for unit in BLOB_UNITS:
+        itemsize = int(unit[1:])
+        cols.append(Column(f"blobs/{unit}", BLOB_DTYPES[unit], (), BLOB_CHUNK_BYTES // itemsize, kind="blob"))
+    return cols
+
+
+def rank_group(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """Parse "MAJOR.MINOR"; raises ValueError on anything else."""
+    major, minor = text.split(".")
+    return int(major), int(minor)

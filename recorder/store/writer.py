@@ -1,0 +1,236 @@
+"""Synchronous writer of the store layout. Used by the recorder's background thread only.
+
+Crash safety rests on one ordering: chunks are written first, the manifest (committed lengths) last,
+atomically and durably. Rows past a committed length may exist on disk after a kill; readers never
+look at them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import xxhash
+import zarr
+from zarr.abc.store import Store
+
+from . import backend, codecs, layout
+from .layout import Column
+
+
+def dumps(doc: Any) -> bytes:
+    """Canonical JSON bytes of a document (sorted keys, no NaN tokens)."""
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+
+
+class AppendArray:
+    """One growing zarr array, written a whole encoded chunk at a time from a RAM buffer."""
+
+    def __init__(self, store: Store, group: zarr.Group, col: Column, comp: codecs.Compression) -> None:
+        self.store, self.col, self.comp = store, col, comp
+        self.key = f"{group.path}/{col.path}"
+        self.array = group.create_array(
+            col.path, shape=(col.chunk_rows, *col.row_shape), chunks=(col.chunk_rows, *col.row_shape),
+            dtype=col.dtype, fill_value=0, compressors=comp.zarr_codec(),
+        )
+        self.capacity = col.chunk_rows
+        self.buf = np.zeros((col.chunk_rows, *col.row_shape), dtype=col.dtype)
+        self.fill = 0  # rows in buf
+        self.chunk = 0  # index of the chunk buf holds
+        self.dirty = False  # buf has rows not yet on disk
+        self._suffix = "/0" * len(col.row_shape)
+
+    def __len__(self) -> int:
+        return self.chunk * self.col.chunk_rows + self.fill
+
+    def append(self, row: Any) -> int:
+        """Append one row; returns its index."""
+        index = len(self)
+        self.buf[self.fill] = row
+        self.fill += 1
+        self.dirty = True
+        if self.fill == self.col.chunk_rows:
+            self._seal()
+        return index
+
+    def extend(self, rows: np.ndarray) -> int:
+        """Append many rows (1-D data for 1-D arrays); returns the index of the first."""
+        start = len(self)
+        n, pos, per = len(rows), 0, self.col.chunk_rows
+        while pos < n:
+            if self.fill == 0 and n - pos >= per:  # aligned whole chunk: encode straight from the source
+                self._write(self.chunk, rows[pos:pos + per])
+                self.chunk += 1
+                pos += per
+                continue
+            take = min(per - self.fill, n - pos)
+            self.buf[self.fill:self.fill + take] = rows[pos:pos + take]
+            self.fill += take
+            self.dirty = True
+            pos += take
+            if self.fill == per:
+                self._seal()
+        return start
+
+    def flush(self) -> None:
+        """Write the partial last chunk (zero-padded) if it changed."""
+        if self.dirty and self.fill:
+            self._write(self.chunk, self.buf)
+        self.dirty = False
+
+    def trim(self) -> None:
+        """Set the zarr shape to the exact length, so plain zarr reads exactly the committed rows."""
+        self.array.resize((len(self), *self.col.row_shape))
+        self.capacity = len(self)
+
+    def _seal(self) -> None:
+        self._write(self.chunk, self.buf)
+        self.chunk += 1
+        self.fill = 0
+        self.dirty = False
+        self.buf[...] = 0  # the next partial chunk is padded with the fill value, not stale rows
+
+    def _write(self, index: int, data: np.ndarray) -> None:
+        needed = (index + 1) * self.col.chunk_rows
+        if needed > self.capacity:
+            self.capacity = max(needed, 2 * self.capacity)
+            self.array.resize((self.capacity, *self.col.row_shape))
+        backend.put(self.store, f"{self.key}/c/{index}{self._suffix}", self.comp.encode(data))
+
+
+class StoreWriter:
+    """Creates a run and appends steps, tensor records, payloads and documents to one rank."""
+
+    def __init__(self, store: Store, *, run_attrs: dict[str, Any], compression: codecs.Compression,
+                 rank: int = 0) -> None:
+        self.store, self.rank = store, rank
+        self.root = zarr.open_group(store, mode="w", attributes={layout.ATTRS_KEY: {
+            "format": layout.FORMAT_NAME, "schema_version": layout.SCHEMA_VERSION,
+            "compression": compression.describe(), "run": run_attrs}})
+        group = self.root.create_group(layout.rank_group(rank))
+        self.arrays: dict[str, AppendArray] = {}
+        for col in layout.columns():
+            comp = {"blob": compression, "docs": codecs.DOCS}.get(col.kind, codecs.INDEX)
+            self.arrays[col.path] = AppendArray(store, group, col, comp)
+        self._doc_ids: dict[bytes, int] = {}
+        self._payload_ids: dict[tuple[int, int, int], int] = {}
+        self._pending: dict[int, dict[str, Any]] = {}
+        self.steps = 0  # committed-in-order step rows appended
+        self.seq = 0
+        self.status = "recording"
+        self.info: dict[str, Any] = {}
+        backend.remove_partials(store)
+        self.write_manifest()
+
+    # -- documents, dims, payloads ------------------------------------------------------------
+    def doc(self, obj: Any) -> int:
+        """Store a JSON document once; returns its id."""
+        data = dumps(obj)
+        key = xxhash.xxh3_128_digest(data)
+        found = self._doc_ids.get(key)
+        if found is not None:
+            return found
+        offset = self.arrays["docs/bytes"].extend(np.frombuffer(data, dtype=np.uint8))
+        self.arrays["docs/offset"].append(offset)
+        doc_id = self.arrays["docs/length"].append(len(data))
+        self._doc_ids[key] = doc_id
+        return doc_id
+
+    def dims(self, shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+        values = np.asarray((*shape, *stride), dtype=np.int64)
+        return self.arrays["dims/values"].extend(values) if len(values) else len(self.arrays["dims/values"])
+
+    def has_payload(self, key: tuple[int, int, int]) -> bool:
+        return key in self._payload_ids
+
+    def payload(self, key: tuple[int, int, int], data: np.ndarray | None) -> int:
+        """Store payload bytes under their content key (hash high, hash low, unit); returns the id.
+
+        ``data`` may be None only when the key is already stored."""
+        found = self._payload_ids.get(key)
+        if found is not None:
+            return found
+        if data is None:
+            raise KeyError(f"payload {key} is not stored and no data was given")
+        unit = layout.BLOB_UNITS[key[2]]
+        offset = self.arrays[f"blobs/{unit}"].extend(data)
+        self.arrays["payloads/hash"].append((key[0], key[1]))
+        self.arrays["payloads/blob"].append(key[2])
+        self.arrays["payloads/offset"].append(offset)
+        pid = self.arrays["payloads/count"].append(len(data))
+        self._payload_ids[key] = pid
+        return pid
+
+    # -- steps and tensors ---------------------------------------------------------------------
+    def tensor(self, row: dict[str, Any]) -> int:
+        index = -1
+        for name in layout.TENSOR_COLUMNS:
+            index = self.arrays[f"tensors/{name}"].append(row[name])
+        return index
+
+    def step(self, index: int, row: dict[str, Any]) -> None:
+        """Queue a finished step's row; rows are appended strictly in index order."""
+        self._pending[index] = row
+        while self.steps in self._pending:
+            ready = self._pending.pop(self.steps)
+            for name in layout.STEP_COLUMNS:
+                self.arrays[f"steps/{name}"].append(ready[name])
+            self.steps += 1
+
+    @property
+    def tensors(self) -> int:
+        return len(self.arrays["tensors/step"])
+
+    # -- commit ----------------------------------------------------------------------------------
+    def lengths(self) -> dict[str, int]:
+        tables = {"steps": self.steps, "tensors": self.tensors, "payloads": len(self.arrays["payloads/count"]),
+                  "docs": len(self.arrays["docs/length"])}
+        out = dict(tables)
+        for path, arr in self.arrays.items():
+            if arr.col.kind != "index" or path.startswith("dims/"):  # logs, not table columns
+                out[path] = len(arr)
+        return out
+
+    def flush(self) -> None:
+        """Make everything appended so far durable: chunks first, then the manifest."""
+        for arr in self.arrays.values():
+            arr.flush()
+        self.write_manifest()
+
+    def close(self, status: str, info: dict[str, Any] | None = None) -> None:
+        """Flush, trim every array to its length, and publish the final status."""
+        self.info.update(info or {})
+        for arr in self.arrays.values():
+            arr.flush()
+        if status == "complete" and self._pending:
+            status = "crashed"  # a step that never finished (its enclosing call is still open)
+        for arr in self.arrays.values():
+            arr.trim()
+        self.status = status
+        self.write_manifest()
+        attrs = dict(self.root.attrs[layout.ATTRS_KEY])  # type: ignore[arg-type]
+        attrs["final"] = {"status": status, **self.info}
+        self.root.attrs[layout.ATTRS_KEY] = attrs
+
+    def write_manifest(self) -> None:
+        self.seq += 1
+        manifest = {
+            "format": "paperdebugger.manifest", "schema_version": layout.SCHEMA_VERSION,
+            "status": self.status, "seq": self.seq, "updated_unix": time.time(),
+            "writer": {"pid": os.getpid(), "host": socket.gethostname(), "boot": _boot_id()},
+            "ranks": {str(self.rank): self.lengths()}, "info": self.info,
+        }
+        backend.put(self.store, layout.MANIFEST_KEY, dumps(manifest), durable=True)
+
+
+def _boot_id() -> str | None:
+    """Identifies this boot of this machine, so a reader can tell a dead writer from a live one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None

@@ -1,0 +1,88 @@
+"""Autograd taps: identity functions whose backward reports the gradients that pass through them.
+
+A step's inputs and outputs pass through a tap during recording, so its backward can be captured
+per call (grad outputs when the output tap's backward runs, grad inputs when the input tap's does).
+The taps return ``detach()``-ed aliases rather than the inputs themselves: autograd treats an input
+returned as-is from a custom Function as a view, and in-place operations on such views are
+forbidden, which would break common code (``nn.ReLU(inplace=True)`` on a step's input). Gradients
+pass through unchanged and unmaterialised (``None`` stays ``None``), so values are bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+GradCallback = Callable[[tuple[torch.Tensor | None, ...]], None]
+
+
+class _Tap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, callback: GradCallback, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.callback(grads)
+        return (None, *grads)
+
+
+def tap(tensors: list[torch.Tensor], callback: GradCallback) -> tuple[torch.Tensor, ...]:
+    """Pass tensors through one tap; ``callback(grads)`` runs once when their gradients arrive."""
+    return _Tap.apply(callback, *tensors)  # type: ignore[no-any-return]
+
+
+def wants_tap(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad and value.layout == torch.strided
+
+
+def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
+                  ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
+    """Tap every top-level tensor argument that requires grad. Returns new args, kwargs and the
+    names (``args.0``, ``kwargs.mask``) of the tapped tensors, in the order the callback sees them."""
+    slots = [("args", i, a) for i, a in enumerate(args) if wants_tap(a)]
+    slots += [("kwargs", k, v) for k, v in kwargs.items() if wants_tap(v)]
+    if not slots:
+        return args, kwargs, []
+    tapped = tap([s[2] for s in slots], callback)
+    new_args, new_kwargs = list(args), dict(kwargs)
+    for (where, key, _), t in zip(slots, tapped):
+        if where == "args":
+            new_args[key] = t  # type: ignore[index]
+        else:
+            new_kwargs[key] = t  # type: ignore[index]
+    return tuple(new_args), new_kwargs, [f"{w}.{k}" for w, k, _ in slots]
+
+
+def tap_output(output: Any, callback: GradCallback) -> tuple[Any, list[str]]:
+    """Tap the tensors of a step's output (a tensor, or a plain tuple/list/dict of them) that require
+    grad and are not leaves. Other containers are left alone: rebuilding a user's class is not safe.
+    Returns the new output and the names of the tapped tensors (``output``, ``output.0``)."""
+    def ok(v: Any) -> bool:
+        return wants_tap(v) and not v.is_leaf
+
+    if isinstance(output, torch.Tensor):
+        if not ok(output):
+            return output, []
+        return tap([output], callback)[0], ["output"]
+    if type(output) in (tuple, list):
+        idx = [i for i, v in enumerate(output) if ok(v)]
+        if not idx:
+            return output, []
+        tapped = tap([output[i] for i in idx], callback)
+        items = list(output)
+        for i, t in zip(idx, tapped):
+            items[i] = t
+        return type(output)(items), [f"output.{i}" for i in idx]
+    if type(output) is dict:
+        keys = [k for k, v in output.items() if isinstance(k, str) and ok(v)]
+        if not keys:
+            return output, []
+        tapped = tap([output[k] for k in keys], callback)
+        new = dict(output)
+        new.update(zip(keys, tapped))
+        return new, [f"output.{k}" for k in keys]
+    return output, []

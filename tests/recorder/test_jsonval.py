@@ -1,0 +1,463 @@
+"""Tests of recorder.jsonval: strict-JSON encoding of non-tensor call arguments."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import importlib
+import io
+import json
+import math
+import os
+import struct
+from typing import Any, NamedTuple
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from recorder.errors import FormatError
+from recorder.jsonval import Opaque, Record, TensorMeta, TensorRef, decode, dumps, encode, loads, type_ref
+
+
+@dataclasses.dataclass
+class Point:
+    x: Any
+    y: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenPoint:
+    x: Any
+    y: Any
+
+
+@dataclasses.dataclass
+class Derived:
+    a: Any
+    total: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.a == "refuse":
+            raise ValueError("refused")
+        self.total = 7
+
+
+class Pair(NamedTuple):
+    left: Any
+    right: Any
+
+
+class Color(enum.Enum):
+    RED = 1
+    GREEN = "g"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+class Mode(enum.StrEnum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class Thing:
+    def __repr__(self) -> str:
+        return "Thing()"
+
+
+class BadRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def roundtrip(value: Any, **kwargs: Any) -> Any:
+    return decode(loads(dumps(encode(value))), import_types=True, **kwargs)
+
+
+def float_same(a: float, b: float) -> bool:
+    if math.isnan(a):
+        return math.isnan(b)  # "$float": "nan" keeps nan-ness, not the sign/payload bits
+    return struct.pack("<d", a) == struct.pack("<d", b)
+
+
+def same_items(a: list, b: list) -> bool:
+    """Whether the items of a and b pair up one to one under same()."""
+    rest = list(b)
+    for x in a:
+        match = next((i for i, y in enumerate(rest) if same(x, y)), None)
+        if match is None:
+            return False
+        rest.pop(match)
+    return not rest
+
+
+def same(a: Any, b: Any) -> bool:  # noqa: PLR0911
+    """Exact structural equality: same types, floats bitwise (-0.0 != 0.0), nan == nan."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, np.generic):
+        if a.dtype.kind in "fc" and np.isnan(a):
+            return bool(np.isnan(b)) and a.dtype == b.dtype
+        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if isinstance(a, float):
+        return float_same(a, b)
+    if isinstance(a, complex):
+        return float_same(a.real, b.real) and float_same(a.imag, b.imag)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):  # dumps sorts the keys of str-keyed dicts, so compare as sets of items
+        return same_items(list(a.items()), list(b.items()))
+    if isinstance(a, (set, frozenset)):
+        return same_items(list(a), list(b))
+    if isinstance(a, slice):
+        return same((a.start, a.stop, a.step), (b.start, b.stop, b.step))
+    if dataclasses.is_dataclass(a):
+        return all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return a == b
+
+
+TORCH_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+DEVICES = ["cpu", "cuda", "cuda:0", "cuda:3", "meta", "mps"]
+
+np_scalars = st.one_of(
+    st.floats(width=16).map(np.float16),
+    st.floats(width=32).map(np.float32),
+    st.floats().map(np.float64),
+    st.integers(-128, 127).map(np.int8),
+    st.integers(0, 2**64 - 1).map(np.uint64),
+    st.booleans().map(np.bool_),
+    st.builds(complex, st.floats(width=32), st.floats(width=32)).map(np.complex64),
+    st.text(max_size=5).map(np.str_),
+    st.binary(max_size=5).map(np.bytes_),
+)
+hashable_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.text(),
+    st.binary(),
+    st.builds(complex, st.floats(), st.floats()),
+    st.just(Ellipsis),
+    st.builds(range, st.integers(), st.integers(), st.integers().filter(bool)),
+    st.sampled_from(TORCH_DTYPES),
+    st.sampled_from(DEVICES).map(torch.device),
+    st.lists(st.integers(0, 2**40), max_size=4).map(torch.Size),
+    st.sampled_from([*Color, *Level, *Mode]),
+    np_scalars,
+)
+ndarrays = hnp.arrays(
+    dtype=st.one_of(hnp.scalar_dtypes(), hnp.byte_string_dtypes(), hnp.unicode_string_dtypes()),
+    shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
+)
+hashables = st.recursive(
+    hashable_leaves,
+    lambda c: st.one_of(
+        st.lists(c, max_size=3).map(tuple),
+        st.frozensets(c, max_size=3),
+        st.builds(Pair, c, c),
+        st.builds(FrozenPoint, c, c),
+    ),
+    max_leaves=8,
+)
+values = st.recursive(
+    st.one_of(hashables, st.binary().map(bytearray), ndarrays),
+    lambda c: st.one_of(
+        st.lists(c, max_size=4),
+        st.lists(c, max_size=4).map(tuple),
+        st.dictionaries(st.text(), c, max_size=4),
+        st.dictionaries(st.text().map(lambda s: "$" + s), c, max_size=3),
+        st.dictionaries(hashables, c, max_size=3),
+        st.sets(hashables, max_size=4),
+        st.frozensets(hashables, max_size=4),
+        st.builds(Pair, c, c),
+        st.builds(Point, c, c),
+        st.builds(slice, c, c, c),
+    ),
+    max_leaves=16,
+)
+pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@SETTINGS
+@given(values)
+def test_roundtrip_property(value: Any) -> None:
+    """Every supported value survives encode -> dumps -> loads -> decode exactly."""
+    assert same(roundtrip(value), value)
+
+
+@SETTINGS
+@given(values)
+def test_reencoding_is_stable(value: Any) -> None:
+    """Re-encoding a decoded value gives the same bytes (encoding is deterministic)."""
+    data = dumps(encode(value))
+    assert dumps(encode(decode(loads(data), import_types=True))) == data
+
+
+@SETTINGS
+@given(values)
+def test_dumps_is_strict_json(value: Any) -> None:
+    """dumps never emits NaN/Infinity tokens and its output is valid UTF-8 strict JSON."""
+    doc = encode(value)
+    json.dumps(doc, allow_nan=False)
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"non-standard token {token}")
+
+    assert json.loads(dumps(doc).decode("utf-8"), parse_constant=refuse) == doc
+
+
+@pytest.mark.parametrize("x", [0.0, -0.0, 1.5, 5e-324, -1.7976931348623157e308, math.inf, -math.inf, math.nan])
+def test_float_bits(x: float) -> None:
+    """Floats, -0.0 and the non-finite values round-trip bit for bit."""
+    assert float_same(roundtrip(x), x) and float_same(roundtrip([x])[0], x)
+    if not math.isfinite(x):
+        assert encode(x) == {"$float": {math.inf: "inf", -math.inf: "-inf"}.get(x, "nan")}
+
+
+def test_tag_shapes() -> None:
+    """The documented tag shapes are produced."""
+    assert encode((1, [2])) == {"$tuple": [1, [2]]}
+    assert encode(b"\x00\xff") == {"$bytes": "AP8="} and encode(bytearray(b"a")) == {"$bytearray": "YQ=="}
+    assert encode(complex(math.nan, -0.0)) == {"$complex": [{"$float": "nan"}, -0.0]}
+    assert encode(slice(1, None, 2)) == {"$slice": [1, None, 2]} and encode(...) == {"$ellipsis": None}
+    assert encode(range(0, 10, 3)) == {"$range": [0, 10, 3]}
+    assert encode(torch.float32) == {"$dtype": "float32"} and encode(torch.device("cuda:0")) == {"$device": "cuda:0"}
+    assert encode(torch.Size([2, 3])) == {"$size": [2, 3]}
+    assert encode(Color.RED) == {"$enum": {"type": type_ref(Color), "name": "RED"}}
+    assert encode(Level.HIGH)["$enum"]["name"] == "HIGH" and encode(Mode.TRAIN)["$enum"]["name"] == "TRAIN"
+    assert encode(Pair(1, 2)) == {"$namedtuple": {"type": type_ref(Pair), "fields": {"left": 1, "right": 2}}}
+    assert encode(np.float32(1.5)) == {"$npscalar": {"dtype": "float32", "value": 1.5}}
+    assert encode({"b", "a", "c"}) == {"$set": ["a", "b", "c"]}
+    assert encode(frozenset({3, 1})) == {"$frozenset": [1, 3]}
+
+
+def test_type_ref() -> None:
+    """type_ref names a class or an instance's class as module:QualName."""
+    assert type_ref(Point) == type_ref(Point(1)) == f"{__name__}:Point"
+    assert type_ref(collections.OrderedDict) == "collections:OrderedDict"
+
+
+def test_user_dicts_with_dollar_and_non_str_keys() -> None:
+    """User dicts with "$" keys or non-str keys are not mistaken for tags and round-trip."""
+    cases = [
+        {"$tuple": [1, 2]},
+        {"$opaque": {"type": "x", "repr": "y"}, "other": 1},
+        {1: "a", (1, 2): "b", None: 3, "x": 4, 2.5: [5], frozenset({1}): 6, Color.RED: 7},
+        {True: 1, "$": 2},
+    ]
+    for value in cases:
+        assert "$dict" in encode(value)
+        assert same(roundtrip(value), value)
+    assert encode({"a": 1, "b": {"c": [2]}}) == {"a": 1, "b": {"c": [2]}}
+
+
+def test_dict_subclasses_decode_as_dict() -> None:
+    """OrderedDict and defaultdict keep their items but decode as plain dicts."""
+    for value in (collections.OrderedDict(b=1, a=2), collections.defaultdict(list, {"k": [1]})):
+        out = roundtrip(value)
+        assert type(out) is dict and out == dict(value)
+
+
+def test_dict_order() -> None:
+    """encode/decode keep dict order; through dumps, str-keyed dicts come back key-sorted, $dict ones in order."""
+    value = {"b": 1, "a": 2}
+    assert list(decode(encode(value))) == ["b", "a"] and list(roundtrip(value)) == ["a", "b"]
+    value = {3: "x", 1: "y", "z": 0}
+    assert list(roundtrip(value)) == [3, 1, "z"]
+
+
+def test_big_ints_and_lone_surrogates() -> None:
+    """Ints beyond the JSON parser's digit limit and strings with lone surrogates round-trip."""
+    for n in (2**64, -(2**64), 10**5000, -(10**5000) + 1, 2**13000, 2**13001):
+        assert roundtrip(n) == n and type(roundtrip(n)) is int
+    for s in ("\ud83d\ude00", "a\udc80b", "\ud800", "😀"):
+        assert roundtrip(s) == s and len(roundtrip(s)) == len(s)
+    assert roundtrip({"\udc80": 1}) == {"\udc80": 1}
+
+
+def test_all_torch_dtypes_and_devices() -> None:
+    """Every torch dtype, several devices and sizes round-trip."""
+    for dtype in TORCH_DTYPES:
+        assert roundtrip(dtype) is dtype
+    for name in DEVICES:
+        assert roundtrip(torch.device(name)) == torch.device(name)
+    assert roundtrip(torch.Size([])) == torch.Size([]) and type(roundtrip(torch.Size([1]))) is torch.Size
+
+
+def test_numpy_values() -> None:
+    """Small arrays (any layout/byte order) round-trip; big, object and structured arrays become opaque."""
+    arrays = [np.arange(12, dtype=">f4").reshape(3, 4).T, np.array(3.5), np.zeros((0, 2)), np.array(["a\x00", "bc"])]
+    for arr in arrays:
+        out = roundtrip(arr)
+        assert same(out, arr) and out.flags.writeable
+    for arr in (np.zeros(4097), np.array([object()]), np.zeros(2, dtype=[("a", "i4")]), np.ma.masked_array([1])):
+        assert isinstance(roundtrip(arr), Opaque)
+    assert isinstance(roundtrip(np.longdouble(1)), Opaque) or np.longdouble(1).dtype.itemsize <= 8
+    assert str.__str__(roundtrip(np.str_("a\x00"))) == "a\x00"  # np.str_'s own str() hides the NUL
+    assert bytes(roundtrip(np.bytes_(b"a\x00"))) == b"a\x00"
+
+
+def test_tensor_paths() -> None:
+    """tensor_name receives each tensor with its dotted path and names are stored as $tensor."""
+    t = [torch.zeros(2), torch.ones(3), torch.nn.Parameter(torch.ones(1)), torch.zeros(1)]
+    seen: list[tuple[Any, str]] = []
+
+    def name(tensor: torch.Tensor, path: str) -> str:
+        seen.append((tensor, path))
+        return f"T{len(seen)}"
+
+    value = {"args": [t[0], (t[1], {"mask": t[2]})], "kwargs": {"x": t[3]}}
+    doc = encode(value, tensor_name=name)
+    assert [(p, tensor is orig) for (tensor, p), orig in zip(seen, t, strict=True)] == [
+        ("args.0", True), ("args.1.0", True), ("args.1.1.mask", True), ("kwargs.x", True)]
+    assert doc["kwargs"] == {"x": {"$tensor": "T4"}}
+    table = {f"T{i + 1}": tensor for i, tensor in enumerate(t)}
+    out = decode(loads(dumps(doc)), tensor=table.__getitem__)
+    assert out["args"][1][1]["mask"] is t[2] and out["kwargs"]["x"] is t[3]
+    assert decode(doc)["args"][0] == TensorRef("T1")
+    paths: list[str] = []
+    encode(t[0], tensor_name=lambda _t, p: paths.append(p))
+    encode(Point(x=[t[0]]), tensor_name=lambda _t, p: paths.append(p))
+    assert paths == ["", "x.0"]
+
+
+def test_tensor_meta_without_name() -> None:
+    """Without a callback (or when it returns None) tensors are stored as TensorMeta."""
+    t = torch.zeros(2, 3, dtype=torch.float16)
+    assert encode(t) == {"$tensor_meta": {"shape": [2, 3], "dtype": "float16", "device": "cpu"}}
+    assert roundtrip([t]) == [TensorMeta((2, 3), "float16", "cpu")]
+    assert roundtrip(t.to("meta")) == TensorMeta((2, 3), "float16", "meta")
+    assert decode(encode(t, tensor_name=lambda _t, _p: None)) == TensorMeta((2, 3), "float16", "cpu")
+
+
+def test_opaque_objects(tmp_path: Any) -> None:
+    """Unsupported objects become Opaque with their type and a (truncated, guarded) repr."""
+    with open(tmp_path / "f.txt", "w") as handle:
+        cases = [lambda x: x, handle, io.BytesIO(b"x"), Thing(), Point, os, object()]
+        for value in cases:
+            out = roundtrip(value)
+            assert isinstance(out, Opaque) and out.type == type_ref(value) and out.repr == repr(value)[:200]
+    assert roundtrip(Thing()) == Opaque(f"{__name__}:Thing", "Thing()")
+    assert roundtrip(BadRepr()) == Opaque(f"{__name__}:BadRepr", "<unrepresentable>")
+    assert roundtrip([BadRepr()])[0].repr == "<unrepresentable>"
+    long = roundtrip(type("Long", (), {"__repr__": lambda self: "x" * 1000})())
+    assert long.repr == "x" * 200
+    odd = roundtrip(type("Odd", (), {"__repr__": lambda self: "\udc80"})())
+    assert odd.repr == "\\udc80"
+
+
+def test_cycles_and_depth() -> None:
+    """Reference cycles and over-deep nesting become opaque instead of recursing forever."""
+    a: list = [1]
+    a.append(a)
+    assert encode(a) == [1, {"$opaque": {"type": "builtins:list", "repr": "[1, [...]]"}}]
+    d: dict = {}
+    d["self"] = d
+    assert isinstance(roundtrip(d)["self"], Opaque)
+    p = Point(1)
+    p.y = [p]
+    assert isinstance(roundtrip(p).y[0], Opaque)
+    shared = [1]
+    assert roundtrip([shared, shared]) == [[1], [1]]
+    nested: list = []
+    for _ in range(60):
+        nested = [nested]
+    out = decode(encode(nested, max_depth=5))
+    for _ in range(5):
+        out = out[0]
+    assert isinstance(out[0], Opaque)
+    for _ in range(20000):
+        nested = [nested]
+    assert isinstance(encode(nested, max_depth=10**9), list)  # RecursionError is contained
+    assert loads(dumps(encode(nested)))
+
+
+def test_dataclass_decoding() -> None:
+    """Dataclasses skip init=False fields and fall back to setting fields when __init__ refuses."""
+    assert encode(Derived(1))["$dataclass"]["fields"] == {"a": 1}
+    assert roundtrip(Derived(1)) == Derived(1)
+    refused = decode({"$dataclass": {"type": type_ref(Derived), "fields": {"a": "refuse"}}}, import_types=True)
+    assert type(refused) is Derived and refused.a == "refuse"
+    assert roundtrip(FrozenPoint(1, [2])) == FrozenPoint(1, [2])
+    assert roundtrip(Point(x=Color.GREEN)) == Point(Color.GREEN)
+
+
+def test_without_import_types_records() -> None:
+    """import_types=False decodes dataclasses, namedtuples and enums as Records."""
+    doc = encode([Point(1, (2,)), Pair(1, 2), Color.GREEN, {FrozenPoint(1, 2)}])
+    out = decode(loads(dumps(doc)))
+    assert out[0] == Record(type_ref(Point), "dataclass", {"x": 1, "y": (2,)})
+    assert out[1] == Record(type_ref(Pair), "namedtuple", {"left": 1, "right": 2})
+    assert out[2] == Record(type_ref(Color), "enum", {"name": "GREEN"})
+    assert out[3] == {Record(type_ref(FrozenPoint), "dataclass", {"x": 1, "y": 2})}
+
+
+def test_import_types_false_never_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding "os:system" without import_types imports and calls nothing."""
+    calls: list[Any] = []
+    monkeypatch.setattr(importlib, "import_module", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(os, "system", lambda *a, **k: calls.append(a))
+    doc = {"$dataclass": {"type": "os:system", "fields": {"command": "echo hi"}}}
+    assert decode(doc) == Record("os:system", "dataclass", {"command": "echo hi"})
+    assert decode({"$enum": {"type": "os:system", "name": "x"}}) == Record("os:system", "enum", {"name": "x"})
+    assert calls == []
+
+
+def test_import_types_true_only_builds_matching_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With import_types=True, non-types, wrong kinds and failed imports still give Records."""
+    calls: list[Any] = []
+    monkeypatch.setattr(os, "system", lambda *a, **k: calls.append(a))
+    cases = [
+        ("dataclass", "os:system", {"command": "echo hi"}),
+        ("dataclass", type_ref(Pair), {"left": 1, "right": 2}),
+        ("namedtuple", type_ref(Point), {"x": 1}),
+        ("namedtuple", "no_such_module_jsonval:Thing", {}),
+        ("dataclass", f"{__name__}:Missing", {}),
+    ]
+    for kind, ref, fields in cases:
+        assert decode({f"${kind}": {"type": ref, "fields": fields}}, import_types=True) == Record(ref, kind, fields)
+    assert decode({"$enum": {"type": type_ref(Color), "name": "BLUE"}}, import_types=True) == Record(
+        type_ref(Color), "enum", {"name": "BLUE"})
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"$nope": 1}, {"$tuple": 3}, {"$tuple": [1], "x": 2}, {"$float": "NaN"}, {"$float": 1.0},
+        {"$dict": [[1]]}, {"$dict": [[[1], 2]]}, {"$set": [[1]]}, {"$bytes": "!!"}, {"$bytes": 1},
+        {"$complex": [1]}, {"$complex": ["a", 1]}, {"$slice": [1, 2]}, {"$ellipsis": 1}, {"$range": [0, 1, 0]},
+        {"$range": [0, 1.5, 1]}, {"$size": [True]}, {"$dtype": "load"}, {"$dtype": 3}, {"$device": "nope:x"},
+        {"$tensor": 1}, {"$tensor_meta": {"shape": "x", "dtype": "f", "device": "cpu"}},
+        {"$tensor_meta": {"shape": [1]}}, {"$opaque": {"type": "x"}}, {"$opaque": ["x", "y"]},
+        {"$enum": {"type": "x", "fields": {}}}, {"$dataclass": {"type": 1, "fields": {}}},
+        {"$npscalar": {"dtype": "object", "value": 1}}, {"$npscalar": {"dtype": "int8", "value": 999}},
+        {"$ndarray": {"dtype": "float32", "shape": [3], "data": "AAAA"}}, {"$bigint": "0xzz"},
+        {"$ustr": "AAA="}, [{"$tuple": None}], {"a": {"$nope": None}}, (1, 2), {1: 2}, object(),
+    ],
+)
+def test_malformed_docs_raise_value_error(doc: Any) -> None:
+    """Malformed documents raise a ValueError (FormatError) naming the problem."""
+    with pytest.raises(ValueError, match="malformed") as info:
+        decode(doc)
+    assert isinstance(info.value, FormatError)
+
+
+def test_loads_rejects_non_standard_json() -> None:
+    """loads refuses NaN/Infinity tokens and invalid JSON with a ValueError."""
+    for data in (b"[NaN]", b"Infinity", b"{", b"\xff"):
+        with pytest.raises(ValueError):
+            loads(data)
+    assert loads(dumps({"b": 1, "a": [1.5]})) == {"a": [1.5], "b": 1}
+    assert dumps({"b": 1, "a": "é"}) == '{"a":"é","b":1}'.encode()
