@@ -252,26 +252,31 @@ class Session:
         if meta_only:
             frame.notes.append(f"{name}: {t.layout} tensor on {t.device}: metadata only")
         else:
+            # Dtypes torch can store but not compute with (bits16, float4, float8_e8m0) have no
+            # statistics; their bytes are still kept.
             try:
                 item.stats = stats_mod.host_stats(t) if t.device.type == "cpu" else stats_mod.device_stats(t)
-                if frame.payloads:
+            except (NotImplementedError, RuntimeError, TypeError) as exc:
+                frame.notes.append(f"{name}: no statistics for {t.dtype} ({type(exc).__name__}: {exc})")
+            if frame.payloads:
+                try:
                     item.payload = self._payload(t)
-            except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
-                frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
+                except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
+                    frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
         frame.tensors.append(item)
         return name
 
     def _payload(self, t: torch.Tensor) -> tuple[int, int, int] | int:
         if t.device.type != "cpu":
             return self._device_payload(t)
-        units, unit = payload_mod.as_units(t)
+        units, unit, aliases = payload_mod.as_units(t)
         key = payload_mod.content_key(units, unit)
         if key in self.seen:
             return key
         if len(self.seen) >= _SEEN_LIMIT:
             self.seen.clear()  # the writer still deduplicates; this only saves copies
         self.seen.add(key)
-        data = units.copy() if t.is_contiguous() else units  # a non-contiguous tensor was already copied
+        data = units.copy() if aliases else units  # the tensor may change after this step
         self._send(PayloadItem(key=key, unit=unit, data=data), data.nbytes)
         return key
 

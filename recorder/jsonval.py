@@ -1,13 +1,4 @@
-"""Strict-JSON encoding of non-tensor call arguments and module constructor arguments (never pickle).
-
-:func:`encode` turns any Python value into plain JSON data in which the non-JSON kinds are *tags*: dicts
-with exactly one key starting with ``"$"`` (``{"$tuple": [...]}``, ``{"$float": "nan"}``, ...); user dicts
-that could be mistaken for a tag are stored as ``{"$dict": [[key, value], ...]}``. :func:`decode` inverts
-it. Known losses: dict subclasses (``OrderedDict``, ``defaultdict``) decode as ``dict``, list/tuple
-subclasses without ``_fields`` (torch return types) as ``list``/``tuple``, non-enum int/float/str
-subclasses as the base type. Two tags beyond the basic set keep exactness: ``$bigint`` (hex, for ints
-too long for JSON parsers) and ``$ustr`` (strings holding lone surrogates, which JSON cannot carry).
-"""
+"""Strict-JSON encoding of non-tensor call arguments and module constructor arguments (never pickle)."""
 
 from __future__ import annotations
 
@@ -17,6 +8,7 @@ import enum
 import importlib
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -26,24 +18,23 @@ import torch
 from .errors import FormatError
 
 TensorNamer = Callable[[Any, str], str | None]
-_REPR_LIMIT = 200
-_NDARRAY_LIMIT = 4096
 _BIGINT_BITS = 13000  # ~3900 decimal digits: below CPython's 4300-digit int/str conversion limit
 _NP_KINDS = "biufcSU"
-_INTS = (int,)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_INTS, _NUMBERS = (int,), (int, float)
+_CALLBACK_NOTE = "raised by the tensor callback of recorder.jsonval.decode"
+_DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorRef:
     """A tensor stored elsewhere under ``name`` (the default decoding of ``{"$tensor": name}``)."""
-
     name: str
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorMeta:
     """Shape, dtype (``"float32"``) and device (``"cuda:0"``) of a tensor whose data was not kept."""
-
     shape: tuple
     dtype: str
     device: str
@@ -52,25 +43,19 @@ class TensorMeta:
 @dataclasses.dataclass(frozen=True)
 class Opaque:
     """A value that could not be encoded: its ``module:QualName`` and its repr, cut to 200 chars."""
-
     type: str
     repr: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """A dataclass/namedtuple/enum value whose type was not imported; enums have ``fields={"name": ..}``."""
-
+    """A dataclass/namedtuple/enum whose type was not imported; enums have ``fields={"name": ...}``."""
     type: str
     kind: str
     fields: dict
 
     def __hash__(self) -> int:  # hashable (for sets and dict keys) although ``fields`` is a dict
         return hash((self.type, self.kind, tuple(self.fields)))
-
-
-def _clean(text: str) -> str:
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")  # escapes lone surrogates
 
 
 def type_ref(obj_or_type: Any) -> str:
@@ -80,63 +65,66 @@ def type_ref(obj_or_type: Any) -> str:
         obj_or_type: a class, or any object whose class is named.
     """
     cls = obj_or_type if isinstance(obj_or_type, type) else type(obj_or_type)
-    module, qualname = getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)
-    module = module if isinstance(module, str) else "builtins"
-    return _clean(f"{module}:{qualname if isinstance(qualname, str) else '?'}")
-
-
-def _repr(value: Any) -> str:
-    try:
-        return _clean(repr(value))[:_REPR_LIMIT]
-    except Exception:  # noqa: BLE001 - a raising __repr__ must not stop the recording
-        return "<unrepresentable>"
+    ref = f"{getattr(cls, '__module__', None)}:{getattr(cls, '__qualname__', None)}"
+    return ref.encode("utf-8", "backslashreplace").decode()  # escapes lone surrogates
 
 
 def _opaque(value: Any) -> dict:
-    return {"$opaque": {"type": type_ref(value), "repr": _repr(value)}}
-
-
-def _has_surrogates(text: str) -> bool:
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
+        text = repr(value).encode("utf-8", "backslashreplace").decode()[:200]
+    except Exception:  # noqa: BLE001 - a raising __repr__ must not stop the recording
+        text = "<unrepresentable>"
+    return {"$opaque": {"type": type_ref(value), "repr": text}}
 
 
 def _enc_int(value: int) -> Any:
-    value = int.__index__(value)  # exact int, without calling a subclass's methods
+    value = int.__index__(value)  # the exact int, without calling a subclass's methods
     return {"$bigint": hex(value)} if value.bit_length() > _BIGINT_BITS else value
 
 
 def _enc_float(value: float) -> Any:
     value = float.__float__(value)
-    if math.isnan(value):
-        return {"$float": "nan"}
-    return {"$float": "inf" if value > 0 else "-inf"} if math.isinf(value) else value
+    return value if math.isfinite(value) else {"$float": "nan" if math.isnan(value) else f"{value}"}
 
 
-def _text(doc: Any) -> str:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+_LEAVES: list[tuple[Any, str | None, Callable[[Any], Any]]] = [  # (type, tag or None for bare, convert)
+    (int, None, _enc_int),
+    (float, None, _enc_float),
+    (complex, "$complex", lambda v: [_enc_float(v.real), _enc_float(v.imag)]),
+    (bytes, "$bytes", lambda v: base64.b64encode(v).decode()),
+    (bytearray, "$bytearray", lambda v: base64.b64encode(v).decode()),
+    (type(Ellipsis), "$ellipsis", lambda v: None),
+    (torch.dtype, "$dtype", lambda v: str(v).removeprefix("torch.")),
+    (torch.device, "$device", str),
+    (torch.Size, "$size", lambda v: [int(d) for d in v]),
+    (range, "$range", lambda v: [_enc_int(x) for x in (v.start, v.stop, v.step)]),
+]
 
 
-class _Encoder:
-    def __init__(self, tensor_name: TensorNamer | None, max_depth: int) -> None:
-        self.tensor_name, self.max_depth, self.active = tensor_name, max_depth, set()
+def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int = 32) -> Any:
+    """Encode an arbitrary Python value into JSON-compatible data (dict/list/str/int/float/bool/None).
 
-    def enc(self, value: Any, path: str, depth: int) -> Any:
-        if depth > self.max_depth:
-            return _opaque(value)
+    Never raises: unsupported objects, cycles and values deeper than ``max_depth`` become ``$opaque``;
+    ``$bigint`` (hex) and ``$ustr`` carry ints too long for JSON parsers and strings with lone surrogates.
+    Lost: dict subclasses (OrderedDict, defaultdict: plain dicts), subclasses of list/tuple (unless
+    namedtuples) and of int/float/str (unless enums), nan sign/payload bits, key order under dumps.
+
+    Args:
+        value: the value to encode.
+        tensor_name: ``callable(tensor, path) -> str | None`` called for every tensor with its dotted path
+            below the root (``"a.0"`` for ``t`` in ``{"a": [t]}``, ``""`` for the root): a name is stored as
+            ``{"$tensor": name}``, None as ``{"$tensor_meta": ...}``; if it raises, the tensor is opaque.
+        max_depth: nesting depth (the root is 0) beyond which values become opaque.
+    """
+    active: set[int] = set()  # ids of the containers being encoded: meeting one again is a cycle
+
+    def enc(value: Any, path: str, depth: int) -> Any:
         try:
-            return self._enc(value, path, depth)
+            return leaf(value, path, depth) if depth <= max_depth else _opaque(value)
         except Exception:  # noqa: BLE001 - encode never raises: whatever fails becomes opaque
             return _opaque(value)
 
-    def _enc(self, value: Any, path: str, depth: int) -> Any:  # noqa: PLR0911 - one return per kind
+    def leaf(value: Any, path: str, depth: int) -> Any:
         if value is None or isinstance(value, bool):
             return value
         if isinstance(value, enum.Enum):  # before int/str/float: IntEnum, StrEnum
@@ -146,60 +134,39 @@ class _Encoder:
             if dt.kind not in _NP_KINDS or (dt.kind in "fc" and dt.itemsize > (16 if dt.kind == "c" else 8)):
                 return _opaque(value)  # longdouble: item() would round
             item = str.__str__(value) if dt.kind == "U" else bytes(value) if dt.kind == "S" else value.item()
-            return {"$npscalar": {"dtype": str(dt), "value": self._enc(item, path, depth)}}  # item() strips NULs
-        if isinstance(value, int):
-            return _enc_int(value)
-        if isinstance(value, float):
-            return _enc_float(value)
+            return {"$npscalar": {"dtype": str(dt), "value": leaf(item, path, depth)}}  # item() strips NULs
         if isinstance(value, str):
             value = str.__str__(value)
-            if _has_surrogates(value):
-                return {"$ustr": _b64(value.encode("utf-32-le", "surrogatepass"))}
+            if _SURROGATE.search(value):
+                return {"$ustr": base64.b64encode(value.encode("utf-32-le", "surrogatepass")).decode()}
             return value
-        if isinstance(value, complex):
-            return {"$complex": [_enc_float(value.real), _enc_float(value.imag)]}
-        if isinstance(value, (bytes, bytearray)):
-            return {"$bytearray" if isinstance(value, bytearray) else "$bytes": _b64(bytes(value))}
-        if value is Ellipsis:
-            return {"$ellipsis": None}
+        for kind, tag, convert in _LEAVES:
+            if isinstance(value, kind):
+                return convert(value) if tag is None else {tag: convert(value)}
         if isinstance(value, torch.Tensor):  # Parameter included
-            name = self.tensor_name(value, path) if self.tensor_name is not None else None
-            if isinstance(name, str):
-                return {"$tensor": name}
-            dtype = str(value.dtype).removeprefix("torch.")
-            return {"$tensor_meta": {"shape": list(value.shape), "dtype": dtype, "device": str(value.device)}}
-        if isinstance(value, torch.dtype):
-            return {"$dtype": str(value).removeprefix("torch.")}
-        if isinstance(value, torch.device):
-            return {"$device": str(value)}
-        if isinstance(value, torch.Size):
-            return {"$size": [int(d) for d in value]}
-        if isinstance(value, range):
-            return {"$range": [_enc_int(x) for x in (value.start, value.stop, value.step)]}
+            name = tensor_name(value, path) if tensor_name is not None else None
+            dtype, device = str(value.dtype).removeprefix("torch."), str(value.device)
+            return {"$tensor": name} if isinstance(name, str) else {
+                "$tensor_meta": {"shape": list(value.shape), "dtype": dtype, "device": device}}
         if type(value) is np.ndarray:
             dt = value.dtype
-            if value.size > _NDARRAY_LIMIT or dt.kind not in _NP_KINDS + "mM" or np.dtype(str(dt)) != dt:
+            if value.size > 4096 or dt.kind not in _NP_KINDS + "mM" or np.dtype(str(dt)) != dt:
                 return _opaque(value)
-            data = _b64(np.ascontiguousarray(value).tobytes())
+            data = base64.b64encode(np.ascontiguousarray(value).tobytes()).decode()
             return {"$ndarray": {"dtype": str(dt), "shape": list(value.shape), "data": data}}
-        is_dataclass = dataclasses.is_dataclass(value) and not isinstance(value, type)
-        if not (is_dataclass or isinstance(value, (list, tuple, dict, set, frozenset, slice))):
-            return _opaque(value)
-        if id(value) in self.active:
-            return _opaque(value)  # a reference cycle
-        self.active.add(id(value))
+        if id(value) in active or not (isinstance(value, (list, tuple, dict, set, frozenset, slice)) or (
+                dataclasses.is_dataclass(value) and not isinstance(value, type))):
+            return _opaque(value)  # unsupported, or a reference cycle
+        active.add(id(value))
         try:
-            return self._container(value, path, depth + 1)
+            return container(value, path, depth + 1)
         finally:
-            self.active.discard(id(value))
+            active.discard(id(value))
 
-    def _container(self, value: Any, path: str, depth: int) -> Any:
+    def container(value: Any, path: str, depth: int) -> Any:
         def sub(key: Any, item: Any) -> Any:
-            if type(key) in (str, int):
-                part = str(key)
-            else:
-                part = key.name if isinstance(key, enum.Enum) else _repr(key)
-            return self.enc(item, f"{path}.{part}" if path else part, depth)
+            part = str(key) if type(key) in (str, int) else _opaque(key)["$opaque"]["repr"]
+            return enc(item, f"{path}.{part}" if path else part, depth)
 
         if isinstance(value, slice):
             return {"$slice": [sub(i, v) for i, v in enumerate((value.start, value.stop, value.step))]}
@@ -213,33 +180,16 @@ class _Encoder:
             return {"$tuple": [sub(i, v) for i, v in enumerate(tuple.__iter__(value))]}
         if isinstance(value, dict):
             pairs = list(dict.items(value))
-            if all(type(k) is str and not k.startswith("$") and not _has_surrogates(k) for k, _ in pairs):
+            if all(type(k) is str and k[:1] != "$" and not _SURROGATE.search(k) for k, _ in pairs):
                 return {k: sub(k, v) for k, v in pairs}
             return {"$dict": [[sub(k, k), sub(k, v)] for k, v in pairs]}
-        if isinstance(value, (set, frozenset)):
-            items = sorted((sub(i, v) for i, v in enumerate(value)), key=_text)  # deterministic order
+        if isinstance(value, (set, frozenset)):  # sorted by JSON text (as UTF-8, same order): deterministic
+            items = sorted((sub(i, v) for i, v in enumerate(value)), key=dumps)
             return {"$frozenset" if isinstance(value, frozenset) else "$set": items}
         fields = {f.name: sub(f.name, getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
         return {"$dataclass": {"type": type_ref(value), "fields": fields}}
 
-
-def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int = 32) -> Any:
-    """Encode an arbitrary Python value into JSON-compatible data (dict/list/str/int/float/bool/None).
-
-    Never raises: unsupported objects, reference cycles and values nested deeper than ``max_depth``
-    become ``{"$opaque": {"type": "module:QualName", "repr": ...}}``. ``OrderedDict``/``defaultdict``
-    are stored, and decode, as plain dicts.
-
-    Args:
-        value: the value to encode.
-        tensor_name: ``callable(tensor, path) -> str | None``, called for every tensor found with its
-            dot-separated path below the root (``""`` for the root itself, ``"a.0"`` for ``t`` in
-            ``{"a": [t]}``). A returned name is stored as ``{"$tensor": name}``; ``None`` (or no
-            callback) stores ``{"$tensor_meta": {"shape", "dtype", "device"}}``. A tensor whose
-            callback raises becomes opaque.
-        max_depth: nesting depth (the root is 0) beyond which values become opaque.
-    """
-    return _Encoder(tensor_name, max_depth).enc(value, "", 0)
+    return enc(value, "", 0)
 
 
 def _fail(message: str) -> NoReturn:
@@ -247,7 +197,7 @@ def _fail(message: str) -> NoReturn:
 
 
 def _expect(payload: Any, kind: type | tuple, tag: str, size: int | None = None) -> Any:
-    if not isinstance(payload, kind) or (kind is _INTS and isinstance(payload, bool)):
+    if not isinstance(payload, kind) or (kind in (_INTS, _NUMBERS) and isinstance(payload, bool)):
         _fail(f"{tag} payload {payload!r:.60} has the wrong type")
     if size is not None and len(payload) != size:
         _fail(f"{tag} payload must have {size} entries, not {len(payload)}")
@@ -261,22 +211,7 @@ def _keys(payload: Any, tag: str, *keys: str) -> list:
 
 
 def _unb64(payload: Any, tag: str) -> bytes:
-    text = _expect(payload, str, tag)
-    try:
-        return base64.b64decode(text, validate=True)
-    except ValueError:
-        _fail(f"{tag} payload is not base64")
-
-
-def _import_type(ref: str) -> type | None:
-    module, _, qualname = ref.partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except Exception:  # noqa: BLE001 - an unimportable type decodes as a Record
-        return None
-    return obj if isinstance(obj, type) else None
+    return base64.b64decode(_expect(payload, str, tag), validate=True)
 
 
 class _Decoder:
@@ -284,127 +219,110 @@ class _Decoder:
         self.tensor, self.import_types = tensor, import_types
 
     def dec(self, doc: Any) -> Any:
-        if doc is None or isinstance(doc, (bool, int, float, str)):
-            return doc
         if isinstance(doc, list):
             return [self.dec(x) for x in doc]
-        if not isinstance(doc, dict) or not all(isinstance(k, str) for k in doc):
-            _fail(f"{type(doc).__name__} {doc!r:.60} is not JSON data")
-        if not any(k.startswith("$") for k in doc):
-            return {k: self.dec(v) for k, v in doc.items()}
+        if not isinstance(doc, dict):
+            return doc if doc is None or isinstance(doc, (bool, int, float, str)) else _fail(
+                f"{type(doc).__name__} {doc!r:.60} is not JSON data")
+        if not any(isinstance(k, str) and k.startswith("$") for k in doc):
+            return {_expect(k, str, "object key"): self.dec(v) for k, v in doc.items()}
         if len(doc) != 1:
-            _fail(f"a tag object must have exactly one key, not {sorted(doc)}")
+            _fail(f"a tag object must have exactly one key, not {list(doc)!r:.60}")
         ((tag, payload),) = doc.items()
-        return self._tag(tag, payload)
+        handler = _TAGS.get(tag) or _fail(f"unknown tag {tag!r:.60}")
+        try:
+            return handler(self, tag, payload)
+        except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+            if isinstance(exc, FormatError) or _CALLBACK_NOTE in getattr(exc, "__notes__", ()):
+                raise
+            _fail(f"bad {tag} payload {payload!r:.60} ({exc})")
 
-    def _list(self, payload: Any, tag: str, size: int | None = None, kind: Any = object) -> list:
+    def items(self, payload: Any, tag: str, size: int | None = None, kind: Any = object) -> list:
         return [_expect(self.dec(x), kind, tag) for x in _expect(payload, list, tag, size)]
 
-    def _record(self, tag: str, payload: Any) -> Any:
+    def record(self, tag: str, payload: Any) -> Any:
         kind = tag[1:]
         ref, raw = _keys(payload, tag, "type", "name" if kind == "enum" else "fields")
-        _expect(ref, str, tag)
-        if kind == "enum":
-            fields = {"name": _expect(raw, str, tag)}
-        else:
-            fields = {k: self.dec(v) for k, v in _expect(raw, dict, tag).items()}
-        cls = _import_type(ref) if self.import_types else None
-        if kind == "enum" and cls is not None and issubclass(cls, enum.Enum) and raw in cls.__members__:
-            return cls[raw]
-        if kind == "namedtuple" and cls is not None and issubclass(cls, tuple) and hasattr(cls, "_fields"):
-            try:
+        ref = _expect(ref, str, tag)
+        fields = {"name": _expect(raw, str, tag)} if kind == "enum" else {
+            k: self.dec(v) for k, v in _expect(raw, dict, tag).items()}
+        try:  # only now, and only if asked to, import: "module" then getattr along "QualName"
+            cls: Any = importlib.import_module(ref.partition(":")[0]) if self.import_types else None
+            for part in ref.partition(":")[2].split(".") if cls is not None else ():
+                cls = getattr(cls, part)
+            cls = cls if isinstance(cls, type) else object  # os:system is no type: never called
+            if kind == "enum" and issubclass(cls, enum.Enum):
+                return cls[raw]
+            if kind == "namedtuple" and issubclass(cls, tuple) and hasattr(cls, "_fields"):
                 return cls(**fields)
-            except Exception:  # noqa: BLE001 - the type changed since recording: keep the data
-                return Record(ref, kind, fields)
-        if kind == "dataclass" and cls is not None and dataclasses.is_dataclass(cls):
-            try:
-                return cls(**fields)
-            except Exception:  # noqa: BLE001, S110 - __init__ refused (type changed?): set fields directly
-                pass
-            try:
-                obj = object.__new__(cls)
-                for name, val in fields.items():
-                    object.__setattr__(obj, name, val)  # works for frozen dataclasses too
-                return obj
-            except Exception:  # noqa: BLE001 - not even that: keep the data as a Record
-                return Record(ref, kind, fields)
+            if kind == "dataclass" and dataclasses.is_dataclass(cls):
+                try:
+                    return cls(**fields)
+                except Exception:  # noqa: BLE001 - __init__ refused: set the fields on a bare instance
+                    obj = object.__new__(cls)
+                    for name, value in fields.items():
+                        object.__setattr__(obj, name, value)  # works for frozen dataclasses too
+                    return obj
+        except Exception:  # noqa: BLE001, S110 - unimportable, or the type changed since recording
+            pass
         return Record(ref, kind, fields)
 
-    def _tag(self, tag: str, payload: Any) -> Any:  # noqa: C901, PLR0911, PLR0912 - one branch per tag
-        if tag == "$float":
-            if payload not in ("nan", "inf", "-inf"):
-                _fail(f"$float payload must be 'nan', 'inf' or '-inf', not {payload!r:.60}")
-            return float(payload)
-        if tag in ("$tensor", "$dtype", "$device", "$bigint", "$ustr"):
-            text = _expect(payload, str, tag)
+    def tensor_ref(self, tag: str, payload: Any) -> Any:
+        name = _expect(payload, str, tag)
         try:
-            if tag in ("$tuple", "$set", "$frozenset"):
-                return {"$tuple": tuple, "$set": set, "$frozenset": frozenset}[tag](self._list(payload, tag))
-            if tag == "$dict":
-                return dict(self._list(x, tag, 2) for x in _expect(payload, list, tag))
-            if tag in ("$namedtuple", "$dataclass", "$enum"):
-                return self._record(tag, payload)
-            if tag in ("$bytes", "$bytearray"):
-                return bytes(_unb64(payload, tag)) if tag == "$bytes" else bytearray(_unb64(payload, tag))
-            if tag == "$complex":
-                return complex(*self._list(payload, tag, 2, (int, float)))
-            if tag == "$slice":
-                return slice(*self._list(payload, tag, 3))
-            if tag == "$ellipsis" and payload is None:
-                return Ellipsis
-            if tag == "$range":
-                return range(*self._list(payload, tag, 3, _INTS))
-            if tag == "$size":
-                return torch.Size(self._list(payload, tag, None, _INTS))
-            if tag == "$bigint":
-                return int(text, 16)
-            if tag == "$ustr":
-                return _unb64(text, tag).decode("utf-32-le", "surrogatepass")
-            if tag == "$dtype":
-                dtype = getattr(torch, text, None)  # an attribute lookup, never a call
-                return dtype if isinstance(dtype, torch.dtype) else _fail(f"unknown torch dtype {text!r:.60}")
-            if tag == "$device":
-                return torch.device(text)
-            if tag == "$tensor":
-                return self.tensor(text) if self.tensor is not None else TensorRef(text)
-            if tag == "$tensor_meta":
-                shape, dtype, device = _keys(payload, tag, "shape", "dtype", "device")
-                shape = tuple(_expect(d, _INTS, tag) for d in _expect(shape, list, tag))
-                return TensorMeta(shape, _expect(dtype, str, tag), _expect(device, str, tag))
-            if tag == "$opaque":
-                return Opaque(*(_expect(x, str, tag) for x in _keys(payload, tag, "type", "repr")))
-            if tag == "$npscalar":
-                dtype, value = _keys(payload, tag, "dtype", "value")
-                return self._np_dtype(dtype, tag, _NP_KINDS).type(self.dec(value))
-            if tag == "$ndarray":
-                dtype, shape, data = _keys(payload, tag, "dtype", "shape", "data")
-                dtype, shape = self._np_dtype(dtype, tag, _NP_KINDS + "mM"), _expect(shape, list, tag)
-                return np.frombuffer(_unb64(data, tag), dtype=dtype).reshape(shape).copy()
-        except FormatError:
+            return TensorRef(name) if self.tensor is None else self.tensor(name)
+        except Exception as exc:
+            exc.add_note(_CALLBACK_NOTE)  # so that it passes unchanged, not as a malformed document
             raise
-        except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
-            _fail(f"bad {tag} payload {payload!r:.60} ({exc})")
-        _fail(f"unknown tag {tag!r:.60}" if tag != "$ellipsis" else "$ellipsis payload must be null")
 
-    @staticmethod
-    def _np_dtype(name: Any, tag: str, kinds: str) -> np.dtype:
+    def numpy(self, tag: str, payload: Any) -> Any:
+        name, *rest = _keys(payload, tag, "dtype", *(("value",) if tag == "$npscalar" else ("shape", "data")))
         dtype = np.dtype(_expect(name, str, tag))
-        return dtype if dtype.kind in kinds else _fail(f"{tag} dtype {name!r:.60} is not allowed")
+        if dtype.kind not in _NP_KINDS + ("mM" if tag == "$ndarray" else ""):
+            _fail(f"{tag} dtype {name!r:.60} is not allowed")
+        if tag == "$npscalar":
+            return dtype.type(self.dec(rest[0]))
+        return np.frombuffer(_unb64(rest[1], tag), dtype=dtype).reshape(_expect(rest[0], list, tag)).copy()
+
+    def tensor_meta(self, tag: str, payload: Any) -> TensorMeta:
+        shape, dtype, device = _keys(payload, tag, "shape", "dtype", "device")
+        shape = tuple(_expect(n, _INTS, tag) for n in _expect(shape, list, tag))
+        return TensorMeta(shape, _expect(dtype, str, tag), _expect(device, str, tag))
+
+
+_TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
+    "$float": lambda d, t, p: float(p) if p in ("nan", "inf", "-inf") else _fail(f"bad $float {p!r:.60}"),
+    "$bigint": lambda d, t, p: int(_expect(p, str, t), 16),
+    "$ustr": lambda d, t, p: _unb64(p, t).decode("utf-32-le", "surrogatepass"),
+    "$tuple": lambda d, t, p: tuple(d.items(p, t)),
+    "$set": lambda d, t, p: set(d.items(p, t)),
+    "$frozenset": lambda d, t, p: frozenset(d.items(p, t)),
+    "$dict": lambda d, t, p: dict(d.items(pair, t, 2) for pair in _expect(p, list, t)),
+    **dict.fromkeys(("$namedtuple", "$dataclass", "$enum"), _Decoder.record),
+    "$bytes": lambda d, t, p: _unb64(p, t),
+    "$bytearray": lambda d, t, p: bytearray(_unb64(p, t)),
+    "$complex": lambda d, t, p: complex(*d.items(p, t, 2, _NUMBERS)),
+    "$slice": lambda d, t, p: slice(*d.items(p, t, 3)),
+    "$ellipsis": lambda d, t, p: ... if p is None else _fail("$ellipsis payload must be null"),
+    "$range": lambda d, t, p: range(*d.items(p, t, 3, _INTS)),
+    "$dtype": lambda d, t, p: _DTYPES.get(_expect(p, str, t)) or _fail(f"unknown torch dtype {p!r:.60}"),
+    "$device": lambda d, t, p: torch.device(_expect(p, str, t)),
+    "$size": lambda d, t, p: torch.Size(d.items(p, t, None, _INTS)),
+    "$tensor": _Decoder.tensor_ref,
+    "$tensor_meta": _Decoder.tensor_meta,
+    "$opaque": lambda d, t, p: Opaque(*(_expect(x, str, t) for x in _keys(p, t, "type", "repr"))),
+    **dict.fromkeys(("$npscalar", "$ndarray"), _Decoder.numpy),
+}
 
 
 def decode(doc: Any, *, tensor: Callable[[str], Any] | None = None, import_types: bool = False) -> Any:
-    """Inverse of :func:`encode`.
+    """Inverse of :func:`encode`; raises FormatError (a ValueError) for a malformed document.
 
     Args:
         doc: data produced by :func:`encode` (or read back by :func:`loads`).
-        tensor: ``callable(name) -> Any`` resolving ``{"$tensor": name}``; by default a TensorRef.
-        import_types: import dataclass/namedtuple/enum types by ``module:QualName`` and rebuild the
-            values. When False (the default) nothing is imported or called and a Record is returned;
-            so it is when the import fails or does not yield a type of the recorded kind.
-
-    Raises:
-        FormatError: (a ValueError) on malformed documents: unknown tag, wrong payload shape, tag keys
-            mixed with other keys.
+        tensor: ``callable(name) -> Any`` for ``{"$tensor": name}`` (its errors pass); default TensorRef.
+        import_types: import dataclass/namedtuple/enum types (importlib, then getattr along the qualname)
+            and rebuild the values. Otherwise, or when that fails, nothing is called: Records come back.
     """
     return _Decoder(tensor, import_types).dec(doc)
 
@@ -415,23 +333,15 @@ def dumps(doc: Any) -> bytes:
     Args:
         doc: the output of :func:`encode`.
     """
-    return _text(doc).encode("utf-8")
-
-
-def _reject_constant(token: str) -> NoReturn:
-    _fail(f"non-standard JSON constant {token}")
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    return text.encode("utf-8")
 
 
 def loads(data: bytes) -> Any:
-    """Parse JSON written by :func:`dumps`, refusing NaN/Infinity tokens.
+    """Parse JSON written by :func:`dumps`; NaN/Infinity tokens and bad UTF-8 raise ValueError.
 
     Args:
         data: UTF-8 JSON bytes (a ``str`` is accepted too).
     """
-    try:
-        text = data if isinstance(data, str) else bytes(data).decode("utf-8")
-        return json.loads(text, parse_constant=_reject_constant)
-    except FormatError:
-        raise
-    except ValueError as exc:
-        _fail(f"not JSON ({exc})")
+    text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+    return json.loads(text, parse_constant=lambda token: _fail(f"non-standard JSON constant {token}"))

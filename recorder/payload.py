@@ -42,18 +42,23 @@ def unit_of(dtype: torch.dtype) -> int:
     return _UNIT_OF_WIDTH[width]
 
 
-def as_units(t: torch.Tensor) -> tuple[np.ndarray, int]:
-    """A 1-D numpy view (no copy when ``t`` is contiguous on the CPU) of the tensor's bytes.
+def as_units(t: torch.Tensor) -> tuple[np.ndarray, int, bool]:
+    """A 1-D numpy array of the tensor's bytes as store units.
 
-    Returns (array, unit). The array aliases ``t``'s memory: copy it before ``t`` can change.
+    Returns (array, unit, aliases): when ``aliases`` is True the array shares ``t``'s memory (no copy
+    was needed) and must be copied before ``t`` can change.
     """
     unit = unit_of(t.dtype)
-    flat = t.detach().reshape(-1)  # a copy only when t is not contiguous
+    t = t.detach()
+    flat = t.reshape(-1)  # a copy only when t's layout cannot be flattened in place
+    if flat.numel() and flat.stride(0) != 1:  # size-1 or expanded dimensions: torch calls these contiguous
+        flat = flat.clone(memory_format=torch.contiguous_format)  # recomputes strides
     if flat.numel() == 0:
-        return np.empty(0, dtype=_NUMPY_UNIT[unit]), unit
+        return np.empty(0, dtype=_NUMPY_UNIT[unit]), unit, False
+    aliases = flat.data_ptr() == t.data_ptr()  # a copy has memory of its own
     # Through uint8 first: a direct view between some dtypes (bool, float8, complex) is refused.
     flat = flat.view(torch.uint8).view(_VIEW_DTYPE[unit])
-    return flat.numpy().view(_NUMPY_UNIT[unit]), unit
+    return flat.numpy().view(_NUMPY_UNIT[unit]), unit, aliases
 
 
 def content_key(units: np.ndarray, unit: int) -> tuple[int, int, int]:

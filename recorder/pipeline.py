@@ -178,7 +178,7 @@ class Pipeline:
             stats = t.stats
             if isinstance(stats, torch.Tensor):
                 stats = tuple(float(v) for v in stats.cpu().tolist())
-            stats_by_name[f"{t.role}:{t.name}"] = stats
+            stats_by_name[f"{layout.ROLES[t.role]}:{t.name}"] = stats
             if (stats[6] or stats[7]) and layout.ROLES[t.role] in _NONFINITE_ROLES[row["phase"]]:
                 nonfinite = True
             pid = layout.NO_REF

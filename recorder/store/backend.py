@@ -8,6 +8,7 @@ manifest (temporary file, fsync, rename), which is what makes a killed recording
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,11 @@ def open_store(target: StoreTarget, *, mode: str) -> Store:
         return target
     path = Path(target)
     if mode == "r" and path.is_file():
-        return ZipStore(path, mode="r")
+        if not zipfile.is_zipfile(path):
+            raise ValueError("a file that is neither a recording directory nor a zip")
+        store = ZipStore(path, mode="r")
+        sync(store._ensure_open())  # zarr opens zips lazily; plain key reads need it open
+        return store
     if mode == "w":
         path.mkdir(parents=True, exist_ok=True)
     return LocalStore(path, read_only=(mode == "r"))

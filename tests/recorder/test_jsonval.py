@@ -52,6 +52,10 @@ class Pair(NamedTuple):
     right: Any
 
 
+class GlobalSubPair(Pair):
+    pass
+
+
 class Color(enum.Enum):
     RED = 1
     GREEN = "g"
@@ -98,7 +102,7 @@ def same_items(a: list, b: list) -> bool:
     return not rest
 
 
-def same(a: Any, b: Any) -> bool:  # noqa: PLR0911
+def same(a: Any, b: Any) -> bool:
     """Exact structural equality: same types, floats bitwise (-0.0 != 0.0), nan == nan."""
     if type(a) is not type(b):
         return False
@@ -145,6 +149,7 @@ hashable_leaves = st.one_of(
     st.integers(),
     st.floats(),
     st.text(),
+    st.text(st.one_of(st.characters(), st.characters(categories=["Cs"])), max_size=6),  # lone surrogates
     st.binary(),
     st.builds(complex, st.floats(), st.floats()),
     st.just(Ellipsis),
@@ -175,6 +180,7 @@ values = st.recursive(
         st.lists(c, max_size=4),
         st.lists(c, max_size=4).map(tuple),
         st.dictionaries(st.text(), c, max_size=4),
+        st.dictionaries(st.text(st.characters(categories=["Cs", "Lu"]), max_size=2), c, max_size=3),
         st.dictionaries(st.text().map(lambda s: "$" + s), c, max_size=3),
         st.dictionaries(hashables, c, max_size=3),
         st.sets(hashables, max_size=4),
@@ -217,7 +223,8 @@ def test_dumps_is_strict_json(value: Any) -> None:
     assert json.loads(dumps(doc).decode("utf-8"), parse_constant=refuse) == doc
 
 
-@pytest.mark.parametrize("x", [0.0, -0.0, 1.5, 5e-324, -1.7976931348623157e308, math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("x", [0.0, -0.0, 1.5, 5e-324, -1.7976931348623157e308, math.inf, -math.inf,
+                               math.nan])
 def test_float_bits(x: float) -> None:
     """Floats, -0.0 and the non-finite values round-trip bit for bit."""
     assert float_same(roundtrip(x), x) and float_same(roundtrip([x])[0], x)
@@ -232,7 +239,8 @@ def test_tag_shapes() -> None:
     assert encode(complex(math.nan, -0.0)) == {"$complex": [{"$float": "nan"}, -0.0]}
     assert encode(slice(1, None, 2)) == {"$slice": [1, None, 2]} and encode(...) == {"$ellipsis": None}
     assert encode(range(0, 10, 3)) == {"$range": [0, 10, 3]}
-    assert encode(torch.float32) == {"$dtype": "float32"} and encode(torch.device("cuda:0")) == {"$device": "cuda:0"}
+    assert encode(torch.float32) == {"$dtype": "float32"}
+    assert encode(torch.device("cuda:0")) == {"$device": "cuda:0"}
     assert encode(torch.Size([2, 3])) == {"$size": [2, 3]}
     assert encode(Color.RED) == {"$enum": {"type": type_ref(Color), "name": "RED"}}
     assert encode(Level.HIGH)["$enum"]["name"] == "HIGH" and encode(Mode.TRAIN)["$enum"]["name"] == "TRAIN"
@@ -270,7 +278,7 @@ def test_dict_subclasses_decode_as_dict() -> None:
 
 
 def test_dict_order() -> None:
-    """encode/decode keep dict order; through dumps, str-keyed dicts come back key-sorted, $dict ones in order."""
+    """encode/decode keep dict order; dumps sorts str-keyed dicts but keeps $dict order."""
     value = {"b": 1, "a": 2}
     assert list(decode(encode(value))) == ["b", "a"] and list(roundtrip(value)) == ["a", "b"]
     value = {3: "x", 1: "y", "z": 0}
@@ -297,11 +305,13 @@ def test_all_torch_dtypes_and_devices() -> None:
 
 def test_numpy_values() -> None:
     """Small arrays (any layout/byte order) round-trip; big, object and structured arrays become opaque."""
-    arrays = [np.arange(12, dtype=">f4").reshape(3, 4).T, np.array(3.5), np.zeros((0, 2)), np.array(["a\x00", "bc"])]
+    arrays = [np.arange(12, dtype=">f4").reshape(3, 4).T, np.array(3.5), np.zeros((0, 2)),
+              np.array(["a\x00", "bc"]), np.array([1, 2], dtype="datetime64[ns]")]
     for arr in arrays:
         out = roundtrip(arr)
         assert same(out, arr) and out.flags.writeable
-    for arr in (np.zeros(4097), np.array([object()]), np.zeros(2, dtype=[("a", "i4")]), np.ma.masked_array([1])):
+    opaque = (np.zeros(4097), np.array([object()]), np.zeros(2, dtype=[("a", "i4")]), np.ma.masked_array([1]))
+    for arr in opaque:
         assert isinstance(roundtrip(arr), Opaque)
     assert isinstance(roundtrip(np.longdouble(1)), Opaque) or np.longdouble(1).dtype.itemsize <= 8
     assert str.__str__(roundtrip(np.str_("a\x00"))) == "a\x00"  # np.str_'s own str() hides the NUL
@@ -330,6 +340,44 @@ def test_tensor_paths() -> None:
     encode(t[0], tensor_name=lambda _t, p: paths.append(p))
     encode(Point(x=[t[0]]), tensor_name=lambda _t, p: paths.append(p))
     assert paths == ["", "x.0"]
+
+
+def test_tensor_callback_errors() -> None:
+    """A raising tensor_name makes the tensor opaque; a raising tensor resolver's error passes unchanged."""
+
+    def broken(_t: torch.Tensor, _p: str) -> str:
+        raise RuntimeError("broken namer")
+
+    doc = encode([torch.zeros(1), 2], tensor_name=broken)
+    assert doc[1] == 2 and doc[0]["$opaque"]["type"] == "torch:Tensor"
+    assert encode(torch.zeros(1), tensor_name=lambda _t, _p: 5)["$tensor_meta"]["shape"] == [1]
+
+    def resolver(name: str) -> Any:
+        raise ValueError(f"no tensor {name}")
+
+    for doc in ({"$tensor": "x"}, {"$tuple": [{"$dict": [[1, {"$tensor": "x"}]]}]}):
+        with pytest.raises(ValueError, match="no tensor x") as info:
+            decode(doc, tensor=resolver)
+        assert not isinstance(info.value, FormatError)
+
+
+def test_lossy_subclasses() -> None:
+    """Non-enum subclasses of int/str/list decode as the base type; namedtuple subclasses keep their type."""
+
+    class MyInt(int):
+        def __index__(self) -> int:
+            raise AssertionError("user code called")
+
+    class MyStr(str):
+        pass
+
+    class SubPair(Pair):
+        pass
+
+    out = roundtrip([MyInt(3), MyStr("s"), collections.UserList([1])])
+    assert out[:2] == [3, "s"] and type(out[0]) is int and type(out[1]) is str and isinstance(out[2], Opaque)
+    assert roundtrip(SubPair(1, 2)) == Record(type_ref(SubPair), "namedtuple", {"left": 1, "right": 2})
+    assert type(decode(encode(GlobalSubPair(1, 2)), import_types=True)) is GlobalSubPair
 
 
 def test_tensor_meta_without_name() -> None:
@@ -387,7 +435,8 @@ def test_dataclass_decoding() -> None:
     """Dataclasses skip init=False fields and fall back to setting fields when __init__ refuses."""
     assert encode(Derived(1))["$dataclass"]["fields"] == {"a": 1}
     assert roundtrip(Derived(1)) == Derived(1)
-    refused = decode({"$dataclass": {"type": type_ref(Derived), "fields": {"a": "refuse"}}}, import_types=True)
+    doc = {"$dataclass": {"type": type_ref(Derived), "fields": {"a": "refuse"}}}
+    refused = decode(doc, import_types=True)
     assert type(refused) is Derived and refused.a == "refuse"
     assert roundtrip(FrozenPoint(1, [2])) == FrozenPoint(1, [2])
     assert roundtrip(Point(x=Color.GREEN)) == Point(Color.GREEN)
@@ -426,7 +475,8 @@ def test_import_types_true_only_builds_matching_types(monkeypatch: pytest.Monkey
         ("dataclass", f"{__name__}:Missing", {}),
     ]
     for kind, ref, fields in cases:
-        assert decode({f"${kind}": {"type": ref, "fields": fields}}, import_types=True) == Record(ref, kind, fields)
+        doc = {f"${kind}": {"type": ref, "fields": fields}}
+        assert decode(doc, import_types=True) == Record(ref, kind, fields)
     assert decode({"$enum": {"type": type_ref(Color), "name": "BLUE"}}, import_types=True) == Record(
         type_ref(Color), "enum", {"name": "BLUE"})
     assert calls == []
@@ -437,7 +487,8 @@ def test_import_types_true_only_builds_matching_types(monkeypatch: pytest.Monkey
     [
         {"$nope": 1}, {"$tuple": 3}, {"$tuple": [1], "x": 2}, {"$float": "NaN"}, {"$float": 1.0},
         {"$dict": [[1]]}, {"$dict": [[[1], 2]]}, {"$set": [[1]]}, {"$bytes": "!!"}, {"$bytes": 1},
-        {"$complex": [1]}, {"$complex": ["a", 1]}, {"$slice": [1, 2]}, {"$ellipsis": 1}, {"$range": [0, 1, 0]},
+        {"$complex": [1]}, {"$complex": ["a", 1]}, {"$slice": [1, 2]}, {"$ellipsis": 1},
+        {"$range": [0, 1, 0]},
         {"$range": [0, 1.5, 1]}, {"$size": [True]}, {"$dtype": "load"}, {"$dtype": 3}, {"$device": "nope:x"},
         {"$tensor": 1}, {"$tensor_meta": {"shape": "x", "dtype": "f", "device": "cpu"}},
         {"$tensor_meta": {"shape": [1]}}, {"$opaque": {"type": "x"}}, {"$opaque": ["x", "y"]},

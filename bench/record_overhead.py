@@ -1,0 +1,479 @@
+"""Recording overhead on a small GPT-like model: what ``recorder.record`` costs per training step.
+
+Variants, each with its own copy of the model and optimizer (same initial weights):
+  baseline   no recording
+  stats      recorder.record(path, model=m, optimizer=opt, mode="stats")
+  full       recorder.record(path, model=m, optimizer=opt, mode="full")
+  anomaly    torch.autograd.set_detect_anomaly(True), no recording
+
+Method: training steps of all variants run interleaved in one process, one block of K iterations
+per variant per round, round-robin (the order rotates every round), so drift and background load hit
+every variant alike. A recording variant opens one record() session per block: the block's time runs
+from the record() call to the return of run.close(), so writing everything out is paid for. The
+figure per variant is the median over blocks of (block time / K).
+
+Usage:
+  python bench/record_overhead.py                       # defaults, 2 then 1 torch threads (~8 min)
+  python bench/record_overhead.py --threads 2 --iterations 3 --blocks 3      # quick (< 2 min)
+  python bench/record_overhead.py --write-docs          # also rewrite docs/PERFORMANCE.md
+  python bench/record_overhead.py --profile full --threads 1   # cProfile of the recorder's code
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import cProfile
+import json
+import os
+import platform
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import recorder
+
+VOCAB, D_MODEL, HEADS, LAYERS, SEQ, BATCH, DROPOUT = 512, 256, 4, 4, 128, 16, 0.1
+VARIANTS = ("baseline", "stats", "full", "anomaly")
+RECORDING = ("stats", "full")
+# (variant, torch threads, largest ratio to baseline allowed)
+TARGETS = (("stats", 2, 1.10), ("full", 2, 1.5), ("full", 1, 1.10))
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "PERFORMANCE.md"
+MB = 1e6
+
+
+# -- the model ------------------------------------------------------------------------------------
+@recorder.paper_step("Eq. 1", description="causal multi-head self-attention")
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+@recorder.paper_step("Eq. 2", description="position-wise feed-forward network")
+class MLP(nn.Module):
+    def __init__(self, d_model: int, dropout: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.out(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
+        self.attn = CausalSelfAttention(D_MODEL, HEADS, DROPOUT)
+        self.mlp = MLP(D_MODEL, DROPOUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, D_MODEL), nn.Embedding(SEQ, D_MODEL)
+        self.drop = nn.Dropout(DROPOUT)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    loss = F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def make_batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
+             torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)) for _ in range(n)]
+
+
+# -- measuring ------------------------------------------------------------------------------------
+@dataclass
+class Variant:
+    """One variant's model copy and what its blocks measured."""
+
+    name: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    per_iter: list[float] = field(default_factory=list)  # wall seconds per iteration, one per block
+    cpu_per_iter: list[float] = field(default_factory=list)  # process CPU seconds (all threads)
+    store_bytes: list[float] = field(default_factory=list)  # per iteration
+    raw_payload: list[float] = field(default_factory=list)  # uncompressed payload bytes per iteration
+    disk_payload: list[float] = field(default_factory=list)  # blobs/ bytes on disk per iteration
+    open_s: list[float] = field(default_factory=list)
+    close_s: list[float] = field(default_factory=list)
+    peak_queue: list[float] = field(default_factory=list)
+    empty_open_s: list[float] = field(default_factory=list)  # sessions that record nothing
+    empty_close_s: list[float] = field(default_factory=list)
+    empty_bytes: list[float] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def forget(self) -> None:
+        """Drop what the warm-up measured."""
+        for name, value in vars(self).items():
+            if isinstance(value, list):
+                value.clear()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def store_sizes(path: Path) -> tuple[int, int, int]:
+    """(whole store, uncompressed payload, payload on disk) in bytes."""
+    lengths = json.loads((path / "manifest.json").read_text())["ranks"]["0"]
+    raw = sum(lengths.get(f"blobs/u{w}", 0) * w for w in (1, 2, 4, 8))
+    return tree_bytes(path), raw, tree_bytes(path / "rank0" / "blobs")
+
+
+def run_block(v: Variant, iterations: int, batches: list[Any], tmp: Path, seq: list[int]) -> None:
+    """Run one block of ``iterations`` training steps of variant ``v`` and record its costs."""
+    steps = [batches[i % len(batches)] for i in range(iterations)]
+    path = tmp / f"{v.name}-{seq[0]}.zarr"
+    seq[0] += 1
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    if v.name in RECORDING:
+        run = recorder.record(str(path), model=v.model, optimizer=v.opt, mode=v.name)
+        t_open = time.perf_counter()
+        try:
+            for x, y in steps:
+                train_step(v.model, v.opt, x, y)
+        finally:
+            t_body = time.perf_counter()
+            run.close()
+    elif v.name == "anomaly":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
+            with torch.autograd.set_detect_anomaly(True):
+                for x, y in steps:
+                    train_step(v.model, v.opt, x, y)
+    else:
+        for x, y in steps:
+            train_step(v.model, v.opt, x, y)
+    t1, cpu1 = time.perf_counter(), time.process_time()
+    v.per_iter.append((t1 - t0) / iterations)
+    v.cpu_per_iter.append((cpu1 - cpu0) / iterations)
+    if v.name in RECORDING:
+        v.open_s.append(t_open - t0)
+        v.close_s.append(t1 - t_body)
+        v.peak_queue.append(run.pipeline.peak_queue_bytes)
+        if run.status != "complete" or run.failure:
+            v.problems.append(f"status {run.status}, failure {run.failure}")
+        total, raw, disk = store_sizes(path)
+        v.store_bytes.append(total / iterations)
+        v.raw_payload.append(raw / iterations)
+        v.disk_payload.append(disk / iterations)
+        shutil.rmtree(path)
+
+
+def empty_session(v: Variant, tmp: Path, seq: list[int]) -> None:
+    """A session of variant ``v`` that records nothing: the fixed costs of opening and closing one."""
+    path = tmp / f"empty-{v.name}-{seq[0]}.zarr"
+    seq[0] += 1
+    t0 = time.perf_counter()
+    run = recorder.record(str(path), model=v.model, optimizer=v.opt, mode=v.name)
+    t1 = time.perf_counter()
+    run.close()
+    v.empty_open_s.append(t1 - t0)
+    v.empty_close_s.append(time.perf_counter() - t1)
+    v.empty_bytes.append(tree_bytes(path))
+    shutil.rmtree(path)
+
+
+def measure(threads: int, iterations: int, blocks: int, warmup: int, log: bool = True) -> dict[str, Any]:
+    """Interleaved measurement of every variant at one torch thread count."""
+    torch.manual_seed(0)
+    base = GPT()
+    variants = []
+    for name in VARIANTS:
+        model = copy.deepcopy(base)
+        variants.append(Variant(name, model, torch.optim.AdamW(model.parameters(), lr=3e-4)))
+    batches = make_batches()
+    load0 = os.getloadavg()
+    t_start = time.perf_counter()
+    with torch_threads(threads), tempfile.TemporaryDirectory(prefix="pdbg-bench-") as tmp_name:
+        tmp, seq = Path(tmp_name), [0]
+        for v in variants:  # warm up: allocator, kernels, zarr imports, AdamW state
+            run_block(v, warmup, batches, tmp, seq)
+            v.forget()
+        for r in range(blocks):
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            for v in order:
+                run_block(v, iterations, batches, tmp, seq)
+            for v in order:
+                if v.name in RECORDING:
+                    empty_session(v, tmp, seq)
+            if log:
+                print(f"  [{threads} thread(s)] round {r + 1}/{blocks}: "
+                      + ", ".join(f"{v.name} {v.per_iter[-1] * 1e3:.0f} ms" for v in variants), flush=True)
+    return {"threads": threads, "iterations": iterations, "blocks": blocks,
+            "seconds": time.perf_counter() - t_start, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+            "variants": {v.name: summarise(v, iterations) for v in variants}}
+
+
+def summarise(v: Variant, iterations: int) -> dict[str, Any]:
+    med = statistics.median
+    out: dict[str, Any] = {"per_iter": med(v.per_iter), "q1": quantile(v.per_iter, 0.25),
+                           "q3": quantile(v.per_iter, 0.75), "cpu_per_iter": med(v.cpu_per_iter),
+                           "samples": v.per_iter, "problems": v.problems}
+    if v.store_bytes:
+        fixed = med(v.empty_open_s) + med(v.empty_close_s)
+        out.update(store_bytes=med(v.store_bytes), raw_payload=med(v.raw_payload),
+                   disk_payload=med(v.disk_payload), open_s=med(v.open_s), close_s=med(v.close_s),
+                   peak_queue=max(v.peak_queue), empty_open_s=med(v.empty_open_s),
+                   empty_close_s=med(v.empty_close_s), empty_bytes=med(v.empty_bytes),
+                   # estimate: the block time less a session's fixed costs (an empty session's open+close)
+                   steady_per_iter=med(t - fixed / iterations for t in v.per_iter))
+    return out
+
+
+def quantile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
+
+
+# -- reporting ------------------------------------------------------------------------------------
+def table(res: dict[str, Any]) -> str:
+    vs = res["variants"]
+    base = vs["baseline"]["per_iter"]
+    rows = ["| variant | median ms/iter | p25–p75 ms | vs baseline | CPU ms/iter | disk MB/iter | "
+            "payload MB/iter (raw → disk) | compression |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in vs.items():
+        disk = f"{s['store_bytes'] / MB:.2f}" if "store_bytes" in s else "–"
+        payload = (f"{s['raw_payload'] / MB:.1f} → {s['disk_payload'] / MB:.1f}"
+                   if s.get("raw_payload") else "–")
+        comp = f"{s['raw_payload'] / s['disk_payload']:.3f}" if s.get("raw_payload") else "–"
+        rows.append(f"| {name} | {s['per_iter'] * 1e3:.0f} | {s['q1'] * 1e3:.0f}–{s['q3'] * 1e3:.0f} | "
+                    f"{s['per_iter'] / base:.2f}x | {s['cpu_per_iter'] * 1e3:.0f} | {disk} | {payload} | {comp} |")
+    rows += ["", "| session | open ms | close ms | peak queue MB | empty session: open ms, close ms, KB | "
+             "ms/iter less an empty session's open+close | vs baseline |", "|---|---:|---:|---:|---|---:|---:|"]
+    for name in RECORDING:
+        s = vs[name]
+        rows.append(f"| {name} | {s['open_s'] * 1e3:.0f} | {s['close_s'] * 1e3:.0f} | {s['peak_queue'] / MB:.0f} | "
+                    f"{s['empty_open_s'] * 1e3:.0f}, {s['empty_close_s'] * 1e3:.0f}, {s['empty_bytes'] / 1e3:.0f} | "
+                    f"{s['steady_per_iter'] * 1e3:.0f} | {s['steady_per_iter'] / base:.2f}x |")
+    problems = [f"{n}: {p}" for n, s in vs.items() for p in s["problems"]]
+    if problems:
+        rows += ["", "Problems: " + "; ".join(problems)]
+    return "\n".join(rows)
+
+
+def header(res: dict[str, Any]) -> str:
+    return (f"### torch threads = {res['threads']}\n\n{res['blocks']} blocks × {res['iterations']} iterations "
+            f"per variant, {res['seconds']:.0f} s; load average before {res['loadavg_before'][0]:.2f}, "
+            f"after {res['loadavg_after'][0]:.2f}.\n")
+
+
+def target_lines(results: dict[int, dict[str, Any]]) -> list[str]:
+    lines = []
+    for name, threads, limit in TARGETS:
+        res = results.get(threads)
+        if res is None:
+            lines.append(f"- {name} ≤ {limit:.2f}x at {threads} thread(s): not measured in this run")
+            continue
+        ratio = res["variants"][name]["per_iter"] / res["variants"]["baseline"]["per_iter"]
+        verdict = "**met**" if ratio <= limit else "**not met**"
+        lines.append(f"- {name} ≤ {limit:.2f}x at {threads} thread(s): {ratio:.2f}x — {verdict}")
+    return lines
+
+
+def machine() -> str:
+    return (f"{os.cpu_count()} CPUs (nproc), torch {torch.__version__}, CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, Python {platform.python_version()}, "
+            f"{platform.machine()}, {platform.platform()}")
+
+
+def write_docs(results: dict[int, dict[str, Any]], command: str) -> None:
+    any_res = next(iter(results.values()))
+    text = f"""# Recording overhead
+
+Measured by `bench/record_overhead.py` (`{command}`). Re-run it after any change to the recorder's
+hot path; numbers below are from one run on the machine named here.
+
+## What was measured
+
+A GPT-like model: {LAYERS} layers, d_model {D_MODEL}, {HEADS} heads, sequence {SEQ}, batch {BATCH},
+vocabulary {VOCAB}, dropout {DROPOUT}. Its attention class is a paper step (`@recorder.paper_step("Eq. 1")`)
+and so is its MLP class (`"Eq. 2"`): 8 forward and 8 backward steps per iteration. One iteration is
+forward, cross-entropy loss, backward, AdamW step, `zero_grad`. Variants:
+
+- **baseline**: no recording;
+- **stats**: `recorder.record(path, model=m, optimizer=opt, mode="stats")`;
+- **full**: the same with `mode="full"` (payloads of inputs, outputs, parameters and gradients);
+- **anomaly**: `torch.autograd.set_detect_anomaly(True)`, no recording (for comparison: what
+  PyTorch's own debugging aid costs).
+
+## Method
+
+- Each variant trains its own copy of the model and optimizer (same initial weights, same batches).
+- Training steps of all variants are interleaved in one process: one block of {any_res['iterations']} iterations per
+  variant per round, round-robin, the order rotating each round, so drift and background load affect
+  all variants alike. Each variant is warmed up first.
+- A recording variant opens one `record()` session per block into a new directory on local disk; the
+  block's time runs from the `record()` call to the return of `run.close()`: opening the store,
+  draining the writer queue and the final commit are included. The fixed costs of a session are
+  also shown on their own.
+- The figure is the median over blocks of block time / iterations; "vs baseline" is the ratio of
+  medians. CPU ms/iter is process CPU time (all threads: training, writer, zarr's event loop).
+- disk MB/iter: all files of the store / iterations (apparent sizes); compression: uncompressed
+  payload bytes (element counts of `blobs/u1…u8` in `manifest.json` × width) / bytes of the
+  `rank0/blobs/` directory. With few iterations per session the fixed bytes of a store (definitions,
+  settings, array metadata: see "empty session") weigh on stats mode's MB/iter.
+- Stores go to a temporary directory, deleted after each block.
+
+Machine: {machine()}.
+
+## Results
+"""
+    for threads in sorted(results, reverse=True):
+        text += "\n" + header(results[threads]) + "\n" + table(results[threads]) + "\n"
+    text += "\n## Targets\n\n" + "\n".join(target_lines(results)) + "\n"
+    DOCS.parent.mkdir(parents=True, exist_ok=True)
+    DOCS.write_text(text)
+    print(f"wrote {DOCS}")
+
+
+# -- profiling ------------------------------------------------------------------------------------
+def profile(mode: str, threads: int, iterations: int, blocks: int, top: int) -> None:
+    """cProfile one recording variant on the training thread and on the writer thread.
+
+    Times are CPU time of each thread (time.thread_time), so other processes' load does not inflate
+    them; cProfile's own overhead still does, on small Python functions: use them to rank."""
+    from recorder import pipeline
+
+    writer_profiles: list[cProfile.Profile] = []
+    original = pipeline.Pipeline._run
+
+    def profiled_run(self: Any) -> None:
+        prof = cProfile.Profile(time.thread_time)
+        prof.enable()
+        try:
+            original(self)
+        finally:
+            prof.disable()
+            writer_profiles.append(prof)
+
+    torch.manual_seed(0)
+    model = GPT()
+    v = Variant(mode, model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    batches = make_batches()
+    main = cProfile.Profile(time.thread_time)
+    pipeline.Pipeline._run = profiled_run  # type: ignore[method-assign]
+    try:
+        with torch_threads(threads), tempfile.TemporaryDirectory(prefix="pdbg-prof-") as tmp_name:
+            tmp, seq = Path(tmp_name), [0]
+            run_block(v, 2, batches, tmp, seq)
+            writer_profiles.clear()
+            main.enable()
+            for _ in range(blocks):
+                run_block(v, iterations, batches, tmp, seq)
+            main.disable()
+    finally:
+        pipeline.Pipeline._run = original  # type: ignore[method-assign]
+    n = iterations * blocks
+    print(f"\n## cProfile, mode={mode}, {threads} thread(s), {n} iterations in {blocks} session(s); "
+          f"wall {statistics.median(v.per_iter) * 1e3:.0f} ms/iter, process CPU "
+          f"{statistics.median(v.cpu_per_iter) * 1e3:.0f} ms/iter (both inflated by the profiler)")
+    report("training thread", pstats.Stats(main), n, top)
+    stats = pstats.Stats(writer_profiles[0])
+    for prof in writer_profiles[1:]:
+        stats.add(prof)
+    report("writer thread", stats, n, top)
+
+
+def report(title: str, stats: pstats.Stats, n: int, top: int) -> None:
+    """Functions of recorder/ by cumulative time, per iteration."""
+    rows = []
+    for (file, line, func), (_, calls, tt, ct, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if "/recorder/" in file:
+            rows.append((ct, tt, calls, f"{file.split('/recorder/')[1]}:{line} {func}"))
+    rows.sort(reverse=True)
+    total = sum(tt for (_, _, tt, _, _) in stats.stats.values()) / n  # type: ignore[attr-defined]
+    print(f"\n### {title}: {total * 1e3:.0f} ms CPU per iteration in all; recorder/ functions by "
+          "cumulative CPU time (ms per iteration)\n")
+    print("| cumulative | own | calls/iter | function |\n|---:|---:|---:|---|")
+    for ct, tt, calls, name in rows[:top]:
+        print(f"| {ct / n * 1e3:.1f} | {tt / n * 1e3:.1f} | {calls / n:.0f} | {name} |")
+
+
+# -- command line ---------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, choices=(1, 2), action="append",
+                        help="torch threads (repeatable; default: 2, then 1)")
+    parser.add_argument("--iterations", type=int, default=5, help="iterations per block (default 5)")
+    parser.add_argument("--blocks", type=int, default=9, help="measured blocks per variant (default 9)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up iterations per variant (default 2)")
+    parser.add_argument("--write-docs", action="store_true", help=f"rewrite {DOCS.relative_to(DOCS.parents[1])}")
+    parser.add_argument("--profile", choices=RECORDING, help="cProfile this variant alone instead")
+    parser.add_argument("--top", type=int, default=25, help="rows of the profile (default 25)")
+    args = parser.parse_args()
+    thread_settings = args.threads or [2, 1]
+    print(f"# Recording overhead\n\nMachine: {machine()}\n", flush=True)
+    if args.profile:
+        for threads in thread_settings:
+            profile(args.profile, threads, args.iterations, args.blocks, args.top)
+        return
+    results = {}
+    for threads in thread_settings:
+        results[threads] = measure(threads, args.iterations, args.blocks, args.warmup)
+        print("\n" + header(results[threads]) + "\n" + table(results[threads]) + "\n", flush=True)
+    print("## Targets\n\n" + "\n".join(target_lines(results)))
+    if args.write_docs:
+        write_docs(results, " ".join(["python bench/record_overhead.py", *sys.argv[1:]]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Small models used across the tests: a transformer with two decorated classes and one decorated
+function, trained with dropout."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import recorder
+
+
+@recorder.paper_step("Eq. 2", description="SmoothReLU(x) = log(1 + exp(x + beta)) / gamma")
+def smooth_relu(x: torch.Tensor, beta: float = 1.0, gamma: float = 1.0) -> torch.Tensor:
+    return torch.log1p(torch.exp(x + beta)) / gamma
+
+
+@recorder.paper_step("Eq. 1", algorithm="Algorithm 1", step=3, description="causal self-attention")
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        recorder.watch(att, "attention_weights", expected_shape=(None, self.heads, t, t),
+                       expected_range=(0.0, 1.0), reference="Eq. 1")
+        y = (self.drop(att) @ v).transpose(1, 2).reshape(b, t, d)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(smooth_relu(self.fc(x), beta=0.5))
+
+
+@recorder.paper_step("Algorithm 1", algorithm="Algorithm 1", step=5, equation="Eq. 7",
+                     description="transformer block")
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = Attention(d, heads, dropout)
+        self.mlp = MLP(d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 32, d: int = 16, heads: int = 2, layers: int = 2, seq: int = 8) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(seq, d))
+        self.h = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.h:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def batch(step: int, vocab: int = 32, seq: int = 8, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic batch that does not touch the global RNG."""
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, vocab, (size, seq + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, iterations: int) -> list[torch.Tensor]:
+    losses = []
+    for i in range(iterations):
+        x, y = batch(i)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    return losses

@@ -1,0 +1,108 @@
+"""Step status: an exception is recorded and re-raised unchanged; non-finite outputs and broken
+watch expectations mark the step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import recorder
+from recorder.store.reader import RunReader
+
+
+class PaperBug(ValueError):
+    pass
+
+
+@recorder.paper_step("Eq. 4", description="normalise")
+def normalise(x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+    if fail:
+        raise PaperBug("denominator is zero in Eq. 4")
+    return x / x.sum()
+
+
+@recorder.paper_step("Eq. 5")
+def outer(x: torch.Tensor) -> torch.Tensor:
+    return normalise(x, fail=True)
+
+
+@recorder.paper_step("Eq. 7")
+def attention(x: torch.Tensor, width: int = 4) -> torch.Tensor:
+    w = torch.softmax(x, dim=-1) * 2 + 1  # breaks the (0, 1) expectation
+    recorder.watch(w, "weights", expected_shape=(None, width), expected_range=(0.0, 1.0),
+                   expected_mean=(0.25, 0.01), reference="Eq. 7")
+    return w
+
+
+def _status(rank, i):
+    return ("ok", "alert", "nonfinite", "exception")[int(rank.column("steps/status")[i])]
+
+
+def test_exception_recorded_and_reraised_unchanged(run_path):
+    """The exception object reaches the caller untouched; the step and the run say what happened."""
+    x = torch.ones(3)
+    with pytest.raises(PaperBug) as caught:
+        with recorder.record(run_path) as run:
+            normalise(x)
+            try:
+                outer(x)
+            except PaperBug as exc:
+                first = exc
+                raise
+    assert caught.value is first and str(caught.value) == "denominator is zero in Eq. 4"
+    assert run.status == "crashed"
+    reader = RunReader(run_path)
+    assert reader.status == "crashed"
+    rank = reader.rank(0)
+    assert [_status(rank, i) for i in range(len(rank))] == ["ok", "exception", "exception"]
+    inner = rank.doc(int(rank.column("steps/extra")[2]))["exception"]
+    assert inner["type"] == "tests.recorder.test_exceptions_and_alerts:PaperBug"
+    assert inner["message"] == "denominator is zero in Eq. 4"
+    assert "raise PaperBug" in inner["traceback"]
+    assert int(rank.column("steps/parent")[2]) == 1
+    assert reader.attrs["final"]["exception"]["message"] == "denominator is zero in Eq. 4"
+
+
+def test_nonfinite_output_marks_step(run_path):
+    """A step whose output holds NaN/Inf is 'nonfinite' and its statistics count them."""
+    with recorder.record(run_path):
+        normalise(torch.tensor([1.0, -1.0, 0.0]))  # 0/0 and x/0
+    rank = RunReader(run_path).rank(0)
+    assert _status(rank, 0) == "nonfinite"
+    out = next(r for r in rank.tensor_records(0) if r.role == "output")
+    assert (out.stats["nan"], out.stats["inf"]) == (1, 2)
+
+
+def test_broken_watch_expectations_are_alerts(run_path):
+    """Range, mean and shape expectations that do not hold are listed as alerts on the step."""
+    with recorder.record(run_path):
+        attention(torch.randn(2, 4))  # holds the shape, breaks range and mean
+        attention(torch.randn(2, 5))  # breaks the shape too
+    rank = RunReader(run_path).rank(0)
+    assert _status(rank, 0) == _status(rank, 1) == "alert"
+    alerts0 = rank.doc(int(rank.column("steps/extra")[0]))["alerts"]
+    assert {a["check"] for a in alerts0} == {"range", "mean"}
+    assert all(a["watch"] == "weights" and a["reference"] == "Eq. 7" for a in alerts0)
+    alerts1 = rank.doc(int(rank.column("steps/extra")[1]))["alerts"]
+    assert {a["check"] for a in alerts1} == {"range", "mean", "shape"}
+    watched = [r for r in rank.tensor_records(0) if r.role == "watch"]
+    assert [w.name for w in watched] == ["weights"] and watched[0].has_payload
+
+
+def test_kept_expectations_are_ok(run_path):
+    """A watch whose expectations hold leaves the step 'ok'."""
+    @recorder.paper_step("Eq. 8")
+    def probs(x):
+        return recorder.watch(torch.softmax(x, -1), "p", expected_range=(0, 1), expected_shape=(None, 4))
+
+    with recorder.record(run_path):
+        probs(torch.randn(3, 4))
+    rank = RunReader(run_path).rank(0)
+    assert _status(rank, 0) == "ok"
+    assert rank.doc(int(rank.column("steps/extra")[0]))["watches"][0]["name"] == "p"
+
+
+def test_watch_outside_recording_is_a_no_op():
+    """watch() returns its tensor unchanged when nothing is recording."""
+    t = torch.randn(3)
+    assert recorder.watch(t, "x", expected_range=(0, 1)) is t

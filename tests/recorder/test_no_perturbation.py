@@ -1,0 +1,72 @@
+"""Recording never perturbs training: the recorder consumes no RNG and changes no setting."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import recorder
+from recorder import snapshot
+from tests.models import TinyGPT, batch
+
+
+def _train(record_kwargs, path, iterations=4):
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, draws = [], []
+
+    def loop():
+        for i in range(iterations):
+            x, y = batch(i)
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().clone())
+            # Code between steps that draws from every generator: any draw by the recorder shows here.
+            draws.append((torch.rand(1).item(), np.random.rand(), random.random()))
+
+    if record_kwargs is None:
+        loop()
+    else:
+        with recorder.record(path, model=model, optimizer=opt, **record_kwargs) as run:
+            loop()
+        assert run.status == "complete" and run.failure is None
+    return losses, draws, {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kwargs", [{"mode": "full"}, {"mode": "stats"}, {"mode": "full", "every": 2}],
+                         ids=["full", "stats", "full-every-2"])
+def test_training_bitwise_identical_with_recording(tmp_path, kwargs):
+    """Losses, final parameters and every RNG draw are bitwise identical with and without recording."""
+    base_losses, base_draws, base_params = _train(None, None)
+    settings_before = snapshot.settings()
+    losses, draws, params = _train(kwargs, tmp_path / "run.zarr")
+    assert snapshot.settings() == settings_before
+    assert draws == base_draws
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(losses, base_losses))
+    assert params.keys() == base_params.keys()
+    for name in params:
+        assert torch.equal(params[name].view(torch.uint8), base_params[name].view(torch.uint8)), name
+
+
+def test_global_hooks_removed_after_close(tmp_path):
+    """After a recording closes, no module or optimizer hook of the recorder remains."""
+    from torch.nn.modules import module as module_mod
+
+    before = (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks))
+    model = TinyGPT()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", model=model, optimizer=opt):
+        model(batch(0)[0]).sum().backward()
+    assert (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks)) == before
+    assert not opt._optimizer_step_post_hooks
+    assert all(not p._backward_hooks for p in model.parameters())

@@ -1,0 +1,136 @@
+"""Opening something that is not a good recording gives one line naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import recorder
+from recorder.errors import FormatError, NotARecordingError, PdbgError, RecordingError, SchemaVersionError
+from recorder.store.reader import RunReader
+
+
+@recorder.paper_step("Eq. 1")
+def double(x):
+    return x * 2
+
+
+@pytest.fixture
+def good_run(run_path):
+    with recorder.record(run_path):
+        double(torch.ones(3))
+    return run_path
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc)
+    assert "\n" not in text and text
+    return text
+
+
+def test_missing_path(tmp_path):
+    """A path that does not exist is named, with what to give instead."""
+    with pytest.raises(NotARecordingError) as err:
+        RunReader(tmp_path / "nope.zarr")
+    assert "no such file or directory" in _one_line(err.value)
+    assert isinstance(err.value, FileNotFoundError)
+
+
+def test_directory_that_is_not_a_recording(tmp_path):
+    """An ordinary directory, or a plain zarr group, is not taken for a recording."""
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(NotARecordingError) as err:
+        RunReader(tmp_path)
+    assert "is not a PaperDebugger recording" in _one_line(err.value)
+    import zarr
+
+    zarr.open_group(tmp_path / "plain.zarr", mode="w")
+    with pytest.raises(NotARecordingError):
+        RunReader(tmp_path / "plain.zarr")
+
+
+def test_file_that_is_not_a_recording(tmp_path):
+    """A random file (not a zip) is refused with one line."""
+    bad = tmp_path / "model.pt"
+    bad.write_bytes(b"\x80\x04junk")
+    with pytest.raises(NotARecordingError) as err:
+        RunReader(bad)
+    _one_line(err.value)
+
+
+def test_truncated_manifest(good_run):
+    """A manifest cut short is reported as truncated or corrupt."""
+    manifest = good_run / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    with pytest.raises(FormatError) as err:
+        RunReader(good_run)
+    assert "manifest.json is truncated or corrupt" in _one_line(err.value)
+
+
+def test_missing_manifest(good_run):
+    """Without a manifest no step is trusted."""
+    (good_run / "manifest.json").unlink()
+    with pytest.raises(FormatError) as err:
+        RunReader(good_run)
+    assert "manifest.json is missing" in _one_line(err.value)
+
+
+def test_newer_schema_version(good_run):
+    """A recording from a newer major schema asks the user to upgrade."""
+    meta_path = good_run / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["attributes"]["paperdebugger"]["schema_version"] = "2.0"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(SchemaVersionError) as err:
+        RunReader(good_run)
+    text = _one_line(err.value)
+    assert "schema 2.0" in text and "upgrade paperdebugger" in text
+
+
+def test_newer_minor_version_opens(good_run):
+    """A newer minor version of the same major schema still opens."""
+    meta_path = good_run / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["attributes"]["paperdebugger"]["schema_version"] = "1.7"
+    meta_path.write_text(json.dumps(meta))
+    assert len(RunReader(good_run).rank(0)) == 1
+
+
+def test_manifest_pointing_past_the_data(good_run):
+    """A manifest that claims more rows than exist is reported as damage, not read as zeros."""
+    manifest_path = good_run / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["ranks"]["0"]["steps"] = 10
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(FormatError) as err:
+        RunReader(good_run).rank(0).column("steps/name")
+    assert "damaged" in _one_line(err.value)
+
+
+class TestRecordMisuse:
+    def test_unknown_mode(self, run_path):
+        """An unknown mode is refused before anything is written."""
+        with pytest.raises(RecordingError, match="unknown mode 'fast'"):
+            recorder.record(run_path, mode="fast")
+        assert not run_path.exists()
+
+    def test_nested_recordings(self, run_path, tmp_path):
+        """A second recording while one is active is refused; the first keeps working."""
+        with recorder.record(run_path) as run:
+            with pytest.raises(RecordingError, match="already active"):
+                recorder.record(tmp_path / "other.zarr")
+            double(torch.ones(2))
+        assert run.status == "complete" and len(RunReader(run_path).rank(0)) == 1
+
+    def test_existing_non_empty_directory(self, good_run):
+        """An existing recording is never overwritten."""
+        with pytest.raises(RecordingError, match="already exists"):
+            recorder.record(good_run)
+        assert len(RunReader(good_run).rank(0)) == 1
+
+    def test_errors_share_a_base(self):
+        """Every error the user can see derives from PdbgError (the CLI maps it to exit code 2)."""
+        for cls in (NotARecordingError, FormatError, SchemaVersionError, RecordingError):
+            assert issubclass(cls, PdbgError) and cls.exit_code == 2

@@ -1,0 +1,162 @@
+"""A small transformer (two decorated classes, one decorated function) trained 5 iterations with
+dropout: the recording holds every forward call and every backward, in order, with the right phase,
+iteration, parent and module path; parameters are stored once per distinct value; statistics agree
+with torch's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import recorder
+from recorder.store.reader import RunReader
+from tests.models import TinyGPT, batch
+
+ITERATIONS = 5
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    snapshots = []  # parameter values at the start of every iteration (what each step sees)
+    path = tmp_path_factory.mktemp("structure") / "run.zarr"
+    with recorder.record(path, model=model, optimizer=opt, mode="full") as run:
+        for i in range(ITERATIONS):
+            snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            _train_at(model, opt, i)
+    assert run.status == "complete" and run.failure is None
+    reader = RunReader(path)
+    return reader, reader.rank(0), snapshots
+
+
+def _train_at(model, opt, i):
+    x, y = batch(i)
+    logits = model(x)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def rows(rank):
+    out = []
+    for i in range(len(rank)):
+        col = lambda n: rank.column(f"steps/{n}")[i]  # noqa: E731
+        out.append({"index": i, "name": rank.doc(int(col("name"))), "phase": int(col("phase")),
+                    "iteration": int(col("iteration")), "call": int(col("call")), "parent": int(col("parent")),
+                    "forward": int(col("forward")), "path": rank.doc(int(col("module_path"))),
+                    "status": int(col("status"))})
+    return out
+
+
+FORWARD_ORDER = [("Block", "h.0", None), ("Attention", "h.0.attn", "h.0"), ("smooth_relu", "h.0.mlp", "h.0"),
+                 ("Block", "h.1", None), ("Attention", "h.1.attn", "h.1"), ("smooth_relu", "h.1.mlp", "h.1")]
+
+
+class TestOrderAndLinks:
+    def test_every_forward_call_in_program_order(self, recorded):
+        """Per iteration, forward steps appear in call order with their name, module path and parent."""
+        _, rank, _ = recorded
+        steps = rows(rank)
+        assert len(steps) == ITERATIONS * 12
+        for it in range(ITERATIONS):
+            fwd = [s for s in steps if s["iteration"] == it and s["phase"] == 0]
+            assert [(s["name"], s["path"]) for s in fwd] == [(n, p) for n, p, _ in FORWARD_ORDER]
+            by_path = {s["path"]: s for s in fwd if s["name"] == "Block"}
+            for s, (_, _, parent) in zip(fwd, FORWARD_ORDER):
+                assert s["parent"] == (by_path[parent]["index"] if parent else -1)
+                assert s["call"] == 0
+
+    def test_every_backward_linked_to_its_forward(self, recorded):
+        """Each forward call has exactly one backward step, same name/path/call/iteration, after it."""
+        _, rank, _ = recorded
+        steps = rows(rank)
+        bwd = [s for s in steps if s["phase"] == 1]
+        assert len(bwd) == ITERATIONS * 6
+        linked = sorted(s["forward"] for s in bwd)
+        assert linked == sorted(s["index"] for s in steps if s["phase"] == 0)
+        for s in bwd:
+            f = steps[s["forward"]]
+            assert (f["name"], f["path"], f["call"], f["iteration"]) == (s["name"], s["path"], s["call"],
+                                                                          s["iteration"])
+            assert s["index"] > f["index"]
+
+    def test_backward_order_and_nesting(self, recorded):
+        """Backward steps run after the iteration's forwards, outer before inner, last block first."""
+        _, rank, _ = recorded
+        steps = rows(rank)
+        for it in range(ITERATIONS):
+            its = [s for s in steps if s["iteration"] == it]
+            phases = [s["phase"] for s in its]
+            assert phases == [0] * 6 + [1] * 6  # all forwards, then all backwards
+            assert [s["index"] for s in its] == list(range(its[0]["index"], its[0]["index"] + 12))
+            bwd = [s for s in its if s["phase"] == 1]
+            blocks = [s["path"] for s in bwd if s["name"] == "Block"]
+            assert blocks == ["h.1", "h.0"]
+            for s in bwd:
+                fparent = steps[s["forward"]]["parent"]
+                if fparent == -1:
+                    assert s["parent"] == -1
+                else:
+                    parent = steps[s["parent"]]
+                    assert parent["phase"] == 1 and parent["forward"] == fparent
+                    assert parent["index"] < s["index"]
+
+    def test_tensor_roles(self, recorded):
+        """Forward steps hold inputs, params, outputs (and watches); backward steps the gradients."""
+        _, rank, _ = recorded
+        steps = rows(rank)
+        block_f = next(s for s in steps if s["name"] == "Block" and s["phase"] == 0)
+        recs = rank.tensor_records(block_f["index"])
+        names = {(r.role, r.name) for r in recs}
+        assert ("input", "args.0") in names and ("output", "output") in names
+        assert ("param", "attn.qkv.weight") in names and ("param", "mlp.fc.bias") in names
+        attn_f = next(s for s in steps if s["name"] == "Attention" and s["phase"] == 0)
+        assert ("watch", "attention_weights") in {(r.role, r.name) for r in rank.tensor_records(attn_f["index"])}
+        block_b = next(s for s in steps if s["name"] == "Block" and s["phase"] == 1)
+        bnames = {(r.role, r.name) for r in rank.tensor_records(block_b["index"])}
+        assert {("grad_output", "output"), ("grad_input", "args.0"), ("param_grad", "attn.qkv.weight")} <= bnames
+        relu_f = next(s for s in steps if s["name"] == "smooth_relu" and s["phase"] == 0)
+        args = rank.doc(int(rank.column("steps/args")[relu_f["index"]]))
+        assert args == {"args": [{"$tensor": "args.0"}], "kwargs": {"beta": 0.5}}
+
+
+class TestPayloads:
+    def test_parameters_stored_once_per_distinct_value(self, recorded):
+        """Distinct parameter payloads == distinct parameter values, asserted exactly."""
+        _, rank, snapshots = recorded
+        steps = rows(rank)
+        payload_ids, values = set(), set()
+        for s in steps:
+            if s["phase"] != 0 or s["name"] == "smooth_relu":
+                continue
+            prefix = s["path"] + "."
+            for rec in rank.tensor_records(s["index"]):
+                if rec.role != "param":
+                    continue
+                live = snapshots[s["iteration"]][prefix + rec.name]
+                got = rank.tensor(rec)
+                assert torch.equal(got.view(torch.int32), live.view(torch.int32))  # bitwise
+                payload_ids.add(rec.payload)
+                values.add(live.numpy().tobytes())
+        assert len(payload_ids) == len(values)
+
+    def test_statistics_match_torch(self, recorded):
+        """Recorded min/max/mean/std/abs-max/norm equal torch's on the stored tensor."""
+        _, rank, _ = recorded
+        checked = 0
+        for i in range(len(rank)):
+            for rec in rank.tensor_records(i):
+                t = rank.tensor(rec).double()
+                s = rec.stats
+                assert s["nan"] == 0 and s["inf"] == 0
+                assert s["min"] == t.min().item() and s["max"] == t.max().item()
+                assert s["absmax"] == t.abs().max().item()
+                assert s["mean"] == pytest.approx(t.mean().item(), rel=1e-5, abs=1e-6)
+                if t.numel() > 1:
+                    assert s["std"] == pytest.approx(t.std().item(), rel=1e-4, abs=1e-6)
+                assert s["norm"] == pytest.approx(t.norm().item(), rel=1e-5)
+                checked += 1
+        assert checked > 300
