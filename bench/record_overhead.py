@@ -363,8 +363,11 @@ forward, cross-entropy loss, backward, AdamW step, `zero_grad`. Variants:
   all variants alike. Each variant is warmed up first.
 - A recording variant opens one `record()` session per block into a new directory on local disk; the
   block's time runs from the `record()` call to the return of `run.close()`: opening the store,
-  draining the writer queue and the final commit are included. The fixed costs of a session are
-  also shown on their own.
+  draining the writer queue and the final commit are included. The targets are judged on this
+  figure. The fixed costs of a session (median open and close of a session that records nothing,
+  run once per round) are shown on their own, with an estimate of the per-iteration cost without
+  them (block time less one empty session's open + close, over iterations): a training run opens
+  one session, not one per {any_res['iterations']} iterations.
 - The figure is the median over blocks of block time / iterations; "vs baseline" is the ratio of
   medians. CPU ms/iter is process CPU time (all threads: training, writer, zarr's event loop).
 - disk MB/iter: all files of the store / iterations (apparent sizes); compression: uncompressed
@@ -372,6 +375,8 @@ forward, cross-entropy loss, backward, AdamW step, `zero_grad`. Variants:
   `rank0/blobs/` directory. With few iterations per session the fixed bytes of a store (definitions,
   settings, array metadata: see "empty session") weigh on stats mode's MB/iter.
 - Stores go to a temporary directory, deleted after each block.
+- Where the recorder's time goes: `python bench/record_overhead.py --profile full --threads 1`
+  (cProfile of the training and writer threads, in CPU time per iteration).
 
 Machine: {machine()}.
 

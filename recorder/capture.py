@@ -170,9 +170,7 @@ class Session:
                           t_start=time.perf_counter() - self.t0, payloads=self._payloads_now())
             frame.rng = snapshot.rng_parts()
             frame.settings = snapshot.settings()
-            frame.args_doc = jsonval.encode(
-                {"args": list(args), "kwargs": kwargs},
-                tensor_name=lambda t, p: self._capture(frame, "input", p, t))
+            frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "")
             if module is not None:
                 for name, p in module.named_parameters():
                     self._capture(frame, "param", name, p)
@@ -196,8 +194,7 @@ class Session:
         self.local.busy = True
         try:
             frame.t_end = time.perf_counter() - self.t0
-            frame.output_doc = jsonval.encode(
-                out, tensor_name=lambda t, p: self._capture(frame, "output", f"output.{p}" if p else "output", t))
+            frame.output_doc = self._encode(frame, out, "output", "output")
             if link is not None:
                 out, link.output_names = taps.tap_output(
                     out, lambda grads, lk=link: self._on_grad_output(lk, grads))
@@ -242,6 +239,23 @@ class Session:
             self.fail("recording a watched tensor", exc)
 
     # -- tensors ---------------------------------------------------------------------------------
+    def _encode(self, frame: Frame, value: Any, role: str, prefix: str) -> Any:
+        """Encode a value as tagged JSON, capturing each tensor in it under its path."""
+        errors: list[Exception] = []
+
+        def name(t: torch.Tensor, path: str) -> str | None:
+            full = f"{prefix}.{path}" if prefix and path else (prefix or path)
+            try:
+                return self._capture(frame, role, full, t)
+            except Exception as exc:  # jsonval would hide it as an opaque value: surface it
+                errors.append(exc)
+                return None
+
+        doc = jsonval.encode(value, tensor_name=name)
+        if errors:
+            raise errors[0]
+        return doc
+
     def _capture(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
         """Snapshot one tensor into the frame; returns its record name (for the arguments document)."""
         t = t.detach()

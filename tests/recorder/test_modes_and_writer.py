@@ -1,0 +1,156 @@
+"""Modes, sampling, compression settings, the bounded writer queue and graceful degradation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import recorder
+from recorder import stats
+from recorder.store import writer as store_writer
+from recorder.store.reader import RunReader
+
+
+@recorder.paper_step("Eq. 3", description="scale")
+def scale(x: torch.Tensor, k: float = 2.0) -> torch.Tensor:
+    return x * k
+
+
+def _payload_flags(rank):
+    return [[r.has_payload for r in rank.tensor_records(i)] for i in range(len(rank))]
+
+
+def test_stats_mode_keeps_no_payloads(run_path):
+    """mode='stats' keeps statistics of every tensor and no bytes."""
+    with recorder.record(run_path, mode="stats"):
+        for _ in range(3):
+            scale(torch.randn(100))
+    rank = RunReader(run_path).rank(0)
+    assert len(rank) == 3 and rank.lengths["payloads"] == 0
+    rec = rank.tensor_records(0)[0]
+    assert rec.stats["absmax"] > 0 and not rec.has_payload
+
+
+def test_every_k_iterations_keeps_payloads(run_path):
+    """every=2: payloads on iterations 0, 2, 4; statistics on all."""
+    with recorder.record(run_path, every=2) as run:
+        for _ in range(5):
+            scale(torch.randn(10))
+            run.next_iteration()
+    rank = RunReader(run_path).rank(0)
+    assert list(rank.column("steps/iteration")) == [0, 1, 2, 3, 4]
+    assert [all(f) for f in _payload_flags(rank)] == [True, False, True, False, True]
+    assert all(np.isfinite(rank.tensor_records(1)[0].stats["mean"]) for _ in [0])
+
+
+@pytest.mark.parametrize("compressor", [None, "zstd", "none", {"cname": "zstd", "clevel": 3, "shuffle": "shuffle"}])
+def test_compressors_round_trip(run_path, compressor):
+    """Every compression setting reads back the same bytes."""
+    x = torch.randn(1000)
+    with recorder.record(run_path, compressor=compressor):
+        scale(x)
+    rank = RunReader(run_path).rank(0)
+    assert torch.equal(rank.tensor(rank.tensor_records(0)[0]), x)
+
+
+def test_bad_compressor_is_refused(run_path):
+    """An unknown compressor gets a one-line error naming the choices."""
+    with pytest.raises(recorder.RecordingError, match="unknown compressor 'brotli'"):
+        recorder.record(run_path, compressor="brotli")
+
+
+def test_readable_with_plain_zarr(run_path):
+    """A finished run reads with zarr alone: steps, documents and payload bytes, as docs/FORMAT.md says."""
+    x = torch.arange(12, dtype=torch.float32)
+    with recorder.record(run_path):
+        scale(x, k=3.0)
+    manifest = json.loads((run_path / "manifest.json").read_text())
+    lengths = manifest["ranks"]["0"]
+    g = zarr.open_group(run_path, mode="r")
+    assert g.attrs["paperdebugger"]["schema_version"] == "1.0"
+    r0 = g["rank0"]
+    assert r0["steps/iteration"].shape == (lengths["steps"],)
+    name_doc = int(r0["steps/name"][0])
+    off, n = int(r0["docs/offset"][name_doc]), int(r0["docs/length"][name_doc])
+    assert json.loads(r0["docs/bytes"][off:off + n].tobytes()) == "scale"
+    start = int(r0["steps/tensor_start"][0])
+    pid = int(r0["tensors/payload"][start])
+    assert r0["payloads/blob"][pid] == 2  # u4
+    off, count = int(r0["payloads/offset"][pid]), int(r0["payloads/count"][pid])
+    assert np.array_equal(r0["blobs/u4"][off:off + count].view(np.float32), x.numpy())
+
+
+def test_memory_store_backend():
+    """Recording into a zarr MemoryStore works like a directory (the storage interface for tests)."""
+    store = zarr.storage.MemoryStore()
+    with recorder.record(store):
+        scale(torch.ones(4))
+    reader = RunReader(store)
+    assert reader.status == "complete" and len(reader.rank(0)) == 1
+
+
+def test_queue_memory_is_bounded(run_path):
+    """With a small queue bound, queued bytes never exceed it by more than one item (backpressure)."""
+    with recorder.record(run_path, max_queue_bytes=1 << 20) as run:
+        for _ in range(40):
+            scale(torch.randn(128 * 1024))  # 512 KiB in, 512 KiB out per call
+    assert run.pipeline.peak_queue_bytes <= (1 << 20) + (512 << 10) + 1
+    assert len(RunReader(run_path).rank(0)) == 40
+
+
+def test_writer_failure_degrades_without_stopping_training(run_path, monkeypatch):
+    """A failing writer is reported once as a RecorderWarning; the user's calls keep working."""
+    def broken(self, key, data):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store_writer.StoreWriter, "payload", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with recorder.record(run_path, flush_interval=0.01) as run:
+            results = [scale(torch.full((4,), float(i))) for i in range(50)]
+    assert [r[0].item() for r in results] == [2.0 * i for i in range(50)]
+    ours = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+    assert len(ours) == 1 and "disk full" in str(ours[0].message)
+    assert run.status == "crashed"
+    assert RunReader(run_path).status == "crashed"
+
+
+def test_capture_failure_degrades(run_path, monkeypatch):
+    """An internal error while capturing a step warns once and the call still returns its result."""
+    monkeypatch.setattr(stats, "host_stats", lambda t: 1 / 0)
+    with pytest.warns(recorder.RecorderWarning, match="ZeroDivisionError"):
+        with recorder.record(run_path) as run:
+            out = [scale(torch.ones(2)) for _ in range(3)]
+    assert all(torch.equal(o, torch.full((2,), 2.0)) for o in out)
+    assert run.failure is not None
+
+
+def test_host_and_device_statistics_agree():
+    """The no-sync device path computes the same statistics as the host path, NaN/Inf included."""
+    x = torch.randn(1000, dtype=torch.float64)
+    x[3], x[10], x[11] = float("nan"), float("inf"), -float("inf")
+    for t in (x, x.float(), x.half(), torch.randn(5, 5).bfloat16(), torch.arange(10), torch.tensor([True, False]),
+              torch.tensor([7.0]), torch.empty(0), torch.full((4,), float("nan"))):
+        host = stats.host_stats(t)
+        dev = stats.device_stats(t).tolist()
+        for a, b in zip(host, dev):
+            assert (np.isnan(a) and np.isnan(b)) or a == pytest.approx(b, rel=1e-6, abs=1e-9)
+    h = stats.host_stats(x)
+    finite = x[torch.isfinite(x)]
+    assert h[6:] == (1.0, 2.0)
+    assert h[0] == finite.min().item() and h[1] == finite.max().item()
+
+
+def test_importing_recorder_is_cheap():
+    """`import recorder` loads neither zarr nor textual (nor the replayer)."""
+    code = ("import sys, recorder; bad = [m for m in ('zarr', 'textual', 'replayer', 'tui') if m in sys.modules];"
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,1 @@
+"""PaperDebugger's terminal interface: the ``pdbg`` command line and the Textual app."""

@@ -1,0 +1,46 @@
+"""pdbg - PaperDebugger's command line.
+
+Exit codes: 0 success, 1 a finding (mismatch, NaN found, divergence), 2 bad usage or bad input.
+Errors are one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+from recorder.errors import PdbgError
+
+
+def _version() -> str:
+    try:
+        return version("paperdebugger")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdbg", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"pdbg {_version()}")
+    parser.add_subparsers(dest="command", metavar="COMMAND")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        handler = getattr(args, "handler", None)
+        if handler is None:
+            parser.print_usage(sys.stderr)
+            print("pdbg: error: give a command (see pdbg --help)", file=sys.stderr)
+            return 2
+        return int(handler(args))
+    except PdbgError as exc:
+        print(f"pdbg: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
