@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import sys
+import time
 from typing import Any
 
 import torch
@@ -131,7 +132,7 @@ def early(root: str, points: list[int]) -> None:
 
     import recorder.run  # noqa: F401
 
-    build(0)  # the first model construction costs a second (lazy imports): pay it once, before forking
+    import torch._dynamo  # noqa: F401  (torch.optim imports it on first use: a second, paid once)
     for n in points:
         pid = os.fork()
         if pid == 0:  # the child never returns: it is killed, or exits 3 if no kill point was hit
@@ -140,8 +141,21 @@ def early(root: str, points: list[int]) -> None:
                 record_forever(os.path.join(root, f"kill-{n}"), 0)
             finally:
                 os._exit(3)
-        _, status = os.waitpid(pid, 0)
-        print(n, os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status), flush=True)
+        deadline = time.monotonic() + 30.0
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:  # the kill point was never reached: report it as a hang
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                status = None
+                break
+            time.sleep(0.002)
+        if status is None:
+            print(n, "hang", flush=True)
+        else:
+            print(n, os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status), flush=True)
 
 
 if __name__ == "__main__":
