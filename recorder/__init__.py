@@ -15,12 +15,30 @@ from typing import Any
 
 from .annotate import StepDef, annotate, paper_step, watch
 from .capture import RecorderWarning
-from .errors import (FormatError, NotARecordingError, PdbgError, RecordingError, SchemaVersionError,
-                     StepNotFoundError)
+from .errors import (
+    FormatError,
+    NotARecordingError,
+    PdbgError,
+    RecordingError,
+    SchemaVersionError,
+    StepNotFoundError,
+)
 
-__all__ = ["paper_step", "annotate", "watch", "record", "open_run", "StepDef", "RecorderWarning",
-           "PdbgError", "NotARecordingError", "FormatError", "SchemaVersionError", "RecordingError",
-           "StepNotFoundError"]
+__all__ = [
+    "FormatError",
+    "NotARecordingError",
+    "PdbgError",
+    "RecorderWarning",
+    "RecordingError",
+    "SchemaVersionError",
+    "StepDef",
+    "StepNotFoundError",
+    "annotate",
+    "open_run",
+    "paper_step",
+    "record",
+    "watch",
+]
 
 
 def record(path: Any, model: Any = None, optimizer: Any = None, mode: str = "full", every: int = 1,

@@ -12,8 +12,9 @@ import hashlib
 import inspect
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 

@@ -7,21 +7,20 @@ thread hashes what came from accelerators, deduplicates, encodes and writes, and
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import jsonval
+from . import jsonval, snapshot
 from . import payload as payload_mod
-from . import snapshot
+from .items import PayloadItem, StepItem
 from .store import layout
-from .items import PayloadItem, StepItem, TensorItem
 from .store.writer import StoreWriter
 
 HEARTBEAT_S = 30.0
@@ -79,10 +78,10 @@ class Pipeline:
             self.submit(("close", status, info))
             self._thread.join(timeout)
         if self.error is not None:
-            try:  # still publish what was committed, and why the rest is missing
+            # Still publish what was committed and why the rest is missing; if even that fails, the
+            # last manifest stands and readers infer "crashed" from the dead writer.
+            with contextlib.suppress(Exception):
                 self.writer.close("crashed", {**info, "writer_error": repr(self.error)})
-            except Exception:
-                pass
 
     @property
     def queued_bytes(self) -> int:

@@ -10,7 +10,7 @@ import sys
 import time
 import traceback
 import warnings
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from . import capture, jsonval, snapshot
-from .store import codecs as codecs_api
 from .errors import RecordingError
 from .pipeline import Pipeline
-from .store import backend, layout
+from .store import backend
+from .store import codecs as codecs_api
 from .store.writer import StoreWriter
 
 MODES = ("full", "stats")
@@ -151,7 +151,7 @@ def run_metadata(started: float, mode: str, every: int) -> dict[str, Any]:
     main = sys.modules.get("__main__")
     script = getattr(main, "__file__", None)
     return {
-        "started": datetime.fromtimestamp(started, timezone.utc).isoformat(), "started_unix": started,
+        "started": datetime.fromtimestamp(started, UTC).isoformat(), "started_unix": started,
         "mode": mode, "every": every, "argv": list(sys.argv), "cwd": os.getcwd(),
         "script": os.path.abspath(script) if script else None,
         "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
@@ -165,10 +165,11 @@ def _git_commit(script: str | None) -> dict[str, Any] | None:
     """Commit and dirtiness of the repository holding the user's script (or the cwd), if any."""
     where = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=where, capture_output=True,
+                              text=True, timeout=5)
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], check=False, cwd=where,
                                capture_output=True, text=True, timeout=5)
         return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import base64
 import os
 import random
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch

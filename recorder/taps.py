@@ -10,7 +10,8 @@ pass through unchanged and unmaterialised (``None`` stays ``None``), so values a
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

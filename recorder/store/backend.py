@@ -99,3 +99,12 @@ def describe(target: Any) -> str:
     if isinstance(target, Store):
         return f"<{type(target).__name__}>"
     return str(target)
+
+
+def boot_id() -> str | None:
+    """Identifies this boot of this machine, so a reader can tell a dead writer from a live one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None

@@ -130,7 +130,7 @@ class RunReader:
 
     def _writer_alive(self) -> bool:
         writer = self.manifest.get("writer", {})
-        if writer.get("host") == socket.gethostname() and writer.get("boot") == _boot_id():
+        if writer.get("host") == socket.gethostname() and writer.get("boot") == backend.boot_id():
             try:
                 os.kill(int(writer["pid"]), 0)
             except ProcessLookupError:
@@ -267,11 +267,3 @@ class RankReader:
             raise FormatError(f"{self.run.label}: payload of {record.name!r} (step {record.step}) has "
                               f"{units.nbytes} bytes, its shape needs {expected}")
         return payload_mod.from_units(units, dtype, record.shape)
-
-
-def _boot_id() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return None

@@ -221,16 +221,7 @@ class StoreWriter:
         manifest = {
             "format": "paperdebugger.manifest", "schema_version": layout.SCHEMA_VERSION,
             "status": self.status, "seq": self.seq, "updated_unix": time.time(),
-            "writer": {"pid": os.getpid(), "host": socket.gethostname(), "boot": _boot_id()},
+            "writer": {"pid": os.getpid(), "host": socket.gethostname(), "boot": backend.boot_id()},
             "ranks": {str(self.rank): self.lengths()}, "info": self.info,
         }
         backend.put(self.store, layout.MANIFEST_KEY, dumps(manifest), durable=True)
-
-
-def _boot_id() -> str | None:
-    """Identifies this boot of this machine, so a reader can tell a dead writer from a live one."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return None

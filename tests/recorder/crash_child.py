@@ -128,11 +128,10 @@ def _kill_at_write(n: int) -> None:
 def early(root: str, points: list[int]) -> None:
     """Fork one recording per kill point; each child dies by SIGKILL while the store is being set up
     (or, past the setup's writes, while recording). Prints "N SIGNAL" for each."""
+    import torch._dynamo  # noqa: F401  (torch.optim imports it on first use: a second, paid once)
     import zarr.storage._local  # noqa: F401  (imported once here, not in every fork)
 
     import recorder.run  # noqa: F401
-
-    import torch._dynamo  # noqa: F401  (torch.optim imports it on first use: a second, paid once)
     for n in points:
         pid = os.fork()
         if pid == 0:  # the child never returns: it is killed, or exits 3 if no kill point was hit
