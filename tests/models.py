@@ -86,14 +86,12 @@ def batch(step: int, vocab: int = 32, seq: int = 8, size: int = 4) -> tuple[torc
     return idx[:, :-1], idx[:, 1:]
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, iterations: int) -> list[torch.Tensor]:
-    losses = []
-    for i in range(iterations):
-        x, y = batch(i)
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach().clone())
-    return losses
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> torch.Tensor:
+    """One training iteration on batch ``i``: forward, cross-entropy, backward, optimizer step."""
+    x, y = batch(i)
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach().clone()

@@ -7,11 +7,10 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import recorder
 from recorder import snapshot
-from tests.models import TinyGPT, batch
+from tests.models import TinyGPT, batch, train_step
 
 
 def _train(record_kwargs, path, iterations=4):
@@ -24,13 +23,7 @@ def _train(record_kwargs, path, iterations=4):
 
     def loop():
         for i in range(iterations):
-            x, y = batch(i)
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach().clone())
+            losses.append(train_step(model, opt, i))
             # Code between steps that draws from every generator: any draw by the recorder shows here.
             draws.append((torch.rand(1).item(), np.random.rand(), random.random()))
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import recorder
 from recorder.store.reader import RunReader
-from tests.models import TinyGPT, batch
+from tests.models import TinyGPT, train_step
 
 ITERATIONS = 5
 
@@ -26,18 +25,10 @@ def recorded(tmp_path_factory):
     with recorder.record(path, model=model, optimizer=opt, mode="full") as run:
         for i in range(ITERATIONS):
             snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
-            _train_at(model, opt, i)
+            train_step(model, opt, i)
     assert run.status == "complete" and run.failure is None
     reader = RunReader(path)
     return reader, reader.rank(0), snapshots
-
-
-def _train_at(model, opt, i):
-    x, y = batch(i)
-    logits = model(x)
-    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def rows(rank):
