@@ -298,8 +298,11 @@ class Session:
     def _device_payload(self, t: torch.Tensor) -> int:
         unit = payload_mod.unit_of(t.dtype)
         flat = t.reshape(-1)
+        if flat.numel() and flat.stride(0) != 1:
+            flat = flat.clone(memory_format=torch.contiguous_format)
         nbytes = flat.numel() * t.element_size()
-        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # Page-locked staging lets the copy run asynchronously; the writer waits on the event.
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.device.type == "cuda")
         if nbytes:
             pinned.copy_(flat.view(torch.uint8), non_blocking=True)
         event = torch.cuda.Event() if t.device.type == "cuda" else None

@@ -154,3 +154,23 @@ def test_importing_recorder_is_cheap():
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_accelerator_path_round_trips(run_path, monkeypatch):
+    """The asynchronous path used for accelerator tensors (device statistics, staged copies hashed by
+    the writer) stores the same bytes and statistics; exercised here with CPU tensors."""
+    from recorder import capture
+
+    monkeypatch.setattr(capture.Session, "_payload", capture.Session._device_payload)
+    monkeypatch.setattr(stats, "host_stats", lambda t: stats.device_stats(t))
+    x = torch.randn(3, 5)
+    with recorder.record(run_path) as run:
+        scale(x)
+        scale(x.t())  # non-contiguous
+        scale(x)  # same content again: deduplicated by the writer
+    assert run.failure is None
+    rank = RunReader(run_path).rank(0)
+    inputs = [rank.tensor_records(i)[0] for i in range(3)]
+    assert torch.equal(rank.tensor(inputs[0]), x) and torch.equal(rank.tensor(inputs[1]), x.t().contiguous())
+    assert inputs[0].payload == inputs[2].payload != inputs[1].payload
+    assert inputs[0].stats["max"] == x.max().item()
