@@ -52,6 +52,7 @@ RECORDING = ("stats", "full")
 TARGETS = (("stats", 2, 1.10), ("full", 2, 1.5), ("full", 1, 1.10))
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "PERFORMANCE.md"
 MB = 1e6
+NOISY = 0.1  # a block during which other processes kept this many cores busy is reported as noisy
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -136,6 +137,7 @@ class Variant:
     opt: torch.optim.Optimizer
     per_iter: list[float] = field(default_factory=list)  # wall seconds per iteration, one per block
     cpu_per_iter: list[float] = field(default_factory=list)  # process CPU seconds (all threads)
+    others: list[float] = field(default_factory=list)  # cores busy with other processes, per block
     store_bytes: list[float] = field(default_factory=list)  # per iteration
     raw_payload: list[float] = field(default_factory=list)  # uncompressed payload bytes per iteration
     disk_payload: list[float] = field(default_factory=list)  # blobs/ bytes on disk per iteration
@@ -164,6 +166,17 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
+def busy_cpu_seconds() -> float:
+    """CPU time the whole machine spent busy (all processes, steal included), from /proc/stat."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(v) for v in fh.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -180,7 +193,7 @@ def run_block(v: Variant, iterations: int, batches: list[Any], tmp: Path, seq: l
     steps = [batches[i % len(batches)] for i in range(iterations)]
     path = tmp / f"{v.name}-{seq[0]}.zarr"
     seq[0] += 1
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    busy0, cpu0, t0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
     if v.name in RECORDING:
         run = recorder.record(str(path), model=v.model, optimizer=v.opt, mode=v.name)
         t_open = time.perf_counter()
@@ -199,7 +212,8 @@ def run_block(v: Variant, iterations: int, batches: list[Any], tmp: Path, seq: l
     else:
         for x, y in steps:
             train_step(v.model, v.opt, x, y)
-    t1, cpu1 = time.perf_counter(), time.process_time()
+    t1, cpu1, busy1 = time.perf_counter(), time.process_time(), busy_cpu_seconds()
+    v.others.append(max(0.0, (busy1 - busy0) - (cpu1 - cpu0)) / (t1 - t0))
     v.per_iter.append((t1 - t0) / iterations)
     v.cpu_per_iter.append((cpu1 - cpu0) / iterations)
     if v.name in RECORDING:
@@ -254,9 +268,13 @@ def measure(threads: int, iterations: int, blocks: int, warmup: int, log: bool =
                     empty_session(v, tmp, seq)
             if log:
                 print(f"  [{threads} thread(s)] round {r + 1}/{blocks}: "
-                      + ", ".join(f"{v.name} {v.per_iter[-1] * 1e3:.0f} ms" for v in variants), flush=True)
+                      + ", ".join(f"{v.name} {v.per_iter[-1] * 1e3:.0f} ms" for v in variants)
+                      + f" (other processes: {max(v.others[-1] for v in variants):.2f} cores at most)", flush=True)
     return {"threads": threads, "iterations": iterations, "blocks": blocks,
             "seconds": time.perf_counter() - t_start, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+            "others": statistics.mean(o for v in variants for o in v.others),
+            "others_max": max(o for v in variants for o in v.others),
+            "noisy_blocks": sum(o > NOISY for v in variants for o in v.others),
             "variants": {v.name: summarise(v, iterations) for v in variants}}
 
 
@@ -313,7 +331,9 @@ def table(res: dict[str, Any]) -> str:
 def header(res: dict[str, Any]) -> str:
     return (f"### torch threads = {res['threads']}\n\n{res['blocks']} blocks × {res['iterations']} iterations "
             f"per variant, {res['seconds']:.0f} s; load average before {res['loadavg_before'][0]:.2f}, "
-            f"after {res['loadavg_after'][0]:.2f}.\n")
+            f"after {res['loadavg_after'][0]:.2f}. Other processes kept {res['others']:.2f} cores busy on "
+            f"average (at most {res['others_max']:.2f} during a block; {res['noisy_blocks']} of "
+            f"{res['blocks'] * len(VARIANTS)} blocks above {NOISY}).\n")
 
 
 def target_lines(results: dict[int, dict[str, Any]]) -> list[str]:
@@ -459,7 +479,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, choices=(1, 2), action="append",
                         help="torch threads (repeatable; default: 2, then 1)")
     parser.add_argument("--iterations", type=int, default=5, help="iterations per block (default 5)")
-    parser.add_argument("--blocks", type=int, default=9, help="measured blocks per variant (default 9)")
+    parser.add_argument("--blocks", type=int, default=12, help="measured blocks per variant (default 12)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up iterations per variant (default 2)")
     parser.add_argument("--write-docs", action="store_true", help=f"rewrite {DOCS.relative_to(DOCS.parents[1])}")
     parser.add_argument("--profile", choices=RECORDING, help="cProfile this variant alone instead")

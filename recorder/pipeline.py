@@ -91,42 +91,41 @@ class Pipeline:
     def _run(self) -> None:
         last_flush = last_commit = time.monotonic()
         dirty = False
-        while True:
-            with self._cond:
-                if not self._queue:
-                    self._cond.wait(timeout=self.flush_interval)
-                batch = list(self._queue)
-                self._queue.clear()
-            try:
-                for item, nbytes in batch:
-                    if isinstance(item, tuple) and item[0] == "close":
-                        self.writer.close(item[1], item[2])
-                        self._release(nbytes)
-                        return
-                    if isinstance(item, tuple) and item[0] == "flush":
-                        self.writer.flush()
-                        last_commit = time.monotonic()
-                        dirty = False
-                        item[1].set()
-                    else:
-                        self._handle(item)
-                        dirty = True
-                    self._release(nbytes)
+        item: Any = None
+        try:
+            while True:
+                with self._cond:
+                    if not self._queue:
+                        self._cond.wait(timeout=self.flush_interval)
+                    item, nbytes = self._queue.popleft() if self._queue else (None, 0)
+                if isinstance(item, tuple) and item[0] == "close":
+                    self.writer.close(item[1], item[2])
+                    return
+                if isinstance(item, tuple) and item[0] == "flush":
+                    self.writer.flush()
+                    last_flush = last_commit = time.monotonic()
+                    dirty = False
+                    item[1].set()
+                elif item is not None:
+                    self._handle(item)
+                    dirty = True
+                self._release(nbytes)
+                # Checked after every item, so commits keep their pace even when the queue is long.
                 now = time.monotonic()
                 if (dirty and now - last_flush >= self.flush_interval) or now - last_commit >= HEARTBEAT_S:
                     self.writer.flush()
                     last_flush = last_commit = now
                     dirty = False
-            except BaseException as exc:  # never let the writer die silently: the session reports it
-                with self._cond:
-                    self.error, self.error_trace = exc, traceback.format_exc()
-                    self._queue.clear()
-                    self._bytes = 0
-                    self._cond.notify_all()
-                for item, _ in batch:
-                    if isinstance(item, tuple) and item[0] == "flush":
-                        item[1].set()
-                return
+        except BaseException as exc:  # never let the writer die silently: the session reports it
+            with self._cond:
+                self.error, self.error_trace = exc, traceback.format_exc()
+                pending = [item, *(queued for queued, _ in self._queue)]
+                self._queue.clear()
+                self._bytes = 0
+                self._cond.notify_all()
+            for waiting in pending:  # nobody waits forever on a flush that will not happen
+                if isinstance(waiting, tuple) and waiting[0] == "flush":
+                    waiting[1].set()
 
     def _release(self, nbytes: int) -> None:
         if nbytes:

@@ -5,7 +5,7 @@ its other values; the NaN and Inf counts say how many were left out. std is the 
 deviation (torch.std's default, correction=1). Complex tensors are summarised by magnitude; integer
 and boolean tensors by value. An empty tensor has NaN value statistics and zero counts.
 
-On the CPU the common case (no NaN, no Inf) costs three passes over the data. On an accelerator the
+On the CPU the common case (no NaN, no Inf) costs about five cheap passes over the data. On an accelerator the
 statistics stay on the device as one small tensor (no host synchronisation per tensor); the recorder
 copies them to the host in bulk later.
 """
@@ -34,36 +34,34 @@ def _working(t: torch.Tensor) -> torch.Tensor:
 
 def host_stats(t: torch.Tensor) -> tuple[float, ...]:
     """Statistics of a CPU tensor as Python floats, in layout.STAT_NAMES order."""
-    x = _working(t)
-    n = x.numel()
-    if n == 0:
+    x = _working(t).reshape(-1)
+    if x.numel() == 0:
         return EMPTY
-    if x.dtype == torch.float64 and not t.is_floating_point() and not t.is_complex():
-        finite = True  # integers and bools are always finite
-    else:
-        lo, hi = torch.aminmax(x)
-        finite = math.isfinite(lo.item()) and math.isfinite(hi.item())
-    if finite:
-        return _finite_stats(x, 0, 0)
+    lo, hi = torch.aminmax(x)
+    lo_f, hi_f = lo.item(), hi.item()
+    if math.isfinite(lo_f) and math.isfinite(hi_f):  # NaN propagates into min/max, Inf shows there
+        return _finite_stats(x, lo_f, hi_f, 0, 0)
     nan = int(torch.isnan(x).sum())
     inf = int(torch.isinf(x).sum())
     kept = x[torch.isfinite(x)]
     if kept.numel() == 0:
         return (NAN, NAN, NAN, NAN, NAN, NAN, float(nan), float(inf))
-    return _finite_stats(kept, nan, inf)
+    lo, hi = torch.aminmax(kept)
+    return _finite_stats(kept, lo.item(), hi.item(), nan, inf)
 
 
-def _finite_stats(x: torch.Tensor, nan: int, inf: int) -> tuple[float, ...]:
-    lo, hi = torch.aminmax(x)
+def _finite_stats(x: torch.Tensor, lo: float, hi: float, nan: int, inf: int) -> tuple[float, ...]:
+    # Two passes (mean, then the sum of squared deviations as a dot product) instead of
+    # torch.std_mean, whose Welford loop is ~50x slower on the CPU; as accurate for these sizes.
     n = x.numel()
+    mean = x.sum() / n
     if n > 1:
-        std, mean = torch.std_mean(x)
-        std_f = std.item()
+        dev = x - mean
+        std = (torch.dot(dev, dev) / (n - 1)).sqrt().item()
     else:
-        mean, std_f = x.reshape(()), NAN
-    lo_f, hi_f = lo.item(), hi.item()
+        std = NAN
     norm = torch.linalg.vector_norm(x).item()
-    return (lo_f, hi_f, mean.item(), std_f, max(abs(lo_f), abs(hi_f)), norm, float(nan), float(inf))
+    return (lo, hi, mean.item(), std, max(abs(lo), abs(hi)), norm, float(nan), float(inf))
 
 
 def device_stats(t: torch.Tensor) -> torch.Tensor:

@@ -108,3 +108,14 @@ def boot_id() -> str | None:
             return fh.read().strip()
     except OSError:
         return None
+
+
+def process_start(pid: int) -> int | None:
+    """When a process started (clock ticks since boot), so a reused pid is not taken for the writer."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces or parentheses: count fields after its last ")".
+    return int(stat.rsplit(")", 1)[1].split()[19])

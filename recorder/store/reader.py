@@ -104,7 +104,8 @@ class RunReader:
         manifest = self._read_json(layout.MANIFEST_KEY)
         if manifest is None:
             raise FormatError(f"{self.label}: {layout.MANIFEST_KEY} is missing, so no step is known to be "
-                              "committed; the recording was damaged or copied incompletely")
+                              "committed; the recorder was killed before its first commit, or the recording "
+                              "was damaged or copied incompletely")
         ranks = manifest.get("ranks") if isinstance(manifest, dict) else None
         if manifest.get("format") != "paperdebugger.manifest" or not isinstance(ranks, dict):
             raise FormatError(f"{self.label}: {layout.MANIFEST_KEY} is not a PaperDebugger manifest")
@@ -132,12 +133,14 @@ class RunReader:
         writer = self.manifest.get("writer", {})
         if writer.get("host") == socket.gethostname() and writer.get("boot") == backend.boot_id():
             try:
-                os.kill(int(writer["pid"]), 0)
+                pid = int(writer["pid"])
+                os.kill(pid, 0)
             except ProcessLookupError:
                 return False
             except (PermissionError, KeyError, ValueError, TypeError):
                 return True
-            return True
+            start = writer.get("start")
+            return start is None or backend.process_start(pid) in (start, None)  # a reused pid is not it
         return time.time() - float(self.manifest.get("updated_unix", 0)) < STALE_AFTER_S
 
     @property

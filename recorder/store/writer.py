@@ -108,7 +108,7 @@ class StoreWriter:
     def __init__(self, store: Store, *, run_attrs: dict[str, Any], compression: codecs.Compression,
                  rank: int = 0) -> None:
         self.store, self.rank = store, rank
-        self.root = zarr.open_group(store, mode="w", attributes={layout.ATTRS_KEY: {
+        self.root = zarr.open_group(store, mode="w-", attributes={layout.ATTRS_KEY: {
             "format": layout.FORMAT_NAME, "schema_version": layout.SCHEMA_VERSION,
             "compression": compression.describe(), "run": run_attrs}})
         group = self.root.create_group(layout.rank_group(rank))
@@ -221,7 +221,8 @@ class StoreWriter:
         manifest = {
             "format": "paperdebugger.manifest", "schema_version": layout.SCHEMA_VERSION,
             "status": self.status, "seq": self.seq, "updated_unix": time.time(),
-            "writer": {"pid": os.getpid(), "host": socket.gethostname(), "boot": backend.boot_id()},
+            "writer": {"pid": os.getpid(), "host": socket.gethostname(), "boot": backend.boot_id(),
+                       "start": backend.process_start(os.getpid())},
             "ranks": {str(self.rank): self.lengths()}, "info": self.info,
         }
         backend.put(self.store, layout.MANIFEST_KEY, dumps(manifest), durable=True)

@@ -1,8 +1,8 @@
 """Child process of test_crash_safety: records a small model forever, until it is killed.
 
     python crash_child.py STORE SEED            record in an endless loop (the test SIGKILLs it)
-    python crash_child.py --early DIR N1 N2...  for each N: fork, start a recording in DIR/kill-N and
-                                                SIGKILL itself at its N-th file write (store setup)
+    python crash_child.py --early DIR           fork recordings that SIGKILL themselves at chosen file
+                                                writes while their store is set up (see early())
 
 Every tensor it records is known to the test without running this process: the input of iteration
 ``i`` is ``input_for(i, width)``, the probe steps scale slices of it by known factors, and the
@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -29,13 +30,29 @@ ROWS = 8
 def config(seed: int) -> dict[str, int]:
     """Workload of one child, derived from its seed: layer width and probe steps per iteration."""
     rng = random.Random(seed)
-    return {"width": rng.choice([16, 128, 256]), "probes": rng.choice([0, 3, 12])}
+    return {"width": rng.choice([16, 128, 256]), "probes": rng.choice([0, 3, 12]),
+            "chunk_div": rng.choice([1, 512])}
+
+
+def shrink_chunks(div: int) -> None:
+    """Divide the rows per chunk of every array by ``div``, so that a short run seals many chunks
+    and grows every array several times (the layout's chunks are sized for long runs)."""
+    if div == 1:
+        return
+    import dataclasses
+
+    from recorder.store import layout
+
+    columns = layout.columns
+    layout.columns = lambda: [dataclasses.replace(c, chunk_rows=max(1, c.chunk_rows // div))
+                              for c in columns()]
 
 
 def input_for(iteration: int, width: int) -> torch.Tensor:
-    """The model input of an iteration: never zero anywhere, different for every iteration."""
+    """The model input of an iteration: in [1, 3), never zero, different for 1000 iterations in a row
+    (bounded, so that training never diverges however long a child runs)."""
     pattern = torch.arange(ROWS * width, dtype=torch.float32).reshape(ROWS, width) / (ROWS * width)
-    return torch.full((ROWS, width), float(iteration + 1)) + pattern
+    return torch.full((ROWS, width), 1.0 + (iteration % 1000) / 1000) + pattern
 
 
 def probe_factor(call: int) -> float:
@@ -89,76 +106,123 @@ def train_iteration(model: Net, opt: torch.optim.Optimizer, iteration: int, prob
     opt.zero_grad()
 
 
-def record_forever(path: str, seed: int) -> None:
+def start_recording(path: str, seed: int) -> tuple[Any, Net, torch.optim.Optimizer]:
+    """Build child ``seed``'s model and start its recording (commits every 50 ms)."""
     model, opt = build(seed)
-    probes = config(seed)["probes"]
-    with recorder.record(path, model=model, optimizer=opt, mode="full", flush_interval=0.05):
+    shrink_chunks(config(seed)["chunk_div"])
+    run = recorder.record(path, model=model, optimizer=opt, mode="full", flush_interval=0.05)
+    return run, model, opt
+
+
+def record_forever(path: str, seed: int) -> None:
+    run, model, opt = start_recording(path, seed)
+    with run:
         iteration = 0
         while True:
-            train_iteration(model, opt, iteration, probes)
+            train_iteration(model, opt, iteration, config(seed)["probes"])
             iteration += 1
 
 
-def _kill_at_write(n: int) -> None:
-    """Make this process SIGKILL itself at its n-th file write (zarr's or the recorder's), before
-    the write (even n) or after it (odd n); counted across both write paths."""
+def _count_writes(kill_at: int | None) -> list[int]:
+    """Count write events in this process: the start and the end of every file write, zarr's and the
+    recorder's, in the order they happen (zarr writes from several threads at once, so under a lock).
+    With ``kill_at``, the process SIGKILLs itself at that event. Returns the live counter."""
     import zarr.storage._local as zlocal
 
     from recorder.store import backend
 
-    count = [0]
+    lock = threading.Lock()
+    events = [0]
 
-    def tick(when: int) -> None:
-        if count[0] * 2 + when == n:
-            os.kill(os.getpid(), signal.SIGKILL)
+    def event() -> None:
+        with lock:
+            if events[0] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            events[0] += 1
 
     def counted(fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            tick(0)
+            event()
             out = fn(*args, **kwargs)
-            tick(1)
-            count[0] += 1
+            event()
             return out
         return wrapper
 
     zlocal._put = counted(zlocal._put)
     backend.put = counted(backend.put)
+    return events
 
 
-def early(root: str, points: list[int]) -> None:
-    """Fork one recording per kill point; each child dies by SIGKILL while the store is being set up
-    (or, past the setup's writes, while recording). Prints "N SIGNAL" for each."""
+def _fork(child: Any) -> int:
+    """Run ``child()`` in a forked process; returns its pid. The child never returns."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child()
+        finally:
+            os._exit(3)
+    return pid
+
+
+def _wait(pid: int, timeout: float) -> str:
+    """Wait for a forked child: "SIGKILL", "exit N", or "hang" (killed here after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            if os.WIFSIGNALED(status):
+                return signal.Signals(os.WTERMSIG(status)).name
+            return f"exit {os.WEXITSTATUS(status)}"
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "hang"
+        time.sleep(0.002)
+
+
+def setup_events(root: str) -> int:
+    """Write events from the start of a recording up to its first commit (the first manifest)."""
+    read, write = os.pipe()
+
+    def child() -> None:
+        os.close(read)
+        events = _count_writes(None)
+        start_recording(os.path.join(root, "count"), 0)  # no step yet, so no commit follows
+        os.write(write, str(events[0]).encode())
+        os._exit(0)
+
+    pid = _fork(child)
+    os.close(write)
+    with os.fdopen(read) as fh:
+        text = fh.read()
+    outcome = _wait(pid, 60.0)
+    if outcome != "exit 0" or not text:
+        raise RuntimeError(f"counting the setup's writes failed: {outcome}")
+    return int(text)
+
+
+def early(root: str) -> None:
+    """Kill recordings at write events of their setup: the first 12, every 9th, the last 10 and the
+    first 4 after the first commit (each in its own forked process, store ``root/kill-N``).
+    Prints "setup S" (the setup's write events), then "N OUTCOME" per kill point."""
     import torch._dynamo  # noqa: F401  (torch.optim imports it on first use: a second, paid once)
     import zarr.storage._local  # noqa: F401  (imported once here, not in every fork)
 
     import recorder.run  # noqa: F401
+
+    total = setup_events(root)
+    print("setup", total, flush=True)
+    points = sorted(set(range(12)) | set(range(0, total, 9)) | set(range(total - 10, total + 4)))
     for n in points:
-        pid = os.fork()
-        if pid == 0:  # the child never returns: it is killed, or exits 3 if no kill point was hit
-            try:
-                _kill_at_write(n)
-                record_forever(os.path.join(root, f"kill-{n}"), 0)
-            finally:
-                os._exit(3)
-        deadline = time.monotonic() + 30.0
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:  # the kill point was never reached: report it as a hang
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                status = None
-                break
-            time.sleep(0.002)
-        if status is None:
-            print(n, "hang", flush=True)
-        else:
-            print(n, os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status), flush=True)
+        def child(n: int = n) -> None:
+            _count_writes(n)
+            record_forever(os.path.join(root, f"kill-{n}"), 0)
+
+        print(n, _wait(_fork(child), 30.0), flush=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--early":
-        early(sys.argv[2], [int(a) for a in sys.argv[3:]])
+        early(sys.argv[2])
     else:
         record_forever(sys.argv[1], int(sys.argv[2]))

@@ -134,3 +134,19 @@ class TestRecordMisuse:
         """Every error the user can see derives from PdbgError (the CLI maps it to exit code 2)."""
         for cls in (NotARecordingError, FormatError, SchemaVersionError, RecordingError):
             assert issubclass(cls, PdbgError) and cls.exit_code == 2
+
+
+def test_reused_pid_is_not_taken_for_a_live_writer(good_run):
+    """A 'recording' manifest whose pid now belongs to another process reads as crashed."""
+    import os
+
+    manifest_path = good_run / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["status"] = "recording"
+    manifest["writer"]["pid"] = os.getpid()  # alive, but started at another time than the writer
+    manifest["writer"]["start"] = manifest["writer"]["start"] - 1
+    manifest_path.write_text(json.dumps(manifest))
+    assert RunReader(good_run).status == "crashed"
+    manifest["writer"]["start"] += 1
+    manifest_path.write_text(json.dumps(manifest))
+    assert RunReader(good_run).status == "recording"
