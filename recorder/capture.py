@@ -21,7 +21,7 @@ from torch.autograd import Variable
 from . import jsonval, modstack, snapshot, taps
 from . import payload as payload_mod
 from . import stats as stats_mod
-from .items import PayloadItem, StepItem, TensorItem
+from .items import Forget, PayloadItem, StepItem, TensorItem
 from .store import layout
 
 if TYPE_CHECKING:
@@ -86,7 +86,8 @@ class Session:
         self.iteration = 0
         self.next_index = 0
         self.calls: dict[tuple[str, str], int] = {}
-        self.seen: set[tuple[int, int, int]] = set()
+        self.seen: set[tuple[tuple[int, int, int], str]] = set()  # (content key, dtype) sent to the writer
+        self.sent: set[tuple[int, int, int]] = set()  # content keys whose bytes were sent
         self.enabled = True
         self.failure: str | None = None
         self._token = 0
@@ -266,34 +267,49 @@ class Session:
                           stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None)
         if meta_only:
             frame.notes.append(f"{name}: {t.layout} tensor on {t.device}: metadata only")
-        else:
-            # Dtypes torch can store but not compute with (bits16, float4, float8_e8m0) have no
-            # statistics; their bytes are still kept.
+        elif frame.payloads and t.device.type == "cpu":
             try:
-                item.stats = stats_mod.host_stats(t) if t.device.type == "cpu" else stats_mod.device_stats(t)
-            except (NotImplementedError, RuntimeError, TypeError) as exc:
-                frame.notes.append(f"{name}: no statistics for {t.dtype} ({type(exc).__name__}: {exc})")
+                item.payload, item.stats = self._cpu_payload(t, item.dtype)
+            except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
+                frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
+                item.stats = self._stats(frame, name, t)
+        else:
+            item.stats = self._stats(frame, name, t)
             if frame.payloads:
                 try:
-                    item.payload = self._payload(t)
+                    item.payload = self._device_payload(t)
                 except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
                     frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
         frame.tensors.append(item)
         return name
 
-    def _payload(self, t: torch.Tensor) -> tuple[int, int, int] | int:
-        if t.device.type != "cpu":
-            return self._device_payload(t)
+    @staticmethod
+    def _stats(frame: Frame, name: str, t: torch.Tensor) -> Any:
+        # Dtypes torch can store but not compute with (bits16, float4, float8_e8m0) have no statistics.
+        try:
+            return stats_mod.host_stats(t) if t.device.type == "cpu" else stats_mod.device_stats(t)
+        except (NotImplementedError, RuntimeError, TypeError) as exc:
+            frame.notes.append(f"{name}: no statistics for {t.dtype} ({type(exc).__name__}: {exc})")
+            return stats_mod.EMPTY
+
+    def _cpu_payload(self, t: torch.Tensor, dtype: str) -> tuple[tuple[int, int, int], Any]:
+        """Hash a CPU tensor's bytes; copy and send them only when new. Returns the content key and
+        its statistics, or None where the writer computes them from the bytes it receives."""
         units, unit, aliases = payload_mod.as_units(t)
         key = payload_mod.content_key(units, unit)
-        if key in self.seen:
-            return key
-        if len(self.seen) >= _SEEN_LIMIT:
-            self.seen.clear()  # the writer still deduplicates; this only saves copies
-        self.seen.add(key)
+        if (key, dtype) in self.seen:
+            return key, None
+        if len(self.seen) >= _SEEN_LIMIT:  # the writer still deduplicates; this only saves copies
+            self.seen.clear()
+            self.sent.clear()
+            self._send(Forget(), 0)
+        if key in self.sent:  # the same bytes went out before as another dtype: just the statistics
+            return key, stats_mod.host_stats(t)
+        self.seen.add((key, dtype))
+        self.sent.add(key)
         data = units.copy() if aliases else units  # the tensor may change after this step
-        self._send(PayloadItem(key=key, unit=unit, data=data), data.nbytes)
-        return key
+        self._send(PayloadItem(key=key, unit=unit, data=data, stats_dtype=dtype), data.nbytes)
+        return key, None
 
     def _device_payload(self, t: torch.Tensor) -> int:
         unit = payload_mod.unit_of(t.dtype)
