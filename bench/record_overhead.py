@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import copy
 import cProfile
+import hashlib
 import json
 import os
 import platform
@@ -349,6 +350,15 @@ def target_lines(results: dict[int, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def recorder_version() -> str:
+    """Fingerprint of the recorder's sources that ran (the working tree may differ from any commit)."""
+    root = Path(recorder.__file__).resolve().parent
+    files = sorted(root.rglob("*.py"))
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+    newest = max(f.stat().st_mtime for f in files)
+    return f"sha256 {digest} of recorder/**/*.py, newest file {time.strftime('%Y-%m-%d %H:%M', time.localtime(newest))}"
+
+
 def machine() -> str:
     return (f"{os.cpu_count()} CPUs (nproc), torch {torch.__version__}, CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}, Python {platform.python_version()}, "
@@ -399,6 +409,7 @@ forward, cross-entropy loss, backward, AdamW step, `zero_grad`. Variants:
   (cProfile of the training and writer threads, in CPU time per iteration).
 
 Machine: {machine()}.
+Recorder sources: {recorder_version()}.
 
 ## Results
 """
@@ -486,7 +497,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="rows of the profile (default 25)")
     args = parser.parse_args()
     thread_settings = args.threads or [2, 1]
-    print(f"# Recording overhead\n\nMachine: {machine()}\n", flush=True)
+    print(f"# Recording overhead\n\nMachine: {machine()}\nRecorder: {recorder_version()}\n", flush=True)
     if args.profile:
         for threads in thread_settings:
             profile(args.profile, threads, args.iterations, args.blocks, args.top)

@@ -21,7 +21,7 @@ from torch.autograd import Variable
 from . import jsonval, modstack, snapshot, taps
 from . import payload as payload_mod
 from . import stats as stats_mod
-from .items import Forget, PayloadItem, StepItem, TensorItem
+from .items import PayloadItem, StepItem, TensorItem
 from .store import layout
 
 if TYPE_CHECKING:
@@ -86,8 +86,7 @@ class Session:
         self.iteration = 0
         self.next_index = 0
         self.calls: dict[tuple[str, str], int] = {}
-        self.seen: set[tuple[tuple[int, int, int], str]] = set()  # (content key, dtype) sent to the writer
-        self.sent: set[tuple[int, int, int]] = set()  # content keys whose bytes were sent
+        self.seen: set[tuple[int, int, int]] = set()  # content keys whose bytes went to the writer
         self.enabled = True
         self.failure: str | None = None
         self._token = 0
@@ -267,17 +266,11 @@ class Session:
                           stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None)
         if meta_only:
             frame.notes.append(f"{name}: {t.layout} tensor on {t.device}: metadata only")
-        elif frame.payloads and t.device.type == "cpu":
-            try:
-                item.payload, item.stats = self._cpu_payload(t, item.dtype)
-            except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
-                frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
-                item.stats = self._stats(frame, name, t)
         else:
             item.stats = self._stats(frame, name, t)
             if frame.payloads:
                 try:
-                    item.payload = self._device_payload(t)
+                    item.payload = self._cpu_payload(t) if t.device.type == "cpu" else self._device_payload(t)
                 except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
                     frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
         frame.tensors.append(item)
@@ -292,24 +285,18 @@ class Session:
             frame.notes.append(f"{name}: no statistics for {t.dtype} ({type(exc).__name__}: {exc})")
             return stats_mod.EMPTY
 
-    def _cpu_payload(self, t: torch.Tensor, dtype: str) -> tuple[tuple[int, int, int], Any]:
-        """Hash a CPU tensor's bytes; copy and send them only when new. Returns the content key and
-        its statistics, or None where the writer computes them from the bytes it receives."""
+    def _cpu_payload(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """Hash a CPU tensor's bytes; copy and send them only when new. Returns the content key."""
         units, unit, aliases = payload_mod.as_units(t)
         key = payload_mod.content_key(units, unit)
-        if (key, dtype) in self.seen:
-            return key, None
-        if len(self.seen) >= _SEEN_LIMIT:  # the writer still deduplicates; this only saves copies
-            self.seen.clear()
-            self.sent.clear()
-            self._send(Forget(), 0)
-        if key in self.sent:  # the same bytes went out before as another dtype: just the statistics
-            return key, stats_mod.host_stats(t)
-        self.seen.add((key, dtype))
-        self.sent.add(key)
+        if key in self.seen:
+            return key
+        if len(self.seen) >= _SEEN_LIMIT:
+            self.seen.clear()  # the writer still deduplicates; this only saves copies
+        self.seen.add(key)
         data = units.copy() if aliases else units  # the tensor may change after this step
-        self._send(PayloadItem(key=key, unit=unit, data=data, stats_dtype=dtype), data.nbytes)
-        return key, None
+        self._send(PayloadItem(key=key, unit=unit, data=data), data.nbytes)
+        return key
 
     def _device_payload(self, t: torch.Tensor) -> int:
         unit = payload_mod.unit_of(t.dtype)

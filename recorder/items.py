@@ -18,7 +18,6 @@ class PayloadItem:
     key: tuple[int, int, int] | None
     unit: int
     data: np.ndarray | None = None
-    stats_dtype: str | None = None  # compute statistics from these bytes, as this dtype, on the writer
     pinned: torch.Tensor | None = None
     event: Any = None
     token: int = -1
@@ -39,13 +38,8 @@ class TensorItem:
     requires_grad: bool
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    stats: Any  # tuple of 8 floats, a device tensor of 8, or None: computed by the writer from the payload
+    stats: Any  # tuple of 8 floats, or a device tensor of 8
     payload: tuple[int, int, int] | int | None  # content key, device token, or None (statistics only)
-
-
-@dataclass
-class Forget:
-    """The training thread forgot which contents it sent; the writer drops its statistics cache too."""
 
 
 @dataclass

@@ -19,8 +19,7 @@ import torch
 
 from . import jsonval, snapshot
 from . import payload as payload_mod
-from . import stats as stats_mod
-from .items import Forget, PayloadItem, StepItem
+from .items import PayloadItem, StepItem
 from .store import layout
 from .store.writer import StoreWriter
 
@@ -42,7 +41,6 @@ class Pipeline:
         self.error_trace = ""
         self._tokens: dict[int, tuple[int, int, int]] = {}
         self._rng_docs: dict[tuple[str, Any], int] = {}
-        self._stats: dict[tuple[Any, str], tuple[float, ...]] = {}
         self.peak_queue_bytes = 0
         self._thread = threading.Thread(target=self._run, name="pdbg-writer", daemon=True)
         self._thread.start()
@@ -138,8 +136,6 @@ class Pipeline:
     def _handle(self, item: Any) -> None:
         if isinstance(item, PayloadItem):
             self._store_payload(item)
-        elif isinstance(item, Forget):
-            self._stats.clear()
         elif isinstance(item, StepItem):
             self._store_step(item)
         else:
@@ -147,15 +143,6 @@ class Pipeline:
 
     def _store_payload(self, item: PayloadItem) -> None:
         data, key = item.data, item.key
-        if item.stats_dtype is not None and data is not None and key is not None:
-            # Statistics of new CPU contents are computed here, off the training thread, from the
-            # copy that is being written anyway (torch releases the GIL while it reduces).
-            dtype = payload_mod.dtype_from_name(item.stats_dtype)
-            value = torch.from_numpy(data.view(np.uint8)).view(dtype) if data.size else torch.empty(0, dtype=dtype)
-            try:
-                self._stats[(key, item.stats_dtype)] = stats_mod.host_stats(value)
-            except (NotImplementedError, RuntimeError, TypeError):  # a dtype without arithmetic (bits16)
-                self._stats[(key, item.stats_dtype)] = stats_mod.EMPTY
         if item.pinned is not None:
             if item.event is not None:
                 item.event.synchronize()
@@ -187,9 +174,7 @@ class Pipeline:
         row["tensor_start"] = w.tensors
         for t in item.tensors:
             stats = t.stats
-            if stats is None:
-                stats = self._stats[(t.payload, t.dtype)]
-            elif isinstance(stats, torch.Tensor):
+            if isinstance(stats, torch.Tensor):
                 stats = tuple(float(v) for v in stats.cpu().tolist())
             stats_by_name[f"{layout.ROLES[t.role]}:{t.name}"] = stats
             if (stats[6] or stats[7]) and layout.ROLES[t.role] in _NONFINITE_ROLES[row["phase"]]:

@@ -58,6 +58,7 @@ class Run:
             self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.next_iteration()))
         self.closed = False
         self.status: str | None = None
+        self._blosc_threads = _single_threaded_blosc()
         capture.ACTIVE = self.session
 
     # -- while recording ---------------------------------------------------------------------------
@@ -105,7 +106,10 @@ class Run:
                 "traceback": "".join(traceback.format_exception(exception))[-20000:]})
         if self.failure:
             info["recorder_failure"] = self.failure
-        self.pipeline.close(status, info)
+        try:
+            self.pipeline.close(status, info)
+        finally:
+            _restore_blosc(self._blosc_threads)
         self.status = "crashed" if self.pipeline.error is not None else status
         if self.pipeline.error is not None and self.session.failure is None:
             warnings.warn(f"PaperDebugger's writer failed ({self.pipeline.error!r}); the recording holds the "
@@ -139,6 +143,27 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
         The Run; leaving the ``with`` block closes it (``complete``, or ``crashed`` on an exception).
     """
     return Run(path, model=model, optimizer=optimizer, mode=mode, every=every, compressor=compressor, **options)
+
+
+def _single_threaded_blosc() -> Any:
+    """Make numcodecs' Blosc compress on the calling thread only, returning the previous setting.
+
+    In its default mode numcodecs runs Blosc on an internal pool of one thread per core whenever it is
+    used in the main process, so the writer thread's compression would take the core training runs
+    on (measured: a matmul loop 2x slower). Contextual mode compresses on the writer thread alone,
+    without the GIL. Restored when the recording closes.
+    """
+    from numcodecs import blosc
+
+    previous = blosc.use_threads
+    blosc.use_threads = False
+    return previous
+
+
+def _restore_blosc(previous: Any) -> None:
+    from numcodecs import blosc
+
+    blosc.use_threads = previous
 
 
 def run_metadata(started: float, mode: str, every: int) -> dict[str, Any]:

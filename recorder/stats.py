@@ -5,7 +5,7 @@ its other values; the NaN and Inf counts say how many were left out. std is the 
 deviation (torch.std's default, correction=1). Complex tensors are summarised by magnitude; integer
 and boolean tensors by value. An empty tensor has NaN value statistics and zero counts.
 
-On the CPU the common case (no NaN, no Inf) costs about five cheap passes over the data. On an accelerator the
+On the CPU the common case (no NaN, no Inf) costs three reads of the data. On an accelerator the
 statistics stay on the device as one small tensor (no host synchronisation per tensor); the recorder
 copies them to the host in bulk later.
 """
@@ -51,17 +51,21 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
 
 
 def _finite_stats(x: torch.Tensor, lo: float, hi: float, nan: int, inf: int) -> tuple[float, ...]:
-    # Two passes (mean, then the sum of squared deviations as a dot product) instead of
-    # torch.std_mean, whose Welford loop is ~50x slower on the CPU; as accurate for these sizes.
+    # Instead of torch.std_mean (a Welford loop ~50x slower on the CPU): the sum and the sum of
+    # squares (a BLAS dot product), two reads of data that is usually not in cache. When the mean is
+    # large against the spread, that formula cancels; then the deviations are summed exactly (two
+    # more passes). The L2 norm comes from the same sums.
     n = x.numel()
-    mean = x.sum() / n
-    if n > 1:
+    mean = (x.sum() / n).item()
+    squares = torch.dot(x, x).item()  # sum of x^2
+    if n == 1:
+        return (lo, hi, mean, NAN, max(abs(lo), abs(hi)), math.sqrt(squares), float(nan), float(inf))
+    centred = squares - n * mean * mean
+    if not centred > 1e-3 * squares:  # cancellation: fewer than ~3 significant digits would survive
         dev = x - mean
-        std = (torch.dot(dev, dev) / (n - 1)).sqrt().item()
-    else:
-        std = NAN
-    norm = torch.linalg.vector_norm(x).item()
-    return (lo, hi, mean.item(), std, max(abs(lo), abs(hi)), norm, float(nan), float(inf))
+        centred = torch.dot(dev, dev).item()
+    std = math.sqrt(max(centred, 0.0) / (n - 1))
+    return (lo, hi, mean, std, max(abs(lo), abs(hi)), math.sqrt(squares), float(nan), float(inf))
 
 
 def device_stats(t: torch.Tensor) -> torch.Tensor:

@@ -126,7 +126,7 @@ def test_capture_failure_degrades(run_path, monkeypatch):
     """An internal error while capturing a step warns once and the call still returns its result."""
     monkeypatch.setattr(stats, "host_stats", lambda t: 1 / 0)
     with pytest.warns(recorder.RecorderWarning, match="ZeroDivisionError"):
-        with recorder.record(run_path, mode="stats") as run:  # statistics computed on the training thread
+        with recorder.record(run_path) as run:
             out = [scale(torch.ones(2)) for _ in range(3)]
     assert all(torch.equal(o, torch.full((2,), 2.0)) for o in out)
     assert run.failure is not None
@@ -161,10 +161,8 @@ def test_accelerator_path_round_trips(run_path, monkeypatch):
     the writer) stores the same bytes and statistics; exercised here with CPU tensors."""
     from recorder import capture
 
-    def as_if_on_a_device(self, t, dtype):
-        return self._device_payload(t), stats.device_stats(t)
-
-    monkeypatch.setattr(capture.Session, "_cpu_payload", as_if_on_a_device)
+    monkeypatch.setattr(capture.Session, "_cpu_payload", capture.Session._device_payload)
+    monkeypatch.setattr(stats, "host_stats", stats.device_stats)
     x = torch.randn(3, 5)
     with recorder.record(run_path) as run:
         scale(x)
