@@ -93,7 +93,7 @@ class Session:
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
         self._pass: list[BackwardLink] = []  # backward frames open in the current backward pass
         self._callback_queued = False
-        self._module_docs: dict[int, dict[str, Any]] = {}
+        self._module_docs: dict[int, tuple[torch.nn.Module, dict[str, Any]]] = {}
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _stack(self) -> list[Frame]:
@@ -117,6 +117,7 @@ class Session:
         self.enabled = False
 
     def next_iteration(self) -> None:
+        self._end_of_backward(aborted=True)  # normally nothing is open here
         with self.lock:
             self.iteration += 1
             self.calls.clear()
@@ -169,6 +170,21 @@ class Session:
             frame = Frame(index=self._new_index(), phase=0, defn=defn, module=module, path=path, call=call,
                           parent=stack[-1].index if stack else layout.NO_REF, iteration=self.iteration,
                           t_start=time.perf_counter() - self.t0, payloads=self._payloads_now())
+        finally:
+            self.local.busy = False
+        try:
+            return self._capture_inputs(frame, module, args, kwargs)
+        except Exception as exc:
+            # Every index must reach the writer, or the steps after it could never be committed.
+            frame.notes.append(f"capture failed: {type(exc).__name__}: {exc}")
+            frame.t_end = frame.t_start
+            self._submit(frame)
+            raise
+
+    def _capture_inputs(self, frame: Frame, module: torch.nn.Module | None, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> tuple[Frame, tuple[Any, ...], dict[str, Any], BackwardLink | None]:
+        self.local.busy = True
+        try:
             frame.rng = snapshot.rng_parts()
             frame.settings = snapshot.settings()
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "")
@@ -195,14 +211,19 @@ class Session:
         self.local.busy = True
         try:
             frame.t_end = time.perf_counter() - self.t0
-            frame.output_doc = self._encode(frame, out, "output", "output")
-            if link is not None:
-                out, link.output_names = taps.tap_output(
-                    out, lambda grads, lk=link: self._on_grad_output(lk, grads))
-                if link.output_names or link.handles:
-                    with self.lock:
-                        self._links.append(link)
-            self._submit(frame)
+            try:
+                frame.output_doc = self._encode(frame, out, "output", "output")
+                if link is not None:
+                    out, link.output_names = taps.tap_output(
+                        out, lambda grads, lk=link: self._on_grad_output(lk, grads))
+                    if link.output_names or link.handles:
+                        with self.lock:
+                            self._links.append(link)
+            except Exception as exc:
+                frame.notes.append(f"capture failed: {type(exc).__name__}: {exc}")
+                raise
+            finally:
+                self._submit(frame)  # always: a missing index would hold back every later step
             return out
         finally:
             self.local.busy = False
@@ -333,11 +354,11 @@ class Session:
     def _module_doc(self, module: torch.nn.Module | None) -> dict[str, Any] | None:
         if module is None:
             return None
-        doc = self._module_docs.get(id(module))
-        if doc is None:
+        entry = self._module_docs.get(id(module))
+        if entry is None or entry[0] is not module:  # holding the module keeps its id unique
             doc = {"class": jsonval.type_ref(type(module)), "init": module.__dict__.get("_pdbg_init")}
-            self._module_docs[id(module)] = doc
-        return doc
+            entry = self._module_docs[id(module)] = (module, doc)
+        return entry[1]
 
     # -- backward --------------------------------------------------------------------------------
     def _guard(self, where: str, fn: Callable[[], None]) -> None:
@@ -391,10 +412,18 @@ class Session:
             self._callback_queued = True
         return frame
 
-    def _end_of_backward(self) -> None:
-        """Autograd calls this when a backward pass is over: the open backward steps are complete."""
+    def _end_of_backward(self, aborted: bool = False) -> None:
+        """Autograd calls this when a backward pass is over: the open backward steps are complete.
+        Also called with ``aborted=True`` at iteration ends and on close, for a backward pass that
+        raised (autograd then never calls back): its steps are written with what they captured."""
         with self.lock:
+            if aborted and not self._pass:
+                return
             done, self._pass, self._callback_queued = self._pass, [], False
+            if aborted:
+                for link in done:
+                    if link.frame is not None:
+                        link.frame.notes.append("the backward pass stopped before this step finished")
             frames = [link.frame for link in done]
             for link in done:
                 for handle in link.handles:
@@ -412,7 +441,8 @@ class Session:
             self.fail("finishing a backward pass", exc)
 
     def close(self) -> None:
-        """Remove every hook this session added."""
+        """Write out backward steps still open and remove every hook this session added."""
+        self._end_of_backward(aborted=True)
         self.modules.close()
         with self.lock:
             links, self._links = self._links, []

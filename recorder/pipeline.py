@@ -167,7 +167,10 @@ class Pipeline:
         w = self.writer
         row = dict(item.row)
         for col, value in item.docs.items():
-            row[col] = layout.NO_REF if value is None else w.doc(value)
+            if value is None:
+                row[col] = layout.NO_REF
+            else:  # definitions and module documents are made once per step definition / module
+                row[col] = w.doc_of(value) if col in ("definition", "module") else w.doc(value)
         row["rng"] = self._rng_doc(item.rng) if item.rng else layout.NO_REF
         nonfinite = False
         stats_by_name: dict[str, tuple[float, ...]] = {}

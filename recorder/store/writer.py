@@ -139,6 +139,8 @@ class StoreWriter:
         self._identity = {"pid": os.getpid(), "host": socket.gethostname(), "boot": backend.boot_id(),
                           "start": backend.process_start(os.getpid())}
         self._doc_ids: dict[bytes, int] = {}
+        self._str_ids: dict[str, int] = {}
+        self._identity_ids: dict[int, tuple[Any, int]] = {}
         self._payload_ids: dict[tuple[int, int, int], int] = {}
         self._pending: dict[int, dict[str, Any]] = {}
         self.steps = 0  # committed-in-order step rows appended
@@ -151,6 +153,22 @@ class StoreWriter:
     # -- documents, dims, payloads ------------------------------------------------------------
     def doc(self, obj: Any) -> int:
         """Store a JSON document once; returns its id."""
+        if isinstance(obj, str):  # names, paths, dtypes: looked up on every tensor record
+            found = self._str_ids.get(obj)
+            if found is None:
+                found = self._str_ids[obj] = self._doc(obj)
+            return found
+        return self._doc(obj)
+
+    def doc_of(self, obj: Any) -> int:
+        """``doc`` for an object that never changes once made (a step definition): looked up by
+        identity, so its JSON (which holds source code) is not re-encoded on every step."""
+        entry = self._identity_ids.get(id(obj))
+        if entry is None or entry[0] is not obj:
+            entry = self._identity_ids[id(obj)] = (obj, self._doc(obj))  # holds obj: its id stays unique
+        return entry[1]
+
+    def _doc(self, obj: Any) -> int:
         data = dumps(obj)
         key = xxhash.xxh3_128_digest(data)
         found = self._doc_ids.get(key)

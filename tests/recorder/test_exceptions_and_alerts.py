@@ -106,3 +106,26 @@ def test_watch_outside_recording_is_a_no_op():
     """watch() returns its tensor unchanged when nothing is recording."""
     t = torch.randn(3)
     assert recorder.watch(t, "x", expected_range=(0, 1)) is t
+
+
+def test_backward_pass_that_raises_does_not_stall_the_recording(run_path):
+    """A backward pass aborted by an exception still writes its steps; later steps are committed."""
+    def refuse(grad):
+        raise RuntimeError("gradient check failed")
+
+    with recorder.record(run_path) as run:
+        for i in range(3):
+            x = torch.randn(4, requires_grad=True)
+            if i == 0:
+                x.register_hook(refuse)
+            try:
+                normalise(x * 1.0).sum().backward()
+            except RuntimeError as exc:
+                assert "gradient check failed" in str(exc)
+            run.next_iteration()
+    rank = RunReader(run_path).rank(0)
+    phases = [int(p) for p in rank.column("steps/phase")]
+    assert phases == [0, 1, 0, 1, 0, 1]
+    notes = rank.doc(int(rank.column("steps/extra")[1]))["notes"]
+    assert notes == ["the backward pass stopped before this step finished"]
+    assert int(rank.column("steps/extra")[3]) == -1

@@ -1,0 +1,110 @@
+"""Marking steps: decorated classes and functions, annotated instances, and what their definitions
+record (paper reference, import reference, source and its hash, constructor arguments)."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+
+import pytest
+import torch
+import torch.nn as nn
+
+import recorder
+from recorder.store.reader import RunReader
+from tests.models import Attention, smooth_relu
+
+
+def _step(rank, i):
+    col = lambda n: rank.column(f"steps/{n}")[i]  # noqa: E731
+    return {"name": rank.doc(int(col("name"))), "definition": rank.doc(int(col("definition"))),
+            "module": rank.doc(int(col("module"))), "path": rank.doc(int(col("module_path"))),
+            "settings": rank.doc(int(col("settings"))), "phase": int(col("phase"))}
+
+
+def test_decorated_class_records_definition_and_constructor_arguments(run_path):
+    """A decorated class's steps carry its paper reference, code and the arguments it was built with."""
+    attn = Attention(8, heads=2, dropout=0.0)
+    with recorder.record(run_path):
+        attn(torch.randn(1, 4, 8))
+    step = _step(RunReader(run_path).rank(0), 0)
+    d = step["definition"]
+    assert d["name"] == "Attention" and d["kind"] == "module"
+    assert d["paper"] == {"label": "Eq. 1", "algorithm": "Algorithm 1", "step": 3, "equation": None,
+                          "description": "causal self-attention"}
+    assert d["ref"] == "tests.models:Attention"
+    source = inspect.getsource(Attention)
+    assert d["source"] == source and d["source_sha256"] == hashlib.sha256(source.encode()).hexdigest()
+    assert d["file"].endswith("tests/models.py") and d["line"] == inspect.getsourcelines(Attention)[1]
+    assert step["module"]["class"] == "tests.models:Attention"
+    assert step["module"]["init"]["args"] == [8] and step["module"]["init"]["kwargs"] == {"heads": 2, "dropout": 0.0}
+
+
+def test_decorated_function_definition(run_path):
+    """A decorated function's name defaults to its qualified name; its module field is empty."""
+    with recorder.record(run_path):
+        smooth_relu(torch.zeros(2))
+    step = _step(RunReader(run_path).rank(0), 0)
+    assert step["name"] == "smooth_relu" and step["definition"]["kind"] == "function"
+    assert step["definition"]["ref"] == "tests.models:smooth_relu"
+    assert step["module"] is None and step["path"] == ""
+
+
+def test_settings_snapshot_holds_threads_and_cpu_capability(run_path):
+    """Each step's settings say how many threads ran it and on which CPU capability."""
+    torch.set_num_threads(1)
+    with recorder.record(run_path):
+        smooth_relu(torch.zeros(2))
+    settings = _step(RunReader(run_path).rank(0), 0)["settings"]
+    assert settings["num_threads"] == 1
+    assert settings["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert settings["deterministic_algorithms"] is False and settings["grad_enabled"] is True
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+def test_annotated_instance_is_recorded_with_params_and_buffers(run_path):
+    """annotate() on a library module records its calls, parameters, buffers and backward."""
+    net = Net()
+    recorder.annotate(net.norm, "Eq. 4", description="batch statistics")
+    recorder.annotate(net.fc, "Eq. 5", name="classifier")
+    with recorder.record(run_path, model=net):
+        net(torch.randn(3, 4)).sum().backward()
+    rank = RunReader(run_path).rank(0)
+    steps = [_step(rank, i) for i in range(len(rank))]
+    assert [(s["name"], s["path"], s["phase"]) for s in steps] == [
+        ("BatchNorm1d", "norm", 0), ("classifier", "fc", 0), ("classifier", "fc", 1), ("BatchNorm1d", "norm", 1)]
+    roles = {(r.role, r.name) for r in rank.tensor_records(0)}
+    assert {("param", "weight"), ("buffer", "running_mean"), ("buffer", "num_batches_tracked")} <= roles
+    assert steps[1]["definition"]["paper"]["label"] == "Eq. 5"
+    assert steps[0]["module"] == {"class": "torch.nn.modules.batchnorm:BatchNorm1d", "init": None}
+
+
+def test_marking_outside_a_recording_changes_nothing():
+    """Decorated and annotated steps compute exactly what the plain code computes."""
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    expected = lin(x)
+    recorder.annotate(lin, "Eq. 9")
+    assert torch.equal(lin(x), expected)
+    assert torch.equal(smooth_relu(x), torch.log1p(torch.exp(x + 1.0)))
+
+
+def test_bad_marks_are_refused():
+    """A missing label, or marking something that is not a step, is a clear TypeError."""
+    with pytest.raises(TypeError, match="label"):
+        recorder.paper_step(description="no label")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="label as a non-empty string"):
+        recorder.paper_step("")
+    with pytest.raises(TypeError, match="nn.Module instance"):
+        recorder.annotate(smooth_relu, "Eq. 2")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="decorates functions and nn.Module classes"):
+        recorder.paper_step("Eq. 1")(42)
