@@ -48,7 +48,13 @@ def local_root(store: Store) -> Path | None:
 
 def put(store: Store, key: str, data: bytes, *, durable: bool = False) -> None:
     """Write one key. Local files go through a temporary file and ``os.replace`` so a reader or a
-    crash sees either the old bytes or the new ones, never a torn write."""
+    crash sees either the old bytes or the new ones, never a torn write.
+
+    Local data is synced to disk before the rename, and its pages are then dropped from the page
+    cache: a recording writes gigabytes nobody reads back soon, and keeping them cached costs the
+    training process memory (and, measured on virtual machines, ~6x more CPU per byte written).
+    ``durable=True`` also syncs the directory, so the rename itself survives a power loss.
+    """
     root = local_root(store)
     if root is None:
         sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
@@ -56,16 +62,30 @@ def put(store: Store, key: str, data: bytes, *, durable: bool = False) -> None:
     path = root / key
     tmp = path.with_name(path.name + ".partial")
     try:
-        fh = open(tmp, "wb")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     except FileNotFoundError:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(tmp, "wb")
-    with fh:
-        fh.write(data)
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        _datasync(fd)
+        if _FADVISE:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
+    if durable:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+_FADVISE = hasattr(os, "posix_fadvise")
+_datasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
 
 def get(store: Store, key: str) -> bytes | None:
