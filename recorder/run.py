@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import socket
@@ -188,7 +189,12 @@ def run_metadata(started: float, mode: str, every: int) -> dict[str, Any]:
 
 def _git_commit(script: str | None) -> dict[str, Any] | None:
     """Commit and dirtiness of the repository holding the user's script (or the cwd), if any."""
-    where = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()
+    return _git_commit_in(os.path.dirname(os.path.abspath(script)) if script else os.getcwd())
+
+
+@functools.lru_cache(maxsize=4)
+def _git_commit_in(where: str) -> dict[str, Any] | None:
+    # Cached: one process records from one checkout, and each git call costs a process start.
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=where, capture_output=True,
                               text=True, timeout=5)
