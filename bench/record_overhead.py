@@ -31,14 +31,16 @@ import os
 import platform
 import pstats
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -152,7 +154,7 @@ class Variant:
 
     def forget(self) -> None:
         """Drop what the warm-up measured."""
-        for name, value in vars(self).items():
+        for value in vars(self).values():
             if isinstance(value, list):
                 value.clear()
 
@@ -369,8 +371,9 @@ def write_docs(results: dict[int, dict[str, Any]], command: str) -> None:
     any_res = next(iter(results.values()))
     text = f"""# Recording overhead
 
-Measured by `bench/record_overhead.py` (`{command}`). Re-run it after any change to the recorder's
-hot path; numbers below are from one run on the machine named here.
+Measured on {time.strftime("%Y-%m-%d %H:%M")} by `{command}`.
+Re-run it after any change to the recorder's hot path; the numbers below are from one run on the
+machine named here.
 
 ## What was measured
 
@@ -405,6 +408,9 @@ forward, cross-entropy loss, backward, AdamW step, `zero_grad`. Variants:
   `rank0/blobs/` directory. With few iterations per session the fixed bytes of a store (definitions,
   settings, array metadata: see "empty session") weigh on stats mode's MB/iter.
 - Stores go to a temporary directory, deleted after each block.
+- Other processes' CPU use during each block is read from `/proc/stat` (machine busy time less this
+  process's CPU time) and summarised above each table: where other processes kept a core busy,
+  every variant slows down (torch's threads wait for each other) and the ratios mean little.
 - Where the recorder's time goes: `python bench/record_overhead.py --profile full --threads 1`
   (cProfile of the training and writer threads, in CPU time per iteration).
 
@@ -496,6 +502,8 @@ def main() -> None:
     parser.add_argument("--profile", choices=RECORDING, help="cProfile this variant alone instead")
     parser.add_argument("--top", type=int, default=25, help="rows of the profile (default 25)")
     args = parser.parse_args()
+    # `timeout` and kill send SIGTERM: exit through the finally blocks, so temporary stores are removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     thread_settings = args.threads or [2, 1]
     print(f"# Recording overhead\n\nMachine: {machine()}\nRecorder: {recorder_version()}\n", flush=True)
     if args.profile:

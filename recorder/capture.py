@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch.autograd import Variable
 
@@ -315,8 +316,15 @@ class Session:
         if len(self.seen) >= _SEEN_LIMIT:
             self.seen.clear()  # the writer still deduplicates; this only saves copies
         self.seen.add(key)
-        data = units.copy() if aliases else units  # the tensor may change after this step
-        self._send(PayloadItem(key=key, unit=unit, data=data), data.nbytes)
+        item = PayloadItem(key=key, unit=unit, data=units)
+        if aliases:  # the tensor may change after this step: copy it, into a reused buffer if large
+            item.buffer = self.pipeline.pool.take(units.nbytes)
+            if item.buffer is None:
+                item.data = units.copy()
+            else:
+                item.data = item.buffer[:units.nbytes].view(units.dtype)
+                np.copyto(item.data, units)
+        self._send(item, item.nbytes)
         return key
 
     def _device_payload(self, t: torch.Tensor) -> int:

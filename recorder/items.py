@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,12 +19,15 @@ class PayloadItem:
     key: tuple[int, int, int] | None
     unit: int
     data: np.ndarray | None = None
+    buffer: np.ndarray | None = None  # the StagingPool buffer ``data`` lives in, returned once written
     pinned: torch.Tensor | None = None
     event: Any = None
     token: int = -1
 
     @property
     def nbytes(self) -> int:
+        if self.buffer is not None:
+            return int(self.buffer.nbytes)
         if self.data is not None:
             return int(self.data.nbytes)
         return int(self.pinned.numel()) if self.pinned is not None else 0
@@ -52,3 +56,40 @@ class StepItem:
     exception: dict[str, Any] | None = None
     expectations: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+class StagingPool:
+    """Reusable host buffers for payload copies, handed from the training thread to the writer.
+
+    Copying into freshly allocated memory ran at ~1.6 GB/s here (every large allocation is new pages
+    from the kernel), into reused buffers at ~10 GB/s; for ~90 MB of new tensor bytes per iteration
+    that is ~50 ms of the training thread's time. Buffers come in power-of-two sizes from 64 KiB;
+    at most ``keep_bytes`` of free buffers are kept.
+    """
+
+    MIN_BYTES = 64 << 10
+
+    def __init__(self, keep_bytes: int = 256 << 20) -> None:
+        self.keep_bytes = keep_bytes
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A uint8 buffer of at least ``nbytes``; None for small sizes (allocate those directly)."""
+        if nbytes < self.MIN_BYTES:
+            return None
+        size = 1 << (nbytes - 1).bit_length()
+        with self._lock:
+            bucket = self._free.get(size)
+            if bucket:
+                self._free_bytes -= size
+                return bucket.pop()
+        return np.empty(size, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """Return a buffer once its bytes have been written."""
+        with self._lock:
+            if self._free_bytes + buf.nbytes <= self.keep_bytes:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+                self._free_bytes += buf.nbytes

@@ -19,7 +19,7 @@ import torch
 
 from . import jsonval, snapshot
 from . import payload as payload_mod
-from .items import PayloadItem, StepItem
+from .items import PayloadItem, StagingPool, StepItem
 from .store import layout
 from .store.writer import StoreWriter
 
@@ -40,6 +40,7 @@ class Pipeline:
         self.error: BaseException | None = None
         self.error_trace = ""
         self._tokens: dict[int, tuple[int, int, int]] = {}
+        self.pool = StagingPool()
         self._rng_docs: dict[tuple[str, Any], int] = {}
         self.peak_queue_bytes = 0
         self._thread = threading.Thread(target=self._run, name="pdbg-writer", daemon=True)
@@ -151,6 +152,8 @@ class Pipeline:
             self._tokens[item.token] = key
         assert key is not None
         self.writer.payload(key, data)
+        if item.buffer is not None:
+            self.pool.give(item.buffer)
 
     def _rng_doc(self, parts: dict[str, tuple[Any, Any]]) -> int:
         ids = {}
