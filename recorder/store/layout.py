@@ -41,7 +41,7 @@ class Column:
     path: str
     dtype: str
     row_shape: tuple[int, ...] = ()
-    chunk_rows: int = 32768
+    chunk_rows: int = 8192  # small enough that rewriting the tail at every commit is cheap
     kind: str = "index"  # "index" (small columns), "blob" (payload bytes) or "docs" (JSON bytes)
 
 
