@@ -142,6 +142,12 @@ def origin(path: Path) -> None:
         print(f"  {r.role:<11} {r.name:<18} {str(list(r.shape)):<15} min {s['min']:>10.4g}  max {s['max']:>10.4g}"
               f"  nan {int(s['nan']):>5}  inf {int(s['inf']):>5}")
     later = [j for j in range(i + 1, len(rank)) if status[j] == 2 and not inside(i, j)][:5]
+    for j in (j for j in range(i + 1, len(rank)) if int(parents[j]) == i):  # the steps it called
+        out = next((r for r in rank.tensor_records(j) if r.role == "output"), None)
+        if out is not None:
+            s = out.stats
+            print(f"  inside it: #{j} {rank.doc(int(rank.column('steps/name')[j]))} output min {s['min']:.4g} "
+                  f"max {s['max']:.4g} nan {int(s['nan'])} inf {int(s['inf'])}")
     names = ", ".join(f"#{j} {rank.doc(int(rank.column('steps/name')[j]))}" for j in later)
     print(f"  then non-finite: {names or 'nothing else recorded (training stopped)'}")
 
