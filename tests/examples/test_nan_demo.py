@@ -14,8 +14,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "nan_smooth_relu.py
 def test_demo_records_the_crash_and_names_its_origin(tmp_path):
     """The example trains until the loss is NaN and names the innermost step that produced it."""
     out = tmp_path / "nan.zarr"
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out)], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out)], check=False, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "loss is nan - training stopped" in proc.stdout
     assert "first non-finite step: #64 SmoothAttention (forward), iteration 5, module blocks.1.attn" in proc.stdout
