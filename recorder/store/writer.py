@@ -39,7 +39,7 @@ class AppendArray:
         self.key = key
         self.meta = meta  # the array's zarr.json, rewritten by this class when the shape changes
         self.capacity = col.chunk_rows
-        self.buf = np.zeros((col.chunk_rows, *col.row_shape), dtype=col.dtype)
+        self._buf: np.ndarray | None = None  # allocated on first use: most runs never touch u1/u2/u8
         self.fill = 0  # rows in buf
         self.chunk = 0  # index of the chunk buf holds
         self.dirty = False  # buf has rows not yet on disk
@@ -47,6 +47,14 @@ class AppendArray:
 
     def __len__(self) -> int:
         return self.chunk * self.col.chunk_rows + self.fill
+
+    @property
+    def buf(self) -> np.ndarray:
+        # Uninitialised: rows are always written before they are read, and a partial chunk's
+        # remainder is zeroed when it is committed.
+        if self._buf is None:
+            self._buf = np.empty((self.col.chunk_rows, *self.col.row_shape), dtype=self.col.dtype)
+        return self._buf
 
     def append(self, row: Any) -> int:
         """Append one row; returns its index."""
