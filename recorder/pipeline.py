@@ -84,10 +84,6 @@ class Pipeline:
             with contextlib.suppress(Exception):
                 self.writer.close("crashed", {**info, "writer_error": repr(self.error)})
 
-    @property
-    def queued_bytes(self) -> int:
-        return self._bytes
-
     # -- writer-thread side ----------------------------------------------------------------------
     def _run(self) -> None:
         last_flush = last_commit = time.monotonic()
