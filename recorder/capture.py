@@ -89,6 +89,7 @@ class Session:
         self.calls: dict[tuple[str, str], int] = {}
         self.seen: set[tuple[int, int, int]] = set()  # content keys whose bytes went to the writer
         self.enabled = True
+        self.closed = False  # set by close(): callbacks of graphs that outlive the recording do nothing
         self.failure: str | None = None
         self._token = 0
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
@@ -136,17 +137,20 @@ class Session:
     def call(self, defn: Any, fn: Callable[..., Any], module: torch.nn.Module | None,
              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one step call with capture around it."""
-        if not self.enabled or getattr(self.local, "busy", False):
+        def invoke(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return fn(module, *args, **kwargs) if module is not None else fn(*args, **kwargs)
+
+        if not self.enabled or getattr(self.local, "busy", False):
+            return invoke(args, kwargs)
         try:
             frame, args, kwargs, link = self._enter(defn, module, args, kwargs)
         except Exception as exc:
             self.fail("capturing a step's inputs", exc)
-            return fn(module, *args, **kwargs) if module is not None else fn(*args, **kwargs)
+            return invoke(args, kwargs)
         stack = self._stack()
         stack.append(frame)
         try:
-            out = fn(module, *args, **kwargs) if module is not None else fn(*args, **kwargs)
+            out = invoke(args, kwargs)
         except BaseException as exc:
             stack.pop()
             self._exit_exception(frame, exc)
@@ -189,21 +193,17 @@ class Session:
             frame.rng = snapshot.rng_parts()
             frame.settings = snapshot.settings()
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "")
+            link = BackwardLink(frame) if torch.is_grad_enabled() else None
             if module is not None:
                 for name, p in module.named_parameters():
                     self._capture(frame, "param", name, p)
+                    if link is not None and p.requires_grad:
+                        link.handles.append(p.register_hook(lambda g, lk=link, n=name: self._on_param_grad(lk, n, g)))
                 for name, b in module.named_buffers():
                     self._capture(frame, "buffer", name, b)
-            link = None
-            if torch.is_grad_enabled():
-                link = BackwardLink(frame)
+            if link is not None:
                 args, kwargs, link.input_names = taps.tap_arguments(
                     args, kwargs, lambda grads, lk=link: self._on_grad_input(lk, grads))
-                if module is not None:
-                    for name, p in module.named_parameters():
-                        if p.requires_grad:
-                            link.handles.append(p.register_hook(
-                                lambda g, lk=link, n=name: self._on_param_grad(lk, n, g)))
             return frame, args, kwargs, link
         finally:
             self.local.busy = False
@@ -329,9 +329,7 @@ class Session:
 
     def _device_payload(self, t: torch.Tensor) -> int:
         unit = payload_mod.unit_of(t.dtype)
-        flat = t.reshape(-1)
-        if flat.numel() and flat.stride(0) != 1:
-            flat = flat.clone(memory_format=torch.contiguous_format)
+        flat = payload_mod.flat(t)
         nbytes = flat.numel() * t.element_size()
         # Page-locked staging lets the copy run asynchronously; the writer waits on the event.
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.device.type == "cuda")
@@ -370,7 +368,7 @@ class Session:
 
     # -- backward --------------------------------------------------------------------------------
     def _guard(self, where: str, fn: Callable[[], None]) -> None:
-        if not self.enabled or ACTIVE is not self:
+        if not self.enabled or self.closed:
             return
         try:
             with self.lock:
@@ -440,7 +438,7 @@ class Session:
                 link.frame = None  # a second backward through the same graph is a new step
             ids = {id(lk) for lk in done}
             self._links = [lk for lk in self._links if id(lk) not in ids]
-        if not self.enabled or ACTIVE is not self:
+        if not self.enabled or self.closed:
             return
         try:
             for frame in sorted((f for f in frames if f is not None), key=lambda f: f.index):
@@ -451,6 +449,7 @@ class Session:
     def close(self) -> None:
         """Write out backward steps still open and remove every hook this session added."""
         self._end_of_backward(aborted=True)
+        self.closed = True
         self.modules.close()
         with self.lock:
             links, self._links = self._links, []

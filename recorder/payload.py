@@ -11,9 +11,8 @@ import numpy as np
 import torch
 import xxhash
 
-# Element width in bytes -> store unit index (layout.BLOB_UNITS) and the torch view dtype.
+# Element width in bytes -> store unit index (layout.BLOB_UNITS), and each unit's numpy dtype.
 _UNIT_OF_WIDTH = {1: 0, 2: 1, 4: 2, 8: 3}
-_VIEW_DTYPE = {0: torch.uint8, 1: torch.int16, 2: torch.int32, 3: torch.int64}
 _NUMPY_UNIT = {0: np.uint8, 1: np.uint16, 2: np.uint32, 3: np.uint64}
 _COMPLEX_COMPONENT = {torch.complex32: 2, torch.complex64: 4, torch.complex128: 8}
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
@@ -42,6 +41,14 @@ def unit_of(dtype: torch.dtype) -> int:
     return _UNIT_OF_WIDTH[width]
 
 
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 1-D tensor with unit stride: a view when its layout allows, else a copy."""
+    out = t.detach().reshape(-1)
+    if out.numel() and out.stride(0) != 1:  # size-1 or expanded dimensions: torch calls these contiguous
+        out = out.clone(memory_format=torch.contiguous_format)  # recomputes strides
+    return out
+
+
 def as_units(t: torch.Tensor) -> tuple[np.ndarray, int, bool]:
     """A 1-D numpy array of the tensor's bytes as store units.
 
@@ -49,16 +56,17 @@ def as_units(t: torch.Tensor) -> tuple[np.ndarray, int, bool]:
     was needed) and must be copied before ``t`` can change.
     """
     unit = unit_of(t.dtype)
-    t = t.detach()
-    flat = t.reshape(-1)  # a copy only when t's layout cannot be flattened in place
-    if flat.numel() and flat.stride(0) != 1:  # size-1 or expanded dimensions: torch calls these contiguous
-        flat = flat.clone(memory_format=torch.contiguous_format)  # recomputes strides
-    if flat.numel() == 0:
+    flat_t = flat(t)
+    if flat_t.numel() == 0:
         return np.empty(0, dtype=_NUMPY_UNIT[unit]), unit, False
-    aliases = flat.data_ptr() == t.data_ptr()  # a copy has memory of its own
+    aliases = flat_t.data_ptr() == t.data_ptr()  # a copy has memory of its own
     # Through uint8 first: a direct view between some dtypes (bool, float8, complex) is refused.
-    flat = flat.view(torch.uint8).view(_VIEW_DTYPE[unit])
-    return flat.numpy().view(_NUMPY_UNIT[unit]), unit, aliases
+    return units_of_bytes(flat_t.view(torch.uint8).numpy(), unit), unit, aliases
+
+
+def units_of_bytes(raw: np.ndarray, unit: int) -> np.ndarray:
+    """A uint8 array's bytes viewed as the store's unsigned integers of one unit."""
+    return raw.view(_NUMPY_UNIT[unit])
 
 
 def content_key(units: np.ndarray, unit: int) -> tuple[int, int, int]:

@@ -14,7 +14,6 @@ import traceback
 from collections import deque
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import jsonval, snapshot
@@ -82,7 +81,8 @@ class Pipeline:
             # Still publish what was committed and why the rest is missing; if even that fails, the
             # last manifest stands and readers infer "crashed" from the dead writer.
             with contextlib.suppress(Exception):
-                self.writer.close("crashed", {**info, "writer_error": repr(self.error)})
+                self.writer.close("crashed", {**info, "writer_error": repr(self.error),
+                                              "writer_traceback": self.error_trace[-20000:]})
 
     # -- writer-thread side ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -143,7 +143,7 @@ class Pipeline:
         if item.pinned is not None:
             if item.event is not None:
                 item.event.synchronize()
-            data = item.pinned.numpy().view(payload_mod._NUMPY_UNIT[item.unit])
+            data = payload_mod.units_of_bytes(item.pinned.numpy(), item.unit)
             key = payload_mod.content_key(data, item.unit)
             self._tokens[item.token] = key
         assert key is not None
@@ -172,13 +172,14 @@ class Pipeline:
                 row[col] = w.doc_of(value) if col in ("definition", "module") else w.doc(value)
         row["rng"] = self._rng_doc(item.rng) if item.rng else layout.NO_REF
         nonfinite = False
-        stats_by_name: dict[str, tuple[float, ...]] = {}
+        watched: dict[str, tuple[float, ...]] = {}
         row["tensor_start"] = w.tensors
         for t in item.tensors:
             stats = t.stats
             if isinstance(stats, torch.Tensor):
                 stats = tuple(float(v) for v in stats.cpu().tolist())
-            stats_by_name[f"{layout.ROLES[t.role]}:{t.name}"] = stats
+            if layout.ROLES[t.role] == "watch":
+                watched[t.name] = stats
             if (stats[6] or stats[7]) and layout.ROLES[t.role] in _NONFINITE_ROLES[row["phase"]]:
                 nonfinite = True
             pid = layout.NO_REF
@@ -189,7 +190,7 @@ class Pipeline:
                       "device": w.doc(t.device), "requires_grad": t.requires_grad, "ndim": len(t.shape),
                       "dims_start": w.dims(t.shape, t.stride), "stats": stats, "payload": pid})
         row["tensor_count"] = len(item.tensors)
-        alerts = [a for e in item.expectations for a in _check(e, stats_by_name.get(f"watch:{e['name']}"))]
+        alerts = [a for e in item.expectations for a in _check(e, watched.get(e["name"]))]
         alerts += [e["shape_alert"] for e in item.expectations if e.get("shape_alert")]
         extra: dict[str, Any] = {}
         if item.exception:
@@ -209,11 +210,6 @@ class Pipeline:
 _NONFINITE_ROLES = {0: ("output",), 1: ("grad_input", "param_grad")}
 
 
-def _num(value: float) -> float | None:
-    """A statistic as strict JSON (None where it is NaN or infinite)."""
-    return value if np.isfinite(value) else None
-
-
 def _check(expect: dict[str, Any], stats: tuple[float, ...] | None) -> list[dict[str, Any]]:
     """Broken value expectations of one watched tensor, from its statistics."""
     if stats is None:
@@ -224,14 +220,14 @@ def _check(expect: dict[str, Any], stats: tuple[float, ...] | None) -> list[dict
     if expect.get("expected_range") is not None:
         a, b = expect["expected_range"]
         if nan or inf or lo < a or hi > b:
-            out.append({**base, "check": "range", "expected": [a, b], "actual": [_num(lo), _num(hi)],
+            out.append({**base, "check": "range", "expected": [a, b], "actual": [lo, hi],
                         "nonfinite": int(nan + inf)})
     if expect.get("expected_norm_range") is not None:
         a, b = expect["expected_norm_range"]
         if nan or inf or not a <= norm <= b:
-            out.append({**base, "check": "norm", "expected": [a, b], "actual": _num(norm)})
+            out.append({**base, "check": "norm", "expected": [a, b], "actual": norm})
     if expect.get("expected_mean") is not None:
         value, tol = expect["expected_mean"]
         if nan or inf or not abs(mean - value) <= tol:
-            out.append({**base, "check": "mean", "expected": [value, tol], "actual": _num(mean)})
+            out.append({**base, "check": "mean", "expected": [value, tol], "actual": mean})
     return out

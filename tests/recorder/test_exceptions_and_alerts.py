@@ -129,3 +129,22 @@ def test_backward_pass_that_raises_does_not_stall_the_recording(run_path):
     notes = rank.doc(int(rank.column("steps/extra")[1]))["notes"]
     assert notes == ["the backward pass stopped before this step finished"]
     assert int(rank.column("steps/extra")[3]) == -1
+
+
+def test_backward_pass_that_raises_just_before_close_is_still_written(run_path):
+    """A backward step left open by a failed backward pass at the very end is written on close."""
+    def refuse(grad):
+        raise RuntimeError("gradient check failed")
+
+    with recorder.record(run_path) as run:
+        x = torch.randn(4, requires_grad=True)
+        x.register_hook(refuse)
+        try:
+            normalise(x * 1.0).sum().backward()
+        except RuntimeError:
+            pass
+    assert run.status == "complete"
+    rank = RunReader(run_path).rank(0)
+    assert [int(p) for p in rank.column("steps/phase")] == [0, 1]
+    assert rank.doc(int(rank.column("steps/extra")[1]))["notes"] == [
+        "the backward pass stopped before this step finished"]
