@@ -42,6 +42,7 @@ class Pipeline:
         self.pool = StagingPool()
         self._rng_docs: dict[tuple[str, Any], int] = {}
         self.peak_queue_bytes = 0
+        self.ready = threading.Event()  # set once the store's layout is on disk (or creating it failed)
         self._thread = threading.Thread(target=self._run, name="pdbg-writer", daemon=True)
         self._thread.start()
 
@@ -86,10 +87,14 @@ class Pipeline:
 
     # -- writer-thread side ----------------------------------------------------------------------
     def _run(self) -> None:
-        last_flush = last_commit = time.monotonic()
         dirty = False
         item: Any = None
         try:
+            try:
+                self.writer.create()  # the store's files, made here rather than on the training thread
+            finally:
+                self.ready.set()
+            last_flush = last_commit = time.monotonic()
             while True:
                 with self._cond:
                     if not self._queue:
@@ -173,22 +178,33 @@ class Pipeline:
         row["rng"] = self._rng_doc(item.rng) if item.rng else layout.NO_REF
         nonfinite = False
         watched: dict[str, tuple[float, ...]] = {}
-        row["tensor_start"] = w.tensors
+        cols: dict[str, list[Any]] = {name: [] for name in layout.TENSOR_COLUMNS if name not in ("step", "dims_start")}
+        dims: list[int] = []
+        nonfinite_roles = _NONFINITE_ROLES[row["phase"]]
         for t in item.tensors:
             stats = t.stats
             if isinstance(stats, torch.Tensor):
                 stats = tuple(float(v) for v in stats.cpu().tolist())
-            if layout.ROLES[t.role] == "watch":
+            if t.role == _WATCH:
                 watched[t.name] = stats
-            if (stats[6] or stats[7]) and layout.ROLES[t.role] in _NONFINITE_ROLES[row["phase"]]:
+            if (stats[6] or stats[7]) and t.role in nonfinite_roles:
                 nonfinite = True
             pid = layout.NO_REF
             if t.payload is not None:
                 key = self._tokens.pop(t.payload) if isinstance(t.payload, int) else t.payload
                 pid = w.payload(key, None)
-            w.tensor({"step": item.index, "role": t.role, "name": w.doc(t.name), "dtype": w.doc(t.dtype),
-                      "device": w.doc(t.device), "requires_grad": t.requires_grad, "ndim": len(t.shape),
-                      "dims_start": w.dims(t.shape, t.stride), "stats": stats, "payload": pid})
+            cols["role"].append(t.role)
+            cols["name"].append(w.doc(t.name))
+            cols["dtype"].append(w.doc(t.dtype))
+            cols["device"].append(w.doc(t.device))
+            cols["requires_grad"].append(t.requires_grad)
+            cols["ndim"].append(len(t.shape))
+            cols["stats"].append(stats)
+            cols["payload"].append(pid)
+            dims += t.shape
+            # Sparse and meta tensors have no strides: -1 each, so every record keeps 2 * ndim dims.
+            dims += t.stride if len(t.stride) == len(t.shape) else (-1,) * len(t.shape)
+        row["tensor_start"] = w.tensors_of_step(item.index, cols, dims)
         row["tensor_count"] = len(item.tensors)
         alerts = [a for e in item.expectations for a in _check(e, watched.get(e["name"]))]
         alerts += [e["shape_alert"] for e in item.expectations if e.get("shape_alert")]
@@ -207,7 +223,10 @@ class Pipeline:
         w.step(item.index, row)
 
 
-_NONFINITE_ROLES = {0: ("output",), 1: ("grad_input", "param_grad")}
+# Roles whose non-finite values make a step ``nonfinite``, by phase (its results, not its inputs).
+_NONFINITE_ROLES = {0: frozenset({layout.ROLES.index("output")}),
+                    1: frozenset({layout.ROLES.index("grad_input"), layout.ROLES.index("param_grad")})}
+_WATCH = layout.ROLES.index("watch")
 
 
 def _check(expect: dict[str, Any], stats: tuple[float, ...] | None) -> list[dict[str, Any]]:

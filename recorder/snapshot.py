@@ -8,6 +8,7 @@ back in ``finally``.
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import random
 from collections.abc import Iterator
@@ -105,37 +106,115 @@ def _safe(get: Any) -> Any:
     return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 
 
+def _first(pair: Any) -> Any:
+    return pair[0] if isinstance(pair, tuple) else pair
+
+
+def _candidates() -> list[tuple[str, Any, Any]]:
+    """(setting, fast getter or None, public getter) for every numerics setting.
+
+    The fast getters are the C functions behind torch.backends' properties: reading a flag through
+    the property costs ~1 us of Python, and this runs at every step entry. Each fast getter is
+    checked against its public twin once (``_getters``); a build that lacks it, or disagrees, uses
+    the public one."""
+    b, c = torch.backends, torch._C
+
+    def fast(name: str, *args: Any, pick: Any = None) -> Any:
+        fn = getattr(c, name, None)
+        if fn is None:
+            return None
+        if pick is None:
+            return (lambda: fn(*args)) if args else fn
+        return lambda: pick(fn(*args))
+
+    return [
+        ("deterministic_algorithms", None, torch.are_deterministic_algorithms_enabled),
+        ("deterministic_warn_only", None, torch.is_deterministic_algorithms_warn_only_enabled),
+        ("cudnn_enabled", fast("_get_cudnn_enabled"), lambda: b.cudnn.enabled),
+        ("cudnn_deterministic", fast("_get_cudnn_deterministic"), lambda: b.cudnn.deterministic),
+        ("cudnn_benchmark", fast("_get_cudnn_benchmark"), lambda: b.cudnn.benchmark),
+        ("cudnn_allow_tf32", fast("_get_cudnn_allow_tf32"), lambda: b.cudnn.allow_tf32),
+        ("cuda_matmul_allow_tf32", fast("_get_cublas_allow_tf32"), lambda: b.cuda.matmul.allow_tf32),
+        ("cuda_matmul_fp16_reduced_precision",
+         fast("_get_cublas_allow_fp16_reduced_precision_reduction", pick=_first),
+         lambda: b.cuda.matmul.allow_fp16_reduced_precision_reduction),
+        ("cuda_matmul_bf16_reduced_precision",
+         fast("_get_cublas_allow_bf16_reduced_precision_reduction", pick=_first),
+         lambda: b.cuda.matmul.allow_bf16_reduced_precision_reduction),
+        ("float32_matmul_precision", None, torch.get_float32_matmul_precision),
+        ("fp32_precision", fast("_get_fp32_precision_getter", "generic", "all"), lambda: b.fp32_precision),
+        ("cuda_matmul_fp32_precision", fast("_get_fp32_precision_getter", "cuda", "matmul"),
+         lambda: b.cuda.matmul.fp32_precision),
+        ("cudnn_fp32_precision", fast("_get_fp32_precision_getter", "cuda", "all"), lambda: b.cudnn.fp32_precision),
+        ("mkldnn_fp32_precision", fast("_get_fp32_precision_getter", "mkldnn", "all"),
+         lambda: b.mkldnn.fp32_precision),
+        ("sdp_flash", fast("_get_flash_sdp_enabled"), lambda: b.cuda.flash_sdp_enabled()),
+        ("sdp_mem_efficient", fast("_get_mem_efficient_sdp_enabled"), lambda: b.cuda.mem_efficient_sdp_enabled()),
+        ("sdp_math", fast("_get_math_sdp_enabled"), lambda: b.cuda.math_sdp_enabled()),
+        ("sdp_cudnn", fast("_get_cudnn_sdp_enabled"), lambda: b.cuda.cudnn_sdp_enabled()),
+        ("default_dtype", None, torch.get_default_dtype),
+        ("num_threads", None, torch.get_num_threads),
+        ("num_interop_threads", None, torch.get_num_interop_threads),
+        ("cpu_capability", None, lambda: b.cpu.get_cpu_capability()),
+        ("grad_enabled", None, torch.is_grad_enabled),
+        ("inference_mode", None, torch.is_inference_mode_enabled),
+        ("autocast_cpu", None, lambda: torch.is_autocast_enabled("cpu")),
+        ("autocast_cpu_dtype", None, lambda: torch.get_autocast_dtype("cpu")),
+        ("autocast_cuda", None, lambda: torch.is_autocast_enabled("cuda")),
+        ("autocast_cuda_dtype", None, lambda: torch.get_autocast_dtype("cuda")),
+    ]
+
+
+_GETTERS: list[tuple[str, Any]] | None = None
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _getters() -> list[tuple[str, Any]]:
+    """The getter used for each setting: the fast one where it exists and agrees with the public
+    one, else the public one; getters that raise, or return non-JSON values, go through ``_safe``."""
+    global _GETTERS
+    if _GETTERS is None:
+        chosen = []
+        for name, quick, public in _candidates():
+            reference = _safe(public)
+            if quick is not None and _safe(quick) == reference and not isinstance(reference, type(None)):
+                try:
+                    quick()
+                    chosen.append((name, quick))
+                    continue
+                except Exception:
+                    pass
+            try:
+                value = public()
+                plain = isinstance(value, _PLAIN)
+            except Exception:
+                plain = False
+            chosen.append((name, public if plain else functools.partial(_safe, public)))
+        _GETTERS = chosen
+    return _GETTERS
+
+
 def settings() -> dict[str, Any]:
     """Everything that changes numerics, as plain JSON values (None where this build lacks it)."""
-    b = torch.backends
-    s: dict[str, Any] = {
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "cudnn_enabled": _safe(lambda: b.cudnn.enabled),
-        "cudnn_deterministic": _safe(lambda: b.cudnn.deterministic),
-        "cudnn_benchmark": _safe(lambda: b.cudnn.benchmark),
-        "cudnn_allow_tf32": _safe(lambda: b.cudnn.allow_tf32),
-        "cuda_matmul_allow_tf32": _safe(lambda: b.cuda.matmul.allow_tf32),
-        "cuda_matmul_fp16_reduced_precision": _safe(lambda: b.cuda.matmul.allow_fp16_reduced_precision_reduction),
-        "cuda_matmul_bf16_reduced_precision": _safe(lambda: b.cuda.matmul.allow_bf16_reduced_precision_reduction),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "fp32_precision": _safe(lambda: b.fp32_precision),
-        "cuda_matmul_fp32_precision": _safe(lambda: b.cuda.matmul.fp32_precision),
-        "cudnn_fp32_precision": _safe(lambda: b.cudnn.fp32_precision),
-        "mkldnn_fp32_precision": _safe(lambda: b.mkldnn.fp32_precision),
-        "sdp_flash": _safe(b.cuda.flash_sdp_enabled),
-        "sdp_mem_efficient": _safe(b.cuda.mem_efficient_sdp_enabled),
-        "sdp_math": _safe(b.cuda.math_sdp_enabled),
-        "sdp_cudnn": _safe(b.cuda.cudnn_sdp_enabled),
-        "default_dtype": _safe(torch.get_default_dtype),
-        "num_threads": torch.get_num_threads(),
-        "num_interop_threads": torch.get_num_interop_threads(),
-        "cpu_capability": _safe(b.cpu.get_cpu_capability),
-        "grad_enabled": torch.is_grad_enabled(),
-        "inference_mode": torch.is_inference_mode_enabled(),
-    }
-    for device in ("cpu", "cuda"):
-        s[f"autocast_{device}"] = _safe(lambda d=device: torch.is_autocast_enabled(d))
-        s[f"autocast_{device}_dtype"] = _safe(lambda d=device: torch.get_autocast_dtype(d))
-    s["env"] = {k: os.environ.get(k) for k in ENV_VARS}
+    try:
+        s = {name: get() for name, get in _getters()}
+    except Exception:  # a getter that worked before fails now: read each one carefully
+        s = {name: _safe(get) for name, get in _getters()}
+    s["env"] = _env()
     return s
+
+
+_ENV_KEYS = tuple((k, os.fsencode(k)) for k in ENV_VARS) if os.name == "posix" else ()
+
+
+def _env() -> dict[str, str | None]:
+    # os.environ.get encodes the key and decodes the value on every call (~1.5 us each); on POSIX
+    # the mapping keeps the raw bytes in ``_data``, which is what os.environ.get reads too.
+    data = getattr(os.environ, "_data", None)
+    if not _ENV_KEYS or not isinstance(data, dict):
+        return {k: os.environ.get(k) for k in ENV_VARS}
+    out = {}
+    for key, raw in _ENV_KEYS:
+        value = data.get(raw)
+        out[key] = None if value is None else os.fsdecode(value)
+    return out

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ class AppendArray:
         self.store, self.col, self.comp = store, col, comp
         self.key = key
         self.meta = meta  # the array's zarr.json, rewritten by this class when the shape changes
-        self.capacity = col.chunk_rows
+        self.capacity = 0  # rows the zarr.json declares: none until the first chunk is written
         self._buf: np.ndarray | None = None  # allocated on first use: most runs never touch u1/u2/u8
         self.fill = 0  # rows in buf
         self.chunk = 0  # index of the chunk buf holds
@@ -94,7 +95,8 @@ class AppendArray:
 
     def trim(self) -> None:
         """Set the zarr shape to the exact length, so plain zarr reads exactly the committed rows."""
-        self._resize(len(self))
+        if self.capacity != len(self):  # arrays never written (payloads in stats mode) stay as made
+            self._resize(len(self))
 
     def _seal(self) -> None:
         self._write(self.chunk, self.buf)
@@ -111,7 +113,7 @@ class AppendArray:
     def _write(self, index: int, data: np.ndarray) -> None:
         needed = (index + 1) * self.col.chunk_rows
         if needed > self.capacity:
-            self._resize(max(needed, 2 * self.capacity))
+            self._resize(max(needed, 2 * self.capacity))  # geometric: few metadata rewrites
         backend.put(self.store, f"{self.key}/c/{index}{self._suffix}", self.comp.encode(data))
 
 
@@ -120,23 +122,24 @@ class StoreWriter:
 
     def __init__(self, store: Store, *, run_attrs: dict[str, Any], compression: codecs.Compression,
                  rank: int = 0) -> None:
-        self.store, self.rank = store, rank
+        """Claim the store (its root ``zarr.json``); ``create()`` lays out the rest.
+
+        Split in two so that the training thread pays only for the claim: the ~50 files and
+        directories of a rank's arrays are made by the writer thread (``create``), next to training."""
+        self.store, self.rank, self.compression = store, rank, compression
         if backend.get(store, "zarr.json") is not None:
             raise RecordingError("the store already holds a zarr hierarchy; record into a new, empty one")
-        files = dict(_template(rank, compression))
-        root_meta = json.loads(files["zarr.json"])
+        self._files = dict(_template(rank, compression))
+        root_meta = json.loads(self._files.pop("zarr.json"))
         root_meta["attributes"] = {layout.ATTRS_KEY: {
             "format": layout.FORMAT_NAME, "schema_version": layout.SCHEMA_VERSION,
             "compression": compression.describe(), "run": run_attrs}}
-        files["zarr.json"] = json.dumps(root_meta, indent=2, allow_nan=False).encode()
-        for key, data in files.items():
-            backend.put(store, key, data)
+        backend.put(store, "zarr.json", json.dumps(root_meta, indent=2, allow_nan=False).encode())
         self.root_meta = root_meta
-        cols = layout.columns()
         self.arrays: dict[str, AppendArray] = {}
-        for col in cols:
+        for col in layout.columns():
             key = f"{layout.rank_group(rank)}/{col.path}"
-            self.arrays[col.path] = AppendArray(store, key, json.loads(files[f"{key}/zarr.json"]), col,
+            self.arrays[col.path] = AppendArray(store, key, json.loads(self._files[f"{key}/zarr.json"]), col,
                                                 _compression_of(col, compression))
         self._identity = {"pid": os.getpid(), "host": socket.gethostname(), "boot": backend.boot_id(),
                           "start": backend.process_start(os.getpid())}
@@ -145,12 +148,30 @@ class StoreWriter:
         self._identity_ids: dict[int, tuple[Any, int]] = {}
         self._payload_ids: dict[tuple[int, int, int], int] = {}
         self._pending: dict[int, dict[str, Any]] = {}
+        self._io: ThreadPoolExecutor | None = None
         self.steps = 0  # committed-in-order step rows appended
         self.seq = 0
         self.status = "recording"
         self.info: dict[str, Any] = {}
-        backend.remove_partials(store)
+
+    def create(self) -> None:
+        """Write the rank's group and array metadata, then the first manifest (0 steps)."""
+        backend.remove_partials(self.store)
+        self._parallel(lambda kv: backend.put(self.store, *kv), list(self._files.items()))
+        self._files = {}
         self.write_manifest()
+
+    def _parallel(self, fn: Any, items: list[Any]) -> None:
+        """Run ``fn`` over items on a few I/O threads (file writes and Blosc release the GIL): a
+        commit touches dozens of files, and one at a time their latencies add up."""
+        if len(items) < 4:
+            for item in items:
+                fn(item)
+            return
+        if self._io is None:
+            self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdbg-io")
+        for _ in self._io.map(fn, items):  # re-raises the first failure
+            pass
 
     # -- documents, dims, payloads ------------------------------------------------------------
     def doc(self, obj: Any) -> int:
@@ -182,10 +203,6 @@ class StoreWriter:
         self._doc_ids[key] = doc_id
         return doc_id
 
-    def dims(self, shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
-        values = np.asarray((*shape, *stride), dtype=np.int64)
-        return self.arrays["dims/values"].extend(values) if len(values) else len(self.arrays["dims/values"])
-
     def has_payload(self, key: tuple[int, int, int]) -> bool:
         return key in self._payload_ids
 
@@ -208,11 +225,26 @@ class StoreWriter:
         return pid
 
     # -- steps and tensors ---------------------------------------------------------------------
-    def tensor(self, row: dict[str, Any]) -> int:
-        index = -1
-        for name in layout.TENSOR_COLUMNS:
-            index = self.arrays[f"tensors/{name}"].append(row[name])
-        return index
+    def tensors_of_step(self, step: int, columns: dict[str, list[Any]], dims: list[int]) -> int:
+        """Append a step's tensor records at once (one call per column, not per record).
+
+        Args:
+            step: the step's index.
+            columns: every column of TENSOR_COLUMNS but ``step`` and ``dims_start``, a list each.
+            dims: the records' shapes and strides, concatenated in record order.
+        Returns the row of the first record."""
+        start = self.tensors
+        n = len(columns["role"])
+        if n == 0:
+            return start
+        values = self.arrays["dims/values"]
+        first_dim = values.extend(np.asarray(dims, dtype=np.int64)) if dims else len(values)
+        ndim = np.asarray(columns["ndim"], dtype=np.int64)
+        data = dict(columns, step=np.full(n, step, dtype=np.int64),
+                    dims_start=first_dim + np.concatenate(([0], np.cumsum(2 * ndim)[:-1])))
+        for name, (dtype, shape) in layout.TENSOR_COLUMNS.items():
+            self.arrays[f"tensors/{name}"].extend(np.asarray(data[name], dtype=dtype).reshape(n, *shape))
+        return start
 
     def step(self, index: int, row: dict[str, Any]) -> None:
         """Queue a finished step's row; rows are appended strictly in index order."""
@@ -239,19 +271,27 @@ class StoreWriter:
 
     def flush(self) -> None:
         """Make everything appended so far durable: chunks first, then the manifest."""
-        for arr in self.arrays.values():
-            arr.flush()
+        self._parallel(AppendArray.flush, [a for a in self.arrays.values() if a.dirty])
         self.write_manifest()
 
     def close(self, status: str, info: dict[str, Any] | None = None) -> None:
         """Flush, trim every array to its length, and publish the final status."""
         self.info.update(info or {})
-        for arr in self.arrays.values():
-            arr.flush()
+        if self._files:  # closed before the writer thread got to create()
+            self.create()
         if status == "complete" and self._pending:
             status = "crashed"  # a step that never finished (its enclosing call is still open)
-        for arr in self.arrays.values():
+
+        def finish(arr: AppendArray) -> None:
+            arr.flush()
             arr.trim()
+
+        try:
+            self._parallel(finish, list(self.arrays.values()))
+        finally:
+            if self._io is not None:
+                self._io.shutdown(wait=True)
+                self._io = None
         self.status = status
         self.write_manifest()
         self.root_meta["attributes"][layout.ATTRS_KEY]["final"] = {"status": status, **self.info}
@@ -280,7 +320,7 @@ def _template(rank: int, compression: codecs.Compression) -> dict[str, bytes]:
     template = zarr.storage.MemoryStore()
     group = zarr.open_group(template, mode="w").create_group(layout.rank_group(rank))
     for col in layout.columns():
-        group.create_array(col.path, shape=(col.chunk_rows, *col.row_shape), chunks=(col.chunk_rows, *col.row_shape),
+        group.create_array(col.path, shape=(0, *col.row_shape), chunks=(col.chunk_rows, *col.row_shape),
                            dtype=col.dtype, fill_value=0, compressors=_compression_of(col, compression).zarr_codec())
     return _contents(template)
 

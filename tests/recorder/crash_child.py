@@ -187,7 +187,8 @@ def setup_events(root: str) -> int:
     def child() -> None:
         os.close(read)
         events = _count_writes(None)
-        start_recording(os.path.join(root, "count"), 0)  # no step yet, so no commit follows
+        run, _, _ = start_recording(os.path.join(root, "count"), 0)
+        run.pipeline.ready.wait(30)  # the writer thread lays out the store; no step yet, so no commit follows
         os.write(write, str(events[0]).encode())
         os._exit(0)
 
