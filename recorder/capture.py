@@ -96,6 +96,7 @@ class Session:
         self._pass: list[BackwardLink] = []  # backward frames open in the current backward pass
         self._callback_queued = False
         self._module_docs: dict[int, tuple[torch.nn.Module, dict[str, Any]]] = {}
+        self._known_settings: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _stack(self) -> list[Frame]:
@@ -191,7 +192,7 @@ class Session:
         self.local.busy = True
         try:
             frame.rng = snapshot.rng_parts()
-            frame.settings = snapshot.settings()
+            frame.settings = self._settings()
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "")
             link = BackwardLink(frame) if torch.is_grad_enabled() else None
             if module is not None:
@@ -357,6 +358,18 @@ class Session:
         self._send(StepItem(index=frame.index, row=row, docs=docs, rng=frame.rng, tensors=frame.tensors,
                             exception=frame.exception, expectations=frame.expectations, notes=frame.notes), 0)
 
+    def _settings(self) -> dict[str, Any]:
+        """The settings now; the previous snapshot object itself when nothing changed, so the writer
+        recognises it by identity instead of encoding the same document at every step."""
+        now = snapshot.settings()
+        key = (*(v for k, v in now.items() if k != "env"), *now["env"].values())  # dicts are not hashable
+        known = self._known_settings.get(key)
+        if known is None:
+            if len(self._known_settings) >= 1024:  # settings that keep changing: stop remembering
+                self._known_settings.clear()
+            known = self._known_settings[key] = now
+        return known
+
     def _module_doc(self, module: torch.nn.Module | None) -> dict[str, Any] | None:
         if module is None:
             return None
@@ -410,7 +423,7 @@ class Session:
                       call=fwd.call, parent=parent, iteration=self.iteration, t_start=now,
                       payloads=self._payloads_now(), forward=fwd.index, t_end=now)
         frame.rng = snapshot.rng_parts()
-        frame.settings = snapshot.settings()
+        frame.settings = self._settings()
         link.frame = frame
         self._pass.append(link)
         if not self._callback_queued:

@@ -173,8 +173,8 @@ class Pipeline:
         for col, value in item.docs.items():
             if value is None:
                 row[col] = layout.NO_REF
-            else:  # definitions and module documents are made once per step definition / module
-                row[col] = w.doc_of(value) if col in ("definition", "module") else w.doc(value)
+            else:  # definitions, module documents and unchanged settings are the same objects each step
+                row[col] = w.doc_of(value) if col in ("definition", "module", "settings") else w.doc(value)
         row["rng"] = self._rng_doc(item.rng) if item.rng else layout.NO_REF
         nonfinite = False
         watched: dict[str, tuple[float, ...]] = {}

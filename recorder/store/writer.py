@@ -188,6 +188,8 @@ class StoreWriter:
         identity, so its JSON (which holds source code) is not re-encoded on every step."""
         entry = self._identity_ids.get(id(obj))
         if entry is None or entry[0] is not obj:
+            if len(self._identity_ids) >= 4096:  # only a cache: the documents stay deduplicated by content
+                self._identity_ids.clear()
             entry = self._identity_ids[id(obj)] = (obj, self._doc(obj))  # holds obj: its id stays unique
         return entry[1]
 
