@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.autograd import Variable
 
-from . import jsonval, modstack, snapshot, taps
+from . import autohooks, jsonval, modstack, snapshot, taps
 from . import payload as payload_mod
 from . import stats as stats_mod
 from .items import PayloadItem, StepItem, TensorItem
@@ -38,7 +38,7 @@ class RecorderWarning(UserWarning):
     """The recorder hit a problem and degraded; training goes on."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Frame:
     """One step in progress (forward call or backward of a call)."""
 
@@ -79,7 +79,7 @@ class Session:
     """State of one active recording."""
 
     def __init__(self, pipeline: Pipeline, *, mode: str, every: int, model: torch.nn.Module | None,
-                 t0: float) -> None:
+                 t0: float, modules: Any = None) -> None:
         self.pipeline, self.mode, self.every, self.t0 = pipeline, mode, every, t0
         self.lock = threading.RLock()
         self.local = threading.local()
@@ -97,6 +97,8 @@ class Session:
         self._callback_queued = False
         self._module_docs: dict[int, tuple[torch.nn.Module, dict[str, Any]]] = {}
         self._known_settings: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.selector = autohooks.ModuleSelector(modules)
+        self.autocapture = autohooks.GlobalCapture(self, self.selector) if self.selector else None
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _stack(self) -> list[Frame]:
@@ -141,27 +143,55 @@ class Session:
         def invoke(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return fn(module, *args, **kwargs) if module is not None else fn(*args, **kwargs)
 
-        if not self.enabled or getattr(self.local, "busy", False):
+        started = self.begin(defn, module, args, kwargs)
+        if started is None:
             return invoke(args, kwargs)
+        frame, args, kwargs, link = started
+        try:
+            out = invoke(args, kwargs)
+        except BaseException as exc:
+            self.end_with_exception(frame, exc)
+            raise
+        return self.end(frame, out, link)
+
+    def begin(self, defn: Any, module: torch.nn.Module | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+              ) -> tuple[Frame, tuple[Any, ...], dict[str, Any], BackwardLink | None] | None:
+        """Start a step: capture its inputs and push it as the running step. Returns the frame, the
+        (tapped) arguments to call with and the backward link; None when nothing is captured."""
+        if not self.enabled or getattr(self.local, "busy", False):
+            return None
         try:
             frame, args, kwargs, link = self._enter(defn, module, args, kwargs)
         except Exception as exc:
             self.fail("capturing a step's inputs", exc)
-            return invoke(args, kwargs)
-        stack = self._stack()
-        stack.append(frame)
-        try:
-            out = invoke(args, kwargs)
-        except BaseException as exc:
-            stack.pop()
-            self._exit_exception(frame, exc)
-            raise
-        stack.pop()
+            return None
+        self._stack().append(frame)
+        return frame, args, kwargs, link
+
+    def end(self, frame: Frame, out: Any, link: BackwardLink | None) -> Any:
+        """Finish a step begun with ``begin``: capture its outputs; returns the (tapped) output."""
+        self._pop(frame)
         try:
             return self._exit(frame, out, link)
         except Exception as exc:
             self.fail("capturing a step's outputs", exc)
             return out
+
+    def end_with_exception(self, frame: Frame, exc: BaseException) -> None:
+        """Finish a step begun with ``begin`` whose call raised ``exc``."""
+        self._pop(frame)
+        self._exit_exception(frame, exc)
+
+    def running(self) -> list[Frame]:
+        """The steps running on this thread, outermost first."""
+        return list(self._stack())
+
+    def _pop(self, frame: Frame) -> None:
+        stack = self._stack()
+        for i in range(len(stack) - 1, -1, -1):  # normally the top; frames are compared by identity
+            if stack[i] is frame:
+                del stack[i:]
+                return
 
     def _enter(self, defn: Any, module: torch.nn.Module | None, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> tuple[Frame, tuple[Any, ...], dict[str, Any], BackwardLink | None]:
@@ -239,6 +269,18 @@ class Session:
             self._submit(frame)
         except Exception as err:
             self.fail("recording an exception", err)
+
+    def add_kwargs(self, frame: Frame, kwargs: dict[str, Any]) -> None:
+        """Record keyword arguments of a running step that were not known when it began."""
+        self.local.busy = True
+        try:
+            doc = self._encode(frame, kwargs, "input", "kwargs")
+            if isinstance(frame.args_doc, dict):
+                frame.args_doc["kwargs"] = doc
+        except Exception as exc:
+            frame.notes.append(f"keyword arguments not captured: {type(exc).__name__}: {exc}")
+        finally:
+            self.local.busy = False
 
     def watch(self, tensor: Any, name: str, expect: dict[str, Any]) -> None:
         """Attach a watched tensor and its expectations to the innermost running step."""
@@ -460,7 +502,9 @@ class Session:
             self.fail("finishing a backward pass", exc)
 
     def close(self) -> None:
-        """Write out backward steps still open and remove every hook this session added."""
+        """Write out steps still open and remove every hook this session added."""
+        if self.autocapture is not None:
+            self.autocapture.close()
         self._end_of_backward(aborted=True)
         self.closed = True
         self.modules.close()

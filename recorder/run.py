@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.optim import optimizer as optimizer_mod
 
-from . import capture, jsonval, snapshot
+from . import autohooks, capture, jsonval, snapshot
 from .errors import RecordingError
 from .pipeline import Pipeline
 from .store import backend
@@ -35,7 +36,8 @@ class Run:
 
     def __init__(self, path: backend.StoreTarget, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, mode: str = "full", every: int = 1,
-                 compressor: Any = None, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0) -> None:
+                 compressor: Any = None, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0,
+                 modules: str | list[str] | None = None, script: str | None = None) -> None:
         if mode not in MODES:
             raise RecordingError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         if not isinstance(every, int) or every < 1:
@@ -46,16 +48,29 @@ class Run:
             raise RecordingError(f"path must be a directory path or a zarr store, not {type(path).__name__}")
         if isinstance(path, (str, os.PathLike)) and Path(path).exists() and any(Path(path).iterdir()):
             raise RecordingError(f"{path} already exists and is not empty; choose a new path or delete it")
+        if optimizer is not None and optimizer != "auto" and not isinstance(optimizer, torch.optim.Optimizer):
+            raise RecordingError(f"optimizer must be a torch.optim.Optimizer, 'auto' or None, not "
+                                 f"{type(optimizer).__name__}")
+        autohooks.parse_globs(modules)  # a bad glob is refused before anything is created
         self.path, self.mode, self.every = path, mode, every
         compression = codecs_api.parse(compressor)
         self.t0 = time.perf_counter()
         self.started = time.time()
-        store = backend.open_store(path, mode="w")
-        writer = StoreWriter(store, run_attrs=run_metadata(self.started, mode, every), compression=compression)
+        try:
+            store = backend.open_store(path, mode="w")
+            writer = StoreWriter(store, run_attrs=run_metadata(self.started, mode, every, script),
+                                 compression=compression)
+        except OSError as exc:
+            raise RecordingError(f"cannot create the recording {path}: {exc.strerror or exc}; choose a path in a "
+                                 "writable directory") from None
         self.pipeline = Pipeline(writer, max_queue_bytes=max_queue_bytes, flush_interval=flush_interval)
-        self.session = capture.Session(self.pipeline, mode=mode, every=every, model=model, t0=self.t0)
+        self.session = capture.Session(self.pipeline, mode=mode, every=every, model=model, t0=self.t0,
+                                       modules=modules)
         self._hooks: list[Any] = []
-        if optimizer is not None:
+        self._stepping: int | None = None  # with optimizer="auto": id of the optimizer that counts
+        if optimizer == "auto":
+            self._hooks.append(optimizer_mod.register_optimizer_step_post_hook(self._on_any_step))
+        elif optimizer is not None:
             self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.next_iteration()))
         self.closed = False
         self.status: str | None = None
@@ -75,6 +90,13 @@ class Run:
     def next_iteration(self) -> None:
         """Start the next iteration (done for you on ``optimizer.step()`` when an optimizer is given)."""
         self.session.next_iteration()
+
+    def _on_any_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        # With several optimizers (a GAN's two), the first one to step counts the iterations.
+        if self._stepping is None:
+            self._stepping = id(optimizer)
+        if id(optimizer) == self._stepping:
+            self.next_iteration()
 
     def flush(self, timeout: float | None = 60.0) -> bool:
         """Commit everything recorded so far; returns False if the writer failed."""
@@ -98,6 +120,7 @@ class Run:
         for hook in self._hooks:
             hook.remove()
         self.session.close()
+        self._warn_unmatched()
         info: dict[str, Any] = {"ended_unix": time.time(), "iterations": self.session.iteration + 1,
                                 "steps_started": self.session.next_index,
                                 "peak_queue_bytes": self.pipeline.peak_queue_bytes}
@@ -116,6 +139,22 @@ class Run:
             warnings.warn(f"PaperDebugger's writer failed ({self.pipeline.error!r}); the recording holds the "
                           "steps committed before it", capture.RecorderWarning, stacklevel=2)
 
+    def _warn_unmatched(self) -> None:
+        selector = self.session.selector
+        missed = selector.unmatched()
+        if not missed or not selector.paths:
+            return
+        paths = sorted(selector.paths)
+        shown = ", ".join(repr(p) if p else "'' (the root)" for p in paths[:40])
+        more = f" and {len(paths) - 40} more" if len(paths) > 40 else ""
+        warnings.warn(f"module glob(s) {', '.join(map(repr, missed))} matched no module; the module paths "
+                      f"called were: {shown}{more}", capture.RecorderWarning, stacklevel=3)
+
+    @property
+    def unmatched_globs(self) -> list[str]:
+        """The ``modules`` globs that selected no module (so far)."""
+        return self.session.selector.unmatched()
+
     def __enter__(self) -> Run:
         return self
 
@@ -132,13 +171,16 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
     Args:
         path: a new directory (``run.zarr``) or a zarr Store (``zarr.storage.MemoryStore()``).
         model: the model being trained; module paths are relative to it.
-        optimizer: iterations advance after each of its ``step()`` calls.
+        optimizer: iterations advance after each of its ``step()`` calls; ``"auto"``: after each
+            ``step()`` of the first optimizer that steps, whichever it is (global optimizer hooks).
         mode: "full" (payloads of every tensor) or "stats" (statistics only, tiny).
         every: with mode="full", keep payloads every k-th iteration and statistics for the rest.
         compressor: None (Blosc lz4 + bit shuffle), "lz4", "zstd", "none", or a dict with
             ``cname``, ``clevel`` and ``shuffle``.
-        options: ``max_queue_bytes`` (memory the writer queue may hold, default 512 MiB) and
-            ``flush_interval`` (seconds between commits, default 1.0).
+        options: ``max_queue_bytes`` (memory the writer queue may hold, default 512 MiB),
+            ``flush_interval`` (seconds between commits, default 1.0) and ``modules``: module-path
+            globs (``"blocks.*"``, ``"**.attn"``) whose modules are recorded too, decorated or not
+            (see recorder.autohooks).
 
     Returns:
         The Run; leaving the ``with`` block closes it (``complete``, or ``crashed`` on an exception).
@@ -167,15 +209,17 @@ def _restore_blosc(previous: Any) -> None:
     blosc.use_threads = previous
 
 
-def run_metadata(started: float, mode: str, every: int) -> dict[str, Any]:
-    """What a reader needs to know about where and how the run was recorded (plain JSON)."""
+def run_metadata(started: float, mode: str, every: int, script: str | None = None) -> dict[str, Any]:
+    """What a reader needs to know about where and how the run was recorded (plain JSON).
+
+    ``script``: the user's script when it is not ``__main__``'s file (``pdbg record`` runs it)."""
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = [{"name": torch.cuda.get_device_name(i),
                  "sm_count": torch.cuda.get_device_properties(i).multi_processor_count}
                 for i in range(torch.cuda.device_count())]
-    main = sys.modules.get("__main__")
-    script = getattr(main, "__file__", None)
+    if script is None:
+        script = getattr(sys.modules.get("__main__"), "__file__", None)
     return {
         "started": datetime.fromtimestamp(started, UTC).isoformat(), "started_unix": started,
         "mode": mode, "every": every, "argv": list(sys.argv), "cwd": os.getcwd(),

@@ -148,14 +148,14 @@ def _candidates() -> list[tuple[str, Any, Any]]:
         ("cudnn_fp32_precision", fast("_get_fp32_precision_getter", "cuda", "all"), lambda: b.cudnn.fp32_precision),
         ("mkldnn_fp32_precision", fast("_get_fp32_precision_getter", "mkldnn", "all"),
          lambda: b.mkldnn.fp32_precision),
-        ("sdp_flash", fast("_get_flash_sdp_enabled"), lambda: b.cuda.flash_sdp_enabled()),
-        ("sdp_mem_efficient", fast("_get_mem_efficient_sdp_enabled"), lambda: b.cuda.mem_efficient_sdp_enabled()),
-        ("sdp_math", fast("_get_math_sdp_enabled"), lambda: b.cuda.math_sdp_enabled()),
-        ("sdp_cudnn", fast("_get_cudnn_sdp_enabled"), lambda: b.cuda.cudnn_sdp_enabled()),
+        ("sdp_flash", fast("_get_flash_sdp_enabled"), lambda: b.cuda.flash_sdp_enabled()),  # noqa: PLW0108 (looked up late: older builds lack it)
+        ("sdp_mem_efficient", fast("_get_mem_efficient_sdp_enabled"), lambda: b.cuda.mem_efficient_sdp_enabled()),  # noqa: PLW0108 (looked up late: older builds lack it)
+        ("sdp_math", fast("_get_math_sdp_enabled"), lambda: b.cuda.math_sdp_enabled()),  # noqa: PLW0108 (looked up late: older builds lack it)
+        ("sdp_cudnn", fast("_get_cudnn_sdp_enabled"), lambda: b.cuda.cudnn_sdp_enabled()),  # noqa: PLW0108 (looked up late: older builds lack it)
         ("default_dtype", None, torch.get_default_dtype),
         ("num_threads", None, torch.get_num_threads),
         ("num_interop_threads", None, torch.get_num_interop_threads),
-        ("cpu_capability", None, lambda: b.cpu.get_cpu_capability()),
+        ("cpu_capability", None, lambda: b.cpu.get_cpu_capability()),  # noqa: PLW0108 (looked up late: older builds lack it)
         ("grad_enabled", None, torch.is_grad_enabled),
         ("inference_mode", None, torch.is_inference_mode_enabled),
         ("autocast_cpu", None, lambda: torch.is_autocast_enabled("cpu")),
@@ -165,33 +165,25 @@ def _candidates() -> list[tuple[str, Any, Any]]:
     ]
 
 
-_GETTERS: list[tuple[str, Any]] | None = None
 _PLAIN = (bool, int, float, str, type(None))
 
 
+@functools.cache
 def _getters() -> list[tuple[str, Any]]:
     """The getter used for each setting: the fast one where it exists and agrees with the public
     one, else the public one; getters that raise, or return non-JSON values, go through ``_safe``."""
-    global _GETTERS
-    if _GETTERS is None:
-        chosen = []
-        for name, quick, public in _candidates():
-            reference = _safe(public)
-            if quick is not None and _safe(quick) == reference and not isinstance(reference, type(None)):
-                try:
-                    quick()
-                    chosen.append((name, quick))
-                    continue
-                except Exception:
-                    pass
-            try:
-                value = public()
-                plain = isinstance(value, _PLAIN)
-            except Exception:
-                plain = False
-            chosen.append((name, public if plain else functools.partial(_safe, public)))
-        _GETTERS = chosen
-    return _GETTERS
+    chosen = []
+    for name, quick, public in _candidates():
+        reference = _safe(public)
+        if quick is not None and reference is not None and _safe(quick) == reference:
+            chosen.append((name, quick))
+            continue
+        try:
+            plain = isinstance(public(), _PLAIN)
+        except Exception:
+            plain = False
+        chosen.append((name, public if plain else functools.partial(_safe, public)))
+    return chosen
 
 
 def settings() -> dict[str, Any]:

@@ -12,6 +12,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from recorder.errors import PdbgError
 
+from . import cmd_record
+
 
 def _version() -> str:
     try:
@@ -23,7 +25,8 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdbg", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"pdbg {_version()}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    cmd_record.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,169 @@
+"""Zero-edit capture: modules chosen by path globs, recorded through global module hooks.
+
+``record(..., modules=["blocks.*"])`` (and ``pdbg record --modules``) records every module whose
+path matches a glob, without a decorator or any other change to the user's code. Paths are relative
+to the outermost module being called; globs match them segment by segment: ``*`` is one segment
+(``blocks.*`` is each block, not its children), ``**`` any number of segments, the root included
+(``**.attn`` is every ``attn``; ``**`` alone is every module). Within a segment, ``fnmatch``
+wildcards apply (``h.*.attn*``).
+
+Global forward hooks see positional arguments before the call but keyword arguments only after it,
+so for modules recorded this way keyword tensors are captured as inputs at the end of the call and
+are not followed into the backward pass (decorate the class, or ``annotate`` the instance, for that).
+Decorated classes and annotated instances are recorded by their own wrappers, never twice.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.modules import module as module_mod
+
+from .errors import RecordingError
+
+if TYPE_CHECKING:
+    from .annotate import StepDef
+    from .capture import BackwardLink, Frame, Session
+
+
+def parse_globs(globs: str | list[str] | tuple[str, ...] | None) -> list[tuple[str, ...]]:
+    """Split module-path globs into segments; raises RecordingError on an empty one."""
+    if globs is None:
+        return []
+    if isinstance(globs, str):
+        globs = [globs]
+    patterns = []
+    for glob in globs:
+        if not isinstance(glob, str) or not glob or any(not seg for seg in glob.split(".")):
+            raise RecordingError(f"invalid module glob {glob!r}: use dotted segments such as 'blocks.*', "
+                                 "'**.attn' or '**'")
+        patterns.append(tuple(glob.split(".")))
+    return patterns
+
+
+def glob_matches(pattern: tuple[str, ...], path: str) -> bool:
+    """Does a module path ("" for the root) match a parsed glob?"""
+    return _match(pattern, tuple(path.split(".")) if path else ())
+
+
+def _match(pattern: tuple[str, ...], segments: tuple[str, ...]) -> bool:
+    if not pattern:
+        return not segments
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_match(rest, segments[i:]) for i in range(len(segments) + 1))
+    return bool(segments) and fnmatch.fnmatchcase(segments[0], head) and _match(rest, segments[1:])
+
+
+class ModuleSelector:
+    """Which module paths a list of globs selects, remembered per path; tracks globs never matched."""
+
+    def __init__(self, globs: str | list[str] | tuple[str, ...] | None) -> None:
+        self.globs = [globs] if isinstance(globs, str) else list(globs or [])
+        self.patterns = parse_globs(self.globs)
+        self._cache: dict[str, bool] = {}
+        self.matched: set[int] = set()  # indices of globs that selected at least one module
+        self.paths: dict[str, str] = {}  # every module path seen -> its class name (for messages)
+
+    def __bool__(self) -> bool:
+        return bool(self.patterns)
+
+    def selects(self, path: str, module: torch.nn.Module) -> bool:
+        found = self._cache.get(path)
+        if found is None:
+            self.paths.setdefault(path, type(module).__qualname__)
+            hits = [i for i, p in enumerate(self.patterns) if glob_matches(p, path)]
+            self.matched.update(hits)
+            found = self._cache[path] = bool(hits)
+        return found
+
+    def unmatched(self) -> list[str]:
+        return [g for i, g in enumerate(self.globs) if i not in self.matched]
+
+
+def _marked(module: torch.nn.Module) -> bool:
+    """Recorded by its own wrapper: a decorated class or an annotated instance."""
+    return "_pdbg_step" in module.__dict__ or hasattr(type(module).forward, "__pdbg_step__")
+
+
+class GlobalCapture:
+    """Global forward hooks that record the modules a selector picks. ``close()`` removes them."""
+
+    def __init__(self, session: Session, selector: ModuleSelector) -> None:
+        self.session, self.selector = session, selector
+        self.local = threading.local()
+        self._defs: dict[type, StepDef] = {}
+        # Registered after the session's module stack, so paths are known when these run.
+        self._handles = [
+            module_mod.register_module_forward_pre_hook(self._pre),
+            module_mod.register_module_forward_hook(self._post, with_kwargs=True, always_call=True),
+        ]
+
+    def _open(self) -> list[tuple[torch.nn.Module, Frame, BackwardLink | None]]:
+        open_ = getattr(self.local, "open", None)
+        if open_ is None:
+            open_ = self.local.open = []
+        return open_
+
+    def _defn(self, module: torch.nn.Module) -> StepDef:
+        from .annotate import StepDef  # annotate imports capture, which imports this module
+
+        cls = type(module)
+        defn = self._defs.get(cls)
+        if defn is None:
+            defn = self._defs[cls] = StepDef(cls.__qualname__, None, None, None, None, None,  # type: ignore[arg-type]
+                                             "module", cls)
+        return defn
+
+    def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        session = self.session
+        if not session.enabled or session.closed or getattr(session.local, "busy", False) or _marked(module):
+            return None
+        try:
+            if not self.selector.selects(session.modules.path_of(module), module):
+                return None
+        except Exception as exc:
+            session.fail("matching module paths", exc)
+            return None
+        started = session.begin(self._defn(module), module, args, {})
+        if started is None:
+            return None
+        frame, new_args, _, link = started
+        self._open().append((module, frame, link))
+        return new_args
+
+    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
+        # (kwargs, result) normally; (result,) when torch calls it while an exception unwinds.
+        kwargs, result = rest if len(rest) == 2 else ({}, rest[0])
+        open_ = self._open()
+        at = next((i for i in range(len(open_) - 1, -1, -1) if open_[i][0] is module), None)
+        if at is None:
+            return None
+        for _, inner, _ in reversed(open_[at + 1:]):  # left open by an exception torch's hooks never saw
+            self.session.end_with_exception(inner, RuntimeError("this step's forward did not return normally"))
+        _, frame, link = open_[at]
+        del open_[at:]
+        session = self.session
+        exc = sys.exc_info()[1]
+        if exc is not None and result is None:  # called by torch while the forward's exception unwinds
+            session.end_with_exception(frame, exc)
+            return None
+        if kwargs:
+            session.add_kwargs(frame, kwargs)
+        out = session.end(frame, result, link)
+        return None if out is result else out
+
+    def close(self) -> None:
+        """Remove the hooks; steps still open on this thread (a BaseException such as
+        KeyboardInterrupt skips torch's always-called hooks) are ended with the exception in flight."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        open_, self.local.open = self._open(), []
+        exc = sys.exc_info()[1]
+        for _, frame, _ in reversed(open_):
+            self.session.end_with_exception(frame, exc or KeyboardInterrupt("the recording ended inside this step"))

@@ -1,0 +1,129 @@
+"""Record an unmodified script: run it as ``__main__`` with a recording around it (``pdbg record``).
+
+The script sees what ``python script.py ARGS`` would give it: ``sys.argv`` is ``[script, *ARGS]``,
+``sys.path[0]`` is the script's directory, ``__name__`` is ``"__main__"``. Iterations advance on the
+steps of the first optimizer that steps (global optimizer hooks). The recording is closed before
+this returns: ``complete`` when the script ends normally (or exits with status 0), ``crashed`` when
+it raises or exits with another status; the exception is recorded on the innermost step it escaped.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import shutil
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import RecordingError
+
+
+@dataclass
+class ScriptResult:
+    """How a recorded script ended."""
+
+    exit_code: int
+    status: str  # the recording's status: "complete" or "crashed"
+    steps: int  # steps started
+    exception: BaseException | None = None  # the exception that escaped the script, if any
+    traceback_text: str = ""  # printed as Python would print it (frames of the runner left out)
+
+
+def check_output(out: str | os.PathLike[str]) -> Path:
+    """Refuse an output path that exists with contents, or whose parent cannot be written."""
+    path = Path(out)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise RecordingError(f"{path} already exists; give a new path for the recording (or delete it)")
+    parent = path.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RecordingError(f"cannot create {path}: {parent} is not writable; choose another output path")
+    return path
+
+
+def check_script(script: str | os.PathLike[str]) -> Path:
+    path = Path(script)
+    if not path.exists():
+        raise RecordingError(f"{script}: no such file; give the path of the Python script to record")
+    if not path.is_file():
+        raise RecordingError(f"{script} is not a file; give the path of the Python script to record")
+    return path
+
+
+def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.PathLike[str], *,
+               mode: str = "full", modules: list[str] | None = None, every: int = 1, **options: Any) -> ScriptResult:
+    """Run ``script`` with ``args`` as ``__main__`` while recording into ``out``.
+
+    Args:
+        script: the training script.
+        args: its command-line arguments.
+        out: the new recording's directory.
+        mode, modules, every, options: as for ``recorder.record``.
+
+    Raises RecordingError (before anything runs or is created) for a missing script, an existing or
+    unwritable output, or bad options.
+    """
+    from .run import Run
+
+    script_path = check_script(script)
+    out_path = check_output(out)
+    created = not out_path.exists()
+    saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    script_dir = str(script_path.resolve().parent)
+
+    def restore() -> None:
+        sys.argv = saved_argv
+        if saved_path0 is not None:
+            sys.path[0] = saved_path0
+
+    sys.argv = [str(script_path), *args]  # before the run starts, so its metadata holds the script's argv
+    if sys.path:
+        sys.path[0] = script_dir
+    else:
+        sys.path.insert(0, script_dir)
+    try:
+        run = Run(out_path, optimizer="auto", mode=mode, every=every, modules=modules,
+                  script=str(script_path.resolve()), **options)
+    except BaseException:
+        restore()
+        if created and out_path.exists():
+            shutil.rmtree(out_path, ignore_errors=True)  # nothing recorded: leave nothing behind
+        raise
+    code, error = 0, None
+    try:
+        runpy.run_path(str(script_path), run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException as exc:  # KeyboardInterrupt included: recorded, then reported as Python does
+        code, error = (130 if isinstance(exc, KeyboardInterrupt) else 1), exc
+    finally:
+        status = "complete" if code == 0 and error is None else "crashed"
+        try:
+            run.close(status, error)
+        finally:
+            restore()
+    text = _script_traceback(error, script_path) if error is not None else ""
+    return ScriptResult(code, run.status or status, run.steps, error, text)
+
+
+def _exit_code(code: Any) -> int:
+    """The process exit status ``sys.exit(code)`` gives: None is 0, an int itself, anything else 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)  # what the interpreter does with sys.exit("message")
+    return 1
+
+
+def _script_traceback(exc: BaseException, script: Path) -> str:
+    """The traceback Python would print for ``exc``, starting at the script's own frames."""
+    tb = exc.__traceback__
+    target = str(script.resolve())
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != target:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))

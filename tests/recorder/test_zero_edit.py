@@ -1,0 +1,236 @@
+"""Zero-edit recording: `pdbg record --modules GLOB -- script.py`, and `record(modules=...)` in code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import recorder
+from recorder.autohooks import glob_matches, parse_globs
+from recorder.errors import RecordingError
+from recorder.store import layout
+from recorder.store.reader import RunReader
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "plain_train.py"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pdbg(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tui.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, check=False, env=_env())
+
+
+def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          check=False, env=_env())
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def user_frames(stderr: str) -> list[str]:
+    """The traceback's frames in the script, with their code lines, and the final error line."""
+    lines = stderr.split("pdbg: ")[0].splitlines()
+    out = [f"{a}|{b}" for a, b in zip(lines, lines[1:]) if a.startswith(f'  File "{SCRIPT}"')]
+    return out + [lines[-1]] if lines else out
+
+
+def steps(path: Path) -> list[dict[str, object]]:
+    rank = RunReader(str(path)).rank(0)
+    col = rank.column
+    out = []
+    for i in range(len(rank)):
+        extra = int(col("steps/extra")[i])
+        out.append({"name": rank.doc(int(col("steps/name")[i])), "phase": int(col("steps/phase")[i]),
+                    "iteration": int(col("steps/iteration")[i]), "path": rank.doc(int(col("steps/module_path")[i])),
+                    "status": layout.STATUSES[int(col("steps/status")[i])], "parent": int(col("steps/parent")[i]),
+                    "extra": rank.doc(extra) if extra >= 0 else {}})
+    return out
+
+
+class TestGlobs:
+    def test_star_is_one_segment(self) -> None:
+        """`blocks.*` selects each block, not the block's children nor the container."""
+        (p,) = parse_globs("blocks.*")
+        assert glob_matches(p, "blocks.0") and glob_matches(p, "blocks.12")
+        assert not glob_matches(p, "blocks.0.fc") and not glob_matches(p, "blocks") and not glob_matches(p, "")
+
+    def test_double_star_is_any_number_of_segments(self) -> None:
+        """`**` alone selects every module, the root included; `**.attn` every attn at any depth."""
+        every, attn = parse_globs(["**", "**.attn"])
+        assert all(glob_matches(every, p) for p in ("", "a", "a.b.c"))
+        assert glob_matches(attn, "attn") and glob_matches(attn, "h.3.attn") and not glob_matches(attn, "h.3.attn.q")
+
+    def test_wildcards_inside_a_segment(self) -> None:
+        """fnmatch wildcards apply within one segment."""
+        (p,) = parse_globs("h.*.attn*")
+        assert glob_matches(p, "h.1.attn_out") and not glob_matches(p, "h.1.mlp")
+
+    @pytest.mark.parametrize("bad", ["", "a..b", ".a", 3])
+    def test_bad_glob_is_refused_before_anything_is_created(self, bad: object, run_path: Path) -> None:
+        """An empty segment is an error naming the glob, and no store is created."""
+        with pytest.raises(RecordingError, match="invalid module glob"):
+            recorder.record(run_path, modules=[bad])  # type: ignore[list-item]
+        assert not run_path.exists()
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.fc(x)
+        return x + (y if scale is None else y * scale)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, scale=torch.full((6,), 0.5))
+        return x.sum()
+
+
+class TestInProcess:
+    def test_modules_and_auto_optimizer(self, run_path: Path) -> None:
+        """record(modules=..., optimizer="auto") records undecorated blocks, forward and backward,
+        with keyword tensors as inputs and bit-exact payloads."""
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        xs = [torch.randn(3, 6, requires_grad=True) for _ in range(2)]
+        with recorder.record(run_path, optimizer="auto", modules="blocks.*"):
+            for x in xs:
+                model(x).backward()
+                opt.step()
+                opt.zero_grad()
+        got = steps(run_path)
+        assert [(s["name"], s["phase"], s["iteration"], s["path"]) for s in got] == [
+            (n, ph, it, p) for it in (0, 1) for n, ph, p in
+            (("Block", 0, "blocks.0"), ("Block", 0, "blocks.1"), ("Block", 1, "blocks.1"), ("Block", 1, "blocks.0"))]
+        rank = RunReader(str(run_path)).rank(0)
+        recs = {(r.role, r.name): r for r in rank.tensor_records(4)}  # iteration 1, blocks.0 forward
+        assert torch.equal(rank.tensor(recs[("input", "args.0")]), xs[1].detach())
+        assert torch.equal(rank.tensor(recs[("input", "kwargs.scale")]), torch.full((6,), 0.5))
+        back = {(r.role, r.name) for r in rank.tensor_records(7)}  # iteration 1, blocks.0 backward
+        assert {("grad_output", "output"), ("grad_input", "args.0"), ("param_grad", "fc.weight")} <= back
+
+    def test_decorated_class_matching_a_glob_is_recorded_once(self, run_path: Path) -> None:
+        """A paper step that a glob also selects appears once per call, under its paper name."""
+        from tests.models import Attention
+
+        attn = Attention(8, 2, dropout=0.0)
+        with recorder.record(run_path, modules="**"):
+            attn(torch.randn(1, 4, 8))
+        names = [(s["name"], s["path"]) for s in steps(run_path) if s["phase"] == 0]
+        assert names.count(("Attention", "")) == 1
+        assert ("Linear", "qkv") in names and ("Linear", "proj") in names
+
+    def test_unmatched_glob_warns_with_the_paths_that_exist(self, run_path: Path) -> None:
+        """A glob that selects nothing is reported once, listing the module paths that were called."""
+        model = Net()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with recorder.record(run_path, modules=["blokcs.*"]) as run:
+                model(torch.randn(2, 6))
+        assert run.unmatched_globs == ["blokcs.*"]
+        (w,) = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+        assert "'blokcs.*' matched no module" in str(w.message) and "'blocks.0'" in str(w.message)
+
+    def test_exception_in_a_selected_module_is_recorded_and_reraised(self, run_path: Path) -> None:
+        """An exception from an undecorated module's forward is recorded on its step, re-raised as is."""
+        class Boom(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                raise ZeroDivisionError("no")
+
+        net = nn.Sequential(nn.Linear(2, 2), Boom())
+        with pytest.raises(ZeroDivisionError, match="no"), recorder.record(run_path, modules="*"):
+            net(torch.randn(1, 2))
+        got = steps(run_path)
+        assert [(s["path"], s["status"]) for s in got] == [("0", "ok"), ("1", "exception")]
+        assert got[1]["extra"]["exception"]["message"] == "no"
+        assert RunReader(str(run_path)).status == "crashed"
+
+
+class TestPdbgRecord:
+    def test_records_each_block_call_and_changes_nothing(self, tmp_path: Path) -> None:
+        """`pdbg record --modules 'blocks.*'`: one forward and one backward step per block call, the
+        right iterations, and the script's stdout, exit code and final parameters unchanged."""
+        plain = python(str(SCRIPT), "4", "--save", str(tmp_path / "plain.pt"), cwd=tmp_path)
+        rec = pdbg("record", "-o", "run.zarr", "--modules", "blocks.*", "--", str(SCRIPT), "4", "--save",
+                   str(tmp_path / "rec.pt"), cwd=tmp_path)
+        assert plain.returncode == 0 and rec.returncode == 0, rec.stderr
+        assert rec.stdout == plain.stdout
+        a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "rec.pt")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        got = steps(tmp_path / "run.zarr")
+        expect = [x for it in range(4) for x in
+                  [(f"blocks.{i}", 0, it) for i in range(3)] + [(f"blocks.{i}", 1, it) for i in (2, 1, 0)]]
+        assert [(s["path"], s["phase"], s["iteration"]) for s in got] == expect
+        assert {s["name"] for s in got} == {"Block"}
+        info = RunReader(str(tmp_path / "run.zarr")).run_info
+        assert info["script"] == str(SCRIPT) and info["argv"][1:] == ["4", "--save", str(tmp_path / "rec.pt")]
+        assert "pdbg: recording in run.zarr (complete, 24 steps)" in rec.stderr
+
+    def test_a_crash_keeps_traceback_and_exit_code(self, tmp_path: Path) -> None:
+        """A script dying mid-iteration: same exit code and traceback as without recording, the run
+        `crashed`, the exception on the innermost step."""
+        plain = python(str(SCRIPT), "5", "--fail-at", "2", cwd=tmp_path)
+        rec = pdbg("record", "-o", "run.zarr", "--modules", "**", "--", str(SCRIPT), "5", "--fail-at", "2",
+                   cwd=tmp_path)
+        assert plain.returncode == rec.returncode == 1
+        assert rec.stdout == plain.stdout
+        # The script's own frames and the error line are the same; torch's module-call frames differ
+        # only because hooks take another path through nn.Module._call_impl.
+        assert user_frames(rec.stderr) == user_frames(plain.stderr) != []
+        assert rec.stderr.startswith("Traceback (most recent call last):\n")
+        assert RunReader(str(tmp_path / "run.zarr")).status == "crashed"
+        failed = [s for s in steps(tmp_path / "run.zarr") if s["status"] == "exception"]
+        assert [(s["path"], s["iteration"]) for s in failed] == [("", 2), ("blocks.1", 2)]
+        assert failed[-1]["extra"]["exception"]["type"] == "builtins:FloatingPointError"
+        assert "FloatingPointError escaped step" in rec.stderr and "Block at blocks.1, iteration 2" in rec.stderr
+
+    def test_script_exit_code_is_returned(self, tmp_path: Path) -> None:
+        """sys.exit(3) in the script is pdbg's exit code; the recording is closed as crashed."""
+        rec = pdbg("record", "-o", "run.zarr", "--", str(SCRIPT), "1", "--exit", "3", cwd=tmp_path)
+        assert rec.returncode == 3
+        assert RunReader(str(tmp_path / "run.zarr")).status == "crashed"
+
+    def test_missing_script_is_a_one_line_error_and_creates_nothing(self, tmp_path: Path) -> None:
+        """A script that does not exist: exit 2, one line naming it, no store."""
+        rec = pdbg("record", "-o", "run.zarr", "--", "nope.py", cwd=tmp_path)
+        assert rec.returncode == 2
+        assert rec.stderr.strip().splitlines() == ["pdbg: error: nope.py: no such file; give the path of the "
+                                                   "Python script to record"]
+        assert not (tmp_path / "run.zarr").exists()
+
+    def test_unwritable_output_is_a_one_line_error_and_leaves_nothing(self, tmp_path: Path) -> None:
+        """An output that cannot be created: exit 2, one line, nothing left behind, the script not run."""
+        blocker = tmp_path / "file"
+        blocker.write_text("not a directory")
+        rec = pdbg("record", "-o", str(blocker / "run.zarr"), "--", str(SCRIPT), "1", cwd=tmp_path)
+        assert rec.returncode == 2 and rec.stdout == ""
+        (line,) = rec.stderr.strip().splitlines()
+        assert line.startswith("pdbg: error: cannot create") and "run.zarr" in line
+        assert blocker.read_text() == "not a directory"
+
+    def test_glob_matching_nothing_warns_with_paths(self, tmp_path: Path) -> None:
+        """A --modules glob that matches no module: a one-line warning listing the paths that exist."""
+        rec = pdbg("record", "-o", "run.zarr", "--modules", "layers.*", "--", str(SCRIPT), "1", cwd=tmp_path)
+        assert rec.returncode == 0
+        (warn,) = [ln for ln in rec.stderr.splitlines() if ln.startswith("pdbg: warning:")]
+        assert "'layers.*' matched no module" in warn and "'blocks.0'" in warn and "'head'" in warn

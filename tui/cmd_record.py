@@ -1,0 +1,84 @@
+"""pdbg record -o RUN [--mode full|stats] [--modules GLOB ...] [--every K] -- script.py [args]
+
+Run an unmodified training script as `python script.py args` would, recording it: decorated paper
+steps, plus every module whose path matches a --modules glob (`blocks.*` is each block, `**.attn`
+every attn, `**` every module). Iterations advance on the steps of the first optimizer that steps.
+The script's stdout is left alone; pdbg's own lines go to stderr. Exits with the script's exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Any
+
+from recorder import RecorderWarning
+from recorder.errors import RecordingError
+
+
+def add_parser(sub: Any) -> None:
+    doc = __doc__ or ""
+    p = sub.add_parser("record", help="record an unmodified training script",
+                       description=doc.split("\n\n", 1)[1], usage=doc.split("\n\n")[0].removeprefix("pdbg "))
+    p.add_argument("-o", "--out", required=True, metavar="RUN", help="new directory for the recording")
+    p.add_argument("--mode", choices=("full", "stats"), default="full",
+                   help="full: every tensor's bytes (default); stats: statistics only")
+    p.add_argument("--modules", nargs="+", action="extend", default=[], metavar="GLOB",
+                   help="also record the modules whose paths match (segment globs: * one, ** any)")
+    p.add_argument("--every", type=int, default=1, metavar="K", help="full mode: bytes every K-th iteration")
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from recorder.runner import run_script
+
+    if args.every < 1:
+        raise RecordingError(f"--every must be a positive integer, not {args.every}")
+    script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    shown = warnings.showwarning
+
+    def show(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
+        if issubclass(category, RecorderWarning):
+            print(f"pdbg: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, *rest, **kw)
+
+    warnings.showwarning = show
+    try:
+        result = run_script(args.script, script_args, args.out, mode=args.mode, modules=args.modules or None,
+                            every=args.every)
+    finally:
+        if warnings.showwarning is show:
+            warnings.showwarning = shown
+    sys.stdout.flush()
+    if result.traceback_text:
+        sys.stderr.write(result.traceback_text)
+    print(f"pdbg: {_summary(args.out, result)}", file=sys.stderr)
+    return result.exit_code
+
+
+def _summary(out: str, result: Any) -> str:
+    """Where the recording is, and the step an exception escaped from."""
+    text = f"recording in {out} ({result.status}, {result.steps} steps)"
+    if result.exception is None:
+        return text
+    try:
+        from recorder.store import layout
+        from recorder.store.reader import RunReader
+
+        rank = RunReader(out).rank(0)
+        status = rank.column("steps/status")
+        failed = [i for i in range(len(status)) if layout.STATUSES[int(status[i])] == "exception"]
+    except Exception:  # the summary must not hide the script's own outcome
+        return text
+    if not failed:
+        return text
+    step = failed[-1]  # steps are numbered on entry: the innermost one that raised is the last
+    name = rank.doc(int(rank.column("steps/name")[step]))
+    path = rank.doc(int(rank.column("steps/module_path")[step]))
+    iteration = int(rank.column("steps/iteration")[step])
+    where = f" at {path}" if path else ""
+    return f"{text}; {type(result.exception).__name__} escaped step {step} ({name}{where}, iteration {iteration})"
