@@ -23,8 +23,15 @@ from .errors import (
     SchemaVersionError,
     StepNotFoundError,
 )
+from .monitors import BreakpointStop, NonFiniteError, StepContext, breakpoint, register_check, unregister_check
 
 __all__ = [
+    "BreakpointStop",
+    "NonFiniteError",
+    "StepContext",
+    "breakpoint",
+    "register_check",
+    "unregister_check",
     "FormatError",
     "NotARecordingError",
     "PdbgError",

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.autograd import Variable
 
-from . import autohooks, jsonval, modstack, snapshot, taps
+from . import autohooks, jsonval, modstack, monitors, snapshot, taps
 from . import payload as payload_mod
 from . import stats as stats_mod
 from .items import PayloadItem, StepItem, TensorItem
@@ -62,6 +62,8 @@ class Frame:
     exception: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     t_end: float = 0.0
+    alerts: list[dict[str, Any]] = field(default_factory=list)  # from checks and breakpoints
+    pending: Any = None  # a monitor's stop or pdb action, carried out once the step is submitted
 
 
 @dataclass
@@ -79,7 +81,7 @@ class Session:
     """State of one active recording."""
 
     def __init__(self, pipeline: Pipeline, *, mode: str, every: int, model: torch.nn.Module | None,
-                 t0: float, modules: Any = None) -> None:
+                 t0: float, modules: Any = None, on_anomaly: str = "record") -> None:
         self.pipeline, self.mode, self.every, self.t0 = pipeline, mode, every, t0
         self.lock = threading.RLock()
         self.local = threading.local()
@@ -97,6 +99,7 @@ class Session:
         self._callback_queued = False
         self._module_docs: dict[int, tuple[torch.nn.Module, dict[str, Any]]] = {}
         self._known_settings: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.monitor = monitors.Monitor(on_anomaly)
         self.selector = autohooks.ModuleSelector(modules)
         self.autocapture = autohooks.GlobalCapture(self, self.selector) if self.selector else None
 
@@ -172,10 +175,13 @@ class Session:
         """Finish a step begun with ``begin``: capture its outputs; returns the (tapped) output."""
         self._pop(frame)
         try:
-            return self._exit(frame, out, link)
+            out = self._exit(frame, out, link)
         except Exception as exc:
             self.fail("capturing a step's outputs", exc)
             return out
+        if frame.pending is not None:
+            monitors.perform(frame.pending, lambda: self.pipeline.flush(60.0))  # may raise, on purpose
+        return out
 
     def end_with_exception(self, frame: Frame, exc: BaseException) -> None:
         """Finish a step begun with ``begin`` whose call raised ``exc``."""
@@ -255,6 +261,7 @@ class Session:
                 frame.notes.append(f"capture failed: {type(exc).__name__}: {exc}")
                 raise
             finally:
+                self._monitor(frame, out)
                 self._submit(frame)  # always: a missing index would hold back every later step
             return out
         finally:
@@ -398,7 +405,31 @@ class Session:
         row = {"phase": frame.phase, "iteration": frame.iteration, "call": frame.call, "parent": frame.parent,
                "forward": frame.forward, "t_start": frame.t_start, "t_end": frame.t_end}
         self._send(StepItem(index=frame.index, row=row, docs=docs, rng=frame.rng, tensors=frame.tensors,
-                            exception=frame.exception, expectations=frame.expectations, notes=frame.notes), 0)
+                            exception=frame.exception, expectations=frame.expectations, notes=frame.notes,
+                            alerts=frame.alerts), 0)
+
+    def _monitor(self, frame: Frame, out: Any = None) -> None:
+        """Run checks, breakpoints and the anomaly action on a finished step (before it is submitted)."""
+        if not self.monitor.active():
+            return
+        try:
+            ctx = self._context(frame, out)
+            alerts, frame.pending = self.monitor.evaluate(ctx)
+            frame.alerts.extend(alerts)
+        except Exception as exc:
+            frame.notes.append(f"monitors failed: {type(exc).__name__}: {exc}")
+
+    def _context(self, frame: Frame, out: Any) -> monitors.StepContext:
+        stats: dict[str, dict[str, float]] = {}
+        roles: dict[str, str] = {}
+        for t in frame.tensors:
+            role = layout.ROLES[t.role]
+            key = t.name if t.name not in stats else f"{role}:{t.name}"
+            stats[key], roles[key] = monitors.stats_dict(t.stats), role
+        return monitors.StepContext(index=frame.index, name=frame.defn.name, paper=frame.defn.paper,
+                                    phase=layout.PHASES[frame.phase], iteration=frame.iteration, call=frame.call,
+                                    module_path=frame.path, stats=stats, roles=roles,
+                                    output=out if frame.phase == 0 else None)
 
     def _settings(self) -> dict[str, Any]:
         """The settings now; the previous snapshot object itself when nothing changed, so the writer
@@ -495,11 +526,17 @@ class Session:
             self._links = [lk for lk in self._links if id(lk) not in ids]
         if not self.enabled or self.closed:
             return
+        pending = None
         try:
             for frame in sorted((f for f in frames if f is not None), key=lambda f: f.index):
+                self._monitor(frame)
+                pending = pending or frame.pending
                 self._submit(frame)
         except Exception as exc:
             self.fail("finishing a backward pass", exc)
+            return
+        if pending is not None and not aborted:
+            monitors.perform(pending, lambda: self.pipeline.flush(60.0))  # raises out of backward()
 
     def close(self) -> None:
         """Write out steps still open and remove every hook this session added."""

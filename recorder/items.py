@@ -56,6 +56,7 @@ class StepItem:
     exception: dict[str, Any] | None = None
     expectations: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    alerts: list[dict[str, Any]] = field(default_factory=list)  # from user checks and breakpoints
 
 
 class StagingPool:

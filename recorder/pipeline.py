@@ -208,6 +208,7 @@ class Pipeline:
         row["tensor_count"] = len(item.tensors)
         alerts = [a for e in item.expectations for a in _check(e, watched.get(e["name"]))]
         alerts += [e["shape_alert"] for e in item.expectations if e.get("shape_alert")]
+        alerts += item.alerts
         extra: dict[str, Any] = {}
         if item.exception:
             extra["exception"] = item.exception

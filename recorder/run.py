@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.optim import optimizer as optimizer_mod
 
-from . import autohooks, capture, jsonval, snapshot
+from . import autohooks, capture, jsonval, monitors, snapshot
 from .errors import RecordingError
 from .pipeline import Pipeline
 from .store import backend
@@ -37,7 +37,8 @@ class Run:
     def __init__(self, path: backend.StoreTarget, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, mode: str = "full", every: int = 1,
                  compressor: Any = None, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0,
-                 modules: str | list[str] | None = None, script: str | None = None) -> None:
+                 modules: str | list[str] | None = None, on_anomaly: str = "record",
+                 script: str | None = None) -> None:
         if mode not in MODES:
             raise RecordingError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         if not isinstance(every, int) or every < 1:
@@ -52,6 +53,8 @@ class Run:
             raise RecordingError(f"optimizer must be a torch.optim.Optimizer, 'auto' or None, not "
                                  f"{type(optimizer).__name__}")
         autohooks.parse_globs(modules)  # a bad glob is refused before anything is created
+        if on_anomaly not in monitors.ACTIONS:
+            raise RecordingError(f"unknown on_anomaly {on_anomaly!r}: use one of {', '.join(monitors.ACTIONS)}")
         self.path, self.mode, self.every = path, mode, every
         compression = codecs_api.parse(compressor)
         self.t0 = time.perf_counter()
@@ -65,7 +68,7 @@ class Run:
                                  "writable directory") from None
         self.pipeline = Pipeline(writer, max_queue_bytes=max_queue_bytes, flush_interval=flush_interval)
         self.session = capture.Session(self.pipeline, mode=mode, every=every, model=model, t0=self.t0,
-                                       modules=modules)
+                                       modules=modules, on_anomaly=on_anomaly)
         self._hooks: list[Any] = []
         self._stepping: int | None = None  # with optimizer="auto": id of the optimizer that counts
         if optimizer == "auto":
@@ -180,7 +183,9 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
         options: ``max_queue_bytes`` (memory the writer queue may hold, default 512 MiB),
             ``flush_interval`` (seconds between commits, default 1.0) and ``modules``: module-path
             globs (``"blocks.*"``, ``"**.attn"``) whose modules are recorded too, decorated or not
-            (see recorder.autohooks).
+            (see recorder.autohooks), and ``on_anomaly``: what a step with NaN or Inf results does:
+            "record" (mark it ``nonfinite``, the default), "stop" (flush, raise NonFiniteError from
+            the step) or "pdb" (flush, open the debugger in the calling code).
 
     Returns:
         The Run; leaving the ``with`` block closes it (``complete``, or ``crashed`` on an exception).

@@ -1,4 +1,4 @@
-"""pdbg record -o RUN [--mode full|stats] [--modules GLOB ...] [--every K] -- script.py [args]
+"""pdbg record -o RUN [--mode M] [--modules GLOB ...] [--every K] [--on-anomaly A] -- script.py [args]
 
 Run an unmodified training script as `python script.py args` would, recording it: decorated paper
 steps, plus every module whose path matches a --modules glob (`blocks.*` is each block, `**.attn`
@@ -27,6 +27,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--modules", nargs="+", action="extend", default=[], metavar="GLOB",
                    help="also record the modules whose paths match (segment globs: * one, ** any)")
     p.add_argument("--every", type=int, default=1, metavar="K", help="full mode: bytes every K-th iteration")
+    p.add_argument("--on-anomaly", choices=("record", "stop", "pdb"), default="record",
+                   help="a step with NaN/Inf results: record it (default), stop (raise NonFiniteError), or pdb")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(handler=run)
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     warnings.showwarning = show
     try:
         result = run_script(args.script, script_args, args.out, mode=args.mode, modules=args.modules or None,
-                            every=args.every)
+                            every=args.every, on_anomaly=args.on_anomaly)
     finally:
         if warnings.showwarning is show:
             warnings.showwarning = shown

@@ -1,0 +1,288 @@
+"""Monitors that watch steps as they are recorded: anomaly actions, user checks, semantic breakpoints.
+
+- A step whose results hold NaN or Inf (forward: outputs; backward: grad inputs and parameter
+  grads) is ``nonfinite``; this is read off the statistics the recorder computes anyway. With
+  ``on_anomaly="stop"`` the recording is flushed and ``NonFiniteError`` raised from the step, naming
+  it in the paper's terms; with ``"pdb"`` the debugger opens in the code that called the step.
+- ``register_check(name)`` decorates ``fn(step) -> bool | str | None``, run on every step's results:
+  False or a message makes the step an ``alert``.
+- ``breakpoint(where, when, action)``: at steps matching the selector ``where`` for which
+  ``when(step)`` holds, ``record`` an alert, ``stop`` (flush, raise ``BreakpointStop``) or open ``pdb``.
+
+The ``step`` these functions receive is a ``StepContext``: where the step is, its tensors'
+statistics by record name (``step.stats["output"]["absmax"]``) and, for forward steps, its output.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import pdb
+import re
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .autohooks import glob_matches, parse_globs
+from .errors import RecordingError
+from .store import layout
+
+ACTIONS = ("record", "stop", "pdb")
+_RESULT_ROLES = {0: ("output",), 1: ("grad_input", "param_grad")}
+_HERE = str(Path(__file__).resolve().parent)
+_TORCH = str(Path(torch.__file__).resolve().parent)
+
+
+class NonFiniteError(FloatingPointError):
+    """A recorded step produced NaN or Inf and the recording was asked to stop there."""
+
+
+class BreakpointStop(RuntimeError):
+    """A breakpoint with ``action="stop"`` fired."""
+
+
+@dataclass
+class StepContext:
+    """What a check or a breakpoint condition sees of one step."""
+
+    index: int
+    name: str
+    paper: dict[str, Any]
+    phase: str  # "forward" or "backward"
+    iteration: int
+    call: int
+    module_path: str
+    stats: dict[str, dict[str, float]]  # record name -> {"min", "max", ..., "nan", "inf"}
+    roles: dict[str, str]  # record name -> role
+    output: Any = None  # the step's output (forward steps)
+
+    def describe(self) -> str:
+        """The step in the paper's terms: 'Eq. 2 (smooth_relu) forward, iteration 17, call 3'."""
+        label = self.paper.get("label")
+        who = f"{label} ({self.name})" if label else self.name
+        where = f" at {self.module_path}" if self.module_path else ""
+        return f"{who}{where} {self.phase}, iteration {self.iteration}, call {self.call}"
+
+
+@dataclass
+class Breakpoint:
+    """A registered breakpoint; ``remove()`` unregisters it."""
+
+    where: str
+    when: Callable[[StepContext], Any] | None
+    action: str
+    name: str
+    hits: int = 0
+    _match: Callable[[StepContext], bool] = field(default=lambda ctx: True, repr=False)
+
+    def remove(self) -> None:
+        with _LOCK:
+            if self in _BREAKPOINTS:
+                _BREAKPOINTS.remove(self)
+
+
+@dataclass
+class Check:
+    name: str
+    fn: Callable[[StepContext], Any]
+
+    def remove(self) -> None:
+        with _LOCK:
+            _CHECKS.pop(self.name, None)
+
+
+_LOCK = threading.Lock()
+_CHECKS: dict[str, Check] = {}
+_BREAKPOINTS: list[Breakpoint] = []
+_COUNTER = itertools.count(1)
+
+
+def register_check(name: str) -> Callable[[Callable[[StepContext], Any]], Callable[[StepContext], Any]]:
+    """Decorator: run ``fn(step)`` on every recorded step; False or a message string marks it ``alert``.
+
+    Args:
+        name: the check's name, shown with its alerts; registering a name again replaces the check.
+
+    The decorated function is returned unchanged; ``unregister_check(name)`` removes it.
+    """
+    if not isinstance(name, str) or not name:
+        raise RecordingError(f"register_check needs a non-empty name, not {name!r}")
+
+    def decorate(fn: Callable[[StepContext], Any]) -> Callable[[StepContext], Any]:
+        if not callable(fn):
+            raise RecordingError(f"register_check({name!r}) decorates a function, not {type(fn).__name__}")
+        with _LOCK:
+            _CHECKS[name] = Check(name, fn)
+        return fn
+
+    return decorate
+
+
+def unregister_check(name: str) -> None:
+    """Remove a check registered with ``register_check``."""
+    with _LOCK:
+        _CHECKS.pop(name, None)
+
+
+def breakpoint(where: str, when: Callable[[StepContext], Any] | None = None,  # noqa: A001 (the API's name)
+               action: str = "record", *, name: str | None = None) -> Breakpoint:
+    """Break at steps matching ``where`` when ``when(step)`` holds.
+
+    Args:
+        where: a step selector: ``NAME[@iter=K][#CALL][:backward]`` where NAME is a step name, a paper
+            label ("Algorithm 1") or a module-path glob (``blocks.1``, ``blocks.*``, ``.`` for the root).
+        when: ``callable(step) -> bool`` on the step's ``StepContext``; None: always.
+        action: "record" (mark the step ``alert``), "stop" (flush, raise BreakpointStop) or "pdb".
+        name: shown in alerts; defaults to ``where``.
+
+    Returns the Breakpoint; its ``remove()`` unregisters it, ``hits`` counts its firings.
+    """
+    if action not in ACTIONS:
+        raise RecordingError(f"unknown breakpoint action {action!r}: use one of {', '.join(ACTIONS)}")
+    if when is not None and not callable(when):
+        raise RecordingError(f"breakpoint 'when' must be a callable on the step, not {type(when).__name__}")
+    bp = Breakpoint(where, when, action, name or where, _match=selector_matcher(where))
+    with _LOCK:
+        _BREAKPOINTS.append(bp)
+    return bp
+
+
+_SELECTOR = re.compile(r"^(?P<name>.+?)(?:@iter=(?P<iter>\d+))?(?:#(?P<call>\d+))?(?::(?P<phase>forward|backward))?$")
+
+
+def selector_matcher(where: str) -> Callable[[StepContext], bool]:
+    """A predicate on StepContext for a selector ``NAME[@iter=K][#CALL][:backward]``."""
+    m = _SELECTOR.match(where) if isinstance(where, str) else None
+    if m is None:
+        raise RecordingError(f"invalid step selector {where!r}: use NAME[@iter=K][#CALL][:backward], e.g. "
+                             "'smooth_relu@iter=17#3' or 'blocks.1:backward'")
+    name, phase = m["name"], m["phase"] or "forward"
+    iteration = int(m["iter"]) if m["iter"] is not None else None
+    call = int(m["call"]) if m["call"] is not None else None
+    pattern = None if name == "." else parse_globs(name)[0] if all(name.split(".")) else None
+
+    def matches(ctx: StepContext) -> bool:
+        if ctx.phase != phase or (iteration is not None and ctx.iteration != iteration) or \
+                (call is not None and ctx.call != call):
+            return False
+        if name == ".":
+            return ctx.module_path == ""
+        return (name in (ctx.name, ctx.paper.get("label")) or fnmatch.fnmatchcase(ctx.name, name)
+                or (pattern is not None and bool(ctx.module_path) and glob_matches(pattern, ctx.module_path)))
+
+    return matches
+
+
+@dataclass
+class Pending:
+    """What to do once a step has been handed to the writer."""
+
+    action: str  # "stop" or "pdb"
+    message: str
+    error: type[BaseException]
+
+
+class Monitor:
+    """Evaluates a session's steps: anomalies, checks, breakpoints. Cheap when nothing is registered
+    and ``on_anomaly`` is "record" (then the session never calls it)."""
+
+    def __init__(self, on_anomaly: str = "record") -> None:
+        if on_anomaly not in ACTIONS:
+            raise RecordingError(f"unknown on_anomaly {on_anomaly!r}: use one of {', '.join(ACTIONS)}")
+        self.on_anomaly = on_anomaly
+        self._stopped = False
+
+    def active(self) -> bool:
+        return self.on_anomaly != "record" or bool(_CHECKS) or bool(_BREAKPOINTS)
+
+    def evaluate(self, ctx: StepContext) -> tuple[list[dict[str, Any]], Pending | None]:
+        """Alerts for the step and the first action it calls for (None: go on)."""
+        alerts: list[dict[str, Any]] = []
+        pending: Pending | None = None
+        with _LOCK:
+            checks, breakpoints = list(_CHECKS.values()), list(_BREAKPOINTS)
+        for check in checks:
+            alert = _run_check(check, ctx)
+            if alert is not None:
+                alerts.append(alert)
+        for bp in breakpoints:
+            fired, alert = _run_breakpoint(bp, ctx)
+            if alert is not None:
+                alerts.append(alert)
+            if fired and bp.action != "record" and pending is None:
+                pending = Pending(bp.action, f"breakpoint {bp.name!r} at {ctx.describe()}", BreakpointStop)
+        if self.on_anomaly != "record" and pending is None and not self._stopped:
+            message = nonfinite_message(ctx)
+            if message is not None:
+                pending = Pending(self.on_anomaly, message, NonFiniteError)
+        if pending is not None and pending.action == "stop":
+            self._stopped = True  # one stop: the steps the exception unwinds through are not stopped again
+        return alerts, pending
+
+
+def nonfinite_message(ctx: StepContext) -> str | None:
+    """'<step>: output.0 has 12 NaN' for the first result tensor holding NaN or Inf, else None."""
+    results = _RESULT_ROLES[0 if ctx.phase == "forward" else 1]
+    for name, stats in ctx.stats.items():
+        if ctx.roles[name] in results and (stats["nan"] or stats["inf"]):
+            parts = [f"{int(stats[k])} {label}" for k, label in (("nan", "NaN"), ("inf", "Inf")) if stats[k]]
+            return f"{ctx.describe()}: {name} has {' and '.join(parts)}"
+    return None
+
+
+def _run_check(check: Check, ctx: StepContext) -> dict[str, Any] | None:
+    try:
+        verdict = check.fn(ctx)
+    except Exception as exc:  # the user's check is at fault, not the step: say so on the step
+        return {"check": check.name, "kind": "check", "message": f"the check raised {type(exc).__name__}: {exc}"}
+    if verdict is False or isinstance(verdict, str):
+        return {"check": check.name, "kind": "check",
+                "message": verdict if isinstance(verdict, str) else f"check {check.name!r} failed"}
+    return None
+
+
+def _run_breakpoint(bp: Breakpoint, ctx: StepContext) -> tuple[bool, dict[str, Any] | None]:
+    if not bp._match(ctx):
+        return False, None
+    try:
+        fired = True if bp.when is None else bool(bp.when(ctx))
+    except Exception as exc:
+        return False, {"check": bp.name, "kind": "breakpoint",
+                       "message": f"the breakpoint condition raised {type(exc).__name__}: {exc}"}
+    if not fired:
+        return False, None
+    bp.hits += 1
+    return True, {"check": bp.name, "kind": "breakpoint", "action": bp.action,
+                  "message": f"breakpoint {bp.name!r} fired"}
+
+
+def perform(pending: Pending, flush: Callable[[], Any]) -> None:
+    """Carry out a stop or pdb action after the step was handed to the writer."""
+    flush()
+    if pending.action == "stop":
+        raise pending.error(pending.message)
+    frame = _user_frame()
+    print(f"pdbg: {pending.message}; opening pdb in the calling code (c continues)", file=sys.stderr, flush=True)
+    pdb.Pdb().set_trace(frame)
+
+
+def _user_frame() -> Any:
+    """The innermost frame outside PaperDebugger and torch: the code that called the step."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = str(Path(frame.f_code.co_filename).resolve()) if not frame.f_code.co_filename.startswith("<") else ""
+        if path and not path.startswith((_HERE, _TORCH)):
+            return frame
+        frame = frame.f_back
+    return sys._getframe(1)
+
+
+def stats_dict(stats: Any) -> dict[str, float]:
+    if isinstance(stats, torch.Tensor):
+        stats = stats.cpu().tolist()
+    return dict(zip(layout.STAT_NAMES, (float(v) for v in stats)))

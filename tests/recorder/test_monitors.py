@@ -1,0 +1,236 @@
+"""Monitors while recording: on_anomaly actions, user checks, semantic breakpoints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import recorder
+from recorder.errors import RecordingError
+from recorder.store import layout
+from recorder.store.reader import RunReader
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@recorder.paper_step("Eq. 2", description="SmoothReLU(x) = log(1 + exp(x + beta)) / gamma")
+def smooth_relu(x: torch.Tensor, beta: float = 1.0, gamma: float = 1.0) -> torch.Tensor:
+    return torch.log1p(torch.exp(x + beta)) / gamma
+
+
+@recorder.paper_step("Eq. 5", description="root of the energy")
+def root(x: torch.Tensor) -> torch.Tensor:
+    return x.sqrt()
+
+
+def statuses(path: Path) -> list[tuple[str, str, int]]:
+    rank = RunReader(str(path)).rank(0)
+    col = rank.column
+    return [(rank.doc(int(col("steps/name")[i])), layout.STATUSES[int(col("steps/status")[i])],
+             int(col("steps/iteration")[i])) for i in range(len(rank))]
+
+
+def alerts(path: Path) -> list[tuple[int, list[str]]]:
+    """(iteration, alert messages) of every step that has alerts."""
+    rank = RunReader(str(path)).rank(0)
+    out = []
+    for i in range(len(rank)):
+        extra = int(rank.column("steps/extra")[i])
+        if extra >= 0 and rank.doc(extra).get("alerts"):
+            out.append((int(rank.column("steps/iteration")[i]), [a["message"] for a in rank.doc(extra)["alerts"]]))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_monitors() -> Iterator[None]:
+    yield
+    from recorder import monitors
+
+    monitors._CHECKS.clear()
+    monitors._BREAKPOINTS.clear()
+
+
+class TestOnAnomaly:
+    def test_stop_raises_at_the_first_nonfinite_forward_step(self, run_path: Path) -> None:
+        """on_anomaly='stop' raises NonFiniteError naming the step in paper terms; what came before is on disk."""
+        with pytest.raises(recorder.NonFiniteError) as info, recorder.record(run_path, on_anomaly="stop") as run:
+            for i in range(5):
+                smooth_relu(torch.full((3,), 10.0 * i) * torch.tensor([1.0, 2.0, 3.0]))  # exp(91) overflows
+                smooth_relu(torch.zeros(2))
+                run.next_iteration()
+        assert str(info.value) == "Eq. 2 (smooth_relu) forward, iteration 3, call 0: output has 1 Inf"
+        got = statuses(run_path)
+        assert got[-1] == ("smooth_relu", "nonfinite", 3) and len(got) == 7
+        assert [s for s in got[:-1] if s[1] != "ok"] == []
+        assert RunReader(str(run_path)).status == "crashed"
+
+    def test_stop_raises_out_of_backward_at_a_nonfinite_gradient(self, run_path: Path) -> None:
+        """A finite forward whose backward gives Inf stops in loss.backward(), naming the backward step."""
+        with pytest.raises(recorder.NonFiniteError, match=r"^Eq. 5 \(root\) backward, iteration 1, call 0: "
+                                                          r"args.0 has 1 Inf$"), \
+                recorder.record(run_path, on_anomaly="stop") as run:
+            for values in ([1.0, 4.0], [0.0, 4.0], [0.0, 9.0]):
+                x = torch.tensor(values, requires_grad=True)
+                root(x).sum().backward()
+                run.next_iteration()
+        got = statuses(run_path)
+        assert got == [("root", "ok", 0), ("root", "ok", 0), ("root", "ok", 1), ("root", "nonfinite", 1)]
+
+    def test_record_only_marks(self, run_path: Path) -> None:
+        """The default marks the step nonfinite and lets training go on."""
+        with recorder.record(run_path) as run:
+            for i in range(3):
+                smooth_relu(torch.tensor([100.0 * i]))
+                run.next_iteration()
+        assert [s[1] for s in statuses(run_path)] == ["ok", "nonfinite", "nonfinite"]
+
+    def test_unknown_action_is_refused(self, run_path: Path) -> None:
+        """A misspelt action is a one-line error before anything is created."""
+        with pytest.raises(RecordingError, match="unknown on_anomaly 'halt'"):
+            recorder.record(run_path, on_anomaly="halt")
+        assert not run_path.exists()
+
+
+class TestChecks:
+    def test_check_marks_alerts_on_the_steps_it_fails(self, run_path: Path) -> None:
+        """A registered check that returns a message marks exactly those steps alert."""
+        @recorder.register_check("positive mean")
+        def positive(step: recorder.StepContext) -> bool | str:
+            mean = step.stats["output"]["mean"]
+            return mean > 0 or f"mean {mean:.1f} is not positive"
+
+        with recorder.record(run_path) as run:
+            for v in (1.0, -2.0, 3.0):
+                root(torch.tensor([v * v])) if v > 0 else smooth_relu(torch.tensor([v]), gamma=-1.0)
+                run.next_iteration()
+        assert alerts(run_path) == [(1, ["mean -0.3 is not positive"])]
+        assert [s[1] for s in statuses(run_path)] == ["ok", "alert", "ok"]
+
+    def test_a_check_that_raises_is_reported_on_the_step(self, run_path: Path) -> None:
+        """A broken check does not stop training; its error shows as an alert."""
+        recorder.register_check("broken")(lambda step: step.stats["missing"])
+        with recorder.record(run_path):
+            root(torch.tensor([4.0]))
+        assert alerts(run_path) == [(0, ["the check raised KeyError: 'missing'"])]
+
+    def test_unregistered_check_no_longer_runs(self, run_path: Path) -> None:
+        recorder.register_check("never")(lambda step: False)
+        recorder.unregister_check("never")
+        with recorder.record(run_path):
+            root(torch.tensor([4.0]))
+        assert alerts(run_path) == []
+
+
+def identity_blocks() -> nn.Module:
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(3)))
+    with torch.no_grad():
+        for layer in model:
+            layer.weight.copy_(torch.eye(2))
+            layer.bias.zero_()
+    return model
+
+
+SCALES = (1.0, 200.0, 3.0, 500.0, 50.0)  # block 1's output abs-max is over 100 at iterations 1 and 3
+
+
+def train_scaled(model: nn.Module, run: object) -> None:
+    for scale in SCALES:
+        model(torch.full((1, 2), scale))
+        run.next_iteration()  # type: ignore[attr-defined]
+
+
+class TestBreakpoints:
+    def test_record_fires_exactly_where_the_condition_holds(self, run_path: Path) -> None:
+        """A breakpoint on the second block with 'output abs-max > 100' alerts at iterations 1 and 3 only."""
+        bp = recorder.breakpoint("1", lambda step: step.stats["output"]["absmax"] > 100, "record", name="big")
+        with recorder.record(run_path, modules="*") as run:
+            train_scaled(identity_blocks(), run)
+        assert alerts(run_path) == [(1, ["breakpoint 'big' fired"]), (3, ["breakpoint 'big' fired"])]
+        assert bp.hits == 2
+
+    def test_stop_raises_at_the_first_hit(self, run_path: Path) -> None:
+        """action='stop' flushes and raises BreakpointStop at the first iteration where it holds."""
+        recorder.breakpoint("1", lambda step: step.stats["output"]["absmax"] > 100, "stop")
+        with pytest.raises(recorder.BreakpointStop, match=r"^breakpoint '1' at Linear at 1 forward, iteration 1, "
+                                                           r"call 0$"), \
+                recorder.record(run_path, modules="*") as run:
+            train_scaled(identity_blocks(), run)
+        got = [(s[2], s[1]) for s in statuses(run_path)]
+        assert got[-2:] == [(1, "ok"), (1, "alert")] and len(got) == 5
+
+    def test_pdb_opens_the_debugger_at_each_hit(self, run_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """action='pdb' opens pdb in the caller's frame, at iterations 1 and 3, and training goes on."""
+        import pdb
+
+        frames = []
+        monkeypatch.setattr(pdb.Pdb, "set_trace", lambda self, frame=None: frames.append(frame))
+        recorder.breakpoint("1", lambda step: step.stats["output"]["absmax"] > 100, "pdb")
+        with recorder.record(run_path, modules="*") as run:
+            train_scaled(identity_blocks(), run)
+        assert len(frames) == 2
+        assert [f.f_code.co_name for f in frames] == ["train_scaled", "train_scaled"]  # past torch's own frames
+        assert [it for it, _ in alerts(run_path)] == [1, 3]
+
+    def test_selector_by_label_iteration_and_phase(self, run_path: Path) -> None:
+        """Selectors: paper label, @iter=K and :backward narrow where a breakpoint applies."""
+        fwd = recorder.breakpoint("Eq. 5@iter=1")
+        bwd = recorder.breakpoint("root:backward")
+        with recorder.record(run_path) as run:
+            for v in (1.0, 4.0, 9.0):
+                root(torch.tensor([v], requires_grad=True)).sum().backward()
+                run.next_iteration()
+        assert (fwd.hits, bwd.hits) == (1, 3)
+
+    def test_bad_selector_and_action(self) -> None:
+        with pytest.raises(RecordingError, match="unknown breakpoint action"):
+            recorder.breakpoint("x", action="halt")
+        with pytest.raises(RecordingError, match="invalid step selector"):
+            recorder.breakpoint("")
+
+
+NAN_SCRIPT = """
+import torch
+import recorder
+
+@recorder.paper_step("Eq. 2", description="SmoothReLU")
+def smooth_relu(x):
+    return torch.log1p(torch.exp(x + 1.0))
+
+for i in range(4):
+    y = smooth_relu(torch.tensor([50.0 * i, 1.0]))  # exp(101) overflows at i=2
+    print("iteration", i, "ok")
+"""
+
+
+class TestPdbgRecordOnAnomaly:
+    def _run(self, tmp_path: Path, action: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        script = tmp_path / "nan.py"
+        script.write_text(NAN_SCRIPT)
+        import os
+
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        return subprocess.run([sys.executable, "-m", "tui.cli", "record", "-o", "run.zarr", "--on-anomaly", action,
+                               "--", str(script)], cwd=tmp_path, input=stdin, capture_output=True, text=True,
+                              timeout=300, check=False, env=env)
+
+    def test_stop(self, tmp_path: Path) -> None:
+        """`--on-anomaly stop`: the script dies with NonFiniteError naming the step; the run is crashed."""
+        proc = self._run(tmp_path, "stop")
+        assert proc.returncode == 1
+        assert proc.stdout.splitlines() == ["iteration 0 ok", "iteration 1 ok"]
+        assert ("recorder.monitors.NonFiniteError: Eq. 2 (smooth_relu) forward, iteration 0, call 2: output has "
+                "1 Inf") in proc.stderr
+        assert RunReader(str(tmp_path / "run.zarr")).status == "crashed"
+
+    def test_pdb(self, tmp_path: Path) -> None:
+        """`--on-anomaly pdb`: pdb opens in the script at the anomaly; 'c' lets it finish."""
+        proc = self._run(tmp_path, "pdb", stdin="p i\nc\nc\n")
+        assert proc.returncode == 0, proc.stderr
+        assert "(Pdb) 2" in proc.stdout and "iteration 3 ok" in proc.stdout
+        assert "pdbg: Eq. 2 (smooth_relu) forward, iteration 0, call 2: output has 1 Inf; opening pdb" in proc.stderr
