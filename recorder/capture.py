@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch.autograd import Variable
 
-from . import autohooks, jsonval, modstack, monitors, snapshot, taps
+from . import autohooks, flight, jsonval, modstack, monitors, snapshot, taps
 from . import payload as payload_mod
 from . import stats as stats_mod
-from .items import PayloadItem, StepItem, TensorItem
+from .items import ForgetIterations, PayloadItem, StepItem, TensorItem
 from .store import layout
 
 if TYPE_CHECKING:
@@ -32,6 +32,8 @@ ACTIVE: Session | None = None  # the recording in progress, if any (set by recor
 
 ROLE = {name: i for i, name in enumerate(layout.ROLES)}
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
+# Roles whose NaN or Inf make a step an anomaly, by phase: its results, not its inputs.
+_RESULT_ROLES = {0: frozenset({ROLE["output"]}), 1: frozenset({ROLE["grad_input"], ROLE["param_grad"]})}
 
 
 class RecorderWarning(UserWarning):
@@ -81,7 +83,8 @@ class Session:
     """State of one active recording."""
 
     def __init__(self, pipeline: Pipeline, *, mode: str, every: int, model: torch.nn.Module | None,
-                 t0: float, modules: Any = None, on_anomaly: str = "record") -> None:
+                 t0: float, modules: Any = None, on_anomaly: str = "record", keep: int = 2,
+                 max_ring_bytes: int = 4 << 30) -> None:
         self.pipeline, self.mode, self.every, self.t0 = pipeline, mode, every, t0
         self.lock = threading.RLock()
         self.local = threading.local()
@@ -100,6 +103,10 @@ class Session:
         self._module_docs: dict[int, tuple[torch.nn.Module, dict[str, Any]]] = {}
         self._known_settings: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.monitor = monitors.Monitor(on_anomaly)
+        self.ring = flight.FlightRing(keep, max_ring_bytes) if mode == "flight" else None
+        self.dumps: list[dict[str, Any]] = []  # flight mode: when and why the ring was written
+        self._direct_iteration = -1  # flight mode: after an anomaly its iteration's bytes go straight out
+        self._ring_iteration = -1  # flight mode: the iteration the ring last made room for
         self.selector = autohooks.ModuleSelector(modules)
         self.autocapture = autohooks.GlobalCapture(self, self.selector) if self.selector else None
 
@@ -137,7 +144,69 @@ class Session:
                 handle.remove()
 
     def _payloads_now(self) -> bool:
+        if self.mode == "flight":
+            return True
         return self.mode == "full" and self.iteration % self.every == 0
+
+    # -- flight mode -------------------------------------------------------------------------------
+    def dump_ring(self, reason: str) -> None:
+        """Write out the payloads held in the flight ring (an anomaly, an exception, a signal, the end)."""
+        if self.ring is None or not self.enabled:
+            return
+        try:
+            with self.lock:
+                iterations, items = self.ring.take_all()
+                for item in items:
+                    self._send(item, item.nbytes)
+                    if item.key is not None:
+                        self.seen.add(item.key)
+                if iterations:
+                    self.dumps.append({"reason": reason, "iterations": iterations,
+                                       "bytes": sum(i.nbytes for i in items)})
+        except Exception as exc:
+            self.fail("writing the flight ring", exc)
+
+    def _reuse(self, items: list[PayloadItem]) -> None:
+        for item in items:
+            if item.buffer is not None:
+                self.pipeline.pool.give(item.buffer)
+
+    def _send_payload(self, item: PayloadItem, ref: Any) -> None:
+        if self.ring is None or self.iteration == self._direct_iteration:
+            if item.key is not None:
+                self.seen.add(item.key)
+            self._send(item, item.nbytes)
+            return
+        if self.iteration != self._ring_iteration:  # the first bytes of an iteration make room for it
+            self._ring_iteration = self.iteration
+            dropped, freed = self.ring.start_iteration(self.iteration)
+            self._reuse(freed)
+            if dropped:
+                self._send(ForgetIterations(dropped), 0)
+        _, freed = self.ring.add(self.iteration, ref, item)
+        self._reuse(freed)
+
+    def _anomaly_in(self, frame: Frame) -> bool:
+        results = _RESULT_ROLES[frame.phase]
+        for t in frame.tensors:
+            if t.role in results:
+                stats = t.stats.cpu().tolist() if isinstance(t.stats, torch.Tensor) else t.stats
+                if stats[6] or stats[7]:
+                    return True
+        return False
+
+    def _after_flight_step(self, frame: Frame) -> None:
+        """Flight mode: an anomaly writes the ring, and the rest of its iteration goes straight out."""
+        if self.ring is None or self.iteration == self._direct_iteration or not self.enabled:
+            return
+        try:
+            anomaly = frame.exception is not None or self._anomaly_in(frame)
+        except Exception as exc:
+            self.fail("checking a step for the flight recorder", exc)
+            return
+        if anomaly:
+            self._direct_iteration = self.iteration
+            self.dump_ring("exception" if frame.exception is not None else "nonfinite")
 
     # -- forward ---------------------------------------------------------------------------------
     def call(self, defn: Any, fn: Callable[..., Any], module: torch.nn.Module | None,
@@ -179,6 +248,7 @@ class Session:
         except Exception as exc:
             self.fail("capturing a step's outputs", exc)
             return out
+        self._after_flight_step(frame)
         if frame.pending is not None:
             monitors.perform(frame.pending, lambda: self.pipeline.flush(60.0))  # may raise, on purpose
         return out
@@ -187,6 +257,7 @@ class Session:
         """Finish a step begun with ``begin`` whose call raised ``exc``."""
         self._pop(frame)
         self._exit_exception(frame, exc)
+        self._after_flight_step(frame)
 
     def running(self) -> list[Frame]:
         """The steps running on this thread, outermost first."""
@@ -361,11 +432,15 @@ class Session:
         """Hash a CPU tensor's bytes; copy and send them only when new. Returns the content key."""
         units, unit, aliases = payload_mod.as_units(t)
         key = payload_mod.content_key(units, unit)
-        if key in self.seen:
+        if key in self.seen:  # on its way to the store already
             return key
-        if len(self.seen) >= _SEEN_LIMIT:
+        if self.ring is not None:
+            held = self.ring.find(key)
+            if held is not None:  # the same bytes wait in the ring: hold them for this iteration too
+                self._send_payload(held, key)
+                return key
+        elif len(self.seen) >= _SEEN_LIMIT:
             self.seen.clear()  # the writer still deduplicates; this only saves copies
-        self.seen.add(key)
         item = PayloadItem(key=key, unit=unit, data=units)
         if aliases:  # the tensor may change after this step: copy it, into a reused buffer if large
             item.buffer = self.pipeline.pool.take(units.nbytes)
@@ -374,7 +449,7 @@ class Session:
             else:
                 item.data = item.buffer[:units.nbytes].view(units.dtype)
                 np.copyto(item.data, units)
-        self._send(item, item.nbytes)
+        self._send_payload(item, key)
         return key
 
     def _device_payload(self, t: torch.Tensor) -> int:
@@ -391,7 +466,7 @@ class Session:
         with self.lock:
             self._token += 1
             token = self._token
-        self._send(PayloadItem(key=None, unit=unit, pinned=pinned, event=event, token=token), nbytes)
+        self._send_payload(PayloadItem(key=None, unit=unit, pinned=pinned, event=event, token=token), token)
         return token
 
     def _send(self, item: Any, nbytes: int) -> None:
@@ -532,6 +607,7 @@ class Session:
                 self._monitor(frame)
                 pending = pending or frame.pending
                 self._submit(frame)
+                self._after_flight_step(frame)
         except Exception as exc:
             self.fail("finishing a backward pass", exc)
             return
@@ -543,6 +619,7 @@ class Session:
         if self.autocapture is not None:
             self.autocapture.close()
         self._end_of_backward(aborted=True)
+        self.dump_ring("end")
         self.closed = True
         self.modules.close()
         with self.lock:

@@ -59,6 +59,13 @@ class StepItem:
     alerts: list[dict[str, Any]] = field(default_factory=list)  # from user checks and breakpoints
 
 
+@dataclass
+class ForgetIterations:
+    """Flight mode: these iterations left the ring unwritten; their records keep statistics only."""
+
+    iterations: list[int]
+
+
 class StagingPool:
     """Reusable host buffers for payload copies, handed from the training thread to the writer.
 

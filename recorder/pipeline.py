@@ -18,7 +18,7 @@ import torch
 
 from . import jsonval, snapshot
 from . import payload as payload_mod
-from .items import PayloadItem, StagingPool, StepItem
+from .items import ForgetIterations, PayloadItem, StagingPool, StepItem
 from .store import layout
 from .store.writer import StoreWriter
 
@@ -39,6 +39,7 @@ class Pipeline:
         self.error: BaseException | None = None
         self.error_trace = ""
         self._tokens: dict[int, tuple[int, int, int]] = {}
+        self._waiting: dict[Any, list[tuple[int, int]]] = {}  # payload ref -> [(tensor row, iteration)]
         self.pool = StagingPool()
         self._rng_docs: dict[tuple[str, Any], int] = {}
         self.peak_queue_bytes = 0
@@ -140,6 +141,14 @@ class Pipeline:
             self._store_payload(item)
         elif isinstance(item, StepItem):
             self._store_step(item)
+        elif isinstance(item, ForgetIterations):
+            gone = set(item.iterations)
+            for ref in list(self._waiting):
+                rows = [r for r in self._waiting[ref] if r[1] not in gone]
+                if rows:
+                    self._waiting[ref] = rows
+                else:
+                    del self._waiting[ref]
         else:
             raise TypeError(f"unexpected queue item {type(item).__name__}")
 
@@ -152,9 +161,13 @@ class Pipeline:
             key = payload_mod.content_key(data, item.unit)
             self._tokens[item.token] = key
         assert key is not None
-        self.writer.payload(key, data)
+        pid = self.writer.payload(key, data)
         if item.buffer is not None:
             self.pool.give(item.buffer)
+        if self._waiting:  # flight mode: records written before these bytes were kept
+            rows = self._waiting.pop(key, []) + (self._waiting.pop(item.token, []) if item.pinned is not None else [])
+            for row, _ in rows:
+                self.writer.late(row, pid)
 
     def _rng_doc(self, parts: dict[str, tuple[Any, Any]]) -> int:
         ids = {}
@@ -180,6 +193,7 @@ class Pipeline:
         watched: dict[str, tuple[float, ...]] = {}
         cols: dict[str, list[Any]] = {name: [] for name in layout.TENSOR_COLUMNS if name not in ("step", "dims_start")}
         dims: list[int] = []
+        waiting: list[tuple[int, Any]] = []
         nonfinite_roles = _NONFINITE_ROLES[row["phase"]]
         for t in item.tensors:
             stats = t.stats
@@ -191,8 +205,13 @@ class Pipeline:
                 nonfinite = True
             pid = layout.NO_REF
             if t.payload is not None:
-                key = self._tokens.pop(t.payload) if isinstance(t.payload, int) else t.payload
-                pid = w.payload(key, None)
+                ref = t.payload
+                key = self._tokens.pop(ref, None) if isinstance(ref, int) else ref
+                found = None if key is None else w.find_payload(key)
+                if found is None:  # flight mode: the bytes wait in the ring, and may never come
+                    waiting.append((len(cols["role"]), ref))
+                else:
+                    pid = found
             cols["role"].append(t.role)
             cols["name"].append(w.doc(t.name))
             cols["dtype"].append(w.doc(t.dtype))
@@ -205,6 +224,8 @@ class Pipeline:
             # Sparse and meta tensors have no strides: -1 each, so every record keeps 2 * ndim dims.
             dims += t.stride if len(t.stride) == len(t.shape) else (-1,) * len(t.shape)
         row["tensor_start"] = w.tensors_of_step(item.index, cols, dims)
+        for position, ref in waiting:
+            self._waiting.setdefault(ref, []).append((row["tensor_start"] + position, row["iteration"]))
         row["tensor_count"] = len(item.tensors)
         alerts = [a for e in item.expectations for a in _check(e, watched.get(e["name"]))]
         alerts += [e["shape_alert"] for e in item.expectations if e.get("shape_alert")]

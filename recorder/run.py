@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -27,7 +29,7 @@ from .store import backend
 from .store import codecs as codecs_api
 from .store.writer import StoreWriter
 
-MODES = ("full", "stats")
+MODES = ("full", "stats", "flight")
 
 
 class Run:
@@ -37,8 +39,8 @@ class Run:
     def __init__(self, path: backend.StoreTarget, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, mode: str = "full", every: int = 1,
                  compressor: Any = None, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0,
-                 modules: str | list[str] | None = None, on_anomaly: str = "record",
-                 script: str | None = None) -> None:
+                 modules: str | list[str] | None = None, on_anomaly: str = "record", keep: int = 2,
+                 max_ring_bytes: int = 4 << 30, script: str | None = None) -> None:
         if mode not in MODES:
             raise RecordingError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         if not isinstance(every, int) or every < 1:
@@ -53,6 +55,11 @@ class Run:
             raise RecordingError(f"optimizer must be a torch.optim.Optimizer, 'auto' or None, not "
                                  f"{type(optimizer).__name__}")
         autohooks.parse_globs(modules)  # a bad glob is refused before anything is created
+        if not isinstance(keep, int) or keep < 1:
+            raise RecordingError(f"keep must be a positive integer (iterations held by the flight recorder), not "
+                                 f"{keep!r}")
+        if not isinstance(max_ring_bytes, int) or max_ring_bytes < 1:
+            raise RecordingError(f"max_ring_bytes must be a positive integer, not {max_ring_bytes!r}")
         if on_anomaly not in monitors.ACTIONS:
             raise RecordingError(f"unknown on_anomaly {on_anomaly!r}: use one of {', '.join(monitors.ACTIONS)}")
         self.path, self.mode, self.every = path, mode, every
@@ -68,7 +75,9 @@ class Run:
                                  "writable directory") from None
         self.pipeline = Pipeline(writer, max_queue_bytes=max_queue_bytes, flush_interval=flush_interval)
         self.session = capture.Session(self.pipeline, mode=mode, every=every, model=model, t0=self.t0,
-                                       modules=modules, on_anomaly=on_anomaly)
+                                       modules=modules, on_anomaly=on_anomaly, keep=keep,
+                                       max_ring_bytes=max_ring_bytes)
+        self._signals = self._catch_signals() if mode == "flight" else {}
         self._hooks: list[Any] = []
         self._stepping: int | None = None  # with optimizer="auto": id of the optimizer that counts
         if optimizer == "auto":
@@ -122,11 +131,16 @@ class Run:
             capture.ACTIVE = None
         for hook in self._hooks:
             hook.remove()
+        self._restore_signals()
         self.session.close()
         self._warn_unmatched()
         info: dict[str, Any] = {"ended_unix": time.time(), "iterations": self.session.iteration + 1,
                                 "steps_started": self.session.next_index,
                                 "peak_queue_bytes": self.pipeline.peak_queue_bytes}
+        ring = self.session.ring
+        if ring is not None:
+            info["flight"] = {"keep": ring.keep, "max_ring_bytes": ring.max_bytes, "peak_ring_bytes": ring.peak_bytes,
+                              "overflowed_payloads": ring.overflowed, "dumps": self.session.dumps}
         if exception is not None:
             info["exception"] = jsonval.encode({
                 "type": jsonval.type_ref(type(exception)), "message": str(exception)[:10000],
@@ -141,6 +155,39 @@ class Run:
         if self.pipeline.error is not None and self.session.failure is None:
             warnings.warn(f"PaperDebugger's writer failed ({self.pipeline.error!r}); the recording holds the "
                           "steps committed before it", capture.RecorderWarning, stacklevel=2)
+
+    def _catch_signals(self) -> dict[int, Any]:
+        """Flight mode: SIGTERM (and SIGINT, when it would kill the process) first writes the ring,
+        then does what it would have done. Only the main thread may set handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            handler = signal.getsignal(sig)
+            if sig == signal.SIGINT and handler is signal.default_int_handler:
+                continue  # KeyboardInterrupt unwinds through the steps and close(): the ring is written then
+            previous[sig] = handler
+            signal.signal(sig, self._on_signal)
+        return previous
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.session.dump_ring(signal.Signals(signum).name)
+        handler = self._signals.get(signum, signal.SIG_DFL)
+        if callable(handler):  # the program's own handler decides; recording goes on if the program does
+            self.flush()
+            handler(signum, frame)
+        elif handler == signal.SIG_IGN:
+            self.flush()
+        else:  # the signal would have ended the process: close the recording, then let it
+            self.close("crashed")
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._signals.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, handler)
+        self._signals = {}
 
     def _warn_unmatched(self) -> None:
         selector = self.session.selector

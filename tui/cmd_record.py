@@ -1,6 +1,7 @@
-"""pdbg record -o RUN [--mode M] [--modules GLOB ...] [--every K] [--on-anomaly A] -- script.py [args]
+"""pdbg record -o RUN [--mode M] [--keep N] [--modules GLOB ...] [--every K] [--on-anomaly A] -- script.py [args]
 
-Run an unmodified training script as `python script.py args` would, recording it: decorated paper
+Run an unmodified training script as `python script.py args` would, recording it (modes: full, stats,
+flight; --keep N iterations in flight mode; --on-anomaly record, stop or pdb): decorated paper
 steps, plus every module whose path matches a --modules glob (`blocks.*` is each block, `**.attn`
 every attn, `**` every module). Iterations advance on the steps of the first optimizer that steps.
 The script's stdout is left alone; pdbg's own lines go to stderr. Exits with the script's exit code.
@@ -20,10 +21,12 @@ from recorder.errors import RecordingError
 def add_parser(sub: Any) -> None:
     doc = __doc__ or ""
     p = sub.add_parser("record", help="record an unmodified training script",
-                       description=doc.split("\n\n", 1)[1], usage=doc.split("\n\n")[0].removeprefix("pdbg "))
+                       description=doc.split("\n\n", 1)[1], usage=doc.split("\n\n")[0])
     p.add_argument("-o", "--out", required=True, metavar="RUN", help="new directory for the recording")
-    p.add_argument("--mode", choices=("full", "stats"), default="full",
-                   help="full: every tensor's bytes (default); stats: statistics only")
+    p.add_argument("--mode", choices=("full", "stats", "flight"), default="full",
+                   help="full: every tensor's bytes (default); stats: statistics only; flight: statistics, and "
+                        "the bytes of the last --keep iterations when a NaN, an exception or a signal comes")
+    p.add_argument("--keep", type=int, default=2, metavar="N", help="flight mode: iterations held in memory (2)")
     p.add_argument("--modules", nargs="+", action="extend", default=[], metavar="GLOB",
                    help="also record the modules whose paths match (segment globs: * one, ** any)")
     p.add_argument("--every", type=int, default=1, metavar="K", help="full mode: bytes every K-th iteration")
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     warnings.showwarning = show
     try:
         result = run_script(args.script, script_args, args.out, mode=args.mode, modules=args.modules or None,
-                            every=args.every, on_anomaly=args.on_anomaly)
+                            every=args.every, on_anomaly=args.on_anomaly, keep=args.keep)
     finally:
         if warnings.showwarning is show:
             warnings.showwarning = shown

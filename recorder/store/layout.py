@@ -11,6 +11,7 @@ A run is a Zarr v3 group::
         payloads/<column>   one row per distinct tensor content (deduplicated by xxh3-128)
         docs/<column>       one row per distinct JSON document (offset, length into docs/bytes)
         docs/bytes          the JSON documents, concatenated (utf-8)
+        late/<column>       payloads attached to tensor records after they were written (flight mode)
         dims/values         shapes and strides of tensor records, concatenated (int64)
         blobs/u1 u2 u4 u8   payload bytes, appended; one array per element size so shuffle filters
                             see the real element width
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: late/ (payloads attached after their step, flight mode)
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"
 MANIFEST_KEY = "manifest.json"
@@ -88,6 +89,13 @@ PAYLOAD_COLUMNS: dict[str, tuple[str, tuple[int, ...]]] = {
     "count": ("int64", ()),  # elements of the unit
 }
 
+# Payloads attached to tensor records after the records were written (flight mode writes a step's
+# statistics at once and its bytes only if they are kept): tensors/payload stays -1 for these rows.
+LATE_COLUMNS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "tensor": ("int64", ()),  # row of the tensors table
+    "payload": ("int64", ()),  # row of the payloads table
+}
+
 DOC_COLUMNS: dict[str, tuple[str, tuple[int, ...]]] = {
     "offset": ("int64", ()),  # byte offset in docs/bytes
     "length": ("int64", ()),
@@ -117,6 +125,7 @@ def columns() -> list[Column]:
     cols += [Column(f"tensors/{n}", d, s) for n, (d, s) in TENSOR_COLUMNS.items()]
     cols += [Column(f"payloads/{n}", d, s) for n, (d, s) in PAYLOAD_COLUMNS.items()]
     cols += [Column(f"docs/{n}", d, s) for n, (d, s) in DOC_COLUMNS.items()]
+    cols += [Column(f"late/{n}", d, s) for n, (d, s) in LATE_COLUMNS.items()]
     cols.append(Column("docs/bytes", "uint8", (), DOCS_CHUNK_BYTES, kind="docs"))
     cols.append(Column("dims/values", "int64", (), DIMS_CHUNK))
     for unit in BLOB_UNITS:

@@ -244,8 +244,16 @@ class RankReader:
             requires_grad=bool(col("tensors/requires_grad")[row]),
             shape=tuple(int(d) for d in dims[:ndim]), stride=tuple(int(d) for d in dims[ndim:]),
             stats={k: float(v) for k, v in zip(layout.STAT_NAMES, stats)},
-            payload=int(col("tensors/payload")[row]),
+            payload=self._late.get(row, int(col("tensors/payload")[row])),
         )
+
+    @cached_property
+    def _late(self) -> dict[int, int]:
+        """Payloads attached after their records were written (schema 1.1; none in 1.0 recordings)."""
+        if not self.lengths.get("late"):
+            return {}
+        rows, pids = self.column("late/tensor"), self.column("late/payload")
+        return {int(r): int(p) for r, p in zip(rows, pids)}
 
     def payload_units(self, pid: int) -> tuple[np.ndarray, int]:
         """The stored units of one payload and its unit index."""

@@ -205,8 +205,14 @@ class StoreWriter:
         self._doc_ids[key] = doc_id
         return doc_id
 
-    def has_payload(self, key: tuple[int, int, int]) -> bool:
-        return key in self._payload_ids
+    def find_payload(self, key: tuple[int, int, int]) -> int | None:
+        """The payload row of stored contents, or None."""
+        return self._payload_ids.get(key)
+
+    def late(self, tensor_row: int, payload: int) -> None:
+        """Attach a payload to a tensor record written before its bytes were (flight mode)."""
+        self.arrays["late/tensor"].append(tensor_row)
+        self.arrays["late/payload"].append(payload)
 
     def payload(self, key: tuple[int, int, int], data: np.ndarray | None) -> int:
         """Store payload bytes under their content key (hash high, hash low, unit); returns the id.
@@ -264,7 +270,7 @@ class StoreWriter:
     # -- commit ----------------------------------------------------------------------------------
     def lengths(self) -> dict[str, int]:
         tables = {"steps": self.steps, "tensors": self.tensors, "payloads": len(self.arrays["payloads/count"]),
-                  "docs": len(self.arrays["docs/length"])}
+                  "docs": len(self.arrays["docs/length"]), "late": len(self.arrays["late/payload"])}
         out = dict(tables)
         for path, arr in self.arrays.items():
             if arr.col.kind != "index" or path.startswith("dims/"):  # logs, not table columns

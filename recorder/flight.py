@@ -1,0 +1,100 @@
+"""The flight recorder's ring: payloads of the last ``keep`` iterations, held in memory.
+
+In ``mode="flight"`` every step's statistics go to the store as usual, but tensor bytes wait here.
+They are written only when something worth keeping happens: a step produces NaN or Inf, an exception
+escapes a step, the process is asked to stop (SIGTERM, SIGINT) or the run ends. Older iterations fall
+out of the ring unwritten. The ring is bounded by ``keep`` iterations and by ``max_bytes``; its peak
+size is reported in the run's final metadata (``flight_ring_peak_bytes``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from .items import PayloadItem
+
+Ref = Any  # a CPU payload's content key (tuple) or a device payload's token (int)
+
+
+class FlightRing:
+    """Payload items by iteration; thread-safe (backward hooks may run on autograd's threads)."""
+
+    def __init__(self, keep: int, max_bytes: int) -> None:
+        self.keep, self.max_bytes = keep, max_bytes
+        self._iterations: OrderedDict[int, dict[Ref, PayloadItem]] = OrderedDict()
+        self._owners: dict[int, int] = {}  # id(item) -> iterations holding it
+        self.bytes = 0
+        self.peak_bytes = 0
+        self.overflowed = 0  # payloads not kept because one iteration alone exceeded max_bytes
+        self._lock = threading.Lock()
+
+    def find(self, ref: Ref) -> PayloadItem | None:
+        """The item holding these contents in any iteration of the ring."""
+        with self._lock:
+            for items in reversed(self._iterations.values()):
+                if ref in items:
+                    return items[ref]
+        return None
+
+    def add(self, iteration: int, ref: Ref, item: PayloadItem) -> tuple[bool, list[PayloadItem]]:
+        """Hold ``item`` for ``iteration``. Returns (kept, items no longer held by any iteration, whose
+        buffers the caller may reuse): older iterations make room when the ring is over its bytes."""
+        with self._lock:
+            items = self._iterations.setdefault(iteration, {})
+            if ref in items:
+                return True, []
+            new = id(item) not in self._owners
+            freed: list[PayloadItem] = []
+            if new:
+                while self.bytes + item.nbytes > self.max_bytes and len(self._iterations) > 1:
+                    freed += self._drop_oldest()
+                if self.bytes + item.nbytes > self.max_bytes:
+                    self.overflowed += 1
+                    return False, freed
+                self.bytes += item.nbytes
+                self.peak_bytes = max(self.peak_bytes, self.bytes)
+            items[ref] = item
+            self._owners[id(item)] = self._owners.get(id(item), 0) + 1
+            return True, freed
+
+    def start_iteration(self, iteration: int) -> tuple[list[int], list[PayloadItem]]:
+        """Keep room for ``iteration``: drop iterations older than the last ``keep``. Returns the
+        dropped iteration numbers and the items no longer held."""
+        with self._lock:
+            dropped: list[int] = []
+            freed: list[PayloadItem] = []
+            while self._iterations and next(iter(self._iterations)) <= iteration - self.keep:
+                dropped.append(next(iter(self._iterations)))
+                freed += self._drop_oldest()
+            return dropped, freed
+
+    def take_all(self) -> tuple[list[int], list[PayloadItem]]:
+        """Empty the ring: its iterations and their items, each item once, oldest first."""
+        with self._lock:
+            iterations = list(self._iterations)
+            seen: set[int] = set()
+            items = []
+            for held in self._iterations.values():
+                for item in held.values():
+                    if id(item) not in seen:
+                        seen.add(id(item))
+                        items.append(item)
+            self._iterations.clear()
+            self._owners.clear()
+            self.bytes = 0
+            return iterations, items
+
+    def _drop_oldest(self) -> list[PayloadItem]:
+        _, items = self._iterations.popitem(last=False)
+        freed = []
+        for item in items.values():
+            left = self._owners[id(item)] - 1
+            if left:
+                self._owners[id(item)] = left
+            else:
+                del self._owners[id(item)]
+                self.bytes -= item.nbytes
+                freed.append(item)
+        return freed

@@ -1,0 +1,174 @@
+"""Flight mode: statistics always, payloads of the last `keep` iterations only when something happens."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import recorder
+from recorder.errors import RecordingError
+from recorder.store.reader import RunReader
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def payload_iterations(path: Path) -> tuple[set[int], set[int]]:
+    """(iterations with any step recorded, iterations whose activations all have their bytes).
+
+    Activations (inputs, outputs, gradients) are new in every iteration; parameters may repeat the
+    bytes of an iteration that was kept (an update skipped), and then rightly point to them."""
+    rank = RunReader(str(path)).rank(0)
+    seen: dict[int, list[bool]] = {}
+    for step in range(len(rank)):
+        it = int(rank.column("steps/iteration")[step])
+        seen.setdefault(it, []).extend(rec.has_payload for rec in rank.tensor_records(step)
+                                       if rec.role not in ("param", "buffer"))
+    partial = {it for it, flags in seen.items() if any(flags) and not all(flags)}
+    assert not partial, f"iterations with only some payloads: {sorted(partial)}"
+    return set(seen), {it for it, flags in seen.items() if all(flags)}
+
+
+def train(run: recorder.run.Run, iterations: int, nan_at: int | None, model: nn.Module) -> list[torch.Tensor]:
+    """A loop that skips the update on a non-finite loss (so one NaN does not poison what follows)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs = []
+    for i in range(iterations):
+        x = torch.randn(3, 4)
+        if i == nan_at:
+            x[0, 0] = float("nan")
+        inputs.append(x)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        if torch.isfinite(loss):
+            opt.step()
+        opt.zero_grad()
+        run.next_iteration()
+    return inputs
+
+
+def small_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+class TestFlight:
+    def test_nan_at_40_keeps_39_and_40_and_the_ring_at_exit(self, run_path: Path) -> None:
+        """50 iterations, keep=2, NaN at 40: statistics for all 50, payloads for 39-40 and for 48-49
+        (still in the ring at the end), nothing else; the kept bytes are exact."""
+        model = small_model()
+        with recorder.record(run_path, mode="flight", keep=2, modules="*") as run:
+            inputs = train(run, 50, 40, model)
+        recorded, kept = payload_iterations(run_path)
+        assert recorded == set(range(50))
+        assert kept == {39, 40, 48, 49}
+        rank = RunReader(str(run_path)).rank(0)
+        first = [s for s in range(len(rank)) if int(rank.column("steps/iteration")[s]) == 40][0]
+        (x,) = [r for r in rank.tensor_records(first) if r.role == "input"]
+        assert torch.equal(rank.tensor(x).view(torch.int32), inputs[40].view(torch.int32))  # bitwise, NaN too
+        final = RunReader(str(run_path)).attrs["final"]["flight"]
+        assert [d["reason"] for d in final["dumps"]] == ["nonfinite", "end"]
+        assert [d["iterations"] for d in final["dumps"]] == [[39, 40], [48, 49]]
+        assert 0 < final["peak_ring_bytes"] <= 3 * final["dumps"][0]["bytes"]
+
+    def test_exception_writes_the_ring(self, run_path: Path) -> None:
+        """An exception escaping a step writes the ring: the iterations before the crash keep their bytes."""
+        class Fragile(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                if x.abs().max() > 100:
+                    raise OverflowError("too big")
+                return x * 2
+
+        model = nn.Sequential(nn.Linear(4, 4), Fragile())
+        with pytest.raises(OverflowError), recorder.record(run_path, mode="flight", keep=3, modules="*") as run:
+            for i in range(10):
+                model(torch.randn(2, 4) * (1000 if i == 6 else 1))
+                run.next_iteration()
+        recorded, kept = payload_iterations(run_path)
+        assert recorded == set(range(7)) and kept == {4, 5, 6}
+        assert RunReader(str(run_path)).status == "crashed"
+
+    def test_ring_is_bounded_in_bytes(self, run_path: Path) -> None:
+        """max_ring_bytes caps the ring: older iterations are dropped first; the peak is reported."""
+        model = small_model()
+        with recorder.record(run_path, mode="flight", keep=10, max_ring_bytes=2000, modules="*") as run:
+            train(run, 12, None, model)
+        _, kept = payload_iterations(run_path)
+        final = RunReader(str(run_path)).attrs["final"]["flight"]
+        assert final["peak_ring_bytes"] <= 2000
+        assert kept and max(kept) == 11 and len(kept) < 10
+
+    def test_bad_keep_is_refused(self, run_path: Path) -> None:
+        with pytest.raises(RecordingError, match="keep must be a positive integer"):
+            recorder.record(run_path, mode="flight", keep=0)
+        assert not run_path.exists()
+
+
+CHILD = """
+import sys, time
+import torch, torch.nn as nn
+import recorder
+
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+with recorder.record(sys.argv[1], optimizer=opt, mode="flight", keep=2, modules="*"):
+    i = 0
+    while True:
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        print("iteration", i, flush=True)
+        i += 1
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_writes_the_ring_before_exiting(tmp_path: Path) -> None:
+    """SIGTERM during flight recording: the ring's last two iterations are on disk, then the process
+    ends by the signal as it would have; the run is crashed."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(CHILD))
+    path = tmp_path / "run.zarr"
+    proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.stdout is not None
+    for line in proc.stdout:  # blocks until the child has trained a few iterations
+        if line.strip() == "iteration 5":
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    run = RunReader(str(path))
+    assert run.status == "crashed"
+    recorded, kept = payload_iterations(path)
+    last = max(recorded)
+    assert last >= 5 and kept and kept <= {last - 1, last} and max(kept) == last
+    assert run.attrs["final"]["flight"]["dumps"][0]["reason"] == "SIGTERM"
+
+
+def test_a_schema_1_0_recording_without_late_payloads_still_reads(run_path: Path) -> None:
+    """Recordings made before late/ existed (schema 1.0: no such arrays, no such length) read as before."""
+    import json
+    import shutil
+
+    model = small_model()
+    with recorder.record(run_path, modules="*") as run:
+        train(run, 2, None, model)
+    manifest_path = run_path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["schema_version"] = "1.0"
+    lengths = manifest["ranks"]["0"]
+    for key in [k for k in lengths if k == "late" or k.startswith("late/")]:
+        del lengths[key]
+    manifest_path.write_text(json.dumps(manifest))
+    shutil.rmtree(run_path / "rank0" / "late")
+    rank = RunReader(str(run_path)).rank(0)
+    recs = rank.tensor_records(0)
+    assert recs and all(r.has_payload for r in recs)
+    assert rank.tensor(recs[0]).shape == torch.Size([3, 4])
