@@ -32,9 +32,6 @@ ACTIVE: Session | None = None  # the recording in progress, if any (set by recor
 
 ROLE = {name: i for i, name in enumerate(layout.ROLES)}
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
-# Roles of tensors that are routinely updated in place after their step (optimizer updates, gradient
-# accumulation, zero_grad): flight mode copies these at once, and holds the others until written.
-_UPDATED_IN_PLACE = frozenset({"param", "buffer", "param_grad"})
 # Roles whose NaN or Inf make a step an anomaly, by phase: its results, not its inputs.
 _RESULT_ROLES = {0: frozenset({ROLE["output"]}), 1: frozenset({ROLE["grad_input"], ROLE["param_grad"]})}
 
@@ -159,19 +156,13 @@ class Session:
         try:
             with self.lock:
                 iterations, items = self.ring.take_all()
-                changed = 0
                 for item in items:
-                    if item.source is not None:
-                        if item.source._version != item.version:  # changed in place since its step
-                            changed += 1
-                            continue
-                        self._own(item)
                     self._send(item, item.nbytes)
                     if item.key is not None:
                         self.seen.add(item.key)
                 if iterations:
                     self.dumps.append({"reason": reason, "iterations": iterations,
-                                       "bytes": sum(i.nbytes for i in items), "changed_in_place": changed})
+                                       "bytes": sum(i.nbytes for i in items)})
         except Exception as exc:
             self.fail("writing the flight ring", exc)
 
@@ -422,8 +413,7 @@ class Session:
             item.stats = self._stats(frame, name, t)
             if frame.payloads:
                 try:
-                    item.payload = (self._cpu_payload(t, defer=role not in _UPDATED_IN_PLACE)
-                                    if t.device.type == "cpu" else self._device_payload(t))
+                    item.payload = self._cpu_payload(t) if t.device.type == "cpu" else self._device_payload(t)
                 except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
                     frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
         frame.tensors.append(item)
@@ -438,11 +428,8 @@ class Session:
             frame.notes.append(f"{name}: no statistics for {t.dtype} ({type(exc).__name__}: {exc})")
             return stats_mod.EMPTY
 
-    def _cpu_payload(self, t: torch.Tensor, defer: bool = False) -> tuple[int, int, int]:
-        """Hash a CPU tensor's bytes; copy and send them only when new. Returns the content key.
-
-        ``defer`` (flight mode): hold the tensor itself in the ring instead of a copy, and copy it
-        only if the ring is written; its version counter tells whether it changed meanwhile."""
+    def _cpu_payload(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """Hash a CPU tensor's bytes; copy and send them only when new. Returns the content key."""
         units, unit, aliases = payload_mod.as_units(t)
         key = payload_mod.content_key(units, unit)
         if key in self.seen:  # on its way to the store already
@@ -455,24 +442,15 @@ class Session:
         elif len(self.seen) >= _SEEN_LIMIT:
             self.seen.clear()  # the writer still deduplicates; this only saves copies
         item = PayloadItem(key=key, unit=unit, data=units)
-        if aliases and defer and self.ring is not None and self.iteration != self._direct_iteration:
-            item.source, item.version = t, t._version
-        elif aliases:  # the tensor may change after this step: copy it, into a reused buffer if large
-            self._own(item)
+        if aliases:  # the tensor may change after this step: copy it, into a reused buffer if large
+            item.buffer = self.pipeline.pool.take(units.nbytes)
+            if item.buffer is None:
+                item.data = units.copy()
+            else:
+                item.data = item.buffer[:units.nbytes].view(units.dtype)
+                np.copyto(item.data, units)
         self._send_payload(item, key)
         return key
-
-    def _own(self, item: PayloadItem) -> None:
-        """Give an item a copy of its bytes (into a reused buffer when large)."""
-        units = item.data
-        assert units is not None
-        item.buffer = self.pipeline.pool.take(units.nbytes)
-        if item.buffer is None:
-            item.data = units.copy()
-        else:
-            item.data = item.buffer[:units.nbytes].view(units.dtype)
-            np.copyto(item.data, units)
-        item.source = None
 
     def _device_payload(self, t: torch.Tensor) -> int:
         unit = payload_mod.unit_of(t.dtype)

@@ -23,10 +23,6 @@ class PayloadItem:
     pinned: torch.Tensor | None = None
     event: Any = None
     token: int = -1
-    # Flight mode, tensors nothing is expected to change in place: ``data`` still aliases the tensor,
-    # kept alive here with its version counter; the copy is made only if the ring is written.
-    source: torch.Tensor | None = None
-    version: int = 0
 
     @property
     def nbytes(self) -> int:
