@@ -104,6 +104,22 @@ class TestFlight:
         assert final["peak_ring_bytes"] <= 2000
         assert kept and max(kept) == 11 and len(kept) < 10
 
+    def test_a_tensor_changed_in_place_after_its_step_keeps_its_recorded_values(self, run_path: Path) -> None:
+        """The ring holds copies: a step's output changed in place afterwards (`h += x`, common in
+        residual code) is written as it was when the step returned."""
+        @recorder.paper_step("Eq. 9")
+        def double(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        x = torch.full((4,), 3.0)
+        with recorder.record(run_path, mode="flight", keep=2):
+            h = double(x)
+            h += x  # after the step
+        rank = RunReader(str(run_path)).rank(0)
+        recs = {r.role: r for r in rank.tensor_records(0)}
+        assert torch.equal(rank.tensor(recs["output"]), torch.full((4,), 6.0))
+        assert torch.equal(h, torch.full((4,), 9.0))
+
     def test_bad_keep_is_refused(self, run_path: Path) -> None:
         with pytest.raises(RecordingError, match="keep must be a positive integer"):
             recorder.record(run_path, mode="flight", keep=0)

@@ -162,7 +162,7 @@ def test_accelerator_path_round_trips(run_path, monkeypatch):
     from recorder import capture
 
     monkeypatch.setattr(capture.Session, "_cpu_payload",
-                        lambda self, t, defer=False: capture.Session._device_payload(self, t))
+                        lambda self, t: capture.Session._device_payload(self, t))
     monkeypatch.setattr(stats, "host_stats", stats.device_stats)
     x = torch.randn(3, 5)
     with recorder.record(run_path) as run:
