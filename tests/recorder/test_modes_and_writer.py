@@ -161,8 +161,7 @@ def test_accelerator_path_round_trips(run_path, monkeypatch):
     the writer) stores the same bytes and statistics; exercised here with CPU tensors."""
     from recorder import capture
 
-    monkeypatch.setattr(capture.Session, "_cpu_payload",
-                        lambda self, t: capture.Session._device_payload(self, t))
+    monkeypatch.setattr(capture.Session, "_cpu_payload", capture.Session._device_payload)
     monkeypatch.setattr(stats, "host_stats", stats.device_stats)
     x = torch.randn(3, 5)
     with recorder.record(run_path) as run:
