@@ -152,28 +152,48 @@ def breakpoint(where: str, when: Callable[[StepContext], Any] | None = None,  # 
     return bp
 
 
-_SELECTOR = re.compile(r"^(?P<name>.+?)(?:@iter=(?P<iter>\d+))?(?:#(?P<call>\d+))?(?::(?P<phase>forward|backward))?$")
+_SELECTOR = re.compile(r"^(?P<name>[^@#:].*?)(?:@iter=(?P<iter>\d+))?(?:#(?P<call>\d+))?"
+                       r"(?::(?P<phase>forward|backward))?$")
+
+
+@dataclass(frozen=True)
+class Selector:
+    """A parsed step selector ``NAME[@iter=K][#CALL][:backward]`` (DESIGN.md's syntax)."""
+
+    name: str  # a step name, a paper label or a module-path glob; "." is the root module
+    iteration: int | None
+    call: int | None
+    phase: str  # "forward" unless ":backward" was given
+
+    def matches_name(self, name: str, label: str | None, module_path: str) -> bool:
+        """Does a step with this name, paper label and module path match the NAME part?"""
+        if self.name == ".":
+            return module_path == ""
+        if self.name in (name, label) or fnmatch.fnmatchcase(name, self.name):
+            return True
+        pattern = parse_globs(self.name)[0] if all(self.name.split(".")) else None
+        return pattern is not None and bool(module_path) and glob_matches(pattern, module_path)
+
+
+def parse_selector(where: str) -> Selector:
+    """Parse ``NAME[@iter=K][#CALL][:backward]``; raises RecordingError naming the syntax."""
+    m = _SELECTOR.match(where) if isinstance(where, str) else None
+    if m is None or not m["name"].strip():
+        raise RecordingError(f"invalid step selector {where!r}: use NAME[@iter=K][#CALL][:backward], e.g. "
+                             "'smooth_relu@iter=17#3' or 'blocks.1:backward'")
+    return Selector(m["name"], int(m["iter"]) if m["iter"] is not None else None,
+                    int(m["call"]) if m["call"] is not None else None, m["phase"] or "forward")
 
 
 def selector_matcher(where: str) -> Callable[[StepContext], bool]:
     """A predicate on StepContext for a selector ``NAME[@iter=K][#CALL][:backward]``."""
-    m = _SELECTOR.match(where) if isinstance(where, str) else None
-    if m is None:
-        raise RecordingError(f"invalid step selector {where!r}: use NAME[@iter=K][#CALL][:backward], e.g. "
-                             "'smooth_relu@iter=17#3' or 'blocks.1:backward'")
-    name, phase = m["name"], m["phase"] or "forward"
-    iteration = int(m["iter"]) if m["iter"] is not None else None
-    call = int(m["call"]) if m["call"] is not None else None
-    pattern = None if name == "." else parse_globs(name)[0] if all(name.split(".")) else None
+    sel = parse_selector(where)
 
     def matches(ctx: StepContext) -> bool:
-        if ctx.phase != phase or (iteration is not None and ctx.iteration != iteration) or \
-                (call is not None and ctx.call != call):
+        if ctx.phase != sel.phase or (sel.iteration is not None and ctx.iteration != sel.iteration) or \
+                (sel.call is not None and ctx.call != sel.call):
             return False
-        if name == ".":
-            return ctx.module_path == ""
-        return (name in (ctx.name, ctx.paper.get("label")) or fnmatch.fnmatchcase(ctx.name, name)
-                or (pattern is not None and bool(ctx.module_path) and glob_matches(pattern, ctx.module_path)))
+        return sel.matches_name(ctx.name, ctx.paper.get("label"), ctx.module_path)
 
     return matches
 

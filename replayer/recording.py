@@ -1,0 +1,327 @@
+"""``replayer.open``: a recording as a table of steps and, per step, everything that was captured.
+
+    rec = replayer.open("run.zarr")
+    len(rec.steps)                                   # committed steps
+    rec.steps.filter(name="smooth_relu", phase="backward", iteration=17)
+    rec.steps.column("iteration")                    # a numpy array
+    step = rec.step("smooth_relu@iter=17#3")         # or an index
+    step.tensor("output")                            # the exact recorded tensor
+
+Opening reads the format header and the manifest only; columns are read when first asked for, and
+names, paths and paper references are decoded once per distinct value, so a table of millions of
+steps costs a few numpy arrays.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+from recorder import snapshot
+from recorder.errors import RecordingError, StepNotFoundError
+from recorder.monitors import parse_selector
+from recorder.store import layout
+from recorder.store.reader import RankReader, RunReader, TensorRecord
+
+_INT_COLUMNS = ("phase", "iteration", "call", "parent", "forward", "status", "tensor_start", "tensor_count")
+
+
+def open(path: str | os.PathLike[str] | Any, rank: int = 0) -> Recording:  # noqa: A001 (the API's name)
+    """Open a recording (a directory, a zip/bundle file, or a zarr store) for inspection and replay.
+
+    Args:
+        path: where the recording is.
+        rank: which process's steps (0 unless the run was distributed).
+
+    Raises NotARecordingError, FormatError or SchemaVersionError with a one-line message.
+    """
+    return Recording(path, rank)
+
+
+class Recording:
+    """A recording: run metadata, the step table and single steps."""
+
+    def __init__(self, path: str | os.PathLike[str] | Any, rank: int = 0) -> None:
+        self.reader = RunReader(path)
+        self.rank: RankReader = self.reader.rank(rank)
+        self.path = path
+
+    @property
+    def status(self) -> str:
+        return self.reader.status
+
+    @property
+    def run_info(self) -> dict[str, Any]:
+        """Where and how the run was recorded: command line, versions, host, git commit, ..."""
+        return self.reader.run_info
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def __repr__(self) -> str:
+        return f"<Recording {self.reader.label}: {len(self)} steps, {self.status}>"
+
+    @cached_property
+    def steps(self) -> StepTable:
+        return StepTable(self, np.arange(len(self.rank), dtype=np.int64))
+
+    def step(self, which: int | str) -> Step:
+        """One step by index or selector (``NAME[@iter=K][#CALL][:backward]``; the first match)."""
+        if isinstance(which, (int, np.integer)) and not isinstance(which, bool):
+            index = int(which)
+            if not 0 <= index < len(self):
+                raise StepNotFoundError(f"step {index} is out of range: {self.reader.label} has {len(self)} steps "
+                                        f"(0..{len(self) - 1})")
+            return Step(self, index)
+        if isinstance(which, str) and which.strip().lstrip("-").isdigit():
+            return self.step(int(which))
+        found = self.steps.select(which)
+        if not len(found):
+            raise StepNotFoundError(f"no step matches {which!r}; names in this recording: "
+                                    f"{', '.join(sorted(set(self.steps.names))[:20])}")
+        return found[0]
+
+    # -- decoded documents, once per distinct id ---------------------------------------------------
+    def _decode(self, column: str) -> np.ndarray:
+        """A document-id column decoded to Python objects (one doc read per distinct id)."""
+        ids = self.rank.column(f"steps/{column}")
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        values = np.empty(len(uniq), dtype=object)
+        for i, doc_id in enumerate(uniq):
+            values[i] = self.rank.doc(int(doc_id))
+        return values[inverse] if len(ids) else np.empty(0, dtype=object)
+
+    @cached_property
+    def _names(self) -> np.ndarray:
+        return self._decode("name")
+
+    @cached_property
+    def _paths(self) -> np.ndarray:
+        return self._decode("module_path")
+
+    @cached_property
+    def _papers(self) -> np.ndarray:
+        defs = self._decode("definition")
+        return np.array([d.get("paper", {}) if isinstance(d, dict) else {} for d in defs], dtype=object)
+
+    @cached_property
+    def _labels(self) -> np.ndarray:
+        return np.array([p.get("label") for p in self._papers], dtype=object)
+
+
+class StepTable:
+    """A selection of steps, in execution order. ``len``, indexing (an int gives a Step, a slice
+    or boolean mask a StepTable), ``filter``, ``select`` and numpy ``column``s."""
+
+    COLUMNS = ("index", *_INT_COLUMNS, "t_start", "t_end", "name", "module_path", "label")
+
+    def __init__(self, rec: Recording, rows: np.ndarray) -> None:
+        self.rec, self.rows = rec, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[Step]:
+        return (Step(self.rec, int(i)) for i in self.rows)
+
+    def __getitem__(self, key: int | slice | np.ndarray) -> Any:
+        if isinstance(key, (int, np.integer)):
+            return Step(self.rec, int(self.rows[key]))
+        return StepTable(self.rec, self.rows[key])
+
+    def __repr__(self) -> str:
+        return f"<StepTable: {len(self)} steps>"
+
+    def column(self, name: str) -> np.ndarray:
+        """One column for these steps: index, phase (0/1), iteration, call, parent, forward, status
+        (index into STATUSES), t_start, t_end, tensor_start, tensor_count, name, module_path, label."""
+        if name == "index":
+            return self.rows.copy()
+        if name in ("name", "module_path", "label"):
+            source = {"name": self.rec._names, "module_path": self.rec._paths, "label": self.rec._labels}[name]
+            return source[self.rows]
+        if name in (*_INT_COLUMNS, "t_start", "t_end"):
+            return np.asarray(self.rec.rank.column(f"steps/{name}"))[self.rows]
+        raise RecordingError(f"unknown step column {name!r}: use one of {', '.join(self.COLUMNS)}")
+
+    @property
+    def names(self) -> np.ndarray:
+        return self.column("name")
+
+    def filter(self, *, name: str | None = None, label: str | None = None, phase: str | None = None,
+               iteration: int | None = None, call: int | None = None, status: str | None = None,
+               module_path: str | None = None) -> StepTable:
+        """The steps matching every given field (``phase`` "forward"/"backward", ``status`` as in
+        DESIGN.md: ok, alert, nonfinite, exception)."""
+        mask = np.ones(len(self.rows), dtype=bool)
+        for col, value in (("name", name), ("label", label), ("module_path", module_path)):
+            if value is not None:
+                mask &= self.column(col) == value
+        if phase is not None:
+            mask &= self.column("phase") == _index_of(layout.PHASES, phase, "phase")
+        if status is not None:
+            mask &= self.column("status") == _index_of(layout.STATUSES, status, "status")
+        for col, value in (("iteration", iteration), ("call", call)):
+            if value is not None:
+                mask &= self.column(col) == value
+        return StepTable(self.rec, self.rows[mask])
+
+    def select(self, selector: str) -> StepTable:
+        """The steps a selector ``NAME[@iter=K][#CALL][:backward]`` names (NAME: step name, paper
+        label or module-path glob; ``.`` the root module)."""
+        sel = parse_selector(selector)
+        table = self.filter(phase=sel.phase, iteration=sel.iteration, call=sel.call)
+        if not len(table):
+            return table
+        # Match once per distinct (name, definition, module path), not once per step.
+        rank = self.rec.rank
+        keys = np.stack([np.asarray(rank.column(f"steps/{c}"))[table.rows]
+                         for c in ("name", "definition", "module_path")], axis=1)
+        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        names, labels, paths = (table.column(c)[first] for c in ("name", "label", "module_path"))
+        hits = np.array([sel.matches_name(str(n), lb, str(p)) for n, lb, p in zip(names, labels, paths)], dtype=bool)
+        return StepTable(self.rec, table.rows[hits[inverse.reshape(-1)]])
+
+
+def _index_of(values: tuple[str, ...], value: str, what: str) -> int:
+    if value not in values:
+        raise RecordingError(f"unknown {what} {value!r}: use one of {', '.join(values)}")
+    return values.index(value)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One recorded step: where it is, what it saw, and how to get its tensors back."""
+
+    rec: Recording
+    index: int
+
+    def _col(self, name: str) -> Any:
+        return self.rec.rank.column(f"steps/{name}")[self.index]
+
+    @property
+    def name(self) -> str:
+        return str(self.rec._names[self.index])
+
+    @property
+    def paper(self) -> dict[str, Any]:
+        paper = dict(self.rec._papers[self.index])
+        return {k: paper.get(k) for k in ("label", "algorithm", "step", "equation", "description")}
+
+    @property
+    def phase(self) -> str:
+        return layout.PHASES[int(self._col("phase"))]
+
+    @property
+    def iteration(self) -> int:
+        return int(self._col("iteration"))
+
+    @property
+    def call(self) -> int:
+        return int(self._col("call"))
+
+    @property
+    def module_path(self) -> str:
+        return str(self.rec._paths[self.index])
+
+    @property
+    def status(self) -> str:
+        return layout.STATUSES[int(self._col("status"))]
+
+    @property
+    def parent(self) -> int | None:
+        parent = int(self._col("parent"))
+        return None if parent == layout.NO_REF else parent
+
+    @property
+    def forward(self) -> int | None:
+        """For a backward step, the index of its forward call."""
+        fwd = int(self._col("forward"))
+        return None if fwd == layout.NO_REF else fwd
+
+    @property
+    def duration(self) -> float:
+        return float(self._col("t_end")) - float(self._col("t_start"))
+
+    @cached_property
+    def records(self) -> list[TensorRecord]:
+        """Every tensor record: role, name, shape, dtype, device, statistics, payload reference."""
+        return self.rec.rank.tensor_records(self.index)
+
+    def tensors(self, role: str | None = None) -> list[TensorRecord]:
+        """The records with one role (input, output, param, buffer, grad_output, grad_input,
+        param_grad, watch), or all."""
+        return [r for r in self.records if role is None or r.role == role]
+
+    def tensor(self, name: str, role: str | None = None) -> torch.Tensor:
+        """A recorded tensor's exact value by record name (``args.0``, ``output``, ``fc.weight``)."""
+        found = [r for r in self.records if r.name == name and (role is None or r.role == role)]
+        if not found:
+            names = ", ".join(f"{r.role}:{r.name}" for r in self.records)
+            raise StepNotFoundError(f"step {self.index} has no tensor {name!r}; it has {names}")
+        return self.rec.rank.tensor(found[0])
+
+    def _doc(self, column: str) -> Any:
+        return self.rec.rank.doc(int(self._col(column)))
+
+    @property
+    def arguments(self) -> Any:
+        """The call's arguments as tagged JSON (``{"args": [...], "kwargs": {...}}``; tensors by record name)."""
+        return self._doc("args")
+
+    @property
+    def output_structure(self) -> Any:
+        return self._doc("output")
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """Numerics settings at step entry (determinism flags, TF32, threads, CPU capability, ...)."""
+        return self._doc("settings") or {}
+
+    @property
+    def rng(self) -> dict[str, Any]:
+        """Generator states at step entry, decoded: {"torch": uint8 tensor, "numpy": state tuple, ...}."""
+        ids = self._doc("rng") or {}
+        out = {}
+        for part, doc_id in ids.items():
+            doc = self.rec.rank.doc(int(doc_id))
+            out[part] = snapshot.decode_rng_part(part, doc)
+        return out
+
+    @property
+    def definition(self) -> dict[str, Any]:
+        """The step's code: kind, import reference, file, line, source and its SHA-256."""
+        return self._doc("definition") or {}
+
+    @property
+    def source(self) -> str | None:
+        return self.definition.get("source")
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """Exception, alerts, watch expectations and notes, where there were any."""
+        doc = self._doc("extra")
+        return doc if isinstance(doc, dict) else {}
+
+    @property
+    def environment(self) -> dict[str, Any]:
+        return self.rec.run_info
+
+    def to_json(self) -> dict[str, Any]:
+        """The step object of DESIGN.md's machine-readable output."""
+        return {"index": self.index, "rank": self.rec.rank.rank, "name": self.name, "phase": self.phase,
+                "iteration": self.iteration, "call": self.call, "module_path": self.module_path,
+                "paper": self.paper, "status": self.status}
+
+    def __repr__(self) -> str:
+        label = self.paper.get("label")
+        who = f"{label} ({self.name})" if label else self.name
+        where = f" at {self.module_path}" if self.module_path else ""
+        return (f"<Step {self.index}: {who}{where} {self.phase}, iteration {self.iteration}, call {self.call}, "
+                f"{self.status}>")
