@@ -4,6 +4,8 @@ function, trained with dropout."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -95,3 +97,17 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> torch.Te
     opt.step()
     opt.zero_grad()
     return loss.detach().clone()
+
+
+def record_training(path: Any, iterations: int, before: Callable[[int, nn.Module], None] | None = None) -> None:
+    """Record ``iterations`` training steps of a fresh TinyGPT (seed 0, AdamW) into ``path``;
+    ``before(i, model)`` runs at the start of each iteration, outside any step."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with recorder.record(path, model=model, optimizer=opt, mode="full") as run:
+        for i in range(iterations):
+            if before is not None:
+                before(i, model)
+            train_step(model, opt, i)
+    assert run.status == "complete" and run.failure is None

@@ -8,25 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-import recorder
 from recorder.store.reader import RunReader
-from tests.models import TinyGPT, train_step
+from tests.models import record_training
 
 ITERATIONS = 5
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    torch.manual_seed(0)
-    model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     snapshots = []  # parameter values at the start of every iteration (what each step sees)
     path = tmp_path_factory.mktemp("structure") / "run.zarr"
-    with recorder.record(path, model=model, optimizer=opt, mode="full") as run:
-        for i in range(ITERATIONS):
-            snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
-            train_step(model, opt, i)
-    assert run.status == "complete" and run.failure is None
+    record_training(path, ITERATIONS,
+                    lambda i, model: snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()}))
     reader = RunReader(path)
     return reader, reader.rank(0), snapshots
 

@@ -7,27 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-import recorder
 import replayer
 from recorder.errors import NotARecordingError, RecordingError, StepNotFoundError
-from tests.models import TinyGPT, smooth_relu, train_step
+from tests.models import record_training, smooth_relu
 
 ITERATIONS = 3
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    torch.manual_seed(0)
-    model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     path = tmp_path_factory.mktemp("open") / "run.zarr"
     rng_at_first_step = []
-    with recorder.record(path, model=model, optimizer=opt) as run:
-        for i in range(ITERATIONS):
-            if i == 1:
-                rng_at_first_step.append(torch.get_rng_state())
-            train_step(model, opt, i)
-    assert run.status == "complete"
+    record_training(path, ITERATIONS, lambda i, _: rng_at_first_step.append(torch.get_rng_state()) if i == 1 else None)
     return replayer.open(path), rng_at_first_step
 
 
