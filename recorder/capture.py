@@ -32,8 +32,6 @@ ACTIVE: Session | None = None  # the recording in progress, if any (set by recor
 
 ROLE = {name: i for i, name in enumerate(layout.ROLES)}
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
-# Roles whose NaN or Inf make a step an anomaly, by phase: its results, not its inputs.
-_RESULT_ROLES = {0: frozenset({ROLE["output"]}), 1: frozenset({ROLE["grad_input"], ROLE["param_grad"]})}
 
 
 class RecorderWarning(UserWarning):
@@ -66,6 +64,8 @@ class Frame:
     t_end: float = 0.0
     alerts: list[dict[str, Any]] = field(default_factory=list)  # from checks and breakpoints
     pending: Any = None  # a monitor's stop or pdb action, carried out once the step is submitted
+    checked: bool = False  # nonfinite below has been looked for
+    nonfinite: TensorItem | None = None  # the first result tensor holding NaN or Inf
 
 
 @dataclass
@@ -183,24 +183,31 @@ class Session:
             self._reuse(freed)
             if dropped:
                 self._send(ForgetIterations(dropped), 0)
-        _, freed = self.ring.add(self.iteration, ref, item)
-        self._reuse(freed)
+        self._reuse(self.ring.add(self.iteration, ref, item))
 
-    def _anomaly_in(self, frame: Frame) -> bool:
-        results = _RESULT_ROLES[frame.phase]
-        for t in frame.tensors:
-            if t.role in results:
-                stats = t.stats.cpu().tolist() if isinstance(t.stats, torch.Tensor) else t.stats
-                if stats[6] or stats[7]:
-                    return True
-        return False
+    @staticmethod
+    def _first_nonfinite(frame: Frame) -> TensorItem | None:
+        """The first result tensor of a finished step holding NaN or Inf, looked for once per step
+        (monitors and the flight recorder both ask). Device statistics of results come to the host
+        here, once, and stay on the item as plain floats for the writer."""
+        if not frame.checked:
+            frame.checked = True
+            results = layout.RESULT_ROLES[frame.phase]
+            for t in frame.tensors:
+                if t.role in results:
+                    if isinstance(t.stats, torch.Tensor):
+                        t.stats = tuple(float(v) for v in t.stats.cpu().tolist())
+                    if t.stats[6] or t.stats[7]:
+                        frame.nonfinite = t
+                        break
+        return frame.nonfinite
 
     def _after_flight_step(self, frame: Frame) -> None:
         """Flight mode: an anomaly writes the ring, and the rest of its iteration goes straight out."""
         if self.ring is None or self.iteration == self._direct_iteration or not self.enabled:
             return
         try:
-            anomaly = frame.exception is not None or self._anomaly_in(frame)
+            anomaly = frame.exception is not None or self._first_nonfinite(frame) is not None
         except Exception as exc:
             self.fail("checking a step for the flight recorder", exc)
             return
@@ -258,10 +265,6 @@ class Session:
         self._pop(frame)
         self._exit_exception(frame, exc)
         self._after_flight_step(frame)
-
-    def running(self) -> list[Frame]:
-        """The steps running on this thread, outermost first."""
-        return list(self._stack())
 
     def _pop(self, frame: Frame) -> None:
         stack = self._stack()
@@ -489,7 +492,7 @@ class Session:
             return
         try:
             ctx = self._context(frame, out)
-            alerts, frame.pending = self.monitor.evaluate(ctx)
+            alerts, frame.pending = self.monitor.evaluate(ctx, self._first_nonfinite(frame))
             frame.alerts.extend(alerts)
         except Exception as exc:
             frame.notes.append(f"monitors failed: {type(exc).__name__}: {exc}")

@@ -38,13 +38,14 @@ class FlightRing:
                     return items[ref]
         return None
 
-    def add(self, iteration: int, ref: Ref, item: PayloadItem) -> tuple[bool, list[PayloadItem]]:
-        """Hold ``item`` for ``iteration``. Returns (kept, items no longer held by any iteration, whose
-        buffers the caller may reuse): older iterations make room when the ring is over its bytes."""
+    def add(self, iteration: int, ref: Ref, item: PayloadItem) -> list[PayloadItem]:
+        """Hold ``item`` for ``iteration`` (not kept, and counted in ``overflowed``, when the current
+        iteration alone is over ``max_bytes``). Returns the items no longer held by any iteration,
+        whose buffers the caller may reuse: older iterations make room when the ring is full."""
         with self._lock:
             items = self._iterations.setdefault(iteration, {})
             if ref in items:
-                return True, []
+                return []
             new = id(item) not in self._owners
             freed: list[PayloadItem] = []
             if new:
@@ -52,12 +53,12 @@ class FlightRing:
                     freed += self._drop_oldest()
                 if self.bytes + item.nbytes > self.max_bytes:
                     self.overflowed += 1
-                    return False, freed
+                    return freed
                 self.bytes += item.nbytes
                 self.peak_bytes = max(self.peak_bytes, self.bytes)
             items[ref] = item
             self._owners[id(item)] = self._owners.get(id(item), 0) + 1
-            return True, freed
+            return freed
 
     def start_iteration(self, iteration: int) -> tuple[list[int], list[PayloadItem]]:
         """Keep room for ``iteration``: drop iterations older than the last ``keep``. Returns the

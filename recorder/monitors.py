@@ -16,7 +16,6 @@ statistics by record name (``step.stats["output"]["absmax"]``) and, for forward 
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import pdb
 import re
 import sys
@@ -30,10 +29,17 @@ import torch
 
 from .autohooks import glob_matches, parse_globs
 from .errors import RecordingError
+from .items import TensorItem
 from .store import layout
 
 ACTIONS = ("record", "stop", "pdb")
-_RESULT_ROLES = {0: ("output",), 1: ("grad_input", "param_grad")}
+
+
+def check_action(action: Any, what: str) -> str:
+    """``action`` if it is one of ACTIONS, else a one-line RecordingError naming ``what``."""
+    if action not in ACTIONS:
+        raise RecordingError(f"unknown {what} {action!r}: use one of {', '.join(ACTIONS)}")
+    return str(action)
 _HERE = str(Path(__file__).resolve().parent)
 _TORCH = str(Path(torch.__file__).resolve().parent)
 
@@ -99,7 +105,6 @@ class Check:
 _LOCK = threading.Lock()
 _CHECKS: dict[str, Check] = {}
 _BREAKPOINTS: list[Breakpoint] = []
-_COUNTER = itertools.count(1)
 
 
 def register_check(name: str) -> Callable[[Callable[[StepContext], Any]], Callable[[StepContext], Any]]:
@@ -142,8 +147,7 @@ def breakpoint(where: str, when: Callable[[StepContext], Any] | None = None,  # 
 
     Returns the Breakpoint; its ``remove()`` unregisters it, ``hits`` counts its firings.
     """
-    if action not in ACTIONS:
-        raise RecordingError(f"unknown breakpoint action {action!r}: use one of {', '.join(ACTIONS)}")
+    check_action(action, "breakpoint action")
     if when is not None and not callable(when):
         raise RecordingError(f"breakpoint 'when' must be a callable on the step, not {type(when).__name__}")
     bp = Breakpoint(where, when, action, name or where, _match=selector_matcher(where))
@@ -212,16 +216,15 @@ class Monitor:
     and ``on_anomaly`` is "record" (then the session never calls it)."""
 
     def __init__(self, on_anomaly: str = "record") -> None:
-        if on_anomaly not in ACTIONS:
-            raise RecordingError(f"unknown on_anomaly {on_anomaly!r}: use one of {', '.join(ACTIONS)}")
-        self.on_anomaly = on_anomaly
+        self.on_anomaly = check_action(on_anomaly, "on_anomaly")
         self._stopped = False
 
     def active(self) -> bool:
         return self.on_anomaly != "record" or bool(_CHECKS) or bool(_BREAKPOINTS)
 
-    def evaluate(self, ctx: StepContext) -> tuple[list[dict[str, Any]], Pending | None]:
-        """Alerts for the step and the first action it calls for (None: go on)."""
+    def evaluate(self, ctx: StepContext, nonfinite: TensorItem | None) -> tuple[list[dict[str, Any]], Pending | None]:
+        """Alerts for the step and the first action it calls for (None: go on). ``nonfinite``: the
+        step's first result tensor holding NaN or Inf, as the session found it."""
         alerts: list[dict[str, Any]] = []
         pending: Pending | None = None
         with _LOCK:
@@ -236,23 +239,18 @@ class Monitor:
                 alerts.append(alert)
             if fired and bp.action != "record" and pending is None:
                 pending = Pending(bp.action, f"breakpoint {bp.name!r} at {ctx.describe()}", BreakpointStop)
-        if self.on_anomaly != "record" and pending is None and not self._stopped:
-            message = nonfinite_message(ctx)
-            if message is not None:
-                pending = Pending(self.on_anomaly, message, NonFiniteError)
+        if self.on_anomaly != "record" and pending is None and not self._stopped and nonfinite is not None:
+            pending = Pending(self.on_anomaly, nonfinite_message(ctx, nonfinite), NonFiniteError)
         if pending is not None and pending.action == "stop":
             self._stopped = True  # one stop: the steps the exception unwinds through are not stopped again
         return alerts, pending
 
 
-def nonfinite_message(ctx: StepContext) -> str | None:
-    """'<step>: output.0 has 12 NaN' for the first result tensor holding NaN or Inf, else None."""
-    results = _RESULT_ROLES[0 if ctx.phase == "forward" else 1]
-    for name, stats in ctx.stats.items():
-        if ctx.roles[name] in results and (stats["nan"] or stats["inf"]):
-            parts = [f"{int(stats[k])} {label}" for k, label in (("nan", "NaN"), ("inf", "Inf")) if stats[k]]
-            return f"{ctx.describe()}: {name} has {' and '.join(parts)}"
-    return None
+def nonfinite_message(ctx: StepContext, tensor: TensorItem) -> str:
+    """'Eq. 2 (smooth_relu) forward, iteration 17, call 3: output has 12 NaN'."""
+    nan, inf = tensor.stats[6], tensor.stats[7]
+    parts = [f"{int(n)} {label}" for n, label in ((nan, "NaN"), (inf, "Inf")) if n]
+    return f"{ctx.describe()}: {tensor.name} has {' and '.join(parts)}"
 
 
 def _run_check(check: Check, ctx: StepContext) -> dict[str, Any] | None:

@@ -194,7 +194,7 @@ class Pipeline:
         cols: dict[str, list[Any]] = {name: [] for name in layout.TENSOR_COLUMNS if name not in ("step", "dims_start")}
         dims: list[int] = []
         waiting: list[tuple[int, Any]] = []
-        nonfinite_roles = _NONFINITE_ROLES[row["phase"]]
+        nonfinite_roles = layout.RESULT_ROLES[row["phase"]]
         for t in item.tensors:
             stats = t.stats
             if isinstance(stats, torch.Tensor):
@@ -245,9 +245,6 @@ class Pipeline:
         w.step(item.index, row)
 
 
-# Roles whose non-finite values make a step ``nonfinite``, by phase (its results, not its inputs).
-_NONFINITE_ROLES = {0: frozenset({layout.ROLES.index("output")}),
-                    1: frozenset({layout.ROLES.index("grad_input"), layout.ROLES.index("param_grad")})}
 _WATCH = layout.ROLES.index("watch")
 
 

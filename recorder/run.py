@@ -60,8 +60,7 @@ class Run:
                                  f"{keep!r}")
         if not isinstance(max_ring_bytes, int) or max_ring_bytes < 1:
             raise RecordingError(f"max_ring_bytes must be a positive integer, not {max_ring_bytes!r}")
-        if on_anomaly not in monitors.ACTIONS:
-            raise RecordingError(f"unknown on_anomaly {on_anomaly!r}: use one of {', '.join(monitors.ACTIONS)}")
+        monitors.check_action(on_anomaly, "on_anomaly")
         self.path, self.mode, self.every = path, mode, every
         compression = codecs_api.parse(compressor)
         self.t0 = time.perf_counter()
@@ -223,7 +222,9 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
         model: the model being trained; module paths are relative to it.
         optimizer: iterations advance after each of its ``step()`` calls; ``"auto"``: after each
             ``step()`` of the first optimizer that steps, whichever it is (global optimizer hooks).
-        mode: "full" (payloads of every tensor) or "stats" (statistics only, tiny).
+        mode: "full" (payloads of every tensor), "stats" (statistics only, tiny) or "flight"
+            (statistics, and the payloads of the last ``keep`` iterations, held in memory and written
+            on a NaN/Inf, an exception, SIGTERM/SIGINT or the end; see recorder.flight).
         every: with mode="full", keep payloads every k-th iteration and statistics for the rest.
         compressor: None (Blosc lz4 + bit shuffle), "lz4", "zstd", "none", or a dict with
             ``cname``, ``clevel`` and ``shuffle``.
@@ -232,7 +233,8 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
             globs (``"blocks.*"``, ``"**.attn"``) whose modules are recorded too, decorated or not
             (see recorder.autohooks), and ``on_anomaly``: what a step with NaN or Inf results does:
             "record" (mark it ``nonfinite``, the default), "stop" (flush, raise NonFiniteError from
-            the step) or "pdb" (flush, open the debugger in the calling code).
+            the step) or "pdb" (flush, open the debugger in the calling code); flight mode's ``keep``
+            (iterations, default 2) and ``max_ring_bytes`` (default 4 GiB).
 
     Returns:
         The Run; leaving the ``with`` block closes it (``complete``, or ``crashed`` on an exception).

@@ -71,19 +71,14 @@ def _summary(out: str, result: Any) -> str:
     if result.exception is None:
         return text
     try:
-        from recorder.store import layout
-        from recorder.store.reader import RunReader
+        import replayer
 
-        rank = RunReader(out).rank(0)
-        status = rank.column("steps/status")
-        failed = [i for i in range(len(status)) if layout.STATUSES[int(status[i])] == "exception"]
+        failed = replayer.open(out).steps.filter(status="exception")
     except Exception:  # the summary must not hide the script's own outcome
         return text
-    if not failed:
+    if not len(failed):
         return text
     step = failed[-1]  # steps are numbered on entry: the innermost one that raised is the last
-    name = rank.doc(int(rank.column("steps/name")[step]))
-    path = rank.doc(int(rank.column("steps/module_path")[step]))
-    iteration = int(rank.column("steps/iteration")[step])
-    where = f" at {path}" if path else ""
-    return f"{text}; {type(result.exception).__name__} escaped step {step} ({name}{where}, iteration {iteration})"
+    where = f" at {step.module_path}" if step.module_path else ""
+    return (f"{text}; {type(result.exception).__name__} escaped step {step.index} ({step.name}{where}, "
+            f"iteration {step.iteration})")

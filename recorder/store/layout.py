@@ -114,6 +114,10 @@ ROLES: tuple[str, ...] = (
     "input", "output", "param", "buffer", "grad_output", "grad_input", "param_grad", "watch",
 )
 PHASES: tuple[str, ...] = ("forward", "backward")
+# A step's results by phase (role indices): NaN or Inf in one of these makes the step ``nonfinite``;
+# in its inputs, parameters or grad outputs it came from somewhere else.
+RESULT_ROLES: dict[int, frozenset[int]] = {0: frozenset({ROLES.index("output")}),
+                                           1: frozenset({ROLES.index("grad_input"), ROLES.index("param_grad")})}
 STATUSES: tuple[str, ...] = ("ok", "alert", "nonfinite", "exception")
 STAT_NAMES: tuple[str, ...] = ("min", "max", "mean", "std", "absmax", "norm", "nan", "inf")
 RUN_STATUSES: tuple[str, ...] = ("recording", "complete", "crashed")

@@ -126,7 +126,7 @@ class StoreWriter:
 
         Split in two so that the training thread pays only for the claim: the ~50 files and
         directories of a rank's arrays are made by the writer thread (``create``), next to training."""
-        self.store, self.rank, self.compression = store, rank, compression
+        self.store, self.rank = store, rank
         if backend.get(store, "zarr.json") is not None:
             raise RecordingError("the store already holds a zarr hierarchy; record into a new, empty one")
         self._files = dict(_template(rank, compression))
