@@ -36,8 +36,10 @@ def _train(record_kwargs, path, iterations=4):
     return losses, draws, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("kwargs", [{"mode": "full"}, {"mode": "stats"}, {"mode": "full", "every": 2}],
-                         ids=["full", "stats", "full-every-2"])
+@pytest.mark.parametrize("kwargs", [{"mode": "full"}, {"mode": "stats"}, {"mode": "full", "every": 2},
+                                    {"mode": "flight", "keep": 2}, {"mode": "full", "modules": "**"},
+                                    {"mode": "stats", "on_anomaly": "stop"}],
+                         ids=["full", "stats", "full-every-2", "flight", "every-module", "on-anomaly-stop"])
 def test_training_bitwise_identical_with_recording(tmp_path, kwargs):
     """Losses, final parameters and every RNG draw are bitwise identical with and without recording."""
     base_losses, base_draws, base_params = _train(None, None)
@@ -63,3 +65,23 @@ def test_global_hooks_removed_after_close(tmp_path):
     assert (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks)) == before
     assert not opt._optimizer_step_post_hooks
     assert all(not p._backward_hooks for p in model.parameters())
+
+
+def test_zero_edit_hooks_and_signal_handlers_removed_after_close(tmp_path):
+    """modules=, optimizer="auto" and flight mode leave no global module or optimizer hook and no
+    signal handler of theirs behind."""
+    import signal
+
+    from torch.nn.modules import module as module_mod
+    from torch.optim import optimizer as optimizer_mod
+
+    before = (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks),
+              len(optimizer_mod._global_optimizer_post_hooks), signal.getsignal(signal.SIGTERM))
+    model = TinyGPT()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", optimizer="auto", mode="flight", modules="**") as run:
+        assert signal.getsignal(signal.SIGTERM) != before[3]
+        train_step(model, opt, 0)
+    assert run.iteration == 1
+    assert (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks),
+            len(optimizer_mod._global_optimizer_post_hooks), signal.getsignal(signal.SIGTERM)) == before
