@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import capture, jsonval
+from . import capture, skeleton
 
 T = TypeVar("T")
 
@@ -130,26 +130,16 @@ def _decorate_class(cls: type, name: str, *paper: Any) -> type:
 
     @functools.wraps(init)
     def init_wrapper(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        # The outermost decorated __init__ wins: a subclass's super().__init__() must not overwrite it.
-        outermost = "_pdbg_init" not in self.__dict__
-        if outermost:
-            self.__dict__["_pdbg_init"] = _init_record(cls, args, kwargs)
+        skeleton.remember(self, init_wrapper, args, kwargs)
         init(self, *args, **kwargs)
+
+    init_wrapper.__pdbg_init__ = True  # type: ignore[attr-defined]
 
     forward_wrapper.__pdbg_step__ = defn  # type: ignore[attr-defined]
     cls.forward = forward_wrapper  # type: ignore[attr-defined]
     cls.__init__ = init_wrapper  # type: ignore[misc]
     cls.__pdbg_step__ = defn  # type: ignore[attr-defined]
     return cls
-
-
-def _init_record(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """Constructor arguments as data (never raises: a failure only loses this record)."""
-    try:
-        return {"class": jsonval.type_ref(cls), "args": jsonval.encode(list(args)),
-                "kwargs": jsonval.encode(kwargs)}
-    except Exception:
-        return None
 
 
 def annotate(module: torch.nn.Module, label: str, *, algorithm: str | int | None = None,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.autograd import Variable
 
-from . import autohooks, flight, jsonval, modstack, monitors, snapshot, taps
+from . import autohooks, flight, jsonval, modstack, monitors, skeleton, snapshot, taps
 from . import payload as payload_mod
 from . import stats as stats_mod
 from .items import ForgetIterations, PayloadItem, StepItem, TensorItem
@@ -100,7 +100,7 @@ class Session:
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
         self._pass: list[BackwardLink] = []  # backward frames open in the current backward pass
         self._callback_queued = False
-        self._module_docs: dict[int, tuple[torch.nn.Module, dict[str, Any]]] = {}
+        self._module_docs: dict[int, tuple[torch.nn.Module, bool, dict[str, Any]]] = {}
         self._known_settings: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.monitor = monitors.Monitor(on_anomaly)
         self.ring = flight.FlightRing(keep, max_ring_bytes) if mode == "flight" else None
@@ -524,11 +524,11 @@ class Session:
     def _module_doc(self, module: torch.nn.Module | None) -> dict[str, Any] | None:
         if module is None:
             return None
+        # Built once per instance (and training flag); the writer stores each distinct skeleton once.
         entry = self._module_docs.get(id(module))
-        if entry is None or entry[0] is not module:  # holding the module keeps its id unique
-            doc = {"class": jsonval.type_ref(type(module)), "init": module.__dict__.get("_pdbg_init")}
-            entry = self._module_docs[id(module)] = (module, doc)
-        return entry[1]
+        if entry is None or entry[0] is not module or entry[1] != module.training:  # holding it keeps its id unique
+            entry = self._module_docs[id(module)] = (module, module.training, skeleton.build(module))
+        return entry[2]
 
     # -- backward --------------------------------------------------------------------------------
     def _guard(self, where: str, fn: Callable[[], None]) -> None:

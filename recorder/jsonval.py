@@ -9,6 +9,7 @@ import importlib
 import json
 import math
 import re
+import types
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -49,7 +50,8 @@ class Opaque:
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """A dataclass/namedtuple/enum whose type was not imported; enums have ``fields={"name": ...}``."""
+    """A dataclass/namedtuple/enum/plain object whose type was not imported; enums have
+    ``fields={"name": ...}``; ``kind`` is "dataclass", "namedtuple", "enum" or "object"."""
     type: str
     kind: str
     fields: dict
@@ -67,6 +69,26 @@ def type_ref(obj_or_type: Any) -> str:
     cls = obj_or_type if isinstance(obj_or_type, type) else type(obj_or_type)
     ref = f"{getattr(cls, '__module__', None)}:{getattr(cls, '__qualname__', None)}"
     return ref.encode("utf-8", "backslashreplace").decode()  # escapes lone surrogates
+
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python, not in C
+_MAX_FIELDS = 64
+_NOT_PLAIN = (type, types.FunctionType, types.MethodType, types.ModuleType, types.BuiltinFunctionType,
+              torch.nn.Module, torch.Tensor, np.ndarray)
+
+
+def _plain_object(value: Any) -> bool:
+    """A user object that is only its fields: an instance of a class defined in Python whose state is
+    its ``__dict__`` (no custom pickling, no C base class), with a modest number of fields."""
+    cls = type(value)
+    if type(cls) is not type or isinstance(value, _NOT_PLAIN) or not isinstance(getattr(value, "__dict__", None), dict):
+        return False
+    if any(not (c.__flags__ & _HEAPTYPE) for c in cls.__mro__[:-1]):
+        return False
+    if any(name in c.__dict__ for c in cls.__mro__[:-1]
+           for name in ("__reduce__", "__reduce_ex__", "__getstate__", "__slots__")):
+        return False
+    return len(value.__dict__) <= _MAX_FIELDS
 
 
 def _opaque(value: Any) -> dict:
@@ -155,7 +177,7 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
             data = base64.b64encode(np.ascontiguousarray(value).tobytes()).decode()
             return {"$ndarray": {"dtype": str(dt), "shape": list(value.shape), "data": data}}
         if id(value) in active or not (isinstance(value, (list, tuple, dict, set, frozenset, slice)) or (
-                dataclasses.is_dataclass(value) and not isinstance(value, type))):
+                dataclasses.is_dataclass(value) and not isinstance(value, type)) or _plain_object(value)):
             return _opaque(value)  # unsupported, or a reference cycle
         active.add(id(value))
         try:
@@ -186,8 +208,13 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
         if isinstance(value, (set, frozenset)):  # sorted by JSON text (as UTF-8, same order): deterministic
             items = sorted((sub(i, v) for i, v in enumerate(value)), key=dumps)
             return {"$frozenset" if isinstance(value, frozenset) else "$set": items}
-        fields = {f.name: sub(f.name, getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-        return {"$dataclass": {"type": type_ref(value), "fields": fields}}
+        if dataclasses.is_dataclass(value):
+            fields = {f.name: sub(f.name, getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+            return {"$dataclass": {"type": type_ref(value), "fields": fields}}
+        names = list(dict.keys(value.__dict__))
+        if not all(type(n) is str and not _SURROGATE.search(n) for n in names):
+            return _opaque(value)
+        return {"$object": {"type": type_ref(value), "fields": {n: sub(n, value.__dict__[n]) for n in names}}}
 
     return enc(value, "", 0)
 
@@ -214,9 +241,22 @@ def _unb64(payload: Any, tag: str) -> bytes:
     return base64.b64decode(_expect(payload, str, tag), validate=True)
 
 
+Resolver = Callable[[str], Any]
+
+
+def import_ref(ref: str) -> Any:
+    """The object a ``"module:QualName"`` reference names: import the module, then getattr along the
+    qualified name. Raises ImportError or AttributeError."""
+    module, _, qualname = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 class _Decoder:
-    def __init__(self, tensor: Callable[[str], Any] | None, import_types: bool) -> None:
-        self.tensor, self.import_types = tensor, import_types
+    def __init__(self, tensor: Callable[[str], Any] | None, resolve: Resolver | None) -> None:
+        self.tensor, self.resolve = tensor, resolve
 
     def dec(self, doc: Any) -> Any:
         if isinstance(doc, list):
@@ -246,10 +286,8 @@ class _Decoder:
         ref = _expect(ref, str, tag)
         fields = {"name": _expect(raw, str, tag)} if kind == "enum" else {
             k: self.dec(v) for k, v in _expect(raw, dict, tag).items()}
-        try:  # only now, and only if asked to, import: "module" then getattr along "QualName"
-            cls: Any = importlib.import_module(ref.partition(":")[0]) if self.import_types else None
-            for part in ref.partition(":")[2].split(".") if cls is not None else ():
-                cls = getattr(cls, part)
+        try:  # only now, and only if asked to, look the type up
+            cls: Any = self.resolve(ref) if self.resolve is not None else None
             cls = cls if isinstance(cls, type) else object  # os:system is no type: never called
             if kind == "enum" and issubclass(cls, enum.Enum):
                 return cls[raw]
@@ -263,6 +301,10 @@ class _Decoder:
                     for name, value in fields.items():
                         object.__setattr__(obj, name, value)  # works for frozen dataclasses too
                     return obj
+            if kind == "object" and cls is not object and _plain_class(cls):
+                obj = cls.__new__(cls)
+                obj.__dict__.update(fields)  # the fields only: no __init__ runs
+                return obj
         except Exception:  # noqa: BLE001, S110 - unimportable, or the type changed since recording
             pass
         return Record(ref, kind, fields)
@@ -298,7 +340,7 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$set": lambda d, t, p: set(d.items(p, t)),
     "$frozenset": lambda d, t, p: frozenset(d.items(p, t)),
     "$dict": lambda d, t, p: dict(d.items(pair, t, 2) for pair in _expect(p, list, t)),
-    **dict.fromkeys(("$namedtuple", "$dataclass", "$enum"), _Decoder.record),
+    **dict.fromkeys(("$namedtuple", "$dataclass", "$enum", "$object"), _Decoder.record),
     "$bytes": lambda d, t, p: _unb64(p, t),
     "$bytearray": lambda d, t, p: bytearray(_unb64(p, t)),
     "$complex": lambda d, t, p: complex(*d.items(p, t, 2, _NUMBERS)),
@@ -315,16 +357,26 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
 }
 
 
-def decode(doc: Any, *, tensor: Callable[[str], Any] | None = None, import_types: bool = False) -> Any:
+def _plain_class(cls: type) -> bool:
+    return type(cls) is type and not issubclass(cls, _NOT_PLAIN) and all(
+        c.__flags__ & _HEAPTYPE for c in cls.__mro__[:-1]) and cls.__new__ is object.__new__
+
+
+def decode(doc: Any, *, tensor: Callable[[str], Any] | None = None, import_types: bool = False,
+           resolve: Resolver | None = None) -> Any:
     """Inverse of :func:`encode`; raises FormatError (a ValueError) for a malformed document.
 
     Args:
         doc: data produced by :func:`encode` (or read back by :func:`loads`).
         tensor: ``callable(name) -> Any`` for ``{"$tensor": name}`` (its errors pass); default TensorRef.
-        import_types: import dataclass/namedtuple/enum types (importlib, then getattr along the qualname)
-            and rebuild the values. Otherwise, or when that fails, nothing is called: Records come back.
+        import_types: import dataclass/namedtuple/enum/object types (importlib, then getattr along the
+            qualname) and rebuild the values. Otherwise, or when that fails, nothing is called:
+            Records come back. Plain objects get their fields set on a bare instance (no ``__init__``).
+        resolve: ``callable("module:QualName") -> type`` used instead of importing (implies import_types).
     """
-    return _Decoder(tensor, import_types).dec(doc)
+    if resolve is None and import_types:
+        resolve = import_ref
+    return _Decoder(tensor, resolve).dec(doc)
 
 
 def dumps(doc: Any) -> bytes:

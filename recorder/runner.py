@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import skeleton
 from .errors import RecordingError
 
 
@@ -94,6 +95,7 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
             shutil.rmtree(out_path, ignore_errors=True)  # nothing recorded: leave nothing behind
         raise
     code, error = 0, None
+    constructors = skeleton.InitCapture()  # every module class the script defines: its constructor arguments
     try:
         runpy.run_path(str(script_path), run_name="__main__")
     except SystemExit as exc:
@@ -105,6 +107,7 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
         try:
             run.close(status, error)
         finally:
+            constructors.close()
             restore()
     text = _script_traceback(error, script_path) if error is not None else ""
     return ScriptResult(code, run.status or status, run.steps, error, text)

@@ -85,7 +85,11 @@ def test_annotated_instance_is_recorded_with_params_and_buffers(run_path):
     roles = {(r.role, r.name) for r in rank.tensor_records(0)}
     assert {("param", "weight"), ("buffer", "running_mean"), ("buffer", "num_batches_tracked")} <= roles
     assert steps[1]["definition"]["paper"]["label"] == "Eq. 5"
-    assert steps[0]["module"] == {"class": "torch.nn.modules.batchnorm:BatchNorm1d", "init": None}
+    norm = steps[0]["module"]
+    assert norm["class"] == "torch.nn.modules.batchnorm:BatchNorm1d" and norm["init"] is None
+    assert norm["attrs"]["num_features"] == 4 and norm["attrs"]["momentum"] == 0.1
+    assert norm["params"] == {"weight": {"requires_grad": True}, "bias": {"requires_grad": True}}
+    assert set(norm["buffers"]) == {"running_mean", "running_var", "num_batches_tracked"}
 
 
 def test_marking_outside_a_recording_changes_nothing():

@@ -72,11 +72,15 @@ class Mode(enum.StrEnum):
 
 
 class Thing:
+    __slots__ = ()  # no __dict__: not a plain object, so opaque
+
     def __repr__(self) -> str:
         return "Thing()"
 
 
 class BadRepr:
+    __slots__ = ()
+
     def __repr__(self) -> str:
         raise RuntimeError("no repr")
 
@@ -399,10 +403,48 @@ def test_opaque_objects(tmp_path: Any) -> None:
     assert roundtrip(Thing()) == Opaque(f"{__name__}:Thing", "Thing()")
     assert roundtrip(BadRepr()) == Opaque(f"{__name__}:BadRepr", "<unrepresentable>")
     assert roundtrip([BadRepr()])[0].repr == "<unrepresentable>"
-    long = roundtrip(type("Long", (), {"__repr__": lambda self: "x" * 1000})())
+    long = roundtrip(type("Long", (), {"__slots__": (), "__repr__": lambda self: "x" * 1000})())
     assert long.repr == "x" * 200
-    odd = roundtrip(type("Odd", (), {"__repr__": lambda self: "\udc80"})())
+    odd = roundtrip(type("Odd", (), {"__slots__": (), "__repr__": lambda self: "\udc80"})())
     assert odd.repr == "\\udc80"
+
+
+class Config:
+    """A plain user class (not a dataclass): recorded as its class and fields."""
+
+    def __init__(self, width: int, names: tuple) -> None:
+        self.width, self.names = width, names
+        self.inner = Point(1, 2)
+
+
+class Custom:
+    def __init__(self) -> None:
+        self.x = 1
+
+    def __reduce__(self) -> Any:  # its state is not just its fields: not a plain object
+        return (Custom, ())
+
+
+def test_plain_objects() -> None:
+    """A plain user object round-trips as class reference + fields, without its __init__ running;
+    without importing it comes back as a Record; objects with custom pickling stay opaque."""
+    cfg = Config(8, ("a", "b"))
+    doc = encode(cfg)
+    assert doc == {"$object": {"type": f"{__name__}:Config", "fields": {
+        "width": 8, "names": {"$tuple": ["a", "b"]},
+        "inner": {"$dataclass": {"type": f"{__name__}:Point", "fields": {"x": 1, "y": 2}}}}}}
+    back = roundtrip(cfg)
+    assert type(back) is Config and back.__dict__ == cfg.__dict__
+    assert decode(doc) == Record(f"{__name__}:Config", "object", {"width": 8, "names": ("a", "b"),
+                                                                 "inner": Record(f"{__name__}:Point", "dataclass",
+                                                                                 {"x": 1, "y": 2})})
+    seen = []
+    assert decode(doc, resolve=lambda ref: seen.append(ref) or Config).width == 8 and seen[-1].endswith(":Config")
+    assert isinstance(roundtrip(Custom()), Opaque)
+    assert isinstance(roundtrip(torch.nn.Linear(1, 1)), Opaque)
+    many = Config(1, ())
+    many.__dict__.update({f"f{i}": i for i in range(100)})
+    assert isinstance(roundtrip(many), Opaque)
 
 
 def test_cycles_and_depth() -> None:

@@ -1,0 +1,132 @@
+"""Module skeletons and constructor arguments: what replay needs to rebuild a module as data.
+
+A *skeleton* is a module's structure without its tensors: class reference, training flag, the
+non-tensor attributes its code set (as tagged JSON), the names of its parameters and buffers, and
+its submodules' skeletons. Replay rebuilds a module from it without calling the user's
+``__init__``. What a skeleton cannot carry as data (a lambda, a bound method, an open file) is
+named in ``unrecorded``; such a module is rebuilt through its constructor, from the arguments it
+was built with (``init``), which ``paper_step`` captures for decorated classes and
+:class:`InitCapture` for every module class while ``pdbg record`` runs a script.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from . import jsonval
+
+INIT_KEY = "_pdbg_init"  # where a module instance keeps its constructor arguments (plain JSON)
+_BASE_KEYS = frozenset(vars(torch.nn.Module()))  # what torch's Module.__init__ itself sets
+
+
+def init_record(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Constructor arguments as data (never raises: a failure only loses this record)."""
+    try:
+        return {"class": jsonval.type_ref(cls), "args": jsonval.encode(list(args)),
+                "kwargs": jsonval.encode(kwargs)}
+    except Exception:  # noqa: BLE001 - recording must not break construction
+        return None
+
+
+def remember(module: torch.nn.Module, wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Keep the arguments ``module`` is being constructed with, if ``wrapper`` is its class's own
+    ``__init__`` (a base class's ``__init__``, reached through ``super()``, gets other arguments)."""
+    if INIT_KEY not in module.__dict__ and type(module).__init__ is wrapper:
+        module.__dict__[INIT_KEY] = init_record(type(module), args, kwargs)
+
+
+def _opaque_in(doc: Any) -> str | None:
+    """The type of the first opaque value in an encoded document, or None."""
+    if isinstance(doc, dict):
+        if "$opaque" in doc and len(doc) == 1:
+            inner = doc["$opaque"]
+            return str(inner.get("type")) if isinstance(inner, dict) else "?"
+        if "$tensor_meta" in doc and len(doc) == 1:
+            return "torch:Tensor"
+        docs: Any = doc.values()
+    elif isinstance(doc, list):
+        docs = doc
+    else:
+        return None
+    for item in docs:
+        found = _opaque_in(item)
+        if found is not None:
+            return found
+    return None
+
+
+def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The skeleton of ``module`` and its submodules (plain JSON; shared subtrees via ``memo``)."""
+    memo = {} if memo is None else memo
+    found = memo.get(id(module))
+    if found is not None:
+        return found
+    attrs: dict[str, Any] = {}
+    unrecorded: dict[str, str] = {}
+    for key, value in module.__dict__.items():
+        if key in _BASE_KEYS or key.startswith("_pdbg"):
+            continue
+        if key == "forward" and hasattr(value, "__pdbg_step__"):  # annotate()'s wrapper, not state
+            continue
+        doc = jsonval.encode(value)
+        bad = _opaque_in(doc)
+        if bad is None:
+            attrs[key] = doc
+        else:
+            unrecorded[key] = bad
+    params = {name: None if p is None else {"requires_grad": bool(p.requires_grad)}
+              for name, p in module._parameters.items()}
+    buffers = {name: None if b is None else {"persistent": name not in module._non_persistent_buffers_set}
+               for name, b in module._buffers.items()}
+    doc = {"class": jsonval.type_ref(module), "training": bool(module.training), "attrs": attrs,
+           "unrecorded": unrecorded, "params": params, "buffers": buffers,
+           "init": module.__dict__.get(INIT_KEY), "children": {}}
+    memo[id(module)] = doc
+    doc["children"] = {name: None if child is None else build(child, memo)
+                       for name, child in module._modules.items()}
+    return doc
+
+
+class InitCapture:
+    """Records the constructor arguments of every ``nn.Module`` subclass defined while it is
+    installed (the outermost ``__init__`` of an instance wins). ``close()`` restores every class
+    and ``nn.Module`` itself; instances keep their record (plain data under ``_pdbg_init``)."""
+
+    def __init__(self) -> None:
+        self._wrapped: list[tuple[type, Any, Any]] = []
+        self._had_hook = "__init_subclass__" in torch.nn.Module.__dict__
+        self._previous = torch.nn.Module.__dict__.get("__init_subclass__")
+        capture = self
+
+        def init_subclass(cls: type, **kwargs: Any) -> None:
+            super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            capture.wrap(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+
+    def wrap(self, cls: type) -> None:
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "__pdbg_init__", False):
+            return  # inherits __init__: its class's wrapper records it
+
+        @functools.wraps(init)
+        def init_wrapper(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+            remember(self, init_wrapper, args, kwargs)
+            init(self, *args, **kwargs)
+
+        init_wrapper.__pdbg_init__ = True  # type: ignore[attr-defined]
+        cls.__init__ = init_wrapper  # type: ignore[misc]
+        self._wrapped.append((cls, init_wrapper, init))
+
+    def close(self) -> None:
+        for cls, wrapper, init in reversed(self._wrapped):
+            if cls.__dict__.get("__init__") is wrapper:  # (paper_step may have wrapped it again: leave it)
+                cls.__init__ = init  # type: ignore[misc]
+        self._wrapped.clear()
+        if self._had_hook:
+            torch.nn.Module.__init_subclass__ = self._previous  # type: ignore[assignment]
+        elif "__init_subclass__" in torch.nn.Module.__dict__:
+            del torch.nn.Module.__init_subclass__
