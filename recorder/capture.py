@@ -405,10 +405,11 @@ class Session:
 
     def _capture(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
         """Snapshot one tensor into the frame; returns its record name (for the arguments document)."""
+        requires_grad = t.requires_grad
         t = t.detach()
         meta_only = t.layout != torch.strided or t.device.type == "meta"
         item = TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype), device=str(t.device),
-                          requires_grad=t.requires_grad, shape=tuple(t.shape),
+                          requires_grad=requires_grad, shape=tuple(t.shape),
                           stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None)
         if meta_only:
             frame.notes.append(f"{name}: {t.layout} tensor on {t.device}: metadata only")

@@ -35,3 +35,7 @@ class StepNotFoundError(PdbgError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it one plain line
         return str(self.args[0]) if self.args else ""
+
+
+class ReplayError(PdbgError, RuntimeError):
+    """A step cannot be replayed: its code cannot be found, or something it needs was not recorded."""

@@ -9,5 +9,6 @@ imports the TUI.
 """
 
 from .recording import Recording, Step, StepTable, open
+from .replay import ReplayResult, replay
 
-__all__ = ["Recording", "Step", "StepTable", "open"]
+__all__ = ["Recording", "ReplayResult", "Step", "StepTable", "open", "replay"]

@@ -1,0 +1,192 @@
+"""Finding a recorded step's code again: import references, the script run as ``__main__``, drift.
+
+A reference is ``"module:QualName"``. Code of an importable module is imported (with the recorded
+working directory and script directory on the path, as the run had them). Code defined in the
+script that ran as ``__main__`` is found through the script's recorded path: the script is loaded
+as a fresh module *without* its ``if __name__ == "__main__":`` block, so nothing trains; a script
+without such a guard is loaded with its definitions only (imports, functions, classes, constants).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import hashlib
+import importlib
+import inspect
+import linecache
+import os
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from recorder.errors import ReplayError
+
+_DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":`` in either order, possibly combined with other conditions."""
+    if not isinstance(node, ast.If):
+        return False
+    for sub in ast.walk(node.test):
+        if isinstance(sub, ast.Compare) and len(sub.ops) == 1 and isinstance(sub.ops[0], (ast.Eq, ast.Is)):
+            sides = [sub.left, *sub.comparators]
+            names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+            mains = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+            if names and mains:
+                return True
+    return False
+
+
+def _is_definition(node: ast.stmt) -> bool:
+    """A top-level statement that only defines something (kept from a script without a main guard)."""
+    if isinstance(node, _DEFINITIONS):
+        return True
+    if isinstance(node, ast.Expr):
+        return isinstance(node.value, ast.Constant)  # a docstring
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        value = node.value
+        return value is None or not any(isinstance(n, (ast.Call, ast.Await, ast.Yield)) for n in ast.walk(value))
+    if isinstance(node, ast.Try):  # try: import fast / except ImportError: import slow
+        return all(_is_definition(n) for n in [*node.body, *node.orelse, *node.finalbody,
+                                               *(s for h in node.handlers for s in h.body)])
+    if isinstance(node, ast.If):  # if TYPE_CHECKING: / if sys.version_info >= ...:
+        return all(_is_definition(n) for n in [*node.body, *node.orelse])
+    return False
+
+
+def script_module(path: str | os.PathLike[str]) -> tuple[types.ModuleType, str]:
+    """Load a training script's definitions as a module named ``__main__`` (its classes and
+    functions keep the ``__main__:QualName`` references they were recorded under). Returns the
+    module and a note on what was left out."""
+    file = Path(path)
+    try:
+        source = file.read_text(encoding="utf-8")
+        tree = ast.parse(source, filename=str(file))
+    except OSError as exc:
+        raise ReplayError(f"cannot read the training script {file} ({exc.strerror or exc}); pass its "
+                          "current path with --script (replayer.replay(..., script=...))") from None
+    except SyntaxError as exc:
+        raise ReplayError(f"the training script {file} does not parse now (line {exc.lineno}: {exc.msg}); "
+                          "fix it or pass another copy with --script") from None
+    body = [n for n in tree.body if not _is_main_guard(n)]
+    if len(body) != len(tree.body):
+        note = "loaded without its if __name__ == '__main__' block"
+    else:
+        kept = [n for n in body if _is_definition(n)]
+        note = (f"the script has no if __name__ == '__main__' guard: loaded only its definitions "
+                f"({len(body) - len(kept)} top-level statements skipped)")
+        body = kept
+    module = types.ModuleType("__main__", ast.get_docstring(tree))
+    module.__file__ = str(file)
+    module.__dict__["__builtins__"] = __builtins__
+    code = compile(ast.Module(body=body, type_ignores=[]), str(file), "exec")
+    saved_main = sys.modules.get("__main__")
+    sys.modules["__main__"] = module  # dataclasses and typing look the defining module up by name
+    try:
+        with extra_path([str(file.resolve().parent)]):
+            exec(code, module.__dict__)  # noqa: S102 - the user's own script, as they asked
+    except Exception as exc:
+        raise ReplayError(f"loading the definitions of {file} failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
+    linecache.checkcache(str(file))
+    return module, note
+
+
+@contextlib.contextmanager
+def extra_path(dirs: list[str]) -> Iterator[None]:
+    """Directories at the front of ``sys.path`` for the duration of an import."""
+    saved = sys.path[:]
+    sys.path[:0] = [d for d in dirs if d and d not in sys.path]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+class CodeLoader:
+    """Resolves ``module:QualName`` references of one recording. ``script`` overrides the path of
+    the script that ran as ``__main__``."""
+
+    def __init__(self, run_info: dict[str, Any], script: str | os.PathLike[str] | None = None) -> None:
+        self.run_info = run_info
+        self.script = str(script) if script is not None else run_info.get("script")
+        self._main: types.ModuleType | None = None
+        self.notes: list[str] = []
+        dirs = [os.getcwd(), run_info.get("cwd")]
+        if self.script:
+            dirs.append(str(Path(self.script).resolve().parent))
+        self.dirs = [d for d in dirs if isinstance(d, str)]
+
+    def main(self) -> types.ModuleType:
+        if self._main is None:
+            if not self.script:
+                raise ReplayError("the step's code was defined in __main__, but the recording names no script "
+                                  "(an interactive session?); pass the file that defines it with --script")
+            self._main, note = script_module(self.script)
+            self.notes.append(f"{self.script}: {note}")
+        return self._main
+
+    def module(self, name: str) -> types.ModuleType:
+        if name == "__main__":
+            return self.main()
+        try:
+            with extra_path(self.dirs):
+                return importlib.import_module(name)
+        except ImportError as exc:
+            raise ReplayError(f"cannot import {name!r}, which the recording needs ({exc}); install it or run "
+                              f"from the directory the run was recorded in ({self.run_info.get('cwd')})") from None
+        except Exception as exc:
+            raise ReplayError(f"importing {name!r} failed: {type(exc).__name__}: {exc}") from None
+
+    def resolve(self, ref: str) -> Any:
+        """The object a reference names (a class, or a function as decorated in the user's code)."""
+        module_name, sep, qualname = ref.partition(":")
+        if not sep or not module_name or not qualname:
+            raise ReplayError(f"malformed code reference {ref!r} in the recording")
+        if "<locals>" in qualname or "<lambda>" in qualname:
+            raise ReplayError(f"{qualname} (in {module_name}) was defined inside a function, so it cannot be "
+                              "found again; define it at module level to replay it")
+        obj: Any = self.module(module_name)
+        for part in qualname.split("."):
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                raise ReplayError(f"{module_name} has no {qualname} now (renamed or removed since the "
+                                  "recording?)") from None
+        return obj
+
+    def source_of(self, obj: Any) -> str | None:
+        """The current source of a function or class, as the recorder computes it."""
+        target = inspect.unwrap(obj) if callable(obj) and not isinstance(obj, type) else obj
+        saved = sys.modules.get("__main__")
+        swap = self._main is not None and getattr(target, "__module__", None) == "__main__"
+        if swap:
+            sys.modules["__main__"] = self._main  # type: ignore[assignment]
+        try:
+            lines, _ = inspect.getsourcelines(target)
+            return "".join(lines)
+        except (OSError, TypeError):
+            return None
+        finally:
+            if swap and saved is not None:
+                sys.modules["__main__"] = saved
+
+    def drift(self, definition: dict[str, Any], obj: Any) -> str | None:
+        """A sentence when the code now differs from the recorded code, else None."""
+        recorded = definition.get("source_sha256")
+        if not recorded:
+            return None
+        now = self.source_of(obj)
+        where = f"{definition.get('file')}:{definition.get('line')}"
+        name = definition.get("name") or definition.get("ref")
+        if now is None:
+            return f"source of {name} cannot be read now; it cannot be checked against the recording ({where})"
+        if hashlib.sha256(now.encode()).hexdigest() != recorded:
+            return f"code of {name} changed since recording ({where})"
+        return None

@@ -1,0 +1,123 @@
+"""Comparing a replayed tensor with the recorded one: bitwise, max abs/rel difference, ULP distance."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recorder import stats as stats_mod
+from recorder.store import layout
+
+_ORDERED_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+                torch.bfloat16: torch.int16}
+SHOWN_STATS = ("min", "max", "mean", "std", "nan", "inf")
+
+
+def stats_dict(values: Any) -> dict[str, float | None]:
+    """The statistics DESIGN.md's machine-readable output shows: min, max, mean, std, nan, inf
+    (None where a value is NaN, so that the JSON stays strict)."""
+    full = values if isinstance(values, dict) else dict(zip(layout.STAT_NAMES, (float(v) for v in values)))
+    out: dict[str, float | None] = {}
+    for key in SHOWN_STATS:
+        v = full.get(key)
+        v = None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+        out[key] = int(v) if key in ("nan", "inf") and v is not None else v
+    return out
+
+
+@dataclass
+class Diff:
+    """How one replayed tensor compares with its recording."""
+
+    name: str
+    role: str
+    match: bool  # bit for bit (NaN positions and signed zeros included)
+    max_abs_diff: float = 0.0
+    max_rel_diff: float = 0.0
+    max_ulp: int = 0
+    mismatched: int = 0  # elements whose bits differ
+    reason: str | None = None  # a shape, dtype or presence difference, when values cannot be compared
+    recorded: dict[str, Any] = field(default_factory=dict)
+    replayed: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        def clean(x: float) -> float | None:
+            return None if isinstance(x, float) and not math.isfinite(x) else x
+
+        return {"name": self.name, "role": self.role, "match": self.match, "max_abs_diff": clean(self.max_abs_diff),
+                "max_rel_diff": clean(self.max_rel_diff), "max_ulp": self.max_ulp, "mismatched": self.mismatched,
+                "reason": self.reason, "recorded": self.recorded, "replayed": self.replayed}
+
+    def summary(self) -> str:
+        if self.reason:
+            return f"{self.name}: {self.reason}"
+        if self.match:
+            return f"{self.name}: bitwise equal"
+        return (f"{self.name}: {self.mismatched} elements differ, max abs {self.max_abs_diff:.3g}, "
+                f"max rel {self.max_rel_diff:.3g}, {self.max_ulp} ULP")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8).reshape(-1)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.reshape(-1).view(width)
+
+
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """Floats mapped to integers whose order and distance count representable values (ULPs)."""
+    ints = t.contiguous().view(_ORDERED_INT[t.dtype]).to(torch.int64)
+    sign_min = -(1 << (8 * t.element_size() - 1))
+    return torch.where(ints < 0, sign_min - ints, ints)
+
+
+def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorded_stats: Any = None) -> Diff:
+    """Compare a replayed value with the recorded tensor (both moved to the CPU)."""
+    rec_stats = stats_dict(recorded_stats if recorded_stats is not None else stats_mod.host_stats(recorded))
+    if not isinstance(replayed, torch.Tensor):
+        return Diff(name, role, False, math.inf, math.inf, 0, reason=f"replay gave {type(replayed).__name__}, "
+                    "not a tensor", recorded=rec_stats)
+    replayed = replayed.detach().cpu()
+    recorded = recorded.detach().cpu()
+    rep_stats = stats_dict(stats_mod.host_stats(replayed))
+    diff = Diff(name, role, True, recorded=rec_stats, replayed=rep_stats)
+    if replayed.dtype != recorded.dtype or tuple(replayed.shape) != tuple(recorded.shape):
+        diff.match, diff.max_abs_diff, diff.max_rel_diff = False, math.inf, math.inf
+        diff.reason = (f"recorded {str(recorded.dtype).removeprefix('torch.')}{list(recorded.shape)}, replayed "
+                       f"{str(replayed.dtype).removeprefix('torch.')}{list(replayed.shape)}")
+        return diff
+    differ = _bits(recorded) != _bits(replayed)
+    diff.mismatched = int(differ.sum())
+    if recorded.is_complex():
+        diff.mismatched = int(differ.reshape(-1, 2).any(dim=1).sum())
+    diff.match = diff.mismatched == 0
+    if diff.match or recorded.numel() == 0:
+        return diff
+    a, b = recorded, replayed
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point():
+        a64, b64 = a.to(torch.float64), b.to(torch.float64)
+        both = torch.isfinite(a64) & torch.isfinite(b64)
+        gap = (a64 - b64).abs()
+        special_differs = bool(((~both) & (_bits(a).reshape(a.shape) != _bits(b).reshape(b.shape))).any())
+        diff.max_abs_diff = math.inf if special_differs else float(gap[both].max()) if both.any() else 0.0
+        rel = gap / a64.abs().clamp_min(torch.finfo(torch.float64).tiny)
+        diff.max_rel_diff = math.inf if special_differs else float(rel[both].max()) if both.any() else 0.0
+        if a.dtype in _ORDERED_INT:
+            ulp = (_ordered(a) - _ordered(b)).abs()
+            diff.max_ulp = int(ulp.max())
+        else:  # float8 and friends: count ULPs in the nearest supported format
+            diff.max_ulp = int((_ordered(a.to(torch.float32)) - _ordered(b.to(torch.float32))).abs().max())
+    else:
+        gap = (a.to(torch.int64) - b.to(torch.int64)).abs() if a.dtype != torch.uint64 else (a != b).to(torch.int64)
+        diff.max_abs_diff = float(gap.max())
+        diff.max_rel_diff = float((gap.to(torch.float64) / a.to(torch.float64).abs().clamp_min(1)).max())
+        diff.max_ulp = int(gap.max())
+    return diff

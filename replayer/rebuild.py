@@ -1,0 +1,179 @@
+"""Rebuilding a recorded step's module without live objects.
+
+From its skeleton (the default): the class is looked up, an instance is made with ``__new__`` and
+torch's own ``Module.__init__`` (never the user's ``__init__``), the recorded attributes are set and
+the submodules rebuilt the same way. A module whose skeleton names attributes that could not be
+recorded as data (a lambda, a closure over a submodule) is built by calling its constructor with
+the recorded constructor arguments instead. Either way the parameters and buffers are then loaded
+as they were at the step. ``Rebuilt.how`` says, per module path, which way each module was built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recorder import jsonval, snapshot
+from recorder.errors import ReplayError
+
+from .code import CodeLoader
+
+
+@dataclass
+class Rebuilt:
+    """A rebuilt module and how it was made."""
+
+    module: torch.nn.Module
+    how: dict[str, str] = field(default_factory=dict)  # relative path ("" the module) -> skeleton/constructor
+    warnings: list[str] = field(default_factory=list)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _unresolved(value: Any) -> str | None:
+    """What in a decoded value could not be brought back (an opaque value, a type not found)."""
+    if isinstance(value, jsonval.Opaque):
+        return f"{value.type} (not recordable)"
+    if isinstance(value, jsonval.Record):
+        return f"{value.type} (not importable)"
+    if isinstance(value, (jsonval.TensorMeta, jsonval.TensorRef)):
+        return "a tensor"
+    items: Any = ()
+    if isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    for item in items:
+        found = _unresolved(item)
+        if found:
+            return found
+    return None
+
+
+class Builder:
+    def __init__(self, loader: CodeLoader) -> None:
+        self.loader = loader
+
+    def module_class(self, ref: str) -> type:
+        cls = self.loader.resolve(ref)
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise ReplayError(f"{ref} is not an nn.Module class now; the recording's module cannot be rebuilt")
+        return cls
+
+    def build(self, doc: dict[str, Any], label: str) -> Rebuilt:
+        if not isinstance(doc, dict) or "class" not in doc:
+            raise ReplayError(f"the recording holds no description of module {label!r}; it cannot be rebuilt")
+        out = Rebuilt(torch.nn.Module())
+        if "attrs" not in doc:  # written before skeletons were recorded: the constructor is all there is
+            module = self._construct(doc, "", out)
+            if module is None:
+                raise ReplayError(f"module {label!r} ({doc['class']}) was recorded without a skeleton and without "
+                                  "constructor arguments; record it again to replay it")
+            out.module = module
+            return out
+        out.module = self._node(doc, "", out)
+        return out
+
+    def _node(self, doc: dict[str, Any], path: str, out: Rebuilt) -> torch.nn.Module:
+        where = path or "the step's module"
+        unrecorded = doc.get("unrecorded") or {}
+        if unrecorded:
+            names = ", ".join(f"{k} ({v})" for k, v in unrecorded.items())
+            module = self._construct(doc, path, out)
+            if module is not None:
+                return module
+            out.warnings.append(f"{where}: attributes {names} could not be recorded as data and the module was "
+                                "not built with known constructor arguments; rebuilt without them")
+        cls = self.module_class(doc["class"])
+        module = cls.__new__(cls)
+        torch.nn.Module.__init__(module)  # torch's bookkeeping only; the user's __init__ does not run
+        module.training = bool(doc.get("training", True))
+        for key, value in (doc.get("attrs") or {}).items():
+            decoded = jsonval.decode(value, resolve=self._resolve_type)
+            missing = _unresolved(decoded)
+            if missing:
+                out.warnings.append(f"{where}: attribute {key} holds {missing}; left as recorded data")
+            module.__dict__[key] = decoded
+        for name, spec in (doc.get("params") or {}).items():
+            module._parameters[name] = None if spec is None else _placeholder()
+        for name, spec in (doc.get("buffers") or {}).items():
+            module._buffers[name] = None if spec is None else torch.empty(0)
+            if spec is not None and not spec.get("persistent", True):
+                module._non_persistent_buffers_set.add(name)
+        for name, child in (doc.get("children") or {}).items():
+            module._modules[name] = None if child is None else self._node(child, _join(path, name), out)
+        out.how[path] = "skeleton"
+        return module
+
+    def _construct(self, doc: dict[str, Any], path: str, out: Rebuilt) -> torch.nn.Module | None:
+        init = doc.get("init")
+        where = path or "the step's module"
+        if not isinstance(init, dict):
+            return None
+        try:
+            cls = self.module_class(init.get("class") or doc["class"])
+            args = jsonval.decode(init.get("args", []), resolve=self._resolve_type)
+            kwargs = jsonval.decode(init.get("kwargs", {}), resolve=self._resolve_type)
+        except ReplayError as exc:
+            out.warnings.append(f"{where}: constructor arguments unusable ({exc})")
+            return None
+        missing = _unresolved([args, kwargs])
+        if missing:
+            out.warnings.append(f"{where}: its constructor was called with {missing}; cannot call it again")
+            return None
+        try:
+            with snapshot.applied_rng({}):  # its random initialisation must not move the caller's generators
+                module = cls(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the user's constructor refused: report, fall back
+            out.warnings.append(f"{where}: calling {cls.__qualname__}(...) with the recorded arguments failed "
+                                f"({type(exc).__name__}: {exc})")
+            return None
+        for name, _ in module.named_modules():
+            out.how[_join(path, name)] = "constructor"
+        return module
+
+    def _resolve_type(self, ref: str) -> Any:
+        return self.loader.resolve(ref)
+
+
+def _placeholder() -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def load_state(module: torch.nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+               requires_grad: dict[str, bool]) -> list[str]:
+    """Put recorded parameters and buffers into a rebuilt module (keeping Parameter objects, so that
+    code holding a reference to one sees the recorded value). Returns what was missing."""
+    problems = []
+    expected_params = dict(module.named_parameters(remove_duplicate=False))
+    for name, value in params.items():
+        owner, _, leaf = name.rpartition(".")
+        try:
+            sub = module.get_submodule(owner)
+        except AttributeError:
+            problems.append(f"recorded parameter {name} has no place in the rebuilt module")
+            continue
+        current = sub._parameters.get(leaf)
+        grad = requires_grad.get(name, True)
+        if isinstance(current, torch.nn.Parameter):
+            with torch.no_grad():
+                current.data = value
+            current.requires_grad_(grad)
+        else:
+            sub._parameters[leaf] = torch.nn.Parameter(value, requires_grad=grad)
+    for name, value in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        try:
+            sub = module.get_submodule(owner)
+        except AttributeError:
+            problems.append(f"recorded buffer {name} has no place in the rebuilt module")
+            continue
+        sub._buffers[leaf] = value
+    for name, p in expected_params.items():
+        if name not in params and p is not None and (p.device.type == "meta" or p.numel() == 0):
+            problems.append(f"parameter {name} was not recorded (tied to another parameter?)")
+    return problems

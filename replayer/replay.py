@@ -1,0 +1,384 @@
+"""``replayer.replay``: run one recorded step again, alone, and compare it with the recording.
+
+    res = replayer.replay(rec, "Eq. 2@iter=17#3")
+    res.match                      # every output bit for bit
+    res.diffs["output"].max_ulp    # how far off, where not
+    res.warnings                   # drift, settings that could not be applied, likely causes
+
+A forward step is rebuilt (its module from the recorded skeleton or constructor arguments, its
+function by import reference), given its recorded inputs, parameters and buffers, and called under
+its recorded RNG states and settings; the caller's own come back afterwards. A backward step runs
+its forward the same way and then ``torch.autograd.grad`` from the recorded grad outputs, and
+compares grad inputs and parameter grads. Replaying a step that encloses other steps also compares
+each inner step (``res.inner``, ``res.first_divergence``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recorder import capture, jsonval
+from recorder.errors import ReplayError
+from recorder.store.reader import TensorRecord
+
+from . import state
+from .code import CodeLoader
+from .compare import Diff, compare, stats_dict
+from .nested import InnerStep, InnerTap, descendants
+from .rebuild import Builder, load_state
+from .recording import Recording, Step
+
+
+@dataclass
+class ReplayResult:
+    """The outcome of replaying one step."""
+
+    step: Step
+    match: bool
+    outputs: list[Diff]  # forward: the outputs; backward: grad inputs and parameter grads
+    warnings: list[str] = field(default_factory=list)
+    environment_differences: list[str] = field(default_factory=list)
+    rebuilt: dict[str, str] = field(default_factory=dict)  # module path -> "skeleton" | "constructor"
+    inner: list[InnerStep] = field(default_factory=list)
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # the replayed tensors by name
+    exception: str | None = None  # what the replayed call raised, if it raised
+
+    @property
+    def diffs(self) -> dict[str, Diff]:
+        return {d.name: d for d in self.outputs}
+
+    @property
+    def first_divergence(self) -> InnerStep | None:
+        """The first inner step, in execution order, whose replay differs from its recording."""
+        return next((s for s in self.inner if not s.match), None)
+
+    def to_json(self) -> dict[str, Any]:
+        """DESIGN.md's ``pdbg replay --json`` object."""
+        first = self.first_divergence
+        return {"step": self.step.to_json(), "match": self.match,
+                "outputs": [d.to_json() for d in self.outputs], "warnings": self.warnings,
+                "environment_differences": self.environment_differences, "rebuilt": self.rebuilt,
+                "inner": [s.to_json() for s in self.inner],
+                "first_divergence": first.to_json() if first else None, "exception": self.exception}
+
+    def __repr__(self) -> str:
+        verdict = "match" if self.match else "MISMATCH"
+        return f"<ReplayResult step {self.step.index}: {verdict}, {len(self.outputs)} tensors>"
+
+
+class Replayer:
+    """Replays steps of one recording; keeps the code it loaded (a script is loaded once)."""
+
+    def __init__(self, rec: Recording, *, script: str | os.PathLike[str] | None = None) -> None:
+        self.rec = rec
+        self.loader = CodeLoader(rec.run_info, script)
+        self._env: list[str] | None = None
+
+    def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True) -> ReplayResult:
+        step = which if isinstance(which, Step) else self.rec.step(which)
+        backward = step.phase == "backward"
+        result = self._backward(step, threads) if backward else self._forward(step, threads, nested)
+        if self._env is None:
+            self._env = state.environment_differences(self.rec.run_info, step.settings)
+        result.environment_differences = list(self._env)
+        if threads is not None and step.settings.get("num_threads") not in (None, threads):
+            recorded = step.settings.get("num_threads")
+            result.warnings.append(f"threads: recorded {recorded}, replayed with {threads} (forced)")
+            if not result.match:
+                result.warnings.append(f"the thread count differs from the recording ({recorded} -> {threads}): a "
+                                       "likely cause of the difference (reductions split work by thread)")
+        result.warnings.extend(self.loader.notes)
+        self.loader.notes.clear()
+        return result
+
+    # -- preparing a call ------------------------------------------------------------------------
+    def _prepare(self, step: Step, warnings: list[str], rebuilt: dict[str, str]) -> _Call:
+        defn = step.definition
+        module_doc = step._doc("module")
+        records = step.records
+        for r in records:
+            if r.role in ("input", "param", "buffer") and not r.has_payload:
+                raise ReplayError(f"step {step.index} ({step.name}) kept statistics only for {r.role} {r.name} "
+                                  "(recorded in stats mode, or on an iteration --every skipped); it cannot be replayed")
+        tensors = {r.name: r for r in records if r.role == "input"}
+        leaves: dict[str, torch.Tensor] = {}
+
+        def tensor(name: str) -> torch.Tensor:
+            rec = tensors.get(name)
+            if rec is None:
+                raise ReplayError(f"step {step.index}: argument tensor {name!r} is missing from the recording")
+            leaf = _materialize(step, rec)
+            if rec.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
+                leaf.requires_grad_(True)
+            leaves[name] = leaf
+            return leaf.clone() if leaf.requires_grad else leaf  # in-place ops on it must not hit a leaf
+
+        arguments = step.arguments or {"args": [], "kwargs": {}}
+        decoded = jsonval.decode(arguments, tensor=tensor, resolve=self.loader.resolve)
+        missing = _find_unresolved(decoded)
+        if missing:
+            raise ReplayError(f"step {step.index} ({step.name}) was called with {missing}, which the recording "
+                              "could not keep as data; it cannot be replayed")
+        args, kwargs = decoded.get("args", []), decoded.get("kwargs", {})
+        if module_doc is not None:
+            built = Builder(self.loader).build(module_doc, step.module_path or step.name)
+            module = built.module
+            warnings.extend(built.warnings)
+            rebuilt.update({_join(step.module_path, k): v for k, v in built.how.items()})
+            params = {r.name: _materialize(step, r) for r in records if r.role == "param"}
+            buffers = {r.name: _materialize(step, r) for r in records if r.role == "buffer"}
+            devices = {t.device for t in (*params.values(), *buffers.values())}
+            if "constructor" in built.how.values() and len(devices) == 1:
+                module.to(next(iter(devices)))
+            warnings.extend(load_state(module, params, buffers, {r.name: r.requires_grad for r in records
+                                                                 if r.role == "param"}))
+            target = self._code_target(defn, module)
+            fn: Any = module
+        else:
+            module = None
+            target = self.loader.resolve(defn.get("ref", ""))
+            fn = getattr(target, "__wrapped__", target)  # the undecorated function: the step itself is not re-recorded
+            if not callable(fn):
+                raise ReplayError(f"{defn.get('ref')} is not callable now; step {step.index} cannot be replayed")
+        drift = self.loader.drift(defn, target)
+        if drift:
+            warnings.append(drift)
+        return _Call(step, fn, module, list(args), dict(kwargs), leaves)
+
+    def _code_target(self, defn: dict[str, Any], module: torch.nn.Module) -> Any:
+        try:
+            return self.loader.resolve(defn["ref"]) if defn.get("ref") else type(module)
+        except ReplayError:
+            return type(module)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _forward(self, step: Step, threads: int | None, nested: bool) -> ReplayResult:
+        warnings: list[str] = []
+        rebuilt: dict[str, str] = {}
+        call = self._prepare(step, warnings, rebuilt)
+        inner = descendants(step) if nested else []
+        tap = InnerTap(call.module, step.module_path, inner) if inner else None
+        settings = step.settings
+        out, raised = None, None
+        with state.applied(settings, step.rng, threads=threads, notes=warnings), state.per_call(settings):
+            saved, capture.ACTIVE = capture.ACTIVE, tap
+            try:
+                out = call.run()
+            except Exception as exc:  # noqa: BLE001 - compared with what the recording says
+                raised = exc
+            finally:
+                capture.ACTIVE = saved
+                if tap is not None:
+                    tap.close()
+        result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
+        recorded_exc = step.extra.get("exception")
+        if raised is not None or recorded_exc:
+            return _exception_result(result, raised, recorded_exc)
+        values = _flatten(out, "output")
+        result.values = values
+        result.outputs = _compare_all(step, [r for r in step.records if r.role == "output"], values)
+        doc_now = jsonval.encode(out, tensor_name=lambda t, p: f"output.{p}" if p else "output")
+        if doc_now != step.output_structure:
+            result.outputs.append(Diff("output structure", "output", False, reason="the non-tensor parts of the "
+                                       "output differ from the recording"))
+        if tap is not None:
+            result.inner = tap.compare()
+        result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
+        return result
+
+    # -- backward --------------------------------------------------------------------------------
+    def _backward(self, step: Step, threads: int | None) -> ReplayResult:
+        if step.forward is None:
+            raise ReplayError(f"backward step {step.index} does not name its forward call; it cannot be replayed")
+        fwd = self.rec.step(step.forward)
+        warnings: list[str] = []
+        rebuilt: dict[str, str] = {}
+        call = self._prepare(fwd, warnings, rebuilt)
+        grad_outputs = {r.name: r for r in step.records if r.role == "grad_output"}
+        wanted = [r for r in step.records if r.role in ("grad_input", "param_grad")]
+        for r in [*grad_outputs.values(), *wanted]:
+            if not r.has_payload:
+                raise ReplayError(f"backward step {step.index} kept statistics only for {r.role} {r.name}; it "
+                                  "cannot be replayed")
+        result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
+        with state.applied(fwd.settings, fwd.rng, threads=threads, notes=warnings), \
+                state.per_call(fwd.settings, grad=True):
+            saved, capture.ACTIVE = capture.ACTIVE, None
+            try:
+                out = call.run()
+            finally:
+                capture.ACTIVE = saved
+        outs = _flatten(out, "output")
+        pairs = [(outs[n], _materialize(step, r)) for n, r in grad_outputs.items() if n in outs]
+        lost = sorted(set(grad_outputs) - set(outs))
+        if lost:
+            warnings.append(f"outputs {', '.join(lost)} had grad outputs recorded but the replay did not produce them")
+        params = dict(call.module.named_parameters()) if call.module is not None else {}
+        targets: list[torch.Tensor] = []
+        for r in wanted:
+            source = call.leaves.get(r.name) if r.role == "grad_input" else params.get(r.name)
+            if source is None or not source.requires_grad:
+                raise ReplayError(f"backward step {step.index}: {r.role} {r.name} has no tensor requiring grad in "
+                                  "the replayed forward")
+            targets.append(source)
+        grads: tuple[Any, ...] = ()
+        if pairs and targets:
+            with state.applied(step.settings, step.rng, threads=threads, notes=warnings):
+                grads = torch.autograd.grad([o for o, _ in pairs], targets, grad_outputs=[g for _, g in pairs],
+                                            allow_unused=True)
+        values = {r.name if r.role == "grad_input" else f"param_grad:{r.name}": g for r, g in zip(wanted, grads)}
+        result.values = values
+        result.outputs = [_compare_one(step, r, g) for r, g in zip(wanted, grads)]
+        result.match = all(d.match for d in result.outputs)
+        return result
+
+
+@dataclass
+class _Call:
+    step: Step
+    fn: Any
+    module: torch.nn.Module | None
+    args: list[Any]
+    kwargs: dict[str, Any]
+    leaves: dict[str, torch.Tensor]
+
+    def run(self) -> Any:
+        return self.fn(*self.args, **self.kwargs)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else (prefix or name)
+
+
+def _find_unresolved(value: Any) -> str | None:
+    if isinstance(value, jsonval.Opaque):
+        return f"a {value.type} ({value.repr})"
+    if isinstance(value, jsonval.Record):
+        return f"a {value.type} that cannot be imported now"
+    if isinstance(value, jsonval.TensorMeta):
+        return "a tensor whose data was not kept"
+    items: Any = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    for item in items:
+        found = _find_unresolved(item)
+        if found:
+            return found
+    return None
+
+
+def _materialize(step: Step, rec: TensorRecord) -> torch.Tensor:
+    """A recorded tensor as it was: its strides and device (CPU stand-in where the device is missing)."""
+    value = step.rec.rank.tensor(rec)
+    if rec.stride and tuple(rec.stride) != tuple(value.stride()) and value.numel() > 1:
+        value = _with_strides(value, tuple(rec.stride))
+    device = torch.device(rec.device)
+    if device.type != "cpu":
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ReplayError(f"step {rec.step} was recorded on {rec.device}, and this machine has no GPU; replay it "
+                              "on a machine with one")
+        value = value.to(device)
+    return value
+
+
+def _with_strides(value: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    shape = tuple(value.shape)
+    if any(s == 0 for s, n in zip(stride, shape) if n > 1):  # expanded: rebuild from the unexpanded base
+        index = tuple(slice(0, 1) if s == 0 else slice(None) for s in stride)
+        return value[index].contiguous().expand(shape)
+    dims = sorted((s, n) for s, n in zip(stride, shape) if n > 1)
+    needed = 1
+    for s, n in dims:  # non-overlapping and dense: a permutation of a contiguous layout
+        if s != needed:
+            return value
+        needed *= n
+    out = torch.empty_strided(shape, stride, dtype=value.dtype)
+    out.copy_(value)
+    return out
+
+
+def _flatten(value: Any, prefix: str) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+
+    def name(t: torch.Tensor, path: str) -> str:
+        full = f"{prefix}.{path}" if path else prefix
+        found[full] = t
+        return full
+
+    jsonval.encode(value, tensor_name=name)
+    return found
+
+
+def _compare_one(step: Step, rec: TensorRecord, value: Any) -> Diff:
+    if value is None:
+        return Diff(rec.name, rec.role, False, reason="recorded a gradient, the replay produced none",
+                    recorded=stats_dict(rec.stats))
+    if not rec.has_payload:
+        now = stats_dict(_host_stats(value))
+        same = now == stats_dict(rec.stats)
+        return Diff(rec.name, rec.role, same, reason="compared by statistics only (no payload recorded)",
+                    recorded=stats_dict(rec.stats), replayed=now)
+    return compare(rec.name, rec.role, step.rec.rank.tensor(rec), value, rec.stats)
+
+
+def _host_stats(value: torch.Tensor) -> tuple[float, ...]:
+    from recorder import stats as stats_mod
+
+    return stats_mod.host_stats(value.detach().cpu())
+
+
+def _compare_all(step: Step, records: list[TensorRecord], values: dict[str, torch.Tensor]) -> list[Diff]:
+    diffs = [_compare_one(step, r, values.get(r.name)) if r.name in values else
+             Diff(r.name, r.role, False, reason="recorded, but the replay did not produce it",
+                  recorded=stats_dict(r.stats)) for r in records]
+    recorded = {r.name for r in records}
+    for name in values:
+        if name not in recorded:
+            diffs.append(Diff(name, "output", False, reason="produced by the replay, not in the recording"))
+    return diffs
+
+
+def _exception_result(result: ReplayResult, raised: BaseException | None, recorded: Any) -> ReplayResult:
+    recorded_type = recorded.get("type") if isinstance(recorded, dict) else None
+    if raised is not None:
+        result.exception = f"{type(raised).__name__}: {raised}"
+    if recorded_type and raised is not None:
+        same = jsonval.type_ref(type(raised)) == recorded_type
+        result.match = same
+        result.outputs = [Diff("exception", "output", same, reason=f"recorded {recorded_type}, replay raised "
+                               f"{jsonval.type_ref(type(raised))}")]
+    elif recorded_type:
+        result.match = False
+        result.outputs = [Diff("exception", "output", False, reason=f"recorded {recorded_type}; the replay "
+                               "returned normally")]
+    else:
+        result.match = False
+        result.outputs = [Diff("exception", "output", False, reason=f"the replay raised {result.exception}; the "
+                               "recorded call returned normally")]
+    return result
+
+
+def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step, *, threads: int | None = None,
+           script: str | os.PathLike[str] | None = None, nested: bool = True) -> ReplayResult:
+    """Replay one recorded step and compare it with the recording.
+
+    Args:
+        rec: a Recording (``replayer.open``) or its path.
+        step: an index, a selector (``"Eq. 2@iter=17#3"``, ``"h.1.mlp@iter=5:backward"``) or a Step.
+        threads: force this intra-op thread count instead of the recorded one.
+        script: where the training script that ran as ``__main__`` is now, if it moved.
+        nested: also compare every step the replayed step encloses (forward steps).
+
+    Raises ReplayError (with a one-line reason) when the step cannot be replayed, StepNotFoundError
+    when ``step`` names nothing.
+    """
+    if not isinstance(rec, Recording):
+        from .recording import open as open_recording
+
+        rec = open_recording(rec)
+    return Replayer(rec, script=script).replay(step, threads=threads, nested=nested)
+
+
+__all__ = ["ReplayResult", "Replayer", "replay"]

@@ -1,0 +1,162 @@
+"""The numerics a step ran under, put back for a replay and taken away afterwards; and what about
+this machine differs from the one that recorded.
+
+``applied(step_settings, rng)`` is a context manager: it applies the recorded generator states,
+determinism and precision flags, default dtype and thread count, and restores the caller's own in
+``finally``. Only settings that differ from the caller's are touched. What cannot be changed inside
+a running process (CPU capability, inter-op threads, environment variables read at start-up) is
+reported instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from recorder import snapshot
+from recorder.payload import dtype_from_name
+
+# setting -> (setter from the recorded value, getter of the current value as the recorder stores it)
+Setter = Callable[[Any], None]
+
+
+def _setters() -> dict[str, Setter]:
+    b = torch.backends
+
+    def det(value: bool) -> None:
+        torch.use_deterministic_algorithms(value, warn_only=torch.is_deterministic_algorithms_warn_only_enabled())
+
+    def warn_only(value: bool) -> None:
+        torch.use_deterministic_algorithms(torch.are_deterministic_algorithms_enabled(), warn_only=value)
+
+    def attr(obj: Any, name: str) -> Setter:
+        return lambda value: setattr(obj, name, value)
+
+    return {
+        "deterministic_algorithms": det,
+        "deterministic_warn_only": warn_only,
+        "cudnn_enabled": attr(b.cudnn, "enabled"),
+        "cudnn_deterministic": attr(b.cudnn, "deterministic"),
+        "cudnn_benchmark": attr(b.cudnn, "benchmark"),
+        "cudnn_allow_tf32": attr(b.cudnn, "allow_tf32"),
+        "cuda_matmul_allow_tf32": attr(b.cuda.matmul, "allow_tf32"),
+        "cuda_matmul_fp16_reduced_precision": attr(b.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+        "cuda_matmul_bf16_reduced_precision": attr(b.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
+        "float32_matmul_precision": torch.set_float32_matmul_precision,
+        "default_dtype": lambda value: torch.set_default_dtype(dtype_from_name(value)),
+        "num_threads": torch.set_num_threads,
+        "sdp_flash": b.cuda.enable_flash_sdp,
+        "sdp_mem_efficient": b.cuda.enable_mem_efficient_sdp,
+        "sdp_math": b.cuda.enable_math_sdp,
+        "sdp_cudnn": getattr(b.cuda, "enable_cudnn_sdp", lambda value: None),
+    }
+
+
+# Settings set per call rather than globally (grad mode, autocast) and ones a process cannot change.
+_PER_CALL = ("grad_enabled", "inference_mode", "autocast_cpu", "autocast_cpu_dtype", "autocast_cuda",
+             "autocast_cuda_dtype")
+_FIXED = ("num_interop_threads", "cpu_capability")
+_PRECISION_API = ("fp32_precision", "cuda_matmul_fp32_precision", "cudnn_fp32_precision", "mkldnn_fp32_precision")
+
+
+@contextlib.contextmanager
+def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | None = None,
+            notes: list[str] | None = None) -> Iterator[None]:
+    """Run a block under recorded settings and RNG states; the caller's come back afterwards.
+
+    Args:
+        settings: the step's settings snapshot (``Step.settings``).
+        rng: decoded generator states (``Step.rng``).
+        threads: force this intra-op thread count instead of the recorded one.
+        notes: receives one line per setting that could not be applied.
+    """
+    notes = notes if notes is not None else []
+    wanted = dict(settings)
+    if threads is not None:
+        wanted["num_threads"] = threads
+    now = snapshot.settings()
+    undo: list[tuple[Setter, Any]] = []
+    setters = _setters()
+    try:
+        for name, setter in setters.items():
+            value = wanted.get(name)
+            if value is None or now.get(name) == value or now.get(name) is None:
+                continue
+            try:
+                setter(value)
+                undo.append((setter, now[name]))
+            except Exception as exc:  # noqa: BLE001 - a backend this build lacks: say so
+                notes.append(f"setting {name}={value!r} could not be applied ({type(exc).__name__}: {exc})")
+        for name in _PRECISION_API:  # the new precision API only where the legacy flags did not already agree
+            value, current = wanted.get(name), snapshot.settings().get(name)
+            if value is not None and current is not None and value != current:
+                notes.append(f"setting {name} was {value!r} when recorded and is {current!r} now")
+        for name in _FIXED:
+            value = wanted.get(name)
+            if value is not None and now.get(name) is not None and now.get(name) != value:
+                notes.append(f"{name} was {value!r} when recorded and is {now.get(name)!r} here; it cannot be "
+                             "changed in a running process" + (" (set ATEN_CPU_CAPABILITY before starting)"
+                                                               if name == "cpu_capability" else ""))
+        with snapshot.applied_rng(rng):
+            yield
+    finally:
+        for setter, value in reversed(undo):
+            with contextlib.suppress(Exception):  # restore as much as possible
+                setter(value)
+
+
+@contextlib.contextmanager
+def per_call(settings: dict[str, Any], *, grad: bool | None = None) -> Iterator[None]:
+    """Grad mode and autocast as they were around the recorded call (``grad`` overrides grad mode)."""
+    enabled = settings.get("grad_enabled", True) if grad is None else grad
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(bool(enabled)))
+        if settings.get("inference_mode") and grad is None:
+            stack.enter_context(torch.inference_mode())
+        for device in ("cpu", "cuda"):
+            if settings.get(f"autocast_{device}"):
+                dtype = settings.get(f"autocast_{device}_dtype")
+                stack.enter_context(torch.autocast(device, dtype=dtype_from_name(dtype) if dtype else None))
+        yield
+
+
+def environment_differences(run_info: dict[str, Any], settings: dict[str, Any] | None = None) -> list[str]:
+    """Every difference between the recording machine and this one that can change numerics."""
+    out = []
+    now_settings = snapshot.settings()
+    pairs = [("torch version", run_info.get("torch"), torch.__version__),
+             ("numpy version", run_info.get("numpy"), __import__("numpy").__version__),
+             ("python version", run_info.get("python"), __import__("platform").python_version()),
+             ("machine", run_info.get("machine"), __import__("platform").machine()),
+             ("CPU capability", run_info.get("cpu_capability"), now_settings.get("cpu_capability"))]
+    for what, then, now in pairs:
+        if then is not None and then != now:
+            out.append(f"{what}: recorded {then}, here {now}")
+    cuda_then = run_info.get("cuda") or []
+    cuda_now = []
+    if torch.cuda.is_available():
+        cuda_now = [{"name": torch.cuda.get_device_name(i),
+                     "sm_count": torch.cuda.get_device_properties(i).multi_processor_count}
+                    for i in range(torch.cuda.device_count())]
+    if cuda_then and not cuda_now:
+        out.append(f"GPU: recorded on {cuda_then[0]['name']}, this machine has none")
+    for i, (then, now) in enumerate(zip(cuda_then, cuda_now)):
+        if then.get("name") != now["name"] or then.get("sm_count") != now["sm_count"]:
+            out.append(f"GPU {i}: recorded {then.get('name')} ({then.get('sm_count')} SMs), here {now['name']} "
+                       f"({now['sm_count']} SMs)")
+    if settings:
+        for name in ("num_threads", "num_interop_threads"):
+            then, now = settings.get(name), now_settings.get(name)
+            if then is not None and now is not None and then != now:
+                out.append(f"{name}: recorded {then}, here {now} (replay sets intra-op threads as recorded)"
+                           if name == "num_threads" else f"{name}: recorded {then}, here {now}")
+        for key in ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG",
+                    "NVIDIA_TF32_OVERRIDE"):
+            then, now = (settings.get("env") or {}).get(key), os.environ.get(key)
+            if then != now:
+                out.append(f"environment variable {key}: recorded {then!r}, here {now!r}")
+    return out
