@@ -91,7 +91,7 @@ class Session:
         self.modules = modstack.ModuleStack(model)
         self.iteration = 0
         self.next_index = 0
-        self.calls: dict[tuple[str, str], int] = {}
+        self.calls: dict[str, int] = {}  # forward calls of each step name in this iteration
         self.seen: set[tuple[int, int, int]] = set()  # content keys whose bytes went to the writer
         self.enabled = True
         self.closed = False  # set by close(): callbacks of graphs that outlive the recording do nothing
@@ -279,10 +279,9 @@ class Session:
         try:
             stack = self._stack()
             path = self.modules.path_of(module) if module is not None else self.modules.enclosing_path()
-            with self.lock:
-                key = (defn.name, path)
-                call = self.calls.get(key, 0)
-                self.calls[key] = call + 1
+            with self.lock:  # "Eq. 2@iter=17#3": the fourth call of that step in the iteration, wherever it ran
+                call = self.calls.get(defn.name, 0)
+                self.calls[defn.name] = call + 1
             frame = Frame(index=self._new_index(), phase=0, defn=defn, module=module, path=path, call=call,
                           parent=stack[-1].index if stack else layout.NO_REF, iteration=self.iteration,
                           t_start=time.perf_counter() - self.t0, payloads=self._payloads_now())

@@ -129,14 +129,22 @@ class CodeLoader:
                 raise ReplayError("the step's code was defined in __main__, but the recording names no script "
                                   "(an interactive session?); pass the file that defines it with --script")
             self._main, note = script_module(self.script)
-            self.notes.append(f"{self.script}: {note}")
+            if "no if __name__" in note:  # worth a warning: top-level statements were skipped
+                self.notes.append(f"{self.script}: {note}")
         return self._main
 
-    def module(self, name: str) -> types.ModuleType:
+    def module(self, name: str, file: str | None = None) -> types.ModuleType:
+        """Import a module; ``file`` (where it was when recorded) adds the directory it was imported from."""
         if name == "__main__":
             return self.main()
+        dirs = list(self.dirs)
+        if file:
+            root = Path(file).parent
+            for _ in range(name.count(".") + (Path(file).name == "__init__.py")):
+                root = root.parent
+            dirs.append(str(root))
         try:
-            with extra_path(self.dirs):
+            with extra_path(dirs):
                 return importlib.import_module(name)
         except ImportError as exc:
             raise ReplayError(f"cannot import {name!r}, which the recording needs ({exc}); install it or run "
@@ -144,15 +152,16 @@ class CodeLoader:
         except Exception as exc:
             raise ReplayError(f"importing {name!r} failed: {type(exc).__name__}: {exc}") from None
 
-    def resolve(self, ref: str) -> Any:
-        """The object a reference names (a class, or a function as decorated in the user's code)."""
+    def resolve(self, ref: str, file: str | None = None) -> Any:
+        """The object a reference names (a class, or a function as decorated in the user's code);
+        ``file``: the source file it was defined in when recorded, if known."""
         module_name, sep, qualname = ref.partition(":")
         if not sep or not module_name or not qualname:
             raise ReplayError(f"malformed code reference {ref!r} in the recording")
         if "<locals>" in qualname or "<lambda>" in qualname:
             raise ReplayError(f"{qualname} (in {module_name}) was defined inside a function, so it cannot be "
                               "found again; define it at module level to replay it")
-        obj: Any = self.module(module_name)
+        obj: Any = self.module(module_name, file)
         for part in qualname.split("."):
             try:
                 obj = getattr(obj, part)

@@ -125,6 +125,7 @@ class Replayer:
                               "could not keep as data; it cannot be replayed")
         args, kwargs = decoded.get("args", []), decoded.get("kwargs", {})
         if module_doc is not None:
+            target = self._code_target(defn)  # first: importing it (from where it was) serves the skeleton too
             built = Builder(self.loader).build(module_doc, step.module_path or step.name)
             module = built.module
             warnings.extend(built.warnings)
@@ -136,11 +137,11 @@ class Replayer:
                 module.to(next(iter(devices)))
             warnings.extend(load_state(module, params, buffers, {r.name: r.requires_grad for r in records
                                                                  if r.role == "param"}))
-            target = self._code_target(defn, module)
+            target = target if target is not None else type(module)
             fn: Any = module
         else:
             module = None
-            target = self.loader.resolve(defn.get("ref", ""))
+            target = self.loader.resolve(defn.get("ref", ""), defn.get("file"))
             fn = getattr(target, "__wrapped__", target)  # the undecorated function: the step itself is not re-recorded
             if not callable(fn):
                 raise ReplayError(f"{defn.get('ref')} is not callable now; step {step.index} cannot be replayed")
@@ -149,11 +150,27 @@ class Replayer:
             warnings.append(drift)
         return _Call(step, fn, module, list(args), dict(kwargs), leaves)
 
-    def _code_target(self, defn: dict[str, Any], module: torch.nn.Module) -> Any:
+    def _inner_drift(self, result: ReplayResult) -> None:
+        """Drift of the inner steps' code: an inner step that diverges is often one whose code changed."""
+        seen: set[str] = set()
+        for inner in result.inner:
+            defn = inner.step.definition
+            ref = defn.get("ref")
+            if not ref or ref in seen or ref == result.step.definition.get("ref"):
+                continue
+            seen.add(ref)
+            try:
+                drift = self.loader.drift(defn, self.loader.resolve(ref, defn.get("file")))
+            except ReplayError as exc:
+                drift = f"code of inner step {defn.get('name')} cannot be found now ({exc})"
+            if drift:
+                result.warnings.append(drift)
+
+    def _code_target(self, defn: dict[str, Any]) -> Any:
         try:
-            return self.loader.resolve(defn["ref"]) if defn.get("ref") else type(module)
+            return self.loader.resolve(defn["ref"], defn.get("file")) if defn.get("ref") else None
         except ReplayError:
-            return type(module)
+            return None  # the skeleton's class reference is tried next, and its error is the one shown
 
     # -- forward ---------------------------------------------------------------------------------
     def _forward(self, step: Step, threads: int | None, nested: bool) -> ReplayResult:
@@ -187,6 +204,7 @@ class Replayer:
                                        "output differ from the recording"))
         if tap is not None:
             result.inner = tap.compare()
+            self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
         return result
 

@@ -7,12 +7,13 @@ Errors are one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from recorder.errors import PdbgError
 
-from . import cmd_record
+from . import cmd_record, cmd_replay
 
 
 def _version() -> str:
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pdbg {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     cmd_record.add_parser(sub)
+    cmd_replay.add_parsers(sub)
     return parser
 
 
@@ -43,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except PdbgError as exc:
         print(f"pdbg: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # `pdbg ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ class TestBreakpoints:
         """action='stop' flushes and raises BreakpointStop at the first iteration where it holds."""
         recorder.breakpoint("1", lambda step: step.stats["output"]["absmax"] > 100, "stop")
         with pytest.raises(recorder.BreakpointStop, match=r"^breakpoint '1' at Linear at 1 forward, iteration 1, "
-                                                           r"call 0$"), \
+                                                           r"call 1$"), \
                 recorder.record(run_path, modules="*") as run:
             train_scaled(identity_blocks(), run)
         got = [(s[2], s[1]) for s in statuses(run_path)]

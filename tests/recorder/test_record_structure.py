@@ -49,9 +49,11 @@ class TestOrderAndLinks:
             fwd = [s for s in steps if s["iteration"] == it and s["phase"] == 0]
             assert [(s["name"], s["path"]) for s in fwd] == [(n, p) for n, p, _ in FORWARD_ORDER]
             by_path = {s["path"]: s for s in fwd if s["name"] == "Block"}
+            counts: dict[str, int] = {}
             for s, (_, _, parent) in zip(fwd, FORWARD_ORDER):
                 assert s["parent"] == (by_path[parent]["index"] if parent else -1)
-                assert s["call"] == 0
+                assert s["call"] == counts.get(s["name"], 0)  # calls of that step so far in the iteration
+                counts[s["name"]] = s["call"] + 1
 
     def test_every_backward_linked_to_its_forward(self, recorded):
         """Each forward call has exactly one backward step, same name/path/call/iteration, after it."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -16,27 +14,9 @@ from recorder.autohooks import glob_matches, parse_globs
 from recorder.errors import RecordingError
 from recorder.store import layout
 from recorder.store.reader import RunReader
+from tests.cli import SCRIPTS, pdbg, python
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "plain_train.py"
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def pdbg(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tui.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, check=False, env=_env())
-
-
-def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          check=False, env=_env())
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+SCRIPT = SCRIPTS / "plain_train.py"
 
 
 def user_frames(stderr: str) -> list[str]:

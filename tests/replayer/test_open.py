@@ -45,9 +45,11 @@ class TestStepTable:
     def test_selectors(self, recorded):
         """NAME[@iter=K][#CALL][:backward] by step name, paper label and module path."""
         rec, _ = recorded
-        both = rec.steps.select("smooth_relu@iter=1#0")  # call counts per step name and module path
-        assert [(s.name, s.iteration, s.call, s.phase, s.module_path) for s in both] == \
-            [("smooth_relu", 1, 0, "forward", "h.0.mlp"), ("smooth_relu", 1, 0, "forward", "h.1.mlp")]
+        second = rec.steps.select("smooth_relu@iter=1#1")  # the step's second call in the iteration, wherever
+        assert [(s.name, s.iteration, s.call, s.phase, s.module_path) for s in second] == \
+            [("smooth_relu", 1, 1, "forward", "h.1.mlp")]
+        both = rec.steps.select("smooth_relu@iter=1")
+        assert [(s.call, s.module_path) for s in both] == [(0, "h.0.mlp"), (1, "h.1.mlp")]
         assert rec.step("smooth_relu@iter=1").index == both[0].index  # the first match
         assert rec.step('Eq. 2@iter=2').module_path == "h.0.mlp"
         back = rec.step("h.1.attn@iter=0:backward")
@@ -104,7 +106,7 @@ class TestStep:
         rec, _ = recorded
         obj = rec.step("h.1.attn@iter=2:backward").to_json()
         assert obj == {"index": obj["index"], "rank": 0, "name": "Attention", "phase": "backward", "iteration": 2,
-                       "call": 0, "module_path": "h.1.attn",
+                       "call": 1, "module_path": "h.1.attn",
                        "paper": {"label": "Eq. 1", "algorithm": "Algorithm 1", "step": 3, "equation": None,
                                  "description": "causal self-attention"}, "status": obj["status"]}
         assert obj["status"] in ("ok", "alert")

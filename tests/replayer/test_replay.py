@@ -1,0 +1,253 @@
+"""Replay: every step of a recorded GPT-like run again, alone, bit for bit, forward and backward;
+the caller's RNG and settings untouched; modules rebuilt without their ``__init__``; code drift,
+thread counts and bad input reported."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import replayer
+from recorder import snapshot
+from recorder.errors import ReplayError, StepNotFoundError
+from replayer.rebuild import Builder
+from replayer.replay import Replayer
+from tests.cli import SCRIPTS, pdbg
+from tests.models import record_training
+
+ITERATIONS = 3
+STEPS_PER_PASS = 7  # per iteration: 2 x (Block, Attention, smooth_relu) + Mixer, forward and again backward
+
+
+def record_gpt(where: Path, iterations: int = ITERATIONS) -> Path:
+    """`pdbg record --modules mixer` of a private copy of tests/scripts/gpt_train.py; returns the run."""
+    script = where / "gpt_train.py"
+    shutil.copy(SCRIPTS / "gpt_train.py", script)
+    res = pdbg("record", "-o", "run.zarr", "--modules", "mixer", "--", str(script), str(iterations), cwd=where)
+    assert res.returncode == 0, res.stderr
+    return where / "run.zarr"
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return record_gpt(tmp_path_factory.mktemp("gpt"))
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8))
+
+
+def test_verify_in_a_fresh_process_replays_every_step_bitwise(gpt_run: Path, tmp_path: Path) -> None:
+    """`pdbg verify` from another directory: every forward and backward step matches bit for bit,
+    and loading the script's code did not run its training."""
+    res = pdbg("verify", str(gpt_run), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "TRAINED" not in res.stdout
+    doc = json.loads(res.stdout)
+    total = 2 * STEPS_PER_PASS * ITERATIONS
+    assert doc == {"replayed": total, "matched": total, "mismatches": []}
+    phases = replayer.open(gpt_run).steps.column("phase")
+    assert (phases == 0).sum() == (phases == 1).sum() == STEPS_PER_PASS * ITERATIONS
+
+
+def test_forward_replay_gives_the_recorded_bits_and_checks_inner_steps(gpt_run: Path) -> None:
+    rec = replayer.open(gpt_run)
+    step = rec.step("Block@iter=1#1")
+    res = replayer.replay(rec, step)
+    assert res.match and [d.name for d in res.outputs] == ["output"]
+    assert res.diffs["output"].max_ulp == 0 and res.diffs["output"].mismatched == 0
+    assert bits_equal(res.values["output"], step.tensor("output"))
+    assert [(s.step.name, s.step.module_path, s.match) for s in res.inner] == [
+        ("Attention", "blocks.1.attn", True), ("smooth_relu", "blocks.1", True)]
+    assert res.first_divergence is None and res.warnings == [] and res.environment_differences == []
+
+
+def test_backward_replay_recomputes_grad_inputs_and_parameter_grads(gpt_run: Path) -> None:
+    rec = replayer.open(gpt_run)
+    step = rec.step("Block@iter=2#0:backward")
+    res = replayer.replay(rec, step)
+    names = {d.name: d.role for d in res.outputs}
+    assert names["args.0"] == "grad_input" and names["ln1.weight"] == "param_grad"
+    params = {r.name for r in rec.step(step.forward).tensors("param")}
+    assert len(params) == 13 and set(names) == {"args.0", *params}  # the input, and every parameter
+    assert res.match and all(d.match and d.max_ulp == 0 for d in res.outputs)
+    assert bits_equal(res.values["param_grad:ln1.weight"], step.tensor("ln1.weight", role="param_grad"))
+
+
+def test_modules_are_rebuilt_without_their_init_or_through_their_constructor(gpt_run: Path) -> None:
+    """Attention (config dataclass), Gate (ints, floats, a tuple, a flag) and Block come back from
+    their skeletons, their __init__ never called; Mixer (self.f = lambda ...; a plain config class,
+    recorded by pdbg record) is rebuilt by calling its constructor, and says so."""
+    rec = replayer.open(gpt_run)
+    rep = Replayer(rec)
+    block = rec.step("Block@iter=0#0")
+    res = rep.replay(block)
+    assert res.match and set(res.rebuilt.values()) == {"skeleton"} and "blocks.0.gate" in res.rebuilt
+    main = rep.loader.main()
+    assert main.INIT_CALLS == {"Attention": 0, "Gate": 0, "Block": 0, "Mixer": 0}
+    module = Builder(rep.loader).build(block._doc("module"), "blocks.0").module
+    assert type(module.attn.cfg) is main.GPTConfig and module.attn.cfg == main.GPTConfig()
+    gate = module.gate
+    assert (gate.width, gate.eps, gate.shape, gate.use_bias) == (16, 1e-5, (1, 1, 16), True)
+    assert type(gate.shape) is tuple and module.training and module.drop.p == 0.1
+
+    mixer = rep.replay("mixer@iter=1")
+    assert mixer.match and mixer.rebuilt == {"mixer": "constructor", "mixer.sub": "constructor"}
+    assert main.INIT_CALLS["Mixer"] == 1  # built once, by its constructor, from the recorded config
+    backward = rep.replay("mixer@iter=1:backward")
+    assert backward.match and {d.name for d in backward.outputs} == {"args.0", "sub.weight", "sub.bias"}
+
+
+def test_replay_leaves_the_callers_rng_and_settings_alone(gpt_run: Path) -> None:
+    """The caller runs 1 thread with deterministic algorithms and its own seeds; replays (dropout,
+    2 recorded threads, backward) match bitwise and leave every state as the caller had it."""
+    rec = replayer.open(gpt_run)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.manual_seed(123)
+        np.random.seed(5)
+        random.seed(7)
+        before = (torch.get_rng_state().clone(), np.random.get_state(), random.getstate(), snapshot.settings())
+        for selector in ("Attention@iter=1#0", "Block@iter=1#1:backward", "mixer@iter=2"):
+            assert replayer.replay(rec, selector).match, selector
+        after = (torch.get_rng_state(), np.random.get_state(), random.getstate(), snapshot.settings())
+        assert torch.equal(before[0], after[0])
+        assert before[1][0] == after[1][0] and np.array_equal(before[1][1], after[1][1])
+        assert before[1][2:] == after[1][2:]
+        assert before[2] == after[2] and before[3] == after[3]
+        assert torch.get_num_threads() == 1 and torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)
+
+
+def test_forcing_another_thread_count_is_reported_as_a_likely_cause(gpt_run: Path, tmp_path: Path) -> None:
+    """LayerNorm's parameter grads depend on the thread count: with --threads 1 the block's backward
+    differs, and the report names the forced setting and the likely cause."""
+    res = pdbg("replay", str(gpt_run), "Block@iter=0#1:backward", "--threads", "1", cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "threads: recorded 2, replayed with 1 (forced)" in res.stdout
+    assert "a likely cause of the difference" in res.stdout and "MISMATCH" in res.stdout
+    same = pdbg("replay", str(gpt_run), "Block@iter=0#1:backward", "--threads", "2", "--json", cwd=tmp_path)
+    assert same.returncode == 0 and json.loads(same.stdout)["match"] is True
+
+
+def test_editing_the_source_after_recording_is_reported_as_drift(tmp_path: Path) -> None:
+    """Replay still runs with the code as it is now, and says what changed; the enclosing block's
+    replay shows the inner step that diverged first."""
+    run = record_gpt(tmp_path, iterations=1)
+    script = tmp_path / "gpt_train.py"
+    text = script.read_text()
+    script.write_text(text.replace("/ gamma  # EDIT-MARKER", "/ (gamma + 1e-3)  # EDIT-MARKER"))
+    rec = replayer.open(run)
+    res = replayer.replay(rec, "smooth_relu@iter=0#1")
+    assert not res.match
+    assert any(w.startswith("code of smooth_relu changed since recording") for w in res.warnings), res.warnings
+    block = replayer.replay(rec, "Block@iter=0#1")
+    assert not block.match and block.first_divergence is not None
+    assert block.first_divergence.step.name == "smooth_relu"
+    assert [s.match for s in block.inner] == [True, False]
+    assert any("code of smooth_relu changed" in w for w in block.warnings)
+    cli = pdbg("replay", str(run), "smooth_relu@iter=0#1", cwd=tmp_path)
+    assert cli.returncode == 1 and "code of smooth_relu changed since recording" in cli.stdout
+
+
+def test_a_moved_script_is_found_with_script_option(tmp_path: Path) -> None:
+    run = record_gpt(tmp_path, iterations=1)
+    moved = tmp_path / "elsewhere.py"
+    (tmp_path / "gpt_train.py").rename(moved)
+    gone = pdbg("replay", str(run), "Block", cwd=tmp_path)
+    assert gone.returncode == 2 and "cannot read the training script" in gone.stderr and "--script" in gone.stderr
+    found = pdbg("replay", str(run), "Block", "--script", str(moved), cwd=tmp_path)
+    assert found.returncode == 0, found.stderr
+
+
+def one_line_error(res: object, code: int = 2) -> str:
+    assert res.returncode == code, (res.stdout, res.stderr)  # type: ignore[attr-defined]
+    lines = res.stderr.strip().splitlines()  # type: ignore[attr-defined]
+    assert len(lines) == 1 and lines[0].startswith("pdbg: error: ") and "Traceback" not in res.stderr  # type: ignore[attr-defined]
+    return lines[0]
+
+
+def test_bad_input_gets_one_line_and_exit_code_2(gpt_run: Path, tmp_path: Path) -> None:
+    assert "step 999 is out of range" in one_line_error(pdbg("replay", str(gpt_run), "999", cwd=tmp_path))
+    assert "no step matches 'nothing@iter=1'" in one_line_error(
+        pdbg("replay", str(gpt_run), "nothing@iter=1", cwd=tmp_path))
+    assert "give the STEP" in one_line_error(pdbg("replay", str(gpt_run), cwd=tmp_path))
+    assert "--threads must be a positive" in one_line_error(
+        pdbg("replay", str(gpt_run), "0", "--threads", "0", cwd=tmp_path))
+    assert "is not a PaperDebugger recording" in one_line_error(pdbg("verify", str(tmp_path), cwd=tmp_path))
+    rec = replayer.open(gpt_run)
+    with pytest.raises(StepNotFoundError):
+        replayer.replay(rec, len(rec))
+
+
+def test_code_that_cannot_be_imported_any_more(tmp_path: Path) -> None:
+    """A recording whose step code lived in a module that is gone: one line naming the module."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "gone_steps.py").write_text(
+        "import recorder, torch\n\n"
+        "@recorder.paper_step('Eq. 3')\n"
+        "def scale(x):\n    return x * 2\n")
+    (tmp_path / "train.py").write_text(
+        "import sys, torch\nsys.path.insert(0, sys.argv[1])\nimport gone_steps\n"
+        "gone_steps.scale(torch.ones(3))\n")
+    assert pdbg("record", "-o", "run.zarr", "--", "train.py", str(lib), cwd=tmp_path).returncode == 0
+    assert pdbg("replay", "run.zarr", "0", cwd=tmp_path).returncode == 0  # still there: replays
+    shutil.rmtree(lib)
+    line = one_line_error(pdbg("replay", "run.zarr", "Eq. 3", cwd=tmp_path))
+    assert "cannot import 'gone_steps'" in line
+    line = one_line_error(pdbg("verify", "run.zarr", cwd=tmp_path))
+    assert "cannot import 'gone_steps'" in line
+    with pytest.raises(ReplayError, match="cannot import 'gone_steps'"):
+        replayer.replay(replayer.open(tmp_path / "run.zarr"), 0)
+
+
+def test_info_summarises_the_run_and_finds_the_first_nonfinite_step(tmp_path: Path) -> None:
+    def poison(i: int, model: torch.nn.Module) -> None:
+        if i == 1:
+            with torch.no_grad():
+                model.h[1].ln1.weight[0] = float("nan")
+
+    path = tmp_path / "run.zarr"
+    record_training(path, 2, before=poison)
+    res = pdbg("info", str(path), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert {k: doc[k] for k in ("status", "steps", "iterations", "ranks", "alerts", "schema_version")} == {
+        "status": "complete", "steps": 24, "iterations": 2, "ranks": 1, "alerts": 0, "schema_version": "1.2"}
+    calls = {p["name"]: (p["forward_calls"], p["backward_calls"]) for p in doc["paper_steps"]}
+    assert calls == {"Block": (4, 4), "Attention": (4, 4), "smooth_relu": (4, 4)}
+    block = next(p for p in doc["paper_steps"] if p["name"] == "Block")
+    assert block["paper"]["label"] == "Algorithm 1" and 0 < block["time_share"] <= 1
+    first = doc["first_nonfinite"]
+    assert (first["name"], first["module_path"], first["iteration"], first["phase"]) == ("Block", "h.1", 1, "forward")
+    assert doc["bytes"] > 10_000
+    text = pdbg("info", str(path), cwd=tmp_path).stdout
+    assert "first non-finite step: step" in text and "Block" in text
+    # The NaN step replays bit for bit, NaN positions included.
+    res = replayer.replay(replayer.open(path), first["index"])
+    assert res.match and res.diffs["output"].recorded["nan"] > 0
+
+
+def test_replay_json_is_the_documented_object(gpt_run: Path, tmp_path: Path) -> None:
+    res = pdbg("replay", str(gpt_run), "Eq. 2@iter=2#1", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert {"step", "match", "outputs", "warnings", "environment_differences"} <= set(doc)
+    assert doc["step"]["name"] == "smooth_relu" and doc["step"]["iteration"] == 2 and doc["step"]["call"] == 1
+    (out,) = doc["outputs"]
+    assert {"name", "match", "max_abs_diff", "max_rel_diff", "max_ulp", "recorded", "replayed"} <= set(out)
+    assert set(out["recorded"]) == {"min", "max", "mean", "std", "nan", "inf"} and out["recorded"] == out["replayed"]
+    sampled = json.loads(pdbg("verify", str(gpt_run), "--sample", "5", "--json", cwd=tmp_path).stdout)
+    assert sampled == {"replayed": 5, "matched": 5, "mismatches": []}

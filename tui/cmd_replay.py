@@ -1,0 +1,266 @@
+"""pdbg info RUN, pdbg replay RUN STEP, pdbg verify RUN [--sample N]: summarise a recording, replay
+one step, replay many.
+
+STEP is an index or a selector ``NAME[@iter=K][#CALL][:backward]`` (NAME: a step name, a paper label
+or a module path; ``.`` is the root module): ``smooth_relu@iter=17#3``, ``"Eq. 2@iter=17"``,
+``h.1.mlp@iter=5:backward``. Exit codes: 0 fine, 1 a mismatch found, 2 bad usage or bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+import numpy as np
+
+from recorder.errors import PdbgError, ReplayError
+from recorder.store import layout
+
+STEP_HELP = ("an index, or NAME[@iter=K][#CALL][:backward] where NAME is a step name, paper label or module path "
+             "(e.g. 'Eq. 2@iter=17#3', h.1.mlp@iter=5:backward)")
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("info", help="summarise a recording", description="Steps, iterations, paper steps with "
+                       "their calls and share of the time, alerts, the first non-finite step, size and status.")
+    p.add_argument("run", metavar="RUN", help="the recording (directory or bundle)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(handler=info)
+
+    p = sub.add_parser("replay", help="replay one recorded step and compare it bit for bit",
+                       description="Rebuild the step's code and module, run it alone under its recorded RNG and "
+                       "settings, and compare every output (backward: grad inputs and parameter grads) with the "
+                       "recording. Exit 0 when everything matches bitwise, 1 when something differs.")
+    p.add_argument("run", metavar="RUN", help="the recording")
+    p.add_argument("step", metavar="STEP", nargs="?", help=STEP_HELP)
+    _replay_options(p)
+    p.add_argument("--no-inner", action="store_true", help="do not compare the steps inside this one")
+    p.set_defaults(handler=replay)
+
+    p = sub.add_parser("verify", help="replay many steps and report determinism",
+                       description="Replay every step (or --sample N spread over the run), forward and backward, "
+                       "and report the share that match bitwise. Exit 1 when any differs or cannot be replayed.")
+    p.add_argument("run", metavar="RUN", help="the recording")
+    p.add_argument("--sample", type=int, metavar="N", help="replay N steps spread evenly over the run")
+    _replay_options(p)
+    p.set_defaults(handler=verify)
+
+
+def _replay_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, metavar="N", help="force N intra-op threads instead of the recorded count")
+    p.add_argument("--script", metavar="PATH", help="the training script's path now, if it moved since recording")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def _open(path: str) -> Any:
+    import replayer
+
+    return replayer.open(path)
+
+
+def _emit(doc: dict[str, Any]) -> None:
+    print(json.dumps(doc, allow_nan=False))
+
+
+# -- info ----------------------------------------------------------------------------------------
+def summary(rec: Any) -> dict[str, Any]:
+    """DESIGN.md's ``pdbg info --json`` object, plus each paper step's share of the iteration time."""
+    table = rec.steps
+    n = len(table)
+    iteration = table.column("iteration")
+    phase, status = table.column("phase"), table.column("status")
+    t0, t1 = table.column("t_start"), table.column("t_end")
+    names = table.column("name")
+    papers = rec._papers
+    total_time = 0.0
+    for it in np.unique(iteration):
+        mask = iteration == it
+        total_time += float(t1[mask].max() - t0[mask].min())
+    paper_steps = []
+    if n:
+        uniq, first = np.unique(names.astype(str), return_index=True)
+        for name, start in sorted(zip(uniq, first), key=lambda x: x[1]):
+            mask = names == name
+            time = float((t1[mask] - t0[mask]).sum())
+            paper = dict(papers[int(start)])
+            paper_steps.append({"name": str(name), "paper": {k: paper.get(k) for k in
+                                                             ("label", "algorithm", "step", "equation", "description")},
+                                "forward_calls": int((mask & (phase == 0)).sum()),
+                                "backward_calls": int((mask & (phase == 1)).sum()),
+                                "time_share": time / total_time if total_time > 0 else None})
+    bad = np.flatnonzero(status == layout.STATUSES.index("nonfinite"))
+    return {"status": rec.status, "steps": n, "iterations": int(iteration.max()) + 1 if n else 0,
+            "ranks": len(rec.reader.ranks), "paper_steps": paper_steps,
+            "alerts": int((status == layout.STATUSES.index("alert")).sum()),
+            "exceptions": int((status == layout.STATUSES.index("exception")).sum()),
+            "first_nonfinite": table[int(bad[0])].to_json() if len(bad) else None,
+            "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version}
+
+
+def _paper_text(paper: dict[str, Any]) -> str:
+    parts = [paper.get("label") or ""]
+    if paper.get("step") is not None:
+        parts.append(f"step {paper['step']}")
+    if paper.get("equation") and paper.get("equation") != paper.get("label"):
+        parts.append(f"({paper['equation']})")
+    return " ".join(p for p in parts if p)
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000  # type: ignore[assignment]
+    return ""
+
+
+def info(args: argparse.Namespace) -> int:
+    rec = _open(args.run)
+    doc = summary(rec)
+    if args.json:
+        _emit(doc)
+        return 0
+    run = rec.run_info
+    print(f"{args.run}: {doc['status']}, {doc['steps']} steps, {doc['iterations']} iterations, "
+          f"{doc['ranks']} rank{'s' if doc['ranks'] != 1 else ''}, {_size(doc['bytes'])} on disk "
+          f"(schema {doc['schema_version']})")
+    if run:
+        print(f"recorded {run.get('started', '?')} on {run.get('hostname', '?')}: {' '.join(run.get('argv') or [])} "
+              f"(torch {run.get('torch')}, mode {run.get('mode')})")
+    if doc["paper_steps"]:
+        width = max(len(p["name"]) for p in doc["paper_steps"])
+        print(f"\n  {'step':<{width}}  {'paper':<28} {'forward':>7} {'backward':>8}  time")
+        for p in doc["paper_steps"]:
+            share = "" if p["time_share"] is None else f"{100 * p['time_share']:5.1f}%"
+            print(f"  {p['name']:<{width}}  {_paper_text(p['paper'])[:28]:<28} {p['forward_calls']:>7} "
+                  f"{p['backward_calls']:>8}  {share}")
+        print("  (time: the share of the iterations' wall time spent in the step, inner steps included)")
+    print(f"\nalerts: {doc['alerts']}   exceptions: {doc['exceptions']}")
+    first = doc["first_nonfinite"]
+    if first is None:
+        print("first non-finite step: none")
+    else:
+        print(f"first non-finite step: {_step_text(first)}")
+    return 0
+
+
+def _step_text(step: dict[str, Any]) -> str:
+    where = f" at {step['module_path']}" if step["module_path"] else ""
+    label = step["paper"].get("label")
+    who = f"{label} ({step['name']})" if label and label != step["name"] else step["name"]
+    return f"step {step['index']}: {who}{where}, {step['phase']}, iteration {step['iteration']}, call {step['call']}"
+
+
+# -- replay --------------------------------------------------------------------------------------
+def _num(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and (math.isinf(x) or math.isnan(x)):
+        return str(x)
+    if isinstance(x, float):
+        return f"{x:.3g}"
+    return str(x)
+
+
+def replay(args: argparse.Namespace) -> int:
+    from replayer.replay import Replayer
+
+    if args.step is None:
+        raise PdbgError("give the STEP to replay: " + STEP_HELP)
+    _check_threads(args.threads)
+    rec = _open(args.run)
+    step = rec.step(args.step)
+    result = Replayer(rec, script=args.script).replay(step, threads=args.threads, nested=not args.no_inner)
+    if args.json:
+        _emit(result.to_json())
+        return 0 if result.match else 1
+    print(_step_text(step.to_json()))
+    ways = sorted(set(result.rebuilt.values()))
+    if result.rebuilt:
+        by_way = {w: [p or "." for p, v in result.rebuilt.items() if v == w] for w in ways}
+        print("rebuilt: " + "; ".join(f"{len(v)} module{'s' if len(v) != 1 else ''} from its "
+                                      f"{'skeleton' if w == 'skeleton' else 'constructor'}"
+                                      f"{'' if w == 'skeleton' else ' (' + ', '.join(v) + ')'}"
+                                      for w, v in by_way.items()))
+    print(f"\n  {'tensor':<24} {'match':<6} {'max abs':>9} {'max rel':>9} {'ULP':>6}  "
+          f"{'recorded min/max':<22} replayed min/max")
+    for d in result.outputs:
+        rec_s, rep_s = d.recorded, d.replayed
+        rng = f"{_num(rec_s.get('min'))}/{_num(rec_s.get('max'))}" if rec_s else "-"
+        rng2 = f"{_num(rep_s.get('min'))}/{_num(rep_s.get('max'))}" if rep_s else "-"
+        print(f"  {d.name[:24]:<24} {'yes' if d.match else 'NO':<6} {_num(d.max_abs_diff):>9} "
+              f"{_num(d.max_rel_diff):>9} {d.max_ulp:>6}  {rng:<22} {rng2}")
+        if d.reason and not d.match:
+            print(f"    {d.reason}")
+    if result.inner:
+        ok = sum(s.match for s in result.inner)
+        first = result.first_divergence
+        print(f"\ninner steps: {ok} of {len(result.inner)} match" + (
+            "" if first is None else f"; first divergence: {_step_text(first.step.to_json())}"
+            + (f" ({first.reason})" if first.reason else "")))
+    for w in result.warnings:
+        print(f"warning: {w}")
+    if result.environment_differences:
+        print("environment differs from the recording: " + "; ".join(result.environment_differences))
+    print("\nMATCH: bit for bit" if result.match else "\nMISMATCH")
+    return 0 if result.match else 1
+
+
+def _check_threads(threads: int | None) -> None:
+    if threads is not None and threads < 1:
+        raise PdbgError(f"--threads must be a positive integer, not {threads}")
+
+
+# -- verify --------------------------------------------------------------------------------------
+def _progress(done: int, total: int) -> None:
+    if not sys.stderr.isatty():
+        return
+    width = 30
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\rverifying [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def verify(args: argparse.Namespace) -> int:
+    from replayer.replay import Replayer
+
+    _check_threads(args.threads)
+    if args.sample is not None and args.sample < 1:
+        raise PdbgError(f"--sample must be a positive integer, not {args.sample}")
+    rec = _open(args.run)
+    n = len(rec)
+    picks = list(range(n)) if args.sample is None or args.sample >= n else sorted(
+        set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))
+    replayer = Replayer(rec, script=args.script)
+    matched, mismatches, refused = 0, [], 0
+    for done, index in enumerate(picks, 1):
+        step = rec.step(index)
+        try:
+            result = replayer.replay(step, threads=args.threads, nested=False)
+        except ReplayError as exc:
+            refused += 1
+            if refused == len(picks):  # nothing could be replayed at all: bad input, not a finding
+                raise
+            mismatches.append({"step": step.to_json(), "reason": f"cannot replay: {exc}"})
+        else:
+            if result.match:
+                matched += 1
+            else:
+                bad = [d.summary() for d in result.outputs if not d.match]
+                hint = [w for w in result.warnings if "likely cause" in w or "changed since" in w]
+                mismatches.append({"step": step.to_json(), "reason": "; ".join(bad + hint)})
+        _progress(done, len(picks))
+    doc = {"replayed": len(picks), "matched": matched, "mismatches": mismatches}
+    if args.json:
+        _emit(doc)
+    else:
+        share = 100.0 * matched / len(picks) if picks else 100.0
+        print(f"{args.run}: {matched} of {len(picks)} steps replayed bit for bit ({share:.1f}%)")
+        for m in mismatches:
+            print(f"  {_step_text(m['step'])}: {m['reason']}")
+    return 0 if not mismatches else 1
