@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import jsonval
+from recorder import jsonval, taps
 from recorder.store import layout
 
 from .compare import Diff, compare, stats_dict
@@ -62,15 +62,30 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else (prefix or name)
 
 
+@dataclass
+class _Seen:
+    """One inner call seen during the replay."""
+
+    kind: str  # "module" or "function:<name>"
+    path: str
+    outputs: dict[str, torch.Tensor] | None = None  # None until it returns
+    grad_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
 class InnerTap:
-    """Installed as ``recorder.capture.ACTIVE`` during a replay; records the replayed inner calls."""
+    """Installed as ``recorder.capture.ACTIVE`` during a replay; records the replayed inner calls.
+    With ``backward=True`` their inputs and outputs also pass through autograd taps (identities for
+    the values), so that a backward replay sees each inner step's grad inputs and grad outputs."""
 
     enabled = True
 
-    def __init__(self, root: torch.nn.Module | None, root_path: str, inner: list[Step]) -> None:
-        self.inner = inner
-        self.calls: list[tuple[str, str, dict[str, torch.Tensor] | None]] = []  # (key kind:name, path, outputs)
+    def __init__(self, root: torch.nn.Module | None, root_path: str, inner: list[Step], *,
+                 backward: bool = False) -> None:
+        self.inner, self.backward = inner, backward
+        self.calls: list[_Seen] = []
         self._stack: list[str] = [root_path]
+        self._open: dict[str, list[_Seen]] = {}
         self._handles: list[Any] = []
         self._modules_wanted = {s.module_path for s in inner if s.definition.get("kind") == "module"}
         if root is not None:
@@ -78,34 +93,64 @@ class InnerTap:
                 if not rel:
                     continue
                 path = _join(root_path, rel)
-                self._handles.append(sub.register_forward_pre_hook(lambda m, a, p=path: self._enter(p)))
+                self._handles.append(sub.register_forward_pre_hook(
+                    lambda m, a, k, p=path: self._enter(p, a, k), with_kwargs=True))
                 self._handles.append(sub.register_forward_hook(lambda m, a, o, p=path: self._exit(p, o),
                                                                always_call=True))
 
-    def _enter(self, path: str) -> None:
-        self._stack.append(path)
-        if path in self._modules_wanted:
-            self.calls.append(("module", path, None))
+    def _tap_in(self, seen: _Seen, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.backward:
+            return None
 
-    def _exit(self, path: str, output: Any) -> None:
+        def got(grads: tuple[Any, ...], names: list[str]) -> None:
+            seen.grad_inputs.update({n: g.detach().clone() for n, g in zip(names, grads) if g is not None})
+
+        holder: list[list[str]] = [[]]
+        new_args, new_kwargs, holder[0] = taps.tap_arguments(args, kwargs, lambda g: got(g, holder[0]))
+        return new_args, new_kwargs
+
+    def _tap_out(self, seen: _Seen, output: Any) -> Any:
+        if not self.backward:
+            return output
+
+        def got(grads: tuple[Any, ...], names: list[str]) -> None:
+            seen.grad_outputs.update({n: g.detach().clone() for n, g in zip(names, grads) if g is not None})
+
+        holder: list[list[str]] = [[]]
+        output, holder[0] = taps.tap_output(output, lambda g: got(g, holder[0]))
+        return output
+
+    def _enter(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._stack.append(path)
+        if path not in self._modules_wanted:
+            return None
+        seen = _Seen("module", path)
+        self.calls.append(seen)
+        self._open.setdefault(path, []).append(seen)
+        return self._tap_in(seen, args, kwargs)
+
+    def _exit(self, path: str, output: Any) -> Any:
         if self._stack and self._stack[-1] == path:
             self._stack.pop()
-        if path in self._modules_wanted:
-            for i in range(len(self.calls) - 1, -1, -1):
-                kind, p, outs = self.calls[i]
-                if kind == "module" and p == path and outs is None:
-                    self.calls[i] = (kind, p, _snapshot(output))
-                    break
+        pending = self._open.get(path)
+        if not pending:
+            return None
+        seen = pending.pop()
+        seen.outputs = _snapshot(output)
+        return self._tap_out(seen, output) if self.backward else None
 
     def call(self, defn: Any, fn: Any, module: torch.nn.Module | None, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
         if module is not None:  # module steps are seen by the hooks
             return fn(module, *args, **kwargs)
-        slot = len(self.calls)
-        self.calls.append((f"function:{defn.name}", self._stack[-1], None))
+        seen = _Seen(f"function:{defn.name}", self._stack[-1])
+        self.calls.append(seen)
+        tapped = self._tap_in(seen, args, kwargs)
+        if tapped is not None:
+            args, kwargs = tapped
         out = fn(*args, **kwargs)
-        self.calls[slot] = (self.calls[slot][0], self.calls[slot][1], _snapshot(out))
-        return out
+        seen.outputs = _snapshot(out)
+        return self._tap_out(seen, out)
 
     def watch(self, tensor: Any, name: str, expect: dict[str, Any]) -> None:
         pass
@@ -115,38 +160,74 @@ class InnerTap:
             handle.remove()
         self._handles.clear()
 
-    def compare(self) -> list[InnerStep]:
-        """Pair recorded inner steps with replayed calls (by key and order) and compare outputs."""
-        queues: dict[tuple[str, str], list[dict[str, torch.Tensor] | None]] = {}
-        for kind, path, outs in self.calls:
-            queues.setdefault((kind, path), []).append(outs)
-        results = []
+    def _pairs(self) -> list[tuple[Step, _Seen | None]]:
+        queues: dict[tuple[str, str], list[_Seen]] = {}
+        for seen in self.calls:
+            queues.setdefault((seen.kind, seen.path), []).append(seen)
+        out = []
         for step in self.inner:
             kind = "module" if step.definition.get("kind") == "module" else f"function:{step.name}"
             queue = queues.get((kind, step.module_path))
-            if not queue:
+            out.append((step, queue.pop(0) if queue else None))
+        return out
+
+    def compare(self) -> list[InnerStep]:
+        """Pair recorded inner steps with replayed calls (by key and order) and compare outputs."""
+        results = []
+        for step, seen in self._pairs():
+            if seen is None:
                 results.append(InnerStep(step, False, reason="recorded, but not called during the replay"))
-                continue
-            outs = queue.pop(0)
-            if outs is None:
+            elif seen.outputs is None:
                 results.append(InnerStep(step, False, reason="raised during the replay"))
-                continue
-            diffs = []
-            for r in step.records:
-                if r.role != "output":
-                    continue
-                value = outs.get(r.name)
-                if value is None:
-                    diffs.append(Diff(r.name, r.role, False, reason="not produced during the replay",
-                                      recorded=stats_dict(r.stats)))
-                elif r.has_payload:
-                    diffs.append(compare(r.name, r.role, step.rec.rank.tensor(r), value, r.stats))
-                else:
-                    diffs.append(Diff(r.name, r.role, stats_dict(r.stats) == stats_dict(_stats(value)),
-                                      reason="compared by statistics only", recorded=stats_dict(r.stats),
-                                      replayed=stats_dict(_stats(value))))
-            results.append(InnerStep(step, all(d.match for d in diffs), diffs))
+            else:
+                diffs = _diffs(step, ("output",), seen.outputs)
+                results.append(InnerStep(step, all(d.match for d in diffs), diffs))
         return results
+
+    def compare_backward(self, param_grads: dict[str, torch.Tensor], root_path: str) -> list[InnerStep]:
+        """After a backward replay: each inner step's backward (grad outputs, grad inputs, parameter
+        grads) against its recorded backward step."""
+        rec = self.inner[0].rec if self.inner else None
+        if rec is None:
+            return []
+        forward_of = np.asarray(rec.rank.column("steps/forward"))
+        results = []
+        for step, seen in self._pairs():
+            hits = np.flatnonzero(forward_of == step.index)
+            if not len(hits):
+                continue  # no backward was recorded for this call (its outputs needed no grad)
+            back = Step(rec, int(hits[0]))
+            if seen is None:
+                results.append(InnerStep(back, False, reason="recorded, but not called during the replay"))
+                continue
+            rel = step.module_path[len(root_path):].lstrip(".") if step.module_path.startswith(root_path) else ""
+            prefix = f"{rel}." if rel and seen.kind == "module" else ""
+            own = {name[len(prefix):]: g for name, g in param_grads.items() if name.startswith(prefix)} \
+                if seen.kind == "module" else {}
+            values = {**{f"grad_output:{k}": v for k, v in seen.grad_outputs.items()},
+                      **{f"grad_input:{k}": v for k, v in seen.grad_inputs.items()},
+                      **{f"param_grad:{k}": v for k, v in own.items()}}
+            diffs = _diffs(back, ("grad_output", "grad_input", "param_grad"), values, keyed=True)
+            results.append(InnerStep(back, all(d.match for d in diffs), diffs))
+        return sorted(results, key=lambda r: r.step.index)  # backward runs inner steps in reverse
+
+
+def _diffs(step: Step, roles: tuple[str, ...], values: dict[str, torch.Tensor], keyed: bool = False) -> list[Diff]:
+    diffs = []
+    for r in step.records:
+        if r.role not in roles:
+            continue
+        value = values.get(f"{r.role}:{r.name}" if keyed else r.name)
+        if value is None:
+            diffs.append(Diff(r.name, r.role, False, reason="not produced during the replay",
+                              recorded=stats_dict(r.stats)))
+        elif r.has_payload:
+            diffs.append(compare(r.name, r.role, step.rec.rank.tensor(r), value, r.stats))
+        else:
+            now = stats_dict(_stats(value))
+            diffs.append(Diff(r.name, r.role, stats_dict(r.stats) == now, reason="compared by statistics only",
+                              recorded=stats_dict(r.stats), replayed=now))
+    return diffs
 
 
 def _stats(value: torch.Tensor) -> tuple[float, ...]:

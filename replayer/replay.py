@@ -81,7 +81,7 @@ class Replayer:
     def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True) -> ReplayResult:
         step = which if isinstance(which, Step) else self.rec.step(which)
         backward = step.phase == "backward"
-        result = self._backward(step, threads) if backward else self._forward(step, threads, nested)
+        result = self._backward(step, threads, nested) if backward else self._forward(step, threads, nested)
         if self._env is None:
             self._env = state.environment_differences(self.rec.run_info, step.settings)
         result.environment_differences = list(self._env)
@@ -209,7 +209,7 @@ class Replayer:
         return result
 
     # -- backward --------------------------------------------------------------------------------
-    def _backward(self, step: Step, threads: int | None) -> ReplayResult:
+    def _backward(self, step: Step, threads: int | None, nested: bool) -> ReplayResult:
         if step.forward is None:
             raise ReplayError(f"backward step {step.index} does not name its forward call; it cannot be replayed")
         fwd = self.rec.step(step.forward)
@@ -223,13 +223,17 @@ class Replayer:
                 raise ReplayError(f"backward step {step.index} kept statistics only for {r.role} {r.name}; it "
                                   "cannot be replayed")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
+        inner = descendants(fwd) if nested else []
+        tap = InnerTap(call.module, fwd.module_path, inner, backward=True) if inner else None
         with state.applied(fwd.settings, fwd.rng, threads=threads, notes=warnings), \
                 state.per_call(fwd.settings, grad=True):
-            saved, capture.ACTIVE = capture.ACTIVE, None
+            saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
                 out = call.run()
             finally:
                 capture.ACTIVE = saved
+                if tap is not None:
+                    tap.close()
         outs = _flatten(out, "output")
         pairs = [(outs[n], _materialize(step, r)) for n, r in grad_outputs.items() if n in outs]
         lost = sorted(set(grad_outputs) - set(outs))
@@ -251,7 +255,11 @@ class Replayer:
         values = {r.name if r.role == "grad_input" else f"param_grad:{r.name}": g for r, g in zip(wanted, grads)}
         result.values = values
         result.outputs = [_compare_one(step, r, g) for r, g in zip(wanted, grads)]
-        result.match = all(d.match for d in result.outputs)
+        if tap is not None:
+            param_grads = {r.name: g for r, g in zip(wanted, grads) if r.role == "param_grad" and g is not None}
+            result.inner = tap.compare_backward(param_grads, fwd.module_path)
+            self._inner_drift(result)
+        result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
         return result
 
 
@@ -387,7 +395,8 @@ def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step, *, t
         step: an index, a selector (``"Eq. 2@iter=17#3"``, ``"h.1.mlp@iter=5:backward"``) or a Step.
         threads: force this intra-op thread count instead of the recorded one.
         script: where the training script that ran as ``__main__`` is now, if it moved.
-        nested: also compare every step the replayed step encloses (forward steps).
+        nested: also compare every step the replayed step encloses (for a backward step: their
+            backward steps, from the gradients that pass through them during the replay).
 
     Raises ReplayError (with a one-line reason) when the step cannot be replayed, StepNotFoundError
     when ``step`` names nothing.

@@ -79,6 +79,11 @@ def test_backward_replay_recomputes_grad_inputs_and_parameter_grads(gpt_run: Pat
     assert len(params) == 13 and set(names) == {"args.0", *params}  # the input, and every parameter
     assert res.match and all(d.match and d.max_ulp == 0 for d in res.outputs)
     assert bits_equal(res.values["param_grad:ln1.weight"], step.tensor("ln1.weight", role="param_grad"))
+    # The inner steps' backward, in execution order (the reverse of the forward), each compared.
+    assert [(s.step.name, s.step.phase, s.match) for s in res.inner] == [
+        ("smooth_relu", "backward", True), ("Attention", "backward", True)]
+    attention = {(d.role, d.name) for d in res.inner[1].diffs}
+    assert {("grad_output", "output"), ("grad_input", "args.0"), ("param_grad", "qkv.weight")} <= attention
 
 
 def test_modules_are_rebuilt_without_their_init_or_through_their_constructor(gpt_run: Path) -> None:
@@ -157,6 +162,9 @@ def test_editing_the_source_after_recording_is_reported_as_drift(tmp_path: Path)
     assert block.first_divergence.step.name == "smooth_relu"
     assert [s.match for s in block.inner] == [True, False]
     assert any("code of smooth_relu changed" in w for w in block.warnings)
+    back = replayer.replay(rec, "Block@iter=0#1:backward")
+    assert not back.match and back.first_divergence.step.name == "smooth_relu"
+    assert back.first_divergence.step.phase == "backward"
     cli = pdbg("replay", str(run), "smooth_relu@iter=0#1", cwd=tmp_path)
     assert cli.returncode == 1 and "code of smooth_relu changed since recording" in cli.stdout
 
