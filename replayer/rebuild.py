@@ -148,31 +148,26 @@ def load_state(module: torch.nn.Module, params: dict[str, torch.Tensor], buffers
                requires_grad: dict[str, bool]) -> list[str]:
     """Put recorded parameters and buffers into a rebuilt module (keeping Parameter objects, so that
     code holding a reference to one sees the recorded value). Returns what was missing."""
-    problems = []
+    problems: list[str] = []
     expected_params = dict(module.named_parameters(remove_duplicate=False))
-    for name, value in params.items():
-        owner, _, leaf = name.rpartition(".")
-        try:
-            sub = module.get_submodule(owner)
-        except AttributeError:
-            problems.append(f"recorded parameter {name} has no place in the rebuilt module")
-            continue
-        current = sub._parameters.get(leaf)
-        grad = requires_grad.get(name, True)
-        if isinstance(current, torch.nn.Parameter):
-            with torch.no_grad():
-                current.data = value
-            current.requires_grad_(grad)
-        else:
-            sub._parameters[leaf] = torch.nn.Parameter(value, requires_grad=grad)
-    for name, value in buffers.items():
-        owner, _, leaf = name.rpartition(".")
-        try:
-            sub = module.get_submodule(owner)
-        except AttributeError:
-            problems.append(f"recorded buffer {name} has no place in the rebuilt module")
-            continue
-        sub._buffers[leaf] = value
+    for kind, values in (("parameter", params), ("buffer", buffers)):
+        for name, value in values.items():
+            owner, _, leaf = name.rpartition(".")
+            try:
+                sub = module.get_submodule(owner)
+            except AttributeError:
+                problems.append(f"recorded {kind} {name} has no place in the rebuilt module")
+                continue
+            if kind == "buffer":
+                sub._buffers[leaf] = value
+                continue
+            current, grad = sub._parameters.get(leaf), requires_grad.get(name, True)
+            if isinstance(current, torch.nn.Parameter):
+                with torch.no_grad():
+                    current.data = value
+                current.requires_grad_(grad)
+            else:
+                sub._parameters[leaf] = torch.nn.Parameter(value, requires_grad=grad)
     for name, p in expected_params.items():
         if name not in params and p is not None and (p.device.type == "meta" or p.numel() == 0):
             problems.append(f"parameter {name} was not recorded (tied to another parameter?)")

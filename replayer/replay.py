@@ -150,6 +150,15 @@ class Replayer:
             warnings.append(drift)
         return _Call(step, fn, module, list(args), dict(kwargs), leaves)
 
+    def _calls_of_module(self, fwd: Step) -> int:
+        """How many forward calls of the same module (path) the iteration had."""
+        if fwd._doc("module") is None:
+            return 1
+        table = self.rec.steps
+        same = (table.column("iteration") == fwd.iteration) & (table.column("phase") == 0) & (
+            table.column("module_path") == fwd.module_path) & (table.column("name") == fwd.name)
+        return int(same.sum())
+
     def _inner_drift(self, result: ReplayResult) -> None:
         """Drift of the inner steps' code: an inner step that diverges is often one whose code changed."""
         seen: set[str] = set()
@@ -218,6 +227,12 @@ class Replayer:
         call = self._prepare(fwd, warnings, rebuilt)
         grad_outputs = {r.name: r for r in step.records if r.role == "grad_output"}
         wanted = [r for r in step.records if r.role in ("grad_input", "param_grad")]
+        calls = self._calls_of_module(fwd)
+        if calls > 1 and any(r.role == "param_grad" for r in wanted):
+            wanted = [r for r in wanted if r.role != "param_grad"]
+            warnings.append(f"parameter grads not compared: {fwd.module_path or fwd.name} ran {calls} times in "
+                            f"iteration {fwd.iteration}, and each recorded parameter grad is the total over all of "
+                            "them (autograd accumulates before the hook sees it)")
         for r in [*grad_outputs.values(), *wanted]:
             if not r.has_payload:
                 raise ReplayError(f"backward step {step.index} kept statistics only for {r.role} {r.name}; it "

@@ -172,6 +172,7 @@ class RankReader:
         self.lengths = {k: int(v) for k, v in lengths.items()}
         self.group = run.group[layout.rank_group(rank)]
         self._columns: dict[str, np.ndarray] = {}
+        self._arrays: dict[str, Any] = {}
         self._docs: dict[int, Any] = {}
 
     def __len__(self) -> int:
@@ -199,6 +200,16 @@ class RankReader:
             self._columns[path] = arr[:n]
         return self._columns[path]
 
+    def _array(self, path: str) -> Any:
+        """An array read in slices (documents, payload bytes), opened once: opening reads its metadata."""
+        arr = self._arrays.get(path)
+        if arr is None:
+            try:
+                arr = self._arrays[path] = self.group[path]
+            except KeyError:
+                raise FormatError(f"{self.run.label}: array {path} is missing; the recording is damaged") from None
+        return arr
+
     def doc(self, doc_id: int) -> Any:
         """A JSON document by id (-1 gives None)."""
         if doc_id == layout.NO_REF:
@@ -211,7 +222,7 @@ class RankReader:
             end = start + size
             if start < 0 or end > self._length_of("docs/bytes"):
                 raise FormatError(f"{self.run.label}: document {doc_id} points past the committed data")
-            raw = self.group["docs/bytes"][start:end].tobytes()
+            raw = self._array("docs/bytes")[start:end].tobytes()
             try:
                 self._docs[doc_id] = json.loads(raw)
             except ValueError:
@@ -264,7 +275,7 @@ class RankReader:
         path = f"blobs/{layout.BLOB_UNITS[unit]}"
         if offset < 0 or count < 0 or offset + count > self._length_of(path):
             raise FormatError(f"{self.run.label}: payload {pid} points past the committed data")
-        return self.group[path][offset:offset + count], unit
+        return self._array(path)[offset:offset + count], unit
 
     def tensor(self, record: TensorRecord) -> torch.Tensor:
         """The recorded tensor's value (a contiguous CPU tensor), exactly as it was."""

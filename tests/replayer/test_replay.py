@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import recorder
 import replayer
 from recorder import snapshot
 from recorder.errors import ReplayError, StepNotFoundError
@@ -259,3 +260,27 @@ def test_replay_json_is_the_documented_object(gpt_run: Path, tmp_path: Path) -> 
     assert set(out["recorded"]) == {"min", "max", "mean", "std", "nan", "inf"} and out["recorded"] == out["replayed"]
     sampled = json.loads(pdbg("verify", str(gpt_run), "--sample", "5", "--json", cwd=tmp_path).stdout)
     assert sampled == {"replayed": 5, "matched": 5, "mismatches": []}
+
+
+@recorder.paper_step("Eq. 4", description="a shared layer applied twice")
+class Shared(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def test_a_module_called_twice_compares_grad_inputs_and_says_why_not_parameter_grads(tmp_path: Path) -> None:
+    """Both calls' parameter-grad records hold the total over the two calls; replaying one call's
+    backward compares its grad input and says why its parameter grads are left out."""
+    layer = Shared()
+    with recorder.record(tmp_path / "run.zarr", model=layer) as run:
+        layer(layer(torch.randn(3, 4, requires_grad=True))).sum().backward()
+        run.next_iteration()
+    rec = replayer.open(tmp_path / "run.zarr")
+    res = replayer.replay(rec, "Eq. 4#0:backward")
+    assert res.match and [d.name for d in res.outputs] == ["args.0"]
+    assert any("ran 2 times in iteration 0" in w for w in res.warnings)
+    assert replayer.replay(rec, "Eq. 4#1").match
