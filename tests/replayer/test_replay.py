@@ -284,3 +284,35 @@ def test_a_module_called_twice_compares_grad_inputs_and_says_why_not_parameter_g
     assert res.match and [d.name for d in res.outputs] == ["args.0"]
     assert any("ran 2 times in iteration 0" in w for w in res.warnings)
     assert replayer.replay(rec, "Eq. 4#1").match
+
+
+def test_every_kind_of_step_replays(tmp_path: Path) -> None:
+    """A module recorded by a --modules glob with a keyword tensor and a non-persistent buffer, an
+    annotate()d library module, a function with keyword tensors and a tuple output holding an int,
+    a non-contiguous input, bfloat16, and a step that raised: each replays and matches."""
+    from tests.replayer import kinds
+
+    net = kinds.Net()
+    recorder.annotate(net.norm, "Eq. 8")
+    with recorder.record(tmp_path / "run.zarr", model=net, modules=["kw"]):
+        x = torch.randn(5, 4, requires_grad=True)
+        transposed = x.t().contiguous().t()
+        a, _, g = kinds.split_scale(transposed, scale=torch.full((2,), 3.0), k=2)
+        (net(x).sum() + a.sum() + g.sum()).backward()
+        kinds.split_scale(torch.randn(3, 4).to(torch.bfloat16), scale=torch.ones(2, dtype=torch.bfloat16))
+        with pytest.raises(ValueError):
+            kinds.checked(torch.tensor([-1.0]))
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert rec.step("Eq. 5#0").tensors("input")[0].stride == (1, 5)  # column-major, as it was given
+    seen = set()
+    for step in rec.steps:
+        res = replayer.replay(rec, step)
+        assert res.match and res.outputs, (step, [d.summary() for d in res.outputs])
+        seen.add((step.name, step.phase))
+    assert seen == {("Keyworded", "forward"), ("Keyworded", "backward"), ("LayerNorm", "forward"),
+                    ("LayerNorm", "backward"), ("split_scale", "forward"), ("split_scale", "backward"),
+                    ("checked", "forward")}
+    raised = replayer.replay(rec, "checked")
+    assert raised.exception == "ValueError: negative input"
+    kw = replayer.replay(rec, "kw")
+    assert {d.name for d in kw.outputs} == {"output"} and kw.rebuilt["kw"] == "skeleton"
