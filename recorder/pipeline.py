@@ -195,14 +195,17 @@ class Pipeline:
         dims: list[int] = []
         waiting: list[tuple[int, Any]] = []
         nonfinite_roles = layout.RESULT_ROLES[row["phase"]]
+        input_roles = layout.INPUT_ROLES[row["phase"]]
+        bad_input = False
         for t in item.tensors:
             stats = t.stats
             if isinstance(stats, torch.Tensor):
                 stats = tuple(float(v) for v in stats.cpu().tolist())
             if t.role == _WATCH:
                 watched[t.name] = stats
-            if (stats[6] or stats[7]) and t.role in nonfinite_roles:
-                nonfinite = True
+            if stats[6] or stats[7]:
+                nonfinite = nonfinite or t.role in nonfinite_roles
+                bad_input = bad_input or t.role in input_roles
             pid = layout.NO_REF
             if t.payload is not None:
                 ref = t.payload
@@ -242,6 +245,7 @@ class Pipeline:
         row["extra"] = w.doc(jsonval.encode(extra)) if extra else layout.NO_REF  # tags nan/inf
         status = "exception" if item.exception else "nonfinite" if nonfinite else "alert" if alerts else "ok"
         row["status"] = layout.STATUSES.index(status)
+        row["flags"] = (layout.NONFINITE_RESULT if nonfinite else 0) | (layout.NONFINITE_INPUT if bad_input else 0)
         w.step(item.index, row)
 
 

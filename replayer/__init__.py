@@ -5,10 +5,15 @@ imports the TUI.
 
     rec = replayer.open("run.zarr")
     rec.steps.filter(name="smooth_relu", phase="backward")
-    rec.step("Eq. 2@iter=17#3").tensor("output")
+    res = replayer.replay(rec, "Eq. 2@iter=17#3")        # .match, .outputs, .diffs
+    origin = replayer.first_nonfinite(rec, ops=True)     # .step, .cause, .op, .spread
+    replayer.first_divergence(rec_a, rec_b)              # the root cause of two runs parting
+    replayer.find(rec, "Eq. 2", "output.absmax > 1e3", start=origin.step, backward=True)
 """
 
+from .bisect import Divergence, Origin, find, first_divergence, first_nonfinite
 from .recording import Recording, Step, StepTable, open
 from .replay import ReplayResult, replay
 
-__all__ = ["Recording", "ReplayResult", "Step", "StepTable", "open", "replay"]
+__all__ = ["Divergence", "Origin", "Recording", "ReplayResult", "Step", "StepTable", "find", "first_divergence",
+           "first_nonfinite", "open", "replay"]

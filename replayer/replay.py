@@ -15,7 +15,9 @@ each inner step (``res.inner``, ``res.first_divergence``).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,8 +80,12 @@ class Replayer:
         self.loader = CodeLoader(rec.run_info, script)
         self._env: list[str] | None = None
 
-    def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True) -> ReplayResult:
+    def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True,
+               around: Around | None = None) -> ReplayResult:
+        """Replay one step (see :func:`replay`). ``around(stage)`` gives a context manager entered around
+        the call ("forward"; for a backward step "forward" then "backward" around the gradients)."""
         step = which if isinstance(which, Step) else self.rec.step(which)
+        self._around = around or _no_context
         backward = step.phase == "backward"
         result = self._backward(step, threads, nested) if backward else self._forward(step, threads, nested)
         if self._env is None:
@@ -193,7 +199,8 @@ class Replayer:
         with state.applied(settings, step.rng, threads=threads, notes=warnings), state.per_call(settings):
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
-                out = call.run()
+                with self._around("forward"):
+                    out = call.run()
             except Exception as exc:  # noqa: BLE001 - compared with what the recording says
                 raised = exc
             finally:
@@ -244,7 +251,8 @@ class Replayer:
                 state.per_call(fwd.settings, grad=True):
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
-                out = call.run()
+                with self._around("forward"):
+                    out = call.run()
             finally:
                 capture.ACTIVE = saved
                 if tap is not None:
@@ -264,7 +272,7 @@ class Replayer:
             targets.append(source)
         grads: tuple[Any, ...] = ()
         if pairs and targets:
-            with state.applied(step.settings, step.rng, threads=threads, notes=warnings):
+            with state.applied(step.settings, step.rng, threads=threads, notes=warnings), self._around("backward"):
                 grads = torch.autograd.grad([o for o, _ in pairs], targets, grad_outputs=[g for _, g in pairs],
                                             allow_unused=True)
         values = {r.name if r.role == "grad_input" else f"param_grad:{r.name}": g for r, g in zip(wanted, grads)}
@@ -276,6 +284,13 @@ class Replayer:
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
         return result
+
+
+Around = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+def _no_context(stage: str) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
 
 
 @dataclass

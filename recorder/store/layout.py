@@ -52,12 +52,13 @@ STEP_COLUMNS: dict[str, str] = {
     "definition": "int64",  # doc: paper reference, kind, import reference, file, source and its hash
     "phase": "int8",  # 0 forward, 1 backward
     "iteration": "int64",
-    "call": "int32",  # forward calls of the same (name, module path) in this iteration, from 0
+    "call": "int32",  # forward calls of the same step name before this one in this iteration, from 0
     "parent": "int64",  # enclosing step's index, or -1
     "forward": "int64",  # for a backward step: its forward step's index; -1 for forward steps
     "module_path": "int64",  # doc: str, relative to the outermost module called ("" for that module)
     "module": "int64",  # doc: class reference and constructor arguments of the step's module, or -1
     "status": "int8",  # see STATUSES
+    "flags": "int8",  # NONFINITE_RESULT | NONFINITE_INPUT (schema 1.2): where NaN/Inf was, from the statistics
     "t_start": "float64",  # seconds since the run's start (run attribute "started_unix")
     "t_end": "float64",
     "rng": "int64",  # doc: RNG snapshot at step entry
@@ -118,6 +119,13 @@ PHASES: tuple[str, ...] = ("forward", "backward")
 # in its inputs, parameters or grad outputs it came from somewhere else.
 RESULT_ROLES: dict[int, frozenset[int]] = {0: frozenset({ROLES.index("output")}),
                                            1: frozenset({ROLES.index("grad_input"), ROLES.index("param_grad")})}
+# A step's own inputs by phase: NaN or Inf here came from outside it (a backward step also uses its
+# forward step's inputs and parameters: see that step's flags).
+INPUT_ROLES: dict[int, frozenset[int]] = {0: frozenset({ROLES.index("input"), ROLES.index("param"),
+                                                         ROLES.index("buffer")}),
+                                          1: frozenset({ROLES.index("grad_output")})}
+NONFINITE_RESULT = 1  # steps/flags bits
+NONFINITE_INPUT = 2
 STATUSES: tuple[str, ...] = ("ok", "alert", "nonfinite", "exception")
 STAT_NAMES: tuple[str, ...] = ("min", "max", "mean", "std", "absmax", "norm", "nan", "inf")
 RUN_STATUSES: tuple[str, ...] = ("recording", "complete", "crashed")

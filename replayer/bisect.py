@@ -1,0 +1,557 @@
+"""Where a NaN was born, where two runs part, and conditional time travel over a recording.
+
+    origin = replayer.first_nonfinite(rec)          # from the statistics: milliseconds, no replay
+    origin.step, origin.cause, origin.spread
+    replayer.first_nonfinite(rec, ops=True).op      # the aten operation and the user's source line
+    replayer.first_divergence(rec_a, rec_b)         # the root cause, not the steps that only followed
+    replayer.find(rec, "Eq. 2", "output.absmax > 1e3", start=origin.step, backward=True)
+
+A step *produced* a non-finite value when one of its results (forward: outputs; backward: grad
+inputs and parameter grads) holds NaN or Inf while everything it computed from was finite (forward:
+its inputs, parameters and buffers; backward: its grad outputs and its forward call's inputs and
+parameters). The origin is the first such step in execution order, the innermost one where steps nest.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from recorder.errors import FormatError, PdbgError, RecordingError
+from recorder.store import layout
+
+from .recording import Recording, Step
+
+_RESULT, _INPUT = layout.NONFINITE_RESULT, layout.NONFINITE_INPUT
+SPREAD = 10  # steps listed after the origin
+
+
+def _column(rec: Recording, name: str) -> np.ndarray:
+    return np.asarray(rec.rank.column(f"steps/{name}"))
+
+
+def step_flags(rec: Recording) -> np.ndarray:
+    """Per step: NONFINITE_RESULT | NONFINITE_INPUT bits (recordings before schema 1.2 have no flags
+    column: computed from the tensor statistics then)."""
+    try:
+        return _column(rec, "flags")
+    except FormatError:
+        pass
+    rank = rec.rank
+    n = len(rec)
+    flags = np.zeros(n, dtype=np.int8)
+    if not n or not rank.lengths.get("tensors"):
+        return flags
+    steps = np.asarray(rank.column("tensors/step"))
+    roles = np.asarray(rank.column("tensors/role"))
+    stats = np.asarray(rank.column("tensors/stats"))
+    bad = (stats[:, 6] + stats[:, 7]) > 0
+    phase = _column(rec, "phase")[steps]
+    for ph in (0, 1):
+        here = phase == ph
+        result = bad & here & np.isin(roles, list(layout.RESULT_ROLES[ph]))
+        given = bad & here & np.isin(roles, list(layout.INPUT_ROLES[ph]))
+        flags[np.unique(steps[result])] |= _RESULT
+        flags[np.unique(steps[given])] |= _INPUT
+    return flags
+
+
+def subtree(rec: Recording, index: int) -> list[int]:
+    """The steps nested inside a step (they follow it directly in execution order)."""
+    parents = _column(rec, "parent")
+    inside, found = {index}, []
+    for k in range(index + 1, len(parents)):
+        if int(parents[k]) not in inside:
+            break
+        inside.add(k)
+        found.append(k)
+    return found
+
+
+def describe(step: Step) -> str:
+    """A step in paper terms: "Algorithm 1, step 5 · MultiScaleFusion · forward · iteration 17 · call 3"."""
+    paper = step.paper
+    ref = paper.get("label") or ""
+    if paper.get("step") is not None:
+        ref += f", step {paper['step']}"
+    if paper.get("equation") and paper.get("equation") != paper.get("label"):
+        ref += f" ({paper['equation']})"
+    parts = [p for p in (ref, step.name, step.module_path, step.phase, f"iteration {step.iteration}",
+                         f"call {step.call}") if p]
+    return f"step {step.index}: " + " · ".join(parts)
+
+
+def _nonfinite_text(step: Step, roles: frozenset[int] | set[str]) -> list[str]:
+    out = []
+    for r in step.records:
+        if r.role in roles and r.nonfinite:
+            counts = [f"{int(r.stats[k])} {'NaN' if k == 'nan' else 'Inf'}" for k in ("nan", "inf") if r.stats[k]]
+            label = r.name if r.name.startswith(r.role) else f"{r.role} {r.name}"
+            out.append(f"{label} ({', '.join(counts)} of {int(np.prod(r.shape))})")
+    return out
+
+
+# -- the origin of a NaN --------------------------------------------------------------------------
+@dataclass
+class Origin:
+    """The answer of :func:`first_nonfinite`."""
+
+    step: Step | None  # the step that produced the first non-finite value, if a recorded step did
+    cause: str  # one sentence: what happened, or why no recorded step is to blame
+    spread: list[Step] = field(default_factory=list)  # the next steps that went non-finite
+    entered: Step | None = None  # when no recorded step produced it: the first step that received it
+    op: Any = None  # with ops=True: replayer.ops.OpReport, the operation inside the step
+
+    @property
+    def found(self) -> bool:
+        return self.step is not None or self.entered is not None
+
+    def to_json(self) -> dict[str, Any]:
+        """``pdbg bisect --json``: {"origin", "cause", "op", "spread"}."""
+        return {"origin": self.step.to_json() if self.step else None, "cause": self.cause,
+                "op": self.op.to_json() if self.op is not None else None,
+                "spread": [s.to_json() for s in self.spread],
+                "entered": self.entered.to_json() if self.entered else None}
+
+
+def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD) -> Origin:
+    """The origin step of the first NaN/Inf in the recording, from the recorded statistics.
+
+    Args:
+        rec: an open recording.
+        ops: also replay the origin step operation by operation and name the first aten operation
+            that produced a non-finite value from finite inputs, with the user's source line.
+        spread: how many of the steps that went non-finite afterwards to list.
+    """
+    n = len(rec)
+    if not n:
+        return Origin(None, "no steps recorded")
+    flags = step_flags(rec)
+    result = (flags & _RESULT) != 0
+    given = (flags & _INPUT) != 0
+    phase, forward = _column(rec, "phase"), _column(rec, "forward")
+    bad_in = given.copy()
+    back = np.flatnonzero((phase == 1) & (forward >= 0) & (forward < n))
+    bad_in[back] |= given[forward[back]]
+    produced = result & ~bad_in
+    if produced.any():
+        index = int(np.flatnonzero(produced)[0])
+        while True:  # the innermost: a step inside it that produced it too
+            inner = [k for k in subtree(rec, index) if produced[k]]
+            if not inner:
+                break
+            index = inner[0]
+        step = rec.step(index)
+        what = _nonfinite_text(step, layout_results(step.phase)) or ["non-finite results"]
+        cause = f"{describe(step)} produced {'; '.join(what)} from finite inputs"
+        origin = Origin(step, cause, _after(rec, index, result, spread))
+        if ops:
+            from .ops import bisect_ops
+
+            origin.op = bisect_ops(rec, step)
+        return origin
+    if not (result | given).any():
+        return Origin(None, "no non-finite values recorded")
+    index = int(np.flatnonzero(bad_in)[0])
+    step = rec.step(index)
+    return Origin(None, _entered_cause(rec, step), _after(rec, index, result, spread, inclusive=True), entered=step)
+
+
+def layout_results(phase: str) -> set[str]:
+    return {"output"} if phase == "forward" else {"grad_input", "param_grad"}
+
+
+def _after(rec: Recording, index: int, result: np.ndarray, count: int, inclusive: bool = False) -> list[Step]:
+    later = np.flatnonzero(result[index if inclusive else index + 1:]) + (index if inclusive else index + 1)
+    return [rec.step(int(k)) for k in later[:count]]
+
+
+def _entered_cause(rec: Recording, step: Step) -> str:
+    """Why no recorded step is to blame: which tensor arrived non-finite, and since when."""
+    source = step if step.phase == "forward" else rec.step(step.forward) if step.forward is not None else step
+    bad = [r for r in source.records if r.role in ("param", "buffer", "input") and r.nonfinite]
+    if step.phase == "backward" and not bad:
+        bad = [r for r in step.records if r.role == "grad_output" and r.nonfinite]
+    if not bad:
+        return f"{describe(step)} received non-finite values from outside every recorded step"
+    r = bad[0]
+    full = f"{source.module_path}.{r.name}" if source.module_path and r.role in ("param", "buffer") else r.name
+    last = _last_finite_iteration(rec, source, r.role, r.name)
+    since = f"; it was last finite in iteration {last}" if last is not None else \
+        "; it was never finite in this recording"
+    if r.role in ("param", "buffer"):
+        return (f"{'parameter' if r.role == 'param' else 'buffer'} {full} was already non-finite when "
+                f"{describe(source)} began: the optimizer update or code outside every recorded step wrote it{since}")
+    if r.role == "grad_output":
+        return (f"grad output {r.name} of {describe(step)} came non-finite from the backward of code outside every "
+                f"recorded step{since}")
+    return f"input {r.name} of {describe(source)} came non-finite from code outside every recorded step{since}"
+
+
+def _last_finite_iteration(rec: Recording, step: Step, role: str, name: str) -> int | None:
+    """The last earlier iteration in which the same step saw that tensor finite."""
+    table = rec.steps
+    same = np.flatnonzero((table.column("name") == step.name) & (table.column("module_path") == step.module_path)
+                          & (table.column("phase") == layout.PHASES.index(step.phase))
+                          & (table.column("index") < step.index))
+    for k in same[::-1][:1000]:
+        earlier = rec.step(int(k))
+        for r in earlier.records:
+            if r.role == role and r.name == name and not r.nonfinite:
+                return earlier.iteration
+    return None
+
+
+# -- conditions over statistics ---------------------------------------------------------------------
+_OPS: dict[str, Callable[[Any, Any], Any]] = {">": operator.gt, ">=": operator.ge, "<": operator.lt,
+                                              "<=": operator.le, "==": operator.eq, "!=": operator.ne}
+_TOKEN = re.compile(r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|inf|nan))(?![\w.])"
+                    r"|(?P<op>>=|<=|==|!=|>|<)|(?P<paren>[()])|(?P<word>[A-Za-z_][\w.]*))")
+
+
+class ConditionError(PdbgError, ValueError):
+    """A --when condition that does not parse."""
+
+
+def _tokens(text: str) -> list[tuple[str, str]]:
+    out, pos = [], 0
+    text = text.strip()
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if not m or m.end() == pos:
+            raise ConditionError(f"cannot read the condition {text!r} at {text[pos:]!r}; write e.g. "
+                                 "'output.absmax > 1e3 and grad_input.0.nan == 0'")
+        kind = m.lastgroup or ""
+        value = m.group(kind)
+        if kind == "word" and value in ("and", "or", "not"):
+            kind = value
+        out.append((kind, value))
+        pos = m.end()
+    return out
+
+
+class Condition:
+    """A condition over a step's tensor statistics, evaluated for every step at once.
+
+    Grammar: ``atom (and|or) atom``, ``not atom``, parentheses; an atom is ``OPERAND OP NUMBER``
+    where OPERAND is ``ROLE[.NAME].STAT`` (``output.absmax``, ``output.0.max``, ``grad_input.0.nan``,
+    ``param.fc.weight.norm``) or ``NAME.STAT`` for a record name in any role (``attention_weights.max``).
+    ROLE is one of input, output, param, buffer, grad_output, grad_input, param_grad, watch; NAME a
+    record name or, for roles other than output, the position among that role's records; STAT one of
+    min, max, mean, std, absmax, norm, nan, inf. An atom holds for a step when any tensor it names does.
+    """
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._tokens = _tokens(text)
+        self._pos = 0
+        self.tree = self._or()
+        if self._pos != len(self._tokens):
+            raise ConditionError(f"unexpected {self._tokens[self._pos][1]!r} in the condition {text!r}")
+
+    # recursive descent: or -> and -> not -> atom
+    def _peek(self) -> str | None:
+        return self._tokens[self._pos][0] if self._pos < len(self._tokens) else None
+
+    def _take(self, kind: str) -> str:
+        if self._peek() != kind:
+            got = repr(self._tokens[self._pos][1]) if self._pos < len(self._tokens) else "the end"
+            wanted = {"num": "a number", "op": "a comparison (> >= < <= == !=)", "word": "ROLE[.NAME].STAT",
+                      "paren": "a parenthesis"}[kind]
+            raise ConditionError(f"expected {wanted} but found {got} in the condition {self.text!r}")
+        value = self._tokens[self._pos][1]
+        self._pos += 1
+        return value
+
+    def _or(self) -> Any:
+        node = self._and()
+        while self._peek() == "or":
+            self._pos += 1
+            node = ("or", node, self._and())
+        return node
+
+    def _and(self) -> Any:
+        node = self._not()
+        while self._peek() == "and":
+            self._pos += 1
+            node = ("and", node, self._not())
+        return node
+
+    def _not(self) -> Any:
+        if self._peek() == "not":
+            self._pos += 1
+            return ("not", self._not())
+        if self._peek() == "paren" and self._tokens[self._pos][1] == "(":
+            self._pos += 1
+            node = self._or()
+            if self._take("paren") != ")":
+                raise ConditionError(f"unbalanced parentheses in the condition {self.text!r}")
+            return node
+        operand = self._take("word")
+        op = self._take("op")
+        number = float(self._take("num"))
+        return ("atom", *_operand(operand, self.text), op, number)
+
+    def evaluate(self, rec: Recording) -> np.ndarray:
+        """One boolean per step."""
+        view = _TensorView(rec)
+        return self._eval(self.tree, view)
+
+    def _eval(self, node: Any, view: _TensorView) -> np.ndarray:
+        kind = node[0]
+        if kind == "and":
+            return self._eval(node[1], view) & self._eval(node[2], view)
+        if kind == "or":
+            return self._eval(node[1], view) | self._eval(node[2], view)
+        if kind == "not":
+            return ~self._eval(node[1], view)
+        _, role, name, stat, op, number = node
+        rows = view.rows(role, name)
+        values = view.stats[rows, layout.STAT_NAMES.index(stat)]
+        with np.errstate(invalid="ignore"):
+            hit = _OPS[op](values, number)
+        out = np.zeros(view.n, dtype=bool)
+        out[view.steps[rows[hit]]] = True
+        return out
+
+
+def _operand(text: str, condition: str) -> tuple[str | None, str | None, str]:
+    parts = text.split(".")
+    stat = parts[-1]
+    if stat not in layout.STAT_NAMES or len(parts) < 2:
+        raise ConditionError(f"{text!r} in {condition!r} must end in a statistic: one of "
+                             f"{', '.join(layout.STAT_NAMES)}")
+    head = parts[:-1]
+    if head[0] in layout.ROLES:
+        return head[0], ".".join(head[1:]) or None, stat
+    return None, ".".join(head), stat
+
+
+class _TensorView:
+    """The tensor table's step, role, name and statistics columns, for conditions."""
+
+    def __init__(self, rec: Recording) -> None:
+        rank = rec.rank
+        self.n = len(rec)
+        empty = not rank.lengths.get("tensors")
+        self.steps = np.zeros(0, np.int64) if empty else np.asarray(rank.column("tensors/step"))
+        self.roles = np.zeros(0, np.int8) if empty else np.asarray(rank.column("tensors/role"))
+        self.stats = np.zeros((0, 8)) if empty else np.asarray(rank.column("tensors/stats"))
+        ids = np.zeros(0, np.int64) if empty else np.asarray(rank.column("tensors/name"))
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        self.names = np.array([rank.doc(int(i)) for i in uniq], dtype=object)[inverse.reshape(-1)] \
+            if len(ids) else np.zeros(0, dtype=object)
+
+    def rows(self, role: str | None, name: str | None) -> np.ndarray:
+        if role is None:
+            return np.flatnonzero(self.names == name)
+        mask = self.roles == layout.ROLES.index(role)
+        if name is None:
+            return np.flatnonzero(mask)
+        exact = mask & ((self.names == name) | ((self.names == f"output.{name}") if role == "output" else False))
+        if exact.any() or not name.isdigit():
+            return np.flatnonzero(exact)
+        idx = np.flatnonzero(mask)  # NAME as a position among the step's records of that role
+        steps = self.steps[idx]
+        starts = np.r_[0, np.flatnonzero(np.diff(steps)) + 1] if len(idx) else np.zeros(0, np.int64)
+        ordinal = np.arange(len(idx)) - np.repeat(starts, np.diff(np.r_[starts, len(idx)]))
+        return idx[ordinal == int(name)]
+
+
+def find(rec: Recording, where: str | None, when: str | None, start: int | Step | None = None,
+         backward: bool = False) -> Step | None:
+    """The next (or, with ``backward``, the previous) step after ``start`` that matches the selector
+    ``where`` (None: any) and the condition ``when`` over its statistics (None: any), from the index
+    alone. ``start`` None: from the beginning (from the end with ``backward``)."""
+    n = len(rec)
+    mask = np.ones(n, dtype=bool)
+    if where:
+        mask[:] = False
+        mask[rec.steps.select(where).rows] = True
+    if when:
+        mask &= Condition(when).evaluate(rec)
+    first = int(start.index if isinstance(start, Step) else start) if start is not None else None
+    if backward:
+        hits = np.flatnonzero(mask[:first] if first is not None else mask)
+        return rec.step(int(hits[-1])) if len(hits) else None
+    offset = first + 1 if first is not None else 0
+    hits = np.flatnonzero(mask[offset:])
+    return rec.step(int(hits[0]) + offset) if len(hits) else None
+
+
+# -- two runs ---------------------------------------------------------------------------------------
+@dataclass
+class Divergence:
+    """The answer of :func:`first_divergence`."""
+
+    step: Step | None  # in run A: the root cause (same inputs, different results), innermost
+    other: Step | None  # the same step in run B
+    cause: str
+    first_difference: Step | None = None  # the first aligned step whose results differ at all
+    followed: list[Step] = field(default_factory=list)  # steps that differ only because their inputs did
+    compared: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """``pdbg bisect --against --json``: {"divergence", "cause"}."""
+        return {"divergence": self.step.to_json() if self.step else None, "cause": self.cause,
+                "other": self.other.to_json() if self.other else None,
+                "first_difference": self.first_difference.to_json() if self.first_difference else None,
+                "followed": [s.to_json() for s in self.followed[:SPREAD]], "compared": self.compared}
+
+
+class _Prints:
+    """Per tensor record of one run: a fingerprint (payload hash, or statistics and shape)."""
+
+    def __init__(self, rec: Recording) -> None:
+        rank = rec.rank
+        self.rec = rec
+        self.start = _column(rec, "tensor_start")
+        self.count = _column(rec, "tensor_count")
+        empty = not rank.lengths.get("tensors")
+        self.view = _TensorView(rec)
+        if empty:
+            self.prints = np.zeros((0, 2), dtype=np.uint64)
+            self.exact = np.zeros(0, dtype=bool)
+            return
+        payload = np.asarray(rank.column("tensors/payload")).copy()
+        for row, pid in rank._late.items():
+            payload[row] = pid
+        self.exact = payload >= 0
+        prints = np.zeros((len(payload), 2), dtype=np.uint64)
+        if rank.lengths.get("payloads"):
+            hashes = np.asarray(rank.column("payloads/hash"))
+            prints[self.exact] = hashes[payload[self.exact]]
+        stats = np.ascontiguousarray(self.view.stats[~self.exact]).view(np.uint64)
+        primes = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5,
+                           0x94D049BB133111EB, 0xBF58476D1CE4E5B9, 0xD6E8FEB86659FD93, 0xA0761D6478BD642F],
+                          dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            prints[~self.exact, 0] = np.bitwise_xor.reduce(stats * primes, axis=1) if len(stats) else 0
+            prints[~self.exact, 1] = np.bitwise_xor.reduce(stats * primes[::-1], axis=1) if len(stats) else 0
+        self.prints = prints
+
+    def of(self, index: int) -> dict[tuple[str, str], tuple[int, int]]:
+        a, b = int(self.start[index]), int(self.start[index]) + int(self.count[index])
+        return {(layout.ROLES[int(r)], str(nm)): (int(p[0]), int(p[1]))
+                for r, nm, p in zip(self.view.roles[a:b], self.view.names[a:b], self.prints[a:b])}
+
+
+_ARGS = {"forward": ("input",), "backward": ("grad_output",)}
+_PARAMS = ("param", "buffer")
+_RESULTS = {"forward": ("output",), "backward": ("grad_input", "param_grad")}
+
+
+def _parts(p: _Prints, step: Step) -> tuple[dict[Any, Any], dict[Any, Any], dict[Any, Any]]:
+    mine = p.of(step.index)
+    args = {k: v for k, v in mine.items() if k[0] in _ARGS[step.phase]}
+    params: dict[Any, Any] = {}
+    if step.phase == "backward" and step.forward is not None:
+        fwd = p.of(step.forward)
+        args.update({("forward " + k[0], k[1]): v for k, v in fwd.items() if k[0] == "input"})
+        params = {k: v for k, v in fwd.items() if k[0] in _PARAMS}
+    else:
+        params = {k: v for k, v in mine.items() if k[0] in _PARAMS}
+    results = {k: v for k, v in mine.items() if k[0] in _RESULTS[step.phase]}
+    return args, params, results
+
+
+def _keys(rec: Recording) -> list[tuple[Any, ...]]:
+    table = rec.steps
+    cols = [table.column(c) for c in ("iteration", "module_path", "phase", "call", "name")]
+    return list(zip(*(c.tolist() for c in cols)))
+
+
+def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
+    """The first step where run B parts from run A for a reason of its own.
+
+    Steps are aligned by (iteration, module path, phase, call, name) and compared by payload hash
+    (statistics where payloads are absent). A step whose inputs were identical in both runs but
+    whose results differ is a *root cause* (its parameters differ, or it computed differently); a
+    step that only received different inputs *followed*. The root cause reported is the first in
+    run A's execution order, the innermost where steps nest.
+    """
+    keys_b = {k: i for i, k in enumerate(_keys(rec_b))}
+    pairs = [(i, keys_b.get(k)) for i, k in enumerate(_keys(rec_a))]
+    common = sum(j is not None for _, j in pairs)
+    if not common:
+        raise RecordingError("the two recordings have no steps in common (same iteration, module path, phase, call "
+                             "and name); compare two runs of the same model")
+    pa, pb = _Prints(rec_a), _Prints(rec_b)
+    root: dict[int, str] = {}
+    result = Divergence(None, None, "", compared=common)
+    for i, j in pairs:
+        if j is None:
+            continue
+        sa, sb = rec_a.step(i), rec_b.step(j)
+        args_a, params_a, res_a = _parts(pa, sa)
+        args_b, params_b, res_b = _parts(pb, sb)
+        if res_a == res_b:
+            continue
+        if result.first_difference is None:
+            result.first_difference = sa
+        if args_a != args_b:
+            result.followed.append(sa)
+            continue
+        root[i] = _why(sa, sb, params_a, params_b, res_a, res_b)
+        if result.step is None:
+            result.step, result.other = sa, sb
+            break
+    if result.step is None:
+        if result.first_difference is None:
+            result.cause = f"no divergence: the {common} steps the runs have in common match"
+        else:
+            result.cause = (f"the results first differ at {describe(result.first_difference)}, but its inputs differ "
+                            "too: they came from outside every recorded step")
+        return result
+    index = result.step.index
+    descended = True
+    while descended:  # the innermost root cause: the first one inside it, and so on down
+        descended = False
+        for k in subtree(rec_a, index):
+            j = keys_b.get(_keys_one(rec_a, k))
+            if j is None:
+                continue
+            sa, sb = rec_a.step(k), rec_b.step(j)
+            args_a, params_a, res_a = _parts(pa, sa)
+            args_b, params_b, res_b = _parts(pb, sb)
+            if res_a != res_b and args_a == args_b:
+                result.step, result.other = sa, sb
+                root[k] = _why(sa, sb, params_a, params_b, res_a, res_b)
+                index, descended = k, True
+                break
+    result.cause = f"{describe(result.step)}: {root[index]}"
+    return result
+
+
+def _keys_one(rec: Recording, index: int) -> tuple[Any, ...]:
+    s = rec.step(index)
+    return (s.iteration, s.module_path, layout.PHASES.index(s.phase), s.call, s.name)
+
+
+def _why(sa: Step, sb: Step, params_a: dict[Any, Any], params_b: dict[Any, Any], res_a: dict[Any, Any],
+         res_b: dict[Any, Any]) -> str:
+    differ = sorted(k[1] for k in set(res_a) | set(res_b) if res_a.get(k) != res_b.get(k))
+    changed = sorted(k[1] for k in set(params_a) | set(params_b) if params_a.get(k) != params_b.get(k))
+    results = f"{', '.join(differ[:5])} differ{'s' if len(differ) == 1 else ''}"
+    if changed:
+        return f"same inputs, but {', '.join(changed[:5])} differ{'s' if len(changed) == 1 else ''}, so {results}"
+    reasons = []
+    if sa.definition.get("source_sha256") != sb.definition.get("source_sha256"):
+        reasons.append("its code differs between the runs")
+    if sa.settings != sb.settings:
+        keys = sorted(k for k in set(sa.settings) | set(sb.settings) if sa.settings.get(k) != sb.settings.get(k))
+        reasons.append(f"settings differ ({', '.join(keys[:5])})")
+    if sa._doc("rng") != sb._doc("rng") and _rng_bytes(sa) != _rng_bytes(sb):
+        reasons.append("its RNG state at entry differs")
+    why = "; ".join(reasons) or "nothing recorded explains it (nondeterministic kernels?)"
+    return f"same inputs and parameters, but {results}: {why}"
+
+
+def _rng_bytes(step: Step) -> Any:
+    return {k: (v.numpy().tobytes() if hasattr(v, "numpy") else repr(v)) for k, v in step.rng.items()}
+

@@ -1,0 +1,152 @@
+"""Operation-level bisection: replay one step with every aten operation checked, and name the first
+that turned finite inputs into NaN or Inf, with the user's source line.
+
+A forward step runs under a ``TorchDispatchMode`` that checks each operation's outputs; the source
+line is the innermost frame of the Python stack that is the user's code (not torch's, not
+PaperDebugger's, not the standard library's). A backward step's forward runs with autograd's anomaly
+mode (NaN checks off), which keeps the forward stack on every graph node; during the gradient
+computation each operation is attributed to the node running it and that node's forward line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sysconfig
+import traceback
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import recorder
+from recorder import stats as stats_mod
+
+from .compare import stats_dict
+from .recording import Recording, Step
+
+_SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep for m in (torch, recorder)) + (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep)
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n(?P<code>[^\n]*)')
+
+
+@dataclass
+class OpReport:
+    """The first operation that produced a non-finite value from finite inputs."""
+
+    name: str  # "aten::exp"
+    overload: str  # "aten.exp.default"
+    phase: str  # "forward" or "backward"
+    file: str | None
+    line: int | None
+    code: str | None
+    function: str | None = None
+    node: str | None = None  # backward: the autograd node running it ("SqrtBackward0")
+    index: int = 0  # how many operations the step ran before it, from 0
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "file": self.file, "line": self.line, "code": self.code,
+                "function": self.function, "overload": self.overload, "phase": self.phase, "node": self.node,
+                "index": self.index, "inputs": self.inputs, "outputs": self.outputs}
+
+    def where(self) -> str:
+        at = f"{self.file}:{self.line}" if self.file else "no user source line found"
+        node = f" in {self.node}" if self.node else ""
+        code = f": {self.code}" if self.code else ""
+        return f"{self.name}{node} at {at}{code}"
+
+
+def _user_frame(frames: list[tuple[str, int, str, str]]) -> tuple[str, int, str, str] | None:
+    """The innermost frame of the user's code."""
+    for file, line, func, code in reversed(frames):
+        path = os.path.abspath(file)
+        if file.startswith("<") or path.startswith(_SKIP_DIRS):
+            continue
+        return path, line, func, code
+    return None
+
+
+def _tensor_info(t: torch.Tensor) -> dict[str, Any]:
+    info: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    try:
+        info["stats"] = stats_dict(stats_mod.host_stats(t.detach().cpu()))
+    except (RuntimeError, TypeError, NotImplementedError):
+        info["stats"] = None
+    return info
+
+
+def _checked(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.layout == torch.strided
+            and t.device.type != "meta" and (t.is_floating_point() or t.is_complex())]
+
+
+def _nonfinite(t: torch.Tensor) -> bool:
+    return t.numel() > 0 and not bool(torch.isfinite(t).all())
+
+
+class _Finder(TorchDispatchMode):
+    def __init__(self, phase: str) -> None:
+        super().__init__()
+        self.phase = phase
+        self.found: OpReport | None = None
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.found is None:
+            outs = _checked(out)
+            if any(_nonfinite(t) for t in outs) and not any(_nonfinite(t) for t in _checked((args, kwargs))):
+                self.found = self._report(func, args, kwargs, outs)
+            self.count += 1
+        return out
+
+    def _report(self, func: Any, args: Any, kwargs: Any, outs: list[torch.Tensor]) -> OpReport:
+        overload = str(func)
+        name = "aten::" + overload.split(".")[1] if overload.startswith("aten.") else overload
+        node_name, frames = None, None
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                node_name = node.name()
+                stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+                if stack:
+                    frames = [(m["file"], int(m["line"]), m["func"].strip(), m["code"].strip())
+                              for m in _FRAME.finditer("".join(stack))]
+        if frames is None:
+            frames = [(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in traceback.extract_stack()]
+        user = _user_frame(frames)
+        file, line, function, code = user if user else (None, None, None, None)
+        return OpReport(name, overload, self.phase, file, line, code, function, node_name, self.count,
+                        [_tensor_info(t) for t in _checked((args, kwargs))], [_tensor_info(t) for t in outs])
+
+
+def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None) -> OpReport | None:
+    """Replay ``step`` operation by operation; the first that made NaN/Inf from finite inputs, or
+    None when none did (the values then came from outside the step's operations)."""
+    from .replay import Replayer
+
+    finders: dict[str, _Finder] = {}
+
+    @contextlib.contextmanager
+    def around(stage: str) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if step.phase == "backward" and stage == "forward":
+                stack.enter_context(warnings.catch_warnings())
+                warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled"
+                stack.enter_context(torch.autograd.detect_anomaly(check_nan=False))
+            else:
+                finders[stage] = stack.enter_context(_Finder(stage))
+            yield
+
+    Replayer(rec).replay(step, threads=threads, nested=False, around=around)
+    finder = finders.get(step.phase)
+    return finder.found if finder is not None else None

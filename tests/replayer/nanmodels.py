@@ -1,0 +1,28 @@
+"""Small models whose NaNs are born in known places (importable, so replay finds them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import recorder
+
+
+@recorder.paper_step("Eq. 2", description="SmoothReLU(x) = log(1 + exp(x + beta)) / gamma")
+def smooth_relu(x: torch.Tensor, beta: float = 1.0, gamma: float = 1.0) -> torch.Tensor:
+    return torch.log1p(torch.exp(x + beta)) / gamma
+
+
+@recorder.paper_step("Eq. 3", description="scaled block")
+class Scaled(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return smooth_relu(self.fc(x) * scale)
+
+
+@recorder.paper_step("Eq. 4", description="root of the energy")
+def root_energy(x: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(x * x)

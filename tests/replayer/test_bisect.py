@@ -1,0 +1,200 @@
+"""Bisect and diff: where a NaN was born (step, then operation and source line), where two runs
+part, and conditional search over a recording."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import recorder
+import replayer
+from recorder.errors import FormatError
+from replayer import bisect as bisect_mod
+from replayer.bisect import Condition, ConditionError
+from tests.cli import pdbg
+from tests.models import record_training
+from tests.replayer import nanmodels
+
+SCALES = (1.0, 10.0, 1000.0, 1.0)  # the third iteration makes exp overflow
+
+
+def line_of(fn: object, text: str) -> int:
+    lines, first = inspect.getsourcelines(fn)  # type: ignore[arg-type]
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+@pytest.fixture(scope="module")
+def overflow_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("overflow") / "run.zarr"
+    torch.manual_seed(0)
+    model = nanmodels.Scaled(4)
+    with recorder.record(path, model=model) as run:
+        for scale in SCALES:
+            model(torch.randn(3, 4), scale).sum().backward()
+            run.next_iteration()
+    return path
+
+
+def test_exp_overflow_in_smooth_relu_is_found_down_to_the_operation(overflow_run: Path, tmp_path: Path) -> None:
+    rec = replayer.open(overflow_run)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    step = origin.step
+    assert step is not None and (step.name, step.phase, step.iteration) == ("smooth_relu", "forward", 2)
+    assert rec.step(step.parent).name == "Scaled"  # the enclosing step went non-finite too: the inner one is named
+    assert "produced output (" in origin.cause and "Inf" in origin.cause and "from finite inputs" in origin.cause
+    op = origin.op
+    assert op is not None and op.name == "aten::exp" and op.phase == "forward"
+    assert (Path(op.file), op.line) == (Path(inspect.getsourcefile(nanmodels)),
+                                        line_of(nanmodels.smooth_relu, "torch.exp"))
+    assert "torch.exp(x + beta)" in op.code and op.inputs[0]["stats"]["inf"] == 0 and op.outputs[0]["stats"]["inf"] > 0
+    assert origin.spread and all(s.index > step.index for s in origin.spread)
+
+    res = pdbg("bisect", str(overflow_run), "--ops", cwd=tmp_path)
+    assert res.returncode == 1, res.stderr
+    assert "origin: Eq. 2 · smooth_relu · forward · iteration 2 · call 0" in res.stdout
+    assert "operation: aten::exp" in res.stdout and "torch.exp(x + beta)" in res.stdout
+    doc = json.loads(pdbg("bisect", str(overflow_run), "--ops", "--json", cwd=tmp_path).stdout)
+    assert doc["origin"]["index"] == step.index and doc["op"]["name"] == "aten::exp"
+    assert doc["op"]["line"] == op.line and {"origin", "cause", "op", "spread"} <= set(doc)
+
+
+def test_a_nan_born_in_the_backward_only(tmp_path: Path) -> None:
+    """sqrt at 0: the forward is finite, the gradient is not; the origin is the backward step, and
+    the operation is the backward's, attributed to the forward line of the sqrt."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        x = torch.tensor([0.0, 1.0, 4.0], requires_grad=True)
+        nanmodels.root_energy(x).sum().backward()
+    rec = replayer.open(path)
+    assert rec.step(0).status == "ok"
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.step is not None and (origin.step.name, origin.step.phase) == ("root_energy", "backward")
+    op = origin.op
+    assert op.phase == "backward" and op.node == "SqrtBackward0" and op.name.startswith("aten::")
+    assert op.line == line_of(nanmodels.root_energy, "torch.sqrt") and "torch.sqrt" in op.code
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert res.returncode == 1 and "SqrtBackward0" in res.stdout and "torch.sqrt(x * x)" in res.stdout
+
+
+def test_a_parameter_already_nonfinite_is_the_cause_not_a_step(tmp_path: Path) -> None:
+    def poison(i: int, model: torch.nn.Module) -> None:
+        if i == 2:
+            with torch.no_grad():
+                model.h[1].ln1.weight[0] = float("nan")
+
+    path = tmp_path / "run.zarr"
+    record_training(path, 3, before=poison)
+    origin = replayer.first_nonfinite(replayer.open(path))
+    assert origin.step is None and origin.entered is not None
+    assert (origin.entered.name, origin.entered.module_path, origin.entered.iteration) == ("Block", "h.1", 2)
+    assert origin.cause.startswith("parameter h.1.ln1.weight was already non-finite when step ")
+    assert "the optimizer update or code outside every recorded step wrote it" in origin.cause
+    assert origin.cause.endswith("it was last finite in iteration 1")
+    assert pdbg("bisect", str(path), cwd=tmp_path).returncode == 1
+
+
+def test_a_clean_run(tmp_path: Path) -> None:
+    path = tmp_path / "run.zarr"
+    record_training(path, 2)
+    assert replayer.first_nonfinite(replayer.open(path)).cause == "no non-finite values recorded"
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == "no non-finite values recorded"
+    doc = json.loads(pdbg("bisect", str(path), "--json", cwd=tmp_path).stdout)
+    assert doc["origin"] is None and doc["spread"] == []
+
+
+def test_flags_of_old_recordings_are_computed_from_the_statistics(overflow_run: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = replayer.open(overflow_run)
+    flags = bisect_mod.step_flags(rec)
+    real = rec.rank.column
+
+    def without_flags(path: str) -> object:
+        if path == "steps/flags":
+            raise FormatError("array steps/flags is missing")
+        return real(path)
+
+    monkeypatch.setattr(rec.rank, "column", without_flags)
+    assert (bisect_mod.step_flags(rec) == flags).all() and flags.any()
+    assert replayer.first_nonfinite(rec).step.index == replayer.first_nonfinite(replayer.open(overflow_run)).step.index
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Run B multiplies one attention projection's weights at the start of iteration 5."""
+    where = tmp_path_factory.mktemp("two")
+
+    def bump(i: int, model: torch.nn.Module) -> None:
+        if i == 5:
+            with torch.no_grad():
+                model.h[1].attn.proj.weight.mul_(1.5)
+
+    record_training(where / "a.zarr", 8)
+    record_training(where / "b.zarr", 8, before=bump)
+    return where / "a.zarr", where / "b.zarr"
+
+
+def test_divergence_names_the_changed_module_not_its_successors(two_runs: tuple[Path, Path], tmp_path: Path) -> None:
+    a, b = (replayer.open(p) for p in two_runs)
+    div = replayer.first_divergence(a, b)
+    step = div.step
+    assert step is not None and (step.name, step.module_path, step.iteration, step.phase) == (
+        "Attention", "h.1.attn", 5, "forward")
+    assert "proj.weight differs" in div.cause
+    assert div.first_difference is not None and div.first_difference.name == "Block"  # it encloses the attention
+    later = [s for s in a.steps if s.iteration >= 6]
+    assert all(div.step.index < s.index for s in later)
+    res = pdbg("bisect", str(two_runs[0]), "--against", str(two_runs[1]), "--json", cwd=tmp_path)
+    assert res.returncode == 1 and json.loads(res.stdout)["divergence"]["module_path"] == "h.1.attn"
+    same = pdbg("bisect", str(two_runs[0]), "--against", str(two_runs[0]), cwd=tmp_path)
+    assert same.returncode == 0 and same.stdout.startswith("no divergence")
+
+
+def test_runs_of_different_models_are_refused_in_one_line(two_runs: tuple[Path, Path], overflow_run: Path,
+                                                           tmp_path: Path) -> None:
+    res = pdbg("bisect", str(two_runs[0]), "--against", str(overflow_run), cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "no steps in common" in lines[0]
+
+
+def brute_force(rec: replayer.Recording, start: int, threshold: float) -> int | None:
+    for index in range(start - 1, -1, -1):
+        if any(r.role == "output" and r.stats["absmax"] > threshold for r in rec.step(index).records):
+            return index
+    return None
+
+
+def test_find_backward_from_the_origin_matches_a_brute_force_scan(overflow_run: Path, tmp_path: Path) -> None:
+    rec = replayer.open(overflow_run)
+    origin = replayer.first_nonfinite(rec).step
+    for threshold in (0.5, 2.0, 5.0, 1e9):
+        found = replayer.find(rec, None, f"output.absmax > {threshold}", start=origin, backward=True)
+        assert (found.index if found else None) == brute_force(rec, origin.index, threshold), threshold
+    res = pdbg("find", str(overflow_run), "*", "--when", "output.absmax > 2", "--from", str(origin.index),
+               "--backward", "--json", cwd=tmp_path)
+    assert res.returncode == 0 and json.loads(res.stdout)["step"]["index"] == brute_force(rec, origin.index, 2.0)
+    forward = replayer.find(rec, "Scaled", "output.inf > 0")
+    assert forward is not None and forward.iteration == 2
+    none = pdbg("find", str(overflow_run), "*", "--when", "output.absmax > 1e30 and output.inf == 0", cwd=tmp_path)
+    assert none.returncode == 1 and none.stdout.startswith("no step matches")
+
+
+def test_conditions(overflow_run: Path) -> None:
+    rec = replayer.open(overflow_run)
+    grads = Condition("grad_input.0.nan > 0 or grad_input.0.inf > 0").evaluate(rec)
+    named = Condition("grad_input.args.0.nan > 0 or grad_input.args.0.inf > 0").evaluate(rec)
+    assert (grads == named).all() and grads.any()
+    by_name = Condition("fc.weight.absmax > 0").evaluate(rec)  # a record name in any role
+    assert by_name.sum() == len(rec.steps.filter(name="Scaled"))
+    got = Condition("output.nan == 0 and not (output.inf > 0 or output.absmax > 3)").evaluate(rec)
+    expected = [any(r.stats["nan"] == 0 for r in s.tensors("output")) and not any(
+        r.stats["inf"] > 0 or r.stats["absmax"] > 3 for r in s.tensors("output")) for s in rec.steps]
+    assert got.tolist() == expected and 0 < sum(expected) < len(expected)
+    for bad, message in (("output.absmax >", "expected a number"), ("output.foo > 1", "must end in a statistic"),
+                         ("output.max > 1 and", "expected ROLE"), ("output.max ~ 1", "cannot read")):
+        with pytest.raises(ConditionError, match=message):
+            Condition(bad)

@@ -1,0 +1,124 @@
+"""pdbg bisect RUN [--against OTHER] [--ops] [--json], pdbg find RUN WHERE --when EXPR [--from STEP] [--backward]
+
+bisect: the origin of the first NaN/Inf (the first step, innermost where steps nest, whose results
+went non-finite while everything it computed from was finite), from the recorded statistics; with
+--ops, the operation inside it and the line of your code; with --against OTHER, the first step
+where the two runs part for a reason of their own. Exit 1 when something was found, 0 when clean.
+
+find: the next step after --from (or the first) that matches WHERE (a step selector; "*" for any)
+and the condition over its statistics, e.g. --when "output.absmax > 1e3"; --backward searches
+towards the start (reverse-continue). Exit 0 when a step was found, 1 when none matches (like grep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from recorder.errors import PdbgError, ReplayError
+
+from .cmd_replay import STEP_HELP, _open, _step_text
+
+
+def add_parsers(sub: Any) -> None:
+    doc = (__doc__ or "").split("\n\n")
+    p = sub.add_parser("bisect", help="find where the first NaN/Inf was born, or where two runs part",
+                       description=doc[1])
+    p.add_argument("run", metavar="RUN", help="the recording")
+    p.add_argument("--against", metavar="OTHER", help="another recording of the same model: find the first divergence")
+    p.add_argument("--ops", action="store_true", help="replay the origin step and name the first operation that made "
+                   "a NaN/Inf from finite inputs, with its source line")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(handler=bisect)
+
+    p = sub.add_parser("find", help="the next (or previous) step matching a condition", description=doc[2])
+    p.add_argument("run", metavar="RUN", help="the recording")
+    p.add_argument("where", metavar="WHERE", help="a step selector, or '*' for any step")
+    p.add_argument("--when", metavar="EXPR", help="a condition over statistics: ROLE[.NAME].STAT OP NUMBER, joined "
+                   "with and/or/not (STAT: min max mean std absmax norm nan inf)")
+    p.add_argument("--from", dest="start", metavar="STEP", help="start after (or before, with --backward) this step: "
+                   + STEP_HELP)
+    p.add_argument("--backward", action="store_true", help="search towards the start of the run")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(handler=find)
+
+
+def bisect(args: argparse.Namespace) -> int:
+    import replayer
+
+    rec = _open(args.run)
+    if args.against:
+        if args.ops:
+            raise PdbgError("--ops applies to the origin of a NaN, not to --against; use one or the other")
+        div = replayer.first_divergence(rec, _open(args.against))
+        if args.json:
+            print(json.dumps(div.to_json()))
+        else:
+            print(div.cause if div.step is None else f"root cause: {div.cause}")
+            if div.followed:
+                print(f"steps that only followed it (different inputs): {len(div.followed)}, first "
+                      f"{_step_text(div.followed[0].to_json())}")
+        return 1 if div.first_difference is not None else 0
+    origin = replayer.first_nonfinite(rec)
+    op_note = None
+    if args.ops and origin.step is not None:
+        from replayer.ops import bisect_ops
+
+        try:
+            origin.op = bisect_ops(rec, origin.step)
+        except ReplayError as exc:
+            op_note = f"operation-level bisection needs a replay, and this step cannot be replayed: {exc}"
+        if origin.op is None and op_note is None:
+            op_note = "no single operation inside the step turned finite inputs into NaN/Inf during the replay"
+    if args.json:
+        doc = origin.to_json()
+        if op_note:
+            doc["op_note"] = op_note
+        print(json.dumps(doc))
+        return 1 if origin.found else 0
+    if not origin.found:
+        print(origin.cause)
+        return 0
+    if origin.step is not None:
+        print("origin: " + _paper_line(origin.step))
+    print(origin.cause)
+    if origin.op is not None:
+        op = origin.op
+        print(f"operation: {op.name}" + (f" (in {op.node}, the backward of)" if op.node else ""))
+        if op.file:
+            print(f"  {op.file}:{op.line}" + (f" in {op.function}" if op.function else ""))
+            print(f"    {op.code}")
+        for i, t in enumerate(op.inputs):
+            st = t.get("stats") or {}
+            print(f"  input {i}: {t['dtype']}{t['shape']} min {st.get('min')} max {st.get('max')} "
+                  f"nan {st.get('nan')} inf {st.get('inf')}")
+    elif op_note:
+        print(op_note)
+    if origin.spread:
+        print("then: " + "; ".join(f"step {s.index} {s.name} ({s.phase}, iteration {s.iteration})"
+                                   for s in origin.spread))
+    return 1
+
+
+def _paper_line(step: Any) -> str:
+    from replayer.bisect import describe
+
+    return describe(step).split(": ", 1)[1]
+
+
+def find(args: argparse.Namespace) -> int:
+    import replayer
+
+    rec = _open(args.run)
+    start = rec.step(args.start) if args.start is not None else None
+    where = None if args.where in ("*", "") else args.where
+    found = replayer.find(rec, where, args.when, start=start, backward=args.backward)
+    if args.json:
+        print(json.dumps({"step": found.to_json() if found else None}))
+    elif found is None:
+        print("no step matches" + (f" before {start.index}" if args.backward and start else
+                                   f" after {start.index}" if start else ""))
+    else:
+        print(_step_text(found.to_json()))
+    return 0 if found is not None else 1
