@@ -104,52 +104,39 @@ def train(out: Path, iterations: int, lr: float) -> int | None:
 
 
 def origin(path: Path) -> None:
-    """Print the first step that produced non-finite values from finite inputs, and what followed."""
-    from recorder.store.reader import RunReader
+    """Print the first step that produced non-finite values from finite inputs (what `pdbg bisect
+    --ops` prints), the tensors it saw, and what followed."""
+    import replayer
 
-    rank = RunReader(path).rank(0)
-    status, parents = rank.column("steps/status"), rank.column("steps/parent")
-
-    def produced_it(i: int) -> bool:  # non-finite outputs from finite inputs
-        inputs = [r for r in rank.tensor_records(i) if r.role in ("input", "param", "buffer", "grad_output")]
-        return status[i] == 2 and all(not r.nonfinite for r in inputs)
-
-    def inside(j: int, i: int) -> bool:
-        while j != -1:
-            j = int(parents[j])
-            if j == i:
-                return True
-        return False
-
-    candidates = [i for i in range(len(rank)) if produced_it(i)]
-    if not candidates:
-        print("no recorded step produced a non-finite value from finite inputs")
+    rec = replayer.open(path)
+    found = replayer.first_nonfinite(rec, ops=True)
+    step = found.step
+    if step is None:
+        print(f"\n{found.cause}")
         return
-    i = candidates[0]
-    while inner := [j for j in candidates if inside(j, i)]:  # the innermost step that produced it
-        i = inner[0]
-    records = rank.tensor_records(i)
-    col = lambda n: rank.column(f"steps/{n}")[i]  # noqa: E731
-    definition = rank.doc(int(col("definition")))
-    paper = definition["paper"]
-    phase = ("forward", "backward")[int(col("phase"))]
-    print(f"\nfirst non-finite step: #{i} {definition['name']} ({phase}), iteration {int(col('iteration'))}, "
-          f"module {rank.doc(int(col('module_path'))) or '<root>'}")
-    print(f"  paper: {paper['label']} - {paper['description']}")
+    definition = step.definition
+    where = step.module_path or "<root>"
+    print(f"\nfirst non-finite step: #{step.index} {step.name} ({step.phase}), iteration {step.iteration}, "
+          f"module {where}")
+    print(f"  paper: {step.paper['label']} - {step.paper['description']}")
     print(f"  code:  {definition['file']}:{definition['line']}")
-    for r in records:
+    for r in step.records:
         s = r.stats
         print(f"  {r.role:<11} {r.name:<18} {str(list(r.shape)):<15} min {s['min']:>10.4g}  max {s['max']:>10.4g}"
               f"  nan {int(s['nan']):>5}  inf {int(s['inf']):>5}")
-    later = [j for j in range(i + 1, len(rank)) if status[j] == 2 and not inside(i, j)][:5]
-    for j in (j for j in range(i + 1, len(rank)) if int(parents[j]) == i):  # the steps it called
-        out = next((r for r in rank.tensor_records(j) if r.role == "output"), None)
-        if out is not None:
-            s = out.stats
-            print(f"  inside it: #{j} {rank.doc(int(rank.column('steps/name')[j]))} output min {s['min']:.4g} "
-                  f"max {s['max']:.4g} nan {int(s['nan'])} inf {int(s['inf'])}")
-    names = ", ".join(f"#{j} {rank.doc(int(rank.column('steps/name')[j]))}" for j in later)
+    if found.op is not None:
+        op = found.op
+        print(f"  operation: {op.name} at {op.file}:{op.line}: {op.code}")
+    for inner in rec.steps.filter(iteration=step.iteration):  # the steps it called
+        if inner.parent == step.index:
+            out = next(iter(inner.tensors("output")), None)
+            if out is not None:
+                s = out.stats
+                print(f"  inside it: #{inner.index} {inner.name} output min {s['min']:.4g} max {s['max']:.4g} "
+                      f"nan {int(s['nan'])} inf {int(s['inf'])}")
+    names = ", ".join(f"#{s.index} {s.name}" for s in found.spread[:5])
     print(f"  then non-finite: {names or 'nothing else recorded (training stopped)'}")
+    print(f"\nthe same from the command line: pdbg bisect {path} --ops")
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ def test_demo_records_the_crash_and_names_its_origin(tmp_path):
     assert "first non-finite step: #64 SmoothAttention (forward), iteration 5, module blocks.1.attn" in proc.stdout
     assert "paper: Eq. 3" in proc.stdout
     assert "inside it: #65 smooth_relu output min 0 " in proc.stdout
+    assert "operation: aten::div at " in proc.stdout and "weights / weights.sum(-1, keepdim=True)" in proc.stdout
     reader = RunReader(out)
     assert reader.status == "complete"
     assert int(reader.rank(0).column("steps/status")[64]) == 2  # nonfinite
