@@ -69,14 +69,14 @@ def _b64(data: bytes) -> str:
 
 
 @contextmanager
-def applied_rng(parts: dict[str, Any]) -> Iterator[None]:
+def applied_rng(parts: dict[str, Any], *, cuda: bool = False) -> Iterator[None]:
     """Run a block with the given generator states ({part: decoded state}), then restore the
-    caller's. CUDA parts are applied only to devices that exist; the caller's CUDA state is saved
-    only where CUDA was already initialised (or is initialised by the block itself)."""
+    caller's. CUDA parts are applied only to devices that exist; the caller's CUDA states are saved
+    when CUDA parts are given, or ``cuda`` asks for it (the block seeds them), and CUDA is available."""
     saved_cpu, saved_np, saved_py = torch.get_rng_state(), np.random.get_state(), random.getstate()
     cuda_parts = {int(k.split(":")[1]): v for k, v in parts.items() if k.startswith("cuda:")}
     saved_cuda = None
-    if cuda_parts and torch.cuda.is_available():
+    if (cuda_parts or cuda) and torch.cuda.is_available():
         saved_cuda = torch.cuda.get_rng_state_all()
     try:
         if "torch" in parts:

@@ -31,8 +31,25 @@ class InnerStep:
     diffs: list[Diff] = field(default_factory=list)
     reason: str | None = None
 
+    @property
+    def change(self) -> str:
+        """"same", "became finite", "became non-finite" or "changed" (recorded vs replayed)."""
+        if self.match:
+            return "same"
+
+        def bad(stats: dict[str, Any]) -> bool:
+            return bool((stats.get("nan") or 0) + (stats.get("inf") or 0))
+
+        recorded = any(bad(d.recorded) for d in self.diffs)
+        replayed = any(bad(d.replayed) for d in self.diffs if d.replayed)
+        if recorded and not replayed and self.diffs and all(d.replayed for d in self.diffs):
+            return "became finite"
+        if replayed and not recorded:
+            return "became non-finite"
+        return "changed"
+
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step.to_json(), "match": self.match, "reason": self.reason,
+        return {"step": self.step.to_json(), "match": self.match, "change": self.change, "reason": self.reason,
                 "outputs": [d.to_json() for d in self.diffs]}
 
 
@@ -81,8 +98,9 @@ class InnerTap:
     enabled = True
 
     def __init__(self, root: torch.nn.Module | None, root_path: str, inner: list[Step], *,
-                 backward: bool = False) -> None:
-        self.inner, self.backward = inner, backward
+                 backward: bool = False, plan: Any = None) -> None:
+        self.inner, self.backward, self.plan = inner, backward, plan
+        self._seen_count: dict[tuple[str, str], int] = {}
         self.calls: list[_Seen] = []
         self._stack: list[str] = [root_path]
         self._open: dict[str, list[_Seen]] = {}
@@ -127,7 +145,43 @@ class InnerTap:
         seen = _Seen("module", path)
         self.calls.append(seen)
         self._open.setdefault(path, []).append(seen)
-        return self._tap_in(seen, args, kwargs)
+        edited = self._edit_args(seen, args, kwargs)
+        if edited is not None:
+            args, kwargs = edited
+        tapped = self._tap_in(seen, args, kwargs)
+        return tapped if tapped is not None else edited
+
+    def _recorded(self, seen: _Seen) -> Step | None:
+        """The recorded inner step this replayed call corresponds to (same key, same order)."""
+        key = (seen.kind, seen.path)
+        k = self._seen_count.get(key, 0)
+        self._seen_count[key] = k + 1
+        same = [s for s in self.inner if s.module_path == seen.path and (
+            ("module" if s.definition.get("kind") == "module" else f"function:{s.name}") == seen.kind)]
+        return same[k] if k < len(same) else None
+
+    def _edit_args(self, seen: _Seen, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Apply the plan's edits aimed at this inner call (``STEP/args.0``); None when none apply."""
+        step = self._recorded(seen)
+        if self.plan is None or step is None:
+            return None
+        from .intervene import matches
+
+        changes = [c for c in self.plan.edits if c.step is not None and matches(
+            c.step, step.name, step.paper.get("label"), step.module_path, step.call)]
+        if not changes:
+            return None
+        args, kwargs = list(args), dict(kwargs)
+        for c in changes:
+            where, _, key = c.tensor.partition(".")
+            if where == "args" and key.isdigit() and int(key) < len(args) and isinstance(args[int(key)], torch.Tensor):
+                args[int(key)] = c.run(args[int(key)])
+            elif where == "kwargs" and isinstance(kwargs.get(key), torch.Tensor):
+                kwargs[key] = c.run(kwargs[key])
+            else:
+                continue
+            c.used += 1
+        return tuple(args), kwargs
 
     def _exit(self, path: str, output: Any) -> Any:
         if self._stack and self._stack[-1] == path:
@@ -145,12 +199,26 @@ class InnerTap:
             return fn(module, *args, **kwargs)
         seen = _Seen(f"function:{defn.name}", self._stack[-1])
         self.calls.append(seen)
+        edited = self._edit_args(seen, args, kwargs)
+        if edited is not None:
+            args, kwargs = edited
+        fn = self._swapped(defn, fn)
         tapped = self._tap_in(seen, args, kwargs)
         if tapped is not None:
             args, kwargs = tapped
         out = fn(*args, **kwargs)
         seen.outputs = _snapshot(out)
         return self._tap_out(seen, out)
+
+    def _swapped(self, defn: Any, fn: Any) -> Any:
+        if self.plan is None:
+            return fn
+        from .intervene import swap_function
+
+        for sw in self.plan.swaps:
+            if sw.key in (defn.name, defn.paper.get("label")):
+                return swap_function(fn, sw)
+        return fn
 
     def watch(self, tensor: Any, name: str, expect: dict[str, Any]) -> None:
         pass

@@ -57,6 +57,7 @@ def _unresolved(value: Any) -> str | None:
 class Builder:
     def __init__(self, loader: CodeLoader) -> None:
         self.loader = loader
+        self._override: type | None = None
 
     def module_class(self, ref: str) -> type:
         cls = self.loader.resolve(ref)
@@ -64,10 +65,13 @@ class Builder:
             raise ReplayError(f"{ref} is not an nn.Module class now; the recording's module cannot be rebuilt")
         return cls
 
-    def build(self, doc: dict[str, Any], label: str) -> Rebuilt:
+    def build(self, doc: dict[str, Any], label: str, cls: type | None = None) -> Rebuilt:
+        """Rebuild a module from its skeleton document; ``cls`` overrides the class of the top module."""
         if not isinstance(doc, dict) or "class" not in doc:
             raise ReplayError(f"the recording holds no description of module {label!r}; it cannot be rebuilt")
         out = Rebuilt(torch.nn.Module())
+        if cls is not None:
+            self._override = cls
         if "attrs" not in doc:  # written before skeletons were recorded: the constructor is all there is
             module = self._construct(doc, "", out)
             if module is None:
@@ -80,15 +84,16 @@ class Builder:
 
     def _node(self, doc: dict[str, Any], path: str, out: Rebuilt) -> torch.nn.Module:
         where = path or "the step's module"
+        override, self._override = self._override, None  # a swap: another class in this module's place
         unrecorded = doc.get("unrecorded") or {}
-        if unrecorded:
+        if unrecorded and override is None:
             names = ", ".join(f"{k} ({v})" for k, v in unrecorded.items())
             module = self._construct(doc, path, out)
             if module is not None:
                 return module
             out.warnings.append(f"{where}: attributes {names} could not be recorded as data and the module was "
                                 "not built with known constructor arguments; rebuilt without them")
-        cls = self.module_class(doc["class"])
+        cls = override if override is not None else self.module_class(doc["class"])
         module = cls.__new__(cls)
         torch.nn.Module.__init__(module)  # torch's bookkeeping only; the user's __init__ does not run
         module.training = bool(doc.get("training", True))

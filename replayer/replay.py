@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from recorder import capture, jsonval
-from recorder.errors import ReplayError
+from recorder import capture, jsonval, snapshot
+from recorder.errors import PdbgError, ReplayError
 from recorder.store.reader import TensorRecord
 
-from . import state
+from . import intervene, state
 from .code import CodeLoader
 from .compare import Diff, compare, stats_dict
 from .nested import InnerStep, InnerTap, descendants
@@ -48,6 +48,7 @@ class ReplayResult:
     inner: list[InnerStep] = field(default_factory=list)
     values: dict[str, torch.Tensor] = field(default_factory=dict)  # the replayed tensors by name
     exception: str | None = None  # what the replayed call raised, if it raised
+    intervention: dict[str, Any] | None = None  # the swaps, edits and overrides applied, if any
 
     @property
     def diffs(self) -> dict[str, Diff]:
@@ -65,7 +66,8 @@ class ReplayResult:
                 "outputs": [d.to_json() for d in self.outputs], "warnings": self.warnings,
                 "environment_differences": self.environment_differences, "rebuilt": self.rebuilt,
                 "inner": [s.to_json() for s in self.inner],
-                "first_divergence": first.to_json() if first else None, "exception": self.exception}
+                "first_divergence": first.to_json() if first else None, "exception": self.exception,
+                "intervention": self.intervention}
 
     def __repr__(self) -> str:
         verdict = "match" if self.match else "MISMATCH"
@@ -81,13 +83,20 @@ class Replayer:
         self._env: list[str] | None = None
 
     def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True,
-               around: Around | None = None) -> ReplayResult:
+               around: Around | None = None, swap: dict[str, Any] | None = None, edit: dict[str, Any] | None = None,
+               settings: dict[str, Any] | None = None, seed: int | None = None) -> ReplayResult:
         """Replay one step (see :func:`replay`). ``around(stage)`` gives a context manager entered around
         the call ("forward"; for a backward step "forward" then "backward" around the gradients)."""
         step = which if isinstance(which, Step) else self.rec.step(which)
         self._around = around or _no_context
+        self.plan = self._plan(step, swap, edit, settings, seed)
         backward = step.phase == "backward"
         result = self._backward(step, threads, nested) if backward else self._forward(step, threads, nested)
+        result.warnings.extend(self.plan.notes)
+        for unused in [c.key for c in self.plan.edits if not c.used] + [s.key for s in self.plan.swaps if not s.used]:
+            result.warnings.append(f"{unused}: matched nothing that ran during the replay")
+        if not self.plan.empty:
+            result.intervention = self.plan.describe()
         if self._env is None:
             self._env = state.environment_differences(self.rec.run_info, step.settings)
         result.environment_differences = list(self._env)
@@ -100,6 +109,105 @@ class Replayer:
         result.warnings.extend(self.loader.notes)
         self.loader.notes.clear()
         return result
+
+    def _plan(self, step: Step, swap: dict[str, Any] | None, edit: dict[str, Any] | None,
+              settings: dict[str, Any] | None, seed: int | None) -> intervene.Plan:
+        plan = intervene.Plan(edits=intervene.parse_edits(edit), seed=seed)
+        plan.settings = intervene.parse_settings(settings, step.settings)
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise intervene.InterventionError(f"seed must be an integer, not {seed!r}")
+        for key, given in (swap or {}).items():
+            text = given if isinstance(given, str) else None
+            resolved = given
+            if text is not None:
+                try:
+                    resolved = self.loader.resolve(text)
+                except ReplayError as exc:
+                    raise intervene.InterventionError(f"swap {key}: {exc}") from None
+            elif not callable(given):
+                raise intervene.InterventionError(f"swap {key}: give an import reference, a class or a callable, "
+                                                  f"not {type(given).__name__}")
+            plan.swaps.append(intervene.Swap(key, resolved, text))
+        own = [c for c in plan.edits if c.step is None]
+        if own:
+            fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
+            names = {r.name for r in fwd.records if r.role in ("input", "param", "buffer")}
+            if step.phase == "backward":
+                names |= {f"grad_output:{r.name}" for r in step.tensors("grad_output")}
+                names |= {r.name for r in step.tensors("grad_output")} - names
+            for c in own:
+                if c.tensor not in names:
+                    raise intervene.InterventionError(f"edit {c.key}: step {step.index} has no tensor {c.tensor!r}; "
+                                                      f"it has {', '.join(sorted(names))}")
+        return plan
+
+    def _own_swap(self, step: Step) -> intervene.Swap | None:
+        """A swap aimed at the replayed step itself (its name, label, module path, or '.')."""
+        for sw in self.plan.swaps:
+            if sw.key in (".", step.name, step.paper.get("label")) or (step.module_path and sw.key == step.module_path):
+                return sw
+        return None
+
+    def _swap_inside(self, step: Step, module: torch.nn.Module, inner: list[Step]) -> torch.nn.Module:
+        """Apply the swaps aimed at the step's module or its submodules (by path, or by inner step name)."""
+        own = self._own_swap(step)
+        paths = {name: sub for name, sub in module.named_modules()}
+        for sw in self.plan.swaps:
+            targets = []
+            if sw is own:
+                targets = [""]
+            else:
+                for rel in paths:
+                    full = _join(step.module_path, rel)
+                    if rel and sw.key in (rel, full):
+                        targets.append(rel)
+                targets += [s.module_path[len(step.module_path):].lstrip(".") for s in inner
+                            if s.definition.get("kind") == "module" and sw.key in (s.name, s.paper.get("label"))]
+            for rel in dict.fromkeys(targets):
+                original = module.get_submodule(rel) if rel else module
+                if not isinstance(sw.replacement, type) and not isinstance(original, torch.nn.Module):
+                    continue
+                doc = self._skeleton_of(step, rel)
+                init = self._init_args(doc)
+                new = intervene.swap_module(
+                    original, sw.replacement, sw.key,
+                    lambda cls, d=doc, k=sw.key: Builder(self.loader).build(d, k, cls=cls).module,
+                    init, self.plan.notes)
+                sw.used += 1
+                if rel:
+                    parent_name, _, leaf = rel.rpartition(".")
+                    module.get_submodule(parent_name)._modules[leaf] = new
+                else:
+                    module = new
+        return module
+
+    def _skeleton_of(self, step: Step, rel: str) -> dict[str, Any]:
+        doc = step._doc("module") or {}
+        for part in rel.split(".") if rel else ():
+            doc = (doc.get("children") or {}).get(part) or {}
+        return doc
+
+    def _init_args(self, doc: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
+        init = doc.get("init") if isinstance(doc, dict) else None
+        if not isinstance(init, dict):
+            return None
+        args = jsonval.decode(init.get("args", []), resolve=self.loader.resolve)
+        kwargs = jsonval.decode(init.get("kwargs", {}), resolve=self.loader.resolve)
+        return None if _find_unresolved([args, kwargs]) else (args, kwargs)
+
+    def _edit_grad(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        for c in self.plan.edits_for(None):
+            if c.tensor in (name, f"grad_output:{name}"):
+                c.used += 1
+                value = c.run(value)
+        return value
+
+    def _edit(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        for c in self.plan.edits_for(None):
+            if c.tensor == name:
+                c.used += 1
+                value = c.run(value)
+        return value
 
     # -- preparing a call ------------------------------------------------------------------------
     def _prepare(self, step: Step, warnings: list[str], rebuilt: dict[str, str]) -> _Call:
@@ -117,7 +225,7 @@ class Replayer:
             rec = tensors.get(name)
             if rec is None:
                 raise ReplayError(f"step {step.index}: argument tensor {name!r} is missing from the recording")
-            leaf = _materialize(step, rec)
+            leaf = self._edit(name, _materialize(step, rec))
             if rec.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
                 leaf.requires_grad_(True)
             leaves[name] = leaf
@@ -136,14 +244,17 @@ class Replayer:
             module = built.module
             warnings.extend(built.warnings)
             rebuilt.update({_join(step.module_path, k): v for k, v in built.how.items()})
-            params = {r.name: _materialize(step, r) for r in records if r.role == "param"}
-            buffers = {r.name: _materialize(step, r) for r in records if r.role == "buffer"}
+            params = {r.name: self._edit(r.name, _materialize(step, r)) for r in records if r.role == "param"}
+            buffers = {r.name: self._edit(r.name, _materialize(step, r)) for r in records if r.role == "buffer"}
             devices = {t.device for t in (*params.values(), *buffers.values())}
             if "constructor" in built.how.values() and len(devices) == 1:
                 module.to(next(iter(devices)))
             warnings.extend(load_state(module, params, buffers, {r.name: r.requires_grad for r in records
                                                                  if r.role == "param"}))
             target = target if target is not None else type(module)
+            if self.plan.swaps:  # a replacement's constructor must not draw from the caller's generators
+                with snapshot.applied_rng({}, cuda=True):
+                    module = self._swap_inside(step, module, descendants(step) if step.phase == "forward" else [])
             fn: Any = module
         else:
             module = None
@@ -151,6 +262,10 @@ class Replayer:
             fn = getattr(target, "__wrapped__", target)  # the undecorated function: the step itself is not re-recorded
             if not callable(fn):
                 raise ReplayError(f"{defn.get('ref')} is not callable now; step {step.index} cannot be replayed")
+            own = self._own_swap(step)
+            if own is not None:
+                with snapshot.applied_rng({}, cuda=True):
+                    fn = intervene.swap_function(fn, own)
         drift = self.loader.drift(defn, target)
         if drift:
             warnings.append(drift)
@@ -192,15 +307,18 @@ class Replayer:
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}
         call = self._prepare(step, warnings, rebuilt)
-        inner = descendants(step) if nested else []
-        tap = InnerTap(call.module, step.module_path, inner) if inner else None
-        settings = step.settings
+        inner = descendants(step) if nested or self.plan.edits_inside() or self.plan.swaps else []
+        tap = InnerTap(call.module, step.module_path, inner, plan=self.plan) if inner else None
+        settings = {**step.settings, **self.plan.settings}
         out, raised = None, None
-        with state.applied(settings, step.rng, threads=threads, notes=warnings), state.per_call(settings):
+        with state.applied(settings, step.rng, threads=threads, notes=warnings, seed=self.plan.seed), \
+                state.per_call(settings):
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
                 with self._around("forward"):
                     out = call.run()
+            except PdbgError:  # an edit that cannot be applied: the user's input, not the step's outcome
+                raise
             except Exception as exc:  # noqa: BLE001 - compared with what the recording says
                 raised = exc
             finally:
@@ -245,10 +363,11 @@ class Replayer:
                 raise ReplayError(f"backward step {step.index} kept statistics only for {r.role} {r.name}; it "
                                   "cannot be replayed")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
-        inner = descendants(fwd) if nested else []
-        tap = InnerTap(call.module, fwd.module_path, inner, backward=True) if inner else None
-        with state.applied(fwd.settings, fwd.rng, threads=threads, notes=warnings), \
-                state.per_call(fwd.settings, grad=True):
+        inner = descendants(fwd) if nested or self.plan.edits_inside() or self.plan.swaps else []
+        tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan) if inner else None
+        fwd_settings = {**fwd.settings, **self.plan.settings}
+        with state.applied(fwd_settings, fwd.rng, threads=threads, notes=warnings, seed=self.plan.seed), \
+                state.per_call(fwd_settings, grad=True):
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
                 with self._around("forward"):
@@ -258,7 +377,7 @@ class Replayer:
                 if tap is not None:
                     tap.close()
         outs = _flatten(out, "output")
-        pairs = [(outs[n], _materialize(step, r)) for n, r in grad_outputs.items() if n in outs]
+        pairs = [(outs[n], self._edit_grad(n, _materialize(step, r))) for n, r in grad_outputs.items() if n in outs]
         lost = sorted(set(grad_outputs) - set(outs))
         if lost:
             warnings.append(f"outputs {', '.join(lost)} had grad outputs recorded but the replay did not produce them")
@@ -272,7 +391,8 @@ class Replayer:
             targets.append(source)
         grads: tuple[Any, ...] = ()
         if pairs and targets:
-            with state.applied(step.settings, step.rng, threads=threads, notes=warnings), self._around("backward"):
+            with state.applied({**step.settings, **self.plan.settings}, step.rng, threads=threads, notes=warnings), \
+                    self._around("backward"):
                 grads = torch.autograd.grad([o for o, _ in pairs], targets, grad_outputs=[g for _, g in pairs],
                                             allow_unused=True)
         values = {r.name if r.role == "grad_input" else f"param_grad:{r.name}": g for r, g in zip(wanted, grads)}
@@ -417,7 +537,9 @@ def _exception_result(result: ReplayResult, raised: BaseException | None, record
 
 
 def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step, *, threads: int | None = None,
-           script: str | os.PathLike[str] | None = None, nested: bool = True) -> ReplayResult:
+           script: str | os.PathLike[str] | None = None, nested: bool = True, swap: dict[str, Any] | None = None,
+           edit: dict[str, Any] | None = None, settings: dict[str, Any] | None = None,
+           seed: int | None = None) -> ReplayResult:
     """Replay one recorded step and compare it with the recording.
 
     Args:
@@ -427,15 +549,25 @@ def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step, *, t
         script: where the training script that ran as ``__main__`` is now, if it moved.
         nested: also compare every step the replayed step encloses (for a backward step: their
             backward steps, from the gradients that pass through them during the replay).
+        swap: ``{module path, step name or label: replacement}``; a replacement is an import reference
+            (``"mypkg.layers:StableSmoothReLU"``), a class (built from the original's constructor
+            arguments or skeleton, given its parameters where names match) or a callable
+            ``original -> new``; for a function step an import reference names the new function.
+        edit: ``{[STEP/]TENSOR: change}`` for inputs, parameters, buffers and grad outputs (of the step,
+            or of a step inside it: ``"smooth_relu#0/args.0"``); a change is an expression in ``x``
+            (``"x.clamp(-50, 50)"``, evaluated with torch, math and x only), a callable or a tensor.
+        settings: override recorded settings (``{"deterministic": True}``, ``{"num_threads": 1}``).
+        seed: seed torch, numpy and random with this instead of the recorded generator states.
 
     Raises ReplayError (with a one-line reason) when the step cannot be replayed, StepNotFoundError
-    when ``step`` names nothing.
+    when ``step`` names nothing, InterventionError for a swap or edit that cannot be applied.
     """
     if not isinstance(rec, Recording):
         from .recording import open as open_recording
 
         rec = open_recording(rec)
-    return Replayer(rec, script=script).replay(step, threads=threads, nested=nested)
+    return Replayer(rec, script=script).replay(step, threads=threads, nested=nested, swap=swap, edit=edit,
+                                               settings=settings, seed=seed)
 
 
 __all__ = ["ReplayResult", "Replayer", "replay"]

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from recorder import snapshot
@@ -65,7 +67,7 @@ _PRECISION_API = ("fp32_precision", "cuda_matmul_fp32_precision", "cudnn_fp32_pr
 
 @contextlib.contextmanager
 def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | None = None,
-            notes: list[str] | None = None) -> Iterator[None]:
+            notes: list[str] | None = None, seed: int | None = None) -> Iterator[None]:
     """Run a block under recorded settings and RNG states; the caller's come back afterwards.
 
     Args:
@@ -73,6 +75,7 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
         rng: decoded generator states (``Step.rng``).
         threads: force this intra-op thread count instead of the recorded one.
         notes: receives one line per setting that could not be applied.
+        seed: seed torch (every device), numpy and random with it instead of applying ``rng``.
     """
     notes = notes if notes is not None else []
     wanted = dict(settings)
@@ -101,7 +104,11 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
                 notes.append(f"{name} was {value!r} when recorded and is {now.get(name)!r} here; it cannot be "
                              "changed in a running process" + (" (set ATEN_CPU_CAPABILITY before starting)"
                                                                if name == "cpu_capability" else ""))
-        with snapshot.applied_rng(rng):
+        with snapshot.applied_rng(rng if seed is None else {}, cuda=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)  # seeds every CUDA device too; restored with the rest
+                np.random.seed(seed % 2**32)
+                random.seed(seed)
             yield
     finally:
         for setter, value in reversed(undo):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from typing import Any
 
@@ -38,6 +39,17 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("step", metavar="STEP", nargs="?", help=STEP_HELP)
     _replay_options(p)
     p.add_argument("--no-inner", action="store_true", help="do not compare the steps inside this one")
+    p.add_argument("--swap", action="append", default=[], metavar="KEY=REF",
+                   help="replace a module (path, or step name) or function step with an import reference "
+                        "(pkg.mod:Name); repeatable")
+    p.add_argument("--edit", action="append", default=[], metavar="[STEP/]TENSOR=EXPR",
+                   help="change a tensor with an expression in x (torch, math and x only), e.g. "
+                        "'args.0=x.clamp(-50, 50)'; STEP/ aims at a step inside this one; repeatable")
+    p.add_argument("--set", action="append", default=[], metavar="SETTING=VALUE",
+                   help="override a recorded setting (deterministic=true, num_threads=1); repeatable")
+    p.add_argument("--seed", type=int, help="seed the generators with this instead of the recorded states")
+    p.add_argument("--save-recipe", metavar="NAME", help="save this intervention in the recording under NAME")
+    p.add_argument("--recipe", metavar="NAME", help="apply the recipe saved under NAME (STEP defaults to its step)")
     p.set_defaults(handler=replay)
 
     p = sub.add_parser("verify", help="replay many steps and report determinism",
@@ -97,7 +109,14 @@ def summary(rec: Any) -> dict[str, Any]:
             "alerts": int((status == layout.STATUSES.index("alert")).sum()),
             "exceptions": int((status == layout.STATUSES.index("exception")).sum()),
             "first_nonfinite": table[int(bad[0])].to_json() if len(bad) else None,
-            "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version}
+            "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
+            "recipes": list(_recipes(rec).values())}
+
+
+def _recipes(rec: Any) -> dict[str, Any]:
+    from replayer import recipes
+
+    return recipes.recipes(rec)
 
 
 def _paper_text(paper: dict[str, Any]) -> str:
@@ -144,6 +163,12 @@ def info(args: argparse.Namespace) -> int:
         print("first non-finite step: none")
     else:
         print(f"first non-finite step: {_step_text(first)}")
+    if doc["recipes"]:
+        from replayer import recipes
+
+        print("\nrecipes (code: applied only when named with pdbg replay --recipe NAME):")
+        for recipe in doc["recipes"]:
+            print(f"  {recipes.describe(recipe)}")
     return 0
 
 
@@ -165,19 +190,60 @@ def _num(x: Any) -> str:
     return str(x)
 
 
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    """KEY=VALUE arguments; the key may hold '@iter=K' (a selector), so that '=' is skipped."""
+    out = {}
+    for item in items:
+        pos = -1
+        for m in re.finditer("=", item):
+            if not item[:m.start()].endswith("@iter"):
+                pos = m.start()
+                break
+        if pos <= 0 or pos == len(item) - 1:
+            example = {"--edit": "args.0=x.clamp(-50, 50)", "--set": "deterministic=true"}.get(
+                flag, "smooth_relu=mypkg.stable:smooth_relu")
+            raise PdbgError(f"{flag} takes KEY=VALUE (e.g. {flag} '{example}'), not {item!r}")
+        out[item[:pos].strip()] = item[pos + 1:].strip()
+    return out
+
+
+def _setting_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a plain word: "highest"
+
+
 def replay(args: argparse.Namespace) -> int:
+    from replayer import recipes
     from replayer.replay import Replayer
 
-    if args.step is None:
-        raise PdbgError("give the STEP to replay: " + STEP_HELP)
     _check_threads(args.threads)
     rec = _open(args.run)
+    swap, edit = _pairs(args.swap, "--swap"), _pairs(args.edit, "--edit")
+    settings = {k: _setting_value(v) for k, v in _pairs(args.set, "--set").items()}
+    seed = args.seed
+    if args.recipe:
+        recipe = recipes.get(rec, args.recipe)  # applied only because it was named here
+        swap, edit = {**recipe.get("swap", {}), **swap}, {**recipe.get("edit", {}), **edit}
+        settings = {**recipe.get("settings", {}), **settings}
+        seed = seed if seed is not None else recipe.get("seed")
+        if args.step is None:
+            args.step = str(recipe["step"]["index"])
+    if args.step is None:
+        raise PdbgError("give the STEP to replay: " + STEP_HELP)
     step = rec.step(args.step)
-    result = Replayer(rec, script=args.script).replay(step, threads=args.threads, nested=not args.no_inner)
+    result = Replayer(rec, script=args.script).replay(step, threads=args.threads, nested=not args.no_inner,
+                                                      swap=swap, edit=edit, settings=settings, seed=seed)
+    if args.save_recipe:
+        recipes.save(rec, args.save_recipe, step, swap=swap, edit=edit, settings=settings, seed=seed, result=result)
     if args.json:
         _emit(result.to_json())
         return 0 if result.match else 1
     print(_step_text(step.to_json()))
+    if result.intervention:
+        print("intervention: " + recipes.describe({"name": args.recipe or "this replay", "step": step.to_json(),
+                                                   **result.intervention}).split(": ", 2)[-1])
     ways = sorted(set(result.rebuilt.values()))
     if result.rebuilt:
         by_way = {w: [p or "." for p, v in result.rebuilt.items() if v == w] for w in ways}
@@ -185,14 +251,11 @@ def replay(args: argparse.Namespace) -> int:
                                       f"{'skeleton' if w == 'skeleton' else 'constructor'}"
                                       f"{'' if w == 'skeleton' else ' (' + ', '.join(v) + ')'}"
                                       for w, v in by_way.items()))
-    print(f"\n  {'tensor':<24} {'match':<6} {'max abs':>9} {'max rel':>9} {'ULP':>6}  "
-          f"{'recorded min/max':<22} replayed min/max")
+    print(f"\n  {'tensor':<18} {'match':<5} {'recorded: min':>14} {'max':>9} {'nan':>5} {'inf':>5}   "
+          f"{'replayed: min':>13} {'max':>9} {'nan':>5} {'inf':>5}   {'max abs':>8} {'ULP':>6}")
     for d in result.outputs:
-        rec_s, rep_s = d.recorded, d.replayed
-        rng = f"{_num(rec_s.get('min'))}/{_num(rec_s.get('max'))}" if rec_s else "-"
-        rng2 = f"{_num(rep_s.get('min'))}/{_num(rep_s.get('max'))}" if rep_s else "-"
-        print(f"  {d.name[:24]:<24} {'yes' if d.match else 'NO':<6} {_num(d.max_abs_diff):>9} "
-              f"{_num(d.max_rel_diff):>9} {d.max_ulp:>6}  {rng:<22} {rng2}")
+        print(f"  {d.name[:18]:<18} {'yes' if d.match else 'NO':<5} {_stats_cells(d.recorded)}   "
+              f"{_stats_cells(d.replayed, 13)}   {_num(d.max_abs_diff):>8} {d.max_ulp:>6}")
         if d.reason and not d.match:
             print(f"    {d.reason}")
     if result.inner:
@@ -201,12 +264,44 @@ def replay(args: argparse.Namespace) -> int:
         print(f"\ninner steps: {ok} of {len(result.inner)} match" + (
             "" if first is None else f"; first divergence: {_step_text(first.step.to_json())}"
             + (f" ({first.reason})" if first.reason else "")))
+        if not result.match:
+            for s in result.inner:
+                if not s.match:
+                    print(f"  step {s.step.index} {s.step.name} at {s.step.module_path or '.'} ({s.step.phase}): "
+                          f"{s.change}" + _nonfinite_change(s))
     for w in result.warnings:
         print(f"warning: {w}")
     if result.environment_differences:
         print("environment differs from the recording: " + "; ".join(result.environment_differences))
-    print("\nMATCH: bit for bit" if result.match else "\nMISMATCH")
+    if args.save_recipe:
+        print(f"saved as recipe {args.save_recipe!r} in {args.run} "
+              f"(apply it with: pdbg replay {args.run} --recipe {args.save_recipe})")
+    if result.match:
+        print("\nMATCH: bit for bit")
+    elif result.intervention:
+        before = sum((d.recorded.get("nan") or 0) + (d.recorded.get("inf") or 0) for d in result.outputs)
+        after = sum((d.replayed.get("nan") or 0) + (d.replayed.get("inf") or 0) for d in result.outputs)
+        print(f"\nMISMATCH, as an intervention makes it; non-finite output values: {before} recorded, {after} now")
+    else:
+        print("\nMISMATCH")
     return 0 if result.match else 1
+
+
+def _stats_cells(st: dict[str, Any], width: int = 14) -> str:
+    if not st:
+        return f"{'-':>{width}} {'':>9} {'':>5} {'':>5}"
+    return f"{_num(st.get('min')):>{width}} {_num(st.get('max')):>9} {_num(st.get('nan')):>5} {_num(st.get('inf')):>5}"
+
+
+def _nonfinite_change(inner: Any) -> str:
+    counts = []
+    for d in inner.diffs:
+        if d.replayed:
+            before = (d.recorded.get("nan") or 0) + (d.recorded.get("inf") or 0)
+            after = (d.replayed.get("nan") or 0) + (d.replayed.get("inf") or 0)
+            if before or after:
+                counts.append(f"{d.name}: {before} -> {after} non-finite")
+    return f" ({'; '.join(counts)})" if counts else (f" ({inner.reason})" if inner.reason else "")
 
 
 def _check_threads(threads: int | None) -> None:

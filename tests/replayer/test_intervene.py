@@ -1,0 +1,178 @@
+"""Interventions: swap a function or module, edit a tensor, override settings or the seed, on a
+recorded step and inside an enclosing one; recipes; nothing leaks out of the replay."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import recorder
+import replayer
+from recorder import snapshot
+from replayer import recipes
+from replayer.intervene import InterventionError
+from tests.cli import pdbg
+from tests.models import record_training
+from tests.replayer import nanmodels
+
+STABLE = "tests.replayer.nanmodels:stable_smooth_relu"
+
+
+@pytest.fixture(scope="module")
+def stack_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nanmodels.Stack]:
+    """Two Scaled blocks; in iteration 1 the first block's SmoothReLU overflows (exp of ~1000)."""
+    path = tmp_path_factory.mktemp("stack") / "run.zarr"
+    torch.manual_seed(0)
+    model = nanmodels.Stack(4)
+    with recorder.record(path, model=model) as run:
+        for scale in (1.0, 1000.0):
+            model(torch.randn(3, 4), scale).sum().backward()
+            run.next_iteration()
+    return path, model
+
+
+def nonfinite(stats: dict[str, float]) -> int:
+    return int(stats["nan"] + stats["inf"])
+
+
+def test_a_stable_function_or_a_clamped_input_makes_the_origin_finite(stack_run: tuple[Path, object],
+                                                                       tmp_path: Path) -> None:
+    rec = replayer.open(stack_run[0])
+    origin = replayer.first_nonfinite(rec).step
+    assert (origin.name, origin.iteration) == ("smooth_relu", 1)
+    for kwargs in ({"swap": {"smooth_relu": STABLE}}, {"edit": {"args.0": "x.clamp(-50, 50)"}},
+                   {"swap": {"Eq. 2": lambda original: nanmodels.stable_smooth_relu}},  # original -> new
+                   {"edit": {"args.0": lambda x: x.clamp(-50, 50)}}):
+        res = replayer.replay(rec, origin, **kwargs)
+        (out,) = res.outputs
+        assert nonfinite(out.recorded) > 0 and nonfinite(out.replayed) == 0 and not res.match, kwargs
+        assert res.intervention is not None and res.warnings == []
+    clamped = replayer.replay(rec, origin, edit={"args.0": "x.clamp(-50, 50)"})
+    x = origin.tensor("args.0").clamp(-50, 50)
+    expected = torch.log1p(torch.exp(x + 1.0)) / 1.0  # what smooth_relu computes on the clamped input
+    assert torch.equal(clamped.values["output"], expected)
+
+    for flag in (["--swap", f"smooth_relu={STABLE}"], ["--edit", "args.0=x.clamp(-50, 50)"]):
+        res = pdbg("replay", str(stack_run[0]), str(origin.index), *flag, cwd=tmp_path)
+        assert res.returncode == 1, res.stderr
+        assert "recorded: min" in res.stdout and "replayed: min" in res.stdout  # side by side
+        assert "non-finite output values: 5 recorded, 0 now" in res.stdout
+        doc = json.loads(pdbg("replay", str(stack_run[0]), str(origin.index), *flag, "--json", cwd=tmp_path).stdout)
+        assert doc["outputs"][0]["recorded"]["inf"] == 5 and doc["outputs"][0]["replayed"]["inf"] == 0
+        assert doc["intervention"] is not None
+
+
+def test_an_edit_on_an_inner_step_propagates_through_the_enclosing_model(stack_run: tuple[Path, object],
+                                                                         tmp_path: Path) -> None:
+    rec = replayer.open(stack_run[0])
+    res = replayer.replay(rec, "Model@iter=1", edit={"smooth_relu#0/args.0": "x.clamp(-50, 50)"})
+    changes = [(s.step.name, s.step.module_path, s.change) for s in res.inner]
+    assert changes == [("Scaled", "first", "became finite"), ("smooth_relu", "first", "became finite"),
+                       ("Scaled", "second", "became finite"), ("smooth_relu", "second", "became finite")]
+    after = [s for s in res.inner if s.step.index > rec.step("smooth_relu@iter=1#0").index]
+    assert after and all(nonfinite(s.diffs[0].recorded) and not nonfinite(s.diffs[0].replayed) for s in after)
+    assert nonfinite(res.outputs[0].replayed) == 0 < nonfinite(res.outputs[0].recorded)
+    cli = pdbg("replay", str(stack_run[0]), "Model@iter=1", "--edit", "smooth_relu#0/args.0=x.clamp(-50, 50)",
+               cwd=tmp_path)
+    assert "step 14 smooth_relu at second (forward): became finite (output: 5 -> 0 non-finite)" in cli.stdout
+    unmatched = replayer.replay(rec, "Model@iter=1", edit={"smooth_relu#7/args.0": "x * 0"})
+    assert unmatched.match
+    assert unmatched.warnings == ["smooth_relu#7/args.0: matched nothing that ran during the replay"]
+
+
+def test_a_swapped_class_gets_the_parameters_whose_names_match(stack_run: tuple[Path, object]) -> None:
+    rec = replayer.open(stack_run[0])
+    model = replayer.replay(rec, "Model@iter=1", swap={"first": nanmodels.StableScaled})
+    notes = " | ".join(model.warnings)
+    assert "not in the original, left as the replacement made them: gain, proj.bias, proj.weight" in notes
+    assert "the original's fc.bias, fc.weight have no place in the replacement" in notes
+    assert nonfinite(model.inner[0].diffs[0].replayed) == 0  # the swapped block ran
+
+    same_layout = replayer.replay(rec, "Scaled@iter=1#0", swap={".": nanmodels.StableFc})
+    step = rec.step("Scaled@iter=1#0")
+    w, b = step.tensor("fc.weight"), step.tensor("fc.bias")
+    expected = nanmodels.stable_smooth_relu((step.tensor("args.0") @ w.T + b) * 1000.0)
+    assert torch.equal(same_layout.values["output"], expected)  # the recorded fc parameters were used
+    assert same_layout.warnings == []
+
+
+def test_bad_interventions_get_one_line_and_exit_code_2(stack_run: tuple[Path, object], tmp_path: Path) -> None:
+    run = str(stack_run[0])
+    cases = [
+        (["--edit", "args.0=x.clamp(-50,"], "is not a Python expression"),
+        (["--edit", "args.0=x.nosuch()"], "edit args.0: AttributeError"),
+        (["--edit", "args.0=open('/etc/passwd')"], "an edit may use only x, torch and math"),
+        (["--swap", "smooth_relu=tests.replayer.nanmodels:no_such_thing"], "has no no_such_thing"),
+        (["--swap", "smooth_relu=no_such_package.mod:f"], "cannot import 'no_such_package.mod'"),
+        (["--edit", "weights=x"], "has no tensor 'weights'; it has args.0"),
+        (["--edit", "noequals"], "--edit takes KEY=VALUE"),
+        (["--set", "nosuch=1"], "unknown setting 'nosuch'"),
+    ]
+    for flags, message in cases:
+        res = pdbg("replay", run, "smooth_relu@iter=1", *flags, cwd=tmp_path)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and message in lines[0], (flags, res.stderr)
+        assert "Traceback" not in res.stderr
+    rec = replayer.open(stack_run[0])
+    with pytest.raises(InterventionError, match="edit kwargs.beta: step .* has no tensor"):
+        replayer.replay(rec, "smooth_relu@iter=1", edit={"kwargs.beta": "x"})
+
+
+def test_nothing_leaks_out_of_the_replay(stack_run: tuple[Path, nanmodels.Stack], tmp_path: Path) -> None:
+    """The live model, the caller's generators and settings are as they were after swaps, edits,
+    setting overrides and a seed."""
+    path, live = stack_run
+    rec = replayer.open(path)
+    state = {k: v.clone() for k, v in live.state_dict().items()}
+    torch.manual_seed(5)
+    np.random.seed(6)
+    random.seed(7)
+    before = (torch.get_rng_state().clone(), np.random.get_state()[1].copy(), random.getstate(), snapshot.settings())
+    replayer.replay(rec, "Model@iter=1", swap={"first": nanmodels.StableScaled, "Eq. 2": STABLE},
+                    edit={"smooth_relu#1/args.0": "x * 0"}, settings={"deterministic": True, "num_threads": 1},
+                    seed=3)
+    after = (torch.get_rng_state(), np.random.get_state()[1], random.getstate(), snapshot.settings())
+    assert torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1]) and before[2:] == after[2:]
+    assert type(live.first) is nanmodels.Scaled and live.first.forward.__func__ is nanmodels.Scaled.forward
+    assert all(torch.equal(v, live.state_dict()[k]) for k, v in state.items())
+    assert nanmodels.smooth_relu.__wrapped__.__name__ == "smooth_relu"
+
+
+def test_a_seed_replaces_the_recorded_generator_states(tmp_path: Path) -> None:
+    """Dropout: the recorded states reproduce the mask; a seed gives another one, the same each time."""
+    path = tmp_path / "run.zarr"
+    record_training(path, 1)
+    rec = replayer.open(path)
+    assert replayer.replay(rec, "Attention#0").match
+    a, b = (replayer.replay(rec, "Attention#0", seed=1234) for _ in range(2))
+    assert not a.match and torch.equal(a.values["output"], b.values["output"])
+    assert a.intervention["seed"] == 1234
+
+
+def test_recipes_are_saved_listed_and_applied_only_by_name(stack_run: tuple[Path, object], tmp_path: Path) -> None:
+    import shutil
+
+    run = tmp_path / "run.zarr"
+    shutil.copytree(stack_run[0], run)
+    res = pdbg("replay", str(run), "smooth_relu@iter=1", "--edit", "args.0=x.clamp(-50, 50)", "--save-recipe",
+               "clamp-input", cwd=tmp_path)
+    assert res.returncode == 1 and "saved as recipe 'clamp-input'" in res.stdout
+    rec = replayer.open(run)
+    saved = recipes.get(rec, "clamp-input")
+    assert saved["edit"] == {"args.0": "x.clamp(-50, 50)"} and saved["result"]["outputs"][0]["replayed"]["inf"] == 0
+    info = pdbg("info", str(run), cwd=tmp_path)
+    assert "clamp-input: step 12 (smooth_relu): edit args.0=x.clamp(-50, 50)" in info.stdout
+    assert json.loads(pdbg("info", str(run), "--json", cwd=tmp_path).stdout)["recipes"][0]["name"] == "clamp-input"
+    plain = pdbg("replay", str(run), "smooth_relu@iter=1", "--json", cwd=tmp_path)
+    assert json.loads(plain.stdout)["intervention"] is None  # a saved recipe does nothing unless named
+    again = json.loads(pdbg("replay", str(run), "--recipe", "clamp-input", "--json", cwd=tmp_path).stdout)
+    assert again["step"]["index"] == 12 and again["outputs"][0]["replayed"]["inf"] == 0
+    missing = pdbg("replay", str(run), "--recipe", "nope", cwd=tmp_path)
+    assert missing.returncode == 2 and "no recipe 'nope'" in missing.stderr and "clamp-input" in missing.stderr
+    with pytest.raises(recipes.RecipeError, match="must be an expression"):
+        recipes.save(rec, "fn", rec.step(12), edit={"args.0": lambda x: x})
