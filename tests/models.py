@@ -111,3 +111,14 @@ def record_training(path: Any, iterations: int, before: Callable[[int, nn.Module
                 before(i, model)
             train_step(model, opt, i)
     assert run.status == "complete" and run.failure is None
+
+
+def poison_at(iteration: int) -> Callable[[int, nn.Module], None]:
+    """A ``before`` for record_training that writes a NaN into ``h.1.ln1.weight`` at the start of
+    ``iteration``, outside every recorded step (as a bad optimizer update would)."""
+    def before(i: int, model: nn.Module) -> None:
+        if i == iteration:
+            with torch.no_grad():
+                model.h[1].ln1.weight[0] = float("nan")
+
+    return before

@@ -16,7 +16,7 @@ from recorder.errors import FormatError
 from replayer import bisect as bisect_mod
 from replayer.bisect import Condition, ConditionError
 from tests.cli import pdbg
-from tests.models import record_training
+from tests.models import poison_at, record_training
 from tests.replayer import nanmodels
 
 SCALES = (1.0, 10.0, 1000.0, 1.0)  # the third iteration makes exp overflow
@@ -81,13 +81,8 @@ def test_a_nan_born_in_the_backward_only(tmp_path: Path) -> None:
 
 
 def test_a_parameter_already_nonfinite_is_the_cause_not_a_step(tmp_path: Path) -> None:
-    def poison(i: int, model: torch.nn.Module) -> None:
-        if i == 2:
-            with torch.no_grad():
-                model.h[1].ln1.weight[0] = float("nan")
-
     path = tmp_path / "run.zarr"
-    record_training(path, 3, before=poison)
+    record_training(path, 3, before=poison_at(2))
     origin = replayer.first_nonfinite(replayer.open(path))
     assert origin.step is None and origin.entered is not None
     assert (origin.entered.name, origin.entered.module_path, origin.entered.iteration) == ("Block", "h.1", 2)

@@ -20,7 +20,7 @@ from recorder.errors import ReplayError, StepNotFoundError
 from replayer.rebuild import Builder
 from replayer.replay import Replayer
 from tests.cli import SCRIPTS, pdbg
-from tests.models import record_training
+from tests.models import poison_at, record_training
 
 ITERATIONS = 3
 STEPS_PER_PASS = 7  # per iteration: 2 x (Block, Attention, smooth_relu) + Mixer, forward and again backward
@@ -223,13 +223,8 @@ def test_code_that_cannot_be_imported_any_more(tmp_path: Path) -> None:
 
 
 def test_info_summarises_the_run_and_finds_the_first_nonfinite_step(tmp_path: Path) -> None:
-    def poison(i: int, model: torch.nn.Module) -> None:
-        if i == 1:
-            with torch.no_grad():
-                model.h[1].ln1.weight[0] = float("nan")
-
     path = tmp_path / "run.zarr"
-    record_training(path, 2, before=poison)
+    record_training(path, 2, before=poison_at(1))
     res = pdbg("info", str(path), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
