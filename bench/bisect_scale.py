@@ -30,7 +30,7 @@ Usage:
   python bench/bisect_scale.py --write-docs       # also add/replace the section in docs/PERFORMANCE.md
   python bench/bisect_scale.py --steps 100000 --repeat 2      # quick look
   python bench/bisect_scale.py --profile          # cProfile of first_nonfinite in a fresh process
-  python bench/bisect_scale.py --measure PATH     # (child) one timed call, JSON on stdout
+  python bench/bisect_scale.py --measure PATH [--mode time|profile|columns]   # (child) JSON on stdout
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ from recorder import run as run_mod
 from recorder.items import StepItem
 from recorder.pipeline import Pipeline
 from recorder.store import backend, codecs
+from recorder.store import reader as reader_mod
 from recorder.store.writer import StoreWriter
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "PERFORMANCE.md"
@@ -74,6 +76,7 @@ NAN_SHIFT = 5.0
 NAN_AT = 0.9  # the NaN iteration, as a fraction of the run
 SAMPLE_ITERATIONS = 20  # the real recording the templates come from (and the check compares with)
 SETTINGS = ("fresh", "fresh, cache dropped")
+BISECT_FILE = os.path.join("replayer", "bisect.py")
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -320,9 +323,39 @@ def timed(path: Path) -> tuple[float, replayer.Origin]:
     return time.perf_counter() - t0, origin
 
 
-def child(path: Path, profile: bool) -> None:
-    """One fresh process: the timed call, a second one (warm), the answer; JSON on stdout."""
-    prof = cProfile.Profile() if profile else None
+def columns_read(path: Path) -> tuple[float, list[dict[str, Any]]]:
+    """One timed call that also notes every whole column read (``RankReader.column``, patched for the
+    call and restored): which function of replayer/bisect.py asked, rows, bytes and seconds."""
+    original = reader_mod.RankReader.column
+    reads: list[dict[str, Any]] = []
+
+    def column(self: reader_mod.RankReader, name: str) -> np.ndarray:
+        if name in self._columns:
+            return original(self, name)
+        t = time.perf_counter()
+        out = original(self, name)
+        seconds = time.perf_counter() - t
+        caller = next((f.name for f in reversed(traceback.extract_stack())
+                       if f.filename.endswith(BISECT_FILE) and f.name != "_column"), "?")
+        reads.append({"column": name, "by": caller, "rows": len(out), "bytes": int(out.nbytes), "s": seconds})
+        return out
+
+    reader_mod.RankReader.column = column  # type: ignore[method-assign]
+    try:
+        total, _ = timed(path)
+    finally:
+        reader_mod.RankReader.column = original  # type: ignore[method-assign]
+    return total, reads
+
+
+def child(path: Path, mode: str) -> None:
+    """One fresh process: ``time`` (the timed call, a second one, the answer), ``profile`` (the same
+    under cProfile, the statistics on stderr) or ``columns`` (see columns_read); JSON on stdout."""
+    if mode == "columns":
+        total, reads = columns_read(path)
+        print(json.dumps({"total": total, "reads": reads}))
+        return
+    prof = cProfile.Profile() if mode == "profile" else None
     if prof is not None:
         prof.enable()
     first, origin = timed(path)
@@ -339,12 +372,13 @@ def child(path: Path, profile: bool) -> None:
                       "spread": [s.index for s in origin.spread], "same": again.cause == origin.cause}))
 
 
-def fresh(path: Path, drop_cache: bool, profile: bool = False) -> dict[str, Any]:
+def fresh(path: Path, drop_cache: bool, mode: str = "time") -> dict[str, Any]:
+    """``child`` in a new Python process."""
     if drop_cache:
         evict(path)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", str(path)] + (["--profile"] if profile else [])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", str(path), "--mode", mode]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    if profile:
+    if mode == "profile":
         print(out.stderr)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -386,10 +420,31 @@ def table(cases: list[tuple[Built, dict[str, list[dict[str, Any]]]]]) -> str:
 
 
 def sizes(cases: list[tuple[Built, Any]]) -> str:
-    lines = ["| recording | steps | iterations | tensor records | on disk | built in |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| recording | steps | iterations | tensor records | on disk | built in |",
+             "|---|---:|---:|---:|---:|---:|"]
     for built, _ in cases:
         lines.append(f"| {case_name(built)} | {built.steps:,} | {built.iterations:,} | {built.tensors:,} | "
                      f"{built.disk_bytes / 1e6:.1f} MB | {built.seconds:.0f} s |")
+    return "\n".join(lines)
+
+
+def reads_table(reads: list[tuple[Built, dict[str, Any]]]) -> str:
+    """Whole columns read by one fresh call (cache dropped), grouped by the bisect function asking."""
+    lines = ["| recording | asked by (`replayer/bisect.py`) | whole columns read | rows each | MB in memory | ms |",
+             "|---|---|---|---:|---:|---:|"]
+    for built, res in reads:
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in res["reads"]:
+            groups.setdefault(r["by"], []).append(r)
+        for by, rs in groups.items():
+            rows = sorted({r["rows"] for r in rs})
+            names = ", ".join(f"`{r['column']}`" for r in rs)
+            lines.append(f"| {case_name(built)} | `{by}` | {names} | "
+                         f"{', '.join(f'{n:,}' for n in rows)} | {sum(r['bytes'] for r in rs) / 1e6:.0f} | "
+                         f"{sum(r['s'] for r in rs) * 1e3:.0f} |")
+        lines.append(f"| {case_name(built)} | **the whole call** | {len(res['reads'])} columns, "
+                     f"{sum(r['s'] for r in res['reads']) * 1e3:.0f} ms of reads | | "
+                     f"{sum(r['bytes'] for r in res['reads']) / 1e6:.0f} | {res['total'] * 1e3:.0f} |")
     return "\n".join(lines)
 
 
@@ -410,7 +465,8 @@ def machine() -> str:
             f"Python {platform.python_version()}, {platform.machine()}, {platform.platform()}")
 
 
-def section(sample: Sample, check_steps: int, cases: list[tuple[Built, Any]], repeat: int, command: str) -> str:
+def section(sample: Sample, check_steps: int, cases: list[tuple[Built, Any]], reads: list[tuple[Built, Any]],
+            repeat: int, command: str) -> str:
     nan_case = next(b for b, _ in cases if b.nan_iteration is not None)
     per = nan_case.steps // nan_case.iterations
     return f"""{SECTION}
@@ -447,7 +503,9 @@ see non-finite inputs and results.
   every file written back and dropped from the page cache first (`fsync`, `posix_fadvise(DONTNEED)`;
   the VM host's cache below `/dev/vda` cannot be dropped from here). **second call**: a second
   `open` + `first_nonfinite` in the same process. {repeat} runs per setting, interleaved.
-- Where the time goes: `python bench/bisect_scale.py --profile`.
+- Where the time goes: one more fresh run per recording (cache dropped) notes every whole column
+  `RankReader.column` reads and how long it took (table below); `python bench/bisect_scale.py
+  --profile` runs cProfile on one.
 
 Machine: {machine()}.
 
@@ -456,6 +514,8 @@ Machine: {machine()}.
 ### Results
 
 {table(cases)}
+
+{reads_table(reads)}
 
 ### Target
 
@@ -485,9 +545,10 @@ def main() -> None:
     parser.add_argument("--write-docs", action="store_true", help=f"add/replace {SECTION!r} in docs/PERFORMANCE.md")
     parser.add_argument("--profile", action="store_true", help="cProfile first_nonfinite (NaN case) instead")
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=("time", "profile", "columns"), default="time", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        child(args.measure, args.profile)
+        child(args.measure, args.mode)
         return
     tmp = Path(tempfile.mkdtemp(prefix="pdbg-bisect-scale-"))
     try:
@@ -504,6 +565,7 @@ def main() -> None:
               f"(origin step {small.expected_origin})", flush=True)
         iterations = max(4, args.steps // tpl.steps_per_iteration)
         cases: list[tuple[Built, dict[str, list[dict[str, Any]]]]] = []
+        reads: list[tuple[Built, dict[str, Any]]] = []
         for nan_iteration in (int(iterations * NAN_AT), None):
             name = "nan" if nan_iteration is not None else "clean"
             print(f"building {iterations * tpl.steps_per_iteration:,} steps ({name}) ...", flush=True)
@@ -511,19 +573,22 @@ def main() -> None:
             print(f"  {built.steps:,} steps, {built.tensors:,} tensor records, {built.disk_bytes / 1e6:.1f} MB, "
                   f"{built.seconds:.0f} s; planted origin {built.expected_origin}", flush=True)
             if args.profile:
-                fresh(built.path, drop_cache=True, profile=True)
+                fresh(built.path, drop_cache=True, mode="profile")
                 return
             cases.append((built, measure(built, args.repeat)))
+            reads.append((built, fresh(built.path, drop_cache=True, mode="columns")))
             shutil.rmtree(built.path)  # the disk holds one million-step store at a time
         print()
         print(sizes(cases))
         print()
         print(table(cases))
         print()
+        print(reads_table(reads))
+        print()
         print("\n".join(target_lines(cases, cases[0][0].steps)))
         if args.write_docs:
             command = "python bench/bisect_scale.py " + " ".join(sys.argv[1:])
-            write_docs(section(sample, small.steps, cases, args.repeat, command.strip()))
+            write_docs(section(sample, small.steps, cases, reads, args.repeat, command.strip()))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -9,11 +9,13 @@ imports the TUI.
     origin = replayer.first_nonfinite(rec, ops=True)     # .step, .cause, .op, .spread
     replayer.first_divergence(rec_a, rec_b)              # the root cause of two runs parting
     replayer.find(rec, "Eq. 2", "output.absmax > 1e3", start=origin.step, backward=True)
+    replayer.bundle(rec, origin.step, "failure.pdbg", verify=True)   # replays elsewhere
 """
 
 from .bisect import Divergence, Origin, find, first_divergence, first_nonfinite
+from .bundles import BundleInfo, bundle
 from .recording import Recording, Step, StepTable, open
 from .replay import ReplayResult, replay
 
-__all__ = ["Divergence", "Origin", "Recording", "ReplayResult", "Step", "StepTable", "find", "first_divergence",
-           "first_nonfinite", "open", "replay"]
+__all__ = ["BundleInfo", "Divergence", "Origin", "Recording", "ReplayResult", "Step", "StepTable", "bundle", "find",
+           "first_divergence", "first_nonfinite", "open", "replay"]

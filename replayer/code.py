@@ -58,13 +58,13 @@ def _is_definition(node: ast.stmt) -> bool:
     return False
 
 
-def script_module(path: str | os.PathLike[str]) -> tuple[types.ModuleType, str]:
+def script_module(path: str | os.PathLike[str], text: str | None = None) -> tuple[types.ModuleType, str]:
     """Load a training script's definitions as a module named ``__main__`` (its classes and
     functions keep the ``__main__:QualName`` references they were recorded under). Returns the
-    module and a note on what was left out."""
+    module and a note on what was left out. ``text``: the script's source, instead of reading it."""
     file = Path(path)
     try:
-        source = file.read_text(encoding="utf-8")
+        source = file.read_text(encoding="utf-8") if text is None else text
         tree = ast.parse(source, filename=str(file))
     except OSError as exc:
         raise ReplayError(f"cannot read the training script {file} ({exc.strerror or exc}); pass its "
@@ -113,10 +113,13 @@ class CodeLoader:
     """Resolves ``module:QualName`` references of one recording. ``script`` overrides the path of
     the script that ran as ``__main__``."""
 
-    def __init__(self, run_info: dict[str, Any], script: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, run_info: dict[str, Any], script: str | os.PathLike[str] | None = None,
+                 bundled: dict[str, str] | None = None) -> None:
         self.run_info = run_info
         self.script = str(script) if script is not None else run_info.get("script")
         self._main: types.ModuleType | None = None
+        self.bundled = bundled or {}  # file -> source: use these instead of the code installed here
+        self._bundled_modules: dict[str, types.ModuleType] = {}
         self.notes: list[str] = []
         dirs = [os.getcwd(), run_info.get("cwd")]
         if self.script:
@@ -128,7 +131,7 @@ class CodeLoader:
             if not self.script:
                 raise ReplayError("the step's code was defined in __main__, but the recording names no script "
                                   "(an interactive session?); pass the file that defines it with --script")
-            self._main, note = script_module(self.script)
+            self._main, note = script_module(self.script, self.bundled.get(self.script))
             if "no if __name__" in note:  # worth a warning: top-level statements were skipped
                 self.notes.append(f"{self.script}: {note}")
         return self._main
@@ -137,6 +140,10 @@ class CodeLoader:
         """Import a module; ``file`` (where it was when recorded) adds the directory it was imported from."""
         if name == "__main__":
             return self.main()
+        if name in self._bundled_modules:
+            return self._bundled_modules[name]
+        if file and file in self.bundled:
+            return self._from_bundle(name, file)
         dirs = list(self.dirs)
         if file:
             root = Path(file).parent
@@ -151,6 +158,27 @@ class CodeLoader:
                               f"from the directory the run was recorded in ({self.run_info.get('cwd')})") from None
         except Exception as exc:
             raise ReplayError(f"importing {name!r} failed: {type(exc).__name__}: {exc}") from None
+
+    def _from_bundle(self, name: str, file: str) -> types.ModuleType:
+        """A module made from the source a bundle carries (only when the user asked for it)."""
+        found = self._bundled_modules.get(name)
+        if found is None:
+            found = types.ModuleType(name)
+            found.__file__ = file
+            saved = sys.modules.get(name)
+            sys.modules[name] = found  # while it runs: dataclasses look their module up
+            try:
+                exec(compile(self.bundled[file], file, "exec"), found.__dict__)  # noqa: S102 - asked for
+            except Exception as exc:
+                raise ReplayError(f"the bundled source of {name} ({file}) failed to load: "
+                                  f"{type(exc).__name__}: {exc}") from None
+            finally:
+                if saved is not None:
+                    sys.modules[name] = saved
+                else:
+                    del sys.modules[name]
+            self._bundled_modules[name] = found
+        return found
 
     def resolve(self, ref: str, file: str | None = None) -> Any:
         """The object a reference names (a class, or a function as decorated in the user's code);
@@ -199,3 +227,60 @@ class CodeLoader:
         if hashlib.sha256(now.encode()).hexdigest() != recorded:
             return f"code of {name} changed since recording ({where})"
         return None
+
+
+def find_module_file(name: str, dirs: list[str]) -> Path | None:
+    """Where module ``name`` would be imported from, found without importing anything."""
+    parts = name.split(".")
+    for base in [*dirs, *sys.path]:
+        if not base or not os.path.isdir(base):
+            continue
+        root = Path(base).joinpath(*parts)
+        for candidate in (root.with_suffix(".py"), root / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def static_source(file: str | os.PathLike[str], qualname: str) -> str | None:
+    """The source of ``qualname`` in ``file`` as ``inspect`` would give it (decorators included),
+    read with ``ast``: nothing is imported or run."""
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+        tree = ast.parse(text)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    nodes: list[ast.stmt] = tree.body
+    node: ast.stmt | None = None
+    for part in qualname.split("."):
+        node = next((n for n in nodes if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            return None
+        nodes = node.body  # type: ignore[attr-defined]
+    assert node is not None
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    lines = text.splitlines(keepends=True)
+    block = inspect.getblock(lines[first - 1:])
+    return "".join(block)
+
+
+def drift_without_running(definition: dict[str, Any], run_info: dict[str, Any], dirs: list[str]) -> str:
+    """"unchanged", "changed since recording" or "not found here" for a definition's code, from
+    the files on this machine alone (for ``pdbg info``, which must not run anything)."""
+    ref = definition.get("ref") or ""
+    module, _, qualname = ref.partition(":")
+    if module == "__main__":
+        script = run_info.get("script")
+        file = Path(script) if script and os.path.isfile(script) else None
+    else:
+        file = find_module_file(module, dirs)
+    if file is None:
+        return "not found here"
+    now = static_source(file, qualname)
+    if now is None:
+        return f"not found in {file}"
+    recorded = definition.get("source_sha256")
+    if recorded and hashlib.sha256(now.encode()).hexdigest() != recorded:
+        return f"changed since recording ({file})"
+    return f"unchanged ({file})"

@@ -14,6 +14,7 @@ steps costs a few numpy arrays.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,11 +25,12 @@ import numpy as np
 import torch
 
 from recorder import snapshot
-from recorder.errors import RecordingError, StepNotFoundError
+from recorder.errors import FormatError, RecordingError, StepNotFoundError
 from recorder.monitors import parse_selector
-from recorder.store import layout
+from recorder.store import backend, layout
 from recorder.store.reader import RankReader, RunReader, TensorRecord
 
+BUNDLE_KEY = "bundle.json"  # a failure bundle's own description, at the store's root
 _INT_COLUMNS = ("phase", "iteration", "call", "parent", "forward", "status", "tensor_start", "tensor_count")
 
 
@@ -66,6 +68,26 @@ class Recording:
 
     def __repr__(self) -> str:
         return f"<Recording {self.reader.label}: {len(self)} steps, {self.status}>"
+
+    @cached_property
+    def bundle_info(self) -> dict[str, Any] | None:
+        """For a failure bundle: its ``bundle.json`` (main step, origin, bundled sources, verification)."""
+        raw = backend.get(self.reader.store, BUNDLE_KEY)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise FormatError(f"{self.reader.label}: {BUNDLE_KEY} is not valid JSON") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("main_step"), int):
+            raise FormatError(f"{self.reader.label}: {BUNDLE_KEY} names no main step")
+        return doc
+
+    @property
+    def main_step(self) -> Step | None:
+        """A bundle's main step (what it was made to replay); None for a recording."""
+        info = self.bundle_info
+        return None if info is None else self.step(int(info["main_step"]))
 
     @cached_property
     def steps(self) -> StepTable:

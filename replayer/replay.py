@@ -77,9 +77,15 @@ class ReplayResult:
 class Replayer:
     """Replays steps of one recording; keeps the code it loaded (a script is loaded once)."""
 
-    def __init__(self, rec: Recording, *, script: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, rec: Recording, *, script: str | os.PathLike[str] | None = None,
+                 use_bundled_source: bool = False) -> None:
         self.rec = rec
-        self.loader = CodeLoader(rec.run_info, script)
+        bundled = None
+        if use_bundled_source:
+            if rec.bundle_info is None:
+                raise ReplayError(f"{rec.reader.label} is not a bundle: there is no bundled source to use")
+            bundled = rec.bundle_info.get("sources") or {}
+        self.loader = CodeLoader(rec.run_info, script, bundled)
         self._env: list[str] | None = None
 
     def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True,
@@ -536,7 +542,7 @@ def _exception_result(result: ReplayResult, raised: BaseException | None, record
     return result
 
 
-def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step, *, threads: int | None = None,
+def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step | None = None, *, threads: int | None = None,
            script: str | os.PathLike[str] | None = None, nested: bool = True, swap: dict[str, Any] | None = None,
            edit: dict[str, Any] | None = None, settings: dict[str, Any] | None = None,
            seed: int | None = None) -> ReplayResult:
@@ -544,7 +550,8 @@ def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step, *, t
 
     Args:
         rec: a Recording (``replayer.open``) or its path.
-        step: an index, a selector (``"Eq. 2@iter=17#3"``, ``"h.1.mlp@iter=5:backward"``) or a Step.
+        step: an index, a selector (``"Eq. 2@iter=17#3"``, ``"h.1.mlp@iter=5:backward"``) or a Step;
+            None for a bundle's main step.
         threads: force this intra-op thread count instead of the recorded one.
         script: where the training script that ran as ``__main__`` is now, if it moved.
         nested: also compare every step the replayed step encloses (for a backward step: their
@@ -566,6 +573,10 @@ def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step, *, t
         from .recording import open as open_recording
 
         rec = open_recording(rec)
+    if step is None:
+        step = rec.main_step
+        if step is None:
+            raise ReplayError("give the step to replay: an index or a selector (only a bundle has a main step)")
     return Replayer(rec, script=script).replay(step, threads=threads, nested=nested, swap=swap, edit=edit,
                                                settings=settings, seed=seed)
 

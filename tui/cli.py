@@ -13,7 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from recorder.errors import PdbgError
 
-from . import cmd_bisect, cmd_record, cmd_replay
+from . import cmd_bisect, cmd_bundle, cmd_record, cmd_replay
 
 
 def _version() -> str:
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_record.add_parser(sub)
     cmd_replay.add_parsers(sub)
     cmd_bisect.add_parsers(sub)
+    cmd_bundle.add_parsers(sub)
     return parser
 
 

@@ -36,7 +36,7 @@ def add_parsers(sub: Any) -> None:
                        "settings, and compare every output (backward: grad inputs and parameter grads) with the "
                        "recording. Exit 0 when everything matches bitwise, 1 when something differs.")
     p.add_argument("run", metavar="RUN", help="the recording")
-    p.add_argument("step", metavar="STEP", nargs="?", help=STEP_HELP)
+    p.add_argument("step", metavar="STEP", nargs="?", help=STEP_HELP + "; a bundle's main step when left out")
     _replay_options(p)
     p.add_argument("--no-inner", action="store_true", help="do not compare the steps inside this one")
     p.add_argument("--swap", action="append", default=[], metavar="KEY=REF",
@@ -50,6 +50,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--seed", type=int, help="seed the generators with this instead of the recorded states")
     p.add_argument("--save-recipe", metavar="NAME", help="save this intervention in the recording under NAME")
     p.add_argument("--recipe", metavar="NAME", help="apply the recipe saved under NAME (STEP defaults to its step)")
+    p.add_argument("--use-bundled-source", action="store_true",
+                   help="a bundle: replay with the code it carries instead of the code installed here (runs that code)")
     p.set_defaults(handler=replay)
 
     p = sub.add_parser("verify", help="replay many steps and report determinism",
@@ -110,7 +112,33 @@ def summary(rec: Any) -> dict[str, Any]:
             "exceptions": int((status == layout.STATUSES.index("exception")).sum()),
             "first_nonfinite": table[int(bad[0])].to_json() if len(bad) else None,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
-            "recipes": list(_recipes(rec).values())}
+            "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec)}
+
+
+def _bundle_summary(rec: Any) -> dict[str, Any] | None:
+    """For a bundle: its main step, where it came from, its verification, and every difference
+    between the machine it was made on and this one: environment and code (read, never run)."""
+    info = rec.bundle_info
+    if info is None:
+        return None
+    from replayer.code import CodeLoader, drift_without_running
+    from replayer.state import environment_differences
+
+    main = rec.main_step
+    dirs = CodeLoader(rec.run_info).dirs
+    code = []
+    seen = set()
+    for step in rec.steps:
+        definition = step.definition
+        ref = definition.get("ref")
+        if ref and ref not in seen:
+            seen.add(ref)
+            code.append({"name": definition.get("name"), "ref": ref,
+                         "state": drift_without_running(definition, rec.run_info, dirs),
+                         "bundled": definition.get("file") in (info.get("sources") or {})})
+    return {"main_step": main.to_json(), "origin": info.get("origin"), "created": info.get("created"),
+            "verified": info.get("verified"), "environment_differences": environment_differences(
+                rec.run_info, main.settings), "code": code}
 
 
 def _recipes(rec: Any) -> dict[str, Any]:
@@ -163,6 +191,19 @@ def info(args: argparse.Namespace) -> int:
         print("first non-finite step: none")
     else:
         print(f"first non-finite step: {_step_text(first)}")
+    bundle = doc["bundle"]
+    if bundle is not None:
+        origin = bundle.get("origin") or {}
+        verified = bundle.get("verified")
+        print(f"\nbundle of {origin.get('path')} (step {origin.get('index')} there), made {bundle.get('created')}; "
+              + ("not verified when made" if not verified else
+                 f"verified when made: {'bitwise match' if verified.get('match') else 'MISMATCH'}"))
+        print(f"main step: {_step_text(bundle['main_step'])}  (pdbg replay {args.run})")
+        diffs = bundle["environment_differences"]
+        print("environment: " + ("same as where it was recorded" if not diffs else "; ".join(diffs)))
+        for c in bundle["code"]:
+            extra = " - bundled source available (--use-bundled-source)" if c["bundled"] else ""
+            print(f"code of {c['name']} ({c['ref']}): {c['state']}{extra}")
     if doc["recipes"]:
         from replayer import recipes
 
@@ -230,11 +271,14 @@ def replay(args: argparse.Namespace) -> int:
         seed = seed if seed is not None else recipe.get("seed")
         if args.step is None:
             args.step = str(recipe["step"]["index"])
+    if args.step is None and rec.main_step is not None:
+        args.step = str(rec.main_step.index)
     if args.step is None:
         raise PdbgError("give the STEP to replay: " + STEP_HELP)
     step = rec.step(args.step)
-    result = Replayer(rec, script=args.script).replay(step, threads=args.threads, nested=not args.no_inner,
-                                                      swap=swap, edit=edit, settings=settings, seed=seed)
+    replayer_ = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source)
+    result = replayer_.replay(step, threads=args.threads, nested=not args.no_inner, swap=swap, edit=edit,
+                              settings=settings, seed=seed)
     if args.save_recipe:
         recipes.save(rec, args.save_recipe, step, swap=swap, edit=edit, settings=settings, seed=seed, result=result)
     if args.json:

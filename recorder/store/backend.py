@@ -8,7 +8,6 @@ manifest (temporary file, fsync, rename), which is what makes a killed recording
 from __future__ import annotations
 
 import os
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,9 @@ def open_store(target: StoreTarget, *, mode: str) -> Store:
         return target
     path = Path(target)
     if mode == "r" and path.is_file():
-        if not zipfile.is_zipfile(path):
-            raise ValueError("a file that is neither a recording directory nor a zip")
+        from .zipcheck import check_zip
+
+        check_zip(path)  # before zarr sees it: a bundle may come from anyone
         store = ZipStore(path, mode="r")
         sync(store._ensure_open())  # zarr opens zips lazily; plain key reads need it open
         return store

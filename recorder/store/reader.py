@@ -60,6 +60,8 @@ class RunReader:
                                      "(made by recorder.record or `pdbg record`)")
         try:
             self.store = backend.open_store(target, mode="r")
+        except (FormatError, NotARecordingError):  # a zip refused by its checks: the message says why
+            raise
         except Exception as exc:  # a file that is not a zip, a directory we cannot read...
             raise NotARecordingError(f"{self.label} is not a PaperDebugger recording ({exc})") from None
         self.attrs = self._read_attrs()

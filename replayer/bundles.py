@@ -1,0 +1,247 @@
+"""Failure bundles: one small file that replays the failing step on another machine.
+
+    info = replayer.bundle(rec, origin.step, "failure.pdbg", verify=True, script=True)
+    # elsewhere:  pdbg replay failure.pdbg   |   python repro.py
+
+A bundle is a finished recording (the same format) holding only what replaying its main step needs:
+that step (a backward step with its forward call), the steps inside it, their RNG states, settings,
+module skeletons and arguments, the payloads the main step reads and writes (inner steps keep
+statistics, and payloads they share with it), the run's environment, the source of the code
+involved and the recording's recipes. It is packed into a zip with stored (not deflated) members:
+the chunks are compressed already. ``bundle.json`` at its root says which step is the main one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recorder.errors import PdbgError
+from recorder.store import backend, codecs, layout
+from recorder.store.writer import StoreWriter
+
+from . import recipes as recipes_mod
+from .bisect import step_flags, subtree
+from .recording import BUNDLE_KEY, Recording, Step
+
+FORMAT = "paperdebugger.bundle"
+_DOC_COLUMNS = ("name", "definition", "module_path", "module", "settings", "args", "output", "extra")
+
+
+class BundleError(PdbgError, ValueError):
+    """A bundle that cannot be made as asked."""
+
+
+@dataclass
+class BundleInfo:
+    """What ``bundle`` wrote."""
+
+    path: Path
+    bytes: int
+    steps: int
+    main: int  # the main step's index in the bundle
+    verified: bool | None
+    script: Path | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """``pdbg bundle --json``: {"path", "bytes", "steps", "verified"}."""
+        return {"path": str(self.path), "bytes": self.bytes, "steps": self.steps, "verified": self.verified,
+                "main_step": self.main, "script": str(self.script) if self.script else None}
+
+
+def _selection(rec: Recording, step: Step, iteration: bool) -> tuple[list[int], set[int]]:
+    """The steps to bundle (original indices, in order) and those whose payloads all come along."""
+    if iteration:
+        rows = [int(i) for i in rec.steps.filter(iteration=step.iteration).rows]
+        return rows, set(rows)
+    full = {step.index}
+    if step.phase == "backward" and step.forward is not None:
+        full.add(step.forward)
+    chosen = set(full)
+    for index in list(full):
+        chosen.update(subtree(rec, index))
+    return sorted(chosen), full
+
+
+def _sources(rec: Recording, steps: list[Step]) -> dict[str, str]:
+    """The text of every file the bundled steps' code came from, and of the script that ran."""
+    files = {s.definition.get("file") for s in steps} | {rec.run_info.get("script")}
+    out = {}
+    for file in sorted(f for f in files if isinstance(f, str)):
+        try:
+            if os.path.getsize(file) <= 4 << 20:
+                out[file] = Path(file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+    return out
+
+
+def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str], *, iteration: bool = False,
+           verify: bool = False, script: bool = False, overwrite: bool = False) -> BundleInfo:
+    """Write a failure bundle for one step (or, with ``iteration``, its whole iteration).
+
+    Args:
+        rec: the recording.
+        step: the main step: an index, a selector or a Step.
+        path: the bundle file to write (``failure.pdbg``).
+        iteration: bundle every step of the main step's iteration, with all payloads.
+        verify: replay the main step from the bundle before sealing it, and record the outcome.
+        script: also write ``repro.py`` next to the bundle: replays it with only paperdebugger installed.
+        overwrite: replace an existing file at ``path``.
+    """
+    main = step if isinstance(step, Step) else rec.step(step)
+    out = Path(path)
+    if out.exists() and not overwrite:
+        raise BundleError(f"{out} already exists; choose another path (or delete it)")
+    if not out.parent.exists():
+        raise BundleError(f"cannot write {out}: directory {out.parent} does not exist")
+    rows, full = _selection(rec, main, iteration)
+    steps = [rec.step(i) for i in rows]
+    for r in [*(main.records if main.phase == "forward" else []),
+              *(rec.step(main.forward).records if main.forward is not None else []),
+              *(main.records if main.phase == "backward" else [])]:
+        if r.role in ("input", "param", "buffer", "grad_output") and not r.has_payload:
+            raise BundleError(f"step {main.index} kept statistics only for {r.role} {r.name}: there is nothing to "
+                              "replay; bundle a step recorded with payloads (mode full, or a flight dump)")
+    work = Path(tempfile.mkdtemp(prefix="pdbg-bundle-", dir=out.parent))
+    try:
+        store_dir = work / "store"
+        new_main = _write_store(rec, store_dir, rows, full, main)
+        meta = {"format": FORMAT, "main_step": new_main, "created": datetime.now(UTC).isoformat(),
+                "iteration": iteration, "origin": {"path": str(rec.path), "index": main.index, "step": main.to_json(),
+                                                   "status": rec.status},
+                "sources": _sources(rec, steps), "verified": None}
+        carried = {}
+        for name, recipe in recipes_mod.recipes(rec).items():  # those for bundled steps, renumbered
+            index = (recipe.get("step") or {}).get("index")
+            if index in rows:
+                recipe = {**recipe, "step": {**recipe["step"], "index": rows.index(index)}}
+                carried[name] = recipe
+        if carried:
+            backend.put(backend.open_store(store_dir, mode="w"), recipes_mod.KEY,
+                        json.dumps(carried, indent=1).encode())
+        verified = None
+        if verify:
+            backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta).encode())
+            from .replay import Replayer
+
+            check = Recording(store_dir)
+            result = Replayer(check).replay(check.step(new_main), nested=False)
+            verified = bool(result.match)
+            meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
+                                "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings}
+        backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta, indent=1).encode())
+        partial = work / "bundle.zip"
+        with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED) as archive:
+            for file in sorted(p for p in store_dir.rglob("*") if p.is_file()):
+                archive.write(file, file.relative_to(store_dir).as_posix())
+        os.replace(partial, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    repro = _write_script(out) if script else None
+    return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro)
+
+
+def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], main: Step) -> int:
+    """Copy the chosen steps into a new store; returns the main step's new index."""
+    rank = rec.rank
+    writer = StoreWriter(backend.open_store(where, mode="w"),
+                         run_attrs={**rec.run_info, "bundle_of": str(rec.path)}, compression=codecs.parse(None))
+    writer.create()
+    new = {old: i for i, old in enumerate(rows)}
+    cols = {name: np.asarray(rank.column(f"steps/{name}")) for name in
+            ("phase", "iteration", "call", "parent", "forward", "status", "t_start", "t_end")}
+    flags = step_flags(rec)
+    hashes = np.asarray(rank.column("payloads/hash")) if rank.lengths.get("payloads") else None
+    kept: set[int] = set()  # payload rows copied (dedup: inner steps keep those they share)
+    full_payloads = {r.payload for old in full for r in rec.step(old).records if r.has_payload}
+    rng_ids: dict[int, int] = {}
+    for old in rows:
+        step = rec.step(old)
+        row: dict[str, Any] = {k: cols[k][old].item() for k in cols}
+        row["parent"] = new.get(int(row["parent"]), layout.NO_REF)
+        row["forward"] = new.get(int(row["forward"]), layout.NO_REF)
+        row["flags"] = int(flags[old])
+        for name in _DOC_COLUMNS:
+            doc = step._doc(name)
+            row[name] = layout.NO_REF if doc is None else writer.doc(doc)
+        rng_doc = step._doc("rng")
+        if isinstance(rng_doc, dict):
+            parts = {}
+            for part, doc_id in rng_doc.items():
+                if int(doc_id) not in rng_ids:
+                    rng_ids[int(doc_id)] = writer.doc(rank.doc(int(doc_id)))
+                parts[part] = rng_ids[int(doc_id)]
+            row["rng"] = writer.doc(parts)
+        else:
+            row["rng"] = layout.NO_REF
+        columns: dict[str, list[Any]] = {n: [] for n in layout.TENSOR_COLUMNS if n not in ("step", "dims_start")}
+        dims: list[int] = []
+        for r in step.records:
+            pid = layout.NO_REF
+            if r.has_payload and hashes is not None and (old in full or r.payload in full_payloads):
+                units, unit = rank.payload_units(r.payload)
+                hi, lo = (int(v) for v in hashes[r.payload])
+                pid = writer.payload((hi, lo, unit), np.asarray(units))
+                kept.add(r.payload)
+            columns["role"].append(layout.ROLES.index(r.role))
+            columns["name"].append(writer.doc(r.name))
+            columns["dtype"].append(writer.doc(r.dtype))
+            columns["device"].append(writer.doc(r.device))
+            columns["requires_grad"].append(r.requires_grad)
+            columns["ndim"].append(len(r.shape))
+            columns["stats"].append(tuple(r.stats[k] for k in layout.STAT_NAMES))
+            columns["payload"].append(pid)
+            dims += list(r.shape)
+            dims += list(r.stride) if len(r.stride) == len(r.shape) else [-1] * len(r.shape)
+        row["tensor_start"] = writer.tensors_of_step(new[old], columns, dims)
+        row["tensor_count"] = len(step.records)
+        writer.step(new[old], row)
+    writer.close("complete", {"bundle": True})
+    return new[main.index]
+
+
+_REPRO = '''"""Replays the failing step in {bundle} and compares it, bit for bit, with what was recorded.
+
+    python repro.py [BUNDLE]
+
+Needs only paperdebugger (and the code the step uses, importable). Exit status: 0 when the replay
+matches the recording, 1 when it does not, 2 when the bundle cannot be read or replayed.
+"""
+
+import sys
+from pathlib import Path
+
+import replayer
+from recorder.errors import PdbgError
+
+bundle = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name({bundle!r})
+try:
+    rec = replayer.open(bundle)
+    result = replayer.replay(rec, rec.main_step)
+except PdbgError as exc:
+    print(f"repro: {{exc}}", file=sys.stderr)
+    sys.exit(2)
+print(f"step {{result.step.index}} ({{result.step.name}}, {{result.step.phase}}): "
+      + ("bitwise match" if result.match else "MISMATCH"))
+for diff in result.outputs:
+    print(f"  {{diff.summary()}}")
+for line in result.warnings + result.environment_differences:
+    print(f"  note: {{line}}")
+sys.exit(0 if result.match else 1)
+'''
+
+
+def _write_script(bundle_path: Path) -> Path:
+    script = bundle_path.with_name("repro.py")
+    script.write_text(_REPRO.format(bundle=bundle_path.name))
+    return script

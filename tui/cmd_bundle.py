@@ -1,0 +1,52 @@
+"""pdbg bundle RUN STEP -o failure.pdbg [--iteration] [--verify] [--script] [--json]
+
+Write one file that replays STEP on another machine: the step (a backward step with its forward
+call), the steps inside it, their RNG, settings, module skeletons and payloads, the environment,
+the source of the code involved and the recording's recipes, as a zip of a finished recording.
+--iteration bundles the step's whole iteration; --verify replays the bundle before sealing it and
+records the outcome; --script also writes repro.py next to it. Elsewhere: `pdbg replay BUNDLE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .cmd_replay import STEP_HELP, _open, _size, _step_text
+
+
+def add_parsers(sub: Any) -> None:
+    doc = __doc__ or ""
+    p = sub.add_parser("bundle", help="write a file that replays one step on another machine",
+                       description=doc.split("\n\n", 1)[1], usage=doc.split("\n\n")[0])
+    p.add_argument("run", metavar="RUN", help="the recording")
+    p.add_argument("step", metavar="STEP", help=STEP_HELP)
+    p.add_argument("-o", "--out", required=True, metavar="FILE", help="the bundle to write (failure.pdbg)")
+    p.add_argument("--iteration", action="store_true", help="bundle the step's whole iteration")
+    p.add_argument("--verify", action="store_true", help="replay it once before sealing; record the outcome")
+    p.add_argument("--script", action="store_true", help="also write repro.py next to the bundle")
+    p.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import replayer
+
+    rec = _open(args.run)
+    step = rec.step(args.step)
+    info = replayer.bundle(rec, step, args.out, iteration=args.iteration, verify=args.verify, script=args.script,
+                           overwrite=args.force)
+    if args.json:
+        print(json.dumps(info.to_json()))
+    else:
+        print(f"{info.path}: {_size(info.bytes)}, {info.steps} step{'s' if info.steps != 1 else ''}; main step "
+              f"{_step_text(step.to_json())}")
+        if info.verified is not None:
+            print("verified: " + ("the bundle replays bit for bit" if info.verified else "MISMATCH when replayed from "
+                                  "the bundle (see pdbg replay)"))
+        if info.script:
+            print(f"repro script: {info.script} (python {info.script.name}: exit 0 on a match, 1 on a mismatch)")
+        print(f"elsewhere: pdbg replay {info.path.name}")
+    return 0 if info.verified is not False else 1
