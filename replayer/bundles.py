@@ -124,8 +124,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         for name, recipe in recipes_mod.recipes(rec).items():  # those for bundled steps, renumbered
             index = (recipe.get("step") or {}).get("index")
             if index in rows:
-                recipe = {**recipe, "step": {**recipe["step"], "index": rows.index(index)}}
-                carried[name] = recipe
+                carried[name] = {**recipe, "step": {**recipe["step"], "index": rows.index(index)}}
         if carried:
             backend.put(backend.open_store(store_dir, mode="w"), recipes_mod.KEY,
                         json.dumps(carried, indent=1).encode())
