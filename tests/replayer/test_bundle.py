@@ -1,0 +1,242 @@
+"""Failure bundles: small, self-contained, replayable in a fresh process elsewhere; repro.py; code
+drift and the bundled source; hostile bundles refused without running anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import replayer
+from tests.cli import ROOT
+
+MODULE = '''
+import torch
+import torch.nn as nn
+
+import recorder
+
+
+@recorder.paper_step("Eq. 1", description="projection")
+class Projection(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(torch.tanh(self.lin(x)))  # EDIT
+
+
+@recorder.paper_step("Eq. 2", description="scaled softplus")
+def soft(x, beta=1.0):
+    return torch.nn.functional.softplus(x * beta)
+'''
+
+TRAIN = '''
+import sys
+import torch
+import recorder
+import bundlemod
+
+d, iterations = int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(0)
+model = bundlemod.Projection(d)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with recorder.record(sys.argv[1], model=model, optimizer=opt):
+    for i in range(iterations):
+        y = bundlemod.soft(model(torch.randn(256, d)), beta=2.0)
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+'''
+
+
+def env_with(code: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(code), str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run(args: list[str], cwd: Path, code: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, env=env_with(code), capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+def pdbg(*args: str, cwd: Path, code: Path) -> subprocess.CompletedProcess[str]:
+    return run([sys.executable, "-m", "tui.cli", *args], cwd, code)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A ~50 MB recording of a 512-wide projection trained 13 iterations; returns (run, code dir)."""
+    where = tmp_path_factory.mktemp("bundle")
+    code = where / "code"
+    code.mkdir()
+    (code / "bundlemod.py").write_text(MODULE)
+    (where / "train.py").write_text(TRAIN)
+    res = run([sys.executable, "train.py", str(where / "run.zarr"), "512", "13"], where, code)
+    assert res.returncode == 0, res.stderr
+    return where / "run.zarr", code
+
+
+def payload_bytes(step: replayer.Step) -> int:
+    seen, total = set(), 0
+    for r in step.records:
+        if r.has_payload and r.payload not in seen:
+            seen.add(r.payload)
+            total += step.rec.rank.payload_units(r.payload)[0].nbytes
+    return total
+
+
+def test_a_bundle_is_small_and_replays_bitwise_in_an_empty_directory(recorded: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    run_path, code = recorded
+    rec = replayer.open(run_path)
+    assert rec.reader.nbytes() > 45e6
+    step = rec.step("Eq. 1@iter=7")
+    info = replayer.bundle(rec, step, tmp_path / "failure.pdbg", verify=True, script=True)
+    assert info.verified is True and info.steps == 1
+    own = payload_bytes(step)
+    assert info.bytes <= 1.2 * own + 256 * 1024, (info.bytes, own)
+    assert zipfile.ZipFile(info.path).infolist()[0].compress_type == zipfile.ZIP_STORED
+
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    shutil.copy(info.path, empty / "failure.pdbg")
+    res = pdbg("replay", "failure.pdbg", "--json", cwd=empty, code=code)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["match"] is True and doc["step"]["name"] == "Projection" and doc["step"]["iteration"] == 7
+    info_res = pdbg("info", "failure.pdbg", cwd=empty, code=code)
+    assert info_res.returncode == 0 and "verified when made: bitwise match" in info_res.stdout
+    assert "environment: same as where it was recorded" in info_res.stdout
+    assert "code of Projection (bundlemod:Projection): unchanged" in info_res.stdout
+
+
+def test_backward_and_iteration_bundles(recorded: tuple[Path, Path], tmp_path: Path) -> None:
+    run_path, code = recorded
+    rec = replayer.open(run_path)
+    back = replayer.bundle(rec, "Eq. 1@iter=3:backward", tmp_path / "back.pdbg")
+    assert back.steps == 2  # the backward step and its forward call
+    assert pdbg("replay", str(back.path), cwd=tmp_path, code=code).returncode == 0
+    whole = replayer.bundle(rec, "Eq. 2@iter=3", tmp_path / "iter.pdbg", iteration=True)
+    res = pdbg("verify", str(whole.path), "--json", cwd=tmp_path, code=code)
+    assert res.returncode == 0 and json.loads(res.stdout) == {"replayed": 4, "matched": 4, "mismatches": []}
+    refused = pdbg("bundle", str(run_path), "Eq. 2@iter=3", "-o", str(whole.path), cwd=tmp_path, code=code)
+    assert refused.returncode == 2 and "already exists" in refused.stderr
+
+
+def test_repro_script_and_code_drift(recorded: tuple[Path, Path], tmp_path: Path) -> None:
+    """repro.py exits 0 on a match; after the user's code changed, 1, and pdbg info names the drift;
+    --use-bundled-source replays with the code the bundle carries."""
+    run_path, code = recorded
+    mine = tmp_path / "code"
+    shutil.copytree(code, mine)
+    res = pdbg("bundle", str(run_path), "Eq. 1@iter=2", "-o", "failure.pdbg", "--script", cwd=tmp_path, code=mine)
+    assert res.returncode == 0, res.stderr
+    assert run([sys.executable, "repro.py"], tmp_path, mine).returncode == 0
+    # the bundle was made from the original code dir; now the user's copy of it changes
+    module = mine / "bundlemod.py"
+    module.write_text(module.read_text().replace("torch.tanh(self.lin(x))", "torch.tanh(self.lin(x) * 1.01)"))
+    bundle_code = json.loads(zipfile.ZipFile(tmp_path / "failure.pdbg").read("bundle.json"))["sources"]
+    assert any(path.endswith("bundlemod.py") for path in bundle_code)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.copy(tmp_path / "failure.pdbg", moved)
+    shutil.copy(tmp_path / "repro.py", moved)
+    (code / "bundlemod.py").rename(code / "bundlemod.py.orig")  # only the changed copy is importable now
+    try:
+        repro = run([sys.executable, "repro.py"], moved, mine)
+        assert repro.returncode == 1 and "MISMATCH" in repro.stdout and "changed since recording" in repro.stdout
+        info = pdbg("info", "failure.pdbg", cwd=moved, code=mine)
+        assert "code of Projection (bundlemod:Projection): changed since recording" in info.stdout
+        bundled = pdbg("replay", "failure.pdbg", "--use-bundled-source", cwd=moved, code=mine)
+        assert bundled.returncode == 0, bundled.stdout + bundled.stderr
+    finally:
+        (code / "bundlemod.py.orig").rename(code / "bundlemod.py")
+
+
+class Evil:
+    """Unpickling this creates a marker file: the proof that a planted payload ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.marker), "w"))
+
+
+def rewrite(source: Path, target: Path, change: object) -> None:
+    """Copy a zip, letting ``change(name, data)`` return new bytes, None to drop, or extra members."""
+    with zipfile.ZipFile(source) as src, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = change(info.filename, src.read(info))  # type: ignore[operator]
+            if data is not None:
+                dst.writestr(info.filename, data)
+
+
+def test_hostile_bundles_are_refused_and_run_nothing(recorded: tuple[Path, Path], tmp_path: Path) -> None:
+    run_path, code = recorded
+    good = replayer.bundle(replayer.open(run_path), "Eq. 2@iter=1", tmp_path / "good.pdbg").path
+    marker = tmp_path / "PWNED"
+    payload = pickle.dumps(Evil(marker))
+    chunk = next(n for n in zipfile.ZipFile(good).namelist() if n.startswith("rank0/steps/name/c"))
+
+    def pickle_codec(name: str, data: bytes) -> bytes:
+        if name == "rank0/steps/name/zarr.json":
+            meta = json.loads(data)
+            meta["codecs"] = [{"name": "numcodecs.pickle", "configuration": {}}]
+            return json.dumps(meta).encode()
+        return payload if name == chunk else data
+
+    def huge(name: str, data: bytes) -> bytes:
+        if name == "rank0/steps/name/zarr.json":
+            meta = json.loads(data)
+            meta["shape"] = [1 << 40]  # 8 TB of int64
+            return json.dumps(meta).encode()
+        return data
+
+    def newer(name: str, data: bytes) -> bytes:
+        if name in ("zarr.json", "manifest.json"):
+            return data.replace(b'"schema_version": "1.2"', b'"schema_version": "9.0"').replace(
+                b'"schema_version":"1.2"', b'"schema_version":"9.0"')
+        return data
+
+    cases = {"pickle": pickle_codec, "huge": huge, "newer": newer}
+    for name, change in cases.items():
+        rewrite(good, tmp_path / f"{name}.pdbg", change)
+    with zipfile.ZipFile(tmp_path / "traversal.pdbg", "w") as z:
+        for info in zipfile.ZipFile(good).infolist():
+            z.writestr(info.filename, zipfile.ZipFile(good).read(info))
+        z.writestr("../escaped.txt", b"outside")
+    with zipfile.ZipFile(tmp_path / "duplicate.pdbg", "w") as z:
+        for info in zipfile.ZipFile(good).infolist():
+            z.writestr(info.filename, zipfile.ZipFile(good).read(info))
+        with pytest.warns(UserWarning, match="Duplicate name"):
+            z.writestr("zarr.json", b"{}")
+    data = good.read_bytes()
+    (tmp_path / "truncated.pdbg").write_bytes(data[: len(data) // 2])
+    (tmp_path / "random.pdbg").write_bytes(os.urandom(4096))
+    expected = {"pickle": "codec 'numcodecs.pickle'", "huge": "declare", "newer": "newer",
+                "traversal": "points outside the bundle", "duplicate": "more than once",
+                "truncated": "not a PaperDebugger recording", "random": "not a PaperDebugger recording"}
+    for name, message in expected.items():
+        for command in ("info", "replay"):
+            res = pdbg(command, f"{name}.pdbg", cwd=tmp_path, code=code)
+            lines = res.stderr.strip().splitlines()
+            assert res.returncode == 2 and len(lines) == 1 and message in lines[0], (name, command, res.stderr)
+            assert "Traceback" not in res.stderr
+    assert not marker.exists() and not (tmp_path.parent / "escaped.txt").exists()
+    # the planted payload is live: unpickled, it does create the marker
+    (tmp_path / "payload.bin").write_bytes(payload)
+    subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(open(sys.argv[1], 'rb').read())",
+                    str(tmp_path / "payload.bin")], check=True, capture_output=True)
+    assert marker.exists()
