@@ -12,7 +12,7 @@ nested function step ``"Eq. 2"``; 50 forward and 50 backward steps per iteration
 step on average) is first recorded for real with ``recorder.record(..., mode="stats")`` for a few
 iterations, a NaN planted in one of them (``Eq. 2`` takes the square root of a negative number
 from finite inputs; the NaN loss then poisons every parameter). Recording a million steps that way
-takes ~8 min here (~460 us a step), so the million-step store is made from the ``StepItem`` objects
+takes ~8-9 min here (~500 us a step), so the million-step store is made from the ``StepItem`` objects
 that run handed its writer thread: a clean iteration, the NaN iteration and one after it, replayed
 with new step indices, iterations, parents, times and a fresh torch RNG state per iteration into a
 real ``StoreWriter`` + ``Pipeline`` (the writer thread, deduplication, flags and commits exactly as
@@ -26,7 +26,7 @@ Settings: **fresh**: a new process, the store's files as the build left them in 
 Each fresh process also times a second ``open`` + ``first_nonfinite`` (warm).
 
 Usage:
-  python bench/bisect_scale.py                    # 1,000,000 steps, 5 fresh runs per case (~5 min, 2 cores)
+  python bench/bisect_scale.py                    # 1,000,000 steps, 5 fresh runs per case (~4 min, 2 cores)
   python bench/bisect_scale.py --write-docs       # also add/replace the section in docs/PERFORMANCE.md
   python bench/bisect_scale.py --steps 100000 --repeat 2      # quick look
   python bench/bisect_scale.py --profile          # cProfile of first_nonfinite in a fresh process
