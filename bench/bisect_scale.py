@@ -57,6 +57,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import xxhash
+from docs_section import evict, write_section  # noqa: E402 (bench/ is the script's directory)
 
 import recorder
 import replayer
@@ -304,18 +305,6 @@ def check(real: Sample, fast: Built) -> list[str]:
 
 
 # -- timing, in fresh processes ---------------------------------------------------------------------
-def evict(path: Path) -> None:
-    """Drop the store's pages from the page cache (written back first, so that they are clean)."""
-    for file in path.rglob("*"):
-        if file.is_file():
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def timed(path: Path) -> tuple[float, replayer.Origin]:
     t0 = time.perf_counter()
     rec = replayer.open(path)
@@ -524,18 +513,7 @@ Machine: {machine()}.
 
 
 def write_docs(text: str) -> None:
-    """Add the section at the end of the file, or replace it (up to the next ``## `` heading)."""
-    old = DOCS.read_text() if DOCS.exists() else ""
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + ("\n\n" if old else "") + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        tail = "".join(lines[end:])
-        new = "".join(lines[:start]) + text + ("\n" + tail if tail else "")
-    DOCS.write_text(new)
-    print(f"wrote {SECTION!r} in {DOCS}")
+    write_section(SECTION, text)
 
 
 def main() -> None:

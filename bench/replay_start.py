@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from docs_section import evict, write_section  # bench/ is the script's directory
 
 import recorder
 import replayer
@@ -150,18 +151,6 @@ def build(path: Path, helper: Any, gb: float, tensor_mb: float, small: int) -> B
         targets[kind] = (rec.step(selector).index, selector)
     raw = iterations * (per_iteration + 2 * rows * 4) + WIDTH * WIDTH * 4  # + outputs of the big steps
     return Built(path, iterations, len(rec), raw, rec.reader.nbytes(), seconds, targets)
-
-
-def evict(path: Path) -> None:
-    """Drop the store's pages from the page cache (written back first, so that they are clean)."""
-    for file in path.rglob("*"):
-        if file.is_file():
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 # -- one timed replay -------------------------------------------------------------------------------
@@ -357,18 +346,7 @@ Machine: {machine()}.
 
 
 def write_docs(text: str) -> None:
-    """Add the section at the end of the file, or replace it (up to the next ``## `` heading)."""
-    old = DOCS.read_text() if DOCS.exists() else ""
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + ("\n\n" if old else "") + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        tail = "".join(lines[end:])
-        new = "".join(lines[:start]) + text + ("\n" + tail if tail else "")
-    DOCS.write_text(new)
-    print(f"wrote {SECTION!r} in {DOCS}")
+    write_section(SECTION, text)
 
 
 def profile(built: Built) -> None:

@@ -227,13 +227,24 @@ class Step:
     def _col(self, name: str) -> Any:
         return self.rec.rank.column(f"steps/{name}")[self.index]
 
+    def _decoded(self, table: str, column: str) -> Any:
+        """This step's value of a document column: from the table's decoded column when that was
+        read already, else its own document (one step out of millions needs no whole column)."""
+        cached = self.rec.__dict__.get(table)
+        return cached[self.index] if cached is not None else self._doc(column)
+
     @property
     def name(self) -> str:
-        return str(self.rec._names[self.index])
+        return str(self._decoded("_names", "name"))
 
     @property
     def paper(self) -> dict[str, Any]:
-        paper = dict(self.rec._papers[self.index])
+        cached = self.rec.__dict__.get("_papers")
+        if cached is not None:
+            paper = dict(cached[self.index])
+        else:
+            definition = self._doc("definition")
+            paper = dict(definition.get("paper", {})) if isinstance(definition, dict) else {}
         return {k: paper.get(k) for k in ("label", "algorithm", "step", "equation", "description")}
 
     @property
@@ -250,7 +261,7 @@ class Step:
 
     @property
     def module_path(self) -> str:
-        return str(self.rec._paths[self.index])
+        return str(self._decoded("_paths", "module_path"))
 
     @property
     def status(self) -> str:

@@ -166,6 +166,9 @@ class RunReader:
         return Path(path).stat().st_size if path else 0
 
 
+_SLICES_BEFORE_WHOLE = 256
+
+
 class RankReader:
     """The tables of one rank, sliced to their committed lengths."""
 
@@ -175,6 +178,7 @@ class RankReader:
         self.group = run.group[layout.rank_group(rank)]
         self._columns: dict[str, np.ndarray] = {}
         self._arrays: dict[str, Any] = {}
+        self._sliced: dict[str, int] = {}  # how often each column was read in slices
         self._docs: dict[int, Any] = {}
 
     def __len__(self) -> int:
@@ -231,9 +235,19 @@ class RankReader:
                 raise FormatError(f"{self.run.label}: document {doc_id} is not valid JSON") from None
         return self._docs[doc_id]
 
-    @cached_property
-    def _dims(self) -> np.ndarray:
-        return self.column("dims/values")
+    def rows(self, path: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of a column: sliced from the cached column if it was read whole,
+        else read alone (a step's tensor records out of millions), until a column has been sliced
+        often enough that reading it whole once is cheaper."""
+        if path in self._columns:
+            return self._columns[path][start:stop]
+        count = self._sliced.get(path, 0) + 1
+        self._sliced[path] = count
+        if count > _SLICES_BEFORE_WHOLE:
+            return self.column(path)[start:stop]
+        if stop > self._length_of(path):
+            raise FormatError(f"{self.run.label}: rows {start}:{stop} of {path} are past the committed data")
+        return np.asarray(self._array(path)[start:stop])
 
     def tensor_records(self, step: int) -> list[TensorRecord]:
         """The tensor records of one step, in the order they were captured."""
@@ -241,24 +255,34 @@ class RankReader:
         count = int(self.column("steps/tensor_count")[step])
         if start < 0 or count < 0 or start + count > self.lengths["tensors"]:
             raise FormatError(f"{self.run.label}: step {step} points past the committed tensor records")
-        return [self.tensor_record(row) for row in range(start, start + count)]
+        return self._records(start, start + count)
 
     def tensor_record(self, row: int) -> TensorRecord:
-        col = self.column
-        ndim, dstart = int(col("tensors/ndim")[row]), int(col("tensors/dims_start")[row])
-        dims = self._dims[dstart:dstart + 2 * ndim]
-        if len(dims) != 2 * ndim:
-            raise FormatError(f"{self.run.label}: tensor record {row} has a shape past the committed data")
-        stats = col("tensors/stats")[row]
-        return TensorRecord(
-            row=row, step=int(col("tensors/step")[row]), role=layout.ROLES[int(col("tensors/role")[row])],
-            name=self.doc(int(col("tensors/name")[row])), dtype=self.doc(int(col("tensors/dtype")[row])),
-            device=self.doc(int(col("tensors/device")[row])),
-            requires_grad=bool(col("tensors/requires_grad")[row]),
-            shape=tuple(int(d) for d in dims[:ndim]), stride=tuple(int(d) for d in dims[ndim:]),
-            stats={k: float(v) for k, v in zip(layout.STAT_NAMES, stats)},
-            payload=self._late.get(row, int(col("tensors/payload")[row])),
-        )
+        return self._records(row, row + 1)[0]
+
+    def _records(self, start: int, stop: int) -> list[TensorRecord]:
+        if stop <= start:
+            return []
+        cols = {name: self.rows(f"tensors/{name}", start, stop) for name in
+                ("step", "role", "name", "dtype", "device", "requires_grad", "ndim", "dims_start", "stats", "payload")}
+        ndims, dstarts = cols["ndim"].astype(np.int64), cols["dims_start"].astype(np.int64)
+        lo = int(dstarts.min())
+        hi = int((dstarts + 2 * ndims).max())
+        dims = self.rows("dims/values", lo, hi) if hi > lo else np.zeros(0, dtype=np.int64)
+        out = []
+        for i in range(stop - start):
+            row, ndim, first = start + i, int(ndims[i]), int(dstarts[i]) - lo
+            own = dims[first:first + 2 * ndim]
+            if len(own) != 2 * ndim:
+                raise FormatError(f"{self.run.label}: tensor record {row} has a shape past the committed data")
+            out.append(TensorRecord(
+                row=row, step=int(cols["step"][i]), role=layout.ROLES[int(cols["role"][i])],
+                name=self.doc(int(cols["name"][i])), dtype=self.doc(int(cols["dtype"][i])),
+                device=self.doc(int(cols["device"][i])), requires_grad=bool(cols["requires_grad"][i]),
+                shape=tuple(int(d) for d in own[:ndim]), stride=tuple(int(d) for d in own[ndim:]),
+                stats={k: float(v) for k, v in zip(layout.STAT_NAMES, cols["stats"][i])},
+                payload=self._late.get(row, int(cols["payload"][i]))))
+        return out
 
     @cached_property
     def _late(self) -> dict[int, int]:
