@@ -201,6 +201,33 @@ class Replayer:
         kwargs = jsonval.decode(init.get("kwargs", {}), resolve=self.loader.resolve)
         return None if _find_unresolved([args, kwargs]) else (args, kwargs)
 
+    def _edit_inner_state(self, step: Step, module: torch.nn.Module) -> None:
+        """Edits of an inner module step's parameters or buffers (``attn/qkv.weight``): applied to
+        the rebuilt submodule before the call. Edits of inner inputs happen as the call reaches them."""
+        inner = [s for s in descendants(step if step.phase == "forward" else self.rec.step(step.forward))
+                 if s.definition.get("kind") == "module"]
+        for c in self.plan.edits:
+            if c.step is None or c.tensor.startswith(("args.", "kwargs.")):
+                continue
+            targets = {s.module_path for s in inner if intervene.matches(c.step, s.name, s.paper.get("label"),
+                                                                         s.module_path, s.call)}
+            for path in sorted(targets):
+                rel = path[len(step.module_path):].lstrip(".") if step.module_path else path
+                sub = module.get_submodule(rel)
+                owner_name, _, leaf = c.tensor.rpartition(".")
+                owner = sub.get_submodule(owner_name) if owner_name else sub
+                if leaf in owner._parameters and owner._parameters[leaf] is not None:
+                    param = owner._parameters[leaf]
+                    with torch.no_grad():
+                        param.data = c.run(param.detach())
+                elif leaf in owner._buffers and owner._buffers[leaf] is not None:
+                    owner._buffers[leaf] = c.run(owner._buffers[leaf])
+                else:
+                    names = sorted(n for n, _ in [*sub.named_parameters(), *sub.named_buffers()])
+                    raise intervene.InterventionError(f"edit {c.key}: {path} has no parameter or buffer {c.tensor!r}; "
+                                                      f"it has {', '.join(names) or 'none'}")
+                c.used += 1
+
     def _edit_grad(self, name: str, value: torch.Tensor) -> torch.Tensor:
         for c in self.plan.edits_for(None):
             if c.tensor in (name, f"grad_output:{name}"):
@@ -258,6 +285,8 @@ class Replayer:
             warnings.extend(load_state(module, params, buffers, {r.name: r.requires_grad for r in records
                                                                  if r.role == "param"}))
             target = target if target is not None else type(module)
+            if self.plan.edits_inside():
+                self._edit_inner_state(step, module)
             if self.plan.swaps:  # a replacement's constructor must not draw from the caller's generators
                 with snapshot.applied_rng({}, cuda=True):
                     module = self._swap_inside(step, module, descendants(step) if step.phase == "forward" else [])

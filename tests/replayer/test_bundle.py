@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import zarr
 
 import replayer
 from tests.cli import ROOT
@@ -106,7 +107,9 @@ def test_a_bundle_is_small_and_replays_bitwise_in_an_empty_directory(recorded: t
     assert info.verified is True and info.steps == 1
     own = payload_bytes(step)
     assert info.bytes <= 1.2 * own + 256 * 1024, (info.bytes, own)
-    assert zipfile.ZipFile(info.path).infolist()[0].compress_type == zipfile.ZIP_STORED
+    assert {i.compress_type for i in zipfile.ZipFile(info.path).infolist()} == {zipfile.ZIP_STORED}
+    plain = zarr.open_group(zarr.storage.ZipStore(info.path, mode="r"), mode="r")  # readable by plain zarr
+    assert plain["rank0/steps/phase"].shape[0] == 1 and "paperdebugger" in plain.attrs
 
     empty = tmp_path / "elsewhere"
     empty.mkdir()
