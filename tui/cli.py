@@ -31,11 +31,28 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_replay.add_parsers(sub)
     cmd_bisect.add_parsers(sub)
     cmd_bundle.add_parsers(sub)
+    p = sub.add_parser("tui", help="open the TUI on a recording (also: pdbg RUN)",
+                       description="Travel through a recording from the keyboard: ? lists every key.")
+    p.add_argument("run", metavar="RUN", help="the recording or bundle")
+    p.add_argument("--at", metavar="STEP", help="put the cursor on this step (an index or a selector)")
+    p.set_defaults(handler=_tui)
     return parser
+
+
+COMMANDS = ("record", "info", "replay", "verify", "bisect", "find", "bundle", "tui")
+
+
+def _tui(args: argparse.Namespace) -> int:
+    from .app import run_app
+
+    return run_app(args.run, args.at)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        argv = ["tui", *argv]  # pdbg RUN: the TUI
     args = parser.parse_args(argv)
     try:
         handler = getattr(args, "handler", None)

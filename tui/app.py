@@ -1,0 +1,625 @@
+"""The PaperDebugger TUI: ``pdbg RUN`` (or ``pdbg tui RUN``).
+
+Timeline on the left (every step, in execution order, nested, coloured by status), the step at the
+cursor on the right. The cursor is "now": every pane shows the state as of that step. Keys:
+
+    ←/→ h/l  step back/forward      [ ]  previous/next iteration     n N  next/previous anomaly
+    g        the NaN origin          :    go to a selector            / \\  find next/previous (condition)
+    f        filter the timeline     enter the tensor inspector      a    alerts   p  paper view
+    r  replay  b  bisect  e  edit & rerun  s  swap & rerun  x  export a bundle  d  diff   R  refresh
+    ?  every key                     ctrl+p  the command palette      q    quit
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.segment import Segment
+from rich.style import Style
+from rich.syntax import Syntax
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.command import Hit, Hits, Provider
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.geometry import Size
+from textual.message import Message
+from textual.reactive import reactive
+from textual.screen import ModalScreen
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+from textual.widgets import DataTable, Footer, Header, Input, Static
+
+from recorder.errors import PdbgError
+from replayer.recording import Recording
+
+from . import views
+
+_STYLES: dict[str, Style] = {}
+
+
+def _style(spec: str) -> Style:
+    if spec not in _STYLES:
+        _STYLES[spec] = Style.parse(spec) if spec else Style()
+    return _STYLES[spec]
+
+
+class Moved(Message):
+    """The timeline cursor moved."""
+
+
+class Timeline(ScrollView, can_focus=True):
+    """Every step, one line each, drawn from the view model: only the visible lines are formatted."""
+
+    DEFAULT_CSS = """
+    Timeline { width: 3fr; border: round $primary-darken-2; overflow-x: hidden; }
+    Timeline:focus { border: round $accent; }
+    """
+    cursor: reactive[int] = reactive(0)  # a position in model.rows
+
+    def __init__(self, model: views.TimelineModel, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model = model
+        self.virtual_size = Size(1, len(model.rows))
+
+    def refresh_rows(self) -> None:
+        self.virtual_size = Size(1, len(self.model.rows))
+        self.cursor = min(self.cursor, max(0, len(self.model.rows) - 1))
+        self.refresh()
+
+    @property
+    def step_index(self) -> int | None:
+        rows = self.model.rows
+        return int(rows[self.cursor]) if len(rows) else None
+
+    def go_to(self, index: int) -> None:
+        """Put the cursor on a step (the nearest visible one)."""
+        if not len(self.model.rows):
+            return
+        self.cursor = self.model.position(index)
+
+    def watch_cursor(self, old: int, new: int) -> None:
+        top = self.scroll_offset.y
+        height = max(1, self.size.height)
+        if new < top:
+            self.scroll_to(y=new, animate=False)
+        elif new >= top + height:
+            self.scroll_to(y=new - height + 1, animate=False)
+        self.refresh()
+        self.post_message(Moved())
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        position = scroll_y + y
+        width = self.size.width
+        if position >= len(self.model.rows):
+            return Strip.blank(width)
+        index = int(self.model.rows[position])
+        pieces = self.model.row(index)
+        selected = position == self.cursor
+        base = _style("reverse") if selected else (
+            _style("on #1c1c28") if int(self.model.iteration[index]) % 2 else Style())
+        segments = [Segment(text, base + _style(style)) for text, style in pieces if text]
+        strip = Strip(segments).crop(scroll_x, scroll_x + width)
+        return strip.extend_cell_length(width, base)
+
+
+class StepPane(VerticalScroll):
+    DEFAULT_CSS = """
+    StepPane { width: 2fr; border: round $primary-darken-2; padding: 0 1; }
+    StepPane > .title { text-style: bold; }
+    StepPane DataTable { height: auto; max-height: 14; }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="step-title", classes="title")
+        yield Static(id="step-description")
+        yield Static(id="step-notes")
+        table = DataTable(id="tensors", zebra_stripes=True, cursor_type="row")
+        table.add_columns("role", "name", "shape", "dtype", "min", "max", "mean", "std", "NaN", "Inf")
+        yield table
+        yield Static(id="step-args")
+        yield Static(id="step-code")
+
+    def show(self, view: views.StepView, drift: str | None) -> None:
+        colour = views.STATUS_STYLE[view.status]
+        self.query_one("#step-title", Static).update(Text.assemble((view.title, "bold"), "  ",
+                                                                   (view.status, colour)))
+        self.query_one("#step-description", Static).update(Text(view.description or "", style="italic"))
+        notes = [Text(n, style="yellow") for n in view.notes]
+        self.query_one("#step-notes", Static).update(Text("\n").join(notes) if notes else "")
+        table = self.query_one("#tensors", DataTable)
+        table.clear()
+        for t in view.tensors:
+            s = t.stats
+
+            def cell(key: str, bad: bool = False, s: dict[str, float] = s) -> Text:
+                value = s.get(key)
+                text = str(int(value)) if key in ("nan", "inf") else views.fmt_number(value)
+                return Text(text, style="bold red" if bad else "")
+
+            table.add_row(t.role, t.name, t.shape, t.dtype, cell("min"), cell("max"), cell("mean"), cell("std"),
+                          cell("nan", s.get("nan", 0) > 0), cell("inf", s.get("inf", 0) > 0), key=f"{t.role}:{t.name}")
+        self.query_one("#step-args", Static).update(Text.assemble(("arguments ", "dim"), view.arguments))
+        code = self.query_one("#step-code", Static)
+        if view.source:
+            where = f"{view.source_file}:{view.source_line}"
+            header = Text.assemble((where, "dim"), ("  " + drift, "bold yellow") if drift else "")
+            syntax = Syntax(view.source, "python", line_numbers=True, start_line=view.source_line or 1,
+                            theme="ansi_dark", word_wrap=False)
+            from rich.console import Group
+
+            code.update(Group(header, syntax))
+        else:
+            code.update(Text("no source recorded for this step", style="dim"))
+
+
+class Prompt(ModalScreen[str | None]):
+    """One line of input (a selector, a condition, an expression, a reference)."""
+
+    DEFAULT_CSS = """
+    Prompt { align: center middle; }
+    Prompt > Vertical { width: 70; height: auto; border: round $accent; background: $panel; padding: 1; }
+    """
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    def __init__(self, title: str, placeholder: str = "", value: str = "") -> None:
+        super().__init__()
+        self.title_text, self.placeholder, self.value = title, placeholder, value
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(self.title_text)
+            yield Input(value=self.value, placeholder=self.placeholder, id="prompt-input")
+
+    @on(Input.Submitted)
+    def submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class TextScreen(ModalScreen[None]):
+    """A read-only page (help, alerts, the paper view, the tensor inspector)."""
+
+    DEFAULT_CSS = """
+    TextScreen { align: center middle; }
+    TextScreen > VerticalScroll { width: 95%; height: 90%; border: round $accent; background: $panel; padding: 0 1; }
+    """
+    BINDINGS = [Binding("escape,q", "close", "close")]
+
+    def __init__(self, body: Any, name: str) -> None:
+        super().__init__(name=name)
+        self.body = body
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield Static(self.body, id="page")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class Actions(Provider):
+    """Every action, in the command palette."""
+
+    async def search(self, query: str) -> Hits:
+        app = self.app
+        assert isinstance(app, PdbgApp)
+        matcher = self.matcher(query)
+        for name, help_text in app.ACTION_HELP:
+            score = matcher.match(f"{name} {help_text}")
+            if score > 0:
+                yield Hit(score, matcher.highlight(f"{help_text}"), lambda n=name: app.run_action(n), help=name)
+
+
+class PdbgApp(App[None]):
+    """Travel through a recording: the cursor is "now"."""
+
+    TITLE = "PaperDebugger"
+    COMMANDS = App.COMMANDS | {Actions}
+    CSS = """
+    #panel { height: auto; max-height: 8; border: round $primary-darken-3; padding: 0 1; }
+    """
+    BINDINGS = [
+        Binding("right,l", "step(1)", "next", show=False), Binding("left,h", "step(-1)", "back", show=False),
+        Binding("down,j", "step(1)", show=False), Binding("up,k", "step(-1)", show=False),
+        Binding("pagedown", "page(1)", show=False), Binding("pageup", "page(-1)", show=False),
+        Binding("home", "edge(0)", show=False), Binding("end", "edge(1)", show=False),
+        Binding("right_square_bracket", "iteration(1)", "iter▶"),
+        Binding("left_square_bracket", "iteration(-1)", "◀iter", show=False),
+        Binding("n", "anomaly(1)", "anomaly▶"), Binding("N", "anomaly(-1)", show=False),
+        Binding("g", "origin", "origin"), Binding("colon", "goto", "go to"),
+        Binding("slash", "find(0)", "find"), Binding("backslash", "find(1)", show=False),
+        Binding("f", "filter", "filter", show=False), Binding("enter", "inspect", "inspect", show=False),
+        Binding("a", "alerts", "alerts", show=False), Binding("p", "paper", "paper", show=False),
+        Binding("r", "replay", "replay"), Binding("b", "bisect", "bisect"),
+        Binding("e", "edit", "edit", show=False), Binding("s", "swap", "swap", show=False),
+        Binding("x", "export", "bundle", show=False), Binding("d", "diff", "diff", show=False),
+        Binding("R", "reload", "refresh", show=False), Binding("question_mark", "help", "keys"),
+        Binding("q", "quit", "quit"),
+    ]
+    ACTION_HELP = [
+        ("step(1)", "step forward (→, l)"), ("step(-1)", "step backward (←, h)"),
+        ("iteration(1)", "next iteration (])"), ("iteration(-1)", "previous iteration ([)"),
+        ("anomaly(1)", "next anomaly (n)"), ("anomaly(-1)", "previous anomaly (N)"),
+        ("origin", "go to the NaN origin (g)"), ("goto", "go to a step selector (:)"),
+        ("find(0)", "find the next step matching a condition (/)"),
+        ("find(1)", "find the previous step matching a condition (\\)"),
+        ("filter", "filter the timeline (f)"), ("inspect", "inspect the selected tensor (enter)"),
+        ("alerts", "alerts: origins, exceptions, broken expectations (a)"), ("paper", "the paper view (p)"),
+        ("replay", "replay this step (r)"), ("bisect", "bisect: the origin and its operation (b)"),
+        ("edit", "edit a tensor and rerun (e)"), ("swap", "swap the module or function and rerun (s)"),
+        ("export", "export this step as a bundle (x)"), ("diff", "diff against another run (d)"),
+        ("reload", "refresh a recording still being written (R)"), ("help", "every key (?)"), ("quit", "quit (q)"),
+    ]
+
+    def __init__(self, rec: Recording, *, path: str | None = None, start: int | None = None) -> None:
+        super().__init__()
+        self.rec = rec
+        self.path = path or str(rec.path)
+        self.model = views.TimelineModel(rec)
+        self.start = start
+        self.panel_text: Text | str = ""
+
+    # -- layout --------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False)
+        with Horizontal():
+            yield Timeline(self.model, id="timeline")
+            yield StepPane(id="step")
+        yield Static("", id="panel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = self._summary()
+        timeline = self.query_one(Timeline)
+        timeline.focus()
+        if self.start is not None:
+            timeline.go_to(self.start)
+        self.show_step()
+        self.set_panel(Text("? every key · ctrl+p actions · g the NaN origin · r replay", style="dim"))
+
+    def _summary(self) -> str:
+        return f"{self.path} · {self.rec.status} · {self.model.n} steps"
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.query_one(Timeline)
+
+    @property
+    def step(self) -> Any:
+        index = self.timeline.step_index
+        return None if index is None else self.rec.step(index)
+
+    def on_moved(self, _: Moved) -> None:
+        self.show_step()
+
+    def show_step(self) -> None:
+        step = self.step
+        pane = self.query_one(StepPane)
+        if step is None:
+            pane.query_one("#step-title", Static).update("no steps")
+            return
+        pane.show(views.step_view(step), self._drift(step))
+        self.sub_title = f"{self._summary()} · step {step.index} · iteration {step.iteration}"
+
+    def _drift(self, step: Any) -> str | None:
+        from replayer.code import CodeLoader, drift_without_running
+
+        state = drift_without_running(step.definition, self.rec.run_info, CodeLoader(self.rec.run_info).dirs)
+        return f"✎ {state}" if state.startswith("changed") else None
+
+    def set_panel(self, text: Text | str) -> None:
+        self.panel_text = text
+        self.query_one("#panel", Static).update(text)
+
+    # -- time travel ---------------------------------------------------------------------------
+    def action_step(self, delta: int) -> None:
+        t = self.timeline
+        t.cursor = max(0, min(len(self.model.rows) - 1, t.cursor + delta))
+
+    def action_page(self, delta: int) -> None:
+        self.action_step(delta * max(1, self.timeline.size.height - 1))
+
+    def action_edge(self, end: int) -> None:
+        self.timeline.cursor = (len(self.model.rows) - 1) if end else 0
+
+    def _jump(self, index: int | None, what: str) -> None:
+        if index is None:
+            self.set_panel(Text(f"no {what}", style="yellow"))
+            return
+        self.timeline.go_to(index)
+
+    def action_iteration(self, delta: int) -> None:
+        index = self.timeline.step_index
+        if index is not None:
+            self._jump(views.next_iteration(self.model, index, delta), "other iteration")
+
+    def action_anomaly(self, delta: int) -> None:
+        index = self.timeline.step_index
+        if index is None:
+            return
+        found = views.next_anomaly(self.model, index, delta)
+        self._jump(found if found != index else None, "further anomaly " + ("after" if delta > 0 else "before")
+                   + " this step")
+
+    def action_origin(self) -> None:
+        from replayer import first_nonfinite
+
+        origin = first_nonfinite(self.rec)
+        target = origin.step or origin.entered
+        self.set_panel(Text(origin.cause, style="bold red" if target else "green"))
+        if target is not None:
+            self.timeline.go_to(target.index)
+
+    def action_goto(self) -> None:
+        def done(value: str | None) -> None:
+            if value:
+                try:
+                    self.timeline.go_to(self.rec.step(value).index)
+                except PdbgError as exc:
+                    self.set_panel(Text(str(exc), style="red"))
+
+        self.push_screen(Prompt("go to a step: an index or NAME[@iter=K][#CALL][:backward]", "Eq. 2@iter=5"), done)
+
+    def action_find(self, backward: int) -> None:
+        def done(value: str | None) -> None:
+            if not value:
+                return
+            index = self.timeline.step_index or 0
+            try:
+                found = views.find(self.model, index, value, bool(backward))
+            except PdbgError as exc:
+                self.set_panel(Text(str(exc), style="red"))
+                return
+            self._jump(found, f"step {'before' if backward else 'after'} this one where {value}")
+            if found is not None:
+                self.set_panel(Text(f"{'◀' if backward else '▶'} {value}: step {found}", style="cyan"))
+
+        way = "previous" if backward else "next"
+        self.push_screen(Prompt(f"find the {way} step where (ROLE[.NAME].STAT OP NUMBER, and/or/not)",
+                                "output.absmax > 1e3"), done)
+
+    def action_filter(self) -> None:
+        def done(value: str | None) -> None:
+            if value is None:
+                return
+            current = self.timeline.step_index
+            count = self.model.apply_filter(value)
+            self.timeline.refresh_rows()
+            if current is not None:
+                self.timeline.go_to(current)
+            self.set_panel(f"filter {value!r}: {count} steps" if value else f"no filter: {count} steps")
+            self.show_step()
+
+        self.push_screen(Prompt("filter: text in name, label or path; phase:backward status:nonfinite iter:5",
+                                value=self.model.filter_text), done)
+
+    def action_reload(self) -> None:
+        index = self.timeline.step_index
+        self.rec = Recording(self.rec.path)
+        self.model = views.TimelineModel(self.rec)
+        self.timeline.model = self.model
+        self.timeline.refresh_rows()
+        if index is not None:
+            self.timeline.go_to(index)
+        self.set_panel(f"refreshed: {self.model.n} steps committed ({self.rec.status})")
+        self.show_step()
+
+    # -- pages ---------------------------------------------------------------------------------
+    def action_help(self) -> None:
+        text = Text("Keys\n\n", style="bold")
+        for _, help_text in self.ACTION_HELP:
+            text.append(f"  {help_text}\n")
+        text.append("\nIn the step pane, enter on a tensor opens the inspector; ctrl+p lists every action.",
+                    style="dim")
+        self.push_screen(TextScreen(text, "help"))
+
+    def action_inspect(self) -> None:
+        step = self.step
+        if step is None:
+            return
+        table = self.query_one("#tensors", DataTable)
+        if not table.row_count:
+            self.set_panel("this step has no tensors")
+            return
+        key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value or ""
+        role, _, name = key.partition(":")
+        self.push_screen(TextScreen(render_tensor(views.tensor_view(step, name, role)), "tensor"))
+
+    def action_alerts(self) -> None:
+        rows = views.alerts(self.rec)
+        text = Text("Alerts\n\n", style="bold")
+        if not rows:
+            text.append("no non-finite values, exceptions or broken expectations recorded", style="green")
+        for row in rows:
+            style = {"origin": "bold red", "exception": "magenta", "alert": "yellow"}.get(row.kind, "")
+            text.append(f"  {row.kind:<9} ", style=style)
+            text.append(f"{row.text}\n")
+        self.push_screen(TextScreen(text, "alerts"))
+
+    def action_paper(self) -> None:
+        tree = views.paper_tree(self.model)
+        text = Text("Paper steps  (calls forward/backward · time · anomalies)\n\n", style="bold")
+
+        def walk(node: views.PaperNode, depth: int) -> None:
+            for child in node.children.values():
+                text.append("  " * depth + f"{child.label}", style="bold" if child.children else "")
+                text.append(f"   {child.forward}/{child.backward} · {views.fmt_seconds(child.seconds)}"
+                            + (f" · {child.alerts} anomalies" if child.alerts else "") + "\n",
+                            style="red" if child.alerts else "dim")
+                walk(child, depth + 1)
+
+        walk(tree, 1)
+        text.append("\nFilter the timeline to a step with f and its name.", style="dim")
+        self.push_screen(TextScreen(text, "paper"))
+
+    # -- actions in workers --------------------------------------------------------------------
+    def action_replay(self, swap: dict[str, str] | None = None, edit: dict[str, str] | None = None) -> None:
+        step = self.step
+        if step is not None:
+            self.set_panel(Text(f"replaying step {step.index} …", style="cyan"))
+            self._replay(step.index, swap, edit)
+
+    @work(thread=True, exclusive=True, group="action")
+    def _replay(self, index: int, swap: dict[str, str] | None, edit: dict[str, str] | None) -> None:
+        import replayer
+
+        try:
+            result = replayer.replay(self.rec, index, swap=swap, edit=edit)
+        except PdbgError as exc:
+            self.call_from_thread(self.set_panel, Text(f"cannot replay step {index}: {exc}", style="red"))
+            return
+        self.call_from_thread(self.set_panel, render_replay(result))
+
+    def action_bisect(self) -> None:
+        self.set_panel(Text("bisecting …", style="cyan"))
+        self._bisect()
+
+    @work(thread=True, exclusive=True, group="action")
+    def _bisect(self) -> None:
+        import replayer
+
+        origin = replayer.first_nonfinite(self.rec)
+        target = origin.step or origin.entered
+        text = Text(origin.cause, style="bold red" if target else "green")
+        if origin.step is not None:
+            try:
+                from replayer.ops import bisect_ops
+
+                op = bisect_ops(self.rec, origin.step)
+                if op is not None:
+                    text.append(f"\noperation: {op.where()}", style="yellow")
+            except PdbgError as exc:
+                text.append(f"\noperation-level bisection needs a replay: {exc}", style="dim")
+        self.call_from_thread(self.set_panel, text)
+        if target is not None:
+            self.call_from_thread(self.timeline.go_to, target.index)
+
+    def action_edit(self) -> None:
+        def done(value: str | None) -> None:
+            if value and "=" in value:
+                key, _, expr = value.partition("=")
+                self.action_replay(edit={key.strip(): expr.strip()})
+            elif value:
+                self.set_panel(Text("write TENSOR=EXPR, e.g. args.0=x.clamp(-50, 50)", style="red"))
+
+        self.push_screen(Prompt("edit a tensor and rerun: TENSOR=EXPR (x, torch, math)", "args.0=x.clamp(-50, 50)"),
+                         done)
+
+    def action_swap(self) -> None:
+        step = self.step
+
+        def done(value: str | None) -> None:
+            if value and step is not None:
+                key, sep, ref = value.partition("=")
+                self.action_replay(swap={key.strip(): ref.strip()} if sep else {".": value.strip()}
+                                   if step.module_path or step._doc("module") else {step.name: value.strip()})
+
+        self.push_screen(Prompt("swap and rerun: [KEY=]pkg.module:Name (KEY: a module path or step name)",
+                                "mypkg.stable:smooth_relu"), done)
+
+    def action_export(self) -> None:
+        step = self.step
+
+        def done(value: str | None) -> None:
+            if value and step is not None:
+                self._export(step.index, value)
+
+        self.push_screen(Prompt("export this step as a bundle to", value=f"step{step.index if step else 0}.pdbg"),
+                         done)
+
+    @work(thread=True, exclusive=True, group="action")
+    def _export(self, index: int, path: str) -> None:
+        import replayer
+
+        try:
+            info = replayer.bundle(self.rec, index, Path(path), verify=True)
+        except PdbgError as exc:
+            self.call_from_thread(self.set_panel, Text(f"no bundle: {exc}", style="red"))
+            return
+        verdict = "verified: replays bit for bit" if info.verified else "MISMATCH when replayed from the bundle"
+        self.call_from_thread(self.set_panel, Text(f"wrote {info.path} ({info.bytes} bytes, {info.steps} steps); "
+                                                   f"{verdict}", style="green" if info.verified else "red"))
+
+    def action_diff(self) -> None:
+        def done(value: str | None) -> None:
+            if value:
+                self.set_panel(Text(f"comparing with {value} …", style="cyan"))
+                self._diff(value)
+
+        self.push_screen(Prompt("diff against another recording of the same model", "other.zarr"), done)
+
+    @work(thread=True, exclusive=True, group="action")
+    def _diff(self, other: str) -> None:
+        import replayer
+
+        try:
+            div = replayer.first_divergence(self.rec, replayer.open(other))
+        except PdbgError as exc:
+            self.call_from_thread(self.set_panel, Text(str(exc), style="red"))
+            return
+        self.call_from_thread(self.set_panel, Text(("root cause: " if div.step else "") + div.cause,
+                                                   style="yellow" if div.step else "green"))
+        if div.step is not None:
+            self.call_from_thread(self.timeline.go_to, div.step.index)
+
+
+def render_replay(result: Any) -> Text:
+    verdict = ("bitwise match", "bold green") if result.match else ("MISMATCH", "bold red")
+    text = Text.assemble(f"replay of step {result.step.index}: ", verdict)
+    for d in result.outputs[:4]:
+        rec, rep = d.recorded, d.replayed
+        text.append(f"\n  {d.name}: " + ("equal" if d.match else d.summary().split(": ", 1)[-1]),
+                    style="green" if d.match else "red")
+        if rep and not d.match:
+            text.append(f"   recorded nan {rec.get('nan')} inf {rec.get('inf')} → replayed nan {rep.get('nan')} "
+                        f"inf {rep.get('inf')}", style="dim")
+    changed = [s for s in result.inner if not s.match]
+    if changed:
+        text.append("\n  inner: " + "; ".join(f"step {s.step.index} {s.step.name} {s.change}" for s in changed[:4]),
+                    style="yellow")
+    for w in result.warnings[:2]:
+        text.append(f"\n  {w}", style="yellow")
+    return text
+
+
+def render_tensor(view: views.TensorView) -> Text:
+    text = Text(view.title + "\n\n", style="bold")
+    if view.histogram:
+        top = max(view.histogram) or 1
+        lo, hi = (views.fmt_number(e) for e in view.edges)
+        text.append(f"histogram of finite values, {lo} … {hi}\n", style="dim")
+        for level in range(6, 0, -1):
+            line = "".join("█" if c / top * 6 >= level else ("▄" if c / top * 6 >= level - 0.5 else " ")
+                           for c in view.histogram)
+            text.append("  " + line + "\n", style="cyan")
+    if view.note:
+        text.append(view.note + "\n", style="yellow")
+    text.append(f"\n{view.slice_text}\n", style="dim")
+    for row in view.values:
+        text.append(row + "\n")
+    if view.series:
+        values = [v for _, v in view.series]
+        text.append(f"\n{view.series_stat} across iterations ({view.series[0][0]}…{view.series[-1][0]}): ",
+                    style="dim")
+        text.append(views.sparkline(values) + "\n", style="green")
+        if view.expected:
+            lo, hi = view.expected
+            broken = sum(1 for v in values if not lo <= v <= hi)
+            text.append(f"expected range [{lo}, {hi}]: {broken} of {len(values)} iterations outside\n",
+                        style="red" if broken else "green")
+    return text
+
+
+def run_app(path: str, start: str | None = None) -> int:
+    """Open the TUI on a recording (``start``: a step to put the cursor on)."""
+    rec = Recording(path)
+    index = rec.step(start).index if start else None
+    PdbgApp(rec, path=path, start=index).run()
+    return 0
+

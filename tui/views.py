@@ -1,0 +1,433 @@
+"""View models: what the TUI shows, computed from a recording by plain functions (no widgets here).
+
+The timeline holds a few numpy columns for every step and formats only the rows on screen, so a
+million-step recording costs a few arrays. Everything else is computed for the step at the cursor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from recorder.store import layout
+from replayer.bisect import Condition, describe
+from replayer.recording import Recording, Step
+
+STATUS_STYLE = {"ok": "green", "alert": "yellow", "nonfinite": "bold red", "exception": "bold magenta"}
+ROLE_ORDER = {role: i for i, role in enumerate(layout.ROLES)}
+
+
+def depths(parent: np.ndarray) -> np.ndarray:
+    """Nesting depth of every step (0 at the top), by pointer jumping: as many passes as levels."""
+    depth = np.zeros(len(parent), dtype=np.int32)
+    p = parent.astype(np.int64).copy()
+    while True:
+        has = p >= 0
+        if not has.any():
+            return depth
+        depth[has] += 1
+        p[has] = parent[p[has]]
+
+
+class TimelineModel:
+    """Every step of a recording as rows of the timeline, and the filters over them."""
+
+    def __init__(self, rec: Recording) -> None:
+        self.rec = rec
+        table = rec.steps
+        self.n = len(table)
+        col = table.column
+        self.iteration = col("iteration") if self.n else np.zeros(0, np.int64)
+        self.phase = col("phase") if self.n else np.zeros(0, np.int8)
+        self.status = col("status") if self.n else np.zeros(0, np.int8)
+        self.t_start = col("t_start") if self.n else np.zeros(0)
+        self.t_end = col("t_end") if self.n else np.zeros(0)
+        self.depth = depths(np.asarray(rec.rank.column("steps/parent"))) if self.n else np.zeros(0, np.int32)
+        self._names: np.ndarray | None = None
+        self._paths: np.ndarray | None = None
+        self._labels: np.ndarray | None = None
+        self.rows = np.arange(self.n, dtype=np.int64)  # the visible steps, in order
+        self.filter_text = ""
+        self._spans: dict[int, float] = {}
+        self._ids: np.ndarray | None = None
+        self._texts: list[str] = []
+
+    # decoded text columns, on first use (a name per distinct document, not per step)
+    @property
+    def names(self) -> np.ndarray:
+        if self._names is None:
+            self._names = self.rec.steps.column("name")
+        return self._names
+
+    @property
+    def paths(self) -> np.ndarray:
+        if self._paths is None:
+            self._paths = self.rec.steps.column("module_path")
+        return self._paths
+
+    @property
+    def labels(self) -> np.ndarray:
+        if self._labels is None:
+            self._labels = self.rec.steps.column("label")
+        return self._labels
+
+    def span(self, iteration: int) -> float:
+        """Wall time of an iteration (for the duration bars)."""
+        if iteration not in self._spans:
+            lo = np.searchsorted(self.iteration, iteration, side="left")
+            hi = np.searchsorted(self.iteration, iteration, side="right")
+            if hi <= lo:  # iterations are not sorted (several threads): fall back to a mask
+                mask = self.iteration == iteration
+                self._spans[iteration] = float(self.t_end[mask].max() - self.t_start[mask].min()) if mask.any() else 0
+            else:
+                self._spans[iteration] = float(self.t_end[lo:hi].max() - self.t_start[lo:hi].min())
+        return self._spans[iteration]
+
+    def row(self, index: int, bar_width: int = 6) -> list[tuple[str, str]]:
+        """One timeline row as (text, style) pieces."""
+        status = layout.STATUSES[int(self.status[index])]
+        phase = int(self.phase[index])
+        label = self.labels[index]
+        name = str(self.names[index])
+        path = str(self.paths[index])
+        duration = float(self.t_end[index] - self.t_start[index])
+        span = self.span(int(self.iteration[index])) or 1.0
+        filled = min(bar_width, max(0, round(bar_width * duration / span)))
+        bar = "█" * filled + "·" * (bar_width - filled)
+        who = f"{label} {name}" if label and label != name else name
+        mark = {"ok": " ", "alert": "!", "nonfinite": "✗", "exception": "E"}[status]
+        indent = "  " * min(int(self.depth[index]), 8)
+        who = (indent + who)[:26]
+        return [
+            (f"{index:>6} ", "dim"),
+            (f"{int(self.iteration[index]):>4} ", "cyan"),
+            ("→ " if phase == 0 else "← ", "blue" if phase == 0 else "magenta"),
+            (f"{mark} ", STATUS_STYLE[status]),
+            (f"{who:<26}", STATUS_STYLE[status] if status != "ok" else "bold"),
+            (f" {path[-12:]:<12}", "dim"),
+            (f" {bar} {fmt_seconds(duration):>7}", "dim"),
+        ]
+
+    # filters ---------------------------------------------------------------------------------
+    def apply_filter(self, text: str) -> int:
+        """Keep the steps whose name, paper label or module path contains ``text``, or which match
+        ``phase:backward``, ``status:nonfinite``, ``iter:K`` terms (space-separated, all must hold).
+        Returns how many remain."""
+        self.filter_text = text.strip()
+        mask = np.ones(self.n, dtype=bool)
+        for term in self.filter_text.split():
+            key, sep, value = term.partition(":")
+            if sep and key == "phase":
+                mask &= self.phase == (layout.PHASES.index(value) if value in layout.PHASES else -1)
+            elif sep and key == "status":
+                mask &= self.status == (layout.STATUSES.index(value) if value in layout.STATUSES else -1)
+            elif sep and key in ("iter", "iteration") and value.isdigit():
+                mask &= self.iteration == int(value)
+            else:
+                needle = term.lower()
+                hit = np.array([needle in str(s).lower() for s in self._distinct_text()], dtype=bool)
+                mask &= hit[self._text_ids()]
+        self.rows = np.flatnonzero(mask)
+        return len(self.rows)
+
+    def _distinct_text(self) -> list[str]:
+        self._text_ids()
+        return self._texts
+
+    def _text_ids(self) -> np.ndarray:
+        """Per step, an id of its (name, definition, module path); the searchable text once per id."""
+        if getattr(self, "_ids", None) is None:
+            rank = self.rec.rank
+            keys = np.stack([np.asarray(rank.column(f"steps/{c}")) for c in ("name", "definition", "module_path")],
+                            axis=1) if self.n else np.zeros((0, 3), np.int64)
+            _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+            self._texts = [f"{self.names[i]} {self.labels[i] or ''} {self.paths[i]}" for i in first]
+            self._ids = np.asarray(inverse, dtype=np.int64).reshape(-1)
+        return self._ids
+
+    def position(self, index: int) -> int:
+        """The visible row of a step (the nearest visible one at or after it)."""
+        pos = int(np.searchsorted(self.rows, index))
+        return min(pos, len(self.rows) - 1) if len(self.rows) else 0
+
+
+# -- navigation (pure: index in, index out) ---------------------------------------------------------
+def next_iteration(model: TimelineModel, index: int, step: int) -> int:
+    """The first step of the next (step=1) or previous (step=-1) iteration."""
+    it = int(model.iteration[index]) + step
+    hits = np.flatnonzero(model.iteration == it)
+    return int(hits[0]) if len(hits) else index
+
+
+def next_anomaly(model: TimelineModel, index: int, step: int) -> int:
+    """The next (or previous) step whose status is not ok."""
+    bad = np.flatnonzero(model.status != 0)
+    if step > 0:
+        later = bad[bad > index]
+        return int(later[0]) if len(later) else index
+    earlier = bad[bad < index]
+    return int(earlier[-1]) if len(earlier) else index
+
+
+def find(model: TimelineModel, index: int, condition: str, backward: bool) -> int | None:
+    """The next (previous) step after (before) ``index`` whose statistics satisfy ``condition``."""
+    hits = np.flatnonzero(Condition(condition).evaluate(model.rec))
+    pick = hits[hits < index][-1:] if backward else hits[hits > index][:1]
+    return int(pick[0]) if len(pick) else None
+
+
+# -- the step at the cursor -------------------------------------------------------------------------
+@dataclass
+class TensorRow:
+    role: str
+    name: str
+    shape: str
+    dtype: str
+    stats: dict[str, float]
+    nonfinite: bool
+    record: Any
+
+
+@dataclass
+class StepView:
+    title: str  # "Eq. 2 · smooth_relu · h.1.mlp · forward · iteration 5 · call 1"
+    description: str | None
+    status: str
+    source: str | None
+    source_line: int | None
+    source_file: str | None
+    arguments: str
+    tensors: list[TensorRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def step_view(step: Step) -> StepView:
+    definition = step.definition
+    tensors = [TensorRow(r.role, r.name, "×".join(str(d) for d in r.shape) or "scalar", r.dtype, r.stats,
+                         r.nonfinite, r) for r in sorted(step.records, key=lambda r: ROLE_ORDER[r.role])]
+    extra = step.extra
+    notes = []
+    exc = extra.get("exception")
+    if isinstance(exc, dict):
+        notes.append(f"exception: {exc.get('type')}: {exc.get('message')}")
+    for alert in extra.get("alerts", []) or []:
+        notes.append(alert_text(alert))
+    for note in extra.get("notes", []) or []:
+        notes.append(str(note))
+    return StepView(describe(step).split(": ", 1)[1], step.paper.get("description"), step.status,
+                    definition.get("source"), definition.get("line"), definition.get("file"),
+                    arguments_text(step.arguments), tensors, notes)
+
+
+def alert_text(alert: Any) -> str:
+    if not isinstance(alert, dict):
+        return str(alert)
+    if "check" in alert:
+        ref = f" ({alert['reference']})" if alert.get("reference") else ""
+        return (f"watch {alert.get('watch')}: {alert['check']} expected {alert.get('expected')}, "
+                f"got {alert.get('actual')}{ref}")
+    return str(alert.get("message") or alert)
+
+
+def arguments_text(doc: Any, limit: int = 300) -> str:
+    """Arguments in a compact Python-like form: tensors by record name."""
+    def show(value: Any) -> str:
+        if isinstance(value, dict):
+            if "$tensor" in value and len(value) == 1:
+                return f"<{value['$tensor']}>"
+            if len(value) == 1 and next(iter(value)).startswith("$"):
+                tag, payload = next(iter(value.items()))
+                if tag == "$tuple":
+                    return "(" + ", ".join(show(v) for v in payload) + ("," if len(payload) == 1 else "") + ")"
+                if tag == "$float":
+                    return str(payload)
+                if tag in ("$dataclass", "$object", "$namedtuple"):
+                    return f"{payload['type'].split(':')[-1]}(...)"
+                if tag == "$opaque":
+                    return f"<{payload.get('type')}>"
+                return f"{tag[1:]}(...)"
+            return "{" + ", ".join(f"{k}: {show(v)}" for k, v in value.items()) + "}"
+        if isinstance(value, list):
+            return "[" + ", ".join(show(v) for v in value) + "]"
+        return repr(value)
+
+    if not isinstance(doc, dict):
+        return ""
+    parts = [show(a) for a in doc.get("args", [])]
+    parts += [f"{k}={show(v)}" for k, v in (doc.get("kwargs") or {}).items()]
+    text = "(" + ", ".join(parts) + ")"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def fmt_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f}s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f}ms"
+    return f"{seconds * 1e6:.0f}µs"
+
+
+def fmt_number(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if abs(x) >= 1e4 or (abs(x) < 1e-3 and x != 0):
+        return f"{x:.3e}"
+    return f"{x:.4g}"
+
+
+# -- the tensor inspector ---------------------------------------------------------------------------
+@dataclass
+class TensorView:
+    title: str
+    histogram: list[int]  # counts per bin over the finite values
+    edges: tuple[float, float]
+    values: list[str]  # the rows of the slice shown
+    slice_text: str
+    series: list[tuple[int, float]]  # (iteration, value) of the chosen statistic across iterations
+    series_stat: str
+    expected: tuple[float, float] | None  # a watch's expected range
+    note: str | None = None
+
+
+def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int = 8, stat: str = "absmax",
+                bins: int = 24) -> TensorView:
+    """Histogram and a slice of one recorded tensor, and its statistic across iterations."""
+    rec = step.rec
+    record = next(r for r in step.records if r.name == name and r.role == role)
+    title = f"{role} {name} · {'×'.join(map(str, record.shape)) or 'scalar'} {record.dtype} · step {step.index}"
+    histogram: list[int] = []
+    edges = (math.nan, math.nan)
+    values: list[str] = []
+    note = None
+    if record.has_payload:
+        flat = rec.rank.tensor(record).detach().reshape(-1)
+        data = flat.double().numpy() if flat.is_floating_point() or flat.dtype == np.bool_ else flat.numpy()
+        finite = data[np.isfinite(data)] if data.dtype.kind == "f" else data
+        if len(finite):
+            counts, e = np.histogram(finite, bins=bins)
+            histogram, edges = counts.tolist(), (float(e[0]), float(e[-1]))
+        width = 8
+        begin = max(0, min(start, max(0, len(data) - rows * width)))
+        chunk = data[begin:begin + rows * width]
+        for k in range(0, len(chunk), width):
+            values.append(f"{begin + k:>8}: " + " ".join(f"{fmt_number(float(v)):>10}" for v in chunk[k:k + width]))
+        slice_text = f"elements {begin}..{begin + len(chunk) - 1} of {len(data)} (flattened)"
+    else:
+        slice_text = "statistics only (no payload recorded)"
+        note = slice_text
+    series = _series(rec, step, record, stat)
+    expected = None
+    for watch in step.extra.get("watches", []) or []:
+        if watch.get("name") == name and watch.get("expected_range"):
+            expected = tuple(watch["expected_range"])  # type: ignore[assignment]
+    return TensorView(title, histogram, edges, values, slice_text, series, stat, expected, note)
+
+
+def _series(rec: Recording, step: Step, record: Any, stat: str) -> list[tuple[int, float]]:
+    """The statistic of the same tensor of the same step (name, path, phase, call) in every iteration."""
+    table = rec.steps
+    same = table.filter(name=step.name, module_path=step.module_path, phase=step.phase, call=step.call)
+    out = []
+    for other in list(same)[-200:]:
+        for r in other.records:
+            if r.name == record.name and r.role == record.role:
+                out.append((other.iteration, float(r.stats[stat])))
+                break
+    return out
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 60) -> str:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return "✗" * min(len(values), width)
+    lo, hi = min(finite), max(finite)
+    out = []
+    for v in values[-width:]:
+        if not math.isfinite(v):
+            out.append("✗")
+        else:
+            out.append(SPARK[0 if hi == lo else int((v - lo) / (hi - lo) * (len(SPARK) - 1))])
+    return "".join(out)
+
+
+# -- alerts and the paper view -----------------------------------------------------------------------
+@dataclass
+class AlertRow:
+    index: int
+    kind: str  # "origin", "nonfinite", "exception", "alert"
+    text: str
+
+
+def alerts(rec: Recording, limit: int = 500) -> list[AlertRow]:
+    """The run against the paper's expectations: the NaN origin, exceptions, broken watches."""
+    from replayer import first_nonfinite
+
+    out: list[AlertRow] = []
+    origin = first_nonfinite(rec)
+    if origin.step is not None:
+        out.append(AlertRow(origin.step.index, "origin", origin.cause))
+    elif origin.entered is not None:
+        out.append(AlertRow(origin.entered.index, "origin", origin.cause))
+    status = rec.steps.column("status")
+    for index in np.flatnonzero(status != 0)[:limit]:
+        step = rec.step(int(index))
+        if step.status == "exception":
+            exc = step.extra.get("exception") or {}
+            out.append(AlertRow(step.index, "exception", f"{describe(step)}: {exc.get('type')}: {exc.get('message')}"))
+        elif step.status == "alert":
+            for alert in step.extra.get("alerts", []) or []:
+                out.append(AlertRow(step.index, "alert", f"{describe(step)}: {alert_text(alert)}"))
+    return out
+
+
+@dataclass
+class PaperNode:
+    label: str
+    forward: int = 0
+    backward: int = 0
+    seconds: float = 0.0
+    alerts: int = 0
+    children: dict[str, PaperNode] = field(default_factory=dict)
+    filter: str = ""
+
+
+def paper_tree(model: TimelineModel) -> PaperNode:
+    """Algorithm → step → equation → step name, with calls, time and anomalies per node."""
+    root = PaperNode("paper")
+    if not model.n:
+        return root
+    rec = model.rec
+    papers = rec._papers
+    names = model.names
+    keys = np.unique(names.astype(str), return_index=True)
+    for name, first in zip(*keys):
+        paper = dict(papers[int(first)])
+        mask = names == name
+        node = root
+        path = [paper.get("algorithm") and str(paper["algorithm"]),
+                paper.get("step") is not None and f"step {paper['step']}",
+                paper.get("equation") or paper.get("label"), str(name)]
+        for part in (p for p in path if p):
+            node = node.children.setdefault(part, PaperNode(part, filter=str(name)))
+        for n in [root, *_chain(root, [p for p in path if p])]:
+            n.forward += int((mask & (model.phase == 0)).sum())
+            n.backward += int((mask & (model.phase == 1)).sum())
+            n.seconds += float((model.t_end[mask] - model.t_start[mask]).sum())
+            n.alerts += int((mask & (model.status != 0)).sum())
+    return root
+
+
+def _chain(root: PaperNode, parts: list[str]) -> list[PaperNode]:
+    out, node = [], root
+    for part in parts:
+        node = node.children[part]
+        out.append(node)
+    return out
