@@ -14,6 +14,7 @@ parameters). The origin is the first such step in execution order, the innermost
 
 from __future__ import annotations
 
+import json
 import operator
 import re
 from collections.abc import Callable
@@ -541,6 +542,8 @@ def _why(sa: Step, sb: Step, params_a: dict[Any, Any], params_b: dict[Any, Any],
     if changed:
         return f"same inputs, but {', '.join(changed[:5])} differ{'s' if len(changed) == 1 else ''}, so {results}"
     reasons = []
+    if sa.arguments != sb.arguments:
+        reasons.append(f"its non-tensor arguments differ ({_short(sa.arguments)} vs {_short(sb.arguments)})")
     if sa.definition.get("source_sha256") != sb.definition.get("source_sha256"):
         reasons.append("its code differs between the runs")
     if sa.settings != sb.settings:
@@ -550,6 +553,11 @@ def _why(sa: Step, sb: Step, params_a: dict[Any, Any], params_b: dict[Any, Any],
         reasons.append("its RNG state at entry differs")
     why = "; ".join(reasons) or "nothing recorded explains it (nondeterministic kernels?)"
     return f"same inputs and parameters, but {results}: {why}"
+
+
+def _short(doc: Any) -> str:
+    text = json.dumps(doc, sort_keys=True)
+    return text if len(text) <= 80 else text[:79] + "…"
 
 
 def _rng_bytes(step: Step) -> Any:

@@ -124,6 +124,7 @@ class StepPane(VerticalScroll):
         yield Static(id="step-code")
 
     def show(self, view: views.StepView, drift: str | None) -> None:
+        self.view, self.drift = view, drift
         colour = views.STATUS_STYLE[view.status]
         self.query_one("#step-title", Static).update(Text.assemble((view.title, "bold"), "  ",
                                                                    (view.status, colour)))
@@ -299,12 +300,16 @@ class PdbgApp(App[None]):
         self.show_step()
 
     def show_step(self) -> None:
-        step = self.step
         pane = self.query_one(StepPane)
-        if step is None:
-            pane.query_one("#step-title", Static).update("no steps")
+        try:
+            step = self.step
+            if step is None:
+                pane.query_one("#step-title", Static).update("no steps committed yet (R refreshes)")
+                return
+            pane.show(views.step_view(step), self._drift(step))
+        except PdbgError as exc:  # a damaged part of the recording: say so, keep the app usable
+            pane.query_one("#step-title", Static).update(Text(f"cannot show this step: {exc}", style="red"))
             return
-        pane.show(views.step_view(step), self._drift(step))
         self.sub_title = f"{self._summary()} · step {step.index} · iteration {step.iteration}"
 
     def _drift(self, step: Any) -> str | None:
@@ -430,6 +435,10 @@ class PdbgApp(App[None]):
         key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value or ""
         role, _, name = key.partition(":")
         self.push_screen(TextScreen(render_tensor(views.tensor_view(step, name, role)), "tensor"))
+
+    @on(DataTable.RowSelected, "#tensors")
+    def tensor_chosen(self, _: DataTable.RowSelected) -> None:
+        self.action_inspect()
 
     def action_alerts(self) -> None:
         rows = views.alerts(self.rec)
@@ -616,10 +625,35 @@ def render_tensor(view: views.TensorView) -> Text:
     return text
 
 
+class ErrorApp(App[None]):
+    """A recording that cannot be opened: its one-line reason on a screen of its own."""
+
+    BINDINGS = [Binding("q,escape,enter", "quit", "quit")]
+    CSS = "Screen { align: center middle; } #error { width: 80%; border: round red; padding: 1 2; }"
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__()
+        self.path, self.message = path, message
+
+    def compose(self) -> ComposeResult:
+        yield Static(Text.assemble(("cannot open ", "bold"), (self.path, "bold"), "\n\n", (self.message, "red"),
+                                   "\n\n", ("q to quit", "dim")), id="error")
+
+
+def open_app(path: str, start: str | None = None) -> App[None]:
+    """The app for a path: the TUI, or the error screen when the recording cannot be read."""
+    try:
+        rec = Recording(path)
+        index = rec.step(start).index if start else None
+    except PdbgError as exc:
+        return ErrorApp(path, str(exc))
+    return PdbgApp(rec, path=path, start=index)
+
+
 def run_app(path: str, start: str | None = None) -> int:
-    """Open the TUI on a recording (``start``: a step to put the cursor on)."""
-    rec = Recording(path)
-    index = rec.step(start).index if start else None
-    PdbgApp(rec, path=path, start=index).run()
-    return 0
+    """Open the TUI on a recording (``start``: a step to put the cursor on); exit code 2 when the
+    recording could not be read."""
+    app = open_app(path, start)
+    app.run()
+    return 2 if isinstance(app, ErrorApp) else 0
 

@@ -1,0 +1,280 @@
+"""The TUI, driven headless with the Pilot: every key and action, on small recordings."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+from textual.widgets import Input, Static
+
+import recorder
+import replayer
+from tests.replayer import nanmodels
+from tests.tui.recordings import mixed_run, nan_run
+from tui.app import ErrorApp, PdbgApp, StepPane, TextScreen, open_app
+
+SIZE = (120, 36)
+
+
+@pytest.fixture(scope="module")
+def nan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return nan_run(tmp_path_factory.mktemp("tui") / "nan.zarr")
+
+
+@pytest.fixture(scope="module")
+def mixed_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return mixed_run(tmp_path_factory.mktemp("tui") / "mixed.zarr")
+
+
+def text_of(app: PdbgApp, selector: str) -> str:
+    return str(app.query_one(selector, Static).render())
+
+
+def panel(app: PdbgApp) -> str:
+    return str(app.panel_text)
+
+
+def run(coro_fn, path: Path, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        app = PdbgApp(replayer.open(path), **kwargs)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            await coro_fn(app, pilot)
+
+    asyncio.run(main())
+
+
+async def answer(pilot, text: str) -> None:  # type: ignore[no-untyped-def]
+    """Type into the open prompt and submit."""
+    await pilot.pause()
+    prompt = pilot.app.screen.query_one(Input)
+    prompt.value = text
+    await pilot.press("enter")
+    await pilot.pause()
+
+
+def test_moving_through_steps_and_iterations(nan_path: Path) -> None:
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        assert app.timeline.step_index == 0 and "Model" in text_of(app, "#step-title")
+        for key, expected in (("right", 1), ("l", 2), ("left", 1), ("h", 0), ("right_square_bracket", 10),
+                              ("left_square_bracket", 0), ("end", 19), ("home", 0)):
+            await pilot.press(key)
+            await pilot.pause()
+            assert app.timeline.step_index == expected, key
+        await pilot.press("n")  # the first anomaly: the first non-finite step
+        await pilot.pause()
+        assert app.timeline.step_index == 10
+        await pilot.press("n")
+        await pilot.pause()
+        assert app.timeline.step_index == 11
+        await pilot.press("N")
+        await pilot.pause()
+        assert app.timeline.step_index == 10
+        await pilot.press("pagedown")
+        await pilot.pause()
+        assert app.timeline.step_index == 19  # a page past the end stops at the last step
+        assert "iteration 1" in app.sub_title
+
+    run(body, nan_path)
+
+
+def test_g_goes_to_the_origin_and_the_step_pane_follows(nan_path: Path) -> None:
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("g")
+        await pilot.pause()
+        origin = replayer.first_nonfinite(app.rec).step
+        assert app.timeline.step_index == origin.index == 12
+        title = text_of(app, "#step-title")
+        assert title.startswith("Eq. 2 · smooth_relu · first · forward · iteration 1") and "nonfinite" in title
+        assert "SmoothReLU" in text_of(app, "#step-description")
+        assert "produced output (5 Inf of 12) from finite inputs" in panel(app)
+        pane = app.query_one(StepPane)
+        assert "torch.exp(x + beta)" in pane.view.source and pane.drift is None
+        assert [t.name for t in pane.view.tensors] == ["args.0", "output"] and pane.view.tensors[1].nonfinite
+
+    run(body, nan_path)
+
+
+def test_goto_find_and_filter(nan_path: Path) -> None:
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("colon")
+        await answer(pilot, "smooth_relu@iter=1#1")
+        assert app.timeline.step_index == 14
+        await pilot.press("colon")
+        await answer(pilot, "nothing@iter=9")
+        assert "no step matches" in panel(app) and app.timeline.step_index == 14
+        await pilot.press("home")
+        await pilot.press("slash")
+        await answer(pilot, "output.inf > 0")
+        assert app.timeline.step_index == 10
+        await pilot.press("end")
+        await pilot.press("backslash")
+        await answer(pilot, "output.absmax > 10")  # reverse-continue to a condition
+        expected = replayer.find(app.rec, None, "output.absmax > 10", start=19, backward=True)
+        assert app.timeline.step_index == expected.index
+        await pilot.press("slash")
+        await answer(pilot, "output.nope > 1")
+        assert "must end in a statistic" in panel(app)
+        await pilot.press("f")
+        await answer(pilot, "phase:backward status:nonfinite")
+        assert len(app.model.rows) == 5 and app.timeline.step_index == 15
+        await pilot.press("f")
+        await answer(pilot, "")
+        assert len(app.model.rows) == 20
+
+    run(body, nan_path)
+
+
+def test_inspector_alerts_paper_and_help(nan_path: Path, mixed_path: Path) -> None:
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("g")
+        await pilot.press("enter")  # the first tensor of the step: its input
+        await pilot.pause()
+        assert isinstance(app.screen, TextScreen)
+        page = str(app.screen.query_one("#page", Static).render())
+        assert "input args.0 · 3×4 float32 · step 12" in page and "histogram" in page
+        assert "absmax across iterations" in page
+        await pilot.press("escape")
+        await pilot.press("p")
+        await pilot.pause()
+        page = str(app.screen.query_one("#page", Static).render())
+        assert "Eq. 2" in page and "smooth_relu" in page and "Model" in page
+        await pilot.press("escape")
+        await pilot.press("question_mark")
+        await pilot.pause()
+        page = str(app.screen.query_one("#page", Static).render())
+        for help_text in ("step forward", "go to the NaN origin (g)", "replay this step (r)", "diff"):
+            assert help_text in page
+        await pilot.press("escape")
+
+    run(body, nan_path)
+
+    async def alerts(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("a")
+        await pilot.pause()
+        page = str(app.screen.query_one("#page", Static).render())
+        assert "exception" in page and "ValueError: all negative" in page
+        assert "watch gate: range expected [0.0, 1.0]" in page
+        await pilot.press("escape")
+        await pilot.press("n")
+        await pilot.pause()
+        assert app.step.status in ("alert", "exception")
+
+    run(alerts, mixed_path)
+
+
+def test_actions_replay_bisect_edit_swap(nan_path: Path) -> None:
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("r")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "replay of step 0: bitwise match" in panel(app)
+        await pilot.press("b")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.timeline.step_index == 12 and "operation: aten::exp" in panel(app)
+        await pilot.press("e")
+        await answer(pilot, "args.0=x.clamp(-50, 50)")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "MISMATCH" in panel(app) and "inf 5 → replayed nan 0 inf 0" in panel(app)
+        await pilot.press("s")
+        await answer(pilot, "tests.replayer.nanmodels:stable_smooth_relu")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "inf 5 → replayed nan 0 inf 0" in panel(app)
+        await pilot.press("e")
+        await answer(pilot, "args.0=x.(")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "is not a Python expression" in panel(app)
+
+    run(body, nan_path)
+
+
+def test_actions_bundle_and_diff(nan_path: Path, tmp_path: Path) -> None:
+    other = nan_run(tmp_path / "other.zarr", scales=(1.0, 999.0))
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("g")
+        await pilot.press("x")
+        await answer(pilot, str(tmp_path / "origin.pdbg"))
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert (tmp_path / "origin.pdbg").exists() and "verified: replays bit for bit" in panel(app)
+        await pilot.press("d")
+        await answer(pilot, str(other))
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        # the first block is the innermost step whose tensors came in equal and went out different
+        assert app.timeline.step_index == 11 and "non-tensor arguments differ" in panel(app)
+
+    run(body, nan_path)
+
+
+def test_command_palette_lists_the_actions(nan_path: Path) -> None:
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"replay this")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "bitwise match" in panel(app)
+
+    run(body, nan_path)
+
+
+def test_a_live_recording_refreshes_on_R(tmp_path: Path) -> None:
+    path = tmp_path / "live.zarr"
+    model = nanmodels.Scaled(4)
+    run_ = recorder.record(path, model=model)
+    try:
+        model(torch_ones(), 1.0)
+        assert run_.flush()
+
+        async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+            assert app.model.n == 2 and "recording" in app.sub_title
+            model(torch_ones(), 2.0)
+            assert run_.flush()
+            await pilot.press("R")
+            await pilot.pause()
+            assert app.model.n == 4 and "4 steps committed" in panel(app)
+
+        run(body, path)
+    finally:
+        run_.close()
+
+
+def torch_ones():  # type: ignore[no-untyped-def]
+    import torch
+
+    return torch.ones(2, 4)
+
+
+def test_bad_recordings_get_a_message_screen(nan_path: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.zarr"
+    shutil.copytree(nan_path, broken)
+    (broken / "manifest.json").write_text("{")
+    app = open_app(str(broken))
+    assert isinstance(app, ErrorApp) and "truncated or corrupt" in app.message
+
+    async def main() -> None:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            assert "cannot open" in str(app.query_one("#error", Static).render())
+            await pilot.press("q")
+
+    asyncio.run(main())
+    crashed = tmp_path / "crashed.zarr"
+    shutil.copytree(nan_path, crashed)
+    manifest = (crashed / "manifest.json").read_text().replace('"status": "complete"', '"status": "recording"')
+    (crashed / "manifest.json").write_text(manifest.replace('"pid": ', '"pid": 999999999, "x": '))
+
+    async def crashed_body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        assert "crashed" in app.sub_title and app.model.n == 20
+
+    run(crashed_body, crashed)
