@@ -110,7 +110,7 @@ class StepPane(VerticalScroll):
     DEFAULT_CSS = """
     StepPane { width: 2fr; border: round $primary-darken-2; padding: 0 1; }
     StepPane > .title { text-style: bold; }
-    StepPane DataTable { height: auto; max-height: 14; }
+    StepPane DataTable { height: auto; max-height: 12; }
     """
 
     def compose(self) -> ComposeResult:
@@ -147,7 +147,8 @@ class StepPane(VerticalScroll):
         code = self.query_one("#step-code", Static)
         if view.source:
             where = f"{view.source_file}:{view.source_line}"
-            header = Text.assemble((where, "dim"), ("  " + drift, "bold yellow") if drift else "")
+            header = Text.assemble((where, "dim"), ("  " + drift, "bold yellow") if drift else "",
+                                   no_wrap=True, overflow="ellipsis")
             syntax = Syntax(view.source, "python", line_numbers=True, start_line=view.source_line or 1,
                             theme="ansi_dark", word_wrap=False)
             from rich.console import Group
@@ -224,7 +225,11 @@ class PdbgApp(App[None]):
     COMMANDS = App.COMMANDS | {Actions}
     CSS = """
     #panel { height: auto; max-height: 8; border: round $primary-darken-3; padding: 0 1; }
+    #main.narrow { layout: vertical; }
+    #main.narrow Timeline { width: 1fr; height: 1fr; }
+    #main.narrow StepPane { width: 1fr; height: 1fr; }
     """
+    WIDE = 140  # columns from which the step pane sits beside the timeline rather than below it
     BINDINGS = [
         Binding("right,l", "step(1)", "next", show=False), Binding("left,h", "step(-1)", "back", show=False),
         Binding("down,j", "step(1)", show=False), Binding("up,k", "step(-1)", show=False),
@@ -269,13 +274,17 @@ class PdbgApp(App[None]):
     # -- layout --------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
-        with Horizontal():
+        with Horizontal(id="main"):
             yield Timeline(self.model, id="timeline")
             yield StepPane(id="step")
         yield Static("", id="panel")
         yield Footer()
 
+    def on_resize(self, event: Any) -> None:
+        self.query_one("#main").set_class(event.size.width < self.WIDE, "narrow")
+
     def on_mount(self) -> None:
+        self.query_one("#main").set_class(self.size.width < self.WIDE, "narrow")
         self.sub_title = self._summary()
         timeline = self.query_one(Timeline)
         timeline.focus()
