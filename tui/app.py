@@ -58,6 +58,12 @@ class Timeline(ScrollView, can_focus=True):
     Timeline:focus { border: round $accent; }
     """
     cursor: reactive[int] = reactive(0)  # a position in model.rows
+    BINDINGS = [  # the cursor moves, not just the view (ScrollView's own keys would only scroll)
+        Binding("home", "app.edge(0)", show=False), Binding("end", "app.edge(1)", show=False),
+        Binding("pagedown", "app.page(1)", show=False), Binding("pageup", "app.page(-1)", show=False),
+        Binding("down", "app.step(1)", show=False), Binding("up", "app.step(-1)", show=False),
+        Binding("right", "app.step(1)", show=False), Binding("left", "app.step(-1)", show=False),
+    ]
 
     def __init__(self, model: views.TimelineModel, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -200,6 +206,98 @@ class TextScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with VerticalScroll():
             yield Static(self.body, id="page")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class Inspector(ModalScreen[None]):
+    """The tensor inspector: histogram, a slice of values (] [ move it, o chooses where it starts),
+    and a statistic across iterations (t cycles which)."""
+
+    DEFAULT_CSS = """
+    Inspector { align: center middle; }
+    Inspector > VerticalScroll { width: 95%; height: 90%; border: round $accent; background: $panel; padding: 0 1; }
+    """
+    BINDINGS = [Binding("escape,q", "close", "close"), Binding("right_square_bracket", "slice(1)", "next slice"),
+                Binding("left_square_bracket", "slice(-1)", "previous slice"), Binding("o", "offset", "offset"),
+                Binding("t", "stat", "statistic")]
+    STATS = ("absmax", "max", "min", "mean", "std", "norm", "nan", "inf")
+    ROWS = 8
+
+    def __init__(self, step: Any, name: str, role: str) -> None:
+        super().__init__(name="tensor")
+        self.step, self.tensor_name, self.role = step, name, role
+        self.start, self.stat = 0, "absmax"
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield Static(id="page")
+
+    def on_mount(self) -> None:
+        self.render_page()
+
+    def render_page(self) -> None:
+        view = views.tensor_view(self.step, self.tensor_name, self.role, start=self.start, rows=self.ROWS,
+                                 stat=self.stat)
+        text = render_tensor(view)
+        text.append("\n] [ next/previous slice · o start at element · t statistic · escape close", style="dim")
+        self.query_one("#page", Static).update(text)
+
+    def action_slice(self, delta: int) -> None:
+        self.start = max(0, self.start + delta * self.ROWS * 8)
+        self.render_page()
+
+    def action_offset(self) -> None:
+        def done(value: str | None) -> None:
+            if value and value.strip().isdigit():
+                self.start = int(value)
+                self.render_page()
+
+        self.app.push_screen(Prompt("show values from element (flattened index)", "0"), done)
+
+    def action_stat(self) -> None:
+        self.stat = self.STATS[(self.STATS.index(self.stat) + 1) % len(self.STATS)]
+        self.render_page()
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class PaperScreen(ModalScreen[str | None]):
+    """The paper steps as a tree; choosing a node filters the timeline to its steps."""
+
+    DEFAULT_CSS = """
+    PaperScreen { align: center middle; }
+    PaperScreen > Tree { width: 90%; height: 85%; border: round $accent; background: $panel; }
+    """
+    BINDINGS = [Binding("escape,q", "close", "close")]
+
+    def __init__(self, tree: views.PaperNode) -> None:
+        super().__init__(name="paper")
+        self.paper = tree
+
+    def compose(self) -> ComposeResult:
+        from textual.widgets import Tree
+
+        tree: Tree[str] = Tree("paper steps · calls forward/backward · time · anomalies", id="paper-tree")
+        tree.root.expand()
+
+        def add(parent: Any, node: views.PaperNode) -> None:
+            for child in node.children.values():
+                counts = f"   {child.forward}/{child.backward} · {views.fmt_seconds(child.seconds)}"
+                label = Text.assemble((child.label, "bold" if child.children else ""), (counts, "dim"),
+                                      (f" · {child.alerts} anomalies", "red") if child.alerts else "")
+                branch = parent.add(label, data=child.filter, expand=True) if child.children else \
+                    parent.add_leaf(label, data=child.filter)
+                add(branch, child)
+
+        add(tree.root, self.paper)
+        yield tree
+
+    def on_tree_node_selected(self, event: Any) -> None:
+        if event.node.data:
+            self.dismiss(event.node.data)
 
     def action_close(self) -> None:
         self.dismiss(None)
@@ -400,18 +498,20 @@ class PdbgApp(App[None]):
 
     def action_filter(self) -> None:
         def done(value: str | None) -> None:
-            if value is None:
-                return
-            current = self.timeline.step_index
-            count = self.model.apply_filter(value)
-            self.timeline.refresh_rows()
-            if current is not None:
-                self.timeline.go_to(current)
-            self.set_panel(f"filter {value!r}: {count} steps" if value else f"no filter: {count} steps")
-            self.show_step()
+            if value is not None:
+                self.apply_filter(value)
 
         self.push_screen(Prompt("filter: text in name, label or path; phase:backward status:nonfinite iter:5",
                                 value=self.model.filter_text), done)
+
+    def apply_filter(self, value: str) -> None:
+        current = self.timeline.step_index
+        count = self.model.apply_filter(value)
+        self.timeline.refresh_rows()
+        if current is not None:
+            self.timeline.go_to(current)
+        self.set_panel(f"filter {value!r}: {count} steps (f changes it)" if value else f"no filter: {count} steps")
+        self.show_step()
 
     def action_reload(self) -> None:
         index = self.timeline.step_index
@@ -443,7 +543,7 @@ class PdbgApp(App[None]):
             return
         key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value or ""
         role, _, name = key.partition(":")
-        self.push_screen(TextScreen(render_tensor(views.tensor_view(step, name, role)), "tensor"))
+        self.push_screen(Inspector(step, name, role))
 
     @on(DataTable.RowSelected, "#tensors")
     def tensor_chosen(self, _: DataTable.RowSelected) -> None:
@@ -461,20 +561,11 @@ class PdbgApp(App[None]):
         self.push_screen(TextScreen(text, "alerts"))
 
     def action_paper(self) -> None:
-        tree = views.paper_tree(self.model)
-        text = Text("Paper steps  (calls forward/backward · time · anomalies)\n\n", style="bold")
+        def done(name: str | None) -> None:
+            if name:
+                self.apply_filter(name)
 
-        def walk(node: views.PaperNode, depth: int) -> None:
-            for child in node.children.values():
-                text.append("  " * depth + f"{child.label}", style="bold" if child.children else "")
-                text.append(f"   {child.forward}/{child.backward} · {views.fmt_seconds(child.seconds)}"
-                            + (f" · {child.alerts} anomalies" if child.alerts else "") + "\n",
-                            style="red" if child.alerts else "dim")
-                walk(child, depth + 1)
-
-        walk(tree, 1)
-        text.append("\nFilter the timeline to a step with f and its name.", style="dim")
-        self.push_screen(TextScreen(text, "paper"))
+        self.push_screen(PaperScreen(views.paper_tree(self.model)), done)
 
     # -- actions in workers --------------------------------------------------------------------
     def action_replay(self, swap: dict[str, str] | None = None, edit: dict[str, str] | None = None) -> None:

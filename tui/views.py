@@ -312,7 +312,7 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
             counts, e = np.histogram(finite, bins=bins)
             histogram, edges = counts.tolist(), (float(e[0]), float(e[-1]))
         width = 8
-        begin = max(0, min(start, max(0, len(data) - rows * width)))
+        begin = max(0, min(start, len(data) - 1))
         chunk = data[begin:begin + rows * width]
         for k in range(0, len(chunk), width):
             values.append(f"{begin + k:>8}: " + " ".join(f"{fmt_number(float(v)):>10}" for v in chunk[k:k + width]))
@@ -416,7 +416,7 @@ def paper_tree(model: TimelineModel) -> PaperNode:
                 paper.get("step") is not None and f"step {paper['step']}",
                 paper.get("equation") or paper.get("label"), str(name)]
         for part in (p for p in path if p):
-            node = node.children.setdefault(part, PaperNode(part, filter=str(name)))
+            node = node.children.setdefault(part, PaperNode(part, filter=part))
         for n in [root, *_chain(root, [p for p in path if p])]:
             n.forward += int((mask & (model.phase == 0)).sum())
             n.backward += int((mask & (model.phase == 1)).sum())

@@ -13,7 +13,7 @@ import recorder
 import replayer
 from tests.replayer import nanmodels
 from tests.tui.recordings import mixed_run, nan_run
-from tui.app import ErrorApp, PdbgApp, StepPane, TextScreen, open_app
+from tui.app import ErrorApp, Inspector, PdbgApp, StepPane, open_app
 
 SIZE = (120, 36)
 
@@ -132,16 +132,26 @@ def test_inspector_alerts_paper_and_help(nan_path: Path, mixed_path: Path) -> No
         await pilot.press("g")
         await pilot.press("enter")  # the first tensor of the step: its input
         await pilot.pause()
-        assert isinstance(app.screen, TextScreen)
+        assert isinstance(app.screen, Inspector)
         page = str(app.screen.query_one("#page", Static).render())
         assert "input args.0 · 3×4 float32 · step 12" in page and "histogram" in page
-        assert "absmax across iterations" in page
+        assert "absmax across iterations (0…1)" in page and "elements 0..11 of 12" in page
+        await pilot.press("t")  # the next statistic
+        await pilot.pause()
+        assert "max across iterations" in str(app.screen.query_one("#page", Static).render())
+        await pilot.press("o")
+        await answer(pilot, "4")
+        assert "elements 4..11 of 12" in str(app.screen.query_one("#page", Static).render())
         await pilot.press("escape")
         await pilot.press("p")
         await pilot.pause()
-        page = str(app.screen.query_one("#page", Static).render())
-        assert "Eq. 2" in page and "smooth_relu" in page and "Model" in page
-        await pilot.press("escape")
+        tree = app.screen.query_one("#paper-tree")
+        labels = [str(node.label) for node in tree.root.children]
+        assert any(lb.startswith("Eq. 2") and "4/4" in lb for lb in labels), labels
+        node = next(n for n in tree.root.children if str(n.label).startswith("Eq. 2"))
+        tree.select_node(node)  # choosing a node filters the timeline to its steps
+        await pilot.pause()
+        assert len(app.model.rows) == 8 and {str(app.model.names[i]) for i in app.model.rows} == {"smooth_relu"}
         await pilot.press("question_mark")
         await pilot.pause()
         page = str(app.screen.query_one("#page", Static).render())
