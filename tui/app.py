@@ -12,6 +12,7 @@ cursor on the right. The cursor is "now": every pane shows the state as of that 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -343,7 +344,8 @@ class PdbgApp(App[None]):
         Binding("r", "replay", "replay"), Binding("b", "bisect", "bisect"),
         Binding("e", "edit", "edit", show=False), Binding("s", "swap", "swap", show=False),
         Binding("x", "export", "bundle", show=False), Binding("d", "diff", "diff", show=False),
-        Binding("R", "reload", "refresh", show=False), Binding("question_mark", "help", "keys"),
+        Binding("R", "reload", "refresh", show=False), Binding("escape", "cancel", "cancel", show=False),
+        Binding("question_mark", "help", "keys"),
         Binding("q", "quit", "quit"),
     ]
     ACTION_HELP = [
@@ -358,7 +360,8 @@ class PdbgApp(App[None]):
         ("replay", "replay this step (r)"), ("bisect", "bisect: the origin and its operation (b)"),
         ("edit", "edit a tensor and rerun (e)"), ("swap", "swap the module or function and rerun (s)"),
         ("export", "export this step as a bundle (x)"), ("diff", "diff against another run (d)"),
-        ("reload", "refresh a recording still being written (R)"), ("help", "every key (?)"), ("quit", "quit (q)"),
+        ("reload", "refresh a recording still being written (R)"), ("cancel", "cancel the running action (escape)"),
+        ("help", "every key (?)"), ("quit", "quit (q)"),
     ]
 
     def __init__(self, rec: Recording, *, path: str | None = None, start: int | None = None) -> None:
@@ -568,6 +571,19 @@ class PdbgApp(App[None]):
         self.push_screen(PaperScreen(views.paper_tree(self.model)), done)
 
     # -- actions in workers --------------------------------------------------------------------
+    def action_cancel(self) -> None:
+        running = [w for w in self.workers if w.group == "action" and not w.is_finished]
+        self.workers.cancel_group(self, "action")
+        if running:
+            self.set_panel(Text("cancelled", style="yellow"))
+
+    def _report(self, text: Text | str) -> None:
+        """Show a worker's result, unless the worker was cancelled meanwhile."""
+        from textual.worker import get_current_worker
+
+        if not get_current_worker().is_cancelled:
+            self.call_from_thread(self.set_panel, text)
+
     def action_replay(self, swap: dict[str, str] | None = None, edit: dict[str, str] | None = None) -> None:
         step = self.step
         if step is not None:
@@ -581,9 +597,9 @@ class PdbgApp(App[None]):
         try:
             result = replayer.replay(self.rec, index, swap=swap, edit=edit)
         except PdbgError as exc:
-            self.call_from_thread(self.set_panel, Text(f"cannot replay step {index}: {exc}", style="red"))
+            self._report(Text(f"cannot replay step {index}: {exc}", style="red"))
             return
-        self.call_from_thread(self.set_panel, render_replay(result))
+        self._report(render_replay(result))
 
     def action_bisect(self) -> None:
         self.set_panel(Text("bisecting …", style="cyan"))
@@ -605,7 +621,7 @@ class PdbgApp(App[None]):
                     text.append(f"\noperation: {op.where()}", style="yellow")
             except PdbgError as exc:
                 text.append(f"\noperation-level bisection needs a replay: {exc}", style="dim")
-        self.call_from_thread(self.set_panel, text)
+        self._report(text)
         if target is not None:
             self.call_from_thread(self.timeline.go_to, target.index)
 
@@ -649,10 +665,10 @@ class PdbgApp(App[None]):
         try:
             info = replayer.bundle(self.rec, index, Path(path), verify=True)
         except PdbgError as exc:
-            self.call_from_thread(self.set_panel, Text(f"no bundle: {exc}", style="red"))
+            self._report(Text(f"no bundle: {exc}", style="red"))
             return
         verdict = "verified: replays bit for bit" if info.verified else "MISMATCH when replayed from the bundle"
-        self.call_from_thread(self.set_panel, Text(f"wrote {info.path} ({info.bytes} bytes, {info.steps} steps); "
+        self._report(Text(f"wrote {info.path} ({info.bytes} bytes, {info.steps} steps); "
                                                    f"{verdict}", style="green" if info.verified else "red"))
 
     def action_diff(self) -> None:
@@ -670,9 +686,9 @@ class PdbgApp(App[None]):
         try:
             div = replayer.first_divergence(self.rec, replayer.open(other))
         except PdbgError as exc:
-            self.call_from_thread(self.set_panel, Text(str(exc), style="red"))
+            self._report(Text(str(exc), style="red"))
             return
-        self.call_from_thread(self.set_panel, Text(("root cause: " if div.step else "") + div.cause,
+        self._report(Text(("root cause: " if div.step else "") + div.cause,
                                                    style="yellow" if div.step else "green"))
         if div.step is not None:
             self.call_from_thread(self.timeline.go_to, div.step.index)
@@ -716,9 +732,11 @@ def render_tensor(view: views.TensorView) -> Text:
         values = [v for _, v in view.series]
         text.append(f"\n{view.series_stat} across iterations ({view.series[0][0]}…{view.series[-1][0]}): ",
                     style="dim")
-        text.append(views.sparkline(values) + "\n", style="green")
+        lo, hi = view.expected if view.expected else (-math.inf, math.inf)
+        for char, value in zip(views.sparkline(values), values[-60:]):  # outside the expected range: red
+            text.append(char, style="green" if lo <= value <= hi else "bold red")
+        text.append("\n")
         if view.expected:
-            lo, hi = view.expected
             broken = sum(1 for v in values if not lo <= v <= hi)
             text.append(f"expected range [{lo}, {hi}]: {broken} of {len(values)} iterations outside\n",
                         style="red" if broken else "green")

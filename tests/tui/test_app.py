@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,21 @@ def test_actions_replay_bisect_edit_swap(nan_path: Path) -> None:
         await app.workers.wait_for_complete()
         await pilot.pause()
         assert "inf 5 → replayed nan 0 inf 0" in panel(app)
+        # escape cancels the running action: its result, when it comes, is not shown
+        release = threading.Event()
+
+        def slow_action() -> None:
+            release.wait(30)
+            app._report("late result")
+
+        app.run_worker(slow_action, thread=True, group="action", exclusive=True)
+        await pilot.pause()
+        await pilot.press("escape")
+        await pilot.pause()
+        release.set()
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert panel(app) == "cancelled"
         await pilot.press("e")
         await answer(pilot, "args.0=x.(")
         await app.workers.wait_for_complete()
