@@ -65,3 +65,12 @@ class Stack(nn.Module):
 
     def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         return self.second(self.first(x, scale), 1.0)
+
+
+def record_scales(path: object, model: nn.Module, scales: tuple[float, ...]) -> None:
+    """Record ``model(x, scale)`` forward and backward once per scale, one iteration each; the
+    inputs come from torch's global generator (seed it before building the model)."""
+    with recorder.record(path, model=model) as run:
+        for scale in scales:
+            model(torch.randn(3, 4), scale).sum().backward()
+            run.next_iteration()

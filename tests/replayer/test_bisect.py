@@ -31,11 +31,7 @@ def line_of(fn: object, text: str) -> int:
 def overflow_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("overflow") / "run.zarr"
     torch.manual_seed(0)
-    model = nanmodels.Scaled(4)
-    with recorder.record(path, model=model) as run:
-        for scale in SCALES:
-            model(torch.randn(3, 4), scale).sum().backward()
-            run.next_iteration()
+    nanmodels.record_scales(path, nanmodels.Scaled(4), SCALES)
     return path
 
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-import recorder
 import replayer
 from recorder import snapshot
 from replayer import recipes
@@ -29,10 +28,7 @@ def stack_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nanmodels
     path = tmp_path_factory.mktemp("stack") / "run.zarr"
     torch.manual_seed(0)
     model = nanmodels.Stack(4)
-    with recorder.record(path, model=model) as run:
-        for scale in (1.0, 1000.0):
-            model(torch.randn(3, 4), scale).sum().backward()
-            run.next_iteration()
+    nanmodels.record_scales(path, model, (1.0, 1000.0))
     return path, model
 
 

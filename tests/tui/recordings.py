@@ -27,11 +27,7 @@ def gated(x: torch.Tensor) -> torch.Tensor:
 def nan_run(path: Path, scales: tuple[float, ...] = (1.0, 1000.0)) -> Path:
     """Two Scaled blocks; in the second iteration exp overflows in the first block's SmoothReLU."""
     torch.manual_seed(0)
-    model = nanmodels.Stack(4)
-    with recorder.record(path, model=model) as run:
-        for scale in scales:
-            model(torch.randn(3, 4), scale).sum().backward()
-            run.next_iteration()
+    nanmodels.record_scales(path, nanmodels.Stack(4), scales)
     return path
 
 
