@@ -1,14 +1,16 @@
-"""A real NaN crash, recorded: a small Transformer whose attention uses the paper's SmoothReLU (Eq. 2)
-instead of softmax, normalising each row by its sum (Eq. 3). With a learning rate that is too high
-the attention scores blow up within a few iterations: SmoothReLU saturates (to 0 for very negative
-scores, and ``exp`` overflows for very large ones), a row of weights becomes 0/0 or inf/inf, and the
-loss turns NaN.
+"""A real NaN crash, recorded and debugged: a small Transformer whose attention uses the paper's
+SmoothReLU (Eq. 2, ``log(1 + exp(x + beta)) / gamma``) instead of softmax, normalising each row by
+its sum (Eq. 3). With a learning rate that is too high the attention scores grow until ``exp``
+overflows: SmoothReLU returns Inf, the row becomes inf/inf, and the loss turns NaN.
 
-Run it:   python examples/nan_smooth_relu.py [--out runs/nan_smooth_relu.zarr]
+Run it:   python examples/nan_smooth_relu.py [--out runs/nan_smooth_relu.zarr] [--no-tui]
 
-It trains under ``recorder.record``, stops at the first non-finite loss (as a training script with a
-NaN guard would), then reads the recording back and shows where the non-finite values came from:
-the first step whose outputs went non-finite while its inputs were all finite.
+It trains under ``recorder.record`` and stops at the first non-finite loss (as a training script
+with a NaN guard would). Then, from the recording alone: the origin (the first step whose outputs
+went non-finite from finite inputs) and the operation inside it, what `pdbg bisect --ops` prints;
+two fixes tried on the recorded step (a numerically stable SmoothReLU swapped in, and the input
+clamped); a failure bundle to share; and the TUI opened at the origin when the terminal is
+interactive (the command to open it otherwise).
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ def smooth_relu(x: torch.Tensor, beta: float = 1.0, gamma: float = 1.0) -> torch
     return torch.log(1 + torch.exp(x + beta)) / gamma
 
 
+def stable_smooth_relu(x: torch.Tensor, beta: float = 1.0, gamma: float = 1.0) -> torch.Tensor:
+    """The same function without the overflow: softplus(x) = log(1 + exp(x)), computed stably."""
+    return F.softplus(x + beta) / gamma
+
+
 @recorder.paper_step("Eq. 3", algorithm="Algorithm 1", step=2,
                      description="attention weights: SmoothReLU(QK^T / sqrt(d)), normalised per row")
 class SmoothAttention(nn.Module):
@@ -47,7 +54,7 @@ class SmoothAttention(nn.Module):
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).split(d, 2))
         scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
         weights = smooth_relu(scores)
-        weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-6)
         recorder.watch(weights, "attention_weights", expected_range=(0.0, 1.0), reference="Eq. 3")
         return self.proj((weights @ v).transpose(1, 2).reshape(b, t, d))
 
@@ -139,16 +146,65 @@ def origin(path: Path) -> None:
     print(f"\nthe same from the command line: pdbg bisect {path} --ops")
 
 
+def try_fixes(path: Path) -> None:
+    """Would a stable SmoothReLU, or clamping its input, have kept the values finite? Answered on
+    the recorded origin step, without training again."""
+    import replayer
+
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec).step
+    if origin is None:
+        return
+    print("\nfixes tried on the recorded step (non-finite values in its output: recorded -> replayed):")
+    for label, kwargs in (("swap in a stable SmoothReLU", {"swap": {"smooth_relu": "__main__:stable_smooth_relu"}}),
+                          ("clamp its input to [-50, 50]", {"edit": {"args.0": "x.clamp(-50, 50)"}})):
+        res = replayer.replay(rec, origin, **kwargs)
+        out = res.outputs[0]
+        before, after = (int(s["nan"] + s["inf"]) for s in (out.recorded, out.replayed))
+        print(f"  {label}: {before} -> {after}" + ("  (finite)" if after == 0 else ""))
+    print(f"  the same from the command line: pdbg replay {path} {origin.index} "
+          "--edit 'args.0=x.clamp(-50, 50)'")
+
+
+def share(path: Path) -> Path | None:
+    """A failure bundle of the origin step, verified, with a repro script next to it."""
+    import replayer
+
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec).step
+    if origin is None:
+        return None
+    out = path.with_suffix(".pdbg")
+    info = replayer.bundle(rec, origin, out, verify=True, script=True, overwrite=True)
+    verdict = "bitwise match" if info.verified else "MISMATCH"
+    print(f"\nbundle: {info.path} ({info.bytes // 1024} KB, verified: {verdict}); replay it anywhere with: "
+          f"pdbg replay {info.path.name}  (or python {info.script})")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/nan_smooth_relu.zarr"))
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--no-tui", action="store_true", help="print the command that opens the TUI instead")
     args = parser.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
     crashed_at = train(args.out, args.iterations, args.lr)
     print(f"recording: {args.out}")
     origin(args.out)
+    try_fixes(args.out)
+    share(args.out)
+    import replayer
+
+    step = replayer.first_nonfinite(replayer.open(args.out)).step
+    at = f" --at {step.index}" if step is not None else ""
+    if sys.stdout.isatty() and sys.stdin.isatty() and not args.no_tui:
+        from tui.app import run_app
+
+        run_app(str(args.out), str(step.index) if step is not None else None)
+    else:
+        print(f"\nopen it in the TUI: pdbg {args.out}{at}")
     return 0 if crashed_at is not None else 1
 
 

@@ -12,16 +12,21 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "nan_smooth_relu.py
 
 
 def test_demo_records_the_crash_and_names_its_origin(tmp_path):
-    """The example trains until the loss is NaN and names the innermost step that produced it."""
+    """The example trains until the loss is NaN, names the step and the operation that produced it
+    (exp overflowing in SmoothReLU), finds two fixes on the recorded step, and writes a bundle."""
     out = tmp_path / "nan.zarr"
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out)], check=False, capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "loss is nan - training stopped" in proc.stdout
-    assert "first non-finite step: #64 SmoothAttention (forward), iteration 5, module blocks.1.attn" in proc.stdout
-    assert "paper: Eq. 3" in proc.stdout
-    assert "inside it: #65 smooth_relu output min 0 " in proc.stdout
-    assert "operation: aten::div at " in proc.stdout and "weights / weights.sum(-1, keepdim=True)" in proc.stdout
+    assert "first non-finite step: #146 smooth_relu (forward), iteration 12, module blocks.0.attn" in proc.stdout
+    assert "paper: Eq. 2" in proc.stdout
+    assert "operation: aten::exp at " in proc.stdout and "torch.exp(x + beta)" in proc.stdout
+    assert "swap in a stable SmoothReLU: 2 -> 0  (finite)" in proc.stdout
+    assert "clamp its input to [-50, 50]: 2 -> 0  (finite)" in proc.stdout
+    assert "verified: bitwise match" in proc.stdout
+    assert f"open it in the TUI: pdbg {out} --at 146" in proc.stdout  # not a terminal: the command
     reader = RunReader(out)
     assert reader.status == "complete"
-    assert int(reader.rank(0).column("steps/status")[64]) == 2  # nonfinite
+    assert int(reader.rank(0).column("steps/status")[146]) == 2  # nonfinite
+    assert (tmp_path / "nan.pdbg").is_file() and (tmp_path / "repro.py").is_file()
