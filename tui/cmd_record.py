@@ -81,4 +81,4 @@ def _summary(out: str, result: Any) -> str:
     step = failed[-1]  # steps are numbered on entry: the innermost one that raised is the last
     where = f" at {step.module_path}" if step.module_path else ""
     return (f"{text}; {type(result.exception).__name__} escaped step {step.index} ({step.name}{where}, "
-            f"iteration {step.iteration})")
+            f"iteration {step.iteration}); open it there: pdbg {out} --at {step.index}")

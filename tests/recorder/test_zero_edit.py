@@ -32,7 +32,7 @@ def steps(path: Path) -> list[dict[str, object]]:
     out = []
     for i in range(len(rank)):
         extra = int(col("steps/extra")[i])
-        out.append({"name": rank.doc(int(col("steps/name")[i])), "phase": int(col("steps/phase")[i]),
+        out.append({"index": i, "name": rank.doc(int(col("steps/name")[i])), "phase": int(col("steps/phase")[i]),
                     "iteration": int(col("steps/iteration")[i]), "path": rank.doc(int(col("steps/module_path")[i])),
                     "status": layout.STATUSES[int(col("steps/status")[i])], "parent": int(col("steps/parent")[i]),
                     "extra": rank.doc(extra) if extra >= 0 else {}})
@@ -183,6 +183,8 @@ class TestPdbgRecord:
         assert [(s["path"], s["iteration"]) for s in failed] == [("", 2), ("blocks.1", 2)]
         assert failed[-1]["extra"]["exception"]["type"] == "builtins:FloatingPointError"
         assert "FloatingPointError escaped step" in rec.stderr and "Block at blocks.1, iteration 2" in rec.stderr
+        index = failed[-1]["index"]
+        assert f"open it there: pdbg run.zarr --at {index}" in rec.stderr  # the one command, at the failing step
 
     def test_script_exit_code_is_returned(self, tmp_path: Path) -> None:
         """sys.exit(3) in the script is pdbg's exit code; the recording is closed as crashed."""
