@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -55,7 +56,8 @@ def code_info(target: Any) -> dict[str, Any]:
     info: dict[str, Any] = {"ref": f"{module}:{getattr(target, '__qualname__', repr(target))}",
                             "file": None, "line": None, "source": None, "source_sha256": None}
     try:
-        info["file"] = inspect.getsourcefile(target)
+        file = inspect.getsourcefile(target)
+        info["file"] = os.path.abspath(file) if file else None  # a script run by a relative path, too
         lines, info["line"] = inspect.getsourcelines(target)
         source = "".join(lines)
         info["source"] = source
@@ -64,7 +66,8 @@ def code_info(target: Any) -> dict[str, Any]:
         pass
     if module == "__main__":
         main = sys.modules.get("__main__")
-        info["script"] = getattr(main, "__file__", None)
+        script = getattr(main, "__file__", None)
+        info["script"] = os.path.abspath(script) if script else None
     return info
 
 
@@ -182,7 +185,7 @@ def watch(tensor: T, name: str, *, expected_shape: tuple[int | None, ...] | None
         tensor: the tensor to record; returned unchanged.
         name: its name in the paper's terms ("attention_weights").
         expected_shape: dimensions it must have; ``None`` matches any size in that position.
-        expected_range: (lo, hi) every value must lie in (NaN and Inf break it).
+        expected_range: (lo, hi) every value must lie in, bounds included (NaN and Inf break it).
         expected_norm_range: (lo, hi) for its L2 norm.
         expected_mean: (value, tolerance) for its mean.
         reference: where the expectation comes from ("Eq. 7").

@@ -412,7 +412,8 @@ def paper_tree(model: TimelineModel) -> PaperNode:
         paper = dict(papers[int(first)])
         mask = names == name
         node = root
-        path = [paper.get("algorithm") and str(paper["algorithm"]),
+        algorithm = paper.get("algorithm") or (paper.get("label") if paper.get("step") is not None else None)
+        path = [algorithm and str(algorithm),
                 paper.get("step") is not None and f"step {paper['step']}",
                 paper.get("equation") or paper.get("label"), str(name)]
         for part in (p for p in path if p):
