@@ -105,12 +105,15 @@ def summary(rec: Any) -> dict[str, Any]:
                                 "forward_calls": int((mask & (phase == 0)).sum()),
                                 "backward_calls": int((mask & (phase == 1)).sum()),
                                 "time_share": time / total_time if total_time > 0 else None})
-    bad = np.flatnonzero(status == layout.STATUSES.index("nonfinite"))
-    return {"status": rec.status, "steps": n, "iterations": int(iteration.max()) + 1 if n else 0,
+    from replayer import first_nonfinite
+
+    origin = first_nonfinite(rec) if n else None
+    first = (origin.step or origin.entered) if origin is not None else None
+    return {"status": rec.status, "steps": n, "iterations": int(len(np.unique(iteration))) if n else 0,
             "ranks": len(rec.reader.ranks), "paper_steps": paper_steps,
             "alerts": int((status == layout.STATUSES.index("alert")).sum()),
             "exceptions": int((status == layout.STATUSES.index("exception")).sum()),
-            "first_nonfinite": table[int(bad[0])].to_json() if len(bad) else None,
+            "first_nonfinite": first.to_json() if first is not None else None,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
             "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec)}
 
@@ -188,9 +191,9 @@ def info(args: argparse.Namespace) -> int:
     print(f"\nalerts: {doc['alerts']}   exceptions: {doc['exceptions']}")
     first = doc["first_nonfinite"]
     if first is None:
-        print("first non-finite step: none")
+        print("NaN origin: none (no non-finite values recorded)")
     else:
-        print(f"first non-finite step: {_step_text(first)}")
+        print(f"NaN origin: {_step_text(first)}  (pdbg bisect for why)")
     bundle = doc["bundle"]
     if bundle is not None:
         origin = bundle.get("origin") or {}

@@ -307,7 +307,8 @@ class RankReader:
         """The recorded tensor's value (a contiguous CPU tensor), exactly as it was."""
         if not record.has_payload:
             raise FormatError(f"{self.run.label}: tensor {record.name!r} of step {record.step} has statistics "
-                              "only (recorded in stats mode or on a sampled-out iteration)")
+                              "only (recorded in stats mode, on an iteration --every skipped, or in flight mode "
+                              "outside the iterations the ring wrote out)")
         units, _ = self.payload_units(record.payload)
         dtype = payload_mod.dtype_from_name(record.dtype)
         expected = int(np.prod(record.shape, dtype=np.int64)) * dtype.itemsize

@@ -238,7 +238,7 @@ def test_info_summarises_the_run_and_finds_the_first_nonfinite_step(tmp_path: Pa
     assert (first["name"], first["module_path"], first["iteration"], first["phase"]) == ("Block", "h.1", 1, "forward")
     assert doc["bytes"] > 10_000
     text = pdbg("info", str(path), cwd=tmp_path).stdout
-    assert "first non-finite step: step" in text and "Block" in text
+    assert "NaN origin: step" in text and "Block" in text
     # The NaN step replays bit for bit, NaN positions included.
     res = replayer.replay(replayer.open(path), first["index"])
     assert res.match and res.diffs["output"].recorded["nan"] > 0
