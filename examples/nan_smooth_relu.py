@@ -192,6 +192,11 @@ def main() -> int:
     shutil.rmtree(args.out, ignore_errors=True)
     crashed_at = train(args.out, args.iterations, args.lr)
     print(f"recording: {args.out}")
+    from tui.cli import main as pdbg
+
+    print(f"\n$ pdbg bisect {args.out} --ops")
+    sys.stdout.flush()
+    pdbg(["bisect", str(args.out), "--ops"])
     origin(args.out)
     try_fixes(args.out)
     share(args.out)
