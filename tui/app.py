@@ -120,6 +120,11 @@ class StepPane(VerticalScroll):
     StepPane DataTable { height: auto; max-height: 12; }
     """
 
+    _syntax: dict[tuple[str, int | None], Text]
+
+    def on_mount(self) -> None:
+        self._syntax = {}
+
     def compose(self) -> ComposeResult:
         yield Static(id="step-title", classes="title")
         yield Static(id="step-description")
@@ -156,13 +161,26 @@ class StepPane(VerticalScroll):
             where = f"{view.source_file}:{view.source_line}"
             header = Text.assemble((where, "dim"), ("  " + drift, "bold yellow") if drift else "",
                                    no_wrap=True, overflow="ellipsis")
-            syntax = Syntax(view.source, "python", line_numbers=True, start_line=view.source_line or 1,
-                            theme="ansi_dark", word_wrap=False)
+            key = (view.source, view.source_line)
+            syntax = self._syntax.get(key)
+            if syntax is None:  # highlighting is the costly part of a step change: once per code
+                syntax = self._syntax[key] = highlighted(view.source, view.source_line or 1)
             from rich.console import Group
 
             code.update(Group(header, syntax))
         else:
             code.update(Text("no source recorded for this step", style="dim"))
+
+
+def highlighted(source: str, first_line: int) -> Text:
+    """Python source with syntax colours and line numbers, as one Text (cheap to draw again)."""
+    code = Syntax(source, "python", theme="ansi_dark").highlight(source.rstrip("\n"))
+    out = Text(no_wrap=True, overflow="crop")
+    for number, line in enumerate(code.split("\n", allow_blank=True), first_line):
+        out.append(f"{number:>5} ", style="dim")
+        out.append_text(line)
+        out.append("\n")
+    return out
 
 
 class Prompt(ModalScreen[str | None]):
@@ -371,6 +389,7 @@ class PdbgApp(App[None]):
         self.model = views.TimelineModel(rec)
         self.start = start
         self.panel_text: Text | str = ""
+        self._drifts: dict[int, str | None] = {}
 
     # -- layout --------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -423,10 +442,15 @@ class PdbgApp(App[None]):
         self.sub_title = f"{self._summary()} · step {step.index} · iteration {step.iteration}"
 
     def _drift(self, step: Any) -> str | None:
+        """Whether the code of the step changed since recording (read from the files, never run;
+        once per definition: the files are parsed, not the steps)."""
         from replayer.code import CodeLoader, drift_without_running
 
-        state = drift_without_running(step.definition, self.rec.run_info, CodeLoader(self.rec.run_info).dirs)
-        return f"✎ {state}" if state.startswith("changed") else None
+        key = int(step._col("definition"))
+        if key not in self._drifts:
+            state = drift_without_running(step.definition, self.rec.run_info, CodeLoader(self.rec.run_info).dirs)
+            self._drifts[key] = f"✎ {state}" if state.startswith("changed") else None
+        return self._drifts[key]
 
     def set_panel(self, text: Text | str) -> None:
         self.panel_text = text
@@ -520,6 +544,7 @@ class PdbgApp(App[None]):
         index = self.timeline.step_index
         self.rec = Recording(self.rec.path)
         self.model = views.TimelineModel(self.rec)
+        self._drifts.clear()
         self.timeline.model = self.model
         self.timeline.refresh_rows()
         if index is not None:

@@ -54,6 +54,7 @@ class TimelineModel:
         self._spans: dict[int, float] = {}
         self._ids: np.ndarray | None = None
         self._texts: list[str] = []
+        self._row_text: dict[tuple[int, int, int], tuple[str, str | None, str]] = {}
 
     # decoded text columns, on first use (a name per distinct document, not per step)
     @property
@@ -74,6 +75,20 @@ class TimelineModel:
             self._labels = self.rec.steps.column("label")
         return self._labels
 
+    def text_of(self, index: int) -> tuple[str, str | None, str]:
+        """(name, paper label, module path) of one step, from its own documents (cached per document):
+        drawing a screen of a million-step recording decodes only what is on it."""
+        if self._names is not None and self._paths is not None and self._labels is not None:
+            return str(self._names[index]), self._labels[index], str(self._paths[index])
+        rank = self.rec.rank
+        ids = tuple(int(rank.column(f"steps/{c}")[index]) for c in ("name", "definition", "module_path"))
+        found = self._row_text.get(ids)
+        if found is None:
+            definition = rank.doc(ids[1])
+            paper = definition.get("paper", {}) if isinstance(definition, dict) else {}
+            found = self._row_text[ids] = (str(rank.doc(ids[0])), paper.get("label"), str(rank.doc(ids[2]) or ""))
+        return found
+
     def span(self, iteration: int) -> float:
         """Wall time of an iteration (for the duration bars)."""
         if iteration not in self._spans:
@@ -90,9 +105,7 @@ class TimelineModel:
         """One timeline row as (text, style) pieces."""
         status = layout.STATUSES[int(self.status[index])]
         phase = int(self.phase[index])
-        label = self.labels[index]
-        name = str(self.names[index])
-        path = str(self.paths[index])
+        name, label, path = self.text_of(index)
         duration = float(self.t_end[index] - self.t_start[index])
         span = self.span(int(self.iteration[index])) or 1.0
         filled = min(bar_width, max(0, round(bar_width * duration / span)))
