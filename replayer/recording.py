@@ -225,7 +225,7 @@ class Step:
     index: int
 
     def _col(self, name: str) -> Any:
-        return self.rec.rank.column(f"steps/{name}")[self.index]
+        return self.rec.rank.rows(f"steps/{name}", self.index, self.index + 1)[0]
 
     def _decoded(self, table: str, column: str) -> Any:
         """This step's value of a document column: from the table's decoded column when that was

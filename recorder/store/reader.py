@@ -166,7 +166,7 @@ class RunReader:
         return Path(path).stat().st_size if path else 0
 
 
-_SLICES_BEFORE_WHOLE = 256
+_ROWS_PER_SLICE_READ = 2048  # what reading one slice costs, in rows of a whole-column read (a chunk is 8192)
 
 
 class RankReader:
@@ -243,7 +243,7 @@ class RankReader:
             return self._columns[path][start:stop]
         count = self._sliced.get(path, 0) + 1
         self._sliced[path] = count
-        if count > _SLICES_BEFORE_WHOLE:
+        if count * _ROWS_PER_SLICE_READ > self._length_of(path):  # slices have cost about a whole read
             return self.column(path)[start:stop]
         if stop > self._length_of(path):
             raise FormatError(f"{self.run.label}: rows {start}:{stop} of {path} are past the committed data")
@@ -251,8 +251,8 @@ class RankReader:
 
     def tensor_records(self, step: int) -> list[TensorRecord]:
         """The tensor records of one step, in the order they were captured."""
-        start = int(self.column("steps/tensor_start")[step])
-        count = int(self.column("steps/tensor_count")[step])
+        start = int(self.rows("steps/tensor_start", step, step + 1)[0])
+        count = int(self.rows("steps/tensor_count", step, step + 1)[0])
         if start < 0 or count < 0 or start + count > self.lengths["tensors"]:
             raise FormatError(f"{self.run.label}: step {step} points past the committed tensor records")
         return self._records(start, start + count)
