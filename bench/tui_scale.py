@@ -419,8 +419,8 @@ def _vals(xs: list[float | None]) -> list[float]:
 
 def first_table(results: list[tuple[Store, list[dict[str, Any]]]]) -> str:
     lines = ["| recording | first screen: median ms | max ms | open + `PdbgApp(rec)` | `run_test` until ready | "
-             "first `pause()` | of which `show_step` | first frame encoded at | last frame before `t1` | settled | "
-             "frames | checks |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "first `pause()` | `show_step` (in `on_mount`) | first frame encoded at | last frame before `t1` | "
+             "settled | frames | checks |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for store, runs in results:
         f = [r["first"] for r in runs]
 
@@ -571,8 +571,9 @@ def slowest_table(results: list[tuple[Store, list[dict[str, Any]]]], n: int = 8)
     return "\n".join(lines)
 
 
-def findings(results: list[tuple[Store, list[dict[str, Any]]]], frozen: dict[str, Any]) -> str:
-    """A few sentences computed from the results: what moves fast, what does not, and why."""
+def findings(results: list[tuple[Store, list[dict[str, Any]]]], frozen: dict[str, Any], slices: int | None) -> str:
+    """A few sentences computed from the results: what moves fast, what does not, and why (``slices``: the
+    reader's slices before a whole-column read when measured, None where it had no such constant)."""
     (big, runs), (small, small_runs) = results[0], results[-1]
 
     def all_of(rs: list[dict[str, Any]], name: str) -> list[float]:
@@ -597,7 +598,6 @@ def findings(results: list[tuple[Store, list[dict[str, Any]]]], frozen: dict[str
     full_s = statistics.median(r["full_gc"]["s"] for r in runs)
     ratio = statistics.median(last) / statistics.median(last_small)
     grows = "does not grow" if ratio < 1.5 else f"grows ({ratio:.1f} ×)"
-    slices = getattr(reader_mod, "_SLICES_BEFORE_WHOLE", None)
     out = [f"- The timeline itself keeps up: the first frame after a key (the cursor row moved, the timeline "
            f"scrolled where it had to) is done after median {ms(statistics.median(first))} ms on {big.name}.",
            f"- The screen is complete when the step pane shows the new step: median {ms(statistics.median(last))} ms "
@@ -781,7 +781,7 @@ The slowest presses ({results[0][0].name}):
 
 ### Reading the results
 
-{findings(results, frozen)}
+{findings(results, frozen, saved.get("slices_before_whole"))}
 
 {profile_text(profiles)}
 ### Target
@@ -796,7 +796,8 @@ def report(saved: dict[str, Any], write_docs: bool) -> None:
     results = list(zip(stores, saved["runs"]))
     frozen, profiles = saved["frozen"], saved["profiles"]
     for text in (first_table(results), moves_table(results), per_run_table(results), slowest_table(results),
-                 freeze_text(stores[0], results[0][1], frozen), findings(results, frozen), profile_text(profiles)):
+                 freeze_text(stores[0], results[0][1], frozen),
+                 findings(results, frozen, saved.get("slices_before_whole")), profile_text(profiles)):
         print()
         print(text)
     print("\n".join(targets(results)[0]))
@@ -862,6 +863,7 @@ def main() -> None:
             print(f"target missed: profiling {part} ...", flush=True)
             profiles[part] = fresh(stores[0].path, args.size, part)
         saved = {"when": when, "sources": measured_sources, "repeat": args.repeat,
+                 "slices_before_whole": getattr(reader_mod, "_SLICES_BEFORE_WHOLE", None),
                  "size": args.size, "command": ("python bench/tui_scale.py " + " ".join(sys.argv[1:])).strip(),
                  "sample": sample, "stores": [asdict(s) for s in stores], "runs": [runs for _, runs in results],
                  "frozen": frozen, "profiles": profiles}
