@@ -121,3 +121,33 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
         diff.max_rel_diff = float((gap.to(torch.float64) / a.to(torch.float64).abs().clamp_min(1)).max())
         diff.max_ulp = int(gap.max())
     return diff
+
+
+def tensors_by_name(value: Any, prefix: str, *, copy: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors in a call's output by the record names the recorder gives them (``output``,
+    ``output.0``, ``output.key``); ``copy`` detaches and clones them (later in-place changes must
+    not show)."""
+    from recorder import jsonval
+
+    found: dict[str, torch.Tensor] = {}
+
+    def name(t: torch.Tensor, path: str) -> str:
+        full = f"{prefix}.{path}" if path else prefix
+        found[full] = t.detach().clone() if copy else t
+        return full
+
+    jsonval.encode(value, tensor_name=name)
+    return found
+
+
+def compare_record(rank: Any, record: Any, value: Any, missing: str) -> Diff:
+    """Compare a replayed value with one tensor record: bitwise where its payload was kept, by
+    statistics where only those were; ``missing`` says why there is no value, when there is none."""
+    recorded = stats_dict(record.stats)
+    if value is None:
+        return Diff(record.name, record.role, False, reason=missing, recorded=recorded)
+    if not record.has_payload:
+        now = stats_dict(stats_mod.host_stats(value.detach().cpu()))
+        return Diff(record.name, record.role, now == recorded, reason="compared by statistics only (no payload "
+                    "recorded)", recorded=recorded, replayed=now)
+    return compare(record.name, record.role, rank.tensor(record), value, record.stats)

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import jsonval, taps
+from recorder import taps
 from recorder.store import layout
 
-from .compare import Diff, compare, stats_dict
-from .recording import Step
+from .compare import Diff, compare_record, tensors_by_name
+from .recording import Step, join_path
 
 
 @dataclass
@@ -75,10 +75,6 @@ def descendants(step: Step) -> list[Step]:
     return found
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else (prefix or name)
-
-
 @dataclass
 class _Seen:
     """One inner call seen during the replay."""
@@ -110,7 +106,7 @@ class InnerTap:
             for rel, sub in root.named_modules():
                 if not rel:
                     continue
-                path = _join(root_path, rel)
+                path = join_path(root_path, rel)
                 self._handles.append(sub.register_forward_pre_hook(
                     lambda m, a, k, p=path: self._enter(p, a, k), with_kwargs=True))
                 self._handles.append(sub.register_forward_hook(lambda m, a, o, p=path: self._exit(p, o),
@@ -281,37 +277,10 @@ class InnerTap:
 
 
 def _diffs(step: Step, roles: tuple[str, ...], values: dict[str, torch.Tensor], keyed: bool = False) -> list[Diff]:
-    diffs = []
-    for r in step.records:
-        if r.role not in roles:
-            continue
-        value = values.get(f"{r.role}:{r.name}" if keyed else r.name)
-        if value is None:
-            diffs.append(Diff(r.name, r.role, False, reason="not produced during the replay",
-                              recorded=stats_dict(r.stats)))
-        elif r.has_payload:
-            diffs.append(compare(r.name, r.role, step.rec.rank.tensor(r), value, r.stats))
-        else:
-            now = stats_dict(_stats(value))
-            diffs.append(Diff(r.name, r.role, stats_dict(r.stats) == now, reason="compared by statistics only",
-                              recorded=stats_dict(r.stats), replayed=now))
-    return diffs
-
-
-def _stats(value: torch.Tensor) -> tuple[float, ...]:
-    from recorder import stats as stats_mod
-
-    return stats_mod.host_stats(value.detach().cpu())
+    return [compare_record(step.rec.rank, r, values.get(f"{r.role}:{r.name}" if keyed else r.name),
+                           "not produced during the replay") for r in step.records if r.role in roles]
 
 
 def _snapshot(output: Any) -> dict[str, torch.Tensor]:
     """The output's tensors by record name, copied (later in-place changes must not show)."""
-    found: dict[str, torch.Tensor] = {}
-
-    def name(t: torch.Tensor, path: str) -> str:
-        full = f"output.{path}" if path else "output"
-        found[full] = t.detach().clone()
-        return full
-
-    jsonval.encode(output, tensor_name=name)
-    return found
+    return tensors_by_name(output, "output", copy=True)

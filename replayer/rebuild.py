@@ -19,6 +19,7 @@ from recorder import jsonval, snapshot
 from recorder.errors import ReplayError
 
 from .code import CodeLoader
+from .recording import join_path
 
 
 @dataclass
@@ -30,25 +31,22 @@ class Rebuilt:
     warnings: list[str] = field(default_factory=list)
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _unresolved(value: Any) -> str | None:
-    """What in a decoded value could not be brought back (an opaque value, a type not found)."""
+def unresolved(value: Any) -> str | None:
+    """What in a decoded value could not be brought back (an opaque value, a type not importable
+    now, a tensor whose data was not kept), or None."""
     if isinstance(value, jsonval.Opaque):
-        return f"{value.type} (not recordable)"
+        return f"a {value.type} ({value.repr}), which could not be recorded as data"
     if isinstance(value, jsonval.Record):
-        return f"{value.type} (not importable)"
+        return f"a {value.type}, which cannot be imported now"
     if isinstance(value, (jsonval.TensorMeta, jsonval.TensorRef)):
-        return "a tensor"
+        return "a tensor whose data was not kept"
     items: Any = ()
     if isinstance(value, dict):
         items = value.values()
     elif isinstance(value, (list, tuple, set, frozenset)):
         items = value
     for item in items:
-        found = _unresolved(item)
+        found = unresolved(item)
         if found:
             return found
     return None
@@ -99,7 +97,7 @@ class Builder:
         module.training = bool(doc.get("training", True))
         for key, value in (doc.get("attrs") or {}).items():
             decoded = jsonval.decode(value, resolve=self._resolve_type)
-            missing = _unresolved(decoded)
+            missing = unresolved(decoded)
             if missing:
                 out.warnings.append(f"{where}: attribute {key} holds {missing}; left as recorded data")
             module.__dict__[key] = decoded
@@ -110,7 +108,7 @@ class Builder:
             if spec is not None and not spec.get("persistent", True):
                 module._non_persistent_buffers_set.add(name)
         for name, child in (doc.get("children") or {}).items():
-            module._modules[name] = None if child is None else self._node(child, _join(path, name), out)
+            module._modules[name] = None if child is None else self._node(child, join_path(path, name), out)
         out.how[path] = "skeleton"
         return module
 
@@ -126,7 +124,7 @@ class Builder:
         except ReplayError as exc:
             out.warnings.append(f"{where}: constructor arguments unusable ({exc})")
             return None
-        missing = _unresolved([args, kwargs])
+        missing = unresolved([args, kwargs])
         if missing:
             out.warnings.append(f"{where}: its constructor was called with {missing}; cannot call it again")
             return None
@@ -138,7 +136,7 @@ class Builder:
                                 f"({type(exc).__name__}: {exc})")
             return None
         for name, _ in module.named_modules():
-            out.how[_join(path, name)] = "constructor"
+            out.how[join_path(path, name)] = "constructor"
         return module
 
     def _resolve_type(self, ref: str) -> Any:

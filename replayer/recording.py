@@ -34,6 +34,11 @@ BUNDLE_KEY = "bundle.json"  # a failure bundle's own description, at the store's
 _INT_COLUMNS = ("phase", "iteration", "call", "parent", "forward", "status", "tensor_start", "tensor_count")
 
 
+def join_path(prefix: str, name: str) -> str:
+    """A module path below another ("" is the outermost module)."""
+    return f"{prefix}.{name}" if prefix and name else (prefix or name)
+
+
 def open(path: str | os.PathLike[str] | Any, rank: int = 0) -> Recording:  # noqa: A001 (the API's name)
     """Open a recording (a directory, a zip/bundle file, or a zarr store) for inspection and replay.
 

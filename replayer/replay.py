@@ -29,10 +29,10 @@ from recorder.store.reader import TensorRecord
 
 from . import intervene, state
 from .code import CodeLoader
-from .compare import Diff, compare, stats_dict
+from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, descendants
-from .rebuild import Builder, load_state
-from .recording import Recording, Step
+from .rebuild import Builder, load_state, unresolved
+from .recording import Recording, Step, join_path
 
 
 @dataclass
@@ -164,7 +164,7 @@ class Replayer:
                 targets = [""]
             else:
                 for rel in paths:
-                    full = _join(step.module_path, rel)
+                    full = join_path(step.module_path, rel)
                     if rel and sw.key in (rel, full):
                         targets.append(rel)
                 targets += [s.module_path[len(step.module_path):].lstrip(".") for s in inner
@@ -199,7 +199,7 @@ class Replayer:
             return None
         args = jsonval.decode(init.get("args", []), resolve=self.loader.resolve)
         kwargs = jsonval.decode(init.get("kwargs", {}), resolve=self.loader.resolve)
-        return None if _find_unresolved([args, kwargs]) else (args, kwargs)
+        return None if unresolved([args, kwargs]) else (args, kwargs)
 
     def _edit_inner_state(self, step: Step, module: torch.nn.Module) -> None:
         """Edits of an inner module step's parameters or buffers (``attn/qkv.weight``): applied to
@@ -228,16 +228,10 @@ class Replayer:
                                                       f"it has {', '.join(names) or 'none'}")
                 c.used += 1
 
-    def _edit_grad(self, name: str, value: torch.Tensor) -> torch.Tensor:
+    def _edit(self, name: str, value: torch.Tensor, *aliases: str) -> torch.Tensor:
+        """Apply the plan's edits of the replayed step's own tensor ``name`` (or one of its aliases)."""
         for c in self.plan.edits_for(None):
-            if c.tensor in (name, f"grad_output:{name}"):
-                c.used += 1
-                value = c.run(value)
-        return value
-
-    def _edit(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        for c in self.plan.edits_for(None):
-            if c.tensor == name:
+            if c.tensor == name or c.tensor in aliases:
                 c.used += 1
                 value = c.run(value)
         return value
@@ -266,7 +260,7 @@ class Replayer:
 
         arguments = step.arguments or {"args": [], "kwargs": {}}
         decoded = jsonval.decode(arguments, tensor=tensor, resolve=self.loader.resolve)
-        missing = _find_unresolved(decoded)
+        missing = unresolved(decoded)
         if missing:
             raise ReplayError(f"step {step.index} ({step.name}) was called with {missing}, which the recording "
                               "could not keep as data; it cannot be replayed")
@@ -276,7 +270,7 @@ class Replayer:
             built = Builder(self.loader).build(module_doc, step.module_path or step.name)
             module = built.module
             warnings.extend(built.warnings)
-            rebuilt.update({_join(step.module_path, k): v for k, v in built.how.items()})
+            rebuilt.update({join_path(step.module_path, k): v for k, v in built.how.items()})
             params = {r.name: self._edit(r.name, _materialize(step, r)) for r in records if r.role == "param"}
             buffers = {r.name: self._edit(r.name, _materialize(step, r)) for r in records if r.role == "buffer"}
             devices = {t.device for t in (*params.values(), *buffers.values())}
@@ -364,7 +358,7 @@ class Replayer:
         recorded_exc = step.extra.get("exception")
         if raised is not None or recorded_exc:
             return _exception_result(result, raised, recorded_exc)
-        values = _flatten(out, "output")
+        values = tensors_by_name(out, "output")
         result.values = values
         result.outputs = _compare_all(step, [r for r in step.records if r.role == "output"], values)
         doc_now = jsonval.encode(out, tensor_name=lambda t, p: f"output.{p}" if p else "output")
@@ -411,8 +405,9 @@ class Replayer:
                 capture.ACTIVE = saved
                 if tap is not None:
                     tap.close()
-        outs = _flatten(out, "output")
-        pairs = [(outs[n], self._edit_grad(n, _materialize(step, r))) for n, r in grad_outputs.items() if n in outs]
+        outs = tensors_by_name(out, "output")
+        pairs = [(outs[n], self._edit(n, _materialize(step, r), f"grad_output:{n}"))
+                 for n, r in grad_outputs.items() if n in outs]
         lost = sorted(set(grad_outputs) - set(outs))
         if lost:
             warnings.append(f"outputs {', '.join(lost)} had grad outputs recorded but the replay did not produce them")
@@ -461,25 +456,6 @@ class _Call:
         return self.fn(*self.args, **self.kwargs)
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else (prefix or name)
-
-
-def _find_unresolved(value: Any) -> str | None:
-    if isinstance(value, jsonval.Opaque):
-        return f"a {value.type} ({value.repr})"
-    if isinstance(value, jsonval.Record):
-        return f"a {value.type} that cannot be imported now"
-    if isinstance(value, jsonval.TensorMeta):
-        return "a tensor whose data was not kept"
-    items: Any = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-    for item in items:
-        found = _find_unresolved(item)
-        if found:
-            return found
-    return None
-
-
 def _materialize(step: Step, rec: TensorRecord) -> torch.Tensor:
     """A recorded tensor as it was: its strides and device (CPU stand-in where the device is missing)."""
     value = step.rec.rank.tensor(rec)
@@ -510,34 +486,8 @@ def _with_strides(value: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     return out
 
 
-def _flatten(value: Any, prefix: str) -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-
-    def name(t: torch.Tensor, path: str) -> str:
-        full = f"{prefix}.{path}" if path else prefix
-        found[full] = t
-        return full
-
-    jsonval.encode(value, tensor_name=name)
-    return found
-
-
 def _compare_one(step: Step, rec: TensorRecord, value: Any) -> Diff:
-    if value is None:
-        return Diff(rec.name, rec.role, False, reason="recorded a gradient, the replay produced none",
-                    recorded=stats_dict(rec.stats))
-    if not rec.has_payload:
-        now = stats_dict(_host_stats(value))
-        same = now == stats_dict(rec.stats)
-        return Diff(rec.name, rec.role, same, reason="compared by statistics only (no payload recorded)",
-                    recorded=stats_dict(rec.stats), replayed=now)
-    return compare(rec.name, rec.role, step.rec.rank.tensor(rec), value, rec.stats)
-
-
-def _host_stats(value: torch.Tensor) -> tuple[float, ...]:
-    from recorder import stats as stats_mod
-
-    return stats_mod.host_stats(value.detach().cpu())
+    return compare_record(step.rec.rank, rec, value, "recorded a gradient, the replay produced none")
 
 
 def _compare_all(step: Step, records: list[TensorRecord], values: dict[str, torch.Tensor]) -> list[Diff]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -136,9 +137,9 @@ def environment_differences(run_info: dict[str, Any], settings: dict[str, Any] |
     out = []
     now_settings = snapshot.settings()
     pairs = [("torch version", run_info.get("torch"), torch.__version__),
-             ("numpy version", run_info.get("numpy"), __import__("numpy").__version__),
-             ("python version", run_info.get("python"), __import__("platform").python_version()),
-             ("machine", run_info.get("machine"), __import__("platform").machine()),
+             ("numpy version", run_info.get("numpy"), np.__version__),
+             ("python version", run_info.get("python"), platform.python_version()),
+             ("machine", run_info.get("machine"), platform.machine()),
              ("CPU capability", run_info.get("cpu_capability"), now_settings.get("cpu_capability"))]
     for what, then, now in pairs:
         if then is not None and then != now:
