@@ -42,6 +42,7 @@ class Pipeline:
         self._waiting: dict[Any, list[tuple[int, int]]] = {}  # payload ref -> [(tensor row, iteration)]
         self.pool = StagingPool()
         self._rng_docs: dict[tuple[str, Any], int] = {}
+        self._rng_sets: dict[tuple[tuple[str, int], ...], int] = {}  # {part: doc id} documents by content
         self.peak_queue_bytes = 0
         self.ready = threading.Event()  # set once the store's layout is on disk (or creating it failed)
         self._thread = threading.Thread(target=self._run, name="pdbg-writer", daemon=True)
@@ -175,10 +176,18 @@ class Pipeline:
             cache_key = (name, key)
             doc_id = self._rng_docs.get(cache_key)
             if doc_id is None:
+                if len(self._rng_docs) >= 65536:  # states that keep changing (dropout): a bounded cache
+                    self._rng_docs.clear()
                 doc_id = self.writer.doc({"rng": name, **snapshot.encode_rng_part(name, state)})
                 self._rng_docs[cache_key] = doc_id
             ids[name] = doc_id
-        return self.writer.doc(ids)
+        key = tuple(ids.items())
+        found = self._rng_sets.get(key)
+        if found is None:
+            if len(self._rng_sets) >= 4096:  # only a cache: the writer deduplicates documents too
+                self._rng_sets.clear()
+            found = self._rng_sets[key] = self.writer.doc(ids)
+        return found
 
     def _store_step(self, item: StepItem) -> None:
         w = self.writer

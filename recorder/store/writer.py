@@ -27,6 +27,9 @@ from . import backend, codecs, layout
 from .layout import Column
 
 
+_DOC_CACHE = 1 << 18  # documents remembered for deduplication (~40 MB of index at most)
+
+
 def dumps(doc: Any) -> bytes:
     """Canonical JSON bytes of a document (sorted keys, no NaN tokens)."""
     return json.dumps(doc, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
@@ -202,6 +205,8 @@ class StoreWriter:
         offset = self.arrays["docs/bytes"].extend(np.frombuffer(data, dtype=np.uint8))
         self.arrays["docs/offset"].append(offset)
         doc_id = self.arrays["docs/length"].append(len(data))
+        if len(self._doc_ids) >= _DOC_CACHE:  # RNG states make a new document at most steps: bound the
+            self._doc_ids.clear()            # index (a document seen again after this is stored twice)
         self._doc_ids[key] = doc_id
         return doc_id
 
@@ -279,7 +284,13 @@ class StoreWriter:
 
     def flush(self) -> None:
         """Make everything appended so far durable: chunks first, then the manifest."""
-        self._parallel(AppendArray.flush, [a for a in self.arrays.values() if a.dirty])
+        dirty = [a for a in self.arrays.values() if a.dirty]
+        # Payload chunks are large and synced: in parallel. The tails of index and document columns
+        # are small and cost less written here than handed to other threads.
+        self._parallel(AppendArray.flush, [a for a in dirty if a.col.kind == "blob"])
+        for arr in dirty:
+            if arr.col.kind != "blob":
+                arr.flush()
         self.write_manifest()
 
     def close(self, status: str, info: dict[str, Any] | None = None) -> None:
