@@ -63,7 +63,7 @@ from docs_section import write_section
 import replayer
 from recorder.store import reader as reader_mod
 from tui import views
-from tui.app import PdbgApp
+from tui.app import PdbgApp, StepPane
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## TUI on a million steps"
@@ -209,7 +209,7 @@ def expected_title(rec: replayer.Recording, index: int) -> str:
 
 
 def pane_title(app: PdbgApp) -> str:
-    return str(app.query_one("#step-title").render())
+    return app.query_one(StepPane).title.plain
 
 
 def check_shown(app: PdbgApp, rec: replayer.Recording, index: int) -> list[str]:

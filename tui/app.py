@@ -14,25 +14,26 @@ from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.segment import Segment
 from rich.style import Style
 from rich.syntax import Syntax
+from rich.table import Table
 from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.command import Hit, Hits, Provider
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.geometry import Size
-from textual.message import Message
+from textual.geometry import Region, Size
 from textual.reactive import reactive
 from textual.screen import ModalScreen
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
-from textual.widgets import DataTable, Footer, Header, Input, Static
+from textual.widgets import Footer, Header, Input, Static
 
 from recorder.errors import PdbgError
 from replayer.recording import Recording
@@ -46,10 +47,6 @@ def _style(spec: str) -> Style:
     if spec not in _STYLES:
         _STYLES[spec] = Style.parse(spec) if spec else Style()
     return _STYLES[spec]
-
-
-class Moved(Message):
-    """The timeline cursor moved."""
 
 
 class Timeline(ScrollView, can_focus=True):
@@ -67,9 +64,10 @@ class Timeline(ScrollView, can_focus=True):
         Binding("right", "app.step(1)", show=False), Binding("left", "app.step(-1)", show=False),
     ]
 
-    def __init__(self, model: views.TimelineModel, **kwargs: Any) -> None:
+    def __init__(self, model: views.TimelineModel, on_move: Callable[[], None] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.model = model
+        self.on_move = on_move  # called as the cursor moves, so the step pane is redrawn in the same frame
         self.virtual_size = Size(1, len(model.rows))
 
     def refresh_rows(self) -> None:
@@ -96,7 +94,8 @@ class Timeline(ScrollView, can_focus=True):
         elif new >= top + height:
             self.scroll_to(y=new - height + 1, animate=False)
         self.refresh()
-        self.post_message(Moved())
+        if self.on_move is not None:
+            self.on_move()
 
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
@@ -114,63 +113,171 @@ class Timeline(ScrollView, can_focus=True):
         return strip.extend_cell_length(width, base)
 
 
-class StepPane(VerticalScroll):
-    DEFAULT_CSS = """
-    StepPane { width: 2fr; border: round $primary-darken-2; padding: 0 1; }
-    StepPane > .title { text-style: bold; }
-    StepPane DataTable { height: auto; max-height: 12; }
+class StepPane(ScrollView, can_focus=True):
+    """The step at the cursor: paper reference, notes, its tensors, arguments and code.
+
+    Drawn with the Line API from lines made once per step (at the pane's width), so a cursor move
+    redraws this pane and nothing else: no widgets are replaced, no layout changes size. With the
+    focus here, up/down choose a tensor and enter (or a click on its row) opens the inspector.
     """
 
-    _syntax: dict[tuple[str, int | None], Text]
+    DEFAULT_CSS = """
+    StepPane { width: 2fr; border: round $primary-darken-2; padding: 0 1; overflow-x: hidden; overflow-y: scroll; }
+    StepPane:focus { border: round $accent; }
+    """
+    BINDINGS = [
+        Binding("down,j", "tensor(1)", show=False), Binding("up,k", "tensor(-1)", show=False),
+        Binding("enter", "app.inspect", show=False),
+    ]
+    selected: reactive[int] = reactive(0, init=False)  # the chosen tensor: a position in view.tensors
 
-    def on_mount(self) -> None:
-        self._syntax = {}
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.view: views.StepView | None = None
+        self.drift: str | None = None
+        self.message: Text | None = None  # shown instead of a step ("no steps committed yet")
+        self.title = Text()
+        self._syntax: dict[tuple[str, int | None], Text] = {}
+        self._lines: list[Strip] = []
+        self._width = -1  # the width the lines were made for
+        self._table_at = -1  # the line of the first tensor row
 
-    def compose(self) -> ComposeResult:
-        yield Static(id="step-title", classes="title")
-        yield Static(id="step-description")
-        yield Static(id="step-notes")
-        table = DataTable(id="tensors", zebra_stripes=True, cursor_type="row")
-        table.add_columns("role", "name", "shape", "dtype", "min", "max", "mean", "std", "NaN", "Inf")
-        yield table
-        yield Static(id="step-args")
-        yield Static(id="step-code")
-
+    # -- contents --------------------------------------------------------------------------------
     def show(self, view: views.StepView, drift: str | None) -> None:
-        self.view, self.drift = view, drift
-        colour = views.STATUS_STYLE[view.status]
-        self.query_one("#step-title", Static).update(Text.assemble((view.title, "bold"), "  ",
-                                                                   (view.status, colour)))
-        self.query_one("#step-description", Static).update(Text(view.description or "", style="italic"))
-        notes = [Text(n, style="yellow") for n in view.notes]
-        self.query_one("#step-notes", Static).update(Text("\n").join(notes) if notes else "")
-        table = self.query_one("#tensors", DataTable)
-        table.clear()
-        for t in view.tensors:
-            s = t.stats
+        self.view, self.drift, self.message = view, drift, None
+        self.title = Text.assemble((view.title, "bold"), "  ", (view.status, views.STATUS_STYLE[view.status]))
+        self.set_reactive(StepPane.selected, 0)
+        self._changed()
 
-            def cell(key: str, bad: bool = False, s: dict[str, float] = s) -> Text:
-                value = s.get(key)
-                text = str(int(value)) if key in ("nan", "inf") else views.fmt_number(value)
-                return Text(text, style="bold red" if bad else "")
+    def show_message(self, message: Text | str) -> None:
+        self.view, self.drift = None, None
+        self.message = self.title = message if isinstance(message, Text) else Text(message)
+        self._changed()
 
-            table.add_row(t.role, t.name, t.shape, t.dtype, cell("min"), cell("max"), cell("mean"), cell("std"),
-                          cell("nan", s.get("nan", 0) > 0), cell("inf", s.get("inf", 0) > 0), key=f"{t.role}:{t.name}")
-        self.query_one("#step-args", Static).update(Text.assemble(("arguments ", "dim"), view.arguments))
-        code = self.query_one("#step-code", Static)
+    def _changed(self) -> None:
+        self._width = -1
+        self.scroll_to(y=0, animate=False)
+        self._build()
+        self.refresh()
+
+    def plain(self) -> str:
+        """The pane's text as drawn (at its present width), line by line."""
+        self._build()
+        return "\n".join(strip.text.rstrip() for strip in self._lines)
+
+    def tensor(self) -> views.TensorRow | None:
+        """The chosen tensor, if the step has any."""
+        if self.view is None or not self.view.tensors:
+            return None
+        return self.view.tensors[min(self.selected, len(self.view.tensors) - 1)]
+
+    def action_tensor(self, delta: int) -> None:
+        if self.view and self.view.tensors:
+            self.selected = max(0, min(len(self.view.tensors) - 1, self.selected + delta))
+
+    def watch_selected(self) -> None:
+        if self._table_at >= 0:
+            row = self._table_at + 1 + self.selected
+            self.scroll_to_region(Region(0, row, 1, 1), animate=False, immediate=True)
+        self.refresh()
+
+    def on_click(self, event: Any) -> None:
+        offset = event.get_content_offset(self)
+        if offset is None or self.view is None or self._table_at < 0:
+            return
+        row = offset.y + self.scroll_offset.y - self._table_at - 1
+        if 0 <= row < len(self.view.tensors):
+            self.selected = row
+            self.app.action_inspect()
+
+    # -- lines -----------------------------------------------------------------------------------
+    def _build(self) -> None:
+        width = self.scrollable_content_region.width
+        if width <= 0 or width == self._width:
+            return
+        self._width = width
+        console = self.app.console
+        options = console.options.update_width(width)
+        parts, self._table_at = self._parts(), -1
+        lines: list[list[Segment]] = []
+        for part in parts:
+            if isinstance(part, Table):
+                self._table_at = len(lines)
+            lines += console.render_lines(part, options, pad=False)
+        self._lines = [Strip(line) for line in lines]
+        size = Size(width, len(self._lines))
+        if size != self.virtual_size:
+            self.virtual_size = size
+
+    def _parts(self) -> list[Any]:
+        if self.view is None:
+            return [self.message or Text()]
+        view = self.view
+        parts: list[Any] = [self.title]
+        if view.description:
+            parts.append(Text(view.description, style="italic"))
+        parts += [Text(n, style="yellow") for n in view.notes]
+        parts.append(Text())
+        if view.tensors:
+            parts.append(tensor_table(view))
+        else:
+            parts.append(Text("no tensors recorded for this step", style="dim"))
+        parts.append(Text.assemble(("arguments ", "dim"), view.arguments))
         if view.source:
             where = f"{view.source_file}:{view.source_line}"
-            header = Text.assemble((where, "dim"), ("  " + drift, "bold yellow") if drift else "",
-                                   no_wrap=True, overflow="ellipsis")
+            parts.append(Text.assemble((where, "dim"), ("  " + self.drift, "bold yellow") if self.drift else "",
+                                       no_wrap=True, overflow="ellipsis"))
             key = (view.source, view.source_line)
             syntax = self._syntax.get(key)
             if syntax is None:  # highlighting is the costly part of a step change: once per code
                 syntax = self._syntax[key] = highlighted(view.source, view.source_line or 1)
-            from rich.console import Group
-
-            code.update(Group(header, syntax))
+            parts.append(syntax)
         else:
-            code.update(Text("no source recorded for this step", style="dim"))
+            parts.append(Text("no source recorded for this step", style="dim"))
+        return parts
+
+    def render_line(self, y: int) -> Strip:
+        self._build()  # the width changed (a resize): make the lines again
+        width = self.scrollable_content_region.width
+        position = self.scroll_offset.y + y
+        if position >= len(self._lines):
+            return Strip.blank(width)
+        strip = self._lines[position]
+        if self.view is not None and self._table_at >= 0 and position == self._table_at + 1 + self.selected:
+            strip = strip.apply_style(_style("on #264f78" if self.has_focus else "on #1f3550"))
+        return strip.crop(0, width).extend_cell_length(width)
+
+    def on_resize(self) -> None:
+        self._build()
+
+    def on_focus(self) -> None:
+        self.refresh()
+
+    def on_blur(self) -> None:
+        self.refresh()
+
+
+def tensor_table(view: views.StepView) -> Table:
+    """A step's tensors, one line each, non-finite counts in red."""
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", expand=False,
+                  row_styles=["", "on #1c1c28"], padding=(0, 1))
+    for name in ("role", "name", "shape", "dtype", "min", "max", "mean", "std", "NaN", "Inf"):
+        right = name in ("min", "max", "mean", "std", "NaN", "Inf")
+        table.add_column(name, justify="right" if right else "left", no_wrap=True, overflow="ellipsis",
+                         max_width=28 if name == "name" else None)
+    for t in view.tensors:
+        s = t.stats
+
+        def cell(key: str, s: dict[str, float] = s) -> Text:
+            value = s.get(key)
+            if key in ("nan", "inf"):
+                count = int(value or 0)
+                return Text(str(count), style="bold red" if count else "")
+            return Text(views.fmt_number(value))
+
+        table.add_row(t.role, t.name, t.shape, t.dtype, cell("min"), cell("max"), cell("mean"), cell("std"),
+                      cell("nan"), cell("inf"))
+    return table
 
 
 def highlighted(source: str, first_line: int) -> Text:
@@ -396,7 +503,8 @@ class PdbgApp(App[None]):
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         with Horizontal(id="main"):
-            yield Timeline(self.model, id="timeline")
+            # Looked up at each move rather than bound now, so a wrapper set on the app is seen too.
+            yield Timeline(self.model, on_move=lambda: self.show_step(), id="timeline")  # noqa: PLW0108
             yield StepPane(id="step")
         yield Static("", id="panel")
         yield Footer()
@@ -432,21 +540,20 @@ class PdbgApp(App[None]):
         index = self.timeline.step_index
         return None if index is None else self.rec.step(index)
 
-    def on_moved(self, _: Moved) -> None:
-        self.show_step()
-
     def show_step(self) -> None:
         pane = self.query_one(StepPane)
         try:
             step = self.step
             if step is None:
-                pane.query_one("#step-title", Static).update("no steps committed yet (R refreshes)")
+                pane.show_message("no steps committed yet (R refreshes)")
+                pane.border_title = None
                 return
             pane.show(views.step_view(step), self._drift(step))
         except PdbgError as exc:  # a damaged part of the recording: say so, keep the app usable
-            pane.query_one("#step-title", Static).update(Text(f"cannot show this step: {exc}", style="red"))
+            pane.show_message(Text(f"cannot show this step: {exc}", style="red"))
             return
-        self.sub_title = f"{self._summary()} · step {step.index} · iteration {step.iteration}"
+        # The pane's border, not the header: a header title that changes would lay the screen out again.
+        pane.border_title = f"step {step.index} · iteration {step.iteration}"
 
     def _drift(self, step: Any) -> str | None:
         """Whether the code of the step changed since recording (read from the files, never run;
@@ -572,17 +679,11 @@ class PdbgApp(App[None]):
         step = self.step
         if step is None:
             return
-        table = self.query_one("#tensors", DataTable)
-        if not table.row_count:
+        tensor = self.query_one(StepPane).tensor()
+        if tensor is None:
             self.set_panel("this step has no tensors")
             return
-        key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value or ""
-        role, _, name = key.partition(":")
-        self.push_screen(Inspector(step, name, role))
-
-    @on(DataTable.RowSelected, "#tensors")
-    def tensor_chosen(self, _: DataTable.RowSelected) -> None:
-        self.action_inspect()
+        self.push_screen(Inspector(step, tensor.name, tensor.role))
 
     def action_alerts(self) -> None:
         rows = views.alerts(self.rec)

@@ -29,8 +29,8 @@ def mixed_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return mixed_run(tmp_path_factory.mktemp("tui") / "mixed.zarr")
 
 
-def text_of(app: PdbgApp, selector: str) -> str:
-    return str(app.query_one(selector, Static).render())
+def pane(app: PdbgApp) -> StepPane:
+    return app.query_one(StepPane)
 
 
 def panel(app: PdbgApp) -> str:
@@ -58,7 +58,7 @@ async def answer(pilot, text: str) -> None:  # type: ignore[no-untyped-def]
 
 def test_moving_through_steps_and_iterations(nan_path: Path) -> None:
     async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
-        assert app.timeline.step_index == 0 and "Model" in text_of(app, "#step-title")
+        assert app.timeline.step_index == 0 and "Model" in pane(app).title.plain
         for key, expected in (("right", 1), ("l", 2), ("left", 1), ("h", 0), ("right_square_bracket", 10),
                               ("left_square_bracket", 0), ("end", 19), ("home", 0)):
             await pilot.press(key)
@@ -76,7 +76,7 @@ def test_moving_through_steps_and_iterations(nan_path: Path) -> None:
         await pilot.press("pagedown")
         await pilot.pause()
         assert app.timeline.step_index == 19  # a page past the end stops at the last step
-        assert "iteration 1" in app.sub_title
+        assert pane(app).border_title == "step 19 · iteration 1"
 
     run(body, nan_path)
 
@@ -87,13 +87,14 @@ def test_g_goes_to_the_origin_and_the_step_pane_follows(nan_path: Path) -> None:
         await pilot.pause()
         origin = replayer.first_nonfinite(app.rec).step
         assert app.timeline.step_index == origin.index == 12
-        title = text_of(app, "#step-title")
-        assert title.startswith("Eq. 2 · smooth_relu · first · forward · iteration 1") and "nonfinite" in title
-        assert "SmoothReLU" in text_of(app, "#step-description")
+        lines = pane(app).plain().splitlines()  # what the step pane shows
+        assert lines[0].startswith("Eq. 2 · smooth_relu · first · forward · iteration 1") and "nonfinite" in lines[0]
+        assert "SmoothReLU" in lines[1]
         assert "produced output (5 Inf of 12) from finite inputs" in panel(app)
-        pane = app.query_one(StepPane)
-        assert "torch.exp(x + beta)" in pane.view.source and pane.drift is None
-        assert [t.name for t in pane.view.tensors] == ["args.0", "output"] and pane.view.tensors[1].nonfinite
+        step = pane(app)
+        assert "torch.exp(x + beta)" in step.view.source and step.drift is None
+        assert [t.name for t in step.view.tensors] == ["args.0", "output"] and step.view.tensors[1].nonfinite
+        assert any(line.split()[:2] == ["output", "output"] and line.split()[-1] == "5" for line in lines)
 
     run(body, nan_path)
 
@@ -174,6 +175,38 @@ def test_inspector_alerts_paper_and_help(nan_path: Path, mixed_path: Path) -> No
         assert app.step.status in ("alert", "exception")
 
     run(alerts, mixed_path)
+
+
+def test_choosing_a_tensor_in_the_step_pane(nan_path: Path) -> None:
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("g")
+        await pilot.press("tab")  # the focus moves to the step pane: up/down choose a tensor there
+        await pilot.pause()
+        assert app.focused is pane(app)
+        await pilot.press("down")
+        await pilot.pause()
+        assert app.timeline.step_index == 12 and pane(app).tensor().name == "output"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, Inspector)
+        assert "output output · 3×4 float32 · step 12" in str(app.screen.query_one("#page", Static).render())
+        await pilot.press("escape")
+        await pilot.press("up")
+        await pilot.pause()
+        assert pane(app).tensor().name == "args.0"
+        # A click on a tensor's row opens it too: the row below the table's header.
+        row = pane(app).plain().splitlines().index(next(
+            line for line in pane(app).plain().splitlines() if line.startswith("output")))
+        await pilot.click(StepPane, offset=(3, 1 + row))  # 1: the pane's top border
+        await pilot.pause()
+        assert isinstance(app.screen, Inspector) and pane(app).tensor().name == "output"
+        await pilot.press("escape")
+        await pilot.press("shift+tab")
+        await pilot.press("right")  # the timeline has the focus again: the cursor moves
+        await pilot.pause()
+        assert app.timeline.step_index == 13
+
+    run(body, nan_path)
 
 
 def test_actions_replay_bisect_edit_swap(nan_path: Path) -> None:
