@@ -206,8 +206,14 @@ class StepPane(ScrollView, can_focus=True):
             lines += console.render_lines(part, options, pad=False)
         self._lines = [Strip(line) for line in lines]
         size = Size(width, len(self._lines))
-        if size != self.virtual_size:
-            self.virtual_size = size
+        if size == self.virtual_size:
+            return
+        update = getattr(self, "_scroll_update", None)  # Textual's scroll bar update, where it has one
+        if update is None:
+            self.virtual_size = size  # lays the screen out again
+        else:  # only this pane's scroll range changed: no layout of the screen, no second frame
+            self.set_reactive(StepPane.virtual_size, size)
+            update(size)
 
     def _parts(self) -> list[Any]:
         if self.view is None:
