@@ -22,6 +22,10 @@ class FormatError(PdbgError, ValueError):
     """The recording exists but its contents are damaged or inconsistent."""
 
 
+class ChecksumError(FormatError):
+    """Bytes read from the recording are not the bytes recorded: their checksum does not match."""
+
+
 class SchemaVersionError(FormatError):
     """The recording was written by a newer, incompatible PaperDebugger."""
 

@@ -1,10 +1,20 @@
-"""Reader of the store layout: opens lazily, checks the format first, slices to committed lengths."""
+"""Reader of the store layout: opens lazily, checks the format first, slices to committed lengths.
+
+A recording may be damaged (a failing disk, an incomplete copy, a hand edit) or hostile (a bundle
+from someone else), so what is read is checked before it is used: metadata against the layout,
+chunk files against the rows the manifest commits (zarr would read a missing chunk as zeros), index
+values against the tables they point into, and payload bytes against their recorded checksum. A
+failed check is a FormatError naming the file or array; docs/RELIABILITY.md lists what the format
+cannot detect.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -14,13 +24,58 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
+from zarr.abc.store import RangeByteRequest, Store
+from zarr.codecs import BloscCodec, BytesCodec, Endian
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.metadata import ArrayV3Metadata
+from zarr.core.sync import sync
 
 from .. import payload as payload_mod
-from ..errors import FormatError, NotARecordingError, SchemaVersionError
+from ..errors import ChecksumError, FormatError, NotARecordingError, SchemaVersionError
 from . import backend, layout
 
 # A writer that has not updated its manifest for this long, on another machine, is taken as dead.
 STALE_AFTER_S = 300.0
+
+_TABLES = ("steps", "tensors", "payloads", "docs")  # lengths every manifest gives (and "late", since 1.1)
+_COLUMNS = {col.path: col for col in layout.columns()}
+_LOGS = frozenset(c.path for c in _COLUMNS.values() if c.kind != "index" or c.path.startswith("dims/"))  # own lengths
+_MAX_CHUNK_BYTES = 256 << 20  # far above what the writer makes (4 MiB); a larger chunk is an edit, not data
+_BLOSC_HEADER = 16  # version, versionlz, flags, typesize, then uint32 LE: nbytes, blocksize, cbytes
+
+# Columns whose values point into a table or name a choice: (lowest value, exclusive bound: a number,
+# the name of the table whose committed length it is, or None for none). A value outside would index
+# the wrong row (negative indices wrap in numpy) or fail deep inside a caller.
+_DOC_REFS = [f"steps/{c}" for c in ("name", "definition", "module_path", "module", "rng", "settings", "args",
+                                    "output", "extra")] + [f"tensors/{c}" for c in ("name", "dtype", "device")]
+_BOUNDS: dict[str, tuple[int, int | str | None]] = {
+    "steps/phase": (0, len(layout.PHASES)), "steps/status": (0, len(layout.STATUSES)),
+    "steps/parent": (layout.NO_REF, "steps"), "steps/forward": (layout.NO_REF, "steps"),
+    "tensors/step": (0, None),  # may be past the committed steps: a step's records are written before its row
+    "tensors/role": (0, len(layout.ROLES)), "tensors/ndim": (0, None), "tensors/dims_start": (0, None),
+    "tensors/payload": (layout.NO_REF, "payloads"), "payloads/blob": (0, len(layout.BLOB_UNITS)),
+    "late/tensor": (0, "tensors"), "late/payload": (0, "payloads"),
+    **{path: (layout.NO_REF, "docs") for path in _DOC_REFS},
+}
+
+
+def _why(exc: BaseException) -> str:
+    """An exception as a short phrase for a one-line message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+
+
+def _head(store: Store, key: str) -> tuple[bytes, int] | None:
+    """The first bytes of a stored file and its size, or None when there is no such file."""
+    root = backend.local_root(store)
+    if root is not None:
+        try:
+            with open(root / key, "rb") as fh:
+                return fh.read(_BLOSC_HEADER), os.fstat(fh.fileno()).st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+    head = sync(store.get(key, prototype=default_buffer_prototype(), byte_range=RangeByteRequest(0, _BLOSC_HEADER)))
+    return None if head is None else (head.to_bytes(), sync(store.getsize(key)))
 
 
 @dataclass(frozen=True)
@@ -66,27 +121,39 @@ class RunReader:
             raise NotARecordingError(f"{self.label} is not a PaperDebugger recording ({exc})") from None
         self.attrs = self._read_attrs()
         self.manifest = self._read_manifest()
-        self.group = zarr.open_group(self.store, mode="r")
+        try:
+            self.group = zarr.open_group(self.store, mode="r")
+        except (KeyError, ValueError, TypeError, OSError) as exc:  # zarr's metadata errors are ValueErrors
+            raise FormatError(f"{self.label}: zarr.json is damaged ({_why(exc)}); this recording cannot be "
+                              "read") from None
         self._ranks: dict[int, RankReader] = {}
 
     # -- checks, in the order a user's mistake is most likely ----------------------------------
     def _read_json(self, key: str) -> Any:
-        raw = backend.get(self.store, key)
+        try:
+            raw = backend.get(self.store, key)
+        except OSError as exc:  # a directory in its place, no permission
+            raise FormatError(f"{self.label}: {key} cannot be read ({_why(exc)})") from None
         if raw is None:
             return None
         try:
             return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise FormatError(f"{self.label}: {key} is truncated or corrupt ({exc.__class__.__name__}); "
                               "this recording cannot be read") from None
 
     def _read_attrs(self) -> dict[str, Any]:
         meta = self._read_json("zarr.json")
-        ours = meta.get("attributes", {}).get(layout.ATTRS_KEY) if isinstance(meta, dict) else None
+        attributes = meta.get("attributes") if isinstance(meta, dict) else None
+        ours = attributes.get(layout.ATTRS_KEY) if isinstance(attributes, dict) else None
         if not isinstance(ours, dict) or ours.get("format") != layout.FORMAT_NAME:
             raise NotARecordingError(f"{self.label} is not a PaperDebugger recording (no '{layout.ATTRS_KEY}' "
                                      "metadata in its zarr.json); give the path of a recording")
         self._check_version(ours.get("schema_version"), "zarr.json")
+        for key in ("run", "final"):
+            if not isinstance(ours.get(key, {}), dict):
+                raise FormatError(f"{self.label}: zarr.json holds a malformed '{key}' record; the recording's "
+                                  "metadata is damaged")
         return ours
 
     def _check_version(self, version: Any, where: str) -> None:
@@ -109,10 +176,28 @@ class RunReader:
                               "committed; the recorder was killed before its first commit, or the recording "
                               "was damaged or copied incompletely")
         ranks = manifest.get("ranks") if isinstance(manifest, dict) else None
-        if manifest.get("format") != "paperdebugger.manifest" or not isinstance(ranks, dict):
+        if not isinstance(ranks, dict) or manifest.get("format") != "paperdebugger.manifest":
             raise FormatError(f"{self.label}: {layout.MANIFEST_KEY} is not a PaperDebugger manifest")
         self._check_version(manifest.get("schema_version"), layout.MANIFEST_KEY)
+        if manifest.get("status", "recording") not in layout.RUN_STATUSES:
+            raise FormatError(f"{self.label}: {layout.MANIFEST_KEY} gives an unknown status "
+                              f"{manifest.get('status')!r}; the manifest is damaged")
+        for rank, lengths in ranks.items():
+            if not (isinstance(rank, str) and rank.isdigit() and isinstance(lengths, dict)):
+                raise FormatError(f"{self.label}: {layout.MANIFEST_KEY} has a malformed entry for rank {rank!r}; "
+                                  "the manifest is damaged")
+            for key in (*_TABLES, *lengths):
+                value = lengths.get(key)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise FormatError(f"{self.label}: {layout.MANIFEST_KEY} gives rank {rank} an invalid length "
+                                      f"{key}={value!r}; the manifest is damaged")
         return manifest
+
+    @property
+    def closed(self) -> bool:
+        """Whether the writer closed the recording (its manifest says complete or crashed): closing trims
+        every array to its committed length, so any other length is damage."""
+        return self.manifest.get("status", "recording") != "recording"
 
     # -- run-level information -------------------------------------------------------------------
     @property
@@ -132,18 +217,25 @@ class RunReader:
         return str(status)
 
     def _writer_alive(self) -> bool:
-        writer = self.manifest.get("writer", {})
+        writer = self.manifest.get("writer")
+        writer = writer if isinstance(writer, dict) else {}
         if writer.get("host") == socket.gethostname() and writer.get("boot") == backend.boot_id():
             try:
                 pid = int(writer["pid"])
+                if pid <= 0:  # 0 and negative pids signal process groups
+                    raise ValueError(pid)
                 os.kill(pid, 0)
             except ProcessLookupError:
                 return False
-            except (PermissionError, KeyError, ValueError, TypeError):
+            except (PermissionError, KeyError, ValueError, TypeError, OverflowError):
                 return True
             start = writer.get("start")
             return start is None or backend.process_start(pid) in (start, None)  # a reused pid is not it
-        return time.time() - float(self.manifest.get("updated_unix", 0)) < STALE_AFTER_S
+        try:
+            updated = float(self.manifest.get("updated_unix", 0))
+        except (TypeError, ValueError):
+            return False
+        return time.time() - updated < STALE_AFTER_S
 
     @property
     def ranks(self) -> list[int]:
@@ -175,9 +267,19 @@ class RankReader:
     def __init__(self, run: RunReader, rank: int, lengths: dict[str, int]) -> None:
         self.run, self.rank = run, rank
         self.lengths = {k: int(v) for k, v in lengths.items()}
-        self.group = run.group[layout.rank_group(rank)]
+        self.prefix = layout.rank_group(rank)
+        try:
+            self.group = run.group[self.prefix]
+        except (KeyError, ValueError, TypeError, OSError) as exc:
+            raise FormatError(f"{run.label}: group {self.prefix} is missing or its zarr.json is damaged "
+                              f"({_why(exc)}); the recording is damaged") from None
+        if not isinstance(self.group, zarr.Group):
+            raise FormatError(f"{run.label}: {self.prefix}/zarr.json describes an array, not a group; the "
+                              "recording is damaged")
         self._columns: dict[str, np.ndarray] = {}
         self._arrays: dict[str, Any] = {}
+        self._framing: dict[str, tuple[str | None, int]] = {}  # chunk encoding and decoded bytes per array
+        self._checked: dict[str, set[int]] = {}  # chunks of each array whose files were checked
         self._sliced: dict[str, int] = {}  # how often each column was read in slices
         self._docs: dict[int, Any] = {}
 
@@ -188,33 +290,119 @@ class RankReader:
         if path in self.lengths:  # a log (docs/bytes, dims/values, blobs/u4)
             return self.lengths[path]
         table = path.split("/")[0]
-        if table not in self.lengths:
-            raise FormatError(f"{self.run.label}: the manifest has no length for {path}")
+        if table not in self.lengths or path in _LOGS:
+            raise FormatError(f"{self.run.label}: the manifest has no length for {path}; the manifest is damaged")
         return self.lengths[table]
 
     def column(self, path: str) -> np.ndarray:
         """A whole committed column, e.g. ``column("steps/iteration")`` (read once, then cached)."""
         if path not in self._columns:
-            n = self._length_of(path)
-            try:
-                arr = self.group[path]
-            except KeyError:
-                raise FormatError(f"{self.run.label}: array {path} is missing; the recording is damaged") from None
-            if arr.shape[0] < n:
-                raise FormatError(f"{self.run.label}: array {path} has {arr.shape[0]} rows but {n} are "
-                                  "committed; the recording is damaged")
-            self._columns[path] = arr[:n]
+            self._columns[path] = self._read(path, 0, self._length_of(path))
         return self._columns[path]
 
     def _array(self, path: str) -> Any:
-        """An array read in slices (documents, payload bytes), opened once: opening reads its metadata."""
+        """One array, opened once (opening reads its metadata) and checked against the layout."""
         arr = self._arrays.get(path)
         if arr is None:
+            key = f"{self.prefix}/{path}"
             try:
-                arr = self._arrays[path] = self.group[path]
-            except KeyError:
+                arr = self.group[path]
+            except (KeyError, ValueError, TypeError, OSError) as exc:  # zarr's metadata errors are ValueErrors
+                if self._stored(f"{key}/zarr.json"):
+                    raise FormatError(f"{self.run.label}: {key}/zarr.json is damaged ({_why(exc)}); the recording "
+                                      "cannot be read") from None
                 raise FormatError(f"{self.run.label}: array {path} is missing; the recording is damaged") from None
+            self._check_array(path, key, arr)
+            self._arrays[path] = arr
         return arr
+
+    def _stored(self, key: str) -> bool:
+        try:
+            return _head(self.run.store, key) is not None
+        except OSError:  # there, but unreadable
+            return True
+
+    def _check_array(self, path: str, key: str, arr: Any) -> None:
+        """Refuse metadata that does not describe the layout's array: zarr would decode the chunks
+        with it, into wrong values (another dtype, byte order or row shape) or huge allocations."""
+        label, col = self.run.label, _COLUMNS[path]
+        if not isinstance(arr, zarr.Array) or not isinstance(arr.metadata, ArrayV3Metadata):
+            raise FormatError(f"{label}: {key}/zarr.json does not describe a zarr v3 array; the recording is damaged")
+        codecs = arr.metadata.codecs
+        big_endian = any(isinstance(c, BytesCodec) and c.endian == Endian.big for c in codecs)
+        if np.dtype(arr.dtype) != np.dtype(col.dtype) or big_endian:
+            raise FormatError(f"{label}: {key}/zarr.json declares data type {arr.dtype}"
+                              f"{' big endian' if big_endian else ''}, but {path} holds little-endian "
+                              f"{col.dtype}; the recording is damaged")
+        row_bytes = math.prod(col.row_shape) * np.dtype(col.dtype).itemsize
+        if arr.shape[1:] != col.row_shape or arr.chunks[1:] != col.row_shape or \
+                arr.chunks[0] * row_bytes > _MAX_CHUNK_BYTES:
+            raise FormatError(f"{label}: {key}/zarr.json declares shape {arr.shape} in chunks of {arr.chunks}, "
+                              f"which {path} cannot have; the recording is damaged")
+        rows, n = arr.shape[0], self._length_of(path)
+        if rows < n or (self.run.closed and rows != n):
+            raise FormatError(f"{label}: array {path} has {rows} rows but {n} are committed; the recording is "
+                              "damaged")
+        kinds = tuple(type(c) for c in codecs)
+        framing = {(BytesCodec,): "raw", (BytesCodec, BloscCodec): "blosc"}.get(kinds)
+        self._framing[path] = (framing, arr.chunks[0] * row_bytes)
+
+    def _read(self, path: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of an array, from chunk files checked to be there and whole, with
+        their values checked where they point somewhere."""
+        if not 0 <= start <= stop <= self._length_of(path):
+            raise FormatError(f"{self.run.label}: rows {start}:{stop} of {path} are past the committed data")
+        arr = self._array(path)
+        if stop == start:
+            return np.zeros((0, *arr.shape[1:]), dtype=arr.dtype)
+        per, checked = arr.chunks[0], self._checked.setdefault(path, set())
+        for index in range(start // per, (stop - 1) // per + 1):
+            if index not in checked:
+                self._check_chunk(path, arr, index)
+                checked.add(index)
+        try:
+            values = np.asarray(arr[start:stop])
+        except (RuntimeError, ValueError, TypeError, OSError) as exc:  # Blosc raises RuntimeError
+            raise FormatError(f"{self.run.label}: {self.prefix}/{path} rows {start}:{stop} cannot be decoded "
+                              f"({_why(exc)}); the recording is damaged") from None
+        self._check_values(path, start, values)
+        return values
+
+    def _check_chunk(self, path: str, arr: Any, index: int) -> None:
+        """A chunk holding committed rows must exist (zarr reads a missing one as zeros) and be as
+        long as its header says (Blosc would read past the end of a truncated one)."""
+        label = self.run.label
+        key = f"{self.prefix}/{path}/{arr.metadata.encode_chunk_key((index,) + (0,) * (arr.ndim - 1))}"
+        try:
+            found = _head(self.run.store, key)
+        except OSError as exc:
+            raise FormatError(f"{label}: chunk {key} cannot be read ({_why(exc)}); the recording is damaged") from None
+        if found is None:
+            raise FormatError(f"{label}: chunk {key} is missing, but the manifest commits rows in it; the recording "
+                              "is damaged or was copied incompletely")
+        head, size = found
+        framing, expected = self._framing[path]
+        if framing == "raw" and size != expected:
+            raise FormatError(f"{label}: chunk {key} has {size} bytes, an uncompressed chunk has {expected}; it is "
+                              "truncated or damaged")
+        if framing == "blosc":
+            nbytes, cbytes = struct.unpack("<4xI4xI", head) if len(head) == _BLOSC_HEADER else (None, None)
+            if nbytes != expected or cbytes != size:
+                raise FormatError(f"{label}: chunk {key} is truncated or damaged (a {size}-byte file whose Blosc "
+                                  f"header declares {cbytes} bytes holding {nbytes}; a chunk holds {expected})")
+
+    def _check_values(self, path: str, start: int, values: np.ndarray) -> None:
+        bound = _BOUNDS.get(path)
+        if bound is None or not len(values):
+            return
+        low, high = bound
+        limit = self._length_of(high) if isinstance(high, str) else high
+        bad = values < low if limit is None else (values < low) | (values >= limit)
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            allowed = f"{low} or more" if limit is None else f"{low}..{limit - 1}"
+            raise FormatError(f"{self.run.label}: {path} row {start + first} holds {values[first]} (allowed: "
+                              f"{allowed}); the recording is damaged")
 
     def doc(self, doc_id: int) -> Any:
         """A JSON document by id (-1 gives None)."""
@@ -226,36 +414,51 @@ class RankReader:
                 raise FormatError(f"{self.run.label}: document {doc_id} is out of range (0..{len(offsets) - 1})")
             start, size = int(offsets[doc_id]), int(lengths[doc_id])
             end = start + size
-            if start < 0 or end > self._length_of("docs/bytes"):
-                raise FormatError(f"{self.run.label}: document {doc_id} points past the committed data")
-            raw = self._array("docs/bytes")[start:end].tobytes()
+            if start < 0 or size < 0 or end > self._length_of("docs/bytes"):
+                raise FormatError(f"{self.run.label}: document {doc_id} points past the committed data; the recording "
+                                  "is damaged")
+            raw = self._read("docs/bytes", start, end).tobytes()
             try:
                 self._docs[doc_id] = json.loads(raw)
-            except ValueError:
-                raise FormatError(f"{self.run.label}: document {doc_id} is not valid JSON") from None
+            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                raise FormatError(f"{self.run.label}: document {doc_id} is not valid JSON; the recording is "
+                                  "damaged") from None
         return self._docs[doc_id]
+
+    def _text(self, doc_id: int, what: str, row: int) -> str:
+        """A document that must be a string (a tensor record's name, dtype or device)."""
+        text = self.doc(doc_id)
+        if not isinstance(text, str):
+            raise FormatError(f"{self.run.label}: tensor record {row} has a {what} that is not a string "
+                              f"(document {doc_id}); the recording is damaged")
+        return text
 
     def rows(self, path: str, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of a column: sliced from the cached column if it was read whole,
         else read alone (a step's tensor records out of millions), until a column has been sliced
         often enough that reading it whole once is cheaper."""
+        if not 0 <= start <= stop <= self._length_of(path):
+            raise FormatError(f"{self.run.label}: rows {start}:{stop} of {path} are past the committed data")
         if path in self._columns:
             return self._columns[path][start:stop]
         count = self._sliced.get(path, 0) + 1
         self._sliced[path] = count
         if count * _ROWS_PER_SLICE_READ > self._length_of(path):  # slices have cost about a whole read
             return self.column(path)[start:stop]
-        if stop > self._length_of(path):
-            raise FormatError(f"{self.run.label}: rows {start}:{stop} of {path} are past the committed data")
-        return np.asarray(self._array(path)[start:stop])
+        return self._read(path, start, stop)
 
     def tensor_records(self, step: int) -> list[TensorRecord]:
         """The tensor records of one step, in the order they were captured."""
         start = int(self.rows("steps/tensor_start", step, step + 1)[0])
         count = int(self.rows("steps/tensor_count", step, step + 1)[0])
         if start < 0 or count < 0 or start + count > self.lengths["tensors"]:
-            raise FormatError(f"{self.run.label}: step {step} points past the committed tensor records")
-        return self._records(start, start + count)
+            raise FormatError(f"{self.run.label}: step {step} points past the committed tensor records; the "
+                              "recording is damaged")
+        records = self._records(start, start + count)
+        if any(r.step != step for r in records):
+            raise FormatError(f"{self.run.label}: the tensor records of step {step} (rows {start}:{start + count}) "
+                              "belong to another step; the recording is damaged")
+        return records
 
     def tensor_record(self, row: int) -> TensorRecord:
         return self._records(row, row + 1)[0]
@@ -273,12 +476,14 @@ class RankReader:
         for i in range(stop - start):
             row, ndim, first = start + i, int(ndims[i]), int(dstarts[i]) - lo
             own = dims[first:first + 2 * ndim]
-            if len(own) != 2 * ndim:
-                raise FormatError(f"{self.run.label}: tensor record {row} has a shape past the committed data")
+            if len(own) != 2 * ndim or (own[:ndim] < 0).any():
+                raise FormatError(f"{self.run.label}: tensor record {row} has a shape past the committed data "
+                                  "or with negative sizes; the recording is damaged")
             out.append(TensorRecord(
                 row=row, step=int(cols["step"][i]), role=layout.ROLES[int(cols["role"][i])],
-                name=self.doc(int(cols["name"][i])), dtype=self.doc(int(cols["dtype"][i])),
-                device=self.doc(int(cols["device"][i])), requires_grad=bool(cols["requires_grad"][i]),
+                name=self._text(int(cols["name"][i]), "name", row),
+                dtype=self._text(int(cols["dtype"][i]), "dtype", row),
+                device=self._text(int(cols["device"][i]), "device", row), requires_grad=bool(cols["requires_grad"][i]),
                 shape=tuple(int(d) for d in own[:ndim]), stride=tuple(int(d) for d in own[ndim:]),
                 stats={k: float(v) for k, v in zip(layout.STAT_NAMES, cols["stats"][i])},
                 payload=self._late.get(row, int(cols["payload"][i]))))
@@ -292,27 +497,44 @@ class RankReader:
         rows, pids = self.column("late/tensor"), self.column("late/payload")
         return {int(r): int(p) for r, p in zip(rows, pids)}
 
-    def payload_units(self, pid: int) -> tuple[np.ndarray, int]:
-        """The stored units of one payload and its unit index."""
+    def payload_units(self, pid: int, of: str = "") -> tuple[np.ndarray, int]:
+        """The stored units of one payload and its unit index, checked against the payload's hash
+        (``of`` names what the payload is, for the message).
+
+        Raises ChecksumError when the bytes read are not the bytes recorded: a Blosc chunk has no
+        checksum of its own, so a damaged one can decode into other values."""
+        where = f"payload {pid}" + (f" ({of})" if of else "")
         if not 0 <= pid < self.lengths["payloads"]:
-            raise FormatError(f"{self.run.label}: payload {pid} is out of range")
+            raise FormatError(f"{self.run.label}: {where} is out of range; the recording is damaged")
         unit = int(self.column("payloads/blob")[pid])
         offset, count = int(self.column("payloads/offset")[pid]), int(self.column("payloads/count")[pid])
         path = f"blobs/{layout.BLOB_UNITS[unit]}"
         if offset < 0 or count < 0 or offset + count > self._length_of(path):
-            raise FormatError(f"{self.run.label}: payload {pid} points past the committed data")
-        return self._array(path)[offset:offset + count], unit
+            raise FormatError(f"{self.run.label}: {where} points past the committed data; the recording is "
+                              "damaged")
+        units = self._read(path, offset, offset + count)
+        high, low = (int(v) for v in self.column("payloads/hash")[pid])
+        if payload_mod.content_key(units, unit)[:2] != (high, low):
+            raise ChecksumError(f"{self.run.label}: {where}, {self.prefix}/{path}[{offset}:{offset + count}]: payload "
+                                "checksum mismatch: the recording is corrupted; restore it from a copy or record again")
+        return units, unit
 
     def tensor(self, record: TensorRecord) -> torch.Tensor:
         """The recorded tensor's value (a contiguous CPU tensor), exactly as it was."""
+        what = f"tensor {record.name!r} of step {record.step}"
         if not record.has_payload:
-            raise FormatError(f"{self.run.label}: tensor {record.name!r} of step {record.step} has statistics "
-                              "only (recorded in stats mode, on an iteration --every skipped, or in flight mode "
-                              "outside the iterations the ring wrote out)")
-        units, _ = self.payload_units(record.payload)
-        dtype = payload_mod.dtype_from_name(record.dtype)
-        expected = int(np.prod(record.shape, dtype=np.int64)) * dtype.itemsize
-        if units.nbytes != expected:
+            raise FormatError(f"{self.run.label}: {what} has statistics only (recorded in stats mode, on an "
+                              "iteration --every skipped, or in flight mode outside the iterations the ring wrote out)")
+        try:
+            dtype = payload_mod.dtype_from_name(record.dtype)
+            expected_unit = payload_mod.unit_of(dtype)
+        except (ValueError, payload_mod.UnsupportedDtype):
+            raise FormatError(f"{self.run.label}: {what} has dtype {record.dtype!r}, which has no stored bytes; "
+                              "the recording is damaged") from None
+        units, unit = self.payload_units(record.payload, of=what)
+        expected = math.prod(record.shape) * dtype.itemsize
+        if units.nbytes != expected or unit != expected_unit:
             raise FormatError(f"{self.run.label}: payload of {record.name!r} (step {record.step}) has "
-                              f"{units.nbytes} bytes, its shape needs {expected}")
+                              f"{units.nbytes} bytes of {layout.BLOB_UNITS[unit]}, its {record.dtype} shape needs "
+                              f"{expected} of {layout.BLOB_UNITS[expected_unit]}; the recording is damaged")
         return payload_mod.from_units(units, dtype, record.shape)

@@ -13,6 +13,7 @@ import json
 import math
 import re
 import zipfile
+import zlib
 from pathlib import Path, PurePosixPath
 
 from ..errors import FormatError, NotARecordingError
@@ -71,7 +72,7 @@ def check_zip(path: str | Path) -> None:
                 doc = json.loads(archive.read(info))
             except (ValueError, UnicodeDecodeError):
                 raise _refuse(path, f"{name} is not valid JSON") from None
-            except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:  # zlib: a damaged deflated member
                 raise _refuse(path, f"{name} cannot be read ({exc})") from None
             if name.endswith("zarr.json"):
                 declared += _check_node(path, name, doc)
@@ -79,7 +80,7 @@ def check_zip(path: str | Path) -> None:
             raise _refuse(path, f"its arrays declare {declared} bytes, more than the {MAX_DECLARED_BYTES} allowed")
         try:
             bad = archive.testzip()
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
             raise _refuse(path, f"it cannot be read to the end ({exc})") from None
         if bad is not None:
             raise _refuse(path, f"member {bad!r} is damaged (CRC mismatch)")
@@ -107,14 +108,14 @@ def _check_node(path: Path, name: str, doc: object) -> int:
     if kind != "array":
         raise _refuse(path, f"{name} declares node type {kind!r}")
     dtype = doc.get("data_type")
-    if dtype not in ALLOWED_DTYPES:
+    if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:  # a list or dict is not hashable
         raise _refuse(path, f"{name} declares data type {dtype!r}, which a recording never holds")
     codecs = doc.get("codecs")
     if not isinstance(codecs, list) or not codecs:
         raise _refuse(path, f"{name} lists no codecs")
     for codec in codecs:
         codec_name = codec.get("name") if isinstance(codec, dict) else codec
-        if codec_name not in ALLOWED_CODECS:
+        if not isinstance(codec_name, str) or codec_name not in ALLOWED_CODECS:
             raise _refuse(path, f"{name} uses codec {codec_name!r}; only {', '.join(sorted(ALLOWED_CODECS))} are "
                                 "accepted")
     for key in ("storage_transformers",):
@@ -124,7 +125,9 @@ def _check_node(path: Path, name: str, doc: object) -> int:
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                                               for n in shape):
         raise _refuse(path, f"{name} declares a malformed shape")
-    chunks = (doc.get("chunk_grid") or {}).get("configuration", {}).get("chunk_shape")
+    grid = doc.get("chunk_grid")
+    config = grid.get("configuration") if isinstance(grid, dict) else None
+    chunks = config.get("chunk_shape") if isinstance(config, dict) else None
     if not isinstance(chunks, list) or len(chunks) != len(shape) or not all(
             isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 1 << 31 for n in chunks):
         raise _refuse(path, f"{name} declares a malformed chunk shape")
