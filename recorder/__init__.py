@@ -16,6 +16,7 @@ from typing import Any
 from .annotate import StepDef, annotate, paper_step, watch
 from .capture import RecorderWarning
 from .errors import (
+    ChecksumError,
     FormatError,
     NotARecordingError,
     PdbgError,
@@ -32,6 +33,7 @@ __all__ = [
     "breakpoint",
     "register_check",
     "unregister_check",
+    "ChecksumError",
     "FormatError",
     "NotARecordingError",
     "PdbgError",

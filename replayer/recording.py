@@ -329,7 +329,12 @@ class Step:
         out = {}
         for part, doc_id in ids.items():
             doc = self.rec.rank.doc(int(doc_id))
-            out[part] = snapshot.decode_rng_part(part, doc)
+            try:
+                out[part] = snapshot.decode_rng_part(part, doc)
+            except (KeyError, TypeError, ValueError) as exc:  # binascii.Error is a ValueError
+                raise FormatError(f"{self.rec.path}: the {part} RNG state of step {self.index} (document "
+                                  f"{doc_id}) cannot be decoded ({type(exc).__name__}: {exc}); the recording is "
+                                  "damaged") from None
         return out
 
     @property

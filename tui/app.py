@@ -107,7 +107,7 @@ class Timeline(ScrollView, can_focus=True):
         pieces = self.model.row(index)
         selected = position == self.cursor
         base = _style("reverse") if selected else (
-            _style("on #1c1c28") if int(self.model.iteration[index]) % 2 else Style())
+            _style("on #1c1c28") if self.model.iteration_of(index) % 2 else Style())
         segments = [Segment(text, base + _style(style)) for text, style in pieces if text]
         strip = Strip(segments).crop(scroll_x, scroll_x + width)
         return strip.extend_cell_length(width, base)

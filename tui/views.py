@@ -32,20 +32,48 @@ def depths(parent: np.ndarray) -> np.ndarray:
         p[has] = parent[p[has]]
 
 
+class _StepColumn:
+    """One numeric step column: whole once a filter or a search needs every step, until then read a
+    chunk at a time for the rows drawn (the first screen of a million steps reads a few chunks)."""
+
+    CHUNK = 8192  # rows per read: the store's own chunk of a step column
+
+    def __init__(self, rec: Recording, name: str, n: int) -> None:
+        self.rec, self.path, self.n = rec, f"steps/{name}", n
+        self.array: np.ndarray | None = None if n else np.zeros(0, np.int64)
+        self._chunks: dict[int, np.ndarray] = {}
+
+    def whole(self) -> np.ndarray:
+        if self.array is None:
+            self.array = np.asarray(self.rec.rank.column(self.path))
+            self._chunks.clear()
+        return self.array
+
+    def chunk(self, k: int) -> np.ndarray:
+        """Rows ``k * CHUNK`` up to the next chunk."""
+        if self.array is not None:
+            return self.array[k * self.CHUNK:(k + 1) * self.CHUNK]
+        found = self._chunks.get(k)
+        if found is None:
+            found = self._chunks[k] = np.asarray(
+                self.rec.rank.rows(self.path, k * self.CHUNK, min(self.n, (k + 1) * self.CHUNK)))
+        return found
+
+    def at(self, index: int) -> Any:
+        if self.array is not None:
+            return self.array[index]
+        return self.chunk(index // self.CHUNK)[index % self.CHUNK]
+
+
 class TimelineModel:
     """Every step of a recording as rows of the timeline, and the filters over them."""
 
     def __init__(self, rec: Recording) -> None:
         self.rec = rec
-        table = rec.steps
-        self.n = len(table)
-        col = table.column
-        self.iteration = col("iteration") if self.n else np.zeros(0, np.int64)
-        self.phase = col("phase") if self.n else np.zeros(0, np.int8)
-        self.status = col("status") if self.n else np.zeros(0, np.int8)
-        self.t_start = col("t_start") if self.n else np.zeros(0)
-        self.t_end = col("t_end") if self.n else np.zeros(0)
-        self.depth = depths(np.asarray(rec.rank.column("steps/parent"))) if self.n else np.zeros(0, np.int32)
+        self.n = len(rec.steps)
+        self._cols = {name: _StepColumn(rec, name, self.n)
+                      for name in ("iteration", "phase", "status", "t_start", "t_end", "parent")}
+        self._depth: np.ndarray | None = None if self.n else np.zeros(0, np.int32)
         self._names: np.ndarray | None = None
         self._paths: np.ndarray | None = None
         self._labels: np.ndarray | None = None
@@ -55,6 +83,47 @@ class TimelineModel:
         self._ids: np.ndarray | None = None
         self._texts: list[str] = []
         self._row_text: dict[tuple[int, int, int], tuple[str, str | None, str]] = {}
+
+    # whole numeric columns, on first use (filters, searches, the paper view)
+    @property
+    def iteration(self) -> np.ndarray:
+        return self._cols["iteration"].whole()
+
+    @property
+    def phase(self) -> np.ndarray:
+        return self._cols["phase"].whole()
+
+    @property
+    def status(self) -> np.ndarray:
+        return self._cols["status"].whole()
+
+    @property
+    def t_start(self) -> np.ndarray:
+        return self._cols["t_start"].whole()
+
+    @property
+    def t_end(self) -> np.ndarray:
+        return self._cols["t_end"].whole()
+
+    @property
+    def depth(self) -> np.ndarray:
+        if self._depth is None:
+            self._depth = depths(self._cols["parent"].whole())
+        return self._depth
+
+    def iteration_of(self, index: int) -> int:
+        return int(self._cols["iteration"].at(index))
+
+    def depth_of(self, index: int) -> int:
+        """Nesting depth of one step, up its parents (a whole column only once it was read anyway)."""
+        if self._depth is not None:
+            return int(self._depth[index])
+        parent, depth = self._cols["parent"], 0
+        p = int(parent.at(index))
+        while p >= 0 and depth <= self.n:
+            depth += 1
+            p = int(parent.at(p))
+        return depth
 
     # decoded text columns, on first use (a name per distinct document, not per step)
     @property
@@ -89,34 +158,57 @@ class TimelineModel:
             found = self._row_text[ids] = (str(rank.doc(ids[0])), paper.get("label"), str(rank.doc(ids[2]) or ""))
         return found
 
-    def span(self, iteration: int) -> float:
-        """Wall time of an iteration (for the duration bars)."""
-        if iteration not in self._spans:
-            lo = np.searchsorted(self.iteration, iteration, side="left")
-            hi = np.searchsorted(self.iteration, iteration, side="right")
-            if hi <= lo:  # iterations are not sorted (several threads): fall back to a mask
-                mask = self.iteration == iteration
-                self._spans[iteration] = float(self.t_end[mask].max() - self.t_start[mask].min()) if mask.any() else 0
-            else:
-                self._spans[iteration] = float(self.t_end[lo:hi].max() - self.t_start[lo:hi].min())
+    def span(self, index: int) -> float:
+        """Wall time of the iteration of step ``index`` (for the duration bars): from the chunks around
+        it while the whole columns are not needed, as the steps of an iteration are contiguous."""
+        iteration = self.iteration_of(index)
+        if iteration in self._spans:
+            return self._spans[iteration]
+        col = self._cols["iteration"]
+        if col.array is None:  # the run of the iteration's steps around this one, chunk by chunk
+            k = index // col.CHUNK
+            first, last = k, k
+            while first > 0 and col.chunk(first)[0] == iteration:
+                first -= 1
+            while (last + 1) * col.CHUNK < self.n and col.chunk(last)[-1] == iteration:
+                last += 1
+            chunks = range(first, last + 1)
+            its = np.concatenate([col.chunk(c) for c in chunks])
+            here = index - first * col.CHUNK
+            before = np.flatnonzero(its[:here] != iteration)
+            after = np.flatnonzero(its[here:] != iteration)
+            lo = int(before[-1]) + 1 if len(before) else 0
+            hi = here + int(after[0]) if len(after) else len(its)
+            starts = np.concatenate([self._cols["t_start"].chunk(c) for c in chunks])[lo:hi]
+            ends = np.concatenate([self._cols["t_end"].chunk(c) for c in chunks])[lo:hi]
+            self._spans[iteration] = float(ends.max() - starts.min())
+            return self._spans[iteration]
+        lo = np.searchsorted(self.iteration, iteration, side="left")
+        hi = np.searchsorted(self.iteration, iteration, side="right")
+        if hi <= lo:  # iterations are not sorted (several threads): fall back to a mask
+            mask = self.iteration == iteration
+            self._spans[iteration] = float(self.t_end[mask].max() - self.t_start[mask].min()) if mask.any() else 0
+        else:
+            self._spans[iteration] = float(self.t_end[lo:hi].max() - self.t_start[lo:hi].min())
         return self._spans[iteration]
 
     def row(self, index: int, bar_width: int = 6) -> list[tuple[str, str]]:
         """One timeline row as (text, style) pieces."""
-        status = layout.STATUSES[int(self.status[index])]
-        phase = int(self.phase[index])
+        cols = self._cols
+        status = layout.STATUSES[int(cols["status"].at(index))]
+        phase = int(cols["phase"].at(index))
         name, label, path = self.text_of(index)
-        duration = float(self.t_end[index] - self.t_start[index])
-        span = self.span(int(self.iteration[index])) or 1.0
+        duration = float(cols["t_end"].at(index) - cols["t_start"].at(index))
+        span = self.span(index) or 1.0
         filled = min(bar_width, max(0, round(bar_width * duration / span)))
         bar = "█" * filled + "·" * (bar_width - filled)
         who = f"{label} {name}" if label and label != name else name
         mark = {"ok": " ", "alert": "!", "nonfinite": "✗", "exception": "E"}[status]
-        indent = "  " * min(int(self.depth[index]), 8)
+        indent = "  " * min(self.depth_of(index), 8)
         who = (indent + who)[:26]
         return [
             (f"{index:>6} ", "dim"),
-            (f"{int(self.iteration[index]):>4} ", "cyan"),
+            (f"{self.iteration_of(index):>4} ", "cyan"),
             ("→ " if phase == 0 else "← ", "blue" if phase == 0 else "magenta"),
             (f"{mark} ", STATUS_STYLE[status]),
             (f"{who:<26}", STATUS_STYLE[status] if status != "ok" else "bold"),

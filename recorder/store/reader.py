@@ -258,7 +258,8 @@ class RunReader:
         return Path(path).stat().st_size if path else 0
 
 
-_ROWS_PER_SLICE_READ = 2048  # what reading one slice costs, in rows of a whole-column read (a chunk is 8192)
+_ROWS_PER_SLICE_READ = 2048  # what reading one chunk alone costs, in rows of a whole-column read (a chunk is 8192)
+_CHUNK_CACHE_BYTES = 32 << 20  # decoded chunks of columns read in slices, kept per rank reader
 
 
 class RankReader:
@@ -280,7 +281,9 @@ class RankReader:
         self._arrays: dict[str, Any] = {}
         self._framing: dict[str, tuple[str | None, int]] = {}  # chunk encoding and decoded bytes per array
         self._checked: dict[str, set[int]] = {}  # chunks of each array whose files were checked
-        self._sliced: dict[str, int] = {}  # how often each column was read in slices
+        self._sliced: dict[str, int] = {}  # how many chunks of each column were read alone
+        self._chunks: dict[tuple[str, int, int], np.ndarray] = {}  # (path, chunk, end row): rows, oldest first
+        self._chunk_bytes = 0
         self._docs: dict[int, Any] = {}
 
     def __len__(self) -> int:
@@ -434,18 +437,34 @@ class RankReader:
         return text
 
     def rows(self, path: str, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` of a column: sliced from the cached column if it was read whole,
-        else read alone (a step's tensor records out of millions), until a column has been sliced
-        often enough that reading it whole once is cheaper."""
-        if not 0 <= start <= stop <= self._length_of(path):
+        """Rows ``start:stop`` of a column: sliced from the cached column if it was read whole, else
+        from its chunks, each decoded once and kept a while (moving to the next step of millions
+        reads nothing new), until so many of a column's chunks were read that reading it whole once
+        is cheaper."""
+        length = self._length_of(path)
+        if not 0 <= start <= stop <= length:
             raise FormatError(f"{self.run.label}: rows {start}:{stop} of {path} are past the committed data")
         if path in self._columns:
             return self._columns[path][start:stop]
-        count = self._sliced.get(path, 0) + 1
-        self._sliced[path] = count
-        if count * _ROWS_PER_SLICE_READ > self._length_of(path):  # slices have cost about a whole read
-            return self.column(path)[start:stop]
-        return self._read(path, start, stop)
+        if stop == start:
+            return self._read(path, start, stop)
+        per = self._array(path).chunks[0]
+        parts = []
+        for k in range(start // per, (stop - 1) // per + 1):
+            lo, hi = k * per, min((k + 1) * per, length)
+            key = (path, k, hi)  # hi: a partial last chunk grows while the run is being written
+            chunk = self._chunks.pop(key, None)
+            if chunk is None:
+                count = self._sliced[path] = self._sliced.get(path, 0) + 1
+                if count * _ROWS_PER_SLICE_READ > length:  # chunk reads have cost about a whole read
+                    return self.column(path)[start:stop]
+                chunk = self._read(path, lo, hi)
+                self._chunk_bytes += chunk.nbytes
+                while self._chunk_bytes > _CHUNK_CACHE_BYTES and self._chunks:
+                    self._chunk_bytes -= self._chunks.pop(next(iter(self._chunks))).nbytes  # least recent
+            self._chunks[key] = chunk  # (re)inserted last: the most recently used
+            parts.append(chunk[max(start, lo) - lo:min(stop, hi) - lo])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def tensor_records(self, step: int) -> list[TensorRecord]:
         """The tensor records of one step, in the order they were captured."""

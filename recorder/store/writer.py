@@ -26,7 +26,6 @@ from ..errors import RecordingError
 from . import backend, codecs, layout
 from .layout import Column
 
-
 _DOC_CACHE = 1 << 18  # documents remembered for deduplication (~40 MB of index at most)
 
 

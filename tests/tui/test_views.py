@@ -1,0 +1,32 @@
+"""The timeline's view model reads a step column a chunk at a time until a filter needs it whole:
+rows drawn from chunks must be exactly the rows drawn from whole columns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import replayer
+from tests.tui.recordings import nan_run
+from tui import views
+
+
+@pytest.fixture(scope="module")
+def nan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return nan_run(tmp_path_factory.mktemp("views") / "nan.zarr")
+
+
+@pytest.mark.parametrize("chunk", [3, 8192])  # 3: every iteration spans chunks; 8192: one chunk
+def test_rows_from_chunks_equal_rows_from_whole_columns(nan_path: Path, chunk: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(views._StepColumn, "CHUNK", chunk)
+    lazy = views.TimelineModel(replayer.open(nan_path))
+    drawn = [lazy.row(i) for i in reversed(range(lazy.n))]  # from the end: spans found from any side
+    assert all(c.array is None for c in lazy._cols.values()) and lazy._depth is None  # nothing read whole
+
+    whole = views.TimelineModel(replayer.open(nan_path))
+    assert len(whole.iteration) and len(whole.depth) and len(whole.t_start) and len(whole.t_end)
+    assert len(whole.status) and len(whole.phase)
+    assert drawn == [whole.row(i) for i in reversed(range(whole.n))]
+    assert lazy.n == 20 and {lazy.depth_of(i) for i in range(lazy.n)} == {0, 1, 2}
