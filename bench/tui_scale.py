@@ -585,6 +585,7 @@ def findings(results: list[tuple[Store, list[dict[str, Any]]]], frozen: dict[str
     first = all_of(runs, "first")
     last, last_small = all_of(runs, "last"), all_of(small_runs, "last")
     cpu, show, gc_s = all_of(runs, "cpu"), all_of(runs, "show"), all_of(runs, "gc")
+    frames = all_of(runs, "frames")
     fulls, presses, seconds = _gc_summary(runs)
     f_fulls, f_presses, f_seconds = _gc_summary([frozen])
     f_last = all_of([frozen], "last")
@@ -605,8 +606,8 @@ def findings(results: list[tuple[Store, list[dict[str, Any]]]], frozen: dict[str
            f"{grows} with the recording (other processes used {others(runs):.1f} / {others(small_runs):.1f} cores "
            f"meanwhile). A press costs median {ms(statistics.median(cpu))} ms of CPU, of which "
            f"`show_step` (reading the step, `step_view`, `_drift`, filling the widgets) "
-           f"{ms(statistics.median(show))} ms; most of the rest is Textual laying out and drawing the step pane "
-           f"again (see the profiles below), spread over several frames.",
+           f"{ms(statistics.median(show))} ms; the rest is Textual drawing what changed, in median "
+           f"{statistics.median(frames):g} frame(s) per press.",
            f"- The garbage collector: {fulls} full collections in {presses} presses, {seconds * 1e3:.0f} ms "
            f"(median {ms(statistics.median(gc_s))} ms a press, a full one ~{ms(full_s)} ms: "
            f"the process holds ~{statistics.median(r['full_gc']['objects'] for r in runs) / 1e3:.0f}k tracked objects "
