@@ -40,7 +40,8 @@ class Run:
                  optimizer: torch.optim.Optimizer | None = None, mode: str = "full", every: int = 1,
                  compressor: Any = None, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0,
                  modules: str | list[str] | None = None, on_anomaly: str = "record", keep: int = 2,
-                 max_ring_bytes: int = 4 << 30, script: str | None = None) -> None:
+                 max_ring_bytes: int = 4 << 30, script: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         if mode not in MODES:
             raise RecordingError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         if not isinstance(every, int) or every < 1:
@@ -49,8 +50,13 @@ class Run:
             raise RecordingError("a recording is already active in this process; close it before starting another")
         if not isinstance(path, (str, os.PathLike)) and not hasattr(path, "set"):
             raise RecordingError(f"path must be a directory path or a zarr store, not {type(path).__name__}")
-        if isinstance(path, (str, os.PathLike)) and Path(path).exists() and any(Path(path).iterdir()):
+        remote = backend.is_url(path)
+        local = None if remote or not isinstance(path, (str, os.PathLike)) else Path(backend.local_path(path))
+        if local is not None and local.exists() and any(local.iterdir()):
             raise RecordingError(f"{path} already exists and is not empty; choose a new path or delete it")
+        if storage_options is not None and not remote:
+            raise RecordingError(f"storage_options apply to URLs (s3://bucket/run.zarr), not to {path!r}; leave "
+                                 "them out")
         if optimizer is not None and optimizer != "auto" and not isinstance(optimizer, torch.optim.Optimizer):
             raise RecordingError(f"optimizer must be a torch.optim.Optimizer, 'auto' or None, not "
                                  f"{type(optimizer).__name__}")
@@ -66,10 +72,12 @@ class Run:
         self.t0 = time.perf_counter()
         self.started = time.time()
         try:
-            store = backend.open_store(path, mode="w")
+            store = backend.open_store(path, mode="w", storage_options=storage_options)  # a URL: checked here
             writer = StoreWriter(store, run_attrs=run_metadata(self.started, mode, every, script),
                                  compression=compression)
         except OSError as exc:
+            if remote:
+                raise RecordingError(f"cannot create the recording {path}: {backend.remote_problem(exc)}") from None
             raise RecordingError(f"cannot create the recording {path}: {exc.strerror or exc}; choose a path in a "
                                  "writable directory") from None
         self.pipeline = Pipeline(writer, max_queue_bytes=max_queue_bytes, flush_interval=flush_interval)
@@ -218,7 +226,8 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
     """Record the paper steps run inside the ``with`` block into a Zarr store.
 
     Args:
-        path: a new directory (``run.zarr``) or a zarr Store (``zarr.storage.MemoryStore()``).
+        path: a new directory (``run.zarr``), a URL (``s3://bucket/run.zarr``, any fsspec URL; s3 needs
+            ``pip install paperdebugger[s3]``) or a zarr Store (``zarr.storage.MemoryStore()``).
         model: the model being trained; module paths are relative to it.
         optimizer: iterations advance after each of its ``step()`` calls; ``"auto"``: after each
             ``step()`` of the first optimizer that steps, whichever it is (global optimizer hooks).
@@ -234,7 +243,10 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
             (see recorder.autohooks), and ``on_anomaly``: what a step with NaN or Inf results does:
             "record" (mark it ``nonfinite``, the default), "stop" (flush, raise NonFiniteError from
             the step) or "pdb" (flush, open the debugger in the calling code); flight mode's ``keep``
-            (iterations, default 2) and ``max_ring_bytes`` (default 4 GiB).
+            (iterations, default 2) and ``max_ring_bytes`` (default 4 GiB); ``storage_options``: a
+            URL's fsspec options, e.g. ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url":
+            "http://127.0.0.1:9000"}}`` (default: ``$PDBG_STORAGE_OPTIONS``, else s3fs's own
+            environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...).
 
     Returns:
         The Run; leaving the ``with`` block closes it (``complete``, or ``crashed`` on an exception).

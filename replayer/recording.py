@@ -39,25 +39,30 @@ def join_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else (prefix or name)
 
 
-def open(path: str | os.PathLike[str] | Any, rank: int = 0) -> Recording:  # noqa: A001 (the API's name)
-    """Open a recording (a directory, a zip/bundle file, or a zarr store) for inspection and replay.
+def open(path: str | os.PathLike[str] | Any, rank: int = 0, *,  # noqa: A001 (the API's name)
+         storage_options: dict[str, Any] | None = None) -> Recording:
+    """Open a recording (a directory, a zip/bundle file, a URL or a zarr store) for inspection and replay.
 
     Args:
-        path: where the recording is.
+        path: where the recording is: ``run.zarr``, ``failure.pdbg``, ``s3://bucket/run.zarr``.
         rank: which process's steps (0 unless the run was distributed).
+        storage_options: a URL's fsspec options (credentials, ``client_kwargs={"endpoint_url": ...}``);
+            default ``$PDBG_STORAGE_OPTIONS``, else the filesystem's own environment (AWS_* for s3).
 
     Raises NotARecordingError, FormatError or SchemaVersionError with a one-line message.
     """
-    return Recording(path, rank)
+    return Recording(path, rank, storage_options=storage_options)
 
 
 class Recording:
     """A recording: run metadata, the step table and single steps."""
 
-    def __init__(self, path: str | os.PathLike[str] | Any, rank: int = 0) -> None:
-        self.reader = RunReader(path)
+    def __init__(self, path: str | os.PathLike[str] | Any, rank: int = 0, *,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.reader = RunReader(path, storage_options=storage_options)
         self.rank: RankReader = self.reader.rank(rank)
         self.path = path
+        self.storage_options = storage_options  # to open it again (a reload)
 
     @property
     def status(self) -> str:

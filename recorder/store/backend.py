@@ -1,34 +1,78 @@
-"""Where a recording's bytes go: a directory, memory (for tests) or a read-only zip.
+"""Where a recording's bytes go: a directory, memory (for tests), a read-only zip, or a URL
+(``s3://bucket/run.zarr``, or any fsspec filesystem's).
 
 Zarr stores do the storage; this module adds the two things the recorder needs beyond them: writing
 a pre-encoded chunk with one call (no per-call codec pipeline), and an atomic, durable write for the
-manifest (temporary file, fsync, rename), which is what makes a killed recording safe to open.
+manifest (temporary file, fsync, rename), which is what makes a killed recording safe to open. An
+object store has no rename, but each PUT is atomic per object (a reader sees the old object or the
+new one, never a torn one) and ``put`` returns once the store holds it, so the same order (chunks
+first, manifest last) keeps a killed recording safe there too.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import re
+import time
+from collections.abc import Awaitable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from zarr.abc.store import Store
-from zarr.core.buffer import default_buffer_prototype
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.core.sync import sync
-from zarr.storage import LocalStore, MemoryStore, ZipStore
+from zarr.storage import FsspecStore, LocalStore, MemoryStore, ZipStore
+
+from ..errors import NotARecordingError, PdbgError, RecordingError
 
 StoreTarget = str | os.PathLike[str] | Store
+T = TypeVar("T")
+
+# fsspec options for URLs opened without ``storage_options`` (``pdbg`` on the command line): a JSON object.
+STORAGE_OPTIONS_ENV = "PDBG_STORAGE_OPTIONS"
+# Longest one read or write of a remote store may take: a payload chunk is at most a few MiB.
+REMOTE_TIMEOUT_S = 60.0
+# A remote call that failed after this long (timeouts, retries against an endpoint that is gone)
+# marks the store as not answering: later calls fail at once, so closing a recording whose store
+# went away costs one timeout, not one per file.
+BROKEN_AFTER_S = 1.0
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*(::[A-Za-z][A-Za-z0-9+.-]*)*://")
 
 
-def open_store(target: StoreTarget, *, mode: str) -> Store:
+def is_url(target: Any) -> bool:
+    """Whether a target is a URL opened through fsspec (any scheme but ``file://``)."""
+    return isinstance(target, str) and _URL.match(target) is not None and not target.lower().startswith("file://")
+
+
+def local_path(target: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """A path, with a ``file://`` prefix removed."""
+    if isinstance(target, str) and target.lower().startswith("file://"):
+        return target[len("file://"):]
+    return target
+
+
+def open_store(target: StoreTarget, *, mode: str, storage_options: dict[str, Any] | None = None) -> Store:
     """Open a store for reading (``mode="r"``) or create one for writing (``mode="w"``).
 
     Args:
-        target: a directory path, a ``.zip``/``.pdbg`` file (read only), or a zarr Store object.
+        target: a directory path, a ``.zip``/``.pdbg`` file (read only), a URL (``s3://bucket/run.zarr``)
+            or a zarr Store object.
         mode: "r" or "w".
+        storage_options: a URL's fsspec options (credentials, ``client_kwargs={"endpoint_url": ...}``);
+            when None, the JSON object in ``$PDBG_STORAGE_OPTIONS``, if set.
+    Raises RecordingError (``mode="w"``) or NotARecordingError (``mode="r"``) for a URL that cannot be used.
     """
+    error = RecordingError if mode == "w" else NotARecordingError
+    if is_url(target):
+        return _open_url(str(target), mode, resolve_storage_options(storage_options, error), error)
+    if storage_options is not None:
+        raise error(f"storage_options apply to URLs (s3://bucket/run.zarr), not to {describe(target)}; "
+                    "leave them out")
     if isinstance(target, Store):
         return target
-    path = Path(target)
+    path = Path(local_path(target))
     if mode == "r" and path.is_file():
         from .zipcheck import check_zip
 
@@ -39,6 +83,143 @@ def open_store(target: StoreTarget, *, mode: str) -> Store:
     if mode == "w":
         path.mkdir(parents=True, exist_ok=True)
     return LocalStore(path, read_only=(mode == "r"))
+
+
+def resolve_storage_options(given: dict[str, Any] | None,
+                            error: type[PdbgError] = NotARecordingError) -> dict[str, Any]:
+    """The fsspec options of a URL: those given, else ``$PDBG_STORAGE_OPTIONS`` (a JSON object), else none."""
+    if given is not None:
+        if not isinstance(given, dict):
+            raise error(f"storage_options must be a dict of fsspec options, not {type(given).__name__}")
+        return dict(given)
+    raw = os.environ.get(STORAGE_OPTIONS_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        options = json.loads(raw)
+    except ValueError as exc:
+        raise error(f"{STORAGE_OPTIONS_ENV} is not valid JSON ({exc}); set it to a JSON object, e.g. "
+                    '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'') from None
+    if not isinstance(options, dict):
+        raise error(f"{STORAGE_OPTIONS_ENV} must hold a JSON object of fsspec options, not "
+                    f"{type(options).__name__}")
+    return options
+
+
+class RemoteStore(FsspecStore):
+    """A zarr FsspecStore whose calls end within ``REMOTE_TIMEOUT_S`` and fail as OSErrors naming the
+    URL, whatever the filesystem raised (botocore's connection errors are not OSErrors): the writer's
+    failure path and the reader's checks both catch OSError."""
+
+    def __init__(self, fs: Any, read_only: bool = False, path: str = "/", **kwargs: Any) -> None:
+        super().__init__(fs, read_only=read_only, path=path, **kwargs)
+        protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+        self.url = f"{protocol}://{path}"
+        self.broken: str | None = None  # why the store is taken as not answering
+
+    async def _bounded(self, what: str, key: str, call: Awaitable[T]) -> T:
+        if self.broken is not None:
+            close = getattr(call, "close", None)
+            if close is not None:
+                close()  # never awaited: no "coroutine was never awaited" warning
+            raise ConnectionError(f"{self.url}: {what} {key} not tried: the store stopped answering ({self.broken})")
+        start = time.monotonic()
+        try:
+            return await asyncio.wait_for(call, REMOTE_TIMEOUT_S)
+        except Exception as exc:
+            took = time.monotonic() - start
+            if isinstance(exc, TimeoutError) and took >= REMOTE_TIMEOUT_S:  # ours (asyncio's is the builtin)
+                self.broken = f"{what} {key} got no answer in {REMOTE_TIMEOUT_S:g} s"
+                raise TimeoutError(f"{self.url}: {self.broken}") from None
+            if took >= BROKEN_AFTER_S:
+                self.broken = why(exc)
+            if isinstance(exc, OSError):
+                raise
+            raise OSError(f"{self.url}: {what} {key} failed ({why(exc)})") from exc
+
+    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
+        return await self._bounded("reading", key, super().get(key, prototype, byte_range))
+
+    async def get_partial_values(self, prototype: BufferPrototype,
+                                 key_ranges: Iterable[tuple[str, ByteRequest | None]]) -> list[Buffer | None]:
+        return await self._bounded("reading", "chunks", super().get_partial_values(prototype, key_ranges))
+
+    async def set(self, key: str, value: Buffer, byte_range: tuple[int, int] | None = None) -> None:
+        await self._bounded("writing", key, super().set(key, value, byte_range))
+
+    async def exists(self, key: str) -> bool:
+        return await self._bounded("looking up", key, super().exists(key))
+
+    async def getsize(self, key: str) -> int:
+        # s3fs answers from listings it cached (nbytes lists the run): a growing run's sizes would be stale.
+        self.fs.invalidate_cache(f"{self.path}/{key}")
+        return await self._bounded("looking up", key, super().getsize(key))
+
+    async def delete(self, key: str) -> None:
+        await self._bounded("deleting", key, super().delete(key))
+
+
+def remote_nbytes(store: RemoteStore) -> int:
+    """Bytes a remote recording holds (one listing of its objects)."""
+    return int(sync(store._bounded("listing", "", store.fs._du(store.path, total=True))))
+
+
+def _open_url(url: str, mode: str, options: dict[str, Any], error: type[PdbgError]) -> RemoteStore:
+    """A URL's store, checked at once: a wrong bucket, credentials or endpoint are reported here, in
+    one line saying what to do, rather than at the first write on the writer thread."""
+    try:
+        store = RemoteStore.from_url(url, storage_options=options, read_only=(mode == "r"))
+    except ImportError as exc:  # fsspec names the package: "Install s3fs to access S3"
+        raise error(f"{url}: cannot open {url.split('://')[0]}:// URLs: {exc}; for s3:// install "
+                    "paperdebugger[s3] (pip install s3fs)") from None
+    except Exception as exc:  # an unknown protocol, an option the filesystem does not take
+        raise error(f"{url}: cannot open this URL ({why(exc)}); check the URL and its storage options") from None
+    assert isinstance(store, RemoteStore)
+    store.url = url
+    sync(store._ensure_open())
+    try:
+        root_meta = get(store, "zarr.json")
+        bucket_found = True if root_meta is not None else _bucket_exists(store)
+    except OSError as exc:
+        raise error(f"{url}: {remote_problem(exc)}") from None
+    if not bucket_found:
+        bucket = store.path.split("/")[0]
+        raise error(f"{url}: bucket {bucket!r} does not exist; create it, or give a URL in an existing bucket")
+    if mode == "w" and root_meta is not None:
+        raise error(f"{url} already holds a zarr hierarchy; record into a new, empty URL or delete it")
+    if mode == "r" and root_meta is None:
+        raise error(f"{url}: no recording there (no zarr.json); give the URL of a recording (made by "
+                    "recorder.record or `pdbg record`)")
+    return store
+
+
+def _bucket_exists(store: RemoteStore) -> bool:
+    """Whether the bucket (the first part of the path) exists, on a filesystem that has buckets
+    (s3fs, gcsfs, adlfs split paths into bucket and key); True elsewhere."""
+    if getattr(store.fs, "split_path", None) is None:
+        return True
+    bucket = store.path.split("/")[0]
+    return bool(sync(store._bounded("looking up", f"bucket {bucket}", store.fs._exists(bucket))))
+
+
+def remote_problem(exc: BaseException) -> str:
+    """What a failed remote call means, and what to do, as a phrase."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else None
+    detail = why(cause or exc)  # what the filesystem said, without the URL our own messages start with
+    detail = re.sub(r"^(\w+: )[^ ]+://[^ ]*: ", r"\1", detail)
+    if isinstance(exc, PermissionError):
+        return (f"access denied ({detail}); check the credentials (storage_options key and secret, or "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY) and that they may use this bucket")
+    if isinstance(exc, FileNotFoundError):
+        return f"not found ({detail}); check the URL"
+    return (f"the store did not answer ({detail}); check the endpoint (storage_options client_kwargs "
+            "endpoint_url, or AWS_ENDPOINT_URL) and the network")
+
+
+def why(exc: BaseException) -> str:
+    """An exception as a short phrase for a one-line message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
 def local_root(store: Store) -> Path | None:
@@ -120,6 +301,8 @@ def describe(target: Any) -> str:
     """How to name a store target in a message."""
     if isinstance(target, MemoryStore):
         return "<memory store>"
+    if isinstance(target, RemoteStore):
+        return target.url
     if isinstance(target, Store):
         return f"<{type(target).__name__}>"
     return str(target)

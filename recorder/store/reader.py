@@ -31,7 +31,7 @@ from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync
 
 from .. import payload as payload_mod
-from ..errors import ChecksumError, FormatError, NotARecordingError, SchemaVersionError
+from ..errors import ChecksumError, FormatError, NotARecordingError, PdbgError, SchemaVersionError
 from . import backend, layout
 
 # A writer that has not updated its manifest for this long, on another machine, is taken as dead.
@@ -107,15 +107,17 @@ class RunReader:
     """A recording opened for reading. Cheap to open whatever its size: nothing but the group
     attributes and the manifest is read until asked for."""
 
-    def __init__(self, target: backend.StoreTarget) -> None:
+    def __init__(self, target: backend.StoreTarget, *, storage_options: dict[str, Any] | None = None) -> None:
+        """``storage_options``: a URL's fsspec options (see ``backend.open_store``)."""
         self.target = target
         self.label = backend.describe(target)
-        if not isinstance(target, zarr.abc.store.Store) and not Path(target).exists():
+        if not isinstance(target, zarr.abc.store.Store) and not backend.is_url(target) and \
+                not Path(backend.local_path(target)).exists():
             raise NotARecordingError(f"{self.label}: no such file or directory; give the path of a recording "
                                      "(made by recorder.record or `pdbg record`)")
         try:
-            self.store = backend.open_store(target, mode="r")
-        except (FormatError, NotARecordingError):  # a zip refused by its checks: the message says why
+            self.store = backend.open_store(target, mode="r", storage_options=storage_options)
+        except PdbgError:  # a zip refused by its checks, a URL that cannot be read: the message says why
             raise
         except Exception as exc:  # a file that is not a zip, a directory we cannot read...
             raise NotARecordingError(f"{self.label} is not a PaperDebugger recording ({exc})") from None
@@ -250,10 +252,15 @@ class RunReader:
         return self._ranks[rank]
 
     def nbytes(self) -> int:
-        """Bytes on disk (directory stores) or in the zip."""
+        """Bytes on disk (directory stores), in the zip, or in the remote store."""
         root = backend.local_root(self.store)
         if root is not None:
             return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+        if isinstance(self.store, backend.RemoteStore):
+            try:
+                return backend.remote_nbytes(self.store)
+            except OSError as exc:
+                raise FormatError(f"{self.label}: cannot list the recording ({backend.remote_problem(exc)})") from None
         path = getattr(self.store, "path", None)
         return Path(path).stat().st_size if path else 0
 
