@@ -38,6 +38,11 @@ class RecorderWarning(UserWarning):
     """The recorder hit a problem and degraded; training goes on."""
 
 
+class WriterStopped(Exception):
+    """The writer thread failed or was given up on: nothing more can be recorded. Not a RuntimeError,
+    which capture takes for a tensor it cannot copy."""
+
+
 @dataclass(eq=False)
 class Frame:
     """One step in progress (forward call or backward of a call)."""
@@ -65,6 +70,7 @@ class Frame:
     alerts: list[dict[str, Any]] = field(default_factory=list)  # from checks and breakpoints
     pending: Any = None  # a monitor's stop or pdb action, carried out once the step is submitted
     checked: bool = False  # nonfinite below has been looked for
+    dropped: int = 0  # payloads not recorded: the store could not keep up (when_slow="drop_payloads")
     nonfinite: TensorItem | None = None  # the first result tensor holding NaN or Inf
 
 
@@ -96,6 +102,7 @@ class Session:
         self.enabled = True
         self.closed = False  # set by close(): callbacks of graphs that outlive the recording do nothing
         self.failure: str | None = None
+        self._slow_warned = False  # the warning that payloads are being dropped was given
         self._token = 0
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
         self._pass: list[BackwardLink] = []  # backward frames open in the current backward pass
@@ -124,11 +131,17 @@ class Session:
             return index
 
     def fail(self, where: str, exc: BaseException) -> None:
-        """Stop capturing after an internal error; warn once. Training is never interrupted."""
+        """Stop capturing after an internal error or a failed writer; warn once. Training is never
+        interrupted; the run will be ``incomplete``."""
         if self.failure is None:
-            self.failure = f"{where}: {type(exc).__name__}: {exc}"
-            warnings.warn(f"PaperDebugger stopped recording ({self.failure}); training continues and the "
-                          "steps committed so far stay readable", RecorderWarning, stacklevel=3)
+            if isinstance(exc, WriterStopped):  # its message names the problem and what to do
+                self.failure = f"writer: {exc}"
+                message = f"PaperDebugger stopped recording: {exc}. Training continues"
+            else:
+                self.failure = f"{where}: {type(exc).__name__}: {exc}"
+                message = f"PaperDebugger stopped recording ({self.failure}); training continues"
+            warnings.warn(f"{message} and the steps committed so far stay readable; the run is marked incomplete",
+                          RecorderWarning, stacklevel=3)
         self.enabled = False
 
     def next_iteration(self) -> None:
@@ -417,6 +430,8 @@ class Session:
             if frame.payloads:
                 try:
                     item.payload = self._cpu_payload(t) if t.device.type == "cpu" else self._device_payload(t)
+                    if item.payload is None:  # dropped: the store cannot keep up
+                        frame.dropped += 1
                 except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
                     frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
         frame.tensors.append(item)
@@ -431,8 +446,9 @@ class Session:
             frame.notes.append(f"{name}: no statistics for {t.dtype} ({type(exc).__name__}: {exc})")
             return stats_mod.EMPTY
 
-    def _cpu_payload(self, t: torch.Tensor) -> tuple[int, int, int]:
-        """Hash a CPU tensor's bytes; copy and send them only when new. Returns the content key."""
+    def _cpu_payload(self, t: torch.Tensor) -> tuple[int, int, int] | None:
+        """Hash a CPU tensor's bytes; copy and send them only when new. Returns the content key, or
+        None when the bytes were dropped (the store cannot keep up: see ``_room``)."""
         units, unit, aliases = payload_mod.as_units(t)
         key = payload_mod.content_key(units, unit)
         if key in self.seen:  # on its way to the store already
@@ -447,36 +463,80 @@ class Session:
         item = PayloadItem(key=key, unit=unit, data=units)
         if aliases:  # the tensor may change after this step: copy it, into a reused buffer if large
             item.buffer = self.pipeline.pool.take(units.nbytes)
-            if item.buffer is None:
-                item.data = units.copy()
-            else:
-                item.data = item.buffer[:units.nbytes].view(units.dtype)
-                np.copyto(item.data, units)
-        self._send_payload(item, key)
+        if not self._room(item.nbytes, item.buffer):  # before the copy: a dropped payload costs none
+            return None
+        try:
+            if aliases:
+                if item.buffer is None:
+                    item.data = units.copy()
+                else:
+                    item.data = item.buffer[:units.nbytes].view(units.dtype)
+                    np.copyto(item.data, units)
+            self._send_payload(item, key)
+        except BaseException:
+            self._unroom(item.nbytes)
+            raise
         return key
 
-    def _device_payload(self, t: torch.Tensor) -> int:
+    def _device_payload(self, t: torch.Tensor) -> int | None:
         unit = payload_mod.unit_of(t.dtype)
         flat = payload_mod.flat(t)
         nbytes = flat.numel() * t.element_size()
-        # Page-locked staging lets the copy run asynchronously; the writer waits on the event.
-        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.device.type == "cuda")
-        if nbytes:
-            pinned.copy_(flat.view(torch.uint8), non_blocking=True)
-        event = torch.cuda.Event() if t.device.type == "cuda" else None
-        if event is not None:
-            event.record()
-        with self.lock:
-            self._token += 1
-            token = self._token
-        self._send_payload(PayloadItem(key=None, unit=unit, pinned=pinned, event=event, token=token), token)
+        if not self._room(nbytes):  # dropped (the store cannot keep up): no staging, no copy
+            return None
+        try:
+            # Page-locked staging lets the copy run asynchronously; the writer waits on the event.
+            pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.device.type == "cuda")
+            if nbytes:
+                pinned.copy_(flat.view(torch.uint8), non_blocking=True)
+            event = torch.cuda.Event() if t.device.type == "cuda" else None
+            if event is not None:
+                event.record()
+            with self.lock:
+                self._token += 1
+                token = self._token
+            self._send_payload(PayloadItem(key=None, unit=unit, pinned=pinned, event=event, token=token), token)
+        except BaseException:
+            self._unroom(nbytes)
+            raise
         return token
 
+    def _room(self, nbytes: int, buffer: np.ndarray | None = None) -> bool:
+        """Full mode: take room in the writer queue for a payload, before it is copied. False when
+        the store cannot keep up and the payload is dropped (``when_slow="drop_payloads"``; warned
+        once), ``buffer`` going back to the pool. Flight mode's bytes are bounded by its ring."""
+        if self.ring is not None or self.pipeline.reserve(nbytes):
+            return True
+        if buffer is not None:
+            self.pipeline.pool.give(buffer)
+        if self.pipeline.error is not None:
+            raise WriterStopped(self.pipeline.problem())
+        if not self._slow_warned:
+            self._slow_warned = True
+            warnings.warn(f"PaperDebugger is dropping tensor payloads: {self.pipeline.where()} cannot keep up with "
+                          f"training (its queue of max_queue_bytes={self.pipeline.max_queue_bytes} stayed full longer "
+                          "than training may wait); every step and statistic is still recorded, the tensors whose "
+                          "bytes were dropped have statistics only; record to a faster disk, record less "
+                          "(mode='stats', every=k), raise max_queue_bytes, or pass when_slow='wait' to hold "
+                          "training instead", RecorderWarning, stacklevel=2)
+        return False
+
+    def _unroom(self, nbytes: int) -> None:
+        """Give back the room ``_room`` took for a payload that was not handed over."""
+        if self.ring is None:
+            self.pipeline.unreserve(nbytes)
+
     def _send(self, item: Any, nbytes: int) -> None:
-        if not self.pipeline.submit(item, nbytes):
-            raise RuntimeError(f"the writer stopped: {self.pipeline.error!r}")
+        # Full mode's payloads took their room before they were copied (_room); the others wait for it.
+        reserved = self.ring is None and isinstance(item, PayloadItem)
+        if not self.pipeline.submit(item, nbytes, reserved=reserved):
+            raise WriterStopped(self.pipeline.problem())
 
     def _submit(self, frame: Frame) -> None:
+        if frame.dropped:  # says why these records have statistics only
+            frame.notes.append(f"{frame.dropped} payload(s) not recorded: the store could not keep up "
+                               "(when_slow='drop_payloads')")
+            frame.dropped = 0
         docs = {"name": frame.defn.name, "definition": frame.defn.doc(), "module_path": frame.path,
                 "module": self._module_doc(frame.module), "settings": frame.settings,
                 "args": frame.args_doc, "output": frame.output_doc}

@@ -3,15 +3,25 @@
 The training thread hands over snapshots (payload bytes it copied, statistics, step rows); this
 thread hashes what came from accelerators, deduplicates, encodes and writes, and commits every
 ``flush_interval`` seconds. Only one thread ever touches the store, so no update is lost.
+
+When the store is slower than training (docs/RELIABILITY.md, "A slow store"), payload bytes are
+what gives way: with ``when_slow="drop_payloads"`` (the default) training waits for room at most
+``WAIT_CAP_S`` at a time and ``WAIT_SHARE`` of its time overall, and a payload that finds no room
+after that is dropped (its tensor record keeps its statistics, payload -1). Step rows and statistics
+are never dropped: they have a queue budget of their own, and wait for room when even that is full.
+With ``when_slow="wait"`` payloads wait too. Either way, a writer that makes no progress for
+``backpressure_timeout`` seconds is given up on: recording stops and the run is ``incomplete``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,23 +29,51 @@ import torch
 from . import jsonval, snapshot
 from . import payload as payload_mod
 from .items import ForgetIterations, PayloadItem, StagingPool, StepItem
-from .store import layout
+from .store import backend, layout
 from .store.writer import StoreWriter
 
 HEARTBEAT_S = 30.0
+WHEN_SLOW = ("drop_payloads", "wait")
+WAIT_CAP_S = 1.0  # drop_payloads: the longest training waits at once for room for a payload...
+WAIT_SHARE = 0.05  # ...and the share of its time it may spend waiting overall (the allowance refills at this rate)
+RECORD_QUEUE_BYTES = 256 << 20  # step rows and statistics queued at most (estimated, see record_bytes)
+STEP_BYTES, TENSOR_BYTES = 32 << 10, 1 << 10  # a queued step's memory: its RNG states (~30 KB), then per tensor record
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_MIN_WAIT_S = 0.002
+
+
+class WriterStalled(TimeoutError):
+    """The writer made no progress (no item written, no commit) for ``backpressure_timeout`` seconds."""
+
+
+def record_bytes(item: StepItem) -> int:
+    """Estimated memory of a queued step: mostly its RNG states (Python's alone is a tuple of 625
+    ints) and its tensor records. Counted against ``max_record_bytes``, not ``max_queue_bytes``."""
+    return STEP_BYTES + TENSOR_BYTES * len(item.tensors)
+
+
+def _label(writer: StoreWriter) -> str:
+    """The recording's name in a message: its directory, URL or kind of store."""
+    root = backend.local_root(writer.store)
+    return str(root) if root is not None else backend.describe(writer.store)
 
 
 class Pipeline:
     """Queue + writer thread around a StoreWriter."""
 
     def __init__(self, writer: StoreWriter, *, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0,
-                 backpressure_timeout: float = 120.0) -> None:
+                 backpressure_timeout: float = 120.0, when_slow: str = "drop_payloads",
+                 max_record_bytes: int = RECORD_QUEUE_BYTES) -> None:
+        if when_slow not in WHEN_SLOW:
+            raise ValueError(f"unknown when_slow {when_slow!r}: use one of {', '.join(WHEN_SLOW)}")
         self.writer = writer
         self.max_queue_bytes, self.flush_interval = max_queue_bytes, flush_interval
-        self.backpressure_timeout = backpressure_timeout
-        self._queue: deque[Any] = deque()
-        self._bytes = 0
-        self._cond = threading.Condition()
+        self.backpressure_timeout = backpressure_timeout  # seconds without progress before the writer is given up on
+        self.when_slow, self.max_record_bytes = when_slow, max_record_bytes
+        self._queue: deque[tuple[Any, int, int]] = deque()  # (item, payload bytes, record bytes)
+        self._bytes = 0  # payload bytes queued or reserved
+        self._record_bytes = 0  # estimated bytes of queued step records
+        self._cond = threading.Condition()  # reentrant: a signal handler may hand over items (flight mode)
         self.error: BaseException | None = None
         self.error_trace = ""
         self._tokens: dict[int, tuple[int, int, int]] = {}
@@ -43,30 +81,118 @@ class Pipeline:
         self.pool = StagingPool()
         self._rng_docs: dict[tuple[str, Any], int] = {}
         self._rng_sets: dict[tuple[tuple[str, int], ...], int] = {}  # {part: doc id} documents by content
-        self.peak_queue_bytes = 0
+        self.peak_queue_bytes = 0  # payload bytes, at most max_queue_bytes (or one larger payload alone)
+        self.peak_record_bytes = 0
+        self.dropped_payloads = 0  # payloads not recorded because the store could not keep up
+        self.dropped_bytes = 0
+        self.waited_s = 0.0  # time training spent waiting for room in the queue
+        self._allowance = WAIT_CAP_S  # drop_payloads: seconds training may still wait for room
+        self._allowance_at = time.monotonic()
+        self._progress = time.monotonic()  # the writer's last finished item or commit
+        self._final: dict[str, Any] = {}  # the run's final information, once close() has it
+        self._published = False  # the final information went out with the status "incomplete"
         self.ready = threading.Event()  # set once the store's layout is on disk (or creating it failed)
         self._thread = threading.Thread(target=self._run, name="pdbg-writer", daemon=True)
         self._thread.start()
 
     # -- training-thread side --------------------------------------------------------------------
-    def submit(self, item: Any, nbytes: int = 0) -> bool:
-        """Enqueue an item; blocks while the queue holds more than ``max_queue_bytes`` (backpressure).
-        Returns False when the writer has failed or stayed stuck past ``backpressure_timeout``."""
+    def reserve(self, nbytes: int) -> bool:
+        """Take room for a payload that may be dropped (full mode), before its bytes are copied; the
+        item follows with ``submit(item, nbytes, reserved=True)`` (or ``unreserve``). Returns False
+        when there is no room, per ``when_slow`` (counted in ``dropped_payloads``), or when the
+        writer has stopped (``error`` is set)."""
         with self._cond:
-            deadline = time.monotonic() + self.backpressure_timeout
-            while self._bytes > self.max_queue_bytes and self.error is None:
-                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())) and \
-                        time.monotonic() >= deadline:
-                    self.error = TimeoutError(f"the recording writer made no progress for "
-                                              f"{self.backpressure_timeout:.0f} s (disk stalled?)")
-                    break
+            if self.error is None and not self._fits(nbytes):
+                if self.when_slow == "wait":
+                    self._wait_for(lambda: self._fits(nbytes))
+                else:
+                    self._wait_briefly(nbytes)
             if self.error is not None:
                 return False
-            self._queue.append((item, nbytes))
-            self._bytes += nbytes
-            self.peak_queue_bytes = max(self.peak_queue_bytes, self._bytes)
+            if not self._fits(nbytes):
+                self.dropped_payloads += 1
+                self.dropped_bytes += nbytes
+                return False
+            self._take(nbytes)
+            return True
+
+    def unreserve(self, nbytes: int) -> None:
+        """Give back room taken by ``reserve`` for an item that will not be submitted."""
+        with self._cond:
+            self._bytes = max(0, self._bytes - nbytes)
+            self._cond.notify_all()
+
+    def submit(self, item: Any, nbytes: int = 0, *, reserved: bool = False) -> bool:
+        """Enqueue an item. Payloads not ``reserved`` (flight mode's) and step records wait while the
+        queue has no room for them: they are never dropped. Returns False when the writer has failed
+        or was given up on (``error`` says why)."""
+        with self._cond:
+            record = 0
+            if isinstance(item, StepItem):
+                record, nbytes = max(nbytes, record_bytes(item)), 0
+                if self._record_bytes and self._record_bytes + record > self.max_record_bytes:
+                    self._wait_for(lambda: not self._record_bytes or
+                                   self._record_bytes + record <= self.max_record_bytes)
+            elif nbytes and not reserved and not self._fits(nbytes):
+                self._wait_for(lambda: self._fits(nbytes))
+            if self.error is not None:
+                return False
+            if not self._queue:
+                self._progress = time.monotonic()  # the writer's time to show progress starts now
+            self._queue.append((item, nbytes, record))
+            if not reserved:
+                self._take(nbytes)
+            if record:
+                self._record_bytes += record
+                self.peak_record_bytes = max(self.peak_record_bytes, self._record_bytes)
             self._cond.notify_all()
         return True
+
+    def _fits(self, nbytes: int) -> bool:
+        # A payload larger than the whole bound goes alone, or it could never be recorded.
+        return self._bytes + nbytes <= self.max_queue_bytes or self._bytes == 0
+
+    def _take(self, nbytes: int) -> None:
+        self._bytes += nbytes
+        self.peak_queue_bytes = max(self.peak_queue_bytes, self._bytes)
+
+    def _wait_briefly(self, nbytes: int) -> None:
+        """drop_payloads: wait for room as long as the allowance lasts. The allowance refills at
+        ``WAIT_SHARE`` of the time passed, up to ``WAIT_CAP_S``: a short hiccup of the store costs
+        no payload, a store that stays slow costs training at most that share of its time."""
+        now = time.monotonic()
+        self._allowance = min(WAIT_CAP_S, self._allowance + WAIT_SHARE * (now - self._allowance_at))
+        self._allowance_at = now
+        if self._allowance < _MIN_WAIT_S:  # a wait this short would cost more than it could gain
+            return
+        deadline = now + self._allowance
+        while self.error is None and not self._fits(nbytes):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(timeout=left)
+        waited = time.monotonic() - now
+        self._allowance -= waited  # below 0 when waking up took longer than asked: repaid before the next wait
+        self.waited_s += waited
+
+    def _wait_for(self, ready: Callable[[], bool]) -> None:
+        """Wait until ``ready()``; give the writer up (``error``) once it has made no progress for
+        ``backpressure_timeout`` seconds, so training is never held forever."""
+        start = time.monotonic()
+        while self.error is None and not ready():
+            idle = time.monotonic() - self._progress
+            if idle >= self.backpressure_timeout:
+                self._stalled()
+                break
+            self._cond.wait(timeout=min(1.0, self.backpressure_timeout - idle))
+        self.waited_s += time.monotonic() - start
+
+    def _stalled(self) -> None:
+        with self._cond:
+            if self.error is None:
+                self.error = WriterStalled(f"the recording writer made no progress for "
+                                           f"{self.backpressure_timeout:.0f} s")
+            self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Commit everything submitted so far; waits for it. Returns False on failure or timeout."""
@@ -76,32 +202,68 @@ class Pipeline:
         return done.wait(timeout) and self.error is None
 
     def close(self, status: str, info: dict[str, Any], timeout: float | None = None) -> None:
-        """Drain the queue, write the final status and stop the thread."""
-        if self._thread.is_alive():
-            self.submit(("close", status, info))
-            self._thread.join(timeout)
-        if self.error is not None:
-            # Still publish what was committed and why the rest is missing; if even that fails, the
-            # last manifest stands and readers infer "crashed" from the dead writer.
-            with contextlib.suppress(Exception):
-                self.writer.close("crashed", {**info, "writer_error": repr(self.error),
-                                              "writer_traceback": self.error_trace[-20000:]})
+        """Drain the queue, write the final status and stop the thread.
+
+        Waits while the writer makes progress (a slow store takes its time), up to ``timeout``. A
+        writer that failed, or makes no progress for ``backpressure_timeout`` seconds, leaves the
+        run ``incomplete``: published here when its thread has ended, else by the thread itself if
+        it ever returns from the store."""
+        with self._cond:
+            self._final = dict(info)
+        if self._thread.is_alive() and self.submit(("close", status, info)):
+            self._join(timeout)
+        if self.error is not None and not self._thread.is_alive() and not self._published:
+            self._abandon()
+
+    def _join(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._thread.is_alive():
+            self._thread.join(1.0)
+            now = time.monotonic()
+            if self._thread.is_alive() and (now - self._progress >= self.backpressure_timeout or
+                                            (deadline is not None and now >= deadline)):
+                self._stalled()
+                return
+
+    def problem(self) -> str:
+        """What stopped the writer and what to do, as a phrase for a one-line message."""
+        exc, where = self.error, _label(self.writer)
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            return (f"the disk holding {where} is full ({exc.strerror or exc}); free space on it or record to "
+                    "another disk (mode='stats' or every=k record less)")
+        if isinstance(exc, WriterStalled):
+            return f"{exc} writing {where}; check the disk or network store it is on"
+        return f"writing {where} failed ({type(exc).__name__}: {exc}); check the disk or store it is on"
+
+    def where(self) -> str:
+        """The recording's name in a message."""
+        return _label(self.writer)
 
     # -- writer-thread side ----------------------------------------------------------------------
     def _run(self) -> None:
         dirty = False
-        item: Any = None
+        entry: tuple[Any, int, int] | None = None
         try:
             try:
                 self.writer.create()  # the store's files, made here rather than on the training thread
             finally:
                 self.ready.set()
             last_flush = last_commit = time.monotonic()
+            interval = self.flush_interval
             while True:
                 with self._cond:
-                    if not self._queue:
+                    if entry is not None:  # done with it: its room is free (one lock per item)
+                        self._bytes = max(0, self._bytes - entry[1])
+                        self._record_bytes = max(0, self._record_bytes - entry[2])
+                        self._progress = time.monotonic()
+                        self._cond.notify_all()
+                        entry = None
+                    if not self._queue and self.error is None:
                         self._cond.wait(timeout=self.flush_interval)
-                    item, nbytes = self._queue.popleft() if self._queue else (None, 0)
+                    if self.error is not None:  # the training side gave up on this thread (stalled)
+                        break
+                    entry = self._queue.popleft() if self._queue else None
+                item = entry[0] if entry is not None else None
                 if isinstance(item, tuple) and item[0] == "close":
                     self.writer.close(item[1], item[2])
                     return
@@ -113,29 +275,40 @@ class Pipeline:
                 elif item is not None:
                     self._handle(item)
                     dirty = True
-                self._release(nbytes)
                 # Checked after every item, so commits keep their pace even when the queue is long.
                 now = time.monotonic()
-                if (dirty and now - last_flush >= self.flush_interval) or now - last_commit >= HEARTBEAT_S:
+                if (dirty and now - last_flush >= interval) or now - last_commit >= HEARTBEAT_S:
                     self.writer.flush()
-                    last_flush = last_commit = now
+                    last_flush = last_commit = time.monotonic()
+                    # A commit slower than flush_interval (a slow store) spaces the next one as far:
+                    # at most half of this thread's time goes to commits, the rest to the queue.
+                    interval = max(self.flush_interval, last_flush - now)
+                    self._progress = last_flush
                     dirty = False
         except BaseException as exc:  # never let the writer die silently: the session reports it
             with self._cond:
-                self.error, self.error_trace = exc, traceback.format_exc()
-                pending = [item, *(queued for queued, _ in self._queue)]
-                self._queue.clear()
-                self._bytes = 0
-                self._cond.notify_all()
-            for waiting in pending:  # nobody waits forever on a flush that will not happen
-                if isinstance(waiting, tuple) and waiting[0] == "flush":
-                    waiting[1].set()
+                if self.error is None:
+                    self.error, self.error_trace = exc, traceback.format_exc()
+        with self._cond:
+            pending = ([entry[0]] if entry is not None else []) + [queued for queued, *_ in self._queue]
+            self._queue.clear()
+            self._bytes = self._record_bytes = 0
+            self._cond.notify_all()
+        for waiting in pending:  # nobody waits forever on a flush that will not happen
+            if isinstance(waiting, tuple) and waiting[0] == "flush":
+                waiting[1].set()
+        self._abandon()
 
-    def _release(self, nbytes: int) -> None:
-        if nbytes:
-            with self._cond:
-                self._bytes -= nbytes
-                self._cond.notify_all()
+    def _abandon(self) -> None:
+        """Publish the status ``incomplete`` and why, committing nothing more (the writer's own
+        state past its last commit may be half updated). On a full disk this may fail too: then
+        the last manifest stands, and readers see ``recording`` until this process ends."""
+        with self._cond:
+            final = dict(self._final)
+        info = {**final, "writer_error": repr(self.error), "writer_traceback": self.error_trace[-20000:]}
+        with contextlib.suppress(Exception):
+            self.writer.abandon(info)
+            self._published = bool(final)
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, PayloadItem):

@@ -24,7 +24,7 @@ from torch.optim import optimizer as optimizer_mod
 
 from . import autohooks, capture, jsonval, monitors, snapshot
 from .errors import RecordingError
-from .pipeline import Pipeline
+from .pipeline import WHEN_SLOW, Pipeline
 from .store import backend
 from .store import codecs as codecs_api
 from .store.writer import StoreWriter
@@ -39,6 +39,7 @@ class Run:
     def __init__(self, path: backend.StoreTarget, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, mode: str = "full", every: int = 1,
                  compressor: Any = None, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0,
+                 when_slow: str = "drop_payloads",
                  modules: str | list[str] | None = None, on_anomaly: str = "record", keep: int = 2,
                  max_ring_bytes: int = 4 << 30, script: str | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
@@ -67,6 +68,9 @@ class Run:
         if not isinstance(max_ring_bytes, int) or max_ring_bytes < 1:
             raise RecordingError(f"max_ring_bytes must be a positive integer, not {max_ring_bytes!r}")
         monitors.check_action(on_anomaly, "on_anomaly")
+        if when_slow not in WHEN_SLOW:
+            raise RecordingError(f"unknown when_slow {when_slow!r}: use 'drop_payloads' (the default: a store too "
+                                 "slow for training loses payloads, never steps) or 'wait' (training waits for it)")
         self.path, self.mode, self.every = path, mode, every
         compression = codecs_api.parse(compressor)
         self.t0 = time.perf_counter()
@@ -80,7 +84,8 @@ class Run:
                 raise RecordingError(f"cannot create the recording {path}: {backend.remote_problem(exc)}") from None
             raise RecordingError(f"cannot create the recording {path}: {exc.strerror or exc}; choose a path in a "
                                  "writable directory") from None
-        self.pipeline = Pipeline(writer, max_queue_bytes=max_queue_bytes, flush_interval=flush_interval)
+        self.pipeline = Pipeline(writer, max_queue_bytes=max_queue_bytes, flush_interval=flush_interval,
+                                 when_slow=when_slow)
         self.session = capture.Session(self.pipeline, mode=mode, every=every, model=model, t0=self.t0,
                                        modules=modules, on_anomaly=on_anomaly, keep=keep,
                                        max_ring_bytes=max_ring_bytes)
@@ -123,14 +128,21 @@ class Run:
 
     @property
     def failure(self) -> str | None:
-        """Why recording degraded, if it did."""
+        """Why recording stopped early, if it did (the run will be ``incomplete``)."""
         if self.session.failure is None and self.pipeline.error is not None:
-            self.session.failure = f"writer: {self.pipeline.error!r}"
+            return f"writer: {self.pipeline.problem()}"
         return self.session.failure
+
+    def _writer_failed(self) -> None:
+        """A writer failure the training side has not met yet (no hand-over since) is warned here, once."""
+        if self.pipeline.error is not None:
+            self.session.fail("writing the recording", capture.WriterStopped(self.pipeline.problem()))
 
     # -- ending --------------------------------------------------------------------------------------
     def close(self, status: str = "complete", exception: BaseException | None = None) -> None:
-        """Stop recording, write everything out and mark the run ``complete`` (or ``crashed``)."""
+        """Stop recording, write everything out and mark the run ``complete`` (or ``crashed``); a run
+        whose recording stopped early (a failed writer, a capture error) is ``incomplete``, which
+        wins over both (``exception`` still goes into its final information)."""
         if self.closed:
             return
         self.closed = True
@@ -141,9 +153,13 @@ class Run:
         self._restore_signals()
         self.session.close()
         self._warn_unmatched()
+        self._writer_failed()
+        pipe = self.pipeline  # its counters are final: nothing more is handed over
         info: dict[str, Any] = {"ended_unix": time.time(), "iterations": self.session.iteration + 1,
                                 "steps_started": self.session.next_index,
-                                "peak_queue_bytes": self.pipeline.peak_queue_bytes}
+                                "peak_queue_bytes": pipe.peak_queue_bytes, "peak_record_bytes": pipe.peak_record_bytes,
+                                "when_slow": pipe.when_slow, "dropped_payloads": pipe.dropped_payloads,
+                                "dropped_payload_bytes": pipe.dropped_bytes, "queue_wait_s": round(pipe.waited_s, 3)}
         ring = self.session.ring
         if ring is not None:
             info["flight"] = {"keep": ring.keep, "max_ring_bytes": ring.max_bytes, "peak_ring_bytes": ring.peak_bytes,
@@ -155,13 +171,11 @@ class Run:
         if self.failure:
             info["recorder_failure"] = self.failure
         try:
-            self.pipeline.close(status, info)
+            self.pipeline.close("incomplete" if self.session.failure is not None else status, info)
         finally:
             _restore_blosc(self._blosc_threads)
-        self.status = "crashed" if self.pipeline.error is not None else status
-        if self.pipeline.error is not None and self.session.failure is None:
-            warnings.warn(f"PaperDebugger's writer failed ({self.pipeline.error!r}); the recording holds the "
-                          "steps committed before it", capture.RecorderWarning, stacklevel=2)
+        self._writer_failed()  # failed while closing
+        self.status = "incomplete" if self.session.failure is not None else status
 
     def _catch_signals(self) -> dict[int, Any]:
         """Flight mode: SIGTERM (and SIGINT, when it would kill the process) first writes the ring,
@@ -237,7 +251,10 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
         every: with mode="full", keep payloads every k-th iteration and statistics for the rest.
         compressor: None (Blosc lz4 + bit shuffle), "lz4", "zstd", "none", or a dict with
             ``cname``, ``clevel`` and ``shuffle``.
-        options: ``max_queue_bytes`` (memory the writer queue may hold, default 512 MiB),
+        options: ``max_queue_bytes`` (payload bytes the writer queue may hold, default 512 MiB),
+            ``when_slow`` (when the store is slower than training: "drop_payloads", the default, drops
+            the payloads that find no room after a short wait, never steps or statistics; "wait" holds
+            training instead; see docs/RELIABILITY.md, "A slow store"),
             ``flush_interval`` (seconds between commits, default 1.0) and ``modules``: module-path
             globs (``"blocks.*"``, ``"**.attn"``) whose modules are recorded too, decorated or not
             (see recorder.autohooks), and ``on_anomaly``: what a step with NaN or Inf results does:
@@ -249,7 +266,8 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
             environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...).
 
     Returns:
-        The Run; leaving the ``with`` block closes it (``complete``, or ``crashed`` on an exception).
+        The Run; leaving the ``with`` block closes it (``complete``, or ``crashed`` on an exception;
+        ``incomplete`` when recording stopped early, as on a full disk).
     """
     return Run(path, model=model, optimizer=optimizer, mode=mode, every=every, compressor=compressor, **options)
 

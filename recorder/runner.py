@@ -20,6 +20,7 @@ from typing import Any
 
 from . import skeleton
 from .errors import RecordingError
+from .store import backend
 
 
 @dataclass
@@ -71,8 +72,9 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
     from .run import Run
 
     script_path = check_script(script)
-    out_path = check_output(out)
-    created = not out_path.exists()
+    remote = backend.is_url(out)  # s3://...: checked when the run opens it (credentials, bucket)
+    out_path: Any = out if remote else check_output(out)
+    created = not remote and not out_path.exists()
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     script_dir = str(script_path.resolve().parent)
 
@@ -91,7 +93,7 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
                   script=str(script_path.resolve()), **options)
     except BaseException:
         restore()
-        if created and out_path.exists():
+        if created and Path(out_path).exists():
             shutil.rmtree(out_path, ignore_errors=True)  # nothing recorded: leave nothing behind
         raise
     code, error = 0, None

@@ -662,7 +662,7 @@ class PdbgApp(App[None]):
 
     def action_reload(self) -> None:
         index = self.timeline.step_index
-        self.rec = Recording(self.rec.path)
+        self.rec = Recording(self.rec.path, self.rec.rank.rank, storage_options=self.rec.storage_options)
         self.model = views.TimelineModel(self.rec)
         self._drifts.clear()
         self.timeline.model = self.model

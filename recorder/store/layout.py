@@ -128,7 +128,9 @@ NONFINITE_RESULT = 1  # steps/flags bits
 NONFINITE_INPUT = 2
 STATUSES: tuple[str, ...] = ("ok", "alert", "nonfinite", "exception")
 STAT_NAMES: tuple[str, ...] = ("min", "max", "mean", "std", "absmax", "norm", "nan", "inf")
-RUN_STATUSES: tuple[str, ...] = ("recording", "complete", "crashed")
+# incomplete: the recorder stopped before the run ended (its writer failed: a full disk, a store gone;
+# or capture failed) while training went on; crashed: the run ended by an exception, or its process died.
+RUN_STATUSES: tuple[str, ...] = ("recording", "complete", "crashed", "incomplete")
 
 
 def columns() -> list[Column]:

@@ -198,8 +198,9 @@ class RunReader:
     @property
     def closed(self) -> bool:
         """Whether the writer closed the recording (its manifest says complete or crashed): closing trims
-        every array to its committed length, so any other length is damage."""
-        return self.manifest.get("status", "recording") != "recording"
+        every array to its committed length, so any other length is damage. An ``incomplete`` run's
+        writer may have failed before it could trim: its arrays may be longer, as while recording."""
+        return self.manifest.get("status", "recording") in ("complete", "crashed")
 
     # -- run-level information -------------------------------------------------------------------
     @property
@@ -212,7 +213,9 @@ class RunReader:
 
     @property
     def status(self) -> str:
-        """``complete``, ``crashed``, or ``recording`` while the writer is alive."""
+        """``complete``; ``crashed`` (an exception ended the run, or its process died); ``incomplete``
+        (recording stopped early, training went on: ``final`` in the run's metadata says why); or
+        ``recording`` while the writer is alive."""
         status = self.manifest.get("status", "recording")
         if status == "recording" and not self._writer_alive():
             return "crashed"

@@ -315,13 +315,35 @@ class StoreWriter:
         self.root_meta["attributes"][layout.ATTRS_KEY]["final"] = {"status": status, **self.info}
         backend.put(self.store, "zarr.json", json.dumps(self.root_meta, indent=2, allow_nan=False).encode())
 
-    def write_manifest(self) -> None:
+    def abandon(self, info: dict[str, Any]) -> None:
+        """After a failed write (a full disk, a store gone): mark the run ``incomplete`` and say why,
+        committing nothing more.
+
+        What was appended since the last commit may be half written (the failure can strike inside
+        a step, between one column and the next), so the manifest keeps the lengths of the one on
+        disk. Nothing is trimmed: no file but the manifest and the root metadata is written (there
+        may be room for no more), and readers slice to the manifest anyway."""
+        self.info.update(info)
+        raw = backend.get(self.store, layout.MANIFEST_KEY)
+        try:
+            committed = json.loads(raw)["ranks"][str(self.rank)] if raw is not None else None
+        except (ValueError, KeyError, TypeError):
+            committed = None
+        if not isinstance(committed, dict):  # nothing committed (the layout may be unfinished): leave it
+            return
+        self.status = "incomplete"
+        self.write_manifest(committed)
+        self.root_meta["attributes"][layout.ATTRS_KEY]["final"] = {"status": self.status, **self.info}
+        backend.put(self.store, "zarr.json", json.dumps(self.root_meta, indent=2, allow_nan=False).encode())
+
+    def write_manifest(self, lengths: dict[str, int] | None = None) -> None:
+        """Commit: the manifest with ``lengths`` (default: everything appended and flushed)."""
         self.seq += 1
         manifest = {
             "format": "paperdebugger.manifest", "schema_version": layout.SCHEMA_VERSION,
             "status": self.status, "seq": self.seq, "updated_unix": time.time(),
             "writer": self._identity,
-            "ranks": {str(self.rank): self.lengths()}, "info": self.info,
+            "ranks": {str(self.rank): self.lengths() if lengths is None else lengths}, "info": self.info,
         }
         backend.put(self.store, layout.MANIFEST_KEY, dumps(manifest), durable=True)
 

@@ -226,6 +226,19 @@ def test_pdbg_storage_options_environment(runs: tuple[Path, str], endpoint: str,
         replayer.open(runs[1])
 
 
+def test_pdbg_record_to_a_url(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pdbg record -o s3://...` records an unmodified script straight into the bucket."""
+    from tui import cli
+
+    monkeypatch.setenv(backend.STORAGE_OPTIONS_ENV, json.dumps(options(endpoint)))
+    url = f"s3://{BUCKET}/cli/plain.zarr"
+    script = ROOT / "tests" / "scripts" / "plain_train.py"
+    assert cli.main(["record", "-o", url, "--modules", "blocks.*", "--", str(script), "3"]) == 0
+    rec = replayer.open(url)
+    assert rec.status == "complete" and len(rec) > 0
+    assert {rec.step(i).module_path for i in range(len(rec))} <= {f"blocks.{k}" for k in range(8)}
+
+
 # -- errors ----------------------------------------------------------------------------------------
 def test_missing_bucket(endpoint: str) -> None:
     url = "s3://no-such-bucket/run.zarr"
