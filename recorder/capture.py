@@ -11,6 +11,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,8 @@ ACTIVE: Session | None = None  # the recording in progress, if any (set by recor
 
 ROLE = {name: i for i, name in enumerate(layout.ROLES)}
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
+_MODULE_DOCS_LIMIT = 4096  # module documents remembered (modules made anew at every step would grow it)
+_DUMPS_KEPT = 256  # flight mode: ring writes listed in the run's metadata, first and last each
 
 
 class RecorderWarning(UserWarning):
@@ -107,11 +110,13 @@ class Session:
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
         self._pass: list[BackwardLink] = []  # backward frames open in the current backward pass
         self._callback_queued = False
-        self._module_docs: dict[int, tuple[torch.nn.Module, bool, dict[str, Any]]] = {}
+        # id(module) -> (weak reference, training flag, document): weak, so that modules made anew at
+        # every call (and their parameters) are not kept alive by the recording.
+        self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], bool, dict[str, Any]]] = {}
         self._known_settings: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.monitor = monitors.Monitor(on_anomaly)
         self.ring = flight.FlightRing(keep, max_ring_bytes) if mode == "flight" else None
-        self.dumps: list[dict[str, Any]] = []  # flight mode: when and why the ring was written
+        self.dumps: list[dict[str, Any]] = []  # flight mode: when and why the ring was written (see _log_dump)
         self._direct_iteration = -1  # flight mode: after an anomaly its iteration's bytes go straight out
         self._ring_iteration = -1  # flight mode: the iteration the ring last made room for
         self.selector = autohooks.ModuleSelector(modules)
@@ -172,12 +177,42 @@ class Session:
                 for item in items:
                     self._send(item, item.nbytes)
                     if item.key is not None:
-                        self.seen.add(item.key)
+                        self._mark_sent(item.key)
                 if iterations:
-                    self.dumps.append({"reason": reason, "iterations": iterations,
-                                       "bytes": sum(i.nbytes for i in items)})
+                    # Records whose bytes the ring did not keep (over max_bytes) would wait for them
+                    # in the writer forever: it drops them, after attaching the bytes just sent.
+                    self._send(ForgetIterations(iterations), 0)
+                    self._log_dump({"reason": reason, "iterations": iterations,
+                                    "bytes": sum(i.nbytes for i in items)})
         except Exception as exc:
             self.fail("writing the flight ring", exc)
+
+    def _log_dump(self, dump: dict[str, Any]) -> None:
+        """List a ring write for the run's metadata. A run whose every iteration is anomalous writes
+        the ring at every iteration: the first and the last ``_DUMPS_KEPT`` writes are listed, the
+        ones between are summed up in one entry between them (reason ``"omitted"``)."""
+        if len(self.dumps) < 2 * _DUMPS_KEPT:
+            self.dumps.append(dump)
+            return
+        if self.dumps[_DUMPS_KEPT]["reason"] != "omitted":
+            gone = self.dumps[_DUMPS_KEPT]
+            self.dumps[_DUMPS_KEPT] = {"reason": "omitted", "dumps": 1, "bytes": gone["bytes"],
+                                       "first_iteration": gone["iterations"][0],
+                                       "last_iteration": gone["iterations"][-1]}
+        else:
+            summary, gone = self.dumps[_DUMPS_KEPT], self.dumps.pop(_DUMPS_KEPT + 1)
+            summary["dumps"] += 1
+            summary["bytes"] += gone["bytes"]
+            summary["last_iteration"] = gone["iterations"][-1]
+        self.dumps.append(dump)
+
+    def _mark_sent(self, key: tuple[int, int, int]) -> None:
+        """Remember contents on their way to the store, so they are not copied again. Only a cache
+        (the writer deduplicates by content too), so bounded: in flight mode every anomaly adds the
+        keys of an iteration, and a run that stays non-finite adds them at every iteration."""
+        if len(self.seen) >= _SEEN_LIMIT:
+            self.seen.clear()
+        self.seen.add(key)
 
     def _reuse(self, items: list[PayloadItem]) -> None:
         for item in items:
@@ -187,16 +222,20 @@ class Session:
     def _send_payload(self, item: PayloadItem, ref: Any) -> None:
         if self.ring is None or self.iteration == self._direct_iteration:
             if item.key is not None:
-                self.seen.add(item.key)
+                self._mark_sent(item.key)
             self._send(item, item.nbytes)
             return
         if self.iteration != self._ring_iteration:  # the first bytes of an iteration make room for it
             self._ring_iteration = self.iteration
-            dropped, freed = self.ring.start_iteration(self.iteration)
-            self._reuse(freed)
-            if dropped:
-                self._send(ForgetIterations(dropped), 0)
-        self._reuse(self.ring.add(self.iteration, ref, item))
+            self._forget(*self.ring.start_iteration(self.iteration))
+        self._forget(*self.ring.add(self.iteration, ref, item))  # a full ring drops iterations too
+
+    def _forget(self, dropped: list[int], freed: list[PayloadItem]) -> None:
+        """Iterations left the ring unwritten: reuse their buffers, and tell the writer, which holds
+        their records (waiting for bytes) until then."""
+        self._reuse(freed)
+        if dropped:
+            self._send(ForgetIterations(dropped), 0)
 
     @staticmethod
     def _first_nonfinite(frame: Frame) -> TensorItem | None:
@@ -458,8 +497,6 @@ class Session:
             if held is not None:  # the same bytes wait in the ring: hold them for this iteration too
                 self._send_payload(held, key)
                 return key
-        elif len(self.seen) >= _SEEN_LIMIT:
-            self.seen.clear()  # the writer still deduplicates; this only saves copies
         item = PayloadItem(key=key, unit=unit, data=units)
         if aliases:  # the tensor may change after this step: copy it, into a reused buffer if large
             item.buffer = self.pipeline.pool.take(units.nbytes)
@@ -586,8 +623,10 @@ class Session:
             return None
         # Built once per instance (and training flag); the writer stores each distinct skeleton once.
         entry = self._module_docs.get(id(module))
-        if entry is None or entry[0] is not module or entry[1] != module.training:  # holding it keeps its id unique
-            entry = self._module_docs[id(module)] = (module, module.training, skeleton.build(module))
+        if entry is None or entry[0]() is not module or entry[1] != module.training:  # (an id can be reused)
+            if len(self._module_docs) >= _MODULE_DOCS_LIMIT:  # entries of modules gone: only a cache
+                self._module_docs.clear()
+            entry = self._module_docs[id(module)] = (weakref.ref(module), module.training, skeleton.build(module))
         return entry[2]
 
     # -- backward --------------------------------------------------------------------------------

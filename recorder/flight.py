@@ -28,7 +28,9 @@ class FlightRing:
         self.bytes = 0
         self.peak_bytes = 0
         self.overflowed = 0  # payloads not kept because one iteration alone exceeded max_bytes
-        self._lock = threading.Lock()
+        # Reentrant: SIGTERM's handler writes the ring on the training thread, which the signal may
+        # have interrupted inside add() (a plain lock would then wait for itself forever).
+        self._lock = threading.RLock()
 
     def find(self, ref: Ref) -> PayloadItem | None:
         """The item holding these contents in any iteration of the ring."""
@@ -38,27 +40,31 @@ class FlightRing:
                     return items[ref]
         return None
 
-    def add(self, iteration: int, ref: Ref, item: PayloadItem) -> list[PayloadItem]:
+    def add(self, iteration: int, ref: Ref, item: PayloadItem) -> tuple[list[int], list[PayloadItem]]:
         """Hold ``item`` for ``iteration`` (not kept, and counted in ``overflowed``, when the current
-        iteration alone is over ``max_bytes``). Returns the items no longer held by any iteration,
-        whose buffers the caller may reuse: older iterations make room when the ring is full."""
+        iteration alone is over ``max_bytes``). Older iterations make room when the ring is full.
+        Returns the iterations dropped for it (the writer must forget their records, as for
+        ``start_iteration``: it holds every record waiting for bytes until told) and the items no
+        longer held by any iteration, whose buffers the caller may reuse."""
         with self._lock:
             items = self._iterations.setdefault(iteration, {})
             if ref in items:
-                return []
+                return [], []
             new = id(item) not in self._owners
+            dropped: list[int] = []
             freed: list[PayloadItem] = []
             if new:
                 while self.bytes + item.nbytes > self.max_bytes and len(self._iterations) > 1:
+                    dropped.append(next(iter(self._iterations)))
                     freed += self._drop_oldest()
                 if self.bytes + item.nbytes > self.max_bytes:
                     self.overflowed += 1
-                    return freed
+                    return dropped, freed
                 self.bytes += item.nbytes
                 self.peak_bytes = max(self.peak_bytes, self.bytes)
             items[ref] = item
             self._owners[id(item)] = self._owners.get(id(item), 0) + 1
-            return freed
+            return dropped, freed
 
     def start_iteration(self, iteration: int) -> tuple[list[int], list[PayloadItem]]:
         """Keep room for ``iteration``: drop iterations older than the last ``keep``. Returns the
