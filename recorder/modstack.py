@@ -4,6 +4,7 @@ and module paths relative to the outermost module called."""
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ class ModuleStack:
     def __init__(self, model: torch.nn.Module | None = None) -> None:
         self.model = model
         self.local = threading.local()
-        self._paths: dict[int, dict[int, str]] = {}  # id(root) -> {id(module): path}
+        self._paths: dict[int, tuple[Any, dict[int, str]]] = {}  # id(root) -> (weak ref to root, {id(module): path})
         self._handles = [
             module_mod.register_module_forward_pre_hook(self._pre),
             module_mod.register_module_forward_hook(self._post, always_call=True),
@@ -48,10 +49,13 @@ class ModuleStack:
         root = self.root()
         if root is None or root is module:
             return ""
-        paths = self._paths.get(id(root))
+        entry = self._paths.get(id(root))
+        paths = entry[1] if entry is not None and entry[0]() is root else None
         if paths is None or id(module) not in paths:
             paths = {id(m): name for name, m in root.named_modules(remove_duplicate=True)}
-            self._paths[id(root)] = paths
+            if len(self._paths) >= 64:  # a new outermost module per call: forget the old ones
+                self._paths.clear()
+            self._paths[id(root)] = (weakref.ref(root), paths)  # a reused id is not taken for the old module
             paths.setdefault(id(module), "")  # not under root: do not rebuild on every call
         return paths[id(module)]
 

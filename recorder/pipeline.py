@@ -349,17 +349,17 @@ class Pipeline:
             cache_key = (name, key)
             doc_id = self._rng_docs.get(cache_key)
             if doc_id is None:
-                if len(self._rng_docs) >= 65536:  # states that keep changing (dropout): a bounded cache
+                if len(self._rng_docs) >= 4096:  # states that keep changing (dropout): a bounded cache
                     self._rng_docs.clear()
-                doc_id = self.writer.doc({"rng": name, **snapshot.encode_rng_part(name, state)})
+                doc_id = self.writer.doc({"rng": name, **snapshot.encode_rng_part(name, state)}, remember=False)
                 self._rng_docs[cache_key] = doc_id
             ids[name] = doc_id
         key = tuple(ids.items())
         found = self._rng_sets.get(key)
         if found is None:
-            if len(self._rng_sets) >= 4096:  # only a cache: the writer deduplicates documents too
+            if len(self._rng_sets) >= 4096:  # only a cache: a set seen again after a clear is stored twice
                 self._rng_sets.clear()
-            found = self._rng_sets[key] = self.writer.doc(ids)
+            found = self._rng_sets[key] = self.writer.doc(ids, remember=False)
         return found
 
     def _store_step(self, item: StepItem) -> None:

@@ -28,7 +28,7 @@ class ScriptResult:
     """How a recorded script ended."""
 
     exit_code: int
-    status: str  # the recording's status: "complete" or "crashed"
+    status: str  # the recording's status: "complete", "crashed" or "incomplete" (recording stopped early)
     steps: int  # steps started
     exception: BaseException | None = None  # the exception that escaped the script, if any
     traceback_text: str = ""  # printed as Python would print it (frames of the runner left out)

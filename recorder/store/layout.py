@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.2"  # 1.1: late/ (payloads attached after their step, flight mode); 1.2: module skeletons
+SCHEMA_VERSION = "1.3"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete"
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"
 MANIFEST_KEY = "manifest.json"

@@ -553,7 +553,8 @@ class RankReader:
         what = f"tensor {record.name!r} of step {record.step}"
         if not record.has_payload:
             raise FormatError(f"{self.run.label}: {what} has statistics only (recorded in stats mode, on an "
-                              "iteration --every skipped, or in flight mode outside the iterations the ring wrote out)")
+                              "iteration --every skipped, in flight mode outside the iterations the ring wrote out, "
+                              "or dropped because the store could not keep up: the step's notes say so)")
         try:
             dtype = payload_mod.dtype_from_name(record.dtype)
             expected_unit = payload_mod.unit_of(dtype)

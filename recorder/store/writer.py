@@ -26,7 +26,8 @@ from ..errors import RecordingError
 from . import backend, codecs, layout
 from .layout import Column
 
-_DOC_CACHE = 1 << 18  # documents remembered for deduplication (~40 MB of index at most)
+_DOC_CACHE = 1 << 16  # documents remembered for deduplication (~10 MB of index at most)
+_STR_CACHE = 1 << 16  # short strings (names, dtypes, devices) remembered by value
 
 
 def dumps(doc: Any) -> bytes:
@@ -176,14 +177,17 @@ class StoreWriter:
             pass
 
     # -- documents, dims, payloads ------------------------------------------------------------
-    def doc(self, obj: Any) -> int:
-        """Store a JSON document once; returns its id."""
+    def doc(self, obj: Any, *, remember: bool = True) -> int:
+        """Store a JSON document once; returns its id. ``remember=False``: for documents the caller
+        deduplicates itself (RNG states, new at most steps): looked up, but not added to the index."""
         if isinstance(obj, str):  # names, paths, dtypes: looked up on every tensor record
             found = self._str_ids.get(obj)
             if found is None:
+                if len(self._str_ids) >= _STR_CACHE:  # names that change at every step: a bounded cache
+                    self._str_ids.clear()
                 found = self._str_ids[obj] = self._doc(obj)
             return found
-        return self._doc(obj)
+        return self._doc(obj, remember)
 
     def doc_of(self, obj: Any) -> int:
         """``doc`` for an object that never changes once made (a step definition): looked up by
@@ -195,7 +199,7 @@ class StoreWriter:
             entry = self._identity_ids[id(obj)] = (obj, self._doc(obj))  # holds obj: its id stays unique
         return entry[1]
 
-    def _doc(self, obj: Any) -> int:
+    def _doc(self, obj: Any, remember: bool = True) -> int:
         data = dumps(obj)
         key = xxhash.xxh3_128_digest(data)
         found = self._doc_ids.get(key)
@@ -204,9 +208,10 @@ class StoreWriter:
         offset = self.arrays["docs/bytes"].extend(np.frombuffer(data, dtype=np.uint8))
         self.arrays["docs/offset"].append(offset)
         doc_id = self.arrays["docs/length"].append(len(data))
-        if len(self._doc_ids) >= _DOC_CACHE:  # RNG states make a new document at most steps: bound the
-            self._doc_ids.clear()            # index (a document seen again after this is stored twice)
-        self._doc_ids[key] = doc_id
+        if remember:
+            if len(self._doc_ids) >= _DOC_CACHE:  # a bounded index: a document seen again after it was
+                self._doc_ids.clear()            # cleared is stored twice, which costs bytes, not correctness
+            self._doc_ids[key] = doc_id
         return doc_id
 
     def find_payload(self, key: tuple[int, int, int]) -> int | None:

@@ -324,6 +324,9 @@ def test_slow_store_drops_payloads_never_steps(tmp_path, monkeypatch):
     assert fast_run.status == "complete" and fast_run.pipeline.dropped_payloads == 0
     slow = SlowStore(backend.put, SLOW_PUT_S)
     monkeypatch.setattr(backend, "put", slow)
+    # A small allowance, so that this short run uses it up however fast the machine is (with the
+    # default 1 s, a run of 2 s may never need to drop anything).
+    monkeypatch.setattr(pipeline_mod, "WAIT_CAP_S", 0.25)
     # Time training spends inside the queue's calls, measured here (not by the pipeline's own count).
     blocked = {"s": 0.0, "calls": 0, "on": True}
     trainer = threading.current_thread()

@@ -209,8 +209,8 @@ def test_hostile_bundles_are_refused_and_run_nothing(recorded: tuple[Path, Path]
 
     def newer(name: str, data: bytes) -> bytes:
         if name in ("zarr.json", "manifest.json"):
-            return data.replace(b'"schema_version": "1.2"', b'"schema_version": "9.0"').replace(
-                b'"schema_version":"1.2"', b'"schema_version":"9.0"')
+            return data.replace(b'"schema_version": "1.3"', b'"schema_version": "9.0"').replace(
+                b'"schema_version":"1.3"', b'"schema_version":"9.0"')
         return data
 
     cases = {"pickle": pickle_codec, "huge": huge, "newer": newer}
