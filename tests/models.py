@@ -19,6 +19,23 @@ def smooth_relu(x: torch.Tensor, beta: float = 1.0, gamma: float = 1.0) -> torch
     return torch.log1p(torch.exp(x + beta)) / gamma
 
 
+@recorder.paper_step("Eq. 1", description="scaled tanh")
+def scaled_tanh(x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+    return torch.tanh(x) * scale
+
+
+@recorder.paper_step("Algorithm 1", description="embed, project, squash")
+class Tiny(nn.Module):
+    """The smallest model with a module step and a function step (embedding: integer inputs)."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return scaled_tanh(self.fc(self.embed(idx)))
+
+
 @recorder.paper_step("Eq. 1", algorithm="Algorithm 1", step=3, description="causal self-attention")
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int, dropout: float = 0.1) -> None:

@@ -48,6 +48,7 @@ class AppendArray:
         self.chunk = 0  # index of the chunk buf holds
         self.dirty = False  # buf has rows not yet on disk
         self._suffix = "/0" * len(col.row_shape)
+        self._stored_left = 0  # adaptive compression: whole chunks to store uncompressed before a retest
 
     def __len__(self) -> int:
         return self.chunk * self.col.chunk_rows + self.fill
@@ -76,7 +77,7 @@ class AppendArray:
         n, pos, per = len(rows), 0, self.col.chunk_rows
         while pos < n:
             if self.fill == 0 and n - pos >= per:  # aligned whole chunk: encode straight from the source
-                self._write(self.chunk, rows[pos:pos + per])
+                self._write(self.chunk, rows[pos:pos + per], whole=True)
                 self.chunk += 1
                 pos += per
                 continue
@@ -102,7 +103,7 @@ class AppendArray:
             self._resize(len(self))
 
     def _seal(self) -> None:
-        self._write(self.chunk, self.buf)
+        self._write(self.chunk, self.buf, whole=True)
         self.chunk += 1
         self.fill = 0
         self.dirty = False
@@ -113,11 +114,26 @@ class AppendArray:
         self.meta["shape"] = [rows, *self.col.row_shape]
         backend.put(self.store, f"{self.key}/zarr.json", json.dumps(self.meta, indent=2).encode())
 
-    def _write(self, index: int, data: np.ndarray) -> None:
+    def _write(self, index: int, data: np.ndarray, whole: bool = False) -> None:
         needed = (index + 1) * self.col.chunk_rows
         if needed > self.capacity:
             self._resize(max(needed, 2 * self.capacity))  # geometric: few metadata rewrites
-        backend.put(self.store, f"{self.key}/c/{index}{self._suffix}", self.comp.encode(data))
+        backend.put(self.store, f"{self.key}/c/{index}{self._suffix}", self._encode(data, whole))
+
+    def _encode(self, data: np.ndarray, whole: bool) -> bytes:
+        """Compressed, or (adaptive compression, data that did not shrink) stored as it is. Only whole
+        chunks decide: a partial one is padded with zeros, which compress whatever the data."""
+        comp = self.comp
+        if not comp.adaptive:
+            return comp.encode(data)
+        if not whole:  # a partial chunk: as the whole ones are now
+            return comp.encode_stored(data) if self._stored_left else comp.encode(data)
+        if self._stored_left > 1:
+            self._stored_left -= 1
+            return comp.encode_stored(data)
+        out = comp.encode(data)  # the first whole chunk, or a retest
+        self._stored_left = codecs.RETEST if len(out) * codecs.MIN_RATIO > data.nbytes else 0
+        return out
 
 
 class StoreWriter:

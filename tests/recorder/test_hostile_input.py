@@ -19,7 +19,6 @@ import numcodecs
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 import zarr
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
@@ -28,27 +27,12 @@ import recorder
 from recorder.errors import ChecksumError, FormatError, PdbgError, SchemaVersionError
 from recorder.store import codecs, layout
 from recorder.store.reader import RunReader
+from tests.models import Tiny
 
 BLOB_CHUNK = "rank0/blobs/u4/c/0"
 ROOT_FILES = ("zarr.json", layout.MANIFEST_KEY)
 # Chunks whose values no checksum covers: a change that still decodes is read as the recording.
 UNCHECKED = ("steps", "tensors", "docs", "dims", "late")
-
-
-@recorder.paper_step("Eq. 1", description="scaled tanh")
-def scaled_tanh(x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
-    return torch.tanh(x) * scale
-
-
-@recorder.paper_step("Algorithm 1", description="embed, project, squash")
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(10, 4)
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return scaled_tanh(self.fc(self.embed(idx)))
 
 
 def record_tiny(path: Path, iterations: int = 3) -> None:

@@ -174,3 +174,35 @@ def test_accelerator_path_round_trips(run_path, monkeypatch):
     assert torch.equal(rank.tensor(inputs[0]), x) and torch.equal(rank.tensor(inputs[1]), x.t().contiguous())
     assert inputs[0].payload == inputs[2].payload != inputs[1].payload
     assert inputs[0].stats["max"] == x.max().item()
+
+
+def _frames(run_path) -> list[bool]:
+    """Per payload chunk file of float32 payloads: whether it is an uncompressed Blosc frame."""
+    chunks = sorted((run_path / "rank0" / "blobs" / "u4" / "c").iterdir(), key=lambda p: int(p.name))
+    return [bool(p.read_bytes()[2] & 0x02) for p in chunks]  # flags byte: bit 1 set = stored as is
+
+
+def test_adaptive_compression_stores_what_does_not_shrink(run_path, tmp_path):
+    """Float noise hardly shrinks: after the first whole chunk it is stored as it is (a retest every
+    16 chunks); zeros shrink: always compressed. Both read back bitwise, also through plain zarr."""
+    gen = torch.Generator().manual_seed(0)
+    noise = [torch.randn(1 << 20, generator=gen) for _ in range(24)]  # 4 MiB each, one chunk
+    with recorder.record(run_path, mode="full") as run:
+        for x in noise:
+            scale(x, 1.0)
+            run.next_iteration()
+    stored = _frames(run_path)
+    assert stored[0] is False and sum(stored) >= len(stored) - 4, stored  # compressed: the first and retests
+    reader = RunReader(run_path).rank(0)
+    for i, x in enumerate(noise):
+        record = next(r for r in reader.tensor_records(i) if r.role == "input")
+        assert torch.equal(reader.tensor(record).view(torch.int32), x.view(torch.int32))
+    plain = zarr.open_group(str(run_path), mode="r")["rank0/blobs/u4"]
+    assert np.array_equal(plain[: 1 << 20].view(np.float32), noise[0].numpy())
+
+    zeros_path = tmp_path / "zeros.zarr"
+    with recorder.record(zeros_path, mode="full") as run:
+        for i in range(8):
+            scale(torch.full((1 << 20,), float(i)), 1.0)
+            run.next_iteration()
+    assert not any(_frames(zeros_path))

@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
 
 import recorder
 import replayer
@@ -31,6 +30,7 @@ from recorder.capture import RecorderWarning
 from recorder.errors import NotARecordingError, RecordingError
 from recorder.store import backend, layout
 from recorder.store.reader import RunReader
+from tests.models import Tiny
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed: pip install -e '.[test]'")
 pytest.importorskip("s3fs", reason="s3fs is not installed: pip install -e '.[test]'")
@@ -39,22 +39,6 @@ boto3 = pytest.importorskip("boto3", reason="boto3 (with moto) is not installed:
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "pdbg-test"
 KEY, SECRET, REGION = "testing-key", "testing-secret", "us-east-1"
-
-
-@recorder.paper_step("Eq. 1", description="scaled tanh")
-def scaled_tanh(x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
-    return torch.tanh(x) * scale
-
-
-@recorder.paper_step("Algorithm 1", description="embed, project, squash")
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(10, 4)
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return scaled_tanh(self.fc(self.embed(idx)))
 
 
 def train(target: Any, iterations: int = 3, **options: Any) -> recorder.Run:
