@@ -41,23 +41,17 @@ class _StepColumn:
     def __init__(self, rec: Recording, name: str, n: int) -> None:
         self.rec, self.path, self.n = rec, f"steps/{name}", n
         self.array: np.ndarray | None = None if n else np.zeros(0, np.int64)
-        self._chunks: dict[int, np.ndarray] = {}
 
     def whole(self) -> np.ndarray:
         if self.array is None:
             self.array = np.asarray(self.rec.rank.column(self.path))
-            self._chunks.clear()
         return self.array
 
     def chunk(self, k: int) -> np.ndarray:
-        """Rows ``k * CHUNK`` up to the next chunk."""
+        """Rows ``k * CHUNK`` up to the next chunk (the reader keeps the chunks it decoded)."""
         if self.array is not None:
             return self.array[k * self.CHUNK:(k + 1) * self.CHUNK]
-        found = self._chunks.get(k)
-        if found is None:
-            found = self._chunks[k] = np.asarray(
-                self.rec.rank.rows(self.path, k * self.CHUNK, min(self.n, (k + 1) * self.CHUNK)))
-        return found
+        return np.asarray(self.rec.rank.rows(self.path, k * self.CHUNK, min(self.n, (k + 1) * self.CHUNK)))
 
     def at(self, index: int) -> Any:
         if self.array is not None:

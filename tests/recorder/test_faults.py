@@ -31,6 +31,7 @@ from recorder import pipeline as pipeline_mod
 from recorder.store import backend, layout
 from recorder.store.reader import RunReader
 from tests.models import TinyGPT, train_step
+from tests.recorder.crash_child import Affine
 
 ITERATIONS = 12
 FILL_AT = 4  # the disk fills after this iteration's commit
@@ -464,16 +465,6 @@ def test_hung_store_is_given_up_and_close_returns(tmp_path, monkeypatch, unrecor
 
 
 # -- 3. reading while recording ------------------------------------------------------------------
-@recorder.paper_step("Eq. 1", description="affine map")
-class Affine(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x)
-
-
 @recorder.paper_step("Eq. 2", description="scaled tanh")
 def squash(x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(x) * 1.5
