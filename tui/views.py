@@ -66,7 +66,8 @@ class TimelineModel:
         self.rec = rec
         self.n = len(rec.steps)
         self._cols = {name: _StepColumn(rec, name, self.n)
-                      for name in ("iteration", "phase", "status", "t_start", "t_end", "parent")}
+                      for name in ("iteration", "phase", "status", "t_start", "t_end", "parent",
+                                   "name", "definition", "module_path")}  # the last three: document ids
         self._depth: np.ndarray | None = None if self.n else np.zeros(0, np.int32)
         self._names: np.ndarray | None = None
         self._paths: np.ndarray | None = None
@@ -144,7 +145,7 @@ class TimelineModel:
         if self._names is not None and self._paths is not None and self._labels is not None:
             return str(self._names[index]), self._labels[index], str(self._paths[index])
         rank = self.rec.rank
-        ids = tuple(int(rank.column(f"steps/{c}")[index]) for c in ("name", "definition", "module_path"))
+        ids = tuple(int(self._cols[c].at(index)) for c in ("name", "definition", "module_path"))
         found = self._row_text.get(ids)
         if found is None:
             definition = rank.doc(ids[1])
