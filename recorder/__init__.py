@@ -43,6 +43,7 @@ __all__ = [
     "StepDef",
     "StepNotFoundError",
     "annotate",
+    "flush",
     "open_run",
     "paper_step",
     "record",
@@ -57,6 +58,18 @@ def record(path: Any, model: Any = None, optimizer: Any = None, mode: str = "ful
 
     return _record(path, model=model, optimizer=optimizer, mode=mode, every=every, compressor=compressor,
                    **options)
+
+
+def flush(timeout: float | None = 60.0) -> bool:
+    """Commit everything the active recording has captured so far, and wait for it (the writer
+    commits every ``flush_interval`` on its own; a script that may die hard next, in native code
+    it does not trust, can make sure its last steps are on disk). Returns False when no recording
+    is active, the writer failed, or ``timeout`` seconds passed. Reaches the recording that
+    ``pdbg record`` runs around an unmodified script too."""
+    from . import capture
+
+    session = capture.ACTIVE
+    return session is not None and bool(session.pipeline.flush(timeout))
 
 
 def open_run(path: Any) -> Any:

@@ -75,6 +75,7 @@ class Frame:
     checked: bool = False  # nonfinite below has been looked for
     dropped: int = 0  # payloads not recorded: the store could not keep up (when_slow="drop_payloads")
     nonfinite: TensorItem | None = None  # the first result tensor holding NaN or Inf
+    collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls made inside
 
 
 @dataclass
@@ -119,8 +120,11 @@ class Session:
         self.dumps: list[dict[str, Any]] = []  # flight mode: when and why the ring was written (see _log_dump)
         self._direct_iteration = -1  # flight mode: after an anomaly its iteration's bytes go straight out
         self._ring_iteration = -1  # flight mode: the iteration the ring last made room for
+        self.shared: Any = None  # flight mode: the ring's bytes in shared memory (share_ring)
+        self._unshared_warned = False
         self.selector = autohooks.ModuleSelector(modules)
         self.autocapture = autohooks.GlobalCapture(self, self.selector) if self.selector else None
+        self._collective_seq = -1  # torch.distributed collectives recorded so far, in call order
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _stack(self) -> list[Frame]:
@@ -128,6 +132,11 @@ class Session:
         if stack is None:
             stack = self.local.stack = []
         return stack
+
+    def _innermost(self) -> Frame | None:
+        """The step running on this thread, innermost where steps nest."""
+        stack = self._stack()
+        return stack[-1] if stack else None
 
     def _new_index(self) -> int:
         with self.lock:
@@ -187,6 +196,22 @@ class Session:
         except Exception as exc:
             self.fail("writing the flight ring", exc)
 
+    def share_ring(self, shared: Any) -> None:
+        """Flight mode: hold the ring's payload bytes in ``shared`` (a recorder.shmring.SharedRing)
+        instead of this process's memory, with a journal of what waits for them, so that the parent
+        process of ``pdbg record`` writes them out if this one dies hard. Call before any capture."""
+        if self.ring is not None:
+            self.shared = shared
+            self.pipeline.pool = shared
+            self.pipeline.journal = shared
+
+    def _no_room_shared(self) -> None:
+        if not self._unshared_warned:
+            self._unshared_warned = True
+            warnings.warn("the flight ring's shared memory is full: payloads beyond it are held in this process's "
+                          "memory and are lost if it dies hard (a segfault, abort or the OOM killer); lower "
+                          "max_ring_bytes or keep", RecorderWarning, stacklevel=4)
+
     def _log_dump(self, dump: dict[str, Any]) -> None:
         """List a ring write for the run's metadata. A run whose every iteration is anomalous writes
         the ring at every iteration: the first and the last ``_DUMPS_KEPT`` writes are listed, the
@@ -235,6 +260,8 @@ class Session:
         their records (waiting for bytes) until then."""
         self._reuse(freed)
         if dropped:
+            if self.shared is not None:  # before the writer hears of it: a crash in between forgets them too
+                self.shared.held_from(max(dropped) + 1)
             self._send(ForgetIterations(dropped), 0)
 
     @staticmethod
@@ -419,10 +446,9 @@ class Session:
         if not self.enabled:
             return
         try:
-            stack = self._stack()
-            if not stack:
+            frame = self._innermost()
+            if frame is None:
                 return
-            frame = stack[-1]
             if not isinstance(tensor, torch.Tensor):
                 frame.notes.append(f"watch({name!r}) got a {type(tensor).__name__}, not a tensor")
                 return
@@ -435,6 +461,28 @@ class Session:
             frame.expectations.append(expect)
         except Exception as exc:
             self.fail("recording a watched tensor", exc)
+
+    def collective(self, op: str, doc: dict[str, Any], results: list[tuple[str, torch.Tensor]]) -> None:
+        """Attach what a torch.distributed collective returned to the innermost running step (see
+        recorder.collectives); outside every step nothing is kept."""
+        if not self.enabled or getattr(self.local, "busy", False):
+            return
+        try:
+            frame = self._innermost()
+            if frame is None:
+                return
+            with self.lock:
+                self._collective_seq += 1
+                seq = self._collective_seq
+            base = f"{op}.{len(frame.collectives)}"
+            self.local.busy = True
+            try:
+                names = [self._capture(frame, "collective", base + suffix, t) for suffix, t in results]
+            finally:
+                self.local.busy = False
+            frame.collectives.append({**doc, "name": base, "seq": seq, "results": names})
+        except Exception as exc:
+            self.fail("recording a collective's results", exc)
 
     # -- tensors ---------------------------------------------------------------------------------
     def _encode(self, frame: Frame, value: Any, role: str, prefix: str) -> Any:
@@ -498,17 +546,21 @@ class Session:
                 self._send_payload(held, key)
                 return key
         item = PayloadItem(key=key, unit=unit, data=units)
-        if aliases:  # the tensor may change after this step: copy it, into a reused buffer if large
+        shared = self.shared is not None and units.nbytes > 0  # a shared ring holds every payload's bytes
+        if aliases or shared:  # the tensor may change after this step: copy it, into a reused buffer if large
             item.buffer = self.pipeline.pool.take(units.nbytes)
+            if shared and item.buffer is None:
+                self._no_room_shared()
         if not self._room(item.nbytes, item.buffer):  # before the copy: a dropped payload costs none
             return None
         try:
-            if aliases:
-                if item.buffer is None:
-                    item.data = units.copy()
-                else:
-                    item.data = item.buffer[:units.nbytes].view(units.dtype)
-                    np.copyto(item.data, units)
+            if item.buffer is not None:
+                item.data = item.buffer[:units.nbytes].view(units.dtype)
+                np.copyto(item.data, units)
+                if self.shared is not None:
+                    self.shared.publish(item.buffer, key)
+            elif aliases:
+                item.data = units.copy()
             self._send_payload(item, key)
         except BaseException:
             self._unroom(item.nbytes)
@@ -581,7 +633,7 @@ class Session:
                "forward": frame.forward, "t_start": frame.t_start, "t_end": frame.t_end}
         self._send(StepItem(index=frame.index, row=row, docs=docs, rng=frame.rng, tensors=frame.tensors,
                             exception=frame.exception, expectations=frame.expectations, notes=frame.notes,
-                            alerts=frame.alerts), 0)
+                            alerts=frame.alerts, collectives=frame.collectives), 0)
 
     def _monitor(self, frame: Frame, out: Any = None) -> None:
         """Run checks, breakpoints and the anomaly action on a finished step (before it is submitted)."""

@@ -5,6 +5,9 @@ They are written only when something worth keeping happens: a step produces NaN 
 escapes a step, the process is asked to stop (SIGTERM, SIGINT) or the run ends. Older iterations fall
 out of the ring unwritten. The ring is bounded by ``keep`` iterations and by ``max_bytes``; its peak
 size is reported in the run's final metadata (``flight_ring_peak_bytes``).
+
+This class keeps the bookkeeping; the bytes are in the items' buffers: process memory, or, under
+``pdbg record``, shared memory that the parent process writes out after a hard crash (recorder.shmring).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class FlightRing:
                     freed += self._drop_oldest()
                 if self.bytes + item.nbytes > self.max_bytes:
                     self.overflowed += 1
-                    return dropped, freed
+                    return dropped, freed + [item]  # held by nothing: its buffer may be reused too
                 self.bytes += item.nbytes
                 self.peak_bytes = max(self.peak_bytes, self.bytes)
             items[ref] = item

@@ -57,6 +57,7 @@ class StepItem:
     expectations: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     alerts: list[dict[str, Any]] = field(default_factory=list)  # from user checks and breakpoints
+    collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls inside the step
 
 
 @dataclass

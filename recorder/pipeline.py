@@ -78,7 +78,13 @@ class Pipeline:
         self.error_trace = ""
         self._tokens: dict[int, tuple[int, int, int]] = {}
         self._waiting: dict[Any, list[tuple[int, int]]] = {}  # payload ref -> [(tensor row, iteration)]
-        self.pool = StagingPool()
+        self.pool: Any = StagingPool()
+        # Flight mode with its ring in shared memory (recorder.shmring, set by Session.share_ring): records
+        # waiting for ring bytes are journaled there, and bytes and records written out stay journaled
+        # until they are committed, so a parent process can write them after a hard crash.
+        self.journal: Any = None
+        self._uncommitted_rows: list[int] = []
+        self._uncommitted_buffers: list[Any] = []
         self._rng_docs: dict[tuple[str, Any], int] = {}
         self._rng_sets: dict[tuple[tuple[str, int], ...], int] = {}  # {part: doc id} documents by content
         self.peak_queue_bytes = 0  # payload bytes, at most max_queue_bytes (or one larger payload alone)
@@ -269,6 +275,7 @@ class Pipeline:
                     return
                 if isinstance(item, tuple) and item[0] == "flush":
                     self.writer.flush()
+                    self._committed()
                     last_flush = last_commit = time.monotonic()
                     dirty = False
                     item[1].set()
@@ -279,6 +286,7 @@ class Pipeline:
                 now = time.monotonic()
                 if (dirty and now - last_flush >= interval) or now - last_commit >= HEARTBEAT_S:
                     self.writer.flush()
+                    self._committed()
                     last_flush = last_commit = time.monotonic()
                     # A commit slower than flush_interval (a slow store) spaces the next one as far:
                     # at most half of this thread's time goes to commits, the rest to the queue.
@@ -319,6 +327,10 @@ class Pipeline:
             gone = set(item.iterations)
             for ref in list(self._waiting):
                 rows = [r for r in self._waiting[ref] if r[1] not in gone]
+                if self.journal is not None:
+                    for row, iteration in self._waiting[ref]:
+                        if iteration in gone:
+                            self.journal.done(row)
                 if rows:
                     self._waiting[ref] = rows
                 else:
@@ -337,11 +349,26 @@ class Pipeline:
         assert key is not None
         pid = self.writer.payload(key, data)
         if item.buffer is not None:
-            self.pool.give(item.buffer)
+            if self.journal is not None:  # shared ring: the bytes stay journaled until committed
+                self._uncommitted_buffers.append(item.buffer)
+            else:
+                self.pool.give(item.buffer)
         if self._waiting:  # flight mode: records written before these bytes were kept
             rows = self._waiting.pop(key, []) + (self._waiting.pop(item.token, []) if item.pinned is not None else [])
             for row, _ in rows:
                 self.writer.late(row, pid)
+                if self.journal is not None:
+                    self._uncommitted_rows.append(row)
+
+    def _committed(self) -> None:
+        """After a commit: journaled bytes and records that are now on disk are journaled no more."""
+        if self.journal is None:
+            return
+        for row in self._uncommitted_rows:
+            self.journal.done(row)
+        for buf in self._uncommitted_buffers:
+            self.pool.give(buf)
+        self._uncommitted_rows, self._uncommitted_buffers = [], []
 
     def _rng_doc(self, parts: dict[str, tuple[Any, Any]]) -> int:
         ids = {}
@@ -411,6 +438,8 @@ class Pipeline:
         row["tensor_start"] = w.tensors_of_step(item.index, cols, dims)
         for position, ref in waiting:
             self._waiting.setdefault(ref, []).append((row["tensor_start"] + position, row["iteration"]))
+            if self.journal is not None and isinstance(ref, tuple):  # device bytes are not in shared memory
+                self.journal.wait(row["tensor_start"] + position, ref, row["iteration"])
         row["tensor_count"] = len(item.tensors)
         alerts = [a for e in item.expectations for a in _check(e, watched.get(e["name"]))]
         alerts += [e["shape_alert"] for e in item.expectations if e.get("shape_alert")]
@@ -424,6 +453,8 @@ class Pipeline:
             extra["watches"] = [{k: v for k, v in e.items() if k != "shape_alert"} for e in item.expectations]
         if item.notes:
             extra["notes"] = item.notes
+        if item.collectives:
+            extra["collectives"] = item.collectives
         row["extra"] = w.doc(jsonval.encode(extra)) if extra else layout.NO_REF  # tags nan/inf
         status = "exception" if item.exception else "nonfinite" if nonfinite else "alert" if alerts else "ok"
         row["status"] = layout.STATUSES.index(status)

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch.optim import optimizer as optimizer_mod
 
-from . import autohooks, capture, jsonval, monitors, snapshot
+from . import autohooks, capture, collectives, jsonval, monitors, snapshot
 from .errors import RecordingError
 from .pipeline import WHEN_SLOW, Pipeline
-from .store import backend
+from .store import backend, layout
 from .store import codecs as codecs_api
 from .store.writer import StoreWriter
 
@@ -53,7 +53,14 @@ class Run:
             raise RecordingError(f"path must be a directory path or a zarr store, not {type(path).__name__}")
         remote = backend.is_url(path)
         local = None if remote or not isinstance(path, (str, os.PathLike)) else Path(backend.local_path(path))
-        if local is not None and local.exists() and any(local.iterdir()):
+        self.dist = collectives.identity()  # each rank of a distributed run records its own group
+        rank = self.dist["rank"]
+        if local is not None and self.dist["world_size"] > 1:
+            mine = local / layout.rank_group(rank)
+            if (mine.exists() and any(mine.iterdir())) or (rank == 0 and (local / "zarr.json").exists()):
+                raise RecordingError(f"{path} already holds a recording of rank {rank}; choose a new path or "
+                                     "delete it")
+        elif local is not None and local.exists() and any(local.iterdir()):
             raise RecordingError(f"{path} already exists and is not empty; choose a new path or delete it")
         if storage_options is not None and not remote:
             raise RecordingError(f"storage_options apply to URLs (s3://bucket/run.zarr), not to {path!r}; leave "
@@ -77,8 +84,9 @@ class Run:
         self.started = time.time()
         try:
             store = backend.open_store(path, mode="w", storage_options=storage_options)  # a URL: checked here
-            writer = StoreWriter(store, run_attrs=run_metadata(self.started, mode, every, script),
-                                 compression=compression)
+            attrs = {**run_metadata(self.started, mode, every, script), **self.dist}
+            writer = StoreWriter(store, run_attrs=attrs, compression=compression, rank=rank,
+                                 world_size=self.dist["world_size"])
         except OSError as exc:
             if remote:
                 raise RecordingError(f"cannot create the recording {path}: {backend.remote_problem(exc)}") from None
@@ -99,6 +107,10 @@ class Run:
         self.closed = False
         self.status: str | None = None
         self._blosc_threads = _single_threaded_blosc()
+        self._writer = writer
+        self._rank_warned = False
+        self._collectives = collectives.Recording(self.session.collective)
+        self._collectives.install()
         capture.ACTIVE = self.session
 
     # -- while recording ---------------------------------------------------------------------------
@@ -114,6 +126,27 @@ class Run:
     def next_iteration(self) -> None:
         """Start the next iteration (done for you on ``optimizer.step()`` when an optimizer is given)."""
         self.session.next_iteration()
+        if self._writer.dist["backend"] is None:
+            self._learn_backend()
+
+    def _learn_backend(self) -> None:
+        """The process group may be made after the recording started (``pdbg record`` under torchrun):
+        its backend goes into the next commit; a rank other than the one recorded under is warned of."""
+        try:
+            found = collectives.backend_now()
+            if found is None:
+                return
+            self._writer.dist["backend"] = found
+            now = collectives.identity()
+            if now["rank"] != self.dist["rank"] and not self._rank_warned:
+                self._rank_warned = True
+                warnings.warn(f"this process records as rank {self.dist['rank']} (from "
+                              f"{self.dist['source'] or 'no launcher environment'}), but torch.distributed says "
+                              f"it is rank {now['rank']}: ranks may overwrite each other's recording; start the "
+                              "recording after init_process_group, or launch with torchrun (it sets RANK and "
+                              "WORLD_SIZE)", capture.RecorderWarning, stacklevel=3)
+        except Exception:  # never let a query of the process group disturb training
+            return
 
     def _on_any_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         # With several optimizers (a GAN's two), the first one to step counts the iterations.
@@ -148,6 +181,9 @@ class Run:
         self.closed = True
         if capture.ACTIVE is self.session:
             capture.ACTIVE = None
+        self._collectives.remove()
+        if self._writer.dist["backend"] is None:
+            self._learn_backend()
         for hook in self._hooks:
             hook.remove()
         self._restore_signals()

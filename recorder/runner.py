@@ -9,18 +9,21 @@ it raises or exits with another status; the exception is recorded on the innermo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import shutil
 import sys
 import traceback
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import skeleton
+from . import collectives, skeleton
 from .errors import RecordingError
-from .store import backend
+from .store import backend, layout
 
 
 @dataclass
@@ -32,12 +35,22 @@ class ScriptResult:
     steps: int  # steps started
     exception: BaseException | None = None  # the exception that escaped the script, if any
     traceback_text: str = ""  # printed as Python would print it (frames of the runner left out)
+    exception_name: str | None = None  # its type's name (also when it escaped in a child process)
+    died: str | None = None  # the script's process ended without closing the recording: why ("signal SIGABRT")
+    ring_recovered: dict[str, Any] | None = None  # flight mode: what the parent wrote out of the shared ring
 
 
 def check_output(out: str | os.PathLike[str]) -> Path:
-    """Refuse an output path that exists with contents, or whose parent cannot be written."""
+    """Refuse an output path that exists with contents, or whose parent cannot be written. The ranks
+    of a distributed run (torchrun's RANK and WORLD_SIZE) share one path: each needs its own group free."""
     path = Path(out)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    dist = collectives.identity()
+    if dist["world_size"] > 1 and path.is_dir():
+        mine = path / layout.rank_group(dist["rank"])
+        if (mine.exists() and any(mine.iterdir())) or (dist["rank"] == 0 and (path / "zarr.json").exists()):
+            raise RecordingError(f"{path} already holds a recording of rank {dist['rank']}; give a new path for "
+                                 "the recording (or delete it)")
+    elif path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise RecordingError(f"{path} already exists; give a new path for the recording (or delete it)")
     parent = path.resolve().parent
     while not parent.exists():
@@ -57,14 +70,17 @@ def check_script(script: str | os.PathLike[str]) -> Path:
 
 
 def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.PathLike[str], *,
-               mode: str = "full", modules: list[str] | None = None, every: int = 1, **options: Any) -> ScriptResult:
-    """Run ``script`` with ``args`` as ``__main__`` while recording into ``out``.
+               mode: str = "full", modules: list[str] | None = None, every: int = 1, shared_ring: Any = None,
+               **options: Any) -> ScriptResult:
+    """Run ``script`` with ``args`` as ``__main__`` while recording into ``out``, in this process
+    (``recorder.supervise.run_script_in_child`` runs this in a child process).
 
     Args:
         script: the training script.
         args: its command-line arguments.
         out: the new recording's directory.
         mode, modules, every, options: as for ``recorder.record``.
+        shared_ring: flight mode: a recorder.shmring.SharedRing to hold the ring's bytes in.
 
     Raises RecordingError (before anything runs or is created) for a missing script, an existing or
     unwritable output, or bad options.
@@ -74,7 +90,8 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
     script_path = check_script(script)
     remote = backend.is_url(out)  # s3://...: checked when the run opens it (credentials, bucket)
     out_path: Any = out if remote else check_output(out)
-    created = not remote and not out_path.exists()
+    # Left behind when nothing could be recorded, unless other ranks of the run may be writing there.
+    created = not remote and not out_path.exists() and collectives.identity()["world_size"] == 1
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     script_dir = str(script_path.resolve().parent)
 
@@ -96,6 +113,8 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
         if created and Path(out_path).exists():
             shutil.rmtree(out_path, ignore_errors=True)  # nothing recorded: leave nothing behind
         raise
+    if shared_ring is not None:
+        run.session.share_ring(shared_ring)
     code, error = 0, None
     constructors = skeleton.InitCapture()  # every module class the script defines: its constructor arguments
     try:
@@ -112,7 +131,30 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
             constructors.close()
             restore()
     text = _script_traceback(error, script_path) if error is not None else ""
-    return ScriptResult(code, run.status or status, run.steps, error, text)
+    return ScriptResult(code, run.status or status, run.steps, error, text,
+                        type(error).__name__ if error is not None else None)
+
+
+@contextlib.contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """Show RecorderWarnings as one ``pdbg: warning: ...`` line on stderr each (other warnings as
+    Python would); restored on exit."""
+    from .capture import RecorderWarning
+
+    shown = warnings.showwarning
+
+    def show(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
+        if issubclass(category, RecorderWarning):
+            print(f"pdbg: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, *rest, **kw)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show:
+            warnings.showwarning = shown
 
 
 def _exit_code(code: Any) -> int:

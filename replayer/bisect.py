@@ -107,20 +107,55 @@ class Origin:
     spread: list[Step] = field(default_factory=list)  # the next steps that went non-finite
     entered: Step | None = None  # when no recorded step produced it: the first step that received it
     op: Any = None  # with ops=True: replayer.ops.OpReport, the operation inside the step
+    others: dict[int, Origin] = field(default_factory=dict)  # ranks=True: what each other rank saw first
 
     @property
     def found(self) -> bool:
         return self.step is not None or self.entered is not None
 
+    @property
+    def rank(self) -> int | None:
+        """The rank of the origin (or of the first step that received the value)."""
+        first = self.step or self.entered
+        return None if first is None else first.rec.rank.rank
+
     def to_json(self) -> dict[str, Any]:
-        """``pdbg bisect --json``: {"origin", "cause", "op", "spread"}."""
+        """``pdbg bisect --json``: {"origin", "cause", "op", "spread", "entered", "rank", "other_ranks"}."""
         return {"origin": self.step.to_json() if self.step else None, "cause": self.cause,
                 "op": self.op.to_json() if self.op is not None else None,
                 "spread": [s.to_json() for s in self.spread],
-                "entered": self.entered.to_json() if self.entered else None}
+                "entered": self.entered.to_json() if self.entered else None, "rank": self.rank,
+                "other_ranks": {str(r): {"origin": o.step.to_json() if o.step else None,
+                                         "entered": o.entered.to_json() if o.entered else None, "cause": o.cause}
+                                for r, o in self.others.items()}}
 
 
-def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD) -> Origin:
+def _across_ranks(rec: Recording, *, ops: bool, spread: int) -> Origin:
+    """``first_nonfinite(all_ranks=True)``: the origin is the first step of any rank (by iteration,
+    then wall clock) that produced a non-finite value from finite inputs; what the other ranks saw
+    first (often a collective that received it) is in ``others``."""
+    found = {r: first_nonfinite(rec.of_rank(r), spread=spread) for r in rec.ranks}
+
+    def when(o: Origin) -> tuple[int, float]:
+        first = o.step or o.entered
+        assert first is not None
+        return first.iteration, first.started_unix
+
+    produced = [o for o in found.values() if o.step is not None]
+    pool = produced or [o for o in found.values() if o.found]
+    if not pool:
+        return Origin(None, f"no non-finite values recorded on any of the {len(found)} ranks")
+    origin = min(pool, key=when)
+    origin.others = {r: o for r, o in found.items() if o is not origin and o.found}
+    origin.cause = f"rank {origin.rank}: {origin.cause}"
+    if ops and origin.step is not None:
+        from .ops import bisect_ops
+
+        origin.op = bisect_ops(origin.step.rec, origin.step)
+    return origin
+
+
+def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, all_ranks: bool = False) -> Origin:
     """The origin step of the first NaN/Inf in the recording, from the recorded statistics.
 
     Args:
@@ -128,7 +163,11 @@ def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD) 
         ops: also replay the origin step operation by operation and name the first aten operation
             that produced a non-finite value from finite inputs, with the user's source line.
         spread: how many of the steps that went non-finite afterwards to list.
+        all_ranks: look at every rank of a distributed run, not only ``rec``'s; ``Origin.rank``
+            names the rank of the origin, ``Origin.others`` what each other rank saw first.
     """
+    if all_ranks and len(rec.ranks) > 1:
+        return _across_ranks(rec, ops=ops, spread=spread)
     n = len(rec)
     if not n:
         return Origin(None, "no steps recorded")
@@ -174,6 +213,11 @@ def _after(rec: Recording, index: int, result: np.ndarray, count: int, inclusive
 
 def _entered_cause(rec: Recording, step: Step) -> str:
     """Why no recorded step is to blame: which tensor arrived non-finite, and since when."""
+    talk = [r for r in step.records if r.role == "collective" and r.nonfinite]
+    if talk:
+        world = rec.rank.dist["world_size"]
+        return (f"collective {talk[0].name} inside {describe(step)} returned non-finite values from the other "
+                f"rank{'s' if world > 2 else ''} (rank {rec.rank.rank} of {world}): look for the origin there")
     source = step if step.phase == "forward" else rec.step(step.forward) if step.forward is not None else step
     bad = [r for r in source.records if r.role in ("param", "buffer", "input") and r.nonfinite]
     if step.phase == "backward" and not bad:

@@ -70,8 +70,22 @@ class Recording:
 
     @property
     def run_info(self) -> dict[str, Any]:
-        """Where and how the run was recorded: command line, versions, host, git commit, ..."""
-        return self.reader.run_info
+        """Where and how this rank's process recorded: command line, versions, host, git commit, ..."""
+        return self.rank.run_info
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks of the run with committed steps (one for a single process)."""
+        return self.reader.ranks
+
+    def of_rank(self, rank: int) -> Recording:
+        """The same run seen from another rank (the store is not opened again)."""
+        if rank == self.rank.rank:
+            return self
+        other = Recording.__new__(Recording)
+        other.reader, other.path, other.storage_options = self.reader, self.path, self.storage_options
+        other.rank = self.reader.rank(rank)
+        return other
 
     def __len__(self) -> int:
         return len(self.rank)
@@ -291,6 +305,11 @@ class Step:
     @property
     def duration(self) -> float:
         return float(self._col("t_end")) - float(self._col("t_start"))
+
+    @property
+    def started_unix(self) -> float:
+        """When the step began, in seconds since the epoch (comparable across the ranks of a run)."""
+        return float(self.rec.run_info.get("started_unix") or 0.0) + float(self._col("t_start"))
 
     @cached_property
     def records(self) -> list[TensorRecord]:

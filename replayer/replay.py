@@ -27,7 +27,7 @@ from recorder import capture, jsonval, snapshot
 from recorder.errors import PdbgError, ReplayError
 from recorder.store.reader import TensorRecord
 
-from . import intervene, state
+from . import collectives, intervene, state
 from .code import CodeLoader
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, descendants
@@ -344,8 +344,9 @@ class Replayer:
                 state.per_call(settings):
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
-                with self._around("forward"):
+                with self._around("forward"), collectives.replayed(step) as talk:
                     out = call.run()
+                warnings += talk.warnings
             except PdbgError:  # an edit that cannot be applied: the user's input, not the step's outcome
                 raise
             except Exception as exc:  # noqa: BLE001 - compared with what the recording says
@@ -399,8 +400,9 @@ class Replayer:
                 state.per_call(fwd_settings, grad=True):
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
-                with self._around("forward"):
+                with self._around("forward"), collectives.replayed(fwd) as talk:
                     out = call.run()
+                warnings += talk.warnings
             finally:
                 capture.ACTIVE = saved
                 if tap is not None:

@@ -535,7 +535,9 @@ class PdbgApp(App[None]):
         self.set_panel(Text("? every key · ctrl+p actions · g the NaN origin · r replay", style="dim"))
 
     def _summary(self) -> str:
-        return f"{self.path} · {self.rec.status} · {self.model.n} steps"
+        ranks = self.rec.ranks
+        rank = f" · rank {self.rec.rank.rank} of {len(ranks)}" if len(ranks) > 1 else ""
+        return f"{self.path}{rank} · {self.rec.status} · {self.model.n} steps"
 
     @property
     def timeline(self) -> Timeline:
@@ -897,20 +899,21 @@ class ErrorApp(App[None]):
                                    "\n\n", ("q to quit", "dim")), id="error")
 
 
-def open_app(path: str, start: str | None = None) -> App[None]:
-    """The app for a path: the TUI, or the error screen when the recording cannot be read."""
+def open_app(path: str, start: str | None = None, rank: int = 0) -> App[None]:
+    """The app for a path (``rank``: whose steps, in a run of several processes): the TUI, or the
+    error screen when the recording cannot be read."""
     try:
-        rec = Recording(path)
+        rec = Recording(path, rank)
         index = rec.step(start).index if start else None
     except PdbgError as exc:
         return ErrorApp(path, str(exc))
     return PdbgApp(rec, path=path, start=index)
 
 
-def run_app(path: str, start: str | None = None) -> int:
+def run_app(path: str, start: str | None = None, rank: int = 0) -> int:
     """Open the TUI on a recording (``start``: a step to put the cursor on); exit code 2 when the
     recording could not be read."""
-    app = open_app(path, start)
+    app = open_app(path, start, rank)
     app.run()
     return 2 if isinstance(app, ErrorApp) else 0
 

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Travel through a recording from the keyboard: ? lists every key.")
     p.add_argument("run", metavar="RUN", help="the recording or bundle")
     p.add_argument("--at", metavar="STEP", help="put the cursor on this step (an index or a selector)")
+    cmd_replay.rank_option(p)
     p.set_defaults(handler=_tui)
     return parser
 
@@ -45,7 +46,7 @@ COMMANDS = ("record", "info", "replay", "verify", "bisect", "find", "bundle", "t
 def _tui(args: argparse.Namespace) -> int:
     from .app import run_app
 
-    return run_app(args.run, args.at)
+    return run_app(args.run, args.at, args.rank)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 from recorder.errors import PdbgError, ReplayError
 
-from .cmd_replay import STEP_HELP, _open, _step_text
+from .cmd_replay import STEP_HELP, _open, _step_text, rank_option
 
 
 def add_parsers(sub: Any) -> None:
@@ -29,6 +29,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--against", metavar="OTHER", help="another recording of the same model: find the first divergence")
     p.add_argument("--ops", action="store_true", help="replay the origin step and name the first operation that made "
                    "a NaN/Inf from finite inputs, with its source line")
+    p.add_argument("--rank", type=int, metavar="K", help="look at rank K only (default: every rank of a run of "
+                   "several processes, naming the rank of the origin)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(handler=bisect)
 
@@ -40,6 +42,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--from", dest="start", metavar="STEP", help="start after (or before, with --backward) this step: "
                    + STEP_HELP)
     p.add_argument("--backward", action="store_true", help="search towards the start of the run")
+    rank_option(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(handler=find)
 
@@ -47,11 +50,11 @@ def add_parsers(sub: Any) -> None:
 def bisect(args: argparse.Namespace) -> int:
     import replayer
 
-    rec = _open(args.run)
+    rec = _open(args.run, args.rank or 0)
     if args.against:
         if args.ops:
             raise PdbgError("--ops applies to the origin of a NaN, not to --against; use one or the other")
-        div = replayer.first_divergence(rec, _open(args.against))
+        div = replayer.first_divergence(rec, _open(args.against, args.rank or 0))
         if args.json:
             print(json.dumps(div.to_json()))
         else:
@@ -60,13 +63,13 @@ def bisect(args: argparse.Namespace) -> int:
                 print(f"steps that only followed it (different inputs): {len(div.followed)}, first "
                       f"{_step_text(div.followed[0].to_json())}")
         return 1 if div.first_difference is not None else 0
-    origin = replayer.first_nonfinite(rec)
+    origin = replayer.first_nonfinite(rec, all_ranks=args.rank is None)
     op_note = None
     if args.ops and origin.step is not None:
         from replayer.ops import bisect_ops
 
         try:
-            origin.op = bisect_ops(rec, origin.step)
+            origin.op = bisect_ops(origin.step.rec, origin.step)
         except ReplayError as exc:
             op_note = f"operation-level bisection needs a replay, and this step cannot be replayed: {exc}"
         if origin.op is None and op_note is None:
@@ -80,9 +83,15 @@ def bisect(args: argparse.Namespace) -> int:
     if not origin.found:
         print(origin.cause)
         return 0
+    several = len(rec.ranks) > 1
     if origin.step is not None:
-        print("origin: " + _paper_line(origin.step))
+        print("origin: " + (f"rank {origin.rank} · " if several else "") + _paper_line(origin.step))
     print(origin.cause)
+    for rank, other in sorted(origin.others.items()):
+        first = other.step or other.entered
+        if first is not None:
+            print(f"rank {rank}: first non-finite at step {first.index} (iteration {first.iteration}): " +
+                  (other.cause.split(" from finite inputs")[0] if other.step is not None else other.cause))
     if origin.op is not None:
         op = origin.op
         print(f"operation: {op.name}" + (f" (in {op.node}, the backward of)" if op.node else ""))
@@ -110,7 +119,7 @@ def _paper_line(step: Any) -> str:
 def find(args: argparse.Namespace) -> int:
     import replayer
 
-    rec = _open(args.run)
+    rec = _open(args.run, args.rank)
     start = rec.step(args.start) if args.start is not None else None
     where = None if args.where in ("*", "") else args.where
     found = replayer.find(rec, where, args.when, start=start, backward=args.backward)

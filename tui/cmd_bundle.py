@@ -13,7 +13,7 @@ import argparse
 import json
 from typing import Any
 
-from .cmd_replay import STEP_HELP, _open, _size, _step_text
+from .cmd_replay import STEP_HELP, _open, _size, _step_text, rank_option
 
 
 def add_parsers(sub: Any) -> None:
@@ -27,6 +27,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--verify", action="store_true", help="replay it once before sealing; record the outcome")
     p.add_argument("--script", action="store_true", help="also write repro.py next to the bundle")
     p.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    rank_option(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(handler=run)
 
@@ -34,7 +35,7 @@ def add_parsers(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import replayer
 
-    rec = _open(args.run)
+    rec = _open(args.run, args.rank)
     step = rec.step(args.step)
     info = replayer.bundle(rec, step, args.out, iteration=args.iteration, verify=args.verify, script=args.script,
                            overwrite=args.force)

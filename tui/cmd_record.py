@@ -5,16 +5,20 @@ flight; --keep N iterations in flight mode; --on-anomaly record, stop or pdb): d
 steps, plus every module whose path matches a --modules glob (`blocks.*` is each block, `**.attn`
 every attn, `**` every module). Iterations advance on the steps of the first optimizer that steps.
 The script's stdout is left alone; pdbg's own lines go to stderr. Exits with the script's exit code.
+
+In flight mode the script runs in a child process and the ring's bytes in shared memory, so that a
+hard crash of the script (a segfault, abort(), the OOM killer) still writes them out: pdbg waits for
+the child, forwards SIGINT and SIGTERM to it, and when it dies without closing the recording, adds
+the payloads the ring held for the steps committed before and marks the run crashed. A script killed
+by signal N exits 128+N, as in a shell. The other modes run the script in pdbg's own process.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from typing import Any
 
-from recorder import RecorderWarning
 from recorder.errors import RecordingError
 
 
@@ -38,26 +42,21 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recorder.runner import run_script
+    from recorder import supervise
+    from recorder.runner import run_script, warnings_as_lines
 
     if args.every < 1:
         raise RecordingError(f"--every must be a positive integer, not {args.every}")
+    if args.keep < 1:
+        raise RecordingError(f"--keep must be a positive integer (iterations held in flight mode), not {args.keep}")
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
-    shown = warnings.showwarning
-
-    def show(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
-        if issubclass(category, RecorderWarning):
-            print(f"pdbg: warning: {message}", file=sys.stderr)
+    options: dict[str, Any] = {"modules": args.modules or None, "every": args.every, "on_anomaly": args.on_anomaly,
+                               "keep": args.keep}
+    with warnings_as_lines():
+        if args.mode == "flight" and supervise.available(args.out):  # a child process; the ring outlives it
+            result = supervise.run_script_in_child(args.script, script_args, args.out, **options)
         else:
-            shown(message, category, *rest, **kw)
-
-    warnings.showwarning = show
-    try:
-        result = run_script(args.script, script_args, args.out, mode=args.mode, modules=args.modules or None,
-                            every=args.every, on_anomaly=args.on_anomaly, keep=args.keep)
-    finally:
-        if warnings.showwarning is show:
-            warnings.showwarning = shown
+            result = run_script(args.script, script_args, args.out, mode=args.mode, **options)
     sys.stdout.flush()
     if result.traceback_text:
         sys.stderr.write(result.traceback_text)
@@ -68,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
 def _summary(out: str, result: Any) -> str:
     """Where the recording is, and the step an exception escaped from."""
     text = f"recording in {out} ({result.status}, {result.steps} steps)"
-    if result.exception is None:
+    if result.died is not None:
+        return text + _death(result)
+    if result.exception_name is None:
         return text
     try:
         import replayer
@@ -80,5 +81,19 @@ def _summary(out: str, result: Any) -> str:
         return text
     step = failed[-1]  # steps are numbered on entry: the innermost one that raised is the last
     where = f" at {step.module_path}" if step.module_path else ""
-    return (f"{text}; {type(result.exception).__name__} escaped step {step.index} ({step.name}{where}, "
+    return (f"{text}; {result.exception_name} escaped step {step.index} ({step.name}{where}, "
             f"iteration {step.iteration}); open it there: pdbg {out} --at {step.index}")
+
+
+def _death(result: Any) -> str:
+    """How the script's process died, and what of the flight ring its parent wrote out."""
+    text = f"; the script's process died ({result.died})"
+    ring = result.ring_recovered
+    if ring is None:
+        return text
+    if not ring["records"]:
+        return text + "; the flight ring held no payload for the steps committed before"
+    its = ring["iterations"]
+    span = f"iteration {its[0]}" if len(its) == 1 else f"iterations {its[0]}-{its[-1]}"
+    return (f"{text}; the flight ring's payloads of {span} were written out ({ring['records']} tensors, "
+            f"{ring['payloads']} payloads)")

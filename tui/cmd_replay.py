@@ -28,6 +28,7 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("info", help="summarise a recording", description="Steps, iterations, paper steps with "
                        "their calls and share of the time, alerts, the first non-finite step, size and status.")
     p.add_argument("run", metavar="RUN", help="the recording (directory or bundle)")
+    rank_option(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(handler=info)
 
@@ -63,16 +64,22 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(handler=verify)
 
 
+def rank_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rank", type=int, default=0, metavar="K", help="the rank whose steps to use, in a run of "
+                   "several processes (torch.distributed); default 0")
+
+
 def _replay_options(p: argparse.ArgumentParser) -> None:
+    rank_option(p)
     p.add_argument("--threads", type=int, metavar="N", help="force N intra-op threads instead of the recorded count")
     p.add_argument("--script", metavar="PATH", help="the training script's path now, if it moved since recording")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
-def _open(path: str) -> Any:
+def _open(path: str, rank: int = 0) -> Any:
     import replayer
 
-    return replayer.open(path)
+    return replayer.open(path, rank)
 
 
 def _emit(doc: dict[str, Any]) -> None:
@@ -107,15 +114,33 @@ def summary(rec: Any) -> dict[str, Any]:
                                 "time_share": time / total_time if total_time > 0 else None})
     from replayer import first_nonfinite
 
-    origin = first_nonfinite(rec) if n else None
+    origin = first_nonfinite(rec, all_ranks=True) if n or len(rec.ranks) > 1 else None
     first = (origin.step or origin.entered) if origin is not None else None
     return {"status": rec.status, "steps": n, "iterations": int(len(np.unique(iteration))) if n else 0,
-            "ranks": len(rec.reader.ranks), "paper_steps": paper_steps,
+            "ranks": len(rec.reader.ranks), "rank_details": _ranks(rec), "paper_steps": paper_steps,
             "alerts": int((status == layout.STATUSES.index("alert")).sum()),
             "exceptions": int((status == layout.STATUSES.index("exception")).sum()),
             "first_nonfinite": first.to_json() if first is not None else None,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
             "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec)}
+
+
+def _ranks(rec: Any) -> list[dict[str, Any]]:
+    """Each rank of the run: its status, steps, process and process group (also those of the world
+    that never committed a step: status ``missing``)."""
+    out = []
+    reader = rec.reader
+    for rank in sorted([*reader.ranks, *reader.missing_ranks]):
+        if rank in reader.missing_ranks:
+            out.append({"rank": rank, "status": "missing", "steps": 0})
+            continue
+        r = reader.rank(rank)
+        iterations = r.column("steps/iteration") if len(r) else np.zeros(0)
+        run = r.run_info
+        out.append({"rank": rank, "status": r.status, "steps": len(r),
+                    "iterations": int(len(np.unique(iterations))), "world_size": r.dist["world_size"],
+                    "backend": r.dist["backend"], "hostname": run.get("hostname"), "pid": run.get("pid")})
+    return out
 
 
 def _bundle_summary(rec: Any) -> dict[str, Any] | None:
@@ -168,7 +193,7 @@ def _size(nbytes: int) -> str:
 
 
 def info(args: argparse.Namespace) -> int:
-    rec = _open(args.run)
+    rec = _open(args.run, args.rank)
     doc = summary(rec)
     if args.json:
         _emit(doc)
@@ -180,6 +205,17 @@ def info(args: argparse.Namespace) -> int:
     if run:
         print(f"recorded {run.get('started', '?')} on {run.get('hostname', '?')}: {' '.join(run.get('argv') or [])} "
               f"(torch {run.get('torch')}, mode {run.get('mode')})")
+    if len(doc["rank_details"]) > 1:
+        print()
+        for r in doc["rank_details"]:
+            if r["status"] == "missing":
+                print(f"  rank {r['rank']}: missing (no step committed: killed before its first commit, or never "
+                      "started)")
+                continue
+            print(f"  rank {r['rank']}: {r['status']}, {r['steps']} steps, {r['iterations']} iterations, "
+                  f"backend {r['backend'] or '?'}, {r['hostname']} pid {r['pid']}")
+        if rec.rank.rank == 0:
+            print("  (paper steps below: rank 0; --rank K for another)")
     if doc["paper_steps"]:
         width = max(len(p["name"]) for p in doc["paper_steps"])
         print(f"\n  {'step':<{width}}  {'paper':<28} {'forward':>7} {'backward':>8}  time")
@@ -263,7 +299,7 @@ def replay(args: argparse.Namespace) -> int:
     from replayer.replay import Replayer
 
     _check_threads(args.threads)
-    rec = _open(args.run)
+    rec = _open(args.run, args.rank)
     swap, edit = _pairs(args.swap, "--swap"), _pairs(args.edit, "--edit")
     settings = {k: _setting_value(v) for k, v in _pairs(args.set, "--set").items()}
     seed = args.seed
@@ -374,7 +410,7 @@ def verify(args: argparse.Namespace) -> int:
     _check_threads(args.threads)
     if args.sample is not None and args.sample < 1:
         raise PdbgError(f"--sample must be a positive integer, not {args.sample}")
-    rec = _open(args.run)
+    rec = _open(args.run, args.rank)
     n = len(rec)
     picks = list(range(n)) if args.sample is None or args.sample >= n else sorted(
         set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))

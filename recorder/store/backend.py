@@ -285,16 +285,17 @@ def get(store: Store, key: str) -> bytes | None:
     return None if buf is None else buf.to_bytes()
 
 
-def remove_partials(store: Store) -> int:
-    """Delete ``*.partial`` leftovers of a killed writer; returns how many were removed."""
+def remove_partials(store: Store, prefix: str, *, top: bool = False) -> int:
+    """Delete ``*.partial`` leftovers of a killed writer under ``prefix`` (and, with ``top``, those
+    of the root's own files); returns how many were removed. Only a rank's own files: another rank
+    may be writing its own next to it."""
     root = local_root(store)
     if root is None or store.read_only:
         return 0
-    removed = 0
-    for tmp in root.rglob("*.partial"):
+    found = [*(root / prefix).rglob("*.partial"), *(root.glob("*.partial") if top else [])]
+    for tmp in found:
         tmp.unlink(missing_ok=True)
-        removed += 1
-    return removed
+    return len(found)
 
 
 def describe(target: Any) -> str:

@@ -4,8 +4,10 @@ A run is a Zarr v3 group::
 
     run.zarr/
       zarr.json             group attributes: {"paperdebugger": {"format", "schema_version", "run": {...}}}
-      manifest.json         committed lengths of every array and the run status (plain JSON, written last)
+      manifest.json         rank 0's committed lengths and status (plain JSON, written last)
       rank0/                one sub-tree per process (torch.distributed rank)
+        zarr.json           group attributes: the rank, world size, backend and its process's run record
+        manifest.json       (rank k > 0 only) rank k's commit, written by rank k alone
         steps/<column>      one row per step, in execution order
         tensors/<column>    one row per tensor record; a step's records are contiguous
         payloads/<column>   one row per distinct tensor content (deduplicated by xxh3-128)
@@ -27,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.3"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete"
+SCHEMA_VERSION = "1.4"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+# 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective"
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"
 MANIFEST_KEY = "manifest.json"
@@ -113,6 +116,7 @@ DIMS_CHUNK = 65536
 
 ROLES: tuple[str, ...] = (
     "input", "output", "param", "buffer", "grad_output", "grad_input", "param_grad", "watch",
+    "collective",  # schema 1.4: what a torch.distributed collective inside the step returned
 )
 PHASES: tuple[str, ...] = ("forward", "backward")
 # A step's results by phase (role indices): NaN or Inf in one of these makes the step ``nonfinite``;
@@ -121,9 +125,10 @@ RESULT_ROLES: dict[int, frozenset[int]] = {0: frozenset({ROLES.index("output")})
                                            1: frozenset({ROLES.index("grad_input"), ROLES.index("param_grad")})}
 # A step's own inputs by phase: NaN or Inf here came from outside it (a backward step also uses its
 # forward step's inputs and parameters: see that step's flags).
+# A collective's result came from the other ranks: an input too.
 INPUT_ROLES: dict[int, frozenset[int]] = {0: frozenset({ROLES.index("input"), ROLES.index("param"),
-                                                         ROLES.index("buffer")}),
-                                          1: frozenset({ROLES.index("grad_output")})}
+                                                         ROLES.index("buffer"), ROLES.index("collective")}),
+                                          1: frozenset({ROLES.index("grad_output"), ROLES.index("collective")})}
 NONFINITE_RESULT = 1  # steps/flags bits
 NONFINITE_INPUT = 2
 STATUSES: tuple[str, ...] = ("ok", "alert", "nonfinite", "exception")
@@ -150,6 +155,13 @@ def columns() -> list[Column]:
 
 def rank_group(rank: int) -> str:
     return f"rank{rank}"
+
+
+def manifest_key(rank: int) -> str:
+    """Where a rank commits: rank 0 in the root ``manifest.json`` (the only manifest before schema
+    1.4, so older readers still read rank 0), every other rank in its own group's ``manifest.json``:
+    ranks never write the same file."""
+    return MANIFEST_KEY if rank == 0 else f"{rank_group(rank)}/{MANIFEST_KEY}"
 
 
 def parse_version(text: str) -> tuple[int, int]:

@@ -122,7 +122,9 @@ class RunReader:
         except Exception as exc:  # a file that is not a zip, a directory we cannot read...
             raise NotARecordingError(f"{self.label} is not a PaperDebugger recording ({exc})") from None
         self.attrs = self._read_attrs()
-        self.manifest = self._read_manifest()
+        self.world_size = self._world_size()
+        self.manifests = self._read_manifests()  # rank -> its manifest
+        self.manifest = self.manifests[min(self.manifests)]  # rank 0's (the only one before schema 1.4)
         try:
             self.group = zarr.open_group(self.store, mode="r")
         except (KeyError, ValueError, TypeError, OSError) as exc:  # zarr's metadata errors are ValueErrors
@@ -171,36 +173,58 @@ class RunReader:
             raise SchemaVersionError(f"{self.label} uses schema {version}, which this PaperDebugger no longer "
                                      "reads; open it with an older paperdebugger")
 
-    def _read_manifest(self) -> dict[str, Any]:
-        manifest = self._read_json(layout.MANIFEST_KEY)
-        if manifest is None:
+    def _world_size(self) -> int:
+        world = self.attrs.get("world_size", 1)
+        if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= 1 << 20:
+            raise FormatError(f"{self.label}: zarr.json gives an invalid world size {world!r}; the recording's "
+                              "metadata is damaged")
+        return world
+
+    def _read_manifests(self) -> dict[int, dict[str, Any]]:
+        """Every rank's manifest: rank 0's at the root, rank k's in its group (schema 1.4). A rank of a
+        distributed run that has none yet (killed before its first commit, or not started) is
+        listed in ``missing_ranks``; the run opens as long as one rank committed."""
+        found: dict[int, dict[str, Any]] = {}
+        self.missing_ranks: list[int] = []
+        for rank in range(self.world_size):
+            key = layout.manifest_key(rank)
+            manifest = self._read_json(key)
+            if manifest is None:
+                self.missing_ranks.append(rank)
+                continue
+            found[rank] = self._check_manifest(manifest, key, rank)
+        if not found:
             raise FormatError(f"{self.label}: {layout.MANIFEST_KEY} is missing, so no step is known to be "
                               "committed; the recorder was killed before its first commit, or the recording "
                               "was damaged or copied incompletely")
+        return found
+
+    def _check_manifest(self, manifest: Any, key: str, rank: int) -> dict[str, Any]:
         ranks = manifest.get("ranks") if isinstance(manifest, dict) else None
         if not isinstance(ranks, dict) or manifest.get("format") != "paperdebugger.manifest":
-            raise FormatError(f"{self.label}: {layout.MANIFEST_KEY} is not a PaperDebugger manifest")
-        self._check_version(manifest.get("schema_version"), layout.MANIFEST_KEY)
+            raise FormatError(f"{self.label}: {key} is not a PaperDebugger manifest")
+        self._check_version(manifest.get("schema_version"), key)
         if manifest.get("status", "recording") not in layout.RUN_STATUSES:
-            raise FormatError(f"{self.label}: {layout.MANIFEST_KEY} gives an unknown status "
+            raise FormatError(f"{self.label}: {key} gives an unknown status "
                               f"{manifest.get('status')!r}; the manifest is damaged")
-        for rank, lengths in ranks.items():
-            if not (isinstance(rank, str) and rank.isdigit() and isinstance(lengths, dict)):
-                raise FormatError(f"{self.label}: {layout.MANIFEST_KEY} has a malformed entry for rank {rank!r}; "
+        if str(rank) not in ranks or (rank and len(ranks) != 1):
+            raise FormatError(f"{self.label}: {key} does not commit rank {rank}; the manifest is damaged")
+        for name, lengths in ranks.items():
+            if not (isinstance(name, str) and name.isdigit() and isinstance(lengths, dict)):
+                raise FormatError(f"{self.label}: {key} has a malformed entry for rank {name!r}; "
                                   "the manifest is damaged")
-            for key in (*_TABLES, *lengths):
-                value = lengths.get(key)
+            for table in (*_TABLES, *lengths):
+                value = lengths.get(table)
                 if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                    raise FormatError(f"{self.label}: {layout.MANIFEST_KEY} gives rank {rank} an invalid length "
-                                      f"{key}={value!r}; the manifest is damaged")
+                    raise FormatError(f"{self.label}: {key} gives rank {name} an invalid length "
+                                      f"{table}={value!r}; the manifest is damaged")
         return manifest
 
-    @property
-    def closed(self) -> bool:
-        """Whether the writer closed the recording (its manifest says complete or crashed): closing trims
-        every array to its committed length, so any other length is damage. An ``incomplete`` run's
+    def rank_closed(self, rank: int) -> bool:
+        """Whether the rank's writer closed it (its manifest says complete or crashed): closing trims
+        every array to its committed length, so any other length is damage. An ``incomplete`` rank's
         writer may have failed before it could trim: its arrays may be longer, as while recording."""
-        return self.manifest.get("status", "recording") in ("complete", "crashed")
+        return self.manifests[rank].get("status", "recording") in ("complete", "crashed")
 
     # -- run-level information -------------------------------------------------------------------
     @property
@@ -215,14 +239,28 @@ class RunReader:
     def status(self) -> str:
         """``complete``; ``crashed`` (an exception ended the run, or its process died); ``incomplete``
         (recording stopped early, training went on: ``final`` in the run's metadata says why); or
-        ``recording`` while the writer is alive."""
-        status = self.manifest.get("status", "recording")
-        if status == "recording" and not self._writer_alive():
+        ``recording`` while the writer is alive. Of a distributed run: ``recording`` while any rank
+        records, else the worst of its ranks' (a rank that never committed counts as crashed)."""
+        statuses = [self.rank_status(rank) for rank in self.manifests]
+        if "recording" in statuses:
+            return "recording"
+        for status in ("crashed", "incomplete"):
+            if status in statuses or (status == "crashed" and self.missing_ranks):
+                return status
+        return "complete"
+
+    def rank_status(self, rank: int) -> str:
+        """One rank's status, as ``status`` describes it; ``missing`` for a rank without a commit."""
+        manifest = self.manifests.get(rank)
+        if manifest is None:
+            return "missing"
+        status = manifest.get("status", "recording")
+        if status == "recording" and not self._writer_alive(manifest):
             return "crashed"
         return str(status)
 
-    def _writer_alive(self) -> bool:
-        writer = self.manifest.get("writer")
+    def _writer_alive(self, manifest: dict[str, Any]) -> bool:
+        writer = manifest.get("writer")
         writer = writer if isinstance(writer, dict) else {}
         if writer.get("host") == socket.gethostname() and writer.get("boot") == backend.boot_id():
             try:
@@ -237,20 +275,25 @@ class RunReader:
             start = writer.get("start")
             return start is None or backend.process_start(pid) in (start, None)  # a reused pid is not it
         try:
-            updated = float(self.manifest.get("updated_unix", 0))
+            updated = float(manifest.get("updated_unix", 0))
         except (TypeError, ValueError):
             return False
         return time.time() - updated < STALE_AFTER_S
 
     @property
     def ranks(self) -> list[int]:
-        return sorted(int(r) for r in self.manifest["ranks"])
+        """The ranks with committed steps (``missing_ranks``: those of the world without)."""
+        return sorted(self.manifests)
 
     def rank(self, rank: int = 0) -> RankReader:
         if rank not in self._ranks:
-            lengths = self.manifest["ranks"].get(str(rank))
-            if lengths is None:
-                raise FormatError(f"{self.label} has no rank {rank}; it has ranks {self.ranks}")
+            manifest = self.manifests.get(rank) if isinstance(rank, int) and not isinstance(rank, bool) else None
+            if manifest is None:
+                never = " (it never committed a step: killed before its first commit, or never started)" \
+                    if rank in self.missing_ranks else ""
+                raise FormatError(f"{self.label} has no rank {rank}{never}; it has "
+                                  f"rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}")
+            lengths = manifest["ranks"][str(rank)]
             self._ranks[rank] = RankReader(self, rank, lengths)
         return self._ranks[rank]
 
@@ -298,6 +341,46 @@ class RankReader:
 
     def __len__(self) -> int:
         return self.lengths["steps"]
+
+    @cached_property
+    def attrs(self) -> dict[str, Any]:
+        """The rank group's own attributes (schema 1.4): rank, world size, its process's run record
+        and, once closed, ``final``; empty for older recordings."""
+        ours = self.group.attrs.get(layout.ATTRS_KEY)
+        if ours is None:
+            return {}
+        if not isinstance(ours, dict) or not all(isinstance(ours.get(k, {}), dict) for k in ("run", "final")):
+            raise FormatError(f"{self.run.label}: {self.prefix}/zarr.json holds malformed attributes; the "
+                              "recording's metadata is damaged")
+        return ours
+
+    @property
+    def run_info(self) -> dict[str, Any]:
+        """Where and how this rank's process recorded (host, pid, script, versions, rank, world size)."""
+        return dict(self.attrs.get("run") or self.run.run_info)
+
+    @property
+    def final(self) -> dict[str, Any]:
+        """What the rank's writer said when it closed (status, iterations, exception...)."""
+        found = self.attrs.get("final")
+        if found is None and self.rank == 0:
+            found = self.run.attrs.get("final")
+        return dict(found or {})
+
+    @property
+    def dist(self) -> dict[str, Any]:
+        """Rank, world size and process-group backend (known once the group was made; None before)."""
+        info = self.run_info
+        out = {"rank": info.get("rank", self.rank), "world_size": info.get("world_size", self.run.world_size),
+               "backend": info.get("backend")}
+        latest = self.run.manifests[self.rank].get("dist")
+        if isinstance(latest, dict) and latest.get("backend") is not None:
+            out["backend"] = str(latest["backend"])
+        return out
+
+    @property
+    def status(self) -> str:
+        return self.run.rank_status(self.rank)
 
     def _length_of(self, path: str) -> int:
         if path in self.lengths:  # a log (docs/bytes, dims/values, blobs/u4)
@@ -353,7 +436,7 @@ class RankReader:
             raise FormatError(f"{label}: {key}/zarr.json declares shape {arr.shape} in chunks of {arr.chunks}, "
                               f"which {path} cannot have; the recording is damaged")
         rows, n = arr.shape[0], self._length_of(path)
-        if rows < n or (self.run.closed and rows != n):
+        if rows < n or (self.run.rank_closed(self.rank) and rows != n):
             raise FormatError(f"{label}: array {path} has {rows} rows but {n} are committed; the recording is "
                               "damaged")
         kinds = tuple(type(c) for c in codecs)

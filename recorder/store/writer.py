@@ -102,6 +102,22 @@ class AppendArray:
         if self.capacity != len(self):  # arrays never written (payloads in stats mode) stay as made
             self._resize(len(self))
 
+    def resume(self, length: int) -> None:
+        """Continue after the first ``length`` rows of the array on disk, written by a writer that
+        died (``self.meta`` must be its zarr.json as stored). The committed rows of the partial last
+        chunk are loaded, so the next append lands at row ``length``; rows and chunks past it may be
+        what the dead writer wrote after its last commit, and are overwritten as rows are appended."""
+        self.capacity = int(self.meta["shape"][0])
+        if not 0 <= length <= self.capacity:
+            raise RecordingError(f"cannot resume {self.key}: {length} rows committed, but its zarr.json declares "
+                                 f"{self.capacity}; the recording is damaged")
+        self.chunk, self.fill = divmod(length, self.col.chunk_rows)
+        self.dirty = False
+        if self.fill:
+            start = self.chunk * self.col.chunk_rows
+            stored = zarr.open_array(self.store, path=self.key, mode="r")
+            self.buf[:self.fill] = np.asarray(stored[start:length])
+
     def _seal(self) -> None:
         self._write(self.chunk, self.buf, whole=True)
         self.chunk += 1
@@ -140,21 +156,35 @@ class StoreWriter:
     """Creates a run and appends steps, tensor records, payloads and documents to one rank."""
 
     def __init__(self, store: Store, *, run_attrs: dict[str, Any], compression: codecs.Compression,
-                 rank: int = 0) -> None:
-        """Claim the store (its root ``zarr.json``); ``create()`` lays out the rest.
+                 rank: int = 0, world_size: int = 1) -> None:
+        """Claim the store (rank 0: its root ``zarr.json``; rank k: its group ``rank<k>/zarr.json``);
+        ``create()`` lays out the rest.
 
         Split in two so that the training thread pays only for the claim: the ~50 files and
-        directories of a rank's arrays are made by the writer thread (``create``), next to training."""
+        directories of a rank's arrays are made by the writer thread (``create``), next to training.
+        Ranks write disjoint files (rank 0 alone the root's), so they need no lock between them."""
         self.store, self.rank = store, rank
-        if backend.get(store, "zarr.json") is not None:
-            raise RecordingError("the store already holds a zarr hierarchy; record into a new, empty one")
+        group_key = f"{layout.rank_group(rank)}/zarr.json"
+        if backend.get(store, "zarr.json" if rank == 0 else group_key) is not None:
+            where = "a zarr hierarchy" if rank == 0 else f"a recording of rank {rank}"
+            raise RecordingError(f"the store already holds {where}; record into a new, empty one")
         self._files = dict(_template(rank, compression))
         root_meta = json.loads(self._files.pop("zarr.json"))
-        root_meta["attributes"] = {layout.ATTRS_KEY: {
-            "format": layout.FORMAT_NAME, "schema_version": layout.SCHEMA_VERSION,
-            "compression": compression.describe(), "run": run_attrs}}
-        backend.put(store, "zarr.json", json.dumps(root_meta, indent=2, allow_nan=False).encode())
+        ours = {"format": layout.FORMAT_NAME, "schema_version": layout.SCHEMA_VERSION,
+                "compression": compression.describe(), "run": run_attrs}
+        if world_size > 1:
+            ours["world_size"] = world_size
+        root_meta["attributes"] = {layout.ATTRS_KEY: ours}
+        self.group_meta = json.loads(self._files[group_key])
+        self.group_meta["attributes"] = {layout.ATTRS_KEY: {"rank": rank, "world_size": world_size,
+                                                            "run": run_attrs}}
+        self._files[group_key] = self._meta_bytes(self.group_meta)
+        if rank == 0:
+            backend.put(store, "zarr.json", self._meta_bytes(root_meta))
+        else:
+            backend.put(store, group_key, self._files.pop(group_key))  # the claim
         self.root_meta = root_meta
+        self.dist: dict[str, Any] = {"rank": rank, "world_size": world_size, "backend": run_attrs.get("backend")}
         self.arrays: dict[str, AppendArray] = {}
         for col in layout.columns():
             key = f"{layout.rank_group(rank)}/{col.path}"
@@ -173,12 +203,93 @@ class StoreWriter:
         self.status = "recording"
         self.info: dict[str, Any] = {}
 
+    @staticmethod
+    def _meta_bytes(meta: dict[str, Any]) -> bytes:
+        return json.dumps(meta, indent=2, allow_nan=False).encode()
+
+    def _publish_final(self) -> None:
+        """The final status and what the run says about itself: in the rank's group (and, for
+        rank 0, the root, where readers before schema 1.4 look)."""
+        final = {"status": self.status, **self.info}
+        for meta in (self.group_meta, self.root_meta):  # a process group made after the recording began
+            run = meta["attributes"][layout.ATTRS_KEY]["run"]
+            if run.get("backend") is None and self.dist.get("backend") is not None:
+                run["backend"] = self.dist["backend"]
+        self.group_meta["attributes"][layout.ATTRS_KEY]["final"] = final
+        backend.put(self.store, f"{layout.rank_group(self.rank)}/zarr.json", self._meta_bytes(self.group_meta))
+        if self.rank == 0:
+            self.root_meta["attributes"][layout.ATTRS_KEY]["final"] = final
+            backend.put(self.store, "zarr.json", self._meta_bytes(self.root_meta))
+
     def create(self) -> None:
         """Write the rank's group and array metadata, then the first manifest (0 steps)."""
-        backend.remove_partials(self.store)
+        backend.remove_partials(self.store, layout.rank_group(self.rank), top=self.rank == 0)
         self._parallel(lambda kv: backend.put(self.store, *kv), list(self._files.items()))
         self._files = {}
         self.write_manifest()
+
+    @classmethod
+    def resume(cls, store: Store, rank: int = 0) -> StoreWriter:
+        """Reopen a rank whose writer died without closing it, to append after its committed lengths
+        (the parent of a crashed flight recording writes out the ring this way: recorder.recover).
+
+        Every array continues at the length the rank's manifest commits; payloads already stored are
+        known by their content key, so appending the same bytes again returns the stored row. Then
+        ``close`` (trim, manifest, final status) as for a writer that never died. Raises
+        RecordingError when there is no committed manifest to resume from."""
+        raw_root, raw = backend.get(store, "zarr.json"), backend.get(store, layout.manifest_key(rank))
+        try:
+            root_meta = json.loads(raw_root) if raw_root is not None else None
+            manifest = json.loads(raw) if raw is not None else None
+            lengths = manifest["ranks"][str(rank)] if manifest is not None else None
+            ours = root_meta["attributes"][layout.ATTRS_KEY] if root_meta is not None else None
+        except (ValueError, KeyError, TypeError):
+            lengths = ours = None
+        if not isinstance(lengths, dict) or not isinstance(ours, dict):
+            raise RecordingError(f"cannot resume rank {rank}: no committed manifest or no PaperDebugger metadata")
+        group_meta = json.loads(backend.get(store, f"{layout.rank_group(rank)}/zarr.json") or b"null")
+        if not isinstance(group_meta, dict):
+            raise RecordingError(f"cannot resume rank {rank}: its group metadata is missing")
+        group_meta.setdefault("attributes", {}).setdefault(layout.ATTRS_KEY, {"rank": rank})
+        self = cls.__new__(cls)  # what __init__ sets, from the store instead of anew
+        self.store, self.rank, self._files, self.root_meta = store, rank, {}, root_meta
+        self.group_meta = group_meta
+        dist = manifest.get("dist")
+        self.dist = dict(dist) if isinstance(dist, dict) else {"rank": rank, "world_size": 1, "backend": None}
+        described = dict(ours.get("compression") or {})
+        compression = codecs.Compression(described.get("cname"), int(described.get("clevel", 5)),
+                                         described.get("shuffle", "bitshuffle"), adaptive="adaptive" in described)
+        backend.remove_partials(store, layout.rank_group(rank), top=rank == 0)
+        self.arrays = {}
+        for col in layout.columns():
+            key = f"{layout.rank_group(rank)}/{col.path}"
+            meta = json.loads(backend.get(store, f"{key}/zarr.json") or b"null")
+            if not isinstance(meta, dict):
+                raise RecordingError(f"cannot resume rank {rank}: {key}/zarr.json is missing")
+            arr = AppendArray(store, key, meta, col, _compression_of(col, compression))
+            table = col.path.split("/")[0]
+            arr.resume(int(lengths.get(col.path, lengths.get(table, 0))))
+            self.arrays[col.path] = arr
+        self._identity = {"pid": os.getpid(), "host": socket.gethostname(), "boot": backend.boot_id(),
+                          "start": backend.process_start(os.getpid())}
+        self._doc_ids, self._str_ids, self._identity_ids, self._pending = {}, {}, {}, {}
+        hashes, units = self.committed("payloads/hash"), self.committed("payloads/blob")
+        self._payload_ids = {(int(h[0]), int(h[1]), int(u)): pid for pid, (h, u) in enumerate(zip(hashes, units))}
+        self._io = None
+        self.steps = int(lengths.get("steps", 0))
+        self.seq = int(manifest.get("seq", 0))
+        self.status = str(manifest.get("status", "recording"))
+        self.info = dict(manifest.get("info") or {})
+        return self
+
+    def committed(self, path: str) -> np.ndarray:
+        """The rows of one array written so far (after ``resume``: the committed ones, and any appended
+        since), read back from the store and this writer's unflushed tail."""
+        arr = self.arrays[path]
+        on_disk = arr.chunk * arr.col.chunk_rows
+        stored = zarr.open_array(self.store, path=arr.key, mode="r")
+        head = np.asarray(stored[:on_disk]) if on_disk else np.zeros((0, *arr.col.row_shape), dtype=arr.col.dtype)
+        return np.concatenate([head, arr.buf[:arr.fill]]) if arr.fill else head
 
     def _parallel(self, fn: Any, items: list[Any]) -> None:
         """Run ``fn`` over items on a few I/O threads (file writes and Blosc release the GIL): a
@@ -333,8 +444,7 @@ class StoreWriter:
                 self._io = None
         self.status = status
         self.write_manifest()
-        self.root_meta["attributes"][layout.ATTRS_KEY]["final"] = {"status": status, **self.info}
-        backend.put(self.store, "zarr.json", json.dumps(self.root_meta, indent=2, allow_nan=False).encode())
+        self._publish_final()
 
     def abandon(self, info: dict[str, Any]) -> None:
         """After a failed write (a full disk, a store gone): mark the run ``incomplete`` and say why,
@@ -345,7 +455,7 @@ class StoreWriter:
         disk. Nothing is trimmed: no file but the manifest and the root metadata is written (there
         may be room for no more), and readers slice to the manifest anyway."""
         self.info.update(info)
-        raw = backend.get(self.store, layout.MANIFEST_KEY)
+        raw = backend.get(self.store, layout.manifest_key(self.rank))
         try:
             committed = json.loads(raw)["ranks"][str(self.rank)] if raw is not None else None
         except (ValueError, KeyError, TypeError):
@@ -354,8 +464,7 @@ class StoreWriter:
             return
         self.status = "incomplete"
         self.write_manifest(committed)
-        self.root_meta["attributes"][layout.ATTRS_KEY]["final"] = {"status": self.status, **self.info}
-        backend.put(self.store, "zarr.json", json.dumps(self.root_meta, indent=2, allow_nan=False).encode())
+        self._publish_final()
 
     def write_manifest(self, lengths: dict[str, int] | None = None) -> None:
         """Commit: the manifest with ``lengths`` (default: everything appended and flushed)."""
@@ -363,10 +472,10 @@ class StoreWriter:
         manifest = {
             "format": "paperdebugger.manifest", "schema_version": layout.SCHEMA_VERSION,
             "status": self.status, "seq": self.seq, "updated_unix": time.time(),
-            "writer": self._identity,
+            "writer": self._identity, "dist": self.dist,
             "ranks": {str(self.rank): self.lengths() if lengths is None else lengths}, "info": self.info,
         }
-        backend.put(self.store, layout.MANIFEST_KEY, dumps(manifest), durable=True)
+        backend.put(self.store, layout.manifest_key(self.rank), dumps(manifest), durable=True)
 
 
 def _compression_of(col: Column, payloads: codecs.Compression) -> codecs.Compression:

@@ -14,6 +14,7 @@ import zarr
 
 import recorder
 from recorder import stats
+from recorder.store import layout
 from recorder.store import writer as store_writer
 from recorder.store.reader import RunReader
 
@@ -74,7 +75,7 @@ def test_readable_with_plain_zarr(run_path):
     manifest = json.loads((run_path / "manifest.json").read_text())
     lengths = manifest["ranks"]["0"]
     g = zarr.open_group(run_path, mode="r")
-    assert g.attrs["paperdebugger"]["schema_version"] == "1.3"
+    assert g.attrs["paperdebugger"]["schema_version"] == layout.SCHEMA_VERSION
     r0 = g["rank0"]
     assert r0["steps/iteration"].shape == (lengths["steps"],)
     name_doc = int(r0["steps/name"][0])

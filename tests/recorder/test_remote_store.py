@@ -162,7 +162,7 @@ def test_remote_recording_reads_like_the_local_one(runs: tuple[Path, str], endpo
     found = backend.sync(fs._find(f"{BUCKET}/runs/run.zarr", detail=True))
     sizes = {key.removeprefix(f"{BUCKET}/runs/run.zarr/"): int(info["size"]) for key, info in found.items()}
     assert set(sizes) == files
-    timed = ("zarr.json", layout.MANIFEST_KEY, "rank0/steps/t_start/", "rank0/steps/t_end/")  # hold times
+    timed = ("zarr.json", layout.MANIFEST_KEY, "rank0/zarr.json", "rank0/steps/t_start/", "rank0/steps/t_end/")  # times
     for name in files:
         if not name.startswith(timed):
             assert sizes[name] == (local / name).stat().st_size, name

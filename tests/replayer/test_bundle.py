@@ -16,6 +16,7 @@ import pytest
 import zarr
 
 import replayer
+from recorder.store import layout
 from tests.cli import ROOT
 
 MODULE = '''
@@ -209,8 +210,9 @@ def test_hostile_bundles_are_refused_and_run_nothing(recorded: tuple[Path, Path]
 
     def newer(name: str, data: bytes) -> bytes:
         if name in ("zarr.json", "manifest.json"):
-            return data.replace(b'"schema_version": "1.3"', b'"schema_version": "9.0"').replace(
-                b'"schema_version":"1.3"', b'"schema_version":"9.0"')
+            now = layout.SCHEMA_VERSION.encode()
+            return data.replace(b'"schema_version": "' + now + b'"', b'"schema_version": "9.0"').replace(
+                b'"schema_version":"' + now + b'"', b'"schema_version":"9.0"')
         return data
 
     cases = {"pickle": pickle_codec, "huge": huge, "newer": newer}

@@ -17,6 +17,7 @@ import recorder
 import replayer
 from recorder import snapshot
 from recorder.errors import ReplayError, StepNotFoundError
+from recorder.store import layout
 from replayer.rebuild import Builder
 from replayer.replay import Replayer
 from tests.cli import SCRIPTS, pdbg
@@ -229,7 +230,8 @@ def test_info_summarises_the_run_and_finds_the_first_nonfinite_step(tmp_path: Pa
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert {k: doc[k] for k in ("status", "steps", "iterations", "ranks", "alerts", "schema_version")} == {
-        "status": "complete", "steps": 24, "iterations": 2, "ranks": 1, "alerts": 0, "schema_version": "1.3"}
+        "status": "complete", "steps": 24, "iterations": 2, "ranks": 1, "alerts": 0,
+        "schema_version": layout.SCHEMA_VERSION}
     calls = {p["name"]: (p["forward_calls"], p["backward_calls"]) for p in doc["paper_steps"]}
     assert calls == {"Block": (4, 4), "Attention": (4, 4), "smooth_relu": (4, 4)}
     block = next(p for p in doc["paper_steps"] if p["name"] == "Block")

@@ -1,0 +1,244 @@
+"""``pdbg record --mode flight``: the script runs in a child process; this parent outlives it.
+
+The flight ring holds the payloads of the last ``keep`` iterations in memory until something worth
+keeping happens. A hard crash (a segfault or ``abort()`` in native code, the OOM killer's SIGKILL)
+gives no chance to write them, and in one process the ring dies with it. So the parent makes the
+ring's memory (recorder.shmring), runs ``recorder.runner.run_script`` in a child that holds the ring
+there, forwards SIGINT and SIGTERM to it, and waits. A child that dies without closing its recording
+leaves the ring readable to the parent, which writes out what committed records wait for and closes
+the run ``crashed`` (recorder.recover). The child gets its options as JSON in an environment variable
+and answers with one JSON line on a pipe: no pickle either way.
+
+Exit status: the child's; a child killed by signal N gives 128 + N, as a shell does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from . import collectives, recover, runner, shmring
+from .capture import RecorderWarning
+from .errors import PdbgError, RecordingError
+from .store import backend
+
+CHILD_ENV = "PDBG_RECORD_CHILD"  # the child's options (JSON); removed from its environment at once
+_FORWARDED = (signal.SIGINT, signal.SIGTERM)
+
+
+def available(out: Any) -> bool:
+    """Whether a recording to ``out`` can run in a child with a shared ring (a local directory, POSIX)."""
+    return os.name == "posix" and isinstance(out, (str, os.PathLike)) and not backend.is_url(out)
+
+
+def run_script_in_child(script: str | os.PathLike[str], args: list[str], out: str | os.PathLike[str],
+                        **options: Any) -> runner.ScriptResult:
+    """``runner.run_script(script, args, out, mode="flight", **options)`` in a child process whose
+    flight ring lives in shared memory; after a hard crash of the child, the ring is written out.
+
+    Args:
+        script, args, out: as for ``runner.run_script``.
+        options: ``recorder.record``'s options as plain JSON values (``keep``, ``max_ring_bytes``,
+            ``modules``, ``on_anomaly``...).
+
+    Falls back to ``runner.run_script`` in this process, with one warning, when no shared memory can
+    be had. Raises RecordingError for a missing script, an unusable output or options the recording
+    refuses, before or without recording anything."""
+    runner.check_script(script)
+    runner.check_output(out)
+    try:
+        ring = shmring.create(options.get("max_ring_bytes", 4 << 30))
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"no shared memory for the flight ring ({type(exc).__name__}: {exc}); it stays in the "
+                      "recording process's memory, and a hard crash (segfault, abort, the OOM killer) loses its "
+                      "payloads", RecorderWarning, stacklevel=2)
+        return runner.run_script(script, args, out, mode="flight", **options)
+    try:
+        return _supervise(script, args, out, options, ring)
+    finally:
+        ring.close()  # the memory goes with the last descriptor: it has no name anywhere
+
+
+def _supervise(script: Any, args: list[str], out: Any, options: dict[str, Any],
+               ring: shmring.RingFile) -> runner.ScriptResult:
+    read_end, write_end = os.pipe()
+    try:
+        spec = {"script": os.fspath(script), "args": list(args), "out": os.fspath(out),
+                "options": {**options, "mode": "flight"}, "ring_fd": ring.fd, "result_fd": write_end,
+                "pythonpath": os.environ.get("PYTHONPATH")}
+        try:
+            encoded = json.dumps(spec, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise RecordingError(f"cannot pass the recording options to the recording process ({exc}); give "
+                                 "plain values") from None
+        with _forwarding() as started:
+            proc = subprocess.Popen(_child_command(), env=_child_env(encoded), pass_fds=(ring.fd, write_end))
+            os.close(write_end)
+            write_end = -1
+            started(proc)
+            code = proc.wait()
+        report = _read_report(read_end)
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+    if "error" in report:  # the child refused the options: nothing was recorded
+        raise RecordingError(str(report["error"]))
+    return _outcome(out, code, report, ring)
+
+
+def _outcome(out: Any, code: int, report: dict[str, Any], ring: shmring.RingFile) -> runner.ScriptResult:
+    """The child's result; after a death without closing the recording, the ring written out first."""
+    died = f"signal {signal.Signals(-code).name}" if code < 0 else None
+    exit_code = 128 - code if code < 0 else code
+    rank = collectives.identity()["rank"]  # the child's too: it inherited the launcher's environment
+    manifest = recover.committed(out, rank) or {}
+    status = manifest.get("status", "recording") if manifest else None
+    recovered = None
+    if status == "recording":
+        why = died or f"exit status {code} before the recording was closed"
+        try:
+            recovered = recover.recover(out, ring, why, rank)
+            status = "crashed"
+        except Exception as exc:  # the committed steps stay readable; the run reads as crashed anyway
+            warnings.warn(f"could not write out the flight ring after the script's process died ({why}): "
+                          f"{type(exc).__name__}: {exc}; the steps it committed are readable without it",
+                          RecorderWarning, stacklevel=3)
+        died = why
+    steps = report.get("steps")
+    if not isinstance(steps, int):  # died: the steps it committed
+        lengths = (recover.committed(out, rank) or {}).get("ranks", {}).get(str(rank), {})
+        steps = lengths.get("steps", 0) if isinstance(lengths, dict) else 0
+    return runner.ScriptResult(exit_code, str(report.get("status") or status or "crashed"), steps,
+                               exception_name=report.get("exception"), died=died, ring_recovered=recovered)
+
+
+def _child_command() -> list[str]:
+    # The interpreter's own flags (-X, -W, -O...) carry over, as multiprocessing does for its children.
+    flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+    return [sys.executable, *flags, "-m", "recorder.supervise"]
+
+
+def _child_env(encoded: str) -> dict[str, str]:
+    """This environment, plus the child's options and a path to this package (taken out again by the
+    child, so the script sees the environment it would have seen)."""
+    env = dict(os.environ)
+    env[CHILD_ENV] = encoded
+    package_root = str(Path(__file__).resolve().parents[1])
+    if not package_root.endswith(("site-packages", "dist-packages")):  # installed: found there anyway
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), package_root) if p)
+    return env
+
+
+def _read_report(fd: int) -> dict[str, Any]:
+    """The child's JSON line, or {} when it died before writing it. Not blocking: processes the
+    script forked may still hold the pipe open."""
+    os.set_blocking(fd, False)
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    try:
+        report = json.loads(data.decode()) if data else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return report if isinstance(report, dict) else {}
+
+
+@contextlib.contextmanager
+def _forwarding() -> Iterator[Any]:
+    """SIGINT and SIGTERM go to the child (once started) instead of ending this process; the previous
+    handlers come back on exit. A Ctrl-C at the terminal reaches the child directly (it is in the
+    terminal's foreground process group with us), so that one is not sent a second time."""
+    box: list[Any] = [None]
+    pending: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        proc = box[0]
+        if proc is None:
+            pending.append(signum)
+        elif not (signum == signal.SIGINT and _terminal_group_signalled()):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+    def started(proc: Any) -> None:
+        box[0] = proc
+        for signum in pending:
+            forward(signum, None)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield started
+        return
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    try:
+        yield started
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _terminal_group_signalled() -> bool:
+    """Whether this process is in its terminal's foreground process group (so a SIGINT is most likely
+    the terminal's, sent to the child as well)."""
+    for fd in (0, 1, 2):
+        with contextlib.suppress(OSError):
+            if os.isatty(fd):
+                return os.tcgetpgrp(fd) == os.getpgrp()
+    return False
+
+
+# -- the child ------------------------------------------------------------------------------------------
+def child_main() -> int:
+    """Run the script as ``runner.run_script`` does, the ring in the parent's shared memory; report
+    to the parent on the result pipe."""
+    spec = json.loads(os.environ.pop(CHILD_ENV))
+    if spec.get("pythonpath") is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = spec["pythonpath"]
+    result_fd = int(spec["result_fd"])
+    os.set_inheritable(result_fd, False)
+    with runner.warnings_as_lines():
+        shared = _map_ring(int(spec["ring_fd"]))
+        try:
+            result = runner.run_script(spec["script"], spec["args"], spec["out"], shared_ring=shared,
+                                       **spec["options"])
+        except PdbgError as exc:
+            _report(result_fd, {"error": str(exc)})
+            return exc.exit_code
+    sys.stdout.flush()
+    if result.traceback_text:
+        sys.stderr.write(result.traceback_text)
+    _report(result_fd, {"exit_code": result.exit_code, "status": result.status, "steps": result.steps,
+                        "exception": result.exception_name})
+    return result.exit_code
+
+
+def _map_ring(fd: int) -> shmring.SharedRing | None:
+    try:
+        return shmring.SharedRing(fd)
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"could not map the flight ring's shared memory ({type(exc).__name__}: {exc}); it stays in "
+                      "this process's memory, and a hard crash loses its payloads", RecorderWarning, stacklevel=2)
+        return None
+    finally:
+        os.close(fd)  # the mapping stays; the script's own children need not hold the memory
+
+
+def _report(fd: int, report: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, json.dumps(report).encode())
+        os.close(fd)
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

@@ -1,0 +1,243 @@
+"""Hard crashes in flight mode: `pdbg record` runs the script in a child process whose flight ring
+lives in shared memory; when the child dies hard, the parent writes out what the ring held for the
+steps committed before, and the run opens as crashed with those payloads exact.
+
+The scripts run tests/recorder/abort_script.py; the test recomputes what it computed from the same
+seed (the model is tiny and single-threaded, so the bits are the same in this process).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import recorder
+from recorder import payload as payload_mod
+from recorder import shmring
+from recorder.store import layout
+from recorder.store.reader import RunReader
+from recorder.store.writer import StoreWriter
+from tests.cli import env
+from tests.recorder.test_flight import payload_iterations
+
+if not hasattr(signal, "SIGKILL") or not os.path.exists("/proc/self/maps"):
+    pytest.skip("needs POSIX signals and /proc", allow_module_level=True)
+
+SCRIPT = Path(__file__).with_name("abort_script.py")
+_spec = importlib.util.spec_from_file_location("pdbg_abort_script", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(script)
+
+RECORD = [sys.executable, "-m", "tui.cli", "record", "-o", "run.zarr", "--mode", "flight", "--keep", "2"]
+
+
+def record(tmp_path: Path, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*RECORD, "--modules", "*", "--", str(SCRIPT), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, check=False, env={**env(), **(extra_env or {})})
+
+
+def recomputed(last: int) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """What each module's forward call saw, per (iteration, module path), as the script ran it."""
+    torch.set_num_threads(1)  # as the script; the conftest fixture restores the count
+    model = script.build()
+    opt = torch.optim.SGD(model.parameters(), lr=script.LR)
+    seen: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    now = [0]
+
+    def hook(path: str) -> Any:
+        def keep(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            seen[(now[0], path)] = {"args.0": inputs[0].detach().clone(), "output": output.detach().clone(),
+                                    **{n: p.detach().clone() for n, p in module.named_parameters()}}
+        return keep
+
+    for path, module in model.named_children():
+        module.register_forward_hook(hook(path))
+    for i in range(last + 1):
+        now[0] = i
+        model(script.input_for(i)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+def forward_payloads(path: Path) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """The recorded tensors that have bytes, of every forward step, by (iteration, module path)."""
+    rank = RunReader(str(path)).rank(0)
+    out = {}
+    for step in range(len(rank)):
+        if int(rank.column("steps/phase")[step]) == 0:
+            where = (int(rank.column("steps/iteration")[step]), rank.doc(int(rank.column("steps/module_path")[step])))
+            out[where] = {r.name: rank.tensor(r) for r in rank.tensor_records(step) if r.has_payload}
+    return out
+
+
+class TestHardCrash:
+    @pytest.mark.parametrize("how, sig", [("abort", signal.SIGABRT), ("kill", signal.SIGKILL)])
+    def test_the_ring_of_a_script_that_died_hard_is_written_out(self, tmp_path: Path, how: str, sig: int) -> None:
+        """os.abort() (or the OOM killer's SIGKILL) at iteration 30 of 50, keep=2: pdbg exits 128+N,
+        the run is crashed and says how it died, and the payloads of iterations 29 and 30 (committed
+        before the death) are there, bitwise as the script computed them; no other iteration has any."""
+        rec = record(tmp_path, "50", "--die-at", "30", "--how", how, "--maps")
+        assert rec.returncode == 128 + sig, rec.stderr
+        assert "ring: /memfd:pdbg-flight-ring (deleted)" in rec.stdout  # the ring was in shared memory
+        path = tmp_path / "run.zarr"
+        run = RunReader(str(path))
+        assert run.status == "crashed"
+        final = run.attrs["final"]
+        assert final["status"] == "crashed" and final["died"] == f"signal {signal.Signals(sig).name}"
+        recorded, kept = payload_iterations(path)
+        assert recorded == set(range(31)) and kept == {29, 30}
+        ring = final["ring_recovered"]
+        assert ring["iterations"] == [29, 30] and ring["records"] >= 2 * 6 and ring["payloads"] > 0
+        assert ring["damaged"] == ring["uncommitted_records"] == ring["unshared_payloads"] == 0
+        expected, got = recomputed(30), forward_payloads(path)
+        assert {k for k, v in got.items() if v} == {(i, p) for i in (29, 30) for p in ("0", "1", "2")}
+        for where, tensors in got.items():
+            if tensors:
+                assert tensors.keys() == expected[where].keys(), where
+                for name, t in tensors.items():
+                    want = expected[where][name]
+                    assert t.dtype == want.dtype and torch.equal(t.view(torch.int32), want.view(torch.int32)), where
+        assert f"(crashed, {len(run.rank(0))} steps); the script's process died (signal " in rec.stderr
+        assert "Traceback" not in rec.stderr
+
+    def test_a_script_that_ends_normally_leaves_no_shared_memory_behind(self, tmp_path: Path) -> None:
+        """With the ring in a file ($PDBG_RING_DIR), the script maps it while it runs, and nothing is
+        left in that directory once pdbg is done; the run is complete, the ring written at the end."""
+        ring_dir = tmp_path / "shm"
+        ring_dir.mkdir()
+        rec = record(tmp_path, "4", "--maps", extra_env={shmring.RING_DIR_ENV: str(ring_dir)})
+        assert rec.returncode == 0, rec.stderr
+        (line,) = [ln for ln in rec.stdout.splitlines() if ln.startswith("ring: ")]
+        assert line.startswith(f"ring: {ring_dir}/pdbg-ring-") and line.endswith(" (deleted)")
+        assert list(ring_dir.iterdir()) == []
+        path = tmp_path / "run.zarr"
+        assert RunReader(str(path)).status == "complete"
+        assert payload_iterations(path) == (set(range(4)), {2, 3})
+        assert "pdbg: recording in run.zarr (complete, 24 steps)" in rec.stderr.splitlines()
+
+    def test_sigterm_to_pdbg_is_forwarded_and_the_ring_written(self, tmp_path: Path) -> None:
+        """SIGTERM to the `pdbg record` process (not the script's): the script's flight handler writes
+        the ring and closes the run; pdbg exits 128+15."""
+        proc = subprocess.Popen([*RECORD, "--modules", "*", "--", str(SCRIPT), "0", "--forever"], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+        assert proc.stdout is not None
+        for line in proc.stdout:  # blocks until the script has trained a few iterations
+            if line.strip() == "iteration 5":
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        path = tmp_path / "run.zarr"
+        run = RunReader(str(path))
+        assert run.status == "crashed"
+        recorded, kept = payload_iterations(path)
+        last = max(recorded)
+        assert last >= 5 and kept and kept <= {last - 1, last} and max(kept) == last
+        assert run.attrs["final"]["flight"]["dumps"][0]["reason"] == "SIGTERM"
+        assert "the script's process died (signal SIGTERM)" in err
+
+    def test_bad_options_are_one_line_errors(self, tmp_path: Path) -> None:
+        """A bad --keep (checked by pdbg) and a bad glob (refused by the recording, in the child):
+        exit 2, one line, no traceback, no recording left."""
+        for bad, message in ((["--keep", "0"], "pdbg: error: --keep must be a positive integer"),
+                             (["--modules", "a..b"], "pdbg: error: invalid module glob")):
+            rec = subprocess.run([*RECORD, *bad, "--", str(SCRIPT), "1"], cwd=tmp_path, capture_output=True,
+                                 text=True, timeout=120, check=False, env=env())
+            assert rec.returncode == 2, rec.stderr
+            (line,) = rec.stderr.strip().splitlines()
+            assert line.startswith(message)
+            assert not (tmp_path / "run.zarr").exists()
+
+
+class TestSharedRing:
+    def test_journal_holds_what_was_published_and_not_what_was_given_back(self) -> None:
+        """Published buffers and waiting rows are what the parent reads; buffers given back and rows
+        done are not; freed blocks coalesce back into one."""
+        ring_file = shmring.create(1 << 20)
+        try:
+            ring = shmring.SharedRing(ring_file.fd)
+            kept, gone = np.arange(1000, dtype=np.uint32), np.arange(7, dtype=np.uint32)
+            keys = []
+            for units in (kept, gone):
+                buf = ring.take(units.nbytes)
+                assert buf is not None
+                buf.view(np.uint32)[:] = units
+                keys.append(payload_mod.content_key(units, 2))
+                ring.publish(buf, keys[-1])
+                if units is gone:
+                    ring.give(buf)
+            assert ring.take(1 << 40) is None  # no room: the caller keeps the bytes itself
+            ring.wait(5, keys[0], 3)
+            ring.wait(6, keys[1], 3)
+            ring.done(6)
+            ring.held_from(2)
+            with shmring.read_journal(ring_file) as journal:
+                assert list(journal.payloads) == [keys[0]]
+                assert np.array_equal(journal.payloads[keys[0]], kept)
+                assert journal.rows == [(5, 3, keys[0])] and journal.oldest == 2 and journal.unshared == 1
+        finally:
+            ring_file.close()
+
+    def test_buddy_blocks_coalesce(self) -> None:
+        """Many blocks of mixed sizes, all given back: the whole data region is one free block again."""
+        ring_file = shmring.create(1 << 20)
+        try:
+            ring = shmring.SharedRing(ring_file.fd)
+            bufs = [ring.take(n) for n in (300, 5000, 1 << 16, 1, 70000, 256) * 8]
+            assert all(b is not None for b in bufs)
+            offsets = [ring._blocks[id(b)][0] for b in bufs]
+            assert len(set(offsets)) == len(offsets)
+            for b in bufs:
+                ring.give(b)
+            assert ring.take(len(ring.data)) is not None  # drained and merged first
+        finally:
+            ring_file.close()
+
+
+def test_resume_appends_after_the_committed_lengths(tmp_path: Path) -> None:
+    """StoreWriter.resume on a store whose manifest commits less than its chunks hold (a writer killed
+    after writing chunks, before its manifest): appends land right after the committed rows,
+    overwriting what the dead writer left past them, and the closed run reads back exactly."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full", flush_interval=3600) as run:
+        @recorder.paper_step("Eq. 1")
+        def double(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        double(torch.arange(4.0))
+        assert run.flush()
+        committed = (path / layout.MANIFEST_KEY).read_bytes()
+        for i in range(3):  # written after the commit: garbage to the resumed writer
+            double(torch.full((5,), float(i)))
+    manifest = json.loads(committed)
+    (path / layout.MANIFEST_KEY).write_bytes(committed)
+    lengths = manifest["ranks"]["0"]
+    writer = StoreWriter.resume(zarr.storage.LocalStore(path), 0)
+    assert writer.lengths()["payloads"] == lengths["payloads"] and writer.tensors == lengths["tensors"]
+    assert writer.find_payload(payload_mod.content_key(np.arange(4.0, dtype=np.float32).view(np.uint32), 2)) == 0
+    replacement = torch.arange(10.0, 14.0)
+    extra = replacement.numpy().view(np.uint32)
+    pid = writer.payload(payload_mod.content_key(extra, 2), extra)
+    writer.late(0, pid)  # the first record (the input, 4 floats) now points to these bytes
+    writer.close("crashed", {"died": "test"})
+    run_reader = RunReader(str(path))
+    rank = run_reader.rank(0)
+    assert run_reader.status == "crashed" and len(rank) == lengths["steps"] == 1
+    assert pid == lengths["payloads"]
+    first = rank.tensor_records(0)[0]
+    assert first.payload == pid and torch.equal(rank.tensor(first), replacement)  # the late row wins
+    (output,) = rank.tensor_records(0)[1:]
+    assert torch.equal(rank.tensor(output), torch.arange(4.0) * 2)

@@ -1,0 +1,85 @@
+"""A two-rank training script (gloo, CPU) whose ranks are coupled inside a paper step.
+
+Launched once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+``global_mean`` all-reduces inside the step, so a NaN born on one rank reaches the other through
+the collective. Environment knobs:
+  NAN_RANK, NAN_AT   on that rank, at that iteration, ``sharpen`` divides by zero (the origin)
+  KILL_RANK, KILL_AT that rank SIGKILLs itself at the start of that iteration (after a commit)
+  COUPLED            iterations from 0 that communicate (later ones use the local mean)
+  RECORD_TO          record in code with recorder.record (else: run as is, e.g. under pdbg record)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import recorder
+
+ITERATIONS = int(os.environ.get("ITERATIONS", "6"))
+COUPLED = int(os.environ.get("COUPLED", str(ITERATIONS)))
+NAN_RANK, NAN_AT = int(os.environ.get("NAN_RANK", "-1")), int(os.environ.get("NAN_AT", "-1"))
+KILL_RANK, KILL_AT = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AT", "-1"))
+
+
+@recorder.paper_step("Eq. 2", description="sharpen(h, t) = h / t")
+def sharpen(h: torch.Tensor, t: float) -> torch.Tensor:
+    return h / t
+
+
+@recorder.paper_step("Eq. 3", description="mean over the global batch (all ranks)")
+def global_mean(h: torch.Tensor, coupled: bool) -> torch.Tensor:
+    total = h.sum(0, keepdim=True)
+    count = torch.tensor([float(h.shape[0])])
+    if coupled:
+        dist.all_reduce(total)
+        work = dist.all_reduce(count, async_op=True)
+        work.wait()
+    return total / count
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, t: float, coupled: bool) -> torch.Tensor:
+        h = sharpen(torch.tanh(self.fc1(x)), t)
+        return self.fc2(h - global_mean(h, coupled))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net()
+    for p in model.parameters():
+        dist.broadcast(p.data, 0)  # outside every step: not recorded
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(100 + rank)
+    target = os.environ.get("RECORD_TO")
+    run = recorder.record(target, model=model, optimizer=opt) if target else None
+    with run if run is not None else contextlib.nullcontext():
+        for it in range(ITERATIONS):
+            if rank == KILL_RANK and it == KILL_AT:
+                assert run is not None
+                run.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            x = torch.randn(16, 8, generator=data)
+            t = 0.0 if (rank == NAN_RANK and it == NAN_AT) else 1.0
+            loss = model(x, t, it < COUPLED).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            print(f"rank {rank} iteration {it} loss {loss.item():.6f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Runs of several processes (torch.distributed, gloo on CPU, 2 ranks): each rank records its own
+group of one run; info and bisect cover every rank and name the origin's; a step of rank k that
+all-reduces replays alone in this process from the recorded results; the SIGKILL of one rank
+leaves the other's recording and its own committed prefix intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import replayer
+from recorder.errors import FormatError, ReplayError
+from recorder.store import layout
+from tests.cli import ROOT
+from tests.cli import pdbg as _pdbg
+
+SCRIPT = Path(__file__).with_name("dist_train.py")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="this torch build has no gloo backend")
+
+
+def pdbg(*args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
+    res = _pdbg(*args, cwd=ROOT)
+    assert res.returncode == code, (args, res.stdout, res.stderr)
+    return res
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(out: Path, *, cli: bool, **knobs: object) -> list[subprocess.CompletedProcess[str]]:
+    """Start both ranks as torchrun would (its environment), wait for both."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT),
+               **{k: str(v) for k, v in knobs.items()}}
+        command = [sys.executable, "-m", "tui.cli", "record", "-o", str(out), "--", str(SCRIPT)] if cli else \
+            [sys.executable, str(SCRIPT)]
+        if not cli:
+            env["RECORD_TO"] = str(out)
+        procs.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    done = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return done
+
+
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`pdbg record` under torchrun's environment; rank 1 divides by zero at iteration 3."""
+    out = tmp_path_factory.mktemp("dist") / "run.zarr"
+    for res in launch(out, cli=True, NAN_RANK=1, NAN_AT=3):
+        assert res.returncode == 0, res.stderr
+    return out
+
+
+def test_each_rank_records_its_own_group(nan_run: Path) -> None:
+    assert (nan_run / layout.MANIFEST_KEY).is_file() and (nan_run / "rank1" / layout.MANIFEST_KEY).is_file()
+    rec = replayer.open(nan_run)
+    assert rec.ranks == [0, 1] and rec.status == "complete"
+    for rank in (0, 1):
+        r = rec.of_rank(rank)
+        assert r.rank.dist == {"rank": rank, "world_size": 2, "backend": "gloo"}
+        assert r.rank.status == "complete" and r.run_info["pid"] != rec.of_rank(1 - rank).run_info["pid"]
+        table = r.steps
+        # Per iteration: sharpen and global_mean forward, then their backward steps.
+        assert len(table) == 6 * 4
+        assert sorted(set(table.column("iteration").tolist())) == list(range(6))
+        means = [s for s in table if s.name == "global_mean" and s.phase == "forward"]
+        assert len(means) == 6
+        for s in means:
+            calls = s.extra["collectives"]
+            assert [c["op"] for c in calls] == ["all_reduce", "all_reduce"]
+            assert [c["async_op"] for c in calls] == [False, True]
+            assert [x.name for x in s.records if x.role == "collective"] == ["all_reduce.0", "all_reduce.1"]
+            count = s.tensor("all_reduce.1", role="collective")
+            assert torch.equal(count, torch.tensor([32.0]))  # 16 rows on each of the 2 ranks
+        # The parameters' broadcast ran outside every step: nothing recorded for it.
+        assert not any(c["op"] == "broadcast" for s in table for c in s.extra.get("collectives", []))
+
+
+def test_bisect_names_the_rank_of_the_origin(nan_run: Path) -> None:
+    origin = replayer.first_nonfinite(replayer.open(nan_run), all_ranks=True)
+    assert origin.rank == 1 and origin.step is not None
+    assert (origin.step.name, origin.step.phase, origin.step.iteration) == ("sharpen", "forward", 3)
+    other = origin.others[0]
+    assert other.step is None and other.entered is not None  # rank 0 only received it
+    assert (other.entered.name, other.entered.iteration) == ("global_mean", 3)
+    assert "collective all_reduce.0" in other.cause and "other rank" in other.cause
+    # Rank 0 alone cannot see where it came from; the CLI looks at every rank by default.
+    assert replayer.first_nonfinite(replayer.open(nan_run)).step is None
+    res = pdbg("bisect", str(nan_run), "--json", code=1)
+    doc = json.loads(res.stdout)
+    assert doc["rank"] == 1 and doc["origin"]["name"] == "sharpen" and doc["origin"]["rank"] == 1
+    assert doc["other_ranks"]["0"]["entered"]["name"] == "global_mean"
+    text = pdbg("bisect", str(nan_run), code=1).stdout
+    assert text.startswith("origin: rank 1 · ") and "rank 0: first non-finite at step" in text
+    info = json.loads(pdbg("info", str(nan_run), "--json").stdout)
+    assert info["ranks"] == 2 and info["first_nonfinite"]["rank"] == 1
+    assert [(r["rank"], r["status"], r["backend"], r["steps"]) for r in info["rank_details"]] == [
+        (0, "complete", "gloo", 24), (1, "complete", "gloo", 24)]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_step_that_all_reduces_replays_alone_from_the_recording(nan_run: Path, rank: int) -> None:
+    """No process group here: each collective gets the recorded results, bit for bit."""
+    assert not torch.distributed.is_initialized()
+    rec = replayer.open(nan_run, rank)
+    for which in ("global_mean@iter=1", "global_mean@iter=3", "global_mean@iter=1:backward", "sharpen@iter=3"):
+        result = replayer.replay(rec, which)
+        assert result.match, (which, [d.to_json() for d in result.outputs], result.warnings)
+        assert not result.warnings, result.warnings
+    assert not torch.distributed.is_initialized()  # nothing of the replay's stand-ins is left behind
+    assert torch.distributed.all_reduce.__module__ == "torch.distributed.distributed_c10d"
+    res = pdbg("replay", str(nan_run), "global_mean@iter=2", "--rank", str(rank), "--json")
+    assert json.loads(res.stdout)["match"] is True
+
+
+def test_a_bundle_of_a_rank_step_replays_elsewhere(nan_run: Path, tmp_path: Path) -> None:
+    rec = replayer.open(nan_run, 1)
+    replayer.bundle(rec, rec.step("global_mean@iter=3"), tmp_path / "failure.pdbg", verify=True)
+    shared = replayer.open(tmp_path / "failure.pdbg")
+    assert shared.rank.dist == {"rank": 1, "world_size": 2, "backend": "gloo"}
+    assert replayer.replay(shared).match
+
+
+def test_a_replay_that_communicates_differently_is_refused(nan_run: Path) -> None:
+    rec = replayer.open(nan_run, 0)
+    with pytest.raises(ReplayError, match=r"the replay called all_reduce after the 2 collective\(s\) the recording "
+                                          r"holds for this step"):
+        replayer.replay(rec, "global_mean@iter=1", swap={"global_mean": f"{__name__}:three_collectives"})
+    with pytest.raises(ReplayError, match=r"the replay's all_reduce.1 is torch.float32 \(1, 16\), the recording's "
+                                          r"float32 \(1,\)"):
+        replayer.replay(rec, "global_mean@iter=1", swap={"global_mean": f"{__name__}:reduce_twice"})
+    assert not torch.distributed.is_initialized()
+
+
+def three_collectives(h: torch.Tensor, coupled: bool) -> torch.Tensor:
+    total, count = h.sum(0, keepdim=True), torch.tensor([float(h.shape[0])])
+    for t in (total, count, count):
+        torch.distributed.all_reduce(t)
+    return total / count
+
+
+def reduce_twice(h: torch.Tensor, coupled: bool) -> torch.Tensor:
+    total = h.sum(0, keepdim=True)
+    torch.distributed.all_reduce(total)
+    torch.distributed.all_reduce(total)
+    return total
+
+
+def test_unknown_rank_is_a_one_line_error(nan_run: Path) -> None:
+    with pytest.raises(FormatError, match=r"has no rank 5; it has ranks 0, 1"):
+        replayer.open(nan_run, 5)
+    res = pdbg("replay", str(nan_run), "0", "--rank", "7", code=2)
+    assert "has no rank 7" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_sigkill_of_one_rank_leaves_both_recordings_intact(tmp_path: Path) -> None:
+    """Rank 1 commits, then is killed at the start of iteration 4; rank 0 trains on to the end."""
+    out = tmp_path / "run.zarr"
+    first, second = launch(out, cli=False, KILL_RANK=1, KILL_AT=4, COUPLED=3)
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == -signal.SIGKILL
+    rec = replayer.open(out)
+    assert rec.ranks == [0, 1] and rec.status == "crashed"
+    assert rec.reader.rank_status(0) == "complete" and rec.reader.rank_status(1) == "crashed"
+    lengths = {0: 6 * 4, 1: 4 * 4}  # rank 1: every step of iterations 0-3, committed before it died
+    for rank, n in lengths.items():
+        r = rec.of_rank(rank)
+        assert len(r) == n
+        assert sorted(set(r.steps.column("iteration").tolist())) == list(range(n // 4))
+        for step in r.steps:
+            for record in step.records:
+                value = r.rank.tensor(record) if record.has_payload else None
+                if value is not None and value.is_floating_point() and record.stats["nan"] == 0:
+                    assert np.isclose(float(value.double().abs().max()), record.stats["absmax"])
+    res = pdbg("info", str(out), "--json")
+    assert [(r["rank"], r["status"], r["steps"]) for r in json.loads(res.stdout)["rank_details"]] == [
+        (0, "complete", 24), (1, "crashed", 16)]
+
+
+def test_ranks_from_the_launcher_environment_share_one_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun sets RANK and WORLD_SIZE before the script runs: each rank claims only its own group,
+    in either order, and a second recording of the same rank is refused before anything is written."""
+    import recorder
+    from recorder.errors import RecordingError
+    from tests.models import scaled_tanh
+
+    out = tmp_path / "run.zarr"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with recorder.record(tmp_path / "alone.zarr"):  # rank 1 of this run never starts
+        scaled_tanh(torch.ones(3))
+    alone = replayer.open(tmp_path / "alone.zarr")
+    assert alone.ranks == [0] and alone.reader.missing_ranks == [1] and alone.status == "crashed"
+    assert alone.reader.rank_status(1) == "missing" and alone.rank.status == "complete"
+    with pytest.raises(FormatError, match="has no rank 1 \\(it never committed a step"):
+        replayer.open(tmp_path / "alone.zarr", 1)
+    for rank in (1, 0):
+        monkeypatch.setenv("RANK", str(rank))
+        with recorder.record(out):
+            scaled_tanh(torch.ones(3) * (rank + 1))
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    for rank in (1, 0):
+        monkeypatch.setenv("RANK", str(rank))
+        with pytest.raises(RecordingError, match=f"already holds a recording of rank {rank}"):
+            recorder.record(out)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    rec = replayer.open(out)
+    assert rec.ranks == [0, 1] and rec.reader.world_size == 2 and rec.status == "complete"
+    for rank in (0, 1):
+        step = rec.of_rank(rank).step(0)
+        assert torch.equal(step.tensor("args.0"), torch.ones(3) * (rank + 1))
+        assert rec.of_rank(rank).rank.dist == {"rank": rank, "world_size": 2, "backend": None}
