@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import google_crc32c
 import numcodecs
 import numpy as np
-from zarr.codecs import BloscCodec
+from zarr.codecs import BloscCodec, Crc32cCodec
 
 from ..errors import RecordingError
 
@@ -29,26 +30,35 @@ class Compression:
     # Blosc frames (a copy; every Blosc reader decodes them as it does any frame), and every
     # RETEST-th whole chunk is compressed again to see whether the data changed.
     adaptive: bool = False
+    # Schema 1.5: zarr's crc32c codec after Blosc, so that any change to a stored chunk is an error on
+    # read (index and document chunks; payload bytes have their own content hash).
+    checksum: bool = False
 
-    def zarr_codec(self) -> BloscCodec | None:
-        if self.cname is None:
-            return None
-        return BloscCodec(cname=self.cname, clevel=self.clevel, shuffle=self.shuffle)
+    def zarr_codecs(self) -> list[Any]:
+        """The bytes-to-bytes codecs of an array stored with this configuration, in order."""
+        out: list[Any] = [] if self.cname is None else [
+            BloscCodec(cname=self.cname, clevel=self.clevel, shuffle=self.shuffle)]
+        return [*out, Crc32cCodec()] if self.checksum else out
 
     def encode(self, chunk: np.ndarray) -> bytes:
         """Encode one whole chunk exactly as zarr would store it (C order, little endian)."""
         data = np.ascontiguousarray(chunk)
         if self.cname is None:
-            return data.tobytes()
+            return self._sealed(data.tobytes())
         codec = numcodecs.Blosc(cname=self.cname, clevel=self.clevel, shuffle=_SHUFFLES[self.shuffle])
-        return bytes(codec.encode(data))
+        return self._sealed(bytes(codec.encode(data)))
 
     def encode_stored(self, chunk: np.ndarray) -> bytes:
         """The chunk as an uncompressed frame of the same codec (Blosc at level 0 copies it)."""
         data = np.ascontiguousarray(chunk)
         if self.cname is None:
-            return data.tobytes()
-        return bytes(numcodecs.Blosc(cname=self.cname, clevel=0, shuffle=numcodecs.Blosc.NOSHUFFLE).encode(data))
+            return self._sealed(data.tobytes())
+        frame = numcodecs.Blosc(cname=self.cname, clevel=0, shuffle=numcodecs.Blosc.NOSHUFFLE).encode(data)
+        return self._sealed(bytes(frame))
+
+    def _sealed(self, data: bytes) -> bytes:
+        """``data`` followed by its crc32c (little endian), as zarr's crc32c codec stores it."""
+        return data + np.uint32(google_crc32c.value(data)).tobytes() if self.checksum else data
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"cname": self.cname, "clevel": self.clevel, "shuffle": self.shuffle}
@@ -66,8 +76,8 @@ DEFAULT_PAYLOADS = Compression("lz4", 5, "bitshuffle", adaptive=True)
 # Indexes and documents: their partial last chunk is re-encoded at every commit, so encoding speed
 # counts more than a few kilobytes (lz4 with byte shuffle: ~6x faster than zstd-3 on an 8192-row
 # int64 column, 4.3 KB instead of 3.4 KB).
-INDEX = Compression("lz4", 5, "shuffle")
-DOCS = Compression("lz4", 5, "noshuffle")
+INDEX = Compression("lz4", 5, "shuffle", checksum=True)
+DOCS = Compression("lz4", 5, "noshuffle", checksum=True)
 
 PRESETS = {
     "lz4": Compression("lz4", 5, "bitshuffle"),  # asked for by name: every chunk compressed

@@ -26,11 +26,18 @@ See docs/FORMAT.md for the meaning of every column.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
+
+import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.4"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
-# 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective"
+SCHEMA_VERSION = "1.5"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+# 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
+# 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes
+CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
+CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"
 MANIFEST_KEY = "manifest.json"
@@ -162,6 +169,14 @@ def manifest_key(rank: int) -> str:
     1.4, so older readers still read rank 0), every other rank in its own group's ``manifest.json``:
     ranks never write the same file."""
     return MANIFEST_KEY if rank == 0 else f"{rank_group(rank)}/{MANIFEST_KEY}"
+
+
+def checksum(doc: dict[str, Any]) -> str:
+    """The checksum of a metadata document (a manifest, our group attributes): xxh3-64 of its
+    canonical JSON (sorted keys, no spaces) without the checksum itself. Raises ValueError for a
+    document that is not plain JSON (a NaN token)."""
+    body = {k: v for k, v in doc.items() if k != CHECKSUM_KEY}
+    return xxhash.xxh3_64_hexdigest(json.dumps(body, separators=(",", ":"), sort_keys=True, allow_nan=False).encode())
 
 
 def parse_version(text: str) -> tuple[int, int]:

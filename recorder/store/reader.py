@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import zarr
 from zarr.abc.store import RangeByteRequest, Store
-from zarr.codecs import BloscCodec, BytesCodec, Endian
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, Endian
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync
@@ -154,6 +154,7 @@ class RunReader:
             raise NotARecordingError(f"{self.label} is not a PaperDebugger recording (no '{layout.ATTRS_KEY}' "
                                      "metadata in its zarr.json); give the path of a recording")
         self._check_version(ours.get("schema_version"), "zarr.json")
+        self._check_sum(ours, "zarr.json", "its PaperDebugger attributes")
         for key in ("run", "final"):
             if not isinstance(ours.get(key, {}), dict):
                 raise FormatError(f"{self.label}: zarr.json holds a malformed '{key}' record; the recording's "
@@ -172,6 +173,31 @@ class RunReader:
         if major < layout.SCHEMA_MAJOR:
             raise SchemaVersionError(f"{self.label} uses schema {version}, which this PaperDebugger no longer "
                                      "reads; open it with an older paperdebugger")
+
+    @cached_property
+    def checked(self) -> bool:
+        """Whether this recording's schema carries checksums of its metadata and index chunks (1.5)."""
+        try:
+            return layout.parse_version(str(self.attrs["schema_version"])) >= layout.CHECKED_SINCE
+        except ValueError:
+            return False
+
+    def _check_sum(self, doc: dict[str, Any], where: str, what: str) -> None:
+        """A metadata document must match its checksum (schema 1.5 on: there must be one)."""
+        stored = doc.get(layout.CHECKSUM_KEY)
+        try:
+            version = layout.parse_version(str(doc.get("schema_version") or self.attrs["schema_version"]))
+        except (ValueError, AttributeError, KeyError):  # zarr.json's own version is checked before this
+            version = (0, 0)
+        if stored is None and version < layout.CHECKED_SINCE:
+            return
+        try:
+            computed = layout.checksum(doc)
+        except (ValueError, TypeError):
+            computed = None
+        if stored != computed:
+            raise FormatError(f"{self.label}: {what} in {where} do not match their checksum: the file was damaged "
+                              "or edited; this recording cannot be trusted")
 
     def _world_size(self) -> int:
         world = self.attrs.get("world_size", 1)
@@ -204,6 +230,7 @@ class RunReader:
         if not isinstance(ranks, dict) or manifest.get("format") != "paperdebugger.manifest":
             raise FormatError(f"{self.label}: {key} is not a PaperDebugger manifest")
         self._check_version(manifest.get("schema_version"), key)
+        self._check_sum(manifest, key, "the committed lengths and status")
         if manifest.get("status", "recording") not in layout.RUN_STATUSES:
             raise FormatError(f"{self.label}: {key} gives an unknown status "
                               f"{manifest.get('status')!r}; the manifest is damaged")
@@ -347,11 +374,14 @@ class RankReader:
         """The rank group's own attributes (schema 1.4): rank, world size, its process's run record
         and, once closed, ``final``; empty for older recordings."""
         ours = self.group.attrs.get(layout.ATTRS_KEY)
-        if ours is None:
+        if ours is None and not self.run.checked:
             return {}
         if not isinstance(ours, dict) or not all(isinstance(ours.get(k, {}), dict) for k in ("run", "final")):
             raise FormatError(f"{self.run.label}: {self.prefix}/zarr.json holds malformed attributes; the "
                               "recording's metadata is damaged")
+        ours = dict(ours)
+        if self.run.checked:
+            self.run._check_sum(ours, f"{self.prefix}/zarr.json", "the rank's attributes")
         return ours
 
     @property
@@ -440,8 +470,12 @@ class RankReader:
             raise FormatError(f"{label}: array {path} has {rows} rows but {n} are committed; the recording is "
                               "damaged")
         kinds = tuple(type(c) for c in codecs)
-        framing = {(BytesCodec,): "raw", (BytesCodec, BloscCodec): "blosc"}.get(kinds)
-        self._framing[path] = (framing, arr.chunks[0] * row_bytes)
+        sealed = kinds[-1:] == (Crc32cCodec,)  # schema 1.5: a crc32c after the data, 4 bytes
+        if self.run.checked and col.kind != "blob" and not sealed:
+            raise FormatError(f"{label}: {key}/zarr.json lists no crc32c codec, which every index and document "
+                              "array of this schema has; the recording is damaged")
+        framing = {(BytesCodec,): "raw", (BytesCodec, BloscCodec): "blosc"}.get(kinds[:-1] if sealed else kinds)
+        self._framing[path] = (framing, arr.chunks[0] * row_bytes, 4 if sealed else 0)
 
     def _read(self, path: str, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of an array, from chunk files checked to be there and whole, with
@@ -459,6 +493,9 @@ class RankReader:
         try:
             values = np.asarray(arr[start:stop])
         except (RuntimeError, ValueError, TypeError, OSError) as exc:  # Blosc raises RuntimeError
+            if "checksum" in str(exc):  # zarr's crc32c codec
+                raise FormatError(f"{self.run.label}: a chunk of {self.prefix}/{path} (rows {start}:{stop}) fails its "
+                                  "crc32c checksum; the recording is damaged") from None
             raise FormatError(f"{self.run.label}: {self.prefix}/{path} rows {start}:{stop} cannot be decoded "
                               f"({_why(exc)}); the recording is damaged") from None
         self._check_values(path, start, values)
@@ -477,13 +514,13 @@ class RankReader:
             raise FormatError(f"{label}: chunk {key} is missing, but the manifest commits rows in it; the recording "
                               "is damaged or was copied incompletely")
         head, size = found
-        framing, expected = self._framing[path]
-        if framing == "raw" and size != expected:
-            raise FormatError(f"{label}: chunk {key} has {size} bytes, an uncompressed chunk has {expected}; it is "
-                              "truncated or damaged")
+        framing, expected, tail = self._framing[path]
+        if framing == "raw" and size != expected + tail:
+            raise FormatError(f"{label}: chunk {key} has {size} bytes, an uncompressed chunk has {expected + tail}; "
+                              "it is truncated or damaged")
         if framing == "blosc":
             nbytes, cbytes = struct.unpack("<4xI4xI", head) if len(head) == _BLOSC_HEADER else (None, None)
-            if nbytes != expected or cbytes != size:
+            if nbytes != expected or cbytes is None or cbytes + tail != size:
                 raise FormatError(f"{label}: chunk {key} is truncated or damaged (a {size}-byte file whose Blosc "
                                   f"header declares {cbytes} bytes holding {nbytes}; a chunk holds {expected})")
 

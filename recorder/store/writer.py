@@ -205,6 +205,10 @@ class StoreWriter:
 
     @staticmethod
     def _meta_bytes(meta: dict[str, Any]) -> bytes:
+        """A group's zarr.json, its PaperDebugger attributes sealed with their checksum."""
+        ours = meta.get("attributes", {}).get(layout.ATTRS_KEY)
+        if isinstance(ours, dict):
+            ours[layout.CHECKSUM_KEY] = layout.checksum(ours)
         return json.dumps(meta, indent=2, allow_nan=False).encode()
 
     def _publish_final(self) -> None:
@@ -475,6 +479,7 @@ class StoreWriter:
             "writer": self._identity, "dist": self.dist,
             "ranks": {str(self.rank): self.lengths() if lengths is None else lengths}, "info": self.info,
         }
+        manifest[layout.CHECKSUM_KEY] = layout.checksum(manifest)
         backend.put(self.store, layout.manifest_key(self.rank), dumps(manifest), durable=True)
 
 
@@ -491,7 +496,7 @@ def _template(rank: int, compression: codecs.Compression) -> dict[str, bytes]:
     group = zarr.open_group(template, mode="w").create_group(layout.rank_group(rank))
     for col in layout.columns():
         group.create_array(col.path, shape=(0, *col.row_shape), chunks=(col.chunk_rows, *col.row_shape),
-                           dtype=col.dtype, fill_value=0, compressors=_compression_of(col, compression).zarr_codec())
+                           dtype=col.dtype, fill_value=0, compressors=_compression_of(col, compression).zarr_codecs())
     return _contents(template)
 
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 import recorder
 from recorder.errors import RecordingError
 from recorder.store.reader import RunReader
+from tests.sealing import write_sealed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -182,7 +183,7 @@ def test_a_schema_1_0_recording_without_late_payloads_still_reads(run_path: Path
     lengths = manifest["ranks"]["0"]
     for key in [k for k in lengths if k == "late" or k.startswith("late/")]:
         del lengths[key]
-    manifest_path.write_text(json.dumps(manifest))
+    write_sealed(manifest_path, manifest)
     shutil.rmtree(run_path / "rank0" / "late")
     rank = RunReader(str(run_path)).rank(0)
     recs = rank.tensor_records(0)

@@ -10,6 +10,7 @@ import torch
 import recorder
 from recorder.errors import FormatError, NotARecordingError, PdbgError, RecordingError, SchemaVersionError
 from recorder.store.reader import RunReader
+from tests.sealing import write_sealed
 
 
 @recorder.paper_step("Eq. 1")
@@ -82,7 +83,7 @@ def test_newer_schema_version(good_run):
     meta_path = good_run / "zarr.json"
     meta = json.loads(meta_path.read_text())
     meta["attributes"]["paperdebugger"]["schema_version"] = "2.0"
-    meta_path.write_text(json.dumps(meta))
+    write_sealed(meta_path, meta)
     with pytest.raises(SchemaVersionError) as err:
         RunReader(good_run)
     text = _one_line(err.value)
@@ -94,7 +95,7 @@ def test_newer_minor_version_opens(good_run):
     meta_path = good_run / "zarr.json"
     meta = json.loads(meta_path.read_text())
     meta["attributes"]["paperdebugger"]["schema_version"] = "1.7"
-    meta_path.write_text(json.dumps(meta))
+    write_sealed(meta_path, meta)
     assert len(RunReader(good_run).rank(0)) == 1
 
 
@@ -103,7 +104,7 @@ def test_manifest_pointing_past_the_data(good_run):
     manifest_path = good_run / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["ranks"]["0"]["steps"] = 10
-    manifest_path.write_text(json.dumps(manifest))
+    write_sealed(manifest_path, manifest)
     with pytest.raises(FormatError) as err:
         RunReader(good_run).rank(0).column("steps/name")
     assert "damaged" in _one_line(err.value)
@@ -145,8 +146,8 @@ def test_reused_pid_is_not_taken_for_a_live_writer(good_run):
     manifest["status"] = "recording"
     manifest["writer"]["pid"] = os.getpid()  # alive, but started at another time than the writer
     manifest["writer"]["start"] = manifest["writer"]["start"] - 1
-    manifest_path.write_text(json.dumps(manifest))
+    write_sealed(manifest_path, manifest)
     assert RunReader(good_run).status == "crashed"
     manifest["writer"]["start"] += 1
-    manifest_path.write_text(json.dumps(manifest))
+    write_sealed(manifest_path, manifest)
     assert RunReader(good_run).status == "recording"
