@@ -556,7 +556,7 @@ class Session:
         try:
             if item.buffer is not None:
                 item.data = item.buffer[:units.nbytes].view(units.dtype)
-                np.copyto(item.data, units)
+                payload_mod.copy_into(item.data, units)
                 if self.shared is not None:
                     self.shared.publish(item.buffer, key)
             elif aliases:

@@ -229,3 +229,27 @@ def test_ranks_from_the_launcher_environment_share_one_path(tmp_path: Path, monk
         step = rec.of_rank(rank).step(0)
         assert torch.equal(step.tensor("args.0"), torch.ones(3) * (rank + 1))
         assert rec.of_rank(rank).rank.dist == {"rank": rank, "world_size": 2, "backend": None}
+
+
+def test_the_tui_opens_a_rank_and_says_which(nan_run: Path, tmp_path: Path) -> None:
+    """`pdbg tui RUN --rank 1`: the header names the rank, the timeline is rank 1's steps, and the
+    cursor can go to rank 1's origin (g)."""
+    import asyncio
+
+    from tui.app import PdbgApp, open_app
+
+    app = open_app(str(nan_run), None, 1)
+    assert isinstance(app, PdbgApp)
+
+    async def main() -> None:
+        async with app.run_test(size=(110, 32)) as pilot:
+            await pilot.pause()
+            assert " · rank 1 of 2 · " in app.sub_title
+            await pilot.press("g")
+            await pilot.pause()
+            step = app.step
+            assert (step.rec.rank.rank, step.name, step.iteration) == (1, "sharpen", 3)
+            app.save_screenshot(str(tmp_path / "rank1.svg"))
+
+    asyncio.run(main())
+    assert (tmp_path / "rank1.svg").stat().st_size > 0
