@@ -214,8 +214,7 @@ def info(args: argparse.Namespace) -> int:
                 continue
             print(f"  rank {r['rank']}: {r['status']}, {r['steps']} steps, {r['iterations']} iterations, "
                   f"backend {r['backend'] or '?'}, {r['hostname']} pid {r['pid']}")
-        if rec.rank.rank == 0:
-            print("  (paper steps below: rank 0; --rank K for another)")
+        print(f"  (paper steps below: rank {rec.rank.rank}; --rank K for another)")
     if doc["paper_steps"]:
         width = max(len(p["name"]) for p in doc["paper_steps"])
         print(f"\n  {'step':<{width}}  {'paper':<28} {'forward':>7} {'backward':>8}  time")
@@ -229,7 +228,8 @@ def info(args: argparse.Namespace) -> int:
     if first is None:
         print("NaN origin: none (no non-finite values recorded)")
     else:
-        print(f"NaN origin: {_step_text(first)}  (pdbg bisect for why)")
+        rank = f"rank {first['rank']} · " if len(doc["rank_details"]) > 1 else ""
+        print(f"NaN origin: {rank}{_step_text(first)}  (pdbg bisect for why)")
     bundle = doc["bundle"]
     if bundle is not None:
         origin = bundle.get("origin") or {}

@@ -111,6 +111,8 @@ def test_bisect_names_the_rank_of_the_origin(nan_run: Path) -> None:
     assert doc["other_ranks"]["0"]["entered"]["name"] == "global_mean"
     text = pdbg("bisect", str(nan_run), code=1).stdout
     assert text.startswith("origin: rank 1 · ") and "rank 0: first non-finite at step" in text
+    text = pdbg("info", str(nan_run)).stdout
+    assert "NaN origin: rank 1 · step " in text and "  rank 1: complete, 24 steps, 6 iterations, backend gloo" in text
     info = json.loads(pdbg("info", str(nan_run), "--json").stdout)
     assert info["ranks"] == 2 and info["first_nonfinite"]["rank"] == 1
     assert [(r["rank"], r["status"], r["backend"], r["steps"]) for r in info["rank_details"]] == [
