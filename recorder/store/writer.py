@@ -42,7 +42,7 @@ class AppendArray:
         self.store, self.col, self.comp = store, col, comp
         self.key = key
         self.meta = meta  # the array's zarr.json, rewritten by this class when the shape changes
-        self.capacity = 0  # rows the zarr.json declares: none until the first chunk is written
+        self.capacity = int(meta["shape"][0])  # rows the zarr.json declares (see _template)
         self._buf: np.ndarray | None = None  # allocated on first use: most runs never touch u1/u2/u8
         self.fill = 0  # rows in buf
         self.chunk = 0  # index of the chunk buf holds
@@ -488,6 +488,9 @@ def _compression_of(col: Column, payloads: codecs.Compression) -> codecs.Compres
     return {"blob": payloads, "docs": codecs.DOCS}.get(col.kind, codecs.INDEX)
 
 
+_WRITTEN_BY_EVERY_RUN = ("steps", "tensors", "docs", "dims")
+
+
 @functools.lru_cache(maxsize=8)
 def _template(rank: int, compression: codecs.Compression) -> dict[str, bytes]:
     """The zarr.json files of an empty rank group, built once by zarr in memory (the same bytes
@@ -495,7 +498,11 @@ def _template(rank: int, compression: codecs.Compression) -> dict[str, bytes]:
     template = zarr.storage.MemoryStore()
     group = zarr.open_group(template, mode="w").create_group(layout.rank_group(rank))
     for col in layout.columns():
-        group.create_array(col.path, shape=(0, *col.row_shape), chunks=(col.chunk_rows, *col.row_shape),
+        # Tables every run writes start one chunk long, so that their first chunk needs no second
+        # write of their zarr.json (~35 files in a session's first commit); the others (payloads,
+        # late/ rows) start empty. Closing trims every array to its length.
+        rows = col.chunk_rows if col.path.split("/")[0] in _WRITTEN_BY_EVERY_RUN else 0
+        group.create_array(col.path, shape=(rows, *col.row_shape), chunks=(col.chunk_rows, *col.row_shape),
                            dtype=col.dtype, fill_value=0, compressors=_compression_of(col, compression).zarr_codecs())
     return _contents(template)
 
