@@ -161,6 +161,11 @@ def test_sigterm_writes_the_ring_before_exiting(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGTERM
+    assert_ring_written_on_sigterm(path)
+
+
+def assert_ring_written_on_sigterm(path: Path) -> None:
+    """A run stopped by SIGTERM after iteration 5: crashed, its last two iterations' payloads kept."""
     run = RunReader(str(path))
     assert run.status == "crashed"
     recorded, kept = payload_iterations(path)
