@@ -47,6 +47,7 @@ def launch(out: Path, *, cli: bool, **knobs: object) -> list[subprocess.Complete
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT),
+               "GLOO_SOCKET_IFNAME": "lo",  # loopback: no network, and no need for the host name to resolve
                **{k: str(v) for k, v in knobs.items()}}
         command = [sys.executable, "-m", "tui.cli", "record", "-o", str(out), "--", str(SCRIPT)] if cli else \
             [sys.executable, str(SCRIPT)]
