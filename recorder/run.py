@@ -55,13 +55,8 @@ class Run:
         local = None if remote or not isinstance(path, (str, os.PathLike)) else Path(backend.local_path(path))
         self.dist = collectives.identity()  # each rank of a distributed run records its own group
         rank = self.dist["rank"]
-        if local is not None and self.dist["world_size"] > 1:
-            mine = local / layout.rank_group(rank)
-            if (mine.exists() and any(mine.iterdir())) or (rank == 0 and (local / "zarr.json").exists()):
-                raise RecordingError(f"{path} already holds a recording of rank {rank}; choose a new path or "
-                                     "delete it")
-        elif local is not None and local.exists() and any(local.iterdir()):
-            raise RecordingError(f"{path} already exists and is not empty; choose a new path or delete it")
+        if local is not None:
+            check_free(local, self.dist)
         if storage_options is not None and not remote:
             raise RecordingError(f"storage_options apply to URLs (s3://bucket/run.zarr), not to {path!r}; leave "
                                  "them out")
@@ -109,6 +104,8 @@ class Run:
         self._blosc_threads = _single_threaded_blosc()
         self._writer = writer
         self._rank_warned = False
+        # Ranked by torchrun's environment: the process group, and its backend, may come later.
+        self._backend_later = self.dist["source"] == "environment"
         self._collectives = collectives.Recording(self.session.collective)
         self._collectives.install()
         capture.ACTIVE = self.session
@@ -126,7 +123,7 @@ class Run:
     def next_iteration(self) -> None:
         """Start the next iteration (done for you on ``optimizer.step()`` when an optimizer is given)."""
         self.session.next_iteration()
-        if self._writer.dist["backend"] is None:
+        if self._backend_later and self._writer.dist["backend"] is None:
             self._learn_backend()
 
     def _learn_backend(self) -> None:
@@ -182,7 +179,7 @@ class Run:
         if capture.ACTIVE is self.session:
             capture.ACTIVE = None
         self._collectives.remove()
-        if self._writer.dist["backend"] is None:
+        if self._backend_later and self._writer.dist["backend"] is None:
             self._learn_backend()
         for hook in self._hooks:
             hook.remove()
@@ -268,6 +265,18 @@ class Run:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close("crashed" if exc is not None else "complete", exc)
+
+
+def check_free(path: Path, dist: dict[str, Any]) -> None:
+    """Refuse a local path that holds what this process would write: anything at all, for a single
+    process; for one rank of several (which share the path), its own group, and for rank 0 the root."""
+    if dist["world_size"] > 1 and path.is_dir():
+        mine = path / layout.rank_group(dist["rank"])
+        if (mine.exists() and any(mine.iterdir())) or (dist["rank"] == 0 and (path / "zarr.json").exists()):
+            raise RecordingError(f"{path} already holds a recording of rank {dist['rank']}; choose a new path or "
+                                 "delete it")
+    elif path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise RecordingError(f"{path} already exists and is not empty; choose a new path or delete it")
 
 
 def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,

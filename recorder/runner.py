@@ -23,7 +23,7 @@ from typing import Any
 
 from . import collectives, skeleton
 from .errors import RecordingError
-from .store import backend, layout
+from .store import backend
 
 
 @dataclass
@@ -43,15 +43,10 @@ class ScriptResult:
 def check_output(out: str | os.PathLike[str]) -> Path:
     """Refuse an output path that exists with contents, or whose parent cannot be written. The ranks
     of a distributed run (torchrun's RANK and WORLD_SIZE) share one path: each needs its own group free."""
+    from .run import check_free
+
     path = Path(out)
-    dist = collectives.identity()
-    if dist["world_size"] > 1 and path.is_dir():
-        mine = path / layout.rank_group(dist["rank"])
-        if (mine.exists() and any(mine.iterdir())) or (dist["rank"] == 0 and (path / "zarr.json").exists()):
-            raise RecordingError(f"{path} already holds a recording of rank {dist['rank']}; give a new path for "
-                                 "the recording (or delete it)")
-    elif path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise RecordingError(f"{path} already exists; give a new path for the recording (or delete it)")
+    check_free(path, collectives.identity())
     parent = path.resolve().parent
     while not parent.exists():
         parent = parent.parent

@@ -94,12 +94,16 @@ def _any_recorded(step: Step) -> bool:
 
 
 @contextmanager
-def replayed(step: Step) -> Iterator[Replayed]:
+def replayed(step: Step, inner: list[Step] | None = None) -> Iterator[Replayed]:
     """Give the collectives called inside the block the results recorded in ``step`` and the steps
-    inside it. For a single-process run without collectives, torch.distributed is left alone."""
+    inside it (``inner``, when the caller has them already). For a single-process run without
+    collectives, torch.distributed is left alone."""
     dist = step.rec.rank.dist
     many = dist["world_size"] > 1
-    state = Replayed(calls_of([step, *descendants(step)]) if many or _any_recorded(step) else [])
+    if many or _any_recorded(step):
+        state = Replayed(calls_of([step, *(descendants(step) if inner is None else inner)]))
+    else:
+        state = Replayed([])
     if not state.calls and not many:
         yield state
         return

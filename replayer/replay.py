@@ -344,7 +344,7 @@ class Replayer:
                 state.per_call(settings):
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
-                with self._around("forward"), collectives.replayed(step) as talk:
+                with self._around("forward"), collectives.replayed(step, inner if nested else None) as talk:
                     out = call.run()
                 warnings += talk.warnings
             except PdbgError:  # an edit that cannot be applied: the user's input, not the step's outcome
@@ -400,7 +400,7 @@ class Replayer:
                 state.per_call(fwd_settings, grad=True):
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
-                with self._around("forward"), collectives.replayed(fwd) as talk:
+                with self._around("forward"), collectives.replayed(fwd, inner if nested else None) as talk:
                     out = call.run()
                 warnings += talk.warnings
             finally:

@@ -90,8 +90,7 @@ def bisect(args: argparse.Namespace) -> int:
     for rank, other in sorted(origin.others.items()):
         first = other.step or other.entered
         if first is not None:
-            print(f"rank {rank}: first non-finite at step {first.index} (iteration {first.iteration}): " +
-                  (other.cause.split(" from finite inputs")[0] if other.step is not None else other.cause))
+            print(f"rank {rank}: first non-finite at step {first.index} (iteration {first.iteration}): {other.cause}")
     if origin.op is not None:
         op = origin.op
         print(f"operation: {op.name}" + (f" (in {op.node}, the backward of)" if op.node else ""))

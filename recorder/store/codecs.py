@@ -60,6 +60,12 @@ class Compression:
         """``data`` followed by its crc32c (little endian), as zarr's crc32c codec stores it."""
         return data + np.uint32(google_crc32c.value(data)).tobytes() if self.checksum else data
 
+    @classmethod
+    def described(cls, doc: dict[str, Any]) -> Compression:
+        """The configuration ``describe()`` wrote (a run's ``compression`` attribute)."""
+        return cls(doc.get("cname"), int(doc.get("clevel", 5)), doc.get("shuffle", "bitshuffle"),
+                   adaptive="adaptive" in doc)
+
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"cname": self.cname, "clevel": self.clevel, "shuffle": self.shuffle}
         if self.adaptive:

@@ -59,6 +59,14 @@ _BOUNDS: dict[str, tuple[int, int | str | None]] = {
 }
 
 
+def _checked(version: Any) -> bool:
+    """Whether a document or recording of this schema version must carry its checksums (1.5 on)."""
+    try:
+        return layout.parse_version(str(version)) >= layout.CHECKED_SINCE
+    except ValueError:  # refused by the version check, which runs first
+        return False
+
+
 def _why(exc: BaseException) -> str:
     """An exception as a short phrase for a one-line message."""
     text = str(exc).strip().splitlines()
@@ -154,7 +162,7 @@ class RunReader:
             raise NotARecordingError(f"{self.label} is not a PaperDebugger recording (no '{layout.ATTRS_KEY}' "
                                      "metadata in its zarr.json); give the path of a recording")
         self._check_version(ours.get("schema_version"), "zarr.json")
-        self._check_sum(ours, "zarr.json", "its PaperDebugger attributes")
+        self._check_sum(ours, ours.get("schema_version"), "zarr.json", "its PaperDebugger attributes")
         for key in ("run", "final"):
             if not isinstance(ours.get(key, {}), dict):
                 raise FormatError(f"{self.label}: zarr.json holds a malformed '{key}' record; the recording's "
@@ -177,19 +185,12 @@ class RunReader:
     @cached_property
     def checked(self) -> bool:
         """Whether this recording's schema carries checksums of its metadata and index chunks (1.5)."""
-        try:
-            return layout.parse_version(str(self.attrs["schema_version"])) >= layout.CHECKED_SINCE
-        except ValueError:
-            return False
+        return _checked(self.attrs["schema_version"])
 
-    def _check_sum(self, doc: dict[str, Any], where: str, what: str) -> None:
-        """A metadata document must match its checksum (schema 1.5 on: there must be one)."""
+    def _check_sum(self, doc: dict[str, Any], version: Any, where: str, what: str) -> None:
+        """A metadata document of schema ``version`` must match its checksum (from 1.5: have one)."""
         stored = doc.get(layout.CHECKSUM_KEY)
-        try:
-            version = layout.parse_version(str(doc.get("schema_version") or self.attrs["schema_version"]))
-        except (ValueError, AttributeError, KeyError):  # zarr.json's own version is checked before this
-            version = (0, 0)
-        if stored is None and version < layout.CHECKED_SINCE:
+        if stored is None and not _checked(version):
             return
         try:
             computed = layout.checksum(doc)
@@ -230,7 +231,7 @@ class RunReader:
         if not isinstance(ranks, dict) or manifest.get("format") != "paperdebugger.manifest":
             raise FormatError(f"{self.label}: {key} is not a PaperDebugger manifest")
         self._check_version(manifest.get("schema_version"), key)
-        self._check_sum(manifest, key, "the committed lengths and status")
+        self._check_sum(manifest, manifest.get("schema_version"), key, "the committed lengths and status")
         if manifest.get("status", "recording") not in layout.RUN_STATUSES:
             raise FormatError(f"{self.label}: {key} gives an unknown status "
                               f"{manifest.get('status')!r}; the manifest is damaged")
@@ -379,10 +380,8 @@ class RankReader:
         if not isinstance(ours, dict) or not all(isinstance(ours.get(k, {}), dict) for k in ("run", "final")):
             raise FormatError(f"{self.run.label}: {self.prefix}/zarr.json holds malformed attributes; the "
                               "recording's metadata is damaged")
-        ours = dict(ours)
-        if self.run.checked:
-            self.run._check_sum(ours, f"{self.prefix}/zarr.json", "the rank's attributes")
-        return ours
+        self.run._check_sum(ours, self.run.schema_version, f"{self.prefix}/zarr.json", "the rank's attributes")
+        return dict(ours)
 
     @property
     def run_info(self) -> dict[str, Any]:

@@ -190,18 +190,22 @@ class StoreWriter:
             key = f"{layout.rank_group(rank)}/{col.path}"
             self.arrays[col.path] = AppendArray(store, key, json.loads(self._files[f"{key}/zarr.json"]), col,
                                                 _compression_of(col, compression))
+        self._payload_ids: dict[tuple[int, int, int], int] = {}
+        self._fresh_state()
+        self.steps = 0  # committed-in-order step rows appended
+        self.seq = 0
+        self.status = "recording"
+        self.info: dict[str, Any] = {}
+
+    def _fresh_state(self) -> None:
+        """What this process's writer knows of its own (new, or resumed from a dead writer's store)."""
         self._identity = {"pid": os.getpid(), "host": socket.gethostname(), "boot": backend.boot_id(),
                           "start": backend.process_start(os.getpid())}
         self._doc_ids: dict[bytes, int] = {}
         self._str_ids: dict[str, int] = {}
         self._identity_ids: dict[int, tuple[Any, int]] = {}
-        self._payload_ids: dict[tuple[int, int, int], int] = {}
         self._pending: dict[int, dict[str, Any]] = {}
         self._io: ThreadPoolExecutor | None = None
-        self.steps = 0  # committed-in-order step rows appended
-        self.seq = 0
-        self.status = "recording"
-        self.info: dict[str, Any] = {}
 
     @staticmethod
     def _meta_bytes(meta: dict[str, Any]) -> bytes:
@@ -260,9 +264,7 @@ class StoreWriter:
         self.group_meta = group_meta
         dist = manifest.get("dist")
         self.dist = dict(dist) if isinstance(dist, dict) else {"rank": rank, "world_size": 1, "backend": None}
-        described = dict(ours.get("compression") or {})
-        compression = codecs.Compression(described.get("cname"), int(described.get("clevel", 5)),
-                                         described.get("shuffle", "bitshuffle"), adaptive="adaptive" in described)
+        compression = codecs.Compression.described(ours.get("compression") or {})
         backend.remove_partials(store, layout.rank_group(rank), top=rank == 0)
         self.arrays = {}
         for col in layout.columns():
@@ -274,12 +276,9 @@ class StoreWriter:
             table = col.path.split("/")[0]
             arr.resume(int(lengths.get(col.path, lengths.get(table, 0))))
             self.arrays[col.path] = arr
-        self._identity = {"pid": os.getpid(), "host": socket.gethostname(), "boot": backend.boot_id(),
-                          "start": backend.process_start(os.getpid())}
-        self._doc_ids, self._str_ids, self._identity_ids, self._pending = {}, {}, {}, {}
+        self._fresh_state()
         hashes, units = self.committed("payloads/hash"), self.committed("payloads/blob")
         self._payload_ids = {(int(h[0]), int(h[1]), int(u)): pid for pid, (h, u) in enumerate(zip(hashes, units))}
-        self._io = None
         self.steps = int(lengths.get("steps", 0))
         self.seq = int(manifest.get("seq", 0))
         self.status = str(manifest.get("status", "recording"))

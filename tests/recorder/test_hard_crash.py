@@ -8,7 +8,6 @@ seed (the model is tiny and single-threaded, so the bits are the same in this pr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -29,16 +28,13 @@ from recorder.store import layout
 from recorder.store.reader import RunReader
 from recorder.store.writer import StoreWriter
 from tests.cli import env
+from tests.recorder import abort_script as script
 from tests.recorder.test_flight import assert_ring_written_on_sigterm, payload_iterations
 
 if not hasattr(signal, "SIGKILL") or not os.path.exists("/proc/self/maps"):
     pytest.skip("needs POSIX signals and /proc", allow_module_level=True)
 
-SCRIPT = Path(__file__).with_name("abort_script.py")
-_spec = importlib.util.spec_from_file_location("pdbg_abort_script", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(script)
+SCRIPT = Path(script.__file__)
 
 RECORD = [sys.executable, "-m", "tui.cli", "record", "-o", "run.zarr", "--mode", "flight", "--keep", "2"]
 
