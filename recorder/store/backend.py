@@ -12,9 +12,13 @@ first, manifest last) keeps a killed recording safe there too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import errno
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
@@ -227,8 +231,8 @@ def local_root(store: Store) -> Path | None:
     return Path(store.root) if isinstance(store, LocalStore) else None
 
 
-def put(store: Store, key: str, data: bytes, *, durable: bool = False) -> None:
-    """Write one key. Local files go through a temporary file and ``os.replace`` so a reader or a
+def put(store: Store, key: str, data: bytes, *, durable: bool = False, spare: bool = False) -> None:
+    """Write one key. Local files go through a temporary file and an atomic rename so a reader or a
     crash sees either the old bytes or the new ones, never a torn write.
 
     Files of ``SYNC_BYTES`` or more (payload chunks) are synced to disk before the rename and then
@@ -237,35 +241,86 @@ def put(store: Store, key: str, data: bytes, *, durable: bool = False) -> None:
     per byte written). ``durable=True`` syncs any file and its directory, so the rename itself
     survives a power loss (the manifest). Smaller files rely on write order, which a killed process
     cannot break.
+
+    ``spare=True``, for a small key written again and again (the partial last chunk of a growing
+    array): the previous version is kept as the temporary file and overwritten the next time, then
+    swapped in atomically (``renameat2(RENAME_EXCHANGE)``). Making, filling and freeing a new file
+    costs ~10x more CPU than overwriting one that exists (measured on ext4: 0.2 ms against 0.02 ms
+    per write); an index commit writes dozens. The spare stays next to the key until a write without
+    ``spare`` (or ``remove_partials``) takes it. Where the filesystem cannot exchange two names, this
+    is a plain write.
     """
     root = local_root(store)
     if root is None:
         sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
         return
-    path = root / key
-    tmp = path.with_name(path.name + ".partial")
+    path = os.path.join(root, key)
+    tmp = path + ".partial"
+    reuse = spare and not durable and len(data) < SYNC_BYTES and _exchange is not None
+    flags = os.O_WRONLY | os.O_CREAT | (0 if reuse else os.O_TRUNC)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, flags, 0o644)
     except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(tmp, flags, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        view, at = memoryview(data), 0
+        while at < len(view):
+            at += os.pwrite(fd, view[at:], at)
+        if reuse:
+            os.ftruncate(fd, len(data))  # a shorter version than the spare's
         if durable or len(data) >= SYNC_BYTES:
             _datasync(fd)
         if _FADVISE and len(data) >= SYNC_BYTES:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    if not (reuse and _exchange(tmp, path)):
+        os.replace(tmp, path)
     if durable:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+        dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def drop_spare(store: Store, key: str) -> None:
+    """Remove the spare a ``put(spare=True)`` of ``key`` kept, if there is one."""
+    root = local_root(store)
+    if root is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(root, key) + ".partial")
+
+
+def _exchanger() -> Any:
+    """``exchange(a, b)``: swap two existing paths atomically; False when it cannot (``b`` does not
+    exist yet, or the filesystem does not support it: then it is not tried again on that one). None
+    where the C library has no renameat2 (not Linux, or glibc older than 2.28)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    at_fdcwd, rename_exchange = -100, 2
+    unsupported: set[int] = set()  # st_dev of filesystems that refused an exchange
+
+    def exchange(a: str, b: str) -> bool:
+        if unsupported and os.stat(a).st_dev in unsupported:
+            return False
+        if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+            return True
+        if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+            unsupported.add(os.stat(a).st_dev)
+        return False  # also ENOENT, the first version of the key: a plain rename then
+
+    return exchange
+
+
+_exchange = _exchanger()
 
 
 SYNC_BYTES = 256 << 10

@@ -45,13 +45,15 @@ class AppendArray:
         self.capacity = int(meta["shape"][0])  # rows the zarr.json declares (see _template)
         self._buf: np.ndarray | None = None  # allocated on first use: most runs never touch u1/u2/u8
         self.fill = 0  # rows in buf
+        self._tail: list[Any] = []  # rows appended after those, as Python values (see append)
         self.chunk = 0  # index of the chunk buf holds
         self.dirty = False  # buf has rows not yet on disk
         self._suffix = "/0" * len(col.row_shape)
         self._stored_left = 0  # adaptive compression: whole chunks to store uncompressed before a retest
+        self._spare: str | None = None  # the key whose previous version is kept (backend.put(spare=True))
 
     def __len__(self) -> int:
-        return self.chunk * self.col.chunk_rows + self.fill
+        return self.chunk * self.col.chunk_rows + self.fill + len(self._tail)
 
     @property
     def buf(self) -> np.ndarray:
@@ -62,17 +64,28 @@ class AppendArray:
         return self._buf
 
     def append(self, row: Any) -> int:
-        """Append one row; returns its index."""
+        """Append one row (a Python value, or a tuple for a row of several); returns its index. Rows
+        wait as Python values and reach the chunk buffer in bulk (one conversion per commit, not one
+        numpy assignment per row)."""
         index = len(self)
-        self.buf[self.fill] = row
-        self.fill += 1
+        self._tail.append(row)
         self.dirty = True
-        if self.fill == self.col.chunk_rows:
-            self._seal()
+        if self.fill + len(self._tail) >= self.col.chunk_rows:
+            self._drain()
         return index
+
+    def append_rows(self, rows: list[Any]) -> int:
+        """Append several rows given as Python values; returns the index of the first."""
+        start = len(self)
+        self._tail += rows
+        self.dirty = True
+        if self.fill + len(self._tail) >= self.col.chunk_rows:
+            self._drain()
+        return start
 
     def extend(self, rows: np.ndarray) -> int:
         """Append many rows (1-D data for 1-D arrays); returns the index of the first."""
+        self._drain()
         start = len(self)
         n, pos, per = len(rows), 0, self.col.chunk_rows
         while pos < n:
@@ -90,15 +103,29 @@ class AppendArray:
                 self._seal()
         return start
 
-    def flush(self) -> None:
-        """Write the partial last chunk if it changed, padded with the fill value (not stale rows)."""
+    def _drain(self) -> None:
+        """Move the rows appended as Python values into the chunk buffer (sealing full chunks)."""
+        if self._tail:
+            rows = np.asarray(self._tail, dtype=self.col.dtype).reshape(-1, *self.col.row_shape)
+            self._tail = []
+            self.extend(rows)
+
+    def flush(self, final: bool = False) -> None:
+        """Write the partial last chunk if it changed, padded with the fill value (not stale rows).
+        It is written again at the next commit, so its previous version is kept to be overwritten
+        (``backend.put(spare=True)``), unless this is the ``final`` write."""
+        self._drain()
         if self.dirty and self.fill:
             self.buf[self.fill:] = 0
-            self._write(self.chunk, self.buf)
+            self._write(self.chunk, self.buf, spare=not final)
+        elif final and self._spare is not None:  # unchanged since the last commit: only its spare goes
+            backend.drop_spare(self.store, self._spare)
+            self._spare = None
         self.dirty = False
 
     def trim(self) -> None:
         """Set the zarr shape to the exact length, so plain zarr reads exactly the committed rows."""
+        self._drain()
         if self.capacity != len(self):  # arrays never written (payloads in stats mode) stay as made
             self._resize(len(self))
 
@@ -130,11 +157,15 @@ class AppendArray:
         self.meta["shape"] = [rows, *self.col.row_shape]
         backend.put(self.store, f"{self.key}/zarr.json", json.dumps(self.meta, indent=2).encode())
 
-    def _write(self, index: int, data: np.ndarray, whole: bool = False) -> None:
+    def _write(self, index: int, data: np.ndarray, whole: bool = False, spare: bool = False) -> None:
         needed = (index + 1) * self.col.chunk_rows
         if needed > self.capacity:
             self._resize(max(needed, 2 * self.capacity))  # geometric: few metadata rewrites
-        backend.put(self.store, f"{self.key}/c/{index}{self._suffix}", self._encode(data, whole))
+        # A whole chunk is written once, which also takes the spare a partial version of it left.
+        key = f"{self.key}/c/{index}{self._suffix}"
+        backend.put(self.store, key, self._encode(data, whole), spare=spare)
+        if spare or key == self._spare:
+            self._spare = key if spare else None
 
     def _encode(self, data: np.ndarray, whole: bool) -> bytes:
         """Compressed, or (adaptive compression, data that did not shrink) stored as it is. Only whole
@@ -289,6 +320,7 @@ class StoreWriter:
         """The rows of one array written so far (after ``resume``: the committed ones, and any appended
         since), read back from the store and this writer's unflushed tail."""
         arr = self.arrays[path]
+        arr._drain()
         on_disk = arr.chunk * arr.col.chunk_rows
         stored = zarr.open_array(self.store, path=arr.key, mode="r")
         head = np.asarray(stored[:on_disk]) if on_disk else np.zeros((0, *arr.col.row_shape), dtype=arr.col.dtype)
@@ -384,13 +416,14 @@ class StoreWriter:
         n = len(columns["role"])
         if n == 0:
             return start
-        values = self.arrays["dims/values"]
-        first_dim = values.extend(np.asarray(dims, dtype=np.int64)) if dims else len(values)
-        ndim = np.asarray(columns["ndim"], dtype=np.int64)
-        data = dict(columns, step=np.full(n, step, dtype=np.int64),
-                    dims_start=first_dim + np.concatenate(([0], np.cumsum(2 * ndim)[:-1])))
-        for name, (dtype, shape) in layout.TENSOR_COLUMNS.items():
-            self.arrays[f"tensors/{name}"].extend(np.asarray(data[name], dtype=dtype).reshape(n, *shape))
+        at = self.arrays["dims/values"].append_rows(dims)
+        dims_start = []
+        for ndim in columns["ndim"]:  # shape then stride of each record
+            dims_start.append(at)
+            at += 2 * ndim
+        data = dict(columns, step=[step] * n, dims_start=dims_start)
+        for name in layout.TENSOR_COLUMNS:
+            self.arrays[f"tensors/{name}"].append_rows(data[name])
         return start
 
     def step(self, index: int, row: dict[str, Any]) -> None:
@@ -436,7 +469,7 @@ class StoreWriter:
             status = "crashed"  # a step that never finished (its enclosing call is still open)
 
         def finish(arr: AppendArray) -> None:
-            arr.flush()
+            arr.flush(final=True)
             arr.trim()
 
         try:

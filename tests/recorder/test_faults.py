@@ -62,7 +62,7 @@ class DiskFull:
         with self.lock:
             self.free, self.manifest_first = leave, manifest_first
 
-    def __call__(self, store: Any, key: str, data: bytes, *, durable: bool = False) -> None:
+    def __call__(self, store: Any, key: str, data: bytes, **options: bool) -> None:
         with self.lock:
             if self.manifest_first and key == layout.MANIFEST_KEY:
                 self.manifest_first, self.free = False, 0
@@ -78,7 +78,7 @@ class DiskFull:
                 self.free -= len(data) - self.sizes.get(key, 0)
             if self.free is not None:
                 self.puts_after_fill += 1
-        self.real(store, key, data, durable=durable)
+        self.real(store, key, data, **options)
         with self.lock:
             self.sizes[key] = len(data)
             if key == layout.MANIFEST_KEY:
@@ -97,10 +97,10 @@ class SlowStore:
         self.real, self.seconds = real, seconds
         self.puts = 0
 
-    def __call__(self, store: Any, key: str, data: bytes, *, durable: bool = False) -> None:
+    def __call__(self, store: Any, key: str, data: bytes, **options: bool) -> None:
         time.sleep(self.seconds)
         self.puts += 1
-        self.real(store, key, data, durable=durable)
+        self.real(store, key, data, **options)
 
 
 class HungStore:
@@ -113,11 +113,11 @@ class HungStore:
         self.released = threading.Event()
         self.blocked = threading.Event()  # a write is blocked now
 
-    def __call__(self, store: Any, key: str, data: bytes, *, durable: bool = False) -> None:
+    def __call__(self, store: Any, key: str, data: bytes, **options: bool) -> None:
         if self.armed.is_set():
             self.blocked.set()
             self.released.wait(timeout=300)
-        self.real(store, key, data, durable=durable)
+        self.real(store, key, data, **options)
 
 
 # -- training and reading back -------------------------------------------------------------------

@@ -207,3 +207,43 @@ def test_adaptive_compression_stores_what_does_not_shrink(run_path, tmp_path):
             scale(torch.full((1 << 20,), float(i)), 1.0)
             run.next_iteration()
     assert not any(_frames(zeros_path))
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "no-exchange"])
+def test_rewritten_keys_read_back_after_every_write(tmp_path, monkeypatch, exchange):
+    """A key written again and again (an array's partial last chunk) reads back as its latest bytes
+    after every write, longer or shorter than before; a write without ``spare``, or ``drop_spare``,
+    leaves no temporary file. Where the filesystem cannot swap two names, the same holds."""
+    from recorder.store import backend
+    if not exchange:
+        monkeypatch.setattr(backend, "_exchange", None)
+    store = backend.open_store(tmp_path / "s.zarr", mode="w")
+    key = "rank0/steps/phase/c/0"
+    for size in (10, 3000, 200, 4000, 1):
+        data = np.random.default_rng(size).bytes(size)
+        backend.put(store, key, data, spare=True)
+        assert backend.get(store, key) == data
+    spare = tmp_path / "s.zarr" / f"{key}.partial"
+    assert spare.exists() == (exchange and backend._exchange is not None)
+    backend.put(store, key, b"final")
+    assert backend.get(store, key) == b"final" and not spare.exists()
+    backend.put(store, key, b"again", spare=True)
+    backend.put(store, key, b"again and again", spare=True)
+    backend.drop_spare(store, key)
+    assert backend.get(store, key) == b"again and again" and not spare.exists()
+
+
+def test_many_commits_read_back_and_close_leaves_no_temporary_files(run_path):
+    """Each commit rewrites the partial last chunk of every table; every commit reads back with
+    exactly its steps, and a closed run leaves no temporary file behind."""
+    with recorder.record(run_path, mode="stats") as run:
+        for i in range(6):
+            for _ in range(3):
+                scale(torch.full((5,), float(i)))
+            assert run.flush()
+            rank = RunReader(run_path).rank(0)
+            assert len(rank) == 3 * (i + 1)
+            assert [rank.tensor_records(s)[0].stats["max"] for s in range(len(rank))] == \
+                [float(j // 3) for j in range(3 * (i + 1))]
+    assert not list(run_path.rglob("*.partial"))
+    assert len(RunReader(run_path).rank(0)) == 18
