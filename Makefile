@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench lint clean
+.PHONY: demo test test-fast browser bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +19,21 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)  ## record a real NaN crash and show where it came from
 	$(PY) examples/nan_smooth_relu.py --out runs/nan_smooth_relu.zarr
 
-test: $(STAMP)  ## the whole suite, slow tests included (what CI runs)
+test: $(STAMP) browser  ## the whole suite, slow tests included (what CI runs)
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)  ## the suite without slow tests
 	$(PY) -m pytest -q -m "not slow"
+
+# Debian's chromium and chromedriver, for the browser test of `pdbg serve` (skipped, and said so, without them).
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if command -v apt-get >/dev/null; then \
+	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver \
+	      || echo "make: could not install chromium; the browser test of pdbg serve will be skipped"; \
+	  else echo "make: no apt-get here; install chromium and chromedriver for the browser test of pdbg serve"; fi; \
+	fi
 
 bench: $(STAMP)  ## recording overhead against a baseline, written to docs/PERFORMANCE.md
 	$(PY) bench/record_overhead.py --write-docs

@@ -13,7 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from recorder.errors import PdbgError
 
-from . import cmd_bisect, cmd_bundle, cmd_record, cmd_replay
+from . import cmd_bisect, cmd_bundle, cmd_record, cmd_replay, cmd_serve
 
 
 def _version() -> str:
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_replay.add_parsers(sub)
     cmd_bisect.add_parsers(sub)
     cmd_bundle.add_parsers(sub)
+    cmd_serve.add_parser(sub)
     p = sub.add_parser("tui", help="open the TUI on a recording (also: pdbg RUN)",
                        description="Travel through a recording from the keyboard: ? lists every key.")
     p.add_argument("run", metavar="RUN", help="the recording or bundle")
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = ("record", "info", "replay", "verify", "bisect", "find", "bundle", "tui")
+COMMANDS = ("record", "info", "replay", "verify", "bisect", "find", "bundle", "serve", "tui")
 
 
 def _tui(args: argparse.Namespace) -> int:

@@ -1,0 +1,121 @@
+"""pdbg serve RUN [--host 127.0.0.1] [--port 8000] [--allow-remote] [--public-url URL] [--at STEP] [--rank K]
+
+The TUI in a web browser (textual-serve): each browser tab that opens the page gets its own `pdbg tui
+RUN` process, driven over a websocket. It binds to loopback by default; from another machine, forward
+the port (ssh -L 8000:127.0.0.1:8000 host). Binding to any other address needs --allow-remote: whoever
+reaches the port can replay steps, which runs the recording's code on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import ipaddress
+import shlex
+import socket
+import sys
+from typing import Any
+
+from recorder.errors import PdbgError
+
+from .cmd_replay import _open, rank_option
+
+
+class ServeError(PdbgError):
+    """The server cannot start: a port in use, an address that cannot be bound, a missing package."""
+
+
+def add_parser(sub: Any) -> None:
+    doc = __doc__ or ""
+    p = sub.add_parser("serve", help="the TUI in a web browser (textual-serve), on loopback by default",
+                       description=doc.split("\n\n", 1)[1], usage=doc.split("\n\n")[0])
+    p.add_argument("run", metavar="RUN", help="the recording or bundle")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1, loopback)")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on (default 8000)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a --host other than loopback; anyone who reaches the port can replay code")
+    p.add_argument("--public-url", metavar="URL",
+                   help="the address browsers use to reach the server, when it is not http://HOST:PORT (a proxy)")
+    p.add_argument("--at", metavar="STEP", help="put the cursor on this step (an index or a selector)")
+    rank_option(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    rec = _open(args.run, args.rank)  # a path that is not a recording: one line, before anything listens
+    if args.at is not None:
+        rec.step(args.at)
+    if not 0 < args.port < 65536:
+        raise ServeError(f"--port must be between 1 and 65535, not {args.port}")
+    remote = not _is_loopback(args.host)
+    if remote and not args.allow_remote:
+        raise ServeError(f"--host {args.host} is not a loopback address: anyone who reaches port {args.port} could "
+                         "replay code from this recording; add --allow-remote to serve it there anyway, or keep "
+                         "127.0.0.1 and forward the port (ssh -L)")
+    try:
+        from textual_serve.server import Server
+    except ImportError as exc:
+        raise ServeError(f"pdbg serve needs textual-serve ({exc}); install it with: pip install "
+                         "'paperdebugger[serve]'") from None
+    _check_bindable(args.host, args.port)
+    if remote:
+        print(f"pdbg: warning: serving on {args.host}:{args.port}, which is not loopback: anyone who reaches this "
+              "port can replay steps of the recording, running its code on this machine", file=sys.stderr)
+    command = [sys.executable, "-m", "tui.cli", "tui", args.run, "--rank", str(args.rank)]
+    if args.at is not None:
+        command += ["--at", args.at]
+    url = args.public_url or f"http://{_url_host(args.host)}:{args.port}"
+    server = Server(shlex.join(command), host=args.host, port=args.port, title=f"pdbg {args.run}",
+                    public_url=url.rstrip("/"))
+    print(f"pdbg: serving {args.run} ({len(rec)} steps) on {url}; open it in a browser, Ctrl+C to stop", flush=True)
+    try:
+        server.serve()
+    except OSError as exc:  # lost the port to another process after the check
+        raise ServeError(_bind_problem(args.host, args.port, exc)) from None
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback address (``localhost`` counts)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False  # reported when binding: "cannot listen on ..."
+    addresses = {info[4][0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Bind once, as the server will (address reuse on, as aiohttp sets it), to report a port in use or
+    an address this machine does not have as one line, before the server prints anything."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ServeError(f"cannot listen on {host}: {exc.strerror or exc}; give an address of this machine "
+                         "(--host 127.0.0.1 is the default)") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+                probe.listen(1)
+            except OSError as exc:
+                raise ServeError(_bind_problem(host, port, exc)) from None
+
+
+def _bind_problem(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use by another program; choose another with --port"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (f"not allowed to listen on port {port} ({exc.strerror}); ports below 1024 need privileges: "
+                "use --port 8000")
+    return (f"cannot listen on {host}:{port} ({exc.strerror or exc}); give an address of this machine "
+            "(--host 127.0.0.1 is the default)")
+
+
+def _url_host(host: str) -> str:
+    """``host`` as it goes into a URL (IPv6 addresses in brackets)."""
+    try:
+        return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
+    except ValueError:
+        return host
