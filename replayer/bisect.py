@@ -74,14 +74,19 @@ def subtree(rec: Recording, index: int) -> list[int]:
     return found
 
 
-def describe(step: Step) -> str:
-    """A step in paper terms: "Algorithm 1, step 5 · MultiScaleFusion · forward · iteration 17 · call 3"."""
-    paper = step.paper
+def paper_reference(paper: dict[str, Any]) -> str:
+    """A step's paper reference: "Algorithm 1, step 5 (Eq. 7)"; "" for a step without one."""
     ref = paper.get("label") or ""
     if paper.get("step") is not None:
         ref += f", step {paper['step']}"
     if paper.get("equation") and paper.get("equation") != paper.get("label"):
         ref += f" ({paper['equation']})"
+    return ref
+
+
+def describe(step: Step) -> str:
+    """A step in paper terms: "Algorithm 1, step 5 · MultiScaleFusion · forward · iteration 17 · call 3"."""
+    ref = paper_reference(step.paper)
     parts = [p for p in (ref, step.name, step.module_path, step.phase, f"iteration {step.iteration}",
                          f"call {step.call}") if p]
     return f"step {step.index}: " + " · ".join(parts)
@@ -129,6 +134,16 @@ class Origin:
                                          "entered": o.entered.to_json() if o.entered else None, "cause": o.cause}
                                 for r, o in self.others.items()}}
 
+    def __repr__(self) -> str:
+        op = f"; operation {self.op.where()}" if self.op is not None else ""
+        spread = f"; {len(self.spread)} steps went non-finite after it" if self.spread else ""
+        return f"<Origin: {self.cause}{op}{spread}>"
+
+    def _repr_html_(self) -> str:
+        from . import notebook
+
+        return notebook.origin(self)
+
 
 def _across_ranks(rec: Recording, *, ops: bool, spread: int) -> Origin:
     """``first_nonfinite(all_ranks=True)``: the origin is the first step of any rank (by iteration,
@@ -168,6 +183,12 @@ def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, 
     """
     if all_ranks and len(rec.ranks) > 1:
         return _across_ranks(rec, ops=ops, spread=spread)
+    origin = _first_on_rank(rec, ops=ops, spread=spread)
+    rec.known_origin = origin  # a summary of the recording (its notebook repr) shows it without searching
+    return origin
+
+
+def _first_on_rank(rec: Recording, *, ops: bool, spread: int) -> Origin:
     n = len(rec)
     if not n:
         return Origin(None, "no steps recorded")
@@ -447,6 +468,14 @@ class Divergence:
                 "other": self.other.to_json() if self.other else None,
                 "first_difference": self.first_difference.to_json() if self.first_difference else None,
                 "followed": [s.to_json() for s in self.followed[:SPREAD]], "compared": self.compared}
+
+    def __repr__(self) -> str:
+        return f"<Divergence: {self.cause}>"
+
+    def _repr_html_(self) -> str:
+        from . import notebook
+
+        return notebook.divergence(self)
 
 
 class _Prints:

@@ -57,6 +57,15 @@ class BundleInfo:
         return {"path": str(self.path), "bytes": self.bytes, "steps": self.steps, "verified": self.verified,
                 "main_step": self.main, "script": str(self.script) if self.script else None}
 
+    def __repr__(self) -> str:
+        verified = {True: "verified: bitwise match", False: "verified: MISMATCH", None: "not verified"}[self.verified]
+        return f"<BundleInfo {self.path}: {self.steps} steps, main step {self.main}, {self.bytes} bytes, {verified}>"
+
+    def _repr_html_(self) -> str:
+        from . import notebook
+
+        return notebook.bundle_info(self)
+
 
 def _selection(rec: Recording, step: Step, iteration: bool) -> tuple[list[int], set[int]]:
     """The steps to bundle (original indices, in order) and those whose payloads all come along."""

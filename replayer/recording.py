@@ -63,6 +63,7 @@ class Recording:
         self.rank: RankReader = self.reader.rank(rank)
         self.path = path
         self.storage_options = storage_options  # to open it again (a reload)
+        self.known_origin: Any = None  # first_nonfinite's last answer here, for summaries that must not search
 
     @property
     def status(self) -> str:
@@ -85,6 +86,7 @@ class Recording:
         other = Recording.__new__(Recording)
         other.reader, other.path, other.storage_options = self.reader, self.path, self.storage_options
         other.rank = self.reader.rank(rank)
+        other.known_origin = None
         return other
 
     def __len__(self) -> int:
@@ -92,6 +94,11 @@ class Recording:
 
     def __repr__(self) -> str:
         return f"<Recording {self.reader.label}: {len(self)} steps, {self.status}>"
+
+    def _repr_html_(self) -> str:
+        from . import notebook
+
+        return notebook.recording(self)
 
     @cached_property
     def bundle_info(self) -> dict[str, Any] | None:
@@ -183,6 +190,11 @@ class StepTable:
 
     def __repr__(self) -> str:
         return f"<StepTable: {len(self)} steps>"
+
+    def _repr_html_(self) -> str:
+        from . import notebook
+
+        return notebook.step_table(self)
 
     def column(self, name: str) -> np.ndarray:
         """One column for these steps: index, phase (0/1), iteration, call, parent, forward, status
@@ -380,6 +392,15 @@ class Step:
     def environment(self) -> dict[str, Any]:
         return self.rec.run_info
 
+    @property
+    def selector(self) -> str:
+        """A selector naming this step (``smooth_relu@iter=17#3``, ``...:backward``), as ``rec.step``
+        and ``pdbg replay`` take it; the index where the name cannot be one."""
+        name = self.name
+        if name[:1] in ("", "@", "#", ":") or name != name.strip():
+            return str(self.index)
+        return f"{name}@iter={self.iteration}#{self.call}{':backward' if self.phase == 'backward' else ''}"
+
     def to_json(self) -> dict[str, Any]:
         """The step object of DESIGN.md's machine-readable output."""
         return {"index": self.index, "rank": self.rec.rank.rank, "name": self.name, "phase": self.phase,
@@ -392,3 +413,8 @@ class Step:
         where = f" at {self.module_path}" if self.module_path else ""
         return (f"<Step {self.index}: {who}{where} {self.phase}, iteration {self.iteration}, call {self.call}, "
                 f"{self.status}>")
+
+    def _repr_html_(self) -> str:
+        from . import notebook
+
+        return notebook.step(self)

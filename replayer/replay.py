@@ -73,6 +73,11 @@ class ReplayResult:
         verdict = "match" if self.match else "MISMATCH"
         return f"<ReplayResult step {self.step.index}: {verdict}, {len(self.outputs)} tensors>"
 
+    def _repr_html_(self) -> str:
+        from . import notebook
+
+        return notebook.replay_result(self)
+
 
 class Replayer:
     """Replays steps of one recording; keeps the code it loaded (a script is loaded once)."""

@@ -1,0 +1,341 @@
+"""Notebook reprs: what Jupyter shows for a recording, a step, a step table, a replay, an origin, a
+divergence and a bundle; everything from the recording escaped; cheap on big recordings; and the
+replayer usable from a notebook kernel (no TUI imported, a running asyncio loop).
+
+Set PDBG_NOTEBOOK_REPRS to a directory to keep each rendered repr there as an HTML page (shown on a
+light and on a dark background, as in Jupyter's two themes)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import html as html_mod
+import os
+import re
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import recorder
+import replayer
+from recorder.store.reader import RankReader
+from replayer.bisect import Origin
+from tests.cli import python
+from tests.replayer import nanmodels
+
+EVIL = "<script>alert('x')</script>"
+BAD_CELL = "background: rgba(220, 38, 38, 0.28)"  # notebook._BAD: a highlighted non-finite count
+
+
+@recorder.paper_step("Eq. <script>1</script>", name="evil<script>alert(1)</script>",
+                     description="<b>not bold</b> & <i>not italic</i>")
+def evil(x: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+    if float(x.sum()) > 100:
+        raise ValueError(EVIL)
+    return x * 2
+
+
+@recorder.paper_step("Eq. 9", description="fifteen layers: more tensors than a step summary lists")
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(2, 2) for _ in range(15)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def render(name: str, obj: Any) -> str:
+    """``obj``'s notebook HTML (kept as a page under $PDBG_NOTEBOOK_REPRS when that is set)."""
+    out = obj._repr_html_()
+    tags = re.findall(r"<[^>]*>", out)
+    opening = [t for t in tags if not t.startswith("</")]
+    assert isinstance(out, str) and out.startswith("<div") and tags  # self-contained: styled text only
+    assert all(re.fullmatch(r'<(div|span|code|table|thead|tbody|tr|th|td|ul|li)( style="[^"<>]*")?>', t)
+               for t in opening), set(opening)
+    assert "url(" not in out and "@import" not in out
+    keep = os.environ.get("PDBG_NOTEBOOK_REPRS")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        page = ('<!doctype html><html><head><meta charset="utf-8"></head><body style="margin: 0; font-family: '
+                f'sans-serif"><div style="padding: 10px">{out}</div><div style="padding: 10px; background: '
+                f'#111111; color: #d4d4d4">{out}</div></body></html>')
+        (Path(keep) / f"{name}.html").write_text(page, encoding="utf-8")
+    return out
+
+
+def text(html: str) -> str:
+    """The HTML's text: tags dropped, entities decoded."""
+    return html_mod.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html)))
+
+
+@pytest.fixture(scope="module")
+def overflow(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Scaled(4) at scales 1 then 1000: exp overflows in smooth_relu in iteration 1."""
+    path = tmp_path_factory.mktemp("overflow") / "run.zarr"
+    torch.manual_seed(0)
+    nanmodels.record_scales(path, nanmodels.Scaled(4), (1.0, 1000.0))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A recording whose path, step name, label, description, tensor name and exception hold markup."""
+    path = tmp_path_factory.mktemp("hostile") / "run<b>.zarr"
+    with recorder.record(path):
+        evil(torch.ones(2), **{"<img src=x onerror=alert(1)>": torch.zeros(1)})
+        with pytest.raises(ValueError):
+            evil(torch.full((2,), 100.0))
+    return path
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """22 forward calls of a step with 32 tensors each."""
+    path = tmp_path_factory.mktemp("wide") / "run.zarr"
+    model = Wide()
+    with torch.no_grad(), recorder.record(path, model=model, mode="stats") as run:
+        for _ in range(22):
+            model(torch.randn(1, 2))
+            run.next_iteration()
+    return path
+
+
+class TestRecording:
+    def test_summary(self, overflow: Path) -> None:
+        """Path, status, steps, iterations, mode, when, the hint; the origin once it was looked for."""
+        rec = replayer.open(overflow)
+        out = text(render("recording", rec))
+        for expected in (str(overflow), "complete", "steps 8", "iterations 2 (0–1)", "mode full", "recorded 20",
+                         "torch " + torch.__version__, "rec.steps", "replayer.first_nonfinite(rec)",
+                         "not looked for yet"):
+            assert expected in out, expected
+        origin = replayer.first_nonfinite(rec)
+        assert origin.step is not None and f"first non-finite {origin.step.selector}" in text(rec._repr_html_())
+        assert "not looked for yet" not in rec._repr_html_()
+
+    def test_a_crashed_run_names_its_exception(self, tmp_path: Path) -> None:
+        """A run that died shows status crashed and the exception that ended it, escaped."""
+        with pytest.raises(RuntimeError), recorder.record(tmp_path / "run.zarr"):
+            nanmodels.smooth_relu(torch.ones(2))
+            raise RuntimeError(EVIL)
+        out = render("recording_crashed", replayer.open(tmp_path / "run.zarr"))
+        assert "crashed" in out and "run ended with" in out and EVIL not in out
+        assert "builtins:RuntimeError: &lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in out
+
+    def test_a_summary_reads_no_payload_and_no_whole_column(self, overflow: Path, monkeypatch: Any) -> None:
+        """The recording, its step table and a step render from metadata, a few rows and the step's
+        tensor index: no payload, and (but for the step's own records) nothing of the tensor table."""
+        asked: list[tuple[str, Any]] = []  # what the summaries ask the reader for: (column, rows or "whole")
+        inside = [0]
+        rows, column = RankReader.rows, RankReader.column
+
+        def counted_rows(self: RankReader, path: str, start: int, stop: int) -> Any:
+            asked.append((path, stop - start))
+            inside[0] += 1  # the reader may read a tiny column whole instead: its choice, not the caller's
+            try:
+                return rows(self, path, start, stop)
+            finally:
+                inside[0] -= 1
+
+        def counted_column(self: RankReader, path: str) -> Any:
+            if not inside[0]:
+                asked.append((path, "whole"))
+            return column(self, path)
+
+        monkeypatch.setattr(RankReader, "rows", counted_rows)
+        monkeypatch.setattr(RankReader, "column", counted_column)
+        monkeypatch.setattr(RankReader, "tensor", lambda self, r: pytest.fail("a payload was read"))
+        monkeypatch.setattr(RankReader, "payload_units", lambda self, *a, **k: pytest.fail("a payload was read"))
+        rec = replayer.open(overflow)
+        backward = rec.steps.filter(phase="backward")  # filtering reads columns; showing the result must not
+        asked.clear()
+        for obj in (rec, rec.steps, backward):
+            obj._repr_html_()
+        assert not [a for a in asked if a[1] == "whole" and not a[0].startswith("docs/")], asked
+        assert not [a for a in asked if not a[0].startswith(("steps/", "docs/"))], asked  # no tensor index
+        assert sum(n for p, n in asked if p == "steps/iteration") <= 2 + 8 + 4  # two rows, then one per step shown
+        asked.clear()
+        step = rec.step(5)
+        step._repr_html_()
+        assert not [a for a in asked if a[1] == "whole" and not a[0].startswith("docs/")], asked
+        assert {n for p, n in asked if p.startswith("tensors/")} == {len(step.records)}  # its own records only
+
+    def test_a_bundle_and_its_recording(self, overflow: Path, tmp_path: Path) -> None:
+        """A BundleInfo shows its path, size, steps, main step and verification; the bundle opened
+        again shows it is one."""
+        rec = replayer.open(overflow)
+        origin = replayer.first_nonfinite(rec)
+        info = replayer.bundle(rec, origin.step, tmp_path / "failure.pdbg", verify=True, script=True)
+        out = text(render("bundle", info))
+        assert "verified: bitwise match" in out and f"{info.bytes:,} bytes" in out and f"main step {info.main}" in out
+        assert "repro.py" in out and "replayer.open(" in out and "verified: bitwise match" in repr(info)
+        opened = text(replayer.open(info.path)._repr_html_())
+        assert f"bundle main step {info.main}" in opened and "failure.pdbg" in opened
+
+
+class TestStep:
+    def test_summary(self, overflow: Path) -> None:
+        """Selector, paper reference, phase, iteration, call, module path, status, timing, and the
+        tensors with their statistics; the Inf count highlighted."""
+        rec = replayer.open(overflow)
+        step = rec.step("smooth_relu@iter=1")
+        html = render("step", step)
+        out = text(html)
+        for expected in ("Step 5 smooth_relu@iter=1#0 nonfinite", "paper Eq. 2", "SmoothReLU(x) =",
+                         "phase forward", "iteration 1", "call 0", "module path (the outermost module",
+                         " ms", "inside step 4", "nanmodels.py:", "input args.0 float32 3×4", "output output float32"):
+            assert expected in out, expected
+        inf = next(r for r in step.records if r.name == "output").stats["inf"]
+        assert inf > 0 and f'<span style="{BAD_CELL}' in html and f">{int(inf)}</span>" in html
+        assert "rec.step(5).tensor('args.0')" in out and "replayer.replay(rec, 5)" in out
+
+    def test_selectors_name_the_step(self, overflow: Path) -> None:
+        """Every step's selector, as the summaries print it, selects that very step."""
+        rec = replayer.open(overflow)
+        assert [rec.step(s.selector).index for s in rec.steps] == list(range(len(rec)))
+        assert rec.step(1).selector == "smooth_relu@iter=0#0" and rec.step(2).selector == "Scaled@iter=0#0:backward"
+
+    def test_long_tensor_lists_are_cut(self, wide: Path) -> None:
+        """A step with more tensors than shown ends with how many more, stats-only tensors say so."""
+        step = replayer.open(wide).step(0)
+        out = render("step_wide", step)
+        assert len(step.records) == 32 and "... 8 more tensors" in out
+        assert out.count("layers.") == 24 - 2  # the input and the output come first
+        assert ">stats</span>" in out
+
+
+class TestStepTable:
+    def test_first_rows_and_the_rest_counted(self, wide: Path, overflow: Path) -> None:
+        """The first 20 steps, one row each, then '... N more steps'; a filter's result likewise."""
+        out = render("steps", replayer.open(wide).steps)
+        assert out.count("<tr") == 21 and "... 2 more steps" in out and "22 steps" in out
+        assert "Eq. 9" in out and "table.filter(" in out
+        bad = replayer.open(overflow).steps.filter(status="nonfinite")
+        out = text(bad._repr_html_())
+        assert f"{len(bad)} steps" in out and "more steps" not in out and "nonfinite" in out
+
+
+class TestReplay:
+    def test_a_match(self, overflow: Path) -> None:
+        """A bitwise match: the badge, each output equal with zero differences."""
+        rec = replayer.open(overflow)
+        res = replayer.replay(rec, "smooth_relu@iter=1")
+        out = text(render("replay_match", res))
+        assert res.match and "Replay of step 5 smooth_relu@iter=1#0 bitwise match" in out
+        assert "output output equal 0 0 0 0 0 / 5 0 / 5" in out  # name, role, bits, differing, abs, rel, ULP, Inf
+
+    def test_a_fix_that_changes_the_result(self, overflow: Path) -> None:
+        """An edit that removes the overflow: mismatch, recorded Inf highlighted, replayed 0 / 0, and the
+        first divergent inner step with what became of it; warnings and differences listed."""
+        rec = replayer.open(overflow)
+        res = replayer.replay(rec, "Scaled@iter=1", edit={"smooth_relu#0/args.0": "x.clamp(-50, 50)"})
+        html = render("replay_fix", res)
+        out = text(html)
+        assert not res.match and "mismatch" in out and "differ" in out and "max ULP" in out
+        assert "first divergent inner step smooth_relu@iter=1#0" in out and "became finite" in out
+        assert "0 / 0" in out and BAD_CELL in html and "intervention" in out
+        noted = dataclasses.replace(res, warnings=["code of smooth_relu changed"],
+                                    environment_differences=[f"torch: {EVIL}"])
+        out = noted._repr_html_()
+        assert "warnings" in out and "code of smooth_relu changed" in out and "environment differences" in out
+        assert "&lt;script&gt;" in out and EVIL not in out
+
+
+class TestBisect:
+    def test_origin(self, overflow: Path) -> None:
+        """The origin step, the cause sentence, the operation and its line, and the spread."""
+        rec = replayer.open(overflow)
+        origin = replayer.first_nonfinite(rec, ops=True)
+        out = text(render("origin", origin))
+        assert "First non-finite value: origin nonfinite" in out and "smooth_relu@iter=1#0" in out
+        assert "from finite inputs" in out and "operation aten::exp" in out and "torch.exp(x + beta)" in out
+        assert "nanmodels.py:" in out and "spread to" in out and "replayer.bundle(rec, 5" in out
+        assert "aten::exp" in repr(origin) and repr(origin).startswith("<Origin: step 5")
+        plain = text(replayer.first_nonfinite(rec)._repr_html_())
+        assert "ops=True" in plain  # how to get the operation, when it was not asked for
+
+    def test_other_ranks_and_nothing_found(self, overflow: Path, hostile: Path) -> None:
+        """What other ranks saw is listed; a clean recording says no non-finite value was found."""
+        rec = replayer.open(overflow)
+        found = replayer.first_nonfinite(rec)
+        with_ranks = dataclasses.replace(found, others={1: Origin(None, "collective all_reduce returned NaN",
+                                                                  entered=rec.step(0))})
+        out = text(with_ranks._repr_html_())
+        assert "other ranks" in out and "rank 1: collective all_reduce returned NaN" in out and "rank 0" in out
+        none = replayer.first_nonfinite(replayer.open(hostile))
+        assert "No non-finite value found" in text(render("origin_none", none))
+
+    def test_divergence(self, tmp_path: Path) -> None:
+        """The root cause in run A, the same step in run B, the cause, the steps that followed."""
+        runs = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            model = nanmodels.Stack(4)
+            torch.manual_seed(5)
+            nanmodels.record_scales(tmp_path / f"{seed}.zarr", model, (1.0,))
+            runs.append(replayer.open(tmp_path / f"{seed}.zarr"))
+        div = replayer.first_divergence(*runs)
+        out = text(render("divergence", div))
+        assert div.step is not None and "The runs part mismatch" in out and div.step.selector in out
+        assert "same step in run B" in out and "fc.weight" in out and "steps compared" in out
+        assert repr(div) == f"<Divergence: {div.cause}>"
+        same = text(replayer.first_divergence(runs[0], runs[0])._repr_html_())
+        assert "No divergence" in same and "no divergence: the" in same
+
+
+class TestEscaping:
+    def test_everything_from_the_recording_is_escaped(self, hostile: Path) -> None:
+        """Markup in a path, step name, label, description, tensor name and exception message comes
+        out as text, never as markup."""
+        rec = replayer.open(hostile)
+        bad = rec.step(1)
+        assert bad.status == "exception"
+        res = replayer.replay(rec, 1)
+        assert res.exception is not None and "<script>" in res.exception
+        shown = {"recording_hostile": rec, "step_hostile": bad, "steps_hostile": rec.steps,
+                 "replay_hostile": res, "first_step_hostile": rec.step(0)}
+        for name, obj in shown.items():
+            out = render(name, obj)
+            assert "<script" not in out and "<b>" not in out and "<img" not in out and "<i>" not in out, name
+            assert "&lt;script&gt;" in out or "&lt;b&gt;" in out, name
+        assert "ValueError: &lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in shown["step_hostile"]._repr_html_()
+        assert "kwargs.&lt;img src=x onerror=alert(1)&gt;" in rec.step(0)._repr_html_()
+        assert "&lt;b&gt;not bold&lt;/b&gt; &amp; &lt;i&gt;" in rec.step(0)._repr_html_()
+
+
+class TestNotebookKernel:
+    def test_the_replayer_imports_no_tui(self, overflow: Path, tmp_path: Path) -> None:
+        """Opening, replaying, bisecting and rendering every repr in a fresh process never imports textual."""
+        script = tmp_path / "nb.py"
+        script.write_text(textwrap.dedent(f"""
+            import sys
+            import replayer
+            rec = replayer.open({str(overflow)!r})
+            res = replayer.replay(rec, "smooth_relu@iter=1")
+            origin = replayer.first_nonfinite(rec)
+            for obj in (rec, rec.steps, rec.step(0), res, origin):
+                obj._repr_html_()
+            assert res.match and origin.step is not None
+            print(sorted(m for m in sys.modules if m.split(".")[0] in ("textual", "tui", "rich")))
+        """))
+        done = python(str(script), cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "[]"
+
+    def test_the_synchronous_api_inside_a_running_event_loop(self, overflow: Path) -> None:
+        """As in a Jupyter cell (the kernel runs an asyncio loop): open, replay, bisect and render work."""
+        async def cell() -> tuple[Any, ...]:
+            asyncio.get_running_loop()  # there is one
+            rec = replayer.open(overflow)
+            res = replayer.replay(rec, "smooth_relu@iter=1")
+            origin = replayer.first_nonfinite(rec)
+            return res, origin, rec._repr_html_(), res._repr_html_(), origin._repr_html_()
+
+        res, origin, *pages = asyncio.run(cell())
+        assert res.match and origin.step is not None and origin.step.name == "smooth_relu"
+        assert all(p.startswith("<div") and "smooth_relu@iter=1#0" in p for p in pages)
