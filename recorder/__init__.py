@@ -7,6 +7,10 @@
         train()
 
 Importing this package is cheap: zarr and the writer load when a recording starts.
+
+Lightning and Hugging Face: ``Trainer(callbacks=[PaperDebuggerCallback("run.zarr")])`` with the
+callback from ``recorder.lightning`` or ``recorder.huggingface`` (each imports its framework, this
+package neither).
 """
 
 from __future__ import annotations

@@ -125,6 +125,8 @@ class Session:
         self.selector = autohooks.ModuleSelector(modules)
         self.autocapture = autohooks.GlobalCapture(self, self.selector) if self.selector else None
         self._collective_seq = -1  # torch.distributed collectives recorded so far, in call order
+        self.pauses = 0  # while above 0 no step starts (Run.pause: a framework's evaluation)
+        self.on_nonfinite: Callable[[int, str], Any] | None = None  # told of the first NaN/Inf step (once)
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _stack(self) -> list[Frame]:
@@ -281,6 +283,24 @@ class Session:
                         break
         return frame.nonfinite
 
+    def _after_step(self, frame: Frame) -> None:
+        """A step finished (and was handed to the writer): the first NaN/Inf is reported to the
+        ``on_nonfinite`` listener, and flight mode writes its ring on an anomaly."""
+        if self.on_nonfinite is not None and self.enabled:
+            self._report_nonfinite(frame)
+        self._after_flight_step(frame)
+
+    def _report_nonfinite(self, frame: Frame) -> None:
+        try:
+            tensor = self._first_nonfinite(frame)
+            if tensor is not None:
+                listener, self.on_nonfinite = self.on_nonfinite, None  # the first one only
+                if listener is not None:
+                    listener(frame.index, monitors.nonfinite_message(self._context(frame, None), tensor))
+        except Exception as exc:  # telling the user must never stop training
+            warnings.warn(f"PaperDebugger could not report a non-finite step ({type(exc).__name__}: {exc})",
+                          RecorderWarning, stacklevel=2)
+
     def _after_flight_step(self, frame: Frame) -> None:
         """Flight mode: an anomaly writes the ring, and the rest of its iteration goes straight out."""
         if self.ring is None or self.iteration == self._direct_iteration or not self.enabled:
@@ -316,7 +336,7 @@ class Session:
               ) -> tuple[Frame, tuple[Any, ...], dict[str, Any], BackwardLink | None] | None:
         """Start a step: capture its inputs and push it as the running step. Returns the frame, the
         (tapped) arguments to call with and the backward link; None when nothing is captured."""
-        if not self.enabled or getattr(self.local, "busy", False):
+        if not self.enabled or self.pauses or getattr(self.local, "busy", False):
             return None
         try:
             frame, args, kwargs, link = self._enter(defn, module, args, kwargs)
@@ -334,7 +354,7 @@ class Session:
         except Exception as exc:
             self.fail("capturing a step's outputs", exc)
             return out
-        self._after_flight_step(frame)
+        self._after_step(frame)
         if frame.pending is not None:
             monitors.perform(frame.pending, lambda: self.pipeline.flush(60.0))  # may raise, on purpose
         return out
@@ -343,7 +363,7 @@ class Session:
         """Finish a step begun with ``begin`` whose call raised ``exc``."""
         self._pop(frame)
         self._exit_exception(frame, exc)
-        self._after_flight_step(frame)
+        self._after_step(frame)
 
     def _pop(self, frame: Frame) -> None:
         stack = self._stack()
@@ -761,7 +781,7 @@ class Session:
                 self._monitor(frame)
                 pending = pending or frame.pending
                 self._submit(frame)
-                self._after_flight_step(frame)
+                self._after_step(frame)
         except Exception as exc:
             self.fail("finishing a backward pass", exc)
             return

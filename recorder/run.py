@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -13,6 +14,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -93,6 +95,7 @@ class Run:
                                        modules=modules, on_anomaly=on_anomaly, keep=keep,
                                        max_ring_bytes=max_ring_bytes)
         self._signals = self._catch_signals() if mode == "flight" else {}
+        self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
         self._hooks: list[Any] = []
         self._stepping: int | None = None  # with optimizer="auto": id of the optimizer that counts
         if optimizer == "auto":
@@ -151,6 +154,61 @@ class Run:
             self._stepping = id(optimizer)
         if id(optimizer) == self._stepping:
             self.next_iteration()
+
+    # -- pausing, paths and anomalies (what framework callbacks build on: recorder.framework) --------
+    def pause(self) -> None:
+        """Start no new step until ``resume()``: a framework's evaluation, checkpointing or logging
+        between training steps. Steps already running finish and are recorded; iterations, the
+        flight ring, signals and ``close()`` work as usual. Pauses nest: each needs its ``resume()``."""
+        self.session.pauses += 1
+
+    def resume(self) -> None:
+        """Undo one ``pause()``; a RecordingError when the recording is not paused."""
+        if not self.session.pauses:
+            raise RecordingError("resume() without pause(): this recording is not paused")
+        self.session.pauses -= 1
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether a ``pause()`` (or a ``paused()`` block) is in force."""
+        return bool(self.session.pauses)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[Run]:
+        """``with run.paused(): evaluate(model)``: no step inside the block is recorded. However the
+        block ends, the recording is left paused exactly as often as before it."""
+        before = self.session.pauses
+        self.session.pauses = before + 1
+        try:
+            yield self
+        finally:
+            self.session.pauses = before
+
+    @contextlib.contextmanager
+    def paths_relative_to(self, module: torch.nn.Module) -> Iterator[Run]:
+        """Inside the block, module paths recorded on this thread are relative to ``module`` whatever
+        the training code calls first: a wrapper around it (DistributedDataParallel) or one of its
+        children (a LightningModule's ``self.net(x)``). ``module`` is the outermost module meanwhile."""
+        stack = self.session.modules._stack()
+        stack.append(module)
+        try:
+            yield self
+        finally:
+            for i in range(len(stack) - 1, -1, -1):  # normally the only entry left
+                if stack[i] is module:
+                    del stack[i]
+                    break
+
+    def notify_nonfinite(self, callback: Callable[[int, str], Any]) -> None:
+        """Call ``callback(index, message)`` once, as soon as the first step whose results hold NaN or
+        Inf is recorded (the step flight mode writes its ring for). ``message`` names the step as
+        NonFiniteError does: "Eq. 2 (smooth_relu) forward, iteration 17, call 3: output has 12 NaN".
+
+        Args:
+            callback: called on the thread that finished the step (autograd's, for a backward step);
+                an exception it raises is reported as a RecorderWarning, never raised into training.
+        """
+        self.session.on_nonfinite = callback
 
     def flush(self, timeout: float | None = 60.0) -> bool:
         """Commit everything recorded so far; returns False if the writer failed."""
@@ -225,6 +283,9 @@ class Run:
         return previous
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.closed:  # put back after close() by code that had saved it (Lightning's teardown)
+            _pass_signal(self._replaced.get(signum, signal.SIG_DFL), signum, frame)
+            return
         self.session.dump_ring(signal.Signals(signum).name)
         handler = self._signals.get(signum, signal.SIG_DFL)
         if callable(handler):  # the program's own handler decides; recording goes on if the program does
@@ -265,6 +326,15 @@ class Run:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close("crashed" if exc is not None else "complete", exc)
+
+
+def _pass_signal(handler: Any, signum: int, frame: Any) -> None:
+    """Do what ``handler`` (a signal's handler before a recording replaced it) would have done."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler != signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def check_free(path: Path, dist: dict[str, Any]) -> None:

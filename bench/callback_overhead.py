@@ -1,0 +1,325 @@
+"""What the framework callbacks cost per training step: PyTorch Lightning and Hugging Face's Trainer
+training a small GPT-2 with and without ``PaperDebuggerCallback`` (flight mode, keep=2, no NaN).
+
+Variants, each training its own copy of the model (same initial weights, same batches):
+  lightning            a LightningModule around the model, lightning.pytorch.Trainer, no callback
+  lightning+callback   the same with recorder.lightning.PaperDebuggerCallback(path)
+  lightning+record     no callback: recorder.record(path, model=m, optimizer="auto", mode="flight",
+                       modules=["transformer.h.*"]) around fit(), the same steps recorded by hand
+  hf, hf+callback, hf+record   the same with transformers.Trainer and recorder.huggingface
+
+The callback records what ``modules=None`` picks: the model's layers, ``transformer.h.*`` (4 blocks,
+forward and backward: 8 steps per training step). The +record variant tells the callback's own cost
+(its hooks, pauses, paths) from the recording's.
+
+Method (as bench/record_overhead.py): the variants run interleaved in one process, one block (one
+``fit()``/``train()`` of K optimizer steps, each into a new recording) per variant per round,
+round-robin, the order rotating every round, after a warm-up block each. A timing callback notes
+the end of every training step; a block's figure is (end of its last step - end of its first) /
+(K - 1): the training loop, the first step (allocator, kernels) left out. The fixed costs of a
+recording, opening its store when training starts and writing the ring at the end, are shown apart
+(a block's wall time less K steps at its per-step figure, median over blocks, against the baseline's).
+The figures are medians over blocks; the ratio is the callback's median over the baseline's.
+
+Usage:
+  python bench/callback_overhead.py                    # 6 blocks x 8 steps per variant, ~3 min on 2 cores
+  python bench/callback_overhead.py --blocks 2 --steps 4 --frameworks hf    # quick look
+  python bench/callback_overhead.py --write-docs       # also (re)write its section of docs/PERFORMANCE.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from docs_section import DOCS, write_section  # noqa: E402 (bench/ is the script's directory)
+
+import recorder  # noqa: E402
+from recorder.framework import auto_modules  # noqa: E402
+from recorder.store.reader import RunReader  # noqa: E402
+
+HEADING = "## Framework callbacks"
+LAYERS, D_MODEL, HEADS, SEQ, VOCAB, BATCH = 4, 256, 4, 128, 512, 8
+TARGET = 1.10  # the callback adds at most 10% to the step time
+MB = 1e6
+
+
+# -- the model and the data ---------------------------------------------------------------------------
+def gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=LAYERS, n_embd=D_MODEL, n_head=HEADS, n_positions=SEQ,
+                                      vocab_size=VOCAB, bos_token_id=0, eos_token_id=0))
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+# -- one block per framework --------------------------------------------------------------------------
+def lightning_block(model: torch.nn.Module, steps: int, callback: Any) -> list[float]:
+    """One fit of ``steps`` optimizer steps; the times at which each step ended."""
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+    class Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+    clock = Clock()
+    trainer = pl.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1,
+                         callbacks=[clock] + ([callback] if callback else []))
+    loader = torch.utils.data.DataLoader(Tokens(steps * BATCH), batch_size=BATCH)
+    trainer.fit(Module(), loader)
+    return clock.ends
+
+
+def hf_block(model: torch.nn.Module, steps: int, callback: Any, out: Path) -> list[float]:
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+    clock = Clock()
+    args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=BATCH, report_to=[],
+                             save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
+                             dataloader_num_workers=0, learning_rate=3e-4)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(steps * BATCH),
+                      callbacks=[clock] + ([callback] if callback else []))
+    trainer.remove_callback(PrinterCallback)  # it prints the final metrics (disable_tqdm=True)
+    trainer.train()
+    return clock.ends
+
+
+@dataclass
+class Variant:
+    """One variant's model copy and what its blocks measured."""
+
+    name: str
+    framework: str
+    model: torch.nn.Module
+    how: str  # "" (no recording), "callback" or "record"
+    per_step: list[float] = field(default_factory=list)  # seconds per step, one per block
+    overhead: list[float] = field(default_factory=list)  # block wall time less steps x per-step
+    ring_peak: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def forget(self) -> None:
+        for value in (self.per_step, self.overhead, self.ring_peak, self.problems):
+            value.clear()
+
+
+def run_block(v: Variant, steps: int, tmp: Path, seq: list[int]) -> None:
+    seq[0] += 1
+    path = tmp / f"{v.name}-{seq[0]}.zarr"
+    callback = None
+    if v.how == "callback":
+        if v.framework == "lightning":
+            from recorder.lightning import PaperDebuggerCallback
+        else:
+            from recorder.huggingface import PaperDebuggerCallback  # type: ignore[assignment]
+        callback = PaperDebuggerCallback(path)
+    block: Callable[[], list[float]] = (
+        (lambda: lightning_block(v.model, steps, callback)) if v.framework == "lightning"
+        else (lambda: hf_block(v.model, steps, callback, tmp / f"out-{seq[0]}")))
+    t0 = time.perf_counter()
+    if v.how == "record":
+        with recorder.record(str(path), model=v.model, optimizer="auto", mode="flight",
+                             modules=auto_modules(v.model)) as run:
+            ends = block()
+    else:
+        ends = block()
+        run = None if callback is None else callback.run
+    wall = time.perf_counter() - t0
+    per_step = (ends[-1] - ends[0]) / (len(ends) - 1)
+    v.per_step.append(per_step)
+    v.overhead.append(wall - steps * per_step)
+    if v.how:
+        if run is None or run.status != "complete" or run.failure:
+            v.problems.append(f"status {None if run is None else run.status}, failure {run and run.failure}")
+        v.ring_peak.append(RunReader(str(path)).rank(0).final["flight"]["peak_ring_bytes"])
+        shutil.rmtree(path)
+    shutil.rmtree(tmp / f"out-{seq[0]}", ignore_errors=True)
+
+
+def measure(frameworks: list[str], steps: int, blocks: int, warmup: int) -> dict[str, Any]:
+    base = gpt2()
+    variants = [Variant(f"{fw}+{how}" if how else fw, fw, copy.deepcopy(base), how)
+                for fw in frameworks for how in ("", "callback", "record")]
+    load0 = os.getloadavg()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pdbg-bench-") as tmp_name:
+        tmp, seq = Path(tmp_name), [0]
+        for v in variants:
+            run_block(v, warmup, tmp, seq)
+            v.forget()
+        for r in range(blocks):
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            for v in order:
+                run_block(v, steps, tmp, seq)
+            print(f"  round {r + 1}/{blocks}: " + ", ".join(f"{v.name} {v.per_step[-1] * 1e3:.0f} ms/step"
+                                                            for v in variants), flush=True)
+    return {"steps": steps, "blocks": blocks, "seconds": time.perf_counter() - started, "loadavg_before": load0,
+            "loadavg_after": os.getloadavg(), "variants": {v.name: v for v in variants}, "frameworks": frameworks}
+
+
+# -- reporting ------------------------------------------------------------------------------------------
+def quartiles(values: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return q[0], q[2]
+
+
+def table(res: dict[str, Any]) -> str:
+    vs = res["variants"]
+    rows = ["| framework | variant | median ms/step (p25–p75) | vs without | fixed cost per training, ms "
+            "(vs without) | ring peak MB |", "|---|---|---:|---:|---:|---:|"]
+    for fw in res["frameworks"]:
+        base = vs[fw]
+        b = statistics.median(base.per_step)
+        for how, label in (("", "without"), ("callback", "PaperDebuggerCallback"), ("record", "record() by hand")):
+            v = vs[f"{fw}+{how}" if how else fw]
+            m, (q1, q3) = statistics.median(v.per_step), quartiles(v.per_step)
+            fixed = statistics.median(v.overhead) - statistics.median(base.overhead)
+            ring = f"{max(v.ring_peak) / MB:.1f}" if v.ring_peak else "–"
+            rows.append(f"| {fw} | {label} | {m * 1e3:.0f} ({q1 * 1e3:.0f}–{q3 * 1e3:.0f}) | {m / b:.2f}x | "
+                        f"{f'{fixed * 1e3:.0f}' if how else '–'} | {ring} |")
+    problems = [f"{v.name}: {p}" for v in vs.values() for p in v.problems]
+    if problems:
+        rows += ["", "Problems: " + "; ".join(problems)]
+    return "\n".join(rows)
+
+
+def verdicts(res: dict[str, Any]) -> list[str]:
+    out = []
+    for fw in res["frameworks"]:
+        vs = res["variants"]
+        ratio = statistics.median(vs[f"{fw}+callback"].per_step) / statistics.median(vs[fw].per_step)
+        verdict = "**met**" if ratio <= TARGET else "**not met**"
+        own = statistics.median(vs[f"{fw}+callback"].per_step) / statistics.median(vs[f"{fw}+record"].per_step)
+        out.append(f"- {fw}: the callback ≤ {TARGET:.2f}x the step time: {ratio:.2f}x — {verdict} (against "
+                   f"the same steps recorded by hand with record(): {own:.2f}x)")
+    return out
+
+
+def docs_text(res: dict[str, Any], command: str) -> str:
+    import lightning
+    import transformers
+
+    return f"""{HEADING}
+
+Measured on {time.strftime("%Y-%m-%d %H:%M")} by `{command}` (bench/callback_overhead.py).
+
+What: a GPT-2 from `GPT2Config(n_layer={LAYERS}, n_embd={D_MODEL}, n_head={HEADS}, n_positions={SEQ},
+vocab_size={VOCAB})`, batch {BATCH} × {SEQ} tokens, AdamW, CPU, torch threads {torch.get_num_threads()},
+trained by Lightning (the model inside a LightningModule) and by transformers' `Trainer`, with and
+without `PaperDebuggerCallback(path)`: flight mode, keep=2, no NaN; the callback records the
+model's layers (`transformer.h.*`, chosen by `modules=None`: 4 forward and 4 backward steps per
+training step), statistics of every tensor, the bytes of the last two iterations held in the ring
+and written when training ends. A third variant records the same steps without the callback
+(`recorder.record(path, model=m, optimizer="auto", mode="flight", modules=["transformer.h.*"])`
+around the training), to tell the callback's own cost from the recording's.
+
+Method: as bench/record_overhead.py. The six variants train their own copies of the model (same
+weights, same batches), interleaved in one process: one `fit()`/`train()` of {res['steps']} steps per
+variant per round, {res['blocks']} rounds, the order rotating, after a warm-up each; each recorded
+training into a new store on local disk. A block's figure is the time between the end of its first
+and of its last step over the steps between (the training loop); the median over blocks is shown,
+with the quartiles. The fixed cost of a recording (opening the store when training starts, writing
+the ring and closing at its end) is the median of (block wall time − steps × its per-step figure),
+less the baseline's. Ring peak: the most bytes the flight ring held (the run's final metadata).
+The run took {res['seconds']:.0f} s; load average before it {res['loadavg_before'][0]:.2f}, after it \
+{res['loadavg_after'][0]:.2f} (other processes' load inflates every variant, and the ratios' spread).
+
+{table(res)}
+
+Reading it: the callback's own work (its hooks at every batch, pausing and resuming, the module
+paths) is the difference between its row and the row of `record()` by hand; the rest is what
+flight-mode recording of these steps costs (statistics of every tensor, and copies of the
+parameters, activations and gradients of four blocks into the ring at every step), as measured for
+`record()` in "Recording overhead" above.
+
+Target:
+
+{chr(10).join(verdicts(res))}
+
+Versions: torch {torch.__version__}, lightning {lightning.__version__}, transformers \
+{transformers.__version__}; {os.cpu_count()} CPUs (nproc), CPU capability \
+{torch.backends.cpu.get_cpu_capability()}, Python {platform.python_version()}, {platform.platform()}.
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per block (default 8)")
+    ap.add_argument("--blocks", type=int, default=6, help="rounds of blocks (default 6)")
+    ap.add_argument("--warmup", type=int, default=3, help="steps of each variant's warm-up block (default 3)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--frameworks", nargs="+", choices=("lightning", "hf"), default=["lightning", "hf"])
+    ap.add_argument("--write-docs", action="store_true", help=f"write {HEADING!r} in docs/PERFORMANCE.md")
+    ap.add_argument("--docs", type=Path, default=DOCS, help="the file --write-docs writes (default: %(default)s)")
+    args = ap.parse_args()
+    if args.steps < 2 or args.blocks < 1 or args.warmup < 2:
+        ap.error("--steps and --warmup need at least 2 steps, --blocks at least 1")
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")  # the frameworks' advice (data loader workers, ...)
+    import lightning.pytorch  # noqa: F401 (before its loggers are quietened: importing sets them up)
+    import transformers  # noqa: F401
+
+    for name in ("lightning.pytorch", "lightning.fabric", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    print(f"{', '.join(args.frameworks)}: {args.blocks} blocks x {args.steps} steps per variant, "
+          f"{args.threads} torch threads; load average {os.getloadavg()[0]:.2f}", flush=True)
+    res = measure(args.frameworks, args.steps, args.blocks, args.warmup)
+    print()
+    print(table(res))
+    print("\n".join(verdicts(res)))
+    if args.write_docs:
+        write_section(HEADING, docs_text(res, " ".join(["python bench/callback_overhead.py", *sys.argv[1:]])),
+                      args.docs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""What the framework callbacks share: ``recorder.lightning`` and ``recorder.huggingface`` are thin
+adapters that turn their framework's training events into calls on ``FrameworkCallback``.
+
+- **Opening.** The recording opens when training starts (``_begin``, given the model the framework
+  trains) and is paused at once: steps are recorded only inside a training step of the framework
+  (``_step_start`` .. ``_step_end``), so sanity checks, evaluation, checkpointing and logging,
+  which the frameworks run between training steps, are not recorded as training steps.
+- **Paths.** Inside a training step, module paths are relative to that model, whatever the
+  framework or the user's code calls first (a DistributedDataParallel wrapper, ``self.net(x)``).
+- **Modules.** ``modules=None`` records what ``auto_modules`` picks: the model's own paper steps
+  when it has any, else the elements of its outermost ``nn.ModuleList``/``nn.Sequential`` (its
+  layers), else its direct children.
+- **Iterations** follow the framework's optimizer steps: the iteration of a training step is the
+  framework's global step when it starts, so the micro-batches of gradient accumulation share an
+  iteration (their calls are numbered #0, #1, ...). The optimizer's own hooks count nothing.
+- **Anomalies.** The first step whose results hold NaN or Inf is reported once, as a
+  ``RecorderWarning`` that says what went non-finite, where the recording is and the ``pdbg``
+  command that opens it at that step.
+- **Closing.** ``_end`` closes the run ``complete``; ``_crash`` (an exception the framework reports)
+  ``crashed`` with that exception. A run that no event closed (Hugging Face has no exception event)
+  is closed ``crashed`` by the next ``_begin`` of the same callback, by ``close()``, or at exit.
+
+No framework is imported here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import os
+import shlex
+import sys
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .capture import RecorderWarning
+from .errors import RecordingError
+
+if TYPE_CHECKING:
+    from .run import Run
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
+_OPEN: dict[int, FrameworkCallback] = {}  # callbacks whose recording is open, closed at exit if still so
+
+
+def _close_open_at_exit() -> None:
+    # The uncaught exception that ends the process, if one does (the interpreter sets it).
+    exception = getattr(sys, "last_value", None)
+    for callback in list(_OPEN.values()):
+        callback.close(exception)
+
+
+@functools.cache
+def _hook_exit() -> None:
+    """Close the recordings left open when the process ends: at the end of the main thread, not in
+    ``atexit``, by when the thread pools that zarr writes through are shut down ("cannot schedule new
+    futures after shutdown"). threading's exit hooks run before those, in the reverse order of
+    registration, and concurrent.futures registers its own when it is imported (zarr imports it)."""
+    try:
+        threading._register_atexit(_close_open_at_exit)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # not in this Python, or the process is ending already
+        atexit.register(_close_open_at_exit)
+
+
+def auto_modules(model: torch.nn.Module) -> list[str] | None:
+    """The ``modules`` globs a callback records with ``modules=None``, relative to ``model``.
+
+    None (only the paper steps) when the model has decorated or annotated modules; else one
+    ``PATH.*`` per outermost ``nn.ModuleList``/``nn.Sequential`` of two or more modules (a
+    transformer's layers: ``transformer.h.*``, ``model.layers.*``); else ``*``, its direct
+    children (``**``, the model itself, when it has none).
+    """
+    from .autohooks import _marked
+
+    if any(_marked(m) for m in model.modules()):
+        return None
+    if isinstance(model, _CONTAINERS) and len(model) >= 2:
+        return ["*"]
+    lists = _outermost_lists(model, "")
+    if lists:
+        return [f"{path}.*" for path in lists]
+    return ["*"] if any(True for _ in model.children()) else ["**"]
+
+
+def _outermost_lists(module: torch.nn.Module, prefix: str) -> list[str]:
+    found = []
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, _CONTAINERS) and len(child) >= 2:
+            found.append(path)
+        else:
+            found += _outermost_lists(child, path)
+    return found
+
+
+def open_command(path: Any, index: int | None, rank: int = 0) -> str | None:
+    """``pdbg PATH --at INDEX`` (with ``--rank K`` for a rank other than 0), as ``pdbg record`` prints
+    it; None for a recording ``pdbg`` cannot be pointed at (a zarr store object)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    words = ["pdbg", shlex.quote(os.fspath(path))]
+    if index is not None:
+        words += ["--at", str(index)]
+    if rank:
+        words += ["--rank", str(rank)]
+    return " ".join(words)
+
+
+class FrameworkCallback:
+    """Records the training a framework runs: the state and logic of both framework callbacks.
+
+    Args:
+        path: a new directory for the recording (or a URL or zarr store, as for ``recorder.record``);
+            an existing non-empty one is refused when training starts. A second training with the
+            same callback needs a new one: set ``callback.path`` before it.
+        mode: "flight" (the default: statistics of every recorded step, the tensors of the last
+            ``keep`` iterations held in memory and written on a NaN/Inf, an exception, SIGTERM or
+            SIGINT, or at the end), "stats" or "full", as for ``recorder.record``.
+        keep: flight mode: iterations whose tensors are held (default 2).
+        modules: module-path globs to record, relative to the model the framework trains; None
+            (the default) picks them with ``auto_modules``.
+        on_anomaly: "record" (the default), "stop" or "pdb", as for ``recorder.record``.
+        record_options: the other options of ``recorder.record`` (``max_ring_bytes``,
+            ``compressor``, ``flush_interval``, ``storage_options``...).
+    """
+
+    def __init__(self, path: Any, mode: str = "flight", keep: int = 2, modules: str | list[str] | None = None,
+                 on_anomaly: str = "record", **record_options: Any) -> None:
+        from . import autohooks, monitors
+        from .run import MODES
+
+        if mode not in MODES:
+            raise RecordingError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+        autohooks.parse_globs(modules)
+        monitors.check_action(on_anomaly, "on_anomaly")
+        taken = sorted({"model", "optimizer"} & set(record_options))
+        if taken:
+            raise RecordingError(f"the callback records the model the framework trains and counts its optimizer "
+                                 f"steps itself: leave out {', '.join(taken)}")
+        super().__init__()
+        self.path = path
+        self.options: dict[str, Any] = {"mode": mode, "keep": keep, "modules": modules, "on_anomaly": on_anomaly,
+                                        **record_options}
+        self.run: Run | None = None  # the recording of the training in progress (or of the last one)
+        self._model: torch.nn.Module | None = None
+        self._window: contextlib.ExitStack | None = None  # open during a training step
+        self._first_nonfinite: int | None = None  # index of the step reported
+        self._recorded: list[Any] = []  # paths this callback recorded into
+
+    # -- framework events (the adapters call these) -----------------------------------------------
+    def _begin(self, model: Any) -> None:
+        """Training starts: open the recording of ``model``, paused until the first training step."""
+        from . import record
+
+        if not isinstance(model, torch.nn.Module):
+            raise RecordingError(f"PaperDebuggerCallback needs the model being trained (an nn.Module), not "
+                                 f"{type(model).__name__}")
+        self.close()  # a recording an exception left open (Hugging Face reports none): crashed
+        options = dict(self.options)
+        if options["modules"] is None:
+            options["modules"] = auto_modules(model)
+        try:
+            run = record(self.path, model=model, optimizer=None, **options)
+        except RecordingError as exc:
+            if any(p is self.path or p == self.path for p in self._recorded):
+                raise RecordingError(f"{exc} (an earlier training with this callback recorded there: set "
+                                     "callback.path to a new path before the next one)") from None
+            raise
+        self.run, self._model, self._first_nonfinite = run, model, None
+        run.pause()
+        run.notify_nonfinite(self._nonfinite)
+        _OPEN[id(self)] = self
+        _hook_exit()
+
+    def _step_start(self, global_step: int) -> None:
+        """A training step (or one micro-batch of it) starts: its iteration is ``global_step``."""
+        self._step_end()  # one left open (a batch the framework skipped the end of) ends here
+        run = self.run
+        if run is None or run.closed:
+            return
+        assert self._model is not None
+        while run.iteration < global_step:
+            run.next_iteration()
+        window = contextlib.ExitStack()
+        run.resume()
+        window.callback(run.pause)
+        window.enter_context(run.paths_relative_to(self._model))
+        self._window = window
+
+    def _step_end(self) -> None:
+        """The training step is over: pause until the next one."""
+        if self._window is not None:
+            window, self._window = self._window, None
+            window.close()
+
+    def _end(self) -> None:
+        """Training ended normally: close the recording ``complete``."""
+        self._finish("complete", None)
+
+    def _crash(self, exception: BaseException | None) -> None:
+        """Training raised ``exception``: close the recording ``crashed``."""
+        self._finish("crashed", exception)
+
+    def close(self, exception: BaseException | None = None) -> str | None:
+        """Close a recording that training left open, as ``crashed`` (``exception``, if given, goes
+        into its final information): after ``trainer.train()`` raised, for one. Does nothing when
+        no recording is open. Returns the status of the callback's last recording, if any."""
+        if self.run is not None and not self.run.closed:
+            self._crash(exception)
+        return None if self.run is None else self.run.status
+
+    # -- inside --------------------------------------------------------------------------------------
+    def _finish(self, status: str, exception: BaseException | None) -> None:
+        run = self.run
+        if run is None or run.closed:
+            return
+        self._step_end()
+        _OPEN.pop(id(self), None)
+        run.close(status, exception)
+        self._recorded.append(self.path)
+        if status == "crashed":
+            self._warn_crashed(run, exception)
+
+    def _where(self, index: int | None, status: str | None = None) -> str:
+        """Where the recording is, and the command that opens it (at step ``index``)."""
+        assert self.run is not None
+        command = open_command(self.path, index, self.run.dist["rank"])
+        where = f"the recording{f' ({status})' if status else ''} is in {self.path}"
+        return f"{where}; open it there: {command}" if command else where
+
+    def _nonfinite(self, index: int, message: str) -> None:
+        self._first_nonfinite = index
+        warnings.warn(f"PaperDebugger: {message} (the first NaN/Inf of this run); {self._where(index)}",
+                      RecorderWarning, stacklevel=2)
+
+    def _warn_crashed(self, run: Run, exception: BaseException | None) -> None:
+        what = "training stopped"
+        if exception is not None:
+            text = str(exception).strip().splitlines()
+            what += f" with {type(exception).__name__}" + (f": {text[0][:200]}" if text else "")
+        at = "" if self._first_nonfinite is None else " (at its first NaN/Inf)"
+        warnings.warn(f"PaperDebugger: {what}; {self._where(self._first_nonfinite, run.status)}{at}",
+                      RecorderWarning, stacklevel=3)

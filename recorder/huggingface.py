@@ -1,0 +1,63 @@
+"""Hugging Face: ``Trainer(..., callbacks=[PaperDebuggerCallback("run.zarr")])`` records ``train()``.
+
+A thin adapter over ``recorder.framework.FrameworkCallback`` (what is recorded, and when, is
+described there and in the README, "Lightning and Hugging Face"). The Trainer's events:
+
+- ``on_train_begin``: the recording opens (paused), of the model passed to the Trainer; module
+  paths are relative to it.
+- ``on_step_begin`` .. ``on_step_end``: steps are recorded; the iteration is ``state.global_step``.
+  With ``gradient_accumulation_steps`` the Trainer calls ``on_step_begin`` once per optimizer step,
+  before its first micro-batch, so the micro-batches share an iteration. Evaluation, logging and
+  saving run after ``on_step_end``: not recorded.
+- ``on_train_end``: the recording closes ``complete``.
+
+The Trainer has no exception event: when ``train()`` raises, the recording stays open until this
+callback's ``close()``, its next ``on_train_begin`` (a notebook cell run again) or the end of the
+process, each of which closes it ``crashed``. A NaN loss, which the Trainer leaves out of its logs
+(``logging_nan_inf_filter=True``) and trains on, is still recorded, and the first step that
+produced it is reported. Under DDP every rank records its own group into the same path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .framework import FrameworkCallback
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:
+    if exc.name != "transformers":
+        raise  # transformers is there but broken: its own error says why
+    raise ImportError("recorder.huggingface needs Hugging Face transformers: "
+                      "pip install paperdebugger[huggingface]") from None
+
+__all__ = ["PaperDebuggerCallback"]
+
+
+class PaperDebuggerCallback(FrameworkCallback, TrainerCallback):  # type: ignore[misc]
+    """A transformers ``TrainerCallback`` that records ``trainer.train()``:
+    ``Trainer(model, args, train_dataset=..., callbacks=[PaperDebuggerCallback("run.zarr")])``.
+
+    Args:
+        path: a new directory for the recording (a second ``train()`` needs a new one: set
+            ``callback.path``).
+        mode: "flight" (default), "stats" or "full", as for ``recorder.record``.
+        keep: flight mode: iterations whose tensors are held in memory (default 2).
+        modules: module-path globs relative to the model; None: the paper steps, else its layers
+            (``transformer.h.*``; ``recorder.framework.auto_modules``).
+        on_anomaly: "record" (default), "stop" or "pdb".
+        record_options: other options of ``recorder.record``.
+    """
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._begin(model)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step_start(state.global_step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step_end()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end()

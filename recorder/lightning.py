@@ -1,0 +1,67 @@
+"""PyTorch Lightning: ``Trainer(callbacks=[PaperDebuggerCallback("run.zarr")])`` records the fit.
+
+A thin adapter over ``recorder.framework.FrameworkCallback`` (what is recorded, and when, is
+described there and in the README, "Lightning and Hugging Face"). Lightning's events:
+
+- ``on_fit_start``: the recording opens (paused), of the LightningModule; module paths are
+  relative to it, whatever ``training_step`` calls (``self(x)``, ``self.net(x)``, a DDP wrapper).
+- ``on_train_batch_start`` .. ``on_train_batch_end``: steps are recorded; the iteration is
+  ``trainer.global_step``, so with ``accumulate_grad_batches`` the micro-batches of one optimizer
+  step share an iteration. Sanity checks and validation run between batches: not recorded.
+- ``on_exception``: the recording closes ``crashed`` with the exception (``detect_anomaly=True``
+  raising in backward, a KeyboardInterrupt, an error in ``training_step``).
+- ``on_fit_end``: it closes ``complete`` (also when EarlyStopping stopped the fit). Not at
+  ``on_train_end``: Lightning's teardown, between the two, puts back the signal handlers it found,
+  the recording's among them; closing after it lets the recording restore the ones before it.
+
+Under DDP every rank records its own group into the same path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .framework import FrameworkCallback
+
+try:
+    from lightning.pytorch import Callback
+except ImportError as exc:
+    if exc.name not in ("lightning", "lightning.pytorch"):
+        raise  # Lightning is there but broken: its own error says why
+    try:
+        from pytorch_lightning import Callback  # type: ignore[no-redef]
+    except ImportError as old:
+        if old.name != "pytorch_lightning":
+            raise
+        raise ImportError("recorder.lightning needs PyTorch Lightning: pip install paperdebugger[lightning]") from None
+
+__all__ = ["PaperDebuggerCallback"]
+
+
+class PaperDebuggerCallback(FrameworkCallback, Callback):  # type: ignore[misc]
+    """A Lightning callback that records the fit: ``Trainer(callbacks=[PaperDebuggerCallback("run.zarr")])``.
+
+    Args:
+        path: a new directory for the recording (a second fit needs a new one: set ``callback.path``).
+        mode: "flight" (default), "stats" or "full", as for ``recorder.record``.
+        keep: flight mode: iterations whose tensors are held in memory (default 2).
+        modules: module-path globs relative to the LightningModule; None: the paper steps, else
+            its layers (``recorder.framework.auto_modules``).
+        on_anomaly: "record" (default), "stop" or "pdb".
+        record_options: other options of ``recorder.record``.
+    """
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._begin(pl_module)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._step_start(trainer.global_step)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._step_end()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._crash(exception)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._end()

@@ -1,0 +1,486 @@
+"""The PyTorch Lightning and Hugging Face callbacks (recorder.lightning, recorder.huggingface) and
+what they share (recorder.framework, Run.pause/paused/paths_relative_to/notify_nonfinite)."""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import recorder
+import replayer
+from recorder import capture
+from recorder.errors import RecordingError
+from recorder.framework import FrameworkCallback, auto_modules
+from tests.cli import python
+from tests.recorder.test_flight import payload_iterations
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def poison(module: nn.Module, when: Callable[[], bool]) -> None:
+    """Make ``module`` produce NaN whenever ``when()`` holds. Done inside its call, not with a forward
+    hook: torch runs global forward hooks (the recorder's) before a module's own, so a hook's change
+    would happen after the recording saw the output."""
+    forward = module.forward
+
+    def poisoned(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        return out * float("nan") if when() else out
+
+    module.forward = poisoned  # type: ignore[method-assign]
+
+
+@contextmanager
+def recorder_warnings() -> Iterator[list[str]]:
+    """The RecorderWarning messages given inside the block (the frameworks' own warnings left out)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found: list[str] = []
+        yield found
+    found += [str(w.message) for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+
+
+def forwards(rec: replayer.Recording) -> list[replayer.Step]:
+    return [s for s in rec.steps if s.phase == "forward"]
+
+
+def by_iteration(rec: replayer.Recording) -> dict[int, list[tuple[str, int]]]:
+    """iteration -> [(module path, call)] of its forward steps, in order."""
+    out: dict[int, list[tuple[str, int]]] = {}
+    for s in forwards(rec):
+        out.setdefault(s.iteration, []).append((s.module_path, s.call))
+    return out
+
+
+@pytest.fixture
+def signals_kept() -> Iterator[None]:
+    """Lightning's teardown puts back the signal handlers it found (a recording's among them): leave
+    the test process's as they were."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+# -- PyTorch Lightning ------------------------------------------------------------------------------
+BATCH, WIDTH = 4, 8
+
+
+def lightning_data(batches: int, seed: int = 0) -> Any:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    gen = torch.Generator().manual_seed(seed)
+    data = TensorDataset(torch.randn(batches * BATCH, WIDTH, generator=gen),
+                         torch.randn(batches * BATCH, WIDTH, generator=gen))
+    return DataLoader(data, batch_size=BATCH)
+
+
+def lightning_net(pl: Any, *, nan_at: int | None = None, skip_nonfinite: bool = True) -> Any:
+    """A LightningModule whose layers live in a child (``training_step`` calls ``self.net(x)``, so
+    the outermost module called is not the LightningModule), NaN in ``net.layers.1`` at global step
+    ``nan_at``; with ``skip_nonfinite`` a non-finite gradient skips the update (nothing after it is
+    poisoned)."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Stack()
+            self.validated = 0
+            poison(self.net.layers[1], lambda: self.training and self.trainer.global_step == nan_at)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = F.mse_loss(self.net(x), y)
+            self.log("train_loss", loss, on_step=False, on_epoch=True)
+            return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.validated += 1
+            x, y = batch
+            return F.mse_loss(self.net(x), y)
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            if skip_nonfinite and any(p.grad is not None and not torch.isfinite(p.grad).all()
+                                      for p in self.parameters()):
+                optimizer.zero_grad(set_to_none=True)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Net()
+
+
+@pytest.fixture(scope="module")
+def pl() -> Any:
+    return pytest.importorskip("lightning.pytorch")
+
+
+def lightning_fit(pl: Any, callback: Any, model: Any, batches: int = 20, val: Any = None, **options: Any) -> Any:
+    trainer = pl.Trainer(max_steps=options.pop("max_steps", 20), logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **options)
+    trainer.fit(model, lightning_data(batches), val)
+    return trainer
+
+
+@pytest.mark.usefixtures("signals_kept")
+class TestLightning:
+    def test_nan_at_step_12_is_named_kept_and_reported(self, pl: Any, tmp_path: Path) -> None:
+        """20 steps, NaN in one layer at global step 12: the bisect names that layer's forward at
+        iteration 12, iterations 0-19 each hold the three layers, payloads exist for 11-12 (the
+        ring) and 18-19 (the end) only, bit for bit, and one warning gives the command to open it."""
+        from recorder.lightning import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        with recorder_warnings() as said:
+            lightning_fit(pl, PaperDebuggerCallback(path), lightning_net(pl, nan_at=12))
+        rec = replayer.open(path)
+        origin = replayer.first_nonfinite(rec).step
+        assert rec.status == "complete"
+        assert (origin.module_path, origin.phase, origin.iteration) == ("net.layers.1", "forward", 12)
+        layers = [f"net.layers.{i}" for i in range(3)]
+        assert {it: [p for p, _ in steps] for it, steps in by_iteration(rec).items()} == \
+            {it: layers for it in range(20)}
+        recorded, kept = payload_iterations(path)
+        assert recorded == set(range(20)) and kept == {11, 12, 18, 19}
+        x = lightning_data(20).dataset.tensors[0][12 * BATCH:13 * BATCH]
+        first = next(s for s in forwards(rec) if s.iteration == 12 and s.module_path == "net.layers.0")
+        assert torch.equal(first.tensor("args.0").view(torch.int32), x.view(torch.int32))
+        assert len(said) == 1
+        assert "Linear at net.layers.1 forward, iteration 12" in said[0] and "NaN" in said[0]
+        assert said[0].endswith(f"open it there: pdbg {path} --at {origin.index}")
+
+    def test_detect_anomaly_crash_is_recorded(self, pl: Any, tmp_path: Path) -> None:
+        """Trainer(detect_anomaly=True) makes backward raise at the NaN: on_exception closes the run
+        crashed with that exception, the bisect still names the step, and the user is told."""
+        from recorder.lightning import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        with recorder_warnings() as said, pytest.raises(RuntimeError, match="nan"):
+            lightning_fit(pl, PaperDebuggerCallback(path), lightning_net(pl, nan_at=12, skip_nonfinite=False),
+                          detect_anomaly=True)
+        rec = replayer.open(path)
+        origin = replayer.first_nonfinite(rec).step
+        assert rec.status == "crashed"
+        assert "RuntimeError" in rec.rank.final["exception"]["type"] and "nan" in rec.rank.final["exception"]["message"]
+        assert (origin.module_path, origin.iteration) == ("net.layers.1", 12)
+        assert max(s.iteration for s in rec.steps) == 12
+        assert len(said) == 2 and "iteration 12" in said[0]
+        assert "training stopped with RuntimeError" in said[1] and "(crashed)" in said[1]
+        assert f"pdbg {path} --at {origin.index}" in said[1]
+        assert capture.ACTIVE is None
+
+    def test_gradient_accumulation_shares_iterations(self, pl: Any, tmp_path: Path) -> None:
+        """accumulate_grad_batches=2: 20 batches, 10 optimizer steps, 10 iterations whose two
+        micro-batches are calls #0 and #1; a list of globs replaces the automatic choice."""
+        from recorder.lightning import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        with recorder_warnings() as said:
+            trainer = lightning_fit(pl, PaperDebuggerCallback(path, modules=["net.layers.1"]), lightning_net(pl),
+                                    max_steps=10, accumulate_grad_batches=2)
+        assert trainer.global_step == 10 and not said
+        rec = replayer.open(path)
+        assert by_iteration(rec) == {it: [("net.layers.1", 0), ("net.layers.1", 1)] for it in range(10)}
+        assert len([s for s in rec.steps if s.phase == "backward"]) == 20
+
+    def test_clean_fit_with_validation_records_training_only(self, pl: Any, tmp_path: Path) -> None:
+        """No NaN: no warning, the run is complete; the sanity check and four validations ran their
+        forwards, none of them recorded (every recorded forward has its backward)."""
+        from recorder.lightning import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        net = lightning_net(pl)
+        with recorder_warnings() as said:
+            lightning_fit(pl, PaperDebuggerCallback(path), net, val=lightning_data(2, seed=1),
+                          val_check_interval=5, num_sanity_val_steps=2)
+        assert net.validated == 2 + 4 * 2 and not said
+        rec = replayer.open(path)
+        assert rec.status == "complete"
+        assert len(forwards(rec)) == 20 * 3 and len(rec) == 2 * 20 * 3
+        assert all(rec.step(s.index).status == "ok" for s in forwards(rec))
+
+    def test_early_stopping_on_a_non_finite_loss_closes_complete(self, pl: Any, tmp_path: Path) -> None:
+        """EarlyStopping(check_finite=True) ends the fit normally at the epoch whose loss is NaN: the
+        run is complete, stops there, and names the step."""
+        from lightning.pytorch.callbacks import EarlyStopping
+
+        from recorder.lightning import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        stop = EarlyStopping(monitor="train_loss", check_finite=True, check_on_train_epoch_end=True, patience=100)
+        trainer = pl.Trainer(max_steps=40, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[PaperDebuggerCallback(path), stop])
+        with recorder_warnings() as said:
+            trainer.fit(lightning_net(pl, nan_at=12, skip_nonfinite=False), lightning_data(4))
+        assert trainer.global_step == 16 and len(said) == 1
+        rec = replayer.open(path)
+        assert rec.status == "complete"
+        assert sorted({s.iteration for s in rec.steps}) == list(range(16))
+        origin = replayer.first_nonfinite(rec).step
+        assert (origin.module_path, origin.iteration) == ("net.layers.1", 12)
+
+    def test_an_existing_path_is_refused(self, pl: Any, tmp_path: Path) -> None:
+        """A non-empty path is a one-line RecordingError naming it, before any step; a second fit with
+        the same callback says how to go on, and does with a new path."""
+        from recorder.lightning import PaperDebuggerCallback
+
+        taken = tmp_path / "taken.zarr"
+        taken.mkdir()
+        (taken / "notes.txt").write_text("mine")
+        with pytest.raises(RecordingError) as err:
+            lightning_fit(pl, PaperDebuggerCallback(taken), lightning_net(pl))
+        assert str(taken) in str(err.value) and "\n" not in str(err.value)
+        assert capture.ACTIVE is None
+
+        callback = PaperDebuggerCallback(tmp_path / "first.zarr")
+        lightning_fit(pl, callback, lightning_net(pl), max_steps=2)
+        with pytest.raises(RecordingError, match="callback.path") as err:
+            lightning_fit(pl, callback, lightning_net(pl), max_steps=2)
+        assert "first.zarr" in str(err.value) and "\n" not in str(err.value)
+        callback.path = tmp_path / "second.zarr"
+        lightning_fit(pl, callback, lightning_net(pl), max_steps=2)
+        assert replayer.open(callback.path).status == "complete" and len(replayer.open(callback.path)) == 12
+
+    @pytest.mark.slow
+    def test_ddp_ranks_record_into_one_path(self, pl: Any, tmp_path: Path) -> None:
+        """Lightning DDP (two CPU processes, gloo): each rank records its own group into the same
+        path, with module paths relative to the LightningModule, not to the DDP wrapper."""
+        path = tmp_path / "run.zarr"
+        proc = python(str(ROOT / "tests" / "scripts" / "lightning_ddp.py"), str(path), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rec = replayer.open(path)
+        assert rec.ranks == [0, 1] and rec.status == "complete"
+        for rank in (0, 1):
+            mine = rec.of_rank(rank)
+            assert mine.rank.dist == {"rank": rank, "world_size": 2, "backend": "gloo"}
+            assert by_iteration(mine) == {it: [("layers.0", 0), ("layers.1", 1)] for it in range(3)}
+
+
+# -- Hugging Face -----------------------------------------------------------------------------------
+VOCAB, SEQ = 64, 16
+
+
+@pytest.fixture
+def hf(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    pytest.importorskip("accelerate")  # the Trainer needs it
+    return pytest.importorskip("transformers")
+
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def hf_trainer(hf: Any, tmp_path: Path, callback: Any, *, nan_at: int | None = None, raise_at: int | None = None,
+               **args: Any) -> Any:
+    """A two-block GPT-2 from a small config (no weights downloaded) in a Trainer; NaN out of block
+    1 at global step ``nan_at``, an exception out of it at ``raise_at``."""
+    torch.manual_seed(0)
+    model = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+                                             bos_token_id=0, eos_token_id=0))
+    options = {"max_steps": 20, "per_device_train_batch_size": 2, "report_to": [], "save_strategy": "no",
+               "use_cpu": True, "disable_tqdm": True, "logging_steps": 1, "learning_rate": 1e-3, **args}
+    trainer = hf.Trainer(model=model, args=hf.TrainingArguments(output_dir=str(tmp_path / "out"), **options),
+                         train_dataset=TokenData(80), eval_dataset=TokenData(4, seed=1), callbacks=[callback])
+    block = model.transformer.h[1]
+    poison(block, lambda: model.training and trainer.state.global_step == nan_at)
+    forward = block.forward
+
+    def fragile(*a: Any, **k: Any) -> Any:
+        if model.training and trainer.state.global_step == raise_at:
+            raise OverflowError("block 1 gave up")
+        return forward(*a, **k)
+
+    block.forward = fragile
+    return trainer
+
+
+class TestHuggingFace:
+    def test_nan_at_step_12_is_named_though_the_trainer_hides_it(self, hf: Any, tmp_path: Path) -> None:
+        """NaN out of block 1 at step 12: the Trainer's logs show no NaN loss (logging_nan_inf_filter)
+        and training goes on, but the bisect names that block at iteration 12 and the warning gives
+        `pdbg PATH --at N` with N that step's index; evaluation forwards are not recorded."""
+        from recorder.huggingface import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        trainer = hf_trainer(hf, tmp_path, PaperDebuggerCallback(path), nan_at=12, eval_strategy="steps",
+                             eval_steps=10)
+        with recorder_warnings() as said:
+            trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        assert len(losses) == 20 and all(torch.isfinite(torch.tensor(losses)))
+        assert sum("eval_loss" in h for h in trainer.state.log_history) == 2
+        rec = replayer.open(path)
+        origin = replayer.first_nonfinite(rec).step
+        assert rec.status == "complete"
+        assert (origin.module_path, origin.phase, origin.iteration) == ("transformer.h.1", "forward", 12)
+        blocks = [("transformer.h.0", 0), ("transformer.h.1", 1)]
+        assert by_iteration(rec) == {it: blocks for it in range(20)}
+        assert len(said) == 1 and "GPT2Block at transformer.h.1 forward, iteration 12, call 1" in said[0]
+        assert said[0].endswith(f"open it there: pdbg {path} --at {origin.index}")
+
+    def test_gradient_accumulation_shares_iterations(self, hf: Any, tmp_path: Path) -> None:
+        """gradient_accumulation_steps=2: 5 optimizer steps, 5 iterations, each with both blocks of
+        both micro-batches (GPT2Block calls #0-#3)."""
+        from recorder.huggingface import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        trainer = hf_trainer(hf, tmp_path, PaperDebuggerCallback(path), max_steps=5, gradient_accumulation_steps=2)
+        with recorder_warnings() as said:
+            trainer.train()
+        assert trainer.state.global_step == 5 and not said
+        blocks = [("transformer.h.0", 0), ("transformer.h.1", 1), ("transformer.h.0", 2), ("transformer.h.1", 3)]
+        assert by_iteration(replayer.open(path)) == {it: blocks for it in range(5)}
+
+    def test_an_exception_out_of_train_leaves_no_open_run(self, hf: Any, tmp_path: Path) -> None:
+        """train() raising leaves the recording open (the Trainer has no exception event); the next
+        train() with the callback closes it crashed before refusing the path it holds, and close()
+        says crashed; the step the exception left is recorded."""
+        from recorder.huggingface import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        callback = PaperDebuggerCallback(path)
+        trainer = hf_trainer(hf, tmp_path, callback, raise_at=5)
+        with pytest.raises(OverflowError):
+            trainer.train()
+        assert capture.ACTIVE is not None and not callback.run.closed
+        with recorder_warnings() as said, pytest.raises(RecordingError, match="callback.path"):
+            trainer.train()
+        assert len(said) == 1 and "(crashed)" in said[0]
+        assert callback.close() == "crashed" and capture.ACTIVE is None
+        rec = replayer.open(path)
+        assert rec.status == "crashed"
+        failed = [s for s in rec.steps if s.status == "exception"]
+        assert [(s.module_path, s.iteration) for s in failed] == [("transformer.h.1", 5)]
+
+
+# -- what the callbacks share ------------------------------------------------------------------------
+class TestShared:
+    def test_auto_modules(self) -> None:
+        """Paper steps when there are any; else the outermost lists' elements; else the children."""
+        class Block(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.mlp = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+
+        class GPT(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.transformer = nn.Module()
+                self.transformer.h = nn.ModuleList(Block() for _ in range(3))
+                self.transformer.ln = nn.LayerNorm(2)
+                self.heads = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+                self.single = nn.ModuleList([nn.Linear(2, 2)])
+
+        assert auto_modules(GPT()) == ["transformer.h.*", "heads.*"]
+        assert auto_modules(nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.ReLU()))) == ["*"]
+        assert auto_modules(Block()) == ["mlp.*"]
+        assert auto_modules(nn.TransformerEncoderLayer(4, 2)) == ["*"]
+        assert auto_modules(nn.Linear(2, 2)) == ["**"]
+        marked = GPT()
+        recorder.annotate(marked.transformer.ln, "Eq. 3")
+        assert auto_modules(marked) is None
+
+    def test_pause_restores_state_exactly(self, run_path: Path) -> None:
+        """Nothing inside paused() is recorded; pauses nest, and paused() leaves the count as it was
+        however its block ends; resume() without a pause is an error."""
+        model = nn.Linear(3, 3)
+        with recorder.record(run_path, modules="**") as run:
+            model(torch.ones(1, 3))
+            run.pause()
+            with pytest.raises(ValueError), run.paused():
+                model(torch.ones(1, 3))
+                run.resume()  # unbalanced inside the block: paused() still puts the count back
+                raise ValueError
+            assert run.is_paused
+            model(torch.ones(1, 3))
+            run.resume()
+            assert not run.is_paused
+            with pytest.raises(RecordingError, match="not paused"):
+                run.resume()
+            model(torch.full((1, 3), 2.0))
+        rec = replayer.open(run_path)
+        assert [s.tensor("args.0").tolist() for s in rec.steps] == [[[1.0] * 3], [[2.0] * 3]]
+
+    def test_bad_options_are_refused_at_once(self) -> None:
+        """A bad mode, glob or anomaly action, or a model/optimizer the callback supplies itself."""
+        for bad in ({"mode": "fast"}, {"modules": ["a..b"]}, {"on_anomaly": "panic"}, {"optimizer": "auto"}):
+            with pytest.raises(RecordingError):
+                FrameworkCallback("run.zarr", **bad)
+
+    def test_a_run_left_open_closes_crashed_at_exit(self, tmp_path: Path) -> None:
+        """A training that raises out of the process with its recording open: closed crashed at exit,
+        with the exception that ended the process, and the user is told."""
+        path = tmp_path / "run.zarr"
+        code = textwrap.dedent(f"""
+            import torch
+            from recorder.framework import FrameworkCallback
+            model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+            callback = FrameworkCallback({str(path)!r})
+            callback._begin(model)
+            callback._step_start(0)
+            model(torch.ones(1, 2)).sum().backward()
+            raise ValueError("the data loader broke")
+        """)
+        proc = python("-c", code, cwd=ROOT)
+        assert proc.returncode == 1 and "ValueError: the data loader broke" in proc.stderr
+        assert f"the recording (crashed) is in {path}" in proc.stderr
+        rec = replayer.open(path)
+        assert rec.status == "crashed" and rec.rank.final["exception"]["message"] == "the data loader broke"
+        assert len(rec) == 4
+
+    def test_missing_frameworks_name_the_extra(self) -> None:
+        """Without the framework, importing its callback is a one-line ImportError naming the extra;
+        `import recorder` imports neither; with only pytorch_lightning, its Callback is the base."""
+        pytest.importorskip("pytorch_lightning")
+        code = textwrap.dedent("""
+            import sys
+            import recorder
+            assert "lightning" not in sys.modules and "transformers" not in sys.modules
+            for name in ("lightning", "lightning.pytorch", "pytorch_lightning", "transformers"):
+                sys.modules[name] = None
+            for module in ("recorder.lightning", "recorder.huggingface"):
+                try:
+                    __import__(module)
+                except ImportError as exc:
+                    print(exc)
+            del sys.modules["pytorch_lightning"], sys.modules["transformers"]  # (torchmetrics imports it)
+            from recorder.lightning import PaperDebuggerCallback
+            import pytorch_lightning
+            print(issubclass(PaperDebuggerCallback, pytorch_lightning.Callback))
+        """)
+        proc = python("-c", code, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines() == [
+            "recorder.lightning needs PyTorch Lightning: pip install paperdebugger[lightning]",
+            "recorder.huggingface needs Hugging Face transformers: pip install paperdebugger[huggingface]",
+            "True"]
