@@ -40,6 +40,7 @@ RECORD_QUEUE_BYTES = 256 << 20  # step rows and statistics queued at most (estim
 STEP_BYTES, TENSOR_BYTES = 32 << 10, 1 << 10  # a queued step's memory: its RNG states (~30 KB), then per tensor record
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _MIN_WAIT_S = 0.002
+ABANDON_WAIT_S = 10.0  # close(): the longest it waits for a failed writer to publish "incomplete"
 
 
 class WriterStalled(TimeoutError):
@@ -218,6 +219,11 @@ class Pipeline:
             self._final = dict(info)
         if self._thread.is_alive() and self.submit(("close", status, info)):
             self._join(timeout)
+        elif self._thread.is_alive() and not isinstance(self.error, WriterStalled):
+            # The writer failed on its own and is publishing "incomplete" (two small writes): let it
+            # finish, so that the run reads as closed once close() returns. A stalled one is stuck in
+            # the store; waiting for it is what was given up on.
+            self._thread.join(ABANDON_WAIT_S if timeout is None else min(timeout, ABANDON_WAIT_S))
         if self.error is not None and not self._thread.is_alive() and not self._published:
             self._abandon()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -121,6 +122,31 @@ def test_writer_failure_degrades_without_stopping_training(run_path, monkeypatch
     assert len(ours) == 1 and "disk full" in str(ours[0].message)
     assert run.status == "incomplete"  # recording stopped early; the process did not die
     assert RunReader(run_path).status == "incomplete"
+
+
+def test_a_failed_writer_reads_incomplete_once_close_returns(run_path, monkeypatch):
+    """A writer that failed on its own publishes "incomplete" on its thread; close() waits for it
+    (here a slow store: the publishing takes 0.3 s), so the run reads as closed right after."""
+    real_abandon = store_writer.StoreWriter.abandon
+
+    def slow_abandon(self, info):
+        time.sleep(0.3)  # the fault injected: a store slow to take the last two writes
+        real_abandon(self, info)
+
+    def broken(self, key, data):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store_writer.StoreWriter, "abandon", slow_abandon)
+    monkeypatch.setattr(store_writer.StoreWriter, "payload", broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recorder.RecorderWarning)
+        with recorder.record(run_path, flush_interval=0.01) as run:
+            for i in range(50):
+                scale(torch.full((4,), float(i)))
+    assert run.status == "incomplete"
+    reader = RunReader(run_path)
+    assert reader.status == "incomplete"
+    assert "disk full" in reader.rank(0).final["writer_error"]
 
 
 def test_capture_failure_degrades(run_path, monkeypatch):
