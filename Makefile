@@ -29,7 +29,7 @@ test-fast: $(STAMP)  ## the suite without slow tests
 browser:
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
 	  if command -v apt-get >/dev/null; then \
-	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo -n); \
 	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver \
 	      || echo "make: could not install chromium; the browser test of pdbg serve will be skipped"; \
 	  else echo "make: no apt-get here; install chromium and chromedriver for the browser test of pdbg serve"; fi; \
