@@ -3,8 +3,10 @@ and module paths relative to the outermost module called."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +41,16 @@ class ModuleStack:
         while stack:
             if stack.pop() is module:
                 break
+
+    @contextlib.contextmanager
+    def rooted(self, module: torch.nn.Module) -> Iterator[None]:
+        """Inside the block, on this thread, ``module`` is the outermost module being called: paths
+        are relative to it whatever is called first (a wrapper around it, or one of its children)."""
+        self._pre(module, ())
+        try:
+            yield
+        finally:
+            self._post(module, (), None)
 
     def root(self) -> torch.nn.Module | None:
         stack = self._stack()

@@ -189,15 +189,8 @@ class Run:
         """Inside the block, module paths recorded on this thread are relative to ``module`` whatever
         the training code calls first: a wrapper around it (DistributedDataParallel) or one of its
         children (a LightningModule's ``self.net(x)``). ``module`` is the outermost module meanwhile."""
-        stack = self.session.modules._stack()
-        stack.append(module)
-        try:
+        with self.session.modules.rooted(module):
             yield self
-        finally:
-            for i in range(len(stack) - 1, -1, -1):  # normally the only entry left
-                if stack[i] is module:
-                    del stack[i]
-                    break
 
     def notify_nonfinite(self, callback: Callable[[int, str], Any]) -> None:
         """Call ``callback(index, message)`` once, as soon as the first step whose results hold NaN or

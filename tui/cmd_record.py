@@ -73,6 +73,7 @@ def _summary(out: str, result: Any) -> str:
         return text
     try:
         import replayer
+        from recorder.framework import open_command
 
         failed = replayer.open(out).steps.filter(status="exception")
     except Exception:  # the summary must not hide the script's own outcome
@@ -82,7 +83,7 @@ def _summary(out: str, result: Any) -> str:
     step = failed[-1]  # steps are numbered on entry: the innermost one that raised is the last
     where = f" at {step.module_path}" if step.module_path else ""
     return (f"{text}; {result.exception_name} escaped step {step.index} ({step.name}{where}, "
-            f"iteration {step.iteration}); open it there: pdbg {out} --at {step.index}")
+            f"iteration {step.iteration}); open it there: {open_command(out, step.index)}")
 
 
 def _death(result: Any) -> str:

@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         rec.step(args.at)
     if not 0 < args.port < 65536:
         raise ServeError(f"--port must be between 1 and 65535, not {args.port}")
-    remote = not _is_loopback(args.host)
+    addresses = _resolve(args.host, args.port)
+    remote = not all(ipaddress.ip_address(a[4][0].split("%")[0]).is_loopback for a in addresses)
     if remote and not args.allow_remote:
         raise ServeError(f"--host {args.host} is not a loopback address: anyone who reaches port {args.port} could "
                          "replay code from this recording; add --allow-remote to serve it there anyway, or keep "
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ServeError(f"pdbg serve needs textual-serve ({exc}); install it with: pip install "
                          "'paperdebugger[serve]'") from None
-    _check_bindable(args.host, args.port)
+    _check_bindable(args.host, args.port, addresses)
     if remote:
         print(f"pdbg: warning: serving on {args.host}:{args.port}, which is not loopback: anyone who reaches this "
               "port can replay steps of the recording, running its code on this machine", file=sys.stderr)
@@ -75,25 +76,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_loopback(host: str) -> bool:
-    """Whether every address ``host`` names is a loopback address (``localhost`` counts)."""
+def _resolve(host: str, port: int) -> list[Any]:
+    """The addresses ``host`` names (``localhost``: the loopback ones), as getaddrinfo gives them."""
     try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return False  # reported when binding: "cannot listen on ..."
-    addresses = {info[4][0] for info in infos}
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
-
-
-def _check_bindable(host: str, port: int) -> None:
-    """Bind once, as the server will (address reuse on, as aiohttp sets it), to report a port in use or
-    an address this machine does not have as one line, before the server prints anything."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise ServeError(f"cannot listen on {host}: {exc.strerror or exc}; give an address of this machine "
                          "(--host 127.0.0.1 is the default)") from None
-    for family, kind, proto, _, address in infos:
+
+
+def _check_bindable(host: str, port: int, addresses: list[Any]) -> None:
+    """Bind once, as the server will (address reuse on, as aiohttp sets it), to report a port in use or
+    an address this machine does not have as one line, before the server prints anything."""
+    for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:

@@ -69,19 +69,20 @@ class AppendArray:
         numpy assignment per row)."""
         index = len(self)
         self._tail.append(row)
-        self.dirty = True
-        if self.fill + len(self._tail) >= self.col.chunk_rows:
-            self._drain()
+        self._grew()
         return index
 
     def append_rows(self, rows: list[Any]) -> int:
         """Append several rows given as Python values; returns the index of the first."""
         start = len(self)
         self._tail += rows
-        self.dirty = True
-        if self.fill + len(self._tail) >= self.col.chunk_rows:
-            self._drain()
+        self._grew()
         return start
+
+    def _grew(self) -> None:
+        self.dirty = True
+        if self.fill + len(self._tail) >= self.col.chunk_rows:  # a whole chunk waits: seal it
+            self._drain()
 
     def extend(self, rows: np.ndarray) -> int:
         """Append many rows (1-D data for 1-D arrays); returns the index of the first."""
