@@ -534,11 +534,12 @@ forward, cross-entropy loss, backward, AdamW step, `zero_grad`. Variants:
   time: a process has one recording at most). The session is opened before the first round and
   closed after the last, and paused (`Run.pause()`) while the baseline's blocks run; its blocks run
   from `resume()` to the return of `run.flush()`, so whatever a block handed to the writer is
-  committed inside its time. "whole session" is (open + every iteration, warm-up included, + close)
-  / iterations. The targets are judged on it: a training run opens one session. What a session per
-  block adds on top is the session's fixed cost: opening the store, the first iterations' fresh
-  buffers (flight mode copies ~94 MB per iteration into buffers the kernel must first fault in and
-  zero; later iterations reuse them) and the close.
+  committed inside its time. Both models are first warmed up unrecorded; "whole session" is (open
+  + every iteration of the session, its first ones included, + close) / iterations. The targets
+  are judged on it: a training run opens one session. What a session per block adds on top is the
+  session's fixed cost: opening the store, the first iterations' fresh buffers (flight mode copies
+  ~94 MB per iteration into buffers the kernel must first fault in and zero; later iterations reuse
+  them) and the close.
 - The figure is the median over blocks of block time / iterations; "vs baseline" is the ratio of
   medians. CPU ms/iter is process CPU time (all threads: training, writer, zarr's event loop).
 - disk MB/iter: all files of the store / iterations (apparent sizes); compression: uncompressed
