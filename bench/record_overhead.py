@@ -202,37 +202,46 @@ def store_sizes(path: Path) -> tuple[int, int, int]:
     return tree_bytes(path), raw, tree_bytes(path / "rank0" / "blobs")
 
 
+@contextlib.contextmanager
+def timed(v: Variant, iterations: int) -> Iterator[float]:
+    """Time a block of ``iterations`` of ``v`` (yields its start): wall time and process CPU time per
+    iteration, and the cores other processes kept busy meanwhile, appended to ``v``'s lists."""
+    busy0, cpu0, t0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    yield t0
+    t1, cpu1, busy1 = time.perf_counter(), time.process_time(), busy_cpu_seconds()
+    v.others.append(max(0.0, (busy1 - busy0) - (cpu1 - cpu0)) / (t1 - t0))
+    v.per_iter.append((t1 - t0) / iterations)
+    v.cpu_per_iter.append((cpu1 - cpu0) / iterations)
+
+
 def run_block(v: Variant, iterations: int, batches: list[Any], tmp: Path, seq: list[int]) -> None:
     """Run one block of ``iterations`` training steps of variant ``v`` and record its costs."""
     steps = [batches[i % len(batches)] for i in range(iterations)]
     path = tmp / f"{v.name}-{seq[0]}.zarr"
     seq[0] += 1
-    busy0, cpu0, t0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
-    if v.name in RECORDING:
-        run = recorder.record(str(path), model=v.model, optimizer=v.opt, mode=v.name)
-        t_open = time.perf_counter()
-        try:
-            for x, y in steps:
-                train_step(v.model, v.opt, x, y)
-        finally:
-            t_body = time.perf_counter()
-            run.close()
-    elif v.name == "anomaly":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
-            with torch.autograd.set_detect_anomaly(True):
+    with timed(v, iterations) as t0:
+        if v.name in RECORDING:
+            run = recorder.record(str(path), model=v.model, optimizer=v.opt, mode=v.name)
+            t_open = time.perf_counter()
+            try:
                 for x, y in steps:
                     train_step(v.model, v.opt, x, y)
-    else:
-        for x, y in steps:
-            train_step(v.model, v.opt, x, y)
-    t1, cpu1, busy1 = time.perf_counter(), time.process_time(), busy_cpu_seconds()
-    v.others.append(max(0.0, (busy1 - busy0) - (cpu1 - cpu0)) / (t1 - t0))
-    v.per_iter.append((t1 - t0) / iterations)
-    v.cpu_per_iter.append((cpu1 - cpu0) / iterations)
+            finally:
+                t_body = time.perf_counter()
+                run.close()
+                t_end = time.perf_counter()
+        elif v.name == "anomaly":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
+                with torch.autograd.set_detect_anomaly(True):
+                    for x, y in steps:
+                        train_step(v.model, v.opt, x, y)
+        else:
+            for x, y in steps:
+                train_step(v.model, v.opt, x, y)
     if v.name in RECORDING:
         v.open_s.append(t_open - t0)
-        v.close_s.append(t1 - t_body)
+        v.close_s.append(t_end - t_body)
         v.loop_per_iter.append((t_body - t_open) / iterations)
         v.peak_queue.append(run.pipeline.peak_queue_bytes)
         if run.status != "complete" or run.failure:
@@ -314,29 +323,23 @@ def measure_long(threads: int, mode: str, iterations: int, blocks: int, warmup: 
         t0 = time.perf_counter()
         run = recorder.record(str(path), model=rec.model, optimizer=rec.opt, mode=mode)
         open_s = time.perf_counter() - t0
-        block_s: list[float] = []
         try:
+            t0 = time.perf_counter()
             for x, y in batches[:warmup]:  # the session's first iterations (fresh buffers) count too
-                t0 = time.perf_counter()
                 train_step(rec.model, rec.opt, x, y)
-                block_s.append(time.perf_counter() - t0)
+            first_s = time.perf_counter() - t0
             run.pause()
             for r in range(blocks):
                 for v in (variants if r % 2 == 0 else variants[::-1]):
                     if v is baseline:
                         run_block(baseline, iterations, batches, tmp, seq)
                         continue
-                    busy0, cpu0, t0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
-                    run.resume()
-                    for i in range(iterations):
-                        train_step(rec.model, rec.opt, *batches[i % len(batches)])
-                    committed = run.flush()
-                    run.pause()
-                    t1, cpu1, busy1 = time.perf_counter(), time.process_time(), busy_cpu_seconds()
-                    block_s.append(t1 - t0)
-                    rec.others.append(max(0.0, (busy1 - busy0) - (cpu1 - cpu0)) / (t1 - t0))
-                    rec.per_iter.append((t1 - t0) / iterations)
-                    rec.cpu_per_iter.append((cpu1 - cpu0) / iterations)
+                    with timed(rec, iterations):
+                        run.resume()
+                        for i in range(iterations):
+                            train_step(rec.model, rec.opt, *batches[i % len(batches)])
+                        committed = run.flush()
+                        run.pause()
                     if not committed:
                         rec.problems.append(f"flush failed: {run.failure}")
                 if log:
@@ -359,7 +362,7 @@ def measure_long(threads: int, mode: str, iterations: int, blocks: int, warmup: 
             "q": (quantile(rec.per_iter, 0.25), quantile(rec.per_iter, 0.75)),
             "cpu_per_iter": statistics.median(rec.cpu_per_iter), "base_cpu": statistics.median(baseline.cpu_per_iter),
             "open_s": open_s, "close_s": close_s, "session_iterations": n,
-            "session_per_iter": (open_s + sum(block_s) + close_s) / n,
+            "session_per_iter": (open_s + first_s + sum(rec.per_iter) * iterations + close_s) / n,
             "store_bytes": total / n, "raw_payload": raw / n, "disk_payload": disk / n,
             "others_max": max(o for v in variants for o in v.others), "problems": rec.problems}
 
