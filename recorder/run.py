@@ -281,15 +281,11 @@ class Run:
             return
         self.session.dump_ring(signal.Signals(signum).name)
         handler = self._signals.get(signum, signal.SIG_DFL)
-        if callable(handler):  # the program's own handler decides; recording goes on if the program does
-            self.flush()
-            handler(signum, frame)
-        elif handler == signal.SIG_IGN:
-            self.flush()
+        if callable(handler) or handler == signal.SIG_IGN:  # the program's own handler decides; recording
+            self.flush()                                     # goes on if the program does
         else:  # the signal would have ended the process: close the recording, then let it
             self.close("crashed")
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        _pass_signal(handler, signum, frame)
 
     def _restore_signals(self) -> None:
         for sig, handler in self._signals.items():
