@@ -127,6 +127,7 @@ class Session:
         self._collective_seq = -1  # torch.distributed collectives recorded so far, in call order
         self.pauses = 0  # while above 0 no step starts (Run.pause: a framework's evaluation)
         self.on_nonfinite: Callable[[int, str], Any] | None = None  # told of the first NaN/Inf step (once)
+        self._unreported: list[Frame] = []  # steps with device statistics: on_nonfinite looks once per iteration
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _stack(self) -> list[Frame]:
@@ -162,6 +163,7 @@ class Session:
 
     def next_iteration(self) -> None:
         self._end_of_backward(aborted=True)  # normally nothing is open here
+        self._report_unreported()
         with self.lock:
             self.iteration += 1
             self.calls.clear()
@@ -287,8 +289,28 @@ class Session:
         """A step finished (and was handed to the writer): the first NaN/Inf is reported to the
         ``on_nonfinite`` listener, and flight mode writes its ring on an anomaly."""
         if self.on_nonfinite is not None and self.enabled:
-            self._report_nonfinite(frame)
+            if self.ring is None and not self.monitor.active() and self._on_device(frame):
+                # Nothing else needs its statistics on the host now: one host sync per iteration
+                # (_report_unreported, at its end), not one per step.
+                with self.lock:
+                    self._unreported.append(frame)
+            else:
+                self._report_nonfinite(frame)
         self._after_flight_step(frame)
+
+    @staticmethod
+    def _on_device(frame: Frame) -> bool:
+        results = layout.RESULT_ROLES[frame.phase]
+        return any(isinstance(t.stats, torch.Tensor) for t in frame.tensors if t.role in results)
+
+    def _report_unreported(self) -> None:
+        """Tell ``on_nonfinite`` of the first of the steps whose check waited for the iteration's end."""
+        with self.lock:
+            frames, self._unreported = self._unreported, []
+        for frame in frames:
+            if self.on_nonfinite is None or not self.enabled:
+                return
+            self._report_nonfinite(frame)
 
     def _report_nonfinite(self, frame: Frame) -> None:
         try:
@@ -793,6 +815,7 @@ class Session:
         if self.autocapture is not None:
             self.autocapture.close()
         self._end_of_backward(aborted=True)
+        self._report_unreported()
         self.dump_ring("end")
         self.closed = True
         self.modules.close()

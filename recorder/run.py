@@ -196,6 +196,8 @@ class Run:
         """Call ``callback(index, message)`` once, as soon as the first step whose results hold NaN or
         Inf is recorded (the step flight mode writes its ring for). ``message`` names the step as
         NonFiniteError does: "Eq. 2 (smooth_relu) forward, iteration 17, call 3: output has 12 NaN".
+        In stats and full mode with statistics on an accelerator, and no monitor asking for them at
+        once, the steps are looked at when their iteration ends (one host sync per iteration).
 
         Args:
             callback: called on the thread that finished the step (autograd's, for a backward step);

@@ -273,3 +273,27 @@ def test_many_commits_read_back_and_close_leaves_no_temporary_files(run_path):
                 [float(j // 3) for j in range(3 * (i + 1))]
     assert not list(run_path.rglob("*.partial"))
     assert len(RunReader(run_path).rank(0)) == 18
+
+
+def test_device_statistics_are_checked_for_nonfinite_once_per_iteration(run_path, monkeypatch):
+    """With statistics kept on an accelerator (exercised with CPU tensors), notify_nonfinite does not
+    bring each step's statistics to the host as it ends: the steps of an iteration are looked at
+    when it ends (one host sync per iteration), and the first NaN is still reported once, with its
+    index, by then."""
+    monkeypatch.setattr(stats, "host_stats", stats.device_stats)
+    told: list[tuple[int, str]] = []
+    with recorder.record(run_path, mode="stats") as run:
+        run.notify_nonfinite(lambda index, message: told.append((index, message)))
+        scale(torch.ones(3))
+        run.next_iteration()
+        scale(torch.ones(3))
+        scale(torch.tensor([1.0, float("nan"), 2.0]))  # step 2
+        scale(torch.tensor([float("nan")]))  # step 3: a NaN again, not reported
+        assert told == []  # nothing synchronised yet
+        run.next_iteration()
+        assert [index for index, _ in told] == [2]
+        assert "output has 1 NaN" in told[0][1] and "iteration 1" in told[0][1]
+        scale(torch.tensor([float("inf")]))
+    assert len(told) == 1
+    statuses = [layout.STATUSES[int(s)] for s in RunReader(run_path).rank(0).column("steps/status")]
+    assert statuses == ["ok", "ok", "nonfinite", "nonfinite", "nonfinite"]
