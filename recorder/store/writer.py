@@ -51,6 +51,7 @@ class AppendArray:
         self._suffix = "/0" * len(col.row_shape)
         self._stored_left = 0  # adaptive compression: whole chunks to store uncompressed before a retest
         self._spare: str | None = None  # the key whose previous version is kept (backend.put(spare=True))
+        self._partial_codec = False  # the partial last chunk on disk is in the codec's partial_cname
 
     def __len__(self) -> int:
         return self.chunk * self.col.chunk_rows + self.fill + len(self._tail)
@@ -114,11 +115,12 @@ class AppendArray:
     def flush(self, final: bool = False) -> None:
         """Write the partial last chunk if it changed, padded with the fill value (not stale rows).
         It is written again at the next commit, so its previous version is kept to be overwritten
-        (``backend.put(spare=True)``), unless this is the ``final`` write."""
+        (``backend.put(spare=True)``), unless this is the ``final`` write, which also re-encodes an
+        unchanged chunk stored in the codec's faster ``partial_cname``."""
         self._drain()
-        if self.dirty and self.fill:
+        if (self.dirty or (final and self._partial_codec)) and self.fill:
             self.buf[self.fill:] = 0
-            self._write(self.chunk, self.buf, spare=not final)
+            self._write(self.chunk, self.buf, spare=not final, last=final)
         elif final and self._spare is not None:  # unchanged since the last commit: only its spare goes
             backend.drop_spare(self.store, self._spare)
             self._spare = None
@@ -158,22 +160,26 @@ class AppendArray:
         self.meta["shape"] = [rows, *self.col.row_shape]
         backend.put(self.store, f"{self.key}/zarr.json", json.dumps(self.meta, indent=2).encode())
 
-    def _write(self, index: int, data: np.ndarray, whole: bool = False, spare: bool = False) -> None:
+    def _write(self, index: int, data: np.ndarray, whole: bool = False, spare: bool = False,
+               last: bool = False) -> None:
         needed = (index + 1) * self.col.chunk_rows
         if needed > self.capacity:
             self._resize(max(needed, 2 * self.capacity))  # geometric: few metadata rewrites
         # A whole chunk is written once, which also takes the spare a partial version of it left.
         key = f"{self.key}/c/{index}{self._suffix}"
-        backend.put(self.store, key, self._encode(data, whole), spare=spare)
+        backend.put(self.store, key, self._encode(data, whole, last), spare=spare)
         if spare or key == self._spare:
             self._spare = key if spare else None
 
-    def _encode(self, data: np.ndarray, whole: bool) -> bytes:
+    def _encode(self, data: np.ndarray, whole: bool, last: bool = False) -> bytes:
         """Compressed, or (adaptive compression, data that did not shrink) stored as it is. Only whole
-        chunks decide: a partial one is padded with zeros, which compress whatever the data."""
+        chunks decide: a partial one is padded with zeros, which compress whatever the data. A
+        partial chunk that is not the ``last`` write of it uses the codec's ``partial_cname``."""
         comp = self.comp
         if not comp.adaptive:
-            return comp.encode(data)
+            partial = not (whole or last) and comp.partial_cname is not None
+            self._partial_codec = partial
+            return comp.encode(data, partial=partial)
         if not whole:  # a partial chunk: as the whole ones are now
             return comp.encode_stored(data) if self._stored_left else comp.encode(data)
         if self._stored_left > 1:

@@ -297,3 +297,40 @@ def test_device_statistics_are_checked_for_nonfinite_once_per_iteration(run_path
     assert len(told) == 1
     statuses = [layout.STATUSES[int(s)] for s in RunReader(run_path).rank(0).column("steps/status")]
     assert statuses == ["ok", "ok", "nonfinite", "nonfinite", "nonfinite"]
+
+
+@recorder.paper_step("Eq. 4", description="noisy scale")
+def noisy(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rand(x.shape)  # draws random numbers: every step starts from a new RNG state
+
+
+def _torch_rng(rank, step: int) -> torch.Tensor:
+    from recorder import snapshot
+    parts = rank.doc(int(rank.column("steps/rng")[step]))
+    return snapshot.decode_rng_part("torch", rank.doc(int(parts["torch"])))
+
+
+def _blosc_codec(chunk: bytes) -> int:
+    return chunk[2] >> 5  # Blosc header, flags byte: bits 5-7 name the codec (1 lz4, 4 zstd)
+
+
+def test_documents_are_zstd_once_whole_or_closed_and_lz4_while_rewritten(run_path):
+    """RNG states (base64 in JSON documents, one per step here) make most of a stats-mode store.
+    Closed, its document chunks are zstd, which halves them; while the run goes on, the partial
+    chunk each commit rewrites is lz4 (fast), and reads back. Both are Blosc frames plain zarr reads."""
+    chunk = run_path / "rank0" / "docs" / "bytes" / "c" / "0"
+    torch.manual_seed(0)
+    with recorder.record(run_path, mode="stats") as run:
+        for _ in range(40):
+            noisy(torch.ones(4))
+        assert run.flush()
+        assert _blosc_codec(chunk.read_bytes()) == 1
+        live = RunReader(run_path).rank(0)
+        states = [_torch_rng(live, i) for i in (0, 39)]  # read mid-run, from the lz4 chunk
+        assert not torch.equal(states[0], states[1])
+    assert _blosc_codec(chunk.read_bytes()) == 4
+    rank = RunReader(run_path).rank(0)
+    assert torch.equal(_torch_rng(rank, 39), states[1])
+    raw = int(zarr.open_group(str(run_path), mode="r")["rank0/docs/bytes"].shape[0])
+    on_disk = sum(p.stat().st_size for p in (run_path / "rank0" / "docs").rglob("c/*"))
+    assert on_disk * 1.8 < raw, (raw, on_disk)
