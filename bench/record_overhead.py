@@ -360,6 +360,8 @@ def measure_long(threads: int, mode: str, iterations: int, blocks: int, warmup: 
             "baseline_q": (quantile(baseline.per_iter, 0.25), quantile(baseline.per_iter, 0.75)),
             "per_iter": statistics.median(rec.per_iter),
             "q": (quantile(rec.per_iter, 0.25), quantile(rec.per_iter, 0.75)),
+            # each block against the baseline's block of the same round: drift between rounds cancels
+            "paired": [r / b for r, b in zip(rec.per_iter, baseline.per_iter, strict=True)],
             "cpu_per_iter": statistics.median(rec.cpu_per_iter), "base_cpu": statistics.median(baseline.cpu_per_iter),
             "open_s": open_s, "close_s": close_s, "session_iterations": n,
             "session_per_iter": (open_s + first_s + sum(rec.per_iter) * iterations + close_s) / n,
@@ -368,15 +370,17 @@ def measure_long(threads: int, mode: str, iterations: int, blocks: int, warmup: 
 
 
 def long_table(longs: list[dict[str, Any]]) -> str:
-    rows = ["| mode | baseline ms/iter (p25–p75) | block ms/iter (p25–p75) | vs baseline | CPU vs baseline | "
-            "open ms | close ms | whole session ms/iter | vs baseline | disk MB/iter | compression |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| mode | baseline ms/iter (p25–p75) | block ms/iter (p25–p75) | vs baseline | paired (p25–p75) | "
+            "CPU vs baseline | open ms | close ms | whole session ms/iter | vs baseline | disk MB/iter | compression |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in longs:
         comp = f"{r['raw_payload'] / r['disk_payload']:.3f}" if r["raw_payload"] else "–"
         rows.append(f"| {r['mode']} | {r['baseline'] * 1e3:.0f} ({r['baseline_q'][0] * 1e3:.0f}–"
                     f"{r['baseline_q'][1] * 1e3:.0f}) | {r['per_iter'] * 1e3:.0f} ({r['q'][0] * 1e3:.0f}–"
                     f"{r['q'][1] * 1e3:.0f}) | {r['per_iter'] / r['baseline']:.2f}x | "
-                    f"{r['cpu_per_iter'] / r['base_cpu']:.2f}x | {r['open_s'] * 1e3:.0f} | {r['close_s'] * 1e3:.0f} | "
+                    f"{statistics.median(r['paired']):.2f}x ({quantile(r['paired'], 0.25):.2f}–"
+                    f"{quantile(r['paired'], 0.75):.2f}) | {r['cpu_per_iter'] / r['base_cpu']:.2f}x | "
+                    f"{r['open_s'] * 1e3:.0f} | {r['close_s'] * 1e3:.0f} | "
                     f"{r['session_per_iter'] * 1e3:.0f} | {r['session_per_iter'] / r['baseline']:.2f}x | "
                     f"{r['store_bytes'] / MB:.2f} | {comp} |")
     problems = [f"{r['mode']}: {p}" for r in longs for p in r["problems"]]
@@ -544,7 +548,10 @@ forward, cross-entropy loss, backward, AdamW step, `zero_grad`. Variants:
   ~94 MB per iteration into buffers the kernel must first fault in and zero; later iterations reuse
   them) and the close.
 - The figure is the median over blocks of block time / iterations; "vs baseline" is the ratio of
-  medians. CPU ms/iter is process CPU time (all threads: training, writer, zarr's event loop).
+  medians. For a long session, "paired" is the median (and quartiles) over rounds of its block's
+  time / the baseline's block time in the same round: the machine's drift between rounds (this one's
+  baseline moves by 10% and more within a run) cancels in it. CPU ms/iter is process CPU time
+  (all threads: training, writer, zarr's event loop).
 - disk MB/iter: all files of the store / iterations (apparent sizes); compression: uncompressed
   payload bytes (element counts of `blobs/u1…u8` in `manifest.json` × width) / bytes of the
   `rank0/blobs/` directory. With few iterations per session the fixed bytes of a store (definitions,
