@@ -120,7 +120,7 @@ class AppendArray:
         self._drain()
         if (self.dirty or (final and self._partial_codec)) and self.fill:
             self.buf[self.fill:] = 0
-            self._write(self.chunk, self.buf, spare=not final, last=final)
+            self._write(self.chunk, self.buf, spare=not final)
         elif final and self._spare is not None:  # unchanged since the last commit: only its spare goes
             backend.drop_spare(self.store, self._spare)
             self._spare = None
@@ -160,26 +160,24 @@ class AppendArray:
         self.meta["shape"] = [rows, *self.col.row_shape]
         backend.put(self.store, f"{self.key}/zarr.json", json.dumps(self.meta, indent=2).encode())
 
-    def _write(self, index: int, data: np.ndarray, whole: bool = False, spare: bool = False,
-               last: bool = False) -> None:
+    def _write(self, index: int, data: np.ndarray, whole: bool = False, spare: bool = False) -> None:
         needed = (index + 1) * self.col.chunk_rows
         if needed > self.capacity:
             self._resize(max(needed, 2 * self.capacity))  # geometric: few metadata rewrites
         # A whole chunk is written once, which also takes the spare a partial version of it left.
         key = f"{self.key}/c/{index}{self._suffix}"
-        backend.put(self.store, key, self._encode(data, whole, last), spare=spare)
+        backend.put(self.store, key, self._encode(data, whole, spare), spare=spare)
         if spare or key == self._spare:
             self._spare = key if spare else None
 
-    def _encode(self, data: np.ndarray, whole: bool, last: bool = False) -> bytes:
+    def _encode(self, data: np.ndarray, whole: bool, spare: bool = False) -> bytes:
         """Compressed, or (adaptive compression, data that did not shrink) stored as it is. Only whole
-        chunks decide: a partial one is padded with zeros, which compress whatever the data. A
-        partial chunk that is not the ``last`` write of it uses the codec's ``partial_cname``."""
+        chunks decide: a partial one is padded with zeros, which compress whatever the data. A chunk
+        the next commit writes again (``spare``) uses the codec's ``partial_cname``, if it has one."""
         comp = self.comp
         if not comp.adaptive:
-            partial = not (whole or last) and comp.partial_cname is not None
-            self._partial_codec = partial
-            return comp.encode(data, partial=partial)
+            self._partial_codec = spare and comp.partial_cname is not None
+            return comp.encode(data, partial=spare)
         if not whole:  # a partial chunk: as the whole ones are now
             return comp.encode_stored(data) if self._stored_left else comp.encode(data)
         if self._stored_left > 1:

@@ -18,6 +18,7 @@ from recorder import stats
 from recorder.store import layout
 from recorder.store import writer as store_writer
 from recorder.store.reader import RunReader
+from tests.recorder.readback import rng_parts
 
 
 @recorder.paper_step("Eq. 3", description="scale")
@@ -304,12 +305,6 @@ def noisy(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rand(x.shape)  # draws random numbers: every step starts from a new RNG state
 
 
-def _torch_rng(rank, step: int) -> torch.Tensor:
-    from recorder import snapshot
-    parts = rank.doc(int(rank.column("steps/rng")[step]))
-    return snapshot.decode_rng_part("torch", rank.doc(int(parts["torch"])))
-
-
 def _blosc_codec(chunk: bytes) -> int:
     return chunk[2] >> 5  # Blosc header, flags byte: bits 5-7 name the codec (1 lz4, 4 zstd)
 
@@ -326,11 +321,11 @@ def test_documents_are_zstd_once_whole_or_closed_and_lz4_while_rewritten(run_pat
         assert run.flush()
         assert _blosc_codec(chunk.read_bytes()) == 1
         live = RunReader(run_path).rank(0)
-        states = [_torch_rng(live, i) for i in (0, 39)]  # read mid-run, from the lz4 chunk
+        states = [rng_parts(live, i)["torch"] for i in (0, 39)]  # read mid-run, from the lz4 chunk
         assert not torch.equal(states[0], states[1])
     assert _blosc_codec(chunk.read_bytes()) == 4
     rank = RunReader(run_path).rank(0)
-    assert torch.equal(_torch_rng(rank, 39), states[1])
+    assert torch.equal(rng_parts(rank, 39)["torch"], states[1])
     raw = int(zarr.open_group(str(run_path), mode="r")["rank0/docs/bytes"].shape[0])
     on_disk = sum(p.stat().st_size for p in (run_path / "rank0" / "docs").rglob("c/*"))
     assert on_disk * 1.8 < raw, (raw, on_disk)

@@ -10,17 +10,13 @@ import torch
 import recorder
 from recorder import snapshot
 from recorder.store.reader import RunReader
+from tests.recorder.readback import rng_parts
 
 
 @recorder.paper_step("Eq. 9", description="dropout then noise")
 def noisy_dropout(x: torch.Tensor) -> torch.Tensor:
     noise = float(np.random.rand()) + random.random()
     return torch.nn.functional.dropout(x, p=0.5, training=True) + noise
-
-
-def _rng_parts(rank, step):
-    ids = rank.doc(int(rank.column("steps/rng")[step]))
-    return {name: snapshot.decode_rng_part(name, rank.doc(doc_id)) for name, doc_id in ids.items()}
 
 
 def test_restored_snapshot_reproduces_dropout_mask(run_path):
@@ -33,7 +29,7 @@ def test_restored_snapshot_reproduces_dropout_mask(run_path):
     outputs = []
     for step in range(3):
         recorded = rank.tensor(next(r for r in rank.tensor_records(step) if r.role == "output"))
-        with snapshot.applied_rng(_rng_parts(rank, step)):
+        with snapshot.applied_rng(rng_parts(rank, step)):
             replayed = noisy_dropout(x)
         assert torch.equal(replayed.view(torch.int32), recorded.view(torch.int32))
         outputs.append(recorded)
