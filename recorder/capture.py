@@ -115,6 +115,7 @@ class Session:
         # every call (and their parameters) are not kept alive by the recording.
         self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], bool, dict[str, Any]]] = {}
         self._known_settings: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.rng = snapshot.RngReader()
         self.monitor = monitors.Monitor(on_anomaly)
         self.ring = flight.FlightRing(keep, max_ring_bytes) if mode == "flight" else None
         self.dumps: list[dict[str, Any]] = []  # flight mode: when and why the ring was written (see _log_dump)
@@ -421,7 +422,7 @@ class Session:
                         kwargs: dict[str, Any]) -> tuple[Frame, tuple[Any, ...], dict[str, Any], BackwardLink | None]:
         self.local.busy = True
         try:
-            frame.rng = snapshot.rng_parts()
+            frame.rng = self.rng.parts()
             frame.settings = self._settings()
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "")
             link = BackwardLink(frame) if torch.is_grad_enabled() else None
@@ -766,7 +767,7 @@ class Session:
         frame = Frame(index=self._new_index(), phase=1, defn=fwd.defn, module=fwd.module, path=fwd.path,
                       call=fwd.call, parent=parent, iteration=self.iteration, t_start=now,
                       payloads=self._payloads_now(), forward=fwd.index, t_end=now)
-        frame.rng = snapshot.rng_parts()
+        frame.rng = self.rng.parts()
         frame.settings = self._settings()
         link.frame = frame
         self._pass.append(link)

@@ -56,7 +56,7 @@ def _finite_stats(x: torch.Tensor, lo: float, hi: float, nan: int, inf: int) -> 
     # large against the spread, that formula cancels; then the deviations are summed exactly (two
     # more passes). The L2 norm comes from the same sums.
     n = x.numel()
-    mean = (x.sum() / n).item()
+    mean = x.sum().item() / n  # divided as Python floats: a tensor division is one more dispatch (~4 us)
     squares = torch.dot(x, x).item()  # sum of x^2
     if n == 1:
         return (lo, hi, mean, NAN, max(abs(lo), abs(hi)), math.sqrt(squares), float(nan), float(inf))

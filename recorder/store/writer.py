@@ -47,6 +47,8 @@ class AppendArray:
         self.fill = 0  # rows in buf
         self._tail: list[Any] = []  # rows appended after those, as Python values (see append)
         self.chunk = 0  # index of the chunk buf holds
+        self.length = 0  # rows in all: chunk * chunk_rows + fill + len(_tail), kept up to date
+        self._full_at = col.chunk_rows  # the length at which the chunk buf holds is whole
         self.dirty = False  # buf has rows not yet on disk
         self._suffix = "/0" * len(col.row_shape)
         self._stored_left = 0  # adaptive compression: whole chunks to store uncompressed before a retest
@@ -54,7 +56,13 @@ class AppendArray:
         self._partial_codec = False  # the partial last chunk on disk is in the codec's partial_cname
 
     def __len__(self) -> int:
-        return self.chunk * self.col.chunk_rows + self.fill + len(self._tail)
+        return self.length
+
+    def _counted(self) -> None:
+        """Recompute ``length`` and ``_full_at`` after rows moved or chunks were written."""
+        per = self.col.chunk_rows
+        self.length = self.chunk * per + self.fill + len(self._tail)
+        self._full_at = (self.chunk + 1) * per
 
     @property
     def buf(self) -> np.ndarray:
@@ -67,23 +75,24 @@ class AppendArray:
     def append(self, row: Any) -> int:
         """Append one row (a Python value, or a tuple for a row of several); returns its index. Rows
         wait as Python values and reach the chunk buffer in bulk (one conversion per commit, not one
-        numpy assignment per row)."""
-        index = len(self)
+        numpy assignment per row). Called for every column of every step: kept to a few operations."""
+        index = self.length
         self._tail.append(row)
-        self._grew()
+        self.length = index + 1
+        self.dirty = True
+        if index + 1 >= self._full_at:  # a whole chunk waits: seal it
+            self._drain()
         return index
 
     def append_rows(self, rows: list[Any]) -> int:
         """Append several rows given as Python values; returns the index of the first."""
-        start = len(self)
+        start = self.length
         self._tail += rows
-        self._grew()
-        return start
-
-    def _grew(self) -> None:
+        self.length = start + len(rows)
         self.dirty = True
-        if self.fill + len(self._tail) >= self.col.chunk_rows:  # a whole chunk waits: seal it
+        if self.length >= self._full_at:
             self._drain()
+        return start
 
     def extend(self, rows: np.ndarray) -> int:
         """Append many rows (1-D data for 1-D arrays); returns the index of the first."""
@@ -103,6 +112,7 @@ class AppendArray:
             pos += take
             if self.fill == per:
                 self._seal()
+        self._counted()
         return start
 
     def _drain(self) -> None:
@@ -110,6 +120,7 @@ class AppendArray:
         if self._tail:
             rows = np.asarray(self._tail, dtype=self.col.dtype).reshape(-1, *self.col.row_shape)
             self._tail = []
+            self.length -= len(rows)  # counted again as extend() appends them
             self.extend(rows)
 
     def flush(self, final: bool = False) -> None:
@@ -142,6 +153,8 @@ class AppendArray:
             raise RecordingError(f"cannot resume {self.key}: {length} rows committed, but its zarr.json declares "
                                  f"{self.capacity}; the recording is damaged")
         self.chunk, self.fill = divmod(length, self.col.chunk_rows)
+        self._tail = []
+        self._counted()
         self.dirty = False
         if self.fill:
             start = self.chunk * self.col.chunk_rows

@@ -60,3 +60,67 @@ def test_rng_parts_round_trip_through_json():
             assert back[0] == state[0] and np.array_equal(back[1], state[1]) and back[2:] == state[2:]
         else:
             assert back == state
+
+
+def _same_numpy_state(got: tuple, expected: tuple) -> bool:
+    """Equal legacy numpy states; the cached Gaussian only counts while has_gauss says it is held."""
+    return (got[0] == expected[0] and np.array_equal(got[1], expected[1]) and got[2:4] == expected[2:4]
+            and (not expected[3] or got[4] == expected[4]))
+
+
+def test_rng_reader_sees_every_change_of_numpy_and_python_state():
+    """A recording's RngReader reads numpy's and Python's generators only when their bytes changed;
+    after every kind of change (draws, seeds, a cached Gaussian taken, a state put back whose words
+    are the same but whose cached Gaussian is not) it returns exactly the public state."""
+    reader = snapshot.RngReader()
+    # On this interpreter and numpy the words are found: the reader's own path is what is tested.
+    assert reader._py_at is not None and reader._np_at is not None
+    saved = np.random.get_state(), random.getstate()
+    try:
+        np.random.seed(11), random.seed(11)
+        np.random.standard_normal()  # a pair made: one value cached
+        held_np = np.random.get_state()
+        random.gauss(0.0, 1.0)  # Python caches the second value of its pair too
+        held_py = random.getstate()
+        ops = [
+            lambda: None,
+            np.random.standard_normal,  # takes the cached value: the words do not move
+            lambda: np.random.set_state(held_np),  # the same words, the cached value back
+            np.random.standard_normal,
+            np.random.rand,
+            lambda: np.random.rand(700),  # past the 624 words: regenerated
+            lambda: np.random.seed(11),
+            lambda: random.gauss(0.0, 1.0),  # takes Python's cached value: its words do not move
+            lambda: random.setstate(held_py),
+            random.random,
+            lambda: [random.random() for _ in range(700)],
+            lambda: random.seed(12),
+            lambda: None,
+        ]
+        previous = None
+        for i, op in enumerate(ops):
+            op()
+            parts = reader.parts()
+            assert _same_numpy_state(parts["numpy"][1], np.random.get_state()), f"numpy state after op {i}"
+            assert parts["python"][1] == random.getstate(), f"python state after op {i}"
+            if previous is not None:  # a key is the same exactly when the state is
+                for name, state_now in (("numpy", np.random.get_state()), ("python", random.getstate())):
+                    same = (_same_numpy_state(previous[name][1], state_now) if name == "numpy"
+                            else previous[name][1] == state_now)
+                    assert (previous[name][0] == parts[name][0]) == same, f"{name} key after op {i}"
+            previous = parts
+    finally:
+        np.random.set_state(saved[0])
+        random.setstate(saved[1])
+
+
+def test_rng_reader_reads_the_public_way_where_the_words_are_not_found(monkeypatch):
+    """Where the generators' words cannot be confirmed (another interpreter or numpy), every step
+    reads the public states, and they are still exact."""
+    monkeypatch.setattr(snapshot, "_python_words_offset", lambda: None)
+    monkeypatch.setattr(snapshot, "_numpy_gauss_offset", lambda: None)
+    reader = snapshot.RngReader()
+    np.random.standard_normal(), random.random()
+    parts = reader.parts()
+    assert _same_numpy_state(parts["numpy"][1], np.random.get_state())
+    assert parts["python"][1] == random.getstate()
