@@ -5,7 +5,8 @@ its other values; the NaN and Inf counts say how many were left out. std is the 
 deviation (torch.std's default, correction=1). Complex tensors are summarised by magnitude; integer
 and boolean tensors by value. An empty tensor has NaN value statistics and zero counts.
 
-On the CPU the common case (no NaN, no Inf) costs three reads of the data. On an accelerator the
+On the CPU the common case (no NaN, no Inf) costs three reads of the data; small tensors are read
+through numpy (see ``host_stats``). On an accelerator the
 statistics stay on the device as one small tensor (no host synchronisation per tensor); the recorder
 copies them to the host in bulk later.
 """
@@ -13,7 +14,9 @@ copies them to the host in bulk later.
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import torch
 
 NAN = float("nan")
@@ -32,38 +35,59 @@ def _working(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64)  # bool and integers: exact up to 2**53
 
 
+SMALL = 1 << 12  # elements up to which a float32/float64 CPU tensor is summarised through numpy
+
+
 def host_stats(t: torch.Tensor) -> tuple[float, ...]:
-    """Statistics of a CPU tensor as Python floats, in layout.STAT_NAMES order."""
-    x = _working(t).reshape(-1)
-    if x.numel() == 0:
+    """Statistics of a CPU tensor as Python floats, in layout.STAT_NAMES order.
+
+    Small float32/float64 tensors go through numpy: a torch call costs ~3-5 us of dispatch, and
+    releases the interpreter lock, which the writer thread then holds until its next pause; numpy
+    keeps it for arrays this small. Larger ones use torch, whose reductions run on its intra-op
+    threads."""
+    if t.numel() <= SMALL and t.dtype in (torch.float32, torch.float64):
+        with np.errstate(all="ignore"):  # an overflowing sum is a result here, not a warning
+            return _stats(t.detach().numpy().reshape(-1), np)
+    return _stats(_working(t).reshape(-1), torch)
+
+
+def _stats(x: Any, lib: Any) -> tuple[float, ...]:
+    """``host_stats`` of a 1-D numpy array (``lib`` numpy) or tensor (``lib`` torch)."""
+    if len(x) == 0:
         return EMPTY
-    lo, hi = torch.aminmax(x)
-    lo_f, hi_f = lo.item(), hi.item()
-    if math.isfinite(lo_f) and math.isfinite(hi_f):  # NaN propagates into min/max, Inf shows there
-        return _finite_stats(x, lo_f, hi_f, 0, 0)
-    nan = int(torch.isnan(x).sum())
-    inf = int(torch.isinf(x).sum())
-    kept = x[torch.isfinite(x)]
-    if kept.numel() == 0:
+    lo, hi = _minmax(x)
+    if math.isfinite(lo) and math.isfinite(hi):  # NaN propagates into min/max, Inf shows there
+        return _finite_stats(x, lib, lo, hi, 0, 0)
+    nan = int(lib.isnan(x).sum())
+    inf = int(lib.isinf(x).sum())
+    kept = x[lib.isfinite(x)]
+    if len(kept) == 0:
         return (NAN, NAN, NAN, NAN, NAN, NAN, float(nan), float(inf))
-    lo, hi = torch.aminmax(kept)
-    return _finite_stats(kept, lo.item(), hi.item(), nan, inf)
+    lo, hi = _minmax(kept)
+    return _finite_stats(kept, lib, lo, hi, nan, inf)
 
 
-def _finite_stats(x: torch.Tensor, lo: float, hi: float, nan: int, inf: int) -> tuple[float, ...]:
+def _minmax(x: Any) -> tuple[float, float]:
+    if isinstance(x, np.ndarray):
+        return float(x.min()), float(x.max())
+    lo, hi = torch.aminmax(x)
+    return lo.item(), hi.item()
+
+
+def _finite_stats(x: Any, lib: Any, lo: float, hi: float, nan: int, inf: int) -> tuple[float, ...]:
     # Instead of torch.std_mean (a Welford loop ~50x slower on the CPU): the sum and the sum of
     # squares (a BLAS dot product), two reads of data that is usually not in cache. When the mean is
     # large against the spread, that formula cancels; then the deviations are summed exactly (two
     # more passes). The L2 norm comes from the same sums.
-    n = x.numel()
+    n = len(x)
     mean = x.sum().item() / n  # divided as Python floats: a tensor division is one more dispatch (~4 us)
-    squares = torch.dot(x, x).item()  # sum of x^2
+    squares = lib.dot(x, x).item()  # sum of x^2
     if n == 1:
         return (lo, hi, mean, NAN, max(abs(lo), abs(hi)), math.sqrt(squares), float(nan), float(inf))
     centred = squares - n * mean * mean
     if not centred > 1e-3 * squares:  # cancellation: fewer than ~3 significant digits would survive
         dev = x - mean
-        centred = torch.dot(dev, dev).item()
+        centred = lib.dot(dev, dev).item()
     std = math.sqrt(max(centred, 0.0) / (n - 1))
     return (lo, hi, mean, std, max(abs(lo), abs(hi)), math.sqrt(squares), float(nan), float(inf))
 
