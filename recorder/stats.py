@@ -44,10 +44,9 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
     Small float32/float64 tensors go through numpy: a torch call costs ~3-5 us of dispatch, and
     releases the interpreter lock, which the writer thread then holds until its next pause; numpy
     keeps it for arrays this small. Larger ones use torch, whose reductions run on its intra-op
-    threads."""
+    threads, and so do values whose sums could overflow (numpy would warn in the user's process)."""
     if t.numel() <= SMALL and t.dtype in (torch.float32, torch.float64):
-        with np.errstate(all="ignore"):  # an overflowing sum is a result here, not a warning
-            return _stats(t.detach().numpy().reshape(-1), np)
+        return _stats(t.detach().numpy().reshape(-1), np)
     return _stats(_working(t).reshape(-1), torch)
 
 
@@ -67,6 +66,11 @@ def _stats(x: Any, lib: Any) -> tuple[float, ...]:
     return _finite_stats(kept, lib, lo, hi, nan, inf)
 
 
+# Sums of squares below these cannot overflow (nor can the deviations' sums): numpy's are safe.
+_NUMPY_SAFE = {np.dtype(np.float32): float(np.finfo(np.float32).max) / 4,
+               np.dtype(np.float64): float(np.finfo(np.float64).max) / 4}
+
+
 def _minmax(x: Any) -> tuple[float, float]:
     if isinstance(x, np.ndarray):
         return float(x.min()), float(x.max())
@@ -80,16 +84,19 @@ def _finite_stats(x: Any, lib: Any, lo: float, hi: float, nan: int, inf: int) ->
     # large against the spread, that formula cancels; then the deviations are summed exactly (two
     # more passes). The L2 norm comes from the same sums.
     n = len(x)
+    big = max(abs(lo), abs(hi))
+    if lib is np and big * big * n >= _NUMPY_SAFE[x.dtype]:
+        x, lib = torch.from_numpy(x), torch  # the sums could overflow, and numpy would warn of it
     mean = x.sum().item() / n  # divided as Python floats: a tensor division is one more dispatch (~4 us)
     squares = lib.dot(x, x).item()  # sum of x^2
     if n == 1:
-        return (lo, hi, mean, NAN, max(abs(lo), abs(hi)), math.sqrt(squares), float(nan), float(inf))
+        return (lo, hi, mean, NAN, big, math.sqrt(squares), float(nan), float(inf))
     centred = squares - n * mean * mean
     if not centred > 1e-3 * squares:  # cancellation: fewer than ~3 significant digits would survive
         dev = x - mean
         centred = lib.dot(dev, dev).item()
     std = math.sqrt(max(centred, 0.0) / (n - 1))
-    return (lo, hi, mean, std, max(abs(lo), abs(hi)), math.sqrt(squares), float(nan), float(inf))
+    return (lo, hi, mean, std, big, math.sqrt(squares), float(nan), float(inf))
 
 
 def device_stats(t: torch.Tensor) -> torch.Tensor:

@@ -176,6 +176,24 @@ def test_host_and_device_statistics_agree():
     assert h[0] == finite.min().item() and h[1] == finite.max().item()
 
 
+def test_small_tensor_statistics_through_numpy_agree_and_never_warn():
+    """Small float tensors are summarised through numpy: the same statistics as torch's path, for
+    strided, non-finite and overflowing values, and no numpy warning reaches the user's process."""
+    big = np.finfo(np.float32).max / 2
+    cases = [torch.randn(64), torch.randn(8, 6).t(), torch.randn(300, dtype=torch.float64) + 1e6,
+             torch.tensor([1.5]), torch.tensor([float("nan"), 2.0, -float("inf"), 3.0]),
+             torch.full((16,), big), torch.tensor([big, -big, float("nan")]),
+             torch.full((8,), 1e300, dtype=torch.float64), torch.full((3,), float("inf"))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in cases:
+            assert t.numel() <= stats.SMALL
+            small = stats.host_stats(t)
+            large = stats._stats(stats._working(t).reshape(-1), torch)  # the path of tensors above SMALL
+            for a, b in zip(small, large, strict=True):
+                assert (np.isnan(a) and np.isnan(b)) or a == pytest.approx(b, rel=1e-6, abs=1e-9), t
+
+
 def test_importing_recorder_is_cheap():
     """`import recorder` loads neither zarr nor textual (nor the replayer)."""
     code = ("import sys, recorder; bad = [m for m in ('zarr', 'textual', 'replayer', 'tui') if m in sys.modules];"
