@@ -13,6 +13,7 @@ import functools
 import os
 import random
 import struct
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -103,6 +104,8 @@ _GAUSS = struct.Struct("=i4xd")  # numpy's legacy generator: has_gauss (int), pa
 def _python_words_offset() -> int | None:
     """Where a ``random.Random`` keeps its position and Mersenne Twister words, relative to the
     object's address, confirmed on a private generator over several draws; None if not found."""
+    if sys.implementation.name != "cpython":  # elsewhere id() need not be an address
+        return None
     try:
         probe = random.Random(20261201)
         size = type(probe).__basicsize__
@@ -127,6 +130,8 @@ def _numpy_gauss_offset() -> int | None:
     """Where numpy's legacy ``RandomState`` keeps its cached Gaussian (has_gauss, gauss), relative to
     the object's address, confirmed on a private generator through several draws; None if not
     found, or if its bit generator's state is not where ``ctypes.state_address`` says."""
+    if sys.implementation.name != "cpython":  # elsewhere id() need not be an address
+        return None
     try:
         probe = np.random.RandomState(20261201)
         size = type(probe).__basicsize__
