@@ -108,17 +108,10 @@ def measure(mode: str, steps: int, iterations: int, rounds: int) -> dict[str, An
         if run.status != "complete":
             raise SystemExit(f"the {mode} session ended {run.status}: {run.failure}")
     n = steps * iterations
-    per_step = sorted((on - off) / n for on, off in zip(recorded, paused, strict=True))
-    return {"mode": mode, "per_step": statistics.median(per_step),
-            "q": (quantile(per_step, 0.25), quantile(per_step, 0.75)), "model_per_step": statistics.median(paused) / n}
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    per_step = [(on - off) / n for on, off in zip(recorded, paused, strict=True)]
+    q1, _, q3 = statistics.quantiles(per_step, n=4, method="inclusive")
+    return {"mode": mode, "per_step": statistics.median(per_step), "q": (q1, q3),
+            "model_per_step": statistics.median(paused) / n}
 
 
 def table(results: list[dict[str, Any]]) -> str:

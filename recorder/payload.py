@@ -61,18 +61,16 @@ def as_units(t: torch.Tensor) -> tuple[np.ndarray, int, bool]:
     was needed) and must be copied before ``t`` can change.
     """
     unit = unit_of(t.dtype)
+    if t.numel() == 0:
+        return np.empty(0, dtype=_NUMPY_UNIT[unit]), unit, False
     if t.dtype in _NUMPY_VIEWABLE and not (t.is_conj() or t.is_neg()):
         # One torch call, the rest numpy views: each torch call costs ~2-5 us of dispatch.
         arr = t.detach().numpy()
         flat_a = arr.reshape(-1)  # a view when the layout allows, else a copy in element order
         if not flat_a.flags.c_contiguous:  # a strided 1-D view: reshape leaves it as it is
             flat_a = flat_a.copy()
-        if flat_a.size == 0:
-            return np.empty(0, dtype=_NUMPY_UNIT[unit]), unit, False
         return flat_a.view(_NUMPY_UNIT[unit]), unit, bool(np.may_share_memory(flat_a, arr))
     flat_t = flat(t)
-    if flat_t.numel() == 0:
-        return np.empty(0, dtype=_NUMPY_UNIT[unit]), unit, False
     aliases = flat_t.data_ptr() == t.data_ptr()  # a copy has memory of its own
     # Through uint8 first: a direct view between some dtypes (bool, float8, complex) is refused.
     return units_of_bytes(flat_t.view(torch.uint8).numpy(), unit), unit, aliases

@@ -54,7 +54,7 @@ def _stats(x: Any, lib: Any) -> tuple[float, ...]:
     """``host_stats`` of a 1-D numpy array (``lib`` numpy) or tensor (``lib`` torch)."""
     if len(x) == 0:
         return EMPTY
-    lo, hi = _minmax(x)
+    lo, hi = _minmax(x, lib)
     if math.isfinite(lo) and math.isfinite(hi):  # NaN propagates into min/max, Inf shows there
         return _finite_stats(x, lib, lo, hi, 0, 0)
     nan = int(lib.isnan(x).sum())
@@ -62,7 +62,7 @@ def _stats(x: Any, lib: Any) -> tuple[float, ...]:
     kept = x[lib.isfinite(x)]
     if len(kept) == 0:
         return (NAN, NAN, NAN, NAN, NAN, NAN, float(nan), float(inf))
-    lo, hi = _minmax(kept)
+    lo, hi = _minmax(kept, lib)
     return _finite_stats(kept, lib, lo, hi, nan, inf)
 
 
@@ -71,8 +71,8 @@ _NUMPY_SAFE = {np.dtype(np.float32): float(np.finfo(np.float32).max) / 4,
                np.dtype(np.float64): float(np.finfo(np.float64).max) / 4}
 
 
-def _minmax(x: Any) -> tuple[float, float]:
-    if isinstance(x, np.ndarray):
+def _minmax(x: Any, lib: Any) -> tuple[float, float]:
+    if lib is np:
         return float(x.min()), float(x.max())
     lo, hi = torch.aminmax(x)
     return lo.item(), hi.item()
