@@ -105,6 +105,7 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
                 notes.append(f"{name} was {value!r} when recorded and is {now.get(name)!r} here; it cannot be "
                              "changed in a running process" + (" (set ATEN_CPU_CAPABILITY before starting)"
                                                                if name == "cpu_capability" else ""))
+        start_threads()
         with snapshot.applied_rng(rng if seed is None else {}, cuda=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)  # seeds every CUDA device too; restored with the rest
@@ -115,6 +116,19 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
         for setter, value in reversed(undo):
             with contextlib.suppress(Exception):  # restore as much as possible
                 setter(value)
+
+
+_WARM = torch.ones(1 << 17)  # above ATen's grain size (32,768 elements): an op on it runs on every intra-op thread
+
+
+def start_threads() -> None:
+    """Run one small parallel op before a replayed step, so that the step is not the first parallel
+    region of this process (or of its thread count). The first one was seen to give different bits:
+    in fresh processes at 2 threads, ~1 replay in 10 of a recorded ``nn.Linear`` (256x512 by
+    512x512, MKL) mismatched, always the first replay of the process and never one after it, and
+    never once any parallel op had run (60 of 60); the recording process had long been warm."""
+    if torch.get_num_threads() > 1:
+        torch.tanh(_WARM)
 
 
 @contextlib.contextmanager
