@@ -493,7 +493,14 @@ def recorder_version() -> str:
 def machine() -> str:
     return (f"{os.cpu_count()} CPUs (nproc), torch {torch.__version__}, CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}, Python {platform.python_version()}, "
-            f"{platform.machine()}, {platform.platform()}")
+            f"{platform.machine()}, {platform.platform()}; {kernel_note()}")
+
+
+def kernel_note() -> str:
+    """Whether the recorder's statistics went through its numba kernel (recorder/kernels.py)."""
+    from recorder import stats
+
+    return "statistics kernel " + ("on (numba)" if stats.prepare() else "off (torch's reductions)")
 
 
 # Sections after this benchmark's own, kept as they are: the hand-written notes on its spread, then
@@ -659,7 +666,13 @@ def main() -> None:
     parser.add_argument("--write-docs", action="store_true", help="rewrite its sections of docs/PERFORMANCE.md")
     parser.add_argument("--profile", choices=RECORDING, help="cProfile this variant alone instead")
     parser.add_argument("--top", type=int, default=25, help="rows of the profile (default 25)")
+    parser.add_argument("--no-kernel", action="store_true",
+                        help="statistics through torch's reductions, not the numba kernel (to compare)")
     args = parser.parse_args()
+    if args.no_kernel:
+        from recorder import stats
+
+        stats.use_kernel(False)
     # `timeout` and kill send SIGTERM: exit through the finally blocks, so temporary stores are removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     thread_settings = args.threads or [2, 1]

@@ -141,7 +141,7 @@ steps) with {RECORDS_PER_STEP} tensor records.
 {table(results)}
 
 Machine: {os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__} on {torch.get_num_threads()} thread(s),
-Python {platform.python_version()}.
+Python {platform.python_version()}; statistics kernel {"on (numba)" if recorder.stats.prepare() else "off"}.
 """
     write_section(HEADING, text)
 
@@ -153,7 +153,11 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=10, help="iterations per block (default 10)")
     parser.add_argument("--rounds", type=int, default=16, help="paired blocks per mode (default 16)")
     parser.add_argument("--write-docs", action="store_true", help="write its section of docs/PERFORMANCE.md")
+    parser.add_argument("--no-kernel", action="store_true",
+                        help="statistics through torch's reductions, not the numba kernel (to compare)")
     args = parser.parse_args()
+    kernel = recorder.stats.use_kernel(not args.no_kernel)
+    print(f"statistics kernel {'on (numba)' if kernel else 'off'}", flush=True)
     torch.set_num_threads(1)
     results = []
     for mode in args.modes:

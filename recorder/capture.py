@@ -116,6 +116,7 @@ class Session:
         self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], bool, dict[str, Any]]] = {}
         self._known_settings: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.rng = snapshot.RngReader()
+        stats_mod.prepare()  # the one-pass statistics kernel: compiled or loaded once per process
         self.monitor = monitors.Monitor(on_anomaly)
         self.ring = flight.FlightRing(keep, max_ring_bytes) if mode == "flight" else None
         self.dumps: list[dict[str, Any]] = []  # flight mode: when and why the ring was written (see _log_dump)
@@ -556,14 +557,18 @@ class Session:
         if meta_only:
             frame.notes.append(f"{name}: {t.layout} tensor on {t.device}: metadata only")
         else:
-            item.stats = self._stats(frame, name, t)
+            stats = None  # from the payload's copy, when the statistics kernel made it
             if frame.payloads:
                 try:
-                    item.payload = self._cpu_payload(t) if t.device.type == "cpu" else self._device_payload(t)
+                    if t.device.type == "cpu":
+                        item.payload, stats = self._cpu_payload(t)
+                    else:
+                        item.payload = self._device_payload(t)
                     if item.payload is None:  # dropped: the store cannot keep up
                         frame.dropped += 1
                 except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
                     frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
+            item.stats = self._stats(frame, name, t) if stats is None else stats
         frame.tensors.append(item)
         return name
 
@@ -576,18 +581,19 @@ class Session:
             frame.notes.append(f"{name}: no statistics for {t.dtype} ({type(exc).__name__}: {exc})")
             return stats_mod.EMPTY
 
-    def _cpu_payload(self, t: torch.Tensor) -> tuple[int, int, int] | None:
+    def _cpu_payload(self, t: torch.Tensor) -> tuple[tuple[int, int, int] | None, tuple[float, ...] | None]:
         """Hash a CPU tensor's bytes; copy and send them only when new. Returns the content key, or
-        None when the bytes were dropped (the store cannot keep up: see ``_room``)."""
+        None when the bytes were dropped (the store cannot keep up: see ``_room``), and the tensor's
+        statistics when the copy computed them (stats.copy_stats), else None."""
         units, unit, aliases = payload_mod.as_units(t)
         key = payload_mod.content_key(units, unit)
         if key in self.seen:  # on its way to the store already
-            return key
+            return key, None
         if self.ring is not None:
             held = self.ring.find(key)
             if held is not None:  # the same bytes wait in the ring: hold them for this iteration too
                 self._send_payload(held, key)
-                return key
+                return key, None
         item = PayloadItem(key=key, unit=unit, data=units)
         shared = self.shared is not None and units.nbytes > 0  # a shared ring holds every payload's bytes
         if aliases or shared:  # the tensor may change after this step: copy it, into a reused buffer if large
@@ -595,20 +601,22 @@ class Session:
             if shared and item.buffer is None:
                 self._no_room_shared()
         if not self._room(item.nbytes, item.buffer):  # before the copy: a dropped payload costs none
-            return None
+            return None, None
+        stats = None
         try:
             if item.buffer is not None:
                 item.data = item.buffer[:units.nbytes].view(units.dtype)
-                payload_mod.copy_into(item.data, units)
+                stats = stats_mod.copy_stats(t, item.data, units)
                 if self.shared is not None:
                     self.shared.publish(item.buffer, key)
             elif aliases:
-                item.data = units.copy()
+                item.data = np.empty_like(units)
+                stats = stats_mod.copy_stats(t, item.data, units)
             self._send_payload(item, key)
         except BaseException:
             self._unroom(item.nbytes)
             raise
-        return key
+        return key, stats
 
     def _device_payload(self, t: torch.Tensor) -> int | None:
         unit = payload_mod.unit_of(t.dtype)

@@ -5,8 +5,9 @@ its other values; the NaN and Inf counts say how many were left out. std is the 
 deviation (torch.std's default, correction=1). Complex tensors are summarised by magnitude; integer
 and boolean tensors by value. An empty tensor has NaN value statistics and zero counts.
 
-On the CPU the common case (no NaN, no Inf) costs three reads of the data; small tensors are read
-through numpy (see ``host_stats``). On an accelerator the
+On the CPU the common case (no NaN, no Inf) of a float32/float64 tensor costs one read of the data,
+by the compiled kernel of recorder.kernels once a recording has loaded it (``prepare``); without
+it, three reads, small tensors through numpy (see ``host_stats``). On an accelerator the
 statistics stay on the device as one small tensor (no host synchronisation per tensor); the recorder
 copies them to the host in bulk later.
 """
@@ -14,13 +15,59 @@ copies them to the host in bulk later.
 from __future__ import annotations
 
 import math
+import threading
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
+from . import payload
+
 NAN = float("nan")
 EMPTY: tuple[float, ...] = (NAN, NAN, NAN, NAN, NAN, NAN, 0.0, 0.0)
+
+
+class _Slot:
+    """The statistics kernel in use (the recorder.kernels module) or None, and how it came to be."""
+
+    def __init__(self) -> None:
+        self.active: Any = None
+        self.loaded: Any = None  # recorder.kernels once prepare() has imported it
+        self.tried = False
+        self.disabled = False  # use_kernel(False)
+        self.lock = threading.Lock()
+
+
+_slot = _Slot()
+KERNEL_THREADS = 2  # above this many torch threads, torch's three parallel reads beat the one-core kernel
+_FLOATS = (torch.float32, torch.float64)
+
+
+def prepare() -> bool:
+    """Load the one-pass statistics kernel (numba: compiled once per machine, then loaded from
+    numba's cache in ~0.3 s). Called when a recording starts (and by the first ``host_stats`` of a
+    process that records nothing, so that its statistics take the same path); False, and statistics through torch and
+    numpy, when numba is not installed, the kernel cannot be built here, or ``use_kernel(False)``."""
+    with _slot.lock:
+        if not _slot.tried:
+            _slot.tried = True
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    from . import kernels
+                _slot.loaded = kernels
+            except Exception:  # ImportError, or numba's own errors: the torch path is always there
+                _slot.loaded = None
+        _slot.active = None if _slot.disabled else _slot.loaded
+    return _slot.active is not None
+
+
+def use_kernel(enabled: bool) -> bool:
+    """Turn the kernel on (loading it if needed) or off, for comparisons (bench/) and tests; returns
+    whether it is now in use."""
+    _slot.disabled = not enabled
+    return prepare()
 
 
 def _working(t: torch.Tensor) -> torch.Tensor:
@@ -41,13 +88,57 @@ SMALL = 1 << 12  # elements up to which a float32/float64 CPU tensor is summaris
 def host_stats(t: torch.Tensor) -> tuple[float, ...]:
     """Statistics of a CPU tensor as Python floats, in layout.STAT_NAMES order.
 
-    Small float32/float64 tensors go through numpy: a torch call costs ~3-5 us of dispatch, and
-    releases the interpreter lock, which the writer thread then holds until its next pause; numpy
-    keeps it for arrays this small. Larger ones use torch, whose reductions run on its intra-op
-    threads, and so do values whose sums could overflow (numpy would warn in the user's process)."""
-    if t.numel() <= SMALL and t.dtype in (torch.float32, torch.float64):
-        return _stats(t.detach().numpy().reshape(-1), np)
+    float32/float64 tensors go through the one-pass kernel when it is loaded and takes them (see
+    ``_kernel_takes``). Values it finds non-finite take the exact path below, which counts them.
+    Without the kernel, small float32/float64 tensors go through numpy: a torch call costs ~3-5 us of
+    dispatch, and releases the interpreter lock, which the writer thread then holds until its next
+    pause; numpy keeps it for arrays this small. Larger ones use torch, whose reductions run on its
+    intra-op threads, and so do values whose sums could overflow (numpy would warn in the user's
+    process)."""
+    if not _slot.tried:  # the same path in every process (a replay's statistics, the recorder's)
+        prepare()
+    if t.dtype in _FLOATS:
+        n = t.numel()
+        if n <= SMALL or _kernel_takes(t):
+            x = t.detach().numpy().reshape(-1)
+            if _slot.active is not None and n and x.flags.c_contiguous and x.flags.writeable:
+                got = _from_sums(x, _slot.active.sums(x))
+                if got is not None:
+                    return got
+            if n <= SMALL:
+                return _stats(x, np)
     return _stats(_working(t).reshape(-1), torch)
+
+
+def copy_stats(t: torch.Tensor, dst: np.ndarray, src: np.ndarray) -> tuple[float, ...] | None:
+    """Copy a CPU tensor's bytes (``src``, its 1-D contiguous store units from payload.as_units) into
+    ``dst`` (an array of the same units and size) and return the tensor's statistics, computed from
+    the same read when the kernel takes the tensor; None when it does not (the bytes are copied all
+    the same: payload.copy_into)."""
+    if t.dtype in _FLOATS and len(src) and src.flags.writeable and _kernel_takes(t):
+        x, out = src.view(_NUMPY[t.dtype]), dst.view(_NUMPY[t.dtype])
+        got = _from_sums(out, _slot.active.copy_sums(x, out))
+        return host_stats(torch.from_numpy(out)) if got is None else got  # non-finite: the exact path, on the copy
+    payload.copy_into(dst, src)
+    return None
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _kernel_takes(t: torch.Tensor) -> bool:
+    """Whether the kernel summarises ``t`` (a float32/float64 CPU tensor): any small one, and
+    contiguous ones of any size while torch runs on at most ``KERNEL_THREADS`` threads."""
+    return _slot.active is not None and (t.numel() <= SMALL or (
+        t.is_contiguous() and not t.is_neg() and torch.get_num_threads() <= KERNEL_THREADS))
+
+
+def _from_sums(x: np.ndarray, sums: tuple[float, float, float, float]) -> tuple[float, ...] | None:
+    """The statistics of ``x`` from the kernel's sums; None when they show non-finite values."""
+    lo, hi, total, squares = sums
+    if math.isfinite(lo) and math.isfinite(hi) and math.isfinite(total) and math.isfinite(squares):
+        return _summarise(x, np, lo, hi, total, squares, 0, 0)
+    return None
 
 
 def _stats(x: Any, lib: Any) -> tuple[float, ...]:
@@ -83,18 +174,54 @@ def _finite_stats(x: Any, lib: Any, lo: float, hi: float, nan: int, inf: int) ->
     # squares (a BLAS dot product), two reads of data that is usually not in cache. When the mean is
     # large against the spread, that formula cancels; then the deviations are summed exactly (two
     # more passes). The L2 norm comes from the same sums.
+    x, lib = _safe(x, lib, lo, hi)
+    total = x.sum().item()
+    squares = lib.dot(x, x).item()  # sum of x^2
+    return _summarise(x, lib, lo, hi, total, squares, nan, inf)
+
+
+_TINY = 2.0 ** -50  # float32 values all below this in magnitude: their squares lose bits in float32, or vanish
+_TINY64 = 2.0 ** -500  # the same for float64
+
+
+def _safe(x: Any, lib: Any, lo: float, hi: float) -> tuple[Any, Any]:
+    """``x`` and its library, as a tensor and torch when numpy's sums over it could overflow (numpy
+    would warn of it in the user's process)."""
+    big = max(abs(lo), abs(hi))
+    if lib is np and big * big * len(x) >= _NUMPY_SAFE[x.dtype]:
+        return torch.from_numpy(x), torch
+    return x, lib
+
+
+def _summarise(x: Any, lib: Any, lo: float, hi: float, total: float, squares: float, nan: int,
+               inf: int) -> tuple[float, ...]:
+    """The statistics from the finite values' min, max, sum and sum of squares; ``x`` (those values)
+    is read again only when the sums cancel."""
     n = len(x)
     big = max(abs(lo), abs(hi))
-    if lib is np and big * big * n >= _NUMPY_SAFE[x.dtype]:
-        x, lib = torch.from_numpy(x), torch  # the sums could overflow, and numpy would warn of it
-    mean = x.sum().item() / n  # divided as Python floats: a tensor division is one more dispatch (~4 us)
-    squares = lib.dot(x, x).item()  # sum of x^2
+    finite = math.isfinite(total) and math.isfinite(squares)
+    if (big < _TINY or not finite) and str(x.dtype).endswith("float32"):
+        # float32 sums of squares vanish below ~1e-19 and overflow above ~1e19: sum in float64 instead
+        x, lib = torch.from_numpy(x).double() if lib is np else x.double(), torch
+        total, squares = x.sum().item(), torch.dot(x, x).item()
+        finite = True
+    if big and (big < _TINY64 or not finite):  # float64 squares out of range: sum x / big, scale back
+        scaled = (torch.from_numpy(x) if lib is np else x).double() / big
+        total, squares = scaled.sum().item(), torch.dot(scaled, scaled).item()
+        s = _summarise(scaled, torch, lo / big, hi / big, total, squares, nan, inf)
+        return (lo, hi, s[2] * big, s[3] * big, big, s[5] * big, float(nan), float(inf))
+    mean = total / n  # divided as Python floats: a tensor division is one more dispatch (~4 us)
     if n == 1:
         return (lo, hi, mean, NAN, big, math.sqrt(squares), float(nan), float(inf))
     centred = squares - n * mean * mean
     if not centred > 1e-3 * squares:  # cancellation: fewer than ~3 significant digits would survive
+        # Summed about the mean as found: the corrected two-pass formula, which also corrects the
+        # mean for the rounding of the first sum (float32 sums of large values are inexact).
+        x, lib = _safe(x, lib, lo, hi)
         dev = x - mean
-        centred = lib.dot(dev, dev).item()
+        shift = dev.sum().item()
+        centred = lib.dot(dev, dev).item() - shift * shift / n
+        mean += shift / n
     std = math.sqrt(max(centred, 0.0) / (n - 1))
     return (lo, hi, mean, std, big, math.sqrt(squares), float(nan), float(inf))
 

@@ -195,8 +195,9 @@ def test_small_tensor_statistics_through_numpy_agree_and_never_warn():
 
 
 def test_importing_recorder_is_cheap():
-    """`import recorder` loads neither zarr nor textual (nor the replayer)."""
-    code = ("import sys, recorder; bad = [m for m in ('zarr', 'textual', 'replayer', 'tui') if m in sys.modules];"
+    """`import recorder` loads neither zarr nor textual nor numba (nor the replayer)."""
+    code = ("import sys, recorder;"
+            "bad = [m for m in ('zarr', 'textual', 'numba', 'replayer', 'tui') if m in sys.modules];"
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -207,7 +208,8 @@ def test_accelerator_path_round_trips(run_path, monkeypatch):
     the writer) stores the same bytes and statistics; exercised here with CPU tensors."""
     from recorder import capture
 
-    monkeypatch.setattr(capture.Session, "_cpu_payload", capture.Session._device_payload)
+    monkeypatch.setattr(capture.Session, "_cpu_payload",
+                        lambda self, t: (capture.Session._device_payload(self, t), None))
     monkeypatch.setattr(stats, "host_stats", stats.device_stats)
     x = torch.randn(3, 5)
     with recorder.record(run_path) as run:

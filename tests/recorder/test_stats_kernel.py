@@ -1,0 +1,173 @@
+"""The one-pass statistics kernel (recorder.kernels, numba): the statistics it gives are those of the
+exact path, for any float32/float64 values; non-finite values take the exact path; it is what a
+recording uses; and without it everything still works."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import recorder
+from recorder import stats
+
+
+@pytest.fixture
+def kernel():
+    """The kernel loaded (it must be, where numba is installed: the fast path is not optional here)."""
+    assert stats.prepare(), "numba is installed but the statistics kernel did not load"
+    yield stats._slot.active
+    stats.use_kernel(True)
+
+
+def reference(t: torch.Tensor) -> tuple[float, ...]:
+    """The statistics of the finite values in numpy's long double (x86's 80-bit extended: the range
+    of float64's squares, and more precision)."""
+    x = t.detach().reshape(-1).double().numpy()
+    nan, inf = int(np.isnan(x).sum()), int(np.isinf(x).sum())
+    finite = x[np.isfinite(x)].astype(np.longdouble)
+    if len(finite) == 0:
+        return (math.nan,) * 6 + (float(nan), float(inf))
+    std = float(finite.std(ddof=1)) if len(finite) > 1 else math.nan
+    return (float(finite.min()), float(finite.max()), float(finite.mean()), std, float(np.abs(finite).max()),
+            float(np.sqrt(np.dot(finite, finite))), float(nan), float(inf))
+
+
+def assert_close(got: tuple[float, ...], want: tuple[float, ...], t: torch.Tensor) -> None:
+    def same(a: float, b: float) -> bool:
+        return a == b or (math.isnan(a) and math.isnan(b))
+
+    assert same(got[0], want[0]) and same(got[1], want[1]) and same(got[4], want[4]), t  # min, max, abs-max: exact
+    assert got[6:] == want[6:], t  # NaN and Inf counts: exact
+    for name, a, b in zip(("mean", "std", "norm"), (got[2], got[3], got[5]), (want[2], want[3], want[5])):
+        scale = max(abs(want[0]), abs(want[1]), 1e-300)
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5, abs=1e-6 * scale), (name, t)
+
+
+finite32 = st.floats(-2.0**100, 2.0**100, width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True)
+special = st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 0.0, 1e-45, 3.0e38, -3.0e38])
+
+
+@st.composite
+def arrays(draw) -> torch.Tensor:
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    n = draw(st.one_of(st.integers(1, 70), st.integers(4090, 4100), st.integers(8190, 8200),
+                       st.integers(20_000, 40_000)))
+    kind = draw(st.sampled_from(["normal", "offset", "constant", "values", "special", "bits"]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    if kind == "bits":  # any bit pattern: signalling and quiet NaNs with payloads, Inf, subnormals
+        words = torch.randint(-2**31, 2**31, (n * dtype.itemsize // 4,), generator=gen, dtype=torch.int64)
+        t = words.to(torch.int32).view(dtype).clone()
+    elif kind == "constant":
+        t = torch.full((n,), draw(finite32), dtype=dtype)
+    elif kind == "values":
+        t = torch.tensor(draw(st.lists(finite32, min_size=1, max_size=64)), dtype=dtype)
+    else:
+        t = torch.randn(n, generator=gen, dtype=dtype) * draw(st.sampled_from([1e-30, 1e-3, 1.0, 1e6, 1e15]))
+        if kind == "offset":  # mean large against the spread: the sums cancel
+            t += draw(st.sampled_from([1e3, 1e6, -1e8]))
+        if kind == "special":
+            for _ in range(draw(st.integers(1, 5))):
+                t[draw(st.integers(0, n - 1))] = draw(special)
+    return t
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(t=arrays())
+def test_kernel_statistics_equal_the_exact_ones(kernel, t):
+    """min, max and abs-max are exact, counts exact, moments within float32 rounding of float64's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing reaches the user's process
+        got = stats.host_stats(t)
+    assert_close(got, reference(t), t)
+
+
+def test_kernel_is_what_the_statistics_use(kernel, monkeypatch):
+    """Tensors of every size go through the kernel while torch runs on at most KERNEL_THREADS
+    threads; above that, only small ones do (torch's parallel reductions are faster)."""
+    calls = []
+    real = kernel.sums
+    monkeypatch.setattr(kernel, "sums", lambda x: calls.append(len(x)) or real(x))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        stats.host_stats(torch.randn(10))
+        stats.host_stats(torch.randn(100_000))
+        stats.host_stats(torch.randn(300, 400).t())  # large and strided: torch's path
+        assert calls == [10, 100_000]
+        torch.set_num_threads(stats.KERNEL_THREADS + 1)
+        stats.host_stats(torch.randn(100_000))
+        stats.host_stats(torch.randn(20))
+        assert calls == [10, 100_000, 20]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_kernel_refuses_other_arrays_instead_of_compiling(kernel):
+    """Compiled ahead for exactly float32/float64 contiguous arrays: anything else is a TypeError
+    (never a compilation in the middle of a training step)."""
+    for bad in (np.arange(10, dtype=np.float32)[::2], np.arange(10, dtype=np.int64), np.ones((2, 2))):
+        with pytest.raises(TypeError):
+            kernel.sums(bad)
+
+
+def test_recording_without_the_kernel_gives_the_same_statistics(tmp_path, kernel):
+    """With the kernel off (numba missing), a recording's statistics are those of the exact path."""
+
+    @recorder.paper_step("Eq. 1", description="scale")
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    x = torch.randn(5000)
+    x[7] = math.nan
+    records = {}
+    for enabled in (True, False):
+        stats.use_kernel(enabled)
+        with recorder.record(str(tmp_path / f"run{enabled}.zarr")) as run:
+            scale(x)
+        from recorder.store.reader import RunReader
+
+        rank = RunReader(str(run.path)).rank(0)
+        records[enabled] = [r.stats for r in rank.tensor_records(0)]
+    for on, off in zip(records[True], records[False], strict=True):
+        assert on["nan"] == off["nan"] and on["min"] == off["min"] and on["max"] == off["max"]
+        assert on["mean"] == pytest.approx(off["mean"], rel=1e-6) and on["norm"] == pytest.approx(off["norm"], rel=1e-6)
+    assert records[True][0]["nan"] == 1 and records[True][1]["nan"] == 1  # input and output
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(t=arrays())
+def test_copy_with_statistics_copies_bitwise(kernel, t):
+    """copy_stats (a payload's copy in full and flight modes) writes the tensor's exact bytes, NaN
+    payloads and -0.0 included, and gives the statistics host_stats gives."""
+    from recorder import payload
+
+    t[0] = -0.0 if t.numel() > 2 else t[0]
+    units, _, _ = payload.as_units(t)
+    dst = np.empty_like(units)
+    got = stats.copy_stats(t, dst, units)
+    assert np.array_equal(dst, units)  # unsigned units: bitwise
+    assert got is not None
+    assert_close(got, reference(t), t)
+    assert_close(got, stats.host_stats(t), t)
+
+
+def test_copy_without_the_kernel_still_copies(kernel):
+    """Dtypes the kernel does not take (and every dtype with the kernel off) are copied as bytes
+    and left to host_stats."""
+    from recorder import payload
+
+    for t in (torch.arange(10, dtype=torch.int64), torch.randn(100).half()):
+        units, _, _ = payload.as_units(t)
+        dst = np.zeros_like(units)
+        assert stats.copy_stats(t, dst, units) is None and np.array_equal(dst, units)
+    stats.use_kernel(False)
+    t = torch.randn(1000)
+    units, _, _ = payload.as_units(t)
+    dst = np.zeros_like(units)
+    assert stats.copy_stats(t, dst, units) is None and np.array_equal(dst, units)
