@@ -46,9 +46,10 @@ _FLOATS = (torch.float32, torch.float64)
 
 def prepare() -> bool:
     """Load the one-pass statistics kernel (numba: compiled once per machine, then loaded from
-    numba's cache in ~0.3 s). Called when a recording starts (and by the first ``host_stats`` of a
-    process that records nothing, so that its statistics take the same path); False, and statistics through torch and
-    numpy, when numba is not installed, the kernel cannot be built here, or ``use_kernel(False)``."""
+    numba's cache in ~0.3 s). Called when a recording starts, and by the first ``host_stats`` of a
+    process that records nothing (so that its statistics take the same path). False, and statistics
+    through torch and numpy, when numba is not installed, the kernel cannot be built here, or after
+    ``use_kernel(False)``."""
     with _slot.lock:
         if not _slot.tried:
             _slot.tried = True
