@@ -8,8 +8,8 @@ core ~2-3x faster than the three calls for tensors of 30 KB to 8 MB, ~10x for sm
 payload that must be copied (full and flight modes) gets its statistics for the price of the copy.
 
 Importing this module imports numba and compiles (or loads from numba's on-disk cache) the kernel
-for float32 and float64; ``recorder.stats`` does so at the first recording, silencing numba's own
-warnings while it does, and falls back to torch and numpy when numba is missing or fails.
+for float32 and float64; ``recorder.stats`` does so at the first recording, and falls back to torch
+and numpy when numba is missing or fails.
 
 Precision: each lane sums at most ``PART / LANES`` elements in the array's own dtype, and the parts
 are added in float64, so a float32 sum is more accurate than torch's. Non-finite values are not

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 from typing import Any
 
 import numpy as np
@@ -54,9 +53,11 @@ def prepare() -> bool:
         if not _slot.tried:
             _slot.tried = True
             try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    from . import kernels
+                # No warnings.catch_warnings() here: it swaps the process's filters, which another
+                # thread (a TUI worker's replay) may be using. A numba warning under "-W error" is
+                # one more exception below.
+                from . import kernels
+
                 _slot.loaded = kernels
             except Exception:  # ImportError, or numba's own errors: the torch path is always there
                 _slot.loaded = None
