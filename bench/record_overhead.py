@@ -498,9 +498,7 @@ def machine() -> str:
 
 def kernel_note() -> str:
     """Whether the recorder's statistics went through its numba kernel (recorder/kernels.py)."""
-    from recorder import stats
-
-    return "statistics kernel " + ("on (numba)" if stats.prepare() else "off (torch's reductions)")
+    return "statistics kernel " + ("on (numba)" if recorder.stats.prepare() else "off (torch's reductions)")
 
 
 # Sections after this benchmark's own, kept as they are: the hand-written notes on its spread, then
@@ -670,9 +668,7 @@ def main() -> None:
                         help="statistics through torch's reductions, not the numba kernel (to compare)")
     args = parser.parse_args()
     if args.no_kernel:
-        from recorder import stats
-
-        stats.use_kernel(False)
+        recorder.stats.use_kernel(False)
     # `timeout` and kill send SIGTERM: exit through the finally blocks, so temporary stores are removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     thread_settings = args.threads or [2, 1]

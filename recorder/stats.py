@@ -99,17 +99,21 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
     process)."""
     if not _slot.tried:  # the same path in every process (a replay's statistics, the recorder's)
         prepare()
-    if t.dtype in _FLOATS:
-        n = t.numel()
-        if n <= SMALL or _kernel_takes(t):
-            x = t.detach().numpy().reshape(-1)
-            if _slot.active is not None and n and x.flags.c_contiguous and x.flags.writeable:
-                got = _from_sums(x, _slot.active.sums(x))
-                if got is not None:
-                    return got
-            if n <= SMALL:
-                return _stats(x, np)
+    takes = t.dtype in _FLOATS and _kernel_takes(t)
+    if takes or (t.dtype in _FLOATS and t.numel() <= SMALL):
+        x = t.detach().numpy().reshape(-1)  # a view, or (strided and small) a copy
+        if takes and len(x) and x.flags.c_contiguous and x.flags.writeable:
+            got = _from_sums(x, _slot.active.sums(x))
+            if got is not None:
+                return got
+        return _exact(x)
     return _stats(_working(t).reshape(-1), torch)
+
+
+def _exact(x: np.ndarray) -> tuple[float, ...]:
+    """Statistics of a 1-D float32/float64 array on the path that counts NaN and Inf: numpy for
+    small arrays, torch's reductions (on its intra-op threads) for the others."""
+    return _stats(x, np) if len(x) <= SMALL else _stats(torch.from_numpy(x), torch)
 
 
 def copy_stats(t: torch.Tensor, dst: np.ndarray, src: np.ndarray) -> tuple[float, ...] | None:
@@ -120,7 +124,7 @@ def copy_stats(t: torch.Tensor, dst: np.ndarray, src: np.ndarray) -> tuple[float
     if t.dtype in _FLOATS and len(src) and src.flags.writeable and _kernel_takes(t):
         x, out = src.view(_NUMPY[t.dtype]), dst.view(_NUMPY[t.dtype])
         got = _from_sums(out, _slot.active.copy_sums(x, out))
-        return host_stats(torch.from_numpy(out)) if got is None else got  # non-finite: the exact path, on the copy
+        return _exact(out) if got is None else got  # non-finite values: counted, on the copy
     payload.copy_into(dst, src)
     return None
 
