@@ -22,7 +22,9 @@ recording, opening its store when training starts and writing the ring at the en
 The figures are medians over blocks; the ratio is the callback's median over the baseline's.
 
 Usage:
-  python bench/callback_overhead.py                    # 6 blocks x 8 steps per variant, ~3 min on 2 cores
+  python bench/callback_overhead.py                    # 6 blocks x 8 steps per variant, torch on 2 then
+                                                       # 1 thread(s), ~5 min on 2 cores
+  python bench/callback_overhead.py --threads 1        # one thread count only
   python bench/callback_overhead.py --blocks 2 --steps 4 --frameworks hf    # quick look
   python bench/callback_overhead.py --write-docs       # also (re)write its section of docs/PERFORMANCE.md
 """
@@ -244,17 +246,31 @@ def verdicts(res: dict[str, Any]) -> list[str]:
     return out
 
 
-def docs_text(res: dict[str, Any], command: str) -> str:
+def docs_text(results: dict[int, dict[str, Any]], command: str) -> str:
     import lightning
     import transformers
 
+    res = next(iter(results.values()))  # the settings every thread count ran with
+    parts = []
+    for threads, one in results.items():
+        parts.append(f"""### torch threads = {threads}
+
+The run took {one['seconds']:.0f} s; load average before it {one['loadavg_before'][0]:.2f}, after it \
+{one['loadavg_after'][0]:.2f} (other processes' load inflates every variant, and the ratios' spread).
+
+{table(one)}
+
+Target:
+
+{chr(10).join(verdicts(one))}""")
     return f"""{HEADING}
 
 Measured on {time.strftime("%Y-%m-%d %H:%M")} by `{command}` (bench/callback_overhead.py).
 
 What: a GPT-2 from `GPT2Config(n_layer={LAYERS}, n_embd={D_MODEL}, n_head={HEADS}, n_positions={SEQ},
-vocab_size={VOCAB})`, batch {BATCH} × {SEQ} tokens, AdamW, CPU, torch threads {torch.get_num_threads()},
-trained by Lightning (the model inside a LightningModule) and by transformers' `Trainer`, with and
+vocab_size={VOCAB})`, batch {BATCH} × {SEQ} tokens, AdamW, CPU, torch threads \
+{" and ".join(str(t) for t in results)} (on one thread, a core is free for the recorder's writer, as
+on most GPU hosts), trained by Lightning (the model inside a LightningModule) and by transformers' `Trainer`, with and
 without `PaperDebuggerCallback(path)`: flight mode, keep=2, no NaN; the callback records the
 model's layers (`transformer.h.*`, chosen by `modules=None`: 4 forward and 4 backward steps per
 training step), statistics of every tensor, the bytes of the last two iterations held in the ring
@@ -270,20 +286,16 @@ and of its last step over the steps between (the training loop); the median over
 with the quartiles. The fixed cost of a recording (opening the store when training starts, writing
 the ring and closing at its end) is the median of (block wall time − steps × its per-step figure),
 less the baseline's. Ring peak: the most bytes the flight ring held (the run's final metadata).
-The run took {res['seconds']:.0f} s; load average before it {res['loadavg_before'][0]:.2f}, after it \
-{res['loadavg_after'][0]:.2f} (other processes' load inflates every variant, and the ratios' spread).
 
-{table(res)}
+{(chr(10) * 2).join(parts)}
 
 Reading it: the callback's own work (its hooks at every batch, pausing and resuming, the module
 paths) is the difference between its row and the row of `record()` by hand; the rest is what
 flight-mode recording of these steps costs (statistics of every tensor, and copies of the
 parameters, activations and gradients of four blocks into the ring at every step), as measured for
-`record()` in "Recording overhead" above.
-
-Target:
-
-{chr(10).join(verdicts(res))}
+`record()` in "Recording overhead" above. With torch on two threads both cores train, and the
+recorder's copies and its writer take their time from training; with one, the writer has a core to
+itself and what remains is the training thread's own share (statistics, copies into the ring).
 
 Versions: torch {torch.__version__}, lightning {lightning.__version__}, transformers \
 {transformers.__version__}; {os.cpu_count()} CPUs (nproc), CPU capability \
@@ -296,28 +308,35 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per block (default 8)")
     ap.add_argument("--blocks", type=int, default=6, help="rounds of blocks (default 6)")
     ap.add_argument("--warmup", type=int, default=3, help="steps of each variant's warm-up block (default 3)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--threads", type=int, choices=(1, 2), action="append",
+                    help="torch threads (repeatable; default: 2, then 1)")
     ap.add_argument("--frameworks", nargs="+", choices=("lightning", "hf"), default=["lightning", "hf"])
     ap.add_argument("--write-docs", action="store_true", help=f"write {HEADING!r} in docs/PERFORMANCE.md")
     ap.add_argument("--docs", type=Path, default=DOCS, help="the file --write-docs writes (default: %(default)s)")
     args = ap.parse_args()
     if args.steps < 2 or args.blocks < 1 or args.warmup < 2:
         ap.error("--steps and --warmup need at least 2 steps, --blocks at least 1")
-    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")  # the frameworks' advice (data loader workers, ...)
     import lightning.pytorch  # noqa: F401 (before its loggers are quietened: importing sets them up)
     import transformers  # noqa: F401
 
     for name in ("lightning.pytorch", "lightning.fabric", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    print(f"{', '.join(args.frameworks)}: {args.blocks} blocks x {args.steps} steps per variant, "
-          f"{args.threads} torch threads; load average {os.getloadavg()[0]:.2f}", flush=True)
-    res = measure(args.frameworks, args.steps, args.blocks, args.warmup)
-    print()
-    print(table(res))
-    print("\n".join(verdicts(res)))
+    results: dict[int, dict[str, Any]] = {}
+    previous = torch.get_num_threads()
+    try:
+        for threads in args.threads or [2, 1]:
+            torch.set_num_threads(threads)
+            print(f"{', '.join(args.frameworks)}: {args.blocks} blocks x {args.steps} steps per variant, "
+                  f"{threads} torch threads; load average {os.getloadavg()[0]:.2f}", flush=True)
+            results[threads] = measure(args.frameworks, args.steps, args.blocks, args.warmup)
+            print()
+            print(table(results[threads]))
+            print("\n".join(verdicts(results[threads])) + "\n", flush=True)
+    finally:
+        torch.set_num_threads(previous)
     if args.write_docs:
-        write_section(HEADING, docs_text(res, " ".join(["python bench/callback_overhead.py", *sys.argv[1:]])),
+        write_section(HEADING, docs_text(results, " ".join(["python bench/callback_overhead.py", *sys.argv[1:]])),
                       args.docs)
 
 
