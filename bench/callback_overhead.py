@@ -270,8 +270,8 @@ Measured on {time.strftime("%Y-%m-%d %H:%M")} by `{command}` (bench/callback_ove
 What: a GPT-2 from `GPT2Config(n_layer={LAYERS}, n_embd={D_MODEL}, n_head={HEADS}, n_positions={SEQ},
 vocab_size={VOCAB})`, batch {BATCH} × {SEQ} tokens, AdamW, CPU, torch threads \
 {" and ".join(str(t) for t in results)} (on one thread, a core is free for the recorder's writer, as
-on most GPU hosts), trained by Lightning (the model inside a LightningModule) and by transformers' `Trainer`, with and
-without `PaperDebuggerCallback(path)`: flight mode, keep=2, no NaN; the callback records the
+on most GPU hosts), trained by Lightning (the model inside a LightningModule) and by transformers'
+`Trainer`, with and without `PaperDebuggerCallback(path)`: flight mode, keep=2, no NaN; the callback records the
 model's layers (`transformer.h.*`, chosen by `modules=None`: 4 forward and 4 backward steps per
 training step), statistics of every tensor, the bytes of the last two iterations held in the ring
 and written when training ends. A third variant records the same steps without the callback
