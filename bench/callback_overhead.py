@@ -51,7 +51,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from docs_section import DOCS, write_section  # noqa: E402 (bench/ is the script's directory)
+from docs_section import DOCS, torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
 
 import recorder  # noqa: E402
 from recorder.framework import auto_modules  # noqa: E402
@@ -323,18 +323,12 @@ def main() -> None:
     for name in ("lightning.pytorch", "lightning.fabric", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
     results: dict[int, dict[str, Any]] = {}
-    previous = torch.get_num_threads()
-    try:
-        for threads in args.threads or [2, 1]:
-            torch.set_num_threads(threads)
-            print(f"{', '.join(args.frameworks)}: {args.blocks} blocks x {args.steps} steps per variant, "
-                  f"{threads} torch threads; load average {os.getloadavg()[0]:.2f}", flush=True)
+    for threads in dict.fromkeys(args.threads or [2, 1]):  # each thread count once, in the order given
+        print(f"{', '.join(args.frameworks)}: {args.blocks} blocks x {args.steps} steps per variant, "
+              f"{threads} torch threads; load average {os.getloadavg()[0]:.2f}", flush=True)
+        with torch_threads(threads):
             results[threads] = measure(args.frameworks, args.steps, args.blocks, args.warmup)
-            print()
-            print(table(results[threads]))
-            print("\n".join(verdicts(results[threads])) + "\n", flush=True)
-    finally:
-        torch.set_num_threads(previous)
+        print("\n" + table(results[threads]) + "\n" + "\n".join(verdicts(results[threads])) + "\n", flush=True)
     if args.write_docs:
         write_section(HEADING, docs_text(results, " ".join(["python bench/callback_overhead.py", *sys.argv[1:]])),
                       args.docs)

@@ -1,9 +1,12 @@
 """What the benchmarks share: writing one section of docs/PERFORMANCE.md (leaving the others alone),
-and dropping a store from the page cache for cold measurements."""
+dropping a store from the page cache for cold measurements, and running with a given number of
+torch threads."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "PERFORMANCE.md"
@@ -35,3 +38,16 @@ def evict(path: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch on ``n`` intra-op threads inside the block, the previous number restored after it."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from docs_section import torch_threads  # bench/ is the script's directory
 
 import recorder
 
@@ -168,16 +169,6 @@ class Variant:
         for value in vars(self).values():
             if isinstance(value, list):
                 value.clear()
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def busy_cpu_seconds() -> float:
