@@ -3,8 +3,11 @@
 torch and numpy need three reads of a tensor for these (``aminmax``, ``sum``, ``dot``), each a
 separate call costing ~2-5 us of dispatch; on the CPU the reads are bound by arithmetic, not memory.
 This kernel reads the data once, in 64 lanes that the compiler turns into vector instructions: on one
-core ~2-3x faster than the three calls for tensors of 30 KB to 8 MB, ~10x for small ones
-(bench/step_cost.py, docs/PERFORMANCE.md). ``copy_sums`` also copies the data as it reads it: a
+core ~1.2-3x faster than the three calls for tensors of 30 KB to 8 MB, ~6-10x for small ones
+(Intel AVX-512 and AMD Zen 3 measured; bench/stats_kernel.py, docs/PERFORMANCE.md). The lanes are
+arrays in memory, so every update is a plain store of np.minimum/np.maximum: written as a
+conditional, LLVM made masked stores of them, microcoded on AMD Zen, where the kernel then ran 1.2-3.8x
+slower than torch. ``copy_sums`` also copies the data as it reads it: a
 payload that must be copied (full and flight modes) gets its statistics for the price of the copy.
 
 Importing this module imports numba and compiles (or loads from numba's on-disk cache) the kernel

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -349,3 +351,68 @@ def test_documents_are_zstd_once_whole_or_closed_and_lz4_while_rewritten(run_pat
     raw = int(zarr.open_group(str(run_path), mode="r")["rank0/docs/bytes"].shape[0])
     on_disk = sum(p.stat().st_size for p in (run_path / "rank0" / "docs").rglob("c/*"))
     assert on_disk * 1.8 < raw, (raw, on_disk)
+
+
+def test_commit_waits_for_payload_chunks_written_in_background(run_path, monkeypatch):
+    """Whole payload chunks are written on threads of their own; no manifest is written while one
+    is on its way (a commit waits for them), and a failed chunk write stops the recording like any
+    other failed write."""
+    from recorder.store import backend
+
+    gate, blocked, settling = threading.Event(), threading.Event(), threading.Event()
+    in_flight, at_manifest = [0], []
+    real_put, real_settle = backend.put, store_writer.StoreWriter._settle
+
+    def held_put(store, key, data, **kwargs):
+        if key.endswith("manifest.json"):
+            at_manifest.append(in_flight[0])
+        if "/blobs/" not in key or "/c/" not in key:
+            return real_put(store, key, data, **kwargs)
+        in_flight[0] += 1
+        blocked.set()
+        assert gate.wait(timeout=60), "the test never opened the gate"
+        try:
+            return real_put(store, key, data, **kwargs)
+        finally:
+            in_flight[0] -= 1
+
+    def settle(self):
+        settling.set()
+        real_settle(self)
+
+    monkeypatch.setattr(backend, "put", held_put)
+    monkeypatch.setattr(store_writer.StoreWriter, "_settle", settle)
+    x = torch.randn(1 << 20)  # 4 MiB: one whole chunk per copy (fewer than PUTS_IN_FLIGHT in all)
+    run = recorder.record(run_path, mode="full", flush_interval=3600)
+    scale(x)
+    flushed: list[bool] = []
+    flusher = threading.Thread(target=lambda: flushed.append(run.flush()))
+    flusher.start()
+    assert blocked.wait(timeout=60) and settling.wait(timeout=60)  # the commit waits, a chunk held
+    manifest = json.loads((Path(run_path) / layout.manifest_key(0)).read_text())
+    assert manifest["ranks"]["0"]["payloads"] == 0
+    gate.set()
+    flusher.join(timeout=60)
+    assert flushed == [True]
+    assert at_manifest and set(at_manifest) == {0}  # every manifest written with no chunk on its way
+    rank = RunReader(run_path).rank(0)
+    assert rank.lengths["payloads"] == 2  # input and output
+    got = [rank.tensor(r) for r in rank.tensor_records(0)]
+    assert torch.equal(got[0].view(torch.int32), x.view(torch.int32))
+    assert torch.equal(got[1].view(torch.int32), (x * 2.0).view(torch.int32))
+    run.close()
+
+    def failing_put(store, key, data, **kwargs):
+        if "/blobs/" in key and "/c/" in key:
+            raise OSError(28, "No space left on device")
+        return real_put(store, key, data, **kwargs)
+
+    monkeypatch.setattr(backend, "put", failing_put)
+    other = str(Path(run_path).with_name("other.zarr"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with recorder.record(other, mode="full") as run2:
+            assert torch.equal(scale(x), x * 2.0)  # training goes on
+    ours = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+    assert len(ours) == 1 and "full" in str(ours[0].message)
+    assert run2.status == "incomplete" and RunReader(other).status == "incomplete"
