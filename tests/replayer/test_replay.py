@@ -137,6 +137,19 @@ def test_replay_leaves_the_callers_rng_and_settings_alone(gpt_run: Path) -> None
         torch.set_num_threads(threads)
 
 
+def test_another_cpu_capability_is_reported_and_left_alone(gpt_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process cannot change the CPU capability torch dispatches to: a replay where it differs
+    from the recording's says so, with the variable that sets it, and still runs."""
+    rec = replayer.open(gpt_run)
+    recorded = rec.step("Attention@iter=1#0").settings["cpu_capability"]
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "NOT_" + recorded)
+    res = replayer.replay(rec, "Attention@iter=1#0")
+    assert res.match  # the kernels are the ones this process has; here, the same
+    assert [w for w in res.warnings if w.startswith("cpu_capability")] == [
+        f"cpu_capability was {recorded!r} when recorded and is {'NOT_' + recorded!r} here; it cannot be changed "
+        "in a running process (set ATEN_CPU_CAPABILITY before starting)"]
+
+
 def test_forcing_another_thread_count_is_reported_as_a_likely_cause(gpt_run: Path, tmp_path: Path) -> None:
     """LayerNorm's parameter grads depend on the thread count: with --threads 1 the block's backward
     differs, and the report names the forced setting and the likely cause."""

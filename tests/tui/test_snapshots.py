@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import replayer
 from tui.app import PdbgApp
@@ -69,7 +70,13 @@ async def _screens(tmp: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def screens(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return asyncio.run(_screens(tmp_path_factory.mktemp("snap")))
+    # The replay screen lists settings that differ from the recording's, and a process cannot change
+    # its CPU capability: here it reads as the recording's, so that the screens are the same on every
+    # machine (the note itself: tests/replayer/test_replay.py).
+    recorded = replayer.open(BUNDLE).main_step.settings.get("cpu_capability")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.backends.cpu, "get_cpu_capability", lambda: recorded)
+        return asyncio.run(_screens(tmp_path_factory.mktemp("snap")))
 
 
 @pytest.mark.parametrize("name", ["main", "inspector", "alerts", "replay"])
