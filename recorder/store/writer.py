@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import queue
 import socket
 import threading
 import time
@@ -32,6 +33,38 @@ _DOC_CACHE = 1 << 16  # documents remembered for deduplication (~10 MB of index 
 _STR_CACHE = 1 << 16  # short strings (names, dtypes, devices) remembered by value
 # Whole payload chunks (layout.BLOB_CHUNK_BYTES each, encoded) being written and synced at once.
 PUTS_IN_FLIGHT = 4
+
+
+class _DaemonThreads:
+    """A few daemon threads running submitted calls, each answered by a Future. Unlike a
+    ThreadPoolExecutor's workers, which the interpreter joins at exit, a thread stuck in a write to
+    a store that stopped answering never holds up the exit of the user's process (the writer thread
+    is a daemon for the same reason)."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
+                    future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        """Let the threads end once the calls submitted before are done (not waited for)."""
+        for _ in self._threads:
+            self._calls.put(None)
 
 
 def dumps(doc: Any) -> bytes:
@@ -267,7 +300,7 @@ class StoreWriter:
         self._io: ThreadPoolExecutor | None = None
         self._puts: deque[Future[None]] = deque()  # whole payload chunks on their way to disk (_put_later)
         self._puts_lock = threading.Lock()
-        self._put_pool: ThreadPoolExecutor | None = None
+        self._put_pool: _DaemonThreads | None = None
         for arr in self.arrays.values():
             if arr.col.kind == "blob":
                 arr.put_whole = self._put_later
@@ -371,7 +404,7 @@ class StoreWriter:
             if self._put_pool is None:
                 # Apart from _parallel's pool: its threads append to arrays too, and must never wait
                 # for a put queued behind them.
-                self._put_pool = ThreadPoolExecutor(max_workers=PUTS_IN_FLIGHT, thread_name_prefix="pdbg-put")
+                self._put_pool = _DaemonThreads(PUTS_IN_FLIGHT, "pdbg-put")
             while len(self._puts) >= PUTS_IN_FLIGHT:
                 self._puts.popleft().result()
             self._puts.append(self._put_pool.submit(backend.put, self.store, key, data))
@@ -533,9 +566,10 @@ class StoreWriter:
             self._parallel(finish, list(self.arrays.values()))
             self._settle()
         finally:
-            for pool in (self._io, self._put_pool):
-                if pool is not None:
-                    pool.shutdown(wait=True)
+            if self._io is not None:
+                self._io.shutdown(wait=True)
+            if self._put_pool is not None:
+                self._put_pool.shutdown()  # settled above, or failed: nothing is waited for
             self._io = self._put_pool = None
         self.status = status
         self.write_manifest()
@@ -550,6 +584,9 @@ class StoreWriter:
         disk. Nothing is trimmed: no file but the manifest and the root metadata is written (there
         may be room for no more), and readers slice to the manifest anyway."""
         self.info.update(info)
+        if self._put_pool is not None:  # chunks of rows that will never be committed: not waited for
+            self._put_pool.shutdown()
+            self._put_pool, self._puts = None, deque()
         raw = backend.get(self.store, layout.manifest_key(self.rank))
         try:
             committed = json.loads(raw)["ranks"][str(self.rank)] if raw is not None else None
