@@ -50,9 +50,7 @@ def _part(x, out, copy):  # type: ignore[no-untyped-def]
             v = x[i + j]
             if copy:  # loop-invariant: the compiler makes two loops of this one
                 out[i + j] = v
-            # Written as np.minimum, not ``v if v < lo[j] else lo[j]``: the lanes live in memory
-            # (numba arrays), and a conditional becomes a masked store, microcoded on AMD Zen (3x
-            # slower there); np.minimum is a compare and a blend, and lets a NaN through to the result.
+            # np.minimum, not a conditional: see the module's docstring (masked stores on AMD Zen)
             lo[j] = np.minimum(lo[j], v)
             hi[j] = np.maximum(hi[j], v)
             s[j] += v

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -36,10 +36,10 @@ PUTS_IN_FLIGHT = 4
 
 
 class _DaemonThreads:
-    """A few daemon threads running submitted calls, each answered by a Future. Unlike a
-    ThreadPoolExecutor's workers, which the interpreter joins at exit, a thread stuck in a write to
-    a store that stopped answering never holds up the exit of the user's process (the writer thread
-    is a daemon for the same reason)."""
+    """A few daemon threads running submitted calls, each answered by a Future: the writer's I/O
+    threads. Unlike a ThreadPoolExecutor's workers, which the interpreter joins at exit, a thread
+    stuck in a write to a store that stopped answering never holds up the exit of the user's process
+    (the writer thread is a daemon for the same reason)."""
 
     def __init__(self, n: int, name: str) -> None:
         self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -61,10 +61,18 @@ class _DaemonThreads:
                 except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
                     future.set_exception(exc)
 
-    def shutdown(self) -> None:
-        """Let the threads end once the calls submitted before are done (not waited for)."""
+    def map(self, fn: Any, items: list[Any]) -> None:
+        """``fn`` over ``items`` on these threads; returns when all are done, raising the first failure."""
+        for future in [self.submit(fn, item) for item in items]:
+            future.result()
+
+    def shutdown(self, wait: bool = False) -> None:
+        """Let the threads end once the calls submitted before are done; ``wait``: join them."""
         for _ in self._threads:
             self._calls.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
 
 
 def dumps(doc: Any) -> bytes:
@@ -297,7 +305,7 @@ class StoreWriter:
         self._str_ids: dict[str, int] = {}
         self._identity_ids: dict[int, tuple[Any, int]] = {}
         self._pending: dict[int, dict[str, Any]] = {}
-        self._io: ThreadPoolExecutor | None = None
+        self._io: _DaemonThreads | None = None
         self._puts: deque[Future[None]] = deque()  # whole payload chunks on their way to disk (_put_later)
         self._puts_lock = threading.Lock()
         self._put_pool: _DaemonThreads | None = None
@@ -402,7 +410,7 @@ class StoreWriter:
         a chunk that is not on disk."""
         with self._puts_lock:
             if self._put_pool is None:
-                # Apart from _parallel's pool: its threads append to arrays too, and must never wait
+                # Threads apart from _parallel's: those append to arrays too, and must never wait
                 # for a put queued behind them.
                 self._put_pool = _DaemonThreads(PUTS_IN_FLIGHT, "pdbg-put")
             while len(self._puts) >= PUTS_IN_FLIGHT:
@@ -423,9 +431,8 @@ class StoreWriter:
                 fn(item)
             return
         if self._io is None:
-            self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdbg-io")
-        for _ in self._io.map(fn, items):  # re-raises the first failure
-            pass
+            self._io = _DaemonThreads(4, "pdbg-io")
+        self._io.map(fn, items)
 
     # -- documents, dims, payloads ------------------------------------------------------------
     def doc(self, obj: Any, *, remember: bool = True) -> int:
