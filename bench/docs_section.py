@@ -1,11 +1,13 @@
 """What the benchmarks share: writing one section of docs/PERFORMANCE.md (leaving the others alone),
-dropping a store from the page cache for cold measurements, and running with a given number of
-torch threads."""
+dropping a store from the page cache for cold measurements, running with a given number of torch
+threads, and judging a measured ratio against its target with the spread of the measurement."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,3 +53,27 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+def median_interval(values: list[float], level: float = 0.95, resamples: int = 4000,
+                    seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the median of ``values`` (the same seed gives the same
+    interval for the same values). With rounds paired against a baseline, this is how far the
+    median ratio could be from the one measured, given how much the rounds disagree."""
+    if len(values) < 2:
+        return values[0], values[0]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    cut = int((1 - level) / 2 * resamples)
+    return medians[cut], medians[resamples - 1 - cut]
+
+
+def judge(interval: tuple[float, float], limit: float) -> str:
+    """"met" when the whole interval is within ``limit``, "not met" when all of it is above, and
+    "undecided" when it spans the limit: on that machine, in that run, the measurement cannot tell."""
+    low, high = interval
+    if high <= limit:
+        return "met"
+    if low > limit:
+        return "not met"
+    return "undecided"
