@@ -241,11 +241,12 @@ def verdicts(res: dict[str, Any]) -> list[str]:
     out = []
     for fw in res["frameworks"]:
         vs = res["variants"]
-        ratio = statistics.median(vs[f"{fw}+callback"].per_step) / statistics.median(vs[fw].per_step)
+        callback = vs[f"{fw}+callback"].per_step
+        ratio = statistics.median(callback) / statistics.median(vs[fw].per_step)
         # Each round's callback block against the same round's block without it: drift cancels.
-        paired = [c / b for c, b in zip(vs[f"{fw}+callback"].per_step, vs[fw].per_step, strict=True)]
+        paired = [c / b for c, b in zip(callback, vs[fw].per_step, strict=True)]
         low, high = median_interval(paired)
-        own = statistics.median(vs[f"{fw}+callback"].per_step) / statistics.median(vs[f"{fw}+record"].per_step)
+        own = statistics.median(callback) / statistics.median(vs[f"{fw}+record"].per_step)
         out.append(f"- {fw}: the callback ≤ {TARGET:.2f}x the step time: paired {statistics.median(paired):.2f}x "
                    f"(95% interval {low:.2f}–{high:.2f}) — **{judge((low, high), TARGET)}**; ratio of medians "
                    f"{ratio:.2f}x (against the same steps recorded by hand with record(): {own:.2f}x)")

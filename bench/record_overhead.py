@@ -346,30 +346,29 @@ def measure_long(threads: int, mode: str, iterations: int, blocks: int, warmup: 
         total, raw, disk = store_sizes(path)
     n = warmup + blocks * iterations
     base_s = statistics.median(baseline.per_iter)
+    # each block against the baseline's block of the same round: drift between rounds cancels
+    paired = [r / b for r, b in zip(rec.per_iter, baseline.per_iter, strict=True)]
     return {"threads": threads, "mode": mode, "iterations": iterations, "blocks": blocks,
             "seconds": time.perf_counter() - t_start, "baseline": base_s,
             "baseline_q": (quantile(baseline.per_iter, 0.25), quantile(baseline.per_iter, 0.75)),
             "per_iter": statistics.median(rec.per_iter),
             "q": (quantile(rec.per_iter, 0.25), quantile(rec.per_iter, 0.75)),
-            # each block against the baseline's block of the same round: drift between rounds cancels
-            "paired": [r / b for r, b in zip(rec.per_iter, baseline.per_iter, strict=True)],
+            "paired": paired,
             "cpu_per_iter": statistics.median(rec.cpu_per_iter), "base_cpu": statistics.median(baseline.cpu_per_iter),
             "open_s": open_s, "close_s": close_s, "session_iterations": n,
             "session_per_iter": (open_s + first_s + sum(rec.per_iter) * iterations + close_s) / n,
-            "session_paired": session_paired(rec.per_iter, baseline.per_iter, open_s + first_s + close_s,
-                                             base_s, blocks * iterations, n),
+            "session_paired": session_paired(paired, open_s + first_s + close_s, base_s, blocks * iterations, n),
             "store_bytes": total / n, "raw_payload": raw / n, "disk_payload": disk / n,
             "others_max": max(o for v in variants for o in v.others), "problems": rec.problems}
 
 
-def session_paired(blocks: list[float], baselines: list[float], fixed_s: float, base_s: float,
-                   measured: int, n: int) -> tuple[float, float, float]:
+def session_paired(paired: list[float], fixed_s: float, base_s: float, measured: int,
+                   n: int) -> tuple[float, float, float]:
     """A whole session's cost against the baseline, with the drift between rounds taken out: its
     measured iterations at the paired ratio (median over rounds of block / baseline block of the
     same round) of the baseline's median, plus its fixed costs as timed (open, the first
     iterations, close), over all its iterations. Returns the estimate and its 95% interval (the
     bootstrap interval of the paired median carried through)."""
-    paired = [b / a for b, a in zip(blocks, baselines, strict=True)]
 
     def whole(ratio: float) -> float:
         return (measured * ratio * base_s + fixed_s) / (n * base_s)
@@ -681,7 +680,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=12, help="measured blocks per variant (default 12)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up iterations per variant (default 2)")
     parser.add_argument("--long-blocks", type=int, default=12,
-                        help="blocks of each mode's long session (default 8; 0 leaves them out)")
+                        help="blocks of each mode's long session (default %(default)s; 0 leaves them out)")
     parser.add_argument("--write-docs", action="store_true", help="rewrite its sections of docs/PERFORMANCE.md")
     parser.add_argument("--profile", choices=RECORDING, help="cProfile this variant alone instead")
     parser.add_argument("--top", type=int, default=25, help="rows of the profile (default 25)")
