@@ -45,3 +45,37 @@ def test_interval_narrows_when_rounds_agree() -> None:
 
 def test_a_single_round_is_its_own_interval() -> None:
     assert median_interval([1.07]) == (1.07, 1.07)
+
+
+def test_sessions_per_block_are_judged_paired() -> None:
+    """A target's per-block line pairs each block with the baseline's block of its round and is
+    judged on that ratio's interval, like the long session's line."""
+    import record_overhead
+
+    base = [0.40, 0.60, 0.40, 0.60, 0.40, 0.60]
+    steady = [b * 1.05 for b in base]  # 5% over the baseline of its own round, every round
+    spread = [b * r for b, r in zip(base, (1.00, 1.20, 1.02, 1.18, 1.04, 1.16), strict=True)]
+    for rec, verdict in ((steady, "1.05x (1.05–1.05) — met"), (spread, "— undecided")):
+        variants = {"baseline": {"per_iter": statistics.median(base), "samples": base}}
+        for mode in ("stats", "full", "flight"):
+            variants[mode] = {"per_iter": statistics.median(rec), "samples": rec, "loop_samples": rec}
+        lines = record_overhead.target_lines({2: {"iterations": 5, "variants": variants}}, {})
+        (stats_line,) = [line for line in lines if line.startswith("- stats ≤ 1.10x at 2 thread")]
+        assert "a session per 5 iterations, paired: " in stats_line and verdict in stats_line
+
+
+def test_callback_verdicts_without_the_by_hand_variant() -> None:
+    """callback_overhead leaves record() by hand out unless asked (--by-hand): its table and
+    verdicts then stand without it."""
+    import callback_overhead as cb
+
+    def variant(name: str, how: str, per_step: list[float]) -> cb.Variant:
+        return cb.Variant(name, "hf", None, how, per_step=per_step, overhead=[0.1] * len(per_step),
+                          ring_peak=[10**6] if how else [])
+
+    res = {"frameworks": ["hf"], "by_hand": False,
+           "variants": {"hf": variant("hf", "", [1.0, 1.2, 1.0, 1.2]),
+                        "hf+callback": variant("hf+callback", "callback", [1.05, 1.38, 1.05, 1.38])}}
+    (line,) = cb.verdicts(res)
+    assert "paired 1.10x (95% interval 1.05–1.15) — **undecided**" in line and "by hand" not in line
+    assert "record() by hand" not in cb.table(res)
