@@ -28,7 +28,7 @@ undecided when it spans it (docs_section.judge).
 
 Usage:
   python bench/callback_overhead.py                    # 12 blocks x 10 steps per variant, torch on 2
-                                                       # then 1 thread(s), ~10 min on 2 cores
+                                                       # then 1 thread(s), ~13 min on 2 cores
   python bench/callback_overhead.py --by-hand          # also record() by hand (~15 min)
   python bench/callback_overhead.py --threads 1        # one thread count only
   python bench/callback_overhead.py --blocks 2 --steps 4 --frameworks hf    # quick look
@@ -256,8 +256,8 @@ def verdicts(res: dict[str, Any]) -> list[str]:
         by_hand = vs.get(f"{fw}+record")
         own = ("" if by_hand is None else " (against the same steps recorded by hand with record(): "
                f"{statistics.median(callback) / statistics.median(by_hand.per_step):.2f}x)")
-        out.append(f"- {fw}: the callback ≤ {TARGET:.2f}x the step time: paired {statistics.median(paired):.2f}x "
-                   f"(95% interval {low:.2f}–{high:.2f}) — **{judge((low, high), TARGET)}**; ratio of medians "
+        out.append(f"- {fw}: the callback ≤ {TARGET:.2f}x the step time: paired {statistics.median(paired):.3f}x "
+                   f"(95% interval {low:.3f}–{high:.3f}) — **{judge((low, high), TARGET)}**; ratio of medians "
                    f"{ratio:.2f}x{own}")
     return out
 

@@ -476,8 +476,8 @@ def target_lines(results: dict[int, dict[str, Any]], longs: dict[int, list[dict[
         parts = []
         if long is not None:
             estimate, low, high = long["session_paired"]
-            parts.append(f"one long session, open and close included, paired: {estimate:.2f}x (95% interval "
-                         f"{low:.2f}–{high:.2f}) — **{judge((low, high), limit)}** (ratio of medians "
+            parts.append(f"one long session, open and close included, paired: {estimate:.3f}x (95% interval "
+                         f"{low:.3f}–{high:.3f}) — **{judge((low, high), limit)}** (ratio of medians "
                          f"{long['session_per_iter'] / long['baseline']:.2f}x)")
         if res is not None:
             # Flight mode writes its ring once, when the run ends: shown per block on the training
@@ -487,7 +487,7 @@ def target_lines(results: dict[int, dict[str, Any]], longs: dict[int, list[dict[
             low, high = median_interval(paired)
             what = "training loop of " if name == "flight" else ""
             parts.append(f"{what}a session per {res['iterations']} iterations, paired: "
-                         f"{statistics.median(paired):.2f}x ({low:.2f}–{high:.2f}) — {judge((low, high), limit)}")
+                         f"{statistics.median(paired):.3f}x ({low:.3f}–{high:.3f}) — {judge((low, high), limit)}")
         lines.append(f"- {name} ≤ {limit:.2f}x at {threads} thread(s): "
                      + ("; ".join(parts) if parts else "not measured in this run"))
     return lines

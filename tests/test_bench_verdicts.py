@@ -55,7 +55,7 @@ def test_sessions_per_block_are_judged_paired() -> None:
     base = [0.40, 0.60, 0.40, 0.60, 0.40, 0.60]
     steady = [b * 1.05 for b in base]  # 5% over the baseline of its own round, every round
     spread = [b * r for b, r in zip(base, (1.00, 1.20, 1.02, 1.18, 1.04, 1.16), strict=True)]
-    for rec, verdict in ((steady, "1.05x (1.05–1.05) — met"), (spread, "— undecided")):
+    for rec, verdict in ((steady, "1.050x (1.050–1.050) — met"), (spread, "— undecided")):
         variants = {"baseline": {"per_iter": statistics.median(base), "samples": base}}
         for mode in ("stats", "full", "flight"):
             variants[mode] = {"per_iter": statistics.median(rec), "samples": rec, "loop_samples": rec}
@@ -77,5 +77,5 @@ def test_callback_verdicts_without_the_by_hand_variant() -> None:
            "variants": {"hf": variant("hf", "", [1.0, 1.2, 1.0, 1.2]),
                         "hf+callback": variant("hf+callback", "callback", [1.05, 1.38, 1.05, 1.38])}}
     (line,) = cb.verdicts(res)
-    assert "paired 1.10x (95% interval 1.05–1.15) — **undecided**" in line and "by hand" not in line
+    assert "paired 1.100x (95% interval 1.050–1.150) — **undecided**" in line and "by hand" not in line
     assert "record() by hand" not in cb.table(res)
