@@ -57,7 +57,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from docs_section import DOCS, judge, median_interval, torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
+from docs_section import DOCS, interval_text, judged, paired, torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
 
 import recorder  # noqa: E402
 from recorder.framework import auto_modules  # noqa: E402
@@ -250,14 +250,12 @@ def verdicts(res: dict[str, Any]) -> list[str]:
         vs = res["variants"]
         callback = vs[f"{fw}+callback"].per_step
         ratio = statistics.median(callback) / statistics.median(vs[fw].per_step)
-        # Each round's callback block against the same round's block without it: drift cancels.
-        paired = [c / b for c, b in zip(callback, vs[fw].per_step, strict=True)]
-        low, high = median_interval(paired)
+        estimate, interval, verdict = judged(paired(callback, vs[fw].per_step), TARGET)
         by_hand = vs.get(f"{fw}+record")
         own = ("" if by_hand is None else " (against the same steps recorded by hand with record(): "
                f"{statistics.median(callback) / statistics.median(by_hand.per_step):.2f}x)")
-        out.append(f"- {fw}: the callback ≤ {TARGET:.2f}x the step time: paired {statistics.median(paired):.3f}x "
-                   f"(95% interval {low:.3f}–{high:.3f}) — **{judge((low, high), TARGET)}**; ratio of medians "
+        out.append(f"- {fw}: the callback ≤ {TARGET:.2f}x the step time: paired {estimate:.3f}x "
+                   f"(95% interval {interval_text(interval)}) — **{verdict}**; ratio of medians "
                    f"{ratio:.2f}x{own}")
     return out
 

@@ -77,3 +77,20 @@ def judge(interval: tuple[float, float], limit: float) -> str:
     if low > limit:
         return "not met"
     return "undecided"
+
+
+def paired(values: list[float], baseline: list[float]) -> list[float]:
+    """Each round's value over the baseline's of the same round: drift between rounds cancels."""
+    return [v / b for v, b in zip(values, baseline, strict=True)]
+
+
+def judged(ratios: list[float], limit: float) -> tuple[float, tuple[float, float], str]:
+    """The median of paired ratios, its 95% interval, and the verdict against ``limit``."""
+    interval = median_interval(ratios)
+    return statistics.median(ratios), interval, judge(interval, limit)
+
+
+def interval_text(interval: tuple[float, float]) -> str:
+    """An interval as verdict lines print it: three decimals, so that an end just past a target
+    does not read as the target itself."""
+    return f"{interval[0]:.3f}–{interval[1]:.3f}"

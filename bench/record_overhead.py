@@ -55,7 +55,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from docs_section import judge, median_interval, torch_threads  # bench/ is the script's directory
+
+# bench/ is the script's directory
+from docs_section import interval_text, judge, judged, median_interval, paired, torch_threads
 
 import recorder
 
@@ -347,22 +349,22 @@ def measure_long(threads: int, mode: str, iterations: int, blocks: int, warmup: 
     n = warmup + blocks * iterations
     base_s = statistics.median(baseline.per_iter)
     # each block against the baseline's block of the same round: drift between rounds cancels
-    paired = [r / b for r, b in zip(rec.per_iter, baseline.per_iter, strict=True)]
+    ratios = paired(rec.per_iter, baseline.per_iter)
     return {"threads": threads, "mode": mode, "iterations": iterations, "blocks": blocks,
             "seconds": time.perf_counter() - t_start, "baseline": base_s,
             "baseline_q": (quantile(baseline.per_iter, 0.25), quantile(baseline.per_iter, 0.75)),
             "per_iter": statistics.median(rec.per_iter),
             "q": (quantile(rec.per_iter, 0.25), quantile(rec.per_iter, 0.75)),
-            "paired": paired,
+            "paired": ratios,
             "cpu_per_iter": statistics.median(rec.cpu_per_iter), "base_cpu": statistics.median(baseline.cpu_per_iter),
             "open_s": open_s, "close_s": close_s, "session_iterations": n,
             "session_per_iter": (open_s + first_s + sum(rec.per_iter) * iterations + close_s) / n,
-            "session_paired": session_paired(paired, open_s + first_s + close_s, base_s, blocks * iterations, n),
+            "session_paired": session_paired(ratios, open_s + first_s + close_s, base_s, blocks * iterations, n),
             "store_bytes": total / n, "raw_payload": raw / n, "disk_payload": disk / n,
             "others_max": max(o for v in variants for o in v.others), "problems": rec.problems}
 
 
-def session_paired(paired: list[float], fixed_s: float, base_s: float, measured: int,
+def session_paired(ratios: list[float], fixed_s: float, base_s: float, measured: int,
                    n: int) -> tuple[float, float, float]:
     """A whole session's cost against the baseline, with the drift between rounds taken out: its
     measured iterations at the paired ratio (median over rounds of block / baseline block of the
@@ -373,8 +375,8 @@ def session_paired(paired: list[float], fixed_s: float, base_s: float, measured:
     def whole(ratio: float) -> float:
         return (measured * ratio * base_s + fixed_s) / (n * base_s)
 
-    low, high = median_interval(paired)
-    return whole(statistics.median(paired)), whole(low), whole(high)
+    low, high = median_interval(ratios)
+    return whole(statistics.median(ratios)), whole(low), whole(high)
 
 
 def long_table(longs: list[dict[str, Any]]) -> str:
@@ -477,17 +479,16 @@ def target_lines(results: dict[int, dict[str, Any]], longs: dict[int, list[dict[
         if long is not None:
             estimate, low, high = long["session_paired"]
             parts.append(f"one long session, open and close included, paired: {estimate:.3f}x (95% interval "
-                         f"{low:.3f}–{high:.3f}) — **{judge((low, high), limit)}** (ratio of medians "
+                         f"{interval_text((low, high))}) — **{judge((low, high), limit)}** (ratio of medians "
                          f"{long['session_per_iter'] / long['baseline']:.2f}x)")
         if res is not None:
             # Flight mode writes its ring once, when the run ends: shown per block on the training
             # loop (its close, which writes two iterations, is shown with the sessions).
             samples = res["variants"][name]["loop_samples" if name == "flight" else "samples"]
-            paired = [s / b for s, b in zip(samples, res["variants"]["baseline"]["samples"], strict=True)]
-            low, high = median_interval(paired)
+            estimate, interval, verdict = judged(paired(samples, res["variants"]["baseline"]["samples"]), limit)
             what = "training loop of " if name == "flight" else ""
             parts.append(f"{what}a session per {res['iterations']} iterations, paired: "
-                         f"{statistics.median(paired):.3f}x ({low:.3f}–{high:.3f}) — {judge((low, high), limit)}")
+                         f"{estimate:.3f}x ({interval_text(interval)}) — {verdict}")
         lines.append(f"- {name} ≤ {limit:.2f}x at {threads} thread(s): "
                      + ("; ".join(parts) if parts else "not measured in this run"))
     return lines
@@ -521,7 +522,10 @@ OTHER_SECTIONS = ("\n## Recording overhead: spread between runs", "\n## Replay s
 def write_docs(results: dict[int, dict[str, Any]], longs: dict[int, list[dict[str, Any]]],
                command: str) -> None:
     any_res = next(iter(results.values()))
-    longs_rounds = next((r[0]["blocks"] for r in longs.values() if r), 0)
+    rounds = next((r[0]["blocks"] for r in longs.values() if r), 0)
+    long_rounds = (f"A long session has {rounds} rounds: the interval narrows as one over the square root of "
+                   "the rounds, and single iterations on a shared 2-core VM vary by ±10%." if rounds else
+                   "This run had no long sessions (--long-blocks 0).")
     text = f"""# Recording overhead
 
 Measured on {time.strftime("%Y-%m-%d %H:%M")} by `{command}`.
@@ -578,8 +582,7 @@ forward, cross-entropy loss, backward, AdamW step, `zero_grad`. Variants:
   median (rounds resampled, fixed seed) carried through the same formula. A target is **met** when
   the whole interval is within it, **not met** when all of it is above, and **undecided** when
   the interval spans it: the rounds of that run disagree by more than the margin, and running it
-  again decides nothing either. A long session has {longs_rounds} rounds: the interval narrows as
-  one over the square root of the rounds, and single iterations on a shared 2-core VM vary by ±10%.
+  again decides nothing either. {long_rounds}
   The sessions per block are shown the same way (each block against the baseline's block of its
   round), for comparison: they pay a session's fixed costs in every block.
 - disk MB/iter: all files of the store / iterations (apparent sizes); compression: uncompressed
