@@ -4,6 +4,13 @@ The training thread hands over snapshots (payload bytes it copied, statistics, s
 thread hashes what came from accelerators, deduplicates, encodes and writes, and commits every
 ``flush_interval`` seconds. Only one thread ever touches the store, so no update is lost.
 
+The writer is woken in batches, not for every item: once ``WAKE_ITEMS`` items are queued, once the
+queued bytes reach ``WAKE_SHARE`` of a budget, for a flush or the close, before training waits for
+room, and otherwise ``WAKE_S`` after it went idle. A wake-up costs the training thread more than
+the item it is for: the writer takes the interpreter lock at once and holds it while training's
+next Python line waits; woken for each of a small step's items, it doubled what a step cost
+(bench/step_cost.py, docs/PERFORMANCE.md "Per-step cost").
+
 When the store is slower than training (docs/RELIABILITY.md, "A slow store"), payload bytes are
 what gives way: with ``when_slow="drop_payloads"`` (the default) training waits for room at most
 ``WAIT_CAP_S`` at a time and ``WAIT_SHARE`` of its time overall, and a payload that finds no room
@@ -41,6 +48,9 @@ STEP_BYTES, TENSOR_BYTES = 32 << 10, 1 << 10  # a queued step's memory: its RNG 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _MIN_WAIT_S = 0.002
 ABANDON_WAIT_S = 10.0  # close(): the longest it waits for a failed writer to publish "incomplete"
+WAKE_ITEMS = 64  # items queued before the writer is woken (see the module's docstring)...
+WAKE_SHARE = 8  # ...or 1/8 of the queue's byte budget (payloads), or of the records' budget
+WAKE_S = 0.25  # ...or this long after the writer went idle: an item waits at most this before it is written
 
 
 class WriterStalled(TimeoutError):
@@ -152,8 +162,15 @@ class Pipeline:
             if record:
                 self._record_bytes += record
                 self.peak_record_bytes = max(self.peak_record_bytes, self._record_bytes)
-            self._cond.notify_all()
+            if self._wake_due(item):
+                self._cond.notify_all()
         return True
+
+    def _wake_due(self, item: Any) -> bool:
+        """Whether to wake the writer for the item just queued (the module's docstring says why not always)."""
+        return (not isinstance(item, (StepItem, PayloadItem, ForgetIterations)) or len(self._queue) >= WAKE_ITEMS
+                or self._bytes * WAKE_SHARE >= self.max_queue_bytes
+                or self._record_bytes * WAKE_SHARE >= self.max_record_bytes)
 
     def _fits(self, nbytes: int) -> bool:
         # A payload larger than the whole bound goes alone, or it could never be recorded.
@@ -173,6 +190,7 @@ class Pipeline:
         if self._allowance < _MIN_WAIT_S:  # a wait this short would cost more than it could gain
             return
         deadline = now + self._allowance
+        self._cond.notify_all()  # the writer makes the room: it may be waiting for a batch to fill
         while self.error is None and not self._fits(nbytes):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -186,6 +204,7 @@ class Pipeline:
         """Wait until ``ready()``; give the writer up (``error``) once it has made no progress for
         ``backpressure_timeout`` seconds, so training is never held forever."""
         start = time.monotonic()
+        self._cond.notify_all()  # the writer makes the room: it may be waiting for a batch to fill
         while self.error is None and not ready():
             idle = time.monotonic() - self._progress
             if idle >= self.backpressure_timeout:
@@ -271,7 +290,7 @@ class Pipeline:
                         self._cond.notify_all()
                         entry = None
                     if not self._queue and self.error is None:
-                        self._cond.wait(timeout=self.flush_interval)
+                        self._cond.wait(timeout=min(self.flush_interval, WAKE_S))
                     if self.error is not None:  # the training side gave up on this thread (stalled)
                         break
                     entry = self._queue.popleft() if self._queue else None

@@ -16,6 +16,7 @@ import torch
 import zarr
 
 import recorder
+from recorder import pipeline as pipeline_mod
 from recorder import stats
 from recorder.store import layout
 from recorder.store import writer as store_writer
@@ -108,6 +109,45 @@ def test_queue_memory_is_bounded(run_path):
             scale(torch.randn(128 * 1024))  # 512 KiB in, 512 KiB out per call
     assert run.pipeline.peak_queue_bytes <= (1 << 20) + (512 << 10) + 1
     assert len(RunReader(run_path).rank(0)) == 40
+
+
+def test_writer_is_woken_in_batches_and_by_a_flush(run_path, monkeypatch):
+    """Small steps queue up without waking the writer (a wake-up per item doubled a small step's
+    cost); a flush wakes it and commits all of them."""
+    monkeypatch.setattr(pipeline_mod, "WAKE_S", 3600.0)
+    with recorder.record(run_path, mode="stats", flush_interval=3600) as run:
+        assert run.pipeline.ready.wait(60)
+        for i in range(10):  # 10 step records, fewer than WAKE_ITEMS
+            scale(torch.full((4,), float(i)))
+        assert len(run.pipeline._queue) == 10  # nothing woke the writer
+        assert run.flush()
+        assert not run.pipeline._queue
+        assert len(RunReader(run_path).rank(0)) == 10
+        for i in range(pipeline_mod.WAKE_ITEMS + 5):  # a batch: the writer is woken without a flush
+            scale(torch.full((4,), float(i)))
+        deadline = time.monotonic() + 60
+        while len(run.pipeline._queue) >= pipeline_mod.WAKE_ITEMS and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the queue's length: there is no event to wait on
+        assert len(run.pipeline._queue) < pipeline_mod.WAKE_ITEMS
+
+
+def test_training_waiting_for_room_wakes_the_writer(run_path, monkeypatch):
+    """With the writer idle until a batch of items fills (no idle wake-up, no byte threshold here),
+    training that needs room in a small queue wakes it instead of waiting: 30 payload steps finish."""
+    monkeypatch.setattr(pipeline_mod, "WAKE_S", 3600.0)
+    monkeypatch.setattr(pipeline_mod, "WAKE_SHARE", 0)
+    done = threading.Event()
+
+    def train() -> None:
+        with recorder.record(run_path, max_queue_bytes=1 << 20, when_slow="wait", flush_interval=3600):
+            for _ in range(30):
+                scale(torch.randn(64 * 1024))  # 256 KiB in, 256 KiB out per call
+        done.set()
+
+    worker = threading.Thread(target=train, daemon=True)
+    worker.start()
+    assert done.wait(60), "training waited for a writer that was never woken"
+    assert len(RunReader(run_path).rank(0)) == 30
 
 
 def test_writer_failure_degrades_without_stopping_training(run_path, monkeypatch):
