@@ -116,7 +116,7 @@ def test_writer_is_woken_in_batches_and_by_a_flush(run_path, monkeypatch):
     cost); a flush wakes it and commits all of them."""
     monkeypatch.setattr(pipeline_mod, "WAKE_S", 3600.0)
     with recorder.record(run_path, mode="stats", flush_interval=3600) as run:
-        assert run.pipeline.ready.wait(60)
+        assert run.flush()  # the store made, the writer idle and waiting
         for i in range(10):  # 10 step records, fewer than WAKE_ITEMS
             scale(torch.full((4,), float(i)))
         assert len(run.pipeline._queue) == 10  # nothing woke the writer
@@ -125,9 +125,8 @@ def test_writer_is_woken_in_batches_and_by_a_flush(run_path, monkeypatch):
         assert len(RunReader(run_path).rank(0)) == 10
         for i in range(pipeline_mod.WAKE_ITEMS + 5):  # a batch: the writer is woken without a flush
             scale(torch.full((4,), float(i)))
-        deadline = time.monotonic() + 60
-        while len(run.pipeline._queue) >= pipeline_mod.WAKE_ITEMS and time.monotonic() < deadline:
-            time.sleep(0.01)  # polling the queue's length: there is no event to wait on
+        with run.pipeline._cond:  # the writer notifies it after every item it finishes
+            run.pipeline._cond.wait_for(lambda: len(run.pipeline._queue) < pipeline_mod.WAKE_ITEMS, timeout=60)
         assert len(run.pipeline._queue) < pipeline_mod.WAKE_ITEMS
 
 
