@@ -259,7 +259,9 @@ class Session:
         if self.iteration != self._ring_iteration:  # the first bytes of an iteration make room for it
             self._ring_iteration = self.iteration
             self._forget(*self.ring.start_iteration(self.iteration))
-        self._forget(*self.ring.add(self.iteration, ref, item))  # a full ring drops iterations too
+        changed = self.ring.add(self.iteration, ref, item)
+        if changed is not None:  # a full ring drops iterations too
+            self._forget(*changed)
 
     def _forget(self, dropped: list[int], freed: list[PayloadItem]) -> None:
         """Iterations left the ring unwritten: reuse their buffers, and tell the writer, which holds
@@ -550,17 +552,20 @@ class Session:
         """Snapshot one tensor into the frame; returns its record name (for the arguments document)."""
         requires_grad = t.requires_grad
         t = t.detach()
-        meta_only = t.layout != torch.strided or t.device.type == "meta"
-        item = TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype), device=str(t.device),
+        device = t.device
+        on_cpu = device.type == "cpu"
+        meta_only = t.layout != torch.strided or device.type == "meta"
+        item = TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype),
+                          device="cpu" if on_cpu and device.index is None else str(device),
                           requires_grad=requires_grad, shape=tuple(t.shape),
                           stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None)
         if meta_only:
-            frame.notes.append(f"{name}: {t.layout} tensor on {t.device}: metadata only")
+            frame.notes.append(f"{name}: {t.layout} tensor on {device}: metadata only")
         else:
             stats = None  # from the payload's copy, when the statistics kernel made it
             if frame.payloads:
                 try:
-                    if t.device.type == "cpu":
+                    if on_cpu:
                         item.payload, stats = self._cpu_payload(t)
                     else:
                         item.payload = self._device_payload(t)
@@ -568,15 +573,15 @@ class Session:
                         frame.dropped += 1
                 except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
                     frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
-            item.stats = self._stats(frame, name, t) if stats is None else stats
+            item.stats = self._stats(frame, name, t, on_cpu) if stats is None else stats
         frame.tensors.append(item)
         return name
 
     @staticmethod
-    def _stats(frame: Frame, name: str, t: torch.Tensor) -> Any:
+    def _stats(frame: Frame, name: str, t: torch.Tensor, on_cpu: bool) -> Any:
         # Dtypes torch can store but not compute with (bits16, float4, float8_e8m0) have no statistics.
         try:
-            return stats_mod.host_stats(t) if t.device.type == "cpu" else stats_mod.device_stats(t)
+            return stats_mod.host_stats(t) if on_cpu else stats_mod.device_stats(t)
         except (NotImplementedError, RuntimeError, TypeError) as exc:
             frame.notes.append(f"{name}: no statistics for {t.dtype} ({type(exc).__name__}: {exc})")
             return stats_mod.EMPTY

@@ -28,6 +28,7 @@ class FlightRing:
         self.keep, self.max_bytes = keep, max_bytes
         self._iterations: OrderedDict[int, dict[Ref, PayloadItem]] = OrderedDict()
         self._owners: dict[int, int] = {}  # id(item) -> iterations holding it
+        self._held: dict[Ref, PayloadItem] = {}  # every item held, by its reference: find() in one lookup
         self.bytes = 0
         self.peak_bytes = 0
         self.overflowed = 0  # payloads not kept because one iteration alone exceeded max_bytes
@@ -37,37 +38,39 @@ class FlightRing:
 
     def find(self, ref: Ref) -> PayloadItem | None:
         """The item holding these contents in any iteration of the ring."""
-        with self._lock:
-            for items in reversed(self._iterations.values()):
-                if ref in items:
-                    return items[ref]
-        return None
+        return self._held.get(ref)  # one dictionary read: atomic, no lock needed
 
-    def add(self, iteration: int, ref: Ref, item: PayloadItem) -> tuple[list[int], list[PayloadItem]]:
+    def add(self, iteration: int, ref: Ref, item: PayloadItem) -> tuple[list[int], list[PayloadItem]] | None:
         """Hold ``item`` for ``iteration`` (not kept, and counted in ``overflowed``, when the current
         iteration alone is over ``max_bytes``). Older iterations make room when the ring is full.
-        Returns the iterations dropped for it (the writer must forget their records, as for
-        ``start_iteration``: it holds every record waiting for bytes until told) and the items no
-        longer held by any iteration, whose buffers the caller may reuse."""
+        Returns None when nothing else changed (the common case), else the iterations dropped for
+        it (the writer must forget their records, as for ``start_iteration``: it holds every record
+        waiting for bytes until told) and the items no longer held by any iteration, whose buffers
+        the caller may reuse."""
         with self._lock:
-            items = self._iterations.setdefault(iteration, {})
-            if ref in items:
-                return [], []
-            new = id(item) not in self._owners
+            items = self._iterations.get(iteration)
+            if items is None:
+                items = self._iterations[iteration] = {}
+            elif ref in items:
+                return None
+            owners = self._owners.get(id(item), 0)
             dropped: list[int] = []
             freed: list[PayloadItem] = []
-            if new:
-                while self.bytes + item.nbytes > self.max_bytes and len(self._iterations) > 1:
+            if not owners:
+                nbytes = item.nbytes
+                while self.bytes + nbytes > self.max_bytes and len(self._iterations) > 1:
                     dropped.append(next(iter(self._iterations)))
                     freed += self._drop_oldest()
-                if self.bytes + item.nbytes > self.max_bytes:
+                if self.bytes + nbytes > self.max_bytes:
                     self.overflowed += 1
                     return dropped, freed + [item]  # held by nothing: its buffer may be reused too
-                self.bytes += item.nbytes
-                self.peak_bytes = max(self.peak_bytes, self.bytes)
+                self.bytes += nbytes
+                if self.bytes > self.peak_bytes:
+                    self.peak_bytes = self.bytes
+                self._held[ref] = item
             items[ref] = item
-            self._owners[id(item)] = self._owners.get(id(item), 0) + 1
-            return dropped, freed
+            self._owners[id(item)] = owners + 1
+            return (dropped, freed) if dropped or freed else None
 
     def start_iteration(self, iteration: int) -> tuple[list[int], list[PayloadItem]]:
         """Keep room for ``iteration``: drop iterations older than the last ``keep``. Returns the
@@ -93,18 +96,21 @@ class FlightRing:
                         items.append(item)
             self._iterations.clear()
             self._owners.clear()
+            self._held.clear()
             self.bytes = 0
             return iterations, items
 
     def _drop_oldest(self) -> list[PayloadItem]:
         _, items = self._iterations.popitem(last=False)
         freed = []
-        for item in items.values():
+        for ref, item in items.items():
             left = self._owners[id(item)] - 1
             if left:
                 self._owners[id(item)] = left
             else:
                 del self._owners[id(item)]
+                if self._held.get(ref) is item:
+                    del self._held[ref]
                 self.bytes -= item.nbytes
                 freed.append(item)
         return freed

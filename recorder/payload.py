@@ -65,7 +65,9 @@ def as_units(t: torch.Tensor) -> tuple[np.ndarray, int, bool]:
         return np.empty(0, dtype=_NUMPY_UNIT[unit]), unit, False
     if t.dtype in _NUMPY_VIEWABLE and not (t.is_conj() or t.is_neg()):
         # One torch call, the rest numpy views: each torch call costs ~2-5 us of dispatch.
-        arr = t.detach().numpy()
+        arr = (t.detach() if t.requires_grad else t).numpy()
+        if arr.flags.c_contiguous:  # the common case: a view of the tensor's memory
+            return arr.reshape(-1).view(_NUMPY_UNIT[unit]), unit, True
         flat_a = arr.reshape(-1)  # a view when the layout allows, else a copy in element order
         if not flat_a.flags.c_contiguous:  # a strided 1-D view: reshape leaves it as it is
             flat_a = flat_a.copy()

@@ -194,3 +194,39 @@ def test_a_schema_1_0_recording_without_late_payloads_still_reads(run_path: Path
     recs = rank.tensor_records(0)
     assert recs and all(r.has_payload for r in recs)
     assert rank.tensor(recs[0]).shape == torch.Size([3, 4])
+
+
+def test_ring_finds_held_bytes_until_the_last_iteration_holding_them_leaves() -> None:
+    """The ring's lookup by content: bytes held by two iterations (a parameter that did not change)
+    stay findable, and counted once, until both have left; bytes over the budget are never held."""
+    import numpy as np
+
+    from recorder.flight import FlightRing
+    from recorder.items import PayloadItem
+
+    def item(key: int, words: int = 4) -> PayloadItem:
+        return PayloadItem(key=(key, key, 2), unit=2, data=np.zeros(words, np.uint32))
+
+    ring = FlightRing(keep=2, max_bytes=64)
+    weight, activation = item(1), item(2)
+    assert ring.add(0, weight.key, weight) is None
+    assert ring.add(0, activation.key, activation) is None
+    assert ring.start_iteration(1) == ([], [])
+    assert ring.find(weight.key) is weight
+    assert ring.add(1, weight.key, ring.find(weight.key)) is None  # the same bytes, held again
+    assert ring.bytes == weight.nbytes + activation.nbytes
+
+    assert ring.start_iteration(2) == ([0], [activation])
+    assert ring.find(activation.key) is None
+    assert ring.find(weight.key) is weight
+    assert ring.bytes == weight.nbytes
+
+    too_big = item(3, words=64)
+    assert ring.add(2, too_big.key, too_big) == ([1], [weight, too_big])  # room made, still too big
+    assert ring.find(too_big.key) is None and ring.find(weight.key) is None
+    assert ring.overflowed == 1 and ring.bytes == 0
+
+    kept = item(4)
+    ring.add(2, kept.key, kept)
+    assert ring.take_all() == ([2], [kept])
+    assert ring.find(kept.key) is None and ring.bytes == 0
