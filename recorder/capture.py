@@ -595,10 +595,11 @@ class Session:
         if key in self.seen:  # on its way to the store already
             return key, None
         if self.ring is not None:
-            held = self.ring.find(key)
-            if held is not None:  # the same bytes wait in the ring: hold them for this iteration too
-                self._send_payload(held, key)
-                return key, None
+            with self.ring.lock:  # found and held again at once: no other thread drops it in between
+                held = self.ring.find(key)
+                if held is not None:  # the same bytes wait in the ring: hold them for this iteration too
+                    self._send_payload(held, key)
+                    return key, None
         item = PayloadItem(key=key, unit=unit, data=units)
         shared = self.shared is not None and units.nbytes > 0  # a shared ring holds every payload's bytes
         if aliases or shared:  # the tensor may change after this step: copy it, into a reused buffer if large

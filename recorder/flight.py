@@ -34,11 +34,13 @@ class FlightRing:
         self.overflowed = 0  # payloads not kept because one iteration alone exceeded max_bytes
         # Reentrant: SIGTERM's handler writes the ring on the training thread, which the signal may
         # have interrupted inside add() (a plain lock would then wait for itself forever).
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
 
     def find(self, ref: Ref) -> PayloadItem | None:
-        """The item holding these contents in any iteration of the ring."""
-        return self._held.get(ref)  # one dictionary read: atomic, no lock needed
+        """The item holding these contents in any iteration of the ring. A caller that holds the
+        item again (``add``) takes ``lock`` around both: between them, a capture on another thread
+        could start an iteration that drops the item and hands its buffer back for reuse."""
+        return self._held.get(ref)  # one dictionary read: atomic
 
     def add(self, iteration: int, ref: Ref, item: PayloadItem) -> tuple[list[int], list[PayloadItem]] | None:
         """Hold ``item`` for ``iteration`` (not kept, and counted in ``overflowed``, when the current
@@ -47,7 +49,7 @@ class FlightRing:
         it (the writer must forget their records, as for ``start_iteration``: it holds every record
         waiting for bytes until told) and the items no longer held by any iteration, whose buffers
         the caller may reuse."""
-        with self._lock:
+        with self.lock:
             items = self._iterations.get(iteration)
             if items is None:
                 items = self._iterations[iteration] = {}
@@ -75,7 +77,7 @@ class FlightRing:
     def start_iteration(self, iteration: int) -> tuple[list[int], list[PayloadItem]]:
         """Keep room for ``iteration``: drop iterations older than the last ``keep``. Returns the
         dropped iteration numbers and the items no longer held."""
-        with self._lock:
+        with self.lock:
             dropped: list[int] = []
             freed: list[PayloadItem] = []
             while self._iterations and next(iter(self._iterations)) <= iteration - self.keep:
@@ -85,7 +87,7 @@ class FlightRing:
 
     def take_all(self) -> tuple[list[int], list[PayloadItem]]:
         """Empty the ring: its iterations and their items, each item once, oldest first."""
-        with self._lock:
+        with self.lock:
             iterations = list(self._iterations)
             seen: set[int] = set()
             items = []

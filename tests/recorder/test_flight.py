@@ -230,3 +230,52 @@ def test_ring_finds_held_bytes_until_the_last_iteration_holding_them_leaves() ->
     ring.add(2, kept.key, kept)
     assert ring.take_all() == ([2], [kept])
     assert ring.find(kept.key) is None and ring.bytes == 0
+
+
+def test_bytes_found_in_the_ring_are_held_again_under_the_same_lock(run_path: Path) -> None:
+    """A frozen weight's bytes repeat at every iteration and are found in the ring. Finding them and
+    holding them for the new iteration happen under one acquisition of the ring's lock: a capture on
+    another thread that starts an iteration in between would drop them and hand their buffer back
+    for reuse while they are still held."""
+    import threading
+
+    class Tracking:
+        def __init__(self) -> None:
+            self.inner, self.depth = threading.RLock(), 0
+
+        def __enter__(self) -> None:
+            self.inner.acquire()
+            self.depth += 1
+
+        def __exit__(self, *exc: object) -> None:
+            self.depth -= 1
+            self.inner.release()
+
+    @recorder.paper_step("Eq. 1")
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    model = Frozen().requires_grad_(False)
+    x = torch.randn(4, 32)
+    found_again: list[int] = []
+    with recorder.record(str(run_path), model=model, mode="flight", keep=2) as run:
+        ring = run.session.ring
+        ring.lock = Tracking()
+        add = ring.add
+
+        def tracked_add(iteration, ref, item):  # type: ignore[no-untyped-def]
+            if ring.find(ref) is item:  # held by an earlier iteration: found, and held again
+                found_again.append(ring.lock.depth)
+            return add(iteration, ref, item)
+
+        ring.add = tracked_add
+        for _ in range(4):
+            model(x)
+            run.next_iteration()
+    assert len(found_again) >= 6  # weight and bias, iterations 1-3
+    assert all(depth >= 1 for depth in found_again), found_again
