@@ -555,8 +555,7 @@ class Session:
         device = t.device
         on_cpu = device.type == "cpu"
         meta_only = t.layout != torch.strided or device.type == "meta"
-        item = TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype),
-                          device="cpu" if on_cpu and device.index is None else str(device),
+        item = TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype), device=str(device),
                           requires_grad=requires_grad, shape=tuple(t.shape),
                           stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None)
         if meta_only:

@@ -101,7 +101,7 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
         prepare()
     takes = t.dtype in _FLOATS and _kernel_takes(t)
     if takes or (t.dtype in _FLOATS and t.numel() <= SMALL):
-        x = (t.detach() if t.requires_grad else t).numpy().reshape(-1)  # a view, or (strided and small) a copy
+        x = payload.host_array(t).reshape(-1)  # a view, or (strided and small) a copy
         if takes and len(x) and x.flags.c_contiguous and x.flags.writeable:
             got = _from_sums(x, _slot.active.sums(x))
             if got is not None:

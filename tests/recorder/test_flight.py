@@ -251,16 +251,7 @@ def test_bytes_found_in_the_ring_are_held_again_under_the_same_lock(run_path: Pa
             self.depth -= 1
             self.inner.release()
 
-    @recorder.paper_step("Eq. 1")
-    class Frozen(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(32, 32)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(x)
-
-    model = Frozen().requires_grad_(False)
+    model = recorder.annotate(nn.Linear(32, 32), "Eq. 1").requires_grad_(False)
     x = torch.randn(4, 32)
     found_again: list[int] = []
     with recorder.record(str(run_path), model=model, mode="flight", keep=2) as run:
