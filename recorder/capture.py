@@ -7,6 +7,7 @@ failure in here is caught, reported once, and recording degrades; the user's cal
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import traceback
@@ -32,6 +33,12 @@ if TYPE_CHECKING:
 ACTIVE: Session | None = None  # the recording in progress, if any (set by recorder.record)
 
 ROLE = {name: i for i, name in enumerate(layout.ROLES)}
+# Roles whose CPU bytes are addressed by content when captured (hashed on the training thread): a
+# parameter or buffer often holds the same bytes at many records (a module called several times per
+# iteration, frozen weights at every iteration), which are then copied and held once. The other
+# roles' bytes (activations, gradients) are new at almost every record: they are copied under a
+# token and hashed by the writer thread, only if they are written (see _cpu_payload).
+_BY_CONTENT = frozenset({"param", "buffer"})
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
 _MODULE_DOCS_LIMIT = 4096  # module documents remembered (modules made anew at every step would grow it)
 _DUMPS_KEPT = 256  # flight mode: ring writes listed in the run's metadata, first and last each
@@ -107,7 +114,7 @@ class Session:
         self.closed = False  # set by close(): callbacks of graphs that outlive the recording do nothing
         self.failure: str | None = None
         self._slow_warned = False  # the warning that payloads are being dropped was given
-        self._token = 0
+        self._tokens = itertools.count(1)  # names of payloads sent before they are hashed (next() is atomic)
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
         self._pass: list[BackwardLink] = []  # backward frames open in the current backward pass
         self._callback_queued = False
@@ -565,7 +572,7 @@ class Session:
             if frame.payloads:
                 try:
                     if on_cpu:
-                        item.payload, stats = self._cpu_payload(t)
+                        item.payload, stats = self._cpu_payload(t, role in _BY_CONTENT)
                     else:
                         item.payload = self._device_payload(t)
                     if item.payload is None:  # dropped: the store cannot keep up
@@ -585,11 +592,24 @@ class Session:
             frame.notes.append(f"{name}: no statistics for {t.dtype} ({type(exc).__name__}: {exc})")
             return stats_mod.EMPTY
 
-    def _cpu_payload(self, t: torch.Tensor) -> tuple[tuple[int, int, int] | None, tuple[float, ...] | None]:
-        """Hash a CPU tensor's bytes; copy and send them only when new. Returns the content key, or
-        None when the bytes were dropped (the store cannot keep up: see ``_room``), and the tensor's
-        statistics when the copy computed them (stats.copy_stats), else None."""
+    def _cpu_payload(self, t: torch.Tensor, by_content: bool
+                     ) -> tuple[tuple[int, int, int] | int | None, tuple[float, ...] | None]:
+        """Copy and send a CPU tensor's bytes. Returns their reference (a content key or a token),
+        or None when they were dropped (the store cannot keep up: see ``_room``), and the tensor's
+        statistics when the copy computed them (stats.copy_stats), else None.
+
+        ``by_content``: the bytes are hashed first and copied only when new (parameters, buffers).
+        Otherwise they are copied under a token, as a device tensor's are, and the writer hashes
+        them when it writes them: in flight mode most never are, and a copy costs the training
+        thread less than a hash (it reads the bytes for their statistics anyway; a cold 2 MB array
+        is copied and summarised in ~250 us, hashed in ~120 us and summarised in ~180 us). Bytes
+        that repeat (one step's output, the next one's input) are then copied twice and stored
+        once: the writer deduplicates by content. A shared ring (share_ring) journals content keys,
+        so it takes every payload by content."""
         units, unit, aliases = payload_mod.as_units(t)
+        if not by_content and self.shared is None:
+            return self._copy_payload(t, PayloadItem(key=None, unit=unit, data=units, token=next(self._tokens)),
+                                      units, aliases)
         key = payload_mod.content_key(units, unit)
         if key in self.seen:  # on its way to the store already
             return key, None
@@ -599,7 +619,13 @@ class Session:
                 if held is not None:  # the same bytes wait in the ring: hold them for this iteration too
                     self._send_payload(held, key)
                     return key, None
-        item = PayloadItem(key=key, unit=unit, data=units)
+        return self._copy_payload(t, PayloadItem(key=key, unit=unit, data=units), units, aliases)
+
+    def _copy_payload(self, t: torch.Tensor, item: PayloadItem, units: np.ndarray, aliases: bool
+                      ) -> tuple[tuple[int, int, int] | int | None, tuple[float, ...] | None]:
+        """Copy ``units`` (``t``'s bytes) into ``item`` when ``t`` may change after this step, and
+        send it under its key, or its token when it has none (see ``_cpu_payload``)."""
+        ref = item.token if item.key is None else item.key
         shared = self.shared is not None and units.nbytes > 0  # a shared ring holds every payload's bytes
         if aliases or shared:  # the tensor may change after this step: copy it, into a reused buffer if large
             item.buffer = self.pipeline.pool.take(units.nbytes)
@@ -613,15 +639,15 @@ class Session:
                 item.data = item.buffer[:units.nbytes].view(units.dtype)
                 stats = stats_mod.copy_stats(t, item.data, units)
                 if self.shared is not None:
-                    self.shared.publish(item.buffer, key)
+                    self.shared.publish(item.buffer, item.key)
             elif aliases:
                 item.data = np.empty_like(units)
                 stats = stats_mod.copy_stats(t, item.data, units)
-            self._send_payload(item, key)
+            self._send_payload(item, ref)
         except BaseException:
             self._unroom(item.nbytes)
             raise
-        return key, stats
+        return ref, stats
 
     def _device_payload(self, t: torch.Tensor) -> int | None:
         unit = payload_mod.unit_of(t.dtype)
@@ -637,9 +663,7 @@ class Session:
             event = torch.cuda.Event() if t.device.type == "cuda" else None
             if event is not None:
                 event.record()
-            with self.lock:
-                self._token += 1
-                token = self._token
+            token = next(self._tokens)
             self._send_payload(PayloadItem(key=None, unit=unit, pinned=pinned, event=event, token=token), token)
         except BaseException:
             self._unroom(nbytes)

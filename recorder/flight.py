@@ -18,7 +18,7 @@ from typing import Any
 
 from .items import PayloadItem
 
-Ref = Any  # a CPU payload's content key (tuple) or a device payload's token (int)
+Ref = Any  # a payload's content key (tuple) or, for bytes not hashed when captured, its token (int)
 
 
 class FlightRing:

@@ -12,9 +12,10 @@ import torch
 
 @dataclass
 class PayloadItem:
-    """Bytes of one tensor. ``key`` is known for CPU tensors (hashed on the training thread, so
-    repeats are never copied); for device tensors ``pinned`` holds an in-flight copy and ``token``
-    names it until this thread has hashed it."""
+    """Bytes of one tensor. ``key`` is known for the bytes hashed on the training thread (CPU
+    parameters and buffers, so that repeats are never copied); the others are named by ``token``
+    until the writer thread has hashed them: a CPU copy in ``data``, or, for device tensors, an
+    in-flight copy in ``pinned``."""
 
     key: tuple[int, int, int] | None
     unit: int

@@ -369,9 +369,11 @@ class Pipeline:
             if item.event is not None:
                 item.event.synchronize()
             data = payload_mod.units_of_bytes(item.pinned.numpy(), item.unit)
+        assert data is not None
+        if key is None:  # sent under a token (device bytes, CPU activations and gradients): hashed here
             key = payload_mod.content_key(data, item.unit)
-            self._tokens[item.token] = key
-        assert key is not None
+            if item.token not in self._waiting:  # full mode: the record comes after its bytes
+                self._tokens[item.token] = key
         pid = self.writer.payload(key, data)
         if item.buffer is not None:
             if self.journal is not None:  # shared ring: the bytes stay journaled until committed
@@ -379,7 +381,7 @@ class Pipeline:
             else:
                 self.pool.give(item.buffer)
         if self._waiting:  # flight mode: records written before these bytes were kept
-            rows = self._waiting.pop(key, []) + (self._waiting.pop(item.token, []) if item.pinned is not None else [])
+            rows = self._waiting.pop(key, []) + (self._waiting.pop(item.token, []) if item.key is None else [])
             for row, _ in rows:
                 self.writer.late(row, pid)
                 if self.journal is not None:

@@ -193,7 +193,8 @@ def test_a_failed_writer_reads_incomplete_once_close_returns(run_path, monkeypat
 
 def test_capture_failure_degrades(run_path, monkeypatch):
     """An internal error while capturing a step warns once and the call still returns its result."""
-    monkeypatch.setattr(stats, "host_stats", lambda t: 1 / 0)
+    monkeypatch.setattr(stats, "host_stats", lambda t: 1 / 0)  # statistics alone
+    monkeypatch.setattr(stats, "copy_stats", lambda t, dst, src: 1 / 0)  # statistics taken with a copy
     with pytest.warns(recorder.RecorderWarning, match="ZeroDivisionError"):
         with recorder.record(run_path) as run:
             out = [scale(torch.ones(2)) for _ in range(3)]
@@ -250,7 +251,7 @@ def test_accelerator_path_round_trips(run_path, monkeypatch):
     from recorder import capture
 
     monkeypatch.setattr(capture.Session, "_cpu_payload",
-                        lambda self, t: (capture.Session._device_payload(self, t), None))
+                        lambda self, t, by_content: (capture.Session._device_payload(self, t), None))
     monkeypatch.setattr(stats, "host_stats", stats.device_stats)
     x = torch.randn(3, 5)
     with recorder.record(run_path) as run:
@@ -455,3 +456,50 @@ def test_commit_waits_for_payload_chunks_written_in_background(run_path, monkeyp
     ours = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
     assert len(ours) == 1 and "full" in str(ours[0].message)
     assert run2.status == "incomplete" and RunReader(other).status == "incomplete"
+
+
+@pytest.mark.parametrize("mode", ["full", "flight"])
+def test_activations_are_hashed_by_the_writer_and_stored_once(run_path, mode, monkeypatch):
+    """Parameters are addressed by content when captured; activations and gradients are copied under
+    a token and hashed by the writer thread when it writes them. Either way every payload reads
+    back bitwise, and bytes that two records hold (one step's output and the next step's input, the
+    gradient between them) are stored once."""
+    first = recorder.annotate(torch.nn.Linear(64, 64), "Eq. 1", name="first")
+    second = recorder.annotate(torch.nn.Linear(64, 64), "Eq. 2", name="second")
+    model = torch.nn.Sequential(first, second)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    training_thread = threading.get_ident()
+    hashed_here: list[int] = []
+    content_key = pipeline_mod.payload_mod.content_key
+
+    def counting(units, unit):
+        if threading.get_ident() == training_thread:
+            hashed_here.append(units.nbytes)
+        return content_key(units, unit)
+
+    monkeypatch.setattr(pipeline_mod.payload_mod, "content_key", counting)
+    xs, middles, grads = [torch.randn(8, 64) for _ in range(2)], [], []
+    with recorder.record(run_path, model=model, optimizer=opt, mode=mode):
+        for x in xs:
+            middle = first(x)
+            middle.retain_grad()
+            second(middle).square().sum().backward()
+            middles.append(middle.detach().clone())
+            grads.append(middle.grad.clone())
+            opt.step()
+            opt.zero_grad()
+    # Two parameters per module, two modules, two iterations: the only bytes hashed while training.
+    assert sorted(hashed_here) == [64 * 4] * 4 + [64 * 64 * 4] * 4
+    rank = RunReader(str(run_path)).rank(0)
+    column = {n: rank.column(f"steps/{n}") for n in ("name", "phase", "iteration")}
+    steps = {(rank.doc(int(column["name"][i])), int(column["phase"][i]), int(column["iteration"][i])): i
+             for i in range(len(rank))}
+    assert len(steps) == len(rank) == 8
+    for it, (x, middle, grad) in enumerate(zip(xs, middles, grads)):
+        fwd1, fwd2, bwd1, bwd2 = ({r.role: r for r in rank.tensor_records(steps[key])} for key in (
+            ("first", 0, it), ("second", 0, it), ("first", 1, it), ("second", 1, it)))
+        assert torch.equal(rank.tensor(fwd1["input"]), x)
+        assert torch.equal(rank.tensor(fwd2["input"]), middle)
+        assert fwd1["output"].payload == fwd2["input"].payload  # the same bytes, stored once
+        assert torch.equal(rank.tensor(bwd1["grad_output"]), grad)
+        assert bwd2["grad_input"].payload == bwd1["grad_output"].payload
