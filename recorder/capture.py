@@ -1,8 +1,9 @@
 """The live side of a recording: what happens on every call of a paper step, forward and backward.
 
-Everything here runs on the training thread (or autograd's), so it only snapshots: statistics,
-hashes, copies of new bytes. Encoding and writing happen on the writer thread (pipeline.py). Any
-failure in here is caught, reported once, and recording degrades; the user's call always proceeds.
+Everything here runs on the training thread (or autograd's), so it only snapshots: statistics, and
+copies of tensor bytes (of parameters and buffers only when new, found by their hash). Encoding and
+writing happen on the writer thread (pipeline.py). Any failure in here is caught, reported once, and
+recording degrades; the user's call always proceeds.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class Session:
         self.closed = False  # set by close(): callbacks of graphs that outlive the recording do nothing
         self.failure: str | None = None
         self._slow_warned = False  # the warning that payloads are being dropped was given
-        self._tokens = itertools.count(1)  # names of payloads sent before they are hashed (next() is atomic)
+        # Names of payloads sent before they are hashed; next() is atomic under the GIL.
+        self._tokens = itertools.count(1)
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
         self._pass: list[BackwardLink] = []  # backward frames open in the current backward pass
         self._callback_queued = False
@@ -577,6 +579,7 @@ class Session:
                         item.payload = self._device_payload(t)
                     if item.payload is None:  # dropped: the store cannot keep up
                         frame.dropped += 1
+                    item.held = self.iteration
                 except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
                     frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
             item.stats = self._stats(frame, name, t, on_cpu) if stats is None else stats

@@ -44,7 +44,11 @@ class TensorItem:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     stats: Any  # tuple of 8 floats, or a device tensor of 8
-    payload: tuple[int, int, int] | int | None  # content key, device token, or None (statistics only)
+    # A content key, a token (bytes the writer hashes), or None (statistics only).
+    payload: tuple[int, int, int] | int | None
+    # Flight mode: the iteration under which the ring holds the bytes. The step's own iteration,
+    # except for what a step captures after an optimizer step inside its call (the next one).
+    held: int = -1
 
 
 @dataclass

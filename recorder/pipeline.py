@@ -1,8 +1,9 @@
 """The background writer: one thread, fed by a queue bounded in bytes.
 
 The training thread hands over snapshots (payload bytes it copied, statistics, step rows); this
-thread hashes what came from accelerators, deduplicates, encodes and writes, and commits every
-``flush_interval`` seconds. Only one thread ever touches the store, so no update is lost.
+thread hashes what was sent under a token (activations, gradients, accelerator bytes), deduplicates,
+encodes and writes, and commits every ``flush_interval`` seconds. Only one thread ever touches the
+store, so no update is lost.
 
 The writer is woken in batches, not for every item: once ``WAKE_ITEMS`` items are queued, once the
 queued bytes reach ``WAKE_SHARE`` of a budget, for a flush or the close, before training waits for
@@ -372,8 +373,8 @@ class Pipeline:
         assert data is not None
         if key is None:  # sent under a token (device bytes, CPU activations and gradients): hashed here
             key = payload_mod.content_key(data, item.unit)
-            if item.token not in self._waiting:  # full mode: the record comes after its bytes
-                self._tokens[item.token] = key
+            if item.token not in self._waiting:  # the record comes after its bytes (full mode, an
+                self._tokens[item.token] = key  # anomaly's iteration, a ring written while the step runs)
         pid = self.writer.payload(key, data)
         if item.buffer is not None:
             if self.journal is not None:  # shared ring: the bytes stay journaled until committed
@@ -429,7 +430,7 @@ class Pipeline:
         watched: dict[str, tuple[float, ...]] = {}
         cols: dict[str, list[Any]] = {name: [] for name in layout.TENSOR_COLUMNS if name not in ("step", "dims_start")}
         dims: list[int] = []
-        waiting: list[tuple[int, Any]] = []
+        waiting: list[tuple[int, Any, int]] = []
         nonfinite_roles = layout.RESULT_ROLES[row["phase"]]
         input_roles = layout.INPUT_ROLES[row["phase"]]
         bad_input = False
@@ -448,7 +449,7 @@ class Pipeline:
                 key = self._tokens.pop(ref, None) if isinstance(ref, int) else ref
                 found = None if key is None else w.find_payload(key)
                 if found is None:  # flight mode: the bytes wait in the ring, and may never come
-                    waiting.append((len(cols["role"]), ref))
+                    waiting.append((len(cols["role"]), ref, row["iteration"] if t.held < 0 else t.held))
                 else:
                     pid = found
             cols["role"].append(t.role)
@@ -463,10 +464,11 @@ class Pipeline:
             # Sparse and meta tensors have no strides: -1 each, so every record keeps 2 * ndim dims.
             dims += t.stride if len(t.stride) == len(t.shape) else (-1,) * len(t.shape)
         row["tensor_start"] = w.tensors_of_step(item.index, cols, dims)
-        for position, ref in waiting:
-            self._waiting.setdefault(ref, []).append((row["tensor_start"] + position, row["iteration"]))
+        # Each record waits under the iteration whose ring holds its bytes, and is forgotten with it.
+        for position, ref, held in waiting:
+            self._waiting.setdefault(ref, []).append((row["tensor_start"] + position, held))
             if self.journal is not None and isinstance(ref, tuple):  # device bytes are not in shared memory
-                self.journal.wait(row["tensor_start"] + position, ref, row["iteration"])
+                self.journal.wait(row["tensor_start"] + position, ref, held)
         row["tensor_count"] = len(item.tensors)
         alerts = [a for e in item.expectations for a in _check(e, watched.get(e["name"]))]
         alerts += [e["shape_alert"] for e in item.expectations if e.get("shape_alert")]

@@ -270,3 +270,35 @@ def test_bytes_found_in_the_ring_are_held_again_under_the_same_lock(run_path: Pa
             run.next_iteration()
     assert len(found_again) >= 6  # weight and bias, iterations 1-3
     assert all(depth >= 1 for depth in found_again), found_again
+
+
+def test_bytes_captured_after_an_optimizer_step_inside_a_step_reach_its_record(run_path: Path) -> None:
+    """A step whose call runs the optimizer: its record belongs to the iteration it started in, but
+    what it captures after the optimizer step is held in the ring under the next iteration. Those
+    bytes reach the record when the ring is written, though the step's own iteration has left the
+    ring, and the writer keeps nothing for them once written."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @recorder.paper_step("Algorithm 1", step=3, name="update")
+    def update(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()  # the next iteration starts here
+        opt.zero_grad()
+        return loss.detach() * 2  # captured in it
+
+    xs = [torch.randn(3, 4) for _ in range(6)]
+    with recorder.record(run_path, model=model, optimizer=opt, mode="flight", keep=2) as run:
+        outs = [update(x) for x in xs]
+    assert not run.pipeline._tokens and not run.pipeline._waiting
+    rank = RunReader(str(run_path)).rank(0)
+    assert [int(i) for i in rank.column("steps/iteration")] == list(range(6))
+    records = [{r.role: r for r in rank.tensor_records(step)} for step in range(6)]
+    # At the end the ring holds iterations 5 and 6: the input of call 5, and the outputs of calls 4
+    # (its record is in iteration 4, which left the ring) and 5.
+    assert [r["input"].has_payload for r in records] == [False] * 5 + [True]
+    assert [r["output"].has_payload for r in records] == [False] * 4 + [True] * 2
+    assert torch.equal(rank.tensor(records[4]["output"]), outs[4])
+    assert torch.equal(rank.tensor(records[5]["output"]), outs[5])
+    assert torch.equal(rank.tensor(records[5]["input"]), xs[5])

@@ -461,8 +461,8 @@ def test_commit_waits_for_payload_chunks_written_in_background(run_path, monkeyp
 @pytest.mark.parametrize("mode", ["full", "flight"])
 def test_activations_are_hashed_by_the_writer_and_stored_once(run_path, mode, monkeypatch):
     """Parameters are addressed by content when captured; activations and gradients are copied under
-    a token and hashed by the writer thread when it writes them. Either way every payload reads
-    back bitwise, and bytes that two records hold (one step's output and the next step's input, the
+    a token and hashed by the writer thread when it writes them. The activations and gradients
+    read back bitwise, and bytes that two records hold (one step's output and the next step's input, the
     gradient between them) are stored once."""
     first = recorder.annotate(torch.nn.Linear(64, 64), "Eq. 1", name="first")
     second = recorder.annotate(torch.nn.Linear(64, 64), "Eq. 2", name="second")
