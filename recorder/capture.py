@@ -566,7 +566,8 @@ class Session:
         meta_only = t.layout != torch.strided or device.type == "meta"
         item = TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype), device=str(device),
                           requires_grad=requires_grad, shape=tuple(t.shape),
-                          stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None)
+                          stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None,
+                          held=self.iteration)
         if meta_only:
             frame.notes.append(f"{name}: {t.layout} tensor on {device}: metadata only")
         else:
@@ -579,7 +580,6 @@ class Session:
                         item.payload = self._device_payload(t)
                     if item.payload is None:  # dropped: the store cannot keep up
                         frame.dropped += 1
-                    item.held = self.iteration
                 except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
                     frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
             item.stats = self._stats(frame, name, t, on_cpu) if stats is None else stats

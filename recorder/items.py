@@ -46,8 +46,8 @@ class TensorItem:
     stats: Any  # tuple of 8 floats, or a device tensor of 8
     # A content key, a token (bytes the writer hashes), or None (statistics only).
     payload: tuple[int, int, int] | int | None
-    # Flight mode: the iteration under which the ring holds the bytes. The step's own iteration,
-    # except for what a step captures after an optimizer step inside its call (the next one).
+    # The iteration in which the tensor was captured, under which the flight ring holds its bytes:
+    # the step's own, except after an optimizer step inside the step's call (the next one).
     held: int = -1
 
 

@@ -449,7 +449,7 @@ class Pipeline:
                 key = self._tokens.pop(ref, None) if isinstance(ref, int) else ref
                 found = None if key is None else w.find_payload(key)
                 if found is None:  # flight mode: the bytes wait in the ring, and may never come
-                    waiting.append((len(cols["role"]), ref, row["iteration"] if t.held < 0 else t.held))
+                    waiting.append((len(cols["role"]), ref, t.held))
                 else:
                     pid = found
             cols["role"].append(t.role)
