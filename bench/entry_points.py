@@ -260,7 +260,9 @@ taps, queueing), also per tensor record. The wall-time ratio here comes from few
 moves by several percent between runs; the CPU figures move far less. The entry points' share of an
 unrecorded iteration is what recording costs at the least where nothing else competes (one torch
 thread, the writer on a core of its own); with torch on every core, the writer's CPU and the
-training thread's slower operators come on top of it.
+training thread's slower operators come on top of it. With torch on two threads the training
+thread's CPU time also includes its spinning while torch's second thread finishes an operator, and
+moves with the machine's load almost as much as wall time does; the entry points' CPU does not.
 
 {table(results)}
 
