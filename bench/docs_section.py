@@ -1,6 +1,7 @@
 """What the benchmarks share: writing one section of docs/PERFORMANCE.md (leaving the others alone),
 dropping a store from the page cache for cold measurements, running with a given number of torch
-threads, and judging a measured ratio against its target with the spread of the measurement."""
+threads, alternating one recording session between paused and resumed, and judging a measured ratio
+against its target with the spread of the measurement."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import contextlib
 import os
 import random
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "PERFORMANCE.md"
 
 
@@ -77,6 +80,26 @@ def judge(interval: tuple[float, float], limit: float) -> str:
     if low > limit:
         return "not met"
     return "undecided"
+
+
+def paused_and_resumed(run: Any, rounds: int, block: Callable[[bool], T]) -> tuple[list[T], list[T]]:
+    """Blocks of one recording session alternating between paused and resumed, the order swapping
+    every round: ``block(recorded)`` runs one (a recorded block should end with ``run.flush()``, so
+    that the writer's work is inside it). Returns the paused blocks' results and the recorded ones',
+    paired by round; the session is left resumed."""
+    paused: list[T] = []
+    recorded: list[T] = []
+    run.pause()
+    for r in range(rounds):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):
+            if on:
+                run.resume()
+                recorded.append(block(True))
+                run.pause()
+            else:
+                paused.append(block(False))
+    run.resume()
+    return paused, recorded
 
 
 def paired(values: list[float], baseline: list[float]) -> list[float]:

@@ -56,7 +56,7 @@ import torch
 
 # The checkout this script is in, before an installed copy: a checkout of another commit measures its own recorder.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from docs_section import torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
+from docs_section import paused_and_resumed, torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
 
 import recorder  # noqa: E402
 from recorder import capture, payload, snapshot  # noqa: E402
@@ -190,26 +190,18 @@ def measure(model_name: str, mode: str, threads: int, iterations: int, rounds: i
         for i in range(3):  # unrecorded warm-up: allocator, kernels
             step(i)
         probe = Probe()
-        paused, recorded = [], []
         with tempfile.TemporaryDirectory(prefix="pdbg-entry-") as tmp, probe.installed():
             run = recorder.record(str(Path(tmp) / "run.zarr"), model=model, optimizer=opt, mode=mode, **options)
             try:
                 for _ in range(2):  # the session's first iterations: fresh buffers, first commits
                     block(step, iterations, probe, run)
-                run.pause()
-                for r in range(rounds):
-                    for on in ((False, True) if r % 2 == 0 else (True, False)):
-                        if on:
-                            run.resume()
-                            recorded.append(block(step, iterations, probe, run))
-                            run.pause()
-                        else:
-                            paused.append(block(step, iterations, probe, None))
-                run.resume()
+                paused, recorded = paused_and_resumed(
+                    run, rounds, lambda on: block(step, iterations, probe, run if on else None))
             finally:
                 run.close()
             if run.status != "complete":
                 raise SystemExit(f"the {mode} session ended {run.status}: {run.failure}")
+
     def med(blocks: list[dict[str, float]], key: str) -> float:
         return statistics.median(b[key] for b in blocks)
 

@@ -37,7 +37,7 @@ from torch import nn
 
 # The checkout this script is in, before an installed copy: a checkout of another commit measures its own recorder.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from docs_section import write_section  # noqa: E402 (bench/ is the script's directory)
+from docs_section import paused_and_resumed, write_section  # noqa: E402 (bench/ is the script's directory)
 
 import recorder  # noqa: E402
 
@@ -85,24 +85,18 @@ def measure(mode: str, steps: int, iterations: int, rounds: int) -> dict[str, An
         block()
     with tempfile.TemporaryDirectory(prefix="pdbg-stepcost-") as tmp:
         run = recorder.record(str(Path(tmp) / "run.zarr"), model=model, optimizer=opt, mode=mode)
+
+        def timed(recorded: bool) -> float:
+            t0 = time.perf_counter()
+            block()
+            if recorded:
+                run.flush()
+            return time.perf_counter() - t0
+
         try:
             for _ in range(2):  # the session's first iterations: fresh buffers, first commits
-                block()
-                run.flush()
-            run.pause()
-            paused, recorded = [], []
-            for r in range(rounds):
-                for on in ((False, True) if r % 2 == 0 else (True, False)):
-                    if on:
-                        run.resume()
-                        t0 = time.perf_counter()
-                        block()
-                        run.flush()
-                        recorded.append(time.perf_counter() - t0)
-                        run.pause()
-                    else:
-                        paused.append(block())
-            run.resume()
+                timed(True)
+            paused, recorded = paused_and_resumed(run, rounds, timed)
         finally:
             run.close()
         if run.status != "complete":

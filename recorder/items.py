@@ -48,7 +48,7 @@ class TensorItem:
     payload: tuple[int, int, int] | int | None
     # The iteration in which the tensor was captured, under which the flight ring holds its bytes:
     # the step's own, except after an optimizer step inside the step's call (the next one).
-    held: int = -1
+    held: int
 
 
 @dataclass
