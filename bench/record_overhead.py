@@ -27,6 +27,8 @@ Usage:
   python bench/record_overhead.py --threads 2 --iterations 3 --blocks 3      # quick (< 2 min)
   python bench/record_overhead.py --write-docs          # also rewrite docs/PERFORMANCE.md
   python bench/record_overhead.py --profile full --threads 1   # cProfile of the recorder's code
+  python bench/record_overhead.py --only full@1 --long-blocks 100   # one target's long session alone,
+                                                        # with more rounds for a narrower interval
 """
 
 from __future__ import annotations
@@ -680,6 +682,15 @@ def report(title: str, stats: pstats.Stats, n: int, top: int) -> None:
 
 
 # -- command line ---------------------------------------------------------------------------------
+def target_setting(text: str) -> tuple[str, int]:
+    """``full@1`` -> ("full", 1): a recording mode and a torch thread count that a target names."""
+    mode, _, threads = text.partition("@")
+    if (mode, threads) not in {(m, str(t)) for m, t, _ in TARGETS}:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a target's setting; choose one of "
+                                         + ", ".join(f"{m}@{t}" for m, t, _ in TARGETS))
+    return mode, int(threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, choices=(1, 2), action="append",
@@ -695,7 +706,13 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="rows of the profile (default 25)")
     parser.add_argument("--no-kernel", action="store_true",
                         help="statistics through torch's reductions, not the numba kernel (to compare)")
+    parser.add_argument("--only", action="append", type=target_setting, metavar="MODE@THREADS",
+                        help="only the long session of this mode at this many torch threads (repeatable; "
+                             "e.g. full@1): no session-per-block measurement, the verdicts printed, not written")
     args = parser.parse_args()
+    if args.only and (args.write_docs or args.profile or args.threads or not args.long_blocks):
+        parser.error("--only runs long sessions alone: leave out --write-docs, --profile and --threads, "
+                     "and give --long-blocks above 0")
     if args.no_kernel:
         recorder.stats.use_kernel(False)
     # `timeout` and kill send SIGTERM: exit through the finally blocks, so temporary stores are removed.
@@ -708,7 +725,11 @@ def main() -> None:
         return
     results: dict[int, dict[str, Any]] = {}
     longs: dict[int, list[dict[str, Any]]] = {}
-    for threads in thread_settings:
+    for mode, threads in args.only or []:
+        longs.setdefault(threads, []).append(
+            measure_long(threads, mode, args.iterations, args.long_blocks, args.warmup))
+        print("\n" + long_header(longs[threads][-1:]) + "\n" + long_table(longs[threads][-1:]) + "\n", flush=True)
+    for threads in [] if args.only else thread_settings:
         results[threads] = measure(threads, args.iterations, args.blocks, args.warmup)
         print("\n" + header(results[threads]) + "\n" + table(results[threads]) + "\n", flush=True)
         if args.long_blocks:

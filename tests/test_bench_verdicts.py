@@ -79,3 +79,17 @@ def test_callback_verdicts_without_the_by_hand_variant() -> None:
     (line,) = cb.verdicts(res)
     assert "paired 1.100x (95% interval 1.050–1.150) — **undecided**" in line and "by hand" not in line
     assert "record() by hand" not in cb.table(res)
+
+
+def test_only_names_a_target_setting() -> None:
+    """--only MODE@THREADS runs one target's long session alone: it takes the settings the targets
+    name and nothing else, so a typo cannot run for half an hour and judge nothing."""
+    import argparse
+
+    import record_overhead
+
+    assert record_overhead.target_setting("full@1") == ("full", 1)
+    assert record_overhead.target_setting("flight@2") == ("flight", 2)
+    for bad in ("full@3", "anomaly@1", "full", "full@one"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a target's setting"):
+            record_overhead.target_setting(bad)
