@@ -725,11 +725,11 @@ def main() -> None:
         return
     results: dict[int, dict[str, Any]] = {}
     longs: dict[int, list[dict[str, Any]]] = {}
-    for mode, threads in args.only or []:
-        longs.setdefault(threads, []).append(
-            measure_long(threads, mode, args.iterations, args.long_blocks, args.warmup))
-        print("\n" + long_header(longs[threads][-1:]) + "\n" + long_table(longs[threads][-1:]) + "\n", flush=True)
-    for threads in [] if args.only else thread_settings:
+    for mode, threads in args.only or []:  # one target's long session each, nothing else
+        long = measure_long(threads, mode, args.iterations, args.long_blocks, args.warmup)
+        longs.setdefault(threads, []).append(long)
+        print("\n" + long_header([long]) + "\n" + long_table([long]) + "\n", flush=True)
+    for threads in () if args.only else thread_settings:
         results[threads] = measure(threads, args.iterations, args.blocks, args.warmup)
         print("\n" + header(results[threads]) + "\n" + table(results[threads]) + "\n", flush=True)
         if args.long_blocks:
