@@ -42,8 +42,13 @@ def unit_of(dtype: torch.dtype) -> int:
 
 
 def flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a 1-D tensor with unit stride: a view when its layout allows, else a copy."""
-    out = t.detach().reshape(-1)
+    """``t``'s values as a 1-D tensor with unit stride: a view when its layout allows, else a copy.
+    A conjugate or negative view (what ``z.conj()`` returns, lazily) is resolved into a copy: its
+    memory does not hold its values."""
+    out = t.detach()
+    if out.is_conj() or out.is_neg():
+        out = out.resolve_conj().resolve_neg()
+    out = out.reshape(-1)
     if out.numel() and out.stride(0) != 1:  # size-1 or expanded dimensions: torch calls these contiguous
         out = out.clone(memory_format=torch.contiguous_format)  # recomputes strides
     return out
@@ -56,8 +61,17 @@ _NUMPY_VIEWABLE = {torch.float16, torch.float32, torch.float64, torch.complex64,
 
 def host_array(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor's memory (a dtype numpy has); detached first only when it
-    requires grad: a tensor the recorder already detached is not detached again (~1 us each)."""
-    return (t.detach() if t.requires_grad else t).numpy()
+    requires grad: a tensor the recorder already detached is not detached again (~1 us each).
+    A conjugate or negative view comes back resolved, as a copy: ``z.conj()`` only flips a bit,
+    so its memory does not hold its values (and numpy() refuses to view it)."""
+    if t.requires_grad:
+        t = t.detach()
+    try:
+        return t.numpy()
+    except RuntimeError:
+        if not (t.is_conj() or t.is_neg()):
+            raise
+        return t.resolve_conj().resolve_neg().numpy()
 
 
 def as_units(t: torch.Tensor) -> tuple[np.ndarray, int, bool]:

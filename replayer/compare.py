@@ -83,8 +83,9 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
     if not isinstance(replayed, torch.Tensor):
         return Diff(name, role, False, math.inf, math.inf, 0, reason=f"replay gave {type(replayed).__name__}, "
                     "not a tensor", recorded=rec_stats)
-    replayed = replayed.detach().cpu()
-    recorded = recorded.detach().cpu()
+    # Values, not memory: a lazy conjugate or negation (``z.conj()``) only flips a bit on its tensor.
+    replayed = replayed.detach().cpu().resolve_conj().resolve_neg()
+    recorded = recorded.detach().cpu().resolve_conj().resolve_neg()
     rep_stats = stats_dict(stats_mod.host_stats(replayed))
     diff = Diff(name, role, True, recorded=rec_stats, replayed=rep_stats)
     if replayed.dtype != recorded.dtype or tuple(replayed.shape) != tuple(recorded.shape):

@@ -1,5 +1,5 @@
 """Property: any tensor a step sees comes back from the store bit for bit, whatever its dtype,
-shape, strides and values (NaN payloads, -0.0, subnormals included)."""
+shape, strides and values (NaN payloads, -0.0, subnormals included), lazy conjugates included."""
 
 from __future__ import annotations
 
@@ -35,8 +35,12 @@ def tensors(draw) -> torch.Tensor:
         raw = bytes(b & 1 for b in raw)
     t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n else \
         torch.empty(shape, dtype=dtype)
-    view = draw(st.sampled_from(["contiguous", "transpose", "step", "expand"]))
-    if view == "transpose" and t.dim() >= 2:
+    view = draw(st.sampled_from(["contiguous", "transpose", "step", "expand", "conj", "conj imag"]))
+    if view == "conj" and t.is_complex():  # a lazy conjugate: its memory does not hold its values
+        t = t.conj()
+    elif view == "conj imag" and t.is_complex():  # a real view with the negative bit set
+        t = t.conj().imag
+    elif view == "transpose" and t.dim() >= 2:
         t = t.transpose(0, t.dim() - 1)
     elif view == "step" and t.dim() >= 1 and t.shape[0] > 1:
         t = t[::2]
@@ -46,8 +50,9 @@ def tensors(draw) -> torch.Tensor:
 
 
 def _bits(t: torch.Tensor) -> bytes:
-    # contiguous_format recomputes strides: a size-1 dimension may carry any stride otherwise.
-    dense = t.clone(memory_format=torch.contiguous_format).reshape(-1)
+    # The values, not the memory, of a conjugate or negative view; contiguous_format recomputes
+    # strides: a size-1 dimension may carry any stride otherwise.
+    dense = t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format).reshape(-1)
     return dense.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
@@ -92,3 +97,26 @@ def test_quantized_tensor_kept_as_metadata(run_path):
     rec = rank.tensor_records(0)[0]
     assert rec.dtype == "qint8" and not rec.has_payload
     assert any("qint8" in n for n in rank.doc(int(rank.column("steps/extra")[0]))["notes"])
+
+
+@recorder.paper_step("Eq. 0b", description="lazy conjugate and negation views")
+def conjugates(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return z.conj(), z.conj().imag
+
+
+def test_conjugate_and_negative_views_keep_their_values_and_statistics(run_path):
+    """``z.conj()`` only flips a bit (and ``z.conj().imag`` is a real view with the negative bit):
+    their payloads hold the values the step returned, and their statistics are those values'."""
+    z = torch.complex(torch.randn(3, 4), torch.randn(3, 4))
+    with recorder.record(run_path, mode="full") as run:
+        conj, imag = conjugates(z)
+    assert conj.is_conj() and imag.is_neg() and run.failure is None
+    rank = RunReader(run_path).rank(0)
+    records = {r.name: r for r in rank.tensor_records(0) if r.role == "output"}
+    assert rank.column("steps/extra")[0] == -1  # no notes: nothing was kept as metadata only
+    for name, want in (("output.0", conj), ("output.1", imag)):
+        back = rank.tensor(records[name])
+        assert not (back.is_conj() or back.is_neg())
+        assert _bits(back) == _bits(want)
+    assert records["output.1"].stats["max"] == float(-z.imag.min())
+    assert records["output.1"].stats["min"] == float(-z.imag.max())

@@ -13,6 +13,12 @@ def split_scale(x: torch.Tensor, *, scale: torch.Tensor, k: int = 2) -> tuple[to
     return x[:, :k] * scale, k, x.t() @ x
 
 
+@recorder.paper_step("Eq. 7", description="spectral product, returning lazy conjugate and negation views")
+def spectral(z: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    product = z * w
+    return product.conj(), product.conj().imag
+
+
 @recorder.paper_step("Eq. 6", description="refuses negative input")
 def checked(x: torch.Tensor) -> torch.Tensor:
     if (x < 0).any():
