@@ -249,7 +249,7 @@ class Replayer:
         for r in records:
             if r.role in ("input", "param", "buffer") and not r.has_payload:
                 raise ReplayError(f"step {step.index} ({step.name}) kept statistics only for {r.role} {r.name} "
-                                  "(recorded in stats mode, or on an iteration --every skipped); it cannot be replayed")
+                                  f"({step.why_statistics_only(r)}); it cannot be replayed")
         tensors = {r.name: r for r in records if r.role == "input"}
         leaves: dict[str, torch.Tensor] = {}
 
@@ -395,8 +395,8 @@ class Replayer:
                             "them (autograd accumulates before the hook sees it)")
         for r in [*grad_outputs.values(), *wanted]:
             if not r.has_payload:
-                raise ReplayError(f"backward step {step.index} kept statistics only for {r.role} {r.name}; it "
-                                  "cannot be replayed")
+                raise ReplayError(f"backward step {step.index} kept statistics only for {r.role} {r.name} "
+                                  f"({step.why_statistics_only(r)}); it cannot be replayed")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         inner = descendants(fwd) if nested or self.plan.edits_inside() or self.plan.swaps else []
         tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan) if inner else None

@@ -344,3 +344,18 @@ def test_lazy_conjugates_replay_and_match_by_value(tmp_path: Path) -> None:
     assert bits_equal(step.tensor("output.1"), imag.resolve_neg())
     res = replayer.replay(rec, step)
     assert res.match and {d.name for d in res.outputs} == {"output.0", "output.1"}, [d.summary() for d in res.outputs]
+
+
+def test_a_step_without_payloads_says_why_it_cannot_be_replayed(tmp_path: Path) -> None:
+    """The error names the reason the step's note gives (a sparse tensor is kept as metadata only),
+    or, without a note, the ways a recording keeps statistics only; the CLI prints it on one line."""
+    from tests.replayer import kinds
+
+    with recorder.record(tmp_path / "sparse.zarr", mode="full"):
+        kinds.spectral(torch.eye(2, dtype=torch.complex64).to_sparse(), torch.ones(2, 2, dtype=torch.complex64))
+    with pytest.raises(ReplayError, match=r"input args\.0 \(torch\.sparse_coo tensor on cpu: metadata only\)"):
+        replayer.replay(tmp_path / "sparse.zarr", "Eq. 7")
+    with recorder.record(tmp_path / "stats.zarr", mode="stats"):
+        kinds.spectral(torch.ones(2, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64))
+    error = one_line_error(pdbg("replay", str(tmp_path / "stats.zarr"), "Eq. 7", cwd=tmp_path))
+    assert "kept statistics only for input args.0 (recorded in stats mode" in error
