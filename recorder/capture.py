@@ -706,8 +706,7 @@ class Session:
 
     def _submit(self, frame: Frame) -> None:
         if frame.dropped:  # says why these records have statistics only
-            frame.notes.append(f"{frame.dropped} payload(s) not recorded: the store could not keep up "
-                               "(when_slow='drop_payloads')")
+            frame.notes.append(f"{frame.dropped} {layout.DROPPED_NOTE} (when_slow='drop_payloads')")
             frame.dropped = 0
         docs = {"name": frame.defn.name, "definition": frame.defn.doc(), "module_path": frame.path,
                 "module": self._module_doc(frame.module), "settings": frame.settings,

@@ -115,13 +115,13 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         raise BundleError(f"cannot write {out}: directory {out.parent} does not exist")
     rows, full = _selection(rec, main, iteration)
     steps = [rec.step(i) for i in rows]
-    forward = rec.step(main.forward) if main.forward is not None else None
-    for owner in ([main] if main.phase == "forward" else [x for x in (forward, main) if x is not None]):
-        for r in owner.records:
-            if r.role in ("input", "param", "buffer", "grad_output") and not r.has_payload:
-                raise BundleError(f"step {main.index} kept statistics only for {r.role} {r.name} "
-                                  f"({owner.why_statistics_only(r)}): there is nothing to replay; bundle a step "
-                                  "recorded with payloads (mode full, or a flight dump)")
+    for r in [*(main.records if main.phase == "forward" else []),
+              *(rec.step(main.forward).records if main.forward is not None else []),
+              *(main.records if main.phase == "backward" else [])]:
+        if r.role in ("input", "param", "buffer", "grad_output") and not r.has_payload:
+            raise BundleError(f"step {main.index} kept statistics only for {r.role} {r.name} "
+                              f"({rec.rank.why_statistics_only(r)}): there is nothing to replay; bundle a step "
+                              "recorded with payloads (mode full, or a flight dump)")
     work = Path(tempfile.mkdtemp(prefix="pdbg-bundle-", dir=out.parent))
     try:
         store_dir = work / "store"

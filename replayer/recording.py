@@ -389,17 +389,8 @@ class Step:
         return doc if isinstance(doc, dict) else {}
 
     def why_statistics_only(self, record: TensorRecord) -> str:
-        """Why one of this step's tensor records has statistics and no payload, for a message: the
-        step's note on it (a sparse or quantized tensor, a dtype without bytes, dropped bytes), else
-        the ways a recording keeps statistics only."""
-        notes = [n for n in self.extra.get("notes", []) if isinstance(n, str)]
-        for note in notes:
-            if note.startswith(f"{record.name}: "):
-                return note.removeprefix(f"{record.name}: ")
-        if any("not recorded: the store could not keep up" in n for n in notes):
-            return "its bytes were dropped: the store could not keep up with training"
-        return ("recorded in stats mode, on an iteration --every skipped, or in flight mode outside the "
-                "iterations the ring wrote out")
+        """Why one of this step's tensor records has statistics and no payload (RankReader's answer)."""
+        return self.rec.rank.why_statistics_only(record)
 
     @property
     def environment(self) -> dict[str, Any]:

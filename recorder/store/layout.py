@@ -43,6 +43,9 @@ ATTRS_KEY = "paperdebugger"
 MANIFEST_KEY = "manifest.json"
 
 NO_REF = -1  # a missing reference in an integer column (no parent, no payload, no document)
+# The step note (in its ``extra`` document) on payloads the store could not keep up with, as the
+# reader recognises it: "<n> payload(s) not recorded: the store could not keep up (...)".
+DROPPED_NOTE = "payload(s) not recorded: the store could not keep up"
 
 
 @dataclass(frozen=True)

@@ -667,13 +667,25 @@ class RankReader:
                                 "checksum mismatch: the recording is corrupted; restore it from a copy or record again")
         return units, unit
 
+    def why_statistics_only(self, record: TensorRecord) -> str:
+        """Why a tensor record has statistics and no payload, for a message: its step's note on it (a
+        sparse or quantized tensor, a dtype without bytes, dropped bytes), else the ways a recording
+        keeps statistics only."""
+        extra = self.doc(int(self.column("steps/extra")[record.step]))
+        notes = [n for n in extra.get("notes", []) if isinstance(n, str)] if isinstance(extra, dict) else []
+        for note in notes:
+            if note.startswith(f"{record.name}: "):
+                return note.removeprefix(f"{record.name}: ")
+        if any(layout.DROPPED_NOTE in n for n in notes):
+            return "its bytes were dropped: the store could not keep up with training"
+        return ("recorded in stats mode, on an iteration --every skipped, or in flight mode outside the "
+                "iterations the ring wrote out")
+
     def tensor(self, record: TensorRecord) -> torch.Tensor:
         """The recorded tensor's value (a contiguous CPU tensor), exactly as it was."""
         what = f"tensor {record.name!r} of step {record.step}"
         if not record.has_payload:
-            raise FormatError(f"{self.run.label}: {what} has statistics only (recorded in stats mode, on an "
-                              "iteration --every skipped, in flight mode outside the iterations the ring wrote out, "
-                              "or dropped because the store could not keep up: the step's notes say so)")
+            raise FormatError(f"{self.run.label}: {what} has statistics only ({self.why_statistics_only(record)})")
         try:
             dtype = payload_mod.dtype_from_name(record.dtype)
             expected_unit = payload_mod.unit_of(dtype)

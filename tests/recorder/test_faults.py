@@ -394,6 +394,8 @@ def test_slow_store_drops_payloads_never_steps(tmp_path, monkeypatch):
         notes = rec.step(i).extra.get("notes", [])
         if lost:
             assert f"{lost} payload(s) not recorded: the store could not keep up (when_slow='drop_payloads')" in notes
+            without_payload = next(r for r in rec.step(i).records if not r.has_payload)
+            assert "dropped" in rec.step(i).why_statistics_only(without_payload)
             noted += 1
     assert without == pipe.dropped_payloads, "every dropped payload is one record without payload"
     assert noted > 0

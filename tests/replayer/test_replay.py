@@ -16,7 +16,7 @@ import torch
 import recorder
 import replayer
 from recorder import snapshot
-from recorder.errors import ReplayError, StepNotFoundError
+from recorder.errors import FormatError, ReplayError, StepNotFoundError
 from recorder.store import layout
 from replayer.rebuild import Builder
 from replayer.replay import Replayer
@@ -355,6 +355,8 @@ def test_a_step_without_payloads_says_why_it_cannot_be_replayed(tmp_path: Path) 
         kinds.spectral(torch.eye(2, dtype=torch.complex64).to_sparse(), torch.ones(2, 2, dtype=torch.complex64))
     with pytest.raises(ReplayError, match=r"input args\.0 \(torch\.sparse_coo tensor on cpu: metadata only\)"):
         replayer.replay(tmp_path / "sparse.zarr", "Eq. 7")
+    with pytest.raises(FormatError, match=r"statistics only \(torch\.sparse_coo tensor on cpu: metadata only\)"):
+        replayer.open(tmp_path / "sparse.zarr").step("Eq. 7").tensor("args.0")
     with recorder.record(tmp_path / "stats.zarr", mode="stats"):
         kinds.spectral(torch.ones(2, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64))
     error = one_line_error(pdbg("replay", str(tmp_path / "stats.zarr"), "Eq. 7", cwd=tmp_path))
