@@ -18,11 +18,13 @@ from __future__ import annotations
 import fnmatch
 import sys
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules import module as module_mod
 
+from . import compiled
 from .errors import RecordingError
 
 if TYPE_CHECKING:
@@ -85,6 +87,11 @@ class ModuleSelector:
         return [g for i, g in enumerate(self.globs) if i not in self.matched]
 
 
+# Set on the modules the globs select, for the hooks as Dynamo traces them (torch.compile), which
+# cannot work out paths: a selected module's call leaves the graph to be recorded, others stay in.
+_SELECTED = "_paperdebugger_selected"
+
+
 def _marked(module: torch.nn.Module) -> bool:
     """Recorded by its own wrapper: a decorated class or an annotated instance."""
     return "_pdbg_step" in module.__dict__ or hasattr(type(module).forward, "__pdbg_step__")
@@ -97,13 +104,17 @@ class GlobalCapture:
         self.session, self.selector = session, selector
         self.local = threading.local()
         self._defs: dict[type, StepDef] = {}
+        self._roots: set[int] = set()  # ids of the modules whose selected modules are marked
+        self._selected: list[weakref.ref[torch.nn.Module]] = []  # marked modules (see _SELECTED)
         # Registered after the session's module stack, so paths are known when these run.
         self._handles = [
             module_mod.register_module_forward_pre_hook(self._pre),
             module_mod.register_module_forward_hook(self._post, with_kwargs=True, always_call=True),
         ]
+        if session.modules.model is not None:
+            self._guard_mark(session.modules.model)
 
-    def _open(self) -> list[tuple[torch.nn.Module, Frame, BackwardLink | None]]:
+    def _open(self) -> list[tuple[torch.nn.Module, Frame | None, BackwardLink | None]]:
         open_ = getattr(self.local, "open", None)
         if open_ is None:
             open_ = self.local.open = []
@@ -119,17 +130,49 @@ class GlobalCapture:
                                              "module", cls)
         return defn
 
+    def mark(self, top: torch.nn.Module) -> None:
+        """Mark the modules under ``top`` that the globs select (see _SELECTED), with their paths
+        relative to the outermost module being called; ``close()`` removes the marks."""
+        top = compiled.unwrapped(top)
+        if id(top) in self._roots:
+            return
+        self._roots.add(id(top))
+        for module in top.modules():
+            path = self.session.modules.path_of(module)
+            if not _marked(module) and any(glob_matches(p, path) for p in self.selector.patterns):
+                module.__dict__[_SELECTED] = True
+                self._selected.append(weakref.ref(module))
+
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if compiled.tracing():
+            return _pre_outside_graph(self, module, args) if getattr(module, _SELECTED, False) else None
+        if type(module).__name__ == "OptimizedModule":
+            # About to run compiled code: mark what it will call. The wrapper is not a step itself;
+            # the module it wraps is, at the same path, when called inside.
+            self._guard_mark(module)
+            return None
+        return self._begin(module, args)
+
+    def _guard_mark(self, module: torch.nn.Module) -> None:
+        try:
+            self.mark(module)
+        except Exception as exc:
+            self.session.fail("selecting modules of a compiled model", exc)
+
+    def _begin(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         session = self.session
         if not session.enabled or session.closed or getattr(session.local, "busy", False) or _marked(module):
             return None
         try:
-            if not self.selector.selects(session.modules.path_of(module), module):
+            # A recomputation runs outside the model, where paths mean nothing: it is taken when
+            # its original call was recorded (see Session._begin_recomputation).
+            recomputation = session.recomputing()
+            if not recomputation and not self.selector.selects(session.modules.path_of(module), module):
                 return None
         except Exception as exc:
             session.fail("matching module paths", exc)
             return None
-        started = session.begin(self._defn(module), module, args, {})
+        started = session.begin(self._defn(module), module, args, {}, recomputation)
         if started is None:
             return None
         frame, new_args, _, link = started
@@ -137,6 +180,11 @@ class GlobalCapture:
         return new_args
 
     def _post(self, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
+        if compiled.tracing():
+            return _post_outside_graph(self, module, args, *rest) if getattr(module, _SELECTED, False) else None
+        return self._end(module, args, *rest)
+
+    def _end(self, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
         # (kwargs, result) normally; (result,) when torch calls it while an exception unwinds.
         kwargs, result = rest if len(rest) == 2 else ({}, rest[0])
         open_ = self._open()
@@ -152,7 +200,7 @@ class GlobalCapture:
         if exc is not None and result is None:  # called by torch while the forward's exception unwinds
             session.end_with_exception(frame, exc)
             return None
-        if kwargs:
+        if kwargs and frame is not None:
             session.add_kwargs(frame, kwargs)
         out = session.end(frame, result, link)
         return None if out is result else out
@@ -163,7 +211,23 @@ class GlobalCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for ref in self._selected:
+            module = ref()
+            if module is not None:
+                module.__dict__.pop(_SELECTED, None)
+        self._selected.clear()
         open_, self.local.open = self._open(), []
         exc = sys.exc_info()[1]
         for _, frame, _ in reversed(open_):
             self.session.end_with_exception(frame, exc or KeyboardInterrupt("the recording ended inside this step"))
+
+
+@compiled.outside_graph
+def _pre_outside_graph(capture: GlobalCapture, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+    return capture._begin(module, args)
+
+
+@compiled.outside_graph
+def _post_outside_graph(capture: GlobalCapture, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
+    return capture._end(module, args, *rest)
+

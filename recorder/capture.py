@@ -8,7 +8,10 @@ recording degrades; the user's call always proceeds.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
+import sys
 import threading
 import time
 import traceback
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 from torch.autograd import Variable
 
-from . import autohooks, flight, jsonval, modstack, monitors, skeleton, snapshot, taps
+from . import autohooks, compiled, flight, jsonval, modstack, monitors, skeleton, snapshot, taps
 from . import payload as payload_mod
 from . import stats as stats_mod
 from .items import ForgetIterations, PayloadItem, StepItem, TensorItem
@@ -43,6 +46,31 @@ _BY_CONTENT = frozenset({"param", "buffer"})
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
 _MODULE_DOCS_LIMIT = 4096  # module documents remembered (modules made anew at every step would grow it)
 _DUMPS_KEPT = 256  # flight mode: ring writes listed in the run's metadata, first and last each
+_UNGRADED_KEPT = 256  # calls without grad inside activation checkpointing remembered per step and module
+
+# -1 on a thread where autograd's engine is not running a backward pass. Where torch lacks it,
+# recomputations by activation checkpointing are recorded as calls.
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_checkpoint_code: dict[Any, bool] = {}  # code object -> it belongs to activation checkpointing
+
+
+def in_checkpointing(depth: int = 2) -> bool:
+    """Whether activation checkpointing is on this thread's call stack: ``torch.utils.checkpoint``
+    (and what wraps it), DeepSpeed's ``checkpointing.py``, FairScale's ``checkpoint_activations.py``,
+    Megatron's ``CheckpointFunction``. The code objects' answers are remembered."""
+    frame: Any = sys._getframe(depth)
+    while frame is not None:
+        code = frame.f_code
+        hit = _checkpoint_code.get(code)
+        if hit is None:
+            if len(_checkpoint_code) > 65536:
+                _checkpoint_code.clear()
+            hit = _checkpoint_code[code] = ("checkpoint" in os.path.basename(code.co_filename)
+                                            or "Checkpoint" in code.co_qualname)
+        if hit:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class RecorderWarning(UserWarning):
@@ -138,6 +166,9 @@ class Session:
         self._collective_seq = -1  # torch.distributed collectives recorded so far, in call order
         self.pauses = 0  # while above 0 no step starts (Run.pause: a framework's evaluation)
         self.on_nonfinite: Callable[[int, str], Any] | None = None  # told of the first NaN/Inf step (once)
+        # Activation checkpointing: (step name, id(module)) -> calls of this iteration that ran without
+        # grad inside checkpointing, latest last; their recomputation in backward builds their graph.
+        self._ungraded: dict[tuple[str, int], list[Frame]] = {}
         self._unreported: list[Frame] = []  # steps with device statistics: on_nonfinite looks once per iteration
 
     # -- bookkeeping -----------------------------------------------------------------------------
@@ -178,6 +209,7 @@ class Session:
         with self.lock:
             self.iteration += 1
             self.calls.clear()
+            self._ungraded.clear()
             # Backward hooks of calls whose backward never ran (evaluation, a discarded graph).
             stale = [link for link in self._links if link.frame is None]
             self._links = [link for link in self._links if link.frame is not None]
@@ -368,11 +400,16 @@ class Session:
         return self.end(frame, out, link)
 
     def begin(self, defn: Any, module: torch.nn.Module | None, args: tuple[Any, ...], kwargs: dict[str, Any],
-              ) -> tuple[Frame, tuple[Any, ...], dict[str, Any], BackwardLink | None] | None:
+              recomputation: bool | None = None,
+              ) -> tuple[Frame | None, tuple[Any, ...], dict[str, Any], BackwardLink | None] | None:
         """Start a step: capture its inputs and push it as the running step. Returns the frame, the
-        (tapped) arguments to call with and the backward link; None when nothing is captured."""
+        (tapped) arguments to call with and the backward link; None when nothing is captured. The
+        frame is None for a recomputation whose gradients are the original call's (see
+        ``_begin_recomputation``; ``recomputation`` is ``recomputing()`` when the caller knows it)."""
         if not self.enabled or self.pauses or getattr(self.local, "busy", False):
             return None
+        if self.recomputing() if recomputation is None else recomputation:
+            return self._begin_recomputation(defn, module, args, kwargs)
         try:
             frame, args, kwargs, link = self._enter(defn, module, args, kwargs)
         except Exception as exc:
@@ -381,8 +418,10 @@ class Session:
         self._stack().append(frame)
         return frame, args, kwargs, link
 
-    def end(self, frame: Frame, out: Any, link: BackwardLink | None) -> Any:
+    def end(self, frame: Frame | None, out: Any, link: BackwardLink | None) -> Any:
         """Finish a step begun with ``begin``: capture its outputs; returns the (tapped) output."""
+        if frame is None:
+            return self._end_recomputation(out, link)
         self._pop(frame)
         try:
             out = self._exit(frame, out, link)
@@ -394,11 +433,73 @@ class Session:
             monitors.perform(frame.pending, lambda: self.pipeline.flush(60.0))  # may raise, on purpose
         return out
 
-    def end_with_exception(self, frame: Frame, exc: BaseException) -> None:
+    def end_with_exception(self, frame: Frame | None, exc: BaseException) -> None:
         """Finish a step begun with ``begin`` whose call raised ``exc``."""
+        if frame is None:  # a recomputation that did not finish: its graph is never used
+            return
         self._pop(frame)
         self._exit_exception(frame, exc)
         self._after_step(frame)
+
+    # -- activation checkpointing -----------------------------------------------------------------
+    # torch.utils.checkpoint runs a checkpointed forward again during backward. That is not a new
+    # call of its steps: nothing of it is recorded as a step. Non-reentrant checkpointing (the
+    # original call ran with grad) takes the gradients through the original call's graph, whose
+    # backward is recorded as usual. Reentrant checkpointing ran the original call without grad and
+    # takes the gradients through the recomputation's graph: its backward is recorded as the
+    # original call's, tapped here.
+    @staticmethod
+    def recomputing() -> bool:
+        """Whether a forward call made now is a recomputation by activation checkpointing: autograd
+        is running a backward pass on this thread, called through checkpointing code."""
+        return _graph_task_id() != -1 and in_checkpointing(3)
+
+    def _remember_ungraded(self, frame: Frame) -> None:
+        """Remember a call made without grad inside activation checkpointing (reentrant: its
+        recomputation in backward will have the graph)."""
+        if not in_checkpointing(4):
+            return
+        stub = Frame(index=frame.index, phase=0, defn=frame.defn, module=frame.module, path=frame.path,
+                     call=frame.call, parent=frame.parent, iteration=frame.iteration, t_start=frame.t_start,
+                     payloads=False)
+        with self.lock:
+            calls = self._ungraded.setdefault((frame.defn.name, id(frame.module)), [])
+            calls.append(stub)
+            del calls[:-_UNGRADED_KEPT]
+
+    def _begin_recomputation(self, defn: Any, module: torch.nn.Module | None, args: tuple[Any, ...],
+                             kwargs: dict[str, Any],
+                             ) -> tuple[None, tuple[Any, ...], dict[str, Any], BackwardLink] | None:
+        """A step called again by activation checkpointing during backward: no step is recorded. If
+        it is the recomputation of a call made without grad (the latest such call of this step and
+        module not yet recomputed), its inputs are tapped for that call's backward."""
+        with self.lock:
+            calls = self._ungraded.get((defn.name, id(module)))
+            original = calls.pop() if calls else None
+        if original is None or not torch.is_grad_enabled():
+            return None
+        try:
+            link = BackwardLink(original)
+            args, kwargs = self._tap_inputs(link, args, kwargs)
+        except Exception as exc:
+            self.fail("tapping a recomputed step's inputs", exc)
+            return None
+        return None, args, kwargs, link
+
+    def _end_recomputation(self, out: Any, link: BackwardLink | None) -> Any:
+        """Tap a recomputed call's outputs and parameters for the original call's backward."""
+        if link is None:
+            return out
+        try:
+            module = link.fwd.module
+            if module is not None:
+                for name, p in module.named_parameters():
+                    if p.requires_grad:
+                        self._hook_param(link, name, p)
+            out = self._tap_outputs(link, out)
+        except Exception as exc:
+            self.fail("tapping a recomputed step's outputs", exc)
+        return out
 
     def _pop(self, frame: Frame) -> None:
         stack = self._stack()
@@ -438,16 +539,17 @@ class Session:
             frame.settings = self._settings()
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "")
             link = BackwardLink(frame) if torch.is_grad_enabled() else None
+            if link is None:
+                self._remember_ungraded(frame)
             if module is not None:
                 for name, p in module.named_parameters():
                     self._capture(frame, "param", name, p)
                     if link is not None and p.requires_grad:
-                        link.handles.append(p.register_hook(lambda g, lk=link, n=name: self._on_param_grad(lk, n, g)))
+                        self._hook_param(link, name, p)
                 for name, b in module.named_buffers():
                     self._capture(frame, "buffer", name, b)
             if link is not None:
-                args, kwargs, link.input_names = taps.tap_arguments(
-                    args, kwargs, lambda grads, lk=link: self._on_grad_input(lk, grads))
+                args, kwargs = self._tap_inputs(link, args, kwargs)
             return frame, args, kwargs, link
         finally:
             self.local.busy = False
@@ -459,11 +561,7 @@ class Session:
             try:
                 frame.output_doc = self._encode(frame, out, "output", "output")
                 if link is not None:
-                    out, link.output_names = taps.tap_output(
-                        out, lambda grads, lk=link: self._on_grad_output(lk, grads))
-                    if link.output_names or link.handles:
-                        with self.lock:
-                            self._links.append(link)
+                    out = self._tap_outputs(link, out)
             except Exception as exc:
                 frame.notes.append(f"capture failed: {type(exc).__name__}: {exc}")
                 raise
@@ -773,6 +871,24 @@ class Session:
         except Exception as exc:
             self.fail(where, exc)
 
+    def _tap_inputs(self, link: BackwardLink, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Pass a call's tensor arguments through a tap that reports their grads to ``link``."""
+        args, kwargs, link.input_names = taps.tap_arguments(args, kwargs, _backward_callback(self._on_grad_input, link))
+        return args, kwargs
+
+    def _hook_param(self, link: BackwardLink, name: str, p: torch.Tensor) -> None:
+        link.handles.append(p.register_hook(_backward_callback(self._on_param_grad, link, name)))
+
+    def _tap_outputs(self, link: BackwardLink, out: Any) -> Any:
+        """Pass a call's outputs through a tap that reports their grads to ``link``; the link then
+        waits for its backward (or the iteration's end)."""
+        out, link.output_names = taps.tap_output(out, _backward_callback(self._on_grad_output, link))
+        if link.output_names or link.handles:
+            with self.lock:
+                self._links.append(link)
+        return out
+
     def _on_grad_output(self, link: BackwardLink, grads: tuple[torch.Tensor | None, ...]) -> None:
         def run() -> None:
             frame = self._open_backward(link)
@@ -811,7 +927,7 @@ class Session:
         link.frame = frame
         self._pass.append(link)
         if not self._callback_queued:
-            Variable._execution_engine.queue_callback(self._end_of_backward)
+            Variable._execution_engine.queue_callback(_backward_callback(self._end_of_backward))
             self._callback_queued = True
         return frame
 
@@ -864,3 +980,37 @@ class Session:
         for link in links:
             for handle in link.handles:
                 handle.remove()
+
+
+# -- torch.compile (see recorder.compiled) -----------------------------------------------------------
+def _backward_callback(method: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
+    """``method`` with its first arguments bound, for autograd to call back in backward. Once
+    torch.compile is in use (torch._dynamo loaded) it goes through ``_outside_graph``: autograd also
+    calls back inside compiled code, where Dynamo would otherwise try to compile the recorder's."""
+    if "torch._dynamo" in sys.modules:
+        return functools.partial(_outside_graph, method, *bound)
+    return functools.partial(method, *bound)
+
+
+@compiled.outside_graph
+def _outside_graph(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+@compiled.outside_graph
+def call_outside_graph(session: Session, defn: Any, fn: Callable[..., Any], module: torch.nn.Module | None,
+                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A step called from code Dynamo traces: recorded, run eagerly. The module hooks did not run in
+    the compiled code around it, so paths are taken relative to the outermost module called outside
+    it (or the recording's model)."""
+    root = session.modules.root()
+    if root is None:
+        return session.call(defn, fn, module, args, kwargs)
+    with session.modules.rooted(root):
+        return session.call(defn, fn, module, args, kwargs)
+
+
+@compiled.outside_graph
+def watch_outside_graph(session: Session, tensor: Any, name: str, expect: dict[str, Any]) -> None:
+    session.watch(tensor, name, expect)
+

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.nn.modules import module as module_mod
 
+from . import compiled
+
 
 class ModuleStack:
     """Tracks module calls on every thread; removes its hooks on ``close()``."""
@@ -32,9 +34,13 @@ class ModuleStack:
         return stack
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if compiled.tracing():  # calls inside compiled code are not seen (recorder.compiled)
+            return
         self._stack().append(module)
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if compiled.tracing():
+            return
         stack = self._stack()
         # Pop back to this module: an exception may have skipped inner posts (they are always_call,
         # but a hook added by someone else can still raise before ours runs).
@@ -53,8 +59,10 @@ class ModuleStack:
             self._post(module, (), None)
 
     def root(self) -> torch.nn.Module | None:
+        """The outermost module being called on this thread (what ``torch.compile`` wraps, for a
+        compiled one), else the recording's model."""
         stack = self._stack()
-        return stack[0] if stack else self.model
+        return compiled.unwrapped(stack[0]) if stack else self.model
 
     def path_of(self, module: torch.nn.Module) -> str:
         """Path of ``module`` relative to the outermost module being called ("" for that module)."""
@@ -64,7 +72,8 @@ class ModuleStack:
         entry = self._paths.get(id(root))
         paths = entry[1] if entry is not None and entry[0]() is root else None
         if paths is None or id(module) not in paths:
-            paths = {id(m): name for name, m in root.named_modules(remove_duplicate=True)}
+            paths = {id(m): compiled.path_without_wrappers(name)
+                     for name, m in root.named_modules(remove_duplicate=True)}
             if len(self._paths) >= 64:  # a new outermost module per call: forget the old ones
                 self._paths.clear()
             self._paths[id(root)] = (weakref.ref(root), paths)  # a reused id is not taken for the old module

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.optim import optimizer as optimizer_mod
 
-from . import autohooks, capture, collectives, jsonval, monitors, snapshot
+from . import autohooks, capture, collectives, compiled, jsonval, monitors, snapshot
 from .errors import RecordingError
 from .pipeline import WHEN_SLOW, Pipeline
 from .store import backend, layout
@@ -101,7 +101,7 @@ class Run:
         if optimizer == "auto":
             self._hooks.append(optimizer_mod.register_optimizer_step_post_hook(self._on_any_step))
         elif optimizer is not None:
-            self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.next_iteration()))
+            self._hooks.append(optimizer.register_step_post_hook(self._on_step))
         self.closed = False
         self.status: str | None = None
         self._blosc_threads = _single_threaded_blosc()
@@ -148,7 +148,16 @@ class Run:
         except Exception:  # never let a query of the process group disturb training
             return
 
+    def _on_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if compiled.tracing():  # a compiled optimizer step (recorder.compiled)
+            _next_iteration_outside_graph(self)
+        else:
+            self.next_iteration()
+
     def _on_any_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if compiled.tracing():
+            _on_any_step_outside_graph(self, optimizer)
+            return
         # With several optimizers (a GAN's two), the first one to step counts the iterations.
         if self._stepping is None:
             self._stepping = id(optimizer)
@@ -439,3 +448,14 @@ def _git_commit_in(where: str) -> dict[str, Any] | None:
         return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+@compiled.outside_graph
+def _next_iteration_outside_graph(run: Run) -> None:
+    run.next_iteration()
+
+
+@compiled.outside_graph
+def _on_any_step_outside_graph(run: Run, optimizer: torch.optim.Optimizer) -> None:
+    run._on_any_step(optimizer)
+

@@ -1,0 +1,122 @@
+"""Activation checkpointing (torch.utils.checkpoint) runs a checkpointed forward again during
+backward. The recording of a checkpointed model is the recording of the same model without
+checkpointing: the same steps (a recomputation is not a call), the same links, bit-identical
+tensors; and its backward steps replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import recorder
+from tests.models import TinyGPT, train_step
+from tests.recorder.readback import raw, step_rows
+
+ITERATIONS = 3
+
+
+class CheckpointedGPT(TinyGPT):
+    """TinyGPT whose blocks run under activation checkpointing; ``how`` picks the variant."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.h:
+            if self.how == "reentrant":
+                x = checkpoint(block, x, use_reentrant=True)
+            elif self.how == "non-reentrant":
+                x = checkpoint(block, x, use_reentrant=False)
+            elif self.how == "through a lambda":  # the region is not a step: its first step is inside
+                x = checkpoint(lambda t, b=block: b(t) * 1.0, x, use_reentrant=True)
+            else:
+                x = block(x)
+        return self.head(self.ln(x))
+
+
+def record(path, how: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = CheckpointedGPT(how)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with recorder.record(path, model=model, optimizer=opt, mode="full") as run:
+        losses = [train_step(model, opt, i) for i in range(ITERATIONS)]
+    assert run.status == "complete" and run.failure is None
+    return losses + [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plain") / "run.zarr"
+    results = record(path, "plain")
+    return path, results, step_rows(path)
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant", "through a lambda"])
+def test_a_checkpointed_model_records_as_the_same_model_without_checkpointing(plain, tmp_path, how):
+    """No recomputation shows as a step (nor as an exception: non-reentrant checkpointing stops its
+    recomputations early by raising inside them); each call has one backward, linked to it, with
+    the gradients the model without checkpointing has, bit for bit; training is unchanged."""
+    _, plain_results, plain_steps = plain
+    path = tmp_path / "run.zarr"
+    results = record(path, how)
+    for got, want in zip(results, plain_results, strict=True):
+        assert raw(got) == raw(want)
+    got_steps = step_rows(path)
+    assert len(got_steps) == len(plain_steps) == ITERATIONS * 12
+    for got, want in zip(got_steps, plain_steps, strict=True):
+        assert got == want
+
+
+def test_a_recorded_backward_of_a_reentrant_checkpoint_replays(tmp_path):
+    """The backward of a call whose graph only its recomputation had replays bit for bit."""
+    import replayer
+
+    path = tmp_path / "run.zarr"
+    record(path, "reentrant")
+    rec = replayer.open(path)
+    backward = rec.steps.filter(name="Block", phase="backward", iteration=1)
+    assert len(backward) == 2
+    for step in backward:
+        assert step.forward is not None and rec.step(step.forward).module_path == step.module_path
+        assert {r.role for r in step.records} >= {"grad_output", "grad_input", "param_grad"}
+        assert replayer.replay(rec, step.index).match
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor, reentrant: bool) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=reentrant)
+        return x.sum()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_modules_selected_by_glob_under_checkpointing(tmp_path, reentrant):
+    """Modules recorded through global hooks (--modules): one forward and one backward per call,
+    with its parameter grads, whichever checkpointing variant."""
+    torch.manual_seed(0)
+    model = Plain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, optimizer=opt, mode="full", modules=["blocks.*"]):
+        for _ in range(2):
+            model(torch.randn(4, 8, requires_grad=True), reentrant).backward()
+            opt.step()
+            opt.zero_grad()
+    got = step_rows(path)
+    forward = [(s["iteration"], s["path"], s["call"]) for s in got if s["phase"] == 0]
+    backward = [(s["iteration"], s["path"], s["call"]) for s in got if s["phase"] == 1]
+    assert forward == [(i, f"blocks.{b}", b) for i in range(2) for b in range(3)]
+    assert backward == [(i, f"blocks.{b}", b) for i in range(2) for b in (2, 1, 0)]
+    assert all(s["status"] == 0 for s in got)
+    for s in got:
+        if s["phase"] == 1:
+            assert {name for role, name, *_ in s["tensors"] if role == "param_grad"} == {"0.weight", "0.bias"}
+            assert got[s["forward"]]["path"] == s["path"]

@@ -1,0 +1,149 @@
+"""Recording a model under torch.compile: the recorder's hooks and step wrappers leave the graph
+(a graph break at each recorded step, which runs eagerly), so training is not broken and the
+recording is the one the same model makes uncompiled, wherever torch.compile is applied."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+import recorder
+import replayer
+from tests.cli import ROOT, python
+from tests.models import TinyGPT, train_step
+from tests.recorder.readback import raw, step_rows
+
+ITERATIONS = 3
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch and leaves no compiled code behind."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def record_gpt(path, compile_: Callable[[nn.Module], nn.Module] | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run_model = compile_(model) if compile_ else model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with recorder.record(path, model=model, optimizer=opt, mode="full") as run:
+            losses = [train_step(run_model, opt, i) for i in range(ITERATIONS)]
+    assert run.status == "complete" and run.failure is None
+    assert not [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+    return losses + [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def eager_gpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("eager") / "run.zarr"
+    return record_gpt(path, None), step_rows(path)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_model_records_as_the_same_model_uncompiled(eager_gpt, tmp_path, backend):
+    """Paper steps inside torch.compile: every call and backward recorded with its module path and
+    parent, every tensor bit-identical to the uncompiled recording; training as without recording."""
+    want_results, want_steps = eager_gpt
+    path = tmp_path / "run.zarr"
+    results = record_gpt(path, lambda m: torch.compile(m, backend=backend))
+    assert step_rows(path) == want_steps
+    assert len(want_steps) == ITERATIONS * 12
+    for got, want in zip(results, want_results, strict=True):
+        assert raw(got) == raw(want)
+
+
+@pytest.mark.slow
+def test_a_model_compiled_by_inductor_records_its_steps_and_they_replay(eager_gpt, tmp_path):
+    """With inductor the code between steps is compiled kernels: the steps are the uncompiled
+    model's, and each forward step (run eagerly while recording) replays bit for bit."""
+    _, want_steps = eager_gpt
+    path = tmp_path / "run.zarr"
+    record_gpt(path, torch.compile)
+    got = step_rows(path)
+    assert [{k: v for k, v in s.items() if k != "tensors"} for s in got] == \
+        [{k: v for k, v in s.items() if k != "tensors"} for s in want_steps]
+    rec = replayer.open(path)
+    for step in rec.steps.filter(phase="forward", iteration=1):
+        assert replayer.replay(rec, step.index).match, step
+
+
+class Plain(nn.Module):
+    """No decorators: recorded through module-path globs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+def record_plain(path, where: str | None) -> list[dict]:
+    torch.manual_seed(0)
+    model = Plain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    forward: Callable[[torch.Tensor], torch.Tensor] = model
+    if where == "model":
+        forward = torch.compile(model, backend="eager")
+    elif where == "blocks":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend="eager")
+
+    def train(x: torch.Tensor) -> torch.Tensor:
+        loss = forward(x)
+        loss.backward()
+        return loss
+
+    if where == "training function":
+        train = torch.compile(train, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note that global hooks also see the compile wrapper
+        with recorder.record(path, model=model, optimizer=opt, mode="full", modules=["blocks.*"]) as run:
+            for i in range(ITERATIONS):
+                train(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)))
+                opt.step()
+                opt.zero_grad()
+    assert run.status == "complete" and run.failure is None
+    assert not [m for m in model.modules() if "_paperdebugger_selected" in m.__dict__]  # marks removed
+    return step_rows(path)
+
+
+@pytest.mark.parametrize("where", ["model", "blocks", "training function"])
+def test_modules_selected_by_glob_inside_compiled_code(tmp_path, where):
+    """`modules=["blocks.*"]` on a compiled model, on compiled blocks, or in a compiled training
+    function: the same steps as uncompiled (the compile wrapper is not a step of its own), with the
+    paths of the model as written, bit-identical tensors."""
+    want = record_plain(tmp_path / "plain.zarr", None)
+    assert [(s["path"], s["phase"]) for s in want[:6]] == [("blocks.0", 0), ("blocks.1", 0), ("blocks.2", 0),
+                                                         ("blocks.2", 1), ("blocks.1", 1), ("blocks.0", 1)]
+    assert record_plain(tmp_path / "compiled.zarr", where) == want
+
+
+def test_recording_does_not_import_dynamo():
+    """torch._dynamo takes seconds to import: neither `import recorder` nor a recording with its
+    forward and backward steps loads it (torch's optimizers do, on their own)."""
+    code = ("import sys, tempfile, recorder\n"
+            "from tests.models import TinyGPT, batch\n"
+            "model = TinyGPT()\n"
+            "with recorder.record(tempfile.mkdtemp() + '/run.zarr', model=model) as run:\n"
+            "    for i in range(2):\n"
+            "        model(batch(i)[0]).sum().backward()\n"
+            "        run.next_iteration()\n"
+            "assert run.steps == 24, run.steps\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    done = python("-c", code, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
