@@ -203,6 +203,14 @@ class Session:
                           RecorderWarning, stacklevel=3)
         self.enabled = False
 
+    def disown(self) -> None:
+        """In a forked child (a DataLoader worker): record nothing. The writer thread, the store and
+        the flight ring are the parent's; the locks may have been held by a thread that is not here."""
+        self.enabled = False
+        self.closed = True
+        self.lock = threading.RLock()
+        self.local = threading.local()
+
     def next_iteration(self) -> None:
         self._end_of_backward(aborted=True)  # normally nothing is open here
         self._report_unreported()
@@ -980,6 +988,18 @@ class Session:
         for link in links:
             for handle in link.handles:
                 handle.remove()
+
+
+def _forget_in_child() -> None:
+    """After a fork, in the child: the recording stays the parent's (Session.disown); steps called
+    here (a DataLoader worker's augmentation) are plain calls."""
+    global ACTIVE
+    session, ACTIVE = ACTIVE, None
+    if session is not None:
+        session.disown()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 # -- torch.compile (see recorder.compiled) -----------------------------------------------------------

@@ -103,6 +103,7 @@ class Run:
         elif optimizer is not None:
             self._hooks.append(optimizer.register_step_post_hook(self._on_step))
         self.closed = False
+        self._pid = os.getpid()  # a forked child has the recording's objects, not the recording
         self.status: str | None = None
         self._blosc_threads = _single_threaded_blosc()
         self._writer = writer
@@ -215,8 +216,15 @@ class Run:
         self.session.on_nonfinite = callback
 
     def flush(self, timeout: float | None = 60.0) -> bool:
-        """Commit everything recorded so far; returns False if the writer failed."""
+        """Commit everything recorded so far; returns False if the writer failed (or in a forked
+        child, which has no writer)."""
+        if self._forked():
+            return False
         return self.pipeline.flush(timeout)
+
+    def _forked(self) -> bool:
+        """Whether this is a forked child of the recording process (see capture.Session.disown)."""
+        return os.getpid() != self._pid
 
     @property
     def failure(self) -> str | None:
@@ -241,6 +249,12 @@ class Run:
         if capture.ACTIVE is self.session:
             capture.ACTIVE = None
         self._collectives.remove()
+        if self._forked():  # the parent closes the recording; this process only takes its hooks out
+            for hook in self._hooks:
+                hook.remove()
+            self._restore_signals()
+            self.session.close()
+            return
         if self._backend_later and self._writer.dist["backend"] is None:
             self._learn_backend()
         for hook in self._hooks:
@@ -289,6 +303,9 @@ class Run:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.closed:  # put back after close() by code that had saved it (Lightning's teardown)
             _pass_signal(self._replaced.get(signum, signal.SIG_DFL), signum, frame)
+            return
+        if self._forked():  # a DataLoader worker terminated with its job: the parent writes the ring
+            _pass_signal(self._signals.get(signum, signal.SIG_DFL), signum, frame)
             return
         self.session.dump_ring(signal.Signals(signum).name)
         handler = self._signals.get(signum, signal.SIG_DFL)
