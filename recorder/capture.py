@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.autograd import Variable
 
-from . import autohooks, compiled, flight, jsonval, modstack, monitors, skeleton, snapshot, taps
+from . import autohooks, compiled, flight, jsonval, modstack, monitors, skeleton, snapshot, taps, transforms
 from . import payload as payload_mod
 from . import stats as stats_mod
 from .items import ForgetIterations, PayloadItem, StepItem, TensorItem
@@ -112,6 +112,7 @@ class Frame:
     dropped: int = 0  # payloads not recorded: the store could not keep up (when_slow="drop_payloads")
     nonfinite: TensorItem | None = None  # the first result tensor holding NaN or Inf
     collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls made inside
+    vmap: dict[str, list[int]] | None = None  # under torch.func: record name -> vmap batch dims (transforms)
 
 
 @dataclass
@@ -432,7 +433,11 @@ class Session:
             return self._end_recomputation(out, link)
         self._pop(frame)
         try:
-            out = self._exit(frame, out, link)
+            if frame.vmap is None:
+                out = self._exit(frame, out, link)
+            else:
+                with transforms.outside():
+                    out = self._exit(frame, out, link)
         except Exception as exc:
             self.fail("capturing a step's outputs", exc)
             return out
@@ -531,6 +536,11 @@ class Session:
         finally:
             self.local.busy = False
         try:
+            if transforms.active():  # under torch.func: forward only, outside the transforms
+                frame.vmap = {}
+                frame.notes.append(transforms.NOTE)
+                with transforms.outside():
+                    return self._capture_inputs(frame, module, args, kwargs)
             return self._capture_inputs(frame, module, args, kwargs)
         except Exception as exc:
             # Every index must reach the writer, or the steps after it could never be committed.
@@ -546,8 +556,8 @@ class Session:
             frame.rng = self.rng.parts()
             frame.settings = self._settings()
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "")
-            link = BackwardLink(frame) if torch.is_grad_enabled() else None
-            if link is None:
+            link = BackwardLink(frame) if torch.is_grad_enabled() and frame.vmap is None else None
+            if link is None and frame.vmap is None:
                 self._remember_ungraded(frame)
             if module is not None:
                 for name, p in module.named_parameters():
@@ -618,7 +628,11 @@ class Session:
                     e is not None and e != s for e, s in zip(shape, tensor.shape))):
                 expect["shape_alert"] = {"watch": name, "check": "shape", "expected": shape,
                                          "actual": list(tensor.shape), "reference": expect.get("reference")}
-            self._capture(frame, "watch", name, tensor)
+            if frame.vmap is None:
+                self._capture(frame, "watch", name, tensor)
+            else:
+                with transforms.outside():
+                    self._capture(frame, "watch", name, tensor)
             frame.expectations.append(expect)
         except Exception as exc:
             self.fail("recording a watched tensor", exc)
@@ -666,6 +680,10 @@ class Session:
     def _capture(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
         """Snapshot one tensor into the frame; returns its record name (for the arguments document)."""
         requires_grad = t.requires_grad
+        if frame.vmap is not None:
+            t, bdims = transforms.plain(t)
+            if bdims:
+                frame.vmap[name] = bdims
         t = t.detach()
         device = t.device
         on_cpu = device.type == "cpu"
@@ -821,7 +839,7 @@ class Session:
                "forward": frame.forward, "t_start": frame.t_start, "t_end": frame.t_end}
         self._send(StepItem(index=frame.index, row=row, docs=docs, rng=frame.rng, tensors=frame.tensors,
                             exception=frame.exception, expectations=frame.expectations, notes=frame.notes,
-                            alerts=frame.alerts, collectives=frame.collectives), 0)
+                            alerts=frame.alerts, collectives=frame.collectives, vmap=frame.vmap or None), 0)
 
     def _monitor(self, frame: Frame, out: Any = None) -> None:
         """Run checks, breakpoints and the anomaly action on a finished step (before it is submitted)."""

@@ -63,6 +63,7 @@ class StepItem:
     notes: list[str] = field(default_factory=list)
     alerts: list[dict[str, Any]] = field(default_factory=list)  # from user checks and breakpoints
     collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls inside the step
+    vmap: dict[str, list[int]] | None = None  # record name -> its vmap batch dims (recorder.transforms)
 
 
 @dataclass

@@ -484,6 +484,8 @@ class Pipeline:
             extra["notes"] = item.notes
         if item.collectives:
             extra["collectives"] = item.collectives
+        if item.vmap:
+            extra["vmap"] = item.vmap
         row["extra"] = w.doc(jsonval.encode(extra)) if extra else layout.NO_REF  # tags nan/inf
         status = "exception" if item.exception else "nonfinite" if nonfinite else "alert" if alerts else "ok"
         row["status"] = layout.STATUSES.index(status)

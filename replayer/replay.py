@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -303,7 +304,7 @@ class Replayer:
         drift = self.loader.drift(defn, target)
         if drift:
             warnings.append(drift)
-        return _Call(step, fn, module, list(args), dict(kwargs), leaves)
+        return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)))
 
     def _calls_of_module(self, fwd: Step) -> int:
         """How many forward calls of the same module (path) the iteration had."""
@@ -341,6 +342,10 @@ class Replayer:
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}
         call = self._prepare(step, warnings, rebuilt)
+        if call.vmap is not None and nested:
+            nested = False
+            if descendants(step):
+                warnings.append("the steps inside are not compared: this step ran under torch.func.vmap")
         inner = descendants(step) if nested or self.plan.edits_inside() or self.plan.swaps else []
         tap = InnerTap(call.module, step.module_path, inner, plan=self.plan) if inner else None
         settings = {**step.settings, **self.plan.settings}
@@ -458,9 +463,37 @@ class _Call:
     args: list[Any]
     kwargs: dict[str, Any]
     leaves: dict[str, torch.Tensor]
+    vmap: tuple[tuple[int | None, ...], Any] | None = None  # in_dims, out_dims (see _vmap_dims)
 
     def run(self) -> Any:
-        return self.fn(*self.args, **self.kwargs)
+        if self.vmap is None:
+            return self.fn(*self.args, **self.kwargs)
+        in_dims, out_dims = self.vmap
+        return torch.func.vmap(lambda *a: self.fn(*a, **self.kwargs), in_dims=in_dims, out_dims=out_dims)(*self.args)
+
+
+_VMAPPABLE = re.compile(r"args\.\d+|output(\.\d+)?")
+
+
+def _vmap_dims(step: Step, nargs: int) -> tuple[tuple[int | None, ...], Any] | None:
+    """For a step called under torch.func.vmap (its ``extra`` names the batch dimension of each
+    batched record, and the records hold the whole batch): the ``in_dims`` and ``out_dims`` that
+    replay it under ``vmap`` again. One level, batching positional tensor arguments and outputs."""
+    dims = step.extra.get("vmap")
+    if not dims:
+        return None
+    if any(len(d) != 1 for d in dims.values()):
+        raise ReplayError(f"step {step.index} ({step.name}) ran under nested torch.func.vmap; replaying it is not "
+                          "supported")
+    other = sorted(n for n in dims if not _VMAPPABLE.fullmatch(n))
+    if other:
+        raise ReplayError(f"step {step.index} ({step.name}) ran under torch.func.vmap with {', '.join(other)} batched; "
+                          "only positional tensor arguments and outputs can be batched in a replay")
+    in_dims = tuple(dims.get(f"args.{i}", [None])[0] for i in range(nargs))
+    if "output" in dims:
+        return in_dims, dims["output"][0]
+    outputs = [r.name for r in step.records if r.role == "output"]
+    return in_dims, tuple(dims.get(f"output.{i}", [None])[0] for i in range(len(outputs)))
 
 
 def _materialize(step: Step, rec: TensorRecord) -> torch.Tensor:

@@ -1,0 +1,51 @@
+"""Steps called under torch.func transforms (``vmap``, ``grad``, ``jvp``, ``jacrev``...).
+
+Inside a transform a step sees wrapper tensors: a ``vmap`` level's batched tensor (its logical shape
+leaves out the batch dimension) and a ``grad``/``jvp`` level's grad-tracking tensor. They have no
+memory of their own, and inside a transform torch lifts even plain tensors into it (``numpy()`` of
+``torch.get_rng_state()`` fails): the recorder's own work runs ``outside()`` the transforms, on
+the tensors the wrappers hold (``plain``). The recorder records the tensor
+each wrapper holds: its values, and for ``vmap`` the whole batch, with the batch dimension of each
+level kept in the step's ``extra`` document (``vmap``). Gradients there are computed by the
+transform, not by autograd's backward pass, so such a step has no backward step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_functorch = torch._C._functorch
+try:
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear
+except ImportError:  # an older torch: capture under a transform fails, and recording stops with a warning
+    _clear = contextlib.nullcontext  # type: ignore[assignment]
+
+NOTE = ("called under a torch.func transform (vmap, grad, jvp...): recorded forward only, each tensor "
+        "as the values the transform holds")
+
+
+def active() -> bool:
+    """Whether a torch.func transform is running on this thread."""
+    return _functorch.maybe_current_level() is not None
+
+
+def plain(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The tensor behind a transform's wrappers, and the batch dimension each ``vmap`` level adds
+    (innermost level first; empty when no ``vmap`` batched it). A plain tensor is returned as is."""
+    bdims: list[int] = []
+    while _functorch.is_functorch_wrapped_tensor(t):
+        if _functorch.is_batchedtensor(t):
+            bdims.append(_functorch.maybe_get_bdim(t))
+        t = _functorch.get_unwrapped(t)
+    return t, bdims
+
+
+@contextlib.contextmanager
+def outside() -> Iterator[None]:
+    """Run the recorder's own tensor work (statistics, copies, RNG states) as if no transform were running."""
+    with _clear():
+        yield
+
