@@ -167,6 +167,11 @@ class Session:
         self._collective_seq = -1  # torch.distributed collectives recorded so far, in call order
         self.pauses = 0  # while above 0 no step starts (Run.pause: a framework's evaluation)
         self.on_nonfinite: Callable[[int, str], Any] | None = None  # told of the first NaN/Inf step (once)
+        # Mixed precision: the iteration's loss went through GradScaler.scale, so Inf/NaN in its
+        # gradients may be an overflow the scaler handles; the anomaly action of a backward step
+        # waits for GradScaler.step (run._GradScaling).
+        self.loss_scaled = False
+        self.deferred: monitors.Pending | None = None
         # Activation checkpointing: (step name, id(module)) -> calls of this iteration that ran without
         # grad inside checkpointing, latest last; their recomputation in backward builds their graph.
         self._ungraded: dict[tuple[str, int], list[Frame]] = {}
@@ -219,6 +224,7 @@ class Session:
             self.iteration += 1
             self.calls.clear()
             self._ungraded.clear()
+            self.loss_scaled = False
             # Backward hooks of calls whose backward never ran (evaluation, a discarded graph).
             stale = [link for link in self._links if link.frame is None]
             self._links = [link for link in self._links if link.frame is not None]
@@ -990,6 +996,9 @@ class Session:
             self.fail("finishing a backward pass", exc)
             return
         if pending is not None and not aborted:
+            if self.loss_scaled and pending.error is monitors.NonFiniteError:
+                self.deferred = pending  # GradScaler decides: see run._GradScaling
+                return
             monitors.perform(pending, lambda: self.pipeline.flush(60.0))  # raises out of backward()
 
     def close(self) -> None:

@@ -222,6 +222,10 @@ class Monitor:
     def active(self) -> bool:
         return self.on_anomaly != "record" or bool(_CHECKS) or bool(_BREAKPOINTS)
 
+    def rearm(self) -> None:
+        """A stop that was not carried out (an overflow GradScaler handled): the next anomaly stops."""
+        self._stopped = False
+
     def evaluate(self, ctx: StepContext, nonfinite: TensorItem | None) -> tuple[list[dict[str, Any]], Pending | None]:
         """Alerts for the step and the first action it calls for (None: go on). ``nonfinite``: the
         step's first result tensor holding NaN or Inf, as the session found it."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.amp.grad_scaler import GradScaler
 from torch.optim import optimizer as optimizer_mod
 
 from . import autohooks, capture, collectives, compiled, jsonval, monitors, snapshot
@@ -98,10 +99,15 @@ class Run:
         self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
         self._hooks: list[Any] = []
         self._stepping: int | None = None  # with optimizer="auto": id of the optimizer that counts
+        self._optimizer = optimizer
+        self._stepped: int | None = None  # id of the optimizer whose step hook ran last (see _GradScaling)
+        self.grad_scaler_skipped: list[int] = []  # iterations whose optimizer step GradScaler skipped
+        self._skips = 0
         if optimizer == "auto":
             self._hooks.append(optimizer_mod.register_optimizer_step_post_hook(self._on_any_step))
         elif optimizer is not None:
             self._hooks.append(optimizer.register_step_post_hook(self._on_step))
+        self._hooks.append(_GradScaling(self))
         self.closed = False
         self._pid = os.getpid()  # a forked child has the recording's objects, not the recording
         self.status: str | None = None
@@ -150,12 +156,14 @@ class Run:
             return
 
     def _on_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._stepped = id(optimizer)
         if compiled.tracing():  # a compiled optimizer step (recorder.compiled)
             _next_iteration_outside_graph(self)
         else:
             self.next_iteration()
 
     def _on_any_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._stepped = id(optimizer)
         if compiled.tracing():
             _on_any_step_outside_graph(self, optimizer)
             return
@@ -164,6 +172,21 @@ class Run:
             self._stepping = id(optimizer)
         if id(optimizer) == self._stepping:
             self.next_iteration()
+
+    def _skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """GradScaler skipped ``optimizer.step()`` (Inf or NaN in the scaled gradients): the iteration
+        ends as if it had stepped, and is listed in ``grad_scaler_skipped`` (see _GradScaling)."""
+        before = self.session.iteration
+        if self._optimizer is None:
+            return
+        if self._optimizer == "auto":
+            self._on_any_step(optimizer)
+        elif optimizer is self._optimizer:
+            self.next_iteration()
+        if self.session.iteration != before:
+            self._skips += 1
+            if len(self.grad_scaler_skipped) < _SKIPS_LISTED:
+                self.grad_scaler_skipped.append(before)
 
     # -- pausing, paths and anomalies (what framework callbacks build on: recorder.framework) --------
     def pause(self) -> None:
@@ -277,6 +300,8 @@ class Run:
             info["exception"] = jsonval.encode({
                 "type": jsonval.type_ref(type(exception)), "message": str(exception)[:10000],
                 "traceback": "".join(traceback.format_exception(exception))[-20000:]})
+        if self._skips:
+            info["grad_scaler_skipped"] = {"count": self._skips, "iterations": self.grad_scaler_skipped}
         if self.failure:
             info["recorder_failure"] = self.failure
         try:
@@ -465,6 +490,62 @@ def _git_commit_in(where: str) -> dict[str, Any] | None:
         return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+_SKIPS_LISTED = 1024  # iterations listed in grad_scaler_skipped (all are counted)
+
+
+class _GradScaling:
+    """Mixed precision's loss scaling (``torch.amp.GradScaler``), while recording.
+
+    ``scale(loss)`` marks the iteration's loss as scaled: Inf or NaN in its gradients may be an
+    overflow of the scaled loss, which ``step(optimizer)`` handles by skipping ``optimizer.step()``
+    and ``update()`` by lowering the scale. So the ``stop``/``pdb`` action of a non-finite backward
+    step waits for ``step``: an overflow the scaler skips at a scale above 1 is no anomaly (the step
+    stays ``nonfinite`` in the recording, and flight mode has written its ring); at a scale of 1 or
+    less the gradients are non-finite unamplified, and the action is taken there, in
+    ``scaler.step``. A skipped ``optimizer.step()`` runs no optimizer hook, yet ends the iteration:
+    ``Run._skipped_step`` ends it and lists it. ``remove()`` (at close, with the other hooks) puts
+    the originals back."""
+
+    def __init__(self, run: Run) -> None:
+        self._originals = {"scale": GradScaler.scale, "step": GradScaler.step}
+        scale_loss, step_optimizer = GradScaler.scale, GradScaler.step
+
+        @functools.wraps(scale_loss)
+        def scale(scaler: GradScaler, outputs: Any) -> Any:
+            if scaler.is_enabled():
+                run.session.loss_scaled = True
+            return scale_loss(scaler, outputs)
+
+        @functools.wraps(step_optimizer)
+        def step(scaler: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            run._stepped = None
+            result = step_optimizer(scaler, optimizer, *args, **kwargs)
+            skipped = run._stepped is None and scaler.is_enabled()
+            deferred, run.session.deferred = run.session.deferred, None
+            if skipped and not run.closed:
+                try:
+                    run._skipped_step(optimizer)
+                except Exception as exc:
+                    run.session.fail("counting an optimizer step that GradScaler skipped", exc)
+            if deferred is not None:
+                at = float(scaler.get_scale())
+                if skipped and at > 1.0:
+                    run.session.monitor.rearm()  # an overflow the scaler handled: the next one may stop
+                else:
+                    monitors.perform(monitors.Pending(deferred.action, f"{deferred.message} (GradScaler "
+                                                      f"{'skipped' if skipped else 'took'} the optimizer step at "
+                                                      f"loss scale {at:g})", deferred.error), run.flush)
+            return result
+
+        self._wrappers = {"scale": scale, "step": step}
+        GradScaler.scale, GradScaler.step = scale, step  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        for name, original in self._originals.items():
+            if getattr(GradScaler, name) is self._wrappers[name]:  # else wrapped again since: leave it
+                setattr(GradScaler, name, original)
 
 
 @compiled.outside_graph

@@ -1,0 +1,82 @@
+"""Mixed precision with loss scaling (torch.amp.GradScaler): an overflow of the scaled gradients makes
+the scaler skip optimizer.step(). The skipped step still ends its iteration; the overflow is recorded
+(non-finite backward steps, listed iterations) but is no anomaly to stop at while the scale is above
+1; gradients that stay non-finite once the scale is down to 1 stop the run in scaler.step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.amp.grad_scaler import GradScaler
+
+import recorder
+from recorder.store.reader import RunReader
+
+ITERATIONS = 8
+ORIGINAL = {"scale": GradScaler.scale, "step": GradScaler.step}
+
+
+@recorder.paper_step("Eq. 3", description="a fp16 layer")
+class Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+@recorder.paper_step("Eq. 4", description="root of the magnitude (its gradient at 0 is not finite)")
+def root(x: torch.Tensor) -> torch.Tensor:
+    return x.abs().sqrt()
+
+
+def train(path, init_scale: float, nan_from: int | None = None) -> tuple[list[float], recorder.Run]:
+    """Autocast to float16 with a GradScaler, recorded with on_anomaly="stop"; returns the scale
+    each iteration ran at, and the scale after the last."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Layer(), Layer())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    scales = []
+    with recorder.record(path, model=model, optimizer=opt, mode="full", on_anomaly="stop") as run:
+        for i in range(ITERATIONS):
+            with torch.autocast("cpu", dtype=torch.float16):
+                h = model(torch.randn(4, 16, generator=torch.Generator().manual_seed(i)))
+                if nan_from is not None and i >= nan_from:
+                    h = root(h * 0)
+                loss = h.float().sum()
+            scales.append(scaler.get_scale())
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    scales.append(scaler.get_scale())
+    return scales, run
+
+
+def test_overflows_the_scaler_skips_end_their_iteration_and_do_not_stop(run_path):
+    scales, run = train(run_path, init_scale=2.0 ** 16)  # GradScaler's default
+    skipped = [i for i in range(ITERATIONS) if scales[i + 1] < scales[i]]  # the scaler backed off
+    assert skipped and len(skipped) < ITERATIONS  # some steps overflowed, then training went on
+    assert run.status == "complete"
+    rank = RunReader(run_path).rank(0)
+    iterations = rank.column("steps/iteration").tolist()
+    assert iterations == [i for i in range(ITERATIONS) for _ in range(4)]  # 2 forward, 2 backward each
+    phases, statuses = rank.column("steps/phase").tolist(), rank.column("steps/status").tolist()
+    nonfinite = sorted({i for i, phase, status in zip(iterations, phases, statuses) if status == 2})
+    assert nonfinite == skipped and set(phases[k] for k, s in enumerate(statuses) if s == 2) == {1}
+    assert rank.final["grad_scaler_skipped"] == {"count": len(skipped), "iterations": skipped}
+    assert GradScaler.scale is ORIGINAL["scale"] and GradScaler.step is ORIGINAL["step"]
+
+
+def test_gradients_non_finite_at_scale_one_stop_in_scaler_step(run_path):
+    with pytest.raises(recorder.NonFiniteError,
+                       match=r"Eq\. 4 \(root\) backward, iteration \d+, call 0: .* NaN .*GradScaler skipped "
+                             r"the optimizer step at loss scale 1\)"):
+        train(run_path, init_scale=8.0, nan_from=2)
+    rank = RunReader(run_path).rank(0)
+    assert rank.final["status"] == "crashed"
+    # iterations 2, 3 and 4 skipped at scales 8, 4 and 2 (no stop); iteration 5, at scale 1, stopped
+    assert rank.final["grad_scaler_skipped"]["iterations"] == [2, 3, 4, 5]
+    assert GradScaler.scale is ORIGINAL["scale"] and GradScaler.step is ORIGINAL["step"]
