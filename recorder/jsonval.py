@@ -165,6 +165,9 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
         for kind, tag, convert in _LEAVES:
             if isinstance(value, kind):
                 return convert(value) if tag is None else {tag: convert(value)}
+        if isinstance(value, torch.Generator):  # its state before the call: a replay draws the same numbers
+            state = base64.b64encode(value.get_state().numpy().tobytes()).decode()
+            return {"$generator": {"device": str(value.device), "state": state}}
         if isinstance(value, torch.Tensor):  # Parameter included
             name = tensor_name(value, path) if tensor_name is not None else None
             dtype, device = str(value.dtype).removeprefix("torch."), str(value.device)
@@ -326,6 +329,12 @@ class _Decoder:
             return dtype.type(self.dec(rest[0]))
         return np.frombuffer(_unb64(rest[1], tag), dtype=dtype).reshape(_expect(rest[0], list, tag)).copy()
 
+    def generator(self, tag: str, payload: Any) -> torch.Generator:
+        device, state = _keys(payload, tag, "device", "state")
+        made = torch.Generator(device=torch.device(_expect(device, str, tag)))
+        made.set_state(torch.frombuffer(bytearray(_unb64(state, tag)), dtype=torch.uint8))
+        return made
+
     def tensor_meta(self, tag: str, payload: Any) -> TensorMeta:
         shape, dtype, device = _keys(payload, tag, "shape", "dtype", "device")
         shape = tuple(_expect(n, _INTS, tag) for n in _expect(shape, list, tag))
@@ -352,6 +361,7 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$size": lambda d, t, p: torch.Size(d.items(p, t, None, _INTS)),
     "$tensor": _Decoder.tensor_ref,
     "$tensor_meta": _Decoder.tensor_meta,
+    "$generator": _Decoder.generator,
     "$opaque": lambda d, t, p: Opaque(*(_expect(x, str, t) for x in _keys(p, t, "type", "repr"))),
     **dict.fromkeys(("$npscalar", "$ndarray"), _Decoder.numpy),
 }

@@ -268,8 +268,7 @@ class Replayer:
         decoded = jsonval.decode(arguments, tensor=tensor, resolve=self.loader.resolve)
         missing = unresolved(decoded)
         if missing:
-            raise ReplayError(f"step {step.index} ({step.name}) was called with {missing}, which the recording "
-                              "could not keep as data; it cannot be replayed")
+            raise ReplayError(f"step {step.index} ({step.name}) was called with {missing}; it cannot be replayed")
         args, kwargs = decoded.get("args", []), decoded.get("kwargs", {})
         if module_doc is not None:
             target = self._code_target(defn)  # first: importing it (from where it was) serves the skeleton too

@@ -254,6 +254,20 @@ def test_tag_shapes() -> None:
     assert encode(frozenset({3, 1})) == {"$frozenset": [1, 3]}
 
 
+def test_a_generator_is_its_device_and_state() -> None:
+    """Encoding reads a generator's state without moving it; decoding makes a generator in that state."""
+    g = torch.Generator().manual_seed(3)
+    torch.rand(5, generator=g)
+    doc = encode({"g": g})
+    expected = torch.rand(5, generator=g)
+    made = decode(doc)["g"]
+    assert isinstance(made, torch.Generator) and made is not g
+    assert torch.equal(torch.rand(5, generator=made), expected)
+    assert doc["g"]["$generator"]["device"] == "cpu"
+    with pytest.raises(FormatError, match="bad \\$generator payload"):
+        decode({"$generator": {"device": "cpu", "state": "AAAA"}})
+
+
 def test_type_ref() -> None:
     """type_ref names a class or an instance's class as module:QualName."""
     assert type_ref(Point) == type_ref(Point(1)) == f"{__name__}:Point"

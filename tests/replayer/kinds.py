@@ -26,6 +26,11 @@ def checked(x: torch.Tensor) -> torch.Tensor:
     return x.sqrt()
 
 
+@recorder.paper_step("Eq. 8", description="adds noise drawn from the generator it is given")
+def noised(x: torch.Tensor, generator: torch.Generator, sigma: float = 0.1) -> torch.Tensor:
+    return x + sigma * torch.randn(x.shape, generator=generator)
+
+
 class Keyworded(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -361,3 +361,25 @@ def test_a_step_without_payloads_says_why_it_cannot_be_replayed(tmp_path: Path) 
         kinds.spectral(torch.ones(2, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64))
     error = one_line_error(pdbg("replay", str(tmp_path / "stats.zarr"), "Eq. 7", cwd=tmp_path))
     assert "kept statistics only for input args.0 (recorded in stats mode" in error
+
+
+def test_a_step_drawing_from_a_generator_it_is_given_replays(tmp_path: Path) -> None:
+    """A torch.Generator argument is recorded with its state before the call: the replay draws the
+    same numbers from a generator in that state, and the caller's generator is not touched."""
+    from tests.replayer import kinds
+
+    generator = torch.Generator().manual_seed(7)
+    torch.randn(3, generator=generator)  # a state other than the seed's
+    twin = torch.Generator()
+    twin.set_state(generator.get_state())
+    with recorder.record(tmp_path / "run.zarr", mode="full"):
+        first = kinds.noised(torch.zeros(4), generator, sigma=0.5)
+        kinds.noised(torch.zeros(4), generator=generator)
+    assert bits_equal(first, 0.5 * torch.randn(4, generator=twin))  # recording drew as the call did
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert rec.step(0).arguments["args"][1]["$generator"]["device"] == "cpu"
+    after = generator.get_state()
+    for index in (0, 1):
+        assert replayer.replay(rec, index).match
+    assert torch.equal(generator.get_state(), after)
+
