@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import capture, compiled, skeleton
+from . import capture, skeleton
 
 T = TypeVar("T")
 
@@ -113,8 +113,6 @@ def _wrap_function(fn: Callable[..., Any], defn: StepDef) -> Callable[..., Any]:
     def step_wrapper(*args: Any, **kwargs: Any) -> Any:
         if capture.ACTIVE is None:
             return fn(*args, **kwargs)
-        if compiled.tracing():
-            return capture.call_outside_graph(capture.ACTIVE, defn, fn, None, args, kwargs)
         return capture.ACTIVE.call(defn, fn, None, args, kwargs)
 
     step_wrapper.__pdbg_step__ = defn  # type: ignore[attr-defined]
@@ -129,8 +127,6 @@ def _decorate_class(cls: type, name: str, *paper: Any) -> type:
     def forward_wrapper(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if capture.ACTIVE is None:
             return forward(self, *args, **kwargs)
-        if compiled.tracing():
-            return capture.call_outside_graph(capture.ACTIVE, defn, forward, self, args, kwargs)
         return capture.ACTIVE.call(defn, forward, self, args, kwargs)
 
     init = cls.__init__
@@ -171,9 +167,6 @@ def annotate(module: torch.nn.Module, label: str, *, algorithm: str | int | None
     def forward_wrapper(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if capture.ACTIVE is None:
             return forward(*args, **kwargs)
-        if compiled.tracing():
-            return capture.call_outside_graph(capture.ACTIVE, defn, lambda _self, *a, **k: forward(*a, **k), self,
-                                              args, kwargs)
         return capture.ACTIVE.call(defn, lambda _self, *a, **k: forward(*a, **k), self, args, kwargs)
 
     forward_wrapper.__pdbg_step__ = defn  # type: ignore[attr-defined]
@@ -199,15 +192,11 @@ def watch(tensor: T, name: str, *, expected_shape: tuple[int | None, ...] | None
 
     A broken expectation marks the step ``alert``. Outside a recording this does nothing.
     """
-    session = capture.ACTIVE
-    if session is not None:
-        expect = {"name": name, "expected_shape": None if expected_shape is None else list(expected_shape),
-                  "expected_range": _pair(expected_range), "expected_norm_range": _pair(expected_norm_range),
-                  "expected_mean": _pair(expected_mean), "reference": reference}
-        if compiled.tracing():
-            capture.watch_outside_graph(session, tensor, name, expect)
-        else:
-            session.watch(tensor, name, expect)
+    if capture.ACTIVE is not None:
+        capture.ACTIVE.watch(tensor, name, {
+            "name": name, "expected_shape": None if expected_shape is None else list(expected_shape),
+            "expected_range": _pair(expected_range), "expected_norm_range": _pair(expected_norm_range),
+            "expected_mean": _pair(expected_mean), "reference": reference})
     return tensor
 
 

@@ -145,7 +145,7 @@ class GlobalCapture:
 
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if compiled.tracing():
-            return _pre_outside_graph(self, module, args) if getattr(module, _SELECTED, False) else None
+            return compiled.eagerly(self._begin, module, args) if getattr(module, _SELECTED, False) else None
         if type(module).__name__ == "OptimizedModule":
             # About to run compiled code: mark what it will call. The wrapper is not a step itself;
             # the module it wraps is, at the same path, when called inside.
@@ -181,7 +181,7 @@ class GlobalCapture:
 
     def _post(self, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
         if compiled.tracing():
-            return _post_outside_graph(self, module, args, *rest) if getattr(module, _SELECTED, False) else None
+            return compiled.eagerly(self._end, module, args, *rest) if getattr(module, _SELECTED, False) else None
         return self._end(module, args, *rest)
 
     def _end(self, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
@@ -220,14 +220,4 @@ class GlobalCapture:
         exc = sys.exc_info()[1]
         for _, frame, _ in reversed(open_):
             self.session.end_with_exception(frame, exc or KeyboardInterrupt("the recording ended inside this step"))
-
-
-@compiled.outside_graph
-def _pre_outside_graph(capture: GlobalCapture, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
-    return capture._begin(module, args)
-
-
-@compiled.outside_graph
-def _post_outside_graph(capture: GlobalCapture, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
-    return capture._end(module, args, *rest)
 

@@ -400,6 +400,9 @@ class Session:
     def call(self, defn: Any, fn: Callable[..., Any], module: torch.nn.Module | None,
              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one step call with capture around it."""
+        if compiled.tracing():  # called from code Dynamo traces: recorded outside the graph, eagerly
+            return compiled.eagerly(self._call_from_compiled, defn, fn, module, args, kwargs)
+
         def invoke(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return fn(module, *args, **kwargs) if module is not None else fn(*args, **kwargs)
 
@@ -413,6 +416,17 @@ class Session:
             self.end_with_exception(frame, exc)
             raise
         return self.end(frame, out, link)
+
+    def _call_from_compiled(self, defn: Any, fn: Callable[..., Any], module: torch.nn.Module | None,
+                            args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``call`` for a step called from compiled code. The module hooks did not run in the compiled
+        code around it, so paths are taken relative to the outermost module called outside it (or
+        the recording's model)."""
+        root = self.modules.root()
+        if root is None:
+            return self.call(defn, fn, module, args, kwargs)
+        with self.modules.rooted(root):
+            return self.call(defn, fn, module, args, kwargs)
 
     def begin(self, defn: Any, module: torch.nn.Module | None, args: tuple[Any, ...], kwargs: dict[str, Any],
               recomputation: bool | None = None,
@@ -439,11 +453,8 @@ class Session:
             return self._end_recomputation(out, link)
         self._pop(frame)
         try:
-            if frame.vmap is None:
+            with transforms.outside_if(frame.vmap is not None):
                 out = self._exit(frame, out, link)
-            else:
-                with transforms.outside():
-                    out = self._exit(frame, out, link)
         except Exception as exc:
             self.fail("capturing a step's outputs", exc)
             return out
@@ -622,6 +633,9 @@ class Session:
         """Attach a watched tensor and its expectations to the innermost running step."""
         if not self.enabled:
             return
+        if compiled.tracing():
+            compiled.eagerly(self.watch, tensor, name, expect)
+            return
         try:
             frame = self._innermost()
             if frame is None:
@@ -634,11 +648,8 @@ class Session:
                     e is not None and e != s for e, s in zip(shape, tensor.shape))):
                 expect["shape_alert"] = {"watch": name, "check": "shape", "expected": shape,
                                          "actual": list(tensor.shape), "reference": expect.get("reference")}
-            if frame.vmap is None:
+            with transforms.outside_if(frame.vmap is not None):
                 self._capture(frame, "watch", name, tensor)
-            else:
-                with transforms.outside():
-                    self._capture(frame, "watch", name, tensor)
             frame.expectations.append(expect)
         except Exception as exc:
             self.fail("recording a watched tensor", exc)
@@ -1032,32 +1043,8 @@ os.register_at_fork(after_in_child=_forget_in_child)
 # -- torch.compile (see recorder.compiled) -----------------------------------------------------------
 def _backward_callback(method: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
     """``method`` with its first arguments bound, for autograd to call back in backward. Once
-    torch.compile is in use (torch._dynamo loaded) it goes through ``_outside_graph``: autograd also
+    torch.compile is in use (torch._dynamo loaded) it goes through ``compiled.eagerly``: autograd also
     calls back inside compiled code, where Dynamo would otherwise try to compile the recorder's."""
     if "torch._dynamo" in sys.modules:
-        return functools.partial(_outside_graph, method, *bound)
+        return functools.partial(compiled.eagerly, method, *bound)
     return functools.partial(method, *bound)
-
-
-@compiled.outside_graph
-def _outside_graph(fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(*args)
-
-
-@compiled.outside_graph
-def call_outside_graph(session: Session, defn: Any, fn: Callable[..., Any], module: torch.nn.Module | None,
-                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A step called from code Dynamo traces: recorded, run eagerly. The module hooks did not run in
-    the compiled code around it, so paths are taken relative to the outermost module called outside
-    it (or the recording's model)."""
-    root = session.modules.root()
-    if root is None:
-        return session.call(defn, fn, module, args, kwargs)
-    with session.modules.rooted(root):
-        return session.call(defn, fn, module, args, kwargs)
-
-
-@compiled.outside_graph
-def watch_outside_graph(session: Session, tensor: Any, name: str, expect: dict[str, Any]) -> None:
-    session.watch(tensor, name, expect)
-

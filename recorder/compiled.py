@@ -2,7 +2,7 @@
 
 Dynamo traces the Python a compiled function reaches, the recorder's hooks and step wrappers
 included; it cannot trace them (threads, locks, numpy copies). Each entry point asks ``tracing()``
-and, when Dynamo is tracing it, hands the call to ``outside_graph(fn)``: Dynamo breaks the graph
+and, when Dynamo is tracing it, hands the call to ``eagerly(fn, *args)``: Dynamo breaks the graph
 there and runs ``fn`` as plain Python, with everything it calls (``torch.compiler.disable``). A
 recorded step under torch.compile therefore runs eagerly, as its replay does; the code between
 steps stays compiled.
@@ -14,18 +14,20 @@ Dynamo traces (it is loaded then): ``import recorder`` and eager recording never
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 tracing: Callable[[], bool] = torch.compiler.is_compiling
 
 
-def outside_graph(fn: F) -> F:
-    """``fn``, run as plain Python (and all it calls) when called from code Dynamo traces."""
-    return torch._disable_dynamo(fn)  # type: ignore[return-value]
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+# ``eagerly(fn, *args, **kwargs)``: ``fn(*args, **kwargs)`` as plain Python, and all it calls, also
+# when called from code Dynamo traces or compiles.
+eagerly: Callable[..., Any] = torch._disable_dynamo(_call)
 
 
 def unwrapped(module: torch.nn.Module) -> torch.nn.Module:

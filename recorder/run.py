@@ -158,14 +158,14 @@ class Run:
     def _on_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self._stepped = id(optimizer)
         if compiled.tracing():  # a compiled optimizer step (recorder.compiled)
-            _next_iteration_outside_graph(self)
+            compiled.eagerly(self.next_iteration)
         else:
             self.next_iteration()
 
     def _on_any_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self._stepped = id(optimizer)
         if compiled.tracing():
-            _on_any_step_outside_graph(self, optimizer)
+            compiled.eagerly(self._on_any_step, optimizer)
             return
         # With several optimizers (a GAN's two), the first one to step counts the iterations.
         if self._stepping is None:
@@ -272,18 +272,14 @@ class Run:
         if capture.ACTIVE is self.session:
             capture.ACTIVE = None
         self._collectives.remove()
-        if self._forked():  # the parent closes the recording; this process only takes its hooks out
-            for hook in self._hooks:
-                hook.remove()
-            self._restore_signals()
-            self.session.close()
-            return
-        if self._backend_later and self._writer.dist["backend"] is None:
-            self._learn_backend()
         for hook in self._hooks:
             hook.remove()
         self._restore_signals()
         self.session.close()
+        if self._forked():  # the parent closes the recording; this process only took its hooks out
+            return
+        if self._backend_later and self._writer.dist["backend"] is None:
+            self._learn_backend()
         self._warn_unmatched()
         self._writer_failed()
         pipe = self.pipeline  # its counters are final: nothing more is handed over
@@ -546,14 +542,4 @@ class _GradScaling:
         for name, original in self._originals.items():
             if getattr(GradScaler, name) is self._wrappers[name]:  # else wrapped again since: leave it
                 setattr(GradScaler, name, original)
-
-
-@compiled.outside_graph
-def _next_iteration_outside_graph(run: Run) -> None:
-    run.next_iteration()
-
-
-@compiled.outside_graph
-def _on_any_step_outside_graph(run: Run, optimizer: torch.optim.Optimizer) -> None:
-    run._on_any_step(optimizer)
 

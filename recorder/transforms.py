@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -48,4 +49,12 @@ def outside() -> Iterator[None]:
     """Run the recorder's own tensor work (statistics, copies, RNG states) as if no transform were running."""
     with _clear():
         yield
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def outside_if(transformed: bool) -> contextlib.AbstractContextManager[Any]:
+    """``outside()`` for a step called under a transform, else nothing."""
+    return outside() if transformed else _NOTHING
 

@@ -341,11 +341,13 @@ class Replayer:
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}
         call = self._prepare(step, warnings, rebuilt)
-        if call.vmap is not None and nested:
-            nested = False
-            if descendants(step):
-                warnings.append("the steps inside are not compared: this step ran under torch.func.vmap")
         inner = descendants(step) if nested or self.plan.edits_inside() or self.plan.swaps else []
+        if call.vmap is not None and nested:  # the steps inside saw the batch's members, not their records
+            nested = False
+            if inner:
+                warnings.append("the steps inside are not compared: this step ran under torch.func.vmap")
+            if not (self.plan.edits_inside() or self.plan.swaps):
+                inner = []
         tap = InnerTap(call.module, step.module_path, inner, plan=self.plan) if inner else None
         settings = {**step.settings, **self.plan.settings}
         out, raised = None, None
