@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.modules import module as module_mod
 
-from . import compiled
+from . import compiled, skeleton
 from .errors import RecordingError
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class GlobalCapture:
     def _defn(self, module: torch.nn.Module) -> StepDef:
         from .annotate import StepDef  # annotate imports capture, which imports this module
 
-        cls = type(module)
+        cls = skeleton.own_class(module)  # (not the class torch.nn.utils.parametrize made for this instance)
         defn = self._defs.get(cls)
         if defn is None:
             defn = self._defs[cls] = StepDef(cls.__qualname__, None, None, None, None, None,  # type: ignore[arg-type]

@@ -15,11 +15,16 @@ import functools
 from typing import Any
 
 import torch
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from . import jsonval
 
 INIT_KEY = "_pdbg_init"  # where a module instance keeps its constructor arguments (plain JSON)
 _BASE_KEYS = frozenset(vars(torch.nn.Module()))  # what torch's Module.__init__ itself sets
+HOOK_CLASSES = {"weight_norm": WeightNorm, "spectral_norm": SpectralNorm}  # the hooks replay knows how to rebuild
+_HOOK_KINDS = {cls: kind for kind, cls in HOOK_CLASSES.items()}
 
 
 def init_record(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -58,6 +63,47 @@ def _opaque_in(doc: Any) -> str | None:
     return None
 
 
+def own_class(module: torch.nn.Module) -> type:
+    """The class ``module`` was made as: for a module that ``torch.nn.utils.parametrize`` changed
+    (``parametrizations.weight_norm``, ``spectral_norm``, ``orthogonal``...), the class it had before,
+    not the ``Parametrized...`` class made for that one instance, which nothing can import."""
+    cls = type(module)
+    if cls.__module__ == parametrize.__name__ and "parametrizations" in module._modules and cls.__bases__:
+        return cls.__bases__[0]
+    return cls
+
+
+def parametrized(module: torch.nn.Module) -> list[str]:
+    """The tensors of ``module`` that ``torch.nn.utils.parametrize`` computes (empty for most)."""
+    if own_class(module) is type(module):
+        return []
+    return list(module._modules["parametrizations"]._modules)
+
+
+def _hook_name(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__qualname__
+
+
+def _hooks(module: torch.nn.Module) -> tuple[list[dict[str, Any]], set[str], list[str]]:
+    """The module's forward pre-hooks that compute a tensor from its parameters (torch's hook-based
+    ``weight_norm`` and ``spectral_norm``) as data, the names of the attributes they compute, and a
+    description of every other hook on the module."""
+    recorded: list[dict[str, Any]] = []
+    derived: set[str] = set()
+    others: list[str] = []
+    for hook in module._forward_pre_hooks.values():
+        kind = _HOOK_KINDS.get(type(hook))
+        if kind is None:
+            others.append(f"forward pre-hook {_hook_name(hook)}")
+        else:
+            recorded.append({"kind": kind, "attrs": jsonval.encode(dict(vars(hook)))})
+            derived.add(hook.name)
+    others += [f"forward hook {_hook_name(h)}" for h in module._forward_hooks.values()]
+    others += [f"backward hook {_hook_name(h)}" for h in (*module._backward_pre_hooks.values(),
+                                                          *module._backward_hooks.values())]
+    return recorded, derived, others
+
+
 def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The skeleton of ``module`` and its submodules (plain JSON; shared subtrees via ``memo``)."""
     memo = {} if memo is None else memo
@@ -66,8 +112,9 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
         return found
     attrs: dict[str, Any] = {}
     unrecorded: dict[str, str] = {}
+    hooks, derived, other_hooks = _hooks(module)  # (derived: attributes a hook computes before each call)
     for key, value in module.__dict__.items():
-        if key in _BASE_KEYS or key.startswith("_pdbg"):
+        if key in _BASE_KEYS or key.startswith("_pdbg") or key in derived:
             continue
         if key == "forward" and hasattr(value, "__pdbg_step__"):  # annotate()'s wrapper, not state
             continue
@@ -81,9 +128,16 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
               for name, p in module._parameters.items()}
     buffers = {name: None if b is None else {"persistent": name not in module._non_persistent_buffers_set}
                for name, b in module._buffers.items()}
-    doc = {"class": jsonval.type_ref(module), "training": bool(module.training), "attrs": attrs,
+    doc = {"class": jsonval.type_ref(own_class(module)), "training": bool(module.training), "attrs": attrs,
            "unrecorded": unrecorded, "params": params, "buffers": buffers,
            "init": module.__dict__.get(INIT_KEY), "children": {}}
+    names = parametrized(module)
+    if names:
+        doc["parametrized"] = names
+    if hooks:
+        doc["hooks"] = hooks
+    if other_hooks:
+        doc["other_hooks"] = other_hooks
     memo[id(module)] = doc
     doc["children"] = {name: None if child is None else build(child, memo)
                        for name, child in module._modules.items()}

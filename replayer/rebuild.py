@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
 
-from recorder import jsonval, snapshot
+from recorder import jsonval, skeleton, snapshot
 from recorder.errors import ReplayError
 
 from .code import CodeLoader
@@ -56,6 +58,7 @@ class Builder:
     def __init__(self, loader: CodeLoader) -> None:
         self.loader = loader
         self._override: type | None = None
+        self._top_hooks_ran = True
 
     def module_class(self, ref: str) -> type:
         cls = self.loader.resolve(ref)
@@ -63,11 +66,17 @@ class Builder:
             raise ReplayError(f"{ref} is not an nn.Module class now; the recording's module cannot be rebuilt")
         return cls
 
-    def build(self, doc: dict[str, Any], label: str, cls: type | None = None) -> Rebuilt:
-        """Rebuild a module from its skeleton document; ``cls`` overrides the class of the top module."""
+    def build(self, doc: dict[str, Any], label: str, cls: type | None = None, top_hooks_ran: bool = True) -> Rebuilt:
+        """Rebuild a module from its skeleton document; ``cls`` overrides the class of the top module.
+
+        ``top_hooks_ran``: the top module's own forward pre-hooks had run when its state and
+        arguments were recorded (a decorated class or annotated instance: recorded inside its
+        forward), so a replay must not run them again; False for a module recorded by the global
+        hooks of ``modules=`` globs, which run before the module's own."""
         if not isinstance(doc, dict) or "class" not in doc:
             raise ReplayError(f"the recording holds no description of module {label!r}; it cannot be rebuilt")
         out = Rebuilt(torch.nn.Module())
+        self._top_hooks_ran = top_hooks_ran
         if cls is not None:
             self._override = cls
         if "attrs" not in doc:  # written before skeletons were recorded: the constructor is all there is
@@ -109,8 +118,33 @@ class Builder:
                 module._non_persistent_buffers_set.add(name)
         for name, child in (doc.get("children") or {}).items():
             module._modules[name] = None if child is None else self._node(child, join_path(path, name), out)
+        if doc.get("parametrized"):
+            _parametrize(module, doc["parametrized"], where)
+        self._hooks(module, doc, path, out)
         out.how[path] = "skeleton"
         return module
+
+    def _hooks(self, module: torch.nn.Module, doc: dict[str, Any], path: str, out: Rebuilt) -> None:
+        """Put back the forward pre-hooks that compute a tensor (hook-based weight_norm and
+        spectral_norm); say which other hooks the module had, where the replay misses them."""
+        top = not path
+        for spec in doc.get("hooks") or ():
+            cls = skeleton.HOOK_CLASSES.get(spec.get("kind"))
+            if cls is None:
+                out.warnings.append(f"{path or 'the step`s module'}: a {spec.get('kind')} hook is not known to this "
+                                    "version; left out of the replay")
+                continue
+            hook = cls.__new__(cls)
+            vars(hook).update(jsonval.decode(spec.get("attrs") or {}))
+            module.register_forward_pre_hook(_Recompute(hook) if top and self._top_hooks_ran else hook)
+        for text in doc.get("other_hooks") or ():
+            # The step's own forward hooks ran after its output was recorded; its pre-hooks, before
+            # its state was, unless global hooks recorded it (they run first).
+            if top and (text.startswith("forward hook") or (text.startswith("forward pre-hook")
+                                                             and self._top_hooks_ran)):
+                continue
+            out.warnings.append(f"{path or 'the step`s module'} had a {text} when it was recorded, which cannot be "
+                                "recorded as data; the replay runs without it (a difference may come from it)")
 
     def _construct(self, doc: dict[str, Any], path: str, out: Rebuilt) -> torch.nn.Module | None:
         init = doc.get("init")
@@ -141,6 +175,36 @@ class Builder:
 
     def _resolve_type(self, ref: str) -> Any:
         return self.loader.resolve(ref)
+
+
+class _Recompute:
+    """A hook-computed tensor of the step's own module, computed from the recorded state without
+    the hook's side effects: spectral_norm's power iteration had run (in training) when the state
+    was recorded, inside the forward; running it again would move its vectors on."""
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+
+    def __call__(self, module: torch.nn.Module, inputs: Any) -> None:
+        if isinstance(self.hook, SpectralNorm):
+            value = self.hook.compute_weight(module, do_power_iteration=False)
+        else:
+            value = self.hook.compute_weight(module)
+        setattr(module, self.hook.name, value)
+
+
+def _parametrize(module: torch.nn.Module, names: list[str], where: str) -> None:
+    """Make a rebuilt module parametrized again (its ``parametrizations`` child already rebuilt):
+    the per-instance class and the properties torch.nn.utils.parametrize gives it."""
+    inject_class = getattr(parametrize, "_inject_new_class", None)
+    inject_property = getattr(parametrize, "_inject_property", None)
+    if inject_class is None or inject_property is None:
+        raise ReplayError(f"{where}: its {', '.join(names)} computed by torch.nn.utils.parametrize, which this torch "
+                          f"({torch.__version__}) cannot set up again; replay with the torch the recording was made "
+                          "with")
+    inject_class(module)
+    for name in names:
+        inject_property(module, name)
 
 
 def _placeholder() -> torch.nn.Parameter:

@@ -183,7 +183,8 @@ class Replayer:
                 init = self._init_args(doc)
                 new = intervene.swap_module(
                     original, sw.replacement, sw.key,
-                    lambda cls, d=doc, k=sw.key: Builder(self.loader).build(d, k, cls=cls).module,
+                    lambda cls, d=doc, k=sw.key, top=not rel: Builder(self.loader).build(
+                        d, k, cls=cls, top_hooks_ran=top and _own_hooks_ran(step.definition)).module,
                     init, self.plan.notes)
                 sw.used += 1
                 if rel:
@@ -272,7 +273,8 @@ class Replayer:
         args, kwargs = decoded.get("args", []), decoded.get("kwargs", {})
         if module_doc is not None:
             target = self._code_target(defn)  # first: importing it (from where it was) serves the skeleton too
-            built = Builder(self.loader).build(module_doc, step.module_path or step.name)
+            built = Builder(self.loader).build(module_doc, step.module_path or step.name,
+                                               top_hooks_ran=_own_hooks_ran(defn))
             module = built.module
             warnings.extend(built.warnings)
             rebuilt.update({join_path(step.module_path, k): v for k, v in built.how.items()})
@@ -474,6 +476,13 @@ class _Call:
 
 
 _VMAPPABLE = re.compile(r"args\.\d+|output(\.\d+)?")
+
+
+def _own_hooks_ran(defn: dict[str, Any]) -> bool:
+    """Had the step's module run its own forward pre-hooks when the step's state was recorded? Yes
+    for a decorated class or annotated instance (recorded inside its forward); no for a module that
+    the global hooks of ``modules=`` globs recorded (they run first; its definition has no paper label)."""
+    return (defn.get("paper") or {}).get("label") is not None
 
 
 def _vmap_dims(step: Step, nargs: int) -> tuple[tuple[int | None, ...], Any] | None:

@@ -1,0 +1,129 @@
+"""Modules whose weights torch computes from other tensors (torch.nn.utils.parametrizations:
+weight_norm, spectral_norm, orthogonal; the older hook-based torch.nn.utils.weight_norm and
+spectral_norm), inside a step, as the step itself and picked by a glob: every forward and backward
+step replays bit for bit. A hook that cannot be recorded is named in the replay's warnings."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations
+
+import recorder
+import replayer
+
+with warnings.catch_warnings():  # the hook-based forms are deprecated, and still in wide use
+    warnings.simplefilter("ignore", FutureWarning)
+    from torch.nn.utils import spectral_norm as hooked_spectral_norm
+    from torch.nn.utils import weight_norm as hooked_weight_norm
+
+NORMS = {
+    "weight_norm": parametrizations.weight_norm,
+    "spectral_norm": parametrizations.spectral_norm,
+    "orthogonal": parametrizations.orthogonal,
+    "hooked_weight_norm": hooked_weight_norm,
+    "hooked_spectral_norm": hooked_spectral_norm,
+}
+
+
+@recorder.paper_step("Eq. 4", description="a normalised linear layer, then tanh")
+class Normed(nn.Module):
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            self.fc = NORMS[norm](nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).tanh()
+
+
+@recorder.paper_step("Eq. 5", description="x W")
+class Mix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4) / 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+class Plain(nn.Module):  # not a paper step: picked by a glob
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4) / 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w).sin()
+
+
+def doubled(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+    return out * 2
+
+
+def train(path: Path, norm: str) -> nn.Module:
+    torch.manual_seed(0)
+    wrap = NORMS[norm]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = nn.Sequential(Normed(norm), wrap(Mix(), "w"), wrap(Plain(), "w"), wrap(nn.Linear(4, 4)))
+    model[3].register_forward_hook(doubled)  # runs after the glob's hook took its output
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with recorder.record(path, model=model, optimizer=opt, mode="full", modules=["2", "3"]) as run:
+        for _ in range(2):
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert run.status == "complete" and run.failure is None
+    return model
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_normalised_weights_replay_bit_for_bit(norm: str, tmp_path: Path) -> None:
+    path = tmp_path / "run.zarr"
+    train(path, norm)
+    rec = replayer.open(path)
+    steps = list(rec.steps)
+    # Eq. 4, Eq. 5, Plain, Linear forward, their backwards, over two iterations; the classes by their own names
+    assert len(steps) == 16
+    assert {s.name for s in steps} == {"Normed", "Mix", "Plain", "Linear"}
+    for step in steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match, (norm, step.index, step.name, step.phase, result.warnings)
+        assert not [w for w in result.warnings if "hook" in w], result.warnings
+
+
+def test_a_bundle_of_a_step_with_a_hook_based_spectral_norm_replays_elsewhere(tmp_path: Path) -> None:
+    path = tmp_path / "run.zarr"
+    train(path, "hooked_spectral_norm")
+    rec = replayer.open(path)
+    step = rec.steps.filter(name="Mix", phase="backward")[1]  # the second iteration: its vectors moved once
+    info = replayer.bundle(rec, step.index, tmp_path / "failure.pdbg", verify=True)
+    assert info.verified is True
+
+
+@recorder.paper_step("Eq. 6", description="a linear layer whose output a hook changes")
+class Hooked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.fc.register_forward_hook(doubled)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_a_hook_that_cannot_be_recorded_is_named_when_the_replay_differs(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    layer = Hooked()
+    with recorder.record(tmp_path / "run.zarr", mode="full"):
+        layer(torch.randn(2, 4))
+    result = replayer.replay(replayer.open(tmp_path / "run.zarr"), 0)
+    assert not result.match
+    assert any(w.startswith("fc had a forward hook doubled when it was recorded") for w in result.warnings), \
+        result.warnings
