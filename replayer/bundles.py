@@ -13,11 +13,14 @@ the chunks are compressed already. ``bundle.json`` at its root says which step i
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
+import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +34,7 @@ from recorder.store.writer import StoreWriter
 
 from . import recipes as recipes_mod
 from .bisect import step_flags, subtree
+from .code import SESSION_SCRIPT, made_here
 from .recording import BUNDLE_KEY, Recording, Step
 
 FORMAT = "paperdebugger.bundle"
@@ -94,6 +98,39 @@ def _sources(rec: Recording, steps: list[Step]) -> dict[str, str]:
     return out
 
 
+def _needs_main(steps: list[Step]) -> bool:
+    """Does any of these steps run code defined in ``__main__`` (its own, or a module class inside)?"""
+    def classes(doc: Any) -> Iterator[str]:
+        if isinstance(doc, dict):
+            yield str(doc.get("class", ""))
+            for child in (doc.get("children") or {}).values():
+                yield from classes(child)
+
+    return any(ref.startswith("__main__:") for s in steps
+               for ref in (str(s.definition.get("ref", "")), *classes(s._doc("module"))))
+
+
+def _session_source(rec: Recording) -> str | None:
+    """The cells of the IPython session (a notebook's kernel) that recorded ``rec``, when this is
+    that session: the only place where code it defined in ``__main__`` lives. Cells that do not
+    parse are left out; a replay loads only the definitions of the rest (code.script_module)."""
+    if not made_here(rec.run_info):
+        return None
+    cells = getattr(sys.modules.get("__main__"), "In", None)  # IPython's input history
+    if not isinstance(cells, list):
+        return None
+    kept = []
+    for cell in cells:
+        if not isinstance(cell, str) or not cell.strip():
+            continue
+        try:
+            ast.parse(cell)
+        except SyntaxError:
+            continue
+        kept.append(cell.rstrip("\n") + "\n")
+    return "\n".join(kept) or None
+
+
 def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str], *, iteration: bool = False,
            verify: bool = False, script: bool = False, overwrite: bool = False) -> BundleInfo:
     """Write a failure bundle for one step (or, with ``iteration``, its whole iteration).
@@ -122,14 +159,23 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
             raise BundleError(f"step {main.index} kept statistics only for {r.role} {r.name} "
                               f"({rec.rank.why_statistics_only(r)}): there is nothing to replay; bundle a step "
                               "recorded with payloads (mode full, or a flight dump)")
+    sources = _sources(rec, steps)
+    session = None
+    if not rec.run_info.get("script") and _needs_main(steps):
+        session = _session_source(rec)
+        if session is None:
+            raise BundleError(f"step {main.index}'s code was defined in an interactive session, whose code this "
+                              "process cannot read: bundle it from the notebook (IPython) that recorded it, or "
+                              "define the code in a module and record again")
+        sources[SESSION_SCRIPT] = session
     work = Path(tempfile.mkdtemp(prefix="pdbg-bundle-", dir=out.parent))
     try:
         store_dir = work / "store"
-        new_main = _write_store(rec, store_dir, rows, full, main)
+        new_main = _write_store(rec, store_dir, rows, full, main, SESSION_SCRIPT if session else None)
         meta = {"format": FORMAT, "main_step": new_main, "created": datetime.now(UTC).isoformat(),
                 "iteration": iteration, "origin": {"path": str(rec.path), "index": main.index, "step": main.to_json(),
                                                    "status": rec.status},
-                "sources": _sources(rec, steps), "verified": None}
+                "sources": sources, "verified": None}
         carried = {}
         for name, recipe in recipes_mod.recipes(rec).items():  # those for bundled steps, renumbered
             index = (recipe.get("step") or {}).get("index")
@@ -144,7 +190,8 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
             from .replay import Replayer
 
             check = Recording(store_dir)
-            result = Replayer(check).replay(check.step(new_main), nested=False)
+            # (a notebook's code is in the bundle only: verified as it replays elsewhere, from there)
+            result = Replayer(check, use_bundled_source=session is not None).replay(check.step(new_main), nested=False)
             verified = bool(result.match)
             meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
                                 "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings}
@@ -160,11 +207,15 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
     return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro)
 
 
-def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], main: Step) -> int:
-    """Copy the chosen steps into a new store; returns the main step's new index."""
+def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], main: Step,
+                 script: str | None) -> int:
+    """Copy the chosen steps into a new store; returns the main step's new index. ``script``: the
+    script to name in its run information instead of the recording's (a notebook session's cells)."""
     rank = rec.rank
-    writer = StoreWriter(backend.open_store(where, mode="w"),
-                         run_attrs={**rec.run_info, "bundle_of": str(rec.path)}, compression=codecs.parse(None))
+    run_attrs = {**rec.run_info, "bundle_of": str(rec.path)}
+    if script is not None:
+        run_attrs["script"] = script
+    writer = StoreWriter(backend.open_store(where, mode="w"), run_attrs=run_attrs, compression=codecs.parse(None))
     writer.create()
     new = {old: i for i, old in enumerate(rows)}
     cols = {name: np.asarray(rank.column(f"steps/{name}")) for name in

@@ -16,6 +16,7 @@ import importlib
 import inspect
 import linecache
 import os
+import socket
 import sys
 import types
 from collections.abc import Iterator
@@ -80,6 +81,8 @@ def script_module(path: str | os.PathLike[str], text: str | None = None) -> tupl
         note = (f"the script has no if __name__ == '__main__' guard: loaded only its definitions "
                 f"({len(body) - len(kept)} top-level statements skipped)")
         body = kept
+    if str(path) == SESSION_SCRIPT:  # on no disk: its lines for inspect (drift) and tracebacks
+        linecache.cache[SESSION_SCRIPT] = (len(source), None, source.splitlines(True), SESSION_SCRIPT)
     module = types.ModuleType("__main__", ast.get_docstring(tree))
     module.__file__ = str(file)
     module.__dict__["__builtins__"] = __builtins__
@@ -109,6 +112,14 @@ def extra_path(dirs: list[str]) -> Iterator[None]:
         sys.path[:] = saved
 
 
+SESSION_SCRIPT = "notebook-session.py"  # a bundle's name for the cells of the interactive session that recorded it
+
+
+def made_here(run_info: dict[str, Any]) -> bool:
+    """Was the recording made by this very process?"""
+    return run_info.get("pid") == os.getpid() and run_info.get("hostname") == socket.gethostname()
+
+
 class CodeLoader:
     """Resolves ``module:QualName`` references of one recording. ``script`` overrides the path of
     the script that ran as ``__main__``."""
@@ -128,13 +139,26 @@ class CodeLoader:
 
     def main(self) -> types.ModuleType:
         if self._main is None:
+            if self.script == SESSION_SCRIPT and SESSION_SCRIPT not in self.bundled:
+                raise ReplayError("the step's code was defined in a notebook session, whose definitions this bundle "
+                                  "carries: replay with --use-bundled-source (use_bundled_source=True in Python), "
+                                  "which runs them")
             if not self.script:
-                raise ReplayError("the step's code was defined in __main__, but the recording names no script "
-                                  "(an interactive session?); pass the file that defines it with --script")
+                live = self._live_main()
+                if live is None:
+                    raise ReplayError("the step's code was defined in __main__ of an interactive session (a notebook "
+                                      "or a REPL, no script), which only that session holds; replay it there, or "
+                                      "pass a file that defines it (--script, or script= in Python)")
+                return live
             self._main, note = script_module(self.script, self.bundled.get(self.script))
-            if "no if __name__" in note:  # worth a warning: top-level statements were skipped
+            if "no if __name__" in note and self.script != SESSION_SCRIPT:  # worth a warning: statements skipped
                 self.notes.append(f"{self.script}: {note}")
         return self._main
+
+    def _live_main(self) -> types.ModuleType | None:
+        """This process's ``__main__``, when this process made the recording in an interactive session
+        (a notebook's kernel, a REPL): the cells' definitions are there, the code the steps ran."""
+        return sys.modules.get("__main__") if made_here(self.run_info) else None
 
     def module(self, name: str, file: str | None = None) -> types.ModuleType:
         """Import a module; ``file`` (where it was when recorded) adds the directory it was imported from."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import html as html_mod
+import linecache
 import os
 import re
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ import recorder
 import replayer
 from recorder.store.reader import RankReader
 from replayer.bisect import Origin
-from tests.cli import python
+from tests.cli import pdbg, python
 from tests.replayer import nanmodels
 
 EVIL = "<script>alert('x')</script>"
@@ -339,3 +341,76 @@ class TestNotebookKernel:
         res, origin, *pages = asyncio.run(cell())
         assert res.match and origin.step is not None and origin.step.name == "smooth_relu"
         assert all(p.startswith("<div") and "smooth_relu@iter=1#0" in p for p in pages)
+
+
+CELLS = [
+    "import torch\nimport recorder\n",
+    textwrap.dedent('''
+        @recorder.paper_step("Eq. 9", description="the log of a cell")
+        def cell_log(x):
+            return torch.log(x)
+
+
+        @recorder.paper_step("Eq. 10", description="a module of a cell")
+        class CellBlock(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(3, 3)
+
+            def forward(self, x):
+                return cell_log(self.lin(x).exp())
+    '''),
+    "%matplotlib inline\nbroken = (\n",  # a cell that never parsed
+    "open('trained.txt', 'w').write('the training cell ran')\n",
+]
+
+
+@pytest.fixture
+def notebook_session(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """This process as a Jupyter kernel: ``__main__`` without a file, cells compiled under
+    IPython's file names (their lines in linecache), IPython's input history in ``In``."""
+    main = type(os)("__main__")
+    main.In = ["", *CELLS]
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.chdir(tmp_path)
+    for number, cell in enumerate(CELLS[:2]):
+        name = f"/tmp/ipykernel_1/{number}.py"
+        monkeypatch.setitem(linecache.cache, name, (len(cell), None, cell.splitlines(True), name))
+        exec(compile(cell, name, "exec"), main.__dict__)  # noqa: S102 - the test's own cells
+    torch.manual_seed(0)
+    with recorder.record(tmp_path / "run.zarr", mode="full"):
+        main.CellBlock()(torch.randn(2, 3))
+    return replayer.open(tmp_path / "run.zarr")
+
+
+class TestNotebookSession:
+    def test_code_defined_in_cells_replays_in_that_session(self, notebook_session: Any, tmp_path: Path) -> None:
+        rec = notebook_session
+        assert rec.run_info["script"] is None
+        assert [(s.name, s.definition["ref"]) for s in rec.steps] == [
+            ("CellBlock", "__main__:CellBlock"), ("cell_log", "__main__:cell_log")]
+        for step in rec.steps:
+            result = replayer.replay(rec, step.index)
+            assert result.match and result.warnings == [], result.warnings
+        # Another process has no such cells: told where the code is, no traceback
+        done = pdbg("replay", str(tmp_path / "run.zarr"), "0", cwd=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+        assert "defined in __main__ of an interactive session" in done.stderr
+
+    def test_a_bundle_made_in_the_session_carries_its_cells(self, notebook_session: Any, tmp_path: Path) -> None:
+        info = replayer.bundle(notebook_session, 0, tmp_path / "failure.pdbg", verify=True)
+        assert info.verified is True
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        done = pdbg("replay", str(info.path), cwd=elsewhere)
+        assert done.returncode == 2 and "replay with --use-bundled-source" in done.stderr
+        done = pdbg("replay", str(info.path), "--use-bundled-source", cwd=elsewhere)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "MATCH: bit for bit" in done.stdout and "warning" not in done.stdout
+        assert list(elsewhere.iterdir()) == []  # the cells' definitions ran, not their statements
+
+    def test_a_session_whose_cells_cannot_be_read_is_refused(self, notebook_session: Any, tmp_path: Path) -> None:
+        del sys.modules["__main__"].In  # a plain Python REPL keeps no history
+        with pytest.raises(replayer.bundles.BundleError, match="defined in an interactive session"):
+            replayer.bundle(notebook_session, 0, tmp_path / "failure.pdbg")
+        assert not (tmp_path / "failure.pdbg").exists()
