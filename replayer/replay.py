@@ -295,6 +295,10 @@ class Replayer:
         else:
             module = None
             target = self.loader.resolve(defn.get("ref", ""), defn.get("file"))
+            if getattr(target, "__pdbg_step__", None) is None:  # a recording names it: only ever a paper step
+                raise ReplayError(f"{defn.get('ref')} is not a paper step (a function decorated with "
+                                  f"@recorder.paper_step) now; step {step.index} cannot be replayed: a replay calls "
+                                  "nothing else a recording names")
             fn = getattr(target, "__wrapped__", target)  # the undecorated function: the step itself is not re-recorded
             if not callable(fn):
                 raise ReplayError(f"{defn.get('ref')} is not callable now; step {step.index} cannot be replayed")

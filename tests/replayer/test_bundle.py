@@ -245,3 +245,30 @@ def test_hostile_bundles_are_refused_and_run_nothing(recorded: tuple[Path, Path]
     subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(open(sys.argv[1], 'rb').read())",
                     str(tmp_path / "payload.bin")], check=True, capture_output=True)
     assert marker.exists()
+
+
+def test_a_bundle_naming_a_function_that_is_no_paper_step_runs_nothing(recorded: tuple[Path, Path], tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bundle is data from elsewhere: one whose step names os.system, to be called with a
+    recorded string, is refused; a replay calls only paper steps."""
+    run_path, code = recorded
+    marker = tmp_path / "PWNED"
+    rec = replayer.open(run_path)
+    step = rec.step("Eq. 2@iter=1")
+    real = replayer.Step._doc
+
+    def forged(self: replayer.Step, name: str) -> object:
+        doc = real(self, name)
+        if name == "definition":
+            return {**doc, "ref": "os:system", "file": None}
+        if name == "args":
+            return {"args": [f"touch {marker}"], "kwargs": {}}
+        return doc
+
+    monkeypatch.setattr(replayer.Step, "_doc", forged)
+    hostile = replayer.bundle(rec, step, tmp_path / "hostile.pdbg").path
+    monkeypatch.undo()
+    res = pdbg("replay", str(hostile), cwd=tmp_path, code=code)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "os:system is not a paper step" in lines[0], res.stderr
+    assert not marker.exists()
