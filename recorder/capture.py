@@ -680,14 +680,18 @@ class Session:
     def _encode(self, frame: Frame, value: Any, role: str, prefix: str) -> Any:
         """Encode a value as tagged JSON, capturing each tensor in it under its path."""
         errors: list[Exception] = []
+        named: dict[int, str | None] = {}  # one record per tensor object (see taps.tap_arguments)
 
         def name(t: torch.Tensor, path: str) -> str | None:
+            if id(t) in named:  # the same tensor again (self-attention's query, key and value)
+                return named[id(t)]
             full = f"{prefix}.{path}" if prefix and path else (prefix or path)
             try:
-                return self._capture(frame, role, full, t)
+                named[id(t)] = self._capture(frame, role, full, t)
             except Exception as exc:  # jsonval would hide it as an opaque value: surface it
                 errors.append(exc)
-                return None
+                named[id(t)] = None
+            return named[id(t)]
 
         doc = jsonval.encode(value, tensor_name=name)
         if errors:

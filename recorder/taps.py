@@ -36,6 +36,20 @@ def tap(tensors: list[torch.Tensor], callback: GradCallback) -> tuple[torch.Tens
     return _Tap.apply(callback, *tensors)  # type: ignore[no-any-return]
 
 
+def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback) -> tuple[dict[Any, Any], list[Any]]:
+    """Tap the (key, tensor) pairs' tensors, each tensor object once: a tensor passed in several
+    places stays one object in all of them (``query is key`` in self-attention, as without recording),
+    its gradient reported once, the total, under its first key. Returns {key: tapped} and the keys
+    tapped, in the order the callback sees their grads."""
+    first: dict[int, Any] = {}
+    for key, value in values:
+        first.setdefault(id(value), key)
+    keys = list(first.values())
+    by_key = dict(values)
+    tapped = dict(zip(keys, tap([by_key[k] for k in keys], callback)))
+    return {key: tapped[first[id(value)]] for key, value in values}, keys
+
+
 def wants_tap(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad and value.layout == torch.strided
 
@@ -44,18 +58,18 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
                   ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
     """Tap every top-level tensor argument that requires grad. Returns new args, kwargs and the
     names (``args.0``, ``kwargs.mask``) of the tapped tensors, in the order the callback sees them."""
-    slots = [("args", i, a) for i, a in enumerate(args) if wants_tap(a)]
-    slots += [("kwargs", k, v) for k, v in kwargs.items() if wants_tap(v)]
+    slots = [(("args", i), a) for i, a in enumerate(args) if wants_tap(a)]
+    slots += [(("kwargs", k), v) for k, v in kwargs.items() if wants_tap(v)]
     if not slots:
         return args, kwargs, []
-    tapped = tap([s[2] for s in slots], callback)
+    tapped, keys = _tap_slots(slots, callback)
     new_args, new_kwargs = list(args), dict(kwargs)
-    for (where, key, _), t in zip(slots, tapped):
+    for (where, key), t in tapped.items():
         if where == "args":
-            new_args[key] = t  # type: ignore[index]
+            new_args[key] = t
         else:
-            new_kwargs[key] = t  # type: ignore[index]
-    return tuple(new_args), new_kwargs, [f"{w}.{k}" for w, k, _ in slots]
+            new_kwargs[key] = t
+    return tuple(new_args), new_kwargs, [f"{w}.{k}" for w, k in keys]
 
 
 def tap_output(output: Any, callback: GradCallback) -> tuple[Any, list[str]]:
@@ -70,20 +84,18 @@ def tap_output(output: Any, callback: GradCallback) -> tuple[Any, list[str]]:
             return output, []
         return tap([output], callback)[0], ["output"]
     if type(output) in (tuple, list):
-        idx = [i for i, v in enumerate(output) if ok(v)]
-        if not idx:
+        slots = [(i, v) for i, v in enumerate(output) if ok(v)]
+        if not slots:
             return output, []
-        tapped = tap([output[i] for i in idx], callback)
+        tapped, keys = _tap_slots(slots, callback)
         items = list(output)
-        for i, t in zip(idx, tapped):
+        for i, t in tapped.items():
             items[i] = t
-        return type(output)(items), [f"output.{i}" for i in idx]
+        return type(output)(items), [f"output.{i}" for i in keys]
     if type(output) is dict:
-        keys = [k for k, v in output.items() if isinstance(k, str) and ok(v)]
-        if not keys:
+        slots = [(k, v) for k, v in output.items() if isinstance(k, str) and ok(v)]
+        if not slots:
             return output, []
-        tapped = tap([output[k] for k in keys], callback)
-        new = dict(output)
-        new.update(zip(keys, tapped))
-        return new, [f"output.{k}" for k in keys]
+        tapped, keys = _tap_slots(slots, callback)
+        return {**output, **tapped}, [f"output.{k}" for k in keys]
     return output, []

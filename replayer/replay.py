@@ -254,8 +254,11 @@ class Replayer:
                                   f"({step.why_statistics_only(r)}); it cannot be replayed")
         tensors = {r.name: r for r in records if r.role == "input"}
         leaves: dict[str, torch.Tensor] = {}
+        given: dict[str, torch.Tensor] = {}  # one object per record: a tensor passed twice was one object
 
         def tensor(name: str) -> torch.Tensor:
+            if name in given:
+                return given[name]
             rec = tensors.get(name)
             if rec is None:
                 raise ReplayError(f"step {step.index}: argument tensor {name!r} is missing from the recording")
@@ -263,7 +266,8 @@ class Replayer:
             if rec.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
                 leaf.requires_grad_(True)
             leaves[name] = leaf
-            return leaf.clone() if leaf.requires_grad else leaf  # in-place ops on it must not hit a leaf
+            given[name] = leaf.clone() if leaf.requires_grad else leaf  # in-place ops on it must not hit a leaf
+            return given[name]
 
         arguments = step.arguments or {"args": [], "kwargs": {}}
         decoded = jsonval.decode(arguments, tensor=tensor, resolve=self.loader.resolve)

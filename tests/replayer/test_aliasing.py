@@ -1,0 +1,86 @@
+"""One tensor passed as several arguments (self-attention's query, key and value) stays one object:
+while recording, as without it (code that asks ``query is key`` takes the same path), and in the
+replay; it is recorded once, its gradient once (the total)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import recorder
+import replayer
+
+SEEN: list[tuple[bool, ...]] = []
+
+
+@recorder.paper_step("Eq. 3", description="q k v, self-attention when they are one tensor")
+def mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, extra: torch.Tensor) -> torch.Tensor:
+    SEEN.append((q is k, k is v, extra is q))
+    if q is k and k is v:  # a branch on identity, as nn.MultiheadAttention's packed projection
+        return (q * 3).tanh() + extra
+    return q.tanh() + k + v + extra
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = mix(h, h, h, extra=h)
+        return self.attn(h, h, h, need_weights=False)[0]
+
+
+def train(path: Path | None) -> tuple[list[float], list[tuple[bool, ...]]]:
+    SEEN.clear()
+    torch.manual_seed(0)
+    net = Net()
+    attn_saw: list[tuple[bool, bool]] = []
+    net.attn.register_forward_pre_hook(lambda m, a: attn_saw.append((a[0] is a[1], a[1] is a[2])))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 6, 8)
+    losses = []
+
+    def loop() -> None:
+        for _ in range(2):
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        net.eval()
+        with torch.no_grad():  # the fast path of nn.MultiheadAttention, taken only when query is key is value
+            losses.append(net(x).sum().item())
+
+    if path is None:
+        loop()
+    else:
+        with recorder.record(path, model=net, optimizer=opt, mode="full", modules=["attn"]) as run:
+            loop()
+        assert run.status == "complete" and run.failure is None
+    return losses, [*SEEN, *attn_saw]
+
+
+def test_a_tensor_passed_several_times_stays_one_object_while_recording(tmp_path: Path) -> None:
+    plain = train(None)
+    recorded = train(tmp_path / "run.zarr")
+    assert plain[1] == [(True, True, True)] * 3 + [(True, True)] * 3
+    assert recorded == plain  # the same identities, so the same losses, bit for bit
+
+
+def test_it_is_recorded_once_and_replayed_as_one_object(tmp_path: Path) -> None:
+    train(tmp_path / "run.zarr")
+    rec = replayer.open(tmp_path / "run.zarr")
+    first = rec.step("Eq. 3@iter=0")
+    assert [r.name for r in first.records if r.role == "input"] == ["args.0"]
+    assert first.arguments == {"args": [{"$tensor": "args.0"}] * 3, "kwargs": {"extra": {"$tensor": "args.0"}}}
+    backward = rec.steps.filter(name="mix", phase="backward")[0]
+    grads = {r.name: backward.tensor(r.name) for r in backward.records if r.role == "grad_input"}
+    assert list(grads) == ["args.0"]  # the total over its three uses, as autograd gives it
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.index, step.name, step.phase, [d.summary() for d in result.outputs])
