@@ -510,7 +510,7 @@ class Session:
             return None
         try:
             link = BackwardLink(original)
-            args, kwargs = self._tap_inputs(link, args, kwargs)
+            args, kwargs = self._tap_inputs(link, args, kwargs, _nested_tensors({"args": list(args), "kwargs": kwargs}))
         except Exception as exc:
             self.fail("tapping a recomputed step's inputs", exc)
             return None
@@ -526,7 +526,7 @@ class Session:
                 for name, p in module.named_parameters():
                     if p.requires_grad:
                         self._hook_param(link, name, p)
-            out = self._tap_outputs(link, out)
+            out = self._tap_outputs(link, out, _nested_tensors(out, top=0))
         except Exception as exc:
             self.fail("tapping a recomputed step's outputs", exc)
         return out
@@ -572,8 +572,12 @@ class Session:
         try:
             frame.rng = self.rng.parts()
             frame.settings = self._settings()
-            frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "")
-            link = BackwardLink(frame) if torch.is_grad_enabled() and frame.vmap is None else None
+            tapping = torch.is_grad_enabled() and frame.vmap is None
+            tapped = frozenset(id(t) for _, t in taps.argument_slots(args, kwargs)) if tapping else frozenset()
+            nested: set[int] = set()
+            frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "", tapped, 1,
+                                          nested)
+            link = BackwardLink(frame) if tapping else None
             if link is None and frame.vmap is None:
                 self._remember_ungraded(frame)
             if module is not None:
@@ -584,7 +588,7 @@ class Session:
                 for name, b in module.named_buffers():
                     self._capture(frame, "buffer", name, b)
             if link is not None:
-                args, kwargs = self._tap_inputs(link, args, kwargs)
+                args, kwargs = self._tap_inputs(link, args, kwargs, tapped & nested, frame)
             return frame, args, kwargs, link
         finally:
             self.local.busy = False
@@ -594,9 +598,11 @@ class Session:
         try:
             frame.t_end = time.perf_counter() - self.t0
             try:
-                frame.output_doc = self._encode(frame, out, "output", "output")
+                tapped = frozenset(id(t) for _, t in taps.output_slots(out)) if link is not None else frozenset()
+                nested: set[int] = set()
+                frame.output_doc = self._encode(frame, out, "output", "output", tapped, 0, nested)
                 if link is not None:
-                    out = self._tap_outputs(link, out)
+                    out = self._tap_outputs(link, out, tapped & nested, frame)
             except Exception as exc:
                 frame.notes.append(f"capture failed: {type(exc).__name__}: {exc}")
                 raise
@@ -677,21 +683,29 @@ class Session:
             self.fail("recording a collective's results", exc)
 
     # -- tensors ---------------------------------------------------------------------------------
-    def _encode(self, frame: Frame, value: Any, role: str, prefix: str) -> Any:
-        """Encode a value as tagged JSON, capturing each tensor in it under its path."""
+    def _encode(self, frame: Frame, value: Any, role: str, prefix: str, tapped: frozenset[int] = frozenset(),
+                top: int = 0, nested: set[int] | None = None) -> Any:
+        """Encode a value as tagged JSON, capturing each tensor in it under its path: once per object
+        the step sees. ``tapped``: ids of the tensors a tap replaces where they stand at the top
+        (``top``: the dots in such a path), a tensor the step gets there is not the one it gets inside
+        a list (see taps.tap_arguments). ``nested`` collects the ids of tensors found below the top."""
         errors: list[Exception] = []
-        named: dict[int, str | None] = {}  # one record per tensor object (see taps.tap_arguments)
+        named: dict[tuple[int, bool], str | None] = {}
 
         def name(t: torch.Tensor, path: str) -> str | None:
-            if id(t) in named:  # the same tensor again (self-attention's query, key and value)
-                return named[id(t)]
+            at_top = path.count(".") == top
+            if nested is not None and not at_top:
+                nested.add(id(t))
+            key = (id(t), id(t) in tapped and at_top)
+            if key in named:  # the same tensor again (self-attention's query, key and value)
+                return named[key]
             full = f"{prefix}.{path}" if prefix and path else (prefix or path)
             try:
-                named[id(t)] = self._capture(frame, role, full, t)
+                named[key] = self._capture(frame, role, full, t)
             except Exception as exc:  # jsonval would hide it as an opaque value: surface it
                 errors.append(exc)
-                named[id(t)] = None
-            return named[id(t)]
+                named[key] = None
+            return named[key]
 
         doc = jsonval.encode(value, tensor_name=name)
         if errors:
@@ -918,19 +932,25 @@ class Session:
         except Exception as exc:
             self.fail(where, exc)
 
-    def _tap_inputs(self, link: BackwardLink, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Pass a call's tensor arguments through a tap that reports their grads to ``link``."""
-        args, kwargs, link.input_names = taps.tap_arguments(args, kwargs, _backward_callback(self._on_grad_input, link))
+    def _tap_inputs(self, link: BackwardLink, args: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[int],
+                    frame: Frame | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Pass a call's tensor arguments through a tap that reports their grads to ``link``; not
+        those in ``skip`` (also inside a list: see taps.tap_arguments), noted on ``frame``."""
+        args, kwargs, link.input_names = taps.tap_arguments(args, kwargs, _backward_callback(self._on_grad_input, link),
+                                                            skip)
+        if skip and frame is not None:
+            frame.notes.append(_UNTAPPED_NOTE)
         return args, kwargs
 
     def _hook_param(self, link: BackwardLink, name: str, p: torch.Tensor) -> None:
         link.handles.append(p.register_hook(_backward_callback(self._on_param_grad, link, name)))
 
-    def _tap_outputs(self, link: BackwardLink, out: Any) -> Any:
-        """Pass a call's outputs through a tap that reports their grads to ``link``; the link then
-        waits for its backward (or the iteration's end)."""
-        out, link.output_names = taps.tap_output(out, _backward_callback(self._on_grad_output, link))
+    def _tap_outputs(self, link: BackwardLink, out: Any, skip: frozenset[int], frame: Frame | None = None) -> Any:
+        """Pass a call's outputs through a tap that reports their grads to ``link`` (not those in
+        ``skip``, see _tap_inputs); the link then waits for its backward (or the iteration's end)."""
+        out, link.output_names = taps.tap_output(out, _backward_callback(self._on_grad_output, link), skip)
+        if skip and frame is not None:
+            frame.notes.append(_UNTAPPED_NOTE)
         if link.output_names or link.handles:
             with self.lock:
                 self._links.append(link)
@@ -1030,6 +1050,23 @@ class Session:
         for link in links:
             for handle in link.handles:
                 handle.remove()
+
+
+_UNTAPPED_NOTE = ("a tensor passed both directly and inside a container (list, dict...) has no gradient recorded: "
+                 "following it through the call would change the order in which autograd sums its gradients")
+
+
+def _nested_tensors(value: Any, top: int = 1) -> frozenset[int]:
+    """Ids of the tensors in ``value`` below its top level (for ``{"args": [...], "kwargs": {...}}``,
+    ``top`` 1: inside an argument that is a container)."""
+    found: set[int] = set()
+
+    def seen(t: torch.Tensor, path: str) -> None:
+        if path.count(".") != top:
+            found.add(id(t))
+
+    jsonval.encode(value, tensor_name=seen)
+    return frozenset(found)
 
 
 def _forget_in_child() -> None:

@@ -54,12 +54,36 @@ def wants_tap(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad and value.layout == torch.strided
 
 
+def argument_slots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[tuple[str, Any], torch.Tensor]]:
+    """The arguments a tap takes: every top-level tensor argument that requires grad, keyed
+    ``("args", i)`` or ``("kwargs", name)``."""
+    slots: list[tuple[tuple[str, Any], torch.Tensor]] = [(("args", i), a) for i, a in enumerate(args) if wants_tap(a)]
+    return slots + [(("kwargs", k), v) for k, v in kwargs.items() if wants_tap(v)]
+
+
+def output_slots(output: Any) -> list[tuple[Any, torch.Tensor]]:
+    """The tensors of a step's output a tap takes: those that require grad and are not leaves, of a
+    tensor (key None) or of a plain tuple/list (key: index) or dict (key: a str key). Other
+    containers are left alone: rebuilding a user's class is not safe."""
+    def ok(v: Any) -> bool:
+        return wants_tap(v) and not v.is_leaf
+
+    if isinstance(output, torch.Tensor):
+        return [(None, output)] if ok(output) else []
+    if type(output) in (tuple, list):
+        return [(i, v) for i, v in enumerate(output) if ok(v)]
+    if type(output) is dict:
+        return [(k, v) for k, v in output.items() if isinstance(k, str) and ok(v)]
+    return []
+
+
 def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
-                  ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
-    """Tap every top-level tensor argument that requires grad. Returns new args, kwargs and the
-    names (``args.0``, ``kwargs.mask``) of the tapped tensors, in the order the callback sees them."""
-    slots = [(("args", i), a) for i, a in enumerate(args) if wants_tap(a)]
-    slots += [(("kwargs", k), v) for k, v in kwargs.items() if wants_tap(v)]
+                  skip: frozenset[int] = frozenset()) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
+    """Tap the argument_slots, but for tensors whose id is in ``skip`` (also passed inside a list:
+    the list keeps the untapped tensor, and autograd would sum its gradients in another order).
+    Returns new args, kwargs and the names (``args.0``, ``kwargs.mask``) of the tapped tensors, in
+    the order the callback sees them."""
+    slots = [(key, t) for key, t in argument_slots(args, kwargs) if id(t) not in skip]
     if not slots:
         return args, kwargs, []
     tapped, keys = _tap_slots(slots, callback)
@@ -72,30 +96,18 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
     return tuple(new_args), new_kwargs, [f"{w}.{k}" for w, k in keys]
 
 
-def tap_output(output: Any, callback: GradCallback) -> tuple[Any, list[str]]:
-    """Tap the tensors of a step's output (a tensor, or a plain tuple/list/dict of them) that require
-    grad and are not leaves. Other containers are left alone: rebuilding a user's class is not safe.
-    Returns the new output and the names of the tapped tensors (``output``, ``output.0``)."""
-    def ok(v: Any) -> bool:
-        return wants_tap(v) and not v.is_leaf
-
+def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = frozenset()) -> tuple[Any, list[str]]:
+    """Tap the output_slots of a step's output, but for tensors whose id is in ``skip`` (see
+    tap_arguments). Returns the new output and the names of the tapped tensors (``output``, ``output.0``)."""
+    slots = [(key, t) for key, t in output_slots(output) if id(t) not in skip]
+    if not slots:
+        return output, []
     if isinstance(output, torch.Tensor):
-        if not ok(output):
-            return output, []
         return tap([output], callback)[0], ["output"]
-    if type(output) in (tuple, list):
-        slots = [(i, v) for i, v in enumerate(output) if ok(v)]
-        if not slots:
-            return output, []
-        tapped, keys = _tap_slots(slots, callback)
-        items = list(output)
-        for i, t in tapped.items():
-            items[i] = t
-        return type(output)(items), [f"output.{i}" for i in keys]
+    tapped, keys = _tap_slots(slots, callback)
     if type(output) is dict:
-        slots = [(k, v) for k, v in output.items() if isinstance(k, str) and ok(v)]
-        if not slots:
-            return output, []
-        tapped, keys = _tap_slots(slots, callback)
         return {**output, **tapped}, [f"output.{k}" for k in keys]
-    return output, []
+    items = list(output)
+    for i, t in tapped.items():
+        items[i] = t
+    return type(output)(items), [f"output.{i}" for i in keys]

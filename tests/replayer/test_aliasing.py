@@ -1,6 +1,8 @@
 """One tensor passed as several arguments (self-attention's query, key and value) stays one object:
 while recording, as without it (code that asks ``query is key`` takes the same path), and in the
-replay; it is recorded once, its gradient once (the total)."""
+replay; it is recorded once, its gradient once (the total). A tensor passed both directly and inside
+a list is not followed into the backward pass (the list cannot be rebuilt around a tapped tensor,
+and autograd would sum its gradients in another order): training is unchanged, bit for bit."""
 
 from __future__ import annotations
 
@@ -23,6 +25,12 @@ def mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, extra: torch.Tenso
     return q.tanh() + k + v + extra
 
 
+@recorder.paper_step("Eq. 4", description="a tensor, and a list holding it")
+def pooled(x: torch.Tensor, pool: list[torch.Tensor]) -> torch.Tensor:
+    SEEN.append((pool[0] is x,))
+    return x.tanh() * 0.5 + x * 0.25 + pool[0].sin() * 0.25
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -31,7 +39,8 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
-        h = mix(h, h, h, extra=h)
+        h = pooled(mix(h, h, h, extra=h), [x])
+        h = pooled(h, [h])
         return self.attn(h, h, h, need_weights=False)[0]
 
 
@@ -68,7 +77,7 @@ def train(path: Path | None) -> tuple[list[float], list[tuple[bool, ...]]]:
 def test_a_tensor_passed_several_times_stays_one_object_while_recording(tmp_path: Path) -> None:
     plain = train(None)
     recorded = train(tmp_path / "run.zarr")
-    assert plain[1] == [(True, True, True)] * 3 + [(True, True)] * 3
+    assert plain[1] == [(True, True, True), (False,), (True,)] * 3 + [(True, True)] * 3
     assert recorded == plain  # the same identities, so the same losses, bit for bit
 
 
@@ -78,6 +87,11 @@ def test_it_is_recorded_once_and_replayed_as_one_object(tmp_path: Path) -> None:
     first = rec.step("Eq. 3@iter=0")
     assert [r.name for r in first.records if r.role == "input"] == ["args.0"]
     assert first.arguments == {"args": [{"$tensor": "args.0"}] * 3, "kwargs": {"extra": {"$tensor": "args.0"}}}
+    both = rec.step("Eq. 4@iter=0#1")  # x and [x], grad enabled: the list holds the untapped tensor
+    assert [r.name for r in both.records if r.role == "input"] == ["args.0", "args.1.0"]
+    assert any("passed both directly and inside a container" in n for n in both.extra["notes"])
+    evaluated = rec.step("Eq. 4@iter=2#1")  # under no_grad: one object everywhere, one record
+    assert evaluated.arguments["args"] == [{"$tensor": "args.0"}, [{"$tensor": "args.0"}]]
     backward = rec.steps.filter(name="mix", phase="backward")[0]
     grads = {r.name: backward.tensor(r.name) for r in backward.records if r.role == "grad_input"}
     assert list(grads) == ["args.0"]  # the total over its three uses, as autograd gives it
