@@ -173,6 +173,9 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
             dtype, device = str(value.dtype).removeprefix("torch."), str(value.device)
             return {"$tensor": name} if isinstance(name, str) else {
                 "$tensor_meta": {"shape": list(value.shape), "dtype": dtype, "device": device}}
+        if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+            ref = function_ref(value)
+            return {"$function": ref} if ref is not None else _opaque(value)
         if type(value) is np.ndarray:
             dt = value.dtype
             if value.size > 4096 or dt.kind not in _NP_KINDS + "mM" or np.dtype(str(dt)) != dt:
@@ -220,6 +223,37 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
         return {"$object": {"type": type_ref(value), "fields": {n: sub(n, value.__dict__[n]) for n in names}}}
 
     return enc(value, "", 0)
+
+
+# Where torch's tensor math lives: the functions a module may keep as an attribute (an activation).
+_MATH_MODULES = frozenset(("torch", "torch.nn.functional", "torch._C._nn", "torch.special", "torch.fft",
+                           "torch.linalg", "torch._C._special", "torch._C._fft", "torch._C._linalg"))
+
+
+def _callable_by_ref(ref: str) -> bool:
+    """May a decoded ``$function`` be looked up by its reference alone? Only torch's tensor math (an
+    activation a module keeps, ``F.gelu``), never ``torch.load`` and the like; a paper step is
+    looked up as the replay finds code, and nothing else a recording names is ever called."""
+    module, _, name = ref.partition(":")
+    return module in _MATH_MODULES and not name.startswith(("load", "save", "hub", "compile", "set_", "use_"))
+
+
+def function_ref(fn: Any) -> str | None:
+    """``"module:QualName"`` of a function that importing that name gives back: one of torch's
+    (``torch.nn.functional:relu``, ``torch._C._nn:gelu``, ``torch:tanh``) or a paper step; else None."""
+    module = getattr(fn, "__module__", None)
+    if not isinstance(module, str):
+        return None
+    step = getattr(fn, "__pdbg_step__", None) is not None
+    for name in (getattr(fn, "__qualname__", None), getattr(fn, "__name__", None)):
+        ref = f"{module}:{name}"
+        if isinstance(name, str) and "<" not in name and (step or _callable_by_ref(ref)):
+            try:
+                if import_ref(ref) is fn:
+                    return ref
+            except (ImportError, AttributeError):
+                continue
+    return None
 
 
 def _fail(message: str) -> NoReturn:
@@ -272,7 +306,8 @@ class _Decoder:
         if len(doc) != 1:
             _fail(f"a tag object must have exactly one key, not {list(doc)!r:.60}")
         ((tag, payload),) = doc.items()
-        handler = _TAGS.get(tag) or _fail(f"unknown tag {tag!r:.60}")
+        handler = _TAGS.get(tag) or _fail(f"unknown tag {tag!r:.60} (written by a newer PaperDebugger? upgrade "
+                                          "paperdebugger)")
         try:
             return handler(self, tag, payload)
         except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
@@ -335,6 +370,18 @@ class _Decoder:
         made.set_state(torch.frombuffer(bytearray(_unb64(state, tag)), dtype=torch.uint8))
         return made
 
+    def function(self, tag: str, payload: Any) -> Any:
+        ref = _expect(payload, str, tag)
+        if self.resolve is not None:  # only when asked to import, and only what function_ref writes
+            try:
+                torch_own = _callable_by_ref(ref)
+                fn = import_ref(ref) if torch_own else self.resolve(ref)  # (a paper step: as the replay finds code)
+                if callable(fn) and (torch_own or getattr(fn, "__pdbg_step__", None) is not None):
+                    return fn
+            except Exception:  # noqa: BLE001, S110 - not importable here: stays a description
+                pass
+        return Opaque("builtins:function", ref)
+
     def tensor_meta(self, tag: str, payload: Any) -> TensorMeta:
         shape, dtype, device = _keys(payload, tag, "shape", "dtype", "device")
         shape = tuple(_expect(n, _INTS, tag) for n in _expect(shape, list, tag))
@@ -362,6 +409,7 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$tensor": _Decoder.tensor_ref,
     "$tensor_meta": _Decoder.tensor_meta,
     "$generator": _Decoder.generator,
+    "$function": _Decoder.function,
     "$opaque": lambda d, t, p: Opaque(*(_expect(x, str, t) for x in _keys(p, t, "type", "repr"))),
     **dict.fromkeys(("$npscalar", "$ndarray"), _Decoder.numpy),
 }

@@ -12,6 +12,7 @@ was built with (``init``), which ``paper_step`` captures for decorated classes a
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -104,6 +105,36 @@ def _hooks(module: torch.nn.Module) -> tuple[list[dict[str, Any]], set[str], lis
     return recorded, derived, others
 
 
+_NO_LINK = object()
+
+
+def _owned(module: torch.nn.Module) -> dict[int, list[str]]:
+    """``id(tensor) -> ["param"|"buffer", name]`` for the parameters and buffers under ``module``."""
+    out: dict[int, list[str]] = {}
+    for name, b in module.named_buffers(remove_duplicate=False):
+        out.setdefault(id(b), ["buffer", name])
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), ["param", name])
+    return out
+
+
+def _link(value: Any, owned: dict[int, list[str]], depth: int = 0) -> Any:
+    """An attribute that only refers to the module's own parameters and buffers (an RNN's
+    ``_flat_weights`` and their weak references), as those references: ``["param", name]``,
+    ``{"weakref": ...}``, ``{"list": [...]}``, ``{"tuple": [...]}``, null; else _NO_LINK."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return owned.get(id(value), _NO_LINK)
+    if isinstance(value, weakref.ref) and depth < 4:
+        inner = _link(value(), owned, depth + 1)
+        return _NO_LINK if inner is _NO_LINK or inner is None else {"weakref": inner}
+    if type(value) in (list, tuple) and depth < 4 and len(value) <= 4096:
+        items = [_link(v, owned, depth + 1) for v in value]
+        return _NO_LINK if any(i is _NO_LINK for i in items) else {type(value).__name__: items}
+    return _NO_LINK
+
+
 def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The skeleton of ``module`` and its submodules (plain JSON; shared subtrees via ``memo``)."""
     memo = {} if memo is None else memo
@@ -112,6 +143,8 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
         return found
     attrs: dict[str, Any] = {}
     unrecorded: dict[str, str] = {}
+    linked: dict[str, Any] = {}
+    owned: dict[int, list[str]] | None = None
     hooks, derived, other_hooks = _hooks(module)  # (derived: attributes a hook computes before each call)
     for key, value in module.__dict__.items():
         if key in _BASE_KEYS or key.startswith("_pdbg") or key in derived:
@@ -122,6 +155,12 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
         bad = _opaque_in(doc)
         if bad is None:
             attrs[key] = doc
+            continue
+        if owned is None:
+            owned = _owned(module)
+        link = _link(value, owned)
+        if link is not _NO_LINK:
+            linked[key] = link
         else:
             unrecorded[key] = bad
     params = {name: None if p is None else {"requires_grad": bool(p.requires_grad)}
@@ -131,6 +170,8 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
     doc = {"class": jsonval.type_ref(own_class(module)), "training": bool(module.training), "attrs": attrs,
            "unrecorded": unrecorded, "params": params, "buffers": buffers,
            "init": module.__dict__.get(INIT_KEY), "children": {}}
+    if linked:
+        doc["linked"] = linked
     names = parametrized(module)
     if names:
         doc["parametrized"] = names

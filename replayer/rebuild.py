@@ -10,6 +10,7 @@ as they were at the step. ``Rebuilt.how`` says, per module path, which way each 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,14 @@ class Rebuilt:
     module: torch.nn.Module
     how: dict[str, str] = field(default_factory=dict)  # relative path ("" the module) -> skeleton/constructor
     warnings: list[str] = field(default_factory=list)
+    links: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)
+
+    def link(self) -> None:
+        """Point attributes that referred to a module's own parameters and buffers (an RNN's
+        ``_flat_weights``) at the rebuilt ones; after ``load_state``, which replaces buffers."""
+        for module, linked in self.links:
+            for key, spec in linked.items():
+                module.__dict__[key] = _linked(module, spec)
 
 
 def unresolved(value: Any) -> str | None:
@@ -118,6 +127,8 @@ class Builder:
                 module._non_persistent_buffers_set.add(name)
         for name, child in (doc.get("children") or {}).items():
             module._modules[name] = None if child is None else self._node(child, join_path(path, name), out)
+        if doc.get("linked"):
+            out.links.append((module, doc["linked"]))
         if doc.get("parametrized"):
             _parametrize(module, doc["parametrized"], where)
         self._hooks(module, doc, path, out)
@@ -175,6 +186,24 @@ class Builder:
 
     def _resolve_type(self, ref: str) -> Any:
         return self.loader.resolve(ref)
+
+
+def _linked(module: torch.nn.Module, spec: Any) -> Any:
+    """What skeleton._link described, found in the rebuilt ``module``."""
+    try:
+        if spec is None:
+            return None
+        if isinstance(spec, list):
+            kind, name = spec
+            return module.get_parameter(name) if kind == "param" else module.get_buffer(name)
+        ((kind, inner),) = spec.items()
+        if kind == "weakref":
+            return weakref.ref(_linked(module, inner))
+        items = [_linked(module, s) for s in inner]
+        return tuple(items) if kind == "tuple" else items
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ReplayError(f"the recording's description of a {type(module).__name__} refers to its tensors in a "
+                          f"way this version does not know ({exc}); the recording is damaged or newer") from None
 
 
 class _Recompute:

@@ -289,6 +289,7 @@ class Replayer:
                 module.to(next(iter(devices)))
             warnings.extend(load_state(module, params, buffers, {r.name: r.requires_grad for r in records
                                                                  if r.role == "param"}))
+            built.link()
             target = target if target is not None else type(module)
             if self.plan.edits_inside():
                 self._edit_inner_state(step, module)

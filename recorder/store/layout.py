@@ -33,9 +33,10 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.5"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.6"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
-# 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes
+# 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
+# 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1

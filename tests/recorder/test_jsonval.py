@@ -268,6 +268,21 @@ def test_a_generator_is_its_device_and_state() -> None:
         decode({"$generator": {"device": "cpu", "state": "AAAA"}})
 
 
+def test_torch_math_functions_by_reference_and_nothing_else() -> None:
+    """An activation a module keeps (F.relu, F.gelu, torch.tanh) is recorded by reference and comes back
+    as itself when asked to import; any other function stays a description and is never looked up."""
+    fns = [torch.nn.functional.relu, torch.nn.functional.gelu, torch.tanh, torch.special.expit]
+    doc = encode(fns)
+    assert doc[:3] == [{"$function": "torch.nn.functional:relu"}, {"$function": "torch._C._nn:gelu"},
+                       {"$function": "torch:tanh"}]
+    assert decode(doc, import_types=True) == fns
+    assert all(isinstance(v, Opaque) for v in decode(doc))  # not asked to import: descriptions
+    for fn in (os.system, print, torch.load, lambda x: x):
+        assert "$opaque" in encode(fn)
+    for ref in ("os:system", "builtins:eval", "torch:load", "torch.serialization:load", "torch.hub:load"):
+        assert decode({"$function": ref}, import_types=True) == Opaque("builtins:function", ref)
+
+
 def test_type_ref() -> None:
     """type_ref names a class or an instance's class as module:QualName."""
     assert type_ref(Point) == type_ref(Point(1)) == f"{__name__}:Point"

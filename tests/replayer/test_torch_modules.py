@@ -1,0 +1,64 @@
+"""torch's own layers picked by a glob, trained and evaluated: every forward and backward step replays
+bit for bit, without a warning. Their state beyond parameters and buffers is rebuilt: an RNN's
+references to its weights (``_flat_weights``), a Transformer layer's activation function (F.relu),
+nn.MultiheadAttention's fast path (taken only when query is key is value)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import recorder
+import replayer
+
+
+class Zoo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, padding_idx=0)
+        self.lstm = nn.LSTM(8, 8, batch_first=True, num_layers=2, bidirectional=True)
+        self.gru = nn.GRU(16, 8, batch_first=True)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
+                                         enable_nested_tensor=False)
+        self.bn = nn.BatchNorm1d(8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1, padding_mode="reflect")
+        self.norm = nn.LayerNorm(8)
+        self.act = nn.PReLU()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x, _ = self.lstm(self.emb(tokens))
+        x, _ = self.gru(x)
+        x, _ = self.mha(x, x, x, need_weights=False)
+        x = self.bn(self.enc(x).transpose(1, 2))
+        return self.act(self.norm(self.conv(x).transpose(1, 2)))
+
+
+def test_torch_layers_replay_bit_for_bit(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Zoo()
+    opt = torch.optim.Adam(model.parameters())
+    tokens = torch.randint(0, 20, (4, 6))
+    with recorder.record(tmp_path / "run.zarr", model=model, optimizer=opt, mode="full", modules=["*"]) as run:
+        for _ in range(2):
+            model(tokens).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            model(tokens)
+    assert run.status == "complete" and run.failure is None
+    rec = replayer.open(tmp_path / "run.zarr")
+    names = {"Embedding", "LSTM", "GRU", "MultiheadAttention", "TransformerEncoder", "BatchNorm1d", "Conv1d",
+             "LayerNorm", "PReLU"}
+    assert [s.name for s in rec.steps.filter(iteration=2)] == [
+        "Embedding", "LSTM", "GRU", "MultiheadAttention", "TransformerEncoder", "BatchNorm1d", "Conv1d",
+        "LayerNorm", "PReLU"]
+    assert {s.name for s in rec.steps} == names and len(rec.steps) == 9 * 2 * 2 + 9
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match and result.warnings == [], (step.index, step.name, step.phase, result.warnings,
+                                                        [d.summary() for d in result.outputs])
+        assert set(result.rebuilt.values()) <= {"skeleton"}, result.rebuilt
