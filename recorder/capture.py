@@ -690,13 +690,15 @@ class Session:
         (``top``: the dots in such a path), a tensor the step gets there is not the one it gets inside
         a list (see taps.tap_arguments). ``nested`` collects the ids of tensors found below the top."""
         errors: list[Exception] = []
-        named: dict[tuple[int, bool], str | None] = {}
+        named: dict[Any, str | None] = {}
 
         def name(t: torch.Tensor, path: str) -> str | None:
-            at_top = path.count(".") == top
-            if nested is not None and not at_top:
-                nested.add(id(t))
-            key = (id(t), id(t) in tapped and at_top)
+            key: Any = id(t)
+            if key in tapped:  # (most calls tap nothing, or tensors not passed twice: no more work)
+                at_top = path.count(".") == top
+                if nested is not None and not at_top:
+                    nested.add(key)
+                key = (key, at_top)
             if key in named:  # the same tensor again (self-attention's query, key and value)
                 return named[key]
             full = f"{prefix}.{path}" if prefix and path else (prefix or path)

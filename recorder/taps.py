@@ -41,6 +41,9 @@ def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback) -> tuple[d
     places stays one object in all of them (``query is key`` in self-attention, as without recording),
     its gradient reported once, the total, under its first key. Returns {key: tapped} and the keys
     tapped, in the order the callback sees their grads."""
+    if len({id(value) for _, value in values}) == len(values):  # each tensor in one place: the usual call
+        keys = [key for key, _ in values]
+        return dict(zip(keys, tap([value for _, value in values], callback))), keys
     first: dict[int, Any] = {}
     for key, value in values:
         first.setdefault(id(value), key)
