@@ -730,7 +730,13 @@ class Session:
                           stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None,
                           held=self.iteration)
         if meta_only:
-            frame.notes.append(f"{name}: {t.layout} tensor on {device}: metadata only")
+            values = _stored_values(t)
+            if values is None:
+                frame.notes.append(f"{name}: {t.layout} tensor on {device}: {layout.METADATA_NOTE}")
+            else:  # a sparse gradient (nn.Embedding(sparse=True)): NaN in it is still found
+                frame.notes.append(f"{name}: {t.layout} tensor on {device}: {layout.METADATA_NOTE}; statistics "
+                                   "of its stored values (the zeros it does not store left out)")
+                item.stats = self._stats(frame, name, values, on_cpu)
         else:
             stats = None  # from the payload's copy, when the statistics kernel made it
             if frame.payloads:
@@ -1052,6 +1058,21 @@ class Session:
         for link in links:
             for handle in link.handles:
                 handle.remove()
+
+
+def _stored_values(t: torch.Tensor) -> torch.Tensor | None:
+    """The values a sparse tensor stores (COO: coalesced, duplicates summed as the tensor means
+    them), or None for a tensor without values to read (meta, or a layout torch cannot give them for)."""
+    if t.device.type == "meta":
+        return None
+    try:
+        if t.layout == torch.sparse_coo:
+            return t.coalesce().values()
+        if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+            return t.values()
+    except (RuntimeError, NotImplementedError):
+        pass
+    return None
 
 
 _UNTAPPED_NOTE = ("a tensor passed both directly and inside a container (list, dict...) has no gradient recorded: "

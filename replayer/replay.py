@@ -26,6 +26,7 @@ import torch
 
 from recorder import capture, jsonval, snapshot
 from recorder.errors import PdbgError, ReplayError
+from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
 from . import collectives, intervene, state
@@ -410,6 +411,13 @@ class Replayer:
             warnings.append(f"parameter grads not compared: {fwd.module_path or fwd.name} ran {calls} times in "
                             f"iteration {fwd.iteration}, and each recorded parameter grad is the total over all of "
                             "them (autograd accumulates before the hook sees it)")
+        unkept = [r for r in wanted if not r.has_payload and layout.METADATA_NOTE in step.why_statistics_only(r)]
+        if unkept:  # a sparse gradient (nn.Embedding(sparse=True)): statistics only, nothing to compare with
+            wanted = [r for r in wanted if r not in unkept]
+            what = f"{', '.join(f'{r.role} {r.name}' for r in unkept)} ({step.why_statistics_only(unkept[0])})"
+            if not wanted:
+                raise ReplayError(f"backward step {step.index} has nothing a replay could compare: {what}")
+            warnings.append(f"not compared: {what}")
         for r in [*grad_outputs.values(), *wanted]:
             if not r.has_payload:
                 raise ReplayError(f"backward step {step.index} kept statistics only for {r.role} {r.name} "

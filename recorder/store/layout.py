@@ -47,6 +47,8 @@ NO_REF = -1  # a missing reference in an integer column (no parent, no payload, 
 # The step note (in its ``extra`` document) on payloads the store could not keep up with, as the
 # reader recognises it: "<n> payload(s) not recorded: the store could not keep up (...)".
 DROPPED_NOTE = "payload(s) not recorded: the store could not keep up"
+# A record's note for a tensor without strided bytes (sparse, meta): "<name>: <layout> tensor on <device>: " + this
+METADATA_NOTE = "metadata only"
 
 
 @dataclass(frozen=True)
