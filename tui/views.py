@@ -348,6 +348,12 @@ def arguments_text(doc: Any, limit: int = 300) -> str:
                     return f"{payload['type'].split(':')[-1]}(...)"
                 if tag == "$opaque":
                     return f"<{payload.get('type')}>"
+                if tag == "$function" and isinstance(payload, str):  # torch.nn.functional:silu -> silu
+                    return payload.rpartition(":")[2]
+                if tag == "$generator" and isinstance(payload, dict):
+                    return f"Generator({payload.get('device')})"
+                if tag in ("$dtype", "$device") and isinstance(payload, str):
+                    return f"torch.{payload}" if tag == "$dtype" else repr(payload)
                 return f"{tag[1:]}(...)"
             return "{" + ", ".join(f"{k}: {show(v)}" for k, v in value.items()) + "}"
         if isinstance(value, list):

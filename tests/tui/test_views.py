@@ -30,3 +30,16 @@ def test_rows_from_chunks_equal_rows_from_whole_columns(nan_path: Path, chunk: i
     assert len(whole.status) and len(whole.phase)
     assert drawn == [whole.row(i) for i in reversed(range(whole.n))]
     assert lazy.n == 20 and {lazy.depth_of(i) for i in range(lazy.n)} == {0, 1, 2}
+
+
+def test_arguments_read_as_the_call_was_written() -> None:
+    """A step's arguments line names a function argument, a generator and torch values by what they are."""
+    doc = {"args": [{"$tensor": "args.0"}, {"$tensor": "args.0"}, 2.5],
+           "kwargs": {"fn": {"$function": "torch.nn.functional:silu"},
+                      "generator": {"$generator": {"device": "cpu", "state": "AAAA"}},
+                      "dtype": {"$dtype": "bfloat16"}, "device": {"$device": "cuda:0"},
+                      "cfg": {"$dataclass": {"type": "m:Config", "fields": {}}},
+                      "f": {"$opaque": {"type": "builtins:function", "repr": "<lambda>"}}}}
+    assert views.arguments_text(doc) == ("(<args.0>, <args.0>, 2.5, fn=silu, generator=Generator(cpu), "
+                                         "dtype=torch.bfloat16, device='cuda:0', cfg=Config(...), "
+                                         "f=<builtins:function>)")
