@@ -235,7 +235,14 @@ def _callable_by_ref(ref: str) -> bool:
     activation a module keeps, ``F.gelu``), never ``torch.load`` and the like; a paper step is
     looked up as the replay finds code, and nothing else a recording names is ever called."""
     module, _, name = ref.partition(":")
-    return module in _MATH_MODULES and not name.startswith(("load", "save", "hub", "compile", "set_", "use_"))
+    return (module in _MATH_MODULES and name.isidentifier() and not name.startswith("_")  # no dotted path out
+            and not name.startswith(("load", "save", "hub", "compile", "set_", "use_")))
+
+
+def _is_math_function(fn: Any) -> bool:
+    """A function (not a class, module or method of another object) defined in torch's math modules."""
+    return isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)) and (
+        getattr(fn, "__module__", None) in _MATH_MODULES)
 
 
 def function_ref(fn: Any) -> str | None:
@@ -376,7 +383,7 @@ class _Decoder:
             try:
                 torch_own = _callable_by_ref(ref)
                 fn = import_ref(ref) if torch_own else self.resolve(ref)  # (a paper step: as the replay finds code)
-                if callable(fn) and (torch_own or getattr(fn, "__pdbg_step__", None) is not None):
+                if _is_math_function(fn) if torch_own else getattr(fn, "__pdbg_step__", None) is not None:
                     return fn
             except Exception:  # noqa: BLE001, S110 - not importable here: stays a description
                 pass

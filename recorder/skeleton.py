@@ -147,7 +147,7 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
     owned: dict[int, list[str]] | None = None
     hooks, derived, other_hooks = _hooks(module)  # (derived: attributes a hook computes before each call)
     for key, value in module.__dict__.items():
-        if key in _BASE_KEYS or key.startswith("_pdbg") or key in derived:
+        if key in _BASE_KEYS or key.startswith(("_pdbg", "_paperdebugger")) or key in derived:
             continue
         if key == "forward" and hasattr(value, "__pdbg_step__"):  # annotate()'s wrapper, not state
             continue

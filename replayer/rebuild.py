@@ -115,6 +115,10 @@ class Builder:
         module.training = bool(doc.get("training", True))
         for key, value in (doc.get("attrs") or {}).items():
             decoded = jsonval.decode(value, resolve=self._resolve_type)
+            if callable(decoded) and (key.startswith("__") or callable(getattr(cls, key, None))):
+                # a recording does not replace the class's own code (its forward, a method)
+                out.warnings.append(f"{where}: attribute {key} would replace {cls.__qualname__}.{key}; left out")
+                continue
             missing = unresolved(decoded)
             if missing:
                 out.warnings.append(f"{where}: attribute {key} holds {missing}; left as recorded data")

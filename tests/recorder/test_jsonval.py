@@ -279,7 +279,9 @@ def test_torch_math_functions_by_reference_and_nothing_else() -> None:
     assert all(isinstance(v, Opaque) for v in decode(doc))  # not asked to import: descriptions
     for fn in (os.system, print, torch.load, lambda x: x):
         assert "$opaque" in encode(fn)
-    for ref in ("os:system", "builtins:eval", "torch:load", "torch.serialization:load", "torch.hub:load"):
+    for ref in ("os:system", "builtins:eval", "torch:load", "torch.serialization:load", "torch.hub:load",
+                "torch:os.system", "torch.nn.functional:torch.load", "torch:serialization.load",
+                "torch:ops.load_library", "torch:Tensor", "torch:_C"):
         assert decode({"$function": ref}, import_types=True) == Opaque("builtins:function", ref)
 
 

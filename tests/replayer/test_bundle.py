@@ -13,8 +13,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 import zarr
+from torch import nn
 
+import recorder
 import replayer
 from recorder.store import layout
 from tests.cli import ROOT
@@ -272,3 +275,36 @@ def test_a_bundle_naming_a_function_that_is_no_paper_step_runs_nothing(recorded:
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "os:system is not a paper step" in lines[0], res.stderr
     assert not marker.exists()
+
+
+def test_a_module_attribute_naming_a_function_outside_torch_math_runs_nothing(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recording whose module skeleton sets ``forward`` to os.system (reached through torch's own
+    namespace, ``torch:os.system``) and whose argument is a shell command: the replay calls nothing."""
+    from recorder import jsonval
+
+    marker = tmp_path / "PWNED"
+
+    def stand_in(cmd: str) -> torch.Tensor:
+        return torch.zeros(1)
+
+    real = jsonval.function_ref
+    monkeypatch.setattr(jsonval, "function_ref", lambda fn: "torch:os.system" if fn is stand_in else real(fn))
+
+    class Top(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Identity()
+            self.inner.forward = stand_in
+
+        def forward(self, cmd: str) -> torch.Tensor:
+            return self.inner(cmd)
+
+    top = Top()
+    with recorder.record(tmp_path / "run.zarr", model=top, mode="full", modules=["inner"]):
+        top(f"touch {marker}")
+    monkeypatch.undo()
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert rec.step(0)._doc("module")["attrs"]["forward"] == {"$function": "torch:os.system"}
+    result = replayer.replay(rec, 0)
+    assert not result.match and not marker.exists()
