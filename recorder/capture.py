@@ -492,6 +492,7 @@ class Session:
         stub = Frame(index=frame.index, phase=0, defn=frame.defn, module=frame.module, path=frame.path,
                      call=frame.call, parent=frame.parent, iteration=frame.iteration, t_start=frame.t_start,
                      payloads=False)
+        stub.args_doc = frame.args_doc  # which places were one tensor (see _not_own_records)
         with self.lock:
             calls = self._ungraded.setdefault((frame.defn.name, id(frame.module)), [])
             calls.append(stub)
@@ -510,7 +511,9 @@ class Session:
             return None
         try:
             link = BackwardLink(original)
-            args, kwargs = self._tap_inputs(link, args, kwargs, _nested_tensors({"args": list(args), "kwargs": kwargs}))
+            skip = _nested_tensors({"args": list(args), "kwargs": kwargs}, _argument_paths(args, kwargs))
+            skip |= _not_own_records(original.args_doc, args, kwargs)
+            args, kwargs = self._tap_inputs(link, args, kwargs, skip)
         except Exception as exc:
             self.fail("tapping a recomputed step's inputs", exc)
             return None
@@ -526,7 +529,7 @@ class Session:
                 for name, p in module.named_parameters():
                     if p.requires_grad:
                         self._hook_param(link, name, p)
-            out = self._tap_outputs(link, out, _nested_tensors(out, top=0))
+            out = self._tap_outputs(link, out, _nested_tensors(out, _output_paths(out)))
         except Exception as exc:
             self.fail("tapping a recomputed step's outputs", exc)
         return out
@@ -575,8 +578,8 @@ class Session:
             tapping = torch.is_grad_enabled() and frame.vmap is None
             tapped = frozenset(id(t) for _, t in taps.argument_slots(args, kwargs)) if tapping else frozenset()
             nested: set[int] = set()
-            frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "", tapped, 1,
-                                          nested)
+            frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "", tapped,
+                                          _argument_paths(args, kwargs), nested)
             link = BackwardLink(frame) if tapping else None
             if link is None and frame.vmap is None:
                 self._remember_ungraded(frame)
@@ -600,7 +603,9 @@ class Session:
             try:
                 tapped = frozenset(id(t) for _, t in taps.output_slots(out)) if link is not None else frozenset()
                 nested: set[int] = set()
-                frame.output_doc = self._encode(frame, out, "output", "output", tapped, 0, nested)
+                if tapped and not isinstance(out, torch.Tensor):  # (a bare tensor has nothing inside)
+                    nested.update(_nested_tensors(out, _output_paths(out)))
+                frame.output_doc = self._encode(frame, out, "output", "output", per_object=False)
                 if link is not None:
                     out = self._tap_outputs(link, out, tapped & nested, frame)
             except Exception as exc:
@@ -684,18 +689,19 @@ class Session:
 
     # -- tensors ---------------------------------------------------------------------------------
     def _encode(self, frame: Frame, value: Any, role: str, prefix: str, tapped: frozenset[int] = frozenset(),
-                top: int = 0, nested: set[int] | None = None) -> Any:
+                top: frozenset[str] = frozenset(), nested: set[int] | None = None, per_object: bool = True) -> Any:
         """Encode a value as tagged JSON, capturing each tensor in it under its path: once per object
         the step sees. ``tapped``: ids of the tensors a tap replaces where they stand at the top
-        (``top``: the dots in such a path), a tensor the step gets there is not the one it gets inside
-        a list (see taps.tap_arguments). ``nested`` collects the ids of tensors found below the top."""
+        (``top``: the paths of the top level), a tensor the step gets there is not the one it gets inside
+        a list (see taps.tap_arguments). ``nested`` collects the ids of tensors found below the top.
+        ``per_object`` False: a record per place (outputs: a replay compares what each place returns)."""
         errors: list[Exception] = []
         named: dict[Any, str | None] = {}
 
         def name(t: torch.Tensor, path: str) -> str | None:
-            key: Any = id(t)
-            if key in tapped:  # (most calls tap nothing, or tensors not passed twice: no more work)
-                at_top = path.count(".") == top
+            key: Any = id(t) if per_object else path
+            if per_object and key in tapped:  # (most calls tap nothing, or tensors not passed twice: no more work)
+                at_top = path in top
                 if nested is not None and not at_top:
                     nested.add(key)
                 key = (key, at_top)
@@ -1079,17 +1085,55 @@ _UNTAPPED_NOTE = ("a tensor passed both directly and inside a container (list, d
                  "following it through the call would change the order in which autograd sums its gradients")
 
 
-def _nested_tensors(value: Any, top: int = 1) -> frozenset[int]:
-    """Ids of the tensors in ``value`` below its top level (for ``{"args": [...], "kwargs": {...}}``,
-    ``top`` 1: inside an argument that is a container)."""
+def _argument_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[str]:
+    """The paths of a call's top-level arguments in its arguments document (a kwarg's name may hold dots)."""
+    return frozenset([f"args.{i}" for i in range(len(args))] + [f"kwargs.{k}" for k in kwargs])
+
+
+def _output_paths(out: Any) -> frozenset[str]:
+    """The paths of the top level of a step's output, as taps.output_slots takes it."""
+    if type(out) in (tuple, list):
+        return frozenset(str(i) for i in range(len(out)))
+    if type(out) is dict:
+        return frozenset(k for k in out if isinstance(k, str))
+    return frozenset({""})
+
+
+def _nested_tensors(value: Any, top: frozenset[str]) -> frozenset[int]:
+    """Ids of the tensors in ``value`` below its top level (``top``: the paths of that level)."""
     found: set[int] = set()
 
     def seen(t: torch.Tensor, path: str) -> None:
-        if path.count(".") != top:
+        if path not in top:
             found.add(id(t))
 
     jsonval.encode(value, tensor_name=seen)
     return frozenset(found)
+
+
+def _not_own_records(doc: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[int]:
+    """Ids of a recomputation's tensor arguments whose place was not a record of its own in the
+    original call (which ran without grad and saw one tensor there and in another place): a tap on
+    them would report gradients under names that call has no records for, or part of one."""
+    doc = doc if isinstance(doc, dict) else {}
+    uses: dict[str, int] = {}
+
+    def count(d: Any) -> None:
+        if isinstance(d, dict):
+            if isinstance(d.get("$tensor"), str) and len(d) == 1:
+                uses[d["$tensor"]] = uses.get(d["$tensor"], 0) + 1
+            for v in d.values():
+                count(v)
+        elif isinstance(d, list):
+            for v in d:
+                count(v)
+
+    count(doc)
+    places = [(f"args.{i}", a, d) for i, (a, d) in enumerate(zip(args, doc.get("args") or []))]
+    places += [(f"kwargs.{k}", kwargs[k], d) for k, d in (doc.get("kwargs") or {}).items() if k in kwargs]
+    # (one record in several places: each place is its own tensor here, and none has the record's whole gradient)
+    return frozenset(id(t) for path, t, d in places if isinstance(t, torch.Tensor)
+                     and (d != {"$tensor": path} or uses.get(path, 0) > 1))
 
 
 def _forget_in_child() -> None:

@@ -516,11 +516,19 @@ def _vmap_dims(step: Step, nargs: int) -> tuple[tuple[int | None, ...], Any] | N
     if other:
         raise ReplayError(f"step {step.index} ({step.name}) ran under torch.func.vmap with {', '.join(other)} batched; "
                           "only positional tensor arguments and outputs can be batched in a replay")
-    in_dims = tuple(dims.get(f"args.{i}", [None])[0] for i in range(nargs))
+    def dim(doc: Any, place: str) -> int | None:  # the record a place names (one tensor passed twice: one record)
+        name = doc.get("$tensor", place) if isinstance(doc, dict) else place
+        return dims.get(name, [None])[0]
+
+    args_doc = (step.arguments or {}).get("args") or []
+    in_dims = tuple(dim(args_doc[i] if i < len(args_doc) else None, f"args.{i}") for i in range(nargs))
     if "output" in dims:
         return in_dims, dims["output"][0]
-    outputs = [r.name for r in step.records if r.role == "output"]
-    return in_dims, tuple(dims.get(f"output.{i}", [None])[0] for i in range(len(outputs)))
+    out = step._doc("output")
+    items = out.get("$tuple") if isinstance(out, dict) else out
+    if not isinstance(items, list):
+        items = [None] * len([r for r in step.records if r.role == "output"])
+    return in_dims, tuple(dim(d, f"output.{i}") for i, d in enumerate(items))
 
 
 def _materialize(step: Step, rec: TensorRecord) -> torch.Tensor:

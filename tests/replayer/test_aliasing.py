@@ -98,3 +98,40 @@ def test_it_is_recorded_once_and_replayed_as_one_object(tmp_path: Path) -> None:
     for step in rec.steps:
         result = replayer.replay(rec, step.index)
         assert result.match, (step.index, step.name, step.phase, [d.summary() for d in result.outputs])
+
+
+@recorder.paper_step("Eq. 5", description="keys with dots in them")
+def dotted(x: torch.Tensor, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"logits.main": x.tanh() * extra["w.scale"], "aux": x.sin()}
+
+
+@recorder.paper_step("Eq. 6", description="the same tensor twice, out")
+def twice(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = (a * b).sin()
+    return y, y
+
+
+def test_edge_places_record_their_gradients_and_replay(tmp_path: Path) -> None:
+    """A kwarg or output key with a dot in its name is a top-level place; a tensor returned twice is
+    a record per place; reentrant checkpointing of a call given one tensor twice records no partial
+    gradient; under vmap, a call given one tensor twice and returning one twice replays."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, requires_grad=True)
+    with recorder.record(tmp_path / "run.zarr", mode="full"):
+        out = dotted(x * 1, **{"w.scale": w * 1})
+        (out["logits.main"].sum() + out["aux"].sum()).backward()
+        h = x * 1
+        torch.utils.checkpoint.checkpoint(lambda a, b: twice(a, b)[1], h, h, use_reentrant=True).sum().backward()
+        torch.func.vmap(twice)(x.detach(), x.detach())
+    rec = replayer.open(tmp_path / "run.zarr")
+    back = rec.steps.filter(name="dotted", phase="backward")[0]
+    assert {(r.role, r.name) for r in back.records} >= {("grad_output", "output.logits.main"),
+                                                          ("grad_input", "args.0"), ("grad_input", "kwargs.w.scale")}
+    checkpointed = rec.steps.filter(name="twice", phase="backward")[0]
+    assert [r.role for r in checkpointed.records if r.role == "grad_input"] == []
+    vmapped = rec.steps.filter(name="twice")[-1]
+    assert [r.name for r in vmapped.records if r.role == "output"] == ["output.0", "output.1"]
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.index, step.name, step.phase, [d.summary() for d in result.outputs])
