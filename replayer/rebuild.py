@@ -102,13 +102,24 @@ class Builder:
         where = path or "the step's module"
         override, self._override = self._override, None  # a swap: another class in this module's place
         unrecorded = doc.get("unrecorded") or {}
+        grafted: dict[str, Any] = {}
         if unrecorded and override is None:
             names = ", ".join(f"{k} ({v})" for k, v in unrecorded.items())
-            module = self._construct(doc, path, out)
-            if module is not None:
-                return module
-            out.warnings.append(f"{where}: attributes {names} could not be recorded as data and the module was "
-                                "not built with known constructor arguments; rebuilt without them")
+            if _set_up_after_construction(doc):  # a constructor would make it without what was set up later:
+                scratch = Rebuilt(torch.nn.Module())  # the skeleton, with those attributes from a constructed one
+                made = self._construct(doc, path, scratch)
+                grafted = {} if made is None else {k: made.__dict__[k] for k in unrecorded if k in made.__dict__}
+                missing = [k for k in unrecorded if k not in grafted]
+                if missing:
+                    out.warnings.append(f"{where}: attributes {', '.join(missing)} could not be recorded as data and "
+                                        "the module was not built with known constructor arguments; rebuilt "
+                                        "without them")
+            else:
+                module = self._construct(doc, path, out)
+                if module is not None:
+                    return module
+                out.warnings.append(f"{where}: attributes {names} could not be recorded as data and the module was "
+                                    "not built with known constructor arguments; rebuilt without them")
         cls = override if override is not None else self.module_class(doc["class"])
         module = cls.__new__(cls)
         torch.nn.Module.__init__(module)  # torch's bookkeeping only; the user's __init__ does not run
@@ -123,6 +134,7 @@ class Builder:
             if missing:
                 out.warnings.append(f"{where}: attribute {key} holds {missing}; left as recorded data")
             module.__dict__[key] = decoded
+        module.__dict__.update(grafted)
         for name, spec in (doc.get("params") or {}).items():
             module._parameters[name] = None if spec is None else _placeholder()
         for name, spec in (doc.get("buffers") or {}).items():
@@ -133,9 +145,14 @@ class Builder:
             module._modules[name] = None if child is None else self._node(child, join_path(path, name), out)
         if doc.get("linked"):
             out.links.append((module, doc["linked"]))
-        if doc.get("parametrized"):
-            _parametrize(module, doc["parametrized"], where)
-        self._hooks(module, doc, path, out)
+        try:
+            if doc.get("parametrized"):
+                _parametrize(module, doc["parametrized"], where)
+            self._hooks(module, doc, path, out)
+        except (AttributeError, TypeError, ValueError, KeyError, AssertionError) as exc:
+            raise ReplayError(f"{where}: the recording's description of its parametrizations or hooks is not one "
+                              f"this version can set up ({type(exc).__name__}: {exc}); the recording is damaged or "
+                              "newer") from None
         out.how[path] = "skeleton"
         return module
 
@@ -192,6 +209,16 @@ class Builder:
         return self.loader.resolve(ref)
 
 
+def _set_up_after_construction(doc: Any) -> bool:
+    """Does a skeleton (or one below it) hold what a constructor does not make: torch.nn.utils
+    parametrizations, weight or spectral norm hooks, attributes linked to its tensors?"""
+    if not isinstance(doc, dict):
+        return False
+    if doc.get("parametrized") or doc.get("hooks") or doc.get("linked"):
+        return True
+    return any(_set_up_after_construction(child) for child in (doc.get("children") or {}).values())
+
+
 def _linked(module: torch.nn.Module, spec: Any) -> Any:
     """What skeleton._link described, found in the rebuilt ``module``."""
     try:
@@ -229,6 +256,9 @@ class _Recompute:
 def _parametrize(module: torch.nn.Module, names: list[str], where: str) -> None:
     """Make a rebuilt module parametrized again (its ``parametrizations`` child already rebuilt):
     the per-instance class and the properties torch.nn.utils.parametrize gives it."""
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)
+            and "parametrizations" in module._modules):
+        raise ValueError(f"parametrized {names!r:.60} without a parametrizations child")
     inject_class = getattr(parametrize, "_inject_new_class", None)
     inject_property = getattr(parametrize, "_inject_property", None)
     if inject_class is None or inject_property is None:

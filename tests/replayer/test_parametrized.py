@@ -127,3 +127,30 @@ def test_a_hook_that_cannot_be_recorded_is_named_when_the_replay_differs(tmp_pat
     assert not result.match
     assert any(w.startswith("fc had a forward hook doubled when it was recorded") for w in result.warnings), \
         result.warnings
+
+
+@recorder.paper_step("Eq. 7", description="x W, then a function kept as an attribute")
+class WithLambda(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4) / 2)
+        self.post = lambda t: t.tanh()  # not data: taken from a module its constructor makes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(x @ self.w)
+
+
+@pytest.mark.parametrize("norm", ["weight_norm", "hooked_spectral_norm"])
+def test_a_normalised_module_with_an_attribute_data_cannot_hold(norm: str, tmp_path: Path) -> None:
+    """Rebuilt from its skeleton (its parametrization or norm hook was set up after its constructor
+    ran), with the attribute taken from a module its constructor makes."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        layer = NORMS[norm](WithLambda(), "w")
+    with recorder.record(tmp_path / "run.zarr", mode="full"):
+        layer(torch.randn(2, 4)).sum().backward()
+    rec = replayer.open(tmp_path / "run.zarr")
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match and result.warnings == [], (step.phase, result.warnings)
