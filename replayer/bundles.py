@@ -20,7 +20,6 @@ import shutil
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -99,15 +98,18 @@ def _sources(rec: Recording, steps: list[Step]) -> dict[str, str]:
 
 
 def _needs_main(steps: list[Step]) -> bool:
-    """Does any of these steps run code defined in ``__main__`` (its own, or a module class inside)?"""
-    def classes(doc: Any) -> Iterator[str]:
+    """Does any of these steps name code defined in ``__main__``: its own, a module class inside it,
+    a type or function in its arguments, its modules' attributes or constructor arguments?"""
+    def names_main(doc: Any) -> bool:
+        if isinstance(doc, str):
+            return doc.startswith("__main__:")
         if isinstance(doc, dict):
-            yield str(doc.get("class", ""))
-            for child in (doc.get("children") or {}).values():
-                yield from classes(child)
+            return any(names_main(v) for v in doc.values())
+        if isinstance(doc, list):
+            return any(names_main(v) for v in doc)
+        return False
 
-    return any(ref.startswith("__main__:") for s in steps
-               for ref in (str(s.definition.get("ref", "")), *classes(s._doc("module"))))
+    return any(names_main(s._doc(name)) for s in steps for name in _DOC_COLUMNS)
 
 
 def _session_source(rec: Recording) -> str | None:

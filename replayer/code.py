@@ -125,8 +125,9 @@ class CodeLoader:
     the script that ran as ``__main__``."""
 
     def __init__(self, run_info: dict[str, Any], script: str | os.PathLike[str] | None = None,
-                 bundled: dict[str, str] | None = None) -> None:
+                 bundled: dict[str, str] | None = None, live_main: bool = True) -> None:
         self.run_info = run_info
+        self.live_main = live_main
         self.script = str(script) if script is not None else run_info.get("script")
         self._main: types.ModuleType | None = None
         self.bundled = bundled or {}  # file -> source: use these instead of the code installed here
@@ -158,7 +159,7 @@ class CodeLoader:
     def _live_main(self) -> types.ModuleType | None:
         """This process's ``__main__``, when this process made the recording in an interactive session
         (a notebook's kernel, a REPL): the cells' definitions are there, the code the steps ran."""
-        return sys.modules.get("__main__") if made_here(self.run_info) else None
+        return sys.modules.get("__main__") if self.live_main and made_here(self.run_info) else None
 
     def module(self, name: str, file: str | None = None) -> types.ModuleType:
         """Import a module; ``file`` (where it was when recorded) adds the directory it was imported from."""

@@ -92,7 +92,8 @@ class Replayer:
             if rec.bundle_info is None:
                 raise ReplayError(f"{rec.reader.label} is not a bundle: there is no bundled source to use")
             bundled = rec.bundle_info.get("sources") or {}
-        self.loader = CodeLoader(rec.run_info, script, bundled)
+        # (a bundle is a recording from elsewhere: its code is never this process's own __main__)
+        self.loader = CodeLoader(rec.run_info, script, bundled, live_main=rec.bundle_info is None)
         self._env: list[str] | None = None
 
     def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True,

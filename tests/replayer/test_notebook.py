@@ -360,6 +360,7 @@ CELLS = [
             def forward(self, x):
                 return cell_log(self.lin(x).exp())
     '''),
+    "import dataclasses\n\n\n@dataclasses.dataclass\nclass Config:\n    scale: float = 2.0\n",
     "%matplotlib inline\nbroken = (\n",  # a cell that never parsed
     "open('trained.txt', 'w').write('the training cell ran')\n",
 ]
@@ -373,7 +374,7 @@ def notebook_session(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     main.In = ["", *CELLS]
     monkeypatch.setitem(sys.modules, "__main__", main)
     monkeypatch.chdir(tmp_path)
-    for number, cell in enumerate(CELLS[:2]):
+    for number, cell in enumerate(CELLS[:3]):
         name = f"/tmp/ipykernel_1/{number}.py"
         monkeypatch.setitem(linecache.cache, name, (len(cell), None, cell.splitlines(True), name))
         exec(compile(cell, name, "exec"), main.__dict__)  # noqa: S102 - the test's own cells
@@ -381,6 +382,11 @@ def notebook_session(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     with recorder.record(tmp_path / "run.zarr", mode="full"):
         main.CellBlock()(torch.randn(2, 3))
     return replayer.open(tmp_path / "run.zarr")
+
+
+@recorder.paper_step("Eq. 11", description="a step in a module, given a notebook's object")
+def scaled(cfg: Any, x: torch.Tensor) -> torch.Tensor:
+    return x * cfg.scale
 
 
 class TestNotebookSession:
@@ -414,3 +420,17 @@ class TestNotebookSession:
         with pytest.raises(replayer.bundles.BundleError, match="defined in an interactive session"):
             replayer.bundle(notebook_session, 0, tmp_path / "failure.pdbg")
         assert not (tmp_path / "failure.pdbg").exists()
+
+    def test_a_bundle_carries_the_cells_a_step_in_a_module_was_given_an_object_of(
+            self, notebook_session: Any, tmp_path: Path) -> None:
+        main = sys.modules["__main__"]
+        with recorder.record(tmp_path / "run2.zarr", mode="full"):
+            scaled(main.Config(), torch.ones(3))
+        rec = replayer.open(tmp_path / "run2.zarr")
+        assert rec.step(0).arguments["args"][0]["$dataclass"]["type"] == "__main__:Config"
+        info = replayer.bundle(rec, 0, tmp_path / "failure.pdbg", verify=True)
+        assert info.verified is True  # from the cells it carries, not from this kernel
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        done = pdbg("replay", str(info.path), "--use-bundled-source", cwd=elsewhere)
+        assert done.returncode == 0 and "MATCH: bit for bit" in done.stdout, done.stdout + done.stderr
