@@ -8,6 +8,7 @@ recording degrades; the user's call always proceeds.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import os
@@ -576,10 +577,11 @@ class Session:
             frame.rng = self.rng.parts()
             frame.settings = self._settings()
             tapping = torch.is_grad_enabled() and frame.vmap is None
-            tapped = frozenset(id(t) for _, t in taps.argument_slots(args, kwargs)) if tapping else frozenset()
+            slots = taps.argument_slots(args, kwargs) if tapping else []
+            tapped = frozenset(id(t) for _, t in slots)
             nested: set[int] = set()
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "", tapped,
-                                          _argument_paths(args, kwargs), nested)
+                                          _argument_paths(args, kwargs) if tapped else frozenset(), nested)
             link = BackwardLink(frame) if tapping else None
             if link is None and frame.vmap is None:
                 self._remember_ungraded(frame)
@@ -591,7 +593,7 @@ class Session:
                 for name, b in module.named_buffers():
                     self._capture(frame, "buffer", name, b)
             if link is not None:
-                args, kwargs = self._tap_inputs(link, args, kwargs, tapped & nested, frame)
+                args, kwargs = self._tap_inputs(link, args, kwargs, tapped & nested, frame, slots)
             return frame, args, kwargs, link
         finally:
             self.local.busy = False
@@ -601,13 +603,13 @@ class Session:
         try:
             frame.t_end = time.perf_counter() - self.t0
             try:
-                tapped = frozenset(id(t) for _, t in taps.output_slots(out)) if link is not None else frozenset()
+                slots = taps.output_slots(out) if link is not None else []
+                tapped = frozenset(id(t) for _, t in slots)
                 nested: set[int] = set()
-                if tapped and not isinstance(out, torch.Tensor):  # (a bare tensor has nothing inside)
-                    nested.update(_nested_tensors(out, _output_paths(out)))
-                frame.output_doc = self._encode(frame, out, "output", "output", per_object=False)
+                frame.output_doc = self._encode(frame, out, "output", "output", tapped,
+                                                _output_paths(out) if tapped else frozenset(), nested, per_object=False)
                 if link is not None:
-                    out = self._tap_outputs(link, out, tapped & nested, frame)
+                    out = self._tap_outputs(link, out, tapped & nested, frame, slots)
             except Exception as exc:
                 frame.notes.append(f"capture failed: {type(exc).__name__}: {exc}")
                 raise
@@ -700,11 +702,12 @@ class Session:
 
         def name(t: torch.Tensor, path: str) -> str | None:
             key: Any = id(t) if per_object else path
-            if per_object and key in tapped:  # (most calls tap nothing, or tensors not passed twice: no more work)
+            if id(t) in tapped:  # (most calls tap nothing: no more work)
                 at_top = path in top
                 if nested is not None and not at_top:
-                    nested.add(key)
-                key = (key, at_top)
+                    nested.add(id(t))
+                if per_object:
+                    key = (key, at_top)
             if key in named:  # the same tensor again (self-attention's query, key and value)
                 return named[key]
             full = f"{prefix}.{path}" if prefix and path else (prefix or path)
@@ -947,11 +950,13 @@ class Session:
             self.fail(where, exc)
 
     def _tap_inputs(self, link: BackwardLink, args: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[int],
-                    frame: Frame | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Pass a call's tensor arguments through a tap that reports their grads to ``link``; not
-        those in ``skip`` (also inside a list: see taps.tap_arguments), noted on ``frame``."""
+                    frame: Frame | None = None, slots: list[Any] | None = None,
+                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Pass a call's tensor arguments (``slots``, when known: taps.argument_slots) through a tap
+        that reports their grads to ``link``; not those in ``skip`` (also inside a list: see
+        taps.tap_arguments), noted on ``frame``."""
         args, kwargs, link.input_names = taps.tap_arguments(args, kwargs, _backward_callback(self._on_grad_input, link),
-                                                            skip)
+                                                            skip, slots)
         if skip and frame is not None:
             frame.notes.append(_UNTAPPED_NOTE)
         return args, kwargs
@@ -959,10 +964,12 @@ class Session:
     def _hook_param(self, link: BackwardLink, name: str, p: torch.Tensor) -> None:
         link.handles.append(p.register_hook(_backward_callback(self._on_param_grad, link, name)))
 
-    def _tap_outputs(self, link: BackwardLink, out: Any, skip: frozenset[int], frame: Frame | None = None) -> Any:
-        """Pass a call's outputs through a tap that reports their grads to ``link`` (not those in
-        ``skip``, see _tap_inputs); the link then waits for its backward (or the iteration's end)."""
-        out, link.output_names = taps.tap_output(out, _backward_callback(self._on_grad_output, link), skip)
+    def _tap_outputs(self, link: BackwardLink, out: Any, skip: frozenset[int], frame: Frame | None = None,
+                     slots: list[Any] | None = None) -> Any:
+        """Pass a call's outputs (``slots``, when known) through a tap that reports their grads to
+        ``link`` (not those in ``skip``, see _tap_inputs); the link then waits for its backward (or
+        the iteration's end)."""
+        out, link.output_names = taps.tap_output(out, _backward_callback(self._on_grad_output, link), skip, slots)
         if skip and frame is not None:
             frame.notes.append(_UNTAPPED_NOTE)
         if link.output_names or link.handles:
@@ -1116,19 +1123,8 @@ def _not_own_records(doc: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     original call (which ran without grad and saw one tensor there and in another place): a tap on
     them would report gradients under names that call has no records for, or part of one."""
     doc = doc if isinstance(doc, dict) else {}
-    uses: dict[str, int] = {}
-
-    def count(d: Any) -> None:
-        if isinstance(d, dict):
-            if isinstance(d.get("$tensor"), str) and len(d) == 1:
-                uses[d["$tensor"]] = uses.get(d["$tensor"], 0) + 1
-            for v in d.values():
-                count(v)
-        elif isinstance(d, list):
-            for v in d:
-                count(v)
-
-    count(doc)
+    uses = collections.Counter(v["$tensor"] for v in jsonval.walk(doc)
+                               if isinstance(v, dict) and len(v) == 1 and isinstance(v.get("$tensor"), str))
     places = [(f"args.{i}", a, d) for i, (a, d) in enumerate(zip(args, doc.get("args") or []))]
     places += [(f"kwargs.{k}", kwargs[k], d) for k, d in (doc.get("kwargs") or {}).items() if k in kwargs]
     # (one record in several places: each place is its own tensor here, and none has the record's whole gradient)

@@ -10,7 +10,7 @@ import json
 import math
 import re
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import numpy as np
@@ -261,6 +261,19 @@ def function_ref(fn: Any) -> str | None:
             except (ImportError, AttributeError):
                 continue
     return None
+
+
+def walk(doc: Any) -> Iterator[Any]:
+    """Every value in an encoded document, the document itself first, depth first (objects' values
+    and arrays' items; keys are not values)."""
+    stack = [doc]
+    while stack:
+        value = stack.pop()
+        yield value
+        if isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+        elif isinstance(value, list):
+            stack.extend(reversed(value))
 
 
 def _fail(message: str) -> NoReturn:

@@ -46,21 +46,13 @@ def remember(module: torch.nn.Module, wrapper: Any, args: tuple[Any, ...], kwarg
 
 def _opaque_in(doc: Any) -> str | None:
     """The type of the first opaque value in an encoded document, or None."""
-    if isinstance(doc, dict):
-        if "$opaque" in doc and len(doc) == 1:
-            inner = doc["$opaque"]
-            return str(inner.get("type")) if isinstance(inner, dict) else "?"
-        if "$tensor_meta" in doc and len(doc) == 1:
-            return "torch:Tensor"
-        docs: Any = doc.values()
-    elif isinstance(doc, list):
-        docs = doc
-    else:
-        return None
-    for item in docs:
-        found = _opaque_in(item)
-        if found is not None:
-            return found
+    for value in jsonval.walk(doc):
+        if isinstance(value, dict) and len(value) == 1:
+            if "$opaque" in value:
+                inner = value["$opaque"]
+                return str(inner.get("type")) if isinstance(inner, dict) else "?"
+            if "$tensor_meta" in value:
+                return "torch:Tensor"
     return None
 
 

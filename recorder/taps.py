@@ -81,12 +81,13 @@ def output_slots(output: Any) -> list[tuple[Any, torch.Tensor]]:
 
 
 def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
-                  skip: frozenset[int] = frozenset()) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
+                  skip: frozenset[int] = frozenset(), slots: list[Any] | None = None,
+                  ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
     """Tap the argument_slots, but for tensors whose id is in ``skip`` (also passed inside a list:
     the list keeps the untapped tensor, and autograd would sum its gradients in another order).
-    Returns new args, kwargs and the names (``args.0``, ``kwargs.mask``) of the tapped tensors, in
-    the order the callback sees them."""
-    slots = [(key, t) for key, t in argument_slots(args, kwargs) if id(t) not in skip]
+    ``slots``: argument_slots, when the caller has them. Returns new args, kwargs and the names
+    (``args.0``, ``kwargs.mask``) of the tapped tensors, in the order the callback sees them."""
+    slots = [(key, t) for key, t in (argument_slots(args, kwargs) if slots is None else slots) if id(t) not in skip]
     if not slots:
         return args, kwargs, []
     tapped, keys = _tap_slots(slots, callback)
@@ -99,10 +100,12 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
     return tuple(new_args), new_kwargs, [f"{w}.{k}" for w, k in keys]
 
 
-def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = frozenset()) -> tuple[Any, list[str]]:
-    """Tap the output_slots of a step's output, but for tensors whose id is in ``skip`` (see
-    tap_arguments). Returns the new output and the names of the tapped tensors (``output``, ``output.0``)."""
-    slots = [(key, t) for key, t in output_slots(output) if id(t) not in skip]
+def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = frozenset(),
+               slots: list[Any] | None = None) -> tuple[Any, list[str]]:
+    """Tap the output_slots (``slots``, when the caller has them) of a step's output, but for tensors
+    whose id is in ``skip`` (see tap_arguments). Returns the new output and the names of the tapped
+    tensors (``output``, ``output.0``)."""
+    slots = [(key, t) for key, t in (output_slots(output) if slots is None else slots) if id(t) not in skip]
     if not slots:
         return output, []
     if isinstance(output, torch.Tensor):

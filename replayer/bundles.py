@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from recorder import jsonval
 from recorder.errors import PdbgError
 from recorder.store import backend, codecs, layout
 from recorder.store.writer import StoreWriter
@@ -100,16 +101,8 @@ def _sources(rec: Recording, steps: list[Step]) -> dict[str, str]:
 def _needs_main(steps: list[Step]) -> bool:
     """Does any of these steps name code defined in ``__main__``: its own, a module class inside it,
     a type or function in its arguments, its modules' attributes or constructor arguments?"""
-    def names_main(doc: Any) -> bool:
-        if isinstance(doc, str):
-            return doc.startswith("__main__:")
-        if isinstance(doc, dict):
-            return any(names_main(v) for v in doc.values())
-        if isinstance(doc, list):
-            return any(names_main(v) for v in doc)
-        return False
-
-    return any(names_main(s._doc(name)) for s in steps for name in _DOC_COLUMNS)
+    return any(isinstance(v, str) and v.startswith("__main__:")
+               for s in steps for name in _DOC_COLUMNS for v in jsonval.walk(s._doc(name)))
 
 
 def _session_source(rec: Recording) -> str | None:
