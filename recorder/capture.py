@@ -530,7 +530,7 @@ class Session:
                 for name, p in module.named_parameters():
                     if p.requires_grad:
                         self._hook_param(link, name, p)
-            out = self._tap_outputs(link, out, _nested_tensors(out, _output_paths(out)))
+            out = self._tap_outputs(link, out, _nested_tensors(out, taps.output_paths(out)))
         except Exception as exc:
             self.fail("tapping a recomputed step's outputs", exc)
         return out
@@ -603,11 +603,14 @@ class Session:
         try:
             frame.t_end = time.perf_counter() - self.t0
             try:
-                slots = taps.output_slots(out) if link is not None else []
+                slots, reached = taps.output_places(out) if link is not None else ([], frozenset())
                 tapped = frozenset(id(t) for _, t in slots)
                 nested: set[int] = set()
-                frame.output_doc = self._encode(frame, out, "output", "output", tapped,
-                                                _output_paths(out) if tapped else frozenset(), nested, per_object=False)
+                unfollowed: list[str] | None = [] if link is not None else None
+                frame.output_doc = self._encode(frame, out, "output", "output", tapped, reached, nested,
+                                                per_object=False, unfollowed=unfollowed)
+                if unfollowed:
+                    frame.notes.append(f"{', '.join(unfollowed)} {layout.UNFOLLOWED_NOTE}")
                 if link is not None:
                     out = self._tap_outputs(link, out, tapped & nested, frame, slots)
             except Exception as exc:
@@ -691,12 +694,16 @@ class Session:
 
     # -- tensors ---------------------------------------------------------------------------------
     def _encode(self, frame: Frame, value: Any, role: str, prefix: str, tapped: frozenset[int] = frozenset(),
-                top: frozenset[str] = frozenset(), nested: set[int] | None = None, per_object: bool = True) -> Any:
+                top: frozenset[str] = frozenset(), nested: set[int] | None = None, per_object: bool = True,
+                unfollowed: list[str] | None = None) -> Any:
         """Encode a value as tagged JSON, capturing each tensor in it under its path: once per object
-        the step sees. ``tapped``: ids of the tensors a tap replaces where they stand at the top
-        (``top``: the paths of the top level), a tensor the step gets there is not the one it gets inside
-        a list (see taps.tap_arguments). ``nested`` collects the ids of tensors found below the top.
-        ``per_object`` False: a record per place (outputs: a replay compares what each place returns)."""
+        the step sees. ``tapped``: ids of the tensors a tap replaces where they stand in a place it
+        reaches (``top``: the paths of those places: an argument's top level, an output's containers),
+        a tensor the step gets there is not the one it gets elsewhere (inside a list argument: see
+        taps.tap_arguments). ``nested`` collects the ids of tapped tensors found in other places.
+        ``per_object`` False: a record per place (outputs: a replay compares what each place returns).
+        ``unfollowed`` collects the record names of tensors autograd computed in places outside
+        ``top`` (an output's that no tap reaches: their gradients are not recorded)."""
         errors: list[Exception] = []
         named: dict[Any, str | None] = {}
 
@@ -711,6 +718,8 @@ class Session:
             if key in named:  # the same tensor again (self-attention's query, key and value)
                 return named[key]
             full = f"{prefix}.{path}" if prefix and path else (prefix or path)
+            if unfollowed is not None and path not in top and t.grad_fn is not None:
+                unfollowed.append(full)
             try:
                 named[key] = self._capture(frame, role, full, t)
             except Exception as exc:  # jsonval would hide it as an opaque value: surface it
@@ -969,9 +978,13 @@ class Session:
         """Pass a call's outputs (``slots``, when known) through a tap that reports their grads to
         ``link`` (not those in ``skip``, see _tap_inputs); the link then waits for its backward (or
         the iteration's end)."""
-        out, link.output_names = taps.tap_output(out, _backward_callback(self._on_grad_output, link), skip, slots)
-        if skip and frame is not None:
-            frame.notes.append(_UNTAPPED_NOTE)
+        taken = slots if slots is not None else taps.output_slots(out)
+        out, link.output_names = taps.tap_output(out, _backward_callback(self._on_grad_output, link), skip, taken)
+        if frame is not None:
+            if skip:
+                frame.notes.append(_UNTAPPED_NOTE)
+            if not link.output_names and any(id(t) not in skip for _, t in taken):
+                frame.notes.append(f"its output (a {type(out).__qualname__}) {layout.UNCOPIED_NOTE}")
         if link.output_names or link.handles:
             with self.lock:
                 self._links.append(link)
@@ -1095,15 +1108,6 @@ _UNTAPPED_NOTE = ("a tensor passed both directly and inside a container (list, d
 def _argument_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[str]:
     """The paths of a call's top-level arguments in its arguments document (a kwarg's name may hold dots)."""
     return frozenset([f"args.{i}" for i in range(len(args))] + [f"kwargs.{k}" for k in kwargs])
-
-
-def _output_paths(out: Any) -> frozenset[str]:
-    """The paths of the top level of a step's output, as taps.output_slots takes it."""
-    if type(out) in (tuple, list):
-        return frozenset(str(i) for i in range(len(out)))
-    if type(out) is dict:
-        return frozenset(k for k in out if isinstance(k, str))
-    return frozenset({""})
 
 
 def _nested_tensors(value: Any, top: frozenset[str]) -> frozenset[int]:

@@ -8,6 +8,12 @@ inherits the builtin it refines, so ``except FileNotFoundError`` keeps working i
 from __future__ import annotations
 
 
+def brief(exc: BaseException) -> str:
+    """``TypeName: first line of its message``: another library's error inside one of these one-line messages."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 class PdbgError(Exception):
     """Base class: a problem with the user's input or recording, not a bug in PaperDebugger."""
 

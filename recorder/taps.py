@@ -10,6 +10,8 @@ pass through unchanged and unmaterialised (``None`` stays ``None``), so values a
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -64,20 +66,106 @@ def argument_slots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[
     return slots + [(("kwargs", k), v) for k, v in kwargs.items() if wants_tap(v)]
 
 
-def output_slots(output: Any) -> list[tuple[Any, torch.Tensor]]:
-    """The tensors of a step's output a tap takes: those that require grad and are not leaves, of a
-    tensor (key None) or of a plain tuple/list (key: index) or dict (key: a str key). Other
-    containers are left alone: rebuilding a user's class is not safe."""
-    def ok(v: Any) -> bool:
-        return wants_tap(v) and not v.is_leaf
+def _children(value: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
+    """A container's items as (kind, [(key, item)]), keyed as recorder.jsonval names their paths:
+    plain tuples and lists and torch's return types by index, named tuples and dataclasses by field
+    (a dataclass by the fields its ``__init__`` takes: the others are not recorded), dicts and dict
+    subclasses (``OrderedDict``, Hugging Face's ``ModelOutput``) by string key. None for anything
+    else (a tensor, or an object a tap does not rebuild: see ``_rebuild``)."""
+    kind = type(value)
+    if kind in (tuple, list):
+        return "sequence", list(enumerate(value))
+    if isinstance(value, dict):
+        return "mapping", [(k, v) for k, v in dict.items(value) if isinstance(k, str)]
+    if isinstance(value, tuple):
+        names = getattr(kind, "_fields", None)
+        if isinstance(names, tuple) and all(type(n) is str for n in names) and callable(getattr(kind, "_make", None)):
+            return "namedtuple", list(zip(names, tuple.__iter__(value), strict=False))
+        if kind.__module__ == "torch.return_types":  # torch.max(x, dim) and the like
+            return "return_type", list(enumerate(tuple.__iter__(value)))
+        return None
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return "dataclass", [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value) if f.init]
+    return None
 
-    if isinstance(output, torch.Tensor):
-        return [(None, output)] if ok(output) else []
-    if type(output) in (tuple, list):
-        return [(i, v) for i, v in enumerate(output) if ok(v)]
-    if type(output) is dict:
-        return [(k, v) for k, v in output.items() if isinstance(k, str) and ok(v)]
-    return []
+
+_DEPTH = 8  # containers followed below a step's output: deeper tensors are named as not followed
+
+
+def _followed(output: Any) -> list[tuple[tuple[Any, ...], str, torch.Tensor]]:
+    """Every tensor of a step's output that a tap can reach: (its keys from the top, its path in the
+    output document, the tensor); the output itself has keys () and path ""."""
+    found: list[tuple[tuple[Any, ...], str, torch.Tensor]] = []
+    active: set[int] = set()
+
+    def walk(value: Any, keys: tuple[Any, ...], path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append((keys, path, value))
+            return
+        if len(keys) >= _DEPTH or id(value) in active:
+            return
+        items = _children(value)
+        if items is None:
+            return
+        active.add(id(value))
+        for key, item in items[1]:
+            walk(item, (*keys, key), f"{path}.{key}" if path else str(key))
+        active.discard(id(value))
+
+    walk(output, (), "")
+    return found
+
+
+def output_places(output: Any) -> tuple[list[tuple[Any, torch.Tensor]], frozenset[str]]:
+    """The tensors of a step's output a tap takes, and the paths (in the step's output document) of
+    every place a tap reaches. A tap takes the tensors that require grad and are not leaves: the
+    output itself (keys ``()``) or inside containers a tap rebuilds (see ``_children``), keyed by
+    their keys from the top. Tensors in other objects are left alone: rebuilding an arbitrary
+    class is not safe."""
+    found = _followed(output)
+    return [(keys, t) for keys, _, t in found if wants_tap(t) and not t.is_leaf], frozenset(p for _, p, _ in found)
+
+
+def output_paths(output: Any) -> frozenset[str]:
+    return output_places(output)[1]
+
+
+def output_slots(output: Any) -> list[tuple[Any, torch.Tensor]]:
+    return output_places(output)[0]
+
+
+def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], keys: tuple[Any, ...] = ()) -> Any:
+    """``value`` with the tensors at ``tapped``'s keys replaced; containers on the way to them are
+    made anew, the others kept as they are. Plain containers are rebuilt, named tuples through
+    their ``_make`` and torch's return types through their constructor (neither runs code of the
+    user's); a dict subclass or dataclass is copied (``copy.copy``, as the standard library copies
+    it) and the copy's items or fields set: the step's own objects are left as it made them."""
+    if keys in tapped:
+        return tapped[keys]
+    depth = len(keys)
+    below = {k[depth] for k in tapped if len(k) > depth and k[:depth] == keys}
+    if not below:
+        return value
+    kind, items = _children(value)  # type: ignore[misc]
+    new_items = {key: _rebuild(item, tapped, (*keys, key)) for key, item in items if key in below}
+    if kind == "mapping" and type(value) is dict:
+        return {**value, **new_items}
+    if kind in ("sequence", "return_type"):
+        seq = list(value)
+        for i, item in new_items.items():
+            seq[i] = item
+        return type(value)(seq)
+    if kind == "namedtuple":
+        return type(value)._make(new_items.get(n, v) for n, v in zip(value._fields, tuple.__iter__(value)))
+    new = copy.copy(value)
+    for key, item in new_items.items():
+        if kind == "mapping":
+            new[key] = item  # its own __setitem__: ModelOutput keeps its attribute in step with the item
+        else:
+            object.__setattr__(new, key, item)  # a frozen dataclass's too
+    if type(new) is not type(value):
+        raise TypeError(f"a copy of {type(value).__qualname__} is a {type(new).__qualname__}")
+    return new
 
 
 def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
@@ -103,17 +191,14 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
 def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = frozenset(),
                slots: list[Any] | None = None) -> tuple[Any, list[str]]:
     """Tap the output_slots (``slots``, when the caller has them) of a step's output, but for tensors
-    whose id is in ``skip`` (see tap_arguments). Returns the new output and the names of the tapped
-    tensors (``output``, ``output.0``)."""
+    whose id is in ``skip`` (also in a place no tap reaches: see tap_arguments). Returns the new
+    output and the names of the tapped tensors (``output``, ``output.0``, ``output.1.h``)."""
     slots = [(key, t) for key, t in (output_slots(output) if slots is None else slots) if id(t) not in skip]
     if not slots:
         return output, []
-    if isinstance(output, torch.Tensor):
-        return tap([output], callback)[0], ["output"]
     tapped, keys = _tap_slots(slots, callback)
-    if type(output) is dict:
-        return {**output, **tapped}, [f"output.{k}" for k in keys]
-    items = list(output)
-    for i, t in tapped.items():
-        items[i] = t
-    return type(output)(items), [f"output.{i}" for i in keys]
+    names = [".".join(("output", *map(str, k))) for k in keys]
+    try:
+        return _rebuild(output, tapped), names
+    except Exception:  # a container whose copy fails is returned as it is (the taps go unused): no grads recorded
+        return output, []

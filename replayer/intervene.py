@@ -181,9 +181,13 @@ def swap_module(original: torch.nn.Module, replacement: Any, key: str, build_fro
             except Exception as exc:  # noqa: BLE001 - fall back to the skeleton, and say so
                 notes.append(f"swap {key}: {replacement.__qualname__}(...) with the original's constructor arguments "
                              f"failed ({type(exc).__name__}: {exc}); built from the original's skeleton")
+        rebuilt = None
         if new is None:
-            new = build_from_skeleton(replacement)
-        _take_parameters(original, new, key, notes)
+            rebuilt = build_from_skeleton(replacement)  # a rebuild.Rebuilt: tensors still to be given
+            new = rebuilt.module
+        _take_parameters(original, new, key, notes, placeholders=rebuilt is not None)
+        if rebuilt is not None:
+            rebuilt.link()  # an RNN's _flat_weights and the like: at the tensors just given
         new.train(original.training)
         return new
     try:
@@ -195,8 +199,11 @@ def swap_module(original: torch.nn.Module, replacement: Any, key: str, build_fro
     return new
 
 
-def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, notes: list[str]) -> None:
-    """Give ``new`` the original's parameters and buffers where names and shapes match; name the rest."""
+def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, notes: list[str],
+                     placeholders: bool = False) -> None:
+    """Give ``new`` the original's parameters and buffers where names and shapes match; name the rest.
+    ``placeholders``: ``new`` was built from the original's skeleton, its tensors are empty stand-ins
+    that take the original's whatever their shape (and its parameters' ``requires_grad``)."""
     theirs = {**dict(original.named_parameters()), **dict(original.named_buffers())}
     mine = {**dict(new.named_parameters()), **dict(new.named_buffers())}
     taken, odd = [], []
@@ -204,11 +211,13 @@ def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, 
         source = theirs.get(name)
         if source is None:
             continue
-        if source.shape != value.shape:
+        if source.shape != value.shape and not placeholders:
             odd.append(f"{name} ({list(source.shape)} there, {list(value.shape)} here)")
             continue
         with torch.no_grad():
-            value.data = source.detach().clone().to(value.dtype)
+            value.data = source.detach().clone().to(source.dtype if placeholders else value.dtype)
+        if placeholders and isinstance(value, torch.nn.Parameter):
+            value.requires_grad_(source.requires_grad)
         taken.append(name)
     missing = sorted(set(mine) - set(taken) - {o.split(" ")[0] for o in odd})
     unused = sorted(set(theirs) - set(taken) - {o.split(" ")[0] for o in odd})

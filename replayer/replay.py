@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from recorder import capture, jsonval, snapshot
-from recorder.errors import PdbgError, ReplayError
+from recorder.errors import PdbgError, ReplayError, brief
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
@@ -186,7 +186,7 @@ class Replayer:
                 new = intervene.swap_module(
                     original, sw.replacement, sw.key,
                     lambda cls, d=doc, k=sw.key, top=not rel: Builder(self.loader).build(
-                        d, k, cls=cls, top_hooks_ran=top and _own_hooks_ran(step.definition)).module,
+                        d, k, cls=cls, top_hooks_ran=top and _own_hooks_ran(step.definition)),
                     init, self.plan.notes)
                 sw.used += 1
                 if rel:
@@ -434,6 +434,11 @@ class Replayer:
                 with self._around("forward"), collectives.replayed(fwd, inner if nested else None) as talk:
                     out = call.run()
                 warnings += talk.warnings
+            except PdbgError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a backward cannot start from a forward that failed
+                raise ReplayError(f"backward step {step.index}: rerunning its forward (step {fwd.index}, {fwd.name}) "
+                                  f"raised {brief(exc)}") from exc
             finally:
                 capture.ACTIVE = saved
                 if tap is not None:
@@ -452,12 +457,25 @@ class Replayer:
                 raise ReplayError(f"backward step {step.index}: {r.role} {r.name} has no tensor requiring grad in "
                                   "the replayed forward")
             targets.append(source)
-        grads: tuple[Any, ...] = ()
-        if pairs and targets:
-            with state.applied({**step.settings, **self.plan.settings}, step.rng, threads=threads, notes=warnings), \
-                    self._around("backward"):
+        unfollowed = [n for n in fwd.extra.get("notes", []) if layout.UNFOLLOWED_NOTE in n or layout.UNCOPIED_NOTE in n]
+        if not pairs:
+            why = (f"the replay produced none of the outputs they were recorded for ({', '.join(lost)})" if lost else
+                   "; ".join(unfollowed) or "its forward's output holds no tensor the recorder follows for gradients")
+            raise ReplayError(f"backward step {step.index} has no grad outputs to start a backward from: {why}")
+        warnings += [f"forward step {fwd.index}: {n}" for n in unfollowed]
+        if not targets:
+            raise ReplayError(f"backward step {step.index} recorded no grad input or parameter grad: a replay has "
+                              "nothing to compare")
+        with state.applied({**step.settings, **self.plan.settings}, step.rng, threads=threads, notes=warnings), \
+                self._around("backward"):
+            try:
                 grads = torch.autograd.grad([o for o, _ in pairs], targets, grad_outputs=[g for _, g in pairs],
                                             allow_unused=True)
+            except PdbgError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an edited grad output of another shape, a swapped module's own
+                raise ReplayError(f"backward step {step.index}: torch.autograd.grad from the recorded grad outputs "
+                                  f"raised {brief(exc)}") from exc
         values = {r.name if r.role == "grad_input" else f"param_grad:{r.name}": g for r, g in zip(wanted, grads)}
         result.values = values
         result.outputs = [_compare_one(step, r, g) for r, g in zip(wanted, grads)]

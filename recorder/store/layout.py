@@ -49,6 +49,11 @@ NO_REF = -1  # a missing reference in an integer column (no parent, no payload, 
 DROPPED_NOTE = "payload(s) not recorded: the store could not keep up"
 # A record's note for a tensor without strided bytes (sparse, meta): "<name>: <layout> tensor on <device>: " + this
 METADATA_NOTE = "metadata only"
+# A forward step's note: "<output record names> " + this (no tap followed them: see recorder.taps)
+UNFOLLOWED_NOTE = ("not followed for gradients (taps reach tensors in tuples, lists, dicts, named tuples and "
+                   "dataclasses only): a replay of the backward leaves out the gradients that came through them")
+# A forward step's note when its output's container could not be copied to follow its tensors
+UNCOPIED_NOTE = "could not be copied to follow its gradients: its backward records no grad outputs"
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,15 @@ nn.MultiheadAttention's fast path (taken only when query is key is value)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 import recorder
 import replayer
+from recorder.errors import ReplayError
 
 
 class Zoo(nn.Module):
@@ -62,3 +65,51 @@ def test_torch_layers_replay_bit_for_bit(tmp_path: Path) -> None:
         assert result.match and result.warnings == [], (step.index, step.name, step.phase, result.warnings,
                                                         [d.summary() for d in result.outputs])
         assert set(result.rebuilt.values()) <= {"skeleton"}, result.rebuilt
+
+
+class PatchedLSTM(nn.LSTM):
+    """What a user swaps in to try a fix: the same layer with a forward of its own."""
+
+    def forward(self, x: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        out, state = super().forward(x, hx)
+        return out * 2, state
+
+
+class BrokenLSTM(nn.LSTM):
+    def forward(self, x: torch.Tensor, hx: Any = None) -> Any:
+        raise RuntimeError("a fix that does not work yet\n(with a second line)")
+
+
+class Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def test_a_swapped_rnn_gets_the_recorded_weights(tmp_path: Path) -> None:
+    """A module rebuilt from its skeleton for a swap takes the recorded tensors whatever the skeleton's
+    stand-ins look like, and its references to them (an RNN's _flat_weights) point at them."""
+    torch.manual_seed(0)
+    model = Tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", model=model, optimizer=opt, mode="full", modules=["rnn"]):
+        for _ in range(2):
+            model(torch.randn(3, 5, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(tmp_path / "run.zarr")
+    forward, backward = rec.step("LSTM@iter=1"), rec.step("LSTM@iter=1:backward")
+    for step in (forward, backward):
+        same = replayer.replay(rec, step.index, swap={".": nn.LSTM})  # the same code: bit for bit again
+        assert same.match and len(same.outputs) >= 3, [d.summary() for d in same.outputs]
+        assert not [w for w in same.warnings if "shapes differ" in w or "left as the replacement" in w]
+    patched = replayer.replay(rec, forward.index, swap={".": PatchedLSTM})
+    recorded = forward.tensor("output.0")
+    assert torch.equal(patched.values["output.0"], recorded * 2)  # its forward ran on the recorded weights
+    with pytest.raises(ReplayError, match=r"^backward step \d+: rerunning its forward \(step \d+, LSTM\) raised "
+                                          r"RuntimeError: a fix that does not work yet$"):
+        replayer.replay(rec, backward.index, swap={".": BrokenLSTM})

@@ -1,0 +1,227 @@
+"""Steps that return their tensors in a named tuple, a dataclass, a dict subclass (Hugging Face's
+``ModelOutput``) or one of torch's return types: their backward is recorded (grad outputs by the
+output's record names) and replays bit for bit, training is unchanged, and a backward with nothing
+to start from or nothing to compare is refused in one line instead of reported as a match."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import recorder
+import replayer
+from recorder.errors import ReplayError
+
+transformers_outputs = pytest.importorskip("transformers.modeling_outputs")
+
+
+class Pair(typing.NamedTuple):
+    y: torch.Tensor
+    aux: torch.Tensor
+
+
+Old = collections.namedtuple("Old", ["y", "aux", "note"])
+
+
+@dataclasses.dataclass
+class Out:
+    y: torch.Tensor
+    aux: torch.Tensor
+    label: str = "out"
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    y: torch.Tensor
+    aux: torch.Tensor
+
+
+class Plain:
+    def __init__(self, y: torch.Tensor) -> None:
+        self.y = y
+
+
+@dataclasses.dataclass
+class Uncopyable:
+    y: torch.Tensor
+
+    def __copy__(self) -> Uncopyable:
+        raise RuntimeError("no copies of this one")
+
+
+def _wrap(kind: str, y: torch.Tensor, aux: torch.Tensor) -> Any:
+    if kind == "typed":
+        return Pair(y, aux)
+    if kind == "namedtuple":
+        return Old(y, aux, "three fields, one not a tensor")
+    if kind == "dataclass":
+        return Out(y, aux)
+    if kind == "frozen":
+        return Frozen(y, aux)
+    if kind == "ordered":
+        return collections.OrderedDict(y=y, aux=aux)
+    if kind == "model_output":
+        return transformers_outputs.CausalLMOutput(loss=aux, logits=y)
+    if kind == "nested":
+        return y, [{"aux": aux}]
+    if kind == "hidden":
+        return y, Plain(aux)
+    if kind == "plain":
+        return Plain(y)
+    if kind == "uncopyable":
+        return Uncopyable(y)
+    raise AssertionError(kind)
+
+
+def _y(out: Any) -> torch.Tensor:
+    if isinstance(out, dict) and "logits" in out:
+        assert out["logits"] is out.logits and out["loss"] is out.loss  # one object, as without recording
+        return out.logits
+    if isinstance(out, tuple) and type(out) is tuple:
+        return out[0]
+    return out["y"] if isinstance(out, dict) else out.y
+
+
+def _aux(out: Any) -> torch.Tensor:
+    if isinstance(out, (Plain, Uncopyable)):
+        return out.y.mean()
+    if isinstance(out, dict) and "logits" in out:
+        return out.loss
+    if isinstance(out, tuple) and type(out) is tuple:
+        return out[1][0]["aux"] if isinstance(out[1], list) else out[1].y
+    return out["aux"] if isinstance(out, dict) else out.aux
+
+
+@recorder.paper_step("Eq. 7", description="a block returning a container")
+class Block(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(6, 6)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.drop(self.lin(x))
+        return _wrap(self.kind, torch.tanh(h), h.pow(2).mean())
+
+
+@recorder.paper_step("Eq. 8", description="a row's largest value and where it is")
+def peak(h: torch.Tensor) -> Any:
+    return torch.max(h, dim=-1)
+
+
+KINDS = ["typed", "namedtuple", "dataclass", "frozen", "ordered", "model_output", "nested"]
+
+
+class Model(nn.Module):
+    def __init__(self, kinds: list[str]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(k) for k in kinds)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        loss = torch.zeros(())
+        for block in self.blocks:
+            out = block(h)
+            h = _y(out)
+            loss = loss + _aux(out)
+        return loss + peak(h).values.sum()
+
+
+def train(path: Path | None, kinds: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Model(kinds)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with recorder.record(path, model=model, optimizer=opt, mode="full") if path else _nothing():
+        for _ in range(2):
+            loss = model(torch.randn(4, 6))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().clone())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8)
+
+    return len(a) == len(b) and all(torch.equal(raw(x), raw(y)) for x, y in zip(a, b))
+
+
+def test_container_outputs_record_their_backward_and_replay(tmp_path: Path) -> None:
+    plain = train(None, KINDS)
+    recorded = train(tmp_path / "run.zarr", KINDS)
+    assert _bitwise(plain[0], recorded[0]) and _bitwise(plain[1], recorded[1])
+    rec = replayer.open(tmp_path / "run.zarr")
+    want = {"typed": ["output.y", "output.aux"], "namedtuple": ["output.y", "output.aux"],
+            "dataclass": ["output.y", "output.aux"], "frozen": ["output.y", "output.aux"],
+            "ordered": ["output.y", "output.aux"], "model_output": ["output.loss", "output.logits"],
+            "nested": ["output.0", "output.1.0.aux"]}
+    backward = rec.steps.filter(name="Block", phase="backward")
+    for i, kind in enumerate(KINDS):
+        steps = [s for s in backward if s.module_path == f"blocks.{i}"]
+        assert len(steps) == 2, kind
+        for step in steps:
+            assert sorted(r.name for r in step.records if r.role == "grad_output") == sorted(want[kind]), kind
+    peaks = rec.steps.filter(name="peak", phase="backward")
+    assert [[r.name for r in s.records if r.role == "grad_output"] for s in peaks] == [["output.0"]] * 2
+    compared = 0
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.index, step.name, step.phase, [d.summary() for d in result.outputs])
+        compared += len(result.outputs)
+    backward_grads = sum(len([r for r in s.records if r.role in ("grad_input", "param_grad")])
+                         for s in rec.steps.filter(phase="backward"))
+    assert backward_grads == (2 * len(KINDS) + len(KINDS) - 1 + 1) * 2  # weights, biases; inputs after the first
+    assert compared >= backward_grads
+
+
+@pytest.mark.parametrize("kind, why", [("plain", "output.y not followed for gradients"),
+                                       ("uncopyable", "could not be copied to follow its gradients")])
+def test_a_backward_without_grad_outputs_is_refused_in_one_line(tmp_path: Path, kind: str, why: str) -> None:
+    plain = train(None, [kind])
+    recorded = train(tmp_path / "run.zarr", [kind])
+    assert _bitwise(plain[0], recorded[0]) and _bitwise(plain[1], recorded[1])  # training goes on unchanged
+    rec = replayer.open(tmp_path / "run.zarr")
+    steps = rec.steps.filter(name="Block", phase="backward")
+    assert len(steps) == 2
+    for step in steps:
+        assert [r.role for r in step.records if r.role == "grad_output"] == []
+        with pytest.raises(ReplayError, match=f"no grad outputs to start a backward from: .*{why}") as info:
+            replayer.replay(rec, step.index)
+        assert "\n" not in str(info.value)
+    for step in rec.steps.filter(phase="forward"):
+        assert replayer.replay(rec, step.index).match
+
+
+def test_an_unfollowed_output_is_named_and_its_backward_not_reported_as_a_match(tmp_path: Path) -> None:
+    """``(y, Plain(aux))``: a tap does not rebuild an arbitrary object, so aux is not followed; the
+    forward says so, and a replay of the backward, whose grads then lack what came through aux,
+    warns and mismatches."""
+    plain = train(None, ["hidden"])
+    recorded = train(tmp_path / "run.zarr", ["hidden"])
+    assert _bitwise(plain[0], recorded[0]) and _bitwise(plain[1], recorded[1])
+    rec = replayer.open(tmp_path / "run.zarr")
+    fwd = rec.steps.filter(name="Block", phase="forward")[0]
+    assert any(n.startswith("output.1.y not followed for gradients") for n in fwd.extra["notes"])
+    backward = rec.steps.filter(name="Block", phase="backward")[0]
+    assert [r.name for r in backward.records if r.role == "grad_output"] == ["output.0"]
+    result = replayer.replay(rec, backward.index)
+    assert any("output.1.y not followed for gradients" in w for w in result.warnings)
+    assert not result.match  # the bias grad lacks aux's share: reported, not hidden
