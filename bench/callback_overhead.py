@@ -74,8 +74,9 @@ def gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
+    # use_cache=False, as the callback advises for recordings that replay (training does not use the cache)
     return GPT2LMHeadModel(GPT2Config(n_layer=LAYERS, n_embd=D_MODEL, n_head=HEADS, n_positions=SEQ,
-                                      vocab_size=VOCAB, bos_token_id=0, eos_token_id=0))
+                                      vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, use_cache=False))
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -291,7 +292,7 @@ Target:
 Measured on {time.strftime("%Y-%m-%d %H:%M")} by `{command}` (bench/callback_overhead.py).
 
 What: a GPT-2 from `GPT2Config(n_layer={LAYERS}, n_embd={D_MODEL}, n_head={HEADS}, n_positions={SEQ},
-vocab_size={VOCAB})`, batch {BATCH} × {SEQ} tokens, AdamW, CPU, torch threads \
+vocab_size={VOCAB}, use_cache=False)`, batch {BATCH} × {SEQ} tokens, AdamW, CPU, torch threads \
 {" and ".join(str(t) for t in results)} (on one thread, a core is free for the recorder's writer, as
 on most GPU hosts), trained by Lightning (the model inside a LightningModule) and by transformers'
 `Trainer`, with and without `PaperDebuggerCallback(path)`: flight mode, keep=2, no NaN; the callback records the

@@ -610,7 +610,8 @@ class Session:
                 frame.output_doc = self._encode(frame, out, "output", "output", tapped, reached, nested,
                                                 per_object=False, unfollowed=unfollowed)
                 if unfollowed:
-                    frame.notes.append(f"{', '.join(unfollowed)} {layout.UNFOLLOWED_NOTE}")
+                    names = ", ".join(n.encode("unicode_escape").decode() for n in unfollowed)  # one line
+                    frame.notes.append(f"{names} {layout.UNFOLLOWED_NOTE}")
                 if link is not None:
                     out = self._tap_outputs(link, out, tapped & nested, frame, slots)
             except Exception as exc:
@@ -983,8 +984,13 @@ class Session:
         if frame is not None:
             if skip:
                 frame.notes.append(_UNTAPPED_NOTE)
-            if not link.output_names and any(id(t) not in skip for _, t in taken):
-                frame.notes.append(f"its output (a {type(out).__qualname__}) {layout.UNCOPIED_NOTE}")
+            named = [(".".join(("output", *map(str, k))), t) for k, t in taken if id(t) not in skip]
+            names_followed = set(link.output_names)
+            followed = {id(t) for name, t in named if name in names_followed}  # one name per tensor
+            missing = [name for name, t in named if id(t) not in followed]
+            if missing:
+                names = ", ".join(dict.fromkeys(n.encode("unicode_escape").decode() for n in missing))
+                frame.notes.append(f"{names}: {layout.UNCOPIED_NOTE}")
         if link.output_names or link.handles:
             with self.lock:
                 self._links.append(link)

@@ -171,6 +171,7 @@ class FrameworkCallback:
                                      "callback.path to a new path before the next one)") from None
             raise
         self.run, self._model, self._first_nonfinite = run, model, None
+        _warn_of_cache(model)
         run.pause()
         run.notify_nonfinite(self._nonfinite)
         _OPEN[id(self)] = self
@@ -245,3 +246,18 @@ class FrameworkCallback:
         at = "" if self._first_nonfinite is None else " (at its first NaN/Inf)"
         warnings.warn(f"PaperDebugger: {what}; {self._where(self._first_nonfinite, run.status)}{at}",
                       RecorderWarning, stacklevel=3)
+
+
+def _warn_of_cache(model: torch.nn.Module) -> None:
+    """A Hugging Face model whose config says ``use_cache`` hands each layer the model's cache object
+    (a ``DynamicCache``), even in training; it is not recorded as data, so the layers' recorded
+    steps cannot be replayed. Training does not use the cache: say how to turn it off."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if type(module).__module__.startswith("transformers.") and getattr(config, "use_cache", False) is True:
+            where = f"{name}.config" if name else "model.config"
+            warnings.warn(f"PaperDebugger: {where}.use_cache is True, so the model hands its layers a cache object "
+                          "that is not recorded as data, and their recorded steps cannot be replayed; training "
+                          f"does not use the cache: set {where}.use_cache = False before training to replay them",
+                          RecorderWarning, stacklevel=4)
+            return

@@ -215,8 +215,15 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
             items = sorted((sub(i, v) for i, v in enumerate(value)), key=dumps)
             return {"$frozenset" if isinstance(value, frozenset) else "$set": items}
         if dataclasses.is_dataclass(value):
-            fields = {f.name: sub(f.name, getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-            return {"$dataclass": {"type": type_ref(value), "fields": fields}}
+            init = [f.name for f in dataclasses.fields(value) if f.init]
+            out = {"type": type_ref(value), "fields": {n: sub(n, getattr(value, n)) for n in init}}
+            state = getattr(value, "__dict__", None)
+            extra = [k for k in state if k not in init] if isinstance(state, dict) else []
+            if extra:  # set after __init__ (Hugging Face configs keep their attention implementation so)
+                if not all(type(k) is str and not _SURROGATE.search(k) for k in extra):
+                    return _opaque(value)
+                out["attrs"] = {k: sub(k, state[k]) for k in extra}
+            return {"$dataclass": out}
         names = list(dict.keys(value.__dict__))
         if not all(type(n) is str and not _SURROGATE.search(n) for n in names):
             return _opaque(value)
@@ -340,6 +347,10 @@ class _Decoder:
 
     def record(self, tag: str, payload: Any) -> Any:
         kind = tag[1:]
+        extra: dict[str, Any] = {}
+        if kind == "dataclass" and isinstance(payload, dict) and "attrs" in payload:  # (1.7)
+            payload = dict(payload)
+            extra = {k: self.dec(v) for k, v in _expect(payload.pop("attrs"), dict, tag).items()}
         ref, raw = _keys(payload, tag, "type", "name" if kind == "enum" else "fields")
         ref = _expect(ref, str, tag)
         fields = {"name": _expect(raw, str, tag)} if kind == "enum" else {
@@ -353,12 +364,14 @@ class _Decoder:
                 return cls(**fields)
             if kind == "dataclass" and dataclasses.is_dataclass(cls):
                 try:
-                    return cls(**fields)
+                    obj = cls(**fields)
                 except Exception:  # noqa: BLE001 - __init__ refused: set the fields on a bare instance
                     obj = object.__new__(cls)
                     for name, value in fields.items():
                         object.__setattr__(obj, name, value)  # works for frozen dataclasses too
-                    return obj
+                for name, value in extra.items():  # as they were, whatever __init__ made of them
+                    object.__setattr__(obj, name, value)
+                return obj
             if kind == "object" and cls is not object and _plain_class(cls):
                 obj = cls.__new__(cls)
                 obj.__dict__.update(fields)  # the fields only: no __init__ runs
@@ -433,6 +446,12 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$opaque": lambda d, t, p: Opaque(*(_expect(x, str, t) for x in _keys(p, t, "type", "repr"))),
     **dict.fromkeys(("$npscalar", "$ndarray"), _Decoder.numpy),
 }
+
+
+def plain_instance(value: Any) -> bool:
+    """Whether ``value`` is an instance of a class a ``$object`` decodes to (its state: its ``__dict__``)."""
+    return not isinstance(value, type) and _plain_class(type(value)) and isinstance(getattr(value, "__dict__", None),
+                                                                                   dict)
 
 
 def _plain_class(cls: type) -> bool:

@@ -129,7 +129,11 @@ def _link(value: Any, owned: dict[int, list[str]], depth: int = 0) -> Any:
 
 def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The skeleton of ``module`` and its submodules (plain JSON; shared subtrees via ``memo``)."""
-    memo = {} if memo is None else memo
+    if memo is None:  # the top: also which parameter names are the same tensor as an earlier one
+        memo = {}
+        doc = build(module, memo)
+        tied = _tied(module)
+        return {**doc, "tied": tied} if tied else doc
     found = memo.get(id(module))
     if found is not None:
         return found
@@ -175,6 +179,20 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
     doc["children"] = {name: None if child is None else build(child, memo)
                        for name, child in module._modules.items()}
     return doc
+
+
+def _tied(module: torch.nn.Module) -> dict[str, str]:
+    """Parameter names that are the same Parameter as one named before them (a language model's output
+    layer tied to its embedding): ``{"lm_head.weight": "transformer.wte.weight"}``. A step records
+    a tied parameter once, under its first name (``named_parameters()``)."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
 
 
 class InitCapture:

@@ -75,8 +75,8 @@ def _children(value: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
     kind = type(value)
     if kind in (tuple, list):
         return "sequence", list(enumerate(value))
-    if isinstance(value, dict):
-        return "mapping", [(k, v) for k, v in dict.items(value) if isinstance(k, str)]
+    if isinstance(value, dict):  # str keys as jsonval names them (not a str subclass: StrEnum)
+        return "mapping", [(k, v) for k, v in dict.items(value) if type(k) is str]
     if isinstance(value, tuple):
         names = getattr(kind, "_fields", None)
         if isinstance(names, tuple) and all(type(n) is str for n in names) and callable(getattr(kind, "_make", None)):
@@ -134,38 +134,85 @@ def output_slots(output: Any) -> list[tuple[Any, torch.Tensor]]:
     return output_places(output)[0]
 
 
-def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], keys: tuple[Any, ...] = ()) -> Any:
+def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], left: list[Any] | None = None) -> Any:
     """``value`` with the tensors at ``tapped``'s keys replaced; containers on the way to them are
-    made anew, the others kept as they are. Plain containers are rebuilt, named tuples through
+    made anew (each once: a container reached in two places, or from inside itself, is the same new
+    one in both), the others kept as they are. Plain containers are rebuilt, named tuples through
     their ``_make`` and torch's return types through their constructor (neither runs code of the
     user's); a dict subclass or dataclass is copied (``copy.copy``, as the standard library copies
-    it) and the copy's items or fields set: the step's own objects are left as it made them."""
-    if keys in tapped:
-        return tapped[keys]
-    depth = len(keys)
-    below = {k[depth] for k in tapped if len(k) > depth and k[:depth] == keys}
-    if not below:
-        return value
-    kind, items = _children(value)  # type: ignore[misc]
-    new_items = {key: _rebuild(item, tapped, (*keys, key)) for key, item in items if key in below}
-    if kind == "mapping" and type(value) is dict:
-        return {**value, **new_items}
-    if kind in ("sequence", "return_type"):
-        seq = list(value)
-        for i, item in new_items.items():
-            seq[i] = item
-        return type(value)(seq)
-    if kind == "namedtuple":
-        return type(value)._make(new_items.get(n, v) for n, v in zip(value._fields, tuple.__iter__(value)))
-    new = copy.copy(value)
-    for key, item in new_items.items():
-        if kind == "mapping":
-            new[key] = item  # its own __setitem__: ModelOutput keeps its attribute in step with the item
+    it) and the copy's items or fields set: the step's own objects are left as it made them. A copy
+    that fails, or that still holds a replaced value in another place (an ``AttrDict``'s
+    attributes), leaves that object as it was, and its tapped tensors go into ``left`` (raises
+    TypeError when ``left`` is None)."""
+    if () in tapped:
+        return tapped[()]
+    tree: dict[Any, Any] = {}  # key -> subtree, a tapped tensor at a leaf
+    for keys, t in tapped.items():
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = t
+    made: dict[int, Any] = {}  # id(container) -> its new one
+
+    def substitute(item: Any) -> Any:
+        return made.get(id(item), item)
+
+    def build(value: Any, node: dict[Any, Any]) -> Any:
+        if id(value) in made:
+            return made[id(value)]
+        kind, items = _children(value)  # type: ignore[misc]
+        def new_item(key: Any, item: Any) -> Any:
+            sub = node.get(key)
+            if sub is None:
+                return substitute(item)
+            return sub if isinstance(sub, torch.Tensor) else build(item, sub)
+
+        if kind == "sequence" and type(value) is list or kind == "mapping" and type(value) is dict:
+            new = made[id(value)] = type(value)(value)  # first: an item may hold this container again
+            for key, item in items:
+                new[key] = new_item(key, item)
+            return new
+        if kind in ("sequence", "return_type"):
+            new = type(value)([new_item(i, item) for i, item in items])
+        elif kind == "namedtuple":
+            new = type(value)._make(new_item(n, v) for n, v in items)
         else:
-            object.__setattr__(new, key, item)  # a frozen dataclass's too
-    if type(new) is not type(value):
-        raise TypeError(f"a copy of {type(value).__qualname__} is a {type(new).__qualname__}")
-    return new
+            try:
+                new = _copied(value, kind, items, node, new_item)
+            except Exception:
+                if left is None:
+                    raise
+                left.extend(_leaves(node))
+                new = value
+        made[id(value)] = new
+        return new
+
+    def _copied(value: Any, kind: str, items: list[tuple[Any, Any]], node: dict[Any, Any], new_item: Any) -> Any:
+        new = made[id(value)] = copy.copy(value)
+        try:
+            if type(new) is not type(value):
+                raise TypeError(f"a copy of {type(value).__qualname__} is a {type(new).__qualname__}")
+            replaced = {id(item) for key, item in items if key in node}
+            for key, item in items:
+                if key in node or id(item) in made:
+                    if kind == "mapping":
+                        new[key] = new_item(key, item)  # its own __setitem__ (ModelOutput keeps its attribute)
+                    else:
+                        object.__setattr__(new, key, new_item(key, item))  # a frozen dataclass's too
+            state = getattr(new, "__dict__", None)
+            held = [*(state.values() if isinstance(state, dict) else ()), *(new.values() if kind == "mapping" else ())]
+            if any(id(v) in replaced for v in held):
+                raise TypeError(f"a copy of {type(value).__qualname__} keeps a replaced value in another place")
+        except BaseException:
+            del made[id(value)]
+            raise
+        return new
+
+    return build(value, tree)
+
+
+def _leaves(node: dict[Any, Any]) -> list[torch.Tensor]:
+    return [v for sub in node.values() for v in ([sub] if isinstance(sub, torch.Tensor) else _leaves(sub))]
 
 
 def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
@@ -198,7 +245,15 @@ def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = froze
         return output, []
     tapped, keys = _tap_slots(slots, callback)
     names = [".".join(("output", *map(str, k))) for k in keys]
-    try:
-        return _rebuild(output, tapped), names
-    except Exception:  # a container whose copy fails is returned as it is (the taps go unused): no grads recorded
+    left: list[torch.Tensor] = []
+    rebuilt = _rebuild(output, tapped, left)
+    if not left:
+        return rebuilt, names
+    # Objects that could not be copied keep their tensors untapped (those taps go unused: their grads
+    # come as None); unless one of those tensors is also in a place that was rebuilt, where autograd
+    # would then sum its gradients in another order: then the whole output stays as it was.
+    present = {id(t) for _, _, t in _followed(rebuilt)}
+    originals = {k: t for k, t in slots}
+    if any(id(tapped[k]) in present and id(originals[k]) in present for k in keys):
         return output, []
+    return rebuilt, [n for n, k in zip(names, keys) if id(tapped[k]) in present]

@@ -204,8 +204,8 @@ def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, 
     """Give ``new`` the original's parameters and buffers where names and shapes match; name the rest.
     ``placeholders``: ``new`` was built from the original's skeleton, its tensors are empty stand-ins
     that take the original's whatever their shape (and its parameters' ``requires_grad``)."""
-    theirs = {**dict(original.named_parameters()), **dict(original.named_buffers())}
-    mine = {**dict(new.named_parameters()), **dict(new.named_buffers())}
+    theirs = {**dict(original.named_parameters(remove_duplicate=False)), **dict(original.named_buffers())}
+    mine = {**dict(new.named_parameters(remove_duplicate=False)), **dict(new.named_buffers())}
     taken, odd = [], []
     for name, value in mine.items():
         source = theirs.get(name)

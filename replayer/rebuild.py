@@ -10,6 +10,7 @@ as they were at the step. ``Rebuilt.how`` says, per module path, which way each 
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +34,19 @@ class Rebuilt:
     how: dict[str, str] = field(default_factory=dict)  # relative path ("" the module) -> skeleton/constructor
     warnings: list[str] = field(default_factory=list)
     links: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)  # parameter name -> the name it is the same tensor as
 
     def link(self) -> None:
-        """Point attributes that referred to a module's own parameters and buffers (an RNN's
-        ``_flat_weights``) at the rebuilt ones; after ``load_state``, which replaces buffers."""
+        """Tie parameters that were one tensor under several names (``tied``), and point attributes
+        that referred to a module's own parameters and buffers (an RNN's ``_flat_weights``) at the
+        rebuilt ones; after ``load_state``, which replaces buffers."""
+        for name, same in self.tied.items():
+            owner, _, leaf = name.rpartition(".")
+            try:
+                self.module.get_submodule(owner)._parameters[leaf] = self.module.get_parameter(same)
+            except AttributeError:
+                self.warnings.append(f"parameter {name} was the same tensor as {same}, which the rebuilt module "
+                                     "lacks; left as rebuilt")
         for module, linked in self.links:
             for key, spec in linked.items():
                 module.__dict__[key] = _linked(module, spec)
@@ -56,6 +66,10 @@ def unresolved(value: Any) -> str | None:
         items = value.values()
     elif isinstance(value, (list, tuple, set, frozenset)):
         items = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    elif jsonval.plain_instance(value):  # a decoded $object: what its fields hold is passed on with it
+        items = vars(value).values()
     for item in items:
         found = unresolved(item)
         if found:
@@ -85,6 +99,9 @@ class Builder:
         if not isinstance(doc, dict) or "class" not in doc:
             raise ReplayError(f"the recording holds no description of module {label!r}; it cannot be rebuilt")
         out = Rebuilt(torch.nn.Module())
+        tied = doc.get("tied") if isinstance(doc, dict) else None
+        if isinstance(tied, dict):
+            out.tied = {k: v for k, v in tied.items() if isinstance(k, str) and isinstance(v, str)}
         self._top_hooks_ran = top_hooks_ran
         if cls is not None:
             self._override = cls
@@ -275,7 +292,7 @@ def _placeholder() -> torch.nn.Parameter:
 
 
 def load_state(module: torch.nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-               requires_grad: dict[str, bool]) -> list[str]:
+               requires_grad: dict[str, bool], tied: dict[str, str] | None = None) -> list[str]:
     """Put recorded parameters and buffers into a rebuilt module (keeping Parameter objects, so that
     code holding a reference to one sees the recorded value). Returns what was missing."""
     problems: list[str] = []
@@ -299,6 +316,8 @@ def load_state(module: torch.nn.Module, params: dict[str, torch.Tensor], buffers
             else:
                 sub._parameters[leaf] = torch.nn.Parameter(value, requires_grad=grad)
     for name, p in expected_params.items():
+        if name in (tied or {}) and tied[name] in params:  # Rebuilt.link() makes it that one
+            continue
         if name not in params and p is not None and (p.device.type == "meta" or p.numel() == 0):
             problems.append(f"parameter {name} was not recorded (tied to another parameter?)")
     return problems

@@ -290,8 +290,10 @@ class Replayer:
             if "constructor" in built.how.values() and len(devices) == 1:
                 module.to(next(iter(devices)))
             warnings.extend(load_state(module, params, buffers, {r.name: r.requires_grad for r in records
-                                                                 if r.role == "param"}))
+                                                                 if r.role == "param"}, built.tied))
+            known = len(built.warnings)
             built.link()
+            warnings.extend(built.warnings[known:])
             target = target if target is not None else type(module)
             if self.plan.edits_inside():
                 self._edit_inner_state(step, module)
@@ -449,7 +451,7 @@ class Replayer:
         lost = sorted(set(grad_outputs) - set(outs))
         if lost:
             warnings.append(f"outputs {', '.join(lost)} had grad outputs recorded but the replay did not produce them")
-        params = dict(call.module.named_parameters()) if call.module is not None else {}
+        params = dict(call.module.named_parameters(remove_duplicate=False)) if call.module is not None else {}
         targets: list[torch.Tensor] = []
         for r in wanted:
             source = call.leaves.get(r.name) if r.role == "grad_input" else params.get(r.name)
@@ -464,8 +466,9 @@ class Replayer:
             raise ReplayError(f"backward step {step.index} has no grad outputs to start a backward from: {why}")
         warnings += [f"forward step {fwd.index}: {n}" for n in unfollowed]
         if not targets:
-            raise ReplayError(f"backward step {step.index} recorded no grad input or parameter grad: a replay has "
-                              "nothing to compare")
+            dropped = [w for w in warnings if w.startswith("parameter grads not compared")]
+            raise ReplayError(f"backward step {step.index} has no grad input, and " + (
+                f"its {dropped[0]}" if dropped else "no parameter grad recorded") + ": a replay has nothing to compare")
         with state.applied({**step.settings, **self.plan.settings}, step.rng, threads=threads, notes=warnings), \
                 self._around("backward"):
             try:

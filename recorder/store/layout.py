@@ -33,10 +33,11 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.6"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.7"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
-# 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks
+# 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
+# 1.7: $dataclass attrs, skeleton tied, grad outputs inside output containers
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1
@@ -52,8 +53,9 @@ METADATA_NOTE = "metadata only"
 # A forward step's note: "<output record names> " + this (no tap followed them: see recorder.taps)
 UNFOLLOWED_NOTE = ("not followed for gradients (taps reach tensors in tuples, lists, dicts, named tuples and "
                    "dataclasses only): a replay of the backward leaves out the gradients that came through them")
-# A forward step's note when its output's container could not be copied to follow its tensors
-UNCOPIED_NOTE = "could not be copied to follow its gradients: its backward records no grad outputs"
+# A forward step's note: "<output record names>: " + this (an object holding them could not be copied)
+UNCOPIED_NOTE = ("in an object that could not be copied to follow them (a copy failed, or kept them in another place): "
+                 "their grad outputs are not recorded")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import recorder
 import replayer
 from recorder import capture
-from recorder.errors import RecordingError
+from recorder.errors import RecordingError, ReplayError
 from recorder.framework import FrameworkCallback, auto_modules
 from tests.cli import python
 from tests.recorder.test_flight import payload_iterations
@@ -301,14 +301,17 @@ class TokenData(torch.utils.data.Dataset):
 
 
 def hf_trainer(hf: Any, tmp_path: Path, callback: Any, *, nan_at: int | None = None, raise_at: int | None = None,
-               **args: Any) -> Any:
+               use_cache: bool = False, **args: Any) -> Any:
     """A two-block GPT-2 from a small config (no weights downloaded) in a Trainer; NaN out of block
-    1 at global step ``nan_at``, an exception out of it at ``raise_at``."""
+    1 at global step ``nan_at``, an exception out of it at ``raise_at``. Without the cache, as the
+    callback advises (see test_the_cache_is_named_as_what_keeps_steps_from_replaying)."""
     torch.manual_seed(0)
     model = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-                                             bos_token_id=0, eos_token_id=0))
+                                             bos_token_id=0, eos_token_id=0, use_cache=use_cache))
     options = {"max_steps": 20, "per_device_train_batch_size": 2, "report_to": [], "save_strategy": "no",
                "use_cpu": True, "disable_tqdm": True, "logging_steps": 1, "learning_rate": 1e-3, **args}
+    if "use_cache" in hf.TrainingArguments.__dataclass_fields__:  # transformers 5 sets config.use_cache from it
+        options["use_cache"] = use_cache
     trainer = hf.Trainer(model=model, args=hf.TrainingArguments(output_dir=str(tmp_path / "out"), **options),
                          train_dataset=TokenData(80), eval_dataset=TokenData(4, seed=1), callbacks=[callback])
     block = model.transformer.h[1]
@@ -347,6 +350,33 @@ class TestHuggingFace:
         assert by_iteration(rec) == {it: blocks for it in range(20)}
         assert len(said) == 1 and "GPT2Block at transformer.h.1 forward, iteration 12, call 1" in said[0]
         assert said[0].endswith(f"open it there: pdbg {path} --at {origin.index}")
+        # The recorded steps replay bit for bit (the model's config, a dataclass, with the attention
+        # implementation set after it was made): block 0 of the anomaly's iteration and the last one's.
+        kept = [s for s in rec.steps.filter(iteration=12) if s.module_path == "transformer.h.0"]
+        kept += [s for s in rec.steps.filter(iteration=19)]
+        assert len(kept) == 2 + 4
+        for step in kept:
+            result = replayer.replay(rec, step.index)
+            assert result.match and result.outputs, (step.selector, [d.summary() for d in result.outputs])
+
+    def test_the_cache_is_named_as_what_keeps_steps_from_replaying(self, hf: Any, tmp_path: Path) -> None:
+        """With config.use_cache (transformers' default) the model hands each block its cache object,
+        which is not data: the callback says so once when training starts, with the fix, and a
+        replay of a block's step is refused in one line naming the cache."""
+        from recorder.huggingface import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        trainer = hf_trainer(hf, tmp_path, PaperDebuggerCallback(path), max_steps=2, use_cache=True)
+        with recorder_warnings() as said:
+            trainer.train()
+        assert len(said) == 1 and "model.config.use_cache is True" in said[0]
+        assert said[0].endswith("set model.config.use_cache = False before training to replay them")
+        rec = replayer.open(path)
+        step = rec.steps.filter(iteration=1)[0]
+        with pytest.raises(ReplayError, match=r"was called with a transformers\.cache_utils:\w+ .*could not be "
+                                              "recorded as data") as info:
+            replayer.replay(rec, step.index)
+        assert "\n" not in str(info.value)
 
     def test_gradient_accumulation_shares_iterations(self, hf: Any, tmp_path: Path) -> None:
         """gradient_accumulation_steps=2: 5 optimizer steps, 5 iterations, each with both blocks of

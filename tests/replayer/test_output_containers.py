@@ -193,7 +193,7 @@ def test_container_outputs_record_their_backward_and_replay(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("kind, why", [("plain", "output.y not followed for gradients"),
-                                       ("uncopyable", "could not be copied to follow its gradients")])
+                                       ("uncopyable", "output.y: in an object that could not be copied")])
 def test_a_backward_without_grad_outputs_is_refused_in_one_line(tmp_path: Path, kind: str, why: str) -> None:
     plain = train(None, [kind])
     recorded = train(tmp_path / "run.zarr", [kind])
@@ -225,3 +225,54 @@ def test_an_unfollowed_output_is_named_and_its_backward_not_reported_as_a_match(
     result = replayer.replay(rec, backward.index)
     assert any("output.1.y not followed for gradients" in w for w in result.warnings)
     assert not result.match  # the bias grad lacks aux's share: reported, not hidden
+
+
+class AttrDict(dict):
+    """The idiom that makes a dict's items its attributes too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.__dict__ = self
+
+
+@recorder.paper_step("Eq. 10", description="one list in two places, and an attribute dict")
+class Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[dict[str, Any], AttrDict]:
+        hidden = [torch.tanh(self.lin(x))]
+        return {"hidden": hidden, "all_hidden": hidden}, AttrDict(y=self.lin(x).sin())
+
+
+def _shared_training(path: Path | None) -> tuple[list[torch.Tensor], list[int], list[bool]]:
+    torch.manual_seed(0)
+    model = Shared()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, lengths, same = [], [], []
+    with recorder.record(path, model=model, optimizer=opt, mode="full") if path else _nothing():
+        for _ in range(2):
+            out, attrs = model(torch.randn(4, 6))
+            out["hidden"].append(out["hidden"][0] * 2)  # seen through the other place, as without recording
+            lengths.append(len(out["all_hidden"]))
+            same.append(attrs.y is attrs["y"])
+            loss = sum(h.sum() for h in out["all_hidden"]) + attrs.y.sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().clone())
+    return losses, lengths, same
+
+
+def test_shared_containers_stay_shared_and_an_attribute_dict_stays_whole(tmp_path: Path) -> None:
+    plain = _shared_training(None)
+    recorded = _shared_training(tmp_path / "run.zarr")
+    assert _bitwise(plain[0], recorded[0]) and plain[1:] == recorded[1:] == ([2, 2], [True, True])
+    rec = replayer.open(tmp_path / "run.zarr")
+    fwd = rec.steps.filter(phase="forward")[0]
+    assert any(n.startswith("output.1.y: in an object that could not be copied") for n in fwd.extra["notes"]), fwd.extra
+    backward = rec.steps.filter(phase="backward")[0]
+    assert [r.name for r in backward.records if r.role == "grad_output"] == ["output.0.hidden.0"]
+    result = replayer.replay(rec, backward.index)
+    assert not result.match and any("could not be copied" in w for w in result.warnings)  # attrs.y's share

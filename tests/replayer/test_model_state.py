@@ -1,0 +1,156 @@
+"""What a model's step holds or is given beyond tensors, as language-model code has it: a config
+dataclass with attributes set after ``__init__`` (which attention implementation to use), an
+output layer tied to the embedding: recorded as data, and the steps replay bit for bit. A cache
+object on an abstract base class (as Hugging Face's are) is not data: a step given one is refused
+in one line, also when it sits inside an object that is."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recorder
+import replayer
+from recorder import jsonval
+from recorder.errors import ReplayError
+
+
+@dataclasses.dataclass
+class Config:
+    width: int = 8
+    heads: int = 2
+
+    def __post_init__(self) -> None:
+        self._attention = "plain"  # what a constructor makes; the model's loader sets it afterwards
+
+
+class Layer(abc.ABC):  # noqa: B024 - a base class with no abstract method, as caches have
+    pass
+
+
+class KVLayer(Layer):
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor) -> torch.Tensor:
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=1)
+        return self.keys
+
+
+class Cache:
+    def __init__(self, n: int) -> None:
+        self.layers = [KVLayer() for _ in range(n)]
+
+
+@recorder.paper_step("Eq. 3", description="attention that a config chooses, with a cache")
+class Block(nn.Module):
+    def __init__(self, config: Config, index: int) -> None:
+        super().__init__()
+        self.config, self.index = config, index
+        self.qkv = nn.Linear(config.width, 3 * config.width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        k = k if cache is None else cache.layers[self.index].update(k)
+        if self.config._attention == "fused":
+            return x + self.drop(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.drop(torch.softmax(q @ k.transpose(1, 2) / 3.0, dim=-1) @ v)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, config: Config, use_cache: bool = False) -> None:
+        super().__init__()
+        self.use_cache = use_cache
+        self.emb = nn.Embedding(16, config.width)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(2))
+        self.head = nn.Linear(config.width, 16, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        cache = Cache(len(self.blocks)) if self.use_cache else None
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h, cache)
+        return F.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+def train(path: Path, use_cache: bool) -> replayer.Recording:
+    torch.manual_seed(0)
+    config = Config()
+    config._attention = "fused"
+    model = TinyLM(config, use_cache)
+    recorder.annotate(model, "Model", description="the whole language model")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 16, (2, 5))
+    with recorder.record(path, model=model, optimizer=opt, mode="full"):
+        for _ in range(2):
+            model(ids).backward()
+            opt.step()
+            opt.zero_grad()
+    return replayer.open(path)
+
+
+def test_configs_and_tied_weights_replay_bit_for_bit(tmp_path: Path) -> None:
+    rec = train(tmp_path / "run.zarr", use_cache=False)
+    assert len(rec.steps) == 12
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match and result.outputs, (step.selector, [d.summary() for d in result.outputs])
+        assert not [w for w in result.warnings if "tied" in w or "not recorded" in w], result.warnings
+    model_grads = replayer.replay(rec, "Model@iter=1:backward")
+    assert "param_grad:emb.weight" in model_grads.values  # the tied weight's whole gradient, as trained
+
+
+def test_a_step_given_a_cache_object_is_refused_in_one_line(tmp_path: Path) -> None:
+    rec = train(tmp_path / "run.zarr", use_cache=True)
+    for step in rec.steps:
+        if step.name == "TinyLM":  # it makes the cache itself
+            assert replayer.replay(rec, step.index).match
+            continue
+        with pytest.raises(ReplayError, match=r"was called with a .*:KVLayer .*could not be recorded as data") as info:
+            replayer.replay(rec, step.index)
+        assert "\n" not in str(info.value)
+
+
+def test_a_dataclass_keeps_attributes_set_after_its_constructor() -> None:
+    config = Config(width=4)
+    config._attention = "fused"
+    doc = jsonval.encode(config)
+    assert doc["$dataclass"]["attrs"] == {"_attention": "fused"}
+    back = jsonval.decode(jsonval.loads(jsonval.dumps(doc)), import_types=True)
+    assert back == config and back._attention == "fused"
+    assert "attrs" not in jsonval.encode(Plain(1))["$dataclass"]  # all its state is its fields
+    assert jsonval.decode(jsonval.encode(Config()), import_types=True)._attention == "plain"
+
+
+@dataclasses.dataclass
+class Plain:
+    n: int
+
+
+class Holder:
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+
+@recorder.paper_step("Eq. 9", description="reads from a stream it is given")
+def read_scale(x: torch.Tensor, holder: Holder) -> torch.Tensor:
+    return x * float(len(holder.stream.getvalue()))
+
+
+def test_an_argument_object_holding_what_could_not_be_recorded_stops_the_replay(tmp_path: Path) -> None:
+    with recorder.record(tmp_path / "run.zarr", mode="full"):
+        read_scale(torch.ones(3), Holder(io.BytesIO(b"not data")))
+    rec = replayer.open(tmp_path / "run.zarr")
+    with pytest.raises(ReplayError, match=r"was called with a _io:BytesIO .*could not be recorded as data") as info:
+        replayer.replay(rec, 0)
+    assert "\n" not in str(info.value)
