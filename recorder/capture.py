@@ -122,7 +122,7 @@ class BackwardLink:
 
     fwd: Frame
     input_names: list[str] = field(default_factory=list)
-    output_names: list[str] = field(default_factory=list)
+    output_names: list[str | None] = field(default_factory=list)  # None: a tap that went unused
     handles: list[Any] = field(default_factory=list)
     frame: Frame | None = None
 
@@ -991,7 +991,7 @@ class Session:
             if missing:
                 names = ", ".join(dict.fromkeys(n.encode("unicode_escape").decode() for n in missing))
                 frame.notes.append(f"{names}: {layout.UNCOPIED_NOTE}")
-        if link.output_names or link.handles:
+        if any(link.output_names) or link.handles:
             with self.lock:
                 self._links.append(link)
         return out
@@ -1000,7 +1000,7 @@ class Session:
         def run() -> None:
             frame = self._open_backward(link)
             for name, g in zip(link.output_names, grads):
-                if g is not None:
+                if g is not None and name is not None:
                     self._capture(frame, "grad_output", name, g)
         self._guard("capturing grad outputs", run)
 

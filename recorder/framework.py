@@ -254,7 +254,11 @@ def _warn_of_cache(model: torch.nn.Module) -> None:
     steps cannot be replayed. Training does not use the cache: say how to turn it off."""
     for name, module in model.named_modules():
         config = getattr(module, "config", None)
-        if type(module).__module__.startswith("transformers.") and getattr(config, "use_cache", False) is True:
+        generates = getattr(module, "can_generate", None)
+        makes_cache = (getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False)
+                       or (callable(generates) and generates()))  # not an encoder (BERT ignores use_cache)
+        if type(module).__module__.startswith("transformers.") and getattr(config, "use_cache", False) is True \
+                and makes_cache:
             where = f"{name}.config" if name else "model.config"
             warnings.warn(f"PaperDebugger: {where}.use_cache is True, so the model hands its layers a cache object "
                           "that is not recorded as data, and their recorded steps cannot be replayed; training "

@@ -369,8 +369,7 @@ class _Decoder:
                     obj = object.__new__(cls)
                     for name, value in fields.items():
                         object.__setattr__(obj, name, value)  # works for frozen dataclasses too
-                for name, value in extra.items():  # as they were, whatever __init__ made of them
-                    object.__setattr__(obj, name, value)
+                _set_attrs(obj, extra)
                 return obj
             if kind == "object" and cls is not object and _plain_class(cls):
                 obj = cls.__new__(cls)
@@ -446,6 +445,20 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$opaque": lambda d, t, p: Opaque(*(_expect(x, str, t) for x in _keys(p, t, "type", "repr"))),
     **dict.fromkeys(("$npscalar", "$ndarray"), _Decoder.numpy),
 }
+
+
+def _set_attrs(obj: Any, attrs: dict[str, Any]) -> None:
+    """A decoded dataclass's attributes beyond its fields, as they were when recorded, whatever its
+    ``__init__`` made of them: written into its ``__dict__`` (no setter of the class runs), never
+    over a name the class defines (a property, a method); one that could not be recorded (a lock)
+    is left as ``__init__`` made it, when it made one."""
+    state = getattr(obj, "__dict__", None)
+    if not isinstance(state, dict):
+        return
+    for name, value in attrs.items():
+        if hasattr(type(obj), name) or (isinstance(value, (Opaque, Record)) and name in state):
+            continue
+        state[name] = value
 
 
 def plain_instance(value: Any) -> bool:

@@ -236,10 +236,12 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
 
 
 def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = frozenset(),
-               slots: list[Any] | None = None) -> tuple[Any, list[str]]:
+               slots: list[Any] | None = None) -> tuple[Any, list[str | None]]:
     """Tap the output_slots (``slots``, when the caller has them) of a step's output, but for tensors
     whose id is in ``skip`` (also in a place no tap reaches: see tap_arguments). Returns the new
-    output and the names of the tapped tensors (``output``, ``output.0``, ``output.1.h``)."""
+    output and the names of the tapped tensors (``output``, ``output.0``, ``output.1.h``), in the
+    order the callback sees their grads; None for a tap that went unused (in an object that could
+    not be copied: its grad always comes as None)."""
     slots = [(key, t) for key, t in (output_slots(output) if slots is None else slots) if id(t) not in skip]
     if not slots:
         return output, []
@@ -256,4 +258,5 @@ def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = froze
     originals = {k: t for k, t in slots}
     if any(id(tapped[k]) in present and id(originals[k]) in present for k in keys):
         return output, []
-    return rebuilt, [n for n, k in zip(names, keys) if id(tapped[k]) in present]
+    # One name per tap position, as the callback's grads come; None where the tap went unused.
+    return rebuilt, [n if id(tapped[k]) in present else None for n, k in zip(names, keys)]

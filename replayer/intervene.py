@@ -219,6 +219,7 @@ def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, 
         if placeholders and isinstance(value, torch.nn.Parameter):
             value.requires_grad_(source.requires_grad)
         taken.append(name)
+    _tie_as(original, new, taken)
     missing = sorted(set(mine) - set(taken) - {o.split(" ")[0] for o in odd})
     unused = sorted(set(theirs) - set(taken) - {o.split(" ")[0] for o in odd})
     if missing:
@@ -227,3 +228,14 @@ def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, 
         notes.append(f"swap {key}: the original's {', '.join(unused)} have no place in the replacement")
     if odd:
         notes.append(f"swap {key}: shapes differ, left as the replacement made them: {', '.join(odd)}")
+
+
+def _tie_as(original: torch.nn.Module, new: torch.nn.Module, names: list[str]) -> None:
+    """Parameters that were one tensor under several names in ``original`` (tied weights) are one in
+    ``new`` too, among the ``names`` it took."""
+    first: dict[int, str] = {}
+    for name, p in original.named_parameters(remove_duplicate=False):
+        same = first.setdefault(id(p), name)
+        if same != name and name in names and same in names:
+            owner, _, leaf = name.rpartition(".")
+            new.get_submodule(owner)._parameters[leaf] = new.get_parameter(same)

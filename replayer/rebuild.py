@@ -67,7 +67,9 @@ def unresolved(value: Any) -> str | None:
     elif isinstance(value, (list, tuple, set, frozenset)):
         items = value
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+        state = getattr(value, "__dict__", None)  # its fields, and attributes set after __init__
+        items = list(state.values()) if isinstance(state, dict) else [getattr(value, f.name, None)
+                                                                       for f in dataclasses.fields(value)]
     elif jsonval.plain_instance(value):  # a decoded $object: what its fields hold is passed on with it
         items = vars(value).values()
     for item in items:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,32 @@ class Plain:
     n: int
 
 
+@dataclasses.dataclass
+class Guarded:
+    n: int
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()  # not data: recorded as opaque
+        self._half = self.n / 2
+
+    @property
+    def doubled(self) -> int:
+        return self.n * 2
+
+    @doubled.setter
+    def doubled(self, value: int) -> None:
+        raise AssertionError("a recording ran a property setter")
+
+
+def test_a_dataclass_keeps_what_its_constructor_made_of_what_was_not_data() -> None:
+    back = jsonval.decode(jsonval.encode(Guarded(3)), import_types=True)
+    with back._lock:  # the constructor's lock, not a stand-in for the recorded one
+        assert back._half == 1.5
+    doc = jsonval.encode(Guarded(3))
+    doc["$dataclass"]["attrs"]["doubled"] = 7  # a damaged or crafted document: data only, no setter runs
+    assert jsonval.decode(doc, import_types=True).doubled == 6
+
+
 class Holder:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
@@ -154,3 +181,39 @@ def test_an_argument_object_holding_what_could_not_be_recorded_stops_the_replay(
     with pytest.raises(ReplayError, match=r"was called with a _io:BytesIO .*could not be recorded as data") as info:
         replayer.replay(rec, 0)
     assert "\n" not in str(info.value)
+
+
+class Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Body()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.body(ids)
+
+
+def test_a_swapped_module_keeps_its_weights_tied(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Outer()
+    recorder.annotate(model, "Model")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", model=model, optimizer=opt, mode="full"):
+        for _ in range(2):
+            model(torch.randint(0, 10, (3, 5))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(tmp_path / "run.zarr")
+    result = replayer.replay(rec, "Model@iter=1:backward", swap={"body": Body})  # the same class, built anew
+    assert result.match and [d.name for d in result.outputs] == ["body.emb.weight"], [
+        d.summary() for d in result.outputs]

@@ -241,9 +241,9 @@ class Shared(nn.Module):
         super().__init__()
         self.lin = nn.Linear(6, 6)
 
-    def forward(self, x: torch.Tensor) -> tuple[dict[str, Any], AttrDict]:
+    def forward(self, x: torch.Tensor) -> tuple[AttrDict, dict[str, Any]]:
         hidden = [torch.tanh(self.lin(x))]
-        return {"hidden": hidden, "all_hidden": hidden}, AttrDict(y=self.lin(x).sin())
+        return AttrDict(y=self.lin(x).sin()), {"hidden": hidden, "all_hidden": hidden}  # AttrDict's tap first
 
 
 def _shared_training(path: Path | None) -> tuple[list[torch.Tensor], list[int], list[bool]]:
@@ -253,7 +253,7 @@ def _shared_training(path: Path | None) -> tuple[list[torch.Tensor], list[int], 
     losses, lengths, same = [], [], []
     with recorder.record(path, model=model, optimizer=opt, mode="full") if path else _nothing():
         for _ in range(2):
-            out, attrs = model(torch.randn(4, 6))
+            attrs, out = model(torch.randn(4, 6))
             out["hidden"].append(out["hidden"][0] * 2)  # seen through the other place, as without recording
             lengths.append(len(out["all_hidden"]))
             same.append(attrs.y is attrs["y"])
@@ -271,8 +271,10 @@ def test_shared_containers_stay_shared_and_an_attribute_dict_stays_whole(tmp_pat
     assert _bitwise(plain[0], recorded[0]) and plain[1:] == recorded[1:] == ([2, 2], [True, True])
     rec = replayer.open(tmp_path / "run.zarr")
     fwd = rec.steps.filter(phase="forward")[0]
-    assert any(n.startswith("output.1.y: in an object that could not be copied") for n in fwd.extra["notes"]), fwd.extra
+    assert any(n.startswith("output.0.y: in an object that could not be copied") for n in fwd.extra["notes"]), fwd.extra
     backward = rec.steps.filter(phase="backward")[0]
-    assert [r.name for r in backward.records if r.role == "grad_output"] == ["output.0.hidden.0"]
+    grads = {r.name: backward.tensor(r.name) for r in backward.records if r.role == "grad_output"}
+    assert list(grads) == ["output.1.hidden.0"]  # its own grad (1 + 2 from the appended copy), not shifted
+    assert torch.equal(grads["output.1.hidden.0"], torch.full((4, 6), 3.0))
     result = replayer.replay(rec, backward.index)
     assert not result.match and any("could not be copied" in w for w in result.warnings)  # attrs.y's share
