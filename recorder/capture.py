@@ -530,7 +530,8 @@ class Session:
                 for name, p in module.named_parameters():
                     if p.requires_grad:
                         self._hook_param(link, name, p)
-            out = self._tap_outputs(link, out, _nested_tensors(out, taps.output_paths(out)))
+            slots, reached = taps.output_places(out)
+            out = self._tap_outputs(link, out, _nested_tensors(out, reached), slots=slots)
         except Exception as exc:
             self.fail("tapping a recomputed step's outputs", exc)
         return out
@@ -610,8 +611,7 @@ class Session:
                 frame.output_doc = self._encode(frame, out, "output", "output", tapped, reached, nested,
                                                 per_object=False, unfollowed=unfollowed)
                 if unfollowed:
-                    names = ", ".join(n.encode("unicode_escape").decode() for n in unfollowed)  # one line
-                    frame.notes.append(f"{names} {layout.UNFOLLOWED_NOTE}")
+                    frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
                 if link is not None:
                     out = self._tap_outputs(link, out, tapped & nested, frame, slots)
             except Exception as exc:
@@ -979,18 +979,13 @@ class Session:
         """Pass a call's outputs (``slots``, when known) through a tap that reports their grads to
         ``link`` (not those in ``skip``, see _tap_inputs); the link then waits for its backward (or
         the iteration's end)."""
-        taken = slots if slots is not None else taps.output_slots(out)
-        out, link.output_names = taps.tap_output(out, _backward_callback(self._on_grad_output, link), skip, taken)
+        out, link.output_names, left = taps.tap_output(out, _backward_callback(self._on_grad_output, link), skip,
+                                                       slots)
         if frame is not None:
             if skip:
                 frame.notes.append(_UNTAPPED_NOTE)
-            named = [(".".join(("output", *map(str, k))), t) for k, t in taken if id(t) not in skip]
-            names_followed = set(link.output_names)
-            followed = {id(t) for name, t in named if name in names_followed}  # one name per tensor
-            missing = [name for name, t in named if id(t) not in followed]
-            if missing:
-                names = ", ".join(dict.fromkeys(n.encode("unicode_escape").decode() for n in missing))
-                frame.notes.append(f"{names}: {layout.UNCOPIED_NOTE}")
+            if left:
+                frame.notes.append(f"{_one_line(left)}: {layout.UNCOPIED_NOTE}")
         if any(link.output_names) or link.handles:
             with self.lock:
                 self._links.append(link)
@@ -1109,6 +1104,11 @@ def _stored_values(t: torch.Tensor) -> torch.Tensor | None:
 
 _UNTAPPED_NOTE = ("a tensor passed both directly and inside a container (list, dict...) has no gradient recorded: "
                  "following it through the call would change the order in which autograd sums its gradients")
+
+
+def _one_line(names: list[str]) -> str:
+    """Record names for a note, on one line (a dict key may hold a newline)."""
+    return ", ".join(n.encode("unicode_escape").decode() for n in names)
 
 
 def _argument_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[str]:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .capture import RecorderWarning
-from .errors import RecordingError
+from .errors import RecordingError, brief
 
 if TYPE_CHECKING:
     from .run import Run
@@ -241,8 +241,7 @@ class FrameworkCallback:
     def _warn_crashed(self, run: Run, exception: BaseException | None) -> None:
         what = "training stopped"
         if exception is not None:
-            text = str(exception).strip().splitlines()
-            what += f" with {type(exception).__name__}" + (f": {text[0][:200]}" if text else "")
+            what += f" with {brief(exception)[:240]}"
         at = "" if self._first_nonfinite is None else " (at its first NaN/Inf)"
         warnings.warn(f"PaperDebugger: {what}; {self._where(self._first_nonfinite, run.status)}{at}",
                       RecorderWarning, stacklevel=3)

@@ -132,7 +132,7 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
     if memo is None:  # the top: also which parameter names are the same tensor as an earlier one
         memo = {}
         doc = build(module, memo)
-        tied = _tied(module)
+        tied = tied_parameters(module)
         return {**doc, "tied": tied} if tied else doc
     found = memo.get(id(module))
     if found is not None:
@@ -181,7 +181,7 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
     return doc
 
 
-def _tied(module: torch.nn.Module) -> dict[str, str]:
+def tied_parameters(module: torch.nn.Module) -> dict[str, str]:
     """Parameter names that are the same Parameter as one named before them (a language model's output
     layer tied to its embedding): ``{"lm_head.weight": "transformer.wte.weight"}``. A step records
     a tied parameter once, under its first name (``named_parameters()``)."""

@@ -126,15 +126,11 @@ def output_places(output: Any) -> tuple[list[tuple[Any, torch.Tensor]], frozense
     return [(keys, t) for keys, _, t in found if wants_tap(t) and not t.is_leaf], frozenset(p for _, p, _ in found)
 
 
-def output_paths(output: Any) -> frozenset[str]:
-    return output_places(output)[1]
-
-
 def output_slots(output: Any) -> list[tuple[Any, torch.Tensor]]:
     return output_places(output)[0]
 
 
-def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], left: list[Any] | None = None) -> Any:
+def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor]) -> tuple[Any, bool]:
     """``value`` with the tensors at ``tapped``'s keys replaced; containers on the way to them are
     made anew (each once: a container reached in two places, or from inside itself, is the same new
     one in both), the others kept as they are. Plain containers are rebuilt, named tuples through
@@ -142,10 +138,9 @@ def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], left: list
     user's); a dict subclass or dataclass is copied (``copy.copy``, as the standard library copies
     it) and the copy's items or fields set: the step's own objects are left as it made them. A copy
     that fails, or that still holds a replaced value in another place (an ``AttrDict``'s
-    attributes), leaves that object as it was, and its tapped tensors go into ``left`` (raises
-    TypeError when ``left`` is None)."""
+    attributes), leaves that object as it was: the second value returned says whether any did."""
     if () in tapped:
-        return tapped[()]
+        return tapped[()], False
     tree: dict[Any, Any] = {}  # key -> subtree, a tapped tensor at a leaf
     for keys, t in tapped.items():
         node = tree
@@ -153,6 +148,7 @@ def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], left: list
             node = node.setdefault(key, {})
         node[keys[-1]] = t
     made: dict[int, Any] = {}  # id(container) -> its new one
+    kept: list[Any] = []  # objects left as they were
 
     def substitute(item: Any) -> Any:
         return made.get(id(item), item)
@@ -180,9 +176,7 @@ def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], left: list
             try:
                 new = _copied(value, kind, items, node, new_item)
             except Exception:
-                if left is None:
-                    raise
-                left.extend(_leaves(node))
+                kept.append(value)
                 new = value
         made[id(value)] = new
         return new
@@ -208,11 +202,7 @@ def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], left: list
             raise
         return new
 
-    return build(value, tree)
-
-
-def _leaves(node: dict[Any, Any]) -> list[torch.Tensor]:
-    return [v for sub in node.values() for v in ([sub] if isinstance(sub, torch.Tensor) else _leaves(sub))]
+    return build(value, tree), bool(kept)
 
 
 def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
@@ -236,27 +226,26 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
 
 
 def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = frozenset(),
-               slots: list[Any] | None = None) -> tuple[Any, list[str | None]]:
+               slots: list[Any] | None = None) -> tuple[Any, list[str | None], list[str]]:
     """Tap the output_slots (``slots``, when the caller has them) of a step's output, but for tensors
     whose id is in ``skip`` (also in a place no tap reaches: see tap_arguments). Returns the new
-    output and the names of the tapped tensors (``output``, ``output.0``, ``output.1.h``), in the
-    order the callback sees their grads; None for a tap that went unused (in an object that could
-    not be copied: its grad always comes as None)."""
+    output; the names of the tapped tensors (``output``, ``output.0``, ``output.1.h``) in the order
+    the callback sees their grads, None for a tap that went unused (in an object that could not be
+    copied: its grad always comes as None); and the names of the slots left untapped so."""
     slots = [(key, t) for key, t in (output_slots(output) if slots is None else slots) if id(t) not in skip]
     if not slots:
-        return output, []
+        return output, [], []
     tapped, keys = _tap_slots(slots, callback)
-    names = [".".join(("output", *map(str, k))) for k in keys]
-    left: list[torch.Tensor] = []
-    rebuilt = _rebuild(output, tapped, left)
-    if not left:
-        return rebuilt, names
+    names = {k: ".".join(("output", *map(str, k))) for k, _ in slots}
+    rebuilt, kept = _rebuild(output, tapped)
+    if not kept:
+        return rebuilt, [names[k] for k in keys], []
     # Objects that could not be copied keep their tensors untapped (those taps go unused: their grads
     # come as None); unless one of those tensors is also in a place that was rebuilt, where autograd
     # would then sum its gradients in another order: then the whole output stays as it was.
     present = {id(t) for _, _, t in _followed(rebuilt)}
-    originals = {k: t for k, t in slots}
+    originals = dict(slots)
     if any(id(tapped[k]) in present and id(originals[k]) in present for k in keys):
-        return output, []
-    # One name per tap position, as the callback's grads come; None where the tap went unused.
-    return rebuilt, [n if id(tapped[k]) in present else None for n, k in zip(names, keys)]
+        return output, [], list(names.values())
+    return (rebuilt, [names[k] if id(tapped[k]) in present else None for k in keys],
+            [names[k] for k, _ in slots if id(tapped[k]) not in present])

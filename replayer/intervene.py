@@ -23,8 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from recorder import skeleton
 from recorder.errors import PdbgError
 from recorder.monitors import parse_selector
+
+from .rebuild import tie
 
 SETTING_ALIASES = {"deterministic": "deterministic_algorithms", "threads": "num_threads",
                    "tf32": "cuda_matmul_allow_tf32", "matmul_precision": "float32_matmul_precision"}
@@ -219,7 +222,8 @@ def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, 
         if placeholders and isinstance(value, torch.nn.Parameter):
             value.requires_grad_(source.requires_grad)
         taken.append(name)
-    _tie_as(original, new, taken)
+    # Tied weights of the original are tied in the replacement too, among the names it took.
+    tie(new, {a: b for a, b in skeleton.tied_parameters(original).items() if a in taken and b in taken})
     missing = sorted(set(mine) - set(taken) - {o.split(" ")[0] for o in odd})
     unused = sorted(set(theirs) - set(taken) - {o.split(" ")[0] for o in odd})
     if missing:
@@ -228,14 +232,3 @@ def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, 
         notes.append(f"swap {key}: the original's {', '.join(unused)} have no place in the replacement")
     if odd:
         notes.append(f"swap {key}: shapes differ, left as the replacement made them: {', '.join(odd)}")
-
-
-def _tie_as(original: torch.nn.Module, new: torch.nn.Module, names: list[str]) -> None:
-    """Parameters that were one tensor under several names in ``original`` (tied weights) are one in
-    ``new`` too, among the ``names`` it took."""
-    first: dict[int, str] = {}
-    for name, p in original.named_parameters(remove_duplicate=False):
-        same = first.setdefault(id(p), name)
-        if same != name and name in names and same in names:
-            owner, _, leaf = name.rpartition(".")
-            new.get_submodule(owner)._parameters[leaf] = new.get_parameter(same)

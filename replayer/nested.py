@@ -116,10 +116,10 @@ class InnerTap:
         if not self.backward:
             return None
 
-        def got(grads: tuple[Any, ...], names: list[str]) -> None:
+        def got(grads: tuple[Any, ...], names: list[str | None]) -> None:
             seen.grad_inputs.update({n: g.detach().clone() for n, g in zip(names, grads) if g is not None})
 
-        holder: list[list[str]] = [[]]
+        holder: list[list[str | None]] = [[]]
         new_args, new_kwargs, holder[0] = taps.tap_arguments(args, kwargs, lambda g: got(g, holder[0]))
         return new_args, new_kwargs
 
@@ -127,11 +127,11 @@ class InnerTap:
         if not self.backward:
             return output
 
-        def got(grads: tuple[Any, ...], names: list[str]) -> None:
+        def got(grads: tuple[Any, ...], names: list[str | None]) -> None:
             seen.grad_outputs.update({n: g.detach().clone() for n, g in zip(names, grads) if g is not None})
 
-        holder: list[list[str]] = [[]]
-        output, holder[0] = taps.tap_output(output, lambda g: got(g, holder[0]))
+        holder: list[list[str | None]] = [[]]
+        output, holder[0], _ = taps.tap_output(output, lambda g: got(g, holder[0]))
         return output
 
     def _enter(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -40,16 +40,24 @@ class Rebuilt:
         """Tie parameters that were one tensor under several names (``tied``), and point attributes
         that referred to a module's own parameters and buffers (an RNN's ``_flat_weights``) at the
         rebuilt ones; after ``load_state``, which replaces buffers."""
-        for name, same in self.tied.items():
-            owner, _, leaf = name.rpartition(".")
-            try:
-                self.module.get_submodule(owner)._parameters[leaf] = self.module.get_parameter(same)
-            except AttributeError:
-                self.warnings.append(f"parameter {name} was the same tensor as {same}, which the rebuilt module "
-                                     "lacks; left as rebuilt")
+        self.warnings += tie(self.module, self.tied)
         for module, linked in self.links:
             for key, spec in linked.items():
                 module.__dict__[key] = _linked(module, spec)
+
+
+def tie(module: torch.nn.Module, tied: dict[str, str]) -> list[str]:
+    """Make each parameter name in ``tied`` the same Parameter as the name it maps to (tied weights,
+    as skeleton.tied_parameters found them); returns what could not be tied."""
+    problems = []
+    for name, same in tied.items():
+        owner, _, leaf = name.rpartition(".")
+        try:
+            module.get_submodule(owner)._parameters[leaf] = module.get_parameter(same)
+        except AttributeError:
+            problems.append(f"parameter {name} was the same tensor as {same}, which the rebuilt module lacks; "
+                            "left as rebuilt")
+    return problems
 
 
 def unresolved(value: Any) -> str | None:

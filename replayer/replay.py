@@ -409,11 +409,13 @@ class Replayer:
         grad_outputs = {r.name: r for r in step.records if r.role == "grad_output"}
         wanted = [r for r in step.records if r.role in ("grad_input", "param_grad")]
         calls = self._calls_of_module(fwd)
+        not_compared = ""  # why the parameter grads are left out, when they are
         if calls > 1 and any(r.role == "param_grad" for r in wanted):
             wanted = [r for r in wanted if r.role != "param_grad"]
-            warnings.append(f"parameter grads not compared: {fwd.module_path or fwd.name} ran {calls} times in "
+            not_compared = (f"parameter grads not compared: {fwd.module_path or fwd.name} ran {calls} times in "
                             f"iteration {fwd.iteration}, and each recorded parameter grad is the total over all of "
                             "them (autograd accumulates before the hook sees it)")
+            warnings.append(not_compared)
         unkept = [r for r in wanted if not r.has_payload and layout.METADATA_NOTE in step.why_statistics_only(r)]
         if unkept:  # a sparse gradient (nn.Embedding(sparse=True)): statistics only, nothing to compare with
             wanted = [r for r in wanted if r not in unkept]
@@ -466,9 +468,9 @@ class Replayer:
             raise ReplayError(f"backward step {step.index} has no grad outputs to start a backward from: {why}")
         warnings += [f"forward step {fwd.index}: {n}" for n in unfollowed]
         if not targets:
-            dropped = [w for w in warnings if w.startswith("parameter grads not compared")]
             raise ReplayError(f"backward step {step.index} has no grad input, and " + (
-                f"its {dropped[0]}" if dropped else "no parameter grad recorded") + ": a replay has nothing to compare")
+                f"its {not_compared}" if not_compared else "no parameter grad recorded") + ": a replay has nothing to "
+                "compare")
         with state.applied({**step.settings, **self.plan.settings}, step.rng, threads=threads, notes=warnings), \
                 self._around("backward"):
             try:
