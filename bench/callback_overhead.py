@@ -40,8 +40,10 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import multiprocessing
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -57,7 +59,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from docs_section import DOCS, interval_text, judged, paired, torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
+from docs_section import DOCS, environment, interval_text, judged, paired, torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
 
 import recorder  # noqa: E402
 from recorder.framework import auto_modules  # noqa: E402
@@ -66,6 +68,18 @@ from recorder.store.reader import RunReader  # noqa: E402
 HEADING = "## Framework callbacks"
 LAYERS, D_MODEL, HEADS, SEQ, VOCAB, BATCH = 4, 256, 4, 128, 512, 8
 TARGET = 1.10  # the callback adds at most 10% to the step time
+# --heap fixed: glibc's heap never trimmed, and no block under 32 MiB (mmap's largest threshold) served
+# by mmap, in every worker: training then takes no page faults, with the callback or without (see Workers)
+NO_TRIM = {"MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
+HEAPS = {
+    "fixed": "each variant in a worker process of its own, with glibc's heap trimming off in every worker "
+             f"({', '.join(f'{k}={v}' for k, v in NO_TRIM.items())}): no variant takes page faults, so the "
+             "comparison is of the work each one does",
+    "glibc": "each variant in a worker process of its own, glibc's defaults: page faults as a user's process "
+             "takes them, as many as each process's heap history makes (it moves a ratio by up to ~15%)",
+    "shared": "all variants in this one process, as before 2026-12-04: the baseline then trains in a heap the "
+              "recordings before it changed, with fewer page faults than a process that never recorded",
+}
 MB = 1e6
 
 
@@ -91,8 +105,13 @@ class Tokens(torch.utils.data.Dataset):
 
 
 # -- one block per framework --------------------------------------------------------------------------
-def lightning_block(model: torch.nn.Module, steps: int, callback: Any) -> list[float]:
-    """One fit of ``steps`` optimizer steps; the times at which each step ended."""
+def _now() -> tuple[float, int]:
+    """The time, and the minor page faults of the process so far."""
+    return time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def lightning_block(model: torch.nn.Module, steps: int, callback: Any) -> list[tuple[float, int]]:
+    """One fit of ``steps`` optimizer steps; when each step ended (time, minor faults so far)."""
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
@@ -108,10 +127,10 @@ def lightning_block(model: torch.nn.Module, steps: int, callback: Any) -> list[f
 
     class Clock(pl.Callback):
         def __init__(self) -> None:
-            self.ends: list[float] = []
+            self.ends: list[tuple[float, int]] = []
 
         def on_train_batch_end(self, *_: Any) -> None:
-            self.ends.append(time.perf_counter())
+            self.ends.append(_now())
 
     clock = Clock()
     trainer = pl.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -122,15 +141,15 @@ def lightning_block(model: torch.nn.Module, steps: int, callback: Any) -> list[f
     return clock.ends
 
 
-def hf_block(model: torch.nn.Module, steps: int, callback: Any, out: Path) -> list[float]:
+def hf_block(model: torch.nn.Module, steps: int, callback: Any, out: Path) -> list[tuple[float, int]]:
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:
-            self.ends: list[float] = []
+            self.ends: list[tuple[float, int]] = []
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
-            self.ends.append(time.perf_counter())
+            self.ends.append(_now())
 
     clock = Clock()
     args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=BATCH, report_to=[],
@@ -149,15 +168,16 @@ class Variant:
 
     name: str
     framework: str
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # None in the parent when each variant trains in a worker process
     how: str  # "" (no recording), "callback" or "record"
     per_step: list[float] = field(default_factory=list)  # seconds per step, one per block
     overhead: list[float] = field(default_factory=list)  # block wall time less steps x per-step
     ring_peak: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    faults: list[float] = field(default_factory=list)  # the process's minor page faults per step, one per block
 
     def forget(self) -> None:
-        for value in (self.per_step, self.overhead, self.ring_peak, self.problems):
+        for value in (self.per_step, self.overhead, self.ring_peak, self.problems, self.faults):
             value.clear()
 
 
@@ -183,8 +203,9 @@ def run_block(v: Variant, steps: int, tmp: Path, seq: list[int]) -> None:
         ends = block()
         run = None if callback is None else callback.run
     wall = time.perf_counter() - t0
-    per_step = (ends[-1] - ends[0]) / (len(ends) - 1)
+    per_step = (ends[-1][0] - ends[0][0]) / (len(ends) - 1)
     v.per_step.append(per_step)
+    v.faults.append((ends[-1][1] - ends[0][1]) / (len(ends) - 1))
     v.overhead.append(wall - steps * per_step)
     if v.how:
         if run is None or run.status != "complete" or run.failure:
@@ -194,27 +215,109 @@ def run_block(v: Variant, steps: int, tmp: Path, seq: list[int]) -> None:
     shutil.rmtree(tmp / f"out-{seq[0]}", ignore_errors=True)
 
 
-def measure(frameworks: list[str], steps: int, blocks: int, warmup: int, by_hand: bool) -> dict[str, Any]:
-    base = gpt2()
+def quiet_frameworks() -> None:
+    """The frameworks' advice (data loader workers, ...) and logs left out of the output."""
+    warnings.filterwarnings("ignore")
+    import lightning.pytorch  # noqa: F401 (before its loggers are quietened: importing sets them up)
+    import transformers  # noqa: F401
+
+    for name in ("lightning.pytorch", "lightning.fabric", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def serve(conn: Any, name: str, framework: str, how: str, threads: int, tmp: Path) -> None:
+    """A worker process that trains one variant's copy of the model: one block per request
+    ``(steps, seq)``, answered with what the block measured; None ends it."""
+    quiet_frameworks()
+    torch.set_num_threads(threads)
+    v = Variant(name, framework, gpt2(), how)
+    while (request := conn.recv()) is not None:
+        steps, seq = request
+        run_block(v, steps, tmp, [seq - 1])
+        conn.send((v.per_step[-1], v.overhead[-1], v.ring_peak[-1:], v.problems[:], v.faults[-1]))
+        v.forget()
+
+
+class Workers:
+    """One worker process per variant (``serve``), started fresh, with ``env`` added to its
+    environment: no variant's blocks run in a process where another variant's ran.
+
+    Why: glibc's heap decides how many page faults training takes, and a recording changes it. Its
+    trim and mmap thresholds rise as large blocks are freed; a recording's buffers, released when it
+    closes, raise them, and training that follows in the same process then takes far fewer faults.
+    In one process, a baseline block after a closed recording took ~3,600 minor faults per step (some
+    none) at 171 ms/step; in a process of its own, ~10,000 at 184 ms/step (docs/PERFORMANCE.md). Each
+    process's heap history still sets its own number of faults, for its whole life, whatever the
+    rounds; with trimming off (``NO_TRIM``) there are none, in every variant."""
+
+    def __init__(self, variants: list[Variant], threads: int, tmp: Path, env: dict[str, str]) -> None:
+        ctx = multiprocessing.get_context("spawn")  # not fork: the parent's torch thread pool is running
+        self.conns: dict[str, Any] = {}
+        self.procs = []
+        with environment(env):  # a spawned process starts with this one's environment: glibc reads it then
+            for v in variants:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=serve, args=(child, v.name, v.framework, v.how, threads, tmp),
+                                   daemon=True)
+                proc.start()
+                child.close()  # the worker's end: closed here, so that a worker that dies is seen as EOF
+                self.conns[v.name] = parent
+                self.procs.append(proc)
+
+    def block(self, v: Variant, steps: int, seq: list[int]) -> None:
+        seq[0] += 1
+        self.conns[v.name].send((steps, seq[0]))
+        per_step, overhead, ring_peak, problems, faults = self.conns[v.name].recv()
+        v.per_step.append(per_step)
+        v.overhead.append(overhead)
+        v.ring_peak += ring_peak
+        v.problems += problems
+        v.faults.append(faults)
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=60)
+
+
+def measure(frameworks: list[str], steps: int, blocks: int, warmup: int, by_hand: bool, threads: int,
+            heap: str = "fixed") -> dict[str, Any]:
+    """Blocks of each variant, round-robin; ``heap`` (a key of HEAPS) says where they train."""
+    one_process = heap == "shared"
     hows = ("", "callback", "record") if by_hand else ("", "callback")
+    base = gpt2() if one_process else None
     variants = [Variant(f"{fw}+{how}" if how else fw, fw, copy.deepcopy(base), how)
                 for fw in frameworks for how in hows]
     load0 = os.getloadavg()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pdbg-bench-") as tmp_name:
         tmp, seq = Path(tmp_name), [0]
-        for v in variants:
-            run_block(v, warmup, tmp, seq)
-            v.forget()
-        for r in range(blocks):
-            order = variants[r % len(variants):] + variants[:r % len(variants)]
-            for v in order:
-                run_block(v, steps, tmp, seq)
-            print(f"  round {r + 1}/{blocks}: " + ", ".join(f"{v.name} {v.per_step[-1] * 1e3:.0f} ms/step"
-                                                            for v in variants), flush=True)
+        workers = None if one_process else Workers(variants, threads, tmp, NO_TRIM if heap == "fixed" else {})
+        try:
+            def block(v: Variant, n: int) -> None:
+                if workers is None:
+                    with torch_threads(threads):
+                        run_block(v, n, tmp, seq)
+                else:
+                    workers.block(v, n, seq)
+
+            for v in variants:
+                block(v, warmup)
+                v.forget()
+            for r in range(blocks):
+                order = variants[r % len(variants):] + variants[:r % len(variants)]
+                for v in order:
+                    block(v, steps)
+                print(f"  round {r + 1}/{blocks}: " + ", ".join(
+                    f"{v.name} {v.per_step[-1] * 1e3:.0f} ms/step ({v.faults[-1]:.0f} faults)" for v in variants),
+                    flush=True)
+        finally:
+            if workers is not None:
+                workers.close()
     return {"steps": steps, "blocks": blocks, "seconds": time.perf_counter() - started, "loadavg_before": load0,
             "loadavg_after": os.getloadavg(), "variants": {v.name: v for v in variants}, "frameworks": frameworks,
-            "by_hand": by_hand}
+            "by_hand": by_hand, "heap": heap}
 
 
 # -- reporting ------------------------------------------------------------------------------------------
@@ -226,7 +329,7 @@ def quartiles(values: list[float]) -> tuple[float, float]:
 def table(res: dict[str, Any]) -> str:
     vs = res["variants"]
     rows = ["| framework | variant | median ms/step (p25–p75) | vs without | fixed cost per training, ms "
-            "(vs without) | ring peak MB |", "|---|---|---:|---:|---:|---:|"]
+            "(vs without) | ring peak MB | minor faults per step |", "|---|---|---:|---:|---:|---:|---:|"]
     for fw in res["frameworks"]:
         base = vs[fw]
         b = statistics.median(base.per_step)
@@ -238,7 +341,8 @@ def table(res: dict[str, Any]) -> str:
             fixed = statistics.median(v.overhead) - statistics.median(base.overhead)
             ring = f"{max(v.ring_peak) / MB:.1f}" if v.ring_peak else "–"
             rows.append(f"| {fw} | {label} | {m * 1e3:.0f} ({q1 * 1e3:.0f}–{q3 * 1e3:.0f}) | {m / b:.2f}x | "
-                        f"{f'{fixed * 1e3:.0f}' if how else '–'} | {ring} |")
+                        f"{f'{fixed * 1e3:.0f}' if how else '–'} | {ring} | "
+                        f"{statistics.median(v.faults) if v.faults else float('nan'):.0f} |")
     problems = [f"{v.name}: {p}" for v in vs.values() for p in v.problems]
     if problems:
         rows += ["", "Problems: " + "; ".join(problems)]
@@ -275,6 +379,9 @@ def docs_text(results: dict[int, dict[str, Any]], command: str) -> str:
     own = ("the difference between its row and the row of `record()` by hand" if res["by_hand"] else
            "measured with `--by-hand`: in the runs of 2026-12-02 the callback's steps took 0.89–1.05x those\n"
            "of recording the same steps by hand, no cost of its own above the noise")
+    heap = res.get("heap", "shared")
+    where = (f"`--heap {heap}`: {HEAPS[heap]}" + ("" if heap == "shared" else
+             " (the blocks interleaved in time: one worker trains while the others wait)"))
     parts = []
     for threads, one in results.items():
         parts.append(f"""### torch threads = {threads}
@@ -300,10 +407,16 @@ model's layers (`transformer.h.*`, chosen by `modules=None`: 4 forward and 4 bac
 training step), statistics of every tensor, the bytes of the last two iterations held in the ring
 and written when training ends. {by_hand}
 
-Method: as bench/record_overhead.py. The {n_variants} variants train their own copies of the model (same
-weights, same batches), interleaved in one process: one `fit()`/`train()` of {res['steps']} steps per
-variant per round, {res['blocks']} rounds, the order rotating, after a warm-up each; each recorded
-training into a new store on local disk. A block's figure is the time between the end of its first
+Method: as bench/record_overhead.py, paired rounds. The {n_variants} variants
+train their own copies of the model (same weights, same batches); {where}. One `fit()`/`train()` of
+{res['steps']} steps per variant per round, {res['blocks']} rounds, the order rotating, after a warm-up each; each
+recorded training into a new store on local disk. Why the heap matters: glibc's heap decides how many
+page faults training takes, and a recording changes it (its trim and mmap thresholds rise as large
+blocks are freed, a recording's buffers among them when it closes). In one process, a baseline block
+after a closed recording took ~3,600 minor faults per step at 171 ms/step; in a process that never
+recorded, ~10,000 at 184 ms/step (Hugging Face, 2 threads, 8 rounds each way, 2026-12-04); each
+worker's heap history sets its faults for its whole life. Minor faults per step: the process's
+(`getrusage`), median over blocks. A block's figure is the time between the end of its first
 and of its last step over the steps between (the training loop); the median over blocks is shown,
 with the quartiles. The fixed cost of a recording (opening the store when training starts, writing
 the ring and closing at its end) is the median of (block wall time − steps × its per-step figure),
@@ -338,23 +451,21 @@ def main() -> None:
     ap.add_argument("--frameworks", nargs="+", choices=("lightning", "hf"), default=["lightning", "hf"])
     ap.add_argument("--by-hand", action="store_true",
                     help="also time the same steps recorded with record() by hand, to tell the callback's own cost")
+    ap.add_argument("--heap", choices=HEAPS, default="fixed",
+                    help="where the variants train: "
+                    + "; ".join(f"{k}: {v}" for k, v in HEAPS.items()).replace("%", "%%") + " (default %(default)s)")
     ap.add_argument("--write-docs", action="store_true", help=f"write {HEADING!r} in docs/PERFORMANCE.md")
     ap.add_argument("--docs", type=Path, default=DOCS, help="the file --write-docs writes (default: %(default)s)")
     args = ap.parse_args()
     if args.steps < 2 or args.blocks < 1 or args.warmup < 2:
         ap.error("--steps and --warmup need at least 2 steps, --blocks at least 1")
-    warnings.filterwarnings("ignore")  # the frameworks' advice (data loader workers, ...)
-    import lightning.pytorch  # noqa: F401 (before its loggers are quietened: importing sets them up)
-    import transformers  # noqa: F401
-
-    for name in ("lightning.pytorch", "lightning.fabric", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_frameworks()
     results: dict[int, dict[str, Any]] = {}
     for threads in dict.fromkeys(args.threads or [2, 1]):  # each thread count once, in the order given
         print(f"{', '.join(args.frameworks)}: {args.blocks} blocks x {args.steps} steps per variant, "
               f"{threads} torch threads; load average {os.getloadavg()[0]:.2f}", flush=True)
-        with torch_threads(threads):
-            results[threads] = measure(args.frameworks, args.steps, args.blocks, args.warmup, args.by_hand)
+        results[threads] = measure(args.frameworks, args.steps, args.blocks, args.warmup, args.by_hand, threads,
+                                   args.heap)
         print("\n" + table(results[threads]) + "\n" + "\n".join(verdicts(results[threads])) + "\n", flush=True)
     if args.write_docs:
         write_section(HEADING, docs_text(results, " ".join(["python bench/callback_overhead.py", *sys.argv[1:]])),

@@ -58,6 +58,22 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` added to this process's environment inside the block (for the processes started
+    there), the previous values put back after it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
+
+
 def median_interval(values: list[float], level: float = 0.95, resamples: int = 4000,
                     seed: int = 0) -> tuple[float, float]:
     """Percentile-bootstrap interval of the median of ``values`` (the same seed gives the same

@@ -102,6 +102,20 @@ class StagingPool:
                 return bucket.pop()
         return np.empty(size, dtype=np.uint8)
 
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the buffers kept for reuse."""
+        return self._free_bytes
+
+    def release(self) -> None:
+        """The recording is over: drop the buffers kept for reuse, and keep none given back from now
+        on. A closed recording's ``Run`` stays with whoever holds it (a framework callback keeps its
+        last one), and its pool would otherwise keep up to ``keep_bytes`` of memory with it."""
+        with self._lock:
+            self._free.clear()
+            self._free_bytes = 0
+            self.keep_bytes = 0
+
     def give(self, buf: np.ndarray) -> None:
         """Return a buffer once its bytes have been written."""
         with self._lock:

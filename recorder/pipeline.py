@@ -246,6 +246,7 @@ class Pipeline:
             self._thread.join(ABANDON_WAIT_S if timeout is None else min(timeout, ABANDON_WAIT_S))
         if self.error is not None and not self._thread.is_alive() and not self._published:
             self._abandon()
+        self.pool.release()  # no payload comes after the close; a writer given up on drops what it gives back
 
     def _join(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -230,6 +231,26 @@ def test_ring_finds_held_bytes_until_the_last_iteration_holding_them_leaves() ->
     ring.add(2, kept.key, kept)
     assert ring.take_all() == ([2], [kept])
     assert ring.find(kept.key) is None and ring.bytes == 0
+
+
+def test_a_closed_recording_keeps_no_staging_buffers(run_path: Path) -> None:
+    """The staging buffers a flight recording reuses for its copies are let go when it closes: a
+    closed ``Run`` stays with whoever holds it (a framework callback keeps its last one), and
+    would otherwise keep up to 256 MB with it, one more each time a notebook trains again."""
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))  # 256 KB weights: pooled
+    run = recorder.record(str(run_path), model=model, mode="flight", keep=2, modules=["*"])
+    pool = run.session.pipeline.pool
+    with run:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(5):
+            model(torch.randn(64, 256)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            run.next_iteration()
+        assert pool.free_bytes > 0  # iterations that left the ring gave their buffers back
+    assert pool.free_bytes == 0
+    pool.give(np.empty(1 << 20, np.uint8))  # what a writer given up on hands back afterwards
+    assert pool.free_bytes == 0
 
 
 def test_bytes_found_in_the_ring_are_held_again_under_the_same_lock(run_path: Path) -> None:
