@@ -119,6 +119,11 @@ class AppendArray:
             self._buf = np.empty((self.col.chunk_rows, *self.col.row_shape), dtype=self.col.dtype)
         return self._buf
 
+    def drop_buffer(self) -> None:
+        """After the final commit: the chunk buffer's rows are in the store; its memory goes (a
+        closed run's writer stays with its ``Run``, for as long as that is held)."""
+        self._buf = None
+
     def append(self, row: Any) -> int:
         """Append one row (a Python value, or a tuple for a row of several); returns its index. Rows
         wait as Python values and reach the chunk buffer in bulk (one conversion per commit, not one
@@ -581,6 +586,9 @@ class StoreWriter:
         self.status = status
         self.write_manifest()
         self._publish_final()
+        for arr in self.arrays.values():
+            arr.drop_buffer()
+        self._str_ids.clear()  # the documents' ids: only for rows that will not come
 
     def abandon(self, info: dict[str, Any]) -> None:
         """After a failed write (a full disk, a store gone): mark the run ``incomplete`` and say why,

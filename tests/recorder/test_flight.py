@@ -233,21 +233,34 @@ def test_ring_finds_held_bytes_until_the_last_iteration_holding_them_leaves() ->
     assert ring.find(kept.key) is None and ring.bytes == 0
 
 
-def test_a_closed_recording_keeps_no_staging_buffers(run_path: Path) -> None:
-    """The staging buffers a flight recording reuses for its copies are let go when it closes: a
-    closed ``Run`` stays with whoever holds it (a framework callback keeps its last one), and
-    would otherwise keep up to 256 MB with it, one more each time a notebook trains again."""
+def test_a_closed_recording_keeps_no_buffers(run_path: Path) -> None:
+    """What a flight recording allocated to stage and write its bytes (its staging buffers, the
+    store's chunk buffers) is let go when it closes: a closed ``Run`` stays with whoever holds it (a
+    framework callback keeps its last one), and would otherwise keep ~100 MB for the callbacks'
+    GPT-2, one more each time a notebook trains again."""
+    import gc
+    import tracemalloc
+
     model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))  # 256 KB weights: pooled
-    run = recorder.record(str(run_path), model=model, mode="flight", keep=2, modules=["*"])
-    pool = run.session.pipeline.pool
-    with run:
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for _ in range(5):
-            model(torch.randn(64, 256)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            run.next_iteration()
-        assert pool.free_bytes > 0  # iterations that left the ring gave their buffers back
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        run = recorder.record(str(run_path), model=model, mode="flight", keep=2, modules=["*"])
+        pool = run.session.pipeline.pool
+        with run:
+            for _ in range(5):
+                model(torch.randn(64, 256)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                run.next_iteration()
+            assert pool.free_bytes > 0  # iterations that left the ring gave their buffers back
+        gc.collect()
+        kept = tracemalloc.take_snapshot().compare_to(before, "filename")
+    finally:
+        tracemalloc.stop()
+    recorder_kept = sum(d.size_diff for d in kept if f"{os.sep}recorder{os.sep}" in d.traceback[0].filename)
+    assert recorder_kept < 1 << 20, [str(d) for d in kept[:5]]  # 12 MB before: staging and chunk buffers
     assert pool.free_bytes == 0
     pool.give(np.empty(1 << 20, np.uint8))  # what a writer given up on hands back afterwards
     assert pool.free_bytes == 0
