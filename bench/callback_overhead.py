@@ -14,9 +14,15 @@ forward and backward: 8 steps per training step). The +record variant (``--by-ha
 callback's own cost (its hooks, pauses, paths) from the recording's; it is left out by default, so
 that the rounds the target is judged on come sooner.
 
-Method (as bench/record_overhead.py): the variants run interleaved in one process, one block (one
-``fit()``/``train()`` of K optimizer steps, each into a new recording) per variant per round,
-round-robin, the order rotating every round, after a warm-up block each. A timing callback notes
+Method (as bench/record_overhead.py, paired rounds): one block (one ``fit()``/``train()`` of K
+optimizer steps, each into a new recording) per variant per round, round-robin, the order rotating
+every round, after a warm-up block each. Each variant trains in a worker process of its own
+(``Workers``), one block at a time: a recording changes glibc's heap, and a baseline trained in the
+same process as recordings took fewer page faults than one that never recorded. ``--heap`` says what
+heap the workers have: ``fixed`` (the default) turns glibc's trimming off in every worker, so no
+variant takes page faults and the comparison is of the work each does; ``glibc`` keeps glibc's
+defaults (each worker's heap history then sets its faults, a few percent either way); ``shared``
+runs every variant in this one process, as before 2026-12-04. A timing callback notes
 the end of every training step; a block's figure is (end of its last step - end of its first) /
 (K - 1): the training loop, the first step (allocator, kernels) left out. The fixed costs of a
 recording, opening its store when training starts and writing the ring at the end, are shown apart
@@ -28,16 +34,18 @@ undecided when it spans it (docs_section.judge).
 
 Usage:
   python bench/callback_overhead.py                    # 12 blocks x 10 steps per variant, torch on 2
-                                                       # then 1 thread(s), ~13 min on 2 cores
-  python bench/callback_overhead.py --by-hand          # also record() by hand (~15 min)
+                                                       # then 1 thread(s), ~5 min on 2 cores
+  python bench/callback_overhead.py --by-hand          # also record() by hand (~8 min)
   python bench/callback_overhead.py --threads 1        # one thread count only
   python bench/callback_overhead.py --blocks 2 --steps 4 --frameworks hf    # quick look
+  python bench/callback_overhead.py --heap glibc       # page faults as glibc's defaults give them
   python bench/callback_overhead.py --write-docs       # also (re)write its section of docs/PERFORMANCE.md
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
 import multiprocessing
@@ -191,7 +199,7 @@ def run_block(v: Variant, steps: int, tmp: Path, seq: list[int]) -> None:
         else:
             from recorder.huggingface import PaperDebuggerCallback  # type: ignore[assignment]
         callback = PaperDebuggerCallback(path)
-    block: Callable[[], list[float]] = (
+    block: Callable[[], list[tuple[float, int]]] = (
         (lambda: lightning_block(v.model, steps, callback)) if v.framework == "lightning"
         else (lambda: hf_block(v.model, steps, callback, tmp / f"out-{seq[0]}")))
     t0 = time.perf_counter()
@@ -276,9 +284,12 @@ class Workers:
 
     def close(self) -> None:
         for conn in self.conns.values():
-            conn.send(None)
+            with contextlib.suppress(OSError):  # a worker that died: its error is the one to see
+                conn.send(None)
         for proc in self.procs:
             proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
 
 
 def measure(frameworks: list[str], steps: int, blocks: int, warmup: int, by_hand: bool, threads: int,

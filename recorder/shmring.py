@@ -211,6 +211,11 @@ class SharedRing:
         """A buffer is no longer needed (any thread): freed at the next ``take``."""
         self._returned.append(buf)
 
+    def release(self) -> None:
+        """The recording is over (``StagingPool.release``): nothing to let go here. The ring is
+        the supervisor's shared memory, mapped for the child's life; the parent reads what it
+        holds after the child ends."""
+
     def held_from(self, iteration: int) -> None:
         """The ring holds no iteration before ``iteration`` any more (records of older ones are
         forgotten even if the writer thread has not been told yet)."""

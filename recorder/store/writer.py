@@ -89,6 +89,7 @@ class AppendArray:
         self.meta = meta  # the array's zarr.json, rewritten by this class when the shape changes
         self.capacity = int(meta["shape"][0])  # rows the zarr.json declares (see _template)
         self._buf: np.ndarray | None = None  # allocated on first use: most runs never touch u1/u2/u8
+        self._dropped = False  # drop_buffer(): the run is closed
         self.fill = 0  # rows in buf
         self._tail: list[Any] = []  # rows appended after those, as Python values (see append)
         self.chunk = 0  # index of the chunk buf holds
@@ -116,13 +117,18 @@ class AppendArray:
         # Uninitialised: rows are always written before they are read, and a partial chunk's
         # remainder is zeroed when it is committed.
         if self._buf is None:
+            if self._dropped and self.fill:
+                raise RuntimeError(f"{self.key}: the run is closed; its partial chunk is on disk only")
             self._buf = np.empty((self.col.chunk_rows, *self.col.row_shape), dtype=self.col.dtype)
         return self._buf
 
     def drop_buffer(self) -> None:
         """After the final commit: the chunk buffer's rows are in the store; its memory goes (a
-        closed run's writer stays with its ``Run``, for as long as that is held)."""
+        closed run's writer stays with its ``Run``, for as long as that is held). Rows of the
+        partial chunk are then gone from memory: ``buf`` refuses to hand out a fresh buffer in
+        its place."""
         self._buf = None
+        self._dropped = True
 
     def append(self, row: Any) -> int:
         """Append one row (a Python value, or a tuple for a row of several); returns its index. Rows
