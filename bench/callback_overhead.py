@@ -84,7 +84,7 @@ HEAPS = {
              f"({', '.join(f'{k}={v}' for k, v in NO_TRIM.items())}): no variant takes page faults, so the "
              "comparison is of the work each one does",
     "glibc": "each variant in a worker process of its own, glibc's defaults: page faults as a user's process "
-             "takes them, as many as each process's heap history makes (it moves a ratio by up to ~15%)",
+             "takes them, as many as each process's heap history makes (it moved a ratio by up to 7%)",
     "shared": "all variants in this one process, as before 2026-12-04: the baseline then trains in a heap the "
               "recordings before it changed, with fewer page faults than a process that never recorded",
 }
@@ -235,28 +235,23 @@ def quiet_frameworks() -> None:
 
 def serve(conn: Any, name: str, framework: str, how: str, threads: int, tmp: Path) -> None:
     """A worker process that trains one variant's copy of the model: one block per request
-    ``(steps, seq)``, answered with what the block measured; None ends it."""
+    ``(steps, seq)`` (``seq`` as ``run_block`` takes it), answered with what the block measured;
+    None ends it."""
     quiet_frameworks()
     torch.set_num_threads(threads)
     v = Variant(name, framework, gpt2(), how)
     while (request := conn.recv()) is not None:
         steps, seq = request
-        run_block(v, steps, tmp, [seq - 1])
+        run_block(v, steps, tmp, [seq])
         conn.send((v.per_step[-1], v.overhead[-1], v.ring_peak[-1:], v.problems[:], v.faults[-1]))
         v.forget()
 
 
 class Workers:
     """One worker process per variant (``serve``), started fresh, with ``env`` added to its
-    environment: no variant's blocks run in a process where another variant's ran.
-
-    Why: glibc's heap decides how many page faults training takes, and a recording changes it. Its
-    trim and mmap thresholds rise as large blocks are freed; a recording's buffers, released when it
-    closes, raise them, and training that follows in the same process then takes far fewer faults.
-    In one process, a baseline block after a closed recording took ~3,600 minor faults per step (some
-    none) at 171 ms/step; in a process of its own, ~10,000 at 184 ms/step (docs/PERFORMANCE.md). Each
-    process's heap history still sets its own number of faults, for its whole life, whatever the
-    rounds; with trimming off (``NO_TRIM``) there are none, in every variant."""
+    environment: no variant's blocks run in a process where another variant's ran (a recording
+    changes glibc's heap, and with it the page faults of the training after it: see HEAPS and the
+    method in ``docs_text``)."""
 
     def __init__(self, variants: list[Variant], threads: int, tmp: Path, env: dict[str, str]) -> None:
         ctx = multiprocessing.get_context("spawn")  # not fork: the parent's torch thread pool is running
@@ -273,8 +268,8 @@ class Workers:
                 self.procs.append(proc)
 
     def block(self, v: Variant, steps: int, seq: list[int]) -> None:
-        seq[0] += 1
         self.conns[v.name].send((steps, seq[0]))
+        seq[0] += 1  # as run_block does in the worker: the next block's store gets a name of its own
         per_step, overhead, ring_peak, problems, faults = self.conns[v.name].recv()
         v.per_step.append(per_step)
         v.overhead.append(overhead)
@@ -390,7 +385,7 @@ def docs_text(results: dict[int, dict[str, Any]], command: str) -> str:
     own = ("the difference between its row and the row of `record()` by hand" if res["by_hand"] else
            "measured with `--by-hand`: in the runs of 2026-12-02 the callback's steps took 0.89–1.05x those\n"
            "of recording the same steps by hand, no cost of its own above the noise")
-    heap = res.get("heap", "shared")
+    heap = res["heap"]
     where = (f"`--heap {heap}`: {HEAPS[heap]}" + ("" if heap == "shared" else
              " (the blocks interleaved in time: one worker trains while the others wait)"))
     parts = []
