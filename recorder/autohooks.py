@@ -22,7 +22,6 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.nn.modules import module as module_mod
 
 from . import compiled, skeleton
 from .errors import RecordingError
@@ -106,11 +105,8 @@ class GlobalCapture:
         self._defs: dict[type, StepDef] = {}
         self._roots: set[int] = set()  # ids of the modules whose selected modules are marked
         self._selected: list[weakref.ref[torch.nn.Module]] = []  # marked modules (see _SELECTED)
-        # Registered after the session's module stack, so paths are known when these run.
-        self._handles = [
-            module_mod.register_module_forward_pre_hook(self._pre),
-            module_mod.register_module_forward_hook(self._post, with_kwargs=True, always_call=True),
-        ]
+        # Called by the session's module stack's hooks, after it pushed the module (paths are known)
+        session.modules.listen(self._pre, self._post)
         if session.modules.model is not None:
             self._guard_mark(session.modules.model)
 
@@ -208,9 +204,7 @@ class GlobalCapture:
     def close(self) -> None:
         """Remove the hooks; steps still open on this thread (a BaseException such as
         KeyboardInterrupt skips torch's always-called hooks) are ended with the exception in flight."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self.session.modules.listen(None, None)
         for ref in self._selected:
             module = ref()
             if module is not None:

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 ACTIVE: Session | None = None  # the recording in progress, if any (set by recorder.record)
 
 ROLE = {name: i for i, name in enumerate(layout.ROLES)}
+# Dtypes of the records _capture takes on its quick path: their names and store units.
+_QUICK = {dtype: (payload_mod.dtype_name(dtype), payload_mod.unit_of(dtype))
+          for dtype in (torch.float32, torch.float64)}
 # Roles whose CPU bytes are addressed by content when captured (hashed on the training thread): a
 # parameter or buffer often holds the same bytes at many records (a module called several times per
 # iteration, frozen weights at every iteration), which are then copied and held once. The other
@@ -141,6 +144,9 @@ class Session:
         self.next_index = 0
         self.calls: dict[str, int] = {}  # forward calls of each step name in this iteration
         self.seen: set[tuple[int, int, int]] = set()  # content keys whose bytes went to the writer
+        # id(parameter or buffer) -> captures since its bytes were last found held (see _by_content)
+        self._new_bytes: dict[int, int] = {}
+        self._hashed = 0  # id of the tensor whose bytes are being hashed
         self.enabled = True
         self.closed = False  # set by close(): callbacks of graphs that outlive the recording do nothing
         self.failure: str | None = None
@@ -736,11 +742,17 @@ class Session:
     def _capture(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
         """Snapshot one tensor into the frame; returns its record name (for the arguments document)."""
         requires_grad = t.requires_grad
+        by_content = role in _BY_CONTENT and frame.payloads and self._by_content(t)
         if frame.vmap is not None:
             t, bdims = transforms.plain(t)
             if bdims:
                 frame.vmap[name] = bdims
         t = t.detach()
+        if frame.payloads and t.dtype in _QUICK and t.is_cpu and t.layout is torch.strided:
+            item = self._quick_capture(frame, role, name, t, requires_grad, by_content)
+            if item is not None:
+                frame.tensors.append(item)
+                return name
         device = t.device
         on_cpu = device.type == "cpu"
         meta_only = t.layout != torch.strided or device.type == "meta"
@@ -761,7 +773,7 @@ class Session:
             if frame.payloads:
                 try:
                     if on_cpu:
-                        item.payload, stats = self._cpu_payload(t, role in _BY_CONTENT)
+                        item.payload, stats = self._cpu_payload(t, by_content)
                     else:
                         item.payload = self._device_payload(t)
                     if item.payload is None:  # dropped: the store cannot keep up
@@ -771,6 +783,80 @@ class Session:
             item.stats = self._stats(frame, name, t, on_cpu) if stats is None else stats
         frame.tensors.append(item)
         return name
+
+    def _by_content(self, t: torch.Tensor) -> bool:
+        """Whether to hash a parameter's or buffer's bytes (``t``, not detached: its identity counts)
+        before copying them, so that bytes held already are not copied again (a frozen weight, a
+        module called twice in an iteration). A tensor whose bytes were new at its last two captures
+        and since (a trained weight, new after every optimizer step) is copied under a token
+        instead, and hashed by the writer only if written (see ``_cpu_payload``); at every eighth
+        capture it is hashed again, and bytes found held go back to hashing. Only a guess: either
+        way the same bytes are recorded."""
+        if len(self._new_bytes) > _SEEN_LIMIT:  # ids of tensors gone: only a guess, so bounded
+            self._new_bytes.clear()
+        new = self._new_bytes.get(id(t), 0)
+        self._new_bytes[id(t)] = new + 1
+        hashing = new < 2 or new % 8 == 0
+        self._hashed = id(t) if hashing else 0  # _held_already resets the count when it finds the bytes held
+        return hashing
+
+    def _quick_capture(self, frame: Frame, role: str, name: str, t: torch.Tensor, requires_grad: bool,
+                       by_content: bool) -> TensorItem | None:
+        """``_capture`` of the common record: a contiguous float32/float64 CPU tensor (``t``, detached)
+        whose bytes are kept, copied and summarised in one read by the statistics kernel. The work of
+        ``_cpu_payload`` and ``_stats`` without their general cases (other dtypes and layouts, a
+        shared ring), whose calls cost the training thread about as much again as the copy of a
+        typical record. None, with nothing done, for a tensor this does not take."""
+        kernel = stats_mod.copying_kernel(t)
+        if kernel is None or self.shared is not None or t.is_neg():  # (a negative view's memory is not its values)
+            return None
+        values = t.numpy().reshape(-1)
+        nbytes = values.nbytes
+        if not nbytes or not values.flags.c_contiguous or not values.flags.writeable:  # (size-1 dimensions)
+            return None
+        dtype, unit = _QUICK[t.dtype]
+        units = values.view(payload_mod.UNIT_DTYPES[unit])
+        ref: Any
+        if by_content:
+            ref = payload_mod.content_key(units, unit)
+            if self._held_already(ref):
+                stats = stats_mod.host_stats(t)
+                return TensorItem(role=ROLE[role], name=name, dtype=dtype, device="cpu", requires_grad=requires_grad,
+                                  shape=tuple(t.shape), stride=tuple(t.stride()), stats=stats, payload=ref,
+                                  held=self.iteration)
+            item = PayloadItem(key=ref, unit=unit)
+        else:
+            ref = next(self._tokens)
+            item = PayloadItem(key=None, unit=unit, token=ref)
+        item.buffer = buffer = self.pipeline.pool.take(nbytes)
+        if self._room(nbytes, buffer):
+            out = buffer[:nbytes].view(values.dtype) if buffer is not None else np.empty_like(values)
+            try:
+                stats = stats_mod.copy_summary(kernel, values, out)
+                item.data = out.view(units.dtype)
+                self._send_payload(item, ref)
+            except BaseException:
+                self._unroom(nbytes)
+                raise
+        else:  # dropped: the store cannot keep up
+            frame.dropped += 1
+            ref, stats = None, stats_mod.host_stats(t)
+        return TensorItem(role=ROLE[role], name=name, dtype=dtype, device="cpu", requires_grad=requires_grad,
+                          shape=tuple(t.shape), stride=tuple(t.stride()), stats=stats, payload=ref, held=self.iteration)
+
+    def _held_already(self, key: tuple[int, int, int]) -> bool:
+        """Whether bytes of this content are on their way to the store, or waiting in the flight ring
+        (then held for this iteration too): no copy of them is needed."""
+        held = key in self.seen
+        if not held and self.ring is not None:
+            with self.ring.lock:  # found and held again at once: no other thread drops it in between
+                found = self.ring.find(key)
+                if found is not None:
+                    self._send_payload(found, key)
+                    held = True
+        if held:
+            self._new_bytes.pop(self._hashed, None)
+        return held
 
     @staticmethod
     def _stats(frame: Frame, name: str, t: torch.Tensor, on_cpu: bool) -> Any:
@@ -787,27 +873,21 @@ class Session:
         or None when they were dropped (the store cannot keep up: see ``_room``), and the tensor's
         statistics when the copy computed them (stats.copy_stats), else None.
 
-        ``by_content``: the bytes are hashed first and copied only when new (parameters, buffers).
-        Otherwise they are copied under a token, as a device tensor's are, and the writer hashes
-        them when it writes them: in flight mode most never are, and a copy costs the training
-        thread less than a hash (it reads the bytes for their statistics anyway; a cold 2 MB array
-        is copied and summarised in ~250 us, hashed in ~120 us and summarised in ~180 us). Bytes
-        that repeat (one step's output, the next one's input) are then copied twice and stored
-        once: the writer deduplicates by content. A shared ring (share_ring) journals content keys,
-        so it takes every payload by content."""
+        ``by_content``: the bytes are hashed first and copied only when new (parameters and buffers,
+        as ``_by_content`` decides). Otherwise they are copied under a token, as a device tensor's
+        are, and the writer hashes them when it writes them: in flight mode most never are, and a
+        copy costs the training thread less than a hash (it reads the bytes for their statistics
+        anyway; a cold 2 MB array is copied and summarised in ~250 us, hashed in ~120 us and
+        summarised in ~180 us). Bytes that repeat (one step's output, the next one's input) are
+        then copied twice and stored once: the writer deduplicates by content. A shared ring
+        (share_ring) journals content keys, so it takes every payload by content."""
         units, unit, aliases = payload_mod.as_units(t)
         if not by_content and self.shared is None:
             return self._copy_payload(t, PayloadItem(key=None, unit=unit, data=units, token=next(self._tokens)),
                                       units, aliases)
         key = payload_mod.content_key(units, unit)
-        if key in self.seen:  # on its way to the store already
+        if self._held_already(key):
             return key, None
-        if self.ring is not None:
-            with self.ring.lock:  # found and held again at once: no other thread drops it in between
-                held = self.ring.find(key)
-                if held is not None:  # the same bytes wait in the ring: hold them for this iteration too
-                    self._send_payload(held, key)
-                    return key, None
         return self._copy_payload(t, PayloadItem(key=key, unit=unit, data=units), units, aliases)
 
     def _copy_payload(self, t: torch.Tensor, item: PayloadItem, units: np.ndarray, aliases: bool
@@ -1156,9 +1236,15 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 # -- torch.compile (see recorder.compiled) -----------------------------------------------------------
 def _backward_callback(method: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
-    """``method`` with its first arguments bound, for autograd to call back in backward. Once
-    torch.compile is in use (torch._dynamo loaded) it goes through ``compiled.eagerly``: autograd also
-    calls back inside compiled code, where Dynamo would otherwise try to compile the recorder's."""
-    if "torch._dynamo" in sys.modules:
-        return functools.partial(compiled.eagerly, method, *bound)
-    return functools.partial(method, *bound)
+    """``method`` with its first arguments bound, for autograd to call back in backward. Called
+    while Dynamo traces (compiled autograd), it goes through ``compiled.eagerly``, so that Dynamo
+    does not try to compile the recorder's code; otherwise it is a plain call (``eagerly`` costs
+    ~10 us a call, and transformers or Lightning load torch._dynamo whether or not anything is
+    compiled)."""
+    return functools.partial(_called_back, method, *bound)
+
+
+def _called_back(method: Callable[..., Any], *args: Any) -> Any:
+    if compiled.tracing():
+        return compiled.eagerly(method, *args)
+    return method(*args)

@@ -92,11 +92,13 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
 
     float32/float64 tensors go through the one-pass kernel when it is loaded and takes them (see
     ``_kernel_takes``). Values it finds non-finite take the exact path below, which counts them.
-    Without the kernel, small float32/float64 tensors go through numpy: a torch call costs ~3-5 us of
+    Without the kernel, small float32/float64 tensors go through numpy, and so do small boolean and
+    integer ones, as float64 (exact up to 2**53, as torch's path below): a torch call costs ~3-5 us of
     dispatch, and releases the interpreter lock, which the writer thread then holds until its next
-    pause; numpy keeps it for arrays this small. Larger ones use torch, whose reductions run on its
-    intra-op threads, and so do values whose sums could overflow (numpy would warn in the user's
-    process)."""
+    pause; numpy keeps it for arrays this small (an int64 tensor of 128 position ids took ~550 us
+    through torch inside a training step, where every call runs with cold caches). Larger ones use
+    torch, whose reductions run on its intra-op threads, and so do values whose sums could overflow
+    (numpy would warn in the user's process)."""
     if not _slot.tried:  # the same path in every process (a replay's statistics, the recorder's)
         prepare()
     takes = t.dtype in _FLOATS and _kernel_takes(t)
@@ -107,7 +109,12 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
             if got is not None:
                 return got
         return _exact(x)
+    if t.dtype in _INTEGERS and t.numel() <= SMALL:  # position ids, masks: as _working converts them, in numpy
+        return _stats(payload.host_array(t).reshape(-1).astype(np.float64), np)
     return _stats(_working(t).reshape(-1), torch)
+
+
+_INTEGERS = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
 def _exact(x: np.ndarray) -> tuple[float, ...]:
@@ -122,11 +129,22 @@ def copy_stats(t: torch.Tensor, dst: np.ndarray, src: np.ndarray) -> tuple[float
     the same read when the kernel takes the tensor; None when it does not (the bytes are copied all
     the same: payload.copy_into)."""
     if t.dtype in _FLOATS and len(src) and src.flags.writeable and _kernel_takes(t):
-        x, out = src.view(_NUMPY[t.dtype]), dst.view(_NUMPY[t.dtype])
-        got = _from_sums(out, _slot.active.copy_sums(x, out))
-        return _exact(out) if got is None else got  # non-finite values: counted, on the copy
+        return copy_summary(_slot.active, src.view(_NUMPY[t.dtype]), dst.view(_NUMPY[t.dtype]))
     payload.copy_into(dst, src)
     return None
+
+
+def copying_kernel(t: torch.Tensor) -> Any:
+    """The kernel (for ``copy_summary``) when it summarises ``t``, a float32/float64 CPU tensor, while
+    copying it (see ``_kernel_takes``); else None."""
+    return _slot.active if _kernel_takes(t) else None
+
+
+def copy_summary(kernel: Any, x: np.ndarray, out: np.ndarray) -> tuple[float, ...]:
+    """Copy ``x`` (1-D, contiguous, float32 or float64, not empty) into ``out`` and return its
+    statistics, from the same read; ``kernel`` from ``copying_kernel``."""
+    got = _from_sums(out, kernel.copy_sums(x, out))
+    return _exact(out) if got is None else got  # non-finite values: counted, on the copy
 
 
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}

@@ -195,6 +195,7 @@ def test_capture_failure_degrades(run_path, monkeypatch):
     """An internal error while capturing a step warns once and the call still returns its result."""
     monkeypatch.setattr(stats, "host_stats", lambda t: 1 / 0)  # statistics alone
     monkeypatch.setattr(stats, "copy_stats", lambda t, dst, src: 1 / 0)  # statistics taken with a copy
+    monkeypatch.setattr(stats, "copy_summary", lambda kernel, x, out: 1 / 0)  # the same, on capture's quick path
     with pytest.warns(recorder.RecorderWarning, match="ZeroDivisionError"):
         with recorder.record(run_path) as run:
             out = [scale(torch.ones(2)) for _ in range(3)]
