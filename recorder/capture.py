@@ -810,10 +810,12 @@ class Session:
         kernel = stats_mod.copying_kernel(t)
         if kernel is None or self.shared is not None or t.is_neg():  # (a negative view's memory is not its values)
             return None
-        values = t.numpy().reshape(-1)
-        nbytes = values.nbytes
-        if not nbytes or not values.flags.c_contiguous or not values.flags.writeable:  # (size-1 dimensions)
+        values = t.numpy()
+        flags = values.flags
+        if not flags.c_contiguous or not flags.writeable or not values.size:  # (size-1 dimensions' strides)
             return None
+        values = values.reshape(-1)
+        nbytes = values.nbytes
         dtype, unit = _QUICK[t.dtype]
         units = values.view(payload_mod.UNIT_DTYPES[unit])
         ref: Any
@@ -829,7 +831,7 @@ class Session:
             ref = next(self._tokens)
             item = PayloadItem(key=None, unit=unit, token=ref)
         item.buffer = buffer = self.pipeline.pool.take(nbytes)
-        if self._room(nbytes, buffer):
+        if self.ring is not None or self._room(nbytes, buffer):
             out = buffer[:nbytes].view(values.dtype) if buffer is not None else np.empty_like(values)
             try:
                 stats = stats_mod.copy_summary(kernel, values, out)
@@ -1089,11 +1091,18 @@ class Session:
         self._guard("capturing grad inputs", run)
 
     def _on_param_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
-        def run() -> None:
-            frame = self._open_backward(link)
-            self._capture(frame, "param_grad", name, grad)
-            frame.t_end = max(frame.t_end, time.perf_counter() - self.t0)
-        self._guard("capturing parameter grads", run)
+        # As _guard, written out: this runs for every parameter of every recorded step.
+        if not self.enabled or self.closed:
+            return
+        try:
+            with self.lock:
+                frame = link.frame or self._open_backward(link)
+                self._capture(frame, "param_grad", name, grad)
+                now = time.perf_counter() - self.t0
+                if now > frame.t_end:
+                    frame.t_end = now
+        except Exception as exc:
+            self.fail("capturing parameter grads", exc)
 
     def _open_backward(self, link: BackwardLink) -> Frame:
         if link.frame is not None:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 
-@dataclass
+@dataclass(slots=True)
 class PayloadItem:
     """Bytes of one tensor. ``key`` is known for the bytes hashed on the training thread (CPU
     parameters and buffers, so that repeats are never copied); the others are named by ``token``
@@ -34,7 +34,7 @@ class PayloadItem:
         return int(self.pinned.numel()) if self.pinned is not None else 0
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorItem:
     role: int
     name: str

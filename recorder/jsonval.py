@@ -147,6 +147,12 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
             return _opaque(value)
 
     def leaf(value: Any, path: str, depth: int) -> Any:
+        if isinstance(value, torch.Tensor):  # Parameter included; first: a step's arguments are mostly tensors
+            name = tensor_name(value, path) if tensor_name is not None else None
+            if isinstance(name, str):
+                return {"$tensor": name}
+            return {"$tensor_meta": {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
+                                     "device": str(value.device)}}
         if value is None or isinstance(value, bool):
             return value
         if isinstance(value, enum.Enum):  # before int/str/float: IntEnum, StrEnum
@@ -168,11 +174,6 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
         if isinstance(value, torch.Generator):  # its state before the call: a replay draws the same numbers
             state = base64.b64encode(value.get_state().numpy().tobytes()).decode()
             return {"$generator": {"device": str(value.device), "state": state}}
-        if isinstance(value, torch.Tensor):  # Parameter included
-            name = tensor_name(value, path) if tensor_name is not None else None
-            dtype, device = str(value.dtype).removeprefix("torch."), str(value.device)
-            return {"$tensor": name} if isinstance(name, str) else {
-                "$tensor_meta": {"shape": list(value.shape), "dtype": dtype, "device": device}}
         if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
             ref = function_ref(value)
             return {"$function": ref} if ref is not None else _opaque(value)
