@@ -18,9 +18,8 @@ round); a resumed block ends with ``run.flush()``, so the writer's work for it i
 each block, per iteration: wall time; the training thread's CPU time (``time.thread_time``), in
 forward, backward and the optimizer, and inside the recorder's entry points (a step's begin and end,
 its gradient hooks, the end of a backward pass, the iteration's end); within those, the parts:
-copying payloads with their statistics (``stats.copy_stats``, and ``stats.copy_summary`` on capture's
-quick path), statistics without a copy, hashing parameters (``payload.content_key``), the RNG and
-settings snapshots; the rest is bookkeeping
+copying payloads with their statistics (``stats.copy_stats``), statistics without a copy, hashing
+parameters (``payload.content_key``), the RNG and settings snapshots; the rest is bookkeeping
 (records, argument documents, taps, queueing). Also the writer thread's CPU and the training
 thread's minor page faults. Medians over rounds. The entry points are timed by wrapping them
 (~1 us per call, restored afterwards).
@@ -69,8 +68,7 @@ MODELS = ("gpt-like", "gpt2")
 ENTRY_POINTS = ("begin", "end", "end_with_exception", "add_kwargs", "_on_grad_output", "_on_grad_input",
                 "_on_param_grad", "_end_of_backward", "next_iteration")
 # Parts timed inside the entry points: (object, attribute, label).
-PARTS = ((stats_mod, "copy_stats", "copy"), (stats_mod, "copy_summary", "copy"), (stats_mod, "host_stats", "stats"),
-         (stats_mod, "device_stats", "stats"),
+PARTS = ((stats_mod, "copy_stats", "copy"), (stats_mod, "host_stats", "stats"), (stats_mod, "device_stats", "stats"),
          (payload, "content_key", "hash"), (snapshot.RngReader, "parts", "snapshots"),
          (capture.Session, "_settings", "snapshots"))
 

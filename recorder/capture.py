@@ -797,68 +797,31 @@ class Session:
         new = self._new_bytes.get(id(t), 0)
         self._new_bytes[id(t)] = new + 1
         hashing = new < 2 or new % 8 == 0
-        self._hashed = id(t) if hashing else 0  # _held_already resets the count when it finds the bytes held
+        self._hashed = id(t) if hashing else 0  # _cpu_payload resets the count when it finds the bytes held
         return hashing
 
     def _quick_capture(self, frame: Frame, role: str, name: str, t: torch.Tensor, requires_grad: bool,
                        by_content: bool) -> TensorItem | None:
         """``_capture`` of the common record: a contiguous float32/float64 CPU tensor (``t``, detached)
-        whose bytes are kept, copied and summarised in one read by the statistics kernel. The work of
-        ``_cpu_payload`` and ``_stats`` without their general cases (other dtypes and layouts, a
-        shared ring), whose calls cost the training thread about as much again as the copy of a
-        typical record. None, with nothing done, for a tensor this does not take."""
-        kernel = stats_mod.copying_kernel(t)
-        if kernel is None or self.shared is not None or t.is_neg():  # (a negative view's memory is not its values)
+        whose bytes are kept and which the statistics kernel summarises as it copies them. Its bytes
+        are viewed and its record made without the general path's dtype, layout and device cases
+        (``payload.as_units``, ``_capture``'s); the payload goes through ``_cpu_payload`` as any.
+        None, with nothing done, for a tensor this does not take."""
+        if t.is_neg() or not stats_mod.kernel_takes(t):  # (a negative view's memory is not its values)
             return None
         values = t.numpy()
         flags = values.flags
         if not flags.c_contiguous or not flags.writeable or not values.size:  # (size-1 dimensions' strides)
             return None
-        values = values.reshape(-1)
-        nbytes = values.nbytes
         dtype, unit = _QUICK[t.dtype]
-        units = values.view(payload_mod.UNIT_DTYPES[unit])
-        ref: Any
-        if by_content:
-            ref = payload_mod.content_key(units, unit)
-            if self._held_already(ref):
-                stats = stats_mod.host_stats(t)
-                return TensorItem(role=ROLE[role], name=name, dtype=dtype, device="cpu", requires_grad=requires_grad,
-                                  shape=tuple(t.shape), stride=tuple(t.stride()), stats=stats, payload=ref,
-                                  held=self.iteration)
-            item = PayloadItem(key=ref, unit=unit)
-        else:
-            ref = next(self._tokens)
-            item = PayloadItem(key=None, unit=unit, token=ref)
-        item.buffer = buffer = self.pipeline.pool.take(nbytes)
-        if self.ring is not None or self._room(nbytes, buffer):
-            out = buffer[:nbytes].view(values.dtype) if buffer is not None else np.empty_like(values)
-            try:
-                stats = stats_mod.copy_summary(kernel, values, out)
-                item.data = out.view(units.dtype)
-                self._send_payload(item, ref)
-            except BaseException:
-                self._unroom(nbytes)
-                raise
-        else:  # dropped: the store cannot keep up
+        units = values.reshape(-1).view(payload_mod.UNIT_DTYPES[unit])
+        payload, stats = self._cpu_payload(t, by_content, (units, unit, True))
+        if payload is None:  # dropped: the store cannot keep up
             frame.dropped += 1
-            ref, stats = None, stats_mod.host_stats(t)
         return TensorItem(role=ROLE[role], name=name, dtype=dtype, device="cpu", requires_grad=requires_grad,
-                          shape=tuple(t.shape), stride=tuple(t.stride()), stats=stats, payload=ref, held=self.iteration)
-
-    def _held_already(self, key: tuple[int, int, int]) -> bool:
-        """Whether bytes of this content are on their way to the store, or waiting in the flight ring
-        (then held for this iteration too): no copy of them is needed."""
-        held = key in self.seen
-        if not held and self.ring is not None:
-            with self.ring.lock:  # found and held again at once: no other thread drops it in between
-                found = self.ring.find(key)
-                if found is not None:
-                    self._send_payload(found, key)
-                    held = True
-        if held:
-            self._new_bytes.pop(self._hashed, None)
-        return held
+                          shape=tuple(t.shape), stride=tuple(t.stride()),
+                          stats=stats_mod.host_stats(t) if stats is None else stats, payload=payload,
+                          held=self.iteration)
 
     @staticmethod
     def _stats(frame: Frame, name: str, t: torch.Tensor, on_cpu: bool) -> Any:
@@ -869,7 +832,7 @@ class Session:
             frame.notes.append(f"{name}: no statistics for {t.dtype} ({type(exc).__name__}: {exc})")
             return stats_mod.EMPTY
 
-    def _cpu_payload(self, t: torch.Tensor, by_content: bool
+    def _cpu_payload(self, t: torch.Tensor, by_content: bool, units_of: tuple[np.ndarray, int, bool] | None = None,
                      ) -> tuple[tuple[int, int, int] | int | None, tuple[float, ...] | None]:
         """Copy and send a CPU tensor's bytes. Returns their reference (a content key or a token),
         or None when they were dropped (the store cannot keep up: see ``_room``), and the tensor's
@@ -882,13 +845,22 @@ class Session:
         anyway; a cold 2 MB array is copied and summarised in ~250 us, hashed in ~120 us and
         summarised in ~180 us). Bytes that repeat (one step's output, the next one's input) are
         then copied twice and stored once: the writer deduplicates by content. A shared ring
-        (share_ring) journals content keys, so it takes every payload by content."""
-        units, unit, aliases = payload_mod.as_units(t)
+        (share_ring) journals content keys, so it takes every payload by content. ``units_of``:
+        ``payload.as_units(t)``, when the caller has it."""
+        units, unit, aliases = payload_mod.as_units(t) if units_of is None else units_of
         if not by_content and self.shared is None:
             return self._copy_payload(t, PayloadItem(key=None, unit=unit, data=units, token=next(self._tokens)),
                                       units, aliases)
         key = payload_mod.content_key(units, unit)
-        if self._held_already(key):
+        held = key in self.seen  # on its way to the store already
+        if not held and self.ring is not None:
+            with self.ring.lock:  # found and held again at once: no other thread drops it in between
+                found = self.ring.find(key)
+                if found is not None:  # the same bytes wait in the ring: hold them for this iteration too
+                    self._send_payload(found, key)
+                    held = True
+        if held:
+            self._new_bytes.pop(self._hashed, None)  # back to hashing first (see _by_content)
             return key, None
         return self._copy_payload(t, PayloadItem(key=key, unit=unit, data=units), units, aliases)
 
@@ -1091,18 +1063,11 @@ class Session:
         self._guard("capturing grad inputs", run)
 
     def _on_param_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
-        # As _guard, written out: this runs for every parameter of every recorded step.
-        if not self.enabled or self.closed:
-            return
-        try:
-            with self.lock:
-                frame = link.frame or self._open_backward(link)
-                self._capture(frame, "param_grad", name, grad)
-                now = time.perf_counter() - self.t0
-                if now > frame.t_end:
-                    frame.t_end = now
-        except Exception as exc:
-            self.fail("capturing parameter grads", exc)
+        def run() -> None:
+            frame = self._open_backward(link)
+            self._capture(frame, "param_grad", name, grad)
+            frame.t_end = max(frame.t_end, time.perf_counter() - self.t0)
+        self._guard("capturing parameter grads", run)
 
     def _open_backward(self, link: BackwardLink) -> Frame:
         if link.frame is not None:

@@ -91,7 +91,7 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
     """Statistics of a CPU tensor as Python floats, in layout.STAT_NAMES order.
 
     float32/float64 tensors go through the one-pass kernel when it is loaded and takes them (see
-    ``_kernel_takes``). Values it finds non-finite take the exact path below, which counts them.
+    ``kernel_takes``). Values it finds non-finite take the exact path below, which counts them.
     Without the kernel, small float32/float64 tensors go through numpy, and so do small boolean and
     integer ones, as float64 (exact up to 2**53, as torch's path below): a torch call costs ~3-5 us of
     dispatch, and releases the interpreter lock, which the writer thread then holds until its next
@@ -101,7 +101,7 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
     (numpy would warn in the user's process)."""
     if not _slot.tried:  # the same path in every process (a replay's statistics, the recorder's)
         prepare()
-    takes = t.dtype in _FLOATS and _kernel_takes(t)
+    takes = t.dtype in _FLOATS and kernel_takes(t)
     if takes or (t.dtype in _FLOATS and t.numel() <= SMALL):
         x = payload.host_array(t).reshape(-1)  # a view, or (strided and small) a copy
         if takes and len(x) and x.flags.c_contiguous and x.flags.writeable:
@@ -128,36 +128,21 @@ def copy_stats(t: torch.Tensor, dst: np.ndarray, src: np.ndarray) -> tuple[float
     ``dst`` (an array of the same units and size) and return the tensor's statistics, computed from
     the same read when the kernel takes the tensor; None when it does not (the bytes are copied all
     the same: payload.copy_into)."""
-    if t.dtype in _FLOATS and len(src) and src.flags.writeable and _kernel_takes(t):
-        return _copy_summary(_slot.active, src.view(_NUMPY[t.dtype]), dst.view(_NUMPY[t.dtype]))
+    if t.dtype in _FLOATS and len(src) and src.flags.writeable and kernel_takes(t):
+        x, out = src.view(_NUMPY[t.dtype]), dst.view(_NUMPY[t.dtype])
+        got = _from_sums(out, _slot.active.copy_sums(x, out))
+        return _exact(out) if got is None else got  # non-finite values: counted, on the copy
     payload.copy_into(dst, src)
     return None
-
-
-def copying_kernel(t: torch.Tensor) -> Any:
-    """The kernel (for ``copy_summary``) when it summarises ``t``, a float32/float64 CPU tensor, while
-    copying it (see ``_kernel_takes``); else None."""
-    return _slot.active if _kernel_takes(t) else None
-
-
-def copy_summary(kernel: Any, x: np.ndarray, out: np.ndarray) -> tuple[float, ...]:
-    """Copy ``x`` (1-D, contiguous, float32 or float64, not empty) into ``out`` and return its
-    statistics, from the same read; ``kernel`` from ``copying_kernel``."""
-    lo, hi, total, squares = kernel.copy_sums(x, out)
-    if math.isfinite(total) and math.isfinite(squares) and math.isfinite(lo) and math.isfinite(hi):
-        return _summarise(out, np, lo, hi, total, squares, 0, 0)
-    return _exact(out)  # non-finite values: counted, on the copy
-
-
-_copy_summary = copy_summary  # for copy_stats: a profiler that wraps copy_summary does not count it twice
 
 
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
-def _kernel_takes(t: torch.Tensor) -> bool:
-    """Whether the kernel summarises ``t`` (a float32/float64 CPU tensor): any small one, and
-    contiguous ones of any size while torch runs on at most ``KERNEL_THREADS`` threads."""
+def kernel_takes(t: torch.Tensor) -> bool:
+    """Whether the kernel summarises ``t`` (a float32/float64 CPU tensor; ``copy_stats`` in the read
+    that copies it): any small one, and contiguous ones of any size while torch runs on at most
+    ``KERNEL_THREADS`` threads."""
     return _slot.active is not None and (t.numel() <= SMALL or (
         t.is_contiguous() and not t.is_neg() and torch.get_num_threads() <= KERNEL_THREADS))
 
@@ -229,7 +214,7 @@ def _summarise(x: Any, lib: Any, lo: float, hi: float, total: float, squares: fl
     n = len(x)
     big = max(abs(lo), abs(hi))
     finite = math.isfinite(total) and math.isfinite(squares)
-    if (big < _TINY or not finite) and str(x.dtype).endswith("float32"):  # (numpy's or torch's)
+    if (big < _TINY or not finite) and str(x.dtype).endswith("float32"):
         # float32 sums of squares vanish below ~1e-19 and overflow above ~1e19: sum in float64 instead
         x, lib = torch.from_numpy(x).double() if lib is np else x.double(), torch
         total, squares = x.sum().item(), torch.dot(x, x).item()
