@@ -172,7 +172,8 @@ def _stats(x: Any, lib: Any) -> tuple[float, ...]:
 
 
 # Sums of squares below these cannot overflow (nor can the deviations' sums): numpy's are safe.
-_NUMPY_SAFE = {np.dtype(np.float32): float(np.finfo(np.float32).max) / 4,
+_F32 = np.dtype(np.float32)
+_NUMPY_SAFE = {_F32: float(np.finfo(np.float32).max) / 4,
                np.dtype(np.float64): float(np.finfo(np.float64).max) / 4}
 
 
@@ -214,8 +215,9 @@ def _summarise(x: Any, lib: Any, lo: float, hi: float, total: float, squares: fl
     n = len(x)
     big = max(abs(lo), abs(hi))
     finite = math.isfinite(total) and math.isfinite(squares)
-    if (big < _TINY or not finite) and str(x.dtype).endswith("float32"):
-        # float32 sums of squares vanish below ~1e-19 and overflow above ~1e19: sum in float64 instead
+    if (big < _TINY or not finite or big * big * n >= _NUMPY_SAFE[_F32]) and str(x.dtype).endswith("float32"):
+        # float32 sums of squares vanish below ~1e-19 and overflow above ~1e19, and so would the
+        # deviations' sums below (the kernel's sums are float64 sums already): sum in float64 instead
         x, lib = torch.from_numpy(x).double() if lib is np else x.double(), torch
         total, squares = x.sum().item(), torch.dot(x, x).item()
         finite = True

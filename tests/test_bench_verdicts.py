@@ -92,12 +92,29 @@ def test_callback_docs_say_where_the_variants_trained() -> None:
                           ring_peak=[10**6] if how else [], faults=[faults, faults])
 
     for heap in cb.HEAPS:
-        res = {"steps": 10, "blocks": 2, "seconds": 60.0, "loadavg_before": (1.0,) * 3, "loadavg_after": (1.0,) * 3,
-               "frameworks": ["hf"], "by_hand": False, "heap": heap,
+        res = {"steps": 10, "settle": 3, "blocks": 2, "seconds": 60.0, "loadavg_before": (1.0,) * 3,
+               "loadavg_after": (1.0,) * 3, "frameworks": ["hf"], "by_hand": False, "heap": heap,
                "variants": {"hf": variant("hf", "", 9000), "hf+callback": variant("hf+callback", "callback", 4000)}}
         text = cb.docs_text({2: res}, "python bench/callback_overhead.py")
         assert f"`--heap {heap}`: {cb.HEAPS[heap]}" in text.replace("\n", " ")
         assert "| minor faults per step |" in text and "| 9000 |" in text and "| 4000 |" in text
+
+
+def test_callback_steps_are_timed_from_the_settled_step() -> None:
+    """A block's per-step figure starts at the end of step ``settle`` (the flight ring full), so a
+    recording's first fill counts into its fixed cost, not its step time; every variant alike."""
+    import callback_overhead as cb
+
+    ends = [(0.0, 0), (1.0, 5000), (1.5, 9000), (1.7, 9000), (1.9, 9010)]  # slow first steps, then 0.2 s
+    assert cb.steady(ends, 3) == (pytest.approx(0.2), 5.0)
+    assert cb.steady(ends, 1) == (pytest.approx(1.9 / 4), 9010 / 4)  # from the first step's end, as before
+    assert cb.steady(ends[:3], 3) == (pytest.approx(0.5), 4000.0)  # too short: its last step
+    res = {"steps": 16, "settle": 3, "blocks": 1, "seconds": 1.0, "loadavg_before": (1.0,) * 3,
+           "loadavg_after": (1.0,) * 3, "frameworks": ["hf"], "by_hand": False, "heap": "fixed",
+           "variants": {"hf": cb.Variant("hf", "hf", None, "", per_step=[0.2], overhead=[0.1], faults=[0.0]),
+                        "hf+callback": cb.Variant("hf+callback", "hf", None, "callback", per_step=[0.21],
+                                                  overhead=[0.3], ring_peak=[10**6], faults=[0.0])}}
+    assert "between the end of its step 3 and of its last step" in cb.docs_text({2: res}, "x").replace("\n", " ")
 
 
 def test_environment_is_put_back() -> None:
