@@ -24,7 +24,7 @@ variant takes page faults and the comparison is of the work each does; ``glibc``
 defaults (each worker's heap history then sets its faults, a few percent either way); ``shared``
 runs every variant in this one process, as before 2026-12-04. A timing callback notes
 the end of every training step; a block's figure is (end of its last step - end of step S) /
-(K - S), S = ``--settle`` (default 3): the training loop in its steady state, every variant timed
+(K - S), S = ``SETTLE`` (3): the training loop in its steady state, every variant timed
 alike. The first step (allocator, kernels) and, with the callback, the flight ring's first fill
 (keep=2: full from the third step; new buffers, their page faults) are left out of it: they are paid
 once per training. The fixed costs of a recording, opening its store when training starts, that first
@@ -204,8 +204,8 @@ def steady(ends: list[tuple[float, int]], settle: int) -> tuple[float, float]:
     return (ends[-1][0] - ends[first][0]) / n, (ends[-1][1] - ends[first][1]) / n
 
 
-def run_block(v: Variant, steps: int, tmp: Path, seq: list[int], settle: int = 1) -> None:
-    """One block of ``v``, timed from the end of step ``settle`` (see ``steady``)."""
+def run_block(v: Variant, steps: int, tmp: Path, seq: list[int]) -> None:
+    """One block of ``v``, timed from the end of step ``SETTLE`` (see ``steady``)."""
     seq[0] += 1
     path = tmp / f"{v.name}-{seq[0]}.zarr"
     callback = None
@@ -227,7 +227,7 @@ def run_block(v: Variant, steps: int, tmp: Path, seq: list[int], settle: int = 1
         ends = block()
         run = None if callback is None else callback.run
     wall = time.perf_counter() - t0
-    per_step, faults = steady(ends, settle)
+    per_step, faults = steady(ends, SETTLE)
     v.per_step.append(per_step)
     v.faults.append(faults)
     v.overhead.append(wall - steps * per_step)
@@ -251,14 +251,14 @@ def quiet_frameworks() -> None:
 
 def serve(conn: Any, name: str, framework: str, how: str, threads: int, tmp: Path) -> None:
     """A worker process that trains one variant's copy of the model: one block per request
-    ``(steps, seq, settle)`` (as ``run_block`` takes them), answered with what the block measured;
+    ``(steps, seq)`` (``seq`` as ``run_block`` takes it), answered with what the block measured;
     None ends it."""
     quiet_frameworks()
     torch.set_num_threads(threads)
     v = Variant(name, framework, gpt2(), how)
     while (request := conn.recv()) is not None:
-        steps, seq, settle = request
-        run_block(v, steps, tmp, [seq], settle)
+        steps, seq = request
+        run_block(v, steps, tmp, [seq])
         conn.send((v.per_step[-1], v.overhead[-1], v.ring_peak[-1:], v.problems[:], v.faults[-1]))
         v.forget()
 
@@ -283,8 +283,8 @@ class Workers:
                 self.conns[v.name] = parent
                 self.procs.append(proc)
 
-    def block(self, v: Variant, steps: int, seq: list[int], settle: int) -> None:
-        self.conns[v.name].send((steps, seq[0], settle))
+    def block(self, v: Variant, steps: int, seq: list[int]) -> None:
+        self.conns[v.name].send((steps, seq[0]))
         seq[0] += 1  # as run_block does in the worker: the next block's store gets a name of its own
         per_step, overhead, ring_peak, problems, faults = self.conns[v.name].recv()
         v.per_step.append(per_step)
@@ -304,7 +304,7 @@ class Workers:
 
 
 def measure(frameworks: list[str], steps: int, blocks: int, warmup: int, by_hand: bool, threads: int,
-            heap: str = "fixed", settle: int = SETTLE) -> dict[str, Any]:
+            heap: str = "fixed") -> dict[str, Any]:
     """Blocks of each variant, round-robin; ``heap`` (a key of HEAPS) says where they train."""
     one_process = heap == "shared"
     hows = ("", "callback", "record") if by_hand else ("", "callback")
@@ -320,9 +320,9 @@ def measure(frameworks: list[str], steps: int, blocks: int, warmup: int, by_hand
             def block(v: Variant, n: int) -> None:
                 if workers is None:
                     with torch_threads(threads):
-                        run_block(v, n, tmp, seq, settle)
+                        run_block(v, n, tmp, seq)
                 else:
-                    workers.block(v, n, seq, settle)
+                    workers.block(v, n, seq)
 
             for v in variants:
                 block(v, warmup)
@@ -337,8 +337,7 @@ def measure(frameworks: list[str], steps: int, blocks: int, warmup: int, by_hand
         finally:
             if workers is not None:
                 workers.close()
-    return {"steps": steps, "settle": settle, "blocks": blocks, "seconds": time.perf_counter() - started,
-            "loadavg_before": load0,
+    return {"steps": steps, "blocks": blocks, "seconds": time.perf_counter() - started, "loadavg_before": load0,
             "loadavg_after": os.getloadavg(), "variants": {v.name: v for v in variants}, "frameworks": frameworks,
             "by_hand": by_hand, "heap": heap}
 
@@ -440,7 +439,7 @@ after a closed recording took ~3,600 minor faults per step at 171 ms/step; in a 
 recorded, ~10,000 at 184 ms/step (Hugging Face, 2 threads, 8 rounds each way, 2026-12-04); each
 worker's heap history sets its faults for its whole life. Minor faults per step: the process's
 (`getrusage`), median over blocks. A block's figure is the time between the end of its step
-{res['settle']} and of its last step over the steps between (the training loop in its steady state: with
+{SETTLE} and of its last step over the steps between (the training loop in its steady state: with
 keep=2 the flight ring is full from the third step on; every variant is timed the same way); the
 median over blocks is shown, with the quartiles. The fixed cost of a recording (opening the store
 when training starts, the ring's first fill in the steps before, writing the ring and closing at its
@@ -469,9 +468,6 @@ Versions: torch {torch.__version__}, lightning {lightning.__version__}, transfor
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=16, help="optimizer steps per block (default %(default)s)")
-    ap.add_argument("--settle", type=int, default=SETTLE,
-                    help="the per-step figure starts at the end of this step (default %(default)s: the flight "
-                    "ring full); the steps before it count into the fixed cost")
     ap.add_argument("--blocks", type=int, default=12, help="rounds of blocks (default %(default)s)")
     ap.add_argument("--warmup", type=int, default=3, help="steps of each variant's warm-up block (default 3)")
     ap.add_argument("--threads", type=int, choices=(1, 2), action="append",
@@ -485,15 +481,15 @@ def main() -> None:
     ap.add_argument("--write-docs", action="store_true", help=f"write {HEADING!r} in docs/PERFORMANCE.md")
     ap.add_argument("--docs", type=Path, default=DOCS, help="the file --write-docs writes (default: %(default)s)")
     args = ap.parse_args()
-    if args.steps < args.settle + 2 or args.settle < 1 or args.blocks < 1 or args.warmup < 2:
-        ap.error("--steps needs at least --settle + 2 steps, --warmup at least 2, --settle and --blocks at least 1")
+    if args.steps < SETTLE + 2 or args.blocks < 1 or args.warmup < 2:
+        ap.error(f"--steps needs at least {SETTLE + 2} steps, --warmup at least 2, --blocks at least 1")
     quiet_frameworks()
     results: dict[int, dict[str, Any]] = {}
     for threads in dict.fromkeys(args.threads or [2, 1]):  # each thread count once, in the order given
         print(f"{', '.join(args.frameworks)}: {args.blocks} blocks x {args.steps} steps per variant, "
               f"{threads} torch threads; load average {os.getloadavg()[0]:.2f}", flush=True)
         results[threads] = measure(args.frameworks, args.steps, args.blocks, args.warmup, args.by_hand, threads,
-                                   args.heap, args.settle)
+                                   args.heap)
         print("\n" + table(results[threads]) + "\n" + "\n".join(verdicts(results[threads])) + "\n", flush=True)
     if args.write_docs:
         write_section(HEADING, docs_text(results, " ".join(["python bench/callback_overhead.py", *sys.argv[1:]])),

@@ -38,9 +38,6 @@ if TYPE_CHECKING:
 ACTIVE: Session | None = None  # the recording in progress, if any (set by recorder.record)
 
 ROLE = {name: i for i, name in enumerate(layout.ROLES)}
-# Dtypes of the records _capture takes on its quick path: their names and store units.
-_QUICK = {dtype: (payload_mod.dtype_name(dtype), payload_mod.unit_of(dtype))
-          for dtype in (torch.float32, torch.float64)}
 # Roles whose CPU bytes are addressed by content when captured (hashed on the training thread): a
 # parameter or buffer often holds the same bytes at many records (a module called several times per
 # iteration, frozen weights at every iteration), which are then copied and held once. The other
@@ -146,7 +143,6 @@ class Session:
         self.seen: set[tuple[int, int, int]] = set()  # content keys whose bytes went to the writer
         # id(parameter or buffer) -> captures since its bytes were last found held (see _by_content)
         self._new_bytes: dict[int, int] = {}
-        self._hashed = 0  # id of the tensor whose bytes are being hashed
         self.enabled = True
         self.closed = False  # set by close(): callbacks of graphs that outlive the recording do nothing
         self.failure: str | None = None
@@ -742,17 +738,13 @@ class Session:
     def _capture(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
         """Snapshot one tensor into the frame; returns its record name (for the arguments document)."""
         requires_grad = t.requires_grad
-        by_content = role in _BY_CONTENT and frame.payloads and self._by_content(t)
+        owner = id(t) if role in _BY_CONTENT else 0  # (before detach: the parameter's identity counts)
+        by_content = bool(owner) and frame.payloads and self._by_content(owner)
         if frame.vmap is not None:
             t, bdims = transforms.plain(t)
             if bdims:
                 frame.vmap[name] = bdims
         t = t.detach()
-        if frame.payloads and t.dtype in _QUICK and t.is_cpu and t.layout is torch.strided:
-            item = self._quick_capture(frame, role, name, t, requires_grad, by_content)
-            if item is not None:
-                frame.tensors.append(item)
-                return name
         device = t.device
         on_cpu = device.type == "cpu"
         meta_only = t.layout != torch.strided or device.type == "meta"
@@ -773,7 +765,7 @@ class Session:
             if frame.payloads:
                 try:
                     if on_cpu:
-                        item.payload, stats = self._cpu_payload(t, by_content)
+                        item.payload, stats = self._cpu_payload(t, by_content, owner)
                     else:
                         item.payload = self._device_payload(t)
                     if item.payload is None:  # dropped: the store cannot keep up
@@ -784,44 +776,19 @@ class Session:
         frame.tensors.append(item)
         return name
 
-    def _by_content(self, t: torch.Tensor) -> bool:
-        """Whether to hash a parameter's or buffer's bytes (``t``, not detached: its identity counts)
-        before copying them, so that bytes held already are not copied again (a frozen weight, a
-        module called twice in an iteration). A tensor whose bytes were new at its last two captures
-        and since (a trained weight, new after every optimizer step) is copied under a token
-        instead, and hashed by the writer only if written (see ``_cpu_payload``); at every eighth
-        capture it is hashed again, and bytes found held go back to hashing. Only a guess: either
-        way the same bytes are recorded."""
+    def _by_content(self, owner: int) -> bool:
+        """Whether to hash a parameter's or buffer's bytes (``owner``: its id) before copying them,
+        so that bytes held already are not copied again (a frozen weight, a module called twice in
+        an iteration). A tensor whose bytes were new at its last two captures and since (a trained
+        weight, new after every optimizer step) is copied under a token instead, and hashed by the
+        writer only if written (see ``_cpu_payload``); at every eighth capture it is hashed again,
+        and bytes found held go back to hashing. Only a guess: either way the same bytes are
+        recorded."""
         if len(self._new_bytes) > _SEEN_LIMIT:  # ids of tensors gone: only a guess, so bounded
             self._new_bytes.clear()
-        new = self._new_bytes.get(id(t), 0)
-        self._new_bytes[id(t)] = new + 1
-        hashing = new < 2 or new % 8 == 0
-        self._hashed = id(t) if hashing else 0  # _cpu_payload resets the count when it finds the bytes held
-        return hashing
-
-    def _quick_capture(self, frame: Frame, role: str, name: str, t: torch.Tensor, requires_grad: bool,
-                       by_content: bool) -> TensorItem | None:
-        """``_capture`` of the common record: a contiguous float32/float64 CPU tensor (``t``, detached)
-        whose bytes are kept and which the statistics kernel summarises as it copies them. Its bytes
-        are viewed and its record made without the general path's dtype, layout and device cases
-        (``payload.as_units``, ``_capture``'s); the payload goes through ``_cpu_payload`` as any.
-        None, with nothing done, for a tensor this does not take."""
-        if t.is_neg() or not stats_mod.kernel_takes(t):  # (a negative view's memory is not its values)
-            return None
-        values = t.numpy()
-        flags = values.flags
-        if not flags.c_contiguous or not flags.writeable or not values.size:  # (size-1 dimensions' strides)
-            return None
-        dtype, unit = _QUICK[t.dtype]
-        units = values.reshape(-1).view(payload_mod.UNIT_DTYPES[unit])
-        payload, stats = self._cpu_payload(t, by_content, (units, unit, True))
-        if payload is None:  # dropped: the store cannot keep up
-            frame.dropped += 1
-        return TensorItem(role=ROLE[role], name=name, dtype=dtype, device="cpu", requires_grad=requires_grad,
-                          shape=tuple(t.shape), stride=tuple(t.stride()),
-                          stats=stats_mod.host_stats(t) if stats is None else stats, payload=payload,
-                          held=self.iteration)
+        new = self._new_bytes.get(owner, 0)
+        self._new_bytes[owner] = new + 1
+        return new < 2 or new % 8 == 0
 
     @staticmethod
     def _stats(frame: Frame, name: str, t: torch.Tensor, on_cpu: bool) -> Any:
@@ -832,7 +799,7 @@ class Session:
             frame.notes.append(f"{name}: no statistics for {t.dtype} ({type(exc).__name__}: {exc})")
             return stats_mod.EMPTY
 
-    def _cpu_payload(self, t: torch.Tensor, by_content: bool, units_of: tuple[np.ndarray, int, bool] | None = None,
+    def _cpu_payload(self, t: torch.Tensor, by_content: bool, owner: int = 0,
                      ) -> tuple[tuple[int, int, int] | int | None, tuple[float, ...] | None]:
         """Copy and send a CPU tensor's bytes. Returns their reference (a content key or a token),
         or None when they were dropped (the store cannot keep up: see ``_room``), and the tensor's
@@ -845,9 +812,10 @@ class Session:
         anyway; a cold 2 MB array is copied and summarised in ~250 us, hashed in ~120 us and
         summarised in ~180 us). Bytes that repeat (one step's output, the next one's input) are
         then copied twice and stored once: the writer deduplicates by content. A shared ring
-        (share_ring) journals content keys, so it takes every payload by content. ``units_of``:
-        ``payload.as_units(t)``, when the caller has it."""
-        units, unit, aliases = payload_mod.as_units(t) if units_of is None else units_of
+        (share_ring) journals content keys, so it takes every payload by content. ``owner``: the
+        id of the parameter or buffer ``t`` was detached from (0 for the others), whose count
+        ``_by_content`` resets when its bytes are found held."""
+        units, unit, aliases = payload_mod.as_units(t)
         if not by_content and self.shared is None:
             return self._copy_payload(t, PayloadItem(key=None, unit=unit, data=units, token=next(self._tokens)),
                                       units, aliases)
@@ -860,7 +828,7 @@ class Session:
                     self._send_payload(found, key)
                     held = True
         if held:
-            self._new_bytes.pop(self._hashed, None)  # back to hashing first (see _by_content)
+            self._new_bytes.pop(owner, None)  # back to hashing first (see _by_content)
             return key, None
         return self._copy_payload(t, PayloadItem(key=key, unit=unit, data=units), units, aliases)
 

@@ -14,7 +14,6 @@ import xxhash
 # Element width in bytes -> store unit index (layout.BLOB_UNITS), and each unit's numpy dtype.
 _UNIT_OF_WIDTH = {1: 0, 2: 1, 4: 2, 8: 3}
 _NUMPY_UNIT = {0: np.uint8, 1: np.uint16, 2: np.uint32, 3: np.uint64}
-UNIT_DTYPES = {unit: np.dtype(kind) for unit, kind in _NUMPY_UNIT.items()}
 _COMPLEX_COMPONENT = {torch.complex32: 2, torch.complex64: 4, torch.complex128: 8}
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 

@@ -91,7 +91,7 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
     """Statistics of a CPU tensor as Python floats, in layout.STAT_NAMES order.
 
     float32/float64 tensors go through the one-pass kernel when it is loaded and takes them (see
-    ``kernel_takes``). Values it finds non-finite take the exact path below, which counts them.
+    ``_kernel_takes``). Values it finds non-finite take the exact path below, which counts them.
     Without the kernel, small float32/float64 tensors go through numpy, and so do small boolean and
     integer ones, as float64 (exact up to 2**53, as torch's path below): a torch call costs ~3-5 us of
     dispatch, and releases the interpreter lock, which the writer thread then holds until its next
@@ -101,7 +101,7 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
     (numpy would warn in the user's process)."""
     if not _slot.tried:  # the same path in every process (a replay's statistics, the recorder's)
         prepare()
-    takes = t.dtype in _FLOATS and kernel_takes(t)
+    takes = t.dtype in _FLOATS and _kernel_takes(t)
     if takes or (t.dtype in _FLOATS and t.numel() <= SMALL):
         x = payload.host_array(t).reshape(-1)  # a view, or (strided and small) a copy
         if takes and len(x) and x.flags.c_contiguous and x.flags.writeable:
@@ -128,7 +128,7 @@ def copy_stats(t: torch.Tensor, dst: np.ndarray, src: np.ndarray) -> tuple[float
     ``dst`` (an array of the same units and size) and return the tensor's statistics, computed from
     the same read when the kernel takes the tensor; None when it does not (the bytes are copied all
     the same: payload.copy_into)."""
-    if t.dtype in _FLOATS and len(src) and src.flags.writeable and kernel_takes(t):
+    if t.dtype in _FLOATS and len(src) and src.flags.writeable and _kernel_takes(t):
         x, out = src.view(_NUMPY[t.dtype]), dst.view(_NUMPY[t.dtype])
         got = _from_sums(out, _slot.active.copy_sums(x, out))
         return _exact(out) if got is None else got  # non-finite values: counted, on the copy
@@ -139,10 +139,9 @@ def copy_stats(t: torch.Tensor, dst: np.ndarray, src: np.ndarray) -> tuple[float
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
-def kernel_takes(t: torch.Tensor) -> bool:
-    """Whether the kernel summarises ``t`` (a float32/float64 CPU tensor; ``copy_stats`` in the read
-    that copies it): any small one, and contiguous ones of any size while torch runs on at most
-    ``KERNEL_THREADS`` threads."""
+def _kernel_takes(t: torch.Tensor) -> bool:
+    """Whether the kernel summarises ``t`` (a float32/float64 CPU tensor): any small one, and
+    contiguous ones of any size while torch runs on at most ``KERNEL_THREADS`` threads."""
     return _slot.active is not None and (t.numel() <= SMALL or (
         t.is_contiguous() and not t.is_neg() and torch.get_num_threads() <= KERNEL_THREADS))
 

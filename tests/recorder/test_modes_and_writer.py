@@ -251,7 +251,7 @@ def test_accelerator_path_round_trips(run_path, monkeypatch):
     from recorder import capture
 
     monkeypatch.setattr(capture.Session, "_cpu_payload",
-                        lambda self, t, by_content, units_of=None: (capture.Session._device_payload(self, t), None))
+                        lambda self, t, by_content, owner=0: (capture.Session._device_payload(self, t), None))
     monkeypatch.setattr(stats, "host_stats", stats.device_stats)
     x = torch.randn(3, 5)
     with recorder.record(run_path) as run:
