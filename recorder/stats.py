@@ -109,8 +109,12 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
             if got is not None:
                 return got
         return _exact(x)
-    if t.dtype in _INTEGERS and t.numel() <= SMALL:  # position ids, masks: as _working converts them, in numpy
-        return _stats(payload.host_array(t).reshape(-1).astype(np.float64), np)
+    if t.dtype in _INTEGERS and t.numel() <= SMALL:  # position ids, masks: as _working converts them
+        x = payload.host_array(t).reshape(-1).astype(np.float64)
+        # One kernel call instead of numpy's four reductions: ~95 -> ~15 us inside a training step
+        # (an int64 tensor of 128 position ids), where each of them runs with cold caches.
+        got = _from_sums(x, _slot.active.sums(x)) if _slot.active is not None and len(x) else None
+        return _stats(x, np) if got is None else got
     return _stats(_working(t).reshape(-1), torch)
 
 

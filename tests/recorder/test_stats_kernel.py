@@ -87,6 +87,17 @@ def test_kernel_statistics_equal_the_exact_ones(kernel, t):
     assert_close(got, reference(t), t)
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from([torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]),
+       values=st.lists(st.integers(-2**53, 2**53), min_size=1, max_size=300))
+def test_small_integer_statistics_equal_the_exact_ones(kernel, dtype, values):
+    """Small integer and boolean tensors (position ids, masks) go through the kernel as float64:
+    the same statistics as the exact path."""
+    info = torch.iinfo(dtype) if dtype != torch.bool else None
+    t = torch.tensor([v != 0 if info is None else min(max(v, info.min), info.max) for v in values], dtype=dtype)
+    assert_close(stats.host_stats(t), reference(t), t)
+
+
 def test_kernel_is_what_the_statistics_use(kernel, monkeypatch):
     """Tensors of every size go through the kernel while torch runs on at most KERNEL_THREADS
     threads; above that, only small ones do (torch's parallel reductions are faster)."""
@@ -103,7 +114,8 @@ def test_kernel_is_what_the_statistics_use(kernel, monkeypatch):
         torch.set_num_threads(stats.KERNEL_THREADS + 1)
         stats.host_stats(torch.randn(100_000))
         stats.host_stats(torch.randn(20))
-        assert calls == [10, 100_000, 20]
+        stats.host_stats(torch.arange(128).reshape(1, 128))  # position ids: as float64
+        assert calls == [10, 100_000, 20, 128]
     finally:
         torch.set_num_threads(threads)
 
