@@ -153,17 +153,20 @@ def test_recording_without_the_kernel_gives_the_same_statistics(tmp_path, kernel
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(t=arrays())
-def test_copy_with_statistics_copies_bitwise(kernel, t):
+@given(t=arrays(), offset=st.integers(0, 7))
+def test_copy_with_statistics_copies_bitwise(kernel, t, offset):
     """copy_stats (a payload's copy in full and flight modes) writes the tensor's exact bytes, NaN
-    payloads and -0.0 included, and gives the statistics host_stats gives."""
+    payloads and -0.0 included, into a buffer at any element offset (the streaming copy of large
+    arrays aligns its stores itself) and nothing around it, and gives the statistics host_stats gives."""
     from recorder import payload
 
     t[0] = -0.0 if t.numel() > 2 else t[0]
     units, _, _ = payload.as_units(t)
-    dst = np.empty_like(units)
+    room = np.zeros(len(units) + 8, units.dtype)
+    dst = room[offset:offset + len(units)]
     got = stats.copy_stats(t, dst, units)
     assert np.array_equal(dst, units)  # unsigned units: bitwise
+    assert not room[:offset].any() and not room[offset + len(units):].any()
     assert got is not None
     assert_close(got, reference(t), t)
     assert_close(got, stats.host_stats(t), t)
@@ -183,3 +186,21 @@ def test_copy_without_the_kernel_still_copies(kernel):
     units, _, _ = payload.as_units(t)
     dst = np.zeros_like(units)
     assert stats.copy_stats(t, dst, units) is None and np.array_equal(dst, units)
+
+
+def test_kernel_without_the_streaming_copy_elsewhere_than_x86():
+    """Off x86-64 the streaming copy (x86's fence instruction) is not compiled, and the kernel
+    still loads and copies bitwise."""
+    import subprocess
+    import sys
+
+    code = ("import platform; platform.machine = lambda: 'aarch64'\n"
+            "import numpy as np\n"
+            "from recorder import kernels\n"
+            "assert kernels._STREAM_BYTES is None\n"
+            "x = np.random.default_rng(0).standard_normal(100_000).astype(np.float32); out = np.empty_like(x)\n"
+            "got = kernels.copy_sums(x, out)\n"
+            "assert np.array_equal(out.view(np.uint32), x.view(np.uint32))\n"
+            "assert got[:2] == (float(x.min()), float(x.max()))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
