@@ -951,13 +951,12 @@ class Session:
     def _settings(self) -> dict[str, Any]:
         """The settings now; the previous snapshot object itself when nothing changed, so the writer
         recognises it by identity instead of encoding the same document at every step."""
-        now = snapshot.settings()
-        key = (*(v for k, v in now.items() if k != "env"), *now["env"].values())  # dicts are not hashable
+        key = snapshot.settings_values()
         known = self._known_settings.get(key)
         if known is None:
             if len(self._known_settings) >= 1024:  # settings that keep changing: stop remembering
                 self._known_settings.clear()
-            known = self._known_settings[key] = now
+            known = self._known_settings[key] = snapshot.settings_of(key)
         return known
 
     def _module_doc(self, module: torch.nn.Module | None) -> dict[str, Any] | None:

@@ -299,25 +299,41 @@ def _getters() -> list[tuple[str, Any]]:
 
 def settings() -> dict[str, Any]:
     """Everything that changes numerics, as plain JSON values (None where this build lacks it)."""
+    return settings_of(settings_values())
+
+
+def settings_values() -> tuple[Any, ...]:
+    """The values ``settings()`` holds, in its order, the environment variables' last: a key that
+    tells whether anything changed without building the document (a recording reads it at every
+    step; ``settings_of`` makes the document of a new one)."""
     try:
-        s = {name: get() for name, get in _getters()}
+        values = [get() for _, get in _getters()]
     except Exception:  # a getter that worked before fails now: read each one carefully
-        s = {name: _safe(get) for name, get in _getters()}
-    s["env"] = _env()
+        values = [_safe(get) for _, get in _getters()]
+    values += _env_values()
+    return tuple(values)
+
+
+def settings_of(values: tuple[Any, ...]) -> dict[str, Any]:
+    """The ``settings()`` document of ``settings_values()``."""
+    getters = _getters()
+    s = {name: value for (name, _), value in zip(getters, values)}
+    s["env"] = dict(zip(ENV_VARS, values[len(getters):], strict=True))
     return s
 
 
 _ENV_KEYS = tuple((k, os.fsencode(k)) for k in ENV_VARS) if os.name == "posix" else ()
 
 
-def _env() -> dict[str, str | None]:
+def _env_values() -> list[str | None]:
+    """The values of ``ENV_VARS``, in order (None where unset)."""
     # os.environ.get encodes the key and decodes the value on every call (~1.5 us each); on POSIX
     # the mapping keeps the raw bytes in ``_data``, which is what os.environ.get reads too.
     data = getattr(os.environ, "_data", None)
     if not _ENV_KEYS or not isinstance(data, dict):
-        return {k: os.environ.get(k) for k in ENV_VARS}
-    out = {}
-    for key, raw in _ENV_KEYS:
+        return [os.environ.get(k) for k in ENV_VARS]
+    out = []
+    for _, raw in _ENV_KEYS:
         value = data.get(raw)
-        out[key] = None if value is None else os.fsdecode(value)
+        out.append(None if value is None else os.fsdecode(value))
     return out
