@@ -35,10 +35,18 @@ import platform
 
 import numba
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba.core.extending import intrinsic
 
 _MATH = {"reassoc", "nsz", "contract", "arcp"}  # reordering of sums allowed; NaN and Inf keep their meaning
+
+
+# LLVM's x86 back end selects llvm.minimum/llvm.maximum from LLVM 17 on; before (numba 0.60 and 0.61
+# ship LLVM 14 and 15) compiling them aborts the whole process ("LLVM ERROR: Cannot select"). Refused
+# here instead, before anything is compiled: recorder.stats then uses torch's reductions.
+if binding.llvm_version_info < (17,):
+    raise ImportError(f"the statistics kernel needs numba >= 0.62 (LLVM 17 or later); this numba {numba.__version__} "
+                      f"has LLVM {'.'.join(map(str, binding.llvm_version_info))}")
 
 
 def _binary(name: str):  # type: ignore[no-untyped-def]

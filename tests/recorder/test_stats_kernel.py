@@ -204,3 +204,19 @@ def test_kernel_without_the_streaming_copy_elsewhere_than_x86():
             "assert got[:2] == (float(x.min()), float(x.max()))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_numba_with_an_older_llvm_leaves_statistics_to_torch():
+    """numba before 0.62 has an LLVM (14, 15) whose x86 back end aborts the process on the kernel's
+    min and max: the kernel refuses to load there, before compiling, and statistics come from torch."""
+    import subprocess
+    import sys
+
+    code = ("import llvmlite.binding as b; b.llvm_version_info = (15, 0, 7)\n"
+            "import torch\n"
+            "from recorder import stats\n"
+            "assert not stats.prepare()\n"
+            "got = stats.host_stats(torch.tensor([1.0, -2.0, 4.0]))\n"
+            "assert got[:3] == (-2.0, 4.0, 1.0), got\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
