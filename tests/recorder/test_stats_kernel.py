@@ -5,6 +5,8 @@ recording uses; and without it everything still works."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -191,9 +193,6 @@ def test_copy_without_the_kernel_still_copies(kernel):
 def test_kernel_without_the_streaming_copy_elsewhere_than_x86():
     """Off x86-64 the streaming copy (x86's fence instruction) is not compiled, and the kernel
     still loads and copies bitwise."""
-    import subprocess
-    import sys
-
     code = ("import platform; platform.machine = lambda: 'aarch64'\n"
             "import numpy as np\n"
             "from recorder import kernels\n"
@@ -202,21 +201,22 @@ def test_kernel_without_the_streaming_copy_elsewhere_than_x86():
             "got = kernels.copy_sums(x, out)\n"
             "assert np.array_equal(out.view(np.uint32), x.view(np.uint32))\n"
             "assert got[:2] == (float(x.min()), float(x.max()))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_python(code)
 
 
 def test_numba_with_an_older_llvm_leaves_statistics_to_torch():
     """numba before 0.62 has an LLVM (14, 15) whose x86 back end aborts the process on the kernel's
     min and max: the kernel refuses to load there, before compiling, and statistics come from torch."""
-    import subprocess
-    import sys
-
     code = ("import llvmlite.binding as b; b.llvm_version_info = (15, 0, 7)\n"
             "import torch\n"
             "from recorder import stats\n"
             "assert not stats.prepare()\n"
             "got = stats.host_stats(torch.tensor([1.0, -2.0, 4.0]))\n"
             "assert got[:3] == (-2.0, 4.0, 1.0), got\n")
+    run_python(code)
+
+
+def run_python(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (what it patches stays there); it must exit 0."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
