@@ -23,10 +23,10 @@ and numpy when numba is missing or fails.
 
 Precision: the sums are in float64 (a float32 value's square is exact there), so a float32 sum is
 more accurate than torch's, and its sum of squares cannot overflow or vanish. Non-finite values are
-not handled here: they show in the results (a NaN anywhere makes the sums and the min and max NaN,
-an Inf shows in the min, the max or the sums), and the caller then uses the exact path that counts
-them. No fast-math flag that assumes finite values is used, so that holds by the language's rules,
-not by luck.
+not handled here: they show in the sums (a NaN anywhere makes them NaN, an Inf makes them Inf or
+NaN; the min and max are NaN too, except after the streaming copy, whose min and max skip a NaN),
+and the caller then uses the exact path that counts them. No fast-math flag that assumes finite
+values is used, so that holds by the language's rules, not by luck.
 """
 
 from __future__ import annotations

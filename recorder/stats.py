@@ -91,30 +91,28 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
     """Statistics of a CPU tensor as Python floats, in layout.STAT_NAMES order.
 
     float32/float64 tensors go through the one-pass kernel when it is loaded and takes them (see
-    ``_kernel_takes``). Values it finds non-finite take the exact path below, which counts them.
-    Without the kernel, small float32/float64 tensors go through numpy, and so do small boolean and
-    integer ones, as float64 (exact up to 2**53, as torch's path below): a torch call costs ~3-5 us of
-    dispatch, and releases the interpreter lock, which the writer thread then holds until its next
-    pause; numpy keeps it for arrays this small (an int64 tensor of 128 position ids took ~550 us
-    through torch inside a training step, where every call runs with cold caches). Larger ones use
-    torch, whose reductions run on its intra-op threads, and so do values whose sums could overflow
-    (numpy would warn in the user's process)."""
+    ``_kernel_takes``), and so do small boolean and integer ones (position ids, masks), as float64
+    (exact up to 2**53, as torch's path below): one call instead of numpy's four reductions, ~95 ->
+    ~33 us for 128 int64 position ids inside a training step, where every call runs with cold
+    caches. Values it finds non-finite take the exact path below, which counts them. Without the
+    kernel, those small tensors go through numpy: a torch call costs ~3-5 us of dispatch, and
+    releases the interpreter lock, which the writer thread then holds until its next pause; numpy
+    keeps it for arrays this small (the position ids took ~550 us through torch inside a training
+    step). Larger ones use torch, whose reductions run on its intra-op threads, and so do values
+    whose sums could overflow (numpy would warn in the user's process)."""
     if not _slot.tried:  # the same path in every process (a replay's statistics, the recorder's)
         prepare()
-    takes = t.dtype in _FLOATS and _kernel_takes(t)
-    if takes or (t.dtype in _FLOATS and t.numel() <= SMALL):
+    small_ints = t.dtype in _INTEGERS and t.numel() <= SMALL
+    takes = (t.dtype in _FLOATS and _kernel_takes(t)) or (small_ints and _slot.active is not None)
+    if takes or small_ints or (t.dtype in _FLOATS and t.numel() <= SMALL):
         x = payload.host_array(t).reshape(-1)  # a view, or (strided and small) a copy
+        if small_ints:
+            x = x.astype(np.float64)  # as _working converts them
         if takes and len(x) and x.flags.c_contiguous and x.flags.writeable:
             got = _from_sums(x, _slot.active.sums(x))
             if got is not None:
                 return got
         return _exact(x)
-    if t.dtype in _INTEGERS and t.numel() <= SMALL:  # position ids, masks: as _working converts them
-        x = payload.host_array(t).reshape(-1).astype(np.float64)
-        # One kernel call instead of numpy's four reductions: ~95 -> ~15 us inside a training step
-        # (an int64 tensor of 128 position ids), where each of them runs with cold caches.
-        got = _from_sums(x, _slot.active.sums(x)) if _slot.active is not None and len(x) else None
-        return _stats(x, np) if got is None else got
     return _stats(_working(t).reshape(-1), torch)
 
 

@@ -92,7 +92,7 @@ def test_callback_docs_say_where_the_variants_trained() -> None:
                           ring_peak=[10**6] if how else [], faults=[faults, faults])
 
     for heap in cb.HEAPS:
-        res = {"steps": 10, "settle": 3, "blocks": 2, "seconds": 60.0, "loadavg_before": (1.0,) * 3,
+        res = {"steps": 10, "blocks": 2, "seconds": 60.0, "loadavg_before": (1.0,) * 3,
                "loadavg_after": (1.0,) * 3, "frameworks": ["hf"], "by_hand": False, "heap": heap,
                "variants": {"hf": variant("hf", "", 9000), "hf+callback": variant("hf+callback", "callback", 4000)}}
         text = cb.docs_text({2: res}, "python bench/callback_overhead.py")
@@ -109,7 +109,7 @@ def test_callback_steps_are_timed_from_the_settled_step() -> None:
     assert cb.steady(ends, 3) == (pytest.approx(0.2), 5.0)
     assert cb.steady(ends, 1) == (pytest.approx(1.9 / 4), 9010 / 4)  # from the first step's end, as before
     assert cb.steady(ends[:3], 3) == (pytest.approx(0.5), 4000.0)  # too short: its last step
-    res = {"steps": 16, "settle": 3, "blocks": 1, "seconds": 1.0, "loadavg_before": (1.0,) * 3,
+    res = {"steps": 16, "blocks": 1, "seconds": 1.0, "loadavg_before": (1.0,) * 3,
            "loadavg_after": (1.0,) * 3, "frameworks": ["hf"], "by_hand": False, "heap": "fixed",
            "variants": {"hf": cb.Variant("hf", "hf", None, "", per_step=[0.2], overhead=[0.1], faults=[0.0]),
                         "hf+callback": cb.Variant("hf+callback", "hf", None, "callback", per_step=[0.21],
