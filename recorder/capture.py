@@ -126,6 +126,10 @@ class BackwardLink:
     output_names: list[str | None] = field(default_factory=list)  # None: a tap that went unused
     handles: list[Any] = field(default_factory=list)
     frame: Frame | None = None
+    hooked: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # parameters with a hook (handles)
+    # Every output autograd reaches is tapped: this call's backward begins at an output's tap, and a
+    # parameter hook that fires before it is another graph's (a later call of the module).
+    complete: bool = False
     # Parameters whose gradients are read from ``.grad`` when the backward pass ends, instead of a
     # hook on each (see Session._reads_grad): (record name, parameter).
     params: list[tuple[str, torch.Tensor]] = field(default_factory=list)
@@ -1006,6 +1010,7 @@ class Session:
         return args, kwargs
 
     def _hook_param(self, link: BackwardLink, name: str, p: torch.Tensor) -> None:
+        link.hooked.append((name, p))
         link.handles.append(p.register_hook(_backward_callback(self._on_param_grad, link, name)))
 
     def _grads_read_later(self, frame: Frame) -> bool:
@@ -1045,7 +1050,8 @@ class Session:
         the iteration's end)."""
         out, link.output_names, left = taps.tap_output(out, _backward_callback(self._on_grad_output, link), skip,
                                                        slots)
-        if link.params and (skip or left or not any(link.output_names)):
+        link.complete = not (skip or left) and any(link.output_names)
+        if link.params and not link.complete:
             # Gradients may reach the parameters other than through a tapped output, before the
             # call's backward frame opens: hooked, as they would come.
             self._hook_later_params(link)
@@ -1089,6 +1095,8 @@ class Session:
 
     def _on_param_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
         def run() -> None:
+            if link.frame is None and link.complete:  # a hook is per tensor, not per graph: not this call's
+                return
             frame = self._open_backward(link)
             self._capture(frame, "param_grad", name, grad)
             frame.t_end = max(frame.t_end, time.perf_counter() - self.t0)
@@ -1107,6 +1115,9 @@ class Session:
         frame.settings = self._settings()
         link.frame = frame
         self._pass.append(link)
+        if link.hooked and not link.handles:  # a second backward through this call's graph: hooked again
+            for name, p in link.hooked:
+                link.handles.append(p.register_hook(_backward_callback(self._on_param_grad, link, name)))
         if link.params:  # before any of them has its gradient: they come through this call's backward
             if not self._accumulating(link):
                 self._hook_later_params(link)

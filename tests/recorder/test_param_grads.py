@@ -125,8 +125,8 @@ def raised_in_backward(net: Net, opt: torch.optim.Optimizer) -> None:
 
 
 SCENARIOS: dict[str, Callable[[Net, torch.optim.Optimizer], None]] = {
-    f.__name__: f for f in (plain, accumulated, clipped, functional, shared_call, stepped_in_backward,
-                            raised_in_backward)}
+    f.__name__: f for f in (plain, accumulated, forwards_then_backwards, clipped, functional,
+                            twice_through_one_graph, shared_call, stepped_in_backward, raised_in_backward)}
 
 
 def record(path: Path, scenario: Callable[[Net, torch.optim.Optimizer], None], hooks: bool,
@@ -171,13 +171,15 @@ def param_grads(path: Path, module: str) -> list[dict[str, bytes]]:
     return out
 
 
-def test_each_backward_pass_records_its_own_gradients(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("hooks", [False, True], ids=["read", "hooked"])
+def test_each_backward_pass_records_its_own_gradients(hooks: bool, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Two graphs built before either backward runs, and a second backward through a retained
-    graph: each backward step records the gradient of its own pass (hooks, which are per tensor,
-    not per graph, gave the first pass's gradients to both graphs' steps, and none to a second pass
-    through one graph)."""
-    record(tmp_path / "two.zarr", forwards_then_backwards, False, monkeypatch)
-    record(tmp_path / "again.zarr", twice_through_one_graph, False, monkeypatch)
+    graph: each backward step records the gradient of its own pass, read at the pass's end or
+    hooked (a hook is per tensor, not per graph: one that fires before its call's backward began
+    is another graph's, and a second pass through one graph hooks the parameters again)."""
+    record(tmp_path / "two.zarr", forwards_then_backwards, hooks, monkeypatch)
+    record(tmp_path / "again.zarr", twice_through_one_graph, hooks, monkeypatch)
     torch.manual_seed(0)
     net = Net()
     x, y = batches(2)
