@@ -52,7 +52,6 @@ _UNGRADED_KEPT = 256  # calls without grad inside activation checkpointing remem
 # -1 on a thread where autograd's engine is not running a backward pass. Where torch lacks it,
 # recomputations by activation checkpointing are recorded as calls.
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
 _checkpoint_code: dict[Any, bool] = {}  # code object -> it belongs to activation checkpointing
 
 
@@ -130,9 +129,6 @@ class BackwardLink:
     # Every output autograd reaches is tapped: this call's backward begins at an output's tap, and a
     # parameter hook that fires before it is another graph's (a later call of the module).
     complete: bool = False
-    # Parameters whose gradients are read from ``.grad`` when the backward pass ends, instead of a
-    # hook on each (see Session._reads_grad): (record name, parameter).
-    params: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 class Session:
@@ -187,10 +183,6 @@ class Session:
         # grad inside checkpointing, latest last; their recomputation in backward builds their graph.
         self._ungraded: dict[tuple[str, int], list[Frame]] = {}
         self._unreported: list[Frame] = []  # steps with device statistics: on_nonfinite looks once per iteration
-        # Parameter gradients read from .grad at the end of the backward pass (_grads_read_later);
-        # False once a pass was found not to accumulate into .grad (torch.autograd.grad).
-        self._reads_grads = True
-        self._pass_accumulates: bool | None = None  # the open pass: accumulates into .grad (None: not asked)
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _stack(self) -> list[Frame]:
@@ -601,15 +593,10 @@ class Session:
             if link is None and frame.vmap is None:
                 self._remember_ungraded(frame)
             if module is not None:
-                later = link is not None and self._grads_read_later(frame)
                 for name, p in module.named_parameters():
                     self._capture(frame, "param", name, p)
                     if link is not None and p.requires_grad:
-                        if later and p.grad is None and p.device.type == "cpu" and \
-                                p._post_accumulate_grad_hooks is None:
-                            link.params.append((name, p))
-                        else:
-                            self._hook_param(link, name, p)
+                        self._hook_param(link, name, p)
                 for name, b in module.named_buffers():
                     self._capture(frame, "buffer", name, b)
             if link is not None:
@@ -1013,36 +1000,6 @@ class Session:
         link.hooked.append((name, p))
         link.handles.append(p.register_hook(_backward_callback(self._on_param_grad, link, name)))
 
-    def _grads_read_later(self, frame: Frame) -> bool:
-        """Whether the gradients of a call's CPU parameters are read from ``.grad`` once the backward
-        pass is over (``BackwardLink.params``), instead of a hook on each parameter.
-
-        A hook runs with cold caches in the middle of backward, and costs ~50-80 us a parameter
-        there (bench/entry_points.py); read at the pass's end, in one loop, the same bytes cost far
-        less. They are the same bytes when ``.grad`` was None before the pass: autograd then sets it
-        to the gradient the hook would have seen (the sum over the pass), and nothing changes it
-        before the pass ends. So a parameter is read later only when its ``.grad`` is None at the
-        call and still when its backward begins (``_open_backward``; else, gradient accumulation, it
-        is hooked then), it has no post-accumulate-grad hooks, it is on the CPU (a device gradient's
-        copy is asynchronous already), and no process group is set up (DDP and FSDP reduce
-        gradients in ``.grad`` during the pass). A pass that does not accumulate into ``.grad``
-        (``torch.autograd.grad``) hooks them as it goes (``_accumulating``)."""
-        return self._reads_grads and frame.vmap is None and not _distributed()
-
-    def _accumulating(self, link: BackwardLink) -> bool:
-        """Whether the backward pass now running accumulates into the parameters' ``.grad``: False
-        under ``torch.autograd.grad``, whose gradients go back to its caller. Asked once per pass."""
-        if self._pass_accumulates is None:
-            self._pass_accumulates = True
-            if _will_execute is not None:
-                try:
-                    with torch.enable_grad():
-                        node = link.params[0][1].view_as(link.params[0][1]).grad_fn.next_functions[0][0]
-                    _will_execute(node)
-                except RuntimeError:  # "... we are currently running autograd.grad()"
-                    self._pass_accumulates = False
-        return self._pass_accumulates
-
     def _tap_outputs(self, link: BackwardLink, out: Any, skip: frozenset[int], frame: Frame | None = None,
                      slots: list[Any] | None = None) -> Any:
         """Pass a call's outputs (``slots``, when known) through a tap that reports their grads to
@@ -1051,10 +1008,6 @@ class Session:
         out, link.output_names, left = taps.tap_output(out, _backward_callback(self._on_grad_output, link), skip,
                                                        slots)
         link.complete = not (skip or left) and any(link.output_names)
-        if link.params and not link.complete:
-            # Gradients may reach the parameters other than through a tapped output, before the
-            # call's backward frame opens: hooked, as they would come.
-            self._hook_later_params(link)
         if frame is not None:
             if skip:
                 frame.notes.append(_UNTAPPED_NOTE)
@@ -1064,17 +1017,6 @@ class Session:
             with self.lock:
                 self._links.append(link)
         return out
-
-    def _hook_later_params(self, link: BackwardLink, held: bool = False) -> None:
-        """Hook the parameters ``link`` would read at the pass's end (all of them; ``held``: those
-        whose ``.grad`` holds a gradient already, which this pass adds to)."""
-        kept = []
-        for name, p in link.params:
-            if held and p.grad is None:
-                kept.append((name, p))
-            else:
-                self._hook_param(link, name, p)
-        link.params = kept
 
     def _on_grad_output(self, link: BackwardLink, grads: tuple[torch.Tensor | None, ...]) -> None:
         def run() -> None:
@@ -1094,8 +1036,11 @@ class Session:
         self._guard("capturing grad inputs", run)
 
     def _on_param_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
+        """A parameter's gradient, summed over the pass. A hook is per tensor, not per graph: one that
+        fires before its call's backward began at an output's tap is another graph's (two graphs
+        built before either backward: a later call of the module), and is not this call's."""
         def run() -> None:
-            if link.frame is None and link.complete:  # a hook is per tensor, not per graph: not this call's
+            if link.frame is None and link.complete:
                 return
             frame = self._open_backward(link)
             self._capture(frame, "param_grad", name, grad)
@@ -1118,36 +1063,23 @@ class Session:
         if link.hooked and not link.handles:  # a second backward through this call's graph: hooked again
             for name, p in link.hooked:
                 link.handles.append(p.register_hook(_backward_callback(self._on_param_grad, link, name)))
-        if link.params:  # before any of them has its gradient: they come through this call's backward
-            if not self._accumulating(link):
-                self._hook_later_params(link)
-            else:
-                self._hook_later_params(link, held=True)
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(_backward_callback(self._end_of_backward))
             self._callback_queued = True
         return frame
 
-    def _end_of_backward(self, aborted: bool = False, closing: bool = False) -> None:
+    def _end_of_backward(self, aborted: bool = False) -> None:
         """Autograd calls this when a backward pass is over: the open backward steps are complete.
-        Also called with ``aborted=True`` at iteration ends and on close (``closing``), for a
-        backward pass that raised (autograd then never calls back): its steps are written with what
-        they captured. Parameter gradients read at the pass's end are read on close (the exception
-        that stopped the pass is ending the recording: nothing has changed them), not at an
-        iteration's end (training went on: an optimizer may have)."""
+        Also called with ``aborted=True`` at iteration ends and on close, for a backward pass that
+        raised (autograd then never calls back): its steps are written with what they captured."""
         with self.lock:
             if aborted and not self._pass:
                 return
             done, self._pass, self._callback_queued = self._pass, [], False
-            self._pass_accumulates = None
             if aborted:
                 for link in done:
                     if link.frame is not None:
                         link.frame.notes.append("the backward pass stopped before this step finished")
-                        if link.params and not closing:
-                            link.frame.notes.append(_UNREAD_NOTE)
-            if (closing or not aborted) and self.enabled and not self.closed:
-                self._read_grads(done)
             frames = [link.frame for link in done]
             for link in done:
                 for handle in link.handles:
@@ -1174,25 +1106,11 @@ class Session:
                 return
             monitors.perform(pending, lambda: self.pipeline.flush(60.0))  # raises out of backward()
 
-    def _read_grads(self, done: list[BackwardLink]) -> None:
-        """The gradients of the parameters read at the pass's end (``_grads_read_later``), in one
-        loop: records of their calls' backward steps, as their hooks would have made them."""
-        try:
-            for link in done:
-                if link.frame is None:
-                    continue
-                for name, p in link.params:
-                    grad = p.grad
-                    if grad is not None:
-                        self._capture(link.frame, "param_grad", name, grad)
-        except Exception as exc:
-            self.fail("capturing parameter grads", exc)
-
     def close(self) -> None:
         """Write out steps still open and remove every hook this session added."""
         if self.autocapture is not None:
             self.autocapture.close()
-        self._end_of_backward(aborted=True, closing=True)
+        self._end_of_backward(aborted=True)
         self._report_unreported()
         self.dump_ring("end")
         self.closed = True
@@ -1202,11 +1120,6 @@ class Session:
         for link in links:
             for handle in link.handles:
                 handle.remove()
-
-
-def _distributed() -> bool:
-    """Whether a torch.distributed process group is set up (see Session._grads_read_later)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _stored_values(t: torch.Tensor) -> torch.Tensor | None:
@@ -1224,8 +1137,6 @@ def _stored_values(t: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-_UNREAD_NOTE = ("parameter gradients not recorded: the backward pass stopped, and training went on before they "
-                "could be read")
 _UNTAPPED_NOTE = ("a tensor passed both directly and inside a container (list, dict...) has no gradient recorded: "
                  "following it through the call would change the order in which autograd sums its gradients")
 

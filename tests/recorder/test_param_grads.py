@@ -1,18 +1,16 @@
-"""Parameter gradients read from ``.grad`` at the end of the backward pass (capture.Session.
-_grads_read_later) are the bytes a hook on each parameter records: every way training code can
-reach, change or skip ``.grad`` during and after backward is recorded alike both ways, bit for bit,
-and the gradients are the ones autograd computed for that backward pass."""
+"""Each backward step records its own pass's parameter gradients, bit for bit as autograd computes
+them apart: with gradient accumulation, clipping after backward, torch.autograd.grad, a module
+called twice, a post-accumulate-grad hook that changes .grad, two graphs built before either
+backward, a second backward through a retained graph, and a backward pass that raises."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 
 import recorder
-from recorder import capture
 from recorder.store.reader import RunReader
 from tests.recorder.readback import raw, step_rows
 
@@ -45,13 +43,6 @@ class Net(torch.nn.Module):
 def batches(n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return [torch.randn(5, 6, generator=g) for _ in range(n)]
-
-
-def plain(net: Net, opt: torch.optim.Optimizer) -> None:
-    for x in batches(3):
-        net(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
 
 def accumulated(net: Net, opt: torch.optim.Optimizer) -> None:
@@ -124,40 +115,25 @@ def raised_in_backward(net: Net, opt: torch.optim.Optimizer) -> None:
     net(batches(1)[0]).sum().backward()
 
 
-SCENARIOS: dict[str, Callable[[Net, torch.optim.Optimizer], None]] = {
-    f.__name__: f for f in (plain, accumulated, forwards_then_backwards, clipped, functional,
-                            twice_through_one_graph, shared_call, stepped_in_backward, raised_in_backward)}
-
-
-def record(path: Path, scenario: Callable[[Net, torch.optim.Optimizer], None], hooks: bool,
-           monkeypatch: pytest.MonkeyPatch) -> None:
+def record(path: Path, scenario: Callable[[Net, torch.optim.Optimizer], None]) -> None:
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    with monkeypatch.context() as m:
-        if hooks:  # every parameter hooked, as before gradients were read at the pass's end
-            m.setattr(capture.Session, "_grads_read_later", lambda self, frame: False)
-        try:
-            with recorder.record(path, model=net, modules=["a", "b"], mode="full"):
-                scenario(net, opt)
-        except FloatingPointError:
-            assert scenario is raised_in_backward
+    try:
+        with recorder.record(path, model=net, modules=["a", "b"], mode="full"):
+            scenario(net, opt)
+    except FloatingPointError:
+        assert scenario is raised_in_backward
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_read_at_the_end_of_backward_as_hooks_record_them(name: str, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    read, hooked = tmp_path / "read.zarr", tmp_path / "hooked.zarr"
-    record(read, SCENARIOS[name], False, monkeypatch)
-    record(hooked, SCENARIOS[name], True, monkeypatch)
-    rows = step_rows(read)
-    assert rows == step_rows(hooked)
-    grads = [t for r in rows if r["phase"] == 1 for t in r["tensors"] if t[0] == "param_grad"]
-    if name == "raised_in_backward":  # b's backward ran, a's never did
-        assert {(r["path"], t[1]) for r in rows for t in r["tensors"] if t[0] == "param_grad"} == {
-            ("b", "weight"), ("b", "bias")}
-    else:
-        assert grads and all(len(t[4]) for t in grads)
+def fresh() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def grads_of(loss: torch.Tensor, module: torch.nn.Module) -> dict[str, bytes]:
+    w, b = torch.autograd.grad(loss, [module.weight, module.bias])
+    return {"weight": raw(w), "bias": raw(b)}
 
 
 def param_grads(path: Path, module: str) -> list[dict[str, bytes]]:
@@ -171,31 +147,25 @@ def param_grads(path: Path, module: str) -> list[dict[str, bytes]]:
     return out
 
 
-@pytest.mark.parametrize("hooks", [False, True], ids=["read", "hooked"])
-def test_each_backward_pass_records_its_own_gradients(hooks: bool, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_backward_pass_records_its_own_gradients(tmp_path: Path) -> None:
     """Two graphs built before either backward runs, and a second backward through a retained
-    graph: each backward step records the gradient of its own pass, read at the pass's end or
-    hooked (a hook is per tensor, not per graph: one that fires before its call's backward began
-    is another graph's, and a second pass through one graph hooks the parameters again)."""
-    record(tmp_path / "two.zarr", forwards_then_backwards, hooks, monkeypatch)
-    record(tmp_path / "again.zarr", twice_through_one_graph, hooks, monkeypatch)
-    torch.manual_seed(0)
-    net = Net()
+    graph: each backward step records the gradient of its own pass (a hook is per tensor, not per
+    graph: one that fires before its call's backward began is another graph's, and a second pass
+    through one graph hooks the parameters again)."""
+    record(tmp_path / "two.zarr", forwards_then_backwards)
+    record(tmp_path / "again.zarr", twice_through_one_graph)
+    net = fresh()
     x, y = batches(2)
-    want = [torch.autograd.grad(loss, [net.a.weight, net.a.bias])
-            for loss in (net(x).square().mean(), net(y).abs().mean())]
-    assert param_grads(tmp_path / "two.zarr", "a") == [{"weight": raw(w), "bias": raw(b)} for w, b in want]
-    torch.manual_seed(0)
-    net = Net()
-    w, b = torch.autograd.grad(net(batches(1)[0]).square().mean(), [net.a.weight, net.a.bias])
-    assert param_grads(tmp_path / "again.zarr", "a") == [{"weight": raw(w), "bias": raw(b)}] * 2
+    want = [grads_of(net(x).square().mean(), net.a), grads_of(net(y).abs().mean(), net.a)]
+    assert param_grads(tmp_path / "two.zarr", "a") == want
+    net = fresh()
+    assert param_grads(tmp_path / "again.zarr", "a") == [grads_of(net(batches(1)[0]).square().mean(), net.a)] * 2
 
 
-def test_each_micro_batch_records_its_own_gradient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_micro_batch_records_its_own_gradient(tmp_path: Path) -> None:
     """With gradient accumulation .grad holds a sum; each backward step records the gradient of its
     own micro-batch, as torch.autograd.grad computes it apart."""
-    record(tmp_path / "run.zarr", accumulated, False, monkeypatch)
+    record(tmp_path / "run.zarr", accumulated)
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -210,8 +180,8 @@ def test_each_micro_batch_records_its_own_gradient(tmp_path: Path, monkeypatch: 
     assert param_grads(tmp_path / "run.zarr", "a") == want
 
 
-def test_gradients_before_clipping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    record(tmp_path / "run.zarr", clipped, False, monkeypatch)
+def test_gradients_before_clipping(tmp_path: Path) -> None:
+    record(tmp_path / "run.zarr", clipped)
     torch.manual_seed(0)
     net = Net()
     x = batches(2)[0]
@@ -220,3 +190,30 @@ def test_gradients_before_clipping(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert got == {"weight": raw(net.b.weight.grad), "bias": raw(net.b.bias.grad)}
     torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)
     assert got["weight"] != raw(net.b.weight.grad)  # clipping did change .grad afterwards
+
+
+def test_autograd_grad_a_shared_module_and_a_hook_that_changes_grad(tmp_path: Path) -> None:
+    """torch.autograd.grad (.grad stays None), a module called twice (both backward steps show the
+    sum over the pass), a post-accumulate-grad hook that changes .grad (recorded before it)."""
+    record(tmp_path / "functional.zarr", functional)
+    net = fresh()
+    want = grads_of(net(batches(2)[0]).square().mean(), net.a)
+    assert param_grads(tmp_path / "functional.zarr", "a")[0] == want
+
+    record(tmp_path / "shared.zarr", shared_call)
+    net = fresh()
+    net.shape = "shared"
+    want = grads_of(net(batches(1)[0]).sum(), net.a)
+    assert param_grads(tmp_path / "shared.zarr", "a") == [want, want]
+
+    record(tmp_path / "hooked.zarr", stepped_in_backward)
+    net = fresh()
+    want = grads_of(net(batches(2)[0]).square().mean(), net.a)
+    assert param_grads(tmp_path / "hooked.zarr", "a")[0] == want
+
+
+def test_a_backward_pass_that_raises_keeps_the_gradients_that_came(tmp_path: Path) -> None:
+    record(tmp_path / "run.zarr", raised_in_backward)
+    rows = step_rows(tmp_path / "run.zarr")
+    assert {(r["path"], t[1]) for r in rows for t in r["tensors"] if t[0] == "param_grad"} == {
+        ("b", "weight"), ("b", "bias")}
