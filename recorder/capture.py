@@ -126,8 +126,8 @@ class BackwardLink:
     handles: list[Any] = field(default_factory=list)
     frame: Frame | None = None
     hooked: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # parameters with a hook (handles)
-    # Every output autograd reaches is tapped: this call's backward begins at an output's tap, and a
-    # parameter hook that fires before it is another graph's (a later call of the module).
+    # Every output autograd reaches is tapped: through them, this call's backward begins at an
+    # output's tap, before its parameters' gradients come (see Session._on_param_grad).
     complete: bool = False
 
 
@@ -1037,10 +1037,13 @@ class Session:
 
     def _on_param_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
         """A parameter's gradient, summed over the pass. A hook is per tensor, not per graph: one that
-        fires before its call's backward began at an output's tap is another graph's (two graphs
-        built before either backward: a later call of the module), and is not this call's."""
+        fires before its call's backward began at an output's tap, while another call of the same
+        module has begun its backward in this pass, is that call's graph's (two graphs built before
+        either backward), not this call's. Without that other call, it is this call's, through a
+        path other than its outputs (an auxiliary loss kept on the module)."""
         def run() -> None:
-            if link.frame is None and link.complete:
+            if link.frame is None and link.complete and any(
+                    other.frame is not None and other.fwd.module is link.fwd.module for other in self._pass):
                 return
             frame = self._open_backward(link)
             self._capture(frame, "param_grad", name, grad)

@@ -25,10 +25,18 @@ class Boom(torch.autograd.Function):
         raise FloatingPointError("boom in backward")
 
 
+class Routed(torch.nn.Linear):
+    """Keeps an auxiliary loss of its weight (as mixture-of-experts routers keep theirs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.aux = self.weight.square().sum()
+        return super().forward(x)
+
+
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a = torch.nn.Linear(6, 6)
+        self.a = Routed(6, 6)
         self.b = torch.nn.Linear(6, 3)
         self.shape = "plain"
 
@@ -86,6 +94,14 @@ def twice_through_one_graph(net: Net, opt: torch.optim.Optimizer) -> None:
     loss = net(batches(1)[0]).square().mean()
     loss.backward(retain_graph=True)
     loss.backward()
+
+
+def auxiliary_first(net: Net, opt: torch.optim.Optimizer) -> None:
+    """A backward pass of the auxiliary loss alone (a's weight only, none through a's output), then
+    one of the main loss through the same graph."""
+    out = net(batches(1)[0])
+    net.a.aux.backward(retain_graph=True)
+    out.square().mean().backward()
 
 
 def shared_call(net: Net, opt: torch.optim.Optimizer) -> None:
@@ -217,3 +233,14 @@ def test_a_backward_pass_that_raises_keeps_the_gradients_that_came(tmp_path: Pat
     rows = step_rows(tmp_path / "run.zarr")
     assert {(r["path"], t[1]) for r in rows for t in r["tensors"] if t[0] == "param_grad"} == {
         ("b", "weight"), ("b", "bias")}
+
+
+def test_a_pass_that_reaches_parameters_only_through_an_auxiliary_loss(tmp_path: Path) -> None:
+    """Gradients that reach a call's parameters other than through its outputs are its own: the
+    first pass records a backward step with the auxiliary loss's gradient, the second the main's."""
+    record(tmp_path / "run.zarr", auxiliary_first)
+    net = fresh()
+    out = net(batches(1)[0])
+    (aux,) = torch.autograd.grad(net.a.aux, [net.a.weight], retain_graph=True)
+    assert param_grads(tmp_path / "run.zarr", "a") == [{"weight": raw(aux)},
+                                                       grads_of(out.square().mean(), net.a)]
