@@ -996,8 +996,11 @@ class Session:
             frame.notes.append(_UNTAPPED_NOTE)
         return args, kwargs
 
-    def _hook_param(self, link: BackwardLink, name: str, p: torch.Tensor) -> None:
-        link.hooked.append((name, p))
+    def _hook_param(self, link: BackwardLink, name: str, p: torch.Tensor, again: bool = False) -> None:
+        """Hook a parameter's gradient for ``link`` (``again``: one of ``link.hooked``, for a
+        second backward through its graph)."""
+        if not again:
+            link.hooked.append((name, p))
         link.handles.append(p.register_hook(_backward_callback(self._on_param_grad, link, name)))
 
     def _tap_outputs(self, link: BackwardLink, out: Any, skip: frozenset[int], frame: Frame | None = None,
@@ -1042,8 +1045,8 @@ class Session:
         either backward), not this call's. Without that other call, it is this call's, through a
         path other than its outputs (an auxiliary loss kept on the module)."""
         def run() -> None:
-            if link.frame is None and link.complete and any(
-                    other.frame is not None and other.fwd.module is link.fwd.module for other in self._pass):
+            if link.frame is None and link.complete and any(other.fwd.module is link.fwd.module
+                                                            for other in self._pass):  # (all begun)
                 return
             frame = self._open_backward(link)
             self._capture(frame, "param_grad", name, grad)
@@ -1065,7 +1068,7 @@ class Session:
         self._pass.append(link)
         if link.hooked and not link.handles:  # a second backward through this call's graph: hooked again
             for name, p in link.hooked:
-                link.handles.append(p.register_hook(_backward_callback(self._on_param_grad, link, name)))
+                self._hook_param(link, name, p, again=True)
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(_backward_callback(self._end_of_backward))
             self._callback_queued = True

@@ -130,6 +130,7 @@ def _stream_block(typingctx, dst, src, start, count, sums, ends):  # type: ignor
         module = builder.module
         suffix = f"v{width}f{aty.dtype.bitwidth}"
 
+        # Not module.declare_intrinsic (as _binary): llvmlite cannot name an intrinsic over a vector type.
         def declared(name: str, fnty: ir.FunctionType) -> ir.Function:
             found = module.globals.get(name)
             return found if found is not None else ir.Function(module, fnty, name=name)
