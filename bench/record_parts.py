@@ -14,6 +14,8 @@ code are counted too. The variants (measurement only: what they leave out, the r
   params after forward each call's parameters captured when its forward returns (just read by its
                        operators) instead of before it runs; recorded in full
   no tensor records    no tensor captured: steps, RNG and settings, taps and hooks only
+  no tensors, no snapshots   as "no tensor records", each step also given the RNG and settings
+                       snapshots the session took first instead of taking its own
 
 Method: blocks of ``--iterations`` iterations rotate over the session paused and each variant
 resumed (``--rounds`` rounds, the order rotating every round; a resumed block ends with
@@ -51,26 +53,27 @@ from docs_section import median_interval, torch_threads, write_section  # noqa: 
 from entry_points import gpt2  # noqa: E402
 
 import recorder  # noqa: E402
-from recorder import capture, payload  # noqa: E402
+from recorder import capture, payload, snapshot  # noqa: E402
 from recorder import stats as stats_mod  # noqa: E402
 
 HEADING = "## What each kind of record costs"
 PARAMS = frozenset({"param", "param_grad"})
 VARIANTS = ("everything", "no parameter records", "params: copy+stats", "params: stats only",
-            "params after forward", "no tensor records")
+            "params after forward", "no tensor records", "no tensors, no snapshots")
 
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     """``Session._capture`` (and, for "params after forward", ``Session._exit``) as the variant has
     them inside the block; the recorder's own put back after it."""
-    Session = capture.Session
-    saved = {k: Session.__dict__[k] for k in ("_capture", "_exit")}
+    Session, Rng = capture.Session, snapshot.RngReader
+    saved = {k: Session.__dict__[k] for k in ("_capture", "_exit", "_settings")}
+    saved_parts = Rng.__dict__["parts"]
     full: Callable[..., str] = saved["_capture"]
     deferred: dict[int, list[tuple[str, torch.Tensor]]] = {}
 
     def lean(self: Any, frame: Any, role: str, rec: str, t: torch.Tensor) -> str:
-        if name == "no tensor records" or (name == "no parameter records" and role in PARAMS):
+        if name.startswith("no tensor") or (name == "no parameter records" and role in PARAMS):
             return rec
         if role not in PARAMS:
             return full(self, frame, role, rec, t)
@@ -100,10 +103,25 @@ def variant(name: str) -> Iterator[None]:
             Session._capture = lean  # type: ignore[method-assign]
         if name == "params after forward":
             Session._exit = exit_after_params  # type: ignore[method-assign]
+        if name == "no tensors, no snapshots":
+            Session._settings = _first_call(saved["_settings"])  # type: ignore[method-assign]
+            Rng.parts = _first_call(saved_parts)  # type: ignore[method-assign]
         yield
     finally:
         for k, v in saved.items():
             setattr(Session, k, v)
+        Rng.parts = saved_parts  # type: ignore[method-assign]
+
+
+def _first_call(method: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``method`` answering every call with what its first call returned."""
+    first: list[Any] = []
+
+    def again(self: Any) -> Any:
+        if not first:
+            first.append(method(self))
+        return first[0]
+    return again
 
 
 def measure(threads: int, iterations: int, rounds: int, names: list[str]) -> dict[str, Any]:
@@ -151,7 +169,7 @@ def table(results: list[dict[str, Any]]) -> str:
         for n in VARIANTS:
             if n in r["added"]:
                 med, (lo, hi) = r["added"][n]
-                cells.append(f"+{med:.1f} ({lo:.1f}–{hi:.1f})")
+                cells.append(f"{med:+.1f} ({lo:+.1f} to {hi:+.1f})")
             else:
                 cells.append("–")
         rows.append(f"| {r['threads']} | {r['paused']:.0f} | " + " | ".join(cells) + " |")
@@ -177,7 +195,10 @@ copy+stats": they are copied into the staging pool with their statistics, and no
 done with them; "params: stats only": their statistics read, no copy; "params after forward":
 each call's parameters captured when its forward returns (their bytes just read by its operators)
 instead of before; "no tensor records": no tensor captured at all (steps, RNG and settings
-snapshots, taps and hooks, the writer's step records).
+snapshots, taps and hooks, the writer's step records); "no tensors, no snapshots": that, with
+every step given the first RNG and settings snapshots of the block instead of taking its own.
+What the parts say about the callbacks' target: "Where the callbacks' 2-thread target falls short,
+by kind of record" in "Recording overhead: spread between runs, and what changed".
 
 Machine: {os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, Python
 {platform.python_version()}; statistics kernel {"on (numba)" if stats_mod.prepare() else "off"}.
@@ -197,7 +218,7 @@ def main() -> None:
     for threads in args.threads:
         r = measure(threads, args.iterations, args.rounds, args.variants)
         print(f"{threads} thread(s): unrecorded {r['paused']:.0f} ms/iter; added: "
-              + ", ".join(f"{n} +{m:.1f}" for n, (m, _) in r["added"].items()), flush=True)
+              + ", ".join(f"{n} {m:+.1f}" for n, (m, _) in r["added"].items()), flush=True)
         results.append(r)
     print(table(results))
     if args.write_docs:
