@@ -15,7 +15,9 @@ must be copied (full and flight modes) gets its statistics for the price of the 
 it stores the copy with nontemporal (streaming) stores on x86-64, written directly as vector code in
 LLVM's IR: the copy is not read again soon, so it need not pass through the cache or first read the
 destination's old bytes into it (a cold 2 MB array ~400 -> ~260 us), and it does not push training's
-own data out of the cache.
+own data out of the cache. From 16 KB up on x86-64, both the statistics alone and the copy read
+the array as parallel streams, a part of it each, with software prefetches ahead (``_block``):
+one sequential read keeps too few lines of memory not in cache on their way at once.
 
 Importing this module imports numba and compiles (or loads from numba's on-disk cache) the kernel
 for float32 and float64; ``recorder.stats`` does so at the first recording, and falls back to torch
@@ -24,7 +26,8 @@ and numpy when numba is missing or fails.
 Precision: the sums are in float64 (a float32 value's square is exact there), so a float32 sum is
 more accurate than torch's, and its sum of squares cannot overflow or vanish. Non-finite values are
 not handled here: they show in the sums (a NaN anywhere makes them NaN, an Inf makes them Inf or
-NaN; the min and max are NaN too, except after the streaming copy, whose min and max skip a NaN),
+NaN; the min and max are NaN too, except in the streamed reads of 16 KB and up, whose min and max
+skip a NaN),
 and the caller then uses the exact path that counts them. No fast-math flag that assumes finite
 values is used, so that holds by the language's rules, not by luck.
 """
@@ -100,87 +103,129 @@ def _sums(x, out, copy):  # type: ignore[no-untyped-def]
     return lo, hi, total, squares
 
 
-# Arrays from this size are copied with nontemporal stores (copy_sums), on x86-64: its fence instruction
-# is named in the code, which elsewhere would not compile.
+# Arrays from this size are read as interleaved streams with prefetches, and copied with nontemporal
+# stores (copy_sums), on x86-64: the copy's fence instruction is named in the code, which elsewhere
+# would not compile.
 _STREAM_BYTES = 1 << 14 if platform.machine().lower() in ("x86_64", "amd64") else None
-_VECTOR_BYTES = 32  # one AVX register: the stores' width and alignment
+_VECTOR_BYTES = 32  # one AVX register: the loads' and stores' width, the stores' alignment
+# A read of memory not in cache is paced by how many lines are on their way at once: one sequential
+# stream, whose hardware prefetcher stops at every 4 KB page, keeps too few. The large arrays are
+# read as parallel streams (a part of the array each, one vector of each per loop), each with a
+# software prefetch this far ahead, which crosses pages. On Intel Xeon (AVX-512), cold float32 data
+# (bench/stats_kernel.py, docs/PERFORMANCE.md): statistics alone ~5.5 -> ~14 GB/s with 4 streams; the
+# copy with its statistics ~6.5 -> ~9.5 GB/s with 2 (more than 2 streams of nontemporal stores run
+# out of the core's write-combining buffers: 8 streams were slower than one).
+_READ_STREAMS, _COPY_STREAMS = 4, 2
+_PREFETCH_BYTES = 1024
 
 
-@intrinsic
-def _stream_block(typingctx, dst, src, start, count, sums, ends):  # type: ignore[no-untyped-def]
-    """For ``k`` in ``[start, start + count)``, ``W`` elements at a time (``W`` = 32 bytes of the
-    array's dtype; ``dst[start]`` 32-byte aligned, ``count`` a multiple of ``W``): copy ``src`` into
-    ``dst`` with nontemporal stores, add the values and their squares (in float64) into the lanes
-    ``sums[:W]`` and ``sums[W:]``, and take the lanes' min and max into ``ends[:W]`` and
-    ``ends[W:]``. Min and max are ``llvm.minnum``/``llvm.maxnum``, which skip a NaN: the sums still
-    show it, and the caller reads min and max only when the sums are finite. (``llvm.minimum`` on
-    an explicit vector was made into scalar code here, ~3x slower.)"""
+def _block(streams: int, copy: bool):  # type: ignore[no-untyped-def]
+    """A numba intrinsic ``block(dst, src, start, span, sums, ends)`` over ``streams`` parts of
+    ``span`` elements each, the part ``j`` from ``start + j * span`` (``W`` elements a step, ``W``
+    = 32 bytes of the array's dtype; ``span`` a multiple of ``W``): add the values and their
+    squares (in float64) into the lanes ``sums[:W]`` and ``sums[W:]``, and take the lanes' min and
+    max into ``ends[:W]`` and ``ends[W:]``; with ``copy``, also copy ``src`` into ``dst`` with
+    nontemporal stores (``dst[start]`` 32-byte aligned). Each part has accumulators of its own, so
+    the parts' additions do not wait on each other. Min and max are ``llvm.minnum``/``llvm.maxnum``,
+    which skip a NaN: the sums still show it, and the caller reads min and max only when the sums
+    are finite. (``llvm.minimum`` on an explicit vector was made into scalar code here, ~3x
+    slower.)"""
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        aty = signature.args[0]
-        d = context.make_array(aty)(context, builder, args[0])
-        s = context.make_array(signature.args[1])(context, builder, args[1])
-        acc = context.make_array(signature.args[4])(context, builder, args[4])
-        lim = context.make_array(signature.args[5])(context, builder, args[5])
-        begin, count = args[2], args[3]
-        elem = context.get_value_type(aty.dtype)
-        width = _VECTOR_BYTES * 8 // aty.dtype.bitwidth
-        i64 = ir.IntType(64)
-        vec, wide = ir.VectorType(elem, width), ir.VectorType(ir.DoubleType(), width)
-        module = builder.module
-        suffix = f"v{width}f{aty.dtype.bitwidth}"
+    @intrinsic
+    def block(typingctx, dst, src, start, span, sums, ends):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            aty = signature.args[1]
+            d = context.make_array(signature.args[0])(context, builder, args[0])
+            s = context.make_array(aty)(context, builder, args[1])
+            acc = context.make_array(signature.args[4])(context, builder, args[4])
+            lim = context.make_array(signature.args[5])(context, builder, args[5])
+            begin, part = args[2], args[3]
+            elem = context.get_value_type(aty.dtype)
+            width = _VECTOR_BYTES * 8 // aty.dtype.bitwidth
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            vec, wide = ir.VectorType(elem, width), ir.VectorType(ir.DoubleType(), width)
+            byte_ptr = ir.IntType(8).as_pointer()
+            module = builder.module
+            suffix = f"v{width}f{aty.dtype.bitwidth}"
 
-        # Not module.declare_intrinsic (as _binary): llvmlite cannot name an intrinsic over a vector type.
-        def declared(name: str, fnty: ir.FunctionType) -> ir.Function:
-            found = module.globals.get(name)
-            return found if found is not None else ir.Function(module, fnty, name=name)
+            # Not module.declare_intrinsic (as _binary): llvmlite cannot name an intrinsic over a vector type.
+            def declared(name: str, fnty: ir.FunctionType) -> ir.Function:
+                found = module.globals.get(name)
+                return found if found is not None else ir.Function(module, fnty, name=name)
 
-        lower = declared(f"llvm.minnum.{suffix}", ir.FunctionType(vec, [vec, vec]))
-        upper = declared(f"llvm.maxnum.{suffix}", ir.FunctionType(vec, [vec, vec]))
-        fence = declared("llvm.x86.sse.sfence", ir.FunctionType(ir.VoidType(), []))
-        nontemporal = module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-        fast = ("reassoc", "contract")
+            lower = declared(f"llvm.minnum.{suffix}", ir.FunctionType(vec, [vec, vec]))
+            upper = declared(f"llvm.maxnum.{suffix}", ir.FunctionType(vec, [vec, vec]))
+            prefetch = declared("llvm.prefetch.p0", ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]))
+            fast = ("reassoc", "contract")
 
-        def at(base, index, ty):  # type: ignore[no-untyped-def]
-            return builder.bitcast(builder.gep(base, [index]), ty.as_pointer())
+            def at(base, index, ty):  # type: ignore[no-untyped-def]
+                return builder.bitcast(builder.gep(base, [index]), ty.as_pointer())
 
-        lane = ir.Constant(i64, width)
-        zero = ir.Constant(i64, 0)
-        size = aty.dtype.bitwidth // 8  # the lanes' arrays are only aligned to their elements
-        first = [builder.load(at(acc.data, zero, wide), align=8), builder.load(at(acc.data, lane, wide), align=8),
-                 builder.load(at(lim.data, zero, vec), align=size), builder.load(at(lim.data, lane, vec), align=size)]
-        entry = builder.block
-        head = builder.append_basic_block("stream.head")
-        body = builder.append_basic_block("stream.body")
-        done = builder.append_basic_block("stream.done")
-        builder.branch(head)
-        builder.position_at_end(head)
-        k = builder.phi(i64)
-        k.add_incoming(zero, entry)
-        state = [builder.phi(v.type) for v in first]
-        for phi, v in zip(state, first):
-            phi.add_incoming(v, entry)
-        builder.cbranch(builder.icmp_signed("<", k, count), body, done)
-        builder.position_at_end(body)
-        index = builder.add(begin, k)
-        v = builder.load(at(s.data, index, vec), align=size)
-        builder.store(v, at(d.data, index, vec), align=_VECTOR_BYTES).set_metadata("nontemporal", nontemporal)
-        w = builder.fpext(v, wide) if aty.dtype.bitwidth == 32 else v
-        total, squares, lo, hi = state
-        after = [builder.fadd(total, w, flags=fast), builder.fadd(squares, builder.fmul(w, w, flags=fast), flags=fast),
-                 builder.call(lower, [lo, v]), builder.call(upper, [hi, v])]
-        k.add_incoming(builder.add(k, lane), body)
-        for phi, v in zip(state, after):
-            phi.add_incoming(v, body)
-        builder.branch(head)
-        builder.position_at_end(done)
-        for value, base, offset, align in zip(state, (acc.data, acc.data, lim.data, lim.data), (zero, lane, zero, lane),
-                                              (8, 8, size, size)):
-            builder.store(value, at(base, offset, value.type), align=align)
-        builder.call(fence, [])  # the copy is complete before anything after it (the writer's hand-over)
-        return context.get_dummy_value()
+            lane = ir.Constant(i64, width)
+            zero = ir.Constant(i64, 0)
+            size = aty.dtype.bitwidth // 8  # the lanes' arrays are only aligned to their elements
+            ahead = ir.Constant(i64, _PREFETCH_BYTES // size)
+            read, keep, data = ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)  # prefetch: read, into L1
+            first = [builder.load(at(acc.data, zero, wide), align=8),
+                     builder.load(at(acc.data, lane, wide), align=8),
+                     builder.load(at(lim.data, zero, vec), align=size),
+                     builder.load(at(lim.data, lane, vec), align=size)]
+            nothing = ir.Constant(wide, None)  # the other parts' sums start at zero, their ends at the first part's
+            entry = builder.block
+            head = builder.append_basic_block("stream.head")
+            body = builder.append_basic_block("stream.body")
+            done = builder.append_basic_block("stream.done")
+            builder.branch(head)
+            builder.position_at_end(head)
+            k = builder.phi(i64)
+            k.add_incoming(zero, entry)
+            states = []
+            for j in range(streams):
+                start_values = first if j == 0 else [nothing, nothing, first[2], first[3]]
+                phis = [builder.phi(v.type) for v in start_values]
+                for phi, v in zip(phis, start_values):
+                    phi.add_incoming(v, entry)
+                states.append(phis)
+            builder.cbranch(builder.icmp_signed("<", k, part), body, done)
+            builder.position_at_end(body)
+            for j, state in enumerate(states):
+                index = builder.add(builder.add(begin, builder.mul(part, ir.Constant(i64, j))), k)
+                # (a prefetch past the array's end is harmless: a hint, it never faults)
+                builder.call(prefetch, [builder.bitcast(builder.gep(s.data, [builder.add(index, ahead)]), byte_ptr),
+                                        read, keep, data])
+                v = builder.load(at(s.data, index, vec), align=size)
+                if copy:
+                    store = builder.store(v, at(d.data, index, vec), align=_VECTOR_BYTES)
+                    store.set_metadata("nontemporal", module.add_metadata([ir.Constant(i32, 1)]))
+                w = builder.fpext(v, wide) if aty.dtype.bitwidth == 32 else v
+                total, squares, lo, hi = state
+                after = [builder.fadd(total, w, flags=fast),
+                         builder.fadd(squares, builder.fmul(w, w, flags=fast), flags=fast),
+                         builder.call(lower, [lo, v]), builder.call(upper, [hi, v])]
+                for phi, v in zip(state, after):
+                    phi.add_incoming(v, body)
+            k.add_incoming(builder.add(k, lane), body)
+            builder.branch(head)
+            builder.position_at_end(done)
+            total, squares, lo, hi = states[0]
+            for other in states[1:]:
+                total = builder.fadd(total, other[0])
+                squares = builder.fadd(squares, other[1])
+                lo, hi = builder.call(lower, [lo, other[2]]), builder.call(upper, [hi, other[3]])
+            for value, base, offset, align in zip((total, squares, lo, hi), (acc.data, acc.data, lim.data, lim.data),
+                                                  (zero, lane, zero, lane), (8, 8, size, size)):
+                builder.store(value, at(base, offset, value.type), align=align)
+            if copy:  # the copy is complete before anything after it (the writer's hand-over)
+                builder.call(declared("llvm.x86.sse.sfence", ir.FunctionType(ir.VoidType(), [])), [])
+            return context.get_dummy_value()
 
-    return numba.types.none(dst, src, start, count, sums, ends), codegen
+        return numba.types.none(dst, src, start, span, sums, ends), codegen
+
+    return block
+
+
+_copy_block = _block(_COPY_STREAMS, copy=True)
+_read_block = _block(_READ_STREAMS, copy=False)
 
 
 @intrinsic
@@ -195,19 +240,44 @@ _STREAM_SIGNATURES = [sig.replace(", boolean)", ")") for sig in _SIGNATURES]
 
 
 def _stream_sums(x, out):  # type: ignore[no-untyped-def]
-    """``_sums(x, out, True)`` for arrays of at least one vector, the copy made with nontemporal
-    stores: a copied payload is not read again soon (flight mode's ring, the writer's queue), so
-    its bytes need not pass through the cache, and the store does not first read the destination
-    (in a GPT-2 step ~200 -> ~155 us per MB of payload, and the training's data stays in cache)."""
+    """``_sums(x, out, True)`` for arrays of at least two vectors per stream: read as
+    ``_COPY_STREAMS`` streams, the copy made with nontemporal stores: a copied payload is not read
+    again soon (flight mode's ring, the writer's queue), so its bytes need not pass through the
+    cache, and the store does not first read the destination (in a GPT-2 step ~200 -> ~155 us per
+    MB of payload, and the training's data stays in cache)."""
     n = x.shape[0]
     width = _VECTOR_BYTES // x.itemsize
-    if n < 2 * width:
+    if n < 2 * width * _COPY_STREAMS:
         return _sums(x, out, True)
     head = ((_VECTOR_BYTES - _address(out) % _VECTOR_BYTES) % _VECTOR_BYTES) // x.itemsize
-    count = (n - head) // width * width
+    return _streamed(x, out, head, (n - head) // (width * _COPY_STREAMS) * width, True)
+
+
+def _read_sums(x, out):  # type: ignore[no-untyped-def]
+    """``_sums(x, x, False)`` for arrays of at least two vectors per stream, read as
+    ``_READ_STREAMS`` streams. The parts depend only on the length (no alignment is needed to
+    read), so an array's sums do not change with where it lies in memory. (``out`` is unused: the
+    signature is the copy's.)"""
+    n = x.shape[0]
+    width = _VECTOR_BYTES // x.itemsize
+    if n < 2 * width * _READ_STREAMS:
+        return _sums(x, x, False)
+    return _streamed(x, x, 0, n // (width * _READ_STREAMS) * width, False)
+
+
+def _streamed(x, out, head, span, copy):  # type: ignore[no-untyped-def]
+    """The block (copying into ``out`` when ``copy``) from ``head``, as its streams of ``span``
+    elements, then the parts before and after it."""
+    n = x.shape[0]
+    width = _VECTOR_BYTES // x.itemsize
     sums = np.zeros(2 * width, np.float64)
     ends = np.full(2 * width, x[0], x.dtype)
-    _stream_block(out, x, head, count, sums, ends)
+    if copy:
+        _copy_block(out, x, head, span, sums, ends)
+        stop = head + _COPY_STREAMS * span
+    else:
+        _read_block(out, x, head, span, sums, ends)
+        stop = head + _READ_STREAMS * span
     lo = x[0]
     hi = x[0]
     total = 0.0
@@ -217,9 +287,9 @@ def _stream_sums(x, out):  # type: ignore[no-untyped-def]
         squares += sums[width + j]
         lo = min(lo, ends[j])
         hi = max(hi, ends[width + j])
-    for start, stop in ((0, head), (head + count, n)):  # the unaligned head and the tail
-        if stop > start:
-            a, b, c, d = _sums(x[start:stop], out[start:stop], True)
+    for start, end in ((0, head), (stop, n)):  # the unaligned head and the tail
+        if end > start:
+            a, b, c, d = _sums(x[start:end], out[start:end], copy)
             lo = _minimum(lo, a)
             hi = _maximum(hi, b)
             total += c
@@ -228,14 +298,18 @@ def _stream_sums(x, out):  # type: ignore[no-untyped-def]
 
 
 if _STREAM_BYTES is not None:
-    _stream_sums = numba.njit(_STREAM_SIGNATURES, cache=True, fastmath=_MATH, boundscheck=False,
-                              error_model="numpy")(_stream_sums)
+    _STREAMED_SIGNATURES = [sig.replace(", boolean)", ", int64, int64, boolean)") for sig in _SIGNATURES]
+    _streamed = numba.njit(_STREAMED_SIGNATURES, cache=True, fastmath=_MATH, boundscheck=False,
+                           error_model="numpy")(_streamed)
+    _stream_sums, _read_sums = (numba.njit(_STREAM_SIGNATURES, cache=True, fastmath=_MATH, boundscheck=False,
+                                           error_model="numpy")(f) for f in (_stream_sums, _read_sums))
 
 
 def sums(x: np.ndarray) -> tuple[float, float, float, float]:
     """(min, max, sum, sum of squares) of a non-empty 1-D contiguous float32 or float64 array, as
     Python floats. Only meaningful when all four are finite (see the module's notes)."""
-    lo, hi, total, squares = _sums(x, x, False)
+    big = _STREAM_BYTES is not None and x.nbytes >= _STREAM_BYTES
+    lo, hi, total, squares = _read_sums(x, x) if big else _sums(x, x, False)
     return float(lo), float(hi), float(total), float(squares)
 
 
@@ -272,9 +346,12 @@ def _check() -> None:
         got = _stream_sums(x, out)
         if tuple(map(float, got)) != want or not np.array_equal(out, x) or room[:3].any() or room[3 + len(x):].any():
             raise RuntimeError(f"the statistics kernel's streaming copy gave {got} for {dtype.__name__}, numpy {want}")
+        got = _read_sums(x, x)
+        if tuple(map(float, got)) != want:
+            raise RuntimeError(f"the statistics kernel's streamed read gave {got} for {dtype.__name__}, numpy {want}")
         x[len(x) // 2] = np.nan
-        if not all(np.isnan(_stream_sums(x, out)[2:])):
-            raise RuntimeError(f"the statistics kernel's streaming copy missed a NaN in {dtype.__name__}")
+        if not all(np.isnan(_stream_sums(x, out)[2:])) or not all(np.isnan(_read_sums(x, x)[2:])):
+            raise RuntimeError(f"the statistics kernel's streams missed a NaN in {dtype.__name__}")
 
 
 _check()
