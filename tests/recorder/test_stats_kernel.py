@@ -190,6 +190,44 @@ def test_copy_without_the_kernel_still_copies(kernel):
     assert stats.copy_stats(t, dst, units) is None and np.array_equal(dst, units)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [4096 + 37, 100_003])
+def test_a_non_finite_value_is_found_in_every_part_of_a_streamed_array(kernel, dtype, n):
+    """Large arrays are read as parallel streams, each a part of the array, plus the elements before
+    and after them: a NaN or an Inf at any part's first or last element, or anywhere between, is
+    counted, with and without a copy, and the other statistics are those of the finite values."""
+    from recorder import kernels, payload
+
+    width = 32 // dtype.itemsize
+    places = {0, 1, n // 2, n - 2, n - 1}
+    for streams in (kernels._READ_STREAMS, kernels._COPY_STREAMS):
+        span = n // (width * streams) * width
+        places |= {j * span + d for j in range(1, streams + 1) for d in (-1, 0, 1) if 0 <= j * span + d < n}
+    base = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=dtype)
+    for where in sorted(places):
+        for bad in (math.nan, math.inf, -math.inf):
+            t = base.clone()
+            t[where] = bad
+            want = reference(t)
+            assert_close(stats.host_stats(t), want, (where, bad))
+            units, _, _ = payload.as_units(t)
+            dst = np.zeros_like(units)
+            assert_close(stats.copy_stats(t, dst, units), want, (where, bad))
+            assert np.array_equal(dst, units)
+
+
+def test_statistics_of_an_array_do_not_depend_on_its_address(kernel):
+    """The streamed read splits an array by its length only: the same values at another address
+    give bitwise the same statistics (recorded twice, a tensor summarises the same)."""
+    values = torch.randn(50_001, generator=torch.Generator().manual_seed(3)) * 1e3 + 7
+    room = torch.zeros(50_001 + 16)
+    got = set()
+    for offset in range(16):
+        room[offset:offset + 50_001] = values
+        got.add(stats.host_stats(room[offset:offset + 50_001]))
+    assert len(got) == 1
+
 def test_kernel_without_the_streaming_copy_elsewhere_than_x86():
     """Off x86-64 the streaming copy (x86's fence instruction) is not compiled, and the kernel
     still loads and copies bitwise."""
