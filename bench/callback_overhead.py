@@ -70,7 +70,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from docs_section import DOCS, environment, interval_text, judged, paired, torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
+from docs_section import DOCS, environment, interval_text, judged, paired, rotated, torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
 
 import recorder  # noqa: E402
 from recorder.framework import auto_modules  # noqa: E402
@@ -328,7 +328,7 @@ def measure(frameworks: list[str], steps: int, blocks: int, warmup: int, by_hand
                 block(v, warmup)
                 v.forget()
             for r in range(blocks):
-                order = variants[r % len(variants):] + variants[:r % len(variants)]
+                order = rotated(variants, r)
                 for v in order:
                     block(v, steps)
                 print(f"  round {r + 1}/{blocks}: " + ", ".join(

@@ -118,6 +118,13 @@ def paused_and_resumed(run: Any, rounds: int, block: Callable[[bool], T]) -> tup
     return paused, recorded
 
 
+def rotated(items: list[T], r: int) -> list[T]:
+    """``items`` in round ``r``'s order: round-robin, starting one further each round, so that no
+    variant always runs first (drift and background load spread over all of them)."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
 def paired(values: list[float], baseline: list[float]) -> list[float]:
     """Each round's value over the baseline's of the same round: drift between rounds cancels."""
     return [v / b for v, b in zip(values, baseline, strict=True)]

@@ -59,7 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # bench/ is the script's directory
-from docs_section import interval_text, judge, judged, median_interval, paired, torch_threads
+from docs_section import interval_text, judge, judged, median_interval, paired, rotated, torch_threads
 
 import recorder
 
@@ -279,7 +279,7 @@ def measure(threads: int, iterations: int, blocks: int, warmup: int, log: bool =
             run_block(v, warmup, batches, tmp, seq)
             v.forget()
         for r in range(blocks):
-            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            order = rotated(variants, r)
             for v in order:
                 run_block(v, iterations, batches, tmp, seq)
             for v in order:

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's recorder, before an installed one
-from docs_section import median_interval, torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
+from docs_section import median_interval, rotated, torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
 from entry_points import gpt2  # noqa: E402
 
 import recorder  # noqa: E402
@@ -140,7 +140,7 @@ def measure(threads: int, iterations: int, rounds: int, names: list[str]) -> dic
                 run.flush()
                 order = ["paused", *names]
                 for r in range(rounds):
-                    for n in order[r % len(order):] + order[:r % len(order)]:
+                    for n in rotated(order, r):
                         if n == "paused":
                             run.pause()
                         t0 = time.perf_counter()

@@ -76,7 +76,12 @@ _SIGNATURES = ["Tuple((float32, float32, float64, float64))(float32[::1], float3
                "UniTuple(float64, 4)(float64[::1], float64[::1], boolean)"]
 
 
-@numba.njit(_SIGNATURES, cache=True, fastmath=_MATH, boundscheck=False, error_model="numpy")
+def _compiled(signatures: list[str]):  # type: ignore[no-untyped-def]
+    """numba's ahead-of-time compilation for exactly ``signatures``, as every kernel here is built."""
+    return numba.njit(signatures, cache=True, fastmath=_MATH, boundscheck=False, error_model="numpy")
+
+
+@_compiled(_SIGNATURES)
 def _sums(x, out, copy):  # type: ignore[no-untyped-def]
     n = x.shape[0]
     lo = x[0]
@@ -156,6 +161,7 @@ def _block(streams: int, copy: bool):  # type: ignore[no-untyped-def]
             lower = declared(f"llvm.minnum.{suffix}", ir.FunctionType(vec, [vec, vec]))
             upper = declared(f"llvm.maxnum.{suffix}", ir.FunctionType(vec, [vec, vec]))
             prefetch = declared("llvm.prefetch.p0", ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]))
+            nontemporal = module.add_metadata([ir.Constant(i32, 1)])
             fast = ("reassoc", "contract")
 
             def at(base, index, ty):  # type: ignore[no-untyped-def]
@@ -196,7 +202,7 @@ def _block(streams: int, copy: bool):  # type: ignore[no-untyped-def]
                 v = builder.load(at(s.data, index, vec), align=size)
                 if copy:
                     store = builder.store(v, at(d.data, index, vec), align=_VECTOR_BYTES)
-                    store.set_metadata("nontemporal", module.add_metadata([ir.Constant(i32, 1)]))
+                    store.set_metadata("nontemporal", nontemporal)
                 w = builder.fpext(v, wide) if aty.dtype.bitwidth == 32 else v
                 total, squares, lo, hi = state
                 after = [builder.fadd(total, w, flags=fast),
@@ -253,11 +259,10 @@ def _stream_sums(x, out):  # type: ignore[no-untyped-def]
     return _streamed(x, out, head, (n - head) // (width * _COPY_STREAMS) * width, True)
 
 
-def _read_sums(x, out):  # type: ignore[no-untyped-def]
+def _read_sums(x):  # type: ignore[no-untyped-def]
     """``_sums(x, x, False)`` for arrays of at least two vectors per stream, read as
     ``_READ_STREAMS`` streams. The parts depend only on the length (no alignment is needed to
-    read), so an array's sums do not change with where it lies in memory. (``out`` is unused: the
-    signature is the copy's.)"""
+    read), so an array's sums do not change with where it lies in memory."""
     n = x.shape[0]
     width = _VECTOR_BYTES // x.itemsize
     if n < 2 * width * _READ_STREAMS:
@@ -274,10 +279,9 @@ def _streamed(x, out, head, span, copy):  # type: ignore[no-untyped-def]
     ends = np.full(2 * width, x[0], x.dtype)
     if copy:
         _copy_block(out, x, head, span, sums, ends)
-        stop = head + _COPY_STREAMS * span
     else:
         _read_block(out, x, head, span, sums, ends)
-        stop = head + _READ_STREAMS * span
+    stop = head + (_COPY_STREAMS if copy else _READ_STREAMS) * span
     lo = x[0]
     hi = x[0]
     total = 0.0
@@ -298,18 +302,17 @@ def _streamed(x, out, head, span, copy):  # type: ignore[no-untyped-def]
 
 
 if _STREAM_BYTES is not None:
-    _STREAMED_SIGNATURES = [sig.replace(", boolean)", ", int64, int64, boolean)") for sig in _SIGNATURES]
-    _streamed = numba.njit(_STREAMED_SIGNATURES, cache=True, fastmath=_MATH, boundscheck=False,
-                           error_model="numpy")(_streamed)
-    _stream_sums, _read_sums = (numba.njit(_STREAM_SIGNATURES, cache=True, fastmath=_MATH, boundscheck=False,
-                                           error_model="numpy")(f) for f in (_stream_sums, _read_sums))
+    _streamed = _compiled([sig.replace(", boolean)", ", int64, int64, boolean)") for sig in _SIGNATURES])(_streamed)
+    _stream_sums = _compiled(_STREAM_SIGNATURES)(_stream_sums)
+    _read_sums = _compiled([sig.replace(", float32[::1], boolean)", ")").replace(", float64[::1], boolean)", ")")
+                            for sig in _SIGNATURES])(_read_sums)
 
 
 def sums(x: np.ndarray) -> tuple[float, float, float, float]:
     """(min, max, sum, sum of squares) of a non-empty 1-D contiguous float32 or float64 array, as
     Python floats. Only meaningful when all four are finite (see the module's notes)."""
     big = _STREAM_BYTES is not None and x.nbytes >= _STREAM_BYTES
-    lo, hi, total, squares = _read_sums(x, x) if big else _sums(x, x, False)
+    lo, hi, total, squares = _read_sums(x) if big else _sums(x, x, False)
     return float(lo), float(hi), float(total), float(squares)
 
 
@@ -346,11 +349,11 @@ def _check() -> None:
         got = _stream_sums(x, out)
         if tuple(map(float, got)) != want or not np.array_equal(out, x) or room[:3].any() or room[3 + len(x):].any():
             raise RuntimeError(f"the statistics kernel's streaming copy gave {got} for {dtype.__name__}, numpy {want}")
-        got = _read_sums(x, x)
+        got = _read_sums(x)
         if tuple(map(float, got)) != want:
             raise RuntimeError(f"the statistics kernel's streamed read gave {got} for {dtype.__name__}, numpy {want}")
         x[len(x) // 2] = np.nan
-        if not all(np.isnan(_stream_sums(x, out)[2:])) or not all(np.isnan(_read_sums(x, x)[2:])):
+        if not all(np.isnan(_stream_sums(x, out)[2:])) or not all(np.isnan(_read_sums(x)[2:])):
             raise RuntimeError(f"the statistics kernel's streams missed a NaN in {dtype.__name__}")
 
 
