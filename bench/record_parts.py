@@ -45,7 +45,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's recorder, before an installed one
@@ -55,6 +54,7 @@ from entry_points import gpt2  # noqa: E402
 import recorder  # noqa: E402
 from recorder import capture, payload, snapshot  # noqa: E402
 from recorder import stats as stats_mod  # noqa: E402
+from recorder.items import copy_buffer  # noqa: E402
 
 HEADING = "## What each kind of record costs"
 PARAMS = frozenset({"param", "param_grad"})
@@ -88,7 +88,8 @@ def variant(name: str) -> Iterator[None]:
             return rec
         units, _, _ = payload.as_units(t)  # params: copy+stats
         buf = self.pipeline.pool.take(units.nbytes)
-        stats_mod.copy_stats(t, np.empty_like(units) if buf is None else buf[:units.nbytes].view(units.dtype), units)
+        dst = copy_buffer(units.nbytes) if buf is None else buf[:units.nbytes]
+        stats_mod.copy_stats(t, dst.view(units.dtype), units)
         if buf is not None:
             self.pipeline.pool.give(buf)
         return rec

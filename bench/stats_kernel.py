@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from docs_section import torch_threads, write_section  # noqa: E402 (bench/ is the script's directory)
 
 from recorder import kernels  # noqa: E402
+from recorder.items import copy_buffer  # noqa: E402
 
 HEADING = "## Statistics kernel"
 SIZES = (3 << 10, 30 << 10, 768 << 10, 2 << 20, 8 << 20)  # bytes of float32
@@ -86,7 +87,9 @@ def measure() -> list[dict[str, object]]:
             n = size // 4
             count = max(8, min(4096, COLD_BYTES // size))
             xs = [gen.standard_normal(n, dtype=np.float32) for _ in range(count)]
-            outs = [np.ones_like(x) for x in xs]  # written once: no page is fresh when timed
+            outs = [copy_buffer(x.nbytes).view(x.dtype) for x in xs]  # aligned as the recorder's buffers
+            for out in outs:
+                out[:] = 1  # written once: no page is fresh when timed
             for name, fn in METHODS.items():
                 fn(xs[0], outs[0])  # compiled, loaded
                 for warm in (False, True):
@@ -143,7 +146,8 @@ Measured on {when} by `python bench/stats_kernel.py --write-docs`. Machine: {mac
 What one recorded float32 tensor costs in statistics on one core: torch's three reductions
 (`aminmax`, `sum`, `dot`; the path without the kernel) against `recorder/kernels.py` (one read),
 and with a copy of the tensor (full and flight modes keep its bytes): the reductions and a
-`numpy.copyto` against `copy_sums`. Cold: each call on another tensor of a set of ~{COLD_BYTES >> 20} MB;
+`numpy.copyto` against `copy_sums` (into buffers aligned as the recorder's are). Cold: each call on
+another tensor of a set of ~{COLD_BYTES >> 20} MB;
 warm: one tensor again and again. Median of {REPEATS} repeats, µs per tensor; ratios below 1 favour
 the kernel.
 

@@ -29,7 +29,7 @@ from torch.autograd import Variable
 from . import autohooks, compiled, flight, jsonval, modstack, monitors, skeleton, snapshot, taps, transforms
 from . import payload as payload_mod
 from . import stats as stats_mod
-from .items import ForgetIterations, PayloadItem, StepItem, TensorItem
+from .items import ForgetIterations, PayloadItem, StepItem, TensorItem, copy_buffer
 from .store import layout
 
 if TYPE_CHECKING:
@@ -856,7 +856,7 @@ class Session:
                 if self.shared is not None:
                     self.shared.publish(item.buffer, item.key)
             elif aliases:
-                item.data = np.empty_like(units)
+                item.data = copy_buffer(units.nbytes).view(units.dtype)
                 stats = stats_mod.copy_stats(t, item.data, units)
             self._send_payload(item, ref)
         except BaseException:

@@ -10,9 +10,10 @@ reductions. Written any other way in numba they stayed scalar, or in memory: ``n
 NaN, and accumulators kept in lane arrays (this kernel's earlier form) were loaded and stored at
 every step, ~5 instructions per element, which also left too few loads in flight for memory that
 is not in cache (bench/stats_kernel.py, docs/PERFORMANCE.md: a cold 768 KB float32 array ~260 ->
-~120 us on Intel Xeon, AVX-512). ``copy_sums`` also copies the data as it reads it: a payload that
-must be copied (full and flight modes) gets its statistics for the price of the copy. From 16 KB up
-it stores the copy with nontemporal (streaming) stores on x86-64, written directly as vector code in
+~120 us on Intel Xeon, AVX-512). ``copy_sums`` also copies the data: a payload that must be copied
+(full and flight modes) gets its statistics for the price of the copy. From 16 KB up it copies in
+the read the statistics make (smaller arrays are copied first, then summed in cache), and stores the
+copy with nontemporal (streaming) stores on x86-64, written directly as vector code in
 LLVM's IR: the copy is not read again soon, so it need not pass through the cache or first read the
 destination's old bytes into it (a cold 2 MB array ~400 -> ~260 us), and it does not push training's
 own data out of the cache. From 16 KB up on x86-64, both the statistics alone and the copy read
@@ -30,6 +31,12 @@ NaN; the min and max are NaN too, except in the streamed reads of 16 KB and up, 
 skip a NaN),
 and the caller then uses the exact path that counts them. No fast-math flag that assumes finite
 values is used, so that holds by the language's rules, not by luck.
+
+Same values, same bits: ``sums(x)`` and ``copy_sums(x, out)`` give bitwise the same four numbers,
+wherever ``x`` and ``out`` lie. Small arrays go through the one compiled loop of ``_sums`` either
+way; large ones through ``_streamed``, whose parts depend only on the length and whose additions
+(each part's lanes, then the lanes, then the tail) are IEEE operations in a fixed order, not
+reassociated, so that LLVM cannot order them differently with and without the copy.
 """
 
 from __future__ import annotations
@@ -72,40 +79,43 @@ _maximum = _binary("llvm.maximum")
 
 # Compiled at import for exactly these types (1-D, C-contiguous): any other array is refused with a
 # TypeError instead of being compiled for in the middle of a training step.
-_SIGNATURES = ["Tuple((float32, float32, float64, float64))(float32[::1], float32[::1], boolean)",
-               "UniTuple(float64, 4)(float64[::1], float64[::1], boolean)"]
+def _signatures(args: str, returns: str | None = None) -> list[str]:
+    """A kernel's signatures for float32 and float64 arrays: ``args`` with ``{t}`` for the element
+    type; it returns the four sums (min and max in the element type), or ``returns``."""
+    sums = (("float32", "Tuple((float32, float32, float64, float64))"), ("float64", "UniTuple(float64, 4)"))
+    return [f"{returns or ret}({args.format(t=t)})" for t, ret in sums]
 
 
-def _compiled(signatures: list[str]):  # type: ignore[no-untyped-def]
-    """numba's ahead-of-time compilation for exactly ``signatures``, as every kernel here is built."""
-    return numba.njit(signatures, cache=True, fastmath=_MATH, boundscheck=False, error_model="numpy")
+_SIGNATURES = _signatures("{t}[::1]")
+
+
+def _compiled(signatures: list[str], fastmath: set[str] | bool = _MATH):  # type: ignore[no-untyped-def]
+    """numba's ahead-of-time compilation for exactly ``signatures``, as every kernel here is built
+    (``fastmath=False``: IEEE arithmetic in the order written)."""
+    return numba.njit(signatures, cache=True, fastmath=fastmath, boundscheck=False, error_model="numpy")
 
 
 @_compiled(_SIGNATURES)
-def _sums(x, out, copy):  # type: ignore[no-untyped-def]
+def _sums(x):  # type: ignore[no-untyped-def]
     n = x.shape[0]
     lo = x[0]
     hi = x[0]
     total = 0.0
     squares = 0.0
-    if copy:  # two loops: the vectorizer takes each whole
-        for i in range(n):
-            v = x[i]
-            out[i] = v
-            lo = _minimum(lo, v)
-            hi = _maximum(hi, v)
-            w = np.float64(v)
-            total += w
-            squares += w * w
-    else:
-        for i in range(n):
-            v = x[i]
-            lo = _minimum(lo, v)
-            hi = _maximum(hi, v)
-            w = np.float64(v)
-            total += w
-            squares += w * w
+    for i in range(n):
+        v = x[i]
+        lo = _minimum(lo, v)
+        hi = _maximum(hi, v)
+        w = np.float64(v)
+        total += w
+        squares += w * w
     return lo, hi, total, squares
+
+
+@_compiled(_signatures("{t}[::1], {t}[::1]", returns="void"))
+def _copy(x, out):  # type: ignore[no-untyped-def]
+    for i in range(x.shape[0]):
+        out[i] = x[i]
 
 
 # Arrays from this size are read as interleaved streams with prefetches, and copied with nontemporal
@@ -118,19 +128,26 @@ _VECTOR_BYTES = 32  # one AVX register: the loads' and stores' width, the stores
 # read as parallel streams (a part of the array each, one vector of each per loop), each with a
 # software prefetch this far ahead, which crosses pages. On Intel Xeon (AVX-512), cold float32 data
 # (bench/stats_kernel.py, docs/PERFORMANCE.md): statistics alone ~5.5 -> ~14 GB/s with 4 streams; the
-# copy with its statistics ~6.5 -> ~9.5 GB/s with 2 (more than 2 streams of nontemporal stores run
-# out of the core's write-combining buffers: 8 streams were slower than one).
-_READ_STREAMS, _COPY_STREAMS = 4, 2
+# copy with its statistics ~6.5 -> ~9.5 GB/s storing to 2 parts at once (warm data: 4 at once ~25%
+# slower; 8 streams of nontemporal stores run out of the core's write-combining buffers: slower than
+# one). The copy reads the same parts as the statistics alone do, each part's sums added in the same
+# order, so an array's statistics are the same bits whether it was copied or not and wherever
+# either array lies: two runs, or a statistics-only record and a replay, are compared by them
+# (replayer.bisect, replayer.compare).
+_STREAMS = 4
+_STORE_STREAMS = 2  # parts a copy stores to at once
 _PREFETCH_BYTES = 1024
 
 
-def _block(streams: int, copy: bool):  # type: ignore[no-untyped-def]
+def _block(streams: int, store: int):  # type: ignore[no-untyped-def]
     """A numba intrinsic ``block(dst, src, start, span, sums, ends)`` over ``streams`` parts of
     ``span`` elements each, the part ``j`` from ``start + j * span`` (``W`` elements a step, ``W``
     = 32 bytes of the array's dtype; ``span`` a multiple of ``W``): add the values and their
     squares (in float64) into the lanes ``sums[:W]`` and ``sums[W:]``, and take the lanes' min and
-    max into ``ends[:W]`` and ``ends[W:]``; with ``copy``, also copy ``src`` into ``dst`` with
-    nontemporal stores (``dst[start]`` 32-byte aligned). Each part has accumulators of its own, so
+    max into ``ends[:W]`` and ``ends[W:]``; with ``store`` ``_NONTEMPORAL``, also copy ``src`` into
+    ``dst`` with nontemporal stores (``dst[start]`` 32-byte aligned), with ``_PLAIN`` with ordinary
+    ones (any alignment); ``_NONE``: no copy. The sums do not depend on ``store``: the same loads
+    are added in the same order. Each part has accumulators of its own, so
     the parts' additions do not wait on each other. Min and max are ``llvm.minnum``/``llvm.maxnum``,
     which skip a NaN: the sums still show it, and the caller reads min and max only when the sums
     are finite. (``llvm.minimum`` on an explicit vector was made into scalar code here, ~3x
@@ -162,7 +179,6 @@ def _block(streams: int, copy: bool):  # type: ignore[no-untyped-def]
             upper = declared(f"llvm.maxnum.{suffix}", ir.FunctionType(vec, [vec, vec]))
             prefetch = declared("llvm.prefetch.p0", ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]))
             nontemporal = module.add_metadata([ir.Constant(i32, 1)])
-            fast = ("reassoc", "contract")
 
             def at(base, index, ty):  # type: ignore[no-untyped-def]
                 return builder.bitcast(builder.gep(base, [index]), ty.as_pointer())
@@ -177,42 +193,51 @@ def _block(streams: int, copy: bool):  # type: ignore[no-untyped-def]
                      builder.load(at(lim.data, zero, vec), align=size),
                      builder.load(at(lim.data, lane, vec), align=size)]
             nothing = ir.Constant(wide, None)  # the other parts' sums start at zero, their ends at the first part's
-            entry = builder.block
-            head = builder.append_basic_block("stream.head")
-            body = builder.append_basic_block("stream.body")
-            done = builder.append_basic_block("stream.done")
-            builder.branch(head)
-            builder.position_at_end(head)
-            k = builder.phi(i64)
-            k.add_incoming(zero, entry)
+            # The parts in loops of ``group`` each (a copy stores to at most _STORE_STREAMS places at
+            # once); a part's sums do not depend on which loop adds them, nor on what else it does.
+            group = streams if store == _NONE else _STORE_STREAMS
             states = []
-            for j in range(streams):
-                start_values = first if j == 0 else [nothing, nothing, first[2], first[3]]
-                phis = [builder.phi(v.type) for v in start_values]
-                for phi, v in zip(phis, start_values):
-                    phi.add_incoming(v, entry)
-                states.append(phis)
-            builder.cbranch(builder.icmp_signed("<", k, part), body, done)
-            builder.position_at_end(body)
-            for j, state in enumerate(states):
-                index = builder.add(builder.add(begin, builder.mul(part, ir.Constant(i64, j))), k)
-                # (a prefetch past the array's end is harmless: a hint, it never faults)
-                builder.call(prefetch, [builder.bitcast(builder.gep(s.data, [builder.add(index, ahead)]), byte_ptr),
-                                        read, keep, data])
-                v = builder.load(at(s.data, index, vec), align=size)
-                if copy:
-                    store = builder.store(v, at(d.data, index, vec), align=_VECTOR_BYTES)
-                    store.set_metadata("nontemporal", nontemporal)
-                w = builder.fpext(v, wide) if aty.dtype.bitwidth == 32 else v
-                total, squares, lo, hi = state
-                after = [builder.fadd(total, w, flags=fast),
-                         builder.fadd(squares, builder.fmul(w, w, flags=fast), flags=fast),
-                         builder.call(lower, [lo, v]), builder.call(upper, [hi, v])]
-                for phi, v in zip(state, after):
-                    phi.add_incoming(v, body)
-            k.add_incoming(builder.add(k, lane), body)
-            builder.branch(head)
-            builder.position_at_end(done)
+            for g in range(0, streams, group):
+                before = builder.block
+                head = builder.append_basic_block("stream.head")
+                body = builder.append_basic_block("stream.body")
+                done = builder.append_basic_block("stream.done")
+                builder.branch(head)
+                builder.position_at_end(head)
+                k = builder.phi(i64)
+                k.add_incoming(zero, before)
+                loop = []
+                for j in range(g, g + group):
+                    start_values = first if j == 0 else [nothing, nothing, first[2], first[3]]
+                    phis = [builder.phi(v.type) for v in start_values]
+                    for phi, v in zip(phis, start_values):
+                        phi.add_incoming(v, before)
+                    loop.append((j, phis))
+                builder.cbranch(builder.icmp_signed("<", k, part), body, done)
+                builder.position_at_end(body)
+                for j, state in loop:
+                    index = builder.add(builder.add(begin, builder.mul(part, ir.Constant(i64, j))), k)
+                    # (a prefetch past the array's end is harmless: a hint, it never faults)
+                    builder.call(prefetch, [builder.bitcast(builder.gep(s.data, [builder.add(index, ahead)]),
+                                                            byte_ptr), read, keep, data])
+                    v = builder.load(at(s.data, index, vec), align=size)
+                    if store == _NONTEMPORAL:
+                        builder.store(v, at(d.data, index, vec), align=_VECTOR_BYTES).set_metadata("nontemporal",
+                                                                                                   nontemporal)
+                    elif store == _PLAIN:
+                        builder.store(v, at(d.data, index, vec), align=size)
+                    w = builder.fpext(v, wide) if aty.dtype.bitwidth == 32 else v
+                    total, squares, lo, hi = state
+                    # Strict IEEE additions, no fused multiply-add: each part's sums the same bits in
+                    # every form of the loop (with or without a copy, in a loop of 2 parts or of 4).
+                    after = [builder.fadd(total, w), builder.fadd(squares, builder.fmul(w, w)),
+                             builder.call(lower, [lo, v]), builder.call(upper, [hi, v])]
+                    for phi, v in zip(state, after):
+                        phi.add_incoming(v, body)
+                k.add_incoming(builder.add(k, lane), body)
+                builder.branch(head)
+                builder.position_at_end(done)
+                states += [state for _, state in loop]
             total, squares, lo, hi = states[0]
             for other in states[1:]:
                 total = builder.fadd(total, other[0])
@@ -221,7 +246,7 @@ def _block(streams: int, copy: bool):  # type: ignore[no-untyped-def]
             for value, base, offset, align in zip((total, squares, lo, hi), (acc.data, acc.data, lim.data, lim.data),
                                                   (zero, lane, zero, lane), (8, 8, size, size)):
                 builder.store(value, at(base, offset, value.type), align=align)
-            if copy:  # the copy is complete before anything after it (the writer's hand-over)
+            if store == _NONTEMPORAL:  # the copy is complete before anything after it (the writer's hand-over)
                 builder.call(declared("llvm.x86.sse.sfence", ir.FunctionType(ir.VoidType(), [])), [])
             return context.get_dummy_value()
 
@@ -230,8 +255,8 @@ def _block(streams: int, copy: bool):  # type: ignore[no-untyped-def]
     return block
 
 
-_copy_block = _block(_COPY_STREAMS, copy=True)
-_read_block = _block(_READ_STREAMS, copy=False)
+_NONE, _NONTEMPORAL, _PLAIN = 0, 1, 2  # what a block stores: nothing, or a copy, nontemporal or not
+_read_block, _copy_block, _plain_copy_block = (_block(_STREAMS, store) for store in (_NONE, _NONTEMPORAL, _PLAIN))
 
 
 @intrinsic
@@ -242,46 +267,40 @@ def _address(typingctx, arr):  # type: ignore[no-untyped-def]
     return numba.types.int64(arr), codegen
 
 
-_STREAM_SIGNATURES = [sig.replace(", boolean)", ")") for sig in _SIGNATURES]
-
-
 def _stream_sums(x, out):  # type: ignore[no-untyped-def]
-    """``_sums(x, out, True)`` for arrays of at least two vectors per stream: read as
-    ``_COPY_STREAMS`` streams, the copy made with nontemporal stores: a copied payload is not read
-    again soon (flight mode's ring, the writer's queue), so its bytes need not pass through the
-    cache, and the store does not first read the destination (in a GPT-2 step ~200 -> ~155 us per
-    MB of payload, and the training's data stays in cache)."""
-    n = x.shape[0]
+    """``_read_sums(x)`` (the same statistics, bit for bit), copying ``x`` into ``out`` in the same
+    read. The copy is made with nontemporal stores when ``out`` is 32-byte aligned (the staging
+    pool's buffers are: recorder.items.copy_buffer): a copied payload is not read again soon
+    (flight mode's ring, the writer's queue), so its bytes need not pass through the cache, and the
+    store does not first read the destination (in a GPT-2 step ~200 -> ~155 us per MB of payload,
+    and the training's data stays in cache); with ordinary stores otherwise."""
     width = _VECTOR_BYTES // x.itemsize
-    if n < 2 * width * _COPY_STREAMS:
-        return _sums(x, out, True)
-    head = ((_VECTOR_BYTES - _address(out) % _VECTOR_BYTES) % _VECTOR_BYTES) // x.itemsize
-    return _streamed(x, out, head, (n - head) // (width * _COPY_STREAMS) * width, True)
+    store = _NONTEMPORAL if _address(out) % _VECTOR_BYTES == 0 else _PLAIN
+    return _streamed(x, out, x.shape[0] // (width * _STREAMS) * width, store)
 
 
 def _read_sums(x):  # type: ignore[no-untyped-def]
-    """``_sums(x, x, False)`` for arrays of at least two vectors per stream, read as
-    ``_READ_STREAMS`` streams. The parts depend only on the length (no alignment is needed to
-    read), so an array's sums do not change with where it lies in memory."""
-    n = x.shape[0]
+    """The sums of ``x`` read as ``_STREAMS`` parallel streams. The parts depend only on the length
+    (no alignment is needed to read), so an array's sums do not change with where it lies."""
     width = _VECTOR_BYTES // x.itemsize
-    if n < 2 * width * _READ_STREAMS:
-        return _sums(x, x, False)
-    return _streamed(x, x, 0, n // (width * _READ_STREAMS) * width, False)
+    return _streamed(x, x, x.shape[0] // (width * _STREAMS) * width, _NONE)
 
 
-def _streamed(x, out, head, span, copy):  # type: ignore[no-untyped-def]
-    """The block (copying into ``out`` when ``copy``) from ``head``, as its streams of ``span``
-    elements, then the parts before and after it."""
+def _streamed(x, out, span, store):  # type: ignore[no-untyped-def]
+    """The block of ``_STREAMS`` streams of ``span`` elements from the array's start (copying into
+    ``out`` as ``store`` says), then the elements after it. Compiled without fast-math: the parts'
+    sums and the tail are added in the order written whatever ``store`` is (so that a copy's
+    statistics are those of the read: LLVM may otherwise reassociate each version differently)."""
     n = x.shape[0]
     width = _VECTOR_BYTES // x.itemsize
     sums = np.zeros(2 * width, np.float64)
     ends = np.full(2 * width, x[0], x.dtype)
-    if copy:
-        _copy_block(out, x, head, span, sums, ends)
+    if store == _NONTEMPORAL:
+        _copy_block(out, x, 0, span, sums, ends)
+    elif store == _PLAIN:
+        _plain_copy_block(out, x, 0, span, sums, ends)
     else:
-        _read_block(out, x, head, span, sums, ends)
-    stop = head + (_COPY_STREAMS if copy else _READ_STREAMS) * span
+        _read_block(out, x, 0, span, sums, ends)
     lo = x[0]
     hi = x[0]
     total = 0.0
@@ -291,28 +310,29 @@ def _streamed(x, out, head, span, copy):  # type: ignore[no-untyped-def]
         squares += sums[width + j]
         lo = min(lo, ends[j])
         hi = max(hi, ends[width + j])
-    for start, end in ((0, head), (stop, n)):  # the unaligned head and the tail
-        if end > start:
-            a, b, c, d = _sums(x[start:end], out[start:end], copy)
-            lo = _minimum(lo, a)
-            hi = _maximum(hi, b)
-            total += c
-            squares += d
+    for i in range(_STREAMS * span, n):  # the tail: fewer than _STREAMS vectors
+        v = x[i]
+        if store != _NONE:
+            out[i] = v
+        lo = _minimum(lo, v)
+        hi = _maximum(hi, v)
+        w = np.float64(v)
+        total += w
+        squares += w * w
     return lo, hi, total, squares
 
 
 if _STREAM_BYTES is not None:
-    _streamed = _compiled([sig.replace(", boolean)", ", int64, int64, boolean)") for sig in _SIGNATURES])(_streamed)
-    _stream_sums = _compiled(_STREAM_SIGNATURES)(_stream_sums)
-    _read_sums = _compiled([sig.replace(", float32[::1], boolean)", ")").replace(", float64[::1], boolean)", ")")
-                            for sig in _SIGNATURES])(_read_sums)
+    _streamed = _compiled(_signatures("{t}[::1], {t}[::1], int64, int64"), fastmath=False)(_streamed)
+    _stream_sums = _compiled(_signatures("{t}[::1], {t}[::1]"))(_stream_sums)
+    _read_sums = _compiled(_SIGNATURES)(_read_sums)
 
 
 def sums(x: np.ndarray) -> tuple[float, float, float, float]:
     """(min, max, sum, sum of squares) of a non-empty 1-D contiguous float32 or float64 array, as
     Python floats. Only meaningful when all four are finite (see the module's notes)."""
     big = _STREAM_BYTES is not None and x.nbytes >= _STREAM_BYTES
-    lo, hi, total, squares = _read_sums(x) if big else _sums(x, x, False)
+    lo, hi, total, squares = _read_sums(x) if big else _sums(x)
     return float(lo), float(hi), float(total), float(squares)
 
 
@@ -321,7 +341,11 @@ def copy_sums(x: np.ndarray, out: np.ndarray) -> tuple[float, float, float, floa
     if out.shape != x.shape:
         raise ValueError(f"copy_sums: {x.shape} into {out.shape}")
     big = _STREAM_BYTES is not None and x.nbytes >= _STREAM_BYTES
-    lo, hi, total, squares = _stream_sums(x, out) if big else _sums(x, out, True)
+    if big:
+        lo, hi, total, squares = _stream_sums(x, out)
+    else:  # the copy, then the sums of the read (one compiled loop: the same bits as sums(x))
+        _copy(x, out)
+        lo, hi, total, squares = _sums(x)
     return float(lo), float(hi), float(total), float(squares)
 
 
@@ -340,15 +364,21 @@ def _check() -> None:
             raise RuntimeError(f"the statistics kernel gave {sums(x)} for a {dtype.__name__} array with a NaN")
         if _STREAM_BYTES is None:
             continue
-        # The streaming copy: into an unaligned start, with a tail; a NaN shows in its sums.
+        # The streaming copy, into an aligned start (nontemporal stores) and an unaligned one (ordinary
+        # stores), with a tail; a NaN shows in its sums.
         x = np.arange(-2000, 2000 + 37, dtype=dtype) / 8
         exact = x.astype(np.float64)  # (every sum here is exact in float64)
         want = (float(x.min()), float(x.max()), float(exact.sum()), float(np.dot(exact, exact)))
-        room = np.zeros(len(x) + 8, dtype)
-        out = room[3:3 + len(x)]
-        got = _stream_sums(x, out)
-        if tuple(map(float, got)) != want or not np.array_equal(out, x) or room[:3].any() or room[3 + len(x):].any():
-            raise RuntimeError(f"the statistics kernel's streaming copy gave {got} for {dtype.__name__}, numpy {want}")
+        room = np.zeros(len(x) + 16, dtype)
+        aligned = (-room.ctypes.data % _VECTOR_BYTES) // x.itemsize
+        for at in (aligned, aligned + 3):
+            room[:] = 0
+            out = room[at:at + len(x)]
+            got = _stream_sums(x, out)
+            if (tuple(map(float, got)) != want or not np.array_equal(out, x) or room[:at].any()
+                    or room[at + len(x):].any()):
+                raise RuntimeError(f"the statistics kernel's streaming copy gave {got} for {dtype.__name__}, "
+                                   f"numpy {want}")
         got = _read_sums(x)
         if tuple(map(float, got)) != want:
             raise RuntimeError(f"the statistics kernel's streamed read gave {got} for {dtype.__name__}, numpy {want}")

@@ -478,8 +478,28 @@ class Divergence:
         return notebook.divergence(self)
 
 
+class _Print:
+    """A tensor record's fingerprint: its payload's hash when its bytes were kept, and a hash of its
+    statistics (always). Two are equal by their payloads when both have one, else by statistics:
+    a run recorded in stats mode, or in flight mode outside its ring, against one that kept bytes."""
+
+    __slots__ = ("content", "stats")
+
+    def __init__(self, content: tuple[int, int] | None, stats: tuple[int, int]) -> None:
+        self.content, self.stats = content, stats
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Print):
+            return NotImplemented
+        if self.content is not None and other.content is not None:
+            return self.content == other.content
+        return self.stats == other.stats
+
+    __hash__ = None  # type: ignore[assignment]  # (equal ones need not hash alike)
+
+
 class _Prints:
-    """Per tensor record of one run: a fingerprint (payload hash, or statistics and shape)."""
+    """Per tensor record of one run: its fingerprint (``_Print``)."""
 
     def __init__(self, rec: Recording) -> None:
         rank = rec.rank
@@ -489,30 +509,32 @@ class _Prints:
         empty = not rank.lengths.get("tensors")
         self.view = _TensorView(rec)
         if empty:
-            self.prints = np.zeros((0, 2), dtype=np.uint64)
+            self.content = self.stats = np.zeros((0, 2), dtype=np.uint64)
             self.exact = np.zeros(0, dtype=bool)
             return
         payload = np.asarray(rank.column("tensors/payload")).copy()
         for row, pid in rank._late.items():
             payload[row] = pid
         self.exact = payload >= 0
-        prints = np.zeros((len(payload), 2), dtype=np.uint64)
+        self.content = np.zeros((len(payload), 2), dtype=np.uint64)
         if rank.lengths.get("payloads"):
             hashes = np.asarray(rank.column("payloads/hash"))
-            prints[self.exact] = hashes[payload[self.exact]]
-        stats = np.ascontiguousarray(self.view.stats[~self.exact]).view(np.uint64)
+            self.content[self.exact] = hashes[payload[self.exact]]
+        stats = np.ascontiguousarray(self.view.stats).view(np.uint64)
         primes = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5,
                            0x94D049BB133111EB, 0xBF58476D1CE4E5B9, 0xD6E8FEB86659FD93, 0xA0761D6478BD642F],
                           dtype=np.uint64)
+        self.stats = np.zeros((len(payload), 2), dtype=np.uint64)
         with np.errstate(over="ignore"):
-            prints[~self.exact, 0] = np.bitwise_xor.reduce(stats * primes, axis=1) if len(stats) else 0
-            prints[~self.exact, 1] = np.bitwise_xor.reduce(stats * primes[::-1], axis=1) if len(stats) else 0
-        self.prints = prints
+            self.stats[:, 0] = np.bitwise_xor.reduce(stats * primes, axis=1)
+            self.stats[:, 1] = np.bitwise_xor.reduce(stats * primes[::-1], axis=1)
 
-    def of(self, index: int) -> dict[tuple[str, str], tuple[int, int]]:
+    def of(self, index: int) -> dict[tuple[str, str], _Print]:
         a, b = int(self.start[index]), int(self.start[index]) + int(self.count[index])
-        return {(layout.ROLES[int(r)], str(nm)): (int(p[0]), int(p[1]))
-                for r, nm, p in zip(self.view.roles[a:b], self.view.names[a:b], self.prints[a:b])}
+        return {(layout.ROLES[int(r)], str(nm)): _Print((int(c[0]), int(c[1])) if exact else None,
+                                                        (int(p[0]), int(p[1])))
+                for r, nm, c, p, exact in zip(self.view.roles[a:b], self.view.names[a:b], self.content[a:b],
+                                              self.stats[a:b], self.exact[a:b])}
 
 
 _ARGS = {"forward": ("input",), "backward": ("grad_output",)}
@@ -544,7 +566,7 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     """The first step where run B parts from run A for a reason of its own.
 
     Steps are aligned by (iteration, module path, phase, call, name) and compared by payload hash
-    (statistics where payloads are absent). A step whose inputs were identical in both runs but
+    (by statistics where either run kept only those). A step whose inputs were identical in both runs but
     whose results differ is a *root cause* (its parameters differ, or it computed differently); a
     step that only received different inputs *followed*. The root cause reported is the first in
     run A's execution order, the innermost where steps nest.

@@ -154,24 +154,68 @@ def test_recording_without_the_kernel_gives_the_same_statistics(tmp_path, kernel
     assert records[True][0]["nan"] == 1 and records[True][1]["nan"] == 1  # input and output
 
 
+def same_bits(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return np.array_equal(np.array(a, np.float64).view(np.uint64), np.array(b, np.float64).view(np.uint64))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(t=arrays(), offset=st.integers(0, 7))
 def test_copy_with_statistics_copies_bitwise(kernel, t, offset):
     """copy_stats (a payload's copy in full and flight modes) writes the tensor's exact bytes, NaN
-    payloads and -0.0 included, into a buffer at any element offset (the streaming copy of large
-    arrays aligns its stores itself) and nothing around it, and gives the statistics host_stats gives."""
+    payloads and -0.0 included, into a buffer at any element offset (offset 0 of an aligned buffer:
+    nontemporal stores; the others: ordinary ones) and nothing around it, and gives bit for bit the
+    statistics host_stats gives (stats mode's read): two runs are compared by them."""
     from recorder import payload
+    from recorder.items import copy_buffer
 
     t[0] = -0.0 if t.numel() > 2 else t[0]
     units, _, _ = payload.as_units(t)
-    room = np.zeros(len(units) + 8, units.dtype)
+    room = copy_buffer((len(units) + 8) * units.itemsize).view(units.dtype)
+    room[:] = 0
     dst = room[offset:offset + len(units)]
     got = stats.copy_stats(t, dst, units)
     assert np.array_equal(dst, units)  # unsigned units: bitwise
     assert not room[:offset].any() and not room[offset + len(units):].any()
     assert got is not None
     assert_close(got, reference(t), t)
-    assert_close(got, stats.host_stats(t), t)
+    assert same_bits(got, stats.host_stats(t)), t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_statistics_of_a_copy_are_those_of_the_read_bitwise(kernel, dtype):
+    """Around every size where the kernel changes its form (small arrays, streamed ones, the tail
+    past whole vectors of the streams), at every destination alignment: the same bits."""
+    from recorder import kernels, payload
+    from recorder.items import copy_buffer
+
+    width = 32 // dtype.itemsize
+    streamed = kernels._STREAM_BYTES // dtype.itemsize if kernels._STREAM_BYTES else 4096
+    sizes = sorted({n for base in (1, 4 * width, streamed, 8 * streamed + 4 * width * 7)
+                    for n in range(max(1, base - 4 * width - 2), base + 4 * width + 2)})
+    gen = torch.Generator().manual_seed(5)
+    for n in sizes:
+        t = torch.randn(n, generator=gen, dtype=dtype) * 1e3 + 7
+        want = stats.host_stats(t)
+        units, _, _ = payload.as_units(t)
+        room = copy_buffer((n + 8) * units.itemsize).view(units.dtype)
+        for offset in range(8):
+            assert same_bits(stats.copy_stats(t, room[offset:offset + n], units), want), (n, offset)
+            assert np.array_equal(room[offset:offset + n], units), (n, offset)
+
+
+def test_the_recorders_copy_buffers_take_the_nontemporal_copy():
+    """Payload buffers from the size the kernel streams its copy at start at a multiple of 64 bytes
+    (the nontemporal stores need 32: into an unaligned buffer the copy takes ordinary stores, ~1.5x
+    slower), those of the staging pool too; smaller ones need not."""
+    from recorder import kernels
+    from recorder.items import ALIGNED_FROM, StagingPool, copy_buffer
+
+    assert kernels._STREAM_BYTES is None or ALIGNED_FROM <= kernels._STREAM_BYTES
+    held = [copy_buffer(n) for n in (ALIGNED_FROM, ALIGNED_FROM + 3, 100_003, 1 << 20) for _ in range(4)]
+    pool = StagingPool()
+    held += [pool.take(n) for n in (StagingPool.MIN_BYTES, 300_000, 5 << 20)]
+    assert all(b.ctypes.data % 64 == 0 for b in held)
+    assert [len(b) for b in held[:4]] == [ALIGNED_FROM] * 4 and len(copy_buffer(100)) == 100
 
 
 def test_copy_without_the_kernel_still_copies(kernel):
@@ -201,9 +245,8 @@ def test_a_non_finite_value_is_found_in_every_part_of_a_streamed_array(kernel, d
 
     width = 32 // dtype.itemsize
     places = {0, 1, n // 2, n - 2, n - 1}
-    for streams in (kernels._READ_STREAMS, kernels._COPY_STREAMS):
-        span = n // (width * streams) * width
-        places |= {j * span + d for j in range(1, streams + 1) for d in (-1, 0, 1) if 0 <= j * span + d < n}
+    span = n // (width * kernels._STREAMS) * width
+    places |= {j * span + d for j in range(1, kernels._STREAMS + 1) for d in (-1, 0, 1) if 0 <= j * span + d < n}
     base = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=dtype)
     for where in sorted(places):
         for bad in (math.nan, math.inf, -math.inf):

@@ -7,6 +7,7 @@ import inspect
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,6 +144,48 @@ def test_divergence_names_the_changed_module_not_its_successors(two_runs: tuple[
     assert res.returncode == 1 and json.loads(res.stdout)["divergence"]["module_path"] == "h.1.attn"
     same = pdbg("bisect", str(two_runs[0]), "--against", str(two_runs[0]), cwd=tmp_path)
     assert same.returncode == 0 and same.stdout.startswith("no divergence")
+
+
+def record_mlp(path: Path, mode: str, shift: int, bump: int | None = None) -> None:
+    """Six iterations of the same deterministic training (two Linear(300, 300) + tanh steps: 360 KB
+    weights, lengths past whole vectors) in ``mode``; ``shift`` bytes allocated and held at each
+    iteration put the recorder's buffers elsewhere than in another run; ``bump``: the second
+    Linear's weight scaled at the start of that iteration."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Tanh()) for _ in range(2)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(48, 300, generator=torch.Generator().manual_seed(1))
+    held = []
+    options = {"keep": 2} if mode == "flight" else {}
+    with recorder.record(path, model=model, optimizer=opt, mode=mode, modules=["*"], **options) as run:
+        for i in range(6):
+            held.append(np.empty(shift * (i + 1) + 8, np.uint8))
+            if i == bump:
+                with torch.no_grad():
+                    model[1][0].weight.mul_(1.5)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert run.status == "complete"
+
+
+@pytest.mark.parametrize("modes", [("flight", "flight"), ("flight", "stats"), ("full", "stats"), ("full", "flight")])
+def test_the_same_training_recorded_twice_does_not_diverge(tmp_path: Path, modes: tuple[str, str]) -> None:
+    """A tensor's statistics are the same bits whether its bytes were copied (full and flight
+    modes summarise in the copy's read) or only read (stats mode), wherever either lies; and a
+    record whose bytes one run kept is compared by statistics with one that has statistics only
+    (flight mode outside its ring, stats mode). So two recordings of the same training never part."""
+    record_mlp(tmp_path / "a.zarr", modes[0], 8)
+    record_mlp(tmp_path / "b.zarr", modes[1], 40)
+    a, b = replayer.open(tmp_path / "a.zarr"), replayer.open(tmp_path / "b.zarr")
+    div = replayer.first_divergence(a, b)
+    assert div.step is None and div.first_difference is None and div.compared == len(a.steps), div.cause
+    for bump in (2, 5):  # a real difference is still found, outside flight mode's ring and inside it
+        record_mlp(tmp_path / f"c{bump}.zarr", modes[1], 8, bump)
+        div = replayer.first_divergence(a, replayer.open(tmp_path / f"c{bump}.zarr"))
+        assert div.step is not None and (div.step.module_path, div.step.phase, div.step.iteration) == (
+            "1", "forward", bump), div.cause
+        assert "0.weight differs" in div.cause
 
 
 def test_runs_of_different_models_are_refused_in_one_line(two_runs: tuple[Path, Path], overflow_run: Path,
