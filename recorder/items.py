@@ -86,8 +86,11 @@ def copy_buffer(nbytes: int) -> np.ndarray:
     the heap that training then grows it around (page faults at every step)."""
     if nbytes < ALIGNED_FROM:
         return np.empty(nbytes, dtype=np.uint8)  # (~0.2 us against ~1.4 through torch)
-    raw = torch.empty(nbytes, dtype=torch.uint8).numpy()  # (its base keeps the tensor alive)
-    if raw.ctypes.data % ALIGN:  # an allocator other than torch's own
+    try:  # (the device given: the user's default device may be another; a mode they run under may refuse)
+        raw = torch.empty(nbytes, dtype=torch.uint8, device="cpu").numpy()  # (its base keeps the tensor alive)
+    except Exception:
+        raw = None
+    if raw is None or raw.ctypes.data % ALIGN:  # an allocator other than torch's own
         raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
         at = -raw.ctypes.data % ALIGN
         raw = raw[at:at + nbytes]

@@ -214,8 +214,12 @@ def test_the_recorders_copy_buffers_take_the_nontemporal_copy():
     held = [copy_buffer(n) for n in (ALIGNED_FROM, ALIGNED_FROM + 3, 100_003, 1 << 20) for _ in range(4)]
     pool = StagingPool()
     held += [pool.take(n) for n in (StagingPool.MIN_BYTES, 300_000, 5 << 20)]
+    with torch.device("meta"):  # the user's default device, another than the CPU: still host memory
+        held.append(copy_buffer(1 << 20))
     assert all(b.ctypes.data % 64 == 0 for b in held)
     assert [len(b) for b in held[:4]] == [ALIGNED_FROM] * 4 and len(copy_buffer(100)) == 100
+    held[-1][:] = 7
+    assert held[-1].sum() == 7 << 20
 
 
 def test_copy_without_the_kernel_still_copies(kernel):
