@@ -872,7 +872,7 @@ class Session:
             return None
         try:
             # Page-locked staging lets the copy run asynchronously; the writer waits on the event.
-            pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.device.type == "cuda")
+            pinned = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=t.device.type == "cuda")
             if nbytes:
                 pinned.copy_(flat.view(torch.uint8), non_blocking=True)
             event = torch.cuda.Event() if t.device.type == "cuda" else None

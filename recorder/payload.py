@@ -126,6 +126,6 @@ def from_units(units: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) ->
     """Rebuild a contiguous CPU tensor from stored units (copies, so the result owns its memory)."""
     unit = unit_of(dtype)
     if len(units) == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device="cpu")
     owned = np.array(units, dtype=_NUMPY_UNIT[unit], copy=True).view(np.uint8)
     return torch.from_numpy(owned).view(dtype).reshape(shape)

@@ -91,7 +91,7 @@ def parse_edits(edit: dict[str, Any] | None) -> list[Change]:
         if isinstance(change, str):
             text, fn = change, expression(change, key)
         elif isinstance(change, (torch.Tensor, np.ndarray)):
-            value = torch.as_tensor(change)
+            value = change if isinstance(change, torch.Tensor) else torch.from_numpy(np.array(change))
             fn = lambda x, v=value: v.clone()  # noqa: E731
         elif callable(change):
             fn = change

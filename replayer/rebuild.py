@@ -165,7 +165,7 @@ class Builder:
         for name, spec in (doc.get("params") or {}).items():
             module._parameters[name] = None if spec is None else _placeholder()
         for name, spec in (doc.get("buffers") or {}).items():
-            module._buffers[name] = None if spec is None else torch.empty(0)
+            module._buffers[name] = None if spec is None else torch.empty(0, device="cpu")
             if spec is not None and not spec.get("persistent", True):
                 module._non_persistent_buffers_set.add(name)
         for name, child in (doc.get("children") or {}).items():
@@ -298,7 +298,7 @@ def _parametrize(module: torch.nn.Module, names: list[str], where: str) -> None:
 
 
 def _placeholder() -> torch.nn.Parameter:
-    return torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    return torch.nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
 
 
 def load_state(module: torch.nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],

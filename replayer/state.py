@@ -118,7 +118,8 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
                 setter(value)
 
 
-_WARM = torch.ones(1 << 17)  # above ATen's grain size (32,768 elements): an op on it runs on every intra-op thread
+# Above ATen's grain size (32,768 elements): an op on it runs on every intra-op thread.
+_WARM = torch.ones(1 << 17, device="cpu")
 
 
 def start_threads() -> None:

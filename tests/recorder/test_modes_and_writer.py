@@ -44,6 +44,31 @@ def test_stats_mode_keeps_no_payloads(run_path):
     assert rec.stats["absmax"] > 0 and not rec.has_payload
 
 
+@pytest.mark.parametrize("mode", ["full", "flight"])
+def test_a_cpu_training_under_another_default_device_records_and_replays(run_path, mode):
+    """With torch's default device set elsewhere (``torch.set_default_device``; here "meta", a
+    device any machine has), a model and data placed on the CPU are recorded with every payload,
+    large ones too (the recorder's buffers are its own, on the CPU), and replay bit for bit."""
+    import replayer
+
+    torch.manual_seed(0)
+    with torch.device("meta"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256, device="cpu"), torch.nn.Tanh())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(64, 256, device="cpu")
+        with recorder.record(run_path, model=model, optimizer=opt, mode=mode, modules=["*"]) as run:
+            for _ in range(3):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    assert run.status == "complete" and run.failure is None and [str(w.message) for w in caught] == []
+    rec = replayer.open(run_path)
+    last = [s for s in rec.steps if s.iteration == 2]
+    assert last and all(r.has_payload for s in last for r in s.records)
+    assert all(replayer.replay(rec, s).match for s in last)
+
+
 def test_every_k_iterations_keeps_payloads(run_path):
     """every=2: payloads on iterations 0, 2, 4; statistics on all."""
     with recorder.record(run_path, every=2) as run:

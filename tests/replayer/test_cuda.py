@@ -60,3 +60,22 @@ def test_verify_in_a_fresh_process(cuda_run: Path, tmp_path: Path) -> None:
     res = pdbg("verify", str(cuda_run), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert json.loads(res.stdout) == {"replayed": 24, "matched": 24, "mismatches": []}
+
+
+def test_a_training_under_cuda_as_the_default_device_keeps_its_payloads(tmp_path: Path) -> None:
+    """``torch.set_default_device("cuda")`` (here as a context): the recorder's host staging of
+    device payloads is still host memory, so every payload is kept and replays bit for bit."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = TinyGPT()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with recorder.record(path, model=model, optimizer=opt, mode="full") as run:
+            x, y = (t.cuda() for t in batch(0))
+            logits = model(x)
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+            opt.step()
+    assert run.status == "complete" and run.failure is None
+    rec = replayer.open(path)
+    assert all(r.has_payload for s in rec.steps for r in s.records)
+    assert all(replayer.replay(rec, s).match for s in rec.steps)
