@@ -173,6 +173,7 @@ class Session:
         self.autocapture = autohooks.GlobalCapture(self, self.selector) if self.selector else None
         self._collective_seq = -1  # torch.distributed collectives recorded so far, in call order
         self.pauses = 0  # while above 0 no step starts (Run.pause: a framework's evaluation)
+        self.guard: Callable[[], bool] | None = None  # when set, a step starts only if it says so (Run.only_while)
         self.on_nonfinite: Callable[[int, str], Any] | None = None  # told of the first NaN/Inf step (once)
         # Mixed precision: the iteration's loss went through GradScaler.scale, so Inf/NaN in its
         # gradients may be an overflow the scaler handles; the anomaly action of a backward step
@@ -443,6 +444,8 @@ class Session:
         frame is None for a recomputation whose gradients are the original call's (see
         ``_begin_recomputation``; ``recomputation`` is ``recomputing()`` when the caller knows it)."""
         if not self.enabled or self.pauses or getattr(self.local, "busy", False):
+            return None
+        if self.guard is not None and not self.guard():
             return None
         if self.recomputing() if recomputation is None else recomputation:
             return self._begin_recomputation(defn, module, args, kwargs)

@@ -18,7 +18,8 @@ adapters that turn their framework's training events into calls on ``FrameworkCa
   command that opens it at that step.
 - **Closing.** ``_end`` closes the run ``complete``; ``_crash`` (an exception the framework reports)
   ``crashed`` with that exception. A run that no event closed (Hugging Face has no exception event)
-  is closed ``crashed`` by the next ``_begin`` of the same callback, by ``close()``, or at exit.
+  is closed ``crashed`` by the next ``_begin`` of the same callback, by ``close()``, or at exit;
+  meanwhile it records nothing (``_step_start``'s ``loop``), and it is named by its own path.
 
 No framework is imported here.
 """
@@ -146,8 +147,12 @@ class FrameworkCallback:
         self.options: dict[str, Any] = {"mode": mode, "keep": keep, "modules": modules, "on_anomaly": on_anomaly,
                                         **record_options}
         self.run: Run | None = None  # the recording of the training in progress (or of the last one)
+        self._run_path: Any = None  # where it records (``path`` when it opened: the user may set a new one since)
         self._model: torch.nn.Module | None = None
         self._window: contextlib.ExitStack | None = None  # open during a training step
+        # The framework's frame running the training step, where its framework reports no exception:
+        # (thread, id of the frame, its code); steps start only while it is on that thread's stack.
+        self._loop: tuple[int, int, Any] | None = None
         self._first_nonfinite: int | None = None  # index of the step reported
         self._recorded: list[Any] = []  # paths this callback recorded into
 
@@ -170,15 +175,20 @@ class FrameworkCallback:
                 raise RecordingError(f"{exc} (an earlier training with this callback recorded there: set "
                                      "callback.path to a new path before the next one)") from None
             raise
-        self.run, self._model, self._first_nonfinite = run, model, None
+        self.run, self._run_path, self._model, self._first_nonfinite = run, self.path, model, None
         _warn_of_cache(model)
         run.pause()
         run.notify_nonfinite(self._nonfinite)
+        run.only_while(self._in_step)
         _OPEN[id(self)] = self
         _hook_exit()
 
-    def _step_start(self, global_step: int) -> None:
-        """A training step (or one micro-batch of it) starts: its iteration is ``global_step``."""
+    def _step_start(self, global_step: int, loop: Any = None) -> None:
+        """A training step (or one micro-batch of it) starts: its iteration is ``global_step``.
+        ``loop``: the framework's frame that runs the step, for a framework that reports no
+        exception (Hugging Face): once it is off the stack (the step raised out of ``train()``), the
+        step is over, and what runs next (``trainer.evaluate()``, the user's own calls) is not
+        recorded as its steps."""
         self._step_end()  # one left open (a batch the framework skipped the end of) ends here
         run = self.run
         if run is None or run.closed:
@@ -191,12 +201,30 @@ class FrameworkCallback:
         window.callback(run.pause)
         window.enter_context(run.paths_relative_to(self._model))
         self._window = window
+        if loop is not None:  # (its id and code, not the frame: a frame holds the whole loop's locals)
+            self._loop = (threading.get_ident(), id(loop), loop.f_code)
 
     def _step_end(self) -> None:
         """The training step is over: pause until the next one."""
+        self._loop = None
         if self._window is not None:
             window, self._window = self._window, None
             window.close()
+
+    def _in_step(self) -> bool:
+        """Whether a step may start now (``Run.only_while``): not once the frame running the
+        training step is gone from its thread's stack; the window then closes. Other threads
+        (``nn.DataParallel``'s replicas) are not judged."""
+        loop = self._loop
+        if loop is None or threading.get_ident() != loop[0]:
+            return True
+        frame: Any = sys._getframe(1)
+        while frame is not None:
+            if id(frame) == loop[1] and frame.f_code is loop[2]:
+                return True
+            frame = frame.f_back
+        self._step_end()
+        return False
 
     def _end(self) -> None:
         """Training ended normally: close the recording ``complete``."""
@@ -222,15 +250,15 @@ class FrameworkCallback:
         self._step_end()
         _OPEN.pop(id(self), None)
         run.close(status, exception)
-        self._recorded.append(self.path)
+        self._recorded.append(self._run_path)
         if status == "crashed":
             self._warn_crashed(run, exception)
 
     def _where(self, index: int | None, status: str | None = None) -> str:
         """Where the recording is, and the command that opens it (at step ``index``)."""
         assert self.run is not None
-        command = open_command(self.path, index, self.run.dist["rank"])
-        where = f"the recording{f' ({status})' if status else ''} is in {self.path}"
+        command = open_command(self._run_path, index, self.run.dist["rank"])
+        where = f"the recording{f' ({status})' if status else ''} is in {self._run_path}"
         return f"{where}; open it there: {command}" if command else where
 
     def _nonfinite(self, index: int, message: str) -> None:

@@ -13,13 +13,17 @@ described there and in the README, "Lightning and Hugging Face"). The Trainer's 
 
 The Trainer has no exception event: when ``train()`` raises, the recording stays open until this
 callback's ``close()``, its next ``on_train_begin`` (a notebook cell run again) or the end of the
-process, each of which closes it ``crashed``. A NaN loss, which the Trainer leaves out of its logs
-(``logging_nan_inf_filter=True``) and trains on, is still recorded, and the first step that
-produced it is reported. Under DDP every rank records its own group into the same path.
+process, each of which closes it ``crashed``. Meanwhile it records nothing: a step starts only while
+the Trainer's frame that began the training step is on the stack (``Run.only_while``), so
+``trainer.evaluate()`` after the exception is not recorded as the failed step's. A NaN loss,
+which the Trainer leaves out of its logs (``logging_nan_inf_filter=True``) and trains on, is still
+recorded, and the first step that produced it is reported. Under DDP every rank records its own
+group into the same path.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .framework import FrameworkCallback
@@ -54,10 +58,19 @@ class PaperDebuggerCallback(FrameworkCallback, TrainerCallback):  # type: ignore
         self._begin(model)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._step_start(state.global_step)
+        self._step_start(state.global_step, _training_loop())
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_end()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._end()
+
+
+def _training_loop() -> Any:
+    """The Trainer's frame that called the callback handler (its training loop), from an event
+    method of the callback."""
+    frame: Any = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("transformers.trainer_callback"):
+        frame = frame.f_back
+    return frame

@@ -201,6 +201,13 @@ class Run:
             raise RecordingError("resume() without pause(): this recording is not paused")
         self.session.pauses -= 1
 
+    def only_while(self, running: Callable[[], bool] | None) -> None:
+        """Start a step only while ``running()`` is true (None: always). It is called on the thread
+        about to start the step, before anything is captured. A framework callback whose framework
+        reports no exception (Hugging Face) passes "the training step I opened is still running",
+        so that after ``train()`` raised, nothing run outside training is recorded as its steps."""
+        self.session.guard = running
+
     @property
     def is_paused(self) -> bool:
         """Whether a ``pause()`` (or a ``paused()`` block) is in force."""
@@ -314,7 +321,10 @@ class Run:
             return {}
         previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
-            handler = signal.getsignal(sig)
+            found = signal.getsignal(sig)
+            handler = _before_closed_runs(found, sig)
+            if handler is not found:  # a closed recording's, put back by code that had saved it: let it go
+                signal.signal(sig, handler)
             if sig == signal.SIGINT and handler is signal.default_int_handler:
                 continue  # KeyboardInterrupt unwinds through the steps and close(): the ring is written then
             previous[sig] = handler
@@ -364,6 +374,18 @@ class Run:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close("crashed" if exc is not None else "complete", exc)
+
+
+def _before_closed_runs(handler: Any, sig: int) -> Any:
+    """``handler``, or when it is a closed recording's (put back after its close() by code that had
+    saved it, as Lightning's teardown does after a crashed fit), the one that recording replaced:
+    a new recording passes a signal on to the program's handler, not to a recording that is over."""
+    for _ in range(64):  # (a chain of closed recordings, each put back in turn)
+        owner = getattr(handler, "__self__", None)
+        if not (isinstance(owner, Run) and getattr(handler, "__func__", None) is Run._on_signal and owner.closed):
+            break
+        handler = owner._replaced.get(sig, signal.SIG_DFL)
+    return handler
 
 
 def _pass_signal(handler: Any, signum: int, frame: Any) -> None:

@@ -263,6 +263,47 @@ class TestLightning:
         assert replayer.open(callback.path).status == "complete" and len(replayer.open(callback.path)) == 12
 
     @pytest.mark.slow
+    def test_sigterm_after_a_crashed_fit_closes_the_next_recording(self, pl: Any, tmp_path: Path) -> None:
+        """A fit that raised closes its recording, and Lightning's teardown then puts back the
+        recording's SIGTERM handler it had saved. The next fit's recording must take the program's
+        own handler (the default: end the process), not the closed one's: SIGTERM in that fit writes
+        the ring and closes the recording crashed before the process ends."""
+        first, second = tmp_path / "a.zarr", tmp_path / "b.zarr"
+        code = textwrap.dedent(f"""
+            import os, signal, sys
+            import lightning.pytorch as pl
+            from recorder.lightning import PaperDebuggerCallback
+            from tests.recorder import test_framework_callbacks as t
+            net = t.lightning_net(pl)
+            crash = net.training_step
+            def broken(batch, batch_idx):
+                if net.trainer.global_step == 2:
+                    raise RuntimeError("boom")
+                return crash(batch, batch_idx)
+            net.training_step = broken
+            try:
+                t.lightning_fit(pl, PaperDebuggerCallback({str(first)!r}), net, max_steps=5)
+            except RuntimeError:
+                pass
+            net = t.lightning_net(pl)
+            step = net.training_step
+            def killed(batch, batch_idx):
+                if net.trainer.global_step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return step(batch, batch_idx)
+            net.training_step = killed
+            t.lightning_fit(pl, PaperDebuggerCallback({str(second)!r}), net, max_steps=6)
+            print("survived SIGTERM")
+        """)
+        proc = python("-c", code, cwd=ROOT)
+        assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr[-3000:]
+        assert "survived" not in proc.stdout
+        assert replayer.open(first).status == "crashed"
+        rec = replayer.open(second)
+        assert rec.status == "crashed" and rec.rank.final["flight"]["dumps"][0]["reason"] == "SIGTERM"
+        recorded, kept = payload_iterations(second)
+        assert max(recorded) == 2 and kept == {1, 2}  # the kill came before step 3's first forward
+
     def test_ddp_ranks_record_into_one_path(self, pl: Any, tmp_path: Path) -> None:
         """Lightning DDP (two CPU processes, gloo): each rank records its own group into the same
         path, with module paths relative to the LightningModule, not to the DDP wrapper."""
@@ -411,6 +452,32 @@ class TestHuggingFace:
         assert rec.status == "crashed"
         failed = [s for s in rec.steps if s.status == "exception"]
         assert [(s.module_path, s.iteration) for s in failed] == [("transformer.h.1", 5)]
+
+
+    def test_after_train_raised_nothing_else_is_recorded(self, hf: Any, tmp_path: Path) -> None:
+        """The Trainer reports no exception: after train() raised in step 5, trainer.evaluate() and
+        the user's own calls of the model are not recorded as that step's (the recording stays open,
+        paused). Closed crashed by the next train() after callback.path was set to a new path, it is
+        named by its own path, not the new one."""
+        from recorder.huggingface import PaperDebuggerCallback
+
+        first, second = tmp_path / "a.zarr", tmp_path / "b.zarr"
+        callback = PaperDebuggerCallback(first)
+        trainer = hf_trainer(hf, tmp_path, callback, raise_at=5)
+        with pytest.raises(OverflowError):
+            trainer.train()
+        trainer.evaluate()
+        trainer.model.train()
+        trainer.model.transformer.h[0](torch.zeros(1, SEQ, 32))  # a recorded module, called by hand
+        assert not callback.run.closed and callback.run.is_paused
+        callback.path = second
+        with recorder_warnings() as said, pytest.raises(OverflowError):
+            trainer.train()
+        assert callback.close() == "crashed"
+        assert len(said) == 1 and f"the recording (crashed) is in {first}; open it there: pdbg {first}" in said[0]
+        blocks = [("transformer.h.0", 0), ("transformer.h.1", 1)]
+        assert by_iteration(replayer.open(first)) == {it: blocks for it in range(6)}
+        assert by_iteration(replayer.open(second)) == {it: blocks for it in range(6)}
 
 
 # -- what the callbacks share ------------------------------------------------------------------------
