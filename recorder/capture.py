@@ -78,6 +78,16 @@ class RecorderWarning(UserWarning):
     """The recorder hit a problem and degraded; training goes on."""
 
 
+def warn(message: str, stacklevel: int = 2) -> None:
+    """``warnings.warn(message, RecorderWarning)``, which never raises into the user's code: where the
+    warning filters make it an exception (``python -W error``), the message goes to stderr instead,
+    and what the recorder was doing (degrading, closing) goes on."""
+    try:
+        warnings.warn(message, RecorderWarning, stacklevel=stacklevel + 1)
+    except Warning:
+        print(f"RecorderWarning: {message}", file=sys.stderr, flush=True)
+
+
 class WriterStopped(Exception):
     """The writer thread failed or was given up on: nothing more can be recorded. Not a RuntimeError,
     which capture takes for a tensor it cannot copy."""
@@ -206,6 +216,7 @@ class Session:
     def fail(self, where: str, exc: BaseException) -> None:
         """Stop capturing after an internal error or a failed writer; warn once. Training is never
         interrupted; the run will be ``incomplete``."""
+        self.enabled = False
         if self.failure is None:
             if isinstance(exc, WriterStopped):  # its message names the problem and what to do
                 self.failure = f"writer: {exc}"
@@ -213,8 +224,7 @@ class Session:
             else:
                 self.failure = f"{where}: {type(exc).__name__}: {exc}"
                 message = f"PaperDebugger stopped recording ({self.failure}); training continues"
-            warnings.warn(f"{message} and the steps committed so far stay readable; the run is marked incomplete",
-                          RecorderWarning, stacklevel=3)
+            warn(f"{message} and the steps committed so far stay readable; the run is marked incomplete", stacklevel=3)
         self.enabled = False
 
     def disown(self) -> None:
@@ -278,9 +288,9 @@ class Session:
     def _no_room_shared(self) -> None:
         if not self._unshared_warned:
             self._unshared_warned = True
-            warnings.warn("the flight ring's shared memory is full: payloads beyond it are held in this process's "
-                          "memory and are lost if it dies hard (a segfault, abort or the OOM killer); lower "
-                          "max_ring_bytes or keep", RecorderWarning, stacklevel=4)
+            warn("the flight ring's shared memory is full: payloads beyond it are held in this process's "
+                 "memory and are lost if it dies hard (a segfault, abort or the OOM killer); lower "
+                 "max_ring_bytes or keep", stacklevel=4)
 
     def _log_dump(self, dump: dict[str, Any]) -> None:
         """List a ring write for the run's metadata. A run whose every iteration is anomalous writes
@@ -388,8 +398,7 @@ class Session:
                 if listener is not None:
                     listener(frame.index, monitors.nonfinite_message(self._context(frame, None), tensor))
         except Exception as exc:  # telling the user must never stop training
-            warnings.warn(f"PaperDebugger could not report a non-finite step ({type(exc).__name__}: {exc})",
-                          RecorderWarning, stacklevel=2)
+            warn(f"PaperDebugger could not report a non-finite step ({type(exc).__name__}: {exc})", stacklevel=2)
 
     def _after_flight_step(self, frame: Frame) -> None:
         """Flight mode: an anomaly writes the ring, and the rest of its iteration goes straight out."""
@@ -900,12 +909,12 @@ class Session:
             raise WriterStopped(self.pipeline.problem())
         if not self._slow_warned:
             self._slow_warned = True
-            warnings.warn(f"PaperDebugger is dropping tensor payloads: {self.pipeline.where()} cannot keep up with "
-                          f"training (its queue of max_queue_bytes={self.pipeline.max_queue_bytes} stayed full longer "
-                          "than training may wait); every step and statistic is still recorded, the tensors whose "
-                          "bytes were dropped have statistics only; record to a faster disk, record less "
-                          "(mode='stats', every=k), raise max_queue_bytes, or pass when_slow='wait' to hold "
-                          "training instead", RecorderWarning, stacklevel=2)
+            warn(f"PaperDebugger is dropping tensor payloads: {self.pipeline.where()} cannot keep up with "
+                 f"training (its queue of max_queue_bytes={self.pipeline.max_queue_bytes} stayed full longer "
+                 "than training may wait); every step and statistic is still recorded, the tensors whose "
+                 "bytes were dropped have statistics only; record to a faster disk, record less "
+                 "(mode='stats', every=k), raise max_queue_bytes, or pass when_slow='wait' to hold "
+                 "training instead", stacklevel=2)
         return False
 
     def _unroom(self, nbytes: int) -> None:

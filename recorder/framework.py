@@ -33,12 +33,11 @@ import os
 import shlex
 import sys
 import threading
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .capture import RecorderWarning
+from .capture import warn
 from .errors import RecordingError, brief
 
 if TYPE_CHECKING:
@@ -263,16 +262,14 @@ class FrameworkCallback:
 
     def _nonfinite(self, index: int, message: str) -> None:
         self._first_nonfinite = index
-        warnings.warn(f"PaperDebugger: {message} (the first NaN/Inf of this run); {self._where(index)}",
-                      RecorderWarning, stacklevel=2)
+        warn(f"PaperDebugger: {message} (the first NaN/Inf of this run); {self._where(index)}", stacklevel=2)
 
     def _warn_crashed(self, run: Run, exception: BaseException | None) -> None:
         what = "training stopped"
         if exception is not None:
             what += f" with {brief(exception)[:240]}"
         at = "" if self._first_nonfinite is None else " (at its first NaN/Inf)"
-        warnings.warn(f"PaperDebugger: {what}; {self._where(self._first_nonfinite, run.status)}{at}",
-                      RecorderWarning, stacklevel=3)
+        warn(f"PaperDebugger: {what}; {self._where(self._first_nonfinite, run.status)}{at}", stacklevel=3)
 
 
 def _warn_of_cache(model: torch.nn.Module) -> None:
@@ -287,8 +284,7 @@ def _warn_of_cache(model: torch.nn.Module) -> None:
         if type(module).__module__.startswith("transformers.") and getattr(config, "use_cache", False) is True \
                 and makes_cache:
             where = f"{name}.config" if name else "model.config"
-            warnings.warn(f"PaperDebugger: {where}.use_cache is True, so the model hands its layers a cache object "
-                          "that is not recorded as data, and their recorded steps cannot be replayed; training "
-                          f"does not use the cache: set {where}.use_cache = False before training to replay them",
-                          RecorderWarning, stacklevel=4)
+            warn(f"PaperDebugger: {where}.use_cache is True, so the model hands its layers a cache object "
+                 "that is not recorded as data, and their recorded steps cannot be replayed; training "
+                 f"does not use the cache: set {where}.use_cache = False before training to replay them", stacklevel=4)
             return

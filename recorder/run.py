@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -147,11 +146,11 @@ class Run:
             now = collectives.identity()
             if now["rank"] != self.dist["rank"] and not self._rank_warned:
                 self._rank_warned = True
-                warnings.warn(f"this process records as rank {self.dist['rank']} (from "
-                              f"{self.dist['source'] or 'no launcher environment'}), but torch.distributed says "
-                              f"it is rank {now['rank']}: ranks may overwrite each other's recording; start the "
-                              "recording after init_process_group, or launch with torchrun (it sets RANK and "
-                              "WORLD_SIZE)", capture.RecorderWarning, stacklevel=3)
+                capture.warn(f"this process records as rank {self.dist['rank']} (from "
+                             f"{self.dist['source'] or 'no launcher environment'}), but torch.distributed says "
+                             f"it is rank {now['rank']}: ranks may overwrite each other's recording; start the "
+                             "recording after init_process_group, or launch with torchrun (it sets RANK and "
+                             "WORLD_SIZE)", stacklevel=3)
         except Exception:  # never let a query of the process group disturb training
             return
 
@@ -360,8 +359,8 @@ class Run:
         paths = sorted(selector.paths)
         shown = ", ".join(repr(p) if p else "'' (the root)" for p in paths[:40])
         more = f" and {len(paths) - 40} more" if len(paths) > 40 else ""
-        warnings.warn(f"module glob(s) {', '.join(map(repr, missed))} matched no module; the module paths "
-                      f"called were: {shown}{more}", capture.RecorderWarning, stacklevel=3)
+        capture.warn(f"module glob(s) {', '.join(map(repr, missed))} matched no module; the module paths "
+                     f"called were: {shown}{more}", stacklevel=3)
 
     @property
     def unmatched_globs(self) -> list[str]:

@@ -264,6 +264,8 @@ def _candidates() -> list[tuple[str, Any, Any]]:
         ("sdp_math", fast("_get_math_sdp_enabled"), lambda: b.cuda.math_sdp_enabled()),  # noqa: PLW0108 (looked up late: older builds lack it)
         ("sdp_cudnn", fast("_get_cudnn_sdp_enabled"), lambda: b.cuda.cudnn_sdp_enabled()),  # noqa: PLW0108 (looked up late: older builds lack it)
         ("default_dtype", None, torch.get_default_dtype),
+        # set by torch.set_default_device or a `with torch.device(...)` block
+        ("default_device", None, lambda: str(torch.get_default_device())),
         ("num_threads", None, torch.get_num_threads),
         ("num_interop_threads", None, torch.get_num_interop_threads),
         ("cpu_capability", None, lambda: b.cpu.get_cpu_capability()),  # noqa: PLW0108 (looked up late: older builds lack it)

@@ -160,6 +160,13 @@ def _stats(x: Any, lib: Any) -> tuple[float, ...]:
     """``host_stats`` of a 1-D numpy array (``lib`` numpy) or tensor (``lib`` torch)."""
     if len(x) == 0:
         return EMPTY
+    if lib is np:  # the user's np.seterr (all="raise", to hunt NaN) is not for the recorder's own sums
+        with np.errstate(all="ignore"):
+            return _stats_of(x, lib)
+    return _stats_of(x, lib)
+
+
+def _stats_of(x: Any, lib: Any) -> tuple[float, ...]:
     lo, hi = _minmax(x, lib)
     if math.isfinite(lo) and math.isfinite(hi):  # NaN propagates into min/max, Inf shows there
         return _finite_stats(x, lib, lo, hi, 0, 0)
@@ -235,9 +242,10 @@ def _summarise(x: Any, lib: Any, lo: float, hi: float, total: float, squares: fl
         # Summed about the mean as found: the corrected two-pass formula, which also corrects the
         # mean for the rounding of the first sum (float32 sums of large values are inexact).
         x, lib = _safe(x, lib, lo, hi)
-        dev = x - mean
-        shift = dev.sum().item()
-        centred = lib.dot(dev, dev).item() - shift * shift / n
+        with np.errstate(all="ignore"):  # (numpy's: see _stats)
+            dev = x - mean
+            shift = dev.sum().item()
+            centred = lib.dot(dev, dev).item() - shift * shift / n
         mean += shift / n
     std = math.sqrt(max(centred, 0.0) / (n - 1))
     return (lo, hi, mean, std, big, math.sqrt(squares), float(nan), float(inf))

@@ -21,13 +21,12 @@ import signal
 import subprocess
 import sys
 import threading
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from . import collectives, recover, runner, shmring
-from .capture import RecorderWarning
+from .capture import warn
 from .errors import PdbgError, RecordingError
 from .store import backend
 
@@ -58,9 +57,9 @@ def run_script_in_child(script: str | os.PathLike[str], args: list[str], out: st
     try:
         ring = shmring.create(options.get("max_ring_bytes", 4 << 30))
     except (OSError, ValueError) as exc:
-        warnings.warn(f"no shared memory for the flight ring ({type(exc).__name__}: {exc}); it stays in the "
-                      "recording process's memory, and a hard crash (segfault, abort, the OOM killer) loses its "
-                      "payloads", RecorderWarning, stacklevel=2)
+        warn(f"no shared memory for the flight ring ({type(exc).__name__}: {exc}); it stays in the "
+             "recording process's memory, and a hard crash (segfault, abort, the OOM killer) loses its "
+             "payloads", stacklevel=2)
         return runner.run_script(script, args, out, mode="flight", **options)
     try:
         return _supervise(script, args, out, options, ring)
@@ -110,9 +109,8 @@ def _outcome(out: Any, code: int, report: dict[str, Any], ring: shmring.RingFile
             recovered = recover.recover(out, ring, why, rank)
             status = "crashed"
         except Exception as exc:  # the committed steps stay readable; the run reads as crashed anyway
-            warnings.warn(f"could not write out the flight ring after the script's process died ({why}): "
-                          f"{type(exc).__name__}: {exc}; the steps it committed are readable without it",
-                          RecorderWarning, stacklevel=3)
+            warn(f"could not write out the flight ring after the script's process died ({why}): "
+                 f"{type(exc).__name__}: {exc}; the steps it committed are readable without it", stacklevel=3)
         died = why
     steps = report.get("steps")
     if not isinstance(steps, int):  # died: the steps it committed
@@ -227,8 +225,8 @@ def _map_ring(fd: int) -> shmring.SharedRing | None:
     try:
         return shmring.SharedRing(fd)
     except (OSError, ValueError) as exc:
-        warnings.warn(f"could not map the flight ring's shared memory ({type(exc).__name__}: {exc}); it stays in "
-                      "this process's memory, and a hard crash loses its payloads", RecorderWarning, stacklevel=2)
+        warn(f"could not map the flight ring's shared memory ({type(exc).__name__}: {exc}); it stays in "
+             "this process's memory, and a hard crash loses its payloads", stacklevel=2)
         return None
     finally:
         os.close(fd)  # the mapping stays; the script's own children need not hold the memory

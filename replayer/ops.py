@@ -15,7 +15,6 @@ import os
 import re
 import sysconfig
 import traceback
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,9 +139,10 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None) -> OpR
     def around(stage: str) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if step.phase == "backward" and stage == "forward":
-                stack.enter_context(warnings.catch_warnings())
-                warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled"
-                stack.enter_context(torch.autograd.detect_anomaly(check_nan=False))
+                # (set_detect_anomaly, not detect_anomaly: the same mode, restored after, without the
+                # warning detect_anomaly gives, which only warnings.catch_warnings() would hide, and that
+                # swaps the whole process's filters, from a TUI worker's thread too)
+                stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
             else:
                 finders[stage] = stack.enter_context(_Finder(stage))
             yield

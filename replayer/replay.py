@@ -105,7 +105,8 @@ class Replayer:
         self._around = around or _no_context
         self.plan = self._plan(step, swap, edit, settings, seed)
         backward = step.phase == "backward"
-        result = self._backward(step, threads, nested) if backward else self._forward(step, threads, nested)
+        with state.neutral({**step.settings, **self.plan.settings}):
+            result = self._backward(step, threads, nested) if backward else self._forward(step, threads, nested)
         result.warnings.extend(self.plan.notes)
         for unused in [c.key for c in self.plan.edits if not c.used] + [s.key for s in self.plan.swaps if not s.used]:
             result.warnings.append(f"{unused}: matched nothing that ran during the replay")
@@ -580,7 +581,7 @@ def _with_strides(value: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
         if s != needed:
             return value
         needed *= n
-    out = torch.empty_strided(shape, stride, dtype=value.dtype)
+    out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
     out.copy_(value)
     return out
 

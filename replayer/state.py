@@ -134,17 +134,49 @@ def start_threads() -> None:
 
 @contextlib.contextmanager
 def per_call(settings: dict[str, Any], *, grad: bool | None = None) -> Iterator[None]:
-    """Grad mode and autocast as they were around the recorded call (``grad`` overrides grad mode)."""
+    """Grad mode, inference mode and autocast as they were around the recorded call (``grad``
+    overrides grad mode, and leaves inference mode off), whatever the caller's are: a replay called
+    inside ``torch.inference_mode()`` or ``torch.autocast(...)`` runs as the recorded call did."""
     enabled = settings.get("grad_enabled", True) if grad is None else grad
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(bool(enabled)))
-        if settings.get("inference_mode") and grad is None:
-            stack.enter_context(torch.inference_mode())
+        stack.enter_context(torch.inference_mode(bool(settings.get("inference_mode")) and grad is None))
         for device in ("cpu", "cuda"):
             if settings.get(f"autocast_{device}"):
                 dtype = settings.get(f"autocast_{device}_dtype")
                 stack.enter_context(torch.autocast(device, dtype=dtype_from_name(dtype) if dtype else None))
+            elif _autocast_on(device):  # the caller's, not the recorded call's
+                stack.enter_context(torch.autocast(device, enabled=False))
         yield
+
+
+@contextlib.contextmanager
+def neutral(settings: dict[str, Any]) -> Iterator[None]:
+    """Around a whole replay (rebuilding its module and loading its tensors included): the caller's
+    inference mode and autocast off, and the recorded call's default dtype and default device
+    (``settings``: the step's), so that one called inside ``torch.inference_mode()``,
+    ``torch.autocast(...)``, ``torch.device("cuda")`` or after ``torch.set_default_dtype(...)``
+    runs the step as the recording did (``per_call`` then applies the recorded call's modes)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        for device in ("cpu", "cuda"):
+            if _autocast_on(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        dtype = settings.get("default_dtype")
+        if dtype is not None and torch.get_default_dtype() != dtype_from_name(dtype):
+            stack.callback(torch.set_default_dtype, torch.get_default_dtype())
+            torch.set_default_dtype(dtype_from_name(dtype))
+        device = settings.get("default_device")  # (absent from recordings made before it was recorded)
+        if device is not None and str(torch.get_default_device()) != device:
+            stack.enter_context(torch.device(device))  # innermost: above a caller's own torch.device(...)
+        yield
+
+
+def _autocast_on(device: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device))
+    except TypeError:  # torch before 2.4's device argument
+        return bool(torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled())
 
 
 def environment_differences(run_info: dict[str, Any], settings: dict[str, Any] | None = None) -> list[str]:

@@ -550,3 +550,61 @@ def test_reading_while_recording_sees_consistent_committed_prefixes(tmp_path):
     partial = sorted({n for n in counts if 0 < n < len(rec)})
     print(f"\n{len(counts)} reads during recording; committed prefixes seen: {partial}")
     assert len(partial) >= READ_ITERATIONS // CHECK_EVERY - 1, partial
+
+
+@recorder.paper_step("Eq. 6", description="a scale that underflows")
+def _tiny(x: torch.Tensor) -> torch.Tensor:
+    return x * 1e-30
+
+
+def test_warnings_as_errors_never_reach_training(tmp_path, monkeypatch, capfd):
+    """Under ``-W error`` (warnings filters that raise), an internal capture failure and the
+    unmatched-glob warning at close do not raise into training: the first degrades the run to
+    incomplete and recording stops, the second still closes the run complete; both messages go to
+    stderr."""
+    from recorder import capture
+
+    failing = capture.Session._capture_inputs
+    calls = []
+
+    def flaky(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated capture failure")
+        return failing(self, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with recorder.record(tmp_path / "glob.zarr", model=model, optimizer=opt, modules=["*", "nomatch.*"]) as run:
+            for _ in range(2):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+        assert run.status == "complete"
+        monkeypatch.setattr(capture.Session, "_capture_inputs", flaky)
+        with recorder.record(tmp_path / "fail.zarr", model=model, optimizer=opt, modules=["*"]) as failed:
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+    assert failed.status == "incomplete" and not failed.session.enabled and len(calls) == 2
+    err = capfd.readouterr().err
+    assert "RecorderWarning: module glob(s) 'nomatch.*' matched no module" in err
+    assert "RecorderWarning: PaperDebugger stopped recording (capturing a step's inputs: RuntimeError" in err
+    assert replayer.open(tmp_path / "glob.zarr").status == "complete"
+
+
+def test_numpy_errors_set_to_raise_do_not_stop_recording(tmp_path):
+    """``np.seterr(all="raise")``, a common way to hunt NaN: the recorder's own statistics (tiny
+    values beside a NaN underflow in numpy's dot) do not raise, and the NaN is recorded."""
+    saved = np.seterr(all="raise")
+    try:
+        with recorder.record(tmp_path / "run.zarr", mode="stats") as run:
+            _tiny(torch.tensor([1.0, float("nan"), 2.0]))
+            _tiny(torch.ones(5000))
+    finally:
+        np.seterr(**saved)
+    assert run.status == "complete"
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert [r.stats["nan"] for r in rec.step(0).records] == [1, 1]

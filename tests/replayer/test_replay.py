@@ -4,9 +4,11 @@ thread counts and bad input reported."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +137,46 @@ def test_replay_leaves_the_callers_rng_and_settings_alone(gpt_run: Path) -> None
     finally:
         torch.use_deterministic_algorithms(False)
         torch.set_num_threads(threads)
+
+
+@recorder.paper_step("Eq. 9")
+def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w
+
+
+@pytest.mark.parametrize("around", ["inference_mode", "autocast", "default_device", "default_dtype"])
+def test_replay_inside_the_callers_modes_runs_as_recorded(gpt_run: Path, around: str) -> None:
+    """A replay called inside torch.inference_mode(), torch.autocast("cpu", bfloat16), under another
+    default device ("meta" here: any machine has it) or default dtype runs the step with the
+    recorded call's modes, device and dtype: forward and backward match bitwise (the backward needs
+    autograd, which the caller's inference mode refuses; autocast would compute in bfloat16; the
+    rebuilt module's own tensors would be made in float64), and the caller's come back."""
+    rec = replayer.open(gpt_run)
+    modes = {"inference_mode": torch.inference_mode, "default_device": lambda: torch.device("meta"),
+             "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16), "default_dtype": float64_default}
+    with modes[around]():
+        results = [replayer.replay(rec, s) for s in ("Attention@iter=1#0", "Block@iter=1#1:backward", "mixer@iter=2")]
+        assert around != "default_dtype" or torch.get_default_dtype() == torch.float64  # the caller's, back
+    assert all(r.match for r in results), [[d.summary() for d in r.outputs if not d.match] for r in results]
+
+
+@contextlib.contextmanager
+def float64_default() -> Iterator[None]:
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_non_contiguous_input_replays_under_another_default_device(tmp_path: Path) -> None:
+    """A step whose recorded input was a transposed view is given its input with the recorded
+    strides, on the recorded device, whatever the caller's default device."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        project(torch.randn(8, 4).t(), torch.randn(8, 3))
+    with torch.device("meta"):
+        assert replayer.replay(replayer.open(path), 0).match
 
 
 def test_another_cpu_capability_is_reported_and_left_alone(gpt_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
