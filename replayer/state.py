@@ -139,8 +139,12 @@ def per_call(settings: dict[str, Any], *, grad: bool | None = None) -> Iterator[
     inside ``torch.inference_mode()`` or ``torch.autocast(...)`` runs as the recorded call did."""
     enabled = settings.get("grad_enabled", True) if grad is None else grad
     with contextlib.ExitStack() as stack:
+        # Inference mode first: entering it (on or off) sets grad mode too, which comes next.
+        if settings.get("inference_mode") and grad is None:
+            stack.enter_context(torch.inference_mode())
+        elif torch.is_inference_mode_enabled():  # the caller's
+            stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.set_grad_enabled(bool(enabled)))
-        stack.enter_context(torch.inference_mode(bool(settings.get("inference_mode")) and grad is None))
         for device in ("cpu", "cuda"):
             if settings.get(f"autocast_{device}"):
                 dtype = settings.get(f"autocast_{device}_dtype")
@@ -158,7 +162,8 @@ def neutral(settings: dict[str, Any]) -> Iterator[None]:
     ``torch.autocast(...)``, ``torch.device("cuda")`` or after ``torch.set_default_dtype(...)``
     runs the step as the recording did (``per_call`` then applies the recorded call's modes)."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.inference_mode(False))
+        if torch.is_inference_mode_enabled():  # (entering inference_mode(False) turns grad mode on too)
+            stack.enter_context(torch.inference_mode(False))
         for device in ("cpu", "cuda"):
             if _autocast_on(device):
                 stack.enter_context(torch.autocast(device, enabled=False))

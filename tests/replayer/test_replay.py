@@ -160,6 +160,31 @@ def test_replay_inside_the_callers_modes_runs_as_recorded(gpt_run: Path, around:
     assert all(r.match for r in results), [[d.summary() for d in r.outputs if not d.match] for r in results]
 
 
+class Recurrent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(8, 8, batch_first=True, num_layers=2, bidirectional=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0]
+
+
+def test_a_step_recorded_without_grad_replays_inside_inference_mode(tmp_path: Path) -> None:
+    """A step recorded under torch.no_grad() (an LSTM then takes another kernel than with grad mode
+    on) replays bitwise inside the caller's torch.inference_mode(): leaving the caller's inference
+    mode must not turn grad mode back on for the call."""
+    torch.manual_seed(0)
+    model = Recurrent().eval()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, mode="full", modules=["lstm"]), torch.no_grad():
+        model(torch.randn(2, 5, 8))
+    rec = replayer.open(path)
+    assert len(rec.steps) == 1
+    with torch.inference_mode():
+        result = replayer.replay(rec, 0)
+    assert result.match, [d.summary() for d in result.outputs]
+
+
 @contextlib.contextmanager
 def float64_default() -> Iterator[None]:
     torch.set_default_dtype(torch.float64)
