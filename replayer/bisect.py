@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from recorder.errors import FormatError, PdbgError, RecordingError
+from recorder.errors import FormatError, PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 
 from .recording import Recording, Step
@@ -103,6 +103,21 @@ def _nonfinite_text(step: Step, roles: frozenset[int] | set[str]) -> list[str]:
 
 
 # -- the origin of a NaN --------------------------------------------------------------------------
+def find_op(origin: Origin, step: Step) -> None:
+    """``ops=True``: the operation inside ``step`` that made the first NaN/Inf, into ``origin.op``;
+    where there is none, or the step cannot be replayed, ``origin.op_note`` says so (the step-level
+    answer stands either way)."""
+    from .ops import bisect_ops
+
+    try:
+        origin.op = bisect_ops(step.rec, step)
+    except ReplayError as exc:
+        origin.op_note = f"operation-level bisection needs a replay, and this step cannot be replayed: {exc}"
+        return
+    if origin.op is None:
+        origin.op_note = "no single operation inside the step turned finite inputs into NaN/Inf during the replay"
+
+
 @dataclass
 class Origin:
     """The answer of :func:`first_nonfinite`."""
@@ -112,6 +127,7 @@ class Origin:
     spread: list[Step] = field(default_factory=list)  # the next steps that went non-finite
     entered: Step | None = None  # when no recorded step produced it: the first step that received it
     op: Any = None  # with ops=True: replayer.ops.OpReport, the operation inside the step
+    op_note: str | None = None  # with ops=True and no op: why (the step cannot be replayed, or no operation did it)
     others: dict[int, Origin] = field(default_factory=dict)  # ranks=True: what each other rank saw first
 
     @property
@@ -164,9 +180,7 @@ def _across_ranks(rec: Recording, *, ops: bool, spread: int) -> Origin:
     origin.others = {r: o for r, o in found.items() if o is not origin and o.found}
     origin.cause = f"rank {origin.rank}: {origin.cause}"
     if ops and origin.step is not None:
-        from .ops import bisect_ops
-
-        origin.op = bisect_ops(origin.step.rec, origin.step)
+        find_op(origin, origin.step)
     return origin
 
 
@@ -212,9 +226,7 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int) -> Origin:
         cause = f"{describe(step)} produced {'; '.join(what)} from finite inputs"
         origin = Origin(step, cause, _after(rec, index, result, spread))
         if ops:
-            from .ops import bisect_ops
-
-            origin.op = bisect_ops(rec, step)
+            find_op(origin, step)
         return origin
     if not (result | given).any():
         return Origin(None, "no non-finite values recorded")

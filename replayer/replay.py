@@ -247,7 +247,11 @@ class Replayer:
         return value
 
     # -- preparing a call ------------------------------------------------------------------------
-    def _prepare(self, step: Step, warnings: list[str], rebuilt: dict[str, str]) -> _Call:
+    def _prepare(self, step: Step, warnings: list[str], rebuilt: dict[str, str],
+                 grads: frozenset[str] = frozenset()) -> _Call:
+        """The call of ``step`` ready to run; ``grads``: names of inputs a backward replay takes
+        gradients of, made to require grad even where the recorded call's did not (a forward that
+        reentrant checkpointing first ran without grad, its backward recorded from the recomputation)."""
         defn = step.definition
         module_doc = step._doc("module")
         records = step.records
@@ -266,7 +270,7 @@ class Replayer:
             if rec is None:
                 raise ReplayError(f"step {step.index}: argument tensor {name!r} is missing from the recording")
             leaf = self._edit(name, _materialize(step, rec))
-            if rec.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
+            if (rec.requires_grad or name in grads) and (leaf.is_floating_point() or leaf.is_complex()):
                 leaf.requires_grad_(True)
             leaves[name] = leaf
             given[name] = leaf.clone() if leaf.requires_grad else leaf  # in-place ops on it must not hit a leaf
@@ -406,7 +410,8 @@ class Replayer:
         fwd = self.rec.step(step.forward)
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}
-        call = self._prepare(fwd, warnings, rebuilt)
+        call = self._prepare(fwd, warnings, rebuilt,
+                             frozenset(r.name for r in step.records if r.role == "grad_input"))
         grad_outputs = {r.name: r for r in step.records if r.role == "grad_output"}
         wanted = [r for r in step.records if r.role in ("grad_input", "param_grad")]
         calls = self._calls_of_module(fwd)
@@ -601,8 +606,19 @@ def _compare_all(step: Step, records: list[TensorRecord], values: dict[str, torc
     return diffs
 
 
+# What the recorder itself raises to stop training (on_anomaly="stop", "pdb"): not the step's outcome.
+_RECORDER_STOPS = frozenset({"recorder.monitors:NonFiniteError", "recorder.monitors:BreakpointStop"})
+
+
 def _exception_result(result: ReplayResult, raised: BaseException | None, recorded: Any) -> ReplayResult:
     recorded_type = recorded.get("type") if isinstance(recorded, dict) else None
+    if recorded_type in _RECORDER_STOPS and raised is None:
+        # The recording stopped training inside this step (a step within it went non-finite): the
+        # step never returned, so there is no recorded output to compare; the replay ran it through.
+        result.match = True
+        result.warnings.append(f"the recording stopped training inside this step ({recorded_type.split(':')[-1]}: "
+                               f"{str(recorded.get('message', ''))[:200]}); it returned no output to compare")
+        return result
     if raised is not None:
         result.exception = f"{type(raised).__name__}: {raised}"
     if recorded_type and raised is not None:

@@ -16,7 +16,7 @@ import argparse
 import json
 from typing import Any
 
-from recorder.errors import PdbgError, ReplayError
+from recorder.errors import PdbgError
 
 from .cmd_replay import STEP_HELP, _open, _step_text, rank_option
 
@@ -66,14 +66,10 @@ def bisect(args: argparse.Namespace) -> int:
     origin = replayer.first_nonfinite(rec, all_ranks=args.rank is None)
     op_note = None
     if args.ops and origin.step is not None:
-        from replayer.ops import bisect_ops
+        from replayer.bisect import find_op
 
-        try:
-            origin.op = bisect_ops(origin.step.rec, origin.step)
-        except ReplayError as exc:
-            op_note = f"operation-level bisection needs a replay, and this step cannot be replayed: {exc}"
-        if origin.op is None and op_note is None:
-            op_note = "no single operation inside the step turned finite inputs into NaN/Inf during the replay"
+        find_op(origin, origin.step)
+        op_note = origin.op_note
     if args.json:
         doc = origin.to_json()
         if op_note:

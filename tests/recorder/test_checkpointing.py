@@ -84,6 +84,13 @@ def test_a_recorded_backward_of_a_reentrant_checkpoint_replays(tmp_path):
         assert step.forward is not None and rec.step(step.forward).module_path == step.module_path
         assert {r.role for r in step.records} >= {"grad_output", "grad_input", "param_grad"}
         assert replayer.replay(rec, step.index).match
+    # The steps inside a block: their forward first ran without grad (the checkpoint's own forward),
+    # so their inputs were recorded not requiring it; their backward (from the recomputation) replays.
+    inner = [s for s in rec.steps.filter(phase="backward", iteration=1) if s.name != "Block"]
+    assert inner and any(r.role == "grad_input" for s in inner for r in s.records)
+    for step in inner:
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.selector, [d.summary() for d in result.outputs if not d.match])
 
 
 class Plain(nn.Module):

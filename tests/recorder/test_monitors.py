@@ -97,6 +97,30 @@ class TestOnAnomaly:
         assert not run_path.exists()
 
 
+@recorder.paper_step("Eq. 6", description="a block around SmoothReLU")
+def outer(x: torch.Tensor) -> torch.Tensor:
+    return smooth_relu(x * 1.0) + 1.0
+
+
+def test_the_step_a_stop_left_replays_and_the_op_is_found(run_path: Path) -> None:
+    """on_anomaly='stop' stops training inside an enclosing step, which records the recorder's own
+    NonFiniteError: its replay runs through and matches (no output was recorded to compare, and
+    it says so); the origin is the inner step, down to its operation."""
+    import replayer
+
+    with pytest.raises(recorder.NonFiniteError), recorder.record(run_path, on_anomaly="stop") as run:
+        for i in range(5):
+            outer(torch.full((3,), 30.0 * i))  # exp(91) overflows at i == 3
+            run.next_iteration()
+    rec = replayer.open(run_path)
+    stopped = rec.steps.filter(name="outer", iteration=3)[0]
+    result = replayer.replay(rec, stopped.index)
+    assert result.match and any("stopped training inside this step" in w for w in result.warnings)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.step.name == "smooth_relu" and origin.op is not None and origin.op.name == "aten::exp"
+    assert origin.op_note is None
+
+
 class TestChecks:
     def test_check_marks_alerts_on_the_steps_it_fails(self, run_path: Path) -> None:
         """A registered check that returns a message marks exactly those steps alert."""
