@@ -62,16 +62,22 @@ def in_checkpointing(depth: int = 2) -> bool:
     frame: Any = sys._getframe(depth)
     while frame is not None:
         code = frame.f_code
-        hit = _checkpoint_code.get(code)
+        try:
+            hit = _checkpoint_code.get(code)
+        except TypeError:  # code torch.compile rewrote can hold unhashable constants (dicts): not remembered
+            hit = _is_checkpoint_code(code)
         if hit is None:
             if len(_checkpoint_code) > 65536:
                 _checkpoint_code.clear()
-            hit = _checkpoint_code[code] = ("checkpoint" in os.path.basename(code.co_filename)
-                                            or "Checkpoint" in code.co_qualname)
+            hit = _checkpoint_code[code] = _is_checkpoint_code(code)
         if hit:
             return True
         frame = frame.f_back
     return False
+
+
+def _is_checkpoint_code(code: Any) -> bool:
+    return "checkpoint" in os.path.basename(code.co_filename) or "Checkpoint" in code.co_qualname
 
 
 class RecorderWarning(UserWarning):

@@ -107,24 +107,32 @@ def record_plain(path, where: str | None) -> list[dict]:
         loss.backward()
         return loss
 
+    def whole_step(x: torch.Tensor) -> torch.Tensor:  # the optimizer's step inside the compiled code too
+        loss = train(x)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
     if where == "training function":
         train = torch.compile(train, backend="eager")
+    if where == "training step":
+        whole_step = torch.compile(whole_step, backend="eager")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's note that global hooks also see the compile wrapper
         with recorder.record(path, model=model, optimizer=opt, mode="full", modules=["blocks.*"]) as run:
             for i in range(ITERATIONS):
-                train(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)))
-                opt.step()
-                opt.zero_grad()
+                whole_step(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)))
     assert run.status == "complete" and run.failure is None
     assert not [m for m in model.modules() if "_paperdebugger_selected" in m.__dict__]  # marks removed
     return step_rows(path)
 
 
-@pytest.mark.parametrize("where", ["model", "blocks", "training function"])
+@pytest.mark.parametrize("where", ["model", "blocks", "training function", "training step"])
 def test_modules_selected_by_glob_inside_compiled_code(tmp_path, where):
-    """`modules=["blocks.*"]` on a compiled model, on compiled blocks, or in a compiled training
-    function: the same steps as uncompiled (the compile wrapper is not a step of its own), with the
+    """`modules=["blocks.*"]` on a compiled model, on compiled blocks, in a compiled training
+    function, or a compiled training step (the optimizer's step and the backward inside; the code
+    torch.compile rewrites around a graph break can hold unhashable constants): the same steps as
+    uncompiled (the compile wrapper is not a step of its own), with the
     paths of the model as written, bit-identical tensors."""
     want = record_plain(tmp_path / "plain.zarr", None)
     assert [(s["path"], s["phase"]) for s in want[:6]] == [("blocks.0", 0), ("blocks.1", 0), ("blocks.2", 0),
@@ -147,3 +155,19 @@ def test_recording_does_not_import_dynamo():
     done = python("-c", code, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_code_with_unhashable_constants_on_the_stack_is_walked_past():
+    """torch.compile rewrites code around a graph break into code objects that can hold dicts among
+    their constants (so they cannot be hashed); finding activation checkpointing on the stack walks
+    past them instead of failing (which stopped the recording: "unhashable type: 'dict'")."""
+    from recorder import capture
+
+    def probe() -> bool:
+        return capture.in_checkpointing(1)
+
+    rewritten = probe.__code__.replace(co_consts=(*probe.__code__.co_consts, {"resume": 1}))
+    with pytest.raises(TypeError):
+        hash(rewritten)
+    probe.__code__ = rewritten
+    assert probe() is False
