@@ -125,8 +125,10 @@ class CodeLoader:
     the script that ran as ``__main__``."""
 
     def __init__(self, run_info: dict[str, Any], script: str | os.PathLike[str] | None = None,
-                 bundled: dict[str, str] | None = None, live_main: bool = True) -> None:
+                 bundled: dict[str, str] | None = None, live_main: bool = True,
+                 spare: dict[str, str] | None = None) -> None:
         self.run_info = run_info
+        self.spare = spare or {}  # a bundle's sources, for a training script that is not on this machine
         self.live_main = live_main
         self.script = str(script) if script is not None else run_info.get("script")
         self._main: types.ModuleType | None = None
@@ -151,7 +153,12 @@ class CodeLoader:
                                       "or a REPL, no script), which only that session holds; replay it there, or "
                                       "pass a file that defines it (--script, or script= in Python)")
                 return live
-            self._main, note = script_module(self.script, self.bundled.get(self.script))
+            text = self.bundled.get(self.script)
+            if text is None and self.script in self.spare and not Path(self.script).is_file():
+                text = self.spare[self.script]
+                self.notes.append(f"the training script {self.script} is not here: the copy the bundle carries was "
+                                  "used")
+            self._main, note = script_module(self.script, text)
             if "no if __name__" in note and self.script != SESSION_SCRIPT:  # worth a warning: statements skipped
                 self.notes.append(f"{self.script}: {note}")
         return self._main

@@ -92,8 +92,10 @@ class Replayer:
             if rec.bundle_info is None:
                 raise ReplayError(f"{rec.reader.label} is not a bundle: there is no bundled source to use")
             bundled = rec.bundle_info.get("sources") or {}
-        # (a bundle is a recording from elsewhere: its code is never this process's own __main__)
-        self.loader = CodeLoader(rec.run_info, script, bundled, live_main=rec.bundle_info is None)
+        # (a bundle is a recording from elsewhere: its code is never this process's own __main__;
+        # where its training script is not here, the copy it carries stands in for it)
+        spare = (rec.bundle_info or {}).get("sources") or {} if bundled is None else None
+        self.loader = CodeLoader(rec.run_info, script, bundled, live_main=rec.bundle_info is None, spare=spare)
         self._env: list[str] | None = None
 
     def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True,

@@ -404,6 +404,14 @@ def _progress(done: int, total: int) -> None:
     sys.stderr.flush()
 
 
+def _kept(step: Any) -> bool:
+    """Whether the recording kept the tensors a replay of ``step`` starts from (its inputs,
+    parameters and buffers; a backward step's grad outputs and its forward's)."""
+    needed = ("input", "param", "buffer", "grad_output")
+    steps = [step] if step.phase == "forward" or step.forward is None else [step, step.rec.step(step.forward)]
+    return all(r.has_payload for s in steps for r in s.records if r.role in needed)
+
+
 def verify(args: argparse.Namespace) -> int:
     from replayer.replay import Replayer
 
@@ -411,9 +419,14 @@ def verify(args: argparse.Namespace) -> int:
     if args.sample is not None and args.sample < 1:
         raise PdbgError(f"--sample must be a positive integer, not {args.sample}")
     rec = _open(args.run, args.rank)
-    n = len(rec)
-    picks = list(range(n)) if args.sample is None or args.sample >= n else sorted(
-        set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))
+    kept = [i for i in range(len(rec)) if _kept(rec.step(i))]  # flight mode: its ring's iterations only
+    skipped = len(rec) - len(kept)
+    if not kept:
+        raise PdbgError(f"{args.run} kept the tensors of no step (statistics only: mode='stats', or flight mode "
+                        "that never wrote its ring): there is nothing to replay; record with mode='full' or flight")
+    n = len(kept)
+    picks = kept if args.sample is None or args.sample >= n else [kept[i] for i in sorted(
+        set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))]
     replayer = Replayer(rec, script=args.script)
     matched, mismatches, refused = 0, [], 0
     for done, index in enumerate(picks, 1):
@@ -434,11 +447,14 @@ def verify(args: argparse.Namespace) -> int:
                 mismatches.append({"step": step.to_json(), "reason": "; ".join(bad + hint)})
         _progress(done, len(picks))
     doc = {"replayed": len(picks), "matched": matched, "mismatches": mismatches}
+    if skipped:
+        doc["statistics_only"] = skipped
     if args.json:
         _emit(doc)
     else:
         share = 100.0 * matched / len(picks) if picks else 100.0
-        print(f"{args.run}: {matched} of {len(picks)} steps replayed bit for bit ({share:.1f}%)")
+        print(f"{args.run}: {matched} of {len(picks)} steps replayed bit for bit ({share:.1f}%)"
+              + (f"; {skipped} steps kept statistics only, not replayable" if skipped else ""))
         for m in mismatches:
             print(f"  {_step_text(m['step'])}: {m['reason']}")
     return 0 if not mismatches else 1

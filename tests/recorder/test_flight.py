@@ -336,3 +336,26 @@ def test_bytes_captured_after_an_optimizer_step_inside_a_step_reach_its_record(r
     assert torch.equal(rank.tensor(records[4]["output"]), outs[4])
     assert torch.equal(rank.tensor(records[5]["output"]), outs[5])
     assert torch.equal(rank.tensor(records[5]["input"]), xs[5])
+
+
+def test_verify_of_a_flight_recording_replays_its_ring_and_passes(tmp_path: Path) -> None:
+    """`pdbg verify` on a healthy flight recording: the steps outside the ring kept statistics only
+    and are counted as such, not as mismatches; the ring's steps replay bitwise; exit 0."""
+    import json
+
+    from tests.cli import pdbg
+
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(path, model=model, optimizer=opt, mode="flight", keep=2, modules=["*"]):
+        for _ in range(5):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    res = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["mismatches"] == [] and doc["matched"] == doc["replayed"] == 2 * 2 * 2
+    assert doc["statistics_only"] == 3 * 2 * 2

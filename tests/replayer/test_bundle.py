@@ -308,3 +308,46 @@ def test_a_module_attribute_naming_a_function_outside_torch_math_runs_nothing(tm
     assert rec.step(0)._doc("module")["attrs"]["forward"] == {"$function": "torch:os.system"}
     result = replayer.replay(rec, 0)
     assert not result.match and not marker.exists()
+
+
+SCRIPT_STEP = '''
+import sys
+
+import torch
+
+import recorder
+import replayer
+
+
+@recorder.paper_step("Eq. 7", description="a gate defined in the training script")
+def gate(x):
+    return torch.sigmoid(x) * x
+
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1], mode="full"):
+        gate(torch.randn(100))
+    replayer.bundle(replayer.open(sys.argv[1]), 0, sys.argv[2])
+'''
+
+
+def test_a_bundle_replays_where_its_training_script_is_not(tmp_path: Path) -> None:
+    """A step defined in the training script: its bundle, copied to a machine (a directory) without
+    the script, replays with the copy of the script it carries, and says so; the API and
+    `pdbg verify` too, without --use-bundled-source."""
+    where = tmp_path / "made"
+    where.mkdir()
+    (where / "train.py").write_text(SCRIPT_STEP)
+    res = run([sys.executable, "train.py", "run.zarr", "gate.pdbg"], where, where)
+    assert res.returncode == 0, res.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(where / "gate.pdbg", elsewhere / "gate.pdbg")
+    shutil.rmtree(where)
+    res = pdbg("replay", "gate.pdbg", "--json", cwd=elsewhere, code=elsewhere)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["match"] is True and any("the copy the bundle carries was used" in w for w in doc["warnings"])
+    assert pdbg("verify", "gate.pdbg", cwd=elsewhere, code=elsewhere).returncode == 0
+    result = replayer.replay(replayer.open(elsewhere / "gate.pdbg"))
+    assert result.match
