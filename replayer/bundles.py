@@ -137,12 +137,16 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         iteration: bundle every step of the main step's iteration, with all payloads.
         verify: replay the main step from the bundle before sealing it, and record the outcome.
         script: also write ``repro.py`` next to the bundle: replays it with only paperdebugger installed.
-        overwrite: replace an existing file at ``path``.
+        overwrite: replace an existing file at ``path`` (and ``repro.py`` with ``script``).
     """
     main = step if isinstance(step, Step) else rec.step(step)
     out = Path(path)
     if out.exists() and not overwrite:
         raise BundleError(f"{out} already exists; choose another path (or delete it)")
+    repro = out.with_name("repro.py")
+    if script and repro.exists() and not overwrite:  # before anything is written
+        raise BundleError(f"{repro} already exists; write the bundle into another directory, or delete it (or "
+                          "overwrite=True, --force)")
     if not out.parent.exists():
         raise BundleError(f"cannot write {out}: directory {out.parent} does not exist")
     rows, full = _selection(rec, main, iteration)

@@ -7,9 +7,11 @@ Errors are one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
 from recorder.errors import PdbgError
 
@@ -23,8 +25,16 @@ def _version() -> str:
         return "unknown"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line (the problem, and where the options are listed)
+    instead of a usage block and the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"pdbg: error: {message} (options: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdbg", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="pdbg", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"pdbg {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     cmd_record.add_parser(sub)
@@ -45,8 +55,18 @@ COMMANDS = ("record", "info", "replay", "verify", "bisect", "find", "bundle", "s
 
 
 def _tui(args: argparse.Namespace) -> int:
+    from recorder.store import backend
+
     from .app import run_app
 
+    if not backend.is_url(args.run) and not os.path.exists(args.run):
+        close = difflib.get_close_matches(args.run, COMMANDS, n=1)
+        hint = f" (the command {close[0]!r}?)" if close and os.sep not in args.run else ""
+        raise PdbgError(f"{args.run} does not exist{hint}: give the path of a recording (run.zarr) or a bundle "
+                        f"(.pdbg), or a command ({', '.join(COMMANDS)}; pdbg --help)")
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise PdbgError("the TUI needs a terminal (stdin and stdout are not one here): use pdbg info, bisect or "
+                        f"replay on {args.run}, or pdbg serve {args.run} to open it in a browser")
     return run_app(args.run, args.at, args.rank)
 
 
@@ -54,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        if len(argv) > 1 and not argv[1].startswith("-") and not os.path.exists(argv[0]):  # pdbg infoo run.zarr
+            close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            print(f"pdbg: error: unknown command {argv[0]!r}{hint}: the commands are {', '.join(COMMANDS)}; "
+                  "pdbg RUN opens the TUI", file=sys.stderr)
+            return 2
         argv = ["tui", *argv]  # pdbg RUN: the TUI
     args = parser.parse_args(argv)
     try:

@@ -26,7 +26,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--iteration", action="store_true", help="bundle the step's whole iteration")
     p.add_argument("--verify", action="store_true", help="replay it once before sealing; record the outcome")
     p.add_argument("--script", action="store_true", help="also write repro.py next to the bundle")
-    p.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    p.add_argument("--force", action="store_true", help="replace FILE (and repro.py, with --script) if it exists")
     rank_option(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(handler=run)

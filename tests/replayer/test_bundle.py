@@ -351,3 +351,17 @@ def test_a_bundle_replays_where_its_training_script_is_not(tmp_path: Path) -> No
     assert pdbg("verify", "gate.pdbg", cwd=elsewhere, code=elsewhere).returncode == 0
     result = replayer.replay(replayer.open(elsewhere / "gate.pdbg"))
     assert result.match
+
+
+def test_an_existing_repro_script_is_not_overwritten(recorded: tuple[Path, Path], tmp_path: Path) -> None:
+    """--script writes repro.py next to the bundle: an existing one is refused in one line, before
+    anything is written, unless --force."""
+    run_path, code = recorded
+    (tmp_path / "repro.py").write_text("# mine\n")
+    res = pdbg("bundle", str(run_path), "Eq. 1@iter=7", "-o", "f.pdbg", "--script", cwd=tmp_path, code=code)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "repro.py already exists" in lines[0]
+    assert (tmp_path / "repro.py").read_text() == "# mine\n" and not (tmp_path / "f.pdbg").exists()
+    res = pdbg("bundle", str(run_path), "Eq. 1@iter=7", "-o", "f.pdbg", "--script", "--force", cwd=tmp_path,
+               code=code)
+    assert res.returncode == 0 and "# mine" not in (tmp_path / "repro.py").read_text()

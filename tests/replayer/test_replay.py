@@ -268,6 +268,17 @@ def one_line_error(res: object, code: int = 2) -> str:
     return lines[0]
 
 
+def test_bad_command_lines_get_one_line_and_exit_code_2(gpt_run: Path, tmp_path: Path) -> None:
+    """Options argparse refuses, a mistyped command, and a path that does not exist (which would
+    otherwise open the full-screen TUI on an error): one line, exit 2, never the TUI."""
+    for args, says in ((("replay", str(gpt_run), "0", "--seed", "abc"), "argument --seed: invalid int value"),
+                       (("info",), "the following arguments are required: RUN"),
+                       (("infoo", str(gpt_run)), "unknown command 'infoo' (did you mean 'info'?)"),
+                       (("nosuch.zarr",), "nosuch.zarr does not exist"),
+                       ((str(gpt_run),), "the TUI needs a terminal")):
+        assert says in one_line_error(pdbg(*args, cwd=tmp_path)), args
+
+
 def test_bad_input_gets_one_line_and_exit_code_2(gpt_run: Path, tmp_path: Path) -> None:
     assert "step 999 is out of range" in one_line_error(pdbg("replay", str(gpt_run), "999", cwd=tmp_path))
     assert "no step matches 'nothing@iter=1'" in one_line_error(
