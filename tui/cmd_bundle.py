@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from typing import Any
 
 from .cmd_replay import STEP_HELP, _open, _size, _step_text, rank_option
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             print("verified: " + ("the bundle replays bit for bit" if info.verified else "MISMATCH when replayed from "
                                   "the bundle (see pdbg replay)"))
         if info.script:
-            print(f"repro script: {info.script} (python {info.script.name}: exit 0 on a match, 1 on a mismatch)")
-        print(f"elsewhere: pdbg replay {info.path.name}")
+            print(f"repro script: {info.script} (python {shlex.quote(info.script.name)}: exit 0 on a match, 1 on a "
+                  "mismatch)")
+        print(f"elsewhere: pdbg replay {shlex.quote(info.path.name)}")
     return 0 if info.verified is not False else 1

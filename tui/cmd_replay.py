@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import re
+import shlex
 import sys
 from typing import Any
 
@@ -237,7 +238,7 @@ def info(args: argparse.Namespace) -> int:
         print(f"\nbundle of {origin.get('path')} (step {origin.get('index')} there), made {bundle.get('created')}; "
               + ("not verified when made" if not verified else
                  f"verified when made: {'bitwise match' if verified.get('match') else 'MISMATCH'}"))
-        print(f"main step: {_step_text(bundle['main_step'])}  (pdbg replay {args.run})")
+        print(f"main step: {_step_text(bundle['main_step'])}  (pdbg replay {shlex.quote(args.run)})")
         diffs = bundle["environment_differences"]
         print("environment: " + ("same as where it was recorded" if not diffs else "; ".join(diffs)))
         for c in bundle["code"]:
@@ -358,7 +359,7 @@ def replay(args: argparse.Namespace) -> int:
         print("environment differs from the recording: " + "; ".join(result.environment_differences))
     if args.save_recipe:
         print(f"saved as recipe {args.save_recipe!r} in {args.run} "
-              f"(apply it with: pdbg replay {args.run} --recipe {args.save_recipe})")
+              f"(apply it with: pdbg replay {shlex.quote(args.run)} --recipe {shlex.quote(args.save_recipe)})")
     if result.match:
         print("\nMATCH: bit for bit")
     elif result.intervention:
