@@ -15,6 +15,7 @@ statistics by record name (``step.stats["output"]["absmax"]``) and, for forward 
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import pdb
 import re
@@ -182,11 +183,22 @@ class Selector:
 def parse_selector(where: str) -> Selector:
     """Parse ``NAME[@iter=K][#CALL][:backward]``; raises RecordingError naming the syntax."""
     m = _SELECTOR.match(where) if isinstance(where, str) else None
-    if m is None or not m["name"].strip():
+    if m is None or not m["name"].strip() or _malformed(m["name"]):
         raise RecordingError(f"invalid step selector {where!r}: use NAME[@iter=K][#CALL][:backward], e.g. "
                              "'smooth_relu@iter=17#3' or 'blocks.1:backward'")
     return Selector(m["name"], int(m["iter"]) if m["iter"] is not None else None,
                     int(m["call"]) if m["call"] is not None else None, m["phase"] or "forward")
+
+
+def _malformed(name: str) -> bool:
+    """A NAME part that holds a suffix of the selector's syntax that did not parse: ``@iter=`` not
+    followed by a number, ``#`` by a call number, ``:`` by forward or backward (``@iter=abc``,
+    ``#x``, ``:backwards``); taken for a step name, it would match nothing, silently."""
+    if "@iter" in name:
+        return True
+    tail = re.search(r"(#|:)([^\s#:]*)$", name)
+    return tail is not None and (tail[1] == "#" or difflib.get_close_matches(tail[2], ("forward", "backward"),
+                                                                             cutoff=0.6) != [] or tail[2] == "")
 
 
 def selector_matcher(where: str) -> Callable[[StepContext], bool]:

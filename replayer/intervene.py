@@ -108,6 +108,15 @@ def parse_settings(settings: dict[str, Any] | None, known: dict[str, Any]) -> di
         name = SETTING_ALIASES.get(key, key)
         if name not in known:
             raise InterventionError(f"unknown setting {key!r}; settings of this step: {', '.join(sorted(known))}")
+        recorded = known[name]
+        numbers = (int, float)
+        kind = isinstance(value, numbers) if isinstance(recorded, numbers) else type(value) is type(recorded)
+        same_kind = isinstance(value, bool) == isinstance(recorded, bool) and kind
+        if recorded is not None and value is not None and not same_kind:
+            raise InterventionError(f"setting {key}={value!r}: it was {recorded!r} when recorded; give a "
+                                    f"{'true/false' if isinstance(recorded, bool) else type(recorded).__name__} value")
+        if name in ("num_threads", "num_interop_threads") and isinstance(value, int) and value < 1:
+            raise InterventionError(f"setting {key}={value!r}: a thread count is a positive integer")
         out[name] = value
     return out
 

@@ -64,7 +64,8 @@ def _tui(args: argparse.Namespace) -> int:
         hint = f" (the command {close[0]!r}?)" if close and os.sep not in args.run else ""
         raise PdbgError(f"{args.run} does not exist{hint}: give the path of a recording (run.zarr) or a bundle "
                         f"(.pdbg), or a command ({', '.join(COMMANDS)}; pdbg --help)")
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+    web = "web_driver" in os.environ.get("TEXTUAL_DRIVER", "")  # pdbg serve: a browser is the terminal
+    if not web and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise PdbgError("the TUI needs a terminal (stdin and stdout are not one here): use pdbg info, bisect or "
                         f"replay on {args.run}, or pdbg serve {args.run} to open it in a browser")
     return run_app(args.run, args.at, args.rank)

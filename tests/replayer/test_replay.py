@@ -269,13 +269,21 @@ def one_line_error(res: object, code: int = 2) -> str:
 
 
 def test_bad_command_lines_get_one_line_and_exit_code_2(gpt_run: Path, tmp_path: Path) -> None:
-    """Options argparse refuses, a mistyped command, and a path that does not exist (which would
-    otherwise open the full-screen TUI on an error): one line, exit 2, never the TUI."""
+    """Options argparse refuses, a mistyped command, a path that does not exist (which would
+    otherwise open the full-screen TUI on an error), a selector whose suffix does not parse (taken
+    for a step name, it matched nothing), a setting of the wrong kind (the replay then warned and
+    passed): one line, exit 2, never the TUI."""
     for args, says in ((("replay", str(gpt_run), "0", "--seed", "abc"), "argument --seed: invalid int value"),
                        (("info",), "the following arguments are required: RUN"),
                        (("infoo", str(gpt_run)), "unknown command 'infoo' (did you mean 'info'?)"),
                        (("nosuch.zarr",), "nosuch.zarr does not exist"),
-                       ((str(gpt_run),), "the TUI needs a terminal")):
+                       ((str(gpt_run),), "the TUI needs a terminal"),
+                       (("replay", str(gpt_run), "Attention@iter=abc"), "invalid step selector 'Attention@iter=abc'"),
+                       (("replay", str(gpt_run), "Attention#x"), "invalid step selector"),
+                       (("replay", str(gpt_run), "Block:backwards"), "invalid step selector"),
+                       (("replay", str(gpt_run), "0", "--set", "num_threads=abc"), "setting num_threads='abc'"),
+                       (("replay", str(gpt_run), "0", "--set", "deterministic=maybe"), "give a true/false value"),
+                       (("replay", str(gpt_run), "0", "--set", "num_threads=0"), "a positive integer")):
         assert says in one_line_error(pdbg(*args, cwd=tmp_path)), args
 
 
