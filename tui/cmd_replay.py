@@ -420,6 +420,10 @@ def verify(args: argparse.Namespace) -> int:
     if args.sample is not None and args.sample < 1:
         raise PdbgError(f"--sample must be a positive integer, not {args.sample}")
     rec = _open(args.run, args.rank)
+    for column in layout.columns():  # the step and tensor tables whole: a damaged column is refused at once,
+        table = column.path.split("/")[0]  # whichever steps --sample picks
+        if table in ("steps", "tensors") and rec.rank.lengths.get(table):
+            rec.rank.column(column.path)
     kept = [i for i in range(len(rec)) if _kept(rec.step(i))]  # flight mode: its ring's iterations only
     skipped = len(rec) - len(kept)
     if not kept:

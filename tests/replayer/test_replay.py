@@ -287,6 +287,16 @@ def test_bad_command_lines_get_one_line_and_exit_code_2(gpt_run: Path, tmp_path:
         assert says in one_line_error(pdbg(*args, cwd=tmp_path)), args
 
 
+def test_verify_of_a_sample_refuses_a_damaged_step_table(gpt_run: Path, tmp_path: Path) -> None:
+    """`pdbg verify --sample 2` reads the whole step and tensor tables first: a damaged column is
+    refused in one line, exit 2, as every other command does, whichever steps the sample picks."""
+    damaged = tmp_path / "damaged.zarr"
+    shutil.copytree(gpt_run, damaged)
+    (damaged / "rank0" / "steps" / "t_end" / "c" / "0").unlink()
+    assert "chunk rank0/steps/t_end/c/0 is missing" in one_line_error(
+        pdbg("verify", str(damaged), "--sample", "2", cwd=tmp_path))
+
+
 def test_bad_input_gets_one_line_and_exit_code_2(gpt_run: Path, tmp_path: Path) -> None:
     assert "step 999 is out of range" in one_line_error(pdbg("replay", str(gpt_run), "999", cwd=tmp_path))
     assert "no step matches 'nothing@iter=1'" in one_line_error(
