@@ -274,25 +274,24 @@ def _stream_sums(x, out):  # type: ignore[no-untyped-def]
     (flight mode's ring, the writer's queue), so its bytes need not pass through the cache, and the
     store does not first read the destination (in a GPT-2 step ~200 -> ~155 us per MB of payload,
     and the training's data stays in cache); with ordinary stores otherwise."""
-    width = _VECTOR_BYTES // x.itemsize
-    store = _NONTEMPORAL if _address(out) % _VECTOR_BYTES == 0 else _PLAIN
-    return _streamed(x, out, x.shape[0] // (width * _STREAMS) * width, store)
+    return _streamed(x, out, _NONTEMPORAL if _address(out) % _VECTOR_BYTES == 0 else _PLAIN)
 
 
 def _read_sums(x):  # type: ignore[no-untyped-def]
     """The sums of ``x`` read as ``_STREAMS`` parallel streams. The parts depend only on the length
     (no alignment is needed to read), so an array's sums do not change with where it lies."""
-    width = _VECTOR_BYTES // x.itemsize
-    return _streamed(x, x, x.shape[0] // (width * _STREAMS) * width, _NONE)
+    return _streamed(x, x, _NONE)
 
 
-def _streamed(x, out, span, store):  # type: ignore[no-untyped-def]
-    """The block of ``_STREAMS`` streams of ``span`` elements from the array's start (copying into
-    ``out`` as ``store`` says), then the elements after it. Compiled without fast-math: the parts'
-    sums and the tail are added in the order written whatever ``store`` is (so that a copy's
-    statistics are those of the read: LLVM may otherwise reassociate each version differently)."""
+def _streamed(x, out, store):  # type: ignore[no-untyped-def]
+    """The block of ``_STREAMS`` streams from the array's start, each a whole number of vectors, as
+    long as the length allows (copying into ``out`` as ``store`` says), then the elements after it.
+    Compiled without fast-math: the parts' sums and the tail are added in the order written
+    whatever ``store`` is (so that a copy's statistics are those of the read: LLVM may otherwise
+    reassociate each version differently)."""
     n = x.shape[0]
     width = _VECTOR_BYTES // x.itemsize
+    span = n // (width * _STREAMS) * width
     sums = np.zeros(2 * width, np.float64)
     ends = np.full(2 * width, x[0], x.dtype)
     if store == _NONTEMPORAL:
@@ -323,7 +322,7 @@ def _streamed(x, out, span, store):  # type: ignore[no-untyped-def]
 
 
 if _STREAM_BYTES is not None:
-    _streamed = _compiled(_signatures("{t}[::1], {t}[::1], int64, int64"), fastmath=False)(_streamed)
+    _streamed = _compiled(_signatures("{t}[::1], {t}[::1], int64"), fastmath=False)(_streamed)
     _stream_sums = _compiled(_signatures("{t}[::1], {t}[::1]"))(_stream_sums)
     _read_sums = _compiled(_SIGNATURES)(_read_sums)
 

@@ -524,9 +524,7 @@ class _Prints:
             self.content = self.stats = np.zeros((0, 2), dtype=np.uint64)
             self.exact = np.zeros(0, dtype=bool)
             return
-        payload = np.asarray(rank.column("tensors/payload")).copy()
-        for row, pid in rank._late.items():
-            payload[row] = pid
+        payload = rank.payload_column()
         self.exact = payload >= 0
         self.content = np.zeros((len(payload), 2), dtype=np.uint64)
         if rank.lengths.get("payloads"):

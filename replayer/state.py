@@ -135,22 +135,17 @@ def start_threads() -> None:
 @contextlib.contextmanager
 def per_call(settings: dict[str, Any], *, grad: bool | None = None) -> Iterator[None]:
     """Grad mode, inference mode and autocast as they were around the recorded call (``grad``
-    overrides grad mode, and leaves inference mode off), whatever the caller's are: a replay called
-    inside ``torch.inference_mode()`` or ``torch.autocast(...)`` runs as the recorded call did."""
+    overrides grad mode, and leaves inference mode off), inside ``neutral`` (which turned the
+    caller's inference mode and autocast off)."""
     enabled = settings.get("grad_enabled", True) if grad is None else grad
     with contextlib.ExitStack() as stack:
-        # Inference mode first: entering it (on or off) sets grad mode too, which comes next.
-        if settings.get("inference_mode") and grad is None:
+        if settings.get("inference_mode") and grad is None:  # (first: entering it sets grad mode too)
             stack.enter_context(torch.inference_mode())
-        elif torch.is_inference_mode_enabled():  # the caller's
-            stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.set_grad_enabled(bool(enabled)))
         for device in ("cpu", "cuda"):
             if settings.get(f"autocast_{device}"):
                 dtype = settings.get(f"autocast_{device}_dtype")
                 stack.enter_context(torch.autocast(device, dtype=dtype_from_name(dtype) if dtype else None))
-            elif _autocast_on(device):  # the caller's, not the recorded call's
-                stack.enter_context(torch.autocast(device, enabled=False))
         yield
 
 

@@ -60,10 +60,7 @@ def _tui(args: argparse.Namespace) -> int:
     from .app import run_app
 
     if not backend.is_url(args.run) and not os.path.exists(args.run):
-        close = difflib.get_close_matches(args.run, COMMANDS, n=1)
-        hint = f" (the command {close[0]!r}?)" if close and os.sep not in args.run else ""
-        raise PdbgError(f"{args.run} does not exist{hint}: give the path of a recording (run.zarr) or a bundle "
-                        f"(.pdbg), or a command ({', '.join(COMMANDS)}; pdbg --help)")
+        raise PdbgError(_not_there(args.run, as_command=False))
     web = "web_driver" in os.environ.get("TEXTUAL_DRIVER", "")  # pdbg serve: a browser is the terminal
     if not web and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise PdbgError("the TUI needs a terminal (stdin and stdout are not one here): use pdbg info, bisect or "
@@ -71,15 +68,24 @@ def _tui(args: argparse.Namespace) -> int:
     return run_app(args.run, args.at, args.rank)
 
 
+def _not_there(word: str, as_command: bool) -> str:
+    """The error for ``pdbg WORD ...`` where WORD is neither a command nor a path that exists
+    (``as_command``: more words follow it, so it was meant as a command)."""
+    close = difflib.get_close_matches(word, COMMANDS, n=1)
+    meant = f" (did you mean {close[0]!r}?)" if close and os.sep not in word else ""
+    commands = ", ".join(COMMANDS)
+    if as_command:
+        return f"unknown command {word!r}{meant}: the commands are {commands}; pdbg RUN opens the TUI"
+    return (f"{word} does not exist{meant}: give the path of a recording (run.zarr) or a bundle (.pdbg), or a "
+            f"command ({commands}; pdbg --help)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
         if len(argv) > 1 and not argv[1].startswith("-") and not os.path.exists(argv[0]):  # pdbg infoo run.zarr
-            close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            print(f"pdbg: error: unknown command {argv[0]!r}{hint}: the commands are {', '.join(COMMANDS)}; "
-                  "pdbg RUN opens the TUI", file=sys.stderr)
+            print(f"pdbg: error: {_not_there(argv[0], as_command=True)}", file=sys.stderr)
             return 2
         argv = ["tui", *argv]  # pdbg RUN: the TUI
     args = parser.parse_args(argv)

@@ -405,12 +405,22 @@ def _progress(done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def _kept(step: Any) -> bool:
-    """Whether the recording kept the tensors a replay of ``step`` starts from (its inputs,
-    parameters and buffers; a backward step's grad outputs and its forward's)."""
-    needed = ("input", "param", "buffer", "grad_output")
-    steps = [step] if step.phase == "forward" or step.forward is None else [step, step.rec.step(step.forward)]
-    return all(r.has_payload for s in steps for r in s.records if r.role in needed)
+def _kept(rec: Any) -> list[int]:
+    """The steps whose tensors a replay starts from were kept (their inputs, parameters and
+    buffers; a backward step's grad outputs and its forward's): flight mode keeps its ring's."""
+    rank, n = rec.rank, len(rec)
+    if not rank.lengths.get("tensors"):
+        return list(range(n))
+    needed = np.isin(rank.column("tensors/role"), [layout.ROLES.index(r) for r in
+                                                   ("input", "param", "buffer", "grad_output")])
+    missing = np.concatenate([[0], np.cumsum(needed & (rank.payload_column() < 0))])
+    start = rank.column("steps/tensor_start").astype(np.int64)
+    own = missing[start + rank.column("steps/tensor_count")] == missing[start]
+    forward = rank.column("steps/forward").astype(np.int64)
+    backward = (rank.column("steps/phase") == 1) & (forward >= 0)
+    kept = own.copy()
+    kept[backward] &= own[forward[backward]]
+    return np.flatnonzero(kept).tolist()
 
 
 def verify(args: argparse.Namespace) -> int:
@@ -424,7 +434,7 @@ def verify(args: argparse.Namespace) -> int:
         table = column.path.split("/")[0]  # whichever steps --sample picks
         if table in ("steps", "tensors") and rec.rank.lengths.get(table):
             rec.rank.column(column.path)
-    kept = [i for i in range(len(rec)) if _kept(rec.step(i))]  # flight mode: its ring's iterations only
+    kept = _kept(rec)
     skipped = len(rec) - len(kept)
     if not kept:
         raise PdbgError(f"{args.run} kept the tensors of no step (statistics only: mode='stats', or flight mode "

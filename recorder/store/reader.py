@@ -637,6 +637,14 @@ class RankReader:
                 payload=self._late.get(row, int(cols["payload"][i]))))
         return out
 
+    def payload_column(self) -> np.ndarray:
+        """The payload row of every tensor record (-1: statistics only), the payloads attached
+        after their records were written included."""
+        payload = np.asarray(self.column("tensors/payload")).copy()
+        for row, pid in self._late.items():
+            payload[row] = pid
+        return payload
+
     @cached_property
     def _late(self) -> dict[int, int]:
         """Payloads attached after their records were written (schema 1.1; none in 1.0 recordings)."""
