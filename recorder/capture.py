@@ -156,6 +156,7 @@ class Session:
         self.pipeline, self.mode, self.every, self.t0 = pipeline, mode, every, t0
         self.lock = threading.RLock()
         self.local = threading.local()
+        compiled.keep_dynamo_out()
         self.modules = modstack.ModuleStack(model)
         self.iteration = 0
         self.next_index = 0

@@ -13,6 +13,10 @@ Dynamo traces (it is loaded then): ``import recorder`` and eager recording never
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +25,70 @@ import torch
 tracing: Callable[[], bool] = torch.compiler.is_compiling
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    _skip_recorder_frames()
     return fn(*args, **kwargs)
+
+
+def keep_dynamo_out() -> None:
+    """At a recording's start: where torch._dynamo is loaded (something was compiled, or a framework
+    imported it), tell it now never to compile the recorder's own frames (``_skip_recorder_frames``).
+    Otherwise the first ``eagerly`` call does, since Dynamo is then running."""
+    if "torch._dynamo" in sys.modules:
+        _skip_recorder_frames()
+
+
+@functools.cache
+def _skip_recorder_frames() -> None:
+    """Tell Dynamo never to compile a frame of the recorder's own code, nor what it calls.
+
+    ``eagerly`` covers the calls Dynamo traces into. The recorder's backward callbacks are different:
+    autograd calls them from C++ during a backward that runs in a compiled function's graph break,
+    where Dynamo compiles each new frame it sees; it would trace the recorder's hooks (graph breaks
+    at their locks, recompiles as their arguments change, and recompile-limit warnings naming
+    recorder files). Marking each of the recorder's code objects SKIP (itself and the frames it
+    calls: eager) leaves them alone at no cost per call. Done once, when a recording starts with
+    torch._dynamo loaded or at the first ``eagerly`` call (without importing torch._dynamo
+    otherwise); it concerns the recorder's code objects only.
+    On a torch without per-code strategies, nothing is marked (the recording is unchanged, the
+    warnings stay)."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return
+    strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for code in _recorder_code():
+        set_code_exec_strategy(code, strategy)
+
+
+def _recorder_code() -> list[types.CodeType]:
+    """Every code object of the recorder's loaded modules: their functions, their classes' methods,
+    and the functions defined inside those (closures, wrappers)."""
+    roots: list[Any] = []
+    for name, module in list(sys.modules.items()):
+        if (name == "recorder" or name.startswith("recorder.")) and module is not None:
+            roots.extend(vars(module).values())
+    found: dict[int, types.CodeType] = {}
+    classes: set[int] = set()
+    while roots:
+        obj = roots.pop()
+        if isinstance(obj, (staticmethod, classmethod)):
+            obj = obj.__func__
+        if isinstance(obj, property):
+            roots.extend(f for f in (obj.fget, obj.fset, obj.fdel) if f is not None)
+        elif isinstance(obj, types.FunctionType):
+            roots.append(obj.__code__)
+        elif isinstance(obj, type) and id(obj) not in classes and getattr(obj, "__module__", "").startswith("recorder"):
+            classes.add(id(obj))
+            roots.extend(vars(obj).values())
+        elif isinstance(obj, types.CodeType) and id(obj) not in found and obj.co_filename.startswith(_PACKAGE_DIR):
+            found[id(obj)] = obj
+            roots.extend(c for c in obj.co_consts if isinstance(c, types.CodeType))
+    return list(found.values())
 
 
 # ``eagerly(fn, *args, **kwargs)``: ``fn(*args, **kwargs)`` as plain Python, and all it calls, also

@@ -81,16 +81,24 @@ class ModuleStack:
             self._pop(module)
 
     def root(self) -> torch.nn.Module | None:
-        """The outermost module being called on this thread (what ``torch.compile`` wraps, for a
-        compiled one), else the recording's model."""
+        """The module paths are relative to: the outermost module being called on this thread (what
+        ``torch.compile`` wraps, for a compiled one), or the recording's model when that outermost
+        module is inside it (the model's own call was not seen: it ran inside compiled code, or the
+        training code called one of its children), or the recording's model when nothing is being
+        called."""
         stack = self._stack()
-        return compiled.unwrapped(stack[0]) if stack else self.model
+        model = self.model
+        if not stack:
+            return model
+        bottom = compiled.unwrapped(stack[0])
+        if model is None or bottom is model or not self._paths_under(model, bottom)[id(bottom)]:
+            return bottom
+        return model
 
-    def path_of(self, module: torch.nn.Module) -> str:
-        """Path of ``module`` relative to the outermost module being called ("" for that module)."""
-        root = self.root()
-        if root is None or root is module:
-            return ""
+    def _paths_under(self, root: torch.nn.Module, module: torch.nn.Module) -> dict[int, str]:
+        """``{id(m): path}`` of the modules under ``root``, cached, rebuilt when ``module`` is not among
+        them; a module not under ``root`` is then entered with the path "" (root's own), so that it
+        does not rebuild them on every call."""
         entry = self._paths.get(id(root))
         paths = entry[1] if entry is not None and entry[0]() is root else None
         if paths is None or id(module) not in paths:
@@ -99,8 +107,15 @@ class ModuleStack:
             if len(self._paths) >= 64:  # a new outermost module per call: forget the old ones
                 self._paths.clear()
             self._paths[id(root)] = (weakref.ref(root), paths)  # a reused id is not taken for the old module
-            paths.setdefault(id(module), "")  # not under root: do not rebuild on every call
-        return paths[id(module)]
+            paths.setdefault(id(module), "")
+        return paths
+
+    def path_of(self, module: torch.nn.Module) -> str:
+        """Path of ``module`` relative to ``root()`` ("" for that module)."""
+        root = self.root()
+        if root is None or root is module:
+            return ""
+        return self._paths_under(root, module)[id(module)]
 
     def enclosing_path(self) -> str:
         """Path of the innermost module running (for function steps), or ""."""

@@ -4,12 +4,15 @@ recording is the one the same model makes uncompiled, wherever torch.compile is 
 
 from __future__ import annotations
 
+import sys
+import types
 import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 import recorder
 import replayer
@@ -81,19 +84,48 @@ def test_a_model_compiled_by_inductor_records_its_steps_and_they_replay(eager_gp
 class Plain(nn.Module):
     """No decorators: recorded through module-path globs."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: str | None = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+        self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointed is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.checkpointed == "reentrant")
         return x.sum()
 
 
-def record_plain(path, where: str | None) -> list[dict]:
+def compiled_recorder_code() -> list[str]:
+    """The recorder's functions (methods and nested functions included) Dynamo holds compiled code for."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    pending = [v for name, mod in list(sys.modules.items())
+               if name == "recorder" or name.startswith("recorder.") for v in vars(mod).values()]
+    seen: set[int] = set()
+    found = []
+    while pending:
+        obj = pending.pop()
+        obj = getattr(obj, "__func__", obj)
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type) and obj.__module__.startswith("recorder"):
+            pending.extend(vars(obj).values())
+        elif isinstance(obj, types.FunctionType):
+            pending.append(obj.__code__)
+        elif isinstance(obj, types.CodeType) and obj.co_filename.startswith(str(ROOT / "recorder")):
+            pending.extend(c for c in obj.co_consts if isinstance(c, types.CodeType))
+            if _debug_get_cache_entry_list(obj):
+                found.append(f"{obj.co_filename}:{obj.co_firstlineno} {obj.co_name}")
+    return found
+
+
+def record_plain(path, where: str | None, checkpointed: str | None = None, input_grad: bool = False) -> list[dict]:
     torch.manual_seed(0)
-    model = Plain()
+    model = Plain(checkpointed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     forward: Callable[[torch.Tensor], torch.Tensor] = model
     if where == "model":
@@ -121,9 +153,10 @@ def record_plain(path, where: str | None) -> list[dict]:
         warnings.simplefilter("ignore")  # torch's note that global hooks also see the compile wrapper
         with recorder.record(path, model=model, optimizer=opt, mode="full", modules=["blocks.*"]) as run:
             for i in range(ITERATIONS):
-                whole_step(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)))
+                whole_step(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).requires_grad_(input_grad))
     assert run.status == "complete" and run.failure is None
     assert not [m for m in model.modules() if "_paperdebugger_selected" in m.__dict__]  # marks removed
+    assert compiled_recorder_code() == []  # the recorder's own code ran eagerly, never compiled
     return step_rows(path)
 
 
@@ -138,6 +171,24 @@ def test_modules_selected_by_glob_inside_compiled_code(tmp_path, where):
     assert [(s["path"], s["phase"]) for s in want[:6]] == [("blocks.0", 0), ("blocks.1", 0), ("blocks.2", 0),
                                                          ("blocks.2", 1), ("blocks.1", 1), ("blocks.0", 1)]
     assert record_plain(tmp_path / "compiled.zarr", where) == want
+
+
+@pytest.mark.parametrize("where", ["training function", "training step"])
+@pytest.mark.parametrize("checkpointed", ["reentrant", "non-reentrant"])
+def test_modules_selected_by_glob_in_compiled_code_under_checkpointing(tmp_path, where, checkpointed):
+    """A compiled training function over checkpointed blocks: the model's own call runs inside the
+    compiled code (no hook sees it), the blocks' calls outside it. Their paths are still the
+    model's (not relative to the block, which the glob then matched nothing of), the steps are
+    those of the model uncompiled, and each one, forward and backward, replays bit for bit."""
+    input_grad = checkpointed == "reentrant"  # reentrant checkpointing needs an input requiring grad
+    want = record_plain(tmp_path / "plain.zarr", None, input_grad=input_grad)
+    path = tmp_path / "compiled.zarr"
+    assert record_plain(path, where, checkpointed, input_grad=input_grad) == want
+    rec = replayer.open(path)
+    assert len(rec.steps) == ITERATIONS * 6
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.selector, [d.summary() for d in result.outputs if not d.match])
 
 
 def test_recording_does_not_import_dynamo():
