@@ -448,10 +448,10 @@ def find(rec: Recording, where: str | None, when: str | None, start: int | Step 
     alone. ``start`` None: from the beginning (from the end with ``backward``)."""
     n = len(rec)
     mask = np.ones(n, dtype=bool)
-    if where:
+    if where is not None:  # an empty selector or condition is refused, not taken for "any"
         mask[:] = False
         mask[rec.steps.select(where).rows] = True
-    if when:
+    if when is not None:
         mask &= Condition(when).evaluate(rec)
     first = int(start.index if isinstance(start, Step) else start) if start is not None else None
     if backward:

@@ -116,7 +116,7 @@ def find(args: argparse.Namespace) -> int:
 
     rec = _open(args.run, args.rank)
     start = rec.step(args.start) if args.start is not None else None
-    where = None if args.where in ("*", "") else args.where
+    where = None if args.where == "*" else args.where
     found = replayer.find(rec, where, args.when, start=start, backward=args.backward)
     if args.json:
         print(json.dumps({"step": found.to_json() if found else None}))

@@ -518,8 +518,11 @@ class RankReader:
             raise FormatError(f"{label}: chunk {key} has {size} bytes, an uncompressed chunk has {expected + tail}; "
                               "it is truncated or damaged")
         if framing == "blosc":
-            nbytes, cbytes = struct.unpack("<4xI4xI", head) if len(head) == _BLOSC_HEADER else (None, None)
-            if nbytes != expected or cbytes is None or cbytes + tail != size:
+            if len(head) < _BLOSC_HEADER:
+                raise FormatError(f"{label}: chunk {key} is truncated or damaged (a {size}-byte file, shorter than "
+                                  f"the {_BLOSC_HEADER}-byte Blosc header a chunk starts with)")
+            nbytes, cbytes = struct.unpack("<4xI4xI", head)
+            if nbytes != expected or cbytes + tail != size:
                 raise FormatError(f"{label}: chunk {key} is truncated or damaged (a {size}-byte file whose Blosc "
                                   f"header declares {cbytes} bytes holding {nbytes}; a chunk holds {expected})")
 

@@ -273,13 +273,17 @@ def test_a_flipped_byte_in_a_payload_chunk_is_detected(damaged: Path) -> None:
 
 
 @pytest.mark.parametrize("chunk", ["rank0/tensors/stats/c/0/0", BLOB_CHUNK, "rank0/docs/bytes/c/0"])
-def test_a_truncated_chunk_is_an_error(damaged: Path, chunk: str) -> None:
-    """Blosc has no length check of its own: a cut chunk could decode from bytes past its end."""
+@pytest.mark.parametrize("keep", [-7, 9])
+def test_a_truncated_chunk_is_an_error(damaged: Path, chunk: str, keep: int) -> None:
+    """Blosc has no length check of its own: a cut chunk could decode from bytes past its end. One
+    cut inside its 16-byte header is said to be (not "a header that declares None bytes")."""
     path = damaged / chunk
-    path.write_bytes(path.read_bytes()[:-7])
+    path.write_bytes(path.read_bytes()[:keep])
     with pytest.raises(FormatError) as err:
         read_all(damaged)
-    assert f"chunk {chunk} is truncated or damaged" in one_line(err.value)
+    text = one_line(err.value)
+    assert f"chunk {chunk} is truncated or damaged" in text and "None" not in text
+    assert ("shorter than the 16-byte Blosc header" in text) == (keep == 9)
 
 
 def test_a_truncated_manifest_is_an_error(damaged: Path) -> None:

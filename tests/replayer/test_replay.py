@@ -272,7 +272,8 @@ def test_bad_command_lines_get_one_line_and_exit_code_2(gpt_run: Path, tmp_path:
     """Options argparse refuses, a mistyped command, a path that does not exist (which would
     otherwise open the full-screen TUI on an error), a selector whose suffix does not parse (taken
     for a step name, it matched nothing), a setting of the wrong kind (the replay then warned and
-    passed): one line, exit 2, never the TUI."""
+    passed), an empty selector or condition for find (it matched every step): one line, exit 2,
+    never the TUI."""
     for args, says in ((("replay", str(gpt_run), "0", "--seed", "abc"), "argument --seed: invalid int value"),
                        (("info",), "the following arguments are required: RUN"),
                        (("infoo", str(gpt_run)), "unknown command 'infoo' (did you mean 'info'?)"),
@@ -283,7 +284,10 @@ def test_bad_command_lines_get_one_line_and_exit_code_2(gpt_run: Path, tmp_path:
                        (("replay", str(gpt_run), "Block:backwards"), "invalid step selector"),
                        (("replay", str(gpt_run), "0", "--set", "num_threads=abc"), "setting num_threads='abc'"),
                        (("replay", str(gpt_run), "0", "--set", "deterministic=maybe"), "give a true/false value"),
-                       (("replay", str(gpt_run), "0", "--set", "num_threads=0"), "a positive integer")):
+                       (("replay", str(gpt_run), "0", "--set", "num_threads=0"), "a positive integer"),
+                       # empty: refused as blank ones are, not taken for "any step" ('*' is)
+                       (("find", str(gpt_run), "*", "--when", ""), "but found the end in the condition ''"),
+                       (("find", str(gpt_run), ""), "invalid step selector ''")):
         assert says in one_line_error(pdbg(*args, cwd=tmp_path)), args
 
 
