@@ -434,7 +434,7 @@ class Pipeline:
         waiting: list[tuple[int, Any, int]] = []
         nonfinite_roles = layout.RESULT_ROLES[row["phase"]]
         input_roles = layout.INPUT_ROLES[row["phase"]]
-        bad_input = False
+        bad_input = nan_result = nan_input = False
         for t in item.tensors:
             stats = t.stats
             if isinstance(stats, torch.Tensor):
@@ -442,8 +442,10 @@ class Pipeline:
             if t.role == _WATCH:
                 watched[t.name] = stats
             if stats[6] or stats[7]:
-                nonfinite = nonfinite or t.role in nonfinite_roles
-                bad_input = bad_input or t.role in input_roles
+                if t.role in nonfinite_roles:
+                    nonfinite, nan_result = True, nan_result or bool(stats[6])
+                elif t.role in input_roles:
+                    bad_input, nan_input = True, nan_input or bool(stats[6])
             pid = layout.NO_REF
             if t.payload is not None:
                 ref = t.payload
@@ -490,7 +492,9 @@ class Pipeline:
         row["extra"] = w.doc(jsonval.encode(extra)) if extra else layout.NO_REF  # tags nan/inf
         status = "exception" if item.exception else "nonfinite" if nonfinite else "alert" if alerts else "ok"
         row["status"] = layout.STATUSES.index(status)
-        row["flags"] = (layout.NONFINITE_RESULT if nonfinite else 0) | (layout.NONFINITE_INPUT if bad_input else 0)
+        row["flags"] = ((layout.NONFINITE_RESULT if nonfinite else 0) | (layout.NONFINITE_INPUT if bad_input else 0)
+                        | (layout.NAN_RESULT if nan_result else 0) | (layout.NAN_INPUT if nan_input else 0)
+                        | (layout.ALERTS if alerts else 0))
         w.step(item.index, row)
 
 

@@ -37,8 +37,8 @@ def _column(rec: Recording, name: str) -> np.ndarray:
 
 
 def step_flags(rec: Recording) -> np.ndarray:
-    """Per step: NONFINITE_RESULT | NONFINITE_INPUT bits (recordings before schema 1.2 have no flags
-    column: computed from the tensor statistics then)."""
+    """Per step: the ``steps/flags`` bits (layout.NONFINITE_RESULT, ...). Recordings before schema 1.2
+    have no flags column: its NaN/Inf bits are computed from the tensor statistics then."""
     try:
         return _column(rec, "flags")
     except FormatError:
@@ -51,7 +51,7 @@ def step_flags(rec: Recording) -> np.ndarray:
     steps = np.asarray(rank.column("tensors/step"))
     roles = np.asarray(rank.column("tensors/role"))
     stats = np.asarray(rank.column("tensors/stats"))
-    bad = (stats[:, 6] + stats[:, 7]) > 0
+    bad, nan = (stats[:, 6] + stats[:, 7]) > 0, stats[:, 6] > 0
     phase = _column(rec, "phase")[steps]
     for ph in (0, 1):
         here = phase == ph
@@ -59,7 +59,20 @@ def step_flags(rec: Recording) -> np.ndarray:
         given = bad & here & np.isin(roles, list(layout.INPUT_ROLES[ph]))
         flags[np.unique(steps[result])] |= _RESULT
         flags[np.unique(steps[given])] |= _INPUT
+        flags[np.unique(steps[result & nan])] |= layout.NAN_RESULT
+        flags[np.unique(steps[given & nan])] |= layout.NAN_INPUT
     return flags
+
+
+def with_alerts(rec: Recording) -> np.ndarray:
+    """Per step: whether it holds alerts (a broken ``watch()`` expectation, a check's or breakpoint's
+    message): status ``alert``, or another status with alerts kept beside it (a ``nonfinite`` step
+    whose watch broke too; flagged from schema 1.8 on)."""
+    alert = _column(rec, "status") == layout.STATUSES.index("alert")
+    try:
+        return alert | ((_column(rec, "flags") & layout.ALERTS) != 0)
+    except FormatError:  # no flags column (before 1.2)
+        return alert
 
 
 def subtree(rec: Recording, index: int) -> list[int]:
@@ -202,37 +215,122 @@ def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, 
     return origin
 
 
+@dataclass
+class _Kinds:
+    """Per step, where NaN and Inf were (from the steps' flags): ``result``/``nan_result`` (its
+    results), ``given``/``nan_given`` (its own inputs and, for a backward step, its forward's)."""
+
+    rec: Recording
+    result: np.ndarray
+    nan_result: np.ndarray
+    given: np.ndarray
+    nan_given: np.ndarray
+    _groups: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, rec: Recording) -> _Kinds:
+        flags = step_flags(rec)
+        result, given = (flags & _RESULT) != 0, (flags & _INPUT) != 0
+        if _kinds_recorded(rec):
+            nan_result, nan_given = (flags & layout.NAN_RESULT) != 0, (flags & layout.NAN_INPUT) != 0
+        else:  # before schema 1.8 NaN and Inf were one flag: every non-finite value counts as NaN
+            nan_result, nan_given = result, given
+        n = len(rec)
+        phase, forward = _column(rec, "phase"), _column(rec, "forward")
+        back = np.flatnonzero((phase == 1) & (forward >= 0) & (forward < n))
+        given, nan_given = given.copy(), nan_given.copy()
+        given[back] |= given[forward[back]]
+        nan_given[back] |= nan_given[forward[back]]
+        return cls(rec, result, nan_result, given, nan_given)
+
+    def groups(self) -> np.ndarray:
+        """Per step, a number shared by the calls of the same step: name, module path, phase and call
+        number within the iteration."""
+        if self._groups is None:
+            rec = self.rec
+            keys = np.stack([_column(rec, c).astype(np.int64) for c in ("name", "module_path", "phase", "call")], 1)
+            self._groups = np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1)
+        return self._groups
+
+    def habitual(self, mask: np.ndarray) -> np.ndarray:
+        """Per step: ``mask`` held at every call of the same step (two or more): Inf that is there at
+        every call (an additive -inf attention mask, a -inf initial maximum) is what the model means,
+        not a value that went bad."""
+        group = self.groups()
+        calls = np.bincount(group)
+        held = np.bincount(group, weights=mask.astype(np.float64))
+        return ((calls >= 2) & (held == calls))[group]
+
+
+def _kinds_recorded(rec: Recording) -> bool:
+    """Whether the steps' flags tell NaN from Inf (schema 1.8 on)."""
+    try:
+        major, minor = (int(x) for x in str(rec.rank.run.schema_version).split(".")[:2])
+    except (AttributeError, ValueError):
+        return False
+    return (major, minor) >= (1, 8)
+
+
+def _innermost(rec: Recording, index: int, mask: np.ndarray) -> int:
+    """``index``, or the first step nested inside it where ``mask`` holds too (innermost)."""
+    while True:
+        inner = [k for k in subtree(rec, index) if mask[k]]
+        if not inner:
+            return index
+        index = inner[0]
+
+
 def _first_on_rank(rec: Recording, *, ops: bool, spread: int) -> Origin:
+    """The first step that made NaN or Inf: its results hold NaN while its inputs held none (even if
+    they held Inf: an additive -inf mask is meant, a softmax that overflows is not), or Inf while
+    its inputs were finite, unless it makes Inf at every one of its calls (a step building a -inf
+    mask means to). A value that came non-finite from outside every step (the data, an optimizer
+    update) is ``entered``; Inf that only passes through the steps that take it from the start
+    (a mask) is no origin at all."""
     n = len(rec)
     if not n:
         return Origin(None, "no steps recorded")
-    flags = step_flags(rec)
-    result = (flags & _RESULT) != 0
-    given = (flags & _INPUT) != 0
-    phase, forward = _column(rec, "phase"), _column(rec, "forward")
-    bad_in = given.copy()
-    back = np.flatnonzero((phase == 1) & (forward >= 0) & (forward < n))
-    bad_in[back] |= given[forward[back]]
-    produced = result & ~bad_in
-    if produced.any():
-        index = int(np.flatnonzero(produced)[0])
-        while True:  # the innermost: a step inside it that produced it too
-            inner = [k for k in subtree(rec, index) if produced[k]]
-            if not inner:
-                break
-            index = inner[0]
+    k = _Kinds.of(rec)
+    made = k.nan_result & ~k.nan_given
+    inf_made = k.result & ~k.nan_result & ~k.given  # Inf (only) from finite inputs
+    if inf_made.any():
+        made |= inf_made & ~k.habitual(inf_made)
+    if made.any():
+        index = _innermost(rec, int(np.flatnonzero(made)[0]), made)
         step = rec.step(index)
         what = _nonfinite_text(step, layout_results(step.phase)) or ["non-finite results"]
-        cause = f"{describe(step)} produced {'; '.join(what)} from finite inputs"
-        origin = Origin(step, cause, _after(rec, index, result, spread))
+        given = [r.name for r in _own_inputs(step) if r.nonfinite]
+        source = f"from inputs holding Inf but no NaN ({', '.join(given[:3])})" if given else "from finite inputs"
+        origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} {source}",
+                        _after(rec, index, k.result, spread))
         if ops:
             find_op(origin, step)
         return origin
-    if not (result | given).any():
-        return Origin(None, "no non-finite values recorded")
-    index = int(np.flatnonzero(bad_in)[0])
+    if k.nan_result.any():
+        came = k.nan_given
+    elif k.result.any():
+        came = k.result & k.given & ~k.habitual(k.given)
+        if not came.any():
+            first = rec.step(int(np.flatnonzero(k.result)[0]))
+            return Origin(None, "no NaN recorded; Inf appears only in steps that hold it at every call (first "
+                                f"{describe(first)}), as a -inf attention mask does")
+    else:
+        contained = int(k.given.sum())
+        return Origin(None, "no non-finite values recorded" if not contained else
+                      f"no step's results held NaN or Inf; {contained} step{'s' if contained > 1 else ''} took Inf "
+                      "or NaN inputs and kept them out of their results (as an additive -inf attention mask is)")
+    index = int(np.flatnonzero(came)[0])
     step = rec.step(index)
-    return Origin(None, _entered_cause(rec, step), _after(rec, index, result, spread, inclusive=True), entered=step)
+    return Origin(None, _entered_cause(rec, step), _after(rec, index, k.result, spread, inclusive=True), entered=step)
+
+
+def _own_inputs(step: Step) -> list[Any]:
+    """A step's input records (a backward step's grad outputs and its forward's inputs)."""
+    roles = {"input", "param", "buffer", "collective"} if step.phase == "forward" else {"grad_output", "collective"}
+    own = [r for r in step.records if r.role in roles]
+    if step.phase == "backward" and step.forward is not None:
+        own += [r for r in step.rec.step(step.forward).records if r.role in {"input", "param", "buffer"}]
+    return own
 
 
 def layout_results(phase: str) -> set[str]:

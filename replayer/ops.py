@@ -91,6 +91,27 @@ def _nonfinite(t: torch.Tensor) -> bool:
     return t.numel() > 0 and not bool(torch.isfinite(t).all())
 
 
+def _made_nonfinite(func: Any, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> bool:
+    """Whether an operation whose outputs hold NaN/Inf made some: its inputs were all finite, or it
+    is pointwise and an output is non-finite where every input (broadcast) was finite (``exp`` of
+    scores that overflow, next to the -inf of a mask: the mask's -inf gives 0, the overflow Inf)."""
+    given = [t for t in ins if _nonfinite(t)]
+    if not given:
+        return True
+    if torch.Tag.pointwise not in getattr(func, "tags", ()):
+        return False  # its non-finite inputs can reach any of its outputs
+    for out in outs:
+        new = ~torch.isfinite(out)
+        try:
+            for t in given:
+                new &= torch.isfinite(t).broadcast_to(out.shape)
+        except RuntimeError:  # an input that does not broadcast to this output (another of its outputs)
+            continue
+        if bool(new.any()):
+            return True
+    return False
+
+
 class _Finder(TorchDispatchMode):
     def __init__(self, phase: str) -> None:
         super().__init__()
@@ -103,7 +124,7 @@ class _Finder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.found is None:
             outs = _checked(out)
-            if any(_nonfinite(t) for t in outs) and not any(_nonfinite(t) for t in _checked((args, kwargs))):
+            if any(_nonfinite(t) for t in outs) and _made_nonfinite(func, outs, _checked((args, kwargs))):
                 self.found = self._report(func, args, kwargs, outs)
             self.count += 1
         return out

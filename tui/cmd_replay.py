@@ -114,12 +114,13 @@ def summary(rec: Any) -> dict[str, Any]:
                                 "backward_calls": int((mask & (phase == 1)).sum()),
                                 "time_share": time / total_time if total_time > 0 else None})
     from replayer import first_nonfinite
+    from replayer.bisect import with_alerts
 
     origin = first_nonfinite(rec, all_ranks=True) if n or len(rec.ranks) > 1 else None
     first = (origin.step or origin.entered) if origin is not None else None
     return {"status": rec.status, "steps": n, "iterations": int(len(np.unique(iteration))) if n else 0,
             "ranks": len(rec.reader.ranks), "rank_details": _ranks(rec), "paper_steps": paper_steps,
-            "alerts": int((status == layout.STATUSES.index("alert")).sum()),
+            "alerts": int(with_alerts(rec).sum()) if n else 0,
             "exceptions": int((status == layout.STATUSES.index("exception")).sum()),
             "first_nonfinite": first.to_json() if first is not None else None,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from recorder.store import layout
-from replayer.bisect import Condition, describe
+from replayer.bisect import Condition, describe, with_alerts
 from replayer.recording import Recording, Step
 
 STATUS_STYLE = {"ok": "green", "alert": "yellow", "nonfinite": "bold red", "exception": "bold magenta"}
@@ -483,14 +483,14 @@ def alerts(rec: Recording, limit: int = 500) -> list[AlertRow]:
     elif origin.entered is not None:
         out.append(AlertRow(origin.entered.index, "origin", origin.cause))
     status = rec.steps.column("status")
-    for index in np.flatnonzero(status != 0)[:limit]:
+    exception = status == layout.STATUSES.index("exception")
+    for index in np.flatnonzero(exception | with_alerts(rec))[:limit]:
         step = rec.step(int(index))
         if step.status == "exception":
             exc = step.extra.get("exception") or {}
             out.append(AlertRow(step.index, "exception", f"{describe(step)}: {exc.get('type')}: {exc.get('message')}"))
-        elif step.status == "alert":
-            for alert in step.extra.get("alerts", []) or []:
-                out.append(AlertRow(step.index, "alert", f"{describe(step)}: {alert_text(alert)}"))
+        for alert in step.extra.get("alerts", []) or []:
+            out.append(AlertRow(step.index, "alert", f"{describe(step)}: {alert_text(alert)}"))
     return out
 
 

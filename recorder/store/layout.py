@@ -33,11 +33,12 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.7"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.8"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
-# 1.7: $dataclass attrs, skeleton tied, grad outputs inside output containers
+# 1.7: $dataclass attrs, skeleton tied, grad outputs inside output containers;
+# 1.8: steps/flags bits ALERTS, NAN_RESULT, NAN_INPUT
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1
@@ -81,7 +82,7 @@ STEP_COLUMNS: dict[str, str] = {
     "module_path": "int64",  # doc: str, relative to the outermost module called ("" for that module)
     "module": "int64",  # doc: class reference and constructor arguments of the step's module, or -1
     "status": "int8",  # see STATUSES
-    "flags": "int8",  # NONFINITE_RESULT | NONFINITE_INPUT (schema 1.2): where NaN/Inf was, from the statistics
+    "flags": "int8",  # NONFINITE_RESULT | NONFINITE_INPUT (schema 1.2) | ALERTS | NAN_* (1.8), from the statistics
     "t_start": "float64",  # seconds since the run's start (run attribute "started_unix")
     "t_end": "float64",
     "rng": "int64",  # doc: RNG snapshot at step entry
@@ -151,6 +152,9 @@ INPUT_ROLES: dict[int, frozenset[int]] = {0: frozenset({ROLES.index("input"), RO
                                           1: frozenset({ROLES.index("grad_output"), ROLES.index("collective")})}
 NONFINITE_RESULT = 1  # steps/flags bits
 NONFINITE_INPUT = 2
+ALERTS = 4  # 1.8: the step's extra holds alerts, whatever its status (a nonfinite step's broken watch)
+NAN_RESULT = 8  # 1.8: NaN (not only Inf) among the NONFINITE_RESULT tensors; Inf alone is often meant (masks)
+NAN_INPUT = 16  # 1.8: NaN among the NONFINITE_INPUT tensors
 STATUSES: tuple[str, ...] = ("ok", "alert", "nonfinite", "exception")
 STAT_NAMES: tuple[str, ...] = ("min", "max", "mean", "std", "absmax", "norm", "nan", "inf")
 # incomplete: the recorder stopped before the run ended (its writer failed: a full disk, a store gone;

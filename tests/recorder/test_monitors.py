@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -135,6 +136,28 @@ class TestChecks:
                 run.next_iteration()
         assert alerts(run_path) == [(1, ["mean -0.3 is not positive"])]
         assert [s[1] for s in statuses(run_path)] == ["ok", "alert", "ok"]
+
+    def test_alerts_on_a_nonfinite_step_are_counted_and_listed(self, run_path: Path) -> None:
+        """A step that goes NaN and breaks a watch is `nonfinite`, and keeps its alert: `pdbg info`
+        counts it and the TUI's alerts pane lists it (both saw status `alert` only)."""
+        import replayer
+        from tests.cli import pdbg
+        from tui import views
+
+        @recorder.paper_step("Eq. 6")
+        def watched_root(x: torch.Tensor) -> torch.Tensor:
+            return recorder.watch(x.sqrt(), "root", expected_range=(0.0, 3.0))
+
+        with recorder.record(run_path) as run:
+            for v in (4.0, -1.0):
+                watched_root(torch.tensor([v, 1.0]))
+                run.next_iteration()
+        assert [s[1] for s in statuses(run_path)] == ["ok", "nonfinite"]
+        info = pdbg("info", str(run_path), "--json", cwd=run_path.parent)
+        assert info.returncode == 0 and json.loads(info.stdout)["alerts"] == 1
+        rows = [(r.index, r.kind) for r in views.alerts(replayer.open(run_path))]
+        assert rows == [(1, "origin"), (1, "alert")]
+        assert "watch root: range expected [0.0, 3.0]" in views.alerts(replayer.open(run_path))[1].text
 
     def test_a_check_that_raises_is_reported_on_the_step(self, run_path: Path) -> None:
         """A broken check does not stop training; its error shows as an alert."""

@@ -9,6 +9,7 @@ import torch
 
 import recorder
 from recorder.errors import FormatError, NotARecordingError, PdbgError, RecordingError, SchemaVersionError
+from recorder.store import layout
 from recorder.store.reader import RunReader
 from tests.sealing import write_sealed
 
@@ -94,7 +95,8 @@ def test_newer_minor_version_opens(good_run):
     """A newer minor version of the same major schema still opens."""
     meta_path = good_run / "zarr.json"
     meta = json.loads(meta_path.read_text())
-    meta["attributes"]["paperdebugger"]["schema_version"] = "1.7"
+    major, minor = layout.SCHEMA_VERSION.split(".")
+    meta["attributes"]["paperdebugger"]["schema_version"] = f"{major}.{int(minor) + 1}"
     write_sealed(meta_path, meta)
     assert len(RunReader(good_run).rank(0)) == 1
 

@@ -74,3 +74,63 @@ def record_scales(path: object, model: nn.Module, scales: tuple[float, ...]) -> 
         for scale in scales:
             model(torch.randn(3, 4), scale).sum().backward()
             run.next_iteration()
+
+
+class NaiveSoftmax(nn.Module):
+    """softmax without subtracting the maximum: exp overflows once scores pass ~88."""
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(s)
+        return e / e.sum(-1, keepdim=True)
+
+
+class MaskedAttention(nn.Module):
+    """Causal self-attention with an additive -inf mask, given as an argument (as GPT code does);
+    ``boost`` scales the scores, so that they overflow the naive softmax where it is large."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.qk = nn.Linear(d, 2 * d)
+        self.softmax = NaiveSoftmax()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, boost: float) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, -1)
+        return self.softmax(q @ k.transpose(-1, -2) * boost + mask) @ x
+
+
+class MaskedModel(nn.Module):
+    def __init__(self, d: int = 8, build_mask: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([MaskedAttention(d) for _ in range(2)])
+        self.build_mask = build_mask
+        self.masker = CausalMask()
+
+    def forward(self, x: torch.Tensor, boost: float) -> torch.Tensor:
+        t = x.shape[1]
+        if self.build_mask:  # made by a recorded step: its output holds -inf at every call
+            mask = self.masker(x)
+        else:
+            mask = torch.full((t, t), float("-inf")).triu(1)
+        for block in self.blocks:
+            x = block(x, mask, boost)
+        return x
+
+
+class CausalMask(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        return torch.zeros(t, t).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+
+
+def record_masked(path: object, boosts: tuple[float, ...], build_mask: bool = False) -> None:
+    """One iteration per boost; modules recorded by glob (the model written without PaperDebugger)."""
+    torch.manual_seed(0)
+    model = MaskedModel(build_mask=build_mask)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    globs = ["blocks.*", "**.softmax"] + (["masker"] if build_mask else [])
+    with recorder.record(path, model=model, optimizer=opt, modules=globs):
+        for i, boost in enumerate(boosts):
+            x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(i))
+            model(x, boost).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
