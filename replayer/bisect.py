@@ -248,8 +248,16 @@ class _Kinds:
         number within the iteration."""
         if self._groups is None:
             rec = self.rec
-            keys = np.stack([_column(rec, c).astype(np.int64) for c in ("name", "module_path", "phase", "call")], 1)
-            self._groups = np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1)
+            keys = [_column(rec, c).astype(np.int64) for c in ("name", "module_path", "phase", "call")]
+            keys = [k - k.min() for k in keys]
+            sizes = [int(k.max()) + 1 for k in keys]
+            if float(np.prod(sizes, dtype=np.float64)) < 2.0 ** 62:  # one number per key: a fast 1-D unique
+                flat = keys[0]
+                for k, size in zip(keys[1:], sizes[1:], strict=True):
+                    flat = flat * size + k
+                self._groups = np.unique(flat, return_inverse=True)[1].reshape(-1)
+            else:
+                self._groups = np.unique(np.stack(keys, 1), axis=0, return_inverse=True)[1].reshape(-1)
         return self._groups
 
     def habitual(self, mask: np.ndarray) -> np.ndarray:
