@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from recorder import capture, jsonval, snapshot
@@ -328,13 +329,18 @@ class Replayer:
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)))
 
     def _calls_of_module(self, fwd: Step) -> int:
-        """How many forward calls of the same module (path) the iteration had."""
+        """How many forward calls of the same module (path) the iteration had whose backward ran: the
+        calls its parameter grads accumulate over (one under no_grad, or whose output no loss used,
+        adds nothing)."""
         if fwd._doc("module") is None:
             return 1
         table = self.rec.steps
-        same = (table.column("iteration") == fwd.iteration) & (table.column("phase") == 0) & (
-            table.column("module_path") == fwd.module_path) & (table.column("name") == fwd.name)
-        return int(same.sum())
+        same = np.flatnonzero((table.column("iteration") == fwd.iteration) & (table.column("phase") == 0)
+                              & (table.column("module_path") == fwd.module_path) & (table.column("name") == fwd.name))
+        if len(same) < 2:
+            return len(same)
+        backward = (table.column("phase") == 1) & np.isin(table.column("forward"), same)
+        return len(np.unique(table.column("forward")[backward]))
 
     def _inner_drift(self, result: ReplayResult) -> None:
         """Drift of the inner steps' code: an inner step that diverges is often one whose code changed."""

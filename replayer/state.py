@@ -152,13 +152,15 @@ def per_call(settings: dict[str, Any], *, grad: bool | None = None) -> Iterator[
 @contextlib.contextmanager
 def neutral(settings: dict[str, Any]) -> Iterator[None]:
     """Around a whole replay (rebuilding its module and loading its tensors included): the caller's
-    inference mode and autocast off, and the recorded call's default dtype and default device
+    inference mode, no_grad and autocast off, and the recorded call's default dtype and default device
     (``settings``: the step's), so that one called inside ``torch.inference_mode()``,
-    ``torch.autocast(...)``, ``torch.device("cuda")`` or after ``torch.set_default_dtype(...)``
+    ``torch.no_grad()``, ``torch.autocast(...)``, ``torch.device("cuda")`` or after ``torch.set_default_dtype(...)``
     runs the step as the recording did (``per_call`` then applies the recorded call's modes)."""
     with contextlib.ExitStack() as stack:
         if torch.is_inference_mode_enabled():  # (entering inference_mode(False) turns grad mode on too)
             stack.enter_context(torch.inference_mode(False))
+        if not torch.is_grad_enabled():  # a caller's no_grad: the inputs' copies must still take gradients
+            stack.enter_context(torch.enable_grad())
         for device in ("cpu", "cuda"):
             if _autocast_on(device):
                 stack.enter_context(torch.autocast(device, enabled=False))

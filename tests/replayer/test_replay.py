@@ -144,19 +144,22 @@ def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w
 
 
-@pytest.mark.parametrize("around", ["inference_mode", "autocast", "default_device", "default_dtype"])
+@pytest.mark.parametrize("around", ["inference_mode", "no_grad", "autocast", "default_device", "default_dtype"])
 def test_replay_inside_the_callers_modes_runs_as_recorded(gpt_run: Path, around: str) -> None:
-    """A replay called inside torch.inference_mode(), torch.autocast("cpu", bfloat16), under another
-    default device ("meta" here: any machine has it) or default dtype runs the step with the
-    recorded call's modes, device and dtype: forward and backward match bitwise (the backward needs
-    autograd, which the caller's inference mode refuses; autocast would compute in bfloat16; the
+    """A replay called inside torch.inference_mode(), torch.no_grad(), torch.autocast("cpu",
+    bfloat16), under another default device ("meta" here: any machine has it) or default dtype runs
+    the step with the recorded call's modes, device and dtype: forward and backward match bitwise
+    (the backward needs autograd, which the caller's inference mode refuses and no_grad kept from
+    the inputs' copies, so that their gradients were lost; autocast would compute in bfloat16; the
     rebuilt module's own tensors would be made in float64), and the caller's come back."""
     rec = replayer.open(gpt_run)
     modes = {"inference_mode": torch.inference_mode, "default_device": lambda: torch.device("meta"),
-             "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16), "default_dtype": float64_default}
+             "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16), "default_dtype": float64_default,
+             "no_grad": torch.no_grad}
     with modes[around]():
         results = [replayer.replay(rec, s) for s in ("Attention@iter=1#0", "Block@iter=1#1:backward", "mixer@iter=2")]
         assert around != "default_dtype" or torch.get_default_dtype() == torch.float64  # the caller's, back
+        assert torch.is_grad_enabled() == (around not in ("no_grad", "inference_mode"))
     assert all(r.match for r in results), [[d.summary() for d in r.outputs if not d.match] for r in results]
 
 
@@ -394,6 +397,27 @@ def test_a_module_called_twice_compares_grad_inputs_and_says_why_not_parameter_g
     assert res.match and [d.name for d in res.outputs] == ["args.0"]
     assert any("ran 2 times in iteration 0" in w for w in res.warnings)
     assert replayer.replay(rec, "Eq. 4#1").match
+
+
+def test_a_call_under_no_grad_does_not_count_toward_parameter_grad_totals(tmp_path: Path) -> None:
+    """Train, then evaluate under no_grad, in every iteration: the evaluation's call has no backward,
+    so the training call's parameter grads are its own and are compared (they were left out as a
+    total over both calls, and `pdbg verify` failed the step)."""
+    layer = Shared()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", model=layer, optimizer=opt):
+        for _ in range(2):
+            layer(torch.randn(3, 4)).square().sum().backward()
+            with torch.no_grad():
+                layer(torch.randn(3, 4))
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(tmp_path / "run.zarr")
+    res = replayer.replay(rec, "Eq. 4@iter=1#0:backward")
+    assert res.match and sorted(d.name for d in res.outputs) == ["lin.bias", "lin.weight"]
+    assert not any("times in iteration" in w for w in res.warnings), res.warnings
+    done = pdbg("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
+    assert done.returncode == 0 and json.loads(done.stdout)["mismatches"] == [], done.stdout
 
 
 def test_every_kind_of_step_replays(tmp_path: Path) -> None:
