@@ -149,6 +149,13 @@ class GlobalCapture:
             return None
         return self._begin(module, args)
 
+    def _note_marked(self, module: torch.nn.Module) -> None:
+        try:
+            if not self.session.recomputing():  # (a recomputation's paths mean nothing)
+                self.selector.selects(self.session.modules.path_of(module), module)
+        except Exception as exc:
+            self.session.fail("matching module paths", exc)
+
     def _guard_mark(self, module: torch.nn.Module) -> None:
         try:
             self.mark(module)
@@ -157,7 +164,10 @@ class GlobalCapture:
 
     def _begin(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         session = self.session
-        if not session.enabled or session.closed or getattr(session.local, "busy", False) or _marked(module):
+        if not session.enabled or session.closed or getattr(session.local, "busy", False):
+            return None
+        if _marked(module):  # recorded by its own wrapper; a glob naming it has matched it all the same
+            self._note_marked(module)
             return None
         try:
             # A recomputation runs outside the model, where paths mean nothing: it is taken when

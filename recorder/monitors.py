@@ -163,7 +163,7 @@ _SELECTOR = re.compile(r"^(?P<name>[^@#:].*?)(?:@iter=(?P<iter>\d+))?(?:#(?P<cal
 
 @dataclass(frozen=True)
 class Selector:
-    """A parsed step selector ``NAME[@iter=K][#CALL][:backward]`` (DESIGN.md's syntax)."""
+    """A parsed step selector ``NAME[@iter=K][#CALL][:backward]`` (README, "Stopping at the first NaN")."""
 
     name: str  # a step name, a paper label or a module-path glob; "." is the root module
     iteration: int | None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
+import inspect
 import os
 import platform
 import signal
@@ -443,7 +445,17 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
         The Run; leaving the ``with`` block closes it (``complete``, or ``crashed`` on an exception;
         ``incomplete`` when recording stopped early, as on a full disk).
     """
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], sorted(_OPTIONS), n=1)
+        raise RecordingError(f"record() has no option {unknown[0]!r}" + (f" (did you mean {near[0]!r}?)" if near else
+                             f"; its options are {', '.join(sorted(_OPTIONS))}"))
     return Run(path, model=model, optimizer=optimizer, mode=mode, every=every, compressor=compressor, **options)
+
+
+# record()'s keyword options beyond its named parameters: the rest of Run's.
+_OPTIONS = frozenset(inspect.signature(Run.__init__).parameters) - {
+    "self", "path", "model", "optimizer", "mode", "every", "compressor"}
 
 
 def _single_threaded_blosc() -> Any:

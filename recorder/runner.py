@@ -110,18 +110,19 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
         raise
     if shared_ring is not None:
         run.session.share_ring(shared_ring)
-    code, error = 0, None
+    code, error, exited = 0, None, None
     constructors = skeleton.InitCapture()  # every module class the script defines: its constructor arguments
     try:
         runpy.run_path(str(script_path), run_name="__main__")
     except SystemExit as exc:
         code = _exit_code(exc.code)
+        exited = exc if code != 0 else None  # the recording says why it is crashed: SystemExit(3)
     except BaseException as exc:  # KeyboardInterrupt included: recorded, then reported as Python does
         code, error = (130 if isinstance(exc, KeyboardInterrupt) else 1), exc
     finally:
         status = "complete" if code == 0 and error is None else "crashed"
         try:
-            run.close(status, error)
+            run.close(status, error or exited)
         finally:
             constructors.close()
             restore()

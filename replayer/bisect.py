@@ -745,13 +745,19 @@ def _keys_one(rec: Recording, index: int) -> tuple[Any, ...]:
     return (s.iteration, s.module_path, layout.PHASES.index(s.phase), s.call, s.name)
 
 
+def _names(names: list[str], shown: int = 5) -> str:
+    """The first names of a list, and how many more there are."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def _why(sa: Step, sb: Step, params_a: dict[Any, Any], params_b: dict[Any, Any], res_a: dict[Any, Any],
          res_b: dict[Any, Any]) -> str:
     differ = sorted(k[1] for k in set(res_a) | set(res_b) if res_a.get(k) != res_b.get(k))
     changed = sorted(k[1] for k in set(params_a) | set(params_b) if params_a.get(k) != params_b.get(k))
-    results = f"{', '.join(differ[:5])} differ{'s' if len(differ) == 1 else ''}"
+    results = f"{_names(differ)} differ{'s' if len(differ) == 1 else ''}"
     if changed:
-        return f"same inputs, but {', '.join(changed[:5])} differ{'s' if len(changed) == 1 else ''}, so {results}"
+        return f"same inputs, but {_names(changed)} differ{'s' if len(changed) == 1 else ''}, so {results}"
     reasons = []
     if sa.arguments != sb.arguments:
         reasons.append(f"its non-tensor arguments differ ({_short(sa.arguments)} vs {_short(sb.arguments)})")

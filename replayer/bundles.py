@@ -142,7 +142,8 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
     main = step if isinstance(step, Step) else rec.step(step)
     out = Path(path)
     if out.exists() and not overwrite:
-        raise BundleError(f"{out} already exists; choose another path (or delete it)")
+        raise BundleError(f"{out} already exists; choose another path, or replace it with --force "
+                          "(overwrite=True)")
     repro = out.with_name("repro.py")
     if script and repro.exists() and not overwrite:  # before anything is written
         raise BundleError(f"{repro} already exists; write the bundle into another directory, or delete it (or "

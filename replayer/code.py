@@ -168,8 +168,9 @@ class CodeLoader:
         (a notebook's kernel, a REPL): the cells' definitions are there, the code the steps ran."""
         return sys.modules.get("__main__") if self.live_main and made_here(self.run_info) else None
 
-    def module(self, name: str, file: str | None = None) -> types.ModuleType:
-        """Import a module; ``file`` (where it was when recorded) adds the directory it was imported from."""
+    def module(self, name: str, file: str | None = None, *, needed_by: str = "the recording") -> types.ModuleType:
+        """Import a module; ``file`` (where it was when recorded) adds the directory it was imported from;
+        ``needed_by``: who asks, for the message when it cannot be imported."""
         if name == "__main__":
             return self.main()
         if name in self._bundled_modules:
@@ -186,6 +187,9 @@ class CodeLoader:
             with extra_path(dirs):
                 return importlib.import_module(name)
         except ImportError as exc:
+            if needed_by != "the recording":
+                raise ReplayError(f"cannot import {name!r}, which {needed_by} names ({exc}); check the name, or run "
+                                  "from the directory it is in (or put that directory on PYTHONPATH)") from None
             raise ReplayError(f"cannot import {name!r}, which the recording needs ({exc}); install it or run "
                               f"from the directory the run was recorded in ({self.run_info.get('cwd')})") from None
         except Exception as exc:
@@ -212,20 +216,26 @@ class CodeLoader:
             self._bundled_modules[name] = found
         return found
 
-    def resolve(self, ref: str, file: str | None = None) -> Any:
+    def resolve(self, ref: str, file: str | None = None, *, needed_by: str = "the recording") -> Any:
         """The object a reference names (a class, or a function as decorated in the user's code);
-        ``file``: the source file it was defined in when recorded, if known."""
+        ``file``: the source file it was defined in when recorded, if known; ``needed_by``: who gave the
+        reference (the recording, or a swap), for messages."""
         module_name, sep, qualname = ref.partition(":")
         if not sep or not module_name or not qualname:
+            if needed_by != "the recording":
+                raise ReplayError(f"{ref!r} is not an import reference: write MODULE:NAME, e.g. "
+                                  "'mypkg.stable:smooth_relu'")
             raise ReplayError(f"malformed code reference {ref!r} in the recording")
         if "<locals>" in qualname or "<lambda>" in qualname:
             raise ReplayError(f"{qualname} (in {module_name}) was defined inside a function, so it cannot be "
                               "found again; define it at module level to replay it")
-        obj: Any = self.module(module_name, file)
+        obj: Any = self.module(module_name, file, needed_by=needed_by)
         for part in qualname.split("."):
             try:
                 obj = getattr(obj, part)
             except AttributeError:
+                if needed_by != "the recording":
+                    raise ReplayError(f"{module_name} has no {qualname}; check the name") from None
                 raise ReplayError(f"{module_name} has no {qualname} now (renamed or removed since the "
                                   "recording?)") from None
         return obj

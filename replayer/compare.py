@@ -17,7 +17,7 @@ SHOWN_STATS = ("min", "max", "mean", "std", "nan", "inf")
 
 
 def stats_dict(values: Any) -> dict[str, float | None]:
-    """The statistics DESIGN.md's machine-readable output shows: min, max, mean, std, nan, inf
+    """The statistics the JSON output shows (README, "Command line"): min, max, mean, std, nan, inf
     (None where a value is NaN, so that the JSON stays strict)."""
     full = values if isinstance(values, dict) else dict(zip(layout.STAT_NAMES, (float(v) for v in values)))
     out: dict[str, float | None] = {}

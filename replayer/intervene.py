@@ -202,12 +202,16 @@ def swap_module(original: torch.nn.Module, replacement: Any, key: str, build_fro
             rebuilt.link()  # an RNN's _flat_weights and the like: at the tensors just given
         new.train(original.training)
         return new
+    factory = ("a module step is swapped for an nn.Module class, or a function that takes the original "
+               "module and returns its replacement (a factory)")
     try:
         new = replacement(original)
     except Exception as exc:
-        raise InterventionError(f"swap {key}: the replacement raised {type(exc).__name__}: {exc}") from None
+        raise InterventionError(f"swap {key}: the replacement, called as a factory with the original module, raised "
+                                f"{type(exc).__name__}: {exc}; {factory}") from None
     if not isinstance(new, torch.nn.Module):
-        raise InterventionError(f"swap {key}: the replacement gave a {type(new).__name__}, not an nn.Module")
+        raise InterventionError(f"swap {key}: the replacement, called as a factory with the original module, gave a "
+                                f"{type(new).__name__}, not an nn.Module; {factory}")
     return new
 
 

@@ -216,7 +216,7 @@ class StepTable:
                iteration: int | None = None, call: int | None = None, status: str | None = None,
                module_path: str | None = None) -> StepTable:
         """The steps matching every given field (``phase`` "forward"/"backward", ``status`` as in
-        DESIGN.md: ok, alert, nonfinite, exception)."""
+        docs/FORMAT.md: ok, alert, nonfinite, exception)."""
         mask = np.ones(len(self.rows), dtype=bool)
         for col, value in (("name", name), ("label", label), ("module_path", module_path)):
             if value is not None:
@@ -406,7 +406,7 @@ class Step:
         return f"{name}@iter={self.iteration}#{self.call}{':backward' if self.phase == 'backward' else ''}"
 
     def to_json(self) -> dict[str, Any]:
-        """The step object of DESIGN.md's machine-readable output."""
+        """The step object of the JSON output (README, "Command line")."""
         return {"index": self.index, "rank": self.rec.rank.rank, "name": self.name, "phase": self.phase,
                 "iteration": self.iteration, "call": self.call, "module_path": self.module_path,
                 "paper": self.paper, "status": self.status}

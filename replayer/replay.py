@@ -63,7 +63,7 @@ class ReplayResult:
         return next((s for s in self.inner if not s.match), None)
 
     def to_json(self) -> dict[str, Any]:
-        """DESIGN.md's ``pdbg replay --json`` object."""
+        """The ``pdbg replay --json`` object (README, "Command line")."""
         first = self.first_divergence
         return {"step": self.step.to_json(), "match": self.match,
                 "outputs": [d.to_json() for d in self.outputs], "warnings": self.warnings,
@@ -139,7 +139,7 @@ class Replayer:
             resolved = given
             if text is not None:
                 try:
-                    resolved = self.loader.resolve(text)
+                    resolved = self.loader.resolve(text, needed_by="the swap")
                 except ReplayError as exc:
                     raise intervene.InterventionError(f"swap {key}: {exc}") from None
             elif not callable(given):

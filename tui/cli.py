@@ -92,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handler = getattr(args, "handler", None)
         if handler is None:
-            parser.print_usage(sys.stderr)
-            print("pdbg: error: give a command (see pdbg --help)", file=sys.stderr)
+            print("pdbg: error: give a command, or a recording to open (see pdbg --help)", file=sys.stderr)
             return 2
         return int(handler(args))
     except PdbgError as exc:

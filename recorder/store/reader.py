@@ -681,7 +681,9 @@ class RankReader:
     def why_statistics_only(self, record: TensorRecord) -> str:
         """Why a tensor record has statistics and no payload, for a message: its step's note on it (a
         sparse or quantized tensor, a dtype without bytes, dropped bytes), else the ways a recording
-        keeps statistics only."""
+        keeps statistics only. A record that kept its bytes says so."""
+        if record.has_payload:
+            return "it has its bytes, not statistics only"
         extra = self.doc(int(self.column("steps/extra")[record.step]))
         notes = [n for n in extra.get("notes", []) if isinstance(n, str)] if isinstance(extra, dict) else []
         for note in notes:

@@ -398,6 +398,8 @@ def test_slow_store_drops_payloads_never_steps(tmp_path, monkeypatch):
             assert f"{lost} payload(s) not recorded: the store could not keep up (when_slow='drop_payloads')" in notes
             without_payload = next(r for r in rec.step(i).records if not r.has_payload)
             assert "dropped" in rec.step(i).why_statistics_only(without_payload)
+            kept = [r for r in rec.step(i).records if r.has_payload]  # (it said "recorded in stats mode" of these)
+            assert all(rec.step(i).why_statistics_only(r) == "it has its bytes, not statistics only" for r in kept)
             noted += 1
     assert without == pipe.dropped_payloads, "every dropped payload is one record without payload"
     assert noted > 0

@@ -119,6 +119,16 @@ class TestRecordMisuse:
             recorder.record(run_path, mode="fast")
         assert not run_path.exists()
 
+    def test_a_misspelt_option(self, run_path):
+        """A misspelt option is named, with the one meant, before anything is written (it was Python's
+        "Run.__init__() got an unexpected keyword argument")."""
+        with pytest.raises(RecordingError, match=r"^record\(\) has no option 'flush_intervall' \(did you mean "
+                                                 r"'flush_interval'\?\)$"):
+            recorder.record(run_path, flush_intervall=1.0)
+        with pytest.raises(RecordingError, match="has no option 'zzz'; its options are flush_interval, keep, "):
+            recorder.record(run_path, zzz=1)
+        assert not run_path.exists()
+
     def test_nested_recordings(self, run_path, tmp_path):
         """A second recording while one is active is refused; the first keeps working."""
         with recorder.record(run_path) as run:

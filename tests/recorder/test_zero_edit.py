@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -131,6 +132,30 @@ class TestInProcess:
         (w,) = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
         assert "'blokcs.*' matched no module" in str(w.message) and "'blocks.0'" in str(w.message)
 
+    def test_a_glob_naming_a_paper_step_module_has_matched(self, run_path: Path) -> None:
+        """A glob that names a module already recorded as a paper step: the step is recorded once, by
+        its own wrapper, and the glob is not reported as matching nothing (nor its path left out of
+        the paths called)."""
+        @recorder.paper_step("Eq. 1")
+        class Decorated(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.fc(x)
+
+        model = nn.Sequential(Decorated(), nn.Linear(4, 4))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with recorder.record(run_path, model=model, modules=["0", "1", "nothing"]) as run:
+                model(torch.randn(2, 4))
+        assert run.unmatched_globs == ["nothing"]
+        (w,) = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+        assert "'nothing' matched no module" in str(w.message) and "'0'," in str(w.message)
+        assert [(s["name"].rpartition(".")[2], s["path"]) for s in steps(run_path)] == [("Decorated", "0"),
+                                                                                         ("Linear", "1")]
+
     def test_exception_in_a_selected_module_is_recorded_and_reraised(self, run_path: Path) -> None:
         """An exception from an undecorated module's forward is recorded on its step, re-raised as is."""
         class Boom(nn.Module):
@@ -187,10 +212,15 @@ class TestPdbgRecord:
         assert f"open it there: pdbg run.zarr --at {index}" in rec.stderr  # the one command, at the failing step
 
     def test_script_exit_code_is_returned(self, tmp_path: Path) -> None:
-        """sys.exit(3) in the script is pdbg's exit code; the recording is closed as crashed."""
+        """sys.exit(3) in the script is pdbg's exit code; the recording is closed as crashed, and says
+        why (it said nothing: no exception, no step status)."""
         rec = pdbg("record", "-o", "run.zarr", "--", str(SCRIPT), "1", "--exit", "3", cwd=tmp_path)
         assert rec.returncode == 3
         assert RunReader(str(tmp_path / "run.zarr")).status == "crashed"
+        assert "Traceback" not in rec.stderr  # an exit code is not an error to show
+        info = pdbg("info", "run.zarr", cwd=tmp_path)
+        assert "ended by: SystemExit: 3" in info.stdout.splitlines()
+        assert json.loads(pdbg("info", "run.zarr", "--json", cwd=tmp_path).stdout)["ended_by"] == "SystemExit: 3"
 
     def test_missing_script_is_a_one_line_error_and_creates_nothing(self, tmp_path: Path) -> None:
         """A script that does not exist: exit 2, one line naming it, no store."""

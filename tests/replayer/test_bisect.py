@@ -282,3 +282,29 @@ def test_an_overflow_to_inf_is_the_origin_of_the_nan_it_becomes(tmp_path: Path) 
     origin = replayer.first_nonfinite(replayer.open(path))
     assert origin.step is not None and origin.step.paper["label"] == "Eq. 8", origin.cause
     assert "from finite inputs" in origin.cause and [s.paper["label"] for s in origin.spread] == ["Eq. 9"]
+
+
+@recorder.paper_step("Eq. 10", description="three layers")
+class ThreeLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))
+
+
+def test_a_divergence_names_how_many_more_parameters_differ(tmp_path: Path) -> None:
+    """Six parameters differ: the cause names five and says one more (it stopped at five, silently)."""
+    paths = []
+    for scale in (1.0, 1.001):
+        torch.manual_seed(0)
+        model = ThreeLayers()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+        paths.append(tmp_path / f"run{scale}.zarr")
+        with recorder.record(paths[-1], model=model):
+            model(torch.ones(2, 4))
+    div = replayer.first_divergence(replayer.open(paths[0]), replayer.open(paths[1]))
+    assert "same inputs, but a.bias, a.weight, b.bias, b.weight, c.bias and 1 more differ" in div.cause, div.cause

@@ -109,7 +109,8 @@ def test_bad_interventions_get_one_line_and_exit_code_2(stack_run: tuple[Path, o
         (["--edit", "args.0=x.nosuch()"], "edit args.0: AttributeError"),
         (["--edit", "args.0=open('/etc/passwd')"], "an edit may use only x, torch and math"),
         (["--swap", "smooth_relu=tests.replayer.nanmodels:no_such_thing"], "has no no_such_thing"),
-        (["--swap", "smooth_relu=no_such_package.mod:f"], "cannot import 'no_such_package.mod'"),
+        (["--swap", "smooth_relu=no_such_package.mod:f"], "cannot import 'no_such_package.mod', which the swap names"),
+        (["--swap", "smooth_relu=nocolon"], "'nocolon' is not an import reference: write MODULE:NAME"),
         (["--edit", "weights=x"], "has no tensor 'weights'; it has args.0"),
         (["--edit", "noequals"], "--edit takes KEY=VALUE"),
         (["--set", "nosuch=1"], "unknown setting 'nosuch'"),
@@ -122,6 +123,10 @@ def test_bad_interventions_get_one_line_and_exit_code_2(stack_run: tuple[Path, o
     rec = replayer.open(stack_run[0])
     with pytest.raises(InterventionError, match="edit kwargs.beta: step .* has no tensor"):
         replayer.replay(rec, "smooth_relu@iter=1", edit={"kwargs.beta": "x"})
+    # a plain function for a module step is called as a factory of the replacement module: say so
+    with pytest.raises(InterventionError, match="called as a factory with the original module, raised .*; a module "
+                                                "step is swapped for an nn.Module class, or a function"):
+        replayer.replay(rec, "Scaled@iter=1#0", swap={".": nanmodels.stable_smooth_relu})
 
 
 def test_nothing_leaks_out_of_the_replay(stack_run: tuple[Path, nanmodels.Stack], tmp_path: Path) -> None:

@@ -102,7 +102,7 @@ class TestStep:
         assert set(rng) >= {"torch", "numpy", "python"}
 
     def test_step_object_json(self, recorded):
-        """to_json gives DESIGN.md's step object."""
+        """to_json gives the README's JSON step object."""
         rec, _ = recorded
         obj = rec.step("h.1.attn@iter=2:backward").to_json()
         assert obj == {"index": obj["index"], "rank": 0, "name": "Attention", "phase": "backward", "iteration": 2,

@@ -278,6 +278,7 @@ def test_bad_command_lines_get_one_line_and_exit_code_2(gpt_run: Path, tmp_path:
     passed), an empty selector or condition for find (it matched every step): one line, exit 2,
     never the TUI."""
     for args, says in ((("replay", str(gpt_run), "0", "--seed", "abc"), "argument --seed: invalid int value"),
+                       ((), "give a command, or a recording to open"),
                        (("info",), "the following arguments are required: RUN"),
                        (("infoo", str(gpt_run)), "unknown command 'infoo' (did you mean 'info'?)"),
                        (("nosuch.zarr",), "nosuch.zarr does not exist"),
