@@ -240,6 +240,25 @@ class CodeLoader:
                                   "recording?)") from None
         return obj
 
+    @contextlib.contextmanager
+    def sources(self) -> Iterator[None]:
+        """Inside the block, the source lines of the files a bundle carries are what Python's
+        ``linecache`` gives for them (``inspect``, tracebacks, an operation's code line): those it
+        runs (``use_bundled_source``), and those not on this machine. What ``linecache`` held for
+        them before comes back after."""
+        files = {f: t for f, t in self.spare.items() if not Path(f).is_file()} | self.bundled
+        saved = {f: linecache.cache.get(f) for f in files}
+        for file, text in files.items():
+            linecache.cache[file] = (len(text), None, text.splitlines(keepends=True), file)  # mtime None: kept
+        try:
+            yield
+        finally:
+            for file, entry in saved.items():
+                if entry is None:
+                    linecache.cache.pop(file, None)
+                else:
+                    linecache.cache[file] = entry
+
     def source_of(self, obj: Any) -> str | None:
         """The current source of a function or class, as the recorder computes it."""
         target = inspect.unwrap(obj) if callable(obj) and not isinstance(obj, type) else obj

@@ -108,7 +108,7 @@ class Replayer:
         self._around = around or _no_context
         self.plan = self._plan(step, swap, edit, settings, seed)
         backward = step.phase == "backward"
-        with state.neutral({**step.settings, **self.plan.settings}):
+        with state.neutral({**step.settings, **self.plan.settings}), self.loader.sources():
             result = self._backward(step, threads, nested) if backward else self._forward(step, threads, nested)
         result.warnings.extend(self.plan.notes)
         for unused in [c.key for c in self.plan.edits if not c.used] + [s.key for s in self.plan.swaps if not s.used]:

@@ -324,30 +324,43 @@ def gate(x):
     return torch.sigmoid(x) * x
 
 
+@recorder.paper_step("Eq. 8", description="a root that goes NaN")
+def root(x):
+    return torch.sqrt(x - 1.0)
+
+
 if __name__ == "__main__":
     with recorder.record(sys.argv[1], mode="full"):
-        gate(torch.randn(100))
+        root(gate(torch.randn(100)))
     replayer.bundle(replayer.open(sys.argv[1]), 0, sys.argv[2])
+    replayer.bundle(replayer.open(sys.argv[1]), 1, sys.argv[3])
 '''
 
 
 def test_a_bundle_replays_where_its_training_script_is_not(tmp_path: Path) -> None:
     """A step defined in the training script: its bundle, copied to a machine (a directory) without
     the script, replays with the copy of the script it carries, and says so; the API and
-    `pdbg verify` too, without --use-bundled-source."""
+    `pdbg verify` too, without --use-bundled-source. Its source is read from that copy: the code is
+    checked against the recording (no "cannot be read now"), and the operation that made a NaN is
+    shown with its line of code."""
     where = tmp_path / "made"
     where.mkdir()
     (where / "train.py").write_text(SCRIPT_STEP)
-    res = run([sys.executable, "train.py", "run.zarr", "gate.pdbg"], where, where)
+    res = run([sys.executable, "train.py", "run.zarr", "gate.pdbg", "root.pdbg"], where, where)
     assert res.returncode == 0, res.stderr
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     shutil.copy(where / "gate.pdbg", elsewhere / "gate.pdbg")
+    shutil.copy(where / "root.pdbg", elsewhere / "root.pdbg")
     shutil.rmtree(where)
     res = pdbg("replay", "gate.pdbg", "--json", cwd=elsewhere, code=elsewhere)
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert doc["match"] is True and any("the copy the bundle carries was used" in w for w in doc["warnings"])
+    assert not any("cannot be read now" in w for w in doc["warnings"]), doc["warnings"]
+    ops = pdbg("bisect", "root.pdbg", "--ops", cwd=elsewhere, code=elsewhere)
+    assert "operation: aten::sqrt" in ops.stdout and "    return torch.sqrt(x - 1.0)" in ops.stdout.splitlines(), \
+        ops.stdout + ops.stderr
     assert pdbg("verify", "gate.pdbg", cwd=elsewhere, code=elsewhere).returncode == 0
     result = replayer.replay(replayer.open(elsewhere / "gate.pdbg"))
     assert result.match
