@@ -8,7 +8,8 @@ replay to see what changes.
 Keys: a swap key is a module path, a step name or paper label (``.`` is the replayed module itself);
 an edit key is ``TENSOR`` for the replayed step's own tensors (inputs ``args.0``/``kwargs.mask``,
 parameters, buffers, grad outputs) or ``STEP/TENSOR`` for a step inside it (STEP as in a selector,
-``NAME[#CALL]``). A change is an expression in ``x`` (evaluated with ``torch``, ``math`` and ``x``
+``NAME[#CALL]``, NAME a step name, paper label, or module path, also relative to the replayed step's
+as swap keys are). A change is an expression in ``x`` (evaluated with ``torch``, ``math`` and ``x``
 only), a callable, or a tensor/array. Everything happens to the rebuilt objects of one replay.
 """
 
@@ -158,9 +159,16 @@ class Plan:
                 "settings": self.settings, "seed": self.seed}
 
 
-def matches(step_part: str, name: str, label: str | None, path: str, call: int | None) -> bool:
+def matches(step_part: str, name: str, label: str | None, path: str, call: int | None, relative_to: str = "") -> bool:
+    """Whether the STEP part of an edit key names an inner step: by name, paper label or module path,
+    that path also taken relative to the replayed step's (``relative_to``), as swap keys are."""
     sel = parse_selector(step_part)
-    return sel.matches_name(name, label, path) and (sel.call is None or sel.call == call)
+    if sel.call is not None and sel.call != call:
+        return False
+    if sel.matches_name(name, label, path):
+        return True
+    inside = relative_to and path.startswith(relative_to + ".")
+    return bool(inside) and sel.name != "." and sel.matches_name(name, label, path[len(relative_to) + 1:])
 
 
 def swap_function(original: Callable[..., Any], sw: Swap) -> Callable[..., Any]:

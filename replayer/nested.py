@@ -95,7 +95,7 @@ class InnerTap:
 
     def __init__(self, root: torch.nn.Module | None, root_path: str, inner: list[Step], *,
                  backward: bool = False, plan: Any = None) -> None:
-        self.inner, self.backward, self.plan = inner, backward, plan
+        self.inner, self.backward, self.plan, self.root_path = inner, backward, plan, root_path
         self._seen_count: dict[tuple[str, str], int] = {}
         self.calls: list[_Seen] = []
         self._stack: list[str] = [root_path]
@@ -164,7 +164,7 @@ class InnerTap:
         from .intervene import matches
 
         changes = [c for c in self.plan.edits if c.step is not None and matches(
-            c.step, step.name, step.paper.get("label"), step.module_path, step.call)]
+            c.step, step.name, step.paper.get("label"), step.module_path, step.call, self.root_path)]
         if not changes:
             return None
         args, kwargs = list(args), dict(kwargs)

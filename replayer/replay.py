@@ -157,6 +157,18 @@ class Replayer:
                 if c.tensor not in names:
                     raise intervene.InterventionError(f"edit {c.key}: step {step.index} has no tensor {c.tensor!r}; "
                                                       f"it has {', '.join(sorted(names))}")
+        aimed = [c for c in plan.edits if c.step is not None]
+        if aimed:
+            fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
+            inner = descendants(fwd)
+            for c in aimed:
+                if not any(intervene.matches(c.step, s.name, s.paper.get("label"), s.module_path, s.call,
+                                             fwd.module_path) for s in inner):
+                    there = sorted({f"{_selector_name(s)}#{s.call}" for s in inner})
+                    raise intervene.InterventionError(
+                        f"edit {c.key}: no step inside step {step.index} is {c.step!r}; " + (
+                            f"the steps inside it are {', '.join(there[:12])}" + (" ..." if len(there) > 12 else "")
+                            if there else "it has no steps inside"))
         return plan
 
     def _own_swap(self, step: Step) -> intervene.Swap | None:
@@ -223,7 +235,7 @@ class Replayer:
             if c.step is None or c.tensor.startswith(("args.", "kwargs.")):
                 continue
             targets = {s.module_path for s in inner if intervene.matches(c.step, s.name, s.paper.get("label"),
-                                                                         s.module_path, s.call)}
+                                                                         s.module_path, s.call, step.module_path)}
             for path in sorted(targets):
                 rel = path[len(step.module_path):].lstrip(".") if step.module_path else path
                 sub = module.get_submodule(rel)
@@ -507,6 +519,11 @@ class Replayer:
 
 
 Around = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+def _selector_name(step: Step) -> str:
+    """What names an inner step in an edit or swap key: a module step's path, else its name."""
+    return step.module_path if step.definition.get("kind") == "module" and step.module_path else step.name
 
 
 def _no_context(stage: str) -> contextlib.AbstractContextManager[Any]:

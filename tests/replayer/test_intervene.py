@@ -81,9 +81,27 @@ def test_an_edit_on_an_inner_step_propagates_through_the_enclosing_model(stack_r
     assert [s.change for s in weights.inner] == ["became finite"] * 4 and weights.warnings == []
     with pytest.raises(InterventionError, match="no parameter or buffer 'fc.nope'; it has fc.bias, fc.weight"):
         replayer.replay(rec, "Model@iter=1", edit={"first/fc.nope": "x"})
-    unmatched = replayer.replay(rec, "Model@iter=1", edit={"smooth_relu#7/args.0": "x * 0"})
-    assert unmatched.match
-    assert unmatched.warnings == ["smooth_relu#7/args.0: matched nothing that ran during the replay"]
+    # a STEP part naming no step inside (a typo, a call that is not there) is refused before the replay
+    with pytest.raises(InterventionError, match=r"edit smooth_relu#7/args.0: no step inside step \d+ is "
+                                                r"'smooth_relu#7'; the steps inside it are first#0, second#1, "
+                                                r"smooth_relu#0, smooth_relu#1$"):
+        replayer.replay(rec, "Model@iter=1", edit={"smooth_relu#7/args.0": "x * 0"})
+
+
+def test_an_inner_step_is_named_by_its_path_relative_to_the_replayed_module(tmp_path: Path) -> None:
+    """`--edit softmax/args.0=...` on a replay of blocks.0 edits blocks.0.softmax, as `--swap softmax=...`
+    names it; the full path and the step name work too; a misspelt one is one line, exit 2."""
+    path = tmp_path / "run.zarr"
+    nanmodels.record_masked(path, (1.0, 1.0, 1.0, 1e4))
+    rec = replayer.open(path)
+    for key in ("softmax", "blocks.0.softmax", "NaiveSoftmax#0"):
+        res = replayer.replay(rec, "blocks.0@iter=3", edit={f"{key}/args.0": "x.clamp(-50, 50)"})
+        assert [(s.step.module_path, s.change) for s in res.inner] == [("blocks.0.softmax", "became finite")], key
+        assert not res.warnings, res.warnings
+    bad = pdbg("replay", str(path), "blocks.0@iter=3", "--edit", "sofmax/args.0=x", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "pdbg: error: edit sofmax/args.0: no step inside step 24 is 'sofmax'; the steps inside it are "
+        "blocks.0.softmax#0"]
 
 
 def test_a_swapped_class_gets_the_parameters_whose_names_match(stack_run: tuple[Path, object]) -> None:
