@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast browser bench lint clean
+.PHONY: demo test test-fast browser bench screenshots lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ browser:
 
 bench: $(STAMP)  ## recording overhead against a baseline, written to docs/PERFORMANCE.md
 	$(PY) bench/record_overhead.py --write-docs
+
+screenshots: $(STAMP)  ## the README's tour pictures (docs/images), from the demo's recording
+	@[ -d runs/nan_smooth_relu.zarr ] || $(MAKE) demo
+	$(PY) docs/tour_screenshots.py
 
 lint: $(STAMP)
 	$(PY) -m pip install --quiet ruff

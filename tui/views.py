@@ -200,14 +200,14 @@ class TimelineModel:
         who = f"{label} {name}" if label and label != name else name
         mark = {"ok": " ", "alert": "!", "nonfinite": "✗", "exception": "E"}[status]
         indent = "  " * min(self.depth_of(index), 8)
-        who = (indent + who)[:26]
+        who = _fit(indent + who, 26)
         return [
             (f"{index:>6} ", "dim"),
             (f"{self.iteration_of(index):>4} ", "cyan"),
             ("→ " if phase == 0 else "← ", "blue" if phase == 0 else "magenta"),
             (f"{mark} ", STATUS_STYLE[status]),
             (f"{who:<26}", STATUS_STYLE[status] if status != "ok" else "bold"),
-            (f" {path[-12:]:<12}", "dim"),
+            (f" {_fit(path, 20, keep_end=True):<20}", "dim"),
             (f" {bar} {fmt_seconds(duration):>7}", "dim"),
         ]
 
@@ -327,8 +327,9 @@ def alert_text(alert: Any) -> str:
         return str(alert)
     if "check" in alert:
         ref = f" ({alert['reference']})" if alert.get("reference") else ""
+        bad = f" and {alert['nonfinite']} NaN/Inf" if alert.get("nonfinite") else ""
         return (f"watch {alert.get('watch')}: {alert['check']} expected {alert.get('expected')}, "
-                f"got {alert.get('actual')}{ref}")
+                f"got {alert.get('actual')}{bad}{ref}")
     return str(alert.get("message") or alert)
 
 
@@ -538,3 +539,11 @@ def _chain(root: PaperNode, parts: list[str]) -> list[PaperNode]:
         node = node.children[part]
         out.append(node)
     return out
+
+
+def _fit(text: str, width: int, keep_end: bool = False) -> str:
+    """``text`` in ``width`` characters, an ellipsis where it was cut (at its start with
+    ``keep_end``: the end of a module path says most)."""
+    if len(text) <= width:
+        return text
+    return "…" + text[len(text) - width + 1:] if keep_end else text[:width - 1] + "…"

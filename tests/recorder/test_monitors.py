@@ -157,7 +157,8 @@ class TestChecks:
         assert info.returncode == 0 and json.loads(info.stdout)["alerts"] == 1
         rows = [(r.index, r.kind) for r in views.alerts(replayer.open(run_path))]
         assert rows == [(1, "origin"), (1, "alert")]
-        assert "watch root: range expected [0.0, 3.0]" in views.alerts(replayer.open(run_path))[1].text
+        assert "watch root: range expected [0.0, 3.0], got [1.0, 1.0] and 1 NaN/Inf" in \
+            views.alerts(replayer.open(run_path))[1].text
 
     def test_a_check_that_raises_is_reported_on_the_step(self, run_path: Path) -> None:
         """A broken check does not stop training; its error shows as an alert."""
