@@ -44,7 +44,7 @@ screenshots: $(STAMP)  ## the README's tour pictures (docs/images), from the dem
 
 lint: $(STAMP)
 	$(PY) -m pip install --quiet ruff
-	$(VENV)/bin/ruff check recorder replayer tui tests examples bench
+	$(VENV)/bin/ruff check recorder replayer tui tests examples bench docs
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis
