@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import gc
 import math
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.segment import Segment
 from rich.style import Style
 from rich.syntax import Syntax
@@ -96,6 +98,16 @@ class Timeline(ScrollView, can_focus=True):
         self.refresh()
         if self.on_move is not None:
             self.on_move()
+
+    def on_resize(self) -> None:
+        """A result panel that grows shrinks the timeline: keep the cursor's row in view."""
+        self.watch_cursor(self.cursor, self.cursor)
+
+    def on_click(self, event: Any) -> None:
+        offset = event.get_content_offset(self)  # (None on the border)
+        position = None if offset is None else self.scroll_offset.y + offset.y
+        if position is not None and 0 <= position < len(self.model.rows):
+            self.cursor = position
 
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
@@ -361,7 +373,7 @@ class Inspector(ModalScreen[None]):
     def __init__(self, step: Any, name: str, role: str) -> None:
         super().__init__(name="tensor")
         self.step, self.tensor_name, self.role = step, name, role
-        self.start, self.stat = 0, "absmax"
+        self.start, self.stat, self.numel = 0, "absmax", 0
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
@@ -371,21 +383,35 @@ class Inspector(ModalScreen[None]):
         self.render_page()
 
     def render_page(self) -> None:
-        view = views.tensor_view(self.step, self.tensor_name, self.role, start=self.start, rows=self.ROWS,
-                                 stat=self.stat)
+        try:
+            view = views.tensor_view(self.step, self.tensor_name, self.role, start=self.start, rows=self.ROWS,
+                                     stat=self.stat)
+        except PdbgError as exc:  # a damaged part of the recording: say so, keep the app usable
+            self.query_one("#page", Static).update(Text(f"cannot show {self.role} {self.tensor_name}: {exc}\n\n"
+                                                        "escape close", style="red"))
+            return
+        self.start, self.numel = view.start, view.size
         text = render_tensor(view)
         text.append("\n] [ next/previous slice · o start at element · t statistic · escape close", style="dim")
         self.query_one("#page", Static).update(text)
 
     def action_slice(self, delta: int) -> None:
-        self.start = max(0, self.start + delta * self.ROWS * 8)
+        start = max(0, self.start + delta * self.ROWS * 8)
+        if delta > 0 and start >= self.numel:  # already at the last slice
+            return
+        self.start = start
         self.render_page()
 
     def action_offset(self) -> None:
         def done(value: str | None) -> None:
-            if value and value.strip().isdigit():
-                self.start = int(value)
-                self.render_page()
+            if value is None or not value.strip():
+                return
+            if not value.strip().isdigit():
+                self.notify(f"{value.strip()!r} is not an element index: give a whole number from 0",
+                            severity="error")
+                return
+            self.start = int(value)
+            self.render_page()
 
         self.app.push_screen(Prompt("show values from element (flattened index)", "0"), done)
 
@@ -455,7 +481,7 @@ class PdbgApp(App[None]):
     TITLE = "PaperDebugger"
     COMMANDS = App.COMMANDS | {Actions}
     CSS = """
-    #panel { height: auto; max-height: 8; border: round $primary-darken-3; padding: 0 1; }
+    #panel { height: auto; max-height: 8; border: round $primary-darken-3; padding: 0 1; overflow-y: auto; }
     #main.narrow { layout: vertical; }
     #main.narrow Timeline { width: 1fr; height: 1fr; }
     #main.narrow StepPane { width: 1fr; height: 1fr; }
@@ -496,8 +522,10 @@ class PdbgApp(App[None]):
         ("help", "every key (?)"), ("quit", "quit (q)"),
     ]
 
-    def __init__(self, rec: Recording, *, path: str | None = None, start: int | None = None) -> None:
+    def __init__(self, rec: Recording, *, path: str | None = None, start: int | None = None,
+                 notice: str | None = None) -> None:
         super().__init__()
+        self.notice = notice  # shown in the panel at start (a --at that named no step)
         self.rec = rec
         self.path = path or str(rec.path)
         self.model = views.TimelineModel(rec)
@@ -532,7 +560,15 @@ class PdbgApp(App[None]):
         if self.start is not None:
             timeline.go_to(self.start)
         self.show_step()
-        self.set_panel(Text("? every key · ctrl+p actions · g the NaN origin · r replay", style="dim"))
+        from .cmd_replay import ended_by
+
+        why = ended_by(self.rec.status, self.rec.rank.final)
+        text = Text("? every key · ctrl+p actions · g the NaN origin · r replay", style="dim")
+        if why:
+            text = Text.assemble((f"{self.rec.status}, ended by: {why}\n", "yellow"), text)
+        if self.notice:
+            text = Text.assemble((self.notice + "\n", "red"), text)
+        self.set_panel(text)
 
     def _summary(self) -> str:
         ranks = self.rec.ranks
@@ -553,7 +589,8 @@ class PdbgApp(App[None]):
         try:
             step = self.step
             if step is None:
-                pane.show_message("no steps committed yet (R refreshes)")
+                pane.show_message(f"no step matches the filter {self.model.filter_text!r} (f changes it)"
+                                  if self.model.n else "no steps committed yet (R refreshes)")
                 pane.border_title = None
                 return
             pane.show(views.step_view(step), self._drift(step))
@@ -587,12 +624,23 @@ class PdbgApp(App[None]):
         self.action_step(delta * max(1, self.timeline.size.height - 1))
 
     def action_edge(self, end: int) -> None:
-        self.timeline.cursor = (len(self.model.rows) - 1) if end else 0
+        self.timeline.cursor = max(0, len(self.model.rows) - 1) if end else 0
 
     def _jump(self, index: int | None, what: str) -> None:
         if index is None:
             self.set_panel(Text(f"no {what}", style="yellow"))
             return
+        self.go_to_step(index)
+
+    def go_to_step(self, index: int) -> None:
+        """Put the cursor on a step. When the filter hides it, the filter is cleared first (and a
+        note says so): the cursor never lands on another step than the one asked for."""
+        rows = self.model.rows
+        pos = int(np.searchsorted(rows, index))
+        if self.model.filter_text and (pos >= len(rows) or int(rows[pos]) != index):
+            self.model.apply_filter("")
+            self.timeline.refresh_rows()
+            self.notify(f"filter cleared: it hid step {index}")
         self.timeline.go_to(index)
 
     def action_iteration(self, delta: int) -> None:
@@ -611,17 +659,24 @@ class PdbgApp(App[None]):
     def action_origin(self) -> None:
         from replayer import first_nonfinite
 
-        origin = first_nonfinite(self.rec)
+        origin = first_nonfinite(self.rec, all_ranks=True)
         target = origin.step or origin.entered
-        self.set_panel(Text(origin.cause, style="bold red" if target else "green"))
-        if target is not None:
-            self.timeline.go_to(target.index)
+        self.set_panel(Text(origin.cause + self._elsewhere(origin), style="bold red" if target else "green"))
+        if target is not None and origin.rank in (None, self.rec.rank.rank):
+            self.go_to_step(target.index)
+
+    def _elsewhere(self, origin: Any) -> str:
+        """When the origin is on another rank than the one shown: how to open that one."""
+        if origin.rank is None or origin.rank == self.rec.rank.rank:
+            return ""
+        return (f"\n(this view shows rank {self.rec.rank.rank}; open rank {origin.rank} with: pdbg "
+                f"{shlex.quote(self.path)} --rank {origin.rank})")
 
     def action_goto(self) -> None:
         def done(value: str | None) -> None:
             if value:
                 try:
-                    self.timeline.go_to(self.rec.step(value).index)
+                    self.go_to_step(self.rec.step(value).index)
                 except PdbgError as exc:
                     self.set_panel(Text(str(exc), style="red"))
 
@@ -664,14 +719,23 @@ class PdbgApp(App[None]):
 
     def action_reload(self) -> None:
         index = self.timeline.step_index
-        self.rec = Recording(self.rec.path, self.rec.rank.rank, storage_options=self.rec.storage_options)
-        self.model = views.TimelineModel(self.rec)
+        try:
+            rec = Recording(self.rec.path, self.rec.rank.rank, storage_options=self.rec.storage_options)
+        except PdbgError as exc:  # gone, or being rewritten: keep what is shown
+            self.set_panel(Text(f"cannot refresh: {exc}", style="red"))
+            return
+        filter_text = self.model.filter_text
+        self.rec, self.model = rec, views.TimelineModel(rec)
+        if filter_text:
+            self.model.apply_filter(filter_text)
         self._drifts.clear()
         self.timeline.model = self.model
         self.timeline.refresh_rows()
         if index is not None:
             self.timeline.go_to(index)
-        self.set_panel(f"refreshed: {self.model.n} steps committed ({self.rec.status})")
+        self.sub_title = self._summary()
+        kept = f"; filter {filter_text!r}: {len(self.model.rows)} shown" if filter_text else ""
+        self.set_panel(f"refreshed: {self.model.n} steps committed ({self.rec.status}){kept}")
         self.show_step()
 
     # -- pages ---------------------------------------------------------------------------------
@@ -750,9 +814,12 @@ class PdbgApp(App[None]):
     def _bisect(self) -> None:
         import replayer
 
-        origin = replayer.first_nonfinite(self.rec)
+        origin = replayer.first_nonfinite(self.rec, all_ranks=True)
         target = origin.step or origin.entered
-        text = Text(origin.cause, style="bold red" if target else "green")
+        text = Text(origin.cause + self._elsewhere(origin), style="bold red" if target else "green")
+        if origin.rank not in (None, self.rec.rank.rank):
+            self._report(text)
+            return
         if origin.step is not None:
             try:
                 from replayer.ops import bisect_ops
@@ -764,7 +831,7 @@ class PdbgApp(App[None]):
                 text.append(f"\noperation-level bisection needs a replay: {exc}", style="dim")
         self._report(text)
         if target is not None:
-            self.call_from_thread(self.timeline.go_to, target.index)
+            self.call_from_thread(self.go_to_step, target.index)
 
     def action_edit(self) -> None:
         def done(value: str | None) -> None:
@@ -794,6 +861,10 @@ class PdbgApp(App[None]):
 
         def done(value: str | None) -> None:
             if value and step is not None:
+                if Path(value).exists():
+                    self.set_panel(Text(f"{value} already exists: give another path, or delete it first",
+                                        style="red"))
+                    return
                 self._export(step.index, value)
 
         self.push_screen(Prompt("export this step as a bundle to", value=f"step{step.index if step else 0}.pdbg"),
@@ -832,7 +903,7 @@ class PdbgApp(App[None]):
         self._report(Text(("root cause: " if div.step else "") + div.cause,
                                                    style="yellow" if div.step else "green"))
         if div.step is not None:
-            self.call_from_thread(self.timeline.go_to, div.step.index)
+            self.call_from_thread(self.go_to_step, div.step.index)
 
 
 def render_replay(result: Any) -> Text:
@@ -879,7 +950,9 @@ def render_tensor(view: views.TensorView) -> Text:
         text.append("\n")
         if view.expected:
             broken = sum(1 for v in values if not lo <= v <= hi)
-            text.append(f"expected range [{lo}, {hi}]: {broken} of {len(values)} iterations outside\n",
+            bounds = f"[{views.fmt_number(lo)}, {views.fmt_number(hi)}]"
+            text.append(f"the watch's range puts {view.series_stat} in {bounds}: "
+                        f"{broken} of {len(values)} iterations outside\n",
                         style="red" if broken else "green")
     return text
 
@@ -904,9 +977,12 @@ def open_app(path: str, start: str | None = None, rank: int = 0) -> App[None]:
     error screen when the recording cannot be read."""
     try:
         rec = Recording(path, rank)
-        index = rec.step(start).index if start else None
     except PdbgError as exc:
         return ErrorApp(path, str(exc))
+    try:
+        index = rec.step(start).index if start else None
+    except PdbgError as exc:  # the recording is fine: open it, and say why the cursor is not there
+        return PdbgApp(rec, path=path, notice=f"--at {start}: {exc}")
     return PdbgApp(rec, path=path, start=index)
 
 

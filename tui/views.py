@@ -214,7 +214,8 @@ class TimelineModel:
     # filters ---------------------------------------------------------------------------------
     def apply_filter(self, text: str) -> int:
         """Keep the steps whose name, paper label or module path contains ``text``, or which match
-        ``phase:backward``, ``status:nonfinite``, ``iter:K`` terms (space-separated, all must hold).
+        ``phase:backward``, ``status:nonfinite``, ``iter:K``, ``name:A,B`` (exact step names) terms
+        (space-separated, all must hold).
         Returns how many remain."""
         self.filter_text = text.strip()
         mask = np.ones(self.n, dtype=bool)
@@ -226,6 +227,8 @@ class TimelineModel:
                 mask &= self.status == (layout.STATUSES.index(value) if value in layout.STATUSES else -1)
             elif sep and key in ("iter", "iteration") and value.isdigit():
                 mask &= self.iteration == int(value)
+            elif sep and key == "name":  # exact step names, comma-separated (the paper view's nodes)
+                mask &= np.isin(self.names.astype(str), value.split(","))
             else:
                 needle = term.lower()
                 hit = np.array([needle in str(s).lower() for s in self._distinct_text()], dtype=bool)
@@ -255,11 +258,11 @@ class TimelineModel:
 
 
 # -- navigation (pure: index in, index out) ---------------------------------------------------------
-def next_iteration(model: TimelineModel, index: int, step: int) -> int:
-    """The first step of the next (step=1) or previous (step=-1) iteration."""
+def next_iteration(model: TimelineModel, index: int, step: int) -> int | None:
+    """The first step of the next (step=1) or previous (step=-1) iteration; None at the run's edge."""
     it = int(model.iteration[index]) + step
     hits = np.flatnonzero(model.iteration == it)
-    return int(hits[0]) if len(hits) else index
+    return int(hits[0]) if len(hits) else None
 
 
 def next_anomaly(model: TimelineModel, index: int, step: int) -> int:
@@ -377,6 +380,11 @@ def fmt_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.0f}µs"
 
 
+def _fmt_value(x: float) -> str:
+    """A tensor element: NaN as nan (``fmt_number`` shows a missing statistic as -)."""
+    return "nan" if math.isnan(x) else fmt_number(x)
+
+
 def fmt_number(x: float | None) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
@@ -397,8 +405,10 @@ class TensorView:
     slice_text: str
     series: list[tuple[int, float]]  # (iteration, value) of the chosen statistic across iterations
     series_stat: str
-    expected: tuple[float, float] | None  # a watch's expected range
+    expected: tuple[float, float] | None  # the bounds the chosen statistic should keep, from a watch's range
     note: str | None = None
+    start: int = 0  # the first element shown (the asked start, kept within the tensor)
+    size: int = 0  # elements in the tensor (0 without a payload)
 
 
 def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int = 8, stat: str = "absmax",
@@ -411,6 +421,7 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
     edges = (math.nan, math.nan)
     values: list[str] = []
     note = None
+    begin = 0
     if record.has_payload:
         flat = rec.rank.tensor(record).detach().reshape(-1)
         data = flat.double().numpy() if flat.is_floating_point() or flat.dtype == np.bool_ else flat.numpy()
@@ -419,20 +430,38 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
             counts, e = np.histogram(finite, bins=bins)
             histogram, edges = counts.tolist(), (float(e[0]), float(e[-1]))
         width = 8
-        begin = max(0, min(start, len(data) - 1))
+        begin = max(0, min(start, len(data) - 1))  # past the end: the last element
         chunk = data[begin:begin + rows * width]
         for k in range(0, len(chunk), width):
-            values.append(f"{begin + k:>8}: " + " ".join(f"{fmt_number(float(v)):>10}" for v in chunk[k:k + width]))
-        slice_text = f"elements {begin}..{begin + len(chunk) - 1} of {len(data)} (flattened)"
+            values.append(f"{begin + k:>8}: " + " ".join(f"{_fmt_value(float(v)):>10}" for v in chunk[k:k + width]))
+        slice_text = f"elements {begin}..{begin + len(chunk) - 1} of {len(data)} (flattened)" if len(data) else \
+            "no elements"
+        if record.dtype.startswith("complex"):
+            note = "complex values: their real parts are shown"
+        elif len(data) and not len(finite):
+            note = "no finite values: no histogram"
     else:
         slice_text = "statistics only (no payload recorded)"
-        note = slice_text
     series = _series(rec, step, record, stat)
     expected = None
     for watch in step.extra.get("watches", []) or []:
         if watch.get("name") == name and watch.get("expected_range"):
-            expected = tuple(watch["expected_range"])  # type: ignore[assignment]
-    return TensorView(title, histogram, edges, values, slice_text, series, stat, expected, note)
+            expected = _stat_bounds(stat, *watch["expected_range"])
+    size = math.prod(record.shape) if record.has_payload else 0
+    return TensorView(title, histogram, edges, values, slice_text, series, stat, expected, note, begin, size)
+
+
+def _stat_bounds(stat: str, lo: float, hi: float) -> tuple[float, float] | None:
+    """What a watch's expected value range ``[lo, hi]`` says of a statistic: its values' min, max
+    and mean lie in it, their absmax within the larger bound, and none is NaN or Inf; of the
+    std and norm it says nothing."""
+    if stat in ("min", "max", "mean"):
+        return (lo, hi)
+    if stat == "absmax":
+        return (0.0, max(abs(lo), abs(hi)))
+    if stat in ("nan", "inf"):
+        return (0.0, 0.0)
+    return None
 
 
 def _series(rec: Recording, step: Step, record: Any, stat: str) -> list[tuple[int, float]]:
@@ -478,7 +507,10 @@ def alerts(rec: Recording, limit: int = 500) -> list[AlertRow]:
     from replayer import first_nonfinite
 
     out: list[AlertRow] = []
-    origin = first_nonfinite(rec)
+    origin = first_nonfinite(rec, all_ranks=True)
+    if origin.rank not in (None, rec.rank.rank):  # on another rank: say so, no row of this one to point at
+        out.append(AlertRow(-1, "origin", f"{origin.cause} (open rank {origin.rank} with --rank {origin.rank})"))
+        origin = first_nonfinite(rec)
     if origin.step is not None:
         out.append(AlertRow(origin.step.index, "origin", origin.cause))
     elif origin.entered is not None:
@@ -503,7 +535,8 @@ class PaperNode:
     seconds: float = 0.0
     alerts: int = 0
     children: dict[str, PaperNode] = field(default_factory=dict)
-    filter: str = ""
+    filter: str = ""  # the timeline filter of its steps: name:A,B (exactly the step names under it)
+    names: set[str] = field(default_factory=set)
 
 
 def paper_tree(model: TimelineModel) -> PaperNode:
@@ -524,8 +557,10 @@ def paper_tree(model: TimelineModel) -> PaperNode:
                 paper.get("step") is not None and f"step {paper['step']}",
                 paper.get("equation") or paper.get("label"), str(name)]
         for part in (p for p in path if p):
-            node = node.children.setdefault(part, PaperNode(part, filter=part))
+            node = node.children.setdefault(part, PaperNode(part))
         for n in [root, *_chain(root, [p for p in path if p])]:
+            n.names.add(str(name))
+            n.filter = "name:" + ",".join(sorted(n.names))
             n.forward += int((mask & (model.phase == 0)).sum())
             n.backward += int((mask & (model.phase == 1)).sum())
             n.seconds += float((model.t_end[mask] - model.t_start[mask]).sum())

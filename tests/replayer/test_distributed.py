@@ -120,6 +120,28 @@ def test_bisect_names_the_rank_of_the_origin(nan_run: Path) -> None:
         (0, "complete", "gloo", 24), (1, "complete", "gloo", 24)]
 
 
+def test_the_tui_of_one_rank_names_the_rank_of_the_origin(nan_run: Path) -> None:
+    """The TUI shows rank 0: `g`, `b` and `a` name the origin on rank 1 and how to open it (they said
+    no NaN was recorded), and the cursor stays where it was."""
+    from tests.tui.test_app import run
+
+    async def body(app, pilot) -> None:  # type: ignore[no-untyped-def]
+        for key in ("g", "b"):
+            await pilot.press(key)
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            text = str(app.panel_text)
+            assert text.startswith("rank 1: step ") and "sharpen" in text, (key, text)
+            assert f"open rank 1 with: pdbg {nan_run} --rank 1" in text  # (no quoting needed for this path)
+            assert app.timeline.step_index == 0
+        await pilot.press("a")
+        await pilot.pause()
+        page = str(app.screen.query_one("#page").render())
+        assert "rank 1: step " in page and "(open rank 1 with --rank 1)" in page
+
+    run(body, nan_run)
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_step_that_all_reduces_replays_alone_from_the_recording(nan_run: Path, rank: int) -> None:
     """No process group here: each collective gets the recorded results, bit for bit."""

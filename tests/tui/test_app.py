@@ -337,3 +337,137 @@ def test_bad_recordings_get_a_message_screen(nan_path: Path, tmp_path: Path) -> 
         assert "crashed" in app.sub_title and app.model.n == 20
 
     run(crashed_body, crashed)
+
+
+def test_damaged_data_and_a_vanished_recording_keep_the_app_running(nan_path: Path, tmp_path: Path) -> None:
+    """A tensor whose chunk is damaged: the inspector says so (the app died with a traceback); R after
+    the recording was deleted: the panel says so and the view stays (the app died too)."""
+    damaged = tmp_path / "damaged.zarr"
+    shutil.copytree(nan_path, damaged)
+    for chunk in (damaged / "rank0" / "blobs" / "u4" / "c").iterdir():
+        chunk.write_bytes(chunk.read_bytes()[:20])
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("g", "enter")
+        await pilot.pause()
+        assert isinstance(app.screen, Inspector)
+        page = str(app.screen.query_one("#page", Static).render())
+        assert page.startswith("cannot show input args.0: ") and "truncated or damaged" in page
+        await pilot.press("escape")
+        shutil.rmtree(damaged)
+        await pilot.press("R")
+        await pilot.pause()
+        assert panel(app).startswith("cannot refresh: ") and app.model.n == 20 and app.step is not None
+
+    run(body, damaged)
+
+
+def test_a_jump_to_a_step_the_filter_hides_clears_the_filter(nan_path: Path) -> None:
+    """With a filter that hides the origin, g lands on the origin (not on the nearest shown step),
+    and a note says the filter was cleared; a filter that matches nothing says so (not "no steps
+    committed yet"), and end then keeps the cursor in range."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        app.apply_filter("phase:backward")
+        await pilot.pause()
+        await pilot.press("g")
+        await pilot.pause()
+        assert app.step is not None and app.step.status == "nonfinite" and app.step.phase == "forward"
+        assert app.model.filter_text == "" and len(app.model.rows) == app.model.n
+        assert "filter cleared: it hid step" in " ".join(str(n.message) for n in app._notifications)
+        app.apply_filter("zzzz")
+        await pilot.press("end")
+        await pilot.pause()
+        assert "no step matches the filter 'zzzz' (f changes it)" in pane(app).plain()
+        assert app.timeline.cursor == 0
+        app.apply_filter("")
+        await pilot.pause()
+        assert app.step is not None
+
+    run(body, nan_path)
+
+
+def test_a_paper_node_filters_to_exactly_its_steps(mixed_path: Path) -> None:
+    """Choosing a node keeps the steps named under it: "step 5" (of Algorithm 1) was taken as the
+    text filter "step" and "5", which kept none; a label that is part of a path (a "Block" node and
+    "blocks.0") kept every step."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("p")
+        await pilot.pause()
+        tree = app.screen.query_one("#paper-tree")
+        algorithm = next(n for n in tree.root.children if str(n.label).startswith("Algorithm 1"))
+        node = next(n for n in algorithm.children if str(n.label).startswith("step 5"))
+        tree.select_node(node)
+        await pilot.pause()
+        assert {str(app.model.names[i]) for i in app.model.rows} == {"gated"} and len(app.model.rows) == 3
+
+    run(body, mixed_path)
+
+
+def test_clicking_a_row_moves_the_cursor_and_at_a_bad_step_still_opens(nan_path: Path, tmp_path: Path) -> None:
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        assert "--at nosuch@iter=1: no step matches" in panel(app)
+        await pilot.click("#timeline", offset=(10, 4))  # the fourth row below the border: step 3
+        await pilot.pause()
+        assert app.timeline.step_index == 3
+
+    app = open_app(str(nan_path), start="nosuch@iter=1")
+    assert isinstance(app, PdbgApp)
+
+    async def main() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            await body(app, pilot)
+
+    asyncio.run(main())
+
+
+def test_a_crashed_run_says_what_ended_it_and_export_refuses_an_existing_path(tmp_path: Path) -> None:
+    path = tmp_path / "crashed.zarr"
+    model = nanmodels.Scaled(4)
+    with pytest.raises(RuntimeError), recorder.record(path, model=model):
+        model(torch_ones(), 1.0)
+        raise RuntimeError("training blew up")
+    (tmp_path / "taken.pdbg").write_text("")
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        assert "crashed, ended by: RuntimeError: training blew up" in panel(app)
+        await pilot.press("x")
+        await answer(pilot, str(tmp_path / "taken.pdbg"))
+        assert "taken.pdbg already exists: give another path, or delete it first" in panel(app)
+
+    run(body, path)
+
+
+def test_the_inspector_reads_a_watch_range_per_statistic_and_stays_within_the_tensor(mixed_path: Path) -> None:
+    """A watch's range [0, 1] bounds min, max, mean and absmax, says nothing of the norm, and asks
+    for no NaN; o past the end shows the last element, [ goes back from there."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("colon")
+        await answer(pilot, "gated@iter=0")
+        await pilot.press("tab")
+        for _ in range(len(app.step.records)):
+            tensor = pane(app).tensor()
+            if tensor is not None and tensor.name == "gate":
+                break
+            await pilot.press("down")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, Inspector)
+        seen = {}
+        for _ in Inspector.STATS:
+            page = str(app.screen.query_one("#page", Static).render())
+            seen[app.screen.stat] = page
+            await pilot.press("t")
+            await pilot.pause()
+        assert "the watch's range puts absmax in [0, 1]" in seen["absmax"]
+        assert "the watch's range puts max in [0, 1]" in seen["max"]
+        assert "the watch's range puts nan in [0, 0]: 0 of 3 iterations outside" in seen["nan"]
+        assert "watch's range" not in seen["norm"] and "watch's range" not in seen["std"]
+        await pilot.press("o")
+        await answer(pilot, "999")
+        assert "elements 3..3 of 4" in str(app.screen.query_one("#page", Static).render())
+        await pilot.press("left_square_bracket")
+        await pilot.pause()
+        assert "elements 0..3 of 4" in str(app.screen.query_one("#page", Static).render())
+
+    run(body, mixed_path)
