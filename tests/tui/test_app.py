@@ -471,3 +471,20 @@ def test_the_inspector_reads_a_watch_range_per_statistic_and_stays_within_the_te
         assert "elements 0..3 of 4" in str(app.screen.query_one("#page", Static).render())
 
     run(body, mixed_path)
+
+
+def test_the_cursor_row_stays_in_view_when_a_result_fills_the_panel(nan_path: Path) -> None:
+    """At 80x24 a replay result grows the panel and shrinks the timeline: the cursor's row is still
+    on screen (it scrolled out of view)."""
+    async def main() -> None:
+        app = PdbgApp(replayer.open(nan_path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            await pilot.press("g", "e")
+            await answer(pilot, "args.0=x * 2")
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            t = app.timeline
+            assert t.scroll_offset.y <= t.cursor < t.scroll_offset.y + t.size.height, (t.cursor, t.scroll_offset)
+
+    asyncio.run(main())
