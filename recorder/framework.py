@@ -153,6 +153,7 @@ class FrameworkCallback:
         # (thread, id of the frame, its code); steps start only while it is on that thread's stack.
         self._loop: tuple[int, int, Any] | None = None
         self._first_nonfinite: int | None = None  # index of the step reported
+        self._globs_checked = False  # whether the modules globs were checked after the first step
         self._recorded: list[Any] = []  # paths this callback recorded into
 
     # -- framework events (the adapters call these) -----------------------------------------------
@@ -164,6 +165,9 @@ class FrameworkCallback:
             raise RecordingError(f"PaperDebuggerCallback needs the model being trained (an nn.Module), not "
                                  f"{type(model).__name__}")
         self.close()  # a recording an exception left open (Hugging Face reports none): crashed
+        for other in list(_OPEN.values()):  # another callback's, left so (a notebook cell run again with a
+            if other is not self:           # new Trainer and callback): a new training means it is over
+                other.close()
         options = dict(self.options)
         if options["modules"] is None:
             options["modules"] = auto_modules(model)
@@ -175,7 +179,9 @@ class FrameworkCallback:
                                      "callback.path to a new path before the next one)") from None
             raise
         self.run, self._run_path, self._model, self._first_nonfinite = run, self.path, model, None
+        self._globs_checked = False
         _warn_of_cache(model)
+        _warn_of_checkpointing(model)
         run.pause()
         run.notify_nonfinite(self._nonfinite)
         run.only_while(self._in_step)
@@ -204,11 +210,15 @@ class FrameworkCallback:
             self._loop = (threading.get_ident(), id(loop), loop.f_code)
 
     def _step_end(self) -> None:
-        """The training step is over: pause until the next one."""
+        """The training step is over: pause until the next one (after the first, a word if the
+        ``modules`` globs matched nothing in it: a long training would record nothing)."""
         self._loop = None
         if self._window is not None:
             window, self._window = self._window, None
             window.close()
+            if self.run is not None and not self._globs_checked:
+                self._globs_checked = True
+                self.run.warn_if_nothing_selected()
 
     def _in_step(self) -> bool:
         """Whether a step may start now (``Run.only_while``): not once the frame running the
@@ -287,4 +297,18 @@ def _warn_of_cache(model: torch.nn.Module) -> None:
             warn(f"PaperDebugger: {where}.use_cache is True, so the model hands its layers a cache object "
                  "that is not recorded as data, and their recorded steps cannot be replayed; training "
                  f"does not use the cache: set {where}.use_cache = False before training to replay them", stacklevel=4)
+            return
+
+
+def _warn_of_checkpointing(model: torch.nn.Module) -> None:
+    """Hugging Face's gradient checkpointing gives each layer the checkpoint function as an attribute
+    (a ``functools.partial``), which is not recorded as data: the layers' recorded steps cannot be
+    replayed. Training itself is recorded as usual: say so, and how to replay them."""
+    for name, module in model.named_modules():
+        if type(module).__module__.startswith("transformers.") and getattr(module, "gradient_checkpointing", False) \
+                is True and getattr(module, "_gradient_checkpointing_func", None) is not None:
+            warn(f"PaperDebugger: gradient checkpointing is on ({name or 'the model'}), so the layers hold the "
+                 "checkpoint function, which is not recorded as data, and their recorded steps cannot be "
+                 "replayed; training is recorded as usual: to replay them, record a training without "
+                 "gradient_checkpointing", stacklevel=4)
             return

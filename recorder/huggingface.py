@@ -63,6 +63,9 @@ class PaperDebuggerCallback(FrameworkCallback, TrainerCallback):  # type: ignore
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_end()
 
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step_end()  # (a step whose end never came: what follows is not training)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._end()
 

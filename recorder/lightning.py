@@ -60,6 +60,14 @@ class PaperDebuggerCallback(FrameworkCallback, Callback):  # type: ignore[misc]
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._step_end()
 
+    # A batch whose on_train_batch_start returned -1 (the rest of the epoch skipped) has no batch end:
+    # its window closes before validation or the epoch's end, whose calls are not training steps.
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._step_end()
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._step_end()
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._crash(exception)
 

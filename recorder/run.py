@@ -96,6 +96,7 @@ class Run:
         self.session = capture.Session(self.pipeline, mode=mode, every=every, model=model, t0=self.t0,
                                        modules=modules, on_anomaly=on_anomaly, keep=keep,
                                        max_ring_bytes=max_ring_bytes)
+        self._unmatched_said: set[str] = set()  # modules globs already reported as matching nothing
         self._signals = self._catch_signals() if mode == "flight" else {}
         self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
         self._hooks: list[Any] = []
@@ -353,16 +354,24 @@ class Run:
                 signal.signal(sig, handler)
         self._signals = {}
 
-    def _warn_unmatched(self) -> None:
+    def _warn_unmatched(self, so_far: str = "") -> None:
         selector = self.session.selector
-        missed = selector.unmatched()
+        missed = [g for g in selector.unmatched() if g not in self._unmatched_said]
         if not missed or not selector.paths:
             return
+        self._unmatched_said.update(missed)
         paths = sorted(selector.paths)
         shown = ", ".join(repr(p) if p else "'' (the root)" for p in paths[:40])
         more = f" and {len(paths) - 40} more" if len(paths) > 40 else ""
-        capture.warn(f"module glob(s) {', '.join(map(repr, missed))} matched no module; the module paths "
+        capture.warn(f"module glob(s) {', '.join(map(repr, missed))} matched no module{so_far}; the module paths "
                      f"called were: {shown}{more}", stacklevel=3)
+
+    def warn_if_nothing_selected(self) -> None:
+        """When no ``modules`` glob has matched a module yet (nothing of them is recorded), say so now
+        rather than when the recording closes (a framework callback asks after the first step)."""
+        selector = self.session.selector
+        if selector.globs and len(selector.unmatched()) == len(selector.globs):
+            self._warn_unmatched(" in the first training step: none of them is being recorded")
 
     @property
     def unmatched_globs(self) -> list[str]:

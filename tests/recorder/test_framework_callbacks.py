@@ -220,6 +220,52 @@ class TestLightning:
         assert len(forwards(rec)) == 20 * 3 and len(rec) == 2 * 20 * 3
         assert all(rec.step(s.index).status == "ok" for s in forwards(rec))
 
+    def test_an_epoch_cut_short_by_its_batch_start_records_no_more_of_it(self, pl: Any, tmp_path: Path) -> None:
+        """on_train_batch_start returning -1 skips the rest of the epoch, and that batch gets no batch
+        end: what runs next (validation, a forward at the epoch's end, here on NaN input) is not
+        recorded as a training step (it was, and its NaN was reported as the run's)."""
+        from recorder.lightning import PaperDebuggerCallback
+
+        net = lightning_net(pl)
+
+        def start(batch: Any, batch_idx: int) -> int | None:
+            return -1 if batch_idx == 3 else None
+
+        def epoch_end() -> None:
+            with torch.no_grad():
+                net.net(torch.full((2, WIDTH), float("nan")))
+
+        net.on_train_batch_start = start
+        net.on_train_epoch_end = epoch_end
+        path = tmp_path / "run.zarr"
+        with recorder_warnings() as said:
+            trainer = lightning_fit(pl, PaperDebuggerCallback(path), net, batches=8, max_steps=-1, max_epochs=2,
+                                    val=lightning_data(2, seed=1), num_sanity_val_steps=0)
+        assert trainer.global_step == 6 and not said, said
+        rec = replayer.open(path)
+        assert rec.status == "complete" and all(s.status == "ok" for s in rec.steps)
+        assert by_iteration(rec) == {it: [("net.layers.0", 0), ("net.layers.1", 1), ("net.layers.2", 2)]
+                                     for it in range(6)}
+
+    def test_globs_that_match_nothing_are_said_after_the_first_step(self, pl: Any, tmp_path: Path) -> None:
+        """modules= globs that select nothing are reported once, when the first training step ends
+        (not when a long training that recorded nothing ends)."""
+        from recorder.lightning import PaperDebuggerCallback
+
+        net = lightning_net(pl)
+        seen: list[int] = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+
+            def ours() -> list[str]:
+                return [str(w.message) for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+
+            net.on_train_batch_start = lambda *a: seen.append(len(ours()))  # said before each batch starts
+            lightning_fit(pl, PaperDebuggerCallback(tmp_path / "run.zarr", modules=["layers.*"]), net, max_steps=3)
+        said = ours()
+        assert len(said) == 1 and "'layers.*' matched no module in the first training step" in said[0]
+        assert "'net.layers.0'" in said[0] and seen == [0, 1, 1], seen
+
     def test_early_stopping_on_a_non_finite_loss_closes_complete(self, pl: Any, tmp_path: Path) -> None:
         """EarlyStopping(check_finite=True) ends the fit normally at the epoch whose loss is NaN: the
         run is complete, stops there, and names the step."""
@@ -419,6 +465,20 @@ class TestHuggingFace:
             replayer.replay(rec, step.index)
         assert "\n" not in str(info.value)
 
+    def test_gradient_checkpointing_is_named_as_what_keeps_steps_from_replaying(self, hf: Any,
+                                                                                tmp_path: Path) -> None:
+        """With gradient checkpointing each layer holds the checkpoint function (not data): the
+        callback says so when training starts (the replays failed without a word of why)."""
+        from recorder.huggingface import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        trainer = hf_trainer(hf, tmp_path, PaperDebuggerCallback(path), max_steps=2, gradient_checkpointing=True)
+        with recorder_warnings() as said:
+            trainer.train()
+        assert len(said) == 1 and "gradient checkpointing is on" in said[0], said
+        assert said[0].endswith("to replay them, record a training without gradient_checkpointing")
+        assert replayer.open(path).status == "complete"
+
     def test_gradient_accumulation_shares_iterations(self, hf: Any, tmp_path: Path) -> None:
         """gradient_accumulation_steps=2: 5 optimizer steps, 5 iterations, each with both blocks of
         both micro-batches (GPT2Block calls #0-#3)."""
@@ -478,6 +538,23 @@ class TestHuggingFace:
         blocks = [("transformer.h.0", 0), ("transformer.h.1", 1)]
         assert by_iteration(replayer.open(first)) == {it: blocks for it in range(6)}
         assert by_iteration(replayer.open(second)) == {it: blocks for it in range(6)}
+
+    def test_a_new_callback_after_train_raised_records(self, hf: Any, tmp_path: Path) -> None:
+        """A notebook cell run again after train() raised: a new Trainer and a new callback. The
+        first callback's recording (left open: the Trainer reports no exception) is closed crashed,
+        and the new training records (it was refused: "a recording is already active")."""
+        from recorder.huggingface import PaperDebuggerCallback
+
+        first, second = tmp_path / "a.zarr", tmp_path / "b.zarr"
+        old = PaperDebuggerCallback(first)
+        with pytest.raises(OverflowError):
+            hf_trainer(hf, tmp_path, old, raise_at=2).train()
+        new = PaperDebuggerCallback(second)
+        with recorder_warnings() as said:
+            hf_trainer(hf, tmp_path, new).train()
+        assert len(said) == 1 and f"the recording (crashed) is in {first}" in said[0]
+        assert old.run.status == "crashed" and replayer.open(first).status == "crashed"
+        assert new.run.status == "complete" and replayer.open(second).status == "complete"
 
 
 # -- what the callbacks share ------------------------------------------------------------------------
