@@ -128,7 +128,7 @@ def find_op(origin: Origin, step: Step) -> None:
         origin.op_note = f"operation-level bisection needs a replay, and this step cannot be replayed: {exc}"
         return
     if origin.op is None:
-        origin.op_note = "no single operation inside the step turned finite inputs into NaN/Inf during the replay"
+        origin.op_note = "no single operation inside the step turned finite values into NaN/Inf during the replay"
 
 
 @dataclass
@@ -198,12 +198,14 @@ def _across_ranks(rec: Recording, *, ops: bool, spread: int) -> Origin:
 
 
 def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, all_ranks: bool = False) -> Origin:
-    """The origin step of the first NaN/Inf in the recording, from the recorded statistics.
+    """The origin step of the first NaN/Inf in the recording, from the recorded statistics (what
+    counts as an origin: ``_first_on_rank``; Inf a step holds at every call, as a mask, does not).
 
     Args:
         rec: an open recording.
         ops: also replay the origin step operation by operation and name the first aten operation
-            that produced a non-finite value from finite inputs, with the user's source line.
+            that made a non-finite value (from finite inputs, or, for a pointwise one, where its
+            inputs were finite: beside a mask's -inf), with the user's source line.
         spread: how many of the steps that went non-finite afterwards to list.
         all_ranks: look at every rank of a distributed run, not only ``rec``'s; ``Origin.rank``
             names the rank of the origin, ``Origin.others`` what each other rank saw first.
