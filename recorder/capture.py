@@ -232,7 +232,6 @@ class Session:
                 self.failure = f"{where}: {type(exc).__name__}: {exc}"
                 message = f"PaperDebugger stopped recording ({self.failure}); training continues"
             warn(f"{message} and the steps committed so far stay readable; the run is marked incomplete", stacklevel=3)
-        self.enabled = False
 
     def disown(self) -> None:
         """In a forked child (a DataLoader worker): record nothing. The writer thread, the store and

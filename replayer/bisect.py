@@ -275,10 +275,9 @@ class _Kinds:
 def _kinds_recorded(rec: Recording) -> bool:
     """Whether the steps' flags tell NaN from Inf (schema 1.8 on)."""
     try:
-        major, minor = (int(x) for x in str(rec.rank.run.schema_version).split(".")[:2])
-    except (AttributeError, ValueError):
+        return layout.parse_version(rec.rank.run.schema_version) >= layout.KINDS_SINCE
+    except ValueError:  # (refused when the recording was opened)
         return False
-    return (major, minor) >= (1, 8)
 
 
 def _innermost(rec: Recording, index: int, mask: np.ndarray) -> int:
@@ -335,11 +334,14 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int) -> Origin:
 
 
 def _own_inputs(step: Step) -> list[Any]:
-    """A step's input records (a backward step's grad outputs and its forward's inputs)."""
-    roles = {"input", "param", "buffer", "collective"} if step.phase == "forward" else {"grad_output", "collective"}
-    own = [r for r in step.records if r.role in roles]
+    """A step's input records (``layout.INPUT_ROLES``; a backward step's and its forward's)."""
+    def inputs(s: Step) -> list[Any]:
+        roles = {layout.ROLES[i] for i in layout.INPUT_ROLES[layout.PHASES.index(s.phase)]}
+        return [r for r in s.records if r.role in roles]
+
+    own = inputs(step)
     if step.phase == "backward" and step.forward is not None:
-        own += [r for r in step.rec.step(step.forward).records if r.role in {"input", "param", "buffer"}]
+        own += inputs(step.rec.step(step.forward))
     return own
 
 

@@ -159,12 +159,13 @@ class Plan:
                 "settings": self.settings, "seed": self.seed}
 
 
-def matches(step_part: str, name: str, label: str | None, path: str, call: int | None, relative_to: str = "") -> bool:
-    """Whether the STEP part of an edit key names an inner step: by name, paper label or module path,
-    that path also taken relative to the replayed step's (``relative_to``), as swap keys are."""
+def matches(step_part: str, step: Any, relative_to: str = "") -> bool:
+    """Whether the STEP part of an edit key names an inner ``step``: by name, paper label or module
+    path, that path also taken relative to the replayed step's (``relative_to``), as swap keys are."""
     sel = parse_selector(step_part)
-    if sel.call is not None and sel.call != call:
+    if sel.call is not None and sel.call != step.call:
         return False
+    name, label, path = step.name, step.paper.get("label"), step.module_path
     if sel.matches_name(name, label, path):
         return True
     inside = relative_to and path.startswith(relative_to + ".")

@@ -163,8 +163,7 @@ class InnerTap:
             return None
         from .intervene import matches
 
-        changes = [c for c in self.plan.edits if c.step is not None and matches(
-            c.step, step.name, step.paper.get("label"), step.module_path, step.call, self.root_path)]
+        changes = [c for c in self.plan.edits if c.step is not None and matches(c.step, step, self.root_path)]
         if not changes:
             return None
         args, kwargs = list(args), dict(kwargs)

@@ -75,6 +75,27 @@ class Recording:
         return self.rank.run_info
 
     @property
+    def ended_by(self) -> str | None:
+        """Why this rank's recording is not ``complete``, in a few words ("SystemExit: 3", "SIGTERM",
+        the writer's failure...); None when it is, or while it records."""
+        if self.status in ("complete", "recording"):
+            return None
+        final = self.rank.final
+        for key, what in (("writer_error", "the writer failed"), ("recorder_failure", "recording failed")):
+            if final.get(key):
+                return f"{what}: {str(final[key]).splitlines()[0][:300]}"
+        exc = final.get("exception")
+        if isinstance(exc, dict) and exc.get("type"):
+            name = str(exc["type"]).rpartition(":")[2]
+            message = str(exc.get("message") or "").splitlines()[0][:300] if exc.get("message") else ""
+            return f"{name}: {message}" if message else name
+        signals = [d.get("reason") for d in (final.get("flight") or {}).get("dumps", [])
+                   if d.get("reason") in ("SIGTERM", "SIGINT")]
+        if signals:
+            return signals[-1]
+        return "the process ended without closing the recording (killed, or it died)" if not final else None
+
+    @property
     def ranks(self) -> list[int]:
         """The ranks of the run with committed steps (one for a single process)."""
         return self.reader.ranks

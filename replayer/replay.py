@@ -162,8 +162,7 @@ class Replayer:
             fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
             inner = descendants(fwd)
             for c in aimed:
-                if not any(intervene.matches(c.step, s.name, s.paper.get("label"), s.module_path, s.call,
-                                             fwd.module_path) for s in inner):
+                if not any(intervene.matches(c.step, s, fwd.module_path) for s in inner):
                     there = sorted({f"{_selector_name(s)}#{s.call}" for s in inner})
                     raise intervene.InterventionError(
                         f"edit {c.key}: no step inside step {step.index} is {c.step!r}; " + (
@@ -234,8 +233,7 @@ class Replayer:
         for c in self.plan.edits:
             if c.step is None or c.tensor.startswith(("args.", "kwargs.")):
                 continue
-            targets = {s.module_path for s in inner if intervene.matches(c.step, s.name, s.paper.get("label"),
-                                                                         s.module_path, s.call, step.module_path)}
+            targets = {s.module_path for s in inner if intervene.matches(c.step, s, step.module_path)}
             for path in sorted(targets):
                 rel = path[len(step.module_path):].lstrip(".") if step.module_path else path
                 sub = module.get_submodule(rel)

@@ -560,9 +560,7 @@ class PdbgApp(App[None]):
         if self.start is not None:
             timeline.go_to(self.start)
         self.show_step()
-        from .cmd_replay import ended_by
-
-        why = ended_by(self.rec.status, self.rec.rank.final)
+        why = self.rec.ended_by
         text = Text("? every key · ctrl+p actions · g the NaN origin · r replay", style="dim")
         if why:
             text = Text.assemble((f"{self.rec.status}, ended by: {why}\n", "yellow"), text)

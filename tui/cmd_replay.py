@@ -123,30 +123,9 @@ def summary(rec: Any) -> dict[str, Any]:
             "alerts": int(with_alerts(rec).sum()) if n else 0,
             "exceptions": int((status == layout.STATUSES.index("exception")).sum()),
             "first_nonfinite": first.to_json() if first is not None else None,
-            "ended_by": ended_by(rec.status, rec.rank.final),
+            "ended_by": rec.ended_by,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
             "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec)}
-
-
-def ended_by(status: str, final: dict[str, Any]) -> str | None:
-    """Why a run is not ``complete``, in a few words (None when it is, or while it records)."""
-    if status in ("complete", "recording"):
-        return None
-    for key, what in (("writer_error", "the writer failed"), ("recorder_failure", "recording failed")):
-        if final.get(key):
-            return f"{what}: {str(final[key]).splitlines()[0][:300]}"
-    exc = final.get("exception")
-    if isinstance(exc, dict) and exc.get("type"):
-        name = str(exc["type"]).rpartition(":")[2]
-        message = str(exc.get("message") or "").splitlines()[0][:300] if exc.get("message") else ""
-        return f"{name}: {message}" if message else name
-    signals = [d.get("reason") for d in (final.get("flight") or {}).get("dumps", []) if d.get("reason") in
-               ("SIGTERM", "SIGINT")]
-    if signals:
-        return signals[-1]
-    if not final:
-        return "the process ended without closing the recording (killed, or it died)"
-    return None
 
 
 def _ranks(rec: Any) -> list[dict[str, Any]]:

@@ -40,6 +40,7 @@ SCHEMA_VERSION = "1.8"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: 
 # 1.7: $dataclass attrs, skeleton tied, grad outputs inside output containers;
 # 1.8: steps/flags bits ALERTS, NAN_RESULT, NAN_INPUT
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
+KINDS_SINCE = (1, 8)  # recordings of this schema or later tell NaN from Inf in steps/flags
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"
