@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import jsonval, skeleton
 from .capture import warn
 from .errors import RecordingError, brief
 
@@ -301,14 +302,18 @@ def _warn_of_cache(model: torch.nn.Module) -> None:
 
 
 def _warn_of_checkpointing(model: torch.nn.Module) -> None:
-    """Hugging Face's gradient checkpointing gives each layer the checkpoint function as an attribute
-    (a ``functools.partial``), which is not recorded as data: the layers' recorded steps cannot be
-    replayed. Training itself is recorded as usual: say so, and how to replay them."""
+    """Hugging Face's gradient checkpointing gives each layer the checkpoint function as an attribute:
+    ``functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=...)`` is recorded (and the
+    layers replay), but not another function (``offload=True``'s, one of the user's) or options that
+    are not data. Training itself is recorded as usual: say so, and how to replay them."""
     for name, module in model.named_modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
         if type(module).__module__.startswith("transformers.") and getattr(module, "gradient_checkpointing", False) \
-                is True and getattr(module, "_gradient_checkpointing_func", None) is not None:
-            warn(f"PaperDebugger: gradient checkpointing is on ({name or 'the model'}), so the layers hold the "
-                 "checkpoint function, which is not recorded as data, and their recorded steps cannot be "
-                 "replayed; training is recorded as usual: to replay them, record a training without "
-                 "gradient_checkpointing", stacklevel=4)
+                is True and func is not None and skeleton.opaque_in(jsonval.encode(func)) is not None:
+            what = getattr(func, "__qualname__", None) or f"{func!r:.80}"
+            warn(f"PaperDebugger: gradient checkpointing is on ({name or 'the model'}) with a checkpoint function "
+                 f"({what}) that is not recorded as data, so the layers' recorded steps cannot be "
+                 "replayed; training is recorded as usual: to replay them, record with torch's checkpoint "
+                 "(gradient_checkpointing_kwargs of plain values, no offload) or without gradient_checkpointing",
+                 stacklevel=4)
             return

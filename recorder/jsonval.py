@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import functools
 import importlib
 import json
 import math
@@ -177,6 +178,19 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
         if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
             ref = function_ref(value)
             return {"$function": ref} if ref is not None else _opaque(value)
+        if type(value) is functools.partial:  # an activation with its options; Hugging Face's checkpoint function
+            ref = function_ref(value.func)
+            if ref is None or id(value) in active:
+                return _opaque(value)
+            active.add(id(value))
+            try:
+                return {"$partial": {"function": ref,
+                                     "args": [enc(a, f"{path}.args.{i}" if path else f"args.{i}", depth + 1)
+                                              for i, a in enumerate(value.args)],
+                                     "kwargs": enc(dict(value.keywords), f"{path}.kwargs" if path else "kwargs",
+                                                   depth + 1)}}
+            finally:
+                active.discard(id(value))
         if type(value) is np.ndarray:
             dt = value.dtype
             if value.size > 4096 or dt.kind not in _NP_KINDS + "mM" or np.dtype(str(dt)) != dt:
@@ -236,21 +250,28 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
 # Where torch's tensor math lives: the functions a module may keep as an attribute (an activation).
 _MATH_MODULES = frozenset(("torch", "torch.nn.functional", "torch._C._nn", "torch.special", "torch.fft",
                            "torch.linalg", "torch._C._special", "torch._C._fft", "torch._C._linalg"))
+# Other functions of torch's that a module may keep: activation checkpointing's (Hugging Face's layers hold
+# it as functools.partial(checkpoint, use_reentrant=...)). It calls only the function it is given.
+_ALSO_CALLABLE = frozenset(("torch.utils.checkpoint:checkpoint",))
 
 
 def _callable_by_ref(ref: str) -> bool:
     """May a decoded ``$function`` be looked up by its reference alone? Only torch's tensor math (an
     activation a module keeps, ``F.gelu``), never ``torch.load`` and the like; a paper step is
     looked up as the replay finds code, and nothing else a recording names is ever called."""
+    if ref in _ALSO_CALLABLE:
+        return True
     module, _, name = ref.partition(":")
     return (module in _MATH_MODULES and name.isidentifier() and not name.startswith("_")  # no dotted path out
             and not name.startswith(("load", "save", "hub", "compile", "set_", "use_")))
 
 
-def _is_math_function(fn: Any) -> bool:
-    """A function (not a class, module or method of another object) defined in torch's math modules."""
+def _is_torch_function(fn: Any, ref: str) -> bool:
+    """A function (not a class, module or method of another object) defined in torch's math modules,
+    or one of ``_ALSO_CALLABLE`` where ``ref`` names it."""
     return isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)) and (
-        getattr(fn, "__module__", None) in _MATH_MODULES)
+        getattr(fn, "__module__", None) in _MATH_MODULES
+        or (ref in _ALSO_CALLABLE and f"{fn.__module__}:{fn.__qualname__}" == ref))
 
 
 def function_ref(fn: Any) -> str | None:
@@ -409,11 +430,23 @@ class _Decoder:
             try:
                 torch_own = _callable_by_ref(ref)
                 fn = import_ref(ref) if torch_own else self.resolve(ref)  # (a paper step: as the replay finds code)
-                if _is_math_function(fn) if torch_own else getattr(fn, "__pdbg_step__", None) is not None:
+                if _is_torch_function(fn, ref) if torch_own else getattr(fn, "__pdbg_step__", None) is not None:
                     return fn
             except Exception:  # noqa: BLE001, S110 - not importable here: stays a description
                 pass
         return Opaque("builtins:function", ref)
+
+    def partial(self, tag: str, payload: Any) -> Any:
+        ref, args, kwargs = _keys(payload, tag, "function", "args", "kwargs")
+        fn = self.function("$function", ref)
+        args = self.items(args, tag)
+        kwargs = _expect(self.dec(kwargs), dict, tag)
+        if not all(type(k) is str for k in kwargs):
+            _fail(f"bad {tag} keyword {next(k for k in kwargs if type(k) is not str)!r:.60}")
+        if isinstance(fn, Opaque):  # not asked to import, or not importable here: a description
+            shown = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+            return Opaque("functools:partial", f"functools.partial({', '.join([ref, *shown])})")
+        return functools.partial(fn, *args, **kwargs)
 
     def tensor_meta(self, tag: str, payload: Any) -> TensorMeta:
         shape, dtype, device = _keys(payload, tag, "shape", "dtype", "device")
@@ -443,6 +476,7 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$tensor_meta": _Decoder.tensor_meta,
     "$generator": _Decoder.generator,
     "$function": _Decoder.function,
+    "$partial": _Decoder.partial,
     "$opaque": lambda d, t, p: Opaque(*(_expect(x, str, t) for x in _keys(p, t, "type", "repr"))),
     **dict.fromkeys(("$npscalar", "$ndarray"), _Decoder.numpy),
 }

@@ -44,7 +44,7 @@ def remember(module: torch.nn.Module, wrapper: Any, args: tuple[Any, ...], kwarg
         module.__dict__[INIT_KEY] = init_record(type(module), args, kwargs)
 
 
-def _opaque_in(doc: Any) -> str | None:
+def opaque_in(doc: Any) -> str | None:
     """The type of the first opaque value in an encoded document, or None."""
     for value in jsonval.walk(doc):
         if isinstance(value, dict) and len(value) == 1:
@@ -148,7 +148,7 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
         if key == "forward" and hasattr(value, "__pdbg_step__"):  # annotate()'s wrapper, not state
             continue
         doc = jsonval.encode(value)
-        bad = _opaque_in(doc)
+        bad = opaque_in(doc)
         if bad is None:
             attrs[key] = doc
             continue

@@ -498,8 +498,13 @@ class Replayer:
         with state.applied({**step.settings, **self.plan.settings}, step.rng, threads=threads, notes=warnings), \
                 self._around("backward"):
             try:
-                grads = torch.autograd.grad([o for o, _ in pairs], targets, grad_outputs=[g for _, g in pairs],
-                                            allow_unused=True)
+                try:
+                    grads = torch.autograd.grad([o for o, _ in pairs], targets, grad_outputs=[g for _, g in pairs],
+                                                allow_unused=True)
+                except RuntimeError as exc:
+                    if "use_reentrant=True" not in str(exc) or not all(t.is_leaf for t in targets):
+                        raise
+                    grads = _grads_by_backward(pairs, targets, [*params.values(), *call.leaves.values()])
             except PdbgError:
                 raise
             except Exception as exc:  # noqa: BLE001 - an edited grad output of another shape, a swapped module's own
@@ -517,6 +522,24 @@ class Replayer:
 
 
 Around = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+def _grads_by_backward(pairs: list[tuple[torch.Tensor, torch.Tensor]], targets: list[torch.Tensor],
+                       leaves: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """The targets' gradients by ``torch.autograd.backward`` into their ``.grad``: a step whose code
+    runs ``torch.utils.checkpoint`` with ``use_reentrant=True`` (Hugging Face's gradient
+    checkpointing in transformers 4) refuses ``torch.autograd.grad``. Every leaf the replay made or
+    rebuilt (``leaves``, ``targets`` among them: all leaves) starts without a gradient and gets its
+    own ``.grad`` back after."""
+    kept = {id(t): (t, t.grad) for t in [*leaves, *targets]}
+    try:
+        for t, _ in kept.values():
+            t.grad = None
+        torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
+        return tuple(t.grad for t in targets)
+    finally:
+        for t, grad in kept.values():
+            t.grad = grad
 
 
 def _selector_name(step: Step) -> str:

@@ -33,12 +33,12 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.8"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.9"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
 # 1.7: $dataclass attrs, skeleton tied, grad outputs inside output containers;
-# 1.8: steps/flags bits ALERTS, NAN_RESULT, NAN_INPUT
+# 1.8: steps/flags bits ALERTS, NAN_RESULT, NAN_INPUT; 1.9: tag $partial
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 KINDS_SINCE = (1, 8)  # recordings of this schema or later tell NaN from Inf in steps/flags
 CHECKSUM_KEY = "checksum"

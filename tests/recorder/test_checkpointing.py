@@ -5,6 +5,8 @@ tensors; and its backward steps replay."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -127,3 +129,55 @@ def test_modules_selected_by_glob_under_checkpointing(tmp_path, reentrant):
         if s["phase"] == 1:
             assert {name for role, name, *_ in s["tensors"] if role == "param_grad"} == {"0.weight", "0.bias"}
             assert got[s["forward"]]["path"] == s["path"]
+
+
+@recorder.paper_step("Eq. 4", description="a block that checkpoints its own inner layers")
+class SelfCheckpointing(nn.Module):
+    """Checkpoints its inner layers in its own forward, the checkpoint function kept as an attribute
+    (``functools.partial(checkpoint, use_reentrant=...)``, as Hugging Face's layers keep it) or
+    called directly."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.reentrant = reentrant
+        self.kept = False
+
+    def keep_checkpoint_function(self) -> None:  # after construction, as gradient_checkpointing_enable() does
+        self.kept = True
+        self.checkpoint_func = functools.partial(checkpoint, use_reentrant=self.reentrant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kept:
+            return x + self.checkpoint_func(self.inner, x)
+        return x + checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept as an attribute", "called"])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_step_that_checkpoints_inside_itself_replays_forward_and_backward(tmp_path, reentrant, kept):
+    """A step whose own code runs torch.utils.checkpoint: its module is rebuilt with the checkpoint
+    function it keeps, and its backward replays bit for bit in both variants (the reentrant one
+    refuses torch.autograd.grad)."""
+    import replayer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(SelfCheckpointing(reentrant), nn.Linear(8, 1))
+    if kept:
+        model[0].keep_checkpoint_function()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, optimizer=opt, mode="full"):
+        for _ in range(ITERATIONS):
+            model(torch.randn(4, 8, requires_grad=True)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    steps = rec.steps.filter(name="SelfCheckpointing")
+    assert [s.phase for s in steps] == ["forward", "backward"] * ITERATIONS
+    for step in steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match, [d.summary() for d in result.outputs if not d.match]
+        if step.phase == "backward":
+            assert {d.name for d in result.outputs} >= {"inner.0.weight", "inner.2.weight"}
+            assert all(d.mismatched == 0 and d.reason is None for d in result.outputs)

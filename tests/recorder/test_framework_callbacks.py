@@ -465,18 +465,51 @@ class TestHuggingFace:
             replayer.replay(rec, step.index)
         assert "\n" not in str(info.value)
 
-    def test_gradient_checkpointing_is_named_as_what_keeps_steps_from_replaying(self, hf: Any,
-                                                                                tmp_path: Path) -> None:
-        """With gradient checkpointing each layer holds the checkpoint function (not data): the
-        callback says so when training starts (the replays failed without a word of why)."""
+    @pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}], ids=["default", "reentrant"])
+    def test_layers_under_gradient_checkpointing_replay(self, hf: Any, tmp_path: Path,
+                                                        kwargs: dict[str, Any] | None) -> None:
+        """With gradient checkpointing each layer holds torch's checkpoint function with its options
+        (a functools.partial): it is recorded, and the layers' forward and backward steps replay bit
+        for bit, through the checkpoint as in training (the reentrant variant too), without a warning."""
         from recorder.huggingface import PaperDebuggerCallback
 
         path = tmp_path / "run.zarr"
-        trainer = hf_trainer(hf, tmp_path, PaperDebuggerCallback(path), max_steps=2, gradient_checkpointing=True)
+        trainer = hf_trainer(hf, tmp_path, PaperDebuggerCallback(path, mode="full"), max_steps=2,
+                             gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)
         with recorder_warnings() as said:
             trainer.train()
-        assert len(said) == 1 and "gradient checkpointing is on" in said[0], said
-        assert said[0].endswith("to replay them, record a training without gradient_checkpointing")
+        assert not said
+        rec = replayer.open(path)
+        steps = rec.steps.filter(iteration=1)
+        assert [s.phase for s in steps] == ["forward", "forward", "backward", "backward"]
+        for step in steps:
+            result = replayer.replay(rec, step.index)
+            assert result.match and result.rebuilt[step.module_path] == "skeleton", result
+        layer = trainer.model.transformer.h[0]
+        assert layer._gradient_checkpointing_func.keywords == (kwargs or {"use_reentrant": False})
+
+    def test_a_checkpoint_function_not_recorded_is_named(self, hf: Any, tmp_path: Path) -> None:
+        """A checkpoint function that is not data (transformers' offload=True makes one of its own):
+        the callback says so when training starts, naming it (the replays failed without a word of why)."""
+        from recorder.huggingface import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        trainer = hf_trainer(hf, tmp_path, PaperDebuggerCallback(path), max_steps=2)
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint = trainer.model.transformer.h[0]._gradient_checkpointing_func
+
+        def offloading(function: Any, *args: Any, **kwargs: Any) -> Any:
+            return checkpoint(function, *args, **kwargs)
+
+        for layer in trainer.model.transformer.h:
+            layer._gradient_checkpointing_func = offloading
+        with recorder_warnings() as said:
+            trainer.train()
+        assert len(said) == 1 and "gradient checkpointing is on (transformer.h.0) with a checkpoint function " \
+            "(TestHuggingFace.test_a_checkpoint_function_not_recorded_is_named.<locals>.offloading) that is not " \
+            "recorded as data" in said[0], said
+        assert said[0].endswith("(gradient_checkpointing_kwargs of plain values, no offload) or without "
+                                "gradient_checkpointing")
         assert replayer.open(path).status == "complete"
 
     def test_gradient_accumulation_shares_iterations(self, hf: Any, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import importlib
 import io
 import json
@@ -283,6 +284,37 @@ def test_torch_math_functions_by_reference_and_nothing_else() -> None:
                 "torch:os.system", "torch.nn.functional:torch.load", "torch:serialization.load",
                 "torch:ops.load_library", "torch:Tensor", "torch:_C"):
         assert decode({"$function": ref}, import_types=True) == Opaque("builtins:function", ref)
+
+
+def test_a_partial_of_torch_math_or_checkpoint_by_reference() -> None:
+    """functools.partial of a function recorded by reference (an activation with its options,
+    Hugging Face's checkpoint function) is recorded with its arguments and comes back as an equal
+    partial when asked to import; anything else in it stays a description, and a partial of any
+    other function is opaque."""
+    from torch.utils.checkpoint import checkpoint
+
+    gelu = functools.partial(torch.nn.functional.gelu, approximate="tanh")
+    ckpt = functools.partial(checkpoint, use_reentrant=False)
+    doc = encode([gelu, ckpt, functools.partial(torch.clamp, -1.0, max=math.inf)])
+    assert doc[:2] == [{"$partial": {"function": "torch._C._nn:gelu", "args": [], "kwargs": {"approximate": "tanh"}}},
+                       {"$partial": {"function": "torch.utils.checkpoint:checkpoint", "args": [],
+                                     "kwargs": {"use_reentrant": False}}}]
+    made = decode(loads(dumps(doc)), import_types=True)
+    assert [(p.func, p.args, p.keywords) for p in made] == [
+        (torch._C._nn.gelu, (), {"approximate": "tanh"}), (checkpoint, (), {"use_reentrant": False}),
+        (torch.clamp, (-1.0,), {"max": math.inf})]
+    x = torch.randn(5)
+    assert torch.equal(made[0](x), gelu(x))
+    assert decode(doc)[1] == Opaque("functools:partial",
+                                    "functools.partial(torch.utils.checkpoint:checkpoint, use_reentrant=False)")
+    for fn in (os.system, torch.load, lambda x: x, print):
+        assert "$opaque" in encode(functools.partial(fn, 1))
+    for ref in ("os:system", "torch:load", "builtins:eval"):
+        sneaky = {"$partial": {"function": ref, "args": ["echo hi"], "kwargs": {}}}
+        assert decode(sneaky, import_types=True) == Opaque("functools:partial", f"functools.partial({ref}, 'echo hi')")
+    with pytest.raises(FormatError, match="bad \\$partial"):
+        decode({"$partial": {"function": "torch:tanh", "args": [], "kwargs": {"$dict": [[1, 2]]}}},
+               import_types=True)
 
 
 def test_type_ref() -> None:
