@@ -130,6 +130,7 @@ class Frame:
     nonfinite: TensorItem | None = None  # the first result tensor holding NaN or Inf
     collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls made inside
     vmap: dict[str, list[int]] | None = None  # under torch.func: record name -> vmap batch dims (transforms)
+    module_doc: dict[str, Any] | None = None  # the module's skeleton when the call began (a backward: its forward's)
 
 
 @dataclass
@@ -175,7 +176,7 @@ class Session:
         self._callback_queued = False
         # id(module) -> (weak reference, training flag, document): weak, so that modules made anew at
         # every call (and their parameters) are not kept alive by the recording.
-        self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], bool, dict[str, Any]]] = {}
+        self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], tuple[Any, ...], dict[str, Any]]] = {}
         self._known_settings: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.rng = snapshot.RngReader()
         stats_mod.prepare()  # the one-pass statistics kernel: compiled or loaded once per process
@@ -601,6 +602,7 @@ class Session:
         try:
             frame.rng = self.rng.parts()
             frame.settings = self._settings()
+            frame.module_doc = self._module_doc(module)  # as the call finds it (a schedule may change it)
             tapping = torch.is_grad_enabled() and frame.vmap is None
             slots = taps.argument_slots(args, kwargs) if tapping else []
             tapped = frozenset(id(t) for _, t in slots)
@@ -939,7 +941,8 @@ class Session:
             frame.notes.append(f"{frame.dropped} {layout.DROPPED_NOTE} (when_slow='drop_payloads')")
             frame.dropped = 0
         docs = {"name": frame.defn.name, "definition": frame.defn.doc(), "module_path": frame.path,
-                "module": self._module_doc(frame.module), "settings": frame.settings,
+                "module": frame.module_doc if frame.module_doc is not None else self._module_doc(frame.module),
+                "settings": frame.settings,
                 "args": frame.args_doc, "output": frame.output_doc}
         row = {"phase": frame.phase, "iteration": frame.iteration, "call": frame.call, "parent": frame.parent,
                "forward": frame.forward, "t_start": frame.t_start, "t_end": frame.t_end}
@@ -984,12 +987,14 @@ class Session:
     def _module_doc(self, module: torch.nn.Module | None) -> dict[str, Any] | None:
         if module is None:
             return None
-        # Built once per instance (and training flag); the writer stores each distinct skeleton once.
+        # Built again only when the tree's attributes changed (skeleton.state_key: a temperature
+        # schedule, a counter, a child put in eval mode); the writer stores each distinct skeleton once.
         entry = self._module_docs.get(id(module))
-        if entry is None or entry[0]() is not module or entry[1] != module.training:  # (an id can be reused)
+        key = skeleton.state_key(module)
+        if entry is None or entry[0]() is not module or entry[1] != key:  # (an id can be reused)
             if len(self._module_docs) >= _MODULE_DOCS_LIMIT:  # entries of modules gone: only a cache
                 self._module_docs.clear()
-            entry = self._module_docs[id(module)] = (weakref.ref(module), module.training, skeleton.build(module))
+            entry = self._module_docs[id(module)] = (weakref.ref(module), key, skeleton.build(module))
         return entry[2]
 
     # -- backward --------------------------------------------------------------------------------
@@ -1082,6 +1087,7 @@ class Session:
                       payloads=self._payloads_now(), forward=fwd.index, t_end=now)
         frame.rng = self.rng.parts()
         frame.settings = self._settings()
+        frame.module_doc = fwd.module_doc
         link.frame = frame
         self._pass.append(link)
         if link.hooked and not link.handles:  # a second backward through this call's graph: hooked again

@@ -56,6 +56,37 @@ def opaque_in(doc: Any) -> str | None:
     return None
 
 
+_BY_VALUE = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device))
+_TENSOR = object()  # a tensor attribute's skeleton holds its type only: which tensor does not matter
+
+
+def state_key(module: torch.nn.Module) -> tuple[Any, ...]:
+    """What ``build(module)`` depends on that may change between calls, cheaply (no encoding): for
+    every module of the tree, each attribute's name and value (numbers, strings, flags by value; a
+    generator by its state; other objects by identity, so a list changed in place goes unseen)."""
+    key: list[Any] = []
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        state = m.__dict__
+        key.append(m.training)
+        for name in state.keys() - _BASE_KEYS:  # (in C: most of a module's attributes are torch's own)
+            value = state[name]
+            kind = type(value)
+            key.append(name)
+            if kind in _BY_VALUE:
+                key.append(value)
+            elif isinstance(value, torch.Tensor):
+                key.append(_TENSOR)
+            elif kind is torch.Generator:
+                key.append(bytes(value.get_state().numpy()))
+            else:
+                key.append(id(value))
+        stack.extend(c for c in m._modules.values() if c is not None)
+        key.append(len(m._modules))
+    return tuple(key)
+
+
 def own_class(module: torch.nn.Module) -> type:
     """The class ``module`` was made as: for a module that ``torch.nn.utils.parametrize`` changed
     (``parametrizations.weight_norm``, ``spectral_norm``, ``orthogonal``...), the class it had before,

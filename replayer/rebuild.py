@@ -35,6 +35,7 @@ class Rebuilt:
     warnings: list[str] = field(default_factory=list)
     links: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)  # parameter name -> the name it is the same tensor as
+    unrecorded: list[str] = field(default_factory=list)  # attributes not recorded that a constructor made
 
     def link(self) -> None:
         """Tie parameters that were one tensor under several names (``tied``), and point attributes
@@ -144,6 +145,8 @@ class Builder:
             else:
                 module = self._construct(doc, path, out)
                 if module is not None:
+                    _overlay(module, doc)
+                    out.unrecorded.append(f"{where}: {names}")
                     return module
                 out.warnings.append(f"{where}: attributes {names} could not be recorded as data and the module was "
                                     "not built with known constructor arguments; rebuilt without them")
@@ -234,6 +237,35 @@ class Builder:
 
     def _resolve_type(self, ref: str) -> Any:
         return self.loader.resolve(ref)
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Generator)
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, _PLAIN) or (type(value) in (tuple, list) and all(map(_plain, value)))
+
+
+def _overlay(module: torch.nn.Module, doc: dict[str, Any]) -> None:
+    """Set on a module the constructor made (and its children) the recorded attributes that are
+    plain values and their training flags: what the call saw, where training changed them after
+    construction (a temperature schedule, a counter, a child put in eval mode). Objects stay the
+    constructor's."""
+    if "training" in doc:
+        module.training = bool(doc["training"])
+    state = module.__dict__
+    for key, value in (doc.get("attrs") or {}).items():
+        if key in state and _plain(state[key]):
+            try:
+                decoded = jsonval.decode(value)
+            except (ValueError, TypeError):
+                continue
+            if _plain(decoded):
+                state[key] = decoded
+    children = doc.get("children") or {}
+    for name, child in module._modules.items():
+        if child is not None and isinstance(children.get(name), dict):
+            _overlay(child, children[name])
 
 
 def _set_up_after_construction(doc: Any) -> bool:

@@ -336,7 +336,8 @@ class Replayer:
         drift = self.loader.drift(defn, target)
         if drift:
             warnings.append(drift)
-        return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)))
+        return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)),
+                     built.unrecorded if module_doc is not None else [])
 
     def _calls_of_module(self, fwd: Step) -> int:
         """How many forward calls of the same module (path) the iteration had whose backward ran: the
@@ -419,6 +420,7 @@ class Replayer:
             result.inner = tap.compare()
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
+        _hint_unrecorded(result, call)
         return result
 
     # -- backward --------------------------------------------------------------------------------
@@ -518,10 +520,20 @@ class Replayer:
             result.inner = tap.compare_backward(param_grads, fwd.module_path)
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
+        _hint_unrecorded(result, call)
         return result
 
 
 Around = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+def _hint_unrecorded(result: ReplayResult, call: _Call) -> None:
+    """A replay that did not match, of a module whose constructor made what could not be recorded:
+    name those attributes, the likely cause (a tensor attribute training changed, not a buffer)."""
+    if not result.match and call.unrecorded:
+        result.warnings.append(f"attributes that could not be recorded as data came from the module's constructor "
+                               f"({'; '.join(call.unrecorded)}); if training changed them after construction (a "
+                               "tensor kept as an attribute, not a buffer), the replay used other values")
 
 
 def _grads_by_backward(pairs: list[tuple[torch.Tensor, torch.Tensor]], targets: list[torch.Tensor],
@@ -560,6 +572,7 @@ class _Call:
     kwargs: dict[str, Any]
     leaves: dict[str, torch.Tensor]
     vmap: tuple[tuple[int | None, ...], Any] | None = None  # in_dims, out_dims (see _vmap_dims)
+    unrecorded: list[str] = field(default_factory=list)  # attributes the module's constructor made (Rebuilt)
 
     def run(self) -> Any:
         if self.vmap is None:

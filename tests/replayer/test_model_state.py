@@ -217,3 +217,83 @@ def test_a_swapped_module_keeps_its_weights_tied(tmp_path: Path) -> None:
     result = replayer.replay(rec, "Model@iter=1:backward", swap={"body": Body})  # the same class, built anew
     assert result.match and [d.name for d in result.outputs] == ["body.emb.weight"], [
         d.summary() for d in result.outputs]
+
+
+@recorder.paper_step("Eq. 3", description="a residual gate warmed up over calls: g = min(1, t / 10)")
+class WarmupGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.t = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.t += 1  # the call changes its own state: the replay starts from the state the call found
+        return x + min(1.0, self.t / 10) * self.lin(x)
+
+
+@recorder.paper_step("Eq. 4", description="a softmax with an annealed temperature")
+class Anneal(nn.Module):
+    def __init__(self, keep_center: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.tau = 1.0  # annealed by the training loop
+        self.shape_of = lambda t: t.shape  # not data: the module is rebuilt by its constructor
+        self.center = torch.zeros(4) if keep_center else None  # a tensor attribute, not a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.lin(x))
+        return F.softmax((h if self.center is None else h - self.center) / self.tau, -1)
+
+
+def train_scheduled(path: Path, model: nn.Module, schedule: Any) -> None:
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(path, model=model, optimizer=opt, mode="full"):
+        for it in range(3):
+            schedule(model, it)
+            out = model(torch.randn(3, 4))
+            if getattr(model, "center", None) is not None:
+                model.center = 0.9 * model.center + 0.1 * out.detach().mean(0)
+            out.pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def anneal(model: nn.Module, it: int) -> None:
+    model.tau = 1.0 / (1 + it)  # a temperature schedule
+    model.drop.p = 0.5 / (1 + it)  # a dropout schedule on a child
+    if it == 2:
+        model.drop.eval()  # a child put in eval mode
+
+
+@pytest.mark.parametrize("model,schedule", [(WarmupGate, lambda m, it: None), (Anneal, anneal)],
+                         ids=["state the call changes", "schedules, rebuilt by its constructor"])
+def test_attributes_training_changes_replay_as_each_call_found_them(tmp_path: Path, model: Any,
+                                                                   schedule: Any) -> None:
+    """A module's attributes are recorded as each call found them: a counter its forward moves, a
+    temperature and a child's dropout rate the training loop anneals, a child put in eval mode.
+    Every call replays bit for bit, forward and backward, also when the module is rebuilt by its
+    constructor (what it holds that is not data comes from there; the recorded values go on top)."""
+    path = tmp_path / "run.zarr"
+    train_scheduled(path, model(), schedule)
+    rec = replayer.open(path)
+    steps = rec.steps.filter(name=model.__name__)
+    assert len(steps) == 6
+    for step in steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match and not result.warnings, (step.selector, result.warnings)
+
+
+def test_a_mismatch_names_the_attributes_a_constructor_made(tmp_path: Path) -> None:
+    """A tensor kept as a module attribute (not a buffer) is not recorded: the module's constructor
+    makes it at replay. When training changed it and the replay differs, the replay says so."""
+    path = tmp_path / "run.zarr"
+    train_scheduled(path, Anneal(keep_center=True), lambda m, it: None)
+    rec = replayer.open(path)
+    first, later = replayer.replay(rec, "Eq. 4@iter=0"), replayer.replay(rec, "Eq. 4@iter=1")
+    assert first.match and not first.warnings
+    assert not later.match and later.warnings == [
+        "attributes that could not be recorded as data came from the module's constructor (the step's module: "
+        "center (torch:Tensor), shape_of (builtins:function)); if training changed them after construction (a "
+        "tensor kept as an attribute, not a buffer), the replay used other values"]
