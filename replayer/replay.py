@@ -286,7 +286,7 @@ class Replayer:
             if (rec.requires_grad or name in grads) and (leaf.is_floating_point() or leaf.is_complex()):
                 leaf.requires_grad_(True)
             leaves[name] = leaf
-            given[name] = leaf.clone() if leaf.requires_grad else leaf  # in-place ops on it must not hit a leaf
+            given[name] = _stand_in(leaf) if leaf.requires_grad else leaf  # in-place ops on it must not hit a leaf
             return given[name]
 
         arguments = step.arguments or {"args": [], "kwargs": {}}
@@ -635,19 +635,47 @@ def _materialize(step: Step, rec: TensorRecord) -> torch.Tensor:
 
 
 def _with_strides(value: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``value`` laid out with the recorded strides: a kernel's order of summation, and so the last
+    bits of a reduction, follow the layout. A permuted dense layout (a transpose, channels_last), one
+    with gaps (``x[::2]``, ``x.chunk(2, -1)[0]``), an expanded one (stride 0) and overlapping windows
+    (``unfold``) are rebuilt; negative strides cannot be, and stay as given."""
     shape = tuple(value.shape)
+    if len(stride) != len(shape) or any(s < 0 for s in stride):
+        return value
     if any(s == 0 for s, n in zip(stride, shape) if n > 1):  # expanded: rebuild from the unexpanded base
         index = tuple(slice(0, 1) if s == 0 else slice(None) for s in stride)
-        return value[index].contiguous().expand(shape)
-    dims = sorted((s, n) for s, n in zip(stride, shape) if n > 1)
-    needed = 1
-    for s, n in dims:  # non-overlapping and dense: a permutation of a contiguous layout
-        if s != needed:
-            return value
-        needed *= n
-    out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+        return _with_strides(value[index].contiguous(), tuple(s or 1 for s in stride)).expand(shape)
+    if _overlapping(shape, stride):  # windows over one storage: every element written where it lies
+        size = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+        flat = torch.zeros(size, dtype=value.dtype, device=value.device)
+        at = torch.zeros((), dtype=torch.long, device=value.device)
+        for d, (n, s) in enumerate(zip(shape, stride)):
+            at = at.unsqueeze(-1) + torch.arange(n, device=value.device).mul_(s).view(*([1] * d), n)
+        flat[at.reshape(-1)] = value.reshape(-1)
+        return flat.as_strided(shape, stride)
+    out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)  # (gaps: zeros unread)
     out.copy_(value)
     return out
+
+
+def _stand_in(leaf: torch.Tensor) -> torch.Tensor:
+    """What a step is given for an input leaf that requires grad: a copy in its layout (``clone``
+    makes a layout with gaps contiguous), or the leaf itself where its elements overlap (an expanded
+    tensor: torch refuses in-place changes to it anyway)."""
+    shape, stride = tuple(leaf.shape), leaf.stride()
+    if _overlapping(shape, stride):
+        return leaf
+    out = torch.empty_strided(shape, stride, dtype=leaf.dtype, device=leaf.device)
+    return out.copy_(leaf)
+
+
+def _overlapping(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    reach = 0  # the farthest element the smaller strides reach
+    for s, n in sorted((s, n) for s, n in zip(stride, shape) if n > 1):
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
 
 
 def _compare_one(step: Step, rec: TensorRecord, value: Any) -> Diff:

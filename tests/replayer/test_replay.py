@@ -510,3 +510,40 @@ def test_a_step_drawing_from_a_generator_it_is_given_replays(tmp_path: Path) -> 
         assert replayer.replay(rec, index).match
     assert torch.equal(generator.get_state(), after)
 
+
+
+@recorder.paper_step("Eq. 12", description="a reduction, whose last bits follow its input's layout")
+def total(x: torch.Tensor) -> torch.Tensor:
+    return x.sum() * 1.5
+
+
+LAYOUTS = {
+    "rows with gaps": lambda big: big[::2],
+    "columns with gaps": lambda big: big[:, ::2],
+    "a chunk": lambda big: big.chunk(2, -1)[0],
+    "overlapping windows": lambda big: big.unfold(0, 4, 2),
+    "expanded": lambda big: (big[0] * 1.5).expand(64, 64),
+    "transposed": lambda big: big.t(),
+}
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no grad", "requires grad"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_an_input_replays_in_its_recorded_layout(tmp_path: Path, layout: str, requires_grad: bool) -> None:
+    """An input with gaps (a slice with a step, a chunk), overlapping windows, an expanded one or a
+    transposed one is given to the replay in its recorded layout, with and without grad: a sum's
+    bits follow the layout, so forward and backward replay bit for bit."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    with recorder.record(path, mode="full"):
+        for _ in range(3):
+            big = torch.randn(64, 64, requires_grad=requires_grad)
+            x = LAYOUTS[layout](big)
+            total(x).backward() if requires_grad else total(x)
+    rec = replayer.open(path)
+    assert len(rec.steps) == (6 if requires_grad else 3)
+    for step in rec.steps:
+        if step.phase == "forward":
+            assert step.tensors("input")[0].stride == LAYOUTS[layout](torch.empty(64, 64)).stride()
+        result = replayer.replay(rec, step.index)
+        assert result.match and result.outputs, (step.selector, [d.summary() for d in result.outputs])
