@@ -123,7 +123,57 @@ def output_places(output: Any) -> tuple[list[tuple[Any, torch.Tensor]], frozense
     their keys from the top. Tensors in other objects are left alone: rebuilding an arbitrary
     class is not safe."""
     found = _followed(output)
+    if len(found) > 1:  # tensors that share memory stay as they are: see _overlapping
+        shared = _overlapping([t for _, _, t in found])
+        if shared:
+            found = [f for f in found if id(f[2]) not in shared]
     return [(keys, t) for keys, _, t in found if wants_tap(t) and not t.is_leaf], frozenset(p for _, p, _ in found)
+
+
+def _overlapping(tensors: list[torch.Tensor]) -> set[int]:
+    """Ids of the tensors whose memory overlaps another's (a step returning ``x`` and a view of it).
+    A tap makes each a new object for autograd: an in-place change to one after the step would no
+    longer reach the other's gradient, and training would change. Left untapped, they are not
+    followed for gradients (the step's backward leaves them out) and training is as without
+    recording. Disjoint parts of one tensor (``x.chunk(3)``: q, k, v) are tapped as usual."""
+    spans: dict[tuple[str, int], list[tuple[int, int, torch.Tensor]]] = {}
+    for t in tensors:
+        if t.numel() == 0 or t.layout != torch.strided or t.device.type == "meta":
+            continue
+        size = t.element_size()
+        start = t.storage_offset() * size
+        end = start + size * (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+        spans.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append((start, end, t))
+    shared: set[int] = set()
+    for group in spans.values():
+        for i, (start_a, end_a, a) in enumerate(group):
+            for start_b, end_b, b in group[i + 1:]:
+                if a is not b and start_a < end_b and start_b < end_a and _meet(a, b):  # (one object: one tap)
+                    shared.update((id(a), id(b)))
+    return shared
+
+
+def _meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose byte ranges in one storage intersect share an element. Exact for
+    views with the same strides, dtype and dimensions, each without overlaps of its own (the parts
+    ``split``/``chunk`` cut along any dimension); True (may share) otherwise."""
+    if a.dtype != b.dtype or a.stride() != b.stride() or a.dim() != b.dim():
+        return True
+    dims = sorted(zip(a.stride(), a.shape, b.shape), reverse=True)
+    reach = 0
+    for stride, na, nb in reversed(dims):  # each a layout without overlaps: strides nest
+        if stride <= reach:
+            return True
+        reach += (max(na, nb) - 1) * stride
+    # An element in both: (i - j) . stride = offset(b) - offset(a), i in a's index box, j in b's.
+    def solve(rest: int, d: int) -> bool:
+        if d == len(dims):
+            return rest == 0
+        stride, na, nb = dims[d]
+        low, high = -(nb - 1), na - 1
+        return any(low <= k <= high and solve(rest - k * stride, d + 1)
+                   for k in {rest // stride, rest // stride + 1} if stride)
+    return solve(b.storage_offset() - a.storage_offset(), 0)
 
 
 def output_slots(output: Any) -> list[tuple[Any, torch.Tensor]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 
 import recorder
 from recorder import snapshot
+from recorder.store import layout
 from tests.models import TinyGPT, batch, train_step
 
 
@@ -85,3 +87,47 @@ def test_zero_edit_hooks_and_signal_handlers_removed_after_close(tmp_path):
     assert run.iteration == 1
     assert (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks),
             len(optimizer_mod._global_optimizer_post_hooks), signal.getsignal(signal.SIGTERM)) == before
+
+
+@recorder.paper_step("Eq. 2", description="heads: a reshaped view of x, and x itself")
+def to_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.view(16, 2, 4), x
+
+
+@recorder.paper_step("Eq. 3", description="q, k, v: disjoint parts of one projection")
+def qkv(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return x.split([2, 2, 4], dim=-1)
+
+
+def _heads_then_in_place(path, recorded: bool) -> tuple[float, torch.Tensor]:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(16, 8)
+    with recorder.record(path, model=lin, mode="full") if recorded else contextlib.nullcontext():
+        heads, whole = to_heads(lin(x) * 1.0)
+        heads.mul_(2.0)  # changes `whole` too, and autograd knows: its gradient doubles
+        q, k, v = qkv(whole)
+        loss = (q * k).sum() + v.pow(2).sum()
+        loss.backward()
+    return loss.item(), lin.weight.grad
+
+
+def test_outputs_that_share_memory_are_left_as_they_are(tmp_path):
+    """A step returning x and a view of it: an in-place change to one after the step reaches the
+    other's gradient, as unrecorded (a tap would have made them two objects for autograd; they are
+    not followed for gradients, and the recording says so). Disjoint parts of one tensor (q, k, v)
+    are still followed into the backward pass."""
+    import replayer
+
+    plain = _heads_then_in_place(None, recorded=False)
+    path = tmp_path / "run.zarr"
+    recorded = _heads_then_in_place(path, recorded=True)
+    assert plain[0] == recorded[0] and torch.equal(plain[1], recorded[1])
+    rec = replayer.open(path)
+    heads, split = rec.step("Eq. 2#0"), rec.step("Eq. 3#0")
+    assert any(layout.UNFOLLOWED_NOTE in n for n in heads.extra.get("notes", [])), heads.extra
+    backward = {s.forward: s for s in rec.steps if s.phase == "backward"}
+    assert not [r for r in backward[heads.index].records if r.role == "grad_output"]
+    assert sorted(r.name for r in backward[split.index].records if r.role == "grad_output") == [
+        "output.0", "output.1", "output.2"]
+    assert replayer.replay(rec, backward[split.index]).match
