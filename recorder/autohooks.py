@@ -197,14 +197,15 @@ class GlobalCapture:
         at = next((i for i in range(len(open_) - 1, -1, -1) if open_[i][0] is module), None)
         if at is None:
             return None
-        for _, inner, _ in reversed(open_[at + 1:]):  # left open by an exception torch's hooks never saw
-            self.session.end_with_exception(inner, RuntimeError("this step's forward did not return normally"))
+        for _, inner, inner_link in reversed(open_[at + 1:]):  # left open by an exception torch's hooks never saw
+            self.session.end_with_exception(inner, RuntimeError("this step's forward did not return normally"),
+                                            inner_link)
         _, frame, link = open_[at]
         del open_[at:]
         session = self.session
         exc = sys.exc_info()[1]
         if exc is not None and result is None:  # called by torch while the forward's exception unwinds
-            session.end_with_exception(frame, exc)
+            session.end_with_exception(frame, exc, link)
             return None
         if kwargs and frame is not None:
             session.add_kwargs(frame, kwargs)
@@ -222,6 +223,7 @@ class GlobalCapture:
         self._selected.clear()
         open_, self.local.open = self._open(), []
         exc = sys.exc_info()[1]
-        for _, frame, _ in reversed(open_):
-            self.session.end_with_exception(frame, exc or KeyboardInterrupt("the recording ended inside this step"))
+        for _, frame, link in reversed(open_):
+            self.session.end_with_exception(frame, exc or KeyboardInterrupt("the recording ended inside this step"),
+                                            link)
 

@@ -437,7 +437,7 @@ class Session:
         try:
             out = invoke(args, kwargs)
         except BaseException as exc:
-            self.end_with_exception(frame, exc)
+            self.end_with_exception(frame, exc, link)
             raise
         return self.end(frame, out, link)
 
@@ -489,8 +489,14 @@ class Session:
             monitors.perform(frame.pending, lambda: self.pipeline.flush(60.0))  # may raise, on purpose
         return out
 
-    def end_with_exception(self, frame: Frame | None, exc: BaseException) -> None:
-        """Finish a step begun with ``begin`` whose call raised ``exc``."""
+    def end_with_exception(self, frame: Frame | None, exc: BaseException, link: BackwardLink | None = None) -> None:
+        """Finish a step begun with ``begin`` whose call raised ``exc``; ``link``: its backward link,
+        whose parameter hooks go (a later backward pass through those parameters is another call's:
+        a caught exception, the "skip a bad batch" pattern, must not leave a backward step behind)."""
+        if link is not None:
+            for handle in link.handles:
+                handle.remove()
+            link.handles.clear()
         if frame is None:  # a recomputation that did not finish: its graph is never used
             return
         self._pop(frame)

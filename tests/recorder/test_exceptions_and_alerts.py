@@ -148,3 +148,50 @@ def test_backward_pass_that_raises_just_before_close_is_still_written(run_path):
     assert [int(p) for p in rank.column("steps/phase")] == [0, 1]
     assert rank.doc(int(rank.column("steps/extra")[1]))["notes"] == [
         "the backward pass stopped before this step finished"]
+
+
+@recorder.paper_step("Eq. 1", description="a block")
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Plain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+@pytest.mark.parametrize("how", ["paper_step", "modules="])
+def test_a_caught_exception_leaves_no_backward_step_behind(tmp_path, how):
+    """A module step that raises, the exception caught by the training loop (a bad batch skipped),
+    and the module then trained as usual: its parameters' gradients are the next call's, and the
+    failed call has no backward step (it had one, made of the next call's gradients, which no
+    replay could match)."""
+    import replayer
+
+    torch.manual_seed(0)
+    model = Block() if how == "paper_step" else torch.nn.Sequential(Plain())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, optimizer=opt, mode="full",
+                         **({} if how == "paper_step" else {"modules": ["0"]})):
+        for it in range(2):
+            with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+                model(torch.randn(8, 5))  # the bad batch
+            model(torch.randn(8, 4)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    assert [(s.phase, s.iteration, s.call, s.status) for s in rec.steps] == [
+        ("forward", 0, 0, "exception"), ("forward", 0, 1, "ok"), ("backward", 0, 1, "ok"),
+        ("forward", 1, 0, "exception"), ("forward", 1, 1, "ok"), ("backward", 1, 1, "ok")]
+    for step in rec.steps:
+        assert replayer.replay(rec, step.index).match
