@@ -447,16 +447,15 @@ def verify(args: argparse.Namespace) -> int:
     picks = kept if args.sample is None or args.sample >= n else [kept[i] for i in sorted(
         set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))]
     replayer = Replayer(rec, script=args.script)
-    matched, mismatches, refused = 0, [], 0
+    matched, mismatches, refused = 0, [], []
     for done, index in enumerate(picks, 1):
         step = rec.step(index)
         try:
             result = replayer.replay(step, threads=args.threads, nested=False)
-        except ReplayError as exc:
-            refused += 1
-            if refused == len(picks):  # nothing could be replayed at all: bad input, not a finding
+        except ReplayError as exc:  # what a replay cannot do, and says why: not a difference found
+            refused.append({"step": step.to_json(), "reason": str(exc)})
+            if len(refused) == len(picks):  # nothing could be replayed at all: bad input, not a finding
                 raise
-            mismatches.append({"step": step.to_json(), "reason": f"cannot replay: {exc}"})
         else:
             if result.match:
                 matched += 1
@@ -465,15 +464,25 @@ def verify(args: argparse.Namespace) -> int:
                 hint = [w for w in result.warnings if "likely cause" in w or "changed since" in w]
                 mismatches.append({"step": step.to_json(), "reason": "; ".join(bad + hint)})
         _progress(done, len(picks))
-    doc = {"replayed": len(picks), "matched": matched, "mismatches": mismatches}
+    replayed = len(picks) - len(refused)
+    doc = {"replayed": replayed, "matched": matched, "mismatches": mismatches, "not_replayed": refused}
     if skipped:
         doc["statistics_only"] = skipped
     if args.json:
         _emit(doc)
     else:
-        share = 100.0 * matched / len(picks) if picks else 100.0
-        print(f"{args.run}: {matched} of {len(picks)} steps replayed bit for bit ({share:.1f}%)"
-              + (f"; {skipped} steps kept statistics only, not replayable" if skipped else ""))
+        share = 100.0 * matched / replayed if replayed else 100.0
+        print(f"{args.run}: {matched} of {_count(replayed, 'step')} replayed bit for bit ({share:.1f}%)"
+              + (f"; {_count(len(refused), 'step')} could not be replayed" if refused else "")
+              + (f"; {_count(skipped, 'step')} kept statistics only, not replayable" if skipped else ""))
         for m in mismatches:
             print(f"  {_step_text(m['step'])}: {m['reason']}")
+        if refused:
+            print("could not be replayed:")
+            for m in refused:
+                print(f"  {_step_text(m['step'])}: {m['reason']}")
     return 0 if not mismatches else 1
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

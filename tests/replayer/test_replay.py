@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import recorder
 import replayer
@@ -56,7 +57,7 @@ def test_verify_in_a_fresh_process_replays_every_step_bitwise(gpt_run: Path, tmp
     assert "TRAINED" not in res.stdout
     doc = json.loads(res.stdout)
     total = 2 * STEPS_PER_PASS * ITERATIONS
-    assert doc == {"replayed": total, "matched": total, "mismatches": []}
+    assert doc == {"replayed": total, "matched": total, "mismatches": [], "not_replayed": []}
     phases = replayer.open(gpt_run).steps.column("phase")
     assert (phases == 0).sum() == (phases == 1).sum() == STEPS_PER_PASS * ITERATIONS
 
@@ -374,7 +375,7 @@ def test_replay_json_is_the_documented_object(gpt_run: Path, tmp_path: Path) -> 
     assert {"name", "match", "max_abs_diff", "max_rel_diff", "max_ulp", "recorded", "replayed"} <= set(out)
     assert set(out["recorded"]) == {"min", "max", "mean", "std", "nan", "inf"} and out["recorded"] == out["replayed"]
     sampled = json.loads(pdbg("verify", str(gpt_run), "--sample", "5", "--json", cwd=tmp_path).stdout)
-    assert sampled == {"replayed": 5, "matched": 5, "mismatches": []}
+    assert sampled == {"replayed": 5, "matched": 5, "mismatches": [], "not_replayed": []}
 
 
 @recorder.paper_step("Eq. 4", description="a shared layer applied twice")
@@ -547,3 +548,43 @@ def test_an_input_replays_in_its_recorded_layout(tmp_path: Path, layout: str, re
             assert step.tensors("input")[0].stride == LAYOUTS[layout](torch.empty(64, 64)).stride()
         result = replayer.replay(rec, step.index)
         assert result.match and result.outputs, (step.selector, [d.summary() for d in result.outputs])
+
+
+@recorder.paper_step("Eq. 13", description="h_t = tanh(W [x_t; h_{t-1}])")
+class Cell(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(torch.cat([x, h], -1)))
+
+
+def test_verify_tells_steps_it_cannot_replay_from_differences(tmp_path: Path) -> None:
+    """A recurrent cell called three times an iteration from a state that needs no grad: the first
+    call's backward has no grad input, and its parameter grads are the total over the three calls,
+    so a replay has nothing to compare. `pdbg verify` lists it apart, with why, and exits 0: every
+    step it could replay matched."""
+    torch.manual_seed(0)
+    cell = Cell()
+    opt = torch.optim.SGD(cell.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=cell, optimizer=opt, mode="full"):
+        for _ in range(2):
+            h = torch.zeros(2, 4)
+            for _ in range(3):
+                h = cell(torch.randn(2, 4), h)
+            h.pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    res = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["replayed"] == doc["matched"] == 10 and doc["mismatches"] == []
+    assert [(m["step"]["phase"], m["step"]["call"]) for m in doc["not_replayed"]] == [("backward", 0)] * 2
+    assert all("has no grad input, and its parameter grads not compared: Cell ran 3 times" in m["reason"]
+               for m in doc["not_replayed"])
+    text = pdbg("verify", str(path), cwd=tmp_path)
+    assert text.returncode == 0 and text.stdout.splitlines()[0].endswith(
+        "run.zarr: 10 of 10 steps replayed bit for bit (100.0%); 2 steps could not be replayed")
+    assert text.stdout.splitlines()[1] == "could not be replayed:"
