@@ -116,14 +116,14 @@ def _nonfinite_text(step: Step, roles: frozenset[int] | set[str]) -> list[str]:
 
 
 # -- the origin of a NaN --------------------------------------------------------------------------
-def find_op(origin: Origin, step: Step) -> None:
+def find_op(origin: Origin, step: Step, *, use_bundled_source: bool = False) -> None:
     """``ops=True``: the operation inside ``step`` that made the first NaN/Inf, into ``origin.op``;
     where there is none, or the step cannot be replayed, ``origin.op_note`` says so (the step-level
-    answer stands either way)."""
+    answer stands either way). ``use_bundled_source``: a bundle's step replays with the code it carries."""
     from .ops import bisect_ops
 
     try:
-        origin.op = bisect_ops(step.rec, step)
+        origin.op = bisect_ops(step.rec, step, use_bundled_source=use_bundled_source)
     except ReplayError as exc:
         origin.op_note = f"operation-level bisection needs a replay, and this step cannot be replayed: {exc}"
         return

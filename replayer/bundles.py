@@ -272,10 +272,11 @@ def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], m
 
 _REPRO = '''"""Replays the failing step in {bundle} and compares it, bit for bit, with what was recorded.
 
-    python repro.py [BUNDLE]
+    python repro.py [BUNDLE] [--use-bundled-source]
 
-Needs only paperdebugger (and the code the step uses, importable). Exit status: 0 when the replay
-matches the recording, 1 when it does not, 2 when the bundle cannot be read or replayed.
+Needs only paperdebugger (and the code the step uses, importable; --use-bundled-source: the code
+the bundle carries instead, which it then runs). Exit status: 0 when the replay matches the
+recording, 1 when it does not, 2 when the bundle cannot be read or replayed.
 """
 
 import sys
@@ -284,10 +285,11 @@ from pathlib import Path
 import replayer
 from recorder.errors import PdbgError
 
-bundle = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name({bundle!r})
+given = [a for a in sys.argv[1:] if a != "--use-bundled-source"]
+bundle = Path(given[0]) if given else Path(__file__).with_name({bundle!r})
 try:
     rec = replayer.open(bundle)
-    result = replayer.replay(rec, rec.main_step)
+    result = replayer.replay(rec, rec.main_step, use_bundled_source="--use-bundled-source" in sys.argv[1:])
 except PdbgError as exc:
     print(f"repro: {{exc}}", file=sys.stderr)
     sys.exit(2)

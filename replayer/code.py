@@ -155,9 +155,10 @@ class CodeLoader:
                 return live
             text = self.bundled.get(self.script)
             if text is None and self.script in self.spare and not Path(self.script).is_file():
-                text = self.spare[self.script]
-                self.notes.append(f"the training script {self.script} is not here: the copy the bundle carries was "
-                                  "used")
+                raise ReplayError(f"the training script {self.script} is not on this machine; the bundle carries a "
+                                  "copy, run only if you ask: replay with --use-bundled-source (use_bundled_source="
+                                  "True in Python), which runs its definitions and its top-level statements outside "
+                                  "`if __name__ == \"__main__\":`, or give the script with --script PATH")
             self._main, note = script_module(self.script, text)
             if "no if __name__" in note and self.script != SESSION_SCRIPT:  # worth a warning: statements skipped
                 self.notes.append(f"{self.script}: {note}")

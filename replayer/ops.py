@@ -149,7 +149,8 @@ class _Finder(TorchDispatchMode):
                         [_tensor_info(t) for t in _checked((args, kwargs))], [_tensor_info(t) for t in outs])
 
 
-def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None) -> OpReport | None:
+def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None,
+               use_bundled_source: bool = False) -> OpReport | None:
     """Replay ``step`` operation by operation; the first that made NaN/Inf from finite inputs, or
     None when none did (the values then came from outside the step's operations)."""
     from .replay import Replayer
@@ -168,6 +169,6 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None) -> OpR
                 finders[stage] = stack.enter_context(_Finder(stage))
             yield
 
-    Replayer(rec).replay(step, threads=threads, nested=False, around=around)
+    Replayer(rec, use_bundled_source=use_bundled_source).replay(step, threads=threads, nested=False, around=around)
     finder = finders.get(step.phase)
     return finder.found if finder is not None else None

@@ -94,7 +94,7 @@ class Replayer:
                 raise ReplayError(f"{rec.reader.label} is not a bundle: there is no bundled source to use")
             bundled = rec.bundle_info.get("sources") or {}
         # (a bundle is a recording from elsewhere: its code is never this process's own __main__;
-        # where its training script is not here, the copy it carries stands in for it)
+        # the sources it carries are shown where files are not here, and run only when asked)
         spare = (rec.bundle_info or {}).get("sources") or {} if bundled is None else None
         self.loader = CodeLoader(rec.run_info, script, bundled, live_main=rec.bundle_info is None, spare=spare)
         self._env: list[str] | None = None
@@ -727,7 +727,7 @@ def _exception_result(result: ReplayResult, raised: BaseException | None, record
 def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step | None = None, *, threads: int | None = None,
            script: str | os.PathLike[str] | None = None, nested: bool = True, swap: dict[str, Any] | None = None,
            edit: dict[str, Any] | None = None, settings: dict[str, Any] | None = None,
-           seed: int | None = None) -> ReplayResult:
+           seed: int | None = None, use_bundled_source: bool = False) -> ReplayResult:
     """Replay one recorded step and compare it with the recording.
 
     Args:
@@ -747,6 +747,8 @@ def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step | Non
             (``"x.clamp(-50, 50)"``, evaluated with torch, math and x only), a callable or a tensor.
         settings: override recorded settings (``{"deterministic": True}``, ``{"num_threads": 1}``).
         seed: seed torch, numpy and random with this instead of the recorded generator states.
+        use_bundled_source: a bundle: replay with the code it carries (runs that code) instead of the
+            code installed here.
 
     Raises ReplayError (with a one-line reason) when the step cannot be replayed, StepNotFoundError
     when ``step`` names nothing, InterventionError for a swap or edit that cannot be applied.
@@ -759,8 +761,8 @@ def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step | Non
         step = rec.main_step
         if step is None:
             raise ReplayError("give the step to replay: an index or a selector (only a bundle has a main step)")
-    return Replayer(rec, script=script).replay(step, threads=threads, nested=nested, swap=swap, edit=edit,
-                                               settings=settings, seed=seed)
+    return Replayer(rec, script=script, use_bundled_source=use_bundled_source).replay(
+        step, threads=threads, nested=nested, swap=swap, edit=edit, settings=settings, seed=seed)
 
 
 __all__ = ["ReplayResult", "Replayer", "replay"]

@@ -29,6 +29,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--against", metavar="OTHER", help="another recording of the same model: find the first divergence")
     p.add_argument("--ops", action="store_true", help="replay the origin step and name the first operation that made "
                    "a NaN/Inf from finite inputs, with its source line")
+    p.add_argument("--use-bundled-source", action="store_true", help="a bundle, with --ops: replay with the code it "
+                   "carries instead of the code installed here (runs that code)")
     p.add_argument("--rank", type=int, metavar="K", help="look at rank K only (default: every rank of a run of "
                    "several processes, naming the rank of the origin)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -68,7 +70,7 @@ def bisect(args: argparse.Namespace) -> int:
     if args.ops and origin.step is not None:
         from replayer.bisect import find_op
 
-        find_op(origin, origin.step)
+        find_op(origin, origin.step, use_bundled_source=args.use_bundled_source)
         op_note = origin.op_note
     if args.json:
         doc = origin.to_json()

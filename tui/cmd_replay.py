@@ -52,17 +52,23 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--seed", type=int, help="seed the generators with this instead of the recorded states")
     p.add_argument("--save-recipe", metavar="NAME", help="save this intervention in the recording under NAME")
     p.add_argument("--recipe", metavar="NAME", help="apply the recipe saved under NAME (STEP defaults to its step)")
-    p.add_argument("--use-bundled-source", action="store_true",
-                   help="a bundle: replay with the code it carries instead of the code installed here (runs that code)")
+    _bundled_option(p)
     p.set_defaults(handler=replay)
 
     p = sub.add_parser("verify", help="replay many steps and report determinism",
                        description="Replay every step (or --sample N spread over the run), forward and backward, "
-                       "and report the share that match bitwise. Exit 1 when any differs or cannot be replayed.")
+                       "and report the share that match bitwise; list the steps a replay cannot redo, with why. "
+                       "Exit 1 when any differs.")
     p.add_argument("run", metavar="RUN", help="the recording")
     p.add_argument("--sample", type=int, metavar="N", help="replay N steps spread evenly over the run")
     _replay_options(p)
+    _bundled_option(p)
     p.set_defaults(handler=verify)
+
+
+def _bundled_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--use-bundled-source", action="store_true",
+                   help="a bundle: replay with the code it carries instead of the code installed here (runs that code)")
 
 
 def rank_option(p: argparse.ArgumentParser) -> None:
@@ -446,7 +452,7 @@ def verify(args: argparse.Namespace) -> int:
     n = len(kept)
     picks = kept if args.sample is None or args.sample >= n else [kept[i] for i in sorted(
         set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))]
-    replayer = Replayer(rec, script=args.script)
+    replayer = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source)
     matched, mismatches, refused = 0, [], []
     for done, index in enumerate(picks, 1):
         step = rec.step(index)

@@ -19,6 +19,7 @@ from torch import nn
 
 import recorder
 import replayer
+from recorder.errors import ReplayError
 from recorder.store import layout
 from tests.cli import ROOT
 
@@ -333,17 +334,17 @@ def root(x):
 if __name__ == "__main__":
     with recorder.record(sys.argv[1], mode="full"):
         root(gate(torch.randn(100)))
-    replayer.bundle(replayer.open(sys.argv[1]), 0, sys.argv[2])
+    replayer.bundle(replayer.open(sys.argv[1]), 0, sys.argv[2], script=True)
     replayer.bundle(replayer.open(sys.argv[1]), 1, sys.argv[3])
 '''
 
 
 def test_a_bundle_replays_where_its_training_script_is_not(tmp_path: Path) -> None:
     """A step defined in the training script: its bundle, copied to a machine (a directory) without
-    the script, replays with the copy of the script it carries, and says so; the API and
-    `pdbg verify` too, without --use-bundled-source. Its source is read from that copy: the code is
-    checked against the recording (no "cannot be read now"), and the operation that made a NaN is
-    shown with its line of code."""
+    the script, runs the copy of the script it carries only when asked: a plain replay or verify is
+    refused in one line that says how (nothing of the copy ran), --use-bundled-source replays it
+    bit for bit, `pdbg verify` too. The copy is read, never run, to show code: the operation that
+    made a NaN is shown with its line of code."""
     where = tmp_path / "made"
     where.mkdir()
     (where / "train.py").write_text(SCRIPT_STEP)
@@ -353,18 +354,30 @@ def test_a_bundle_replays_where_its_training_script_is_not(tmp_path: Path) -> No
     elsewhere.mkdir()
     shutil.copy(where / "gate.pdbg", elsewhere / "gate.pdbg")
     shutil.copy(where / "root.pdbg", elsewhere / "root.pdbg")
+    shutil.copy(where / "repro.py", elsewhere / "repro.py")
     shutil.rmtree(where)
-    res = pdbg("replay", "gate.pdbg", "--json", cwd=elsewhere, code=elsewhere)
+    for command in ("replay", "verify"):
+        refused = pdbg(command, "gate.pdbg", cwd=elsewhere, code=elsewhere)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert "the bundle carries a copy, run only if you ask: replay with --use-bundled-source" in refused.stderr
+    repro = run([sys.executable, "repro.py"], elsewhere, elsewhere)
+    assert repro.returncode == 2 and "--use-bundled-source" in repro.stderr, repro.stderr
+    assert sorted(elsewhere.iterdir()) == [elsewhere / "gate.pdbg", elsewhere / "repro.py", elsewhere / "root.pdbg"]
+    repro = run([sys.executable, "repro.py", "--use-bundled-source"], elsewhere, elsewhere)
+    assert repro.returncode == 0 and "bitwise match" in repro.stdout, repro.stdout + repro.stderr
+    res = pdbg("replay", "gate.pdbg", "--json", "--use-bundled-source", cwd=elsewhere, code=elsewhere)
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
-    assert doc["match"] is True and any("the copy the bundle carries was used" in w for w in doc["warnings"])
-    assert not any("cannot be read now" in w for w in doc["warnings"]), doc["warnings"]
+    assert doc["match"] is True and not any("cannot be read now" in w for w in doc["warnings"]), doc["warnings"]
     ops = pdbg("bisect", "root.pdbg", "--ops", cwd=elsewhere, code=elsewhere)
+    assert "this step cannot be replayed: the training script" in ops.stdout and ops.returncode == 1, ops.stdout
+    ops = pdbg("bisect", "root.pdbg", "--ops", "--use-bundled-source", cwd=elsewhere, code=elsewhere)
     assert "operation: aten::sqrt" in ops.stdout and "    return torch.sqrt(x - 1.0)" in ops.stdout.splitlines(), \
         ops.stdout + ops.stderr
-    assert pdbg("verify", "gate.pdbg", cwd=elsewhere, code=elsewhere).returncode == 0
-    result = replayer.replay(replayer.open(elsewhere / "gate.pdbg"))
-    assert result.match
+    assert pdbg("verify", "gate.pdbg", "--use-bundled-source", cwd=elsewhere, code=elsewhere).returncode == 0
+    with pytest.raises(ReplayError, match="the bundle carries a copy, run only if you ask"):
+        replayer.replay(replayer.open(elsewhere / "gate.pdbg"))
+    assert replayer.replay(replayer.open(elsewhere / "gate.pdbg"), use_bundled_source=True).match
 
 
 def test_an_existing_repro_script_is_not_overwritten(recorded: tuple[Path, Path], tmp_path: Path) -> None:
