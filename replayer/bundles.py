@@ -141,6 +141,9 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
     """
     main = step if isinstance(step, Step) else rec.step(step)
     out = Path(path)
+    if out.is_dir():  # (a recording is a directory too: never replaced by a bundle)
+        raise BundleError(f"{out} is a directory; give the path of the bundle file to write, such as "
+                          f"{out / 'failure.pdbg'}")
     if out.exists() and not overwrite:
         raise BundleError(f"{out} already exists; choose another path, or replace it with --force "
                           "(overwrite=True)")

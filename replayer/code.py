@@ -25,6 +25,8 @@ from typing import Any
 
 from recorder.errors import ReplayError
 
+from . import state
+
 _DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
@@ -90,7 +92,7 @@ def script_module(path: str | os.PathLike[str], text: str | None = None) -> tupl
     saved_main = sys.modules.get("__main__")
     sys.modules["__main__"] = module  # dataclasses and typing look the defining module up by name
     try:
-        with extra_path([str(file.resolve().parent)]):
+        with extra_path([str(file.resolve().parent)]), state.kept():
             exec(code, module.__dict__)  # noqa: S102 - the user's own script, as they asked
     except Exception as exc:
         raise ReplayError(f"loading the definitions of {file} failed: {type(exc).__name__}: {exc}") from None

@@ -118,6 +118,23 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
                 setter(value)
 
 
+@contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """Run a block that may change torch's global settings and generators (a training script's top
+    level, loaded for its definitions: ``torch.set_num_threads(1)``, ``torch.manual_seed(0)``); the
+    caller's come back afterwards."""
+    before = snapshot.settings()
+    try:
+        with snapshot.applied_rng({}, cuda=True), torch.set_grad_enabled(torch.is_grad_enabled()):
+            yield
+    finally:
+        after = snapshot.settings()
+        for name, setter in _setters().items():
+            if before.get(name) is not None and after.get(name) != before[name]:
+                with contextlib.suppress(Exception):  # restore as much as possible
+                    setter(before[name])
+
+
 # Above ATen's grain size (32,768 elements): an op on it runs on every intra-op thread.
 _WARM = torch.ones(1 << 17, device="cpu")
 

@@ -141,6 +141,15 @@ def test_backward_and_iteration_bundles(recorded: tuple[Path, Path], tmp_path: P
                                                               "not_replayed": []}
     refused = pdbg("bundle", str(run_path), "Eq. 2@iter=3", "-o", str(whole.path), cwd=tmp_path, code=code)
     assert refused.returncode == 2 and "already exists" in refused.stderr
+    for directory in (tmp_path / "out", run_path):  # a directory, a recording: never replaced, also with --force
+        directory.mkdir(exist_ok=True)
+        before = sorted(directory.rglob("*"))
+        refused = pdbg("bundle", str(run_path), "Eq. 2@iter=3", "-o", str(directory), "--force", cwd=tmp_path,
+                       code=code)
+        assert refused.returncode == 2 and refused.stderr == (
+            f"pdbg: error: {directory} is a directory; give the path of the bundle file to write, such as "
+            f"{directory / 'failure.pdbg'}\n"), refused.stderr
+        assert sorted(directory.rglob("*")) == before
 
 
 def test_repro_script_and_code_drift(recorded: tuple[Path, Path], tmp_path: Path) -> None:

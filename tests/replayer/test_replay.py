@@ -23,7 +23,7 @@ from recorder.errors import FormatError, ReplayError, StepNotFoundError
 from recorder.store import layout
 from replayer.rebuild import Builder
 from replayer.replay import Replayer
-from tests.cli import SCRIPTS, pdbg
+from tests.cli import SCRIPTS, pdbg, python
 from tests.models import poison_at, record_training
 
 ITERATIONS = 3
@@ -588,3 +588,45 @@ def test_verify_tells_steps_it_cannot_replay_from_differences(tmp_path: Path) ->
     assert text.returncode == 0 and text.stdout.splitlines()[0].endswith(
         "run.zarr: 10 of 10 steps replayed bit for bit (100.0%); 2 steps could not be replayed")
     assert text.stdout.splitlines()[1] == "could not be replayed:"
+
+
+SETTING_SCRIPT = '''
+import sys
+import torch
+import recorder
+
+torch.set_num_threads(1)  # top-level settings, as training scripts have them
+torch.manual_seed(5)
+torch.use_deterministic_algorithms(True)
+torch.set_default_dtype(torch.float64)
+
+
+@recorder.paper_step("Eq. 1")
+def scaled(x):
+    return x * 2.0
+
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1], mode="full"):
+        scaled(torch.randn(4))
+'''
+
+
+def test_loading_a_training_script_leaves_the_callers_settings(tmp_path: Path) -> None:
+    """Replaying a step defined in a training script loads its top level, which sets threads, a
+    seed, deterministic algorithms and the default dtype: the caller's come back after."""
+    (tmp_path / "train.py").write_text(SETTING_SCRIPT)
+    made = python("train.py", str(tmp_path / "run.zarr"), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    torch.set_num_threads(2)
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    try:
+        assert replayer.replay(replayer.open(tmp_path / "run.zarr"), 0).match
+        assert torch.get_num_threads() == 2 and torch.get_default_dtype() == dtype
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert torch.equal(torch.rand(3), expected)
+    finally:
+        torch.set_num_threads(threads)
