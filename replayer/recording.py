@@ -93,7 +93,11 @@ class Recording:
                    if d.get("reason") in ("SIGTERM", "SIGINT")]
         if signals:
             return signals[-1]
-        return "the process ended without closing the recording (killed, or it died)" if not final else None
+        if final.get("died"):  # a hard crash under pdbg record, its ring written by the supervisor
+            return f"the process died ({str(final['died']).splitlines()[0][:300]})"
+        if not final or set(final) <= {"ended_unix", "ring_recovered"}:
+            return "the process ended without closing the recording (killed, or it died)"
+        return None
 
     @property
     def ranks(self) -> list[int]:

@@ -22,6 +22,7 @@ import torch
 import zarr
 
 import recorder
+import replayer
 from recorder import payload as payload_mod
 from recorder import shmring
 from recorder.store import layout
@@ -93,6 +94,7 @@ class TestHardCrash:
         assert run.status == "crashed"
         final = run.attrs["final"]
         assert final["status"] == "crashed" and final["died"] == f"signal {signal.Signals(sig).name}"
+        assert replayer.open(path).ended_by == f"the process died (signal {signal.Signals(sig).name})"
         recorded, kept = payload_iterations(path)
         assert recorded == set(range(31)) and kept == {29, 30}
         ring = final["ring_recovered"]
