@@ -19,6 +19,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
@@ -283,6 +284,30 @@ def put(store: Store, key: str, data: bytes, *, durable: bool = False, spare: bo
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def put_new(store: Store, key: str, data: bytes) -> bool:
+    """Write ``key`` only if it does not exist; False (nothing written) when it does. On a local
+    store the check and the write are one step (a hard link, which fails when the name exists): of
+    two processes claiming one store at the same moment, one wins."""
+    root = local_root(store)
+    if root is None:  # an object store has no exclusive create here: checked, then written
+        if get(store, key) is not None:
+            return False
+        put(store, key, data)
+        return True
+    path = os.path.join(root, key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.claim"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+    return True
 
 
 def drop_spare(store: Store, key: str) -> None:

@@ -276,8 +276,9 @@ class StoreWriter:
         Ranks write disjoint files (rank 0 alone the root's), so they need no lock between them."""
         self.store, self.rank = store, rank
         group_key = f"{layout.rank_group(rank)}/zarr.json"
-        if backend.get(store, "zarr.json" if rank == 0 else group_key) is not None:
-            where = "a zarr hierarchy" if rank == 0 else f"a recording of rank {rank}"
+        claim = "zarr.json" if rank == 0 else group_key
+        where = "a zarr hierarchy" if rank == 0 else f"a recording of rank {rank}"
+        if backend.get(store, claim) is not None:
             raise RecordingError(f"the store already holds {where}; record into a new, empty one")
         self._files = dict(_template(rank, compression))
         root_meta = json.loads(self._files.pop("zarr.json"))
@@ -290,10 +291,11 @@ class StoreWriter:
         self.group_meta["attributes"] = {layout.ATTRS_KEY: {"rank": rank, "world_size": world_size,
                                                             "run": run_attrs}}
         self._files[group_key] = self._meta_bytes(self.group_meta)
-        if rank == 0:
-            backend.put(store, "zarr.json", self._meta_bytes(root_meta))
-        else:
-            backend.put(store, group_key, self._files.pop(group_key))  # the claim
+        # The claim, exclusive: a process that started recording to the same path at the same moment
+        # is refused here (checks of the path before it cannot tell which of two came first).
+        if not backend.put_new(store, claim, self._meta_bytes(root_meta) if rank == 0 else self._files.pop(group_key)):
+            raise RecordingError(f"the store already holds {where} (another process began recording there just now); "
+                                 "record into a new, empty one")
         self.root_meta = root_meta
         self.dist: dict[str, Any] = {"rank": rank, "world_size": world_size, "backend": run_attrs.get("backend")}
         self.arrays: dict[str, AppendArray] = {}

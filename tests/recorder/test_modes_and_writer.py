@@ -528,3 +528,25 @@ def test_activations_are_hashed_by_the_writer_and_stored_once(run_path, mode, mo
         assert fwd1["output"].payload == fwd2["input"].payload  # the same bytes, stored once
         assert torch.equal(rank.tensor(bwd1["grad_output"]), grad)
         assert bwd2["grad_input"].payload == bwd1["grad_output"].payload
+
+
+def test_two_processes_claiming_one_path_at_once_one_is_refused(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes starting to record to one new path at the same moment both find it free: the
+    claim of the store's root is one exclusive step, so the second is refused in one line and the
+    first's recording is left as it was."""
+    from recorder.errors import RecordingError
+    from recorder.store import backend, codecs
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        root = (path / "zarr.json").read_bytes()
+        monkeypatch.setattr(backend, "get", lambda store, key: None)  # its check ran before the claim
+        with pytest.raises(RecordingError) as info:
+            store_writer.StoreWriter(backend.open_store(path, mode="w"), run_attrs={},
+                                     compression=codecs.parse(None))
+        assert str(info.value) == ("the store already holds a zarr hierarchy (another process began recording "
+                                   "there just now); record into a new, empty one")
+        assert (path / "zarr.json").read_bytes() == root and not list(path.glob("*.claim"))
+        monkeypatch.undo()
+    assert RunReader(str(path)).status == "complete"
