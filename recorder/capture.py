@@ -232,7 +232,11 @@ class Session:
             else:
                 self.failure = f"{where}: {type(exc).__name__}: {exc}"
                 message = f"PaperDebugger stopped recording ({self.failure}); training continues"
-            warn(f"{message} and the steps committed so far stay readable; the run is marked incomplete", stacklevel=3)
+            if isinstance(exc, WriterStopped) and self.pipeline.store_gone():
+                warn(message, stacklevel=3)
+            else:
+                warn(f"{message} and the steps committed so far stay readable; the run is marked incomplete (crashed "
+                     "where not even that can be written)", stacklevel=3)
 
     def disown(self) -> None:
         """In a forked child (a DataLoader worker): record nothing. The writer thread, the store and

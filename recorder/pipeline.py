@@ -261,12 +261,20 @@ class Pipeline:
     def problem(self) -> str:
         """What stopped the writer and what to do, as a phrase for a one-line message."""
         exc, where = self.error, _label(self.writer)
+        if self.store_gone():
+            return (f"{where} was deleted while it was being recorded, and nothing of it is left to read; record to "
+                    "a path nothing else deletes")
         if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
             return (f"the disk holding {where} is full ({exc.strerror or exc}); free space on it or record to "
                     "another disk (mode='stats' or every=k record less)")
         if isinstance(exc, WriterStalled):
             return f"{exc} writing {where}; check the disk or network store it is on"
         return f"writing {where} failed ({type(exc).__name__}: {exc}); check the disk or store it is on"
+
+    def store_gone(self) -> bool:
+        """Whether the writer stopped because the local directory it writes was deleted."""
+        root = backend.local_root(self.writer.store)
+        return isinstance(self.error, FileNotFoundError) and root is not None and not root.exists()
 
     def where(self) -> str:
         """The recording's name in a message."""

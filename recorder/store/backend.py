@@ -262,6 +262,8 @@ def put(store: Store, key: str, data: bytes, *, durable: bool = False, spare: bo
     try:
         fd = os.open(tmp, flags, 0o644)
     except FileNotFoundError:
+        if not os.path.isdir(root):  # deleted under the writer: not made again (its chunks would be missing)
+            raise FileNotFoundError(errno.ENOENT, "the recording's directory is gone", str(root)) from None
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(tmp, flags, 0o644)
     try:

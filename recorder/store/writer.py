@@ -610,6 +610,8 @@ class StoreWriter:
         if self._put_pool is not None:  # chunks of rows that will never be committed: not waited for
             self._put_pool.shutdown()
             self._put_pool, self._puts = None, deque()
+        # The spare copies of partial chunks: room on a full disk for the manifest that says incomplete.
+        backend.remove_partials(self.store, layout.rank_group(self.rank), top=self.rank == 0)
         raw = backend.get(self.store, layout.manifest_key(self.rank))
         try:
             committed = json.loads(raw)["ranks"][str(self.rank)] if raw is not None else None

@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import threading
 import time
 import warnings
@@ -293,8 +294,9 @@ def test_disk_full_with_no_room_left_keeps_the_last_manifest(tmp_path, monkeypat
 
 
 def test_disk_full_when_writing_the_manifest(tmp_path, monkeypatch, unrecorded, reference):
-    """The next commit's chunks fit and its manifest does not (a truncated manifest.json.partial is
-    left): the previous manifest stands, and the chunks written past it are not read."""
+    """The next commit's chunks fit and its manifest does not (its truncated manifest.json.partial is
+    deleted with the other spares): the previous manifest stands, and the chunks written past it
+    are not read."""
     path = tmp_path / "run.zarr"
     run, disk, committed, messages, losses, params = record_until_full(path, monkeypatch, leave=0,
                                                                        manifest_first=True)
@@ -302,7 +304,7 @@ def test_disk_full_when_writing_the_manifest(tmp_path, monkeypatch, unrecorded, 
     assert_disk_full_warning(messages)
     assert run.status == "incomplete"
     assert disk.puts_after_fill > 0, "the failed commit wrote no chunk: the test checked nothing"
-    assert (path / f"{layout.MANIFEST_KEY}.partial").is_file()
+    assert not list(path.rglob("*.partial"))  # (the truncated manifest.json.partial too: room for the status)
     manifest = json.loads((path / layout.MANIFEST_KEY).read_text())
     assert manifest == disk.manifests[-1] and manifest["ranks"]["0"]["steps"] == committed
     assert_committed_prefix(path, committed, reference)
@@ -610,3 +612,30 @@ def test_numpy_errors_set_to_raise_do_not_stop_recording(tmp_path):
     assert run.status == "complete"
     rec = replayer.open(tmp_path / "run.zarr")
     assert [r.stats["nan"] for r in rec.step(0).records] == [1, 1]
+
+
+def test_a_store_deleted_while_recording_is_not_made_again(tmp_path):
+    """The recording's directory is deleted mid-run (a cleaner of temporary files): training goes
+    on, one warning says what happened and that nothing is left, and the directory is not made
+    again (it held files written after the deletion and not the chunks before: `complete`, and
+    unreadable)."""
+    path = tmp_path / "run.zarr"
+
+    @recorder.paper_step("Eq. 1")
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * 2
+
+    outputs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with recorder.record(path, mode="full", flush_interval=0.02) as run:
+            for i in range(400):
+                outputs.append(double(torch.full((8,), float(i))))
+                if i == 200:
+                    assert run.flush()
+                    shutil.rmtree(path)
+    assert len(outputs) == 400 and torch.equal(outputs[-1], torch.tanh(torch.full((8,), 399.0)) * 2)
+    said = recording_ours(caught)
+    assert said == [f"PaperDebugger stopped recording: {path} was deleted while it was being recorded, and nothing of "
+                    "it is left to read; record to a path nothing else deletes. Training continues"], said
+    assert not path.exists() and run.status == "incomplete"
