@@ -93,6 +93,10 @@ def _death(result: Any) -> str:
     if ring is None:
         return text
     if not ring["records"]:
+        if ring.get("uncommitted_records"):
+            return (text + "; the flight ring held payloads only of steps not yet committed (steps commit every "
+                    "second): record with a larger --keep, so that the ring spans more than a second, to keep the "
+                    "last committed iterations")
         return text + "; the flight ring held no payload for the steps committed before"
     its = ring["iterations"]
     span = f"iteration {its[0]}" if len(its) == 1 else f"iterations {its[0]}-{its[-1]}"

@@ -1,12 +1,13 @@
 """Script of test_hard_crash, run under `pdbg record --mode flight`: a small deterministic model.
 
-    abort_script.py ITERATIONS [--die-at K [--how abort|kill]] [--forever] [--maps]
+    abort_script.py ITERATIONS [--die-at K [--how abort|kill] [--no-flush]] [--flush-at J] [--forever] [--maps]
 
 Trains ``build()`` with SGD on ``input_for(i)``, one optimizer step per iteration. ``--die-at K``:
 after the backward pass of iteration K, commit what the recording holds (``recorder.flush()``: steps
 of the last second are otherwise committed by the next periodic commit, which a hard crash never
 sees), then die hard before the optimizer steps: ``os.abort()`` (SIGABRT, as native code does) or
-SIGKILL (as the OOM killer does). ``--forever``: train until killed, printing "iteration I" after each.
+SIGKILL (as the OOM killer does); ``--no-flush``: without that commit. ``--flush-at J``: commit after
+the backward pass of iteration J. ``--forever``: train until killed, printing "iteration I" after each.
 ``--maps``: print the mapping of the flight ring's shared memory ("ring: ...", from /proc/self/maps).
 
 The test imports this file for ``build``, ``input_for`` and ``LR`` (recomputing what was recorded),
@@ -46,6 +47,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("iterations", type=int)
     parser.add_argument("--die-at", type=int)
     parser.add_argument("--how", choices=("abort", "kill"), default="abort")
+    parser.add_argument("--no-flush", action="store_true")
+    parser.add_argument("--flush-at", type=int)
     parser.add_argument("--forever", action="store_true")
     parser.add_argument("--maps", action="store_true")
     args = parser.parse_args(argv)
@@ -57,10 +60,11 @@ def main(argv: list[str]) -> None:
     i = 0
     while args.forever or i < args.iterations:
         model(input_for(i)).pow(2).mean().backward()
-        if i == args.die_at:
+        if i == args.flush_at or (i == args.die_at and not args.no_flush):
             import recorder
 
             assert recorder.flush(), "the recording did not commit"
+        if i == args.die_at:
             if args.how == "abort":
                 os.abort()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -111,6 +111,19 @@ class TestHardCrash:
         assert f"(crashed, {len(run.rank(0))} steps); the script's process died (signal " in rec.stderr
         assert "Traceback" not in rec.stderr
 
+    def test_a_ring_of_uncommitted_steps_only_says_what_to_raise(self, tmp_path: Path) -> None:
+        """Iterations far shorter than a second: at the death the ring held only steps not yet
+        committed (the last commit was at iteration 5), so nothing of it can be written; pdbg says
+        so, and to raise --keep, instead of only that the ring held nothing."""
+        rec = record(tmp_path, "50", "--die-at", "30", "--no-flush", "--flush-at", "5")
+        assert rec.returncode == 128 + signal.SIGABRT, rec.stderr
+        ring = RunReader(str(tmp_path / "run.zarr")).attrs["final"]["ring_recovered"]
+        assert ring["records"] == 0 and ring["uncommitted_records"] > 0, ring
+        assert rec.stderr.rstrip().endswith(
+            "; the flight ring held payloads only of steps not yet committed (steps commit every second): record "
+            "with a larger --keep, so that the ring spans more than a second, to keep the last committed "
+            "iterations"), rec.stderr
+
     def test_a_script_that_ends_normally_leaves_no_shared_memory_behind(self, tmp_path: Path) -> None:
         """With the ring in a file ($PDBG_RING_DIR), the script maps it while it runs, and nothing is
         left in that directory once pdbg is done; the run is complete, the ring written at the end."""
