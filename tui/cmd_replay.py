@@ -447,6 +447,12 @@ def verify(args: argparse.Namespace) -> int:
     kept = _kept(rec)
     skipped = len(rec) - len(kept)
     if not kept:
+        if not len(rec):
+            why = ": it ended before its first commit" if rec.status == "crashed" else ""
+            raise PdbgError(f"{args.run} holds no step ({rec.status}{why}); there is nothing to replay")
+        if rec.run_info.get("mode") == "full" and rec.run_info.get("every", 1) == 1:
+            raise PdbgError(f"{args.run} kept the tensors of no step whole (its store could not keep up, and "
+                            "payloads were dropped: see pdbg info); there is nothing to replay")
         raise PdbgError(f"{args.run} kept the tensors of no step (statistics only: mode='stats', or flight mode "
                         "that never wrote its ring): there is nothing to replay; record with mode='full' or flight")
     n = len(kept)

@@ -630,3 +630,17 @@ def test_loading_a_training_script_leaves_the_callers_settings(tmp_path: Path) -
         assert torch.equal(torch.rand(3), expected)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_verify_of_a_run_without_a_replayable_step_says_why(tmp_path: Path) -> None:
+    """`pdbg verify` on a run with no step, or a stats-mode run: one line naming which, exit 2."""
+    empty, stats_only = tmp_path / "empty.zarr", tmp_path / "stats.zarr"
+    with recorder.record(empty, mode="full"):
+        pass
+    with recorder.record(stats_only, mode="stats"):
+        total(torch.randn(8, 8))
+    for path, said in ((empty, f"{empty} holds no step (complete); there is nothing to replay"),
+                       (stats_only, f"{stats_only} kept the tensors of no step (statistics only: mode='stats'")):
+        res = pdbg("verify", str(path), cwd=tmp_path)
+        assert res.returncode == 2 and res.stderr.startswith(f"pdbg: error: {said}"), res.stderr
+        assert res.stderr.count("\n") == 1
