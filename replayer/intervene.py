@@ -183,7 +183,12 @@ def swap_function(original: Callable[..., Any], sw: Swap) -> Callable[..., Any]:
         try:
             new = new(original)
         except Exception as exc:
-            raise InterventionError(f"swap {sw.key}: the replacement raised {type(exc).__name__}: {exc}") from None
+            raise InterventionError(
+                f"swap {sw.key}: a callable given in Python is a factory, called with the original function to "
+                f"make the replacement, and {getattr(sw.replacement, '__qualname__', 'it')}(original) raised "
+                f"{type(exc).__name__}: {exc}; to swap in a function itself, give lambda original: "
+                f"{getattr(sw.replacement, '__name__', 'new_function')}, or its import reference "
+                "('module:function')") from None
         if not callable(new):
             raise InterventionError(f"swap {sw.key}: the replacement gave a {type(new).__name__}, not a function")
     return getattr(new, "__wrapped__", new)  # a decorated replacement runs as itself, not as a new step

@@ -146,6 +146,8 @@ class Replayer:
                 raise intervene.InterventionError(f"swap {key}: give an import reference, a class or a callable, "
                                                   f"not {type(given).__name__}")
             plan.swaps.append(intervene.Swap(key, resolved, text))
+        if plan.swaps:
+            self._check_swap_keys(step, plan.swaps)
         own = [c for c in plan.edits if c.step is None]
         if own:
             fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
@@ -169,6 +171,35 @@ class Replayer:
                             f"the steps inside it are {', '.join(there[:12])}" + (" ..." if len(there) > 12 else "")
                             if there else "it has no steps inside"))
         return plan
+
+    def _check_swap_keys(self, step: Step, swaps: list[intervene.Swap]) -> None:
+        """Refuse, before the replay, a swap key that names nothing the step holds: not the step
+        itself, a module inside its module, nor a step inside it (a mistyped key read as "the fix
+        changed nothing")."""
+        fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
+        inner = descendants(fwd)
+        paths: list[str] = []
+
+        def walk(doc: Any, rel: str) -> None:
+            for name, child in ((doc or {}).get("children") or {}).items() if isinstance(doc, dict) else ():
+                sub = join_path(rel, name)
+                paths.append(sub)
+                walk(child, sub)
+
+        walk(fwd._doc("module"), "")
+        for sw in swaps:
+            key = sw.key
+            if key in (".", fwd.name, fwd.paper.get("label")) or (fwd.module_path and key == fwd.module_path):
+                continue
+            if any(key in (p, join_path(fwd.module_path, p)) for p in paths):
+                continue
+            if any(intervene.matches(key, s, fwd.module_path) for s in inner):
+                continue
+            there = sorted({*paths, *(_selector_name(s) for s in inner)})
+            raise intervene.InterventionError(
+                f"swap {key}: names nothing in step {step.index} ({fwd.name}); give the step itself ('.'), " + (
+                    f"a module or step inside it: {', '.join(there[:12])}" + (" ..." if len(there) > 12 else "")
+                    if there else "which has no module or step inside"))
 
     def _own_swap(self, step: Step) -> intervene.Swap | None:
         """A swap aimed at the replayed step itself (its name, label, module path, or '.')."""

@@ -21,6 +21,7 @@ import replayer
 from recorder import snapshot
 from recorder.errors import FormatError, ReplayError, StepNotFoundError
 from recorder.store import layout
+from replayer.intervene import InterventionError
 from replayer.rebuild import Builder
 from replayer.replay import Replayer
 from tests.cli import SCRIPTS, pdbg, python
@@ -317,6 +318,12 @@ def test_bad_input_gets_one_line_and_exit_code_2(gpt_run: Path, tmp_path: Path) 
     rec = replayer.open(gpt_run)
     with pytest.raises(StepNotFoundError):
         replayer.replay(rec, len(rec))
+    # a swap key that names nothing in the step: refused before the replay (it was a warning, and a MATCH)
+    said = one_line_error(pdbg("replay", str(gpt_run), "Block@iter=1", "--swap", "atn=tests.models:Attention",
+                               cwd=tmp_path))
+    assert said.startswith("pdbg: error: swap atn: names nothing in step ") and "attn" in said, said
+    with pytest.raises(InterventionError, match=r"swap nosuch: names nothing in step \d+ \(Block\)"):
+        replayer.replay(rec, "Block@iter=1", swap={"nosuch": lambda original: original})
 
 
 def test_code_that_cannot_be_imported_any_more(tmp_path: Path) -> None:
@@ -644,3 +651,21 @@ def test_verify_of_a_run_without_a_replayable_step_says_why(tmp_path: Path) -> N
         res = pdbg("verify", str(path), cwd=tmp_path)
         assert res.returncode == 2 and res.stderr.startswith(f"pdbg: error: {said}"), res.stderr
         assert res.stderr.count("\n") == 1
+
+
+def test_a_function_given_as_a_swap_in_python_is_told_to_be_a_factory() -> None:
+    """swap={"softplus": stable_softplus} in Python calls stable_softplus(original) to make the
+    replacement (an import reference names the function itself): when that raises, the message says
+    so, and how to give the function itself."""
+    from replayer import intervene
+
+    def stable_softplus(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.softplus(x)
+
+    with pytest.raises(InterventionError) as info:
+        intervene.swap_function(torch.tanh, intervene.Swap("softplus", stable_softplus, None))
+    said = str(info.value)
+    assert said.startswith("swap softplus: a callable given in Python is a factory, called with the original "
+                           "function to make the replacement, and ")
+    assert said.endswith("to swap in a function itself, give lambda original: stable_softplus, or its import "
+                         "reference ('module:function')") and "\n" not in said
