@@ -58,6 +58,12 @@ class ReplayResult:
         return {d.name: d for d in self.outputs}
 
     @property
+    def compared(self) -> bool:
+        """Whether the replay had anything to compare with the recording: a step that returns no tensor
+        (it changes its inputs or buffers in place, which a replay does not compare) has nothing."""
+        return bool(self.outputs or self.inner or self.exception or self.step.extra.get("exception"))
+
+    @property
     def first_divergence(self) -> InnerStep | None:
         """The first inner step, in execution order, whose replay differs from its recording."""
         return next((s for s in self.inner if not s.match), None)
@@ -65,7 +71,7 @@ class ReplayResult:
     def to_json(self) -> dict[str, Any]:
         """The ``pdbg replay --json`` object (README, "Command line")."""
         first = self.first_divergence
-        return {"step": self.step.to_json(), "match": self.match,
+        return {"step": self.step.to_json(), "match": self.match, "compared": self.compared,
                 "outputs": [d.to_json() for d in self.outputs], "warnings": self.warnings,
                 "environment_differences": self.environment_differences, "rebuilt": self.rebuilt,
                 "inner": [s.to_json() for s in self.inner],
@@ -73,7 +79,7 @@ class ReplayResult:
                 "intervention": self.intervention}
 
     def __repr__(self) -> str:
-        verdict = "match" if self.match else "MISMATCH"
+        verdict = ("match" if self.compared else "nothing compared") if self.match else "MISMATCH"
         return f"<ReplayResult step {self.step.index}: {verdict}, {len(self.outputs)} tensors>"
 
     def _repr_html_(self) -> str:
@@ -451,6 +457,9 @@ class Replayer:
             result.inner = tap.compare()
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
+        if not result.compared:
+            result.warnings.append("the step returned no tensor, and a replay compares what a step returns: nothing "
+                                   "was compared (what it changes in place, its inputs or buffers, is not)")
         _hint_unrecorded(result, call)
         return result
 

@@ -905,7 +905,8 @@ class PdbgApp(App[None]):
 
 
 def render_replay(result: Any) -> Text:
-    verdict = ("bitwise match", "bold green") if result.match else ("MISMATCH", "bold red")
+    verdict = (("bitwise match", "bold green") if result.compared else ("nothing compared", "bold yellow")) \
+        if result.match else ("MISMATCH", "bold red")
     text = Text.assemble(f"replay of step {result.step.index}: ", verdict)
     for d in result.outputs[:4]:
         rec, rep = d.recorded, d.replayed

@@ -370,7 +370,9 @@ def replay(args: argparse.Namespace) -> int:
     if args.save_recipe:
         print(f"saved as recipe {args.save_recipe!r} in {args.run} "
               f"(apply it with: pdbg replay {shlex.quote(args.run)} --recipe {shlex.quote(args.save_recipe)})")
-    if result.match:
+    if result.match and not result.compared:
+        print("\nNOTHING COMPARED: the step returned no tensor")
+    elif result.match:
         print("\nMATCH: bit for bit")
     elif result.intervention:
         before = sum((d.recorded.get("nan") or 0) + (d.recorded.get("inf") or 0) for d in result.outputs)
@@ -469,7 +471,11 @@ def verify(args: argparse.Namespace) -> int:
             if len(refused) == len(picks):  # nothing could be replayed at all: bad input, not a finding
                 raise
         else:
-            if result.match:
+            if not result.compared:  # nothing it could check: not a match
+                refused.append({"step": step.to_json(), "reason": next(
+                    (w for w in result.warnings if w.startswith("the step returned no tensor")),
+                    "the replay had nothing to compare")})
+            elif result.match:
                 matched += 1
             else:
                 bad = [d.summary() for d in result.outputs if not d.match]

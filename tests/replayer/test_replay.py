@@ -669,3 +669,27 @@ def test_a_function_given_as_a_swap_in_python_is_told_to_be_a_factory() -> None:
                            "function to make the replacement, and ")
     assert said.endswith("to swap in a function itself, give lambda original: stable_softplus, or its import "
                          "reference ('module:function')") and "\n" not in said
+
+
+@recorder.paper_step("Eq. 14", description="an EMA teacher update, in place: returns nothing")
+def ema_update(teacher: torch.Tensor, student: torch.Tensor) -> None:
+    teacher.mul_(0.9).add_(student, alpha=0.1)
+
+
+def test_a_step_that_returns_no_tensor_is_not_called_a_match(tmp_path: Path) -> None:
+    """A step whose work is done in place (it returns None) gives a replay with nothing to compare:
+    it is not reported as a bitwise match. `pdbg replay` says NOTHING COMPARED (exit 0: nothing
+    differed), `pdbg verify` lists it among the steps it could not check."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        teacher = torch.zeros(4)
+        for _ in range(2):
+            ema_update(teacher, torch.randn(4))
+    result = replayer.replay(replayer.open(path), 0)
+    assert result.match and not result.compared and "nothing compared" in repr(result)
+    assert "the step returned no tensor, and a replay compares what a step returns" in result.warnings[0]
+    res = pdbg("replay", str(path), "0", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.rstrip().endswith("NOTHING COMPARED: the step returned no tensor")
+    assert "MATCH" not in res.stdout.replace("NOTHING COMPARED", "")
+    doc = json.loads(pdbg("verify", str(path), "--json", cwd=tmp_path).stdout)
+    assert doc["replayed"] == doc["matched"] == 0 and len(doc["not_replayed"]) == 2
