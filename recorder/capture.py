@@ -146,6 +146,7 @@ class BackwardLink:
     # Every output autograd reaches is tapped: through them, this call's backward begins at an
     # output's tap, before its parameters' gradients come (see Session._on_param_grad).
     complete: bool = False
+    graphed: bool = False  # its gradients were taken with create_graph=True (a gradient penalty's first pass)
 
 
 class Session:
@@ -1098,6 +1099,10 @@ class Session:
         frame.rng = self.rng.parts()
         frame.settings = self._settings()
         frame.module_doc = fwd.module_doc
+        if link.graphed:  # a later pass, through the graph of gradients an earlier one made
+            frame.notes.append(layout.SECOND_ORDER_NOTE)
+        elif torch.is_grad_enabled():  # autograd runs a backward with grad mode = create_graph
+            link.graphed = True
         link.frame = frame
         self._pass.append(link)
         if link.hooked and not link.handles:  # a second backward through this call's graph: hooked again

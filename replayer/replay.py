@@ -467,6 +467,11 @@ class Replayer:
     def _backward(self, step: Step, threads: int | None, nested: bool) -> ReplayResult:
         if step.forward is None:
             raise ReplayError(f"backward step {step.index} does not name its forward call; it cannot be replayed")
+        if layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
+            raise ReplayError(f"backward step {step.index} ran through the gradients an earlier backward pass took "
+                              "with create_graph=True (a gradient penalty): its gradients hold second-order terms "
+                              "that a replay of this step's backward alone does not compute; that earlier pass's "
+                              "backward step replays")
         fwd = self.rec.step(step.forward)
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}

@@ -693,3 +693,39 @@ def test_a_step_that_returns_no_tensor_is_not_called_a_match(tmp_path: Path) -> 
     assert "MATCH" not in res.stdout.replace("NOTHING COMPARED", "")
     doc = json.loads(pdbg("verify", str(path), "--json", cwd=tmp_path).stdout)
     assert doc["replayed"] == doc["matched"] == 0 and len(doc["not_replayed"]) == 2
+
+
+@recorder.paper_step("Eq. 15", description="a critic layer")
+class Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def test_a_gradient_penalty_pass_is_named_not_a_mismatch(tmp_path: Path) -> None:
+    """WGAN-GP: gradients taken with create_graph=True, then a backward through both graphs. The
+    first pass's backward step replays bit for bit; the second's gradients hold second-order terms
+    a replay of one step's backward does not compute: refused in one line that says so (it was a
+    MISMATCH without a word of why), and `pdbg verify` lists it apart and exits 0."""
+    torch.manual_seed(0)
+    critic = Critic()
+    opt = torch.optim.SGD(critic.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=critic, optimizer=opt, mode="full"):
+        x = torch.randn(8, 4, requires_grad=True)
+        y = critic(x)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        (y.pow(2).mean() + (g.norm(dim=1) - 1).pow(2).mean()).backward()
+        opt.step()
+    rec = replayer.open(path)
+    assert [s.phase for s in rec.steps] == ["forward", "backward", "backward"]
+    assert replayer.replay(rec, 1).match
+    with pytest.raises(ReplayError, match=r"^backward step 2 ran through the gradients an earlier backward pass "
+                                          r"took with create_graph=True \(a gradient penalty\)"):
+        replayer.replay(rec, 2)
+    res = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 0 and doc["matched"] == doc["replayed"] == 2 and len(doc["not_replayed"]) == 1
