@@ -627,6 +627,8 @@ class Session:
                 for name, p in module.named_parameters():
                     self._capture(frame, "param", name, p)
                     if link is not None and p.requires_grad:
+                        if p._backward_hooks:  # the user's gradient hooks (pruning masks): the recorded grad is theirs
+                            _note_param_hooks(frame, name, p._backward_hooks.values())
                         self._hook_param(link, name, p)
                 for name, b in module.named_buffers():
                     self._capture(frame, "buffer", name, b)
@@ -1242,6 +1244,13 @@ def _backward_callback(method: Callable[..., Any], *bound: Any) -> Callable[...,
     ~10 us a call, and transformers or Lightning load torch._dynamo whether or not anything is
     compiled)."""
     return functools.partial(_called_back, method, *bound)
+
+
+def _note_param_hooks(frame: Frame, name: str, hooks: Any) -> None:
+    theirs = [h for h in hooks if not (isinstance(h, functools.partial) and h.func is _called_back)]
+    if theirs:
+        what = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in theirs[:3])
+        frame.notes.append(f"{name}: {layout.PARAM_HOOK_NOTE} ({what})")
 
 
 def _called_back(method: Callable[..., Any], *args: Any) -> Any:

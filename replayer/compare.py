@@ -109,7 +109,8 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
         gap = (a64 - b64).abs()
         special_differs = bool(((~both) & (_bits(a).reshape(a.shape) != _bits(b).reshape(b.shape))).any())
         diff.max_abs_diff = math.inf if special_differs else float(gap[both].max()) if both.any() else 0.0
-        rel = gap / a64.abs().clamp_min(torch.finfo(torch.float64).tiny)
+        rel = gap / a64.abs()  # where the recorded value is 0 and the replayed one is not: inf (nan where both are 0)
+        rel = torch.where(gap == 0, 0.0, rel)
         diff.max_rel_diff = math.inf if special_differs else float(rel[both].max()) if both.any() else 0.0
         if a.dtype in _ORDERED_INT:
             ulp = (_ordered(a) - _ordered(b)).abs()

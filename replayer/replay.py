@@ -479,6 +479,9 @@ class Replayer:
                              frozenset(r.name for r in step.records if r.role == "grad_input"))
         grad_outputs = {r.name: r for r in step.records if r.role == "grad_output"}
         wanted = [r for r in step.records if r.role in ("grad_input", "param_grad")]
+        hooked = [n for n in fwd.extra.get("notes", []) if layout.PARAM_HOOK_NOTE in n]
+        if hooked:  # the recorded gradients passed through hooks the replay does not have
+            warnings.append(f"forward step {fwd.index}: " + "; ".join(hooked) + " (a likely cause of any difference)")
         calls = self._calls_of_module(fwd)
         not_compared = ""  # why the parameter grads are left out, when they are
         if calls > 1 and any(r.role == "param_grad" for r in wanted):

@@ -53,6 +53,9 @@ DROPPED_NOTE = "payload(s) not recorded: the store could not keep up"
 # A record's note for a tensor without strided bytes (sparse, meta): "<name>: <layout> tensor on <device>: " + this
 METADATA_NOTE = "metadata only"
 # A forward step's note: "<output record names> " + this (no tap followed them: see recorder.taps)
+# A forward step's note: "<parameter>: " + this + " (<hooks>)".
+PARAM_HOOK_NOTE = ("the parameter had gradient hooks of its own (Tensor.register_hook): its recorded gradient is what "
+                   "they made of it, and a replay runs without them")
 # A backward step's note: a pass through gradients an earlier pass took with create_graph=True.
 SECOND_ORDER_NOTE = ("an earlier backward pass took this call's gradients with create_graph=True (a gradient "
                      "penalty): this pass's gradients hold second-order terms, through that graph of gradients")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import shutil
 from collections.abc import Iterator
@@ -729,3 +730,22 @@ def test_a_gradient_penalty_pass_is_named_not_a_mismatch(tmp_path: Path) -> None
     res = pdbg("verify", str(path), "--json", cwd=tmp_path)
     doc = json.loads(res.stdout)
     assert res.returncode == 0 and doc["matched"] == doc["replayed"] == 2 and len(doc["not_replayed"]) == 1
+
+
+def test_a_parameters_gradient_hook_is_named_where_a_replay_differs(tmp_path: Path) -> None:
+    """A pruning mask applied by a hook on a parameter's gradient: the recorded gradient is the
+    masked one, and a replay (without the hook) differs. The replay names the hook as the likely
+    cause (it said nothing), and the relative difference where the recorded value is 0 is inf
+    (it was 3.67e+307)."""
+    torch.manual_seed(0)
+    critic = Critic()
+    mask = (torch.rand(4, 4) > 0.5).float()
+    critic.fc.weight.register_hook(lambda g: g * mask)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=critic, mode="full"):
+        critic(torch.randn(8, 4)).pow(2).sum().backward()
+    result = replayer.replay(replayer.open(path), 1)
+    weight = result.diffs["fc.weight"]
+    assert not weight.match and weight.max_rel_diff == math.inf and result.diffs["fc.bias"].match
+    assert any("fc.weight: the parameter had gradient hooks of its own (Tensor.register_hook)" in w
+               and "(a likely cause of any difference)" in w for w in result.warnings), result.warnings
