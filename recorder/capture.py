@@ -651,6 +651,8 @@ class Session:
                                                 per_object=False, unfollowed=unfollowed)
                 if unfollowed:
                     frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
+                if link is not None and frame.module is not None:
+                    self._note_returned_parameters(frame, out)
                 if link is not None:
                     out = self._tap_outputs(link, out, tapped & nested, frame, slots)
             except Exception as exc:
@@ -662,6 +664,20 @@ class Session:
             return out
         finally:
             self.local.busy = False
+
+    @staticmethod
+    def _note_returned_parameters(frame: Frame, out: Any) -> None:
+        """A module step returning one of its own parameters as it is (learned queries, a position
+        table): a leaf, which no tap follows; the gradient the caller's use sends it goes straight
+        into the parameter's, which then holds more than this call's backward computes from its
+        outputs. Noted, so that a replay does not compare that parameter's gradient."""
+        leaves = [t for _, _, t in taps.followed(out) if t.is_leaf and t.requires_grad]
+        if not leaves:
+            return
+        mine = {id(p): name for name, p in frame.module.named_parameters()}
+        names = [mine[id(t)] for t in leaves if id(t) in mine]
+        if names:
+            frame.notes.append(f"{_one_line(names)}: {layout.RETURNED_PARAM_NOTE}")
 
     def _exit_exception(self, frame: Frame, exc: BaseException) -> None:
         try:

@@ -92,7 +92,7 @@ def _children(value: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
 _DEPTH = 8  # containers followed below a step's output: deeper tensors are named as not followed
 
 
-def _followed(output: Any) -> list[tuple[tuple[Any, ...], str, torch.Tensor]]:
+def followed(output: Any) -> list[tuple[tuple[Any, ...], str, torch.Tensor]]:
     """Every tensor of a step's output that a tap can reach: (its keys from the top, its path in the
     output document, the tensor); the output itself has keys () and path ""."""
     found: list[tuple[tuple[Any, ...], str, torch.Tensor]] = []
@@ -122,7 +122,7 @@ def output_places(output: Any) -> tuple[list[tuple[Any, torch.Tensor]], frozense
     output itself (keys ``()``) or inside containers a tap rebuilds (see ``_children``), keyed by
     their keys from the top. Tensors in other objects are left alone: rebuilding an arbitrary
     class is not safe."""
-    found = _followed(output)
+    found = followed(output)
     if len(found) > 1:  # tensors that share memory stay as they are: see _overlapping
         shared = _overlapping([t for _, _, t in found])
         if shared:
@@ -293,7 +293,7 @@ def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = froze
     # Objects that could not be copied keep their tensors untapped (those taps go unused: their grads
     # come as None); unless one of those tensors is also in a place that was rebuilt, where autograd
     # would then sum its gradients in another order: then the whole output stays as it was.
-    present = {id(t) for _, _, t in _followed(rebuilt)}
+    present = {id(t) for _, _, t in followed(rebuilt)}
     originals = dict(slots)
     if any(id(tapped[k]) in present and id(originals[k]) in present for k in keys):
         return output, [], list(names.values())

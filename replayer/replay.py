@@ -482,8 +482,17 @@ class Replayer:
         hooked = [n for n in fwd.extra.get("notes", []) if layout.PARAM_HOOK_NOTE in n]
         if hooked:  # the recorded gradients passed through hooks the replay does not have
             warnings.append(f"forward step {fwd.index}: " + "; ".join(hooked) + " (a likely cause of any difference)")
+        returned = [n.split(":", 1)[0] for n in fwd.extra.get("notes", []) if layout.RETURNED_PARAM_NOTE in n]
+        left: list[TensorRecord] = []
+        if returned:  # their recorded gradients hold what the caller's use of them sent too
+            names = {name.strip() for text in returned for name in text.split(",")}
+            left = [r for r in wanted if r.role == "param_grad" and r.name in names]
+            if left:
+                wanted = [r for r in wanted if r not in left]
+                warnings.append(f"parameter grads not compared: {', '.join(r.name for r in left)}, "
+                                f"{layout.RETURNED_PARAM_NOTE}")
         calls = self._calls_of_module(fwd)
-        not_compared = ""  # why the parameter grads are left out, when they are
+        not_compared = warnings[-1] if left else ""  # why parameter grads are left out, if they are
         if calls > 1 and any(r.role == "param_grad" for r in wanted):
             wanted = [r for r in wanted if r.role != "param_grad"]
             not_compared = (f"parameter grads not compared: {fwd.module_path or fwd.name} ran {calls} times in "

@@ -53,6 +53,10 @@ DROPPED_NOTE = "payload(s) not recorded: the store could not keep up"
 # A record's note for a tensor without strided bytes (sparse, meta): "<name>: <layout> tensor on <device>: " + this
 METADATA_NOTE = "metadata only"
 # A forward step's note: "<output record names> " + this (no tap followed them: see recorder.taps)
+# A forward step's note: "<parameter names>: " + this.
+RETURNED_PARAM_NOTE = ("returned as they are by the step (leaves, not followed for gradients): the gradient the "
+                       "caller's use of them sends is in their parameter grads too, which a replay of this step's "
+                       "backward does not compute")
 # A forward step's note: "<parameter>: " + this + " (<hooks>)".
 PARAM_HOOK_NOTE = ("the parameter had gradient hooks of its own (Tensor.register_hook): its recorded gradient is what "
                    "they made of it, and a replay runs without them")

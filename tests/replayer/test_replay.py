@@ -749,3 +749,30 @@ def test_a_parameters_gradient_hook_is_named_where_a_replay_differs(tmp_path: Pa
     assert not weight.match and weight.max_rel_diff == math.inf and result.diffs["fc.bias"].match
     assert any("fc.weight: the parameter had gradient hooks of its own (Tensor.register_hook)" in w
                and "(a likely cause of any difference)" in w for w in result.warnings), result.warnings
+
+
+@recorder.paper_step("Eq. 16", description="learned queries, and a projection")
+class Queries(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(4, 4))
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q, x @ self.w
+
+
+def test_a_parameter_returned_as_it_is_is_left_out_of_the_comparison(tmp_path: Path) -> None:
+    """A module step returning one of its parameters (learned queries): the caller's use of it sends
+    a gradient straight into that parameter's, which this step's backward does not compute. Its
+    gradient is left out of the comparison, saying why (it was a MISMATCH); the others are compared."""
+    torch.manual_seed(0)
+    queries = Queries()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=queries, mode="full"):
+        q, h = queries(torch.randn(8, 4, requires_grad=True))
+        (q.sum() + h.pow(2).sum()).backward()
+    result = replayer.replay(replayer.open(path), 1)
+    assert result.match and set(result.diffs) == {"w", "args.0"}, result.diffs
+    assert any(w.startswith("parameter grads not compared: q, returned as they are by the step") for w in
+               result.warnings), result.warnings
