@@ -22,7 +22,9 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from . import jsonval
 
-INIT_KEY = "_pdbg_init"  # where a module instance keeps its constructor arguments (plain JSON)
+# A module instance's constructor arguments (plain JSON), beside it rather than in its __dict__: a
+# checkpoint of the user's model (torch.save(model)) holds nothing of the recorder's.
+_INIT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any] | None] = weakref.WeakKeyDictionary()
 _BASE_KEYS = frozenset(vars(torch.nn.Module()))  # what torch's Module.__init__ itself sets
 HOOK_CLASSES = {"weight_norm": WeightNorm, "spectral_norm": SpectralNorm}  # the hooks replay knows how to rebuild
 _HOOK_KINDS = {cls: kind for kind, cls in HOOK_CLASSES.items()}
@@ -39,9 +41,13 @@ def init_record(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
 
 def remember(module: torch.nn.Module, wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Keep the arguments ``module`` is being constructed with, if ``wrapper`` is its class's own
-    ``__init__`` (a base class's ``__init__``, reached through ``super()``, gets other arguments)."""
-    if INIT_KEY not in module.__dict__ and type(module).__init__ is wrapper:
-        module.__dict__[INIT_KEY] = init_record(type(module), args, kwargs)
+    ``__init__`` (a base class's ``__init__``, reached through ``super()``, gets other arguments).
+    Never raises: construction must not break."""
+    try:
+        if type(module).__init__ is wrapper and module not in _INIT:
+            _INIT[module] = init_record(type(module), args, kwargs)
+    except TypeError:  # a module class that made itself unhashable: its skeleton is all there is
+        pass
 
 
 def opaque_in(doc: Any) -> str | None:
@@ -196,7 +202,7 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
                for name, b in module._buffers.items()}
     doc = {"class": jsonval.type_ref(own_class(module)), "training": bool(module.training), "attrs": attrs,
            "unrecorded": unrecorded, "params": params, "buffers": buffers,
-           "init": module.__dict__.get(INIT_KEY), "children": {}}
+           "init": _INIT.get(module), "children": {}}
     if linked:
         doc["linked"] = linked
     names = parametrized(module)
@@ -229,7 +235,7 @@ def tied_parameters(module: torch.nn.Module) -> dict[str, str]:
 class InitCapture:
     """Records the constructor arguments of every ``nn.Module`` subclass defined while it is
     installed (the outermost ``__init__`` of an instance wins). ``close()`` restores every class
-    and ``nn.Module`` itself; instances keep their record (plain data under ``_pdbg_init``)."""
+    and ``nn.Module`` itself; instances keep their record (plain data, in ``_INIT``)."""
 
     def __init__(self) -> None:
         self._wrapped: list[tuple[type, Any, Any]] = []

@@ -297,3 +297,21 @@ def test_a_mismatch_names_the_attributes_a_constructor_made(tmp_path: Path) -> N
         "attributes that could not be recorded as data came from the module's constructor (the step's module: "
         "center (torch:Tensor), shape_of (builtins:function)); if training changed them after construction (a "
         "tensor kept as an attribute, not a buffer), the replay used other values"]
+
+
+def test_a_module_keeps_nothing_of_the_recorder_in_its_own_state(tmp_path: Path) -> None:
+    """The constructor arguments a replay rebuilds a module from are kept beside it, not in its
+    __dict__: the user's checkpoint of the model (torch.save(model)) holds nothing of the recorder's,
+    and the replay still rebuilds it by its constructor."""
+    model = WarmupGate()
+    assert not [k for k in vars(model) if "pdbg" in k]
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    assert b"pdbg" not in saved.getvalue()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, mode="full"):
+        model(torch.randn(2, 4))
+    result = replayer.replay(replayer.open(path), 0)
+    assert result.match and result.rebuilt[""] in ("constructor", "skeleton")
+    assert replayer.open(path).step(0)._doc("module")["init"] == {"class": f"{__name__}:WarmupGate", "args": [],
+                                                                    "kwargs": {}}
