@@ -581,7 +581,8 @@ class Divergence:
     other: Step | None  # the same step in run B
     cause: str
     first_difference: Step | None = None  # the first aligned step whose results differ at all
-    followed: list[Step] = field(default_factory=list)  # steps that differ only because their inputs did
+    followed: list[Step] = field(default_factory=list)  # the first SPREAD steps after it that differ only
+    # because their inputs did
     compared: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -689,7 +690,10 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     (by statistics where either run kept only those). A step whose inputs were identical in both runs but
     whose results differ is a *root cause* (its parameters differ, or it computed differently); a
     step that only received different inputs *followed*. The root cause reported is the first in
-    run A's execution order, the innermost where steps nest.
+    run A's execution order, the innermost where steps nest. Where the first step whose results
+    differ got different inputs, they came from outside every recorded step (the data, code between
+    steps), and there is no root cause among the steps: later ones whose parameters differ only
+    follow it (the optimizer stepped with other gradients).
     """
     keys_b = {k: i for i, k in enumerate(_keys(rec_b))}
     pairs = [(i, keys_b.get(k)) for i, k in enumerate(_keys(rec_a))]
@@ -708,11 +712,14 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
         args_b, params_b, res_b = _parts(pb, sb)
         if res_a == res_b:
             continue
-        if result.first_difference is None:
-            result.first_difference = sa
         if args_a != args_b:
+            if result.first_difference is None:  # the first difference came in from outside every recorded
+                result.first_difference = sa  # step (a batch, code between steps): later steps whose parameters
+                break  # differ only follow it (the optimizer stepped with other gradients)
             result.followed.append(sa)
             continue
+        if result.first_difference is None:
+            result.first_difference = sa
         root[i] = _why(sa, sb, params_a, params_b, res_a, res_b)
         if result.step is None:
             result.step, result.other = sa, sb
@@ -723,6 +730,7 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
         else:
             result.cause = (f"the results first differ at {describe(result.first_difference)}, but its inputs differ "
                             "too: they came from outside every recorded step")
+            result.followed = _followers(pairs, result.first_difference.index, pa, pb, rec_a, rec_b)
         return result
     index = result.step.index
     descended = True
@@ -741,7 +749,25 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
                 index, descended = k, True
                 break
     result.cause = f"{describe(result.step)}: {root[index]}"
+    result.followed = _followers(pairs, result.first_difference.index, pa, pb, rec_a, rec_b)
     return result
+
+
+def _followers(pairs: list[tuple[int, int | None]], after: int, pa: _Prints, pb: _Prints, rec_a: Recording,
+               rec_b: Recording) -> list[Step]:
+    """The first SPREAD steps after ``after`` whose results differ because their inputs did."""
+    found: list[Step] = []
+    for i, j in pairs:
+        if i <= after or j is None:
+            continue
+        sa, sb = rec_a.step(i), rec_b.step(j)
+        args_a, _, res_a = _parts(pa, sa)
+        args_b, _, res_b = _parts(pb, sb)
+        if res_a != res_b and args_a != args_b:
+            found.append(sa)
+            if len(found) == SPREAD:
+                break
+    return found
 
 
 def _keys_one(rec: Recording, index: int) -> tuple[Any, ...]:

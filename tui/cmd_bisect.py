@@ -62,7 +62,11 @@ def bisect(args: argparse.Namespace) -> int:
         else:
             print(div.cause if div.step is None else f"root cause: {div.cause}")
             if div.followed:
-                print(f"steps that only followed it (different inputs): {len(div.followed)}, first "
+                from replayer.bisect import SPREAD
+
+                more = " ..." if len(div.followed) == SPREAD else ""
+                print(f"steps after it that only followed (different inputs): "
+                      f"{', '.join(str(s.index) for s in div.followed)}{more}; first "
                       f"{_step_text(div.followed[0].to_json())}")
         return 1 if div.first_difference is not None else 0
     origin = replayer.first_nonfinite(rec, all_ranks=args.rank is None)

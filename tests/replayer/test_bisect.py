@@ -147,7 +147,7 @@ def test_divergence_names_the_changed_module_not_its_successors(two_runs: tuple[
     assert same.returncode == 0 and same.stdout.startswith("no divergence")
 
 
-def record_mlp(path: Path, mode: str, shift: int, bump: int | None = None) -> None:
+def record_mlp(path: Path, mode: str, shift: int, bump: int | None = None, other_batch: int | None = None) -> None:
     """Six iterations of the same deterministic training (two Linear(300, 300) + tanh steps: 360 KB
     weights, lengths past whole vectors) in ``mode``; ``shift`` bytes allocated and held at each
     iteration put the recorder's buffers elsewhere than in another run; ``bump``: the second
@@ -164,7 +164,7 @@ def record_mlp(path: Path, mode: str, shift: int, bump: int | None = None) -> No
             if i == bump:
                 with torch.no_grad():
                     model[1][0].weight.mul_(1.5)
-            model(x).square().mean().backward()
+            model(x * 1.5 if i == other_batch else x).square().mean().backward()
             opt.step()
             opt.zero_grad()
     assert run.status == "complete"
@@ -187,6 +187,26 @@ def test_the_same_training_recorded_twice_does_not_diverge(tmp_path: Path, modes
         assert div.step is not None and (div.step.module_path, div.step.phase, div.step.iteration) == (
             "1", "forward", bump), div.cause
         assert "0.weight differs" in div.cause
+
+
+def test_runs_parted_by_their_data_have_no_root_cause_among_the_steps(tmp_path: Path) -> None:
+    """Two runs alike but for the batch of iteration 2: the first step that differs got different
+    inputs (from outside every recorded step), and that is the answer. The steps of iteration 3,
+    whose weights differ only because the optimizer stepped with other gradients, were named the
+    root cause, and the earlier steps said to have followed it."""
+    record_mlp(tmp_path / "a.zarr", "full", 8)
+    record_mlp(tmp_path / "b.zarr", "full", 8, other_batch=2)
+    a = replayer.open(tmp_path / "a.zarr")
+    div = replayer.first_divergence(a, replayer.open(tmp_path / "b.zarr"))
+    first = div.first_difference
+    assert div.step is None and first is not None and (first.iteration, first.module_path, first.phase) == (
+        2, "0", "forward"), div.cause
+    assert div.cause.endswith("but its inputs differ too: they came from outside every recorded step")
+    assert div.followed and all(s.index > first.index for s in div.followed)
+    res = pdbg("bisect", str(tmp_path / "a.zarr"), "--against", str(tmp_path / "b.zarr"), cwd=tmp_path)
+    lines = res.stdout.splitlines()
+    assert res.returncode == 1 and lines[0] == div.cause and "root cause" not in res.stdout
+    assert lines[1].startswith("steps after it that only followed (different inputs): ")
 
 
 def test_runs_of_different_models_are_refused_in_one_line(two_runs: tuple[Path, Path], overflow_run: Path,
