@@ -726,7 +726,12 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
             break
     if result.step is None:
         if result.first_difference is None:
-            result.cause = f"no divergence: the {common} steps the runs have in common match"
+            only_a, only_b = len(pairs) - common, len(keys_b) - common
+            apart = "; ".join(f"{n} step{'s' if n != 1 else ''} only in {which}"
+                              for n, which in ((only_a, "this run"), (only_b, "the other")) if n)
+            result.cause = (f"no divergence: the {common} step{'s' if common != 1 else ''} the runs have in common "
+                            f"match" + (f" ({apart}: a run longer than the other, or steps recorded in one only)"
+                                        if apart else ""))
         else:
             result.cause = (f"the results first differ at {describe(result.first_difference)}, but its inputs differ "
                             "too: they came from outside every recorded step")

@@ -209,6 +209,20 @@ def test_runs_parted_by_their_data_have_no_root_cause_among_the_steps(tmp_path: 
     assert lines[1].startswith("steps after it that only followed (different inputs): ")
 
 
+def test_a_run_that_is_longer_is_said_to_be(tmp_path: Path) -> None:
+    """Two runs alike over the steps they share, one longer: no divergence, and how many steps only
+    one of them has (it said only that the shared steps match)."""
+    record_mlp(tmp_path / "a.zarr", "full", 8)
+    a = replayer.open(tmp_path / "a.zarr")
+    short = tmp_path / "short.pdbg"
+    replayer.bundle(a, a.steps.filter(iteration=1)[0], short, iteration=True)
+    div = replayer.first_divergence(a, replayer.open(short))
+    shared = len(a.steps.filter(iteration=1))
+    assert div.step is None and div.first_difference is None
+    assert div.cause == (f"no divergence: the {shared} steps the runs have in common match ({len(a) - shared} steps "
+                         "only in this run: a run longer than the other, or steps recorded in one only)")
+
+
 def test_runs_of_different_models_are_refused_in_one_line(two_runs: tuple[Path, Path], overflow_run: Path,
                                                            tmp_path: Path) -> None:
     res = pdbg("bisect", str(two_runs[0]), "--against", str(overflow_run), cwd=tmp_path)
