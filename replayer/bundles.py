@@ -63,7 +63,8 @@ class BundleInfo:
 
     def __repr__(self) -> str:
         verified = {True: "verified: bitwise match", False: "verified: MISMATCH", None: "not verified"}[self.verified]
-        return f"<BundleInfo {self.path}: {self.steps} steps, main step {self.main}, {self.bytes} bytes, {verified}>"
+        return (f"<BundleInfo {self.path}: {self.steps} step{'s' if self.steps != 1 else ''}, main step {self.main}, "
+                f"{self.bytes} bytes, {verified}>")
 
     def _repr_html_(self) -> str:
         from . import notebook

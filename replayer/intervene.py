@@ -57,7 +57,7 @@ class Change:
         if isinstance(out, np.ndarray):
             out = torch.from_numpy(out)
         if not isinstance(out, torch.Tensor):
-            raise InterventionError(f"edit {self.key} gave a {type(out).__name__}, not a tensor")
+            raise InterventionError(f"edit {self.key} gave {_a(type(out).__name__)}, not a tensor")
         return out.to(x.device)
 
 
@@ -190,7 +190,7 @@ def swap_function(original: Callable[..., Any], sw: Swap) -> Callable[..., Any]:
                 f"{getattr(sw.replacement, '__name__', 'new_function')}, or its import reference "
                 "('module:function')") from None
         if not callable(new):
-            raise InterventionError(f"swap {sw.key}: the replacement gave a {type(new).__name__}, not a function")
+            raise InterventionError(f"swap {sw.key}: the replacement gave {_a(type(new).__name__)}, not a function")
     return getattr(new, "__wrapped__", new)  # a decorated replacement runs as itself, not as a new step
 
 
@@ -224,8 +224,8 @@ def swap_module(original: torch.nn.Module, replacement: Any, key: str, build_fro
         raise InterventionError(f"swap {key}: the replacement, called as a factory with the original module, raised "
                                 f"{type(exc).__name__}: {exc}; {factory}") from None
     if not isinstance(new, torch.nn.Module):
-        raise InterventionError(f"swap {key}: the replacement, called as a factory with the original module, gave a "
-                                f"{type(new).__name__}, not an nn.Module; {factory}")
+        raise InterventionError(f"swap {key}: the replacement, called as a factory with the original module, gave "
+                                f"{_a(type(new).__name__)}, not an nn.Module; {factory}")
     return new
 
 
@@ -259,3 +259,8 @@ def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, 
         notes.append(f"swap {key}: the original's {', '.join(unused)} have no place in the replacement")
     if odd:
         notes.append(f"swap {key}: shapes differ, left as the replacement made them: {', '.join(odd)}")
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article ("an int", "a float")."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info.to_json()))
     else:
-        print(f"{info.path}: {_size(info.bytes)}, {info.steps} step{'s' if info.steps != 1 else ''}; main step "
+        print(f"{info.path}: {_size(info.bytes)}, {info.steps} step{'s' if info.steps != 1 else ''}; main "
               f"{_step_text(step.to_json())}")
         if info.verified is not None:
             print("verified: " + ("the bundle replays bit for bit" if info.verified else "MISMATCH when replayed from "

@@ -208,7 +208,7 @@ def info(args: argparse.Namespace) -> int:
         _emit(doc)
         return 0
     run = rec.run_info
-    print(f"{args.run}: {doc['status']}, {doc['steps']} steps, {doc['iterations']} iterations, "
+    print(f"{args.run}: {doc['status']}, {_count(doc['steps'], 'step')}, {_count(doc['iterations'], 'iteration')}, "
           f"{doc['ranks']} rank{'s' if doc['ranks'] != 1 else ''}, {_size(doc['bytes'])} on disk "
           f"(schema {doc['schema_version']})")
     if run:
@@ -223,7 +223,8 @@ def info(args: argparse.Namespace) -> int:
                 print(f"  rank {r['rank']}: missing (no step committed: killed before its first commit, or never "
                       "started)")
                 continue
-            print(f"  rank {r['rank']}: {r['status']}, {r['steps']} steps, {r['iterations']} iterations, "
+            print(f"  rank {r['rank']}: {r['status']}, {_count(r['steps'], 'step')}, "
+                  f"{_count(r['iterations'], 'iteration')}, "
                   f"backend {r['backend'] or '?'}, {r['hostname']} pid {r['pid']}")
         print(f"  (paper steps below: rank {rec.rank.rank}; --rank K for another)")
     if doc["paper_steps"]:
