@@ -61,10 +61,12 @@ def _is_definition(node: ast.stmt) -> bool:
     return False
 
 
-def script_module(path: str | os.PathLike[str], text: str | None = None) -> tuple[types.ModuleType, str]:
+def script_module(path: str | os.PathLike[str], text: str | None = None
+                  ) -> tuple[types.ModuleType, str, frozenset[str]]:
     """Load a training script's definitions as a module named ``__main__`` (its classes and
     functions keep the ``__main__:QualName`` references they were recorded under). Returns the
-    module and a note on what was left out. ``text``: the script's source, instead of reading it."""
+    module, a note on what was left out, and the names that statements left out would have set.
+    ``text``: the script's source, instead of reading it."""
     file = Path(path)
     try:
         source = file.read_text(encoding="utf-8") if text is None else text
@@ -76,13 +78,19 @@ def script_module(path: str | os.PathLike[str], text: str | None = None) -> tupl
         raise ReplayError(f"the training script {file} does not parse now (line {exc.lineno}: {exc.msg}); "
                           "fix it or pass another copy with --script") from None
     body = [n for n in tree.body if not _is_main_guard(n)]
+    skipped: frozenset[str] = frozenset()  # names set by top-level statements left out
     if len(body) != len(tree.body):
         note = "loaded without its if __name__ == '__main__' block"
     else:
         kept = [n for n in body if _is_definition(n)]
+        names = [t.id for n in body if n not in kept and isinstance(n, (ast.Assign, ast.AnnAssign))
+                 for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)]
         note = (f"the script has no if __name__ == '__main__' guard: loaded only its definitions "
-                f"({len(body) - len(kept)} top-level statements skipped)")
+                f"({len(body) - len(kept)} top-level statements skipped" + (
+                    f"; names they set are not defined: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+                    if names else "") + ")")
         body = kept
+        skipped = frozenset(names)
     if str(path) == SESSION_SCRIPT:  # on no disk: its lines for inspect (drift) and tracebacks
         linecache.cache[SESSION_SCRIPT] = (len(source), None, source.splitlines(True), SESSION_SCRIPT)
     module = types.ModuleType("__main__", ast.get_docstring(tree))
@@ -100,7 +108,7 @@ def script_module(path: str | os.PathLike[str], text: str | None = None) -> tupl
         if saved_main is not None:
             sys.modules["__main__"] = saved_main
     linecache.checkcache(str(file))
-    return module, note
+    return module, note, skipped
 
 
 @contextlib.contextmanager
@@ -137,6 +145,7 @@ class CodeLoader:
         self.bundled = bundled or {}  # file -> source: use these instead of the code installed here
         self._bundled_modules: dict[str, types.ModuleType] = {}
         self.notes: list[str] = []
+        self.skipped: frozenset[str] = frozenset()  # names the training script's skipped statements set
         dirs = [os.getcwd(), run_info.get("cwd")]
         if self.script:
             dirs.append(str(Path(self.script).resolve().parent))
@@ -161,7 +170,7 @@ class CodeLoader:
                                   "copy, run only if you ask: replay with --use-bundled-source (use_bundled_source="
                                   "True in Python), which runs its definitions and its top-level statements outside "
                                   "`if __name__ == \"__main__\":`, or give the script with --script PATH")
-            self._main, note = script_module(self.script, text)
+            self._main, note, self.skipped = script_module(self.script, text)
             if "no if __name__" in note and self.script != SESSION_SCRIPT:  # worth a warning: statements skipped
                 self.notes.append(f"{self.script}: {note}")
         return self._main

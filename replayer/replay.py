@@ -178,6 +178,14 @@ class Replayer:
                             if there else "it has no steps inside"))
         return plan
 
+    def _skipped_hint(self, exc: BaseException | None) -> str:
+        """Why a name is not defined, where a statement of the training script that sets it was left out."""
+        if not isinstance(exc, NameError) or exc.name not in self.loader.skipped:
+            return ""
+        return (f"{exc.name} is set at the top level of the training script {self.loader.script}, which has no "
+                "if __name__ == '__main__' guard, so a replay loads only its definitions; put the training under "
+                "such a guard and record again")
+
     def _check_swap_keys(self, step: Step, swaps: list[intervene.Swap]) -> None:
         """Refuse, before the replay, a swap key that names nothing the step holds: not the step
         itself, a module inside its module, nor a step inside it (a mistyped key read as "the fix
@@ -444,6 +452,9 @@ class Replayer:
                     tap.close()
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         recorded_exc = step.extra.get("exception")
+        hint = self._skipped_hint(raised)
+        if hint:
+            warnings.append(f"a likely cause: {hint}")
         if raised is not None or recorded_exc:
             return _exception_result(result, raised, recorded_exc)
         values = tensors_by_name(out, "output")
@@ -524,8 +535,9 @@ class Replayer:
             except PdbgError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a backward cannot start from a forward that failed
+                hint = self._skipped_hint(exc)
                 raise ReplayError(f"backward step {step.index}: rerunning its forward (step {fwd.index}, {fwd.name}) "
-                                  f"raised {brief(exc)}") from exc
+                                  f"raised {brief(exc)}" + (f" ({hint})" if hint else "")) from exc
             finally:
                 capture.ACTIVE = saved
                 if tap is not None:

@@ -776,3 +776,39 @@ def test_a_parameter_returned_as_it_is_is_left_out_of_the_comparison(tmp_path: P
     assert result.match and set(result.diffs) == {"w", "args.0"}, result.diffs
     assert any(w.startswith("parameter grads not compared: q, returned as they are by the step") for w in
                result.warnings), result.warnings
+
+
+UNGUARDED_SCRIPT = '''
+import collections, sys, torch
+import recorder
+
+Pair = collections.namedtuple("Pair", ["y", "norm"])
+
+
+@recorder.paper_step("Eq. 5")
+def pair(x):
+    return Pair(x * 2, x.norm())
+
+
+with recorder.record(sys.argv[1], mode="full"):
+    p = pair(torch.randn(8, 4, requires_grad=True))
+    (p.y.sum() + p.norm).backward()
+'''
+
+
+def test_a_name_an_unguarded_script_sets_is_named_as_the_cause(tmp_path: Path) -> None:
+    """A script with no main guard is loaded for its definitions only: a name set by a statement
+    left out (a namedtuple made at the top level) is not defined in the replay. The replay says so,
+    naming it and what to do (a NameError without a word), forward and backward."""
+    (tmp_path / "train.py").write_text(UNGUARDED_SCRIPT)
+    made = python("train.py", str(tmp_path / "run.zarr"), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    rec = replayer.open(tmp_path / "run.zarr")
+    forward = replayer.replay(rec, 0)
+    assert not forward.match and forward.exception == "NameError: name 'Pair' is not defined"
+    assert any(w.startswith("a likely cause: Pair is set at the top level of the training script") for w in
+               forward.warnings), forward.warnings
+    assert any("names they set are not defined: Pair" in w for w in forward.warnings), forward.warnings
+    with pytest.raises(ReplayError, match=r"raised NameError: name 'Pair' is not defined \(Pair is set at the top "
+                                          r"level of the training script .*put the training under such a guard"):
+        replayer.replay(rec, 1)
