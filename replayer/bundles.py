@@ -86,17 +86,83 @@ def _selection(rec: Recording, step: Step, iteration: bool) -> tuple[list[int], 
     return sorted(chosen), full
 
 
-def _sources(rec: Recording, steps: list[Step]) -> dict[str, str]:
-    """The text of every file the bundled steps' code came from, and of the script that ran."""
-    files = {s.definition.get("file") for s in steps} | {rec.run_info.get("script")}
-    out = {}
-    for file in sorted(f for f in files if isinstance(f, str)):
+_SOURCE_FILES, _SOURCE_BYTES = 200, 16 << 20  # what a bundle carries of a project's code, at most
+
+
+def _sources(rec: Recording, steps: list[Step]) -> tuple[dict[str, str], dict[str, str]]:
+    """The text of every file the bundled steps' code came from, of the script that ran, and of the
+    modules of the same project they import (``from mylib.util import raw`` beside the step's
+    ``mylib/acts.py``: found by reading their imports, never by running them), and which module each
+    such file is (``{"mylib.acts": file}``), so that a replay with the bundled source imports them
+    from the bundle. A project's files are those beside the step's module (in its package, or its
+    directory when it has none); nothing of an installed package other than the step's own."""
+    seeds = [(s.definition.get("ref", "").partition(":")[0], s.definition.get("file")) for s in steps]
+    seeds.append(("__main__", rec.run_info.get("script")))
+    sources: dict[str, str] = {}
+    modules: dict[str, str] = {}
+    size = 0
+    todo = [(name, file) for name, file in seeds if name and isinstance(file, str)]
+    while todo and len(sources) < _SOURCE_FILES:
+        name, file = todo.pop(0)
+        if file in sources:
+            continue
         try:
-            if os.path.getsize(file) <= 4 << 20:
-                out[file] = Path(file).read_text(encoding="utf-8")
+            if os.path.getsize(file) > 4 << 20 or size + os.path.getsize(file) > _SOURCE_BYTES:
+                continue
+            text = Path(file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-    return out
+        sources[file], size = text, size + len(text)
+        if name != "__main__":
+            modules[name] = file
+        todo += [found for found in _project_imports(name, file, text) if found[1] not in sources]
+    return sources, modules
+
+
+def _project_imports(name: str, file: str, text: str) -> list[tuple[str, str]]:
+    """The modules of the same project that a module's source imports (with the packages on the way
+    to them): (module name, file), where a file for the name lies beside it."""
+    path = Path(file)
+    init = path.name == "__init__.py"
+    root = path.parent
+    if name != "__main__":
+        for _ in range(name.count(".") + init):
+            root = root.parent
+    package = name if init else name.rpartition(".")[0]
+    if name == "__main__":
+        package = ""
+    installed = any(part in ("site-packages", "dist-packages") for part in root.parts)
+    own = name.partition(".")[0]
+    try:
+        tree = ast.parse(text, filename=file)
+    except SyntaxError:
+        return []
+    wanted: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            wanted += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".") if package else []
+                if node.level - 1 > len(parts):
+                    continue
+                base = ".".join(parts[:len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base:
+                wanted += [base, *(f"{base}.{a.name}" for a in node.names if a.name != "*")]
+    found: list[tuple[str, str]] = []
+    for target in dict.fromkeys(wanted):
+        parts = target.split(".")
+        if installed and parts[0] != own:  # of an installed package, only its own modules
+            continue
+        for k in range(1, len(parts) + 1):
+            stem = root.joinpath(*parts[:k])
+            for candidate in (stem / "__init__.py", stem.with_suffix(".py")):
+                if candidate.is_file():
+                    found.append((".".join(parts[:k]), str(candidate)))
+                    break
+    return found
 
 
 def _needs_main(steps: list[Step]) -> bool:
@@ -163,7 +229,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
             raise BundleError(f"step {main.index} kept statistics only for {r.role} {r.name} "
                               f"({rec.rank.why_statistics_only(r)}): there is nothing to replay; bundle a step "
                               "recorded with payloads (mode full, or a flight dump)")
-    sources = _sources(rec, steps)
+    sources, modules = _sources(rec, steps)
     session = None
     if not rec.run_info.get("script") and _needs_main(steps):
         session = _session_source(rec)
@@ -179,7 +245,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         meta = {"format": FORMAT, "main_step": new_main, "created": datetime.now(UTC).isoformat(),
                 "iteration": iteration, "origin": {"path": str(rec.path), "index": main.index, "step": main.to_json(),
                                                    "status": rec.status},
-                "sources": sources, "verified": None}
+                "sources": sources, "modules": modules, "verified": None}
         carried = {}
         for name, recipe in recipes_mod.recipes(rec).items():  # those for bundled steps, renumbered
             index = (recipe.get("step") or {}).get("index")

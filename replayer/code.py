@@ -13,6 +13,9 @@ import ast
 import contextlib
 import hashlib
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import inspect
 import linecache
 import os
@@ -130,14 +133,51 @@ def made_here(run_info: dict[str, Any]) -> bool:
     return run_info.get("pid") == os.getpid() and run_info.get("hostname") == socket.gethostname()
 
 
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))]
+
+
+class _BundleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports the modules a bundle carries from their bundled source (CodeLoader.bundle_imports);
+    a package on the way to one whose ``__init__.py`` it does not carry is an empty namespace."""
+
+    def __init__(self, loader: CodeLoader) -> None:
+        self.loader = loader
+        self.parents = {p for n in loader.bundled_names for p in _parents(n)}
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        file = self.loader.bundled_names.get(fullname)
+        if file is None and fullname not in self.parents:
+            return None
+        package = fullname in self.parents or (file is not None and file.endswith("__init__.py"))
+        return importlib.util.spec_from_loader(fullname, self, origin=file, is_package=package)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        file = self.loader.bundled_names.get(module.__name__)
+        if file is None:  # a package the bundle has no __init__ of: nothing to run
+            module.__path__ = []
+            return
+        module.__file__ = file
+        if module.__spec__ is not None and module.__spec__.submodule_search_locations is not None:
+            module.__path__ = [str(Path(file).parent)]
+        exec(compile(self.loader.bundled[file], file, "exec"), module.__dict__)  # noqa: S102 - asked for
+
+
 class CodeLoader:
     """Resolves ``module:QualName`` references of one recording. ``script`` overrides the path of
     the script that ran as ``__main__``."""
 
     def __init__(self, run_info: dict[str, Any], script: str | os.PathLike[str] | None = None,
                  bundled: dict[str, str] | None = None, live_main: bool = True,
-                 spare: dict[str, str] | None = None) -> None:
+                 spare: dict[str, str] | None = None, bundled_modules: dict[str, str] | None = None) -> None:
         self.run_info = run_info
+        # module name -> file, for the bundled sources (a bundle's "modules"): imported from the bundle
+        self.bundled_names = {k: v for k, v in (bundled_modules or {}).items()
+                              if isinstance(k, str) and isinstance(v, str) and v in (bundled or {})}
         self.spare = spare or {}  # a bundle's sources, for a training script that is not on this machine
         self.live_main = live_main
         self.script = str(script) if script is not None else run_info.get("script")
@@ -170,7 +210,9 @@ class CodeLoader:
                                   "copy, run only if you ask: replay with --use-bundled-source (use_bundled_source="
                                   "True in Python), which runs its definitions and its top-level statements outside "
                                   "`if __name__ == \"__main__\":`, or give the script with --script PATH")
-            self._main, note, self.skipped = script_module(self.script, text)
+            with self.bundle_imports() if text is not None and text is self.bundled.get(self.script) \
+                    else contextlib.nullcontext():
+                self._main, note, self.skipped = script_module(self.script, text)
             if "no if __name__" in note and self.script != SESSION_SCRIPT:  # worth a warning: statements skipped
                 self.notes.append(f"{self.script}: {note}")
         return self._main
@@ -207,9 +249,40 @@ class CodeLoader:
         except Exception as exc:
             raise ReplayError(f"importing {name!r} failed: {type(exc).__name__}: {exc}") from None
 
+    @contextlib.contextmanager
+    def bundle_imports(self) -> Iterator[None]:
+        """While it lasts, ``import`` of a module the bundle carries (``bundled_names``) takes the
+        bundle's source, before anything installed here; the modules it made are kept for the
+        replay, and ``sys.modules`` is put back after."""
+        if not self.bundled_names:
+            yield
+            return
+        names = {*self.bundled_names, *(p for n in self.bundled_names for p in _parents(n))}
+        saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+        sys.modules.update({n: m for n, m in self._bundled_modules.items() if n in names})
+        finder = _BundleFinder(self)
+        sys.meta_path.insert(0, finder)
+        try:
+            yield
+        finally:
+            sys.meta_path.remove(finder)
+            for n in names:
+                made = sys.modules.pop(n, None)
+                if made is not None:
+                    self._bundled_modules.setdefault(n, made)
+            sys.modules.update(saved)
+
     def _from_bundle(self, name: str, file: str) -> types.ModuleType:
         """A module made from the source a bundle carries (only when the user asked for it)."""
         found = self._bundled_modules.get(name)
+        if found is None and name in self.bundled_names:  # with the project modules it imports
+            try:
+                with self.bundle_imports():
+                    found = importlib.import_module(name)
+            except Exception as exc:
+                raise ReplayError(f"the bundled source of {name} ({file}) failed to load: "
+                                  f"{type(exc).__name__}: {exc}") from None
+            self._bundled_modules[name] = found
         if found is None:
             found = types.ModuleType(name)
             found.__file__ = file

@@ -102,7 +102,9 @@ class Replayer:
         # (a bundle is a recording from elsewhere: its code is never this process's own __main__;
         # the sources it carries are shown where files are not here, and run only when asked)
         spare = (rec.bundle_info or {}).get("sources") or {} if bundled is None else None
-        self.loader = CodeLoader(rec.run_info, script, bundled, live_main=rec.bundle_info is None, spare=spare)
+        modules = (rec.bundle_info or {}).get("modules") if bundled is not None else None
+        self.loader = CodeLoader(rec.run_info, script, bundled, live_main=rec.bundle_info is None, spare=spare,
+                                 bundled_modules=modules if isinstance(modules, dict) else None)
         self._env: list[str] | None = None
 
     def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True,

@@ -401,3 +401,56 @@ def test_an_existing_repro_script_is_not_overwritten(recorded: tuple[Path, Path]
     res = pdbg("bundle", str(run_path), "Eq. 1@iter=7", "-o", "f.pdbg", "--script", "--force", cwd=tmp_path,
                code=code)
     assert res.returncode == 0 and "# mine" not in (tmp_path / "repro.py").read_text()
+
+
+PROJECT_TRAIN = '''
+import sys
+import torch
+import recorder
+from mylib.acts import act
+from mylib.util import raw
+
+
+@recorder.paper_step("Eq. 2")
+def scaled(x):
+    return raw(x) * 0.5
+
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1], mode="full"):
+        scaled(act(torch.linspace(-3.0, 3.0, 16)))
+    rec = __import__("replayer").open(sys.argv[1])
+    __import__("replayer").bundle(rec, 0, sys.argv[2])
+    __import__("replayer").bundle(rec, 1, sys.argv[3])
+'''
+
+
+def test_a_bundle_carries_the_project_modules_its_code_imports(tmp_path: Path) -> None:
+    """A step in a package module that imports another of the package (absolute and relative), and
+    one in the training script that imports the package: their bundles carry those modules too
+    (found by reading imports), and replay with --use-bundled-source on a machine without the
+    project, bit for bit; nothing of the bundle stays in sys.modules."""
+    project = tmp_path / "project"
+    (project / "mylib").mkdir(parents=True)
+    (project / "mylib" / "__init__.py").write_text("")
+    (project / "mylib" / "util.py").write_text("import torch\n\n\ndef raw(x):\n    return torch.exp(x) - 1\n")
+    (project / "mylib" / "consts.py").write_text("SLOPE = 0.25\n")
+    (project / "mylib" / "acts.py").write_text(
+        "import recorder\nfrom mylib.util import raw\nfrom .consts import SLOPE\n\n\n"
+        "@recorder.paper_step('Eq. 1')\ndef act(x):\n    return raw(x) * SLOPE\n")
+    (project / "train.py").write_text(PROJECT_TRAIN)
+    res = run([sys.executable, "train.py", "run.zarr", "act.pdbg", "scaled.pdbg"], project, project)
+    assert res.returncode == 0, res.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("act.pdbg", "scaled.pdbg"):
+        shutil.copy(project / name, elsewhere / name)
+    shutil.rmtree(project)
+    carried = replayer.open(elsewhere / "act.pdbg").bundle_info["modules"]
+    assert set(carried) == {"mylib", "mylib.acts", "mylib.util", "mylib.consts"}, carried
+    for name in ("act.pdbg", "scaled.pdbg"):
+        assert pdbg("replay", name, cwd=elsewhere, code=elsewhere).returncode == 2  # the code is not here
+        res = pdbg("replay", name, "--use-bundled-source", cwd=elsewhere, code=elsewhere)
+        assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
+    assert replayer.replay(replayer.open(elsewhere / "act.pdbg"), use_bundled_source=True).match
+    assert not [m for m in sys.modules if m == "mylib" or m.startswith("mylib.")]
