@@ -415,7 +415,9 @@ def check_free(path: Path, dist: dict[str, Any]) -> None:
         if (mine.exists() and any(mine.iterdir())) or (dist["rank"] == 0 and (path / "zarr.json").exists()):
             raise RecordingError(f"{path} already holds a recording of rank {dist['rank']}; choose a new path or "
                                  "delete it")
-    elif path.exists() and (not path.is_dir() or any(path.iterdir())):
+    elif path.exists() and not path.is_dir():
+        raise RecordingError(f"{path} is a file; give the path of a new directory for the recording")
+    elif path.exists() and any(path.iterdir()):
         raise RecordingError(f"{path} already exists and is not empty; choose a new path or delete it")
 
 

@@ -50,6 +50,8 @@ def check_output(out: str | os.PathLike[str]) -> Path:
     parent = path.resolve().parent
     while not parent.exists():
         parent = parent.parent
+    if not parent.is_dir():
+        raise RecordingError(f"cannot create {path}: {parent} is a file, not a directory; choose another output path")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise RecordingError(f"cannot create {path}: {parent} is not writable; choose another output path")
     return path

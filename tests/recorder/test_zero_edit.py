@@ -237,8 +237,12 @@ class TestPdbgRecord:
         rec = pdbg("record", "-o", str(blocker / "run.zarr"), "--", str(SCRIPT), "1", cwd=tmp_path)
         assert rec.returncode == 2 and rec.stdout == ""
         (line,) = rec.stderr.strip().splitlines()
-        assert line.startswith("pdbg: error: cannot create") and "run.zarr" in line
+        assert line == (f"pdbg: error: cannot create {blocker / 'run.zarr'}: {blocker} is a file, not a directory; "
+                        "choose another output path"), line  # (it said "is not writable")
         assert blocker.read_text() == "not a directory"
+        rec = pdbg("record", "-o", str(blocker), "--", str(SCRIPT), "1", cwd=tmp_path)
+        assert rec.returncode == 2 and rec.stderr.strip() == (
+            f"pdbg: error: {blocker} is a file; give the path of a new directory for the recording")
 
     def test_glob_matching_nothing_warns_with_paths(self, tmp_path: Path) -> None:
         """A --modules glob that matches no module: a one-line warning listing the paths that exist."""
