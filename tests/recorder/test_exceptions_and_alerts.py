@@ -150,16 +150,6 @@ def test_backward_pass_that_raises_just_before_close_is_still_written(run_path):
         "the backward pass stopped before this step finished"]
 
 
-@recorder.paper_step("Eq. 1", description="a block")
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc(x))
-
-
 class Plain(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -167,6 +157,11 @@ class Plain(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.fc(x))
+
+
+@recorder.paper_step("Eq. 1", description="a block")
+class Block(Plain):
+    pass
 
 
 @pytest.mark.parametrize("how", ["paper_step", "modules="])
