@@ -716,15 +716,17 @@ def _with_strides(value: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     if any(s == 0 for s, n in zip(stride, shape) if n > 1):  # expanded: rebuild from the unexpanded base
         index = tuple(slice(0, 1) if s == 0 else slice(None) for s in stride)
         return _with_strides(value[index].contiguous(), tuple(s or 1 for s in stride)).expand(shape)
+    size = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+    if size > 8 * value.numel() and size * value.element_size() > 64 << 20:  # a sparse view of a large tensor:
+        return value  # its storage is not made again whole for it
     if _overlapping(shape, stride):  # windows over one storage: every element written where it lies
-        size = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
         flat = torch.zeros(size, dtype=value.dtype, device=value.device)
         at = torch.zeros((), dtype=torch.long, device=value.device)
         for d, (n, s) in enumerate(zip(shape, stride)):
             at = at.unsqueeze(-1) + torch.arange(n, device=value.device).mul_(s).view(*([1] * d), n)
         flat[at.reshape(-1)] = value.reshape(-1)
         return flat.as_strided(shape, stride)
-    out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)  # (gaps: zeros unread)
+    out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)  # (its gaps are never read)
     out.copy_(value)
     return out
 
