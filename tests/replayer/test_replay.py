@@ -812,3 +812,29 @@ def test_a_name_an_unguarded_script_sets_is_named_as_the_cause(tmp_path: Path) -
     with pytest.raises(ReplayError, match=r"raised NameError: name 'Pair' is not defined \(Pair is set at the top "
                                           r"level of the training script .*put the training under such a guard"):
         replayer.replay(rec, 1)
+
+
+class Handle:
+    """An object a step returns that is not data (its repr holds its address)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+
+@recorder.paper_step("Eq. 17", description="a value, and a handle that is not data")
+def with_handle(x: torch.Tensor) -> tuple[torch.Tensor, Handle]:
+    return x * 2, Handle(1.0)
+
+
+def test_an_output_object_that_is_not_data_is_compared_by_its_type(tmp_path: Path) -> None:
+    """An object in a step's output that cannot be recorded as data is recorded by its type and repr,
+    and the repr holds its address: compared by type, the replay matches (it always differed in
+    'output structure')."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        with_handle(torch.randn(4))
+    assert "$opaque" in json.dumps(replayer.open(path).step(0).output_structure)
+    result = replayer.replay(replayer.open(path), 0)
+    assert result.match and [d.name for d in result.outputs] == ["output.0"], result.outputs
