@@ -86,7 +86,10 @@ def _selection(rec: Recording, step: Step, iteration: bool) -> tuple[list[int], 
     return sorted(chosen), full
 
 
-_SOURCE_FILES, _SOURCE_BYTES = 200, 16 << 20  # what a bundle carries of a project's code, at most
+# What a bundle carries of the code, at most: bundle.json is metadata, which a reader takes up to
+# zipcheck.MAX_METADATA_BYTES (1 MiB).
+_SOURCE_FILES, _SOURCE_BYTES = 200, 768 << 10
+_OWN_PACKAGES = frozenset(("recorder", "replayer", "tui"))  # PaperDebugger's: where a bundle replays, it is there
 
 
 def _sources(rec: Recording, steps: list[Step]) -> tuple[dict[str, str], dict[str, str]]:
@@ -95,7 +98,8 @@ def _sources(rec: Recording, steps: list[Step]) -> tuple[dict[str, str], dict[st
     ``mylib/acts.py``: found by reading their imports, never by running them), and which module each
     such file is (``{"mylib.acts": file}``), so that a replay with the bundled source imports them
     from the bundle. A project's files are those beside the step's module (in its package, or its
-    directory when it has none); nothing of an installed package other than the step's own."""
+    directory when it has none), not those of installed packages (torch's modules), within
+    ``_SOURCE_BYTES``: the step's own files and the script first."""
     seeds = [(s.definition.get("ref", "").partition(":")[0], s.definition.get("file")) for s in steps]
     seeds.append(("__main__", rec.run_info.get("script")))
     sources: dict[str, str] = {}
@@ -107,12 +111,12 @@ def _sources(rec: Recording, steps: list[Step]) -> tuple[dict[str, str], dict[st
         if file in sources:
             continue
         try:
-            if os.path.getsize(file) > 4 << 20 or size + os.path.getsize(file) > _SOURCE_BYTES:
+            if size + os.path.getsize(file) > _SOURCE_BYTES:
                 continue
             text = Path(file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        sources[file], size = text, size + len(text)
+        sources[file], size = text, size + len(text.encode("utf-8"))
         if name != "__main__":
             modules[name] = file
         todo += [found for found in _project_imports(name, file, text) if found[1] not in sources]
@@ -131,8 +135,9 @@ def _project_imports(name: str, file: str, text: str) -> list[tuple[str, str]]:
     package = name if init else name.rpartition(".")[0]
     if name == "__main__":
         package = ""
-    installed = any(part in ("site-packages", "dist-packages") for part in root.parts)
-    own = name.partition(".")[0]
+    if any(part in ("site-packages", "dist-packages") for part in root.parts) or name.partition(".")[0] in \
+            _OWN_PACKAGES:
+        return []  # an installed package's (torch's nn.Linear): where it replays, that package is installed
     try:
         tree = ast.parse(text, filename=file)
     except SyntaxError:
@@ -154,7 +159,7 @@ def _project_imports(name: str, file: str, text: str) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
     for target in dict.fromkeys(wanted):
         parts = target.split(".")
-        if installed and parts[0] != own:  # of an installed package, only its own modules
+        if parts[0] in _OWN_PACKAGES:
             continue
         for k in range(1, len(parts) + 1):
             stem = root.joinpath(*parts[:k])

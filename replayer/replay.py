@@ -180,6 +180,39 @@ class Replayer:
                             if there else "it has no steps inside"))
         return plan
 
+    def _buffers_after(self, step: Step, module: torch.nn.Module | None) -> list[Diff]:
+        """The buffers the recorded call changed in place (a BatchNorm's running statistics), as the
+        replay left them, against what the module's next call in the recording found. Not in a run of
+        several processes (DistributedDataParallel broadcasts buffers between calls)."""
+        before = {r.name: r for r in step.records if r.role == "buffer"}
+        if module is None or not before or int(self.rec.run_info.get("world_size") or 1) > 1:
+            return []
+        table = self.rec.steps
+        later = np.flatnonzero((table.column("phase") == 0) & (table.column("module_path") == step.module_path)
+                               & (table.column("name") == step.name))
+        later = later[later > step.index]
+        if not len(later):
+            return []
+        following = self.rec.step(int(later[0]))
+        now = dict(module.named_buffers(remove_duplicate=False))
+        hooked = _hooked_paths(step._doc("module"), "")  # their buffers change in hooks the replay remakes
+        diffs = []
+        for r in following.records:
+            was = before.get(r.name)
+            if r.role != "buffer" or was is None or r.name not in now or not (r.has_payload and was.has_payload):
+                continue
+            if any(r.name.startswith(f"{p}." if p else "") for p in hooked) or ".parametrizations." in f".{r.name}":
+                continue
+            if r.payload == was.payload:  # the same bytes before and after: the call left it alone
+                continue
+            d = compare_record(step.rec.rank, r, now[r.name], "")
+            d.name = f"after:{r.name}"
+            if not d.match:
+                d.reason = (f"{d.summary().split(': ', 1)[-1]}: against what the next call, step {following.index}, "
+                            "found (or something between the two calls changed it)")
+            diffs.append(d)
+        return diffs
+
     def _skipped_hint(self, exc: BaseException | None) -> str:
         """Why a name is not defined, where a statement of the training script that sets it was left out."""
         if not isinstance(exc, NameError) or exc.name not in self.loader.skipped:
@@ -466,6 +499,7 @@ class Replayer:
         if _by_type(doc_now) != _by_type(step.output_structure):
             result.outputs.append(Diff("output structure", "output", False, reason="the non-tensor parts of the "
                                        "output differ from the recording"))
+        result.outputs += self._buffers_after(step, call.module)
         if tap is not None:
             result.inner = tap.compare()
             self._inner_drift(result)
@@ -596,6 +630,16 @@ class Replayer:
 
 
 Around = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+def _hooked_paths(doc: Any, path: str) -> list[str]:
+    """Paths of the modules in a skeleton with hooks or parametrizations (spectral norm's power
+    iteration updates its buffers there)."""
+    if not isinstance(doc, dict):
+        return []
+    own = [path] if doc.get("hooks") or doc.get("other_hooks") or doc.get("parametrized") else []
+    return own + [p for name, child in (doc.get("children") or {}).items()
+                  for p in _hooked_paths(child, join_path(path, name))]
 
 
 def _by_type(doc: Any) -> Any:

@@ -838,3 +838,42 @@ def test_an_output_object_that_is_not_data_is_compared_by_its_type(tmp_path: Pat
     assert "$opaque" in json.dumps(replayer.open(path).step(0).output_structure)
     result = replayer.replay(replayer.open(path), 0)
     assert result.match and [d.name for d in result.outputs] == ["output.0"], result.outputs
+
+
+@recorder.paper_step("Eq. 18", description="normalise with batch statistics, update the running ones")
+class Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x)
+
+
+def test_buffers_a_call_updates_are_compared_with_what_the_next_call_found(tmp_path: Path) -> None:
+    """BatchNorm in training updates its running statistics in place: a replay compares them, after
+    the call, with what the module's next recorded call found (they were never compared: a replay
+    that did not update them was a bitwise MATCH). A module in eval mode leaves them: not compared."""
+    torch.manual_seed(0)
+    norm = Norm()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=norm, mode="full"):
+        for _ in range(2):
+            norm(torch.randn(8, 4))
+        norm.eval()
+        norm(torch.randn(8, 4))
+        norm(torch.randn(8, 4))
+    rec = replayer.open(path)
+    result = replayer.replay(rec, 0)
+    assert result.match and {d.name for d in result.outputs} == {
+        "output", "after:bn.running_mean", "after:bn.running_var", "after:bn.num_batches_tracked"}
+
+    def frozen(bn: nn.Module) -> nn.Module:
+        bn.momentum = 0.0  # running statistics left as they were
+        return bn
+
+    swapped = replayer.replay(rec, 0, swap={"bn": frozen})
+    assert not swapped.match and swapped.diffs["output"].match
+    assert not swapped.diffs["after:bn.running_mean"].match
+    assert "against what the next call, step 1, found" in swapped.diffs["after:bn.running_mean"].reason
+    assert {d.name for d in replayer.replay(rec, 2).outputs} == {"output"}  # eval: nothing updated
