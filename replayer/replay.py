@@ -419,19 +419,23 @@ class Replayer:
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)),
                      built.unrecorded if module_doc is not None else [])
 
-    def _calls_of_module(self, fwd: Step) -> int:
-        """How many forward calls of the same module (path) the iteration had whose backward ran: the
-        calls its parameter grads accumulate over (one under no_grad, or whose output no loss used,
-        adds nothing)."""
+    def _calls_of_module(self, step: Step, fwd: Step) -> int:
+        """How many calls of the same module (path) the backward pass of ``step`` went through: the
+        calls its parameter grads accumulate over (a Siamese encoder's two views, a recurrent cell's
+        steps). A pass is a run of backward steps with no forward between them: micro-batches of
+        gradient accumulation, or the closures of LBFGS, are passes of their own, each recorded with
+        its own gradient."""
         if fwd._doc("module") is None:
             return 1
         table = self.rec.steps
-        same = np.flatnonzero((table.column("iteration") == fwd.iteration) & (table.column("phase") == 0)
-                              & (table.column("module_path") == fwd.module_path) & (table.column("name") == fwd.name))
-        if len(same) < 2:
-            return len(same)
-        backward = (table.column("phase") == 1) & np.isin(table.column("forward"), same)
-        return len(np.unique(table.column("forward")[backward]))
+        phase = table.column("phase")
+        forwards = np.flatnonzero(phase == 0)
+        start = forwards[forwards < step.index]
+        stop = forwards[forwards > step.index]
+        lo = int(start[-1]) + 1 if len(start) else 0
+        hi = int(stop[0]) if len(stop) else len(phase)
+        same = (table.column("module_path")[lo:hi] == fwd.module_path) & (table.column("name")[lo:hi] == fwd.name)
+        return max(1, int(np.count_nonzero(same & (phase[lo:hi] == 1))))
 
     def _inner_drift(self, result: ReplayResult) -> None:
         """Drift of the inner steps' code: an inner step that diverges is often one whose code changed."""
@@ -538,13 +542,13 @@ class Replayer:
                 wanted = [r for r in wanted if r not in left]
                 warnings.append(f"parameter grads not compared: {', '.join(r.name for r in left)}, "
                                 f"{layout.RETURNED_PARAM_NOTE}")
-        calls = self._calls_of_module(fwd)
+        calls = self._calls_of_module(step, fwd)
         not_compared = warnings[-1] if left else ""  # why parameter grads are left out, if they are
         if calls > 1 and any(r.role == "param_grad" for r in wanted):
             wanted = [r for r in wanted if r.role != "param_grad"]
             not_compared = (f"parameter grads not compared: {fwd.module_path or fwd.name} ran {calls} times in "
-                            f"iteration {fwd.iteration}, and each recorded parameter grad is the total over all of "
-                            "them (autograd accumulates before the hook sees it)")
+                            f"this backward pass (iteration {fwd.iteration}), and each recorded parameter grad is the "
+                            "total over all of them (autograd accumulates before the hook sees it)")
             warnings.append(not_compared)
         unkept = [r for r in wanted if not r.has_payload and layout.METADATA_NOTE in step.why_statistics_only(r)]
         if unkept:  # a sparse gradient (nn.Embedding(sparse=True)): statistics only, nothing to compare with
