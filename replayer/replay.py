@@ -419,6 +419,52 @@ class Replayer:
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)),
                      built.unrecorded if module_doc is not None else [])
 
+    def _other_call(self, step: Step, fwd: Step, other: Step, other_fwd: Step, call: _Call, threads: int | None
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Run another call of the pass (``other_fwd``) on the module of ``call``; its outputs, paired
+        with the grad outputs its backward step (``other``) recorded."""
+        sib = self._prepare(other_fwd, [], {})
+        with state.applied(other_fwd.settings, other_fwd.rng, threads=threads), \
+                state.per_call(other_fwd.settings, grad=True):
+            try:
+                out = tensors_by_name(_Call(other_fwd, call.module, call.module, sib.args, sib.kwargs, sib.leaves,
+                                            sib.vmap).run(), "output")
+            except Exception as exc:  # noqa: BLE001 - as for the step's own forward
+                raise ReplayError(f"backward step {step.index}: rerunning the forward of step {other_fwd.index}, "
+                                  f"another call of {fwd.module_path or fwd.name} in this pass, raised "
+                                  f"{brief(exc)}") from exc
+        return [(out[r.name], _materialize(other, r)) for r in other.records
+                if r.role == "grad_output" and r.name in out]
+
+    def _pass_siblings(self, step: Step, fwd: Step) -> list[tuple[Step, Step]] | None:
+        """The other backward steps of the same module in the pass of ``step``, with their forward
+        calls, when every one of them can be replayed (payloads kept, the same parameters): their
+        backward is replayed with this one, so that the parameter grads are the same total. None
+        when any cannot."""
+        table = self.rec.steps
+        phase = table.column("phase")
+        forwards = np.flatnonzero(phase == 0)
+        start, stop = forwards[forwards < step.index], forwards[forwards > step.index]
+        lo, hi = (int(start[-1]) + 1 if len(start) else 0), (int(stop[0]) if len(stop) else len(phase))
+        same = np.flatnonzero((table.column("module_path")[lo:hi] == fwd.module_path)
+                              & (table.column("name")[lo:hi] == fwd.name) & (phase[lo:hi] == 1)) + lo
+        params = {r.name: r.payload for r in fwd.records if r.role == "param"}
+        found = []
+        for index in same:
+            if int(index) == step.index:
+                continue
+            other = self.rec.step(int(index))
+            if other.forward is None or layout.SECOND_ORDER_NOTE in other.extra.get("notes", []):
+                return None
+            other_fwd = self.rec.step(other.forward)
+            kept = [r for r in [*other_fwd.records, *other.records] if r.role in ("input", "param", "buffer",
+                                                                                   "grad_output")]
+            if any(not r.has_payload for r in kept) or other_fwd.extra.get("exception") or \
+                    {r.name: r.payload for r in other_fwd.records if r.role == "param"} != params:
+                return None
+            found.append((other, other_fwd))
+        return found
+
     def _calls_of_module(self, step: Step, fwd: Step) -> int:
         """How many calls of the same module (path) the backward pass of ``step`` went through: the
         calls its parameter grads accumulate over (a Siamese encoder's two views, a recurrent cell's
@@ -544,7 +590,14 @@ class Replayer:
                                 f"{layout.RETURNED_PARAM_NOTE}")
         calls = self._calls_of_module(step, fwd)
         not_compared = warnings[-1] if left else ""  # why parameter grads are left out, if they are
-        if calls > 1 and any(r.role == "param_grad" for r in wanted):
+        # Two calls (a Siamese encoder's two views): their total is the same bits in either order; with
+        # more, autograd's order of addition is not one a replay can be sure to follow.
+        others = self._pass_siblings(step, fwd) if calls == 2 and any(r.role == "param_grad" for r in wanted) \
+            and self.plan.empty and not (nested and descendants(fwd)) else None
+        if others is not None:  # every call of the pass replayed together: their total is compared
+            warnings.append(f"parameter grads compared as the total over the {calls} calls of "
+                            f"{fwd.module_path or fwd.name} in this backward pass, replayed together")
+        elif calls > 1 and any(r.role == "param_grad" for r in wanted):
             wanted = [r for r in wanted if r.role != "param_grad"]
             not_compared = (f"parameter grads not compared: {fwd.module_path or fwd.name} ran {calls} times in "
                             f"this backward pass (iteration {fwd.iteration}), and each recorded parameter grad is the "
@@ -565,6 +618,10 @@ class Replayer:
         inner = descendants(fwd) if nested or self.plan.edits_inside() or self.plan.swaps else []
         tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan) if inner else None
         fwd_settings = {**fwd.settings, **self.plan.settings}
+        # The pass's other call runs in its recorded order around this one (autograd then adds their
+        # parameter grads in the order it did, the last call's first).
+        later_pairs = [pair for other, other_fwd in others or () if other_fwd.index < fwd.index
+                       for pair in self._other_call(step, fwd, other, other_fwd, call, threads)]
         with state.applied(fwd_settings, fwd.rng, threads=threads, notes=warnings, seed=self.plan.seed), \
                 state.per_call(fwd_settings, grad=True):
             saved, capture.ACTIVE = capture.ACTIVE, tap
@@ -585,6 +642,8 @@ class Replayer:
         outs = tensors_by_name(out, "output")
         pairs = [(outs[n], self._edit(n, _materialize(step, r), f"grad_output:{n}"))
                  for n, r in grad_outputs.items() if n in outs]
+        pairs += later_pairs + [pair for other, other_fwd in others or () if other_fwd.index > fwd.index
+                                for pair in self._other_call(step, fwd, other, other_fwd, call, threads)]
         lost = sorted(set(grad_outputs) - set(outs))
         if lost:
             warnings.append(f"outputs {', '.join(lost)} had grad outputs recorded but the replay did not produce them")

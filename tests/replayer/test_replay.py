@@ -396,18 +396,28 @@ class Shared(torch.nn.Module):
         return torch.tanh(self.lin(x))
 
 
-def test_a_module_called_twice_compares_grad_inputs_and_says_why_not_parameter_grads(tmp_path: Path) -> None:
-    """Both calls' parameter-grad records hold the total over the two calls; replaying one call's
-    backward compares its grad input and says why its parameter grads are left out."""
+def test_a_module_called_twice_in_a_pass_compares_the_total_of_both_calls(tmp_path: Path) -> None:
+    """Both calls' parameter-grad records hold the total over the two calls of the pass: replaying
+    one call's backward replays the other's with it, on the same module, and compares that total
+    (with its grad input); the warning says so. Chained (one call feeding the other) or side by side
+    (a Siamese encoder on two views whose inputs need no grad: nothing else to compare before)."""
     layer = Shared()
     with recorder.record(tmp_path / "run.zarr", model=layer) as run:
         layer(layer(torch.randn(3, 4, requires_grad=True))).sum().backward()
         run.next_iteration()
+        (layer(torch.randn(3, 4)) * layer(torch.randn(3, 4))).sum().backward()  # two views
+        run.next_iteration()
     rec = replayer.open(tmp_path / "run.zarr")
-    res = replayer.replay(rec, "Eq. 4#0:backward")
-    assert res.match and [d.name for d in res.outputs] == ["args.0"]
-    assert any("ran 2 times in this backward pass (iteration 0)" in w for w in res.warnings)
+    for selector, compared in (("Eq. 4@iter=0#0:backward", {"args.0", "lin.weight", "lin.bias"}),
+                               ("Eq. 4@iter=0#1:backward", {"args.0", "lin.weight", "lin.bias"}),
+                               ("Eq. 4@iter=1#0:backward", {"lin.weight", "lin.bias"}),
+                               ("Eq. 4@iter=1#1:backward", {"lin.weight", "lin.bias"})):
+        res = replayer.replay(rec, selector)
+        assert res.match and {d.name for d in res.outputs} == compared, (selector, res.outputs)
+        assert any("compared as the total over the 2 calls of" in w for w in res.warnings), res.warnings
     assert replayer.replay(rec, "Eq. 4#1").match
+    doc = json.loads(pdbg("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path).stdout)
+    assert doc["matched"] == doc["replayed"] == 8 and not doc["not_replayed"], doc
 
 
 def test_a_call_under_no_grad_does_not_count_toward_parameter_grad_totals(tmp_path: Path) -> None:
