@@ -566,7 +566,7 @@ class Session:
                 for name, p in module.named_parameters():
                     if p.requires_grad:
                         self._hook_param(link, name, p)
-            slots, reached = taps.output_places(out)
+            slots, reached, _ = taps.output_places(out)
             out = self._tap_outputs(link, out, _nested_tensors(out, reached), slots=slots)
         except Exception as exc:
             self.fail("tapping a recomputed step's outputs", exc)
@@ -643,7 +643,7 @@ class Session:
         try:
             frame.t_end = time.perf_counter() - self.t0
             try:
-                slots, reached = taps.output_places(out) if link is not None else ([], frozenset())
+                slots, reached, leaves = taps.output_places(out) if link is not None else ([], frozenset(), [])
                 tapped = frozenset(id(t) for _, t in slots)
                 nested: set[int] = set()
                 unfollowed: list[str] | None = [] if link is not None else None
@@ -651,8 +651,8 @@ class Session:
                                                 per_object=False, unfollowed=unfollowed)
                 if unfollowed:
                     frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
-                if link is not None and frame.module is not None:
-                    self._note_returned_parameters(frame, out)
+                if leaves and frame.module is not None:
+                    self._note_returned_parameters(frame, leaves)
                 if link is not None:
                     out = self._tap_outputs(link, out, tapped & nested, frame, slots)
             except Exception as exc:
@@ -666,14 +666,11 @@ class Session:
             self.local.busy = False
 
     @staticmethod
-    def _note_returned_parameters(frame: Frame, out: Any) -> None:
+    def _note_returned_parameters(frame: Frame, leaves: list[torch.Tensor]) -> None:
         """A module step returning one of its own parameters as it is (learned queries, a position
         table): a leaf, which no tap follows; the gradient the caller's use sends it goes straight
         into the parameter's, which then holds more than this call's backward computes from its
         outputs. Noted, so that a replay does not compare that parameter's gradient."""
-        leaves = [t for _, _, t in taps.followed(out) if t.is_leaf and t.requires_grad]
-        if not leaves:
-            return
         mine = {id(p): name for name, p in frame.module.named_parameters()}
         names = [mine[id(t)] for t in leaves if id(t) in mine]
         if names:

@@ -22,6 +22,17 @@ class UnsupportedDtype(TypeError):
     """A dtype whose bytes are not a plain array of elements (quantized tensors)."""
 
 
+def overlaps_itself(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a strided layout reaches one element from two indices (``expand``, ``unfold``): the
+    strides, smallest first, do not each step past all that the smaller ones reach."""
+    reach = 0  # the farthest element the smaller strides reach
+    for s, n in sorted((s, n) for s, n in zip(stride, shape) if n > 1):
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from . import payload as payload_mod
+
 GradCallback = Callable[[tuple[torch.Tensor | None, ...]], None]
 
 
@@ -92,7 +94,7 @@ def _children(value: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
 _DEPTH = 8  # containers followed below a step's output: deeper tensors are named as not followed
 
 
-def followed(output: Any) -> list[tuple[tuple[Any, ...], str, torch.Tensor]]:
+def _followed(output: Any) -> list[tuple[tuple[Any, ...], str, torch.Tensor]]:
     """Every tensor of a step's output that a tap can reach: (its keys from the top, its path in the
     output document, the tensor); the output itself has keys () and path ""."""
     found: list[tuple[tuple[Any, ...], str, torch.Tensor]] = []
@@ -116,18 +118,21 @@ def followed(output: Any) -> list[tuple[tuple[Any, ...], str, torch.Tensor]]:
     return found
 
 
-def output_places(output: Any) -> tuple[list[tuple[Any, torch.Tensor]], frozenset[str]]:
-    """The tensors of a step's output a tap takes, and the paths (in the step's output document) of
-    every place a tap reaches. A tap takes the tensors that require grad and are not leaves: the
-    output itself (keys ``()``) or inside containers a tap rebuilds (see ``_children``), keyed by
-    their keys from the top. Tensors in other objects are left alone: rebuilding an arbitrary
-    class is not safe."""
-    found = followed(output)
+def output_places(output: Any) -> tuple[list[tuple[Any, torch.Tensor]], frozenset[str], list[torch.Tensor]]:
+    """The tensors of a step's output a tap takes, the paths (in the step's output document) of
+    every place a tap reaches, and the leaves there that require grad (a parameter returned as it
+    is: no tap takes it). A tap takes the tensors that require grad and are not leaves: the output
+    itself (keys ``()``) or inside containers a tap rebuilds (see ``_children``), keyed by their
+    keys from the top. Tensors in other objects are left alone: rebuilding an arbitrary class is
+    not safe."""
+    found = _followed(output)
     if len(found) > 1:  # tensors that share memory stay as they are: see _overlapping
         shared = _overlapping([t for _, _, t in found])
         if shared:
             found = [f for f in found if id(f[2]) not in shared]
-    return [(keys, t) for keys, _, t in found if wants_tap(t) and not t.is_leaf], frozenset(p for _, p, _ in found)
+    slots = [(keys, t) for keys, _, t in found if wants_tap(t) and not t.is_leaf]
+    leaves = [t for _, _, t in found if t.is_leaf and t.requires_grad]
+    return slots, frozenset(p for _, p, _ in found), leaves
 
 
 def _overlapping(tensors: list[torch.Tensor]) -> set[int]:
@@ -157,14 +162,10 @@ def _meet(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors whose byte ranges in one storage intersect share an element. Exact for
     views with the same strides, dtype and dimensions, each without overlaps of its own (the parts
     ``split``/``chunk`` cut along any dimension); True (may share) otherwise."""
-    if a.dtype != b.dtype or a.stride() != b.stride() or a.dim() != b.dim():
+    if a.dtype != b.dtype or a.stride() != b.stride() or a.dim() != b.dim() or payload_mod.overlaps_itself(
+            tuple(max(na, nb) for na, nb in zip(a.shape, b.shape)), a.stride()):
         return True
     dims = sorted(zip(a.stride(), a.shape, b.shape), reverse=True)
-    reach = 0
-    for stride, na, nb in reversed(dims):  # each a layout without overlaps: strides nest
-        if stride <= reach:
-            return True
-        reach += (max(na, nb) - 1) * stride
     # An element in both: (i - j) . stride = offset(b) - offset(a), i in a's index box, j in b's.
     def solve(rest: int, d: int) -> bool:
         if d == len(dims):
@@ -293,7 +294,7 @@ def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = froze
     # Objects that could not be copied keep their tensors untapped (those taps go unused: their grads
     # come as None); unless one of those tensors is also in a place that was rebuilt, where autograd
     # would then sum its gradients in another order: then the whole output stays as it was.
-    present = {id(t) for _, _, t in followed(rebuilt)}
+    present = {id(t) for _, _, t in _followed(rebuilt)}
     originals = dict(slots)
     if any(id(tapped[k]) in present and id(originals[k]) in present for k in keys):
         return output, [], list(names.values())

@@ -95,9 +95,7 @@ class Recording:
             return signals[-1]
         if final.get("died"):  # a hard crash under pdbg record, its ring written by the supervisor
             return f"the process died ({str(final['died']).splitlines()[0][:300]})"
-        if not final or set(final) <= {"ended_unix", "ring_recovered"}:
-            return "the process ended without closing the recording (killed, or it died)"
-        return None
+        return "the process ended without closing the recording (killed, or it died)" if not final else None
 
     @property
     def ranks(self) -> list[int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch
 
 from recorder import capture, jsonval, snapshot
 from recorder.errors import PdbgError, ReplayError, brief
+from recorder.payload import overlaps_itself
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
@@ -36,6 +37,9 @@ from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, descendants
 from .rebuild import Builder, load_state, unresolved
 from .recording import Recording, Step, join_path
+
+NOTHING_COMPARED = ("the step returned no tensor, and a replay compares what a step returns: nothing was compared "
+                    "(what it changes in place, its inputs or buffers, is not)")
 
 
 @dataclass
@@ -195,7 +199,8 @@ class Replayer:
             return []
         following = self.rec.step(int(later[0]))
         now = dict(module.named_buffers(remove_duplicate=False))
-        hooked = _hooked_paths(step._doc("module"), "")  # their buffers change in hooks the replay remakes
+        hooked = [p for p, doc in _skeleton_modules(step._doc("module"), "")  # their buffers change in hooks
+                  if doc.get("hooks") or doc.get("other_hooks") or doc.get("parametrized")]  # the replay remakes
         diffs = []
         for r in following.records:
             was = before.get(r.name)
@@ -227,18 +232,10 @@ class Replayer:
         changed nothing")."""
         fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
         inner = descendants(fwd)
-        paths: list[str] = []
-
-        def walk(doc: Any, rel: str) -> None:
-            for name, child in ((doc or {}).get("children") or {}).items() if isinstance(doc, dict) else ():
-                sub = join_path(rel, name)
-                paths.append(sub)
-                walk(child, sub)
-
-        walk(fwd._doc("module"), "")
+        paths = [p for p, _ in _skeleton_modules(fwd._doc("module"), "") if p]
         for sw in swaps:
             key = sw.key
-            if key in (".", fwd.name, fwd.paper.get("label")) or (fwd.module_path and key == fwd.module_path):
+            if _names_step(key, fwd):
                 continue
             if any(key in (p, join_path(fwd.module_path, p)) for p in paths):
                 continue
@@ -252,10 +249,7 @@ class Replayer:
 
     def _own_swap(self, step: Step) -> intervene.Swap | None:
         """A swap aimed at the replayed step itself (its name, label, module path, or '.')."""
-        for sw in self.plan.swaps:
-            if sw.key in (".", step.name, step.paper.get("label")) or (step.module_path and sw.key == step.module_path):
-                return sw
-        return None
+        return next((sw for sw in self.plan.swaps if _names_step(sw.key, step)), None)
 
     def _swap_inside(self, step: Step, module: torch.nn.Module, inner: list[Step]) -> torch.nn.Module:
         """Apply the swaps aimed at the step's module or its submodules (by path, or by inner step name)."""
@@ -441,13 +435,7 @@ class Replayer:
         calls, when every one of them can be replayed (payloads kept, the same parameters): their
         backward is replayed with this one, so that the parameter grads are the same total. None
         when any cannot."""
-        table = self.rec.steps
-        phase = table.column("phase")
-        forwards = np.flatnonzero(phase == 0)
-        start, stop = forwards[forwards < step.index], forwards[forwards > step.index]
-        lo, hi = (int(start[-1]) + 1 if len(start) else 0), (int(stop[0]) if len(stop) else len(phase))
-        same = np.flatnonzero((table.column("module_path")[lo:hi] == fwd.module_path)
-                              & (table.column("name")[lo:hi] == fwd.name) & (phase[lo:hi] == 1)) + lo
+        same = self._in_pass(step, fwd)
         params = {r.name: r.payload for r in fwd.records if r.role == "param"}
         found = []
         for index in same:
@@ -471,17 +459,18 @@ class Replayer:
         steps). A pass is a run of backward steps with no forward between them: micro-batches of
         gradient accumulation, or the closures of LBFGS, are passes of their own, each recorded with
         its own gradient."""
-        if fwd._doc("module") is None:
-            return 1
+        return 1 if fwd._doc("module") is None else max(1, len(self._in_pass(step, fwd)))
+
+    def _in_pass(self, step: Step, fwd: Step) -> np.ndarray:
+        """Indices of the backward steps of ``fwd``'s module (path and name) in the backward pass of
+        ``step``: the run of backward steps around it with no forward between."""
         table = self.rec.steps
         phase = table.column("phase")
         forwards = np.flatnonzero(phase == 0)
-        start = forwards[forwards < step.index]
-        stop = forwards[forwards > step.index]
-        lo = int(start[-1]) + 1 if len(start) else 0
-        hi = int(stop[0]) if len(stop) else len(phase)
-        same = (table.column("module_path")[lo:hi] == fwd.module_path) & (table.column("name")[lo:hi] == fwd.name)
-        return max(1, int(np.count_nonzero(same & (phase[lo:hi] == 1))))
+        start, stop = forwards[forwards < step.index], forwards[forwards > step.index]
+        lo, hi = (int(start[-1]) + 1 if len(start) else 0), (int(stop[0]) if len(stop) else len(phase))
+        return np.flatnonzero((table.column("module_path")[lo:hi] == fwd.module_path)
+                              & (table.column("name")[lo:hi] == fwd.name) & (phase[lo:hi] == 1)) + lo
 
     def _inner_drift(self, result: ReplayResult) -> None:
         """Drift of the inner steps' code: an inner step that diverges is often one whose code changed."""
@@ -555,8 +544,7 @@ class Replayer:
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
         if not result.compared:
-            result.warnings.append("the step returned no tensor, and a replay compares what a step returns: nothing "
-                                   "was compared (what it changes in place, its inputs or buffers, is not)")
+            result.warnings.append(NOTHING_COMPARED)
         _hint_unrecorded(result, call)
         return result
 
@@ -695,14 +683,17 @@ class Replayer:
 Around = Callable[[str], contextlib.AbstractContextManager[Any]]
 
 
-def _hooked_paths(doc: Any, path: str) -> list[str]:
-    """Paths of the modules in a skeleton with hooks or parametrizations (spectral norm's power
-    iteration updates its buffers there)."""
-    if not isinstance(doc, dict):
-        return []
-    own = [path] if doc.get("hooks") or doc.get("other_hooks") or doc.get("parametrized") else []
-    return own + [p for name, child in (doc.get("children") or {}).items()
-                  for p in _hooked_paths(child, join_path(path, name))]
+def _names_step(key: str, step: Step) -> bool:
+    """Whether a swap key aims at ``step`` itself: its name, label, module path, or '.'."""
+    return key in (".", step.name, step.paper.get("label")) or bool(step.module_path and key == step.module_path)
+
+
+def _skeleton_modules(doc: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(relative path, document) of a module skeleton and every module below it."""
+    if isinstance(doc, dict):
+        yield path, doc
+        for name, child in (doc.get("children") or {}).items():
+            yield from _skeleton_modules(child, join_path(path, name))
 
 
 def _by_type(doc: Any) -> Any:
@@ -838,7 +829,7 @@ def _with_strides(value: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     size = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
     if size > 8 * value.numel() and size * value.element_size() > 64 << 20:  # a sparse view of a large tensor:
         return value  # its storage is not made again whole for it
-    if _overlapping(shape, stride):  # windows over one storage: every element written where it lies
+    if overlaps_itself(shape, stride):  # windows over one storage: every element written where it lies
         flat = torch.zeros(size, dtype=value.dtype, device=value.device)
         at = torch.zeros((), dtype=torch.long, device=value.device)
         for d, (n, s) in enumerate(zip(shape, stride)):
@@ -855,19 +846,10 @@ def _stand_in(leaf: torch.Tensor) -> torch.Tensor:
     makes a layout with gaps contiguous), or the leaf itself where its elements overlap (an expanded
     tensor: torch refuses in-place changes to it anyway)."""
     shape, stride = tuple(leaf.shape), leaf.stride()
-    if _overlapping(shape, stride):
+    if overlaps_itself(shape, stride):
         return leaf
     out = torch.empty_strided(shape, stride, dtype=leaf.dtype, device=leaf.device)
     return out.copy_(leaf)
-
-
-def _overlapping(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    reach = 0  # the farthest element the smaller strides reach
-    for s, n in sorted((s, n) for s, n in zip(stride, shape) if n > 1):
-        if s <= reach:
-            return True
-        reach += (n - 1) * s
-    return False
 
 
 def _compare_one(step: Step, rec: TensorRecord, value: Any) -> Diff:
