@@ -92,8 +92,14 @@ _SELECTED = "_paperdebugger_selected"
 
 
 def _marked(module: torch.nn.Module) -> bool:
-    """Recorded by its own wrapper: a decorated class or an annotated instance."""
-    return "_pdbg_step" in module.__dict__ or hasattr(type(module).forward, "__pdbg_step__")
+    """Recorded by its own wrapper: a decorated class or an annotated instance. (A TorchScript module's
+    class attribute ``forward`` raises when read: it is never a wrapper's.)"""
+    if "_pdbg_step" in module.__dict__:
+        return True
+    try:
+        return hasattr(type(module).forward, "__pdbg_step__")
+    except Exception:  # noqa: BLE001 - torch.jit.ScriptModule
+        return False
 
 
 class GlobalCapture:

@@ -267,7 +267,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
             check = Recording(store_dir)
             # (a notebook's code is in the bundle only: verified as it replays elsewhere, from there)
             result = Replayer(check, use_bundled_source=session is not None).replay(check.step(new_main), nested=False)
-            verified = bool(result.match)
+            verified = bool(result.match) if result.compared else None  # nothing compared: nothing verified
             meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
                                 "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings}
         backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta, indent=1).encode())
@@ -369,7 +369,7 @@ except PdbgError as exc:
     print(f"repro: {{exc}}", file=sys.stderr)
     sys.exit(2)
 print(f"step {{result.step.index}} ({{result.step.name}}, {{result.step.phase}}): "
-      + ("bitwise match" if result.match else "MISMATCH"))
+      + ("nothing compared" if not result.compared else "bitwise match" if result.match else "MISMATCH"))
 for diff in result.outputs:
     print(f"  {{diff.summary()}}")
 for line in result.warnings + result.environment_differences:

@@ -98,6 +98,9 @@ class Builder:
         cls = self.loader.resolve(ref)
         if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
             raise ReplayError(f"{ref} is not an nn.Module class now; the recording's module cannot be rebuilt")
+        if issubclass(cls, torch.jit.ScriptModule):  # compiled code and state, nothing a skeleton can make again
+            raise ReplayError("the step holds a TorchScript module (made by torch.jit.script or trace), which a "
+                              "replay cannot rebuild; to replay it, record the Python module it was scripted from")
         return cls
 
     def build(self, doc: dict[str, Any], label: str, cls: type | None = None, top_hooks_ran: bool = True) -> Rebuilt:

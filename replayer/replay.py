@@ -83,7 +83,7 @@ class ReplayResult:
                 "intervention": self.intervention}
 
     def __repr__(self) -> str:
-        verdict = ("match" if self.compared else "nothing compared") if self.match else "MISMATCH"
+        verdict = "nothing compared" if not self.compared else "match" if self.match else "MISMATCH"
         return f"<ReplayResult step {self.step.index}: {verdict}, {len(self.outputs)} tensors>"
 
     def _repr_html_(self) -> str:
@@ -133,7 +133,7 @@ class Replayer:
         if threads is not None and step.settings.get("num_threads") not in (None, threads):
             recorded = step.settings.get("num_threads")
             result.warnings.append(f"threads: recorded {recorded}, replayed with {threads} (forced)")
-            if not result.match:
+            if result.compared and not result.match:
                 result.warnings.append(f"the thread count differs from the recording ({recorded} -> {threads}): a "
                                        "likely cause of the difference (reductions split work by thread)")
         result.warnings.extend(self.loader.notes)
@@ -184,10 +184,13 @@ class Replayer:
                             if there else "it has no steps inside"))
         return plan
 
-    def _buffers_after(self, step: Step, module: torch.nn.Module | None) -> list[Diff]:
+    def _buffers_after(self, step: Step, module: torch.nn.Module | None, warnings: list[str]) -> list[Diff]:
         """The buffers the recorded call changed in place (a BatchNorm's running statistics), as the
         replay left them, against what the module's next call in the recording found. Not in a run of
-        several processes (DistributedDataParallel broadcasts buffers between calls)."""
+        several processes (DistributedDataParallel broadcasts buffers between calls). A buffer the
+        replay left as it was, though the next call found it changed, was changed between the calls
+        (a temperature the loop anneals, ``model.to(torch.bfloat16)``): not compared, and said so;
+        under an intervention it is compared (leaving it is what the change did)."""
         before = {r.name: r for r in step.records if r.role == "buffer"}
         if module is None or not before or int(self.rec.run_info.get("world_size") or 1) > 1:
             return []
@@ -201,7 +204,7 @@ class Replayer:
         now = dict(module.named_buffers(remove_duplicate=False))
         hooked = [p for p, doc in _skeleton_modules(step._doc("module"), "")  # their buffers change in hooks
                   if doc.get("hooks") or doc.get("other_hooks") or doc.get("parametrized")]  # the replay remakes
-        diffs = []
+        diffs, outside = [], []
         for r in following.records:
             was = before.get(r.name)
             if r.role != "buffer" or was is None or r.name not in now or not (r.has_payload and was.has_payload):
@@ -210,12 +213,19 @@ class Replayer:
                 continue
             if r.payload == was.payload:  # the same bytes before and after: the call left it alone
                 continue
+            if self.plan.empty and compare_record(step.rec.rank, was, now[r.name], "").match:
+                outside.append(r.name)  # the same code left it: changed between the calls, not by this one
+                continue
             d = compare_record(step.rec.rank, r, now[r.name], "")
             d.name = f"after:{r.name}"
             if not d.match:
                 d.reason = (f"{d.summary().split(': ', 1)[-1]}: against what the next call, step {following.index}, "
                             "found (or something between the two calls changed it)")
             diffs.append(d)
+        if outside:
+            warnings.append(f"not compared: {', '.join(outside)}, changed between this call and the next (step "
+                            f"{following.index}) by code outside the step, not by the call (the replay left "
+                            f"{'them' if len(outside) > 1 else 'it'} as recorded)")
         return diffs
 
     def _skipped_hint(self, exc: BaseException | None) -> str:
@@ -538,12 +548,13 @@ class Replayer:
         if _by_type(doc_now) != _by_type(step.output_structure):
             result.outputs.append(Diff("output structure", "output", False, reason="the non-tensor parts of the "
                                        "output differ from the recording"))
-        result.outputs += self._buffers_after(step, call.module)
+        result.outputs += self._buffers_after(step, call.module, result.warnings)
         if tap is not None:
             result.inner = tap.compare()
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
-        if not result.compared:
+        if not result.compared:  # never a match: nothing was checked
+            result.match = False
             result.warnings.append(NOTHING_COMPARED)
         _hint_unrecorded(result, call)
         return result

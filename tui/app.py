@@ -877,9 +877,10 @@ class PdbgApp(App[None]):
         except PdbgError as exc:
             self._report(Text(f"no bundle: {exc}", style="red"))
             return
-        verdict = "verified: replays bit for bit" if info.verified else "MISMATCH when replayed from the bundle"
-        self._report(Text(f"wrote {info.path} ({info.bytes} bytes, {info.steps} steps); "
-                                                   f"{verdict}", style="green" if info.verified else "red"))
+        verdict = ("not verified: the step returned no tensor" if info.verified is None else
+                   "verified: replays bit for bit" if info.verified else "MISMATCH when replayed from the bundle")
+        self._report(Text(f"wrote {info.path} ({info.bytes} bytes, {info.steps} steps); {verdict}",
+                          style="green" if info.verified else "yellow" if info.verified is None else "red"))
 
     def action_diff(self) -> None:
         def done(value: str | None) -> None:
@@ -905,8 +906,8 @@ class PdbgApp(App[None]):
 
 
 def render_replay(result: Any) -> Text:
-    verdict = (("bitwise match", "bold green") if result.compared else ("nothing compared", "bold yellow")) \
-        if result.match else ("MISMATCH", "bold red")
+    verdict = (("nothing compared", "bold yellow") if not result.compared else ("bitwise match", "bold green")
+               if result.match else ("MISMATCH", "bold red"))
     text = Text.assemble(f"replay of step {result.step.index}: ", verdict)
     for d in result.outputs[:4]:
         rec, rep = d.recorded, d.replayed

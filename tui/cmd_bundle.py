@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         if info.verified is not None:
             print("verified: " + ("the bundle replays bit for bit" if info.verified else "MISMATCH when replayed from "
                                   "the bundle (see pdbg replay)"))
+        elif args.verify:
+            print("not verified: the step returned no tensor, so its replay had nothing to compare")
         if info.script:
             print(f"repro script: {info.script} (python {shlex.quote(info.script.name)}: exit 0 on a match, 1 on a "
                   "mismatch)")

@@ -248,7 +248,8 @@ def info(args: argparse.Namespace) -> int:
         verified = bundle.get("verified")
         print(f"\nbundle of {origin.get('path')} (step {origin.get('index')} there), made {bundle.get('created')}; "
               + ("not verified when made" if not verified else
-                 f"verified when made: {'bitwise match' if verified.get('match') else 'MISMATCH'}"))
+                 "verified when made: " + {True: "bitwise match", None: "nothing compared"}.get(verified.get("match"),
+                                                                                              "MISMATCH")))
         print(f"main step: {_step_text(bundle['main_step'])}  (pdbg replay {shlex.quote(args.run)})")
         diffs = bundle["environment_differences"]
         print("environment: " + ("same as where it was recorded" if not diffs else "; ".join(diffs)))
@@ -371,7 +372,7 @@ def replay(args: argparse.Namespace) -> int:
     if args.save_recipe:
         print(f"saved as recipe {args.save_recipe!r} in {args.run} "
               f"(apply it with: pdbg replay {shlex.quote(args.run)} --recipe {shlex.quote(args.save_recipe)})")
-    if result.match and not result.compared:
+    if not result.compared:
         print("\nNOTHING COMPARED: the step returned no tensor")
     elif result.match:
         print("\nMATCH: bit for bit")
@@ -449,19 +450,13 @@ def verify(args: argparse.Namespace) -> int:
             rec.rank.column(column.path)
     kept = _kept(rec)
     skipped = len(rec) - len(kept)
-    if not kept:
-        if not len(rec):
-            why = ": it ended before its first commit" if rec.status == "crashed" else ""
-            raise PdbgError(f"{args.run} holds no step ({rec.status}{why}); there is nothing to replay")
-        if rec.run_info.get("mode") == "full" and rec.run_info.get("every", 1) == 1:
-            raise PdbgError(f"{args.run} kept the tensors of no step whole (its store could not keep up, and "
-                            "payloads were dropped: see pdbg info); there is nothing to replay")
-        raise PdbgError(f"{args.run} kept the tensors of no step (statistics only: mode='stats', or flight mode "
-                        "that never wrote its ring): there is nothing to replay; record with mode='full' or flight")
+    if not kept and not len(rec):
+        why = ": it ended before its first commit" if rec.status == "crashed" else ""
+        raise PdbgError(f"{args.run} holds no step ({rec.status}{why}); there is nothing to replay")
     n = len(kept)
     picks = kept if args.sample is None or args.sample >= n else [kept[i] for i in sorted(
         set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))]
-    replayer = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source)
+    replayer = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source) if picks else None
     matched, mismatches, refused = 0, [], []
     for done, index in enumerate(picks, 1):
         step = rec.step(index)
@@ -469,8 +464,6 @@ def verify(args: argparse.Namespace) -> int:
             result = replayer.replay(step, threads=args.threads, nested=False)
         except ReplayError as exc:  # what a replay cannot do, and says why: not a difference found
             refused.append({"step": step.to_json(), "reason": str(exc)})
-            if len(refused) == len(picks):  # nothing could be replayed at all: bad input, not a finding
-                raise
         else:
             if not result.compared:  # nothing it could check: not a match
                 refused.append({"step": step.to_json(), "reason": NOTHING_COMPARED})
@@ -488,8 +481,9 @@ def verify(args: argparse.Namespace) -> int:
     if args.json:
         _emit(doc)
     else:
-        share = 100.0 * matched / replayed if replayed else 100.0
-        print(f"{args.run}: {matched} of {_count(replayed, 'step')} replayed bit for bit ({share:.1f}%)"
+        head = (f"{matched} of {_count(replayed, 'step')} replayed bit for bit ({100.0 * matched / replayed:.1f}%)"
+                if replayed else "no step replayed")
+        print(f"{args.run}: {head}"
               + (f"; {_count(len(refused), 'step')} could not be replayed" if refused else "")
               + (f"; {_count(skipped, 'step')} kept statistics only, not replayable" if skipped else ""))
         for m in mismatches:
@@ -498,6 +492,20 @@ def verify(args: argparse.Namespace) -> int:
             print("could not be replayed:")
             for m in refused:
                 print(f"  {_step_text(m['step'])}: {m['reason']}")
+    if not replayed:  # nothing was checked at all: not a pass (the listing above says why)
+        if not kept:
+            if rec.run_info.get("mode") == "full" and rec.run_info.get("every", 1) == 1:
+                raise PdbgError(f"{args.run} kept the tensors of no step whole (its store could not keep up, and "
+                                "payloads were dropped: see pdbg info); there is nothing to replay")
+            raise PdbgError(f"{args.run} kept the tensors of no step (statistics only: mode='stats', or flight "
+                            "mode that never wrote its ring): there is nothing to replay; record with mode='full' "
+                            "or flight")
+        which = "sampled" if len(picks) < n else "that kept their tensors"
+        reasons = list(dict.fromkeys(m["reason"] for m in refused))
+        others = len(reasons) - 1
+        raise PdbgError(f"none of the {_count(len(picks), 'step')} {which} could be replayed, so nothing was verified: "
+                        f"{reasons[0]}" + (f" (and {others} other reason{'s' if others > 1 else ''}, listed above)"
+                                           if others else ""))
     return 0 if not mismatches else 1
 
 

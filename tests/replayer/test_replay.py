@@ -24,7 +24,7 @@ from recorder.errors import FormatError, ReplayError, StepNotFoundError
 from recorder.store import layout
 from replayer.intervene import InterventionError
 from replayer.rebuild import Builder
-from replayer.replay import Replayer
+from replayer.replay import NOTHING_COMPARED, Replayer
 from tests.cli import SCRIPTS, pdbg, python
 from tests.models import poison_at, record_training
 
@@ -678,7 +678,8 @@ def test_loading_a_training_script_leaves_the_callers_settings(tmp_path: Path) -
 
 
 def test_verify_of_a_run_without_a_replayable_step_says_why(tmp_path: Path) -> None:
-    """`pdbg verify` on a run with no step, or a stats-mode run: one line naming which, exit 2."""
+    """`pdbg verify` on a run with no step, or a stats-mode run: one line naming which, exit 2; the
+    stats-mode run's count of steps with statistics only is printed first (in the JSON with --json)."""
     empty, stats_only = tmp_path / "empty.zarr", tmp_path / "stats.zarr"
     with recorder.record(empty, mode="full"):
         pass
@@ -689,6 +690,9 @@ def test_verify_of_a_run_without_a_replayable_step_says_why(tmp_path: Path) -> N
         res = pdbg("verify", str(path), cwd=tmp_path)
         assert res.returncode == 2 and res.stderr.startswith(f"pdbg: error: {said}"), res.stderr
         assert res.stderr.count("\n") == 1
+    res = pdbg("verify", str(stats_only), "--json", cwd=tmp_path)
+    assert res.returncode == 2 and json.loads(res.stdout) == {"replayed": 0, "matched": 0, "mismatches": [],
+                                                              "not_replayed": [], "statistics_only": 1}
 
 
 def test_a_function_given_as_a_swap_in_python_is_told_to_be_a_factory() -> None:
@@ -716,21 +720,29 @@ def ema_update(teacher: torch.Tensor, student: torch.Tensor) -> None:
 
 def test_a_step_that_returns_no_tensor_is_not_called_a_match(tmp_path: Path) -> None:
     """A step whose work is done in place (it returns None) gives a replay with nothing to compare:
-    it is not reported as a bitwise match. `pdbg replay` says NOTHING COMPARED (exit 0: nothing
-    differed), `pdbg verify` lists it among the steps it could not check."""
+    it is not reported as a bitwise match: ``match`` is False, `pdbg replay` says NOTHING COMPARED
+    and exits 1 (a script testing the exit code or ``match`` must not take it for a bitwise match),
+    `pdbg verify` lists it among the steps it could not check and, with nothing verified, exits 2
+    after its listing."""
     path = tmp_path / "run.zarr"
     with recorder.record(path, mode="full"):
         teacher = torch.zeros(4)
         for _ in range(2):
             ema_update(teacher, torch.randn(4))
     result = replayer.replay(replayer.open(path), 0)
-    assert result.match and not result.compared and "nothing compared" in repr(result)
+    assert not result.match and not result.compared and "nothing compared" in repr(result)
     assert "the step returned no tensor, and a replay compares what a step returns" in result.warnings[0]
     res = pdbg("replay", str(path), "0", cwd=tmp_path)
-    assert res.returncode == 0 and res.stdout.rstrip().endswith("NOTHING COMPARED: the step returned no tensor")
+    assert res.returncode == 1 and res.stdout.rstrip().endswith("NOTHING COMPARED: the step returned no tensor")
     assert "MATCH" not in res.stdout.replace("NOTHING COMPARED", "")
-    doc = json.loads(pdbg("verify", str(path), "--json", cwd=tmp_path).stdout)
+    doc = json.loads(pdbg("replay", str(path), "0", "--json", cwd=tmp_path).stdout)
+    assert doc["match"] is False and doc["compared"] is False
+    res = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
     assert doc["replayed"] == doc["matched"] == 0 and len(doc["not_replayed"]) == 2
+    assert res.returncode == 2 and res.stderr == ("pdbg: error: none of the 2 steps that kept their tensors could be "
+                                                  "replayed, so nothing was verified: the step returned no tensor, "
+                                                  f"{NOTHING_COMPARED.split('no tensor, ', 1)[1]}\n")
 
 
 @recorder.paper_step("Eq. 15", description="a critic layer")
@@ -914,3 +926,41 @@ def test_buffers_a_call_updates_are_compared_with_what_the_next_call_found(tmp_p
     assert not swapped.diffs["after:bn.running_mean"].match
     assert "against what the next call, step 1, found" in swapped.diffs["after:bn.running_mean"].reason
     assert {d.name for d in replayer.replay(rec, 2).outputs} == {"output"}  # eval: nothing updated
+
+
+@recorder.paper_step("Eq. 16", description="a softmax at an annealed temperature")
+class Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("tau", torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.fc(x) / self.tau, -1)
+
+
+@pytest.mark.parametrize("between", ["anneal", "cast"])
+def test_a_buffer_changed_between_calls_by_the_loop_is_not_a_mismatch(tmp_path: Path, between: str) -> None:
+    """A temperature the training loop anneals (``tau.fill_``), or the model cast to bfloat16
+    mid-run: the step's next call finds its buffer changed, though the call never touched it. The
+    replay (which left it as recorded) matches and says the buffer was changed outside the step;
+    it was a MISMATCH on after:tau. An intervention that leaves a buffer a call updates is still one."""
+    torch.manual_seed(0)
+    model = Tempered()
+    path = tmp_path / "run.zarr"
+    dtype = torch.float32
+    with recorder.record(path, model=model, mode="full"):
+        for i in range(3):
+            if between == "anneal":
+                model.tau.fill_(1.0 - 0.2 * i)
+            elif i == 1:
+                model.to(torch.bfloat16)
+                dtype = torch.bfloat16
+            model(torch.randn(2, 4, dtype=dtype)).float().pow(2).sum().backward()
+    rec = replayer.open(path)
+    forwards = [s.index for s in rec.steps if s.phase == "forward"]
+    result = replayer.replay(rec, forwards[0])
+    assert result.match and [d.name for d in result.outputs] == ["output"], [d.summary() for d in result.outputs]
+    assert (f"not compared: tau, changed between this call and the next (step {forwards[1]}) by code outside the "
+            "step, not by the call (the replay left it as recorded)") in result.warnings
+    assert all(replayer.replay(rec, i).match for i in range(len(rec)))

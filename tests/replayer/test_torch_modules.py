@@ -15,6 +15,7 @@ from torch import nn
 import recorder
 import replayer
 from recorder.errors import ReplayError
+from tests.cli import pdbg
 
 
 class Zoo(nn.Module):
@@ -113,3 +114,78 @@ def test_a_swapped_rnn_gets_the_recorded_weights(tmp_path: Path) -> None:
     with pytest.raises(ReplayError, match=r"^backward step \d+: rerunning its forward \(step \d+, LSTM\) raised "
                                           r"RuntimeError: a fix that does not work yet$"):
         replayer.replay(rec, backward.index, swap={".": BrokenLSTM})
+
+
+class ScriptedInner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class WithScripted(nn.Module):
+    """A model holding a TorchScript submodule (a scripted activation, a feature extractor shipped as TorchScript)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = torch.jit.script(ScriptedInner())
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x))
+
+
+def _train_scripted(path: Path | None, modules: list[str]) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = WithScripted()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(path, model=model, optimizer=opt, modules=modules) if path else _nothing():
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return model.head.weight.detach().clone()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_a_model_holding_a_torchscript_module_records_and_says_why_it_is_not_replayed(tmp_path: Path) -> None:
+    """A glob over a model with a TorchScript submodule: recording used to stop at the first call
+    ("selecting modules of a compiled model": a ScriptModule's class refuses to give its forward).
+    Now the selected plain module records and replays; the TorchScript module, selected, records,
+    and its replay is refused in one line (a skeleton cannot make compiled code again), listed by
+    `pdbg verify`, which still verifies the rest."""
+    import warnings
+
+    from recorder import RecorderWarning
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        head = _train_scripted(tmp_path / "head.zarr", ["head"])
+        both = _train_scripted(tmp_path / "both.zarr", ["head", "enc"])
+    assert not [w for w in said if issubclass(w.category, RecorderWarning)]  # no "recording stopped"
+    assert torch.equal(head, _train_scripted(None, [])) and torch.equal(both, head)
+    rec = replayer.open(tmp_path / "head.zarr")
+    assert rec.status == "complete" and len(rec) == 4
+    assert all(replayer.replay(rec, i).match for i in range(len(rec)))
+    rec = replayer.open(tmp_path / "both.zarr")
+    assert rec.status == "complete" and len(rec) == 8
+    scripted = [s for s in rec.steps if s.module_path == "enc"]
+    assert len(scripted) == 4
+    with pytest.raises(ReplayError, match=r"^the step holds a TorchScript module \(made by torch.jit.script or "
+                                          r"trace\), which a replay cannot rebuild; to replay it, record the Python "
+                                          r"module it was scripted from$"):
+        replayer.replay(rec, scripted[0].index)
+    res = pdbg("verify", str(tmp_path / "both.zarr"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"{tmp_path / 'both.zarr'}: 4 of 4 steps replayed bit for bit (100.0%); 4 steps "
+                                 "could not be replayed")
+    assert res.stdout.count("the step holds a TorchScript module") == 4
