@@ -16,7 +16,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
@@ -26,7 +26,9 @@ from . import jsonval
 # checkpoint of the user's model (torch.save(model)) holds nothing of the recorder's.
 _INIT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any] | None] = weakref.WeakKeyDictionary()
 _BASE_KEYS = frozenset(vars(torch.nn.Module()))  # what torch's Module.__init__ itself sets
-HOOK_CLASSES = {"weight_norm": WeightNorm, "spectral_norm": SpectralNorm}  # the hooks replay knows how to rebuild
+# The hooks replay knows how to rebuild. "prune": any of torch.nn.utils.prune's methods, whose hook
+# sets NAME = NAME_orig * NAME_mask before each call whatever the method (Identity does just that).
+HOOK_CLASSES = {"weight_norm": WeightNorm, "spectral_norm": SpectralNorm, "prune": prune.Identity}
 _HOOK_KINDS = {cls: kind for kind, cls in HOOK_CLASSES.items()}
 
 
@@ -122,6 +124,10 @@ def _hooks(module: torch.nn.Module) -> tuple[list[dict[str, Any]], set[str], lis
     derived: set[str] = set()
     others: list[str] = []
     for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, prune.BasePruningMethod) and isinstance(getattr(hook, "_tensor_name", None), str):
+            recorded.append({"kind": "prune", "attrs": {"_tensor_name": hook._tensor_name}})  # (the mask: a buffer)
+            derived.add(hook._tensor_name)
+            continue
         kind = _HOOK_KINDS.get(type(hook))
         if kind is None:
             others.append(f"forward pre-hook {_hook_name(hook)}")

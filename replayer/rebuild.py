@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from recorder import jsonval, skeleton, snapshot
@@ -308,6 +308,9 @@ class _Recompute:
         self.hook = hook
 
     def __call__(self, module: torch.nn.Module, inputs: Any) -> None:
+        if isinstance(self.hook, prune.BasePruningMethod):  # a mask applied: no side effect to leave out
+            self.hook(module, inputs)
+            return
         if isinstance(self.hook, SpectralNorm):
             value = self.hook.compute_weight(module, do_power_iteration=False)
         else:
