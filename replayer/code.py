@@ -64,6 +64,39 @@ def _is_definition(node: ast.stmt) -> bool:
     return False
 
 
+def _loaded_now(node: ast.stmt) -> set[str]:
+    """The names a top-level statement reads when it runs: everything but the bodies of the
+    functions it defines (their decorators, defaults and annotations are read at once)."""
+    names: set[str] = set()
+    stack: list[ast.AST] = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            names.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = n.args
+            stack += [*n.decorator_list, *a.defaults, *(d for d in a.kw_defaults if d is not None)]
+            stack += [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg)
+                      if x is not None and x.annotation is not None]
+            stack += [n.returns] if n.returns is not None else []
+        elif isinstance(n, ast.Lambda):
+            stack += [*n.args.defaults, *(d for d in n.args.kw_defaults if d is not None)]
+        else:
+            stack.extend(ast.iter_child_nodes(n))
+    return names
+
+
+def _sets(node: ast.stmt) -> list[str]:
+    """The top-level names a statement binds."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [(a.asname or a.name).split(".")[0] for a in node.names]
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+        node, (ast.AnnAssign, ast.AugAssign)) else []
+    return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+
+
 def script_module(path: str | os.PathLike[str], text: str | None = None
                   ) -> tuple[types.ModuleType, str, frozenset[str]]:
     """Load a training script's definitions as a module named ``__main__`` (its classes and
@@ -86,8 +119,16 @@ def script_module(path: str | os.PathLike[str], text: str | None = None
         note = "loaded without its if __name__ == '__main__' block"
     else:
         kept = [n for n in body if _is_definition(n)]
-        names = [t.id for n in body if n not in kept and isinstance(n, (ast.Assign, ast.AnnAssign))
-                 for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)]
+        names = list(dict.fromkeys(name for n in body if n not in kept for name in _sets(n)))
+        unset = set(names) - {name for n in kept for name in _sets(n)}
+        while unset:  # a definition that reads a name only a skipped statement sets would fail: skipped too
+            reading = [n for n in kept if _loaded_now(n) & unset]
+            if not reading:
+                break
+            kept = [n for n in kept if n not in reading]
+            more = [name for n in reading for name in _sets(n) if name not in names]
+            names += more
+            unset = set(more) - {name for n in kept for name in _sets(n)}
         note = (f"the script has no if __name__ == '__main__' guard: loaded only its definitions "
                 f"({len(body) - len(kept)} top-level statements skipped" + (
                     f"; names they set are not defined: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"

@@ -863,6 +863,46 @@ def test_a_name_an_unguarded_script_sets_is_named_as_the_cause(tmp_path: Path) -
         replayer.replay(rec, 1)
 
 
+UNGUARDED_READER = '''
+import os, sys, torch
+import recorder
+
+host = os.environ.get("TRAIN_HOST", "local")  # a call: left out of a replay's loading
+URL = f"http://{host}:1"  # reads it
+
+
+def endpoint(path=URL):  # a default read when the function is defined
+    return path
+
+
+class Config:
+    where = URL
+    scale = 2.0
+
+
+@recorder.paper_step("Eq. 6")
+def scaled(x):
+    return torch.tanh(x) * Config.scale if "Config" in globals() else torch.tanh(x) * 2.0
+
+
+with recorder.record(sys.argv[1], mode="full"):
+    scaled(torch.randn(8))
+'''
+
+
+def test_a_definition_reading_a_name_an_unguarded_script_skips_is_skipped_too(tmp_path: Path) -> None:
+    """Statements kept from an unguarded script that read a name only a skipped statement sets (an
+    f-string, a function's default, a class attribute) are left out too, and named: loading the
+    script failed with a NameError, and nothing could be replayed."""
+    (tmp_path / "train.py").write_text(UNGUARDED_READER)
+    made = python("train.py", str(tmp_path / "run.zarr"), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    result = replayer.replay(replayer.open(tmp_path / "run.zarr"), 0)
+    assert result.match, (result.exception, result.warnings)
+    assert any("(5 top-level statements skipped; names they set are not defined: host, URL, endpoint, Config)" in w
+               for w in result.warnings), result.warnings
+
+
 class Handle:
     """An object a step returns that is not data (its repr holds its address)."""
 
