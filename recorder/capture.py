@@ -126,6 +126,7 @@ class Frame:
     alerts: list[dict[str, Any]] = field(default_factory=list)  # from checks and breakpoints
     pending: Any = None  # a monitor's stop or pdb action, carried out once the step is submitted
     checked: bool = False  # nonfinite below has been looked for
+    late: tuple[int, str] | None = None  # (index, message) of an earlier call's Inf this call showed to be no mask
     dropped: int = 0  # payloads not recorded: the store could not keep up (when_slow="drop_payloads")
     nonfinite: TensorItem | None = None  # the first result tensor holding NaN or Inf
     collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls made inside
@@ -203,6 +204,13 @@ class Session:
         # grad inside checkpointing, latest last; their recomputation in backward builds their graph.
         self._ungraded: dict[tuple[str, int], list[Frame]] = {}
         self._unreported: list[Frame] = []  # steps with device statistics: on_nonfinite looks once per iteration
+        # Inf (no NaN) in a step's results is meant when its calls make it every time (an additive -inf
+        # mask), as first_nonfinite judges it: per step (name, module path, phase) and call number in
+        # the iteration, whether its last call held Inf; a step's first call's Inf waits for the next
+        # call with its number.
+        self._inf_last: dict[tuple[Any, ...], bool] = {}  # (name, path, phase, call) -> last call's
+        self._inf_step: dict[tuple[Any, ...], bool] = {}  # (name, path, phase) -> its last call's, whatever number
+        self._inf_first: dict[tuple[Any, ...], tuple[int, str]] = {}  # -> (index, message) of that first call
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _stack(self) -> list[Frame]:
@@ -358,22 +366,52 @@ class Session:
                 self.shared.held_from(max(dropped) + 1)
             self._send(ForgetIterations(dropped), 0)
 
-    @staticmethod
-    def _first_nonfinite(frame: Frame) -> TensorItem | None:
-        """The first result tensor of a finished step holding NaN or Inf, looked for once per step
-        (monitors and the flight recorder both ask). Device statistics of results come to the host
-        here, once, and stay on the item as plain floats for the writer."""
+    def _first_nonfinite(self, frame: Frame) -> TensorItem | None:
+        """The first result tensor of a finished step holding NaN or Inf that is an anomaly, looked
+        for once per step (monitors and the flight recorder both ask). Device statistics of results
+        come to the host here, once, and stay on the item as plain floats for the writer.
+
+        NaN always is. Inf without NaN is not where the step's previous call with the same number in
+        its iteration held Inf too (an additive -inf attention mask, made or passed through at every
+        call), or, at the first call with that number, the step's previous call did; at the step's
+        very first call it waits for the next call with its number, which reports it
+        (``frame.late``) if it holds none."""
         if not frame.checked:
             frame.checked = True
             results = layout.RESULT_ROLES[frame.phase]
+            found, nan = None, False
             for t in frame.tensors:
                 if t.role in results:
                     if isinstance(t.stats, torch.Tensor):
                         t.stats = tuple(float(v) for v in t.stats.cpu().tolist())
                     if t.stats[6] or t.stats[7]:
-                        frame.nonfinite = t
-                        break
+                        found = found or t
+                        nan = nan or bool(t.stats[6])
+            step = (frame.defn.name, frame.path, frame.phase)
+            key = (*step, frame.call)
+            last = self._inf_last.get(key, self._inf_step.get(step))
+            inf_only = found is not None and not nan
+            self._inf_last[key] = self._inf_step[step] = inf_only
+            if inf_only and last is None:  # the first call: a mask, if the next call makes Inf again
+                self._inf_first[key] = (frame.index, monitors.nonfinite_message(self._context(frame, None), found))
+                found = None
+            elif inf_only and last:  # made at every call so far: meant
+                self._inf_first.pop(key, None)
+                found = None
+            elif not inf_only and self._inf_first:
+                first = self._inf_first.pop(key, None)
+                if first is not None and found is None:  # that first call's Inf was no habit
+                    frame.late = (first[0], f"{first[1]} (its next call, step {frame.index}, made none: not a mask)")
+            frame.nonfinite = found
         return frame.nonfinite
+
+    def _anomaly(self, frame: Frame) -> tuple[int, str] | None:
+        """(index, message) of the anomaly this finished step shows, if any: its own NaN or Inf, or
+        an earlier call's Inf it showed to be no mask."""
+        tensor = self._first_nonfinite(frame)
+        if tensor is not None:
+            return frame.index, monitors.nonfinite_message(self._context(frame, None), tensor)
+        return frame.late
 
     def _after_step(self, frame: Frame) -> None:
         """A step finished (and was handed to the writer): the first NaN/Inf is reported to the
@@ -404,11 +442,11 @@ class Session:
 
     def _report_nonfinite(self, frame: Frame) -> None:
         try:
-            tensor = self._first_nonfinite(frame)
-            if tensor is not None:
+            anomaly = self._anomaly(frame)
+            if anomaly is not None:
                 listener, self.on_nonfinite = self.on_nonfinite, None  # the first one only
                 if listener is not None:
-                    listener(frame.index, monitors.nonfinite_message(self._context(frame, None), tensor))
+                    listener(*anomaly)
         except Exception as exc:  # telling the user must never stop training
             warn(f"PaperDebugger could not report a non-finite step ({type(exc).__name__}: {exc})", stacklevel=2)
 
@@ -417,7 +455,7 @@ class Session:
         if self.ring is None or self.iteration == self._direct_iteration or not self.enabled:
             return
         try:
-            anomaly = frame.exception is not None or self._first_nonfinite(frame) is not None
+            anomaly = frame.exception is not None or self._anomaly(frame) is not None
         except Exception as exc:
             self.fail("checking a step for the flight recorder", exc)
             return
@@ -982,7 +1020,8 @@ class Session:
             return
         try:
             ctx = self._context(frame, out)
-            alerts, frame.pending = self.monitor.evaluate(ctx, self._first_nonfinite(frame))
+            anomaly = self._anomaly(frame)
+            alerts, frame.pending = self.monitor.evaluate(ctx, None if anomaly is None else anomaly[1])
             frame.alerts.extend(alerts)
         except Exception as exc:
             frame.notes.append(f"monitors failed: {type(exc).__name__}: {exc}")

@@ -238,9 +238,9 @@ class Monitor:
         """A stop that was not carried out (an overflow GradScaler handled): the next anomaly stops."""
         self._stopped = False
 
-    def evaluate(self, ctx: StepContext, nonfinite: TensorItem | None) -> tuple[list[dict[str, Any]], Pending | None]:
-        """Alerts for the step and the first action it calls for (None: go on). ``nonfinite``: the
-        step's first result tensor holding NaN or Inf, as the session found it."""
+    def evaluate(self, ctx: StepContext, nonfinite: str | None) -> tuple[list[dict[str, Any]], Pending | None]:
+        """Alerts for the step and the first action it calls for (None: go on). ``nonfinite``: what
+        the session found non-finite at this step (``nonfinite_message``), or None."""
         alerts: list[dict[str, Any]] = []
         pending: Pending | None = None
         with _LOCK:
@@ -256,7 +256,7 @@ class Monitor:
             if fired and bp.action != "record" and pending is None:
                 pending = Pending(bp.action, f"breakpoint {bp.name!r} at {ctx.describe()}", BreakpointStop)
         if self.on_anomaly != "record" and pending is None and not self._stopped and nonfinite is not None:
-            pending = Pending(self.on_anomaly, nonfinite_message(ctx, nonfinite), NonFiniteError)
+            pending = Pending(self.on_anomaly, nonfinite, NonFiniteError)
         if pending is not None and pending.action == "stop":
             self._stopped = True  # one stop: the steps the exception unwinds through are not stopped again
         return alerts, pending

@@ -238,7 +238,7 @@ def info(args: argparse.Namespace) -> int:
     print(f"\nalerts: {doc['alerts']}   exceptions: {doc['exceptions']}")
     first = doc["first_nonfinite"]
     if first is None:
-        print("NaN origin: none (no non-finite values recorded)")
+        print("NaN origin: none found (pdbg bisect says why)")
     else:
         rank = f"rank {first['rank']} · " if len(doc["rank_details"]) > 1 else ""
         print(f"NaN origin: {rank}{_step_text(first)}  (pdbg bisect for why)")

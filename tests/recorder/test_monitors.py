@@ -83,6 +83,38 @@ class TestOnAnomaly:
         got = statuses(run_path)
         assert got == [("root", "ok", 0), ("root", "ok", 0), ("root", "ok", 1), ("root", "nonfinite", 1)]
 
+    def test_a_mask_made_at_every_call_is_no_anomaly_and_an_overflow_still_is(self, run_path: Path) -> None:
+        """An additive -inf attention mask, made and passed on at every call, is what the model
+        means (first_nonfinite passes it over too): on_anomaly='stop' let it stop training at
+        iteration 0, and flight mode wrote its ring at every iteration. A step whose Inf came at its
+        first call only is stopped at its next call, which names that first one; a NaN, at once."""
+        with recorder.record(run_path, on_anomaly="stop", mode="flight") as run:
+            for _ in range(4):
+                masked(torch.randn(2, 4, 4))
+                run.next_iteration()
+        flight = RunReader(str(run_path)).attrs["final"]["flight"]
+        assert RunReader(str(run_path)).status == "complete" and [d["reason"] for d in flight["dumps"]] == ["end"]
+        assert [s[:2] for s in statuses(run_path)] == [("masked", "ok"), ("causal_mask", "nonfinite")] * 4
+
+        path = run_path.with_name("first_only.zarr")
+        with pytest.raises(recorder.NonFiniteError) as info, recorder.record(path, on_anomaly="stop") as run:
+            for i in range(3):
+                smooth_relu(torch.tensor([100.0 if i == 0 else 0.0]))  # exp(101) overflows at the first call
+                run.next_iteration()
+        assert str(info.value) == ("Eq. 2 (smooth_relu) forward, iteration 0, call 0: output has 1 Inf (its next "
+                                   "call, step 1, made none: not a mask)")
+        told: list[tuple[int, str]] = []
+        with recorder.record(run_path.with_name("told.zarr")) as run:
+            run.notify_nonfinite(lambda index, message: told.append((index, message)))
+            for i in range(3):
+                masked(torch.randn(2, 4, 4))
+                smooth_relu(torch.tensor([100.0 if i == 0 else 0.0]))
+                run.next_iteration()
+        assert [index for index, _ in told] == [2]  # the overflow's step, told at its next call (step 5)
+        with pytest.raises(recorder.NonFiniteError, match=r"iteration 0, call 0: output has 1 NaN$"), \
+                recorder.record(run_path.with_name("nan.zarr"), on_anomaly="stop"):
+            root(torch.tensor([-1.0]))
+
     def test_record_only_marks(self, run_path: Path) -> None:
         """The default marks the step nonfinite and lets training go on."""
         with recorder.record(run_path) as run:
@@ -96,6 +128,16 @@ class TestOnAnomaly:
         with pytest.raises(RecordingError, match="unknown on_anomaly 'halt'"):
             recorder.record(run_path, on_anomaly="halt")
         assert not run_path.exists()
+
+
+@recorder.paper_step("Eq. 3", description="an additive causal mask: -inf above the diagonal")
+def causal_mask(n: int) -> torch.Tensor:
+    return torch.full((n, n), float("-inf")).triu(1)
+
+
+@recorder.paper_step("Eq. 4", description="masked attention weights")
+def masked(scores: torch.Tensor) -> torch.Tensor:
+    return (scores + causal_mask(scores.shape[-1])).softmax(-1)
 
 
 @recorder.paper_step("Eq. 6", description="a block around SmoothReLU")
