@@ -52,19 +52,24 @@ class BundleInfo:
     path: Path
     bytes: int
     steps: int
-    main: int  # the main step's index in the bundle
+    main_step: int  # the main step's index in the bundle (as ``replayer.open(bundle).main_step``)
     verified: bool | None
     script: Path | None = None
 
+    @property
+    def main(self) -> int:
+        """``main_step`` (its earlier name)."""
+        return self.main_step
+
     def to_json(self) -> dict[str, Any]:
-        """``pdbg bundle --json``: {"path", "bytes", "steps", "verified"}."""
+        """``pdbg bundle --json``: {"path", "bytes", "steps", "verified", "main_step", "script"}."""
         return {"path": str(self.path), "bytes": self.bytes, "steps": self.steps, "verified": self.verified,
-                "main_step": self.main, "script": str(self.script) if self.script else None}
+                "main_step": self.main_step, "script": str(self.script) if self.script else None}
 
     def __repr__(self) -> str:
         verified = {True: "verified: bitwise match", False: "verified: MISMATCH", None: "not verified"}[self.verified]
-        return (f"<BundleInfo {self.path}: {self.steps} step{'s' if self.steps != 1 else ''}, main step {self.main}, "
-                f"{self.bytes} bytes, {verified}>")
+        return (f"<BundleInfo {self.path}: {self.steps} step{'s' if self.steps != 1 else ''}, main step "
+                f"{self.main_step}, {self.bytes} bytes, {verified}>")
 
     def _repr_html_(self) -> str:
         from . import notebook

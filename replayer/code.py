@@ -412,8 +412,25 @@ class CodeLoader:
         if now is None:
             return f"source of {name} cannot be read now; it cannot be checked against the recording ({where})"
         if hashlib.sha256(now.encode()).hexdigest() != recorded:
-            return f"code of {name} changed since recording ({where})"
+            return f"code of {name} changed since recording ({self._where_now(obj, where)})"
         return None
+
+    def _where_now(self, obj: Any, recorded: str) -> str:
+        """``file:line`` of ``obj``'s code as loaded now, and where it was recorded when that differs
+        (a script moved and given with --script)."""
+        target = inspect.unwrap(obj) if callable(obj) and not isinstance(obj, type) else obj
+        saved = sys.modules.get("__main__")
+        swap = self._main is not None and getattr(target, "__module__", None) == "__main__"
+        if swap:
+            sys.modules["__main__"] = self._main  # type: ignore[assignment]
+        try:
+            now = f"{inspect.getsourcefile(target) or inspect.getfile(target)}:{inspect.getsourcelines(target)[1]}"
+        except (OSError, TypeError):
+            return recorded
+        finally:
+            if swap and saved is not None:
+                sys.modules["__main__"] = saved
+        return now if now == recorded else f"{now}; recorded at {recorded}"
 
 
 def find_module_file(name: str, dirs: list[str]) -> Path | None:

@@ -1,4 +1,4 @@
-"""pdbg bundle RUN STEP -o failure.pdbg [--iteration] [--verify] [--script] [--json]
+"""pdbg bundle RUN STEP -o failure.pdbg [--iteration] [--verify] [--script] [--force] [--rank K] [--json]
 
 Write one file that replays STEP on another machine: the step (a backward step with its forward
 call), the steps inside it, their RNG, settings, module skeletons and payloads, the environment,
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info.to_json()))
     else:
         print(f"{info.path}: {_size(info.bytes)}, {info.steps} step{'s' if info.steps != 1 else ''}; main "
-              f"{_step_text(step.to_json())}")
+              f"{_step_text(step.to_json())} (step {info.main_step} in the bundle)")
         if info.verified is not None:
             print("verified: " + ("the bundle replays bit for bit" if info.verified else "MISMATCH when replayed from "
                                   "the bundle (see pdbg replay)"))

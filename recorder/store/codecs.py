@@ -72,6 +72,8 @@ class Compression:
                    adaptive="adaptive" in doc)
 
     def describe(self) -> dict[str, Any]:
+        if self.cname is None:  # compressor="none": no Blosc, so no level or shuffle either
+            return {"cname": None}
         out: dict[str, Any] = {"cname": self.cname, "clevel": self.clevel, "shuffle": self.shuffle}
         if self.adaptive:
             out["adaptive"] = {"min_ratio": MIN_RATIO, "retest_every": RETEST}

@@ -87,8 +87,14 @@ def test_compressors_round_trip(run_path, compressor):
     x = torch.randn(1000)
     with recorder.record(run_path, compressor=compressor):
         scale(x)
-    rank = RunReader(run_path).rank(0)
+    reader = RunReader(run_path)
+    rank = reader.rank(0)
     assert torch.equal(rank.tensor(rank.tensor_records(0)[0]), x)
+    if compressor == "none":  # as docs/FORMAT.md says: no Blosc, so no level or shuffle named
+        assert reader.attrs["compression"] == {"cname": None}
+        blobs = zarr.open_group(str(run_path), mode="r")["rank0/blobs"]
+        for name in blobs.array_keys():
+            assert [c.to_dict()["name"] for c in blobs[name].metadata.codecs] == ["bytes"]
 
 
 def test_bad_compressor_is_refused(run_path):

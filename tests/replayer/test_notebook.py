@@ -174,10 +174,11 @@ class TestRecording:
         origin = replayer.first_nonfinite(rec)
         info = replayer.bundle(rec, origin.step, tmp_path / "failure.pdbg", verify=True, script=True)
         out = text(render("bundle", info))
-        assert "verified: bitwise match" in out and f"{info.bytes:,} bytes" in out and f"main step {info.main}" in out
+        assert "verified: bitwise match" in out and f"{info.bytes:,} bytes" in out
+        assert f"main step {info.main_step}" in out
         assert "repro.py" in out and "replayer.open(" in out and "verified: bitwise match" in repr(info)
         opened = text(replayer.open(info.path)._repr_html_())
-        assert f"bundle main step {info.main}" in opened and "failure.pdbg" in opened
+        assert f"bundle main step {info.main_step}" in opened and "failure.pdbg" in opened
 
 
 class TestStep:

@@ -265,6 +265,11 @@ def test_a_moved_script_is_found_with_script_option(tmp_path: Path) -> None:
     assert gone.returncode == 2 and "cannot read the training script" in gone.stderr and "--script" in gone.stderr
     found = pdbg("replay", str(run), "Block", "--script", str(moved), cwd=tmp_path)
     assert found.returncode == 0, found.stderr
+    # edited there too: the drift warning names the file the code was loaded from, and where it was recorded
+    moved.write_text(moved.read_text().replace("class Block(nn.Module):\n", "class Block(nn.Module):\n    # edited\n"))
+    found = pdbg("replay", str(run), "Block", "--script", str(moved), cwd=tmp_path)
+    assert (f"code of Block changed since recording ({moved}:80; recorded at {tmp_path / 'gpt_train.py'}:80)"
+            in found.stdout), found.stdout
 
 
 def one_line_error(res: object, code: int = 2) -> str:
