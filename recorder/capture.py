@@ -208,6 +208,7 @@ class Session:
         # mask), as first_nonfinite judges it: per step (name, module path, phase) and call number in
         # the iteration, whether its last call held Inf; a step's first call's Inf waits for the next
         # call with its number.
+        self._tied: tuple[Any, dict[int, tuple[str, ...]]] | None = None  # (weak root, Session._tied_params)
         self._inf_last: dict[tuple[Any, ...], bool] = {}  # (name, path, phase, call) -> last call's
         self._inf_step: dict[tuple[Any, ...], bool] = {}  # (name, path, phase) -> its last call's, whatever number
         self._inf_first: dict[tuple[Any, ...], tuple[int, str]] = {}  # -> (index, message) of that first call
@@ -662,12 +663,21 @@ class Session:
             if link is None and frame.vmap is None:
                 self._remember_ungraded(frame)
             if module is not None:
+                tied = self._tied_params() if link is not None and frame.path else {}
+                shared: list[tuple[str, list[str]]] = []
                 for name, p in module.named_parameters():
                     self._capture(frame, "param", name, p)
                     if link is not None and p.requires_grad:
                         if p._backward_hooks:  # the user's gradient hooks (pruning masks): the recorded grad is theirs
                             _note_param_hooks(frame, name, p._backward_hooks.values())
+                        if id(p) in tied:  # tied weights: a use outside the step adds to its grad
+                            outside = [o for o in tied[id(p)] if not o.startswith(f"{frame.path}.")]
+                            if outside:
+                                shared.append((name, outside))
                         self._hook_param(link, name, p)
+                if shared:
+                    frame.notes.append(f"{_one_line([n for n, _ in shared])}: {layout.SHARED_PARAM_NOTE} (also "
+                                       f"{_one_line([o for _, others in shared for o in others])})")
                 for name, b in module.named_buffers():
                     self._capture(frame, "buffer", name, b)
             if link is not None:
@@ -702,6 +712,20 @@ class Session:
             return out
         finally:
             self.local.busy = False
+
+    def _tied_params(self) -> dict[int, tuple[str, ...]]:
+        """``id(parameter) -> its paths`` for the parameters registered in more than one place under
+        the module paths' root (weight tying: ``lm_head.weight = embed.weight``), cached per root."""
+        root = self.modules.root()
+        if root is None:
+            return {}
+        cached = self._tied
+        if cached is None or cached[0]() is not root:
+            names: dict[int, list[str]] = {}
+            for name, p in root.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(compiled.path_without_wrappers(name))
+            cached = self._tied = (weakref.ref(root), {k: tuple(v) for k, v in names.items() if len(v) > 1})
+        return cached[1]
 
     @staticmethod
     def _note_returned_parameters(frame: Frame, leaves: list[torch.Tensor]) -> None:

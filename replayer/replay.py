@@ -578,15 +578,17 @@ class Replayer:
         hooked = [n for n in fwd.extra.get("notes", []) if layout.PARAM_HOOK_NOTE in n]
         if hooked:  # the recorded gradients passed through hooks the replay does not have
             warnings.append(f"forward step {fwd.index}: " + "; ".join(hooked) + " (a likely cause of any difference)")
-        returned = [n.split(":", 1)[0] for n in fwd.extra.get("notes", []) if layout.RETURNED_PARAM_NOTE in n]
         left: list[TensorRecord] = []
-        if returned:  # their recorded gradients hold what the caller's use of them sent too
-            names = {name.strip() for text in returned for name in text.split(",")}
-            left = [r for r in wanted if r.role == "param_grad" and r.name in names]
-            if left:
-                wanted = [r for r in wanted if r not in left]
-                warnings.append(f"parameter grads not compared: {', '.join(r.name for r in left)}, "
-                                f"{layout.RETURNED_PARAM_NOTE}")
+        for note in (layout.RETURNED_PARAM_NOTE, layout.SHARED_PARAM_NOTE):
+            # their recorded gradients hold what the caller's use of them sent too, or another module's
+            texts = [n for n in fwd.extra.get("notes", []) if note in n]
+            names = {name.strip() for text in texts for name in text.split(":", 1)[0].split(",")}
+            out = [r for r in wanted if r.role == "param_grad" and r.name in names]
+            if out:
+                wanted = [r for r in wanted if r not in out]
+                left += out
+                warnings.append(f"parameter grads not compared: {', '.join(r.name for r in out)}, "
+                                + texts[0].split(": ", 1)[1])
         calls = self._calls_of_module(step, fwd)
         not_compared = warnings[-1] if left else ""  # why parameter grads are left out, if they are
         # Two calls (a Siamese encoder's two views): their total is the same bits in either order; with

@@ -57,6 +57,9 @@ METADATA_NOTE = "metadata only"
 RETURNED_PARAM_NOTE = ("returned as they are by the step (leaves, not followed for gradients): the gradient the "
                        "caller's use of them sends is in their parameter grads too, which a replay of this step's "
                        "backward does not compute")
+# A forward step's note: "<parameter>[, <parameter>...]: " + this + " (<its other paths>)".
+SHARED_PARAM_NOTE = ("shared with modules outside the step (tied weights): their use of them adds to the parameter "
+                     "grads, which a replay of this step's backward does not compute")
 # A forward step's note: "<parameter>: " + this + " (<hooks>)".
 PARAM_HOOK_NOTE = ("the parameter had gradient hooks of its own (Tensor.register_hook): its recorded gradient is what "
                    "they made of it, and a replay runs without them")
