@@ -19,11 +19,15 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)  ## record a real NaN crash and show where it came from
 	$(PY) examples/nan_smooth_relu.py --out runs/nan_smooth_relu.zarr
 
+# Tests run in parallel (pytest-xdist), one worker per core up to PYTEST_WORKERS; each test's files are its own.
+PYTEST_WORKERS ?= 4
+PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=$(PYTEST_WORKERS)
+
 test: $(STAMP) browser  ## the whole suite, slow tests included (what CI runs)
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: $(STAMP)  ## the suite without slow tests
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # Debian's chromium and chromedriver, for the browser test of `pdbg serve` (skipped, and said so, without them).
 browser:
