@@ -503,6 +503,7 @@ class PdbgApp(App[None]):
         Binding("e", "edit", "edit", show=False), Binding("s", "swap", "swap", show=False),
         Binding("x", "export", "bundle", show=False), Binding("d", "diff", "diff", show=False),
         Binding("R", "reload", "refresh", show=False), Binding("escape", "cancel", "cancel", show=False),
+        Binding("v", "result", "result", show=False),
         Binding("question_mark", "help", "keys"),
         Binding("q", "quit", "quit"),
     ]
@@ -519,6 +520,7 @@ class PdbgApp(App[None]):
         ("edit", "edit a tensor and rerun (e)"), ("swap", "swap the module or function and rerun (s)"),
         ("export", "export this step as a bundle (x)"), ("diff", "diff against another run (d)"),
         ("reload", "refresh a recording still being written (R)"), ("cancel", "cancel the running action (escape)"),
+        ("result", "the last result in full, scrolled by keys (v)"),
         ("help", "every key (?)"), ("quit", "quit (q)"),
     ]
 
@@ -531,6 +533,7 @@ class PdbgApp(App[None]):
         self.model = views.TimelineModel(rec)
         self.start = start
         self.panel_text: Text | str = ""
+        self.panel_full: Text | str = ""  # the panel's result whole (a replay's every tensor and warning)
         self._drifts: dict[int, str | None] = {}
 
     # -- layout --------------------------------------------------------------------------------
@@ -567,6 +570,7 @@ class PdbgApp(App[None]):
         if self.notice:
             text = Text.assemble((self.notice + "\n", "red"), text)
         self.set_panel(text)
+        self.panel_full = ""  # a hint, no result: v has nothing to open
 
     def _summary(self) -> str:
         ranks = self.rec.ranks
@@ -609,9 +613,18 @@ class PdbgApp(App[None]):
             self._drifts[key] = f"✎ {state}" if state.startswith("changed") else None
         return self._drifts[key]
 
-    def set_panel(self, text: Text | str) -> None:
-        self.panel_text = text
-        self.query_one("#panel", Static).update(text)
+    def set_panel(self, text: Text | str, full: Text | str | None = None) -> None:
+        """Show ``text`` in the result panel (a few lines high); ``full``: the whole result, which
+        ``v`` opens in a page that keys scroll (the panel says so when there is more than it shows)."""
+        self.panel_text, self.panel_full = text, text if full is None else full
+        panel = self.query_one("#panel", Static)
+        panel.update(text)
+        lines = str(self.panel_full).count("\n") + 1
+        panel.border_subtitle = "v: all of it" if full is not None and str(full) != str(text) or lines > 6 else ""
+
+    def action_result(self) -> None:
+        if str(self.panel_full):
+            self.push_screen(TextScreen(self.panel_full, "result"))
 
     # -- time travel ---------------------------------------------------------------------------
     def action_step(self, delta: int) -> None:
@@ -780,12 +793,12 @@ class PdbgApp(App[None]):
         if running:
             self.set_panel(Text("cancelled", style="yellow"))
 
-    def _report(self, text: Text | str) -> None:
+    def _report(self, text: Text | str, full: Text | str | None = None) -> None:
         """Show a worker's result, unless the worker was cancelled meanwhile."""
         from textual.worker import get_current_worker
 
         if not get_current_worker().is_cancelled:
-            self.call_from_thread(self.set_panel, text)
+            self.call_from_thread(self.set_panel, text, full)
 
     def action_replay(self, swap: dict[str, str] | None = None, edit: dict[str, str] | None = None) -> None:
         step = self.step
@@ -802,7 +815,7 @@ class PdbgApp(App[None]):
         except PdbgError as exc:
             self._report(Text(f"cannot replay step {index}: {exc}", style="red"))
             return
-        self._report(render_replay(result))
+        self._report(render_replay(result), render_replay(result, full=True))
 
     def action_bisect(self) -> None:
         self.set_panel(Text("bisecting …", style="cyan"))
@@ -905,11 +918,13 @@ class PdbgApp(App[None]):
             self.call_from_thread(self.go_to_step, div.step.index)
 
 
-def render_replay(result: Any) -> Text:
+def render_replay(result: Any, full: bool = False) -> Text:
+    """A replay's verdict and its first tensors, inner steps and warnings; ``full``: all of them."""
     verdict = (("nothing compared", "bold yellow") if not result.compared else ("bitwise match", "bold green")
                if result.match else ("MISMATCH", "bold red"))
     text = Text.assemble(f"replay of step {result.step.index}: ", verdict)
-    for d in result.outputs[:4]:
+    few = None if full else 4
+    for d in result.outputs[:few]:
         rec, rep = d.recorded, d.replayed
         text.append(f"\n  {d.name}: " + ("equal" if d.match else d.summary().split(": ", 1)[-1]),
                     style="green" if d.match else "red")
@@ -918,10 +933,13 @@ def render_replay(result: Any) -> Text:
                         f"inf {rep.get('inf')}", style="dim")
     changed = [s for s in result.inner if not s.match]
     if changed:
-        text.append("\n  inner: " + "; ".join(f"step {s.step.index} {s.step.name} {s.change}" for s in changed[:4]),
+        text.append("\n  inner: " + "; ".join(f"step {s.step.index} {s.step.name} {s.change}" for s in changed[:few]),
                     style="yellow")
-    for w in result.warnings[:2]:
+    for w in result.warnings[:None if full else 2]:
         text.append(f"\n  {w}", style="yellow")
+    if full and result.environment_differences:
+        text.append("\n  environment differs from the recording: " + "; ".join(result.environment_differences),
+                    style="dim")
     return text
 
 

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from textual.widgets import Input, Static
 
 import recorder
@@ -486,5 +487,52 @@ def test_the_cursor_row_stays_in_view_when_a_result_fills_the_panel(nan_path: Pa
             await pilot.pause()
             t = app.timeline
             assert t.scroll_offset.y <= t.cursor < t.scroll_offset.y + t.size.height, (t.cursor, t.scroll_offset)
+
+    asyncio.run(main())
+
+
+@recorder.paper_step("Eq. 11", description="six heads")
+def six_heads(x):  # type: ignore[no-untyped-def]
+    return tuple(x * k for k in range(1, 7))
+
+
+def test_v_opens_the_whole_result_which_keys_scroll(tmp_path: Path) -> None:
+    """The result panel shows a few lines (a replay's first four tensors and two warnings); it said
+    nothing of the rest, which only a mouse wheel reached. It now says "v: all of it", and v opens
+    the whole result (every tensor and warning) in a page that keys scroll; escape goes back."""
+    from tui.app import TextScreen
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        six_heads(torch.randn(64, 8))
+    expected = replayer.replay(replayer.open(path), 0, edit={"args.0": "x * 2"})
+    assert len(expected.outputs) == 6 and not expected.match
+
+    async def main() -> None:
+        app = PdbgApp(replayer.open(path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            await pilot.press("v")  # nothing shown yet: nothing to open
+            await pilot.pause()
+            assert not isinstance(app.screen, TextScreen)
+            await pilot.press("e")
+            await answer(pilot, "args.0=x * 2")
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert app.query_one("#panel", Static).border_subtitle == "v: all of it"
+            names = [d.name for d in expected.outputs]
+            assert [n for n in names if f"{n}:" in panel(app)] == names[:4]
+            await pilot.press("v")
+            await pilot.pause()
+            assert isinstance(app.screen, TextScreen)
+            page = str(app.screen.query_one("#page", Static).render())
+            assert page.startswith("replay of step 0: MISMATCH")
+            assert all(f"{n}:" in page for n in names), page
+            flat = " ".join(page.split())
+            assert all(" ".join(w.split()) in flat for w in expected.warnings), (expected.warnings, page)
+            app.save_screenshot(str(tmp_path / "result.svg"))
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(app.screen, TextScreen)
 
     asyncio.run(main())
