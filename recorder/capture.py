@@ -132,6 +132,10 @@ class Frame:
     collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls made inside
     vmap: dict[str, list[int]] | None = None  # under torch.func: record name -> vmap batch dims (transforms)
     module_doc: dict[str, Any] | None = None  # the module's skeleton when the call began (a backward: its forward's)
+    # The input tensors outside autograd's graph with their version counters when the call began:
+    # those the call changes in place (an EMA update, a parameter update under no_grad) are recorded
+    # again as it leaves them ("after:<input>", role output). Cleared when the call ends.
+    versions: list[tuple[str, torch.Tensor, int]] | None = None
 
 
 @dataclass
@@ -657,8 +661,10 @@ class Session:
             slots = taps.argument_slots(args, kwargs) if tapping else []
             tapped = frozenset(id(t) for _, t in slots)
             nested: set[int] = set()
+            frame.versions = [] if frame.vmap is None else None
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "", tapped,
-                                          _argument_paths(args, kwargs) if tapped else frozenset(), nested)
+                                          _argument_paths(args, kwargs) if tapped else frozenset(), nested,
+                                          versions=frame.versions)
             link = BackwardLink(frame) if tapping else None
             if link is None and frame.vmap is None:
                 self._remember_ungraded(frame)
@@ -697,6 +703,7 @@ class Session:
                 unfollowed: list[str] | None = [] if link is not None else None
                 frame.output_doc = self._encode(frame, out, "output", "output", tapped, reached, nested,
                                                 per_object=False, unfollowed=unfollowed)
+                self._changed_inputs(frame)
                 if unfollowed:
                     frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
                 if leaves and frame.module is not None:
@@ -739,6 +746,7 @@ class Session:
             frame.notes.append(f"{_one_line(names)}: {layout.RETURNED_PARAM_NOTE}")
 
     def _exit_exception(self, frame: Frame, exc: BaseException) -> None:
+        frame.versions = None
         try:
             frame.t_end = time.perf_counter() - self.t0
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=50))
@@ -810,7 +818,8 @@ class Session:
     # -- tensors ---------------------------------------------------------------------------------
     def _encode(self, frame: Frame, value: Any, role: str, prefix: str, tapped: frozenset[int] = frozenset(),
                 top: frozenset[str] = frozenset(), nested: set[int] | None = None, per_object: bool = True,
-                unfollowed: list[str] | None = None) -> Any:
+                unfollowed: list[str] | None = None, versions: list[tuple[str, torch.Tensor, int]] | None = None
+                ) -> Any:
         """Encode a value as tagged JSON, capturing each tensor in it under its path: once per object
         the step sees. ``tapped``: ids of the tensors a tap replaces where they stand in a place it
         reaches (``top``: the paths of those places: an argument's top level, an output's containers),
@@ -818,7 +827,9 @@ class Session:
         taps.tap_arguments). ``nested`` collects the ids of tapped tensors found in other places.
         ``per_object`` False: a record per place (outputs: a replay compares what each place returns).
         ``unfollowed`` collects the record names of tensors autograd computed in places outside
-        ``top`` (an output's that no tap reaches: their gradients are not recorded)."""
+        ``top`` (an output's that no tap reaches: their gradients are not recorded). ``versions``
+        collects (record name, tensor, version counter) of the tensors outside autograd's graph
+        (not computed from a tensor that requires grad), each once (see ``Frame.versions``)."""
         errors: list[Exception] = []
         named: dict[Any, str | None] = {}
 
@@ -837,6 +848,12 @@ class Session:
                 unfollowed.append(full)
             try:
                 named[key] = self._capture(frame, role, full, t)
+                if versions is not None and t.grad_fn is None and not t.is_inference() and named[key] == full:
+                    versions.append((full, t, t._version))
+                    grad = t.grad if t.requires_grad else None  # (a leaf: a parameter an update step is given)
+                    if grad is not None and not grad.is_inference():
+                        self._capture(frame, role, f"{full}{layout.GRAD_SUFFIX}", grad)
+                        versions.append((f"{full}{layout.GRAD_SUFFIX}", grad, grad._version))
             except Exception as exc:  # jsonval would hide it as an opaque value: surface it
                 errors.append(exc)
                 named[key] = None
@@ -846,6 +863,15 @@ class Session:
         if errors:
             raise errors[0]
         return doc
+
+    def _changed_inputs(self, frame: Frame) -> None:
+        """Record again, as the call leaves them, the inputs it changed in place (``Frame.versions``):
+        a step whose work is an in-place update is compared by a replay, and a NaN it writes is its
+        own result (``first_nonfinite`` names it, rather than the next step that reads it)."""
+        versions, frame.versions = frame.versions, None
+        for name, t, version in versions or ():
+            if t._version != version:
+                self._capture(frame, "output", f"{layout.AFTER_PREFIX}{name}", t)
 
     def _capture(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
         """Snapshot one tensor into the frame; returns its record name (for the arguments document)."""

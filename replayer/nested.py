@@ -203,6 +203,9 @@ class InnerTap:
             args, kwargs = tapped
         out = fn(*args, **kwargs)
         seen.outputs = _snapshot(out)
+        # the arguments it changed in place, as it left them (recorded "after:<input>" outputs)
+        seen.outputs.update({f"{layout.AFTER_PREFIX}{k[2:]}": v for k, v in tensors_by_name(
+            {"args": list(args), "kwargs": kwargs}, "@", copy=True).items()})
         return self._tap_out(seen, out)
 
     def _swapped(self, defn: Any, fn: Any) -> Any:
@@ -276,8 +279,11 @@ class InnerTap:
 
 
 def _diffs(step: Step, roles: tuple[str, ...], values: dict[str, torch.Tensor], keyed: bool = False) -> list[Diff]:
+    """``step``'s records of ``roles`` against the replayed values. An input an inner module step
+    changed in place ("after:<input>") is compared where the replay has it (a function step's)."""
     return [compare_record(step.rec.rank, r, values.get(f"{r.role}:{r.name}" if keyed else r.name),
-                           "not produced during the replay") for r in step.records if r.role in roles]
+                           "not produced during the replay") for r in step.records if r.role in roles
+            and (keyed or not r.name.startswith(layout.AFTER_PREFIX) or r.name in values)]
 
 
 def _snapshot(output: Any) -> dict[str, torch.Tensor]:

@@ -371,6 +371,9 @@ class Replayer:
                 leaf.requires_grad_(True)
             leaves[name] = leaf
             given[name] = _stand_in(leaf) if leaf.requires_grad else leaf  # in-place ops on it must not hit a leaf
+            grad = tensors.get(f"{name}{layout.GRAD_SUFFIX}")
+            if grad is not None:  # the .grad it had (a parameter given to an update step)
+                given[name].grad = self._edit(grad.name, _materialize(step, grad))
             return given[name]
 
         arguments = step.arguments or {"args": [], "kwargs": {}}
@@ -542,6 +545,11 @@ class Replayer:
         if raised is not None or recorded_exc:
             return _exception_result(result, raised, recorded_exc)
         values = tensors_by_name(out, "output")
+        changed = {r.name for r in step.records if r.role == "output" and r.name.startswith(layout.AFTER_PREFIX)}
+        if changed:  # inputs the recorded call changed in place, as the replayed call left them
+            after = tensors_by_name({"args": call.args, "kwargs": call.kwargs}, "@")
+            values.update({n: t for n, t in ((f"{layout.AFTER_PREFIX}{k[2:]}", t) for k, t in after.items())
+                           if n in changed})
         result.values = values
         result.outputs = _compare_all(step, [r for r in step.records if r.role == "output"], values)
         doc_now = jsonval.encode(out, tensor_name=lambda t, p: f"output.{p}" if p else "output")

@@ -33,12 +33,14 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.9"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.10"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
 # 1.7: $dataclass attrs, skeleton tied, grad outputs inside output containers;
-# 1.8: steps/flags bits ALERTS, NAN_RESULT, NAN_INPUT; 1.9: tag $partial
+# 1.8: steps/flags bits ALERTS, NAN_RESULT, NAN_INPUT; 1.9: tag $partial;
+# 1.10: output records "after:<input>" (inputs a call changed in place), input records "<input>:grad" (an input
+#       leaf's .grad), skeleton hook kind "prune"
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 KINDS_SINCE = (1, 8)  # recordings of this schema or later tell NaN from Inf in steps/flags
 CHECKSUM_KEY = "checksum"
@@ -57,6 +59,12 @@ METADATA_NOTE = "metadata only"
 RETURNED_PARAM_NOTE = ("returned as they are by the step (leaves, not followed for gradients): the gradient the "
                        "caller's use of them sends is in their parameter grads too, which a replay of this step's "
                        "backward does not compute")
+# A forward step's output record named this + an input's record name: that input as the call left it
+# (changed in place: an EMA update, a parameter update under no_grad). Since 1.10.
+AFTER_PREFIX = "after:"
+# A forward step's input record named an input leaf's record name + this: that leaf's .grad when the
+# call began (a parameter given to an update step), which a replay sets on it again. Since 1.10.
+GRAD_SUFFIX = ":grad"
 # A forward step's note: "<parameter>[, <parameter>...]: " + this + " (<its other paths>)".
 SHARED_PARAM_NOTE = ("shared with modules outside the step (tied weights): their use of them adds to the parameter "
                      "grads, which a replay of this step's backward does not compute")

@@ -718,22 +718,21 @@ def test_a_function_given_as_a_swap_in_python_is_told_to_be_a_factory() -> None:
                          "reference ('module:function')") and "\n" not in said
 
 
-@recorder.paper_step("Eq. 14", description="an EMA teacher update, in place: returns nothing")
-def ema_update(teacher: torch.Tensor, student: torch.Tensor) -> None:
-    teacher.mul_(0.9).add_(student, alpha=0.1)
+@recorder.paper_step("Eq. 14", description="a log of the norm: returns nothing, changes no tensor")
+def log_norm(x: torch.Tensor, sink: dict[str, float]) -> None:
+    sink["norm"] = float(x.norm())
 
 
 def test_a_step_that_returns_no_tensor_is_not_called_a_match(tmp_path: Path) -> None:
-    """A step whose work is done in place (it returns None) gives a replay with nothing to compare:
+    """A step that returns None and changes no tensor gives a replay with nothing to compare:
     it is not reported as a bitwise match: ``match`` is False, `pdbg replay` says NOTHING COMPARED
     and exits 1 (a script testing the exit code or ``match`` must not take it for a bitwise match),
     `pdbg verify` lists it among the steps it could not check and, with nothing verified, exits 2
     after its listing."""
     path = tmp_path / "run.zarr"
     with recorder.record(path, mode="full"):
-        teacher = torch.zeros(4)
         for _ in range(2):
-            ema_update(teacher, torch.randn(4))
+            log_norm(torch.randn(4), {})
     result = replayer.replay(replayer.open(path), 0)
     assert not result.match and not result.compared and "nothing compared" in repr(result)
     assert "the step returned no tensor, and a replay compares what a step returns" in result.warnings[0]
@@ -748,6 +747,60 @@ def test_a_step_that_returns_no_tensor_is_not_called_a_match(tmp_path: Path) -> 
     assert res.returncode == 2 and res.stderr == ("pdbg: error: none of the 2 steps that kept their tensors could be "
                                                   "replayed, so nothing was verified: the step returned no tensor, "
                                                   f"{NOTHING_COMPARED.split('no tensor, ', 1)[1]}\n")
+
+
+@recorder.paper_step("Eq. 17", description="an EMA teacher update, in place: returns nothing")
+def ema_update(teacher: torch.Tensor, student: torch.Tensor) -> None:
+    teacher.mul_(0.9).add_(student, alpha=0.1)
+
+
+@recorder.paper_step("Algorithm 1, step 7", description="normalised gradient step, in place")
+def normalised_step(params: list[nn.Parameter], lr: float) -> None:
+    with torch.no_grad():
+        for p in params:
+            p.sub_(lr * p.grad / p.grad.norm())  # 0/0 when a gradient is all zero
+
+
+def test_a_step_that_updates_its_inputs_in_place_is_compared_and_can_be_the_origin(tmp_path: Path) -> None:
+    """Paper steps that work in place and return nothing (an EMA teacher update; an optimizer's
+    update of the parameters it is given, reading their .grad): the inputs they change are
+    recorded again as the call leaves them (after:args.0), and each parameter's .grad when the call
+    began (args.0.0:grad). A replay compares them (it was NOTHING COMPARED, and an update step that
+    reads .grad could not run: its parameters had none), an edit that changes the update is a
+    MISMATCH, and a NaN the update writes makes it the origin (it was "entered" at the next step
+    that read the parameter). Training is the same as without recording."""
+    def train(path: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(4))
+        teacher = torch.zeros(4)
+        with recorder.record(path, mode="full") if path else contextlib.nullcontext() as run:
+            for i in range(3):
+                ema_update(teacher, w.detach())
+                (w * (0.0 if i == 2 else 1.0)).square().sum().backward()  # an all-zero gradient at i == 2
+                normalised_step([w], 0.1)
+                w.grad = None
+                if run is not None:
+                    run.next_iteration()
+        return w.detach().clone(), teacher
+
+    recorded = train(tmp_path / "run.zarr")
+    assert all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(recorded, train(None)))
+    rec = replayer.open(tmp_path / "run.zarr")
+    steps = list(rec.steps)
+    assert [s.name for s in steps] == ["ema_update", "normalised_step"] * 3
+    update = steps[1]
+    assert {(r.role, r.name) for r in update.records} == {("input", "args.0.0"), ("input", "args.0.0:grad"),
+                                                          ("output", "after:args.0.0")}
+    for step in steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match and result.compared, (step.index, [d.summary() for d in result.outputs])
+    ema = replayer.replay(rec, 0)
+    assert [d.name for d in ema.outputs] == ["after:args.0"]
+    edited = replayer.replay(rec, update.index, edit={"args.0.0:grad": "x + 1"})
+    assert not edited.match and not edited.diffs["after:args.0.0"].match
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is not None and origin.step.index == steps[5].index
+    assert origin.cause.endswith("produced output after:args.0.0 (4 NaN of 4) from finite inputs")
 
 
 @recorder.paper_step("Eq. 15", description="a critic layer")
