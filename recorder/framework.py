@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import jsonval, skeleton
+from . import compiled, jsonval, skeleton
 from .capture import warn
 from .errors import RecordingError, brief
 
@@ -82,8 +82,8 @@ def auto_modules(model: torch.nn.Module) -> list[str] | None:
     if isinstance(model, _CONTAINERS) and len(model) >= 2:
         return ["*"]
     lists = _outermost_lists(model, "")
-    if lists:
-        return [f"{path}.*" for path in lists]
+    if lists:  # as the recorder names paths: without torch.compile's _orig_mod (a compiled submodule)
+        return list(dict.fromkeys(f"{compiled.path_without_wrappers(path)}.*" for path in lists))
     return ["*"] if any(True for _ in model.children()) else ["**"]
 
 

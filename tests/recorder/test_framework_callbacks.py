@@ -613,6 +613,9 @@ class TestShared:
         assert auto_modules(Block()) == ["mlp.*"]
         assert auto_modules(nn.TransformerEncoderLayer(4, 2)) == ["*"]
         assert auto_modules(nn.Linear(2, 2)) == ["**"]
+        compiled = nn.Module()  # a compiled child: paths as the recorder names them, without _orig_mod
+        compiled.net = torch.compile(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+        assert auto_modules(compiled) == ["net.*"]
         marked = GPT()
         recorder.annotate(marked.transformer.ln, "Eq. 3")
         assert auto_modules(marked) is None
