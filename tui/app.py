@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.command import Hit, Hits, Provider
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.filter import LineFilter
 from textual.geometry import Region, Size
 from textual.reactive import reactive
 from textual.screen import ModalScreen
@@ -475,6 +477,20 @@ class Actions(Provider):
                 yield Hit(score, matcher.highlight(f"{help_text}"), lambda n=name: app.run_action(n), help=name)
 
 
+# Control characters and bidirectional overrides: a recording's names and messages may hold terminal
+# escape sequences (a shared bundle is data from elsewhere). Drawn, they would reach the terminal.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+class _PrintableOnly(LineFilter):
+    """Takes control characters out of the text the app draws (a terminal would act on them; the
+    layout gave them no width). Textual's own control segments pass as they are."""
+
+    def apply(self, segments: list[Segment], background: Any) -> list[Segment]:
+        return [Segment(_CONTROL.sub("", s.text), s.style, s.control)
+                if s.control is None and _CONTROL.search(s.text) else s for s in segments]
+
+
 class PdbgApp(App[None]):
     """Travel through a recording: the cursor is "now"."""
 
@@ -527,6 +543,7 @@ class PdbgApp(App[None]):
     def __init__(self, rec: Recording, *, path: str | None = None, start: int | None = None,
                  notice: str | None = None) -> None:
         super().__init__()
+        self._filters.append(_PrintableOnly())
         self.notice = notice  # shown in the panel at start (a --at that named no step)
         self.rec = rec
         self.path = path or str(rec.path)
@@ -983,6 +1000,7 @@ class ErrorApp(App[None]):
 
     def __init__(self, path: str, message: str) -> None:
         super().__init__()
+        self._filters.append(_PrintableOnly())
         self.path, self.message = path, message
 
     def compose(self) -> ComposeResult:

@@ -7,9 +7,12 @@ Errors are one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import io
 import os
 import sys
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
@@ -52,6 +55,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = ("record", "info", "replay", "verify", "bisect", "find", "bundle", "serve", "tui")
+_READERS = frozenset({"info", "replay", "verify", "bisect", "find", "bundle"})  # print what a recording holds
+
+# Control characters (C0 but tab and newline, DEL, C1) and bidirectional overrides, as \xNN / \uNNNN:
+# a recording's names and messages may hold terminal escape sequences (a shared bundle is data from
+# elsewhere), which would otherwise reach the terminal.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0))}
+_ESCAPES.update({c: f"\\u{c:04x}" for c in (*range(0x202a, 0x202f), *range(0x2066, 0x206a))})
+
+
+class _Printable(io.TextIOBase):
+    """A text stream that writes what it is given with control characters escaped (``_ESCAPES``)."""
+
+    def __init__(self, stream: io.TextIOBase) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(text.translate(_ESCAPES))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def writable(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _printable_output() -> Iterator[None]:
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Printable(sys.stdout), _Printable(sys.stderr)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 def _tui(args: argparse.Namespace) -> int:
@@ -94,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         if handler is None:
             print("pdbg: error: give a command, or a recording to open (see pdbg --help)", file=sys.stderr)
             return 2
-        return int(handler(args))
+        with _printable_output() if args.command in _READERS else contextlib.nullcontext():
+            return int(handler(args))
     except PdbgError as exc:
-        print(f"pdbg: error: {exc}", file=sys.stderr)
+        print(f"pdbg: error: {str(exc).translate(_ESCAPES)}", file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:  # `pdbg ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit

@@ -409,14 +409,15 @@ def _check_threads(threads: int | None) -> None:
 
 # -- verify --------------------------------------------------------------------------------------
 def _progress(done: int, total: int) -> None:
-    if not sys.stderr.isatty():
+    err = getattr(sys.stderr, "stream", sys.stderr)  # past the escaping of control characters (tui.cli): a \r of ours
+    if not err.isatty():
         return
     width = 30
     filled = width * done // max(total, 1)
-    sys.stderr.write(f"\rverifying [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    err.write(f"\rverifying [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
     if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+        err.write("\n")
+    err.flush()
 
 
 def _kept(rec: Any) -> list[int]:

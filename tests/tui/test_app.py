@@ -536,3 +536,31 @@ def test_v_opens_the_whole_result_which_keys_scroll(tmp_path: Path) -> None:
             assert not isinstance(app.screen, TextScreen)
 
     asyncio.run(main())
+
+
+@recorder.paper_step("Eq. \x1b[31mRED\x1b[0m", name="esc\x1b]0;title\x07name", description="desc \x1b[2J\u202ecleared")
+def escaping(x):  # type: ignore[no-untyped-def]
+    return x * 2
+
+
+def test_terminal_escape_sequences_in_a_recording_never_reach_the_terminal(tmp_path: Path) -> None:
+    """A recording's names, labels and messages are data from elsewhere (a shared bundle): the
+    control characters in them (an escape sequence that sets the window title or clears the
+    screen, a bidirectional override) reached the terminal as they were, from the CLI and from the
+    TUI. The CLI prints them escaped (\\x1b); the TUI leaves them out of what it draws."""
+    from rich.segment import Segment
+
+    from tests.cli import pdbg
+    from tui.app import _PrintableOnly
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        escaping(torch.ones(3))
+    for args in (("info", str(path)), ("replay", str(path), "0"), ("find", str(path), "*")):
+        res = pdbg(*args, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        assert not any(c in res.stdout + res.stderr for c in "\x1b\x07\u202e"), res.stdout
+        assert "esc\\x1b]0;title\\x07name" in res.stdout and "Eq. \\x1b[31mRED\\x1b[0m" in res.stdout
+    drawn = _PrintableOnly().apply([Segment("a\x1b[31mb\x07\u202ec", None), Segment("\x1b[?25l", None, [(1,)])], None)
+    assert drawn[0].text == "a[31mbc" and drawn[1].text == "\x1b[?25l"  # Textual's own control segments pass
+    assert any(isinstance(f, _PrintableOnly) for f in PdbgApp(replayer.open(path))._filters)
