@@ -239,7 +239,7 @@ class StepPane(ScrollView, can_focus=True):
         parts += [Text(n, style="yellow") for n in view.notes]
         parts.append(Text())
         if view.tensors:
-            parts.append(tensor_table(view))
+            parts.append(tensor_table(view, self._width))
         else:
             parts.append(Text("no tensors recorded for this step", style="dim"))
         parts.append(Text.assemble(("arguments ", "dim"), view.arguments))
@@ -277,14 +277,16 @@ class StepPane(ScrollView, can_focus=True):
         self.refresh()
 
 
-def tensor_table(view: views.StepView) -> Table:
-    """A step's tensors, one line each, non-finite counts in red."""
-    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", expand=False,
-                  row_styles=["", "on #1c1c28"], padding=(0, 1))
-    for name in ("role", "name", "shape", "dtype", "min", "max", "mean", "std", "NaN", "Inf"):
-        right = name in ("min", "max", "mean", "std", "NaN", "Inf")
-        table.add_column(name, justify="right" if right else "left", no_wrap=True, overflow="ellipsis",
-                         max_width=28 if name == "name" else None)
+_COLUMNS = ("role", "name", "shape", "dtype", "min", "max", "mean", "std", "NaN", "Inf")
+# Which columns a narrow pane keeps, first to last: the counts a NaN hunt reads, whatever the width.
+_KEPT_FIRST = ("name", "NaN", "Inf", "min", "max", "shape", "role", "dtype", "mean", "std")
+
+
+def tensor_table(view: views.StepView, width: int | None = None) -> Table:
+    """A step's tensors, one line each, non-finite counts in red. In ``width`` columns, the columns
+    that do not fit are left out whole, least needed first (``_KEPT_FIRST``): the NaN and Inf counts
+    stay, where a table squeezed by Rich cut them to "…"."""
+    rows = []
     for t in view.tensors:
         s = t.stats
 
@@ -295,8 +297,31 @@ def tensor_table(view: views.StepView) -> Table:
                 return Text(str(count), style="bold red" if count else "")
             return Text(views.fmt_number(value))
 
-        table.add_row(t.role, t.name, t.shape, t.dtype, cell("min"), cell("max"), cell("mean"), cell("std"),
-                      cell("nan"), cell("inf"))
+        rows.append((Text(t.role), Text(t.name), Text(t.shape), Text(t.dtype), cell("min"), cell("max"),
+                     cell("mean"), cell("std"), cell("nan"), cell("inf")))
+    # (a cell's padding: one column each side, none at the table's edges: two more than the width given)
+    need = [max([len(name), *(row[i].cell_len for row in rows)]) + 2 for i, name in enumerate(_COLUMNS)]
+    need[1] = min(need[1], 30)  # a long name is cut ("…") rather than pushing the counts out
+    kept, name_width = set(range(len(_COLUMNS))), 28
+    if width is not None:
+        width += 2
+        kept, room = set(), width
+        for name in _KEPT_FIRST:
+            i = _COLUMNS.index(name)
+            if need[i] <= room or (name == "name" and room >= 9):  # the name shrinks to what is left
+                kept.add(i)
+                room -= min(need[i], room)
+        over = sum(need[i] for i in kept) - width
+        name_width = max(4, min(28, need[1] - 2 - max(0, over)))
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", expand=False,
+                  row_styles=["", "on #1c1c28"], padding=(0, 1))
+    order = sorted(kept)
+    for i in order:
+        name = _COLUMNS[i]
+        table.add_column(name, justify="right" if i >= 4 else "left", no_wrap=True, overflow="ellipsis",
+                         max_width=name_width if name == "name" else None)
+    for row in rows:
+        table.add_row(*(row[i] for i in order))
     return table
 
 

@@ -564,3 +564,25 @@ def test_terminal_escape_sequences_in_a_recording_never_reach_the_terminal(tmp_p
     drawn = _PrintableOnly().apply([Segment("a\x1b[31mb\x07\u202ec", None), Segment("\x1b[?25l", None, [(1,)])], None)
     assert drawn[0].text == "a[31mbc" and drawn[1].text == "\x1b[?25l"  # Textual's own control segments pass
     assert any(isinstance(f, _PrintableOnly) for f in PdbgApp(replayer.open(path))._filters)
+
+
+def test_a_narrow_step_pane_keeps_the_nan_and_inf_counts(nan_path: Path) -> None:
+    """At 140 columns the step pane is ~52 wide: Rich squeezed the tensor table and cut its last
+    columns to "…", so the origin's Inf count was not on screen. Columns now give way whole, least
+    needed first; NaN and Inf stay, at every width the TUI supports."""
+    origin = replayer.first_nonfinite(replayer.open(nan_path)).step
+    out = next(r for r in origin.records if r.role == "output")
+    for size in ((80, 24), (140, 40), (200, 50)):
+        async def main(size: tuple[int, int] = size) -> None:
+            app = PdbgApp(replayer.open(nan_path))
+            async with app.run_test(size=size) as pilot:
+                await pilot.pause()
+                await pilot.press("g")
+                await pilot.pause()
+                lines = pane(app).plain().splitlines()
+                header = next(line for line in lines if line.lstrip().startswith("role"))
+                assert header.split()[-2:] == ["NaN", "Inf"] and "…" not in header, (size, header)
+                row = next(line for line in lines if line.lstrip().startswith(f"output  {out.name}"))
+                assert row.split()[-2:] == [str(int(out.stats["nan"])), str(int(out.stats["inf"]))], (size, row)
+
+        asyncio.run(main())
