@@ -6,6 +6,7 @@ million-step recording costs a few arrays. Everything else is computed for the s
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,10 +216,15 @@ class TimelineModel:
     def apply_filter(self, text: str) -> int:
         """Keep the steps whose name, paper label or module path contains ``text``, or which match
         ``phase:backward``, ``status:nonfinite``, ``iter:K``, ``name:A,B`` (exact step names) terms
-        (space-separated, all must hold).
+        (space-separated, all must hold); or, alone, ``name:["A", "B"]`` (exact step names as a JSON
+        list, which may hold spaces and commas: the paper view's nodes).
         Returns how many remain."""
         self.filter_text = text.strip()
         mask = np.ones(self.n, dtype=bool)
+        listed = _json_names(self.filter_text)
+        if listed is not None:
+            self.rows = np.flatnonzero(np.isin(self.names.astype(str), listed))
+            return len(self.rows)
         for term in self.filter_text.split():
             key, sep, value = term.partition(":")
             if sep and key == "phase":
@@ -257,12 +263,27 @@ class TimelineModel:
         return min(pos, len(self.rows) - 1) if len(self.rows) else 0
 
 
+def _json_names(text: str) -> list[str] | None:
+    """The names of a ``name:["A", "B"]`` filter, or None for any other filter."""
+    if not (text.startswith("name:[") and text.endswith("]")):
+        return None
+    try:
+        names = json.loads(text[len("name:"):])
+    except ValueError:
+        return None
+    return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
+
+
 # -- navigation (pure: index in, index out) ---------------------------------------------------------
 def next_iteration(model: TimelineModel, index: int, step: int) -> int | None:
-    """The first step of the next (step=1) or previous (step=-1) iteration; None at the run's edge."""
-    it = int(model.iteration[index]) + step
-    hits = np.flatnonzero(model.iteration == it)
-    return int(hits[0]) if len(hits) else None
+    """The first step of the next (step=1) or previous (step=-1) iteration that has steps (a step
+    recorded every other iteration is reached); None at the run's edge."""
+    now, its = int(model.iteration[index]), model.iteration
+    others = its[its > now] if step > 0 else its[its < now]
+    if not len(others):
+        return None
+    it = int(others.min()) if step > 0 else int(others.max())
+    return int(np.flatnonzero(its == it)[0])
 
 
 def next_anomaly(model: TimelineModel, index: int, step: int) -> int:
@@ -535,7 +556,7 @@ class PaperNode:
     seconds: float = 0.0
     alerts: int = 0
     children: dict[str, PaperNode] = field(default_factory=dict)
-    filter: str = ""  # the timeline filter of its steps: name:A,B (exactly the step names under it)
+    filter: str = ""  # the timeline filter of its steps: name:["A", "B"] (exactly the step names under it)
     names: set[str] = field(default_factory=set)
 
 
@@ -560,7 +581,7 @@ def paper_tree(model: TimelineModel) -> PaperNode:
             node = node.children.setdefault(part, PaperNode(part))
         for n in [root, *_chain(root, [p for p in path if p])]:
             n.names.add(str(name))
-            n.filter = "name:" + ",".join(sorted(n.names))
+            n.filter = "name:" + json.dumps(sorted(n.names), ensure_ascii=False)
             n.forward += int((mask & (model.phase == 0)).sum())
             n.backward += int((mask & (model.phase == 1)).sum())
             n.seconds += float((model.t_end[mask] - model.t_start[mask]).sum())

@@ -586,3 +586,59 @@ def test_a_narrow_step_pane_keeps_the_nan_and_inf_counts(nan_path: Path) -> None
                 assert row.split()[-2:] == [str(int(out.stats["nan"])), str(int(out.stats["inf"]))], (size, row)
 
         asyncio.run(main())
+
+
+@recorder.paper_step("Eq. 12", name="loss, total (weighted)")
+def odd_named(x):  # type: ignore[no-untyped-def]
+    return x.sum()
+
+
+def test_a_paper_node_of_a_name_with_spaces_and_commas_filters_to_its_steps(tmp_path: Path) -> None:
+    """The paper view's filter split names on spaces and commas: a step named "loss, total
+    (weighted)" kept 0 steps. Its node now keeps exactly its steps."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path) as session:
+        for _ in range(2):
+            odd_named(torch.ones(2))
+            escaping(torch.ones(2))
+            session.next_iteration()
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("p")
+        await pilot.pause()
+        tree = app.screen.query_one("#paper-tree")
+        nodes = [tree.root]
+        while not any(str(n.label).startswith("loss, total (weighted)") for n in nodes):
+            nodes = [c for n in nodes for c in n.children]
+        tree.select_node(next(n for n in nodes if str(n.label).startswith("loss, total (weighted)")))
+        await pilot.pause()
+        assert [str(app.model.names[i]) for i in app.model.rows] == ["loss, total (weighted)"] * 2
+
+    run(body, path)
+
+
+@recorder.paper_step("Eq. 13")
+def every_other(x):  # type: ignore[no-untyped-def]
+    return x * 2
+
+
+def test_iteration_keys_pass_over_iterations_without_steps(tmp_path: Path) -> None:
+    """A step recorded on iterations 0, 2 and 4 only: ] from iteration 0 said "no other
+    iteration"; it goes to iteration 2, then 4, and [ comes back."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path) as session:
+        for i in range(5):
+            if i % 2 == 0:
+                every_other(torch.ones(2))
+            session.next_iteration()
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        seen = [int(app.model.iteration[app.timeline.step_index])]
+        for key in ("right_square_bracket", "right_square_bracket", "right_square_bracket",
+                    "left_square_bracket", "left_square_bracket"):
+            await pilot.press(key)
+            await pilot.pause()
+            seen.append(int(app.model.iteration[app.timeline.step_index]))
+        assert seen == [0, 2, 4, 4, 2, 0], seen
+
+    run(body, path)
