@@ -167,7 +167,9 @@ class Session:
         self.modules = modstack.ModuleStack(model)
         self.iteration = 0
         self.next_index = 0
-        self.calls: dict[str, int] = {}  # forward calls of each step name in this iteration
+        # Forward calls of each step in this iteration: per name, paper label and code (two classes
+        # named Attention, Eq. 3 and Eq. 5, count their own calls; the instances of one class share).
+        self.calls: dict[tuple[str, str, int], int] = {}
         self.seen: set[tuple[int, int, int]] = set()  # content keys whose bytes went to the writer
         # id(parameter or buffer) -> captures since its bytes were last found held (see _by_content)
         self._new_bytes: dict[int, int] = {}
@@ -629,8 +631,9 @@ class Session:
             stack = self._stack()
             path = self.modules.path_of(module) if module is not None else self.modules.enclosing_path()
             with self.lock:  # "Eq. 2@iter=17#3": the fourth call of that step in the iteration, wherever it ran
-                call = self.calls.get(defn.name, 0)
-                self.calls[defn.name] = call + 1
+                key = (defn.name, defn.label, id(defn.target))
+                call = self.calls.get(key, 0)
+                self.calls[key] = call + 1
             frame = Frame(index=self._new_index(), phase=0, defn=defn, module=module, path=path, call=call,
                           parent=stack[-1].index if stack else layout.NO_REF, iteration=self.iteration,
                           t_start=time.perf_counter() - self.t0, payloads=self._payloads_now())

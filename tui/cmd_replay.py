@@ -108,12 +108,19 @@ def summary(rec: Any) -> dict[str, Any]:
         mask = iteration == it
         total_time += float(t1[mask].max() - t0[mask].min())
     paper_steps = []
-    if n:
-        uniq, first = np.unique(names.astype(str), return_index=True)
-        for name, start in sorted(zip(uniq, first), key=lambda x: x[1]):
-            mask = names == name
+    if n:  # per step name and definition: two classes may share a name (Attention, Eq. 3 and Eq. 5)
+        keys = np.stack([np.asarray(rec.rank.column(f"steps/{c}")) for c in ("name", "definition")], axis=1)
+        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        inverse = np.asarray(inverse).reshape(-1)
+        members: dict[tuple[str, Any], list[int]] = {}
+        for g in np.argsort(first, kind="stable"):
+            i = int(first[g])
+            members.setdefault((str(names[i]), papers[i].get("label")), []).append(int(g))
+        for (name, _), groups in members.items():
+            mask = np.isin(inverse, groups)
+            start = int(first[groups[0]])
             time = float((t1[mask] - t0[mask]).sum())
-            paper = dict(papers[int(start)])
+            paper = dict(papers[start])
             paper_steps.append({"name": str(name), "paper": {k: paper.get(k) for k in
                                                              ("label", "algorithm", "step", "equation", "description")},
                                 "forward_calls": int((mask & (phase == 0)).sum()),

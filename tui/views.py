@@ -223,7 +223,13 @@ class TimelineModel:
         mask = np.ones(self.n, dtype=bool)
         listed = _json_names(self.filter_text)
         if listed is not None:
-            self.rows = np.flatnonzero(np.isin(self.names.astype(str), listed))
+            names, groups, kept = self.names.astype(str), self.step_groups(), np.zeros(self.n, dtype=bool)
+            for item in listed:  # a name, or [name, paper label]: steps of different classes may share a name
+                if isinstance(item, str):
+                    kept |= names == item
+                elif (item[0], item[1]) in groups:
+                    kept |= self.group_mask(groups[(item[0], item[1])][1])
+            self.rows = np.flatnonzero(kept)
             return len(self.rows)
         for term in self.filter_text.split():
             key, sep, value = term.partition(":")
@@ -241,6 +247,28 @@ class TimelineModel:
                 mask &= hit[self._text_ids()]
         self.rows = np.flatnonzero(mask)
         return len(self.rows)
+
+    def step_groups(self) -> dict[tuple[str, str | None], tuple[int, list[int]]]:
+        """``{(step name, paper label): (its first step, its groups for group_mask)}``, in the order
+        steps first appear: steps of different classes or functions may share a name (two
+        ``Attention`` classes, Eq. 3 and Eq. 5), and are told apart by their definitions."""
+        if getattr(self, "_groups", None) is None:
+            rank = self.rec.rank
+            keys = np.stack([np.asarray(rank.column(f"steps/{c}")) for c in ("name", "definition")], axis=1) \
+                if self.n else np.zeros((0, 2), np.int64)
+            _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+            self._inverse = np.asarray(inverse).reshape(-1)
+            members: dict[tuple[str, str | None], list[int]] = {}
+            for g in np.argsort(first, kind="stable"):
+                i = int(first[g])
+                members.setdefault((str(self.names[i]), self.labels[i]), []).append(int(g))
+            self._groups = {key: (int(first[gs[0]]), gs) for key, gs in members.items()}
+        return self._groups
+
+    def group_mask(self, groups: list[int]) -> np.ndarray:
+        """Which steps belong to ``groups`` (from ``step_groups``)."""
+        self.step_groups()
+        return np.isin(self._inverse, groups)
 
     def _distinct_text(self) -> list[str]:
         self._text_ids()
@@ -263,15 +291,19 @@ class TimelineModel:
         return min(pos, len(self.rows) - 1) if len(self.rows) else 0
 
 
-def _json_names(text: str) -> list[str] | None:
-    """The names of a ``name:["A", "B"]`` filter, or None for any other filter."""
+def _json_names(text: str) -> list[Any] | None:
+    """The items of a ``name:["A", ["B", "Eq. 5"]]`` filter (names, or [name, paper label] pairs), or
+    None for any other filter."""
     if not (text.startswith("name:[") and text.endswith("]")):
         return None
     try:
-        names = json.loads(text[len("name:"):])
+        items = json.loads(text[len("name:"):])
     except ValueError:
         return None
-    return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
+    def valid(item: Any) -> bool:
+        return isinstance(item, str) or (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                                         and (item[1] is None or isinstance(item[1], str)))
+    return items if isinstance(items, list) and all(valid(i) for i in items) else None
 
 
 # -- navigation (pure: index in, index out) ---------------------------------------------------------
@@ -557,7 +589,7 @@ class PaperNode:
     alerts: int = 0
     children: dict[str, PaperNode] = field(default_factory=dict)
     filter: str = ""  # the timeline filter of its steps: name:["A", "B"] (exactly the step names under it)
-    names: set[str] = field(default_factory=set)
+    names: set[tuple[str, str | None]] = field(default_factory=set)  # (step name, paper label)
 
 
 def paper_tree(model: TimelineModel) -> PaperNode:
@@ -567,11 +599,9 @@ def paper_tree(model: TimelineModel) -> PaperNode:
         return root
     rec = model.rec
     papers = rec._papers
-    names = model.names
-    keys = np.unique(names.astype(str), return_index=True)
-    for name, first in zip(*keys):
-        paper = dict(papers[int(first)])
-        mask = names == name
+    for (name, label), (first, groups) in model.step_groups().items():
+        paper = dict(papers[first])
+        mask = model.group_mask(groups)
         node = root
         algorithm = paper.get("algorithm") or (paper.get("label") if paper.get("step") is not None else None)
         path = [algorithm and str(algorithm),
@@ -580,8 +610,8 @@ def paper_tree(model: TimelineModel) -> PaperNode:
         for part in (p for p in path if p):
             node = node.children.setdefault(part, PaperNode(part))
         for n in [root, *_chain(root, [p for p in path if p])]:
-            n.names.add(str(name))
-            n.filter = "name:" + json.dumps(sorted(n.names), ensure_ascii=False)
+            n.names.add((str(name), label))
+            n.filter = "name:" + json.dumps(sorted(([a, b] for a, b in n.names), key=str), ensure_ascii=False)
             n.forward += int((mask & (model.phase == 0)).sum())
             n.backward += int((mask & (model.phase == 1)).sum())
             n.seconds += float((model.t_end[mask] - model.t_start[mask]).sum())

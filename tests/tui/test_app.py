@@ -642,3 +642,49 @@ def test_iteration_keys_pass_over_iterations_without_steps(tmp_path: Path) -> No
         assert seen == [0, 2, 4, 4, 2, 0], seen
 
     run(body, path)
+
+
+def _attention(label: str) -> type:
+    """A paper step class named Attention (two modules of a model may each have one)."""
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return torch.tanh(self.fc(x))
+
+    return recorder.paper_step(label)(Attention)
+
+
+def test_steps_of_two_classes_sharing_a_name_stay_apart(tmp_path: Path) -> None:
+    """An encoder's Attention (Eq. 3) and a decoder's (Eq. 5): pdbg info and the paper view listed
+    one "Attention" row labelled Eq. 3 with both classes' calls, and Eq. 5's calls were numbered
+    after Eq. 3's (its first call was #1: "Eq. 5#0" matched nothing). Each now has its own row, node
+    and call numbers."""
+    import json
+
+    from tests.cli import pdbg
+
+    enc, dec = _attention("Eq. 3")(), _attention("Eq. 5")()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path) as session:
+        for _ in range(2):
+            dec(enc(torch.randn(2, 4))).sum().backward()
+            session.next_iteration()
+    rec = replayer.open(path)
+    assert rec.step("Eq. 5#0").paper["label"] == "Eq. 5" and rec.step("Eq. 5#0").call == 0
+    info = json.loads(pdbg("info", str(path), "--json", cwd=tmp_path).stdout)
+    assert [(p["name"], p["paper"]["label"], p["forward_calls"]) for p in info["paper_steps"]] == [
+        ("_attention.<locals>.Attention", "Eq. 3", 2), ("_attention.<locals>.Attention", "Eq. 5", 2)]
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("p")
+        await pilot.pause()
+        tree = app.screen.query_one("#paper-tree")
+        eq5 = next(n for n in tree.root.children if str(n.label).startswith("Eq. 5"))
+        tree.select_node(eq5)
+        await pilot.pause()
+        assert {app.model.labels[i] for i in app.model.rows} == {"Eq. 5"} and len(app.model.rows) == 4
+
+    run(body, path)
