@@ -206,6 +206,7 @@ class Session:
         # waits for GradScaler.step (run._GradScaling).
         self.loss_scaled = False
         self.deferred: monitors.Pending | None = None
+        self.stopped_by: BaseException | None = None  # the stop an anomaly action or breakpoint raised
         # Activation checkpointing: (step name, id(module)) -> calls of this iteration that ran without
         # grad inside checkpointing, latest last; their recomputation in backward builds their graph.
         self._ungraded: dict[tuple[str, int], list[Frame]] = {}
@@ -536,8 +537,18 @@ class Session:
             return out
         self._after_step(frame)
         if frame.pending is not None:
-            monitors.perform(frame.pending, lambda: self.pipeline.flush(60.0))  # may raise, on purpose
+            self.perform(frame.pending, lambda: self.pipeline.flush(60.0))  # may raise, on purpose
         return out
+
+    def perform(self, pending: monitors.Pending, flush: Callable[[], Any]) -> None:
+        """``monitors.perform``, remembering the stop it raises (``stopped_by``): a recording closed
+        later without being told the exception (at exit, under a framework with no exception hook)
+        still says what ended it."""
+        try:
+            monitors.perform(pending, flush)
+        except (monitors.NonFiniteError, monitors.BreakpointStop) as exc:
+            self.stopped_by = exc
+            raise
 
     def end_with_exception(self, frame: Frame | None, exc: BaseException, link: BackwardLink | None = None) -> None:
         """Finish a step begun with ``begin`` whose call raised ``exc``; ``link``: its backward link,
@@ -1256,7 +1267,7 @@ class Session:
             if self.loss_scaled and pending.error is monitors.NonFiniteError:
                 self.deferred = pending  # GradScaler decides: see run._GradScaling
                 return
-            monitors.perform(pending, lambda: self.pipeline.flush(60.0))  # raises out of backward()
+            self.perform(pending, lambda: self.pipeline.flush(60.0))  # raises out of backward()
 
     def close(self) -> None:
         """Write out steps still open and remove every hook this session added."""

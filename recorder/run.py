@@ -301,6 +301,8 @@ class Run:
         if ring is not None:
             info["flight"] = {"keep": ring.keep, "max_ring_bytes": ring.max_bytes, "peak_ring_bytes": ring.peak_bytes,
                               "overflowed_payloads": ring.overflowed, "dumps": self.session.dumps}
+        if exception is None and status != "complete":  # closed later (at exit): the stop it raised
+            exception = self.session.stopped_by
         if exception is not None:
             info["exception"] = jsonval.encode({
                 "type": jsonval.type_ref(type(exception)), "message": str(exception)[:10000],
@@ -574,7 +576,7 @@ class _GradScaling:
                 if skipped and at > 1.0:
                     run.session.monitor.rearm()  # an overflow the scaler handled: the next one may stop
                 else:
-                    monitors.perform(monitors.Pending(deferred.action, f"{deferred.message} (GradScaler "
+                    run.session.perform(monitors.Pending(deferred.action, f"{deferred.message} (GradScaler "
                                                       f"{'skipped' if skipped else 'took'} the optimizer step at "
                                                       f"loss scale {at:g})", deferred.error), run.flush)
             return result

@@ -115,6 +115,21 @@ class TestOnAnomaly:
                 recorder.record(run_path.with_name("nan.zarr"), on_anomaly="stop"):
             root(torch.tensor([-1.0]))
 
+    def test_a_recording_closed_later_says_the_stop_ended_it(self, run_path: Path) -> None:
+        """A stop raised out of a framework's loop that has no exception hook (Hugging Face's
+        Trainer): the recording is closed later, at exit, without the exception. It still says
+        what ended it (it said nothing: pdbg info had no "ended by")."""
+        import replayer
+
+        run = recorder.record(run_path, on_anomaly="stop")
+        with pytest.raises(recorder.NonFiniteError):
+            for i in range(3):
+                smooth_relu(torch.tensor([100.0 * i]))
+                run.next_iteration()
+        run.close("crashed")
+        assert replayer.open(run_path).ended_by == ("NonFiniteError: Eq. 2 (smooth_relu) forward, iteration 1, "
+                                                    "call 0: output has 1 Inf")
+
     def test_record_only_marks(self, run_path: Path) -> None:
         """The default marks the step nonfinite and lets training go on."""
         with recorder.record(run_path) as run:
