@@ -255,7 +255,13 @@ class StepTable:
 
     def select(self, selector: str) -> StepTable:
         """The steps a selector ``NAME[@iter=K][#CALL][:backward]`` names (NAME: step name, paper
-        label or module-path glob; ``.`` the root module)."""
+        label or module-path glob; ``.`` the root module). A selector that is, whole, a step's name,
+        paper label or module path names those steps, though it holds ``@``, ``#``, ``:`` or glob
+        characters (a step named "block#1", a module path "blocks.x[0]")."""
+        if any(c in selector for c in "@#:[]*?"):
+            exact = self._exactly(selector)
+            if len(exact):
+                return exact
         sel = parse_selector(selector)
         table = self.filter(phase=sel.phase, iteration=sel.iteration, call=sel.call)
         if not len(table):
@@ -268,6 +274,19 @@ class StepTable:
         names, labels, paths = (table.column(c)[first] for c in ("name", "label", "module_path"))
         hits = np.array([sel.matches_name(str(n), lb, str(p)) for n, lb, p in zip(names, labels, paths)], dtype=bool)
         return StepTable(self.rec, table.rows[hits[inverse.reshape(-1)]])
+
+
+    def _exactly(self, text: str) -> StepTable:
+        """The steps whose name, paper label or module path is ``text``."""
+        if not len(self):
+            return self
+        rank = self.rec.rank
+        keys = np.stack([np.asarray(rank.column(f"steps/{c}"))[self.rows]
+                         for c in ("name", "definition", "module_path")], axis=1)
+        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        names, labels, paths = (self.column(c)[first] for c in ("name", "label", "module_path"))
+        hits = np.array([text in (str(n), lb, str(p)) for n, lb, p in zip(names, labels, paths)], dtype=bool)
+        return StepTable(self.rec, self.rows[hits[inverse.reshape(-1)]])
 
 
 def _index_of(values: tuple[str, ...], value: str, what: str) -> int:

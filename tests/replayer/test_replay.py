@@ -931,6 +931,34 @@ def test_a_weight_tied_outside_the_step_is_left_out_of_its_backward_comparison(t
     assert {"weight", "bias"} <= set(mix.diffs)
 
 
+@recorder.paper_step("Eq. 6", name="block#1")
+def hashed(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@recorder.paper_step("Eq. 4:", name="enc:forward")
+def coloned(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def test_a_name_or_label_holding_selector_syntax_is_selected_by_itself(tmp_path: Path) -> None:
+    """Names and labels may hold '#', ':' or '@' (paper_step accepts them): written out whole, they
+    select their steps (they were read as a call number or a phase: "no step matches", or "invalid
+    step selector"). The selector syntax still works for every other name."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full") as session:
+        for _ in range(2):
+            hashed(torch.ones(2))
+            coloned(torch.ones(2))
+            session.next_iteration()
+    rec = replayer.open(path)
+    assert [s.index for s in rec.steps.select("block#1")] == [0, 2]
+    assert [s.index for s in rec.steps.select("enc:forward")] == [1, 3] and rec.step("Eq. 4:").index == 1
+    assert rec.step("Eq. 6@iter=1").index == 2  # the selector syntax, for a label without it
+    res = pdbg("replay", str(path), "block#1", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("step 0: Eq. 6 (block#1)"), res.stderr
+
+
 UNGUARDED_SCRIPT = '''
 import collections, sys, torch
 import recorder
