@@ -235,12 +235,14 @@ def info(args: argparse.Namespace) -> int:
                   f"backend {r['backend'] or '?'}, {r['hostname']} pid {r['pid']}")
         print(f"  (paper steps below: rank {rec.rank.rank}; --rank K for another)")
     if doc["paper_steps"]:
-        width = max(len(p["name"]) for p in doc["paper_steps"])
+        from rich.cells import cell_len
+
+        width = min(40, max(4, *(cell_len(p["name"]) for p in doc["paper_steps"])))  # longer: cut ("…")
         print(f"\n  {'step':<{width}}  {'paper':<28} {'forward':>7} {'backward':>8}  time")
         for p in doc["paper_steps"]:
             share = "" if p["time_share"] is None else f"{100 * p['time_share']:5.1f}%"
-            print(f"  {p['name']:<{width}}  {_paper_text(p['paper'])[:28]:<28} {p['forward_calls']:>7} "
-                  f"{p['backward_calls']:>8}  {share}")
+            print(f"  {_cell(p['name'], width)}  {_cell(_paper_text(p['paper']), 28)} "
+                  f"{p['forward_calls']:>7} {p['backward_calls']:>8}  {share}")
         print("  (time: the share of the iterations' wall time spent in the step, inner steps included)")
     print(f"\nalerts: {doc['alerts']}   exceptions: {doc['exceptions']}")
     first = doc["first_nonfinite"]
@@ -515,6 +517,14 @@ def verify(args: argparse.Namespace) -> int:
                         f"{reasons[0]}" + (f" (and {others} other reason{'s' if others > 1 else ''}, listed above)"
                                            if others else ""))
     return 0 if not mismatches else 1
+
+
+def _cell(text: str, width: int) -> str:
+    """``text`` in exactly ``width`` terminal columns (wide characters take two): padded, or cut
+    with its end replaced by "…"."""
+    from rich.cells import cell_len, set_cell_size
+
+    return set_cell_size(text, width) if cell_len(text) <= width else set_cell_size(text, width - 1) + "…"
 
 
 def _count(n: int, noun: str) -> str:

@@ -959,6 +959,32 @@ def test_a_name_or_label_holding_selector_syntax_is_selected_by_itself(tmp_path:
     assert res.returncode == 0 and res.stdout.startswith("step 0: Eq. 6 (block#1)"), res.stderr
 
 
+@recorder.paper_step("Eq. 7", name="a")
+def short_named(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@recorder.paper_step("Algorithm 3, a label far longer than its column", name="n" * 60)
+def long_named(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def test_info_table_columns_stay_aligned_with_short_and_long_names(tmp_path: Path) -> None:
+    """pdbg info's table of paper steps: a name shorter than the header put every row a column off
+    it, one long name widened every row, and a long label was cut without a mark. Names and labels
+    are cut with "…" and the columns line up with the header."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        long_named(short_named(torch.ones(2)))
+    lines = pdbg("info", str(path), cwd=tmp_path).stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("step"))
+    header, rows = lines[at], lines[at + 1:at + 3]
+    assert [r.split()[0] for r in rows] == ["a", "n" * 39 + "…"]
+    assert "Algorithm 3, a label far lo…" in rows[1]
+    for row in rows:
+        assert row.index(" 1 ") + 1 == header.index("forward") + 6 and len(row) == len(rows[0]), (header, row)
+
+
 UNGUARDED_SCRIPT = '''
 import collections, sys, torch
 import recorder
