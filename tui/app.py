@@ -412,7 +412,7 @@ class Inspector(ModalScreen[None]):
     def render_page(self) -> None:
         try:
             view = views.tensor_view(self.step, self.tensor_name, self.role, start=self.start, rows=self.ROWS,
-                                     stat=self.stat)
+                                     stat=self.stat, per_row=self.per_row)
         except PdbgError as exc:  # a damaged part of the recording: say so, keep the app usable
             self.query_one("#page", Static).update(Text(f"cannot show {self.role} {self.tensor_name}: {exc}\n\n"
                                                         "escape close", style="red"))
@@ -422,8 +422,14 @@ class Inspector(ModalScreen[None]):
         text.append("\n] [ next/previous slice · o start at element · t statistic · escape close", style="dim")
         self.query_one("#page", Static).update(text)
 
+    @property
+    def per_row(self) -> int:
+        """Values a row of the slice holds: as many as the page's width takes (8 at most; 5 at 80 columns)."""
+        page = int(self.app.size.width * 0.95) - 6  # the page's border, padding and scroll bar
+        return max(1, min(8, (page - 10) // 11))  # "   index: " and 11 columns a value
+
     def action_slice(self, delta: int) -> None:
-        start = max(0, self.start + delta * self.ROWS * 8)
+        start = max(0, self.start + delta * self.ROWS * self.per_row)
         if delta > 0 and start >= self.numel:  # already at the last slice
             return
         self.start = start

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from rich.cells import cell_len, set_cell_size
 
 from recorder.store import layout
 from replayer.bisect import Condition, describe, with_alerts
@@ -200,15 +201,15 @@ class TimelineModel:
         bar = "█" * filled + "·" * (bar_width - filled)
         who = f"{label} {name}" if label and label != name else name
         mark = {"ok": " ", "alert": "!", "nonfinite": "✗", "exception": "E"}[status]
-        indent = "  " * min(self.depth_of(index), 8)
-        who = _fit(indent + who, 26)
+        depth = self.depth_of(index)  # two columns a level to 4 levels, then one, to 8: the name keeps room
+        indent = "  " * min(depth, 4) + " " * min(max(depth - 4, 0), 4)
         return [
             (f"{index:>6} ", "dim"),
             (f"{self.iteration_of(index):>4} ", "cyan"),
             ("→ " if phase == 0 else "← ", "blue" if phase == 0 else "magenta"),
             (f"{mark} ", STATUS_STYLE[status]),
-            (f"{who:<26}", STATUS_STYLE[status] if status != "ok" else "bold"),
-            (f" {_fit(path, 20, keep_end=True):<20}", "dim"),
+            (_fit(indent + who, 26), STATUS_STYLE[status] if status != "ok" else "bold"),
+            (f" {_fit(path, 20, keep_end=True)}", "dim"),
             (f" {bar} {fmt_seconds(duration):>7}", "dim"),
         ]
 
@@ -465,8 +466,9 @@ class TensorView:
 
 
 def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int = 8, stat: str = "absmax",
-                bins: int = 24) -> TensorView:
-    """Histogram and a slice of one recorded tensor, and its statistic across iterations."""
+                bins: int = 24, per_row: int = 8) -> TensorView:
+    """Histogram and a slice of one recorded tensor (``rows`` of ``per_row`` values), and its
+    statistic across iterations."""
     rec = step.rec
     record = next(r for r in step.records if r.name == name and r.role == role)
     title = f"{role} {name} · {'×'.join(map(str, record.shape)) or 'scalar'} {record.dtype} · step {step.index}"
@@ -482,7 +484,7 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
         if len(finite):
             counts, e = np.histogram(finite, bins=bins)
             histogram, edges = counts.tolist(), (float(e[0]), float(e[-1]))
-        width = 8
+        width = max(1, per_row)
         begin = max(0, min(start, len(data) - 1))  # past the end: the last element
         chunk = data[begin:begin + rows * width]
         for k in range(0, len(chunk), width):
@@ -628,8 +630,15 @@ def _chain(root: PaperNode, parts: list[str]) -> list[PaperNode]:
 
 
 def _fit(text: str, width: int, keep_end: bool = False) -> str:
-    """``text`` in ``width`` characters, an ellipsis where it was cut (at its start with
-    ``keep_end``: the end of a module path says most)."""
-    if len(text) <= width:
-        return text
-    return "…" + text[len(text) - width + 1:] if keep_end else text[:width - 1] + "…"
+    """``text`` in exactly ``width`` terminal columns (wide characters take two), padded, or with an
+    ellipsis where it was cut (at its start with ``keep_end``: the end of a module path says most)."""
+    if cell_len(text) <= width:
+        return set_cell_size(text, width)
+    if not keep_end:
+        return set_cell_size(text, width - 1) + "…"
+    tail = ""
+    for ch in reversed(text):
+        if cell_len(ch + tail) > width - 1:
+            break
+        tail = ch + tail
+    return set_cell_size("…" + tail, width)

@@ -688,3 +688,24 @@ def test_steps_of_two_classes_sharing_a_name_stay_apart(tmp_path: Path) -> None:
         assert {app.model.labels[i] for i in app.model.rows} == {"Eq. 5"} and len(app.model.rows) == 4
 
     run(body, path)
+
+
+def test_the_inspector_slice_fits_an_80_column_screen(nan_path: Path) -> None:
+    """At 80 columns the inspector printed 8 values a row and the rows wrapped, breaking the
+    element-index column; it now prints as many as fit."""
+    async def main() -> None:
+        app = PdbgApp(replayer.open(nan_path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            await pilot.press("g", "enter")
+            await pilot.pause()
+            inspector = app.screen
+            assert isinstance(inspector, Inspector)
+            page = inspector.query_one("#page", Static)
+            rows = [line for line in str(page.render()).splitlines() if line.strip()[:1].isdigit() and ": " in line]
+            assert rows and all(len(line) <= page.size.width for line in rows), (page.size.width, rows)
+            first = [line.split(":")[0].strip() for line in rows[:2]]
+            per_row = int(first[1]) - int(first[0])
+            assert per_row == inspector.per_row < 8
+
+    asyncio.run(main())

@@ -43,3 +43,31 @@ def test_arguments_read_as_the_call_was_written() -> None:
     assert views.arguments_text(doc) == ("(<args.0>, <args.0>, 2.5, fn=silu, generator=Generator(cpu), "
                                          "dtype=torch.bfloat16, device='cuda:0', cfg=Config(...), "
                                          "f=<builtins:function>)")
+
+
+def test_timeline_rows_keep_their_columns_with_wide_characters_and_deep_nesting(tmp_path: Path) -> None:
+    """Names were cut by characters, not terminal columns: a row holding CJK text pushed the
+    duration bar right (cut off at 80 columns). And from 8 levels of nesting the indent took most
+    of the name column. Every row now takes the same columns, and a deep step's name keeps room."""
+    import torch
+    from rich.cells import cell_len
+
+    import recorder
+
+    @recorder.paper_step("Eq. 2 日本", name="步骤_ünïcode")
+    def wide(x):  # type: ignore[no-untyped-def]
+        return x + 1
+
+    def nested(depth: int, x):  # type: ignore[no-untyped-def]
+        return wide(x) if depth == 0 else deep(depth - 1, x)
+
+    deep = recorder.paper_step("Level")(nested)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        wide(torch.ones(2))
+        deep(9, torch.ones(2))
+    model = views.TimelineModel(replayer.open(path))
+    widths = {sum(cell_len(text) for text, _ in model.row(i)) for i in range(model.n)}
+    assert len(widths) == 1, widths
+    deepest = "".join(text for text, _ in model.row(model.n - 2))  # the last Level call, 9 levels down
+    assert "Level" in deepest
