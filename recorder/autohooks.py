@@ -111,6 +111,8 @@ class GlobalCapture:
         self._defs: dict[type, StepDef] = {}
         self._roots: set[int] = set()  # ids of the modules whose selected modules are marked
         self._selected: list[weakref.ref[torch.nn.Module]] = []  # marked modules (see _SELECTED)
+        self._eager: list[weakref.ref[torch.nn.Module]] = []  # selected modules whose forward Dynamo skips
+        self._eager_roots: set[int] = set()
         # Called by the session's module stack's hooks, after it pushed the module (paths are known)
         session.modules.listen(self._pre, self._post)
         if session.modules.model is not None:
@@ -149,9 +151,11 @@ class GlobalCapture:
         if compiled.tracing():
             return compiled.eagerly(self._begin, module, args) if getattr(module, _SELECTED, False) else None
         if type(module).__name__ == "OptimizedModule":
-            # About to run compiled code: mark what it will call. The wrapper is not a step itself;
-            # the module it wraps is, at the same path, when called inside.
+            # About to run compiled code: mark what it will call, and have it run the selected
+            # modules' forward eagerly. The wrapper is not a step itself; the module it wraps is, at
+            # the same path, when called inside.
             self._guard_mark(module)
+            self._guard_eager(module)
             return None
         return self._begin(module, args)
 
@@ -167,6 +171,28 @@ class GlobalCapture:
             self.mark(module)
         except Exception as exc:
             self.session.fail("selecting modules of a compiled model", exc)
+
+    def _guard_eager(self, module: torch.nn.Module) -> None:
+        try:
+            self.run_eagerly(module)
+        except Exception as exc:
+            self.session.fail("selecting modules of a compiled model", exc)
+
+    def run_eagerly(self, top: torch.nn.Module) -> None:
+        """Have Dynamo skip the forward of each selected module under ``top`` (a compiled model's):
+        a recorded step then runs the eager code a replay runs (compiled, its kernels' order of
+        arithmetic differs, and no step replayed bit for bit). Set as an instance attribute
+        (``torch.compiler.disable`` of the class's forward), which ``close()`` removes."""
+        top = compiled.unwrapped(top)
+        if id(top) in self._eager_roots:
+            return
+        self._eager_roots.add(id(top))
+        for module in top.modules():
+            if module.__dict__.get(_SELECTED) and "forward" not in module.__dict__:
+                eager = torch.compiler.disable(type(module).forward.__get__(module))
+                eager.__dict__[_SELECTED] = True  # ours: close() takes it out
+                module.__dict__["forward"] = eager
+                self._eager.append(weakref.ref(module))
 
     def _begin(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         session = self.session
@@ -227,6 +253,12 @@ class GlobalCapture:
             if module is not None:
                 module.__dict__.pop(_SELECTED, None)
         self._selected.clear()
+        for ref in self._eager:
+            module = ref()
+            forward = None if module is None else module.__dict__.get("forward")
+            if forward is not None and getattr(forward, _SELECTED, False):
+                del module.__dict__["forward"]
+        self._eager.clear()
         open_, self.local.open = self._open(), []
         exc = sys.exc_info()[1]
         for _, frame, link in reversed(open_):

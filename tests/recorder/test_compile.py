@@ -222,3 +222,34 @@ def test_code_with_unhashable_constants_on_the_stack_is_walked_past():
         hash(rewritten)
     probe.__code__ = rewritten
     assert probe() is False
+
+
+@pytest.mark.slow
+def test_modules_selected_in_an_inductor_compiled_model_run_eagerly_and_replay(tmp_path):
+    """A GPT-2 compiled with inductor (Hugging Face's torch_compile=True), its layers chosen by a
+    glob: the layers ran compiled while their calls were recorded, and no step replayed bit for bit
+    (0 of 12). Their forward now runs eagerly while recording: every step replays bit for bit, and
+    the modules are as they were after the recording closes."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=False,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with recorder.record(path, model=model, optimizer=opt, mode="full", modules=["transformer.h.*"]):
+            for i in range(3):
+                ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i))
+                compiled(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+    assert not [m for m in model.modules() if "forward" in m.__dict__ or "_paperdebugger_selected" in m.__dict__]
+    rec = replayer.open(path)
+    assert len(rec.steps) == 12
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.selector, [d.summary() for d in result.outputs if not d.match])
