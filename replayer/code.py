@@ -385,21 +385,29 @@ class CodeLoader:
                 else:
                     linecache.cache[file] = entry
 
-    def source_of(self, obj: Any) -> str | None:
-        """The current source of a function or class, as the recorder computes it."""
+    @contextlib.contextmanager
+    def _inspectable(self, obj: Any) -> Iterator[Any]:
+        """``obj`` unwrapped, for ``inspect``: with the training script's module as ``__main__``
+        while ``inspect`` looks a class of it up."""
         target = inspect.unwrap(obj) if callable(obj) and not isinstance(obj, type) else obj
         saved = sys.modules.get("__main__")
         swap = self._main is not None and getattr(target, "__module__", None) == "__main__"
         if swap:
             sys.modules["__main__"] = self._main  # type: ignore[assignment]
         try:
-            lines, _ = inspect.getsourcelines(target)
-            return "".join(lines)
-        except (OSError, TypeError):
-            return None
+            yield target
         finally:
             if swap and saved is not None:
                 sys.modules["__main__"] = saved
+
+    def source_of(self, obj: Any) -> str | None:
+        """The current source of a function or class, as the recorder computes it."""
+        with self._inspectable(obj) as target:
+            try:
+                lines, _ = inspect.getsourcelines(target)
+                return "".join(lines)
+            except (OSError, TypeError):
+                return None
 
     def drift(self, definition: dict[str, Any], obj: Any) -> str | None:
         """A sentence when the code now differs from the recorded code, else None."""
@@ -418,18 +426,11 @@ class CodeLoader:
     def _where_now(self, obj: Any, recorded: str) -> str:
         """``file:line`` of ``obj``'s code as loaded now, and where it was recorded when that differs
         (a script moved and given with --script)."""
-        target = inspect.unwrap(obj) if callable(obj) and not isinstance(obj, type) else obj
-        saved = sys.modules.get("__main__")
-        swap = self._main is not None and getattr(target, "__module__", None) == "__main__"
-        if swap:
-            sys.modules["__main__"] = self._main  # type: ignore[assignment]
-        try:
-            now = f"{inspect.getsourcefile(target) or inspect.getfile(target)}:{inspect.getsourcelines(target)[1]}"
-        except (OSError, TypeError):
-            return recorded
-        finally:
-            if swap and saved is not None:
-                sys.modules["__main__"] = saved
+        with self._inspectable(obj) as target:
+            try:
+                now = f"{inspect.getsourcefile(target) or inspect.getfile(target)}:{inspect.getsourcelines(target)[1]}"
+            except (OSError, TypeError):
+                return recorded
         return now if now == recorded else f"{now}; recorded at {recorded}"
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -264,20 +264,15 @@ class StepTable:
                 return exact
         sel = parse_selector(selector)
         table = self.filter(phase=sel.phase, iteration=sel.iteration, call=sel.call)
-        if not len(table):
-            return table
-        # Match once per distinct (name, definition, module path), not once per step.
-        rank = self.rec.rank
-        keys = np.stack([np.asarray(rank.column(f"steps/{c}"))[table.rows]
-                         for c in ("name", "definition", "module_path")], axis=1)
-        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-        names, labels, paths = (table.column(c)[first] for c in ("name", "label", "module_path"))
-        hits = np.array([sel.matches_name(str(n), lb, str(p)) for n, lb, p in zip(names, labels, paths)], dtype=bool)
-        return StepTable(self.rec, table.rows[hits[inverse.reshape(-1)]])
-
+        return table._where_named(sel.matches_name)
 
     def _exactly(self, text: str) -> StepTable:
         """The steps whose name, paper label or module path is ``text``."""
+        return self._where_named(lambda name, label, path: text in (name, label, path))
+
+    def _where_named(self, test: Callable[[str, str | None, str], bool]) -> StepTable:
+        """The steps for which ``test(name, paper label, module path)`` holds, asked once per distinct
+        (name, definition, module path), not once per step."""
         if not len(self):
             return self
         rank = self.rec.rank
@@ -285,7 +280,7 @@ class StepTable:
                          for c in ("name", "definition", "module_path")], axis=1)
         _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         names, labels, paths = (self.column(c)[first] for c in ("name", "label", "module_path"))
-        hits = np.array([text in (str(n), lb, str(p)) for n, lb, p in zip(names, labels, paths)], dtype=bool)
+        hits = np.array([test(str(n), lb, str(p)) for n, lb, p in zip(names, labels, paths)], dtype=bool)
         return StepTable(self.rec, self.rows[hits[inverse.reshape(-1)]])
 
 

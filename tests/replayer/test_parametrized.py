@@ -5,6 +5,7 @@ step replays bit for bit. A hook that cannot be recorded is named in the replay'
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -179,7 +180,7 @@ def test_pruning_again_and_removing_it_mid_run_replays_bit_for_bit(tmp_path: Pat
         model = nn.Sequential(Pruned(), Pruned())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         prune.l1_unstructured(model[0].fc, "weight", amount=0.25)
-        with recorder.record(path, model=model, optimizer=opt, mode="full") if path else _Nothing():
+        with recorder.record(path, model=model, optimizer=opt, mode="full") if path else contextlib.nullcontext():
             for i in range(4):
                 if i == 1:
                     prune.random_unstructured(model[0].fc, "weight", amount=0.25)
@@ -198,11 +199,3 @@ def test_pruning_again_and_removing_it_mid_run_replays_bit_for_bit(tmp_path: Pat
         result = replayer.replay(rec, step.index)
         assert result.match and result.compared, (step.index, step.phase, result.warnings)
         assert not [w for w in result.warnings if "hook" in w or "weight" in w], result.warnings
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -5,6 +5,7 @@ nn.MultiheadAttention's fast path (taken only when query is key is value)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -141,20 +142,12 @@ def _train_scripted(path: Path | None, modules: list[str]) -> torch.Tensor:
     torch.manual_seed(0)
     model = WithScripted()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with recorder.record(path, model=model, optimizer=opt, modules=modules) if path else _nothing():
+    with recorder.record(path, model=model, optimizer=opt, modules=modules) if path else contextlib.nullcontext():
         for _ in range(2):
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
     return model.head.weight.detach().clone()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def test_a_model_holding_a_torchscript_module_records_and_says_why_it_is_not_replayed(tmp_path: Path) -> None:
