@@ -84,6 +84,8 @@ class _Seen:
     outputs: dict[str, torch.Tensor] | None = None  # None until it returns
     grad_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     grad_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    given: Any = None  # a module call's (args, kwargs) as it got them: what it changed in place is compared
+    changes: bool = False  # its recorded step changed inputs in place ("after:<input>" records)
 
 
 class InnerTap:
@@ -145,6 +147,8 @@ class InnerTap:
         if edited is not None:
             args, kwargs = edited
         tapped = self._tap_in(seen, args, kwargs)
+        if seen.changes:
+            seen.given = tapped if tapped is not None else (args, kwargs)
         return tapped if tapped is not None else edited
 
     def _recorded(self, seen: _Seen) -> Step | None:
@@ -159,6 +163,8 @@ class InnerTap:
     def _edit_args(self, seen: _Seen, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Apply the plan's edits aimed at this inner call (``STEP/args.0``); None when none apply."""
         step = self._recorded(seen)
+        seen.changes = step is not None and any(r.role == "output" and r.name.startswith(layout.AFTER_PREFIX)
+                                                for r in step.records)
         if self.plan is None or step is None:
             return None
         from .intervene import matches
@@ -186,6 +192,9 @@ class InnerTap:
             return None
         seen = pending.pop()
         seen.outputs = _snapshot(output)
+        if seen.given is not None:
+            seen.outputs.update(_after(*seen.given))
+            seen.given = None
         return self._tap_out(seen, output) if self.backward else None
 
     def call(self, defn: Any, fn: Any, module: torch.nn.Module | None, args: tuple[Any, ...],
@@ -203,9 +212,8 @@ class InnerTap:
             args, kwargs = tapped
         out = fn(*args, **kwargs)
         seen.outputs = _snapshot(out)
-        # the arguments it changed in place, as it left them (recorded "after:<input>" outputs)
-        seen.outputs.update({f"{layout.AFTER_PREFIX}{k[2:]}": v for k, v in tensors_by_name(
-            {"args": list(args), "kwargs": kwargs}, "@", copy=True).items()})
+        if seen.changes:
+            seen.outputs.update(_after(args, kwargs))
         return self._tap_out(seen, out)
 
     def _swapped(self, defn: Any, fn: Any) -> Any:
@@ -278,9 +286,16 @@ class InnerTap:
         return sorted(results, key=lambda r: r.step.index)  # backward runs inner steps in reverse
 
 
+def _after(args: Any, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A call's tensor arguments as it left them, copied, by the names of the "after:<input>" records
+    of the inputs a call changes in place."""
+    return {f"{layout.AFTER_PREFIX}{k[2:]}": v for k, v in tensors_by_name(
+        {"args": list(args), "kwargs": kwargs}, "@", copy=True).items()}
+
+
 def _diffs(step: Step, roles: tuple[str, ...], values: dict[str, torch.Tensor], keyed: bool = False) -> list[Diff]:
-    """``step``'s records of ``roles`` against the replayed values. An input an inner module step
-    changed in place ("after:<input>") is compared where the replay has it (a function step's)."""
+    """``step``'s records of ``roles`` against the replayed values ("after:<input>" records: where
+    the replay has them)."""
     return [compare_record(step.rec.rank, r, values.get(f"{r.role}:{r.name}" if keyed else r.name),
                            "not produced during the replay") for r in step.records if r.role in roles
             and (keyed or not r.name.startswith(layout.AFTER_PREFIX) or r.name in values)]

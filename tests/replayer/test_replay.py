@@ -803,6 +803,40 @@ def test_a_step_that_updates_its_inputs_in_place_is_compared_and_can_be_the_orig
     assert origin.cause.endswith("produced output after:args.0.0 (4 NaN of 4) from finite inputs")
 
 
+@recorder.paper_step("Eq. 18", description="a running mean, updated in place")
+class RunningMean(nn.Module):
+    def forward(self, stat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        stat.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return x - stat
+
+
+@recorder.paper_step("Eq. 19", description="centred features")
+class Centred(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean = RunningMean()
+        self.register_buffer("stat", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mean(self.stat, x) * 2
+
+
+def test_an_inner_step_that_changes_its_input_in_place_is_compared_inside_its_parent(tmp_path: Path) -> None:
+    """A module step inside another that updates an input in place (a running mean it is given):
+    replaying the outer step compares the inner step's input as it left it, like its outputs."""
+    path = tmp_path / "run.zarr"
+    model = Centred()
+    with recorder.record(path, model=model, mode="full"):
+        for _ in range(2):
+            model(torch.randn(8, 4))
+    rec = replayer.open(path)
+    outer = replayer.replay(rec, 0)
+    assert outer.match and [s.step.name for s in outer.inner] == ["RunningMean"]
+    assert {d.name for d in outer.inner[0].diffs} == {"output", "after:args.0"}
+    edited = replayer.replay(rec, 0, edit={"RunningMean/args.1": "x * 2"})
+    assert not edited.inner[0].match and not {d.name: d for d in edited.inner[0].diffs}["after:args.0"].match
+
+
 @recorder.paper_step("Eq. 15", description="a critic layer")
 class Critic(nn.Module):
     def __init__(self) -> None:
