@@ -12,6 +12,7 @@ cursor on the right. The cursor is "now": every pane shows the state as of that 
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import re
@@ -396,6 +397,7 @@ class Inspector(ModalScreen[None]):
                 Binding("t", "stat", "statistic")]
     STATS = ("absmax", "max", "min", "mean", "std", "norm", "nan", "inf")
     ROWS = 8
+    BIG = 4_000_000  # elements: a larger tensor is read and summarised in a worker, the screen live meanwhile
 
     def __init__(self, step: Any, name: str, role: str) -> None:
         super().__init__(name="tensor")
@@ -410,11 +412,34 @@ class Inspector(ModalScreen[None]):
         self.render_page()
 
     def render_page(self) -> None:
+        record = next((r for r in self.step.records if r.name == self.tensor_name and r.role == self.role), None)
+        if record is not None and record.has_payload and math.prod(record.shape) > self.BIG:
+            self.query_one("#page", Static).update(Text(f"reading {self.role} {self.tensor_name} "
+                                                        f"({math.prod(record.shape):,} elements) …", style="cyan"))
+            self.run_worker(functools.partial(self._view, self.start, self.stat, self.per_row), thread=True,
+                            exclusive=True, group="inspector")
+            return
+        self._show(self._view(self.start, self.stat, self.per_row, threaded=False))
+
+    def _view(self, start: int, stat: str, per_row: int, threaded: bool = True) -> Any:
+        """The tensor view (or the error that stopped it); in a worker, handed to ``_show``."""
         try:
-            view = views.tensor_view(self.step, self.tensor_name, self.role, start=self.start, rows=self.ROWS,
-                                     stat=self.stat, per_row=self.per_row)
-        except PdbgError as exc:  # a damaged part of the recording: say so, keep the app usable
-            self.query_one("#page", Static).update(Text(f"cannot show {self.role} {self.tensor_name}: {exc}\n\n"
+            view: Any = views.tensor_view(self.step, self.tensor_name, self.role, start=start, rows=self.ROWS,
+                                          stat=stat, per_row=per_row)
+        except PdbgError as exc:
+            view = exc
+        if threaded:
+            from textual.worker import get_current_worker
+
+            if not get_current_worker().is_cancelled:  # a later key's worker replaced this one: its view is stale
+                self.app.call_from_thread(self._show, view)
+        return view
+
+    def _show(self, view: Any) -> None:
+        if not self.is_attached:  # closed while a worker read the tensor
+            return
+        if isinstance(view, PdbgError):  # a damaged part of the recording: say so, keep the app usable
+            self.query_one("#page", Static).update(Text(f"cannot show {self.role} {self.tensor_name}: {view}\n\n"
                                                         "escape close", style="red"))
             return
         self.start, self.numel = view.start, view.size

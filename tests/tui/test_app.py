@@ -709,3 +709,44 @@ def test_the_inspector_slice_fits_an_80_column_screen(nan_path: Path) -> None:
             assert per_row == inspector.per_row < 8
 
     asyncio.run(main())
+
+
+def test_the_inspector_reads_a_large_tensor_without_freezing_the_screen(nan_path: Path, monkeypatch) -> None:
+    """A tensor above Inspector.BIG elements (a 200 MB one took ~3 s a key on the screen's thread) is
+    read and summarised in a worker: the page says it is reading, the screen answers keys meanwhile,
+    and the view comes; closed before it comes, nothing breaks."""
+    from tui import views as views_mod
+
+    monkeypatch.setattr(Inspector, "BIG", 4)
+    release = threading.Event()
+    real = views_mod.tensor_view
+
+    def slow_view(*args, **kwargs):  # type: ignore[no-untyped-def]
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(views_mod, "tensor_view", slow_view)
+
+    async def main() -> None:
+        app = PdbgApp(replayer.open(nan_path))
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.pause()
+            await pilot.press("g", "enter")
+            await pilot.pause()
+            assert isinstance(app.screen, Inspector)
+            page = app.screen.query_one("#page", Static)
+            assert str(page.render()).startswith("reading input args.0 (12 elements) …")
+            await pilot.press("t")  # the screen answers while the worker reads
+            release.set()
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert app.screen.stat == "max" and "histogram of finite values" in str(page.render())
+            release.clear()
+            await pilot.press("t")
+            await pilot.press("escape")  # closed before the worker is done
+            release.set()
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert not isinstance(app.screen, Inspector)
+
+    asyncio.run(main())
