@@ -111,12 +111,16 @@ class GlobalCapture:
         self._defs: dict[type, StepDef] = {}
         self._roots: set[int] = set()  # ids of the modules whose selected modules are marked
         self._selected: list[weakref.ref[torch.nn.Module]] = []  # marked modules (see _SELECTED)
-        self._eager: list[weakref.ref[torch.nn.Module]] = []  # selected modules whose forward Dynamo skips
+        # The classes of selected modules whose forward Dynamo skips while recording: class -> what its
+        # __dict__ held under "forward" before (None: nothing, it inherited forward), and ours.
+        self._eager: dict[type, tuple[Any, Any]] = {}
         self._eager_roots: set[int] = set()
         # Called by the session's module stack's hooks, after it pushed the module (paths are known)
         session.modules.listen(self._pre, self._post)
         if session.modules.model is not None:
             self._guard_mark(session.modules.model)
+            if any(getattr(m, "_compiled_call_impl", None) is not None for m in session.modules.model.modules()):
+                self._guard_eager(session.modules.model)  # compiled in place (model.compile()): no wrapper's call
 
     def _open(self) -> list[tuple[torch.nn.Module, Frame | None, BackwardLink | None]]:
         open_ = getattr(self.local, "open", None)
@@ -179,20 +183,23 @@ class GlobalCapture:
             self.session.fail("selecting modules of a compiled model", exc)
 
     def run_eagerly(self, top: torch.nn.Module) -> None:
-        """Have Dynamo skip the forward of each selected module under ``top`` (a compiled model's):
-        a recorded step then runs the eager code a replay runs (compiled, its kernels' order of
-        arithmetic differs, and no step replayed bit for bit). Set as an instance attribute
-        (``torch.compiler.disable`` of the class's forward), which ``close()`` removes."""
+        """Have Dynamo skip the forward of the selected modules under ``top`` (a compiled model's): a
+        recorded step then runs the eager code a replay runs (compiled, its kernels' order of
+        arithmetic differs, and no step replayed bit for bit). Their class's ``forward`` is replaced
+        by ``torch.compiler.disable`` of it while recording (an instance attribute would follow the
+        module into copies and checkpoints); ``close()`` puts it back, unless the class's forward was
+        replaced since."""
         top = compiled.unwrapped(top)
         if id(top) in self._eager_roots:
             return
         self._eager_roots.add(id(top))
         for module in top.modules():
-            if module.__dict__.get(_SELECTED) and "forward" not in module.__dict__:
-                eager = torch.compiler.disable(type(module).forward.__get__(module))
-                eager.__dict__[_SELECTED] = True  # ours: close() takes it out
-                module.__dict__["forward"] = eager
-                self._eager.append(weakref.ref(module))
+            cls = type(module)
+            if module.__dict__.get(_SELECTED) and cls not in self._eager and "forward" not in module.__dict__:
+                before = cls.__dict__.get("forward")
+                eager = torch.compiler.disable(cls.forward)
+                cls.forward = eager
+                self._eager[cls] = (before, eager)
 
     def _begin(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         session = self.session
@@ -253,11 +260,12 @@ class GlobalCapture:
             if module is not None:
                 module.__dict__.pop(_SELECTED, None)
         self._selected.clear()
-        for ref in self._eager:
-            module = ref()
-            forward = None if module is None else module.__dict__.get("forward")
-            if forward is not None and getattr(forward, _SELECTED, False):
-                del module.__dict__["forward"]
+        for cls, (before, eager) in self._eager.items():
+            if cls.__dict__.get("forward") is eager:  # not replaced since
+                if before is None:
+                    delattr(cls, "forward")
+                else:
+                    cls.forward = before
         self._eager.clear()
         open_, self.local.open = self._open(), []
         exc = sys.exc_info()[1]

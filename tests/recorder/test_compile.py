@@ -229,9 +229,16 @@ def test_modules_selected_in_an_inductor_compiled_model_run_eagerly_and_replay(t
     """A GPT-2 compiled with inductor (Hugging Face's torch_compile=True), its layers chosen by a
     glob: the layers ran compiled while their calls were recorded, and no step replayed bit for bit
     (0 of 12). Their forward now runs eagerly while recording: every step replays bit for bit, and
-    the modules are as they were after the recording closes."""
+    the modules are as they were after the recording closes. The eager forward is the class's while
+    recording, not an attribute of the module: a deep copy made meanwhile (an EMA teacher) runs its
+    own weights, and the model still saves."""
+    import copy
+    import io
+
     import transformers
 
+    block_class = transformers.models.gpt2.modeling_gpt2.GPT2Block
+    original = block_class.__dict__["forward"]
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=False,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -247,7 +254,11 @@ def test_modules_selected_in_an_inductor_compiled_model_run_eagerly_and_replay(t
                 compiled(input_ids=ids, labels=ids).loss.backward()
                 opt.step()
                 opt.zero_grad()
+                teacher = copy.deepcopy(model)
+                assert teacher.transformer.h[0].forward.__self__ is teacher.transformer.h[0]
+                torch.save(model, io.BytesIO())
     assert not [m for m in model.modules() if "forward" in m.__dict__ or "_paperdebugger_selected" in m.__dict__]
+    assert block_class.__dict__["forward"] is original
     rec = replayer.open(path)
     assert len(rec.steps) == 12
     for step in rec.steps:
