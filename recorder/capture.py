@@ -168,7 +168,8 @@ class Session:
         self.iteration = 0
         self.next_index = 0
         # Forward calls of each step in this iteration: per name, paper label and code (two classes
-        # named Attention, Eq. 3 and Eq. 5, count their own calls; the instances of one class share).
+        # named Attention, Eq. 3 and Eq. 5, count their own calls; the instances of one class share,
+        # as do the functions one definition makes). The code objects are kept alive by their steps.
         self.calls: dict[tuple[str, str, int], int] = {}
         self.seen: set[tuple[int, int, int]] = set()  # content keys whose bytes went to the writer
         # id(parameter or buffer) -> captures since its bytes were last found held (see _by_content)
@@ -642,7 +643,8 @@ class Session:
             stack = self._stack()
             path = self.modules.path_of(module) if module is not None else self.modules.enclosing_path()
             with self.lock:  # "Eq. 2@iter=17#3": the fourth call of that step in the iteration, wherever it ran
-                key = (defn.name, defn.label, id(defn.target))
+                # (a function decorated anew at each use, in a factory, has one code object)
+                key = (defn.name, defn.label, id(getattr(defn.target, "__code__", defn.target)))
                 call = self.calls.get(key, 0)
                 self.calls[key] = call + 1
             frame = Frame(index=self._new_index(), phase=0, defn=defn, module=module, path=path, call=call,

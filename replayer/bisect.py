@@ -678,15 +678,17 @@ def _parts(p: _Prints, step: Step) -> tuple[dict[Any, Any], dict[Any, Any], dict
 
 
 def _keys(rec: Recording) -> list[tuple[Any, ...]]:
+    """Per step, what aligns it with the other run's: (iteration, module path, phase, call, name,
+    paper label): two steps of one name, each its own paper step, count their own calls."""
     table = rec.steps
-    cols = [table.column(c) for c in ("iteration", "module_path", "phase", "call", "name")]
+    cols = [table.column(c) for c in ("iteration", "module_path", "phase", "call", "name", "label")]
     return list(zip(*(c.tolist() for c in cols)))
 
 
 def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     """The first step where run B parts from run A for a reason of its own.
 
-    Steps are aligned by (iteration, module path, phase, call, name) and compared by payload hash
+    Steps are aligned by (iteration, module path, phase, call, name, paper label) and compared by payload hash
     (by statistics where either run kept only those). A step whose inputs were identical in both runs but
     whose results differ is a *root cause* (its parameters differ, or it computed differently); a
     step that only received different inputs *followed*. The root cause reported is the first in
@@ -777,7 +779,7 @@ def _followers(pairs: list[tuple[int, int | None]], after: int, pa: _Prints, pb:
 
 def _keys_one(rec: Recording, index: int) -> tuple[Any, ...]:
     s = rec.step(index)
-    return (s.iteration, s.module_path, layout.PHASES.index(s.phase), s.call, s.name)
+    return (s.iteration, s.module_path, layout.PHASES.index(s.phase), s.call, s.name, s.paper.get("label"))
 
 
 def _names(names: list[str], shown: int = 5) -> str:
