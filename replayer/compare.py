@@ -125,17 +125,21 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
     return diff
 
 
-def tensors_by_name(value: Any, prefix: str, *, copy: bool = False) -> dict[str, torch.Tensor]:
+def tensors_by_name(value: Any, prefix: str, *, copy: bool = False, grads: bool = False) -> dict[str, torch.Tensor]:
     """The tensors in a call's output by the record names the recorder gives them (``output``,
     ``output.0``, ``output.key``); ``copy`` detaches and clones them (later in-place changes must
-    not show)."""
+    not show); ``grads`` adds each one's ``.grad`` where it has one (``NAME:grad``)."""
     from recorder import jsonval
+    from recorder.store import layout
 
     found: dict[str, torch.Tensor] = {}
 
     def name(t: torch.Tensor, path: str) -> str:
         full = f"{prefix}.{path}" if path else prefix
         found[full] = t.detach().clone() if copy else t
+        grad = t.grad if grads and t.requires_grad else None
+        if grad is not None:
+            found[f"{full}{layout.GRAD_SUFFIX}"] = grad.detach().clone() if copy else grad
         return full
 
     jsonval.encode(value, tensor_name=name)

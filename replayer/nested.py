@@ -290,7 +290,7 @@ def _after(args: Any, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A call's tensor arguments as it left them, copied, by the names of the "after:<input>" records
     of the inputs a call changes in place."""
     return {f"{layout.AFTER_PREFIX}{k[2:]}": v for k, v in tensors_by_name(
-        {"args": list(args), "kwargs": kwargs}, "@", copy=True).items()}
+        {"args": list(args), "kwargs": kwargs}, "@", copy=True, grads=True).items()}
 
 
 def _diffs(step: Step, roles: tuple[str, ...], values: dict[str, torch.Tensor], keyed: bool = False) -> list[Diff]:

@@ -547,7 +547,7 @@ class Replayer:
         values = tensors_by_name(out, "output")
         changed = {r.name for r in step.records if r.role == "output" and r.name.startswith(layout.AFTER_PREFIX)}
         if changed:  # inputs the recorded call changed in place, as the replayed call left them
-            after = tensors_by_name({"args": call.args, "kwargs": call.kwargs}, "@")
+            after = tensors_by_name({"args": call.args, "kwargs": call.kwargs}, "@", grads=True)
             values.update({n: t for n, t in ((f"{layout.AFTER_PREFIX}{k[2:]}", t) for k, t in after.items())
                            if n in changed})
         result.values = values

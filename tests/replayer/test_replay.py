@@ -803,6 +803,29 @@ def test_a_step_that_updates_its_inputs_in_place_is_compared_and_can_be_the_orig
     assert origin.cause.endswith("produced output after:args.0.0 (4 NaN of 4) from finite inputs")
 
 
+@recorder.paper_step("Algorithm 1, step 4", description="clip the gradient norm, in place")
+def clip(params: list[nn.Parameter], max_norm: float = 0.01) -> torch.Tensor:
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def test_a_step_that_changes_its_inputs_grads_in_place_replays(tmp_path: Path) -> None:
+    """Gradient clipping as a paper step changes its parameters' .grad in place: recorded as
+    after:args.0.0:grad, which the replay did not produce (every call a MISMATCH)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=layer, mode="full"):
+        for _ in range(2):
+            layer(torch.randn(8, 4)).pow(2).mean().backward()
+            clip(list(layer.parameters()))
+            layer.zero_grad()
+    rec = replayer.open(path)
+    for step in rec.steps.filter(name="clip"):
+        result = replayer.replay(rec, step.index)
+        assert result.match and {d.name for d in result.outputs} == {
+            "output", "after:args.0.0:grad", "after:args.0.1:grad"}, [d.summary() for d in result.outputs]
+
+
 @recorder.paper_step("Eq. 18", description="a running mean, updated in place")
 class RunningMean(nn.Module):
     def forward(self, stat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
