@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -259,9 +260,10 @@ class StepTable:
         paper label or module path names those steps, though it holds ``@``, ``#``, ``:`` or glob
         characters (a step named "block#1", a module path "blocks.x[0]")."""
         if any(c in selector for c in "@#:[]*?"):
-            exact = self._exactly(selector)
-            if len(exact):
-                return exact
+            for name, iteration, call, phase in _readings(selector):  # the longest NAME first
+                exact = self._exactly(name)
+                if len(exact):
+                    return exact.filter(phase=phase or "forward", iteration=iteration, call=call)
         sel = parse_selector(selector)
         table = self.filter(phase=sel.phase, iteration=sel.iteration, call=sel.call)
         return table._where_named(sel.matches_name)
@@ -282,6 +284,28 @@ class StepTable:
         names, labels, paths = (self.column(c)[first] for c in ("name", "label", "module_path"))
         hits = np.array([test(str(n), lb, str(p)) for n, lb, p in zip(names, labels, paths)], dtype=bool)
         return StepTable(self.rec, self.rows[hits[inverse.reshape(-1)]])
+
+
+def _readings(selector: str) -> list[tuple[str, int | None, int | None, str | None]]:
+    """(NAME, iteration, call, phase) for the selector taken whole as NAME, then with each suffix
+    ``:forward``/``:backward``, ``#CALL``, ``@iter=K`` taken off its end in turn: a NAME may hold
+    those characters itself (``block#1@iter=2:backward``, as ``Step.selector`` writes it)."""
+    out = [(selector, None, None, None)]
+    rest, iteration, call, phase = selector, None, None, None
+    for pattern in (r":(forward|backward)$", r"#(\d+)$", r"@iter=(\d+)$"):
+        m = re.search(pattern, rest)
+        if m is None:
+            continue
+        rest = rest[:m.start()]
+        if pattern.startswith(":"):
+            phase = m[1]
+        elif pattern.startswith("#"):
+            call = int(m[1])
+        else:
+            iteration = int(m[1])
+        if rest:
+            out.append((rest, iteration, call, phase))
+    return out
 
 
 def _index_of(values: tuple[str, ...], value: str, what: str) -> int:

@@ -1012,6 +1012,8 @@ def test_a_name_or_label_holding_selector_syntax_is_selected_by_itself(tmp_path:
     assert [s.index for s in rec.steps.select("block#1")] == [0, 2]
     assert [s.index for s in rec.steps.select("enc:forward")] == [1, 3] and rec.step("Eq. 4:").index == 1
     assert rec.step("Eq. 6@iter=1").index == 2  # the selector syntax, for a label without it
+    assert rec.step("block#1@iter=1").index == 2 and rec.step("enc:forward#0:forward").index == 1
+    assert all(rec.step(s.selector).index == s.index for s in rec.steps)  # rec.step takes a selector back
     res = pdbg("replay", str(path), "block#1", cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.startswith("step 0: Eq. 6 (block#1)"), res.stderr
 
