@@ -74,6 +74,9 @@ class Run:
         if not isinstance(max_ring_bytes, int) or max_ring_bytes < 1:
             raise RecordingError(f"max_ring_bytes must be a positive integer, not {max_ring_bytes!r}")
         monitors.check_action(on_anomaly, "on_anomaly")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise RecordingError(f"model must be the torch.nn.Module being trained, not a {type(model).__name__} "
+                                 "(torch.compile of a compiled module returns a function: give the module itself)")
         if when_slow not in WHEN_SLOW:
             raise RecordingError(f"unknown when_slow {when_slow!r}: use 'drop_payloads' (the default: a store too "
                                  "slow for training loses payloads, never steps) or 'wait' (training waits for it)")

@@ -138,6 +138,15 @@ class TestOnAnomaly:
                 run.next_iteration()
         assert [s[1] for s in statuses(run_path)] == ["ok", "nonfinite", "nonfinite"]
 
+    def test_a_model_that_is_not_a_module_is_refused(self, run_path: Path) -> None:
+        """torch.compile of a compiled module returns a function: given as the model, recording
+        stopped at the first call ("'function' object has no attribute 'modules'"). Refused in one
+        line, before anything is created."""
+        with pytest.raises(RecordingError, match=r"^model must be the torch.nn.Module being trained, not a "
+                                                 r"function \(torch.compile of a compiled module returns a function"):
+            recorder.record(run_path, model=lambda x: x)
+        assert not run_path.exists()
+
     def test_unknown_action_is_refused(self, run_path: Path) -> None:
         """A misspelt action is a one-line error before anything is created."""
         with pytest.raises(RecordingError, match="unknown on_anomaly 'halt'"):
