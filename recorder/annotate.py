@@ -71,10 +71,14 @@ def code_info(target: Any) -> dict[str, Any]:
     return info
 
 
-def _check_label(label: Any) -> None:
+def _check_label(label: Any, **texts: Any) -> None:
     if not isinstance(label, str) or not label:
         raise TypeError(f"paper_step needs the paper's label as a non-empty string first, e.g. "
                         f"paper_step('Eq. 2'), not {label!r}")
+    for what, text in (("label", label), *texts.items()):  # one line each in every listing and message
+        if isinstance(text, str) and any(ord(c) < 32 or ord(c) == 127 for c in text):
+            raise ValueError(f"paper_step's {what} {text!r} holds a control character (a newline, a tab, an "
+                             "escape); give it on one line of printable text")
 
 
 def paper_step(label: str, *, algorithm: str | int | None = None, step: str | int | None = None,
@@ -93,7 +97,7 @@ def paper_step(label: str, *, algorithm: str | int | None = None, step: str | in
     A decorated class records its ``forward`` calls and, as data, the arguments each instance was
     constructed with (so replay can rebuild it).
     """
-    _check_label(label)
+    _check_label(label, name=name, description=description, algorithm=algorithm, equation=equation)
 
     def decorate(target: T) -> T:
         if isinstance(target, type) and issubclass(target, torch.nn.Module):
@@ -157,7 +161,7 @@ def annotate(module: torch.nn.Module, label: str, *, algorithm: str | int | None
 
     Returns the same module, so it can wrap a construction expression.
     """
-    _check_label(label)
+    _check_label(label, name=name, description=description, algorithm=algorithm, equation=equation)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"annotate() takes an nn.Module instance, not {type(module).__name__}")
     defn = StepDef(name or type(module).__qualname__, label, algorithm, step, equation, description,
