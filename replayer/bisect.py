@@ -227,7 +227,7 @@ class _Kinds:
     nan_result: np.ndarray
     given: np.ndarray
     nan_given: np.ndarray
-    _groups: np.ndarray | None = None
+    _groups: dict[bool, np.ndarray] | None = None
 
     @classmethod
     def of(cls, rec: Recording) -> _Kinds:
@@ -245,31 +245,41 @@ class _Kinds:
         nan_given[back] |= nan_given[forward[back]]
         return cls(rec, result, nan_result, given, nan_given)
 
-    def groups(self) -> np.ndarray:
-        """Per step, a number shared by the calls of the same step: name, module path, phase and call
-        number within the iteration."""
+    def groups(self, by_call: bool = True) -> np.ndarray:
+        """Per step, a number shared by the calls of the same step: name, module path, phase and
+        (``by_call``) call number within the iteration."""
         if self._groups is None:
+            self._groups = {}
+        if by_call not in self._groups:
             rec = self.rec
-            keys = [_column(rec, c).astype(np.int64) for c in ("name", "module_path", "phase", "call")]
+            columns = ("name", "module_path", "phase", "call") if by_call else ("name", "module_path", "phase")
+            keys = [_column(rec, c).astype(np.int64) for c in columns]
             keys = [k - k.min() for k in keys]
             sizes = [int(k.max()) + 1 for k in keys]
             if float(np.prod(sizes, dtype=np.float64)) < 2.0 ** 62:  # one number per key: a fast 1-D unique
                 flat = keys[0]
                 for k, size in zip(keys[1:], sizes[1:], strict=True):
                     flat = flat * size + k
-                self._groups = np.unique(flat, return_inverse=True)[1].reshape(-1)
+                self._groups[by_call] = np.unique(flat, return_inverse=True)[1].reshape(-1)
             else:
-                self._groups = np.unique(np.stack(keys, 1), axis=0, return_inverse=True)[1].reshape(-1)
-        return self._groups
+                self._groups[by_call] = np.unique(np.stack(keys, 1), axis=0, return_inverse=True)[1].reshape(-1)
+        return self._groups[by_call]
 
     def habitual(self, mask: np.ndarray) -> np.ndarray:
         """Per step: ``mask`` held at every call of the same step (two or more): Inf that is there at
         every call (an additive -inf attention mask, a -inf initial maximum) is what the model means,
-        not a value that went bad."""
-        group = self.groups()
-        calls = np.bincount(group)
-        held = np.bincount(group, weights=mask.astype(np.float64))
-        return ((calls >= 2) & (held == calls))[group]
+        not a value that went bad. A call alone with its call number (a run that never marks its
+        iterations numbers every call anew) is judged with all the step's calls, whatever their number,
+        as the recorder judges it while recording."""
+        def every_call(group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            calls = np.bincount(group)
+            held = np.bincount(group, weights=mask.astype(np.float64))
+            return calls, (calls >= 2) & (held == calls)
+
+        group, step = self.groups(), self.groups(by_call=False)
+        calls, by_call = every_call(group)
+        _, by_step = every_call(step)
+        return by_call[group] | ((calls[group] == 1) & by_step[step])
 
 
 def _kinds_recorded(rec: Recording) -> bool:

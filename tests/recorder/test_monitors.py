@@ -115,6 +115,18 @@ class TestOnAnomaly:
                 recorder.record(run_path.with_name("nan.zarr"), on_anomaly="stop"):
             root(torch.tensor([-1.0]))
 
+        # A run that never marks its iterations (an evaluation loop) numbers every call anew: the
+        # mask is still meant, live and in first_nonfinite alike (which named it the origin).
+        import replayer
+
+        quiet = run_path.with_name("no_iterations.zarr")
+        with recorder.record(quiet, on_anomaly="stop"):
+            for _ in range(4):
+                masked(torch.randn(2, 4, 4))
+        origin = replayer.first_nonfinite(replayer.open(quiet))
+        assert origin.step is None and origin.cause.startswith("no NaN recorded; Inf appears only in steps that "
+                                                               "hold it at every call"), origin.cause
+
     def test_a_recording_closed_later_says_the_stop_ended_it(self, run_path: Path) -> None:
         """A stop raised out of a framework's loop that has no exception hook (Hugging Face's
         Trainer): the recording is closed later, at exit, without the exception. It still says
