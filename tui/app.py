@@ -119,7 +119,7 @@ class Timeline(ScrollView, can_focus=True):
         if position >= len(self.model.rows):
             return Strip.blank(width)
         index = int(self.model.rows[position])
-        pieces = self.model.row(index)
+        pieces = self.model.row(index, width=self.scrollable_content_region.width)
         selected = position == self.cursor
         base = _style("reverse") if selected else (
             _style("on #1c1c28") if self.model.iteration_of(index) % 2 else Style())

@@ -189,8 +189,9 @@ class TimelineModel:
             self._spans[iteration] = float(self.t_end[lo:hi].max() - self.t_start[lo:hi].min())
         return self._spans[iteration]
 
-    def row(self, index: int, bar_width: int = 6) -> list[tuple[str, str]]:
-        """One timeline row as (text, style) pieces."""
+    def row(self, index: int, bar_width: int = 6, width: int | None = None) -> list[tuple[str, str]]:
+        """One timeline row as (text, style) pieces; in ``width`` columns, the module path's column
+        narrows (to 8) so that the duration stays on screen."""
         cols = self._cols
         status = layout.STATUSES[int(cols["status"].at(index))]
         phase = int(cols["phase"].at(index))
@@ -209,7 +210,8 @@ class TimelineModel:
             ("→ " if phase == 0 else "← ", "blue" if phase == 0 else "magenta"),
             (f"{mark} ", STATUS_STYLE[status]),
             (_fit(indent + who, 26), STATUS_STYLE[status] if status != "ok" else "bold"),
-            (f" {_fit(path, 20, keep_end=True)}", "dim"),
+            (f" {_fit(path, 20 if width is None else max(8, min(20, width - 58 - bar_width + 6)), keep_end=True)}",
+             "dim"),
             (f" {bar} {fmt_seconds(duration):>7}", "dim"),
         ]
 

@@ -758,3 +758,19 @@ def test_the_inspector_reads_a_large_tensor_without_freezing_the_screen(nan_path
             assert not isinstance(app.screen, Inspector)
 
     asyncio.run(main())
+
+
+def test_timeline_rows_keep_their_duration_on_an_80_column_screen(nan_path: Path) -> None:
+    """At 80 columns the timeline's rows were cut before their duration ("6.5" of "6.5ms"): the
+    module path's column narrows instead."""
+    async def main() -> None:
+        app = PdbgApp(replayer.open(nan_path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            t = app.timeline
+            room = t.scrollable_content_region.width  # (the scroll bar covers what is past it)
+            lines = ["".join(s.text for s in t.render_line(y))[:room].rstrip() for y in range(t.size.height)]
+            shown = [line for line in lines if line.strip()]
+            assert shown and all(line.endswith("s") for line in shown), shown
+
+    asyncio.run(main())
