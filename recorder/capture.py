@@ -126,7 +126,7 @@ class Frame:
     alerts: list[dict[str, Any]] = field(default_factory=list)  # from checks and breakpoints
     pending: Any = None  # a monitor's stop or pdb action, carried out once the step is submitted
     checked: bool = False  # nonfinite below has been looked for
-    late: tuple[int, str] | None = None  # (index, message) of an earlier call's Inf this call showed to be no mask
+    anomaly: tuple[int, str] | None = None  # (index, message) of what nonfinite (or an earlier call) shows
     dropped: int = 0  # payloads not recorded: the store could not keep up (when_slow="drop_payloads")
     nonfinite: TensorItem | None = None  # the first result tensor holding NaN or Inf
     collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls made inside
@@ -383,8 +383,8 @@ class Session:
         NaN always is. Inf without NaN is not where the step's previous call with the same number in
         its iteration held Inf too (an additive -inf attention mask, made or passed through at every
         call), or, at the first call with that number, the step's previous call did; at the step's
-        very first call it waits for the next call with its number, which reports it
-        (``frame.late``) if it holds none."""
+        very first call it waits for the next call with its number, which reports it if it holds
+        none. Sets ``frame.anomaly``, what is told of it."""
         if not frame.checked:
             frame.checked = True
             results = layout.RESULT_ROLES[frame.phase]
@@ -410,17 +410,17 @@ class Session:
             elif not inf_only and self._inf_first:
                 first = self._inf_first.pop(key, None)
                 if first is not None and found is None:  # that first call's Inf was no habit
-                    frame.late = (first[0], f"{first[1]} (its next call, step {frame.index}, made none: not a mask)")
+                    frame.anomaly = (first[0], f"{first[1]} (its next call, step {frame.index}, made none: not a mask)")
             frame.nonfinite = found
+            if found is not None:
+                frame.anomaly = (frame.index, monitors.nonfinite_message(self._context(frame, None), found))
         return frame.nonfinite
 
     def _anomaly(self, frame: Frame) -> tuple[int, str] | None:
         """(index, message) of the anomaly this finished step shows, if any: its own NaN or Inf, or
-        an earlier call's Inf it showed to be no mask."""
-        tensor = self._first_nonfinite(frame)
-        if tensor is not None:
-            return frame.index, monitors.nonfinite_message(self._context(frame, None), tensor)
-        return frame.late
+        an earlier call's Inf it showed to be no mask (found once per step)."""
+        self._first_nonfinite(frame)
+        return frame.anomaly
 
     def _after_step(self, frame: Frame) -> None:
         """A step finished (and was handed to the writer): the first NaN/Inf is reported to the

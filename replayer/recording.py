@@ -191,6 +191,34 @@ class Recording:
     def _labels(self) -> np.ndarray:
         return np.array([p.get("label") for p in self._papers], dtype=object)
 
+    @cached_property
+    def _paper_groups(self) -> tuple[dict[tuple[str, str | None], tuple[int, list[int]]], np.ndarray]:
+        """``({(step name, paper label): (its first step, its definition groups)}, each step's
+        definition group)``, in the order steps first appear: steps of different classes or functions
+        may share a name (two ``Attention`` classes, Eq. 3 and Eq. 5), told apart by their definitions."""
+        if not len(self):
+            return {}, np.zeros(0, np.int64)
+        keys = np.stack([np.asarray(self.rank.column(f"steps/{c}")) for c in ("name", "definition")], axis=1)
+        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        members: dict[tuple[str, str | None], list[int]] = {}
+        for g in np.argsort(first, kind="stable"):
+            i = int(first[g])
+            members.setdefault((str(self.step(i).name), self.step(i).paper.get("label")), []).append(int(g))
+        return {key: (int(first[gs[0]]), gs) for key, gs in members.items()}, np.asarray(inverse).reshape(-1)
+
+    def paper_steps(self) -> Iterator[tuple[tuple[str, str | None], int, np.ndarray]]:
+        """Each paper step, in the order they first ran: ((step name, paper label), its first step, a
+        mask of its steps). Steps of different classes or functions may share a name."""
+        groups, inverse = self._paper_groups
+        for key, (first, gs) in groups.items():
+            yield key, first, np.isin(inverse, gs)
+
+    def paper_step_mask(self, name: str, label: str | None) -> np.ndarray:
+        """A mask of the steps of one paper step (see ``paper_steps``); all False if there is none."""
+        groups, inverse = self._paper_groups
+        found = groups.get((name, label))
+        return np.isin(inverse, found[1]) if found else np.zeros(len(inverse), dtype=bool)
+
 
 class StepTable:
     """A selection of steps, in execution order. ``len``, indexing (an int gives a Step, a slice

@@ -101,24 +101,14 @@ def summary(rec: Any) -> dict[str, Any]:
     iteration = table.column("iteration")
     phase, status = table.column("phase"), table.column("status")
     t0, t1 = table.column("t_start"), table.column("t_end")
-    names = table.column("name")
     papers = rec._papers
     total_time = 0.0
     for it in np.unique(iteration):
         mask = iteration == it
         total_time += float(t1[mask].max() - t0[mask].min())
     paper_steps = []
-    if n:  # per step name and definition: two classes may share a name (Attention, Eq. 3 and Eq. 5)
-        keys = np.stack([np.asarray(rec.rank.column(f"steps/{c}")) for c in ("name", "definition")], axis=1)
-        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-        inverse = np.asarray(inverse).reshape(-1)
-        members: dict[tuple[str, Any], list[int]] = {}
-        for g in np.argsort(first, kind="stable"):
-            i = int(first[g])
-            members.setdefault((str(names[i]), papers[i].get("label")), []).append(int(g))
-        for (name, _), groups in members.items():
-            mask = np.isin(inverse, groups)
-            start = int(first[groups[0]])
+    if n:  # per paper step: two classes may share a name (Attention, Eq. 3 and Eq. 5)
+        for (name, _), start, mask in rec.paper_steps():
             time = float((t1[mask] - t0[mask]).sum())
             paper = dict(papers[start])
             paper_steps.append({"name": str(name), "paper": {k: paper.get(k) for k in

@@ -226,12 +226,9 @@ class TimelineModel:
         mask = np.ones(self.n, dtype=bool)
         listed = _json_names(self.filter_text)
         if listed is not None:
-            names, groups, kept = self.names.astype(str), self.step_groups(), np.zeros(self.n, dtype=bool)
+            names, kept = self.names.astype(str), np.zeros(self.n, dtype=bool)
             for item in listed:  # a name, or [name, paper label]: steps of different classes may share a name
-                if isinstance(item, str):
-                    kept |= names == item
-                elif (item[0], item[1]) in groups:
-                    kept |= self.group_mask(groups[(item[0], item[1])][1])
+                kept |= (names == item) if isinstance(item, str) else self.rec.paper_step_mask(item[0], item[1])
             self.rows = np.flatnonzero(kept)
             return len(self.rows)
         for term in self.filter_text.split():
@@ -250,28 +247,6 @@ class TimelineModel:
                 mask &= hit[self._text_ids()]
         self.rows = np.flatnonzero(mask)
         return len(self.rows)
-
-    def step_groups(self) -> dict[tuple[str, str | None], tuple[int, list[int]]]:
-        """``{(step name, paper label): (its first step, its groups for group_mask)}``, in the order
-        steps first appear: steps of different classes or functions may share a name (two
-        ``Attention`` classes, Eq. 3 and Eq. 5), and are told apart by their definitions."""
-        if getattr(self, "_groups", None) is None:
-            rank = self.rec.rank
-            keys = np.stack([np.asarray(rank.column(f"steps/{c}")) for c in ("name", "definition")], axis=1) \
-                if self.n else np.zeros((0, 2), np.int64)
-            _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-            self._inverse = np.asarray(inverse).reshape(-1)
-            members: dict[tuple[str, str | None], list[int]] = {}
-            for g in np.argsort(first, kind="stable"):
-                i = int(first[g])
-                members.setdefault((str(self.names[i]), self.labels[i]), []).append(int(g))
-            self._groups = {key: (int(first[gs[0]]), gs) for key, gs in members.items()}
-        return self._groups
-
-    def group_mask(self, groups: list[int]) -> np.ndarray:
-        """Which steps belong to ``groups`` (from ``step_groups``)."""
-        self.step_groups()
-        return np.isin(self._inverse, groups)
 
     def _distinct_text(self) -> list[str]:
         self._text_ids()
@@ -603,9 +578,8 @@ def paper_tree(model: TimelineModel) -> PaperNode:
         return root
     rec = model.rec
     papers = rec._papers
-    for (name, label), (first, groups) in model.step_groups().items():
+    for (name, label), first, mask in rec.paper_steps():
         paper = dict(papers[first])
-        mask = model.group_mask(groups)
         node = root
         algorithm = paper.get("algorithm") or (paper.get("label") if paper.get("step") is not None else None)
         path = [algorithm and str(algorithm),
