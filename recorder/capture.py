@@ -8,6 +8,7 @@ recording degrades; the user's call always proceeds.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import itertools
@@ -136,6 +137,8 @@ class Frame:
     # those the call changes in place (an EMA update, a parameter update under no_grad) are recorded
     # again as it leaves them ("after:<input>", role output). Cleared when the call ends.
     versions: list[tuple[str, torch.Tensor, int]] | None = None
+    own_grads: list[str] = field(default_factory=list)  # a backward's parameter grads that are the call's own
+    link: Any = None  # a forward's BackwardLink, when it has one
 
 
 @dataclass
@@ -152,6 +155,19 @@ class BackwardLink:
     # output's tap, before its parameters' gradients come (see Session._on_param_grad).
     complete: bool = False
     graphed: bool = False  # its gradients were taken with create_graph=True (a gradient penalty's first pass)
+    # The module's parameters that require grad, and autograd's sequence number when the call began:
+    # at its end, the nodes of its graph that use them are found (taps.parameter_uses).
+    params: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    since: int = -1
+    until: int = -1  # the sequence number when its graph was walked (the call's nodes are since..until)
+    outer: BackwardLink | None = None  # the link of the call this one ran inside, if any
+    reused: bool = False  # its graph and another call's share nodes: its parameter grads are totals over them
+    # Parameter -> its uses in this call's graph, whose contributions are recorded as this call's own
+    # parameter grad (hooks on those nodes); the others are hooked as totals (``hooked``).
+    own: dict[str, int] = field(default_factory=dict)
+    # In the backward pass under way: parameter -> (uses whose contribution came, their sum so far).
+    sums: dict[str, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
+    done: set[str] = field(default_factory=set)  # in the pass under way: parameters whose own grad is recorded
 
 
 class Session:
@@ -181,7 +197,18 @@ class Session:
         # Names of payloads sent before they are hashed; next() is atomic under the GIL.
         self._tokens = itertools.count(1)
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
+        # Those of them with parameter grads of their own, by the sequence number their call began at
+        # (see _reused_nodes): ``_span_starts[i]`` is ``_spans[i].since``.
+        self._span_starts: list[int] = []
+        self._spans: list[BackwardLink] = []
+        self._reached: dict[int, BackwardLink] = {}  # nodes made outside every call -> the first call reaching it
         self._pass: list[BackwardLink] = []  # backward frames open in the current backward pass
+        # The same, by their forward's index, and how many of them each module has (a recurrent cell
+        # opens thousands in one pass: looked up, not searched).
+        self._pass_frames: dict[int, Frame] = {}
+        # id(parameter) -> (the last of its gradient hooks' keys looked at, the user's among them)
+        self._hook_scan: dict[int, tuple[int, dict[int, Any]]] = {}
+        self._pass_modules: collections.Counter[int] = collections.Counter()
         self._callback_queued = False
         # id(module) -> (weak reference, training flag, document): weak, so that modules made anew at
         # every call (and their parameters) are not kept alive by the recording.
@@ -275,6 +302,7 @@ class Session:
             # Backward hooks of calls whose backward never ran (evaluation, a discarded graph).
             stale = [link for link in self._links if link.frame is None]
             self._links = [link for link in self._links if link.frame is not None]
+            self._prune_spans()
         for link in stale:
             for handle in link.handles:
                 handle.remove()
@@ -682,24 +710,19 @@ class Session:
                                           _argument_paths(args, kwargs) if tapped else frozenset(), nested,
                                           versions=frame.versions)
             link = BackwardLink(frame) if tapping else None
+            if link is not None:
+                frame.link = link
+                link.outer = next((f.link for f in reversed(self._stack()) if f.link is not None), None)
+                link.since = taps.sequence_now()
             if link is None and frame.vmap is None:
                 self._remember_ungraded(frame)
             if module is not None:
-                tied = self._tied_params() if link is not None and frame.path else {}
-                shared: list[tuple[str, list[str]]] = []
                 for name, p in module.named_parameters():
                     self._capture(frame, "param", name, p)
                     if link is not None and p.requires_grad:
                         if p._backward_hooks:  # the user's gradient hooks (pruning masks): the recorded grad is theirs
-                            _note_param_hooks(frame, name, p._backward_hooks.values())
-                        if id(p) in tied:  # tied weights: a use outside the step adds to its grad
-                            outside = [o for o in tied[id(p)] if not o.startswith(f"{frame.path}.")]
-                            if outside:
-                                shared.append((name, outside))
-                        self._hook_param(link, name, p)
-                if shared:
-                    frame.notes.append(f"{_one_line([n for n, _ in shared])}: {layout.SHARED_PARAM_NOTE} (also "
-                                       f"{_one_line([o for _, others in shared for o in others])})")
+                            self._note_param_hooks(frame, name, p)
+                        link.params.append((name, p))
                 for name, b in module.named_buffers():
                     self._capture(frame, "buffer", name, b)
             if link is not None:
@@ -722,8 +745,12 @@ class Session:
                 self._changed_inputs(frame)
                 if unfollowed:
                     frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
+                if link is not None:
+                    link.until = taps.sequence_now()
+                    if link.params:
+                        self._hook_params(frame, link, [t for _, t in slots])
                 if leaves and frame.module is not None:
-                    self._note_returned_parameters(frame, leaves)
+                    self._note_returned_parameters(frame, leaves, link.own if link is not None else {})
                 if link is not None:
                     out = self._tap_outputs(link, out, tapped & nested, frame, slots)
             except Exception as exc:
@@ -750,14 +777,110 @@ class Session:
             cached = self._tied = (weakref.ref(root), {k: tuple(v) for k, v in names.items() if len(v) > 1})
         return cached[1]
 
+    def _hook_params(self, frame: Frame, link: BackwardLink, outputs: list[torch.Tensor]) -> None:
+        """Hook the parameter grads of a call, once its graph is made (``outputs``: the tensors its
+        output taps take). A parameter that nodes of the call's graph use gets a hook on each such
+        node, and its recorded grad is this call's own: the sum of those uses' contributions, added
+        in the order autograd adds them, which is the parameter grad a replay of the call's backward
+        computes. Without the call's own, the parameter's gradient hook records the total autograd
+        accumulates over the pass (every call of the module, a weight decay term in the loss, a tied
+        module's use). The others (no node found: a graph made on several threads; uses rebuilt in
+        the backward, ``torch.utils.checkpoint(use_reentrant=True)``) are hooked as totals."""
+        walked = taps.parameter_uses(outputs, {id(p): name for name, p in link.params}, link.since) \
+            if outputs and link.since >= 0 else None
+        uses, reused = walked if walked is not None else ({}, [])
+        if reused:
+            self._reused_nodes(link, reused)
+        by_node: dict[Any, list[tuple[int, str]]] = {}
+        for name, edges in uses.items():
+            link.own[name] = len(edges)
+            for node, k in edges:
+                by_node.setdefault(node, []).append((k, name))
+        for node, places in by_node.items():  # they go with the graph: a retained graph's next pass fires them too
+            node.register_hook(_backward_callback(self._on_own_grad, link, tuple(places)))
+        if link.own:
+            with self.lock:
+                i = bisect.bisect_right(self._span_starts, link.since)
+                self._span_starts.insert(i, link.since)
+                self._spans.insert(i, link)
+        tied = self._tied_params() if frame.path else {}
+        shared: list[tuple[str, list[str]]] = []
+        for name, p in link.params:
+            # Every parameter's own gradient hook too: once it runs every use has sent its contribution,
+            # and a pass that reached the parameter only by other paths (an auxiliary loss the module
+            # keeps) records the total, as for the others (_on_param_grad).
+            self._hook_param(link, name, p)
+            if name not in link.own and id(p) in tied:  # tied weights: a use outside the step adds to its grad
+                outside = [o for o in tied[id(p)] if not o.startswith(f"{frame.path}.")]
+                if outside:
+                    shared.append((name, outside))
+        if shared:
+            frame.notes.append(f"{_one_line([n for n, _ in shared])}: {layout.SHARED_PARAM_NOTE} (also "
+                               f"{_one_line([o for _, others in shared for o in others])})")
+
+    def _note_param_hooks(self, frame: Frame, name: str, p: torch.Tensor) -> None:
+        """Note the user's gradient hooks on a parameter (pruning masks). Its hooks hold the
+        recorder's too, one for each call of the module in the pass so far (thousands in a recurrent
+        loop): only the hooks added since the last look are looked at (their keys, a handle counter
+        of torch's, grow), and the user's found before are kept while they stay."""
+        hooks = p._backward_hooks
+        if len(self._hook_scan) > _SEEN_LIMIT:
+            self._hook_scan.clear()
+        last, theirs = self._hook_scan.get(id(p), (-1, {}))
+        for key in reversed(hooks):
+            if key <= last:
+                break
+            hook = hooks[key]
+            if not (isinstance(hook, functools.partial) and hook.func is _called_back):
+                theirs[key] = hook
+        theirs = {k: h for k, h in theirs.items() if k in hooks}
+        self._hook_scan[id(p)] = (max(last, next(reversed(hooks), last)), theirs)
+        if theirs:
+            what = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in list(theirs.values())[:3])
+            frame.notes.append(f"{name}: {layout.PARAM_HOOK_NOTE} ({what})")
+
+    def _reused_nodes(self, caller: BackwardLink, reused: list[int]) -> None:
+        """A call's graph (``caller``'s) reached nodes made before it, other than through its inputs'
+        taps (``reused``: their sequence numbers). One made during an earlier call (a weight it made
+        and cached for later calls) sends that call's parameters the gradients of every call using
+        it: that call's parameter grads are recorded as totals, not as its own. Calls nest, so the
+        calls whose nodes a number falls among are the last to begin at or before it, or those it
+        ran inside. One made outside every call and reached by two calls (a weight cached before
+        them) is theirs alike; one that only this call reaches (a tensor its module's own pre-hook
+        made for it) is its own. Calls that share nodes so record their parameters' totals with a
+        note (REUSED_NOTE): totals through shared nodes, which no replay of one call computes."""
+        with self.lock:
+            for seq in reused:
+                i = bisect.bisect_right(self._span_starts, seq) - 1
+                link = self._spans[i] if i >= 0 else None
+                while link is not None and link.until >= 0 and not link.since <= seq < link.until:
+                    link = link.outer
+                if link is not None and link.until >= 0:
+                    caller.reused = True
+                while link is not None and link.until >= 0:  # it and the calls it ran inside
+                    link.own.clear()
+                    link.reused = True
+                    link = link.outer
+                other = self._reached.setdefault(seq, caller)
+                if other is not caller:
+                    other.reused = caller.reused = True
+
+    def _prune_spans(self) -> None:
+        """Forget the calls whose backward is over (under the lock)."""
+        live = {id(lk) for lk in self._links}
+        self._spans = [lk for lk in self._spans if id(lk) in live]
+        self._span_starts = [lk.since for lk in self._spans]
+        self._reached = {seq: lk for seq, lk in self._reached.items() if id(lk) in live}
+
     @staticmethod
-    def _note_returned_parameters(frame: Frame, leaves: list[torch.Tensor]) -> None:
+    def _note_returned_parameters(frame: Frame, leaves: list[torch.Tensor], own: dict[str, int]) -> None:
         """A module step returning one of its own parameters as it is (learned queries, a position
         table): a leaf, which no tap follows; the gradient the caller's use sends it goes straight
         into the parameter's, which then holds more than this call's backward computes from its
-        outputs. Noted, so that a replay does not compare that parameter's gradient."""
+        outputs. Noted, so that a replay does not compare that parameter's gradient; not for one
+        whose grad is recorded as the call's own (``own``), which leaves the caller's use out."""
         mine = {id(p): name for name, p in frame.module.named_parameters()}
-        names = [mine[id(t)] for t in leaves if id(t) in mine]
+        names = [mine[id(t)] for t in leaves if id(t) in mine and mine[id(t)] not in own]
         if names:
             frame.notes.append(f"{_one_line(names)}: {layout.RETURNED_PARAM_NOTE}")
 
@@ -1078,7 +1201,8 @@ class Session:
                "forward": frame.forward, "t_start": frame.t_start, "t_end": frame.t_end}
         self._send(StepItem(index=frame.index, row=row, docs=docs, rng=frame.rng, tensors=frame.tensors,
                             exception=frame.exception, expectations=frame.expectations, notes=frame.notes,
-                            alerts=frame.alerts, collectives=frame.collectives, vmap=frame.vmap or None), 0)
+                            alerts=frame.alerts, collectives=frame.collectives, vmap=frame.vmap or None,
+                            own_grads=frame.own_grads), 0)
 
     def _monitor(self, frame: Frame, out: Any = None) -> None:
         """Run checks, breakpoints and the anomaly action on a finished step (before it is submitted)."""
@@ -1199,19 +1323,63 @@ class Session:
         either backward), not this call's. Without that other call, it is this call's, through a
         path other than its outputs (an auxiliary loss kept on the module)."""
         def run() -> None:
-            if link.frame is None and link.complete and any(other.fwd.module is link.fwd.module
-                                                            for other in self._pass):  # (all begun)
+            if name in link.own:  # its uses in the call's graph have all run by now
+                if name in link.sums:  # some sent no gradient: the sum of those that did is the call's own
+                    _, total = link.sums.pop(name)
+                    if total is not None:
+                        self._own_grad(link, name, total)
+                if name in link.done:
+                    return
+            if link.frame is None and link.complete and self._pass_modules[id(link.fwd.module)]:  # (all begun)
                 return
             frame = self._open_backward(link)
             self._capture(frame, "param_grad", name, grad)
             frame.t_end = max(frame.t_end, time.perf_counter() - self.t0)
         self._guard("capturing parameter grads", run)
 
+    def _on_own_grad(self, link: BackwardLink, places: tuple[tuple[int, str], ...],
+                     grads: tuple[torch.Tensor | None, ...], _outputs: Any) -> None:
+        """A node of a call's graph that uses its parameters ran (``places``: where their gradients
+        are among ``grads``): add each one's contribution to the call's own parameter grad; once
+        every use has sent one, it is recorded (what never came, a use with no gradient to send,
+        at the pass's end: ``_finish_own``)."""
+        def run() -> None:
+            for k, name in places:
+                if name not in link.own:  # a later call reused its nodes: recorded as a total (_reused_nodes)
+                    continue
+                came, total = link.sums.get(name, (0, None))
+                g = grads[k]
+                if g is not None:
+                    total = g if total is None else total + g  # as autograd adds them: commutes bitwise
+                if came + 1 < link.own[name]:
+                    link.sums[name] = (came + 1, total)
+                    continue
+                link.sums.pop(name, None)
+                if total is not None:
+                    self._own_grad(link, name, total)
+        self._guard("capturing parameter grads", run)
+
+    def _own_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
+        link.done.add(name)
+        frame = self._open_backward(link)
+        frame.own_grads.append(name)
+        self._capture(frame, "param_grad", name, grad)
+        frame.t_end = max(frame.t_end, time.perf_counter() - self.t0)
+
+    def _finish_own(self, links: list[BackwardLink]) -> None:
+        """A pass is over: record the parameter grads of uses that did not all send one."""
+        for link in links:
+            sums, link.sums = link.sums, {}
+            for name, (_, total) in sums.items():
+                if total is not None and link.frame is not None:
+                    self._guard("capturing parameter grads", functools.partial(self._own_grad, link, name, total))
+            link.done.clear()
+
     def _open_backward(self, link: BackwardLink) -> Frame:
         if link.frame is not None:
             return link.frame
         fwd = link.fwd
-        parent = next((lk.frame.index for lk in self._pass if lk.fwd.index == fwd.parent and lk.frame), -1)
+        parent = self._pass_frames[fwd.parent].index if fwd.parent in self._pass_frames else -1
         now = time.perf_counter() - self.t0
         frame = Frame(index=self._new_index(), phase=1, defn=fwd.defn, module=fwd.module, path=fwd.path,
                       call=fwd.call, parent=parent, iteration=self.iteration, t_start=now,
@@ -1221,10 +1389,14 @@ class Session:
         frame.module_doc = fwd.module_doc
         if link.graphed:  # a later pass, through the graph of gradients an earlier one made
             frame.notes.append(layout.SECOND_ORDER_NOTE)
+        if link.reused and len(link.own) < len(link.params):
+            frame.notes.append(layout.REUSED_NOTE)
         elif torch.is_grad_enabled():  # autograd runs a backward with grad mode = create_graph
             link.graphed = True
         link.frame = frame
         self._pass.append(link)
+        self._pass_frames[fwd.index] = frame
+        self._pass_modules[id(fwd.module)] += 1
         if link.hooked and not link.handles:  # a second backward through this call's graph: hooked again
             for name, p in link.hooked:
                 self._hook_param(link, name, p, again=True)
@@ -1237,10 +1409,13 @@ class Session:
         """Autograd calls this when a backward pass is over: the open backward steps are complete.
         Also called with ``aborted=True`` at iteration ends and on close, for a backward pass that
         raised (autograd then never calls back): its steps are written with what they captured."""
+        self._finish_own(list(self._pass))
         with self.lock:
             if aborted and not self._pass:
                 return
             done, self._pass, self._callback_queued = self._pass, [], False
+            self._pass_frames.clear()
+            self._pass_modules.clear()
             if aborted:
                 for link in done:
                     if link.frame is not None:
@@ -1253,6 +1428,7 @@ class Session:
                 link.frame = None  # a second backward through the same graph is a new step
             ids = {id(lk) for lk in done}
             self._links = [lk for lk in self._links if id(lk) not in ids]
+            self._prune_spans()
         if not self.enabled or self.closed:
             return
         pending = None
@@ -1362,13 +1538,6 @@ def _backward_callback(method: Callable[..., Any], *bound: Any) -> Callable[...,
     ~10 us a call, and transformers or Lightning load torch._dynamo whether or not anything is
     compiled)."""
     return functools.partial(_called_back, method, *bound)
-
-
-def _note_param_hooks(frame: Frame, name: str, hooks: Any) -> None:
-    theirs = [h for h in hooks if not (isinstance(h, functools.partial) and h.func is _called_back)]
-    if theirs:
-        what = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in theirs[:3])
-        frame.notes.append(f"{name}: {layout.PARAM_HOOK_NOTE} ({what})")
 
 
 def _called_back(method: Callable[..., Any], *args: Any) -> Any:

@@ -57,6 +57,73 @@ def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback) -> tuple[d
     return {key: tapped[first[id(value)]] for key, value in values}, keys
 
 
+_PROBE = torch.zeros(0, requires_grad=True)  # a leaf whose view makes a node: autograd's sequence number now
+_WALK_LIMIT = 100_000  # nodes a walk of one call's graph visits at most (see parameter_uses)
+
+
+def sequence_now() -> int:
+    """Autograd's sequence number now: every node made after this on this thread has a larger one
+    (each thread counts its own). -1 when no node can be made here (no grad mode, a mode of the
+    user's that refuses a plain tensor)."""
+    try:
+        node = _PROBE.view(0).grad_fn
+    except Exception:  # noqa: BLE001 - then no walk: parameter grads are hooked as totals
+        return -1
+    return -1 if node is None else node._sequence_nr()
+
+
+def parameter_uses(outputs: list[torch.Tensor], params: dict[int, str], since: int
+                   ) -> tuple[dict[str, list[tuple[Any, int]]], list[int]] | None:
+    """Where one call's graph uses its parameters: for each parameter (``params``: id -> name) a node
+    made during the call (sequence number ``since`` or later) takes, ``[(node, k)]``, k the place of
+    the parameter's gradient among the node's ``next_functions``, found by a walk back from the
+    call's ``outputs`` that stops at nodes made before the call. A hook on those nodes sees each
+    use's contribution to the parameter's gradient before autograd adds it to the others (another
+    call's, a weight decay term in the loss, a tied module's), in the order autograd adds them.
+
+    Also returns the sequence numbers of the nodes made before the call that it reached other than
+    through a tap of its inputs (a weight an earlier call made and cached, ``parametrize.cached()``):
+    made during an earlier call, such a node sends that call's parameters this call's gradients too.
+    None when the walk is longer than ``_WALK_LIMIT`` nodes (a graph made on several threads, whose
+    sequence numbers do not bound it)."""
+    found: dict[str, list[tuple[Any, int]]] = {}
+    reused: list[int] = []
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > _WALK_LIMIT:
+            return None
+        if node._sequence_nr() < since:  # an output made before the call (returned as it was)
+            reused.append(node._sequence_nr())
+            continue
+        tap_node = type(node) is _TAP_NODE
+        for k, (after, _) in enumerate(node.next_functions):
+            if after is None or after in seen:
+                continue
+            if type(after) is _ACCUMULATE_GRAD:
+                name = params.get(id(after.variable))
+                if name is not None:
+                    found.setdefault(name, []).append((node, k))
+            elif after._sequence_nr() >= since:
+                stack.append(after)
+            elif not tap_node:
+                reused.append(after._sequence_nr())
+    return found, reused
+
+
+def _accumulate_grad_type() -> type:
+    leaf = torch.zeros(0, requires_grad=True)
+    return type(leaf.view(0).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+
+
+_ACCUMULATE_GRAD = _accumulate_grad_type()
+_TAP_NODE = _Tap._backward_cls  # type: ignore[attr-defined]
+
+
 def wants_tap(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad and value.layout == torch.strided
 

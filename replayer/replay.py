@@ -583,7 +583,12 @@ class Replayer:
                              frozenset(r.name for r in step.records if r.role == "grad_input"))
         grad_outputs = {r.name: r for r in step.records if r.role == "grad_output"}
         wanted = [r for r in step.records if r.role in ("grad_input", "param_grad")]
-        hooked = [n for n in fwd.extra.get("notes", []) if layout.PARAM_HOOK_NOTE in n]
+        # Parameter grads recorded as the call's own (schema 1.11): what its graph's uses contributed,
+        # before autograd added other calls', the loss's or a tied module's; the others are totals.
+        own = frozenset(step.extra.get("own_grads") or ())
+        totals = [r for r in wanted if r.role == "param_grad" and r.name not in own]
+        hooked = [n for n in fwd.extra.get("notes", []) if layout.PARAM_HOOK_NOTE in n
+                  and n.split(":", 1)[0] not in own]
         if hooked:  # the recorded gradients passed through hooks the replay does not have
             warnings.append(f"forward step {fwd.index}: " + "; ".join(hooked) + " (a likely cause of any difference)")
         left: list[TensorRecord] = []
@@ -591,23 +596,32 @@ class Replayer:
             # their recorded gradients hold what the caller's use of them sent too, or another module's
             texts = [n for n in fwd.extra.get("notes", []) if note in n]
             names = {name.strip() for text in texts for name in text.split(":", 1)[0].split(",")}
-            out = [r for r in wanted if r.role == "param_grad" and r.name in names]
+            out = [r for r in totals if r.name in names]
             if out:
                 wanted = [r for r in wanted if r not in out]
                 left += out
                 warnings.append(f"parameter grads not compared: {', '.join(r.name for r in out)}, "
                                 + texts[0].split(": ", 1)[1])
+        reused = [r for r in totals if r in wanted] if layout.REUSED_NOTE in step.extra.get("notes", []) else []
+        if reused:
+            wanted = [r for r in wanted if r not in reused]
+            left += reused
+            warnings.append(f"parameter grads not compared: {', '.join(r.name for r in reused)}: "
+                            f"{layout.REUSED_NOTE}")
         calls = self._calls_of_module(step, fwd)
         not_compared = warnings[-1] if left else ""  # why parameter grads are left out, if they are
-        # Two calls (a Siamese encoder's two views): their total is the same bits in either order; with
-        # more, autograd's order of addition is not one a replay can be sure to follow.
-        others = self._pass_siblings(step, fwd) if calls == 2 and any(r.role == "param_grad" for r in wanted) \
-            and self.plan.empty and not (nested and descendants(fwd)) else None
+        # Totals over two calls (a Siamese encoder's two views) are the same bits in either order; with
+        # more, autograd's order of addition is not one a replay can be sure to follow. (The calls' own
+        # grads are each their call's: a replay of the others would add to them.)
+        totals = [r for r in totals if r in wanted]
+        others = self._pass_siblings(step, fwd) if calls == 2 and totals and self.plan.empty \
+            and not (nested and descendants(fwd)) and len(totals) == sum(r.role == "param_grad" for r in wanted) \
+            else None
         if others is not None:  # every call of the pass replayed together: their total is compared
             warnings.append(f"parameter grads compared as the total over the {calls} calls of "
                             f"{fwd.module_path or fwd.name} in this backward pass, replayed together")
-        elif calls > 1 and any(r.role == "param_grad" for r in wanted):
-            wanted = [r for r in wanted if r.role != "param_grad"]
+        elif calls > 1 and totals:
+            wanted = [r for r in wanted if r not in totals]
             not_compared = (f"parameter grads not compared: {fwd.module_path or fwd.name} ran {calls} times in "
                             f"this backward pass (iteration {fwd.iteration}), and each recorded parameter grad is the "
                             "total over all of them (autograd accumulates before the hook sees it)")

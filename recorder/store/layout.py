@@ -33,14 +33,16 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.10"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.11"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
 # 1.7: $dataclass attrs, skeleton tied, grad outputs inside output containers;
 # 1.8: steps/flags bits ALERTS, NAN_RESULT, NAN_INPUT; 1.9: tag $partial;
 # 1.10: output records "after:<input>" (inputs a call changed in place), input records "<input>:grad" (an input
-#       leaf's .grad), skeleton hook kind "prune"
+#       leaf's .grad), skeleton hook kind "prune";
+# 1.11: a backward step's parameter grads are its call's own where its extra lists them ("own_grads"), note
+#       REUSED_NOTE
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 KINDS_SINCE = (1, 8)  # recordings of this schema or later tell NaN from Inf in steps/flags
 CHECKSUM_KEY = "checksum"
@@ -68,6 +70,11 @@ GRAD_SUFFIX = ":grad"
 # A forward step's note: "<parameter>[, <parameter>...]: " + this + " (<its other paths>)".
 SHARED_PARAM_NOTE = ("shared with modules outside the step (tied weights): their use of them adds to the parameter "
                      "grads, which a replay of this step's backward does not compute")
+# A backward step's note: its parameter grads that are totals (not in its "own_grads") came through
+# nodes that another call made or used too. Since 1.11.
+REUSED_NOTE = ("its parameter grads came through nodes that more than one call used (a weight made once for "
+               "several calls, parametrize.cached()): each is a total over those calls, which a replay of "
+               "this step's backward does not compute")
 # A forward step's note: "<parameter>: " + this + " (<hooks>)".
 PARAM_HOOK_NOTE = ("the parameter had gradient hooks of its own (Tensor.register_hook): its recorded gradient is what "
                    "they made of it, and a replay runs without them")
