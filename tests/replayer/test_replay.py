@@ -482,18 +482,21 @@ class OrthoCell(torch.nn.Module):
         return torch.tanh(self.rot(h))
 
 
-@pytest.mark.parametrize("calls", [2, 3])
-def test_a_weight_made_once_for_several_calls_is_not_compared_as_one_calls(tmp_path: Path, calls: int) -> None:
-    """Under parametrize.cached() the first call makes the orthogonal weight and the later calls use
-    it too: the gradient reaching the parametrization's parameter is every call's. It is not taken
-    for the first call's own (a false MISMATCH of 28 elements with three calls, and with two the
-    calls were replayed together, each computing the weight anew: a MISMATCH too); it is left out,
-    saying why, and the grad inputs are compared."""
+@pytest.mark.parametrize(("calls", "made"), [(2, "by the first call"), (3, "by the first call"), (2, "before")])
+def test_a_weight_made_once_for_several_calls_is_not_compared_as_one_calls(tmp_path: Path, calls: int,
+                                                                          made: str) -> None:
+    """Under parametrize.cached() the first call (or the code before the calls) makes the orthogonal
+    weight and the later calls use it too: the gradient reaching the parametrization's parameter is
+    every call's. It is not taken for the first call's own (a false MISMATCH of 28 elements with
+    three calls, and with two the calls were replayed together, each computing the weight anew: a
+    MISMATCH too); it is left out, saying why, and the grad inputs are compared."""
     torch.manual_seed(0)
     cell = OrthoCell()
     with recorder.record(tmp_path / "run.zarr", model=cell, mode="full"):
         h = torch.randn(2, 4, requires_grad=True)
         with torch.nn.utils.parametrize.cached():
+            if made == "before":
+                assert cell.rot.weight.requires_grad
             for _ in range(calls):
                 h = cell(h)
         h.sum().backward()
