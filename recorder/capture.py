@@ -1458,6 +1458,9 @@ class Session:
         self.modules.close()
         with self.lock:
             links, self._links = self._links, []
+            # What refers to the calls, their modules or tensors: a closed recording keeps none alive.
+            self._spans, self._span_starts, self._reached, self._hook_scan = [], [], {}, {}
+            self._tied = None
         for link in links:
             for handle in link.handles:
                 handle.remove()

@@ -126,3 +126,4 @@ class ModuleStack:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.model = None  # a closed recording keeps no training object alive

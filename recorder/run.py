@@ -286,8 +286,10 @@ class Run:
         self._collectives.remove()
         for hook in self._hooks:
             hook.remove()
+        self._hooks = []
         self._restore_signals()
         self.session.close()
+        self._optimizer = None  # a closed recording keeps no training object alive (the model: session.close)
         if self._forked():  # the parent closes the recording; this process only took its hooks out
             return
         if self._backend_later and self._writer.dist["backend"] is None:

@@ -66,6 +66,17 @@ class Recording:
         self.storage_options = storage_options  # to open it again (a reload)
         self.known_origin: Any = None  # first_nonfinite's last answer here, for summaries that must not search
 
+    def close(self) -> None:
+        """Let go of the recording's files: a bundle (a zip) stays open while its Recording lives.
+        ``with replayer.open(path) as rec:`` closes it at the end of the block."""
+        self.reader.close()
+
+    def __enter__(self) -> Recording:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
     @property
     def status(self) -> str:
         return self.reader.status

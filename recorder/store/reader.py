@@ -141,6 +141,13 @@ class RunReader:
         self._ranks: dict[int, RankReader] = {}
 
     # -- checks, in the order a user's mistake is most likely ----------------------------------
+    def close(self) -> None:
+        """Let go of the store: a bundle's zip file stays open until then (or until the reader is
+        collected). Reading after it fails."""
+        close = getattr(self.store, "close", None)
+        if self.store is not self.target and callable(close):  # (a store the caller gave stays theirs)
+            close()
+
     def _read_json(self, key: str) -> Any:
         try:
             raw = backend.get(self.store, key)

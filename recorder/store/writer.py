@@ -66,13 +66,14 @@ class _DaemonThreads:
         for future in [self.submit(fn, item) for item in items]:
             future.result()
 
-    def shutdown(self, wait: bool = False) -> None:
-        """Let the threads end once the calls submitted before are done; ``wait``: join them."""
+    def shutdown(self, wait: bool = False, timeout: float | None = None) -> None:
+        """Let the threads end once the calls submitted before are done; ``wait``: join them (each
+        for ``timeout`` seconds at most: one stuck in a store that stopped answering is left)."""
         for _ in self._threads:
             self._calls.put(None)
         if wait:
             for thread in self._threads:
-                thread.join()
+                thread.join(timeout)
 
 
 def dumps(doc: Any) -> bytes:
@@ -610,18 +611,23 @@ class StoreWriter:
         if self._put_pool is not None:  # chunks of rows that will never be committed: not waited for
             self._put_pool.shutdown()
             self._put_pool, self._puts = None, deque()
-        # The spare copies of partial chunks: room on a full disk for the manifest that says incomplete.
-        backend.remove_partials(self.store, layout.rank_group(self.rank), top=self.rank == 0)
-        raw = backend.get(self.store, layout.manifest_key(self.rank))
         try:
-            committed = json.loads(raw)["ranks"][str(self.rank)] if raw is not None else None
-        except (ValueError, KeyError, TypeError):
-            committed = None
-        if not isinstance(committed, dict):  # nothing committed (the layout may be unfinished): leave it
-            return
-        self.status = "incomplete"
-        self.write_manifest(committed)
-        self._publish_final()
+            # The spare copies of partial chunks: room on a full disk for the manifest that says incomplete.
+            backend.remove_partials(self.store, layout.rank_group(self.rank), top=self.rank == 0)
+            raw = backend.get(self.store, layout.manifest_key(self.rank))
+            try:
+                committed = json.loads(raw)["ranks"][str(self.rank)] if raw is not None else None
+            except (ValueError, KeyError, TypeError):
+                committed = None
+            if not isinstance(committed, dict):  # nothing committed (the layout may be unfinished): leave it
+                return
+            self.status = "incomplete"
+            self.write_manifest(committed)
+            self._publish_final()
+        finally:  # nothing more is written: its threads end (a process that records again keeps none)
+            if self._io is not None:  # (idle: every call of theirs was waited for)
+                self._io.shutdown(wait=True, timeout=5.0)
+                self._io = None
 
     def write_manifest(self, lengths: dict[str, int] | None = None) -> None:
         """Commit: the manifest with ``lengths`` (default: everything appended and flushed)."""

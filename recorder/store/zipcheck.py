@@ -36,6 +36,11 @@ def _refuse(path: Path, why: str) -> FormatError:
 def check_zip(path: str | Path) -> None:
     """Raise FormatError (one line) unless ``path`` is a zip that holds only what a recording holds."""
     path = Path(path)
+    try:  # is_zipfile() takes a file it cannot open (too many open files, no permission) for no zip
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if not zipfile.is_zipfile(path):
         raise NotARecordingError(f"{path} is not a PaperDebugger recording (neither a recording directory nor a "
                                  "zip: a truncated bundle or another kind of file); give the path of a recording")

@@ -255,6 +255,7 @@ def test_disk_full_mid_run_marks_the_run_incomplete(tmp_path, monkeypatch, unrec
     untouched, one warning names the full disk, and the run is `incomplete` with exactly the steps
     committed before the fault, each readable and bitwise equal to a run without fault."""
     path = tmp_path / "run.zarr"
+    threads = set(threading.enumerate())
     run, disk, filled_at, messages, losses, params = record_until_full(path, monkeypatch, leave=256 << 10)
     assert_training_untouched(losses, params, unrecorded)
     assert_disk_full_warning(messages)
@@ -274,6 +275,8 @@ def test_disk_full_mid_run_marks_the_run_incomplete(tmp_path, monkeypatch, unrec
     # The incomplete manifest commits what the last good one did, nothing more.
     manifest = json.loads((path / layout.MANIFEST_KEY).read_text())
     assert manifest["status"] == "incomplete" and manifest["ranks"] == good["ranks"]
+    # The recording's threads ended with it (its 4 I/O threads lived as long as the process).
+    assert not [t.name for t in set(threading.enumerate()) - threads if t.name.startswith("pdbg-")]
 
 
 def test_disk_full_with_no_room_left_keeps_the_last_manifest(tmp_path, monkeypatch, unrecorded, reference):

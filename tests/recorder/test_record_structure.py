@@ -5,9 +5,14 @@ with torch's own."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+from pathlib import Path
+
 import pytest
 import torch
 
+import recorder
 from recorder.store.reader import RunReader
 from tests.models import record_training
 
@@ -146,3 +151,23 @@ class TestPayloads:
                 assert s["norm"] == pytest.approx(t.norm().item(), rel=1e-5)
                 checked += 1
         assert checked > 300
+
+
+def test_a_closed_recording_keeps_no_training_object_alive(tmp_path: Path) -> None:
+    """A notebook keeps the Run after `with record(...) as run:`; deleting the model and the
+    optimizer must free them (and the optimizer's state: on a GPU, its memory), in every mode.
+    The closed Run held both until it was deleted itself."""
+    for mode in ("stats", "full", "flight"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters())
+        with recorder.record(tmp_path / f"{mode}.zarr", model=model, optimizer=opt, mode=mode,
+                             modules=["0", "2"]) as run:
+            for _ in range(2):
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        assert run.status == "complete"
+        refs = [weakref.ref(model), weakref.ref(opt), weakref.ref(opt.state[model[0].weight]["exp_avg"])]
+        del model, opt
+        gc.collect()
+        assert [r() is None for r in refs] == [True, True, True], mode

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import resource
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from torch import nn
 
 import recorder
 import replayer
-from recorder.errors import ReplayError
+from recorder.errors import FormatError, ReplayError
 from recorder.store import layout
 from tests.cli import ROOT
 
@@ -454,3 +455,28 @@ def test_a_bundle_carries_the_project_modules_its_code_imports(tmp_path: Path) -
         assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
     assert replayer.replay(replayer.open(elsewhere / "act.pdbg"), use_bundled_source=True).match
     assert not [m for m in sys.modules if m == "mylib" or m.startswith("mylib.")]
+
+
+def test_an_open_bundle_lets_go_of_its_file_when_closed(recorded: tuple[Path, Path], tmp_path: Path) -> None:
+    """A bundle's Recording holds its zip open (a notebook's Out[] keeps every one displayed):
+    `with replayer.open(...)` or close() lets it go. Out of file descriptors, opening one says so
+    (it said the intact bundle was not a recording)."""
+    run_path, _ = recorded
+    bundle = replayer.bundle(replayer.open(run_path), "Eq. 1@iter=3", tmp_path / "one.pdbg").path
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()
+    with replayer.open(bundle) as rec:
+        assert fds() > before and rec.step(0).tensor("args.0").numel()
+    assert fds() == before
+    held = [replayer.open(bundle) for _ in range(3)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (fds() + 1, hard))
+    try:
+        with pytest.raises(FormatError, match=r"one.pdbg: cannot be read \(Too many open files\)"):
+            for _ in range(8):
+                held.append(replayer.open(bundle))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for rec in held:
+            rec.close()
+    assert fds() == before
