@@ -1334,7 +1334,7 @@ class Session:
                 return
             frame = self._open_backward(link)
             self._capture(frame, "param_grad", name, grad)
-            frame.t_end = max(frame.t_end, time.perf_counter() - self.t0)
+            # (not the step's end: a total comes once the pass has reached every call, at its end)
         self._guard("capturing parameter grads", run)
 
     def _on_own_grad(self, link: BackwardLink, places: tuple[tuple[int, str], ...],

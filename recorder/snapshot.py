@@ -244,6 +244,7 @@ def _candidates() -> list[tuple[str, Any, Any]]:
         ("cudnn_enabled", fast("_get_cudnn_enabled"), lambda: b.cudnn.enabled),
         ("cudnn_deterministic", fast("_get_cudnn_deterministic"), lambda: b.cudnn.deterministic),
         ("cudnn_benchmark", fast("_get_cudnn_benchmark"), lambda: b.cudnn.benchmark),
+        ("mkldnn_enabled", fast("_get_mkldnn_enabled"), lambda: b.mkldnn.enabled),  # oneDNN's CPU kernels (1.11)
         ("cudnn_allow_tf32", fast("_get_cudnn_allow_tf32"), lambda: b.cudnn.allow_tf32),
         ("cuda_matmul_allow_tf32", fast("_get_cublas_allow_tf32"), lambda: b.cuda.matmul.allow_tf32),
         ("cuda_matmul_fp16_reduced_precision",

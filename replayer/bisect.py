@@ -164,7 +164,7 @@ class Origin:
                                 for r, o in self.others.items()}}
 
     def __repr__(self) -> str:
-        op = f"; operation {self.op.where()}" if self.op is not None else ""
+        op = f"; operation {self.op.where()}" if self.op is not None else f"; {self.op_note}" if self.op_note else ""
         spread = f"; {len(self.spread)} steps went non-finite after it" if self.spread else ""
         return f"<Origin: {self.cause}{op}{spread}>"
 

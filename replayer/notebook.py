@@ -263,7 +263,12 @@ def replay_result(res: ReplayResult) -> str:
     title = join([f"Replay of step {res.step.index} ", code(res.step.selector), " ", verdict])
     return block(title, fields(rows), outputs,
                  listing("warnings", res.warnings), listing("environment differences", res.environment_differences),
-                 hint('res.diffs["output"]', "res.values", "res.inner", "res.to_json()"))
+                 hint(f"res.diffs[{_first_diff(res)!r}]", "res.values", "res.inner", "res.to_json()"))
+
+
+def _first_diff(res: Any) -> str:
+    """The record to look at first: the first that differs, else the first compared."""
+    return next((d.name for d in res.outputs if not d.match), next(iter(res.diffs), "output"))
 
 
 def _short(doc: dict[str, Any]) -> str | None:
@@ -307,6 +312,8 @@ def origin(o: Origin) -> str:
 def _operation(o: Origin) -> list[tuple[str, Any]]:
     """The aten operation inside the origin step (``ops=True``), or how to ask for it."""
     op = o.op
+    if op is None and o.op_note:  # asked for, and not found: why
+        return [("operation", o.op_note)]
     if op is None:
         return [("operation", muted("replayer.first_nonfinite(rec, ops=True) names it"))] if o.step else []
     return [("operation", code(op.name)), ("autograd node", op.node),

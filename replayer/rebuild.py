@@ -65,7 +65,9 @@ def unresolved(value: Any) -> str | None:
     """What in a decoded value could not be brought back (an opaque value, a type not importable
     now, a tensor whose data was not kept), or None."""
     if isinstance(value, jsonval.Opaque):
-        return f"a {value.type} ({value.repr}), which could not be recorded as data"
+        shown = " ".join(str(value.repr).split())  # one line, whatever the repr's layout
+        shown = shown if len(shown) <= 120 else shown[:119] + "…"
+        return f"a {value.type} ({shown}), which could not be recorded as data"
     if isinstance(value, jsonval.Record):
         return f"a {value.type}, which cannot be imported now"
     if isinstance(value, (jsonval.TensorMeta, jsonval.TensorRef)):

@@ -509,6 +509,11 @@ class Replayer:
 
     # -- forward ---------------------------------------------------------------------------------
     def _forward(self, step: Step, threads: int | None, nested: bool) -> ReplayResult:
+        stopped = (step.extra.get("exception") or {}).get("type")
+        if stopped in _STOPPED_FROM_OUTSIDE:
+            raise ReplayError(f"step {step.index} was stopped from outside while it ran ({stopped.split(':')[-1]}: "
+                              "Ctrl-C, a kernel interrupt, sys.exit): it has no result of its own to compare; the "
+                              "steps before it replay")
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}
         call = self._prepare(step, warnings, rebuilt)
@@ -902,6 +907,8 @@ def _compare_all(step: Step, records: list[TensorRecord], values: dict[str, torc
     return diffs
 
 
+# What stops a process from outside a step, at whatever line it ran: not the step's outcome.
+_STOPPED_FROM_OUTSIDE = frozenset({"builtins:KeyboardInterrupt", "builtins:SystemExit"})
 # What the recorder itself raises to stop training (on_anomaly="stop", "pdb"): not the step's outcome.
 _RECORDER_STOPS = frozenset({"recorder.monitors:NonFiniteError", "recorder.monitors:BreakpointStop"})
 

@@ -45,6 +45,7 @@ def _setters() -> dict[str, Setter]:
         "cudnn_enabled": attr(b.cudnn, "enabled"),
         "cudnn_deterministic": attr(b.cudnn, "deterministic"),
         "cudnn_benchmark": attr(b.cudnn, "benchmark"),
+        "mkldnn_enabled": attr(b.mkldnn, "enabled"),
         "cudnn_allow_tf32": attr(b.cudnn, "allow_tf32"),
         "cuda_matmul_allow_tf32": attr(b.cuda.matmul, "allow_tf32"),
         "cuda_matmul_fp16_reduced_precision": attr(b.cuda.matmul, "allow_fp16_reduced_precision_reduction"),

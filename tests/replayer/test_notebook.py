@@ -247,6 +247,15 @@ class TestReplay:
         out = noted._repr_html_()
         assert "warnings" in out and "code of smooth_relu changed" in out and "environment differences" in out
         assert "&lt;script&gt;" in out and EVIL not in out
+        assert "res.diffs[&#x27;output&#x27;]" in out  # where to look first: the differing record
+
+    def test_the_hint_names_a_record_the_result_has(self, overflow: Path) -> None:
+        """A backward step's result has no "output": the hint names its first record (it named
+        res.diffs["output"], a KeyError)."""
+        rec = replayer.open(overflow)
+        res = replayer.replay(rec, "Scaled@iter=0:backward")
+        first = next(iter(res.diffs))
+        assert first != "output" and f"res.diffs[&#x27;{first}&#x27;]" in res._repr_html_()
 
 
 class TestBisect:
@@ -261,6 +270,10 @@ class TestBisect:
         assert "aten::exp" in repr(origin) and repr(origin).startswith("<Origin: step 5")
         plain = text(replayer.first_nonfinite(rec)._repr_html_())
         assert "ops=True" in plain  # how to get the operation, when it was not asked for
+        unfound = dataclasses.replace(origin, op=None, op_note="no single operation inside the step did it")
+        out = text(unfound._repr_html_())  # asked for and not found: why, not how to ask for it
+        assert "operation no single operation inside the step did it" in out and "ops=True" not in out
+        assert "no single operation inside the step did it" in repr(unfound)
 
     def test_other_ranks_and_nothing_found(self, overflow: Path, hostile: Path) -> None:
         """What other ranks saw is listed; a clean recording says no non-finite value was found."""

@@ -1347,3 +1347,59 @@ def test_a_buffer_changed_between_calls_by_the_loop_is_not_a_mismatch(tmp_path: 
     assert (f"not compared: tau, changed between this call and the next (step {forwards[1]}) by code outside the "
             "step, not by the call (the replay left it as recorded)") in result.warnings
     assert all(replayer.replay(rec, i).match for i in range(len(rec)))
+
+
+@recorder.paper_step("Eq. 21", description="a step the user stopped with Ctrl-C")
+def interrupted(x: torch.Tensor, stop: bool) -> torch.Tensor:
+    if stop:
+        raise KeyboardInterrupt  # where a Ctrl-C or a notebook's interrupt lands
+    return x * 3
+
+
+def test_a_step_stopped_by_ctrl_c_is_not_a_mismatch(tmp_path: Path) -> None:
+    """Ctrl-C (a kernel interrupt) lands inside a step: the step's recorded KeyboardInterrupt is not
+    its outcome. A replay refuses it in one line, and `pdbg verify` lists it apart and exits 0 (it
+    was a MISMATCH, "the replay returned normally", and verify failed the run)."""
+    path = tmp_path / "run.zarr"
+    with pytest.raises(KeyboardInterrupt), recorder.record(path, mode="full") as run:
+        for i in range(3):
+            interrupted(torch.randn(3), stop=i == 2)
+            run.next_iteration()
+    done = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["matched"] == doc["replayed"] == 2 and doc["mismatches"] == []
+    (stopped,) = doc["not_replayed"]
+    assert stopped["step"]["iteration"] == 2 and "stopped from outside while it ran (KeyboardInterrupt" in \
+        stopped["reason"]
+    one = pdbg("replay", str(path), "Eq. 21@iter=2", cwd=tmp_path)
+    assert one.returncode == 2 and one.stderr.count("\n") == 1 and "stopped from outside" in one.stderr
+
+
+@recorder.paper_step("Eq. 22", description="a convolution")
+class ConvStep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+def test_onednn_switched_off_while_recording_is_switched_off_for_the_replay(tmp_path: Path) -> None:
+    """torch.backends.mkldnn.enabled = False (to avoid a oneDNN bug) while recording a convolution:
+    the replay runs with it off too, bit for bit (it ran oneDNN's kernels: 36,000 elements differed
+    with no reason given), and the caller's setting comes back after."""
+    torch.manual_seed(0)
+    conv = ConvStep()
+    path = tmp_path / "run.zarr"
+    try:
+        torch.backends.mkldnn.enabled = False
+        with recorder.record(path, model=conv, mode="full"):
+            conv(torch.randn(4, 16, 20, 20)).pow(2).mean().backward()
+    finally:
+        torch.backends.mkldnn.enabled = True
+    rec = replayer.open(path)
+    assert rec.step(0).settings["mkldnn_enabled"] is False
+    assert all(replayer.replay(rec, i).match for i in range(len(rec)))
+    assert torch.backends.mkldnn.enabled
