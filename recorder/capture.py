@@ -700,6 +700,9 @@ class Session:
         try:
             frame.rng = self.rng.parts()
             frame.settings = self._settings()
+            hooks = skeleton.global_hooks()
+            if hooks:  # the user's hooks on every module's calls: a replay runs without them
+                frame.notes.append(f"{_one_line(hooks)}: {layout.GLOBAL_HOOK_NOTE}")
             frame.module_doc = self._module_doc(module)  # as the call finds it (a schedule may change it)
             tapping = torch.is_grad_enabled() and frame.vmap is None
             slots = taps.argument_slots(args, kwargs) if tapping else []

@@ -116,6 +116,29 @@ def _hook_name(hook: Any) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__qualname__
 
 
+# torch's hooks on every module's calls (torch.nn.modules.module.register_module_forward_hook and
+# the like): (what a message calls them, the attribute of torch.nn.modules.module holding them).
+GLOBAL_HOOKS = (("forward pre-hook", "_global_forward_pre_hooks"), ("forward hook", "_global_forward_hooks"),
+                ("backward pre-hook", "_global_backward_pre_hooks"), ("backward hook", "_global_backward_hooks"))
+
+
+def is_recorders(hook: Any) -> bool:
+    """Whether a global module hook is the recorder's own (a bound method of one of its objects)."""
+    owner = getattr(hook, "__self__", None)
+    where = type(owner).__module__ if owner is not None else getattr(hook, "__module__", None)
+    return isinstance(where, str) and where.startswith("recorder.")
+
+
+def global_hooks() -> list[str]:
+    """The process's global module hooks that are not the recorder's, as a message names them."""
+    found = []
+    for kind, attr in GLOBAL_HOOKS:
+        for hook in getattr(torch.nn.modules.module, attr, {}).values():
+            if not is_recorders(hook):
+                found.append(f"global {kind} {_hook_name(hook)}")
+    return found
+
+
 def _hooks(module: torch.nn.Module) -> tuple[list[dict[str, Any]], set[str], list[str]]:
     """The module's forward pre-hooks that compute a tensor from its parameters (torch's hook-based
     ``weight_norm`` and ``spectral_norm``) as data, the names of the attributes they compute, and a

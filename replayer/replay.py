@@ -352,6 +352,8 @@ class Replayer:
         defn = step.definition
         module_doc = step._doc("module")
         records = step.records
+        warnings += [f"{note} (a likely cause of any difference)" for note in step.extra.get("notes", [])
+                     if layout.GLOBAL_HOOK_NOTE in note and not any(note in w for w in warnings)]
         for r in records:
             if r.role in ("input", "param", "buffer") and not r.has_payload:
                 raise ReplayError(f"step {step.index} ({step.name}) kept statistics only for {r.role} {r.name} "

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import snapshot
+from recorder import skeleton, snapshot
 from recorder.payload import dtype_from_name
 
 # setting -> (setter from the recorded value, getter of the current value as the recorder stores it)
@@ -107,7 +107,7 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
                              "changed in a running process" + (" (set ATEN_CPU_CAPABILITY before starting)"
                                                                if name == "cpu_capability" else ""))
         start_threads()
-        with snapshot.applied_rng(rng if seed is None else {}, cuda=seed is not None):
+        with snapshot.applied_rng(rng if seed is None else {}, cuda=seed is not None), isolated():
             if seed is not None:
                 torch.manual_seed(seed)  # seeds every CUDA device too; restored with the rest
                 np.random.seed(seed % 2**32)
@@ -117,6 +117,34 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
         for setter, value in reversed(undo):
             with contextlib.suppress(Exception):  # restore as much as possible
                 setter(value)
+
+
+@contextlib.contextmanager
+def isolated() -> Iterator[None]:
+    """Run a block without what the calling process set around every call and every backward: its
+    hooks on every module's calls (``register_module_forward_hook`` and the like; the recorder's
+    own stay) and autograd's anomaly mode (its NaN checks raise inside the replay's backward). They
+    come back afterwards, as they were."""
+    saved: list[tuple[dict[int, Any], dict[int, Any]]] = []
+    anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    try:
+        for _, attr in skeleton.GLOBAL_HOOKS:
+            hooks = getattr(torch.nn.modules.module, attr, None)
+            if hooks:
+                saved.append((hooks, dict(hooks)))
+                for key in [k for k, h in hooks.items() if not skeleton.is_recorders(h)]:
+                    del hooks[key]
+        if anomaly[0]:
+            torch.autograd.set_detect_anomaly(False)
+        yield
+    finally:
+        for hooks, before in saved:
+            added = {k: h for k, h in hooks.items() if k not in before}
+            hooks.clear()
+            hooks.update(before)
+            hooks.update(added)
+        if anomaly[0]:
+            torch.autograd.set_detect_anomaly(True, check_nan=anomaly[1])
 
 
 @contextlib.contextmanager

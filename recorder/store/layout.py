@@ -70,6 +70,9 @@ GRAD_SUFFIX = ":grad"
 # A forward step's note: "<parameter>[, <parameter>...]: " + this + " (<its other paths>)".
 SHARED_PARAM_NOTE = ("shared with modules outside the step (tied weights): their use of them adds to the parameter "
                      "grads, which a replay of this step's backward does not compute")
+# A step's note: "<hooks>: " + this. Since 1.11.
+GLOBAL_HOOK_NOTE = ("hooks on every module's calls (torch.nn.modules.module.register_module_forward_hook and the "
+                    "like) were registered in the process when this step ran; a replay runs without them")
 # A backward step's note: its parameter grads that are totals (not in its "own_grads") came through
 # nodes that another call made or used too. Since 1.11.
 REUSED_NOTE = ("its parameter grads came through nodes that more than one call used (a weight made once for "

@@ -11,6 +11,7 @@ import random
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1403,3 +1404,36 @@ def test_onednn_switched_off_while_recording_is_switched_off_for_the_replay(tmp_
     assert rec.step(0).settings["mkldnn_enabled"] is False
     assert all(replayer.replay(rec, i).match for i in range(len(rec)))
     assert torch.backends.mkldnn.enabled
+
+
+def _nudge(module: nn.Module, args: Any, out: Any) -> Any:
+    return out + 0.01 if isinstance(module, nn.Linear) else None
+
+
+def test_hooks_on_every_module_are_named_and_the_callers_own_left_out(tmp_path: Path) -> None:
+    """A hook on every module's calls (register_module_forward_hook) while recording: a replay runs
+    without it and says so (it was a MISMATCH with no reason given). The replaying process's own
+    such hook, and its anomaly mode, do not reach the replay (a clean recording replayed as a
+    MISMATCH, and anomaly mode raised inside its backward), and both are as they were after."""
+    torch.manual_seed(0)
+    critic = Critic()
+    hook = torch.nn.modules.module.register_module_forward_hook(_nudge)
+    try:
+        with recorder.record(tmp_path / "hooked.zarr", model=critic, mode="full"):
+            critic(torch.randn(8, 4)).pow(2).sum().backward()
+    finally:
+        hook.remove()
+    res = replayer.replay(replayer.open(tmp_path / "hooked.zarr"), 0)
+    assert any(w.startswith("global forward hook _nudge: hooks on every module's calls") and
+               w.endswith("(a likely cause of any difference)") for w in res.warnings), res.warnings
+    with recorder.record(tmp_path / "clean.zarr", model=critic, mode="full"):
+        critic(torch.randn(8, 4)).pow(2).sum().backward()
+    rec = replayer.open(tmp_path / "clean.zarr")
+    hook = torch.nn.modules.module.register_module_forward_hook(_nudge)
+    try:
+        with torch.autograd.set_detect_anomaly(True, check_nan=True):
+            assert [replayer.replay(rec, i).match for i in range(len(rec))] == [True] * len(rec)
+            assert torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
+        assert list(torch.nn.modules.module._global_forward_hooks.values()) == [_nudge]
+    finally:
+        hook.remove()
