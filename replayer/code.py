@@ -115,7 +115,8 @@ def script_module(path: str | os.PathLike[str], text: str | None = None
                           "fix it or pass another copy with --script") from None
     body = [n for n in tree.body if not _is_main_guard(n)]
     skipped: frozenset[str] = frozenset()  # names set by top-level statements left out
-    if len(body) != len(tree.body):
+    guarded = len(body) != len(tree.body)
+    if guarded:
         note = "loaded without its if __name__ == '__main__' block"
     else:
         kept = [n for n in body if _is_definition(n)]
@@ -140,17 +141,38 @@ def script_module(path: str | os.PathLike[str], text: str | None = None
     module = types.ModuleType("__main__", ast.get_docstring(tree))
     module.__file__ = str(file)
     module.__dict__["__builtins__"] = __builtins__
-    code = compile(ast.Module(body=body, type_ignores=[]), str(file), "exec")
+    # A guarded script's top level runs whole; an unguarded one's definitions one by one: one that
+    # fails there (``out = sys.argv[1]``: the replaying process has other arguments) is left out
+    # and named, with what reads what it would have set.
+    parts = [body] if guarded else [[n] for n in body]
+    failed: list[str] = []
+    unset: set[str] = set()
     saved_main = sys.modules.get("__main__")
     sys.modules["__main__"] = module  # dataclasses and typing look the defining module up by name
     try:
         with extra_path([str(file.resolve().parent)]), state.kept():
-            exec(code, module.__dict__)  # noqa: S102 - the user's own script, as they asked
+            for part in parts:
+                if not guarded and _loaded_now(part[0]) & unset:
+                    unset.update(_sets(part[0]))
+                    continue
+                code = compile(ast.Module(body=part, type_ignores=[]), str(file), "exec")
+                try:
+                    exec(code, module.__dict__)  # noqa: S102 - the user's own script, as they asked
+                except Exception as exc:
+                    if guarded:
+                        raise
+                    failed.append(f"line {part[0].lineno}: {type(exc).__name__}: {exc}")
+                    unset.update(_sets(part[0]))
     except Exception as exc:
         raise ReplayError(f"loading the definitions of {file} failed: {type(exc).__name__}: {exc}") from None
     finally:
         if saved_main is not None:
             sys.modules["__main__"] = saved_main
+    if failed:
+        note += (f"; {len(failed)} of its definitions failed when loaded and were left out ({failed[0]}"
+                 f"{'; ...' if len(failed) > 1 else ''}), and what reads them; names not defined: "
+                 f"{', '.join(sorted(unset)[:8])}{' ...' if len(unset) > 8 else ''}")
+        skipped = skipped | frozenset(unset)
     linecache.checkcache(str(file))
     return module, note, skipped
 
@@ -254,7 +276,8 @@ class CodeLoader:
             with self.bundle_imports() if text is not None and text is self.bundled.get(self.script) \
                     else contextlib.nullcontext():
                 self._main, note, self.skipped = script_module(self.script, text)
-            if "no if __name__" in note and self.script != SESSION_SCRIPT:  # worth a warning: statements skipped
+            if "no if __name__" in note and self.script != SESSION_SCRIPT and (
+                    self.skipped or "(0 top-level statements skipped)" not in note):  # worth a warning: some left out
                 self.notes.append(f"{self.script}: {note}")
         return self._main
 

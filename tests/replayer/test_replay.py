@@ -9,6 +9,7 @@ import json
 import math
 import random
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -1245,6 +1246,43 @@ def test_a_definition_reading_a_name_an_unguarded_script_skips_is_skipped_too(tm
     assert result.match, (result.exception, result.warnings)
     assert any("(5 top-level statements skipped; names they set are not defined: host, URL, endpoint, Config)" in w
                for w in result.warnings), result.warnings
+
+
+UNGUARDED_ARGV = """
+import sys
+import torch
+import recorder
+
+out = sys.argv[1]
+scale = float(sys.argv[2]) if len(sys.argv) > 2 else 3.0
+label = f"into {out}"
+
+
+@recorder.paper_step("Eq. 1")
+def triple(x):
+    return x * 3
+
+
+with recorder.record(out, mode="full"):
+    triple(torch.randn(4))
+"""
+
+
+def test_an_unguarded_scripts_definition_that_fails_when_loaded_is_left_out(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`out = sys.argv[1]` at an unguarded script's top level: no call in it, so it was kept as a
+    definition, and it raises in a replaying process with fewer arguments (a bundle's repro.py, a
+    notebook): loading the script failed and nothing replayed. It is left out, with what reads
+    what it sets, and named; the step replays."""
+    (tmp_path / "train.py").write_text(UNGUARDED_ARGV)
+    made = python("train.py", str(tmp_path / "run.zarr"), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    monkeypatch.setattr(sys, "argv", ["repro.py"])
+    result = replayer.replay(replayer.open(tmp_path / "run.zarr"), 0)
+    assert result.match, (result.exception, result.warnings)
+    assert any("1 of its definitions failed when loaded and were left out (line 6: IndexError: list index out of "
+               "range), and what reads them; names not defined: label, out" in w for w in result.warnings), \
+        result.warnings
 
 
 class Handle:
