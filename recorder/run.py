@@ -40,6 +40,10 @@ class Run:
     """A recording in progress. Use as a context manager (``with recorder.record(...) as run``) or
     call ``close()`` yourself."""
 
+    def __repr__(self) -> str:
+        state = getattr(self, "status", None) or ("closed" if getattr(self, "closed", False) else "recording")
+        return f"<Run {backend.describe(self.path)}: {state}, mode {self.mode}>"
+
     def __init__(self, path: backend.StoreTarget, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, mode: str = "full", every: int = 1,
                  compressor: Any = None, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0,
@@ -52,7 +56,10 @@ class Run:
         if not isinstance(every, int) or every < 1:
             raise RecordingError(f"every must be a positive integer (payloads every k-th iteration), not {every!r}")
         if capture.ACTIVE is not None:
-            raise RecordingError("a recording is already active in this process; close it before starting another")
+            where = getattr(getattr(capture.ACTIVE, "pipeline", None), "where", lambda: "another recording")()
+            raise RecordingError(f"a recording is already active in this process ({where}); close it before starting "
+                                 "another: run.close() on the Run that recorder.record returned (a `with` block "
+                                 "closes it at its end)")
         if not isinstance(path, (str, os.PathLike)) and not hasattr(path, "set"):
             raise RecordingError(f"path must be a directory path or a zarr store, not {type(path).__name__}")
         remote = backend.is_url(path)

@@ -437,6 +437,9 @@ def _kept(rec: Any) -> list[int]:
     return np.flatnonzero(kept).tolist()
 
 
+_ALIKE_LISTED = 3  # steps refused for one reason listed one by one; more are one line
+
+
 def verify(args: argparse.Namespace) -> int:
     from replayer.replay import NOTHING_COMPARED, Replayer
 
@@ -490,8 +493,16 @@ def verify(args: argparse.Namespace) -> int:
             print(f"  {_step_text(m['step'])}: {m['reason']}")
         if refused:
             print("could not be replayed:")
-            for m in refused:
-                print(f"  {_step_text(m['step'])}: {m['reason']}")
+            by_reason: dict[str, list[dict[str, Any]]] = {}
+            for m in refused:  # one line per reason: code defined in a notebook refuses every step alike
+                by_reason.setdefault(m["reason"], []).append(m)
+            for reason, alike in by_reason.items():
+                if len(alike) <= _ALIKE_LISTED:
+                    for m in alike:
+                        print(f"  {_step_text(m['step'])}: {reason}")
+                else:
+                    print(f"  {len(alike)} steps ({_step_text(alike[0]['step'])} ... "
+                          f"{_step_text(alike[-1]['step'])}): {reason}")
     if not replayed:  # nothing was checked at all: not a pass (the listing above says why)
         if not kept:
             if rec.run_info.get("mode") == "full" and rec.run_info.get("every", 1) == 1:

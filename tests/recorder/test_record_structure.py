@@ -171,3 +171,17 @@ def test_a_closed_recording_keeps_no_training_object_alive(tmp_path: Path) -> No
         del model, opt
         gc.collect()
         assert [r() is None for r in refs] == [True, True, True], mode
+
+
+def test_a_second_recording_names_the_active_one(tmp_path: Path) -> None:
+    """Recording again in a notebook while a recording opened without `with` still runs: the error
+    names where that one records and how to close it, and the Run says what it is."""
+    run = recorder.record(tmp_path / "first.zarr")
+    try:
+        assert repr(run) == f"<Run {tmp_path / 'first.zarr'}: recording, mode full>"
+        with pytest.raises(recorder.RecordingError, match=r"already active in this process \(.*first\.zarr\); "
+                                                         r"close it before starting another: run\.close\(\)"):
+            recorder.record(tmp_path / "second.zarr")
+    finally:
+        run.close()
+    assert repr(run) == f"<Run {tmp_path / 'first.zarr'}: complete, mode full>"

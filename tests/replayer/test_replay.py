@@ -1475,3 +1475,23 @@ def test_hooks_on_every_module_are_named_and_the_callers_own_left_out(tmp_path: 
         assert list(torch.nn.modules.module._global_forward_hooks.values()) == [_nudge]
     finally:
         hook.remove()
+
+
+def test_verify_says_once_why_many_steps_cannot_be_replayed(tmp_path: Path) -> None:
+    """Many steps refused for one reason (code a notebook cell defined: every step alike) are one line
+    of `pdbg verify`'s listing (it printed the reason once per step: 6,000 lines); --json keeps each."""
+    @recorder.paper_step("Eq. 23")
+    def local_step(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full") as run:
+        for _ in range(6):
+            local_step(torch.randn(3))
+            run.next_iteration()
+    text = pdbg("verify", str(path), cwd=tmp_path)
+    lines = text.stdout.splitlines()
+    assert text.returncode == 2 and len(lines) == 3 and lines[1] == "could not be replayed:", text.stdout
+    assert lines[2].startswith("  6 steps (step 0: ") and "... step 5: " in lines[2] and "<locals>" in lines[2]
+    doc = json.loads(pdbg("verify", str(path), "--json", cwd=tmp_path).stdout)
+    assert len(doc["not_replayed"]) == 6
