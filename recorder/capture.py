@@ -162,6 +162,7 @@ class BackwardLink:
     until: int = -1  # the sequence number when its graph was walked (the call's nodes are since..until)
     outer: BackwardLink | None = None  # the link of the call this one ran inside, if any
     reused: bool = False  # its graph and another call's share nodes: its parameter grads are totals over them
+    finished: bool = False  # its backward reached its inputs' tap (in the pass under way)
     # Parameter -> its uses in this call's graph, whose contributions are recorded as this call's own
     # parameter grad (hooks on those nodes); the others are hooked as totals (``hooked``).
     own: dict[str, int] = field(default_factory=dict)
@@ -1317,6 +1318,7 @@ class Session:
                 if g is not None:
                     self._capture(frame, "grad_input", name, g)
             frame.t_end = time.perf_counter() - self.t0
+            link.finished = True
         self._guard("capturing grad inputs", run)
 
     def _on_param_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
@@ -1408,10 +1410,13 @@ class Session:
             self._callback_queued = True
         return frame
 
-    def _end_of_backward(self, aborted: bool = False) -> None:
+    def _end_of_backward(self, aborted: bool = False, exception: BaseException | None = None) -> None:
         """Autograd calls this when a backward pass is over: the open backward steps are complete.
         Also called with ``aborted=True`` at iteration ends and on close, for a backward pass that
-        raised (autograd then never calls back): its steps are written with what they captured."""
+        raised (autograd then never calls back): its steps are written with what they captured, and
+        ``exception``, the one that ended the recording (anomaly mode's "returned nan values", a
+        Ctrl-C), goes to the step whose backward was under way: the last begun of those that had
+        not finished (no grad input came)."""
         self._finish_own(list(self._pass))
         with self.lock:
             if aborted and not self._pass:
@@ -1423,12 +1428,20 @@ class Session:
                 for link in done:
                     if link.frame is not None:
                         link.frame.notes.append("the backward pass stopped before this step finished")
+                running = [lk.frame for lk in done if lk.frame is not None and not lk.finished]
+                if exception is not None and running:
+                    frame = max(running, key=lambda f: f.index)
+                    tb = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__,
+                                                            limit=50))
+                    frame.exception = {"type": jsonval.type_ref(type(exception)), "message": str(exception)[:10000],
+                                       "traceback": tb[-20000:]}
             frames = [link.frame for link in done]
             for link in done:
                 for handle in link.handles:
                     handle.remove()
                 link.handles.clear()
                 link.frame = None  # a second backward through the same graph is a new step
+                link.finished = False
             ids = {id(lk) for lk in done}
             self._links = [lk for lk in self._links if id(lk) not in ids]
             self._prune_spans()
@@ -1450,11 +1463,12 @@ class Session:
                 return
             self.perform(pending, lambda: self.pipeline.flush(60.0))  # raises out of backward()
 
-    def close(self) -> None:
-        """Write out steps still open and remove every hook this session added."""
+    def close(self, exception: BaseException | None = None) -> None:
+        """Write out steps still open and remove every hook this session added. ``exception``: what
+        ended the recording, if anything did (a backward pass it stopped is recorded with it)."""
         if self.autocapture is not None:
             self.autocapture.close()
-        self._end_of_backward(aborted=True)
+        self._end_of_backward(aborted=True, exception=exception)
         self._report_unreported()
         self.dump_ring("end")
         self.closed = True

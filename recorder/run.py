@@ -295,7 +295,7 @@ class Run:
             hook.remove()
         self._hooks = []
         self._restore_signals()
-        self.session.close()
+        self.session.close(exception)
         self._optimizer = None  # a closed recording keeps no training object alive (the model: session.close)
         if self._forked():  # the parent closes the recording; this process only took its hooks out
             return

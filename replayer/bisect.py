@@ -334,6 +334,9 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int) -> Origin:
             return Origin(None, "no NaN recorded; Inf appears only in steps that hold it at every call (first "
                                 f"{describe(first)}), as a -inf attention mask does")
     else:
+        raised = _anomaly_raised(rec)
+        if raised is not None:
+            return raised
         contained = int(k.given.sum())
         return Origin(None, "no non-finite values recorded" if not contained else
                       f"no step's results held NaN or Inf; {contained} step{'s' if contained > 1 else ''} took Inf "
@@ -341,6 +344,26 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int) -> Origin:
     index = int(np.flatnonzero(came)[0])
     step = rec.step(index)
     return Origin(None, _entered_cause(rec, step), _after(rec, index, k.result, spread, inclusive=True), entered=step)
+
+
+# What autograd's anomaly mode (torch.autograd.set_detect_anomaly) raises where a backward function
+# makes NaN: the pass stops there, before any step records the NaN.
+_ANOMALY = re.compile(r"Function '(\w+)' returned nan values in its (\d+)(?:st|nd|rd|th) output")
+
+
+def _anomaly_raised(rec: Recording) -> Origin | None:
+    """The step whose backward anomaly mode stopped with "returned nan values" (the recorder gives
+    the exception that ended the recording to the backward step under way), as the origin."""
+    status = _column(rec, "status")
+    for index in np.flatnonzero(status == layout.STATUSES.index("exception")).tolist():
+        step = rec.step(int(index))
+        message = str((step.extra.get("exception") or {}).get("message", ""))
+        found = _ANOMALY.search(message)
+        if found:
+            return Origin(step, f"{describe(step)}: anomaly mode stopped the backward pass inside it, where "
+                                f"{found.group(1)} returned NaN in its output {found.group(2)} (the pass stopped "
+                                "before any recorded gradient held it)", [])
+    return None
 
 
 def _own_inputs(step: Step) -> list[Any]:

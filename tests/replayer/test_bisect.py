@@ -78,6 +78,26 @@ def test_a_nan_born_in_the_backward_only(tmp_path: Path) -> None:
     assert res.returncode == 1 and "SqrtBackward0" in res.stdout and "torch.sqrt(x * x)" in res.stdout
 
 
+def test_a_nan_anomaly_mode_stops_in_the_backward_names_that_step(tmp_path: Path) -> None:
+    """The same, with torch.autograd.set_detect_anomaly(True) on: anomaly mode raises where the NaN
+    is made, inside the step's backward, before any recorded gradient holds it. The backward step
+    under way carries that exception, and bisect names it (it said "no non-finite values recorded",
+    exit 0: a clean run)."""
+    path = tmp_path / "run.zarr"
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(RuntimeError, match="returned nan values"), \
+            recorder.record(path):
+        x = torch.tensor([0.0, 1.0, 4.0], requires_grad=True)
+        nanmodels.root_energy(x).sum().backward()
+    rec = replayer.open(path)
+    back = rec.step("root_energy:backward")
+    assert back.status == "exception" and "returned nan values" in back.extra["exception"]["message"]
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is not None and origin.step.index == back.index
+    assert "anomaly mode stopped the backward pass inside it" in origin.cause
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 1 and "anomaly mode stopped the backward pass" in res.stdout, res.stdout + res.stderr
+
+
 def test_a_parameter_already_nonfinite_is_the_cause_not_a_step(tmp_path: Path) -> None:
     path = tmp_path / "run.zarr"
     record_training(path, 3, before=poison_at(2))
