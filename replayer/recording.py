@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from recorder import snapshot
-from recorder.errors import FormatError, RecordingError, StepNotFoundError
+from recorder.errors import FormatError, PdbgError, RecordingError, StepNotFoundError
 from recorder.monitors import parse_selector
 from recorder.store import backend, layout
 from recorder.store.reader import RankReader, RunReader, TensorRecord
@@ -171,9 +171,32 @@ class Recording:
             return self.step(int(which))
         found = self.steps.select(which)
         if not len(found):
-            raise StepNotFoundError(f"no step matches {which!r}; names in this recording: "
-                                    f"{', '.join(sorted(set(self.steps.names))[:20])}")
+            labels = sorted({str(x) for x in self._labels if x is not None})
+            raise StepNotFoundError(f"no step matches {which!r}; " + (self._nearest(which) or (
+                f"names in this recording: {', '.join(sorted(set(self.steps.names))[:20])}"
+                + (f"; paper labels: {', '.join(labels[:20])}" if labels else ""))))
         return found[0]
+
+    def _nearest(self, which: str) -> str | None:
+        """For a selector that matches nothing, what its shorter forms match: the calls or iterations
+        of a step that has them, or that a call has no backward step."""
+        for cut, what in ((":backward", "backward"), ("#", "call"), ("@iter=", "iteration")):
+            at = which.rfind(cut)
+            if at <= 0:
+                continue
+            try:
+                shorter = self.steps.select(which[:at])
+            except PdbgError:
+                continue
+            if not len(shorter):
+                continue
+            if what == "backward":
+                return (f"{which[:at]} has no backward step (no backward pass reached it: its output was not "
+                        "used for the loss, or was detached, as truncated backpropagation does)")
+            values = np.unique(shorter.column(what))
+            span = f"{values[0]}..{values[-1]}" if len(values) > 1 else f"{values[0]}"
+            return f"{which[:at]} has {what}s {span}" if len(values) > 1 else f"{which[:at]} has only {what} {span}"
+        return None
 
     # -- decoded documents, once per distinct id ---------------------------------------------------
     def _decode(self, column: str) -> np.ndarray:

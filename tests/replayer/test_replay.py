@@ -1495,3 +1495,23 @@ def test_verify_says_once_why_many_steps_cannot_be_replayed(tmp_path: Path) -> N
     assert lines[2].startswith("  6 steps (step 0: ") and "... step 5: " in lines[2] and "<locals>" in lines[2]
     doc = json.loads(pdbg("verify", str(path), "--json", cwd=tmp_path).stdout)
     assert len(doc["not_replayed"]) == 6
+
+
+def test_a_selector_that_matches_nothing_says_what_its_step_has(tmp_path: Path) -> None:
+    """A step's name with a call, iteration or backward it does not have: the error says which calls
+    or iterations the step has, or that the call has no backward (it listed the recording's names,
+    the step's among them, as if the name were wrong)."""
+    layer = Shared()
+    with recorder.record(tmp_path / "run.zarr", model=layer) as run:
+        for _ in range(2):
+            h = layer(torch.randn(3, 4, requires_grad=True))
+            layer(h.detach()).sum().backward()  # the first call's output is not used for the loss
+            run.next_iteration()
+    rec = replayer.open(tmp_path / "run.zarr")
+    for selector, said in (("Eq. 4@iter=0#99", "Eq. 4@iter=0 has calls 0..1"),
+                           ("Eq. 4@iter=7", "Eq. 4 has iterations 0..1"),
+                           ("Eq. 4@iter=1#0:backward", "Eq. 4@iter=1#0 has no backward step (no backward pass"),
+                           ("Eq. 5", "names in this recording: Shared; paper labels: Eq. 4")):
+        with pytest.raises(StepNotFoundError) as raised:
+            rec.step(selector)
+        assert str(raised.value).startswith(f"no step matches {selector!r}; {said}"), str(raised.value)
