@@ -7,9 +7,12 @@ through. Definitions (paper reference, import reference, source) are computed on
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import functools
 import hashlib
 import inspect
+import linecache
 import os
 import sys
 import types
@@ -50,15 +53,44 @@ class StepDef:
         return self._doc
 
 
+def source_lines(target: Any) -> tuple[list[str], int, str | None]:
+    """``inspect.getsourcelines`` of a function or class, and its file. A class whose module has no
+    file (defined in a notebook cell: its ``__main__`` is the kernel's) is found through its
+    methods' code, which names the cell's file. Raises OSError or TypeError when there is none."""
+    try:
+        lines, line = inspect.getsourcelines(target)
+        return lines, line, inspect.getsourcefile(target)
+    except (OSError, TypeError):  # (TypeError: "a built-in class", for a module without a file)
+        if not isinstance(target, type):
+            raise
+    for value in vars(target).values():
+        function = getattr(value, "__func__", value)
+        with contextlib.suppress(ValueError):  # (a cycle of __wrapped__)
+            function = inspect.unwrap(function)  # paper_step's own wrappers of __init__ and forward
+        code = getattr(function, "__code__", None)
+        lines = linecache.getlines(code.co_filename) if code is not None else []
+        if not lines:
+            continue
+        try:
+            tree = ast.parse("".join(lines))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == target.__name__ and \
+                    node.lineno <= code.co_firstlineno <= (node.end_lineno or 0):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                return lines[start - 1:node.end_lineno], start, code.co_filename
+    raise OSError(f"no source found for {target!r}")
+
+
 def code_info(target: Any) -> dict[str, Any]:
     """Import reference, file, first line, source text and its SHA-256 for a function or class."""
     module = getattr(target, "__module__", None) or "?"
     info: dict[str, Any] = {"ref": f"{module}:{getattr(target, '__qualname__', repr(target))}",
                             "file": None, "line": None, "source": None, "source_sha256": None}
     try:
-        file = inspect.getsourcefile(target)
+        lines, info["line"], file = source_lines(target)
         info["file"] = os.path.abspath(file) if file else None  # a script run by a relative path, too
-        lines, info["line"] = inspect.getsourcelines(target)
         source = "".join(lines)
         info["source"] = source
         info["source_sha256"] = hashlib.sha256(source.encode()).hexdigest()

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from recorder.annotate import source_lines
 from recorder.errors import ReplayError
 
 from . import state
@@ -427,8 +428,7 @@ class CodeLoader:
         """The current source of a function or class, as the recorder computes it."""
         with self._inspectable(obj) as target:
             try:
-                lines, _ = inspect.getsourcelines(target)
-                return "".join(lines)
+                return "".join(source_lines(target)[0])
             except (OSError, TypeError):
                 return None
 
@@ -451,7 +451,8 @@ class CodeLoader:
         (a script moved and given with --script)."""
         with self._inspectable(obj) as target:
             try:
-                now = f"{inspect.getsourcefile(target) or inspect.getfile(target)}:{inspect.getsourcelines(target)[1]}"
+                _, line, file = source_lines(target)
+                now = f"{file or inspect.getfile(target)}:{line}"
             except (OSError, TypeError):
                 return recorded
         return now if now == recorded else f"{now}; recorded at {recorded}"

@@ -417,6 +417,22 @@ class TestNotebookSession:
         assert done.returncode == 2 and "Traceback" not in done.stderr
         assert "defined in __main__ of an interactive session" in done.stderr
 
+    def test_a_class_redefined_in_a_later_cell_is_named_as_changed(self, notebook_session: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+        """A module class a cell defines has its source recorded, found through its methods (its
+        module has no file), so a later cell redefining it is named as the cause of the MISMATCH
+        (there was no warning: only functions' sources were recorded in a notebook)."""
+        rec = notebook_session
+        assert rec.steps[0].definition["source_sha256"], rec.steps[0].definition
+        main = sys.modules["__main__"]
+        cell = CELLS[1].replace("return cell_log(self.lin(x).exp())", "return cell_log(self.lin(x).exp() + 1)")
+        name = "/tmp/ipykernel_1/9.py"
+        monkeypatch.setitem(linecache.cache, name, (len(cell), None, cell.splitlines(True), name))
+        exec(compile(cell, name, "exec"), main.__dict__)  # noqa: S102 - the test's own cell
+        result = replayer.replay(rec, 0)
+        assert not result.match and any(w.startswith("code of CellBlock changed since recording (/tmp/ipykernel_1/9.py")
+                                        for w in result.warnings), result.warnings
+
     def test_a_bundle_made_in_the_session_carries_its_cells(self, notebook_session: Any, tmp_path: Path) -> None:
         info = replayer.bundle(notebook_session, 0, tmp_path / "failure.pdbg", verify=True)
         assert info.verified is True
