@@ -181,4 +181,5 @@ def test_a_model_holding_a_torchscript_module_records_and_says_why_it_is_not_rep
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(f"{tmp_path / 'both.zarr'}: 4 of 4 steps replayed bit for bit (100.0%); 4 steps "
                                  "could not be replayed")
-    assert res.stdout.count("the step holds a TorchScript module") == 1 and "\n  4 steps (step " in res.stdout  # one reason
+    assert res.stdout.count("the step holds a TorchScript module") == 1  # one line for one reason
+    assert "\n  4 steps (step " in res.stdout
