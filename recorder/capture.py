@@ -202,6 +202,8 @@ class Session:
         # (see _reused_nodes): ``_span_starts[i]`` is ``_spans[i].since``.
         self._span_starts: list[int] = []
         self._spans: list[BackwardLink] = []
+        self._instances: dict[int, tuple[Any, int]] = {}  # id(module) -> (weak module, its number: _module_doc)
+        self._instance_numbers = itertools.count(1)
         self._reached: dict[int, BackwardLink] = {}  # nodes made outside every call -> the first call reaching it
         self._pass: list[BackwardLink] = []  # backward frames open in the current backward pass
         # The same, by their forward's index, and how many of them each module has (a recurrent cell
@@ -1253,7 +1255,15 @@ class Session:
         if entry is None or entry[0]() is not module or entry[1] != key:  # (an id can be reused)
             if len(self._module_docs) >= _MODULE_DOCS_LIMIT:  # entries of modules gone: only a cache
                 self._module_docs.clear()
-            entry = self._module_docs[id(module)] = (weakref.ref(module), key, skeleton.build(module))
+            # "instance": the module object's number in the recording, from 1 in the order first
+            # called, so that two modules at one path (a student and its EMA teacher) are told apart
+            number = self._instances.get(id(module))
+            if number is None or number[0]() is not module:
+                if len(self._instances) >= _MODULE_DOCS_LIMIT:  # modules made anew each call: forget those gone
+                    self._instances = {k: v for k, v in self._instances.items() if v[0]() is not None}
+                number = self._instances[id(module)] = (weakref.ref(module), next(self._instance_numbers))
+            doc = {**skeleton.build(module), "instance": number[1]}
+            entry = self._module_docs[id(module)] = (weakref.ref(module), key, doc)
         return entry[2]
 
     # -- backward --------------------------------------------------------------------------------

@@ -198,9 +198,11 @@ class Replayer:
         later = np.flatnonzero((table.column("phase") == 0) & (table.column("module_path") == step.module_path)
                                & (table.column("name") == step.name))
         later = later[later > step.index]
-        if not len(later):
+        mine = (step._doc("module") or {}).get("instance")  # (1.11) the module object, among those at its path
+        following = next((s for s in map(self.rec.step, later[:_NEXT_CALLS].tolist())
+                          if mine is None or (s._doc("module") or {}).get("instance") == mine), None)
+        if following is None:
             return []
-        following = self.rec.step(int(later[0]))
         now = dict(module.named_buffers(remove_duplicate=False))
         hooked = [p for p, doc in _skeleton_modules(step._doc("module"), "")  # their buffers change in hooks
                   if doc.get("hooks") or doc.get("other_hooks") or doc.get("parametrized")]  # the replay remakes
@@ -909,6 +911,8 @@ def _compare_all(step: Step, records: list[TensorRecord], values: dict[str, torc
     return diffs
 
 
+# Calls at a step's module path looked through for the module object's next call (buffers after).
+_NEXT_CALLS = 64
 # What stops a process from outside a step, at whatever line it ran: not the step's outcome.
 _STOPPED_FROM_OUTSIDE = frozenset({"builtins:KeyboardInterrupt", "builtins:SystemExit"})
 # What the recorder itself raises to stop training (on_anomaly="stop", "pdb"): not the step's outcome.

@@ -1515,3 +1515,47 @@ def test_a_selector_that_matches_nothing_says_what_its_step_has(tmp_path: Path) 
         with pytest.raises(StepNotFoundError) as raised:
             rec.step(selector)
         assert str(raised.value).startswith(f"no step matches {selector!r}; {said}"), str(raised.value)
+
+
+@recorder.paper_step("Eq. 24", description="a block with batch statistics")
+class NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.fc(x)))
+
+
+class NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.out = NormBlock(), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(x))
+
+
+def test_a_teachers_buffers_are_not_compared_with_its_students(tmp_path: Path) -> None:
+    """A student and a teacher of one class (both at path `block`), both in train mode: each call's
+    running statistics are compared with its own module's next call, not the other's (verify
+    failed 4 of 9 steps: the student's buffers against the teacher's and back)."""
+    torch.manual_seed(0)
+    student, teacher = NormNet(), NormNet()
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=student, optimizer=opt, mode="full"):
+        for _ in range(3):
+            x = torch.randn(16, 8)
+            with torch.no_grad():
+                target = teacher(x)  # its batch norm updates its own statistics
+            (student(x) - target).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    done = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout
+    doc = json.loads(done.stdout)
+    assert doc["matched"] == doc["replayed"] == 9 and doc["mismatches"] == [], doc
+    rec = replayer.open(path)
+    first = replayer.replay(rec, "Eq. 24@iter=0#1")  # the student's first call: compared with its next one
+    assert "after:bn.running_mean" in first.diffs and first.match
