@@ -211,7 +211,7 @@ class Builder:
                                                              and self._top_hooks_ran)):
                 continue
             out.warnings.append(f"{path or 'the step`s module'} had a {text} when it was recorded, which cannot be "
-                                "recorded as data; the replay runs without it (a difference may come from it)")
+                                "recorded as data; the replay runs without it (a likely cause of any difference)")
 
     def _construct(self, doc: dict[str, Any], path: str, out: Rebuilt) -> torch.nn.Module | None:
         init = doc.get("init")

@@ -1559,3 +1559,41 @@ def test_a_teachers_buffers_are_not_compared_with_its_students(tmp_path: Path) -
     rec = replayer.open(path)
     first = replayer.replay(rec, "Eq. 24@iter=0#1")  # the student's first call: compared with its next one
     assert "after:bn.running_mean" in first.diffs and first.match
+
+
+def _double(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * 2,)
+
+
+def test_verify_names_a_modules_own_hook_as_the_likely_cause(tmp_path: Path) -> None:
+    """A module recorded through `modules=` with a forward pre-hook of its own that changes its
+    input: torch runs the recorder's hook first, so the input is recorded before the user's hook
+    changed it, and the replay (without the hook) differs. `pdbg verify` names the hook with the
+    difference (only `pdbg replay` did)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    model[0].register_forward_pre_hook(_double)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, mode="full", modules=["0"]):
+        model(torch.randn(3, 4)).sum().backward()
+    doc = json.loads(pdbg("verify", str(path), "--json", cwd=tmp_path).stdout)
+    assert doc["mismatches"], doc
+    assert all("had a forward pre-hook _double" in m["reason"] and "a likely cause of any difference" in m["reason"]
+               for m in doc["mismatches"]), doc["mismatches"]
+
+
+@recorder.paper_step("Algorithm 2", description="one denoising step, given the network")
+def denoise(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x - 0.1 * net(x)
+
+
+def test_a_step_given_a_module_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A sampler's step given the network as an argument cannot be replayed (a module is no data):
+    the refusal quotes its repr on one line (the repr's own lines broke the message over five)."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        denoise(net, torch.randn(2, 4))
+    done = pdbg("replay", str(path), "0", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "Sequential( (0): Linear(in_features=4, out_features=4, bias=True)" in done.stderr
