@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from recorder import jsonval
+from recorder.annotate import source_lines
 from recorder.errors import PdbgError
 from recorder.store import backend, codecs, layout
 from recorder.store.writer import StoreWriter
@@ -203,6 +204,27 @@ def _session_source(rec: Recording) -> str | None:
     return "\n".join(kept) or None
 
 
+def _as_recorded(steps: list[Step]) -> str:
+    """The recorded source of each step's code that a later cell of the session redefined (a fix
+    being tried) or deleted, to follow the session's cells: a bundle replays the code the steps ran
+    (the cells alone would give it the last definition)."""
+    main = sys.modules.get("__main__")
+    added: dict[str, str] = {}
+    for step in steps:
+        ref, source = step.definition.get("ref") or "", step.source
+        module, _, name = ref.partition(":")
+        if module != "__main__" or not name.isidentifier() or not source or name in added:
+            continue
+        try:
+            now = "".join(source_lines(getattr(main, name))[0])
+        except (AttributeError, OSError, TypeError):
+            now = None
+        if now != source:
+            added[name] = source
+    return "".join(f"\n# {name} as recorded (redefined or deleted after the recording)\n{text.rstrip()}\n"
+                   for name, text in added.items())
+
+
 def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str], *, iteration: bool = False,
            verify: bool = False, script: bool = False, overwrite: bool = False) -> BundleInfo:
     """Write a failure bundle for one step (or, with ``iteration``, its whole iteration).
@@ -247,6 +269,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
             raise BundleError(f"step {main.index}'s code was defined in an interactive session, whose code this "
                               "process cannot read: bundle it from the notebook (IPython) that recorded it, or "
                               "define the code in a module and record again")
+        session += _as_recorded(steps)
         sources[SESSION_SCRIPT] = session
     work = Path(tempfile.mkdtemp(prefix="pdbg-bundle-", dir=out.parent))
     try:

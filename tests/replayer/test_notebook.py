@@ -445,6 +445,27 @@ class TestNotebookSession:
         assert "MATCH: bit for bit" in done.stdout and "warning" not in done.stdout
         assert list(elsewhere.iterdir()) == []  # the cells' definitions ran, not their statements
 
+    def test_a_bundle_made_after_a_cell_redefined_the_step_replays_the_recorded_code(
+            self, notebook_session: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        """A fix tried in a later cell, then the failure bundled to share: the bundle carries the
+        recorded code after the cells, so it replays what the step ran, bit for bit (the last cell's
+        definition won: a MISMATCH, "code of cell_log changed since recording")."""
+        main = sys.modules["__main__"]
+        fix = '@recorder.paper_step("Eq. 9", description="the log of a cell")\ndef cell_log(x):\n    ' \
+              'return torch.log(x.clamp_min(1e-6))\n'
+        name = "/tmp/ipykernel_1/9.py"
+        monkeypatch.setitem(linecache.cache, name, (len(fix), None, fix.splitlines(True), name))
+        exec(compile(fix, name, "exec"), main.__dict__)  # noqa: S102 - the test's own cell
+        main.In.append(fix)
+        step = notebook_session.step("cell_log")
+        info = replayer.bundle(notebook_session, step.index, tmp_path / "failure.pdbg", verify=True)
+        assert info.verified is True
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        done = pdbg("replay", str(info.path), "--use-bundled-source", cwd=elsewhere)
+        assert done.returncode == 0 and "MATCH: bit for bit" in done.stdout, done.stdout + done.stderr
+        assert "changed since recording" not in done.stdout
+
     def test_a_session_whose_cells_cannot_be_read_is_refused(self, notebook_session: Any, tmp_path: Path) -> None:
         del sys.modules["__main__"].In  # a plain Python REPL keeps no history
         with pytest.raises(replayer.bundles.BundleError, match="defined in an interactive session"):
