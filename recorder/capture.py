@@ -1376,6 +1376,8 @@ class Session:
 
     def _own_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
         link.done.add(name)
+        if not link.input_names and len(link.done) == len(link.own):  # no input tap to end it: this does
+            link.finished = True
         frame = self._open_backward(link)
         frame.own_grads.append(name)
         self._capture(frame, "param_grad", name, grad)

@@ -363,6 +363,11 @@ def _anomaly_raised(rec: Recording) -> Origin | None:
             return Origin(step, f"{describe(step)}: anomaly mode stopped the backward pass inside it, where "
                                 f"{found.group(1)} returned NaN in its output {found.group(2)} (the pass stopped "
                                 "before any recorded gradient held it)", [])
+    found = _ANOMALY.search(str(rec.ended_by or ""))
+    if found:  # raised where no recorded step's backward was under way
+        return Origin(None, f"no non-finite values recorded; the run ended when anomaly mode stopped a backward pass "
+                            f"outside every recorded step's backward, where {found.group(1)} returned NaN in its "
+                            f"output {found.group(2)}: record the code that made it as a step")
     return None
 
 

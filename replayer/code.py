@@ -164,6 +164,8 @@ def script_module(path: str | os.PathLike[str], text: str | None = None
                         raise
                     failed.append(f"line {part[0].lineno}: {type(exc).__name__}: {exc}")
                     unset.update(_sets(part[0]))
+                else:
+                    unset.difference_update(() if guarded else _sets(part[0]))  # set again, later: defined
     except Exception as exc:
         raise ReplayError(f"loading the definitions of {file} failed: {type(exc).__name__}: {exc}") from None
     finally:

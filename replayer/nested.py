@@ -9,6 +9,7 @@ calls are matched to recorded ones by (name, module path) and their order.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,30 +259,39 @@ class InnerTap:
                 results.append(InnerStep(step, all(d.match for d in diffs), diffs))
         return results
 
-    def compare_backward(self, param_grads: dict[str, torch.Tensor], root_path: str) -> list[InnerStep]:
+    def compare_backward(self, param_grads: dict[str, torch.Tensor], root_path: str,
+                         outer: int | None = None) -> list[InnerStep]:
         """After a backward replay: each inner step's backward (grad outputs, grad inputs, parameter
-        grads) against its recorded backward step."""
+        grads) against its recorded backward step, the one of the pass of the outer backward step
+        ``outer`` (a retained graph's second pass records another). The replay's parameter grads
+        are totals over the inner module's calls in the outer call: an inner step called more than
+        once there, whose recorded grads are each call's own share (1.11), has them left out."""
         rec = self.inner[0].rec if self.inner else None
         if rec is None:
             return []
         forward_of = np.asarray(rec.rank.column("steps/forward"))
+        pairs = self._pairs()
+        calls = Counter(step.module_path for step, seen in pairs if seen is not None and seen.kind == "module")
         results = []
-        for step, seen in self._pairs():
+        for step, seen in pairs:
             hits = np.flatnonzero(forward_of == step.index)
             if not len(hits):
                 continue  # no backward was recorded for this call (its outputs needed no grad)
-            back = Step(rec, int(hits[0]))
+            later = hits[hits > outer] if outer is not None else hits[:0]  # (it begins after the outer one)
+            back = Step(rec, int(later[0] if len(later) else hits[0]))
             if seen is None:
                 results.append(InnerStep(back, False, reason="recorded, but not called during the replay"))
                 continue
             rel = step.module_path[len(root_path):].lstrip(".") if step.module_path.startswith(root_path) else ""
             prefix = f"{rel}." if rel and seen.kind == "module" else ""
+            shared = calls[step.module_path] > 1 and bool(back.extra.get("own_grads"))
             own = {name[len(prefix):]: g for name, g in param_grads.items() if name.startswith(prefix)} \
-                if seen.kind == "module" else {}
+                if seen.kind == "module" and not shared else {}
             values = {**{f"grad_output:{k}": v for k, v in seen.grad_outputs.items()},
                       **{f"grad_input:{k}": v for k, v in seen.grad_inputs.items()},
                       **{f"param_grad:{k}": v for k, v in own.items()}}
-            diffs = _diffs(back, ("grad_output", "grad_input", "param_grad"), values, keyed=True)
+            roles = ("grad_output", "grad_input") if shared else ("grad_output", "grad_input", "param_grad")
+            diffs = _diffs(back, roles, values, keyed=True)
             results.append(InnerStep(back, all(d.match for d in diffs), diffs))
         return sorted(results, key=lambda r: r.step.index)  # backward runs inner steps in reverse
 

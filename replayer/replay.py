@@ -717,7 +717,7 @@ class Replayer:
         result.outputs = [_compare_one(step, r, g) for r, g in zip(wanted, grads)]
         if tap is not None:
             param_grads = {r.name: g for r, g in zip(wanted, grads) if r.role == "param_grad" and g is not None}
-            result.inner = tap.compare_backward(param_grads, fwd.module_path)
+            result.inner = tap.compare_backward(param_grads, fwd.module_path, step.index)
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
         _hint_unrecorded(result, call)

@@ -143,7 +143,7 @@ class RunReader:
     # -- checks, in the order a user's mistake is most likely ----------------------------------
     def close(self) -> None:
         """Let go of the store: a bundle's zip file stays open until then (or until the reader is
-        collected). Reading after it fails."""
+        collected). Reading after it opens the zip again (close once more to let it go)."""
         close = getattr(self.store, "close", None)
         if self.store is not self.target and callable(close):  # (a store the caller gave stays theirs)
             close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -96,6 +97,33 @@ def test_a_nan_anomaly_mode_stops_in_the_backward_names_that_step(tmp_path: Path
     assert "anomaly mode stopped the backward pass inside it" in origin.cause
     res = pdbg("bisect", str(path), cwd=tmp_path)
     assert res.returncode == 1 and "anomaly mode stopped the backward pass" in res.stdout, res.stdout + res.stderr
+
+
+class _NanGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * float("nan")
+
+
+def test_anomaly_modes_nan_outside_every_step_is_not_blamed_on_a_finished_one(tmp_path: Path) -> None:
+    """Anomaly mode stops the backward outside every step, after the first layer's backward (its
+    input needs no grad: no input tap ends it) had every gradient it records: that step is not
+    blamed (bisect named it as the origin); bisect says the pass stopped outside every step."""
+    layer = torch.nn.Linear(4, 4)
+    path = tmp_path / "run.zarr"
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(RuntimeError, match="returned nan values"), \
+            recorder.record(path, model=torch.nn.ModuleDict({"a": layer}), modules=["a"]):
+        side = _NanGrad.apply(torch.ones(3, requires_grad=True) * 3).sum()  # made first: its backward runs last
+        (side + layer(torch.randn(3, 4)).sum()).backward()
+    rec = replayer.open(path)
+    assert [s.status for s in rec.steps] == ["ok", "ok"]
+    origin = replayer.first_nonfinite(rec)
+    assert not origin.found and "outside every recorded step's backward, where _NanGradBackward returned NaN" in \
+        origin.cause, origin.cause
 
 
 def test_a_parameter_already_nonfinite_is_the_cause_not_a_step(tmp_path: Path) -> None:

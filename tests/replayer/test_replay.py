@@ -1597,3 +1597,51 @@ def test_a_step_given_a_module_is_refused_in_one_line(tmp_path: Path) -> None:
     done = pdbg("replay", str(path), "0", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "Sequential( (0): Linear(in_features=4, out_features=4, bias=True)" in done.stderr
+
+
+class TwiceInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def test_a_blocks_backward_with_an_inner_step_called_twice_matches(tmp_path: Path) -> None:
+    """A block step whose inner module step runs twice in one call: the block's nested backward
+    replay computes the inner parameters' total over both calls, and each inner backward step holds
+    its own call's share. Those are left out of the inner comparison (each share was compared with
+    the total: a MISMATCH), the rest compared; and with a retained graph's second pass, each pass's
+    inner steps are its own (the first pass's were taken)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(TwiceInside(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, optimizer=opt, mode="full", modules=["0", "0.lin"]):
+        for _ in range(2):
+            loss = model(torch.randn(3, 4, requires_grad=True)).pow(2).mean()
+            loss.backward(retain_graph=True)
+            (loss * 0.5).backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    blocks = [s for s in rec.steps if s.module_path == "0" and s.phase == "backward"]
+    assert len(blocks) == 4
+    for block in blocks:
+        res = replayer.replay(rec, block.index)
+        assert res.match and len(res.inner) == 2 and all(s.match for s in res.inner), \
+            (block.index, [(s.step.index, s.reason, [d.summary() for d in s.diffs if not d.match]) for s in res.inner])
+        assert all({d.role for d in s.diffs} == {"grad_output", "grad_input"} for s in res.inner)
+
+
+def test_a_name_set_again_after_a_failed_definition_is_defined(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unguarded script's definition that fails when loaded, and a later one setting the same
+    name: the name is defined, and not said to be missing."""
+    from replayer.code import script_module
+
+    (tmp_path / "train.py").write_text("import sys\nout = sys.argv[3]\nout = 'fixed'\nlate = out + '!'\n")
+    monkeypatch.setattr(sys, "argv", ["repro.py"])
+    module, note, skipped = script_module(tmp_path / "train.py")
+    assert module.out == "fixed" and module.late == "fixed!" and "out" not in skipped, (note, skipped)
