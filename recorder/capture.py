@@ -662,6 +662,7 @@ class Session:
 
     def _pop(self, frame: Frame) -> None:
         stack = self._stack()
+        frame.link = None  # (only the calls inside it look it up: no cycle with the link left behind)
         for i in range(len(stack) - 1, -1, -1):  # normally the top; frames are compared by identity
             if stack[i] is frame:
                 del stack[i:]

@@ -722,18 +722,25 @@ def test_a_recurrent_cell_called_three_times_compares_each_calls_parameter_grads
     assert first.match and {d.name for d in first.outputs} == {"lin.weight", "lin.bias"}
 
 
-def test_verify_tells_steps_it_cannot_replay_from_differences(tmp_path: Path) -> None:
-    """A step whose code was defined inside a function cannot be replayed: `pdbg verify` lists it
-    apart, with why, and exits 0 when every step it could replay matched."""
+def record_local_steps(path: Path, iterations: int, before: Any = None) -> None:
+    """A step whose code is defined inside a function (no replay can import it), called once an
+    iteration, after ``before`` if given."""
     @recorder.paper_step("Eq. 14")
     def local_step(x: torch.Tensor) -> torch.Tensor:
         return x * 2
 
-    path = tmp_path / "run.zarr"
     with recorder.record(path, mode="full") as run:
-        for _ in range(2):
-            local_step(hashed(torch.randn(3)))
+        for _ in range(iterations):
+            x = torch.randn(3)
+            local_step(before(x) if before is not None else x)
             run.next_iteration()
+
+
+def test_verify_tells_steps_it_cannot_replay_from_differences(tmp_path: Path) -> None:
+    """A step whose code was defined inside a function cannot be replayed: `pdbg verify` lists it
+    apart, with why, and exits 0 when every step it could replay matched."""
+    path = tmp_path / "run.zarr"
+    record_local_steps(path, 2, before=hashed)
     res = pdbg("verify", str(path), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
@@ -1480,15 +1487,8 @@ def test_hooks_on_every_module_are_named_and_the_callers_own_left_out(tmp_path: 
 def test_verify_says_once_why_many_steps_cannot_be_replayed(tmp_path: Path) -> None:
     """Many steps refused for one reason (code a notebook cell defined: every step alike) are one line
     of `pdbg verify`'s listing (it printed the reason once per step: 6,000 lines); --json keeps each."""
-    @recorder.paper_step("Eq. 23")
-    def local_step(x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
     path = tmp_path / "run.zarr"
-    with recorder.record(path, mode="full") as run:
-        for _ in range(6):
-            local_step(torch.randn(3))
-            run.next_iteration()
+    record_local_steps(path, 6)
     text = pdbg("verify", str(path), cwd=tmp_path)
     lines = text.stdout.splitlines()
     assert text.returncode == 2 and len(lines) == 3 and lines[1] == "could not be replayed:", text.stdout
