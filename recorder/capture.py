@@ -636,6 +636,7 @@ class Session:
             return None
         try:
             link = BackwardLink(original)
+            link.since = taps.sequence_now()  # the recomputation's graph: its parameters' uses are the call's own
             skip = _nested_tensors({"args": list(args), "kwargs": kwargs}, _argument_paths(args, kwargs))
             skip |= _not_own_records(original.args_doc, args, kwargs)
             args, kwargs = self._tap_inputs(link, args, kwargs, skip)
@@ -650,11 +651,11 @@ class Session:
             return out
         try:
             module = link.fwd.module
-            if module is not None:
-                for name, p in module.named_parameters():
-                    if p.requires_grad:
-                        self._hook_param(link, name, p)
             slots, reached, _ = taps.output_places(out)
+            if module is not None:
+                link.params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+                link.until = taps.sequence_now()
+                self._hook_params(link.fwd, link, [t for _, t in slots], notes=False)
             out = self._tap_outputs(link, out, _nested_tensors(out, reached), slots=slots)
         except Exception as exc:
             self.fail("tapping a recomputed step's outputs", exc)
@@ -784,7 +785,7 @@ class Session:
             cached = self._tied = (weakref.ref(root), {k: tuple(v) for k, v in names.items() if len(v) > 1})
         return cached[1]
 
-    def _hook_params(self, frame: Frame, link: BackwardLink, outputs: list[torch.Tensor]) -> None:
+    def _hook_params(self, frame: Frame, link: BackwardLink, outputs: list[torch.Tensor], notes: bool = True) -> None:
         """Hook the parameter grads of a call, once its graph is made (``outputs``: the tensors its
         output taps take). A parameter that nodes of the call's graph use gets a hook on each such
         node, and its recorded grad is this call's own: the sum of those uses' contributions, added
@@ -821,7 +822,7 @@ class Session:
                 outside = [o for o in tied[id(p)] if not o.startswith(f"{frame.path}.")]
                 if outside:
                     shared.append((name, outside))
-        if shared:
+        if shared and notes:  # (not for a recomputation: its forward step is written already)
             frame.notes.append(f"{_one_line([n for n, _ in shared])}: {layout.SHARED_PARAM_NOTE} (also "
                                f"{_one_line([o for _, others in shared for o in others])})")
 
