@@ -792,8 +792,9 @@ class Session:
         in the order autograd adds them, which is the parameter grad a replay of the call's backward
         computes. Without the call's own, the parameter's gradient hook records the total autograd
         accumulates over the pass (every call of the module, a weight decay term in the loss, a tied
-        module's use). The others (no node found: a graph made on several threads; uses rebuilt in
-        the backward, ``torch.utils.checkpoint(use_reentrant=True)``) are hooked as totals."""
+        module's use). The others (no node found: a graph made on several threads, a walk that gave
+        up) are hooked as totals. For reentrant checkpointing this runs on the graph the
+        recomputation makes during the backward (``notes``: False, its forward step being written)."""
         walked = taps.parameter_uses(outputs, {id(p): name for name, p in link.params}, link.since) \
             if outputs and link.since >= 0 else None
         uses, reused = walked if walked is not None else ({}, [])
