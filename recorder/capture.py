@@ -897,9 +897,7 @@ class Session:
         frame.versions = None
         try:
             frame.t_end = time.perf_counter() - self.t0
-            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=50))
-            frame.exception = {"type": jsonval.type_ref(type(exc)), "message": str(exc)[:10000],
-                               "traceback": tb[-20000:]}
+            frame.exception = exception_doc(exc)
             self._submit(frame)
         except Exception as err:
             self.fail("recording an exception", err)
@@ -1445,11 +1443,7 @@ class Session:
                         link.frame.notes.append("the backward pass stopped before this step finished")
                 running = [lk.frame for lk in done if lk.frame is not None and not lk.finished]
                 if exception is not None and running:
-                    frame = max(running, key=lambda f: f.index)
-                    tb = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__,
-                                                            limit=50))
-                    frame.exception = {"type": jsonval.type_ref(type(exception)), "message": str(exception)[:10000],
-                                       "traceback": tb[-20000:]}
+                    max(running, key=lambda f: f.index).exception = exception_doc(exception)
             frames = [link.frame for link in done]
             for link in done:
                 for handle in link.handles:
@@ -1496,6 +1490,13 @@ class Session:
         for link in links:
             for handle in link.handles:
                 handle.remove()
+
+
+def exception_doc(exc: BaseException, limit: int | None = 50) -> dict[str, str]:
+    """An exception as the store keeps it: its type reference, message and traceback (the last
+    ``limit`` frames), cut to bounded lengths."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=limit))
+    return {"type": jsonval.type_ref(type(exc)), "message": str(exc)[:10000], "traceback": tb[-20000:]}
 
 
 def _stored_values(t: torch.Tensor) -> torch.Tensor | None:

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -316,9 +315,7 @@ class Run:
         if exception is None and status != "complete":  # closed later (at exit): the stop it raised
             exception = self.session.stopped_by
         if exception is not None:
-            info["exception"] = jsonval.encode({
-                "type": jsonval.type_ref(type(exception)), "message": str(exception)[:10000],
-                "traceback": "".join(traceback.format_exception(exception))[-20000:]})
+            info["exception"] = jsonval.encode(capture.exception_doc(exception, limit=None))
         if self._skips:
             info["grad_scaler_skipped"] = {"count": self._skips, "iterations": self.grad_scaler_skipped}
         if self.failure:

@@ -600,25 +600,25 @@ class Replayer:
                   and n.split(":", 1)[0] not in own]
         if hooked:  # the recorded gradients passed through hooks the replay does not have
             warnings.append(f"forward step {fwd.index}: " + "; ".join(hooked) + " (a likely cause of any difference)")
-        left: list[TensorRecord] = []
+        not_compared = ""  # why parameter grads are left out, if they are
+
+        def leave_out(out: list[TensorRecord], why: str) -> None:
+            nonlocal wanted, not_compared
+            wanted = [r for r in wanted if r not in out]
+            not_compared = f"parameter grads not compared: {why}"
+            warnings.append(not_compared)
+
         for note in (layout.RETURNED_PARAM_NOTE, layout.SHARED_PARAM_NOTE):
             # their recorded gradients hold what the caller's use of them sent too, or another module's
             texts = [n for n in fwd.extra.get("notes", []) if note in n]
             names = {name.strip() for text in texts for name in text.split(":", 1)[0].split(",")}
-            out = [r for r in totals if r.name in names]
+            out = [r for r in totals if r.name in names and r in wanted]
             if out:
-                wanted = [r for r in wanted if r not in out]
-                left += out
-                warnings.append(f"parameter grads not compared: {', '.join(r.name for r in out)}, "
-                                + texts[0].split(": ", 1)[1])
+                leave_out(out, f"{', '.join(r.name for r in out)}, " + texts[0].split(": ", 1)[1])
         reused = [r for r in totals if r in wanted] if layout.REUSED_NOTE in step.extra.get("notes", []) else []
         if reused:
-            wanted = [r for r in wanted if r not in reused]
-            left += reused
-            warnings.append(f"parameter grads not compared: {', '.join(r.name for r in reused)}: "
-                            f"{layout.REUSED_NOTE}")
+            leave_out(reused, f"{', '.join(r.name for r in reused)}: {layout.REUSED_NOTE}")
         calls = self._calls_of_module(step, fwd)
-        not_compared = warnings[-1] if left else ""  # why parameter grads are left out, if they are
         # Totals over two calls (a Siamese encoder's two views) are the same bits in either order; with
         # more, autograd's order of addition is not one a replay can be sure to follow. (The calls' own
         # grads are each their call's: a replay of the others would add to them.)
@@ -630,11 +630,9 @@ class Replayer:
             warnings.append(f"parameter grads compared as the total over the {calls} calls of "
                             f"{fwd.module_path or fwd.name} in this backward pass, replayed together")
         elif calls > 1 and totals:
-            wanted = [r for r in wanted if r not in totals]
-            not_compared = (f"parameter grads not compared: {fwd.module_path or fwd.name} ran {calls} times in "
-                            f"this backward pass (iteration {fwd.iteration}), and each recorded parameter grad is the "
-                            "total over all of them (autograd accumulates before the hook sees it)")
-            warnings.append(not_compared)
+            leave_out(totals, f"{fwd.module_path or fwd.name} ran {calls} times in this backward pass (iteration "
+                              f"{fwd.iteration}), and each recorded parameter grad is the total over all of them "
+                              "(autograd accumulates before the hook sees it)")
         unkept = [r for r in wanted if not r.has_payload and layout.METADATA_NOTE in step.why_statistics_only(r)]
         if unkept:  # a sparse gradient (nn.Embedding(sparse=True)): statistics only, nothing to compare with
             wanted = [r for r in wanted if r not in unkept]
