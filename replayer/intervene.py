@@ -9,13 +9,15 @@ Keys: a swap key is a module path, a step name or paper label (``.`` is the repl
 an edit key is ``TENSOR`` for the replayed step's own tensors (inputs ``args.0``/``kwargs.mask``,
 parameters, buffers, grad outputs) or ``STEP/TENSOR`` for a step inside it (STEP as in a selector,
 ``NAME[#CALL]``, NAME a step name, paper label, or module path, also relative to the replayed step's
-as swap keys are). A change is an expression in ``x`` (evaluated with ``torch``, ``math`` and ``x``
-only), a callable, or a tensor/array. Everything happens to the rebuilt objects of one replay.
+as swap keys are). A change is an expression in ``x`` (which may reach only ``x``, torch's
+operations, tensor methods and ``math``: see ``expression``), a callable, or a tensor/array.
+Everything happens to the rebuilt objects of one replay.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ import torch
 from recorder import skeleton
 from recorder.errors import PdbgError
 from recorder.monitors import parse_selector
+from recorder.payload import dtype_from_name
 
 from .rebuild import tie
 
@@ -52,35 +55,164 @@ class Change:
     def run(self, x: torch.Tensor) -> torch.Tensor:
         try:
             out = self.apply(x)
+            if isinstance(out, np.ndarray):
+                out = torch.from_numpy(out)
+            if not isinstance(out, torch.Tensor):
+                raise InterventionError(f"edit {self.key} gave {_a(type(out).__name__)}, not a tensor")
+            return out.to(x.device)
+        except InterventionError:
+            raise
         except Exception as exc:
-            raise InterventionError(f"edit {self.key}: {type(exc).__name__}: {exc}") from None
-        if isinstance(out, np.ndarray):
-            out = torch.from_numpy(out)
-        if not isinstance(out, torch.Tensor):
-            raise InterventionError(f"edit {self.key} gave {_a(type(out).__name__)}, not a tensor")
-        return out.to(x.device)
+            raise InterventionError(f"edit {self.key}: {type(exc).__name__}: {_one_line(exc)}") from None
+
+
+# What an edit expression may reach. Everything is checked as it is reached (``_Sandbox``): names
+# beginning with "_" anywhere, modules other than these, and objects other than tensors, numbers and
+# their small companions are refused, so an expression cannot import, open files or change the process.
+_OP_MODULES = ("torch.nn.functional", "torch.linalg", "torch.special", "torch.fft")
+_TORCH_CONSTANTS = ("pi", "e", "inf", "nan")
+_TORCH_TYPES = ("finfo", "iinfo", "Size", "device")
+_TORCH_REFUSED = {"from_file"}  # maps a file into memory
+_TENSOR_REFUSED = {"storage", "untyped_storage", "register_hook", "register_post_accumulate_grad_hook", "apply_",
+                   "map_", "map2_", "backward", "share_memory_", "grad_fn", "set_", "module_load"}
+_VALUE_TYPES = (torch.Tensor, torch.dtype, torch.device, torch.Size, torch.finfo, torch.iinfo, bool, int, float,
+                complex, tuple, list)
+_BIG_INT_BITS = 1 << 20  # an int result larger than this (bits) is refused: 9**9**9 would hang the replay
+_NODES = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.Attribute, ast.Subscript, ast.Slice, ast.Tuple,
+          ast.List, ast.Call, ast.keyword, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp,
+          ast.ListComp, ast.comprehension, ast.Store, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
+_ALLOWED = ("an edit may use x, the operations of torch, torch.nn.functional, torch.linalg, torch.special and "
+            "torch.fft, tensor methods and math")
+
+
+class _Sandbox:
+    """Attribute access and the two operators whose int results can grow without bound, as an edit
+    expression evaluates them. Refusals raise InterventionError naming what was reached."""
+
+    def __init__(self, key: str, text: str) -> None:
+        self.key, self.text = key, text
+
+    def refuse(self, what: str) -> InterventionError:
+        return InterventionError(f"edit {self.key}: {self.text!r} reaches {what}, which an edit may not use; "
+                                 f"{_ALLOWED}")
+
+    def attr(self, obj: Any, name: str) -> Any:
+        if name.startswith("_"):
+            raise self.refuse(f"the attribute {name}")
+        if isinstance(obj, type(math)):
+            where = obj.__name__
+            if obj is math:
+                value = getattr(math, name)
+            elif obj is torch:
+                if name == "nn":
+                    return torch.nn
+                if not (name in _TORCH_CONSTANTS or name in _TORCH_TYPES or isinstance(getattr(torch, name, None),
+                        torch.dtype) or (name not in _TORCH_REFUSED and hasattr(torch._C._VariableFunctions, name))
+                        or getattr(getattr(torch, name, None), "__module__", None) == "torch.functional"
+                        or f"torch.{name}" in _OP_MODULES):
+                    raise self.refuse(f"torch.{name}")
+                value = getattr(torch, name)
+            elif obj is torch.nn:
+                if name != "functional":
+                    raise self.refuse(f"torch.nn.{name}")
+                value = torch.nn.functional
+            elif where in _OP_MODULES:
+                value = getattr(obj, name)
+                if isinstance(value, type(math)) and value.__name__ not in _OP_MODULES or not callable(value) \
+                        or not str(getattr(value, "__module__", "") or "").startswith("torch"):
+                    raise self.refuse(f"{where}.{name}")
+            else:  # pragma: no cover - no other module is ever handed out
+                raise self.refuse(where)
+            return value
+        if not isinstance(obj, _VALUE_TYPES) or isinstance(obj, torch.Tensor) and name in _TENSOR_REFUSED:
+            raise self.refuse(f"{type(obj).__name__}.{name}")
+        return getattr(obj, name)
+
+    def power(self, a: Any, b: Any) -> Any:
+        if _plain_int(a) and _plain_int(b) and b > 0 and abs(a) > 1 and b * a.bit_length() > _BIG_INT_BITS:
+            raise self.refuse(f"an integer of ~{b * a.bit_length()} bits ({a} ** {b})")
+        return a ** b
+
+    def shift(self, a: Any, b: Any) -> Any:
+        if _plain_int(a) and _plain_int(b) and a and b > _BIG_INT_BITS:
+            raise self.refuse(f"an integer of ~{b} bits ({a} << {b})")
+        return a << b
+
+
+def _plain_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class _Guard(ast.NodeTransformer):
+    """``a.b`` becomes ``_attr(a, 'b')``, ``a ** b`` ``_pow(a, b)``, ``a << b`` ``_shift(a, b)``."""
+
+    def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
+        call = ast.Call(ast.Name("_attr", ast.Load()), [self.visit(node.value), ast.Constant(node.attr)], [])
+        return ast.copy_location(call, node)
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        self.generic_visit(node)
+        helper = {ast.Pow: "_pow", ast.LShift: "_shift"}.get(type(node.op))
+        if helper is None:
+            return node
+        return ast.copy_location(ast.Call(ast.Name(helper, ast.Load()), [node.left, node.right], []), node)
 
 
 def expression(text: str, key: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An expression in ``x``, checked now and evaluated with ``torch``, ``math`` and ``x`` only."""
+    """An expression in ``x``, checked now and evaluated in a sandbox: ``x``, ``torch``'s operations
+    (and those of ``torch.nn.functional``, ``linalg``, ``special``, ``fft``), tensor methods, ``math``."""
     try:
-        code = compile(ast.parse(text, mode="eval"), f"<edit {key}>", "eval")
+        tree = ast.parse(text, mode="eval")
     except SyntaxError as exc:
         raise InterventionError(f"edit {key}: {text!r} is not a Python expression ({exc.msg}); write one in x, "
                                 "e.g. 'x.clamp(-50, 50)'") from None
-    names = {n.id for n in ast.walk(ast.parse(text, mode="eval")) if isinstance(n, ast.Name)}
-    unknown = sorted(names - {"x", "torch", "math"})
+    sandbox = _Sandbox(key, text)
+    for node in ast.walk(tree):
+        if not isinstance(node, _NODES):
+            raise InterventionError(f"edit {key}: {text!r} uses {_a(type(node).__name__)} expression, which an edit "
+                                    "may not; write calls, operators, indexing and attributes on x, torch and math")
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            raise sandbox.refuse(f"the attribute {node.attr}")
+    bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    bound -= {"x", "torch", "math"}  # a comprehension's own names ([r / r.norm() for r in x])
+    for name in sorted(bound):
+        if name.startswith("_"):
+            raise sandbox.refuse(f"the name {name}")
+    unknown = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - {"x", "torch", "math"} - bound)
     if unknown:
         raise InterventionError(f"edit {key}: {text!r} uses {', '.join(unknown)}; an edit may use only x, torch "
                                 "and math")
+    for top in ast.walk(tree):  # torch.os and the like: refused now, before any replay
+        chain, node = [], top
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in ("torch", "math"):
+            obj = torch if node.id == "torch" else math
+            for name in reversed(chain):
+                if not isinstance(obj, type(math)):
+                    break
+                try:
+                    obj = sandbox.attr(obj, name)
+                except AttributeError:
+                    raise InterventionError(f"edit {key}: {text!r}: {getattr(obj, '__name__', obj)} has no "
+                                            f"{name}") from None
+    code = compile(ast.fix_missing_locations(_Guard().visit(tree)), f"<edit {key}>", "eval")
+    # Torch imports some of its modules the first time an operation needs them, through the
+    # evaluating frame's __import__: it is there for torch, and out of the expression's reach
+    # (no name or attribute beginning with "_" gets through the checks above).
+    scope = {"__builtins__": {"__import__": builtins.__import__}, "_attr": sandbox.attr, "_pow": sandbox.power,
+             "_shift": sandbox.shift, "torch": torch, "math": math}
 
     def apply(x: torch.Tensor) -> torch.Tensor:
-        return eval(code, {"__builtins__": {}}, {"torch": torch, "math": math, "x": x})  # noqa: S307 - the user's own edit
+        return eval(code, {**scope, "x": x})  # noqa: S307 - checked above, and guarded as it runs
 
     return apply
 
 
 def parse_edits(edit: dict[str, Any] | None) -> list[Change]:
+    if edit is not None and not isinstance(edit, dict):
+        raise InterventionError(f"edit: give a dict of tensor keys and changes, not {type(edit).__name__}")
     out = []
     for key, change in (edit or {}).items():
         if not isinstance(key, str) or not key:
@@ -103,7 +235,20 @@ def parse_edits(edit: dict[str, Any] | None) -> list[Change]:
     return out
 
 
+_MATMUL_PRECISIONS = ("highest", "high", "medium")
+_SEEDS = (-(1 << 63), (1 << 64) - 1)  # what torch.manual_seed takes
+
+
+def parse_seed(seed: Any) -> int | None:
+    """A seed override as torch takes it, or None."""
+    if seed is not None and not (_plain_int(seed) and _SEEDS[0] <= seed <= _SEEDS[1]):
+        raise InterventionError(f"seed {seed!r}: give an integer from {_SEEDS[0]} to {_SEEDS[1]}")
+    return seed
+
+
 def parse_settings(settings: dict[str, Any] | None, known: dict[str, Any]) -> dict[str, Any]:
+    if settings is not None and not isinstance(settings, dict):
+        raise InterventionError(f"settings: give a dict of setting names and values, not {type(settings).__name__}")
     out = {}
     for key, value in (settings or {}).items():
         name = SETTING_ALIASES.get(key, key)
@@ -114,10 +259,18 @@ def parse_settings(settings: dict[str, Any] | None, known: dict[str, Any]) -> di
         kind = isinstance(value, numbers) if isinstance(recorded, numbers) else type(value) is type(recorded)
         same_kind = isinstance(value, bool) == isinstance(recorded, bool) and kind
         if recorded is not None and value is not None and not same_kind:
-            raise InterventionError(f"setting {key}={value!r}: it was {recorded!r} when recorded; give a "
-                                    f"{'true/false' if isinstance(recorded, bool) else type(recorded).__name__} value")
-        if name in ("num_threads", "num_interop_threads") and isinstance(value, int) and value < 1:
+            wanted = "a true/false" if isinstance(recorded, bool) else _a(type(recorded).__name__)
+            raise InterventionError(f"setting {key}={value!r}: it was {recorded!r} when recorded; give {wanted} value")
+        if name in ("num_threads", "num_interop_threads") and not (_plain_int(value) and value >= 1):
             raise InterventionError(f"setting {key}={value!r}: a thread count is a positive integer")
+        if name == "float32_matmul_precision" and value not in _MATMUL_PRECISIONS:
+            raise InterventionError(f"setting {key}={value!r}: give one of {', '.join(_MATMUL_PRECISIONS)}")
+        if name == "default_dtype" and value is not None:
+            try:
+                dtype_from_name(value)
+            except (ValueError, TypeError):
+                raise InterventionError(f"setting {key}={value!r}: give a torch dtype by name, e.g. "
+                                        "'torch.float64'") from None
         out[name] = value
     return out
 
@@ -206,7 +359,8 @@ def swap_module(original: torch.nn.Module, replacement: Any, key: str, build_fro
                 new = replacement(*init[0], **init[1])
             except Exception as exc:  # noqa: BLE001 - fall back to the skeleton, and say so
                 notes.append(f"swap {key}: {replacement.__qualname__}(...) with the original's constructor arguments "
-                             f"failed ({type(exc).__name__}: {exc}); built from the original's skeleton")
+                             f"failed ({type(exc).__name__}: {exc}); built from the original's skeleton, so it has the "
+                             "original's recorded attributes, not its own constructor's")
         rebuilt = None
         if new is None:
             rebuilt = build_from_skeleton(replacement)  # a rebuild.Rebuilt: tensors still to be given
@@ -259,6 +413,11 @@ def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, 
         notes.append(f"swap {key}: the original's {', '.join(unused)} have no place in the replacement")
     if odd:
         notes.append(f"swap {key}: shapes differ, left as the replacement made them: {', '.join(odd)}")
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (torch's own carry their C++ context on more)."""
+    return " ".join(str(exc).split())[:400]
 
 
 def _a(noun: str) -> str:

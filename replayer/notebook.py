@@ -248,8 +248,11 @@ def step_table(t: StepTable) -> str:
 
 def replay_result(res: ReplayResult) -> str:
     """The verdict, each compared tensor, the first divergent inner step, warnings and differences."""
-    verdict = (badge("nothing compared", "alert") if not res.compared else badge("bitwise match", "match")
-               if res.match else badge("mismatch"))
+    verdict = (badge("nothing compared", "alert") if not res.compared
+               else badge("no change: the intervention left every output as recorded", "alert")
+               if res.match and res.intervention else badge("bitwise match", "match") if res.match
+               else badge("mismatch, as the intervention makes it", "mismatch") if res.intervention
+               else badge("mismatch"))
     first = res.first_divergence
     same = sum(s.match for s in res.inner)
     rows = [("step", step_ref(res.step)), ("exception", res.exception),

@@ -142,10 +142,10 @@ class Replayer:
 
     def _plan(self, step: Step, swap: dict[str, Any] | None, edit: dict[str, Any] | None,
               settings: dict[str, Any] | None, seed: int | None) -> intervene.Plan:
-        plan = intervene.Plan(edits=intervene.parse_edits(edit), seed=seed)
+        plan = intervene.Plan(edits=intervene.parse_edits(edit), seed=intervene.parse_seed(seed))
         plan.settings = intervene.parse_settings(settings, step.settings)
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise intervene.InterventionError(f"seed must be an integer, not {seed!r}")
+        if swap is not None and not isinstance(swap, dict):
+            raise intervene.InterventionError(f"swap: give a dict of keys and replacements, not {type(swap).__name__}")
         for key, given in (swap or {}).items():
             text = given if isinstance(given, str) else None
             resolved = given
@@ -176,12 +176,18 @@ class Replayer:
             fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
             inner = descendants(fwd)
             for c in aimed:
-                if not any(intervene.matches(c.step, s, fwd.module_path) for s in inner):
+                hits = [s for s in inner if intervene.matches(c.step, s, fwd.module_path)]
+                if not hits:
                     there = sorted({f"{_selector_name(s)}#{s.call}" for s in inner})
                     raise intervene.InterventionError(
                         f"edit {c.key}: no step inside step {step.index} is {c.step!r}; " + (
                             f"the steps inside it are {', '.join(there[:12])}" + (" ..." if len(there) > 12 else "")
                             if there else "it has no steps inside"))
+                inputs = {r.name for s in hits for r in s.records if r.role == "input"}
+                if c.tensor.startswith(("args.", "kwargs.")) and c.tensor not in inputs:
+                    raise intervene.InterventionError(
+                        f"edit {c.key}: {c.step} has no input {c.tensor!r}; its recorded inputs are "
+                        f"{', '.join(sorted(inputs)) or 'none'}")
         return plan
 
     def _buffers_after(self, step: Step, module: torch.nn.Module | None, warnings: list[str]) -> list[Diff]:
@@ -266,20 +272,29 @@ class Replayer:
     def _swap_inside(self, step: Step, module: torch.nn.Module, inner: list[Step]) -> torch.nn.Module:
         """Apply the swaps aimed at the step's module or its submodules (by path, or by inner step name)."""
         own = self._own_swap(step)
-        paths = {name: sub for name, sub in module.named_modules()}
-        for sw in self.plan.swaps:
-            targets = []
+        recorded = list(dict(module.named_modules()))
+
+        def targets_in(paths: list[str], sw: intervene.Swap) -> list[str]:
             if sw is own:
-                targets = [""]
-            else:
-                for rel in paths:
-                    full = join_path(step.module_path, rel)
-                    if rel and sw.key in (rel, full):
-                        targets.append(rel)
-                targets += [s.module_path[len(step.module_path):].lstrip(".") for s in inner
-                            if s.definition.get("kind") == "module" and sw.key in (s.name, s.paper.get("label"))]
+                return [""]
+            return [rel for rel in paths if rel and sw.key in (rel, join_path(step.module_path, rel))] + [
+                s.module_path[len(step.module_path):].lstrip(".") for s in inner
+                if s.definition.get("kind") == "module" and sw.key in (s.name, s.paper.get("label"))]
+
+        for sw in sorted(self.plan.swaps, key=lambda s: s is not own):  # the step's own first: the rest go inside it
+            paths = dict(module.named_modules())
+            targets = targets_in(list(paths), sw)
+            if not targets and sw is not own and targets_in(recorded, sw):
+                sw.used += 1  # (said here, not as a key that matched nothing)
+                self.plan.notes.append(f"swap {sw.key}: {type(module).__qualname__}, the step's replacement, has no "
+                                       f"submodule or step {sw.key}; nothing swapped there")
             for rel in dict.fromkeys(targets):
-                original = module.get_submodule(rel) if rel else module
+                if rel not in paths:  # a recorded inner step's module, not in the step's replacement
+                    sw.used += 1  # (said here, not as a key that matched nothing)
+                    self.plan.notes.append(f"swap {sw.key}: {type(module).__qualname__}, the step's replacement, has "
+                                           f"no submodule {rel}; nothing swapped there")
+                    continue
+                original = paths[rel] if rel else module
                 if not isinstance(sw.replacement, type) and not isinstance(original, torch.nn.Module):
                     continue
                 doc = self._skeleton_of(step, rel)
@@ -334,7 +349,8 @@ class Replayer:
                 else:
                     names = sorted(n for n, _ in [*sub.named_parameters(), *sub.named_buffers()])
                     raise intervene.InterventionError(f"edit {c.key}: {path} has no parameter or buffer {c.tensor!r}; "
-                                                      f"it has {', '.join(names) or 'none'}")
+                                                      f"it has {', '.join(names) or 'none'} (and its inputs, "
+                                                      "args.N and kwargs.NAME)")
                 c.used += 1
 
     def _edit(self, name: str, value: torch.Tensor, *aliases: str) -> torch.Tensor:
@@ -964,7 +980,7 @@ def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step | Non
             ``original -> new``; for a function step an import reference names the new function.
         edit: ``{[STEP/]TENSOR: change}`` for inputs, parameters, buffers and grad outputs (of the step,
             or of a step inside it: ``"smooth_relu#0/args.0"``); a change is an expression in ``x``
-            (``"x.clamp(-50, 50)"``, evaluated with torch, math and x only), a callable or a tensor.
+            (``"x.clamp(-50, 50)"``: x, torch's operations, tensor methods and math only), a callable or a tensor.
         settings: override recorded settings (``{"deterministic": True}``, ``{"num_threads": 1}``).
         seed: seed torch, numpy and random with this instead of the recorded generator states.
         use_bundled_source: a bundle: replay with the code it carries (runs that code) instead of the

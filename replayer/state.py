@@ -67,6 +67,20 @@ _FIXED = ("num_interop_threads", "cpu_capability")
 _PRECISION_API = ("fp32_precision", "cuda_matmul_fp32_precision", "cudnn_fp32_precision", "mkldnn_fp32_precision")
 
 
+def _restore_precision(before: dict[str, Any]) -> None:
+    """Put torch's newer precision settings back as ``before`` had them: setting the legacy flags
+    (``allow_tf32``, ``set_float32_matmul_precision``), even back to their old values, moves them
+    ('none' becomes 'ieee')."""
+    b = torch.backends
+    owners = {"fp32_precision": b, "cuda_matmul_fp32_precision": getattr(b.cuda, "matmul", None),
+              "cudnn_fp32_precision": b.cudnn, "mkldnn_fp32_precision": b.mkldnn}
+    after = snapshot.settings()
+    for name in _PRECISION_API:  # the generic one first: the others may follow it
+        if before.get(name) is not None and after.get(name) != before[name]:
+            with contextlib.suppress(Exception):  # restore as much as possible
+                owners[name].fp32_precision = before[name]
+
+
 @contextlib.contextmanager
 def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | None = None,
             notes: list[str] | None = None, seed: int | None = None) -> Iterator[None]:
@@ -117,6 +131,8 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
         for setter, value in reversed(undo):
             with contextlib.suppress(Exception):  # restore as much as possible
                 setter(value)
+        if undo:
+            _restore_precision(now)
 
 
 @contextlib.contextmanager
@@ -162,6 +178,7 @@ def kept() -> Iterator[None]:
             if before.get(name) is not None and after.get(name) != before[name]:
                 with contextlib.suppress(Exception):  # restore as much as possible
                     setter(before[name])
+        _restore_precision(before)
 
 
 # Above ATen's grain size (32,768 elements): an op on it runs on every intra-op thread.

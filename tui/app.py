@@ -993,8 +993,11 @@ class PdbgApp(App[None]):
 
 def render_replay(result: Any, full: bool = False) -> Text:
     """A replay's verdict and its first tensors, inner steps and warnings; ``full``: all of them."""
-    verdict = (("nothing compared", "bold yellow") if not result.compared else ("bitwise match", "bold green")
-               if result.match else ("MISMATCH", "bold red"))
+    verdict = (("nothing compared", "bold yellow") if not result.compared
+               else ("no change: the intervention left every output as recorded", "bold yellow")
+               if result.match and result.intervention else ("bitwise match", "bold green")
+               if result.match else ("MISMATCH, as the intervention makes it", "bold yellow") if result.intervention
+               else ("MISMATCH", "bold red"))
     text = Text.assemble(f"replay of step {result.step.index}: ", verdict)
     few = None if full else 4
     for d in result.outputs[:few]:

@@ -45,7 +45,7 @@ def add_parsers(sub: Any) -> None:
                    help="replace a module (path, or step name) or function step with an import reference "
                         "(pkg.mod:Name); repeatable")
     p.add_argument("--edit", action="append", default=[], metavar="[STEP/]TENSOR=EXPR",
-                   help="change a tensor with an expression in x (torch, math and x only), e.g. "
+                   help="change a tensor with an expression in x (x, torch's operations, tensor methods, math), e.g. "
                         "'args.0=x.clamp(-50, 50)'; STEP/ aims at a step inside this one; repeatable")
     p.add_argument("--set", action="append", default=[], metavar="SETTING=VALUE",
                    help="override a recorded setting (deterministic=true, num_threads=1); repeatable")
@@ -295,11 +295,17 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
             example = {"--edit": "args.0=x.clamp(-50, 50)", "--set": "deterministic=true"}.get(
                 flag, "smooth_relu=mypkg.stable:smooth_relu")
             raise PdbgError(f"{flag} takes KEY=VALUE (e.g. {flag} '{example}'), not {item!r}")
-        out[item[:pos].strip()] = item[pos + 1:].strip()
+        key = item[:pos].strip()
+        if key in out:
+            raise PdbgError(f"{flag} {key} is given twice ({out[key]!r} and {item[pos + 1:].strip()!r}); give each "
+                            "key once")
+        out[key] = item[pos + 1:].strip()
     return out
 
 
 def _setting_value(text: str) -> Any:
+    if text.lower() in ("true", "false"):  # True as well as true
+        return text.lower() == "true"
     try:
         return json.loads(text)
     except ValueError:
@@ -330,6 +336,7 @@ def replay(args: argparse.Namespace) -> int:
     replayer_ = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source)
     result = replayer_.replay(step, threads=args.threads, nested=not args.no_inner, swap=swap, edit=edit,
                               settings=settings, seed=seed)
+    replaced = args.save_recipe and recipes.recipes(rec).get(args.save_recipe)
     if args.save_recipe:
         recipes.save(rec, args.save_recipe, step, swap=swap, edit=edit, settings=settings, seed=seed, result=result)
     if args.json:
@@ -350,7 +357,8 @@ def replay(args: argparse.Namespace) -> int:
           f"{'replayed: min':>13} {'max':>9} {'nan':>5} {'inf':>5}   {'max abs':>8} {'ULP':>6}")
     for d in result.outputs:
         print(f"  {d.name[:18]:<18} {'yes' if d.match else 'NO':<5} {_stats_cells(d.recorded)}   "
-              f"{_stats_cells(d.replayed, 13)}   {_num(d.max_abs_diff):>8} {d.max_ulp:>6}")
+              f"{_stats_cells(d.replayed, 13)}   "
+              + (f"{'-':>8} {'-':>6}" if d.name == "exception" else f"{_num(d.max_abs_diff):>8} {d.max_ulp:>6}"))
         if d.reason and not d.match:
             print(f"    {d.reason}")
     if result.inner:
@@ -370,14 +378,21 @@ def replay(args: argparse.Namespace) -> int:
         print("environment differs from the recording: " + "; ".join(result.environment_differences))
     if args.save_recipe:
         print(f"saved as recipe {args.save_recipe!r} in {args.run} "
-              f"(apply it with: pdbg replay {shlex.quote(args.run)} --recipe {shlex.quote(args.save_recipe)})")
+              + (f"(replacing the one saved {replaced.get('saved', '')[:19].replace('T', ' ')} for step "
+                 f"{replaced.get('step', {}).get('index')}) " if replaced else "")
+              + f"(apply it with: pdbg replay {shlex.quote(args.run)} --recipe {shlex.quote(args.save_recipe)})")
     if not result.compared:
         print("\nNOTHING COMPARED: the step returned no tensor")
+    elif result.match and result.intervention:  # the question asked was "would this change anything?"
+        print("\nNO CHANGE: the intervention left every output bit for bit as recorded")
     elif result.match:
         print("\nMATCH: bit for bit")
+    elif result.intervention and result.exception:
+        print(f"\nMISMATCH, as an intervention makes it: the replay raised {result.exception}")
     elif result.intervention:
-        before = sum((d.recorded.get("nan") or 0) + (d.recorded.get("inf") or 0) for d in result.outputs)
-        after = sum((d.replayed.get("nan") or 0) + (d.replayed.get("inf") or 0) for d in result.outputs)
+        tensors = [d for d in result.outputs if d.name != "exception"]
+        before = sum((d.recorded.get("nan") or 0) + (d.recorded.get("inf") or 0) for d in tensors)
+        after = sum((d.replayed.get("nan") or 0) + (d.replayed.get("inf") or 0) for d in tensors)
         print(f"\nMISMATCH, as an intervention makes it; non-finite output values: {before} recorded, {after} now")
     else:
         print("\nMISMATCH")

@@ -196,7 +196,113 @@ def test_recipes_are_saved_listed_and_applied_only_by_name(stack_run: tuple[Path
     assert json.loads(plain.stdout)["intervention"] is None  # a saved recipe does nothing unless named
     again = json.loads(pdbg("replay", str(run), "--recipe", "clamp-input", "--json", cwd=tmp_path).stdout)
     assert again["step"]["index"] == 12 and again["outputs"][0]["replayed"]["inf"] == 0
+    again = pdbg("replay", str(run), "smooth_relu@iter=1", "--edit", "args.0=x.clamp(-40, 40)", "--save-recipe",
+                 "clamp-input", cwd=tmp_path)
+    assert "saved as recipe 'clamp-input' in" in again.stdout and "(replacing the one saved " in again.stdout
     missing = pdbg("replay", str(run), "--recipe", "nope", cwd=tmp_path)
     assert missing.returncode == 2 and "no recipe 'nope'" in missing.stderr and "clamp-input" in missing.stderr
     with pytest.raises(recipes.RecipeError, match="must be an expression"):
         recipes.save(rec, "fn", rec.step(12), edit={"args.0": lambda x: x})
+
+
+def test_an_edit_expression_reaches_torch_math_and_x_only(stack_run: tuple[Path, object], tmp_path: Path) -> None:
+    """An expression is refused, before anything runs, when it reaches past torch's operations, tensor
+    methods and math: a module torch imported, a dunder, a file, an int too large to compute."""
+    rec = replayer.open(stack_run[0])
+    marker = tmp_path / "ran"
+    escapes = {f"torch.os.system('touch {marker}') or x": "reaches torch.os",
+               "torch.sys.modules['os'].getpid() and x": "reaches torch.sys",
+               "x.__class__": "reaches the attribute __class__",
+               "torch.__builtins__": "reaches the attribute __builtins__",
+               f"torch.load('{marker}')": "reaches torch.load",
+               "torch.nn.Linear(4, 4).weight": "reaches torch.nn.Linear",
+               f"torch.from_file('{marker}', True, 4)": "reaches torch.from_file",
+               "'{0.__class__}'.format(x)": "reaches str.format",
+               f"x.numpy().tofile('{marker}')": "reaches ndarray.tofile",
+               "x.grad_fn": "reaches Tensor.grad_fn",
+               "x * 9 ** 9 ** 9": "reaches an integer of",
+               "(lambda: x)()": "uses a Lambda expression",
+               "[__import__ for __import__ in x]": "reaches the name __import__"}
+    for text, message in escapes.items():
+        with pytest.raises(InterventionError, match=message):
+            replayer.replay(rec, "smooth_relu@iter=1", edit={"args.0": text})
+    assert not marker.exists()
+    allowed = ["torch.stack([r.clamp(-50, 50) for r in x])", "torch.nn.functional.hardtanh(x, -50.0, 50.0)",
+               "x.clamp(-50, 50) if x.shape[0] > 0 else x", "torch.nan_to_num(x).clamp(max=math.pi * 10)"]
+    for text in allowed:
+        res = replayer.replay(rec, "smooth_relu@iter=1", edit={"args.0": text})
+        assert nonfinite(res.outputs[0].replayed) == 0 < nonfinite(res.outputs[0].recorded), text
+    # In a fresh process torch imports modules the first time a float literal or a factory needs them:
+    # through the expression's frame, which has no builtins of its own.
+    for text in ("x.clamp(-50.0, 50.0)", "torch.where(x > 50, torch.full_like(x, 50.), x)"):
+        res = pdbg("replay", str(stack_run[0]), "smooth_relu@iter=1", "--edit", f"args.0={text}", cwd=tmp_path)
+        assert res.returncode == 1 and "non-finite output values: 5 recorded, 0 now" in res.stdout, res.stderr
+
+
+def test_a_settings_override_leaves_every_precision_setting_as_it_was(stack_run: tuple[Path, object]) -> None:
+    """Setting the legacy tf32 flags back moves torch's newer precision API ('none' to 'ieee'):
+    it is put back too, so that the next plain replay has nothing to warn about."""
+    rec = replayer.open(stack_run[0])
+    before = snapshot.settings()
+    for settings in ({"tf32": True}, {"matmul_precision": "medium"}):
+        replayer.replay(rec, "smooth_relu@iter=1", settings=settings)
+        assert snapshot.settings() == before, settings
+    assert replayer.replay(rec, "smooth_relu@iter=1").warnings == []
+
+
+def test_more_bad_interventions_get_one_line_and_exit_code_2(stack_run: tuple[Path, object], tmp_path: Path) -> None:
+    run = str(stack_run[0])
+    cases = [
+        ("smooth_relu@iter=1", ["--edit", "args.0=x.to('meta')"], "edit args.0: NotImplementedError"),
+        ("smooth_relu@iter=1", ["--set", "default_dtype=bogus"], "give a torch dtype by name"),
+        ("smooth_relu@iter=1", ["--set", "matmul_precision=bogus"], "give one of highest, high, medium"),
+        ("smooth_relu@iter=1", ["--set", "threads=2.5"], "a thread count is a positive integer"),
+        ("smooth_relu@iter=1", ["--seed", str(2 ** 70)], "give an integer from"),
+        ("smooth_relu@iter=1", ["--edit", "args.0=x*0", "--edit", "args.0=x+1"], "--edit args.0 is given twice"),
+        ("Model@iter=1", ["--edit", "smooth_relu#0/args.7=x"], "smooth_relu#0 has no input 'args.7'; its recorded "
+                                                               "inputs are args.0"),
+    ]
+    for step, flags, message in cases:
+        res = pdbg("replay", run, step, *flags, cwd=tmp_path)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and message in lines[0], (flags, res.stderr)
+    rec = replayer.open(run)
+    for kwargs in ({"edit": ["args.0"]}, {"settings": "deterministic"}, {"swap": ["first"]}):
+        with pytest.raises(InterventionError, match="give a dict"):
+            replayer.replay(rec, "smooth_relu@iter=1", **kwargs)
+
+
+class _SecondOnly(torch.nn.Module):
+    """A replacement for the Stack that has no ``first``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.second = nanmodels.Scaled(d)
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.second(x, scale)
+
+
+def test_a_swap_of_the_step_and_one_inside_it_does_not_depend_on_their_order(stack_run: tuple[Path, object]) -> None:
+    rec = replayer.open(stack_run[0])
+    alone = replayer.replay(rec, "Model@iter=1", swap={"first": nanmodels.StableFc}).values["output"]
+    assert not torch.equal(alone, replayer.replay(rec, "Model@iter=1").values["output"])
+    for swap in ({".": nanmodels.Stack, "first": nanmodels.StableFc},
+                 {"first": nanmodels.StableFc, ".": nanmodels.Stack}):  # the first was lost in the root's swap
+        res = replayer.replay(rec, "Model@iter=1", swap=swap)
+        assert torch.equal(res.values["output"], alone), swap
+    res = replayer.replay(rec, "Model@iter=1", swap={"first": nanmodels.StableFc, ".": _SecondOnly})
+    assert "swap first: _SecondOnly, the step's replacement, has no submodule or step first; nothing swapped " \
+           "there" in res.warnings
+
+
+def test_an_intervention_is_reported_as_what_it_did(stack_run: tuple[Path, object], tmp_path: Path) -> None:
+    """One that changes nothing says so (not "MATCH", the answer to another question); one that makes
+    the replay raise says what it raised, not a count of non-finite values of no tensor."""
+    run = str(stack_run[0])
+    same = pdbg("replay", run, "smooth_relu@iter=1", "--set", "deterministic=True", cwd=tmp_path)
+    assert same.returncode == 0 and same.stdout.rstrip().endswith(
+        "NO CHANGE: the intervention left every output bit for bit as recorded"), same.stdout + same.stderr
+    raised = pdbg("replay", run, "Scaled@iter=1#0", "--edit", "args.0=x[:, :2]", cwd=tmp_path)
+    assert raised.returncode == 1 and raised.stdout.rstrip().splitlines()[-1].startswith(
+        "MISMATCH, as an intervention makes it: the replay raised RuntimeError"), raised.stdout

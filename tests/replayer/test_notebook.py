@@ -242,6 +242,8 @@ class TestReplay:
         assert not res.match and "mismatch" in out and "differ" in out and "max ULP" in out
         assert "first divergent inner step smooth_relu@iter=1#0" in out and "became finite" in out
         assert "0 / 0" in out and BAD_CELL in html and "intervention" in out
+        same = text(replayer.replay(rec, "Scaled@iter=1", settings={"deterministic": True})._repr_html_())
+        assert "no change: the intervention left every output as recorded" in same and "bitwise match" not in same
         noted = dataclasses.replace(res, warnings=["code of smooth_relu changed"],
                                     environment_differences=[f"torch: {EVIL}"])
         out = noted._repr_html_()
