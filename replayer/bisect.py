@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from recorder.errors import FormatError, PdbgError, RecordingError, ReplayError
 from recorder.store import layout
@@ -598,7 +599,10 @@ def find(rec: Recording, where: str | None, when: str | None, start: int | Step 
     mask = np.ones(n, dtype=bool)
     if where is not None:  # an empty selector or condition is refused, not taken for "any"
         mask[:] = False
-        mask[rec.steps.select(where).rows] = True
+        rows = rec.steps.select(where).rows
+        if not len(rows):
+            rec.step(where)  # a selector that names no step of the recording (misspelt): say what it has
+        mask[rows] = True
     if when is not None:
         mask &= Condition(when).evaluate(rec)
     first = int(start.index if isinstance(start, Step) else start) if start is not None else None
@@ -640,19 +644,27 @@ class Divergence:
 
 
 class _Print:
-    """A tensor record's fingerprint: its payload's hash when its bytes were kept, and a hash of its
-    statistics (always). Two are equal by their payloads when both have one, else by statistics:
-    a run recorded in stats mode, or in flight mode outside its ring, against one that kept bytes."""
+    """A tensor record's fingerprint: its dtype and shape, its payload's hash when its bytes were
+    kept, and a hash of its statistics (always). Two are equal when their dtypes and shapes are, and
+    then by their payloads when both have one, else by statistics: a run recorded in stats mode, or in
+    flight mode outside its ring, against one that kept bytes (``exact_with`` says which)."""
 
-    __slots__ = ("content", "stats")
+    __slots__ = ("content", "stats", "kind")
 
-    def __init__(self, content: tuple[int, int] | None, stats: tuple[int, int]) -> None:
-        self.content, self.stats = content, stats
+    def __init__(self, content: tuple[int, int] | None, stats: tuple[int, int], kind: tuple[str, tuple[int, ...]]
+                 ) -> None:
+        self.content, self.stats, self.kind = content, stats, kind
+
+    def exact_with(self, other: _Print) -> bool:
+        """Whether a comparison with ``other`` is by bytes, not by statistics."""
+        return self.content is not None and other.content is not None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _Print):
             return NotImplemented
-        if self.content is not None and other.content is not None:
+        if self.kind != other.kind:
+            return False
+        if self.exact_with(other):
             return self.content == other.content
         return self.stats == other.stats
 
@@ -690,10 +702,11 @@ class _Prints:
 
     def of(self, index: int) -> dict[tuple[str, str], _Print]:
         a, b = int(self.start[index]), int(self.start[index]) + int(self.count[index])
+        kinds = [(r.dtype, r.shape) for r in self.rec.rank.tensor_records(index)] if b > a else []
         return {(layout.ROLES[int(r)], str(nm)): _Print((int(c[0]), int(c[1])) if exact else None,
-                                                        (int(p[0]), int(p[1])))
-                for r, nm, c, p, exact in zip(self.view.roles[a:b], self.view.names[a:b], self.content[a:b],
-                                              self.stats[a:b], self.exact[a:b])}
+                                                        (int(p[0]), int(p[1])), kind)
+                for r, nm, c, p, exact, kind in zip(self.view.roles[a:b], self.view.names[a:b], self.content[a:b],
+                                                    self.stats[a:b], self.exact[a:b], kinds)}
 
 
 _ARGS = {"forward": ("input",), "backward": ("grad_output",)}
@@ -744,6 +757,8 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     pa, pb = _Prints(rec_a), _Prints(rec_b)
     root: dict[int, str] = {}
     result = Divergence(None, None, "", compared=common)
+    last = (-1, -1)  # the last pair of aligned steps before the one looked at
+    outside = ""
     for i, j in pairs:
         if j is None:
             continue
@@ -751,19 +766,19 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
         args_a, params_a, res_a = _parts(pa, sa)
         args_b, params_b, res_b = _parts(pb, sb)
         if res_a == res_b:
+            last = (i, j)
             continue
         if args_a != args_b:
-            if result.first_difference is None:  # the first difference came in from outside every recorded
-                result.first_difference = sa  # step (a batch, code between steps): later steps whose parameters
-                break  # differ only follow it (the optimizer stepped with other gradients)
-            result.followed.append(sa)
-            continue
-        if result.first_difference is None:
+            # The first difference came in from outside every recorded step (a batch, code between
+            # steps), or from steps one run has and the other lacks: later steps whose parameters
+            # differ only follow it (the optimizer stepped with other gradients).
             result.first_difference = sa
-        root[i] = _why(sa, sb, params_a, params_b, res_a, res_b)
-        if result.step is None:
-            result.step, result.other = sa, sb
+            outside = _unaligned(pairs, last, (i, j), rec_a, rec_b)
             break
+        result.first_difference = result.step = sa
+        result.other = sb
+        root[i] = _why(sa, sb, (args_a, params_a, res_a), (args_b, params_b, res_b), first=True)
+        break
     if result.step is None:
         if result.first_difference is None:
             only_a, only_b = len(pairs) - common, len(keys_b) - common
@@ -774,7 +789,7 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
                                         if apart else ""))
         else:
             result.cause = (f"the results first differ at {describe(result.first_difference)}, but its inputs differ "
-                            "too: they came from outside every recorded step")
+                            f"too: {outside or 'they came from outside every recorded step'}")
             result.followed = _followers(pairs, result.first_difference.index, pa, pb, rec_a, rec_b)
         return result
     index = result.step.index
@@ -790,7 +805,7 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
             args_b, params_b, res_b = _parts(pb, sb)
             if res_a != res_b and args_a == args_b:
                 result.step, result.other = sa, sb
-                root[k] = _why(sa, sb, params_a, params_b, res_a, res_b)
+                root[k] = _why(sa, sb, (args_a, params_a, res_a), (args_b, params_b, res_b), first=True)
                 index, descended = k, True
                 break
     result.cause = f"{describe(result.step)}: {root[index]}"
@@ -826,13 +841,45 @@ def _names(names: list[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def _why(sa: Step, sb: Step, params_a: dict[Any, Any], params_b: dict[Any, Any], res_a: dict[Any, Any],
-         res_b: dict[Any, Any]) -> str:
-    differ = sorted(k[1] for k in set(res_a) | set(res_b) if res_a.get(k) != res_b.get(k))
+def _unaligned(pairs: list[tuple[int, int | None]], last: tuple[int, int], at: tuple[int, int], rec_a: Recording,
+               rec_b: Recording) -> str:
+    """The steps one run has and the other lacks between the aligned steps ``last`` and ``at``
+    (a step added to one run, or called once more): where inputs that differ may have come from."""
+    paired = {j for _, j in pairs if j is not None}
+    only_a = [i for i in range(last[0] + 1, at[0]) if pairs[i][1] is None]
+    only_b = [j for j in range(last[1] + 1, at[1]) if j not in paired]
+    parts = []
+    for steps, rec, which in ((only_a, rec_a, "this run"), (only_b, rec_b, "the other run")):
+        if steps:
+            shown = "; ".join(describe(rec.step(k)) for k in steps[:3]) + (" ..." if len(steps) > 3 else "")
+            parts.append(f"{which} has {len(steps)} step{'s' if len(steps) != 1 else ''} right before it that the "
+                         f"other lacks ({shown})")
+    return " and ".join(parts) + (", which may have made them" if parts else "")
+
+
+def _label(key: tuple[str, str]) -> str:
+    """A compared record as the cause names it: a gradient says whose."""
+    role, name = key
+    return f"the grad of {name}" if role in ("grad_input", "param_grad") else name
+
+
+def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple[dict[Any, Any], ...],
+         first: bool = False) -> str:
+    """Why step ``sa`` of run A and ``sb`` of run B give different results from the same inputs:
+    ``parts_*`` their (inputs, parameters, results) fingerprints; ``first``: no recorded step before
+    them differed."""
+    (args_a, params_a, res_a), (args_b, params_b, res_b) = parts_a, parts_b
+    differ = sorted(_label(k) for k in set(res_a) | set(res_b) if res_a.get(k) != res_b.get(k))
     changed = sorted(k[1] for k in set(params_a) | set(params_b) if params_a.get(k) != params_b.get(k))
     results = f"{_names(differ)} differ{'s' if len(differ) == 1 else ''}"
+    by_stats = any(not a.exact_with(b) for ours, theirs in ((args_a, args_b), (params_a, params_b))
+                   for k, a in ours.items() if (b := theirs.get(k)) is not None)
+    same = ("inputs with the same statistics (one run kept statistics only: they cannot tell a reordered batch "
+            "apart)" if by_stats else "same inputs")
     if changed:
-        return f"same inputs, but {_names(changed)} differ{'s' if len(changed) == 1 else ''}, so {results}"
+        where = (": every recorded step before it matched, so they were changed outside the recorded steps (by the "
+                 "optimizer or its settings, such as the learning rate, or at initialisation)" if first else "")
+        return f"{same}, but {_names(changed)} differ{'s' if len(changed) == 1 else ''}, so {results}{where}"
     reasons = []
     if sa.arguments != sb.arguments:
         reasons.append(f"its non-tensor arguments differ ({_short(sa.arguments)} vs {_short(sb.arguments)})")
@@ -841,10 +888,19 @@ def _why(sa: Step, sb: Step, params_a: dict[Any, Any], params_b: dict[Any, Any],
     if sa.settings != sb.settings:
         keys = sorted(k for k in set(sa.settings) | set(sb.settings) if sa.settings.get(k) != sb.settings.get(k))
         reasons.append(f"settings differ ({', '.join(keys[:5])})")
-    if sa._doc("rng") != sb._doc("rng") and _rng_bytes(sa) != _rng_bytes(sb):
-        reasons.append("its RNG state at entry differs")
-    why = "; ".join(reasons) or "nothing recorded explains it (nondeterministic kernels?)"
-    return f"same inputs and parameters, but {results}: {why}"
+    rng_a, rng_b = _rng_bytes(sa), _rng_bytes(sb)  # (the states themselves: their documents' places say nothing)
+    generators = sorted(k for k in set(rng_a) | set(rng_b) if rng_a.get(k) != rng_b.get(k))
+    torch_ones = [k for k in generators if k.startswith(("torch", "cuda"))]
+    if torch_ones:
+        reasons.append(f"its RNG state at entry differs ({', '.join(torch_ones)})")
+    why = "; ".join(reasons) or ("nothing recorded explains it: inputs that differ in a way their statistics do not "
+                                 "show, or nondeterministic kernels" if by_stats
+                                 else "nothing recorded explains it (nondeterministic kernels, or something the step "
+                                 "reads besides its inputs: a global, an environment variable?)")
+    others = [k for k in generators if k not in torch_ones]
+    if others and not reasons:
+        why += f"; its {' and '.join(others)} RNG states differ too, which matters only if it draws from them"
+    return f"{same} and parameters, but {results}: {why}"
 
 
 def _short(doc: Any) -> str:
@@ -852,6 +908,18 @@ def _short(doc: Any) -> str:
     return text if len(text) <= 80 else text[:79] + "…"
 
 
-def _rng_bytes(step: Step) -> Any:
-    return {k: (v.numpy().tobytes() if hasattr(v, "numpy") else repr(v)) for k, v in step.rng.items()}
+def _rng_bytes(step: Step) -> dict[str, Any]:
+    """A step's generator states, by generator, as comparable values."""
+    def canon(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.numpy().tobytes()
+        if isinstance(v, np.ndarray):
+            return v.tobytes()
+        if isinstance(v, (list, tuple)):
+            return tuple(canon(x) for x in v)
+        if isinstance(v, dict):
+            return tuple(sorted((str(k), canon(x)) for k, x in v.items()))
+        return v
+
+    return {str(k): canon(v) for k, v in step.rng.items()}
 

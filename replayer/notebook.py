@@ -336,7 +336,9 @@ def divergence(d: Divergence) -> str:
             ("first difference", step_ref(d.first_difference, False) if d.first_difference is not None else None),
             ("steps compared", f"{d.compared:,}")]
     return block(title, fields(rows), _steps("followed (different inputs only)", d.followed, "steps"),
-                 hint("div.step", "div.followed", "replayer.replay(rec_a, div.step)"))
+                 hint("div.step", "div.followed", "replayer.replay(rec_a, div.step)") if d.step is not None
+                 else hint("div.first_difference", "div.followed", "replayer.replay(rec_a, div.first_difference)")
+                 if d.first_difference is not None else None)
 
 
 def bundle_info(b: BundleInfo) -> str:

@@ -985,10 +985,10 @@ class PdbgApp(App[None]):
         except PdbgError as exc:
             self._report(Text(str(exc), style="red"))
             return
-        self._report(Text(("root cause: " if div.step else "") + div.cause,
-                                                   style="yellow" if div.step else "green"))
-        if div.step is not None:
-            self.call_from_thread(self.go_to_step, div.step.index)
+        apart = div.step or div.first_difference  # the root cause, else where the results first differ
+        self._report(Text(("root cause: " if div.step else "") + div.cause, style="yellow" if apart else "green"))
+        if apart is not None:
+            self.call_from_thread(self.go_to_step, apart.index)
 
 
 def render_replay(result: Any, full: bool = False) -> Text:

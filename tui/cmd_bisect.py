@@ -53,6 +53,8 @@ def bisect(args: argparse.Namespace) -> int:
     import replayer
 
     rec = _open(args.run, args.rank or 0)
+    if args.against is not None and not args.against.strip():
+        raise PdbgError("--against needs the path of the other recording (it was given empty)")
     if args.against:
         if args.ops:
             raise PdbgError("--ops applies to the origin of a NaN, not to --against; use one or the other")

@@ -390,3 +390,156 @@ def test_a_divergence_names_how_many_more_parameters_differ(tmp_path: Path) -> N
             model(torch.ones(2, 4))
     div = replayer.first_divergence(replayer.open(paths[0]), replayer.open(paths[1]))
     assert "same inputs, but a.bias, a.weight, b.bias, b.weight, c.bias and 1 more differ" in div.cause, div.cause
+
+
+@recorder.paper_step("Eq. 5")
+def _dropped(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.dropout(x, 0.5, training=True)
+
+
+@recorder.paper_step("Eq. 6")
+def _weighted(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.tensor([1.0, 10.0])
+
+
+@recorder.paper_step("Eq. 7")
+def _shifted(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@recorder.paper_step("Eq. 8")
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _record_calls(path: Path, calls: list[tuple[Any, torch.Tensor]], mode: str = "full") -> replayer.Recording:
+    """One iteration: each step called on its input, or on the last call's output when it is None."""
+    with recorder.record(path, mode=mode) as run:
+        out = None
+        for fn, x in calls:
+            out = fn(out if x is None else x)
+        run.next_iteration()
+    return replayer.open(path)
+
+
+def test_a_divergence_compares_the_generator_states_themselves(tmp_path: Path) -> None:
+    """Dropout under two seeds: the states were compared by where their documents lie, the same
+    place in both runs, so the cause blamed nondeterministic kernels."""
+    recs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        recs.append(_record_calls(tmp_path / f"seed{seed}.zarr", [(_dropped, torch.ones(4, 4))]))
+    div = replayer.first_divergence(*recs)
+    assert div.cause.endswith("same inputs and parameters, but output differs: its RNG state at entry differs "
+                              "(torch)"), div.cause
+
+
+def test_inputs_of_another_dtype_or_shape_are_not_the_same_inputs(tmp_path: Path) -> None:
+    """Statistics of the same values in float32 and float64, or zeros in two shapes, are equal, as
+    are the bytes of one tensor and of its reshape: the comparison takes dtype and shape too."""
+    x = torch.linspace(-1, 1, 8).reshape(2, 4)
+    pairs = {"dtype": ((x, "stats"), (x.double(), "stats")), "shape": ((torch.zeros(2, 4), "stats"),
+                                                                      (torch.zeros(2, 8), "stats")),
+             "reshaped": ((x, "full"), (x.reshape(4, 2), "full"))}
+    for what, ((xa, mode_a), (xb, mode_b)) in pairs.items():
+        a = _record_calls(tmp_path / f"{what}a.zarr", [(_shifted, xa)], mode_a)
+        b = _record_calls(tmp_path / f"{what}b.zarr", [(_shifted, xb)], mode_b)
+        div = replayer.first_divergence(a, b)
+        assert div.step is None and div.first_difference is not None, (what, div.cause)
+        assert div.cause.endswith("but its inputs differ too: they came from outside every recorded step"), what
+
+
+def test_inputs_judged_equal_by_their_statistics_are_said_to_be(tmp_path: Path) -> None:
+    """A stats-mode run whose batch is the other's reordered: its statistics match, the results do
+    not. The cause says the inputs were compared by statistics, not that they were the same."""
+    a = _record_calls(tmp_path / "a.zarr", [(_weighted, torch.tensor([1.0, 2.0]))], "stats")
+    b = _record_calls(tmp_path / "b.zarr", [(_weighted, torch.tensor([2.0, 1.0]))], "stats")
+    div = replayer.first_divergence(a, b)
+    assert div.step is not None and "inputs with the same statistics (one run kept statistics only: they cannot " \
+                                    "tell a reordered batch apart)" in div.cause, div.cause
+    assert "inputs that differ in a way their statistics do not show" in div.cause
+    assert "same inputs" not in div.cause
+
+
+def test_a_step_one_run_has_and_the_other_lacks_is_named(tmp_path: Path) -> None:
+    """Run B calls one more step between two that both have: the next step's inputs differ, and the
+    step B has before it is named (it said they came from outside every recorded step)."""
+    x = torch.ones(3)
+    a = _record_calls(tmp_path / "a.zarr", [(_shifted, x), (_shifted, None)])
+    b = _record_calls(tmp_path / "b.zarr", [(_shifted, x), (_doubled, None), (_shifted, None)])
+    div = replayer.first_divergence(a, b)
+    assert div.step is None and div.first_difference is not None and div.first_difference.index == 1
+    assert div.cause.endswith("but its inputs differ too: the other run has 1 step right before it that the other "
+                              "lacks (step 1: Eq. 8 · _doubled · forward · iteration 0 · call 0), which may have made "
+                              "them"), div.cause
+
+
+class _ScaledGrad(torch.autograd.Function):
+    scale = 1.0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * _ScaledGrad.scale
+
+
+@recorder.paper_step("Eq. 9")
+class _GradScaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaledGrad.apply(self.fc(x))
+
+
+def test_a_backward_difference_names_whose_gradient_differs(tmp_path: Path) -> None:
+    recs = []
+    for scale in (1.0, 1.5):
+        torch.manual_seed(0)
+        model, _ScaledGrad.scale = _GradScaled(), scale
+        with recorder.record(tmp_path / f"s{scale}.zarr", model=model) as run:
+            model(torch.ones(2, 3, requires_grad=True)).sum().backward()
+            run.next_iteration()
+        recs.append(replayer.open(tmp_path / f"s{scale}.zarr"))
+    _ScaledGrad.scale = 1.0
+    div = replayer.first_divergence(*recs)
+    assert div.step is not None and div.step.phase == "backward", div.cause
+    assert "same inputs and parameters, but the grad of args.0, the grad of fc.bias, the grad of fc.weight differ: " \
+           "nothing recorded explains it" in div.cause, div.cause
+
+
+def test_parameters_changed_between_recorded_steps_are_said_to_be(tmp_path: Path) -> None:
+    """Two runs alike but for the learning rate: every step of the first iteration matches, and the
+    parameters the second finds differ. The cause says they changed outside the recorded steps."""
+    paths = []
+    for lr in (0.1, 0.2):
+        torch.manual_seed(0)
+        model = ThreeLayers()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        paths.append(tmp_path / f"lr{lr}.zarr")
+        with recorder.record(paths[-1], model=model, optimizer=opt):  # (an iteration per optimizer step)
+            for _ in range(2):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    div = replayer.first_divergence(replayer.open(paths[0]), replayer.open(paths[1]))
+    assert div.step is not None and div.step.iteration == 1, div.cause
+    assert div.cause.endswith("every recorded step before it matched, so they were changed outside the recorded "
+                              "steps (by the optimizer or its settings, such as the learning rate, or at "
+                              "initialisation)"), div.cause
+
+
+def test_find_and_bisect_refuse_what_names_nothing(overflow_run: Path, tmp_path: Path) -> None:
+    """A misspelt step name is not "no step matches" (exit 1, as for a search that found nothing),
+    and an empty --against is not a NaN search."""
+    typo = pdbg("find", str(overflow_run), "smoth_relu", cwd=tmp_path)
+    assert typo.returncode == 2 and typo.stderr.startswith("pdbg: error: no step matches 'smoth_relu'; names in "
+                                                           "this recording:"), typo.stderr
+    empty = pdbg("bisect", str(overflow_run), "--against", "", cwd=tmp_path)
+    assert empty.returncode == 2 and "--against needs the path of the other recording" in empty.stderr
+    found = pdbg("find", str(overflow_run), "smooth_relu", "--when", "output.nan > 1e9", cwd=tmp_path)
+    assert found.returncode == 1 and found.stdout.strip() == "no step matches"

@@ -303,7 +303,14 @@ class TestBisect:
         assert "same step in run B" in out and "fc.weight" in out and "steps compared" in out
         assert repr(div) == f"<Divergence: {div.cause}>"
         same = text(replayer.first_divergence(runs[0], runs[0])._repr_html_())
-        assert "No divergence" in same and "no divergence: the" in same
+        assert "No divergence" in same and "no divergence: the" in same and "div.step" not in same
+        torch.manual_seed(0)
+        model = nanmodels.Stack(4)
+        torch.manual_seed(6)  # other inputs, the same weights: no root cause, the hint names the first difference
+        nanmodels.record_scales(tmp_path / "data.zarr", model, (1.0,))
+        data = text(replayer.first_divergence(runs[0], replayer.open(tmp_path / "data.zarr"))._repr_html_())
+        assert "with no root cause recorded" in data and "replayer.replay(rec_a, div.first_difference)" in data
+        assert "div.step" not in data
 
 
 class TestEscaping:

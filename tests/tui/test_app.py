@@ -270,7 +270,20 @@ def test_actions_bundle_and_diff(nan_path: Path, tmp_path: Path) -> None:
         await pilot.pause()
         # the first block is the innermost step whose tensors came in equal and went out different
         assert app.timeline.step_index == 11 and "non-tensor arguments differ" in panel(app)
+        # Runs parted by their data have no root cause: the cursor goes to where the results first
+        # differ, and the panel is not coloured as a match.
+        await pilot.press("d")
+        await answer(pilot, str(other_data))
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.timeline.step_index == 0 and "but its inputs differ too" in panel(app)
+        assert app.panel_text.style != "green"
 
+    torch.manual_seed(0)
+    model = nanmodels.Stack(4)
+    torch.randn(1)  # other inputs, the same weights
+    other_data = tmp_path / "other_data.zarr"
+    nanmodels.record_scales(other_data, model, (1.0, 1000.0))
     run(body, nan_path)
 
 
