@@ -263,6 +263,10 @@ class Session:
         stack = self._stack()
         return stack[-1] if stack else None
 
+    def in_step(self) -> bool:
+        """Whether a step runs on this thread now, with capture on (``collective`` keeps its call)."""
+        return self.enabled and not getattr(self.local, "busy", False) and self._innermost() is not None
+
     def _new_index(self) -> int:
         with self.lock:
             index = self.next_index

@@ -33,6 +33,16 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "all_to_all_single": ("output",), "all_to_all": ("output_tensor_list",),
     "gather": ("gather_list",), "scatter": ("tensor",), "barrier": (),
 }
+# Collective -> the arguments holding what this rank sends (for broadcast and scatter, only the source
+# rank's): counted for NaN and Inf before the call, so that a step that made them and sent them
+# through its own collective is told apart from one that received them.
+SENT: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("tensor",), "reduce": ("tensor",), "broadcast": ("tensor",), "all_gather": ("tensor",),
+    "all_gather_into_tensor": ("input_tensor",), "reduce_scatter": ("input_list",),
+    "reduce_scatter_tensor": ("input",), "all_to_all_single": ("input",), "all_to_all": ("input_tensor_list",),
+    "gather": ("tensor",), "scatter": ("scatter_list",),
+}
+_FROM_SOURCE = ("broadcast", "scatter")
 # Plain arguments kept with the call, to tell it apart in a message.
 _DESCRIBED = ("op", "src", "dst", "group_src", "group_dst", "async_op")
 
@@ -84,6 +94,26 @@ def results_of(op: str, arguments: dict[str, Any]) -> list[tuple[str, torch.Tens
     return out
 
 
+def sent_nonfinite(op: str, arguments: dict[str, Any]) -> dict[str, int]:
+    """How many NaN and Inf this rank sends into a collective (read before the call: an all_reduce
+    writes its result over what it sent)."""
+    if op in _FROM_SOURCE:
+        src, group_src = arguments.get("src"), arguments.get("group_src")
+        dist = torch.distributed
+        mine = (src is not None and src == dist.get_rank()) or (
+            group_src is not None and group_src == dist.get_rank(arguments.get("group")))
+        if not mine:
+            return {"nan": 0, "inf": 0}
+    nan = inf = 0
+    for arg in SENT.get(op, ()):
+        value = arguments.get(arg)
+        for t in [value] if isinstance(value, torch.Tensor) else value if isinstance(value, (list, tuple)) else []:
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+                nan += int(torch.isnan(t).sum())
+                inf += int(torch.isinf(t).sum())
+    return {"nan": nan, "inf": inf}
+
+
 def describe(op: str, arguments: dict[str, Any]) -> dict[str, Any]:
     """The call's plain arguments as JSON (the reduce op by name)."""
     doc: dict[str, Any] = {"op": op}
@@ -127,10 +157,13 @@ def patched(make: Callable[[str, Callable[..., Any], inspect.Signature], Callabl
 class Recording:
     """The recording side: installed by a Run, removed when it closes."""
 
-    def __init__(self, on_result: Callable[[str, dict[str, Any], list[tuple[str, torch.Tensor]]], None]) -> None:
+    def __init__(self, on_result: Callable[[str, dict[str, Any], list[tuple[str, torch.Tensor]]], None],
+                 wanted: Callable[[], bool] = lambda: True) -> None:
         """``on_result(op, described, results)`` is called after every collective made while recording
-        (it decides whether a step is running)."""
+        (it decides whether a step is running); ``wanted()``, before the call, says whether one is
+        (what the rank sends is counted only then: ``described["sent"]``)."""
         self.on_result = on_result
+        self.wanted = wanted
         self._context: Any = None
 
     def install(self) -> None:
@@ -143,19 +176,28 @@ class Recording:
             context.__exit__(None, None, None)
 
     def _wrap(self, op: str, original: Callable[..., Any], sig: inspect.Signature) -> Callable[..., Any]:
-        on_result = self.on_result
+        on_result, wanted = self.on_result, self.wanted
 
         def collective(*args: Any, **kwargs: Any) -> Any:
-            work = original(*args, **kwargs)
             try:
                 bound = sig.bind(*args, **kwargs)
             except TypeError:
-                return work  # the original accepted what its signature does not say: leave it alone
+                return original(*args, **kwargs)  # it accepts what its signature does not say: leave it alone
             bound.apply_defaults()
             arguments = bound.arguments
+            sent = None
+            if wanted():
+                try:
+                    sent = sent_nonfinite(op, arguments)
+                except Exception:  # noqa: BLE001 - a count is only a hint: never in the way of the call
+                    sent = None
+            work = original(*args, **kwargs)
             if arguments.get("async_op") and work is not None:
                 work.wait()  # its results must be there to be recorded
-            on_result(op, describe(op, arguments), results_of(op, arguments))
+            doc = describe(op, arguments)
+            if sent is not None:
+                doc["sent"] = sent
+            on_result(op, doc, results_of(op, arguments))
             return work
 
         collective.__wrapped__ = original  # type: ignore[attr-defined]

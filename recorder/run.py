@@ -127,7 +127,7 @@ class Run:
         self._rank_warned = False
         # Ranked by torchrun's environment: the process group, and its backend, may come later.
         self._backend_later = self.dist["source"] == "environment"
-        self._collectives = collectives.Recording(self.session.collective)
+        self._collectives = collectives.Recording(self.session.collective, self.session.in_step)
         self._collectives.install()
         capture.ACTIVE = self.session
 

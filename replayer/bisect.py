@@ -181,10 +181,12 @@ def _across_ranks(rec: Recording, *, ops: bool, spread: int) -> Origin:
     first (often a collective that received it) is in ``others``."""
     found = {r: first_nonfinite(rec.of_rank(r), spread=spread) for r in rec.ranks}
 
-    def when(o: Origin) -> tuple[int, float]:
+    def when(o: Origin) -> tuple[int, bool, float]:
+        """First by iteration; within one, a rank that made it from what it had before one that made
+        it from what a collective brought from another rank (Inf turned NaN); then by wall clock."""
         first = o.step or o.entered
         assert first is not None
-        return first.iteration, first.started_unix
+        return first.iteration, bool(o.step is not None and _received(o.step)), first.started_unix
 
     produced = [o for o in found.values() if o.step is not None]
     pool = produced or [o for o in found.values() if o.found]
@@ -218,6 +220,60 @@ def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, 
     return origin
 
 
+def _through_collectives(rec: Recording, given: np.ndarray, nan_given: np.ndarray) -> None:
+    """Correct the steps' "took NaN/Inf" flags for the collectives they called: a collective's
+    result counts as an input (it came from the other ranks), unless the step sent the NaN or Inf
+    into it itself (recorded since schema 1.12: ``sent``), when the step made it; a step that
+    received it from another rank through a collective of a step inside it took it too."""
+    rank = rec.rank
+    if int(rank.dist.get("world_size") or 1) < 2 or not rank.lengths.get("tensors"):
+        return
+    roles = np.asarray(rank.column("tensors/role"))
+    talk = np.flatnonzero(roles == layout.ROLES.index("collective"))
+    if not len(talk):
+        return
+    stats = np.asarray(rank.column("tensors/stats"))[talk]
+    steps = np.unique(np.asarray(rank.column("tensors/step"))[talk][(stats[:, 6] + stats[:, 7]) > 0])
+    parent = _column(rec, "parent")
+    for index in steps.tolist():
+        step = rec.step(int(index))
+        sent = _sent(step)
+        received = nan_received = False
+        for r in step.records:
+            if r.role != "collective" or not r.nonfinite or _call_of(r.name) in sent:  # (what it sent came back)
+                continue
+            received = True
+            nan_received |= bool(r.stats.get("nan"))
+        others = [r for r in step.records if r.role in ("input", "param", "buffer", "grad_output") and r.nonfinite]
+        given[index] = received or bool(others)
+        nan_given[index] = nan_received or any(r.stats.get("nan") for r in others)
+        if received:  # the steps around it took it from another rank too
+            up = int(parent[index])
+            while 0 <= up < len(given):
+                given[up] = True
+                nan_given[up] |= nan_received
+                up = int(parent[up])
+
+
+def _call_of(record_name: str) -> str:
+    """The collective call a result record belongs to: ``<op>.<k>[.<i>]`` -> ``<op>.<k>``."""
+    return ".".join(record_name.split(".")[:2])
+
+
+def _sent(step: Step) -> list[str]:
+    """The collectives of ``step`` this rank sent NaN or Inf into (schema 1.12; none before)."""
+    return [str(d.get("name")) for d in step.extra.get("collectives") or []
+            if isinstance(d.get("sent"), dict) and (d["sent"].get("nan", 0) + d["sent"].get("inf", 0)) > 0]
+
+
+def _received(step: Step) -> list[str]:
+    """The results of collectives of ``step`` that brought NaN or Inf this rank did not send."""
+    if not step.extra.get("collectives"):
+        return []
+    sent = _sent(step)
+    return [r.name for r in step.records if r.role == "collective" and r.nonfinite and _call_of(r.name) not in sent]
+
+
 @dataclass
 class _Kinds:
     """Per step, where NaN and Inf were (from the steps' flags): ``result``/``nan_result`` (its
@@ -240,8 +296,9 @@ class _Kinds:
             nan_result, nan_given = result, given
         n = len(rec)
         phase, forward = _column(rec, "phase"), _column(rec, "forward")
-        back = np.flatnonzero((phase == 1) & (forward >= 0) & (forward < n))
         given, nan_given = given.copy(), nan_given.copy()
+        _through_collectives(rec, given, nan_given)
+        back = np.flatnonzero((phase == 1) & (forward >= 0) & (forward < n))
         given[back] |= given[forward[back]]
         nan_given[back] |= nan_given[forward[back]]
         return cls(rec, result, nan_result, given, nan_given)
@@ -319,8 +376,12 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int) -> Origin:
         index = _innermost(rec, int(np.flatnonzero(made)[0]), made)
         step = rec.step(index)
         what = _nonfinite_text(step, layout_results(step.phase)) or ["non-finite results"]
-        given = [r.name for r in _own_inputs(step) if r.nonfinite]
+        sent, received = _sent(step), _received(step)
+        given = [r.name + (" from another rank" if r.name in received else "") for r in _own_inputs(step)
+                 if r.nonfinite and _call_of(r.name) not in sent]
         source = f"from inputs holding Inf but no NaN ({', '.join(given[:3])})" if given else "from finite inputs"
+        if sent:
+            source += f", and sent them to the other ranks through its {', '.join(sent)}"
         origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} {source}",
                         _after(rec, index, k.result, spread))
         if ops:
@@ -398,8 +459,12 @@ def _entered_cause(rec: Recording, step: Step) -> str:
     talk = [r for r in step.records if r.role == "collective" and r.nonfinite]
     if talk:
         world = rec.rank.dist["world_size"]
-        return (f"collective {talk[0].name} inside {describe(step)} returned non-finite values from the other "
-                f"rank{'s' if world > 2 else ''} (rank {rec.rank.rank} of {world}): look for the origin there")
+        counted = any(isinstance(d.get("sent"), dict) for d in step.extra.get("collectives") or [])
+        other = "another rank" if world > 2 else "the other rank"
+        return (f"collective {talk[0].name} inside {describe(step)} returned non-finite values "
+                + (f"that this rank ({rec.rank.rank} of {world}) did not send: they came from {other}"
+                   if counted else f"to this rank ({rec.rank.rank} of {world}), from {other}")
+                + "; look for the origin there (pdbg bisect without --rank looks at every rank)")
     source = step if step.phase == "forward" else rec.step(step.forward) if step.forward is not None else step
     bad = [r for r in source.records if r.role in ("param", "buffer", "input") and r.nonfinite]
     if step.phase == "backward" and not bad:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from recorder import collectives as recorded
 from recorder.errors import ReplayError
@@ -132,9 +133,10 @@ def replayed(step: Step, inner: list[Step] | None = None) -> Iterator[Replayed]:
                 if tuple(target.shape) != record.shape or str(target.dtype).removeprefix("torch.") != record.dtype:
                     raise ReplayError(f"{_name(call)}: the replay's {record.name} is {target.dtype} "
                                       f"{tuple(target.shape)}, the recording's {record.dtype} {record.shape}")
-                value = call.step.rec.rank.tensor(record)
-                with torch.no_grad():
-                    target.copy_(value.to(target.device))
+                # Out of sight of the replay's own dispatch modes (the operation finder of bisect --ops):
+                # reading and copying the result stand for the other ranks' work, not for the step's.
+                with torch.no_grad(), _disable_current_modes():
+                    target.copy_(call.step.rec.rank.tensor(record).to(target.device))
             state.used += 1
             return _Done() if arguments.get("async_op") else None
 

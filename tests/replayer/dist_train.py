@@ -4,6 +4,8 @@ Launched once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADD
 ``global_mean`` all-reduces inside the step, so a NaN born on one rank reaches the other through
 the collective. Environment knobs:
   NAN_RANK, NAN_AT   on that rank, at that iteration, ``sharpen`` divides by zero (the origin)
+  BLOW_RANK, BLOW_AT on that rank, at that iteration, ``global_mean`` makes its sum 0/0 before
+                     all-reducing it (the origin, whose NaN every rank's all_reduce returns)
   KILL_RANK, KILL_AT that rank SIGKILLs itself at the start of that iteration (after a commit)
   COUPLED            iterations from 0 that communicate (later ones use the local mean)
   RECORD_TO          record in code with recorder.record (else: run as is, e.g. under pdbg record)
@@ -25,6 +27,7 @@ ITERATIONS = int(os.environ.get("ITERATIONS", "6"))
 COUPLED = int(os.environ.get("COUPLED", str(ITERATIONS)))
 NAN_RANK, NAN_AT = int(os.environ.get("NAN_RANK", "-1")), int(os.environ.get("NAN_AT", "-1"))
 KILL_RANK, KILL_AT = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AT", "-1"))
+BLOW_RANK, BLOW_AT = int(os.environ.get("BLOW_RANK", "-1")), int(os.environ.get("BLOW_AT", "-1"))
 
 
 @recorder.paper_step("Eq. 2", description="sharpen(h, t) = h / t")
@@ -33,8 +36,8 @@ def sharpen(h: torch.Tensor, t: float) -> torch.Tensor:
 
 
 @recorder.paper_step("Eq. 3", description="mean over the global batch (all ranks)")
-def global_mean(h: torch.Tensor, coupled: bool) -> torch.Tensor:
-    total = h.sum(0, keepdim=True)
+def global_mean(h: torch.Tensor, coupled: bool, scale: float = 1.0) -> torch.Tensor:
+    total = h.sum(0, keepdim=True) * scale / scale
     count = torch.tensor([float(h.shape[0])])
     if coupled:
         dist.all_reduce(total)
@@ -49,9 +52,9 @@ class Net(nn.Module):
         self.fc1 = nn.Linear(8, 16)
         self.fc2 = nn.Linear(16, 4)
 
-    def forward(self, x: torch.Tensor, t: float, coupled: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: float, coupled: bool, scale: float = 1.0) -> torch.Tensor:
         h = sharpen(torch.tanh(self.fc1(x)), t)
-        return self.fc2(h - global_mean(h, coupled))
+        return self.fc2(h - global_mean(h, coupled, scale))
 
 
 def main() -> None:
@@ -73,7 +76,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             x = torch.randn(16, 8, generator=data)
             t = 0.0 if (rank == NAN_RANK and it == NAN_AT) else 1.0
-            loss = model(x, t, it < COUPLED).pow(2).mean()
+            scale = 0.0 if (rank == BLOW_RANK and it == BLOW_AT) else 1.0
+            loss = model(x, t, it < COUPLED, scale).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -120,6 +120,25 @@ def test_bisect_names_the_rank_of_the_origin(nan_run: Path) -> None:
         (0, "complete", "gloo", 24), (1, "complete", "gloo", 24)]
 
 
+def test_a_nan_a_step_makes_before_its_own_all_reduce_is_its_rank_s(tmp_path: Path) -> None:
+    """Rank 1's global_mean divides its sum by zero, then all-reduces it: both ranks' all_reduce
+    returns Inf. Each rank was sent to the other ("returned non-finite values from the other rank"),
+    and the origin named was rank 0's; what each rank sent into its collectives tells them apart."""
+    out = tmp_path / "run.zarr"
+    for res in launch(out, cli=False, BLOW_RANK=1, BLOW_AT=2):
+        assert res.returncode == 0, res.stderr
+    origin = replayer.first_nonfinite(replayer.open(out), all_ranks=True, ops=True)
+    assert origin.rank == 1 and origin.step is not None, origin.cause
+    assert (origin.step.name, origin.step.iteration) == ("global_mean", 2)
+    assert origin.cause.endswith("from finite inputs, and sent them to the other ranks through its all_reduce.0")
+    assert origin.op is not None and origin.op.name == "aten::div" and "/ scale" in origin.op.code
+    other = origin.others[0].cause
+    assert "returned non-finite values that this rank (0 of 2) did not send: they came from the other rank" in other
+    # Rank 0's own operation finder does not name the replay's copy of the recorded result.
+    alone = replayer.first_nonfinite(replayer.open(out), ops=True)
+    assert alone.op is None or "all_reduce" not in (alone.op.code or ""), alone.op
+
+
 def test_the_tui_of_one_rank_names_the_rank_of_the_origin(nan_run: Path) -> None:
     """The TUI shows rank 0: `g`, `b` and `a` name the origin on rank 1 and how to open it (they said
     no NaN was recorded), and the cursor stays where it was."""
@@ -176,14 +195,14 @@ def test_a_replay_that_communicates_differently_is_refused(nan_run: Path) -> Non
     assert not torch.distributed.is_initialized()
 
 
-def three_collectives(h: torch.Tensor, coupled: bool) -> torch.Tensor:
+def three_collectives(h: torch.Tensor, coupled: bool, scale: float = 1.0) -> torch.Tensor:
     total, count = h.sum(0, keepdim=True), torch.tensor([float(h.shape[0])])
     for t in (total, count, count):
         torch.distributed.all_reduce(t)
     return total / count
 
 
-def reduce_twice(h: torch.Tensor, coupled: bool) -> torch.Tensor:
+def reduce_twice(h: torch.Tensor, coupled: bool, scale: float = 1.0) -> torch.Tensor:
     total = h.sum(0, keepdim=True)
     torch.distributed.all_reduce(total)
     torch.distributed.all_reduce(total)
