@@ -113,6 +113,7 @@ class Run:
         self._optimizer = optimizer
         self._stepped: int | None = None  # id of the optimizer whose step hook ran last (see _GradScaling)
         self.grad_scaler_skipped: list[int] = []  # iterations whose optimizer step GradScaler skipped
+        self.grad_scaler_scales: list[float | None] = []  # the loss scale of each of them
         self._skips = 0
         if optimizer == "auto":
             self._hooks.append(optimizer_mod.register_optimizer_step_post_hook(self._on_any_step))
@@ -184,9 +185,10 @@ class Run:
         if id(optimizer) == self._stepping:
             self.next_iteration()
 
-    def _skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """GradScaler skipped ``optimizer.step()`` (Inf or NaN in the scaled gradients): the iteration
-        ends as if it had stepped, and is listed in ``grad_scaler_skipped`` (see _GradScaling)."""
+    def _skipped_step(self, optimizer: torch.optim.Optimizer, scale: float | None = None) -> None:
+        """GradScaler skipped ``optimizer.step()`` (Inf or NaN in the scaled gradients) at loss scale
+        ``scale``: the iteration ends as if it had stepped, and is listed in ``grad_scaler_skipped``
+        (see _GradScaling)."""
         before = self.session.iteration
         if self._optimizer is None:
             return
@@ -198,6 +200,7 @@ class Run:
             self._skips += 1
             if len(self.grad_scaler_skipped) < _SKIPS_LISTED:
                 self.grad_scaler_skipped.append(before)
+                self.grad_scaler_scales.append(scale)
 
     # -- pausing, paths and anomalies (what framework callbacks build on: recorder.framework) --------
     def pause(self) -> None:
@@ -317,7 +320,8 @@ class Run:
         if exception is not None:
             info["exception"] = jsonval.encode(capture.exception_doc(exception, limit=None))
         if self._skips:
-            info["grad_scaler_skipped"] = {"count": self._skips, "iterations": self.grad_scaler_skipped}
+            info["grad_scaler_skipped"] = {"count": self._skips, "iterations": self.grad_scaler_skipped,
+                                           "scales": self.grad_scaler_scales}
         if self.failure:
             info["recorder_failure"] = self.failure
         try:
@@ -577,7 +581,7 @@ class _GradScaling:
             deferred, run.session.deferred = run.session.deferred, None
             if skipped and not run.closed:
                 try:
-                    run._skipped_step(optimizer)
+                    run._skipped_step(optimizer, float(scaler.get_scale()))
                 except Exception as exc:
                     run.session.fail("counting an optimizer step that GradScaler skipped", exc)
             if deferred is not None:

@@ -175,11 +175,11 @@ class Origin:
         return notebook.origin(self)
 
 
-def _across_ranks(rec: Recording, *, ops: bool, spread: int) -> Origin:
+def _across_ranks(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool) -> Origin:
     """``first_nonfinite(all_ranks=True)``: the origin is the first step of any rank (by iteration,
     then wall clock) that produced a non-finite value from finite inputs; what the other ranks saw
     first (often a collective that received it) is in ``others``."""
-    found = {r: first_nonfinite(rec.of_rank(r), spread=spread) for r in rec.ranks}
+    found = {r: first_nonfinite(rec.of_rank(r), spread=spread, scaler_skips=scaler_skips) for r in rec.ranks}
 
     def when(o: Origin) -> tuple[int, bool, float]:
         """First by iteration; within one, a rank that made it from what it had before one that made
@@ -200,7 +200,8 @@ def _across_ranks(rec: Recording, *, ops: bool, spread: int) -> Origin:
     return origin
 
 
-def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, all_ranks: bool = False) -> Origin:
+def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, all_ranks: bool = False,
+                    scaler_skips: bool = False) -> Origin:
     """The origin step of the first NaN/Inf in the recording, from the recorded statistics (what
     counts as an origin: ``_first_on_rank``; Inf a step holds at every call, as a mask, does not).
 
@@ -212,10 +213,13 @@ def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, 
         spread: how many of the steps that went non-finite afterwards to list.
         all_ranks: look at every rank of a distributed run, not only ``rec``'s; ``Origin.rank``
             names the rank of the origin, ``Origin.others`` what each other rank saw first.
+        scaler_skips: also look at the backward steps of the iterations whose optimizer step mixed
+            precision's GradScaler skipped at a loss scale above 1 (its overflows, which it handles
+            by lowering the scale), passed over by default.
     """
     if all_ranks and len(rec.ranks) > 1:
-        return _across_ranks(rec, ops=ops, spread=spread)
-    origin = _first_on_rank(rec, ops=ops, spread=spread)
+        return _across_ranks(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
+    origin = _first_on_rank(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
     rec.known_origin = origin  # a summary of the recording (its notebook repr) shows it without searching
     return origin
 
@@ -357,7 +361,22 @@ def _innermost(rec: Recording, index: int, mask: np.ndarray) -> int:
         index = inner[0]
 
 
-def _first_on_rank(rec: Recording, *, ops: bool, spread: int) -> Origin:
+def _scaler_handled(rec: Recording) -> np.ndarray:
+    """Per step: a backward step of an iteration whose optimizer step GradScaler skipped at a loss
+    scale above 1 (or at a scale not recorded, before schema 1.12): an overflow of the scaled loss."""
+    doc = rec.rank.final.get("grad_scaler_skipped") if isinstance(rec.rank.final, dict) else None
+    handled = np.zeros(len(rec), dtype=bool)
+    if not isinstance(doc, dict) or not isinstance(doc.get("iterations"), list):
+        return handled
+    scales = doc.get("scales") if isinstance(doc.get("scales"), list) else [None] * len(doc["iterations"])
+    iterations = [int(i) for i, scale in zip(doc["iterations"], scales)
+                  if isinstance(i, int) and (not isinstance(scale, (int, float)) or scale > 1.0)]
+    if iterations:
+        handled = (_column(rec, "phase") == 1) & np.isin(_column(rec, "iteration"), iterations)
+    return handled
+
+
+def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool = False) -> Origin:
     """The first step that made NaN or Inf: its results hold NaN while its inputs held none (even if
     they held Inf: an additive -inf mask is meant, a softmax that overflows is not), or Inf while
     its inputs were finite, unless it makes Inf at every one of its calls (a step building a -inf
@@ -368,6 +387,11 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int) -> Origin:
     if not n:
         return Origin(None, "no steps recorded")
     k = _Kinds.of(rec)
+    handled = np.zeros(n, dtype=bool) if scaler_skips else _scaler_handled(rec)
+    overflowed = sorted(set(_column(rec, "iteration")[handled & (k.result | k.given)].tolist()))
+    if overflowed:  # passed over: what the scaler did about them is what mixed precision expects
+        for mask in (k.result, k.nan_result, k.given, k.nan_given):
+            np.logical_and(mask, ~handled, out=mask)
     made = k.nan_result & ~k.nan_given
     inf_made = k.result & ~k.nan_result & ~k.given  # Inf (only) from finite inputs
     if inf_made.any():
@@ -400,6 +424,12 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int) -> Origin:
         if raised is not None:
             return raised
         contained = int(k.given.sum())
+        if overflowed and not contained:
+            return Origin(None, f"no non-finite values recorded outside the backward passes of the {len(overflowed)} "
+                                f"iteration{'s' if len(overflowed) != 1 else ''} whose optimizer step GradScaler "
+                                f"skipped ({_names([str(i) for i in overflowed])}): overflows of the scaled loss, "
+                                "which it handles by lowering the scale, as mixed precision expects; pdbg bisect "
+                                "--scaler-skips (scaler_skips=True) looks at them too")
         return Origin(None, "no non-finite values recorded" if not contained else
                       f"no step's results held NaN or Inf; {contained} step{'s' if contained > 1 else ''} took Inf "
                       "or NaN inputs and kept them out of their results (as an additive -inf attention mask is)")

@@ -1,4 +1,5 @@
-"""pdbg bisect RUN [--against OTHER] [--ops] [--json], pdbg find RUN WHERE --when EXPR [--from STEP] [--backward]
+"""pdbg bisect RUN [--against OTHER] [--ops] [--scaler-skips] [--json],
+pdbg find RUN WHERE --when EXPR [--from STEP] [--backward]
 
 bisect: the origin of the first NaN/Inf (the first step, innermost where steps nest, whose results
 went non-finite while everything it computed from was finite), from the recorded statistics; with
@@ -33,6 +34,8 @@ def add_parsers(sub: Any) -> None:
                    "carries instead of the code installed here (runs that code)")
     p.add_argument("--rank", type=int, metavar="K", help="look at rank K only (default: every rank of a run of "
                    "several processes, naming the rank of the origin)")
+    p.add_argument("--scaler-skips", action="store_true", help="also look at the backward steps of iterations whose "
+                   "optimizer step GradScaler skipped (overflows of the scaled loss, passed over by default)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(handler=bisect)
 
@@ -56,8 +59,9 @@ def bisect(args: argparse.Namespace) -> int:
     if args.against is not None and not args.against.strip():
         raise PdbgError("--against needs the path of the other recording (it was given empty)")
     if args.against:
-        if args.ops:
-            raise PdbgError("--ops applies to the origin of a NaN, not to --against; use one or the other")
+        if args.ops or args.scaler_skips:
+            raise PdbgError(f"{'--ops' if args.ops else '--scaler-skips'} applies to the origin of a NaN, not to "
+                            "--against; use one or the other")
         div = replayer.first_divergence(rec, _open(args.against, args.rank or 0))
         if args.json:
             print(json.dumps(div.to_json()))
@@ -71,7 +75,7 @@ def bisect(args: argparse.Namespace) -> int:
                       f"{', '.join(str(s.index) for s in div.followed)}{more}; first "
                       f"{_step_text(div.followed[0].to_json())}")
         return 1 if div.first_difference is not None else 0
-    origin = replayer.first_nonfinite(rec, all_ranks=args.rank is None)
+    origin = replayer.first_nonfinite(rec, all_ranks=args.rank is None, scaler_skips=args.scaler_skips)
     op_note = None
     if args.ops and origin.step is not None:
         from replayer.bisect import find_op

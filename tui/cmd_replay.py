@@ -128,7 +128,15 @@ def summary(rec: Any) -> dict[str, Any]:
             "first_nonfinite": first.to_json() if first is not None else None,
             "ended_by": rec.ended_by,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
-            "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec)}
+            "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec),
+            "grad_scaler_skipped": _scaler_skips(rec)}
+
+
+def _scaler_skips(rec: Any) -> dict[str, Any] | None:
+    """The iterations whose optimizer step mixed precision's GradScaler skipped, as the run's end
+    recorded them, or None."""
+    doc = rec.rank.final.get("grad_scaler_skipped") if isinstance(rec.rank.final, dict) else None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("count"), int) else None
 
 
 def _ranks(rec: Any) -> list[dict[str, Any]]:
@@ -235,6 +243,14 @@ def info(args: argparse.Namespace) -> int:
                   f"{p['forward_calls']:>7} {p['backward_calls']:>8}  {share}")
         print("  (time: the share of the iterations' wall time spent in the step, inner steps included)")
     print(f"\nalerts: {doc['alerts']}   exceptions: {doc['exceptions']}")
+    skips = doc["grad_scaler_skipped"]
+    if skips:
+        listed = [str(i) for i in skips.get("iterations") or []]
+        shown = ", ".join(listed[:8]) + (f" and {skips['count'] - 8} more" if skips["count"] > 8 else "")
+        which = f"iteration{'s' if len(listed) != 1 else ''} {shown}"
+        print(f"GradScaler skipped {_count(skips['count'], 'optimizer step')} ({which}): overflows of the scaled "
+              "loss; bisect passes over their backward steps where the loss scale was above 1 (--scaler-skips "
+              "looks at them)")
     first = doc["first_nonfinite"]
     if first is None:
         print("NaN origin: none found (pdbg bisect says why)")

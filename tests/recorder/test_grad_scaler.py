@@ -66,7 +66,8 @@ def test_overflows_the_scaler_skips_end_their_iteration_and_do_not_stop(run_path
     phases, statuses = rank.column("steps/phase").tolist(), rank.column("steps/status").tolist()
     nonfinite = sorted({i for i, phase, status in zip(iterations, phases, statuses) if status == 2})
     assert nonfinite == skipped and set(phases[k] for k, s in enumerate(statuses) if s == 2) == {1}
-    assert rank.final["grad_scaler_skipped"] == {"count": len(skipped), "iterations": skipped}
+    assert rank.final["grad_scaler_skipped"] == {"count": len(skipped), "iterations": skipped,
+                                                 "scales": [scales[i] for i in skipped]}
     assert GradScaler.scale is ORIGINAL["scale"] and GradScaler.step is ORIGINAL["step"]
 
 
@@ -80,3 +81,31 @@ def test_gradients_non_finite_at_scale_one_stop_in_scaler_step(run_path):
     # iterations 2, 3 and 4 skipped at scales 8, 4 and 2 (no stop); iteration 5, at scale 1, stopped
     assert rank.final["grad_scaler_skipped"]["iterations"] == [2, 3, 4, 5]
     assert GradScaler.scale is ORIGINAL["scale"] and GradScaler.step is ORIGINAL["step"]
+
+
+def test_bisect_passes_over_the_overflows_the_scaler_handled(run_path, tmp_path):
+    """A healthy run's overflows (skipped at a loss scale above 1) are no NaN origin, and pdbg info says
+    what the scaler skipped; gradients still non-finite at a scale of 1 are the origin (bisect named
+    the first overflow, and never reached them)."""
+    import replayer
+    from tests.cli import pdbg
+
+    scales, _ = train(run_path, init_scale=2.0 ** 16)
+    rec = replayer.open(run_path)
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and origin.cause.startswith(
+        "no non-finite values recorded outside the backward passes of the"), origin.cause
+    looked = replayer.first_nonfinite(rec, scaler_skips=True)
+    assert looked.step is not None and looked.step.phase == "backward"
+    info = pdbg("info", str(run_path), cwd=tmp_path)
+    assert "GradScaler skipped " in info.stdout and "NaN origin: none found" in info.stdout, info.stdout
+    bisect = pdbg("bisect", str(run_path), cwd=tmp_path)
+    assert bisect.returncode == 0 and "--scaler-skips" in bisect.stdout
+    assert pdbg("bisect", str(run_path), "--scaler-skips", cwd=tmp_path).returncode == 1
+
+    stopped = tmp_path / "stopped.zarr"
+    with pytest.raises(recorder.NonFiniteError):
+        train(stopped, init_scale=8.0, nan_from=2)
+    origin = replayer.first_nonfinite(replayer.open(stopped))
+    assert origin.step is not None and (origin.step.name, origin.step.phase, origin.step.iteration) == (
+        "root", "backward", 5), origin.cause
