@@ -142,11 +142,37 @@ def replayed(step: Step, inner: list[Step] | None = None) -> Iterator[Replayed]:
 
         return collective
 
-    rank, world, backend = dist["rank"], dist["world_size"], dist["backend"] or "gloo"
-    extra = {"is_initialized": lambda: True, "get_rank": lambda group=None: rank,
-             "get_world_size": lambda group=None: world, "get_backend": lambda group=None: backend}
-    with recorded.patched(make, extra):
+    with recorded.patched(make, _as_recorded(dist)):
         yield state
     if state.left:
         state.warnings.append(f"the replay made {state.used} of the {len(state.calls)} recorded collectives; "
                               f"{_name(state.left[0])} was not called")
+
+
+@contextmanager
+def refused_in_backward(step: Step) -> Iterator[None]:
+    """Around a backward step's replay in a run of several processes: a collective its backward
+    calls (``SyncBatchNorm``'s backward all-reduces its gradient statistics) is refused in one line,
+    since the recorder keeps only those called inside a step's forward call. Elsewhere, nothing."""
+    dist = step.rec.rank.dist
+    if dist["world_size"] <= 1:
+        yield
+        return
+
+    def make(op: str, original: Callable[..., Any], sig: inspect.Signature) -> Callable[..., Any]:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            raise ReplayError(f"the backward of step {step.index} calls torch.distributed's {op} (as SyncBatchNorm's "
+                              "backward does): collectives called during a backward pass are not recorded, so this "
+                              "backward step cannot be replayed alone (its forward step can)")
+
+        return collective
+
+    with recorded.patched(make, _as_recorded(dist)):
+        yield
+
+
+def _as_recorded(dist: dict[str, Any]) -> dict[str, Callable[..., Any]]:
+    """torch.distributed's questions about the process group, answered as the recorded rank."""
+    rank, world, backend = dist["rank"], dist["world_size"], dist["backend"] or "gloo"
+    return {"is_initialized": lambda: True, "get_rank": lambda group=None: rank,
+            "get_world_size": lambda group=None: world, "get_backend": lambda group=None: backend}

@@ -554,6 +554,10 @@ class Replayer:
                 with self._around("forward"), collectives.replayed(step, inner if nested else None) as talk:
                     out = call.run()
                 warnings += talk.warnings
+                if talk.used and (self.plan.edits or self.plan.swaps):
+                    warnings.append(f"the {talk.used} collective{'s' if talk.used != 1 else ''} called during the "
+                                    "replay returned their recorded results: the intervention changes what this "
+                                    "rank computes, not what the other ranks sent it")
             except PdbgError:  # an edit that cannot be applied: the user's input, not the step's outcome
                 raise
             except Exception as exc:  # noqa: BLE001 - compared with what the recording says
@@ -712,7 +716,7 @@ class Replayer:
                 f"its {not_compared}" if not_compared else "no parameter grad recorded") + ": a replay has nothing to "
                 "compare")
         with state.applied({**step.settings, **self.plan.settings}, step.rng, threads=threads, notes=warnings), \
-                self._around("backward"):
+                self._around("backward"), collectives.refused_in_backward(step):
             try:
                 try:
                     grads = torch.autograd.grad([o for o, _ in pairs], targets, grad_outputs=[g for _, g in pairs],

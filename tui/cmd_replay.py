@@ -225,8 +225,8 @@ def info(args: argparse.Namespace) -> int:
         print()
         for r in doc["rank_details"]:
             if r["status"] == "missing":
-                print(f"  rank {r['rank']}: missing (no step committed: killed before its first commit, or never "
-                      "started)")
+                print(f"  rank {r['rank']}: missing (no step committed here: killed before its first commit, never "
+                      "started, or recorded to another path; every rank must record to the same one)")
                 continue
             print(f"  rank {r['rank']}: {r['status']}, {_count(r['steps'], 'step')}, "
                   f"{_count(r['iterations'], 'iteration')}, "

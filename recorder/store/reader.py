@@ -161,11 +161,32 @@ class RunReader:
             raise FormatError(f"{self.label}: {key} is truncated or corrupt ({exc.__class__.__name__}); "
                               "this recording cannot be read") from None
 
+    def _rank_part(self) -> int | None:
+        """The rank of a rank group found where a recording's root should be (its rank 0 wrote the
+        root elsewhere), or None. Local recordings only (a listing; a remote store is not searched)."""
+        root = backend.local_root(self.store)
+        try:
+            names = sorted(p.name for p in root.iterdir()) if root is not None and root.is_dir() else []
+        except OSError:
+            return None
+        for name in names:
+            rank = name.removeprefix("rank")
+            if rank.isdigit() and int(rank) > 0 and (root / name / layout.MANIFEST_KEY).is_file():
+                return int(rank)
+        return None
+
     def _read_attrs(self) -> dict[str, Any]:
         meta = self._read_json("zarr.json")
         attributes = meta.get("attributes") if isinstance(meta, dict) else None
         ours = attributes.get(layout.ATTRS_KEY) if isinstance(attributes, dict) else None
         if not isinstance(ours, dict) or ours.get("format") != layout.FORMAT_NAME:
+            if meta is None:
+                part = self._rank_part()
+                if part is not None:
+                    raise NotARecordingError(
+                        f"{self.label} holds only rank {part}'s part of a run of several processes: rank 0 recorded "
+                        f"to another path, and every rank must record to the same one; move {layout.rank_group(part)}/"
+                        " into the recording rank 0 made, and open that")
             raise NotARecordingError(f"{self.label} is not a PaperDebugger recording (no '{layout.ATTRS_KEY}' "
                                      "metadata in its zarr.json); give the path of a recording")
         self._check_version(ours.get("schema_version"), "zarr.json")

@@ -8,6 +8,7 @@ the collective. Environment knobs:
                      all-reducing it (the origin, whose NaN every rank's all_reduce returns)
   KILL_RANK, KILL_AT that rank SIGKILLs itself at the start of that iteration (after a commit)
   COUPLED            iterations from 0 that communicate (later ones use the local mean)
+  BACKWARD_SYNC      1: ``global_mean``'s backward all-reduces its gradient too (as SyncBatchNorm's does)
   RECORD_TO          record in code with recorder.record (else: run as is, e.g. under pdbg record)
 """
 
@@ -28,6 +29,21 @@ COUPLED = int(os.environ.get("COUPLED", str(ITERATIONS)))
 NAN_RANK, NAN_AT = int(os.environ.get("NAN_RANK", "-1")), int(os.environ.get("NAN_AT", "-1"))
 KILL_RANK, KILL_AT = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AT", "-1"))
 BLOW_RANK, BLOW_AT = int(os.environ.get("BLOW_RANK", "-1")), int(os.environ.get("BLOW_AT", "-1"))
+BACKWARD_SYNC = os.environ.get("BACKWARD_SYNC") == "1"
+
+
+class SummedGrad(torch.autograd.Function):
+    """The identity, whose backward sums the gradient over the ranks."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        dist.all_reduce(g)
+        return g
 
 
 @recorder.paper_step("Eq. 2", description="sharpen(h, t) = h / t")
@@ -36,8 +52,10 @@ def sharpen(h: torch.Tensor, t: float) -> torch.Tensor:
 
 
 @recorder.paper_step("Eq. 3", description="mean over the global batch (all ranks)")
-def global_mean(h: torch.Tensor, coupled: bool, scale: float = 1.0) -> torch.Tensor:
+def global_mean(h: torch.Tensor, coupled: bool, scale: float = 1.0, backward_sync: bool = False) -> torch.Tensor:
     total = h.sum(0, keepdim=True) * scale / scale
+    if backward_sync:
+        total = SummedGrad.apply(total)
     count = torch.tensor([float(h.shape[0])])
     if coupled:
         dist.all_reduce(total)
@@ -54,7 +72,7 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor, t: float, coupled: bool, scale: float = 1.0) -> torch.Tensor:
         h = sharpen(torch.tanh(self.fc1(x)), t)
-        return self.fc2(h - global_mean(h, coupled, scale))
+        return self.fc2(h - global_mean(h, coupled, scale, BACKWARD_SYNC))
 
 
 def main() -> None:

@@ -195,18 +195,53 @@ def test_a_replay_that_communicates_differently_is_refused(nan_run: Path) -> Non
     assert not torch.distributed.is_initialized()
 
 
-def three_collectives(h: torch.Tensor, coupled: bool, scale: float = 1.0) -> torch.Tensor:
+def three_collectives(h: torch.Tensor, coupled: bool, scale: float = 1.0, backward_sync: bool = False) -> torch.Tensor:
     total, count = h.sum(0, keepdim=True), torch.tensor([float(h.shape[0])])
     for t in (total, count, count):
         torch.distributed.all_reduce(t)
     return total / count
 
 
-def reduce_twice(h: torch.Tensor, coupled: bool, scale: float = 1.0) -> torch.Tensor:
+def reduce_twice(h: torch.Tensor, coupled: bool, scale: float = 1.0, backward_sync: bool = False) -> torch.Tensor:
     total = h.sum(0, keepdim=True)
     torch.distributed.all_reduce(total)
     torch.distributed.all_reduce(total)
     return total
+
+
+def test_a_rank_that_recorded_to_its_own_path_is_named(nan_run: Path, tmp_path: Path) -> None:
+    """Rank 1 recording to a path of its own (each rank given its own directory): that directory holds
+    only rank 1's group; it was "not a PaperDebugger recording", with nothing about ranks."""
+    import shutil
+
+    alone = tmp_path / "rank1_only.zarr"
+    shutil.copytree(nan_run / "rank1", alone / "rank1")
+    res = pdbg("info", str(alone), code=2)
+    assert res.stderr.strip().splitlines() == [
+        f"pdbg: error: {alone} holds only rank 1's part of a run of several processes: rank 0 recorded to another "
+        "path, and every rank must record to the same one; move rank1/ into the recording rank 0 made, and open that"]
+
+
+def test_a_backward_that_communicates_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Collectives called during a backward pass are not recorded: the replay of such a backward step
+    said "Default process group has not been initialized", in torch's words."""
+    out = tmp_path / "run.zarr"
+    for res in launch(out, cli=False, BACKWARD_SYNC=1, ITERATIONS=2):
+        assert res.returncode == 0, res.stderr
+    rec = replayer.open(out, 1)
+    assert replayer.replay(rec, "global_mean@iter=1").match  # its forward replays
+    with pytest.raises(ReplayError, match=r"the backward of step \d+ calls torch.distributed's all_reduce \(as "
+                                          r"SyncBatchNorm's backward does\): collectives called during a backward "
+                                          r"pass are not recorded"):
+        replayer.replay(rec, "global_mean@iter=1:backward")
+
+
+def test_an_edit_of_a_step_that_communicates_says_what_it_cannot_change(nan_run: Path) -> None:
+    rec = replayer.open(nan_run, 0)
+    res = replayer.replay(rec, "global_mean@iter=1", edit={"args.0": "x * 2"})
+    assert "the 2 collectives called during the replay returned their recorded results: the intervention changes " \
+           "what this rank computes, not what the other ranks sent it" in res.warnings
+    assert replayer.replay(rec, "global_mean@iter=1").warnings == []
 
 
 def test_unknown_rank_is_a_one_line_error(nan_run: Path) -> None:
