@@ -6,6 +6,7 @@ import contextlib
 import difflib
 import functools
 import inspect
+import multiprocessing
 import os
 import platform
 import signal
@@ -433,7 +434,10 @@ def check_free(path: Path, dist: dict[str, Any]) -> None:
     elif path.exists() and not path.is_dir():
         raise RecordingError(f"{path} is a file; give the path of a new directory for the recording")
     elif path.exists() and any(path.iterdir()):
-        raise RecordingError(f"{path} already exists and is not empty; choose a new path or delete it")
+        several = multiprocessing.current_process().name != "MainProcess"  # mp.spawn's workers, a Pool's
+        raise RecordingError(f"{path} already exists and is not empty; choose a new path or delete it" + (
+            " (processes that record one run together: start recording after init_process_group, so that each "
+            "knows its rank and writes its own part of the path)" if several else ""))
 
 
 def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,

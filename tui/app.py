@@ -847,7 +847,8 @@ class PdbgApp(App[None]):
         if not rows:
             text.append("no non-finite values, exceptions or broken expectations recorded", style="green")
         for row in rows:
-            style = {"origin": "bold red", "exception": "magenta", "alert": "yellow"}.get(row.kind, "")
+            style = {"origin": "bold red", "entered": "red", "exception": "magenta",
+                     "alert": "yellow"}.get(row.kind, "")
             text.append(f"  {row.kind:<9} ", style=style)
             text.append(f"{row.text}\n")
         self.push_screen(TextScreen(text, "alerts"))

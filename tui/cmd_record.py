@@ -66,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _summary(out: str, result: Any) -> str:
     """Where the recording is, and the step an exception escaped from."""
-    text = f"recording in {out} ({result.status}, {result.steps} steps)"
+    from recorder import collectives
+
+    who = collectives.identity()  # under torchrun every rank prints this line: say whose it is
+    rank = f"rank {who['rank']} of {who['world_size']}: " if who["world_size"] > 1 else ""
+    text = f"{rank}recording in {out} ({result.status}, {result.steps} steps)"
     if result.died is not None:
         return text + _death(result)
     if result.exception_name is None:

@@ -178,7 +178,9 @@ def _bundle_summary(rec: Any) -> dict[str, Any] | None:
             code.append({"name": definition.get("name"), "ref": ref,
                          "state": drift_without_running(definition, rec.run_info, dirs),
                          "bundled": definition.get("file") in (info.get("sources") or {})})
+    dist = rec.rank.dist
     return {"main_step": main.to_json(), "origin": info.get("origin"), "created": info.get("created"),
+            "rank": dist["rank"] if dist["world_size"] > 1 else None, "world_size": dist["world_size"],
             "verified": info.get("verified"), "environment_differences": environment_differences(
                 rec.run_info, main.settings), "code": code}
 
@@ -261,7 +263,9 @@ def info(args: argparse.Namespace) -> int:
     if bundle is not None:
         origin = bundle.get("origin") or {}
         verified = bundle.get("verified")
-        print(f"\nbundle of {origin.get('path')} (step {origin.get('index')} there), made {bundle.get('created')}; "
+        rank = f", rank {bundle['rank']} of {bundle['world_size']}" if bundle["rank"] is not None else ""
+        print(f"\nbundle of {origin.get('path')} (step {origin.get('index')} there{rank}), "
+              f"made {bundle.get('created')}; "
               + ("not verified when made" if not verified else
                  "verified when made: " + {True: "bitwise match", None: "nothing compared"}.get(verified.get("match"),
                                                                                               "MISMATCH")))

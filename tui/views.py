@@ -530,7 +530,7 @@ def sparkline(values: list[float], width: int = 60) -> str:
 @dataclass
 class AlertRow:
     index: int
-    kind: str  # "origin", "nonfinite", "exception", "alert"
+    kind: str  # "origin", "entered" (came in from outside the recorded steps or another rank), "exception", "alert"
     text: str
 
 
@@ -545,8 +545,8 @@ def alerts(rec: Recording, limit: int = 500) -> list[AlertRow]:
         origin = first_nonfinite(rec)
     if origin.step is not None:
         out.append(AlertRow(origin.step.index, "origin", origin.cause))
-    elif origin.entered is not None:
-        out.append(AlertRow(origin.entered.index, "origin", origin.cause))
+    elif origin.entered is not None:  # no step of this rank made it: where it came in, not an origin
+        out.append(AlertRow(origin.entered.index, "entered", origin.cause))
     status = rec.steps.column("status")
     exception = status == layout.STATUSES.index("exception")
     for index in np.flatnonzero(exception | with_alerts(rec))[:limit]:

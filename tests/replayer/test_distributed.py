@@ -66,8 +66,9 @@ def launch(out: Path, *, cli: bool, **knobs: object) -> list[subprocess.Complete
 def nan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`pdbg record` under torchrun's environment; rank 1 divides by zero at iteration 3."""
     out = tmp_path_factory.mktemp("dist") / "run.zarr"
-    for res in launch(out, cli=True, NAN_RANK=1, NAN_AT=3):
+    for rank, res in enumerate(launch(out, cli=True, NAN_RANK=1, NAN_AT=3)):
         assert res.returncode == 0, res.stderr
+        assert f"pdbg: rank {rank} of 2: recording in {out} (complete, 24 steps)" in res.stderr  # whose line it is
     return out
 
 
@@ -143,6 +144,7 @@ def test_the_tui_of_one_rank_names_the_rank_of_the_origin(nan_run: Path) -> None
     """The TUI shows rank 0: `g`, `b` and `a` name the origin on rank 1 and how to open it (they said
     no NaN was recorded), and the cursor stays where it was."""
     from tests.tui.test_app import run
+    from tui import views
 
     async def body(app, pilot) -> None:  # type: ignore[no-untyped-def]
         for key in ("g", "b"):
@@ -157,6 +159,9 @@ def test_the_tui_of_one_rank_names_the_rank_of_the_origin(nan_run: Path) -> None
         await pilot.pause()
         page = str(app.screen.query_one("#page").render())
         assert "rank 1: step " in page and "(open rank 1 with --rank 1)" in page
+        # rank 0's own line is where the NaN came in through its collective, not a second origin
+        rows = [(row.kind, row.text) for row in views.alerts(app.rec)]
+        assert [kind for kind, _ in rows[:2]] == ["origin", "entered"], rows
 
     run(body, nan_run)
 
@@ -182,6 +187,7 @@ def test_a_bundle_of_a_rank_step_replays_elsewhere(nan_run: Path, tmp_path: Path
     shared = replayer.open(tmp_path / "failure.pdbg")
     assert shared.rank.dist == {"rank": 1, "world_size": 2, "backend": "gloo"}
     assert replayer.replay(shared).match
+    assert ", rank 1 of 2), made " in pdbg("info", str(tmp_path / "failure.pdbg")).stdout  # whose step it is
 
 
 def test_a_replay_that_communicates_differently_is_refused(nan_run: Path) -> None:
@@ -332,3 +338,21 @@ def test_the_tui_opens_a_rank_and_says_which(nan_run: Path, tmp_path: Path) -> N
 
     asyncio.run(main())
     assert (tmp_path / "rank1.svg").stat().st_size > 0
+
+
+def test_a_spawned_process_recording_to_a_taken_path_is_told_about_ranks(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """mp.spawn's workers that start recording before init_process_group all take rank 0: the second
+    was told only that the path exists."""
+    import multiprocessing
+
+    import recorder
+    from recorder.errors import RecordingError
+
+    taken = tmp_path / "run.zarr"
+    taken.mkdir()
+    (taken / "zarr.json").write_text("{}")
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "SpawnProcess-2")
+    with pytest.raises(RecordingError, match=r"already exists and is not empty; .* start recording after "
+                                             r"init_process_group, so that each knows its rank"):
+        recorder.record(taken)
