@@ -42,6 +42,11 @@ NOTHING_COMPARED = ("the step returned no tensor, and a replay compares what a s
                     "(what it changes in place, its inputs or buffers, is not)")
 
 
+# Modules that only spread their module's work over processes: replayed alone they would communicate,
+# and what they compute is their module's.
+_WRAPPERS = {"torch.nn.parallel.distributed:DistributedDataParallel": "DistributedDataParallel"}
+
+
 @dataclass
 class ReplayResult:
     """The outcome of replaying one step."""
@@ -117,6 +122,11 @@ class Replayer:
         """Replay one step (see :func:`replay`). ``around(stage)`` gives a context manager entered around
         the call ("forward"; for a backward step "forward" then "backward" around the gradients)."""
         step = which if isinstance(which, Step) else self.rec.step(which)
+        wrapper = _WRAPPERS.get(str(step.definition.get("ref")))
+        if wrapper is not None:
+            raise ReplayError(f"{wrapper} is a wrapper that communicates with the other ranks in its forward and "
+                              "backward: it is not replayed; replay the module it wraps (the steps at "
+                              f"{join_path(step.module_path, 'module')}), recorded with --modules or as paper steps")
         self._around = around or _no_context
         self.plan = self._plan(step, swap, edit, settings, seed)
         backward = step.phase == "backward"

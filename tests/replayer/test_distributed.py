@@ -356,3 +356,25 @@ def test_a_spawned_process_recording_to_a_taken_path_is_told_about_ranks(tmp_pat
     with pytest.raises(RecordingError, match=r"already exists and is not empty; .* start recording after "
                                              r"init_process_group, so that each knows its rank"):
         recorder.record(taken)
+
+
+def test_a_ddp_wrapper_step_is_refused_in_one_line(tmp_path: Path) -> None:
+    """`--modules '**'` records DistributedDataParallel itself: its replay raised AttributeError
+    ('no attribute logger') at every iteration, and verify failed the run."""
+    import recorder
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        with recorder.record(tmp_path / "run.zarr", model=model, modules=["**"]) as run:
+            model(torch.ones(2, 4)).sum().backward()
+            run.next_iteration()
+    finally:
+        torch.distributed.destroy_process_group()
+    rec = replayer.open(tmp_path / "run.zarr")
+    with pytest.raises(ReplayError, match="DistributedDataParallel is a wrapper that communicates with the other "
+                                          r"ranks .* replay the module it wraps \(the steps at module\)"):
+        replayer.replay(rec, "DistributedDataParallel@iter=0")
+    res = pdbg("verify", str(tmp_path / "run.zarr"))
+    assert "replayed bit for bit (100.0%); 2 steps could not be replayed" in res.stdout, res.stdout
