@@ -28,12 +28,15 @@ class RecipeError(PdbgError, ValueError):
 
 def recipes(rec: Recording) -> dict[str, dict[str, Any]]:
     """The recipes saved in a recording, by name (empty when there are none)."""
-    raw = backend.get(rec.reader.store, KEY)
+    try:
+        raw = backend.get(rec.reader.store, KEY)
+    except OSError as exc:
+        raise RecipeError(f"{rec.reader.label}: {KEY} cannot be read ({exc}); remove it or fix it") from None
     if raw is None:
         return {}
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise RecipeError(f"{rec.reader.label}: {KEY} is not valid JSON; remove it or fix it") from None
     return doc if isinstance(doc, dict) else {}
 

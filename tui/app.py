@@ -689,6 +689,10 @@ class PdbgApp(App[None]):
     def set_panel(self, text: Text | str, full: Text | str | None = None) -> None:
         """Show ``text`` in the result panel (a few lines high); ``full``: the whole result, which
         ``v`` opens in a page that keys scroll (the panel says so when there is more than it shows)."""
+        # Plain strings are shown as they are: they hold what the user typed and names from the
+        # recording, never markup ("[/]" in a filter crashed the app).
+        text = Text(text) if isinstance(text, str) else text
+        full = Text(full) if isinstance(full, str) else full
         self.panel_text, self.panel_full = text, text if full is None else full
         panel = self.query_one("#panel", Static)
         panel.update(text)

@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -87,7 +88,41 @@ def open_store(target: StoreTarget, *, mode: str, storage_options: dict[str, Any
         return store
     if mode == "w":
         path.mkdir(parents=True, exist_ok=True)
-    return LocalStore(path, read_only=(mode == "r"))
+        return LocalStore(path, read_only=False)
+    return _ReadStore(path, read_only=True)
+
+
+# A recording directory may come from anyone: what a read takes is bounded. JSON documents (zarr.json,
+# the manifests, recipes) stay far below the first limit, payload and index chunks below the second.
+MAX_JSON_BYTES = 64 << 20
+MAX_KEY_BYTES = 1 << 30
+
+
+class UnreadableKey(OSError):
+    """A key that is not a regular file of a readable size (a FIFO, a device, a sparse giant)."""
+
+
+def check_readable(path: Path, key: str) -> None:
+    """Refuse, before reading, a key that is not a regular file (a FIFO blocks the read, a link to
+    /dev/zero never ends it) or that is larger than any key of a recording."""
+    st = os.stat(path)  # (follows links: what a read would read)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnreadableKey(f"{key} is not a regular file")
+    limit = MAX_JSON_BYTES if key.endswith(".json") else MAX_KEY_BYTES
+    if st.st_size > limit:
+        raise UnreadableKey(f"{key} holds {st.st_size:,} bytes, more than any recording's ({limit:,} at most)")
+
+
+class _ReadStore(LocalStore):
+    """A local recording opened for reading: every key is checked before it is read (see
+    ``check_readable``); zarr's own reads of metadata and chunks go through here too."""
+
+    async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+        try:
+            check_readable(Path(self.root) / key, key)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return await super().get(key, prototype, byte_range)
 
 
 def resolve_storage_options(given: dict[str, Any] | None,
@@ -360,6 +395,8 @@ def get(store: Store, key: str) -> bytes | None:
     root = local_root(store)
     if root is not None:
         try:
+            if isinstance(store, _ReadStore):
+                check_readable(root / key, key)
             return (root / key).read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None

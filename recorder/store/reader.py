@@ -78,6 +78,7 @@ def _head(store: Store, key: str) -> tuple[bytes, int] | None:
     root = backend.local_root(store)
     if root is not None:
         try:
+            backend.check_readable(root / key, key)  # not a FIFO, a device, a giant
             with open(root / key, "rb") as fh:
                 return fh.read(_BLOSC_HEADER), os.fstat(fh.fileno()).st_size
         except (FileNotFoundError, NotADirectoryError):
@@ -502,6 +503,10 @@ class RankReader:
             raise FormatError(f"{label}: {key}/zarr.json lists no crc32c codec, which every index and document "
                               "array of this schema has; the recording is damaged")
         framing = {(BytesCodec,): "raw", (BytesCodec, BloscCodec): "blosc"}.get(kinds[:-1] if sealed else kinds)
+        if framing is None:  # another codec's chunks cannot be sized before they are decoded (a gzip bomb)
+            names = ", ".join(type(c).__name__ for c in codecs)
+            raise FormatError(f"{label}: {key}/zarr.json lists the codecs {names}; a recording's chunks are raw or "
+                              "Blosc-compressed, so it is damaged or was not made by PaperDebugger")
         self._framing[path] = (framing, arr.chunks[0] * row_bytes, 4 if sealed else 0)
 
     def _read(self, path: str, start: int, stop: int) -> np.ndarray:

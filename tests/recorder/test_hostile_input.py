@@ -7,6 +7,7 @@ group attributes a checksum: schema 1.5)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import zipfile
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 
 import recorder
 from recorder.errors import ChecksumError, FormatError, PdbgError, SchemaVersionError
-from recorder.store import codecs, layout
+from recorder.store import backend, codecs, layout
 from recorder.store.reader import RunReader
 from tests.models import Tiny
 from tests.sealing import write_sealed
@@ -396,3 +397,50 @@ def test_a_zipped_recording_is_checked_the_same_way(pristine: Recording, tmp_pat
     with pytest.raises(FormatError) as err:
         read_all(pack(tmp_path / "cut.pdbg", skip="rank0/tensors/stats/c/0/0"))
     assert "chunk rank0/tensors/stats/c/0/0 is missing" in one_line(err.value)
+
+
+def test_keys_that_are_not_regular_files_or_too_large_are_refused(damaged: Path) -> None:
+    """A downloaded directory whose manifest is a link to /dev/zero read until memory ran out, a FIFO
+    blocked the open forever, and a 3 GB sparse file was read whole: each is refused before reading."""
+    manifest = damaged / layout.MANIFEST_KEY
+    manifest.unlink()
+    manifest.symlink_to("/dev/zero")
+    with pytest.raises(FormatError, match="manifest.json cannot be read .*manifest.json is not a regular file"):
+        RunReader(damaged)
+    manifest.unlink()
+    os.mkfifo(manifest)
+    with pytest.raises(FormatError, match="manifest.json is not a regular file"):
+        RunReader(damaged)
+    manifest.unlink()
+    with open(manifest, "wb") as fh:
+        fh.truncate(backend.MAX_JSON_BYTES + 1)
+    with pytest.raises(FormatError, match=r"manifest.json holds 67,108,865 bytes, more than any recording's"):
+        RunReader(damaged)
+
+
+def test_a_payload_chunk_that_is_a_fifo_is_refused(damaged: Path) -> None:
+    chunk = damaged / BLOB_CHUNK
+    chunk.unlink()
+    os.mkfifo(chunk)
+    with pytest.raises(FormatError, match=f"chunk {BLOB_CHUNK} cannot be read .*is not a regular file"):
+        read_all(damaged)
+
+
+def test_chunks_of_a_codec_that_cannot_be_sized_before_decoding_are_refused(damaged: Path, tmp_path: Path) -> None:
+    """gzip is a codec zarr knows: 2 MB of it decode to 2 GB (4.45 GB of memory from a 2 MB bundle).
+    The recorder writes raw or Blosc chunks only, whose decoded size is known first."""
+    meta_path = damaged / "rank0/blobs/u4/zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "gzip",
+                                                                               "configuration": {"level": 1}}]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(FormatError, match="lists the codecs BytesCodec, GzipCodec; a recording's chunks are raw or "
+                                          "Blosc-compressed"):
+        read_all(damaged)
+    bundle = tmp_path / "bomb.pdbg"
+    with zipfile.ZipFile(bundle, "w") as archive:
+        for path in sorted(damaged.rglob("*")):
+            if path.is_file():
+                archive.write(path, str(path.relative_to(damaged)))
+    with pytest.raises(FormatError, match="uses codec 'gzip'; only blosc, bytes, crc32c are accepted"):
+        RunReader(bundle)

@@ -126,6 +126,9 @@ def test_goto_find_and_filter(nan_path: Path) -> None:
         await pilot.press("f")
         await answer(pilot, "")
         assert len(app.model.rows) == 20
+        await pilot.press("f")
+        await answer(pilot, "[/]")  # what was typed is shown as typed, not read as markup (it crashed the app)
+        assert panel(app) == "filter '[/]': 0 steps (f changes it)"
 
     run(body, nan_path)
 
