@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import textwrap
 import zipfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -106,27 +107,41 @@ def _sources(rec: Recording, steps: list[Step]) -> tuple[dict[str, str], dict[st
     from the bundle. A project's files are those beside the step's module (in its package, or its
     directory when it has none), not those of installed packages (torch's modules), within
     ``_SOURCE_BYTES``: the step's own files and the script first."""
-    seeds = [(s.definition.get("ref", "").partition(":")[0], s.definition.get("file")) for s in steps]
-    seeds.append(("__main__", rec.run_info.get("script")))
+    seeds = [(str(s.definition.get("ref", "")).partition(":")[0], s.definition.get("file"), s.definition.get("source"))
+             for s in steps]
+    seeds.append(("__main__", rec.run_info.get("script"), None))
     sources: dict[str, str] = {}
     modules: dict[str, str] = {}
     size = 0
-    todo = [(name, file) for name, file in seeds if name and isinstance(file, str)]
+    todo = [(name, file, code) for name, file, code in seeds if name and isinstance(file, str)]
     while todo and len(sources) < _SOURCE_FILES:
-        name, file = todo.pop(0)
-        if file in sources:
-            continue
+        name, file, code = todo.pop(0)
+        if file in sources or not file.endswith(".py"):  # Python files only: a recording names the files
+            continue  # its code came from, and one from someone else may name any (~/.aws/credentials)
         try:
-            if size + os.path.getsize(file) > _SOURCE_BYTES:
+            if not os.path.isfile(file) or size + os.path.getsize(file) > _SOURCE_BYTES:
                 continue
             text = Path(file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
+        if isinstance(code, str) and not _holds_definition(text, code):
+            continue  # not the file the step's code came from (any more): its code is in the bundle anyway
         sources[file], size = text, size + len(text.encode("utf-8"))
         if name != "__main__":
             modules[name] = file
-        todo += [found for found in _project_imports(name, file, text) if found[1] not in sources]
+        todo += [(*found, None) for found in _project_imports(name, file, text) if found[1] not in sources]
     return sources, modules
+
+
+def _holds_definition(text: str, code: str) -> bool:
+    """Whether a file's text holds a step's recorded source: a whole function or class definition
+    (a recording from someone else could name a file of secrets with a line of it as "source")."""
+    try:
+        body = ast.parse(textwrap.dedent(code)).body
+    except (SyntaxError, ValueError, RecursionError):
+        return False
+    whole = len(body) == 1 and isinstance(body[0], (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    return whole and code.strip() in text
 
 
 def _project_imports(name: str, file: str, text: str) -> list[tuple[str, str]]:

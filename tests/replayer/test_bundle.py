@@ -488,3 +488,28 @@ def test_an_open_bundle_lets_go_of_its_file_when_closed(recorded: tuple[Path, Pa
         for rec in held:
             rec.close()
     assert holding() == 0
+
+
+def test_a_bundle_carries_only_the_python_files_its_steps_code_came_from(tmp_path: Path) -> None:
+    """A recording from someone else names the files its code came from, and a bundle of it packed
+    whatever they named (a credentials file, /etc/passwd as the script). Only a Python file that
+    holds a step's whole recorded definition is carried (and the project modules it imports)."""
+    from types import SimpleNamespace
+
+    from replayer import bundles
+
+    secret = tmp_path / "credentials"
+    secret.write_text("AWS_SECRET=hunter2\n")
+    settings = tmp_path / "settings.py"
+    settings.write_text("import os\nSECRET_KEY = 'hunter2'\n")
+    layers = tmp_path / "layers.py"
+    layers.write_text("import torch\n\n\ndef act(x):\n    return torch.tanh(x)\n")
+
+    def step(file: Path, source: str) -> SimpleNamespace:
+        return SimpleNamespace(definition={"ref": f"{file.stem}:act", "file": str(file), "source": source})
+
+    rec = SimpleNamespace(run_info={"script": str(secret)})
+    steps = [step(secret, "AWS_SECRET"), step(settings, "import os"), step(settings, "SECRET_KEY = 'hunter2'"),
+             step(layers, "def act(x):\n    return torch.tanh(x)\n")]
+    sources, modules = bundles._sources(rec, steps)
+    assert list(sources) == [str(layers)] and modules == {"layers": str(layers)}
