@@ -521,7 +521,10 @@ def decode(doc: Any, *, tensor: Callable[[str], Any] | None = None, import_types
     """
     if resolve is None and import_types:
         resolve = import_ref
-    return _Decoder(tensor, resolve).dec(doc)
+    try:
+        return _Decoder(tensor, resolve).dec(doc)
+    except RecursionError:  # a document nested deeper than any value a step is given
+        raise FormatError("a document is nested too deeply to decode; the recording is damaged") from None
 
 
 def dumps(doc: Any) -> bytes:

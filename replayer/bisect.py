@@ -27,7 +27,7 @@ import torch
 from recorder.errors import FormatError, PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 
-from .recording import Recording, Step
+from .recording import Recording, Step, printable
 
 _RESULT, _INPUT = layout.NONFINITE_RESULT, layout.NONFINITE_INPUT
 SPREAD = 10  # steps listed after the origin
@@ -167,7 +167,7 @@ class Origin:
     def __repr__(self) -> str:
         op = f"; operation {self.op.where()}" if self.op is not None else f"; {self.op_note}" if self.op_note else ""
         spread = f"; {len(self.spread)} steps went non-finite after it" if self.spread else ""
-        return f"<Origin: {self.cause}{op}{spread}>"
+        return printable(f"<Origin: {self.cause}{op}{spread}>")
 
     def _repr_html_(self) -> str:
         from . import notebook
@@ -730,7 +730,7 @@ class Divergence:
                 "followed": [s.to_json() for s in self.followed[:SPREAD]], "compared": self.compared}
 
     def __repr__(self) -> str:
-        return f"<Divergence: {self.cause}>"
+        return printable(f"<Divergence: {self.cause}>")
 
     def _repr_html_(self) -> str:
         from . import notebook

@@ -128,7 +128,7 @@ class Recording:
         return len(self.rank)
 
     def __repr__(self) -> str:
-        return f"<Recording {self.reader.label}: {len(self)} steps, {self.status}>"
+        return printable(f"<Recording {self.reader.label}: {len(self)} steps, {self.status}>")
 
     def _repr_html_(self) -> str:
         from . import notebook
@@ -147,6 +147,12 @@ class Recording:
             raise FormatError(f"{self.reader.label}: {BUNDLE_KEY} is not valid JSON") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("main_step"), int):
             raise FormatError(f"{self.reader.label}: {BUNDLE_KEY} names no main step")
+        kinds = {"origin": dict, "verified": (dict, type(None)), "sources": dict, "modules": dict,
+                 "created": (str, type(None))}
+        wrong = [key for key, kind in kinds.items() if key in doc and not isinstance(doc[key], kind)]
+        if wrong:
+            raise FormatError(f"{self.reader.label}: {BUNDLE_KEY} holds {', '.join(wrong)} of the wrong type; the "
+                              "bundle is damaged or was not made by PaperDebugger")
         return doc
 
     @property
@@ -210,16 +216,16 @@ class Recording:
 
     @cached_property
     def _names(self) -> np.ndarray:
-        return self._decode("name")
+        return _texts(self._decode("name"))
 
     @cached_property
     def _paths(self) -> np.ndarray:
-        return self._decode("module_path")
+        return _texts(self._decode("module_path"))
 
     @cached_property
     def _papers(self) -> np.ndarray:
         defs = self._decode("definition")
-        return np.array([d.get("paper", {}) if isinstance(d, dict) else {} for d in defs], dtype=object)
+        return np.array([_paper_of(d) for d in defs], dtype=object)
 
     @cached_property
     def _labels(self) -> np.ndarray:
@@ -252,6 +258,39 @@ class Recording:
         groups, inverse = self._paper_groups
         found = groups.get((name, label))
         return np.isin(inverse, found[1]) if found else np.zeros(len(inverse), dtype=bool)
+
+
+# Control characters (C0 but tab and newline, DEL, C1) and bidirectional overrides, as \xNN / \uNNNN:
+# a recording's names and messages may hold terminal escape sequences (a shared bundle is data from
+# elsewhere), which would otherwise reach the terminal (pdbg's output, a repr in a Python prompt).
+ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0))}
+ESCAPES.update({c: f"\\u{c:04x}" for c in (*range(0x202a, 0x202f), *range(0x2066, 0x206a))})
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``ESCAPES``): for a repr a terminal may print."""
+    return text.translate(ESCAPES)
+
+
+_PAPER_KEYS = ("label", "algorithm", "step", "equation", "description")
+_DEFINITION_TYPES: dict[str, type | tuple[type, ...]] = {
+    "kind": str, "ref": str, "file": str, "line": int, "source": str, "source_sha256": str, "name": str,
+    "paper": dict}
+
+
+def _paper_of(definition: Any) -> dict[str, Any]:
+    """A definition's paper reference, its values text (or None) whatever the document holds."""
+    paper = definition.get("paper") if isinstance(definition, dict) else None
+    if not isinstance(paper, dict):
+        return {}
+    return {k: v if v is None or isinstance(v, str) else str(v) for k, v in paper.items() if k in _PAPER_KEYS}
+
+
+def _texts(values: np.ndarray) -> np.ndarray:
+    """A decoded name or path column as text (a damaged document may hold a list)."""
+    if all(isinstance(v, str) for v in values):
+        return values
+    return np.array([v if isinstance(v, str) else "" if v is None else str(v) for v in values], dtype=object)
 
 
 class StepTable:
@@ -399,12 +438,8 @@ class Step:
     @property
     def paper(self) -> dict[str, Any]:
         cached = self.rec.__dict__.get("_papers")
-        if cached is not None:
-            paper = dict(cached[self.index])
-        else:
-            definition = self._doc("definition")
-            paper = dict(definition.get("paper", {})) if isinstance(definition, dict) else {}
-        return {k: paper.get(k) for k in ("label", "algorithm", "step", "equation", "description")}
+        paper = dict(cached[self.index]) if cached is not None else _paper_of(self._doc("definition"))
+        return {k: paper.get(k) for k in _PAPER_KEYS}
 
     @property
     def phase(self) -> str:
@@ -479,12 +514,16 @@ class Step:
     @property
     def settings(self) -> dict[str, Any]:
         """Numerics settings at step entry (determinism flags, TF32, threads, CPU capability, ...)."""
-        return self._doc("settings") or {}
+        doc = self._doc("settings")
+        return doc if isinstance(doc, dict) else {}
 
     @property
     def rng(self) -> dict[str, Any]:
         """Generator states at step entry, decoded: {"torch": uint8 tensor, "numpy": state tuple, ...}."""
         ids = self._doc("rng") or {}
+        if not isinstance(ids, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids.values()):
+            raise FormatError(f"{self.rec.path}: the RNG states of step {self.index} are not a map of generators to "
+                              "documents; the recording is damaged")
         out = {}
         for part, doc_id in ids.items():
             doc = self.rec.rank.doc(int(doc_id))
@@ -498,8 +537,13 @@ class Step:
 
     @property
     def definition(self) -> dict[str, Any]:
-        """The step's code: kind, import reference, file, line, source and its SHA-256."""
-        return self._doc("definition") or {}
+        """The step's code: kind, import reference, file, line, source and its SHA-256 (fields of
+        another type than these are left out: a recording from someone else may hold anything)."""
+        doc = self._doc("definition")
+        if not isinstance(doc, dict):
+            return {}
+        return {k: v for k, v in doc.items() if k not in _DEFINITION_TYPES or isinstance(v, _DEFINITION_TYPES[k])
+                and not isinstance(v, bool)}
 
     @property
     def source(self) -> str | None:
@@ -538,8 +582,8 @@ class Step:
         label = self.paper.get("label")
         who = f"{label} ({self.name})" if label else self.name
         where = f" at {self.module_path}" if self.module_path else ""
-        return (f"<Step {self.index}: {who}{where} {self.phase}, iteration {self.iteration}, call {self.call}, "
-                f"{self.status}>")
+        return printable(f"<Step {self.index}: {who}{where} {self.phase}, iteration {self.iteration}, call "
+                         f"{self.call}, {self.status}>")
 
     def _repr_html_(self) -> str:
         from . import notebook

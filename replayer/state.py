@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from recorder import skeleton, snapshot
+from recorder.errors import ReplayError
 from recorder.payload import dtype_from_name
 
 # setting -> (setter from the recorded value, getter of the current value as the recorder stores it)
@@ -81,6 +82,9 @@ def _restore_precision(before: dict[str, Any]) -> None:
                 owners[name].fp32_precision = before[name]
 
 
+_MAX_THREADS = 4096  # more than any machine's cores: a recorded count beyond is damage
+
+
 @contextlib.contextmanager
 def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | None = None,
             notes: list[str] | None = None, seed: int | None = None) -> Iterator[None]:
@@ -104,6 +108,10 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
         for name, setter in setters.items():
             value = wanted.get(name)
             if value is None or now.get(name) == value or now.get(name) is None:
+                continue
+            if name == "num_threads" and not (isinstance(value, int) and 1 <= value <= _MAX_THREADS):
+                notes.append(f"setting num_threads={str(value)[:40]} is no thread count this replay can use; "
+                             "not applied")  # (a billion threads is a billion stacks: the process dies)
                 continue
             try:
                 setter(value)
@@ -208,7 +216,8 @@ def per_call(settings: dict[str, Any], *, grad: bool | None = None) -> Iterator[
         for device in ("cpu", "cuda"):
             if settings.get(f"autocast_{device}"):
                 dtype = settings.get(f"autocast_{device}_dtype")
-                stack.enter_context(torch.autocast(device, dtype=dtype_from_name(dtype) if dtype else None))
+                stack.enter_context(torch.autocast(device, dtype=_recorded(dtype_from_name, f"autocast_{device}_dtype",
+                                                                           dtype) if dtype else None))
         yield
 
 
@@ -228,13 +237,24 @@ def neutral(settings: dict[str, Any]) -> Iterator[None]:
             if _autocast_on(device):
                 stack.enter_context(torch.autocast(device, enabled=False))
         dtype = settings.get("default_dtype")
-        if dtype is not None and torch.get_default_dtype() != dtype_from_name(dtype):
+        if dtype is not None and torch.get_default_dtype() != _recorded(dtype_from_name, "default_dtype", dtype):
             stack.callback(torch.set_default_dtype, torch.get_default_dtype())
             torch.set_default_dtype(dtype_from_name(dtype))
         device = settings.get("default_device")  # (absent from recordings made before it was recorded)
         if device is not None and str(torch.get_default_device()) != device:
-            stack.enter_context(torch.device(device))  # innermost: above a caller's own torch.device(...)
+            # innermost: above a caller's own torch.device(...)
+            stack.enter_context(_recorded(torch.device, "default_device", device))
         yield
+
+
+def _recorded(make: Callable[[Any], Any], name: str, value: Any) -> Any:
+    """``make(value)`` for a recorded setting, or a one-line ReplayError when the recording holds
+    something no torch setting is (it is damaged, or was not made by PaperDebugger)."""
+    try:
+        return make(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ReplayError(f"the recorded setting {name} is {str(value)[:80]!r}, which is no torch {name}; the "
+                          "recording is damaged") from None
 
 
 def _autocast_on(device: str) -> bool:
@@ -256,7 +276,8 @@ def environment_differences(run_info: dict[str, Any], settings: dict[str, Any] |
     for what, then, now in pairs:
         if then is not None and then != now:
             out.append(f"{what}: recorded {then}, here {now}")
-    cuda_then = run_info.get("cuda") or []
+    cuda_then = [g for g in run_info.get("cuda") or [] if isinstance(g, dict)] if isinstance(
+        run_info.get("cuda"), list) else []
     cuda_now = []
     if torch.cuda.is_available():
         cuda_now = [{"name": torch.cuda.get_device_name(i),
@@ -269,6 +290,7 @@ def environment_differences(run_info: dict[str, Any], settings: dict[str, Any] |
             out.append(f"GPU {i}: recorded {then.get('name')} ({then.get('sm_count')} SMs), here {now['name']} "
                        f"({now['sm_count']} SMs)")
     if settings:
+        recorded_env = settings.get("env") if isinstance(settings.get("env"), dict) else {}
         for name in ("num_threads", "num_interop_threads"):
             then, now = settings.get(name), now_settings.get(name)
             if then is not None and now is not None and then != now:
@@ -276,7 +298,7 @@ def environment_differences(run_info: dict[str, Any], settings: dict[str, Any] |
                            if name == "num_threads" else f"{name}: recorded {then}, here {now}")
         for key in ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG",
                     "NVIDIA_TF32_OVERRIDE"):
-            then, now = (settings.get("env") or {}).get(key), os.environ.get(key)
+            then, now = recorded_env.get(key), os.environ.get(key)
             if then != now:
                 out.append(f"environment variable {key}: recorded {then!r}, here {now!r}")
     return out

@@ -17,3 +17,29 @@ def write_sealed(path: Path, doc: dict[str, Any]) -> None:
     if target is not None:
         target[layout.CHECKSUM_KEY] = layout.checksum(target)
     path.write_text(json.dumps(doc))
+
+
+def rewrite_docs(path: Path, change: Any, rank: int = 0) -> None:
+    """Replace documents of a recording (``change(index, parsed) -> new value``, or None to keep one),
+    the document arrays and the manifest's lengths rewritten to match, as a forger would."""
+    import numpy as np
+    import zarr
+
+    group = zarr.open_group(path, mode="r+")[layout.rank_group(rank)]
+    offsets, lengths = group["docs/offset"][:], group["docs/length"][:]
+    raw = group["docs/bytes"][:].tobytes()
+    docs = []
+    for i, (start, size) in enumerate(zip(offsets.tolist(), lengths.tolist())):
+        old = raw[start:start + size]
+        new = change(i, json.loads(old))
+        docs.append(old if new is None else new if isinstance(new, bytes) else json.dumps(new).encode())
+    sizes = np.array([len(d) for d in docs], dtype=np.int64)
+    data = np.frombuffer(b"".join(docs), dtype=np.uint8)
+    for name, values in (("docs/bytes", data), ("docs/offset", np.concatenate([[0], np.cumsum(sizes)[:-1]])),
+                         ("docs/length", sizes)):
+        group[name].resize((len(values),))
+        group[name][:] = values.astype(group[name].dtype)
+    manifest_path = path / layout.manifest_key(rank)
+    manifest = json.loads(manifest_path.read_text())
+    manifest["ranks"][str(rank)].update({"docs": len(sizes), "docs/bytes": len(data)})
+    write_sealed(manifest_path, manifest)

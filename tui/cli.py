@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
 from recorder.errors import PdbgError
+from replayer.recording import ESCAPES as _ESCAPES  # control characters, escaped in what pdbg prints
 
 from . import cmd_bisect, cmd_bundle, cmd_record, cmd_replay, cmd_serve
 
@@ -56,12 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = ("record", "info", "replay", "verify", "bisect", "find", "bundle", "serve", "tui")
 _READERS = frozenset({"info", "replay", "verify", "bisect", "find", "bundle"})  # print what a recording holds
-
-# Control characters (C0 but tab and newline, DEL, C1) and bidirectional overrides, as \xNN / \uNNNN:
-# a recording's names and messages may hold terminal escape sequences (a shared bundle is data from
-# elsewhere), which would otherwise reach the terminal.
-_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0))}
-_ESCAPES.update({c: f"\\u{c:04x}" for c in (*range(0x202a, 0x202f), *range(0x2066, 0x206a))})
 
 
 class _Printable(io.TextIOBase):

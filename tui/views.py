@@ -367,21 +367,29 @@ def alert_text(alert: Any) -> str:
     return str(alert.get("message") or alert)
 
 
+_ARGUMENT_DEPTH = 8  # levels of nesting shown
+_ARGUMENT_ITEMS = 64  # items of one container shown (the text is cut at its limit anyway)
+
+
 def arguments_text(doc: Any, limit: int = 300) -> str:
-    """Arguments in a compact Python-like form: tensors by record name."""
-    def show(value: Any) -> str:
+    """Arguments in a compact Python-like form: tensors by record name. Whatever the document holds
+    (a recording from someone else), nesting past a few levels is shown as "…"."""
+    def show(value: Any, depth: int = 0) -> str:
+        if depth > _ARGUMENT_DEPTH:
+            return "…"
         if isinstance(value, dict):
             if "$tensor" in value and len(value) == 1:
                 return f"<{value['$tensor']}>"
-            if len(value) == 1 and next(iter(value)).startswith("$"):
+            if len(value) == 1 and str(next(iter(value))).startswith("$"):
                 tag, payload = next(iter(value.items()))
-                if tag == "$tuple":
-                    return "(" + ", ".join(show(v) for v in payload) + ("," if len(payload) == 1 else "") + ")"
+                if tag == "$tuple" and isinstance(payload, list):
+                    return "(" + ", ".join(show(v, depth + 1) for v in payload[:_ARGUMENT_ITEMS]) + (
+                        "," if len(payload) == 1 else "") + ")"
                 if tag == "$float":
                     return str(payload)
-                if tag in ("$dataclass", "$object", "$namedtuple"):
-                    return f"{payload['type'].split(':')[-1]}(...)"
-                if tag == "$opaque":
+                if tag in ("$dataclass", "$object", "$namedtuple") and isinstance(payload, dict):
+                    return f"{str(payload.get('type')).split(':')[-1]}(...)"
+                if tag == "$opaque" and isinstance(payload, dict):
                     return f"<{payload.get('type')}>"
                 if tag == "$function" and isinstance(payload, str):  # torch.nn.functional:silu -> silu
                     return payload.rpartition(":")[2]
@@ -389,16 +397,18 @@ def arguments_text(doc: Any, limit: int = 300) -> str:
                     return f"Generator({payload.get('device')})"
                 if tag in ("$dtype", "$device") and isinstance(payload, str):
                     return f"torch.{payload}" if tag == "$dtype" else repr(payload)
-                return f"{tag[1:]}(...)"
-            return "{" + ", ".join(f"{k}: {show(v)}" for k, v in value.items()) + "}"
+                return f"{str(tag)[1:]}(...)"
+            return "{" + ", ".join(f"{k}: {show(v, depth + 1)}" for k, v in list(value.items())[:_ARGUMENT_ITEMS]) + "}"
         if isinstance(value, list):
-            return "[" + ", ".join(show(v) for v in value) + "]"
-        return repr(value)
+            return "[" + ", ".join(show(v, depth + 1) for v in value[:_ARGUMENT_ITEMS]) + "]"
+        return repr(value)[:limit]
 
     if not isinstance(doc, dict):
         return ""
-    parts = [show(a) for a in doc.get("args", [])]
-    parts += [f"{k}={show(v)}" for k, v in (doc.get("kwargs") or {}).items()]
+    args = doc.get("args") if isinstance(doc.get("args"), list) else []
+    kwargs = doc.get("kwargs") if isinstance(doc.get("kwargs"), dict) else {}
+    parts = [show(a) for a in args[:_ARGUMENT_ITEMS]]
+    parts += [f"{k}={show(v)}" for k, v in list(kwargs.items())[:_ARGUMENT_ITEMS]]
     text = "(" + ", ".join(parts) + ")"
     return text if len(text) <= limit else text[:limit - 1] + "…"
 

@@ -231,7 +231,10 @@ def test_hostile_bundles_are_refused_and_run_nothing(recorded: tuple[Path, Path]
                 b'"schema_version":"' + now + b'"', b'"schema_version":"9.0"')
         return data
 
-    cases = {"pickle": pickle_codec, "huge": huge, "newer": newer}
+    def origin_text(name: str, data: bytes) -> bytes:  # bundle.json fields of another type: it was a traceback
+        return json.dumps({**json.loads(data), "origin": "x"}).encode() if name == "bundle.json" else data
+
+    cases = {"pickle": pickle_codec, "huge": huge, "newer": newer, "origin": origin_text}
     for name, change in cases.items():
         rewrite(good, tmp_path / f"{name}.pdbg", change)
     with zipfile.ZipFile(tmp_path / "traversal.pdbg", "w") as z:
@@ -248,7 +251,8 @@ def test_hostile_bundles_are_refused_and_run_nothing(recorded: tuple[Path, Path]
     (tmp_path / "random.pdbg").write_bytes(os.urandom(4096))
     expected = {"pickle": "codec 'numcodecs.pickle'", "huge": "declare", "newer": "newer",
                 "traversal": "points outside the bundle", "duplicate": "more than once",
-                "truncated": "not a PaperDebugger recording", "random": "not a PaperDebugger recording"}
+                "truncated": "not a PaperDebugger recording", "random": "not a PaperDebugger recording",
+                "origin": "bundle.json holds origin of the wrong type"}
     for name, message in expected.items():
         for command in ("info", "replay"):
             res = pdbg(command, f"{name}.pdbg", cwd=tmp_path, code=code)
