@@ -225,7 +225,7 @@ class Recording:
     @cached_property
     def _papers(self) -> np.ndarray:
         defs = self._decode("definition")
-        return np.array([_paper_of(d) for d in defs], dtype=object)
+        return np.array([paper_of(d) for d in defs], dtype=object)
 
     @cached_property
     def _labels(self) -> np.ndarray:
@@ -278,7 +278,7 @@ _DEFINITION_TYPES: dict[str, type | tuple[type, ...]] = {
     "paper": dict}
 
 
-def _paper_of(definition: Any) -> dict[str, Any]:
+def paper_of(definition: Any) -> dict[str, Any]:
     """A definition's paper reference, its values text (or None) whatever the document holds."""
     paper = definition.get("paper") if isinstance(definition, dict) else None
     if not isinstance(paper, dict):
@@ -438,7 +438,7 @@ class Step:
     @property
     def paper(self) -> dict[str, Any]:
         cached = self.rec.__dict__.get("_papers")
-        paper = dict(cached[self.index]) if cached is not None else _paper_of(self._doc("definition"))
+        paper = dict(cached[self.index]) if cached is not None else paper_of(self._doc("definition"))
         return {k: paper.get(k) for k in _PAPER_KEYS}
 
     @property

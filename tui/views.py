@@ -16,7 +16,7 @@ from rich.cells import cell_len, set_cell_size
 
 from recorder.store import layout
 from replayer.bisect import Condition, describe, with_alerts
-from replayer.recording import Recording, Step
+from replayer.recording import Recording, Step, paper_of
 
 STATUS_STYLE = {"ok": "green", "alert": "yellow", "nonfinite": "bold red", "exception": "bold magenta"}
 ROLE_ORDER = {role: i for i, role in enumerate(layout.ROLES)}
@@ -150,8 +150,7 @@ class TimelineModel:
         ids = tuple(int(self._cols[c].at(index)) for c in ("name", "definition", "module_path"))
         found = self._row_text.get(ids)
         if found is None:
-            definition = rank.doc(ids[1])
-            paper = definition.get("paper", {}) if isinstance(definition, dict) else {}
+            paper = paper_of(rank.doc(ids[1]))
             found = self._row_text[ids] = (str(rank.doc(ids[0])), paper.get("label"), str(rank.doc(ids[2]) or ""))
         return found
 

@@ -59,6 +59,14 @@ def test_a_definition_with_fields_of_another_type_is_read_past(pristine: Path, t
     for args in (["info", str(path)], ["find", str(path), "scaled"], ["bisect", str(path)]):
         res = pdbg(*args, cwd=tmp_path)
         assert res.returncode in (0, 1) and "Traceback" not in res.stderr, (args, res.stderr)
+    from tests.tui.test_app import run
+
+    async def body(app: Any, pilot: Any) -> None:  # the timeline's rows and the step pane draw it
+        await pilot.press("down")
+        await pilot.pause()
+        assert app.timeline.step_index == 1
+
+    run(body, path)
 
 
 def test_names_and_generator_maps_of_another_type(pristine: Path, tmp_path: Path) -> None:
