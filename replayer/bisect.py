@@ -695,7 +695,7 @@ def find(rec: Recording, where: str | None, when: str | None, start: int | Step 
     if where is not None:  # an empty selector or condition is refused, not taken for "any"
         mask[:] = False
         rows = rec.steps.select(where).rows
-        if not len(rows):
+        if not len(rows) and rec._nearest(where) is None:  # (a step of that name exists: nothing found, not wrong)
             rec.step(where)  # a selector that names no step of the recording (misspelt): say what it has
         mask[rows] = True
     if when is not None:

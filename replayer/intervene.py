@@ -69,20 +69,25 @@ class Change:
 # What an edit expression may reach. Everything is checked as it is reached (``_Sandbox``): names
 # beginning with "_" anywhere, modules other than these, and objects other than tensors, numbers and
 # their small companions are refused, so an expression cannot import, open files or change the process.
-_OP_MODULES = ("torch.nn.functional", "torch.linalg", "torch.special", "torch.fft")
+_OP_MODULES = ("torch.nn.functional", "torch.nn.init", "torch.linalg", "torch.special", "torch.fft")
 _TORCH_CONSTANTS = ("pi", "e", "inf", "nan")
-_TORCH_TYPES = ("finfo", "iinfo", "Size", "device")
+_TORCH_TYPES = ("finfo", "iinfo", "Size", "device", "Generator")
+_TORCH_GETTERS = ("get_", "is_", "are_")  # torch's own questions (get_default_dtype, is_tensor): not its setters
 _TORCH_REFUSED = {"from_file"}  # maps a file into memory
 _TENSOR_REFUSED = {"storage", "untyped_storage", "register_hook", "register_post_accumulate_grad_hook", "apply_",
                    "map_", "map2_", "backward", "share_memory_", "grad_fn", "set_", "module_load"}
-_VALUE_TYPES = (torch.Tensor, torch.dtype, torch.device, torch.Size, torch.finfo, torch.iinfo, bool, int, float,
-                complex, tuple, list)
+# Objects whose attributes an expression may use: exactly these types (numpy's float64 is a float, and
+# has dump()), and tensors (a Parameter is one).
+_VALUE_TYPES = frozenset({torch.dtype, torch.device, torch.Size, torch.finfo, torch.iinfo, torch.Generator, bool, int,
+                          float, complex, tuple, list})
+_MATH_REFUSED = {"factorial", "comb", "perm"}  # exact integers that grow past any bound (factorial(10**8))
+_BIG_SEQUENCE = 1 << 24  # items a repeated list, tuple or str may have ([0] * 10**9)
 _BIG_INT_BITS = 1 << 20  # an int result larger than this (bits) is refused: 9**9**9 would hang the replay
 _NODES = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.Attribute, ast.Subscript, ast.Slice, ast.Tuple,
           ast.List, ast.Call, ast.keyword, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp,
           ast.ListComp, ast.comprehension, ast.Store, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
-_ALLOWED = ("an edit may use x, the operations of torch, torch.nn.functional, torch.linalg, torch.special and "
-            "torch.fft, tensor methods and math")
+_ALLOWED = ("an edit may use x, the operations of torch, torch.nn.functional, torch.nn.init, torch.linalg, "
+            "torch.special and torch.fft, tensor methods and math")
 
 
 class _Sandbox:
@@ -102,20 +107,24 @@ class _Sandbox:
         if isinstance(obj, type(math)):
             where = obj.__name__
             if obj is math:
+                if name in _MATH_REFUSED:
+                    raise self.refuse(f"math.{name}")
                 value = getattr(math, name)
             elif obj is torch:
                 if name == "nn":
                     return torch.nn
-                if not (name in _TORCH_CONSTANTS or name in _TORCH_TYPES or isinstance(getattr(torch, name, None),
-                        torch.dtype) or (name not in _TORCH_REFUSED and hasattr(torch._C._VariableFunctions, name))
-                        or getattr(getattr(torch, name, None), "__module__", None) == "torch.functional"
-                        or f"torch.{name}" in _OP_MODULES):
+                found = getattr(torch, name, None)
+                module = getattr(found, "__module__", None)
+                if not (name in _TORCH_CONSTANTS or name in _TORCH_TYPES or isinstance(found, torch.dtype)
+                        or (name not in _TORCH_REFUSED and hasattr(torch._C._VariableFunctions, name))
+                        or module == "torch.functional" or f"torch.{name}" in _OP_MODULES
+                        or (module == "torch" and name.startswith(_TORCH_GETTERS) and name != "get_device_module")):
                     raise self.refuse(f"torch.{name}")
                 value = getattr(torch, name)
             elif obj is torch.nn:
-                if name != "functional":
+                if f"torch.nn.{name}" not in _OP_MODULES:
                     raise self.refuse(f"torch.nn.{name}")
-                value = torch.nn.functional
+                value = getattr(torch.nn, name)
             elif where in _OP_MODULES:
                 value = getattr(obj, name)
                 if isinstance(value, type(math)) and value.__name__ not in _OP_MODULES or not callable(value) \
@@ -124,7 +133,8 @@ class _Sandbox:
             else:  # pragma: no cover - no other module is ever handed out
                 raise self.refuse(where)
             return value
-        if not isinstance(obj, _VALUE_TYPES) or isinstance(obj, torch.Tensor) and name in _TENSOR_REFUSED:
+        tensor = isinstance(obj, torch.Tensor)
+        if not (tensor or type(obj) in _VALUE_TYPES) or tensor and name in _TENSOR_REFUSED:
             raise self.refuse(f"{type(obj).__name__}.{name}")
         return getattr(obj, name)
 
@@ -132,6 +142,12 @@ class _Sandbox:
         if _plain_int(a) and _plain_int(b) and b > 0 and abs(a) > 1 and b * a.bit_length() > _BIG_INT_BITS:
             raise self.refuse(f"an integer of ~{b * a.bit_length()} bits ({a} ** {b})")
         return a ** b
+
+    def times(self, a: Any, b: Any) -> Any:
+        for seq, n in ((a, b), (b, a)):
+            if isinstance(seq, (list, tuple, str)) and _plain_int(n) and len(seq) * n > _BIG_SEQUENCE:
+                raise self.refuse(f"a {type(seq).__name__} of {len(seq) * n} items")
+        return a * b
 
     def shift(self, a: Any, b: Any) -> Any:
         if _plain_int(a) and _plain_int(b) and a and b > _BIG_INT_BITS:
@@ -144,7 +160,8 @@ def _plain_int(v: Any) -> bool:
 
 
 class _Guard(ast.NodeTransformer):
-    """``a.b`` becomes ``_attr(a, 'b')``, ``a ** b`` ``_pow(a, b)``, ``a << b`` ``_shift(a, b)``."""
+    """``a.b`` becomes ``_attr(a, 'b')``, ``a ** b`` ``_pow(a, b)``, ``a << b`` ``_shift(a, b)``,
+    ``a * b`` ``_times(a, b)``."""
 
     def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
         call = ast.Call(ast.Name("_attr", ast.Load()), [self.visit(node.value), ast.Constant(node.attr)], [])
@@ -152,7 +169,7 @@ class _Guard(ast.NodeTransformer):
 
     def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
         self.generic_visit(node)
-        helper = {ast.Pow: "_pow", ast.LShift: "_shift"}.get(type(node.op))
+        helper = {ast.Pow: "_pow", ast.LShift: "_shift", ast.Mult: "_times"}.get(type(node.op))
         if helper is None:
             return node
         return ast.copy_location(ast.Call(ast.Name(helper, ast.Load()), [node.left, node.right], []), node)
@@ -173,6 +190,9 @@ def expression(text: str, key: str) -> Callable[[torch.Tensor], torch.Tensor]:
                                     "may not; write calls, operators, indexing and attributes on x, torch and math")
         if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
             raise sandbox.refuse(f"the attribute {node.attr}")
+        if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, ast.Store):
+            raise InterventionError(f"edit {key}: {text!r} assigns to {ast.unparse(node)}; an edit computes a new "
+                                    "value of x, it changes nothing in place")
     bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     bound -= {"x", "torch", "math"}  # a comprehension's own names ([r / r.norm() for r in x])
     for name in sorted(bound):
@@ -197,12 +217,15 @@ def expression(text: str, key: str) -> Callable[[torch.Tensor], torch.Tensor]:
                 except AttributeError:
                     raise InterventionError(f"edit {key}: {text!r}: {getattr(obj, '__name__', obj)} has no "
                                             f"{name}") from None
-    code = compile(ast.fix_missing_locations(_Guard().visit(tree)), f"<edit {key}>", "eval")
+    try:
+        code = compile(ast.fix_missing_locations(_Guard().visit(tree)), f"<edit {key}>", "eval")
+    except (SyntaxError, ValueError, TypeError) as exc:
+        raise InterventionError(f"edit {key}: {text!r} cannot be evaluated ({exc})") from None
     # Torch imports some of its modules the first time an operation needs them, through the
     # evaluating frame's __import__: it is there for torch, and out of the expression's reach
     # (no name or attribute beginning with "_" gets through the checks above).
     scope = {"__builtins__": {"__import__": builtins.__import__}, "_attr": sandbox.attr, "_pow": sandbox.power,
-             "_shift": sandbox.shift, "torch": torch, "math": math}
+             "_shift": sandbox.shift, "_times": sandbox.times, "torch": torch, "math": math}
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         return eval(code, {**scope, "x": x})  # noqa: S307 - checked above, and guarded as it runs

@@ -279,11 +279,12 @@ _DEFINITION_TYPES: dict[str, type | tuple[type, ...]] = {
 
 
 def paper_of(definition: Any) -> dict[str, Any]:
-    """A definition's paper reference, its values text (or None) whatever the document holds."""
+    """A definition's paper reference, its values text or numbers (or None) whatever the document holds."""
     paper = definition.get("paper") if isinstance(definition, dict) else None
     if not isinstance(paper, dict):
         return {}
-    return {k: v if v is None or isinstance(v, str) else str(v) for k, v in paper.items() if k in _PAPER_KEYS}
+    return {k: v if v is None or isinstance(v, (str, int, float)) and not isinstance(v, bool) else str(v)
+            for k, v in paper.items() if k in _PAPER_KEYS}  # ("Algorithm 1", step 5)
 
 
 def _texts(values: np.ndarray) -> np.ndarray:

@@ -543,3 +543,5 @@ def test_find_and_bisect_refuse_what_names_nothing(overflow_run: Path, tmp_path:
     assert empty.returncode == 2 and "--against needs the path of the other recording" in empty.stderr
     found = pdbg("find", str(overflow_run), "smooth_relu", "--when", "output.nan > 1e9", cwd=tmp_path)
     assert found.returncode == 1 and found.stdout.strip() == "no step matches"
+    later = pdbg("find", str(overflow_run), "smooth_relu@iter=99", cwd=tmp_path)  # a step it has, not then
+    assert later.returncode == 1 and later.stdout.strip() == "no step matches", later.stderr

@@ -222,12 +222,19 @@ def test_an_edit_expression_reaches_torch_math_and_x_only(stack_run: tuple[Path,
                "x.grad_fn": "reaches Tensor.grad_fn",
                "x * 9 ** 9 ** 9": "reaches an integer of",
                "(lambda: x)()": "uses a Lambda expression",
-               "[__import__ for __import__ in x]": "reaches the name __import__"}
+               "[__import__ for __import__ in x]": "reaches the name __import__",
+               f"x.double().flatten().numpy()[0].dump('{marker}') or x": "reaches float64.dump",  # (float64 is a float)
+               "x + math.factorial(10 ** 8) % 2": "reaches math.factorial",
+               "x * 0 + ([0] * 10 ** 9)[0]": "reaches a list of 1000000000 items",
+               "[x for x.real in [x]][0]": "assigns to x.real",
+               "torch.set_default_dtype(torch.float64)": "reaches torch.set_default_dtype"}
     for text, message in escapes.items():
         with pytest.raises(InterventionError, match=message):
             replayer.replay(rec, "smooth_relu@iter=1", edit={"args.0": text})
     assert not marker.exists()
     allowed = ["torch.stack([r.clamp(-50, 50) for r in x])", "torch.nn.functional.hardtanh(x, -50.0, 50.0)",
+               "torch.nn.init.zeros_(x.clone()) + x.clamp(-50, 50).to(torch.get_default_dtype())",
+               "x.clamp(-50, 50) + 0 * torch.randn(x.shape, generator=torch.Generator().manual_seed(0))",
                "x.clamp(-50, 50) if x.shape[0] > 0 else x", "torch.nan_to_num(x).clamp(max=math.pi * 10)"]
     for text in allowed:
         res = replayer.replay(rec, "smooth_relu@iter=1", edit={"args.0": text})
