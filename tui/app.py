@@ -747,7 +747,11 @@ class PdbgApp(App[None]):
     def action_origin(self) -> None:
         from replayer import first_nonfinite
 
-        origin = first_nonfinite(self.rec, all_ranks=True)
+        try:
+            origin = first_nonfinite(self.rec, all_ranks=True)
+        except PdbgError as exc:  # a damaged recording: say so, keep the app
+            self.set_panel(Text(str(exc), style="red"))
+            return
         target = origin.step or origin.entered
         self.set_panel(Text(origin.cause + self._elsewhere(origin), style="bold red" if target else "green"))
         if target is not None and origin.rank in (None, self.rec.rank.rank):
@@ -846,7 +850,11 @@ class PdbgApp(App[None]):
         self.push_screen(Inspector(step, tensor.name, tensor.role))
 
     def action_alerts(self) -> None:
-        rows = views.alerts(self.rec)
+        try:
+            rows = views.alerts(self.rec)
+        except PdbgError as exc:  # a damaged recording: say so, keep the app
+            self.set_panel(Text(str(exc), style="red"))
+            return
         text = Text("Alerts\n\n", style="bold")
         if not rows:
             text.append("no non-finite values, exceptions or broken expectations recorded", style="green")
@@ -903,7 +911,11 @@ class PdbgApp(App[None]):
     def _bisect(self) -> None:
         import replayer
 
-        origin = replayer.first_nonfinite(self.rec, all_ranks=True)
+        try:
+            origin = replayer.first_nonfinite(self.rec, all_ranks=True)
+        except PdbgError as exc:  # a damaged recording: say so, keep the app
+            self._report(Text(str(exc), style="red"))
+            return
         target = origin.step or origin.entered
         text = Text(origin.cause + self._elsewhere(origin), style="bold red" if target else "green")
         if origin.rank not in (None, self.rec.rank.rank):

@@ -122,3 +122,26 @@ def test_a_repr_escapes_the_control_characters_a_recording_holds(pristine: Path,
     rec = replayer.open(path)
     shown = repr(rec.step(0)) + repr(replayer.first_nonfinite(rec)) + repr(rec)
     assert "\x1b" not in shown and "\x07" not in shown and "x\\x1b]0;pwned\\x07" in repr(rec.step(0))
+
+
+def test_the_tui_says_a_recording_is_damaged_and_stays_open(tmp_path: Path) -> None:
+    """`g`, `a` and `b` on a recording whose record names are damaged: the FormatError ended the app."""
+    from tests.tui.test_app import run
+
+    path = tmp_path / "nan.zarr"
+    with recorder.record(path) as rec_run:
+        scaled(torch.zeros(3), float("inf"))  # 0 * inf: NaN from finite inputs
+        rec_run.next_iteration()
+    rewrite_docs(path, lambda i, d: 5 if d == "output" else None)
+    with pytest.raises(FormatError, match="has a name that is not a string"):
+        replayer.first_nonfinite(replayer.open(path))
+
+    async def body(app: Any, pilot: Any) -> None:
+        for key in ("g", "a", "b"):
+            await pilot.press(key)
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert "has a name that is not a string" in str(app.panel_text), key
+            assert app.is_running
+
+    run(body, path)
