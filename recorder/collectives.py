@@ -109,8 +109,10 @@ def sent_nonfinite(op: str, arguments: dict[str, Any]) -> dict[str, int]:
         value = arguments.get(arg)
         for t in [value] if isinstance(value, torch.Tensor) else value if isinstance(value, (list, tuple)) else []:
             if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
-                nan += int(torch.isnan(t).sum())
-                inf += int(torch.isinf(t).sum())
+                bad = int(t.numel() - torch.isfinite(t).sum())  # one pass (and one sync) when all is finite
+                if bad:
+                    nans = int(torch.isnan(t).sum())
+                    nan, inf = nan + nans, inf + bad - nans
     return {"nan": nan, "inf": inf}
 
 

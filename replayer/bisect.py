@@ -364,9 +364,9 @@ def _innermost(rec: Recording, index: int, mask: np.ndarray) -> int:
 def _scaler_handled(rec: Recording) -> np.ndarray:
     """Per step: a backward step of an iteration whose optimizer step GradScaler skipped at a loss
     scale above 1 (or at a scale not recorded, before schema 1.12): an overflow of the scaled loss."""
-    doc = rec.rank.final.get("grad_scaler_skipped") if isinstance(rec.rank.final, dict) else None
+    doc = rec.scaler_skips
     handled = np.zeros(len(rec), dtype=bool)
-    if not isinstance(doc, dict) or not isinstance(doc.get("iterations"), list):
+    if doc is None:
         return handled
     scales = doc.get("scales") if isinstance(doc.get("scales"), list) else [None] * len(doc["iterations"])
     iterations = [int(i) for i, scale in zip(doc["iterations"], scales)

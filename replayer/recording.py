@@ -156,6 +156,14 @@ class Recording:
         return doc
 
     @property
+    def scaler_skips(self) -> dict[str, Any] | None:
+        """The optimizer steps mixed precision's GradScaler skipped, as the rank's end recorded them
+        (``{"count", "iterations", "scales"}``: docs/FORMAT.md), or None (none, or a damaged record)."""
+        doc = self.rank.final.get("grad_scaler_skipped")
+        ok = isinstance(doc, dict) and isinstance(doc.get("count"), int) and isinstance(doc.get("iterations"), list)
+        return doc if ok else None
+
+    @property
     def main_step(self) -> Step | None:
         """A bundle's main step (what it was made to replay); None for a recording."""
         info = self.bundle_info

@@ -129,14 +129,7 @@ def summary(rec: Any) -> dict[str, Any]:
             "ended_by": rec.ended_by,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
             "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec),
-            "grad_scaler_skipped": _scaler_skips(rec)}
-
-
-def _scaler_skips(rec: Any) -> dict[str, Any] | None:
-    """The iterations whose optimizer step mixed precision's GradScaler skipped, as the run's end
-    recorded them, or None."""
-    doc = rec.rank.final.get("grad_scaler_skipped") if isinstance(rec.rank.final, dict) else None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("count"), int) else None
+            "grad_scaler_skipped": rec.scaler_skips}
 
 
 def _ranks(rec: Any) -> list[dict[str, Any]]:
