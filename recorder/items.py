@@ -74,6 +74,22 @@ class ForgetIterations:
     iterations: list[int]
 
 
+SKIPS_KEY = "grad_scaler_skipped"  # in the run's final attributes and its manifest's info (docs/FORMAT.md)
+SKIPS_LISTED = 1024  # skipped iterations listed whatever their scale; past that, those at a scale above 1
+
+
+@dataclass
+class ScalerSkip:
+    """GradScaler skipped the optimizer step ending ``iteration`` at loss ``scale`` (``count`` skips so
+    far; ``listed``: whether the iteration is listed). Committed with the manifest's ``info``, so that
+    a run killed before it closed still says which overflows its scaler handled."""
+
+    iteration: int
+    scale: float | None
+    count: int
+    listed: bool
+
+
 ALIGN = 64  # bytes: torch's CPU allocator's alignment
 ALIGNED_FROM = 16 << 10  # bytes: from this size the statistics kernel's copy uses nontemporal stores (recorder.kernels)
 

@@ -28,6 +28,7 @@ from torch.optim import optimizer as optimizer_mod
 
 from . import autohooks, capture, collectives, compiled, jsonval, monitors, snapshot
 from .errors import RecordingError
+from .items import SKIPS_KEY, SKIPS_LISTED, ScalerSkip
 from .pipeline import WHEN_SLOW, Pipeline
 from .store import backend, layout
 from .store import codecs as codecs_api
@@ -199,9 +200,13 @@ class Run:
             self.next_iteration()
         if self.session.iteration != before:
             self._skips += 1
-            if len(self.grad_scaler_skipped) < _SKIPS_LISTED:
+            # Listed: every skip bisect passes over (scale above 1: at most about one per growth
+            # interval of the scaler, once it settles) and the first SKIPS_LISTED of any scale.
+            listed = len(self.grad_scaler_skipped) < SKIPS_LISTED or scale is None or scale > 1.0
+            if listed:
                 self.grad_scaler_skipped.append(before)
                 self.grad_scaler_scales.append(scale)
+            self.pipeline.submit(ScalerSkip(before, scale, self._skips, listed))
 
     # -- pausing, paths and anomalies (what framework callbacks build on: recorder.framework) --------
     def pause(self) -> None:
@@ -321,7 +326,7 @@ class Run:
         if exception is not None:
             info["exception"] = jsonval.encode(capture.exception_doc(exception, limit=None))
         if self._skips:
-            info["grad_scaler_skipped"] = {"count": self._skips, "iterations": self.grad_scaler_skipped,
+            info[SKIPS_KEY] = {"count": self._skips, "iterations": self.grad_scaler_skipped,
                                            "scales": self.grad_scaler_scales}
         if self.failure:
             info["recorder_failure"] = self.failure
@@ -551,7 +556,6 @@ def _git_commit_in(where: str) -> dict[str, Any] | None:
         return None
 
 
-_SKIPS_LISTED = 1024  # iterations listed in grad_scaler_skipped (all are counted)
 
 
 class _GradScaling:

@@ -158,8 +158,9 @@ class Recording:
     @property
     def scaler_skips(self) -> dict[str, Any] | None:
         """The optimizer steps mixed precision's GradScaler skipped, as the rank's end recorded them
-        (``{"count", "iterations", "scales"}``: docs/FORMAT.md), or None (none, or a damaged record)."""
-        doc = self.rank.final.get("grad_scaler_skipped")
+        (``{"count", "iterations", "scales"}``: docs/FORMAT.md) or, for a run that never closed, as
+        its last commit did; None (none, or a damaged record)."""
+        doc = self.rank.final.get("grad_scaler_skipped", self.rank.committed_info.get("grad_scaler_skipped"))
         ok = isinstance(doc, dict) and isinstance(doc.get("count"), int) and isinstance(doc.get("iterations"), list)
         return doc if ok else None
 

@@ -426,6 +426,15 @@ class RankReader:
         return dict(found or {})
 
     @property
+    def committed_info(self) -> dict[str, Any]:
+        """What the rank's last manifest says of the run (its ``info``): ``final``'s contents once it
+        closed; before that, what the writer committed as it went (schema 1.12: what GradScaler
+        skipped), so a run killed before it closed still says it."""
+        manifest = self.run.manifests.get(self.rank) or {}
+        info = manifest.get("info")
+        return dict(info) if isinstance(info, dict) else {}
+
+    @property
     def dist(self) -> dict[str, Any]:
         """Rank, world size and process-group backend (known once the group was made; None before)."""
         info = self.run_info

@@ -5,6 +5,12 @@ the scaler skip optimizer.step(). The skipped step still ends its iteration; the
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.amp.grad_scaler import GradScaler
@@ -31,9 +37,11 @@ def root(x: torch.Tensor) -> torch.Tensor:
     return x.abs().sqrt()
 
 
-def train(path, init_scale: float, nan_from: int | None = None) -> tuple[list[float], recorder.Run]:
+def train(path, init_scale: float, nan_from: int | None = None,
+          killed: bool = False) -> tuple[list[float], recorder.Run]:
     """Autocast to float16 with a GradScaler, recorded with on_anomaly="stop"; returns the scale
-    each iteration ran at, and the scale after the last."""
+    each iteration ran at, and the scale after the last. ``killed``: the process commits what it
+    recorded, then is SIGKILLed before the recording closes (call it in a child process)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(Layer(), Layer())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -51,6 +59,9 @@ def train(path, init_scale: float, nan_from: int | None = None) -> tuple[list[fl
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
+        if killed:
+            run.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
     scales.append(scaler.get_scale())
     return scales, run
 
@@ -109,3 +120,40 @@ def test_bisect_passes_over_the_overflows_the_scaler_handled(run_path, tmp_path)
     origin = replayer.first_nonfinite(replayer.open(stopped))
     assert origin.step is not None and (origin.step.name, origin.step.phase, origin.step.iteration) == (
         "root", "backward", 5), origin.cause
+
+
+def test_a_run_killed_before_it_closed_still_says_what_the_scaler_skipped(run_path, tmp_path):
+    """What GradScaler skipped is committed as the run goes (the manifest's info), not only when the
+    recording closes: a healthy mixed-precision run killed by the OOM killer or a preemption is not
+    reported as a NaN at its first overflow (bisect named it, and pdbg info did too)."""
+    import replayer
+    from tests.cli import pdbg
+
+    child = subprocess.run([sys.executable, "-c", "import sys; from tests.recorder.test_grad_scaler import train; "
+                            "train(sys.argv[1], init_scale=2.0 ** 16, killed=True)", str(run_path)],
+                           cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    scales, _ = train(tmp_path / "closed.zarr", init_scale=2.0 ** 16)  # the same run, closed
+    closed = RunReader(tmp_path / "closed.zarr").rank(0).final["grad_scaler_skipped"]
+    rec = replayer.open(run_path)
+    assert rec.status == "crashed" and rec.rank.final == {}
+    assert rec.scaler_skips == closed and closed["count"] > 0
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and "GradScaler skipped" in origin.cause, origin.cause
+    info = pdbg("info", str(run_path), cwd=tmp_path)
+    assert "NaN origin: none found" in info.stdout and "GradScaler skipped " in info.stdout, info.stdout
+    assert pdbg("bisect", str(run_path), cwd=tmp_path).returncode == 0
+
+
+def test_past_the_first_skips_those_bisect_passes_over_are_still_listed(run_path, monkeypatch):
+    """Only SKIPS_LISTED skips are listed whatever their scale; every skip at a scale above 1 is
+    (a long run's overflows past the first thousand were not, and bisect named them as origins)."""
+    import replayer
+
+    monkeypatch.setattr("recorder.run.SKIPS_LISTED", 1)
+    with pytest.raises(recorder.NonFiniteError):
+        train(run_path, init_scale=8.0, nan_from=2)  # skipped at scales 8, 4, 2, then 1 (stopped)
+    skipped = RunReader(run_path).rank(0).final["grad_scaler_skipped"]
+    assert skipped == {"count": 4, "iterations": [2, 3, 4], "scales": [8.0, 4.0, 2.0]}
+    origin = replayer.first_nonfinite(replayer.open(run_path))
+    assert origin.step is not None and (origin.step.phase, origin.step.iteration) == ("backward", 5)
