@@ -161,7 +161,7 @@ def refused_in_backward(step: Step) -> Iterator[None]:
 
     def make(op: str, original: Callable[..., Any], sig: inspect.Signature) -> Callable[..., Any]:
         def collective(*args: Any, **kwargs: Any) -> Any:
-            raise ReplayError(f"the backward of step {step.index} calls torch.distributed's {op} (as SyncBatchNorm's "
+            raise ReplayError(f"backward step {step.selector} calls torch.distributed's {op} (as SyncBatchNorm's "
                               "backward does): collectives called during a backward pass are not recorded, so this "
                               "backward step cannot be replayed alone (its forward step can)")
 

@@ -236,10 +236,14 @@ def test_a_backward_that_communicates_is_refused_in_one_line(tmp_path: Path) -> 
         assert res.returncode == 0, res.stderr
     rec = replayer.open(out, 1)
     assert replayer.replay(rec, "global_mean@iter=1").match  # its forward replays
-    with pytest.raises(ReplayError, match=r"the backward of step \d+ calls torch.distributed's all_reduce \(as "
-                                          r"SyncBatchNorm's backward does\): collectives called during a backward "
-                                          r"pass are not recorded"):
+    refusal = (r"backward step global_mean@iter=1#0:backward calls torch.distributed's all_reduce \(as "
+               r"SyncBatchNorm's backward does\): collectives called during a backward pass are not recorded")
+    with pytest.raises(ReplayError, match=refusal):
         replayer.replay(rec, "global_mean@iter=1:backward")
+    # A bundle of it says the same (it named the step by its index in the bundle, not in the run)
+    shared = replayer.bundle(rec, "global_mean@iter=1:backward", tmp_path / "backward.pdbg")
+    with pytest.raises(ReplayError, match=refusal):
+        replayer.replay(replayer.open(shared.path), shared.main_step)
 
 
 def test_an_edit_of_a_step_that_communicates_says_what_it_cannot_change(nan_run: Path) -> None:
