@@ -89,7 +89,11 @@ class Timeline(ScrollView, can_focus=True):
         """Put the cursor on a step (the nearest visible one)."""
         if not len(self.model.rows):
             return
-        self.cursor = self.model.position(index)
+        position = self.model.position(index)
+        if position == self.cursor:  # the same row, but the rows may have changed under it (a filter cleared)
+            self.watch_cursor(position, position)
+        else:
+            self.cursor = position
 
     def watch_cursor(self, old: int, new: int) -> None:
         top = self.scroll_offset.y
@@ -648,7 +652,7 @@ class PdbgApp(App[None]):
     def _summary(self) -> str:
         ranks = self.rec.ranks
         rank = f" · rank {self.rec.rank.rank} of {len(ranks)}" if len(ranks) > 1 else ""
-        return f"{self.path}{rank} · {self.rec.status} · {self.model.n} steps"
+        return f"{self.path}{rank} · {self.rec.status} · {self.model.n} step{'s' if self.model.n != 1 else ''}"
 
     @property
     def timeline(self) -> Timeline:
@@ -660,12 +664,16 @@ class PdbgApp(App[None]):
         return None if index is None else self.rec.step(index)
 
     def show_step(self) -> None:
+        if getattr(self, "_panel_transient", False):
+            self.set_panel("")
         pane = self.query_one(StepPane)
         try:
             step = self.step
             if step is None:
                 pane.show_message(f"no step matches the filter {self.model.filter_text!r} (f changes it)"
-                                  if self.model.n else "no steps committed yet (R refreshes)")
+                                  if self.model.n else "no steps committed yet (R refreshes)"
+                                  if self.rec.status == "recording" else f"no steps: the recording is {self.rec.status}"
+                                  " and holds none")
                 pane.border_title = None
                 return
             pane.show(views.step_view(step), self._drift(step))
@@ -686,9 +694,12 @@ class PdbgApp(App[None]):
             self._drifts[key] = f"✎ {state}" if state.startswith("changed") else None
         return self._drifts[key]
 
-    def set_panel(self, text: Text | str, full: Text | str | None = None) -> None:
+    def set_panel(self, text: Text | str, full: Text | str | None = None, *, transient: bool = False) -> None:
         """Show ``text`` in the result panel (a few lines high); ``full``: the whole result, which
-        ``v`` opens in a page that keys scroll (the panel says so when there is more than it shows)."""
+        ``v`` opens in a page that keys scroll (the panel says so when there is more than it shows).
+        ``transient``: an answer about where the cursor is ("no further anomaly after this step"),
+        cleared when the cursor moves, when it would no longer be true."""
+        self._panel_transient = transient
         # Plain strings are shown as they are: they hold what the user typed and names from the
         # recording, never markup ("[/]" in a filter crashed the app).
         text = Text(text) if isinstance(text, str) else text
@@ -716,7 +727,8 @@ class PdbgApp(App[None]):
 
     def _jump(self, index: int | None, what: str) -> None:
         if index is None:
-            self.set_panel(Text(f"no {what}", style="yellow"))
+            among = " among the steps the filter shows" if self.model.filter_text else ""
+            self.set_panel(Text(f"no {what}{among}", style="yellow"), transient=True)
             return
         self.go_to_step(index)
 
@@ -734,7 +746,8 @@ class PdbgApp(App[None]):
     def action_iteration(self, delta: int) -> None:
         index = self.timeline.step_index
         if index is not None:
-            self._jump(views.next_iteration(self.model, index, delta), "other iteration")
+            self._jump(views.next_iteration(self.model, index, delta), "later iteration" if delta > 0 else
+                       "earlier iteration")
 
     def action_anomaly(self, delta: int) -> None:
         index = self.timeline.step_index
@@ -770,7 +783,7 @@ class PdbgApp(App[None]):
                 try:
                     self.go_to_step(self.rec.step(value).index)
                 except PdbgError as exc:
-                    self.set_panel(Text(str(exc), style="red"))
+                    self.set_panel(Text(str(exc), style="red"), transient=True)
 
         self.push_screen(Prompt("go to a step: an index or NAME[@iter=K][#CALL][:backward]", "Eq. 2@iter=5"), done)
 
@@ -802,7 +815,11 @@ class PdbgApp(App[None]):
 
     def apply_filter(self, value: str) -> None:
         current = self.timeline.step_index
-        count = self.model.apply_filter(value)
+        try:
+            count = self.model.apply_filter(value)
+        except PdbgError as exc:  # a term with a value it cannot have: the filter stays as it was
+            self.set_panel(Text(str(exc), style="red"))
+            return
         self.timeline.refresh_rows()
         if current is not None:
             self.timeline.go_to(current)
@@ -835,8 +852,9 @@ class PdbgApp(App[None]):
         text = Text("Keys\n\n", style="bold")
         for _, help_text in self.ACTION_HELP:
             text.append(f"  {help_text}\n")
-        text.append("\nIn the step pane, enter on a tensor opens the inspector; ctrl+p lists every action.",
-                    style="dim")
+        text.append("\nMoving: ↑/↓ (a row), PgUp/PgDn (a page), Home/End (the first or last step); tab "
+                    "moves the focus to the step pane, where ↑/↓ choose a tensor and enter opens the inspector. "
+                    "ctrl+p lists every action.", style="dim")
         self.push_screen(TextScreen(text, "help"))
 
     def action_inspect(self) -> None:
@@ -886,9 +904,18 @@ class PdbgApp(App[None]):
         if not get_current_worker().is_cancelled:
             self.call_from_thread(self.set_panel, text, full)
 
+    def _at_a_step(self, what: str) -> bool:
+        """Whether the cursor is on a step; if not (no steps, or a filter that shows none), the
+        panel says there is nothing to ``what``."""
+        if self.step is not None:
+            return True
+        self.set_panel(Text(f"no step at the cursor to {what}" + (" (the filter shows none: f changes it)"
+                                                                   if self.model.n else ""), style="yellow"))
+        return False
+
     def action_replay(self, swap: dict[str, str] | None = None, edit: dict[str, str] | None = None) -> None:
         step = self.step
-        if step is not None:
+        if self._at_a_step("replay"):
             self.set_panel(Text(f"replaying step {step.index} …", style="cyan"))
             self._replay(step.index, swap, edit)
 
@@ -935,6 +962,9 @@ class PdbgApp(App[None]):
             self.call_from_thread(self.go_to_step, target.index)
 
     def action_edit(self) -> None:
+        if not self._at_a_step("edit"):
+            return
+
         def done(value: str | None) -> None:
             if value and "=" in value:
                 key, _, expr = value.partition("=")
@@ -947,6 +977,8 @@ class PdbgApp(App[None]):
 
     def action_swap(self) -> None:
         step = self.step
+        if not self._at_a_step("swap"):
+            return
 
         def done(value: str | None) -> None:
             if value and step is not None:
@@ -959,6 +991,8 @@ class PdbgApp(App[None]):
 
     def action_export(self) -> None:
         step = self.step
+        if not self._at_a_step("export"):
+            return
 
         def done(value: str | None) -> None:
             if value and step is not None:
@@ -982,7 +1016,8 @@ class PdbgApp(App[None]):
             return
         verdict = ("not verified: the step returned no tensor" if info.verified is None else
                    "verified: replays bit for bit" if info.verified else "MISMATCH when replayed from the bundle")
-        self._report(Text(f"wrote {info.path} ({info.bytes} bytes, {info.steps} steps); {verdict}",
+        steps = f"{info.steps} step{'s' if info.steps != 1 else ''}"
+        self._report(Text(f"wrote {info.path} ({info.bytes} bytes, {steps}); {verdict}",
                           style="green" if info.verified else "yellow" if info.verified is None else "red"))
 
     def action_diff(self) -> None:
@@ -1053,10 +1088,11 @@ def render_tensor(view: views.TensorView) -> Text:
         text.append(row + "\n")
     if view.series:
         values = [v for _, v in view.series]
-        text.append(f"\n{view.series_stat} across iterations ({view.series[0][0]}…{view.series[-1][0]}): ",
-                    style="dim")
+        shown = view.series[-views.SPARK_WIDTH:]  # the sparkline draws the last ones
+        cut = f", the last {len(shown)} of {len(view.series)}" if len(shown) < len(view.series) else ""
+        text.append(f"\n{view.series_stat} across iterations ({shown[0][0]}…{shown[-1][0]}{cut}): ", style="dim")
         lo, hi = view.expected if view.expected else (-math.inf, math.inf)
-        for char, value in zip(views.sparkline(values), values[-60:]):  # outside the expected range: red
+        for char, value in zip(views.sparkline(values), values[-views.SPARK_WIDTH:]):  # outside the expected range: red
             text.append(char, style="green" if lo <= value <= hi else "bold red")
         text.append("\n")
         if view.expected:

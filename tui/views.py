@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from rich.cells import cell_len, set_cell_size
 
+from recorder.errors import PdbgError
 from recorder.store import layout
 from replayer.bisect import Condition, describe, with_alerts
 from replayer.recording import Recording, Step, paper_of
@@ -199,18 +200,27 @@ class TimelineModel:
         span = self.span(index) or 1.0
         filled = min(bar_width, max(0, round(bar_width * duration / span)))
         bar = "█" * filled + "·" * (bar_width - filled)
-        who = f"{label} {name}" if label and label != name else name
         mark = {"ok": " ", "alert": "!", "nonfinite": "✗", "exception": "E"}[status]
         depth = self.depth_of(index)  # two columns a level to 4 levels, then one, to 8: the name keeps room
         indent = "  " * min(depth, 4) + " " * min(max(depth - 4, 0), 4)
+        # 26 columns for the label and name and 20 for the path in 78 (58 without the path); a wider
+        # timeline gives them more, 3 to 2, up to 60 and 40; a narrower one narrows the path to 8.
+        free = 46 if width is None else width - 26 - bar_width  # what the name and path columns share
+        name_width = 26 + min(34, max(0, free - 46) * 3 // 5)
+        path_width = max(8, min(40, free - name_width))
+        who = name
+        if label and label != name:
+            who = f"{label} {name}"
+            room = name_width - cell_len(indent) - cell_len(name) - 1
+            if cell_len(indent + who) > name_width and room >= 6:  # the label gives way: the name stays whole
+                who = f"{_fit(label, room)} {name}"
         return [
             (f"{index:>6} ", "dim"),
             (f"{self.iteration_of(index):>4} ", "cyan"),
             ("→ " if phase == 0 else "← ", "blue" if phase == 0 else "magenta"),
             (f"{mark} ", STATUS_STYLE[status]),
-            (_fit(indent + who, 26), STATUS_STYLE[status] if status != "ok" else "bold"),
-            (f" {_fit(path, 20 if width is None else max(8, min(20, width - 58 - bar_width + 6)), keep_end=True)}",
-             "dim"),
+            (_fit(indent + who, name_width), STATUS_STYLE[status] if status != "ok" else "bold"),
+            (f" {_fit(path, path_width, keep_end=True)}", "dim"),
             (f" {bar} {fmt_seconds(duration):>7}", "dim"),
         ]
 
@@ -220,7 +230,15 @@ class TimelineModel:
         ``phase:backward``, ``status:nonfinite``, ``iter:K``, ``name:A,B`` (exact step names) terms
         (space-separated, all must hold); or, alone, ``name:["A", "B"]`` (exact step names as a JSON
         list, which may hold spaces and commas: the paper view's nodes).
-        Returns how many remain."""
+        Returns how many remain. A term of a kind with a value it cannot have (``status:nan``,
+        ``phase:fwd``, ``iter:abc``) is a PdbgError naming the values there are; the filter stays."""
+        for term in text.split():
+            key, sep, value = term.partition(":")
+            known = {"phase": layout.PHASES, "status": layout.STATUSES}.get(key)
+            if sep and known is not None and value not in known:
+                raise PdbgError(f"filter {term!r}: {key} is one of {', '.join(known)}")
+            if sep and key in ("iter", "iteration") and not value.isdigit():
+                raise PdbgError(f"filter {term!r}: {key} takes an iteration number, e.g. {key}:5")
         self.filter_text = text.strip()
         mask = np.ones(self.n, dtype=bool)
         listed = _json_names(self.filter_text)
@@ -233,10 +251,10 @@ class TimelineModel:
         for term in self.filter_text.split():
             key, sep, value = term.partition(":")
             if sep and key == "phase":
-                mask &= self.phase == (layout.PHASES.index(value) if value in layout.PHASES else -1)
+                mask &= self.phase == layout.PHASES.index(value)
             elif sep and key == "status":
-                mask &= self.status == (layout.STATUSES.index(value) if value in layout.STATUSES else -1)
-            elif sep and key in ("iter", "iteration") and value.isdigit():
+                mask &= self.status == layout.STATUSES.index(value)
+            elif sep and key in ("iter", "iteration"):
                 mask &= self.iteration == int(value)
             elif sep and key == "name":  # exact step names, comma-separated (the paper view's nodes)
                 mask &= np.isin(self.names.astype(str), value.split(","))
@@ -285,19 +303,22 @@ def _json_names(text: str) -> list[Any] | None:
 
 # -- navigation (pure: index in, index out) ---------------------------------------------------------
 def next_iteration(model: TimelineModel, index: int, step: int) -> int | None:
-    """The first step of the next (step=1) or previous (step=-1) iteration that has steps (a step
-    recorded every other iteration is reached); None at the run's edge."""
-    now, its = int(model.iteration[index]), model.iteration
+    """The first step shown (the filter's, if one is set) of the next (step=1) or previous (step=-1)
+    iteration that has steps shown (a step recorded every other iteration is reached); None at the
+    run's edge."""
+    now, shown = int(model.iteration[index]), model.rows
+    its = model.iteration[shown]
     others = its[its > now] if step > 0 else its[its < now]
     if not len(others):
         return None
     it = int(others.min()) if step > 0 else int(others.max())
-    return int(np.flatnonzero(its == it)[0])
+    return int(shown[np.flatnonzero(its == it)[0]])
 
 
 def next_anomaly(model: TimelineModel, index: int, step: int) -> int:
-    """The next (or previous) step whose status is not ok."""
-    bad = np.flatnonzero(model.status != 0)
+    """The next (or previous) step shown (the filter's, if one is set) whose status is not ok."""
+    shown = model.rows
+    bad = shown[model.status[shown] != 0]
     if step > 0:
         later = bad[bad > index]
         return int(later[0]) if len(later) else index
@@ -521,13 +542,18 @@ def _series(rec: Recording, step: Step, record: Any, stat: str) -> list[tuple[in
 SPARK = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values: list[float], width: int = 60) -> str:
+SPARK_WIDTH = 60  # characters of a sparkline: the last values, one each
+
+
+def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
+    """The last ``width`` values, scaled between the least and the greatest finite one of them."""
+    values = values[-width:]
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
-        return "✗" * min(len(values), width)
+        return "✗" * len(values)
     lo, hi = min(finite), max(finite)
     out = []
-    for v in values[-width:]:
+    for v in values:
         if not math.isfinite(v):
             out.append("✗")
         else:
@@ -590,10 +616,7 @@ def paper_tree(model: TimelineModel) -> PaperNode:
     for (name, label), first, mask in rec.paper_steps():
         paper = dict(papers[first])
         node = root
-        algorithm = paper.get("algorithm") or (paper.get("label") if paper.get("step") is not None else None)
-        path = [algorithm and str(algorithm),
-                paper.get("step") is not None and f"step {paper['step']}",
-                paper.get("equation") or paper.get("label"), str(name)]
+        path = _paper_path(paper) + [str(name)]
         for part in (p for p in path if p):
             node = node.children.setdefault(part, PaperNode(part))
         for n in [root, *_chain(root, [p for p in path if p])]:
@@ -604,6 +627,21 @@ def paper_tree(model: TimelineModel) -> PaperNode:
             n.seconds += float((model.t_end[mask] - model.t_start[mask]).sum())
             n.alerts += int((mask & (model.status != 0)).sum())
     return root
+
+
+def _paper_path(paper: dict[str, Any]) -> list[str]:
+    """A reference's branches in the paper tree: algorithm, step number, then the label and equation
+    where a branch above does not already say them ("Algorithm 1" → "step 5" → "Eq. 7")."""
+    label, step, equation = str(paper.get("label") or ""), paper.get("step"), paper.get("equation")
+    algorithm = paper.get("algorithm")
+    algorithm = (f"Algorithm {algorithm}" if isinstance(algorithm, int) else str(algorithm)) if algorithm is not None \
+        else (label if step is not None else None)
+    path = [p for p in (algorithm, step is not None and f"step {step}") if p]
+    rest = label if label and label != algorithm and label.lower() != f"step {step}".lower() else ""
+    if equation and str(equation) != label:
+        equation = str(equation)
+        rest = f"{rest} {equation}" if equation.startswith("(") else f"{rest} ({equation})" if rest else equation
+    return [*path, rest] if rest else path
 
 
 def _chain(root: PaperNode, parts: list[str]) -> list[PaperNode]:

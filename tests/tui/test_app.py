@@ -15,6 +15,7 @@ import recorder
 import replayer
 from tests.replayer import nanmodels
 from tests.tui.recordings import mixed_run, nan_run
+from tui import views
 from tui.app import ErrorApp, Inspector, PdbgApp, StepPane, open_app
 
 SIZE = (120, 36)
@@ -790,3 +791,97 @@ def test_timeline_rows_keep_their_duration_on_an_80_column_screen(nan_path: Path
             assert shown and all(line.endswith("s") for line in shown), shown
 
     asyncio.run(main())
+
+
+def test_the_step_pane_follows_a_jump_that_clears_the_filter_onto_the_same_row(nan_path: Path) -> None:
+    """With the filter phase:backward, the cursor on its fourth row (step 8), `:3` clears the filter
+    and puts the cursor on step 3, the fourth row again: the pane kept showing step 8 (its tensors,
+    `r`'s and enter's target), and enter on a tensor step 3 does not have ended the app."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        app.apply_filter("phase:backward")
+        for _ in range(3):
+            await pilot.press("down")
+        await pilot.pause()
+        assert app.timeline.step_index == 8 and pane(app).border_title.startswith("step 8 ")
+        await pilot.press("colon")
+        await answer(pilot, "3")
+        assert app.model.filter_text == "" and app.timeline.step_index == 3
+        assert pane(app).border_title.startswith("step 3 ") and "Scaled" in pane(app).title.plain
+        await pilot.press("tab", "down", "enter")
+        await pilot.pause()
+        assert app.is_running and isinstance(app.screen, Inspector)
+        assert " · step 3" in str(app.screen.query_one("#page", Static).render())
+
+    run(body, nan_path)
+
+
+def test_iteration_and_anomaly_keys_stay_among_the_filtered_steps(nan_path: Path) -> None:
+    """`]`, `[`, `n` and `N` went to steps the filter hid, and cleared it; h/l, Home/End and the page
+    keys kept to it. The answer at an edge is cleared by the next move (it said "no further
+    anomaly after this step" at step 0, with anomalies after it)."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        app.apply_filter("smooth_relu")
+        await pilot.pause()
+        assert app.timeline.step_index == 2
+        for key, expected in (("right_square_bracket", 12), ("left_square_bracket", 2), ("n", 12), ("n", 14),
+                              ("N", 12)):
+            await pilot.press(key)
+            await pilot.pause()
+            assert app.timeline.step_index == expected, key
+            assert app.model.filter_text == "smooth_relu" and app.step.name == "smooth_relu"
+        await pilot.press("end", "n")
+        await pilot.pause()
+        assert app.timeline.step_index == 19 and panel(app) == (
+            "no further anomaly after this step among the steps the filter shows")
+        await pilot.press("right_square_bracket")
+        assert panel(app) == "no later iteration among the steps the filter shows"
+        await pilot.press("home")
+        await pilot.pause()
+        assert app.timeline.step_index == 2 and panel(app) == ""
+
+    run(body, nan_path)
+
+
+def test_the_sparkline_label_names_the_iterations_it_draws() -> None:
+    """The inspector labelled its sparkline with the first and last iterations of the whole series
+    ("0…180") while it drew the last 60 (121…180)."""
+    from tui.app import render_tensor
+
+    series = [(i, float(i % 7)) for i in range(181)]
+    view = views.TensorView("output", [], (0.0, 1.0), [], "", series, "absmax", None)
+    text = render_tensor(view).plain
+    assert "absmax across iterations (121…180, the last 60 of 181): " in text
+    line = text.split("absmax across iterations")[1].splitlines()[0]
+    assert len(line.split(": ", 1)[1]) == 60
+
+
+def test_a_filter_term_with_a_value_it_cannot_have_is_refused_and_the_filter_stays(nan_path: Path) -> None:
+    """`status:nan`, `phase:fwd` and `iter:abc` matched no step, silently, as if none were so."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        app.apply_filter("smooth_relu")
+        for term, message in (("status:nan", "filter 'status:nan': status is one of ok, alert, nonfinite, exception"),
+                              ("phase:fwd", "filter 'phase:fwd': phase is one of forward, backward"),
+                              ("iter:abc", "filter 'iter:abc': iter takes an iteration number, e.g. iter:5")):
+            app.apply_filter(f"smooth_relu {term}")
+            await pilot.pause()
+            assert panel(app) == message and app.model.filter_text == "smooth_relu" and len(app.model.rows) == 8
+
+    run(body, nan_path)
+
+
+def test_an_empty_recording_says_so_and_actions_say_there_is_no_step(tmp_path: Path) -> None:
+    """A complete recording with no step said "no steps committed yet (R refreshes)"; e, s and x
+    opened their prompts and then did nothing."""
+    path = tmp_path / "empty.zarr"
+    with recorder.record(path):
+        pass
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        assert pane(app).plain().strip() == "no steps: the recording is complete and holds none"
+        assert app.sub_title.endswith("· complete · 0 steps")
+        for key, what in (("e", "edit"), ("s", "swap"), ("x", "export"), ("r", "replay")):
+            await pilot.press(key)
+            await pilot.pause()
+            assert app.screen is app.screen_stack[0] and panel(app) == f"no step at the cursor to {what}", key
+
+    run(body, path)
