@@ -178,7 +178,7 @@ def share(path: Path) -> Path | None:
     info = replayer.bundle(rec, origin, out, verify=True, script=True, overwrite=True)
     verdict = "bitwise match" if info.verified else "MISMATCH"
     print(f"\nbundle: {info.path} ({info.bytes // 1024} KB, verified: {verdict}); replay it anywhere with: "
-          f"pdbg replay {info.path.name}  (or python {info.script})")
+          f"pdbg replay {info.path}  (or python {info.script})")
     return out
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from . import capture, skeleton
@@ -136,6 +137,7 @@ def paper_step(label: str, *, algorithm: str | int | None = None, step: str | in
             return _decorate_class(target, name or target.__qualname__, label, algorithm, step, equation,
                                    description)  # type: ignore[return-value]
         if callable(target):
+            _check_function(target)
             defn = StepDef(name or target.__qualname__, label, algorithm, step, equation, description,  # type: ignore[attr-defined]
                            "function", target)
             return _wrap_function(target, defn)  # type: ignore[return-value]
@@ -144,11 +146,55 @@ def paper_step(label: str, *, algorithm: str | int | None = None, step: str | in
     return decorate
 
 
+def _check_function(fn: Callable[..., Any]) -> None:
+    """A TypeError for what a function step cannot be: code whose body runs after the call returns,
+    or a callable with no definition of its own to find again at replay."""
+    if isinstance(fn, functools.partial):
+        raise TypeError(f"paper_step cannot decorate functools.partial({getattr(fn.func, '__qualname__', fn.func)!s}, "
+                        "...): a partial has no definition of its own to replay; decorate the function it wraps, "
+                        "or a def that calls it")
+    later = ("a generator function" if inspect.isgeneratorfunction(fn) else
+             "an async generator function" if inspect.isasyncgenfunction(fn) else
+             "a coroutine function" if inspect.iscoroutinefunction(fn) else None)
+    if later is not None:
+        raise TypeError(f"paper_step cannot record {getattr(fn, '__qualname__', fn)!s}: it is {later}, whose body runs "
+                        "after the call has returned (as the caller iterates or awaits it), outside the step; "
+                        "decorate a function that computes the values and returns them")
+    if not isinstance(getattr(fn, "__qualname__", None), str):
+        raise TypeError(f"paper_step decorates functions and nn.Module classes, not {type(fn).__name__} objects "
+                        "(they have no definition to find again at replay); decorate a def")
+
+
+_MUTABLE_DEFAULTS = (dict, list, set, bytearray, torch.Tensor, np.ndarray)
+
+
+def _mutable_defaults(fn: Callable[..., Any]) -> tuple[inspect.Signature | None, dict[str, Any]]:
+    """``fn``'s signature and its parameters (passable by keyword) whose default is a mutable object
+    (a dict, list, set, tensor or array): state a call may carry over to the next, as a step
+    counter kept in ``state={"t": 0}`` does."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None, {}
+    held = {name: p.default for name, p in sig.parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and isinstance(p.default, _MUTABLE_DEFAULTS)}
+    return (sig, held) if held else (None, {})
+
+
 def _wrap_function(fn: Callable[..., Any], defn: StepDef) -> Callable[..., Any]:
+    sig, held = _mutable_defaults(fn)
+
     @functools.wraps(fn)
     def step_wrapper(*args: Any, **kwargs: Any) -> Any:
         if capture.ACTIVE is None:
             return fn(*args, **kwargs)
+        if held:  # given as the call would use them (the same objects): recorded as they are now
+            try:
+                bound = sig.bind_partial(*args, **kwargs)  # type: ignore[union-attr]
+            except TypeError:  # a call fn itself refuses: it raises its own error, in the step
+                pass
+            else:
+                kwargs = {**kwargs, **{n: d for n, d in held.items() if n not in bound.arguments}}
         return capture.ACTIVE.call(defn, fn, None, args, kwargs)
 
     step_wrapper.__pdbg_step__ = defn  # type: ignore[attr-defined]

@@ -129,8 +129,8 @@ class FrameworkCallback:
             ``compressor``, ``flush_interval``, ``storage_options``...).
     """
 
-    def __init__(self, path: Any, mode: str = "flight", keep: int = 2, modules: str | list[str] | None = None,
-                 on_anomaly: str = "record", **record_options: Any) -> None:
+    def __init__(self, path: Any, mode: str = "flight", keep: int | None = None,
+                 modules: str | list[str] | None = None, on_anomaly: str = "record", **record_options: Any) -> None:
         from . import autohooks, monitors
         from .run import MODES
 
@@ -138,14 +138,18 @@ class FrameworkCallback:
             raise RecordingError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         autohooks.parse_globs(modules)
         monitors.check_action(on_anomaly, "on_anomaly")
+        if keep is not None and mode != "flight":
+            raise RecordingError(f"keep={keep!r} applies to mode='flight' (the iterations its ring holds in memory); "
+                                 f"mode={mode!r} has no ring: leave it out")
         taken = sorted({"model", "optimizer"} & set(record_options))
         if taken:
             raise RecordingError(f"the callback records the model the framework trains and counts its optimizer "
                                  f"steps itself: leave out {', '.join(taken)}")
         super().__init__()
         self.path = path
-        self.options: dict[str, Any] = {"mode": mode, "keep": keep, "modules": modules, "on_anomaly": on_anomaly,
-                                        **record_options}
+        self.options: dict[str, Any] = {"mode": mode, "modules": modules, "on_anomaly": on_anomaly, **record_options}
+        if keep is not None:  # (flight mode's: record() refuses it in another)
+            self.options["keep"] = keep
         self.run: Run | None = None  # the recording of the training in progress (or of the last one)
         self._run_path: Any = None  # where it records (``path`` when it opened: the user may set a new one since)
         self._model: torch.nn.Module | None = None

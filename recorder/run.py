@@ -49,13 +49,24 @@ class Run:
                  optimizer: torch.optim.Optimizer | None = None, mode: str = "full", every: int = 1,
                  compressor: Any = None, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0,
                  when_slow: str = "drop_payloads",
-                 modules: str | list[str] | None = None, on_anomaly: str = "record", keep: int = 2,
-                 max_ring_bytes: int = 4 << 30, script: str | None = None,
+                 modules: str | list[str] | None = None, on_anomaly: str = "record", keep: int | None = None,
+                 max_ring_bytes: int | None = None, script: str | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
         if mode not in MODES:
             raise RecordingError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         if not isinstance(every, int) or every < 1:
             raise RecordingError(f"every must be a positive integer (payloads every k-th iteration), not {every!r}")
+        if every != 1 and mode != "full":
+            raise RecordingError(f"every={every} applies to mode='full' (payloads every k-th iteration); mode="
+                                 f"{mode!r} " + ("keeps no payload" if mode == "stats" else "keeps the payloads of the "
+                                 "last keep iterations") + ": leave every out, or record in mode='full'")
+        flight_only = [f"{k}={v!r}" for k, v in (("keep", keep), ("max_ring_bytes", max_ring_bytes)) if v is not None]
+        if flight_only and mode != "flight":
+            raise RecordingError(f"{' and '.join(flight_only)} appl{'ies' if len(flight_only) == 1 else 'y'} to "
+                                 f"mode='flight' (the iterations its ring holds in memory); mode={mode!r} has no "
+                                 "ring: leave it out, or record in mode='flight'")
+        keep = 2 if keep is None else keep
+        max_ring_bytes = 4 << 30 if max_ring_bytes is None else max_ring_bytes
         if capture.ACTIVE is not None:
             where = getattr(getattr(capture.ACTIVE, "pipeline", None), "where", lambda: "another recording")()
             raise RecordingError(f"a recording is already active in this process ({where}); close it before starting "

@@ -26,8 +26,9 @@ import torch
 
 from recorder.errors import FormatError, PdbgError, RecordingError, ReplayError
 from recorder.store import layout
+from recorder.store.reader import TensorRecord
 
-from .recording import Recording, Step, printable
+from .recording import Recording, Step, paper_reference, printable
 
 _RESULT, _INPUT = layout.NONFINITE_RESULT, layout.NONFINITE_INPUT
 SPREAD = 10  # steps listed after the origin
@@ -86,16 +87,6 @@ def subtree(rec: Recording, index: int) -> list[int]:
         inside.add(k)
         found.append(k)
     return found
-
-
-def paper_reference(paper: dict[str, Any]) -> str:
-    """A step's paper reference: "Algorithm 1, step 5 (Eq. 7)"; "" for a step without one."""
-    ref = paper.get("label") or ""
-    if paper.get("step") is not None:
-        ref += f", step {paper['step']}"
-    if paper.get("equation") and paper.get("equation") != paper.get("label"):
-        ref += f" ({paper['equation']})"
-    return ref
 
 
 def describe(step: Step) -> str:
@@ -327,15 +318,18 @@ class _Kinds:
                 self._groups[by_call] = np.unique(np.stack(keys, 1), axis=0, return_inverse=True)[1].reshape(-1)
         return self._groups[by_call]
 
-    def habitual(self, mask: np.ndarray) -> np.ndarray:
-        """Per step: ``mask`` held at every call of the same step (two or more): Inf that is there at
-        every call (an additive -inf attention mask, a -inf initial maximum) is what the model means,
-        not a value that went bad. A call alone with its call number (a run that never marks its
-        iterations numbers every call anew) is judged with all the step's calls, whatever their number,
-        as the recorder judges it while recording."""
+    def habitual(self, mask: np.ndarray, among: np.ndarray | None = None) -> np.ndarray:
+        """Per step: ``mask`` held at every call of the same step (two or more) ``among`` the calls
+        where that holds (all by default): Inf that is there at every call (an additive -inf attention
+        mask, a -inf initial maximum) is what the model means, not a value that went bad. A call alone
+        with its call number (a run that never marks its iterations numbers every call anew) is
+        judged with all the step's calls, whatever their number, as the recorder judges it while
+        recording."""
+        counted = np.ones(len(mask), dtype=bool) if among is None else among
+
         def every_call(group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            calls = np.bincount(group)
-            held = np.bincount(group, weights=mask.astype(np.float64))
+            calls = np.bincount(group, weights=counted.astype(np.float64))
+            held = np.bincount(group, weights=(mask & counted).astype(np.float64))
             return calls, (calls >= 2) & (held == calls)
 
         group, step = self.groups(), self.groups(by_call=False)
@@ -395,7 +389,9 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     made = k.nan_result & ~k.nan_given
     inf_made = k.result & ~k.nan_result & ~k.given  # Inf (only) from finite inputs
     if inf_made.any():
-        made |= inf_made & ~k.habitual(inf_made)
+        # (judged among the calls whose inputs were finite: a mask's calls after a NaN reached its
+        # inputs make no Inf of their own, and training on past a NaN is the usual case)
+        made |= inf_made & ~k.habitual(inf_made, among=~k.given)
     if made.any():
         index = _innermost(rec, int(np.flatnonzero(made)[0]), made)
         step = rec.step(index)
@@ -485,23 +481,30 @@ def _after(rec: Recording, index: int, result: np.ndarray, count: int, inclusive
 
 
 def _entered_cause(rec: Recording, step: Step) -> str:
-    """Why no recorded step is to blame: which tensor arrived non-finite, and since when."""
-    talk = [r for r in step.records if r.role == "collective" and r.nonfinite]
-    if talk:
-        world = rec.rank.dist["world_size"]
-        counted = any(isinstance(d.get("sent"), dict) for d in step.extra.get("collectives") or [])
-        other = "another rank" if world > 2 else "the other rank"
-        return (f"collective {talk[0].name} inside {describe(step)} returned non-finite values "
-                + (f"that this rank ({rec.rank.rank} of {world}) did not send: they came from {other}"
-                   if counted else f"to this rank ({rec.rank.rank} of {world}), from {other}")
-                + "; look for the origin there (pdbg bisect without --rank looks at every rank)")
+    """Why no recorded step is to blame: which tensor arrived non-finite, and since when. A step's own
+    inputs come first: a rank whose input was non-finite sent it to the others, it did not receive it."""
     source = step if step.phase == "forward" else rec.step(step.forward) if step.forward is not None else step
     bad = [r for r in source.records if r.role in ("param", "buffer", "input") and r.nonfinite]
     if step.phase == "backward" and not bad:
         bad = [r for r in step.records if r.role == "grad_output" and r.nonfinite]
     if not bad:
+        received = _received(step)
+        if received:
+            world = rec.rank.dist["world_size"]
+            counted = any(isinstance(d.get("sent"), dict) for d in step.extra.get("collectives") or [])
+            other = "another rank" if world > 2 else "the other rank"
+            return (f"collective {received[0]} inside {describe(step)} returned non-finite values "
+                    + (f"that this rank ({rec.rank.rank} of {world}) did not send: they came from {other}"
+                       if counted else f"to this rank ({rec.rank.rank} of {world}), from {other}")
+                    + "; look for the origin there (pdbg bisect without --rank looks at every rank)")
         return f"{describe(step)} received non-finite values from outside every recorded step"
-    r = bad[0]
+    sent = _sent(step)
+    text = _entered_text(rec, source, step, bad[0])
+    return text + f"; this rank sent them to the others through its {', '.join(sent)}" if sent else text
+
+
+def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord) -> str:
+    """What ``_entered_cause`` says of a step's own input ``r`` that arrived non-finite."""
     full = f"{source.module_path}.{r.name}" if source.module_path and r.role in ("param", "buffer") else r.name
     last = _last_finite_iteration(rec, source, r.role, r.name)
     since = f"; it was last finite in iteration {last}" if last is not None else \
@@ -723,7 +726,8 @@ class Divergence:
     compared: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        """``pdbg bisect --against --json``: {"divergence", "cause"}."""
+        """``pdbg bisect --against --json``: {"divergence", "cause", "other", "first_difference",
+        "followed", "compared"} (README, "Command line")."""
         return {"divergence": self.step.to_json() if self.step else None, "cause": self.cause,
                 "other": self.other.to_json() if self.other else None,
                 "first_difference": self.first_difference.to_json() if self.first_difference else None,

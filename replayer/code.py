@@ -378,9 +378,12 @@ class CodeLoader:
                 raise ReplayError(f"{ref!r} is not an import reference: write MODULE:NAME, e.g. "
                                   "'mypkg.stable:smooth_relu'")
             raise ReplayError(f"malformed code reference {ref!r} in the recording")
-        if "<locals>" in qualname or "<lambda>" in qualname:
+        if "<locals>" in qualname:
             raise ReplayError(f"{qualname} (in {module_name}) was defined inside a function, so it cannot be "
                               "found again; define it at module level to replay it")
+        if "<lambda>" in qualname:
+            raise ReplayError(f"{qualname} (in {module_name}) is a lambda, which has no name to be found again by; "
+                              "define it with def at module level to replay it")
         obj: Any = self.module(module_name, file, needed_by=needed_by)
         for part in qualname.split("."):
             try:

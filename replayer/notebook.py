@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from recorder.store import layout
 
-from .bisect import paper_reference
+from .recording import paper_reference
 
 if TYPE_CHECKING:
     from .bisect import Divergence, Origin

@@ -16,6 +16,7 @@ from typing import Any
 from recorder.errors import PdbgError
 from recorder.store import backend
 
+from .intervene import SETTING_ALIASES
 from .recording import Recording, Step
 
 KEY = "recipes.json"
@@ -41,6 +42,12 @@ def recipes(rec: Recording) -> dict[str, dict[str, Any]]:
     return doc if isinstance(doc, dict) else {}
 
 
+def _canonical(settings: Any) -> dict[str, Any]:
+    """Setting overrides under the names the recording's settings use (``deterministic`` is
+    ``deterministic_algorithms``), as a replay reports them."""
+    return {SETTING_ALIASES.get(k, k): v for k, v in settings.items()} if isinstance(settings, dict) else {}
+
+
 def save(rec: Recording, name: str, step: Step, *, swap: dict[str, Any] | None = None,
          edit: dict[str, Any] | None = None, settings: dict[str, Any] | None = None, seed: int | None = None,
          result: Any = None) -> dict[str, Any]:
@@ -60,7 +67,7 @@ def save(rec: Recording, name: str, step: Step, *, swap: dict[str, Any] | None =
                           "recording it came from")
     doc = recipes(rec)
     recipe = {"name": name, "step": step.to_json(), "swap": dict(swap or {}), "edit": dict(edit or {}),
-              "settings": dict(settings or {}), "seed": seed, "saved": datetime.now(UTC).isoformat()}
+              "settings": _canonical(settings), "seed": seed, "saved": datetime.now(UTC).isoformat()}
     if result is not None:
         recipe["result"] = {"match": result.match, "outputs": [
             {"name": d.name, "recorded": d.recorded, "replayed": d.replayed} for d in result.outputs],
@@ -82,7 +89,7 @@ def describe(recipe: dict[str, Any]) -> str:
     """One line: what a recipe does (its code shown in full, since applying it runs that code)."""
     parts = [f"swap {k}={v}" for k, v in recipe.get("swap", {}).items()]
     parts += [f"edit {k}={v}" for k, v in recipe.get("edit", {}).items()]
-    parts += [f"set {k}={v}" for k, v in recipe.get("settings", {}).items()]
+    parts += [f"set {k}={v}" for k, v in _canonical(recipe.get("settings")).items()]
     if recipe.get("seed") is not None:
         parts.append(f"seed {recipe['seed']}")
     step = recipe.get("step") or {}

@@ -179,8 +179,9 @@ class Recording:
         if isinstance(which, (int, np.integer)) and not isinstance(which, bool):
             index = int(which)
             if not 0 <= index < len(self):
-                raise StepNotFoundError(f"step {index} is out of range: {self.reader.label} has {len(self)} steps "
-                                        f"(0..{len(self) - 1})")
+                raise StepNotFoundError(f"step {index} is out of range: {self.reader.label} has " + (
+                    f"{len(self)} step{'s' if len(self) != 1 else ''} (0..{len(self) - 1})" if len(self) else
+                    "no steps"))
             return Step(self, index)
         if isinstance(which, str) and which.strip().lstrip("-").isdigit():
             return self.step(int(which))
@@ -210,6 +211,12 @@ class Recording:
                         "used for the loss, or was detached, as truncated backpropagation does)")
             values = np.unique(shorter.column(what))
             span = f"{values[0]}..{values[-1]}" if len(values) > 1 else f"{values[0]}"
+            names = list(dict.fromkeys(str(n) for n in shorter.names))
+            if what == "call" and len(names) > 1:  # a label several steps share: each counts its own calls
+                listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+                iteration = which[which.find("@iter="):at] if "@iter=" in which[:at] else ""
+                return (f"{which[:at]} names {len(names)} steps ({listed}), each counting its own calls (calls "
+                        f"{span} here); select one by its name, e.g. {names[0]}{iteration}#0")
             return f"{which[:at]} has {what}s {span}" if len(values) > 1 else f"{which[:at]} has only {what} {span}"
         return None
 
@@ -294,6 +301,24 @@ def paper_of(definition: Any) -> dict[str, Any]:
         return {}
     return {k: v if v is None or isinstance(v, (str, int, float)) and not isinstance(v, bool) else str(v)
             for k, v in paper.items() if k in _PAPER_KEYS}  # ("Algorithm 1", step 5)
+
+
+def paper_reference(paper: dict[str, Any]) -> str:
+    """A step's paper reference, as every listing and message writes it: "Algorithm 1, step 5
+    (Eq. 7)"; "" for a step without one. The algorithm is named where the label does not name it,
+    the step number where the label does not say it, the equation where it is not the label."""
+    label = str(paper.get("label") or "")
+    algorithm, step, equation = paper.get("algorithm"), paper.get("step"), paper.get("equation")
+    ref = label
+    if algorithm is not None and str(algorithm) and str(algorithm) not in label:
+        algorithm = f"Algorithm {algorithm}" if isinstance(algorithm, int) else str(algorithm)
+        ref = f"{algorithm}, {label}" if label else algorithm
+    if step is not None and f"step {step}".lower() not in ref.lower():
+        ref += f", step {step}" if ref else f"step {step}"
+    if equation and str(equation) != label and str(equation) not in ref:
+        equation = str(equation)
+        ref += f" {equation}" if equation.startswith("(") else f" ({equation})"
+    return ref
 
 
 def _texts(values: np.ndarray) -> np.ndarray:
@@ -393,8 +418,23 @@ class StepTable:
                          for c in ("name", "definition", "module_path")], axis=1)
         _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         names, labels, paths = (self.column(c)[first] for c in ("name", "label", "module_path"))
-        hits = np.array([test(str(n), lb, str(p)) for n, lb, p in zip(names, labels, paths)], dtype=bool)
+        papers = self.rec._papers[self.rows[first]]
+        hits = np.array([any(test(str(n), ref, str(p)) for ref in _references(lb, paper))
+                         for n, lb, p, paper in zip(names, labels, paths, papers)], dtype=bool)
         return StepTable(self.rec, self.rows[hits[inverse.reshape(-1)]])
+
+
+def _references(label: str | None, paper: dict[str, Any]) -> list[str | None]:
+    """What a step's paper reference may be selected by: its label, its algorithm, its equation, and
+    the whole reference as listings write it ("Algorithm 1, step 5 (Eq. 7)", and without the equation)."""
+    refs = [label]
+    whole = paper_reference(paper)
+    algorithm = paper.get("algorithm")
+    algorithm = f"Algorithm {algorithm}" if isinstance(algorithm, int) else algorithm
+    for ref in (algorithm, paper.get("equation"), whole, whole.rsplit(" (", 1)[0] if whole.endswith(")") else None):
+        if isinstance(ref, str) and ref and ref not in refs:
+            refs.append(ref)
+    return refs
 
 
 def _readings(selector: str) -> list[tuple[str, int | None, int | None, str | None]]:
@@ -498,7 +538,9 @@ class Step:
 
     def tensors(self, role: str | None = None) -> list[TensorRecord]:
         """The records with one role (input, output, param, buffer, grad_output, grad_input,
-        param_grad, watch), or all."""
+        param_grad, watch, collective: ``layout.ROLES``), or all."""
+        if role is not None and role not in layout.ROLES:
+            raise RecordingError(f"unknown role {role!r}: use one of {', '.join(layout.ROLES)}")
         return [r for r in self.records if role is None or r.role == role]
 
     def tensor(self, name: str, role: str | None = None) -> torch.Tensor:
@@ -589,8 +631,8 @@ class Step:
                 "paper": self.paper, "status": self.status}
 
     def __repr__(self) -> str:
-        label = self.paper.get("label")
-        who = f"{label} ({self.name})" if label else self.name
+        ref = paper_reference(self.paper)
+        who = f"{ref} ({self.name})" if ref else self.name
         where = f" at {self.module_path}" if self.module_path else ""
         return printable(f"<Step {self.index}: {who}{where} {self.phase}, iteration {self.iteration}, call "
                          f"{self.call}, {self.status}>")

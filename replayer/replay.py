@@ -16,6 +16,7 @@ each inner step (``res.inner``, ``res.first_divergence``).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -38,8 +39,8 @@ from .nested import InnerStep, InnerTap, descendants
 from .rebuild import Builder, load_state, unresolved
 from .recording import Recording, Step, join_path
 
-NOTHING_COMPARED = ("the step returned no tensor, and a replay compares what a step returns: nothing was compared "
-                    "(what it changes in place, its inputs or buffers, is not)")
+NOTHING_COMPARED = ("the step returned no tensor and changed none of its inputs, parameters or buffers in place, "
+                    "which is what a replay compares: nothing was compared")
 
 
 # Modules that only spread their module's work over processes: replayed alone they would communicate,
@@ -68,8 +69,9 @@ class ReplayResult:
 
     @property
     def compared(self) -> bool:
-        """Whether the replay had anything to compare with the recording: a step that returns no tensor
-        (it changes its inputs or buffers in place, which a replay does not compare) has nothing."""
+        """Whether the replay had anything to compare with the recording: what the step returns and
+        what it changes in place (its inputs, parameters, buffers); a step that does neither with a
+        tensor has nothing."""
         return bool(self.outputs or self.inner or self.exception or self.step.extra.get("exception"))
 
     @property
@@ -409,9 +411,15 @@ class Replayer:
         arguments = step.arguments or {"args": [], "kwargs": {}}
         decoded = jsonval.decode(arguments, tensor=tensor, resolve=self.loader.resolve)
         missing = unresolved(decoded)
-        if missing:
-            raise ReplayError(f"step {step.index} ({step.name}) was called with {missing}; it cannot be replayed")
         args, kwargs = decoded.get("args", []), decoded.get("kwargs", {})
+        if missing:
+            qualname = str(defn.get("ref", "")).partition(":")[2]
+            if module_doc is None and "." in qualname and args and unresolved(args[0]):  # a method's self
+                raise ReplayError(f"step {step.index} ({step.name}) is the method {qualname}, and its self was "
+                                  f"{unresolved(args[0])}: a replay cannot rebuild the object a method belongs to "
+                                  "(a module is rebuilt for its forward only); make the step a function of its "
+                                  "tensors (a staticmethod), or a module of its own, to replay it")
+            raise ReplayError(f"step {step.index} ({step.name}) was called with {missing}; it cannot be replayed")
         if module_doc is not None:
             target = self._code_target(defn)  # first: importing it (from where it was) serves the skeleton too
             built = Builder(self.loader).build(module_doc, step.module_path or step.name,
@@ -653,9 +661,12 @@ class Replayer:
         # more, autograd's order of addition is not one a replay can be sure to follow. (The calls' own
         # grads are each their call's: a replay of the others would add to them.)
         totals = [r for r in totals if r in wanted]
+        # The steps inside are tapped whether or not they are compared: the recorded pass ran through the
+        # recorder's taps on them, and autograd's order of addition follows the graph's nodes (without
+        # them a sum of two paths can differ in its last bit).
+        inner = descendants(fwd)
         others = self._pass_siblings(step, fwd) if calls == 2 and totals and self.plan.empty \
-            and not (nested and descendants(fwd)) and len(totals) == sum(r.role == "param_grad" for r in wanted) \
-            else None
+            and not inner and len(totals) == sum(r.role == "param_grad" for r in wanted) else None
         if others is not None:  # every call of the pass replayed together: their total is compared
             warnings.append(f"parameter grads compared as the total over the {calls} calls of "
                             f"{fwd.module_path or fwd.name} in this backward pass, replayed together")
@@ -675,7 +686,6 @@ class Replayer:
                 raise ReplayError(f"backward step {step.index} kept statistics only for {r.role} {r.name} "
                                   f"({step.why_statistics_only(r)}); it cannot be replayed")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
-        inner = descendants(fwd) if nested or self.plan.edits_inside() or self.plan.swaps else []
         tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan) if inner else None
         fwd_settings = {**fwd.settings, **self.plan.settings}
         # The pass's other call runs in its recorded order around this one (autograd then adds their
@@ -743,7 +753,7 @@ class Replayer:
         values = {r.name if r.role == "grad_input" else f"param_grad:{r.name}": g for r, g in zip(wanted, grads)}
         result.values = values
         result.outputs = [_compare_one(step, r, g) for r, g in zip(wanted, grads)]
-        if tap is not None:
+        if tap is not None and nested:
             param_grads = {r.name: g for r, g in zip(wanted, grads) if r.role == "param_grad" and g is not None}
             result.inner = tap.compare_backward(param_grads, fwd.module_path, step.index)
             self._inner_drift(result)
@@ -787,6 +797,25 @@ def _hint_unrecorded(result: ReplayResult, call: _Call) -> None:
         result.warnings.append(f"attributes that could not be recorded as data came from the module's constructor "
                                f"({'; '.join(call.unrecorded)}); if training changed them after construction (a "
                                "tensor kept as an attribute, not a buffer), the replay used other values")
+    names = _data_globals(call.fn) if not result.match and result.compared else []
+    if names:
+        result.warnings.append(f"the step's code reads the module-level {', '.join(names)}, whose values are not "
+                               "recorded: the replay used their values now (a likely cause of any difference, if "
+                               "training changes them: an annealed temperature, a global step count)")
+
+
+_DATA = (bool, int, float, complex, str, torch.Tensor, np.ndarray, list, dict, set)
+
+
+def _data_globals(fn: Any) -> list[str]:
+    """The module-level names ``fn``'s own code reads that hold data (numbers, tensors, containers),
+    not functions, classes or modules: state a step depends on that is not one of its arguments."""
+    code_of = inspect.unwrap(getattr(fn, "__func__", fn))
+    code, env = getattr(code_of, "__code__", None), getattr(code_of, "__globals__", None)
+    if code is None or not isinstance(env, dict):
+        return []
+    return [f"{n} ({type(env[n]).__name__})" for n in dict.fromkeys(code.co_names)
+            if n in env and isinstance(env[n], _DATA) and not n.startswith("__")][:5]
 
 
 def _grads_by_backward(pairs: list[tuple[torch.Tensor, torch.Tensor]], targets: list[torch.Tensor],

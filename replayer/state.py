@@ -102,7 +102,6 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
     if threads is not None:
         wanted["num_threads"] = threads
     now = snapshot.settings()
-    undo: list[tuple[Setter, Any]] = []
     setters = _setters()
     try:
         for name, setter in setters.items():
@@ -115,7 +114,6 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
                 continue
             try:
                 setter(value)
-                undo.append((setter, now[name]))
             except Exception as exc:  # noqa: BLE001 - a backend this build lacks: say so
                 notes.append(f"setting {name}={value!r} could not be applied ({type(exc).__name__}: {exc})")
         for name in _PRECISION_API:  # the new precision API only where the legacy flags did not already agree
@@ -136,11 +134,14 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
                 random.seed(seed)
             yield
     finally:
-        for setter, value in reversed(undo):
-            with contextlib.suppress(Exception):  # restore as much as possible
-                setter(value)
-        if undo:
-            _restore_precision(now)
+        # The caller's settings come back: those applied here, and those the replayed code changed
+        # itself (a step that sets the default dtype or its thread count and leaves it so).
+        after = snapshot.settings()
+        for name, setter in reversed(setters.items()):
+            if now.get(name) is not None and after.get(name) != now[name]:
+                with contextlib.suppress(Exception):  # restore as much as possible
+                    setter(now[name])
+        _restore_precision(now)
 
 
 @contextlib.contextmanager

@@ -30,10 +30,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--mode", choices=("full", "stats", "flight"), default="full",
                    help="full: every tensor's bytes (default); stats: statistics only; flight: statistics, and "
                         "the bytes of the last --keep iterations when a NaN, an exception or a signal comes")
-    p.add_argument("--keep", type=int, default=2, metavar="N", help="flight mode: iterations held in memory (2)")
+    p.add_argument("--keep", type=int, default=None, metavar="N", help="flight mode: iterations held in memory (2)")
     p.add_argument("--modules", nargs="+", action="extend", default=[], metavar="GLOB",
                    help="also record the modules whose paths match (segment globs: * one, ** any)")
-    p.add_argument("--every", type=int, default=1, metavar="K", help="full mode: bytes every K-th iteration")
+    p.add_argument("--every", type=int, default=None, metavar="K", help="full mode: bytes every K-th iteration")
     p.add_argument("--on-anomaly", choices=("record", "stop", "pdb"), default="record",
                    help="a step with NaN/Inf results: record it (default), stop (raise NonFiniteError), or pdb")
     p.add_argument("script", help="the training script")
@@ -45,13 +45,22 @@ def run(args: argparse.Namespace) -> int:
     from recorder import supervise
     from recorder.runner import run_script, warnings_as_lines
 
-    if args.every < 1:
+    if args.every is not None and args.every < 1:
         raise RecordingError(f"--every must be a positive integer, not {args.every}")
-    if args.keep < 1:
+    if args.keep is not None and args.keep < 1:
         raise RecordingError(f"--keep must be a positive integer (iterations held in flight mode), not {args.keep}")
+    if args.keep is not None and args.mode != "flight":
+        raise RecordingError(f"--keep applies to --mode flight (the iterations its ring holds in memory); --mode "
+                             f"{args.mode} has no ring: leave --keep out, or add --mode flight")
+    if args.every not in (None, 1) and args.mode != "full":
+        raise RecordingError(f"--every applies to --mode full (bytes every K-th iteration); --mode {args.mode} "
+                             + ("keeps no bytes" if args.mode == "stats" else "keeps the bytes of the last --keep "
+                                "iterations") + ": leave --every out, or use --mode full")
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
-    options: dict[str, Any] = {"modules": args.modules or None, "every": args.every, "on_anomaly": args.on_anomaly,
-                               "keep": args.keep}
+    options: dict[str, Any] = {"modules": args.modules or None, "every": args.every or 1,
+                               "on_anomaly": args.on_anomaly}
+    if args.keep is not None:
+        options["keep"] = args.keep
     with warnings_as_lines():
         if args.mode == "flight" and supervise.available(args.out):  # a child process; the ring outlives it
             result = supervise.run_script_in_child(args.script, script_args, args.out, **options)
@@ -70,7 +79,7 @@ def _summary(out: str, result: Any) -> str:
 
     who = collectives.identity()  # under torchrun every rank prints this line: say whose it is
     rank = f"rank {who['rank']} of {who['world_size']}: " if who["world_size"] > 1 else ""
-    text = f"{rank}recording in {out} ({result.status}, {result.steps} steps)"
+    text = f"{rank}recording in {out} ({result.status}, {result.steps} step{'s' if result.steps != 1 else ''})"
     if result.died is not None:
         return text + _death(result)
     if result.exception_name is None:

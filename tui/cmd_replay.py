@@ -184,15 +184,6 @@ def _recipes(rec: Any) -> dict[str, Any]:
     return recipes.recipes(rec)
 
 
-def _paper_text(paper: dict[str, Any]) -> str:
-    parts = [paper.get("label") or ""]
-    if paper.get("step") is not None:
-        parts.append(f"step {paper['step']}")
-    if paper.get("equation") and paper.get("equation") != paper.get("label"):
-        parts.append(f"({paper['equation']})")
-    return " ".join(p for p in parts if p)
-
-
 def _size(nbytes: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if nbytes < 1000 or unit == "GB":
@@ -230,11 +221,13 @@ def info(args: argparse.Namespace) -> int:
     if doc["paper_steps"]:
         from rich.cells import cell_len
 
+        from replayer.recording import paper_reference
+
         width = min(40, max(4, *(cell_len(p["name"]) for p in doc["paper_steps"])))  # longer: cut ("…")
         print(f"\n  {'step':<{width}}  {'paper':<28} {'forward':>7} {'backward':>8}  time")
         for p in doc["paper_steps"]:
             share = "" if p["time_share"] is None else f"{100 * p['time_share']:5.1f}%"
-            print(f"  {_cell(p['name'], width)}  {_cell(_paper_text(p['paper']), 28)} "
+            print(f"  {_cell(p['name'], width)}  {_cell(paper_reference(p['paper']), 28)} "
                   f"{p['forward_calls']:>7} {p['backward_calls']:>8}  {share}")
         print("  (time: the share of the iterations' wall time spent in the step, inner steps included)")
     print(f"\nalerts: {doc['alerts']}   exceptions: {doc['exceptions']}")
@@ -279,8 +272,10 @@ def info(args: argparse.Namespace) -> int:
 
 def _step_text(step: dict[str, Any]) -> str:
     where = f" at {step['module_path']}" if step["module_path"] else ""
-    label = step["paper"].get("label")
-    who = f"{label} ({step['name']})" if label and label != step["name"] else step["name"]
+    from replayer.recording import paper_reference
+
+    ref = paper_reference(step["paper"])
+    who = f"{ref} ({step['name']})" if ref and ref != step["name"] else step["name"]
     return f"step {step['index']}: {who}{where}, {step['phase']}, iteration {step['iteration']}, call {step['call']}"
 
 

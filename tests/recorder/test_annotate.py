@@ -112,3 +112,29 @@ def test_bad_marks_are_refused():
         recorder.annotate(smooth_relu, "Eq. 2")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="decorates functions and nn.Module classes"):
         recorder.paper_step("Eq. 1")(42)
+
+
+def test_what_a_function_step_cannot_be_is_refused_when_decorated():
+    """A generator's body runs after the call returned (the step recorded nothing, and a NaN it made
+    was found nowhere); a functools.partial has no definition to find again (its decoration raised
+    AttributeError: __qualname__, or, named, its replay looked for "functools.partial(...)")."""
+    import functools
+
+    def draws(n):
+        yield from range(n)
+
+    async def later(x):
+        return x
+
+    def scaled(x, s):
+        return x * s
+
+    with pytest.raises(TypeError, match=r"draws: it is a generator function, whose body runs after the call has "
+                                        r"returned"):
+        recorder.paper_step("Eq. 1")(draws)
+    with pytest.raises(TypeError, match="it is a coroutine function"):
+        recorder.paper_step("Eq. 1")(later)
+    for name in (None, "half"):
+        with pytest.raises(TypeError, match=r"cannot decorate functools.partial\(.*scaled, \.\.\.\): a partial has "
+                                            r"no definition of its own to replay; decorate the function it wraps"):
+            recorder.paper_step("Eq. 1", name=name)(functools.partial(scaled, s=0.5))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,6 +127,33 @@ class TestFlight:
         with pytest.raises(RecordingError, match="keep must be a positive integer"):
             recorder.record(run_path, mode="flight", keep=0)
         assert not run_path.exists()
+
+    def test_options_of_another_mode_are_refused_not_ignored(self, run_path: Path, tmp_path: Path) -> None:
+        """keep and max_ring_bytes outside flight mode, every outside full mode: each did nothing,
+        silently (a user asking for keep=50 in full mode believed the last 50 iterations were kept)."""
+        from recorder.framework import FrameworkCallback
+        from tests.cli import pdbg
+
+        refusals = [({"mode": "full", "keep": 5}, "keep=5 applies to mode='flight'"),
+                    ({"mode": "stats", "max_ring_bytes": 1 << 20}, "max_ring_bytes=1048576 applies to mode='flight'"),
+                    ({"mode": "stats", "every": 2}, "every=2 applies to mode='full' (payloads every k-th iteration); "
+                                                    "mode='stats' keeps no payload"),
+                    ({"mode": "flight", "every": 3}, "every=3 applies to mode='full'")]
+        for options, message in refusals:
+            with pytest.raises(RecordingError, match=re.escape(message)):
+                recorder.record(run_path, **options)
+            assert not run_path.exists()
+        with pytest.raises(RecordingError, match=re.escape("keep=4 applies to mode='flight'")):
+            FrameworkCallback(run_path, mode="stats", keep=4)
+        script = tmp_path / "train.py"
+        script.write_text("print('trained')\n")
+        for flags, message in ((["--keep", "3"], "--keep applies to --mode flight"),
+                               (["--mode", "stats", "--every", "2"], "--every applies to --mode full"),
+                               (["--mode", "flight", "--every", "2"], "--every applies to --mode full")):
+            res = pdbg("record", "-o", str(run_path), *flags, "--", str(script), cwd=tmp_path)
+            assert res.returncode == 2 and res.stderr.startswith(f"pdbg: error: {message}"), res.stderr
+            assert res.stderr.count("\n") == 1, res.stderr
+            assert "trained" not in res.stdout and not run_path.exists()
 
 
 CHILD = """

@@ -6,6 +6,8 @@ the collective. Environment knobs:
   NAN_RANK, NAN_AT   on that rank, at that iteration, ``sharpen`` divides by zero (the origin)
   BLOW_RANK, BLOW_AT on that rank, at that iteration, ``global_mean`` makes its sum 0/0 before
                      all-reducing it (the origin, whose NaN every rank's all_reduce returns)
+  POISON_RANK, POISON_AT on that rank, at that iteration, code outside every step puts a NaN into
+                     ``global_mean``'s input (which it then sends to the other rank)
   KILL_RANK, KILL_AT that rank SIGKILLs itself at the start of that iteration (after a commit)
   COUPLED            iterations from 0 that communicate (later ones use the local mean)
   BACKWARD_SYNC      1: ``global_mean``'s backward all-reduces its gradient too (as SyncBatchNorm's does)
@@ -29,6 +31,7 @@ COUPLED = int(os.environ.get("COUPLED", str(ITERATIONS)))
 NAN_RANK, NAN_AT = int(os.environ.get("NAN_RANK", "-1")), int(os.environ.get("NAN_AT", "-1"))
 KILL_RANK, KILL_AT = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AT", "-1"))
 BLOW_RANK, BLOW_AT = int(os.environ.get("BLOW_RANK", "-1")), int(os.environ.get("BLOW_AT", "-1"))
+POISON_RANK, POISON_AT = int(os.environ.get("POISON_RANK", "-1")), int(os.environ.get("POISON_AT", "-1"))
 BACKWARD_SYNC = os.environ.get("BACKWARD_SYNC") == "1"
 
 
@@ -70,8 +73,12 @@ class Net(nn.Module):
         self.fc1 = nn.Linear(8, 16)
         self.fc2 = nn.Linear(16, 4)
 
-    def forward(self, x: torch.Tensor, t: float, coupled: bool, scale: float = 1.0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: float, coupled: bool, scale: float = 1.0,
+                poison: bool = False) -> torch.Tensor:
         h = sharpen(torch.tanh(self.fc1(x)), t)
+        if poison:  # outside every step
+            h = h.clone()
+            h[0, 0] = float("nan")
         return self.fc2(h - global_mean(h, coupled, scale, BACKWARD_SYNC))
 
 
@@ -95,7 +102,7 @@ def main() -> None:
             x = torch.randn(16, 8, generator=data)
             t = 0.0 if (rank == NAN_RANK and it == NAN_AT) else 1.0
             scale = 0.0 if (rank == BLOW_RANK and it == BLOW_AT) else 1.0
-            loss = model(x, t, it < COUPLED, scale).pow(2).mean()
+            loss = model(x, t, it < COUPLED, scale, rank == POISON_RANK and it == POISON_AT).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()

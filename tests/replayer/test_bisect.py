@@ -346,6 +346,45 @@ def test_an_additive_minus_inf_mask_is_not_a_nan_origin(tmp_path: Path, build_ma
     assert origin.op.line == line_of(nanmodels.NaiveSoftmax.forward, "torch.exp(s)")
 
 
+@recorder.paper_step("Eq. 3", description="additive causal mask: -inf above the diagonal")
+def causal_mask(s: torch.Tensor) -> torch.Tensor:
+    t = s.shape[-1]
+    return s + torch.full((t, t), float("-inf")).triu(1)
+
+
+@recorder.paper_step("Eq. 4", description="softmax written naively: exp(s) / sum exp(s)")
+def naive_softmax(s: torch.Tensor) -> torch.Tensor:
+    e = s.exp()
+    return e / e.sum(-1, keepdim=True)
+
+
+def test_a_mask_whose_input_the_nan_reached_later_is_still_no_origin(tmp_path: Path) -> None:
+    """The softmax overflows at iteration 3 and training goes on (the default), so from iteration 4
+    the weights, and the scores the mask step takes, hold NaN: its later calls make no Inf from
+    finite inputs. The mask was no longer "Inf at every call", and bisect (and the TUI's g) named
+    its call of iteration 0 as the origin; recorded only up to iteration 3, it named the softmax."""
+    for iterations in (4, 7):
+        path = tmp_path / f"run{iterations}.zarr"
+        torch.manual_seed(0)
+        q = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(q.parameters(), lr=0.1)
+        with recorder.record(path, model=q, optimizer=opt):
+            for i in range(iterations):
+                h = q(torch.randn(6, 8) * (1e4 if i == 3 else 1.0))
+                w = naive_softmax(causal_mask(h @ h.T))
+                (w @ h).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        rec = replayer.open(path)
+        # past the NaN, the mask step takes NaN scores
+        assert rec.steps.filter(name="causal_mask", iteration=iterations - 1)[0].records[0].nonfinite == (
+            iterations > 4)
+        origin = replayer.first_nonfinite(rec)
+        assert origin.step is not None, origin.cause
+        assert (origin.step.name, origin.step.phase, origin.step.iteration) == ("naive_softmax", "forward", 3), \
+            origin.cause
+
+
 def test_an_overflow_to_inf_is_the_origin_of_the_nan_it_becomes(tmp_path: Path) -> None:
     """A step that overflows to Inf from finite inputs, and the next step makes NaN of it (inf - inf):
     the overflow is the origin, not the NaN after it."""

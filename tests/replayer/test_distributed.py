@@ -140,6 +140,25 @@ def test_a_nan_a_step_makes_before_its_own_all_reduce_is_its_rank_s(tmp_path: Pa
     assert alone.op is None or "all_reduce" not in (alone.op.code or ""), alone.op
 
 
+def test_a_nan_that_entered_a_rank_before_its_all_reduce_is_that_rank_s(tmp_path: Path) -> None:
+    """Code outside every step puts a NaN into rank 1's input to global_mean, which all-reduces it.
+    Rank 1 was told the NaN "came from the other rank; look for the origin there", where there was
+    none: its own input is named, and what it sent."""
+    out = tmp_path / "run.zarr"
+    for res in launch(out, cli=False, POISON_RANK=1, POISON_AT=2):
+        assert res.returncode == 0, res.stderr
+    origin = replayer.first_nonfinite(replayer.open(out), all_ranks=True)
+    assert origin.rank == 1 and origin.step is None and origin.entered is not None, origin.cause
+    assert (origin.entered.name, origin.entered.iteration) == ("global_mean", 2)
+    alone = replayer.first_nonfinite(replayer.open(out, 1))
+    assert origin.cause == f"rank 1: {alone.cause}"
+    assert alone.cause.startswith("input args.0 of step ") and "came non-finite from code outside every recorded " \
+        "step" in alone.cause and alone.cause.endswith("; this rank sent them to the others through its "
+                                                       "all_reduce.0"), alone.cause
+    received = replayer.first_nonfinite(replayer.open(out, 0)).cause
+    assert "did not send: they came from the other rank" in received, received
+
+
 def test_the_tui_of_one_rank_names_the_rank_of_the_origin(nan_run: Path) -> None:
     """The TUI shows rank 0: `g`, `b` and `a` name the origin on rank 1 and how to open it (they said
     no NaN was recorded), and the cursor stays where it was."""
