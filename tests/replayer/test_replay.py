@@ -1810,3 +1810,29 @@ def test_state_a_step_keeps_outside_its_arguments(tmp_path: Path) -> None:
     assert not later.match and any(w.startswith("the step's code reads the module-level TEMPERATURE (float), whose "
                                                 "values are not recorded") for w in later.warnings), later.warnings
     assert not any("module-level" in w for w in replayer.replay(rec, "warm_up@iter=1").warnings)
+
+
+class Vae(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 4)
+
+    @recorder.paper_step("Eq. 10", description="reparameterization, a method of the module")
+    def reparameterize(self, mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+        return mu + (0.5 * logvar).exp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reparameterize(*self.enc(x).chunk(2, 1))
+
+
+def test_a_step_on_a_modules_other_method_names_its_self_as_what_cannot_be_replayed(tmp_path: Path) -> None:
+    """The refusal said the step "was called with a ...Vae (...)", not that the value is the method's
+    self, nor what to do."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        Vae()(torch.randn(3, 8))
+    refusal = (r"step 0 \(Vae\.reparameterize\) is the method Vae\.reparameterize, and its self was a "
+               r"tests\.replayer\.test_replay:Vae .*: a replay cannot rebuild the object a method belongs to .*make "
+               r"the step a function of its tensors")
+    with pytest.raises(ReplayError, match=refusal):
+        replayer.replay(path, 0)
