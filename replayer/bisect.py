@@ -177,7 +177,8 @@ def _across_ranks(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool)
         it from what a collective brought from another rank (Inf turned NaN); then by wall clock."""
         first = o.step or o.entered
         assert first is not None
-        return first.iteration, bool(o.step is not None and _received(o.step)), first.started_unix
+        brought = bool(_received(first)) if o.step is not None else _from_another_rank(first.rec, first)
+        return first.iteration, brought, first.started_unix
 
     produced = [o for o in found.values() if o.step is not None]
     pool = produced or [o for o in found.values() if o.found]
@@ -483,10 +484,7 @@ def _after(rec: Recording, index: int, result: np.ndarray, count: int, inclusive
 def _entered_cause(rec: Recording, step: Step) -> str:
     """Why no recorded step is to blame: which tensor arrived non-finite, and since when. A step's own
     inputs come first: a rank whose input was non-finite sent it to the others, it did not receive it."""
-    source = step if step.phase == "forward" else rec.step(step.forward) if step.forward is not None else step
-    bad = [r for r in source.records if r.role in ("param", "buffer", "input") and r.nonfinite]
-    if step.phase == "backward" and not bad:
-        bad = [r for r in step.records if r.role == "grad_output" and r.nonfinite]
+    source, bad = _own_nonfinite(rec, step)
     if not bad:
         received = _received(step)
         if received:
@@ -501,6 +499,21 @@ def _entered_cause(rec: Recording, step: Step) -> str:
     sent = _sent(step)
     text = _entered_text(rec, source, step, bad[0])
     return text + f"; this rank sent them to the others through its {', '.join(sent)}" if sent else text
+
+
+def _own_nonfinite(rec: Recording, step: Step) -> tuple[Step, list[TensorRecord]]:
+    """The step whose inputs a step took (a backward step's forward) and those of its own inputs
+    (inputs, parameters, buffers; a backward step's grad outputs) that held NaN or Inf."""
+    source = step if step.phase == "forward" else rec.step(step.forward) if step.forward is not None else step
+    bad = [r for r in source.records if r.role in ("param", "buffer", "input") and r.nonfinite]
+    if step.phase == "backward" and not bad:
+        bad = [r for r in step.records if r.role == "grad_output" and r.nonfinite]
+    return source, bad
+
+
+def _from_another_rank(rec: Recording, step: Step) -> bool:
+    """Whether what entered ``step`` non-finite came only through its collectives, from another rank."""
+    return not _own_nonfinite(rec, step)[1] and bool(_received(step))
 
 
 def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord) -> str:

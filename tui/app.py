@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.cells import cell_len
 from rich.segment import Segment
 from rich.style import Style
 from rich.syntax import Syntax
@@ -234,11 +235,28 @@ class StepPane(ScrollView, can_focus=True):
             self.set_reactive(StepPane.virtual_size, size)
             update(size)
 
+    def _fitted_title(self) -> Text:
+        """The title, its long parts (a paper reference, a deep module path) cut so that it takes at
+        most three lines at the pane's width: on an 80-column screen the tensor table stays in view
+        (the whole of each part is in the step's description below, its module path in the timeline)."""
+        assert self.view is not None
+        width = max(20, self._width)
+        if cell_len(self.title.plain) <= 3 * width:
+            return self.title
+        parts = self.view.title.split(" · ")
+        short = [p for p in parts if cell_len(p) <= 16]
+        budget = 3 * width - 2 * width // 8 - cell_len(self.view.status) - 3 * len(parts)  # (wrapping wastes some)
+        room = max(12, (budget - sum(map(cell_len, short))) // max(1, len(parts) - len(short)))
+        cut = [p if cell_len(p) <= room else
+               views._fit(p, room, keep_end="." in p and " " not in p).rstrip()  # a module path: its end says most
+               for p in parts]
+        return Text.assemble((" · ".join(cut), "bold"), "  ", (self.view.status, views.STATUS_STYLE[self.view.status]))
+
     def _parts(self) -> list[Any]:
         if self.view is None:
             return [self.message or Text()]
         view = self.view
-        parts: list[Any] = [self.title]
+        parts: list[Any] = [self._fitted_title()]
         if view.description:
             parts.append(Text(view.description, style="italic"))
         parts += [Text(n, style="yellow") for n in view.notes]
@@ -358,6 +376,7 @@ class Prompt(ModalScreen[str | None]):
         with Vertical():
             yield Static(self.title_text)
             yield Input(value=self.value, placeholder=self.placeholder, id="prompt-input")
+        yield Footer()  # this screen's keys, over the main screen's
 
     @on(Input.Submitted)
     def submitted(self, event: Input.Submitted) -> None:
@@ -383,6 +402,7 @@ class TextScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with VerticalScroll():
             yield Static(self.body, id="page")
+        yield Footer()  # this screen's keys, over the main screen's
 
     def action_close(self) -> None:
         self.dismiss(None)
@@ -411,6 +431,7 @@ class Inspector(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with VerticalScroll():
             yield Static(id="page")
+        yield Footer()  # this screen's keys, over the main screen's
 
     def on_mount(self) -> None:
         self.render_page()
@@ -515,6 +536,7 @@ class PaperScreen(ModalScreen[str | None]):
 
         add(tree.root, self.paper)
         yield tree
+        yield Footer()  # this screen's keys, over the main screen's
 
     def on_tree_node_selected(self, event: Any) -> None:
         if event.node.data:
@@ -652,7 +674,8 @@ class PdbgApp(App[None]):
     def _summary(self) -> str:
         ranks = self.rec.ranks
         rank = f" · rank {self.rec.rank.rank} of {len(ranks)}" if len(ranks) > 1 else ""
-        return f"{self.path}{rank} · {self.rec.status} · {self.model.n} step{'s' if self.model.n != 1 else ''}"
+        # the status first: a long path is what the header cuts on a narrow screen
+        return f"{self.rec.status} · {self.model.n} step{'s' if self.model.n != 1 else ''} · {self.path}{rank}"
 
     @property
     def timeline(self) -> Timeline:

@@ -211,9 +211,10 @@ class TimelineModel:
         who = name
         if label and label != name:
             who = f"{label} {name}"
-            room = name_width - cell_len(indent) - cell_len(name) - 1
-            if cell_len(indent + who) > name_width and room >= 6:  # the label gives way: the name stays whole
-                who = f"{_fit(label, room)} {name}"
+            if cell_len(indent + who) > name_width:  # a long label gives way to the name, down to a third
+                room = max(name_width - cell_len(indent) - cell_len(name) - 1, min(cell_len(label), 8),
+                           (name_width - cell_len(indent)) // 3)
+                who = f"{_fit(label, room).rstrip()} {name}"
         return [
             (f"{index:>6} ", "dim"),
             (f"{self.iteration_of(index):>4} ", "cyan"),

@@ -878,7 +878,7 @@ def test_an_empty_recording_says_so_and_actions_say_there_is_no_step(tmp_path: P
 
     async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
         assert pane(app).plain().strip() == "no steps: the recording is complete and holds none"
-        assert app.sub_title.endswith("· complete · 0 steps")
+        assert app.sub_title.startswith("complete · 0 steps · ")
         for key, what in (("e", "edit"), ("s", "swap"), ("x", "export"), ("r", "replay")):
             await pilot.press(key)
             await pilot.pause()
