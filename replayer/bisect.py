@@ -339,6 +339,19 @@ class _Kinds:
         return by_call[group] | ((calls[group] == 1) & by_step[step])
 
 
+def meant_inf(rec: Recording) -> np.ndarray:
+    """Per step: its results hold Inf and no NaN that the model means, as ``first_nonfinite`` judges
+    them: made at every call from finite inputs (an additive -inf mask), or taken at every call and
+    passed on. Such a step is ``nonfinite`` in the recording but no anomaly to stop at."""
+    if not len(rec):
+        return np.zeros(0, dtype=bool)
+    k = _Kinds.of(rec)
+    inf_only = k.result & ~k.nan_result
+    made = inf_only & ~k.given
+    passed = inf_only & k.given & ~k.nan_given
+    return (made & k.habitual(made, among=~k.given)) | (passed & k.habitual(k.given))
+
+
 def _kinds_recorded(rec: Recording) -> bool:
     """Whether the steps' flags tell NaN from Inf (schema 1.8 on)."""
     try:

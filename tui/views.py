@@ -16,7 +16,7 @@ from rich.cells import cell_len, set_cell_size
 
 from recorder.errors import PdbgError
 from recorder.store import layout
-from replayer.bisect import Condition, describe, with_alerts
+from replayer.bisect import Condition, describe, meant_inf, with_alerts
 from replayer.recording import Recording, Step, paper_of
 
 STATUS_STYLE = {"ok": "green", "alert": "yellow", "nonfinite": "bold red", "exception": "bold magenta"}
@@ -81,6 +81,7 @@ class TimelineModel:
         self._ids: np.ndarray | None = None
         self._texts: list[str] = []
         self._row_text: dict[tuple[int, int, int], tuple[str, str | None, str]] = {}
+        self.meant: np.ndarray | None = None  # steps whose Inf is meant (a mask): n passes over them
 
     # whole numeric columns, on first use (filters, searches, the paper view)
     @property
@@ -317,9 +318,12 @@ def next_iteration(model: TimelineModel, index: int, step: int) -> int | None:
 
 
 def next_anomaly(model: TimelineModel, index: int, step: int) -> int:
-    """The next (or previous) step shown (the filter's, if one is set) whose status is not ok."""
+    """The next (or previous) step shown (the filter's, if one is set) whose status is not ok, but for
+    Inf the model means (a -inf mask made or passed on at every call: ``replayer.bisect.meant_inf``)."""
     shown = model.rows
-    bad = shown[model.status[shown] != 0]
+    if model.meant is None:
+        model.meant = meant_inf(model.rec)
+    bad = shown[(model.status[shown] != 0) & ~model.meant[shown]]
     if step > 0:
         later = bad[bad > index]
         return int(later[0]) if len(later) else index

@@ -885,3 +885,29 @@ def test_an_empty_recording_says_so_and_actions_say_there_is_no_step(tmp_path: P
             assert app.screen is app.screen_stack[0] and panel(app) == f"no step at the cursor to {what}", key
 
     run(body, path)
+
+
+def test_n_passes_over_inf_a_mask_makes_at_every_call(tmp_path: Path) -> None:
+    """`n` stopped at every -inf mask step (twice an iteration in a transformer) before the real NaN,
+    though bisect does not count them: it goes to the softmax that overflowed."""
+    from tests.replayer.test_bisect import causal_mask, naive_softmax
+
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    q = torch.nn.Linear(8, 8)
+    with recorder.record(path, model=q) as recording:
+        for i in range(5):
+            h = q(torch.randn(6, 8) * (1e4 if i == 3 else 1.0))
+            naive_softmax(causal_mask(h @ h.T))
+            recording.next_iteration()
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        assert app.rec.step(0).name == "causal_mask" and app.rec.step(0).status == "nonfinite"
+        await pilot.press("n")
+        await pilot.pause()
+        assert (app.step.name, app.step.status) == ("naive_softmax", "nonfinite"), app.step
+        await pilot.press("g")
+        await pilot.pause()
+        assert app.step.name == "naive_softmax"
+
+    run(body, path)
