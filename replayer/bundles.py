@@ -21,7 +21,7 @@ import sys
 import tempfile
 import textwrap
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,7 @@ class BundleInfo:
     main_step: int  # the main step's index in the bundle (as ``replayer.open(bundle).main_step``)
     verified: bool | None
     script: Path | None = None
+    sources: list[str] = field(default_factory=list)  # the source files it carries (bundle.json's "sources")
 
     @property
     def main(self) -> int:
@@ -64,9 +65,10 @@ class BundleInfo:
         return self.main_step
 
     def to_json(self) -> dict[str, Any]:
-        """``pdbg bundle --json``: {"path", "bytes", "steps", "verified", "main_step", "script"}."""
+        """``pdbg bundle --json``: {"path", "bytes", "steps", "verified", "main_step", "script", "sources"}."""
         return {"path": str(self.path), "bytes": self.bytes, "steps": self.steps, "verified": self.verified,
-                "main_step": self.main_step, "script": str(self.script) if self.script else None}
+                "main_step": self.main_step, "script": str(self.script) if self.script else None,
+                "sources": self.sources}
 
     def __repr__(self) -> str:
         verified = {True: "verified: bitwise match", False: "verified: MISMATCH", None: "not verified"}[self.verified]
@@ -109,7 +111,9 @@ def _sources(rec: Recording, steps: list[Step]) -> tuple[dict[str, str], dict[st
     ``_SOURCE_BYTES``: the step's own files and the script first."""
     seeds = [(str(s.definition.get("ref", "")).partition(":")[0], s.definition.get("file"), s.definition.get("source"))
              for s in steps]
-    seeds.append(("__main__", rec.run_info.get("script"), None))
+    if _needs_main(steps):  # the script only where the steps name code it defined (not a launcher's settings)
+        seeds.append(("__main__", rec.run_info.get("script"), None))
+    cwd = rec.run_info.get("cwd")
     sources: dict[str, str] = {}
     modules: dict[str, str] = {}
     size = 0
@@ -129,7 +133,8 @@ def _sources(rec: Recording, steps: list[Step]) -> tuple[dict[str, str], dict[st
         sources[file], size = text, size + len(text.encode("utf-8"))
         if name != "__main__":
             modules[name] = file
-        todo += [(*found, None) for found in _project_imports(name, file, text) if found[1] not in sources]
+        todo += [(*found, None) for found in _project_imports(name, file, text, cwd if isinstance(cwd, str) else None)
+                 if found[1] not in sources]
     return sources, modules
 
 
@@ -144,15 +149,21 @@ def _holds_definition(text: str, code: str) -> bool:
     return whole and code.strip() in text
 
 
-def _project_imports(name: str, file: str, text: str) -> list[tuple[str, str]]:
+def _project_imports(name: str, file: str, text: str, cwd: str | None = None) -> list[tuple[str, str]]:
     """The modules of the same project that a module's source imports (with the packages on the way
-    to them): (module name, file), where a file for the name lies beside it."""
+    to them): (module name, file), where a file for the name lies beside it; for the script, also in
+    the directories above it up to the one it ran in (``cwd``): a script in ``scripts/`` that puts
+    its parent on ``sys.path`` to import ``common``."""
     path = Path(file)
     init = path.name == "__init__.py"
     root = path.parent
+    roots = [root]
     if name != "__main__":
         for _ in range(name.count(".") + init):
             root = root.parent
+        roots = [root]
+    elif cwd is not None and Path(cwd) in root.parents:
+        roots += [p for p in root.parents if p == Path(cwd) or Path(cwd) in p.parents]
     package = name if init else name.rpartition(".")[0]
     if name == "__main__":
         package = ""
@@ -182,12 +193,16 @@ def _project_imports(name: str, file: str, text: str) -> list[tuple[str, str]]:
         parts = target.split(".")
         if parts[0] in _OWN_PACKAGES:
             continue
-        for k in range(1, len(parts) + 1):
-            stem = root.joinpath(*parts[:k])
-            for candidate in (stem / "__init__.py", stem.with_suffix(".py")):
-                if candidate.is_file():
-                    found.append((".".join(parts[:k]), str(candidate)))
-                    break
+        for base in roots:  # the first directory that holds the import's top-level module, as sys.path would
+            if not any(c.is_file() for c in (base / parts[0] / "__init__.py", base / f"{parts[0]}.py")):
+                continue
+            for k in range(1, len(parts) + 1):
+                stem = base.joinpath(*parts[:k])
+                for candidate in (stem / "__init__.py", stem.with_suffix(".py")):
+                    if candidate.is_file():
+                        found.append((".".join(parts[:k]), str(candidate)))
+                        break
+            break
     return found
 
 
@@ -322,7 +337,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
     finally:
         shutil.rmtree(work, ignore_errors=True)
     repro = _write_script(out) if script else None
-    return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro)
+    return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro, sorted(sources))
 
 
 def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], main: Step,

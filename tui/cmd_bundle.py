@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{info.path}: {_size(info.bytes)}, {info.steps} step{'s' if info.steps != 1 else ''}; main "
               f"{_step_text(step.to_json())} (step {info.main_step} in the bundle)")
+        print("source carried: " + (", ".join(_shown(f) for f in info.sources) if info.sources else
+                                     "none (the steps' code is in the recording; a replay imports it)"))
         if info.verified is not None:
             print("verified: " + ("the bundle replays bit for bit" if info.verified else "MISMATCH when replayed from "
                                   "the bundle (see pdbg replay)"))
@@ -55,3 +57,11 @@ def run(args: argparse.Namespace) -> int:
                   "mismatch)")
         print(f"elsewhere: pdbg replay {shlex.quote(info.path.name)}")
     return 0 if info.verified is not False else 1
+
+
+def _shown(path: str) -> str:
+    """A carried file's path, relative to the working directory when it is inside it."""
+    import os
+
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path

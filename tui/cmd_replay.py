@@ -175,7 +175,8 @@ def _bundle_summary(rec: Any) -> dict[str, Any] | None:
     return {"main_step": main.to_json(), "origin": info.get("origin"), "created": info.get("created"),
             "rank": dist["rank"] if dist["world_size"] > 1 else None, "world_size": dist["world_size"],
             "verified": info.get("verified"), "environment_differences": environment_differences(
-                rec.run_info, main.settings), "code": code}
+                rec.run_info, main.settings), "code": code,
+            "sources": sorted(str(f) for f in (info.get("sources") or {}))}
 
 
 def _recipes(rec: Any) -> dict[str, Any]:
@@ -261,6 +262,8 @@ def info(args: argparse.Namespace) -> int:
         for c in bundle["code"]:
             extra = " - bundled source available (--use-bundled-source)" if c["bundled"] else ""
             print(f"code of {c['name']} ({c['ref']}): {c['state']}{extra}")
+        if bundle.get("sources"):
+            print(f"source files carried: {', '.join(bundle['sources'])}")
     if doc["recipes"]:
         from replayer import recipes
 

@@ -510,10 +510,82 @@ def test_a_bundle_carries_only_the_python_files_its_steps_code_came_from(tmp_pat
     layers.write_text("import torch\n\n\ndef act(x):\n    return torch.tanh(x)\n")
 
     def step(file: Path, source: str) -> SimpleNamespace:
-        return SimpleNamespace(definition={"ref": f"{file.stem}:act", "file": str(file), "source": source})
+        return SimpleNamespace(definition={"ref": f"{file.stem}:act", "file": str(file), "source": source},
+                               _doc=lambda column: None)
 
     rec = SimpleNamespace(run_info={"script": str(secret)})
     steps = [step(secret, "AWS_SECRET"), step(settings, "import os"), step(settings, "SECRET_KEY = 'hunter2'"),
              step(layers, "def act(x):\n    return torch.tanh(x)\n")]
     sources, modules = bundles._sources(rec, steps)
     assert list(sources) == [str(layers)] and modules == {"layers": str(layers)}
+
+
+LAUNCHER = """
+import sys
+import torch
+import recorder
+import local_settings  # the launcher's own settings (a token): not the step's code
+from mylib.acts import act
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1], mode="full"):
+        act(torch.linspace(-3.0, 3.0, 16))
+"""
+
+SCRIPT_IN_SUBDIRECTORY = """
+import os
+import sys
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the project's root, for common.py
+import torch
+import recorder
+from common import SLOPE
+
+
+@recorder.paper_step("Eq. 8")
+def sloped(x):
+    return torch.tanh(x) * SLOPE
+
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1], mode="full"):
+        sloped(torch.linspace(-3.0, 3.0, 16))
+"""
+
+
+def test_a_bundle_carries_the_script_only_for_code_it_defined_and_finds_what_it_imports_above_it(
+        tmp_path: Path) -> None:
+    """A launcher script that imports a settings file holding a token was packed with its imports
+    into every bundle, though the bundled step's code is in the package; a script in scripts/ that
+    imports ../common.py was packed without it, so its bundle failed elsewhere (No module named
+    'common'). The bundle says what it carries."""
+    project = tmp_path / "project"
+    (project / "mylib").mkdir(parents=True)
+    (project / "scripts").mkdir()
+    (project / "mylib" / "__init__.py").write_text("")
+    (project / "mylib" / "acts.py").write_text(
+        "import torch\nimport recorder\n\n\n@recorder.paper_step('Eq. 1')\ndef act(x):\n    return torch.tanh(x)\n")
+    (project / "local_settings.py").write_text("API_TOKEN = 'sk-very-secret'\n")
+    (project / "launch.py").write_text(LAUNCHER)
+    (project / "common.py").write_text("SLOPE = 0.25\n")
+    (project / "scripts" / "train.py").write_text(SCRIPT_IN_SUBDIRECTORY)
+    for script, out in (("launch.py", "a.zarr"), ("scripts/train.py", "b.zarr")):
+        res = run([sys.executable, script, out], project, project)
+        assert res.returncode == 0, res.stderr
+    made = pdbg("bundle", "a.zarr", "0", "-o", "a.pdbg", "--json", cwd=project, code=project)
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["sources"] == [str(project / "mylib" / "acts.py")]
+    with zipfile.ZipFile(project / "a.pdbg") as archive:
+        assert not any(b"sk-very-secret" in archive.read(name) for name in archive.namelist())
+    made = pdbg("bundle", "b.zarr", "0", "-o", "b.pdbg", cwd=project, code=project)
+    assert made.returncode == 0 and "source carried: common.py, scripts/train.py" in made.stdout, made.stdout
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("a.pdbg", "b.pdbg"):
+        shutil.copy(project / name, elsewhere / name)
+    shutil.rmtree(project)
+    res = pdbg("replay", "a.pdbg", "--use-bundled-source", cwd=elsewhere, code=elsewhere)
+    assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
+    info = pdbg("info", "b.pdbg", cwd=elsewhere, code=elsewhere)
+    assert "source files carried: " in info.stdout and "common.py" in info.stdout, info.stdout
+    res = pdbg("replay", "b.pdbg", "--use-bundled-source", cwd=elsewhere, code=elsewhere)
+    assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
