@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from . import capture, skeleton
+from . import capture, jsonval, skeleton
 
 T = TypeVar("T")
 
@@ -86,7 +86,7 @@ def source_lines(target: Any) -> tuple[list[str], int, str | None]:
 
 def code_info(target: Any) -> dict[str, Any]:
     """Import reference, file, first line, source text and its SHA-256 for a function or class."""
-    module = getattr(target, "__module__", None) or "?"
+    module = jsonval.importable_name(getattr(target, "__module__", None) or "?")
     info: dict[str, Any] = {"ref": f"{module}:{getattr(target, '__qualname__', repr(target))}",
                             "file": None, "line": None, "source": None, "source_sha256": None}
     try:

@@ -57,13 +57,43 @@ def check_output(out: str | os.PathLike[str]) -> Path:
     return path
 
 
-def check_script(script: str | os.PathLike[str]) -> Path:
+def check_script(script: str | os.PathLike[str], args: list[str] | None = None) -> Path:
+    """The script's file; for ``-m MODULE`` (``script`` "-m", the module the first of ``args``),
+    the module's, found as ``python -m`` would (from the working directory)."""
+    if os.fspath(script) == "-m":
+        return module_target(args or [])[0]
     path = Path(script)
     if not path.exists():
         raise RecordingError(f"{script}: no such file; give the path of the Python script to record")
     if not path.is_file():
         raise RecordingError(f"{script} is not a file; give the path of the Python script to record")
     return path
+
+
+def module_target(args: list[str]) -> tuple[Path, str, list[str]]:
+    """``-m MODULE ARGS...``: the module's file, its name and its arguments; a RecordingError when
+    there is no such module, or it cannot be run (a package without ``__main__``, a built-in)."""
+    import importlib.util
+
+    if not args or not args[0] or args[0].startswith("-"):
+        raise RecordingError("-m needs a module name, e.g. pdbg record -o run.zarr -- -m mypkg.train")
+    name = args[0]
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())  # as python -m: the working directory first
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__
+            spec = importlib.util.find_spec(f"{name}.__main__")
+    except (ImportError, ValueError) as exc:
+        raise RecordingError(f"-m {name}: {type(exc).__name__}: {exc}") from None
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+    if spec is None or not isinstance(spec.origin, str) or not os.path.isfile(spec.origin):
+        raise RecordingError(f"-m {name}: no module named {name} that can be run (from {os.getcwd()}, its "
+                             "installed packages and PYTHONPATH); check the name, or set PYTHONPATH (src/ layout)")
+    return Path(spec.origin), name, args[1:]
 
 
 def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.PathLike[str], *,
@@ -84,13 +114,17 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
     """
     from .run import Run
 
-    script_path = check_script(script)
+    module = None
+    if os.fspath(script) == "-m":  # python -m MODULE: run as that module, its package imported
+        script_path, module, args = module_target(args)
+    else:
+        script_path = check_script(script)
     remote = backend.is_url(out)  # s3://...: checked when the run opens it (credentials, bucket)
     out_path: Any = out if remote else check_output(out)
     # Left behind when nothing could be recorded, unless other ranks of the run may be writing there.
     created = not remote and not out_path.exists() and collectives.identity()["world_size"] == 1
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
-    script_dir = str(script_path.resolve().parent)
+    script_dir = os.getcwd() if module else str(script_path.resolve().parent)  # sys.path[0], as python sets it
 
     def restore() -> None:
         sys.argv = saved_argv
@@ -115,7 +149,10 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
     code, error, exited = 0, None, None
     constructors = skeleton.InitCapture()  # every module class the script defines: its constructor arguments
     try:
-        runpy.run_path(str(script_path), run_name="__main__")
+        if module is not None:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(script_path), run_name="__main__")
     except SystemExit as exc:
         code = _exit_code(exc.code)
         exited = exc if code != 0 else None  # the recording says why it is crashed: SystemExit(3)

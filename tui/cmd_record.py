@@ -1,6 +1,8 @@
-"""pdbg record -o RUN [--mode M] [--keep N] [--modules GLOB ...] [--every K] [--on-anomaly A] -- script.py [args]
+"""pdbg record -o RUN [--mode M] [--keep N] [--modules GLOB ...] [--every K] [--on-anomaly A]
+                   -- script.py|-m MODULE [args]
 
-Run an unmodified training script as `python script.py args` would, recording it (modes: full, stats,
+Run an unmodified training script as `python script.py args` (or `python -m MODULE args`) would,
+recording it (modes: full, stats,
 flight; --keep N iterations in flight mode; --on-anomaly record, stop or pdb): decorated paper
 steps, plus every module whose path matches a --modules glob (`blocks.*` is each block, `**.attn`
 every attn, `**` every module). Iterations advance on the steps of the first optimizer that steps.
@@ -36,7 +38,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--every", type=int, default=None, metavar="K", help="full mode: bytes every K-th iteration")
     p.add_argument("--on-anomaly", choices=("record", "stop", "pdb"), default="record",
                    help="a step with NaN/Inf results: record it (default), stop (raise NonFiniteError), or pdb")
-    p.add_argument("script", help="the training script")
+    p.add_argument("script", help="the training script (or -m, then the module to run as python -m does)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(handler=run)
 
