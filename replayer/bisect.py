@@ -114,13 +114,18 @@ def find_op(origin: Origin, step: Step, *, use_bundled_source: bool = False) -> 
     answer stands either way). ``use_bundled_source``: a bundle's step replays with the code it carries."""
     from .ops import bisect_ops
 
+    notes: list[str] = []
     try:
-        origin.op = bisect_ops(step.rec, step, use_bundled_source=use_bundled_source)
+        origin.op = bisect_ops(step.rec, step, use_bundled_source=use_bundled_source, notes=notes)
     except ReplayError as exc:
         origin.op_note = f"operation-level bisection needs a replay, and this step cannot be replayed: {exc}"
         return
+    drift = f" ({'; '.join(notes)}: what the replay ran may not be the recorded code)" if notes else ""
     if origin.op is None:
-        origin.op_note = "no single operation inside the step turned finite values into NaN/Inf during the replay"
+        origin.op_note = ("no single operation inside the step turned finite values into NaN/Inf during the "
+                          f"replay{drift}")
+    elif notes:
+        origin.op_note = f"the operation and line are those of the code the replay ran{drift}"
 
 
 @dataclass

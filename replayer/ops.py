@@ -149,10 +149,11 @@ class _Finder(TorchDispatchMode):
                         [_tensor_info(t) for t in _checked((args, kwargs))], [_tensor_info(t) for t in outs])
 
 
-def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None,
-               use_bundled_source: bool = False) -> OpReport | None:
+def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bundled_source: bool = False,
+               notes: list[str] | None = None) -> OpReport | None:
     """Replay ``step`` operation by operation; the first that made NaN/Inf from finite inputs, or
-    None when none did (the values then came from outside the step's operations)."""
+    None when none did (the values then came from outside the step's operations). ``notes``
+    receives the replay's warnings that its code is not the recorded code (edited since)."""
     from .replay import Replayer
 
     finders: dict[str, _Finder] = {}
@@ -169,6 +170,9 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None,
                 finders[stage] = stack.enter_context(_Finder(stage))
             yield
 
-    Replayer(rec, use_bundled_source=use_bundled_source).replay(step, threads=threads, nested=False, around=around)
+    result = Replayer(rec, use_bundled_source=use_bundled_source).replay(step, threads=threads, nested=False,
+                                                                           around=around)
+    if notes is not None:
+        notes += [w for w in result.warnings if "changed since" in w]
     finder = finders.get(step.phase)
     return finder.found if finder is not None else None

@@ -796,7 +796,8 @@ def _hint_unrecorded(result: ReplayResult, call: _Call) -> None:
     if not result.match and call.unrecorded:
         result.warnings.append(f"attributes that could not be recorded as data came from the module's constructor "
                                f"({'; '.join(call.unrecorded)}); if training changed them after construction (a "
-                               "tensor kept as an attribute, not a buffer), the replay used other values")
+                               "tensor kept as an attribute, not a buffer), the replay used other values (a likely "
+                               "cause of any difference)")
     names = _data_globals(call.fn) if not result.match and result.compared else []
     if names:
         result.warnings.append(f"the step's code reads the module-level {', '.join(names)}, whose values are not "

@@ -109,7 +109,7 @@ def bisect(args: argparse.Namespace) -> int:
             st = t.get("stats") or {}
             print(f"  input {i}: {t['dtype']}{t['shape']} min {st.get('min')} max {st.get('max')} "
                   f"nan {st.get('nan')} inf {st.get('inf')}")
-    elif op_note:
+    if op_note:  # why no operation is named, or that the code named is not the recorded code
         print(op_note)
     if origin.spread:
         print("then: " + "; ".join(f"step {s.index} {s.name} ({s.phase}, iteration {s.iteration})"

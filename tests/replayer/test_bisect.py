@@ -584,3 +584,29 @@ def test_find_and_bisect_refuse_what_names_nothing(overflow_run: Path, tmp_path:
     assert found.returncode == 1 and found.stdout.strip() == "no step matches"
     later = pdbg("find", str(overflow_run), "smooth_relu@iter=99", cwd=tmp_path)  # a step it has, not then
     assert later.returncode == 1 and later.stdout.strip() == "no step matches", later.stderr
+
+
+def test_an_operation_looked_for_in_code_edited_since_says_so(tmp_path: Path, monkeypatch) -> None:
+    """After the step's code was fixed, bisect --ops said that no operation made the NaN, as if the
+    recorded code had none: it says the replay ran the code as it is now."""
+    import importlib
+
+    (tmp_path / "overflowing.py").write_text(
+        "import torch\nimport recorder\n\n\n@recorder.paper_step('Eq. 2')\n"
+        "def soft(x):\n    return torch.log1p(torch.exp(x))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("overflowing")
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        module.soft(torch.full((4,), 200.0))
+    before = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert before.op is not None and before.op.name == "aten::exp" and not before.op_note
+    (tmp_path / "overflowing.py").write_text((tmp_path / "overflowing.py").read_text().replace(
+        "torch.exp(x)", "torch.exp(x.clamp(max=80))"))
+    __import__("sys").modules.pop("overflowing")  # as in a new process: the replay imports the file as it is
+    after = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert after.op is None and after.op_note.startswith(
+        "no single operation inside the step turned finite values into NaN/Inf during the replay (code of soft "
+        "changed since recording"), after.op_note
+    assert after.op_note.endswith(": what the replay ran may not be the recorded code)")
+    __import__("sys").modules.pop("overflowing", None)
