@@ -95,6 +95,8 @@ def _plain_object(value: Any) -> bool:
     """A user object that is only its fields: an instance of a class defined in Python whose state is
     its ``__dict__`` (no custom pickling, no C base class), with a modest number of fields."""
     cls = type(value)
+    if cls is types.SimpleNamespace:  # argparse-like configs: only its fields
+        return len(value.__dict__) <= _MAX_FIELDS
     if type(cls) is not type or isinstance(value, _NOT_PLAIN) or not isinstance(getattr(value, "__dict__", None), dict):
         return False
     if any(not (c.__flags__ & _HEAPTYPE) for c in cls.__mro__[:-1]):
@@ -406,6 +408,8 @@ class _Decoder:
                         object.__setattr__(obj, name, value)  # works for frozen dataclasses too
                 _set_attrs(obj, extra)
                 return obj
+            if kind == "object" and cls is types.SimpleNamespace:
+                return types.SimpleNamespace(**{k: v for k, v in fields.items() if isinstance(k, str)})
             if kind == "object" and cls is not object and _plain_class(cls):
                 obj = cls.__new__(cls)
                 obj.__dict__.update(fields)  # the fields only: no __init__ runs
