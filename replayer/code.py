@@ -311,10 +311,28 @@ class CodeLoader:
             if needed_by != "the recording":
                 raise ReplayError(f"cannot import {name!r}, which {needed_by} names ({exc}); check the name, or run "
                                   "from the directory it is in (or put that directory on PYTHONPATH)") from None
-            raise ReplayError(f"cannot import {name!r}, which the recording needs ({exc}); install it or run "
-                              f"from the directory the run was recorded in ({self.run_info.get('cwd')})") from None
+            raise ReplayError(f"cannot import {name!r}, which the recording needs ({exc}); "
+                              + self._where_to_find(name, file)) from None
         except Exception as exc:
             raise ReplayError(f"importing {name!r} failed: {type(exc).__name__}: {exc}") from None
+
+    def _where_to_find(self, name: str, file: str | None) -> str:
+        """What to do about a module the recording needs that cannot be imported here."""
+        tail = name.replace(".", "/")
+        if (file and file in self.spare) or any(f.replace("\\", "/").endswith((f"/{tail}.py", f"/{tail}/__init__.py"))
+                                                for f in self.spare):
+            return "this bundle carries its source: replay with --use-bundled-source (use_bundled_source=True)"
+        cwd = self.run_info.get("cwd")
+        top = name.partition(".")[0]
+        if file and not os.path.exists(file):
+            gone = f"its file when recorded, {file}, is not on this machine"
+            return (f"{gone}: install the package, or put the directory that holds {top}/ (or {top}.py) on "
+                    "PYTHONPATH" + (f" (git commit {self.run_info['git']['commit'][:12]} when recorded)"
+                                    if isinstance(self.run_info.get("git"), dict)
+                                    and isinstance(self.run_info["git"].get("commit"), str) else ""))
+        here = f"run from the directory the run was recorded in ({cwd}), or " if isinstance(cwd, str) and \
+            os.path.isdir(cwd) and os.path.realpath(cwd) != os.path.realpath(os.getcwd()) else ""
+        return f"install it, or {here}put the directory that holds {top}/ (or {top}.py) on PYTHONPATH"
 
     @contextlib.contextmanager
     def bundle_imports(self) -> Iterator[None]:

@@ -455,7 +455,9 @@ def test_a_bundle_carries_the_project_modules_its_code_imports(tmp_path: Path) -
     carried = replayer.open(elsewhere / "act.pdbg").bundle_info["modules"]
     assert set(carried) == {"mylib", "mylib.acts", "mylib.util", "mylib.consts"}, carried
     for name in ("act.pdbg", "scaled.pdbg"):
-        assert pdbg("replay", name, cwd=elsewhere, code=elsewhere).returncode == 2  # the code is not here
+        res = pdbg("replay", name, cwd=elsewhere, code=elsewhere)  # the code is not here
+        assert res.returncode == 2 and "replay with --use-bundled-source (use_bundled_source=True" in res.stderr, \
+            res.stderr
         res = pdbg("replay", name, "--use-bundled-source", cwd=elsewhere, code=elsewhere)
         assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
     assert replayer.replay(replayer.open(elsewhere / "act.pdbg"), use_bundled_source=True).match

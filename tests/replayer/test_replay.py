@@ -382,7 +382,10 @@ def test_code_that_cannot_be_imported_any_more(tmp_path: Path) -> None:
     assert pdbg("replay", "run.zarr", "0", cwd=tmp_path).returncode == 0  # still there: replays
     shutil.rmtree(lib)
     line = one_line_error(pdbg("replay", "run.zarr", "Eq. 3", cwd=tmp_path))
-    assert "cannot import 'gone_steps'" in line
+    # (it said to run from the directory the run was recorded in: this one, where the file is gone)
+    assert f"cannot import 'gone_steps', which the recording needs (No module named 'gone_steps'); its file when " \
+           f"recorded, {lib / 'gone_steps.py'}, is not on this machine: install the package, or put the directory " \
+           "that holds gone_steps/ (or gone_steps.py) on PYTHONPATH" in line, line
     line = one_line_error(pdbg("verify", "run.zarr", cwd=tmp_path))
     assert "cannot import 'gone_steps'" in line
     with pytest.raises(ReplayError, match="cannot import 'gone_steps'"):
