@@ -555,6 +555,12 @@ def _git_commit(script: str | None) -> dict[str, Any] | None:
 @functools.lru_cache(maxsize=4)
 def _git_commit_in(where: str) -> dict[str, Any] | None:
     # Cached: one process records from one checkout, and each git call costs a process start.
+    return git_state(where)
+
+
+def git_state(where: str) -> dict[str, Any] | None:
+    """``{"commit", "dirty"}`` of the git repository holding directory ``where`` (tracked files
+    changed and not committed: dirty), or None outside one (or without git)."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=where, capture_output=True,
                               text=True, timeout=5)

@@ -526,7 +526,14 @@ def drift_without_running(definition: dict[str, Any], run_info: dict[str, Any], 
         script = run_info.get("script")
         file = Path(script) if script and os.path.isfile(script) else None
     else:
-        file = find_module_file(module, dirs)
+        extra = []
+        recorded_file = definition.get("file")
+        if isinstance(recorded_file, str) and module:  # where a replay looks too: the recorded file's root
+            root = Path(recorded_file).parent
+            for _ in range(module.count(".") + (Path(recorded_file).name == "__init__.py")):
+                root = root.parent
+            extra.append(str(root))
+        file = find_module_file(module, [*dirs, *extra])
     if file is None:
         return "not found here"
     now = static_source(file, qualname)

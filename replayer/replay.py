@@ -798,11 +798,43 @@ def _hint_unrecorded(result: ReplayResult, call: _Call) -> None:
                                f"({'; '.join(call.unrecorded)}); if training changed them after construction (a "
                                "tensor kept as an attribute, not a buffer), the replay used other values (a likely "
                                "cause of any difference)")
+    if not result.match and result.compared and not any("likely cause" in w or "changed since" in w
+                                                         for w in result.warnings):
+        note = _repository_changed(call.step.rec.run_info)
+        if note:
+            result.warnings.append(note)
     names = _data_globals(call.fn) if not result.match and result.compared else []
     if names:
         result.warnings.append(f"the step's code reads the module-level {', '.join(names)}, whose values are not "
                                "recorded: the replay used their values now (a likely cause of any difference, if "
                                "training changes them: an annealed temperature, a global step count)")
+
+
+def _repository_changed(run_info: dict[str, Any]) -> str | None:
+    """Where the recording names the git commit of the training code's repository: what of it is
+    not as it was (another commit, or changes not committed), which the step's own source check
+    cannot see (a helper in another module that the step calls)."""
+    from recorder.run import git_state
+
+    then = run_info.get("git")
+    script, cwd = run_info.get("script"), run_info.get("cwd")
+    where = os.path.dirname(script) if isinstance(script, str) else cwd
+    if not isinstance(then, dict) or not isinstance(then.get("commit"), str) or not isinstance(where, str) \
+            or not os.path.isdir(where):
+        return None
+    now = git_state(where)
+    if now is None:
+        return None
+    short = then["commit"][:12]
+    if now["commit"] != then["commit"]:
+        return (f"the repository of the training code ({where}) was at commit {short} when recorded and is at "
+                f"{now['commit'][:12]} here: code the step calls may have changed (git diff {short}; a likely cause "
+                "of any difference)")
+    if now["dirty"] and not then.get("dirty"):
+        return (f"the repository of the training code ({where}) has changes not committed since commit {short}, "
+                "which it was at, clean, when recorded: code the step calls may have changed (git diff; a likely "
+                "cause of any difference)")
+    return None
 
 
 _DATA = (bool, int, float, complex, str, torch.Tensor, np.ndarray, list, dict, set)

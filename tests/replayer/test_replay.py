@@ -1872,3 +1872,34 @@ def test_a_simple_namespace_config_is_recorded_as_data(tmp_path: Path) -> None:
     for index in range(len(rec)):
         res = replayer.replay(rec, index)
         assert res.compared and res.match, (index, res.warnings)
+
+
+def test_a_mismatch_after_the_repository_changed_says_so(tmp_path: Path) -> None:
+    """A helper in another module that the step calls was edited: the step's own source is as
+    recorded, so the MISMATCH came with no word of why. The recording names the git commit; the
+    replay says what of the repository is not as it was."""
+    import os
+    import subprocess
+
+    git = shutil.which("git")
+    assert git is not None, "git is needed (Debian's git package)"
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "helpers.py").write_text("def factor():\n    return 1.0\n")
+    (project / "train.py").write_text(
+        "import sys, torch, recorder\nfrom helpers import factor\n\n\n@recorder.paper_step('Eq. 4')\n"
+        "def scaled(x):\n    return torch.tanh(x) * factor()\n\n\n"
+        "with recorder.record(sys.argv[1]):\n    scaled(torch.linspace(-2, 2, 8))\n")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "first"]):
+        subprocess.run([git, *args], cwd=project, env=env, check=True, capture_output=True)
+    assert python("train.py", "run.zarr", cwd=project).returncode == 0
+    assert replayer.replay(project / "run.zarr", 0).match
+    (project / "helpers.py").write_text("def factor():\n    return 1.0001\n")
+    res = pdbg("replay", "run.zarr", "0", cwd=project)
+    assert res.returncode == 1 and "warning: the repository of the training code" in res.stdout and \
+        "has changes not committed since commit " in res.stdout, res.stdout
+    subprocess.run([git, "commit", "-qam", "second"], cwd=project, env=env, check=True, capture_output=True)
+    res = pdbg("replay", "run.zarr", "0", cwd=project)
+    assert res.returncode == 1 and "when recorded and is at " in res.stdout and "git diff " in res.stdout, res.stdout
