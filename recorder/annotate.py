@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from . import capture, jsonval, skeleton
+from . import capture, skeleton
 
 T = TypeVar("T")
 
@@ -86,7 +86,7 @@ def source_lines(target: Any) -> tuple[list[str], int, str | None]:
 
 def code_info(target: Any) -> dict[str, Any]:
     """Import reference, file, first line, source text and its SHA-256 for a function or class."""
-    module = jsonval.importable_name(getattr(target, "__module__", None) or "?")
+    module = getattr(target, "__module__", None) or "?"
     info: dict[str, Any] = {"ref": f"{module}:{getattr(target, '__qualname__', repr(target))}",
                             "file": None, "line": None, "source": None, "source_sha256": None}
     try:
@@ -169,16 +169,46 @@ _MUTABLE_DEFAULTS = (dict, list, set, bytearray, torch.Tensor, np.ndarray)
 
 
 def _mutable_defaults(fn: Callable[..., Any]) -> tuple[inspect.Signature | None, dict[str, Any]]:
-    """``fn``'s signature and its parameters (passable by keyword) whose default is a mutable object
-    (a dict, list, set, tensor or array): state a call may carry over to the next, as a step
-    counter kept in ``state={"t": 0}`` does."""
+    """``fn``'s own signature (not that of a function it wraps: a decorator may supply an argument
+    itself) and its parameters (passable by keyword) whose default is a mutable object (a dict,
+    list, set, tensor or array): state a call may carry over to the next, as a step counter kept in
+    ``state={"t": 0}`` does."""
     try:
-        sig = inspect.signature(fn)
+        sig = inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin without a signature
         return None, {}
     held = {name: p.default for name, p in sig.parameters.items()
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and isinstance(p.default, _MUTABLE_DEFAULTS)}
     return (sig, held) if held else (None, {})
+
+
+def _plain_data(value: Any, budget: list[int], depth: int = 0) -> bool:
+    """Whether ``value`` is data a recording holds as it is (numbers, text, tensors, arrays, and
+    lists, tuples, sets and dicts of them), within ``budget`` items: a counter or a list of losses,
+    not a cache of functions or modules (which a replay could not be given back)."""
+    budget[0] -= 1
+    if budget[0] < 0 or depth > 8:
+        return False
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(_plain_data(v, budget, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(_plain_data(k, budget, depth + 1) and _plain_data(v, budget, depth + 1) for k, v in value.items())
+    return False
+
+
+def _with_defaults(sig: inspect.Signature, held: dict[str, Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the mutable defaults the call leaves to ``fn`` given as the call would use
+    them (the same objects), where they are plain data: recorded as they are when the call begins,
+    so that a replay does not depend on the calls before it."""
+    try:
+        bound = sig.bind_partial(*args, **kwargs)
+    except TypeError:  # a call fn itself refuses: it raises its own error, in the step
+        return kwargs
+    given = {n: d for n, d in held.items() if n not in bound.arguments and _plain_data(d, [1024])}
+    return {**kwargs, **given} if given else kwargs
 
 
 def _wrap_function(fn: Callable[..., Any], defn: StepDef) -> Callable[..., Any]:
@@ -188,13 +218,8 @@ def _wrap_function(fn: Callable[..., Any], defn: StepDef) -> Callable[..., Any]:
     def step_wrapper(*args: Any, **kwargs: Any) -> Any:
         if capture.ACTIVE is None:
             return fn(*args, **kwargs)
-        if held:  # given as the call would use them (the same objects): recorded as they are now
-            try:
-                bound = sig.bind_partial(*args, **kwargs)  # type: ignore[union-attr]
-            except TypeError:  # a call fn itself refuses: it raises its own error, in the step
-                pass
-            else:
-                kwargs = {**kwargs, **{n: d for n, d in held.items() if n not in bound.arguments}}
+        if held:
+            kwargs = _with_defaults(sig, held, args, kwargs)  # type: ignore[arg-type]
         return capture.ACTIVE.call(defn, fn, None, args, kwargs)
 
     step_wrapper.__pdbg_step__ = defn  # type: ignore[attr-defined]
@@ -204,11 +229,14 @@ def _wrap_function(fn: Callable[..., Any], defn: StepDef) -> Callable[..., Any]:
 def _decorate_class(cls: type, name: str, *paper: Any) -> type:
     defn = StepDef(name, *paper, kind="module", target=cls)
     forward = cls.forward
+    sig, held = _mutable_defaults(forward)
 
     @functools.wraps(forward)
     def forward_wrapper(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if capture.ACTIVE is None:
             return forward(self, *args, **kwargs)
+        if held:
+            kwargs = _with_defaults(sig, held, (self, *args), kwargs)  # type: ignore[arg-type]
         return capture.ACTIVE.call(defn, forward, self, args, kwargs)
 
     init = cls.__init__

@@ -10,7 +10,6 @@ import importlib
 import json
 import math
 import re
-import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -62,18 +61,6 @@ class Record:
         return hash((self.type, self.kind, tuple(self.fields)))
 
 
-def importable_name(module: Any) -> Any:
-    """The name a module is imported by elsewhere: ``__main__`` run as ``python -m pkg.train`` is
-    ``pkg.train`` (its relative imports need its package; a script loaded alone has none). A
-    package's ``__main__`` (``python -m pkg``) and a script stay ``__main__``: importing them would
-    run them."""
-    if module != "__main__":
-        return module
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    name = getattr(spec, "name", None)
-    return name if isinstance(name, str) and name and name.rpartition(".")[2] != "__main__" else module
-
-
 def type_ref(obj_or_type: Any) -> str:
     """Return ``"module:QualName"`` of a class, or of the class of an instance.
 
@@ -81,7 +68,7 @@ def type_ref(obj_or_type: Any) -> str:
         obj_or_type: a class, or any object whose class is named.
     """
     cls = obj_or_type if isinstance(obj_or_type, type) else type(obj_or_type)
-    ref = f"{importable_name(getattr(cls, '__module__', None))}:{getattr(cls, '__qualname__', None)}"
+    ref = f"{getattr(cls, '__module__', None)}:{getattr(cls, '__qualname__', None)}"
     return ref.encode("utf-8", "backslashreplace").decode()  # escapes lone surrogates
 
 

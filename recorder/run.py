@@ -50,7 +50,7 @@ class Run:
                  compressor: Any = None, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0,
                  when_slow: str = "drop_payloads",
                  modules: str | list[str] | None = None, on_anomaly: str = "record", keep: int | None = None,
-                 max_ring_bytes: int | None = None, script: str | None = None,
+                 max_ring_bytes: int | None = None, script: str | None = None, main_module: str | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
         if mode not in MODES:
             raise RecordingError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
@@ -105,7 +105,7 @@ class Run:
         self.started = time.time()
         try:
             store = backend.open_store(path, mode="w", storage_options=storage_options)  # a URL: checked here
-            attrs = {**run_metadata(self.started, mode, every, script), **self.dist}
+            attrs = {**run_metadata(self.started, mode, every, script, main_module), **self.dist}
             writer = StoreWriter(store, run_attrs=attrs, compression=compression, rank=rank,
                                  world_size=self.dist["world_size"])
         except OSError as exc:
@@ -501,7 +501,7 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
 
 # record()'s keyword options beyond its named parameters: the rest of Run's.
 _OPTIONS = frozenset(inspect.signature(Run.__init__).parameters) - {
-    "self", "path", "model", "optimizer", "mode", "every", "compressor"}
+    "self", "path", "model", "optimizer", "mode", "every", "compressor", "main_module"}
 
 
 def _single_threaded_blosc() -> Any:
@@ -525,17 +525,23 @@ def _restore_blosc(previous: Any) -> None:
     blosc.use_threads = previous
 
 
-def run_metadata(started: float, mode: str, every: int, script: str | None = None) -> dict[str, Any]:
+def run_metadata(started: float, mode: str, every: int, script: str | None = None,
+                 main_module: str | None = None) -> dict[str, Any]:
     """What a reader needs to know about where and how the run was recorded (plain JSON).
 
-    ``script``: the user's script when it is not ``__main__``'s file (``pdbg record`` runs it)."""
+    ``script``: the user's script when it is not ``__main__``'s file (``pdbg record`` runs it);
+    ``main_module``: the module it is when run as ``python -m pkg.train`` (``pdbg record -- -m``)."""
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = [{"name": torch.cuda.get_device_name(i),
                  "sm_count": torch.cuda.get_device_properties(i).multi_processor_count}
                 for i in range(torch.cuda.device_count())]
     if script is None:
-        script = getattr(sys.modules.get("__main__"), "__file__", None)
+        main = sys.modules.get("__main__")
+        script = getattr(main, "__file__", None)
+        spec = getattr(main, "__spec__", None)  # python -m pkg.train: a module of a package
+        if main_module is None and isinstance(getattr(spec, "name", None), str) and getattr(spec, "parent", None):
+            main_module = spec.name
     return {
         "started": datetime.fromtimestamp(started, UTC).isoformat(), "started_unix": started,
         "mode": mode, "every": every, "argv": list(sys.argv), "cwd": os.getcwd(),
@@ -544,6 +550,7 @@ def run_metadata(started: float, mode: str, every: int, script: str | None = Non
         "platform": platform.platform(), "machine": platform.machine(), "hostname": socket.gethostname(),
         "pid": os.getpid(), "cuda": cuda, "torch_cuda": torch.version.cuda,
         "cpu_capability": snapshot.settings()["cpu_capability"], "git": _git_commit(script),
+        "main_module": main_module,
     }
 
 

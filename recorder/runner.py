@@ -138,7 +138,7 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
         sys.path.insert(0, script_dir)
     try:
         run = Run(out_path, optimizer="auto", mode=mode, every=every, modules=modules,
-                  script=str(script_path.resolve()), **options)
+                  script=str(script_path.resolve()), main_module=module, **options)
     except BaseException:
         restore()
         if created and Path(out_path).exists():

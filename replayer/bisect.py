@@ -331,17 +331,25 @@ class _Kinds:
         with its call number (a run that never marks its iterations numbers every call anew) is
         judged with all the step's calls, whatever their number, as the recorder judges it while
         recording."""
-        counted = np.ones(len(mask), dtype=bool) if among is None else among
-
-        def every_call(group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        def every_call(group: np.ndarray, counted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             calls = np.bincount(group, weights=counted.astype(np.float64))
             held = np.bincount(group, weights=(mask & counted).astype(np.float64))
             return calls, (calls >= 2) & (held == calls)
 
         group, step = self.groups(), self.groups(by_call=False)
-        calls, by_call = every_call(group)
-        _, by_step = every_call(step)
-        return by_call[group] | ((calls[group] == 1) & by_step[step])
+        everywhere = np.ones(len(mask), dtype=bool)
+        calls, by_call = every_call(group, everywhere)
+        _, by_step = every_call(step, everywhere)
+        alone = calls[group] == 1  # a run without iterations: its calls judged together, whatever their number
+        judged = by_call[group] | (alone & by_step[step])
+        if among is None:
+            return judged
+        # Among the calls where ``among`` holds, where there are two or more of them to judge by; else
+        # among all (an overflow at both calls of the first iteration, NaN after it, is no mask)
+        counted_calls, counted_by_call = every_call(group, among)
+        counted_steps, counted_by_step = every_call(step, among)
+        enough = np.where(alone, counted_steps[step] >= 2, counted_calls[group] >= 2)
+        return np.where(enough, counted_by_call[group] | (alone & counted_by_step[step]), judged)
 
 
 def meant_inf(rec: Recording) -> np.ndarray:

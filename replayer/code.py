@@ -98,12 +98,14 @@ def _sets(node: ast.stmt) -> list[str]:
     return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
 
 
-def script_module(path: str | os.PathLike[str], text: str | None = None
+def script_module(path: str | os.PathLike[str], text: str | None = None, main_module: str | None = None
                   ) -> tuple[types.ModuleType, str, frozenset[str]]:
     """Load a training script's definitions as a module named ``__main__`` (its classes and
     functions keep the ``__main__:QualName`` references they were recorded under). Returns the
     module, a note on what was left out, and the names that statements left out would have set.
-    ``text``: the script's source, instead of reading it."""
+    ``text``: the script's source, instead of reading it. ``main_module``: the module the script
+    was run as (``python -m pkg.train``): loaded in its package, so that its relative imports work,
+    with the package's directory on the path rather than the script's."""
     file = Path(path)
     try:
         source = file.read_text(encoding="utf-8") if text is None else text
@@ -142,6 +144,13 @@ def script_module(path: str | os.PathLike[str], text: str | None = None
     module = types.ModuleType("__main__", ast.get_docstring(tree))
     module.__file__ = str(file)
     module.__dict__["__builtins__"] = __builtins__
+    where = str(file.resolve().parent)
+    if main_module and all(part.isidentifier() for part in main_module.split(".")) and "." in main_module:
+        module.__package__ = main_module.rpartition(".")[0]
+        root = file.resolve().parent
+        for _ in range(main_module.count(".") - (file.name == "__init__.py")):
+            root = root.parent
+        where = str(root)
     # A guarded script's top level runs whole; an unguarded one's definitions one by one: one that
     # fails there (``out = sys.argv[1]``: the replaying process has other arguments) is left out
     # and named, with what reads what it would have set.
@@ -151,7 +160,7 @@ def script_module(path: str | os.PathLike[str], text: str | None = None
     saved_main = sys.modules.get("__main__")
     sys.modules["__main__"] = module  # dataclasses and typing look the defining module up by name
     try:
-        with extra_path([str(file.resolve().parent)]), state.kept():
+        with extra_path([where]), state.kept():
             for part in parts:
                 if not guarded and _loaded_now(part[0]) & unset:
                     unset.update(_sets(part[0]))
@@ -278,7 +287,9 @@ class CodeLoader:
                                   "`if __name__ == \"__main__\":`, or give the script with --script PATH")
             with self.bundle_imports() if text is not None and text is self.bundled.get(self.script) \
                     else contextlib.nullcontext():
-                self._main, note, self.skipped = script_module(self.script, text)
+                main_module = self.run_info.get("main_module")
+                self._main, note, self.skipped = script_module(self.script, text,
+                                                               main_module if isinstance(main_module, str) else None)
             if "no if __name__" in note and self.script != SESSION_SCRIPT and (
                     self.skipped or "(0 top-level statements skipped)" not in note):  # worth a warning: some left out
                 self.notes.append(f"{self.script}: {note}")

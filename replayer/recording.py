@@ -310,15 +310,22 @@ def paper_reference(paper: dict[str, Any]) -> str:
     label = str(paper.get("label") or "")
     algorithm, step, equation = paper.get("algorithm"), paper.get("step"), paper.get("equation")
     ref = label
-    if algorithm is not None and str(algorithm) and str(algorithm) not in label:
-        algorithm = f"Algorithm {algorithm}" if isinstance(algorithm, int) else str(algorithm)
-        ref = f"{algorithm}, {label}" if label else algorithm
-    if step is not None and f"step {step}".lower() not in ref.lower():
+    algorithm = f"Algorithm {algorithm}" if isinstance(algorithm, int) else algorithm
+    if algorithm is not None and str(algorithm) and not mentions(label, algorithm):
+        ref = f"{algorithm}, {label}" if label else str(algorithm)
+    if step is not None and not mentions(ref, f"step {step}"):
         ref += f", step {step}" if ref else f"step {step}"
-    if equation and str(equation) != label and str(equation) not in ref:
+    if equation and str(equation) != label and not mentions(ref, equation):
         equation = str(equation)
         ref += f" {equation}" if equation.startswith("(") else f" ({equation})"
     return ref
+
+
+def mentions(text: str, part: Any) -> bool:
+    """Whether ``text`` says ``part`` as a whole (case aside): "Algorithm 1" says 1 and "step 5" says
+    step 5; "Eq. 11" says neither 1 nor "Eq. 1", "step 50" not "step 5"."""
+    part = str(part)
+    return bool(part) and re.search(rf"(?<![\w.]){re.escape(part)}(?![\w])", text, re.IGNORECASE) is not None
 
 
 def _texts(values: np.ndarray) -> np.ndarray:
@@ -402,15 +409,20 @@ class StepTable:
                     return exact.filter(phase=phase or "forward", iteration=iteration, call=call)
         sel = parse_selector(selector)
         table = self.filter(phase=sel.phase, iteration=sel.iteration, call=sel.call)
-        return table._where_named(sel.matches_name)
+        found = table._where_named(sel.matches_name)
+        return found if len(found) else table._where_named(sel.matches_name, references=True)
 
     def _exactly(self, text: str) -> StepTable:
-        """The steps whose name, paper label or module path is ``text``."""
-        return self._where_named(lambda name, label, path: text in (name, label, path))
+        """The steps whose name, paper label or module path is ``text`` (else: another of its paper
+        references, ``_references``)."""
+        found = self._where_named(lambda name, label, path: text in (name, label, path))
+        return found if len(found) else self._where_named(lambda name, label, path: text == label, references=True)
 
-    def _where_named(self, test: Callable[[str, str | None, str], bool]) -> StepTable:
+    def _where_named(self, test: Callable[[str, str | None, str], bool], references: bool = False) -> StepTable:
         """The steps for which ``test(name, paper label, module path)`` holds, asked once per distinct
-        (name, definition, module path), not once per step."""
+        (name, definition, module path), not once per step. ``references``: asked with each of the
+        step's other paper references (its algorithm, equation, whole reference) as the label, where
+        no step's own name, label or path matched (so that a selector never changes what it names)."""
         if not len(self):
             return self
         rank = self.rec.rank
@@ -419,7 +431,7 @@ class StepTable:
         _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         names, labels, paths = (self.column(c)[first] for c in ("name", "label", "module_path"))
         papers = self.rec._papers[self.rows[first]]
-        hits = np.array([any(test(str(n), ref, str(p)) for ref in _references(lb, paper))
+        hits = np.array([any(test(str(n), ref, str(p)) for ref in (_references(lb, paper)[1:] if references else [lb]))
                          for n, lb, p, paper in zip(names, labels, paths, papers)], dtype=bool)
         return StepTable(self.rec, self.rows[hits[inverse.reshape(-1)]])
 

@@ -19,6 +19,7 @@ import contextlib
 import inspect
 import os
 import re
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -414,7 +415,10 @@ class Replayer:
         args, kwargs = decoded.get("args", []), decoded.get("kwargs", {})
         if missing:
             qualname = str(defn.get("ref", "")).partition(":")[2]
-            if module_doc is None and "." in qualname and args and unresolved(args[0]):  # a method's self
+            owner = qualname.rpartition(".")[0]
+            first = args[0] if args else None
+            if module_doc is None and owner and isinstance(first, jsonval.Opaque) and \
+                    first.type.rpartition(":")[2] == owner:  # a method's self, of the class it is defined in
                 raise ReplayError(f"step {step.index} ({step.name}) is the method {qualname}, and its self was "
                                   f"{unresolved(args[0])}: a replay cannot rebuild the object a method belongs to "
                                   "(a module is rebuilt for its forward only); make the step a function of its "
@@ -843,12 +847,20 @@ _DATA = (bool, int, float, complex, str, torch.Tensor, np.ndarray, list, dict, s
 def _data_globals(fn: Any) -> list[str]:
     """The module-level names ``fn``'s own code reads that hold data (numbers, tensors, containers),
     not functions, classes or modules: state a step depends on that is not one of its arguments."""
+    import dis
+
     code_of = inspect.unwrap(getattr(fn, "__func__", fn))
     code, env = getattr(code_of, "__code__", None), getattr(code_of, "__globals__", None)
     if code is None or not isinstance(env, dict):
         return []
-    return [f"{n} ({type(env[n]).__name__})" for n in dict.fromkeys(code.co_names)
-            if n in env and isinstance(env[n], _DATA) and not n.startswith("__")][:5]
+    names: list[str] = []
+    todo = [code]
+    while todo and len(todo) < 64:  # its own code and the code nested in it (comprehensions, lambdas)
+        here = todo.pop()
+        names += [i.argval for i in dis.get_instructions(here) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
+        todo += [c for c in here.co_consts if isinstance(c, types.CodeType)]
+    return [f"{n} ({type(env[n]).__name__})" for n in dict.fromkeys(names)
+            if isinstance(n, str) and n in env and isinstance(env[n], _DATA) and not n.startswith("__")][:5]
 
 
 def _grads_by_backward(pairs: list[tuple[torch.Tensor, torch.Tensor]], targets: list[torch.Tensor],

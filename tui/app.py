@@ -245,12 +245,18 @@ class StepPane(ScrollView, can_focus=True):
             return self.title
         parts = self.view.title.split(" · ")
         short = [p for p in parts if cell_len(p) <= 16]
-        budget = 3 * width - 2 * width // 8 - cell_len(self.view.status) - 3 * len(parts)  # (wrapping wastes some)
+        budget = 3 * width - cell_len(self.view.status) - 3 * len(parts)
         room = max(12, (budget - sum(map(cell_len, short))) // max(1, len(parts) - len(short)))
-        cut = [p if cell_len(p) <= room else
-               views._fit(p, room, keep_end="." in p and " " not in p).rstrip()  # a module path: its end says most
-               for p in parts]
-        return Text.assemble((" · ".join(cut), "bold"), "  ", (self.view.status, views.STATUS_STYLE[self.view.status]))
+        console, options = self.app.console, self.app.console.options.update_width(width)
+        while True:  # narrower until it fits three lines as wrapped (wrapping leaves lines part empty)
+            cut = [p if cell_len(p) <= room else
+                   views._fit(p, room, keep_end="." in p and " " not in p).rstrip()  # a module path: its end says most
+                   for p in parts]
+            title = Text.assemble((" · ".join(cut), "bold"), "  ",
+                                  (self.view.status, views.STATUS_STYLE[self.view.status]))
+            if room <= 12 or len(console.render_lines(title, options, pad=False)) <= 3:
+                return title
+            room -= 4
 
     def _parts(self) -> list[Any]:
         if self.view is None:

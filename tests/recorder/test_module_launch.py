@@ -1,6 +1,7 @@
 """Training launched as a package's module (``python -m mypkg.train``): its steps, defined in a
-module whose relative imports need its package, are recorded under the module's name and replay;
-``pdbg record -- -m mypkg.train`` records it the same way."""
+module whose relative imports need its package, replay (the recording names the module, and the
+replay loads the script's definitions in its package); ``pdbg record -- -m mypkg.train`` records it
+the same way."""
 
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ def project(tmp_path: Path) -> Path:
 
 
 def test_steps_of_a_module_run_with_python_m_replay(tmp_path: Path, monkeypatch) -> None:
-    """They were recorded as __main__'s, and every replay loaded train.py alone: "attempted relative
-    import with no known parent package"; pdbg record took -m for a file name."""
+    """Every replay loaded train.py alone: "attempted relative import with no known parent package";
+    pdbg record took -m for a file name."""
     root = project(tmp_path)
     monkeypatch.setenv("RECORD_TO", str(root / "in_code.zarr"))
     res = python("-m", "mypkg.train", cwd=root)
@@ -66,8 +67,10 @@ def test_steps_of_a_module_run_with_python_m_replay(tmp_path: Path, monkeypatch)
         assert verify.returncode == 0 and "4 of 4 steps replayed bit for bit" in verify.stdout, verify.stdout
     import replayer
 
-    with replayer.open(root / "by_pdbg.zarr") as rec:
-        assert rec.step("loss_fn").definition["ref"] == "mypkg.train:loss_fn"
+    for run in ("in_code.zarr", "by_pdbg.zarr"):
+        with replayer.open(root / run) as rec:
+            assert rec.step("loss_fn").definition["ref"] == "__main__:loss_fn"
+            assert rec.run_info["main_module"] == "mypkg.train"
     for args, message in ((["-m", "nosuch.mod"], "pdbg: error: -m nosuch.mod: ModuleNotFoundError: No module named "
                                                  "'nosuch'"),
                           (["-m"], "pdbg: error: -m needs a module name, e.g. pdbg record -o run.zarr -- -m "

@@ -385,6 +385,43 @@ def test_a_mask_whose_input_the_nan_reached_later_is_still_no_origin(tmp_path: P
             origin.cause
 
 
+@recorder.paper_step("Eq. 2", description="SmoothReLU: log(1 + exp(x))")
+def soft_plus(x: torch.Tensor) -> torch.Tensor:
+    return torch.log1p(torch.exp(x))
+
+
+class TwoBranches(torch.nn.Module):
+    """Both branches overflow exp from the first iteration (a bad init), and training goes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        with torch.no_grad():
+            self.a.weight.mul_(200.0)
+            self.b.weight.mul_(200.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return soft_plus(self.a(x)) + soft_plus(self.b(x))
+
+
+def test_an_overflow_at_every_call_of_the_first_iteration_only_is_no_mask(tmp_path: Path) -> None:
+    """Judged among the calls with finite inputs, the two calls of iteration 0 (the only ones: NaN
+    after it) made Inf both, and the overflow was taken for a mask: the origin named a later step."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    model = TwoBranches()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(path, model=model, optimizer=opt):
+        for _ in range(4):
+            model(torch.randn(4, 8) * 10).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is not None and (origin.step.index, origin.step.name) == (0, "soft_plus"), origin.cause
+    assert not bisect_mod.meant_inf(rec)[:2].any()
+
+
 def test_an_overflow_to_inf_is_the_origin_of_the_nan_it_becomes(tmp_path: Path) -> None:
     """A step that overflows to Inf from finite inputs, and the next step makes NaN of it (inf - inf):
     the overflow is the origin, not the NaN after it."""

@@ -1738,6 +1738,29 @@ def second_half(x: torch.Tensor) -> torch.Tensor:
     return x - 1
 
 
+@recorder.paper_step("Algorithm 1", description="the whole algorithm, labelled so")
+def whole_algorithm(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_selector_names_what_it_named_before_other_references_matched(tmp_path: Path) -> None:
+    """A step labelled "Algorithm 1" after one given algorithm="Algorithm 1": the label's step, as
+    before steps were selectable by their algorithm (the first match was the other step)."""
+    from replayer.recording import paper_reference
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        whole_algorithm(update_rule(torch.randn(3)))
+    rec = replayer.open(path)
+    assert rec.step("Algorithm 1").name == rec.step("Algorithm 1@iter=0").name == "whole_algorithm"
+    assert rec.step("Eq. 7").name == "update_rule"
+    # the parts of a reference are matched whole: "Eq. 11" does not say algorithm 1, nor "Eq. 12" Eq. 1
+    assert paper_reference({"label": "Eq. 11", "algorithm": 1, "step": 4}) == "Algorithm 1, Eq. 11, step 4"
+    assert paper_reference({"label": "Eq. 2", "algorithm": 2}) == "Algorithm 2, Eq. 2"
+    assert paper_reference({"label": "Eq. 12", "equation": "Eq. 1"}) == "Eq. 12 (Eq. 1)"
+    assert paper_reference({"label": "Algorithm 1", "algorithm": 1, "step": 5}) == "Algorithm 1, step 5"
+
+
 def test_a_module_level_lambda_is_named_as_a_lambda(tmp_path: Path) -> None:
     """It was said to be "defined inside a function", which it is not."""
     path = tmp_path / "run.zarr"
@@ -1828,6 +1851,13 @@ class Vae(nn.Module):
         return self.reparameterize(*self.enc(x).chunk(2, 1))
 
 
+class Ops:
+    @staticmethod
+    @recorder.paper_step("Eq. 27", description="a staticmethod step applying a function it is given")
+    def apply(fn: Any, x: torch.Tensor) -> torch.Tensor:
+        return fn(x)
+
+
 def test_a_step_on_a_modules_other_method_names_its_self_as_what_cannot_be_replayed(tmp_path: Path) -> None:
     """The refusal said the step "was called with a ...Vae (...)", not that the value is the method's
     self, nor what to do."""
@@ -1839,6 +1869,11 @@ def test_a_step_on_a_modules_other_method_names_its_self_as_what_cannot_be_repla
                r"the step a function of its tensors")
     with pytest.raises(ReplayError, match=refusal):
         replayer.replay(path, 0)
+    # a staticmethod given a value that is not data is told that, not that its self was one
+    with recorder.record(tmp_path / "static.zarr"):
+        Ops.apply(lambda t: t * 2, torch.randn(3))
+    with pytest.raises(ReplayError, match=r"step 0 \(Ops\.apply\) was called with a builtins:function"):
+        replayer.replay(tmp_path / "static.zarr", 0)
 
 
 @recorder.paper_step("Eq. 21", description="an encoder configured by a SimpleNamespace")
@@ -1903,3 +1938,71 @@ def test_a_mismatch_after_the_repository_changed_says_so(tmp_path: Path) -> None
     subprocess.run([git, "commit", "-qam", "second"], cwd=project, env=env, check=True, capture_output=True)
     res = pdbg("replay", "run.zarr", "0", cwd=project)
     assert res.returncode == 1 and "when recorded and is at " in res.stdout and "git diff " in res.stdout, res.stdout
+
+
+_KERNELS: dict = {}
+
+
+def _supplies_cfg(fn: Any) -> Any:
+    """A decorator that supplies an argument itself (its wrapper takes no cfg)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(x: torch.Tensor) -> torch.Tensor:
+        return fn(x, cfg={"scale": 2.0})
+
+    return wrapper
+
+
+@recorder.paper_step("Eq. 24", description="a decorated function whose decorator supplies cfg")
+@_supplies_cfg
+def supplied(x: torch.Tensor, cfg: dict = {}) -> torch.Tensor:  # noqa: B006 - the idiom under test
+    return x * cfg.get("scale", 1.0)
+
+
+@recorder.paper_step("Eq. 25", description="a function keeping a cache of kernels in a default")
+def cached(x: torch.Tensor, kernels: dict = _KERNELS) -> torch.Tensor:  # noqa: B006 - the idiom under test
+    kernel = kernels.setdefault(x.shape[-1], lambda t: t * 3)
+    return kernel(x)
+
+
+@recorder.paper_step("Eq. 26", description="a module's warm-up, its count in a mutable default of forward")
+class WarmUpModule(nn.Module):
+    def forward(self, x: torch.Tensor, state: dict = {"t": 0}) -> torch.Tensor:  # noqa: B006 - the idiom
+        state["t"] += 1
+        return x * min(1.0, state["t"] / 10)
+
+
+def test_mutable_defaults_are_recorded_only_where_they_are_the_steps_data(tmp_path: Path) -> None:
+    """A decorator supplying the argument itself (the recording passed cfg= to its wrapper: a
+    TypeError only while recording); a cache of functions (recorded as opaque: no replay at all);
+    a module forward's counter (not recorded, unlike a function's)."""
+    path = tmp_path / "run.zarr"
+    module = WarmUpModule()
+    with recorder.record(path):
+        for _ in range(3):
+            x = torch.randn(3)
+            assert torch.equal(supplied(x), x * 2.0)
+            cached(x)
+            module(x)
+    rec = replayer.open(path)
+    assert rec.step("cached@iter=0#1").arguments["kwargs"] == {}
+    assert rec.step("WarmUpModule@iter=0#2").arguments["kwargs"] == {"state": {"t": 2}}
+    for index in range(len(rec)):
+        res = Replayer(rec).replay(index)
+        assert res.compared and res.match, (rec.step(index), res.warnings)
+
+
+device = "cpu"  # a module-level name that is also an attribute the step below reads
+
+
+def reads_an_attribute(x: torch.Tensor) -> torch.Tensor:
+    return x.to(x.device) * [TEMPERATURE for _ in range(1)][0]
+
+
+def test_the_module_level_data_hint_names_global_reads_not_attributes() -> None:
+    """``x.device`` was named as a read of the module-level ``device``; a read inside a comprehension
+    was not named."""
+    from replayer.replay import _data_globals
+
+    assert _data_globals(reads_an_attribute) == ["TEMPERATURE (float)"]
