@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -221,6 +221,20 @@ class Pipeline:
                 self.error = WriterStalled(f"the recording writer made no progress for "
                                            f"{self.backpressure_timeout:.0f} s")
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """While it lasts, the queue's lock is not held by this thread, even when this thread held it
+        when it was interrupted (a signal handler run inside ``submit``): the handler's wait for the
+        writer thread, which needs the lock, would wait forever. Taken again, as it was, after."""
+        if not self._cond._is_owned():  # type: ignore[attr-defined]  # (Condition's own, as wait() uses)
+            yield
+            return
+        state = self._cond._release_save()  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            self._cond._acquire_restore(state)  # type: ignore[attr-defined]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Commit everything submitted so far; waits for it. Returns False on failure or timeout."""

@@ -119,6 +119,7 @@ class Run:
                                        modules=modules, on_anomaly=on_anomaly, keep=keep,
                                        max_ring_bytes=max_ring_bytes)
         self._unmatched_said: set[str] = set()  # modules globs already reported as matching nothing
+        self._handling: list[int] | None = None  # while a signal is handled: copies that came meanwhile
         self._signals = self._catch_signals() if mode == "flight" else {}
         self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
         self._hooks: list[Any] = []
@@ -306,6 +307,12 @@ class Run:
         wins over both (``exception`` still goes into its final information)."""
         if self.closed:
             return
+        with self._signals_held() as came:
+            self._close(status, exception)
+        for signum in dict.fromkeys(came):  # Ctrl-C or SIGTERM while closing: the recording is whole, then
+            _pass_signal(signal.getsignal(signum), signum, None)  # they do what they would have done
+
+    def _close(self, status: str, exception: BaseException | None) -> None:
         self.closed = True
         if capture.ACTIVE is self.session:
             capture.ACTIVE = None
@@ -366,19 +373,60 @@ class Run:
         return previous
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._handling is not None:  # a copy that came while the first is handled (a signal to the whole
+            self._handling.append(signum)  # process group and pdbg's forward of it): after the first
+            return
         if self.closed:  # put back after close() by code that had saved it (Lightning's teardown)
             _pass_signal(self._replaced.get(signum, signal.SIG_DFL), signum, frame)
             return
         if self._forked():  # a DataLoader worker terminated with its job: the parent writes the ring
             _pass_signal(self._signals.get(signum, signal.SIG_DFL), signum, frame)
             return
-        self.session.dump_ring(signal.Signals(signum).name)
+        self._handling = later = []
         handler = self._signals.get(signum, signal.SIG_DFL)
-        if callable(handler) or handler == signal.SIG_IGN:  # the program's own handler decides; recording
-            self.flush()                                     # goes on if the program does
-        else:  # the signal would have ended the process: close the recording, then let it
-            self.close("crashed")
+        try:
+            # The signal may have come while training held the queue's lock (handing an item over):
+            # the writer thread must have it while the ring is written and the recording closed.
+            with self.pipeline.released():
+                self.session.dump_ring(signal.Signals(signum).name)
+                if callable(handler) or handler == signal.SIG_IGN:  # the program's own handler decides;
+                    self.flush()                                     # recording goes on if the program does
+                else:  # the signal would have ended the process: close the recording, then let it
+                    self.close("crashed")
+        finally:
+            self._handling = None
         _pass_signal(handler, signum, frame)
+        for again in later:  # (where the first ended the process, none of these is reached)
+            if again != signum or callable(handler):
+                _pass_signal(self._signals.get(again, self._replaced.get(again, signal.SIG_DFL)), again, frame)
+
+    @contextlib.contextmanager
+    def _signals_held(self) -> Iterator[list[int]]:
+        """While the recording closes on the main thread, SIGINT and SIGTERM (a second Ctrl-C, a
+        signal to the process group after pdbg forwarded its own copy) are held, so that they
+        cannot cut the close (the ring's write, the final status) in half; yields those that came.
+        After, each signal's handler is the program's own again (this recording's taken out)."""
+        came: list[int] = []
+        if threading.current_thread() is not threading.main_thread():
+            yield came
+            return
+
+        def hold(signum: int, frame: Any) -> None:
+            came.append(signum)
+
+        after = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            now = signal.getsignal(sig)
+            if now is None:  # set outside Python: left alone
+                continue
+            after[sig] = self._signals.get(sig, signal.SIG_DFL) if now == self._on_signal else now
+            signal.signal(sig, hold)
+        try:
+            yield came
+        finally:
+            for sig, handler in after.items():
+                if signal.getsignal(sig) is hold:
+                    signal.signal(sig, handler)
 
     def _restore_signals(self) -> None:
         for sig, handler in self._signals.items():

@@ -387,3 +387,73 @@ def test_verify_of_a_flight_recording_replays_its_ring_and_passes(tmp_path: Path
     doc = json.loads(res.stdout)
     assert doc["mismatches"] == [] and doc["matched"] == doc["replayed"] == 2 * 2 * 2
     assert doc["statistics_only"] == 3 * 2 * 2
+
+
+SIGNALLED = """
+import os, signal, sys
+import torch, torch.nn as nn
+import recorder, recorder.pipeline as pipeline
+from recorder.capture import Session
+
+how = sys.argv[2]
+calls = {"n": 0}
+submit_bytes = pipeline.record_bytes
+def inside_submit(item):  # called with the queue's lock held: a signal arriving at that bytecode
+    calls["n"] += 1
+    if how == "inside_submit" and calls["n"] == 60:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return submit_bytes(item)
+pipeline.record_bytes = inside_submit
+
+dump_ring = Session.dump_ring
+def dump_twice(self, reason):  # the group's copy and pdbg's forward of it: a second while the first is handled
+    if how == "twice":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return dump_ring(self, reason)
+Session.dump_ring = dump_twice
+
+close = pipeline.Pipeline.close
+def close_interrupted(self, *args, **kwargs):  # a second signal while the recording closes
+    if how in ("twice", "ctrl_c_twice"):
+        os.kill(os.getpid(), signal.SIGTERM if how == "twice" else signal.SIGINT)
+    return close(self, *args, **kwargs)
+pipeline.Pipeline.close = close_interrupted
+
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+try:
+    with recorder.record(sys.argv[1], optimizer=opt, mode="flight", keep=2, modules="*") as run:
+        for i in range(40):
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if how in ("twice", "ctrl_c_twice") and i == 20:
+                os.kill(os.getpid(), signal.SIGTERM if how == "twice" else signal.SIGINT)
+except KeyboardInterrupt:
+    print("interrupted; closed", run.closed, run.status, flush=True)
+    raise
+"""
+
+
+@pytest.mark.parametrize("how", ["inside_submit", "twice", "ctrl_c_twice"])
+def test_a_signal_at_any_moment_writes_the_ring_once_and_ends_the_process(tmp_path: Path, how: str) -> None:
+    """A SIGTERM while training held the queue's lock hung the process for ever (the handler waited
+    for the writer, which waited for the lock); a second SIGTERM while the first was handled (a
+    signal to the process group, and pdbg's forward of it) or a second Ctrl-C while the recording
+    closed cut the close in half: the ring was lost, the store left "recording"."""
+    script = tmp_path / "child.py"
+    script.write_text(SIGNALLED)
+    out = tmp_path / "run.zarr"
+    res = subprocess.run([sys.executable, str(script), str(out), how], capture_output=True, text=True, timeout=120,
+                         check=False)
+    if how == "ctrl_c_twice":
+        assert res.returncode == -signal.SIGINT and "interrupted; closed True crashed" in res.stdout, res.stderr[-2000:]
+        assert res.stderr.rstrip().endswith("KeyboardInterrupt"), res.stderr[-2000:]
+    else:
+        assert res.returncode == -signal.SIGTERM, res.stderr[-2000:]
+    import replayer
+
+    rec = replayer.open(out)
+    assert rec.status == "crashed" and rec.ended_by in ("SIGTERM", "KeyboardInterrupt"), rec.ended_by
+    kept = [s for s in rec.steps if all(r.has_payload for r in s.records)]
+    assert kept and all(replayer.replay(rec, s.index).match for s in kept[:4])
