@@ -356,13 +356,16 @@ class Run:
         self.status = "incomplete" if self.session.failure is not None else status
 
     def _catch_signals(self) -> dict[int, Any]:
-        """Flight mode: SIGTERM (and SIGINT, when it would kill the process) first writes the ring,
-        then does what it would have done. Only the main thread may set handlers."""
+        """Flight mode: SIGTERM and SIGHUP (a closed terminal or ssh session), and SIGINT when it would
+        kill the process, first write the ring, then do what they would have done. Only the main
+        thread may set handlers."""
         if threading.current_thread() is not threading.main_thread():
             return {}
         previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in _ENDING:
             found = signal.getsignal(sig)
+            if sig == getattr(signal, "SIGHUP", None) and found in (signal.SIG_IGN, None):
+                continue  # under nohup a hangup ends nothing
             handler = _before_closed_runs(found, sig)
             if handler is not found:  # a closed recording's, put back by code that had saved it: let it go
                 signal.signal(sig, handler)
@@ -415,7 +418,7 @@ class Run:
             came.append(signum)
 
         after = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _ENDING:
             now = signal.getsignal(sig)
             if now is None:  # set outside Python: left alone
                 continue
@@ -476,6 +479,10 @@ def _before_closed_runs(handler: Any, sig: int) -> Any:
             break
         handler = owner._replaced.get(sig, signal.SIG_DFL)
     return handler
+
+
+# The signals that end a process by default that a flight recording writes its ring on, first.
+_ENDING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 
 
 def _pass_signal(handler: Any, signum: int, frame: Any) -> None:

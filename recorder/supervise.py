@@ -4,7 +4,7 @@ The flight ring holds the payloads of the last ``keep`` iterations in memory unt
 keeping happens. A hard crash (a segfault or ``abort()`` in native code, the OOM killer's SIGKILL)
 gives no chance to write them, and in one process the ring dies with it. So the parent makes the
 ring's memory (recorder.shmring), runs ``recorder.runner.run_script`` in a child that holds the ring
-there, forwards SIGINT and SIGTERM to it, and waits. A child that dies without closing its recording
+there, forwards SIGINT, SIGTERM and SIGHUP to it, and waits. A child that dies without closing its recording
 leaves the ring readable to the parent, which writes out what committed records wait for and closes
 the run ``crashed`` (recorder.recover). The child gets its options as JSON in an environment variable
 and answers with one JSON line on a pipe: no pickle either way.
@@ -31,7 +31,7 @@ from .errors import PdbgError, RecordingError
 from .store import backend
 
 CHILD_ENV = "PDBG_RECORD_CHILD"  # the child's options (JSON); removed from its environment at once
-_FORWARDED = (signal.SIGINT, signal.SIGTERM)
+_FORWARDED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 def available(out: Any) -> bool:
@@ -154,7 +154,7 @@ def _read_report(fd: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _forwarding() -> Iterator[Any]:
-    """SIGINT and SIGTERM go to the child (once started) instead of ending this process; the previous
+    """SIGINT, SIGTERM and SIGHUP go to the child (once started) instead of ending this process; the previous
     handlers come back on exit. A Ctrl-C at the terminal reaches the child directly (it is in the
     terminal's foreground process group with us), so that one is not sent a second time."""
     box: list[Any] = [None]

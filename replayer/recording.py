@@ -102,7 +102,7 @@ class Recording:
             message = str(exc.get("message") or "").splitlines()[0][:300] if exc.get("message") else ""
             return f"{name}: {message}" if message else name
         signals = [d.get("reason") for d in (final.get("flight") or {}).get("dumps", [])
-                   if d.get("reason") in ("SIGTERM", "SIGINT")]
+                   if d.get("reason") in ("SIGTERM", "SIGINT", "SIGHUP")]
         if signals:
             return signals[-1]
         if final.get("died"):  # a hard crash under pdbg record, its ring written by the supervisor

@@ -427,20 +427,21 @@ try:
             model(torch.randn(3, 4)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-            if how in ("twice", "ctrl_c_twice") and i == 20:
-                os.kill(os.getpid(), signal.SIGTERM if how == "twice" else signal.SIGINT)
+            if how in ("twice", "ctrl_c_twice", "hangup") and i == 20:
+                os.kill(os.getpid(), {"twice": signal.SIGTERM, "hangup": signal.SIGHUP}.get(how, signal.SIGINT))
 except KeyboardInterrupt:
     print("interrupted; closed", run.closed, run.status, flush=True)
     raise
 """
 
 
-@pytest.mark.parametrize("how", ["inside_submit", "twice", "ctrl_c_twice"])
+@pytest.mark.parametrize("how", ["inside_submit", "twice", "ctrl_c_twice", "hangup"])
 def test_a_signal_at_any_moment_writes_the_ring_once_and_ends_the_process(tmp_path: Path, how: str) -> None:
     """A SIGTERM while training held the queue's lock hung the process for ever (the handler waited
     for the writer, which waited for the lock); a second SIGTERM while the first was handled (a
     signal to the process group, and pdbg's forward of it) or a second Ctrl-C while the recording
-    closed cut the close in half: the ring was lost, the store left "recording"."""
+    closed cut the close in half: the ring was lost, the store left "recording". A SIGHUP (the
+    terminal or ssh session closed) ended the process without writing the ring."""
     script = tmp_path / "child.py"
     script.write_text(SIGNALLED)
     out = tmp_path / "run.zarr"
@@ -450,10 +451,10 @@ def test_a_signal_at_any_moment_writes_the_ring_once_and_ends_the_process(tmp_pa
         assert res.returncode == -signal.SIGINT and "interrupted; closed True crashed" in res.stdout, res.stderr[-2000:]
         assert res.stderr.rstrip().endswith("KeyboardInterrupt"), res.stderr[-2000:]
     else:
-        assert res.returncode == -signal.SIGTERM, res.stderr[-2000:]
+        assert res.returncode == -(signal.SIGHUP if how == "hangup" else signal.SIGTERM), res.stderr[-2000:]
     import replayer
 
     rec = replayer.open(out)
-    assert rec.status == "crashed" and rec.ended_by in ("SIGTERM", "KeyboardInterrupt"), rec.ended_by
+    assert rec.status == "crashed" and rec.ended_by in ("SIGTERM", "SIGHUP", "KeyboardInterrupt"), rec.ended_by
     kept = [s for s in rec.steps if all(r.has_payload for r in s.records)]
     assert kept and all(replayer.replay(rec, s.index).match for s in kept[:4])
