@@ -81,7 +81,15 @@ def _summary(out: str, result: Any) -> str:
 
     who = collectives.identity()  # under torchrun every rank prints this line: say whose it is
     rank = f"rank {who['rank']} of {who['world_size']}: " if who["world_size"] > 1 else ""
-    text = f"{rank}recording in {out} ({result.status}, {result.steps} step{'s' if result.steps != 1 else ''})"
+    steps = result.steps
+    if result.status != "complete":  # what is on disk, not what was started (a full disk, a store deleted)
+        try:
+            from recorder.store.reader import RunReader
+
+            steps = len(RunReader(out).rank(who["rank"]))
+        except Exception:  # noqa: BLE001 - gone, or unreadable: say so rather than a count
+            return f"{rank}no readable recording in {out} ({result.status}: it was deleted or damaged while recording)"
+    text = f"{rank}recording in {out} ({result.status}, {steps} step{'s' if steps != 1 else ''})"
     if result.died is not None:
         return text + _death(result)
     if result.exception_name is None:

@@ -642,3 +642,30 @@ def test_a_store_deleted_while_recording_is_not_made_again(tmp_path):
     assert said == [f"PaperDebugger stopped recording: {path} was deleted while it was being recorded, and nothing of "
                     "it is left to read; record to a path nothing else deletes. Training continues"], said
     assert not path.exists() and run.status == "incomplete"
+
+
+DELETES_ITS_STORE = """
+import shutil, sys, torch, recorder
+
+@recorder.paper_step("Eq. 1")
+def double(x):
+    return torch.tanh(x) * 2
+
+for i in range(400):
+    double(torch.full((8,), float(i)))
+    if i == 200:
+        shutil.rmtree(sys.argv[1])  # a cleaner of temporary files
+print("trained", flush=True)
+"""
+
+
+def test_pdbg_record_does_not_count_steps_of_a_recording_that_is_gone(tmp_path):
+    """pdbg record's last line said "recording in run.zarr (incomplete, 400 steps)" for a directory
+    that no longer existed: the steps started, not those on disk."""
+    from tests.cli import pdbg
+
+    (tmp_path / "train.py").write_text(DELETES_ITS_STORE)
+    res = pdbg("record", "-o", "run.zarr", "--", "train.py", "run.zarr", cwd=tmp_path)
+    assert res.returncode == 0 and "trained" in res.stdout, res.stderr
+    assert res.stderr.rstrip().splitlines()[-1] == (
+        "pdbg: no readable recording in run.zarr (incomplete: it was deleted or damaged while recording)")
