@@ -296,7 +296,7 @@ def test_a_mismatch_names_the_attributes_a_constructor_made(tmp_path: Path) -> N
     assert not later.match and later.warnings == [
         "attributes that could not be recorded as data came from the module's constructor (the step's module: "
         "center (torch:Tensor), shape_of (builtins:function)); if training changed them after construction (a "
-        "tensor kept as an attribute, not a buffer), the replay used other values"]
+        "tensor kept as an attribute, not a buffer), the replay used other values (a likely cause of any difference)"]
 
 
 def test_a_module_keeps_nothing_of_the_recorder_in_its_own_state(tmp_path: Path) -> None:
