@@ -313,3 +313,29 @@ def test_an_intervention_is_reported_as_what_it_did(stack_run: tuple[Path, objec
     raised = pdbg("replay", run, "Scaled@iter=1#0", "--edit", "args.0=x[:, :2]", cwd=tmp_path)
     assert raised.returncode == 1 and raised.stdout.rstrip().splitlines()[-1].startswith(
         "MISMATCH, as an intervention makes it: the replay raised RuntimeError"), raised.stdout
+
+
+def test_a_recipe_keeps_settings_under_the_recordings_names(tmp_path: Path) -> None:
+    """`--set deterministic=true` was saved as "deterministic" and listed so by pdbg info, while the
+    replay said "set deterministic_algorithms=True" (and docs/FORMAT.md showed the latter)."""
+    import recorder
+
+    run = tmp_path / "run.zarr"
+    with recorder.record(run, mode="full"):
+        nanmodels.smooth_relu(torch.randn(4))
+    rec = replayer.open(run)
+    saved = recipes.save(rec, "det", rec.step(0), settings={"deterministic": True, "threads": 1})
+    assert saved["settings"] == {"deterministic_algorithms": True, "num_threads": 1}
+    assert "set deterministic_algorithms=True" in recipes.describe({**saved, "settings": {"deterministic": True}})
+
+
+def test_the_api_names_its_errors_and_checks_a_role() -> None:
+    """replayer's docstrings named ReplayError and InterventionError, which it did not export; a
+    misspelt role gave an empty list."""
+    from recorder.errors import PdbgError, RecordingError
+
+    assert issubclass(replayer.ReplayError, replayer.PdbgError) and replayer.PdbgError is PdbgError
+    assert issubclass(replayer.InterventionError, PdbgError) and issubclass(replayer.StepNotFoundError, PdbgError)
+    step = replayer.Step.__new__(replayer.Step)
+    with pytest.raises(RecordingError, match="unknown role 'bogus': use one of input, output, param"):
+        replayer.Step.tensors(step, "bogus")
