@@ -591,3 +591,29 @@ def test_a_bundle_carries_the_script_only_for_code_it_defined_and_finds_what_it_
     assert "source files carried: " in info.stdout and "common.py" in info.stdout, info.stdout
     res = pdbg("replay", "b.pdbg", "--use-bundled-source", cwd=elsewhere, code=elsewhere)
     assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
+
+
+def test_the_changed_code_mark_looks_for_a_module_where_a_replay_does(tmp_path: Path, monkeypatch) -> None:
+    """A src/ layout recorded with PYTHONPATH=src, looked at without it: pdbg info of a bundle said
+    the code was "not found here" and the TUI showed no changed-code mark, while a replay found the
+    module through the recorded file and warned that it had changed."""
+    import importlib
+
+    from replayer.code import drift_without_running
+
+    package = tmp_path / "src" / "driftpkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "acts.py").write_text("import torch\nimport recorder\n\n\n@recorder.paper_step('Eq. 1')\n"
+                                     "def act(x):\n    return torch.tanh(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    module = importlib.import_module("driftpkg.acts")
+    with recorder.record(tmp_path / "run.zarr"):
+        module.act(torch.randn(3))
+    for name in ("driftpkg.acts", "driftpkg"):
+        sys.modules.pop(name, None)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path / "src")])
+    step = replayer.open(tmp_path / "run.zarr").step(0)
+    assert drift_without_running(step.definition, step.rec.run_info, []).startswith("unchanged (")
+    (package / "acts.py").write_text((package / "acts.py").read_text().replace("tanh", "sigmoid"))
+    assert drift_without_running(step.definition, step.rec.run_info, []).startswith("changed since recording (")
