@@ -95,6 +95,17 @@ def warn(message: str, stacklevel: int = 2) -> None:
         print(f"RecorderWarning: {message}", file=sys.stderr, flush=True)
 
 
+def _outside_recorder() -> int:
+    """``warn``'s stacklevel for the first frame, from its caller's caller out, of code that is not the
+    recorder's own (nor torch's or the standard library's hooks it ran through)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (frame.f_code.co_filename.startswith((here, "<")) or
+                                 os.sep + "torch" + os.sep in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
 class WriterStopped(Exception):
     """The writer thread failed or was given up on: nothing more can be recorded. Not a RuntimeError,
     which capture takes for a tensor it cannot copy."""
@@ -284,11 +295,12 @@ class Session:
             else:
                 self.failure = f"{where}: {type(exc).__name__}: {exc}"
                 message = f"PaperDebugger stopped recording ({self.failure}); training continues"
+            level = _outside_recorder()  # the user's line that called into the recording, not the recorder's
             if isinstance(exc, WriterStopped) and self.pipeline.store_gone():
-                warn(message, stacklevel=3)
+                warn(message, stacklevel=level)
             else:
                 warn(f"{message} and the steps committed so far stay readable; the run is marked incomplete (crashed "
-                     "where not even that can be written)", stacklevel=3)
+                     "where not even that can be written)", stacklevel=level)
 
     def disown(self) -> None:
         """In a forked child (a DataLoader worker): record nothing. The writer thread, the store and

@@ -641,6 +641,8 @@ def test_a_store_deleted_while_recording_is_not_made_again(tmp_path):
     said = recording_ours(caught)
     assert said == [f"PaperDebugger stopped recording: {path} was deleted while it was being recorded, and nothing of "
                     "it is left to read; record to a path nothing else deletes. Training continues"], said
+    # the warning points at the training code's line, not at the recorder's (recorder/capture.py:520)
+    assert [w.filename for w in caught if "stopped recording" in str(w.message)] == [__file__]
     assert not path.exists() and run.status == "incomplete"
 
 
