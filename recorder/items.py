@@ -80,14 +80,21 @@ SKIPS_LISTED = 1024  # skipped iterations listed whatever their scale; past that
 
 @dataclass
 class ScalerSkip:
-    """GradScaler skipped the optimizer step ending ``iteration`` at loss ``scale`` (``count`` skips so
-    far; ``listed``: whether the iteration is listed). Committed with the manifest's ``info``, so that
-    a run killed before it closed still says which overflows its scaler handled."""
+    """GradScaler skipped the optimizer step ending ``iteration`` at loss ``scale``. The writer lists
+    it in the run's ``info`` (committed with each manifest, so that a run killed before it closed
+    still says which overflows its scaler handled; ``final`` at the end)."""
 
     iteration: int
     scale: float | None
-    count: int
-    listed: bool
+
+    def add_to(self, info: dict) -> None:
+        """Count it in ``info[SKIPS_KEY]`` and list it: the first SKIPS_LISTED of any scale, and every
+        one bisect passes over (at a scale above 1: about one per growth interval of the scaler)."""
+        doc = info.setdefault(SKIPS_KEY, {"count": 0, "iterations": [], "scales": []})
+        doc["count"] += 1
+        if len(doc["iterations"]) < SKIPS_LISTED or self.scale is None or self.scale > 1.0:
+            doc["iterations"].append(self.iteration)
+            doc["scales"].append(self.scale)
 
 
 ALIGN = 64  # bytes: torch's CPU allocator's alignment

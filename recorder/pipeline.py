@@ -36,7 +36,7 @@ import torch
 
 from . import jsonval, snapshot
 from . import payload as payload_mod
-from .items import SKIPS_KEY, ForgetIterations, PayloadItem, ScalerSkip, StagingPool, StepItem
+from .items import ForgetIterations, PayloadItem, ScalerSkip, StagingPool, StepItem
 from .store import backend, layout
 from .store.writer import StoreWriter
 
@@ -386,11 +386,7 @@ class Pipeline:
                 else:
                     del self._waiting[ref]
         elif isinstance(item, ScalerSkip):
-            doc = self.writer.info.setdefault(SKIPS_KEY, {"count": 0, "iterations": [], "scales": []})
-            doc["count"] = item.count
-            if item.listed:
-                doc["iterations"].append(item.iteration)
-                doc["scales"].append(item.scale)
+            item.add_to(self.writer.info)
         else:
             raise TypeError(f"unexpected queue item {type(item).__name__}")
 

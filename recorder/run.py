@@ -28,7 +28,7 @@ from torch.optim import optimizer as optimizer_mod
 
 from . import autohooks, capture, collectives, compiled, jsonval, monitors, snapshot
 from .errors import RecordingError
-from .items import SKIPS_KEY, SKIPS_LISTED, ScalerSkip
+from .items import ScalerSkip
 from .pipeline import WHEN_SLOW, Pipeline
 from .store import backend, layout
 from .store import codecs as codecs_api
@@ -119,16 +119,12 @@ class Run:
                                        modules=modules, on_anomaly=on_anomaly, keep=keep,
                                        max_ring_bytes=max_ring_bytes)
         self._unmatched_said: set[str] = set()  # modules globs already reported as matching nothing
-        self._handling: list[int] | None = None  # while a signal is handled: copies that came meanwhile
         self._signals = self._catch_signals() if mode == "flight" else {}
         self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
         self._hooks: list[Any] = []
         self._stepping: int | None = None  # with optimizer="auto": id of the optimizer that counts
         self._optimizer = optimizer
         self._stepped: int | None = None  # id of the optimizer whose step hook ran last (see _GradScaling)
-        self.grad_scaler_skipped: list[int] = []  # iterations whose optimizer step GradScaler skipped
-        self.grad_scaler_scales: list[float | None] = []  # the loss scale of each of them
-        self._skips = 0
         if optimizer == "auto":
             self._hooks.append(optimizer_mod.register_optimizer_step_post_hook(self._on_any_step))
         elif optimizer is not None:
@@ -201,7 +197,7 @@ class Run:
 
     def _skipped_step(self, optimizer: torch.optim.Optimizer, scale: float | None = None) -> None:
         """GradScaler skipped ``optimizer.step()`` (Inf or NaN in the scaled gradients) at loss scale
-        ``scale``: the iteration ends as if it had stepped, and is listed in ``grad_scaler_skipped``
+        ``scale``: the iteration ends as if it had stepped, and is listed in the run's ``grad_scaler_skipped``
         (see _GradScaling)."""
         before = self.session.iteration
         if self._optimizer is None:
@@ -210,15 +206,8 @@ class Run:
             self._on_any_step(optimizer)
         elif optimizer is self._optimizer:
             self.next_iteration()
-        if self.session.iteration != before:
-            self._skips += 1
-            # Listed: every skip bisect passes over (scale above 1: at most about one per growth
-            # interval of the scaler, once it settles) and the first SKIPS_LISTED of any scale.
-            listed = len(self.grad_scaler_skipped) < SKIPS_LISTED or scale is None or scale > 1.0
-            if listed:
-                self.grad_scaler_skipped.append(before)
-                self.grad_scaler_scales.append(scale)
-            self.pipeline.submit(ScalerSkip(before, scale, self._skips, listed))
+        if self.session.iteration != before:  # the writer keeps the list (the manifest's info, then final)
+            self.pipeline.submit(ScalerSkip(before, scale))
 
     # -- pausing, paths and anomalies (what framework callbacks build on: recorder.framework) --------
     def pause(self) -> None:
@@ -343,9 +332,6 @@ class Run:
             exception = self.session.stopped_by
         if exception is not None:
             info["exception"] = jsonval.encode(capture.exception_doc(exception, limit=None))
-        if self._skips:
-            info[SKIPS_KEY] = {"count": self._skips, "iterations": self.grad_scaler_skipped,
-                                           "scales": self.grad_scaler_scales}
         if self.failure:
             info["recorder_failure"] = self.failure
         try:
@@ -376,39 +362,32 @@ class Run:
         return previous
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._handling is not None:  # a copy that came while the first is handled (a signal to the whole
-            self._handling.append(signum)  # process group and pdbg's forward of it): after the first
-            return
         if self.closed:  # put back after close() by code that had saved it (Lightning's teardown)
             _pass_signal(self._replaced.get(signum, signal.SIG_DFL), signum, frame)
             return
         if self._forked():  # a DataLoader worker terminated with its job: the parent writes the ring
             _pass_signal(self._signals.get(signum, signal.SIG_DFL), signum, frame)
             return
-        self._handling = later = []
         handler = self._signals.get(signum, signal.SIG_DFL)
-        try:
-            # The signal may have come while training held the queue's lock (handing an item over):
-            # the writer thread must have it while the ring is written and the recording closed.
-            with self.pipeline.released():
-                self.session.dump_ring(signal.Signals(signum).name)
-                if callable(handler) or handler == signal.SIG_IGN:  # the program's own handler decides;
-                    self.flush()                                     # recording goes on if the program does
-                else:  # the signal would have ended the process: close the recording, then let it
-                    self.close("crashed")
-        finally:
-            self._handling = None
+        # Copies that come meanwhile (a signal to the whole process group, and pdbg's forward of it)
+        # wait for this one; and the signal may have come while training held the queue's lock
+        # (handing an item over): the writer thread must have it while the ring is written.
+        with self._signals_held() as came, self.pipeline.released():
+            self.session.dump_ring(signal.Signals(signum).name)
+            if callable(handler) or handler == signal.SIG_IGN:  # the program's own handler decides; recording
+                self.flush()                                     # goes on if the program does
+            else:  # the signal would have ended the process: close the recording, then let it
+                self.close("crashed")
         _pass_signal(handler, signum, frame)
-        for again in later:  # (where the first ended the process, none of these is reached)
-            if again != signum or callable(handler):
-                _pass_signal(self._signals.get(again, self._replaced.get(again, signal.SIG_DFL)), again, frame)
+        for again in dict.fromkeys(came):  # (where the first ended the process, none of these is reached)
+            _pass_signal(signal.getsignal(again), again, frame)
 
     @contextlib.contextmanager
     def _signals_held(self) -> Iterator[list[int]]:
-        """While the recording closes on the main thread, SIGINT and SIGTERM (a second Ctrl-C, a
-        signal to the process group after pdbg forwarded its own copy) are held, so that they
-        cannot cut the close (the ring's write, the final status) in half; yields those that came.
-        After, each signal's handler is the program's own again (this recording's taken out)."""
+        """While a signal is handled or the recording closes, on the main thread, the signals that end a
+        process (a second Ctrl-C, a signal to the process group after pdbg forwarded its own copy) are
+        held, so that they cannot cut the ring's write or the close in half; yields those that came.
+        After, each handler is as it was, but this recording's, once it is closed: the program's own."""
         came: list[int] = []
         if threading.current_thread() is not threading.main_thread():
             yield came
@@ -417,19 +396,17 @@ class Run:
         def hold(signum: int, frame: Any) -> None:
             came.append(signum)
 
-        after = {}
-        for sig in _ENDING:
-            now = signal.getsignal(sig)
-            if now is None:  # set outside Python: left alone
-                continue
-            after[sig] = self._signals.get(sig, signal.SIG_DFL) if now == self._on_signal else now
-            signal.signal(sig, hold)
+        before = {sig: signal.getsignal(sig) for sig in _ENDING}
+        for sig, handler in before.items():
+            if handler is not None:  # (None: set outside Python, left alone)
+                signal.signal(sig, hold)
         try:
             yield came
         finally:
-            for sig, handler in after.items():
-                if signal.getsignal(sig) is hold:
-                    signal.signal(sig, handler)
+            for sig, handler in before.items():
+                if handler is not None and signal.getsignal(sig) is hold:
+                    ours = handler == self._on_signal and self.closed
+                    signal.signal(sig, self._replaced.get(sig, signal.SIG_DFL) if ours else handler)
 
     def _restore_signals(self) -> None:
         for sig, handler in self._signals.items():
@@ -633,8 +610,6 @@ def git_state(where: str) -> dict[str, Any] | None:
         return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
         return None
-
-
 
 
 class _GradScaling:

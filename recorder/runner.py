@@ -57,11 +57,15 @@ def check_output(out: str | os.PathLike[str]) -> Path:
     return path
 
 
-def check_script(script: str | os.PathLike[str], args: list[str] | None = None) -> Path:
-    """The script's file; for ``-m MODULE`` (``script`` "-m", the module the first of ``args``),
-    the module's, found as ``python -m`` would (from the working directory)."""
+def script_target(script: str | os.PathLike[str], args: list[str]) -> tuple[Path, str | None, list[str]]:
+    """What to run: the script's file, the module it runs as (``-m MODULE``: ``script`` "-m", the
+    module the first of ``args``, found as ``python -m`` would; else None) and its arguments."""
     if os.fspath(script) == "-m":
-        return module_target(args or [])[0]
+        return module_target(args)
+    return check_script(script), None, args
+
+
+def check_script(script: str | os.PathLike[str]) -> Path:
     path = Path(script)
     if not path.exists():
         raise RecordingError(f"{script}: no such file; give the path of the Python script to record")
@@ -114,11 +118,7 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
     """
     from .run import Run
 
-    module = None
-    if os.fspath(script) == "-m":  # python -m MODULE: run as that module, its package imported
-        script_path, module, args = module_target(args)
-    else:
-        script_path = check_script(script)
+    script_path, module, args = script_target(script, args)  # (-m MODULE: run as that module, in its package)
     remote = backend.is_url(out)  # s3://...: checked when the run opens it (credentials, bucket)
     out_path: Any = out if remote else check_output(out)
     # Left behind when nothing could be recorded, unless other ranks of the run may be writing there.

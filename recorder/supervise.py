@@ -52,7 +52,7 @@ def run_script_in_child(script: str | os.PathLike[str], args: list[str], out: st
     Falls back to ``runner.run_script`` in this process, with one warning, when no shared memory can
     be had. Raises RecordingError for a missing script, an unusable output or options the recording
     refuses, before or without recording anything."""
-    runner.check_script(script, args)
+    runner.script_target(script, args)
     runner.check_output(out)
     try:
         ring = shmring.create(options.get("max_ring_bytes", 4 << 30))

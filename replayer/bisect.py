@@ -352,6 +352,14 @@ class _Kinds:
         return np.where(enough, counted_by_call[group] | (alone & counted_by_step[step]), judged)
 
 
+    def masks(self) -> np.ndarray:
+        """Per step: Inf (only) made from finite inputs, at every call with finite inputs (an additive
+        -inf mask), judged among those calls where there are two or more (training goes on past a
+        NaN, and the mask's later calls take it)."""
+        inf_made = self.result & ~self.nan_result & ~self.given
+        return inf_made & self.habitual(inf_made, among=~self.given)
+
+
 def meant_inf(rec: Recording) -> np.ndarray:
     """Per step: its results hold Inf and no NaN that the model means, as ``first_nonfinite`` judges
     them: made at every call from finite inputs (an additive -inf mask), or taken at every call and
@@ -359,10 +367,8 @@ def meant_inf(rec: Recording) -> np.ndarray:
     if not len(rec):
         return np.zeros(0, dtype=bool)
     k = _Kinds.of(rec)
-    inf_only = k.result & ~k.nan_result
-    made = inf_only & ~k.given
-    passed = inf_only & k.given & ~k.nan_given
-    return (made & k.habitual(made, among=~k.given)) | (passed & k.habitual(k.given))
+    passed = k.result & ~k.nan_result & k.given & ~k.nan_given
+    return k.masks() | (passed & k.habitual(k.given))
 
 
 def _kinds_recorded(rec: Recording) -> bool:
@@ -416,9 +422,7 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     made = k.nan_result & ~k.nan_given
     inf_made = k.result & ~k.nan_result & ~k.given  # Inf (only) from finite inputs
     if inf_made.any():
-        # (judged among the calls whose inputs were finite: a mask's calls after a NaN reached its
-        # inputs make no Inf of their own, and training on past a NaN is the usual case)
-        made |= inf_made & ~k.habitual(inf_made, among=~k.given)
+        made |= inf_made & ~k.masks()
     if made.any():
         index = _innermost(rec, int(np.flatnonzero(made)[0]), made)
         step = rec.step(index)

@@ -36,7 +36,7 @@ from recorder.store.writer import StoreWriter
 
 from . import recipes as recipes_mod
 from .bisect import step_flags, subtree
-from .code import SESSION_SCRIPT, made_here
+from .code import SESSION_SCRIPT, made_here, package_root
 from .recording import BUNDLE_KEY, Recording, Step
 
 FORMAT = "paperdebugger.bundle"
@@ -156,13 +156,9 @@ def _project_imports(name: str, file: str, text: str, cwd: str | None = None) ->
     its parent on ``sys.path`` to import ``common``."""
     path = Path(file)
     init = path.name == "__init__.py"
-    root = path.parent
+    root = path.parent if name == "__main__" else package_root(name, path)
     roots = [root]
-    if name != "__main__":
-        for _ in range(name.count(".") + init):
-            root = root.parent
-        roots = [root]
-    elif cwd is not None and Path(cwd) in root.parents:
+    if name == "__main__" and cwd is not None and Path(cwd) in root.parents:
         roots += [p for p in root.parents if p == Path(cwd) or Path(cwd) in p.parents]
     package = name if init else name.rpartition(".")[0]
     if name == "__main__":

@@ -147,10 +147,7 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
     where = str(file.resolve().parent)
     if main_module and all(part.isidentifier() for part in main_module.split(".")) and "." in main_module:
         module.__package__ = main_module.rpartition(".")[0]
-        root = file.resolve().parent
-        for _ in range(main_module.count(".") - (file.name == "__init__.py")):
-            root = root.parent
-        where = str(root)
+        where = str(package_root(main_module, file.resolve()))
     # A guarded script's top level runs whole; an unguarded one's definitions one by one: one that
     # fails there (``out = sys.argv[1]``: the replaying process has other arguments) is left out
     # and named, with what reads what it would have set.
@@ -187,6 +184,15 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
         skipped = skipped | frozenset(unset)
     linecache.checkcache(str(file))
     return module, note, skipped
+
+
+def package_root(name: str, file: str | os.PathLike[str]) -> Path:
+    """The directory module ``name`` is imported from, given its file (``src`` for ``mypkg.train``
+    at ``src/mypkg/train.py``, or for ``mypkg`` at ``src/mypkg/__init__.py``)."""
+    root = Path(file).parent
+    for _ in range(name.count(".") + (Path(file).name == "__init__.py")):
+        root = root.parent
+    return root
 
 
 @contextlib.contextmanager
@@ -311,10 +317,7 @@ class CodeLoader:
             return self._from_bundle(name, file)
         dirs = list(self.dirs)
         if file:
-            root = Path(file).parent
-            for _ in range(name.count(".") + (Path(file).name == "__init__.py")):
-                root = root.parent
-            dirs.append(str(root))
+            dirs.append(str(package_root(name, file)))
         try:
             with extra_path(dirs):
                 return importlib.import_module(name)
@@ -537,13 +540,8 @@ def drift_without_running(definition: dict[str, Any], run_info: dict[str, Any], 
         script = run_info.get("script")
         file = Path(script) if script and os.path.isfile(script) else None
     else:
-        extra = []
-        recorded_file = definition.get("file")
-        if isinstance(recorded_file, str) and module:  # where a replay looks too: the recorded file's root
-            root = Path(recorded_file).parent
-            for _ in range(module.count(".") + (Path(recorded_file).name == "__init__.py")):
-                root = root.parent
-            extra.append(str(root))
+        recorded = definition.get("file")  # where a replay looks too (CodeLoader.module): the recorded file's root
+        extra = [str(package_root(module, recorded))] if isinstance(recorded, str) and module else []
         file = find_module_file(module, [*dirs, *extra])
     if file is None:
         return "not found here"

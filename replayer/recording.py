@@ -308,17 +308,24 @@ def paper_reference(paper: dict[str, Any]) -> str:
     (Eq. 7)"; "" for a step without one. The algorithm is named where the label does not name it,
     the step number where the label does not say it, the equation where it is not the label."""
     label = str(paper.get("label") or "")
-    algorithm, step, equation = paper.get("algorithm"), paper.get("step"), paper.get("equation")
+    algorithm, step, equation = algorithm_of(paper), paper.get("step"), paper.get("equation")
     ref = label
-    algorithm = f"Algorithm {algorithm}" if isinstance(algorithm, int) else algorithm
-    if algorithm is not None and str(algorithm) and not mentions(label, algorithm):
-        ref = f"{algorithm}, {label}" if label else str(algorithm)
+    if algorithm and not mentions(label, algorithm):
+        ref = f"{algorithm}, {label}" if label else algorithm
     if step is not None and not mentions(ref, f"step {step}"):
         ref += f", step {step}" if ref else f"step {step}"
     if equation and str(equation) != label and not mentions(ref, equation):
         equation = str(equation)
         ref += f" {equation}" if equation.startswith("(") else f" ({equation})"
     return ref
+
+
+def algorithm_of(paper: dict[str, Any]) -> str | None:
+    """The algorithm a paper reference names, as text ("Algorithm 1" for ``algorithm=1``), or None."""
+    algorithm = paper.get("algorithm")
+    if algorithm is None or algorithm == "":
+        return None
+    return f"Algorithm {algorithm}" if isinstance(algorithm, int) else str(algorithm)
 
 
 def mentions(text: str, part: Any) -> bool:
@@ -441,9 +448,8 @@ def _references(label: str | None, paper: dict[str, Any]) -> list[str | None]:
     the whole reference as listings write it ("Algorithm 1, step 5 (Eq. 7)", and without the equation)."""
     refs = [label]
     whole = paper_reference(paper)
-    algorithm = paper.get("algorithm")
-    algorithm = f"Algorithm {algorithm}" if isinstance(algorithm, int) else algorithm
-    for ref in (algorithm, paper.get("equation"), whole, whole.rsplit(" (", 1)[0] if whole.endswith(")") else None):
+    shorter = whole.rsplit(" (", 1)[0] if whole.endswith(")") else None  # without the equation
+    for ref in (algorithm_of(paper), paper.get("equation"), whole, shorter):
         if isinstance(ref, str) and ref and ref not in refs:
             refs.append(ref)
     return refs

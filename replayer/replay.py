@@ -118,6 +118,7 @@ class Replayer:
         self.loader = CodeLoader(rec.run_info, script, bundled, live_main=rec.bundle_info is None, spare=spare,
                                  bundled_modules=modules if isinstance(modules, dict) else None)
         self._env: list[str] | None = None
+        self._repository: str | None | bool = False  # what of the code's repository changed (False: not asked)
 
     def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True,
                around: Around | None = None, swap: dict[str, Any] | None = None, edit: dict[str, Any] | None = None,
@@ -374,6 +375,31 @@ class Replayer:
                 value = c.run(value)
         return value
 
+    def _likely_causes(self, result: ReplayResult, call: _Call) -> None:
+        """A replay that did not match: what the recording did not hold that may be why. Attributes a
+        module's constructor made that could not be recorded (a tensor attribute training changed, not
+        a buffer); where nothing else is named, the code's repository not as recorded (a helper the
+        step calls); module-level data the step's code reads."""
+        if result.match:
+            return
+        if call.unrecorded:
+            result.warnings.append(f"attributes that could not be recorded as data came from the module's "
+                                   f"constructor ({'; '.join(call.unrecorded)}); if training changed them after "
+                                   "construction (a tensor kept as an attribute, not a buffer), the replay used other "
+                                   "values (a likely cause of any difference)")
+        if not result.compared:
+            return
+        if not any("likely cause" in w or "changed since" in w for w in result.warnings):
+            if self._repository is False:  # once per replayer: two git processes (verify replays many steps)
+                self._repository = _repository_changed(self.rec.run_info)
+            if self._repository:
+                result.warnings.append(self._repository)
+        names = _data_globals(call.fn)
+        if names:
+            result.warnings.append(f"the step's code reads the module-level {', '.join(names)}, whose values are not "
+                                   "recorded: the replay used their values now (a likely cause of any difference, if "
+                                   "training changes them: an annealed temperature, a global step count)")
+
     # -- preparing a call ------------------------------------------------------------------------
     def _prepare(self, step: Step, warnings: list[str], rebuilt: dict[str, str],
                  grads: frozenset[str] = frozenset()) -> _Call:
@@ -615,7 +641,7 @@ class Replayer:
         if not result.compared:  # never a match: nothing was checked
             result.match = False
             result.warnings.append(NOTHING_COMPARED)
-        _hint_unrecorded(result, call)
+        self._likely_causes(result, call)
         return result
 
     # -- backward --------------------------------------------------------------------------------
@@ -762,7 +788,7 @@ class Replayer:
             result.inner = tap.compare_backward(param_grads, fwd.module_path, step.index)
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
-        _hint_unrecorded(result, call)
+        self._likely_causes(result, call)
         return result
 
 
@@ -792,26 +818,6 @@ def _by_type(doc: Any) -> Any:
     if isinstance(doc, list):
         return [_by_type(v) for v in doc]
     return doc
-
-
-def _hint_unrecorded(result: ReplayResult, call: _Call) -> None:
-    """A replay that did not match, of a module whose constructor made what could not be recorded:
-    name those attributes, the likely cause (a tensor attribute training changed, not a buffer)."""
-    if not result.match and call.unrecorded:
-        result.warnings.append(f"attributes that could not be recorded as data came from the module's constructor "
-                               f"({'; '.join(call.unrecorded)}); if training changed them after construction (a "
-                               "tensor kept as an attribute, not a buffer), the replay used other values (a likely "
-                               "cause of any difference)")
-    if not result.match and result.compared and not any("likely cause" in w or "changed since" in w
-                                                         for w in result.warnings):
-        note = _repository_changed(call.step.rec.run_info)
-        if note:
-            result.warnings.append(note)
-    names = _data_globals(call.fn) if not result.match and result.compared else []
-    if names:
-        result.warnings.append(f"the step's code reads the module-level {', '.join(names)}, whose values are not "
-                               "recorded: the replay used their values now (a likely cause of any difference, if "
-                               "training changes them: an annealed temperature, a global step count)")
 
 
 def _repository_changed(run_info: dict[str, Any]) -> str | None:

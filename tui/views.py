@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from rich.cells import cell_len, set_cell_size
 from recorder.errors import PdbgError
 from recorder.store import layout
 from replayer.bisect import Condition, describe, meant_inf, with_alerts
-from replayer.recording import Recording, Step, paper_of
+from replayer.recording import Recording, Step, algorithm_of, paper_of
 
 STATUS_STYLE = {"ok": "green", "alert": "yellow", "nonfinite": "bold red", "exception": "bold magenta"}
 ROLE_ORDER = {role: i for i, role in enumerate(layout.ROLES)}
@@ -81,7 +82,6 @@ class TimelineModel:
         self._ids: np.ndarray | None = None
         self._texts: list[str] = []
         self._row_text: dict[tuple[int, int, int], tuple[str, str | None, str]] = {}
-        self.meant: np.ndarray | None = None  # steps whose Inf is meant (a mask): n passes over them
 
     # whole numeric columns, on first use (filters, searches, the paper view)
     @property
@@ -226,6 +226,11 @@ class TimelineModel:
             (f" {bar} {fmt_seconds(duration):>7}", "dim"),
         ]
 
+    @cached_property
+    def meant(self) -> np.ndarray:
+        """Per step: Inf the model means (a -inf mask made or passed on at every call): ``n`` passes over them."""
+        return meant_inf(self.rec)
+
     # filters ---------------------------------------------------------------------------------
     def apply_filter(self, text: str) -> int:
         """Keep the steps whose name, paper label or module path contains ``text``, or which match
@@ -321,8 +326,6 @@ def next_anomaly(model: TimelineModel, index: int, step: int) -> int:
     """The next (or previous) step shown (the filter's, if one is set) whose status is not ok, but for
     Inf the model means (a -inf mask made or passed on at every call: ``replayer.bisect.meant_inf``)."""
     shown = model.rows
-    if model.meant is None:
-        model.meant = meant_inf(model.rec)
     bad = shown[(model.status[shown] != 0) & ~model.meant[shown]]
     if step > 0:
         later = bad[bad > index]
@@ -638,9 +641,7 @@ def _paper_path(paper: dict[str, Any]) -> list[str]:
     """A reference's branches in the paper tree: algorithm, step number, then the label and equation
     where a branch above does not already say them ("Algorithm 1" → "step 5" → "Eq. 7")."""
     label, step, equation = str(paper.get("label") or ""), paper.get("step"), paper.get("equation")
-    algorithm = paper.get("algorithm")
-    algorithm = (f"Algorithm {algorithm}" if isinstance(algorithm, int) else str(algorithm)) if algorithm is not None \
-        else (label if step is not None else None)
+    algorithm = algorithm_of(paper) or (label if step is not None else None)
     path = [p for p in (algorithm, step is not None and f"step {step}") if p]
     rest = label if label and label != algorithm and label.lower() != f"step {step}".lower() else ""
     if equation and str(equation) != label:

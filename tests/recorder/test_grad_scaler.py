@@ -150,7 +150,7 @@ def test_past_the_first_skips_those_bisect_passes_over_are_still_listed(run_path
     (a long run's overflows past the first thousand were not, and bisect named them as origins)."""
     import replayer
 
-    monkeypatch.setattr("recorder.run.SKIPS_LISTED", 1)
+    monkeypatch.setattr("recorder.items.SKIPS_LISTED", 1)
     with pytest.raises(recorder.NonFiniteError):
         train(run_path, init_scale=8.0, nan_from=2)  # skipped at scales 8, 4, 2, then 1 (stopped)
     skipped = RunReader(run_path).rank(0).final["grad_scaler_skipped"]

@@ -157,8 +157,10 @@ def test_settings_the_replayed_step_changes_itself_are_the_callers_again_afterwa
     """Only the settings the replay applied (where the recording's differed from the caller's) were
     put back: a step that set the default dtype, deterministic algorithms, matmul precision and
     the thread count itself left them so in the caller's process (a notebook, the TUI)."""
+    from replayer import state
+
     path = tmp_path / "run.zarr"
-    threads = torch.get_num_threads()
+    threads, entry = torch.get_num_threads(), snapshot.settings()
     try:
         with recorder.record(path):
             leaves_settings(torch.randn(3))
@@ -175,6 +177,7 @@ def test_settings_the_replayed_step_changes_itself_are_the_callers_again_afterwa
         torch.use_deterministic_algorithms(False)
         torch.set_float32_matmul_precision("highest")
         torch.set_num_threads(threads)
+        state._restore_precision(entry)  # (the legacy setter moves torch's newer precision settings too)
 
 
 @recorder.paper_step("Eq. 9")
