@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import enum
 import functools
@@ -94,6 +95,35 @@ def _plain_object(value: Any) -> bool:
     return len(value.__dict__) <= _MAX_FIELDS
 
 
+def _mapping_class(cls: type) -> bool:
+    """A dict subclass that is its items and its ``__dict__`` (EasyDict, addict's Dict, yacs's CfgNode,
+    Counter, OrderedDict and subclasses of it): classes defined in Python between it and ``dict`` (or
+    ``OrderedDict``), metaclass ``type``, no ``__slots__`` (state outside both). Not defaultdict: its
+    default factory is code."""
+    if type(cls) is not type or not issubclass(cls, dict) or cls is dict or issubclass(cls, collections.defaultdict):
+        return False
+    for c in cls.__mro__:
+        if c in (dict, collections.OrderedDict):
+            return True
+        if not (c.__flags__ & _HEAPTYPE) or c.__dict__.get("__slots__", ()) != ():
+            return False
+    return False
+
+
+def _mapping(value: dict, pairs: list, sub: Callable[[Any, Any], Any]) -> dict | None:
+    """``$mapping`` of a dict subclass: its type, its items in order (a list of pairs: JSON objects are
+    sorted when written) and its attributes that are not the same-named item (EasyDict's all are)."""
+    state = getattr(value, "__dict__", None)
+    own = {k: v for k, v in state.items() if not (dict.__contains__(value, k) and dict.__getitem__(value, k) is v)
+           } if isinstance(state, dict) else {}
+    if len(own) > _MAX_FIELDS or not all(type(k) is str and not _SURROGATE.search(k) for k in own):
+        return None
+    out = {"type": type_ref(value), "items": [[sub(k, k), sub(k, v)] for k, v in pairs]}
+    if own:
+        out["attrs"] = {k: sub(k, v) for k, v in own.items()}
+    return {"$mapping": out}
+
+
 def _opaque(value: Any) -> dict:
     try:
         text = repr(value).encode("utf-8", "backslashreplace").decode()[:200]
@@ -131,8 +161,9 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
 
     Never raises: unsupported objects, cycles and values deeper than ``max_depth`` become ``$opaque``;
     ``$bigint`` (hex) and ``$ustr`` carry ints too long for JSON parsers and strings with lone surrogates.
-    Lost: dict subclasses (OrderedDict, defaultdict: plain dicts), subclasses of list/tuple (unless
-    namedtuples) and of int/float/str (unless enums), nan sign/payload bits, key order under dumps.
+    Lost: dict subclasses other than ``$mapping``'s (defaultdict, those defined in C: plain dicts),
+    subclasses of list/tuple (unless namedtuples) and of int/float/str (unless enums), nan sign/payload
+    bits, key order under dumps.
 
     Args:
         value: the value to encode.
@@ -225,6 +256,10 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
             return {"$tuple": [sub(i, v) for i, v in enumerate(tuple.__iter__(value))]}
         if isinstance(value, dict):
             pairs = list(dict.items(value))
+            if type(value) is not dict and _mapping_class(type(value)):
+                mapping = _mapping(value, pairs, sub)
+                if mapping is not None:
+                    return mapping
             if all(type(k) is str and k[:1] != "$" and not _SURROGATE.search(k) for k, _ in pairs):
                 return {k: sub(k, v) for k, v in pairs}
             return {"$dict": [[sub(k, k), sub(k, v)] for k, v in pairs]}
@@ -405,6 +440,38 @@ class _Decoder:
             pass
         return Record(ref, kind, fields)
 
+    def mapping(self, tag: str, payload: Any) -> Any:
+        """A dict subclass (1.13): made by its class from its items (``cls(items)``, as EasyDict and
+        addict's Dict take them) where that holds them (values of the same types), else a bare instance
+        given them (through its ``__setitem__`` where that works); then its other attributes. A
+        class not importable here, or no longer a dict of this kind: its items, a plain dict."""
+        if not isinstance(payload, dict) or not {"type", "items"} <= set(payload) <= {"type", "items", "attrs"}:
+            _fail(f"{tag} payload must be an object with the keys type, items and (optionally) attrs")
+        ref = _expect(payload["type"], str, tag)
+        items = dict(self.items(pair, tag, 2) for pair in _expect(payload["items"], list, tag))
+        attrs = {k: self.dec(v) for k, v in _expect(payload.get("attrs", {}), dict, tag).items()}
+        try:
+            cls: Any = self.resolve(ref) if self.resolve is not None else None
+            if not (isinstance(cls, type) and _mapping_class(cls)):
+                return items
+            try:
+                obj = cls(items)
+                if type(obj) is not cls or list(dict.keys(obj)) != list(items) or any(
+                        type(dict.__getitem__(obj, k)) is not type(v) for k, v in items.items()):
+                    raise TypeError("not made of its items")  # ModelOutput takes them as its first field
+            except Exception:  # noqa: BLE001 - its __init__ takes something else: a bare instance given them
+                obj = cls.__new__(cls)
+                try:
+                    for k, v in items.items():
+                        obj[k] = v  # through its own __setitem__ (EasyDict's sets the attribute too)
+                except Exception:  # noqa: BLE001 - one that needs what __init__ sets: the items alone
+                    obj = cls.__new__(cls)
+                    (collections.OrderedDict if isinstance(obj, collections.OrderedDict) else dict).update(obj, items)
+            _set_attrs(obj, attrs)
+            return obj
+        except Exception:  # noqa: BLE001 - unimportable, or the type changed since recording
+            return items
+
     def tensor_ref(self, tag: str, payload: Any) -> Any:
         name = _expect(payload, str, tag)
         try:
@@ -467,6 +534,7 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$frozenset": lambda d, t, p: frozenset(d.items(p, t)),
     "$dict": lambda d, t, p: dict(d.items(pair, t, 2) for pair in _expect(p, list, t)),
     **dict.fromkeys(("$namedtuple", "$dataclass", "$enum", "$object"), _Decoder.record),
+    "$mapping": _Decoder.mapping,
     "$bytes": lambda d, t, p: _unb64(p, t),
     "$bytearray": lambda d, t, p: bytearray(_unb64(p, t)),
     "$complex": lambda d, t, p: complex(*d.items(p, t, 2, _NUMBERS)),
@@ -518,7 +586,7 @@ def decode(doc: Any, *, tensor: Callable[[str], Any] | None = None, import_types
     Args:
         doc: data produced by :func:`encode` (or read back by :func:`loads`).
         tensor: ``callable(name) -> Any`` for ``{"$tensor": name}`` (its errors pass); default TensorRef.
-        import_types: import dataclass/namedtuple/enum/object types (importlib, then getattr along the
+        import_types: import dataclass/namedtuple/enum/object/mapping types (importlib, then getattr along the
             qualname) and rebuild the values. Otherwise, or when that fails, nothing is called:
             Records come back. Plain objects get their fields set on a bare instance (no ``__init__``).
         resolve: ``callable("module:QualName") -> type`` used instead of importing (implies import_types).

@@ -630,7 +630,8 @@ class Replayer:
         result.values = values
         result.outputs = _compare_all(step, [r for r in step.records if r.role == "output"], values)
         doc_now = jsonval.encode(out, tensor_name=lambda t, p: f"output.{p}" if p else "output")
-        if _by_type(doc_now) != _by_type(step.output_structure):
+        as_dicts = layout.parse_version(self.rec.rank.run.schema_version) < layout.MAPPINGS_SINCE
+        if _by_type(doc_now, as_dicts) != _by_type(step.output_structure, as_dicts):
             result.outputs.append(Diff("output structure", "output", False, reason="the non-tensor parts of the "
                                        "output differ from the recording"))
         result.outputs += self._buffers_after(step, call.module, result.warnings)
@@ -808,15 +809,22 @@ def _skeleton_modules(doc: Any, path: str) -> Iterator[tuple[str, dict[str, Any]
             yield from _skeleton_modules(child, join_path(path, name))
 
 
-def _by_type(doc: Any) -> Any:
+def _by_type(doc: Any, as_dicts: bool = False) -> Any:
     """An output document with each opaque object stood for by its type alone: its repr may hold
-    its address (``<generator object ... at 0x7f...>``), which no replay gives again."""
+    its address (``<generator object ... at 0x7f...>``), which no replay gives again. ``as_dicts``:
+    dict subclasses as their items, as recordings before schema 1.13 kept them."""
     if isinstance(doc, dict):
         if len(doc) == 1 and isinstance(doc.get("$opaque"), dict):
             return {"$opaque": doc["$opaque"].get("type")}
-        return {k: _by_type(v) for k, v in doc.items()}
+        if as_dicts and len(doc) == 1 and isinstance(doc.get("$mapping"), dict):
+            pairs = doc["$mapping"].get("items")
+            pairs = [_by_type(p, as_dicts) for p in pairs] if isinstance(pairs, list) else []
+            if all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and p[0][:1] != "$" for p in pairs):
+                return dict(pairs)
+            return {"$dict": pairs}
+        return {k: _by_type(v, as_dicts) for k, v in doc.items()}
     if isinstance(doc, list):
-        return [_by_type(v) for v in doc]
+        return [_by_type(v, as_dicts) for v in doc]
     return doc
 
 

@@ -415,7 +415,7 @@ def arguments_text(doc: Any, limit: int = 300) -> str:
                         "," if len(payload) == 1 else "") + ")"
                 if tag == "$float":
                     return str(payload)
-                if tag in ("$dataclass", "$object", "$namedtuple") and isinstance(payload, dict):
+                if tag in ("$dataclass", "$object", "$namedtuple", "$mapping") and isinstance(payload, dict):
                     return f"{str(payload.get('type')).split(':')[-1]}(...)"
                 if tag == "$opaque" and isinstance(payload, dict):
                     return f"<{payload.get('type')}>"

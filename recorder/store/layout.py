@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.12"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.13"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -42,9 +42,11 @@ SCHEMA_VERSION = "1.12"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 # 1.10: output records "after:<input>" (inputs a call changed in place), input records "<input>:grad" (an input
 #       leaf's .grad), skeleton hook kind "prune";
 # 1.11: a backward step's parameter grads are its call's own where its extra lists them ("own_grads"), note
-#       REUSED_NOTE; 1.12: a collective's "sent" (NaN and Inf this rank sent into it)
+#       REUSED_NOTE; 1.12: a collective's "sent" (NaN and Inf this rank sent into it);
+# 1.13: tag $mapping (dict subclasses: EasyDict-style configs, OrderedDict)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 KINDS_SINCE = (1, 8)  # recordings of this schema or later tell NaN from Inf in steps/flags
+MAPPINGS_SINCE = (1, 13)  # recordings of this schema or later keep dict subclasses as $mapping
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"

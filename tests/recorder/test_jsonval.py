@@ -86,6 +86,46 @@ class BadRepr:
         raise RuntimeError("no repr")
 
 
+class AttrDict(dict):
+    """A config dict read by attribute, as EasyDict keeps one: every item is also an attribute, nested
+    dicts become AttrDicts."""
+
+    def __init__(self, d: dict | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        for k, v in {**(d or {}), **kwargs}.items():
+            setattr(self, k, v)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, dict) and not isinstance(value, AttrDict):
+            value = AttrDict(value)
+        super().__setattr__(name, value)
+        super().__setitem__(name, value)
+
+    __setitem__ = __setattr__
+
+
+class ItemAttrs(dict):
+    """A config dict read by attribute through ``__getattr__`` (addict's way), with its own flag."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "frozen", False)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class Registry(collections.OrderedDict):
+    """An OrderedDict whose constructor takes something else than its items."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+
 def roundtrip(value: Any, **kwargs: Any) -> Any:
     return decode(loads(dumps(encode(value))), import_types=True, **kwargs)
 
@@ -337,11 +377,43 @@ def test_user_dicts_with_dollar_and_non_str_keys() -> None:
     assert encode({"a": 1, "b": {"c": [2]}}) == {"a": 1, "b": {"c": [2]}}
 
 
-def test_dict_subclasses_decode_as_dict() -> None:
-    """OrderedDict and defaultdict keep their items but decode as plain dicts."""
-    for value in (collections.OrderedDict(b=1, a=2), collections.defaultdict(list, {"k": [1]})):
-        out = roundtrip(value)
-        assert type(out) is dict and out == dict(value)
+def test_dict_subclasses() -> None:
+    """Configs kept in dict subclasses (EasyDict's attribute access, addict's, OrderedDict) come back
+    as their class, with their items in order and their own attributes; before, they decoded as plain
+    dicts and a module reading ``self.cfg.lr`` could not be replayed. defaultdict stays a plain dict."""
+    cfg = AttrDict(lr=0.1, model={"width": 8, "act": "gelu"}, betas=(0.9, 0.99))
+    doc = encode(cfg)
+    assert doc == {"$mapping": {"type": type_ref(AttrDict), "items": [
+        ["lr", 0.1], ["model", {"$mapping": {"type": type_ref(AttrDict), "items": [["width", 8], ["act", "gelu"]]}}],
+        ["betas", {"$tuple": [0.9, 0.99]}]]}}
+    out = roundtrip(cfg)
+    assert type(out) is AttrDict and out == cfg and out.lr == 0.1 and out.model.act == "gelu"
+    assert type(out.model) is AttrDict and out.betas == (0.9, 0.99)
+
+    flags = ItemAttrs(b=1, a={"x": [1, 2]})
+    object.__setattr__(flags, "frozen", True)
+    assert encode(flags)["$mapping"]["attrs"] == {"frozen": True}
+    out = roundtrip(flags)
+    assert type(out) is ItemAttrs and out.a == {"x": [1, 2]} and list(out) == ["b", "a"] and out.frozen is True
+    assert list(roundtrip(AttrDict(z=1, a=2))) == ["z", "a"]  # in their order, though dumps sorts JSON objects
+
+    ordered = collections.OrderedDict(b=1, a=2)
+    out = roundtrip(ordered)
+    assert type(out) is collections.OrderedDict and list(out.items()) == [("b", 1), ("a", 2)]
+    registry = Registry("layers")
+    registry.update({"conv": 1, 5: "five"})
+    out = roundtrip(registry)  # its __init__ takes a name: a bare instance given its items and attributes
+    assert type(out) is Registry and list(out.items()) == [("conv", 1), (5, "five")] and out.name == "layers"
+
+    counts = roundtrip(collections.Counter("aab"))
+    assert type(counts) is collections.Counter and counts == {"a": 2, "b": 1}
+    factory = collections.defaultdict(list, {"k": [1]})  # its default factory is code: a plain dict
+    assert encode(factory) == {"k": [1]} and type(roundtrip(factory)) is dict
+    # not importing types, or a type that is gone: the items, as a plain dict
+    assert decode(encode(cfg)) == cfg and type(decode(encode(cfg))) is dict
+    gone = {"$mapping": {"type": "no_such_module:Cfg", "items": [["a", 1]], "attrs": {"b": 2}}}
+    assert decode(gone, import_types=True) == {"a": 1}
+    assert decode(gone, resolve=lambda ref: os.system) == {"a": 1}  # not a dict class: never called
 
 
 def test_dict_order() -> None:
@@ -601,6 +673,10 @@ def test_import_types_true_only_builds_matching_types(monkeypatch: pytest.Monkey
         {"$npscalar": {"dtype": "object", "value": 1}}, {"$npscalar": {"dtype": "int8", "value": 999}},
         {"$ndarray": {"dtype": "float32", "shape": [3], "data": "AAAA"}}, {"$bigint": "0xzz"},
         {"$ustr": "AAA="}, [{"$tuple": None}], {"a": {"$nope": None}}, (1, 2), {1: 2}, object(),
+        {"$mapping": {"type": "x:Y"}}, {"$mapping": {"type": "x:Y", "items": [1]}},
+        {"$mapping": {"type": "x:Y", "items": {"a": 1}}}, {"$mapping": {"type": 1, "items": []}},
+        {"$mapping": {"type": "x:Y", "items": [], "extra": 1}}, {"$mapping": {"type": "x:Y", "items": [], "attrs": []}},
+        {"$mapping": {"type": "x:Y", "items": [[[1], 2]]}},
     ],
 )
 def test_malformed_docs_raise_value_error(doc: Any) -> None:

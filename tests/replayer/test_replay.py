@@ -21,7 +21,7 @@ from torch import nn
 
 import recorder
 import replayer
-from recorder import snapshot
+from recorder import jsonval, snapshot
 from recorder.errors import FormatError, ReplayError, StepNotFoundError
 from recorder.store import layout
 from replayer.intervene import InterventionError
@@ -1910,6 +1910,60 @@ def test_a_simple_namespace_config_is_recorded_as_data(tmp_path: Path) -> None:
     for index in range(len(rec)):
         res = replayer.replay(rec, index)
         assert res.compared and res.match, (index, res.warnings)
+
+
+class AttrConfig(dict):
+    """A config read by attribute, as EasyDict keeps one (every item also an attribute)."""
+
+    def __init__(self, d: dict | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        for k, v in {**(d or {}), **kwargs}.items():
+            setattr(self, k, v)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        value = AttrConfig(value) if isinstance(value, dict) and not isinstance(value, AttrConfig) else value
+        super().__setattr__(name, value)
+        super().__setitem__(name, value)
+
+
+@recorder.paper_step("Eq. 23", description="an encoder configured by an EasyDict-style config")
+class DictConfigured(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.lin = nn.Linear(cfg.model.width, cfg.model.width)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.lin(x) * self.cfg.scale
+        return AttrConfig(h=h, act=self.cfg.model.act)
+
+
+@recorder.paper_step("Eq. 24", description="a function given the config and the encoder's output")
+def dict_configured(out: Any, cfg: Any) -> torch.Tensor:
+    return torch.nn.functional.gelu(out.h) * cfg.scale if out.act == "gelu" else out.h
+
+
+def test_an_attribute_dict_config_is_recorded_as_its_class(tmp_path: Path) -> None:
+    """A config in a dict subclass read by attribute (EasyDict, addict, yacs) was recorded as a plain
+    dict: the module rebuilt for replay had a dict where its forward read ``self.cfg.scale`` (an
+    AttributeError, a MISMATCH), and so did a function step given it. It is recorded as its class now,
+    and so is a step's output of one (its structure is compared with the recording's)."""
+    path = tmp_path / "run.zarr"
+    cfg = AttrConfig(scale=0.5, model={"width": 4, "act": "gelu"})
+    with recorder.record(path):
+        dict_configured(DictConfigured(cfg)(torch.randn(2, 4)), cfg)
+    rec = replayer.open(path)
+    assert rec.step("dict_configured").arguments["args"][1]["$mapping"]["type"] == \
+        "tests.replayer.test_replay:AttrConfig"
+    for index in range(len(rec)):
+        res = replayer.replay(rec, index)
+        assert res.compared and res.match, (index, res.warnings)
+    # the same output recorded before schema 1.13 (a plain dict) is the same structure, not a mismatch
+    from replayer.replay import _by_type
+
+    now = jsonval.encode(AttrConfig(h=torch.ones(1), act="gelu"), tensor_name=lambda t, p: "output.h")
+    before = {"h": {"$tensor": "output.h"}, "act": "gelu"}
+    assert _by_type(now, as_dicts=True) == _by_type(before, as_dicts=True) and _by_type(now) != _by_type(before)
 
 
 def test_a_mismatch_after_the_repository_changed_says_so(tmp_path: Path) -> None:
