@@ -615,7 +615,8 @@ class PaperNode:
 
 
 def paper_tree(model: TimelineModel) -> PaperNode:
-    """Algorithm → step → equation → step name, with calls, time and anomalies per node."""
+    """Algorithm → step → equation → step name, with calls, time and anomalies per node (not Inf the
+    model means: a mask's at every call, which ``n`` passes over too)."""
     root = PaperNode("paper")
     if not model.n:
         return root
@@ -633,7 +634,7 @@ def paper_tree(model: TimelineModel) -> PaperNode:
             n.forward += int((mask & (model.phase == 0)).sum())
             n.backward += int((mask & (model.phase == 1)).sum())
             n.seconds += float((model.t_end[mask] - model.t_start[mask]).sum())
-            n.alerts += int((mask & (model.status != 0)).sum())
+            n.alerts += int((mask & (model.status != 0) & ~model.meant).sum())  # as n counts them
     return root
 
 
