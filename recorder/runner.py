@@ -38,6 +38,7 @@ class ScriptResult:
     exception_name: str | None = None  # its type's name (also when it escaped in a child process)
     died: str | None = None  # the script's process ended without closing the recording: why ("signal SIGABRT")
     ring_recovered: dict[str, Any] | None = None  # flight mode: what the parent wrote out of the shared ring
+    failure: str | None = None  # why recording stopped early (status "incomplete"): a full disk, a failed writer
 
 
 def check_output(out: str | os.PathLike[str]) -> Path:
@@ -167,7 +168,7 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
             restore()
     text = _script_traceback(error, script_path) if error is not None else ""
     return ScriptResult(code, run.status or status, run.steps, error, text,
-                        type(error).__name__ if error is not None else None)
+                        type(error).__name__ if error is not None else None, failure=run.failure)
 
 
 @contextlib.contextmanager

@@ -103,21 +103,26 @@ def _outcome(out: Any, code: int, report: dict[str, Any], ring: shmring.RingFile
     manifest = recover.committed(out, rank) or {}
     status = manifest.get("status", "recording") if manifest else None
     recovered = None
+    failure = report.get("failure") if isinstance(report.get("failure"), str) else None
+    ended = "status" in report  # the child ran to its end and said how: it did not die
     if status == "recording":
-        why = died or f"exit status {code} before the recording was closed"
+        why = died or (f"the recording could not be closed: {failure}" if ended and failure else
+                       f"exit status {code} before the recording was closed")
         try:
             recovered = recover.recover(out, ring, why, rank)
             status = "crashed"
         except Exception as exc:  # the committed steps stay readable; the run reads as crashed anyway
-            warn(f"could not write out the flight ring after the script's process died ({why}): "
+            when = "the script ended" if ended else "the script's process died"
+            warn(f"could not write out the flight ring after {when} ({why}): "
                  f"{type(exc).__name__}: {exc}; the steps it committed are readable without it", stacklevel=3)
-        died = why
+        died = None if ended else why
     steps = report.get("steps")
     if not isinstance(steps, int):  # died: the steps it committed
         lengths = (recover.committed(out, rank) or {}).get("ranks", {}).get(str(rank), {})
         steps = lengths.get("steps", 0) if isinstance(lengths, dict) else 0
     return runner.ScriptResult(exit_code, str(report.get("status") or status or "crashed"), steps,
-                               exception_name=report.get("exception"), died=died, ring_recovered=recovered)
+                               exception_name=report.get("exception"), died=died, ring_recovered=recovered,
+                               failure=failure)
 
 
 def _child_command() -> list[str]:
@@ -217,7 +222,7 @@ def child_main() -> int:
     if result.traceback_text:
         sys.stderr.write(result.traceback_text)
     _report(result_fd, {"exit_code": result.exit_code, "status": result.status, "steps": result.steps,
-                        "exception": result.exception_name})
+                        "exception": result.exception_name, "failure": result.failure})
     return result.exit_code
 
 

@@ -88,9 +88,12 @@ def _summary(out: str, result: Any) -> str:
 
             steps = len(RunReader(out).rank(who["rank"]))
         except Exception:  # noqa: BLE001 - gone, or unreadable: say so rather than a count
-            return f"{rank}no readable recording in {out} ({result.status}: it was deleted or damaged while recording)"
+            why = f"recording stopped: {result.failure}" if result.failure else "it was deleted or damaged while recording"
+            return f"{rank}no readable recording in {out} ({result.status}; {why})"
     text = f"{rank}recording in {out} ({result.status}, {steps} step{'s' if steps != 1 else ''})"
-    if result.died is not None:
+    if result.failure:  # said in a warning when it happened, maybe thousands of lines above
+        text += f"; recording stopped: {result.failure}"
+    if result.died is not None or result.ring_recovered is not None:
         return text + _death(result)
     if result.exception_name is None:
         return text
@@ -110,12 +113,15 @@ def _summary(out: str, result: Any) -> str:
 
 
 def _death(result: Any) -> str:
-    """How the script's process died, and what of the flight ring its parent wrote out."""
-    text = f"; the script's process died ({result.died})"
+    """How the script's process died, and what of the flight ring its parent wrote out (also where
+    the script ended but could not close its recording)."""
+    text = f"; the script's process died ({result.died})" if result.died is not None else ""
     ring = result.ring_recovered
     if ring is None:
         return text
     if not ring["records"]:
+        if result.failure:  # its steps were never committed: the store failed (said above), not the timing
+            return text
         if ring.get("uncommitted_records"):
             return (text + "; the flight ring held payloads only of steps not yet committed (steps commit every "
                     "second): record with a larger --keep, so that the ring spans more than a second, to keep the "

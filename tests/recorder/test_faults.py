@@ -670,4 +670,44 @@ def test_pdbg_record_does_not_count_steps_of_a_recording_that_is_gone(tmp_path):
     res = pdbg("record", "-o", "run.zarr", "--", "train.py", "run.zarr", cwd=tmp_path)
     assert res.returncode == 0 and "trained" in res.stdout, res.stderr
     assert res.stderr.rstrip().splitlines()[-1] == (
-        "pdbg: no readable recording in run.zarr (incomplete: it was deleted or damaged while recording)")
+        "pdbg: no readable recording in run.zarr (incomplete; recording stopped: writer: run.zarr was deleted while "
+        "it was being recorded, and nothing of it is left to read; record to a path nothing else deletes)")
+
+
+FULL_FROM_THE_START = """
+import errno, os, sys, torch, recorder
+from recorder.store import backend
+
+
+def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+backend.put = full  # the disk has no room left at all
+
+
+@recorder.paper_step("Eq. 1")
+def double(x):
+    return torch.tanh(x) * 2
+
+
+for i in range(50):
+    double(torch.full((8,), float(i)))
+print("trained", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["full", "flight"])
+def test_pdbg_record_on_a_full_disk_says_the_disk_is_full(tmp_path, mode):
+    """On a disk with no room for the first commit, pdbg record's last line did not say why the
+    recording was incomplete, and in flight mode it said that the script's process died (exit status
+    0 before the recording was closed) and to record with a larger --keep."""
+    from tests.cli import pdbg
+
+    (tmp_path / "train.py").write_text(FULL_FROM_THE_START)
+    res = pdbg("record", "--mode", mode, "-o", "run.zarr", "--", "train.py", cwd=tmp_path)
+    assert res.returncode == 0 and "trained" in res.stdout, res.stderr
+    last = res.stderr.rstrip().splitlines()[-1]
+    assert last == ("pdbg: recording in run.zarr (incomplete, 0 steps); recording stopped: writer: the disk holding "
+                    "run.zarr is full (No space left on device); free space on it or record to another disk "
+                    "(mode='stats' or every=k record less)"), last
