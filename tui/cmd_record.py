@@ -88,7 +88,8 @@ def _summary(out: str, result: Any) -> str:
 
             steps = len(RunReader(out).rank(who["rank"]))
         except Exception:  # noqa: BLE001 - gone, or unreadable: say so rather than a count
-            why = f"recording stopped: {result.failure}" if result.failure else "it was deleted or damaged while recording"
+            why = (f"recording stopped: {result.failure}" if result.failure else
+                   "it was deleted or damaged while recording")
             return f"{rank}no readable recording in {out} ({result.status}; {why})"
     text = f"{rank}recording in {out} ({result.status}, {steps} step{'s' if steps != 1 else ''})"
     if result.failure:  # said in a warning when it happened, maybe thousands of lines above
