@@ -1249,7 +1249,7 @@ class Session:
         return monitors.StepContext(index=frame.index, name=frame.defn.name, paper=frame.defn.paper,
                                     phase=layout.PHASES[frame.phase], iteration=frame.iteration, call=frame.call,
                                     module_path=frame.path, stats=stats, roles=roles,
-                                    output=out if frame.phase == 0 else None)
+                                    output=out if frame.phase == 0 else None, module=frame.defn.kind == "module")
 
     def _settings(self) -> dict[str, Any]:
         """The settings now; the previous snapshot object itself when nothing changed, so the writer

@@ -67,6 +67,7 @@ class StepContext:
     stats: dict[str, dict[str, float]]  # record name -> {"min", "max", ..., "nan", "inf"}
     roles: dict[str, str]  # record name -> role
     output: Any = None  # the step's output (forward steps)
+    module: bool = True  # a module's step (else a function's)
 
     def describe(self) -> str:
         """The step in the paper's terms: 'Eq. 2 (smooth_relu) forward, iteration 17, call 3'."""
@@ -170,10 +171,11 @@ class Selector:
     call: int | None
     phase: str  # "forward" unless ":backward" was given
 
-    def matches_name(self, name: str, label: str | None, module_path: str) -> bool:
-        """Does a step with this name, paper label and module path match the NAME part?"""
+    def matches_name(self, name: str, label: str | None, module_path: str, module: bool = True) -> bool:
+        """Does a step with this name, paper label and module path match the NAME part? ``module``:
+        whether the step is a module's (a function step called outside any module has the path "" too)."""
         if self.name == ".":
-            return module_path == ""
+            return module_path == "" and module
         if self.name in (name, label) or fnmatch.fnmatchcase(name, self.name):
             return True
         pattern = parse_globs(self.name)[0] if all(self.name.split(".")) else None
@@ -209,7 +211,7 @@ def selector_matcher(where: str) -> Callable[[StepContext], bool]:
         if ctx.phase != sel.phase or (sel.iteration is not None and ctx.iteration != sel.iteration) or \
                 (sel.call is not None and ctx.call != sel.call):
             return False
-        return sel.matches_name(ctx.name, ctx.paper.get("label"), ctx.module_path)
+        return sel.matches_name(ctx.name, ctx.paper.get("label"), ctx.module_path, ctx.module)
 
     return matches
 

@@ -735,14 +735,15 @@ def find(rec: Recording, where: str | None, when: str | None, start: int | Step 
          backward: bool = False) -> Step | None:
     """The next (or, with ``backward``, the previous) step after ``start`` that matches the selector
     ``where`` (None: any) and the condition ``when`` over its statistics (None: any), from the index
-    alone. ``start`` None: from the beginning (from the end with ``backward``)."""
+    alone. ``start`` None: from the beginning (from the end with ``backward``). A selector that names
+    no step of the recording raises StepNotFoundError (saying what it has), as ``rec.step`` does."""
     n = len(rec)
     mask = np.ones(n, dtype=bool)
     if where is not None:  # an empty selector or condition is refused, not taken for "any"
         mask[:] = False
         rows = rec.steps.select(where).rows
-        if not len(rows) and rec._nearest(where) is None:  # (a step of that name exists: nothing found, not wrong)
-            rec.step(where)  # a selector that names no step of the recording (misspelt): say what it has
+        if not len(rows):  # a selector that names no step of the recording (misspelt, an iteration it lacks)
+            rec.step(where)  # raises, saying what the recording or that step has
         mask[rows] = True
     if when is not None:
         mask &= Condition(when).evaluate(rec)

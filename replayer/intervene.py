@@ -342,7 +342,7 @@ def matches(step_part: str, step: Any, relative_to: str = "") -> bool:
     if sel.call is not None and sel.call != step.call:
         return False
     name, label, path = step.name, step.paper.get("label"), step.module_path
-    if sel.matches_name(name, label, path):
+    if sel.matches_name(name, label, path, step.definition.get("kind") == "module"):
         return True
     inside = relative_to and path.startswith(relative_to + ".")
     return bool(inside) and sel.name != "." and sel.matches_name(name, label, path[len(relative_to) + 1:])

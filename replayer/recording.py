@@ -207,10 +207,20 @@ class Recording:
             if not len(shorter):
                 continue
             if what == "backward":
+                if not any(self.step(int(i)).settings.get("grad_enabled", True) for i in shorter.rows[:64]):
+                    return (f"{which[:at]} has no backward step: it ran with gradients off (torch.no_grad or "
+                            "inference_mode: an evaluation)")
                 return (f"{which[:at]} has no backward step (no backward pass reached it: its output was not "
                         "used for the loss, or was detached, as truncated backpropagation does)")
             values = np.unique(shorter.column(what))
             span = f"{values[0]}..{values[-1]}" if len(values) > 1 else f"{values[0]}"
+            asked = re.match(r"\d+", which[at + len(cut):])
+            if len(values) > 2 and values[-1] - values[0] + 1 != len(values) and asked is not None:
+                k = int(asked[0])  # inside the span, but not one of them (a step run every 10 iterations)
+                shown = ", ".join(str(v) for v in values[:3]) + (f", ..., {values[-1]}" if len(values) > 3 else "")
+                near = [str(v) for v in (values[values < k][-1:].tolist() + values[values > k][:1].tolist())]
+                return (f"{which[:at]} has {len(values)} {what}s ({shown}); the nearest to {k}: "
+                        f"{' and '.join(near)}")
             names = list(dict.fromkeys(str(n) for n in shorter.names))
             if what == "call" and len(names) > 1:  # a label several steps share: each counts its own calls
                 listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
@@ -242,6 +252,12 @@ class Recording:
     def _papers(self) -> np.ndarray:
         defs = self._decode("definition")
         return np.array([paper_of(d) for d in defs], dtype=object)
+
+    @cached_property
+    def _modules(self) -> np.ndarray:
+        """Per step: whether it is a module's (its definition's kind), not a function's."""
+        return np.array([isinstance(d, dict) and d.get("kind") == "module" for d in self._decode("definition")],
+                        dtype=bool)
 
     @cached_property
     def _labels(self) -> np.ndarray:
@@ -416,6 +432,8 @@ class StepTable:
                     return exact.filter(phase=phase or "forward", iteration=iteration, call=call)
         sel = parse_selector(selector)
         table = self.filter(phase=sel.phase, iteration=sel.iteration, call=sel.call)
+        if sel.name == ".":  # the root module: not a function step called outside every module (its path is "" too)
+            table = StepTable(self.rec, table.rows[self.rec._modules[table.rows]])
         found = table._where_named(sel.matches_name)
         return found if len(found) else table._where_named(sel.matches_name, references=True)
 

@@ -610,8 +610,8 @@ def test_parameters_changed_between_recorded_steps_are_said_to_be(tmp_path: Path
 
 
 def test_find_and_bisect_refuse_what_names_nothing(overflow_run: Path, tmp_path: Path) -> None:
-    """A misspelt step name is not "no step matches" (exit 1, as for a search that found nothing),
-    and an empty --against is not a NaN search."""
+    """A misspelt step name, or an iteration its step does not have, is not "no step matches" (exit 1,
+    as for a search that found nothing), and an empty --against is not a NaN search."""
     typo = pdbg("find", str(overflow_run), "smoth_relu", cwd=tmp_path)
     assert typo.returncode == 2 and typo.stderr.startswith("pdbg: error: no step matches 'smoth_relu'; names in "
                                                            "this recording:"), typo.stderr
@@ -620,7 +620,8 @@ def test_find_and_bisect_refuse_what_names_nothing(overflow_run: Path, tmp_path:
     found = pdbg("find", str(overflow_run), "smooth_relu", "--when", "output.nan > 1e9", cwd=tmp_path)
     assert found.returncode == 1 and found.stdout.strip() == "no step matches"
     later = pdbg("find", str(overflow_run), "smooth_relu@iter=99", cwd=tmp_path)  # a step it has, not then
-    assert later.returncode == 1 and later.stdout.strip() == "no step matches", later.stderr
+    assert later.returncode == 2 and later.stderr.startswith(
+        "pdbg: error: no step matches 'smooth_relu@iter=99'; smooth_relu has iterations 0.."), later.stderr
 
 
 def test_an_operation_looked_for_in_code_edited_since_says_so(tmp_path: Path, monkeypatch) -> None:

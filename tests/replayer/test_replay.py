@@ -1592,6 +1592,39 @@ def test_a_selector_that_matches_nothing_says_what_its_step_has(tmp_path: Path) 
         assert str(raised.value).startswith(f"no step matches {selector!r}; {said}"), str(raised.value)
 
 
+@recorder.paper_step("Eq. 9", description="an EMA of the weights, every third iteration")
+def every_third(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.9
+
+
+def test_selectors_of_evaluations_sparse_steps_and_the_root(tmp_path: Path) -> None:
+    """An iteration inside a sparse step's span was answered "has iterations 3..9", as if it had it;
+    a no-grad evaluation call's backward was said to be unused by the loss; ``.`` (the root module)
+    also named function steps called outside every module, in selectors and in breakpoints. A
+    selector that names no step is an error of ``find`` too (it printed "no step matches", exit 1)."""
+    layer = Shared()
+    with recorder.record(tmp_path / "run.zarr", model=layer) as run:
+        root = recorder.breakpoint(".")
+        for i in range(10):
+            every_third(torch.ones(2)) if i % 3 == 0 and i else None
+            with torch.no_grad():
+                layer(torch.randn(3, 4))  # an evaluation batch
+            layer(torch.randn(3, 4)).sum().backward()
+            run.next_iteration()
+    rec = replayer.open(tmp_path / "run.zarr")
+    for selector, said in (("Eq. 9@iter=5", "Eq. 9 has 3 iterations (3, 6, 9); the nearest to 5: 3 and 6"),
+                           ("Eq. 9@iter=12", "Eq. 9 has 3 iterations (3, 6, 9); the nearest to 12: 9"),
+                           ("Eq. 4@iter=2#0:backward", "Eq. 4@iter=2#0 has no backward step: it ran with gradients "
+                                                       "off (torch.no_grad or inference_mode: an evaluation)")):
+        for ask in (rec.step, lambda s: replayer.find(rec, s, None)):
+            with pytest.raises(StepNotFoundError) as raised:
+                ask(selector)
+            assert str(raised.value) == f"no step matches {selector!r}; {said}", str(raised.value)
+    assert rec.step("Eq. 4@iter=2#1:backward").forward == rec.step("Eq. 4@iter=2#1").index
+    assert {s.name for s in rec.steps.select(".")} == {"Shared"} and rec.step(".").name == "Shared"
+    assert {s.name for s in rec.steps if s.extra.get("alerts")} == {"Shared"} and root.hits == 20
+
+
 @recorder.paper_step("Eq. 24", description="a block with batch statistics")
 class NormBlock(nn.Module):
     def __init__(self) -> None:
