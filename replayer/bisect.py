@@ -92,7 +92,7 @@ def subtree(rec: Recording, index: int) -> list[int]:
 def describe(step: Step) -> str:
     """A step in paper terms: "Algorithm 1, step 5 · MultiScaleFusion · forward · iteration 17 · call 3"."""
     ref = paper_reference(step.paper)
-    parts = [p for p in (ref, step.name, step.module_path, step.phase, f"iteration {step.iteration}",
+    parts = [p for p in (ref, step.name, step.module_path, step.phase_text, f"iteration {step.iteration}",
                          f"call {step.call}") if p]
     return f"step {step.index}: " + " · ".join(parts)
 

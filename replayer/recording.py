@@ -207,7 +207,7 @@ class Recording:
             if not len(shorter):
                 continue
             if what == "backward":
-                if not any(self.step(int(i)).settings.get("grad_enabled", True) for i in shorter.rows[:64]):
+                if not any(self.step(int(i)).grad_enabled for i in shorter.rows[:64]):
                     return (f"{which[:at]} has no backward step: it ran with gradients off (torch.no_grad or "
                             "inference_mode: an evaluation)")
                 return (f"{which[:at]} has no backward step (no backward pass reached it: its output was not "
@@ -532,6 +532,11 @@ class Step:
         return layout.PHASES[int(self._col("phase"))]
 
     @property
+    def phase_text(self) -> str:
+        """The phase as a listing says it: "forward (no grad)" for a call with autograd off (an evaluation)."""
+        return f"{self.phase} (no grad)" if self.phase == "forward" and not self.grad_enabled else self.phase
+
+    @property
     def iteration(self) -> int:
         return int(self._col("iteration"))
 
@@ -606,6 +611,13 @@ class Step:
         return doc if isinstance(doc, dict) else {}
 
     @property
+    def grad_enabled(self) -> bool:
+        """Whether autograd was on when the step was entered (off: torch.no_grad, inference_mode, an
+        evaluation); always for a backward step (its forward ran with it on; the pass itself runs
+        with it off)."""
+        return self.phase == "backward" or self.settings.get("grad_enabled") is not False
+
+    @property
     def rng(self) -> dict[str, Any]:
         """Generator states at step entry, decoded: {"torch": uint8 tensor, "numpy": state tuple, ...}."""
         ids = self._doc("rng") or {}
@@ -664,13 +676,13 @@ class Step:
         """The step object of the JSON output (README, "Command line")."""
         return {"index": self.index, "rank": self.rec.rank.rank, "name": self.name, "phase": self.phase,
                 "iteration": self.iteration, "call": self.call, "module_path": self.module_path,
-                "paper": self.paper, "status": self.status}
+                "paper": self.paper, "status": self.status, "grad_enabled": self.grad_enabled}
 
     def __repr__(self) -> str:
         ref = paper_reference(self.paper)
         who = f"{ref} ({self.name})" if ref else self.name
         where = f" at {self.module_path}" if self.module_path else ""
-        return printable(f"<Step {self.index}: {who}{where} {self.phase}, iteration {self.iteration}, call "
+        return printable(f"<Step {self.index}: {who}{where} {self.phase_text}, iteration {self.iteration}, call "
                          f"{self.call}, {self.status}>")
 
     def _repr_html_(self) -> str:

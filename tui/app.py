@@ -1117,18 +1117,19 @@ def render_tensor(view: views.TensorView) -> Text:
         text.append(row + "\n")
     if view.series:
         values = [v for _, v in view.series]
-        shown = view.series[-views.SPARK_WIDTH:]  # the sparkline draws the last ones
-        cut = f", the last {len(shown)} of {len(view.series)}" if len(shown) < len(view.series) else ""
-        text.append(f"\n{view.series_stat} across iterations ({shown[0][0]}…{shown[-1][0]}{cut}): ", style="dim")
+        first, last = view.series[0][0], view.series[-1][0]
+        text.append(f"\n{view.series_stat} across iterations {first}…{last} (this one underlined): " if len(values) > 1
+                    else f"\n{view.series_stat} in iteration {first}, the only one with this call: ", style="dim")
         lo, hi = view.expected if view.expected else (-math.inf, math.inf)
-        for char, value in zip(views.sparkline(values), values[-views.SPARK_WIDTH:]):  # outside the expected range: red
-            text.append(char, style="green" if lo <= value <= hi else "bold red")
+        for i, (char, value) in enumerate(zip(views.sparkline(values), values)):  # outside the expected range: red
+            style = "green" if lo <= value <= hi else "bold red"
+            text.append(char, style=f"{style} underline reverse" if i == view.series_at else style)
         text.append("\n")
         if view.expected:
             broken = sum(1 for v in values if not lo <= v <= hi)
             bounds = f"[{views.fmt_number(lo)}, {views.fmt_number(hi)}]"
             text.append(f"the watch's range puts {view.series_stat} in {bounds}: "
-                        f"{broken} of {len(values)} iterations outside\n",
+                        f"{broken} of these {len(values)} iterations outside\n",
                         style="red" if broken else "green")
     return text
 

@@ -472,12 +472,13 @@ class TensorView:
     edges: tuple[float, float]
     values: list[str]  # the rows of the slice shown
     slice_text: str
-    series: list[tuple[int, float]]  # (iteration, value) of the chosen statistic across iterations
+    series: list[tuple[int, float]]  # (iteration, value) of the chosen statistic in the iterations around this one
     series_stat: str
     expected: tuple[float, float] | None  # the bounds the chosen statistic should keep, from a watch's range
     note: str | None = None
     start: int = 0  # the first element shown (the asked start, kept within the tensor)
     size: int = 0  # elements in the tensor (0 without a payload)
+    series_at: int = -1  # this step's place in ``series``
 
 
 def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int = 8, stat: str = "absmax",
@@ -512,13 +513,13 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
             note = "no finite values: no histogram"
     else:
         slice_text = "statistics only (no payload recorded)"
-    series = _series(rec, step, record, stat)
+    series, series_at = _series(rec, step, record, stat)
     expected = None
     for watch in step.extra.get("watches", []) or []:
         if watch.get("name") == name and watch.get("expected_range"):
             expected = _stat_bounds(stat, *watch["expected_range"])
     size = math.prod(record.shape) if record.has_payload else 0
-    return TensorView(title, histogram, edges, values, slice_text, series, stat, expected, note, begin, size)
+    return TensorView(title, histogram, edges, values, slice_text, series, stat, expected, note, begin, size, series_at)
 
 
 def _stat_bounds(stat: str, lo: float, hi: float) -> tuple[float, float] | None:
@@ -534,28 +535,45 @@ def _stat_bounds(stat: str, lo: float, hi: float) -> tuple[float, float] | None:
     return None
 
 
-def _series(rec: Recording, step: Step, record: Any, stat: str) -> list[tuple[int, float]]:
-    """The statistic of the same tensor of the same step (name, path, phase, call) in every iteration."""
-    table = rec.steps
-    same = table.filter(name=step.name, module_path=step.module_path, phase=step.phase, call=step.call)
+def _series(rec: Recording, step: Step, record: Any, stat: str, width: int = 0) -> tuple[list[tuple[int, float]], int]:
+    """The statistic of the same tensor of the same call in the iterations around the step's own
+    (``width`` of them, the step's among them; 0: SPARK_WIDTH), and where the step's is in that list.
+    The same call: the same step name, module path and phase, with autograd on or off as it was (an
+    evaluation's calls are not the training's), and as many such calls before it in its iteration."""
+    width = width or SPARK_WIDTH
+    same = rec.steps.filter(name=step.name, module_path=step.module_path, phase=step.phase)
+    rows = same.rows
+    ids = np.asarray(rec.rank.column("steps/settings"))[rows]
+    grad = {int(i): rec.step(int(rows[np.argmax(ids == i)])).grad_enabled for i in np.unique(ids)}
+    rows = rows[np.array([grad[int(i)] == step.grad_enabled for i in ids], dtype=bool)]
+    iterations = same.column("iteration")[np.isin(same.rows, rows)]
+    starts = np.r_[0, np.flatnonzero(np.diff(iterations)) + 1]  # each iteration's first such call
+    ordinal = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
+    mine = int(ordinal[np.searchsorted(rows, step.index)])
+    rows = rows[ordinal == mine]
+    at = int(np.searchsorted(rows, step.index))
+    first = max(0, min(at - width // 2, len(rows) - width))
     out = []
-    for other in list(same)[-200:]:
+    for index in rows[first:first + width]:
+        other = rec.step(int(index))
         for r in other.records:
             if r.name == record.name and r.role == record.role:
                 out.append((other.iteration, float(r.stats[stat])))
                 break
-    return out
+        else:
+            if other.index < step.index:
+                at -= 1  # a call without this tensor: not drawn
+    return out, at - first
 
 
 SPARK = "▁▂▃▄▅▆▇█"
 
 
-SPARK_WIDTH = 60  # characters of a sparkline: the last values, one each
+SPARK_WIDTH = 60  # characters of a sparkline: one value each
 
 
-def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
-    """The last ``width`` values, scaled between the least and the greatest finite one of them."""
-    values = values[-width:]
+def sparkline(values: list[float]) -> str:
+    """The values, scaled between the least and the greatest finite one of them."""
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return "✗" * len(values)

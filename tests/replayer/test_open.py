@@ -108,7 +108,8 @@ class TestStep:
         assert obj == {"index": obj["index"], "rank": 0, "name": "Attention", "phase": "backward", "iteration": 2,
                        "call": 1, "module_path": "h.1.attn",
                        "paper": {"label": "Eq. 1", "algorithm": "Algorithm 1", "step": 3, "equation": None,
-                                 "description": "causal self-attention"}, "status": obj["status"]}
+                                 "description": "causal self-attention"}, "status": obj["status"],
+                       "grad_enabled": True}
         assert obj["status"] in ("ok", "alert")
 
 

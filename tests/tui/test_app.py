@@ -142,7 +142,7 @@ def test_inspector_alerts_paper_and_help(nan_path: Path, mixed_path: Path) -> No
         assert isinstance(app.screen, Inspector)
         page = str(app.screen.query_one("#page", Static).render())
         assert "input args.0 · 3×4 float32 · step 12" in page and "histogram" in page
-        assert "absmax across iterations (0…1)" in page and "elements 0..11 of 12" in page
+        assert "absmax across iterations 0…1 (this one underlined)" in page and "elements 0..11 of 12" in page
         await pilot.press("t")  # the next statistic
         await pilot.pause()
         assert "max across iterations" in str(app.screen.query_one("#page", Static).render())
@@ -479,7 +479,7 @@ def test_the_inspector_reads_a_watch_range_per_statistic_and_stays_within_the_te
             await pilot.pause()
         assert "the watch's range puts absmax in [0, 1]" in seen["absmax"]
         assert "the watch's range puts max in [0, 1]" in seen["max"]
-        assert "the watch's range puts nan in [0, 0]: 0 of 3 iterations outside" in seen["nan"]
+        assert "the watch's range puts nan in [0, 0]: 0 of these 3 iterations outside" in seen["nan"]
         assert "watch's range" not in seen["norm"] and "watch's range" not in seen["std"]
         await pilot.press("o")
         await answer(pilot, "999")
@@ -842,17 +842,39 @@ def test_iteration_and_anomaly_keys_stay_among_the_filtered_steps(nan_path: Path
     run(body, nan_path)
 
 
-def test_the_sparkline_label_names_the_iterations_it_draws() -> None:
-    """The inspector labelled its sparkline with the first and last iterations of the whole series
-    ("0…180") while it drew the last 60 (121…180)."""
+def test_the_sparkline_draws_the_iterations_around_the_step(tmp_path: Path) -> None:
+    """The inspector drew the last 60 of the run's last 200 calls whatever the step: the iteration at
+    the cursor was never in it, and an evaluation's no-grad calls (call 0 of the iteration after an
+    epoch) were drawn among the training's call 0."""
+    from tests.replayer.test_replay import Shared
     from tui.app import render_tensor
 
-    series = [(i, float(i % 7)) for i in range(181)]
-    view = views.TensorView("output", [], (0.0, 1.0), [], "", series, "absmax", None)
-    text = render_tensor(view).plain
-    assert "absmax across iterations (121…180, the last 60 of 181): " in text
-    line = text.split("absmax across iterations")[1].splitlines()[0]
-    assert len(line.split(": ", 1)[1]) == 60
+    layer = Shared()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=layer) as run:
+        for i in range(130):
+            if i % 40 == 0 and i:
+                with torch.no_grad():
+                    layer(torch.full((1, 4), 1e3))  # an evaluation batch, larger than any training one
+            layer(torch.full((1, 4), float(i))).sum().backward()
+            run.next_iteration()
+    rec = replayer.open(path)
+    for iteration, drawn, at in ((50, (20, 79), 30), (0, (0, 59), 0), (129, (70, 129), 59)):
+        step = rec.step(f"Eq. 4@iter={iteration}#{1 if iteration in (40, 80, 120) else 0}")
+        assert step.grad_enabled
+        view = views.tensor_view(step, "args.0", "input", stat="max")
+        assert [it for it, _ in view.series] == list(range(drawn[0], drawn[1] + 1)), iteration
+        assert view.series[view.series_at] == (iteration, float(iteration)) and view.series_at == at
+        text = render_tensor(view)
+        assert f"max across iterations {drawn[0]}…{drawn[1]} (this one underlined): " in text.plain
+        start = text.plain.index("(this one underlined): ") + len("(this one underlined): ")
+        assert len(text.plain[start:].splitlines()[0]) == 60
+        marked = [span.start - start for span in text.spans if "underline" in str(span.style)]
+        assert marked == [at], (iteration, marked)
+    evaluation = rec.step("Eq. 4@iter=80#0")
+    assert not evaluation.grad_enabled and "forward (no grad)" in repr(evaluation)
+    view = views.tensor_view(evaluation, "args.0", "input", stat="max")
+    assert view.series == [(40, 1e3), (80, 1e3), (120, 1e3)] and view.series_at == 1
 
 
 def test_a_filter_term_with_a_value_it_cannot_have_is_refused_and_the_filter_stays(nan_path: Path) -> None:
