@@ -540,6 +540,8 @@ class RankReader:
             raise FormatError(f"{self.run.label}: {self.prefix}/{path} rows {start}:{stop} cannot be decoded "
                               f"({_why(exc)}); the recording is damaged") from None
         self._check_values(path, start, values)
+        if path.startswith("steps/") and path not in ("steps/forward", "steps/phase"):
+            self.rows("steps/forward", start, stop)  # checked as it is read: are these rows steps at all?
         return values
 
     def _check_chunk(self, path: str, arr: Any, index: int) -> None:
@@ -580,6 +582,15 @@ class RankReader:
             allowed = f"{low} or more" if limit is None else f"{low}..{limit - 1}"
             raise FormatError(f"{self.run.label}: {path} row {start + first} holds {values[first]} (allowed: "
                               f"{allowed}); the recording is damaged")
+        if path == "steps/forward":  # a forward step names none, a backward step an earlier one
+            phase = self.rows("steps/phase", start, start + len(values))
+            index = np.arange(start, start + len(values))
+            bad = np.where(phase == 0, values != layout.NO_REF, (values < 0) | (values >= index))
+            if bad.any():  # rows of zeros: a chunk that held fewer rows than the manifest commits
+                raise FormatError(f"{self.run.label}: step {start + int(np.flatnonzero(bad)[0])} is not a step the "
+                                  "recorder wrote (its rows read as zeros); the recording was copied while it was "
+                                  "being written (its manifest after the data), or is damaged: copy it again, or "
+                                  "copy manifest.json first")
 
     def doc(self, doc_id: int) -> Any:
         """A JSON document by id (-1 gives None)."""

@@ -112,6 +112,33 @@ def test_manifest_pointing_past_the_data(good_run):
     assert "damaged" in _one_line(err.value)
 
 
+def test_a_copy_made_while_recording_with_its_manifest_copied_last(tmp_path):
+    """A store copied while its run was being written, the data first and manifest.json last (as a
+    slow `cp -r` or a sync may copy it): the manifest commits rows that the copied chunks did not hold
+    yet. They read as zeros: phantom steps named like step 0's, and verify raised AttributeError."""
+    import shutil
+
+    import replayer
+
+    path, copy = tmp_path / "run.zarr", tmp_path / "copy.zarr"
+    with recorder.record(path) as run:
+        for i in range(3):
+            double(torch.full((3,), float(i)))
+        assert run.flush()
+        shutil.copytree(path, copy)  # the data, at 3 steps
+        for i in range(5):
+            double(torch.full((3,), float(i)))
+        assert run.flush()
+        shutil.copy(path / "manifest.json", copy / "manifest.json")  # the manifest, at 8
+    assert len(replayer.open(path).steps) == 8
+    with pytest.raises(FormatError) as err:
+        rec = replayer.open(copy)
+        [step.name for step in rec.steps]
+    assert _one_line(err.value).endswith(
+        "step 3 is not a step the recorder wrote (its rows read as zeros); the recording was copied while it was "
+        "being written (its manifest after the data), or is damaged: copy it again, or copy manifest.json first")
+
+
 class TestRecordMisuse:
     def test_unknown_mode(self, run_path):
         """An unknown mode is refused before anything is written."""
