@@ -297,7 +297,11 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                               "define the code in a module and record again")
         session += _as_recorded(steps)
         sources[SESSION_SCRIPT] = session
-    work = Path(tempfile.mkdtemp(prefix="pdbg-bundle-", dir=out.parent))
+    try:
+        work = Path(tempfile.mkdtemp(prefix="pdbg-bundle-", dir=out.parent))
+    except OSError as exc:
+        raise BundleError(f"cannot write {out}: {exc.strerror or exc} in {out.parent.resolve()}; give a path in a "
+                          "writable directory (-o PATH)") from None
     try:
         store_dir = work / "store"
         new_main = _write_store(rec, store_dir, rows, full, main, SESSION_SCRIPT if session else None)

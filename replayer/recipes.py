@@ -9,6 +9,7 @@ It holds code (expressions, references), so it is never applied unless asked for
 from __future__ import annotations
 
 import json
+import os
 import re
 from datetime import UTC, datetime
 from typing import Any
@@ -61,10 +62,7 @@ def save(rec: Recording, name: str, step: Step, *, swap: dict[str, Any] | None =
     for key, value in (edit or {}).items():
         if not isinstance(value, str):
             raise RecipeError(f"recipe {name}: edit {key} must be an expression in x to be saved")
-    root = backend.local_root(rec.reader.store)
-    if root is None:
-        raise RecipeError(f"{rec.reader.label} is read-only (a bundle or a remote store); save the recipe in the "
-                          "recording it came from")
+    check_writable(rec)
     doc = recipes(rec)
     recipe = {"name": name, "step": step.to_json(), "swap": dict(swap or {}), "edit": dict(edit or {}),
               "settings": _canonical(settings), "seed": seed, "saved": datetime.now(UTC).isoformat()}
@@ -73,8 +71,24 @@ def save(rec: Recording, name: str, step: Step, *, swap: dict[str, Any] | None =
             {"name": d.name, "recorded": d.recorded, "replayed": d.replayed} for d in result.outputs],
             "inner": [{"step": s.step.index, "change": s.change} for s in result.inner]}
     doc[name] = recipe
-    backend.put(rec.reader.store, KEY, json.dumps(doc, indent=1, allow_nan=False).encode(), durable=True)
+    try:
+        backend.put(rec.reader.store, KEY, json.dumps(doc, indent=1, allow_nan=False).encode(), durable=True)
+    except OSError as exc:
+        raise RecipeError(f"cannot save recipe {name!r} in {rec.reader.label} ({exc.strerror or exc}); copy the "
+                          "recording somewhere writable to save recipes in it") from None
     return recipe
+
+
+def check_writable(rec: Recording) -> None:
+    """Refuse, before anything is replayed, a recording a recipe cannot be saved in: a bundle, a
+    remote store, a directory this user cannot write (a colleague's, a read-only mount)."""
+    root = backend.local_root(rec.reader.store)
+    if root is None:
+        raise RecipeError(f"{rec.reader.label} is read-only (a bundle or a remote store); save the recipe in the "
+                          "recording it came from")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise RecipeError(f"cannot save a recipe in {rec.reader.label}: its directory is not writable (another "
+                          "user's, or a read-only disk); copy the recording somewhere writable to save recipes in it")
 
 
 def get(rec: Recording, name: str) -> dict[str, Any]:

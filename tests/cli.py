@@ -22,6 +22,15 @@ def pdbg(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           timeout=300, check=False, env=env())
 
 
+def pdbg_as_a_user(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``pdbg`` with file permissions enforced: as root, without the capabilities that override them
+    (util-linux's setpriv), as a user receiving someone else's files would run it."""
+    drop = "-dac_override,-dac_read_search,-fowner"
+    prefix = ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}"] if os.geteuid() == 0 else []
+    return subprocess.run([*prefix, sys.executable, "-m", "tui.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, check=False, env=env())
+
+
 def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
                           check=False, env=env())

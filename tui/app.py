@@ -1043,6 +1043,9 @@ class PdbgApp(App[None]):
         except PdbgError as exc:
             self._report(Text(f"no bundle: {exc}", style="red"))
             return
+        except OSError as exc:  # a disk that filled while it was written: the session stays
+            self._report(Text(f"no bundle: cannot write {path} ({exc.strerror or exc})", style="red"))
+            return
         verdict = ("not verified: the step returned no tensor" if info.verified is None else
                    "verified: replays bit for bit" if info.verified else "MISMATCH when replayed from the bundle")
         steps = f"{info.steps} step{'s' if info.steps != 1 else ''}"

@@ -344,6 +344,8 @@ def replay(args: argparse.Namespace) -> int:
     if args.step is None:
         raise PdbgError("give the STEP to replay: " + STEP_HELP)
     step = rec.step(args.step)
+    if args.save_recipe:  # before the replay, whose result would be lost
+        recipes.check_writable(rec)
     replayer_ = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source)
     result = replayer_.replay(step, threads=args.threads, nested=not args.no_inner, swap=swap, edit=edit,
                               settings=settings, seed=seed)

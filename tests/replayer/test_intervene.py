@@ -205,6 +205,45 @@ def test_recipes_are_saved_listed_and_applied_only_by_name(stack_run: tuple[Path
         recipes.save(rec, "fn", rec.step(12), edit={"args.0": lambda x: x})
 
 
+def test_a_read_only_recording_refuses_a_recipe_and_a_bundle_in_one_line(stack_run: tuple[Path, object],
+                                                                         tmp_path: Path) -> None:
+    """A colleague's recording in a directory this user cannot write: --save-recipe raised a
+    PermissionError traceback after the replay (its result lost), and a bundle written there raised
+    one from tempfile. Both are refused in one line (exit 2), before anything runs, and nothing changes."""
+    import hashlib
+    import shutil
+    import stat
+
+    from tests.cli import pdbg_as_a_user
+
+    received = tmp_path / "received"
+    received.mkdir()
+    run = received / "run.zarr"
+    shutil.copytree(stack_run[0], run)
+
+    def digest() -> str:
+        return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(received.rglob("*")) if p.is_file())).hexdigest()
+
+    before = digest()
+    paths = [received, *received.rglob("*")]
+    for p in paths:
+        p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    try:
+        res = pdbg_as_a_user("replay", str(run), "smooth_relu@iter=1", "--edit", "args.0=x.clamp(-50, 50)",
+                             "--save-recipe", "clamp", cwd=tmp_path)
+        assert res.returncode == 2 and res.stderr == (
+            f"pdbg: error: cannot save a recipe in {run}: its directory is not writable (another user's, or a "
+            "read-only disk); copy the recording somewhere writable to save recipes in it\n"), res.stderr
+        res = pdbg_as_a_user("bundle", str(run), "smooth_relu@iter=1", "-o", "here.pdbg", cwd=received)
+        assert res.returncode == 2 and res.stderr == (
+            f"pdbg: error: cannot write here.pdbg: Permission denied in {received.resolve()}; give a path in a "
+            "writable directory (-o PATH)\n"), res.stderr
+    finally:
+        for p in paths:
+            p.chmod(p.stat().st_mode | stat.S_IWUSR)
+    assert digest() == before and not (received / "here.pdbg").exists()
+
+
 def test_an_edit_expression_reaches_torch_math_and_x_only(stack_run: tuple[Path, object], tmp_path: Path) -> None:
     """An expression is refused, before anything runs, when it reaches past torch's operations, tensor
     methods and math: a module torch imported, a dunder, a file, an int too large to compute."""
