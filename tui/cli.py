@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         if handler is None:
             print("pdbg: error: give a command, or a recording to open (see pdbg --help)", file=sys.stderr)
             return 2
-        with _printable_output() if args.command in _READERS else contextlib.nullcontext():
+        from recorder.runner import warnings_as_lines
+
+        with _printable_output() if args.command in _READERS else contextlib.nullcontext(), warnings_as_lines():
             return int(handler(args))
     except PdbgError as exc:
         print(f"pdbg: error: {str(exc).translate(_ESCAPES)}", file=sys.stderr)

@@ -200,9 +200,17 @@ class RunReader:
 
     def _check_version(self, version: Any, where: str) -> None:
         try:
-            major, _ = layout.parse_version(str(version))
+            major, minor = layout.parse_version(str(version))
         except ValueError:
             raise FormatError(f"{self.label}: {where} has an invalid schema version {version!r}") from None
+        if major == layout.SCHEMA_MAJOR and minor > layout.parse_version(layout.SCHEMA_VERSION)[1] and \
+                not getattr(self, "_told_newer", False):
+            from recorder.capture import warn
+
+            self._told_newer = True
+            warn(f"{self.label} was written by a newer PaperDebugger (schema {version}; this one reads "
+                 f"{layout.SCHEMA_VERSION}): what the newer schema added is not read, and an answer may differ "
+                 "from the newer version's; upgrade paperdebugger", stacklevel=3)
         if major > layout.SCHEMA_MAJOR:
             raise SchemaVersionError(
                 f"{self.label} uses schema {version}, newer than this PaperDebugger reads "

@@ -91,14 +91,25 @@ def test_newer_schema_version(good_run):
     assert "schema 2.0" in text and "upgrade paperdebugger" in text
 
 
-def test_newer_minor_version_opens(good_run):
-    """A newer minor version of the same major schema still opens."""
+def test_newer_minor_version_opens(good_run, tmp_path):
+    """A newer minor version of the same major schema still opens, with one warning that it is newer
+    (it opened silently, though a newer minor can change verdicts: FORMAT.md's schema history)."""
+    from tests.cli import pdbg
+
     meta_path = good_run / "zarr.json"
     meta = json.loads(meta_path.read_text())
     major, minor = layout.SCHEMA_VERSION.split(".")
-    meta["attributes"]["paperdebugger"]["schema_version"] = f"{major}.{int(minor) + 1}"
+    newer = f"{major}.{int(minor) + 1}"
+    meta["attributes"]["paperdebugger"]["schema_version"] = newer
     write_sealed(meta_path, meta)
-    assert len(RunReader(good_run).rank(0)) == 1
+    said = (f"was written by a newer PaperDebugger (schema {newer}; this one reads {layout.SCHEMA_VERSION}): what "
+            "the newer schema added is not read, and an answer may differ from the newer version's; upgrade "
+            "paperdebugger")
+    with pytest.warns(recorder.RecorderWarning) as caught:
+        assert len(RunReader(good_run).rank(0)) == 1
+    assert [str(w.message) for w in caught] == [f"{good_run} {said}"]
+    res = pdbg("info", str(good_run), cwd=tmp_path)
+    assert res.returncode == 0 and res.stderr == f"pdbg: warning: {good_run} {said}\n", res.stderr
 
 
 def test_manifest_pointing_past_the_data(good_run):
