@@ -489,6 +489,7 @@ def verify(args: argparse.Namespace) -> int:
         set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))]
     replayer = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source) if picks else None
     matched, mismatches, refused = 0, [], []
+    environment: list[str] = []  # what differs from the machine and software that recorded it (once each)
     for done, index in enumerate(picks, 1):
         step = rec.step(index)
         try:
@@ -496,6 +497,7 @@ def verify(args: argparse.Namespace) -> int:
         except ReplayError as exc:  # what a replay cannot do, and says why: not a difference found
             refused.append({"step": step.to_json(), "reason": str(exc)})
         else:
+            environment += [d for d in result.environment_differences if d not in environment]
             if not result.compared:  # nothing it could check: not a match
                 refused.append({"step": step.to_json(), "reason": NOTHING_COMPARED})
             elif result.match:
@@ -506,7 +508,8 @@ def verify(args: argparse.Namespace) -> int:
                 mismatches.append({"step": step.to_json(), "reason": "; ".join(bad + hint)})
         _progress(done, len(picks))
     replayed = len(picks) - len(refused)
-    doc = {"replayed": replayed, "matched": matched, "mismatches": mismatches, "not_replayed": refused}
+    doc = {"replayed": replayed, "matched": matched, "mismatches": mismatches, "not_replayed": refused,
+           "environment_differences": environment}
     if skipped:
         doc["statistics_only"] = skipped
     if args.json:
@@ -531,6 +534,8 @@ def verify(args: argparse.Namespace) -> int:
                 else:
                     print(f"  {len(alike)} steps ({_step_text(alike[0]['step'])} ... "
                           f"{_step_text(alike[-1]['step'])}): {reason}")
+        if environment:  # a mismatch of a few ULP here is most likely this, not the code
+            print("environment differs from the recording: " + "; ".join(environment))
     if not replayed:  # nothing was checked at all: not a pass (the listing above says why)
         if not kept:
             if rec.run_info.get("mode") == "full" and rec.run_info.get("every", 1) == 1:

@@ -140,7 +140,7 @@ def test_backward_and_iteration_bundles(recorded: tuple[Path, Path], tmp_path: P
     whole = replayer.bundle(rec, "Eq. 2@iter=3", tmp_path / "iter.pdbg", iteration=True)
     res = pdbg("verify", str(whole.path), "--json", cwd=tmp_path, code=code)
     assert res.returncode == 0 and json.loads(res.stdout) == {"replayed": 4, "matched": 4, "mismatches": [],
-                                                              "not_replayed": []}
+                                                              "not_replayed": [], "environment_differences": []}
     refused = pdbg("bundle", str(run_path), "Eq. 2@iter=3", "-o", str(whole.path), cwd=tmp_path, code=code)
     assert refused.returncode == 2 and "already exists" in refused.stderr
     for directory in (tmp_path / "out", run_path):  # a directory, a recording: never replaced, also with --force

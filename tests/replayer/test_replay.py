@@ -53,6 +53,26 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8))
 
 
+def test_verify_says_how_the_environment_differs(gpt_run: Path, tmp_path: Path) -> None:
+    """Replayed with another CPU capability than recorded, verify said nothing of it (a replay of one
+    step did): a few-ULP mismatch read as the code's."""
+    import subprocess
+    import sys
+
+    from tests.cli import env
+
+    environment = {**env(), "ATEN_CPU_CAPABILITY": "default"}
+    recorded = replayer.open(gpt_run).step(0).settings.get("cpu_capability")
+    assert recorded not in (None, "DEFAULT"), recorded  # (a machine with vector units recorded it)
+    res = subprocess.run([sys.executable, "-m", "tui.cli", "verify", str(gpt_run), "--sample", "2", "--json"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=environment, check=False)
+    differences = json.loads(res.stdout)["environment_differences"]
+    assert any("CPU capability" in d and "DEFAULT" in d for d in differences), differences
+    text = subprocess.run([sys.executable, "-m", "tui.cli", "verify", str(gpt_run), "--sample", "2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env=environment, check=False).stdout
+    assert "\nenvironment differs from the recording: " in text and "CPU capability" in text, text
+
+
 def test_verify_in_a_fresh_process_replays_every_step_bitwise(gpt_run: Path, tmp_path: Path) -> None:
     """`pdbg verify` from another directory: every forward and backward step matches bit for bit,
     and loading the script's code did not run its training."""
@@ -61,7 +81,8 @@ def test_verify_in_a_fresh_process_replays_every_step_bitwise(gpt_run: Path, tmp
     assert "TRAINED" not in res.stdout
     doc = json.loads(res.stdout)
     total = 2 * STEPS_PER_PASS * ITERATIONS
-    assert doc == {"replayed": total, "matched": total, "mismatches": [], "not_replayed": []}
+    assert doc == {"replayed": total, "matched": total, "mismatches": [], "not_replayed": [],
+                   "environment_differences": []}
     phases = replayer.open(gpt_run).steps.column("phase")
     assert (phases == 0).sum() == (phases == 1).sum() == STEPS_PER_PASS * ITERATIONS
 
@@ -429,7 +450,7 @@ def test_replay_json_is_the_documented_object(gpt_run: Path, tmp_path: Path) -> 
     assert {"name", "match", "max_abs_diff", "max_rel_diff", "max_ulp", "recorded", "replayed"} <= set(out)
     assert set(out["recorded"]) == {"min", "max", "mean", "std", "nan", "inf"} and out["recorded"] == out["replayed"]
     sampled = json.loads(pdbg("verify", str(gpt_run), "--sample", "5", "--json", cwd=tmp_path).stdout)
-    assert sampled == {"replayed": 5, "matched": 5, "mismatches": [], "not_replayed": []}
+    assert sampled == {"replayed": 5, "matched": 5, "mismatches": [], "not_replayed": [], "environment_differences": []}
 
 
 @recorder.paper_step("Eq. 4", description="a shared layer applied twice")
