@@ -1031,6 +1031,9 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
     if sa.settings != sb.settings:
         keys = sorted(k for k in set(sa.settings) | set(sb.settings) if sa.settings.get(k) != sb.settings.get(k))
         reasons.append(f"settings differ ({', '.join(keys[:5])})")
+    machines = _machines_differ(sa, sb)
+    if machines:
+        reasons.append(f"the runs were recorded with different software or hardware ({'; '.join(machines)})")
     rng_a, rng_b = _rng_bytes(sa), _rng_bytes(sb)  # (the states themselves: their documents' places say nothing)
     generators = sorted(k for k in set(rng_a) | set(rng_b) if rng_a.get(k) != rng_b.get(k))
     torch_ones = [k for k in generators if k.startswith(("torch", "cuda"))]
@@ -1044,6 +1047,29 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
     if others and not reasons:
         why += f"; its {' and '.join(others)} RNG states differ too, which matters only if it draws from them"
     return f"{same} and parameters, but {results}: {why}"
+
+
+def _machines_differ(sa: Step, sb: Step) -> list[str]:
+    """What of the software and hardware two runs were recorded with differs, as it changes numerics:
+    versions, the CPU's vector units, the GPUs, the devices the step's tensors were on."""
+    ia, ib = sa.rec.run_info, sb.rec.run_info
+    out = [f"{what} {ia.get(key)} vs {ib.get(key)}" for what, key in (
+        ("torch", "torch"), ("numpy", "numpy"), ("Python", "python"), ("machine", "machine"),
+        ("CPU capability", "cpu_capability")) if ia.get(key) is not None and ib.get(key) is not None
+        and ia.get(key) != ib.get(key)]
+
+    def gpus(info: dict[str, Any]) -> str:
+        found = [g.get("name") for g in info.get("cuda") or [] if isinstance(g, dict)] \
+            if isinstance(info.get("cuda"), list) else []
+        return ", ".join(str(n) for n in found) or "none"
+
+    if gpus(ia) != gpus(ib):
+        out.append(f"GPUs {gpus(ia)} vs {gpus(ib)}")
+    devices_a = sorted({r.device for r in sa.records})
+    devices_b = sorted({r.device for r in sb.records})
+    if devices_a != devices_b:
+        out.append(f"tensors on {', '.join(devices_a)} vs {', '.join(devices_b)}")
+    return out
 
 
 def _short(doc: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -508,6 +509,32 @@ def test_a_divergence_compares_the_generator_states_themselves(tmp_path: Path) -
     div = replayer.first_divergence(*recs)
     assert div.cause.endswith("same inputs and parameters, but output differs: its RNG state at entry differs "
                               "(torch)"), div.cause
+
+
+SCALE = 1.0
+
+
+@recorder.paper_step("Eq. 31", description="scaled by a module-level constant")
+def _globally_scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * SCALE
+
+
+def test_a_divergence_between_runs_of_other_machines_names_what_differs(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs recorded with other torch versions, on a GPU and a CPU: the same inputs gave other
+    outputs, and the cause said "nothing recorded explains it", though the versions, the GPUs and
+    the tensors' devices are recorded."""
+    a = _record_calls(tmp_path / "a.zarr", [(_globally_scaled, torch.ones(4))])
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 1.0 + 2 ** -20)
+    b = _record_calls(tmp_path / "b.zarr", [(_globally_scaled, torch.ones(4))])
+    assert replayer.first_divergence(a, b).cause.endswith("nothing recorded explains it (nondeterministic kernels, "
+                                                          "or something the step reads besides its inputs: a global, "
+                                                          "an environment variable?)")
+    b.rank.attrs = {**b.rank.attrs, "run": {**b.rank.run_info, "torch": "2.4.1+cu121",  # (as recorded elsewhere)
+                                            "cuda": [{"name": "NVIDIA A100-SXM4-80GB", "sm_count": 108}]}}
+    cause = replayer.first_divergence(a, b).cause
+    assert cause.endswith(f"output differs: the runs were recorded with different software or hardware (torch "
+                          f"{torch.__version__} vs 2.4.1+cu121; GPUs none vs NVIDIA A100-SXM4-80GB)"), cause
 
 
 def test_inputs_of_another_dtype_or_shape_are_not_the_same_inputs(tmp_path: Path) -> None:
