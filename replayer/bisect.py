@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import operator
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,15 +109,17 @@ def _nonfinite_text(step: Step, roles: frozenset[int] | set[str]) -> list[str]:
 
 
 # -- the origin of a NaN --------------------------------------------------------------------------
-def find_op(origin: Origin, step: Step, *, use_bundled_source: bool = False) -> None:
+def find_op(origin: Origin, step: Step, *, use_bundled_source: bool = False,
+            script: str | os.PathLike[str] | None = None) -> None:
     """``ops=True``: the operation inside ``step`` that made the first NaN/Inf, into ``origin.op``;
     where there is none, or the step cannot be replayed, ``origin.op_note`` says so (the step-level
-    answer stands either way). ``use_bundled_source``: a bundle's step replays with the code it carries."""
+    answer stands either way). ``use_bundled_source``: a bundle's step replays with the code it carries;
+    ``script``: where the training script is now, if it moved."""
     from .ops import bisect_ops
 
     notes: list[str] = []
     try:
-        origin.op = bisect_ops(step.rec, step, use_bundled_source=use_bundled_source, notes=notes)
+        origin.op = bisect_ops(step.rec, step, use_bundled_source=use_bundled_source, notes=notes, script=script)
     except ReplayError as exc:
         origin.op_note = f"operation-level bisection needs a replay, and this step cannot be replayed: {exc}"
         return

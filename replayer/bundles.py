@@ -1,6 +1,6 @@
 """Failure bundles: one small file that replays the failing step on another machine.
 
-    info = replayer.bundle(rec, origin.step, "failure.pdbg", verify=True, script=True)
+    info = replayer.bundle(rec, origin.step, "failure.pdbg", verify=True, repro=True)
     # elsewhere:  pdbg replay failure.pdbg   |   python repro.py
 
 A bundle is a finished recording (the same format) holding only what replaying its main step needs:
@@ -101,7 +101,7 @@ _SOURCE_FILES, _SOURCE_BYTES = 200, 768 << 10
 _OWN_PACKAGES = frozenset(("recorder", "replayer", "tui"))  # PaperDebugger's: where a bundle replays, it is there
 
 
-def _sources(rec: Recording, steps: list[Step]) -> tuple[dict[str, str], dict[str, str]]:
+def _sources(rec: Recording, steps: list[Step], script: str | None) -> tuple[dict[str, str], dict[str, str]]:
     """The text of every file the bundled steps' code came from, of the script that ran, and of the
     modules of the same project they import (``from mylib.util import raw`` beside the step's
     ``mylib/acts.py``: found by reading their imports, never by running them), and which module each
@@ -112,7 +112,7 @@ def _sources(rec: Recording, steps: list[Step]) -> tuple[dict[str, str], dict[st
     seeds = [(str(s.definition.get("ref", "")).partition(":")[0], s.definition.get("file"), s.definition.get("source"))
              for s in steps]
     if _needs_main(steps):  # the script only where the steps name code it defined (not a launcher's settings)
-        seeds.append(("__main__", rec.run_info.get("script"), None))
+        seeds.append(("__main__", script, None))
     cwd = rec.run_info.get("cwd")
     sources: dict[str, str] = {}
     modules: dict[str, str] = {}
@@ -252,7 +252,8 @@ def _as_recorded(steps: list[Step]) -> str:
 
 
 def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str], *, iteration: bool = False,
-           verify: bool = False, script: bool = False, overwrite: bool = False) -> BundleInfo:
+           verify: bool = False, script: bool | str | os.PathLike[str] = False, overwrite: bool = False,
+           repro: bool = False) -> BundleInfo:
     """Write a failure bundle for one step (or, with ``iteration``, its whole iteration).
 
     Args:
@@ -261,9 +262,13 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         path: the bundle file to write (``failure.pdbg``).
         iteration: bundle every step of the main step's iteration, with all payloads.
         verify: replay the main step from the bundle before sealing it, and record the outcome.
-        script: also write ``repro.py`` next to the bundle: replays it with only paperdebugger installed.
-        overwrite: replace an existing file at ``path`` (and ``repro.py`` with ``script``).
+        script: where the training script is now, if it moved since recording (the steps' code it
+            defined is carried from there); ``True``: ``repro`` (what it meant before).
+        overwrite: replace an existing file at ``path`` (and ``repro.py`` with ``repro``).
+        repro: also write ``repro.py`` next to the bundle: replays it with only paperdebugger installed.
     """
+    repro_too = repro or script is True
+    moved = os.fspath(script) if isinstance(script, (str, os.PathLike)) else None
     main = step if isinstance(step, Step) else rec.step(step)
     out = Path(path)
     if out.is_dir():  # (a recording is a directory too: never replaced by a bundle)
@@ -272,10 +277,10 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
     if out.exists() and not overwrite:
         raise BundleError(f"{out} already exists; choose another path, or replace it with --force "
                           "(overwrite=True)")
-    repro = out.with_name("repro.py")
-    if script and repro.exists() and not overwrite:  # before anything is written
-        raise BundleError(f"{repro} already exists; write the bundle into another directory, or delete it (or "
-                          "overwrite=True, --force)")
+    repro_file = out.with_name("repro.py")
+    if repro_too and repro_file.exists() and not overwrite:  # before anything is written
+        raise BundleError(f"{repro_file} already exists; write the bundle into another directory, or delete it "
+                          "(or overwrite=True, --force)")
     if not out.parent.exists():
         raise BundleError(f"cannot write {out}: directory {out.parent} does not exist")
     rows, full = _selection(rec, main, iteration)
@@ -287,7 +292,13 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
             raise BundleError(f"step {main.index} kept statistics only for {r.role} {r.name} "
                               f"({rec.rank.why_statistics_only(r)}): there is nothing to replay; bundle a step "
                               "recorded with payloads (mode full, or a flight dump)")
-    sources, modules = _sources(rec, steps)
+    script_now = str(Path(moved).resolve()) if moved is not None else rec.run_info.get("script")
+    sources, modules = _sources(rec, steps, script_now)
+    if isinstance(script_now, str) and _needs_main(steps) and script_now not in sources:
+        why = "it is not there" if not os.path.isfile(script_now) else "it could not be read or is too large"
+        raise BundleError(f"step {main.index}'s code was defined in the training script {script_now}, which the "
+                          f"bundle must carry, but {why}: give the script's path now with --script PATH "
+                          "(script= in Python)")
     session = None
     if not rec.run_info.get("script") and _needs_main(steps):
         session = _session_source(rec)
@@ -304,7 +315,8 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                           "writable directory (-o PATH)") from None
     try:
         store_dir = work / "store"
-        new_main = _write_store(rec, store_dir, rows, full, main, SESSION_SCRIPT if session else None)
+        new_main = _write_store(rec, store_dir, rows, full, main, SESSION_SCRIPT if session else
+                                script_now if moved is not None else None)
         meta = {"format": FORMAT, "main_step": new_main, "created": datetime.now(UTC).isoformat(),
                 "iteration": iteration, "origin": {"path": str(rec.path), "index": main.index, "step": main.to_json(),
                                                    "status": rec.status},
@@ -336,14 +348,15 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         os.replace(partial, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    repro = _write_script(out) if script else None
+    repro = _write_script(out) if repro_too else None
     return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro, sorted(sources))
 
 
 def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], main: Step,
                  script: str | None) -> int:
     """Copy the chosen steps into a new store; returns the main step's new index. ``script``: the
-    script to name in its run information instead of the recording's (a notebook session's cells)."""
+    script to name in its run information instead of the recording's (a notebook session's cells, a
+    script that moved since recording)."""
     rank = rec.rank
     run_attrs = {**rec.run_info, "bundle_of": str(rec.path)}
     if script is not None:

@@ -150,10 +150,11 @@ class _Finder(TorchDispatchMode):
 
 
 def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bundled_source: bool = False,
-               notes: list[str] | None = None) -> OpReport | None:
+               notes: list[str] | None = None, script: str | os.PathLike[str] | None = None) -> OpReport | None:
     """Replay ``step`` operation by operation; the first that made NaN/Inf from finite inputs, or
     None when none did (the values then came from outside the step's operations). ``notes``
-    receives the replay's warnings that its code is not the recorded code (edited since)."""
+    receives the replay's warnings that its code is not the recorded code (edited since).
+    ``script``: where the training script is now, if it moved (as ``replayer.replay``'s)."""
     from .replay import Replayer
 
     finders: dict[str, _Finder] = {}
@@ -170,8 +171,8 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
                 finders[stage] = stack.enter_context(_Finder(stage))
             yield
 
-    result = Replayer(rec, use_bundled_source=use_bundled_source).replay(step, threads=threads, nested=False,
-                                                                           around=around)
+    result = Replayer(rec, script=script, use_bundled_source=use_bundled_source).replay(
+        step, threads=threads, nested=False, around=around)
     if notes is not None:
         notes += [w for w in result.warnings if "changed since" in w]
     finder = finders.get(step.phase)

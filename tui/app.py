@@ -629,11 +629,13 @@ class PdbgApp(App[None]):
     ]
 
     def __init__(self, rec: Recording, *, path: str | None = None, start: int | None = None,
-                 notice: str | None = None) -> None:
+                 notice: str | None = None, script: str | None = None, use_bundled_source: bool = False) -> None:
         super().__init__()
         self._filters.append(_PrintableOnly())
         self.notice = notice  # shown in the panel at start (a --at that named no step)
         self.rec = rec
+        # where replays find the steps' code: the script's path now (it moved), a bundle's own copy
+        self.code_options: dict[str, Any] = {"script": script, "use_bundled_source": use_bundled_source}
         self.path = path or str(rec.path)
         self.model = views.TimelineModel(rec)
         self.start = start
@@ -953,7 +955,7 @@ class PdbgApp(App[None]):
         import replayer
 
         try:
-            result = replayer.replay(self.rec, index, swap=swap, edit=edit)
+            result = replayer.replay(self.rec, index, swap=swap, edit=edit, **self.code_options)
         except PdbgError as exc:
             self._report(Text(f"cannot replay step {index}: {exc}", style="red"))
             return
@@ -981,7 +983,7 @@ class PdbgApp(App[None]):
             try:
                 from replayer.ops import bisect_ops
 
-                op = bisect_ops(self.rec, origin.step)
+                op = bisect_ops(self.rec, origin.step, **self.code_options)
                 if op is not None:
                     text.append(f"\noperation: {op.where()}", style="yellow")
             except PdbgError as exc:
@@ -1039,7 +1041,8 @@ class PdbgApp(App[None]):
         import replayer
 
         try:
-            info = replayer.bundle(self.rec, index, Path(path), verify=True)
+            info = replayer.bundle(self.rec, index, Path(path), verify=True,
+                                   script=self.code_options["script"] or False)
         except PdbgError as exc:
             self._report(Text(f"no bundle: {exc}", style="red"))
             return
@@ -1153,24 +1156,27 @@ class ErrorApp(App[None]):
                                    "\n\n", ("q to quit", "dim")), id="error")
 
 
-def open_app(path: str, start: str | None = None, rank: int = 0) -> App[None]:
+def open_app(path: str, start: str | None = None, rank: int = 0, *, script: str | None = None,
+             use_bundled_source: bool = False) -> App[None]:
     """The app for a path (``rank``: whose steps, in a run of several processes): the TUI, or the
-    error screen when the recording cannot be read."""
+    error screen when the recording cannot be read. ``script``, ``use_bundled_source``: where its
+    replays find the steps' code, as ``replayer.replay``'s."""
     try:
         rec = Recording(path, rank)
     except PdbgError as exc:
         return ErrorApp(path, str(exc))
+    code = {"script": script, "use_bundled_source": use_bundled_source}
     try:
         index = rec.step(start).index if start else None
     except PdbgError as exc:  # the recording is fine: open it, and say why the cursor is not there
-        return PdbgApp(rec, path=path, notice=f"--at {start}: {exc}")
-    return PdbgApp(rec, path=path, start=index)
+        return PdbgApp(rec, path=path, notice=f"--at {start}: {exc}", **code)
+    return PdbgApp(rec, path=path, start=index, **code)
 
 
-def run_app(path: str, start: str | None = None, rank: int = 0) -> int:
+def run_app(path: str, start: str | None = None, rank: int = 0, **code: Any) -> int:
     """Open the TUI on a recording (``start``: a step to put the cursor on); exit code 2 when the
     recording could not be read."""
-    app = open_app(path, start, rank)
+    app = open_app(path, start, rank, **code)
     app.run()
     return 2 if isinstance(app, ErrorApp) else 0
 

@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Travel through a recording from the keyboard: ? lists every key.")
     p.add_argument("run", metavar="RUN", help="the recording or bundle")
     p.add_argument("--at", metavar="STEP", help="put the cursor on this step (an index or a selector)")
+    cmd_replay.code_options(p)
     cmd_replay.rank_option(p)
     p.set_defaults(handler=_tui)
     return parser
@@ -103,7 +104,7 @@ def _tui(args: argparse.Namespace) -> int:
     if not web and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise PdbgError("the TUI needs a terminal (stdin and stdout are not one here): use pdbg info, bisect or "
                         f"replay on {args.run}, or pdbg serve {args.run} to open it in a browser")
-    return run_app(args.run, args.at, args.rank)
+    return run_app(args.run, args.at, args.rank, script=args.script, use_bundled_source=args.use_bundled_source)
 
 
 def _not_there(word: str, as_command: bool) -> str:

@@ -32,6 +32,8 @@ def add_parsers(sub: Any) -> None:
                    "a NaN/Inf from finite inputs, with its source line")
     p.add_argument("--use-bundled-source", action="store_true", help="a bundle, with --ops: replay with the code it "
                    "carries instead of the code installed here (runs that code)")
+    p.add_argument("--script", metavar="PATH", help="with --ops: the training script's path now, if it moved since "
+                   "recording")
     p.add_argument("--rank", type=int, metavar="K", help="look at rank K only (default: every rank of a run of "
                    "several processes, naming the rank of the origin)")
     p.add_argument("--scaler-skips", action="store_true", help="also look at the backward steps of iterations whose "
@@ -58,6 +60,9 @@ def bisect(args: argparse.Namespace) -> int:
     rec = _open(args.run, args.rank or 0)
     if args.against is not None and not args.against.strip():
         raise PdbgError("--against needs the path of the other recording (it was given empty)")
+    if args.script is not None and not args.ops:
+        raise PdbgError("--script says where the training script is for --ops (the replay of the origin step); "
+                        "add --ops, or leave --script out")
     if args.against:
         if args.ops or args.scaler_skips:
             raise PdbgError(f"{'--ops' if args.ops else '--scaler-skips'} applies to the origin of a NaN, not to "
@@ -80,7 +85,7 @@ def bisect(args: argparse.Namespace) -> int:
     if args.ops and origin.step is not None:
         from replayer.bisect import find_op
 
-        find_op(origin, origin.step, use_bundled_source=args.use_bundled_source)
+        find_op(origin, origin.step, use_bundled_source=args.use_bundled_source, script=args.script)
         op_note = origin.op_note
     if args.json:
         doc = origin.to_json()

@@ -1,10 +1,11 @@
-"""pdbg bundle RUN STEP -o failure.pdbg [--iteration] [--verify] [--script] [--force] [--rank K] [--json]
+"""pdbg bundle RUN STEP -o failure.pdbg [--iteration] [--verify] [--repro] [--script PATH] [--force] [--rank K] [--json]
 
 Write one file that replays STEP on another machine: the step (a backward step with its forward
 call), the steps inside it, their RNG, settings, module skeletons and payloads, the environment,
 the source of the code involved and the recording's recipes, as a zip of a finished recording.
 --iteration bundles the step's whole iteration; --verify replays the bundle before sealing it and
-records the outcome; --script also writes repro.py next to it. Elsewhere: `pdbg replay BUNDLE`.
+records the outcome; --repro also writes repro.py next to it; --script PATH says where the training
+script is now, if it moved since recording. Elsewhere: `pdbg replay BUNDLE`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("-o", "--out", required=True, metavar="FILE", help="the bundle to write (failure.pdbg)")
     p.add_argument("--iteration", action="store_true", help="bundle the step's whole iteration")
     p.add_argument("--verify", action="store_true", help="replay it once before sealing; record the outcome")
-    p.add_argument("--script", action="store_true", help="also write repro.py next to the bundle")
-    p.add_argument("--force", action="store_true", help="replace FILE (and repro.py, with --script) if it exists")
+    p.add_argument("--repro", action="store_true", help="also write repro.py next to the bundle")
+    p.add_argument("--script", nargs="?", const=True, metavar="PATH", help="the training script's path now, if it "
+                   "moved since recording (without PATH: --repro, as before)")
+    p.add_argument("--force", action="store_true", help="replace FILE (and repro.py, with --repro) if it exists")
     rank_option(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(handler=run)
@@ -38,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
     rec = _open(args.run, args.rank)
     step = rec.step(args.step)
-    info = replayer.bundle(rec, step, args.out, iteration=args.iteration, verify=args.verify, script=args.script,
-                           overwrite=args.force)
+    info = replayer.bundle(rec, step, args.out, iteration=args.iteration, verify=args.verify,
+                           script=args.script or False, repro=args.repro, overwrite=args.force)
     if args.json:
         print(json.dumps(info.to_json()))
     else:

@@ -71,6 +71,12 @@ def _bundled_option(p: argparse.ArgumentParser) -> None:
                    help="a bundle: replay with the code it carries instead of the code installed here (runs that code)")
 
 
+def code_options(p: argparse.ArgumentParser) -> None:
+    """Where replays find the steps' code (pdbg tui and serve; replay and verify have them too)."""
+    p.add_argument("--script", metavar="PATH", help="the training script's path now, if it moved since recording")
+    _bundled_option(p)
+
+
 def rank_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=0, metavar="K", help="the rank whose steps to use, in a run of "
                    "several processes (torch.distributed); default 0")

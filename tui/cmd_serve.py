@@ -18,7 +18,7 @@ from typing import Any
 
 from recorder.errors import PdbgError
 
-from .cmd_replay import _open, rank_option
+from .cmd_replay import _open, code_options, rank_option
 
 
 class ServeError(PdbgError):
@@ -37,6 +37,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--public-url", metavar="URL",
                    help="the address browsers use to reach the server, when it is not http://HOST:PORT (a proxy)")
     p.add_argument("--at", metavar="STEP", help="put the cursor on this step (an index or a selector)")
+    code_options(p)
     rank_option(p)
     p.set_defaults(handler=run)
 
@@ -65,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", "tui.cli", "tui", args.run, "--rank", str(args.rank)]
     if args.at is not None:
         command += ["--at", args.at]
+    if args.script is not None:
+        command += ["--script", args.script]
+    if args.use_bundled_source:
+        command += ["--use-bundled-source"]
     url = args.public_url or f"http://{_url_host(args.host)}:{args.port}"
     server = Server(shlex.join(command), host=args.host, port=args.port, title=f"pdbg {args.run}",
                     public_url=url.rstrip("/"))

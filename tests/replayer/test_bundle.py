@@ -617,3 +617,70 @@ def test_the_changed_code_mark_looks_for_a_module_where_a_replay_does(tmp_path: 
     assert drift_without_running(step.definition, step.rec.run_info, []).startswith("unchanged (")
     (package / "acts.py").write_text((package / "acts.py").read_text().replace("tanh", "sigmoid"))
     assert drift_without_running(step.definition, step.rec.run_info, []).startswith("changed since recording (")
+
+
+MOVED_SCRIPT = '''
+import sys
+import torch
+import recorder
+
+
+@recorder.paper_step("Eq. 2", description="softplus written with exp")
+def soft(x):
+    return torch.log1p(torch.exp(x))
+
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1]) as run:
+        for i in range(3):
+            soft(torch.linspace(-1, 1, 8) * (100.0 if i == 2 else 1.0))
+            run.next_iteration()
+'''
+
+
+def test_a_project_that_moved_is_found_with_script_by_every_command(tmp_path: Path) -> None:
+    """Steps defined in a training script that moved since recording: the messages said to pass
+    --script, which bisect and the TUI did not take and bundle took for repro.py's flag; pdbg bundle
+    wrote a bundle without the script's code, which could not replay anywhere."""
+    import asyncio
+
+    from tui.app import open_app
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(MOVED_SCRIPT)
+    assert run([sys.executable, "train.py", str(tmp_path / "run.zarr")], project, project).returncode == 0
+    project.rename(tmp_path / "moved")
+    script = str(tmp_path / "moved" / "train.py")
+    where = str(tmp_path / "run.zarr")
+    ops = pdbg("bisect", where, "--ops", cwd=tmp_path, code=tmp_path)
+    assert "cannot read the training script" in ops.stdout and "--script" in ops.stdout, ops.stdout
+    ops = pdbg("bisect", where, "--ops", "--script", script, cwd=tmp_path, code=tmp_path)
+    assert "operation: aten::exp" in ops.stdout and ops.returncode == 1, ops.stdout + ops.stderr
+    refused = pdbg("bundle", where, "Eq. 2@iter=2", "-o", "f.pdbg", cwd=tmp_path, code=tmp_path)
+    assert refused.returncode == 2 and refused.stderr == (
+        f"pdbg: error: step 2's code was defined in the training script {project / 'train.py'}, which the bundle must "
+        "carry, but it is not there: give the script's path now with --script PATH (script= in Python)\n")
+    made = pdbg("bundle", where, "Eq. 2@iter=2", "-o", "f.pdbg", "--verify", "--script", script, "--repro",
+                cwd=tmp_path, code=tmp_path)
+    assert made.returncode == 0 and "verified: the bundle replays bit for bit" in made.stdout, made.stdout + made.stderr
+    assert "source carried: moved/train.py\n" in made.stdout and (tmp_path / "repro.py").exists()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(tmp_path / "f.pdbg", elsewhere / "f.pdbg")
+    shutil.rmtree(tmp_path / "moved")
+    replayed = pdbg("replay", "f.pdbg", "--use-bundled-source", cwd=elsewhere, code=elsewhere)
+    assert replayed.returncode == 0 and "MATCH: bit for bit" in replayed.stdout, replayed.stdout + replayed.stderr
+
+    async def press_r(**code: object) -> str:
+        app = open_app(where, "Eq. 2@iter=2", **code)
+        async with app.run_test(size=(110, 32)) as pilot:
+            await pilot.press("r")
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            return str(app.panel_text)
+
+    os.makedirs(tmp_path / "moved")
+    (tmp_path / "moved" / "train.py").write_text(MOVED_SCRIPT)
+    assert "--script" in asyncio.run(press_r())
+    assert "replay of step 2: bitwise match" in asyncio.run(press_r(script=script))
