@@ -30,7 +30,7 @@ import numpy as np
 
 from recorder import jsonval
 from recorder.annotate import source_lines
-from recorder.errors import PdbgError
+from recorder.errors import PdbgError, ReplayError
 from recorder.store import backend, codecs, layout
 from recorder.store.writer import StoreWriter
 
@@ -58,6 +58,7 @@ class BundleInfo:
     verified: bool | None
     script: Path | None = None
     sources: list[str] = field(default_factory=list)  # the source files it carries (bundle.json's "sources")
+    not_verified: str | None = None  # verify asked, the step could not be replayed here: why (a GPU step, no GPU)
 
     @property
     def main(self) -> int:
@@ -65,10 +66,11 @@ class BundleInfo:
         return self.main_step
 
     def to_json(self) -> dict[str, Any]:
-        """``pdbg bundle --json``: {"path", "bytes", "steps", "verified", "main_step", "script", "sources"}."""
+        """``pdbg bundle --json``: {"path", "bytes", "steps", "verified", "main_step", "script", "sources",
+        "not_verified"}."""
         return {"path": str(self.path), "bytes": self.bytes, "steps": self.steps, "verified": self.verified,
                 "main_step": self.main_step, "script": str(self.script) if self.script else None,
-                "sources": self.sources}
+                "sources": self.sources, "not_verified": self.not_verified}
 
     def __repr__(self) -> str:
         verified = {True: "verified: bitwise match", False: "verified: MISMATCH", None: "not verified"}[self.verified]
@@ -329,17 +331,22 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         if carried:
             backend.put(backend.open_store(store_dir, mode="w"), recipes_mod.KEY,
                         json.dumps(carried, indent=1).encode())
-        verified = None
+        verified, not_verified = None, None
         if verify:
             backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta).encode())
             from .replay import Replayer
 
             check = Recording(store_dir)
             # (a notebook's code is in the bundle only: verified as it replays elsewhere, from there)
-            result = Replayer(check, use_bundled_source=session is not None).replay(check.step(new_main), nested=False)
-            verified = bool(result.match) if result.compared else None  # nothing compared: nothing verified
-            meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
-                                "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings}
+            try:
+                result = Replayer(check, use_bundled_source=session is not None).replay(check.step(new_main),
+                                                                                        nested=False)
+            except ReplayError as exc:  # not here (a GPU step on a machine without one): written, unverified
+                not_verified = str(exc).replace(f"step {new_main} ", f"step {main.index} ", 1)
+            else:
+                verified = bool(result.match) if result.compared else None  # nothing compared: nothing verified
+                meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
+                                    "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings}
         backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta, indent=1).encode())
         partial = work / "bundle.zip"
         with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED) as archive:
@@ -349,7 +356,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
     finally:
         shutil.rmtree(work, ignore_errors=True)
     repro = _write_script(out) if repro_too else None
-    return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro, sorted(sources))
+    return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro, sorted(sources), not_verified)
 
 
 def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], main: Step,

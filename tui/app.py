@@ -1049,7 +1049,8 @@ class PdbgApp(App[None]):
         except OSError as exc:  # a disk that filled while it was written: the session stays
             self._report(Text(f"no bundle: cannot write {path} ({exc.strerror or exc})", style="red"))
             return
-        verdict = ("not verified: the step returned no tensor" if info.verified is None else
+        verdict = (f"not verified: it cannot be replayed here ({info.not_verified})" if info.not_verified else
+                   "not verified: the step returned no tensor" if info.verified is None else
                    "verified: replays bit for bit" if info.verified else "MISMATCH when replayed from the bundle")
         steps = f"{info.steps} step{'s' if info.steps != 1 else ''}"
         self._report(Text(f"wrote {info.path} ({info.bytes} bytes, {steps}); {verdict}",

@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         if info.verified is not None:
             print("verified: " + ("the bundle replays bit for bit" if info.verified else "MISMATCH when replayed from "
                                   "the bundle (see pdbg replay)"))
+        elif info.not_verified:
+            print(f"not verified: it cannot be replayed here ({info.not_verified})")
         elif args.verify:
             print("not verified: the step returned no tensor, so its replay had nothing to compare")
         if info.script:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -518,7 +519,7 @@ def test_a_bundle_carries_only_the_python_files_its_steps_code_came_from(tmp_pat
     rec = SimpleNamespace(run_info={"script": str(secret)})
     steps = [step(secret, "AWS_SECRET"), step(settings, "import os"), step(settings, "SECRET_KEY = 'hunter2'"),
              step(layers, "def act(x):\n    return torch.tanh(x)\n")]
-    sources, modules = bundles._sources(rec, steps)
+    sources, modules = bundles._sources(rec, steps, str(secret))
     assert list(sources) == [str(layers)] and modules == {"layers": str(layers)}
 
 
@@ -684,3 +685,27 @@ def test_a_project_that_moved_is_found_with_script_by_every_command(tmp_path: Pa
     (tmp_path / "moved" / "train.py").write_text(MOVED_SCRIPT)
     assert "--script" in asyncio.run(press_r())
     assert "replay of step 2: bitwise match" in asyncio.run(press_r(script=script))
+
+
+def test_a_step_that_cannot_be_replayed_here_is_bundled_unverified(recorded: tuple[Path, Path], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU step bundled on a machine without one: verify refused the whole bundle, naming "step 0"
+    (its index in the bundle, not the one asked for), so the TUI's x, which verifies, exported none."""
+    import importlib
+
+    replay_mod = importlib.import_module("replayer.replay")
+    run_path, code = recorded
+    monkeypatch.syspath_prepend(str(code))
+
+    def on_a_gpu(step: Any, rec: Any) -> torch.Tensor:
+        raise ReplayError(f"step {rec.step} was recorded on cuda:0, and this machine has no GPU; replay it on a "
+                          "machine with one")
+
+    monkeypatch.setattr(replay_mod, "_materialize", on_a_gpu)
+    rec = replayer.open(run_path)
+    asked = rec.step("Eq. 1@iter=2")
+    info = replayer.bundle(rec, asked, tmp_path / "gpu.pdbg", verify=True)
+    assert info.verified is None and info.not_verified == (
+        f"step {asked.index} was recorded on cuda:0, and this machine has no GPU; replay it on a machine with one")
+    assert info.to_json()["not_verified"] == info.not_verified and (tmp_path / "gpu.pdbg").exists()
+    assert replayer.open(tmp_path / "gpu.pdbg").main_step.name == asked.name
