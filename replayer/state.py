@@ -215,7 +215,8 @@ def per_call(settings: dict[str, Any], *, grad: bool | None = None) -> Iterator[
             stack.enter_context(torch.inference_mode())
         stack.enter_context(torch.set_grad_enabled(bool(enabled)))
         for device in ("cpu", "cuda"):
-            if settings.get(f"autocast_{device}"):
+            if settings.get(f"autocast_{device}") and (device == "cpu" or torch.cuda.is_available()):
+                # (CUDA's autocast changes only CUDA operations: without a GPU torch turns it off, warning)
                 dtype = settings.get(f"autocast_{device}_dtype")
                 stack.enter_context(torch.autocast(device, dtype=_recorded(dtype_from_name, f"autocast_{device}_dtype",
                                                                            dtype) if dtype else None))
@@ -242,6 +243,10 @@ def neutral(settings: dict[str, Any]) -> Iterator[None]:
             stack.callback(torch.set_default_dtype, torch.get_default_dtype())
             torch.set_default_dtype(dtype_from_name(dtype))
         device = settings.get("default_device")  # (absent from recordings made before it was recorded)
+        if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
+            raise ReplayError(f"the step ran with {device} as the default device (torch.set_default_device, or "
+                              "a `with torch.device(...)` block), and this machine has no GPU; replay it on a "
+                              "machine with one")
         if device is not None and str(torch.get_default_device()) != device:
             # innermost: above a caller's own torch.device(...)
             stack.enter_context(_recorded(torch.device, "default_device", device))

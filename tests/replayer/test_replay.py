@@ -269,6 +269,33 @@ def test_a_non_contiguous_input_replays_under_another_default_device(tmp_path: P
         assert replayer.replay(replayer.open(path), 0).match
 
 
+def test_a_step_recorded_under_a_gpu_default_device_is_refused_without_one(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recorded under torch.set_default_device("cuda") with CPU tensors, replayed where there is no
+    GPU: the step ran, raised "Torch not compiled with CUDA enabled" and was called a MISMATCH; and a
+    recorded CUDA autocast region printed torch's warning that it was disabled."""
+    import warnings
+
+    from replayer.recording import Step
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        project(torch.randn(4, 8), torch.randn(8, 3))
+    rec = replayer.open(path)
+    recorded = rec.step(0).settings
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(Step, "settings", property(lambda self: {**recorded, "default_device": "cuda:0"}))
+    with pytest.raises(ReplayError, match=r"^the step ran with cuda:0 as the default device \(torch.set_default_device, "
+                                          r"or a `with torch.device\(...\)` block\), and this machine has no GPU; "
+                                          r"replay it on a machine with one$"):
+        replayer.replay(rec, 0)
+    monkeypatch.setattr(Step, "settings", property(lambda self: {**recorded, "autocast_cuda": True,
+                                                                 "autocast_cuda_dtype": "float16"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert replayer.replay(rec, 0).match
+
+
 def test_another_cpu_capability_is_reported_and_left_alone(gpt_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A process cannot change the CPU capability torch dispatches to: a replay where it differs
     from the recording's says so, with the variable that sets it, and still runs."""
