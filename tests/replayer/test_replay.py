@@ -285,9 +285,9 @@ def test_a_step_recorded_under_a_gpu_default_device_is_refused_without_one(tmp_p
     recorded = rec.step(0).settings
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(Step, "settings", property(lambda self: {**recorded, "default_device": "cuda:0"}))
-    with pytest.raises(ReplayError, match=r"^the step ran with cuda:0 as the default device \(torch.set_default_device, "
-                                          r"or a `with torch.device\(...\)` block\), and this machine has no GPU; "
-                                          r"replay it on a machine with one$"):
+    with pytest.raises(ReplayError, match=r"^the step ran with cuda:0 as the default device \(torch."
+                                          r"set_default_device, or a `with torch.device\(...\)` block\), and this "
+                                          r"machine has no GPU; replay it on a machine with one$"):
         replayer.replay(rec, 0)
     monkeypatch.setattr(Step, "settings", property(lambda self: {**recorded, "autocast_cuda": True,
                                                                  "autocast_cuda_dtype": "float16"}))
