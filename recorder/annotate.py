@@ -15,6 +15,7 @@ import inspect
 import linecache
 import os
 import sys
+import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,10 +49,19 @@ class StepDef:
                 "equation": self.equation, "description": self.description}
 
     def doc(self) -> dict[str, Any]:
-        """The definition document stored with every step (computed once)."""
+        """The definition document stored with every step (computed once, at its first call, on the
+        thread that made it: one at a time, as ``ast.parse`` is not safe in two threads at once)."""
         if self._doc is None:
-            self._doc = {"name": self.name, "paper": self.paper, "kind": self.kind, **code_info(self.target)}
+            with _SOURCE_LOCK:
+                if self._doc is None:
+                    self._doc = {"name": self.name, "paper": self.paper, "kind": self.kind, **code_info(self.target)}
         return self._doc
+
+
+# Finding a step's source parses files (inspect.getsourcelines, ast.parse). Two training threads that
+# call steps for the first time at once made CPython 3.11's parser raise "AST constructor recursion
+# depth mismatch", and the recording stopped.
+_SOURCE_LOCK = threading.Lock()
 
 
 def source_lines(target: Any) -> tuple[list[str], int, str | None]:

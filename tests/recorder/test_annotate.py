@@ -138,3 +138,31 @@ def test_what_a_function_step_cannot_be_is_refused_when_decorated():
         with pytest.raises(TypeError, match=r"cannot decorate functools.partial\(.*scaled, \.\.\.\): a partial has "
                                             r"no definition of its own to replay; decorate the function it wraps"):
             recorder.paper_step("Eq. 1", name=name)(functools.partial(scaled, s=0.5))
+
+
+def test_two_threads_calling_new_steps_find_their_sources_one_at_a_time(run_path, monkeypatch):
+    """Two training threads calling steps for the first time at once parsed source files at once,
+    and CPython 3.11's parser raised "AST constructor recursion depth mismatch": the recording
+    stopped for the rest of the run. The sources are found one thread at a time now."""
+    import importlib
+    import threading
+
+    import replayer
+
+    annotate = importlib.import_module("recorder.annotate")
+    real, held = annotate.code_info, []
+
+    def code_info(target):
+        held.append(annotate._SOURCE_LOCK.locked())
+        return real(target)
+
+    monkeypatch.setattr(annotate, "code_info", code_info)
+    steps = [recorder.paper_step(f"Eq. {k}")(lambda x, k=k: x * k) for k in range(8)]
+    with recorder.record(run_path) as run:
+        threads = [threading.Thread(target=step, args=(torch.ones(2),)) for step in steps]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert held == [True] * 8 and run.status == "complete"
+    assert len(replayer.open(run_path)) == 8
