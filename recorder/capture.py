@@ -261,6 +261,9 @@ class Session:
         self._inf_last: dict[tuple[Any, ...], bool] = {}  # (name, path, phase, call) -> last call's
         self._inf_step: dict[tuple[Any, ...], bool] = {}  # (name, path, phase) -> its last call's, whatever number
         self._inf_first: dict[tuple[Any, ...], tuple[int, str]] = {}  # -> (index, message) of that first call
+        # Python's recursion limit before a recursion of steps raised it (_recursion_room), and what it was raised to
+        self._recursion_limit: int | None = None
+        self._raised_limit = 0
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _stack(self) -> list[Frame]:
@@ -529,6 +532,9 @@ class Session:
         def invoke(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return fn(module, *args, **kwargs) if module is not None else fn(*args, **kwargs)
 
+        depth = len(self._stack())
+        if depth >= _DEEP:  # a recursion of steps: the frames the recorder adds to each must not end it
+            self._recursion_room(depth)
         started = self.begin(defn, module, args, kwargs)
         if started is None:
             return invoke(args, kwargs)
@@ -539,6 +545,18 @@ class Session:
             self.end_with_exception(frame, exc, link)
             raise
         return self.end(frame, out, link)
+
+    def _recursion_room(self, depth: int) -> None:
+        """Raise Python's recursion limit by the frames the recorder adds to ``depth`` nested step
+        calls (its wrapper, ``call``, ``invoke``, and what capturing the innermost one takes): a step
+        that recurses 400 deep unrecorded does when recorded. Put back when the recording closes."""
+        needed = (self._recursion_limit or sys.getrecursionlimit()) + _FRAMES_PER_STEP * depth + _CAPTURE_FRAMES
+        if sys.getrecursionlimit() < needed:
+            with self.lock:
+                if self._recursion_limit is None:
+                    self._recursion_limit = sys.getrecursionlimit()
+                self._raised_limit = max(needed, sys.getrecursionlimit())
+                sys.setrecursionlimit(self._raised_limit)
 
     def _call_from_compiled(self, defn: Any, fn: Callable[..., Any], module: torch.nn.Module | None,
                             args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1497,6 +1515,8 @@ class Session:
         self._report_unreported()
         self.dump_ring("end")
         self.closed = True
+        if self._recursion_limit is not None and sys.getrecursionlimit() == self._raised_limit:
+            sys.setrecursionlimit(self._recursion_limit)  # (unless the program set its own since)
         self.modules.close()
         with self.lock:
             links, self._links = self._links, []
@@ -1529,6 +1549,10 @@ def _stored_values(t: torch.Tensor) -> torch.Tensor | None:
         pass
     return None
 
+
+_DEEP = 32  # nested step calls from which each call makes sure of the recursion limit (_recursion_room)
+_FRAMES_PER_STEP = 4  # the frames a recorded step call adds: paper_step's wrapper, Session.call, invoke (+1 spare)
+_CAPTURE_FRAMES = 200  # what capturing a call's inputs and outputs may take (encoding nested arguments)
 
 _UNTAPPED_NOTE = ("a tensor passed both directly and inside a container (list, dict...) has no gradient recorded: "
                  "following it through the call would change the order in which autograd sums its gradients")

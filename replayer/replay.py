@@ -19,6 +19,7 @@ import contextlib
 import inspect
 import os
 import re
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -599,7 +600,8 @@ class Replayer:
                 state.per_call(settings):
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
-                with self._around("forward"), collectives.replayed(step, inner if nested else None) as talk:
+                with self._around("forward"), collectives.replayed(step, inner if nested else None) as talk, \
+                        _recursion_room(len(inner)):
                     out = call.run()
                 warnings += talk.warnings
                 if talk.used and (self.plan.edits or self.plan.swaps):
@@ -727,7 +729,8 @@ class Replayer:
                 state.per_call(fwd_settings, grad=True):
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
-                with self._around("forward"), collectives.replayed(fwd, inner if nested else None) as talk:
+                with self._around("forward"), collectives.replayed(fwd, inner if nested else None) as talk, \
+                        _recursion_room(len(inner)):
                     out = call.run()
                 warnings += talk.warnings
             except PdbgError:
@@ -807,6 +810,23 @@ def _skeleton_modules(doc: Any, path: str) -> Iterator[tuple[str, dict[str, Any]
         yield path, doc
         for name, child in (doc.get("children") or {}).items():
             yield from _skeleton_modules(child, join_path(path, name))
+
+
+@contextlib.contextmanager
+def _recursion_room(inner: int) -> Iterator[None]:
+    """Python's recursion limit raised by the frames the taps add to ``inner`` steps the replay
+    follows (a step that recursed 400 deep, recorded so, replays so), put back after."""
+    before, added = sys.getrecursionlimit(), _TAP_FRAMES * inner
+    if added:
+        sys.setrecursionlimit(before + added)
+    try:
+        yield
+    finally:
+        if added and sys.getrecursionlimit() == before + added:
+            sys.setrecursionlimit(before)
+
+
+_TAP_FRAMES = 6  # frames an inner step's call takes through the taps (the step's wrapper, InnerTap.call, ...)
 
 
 def _by_type(doc: Any, as_dicts: bool = False) -> Any:

@@ -2144,3 +2144,30 @@ def test_the_module_level_data_hint_names_global_reads_not_attributes() -> None:
     from replayer.replay import _data_globals
 
     assert _data_globals(reads_an_attribute) == ["TEMPERATURE (float)"]
+
+
+@recorder.paper_step("Eq. 25", description="a scan written as a recursion: h_t = tanh(h_{t-1} + x_t)")
+def recursive_scan(xs: torch.Tensor, t: int) -> torch.Tensor:
+    return xs[0] if t == 0 else torch.tanh(recursive_scan(xs, t - 1) + xs[t])
+
+
+def test_a_step_recursing_hundreds_deep_is_recorded_and_replayed(tmp_path: Path) -> None:
+    """Each recorded call of a recursive step took four frames of Python's recursion limit instead
+    of one: a scan 300 deep, fine unrecorded, raised RecursionError in the training when recorded
+    (the warning said training continued). The recorder makes room for its own frames, and puts
+    Python's limit back when the recording closes."""
+    import sys
+
+    depth, limit = 300, sys.getrecursionlimit()
+    xs = torch.randn(depth + 1, 4, requires_grad=True)
+    expected = recursive_scan(xs, depth)  # unrecorded
+    path = tmp_path / "run.zarr"
+    with recorder.record(path) as run:
+        out = recursive_scan(xs, depth)
+        out.sum().backward()
+    assert torch.equal(out, expected) and run.status == "complete" and sys.getrecursionlimit() == limit
+    rec = replayer.open(path)
+    assert len(rec.steps.filter(phase="forward")) == depth + 1
+    res = replayer.replay(rec, 0)
+    assert res.match and len(res.inner) == depth and all(s.match for s in res.inner)
+    assert sys.getrecursionlimit() == limit
