@@ -91,11 +91,11 @@ def _nonfinite(t: torch.Tensor) -> bool:
     return t.numel() > 0 and not bool(torch.isfinite(t).all())
 
 
-def _made_nonfinite(func: Any, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> bool:
-    """Whether an operation whose outputs hold NaN/Inf made some: its inputs were all finite, or it
-    is pointwise and an output is non-finite where every input (broadcast) was finite (``exp`` of
-    scores that overflow, next to the -inf of a mask: the mask's -inf gives 0, the overflow Inf)."""
-    given = [t for t in ins if _nonfinite(t)]
+def _made_nonfinite(func: Any, outs: list[torch.Tensor], given: list[torch.Tensor]) -> bool:
+    """Whether an operation whose outputs hold NaN/Inf made some: its inputs were all finite (none in
+    ``given``, the non-finite ones), or it is pointwise and an output is non-finite where every input
+    (broadcast) was finite (``exp`` of scores that overflow, next to the -inf of a mask: the mask's
+    -inf gives 0, the overflow Inf)."""
     if not given:
         return True
     if torch.Tag.pointwise not in getattr(func, "tags", ()):
@@ -112,24 +112,42 @@ def _made_nonfinite(func: Any, outs: list[torch.Tensor], ins: list[torch.Tensor]
     return False
 
 
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
 class _Finder(TorchDispatchMode):
     def __init__(self, phase: str) -> None:
         super().__init__()
         self.phase = phase
         self.found: OpReport | None = None
         self.count = 0
+        self.literals: list[torch.Tensor] = []  # NaN/Inf written in the code (y[m] = float("nan")), lifted to tensors
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        # An operation that writes into its input (y[1, 3:] = nan: fill_ of a view) is judged by its
+        # inputs as they were before it wrote.
+        before, infos = None, None
+        if self.found is None and func._schema.is_mutable:
+            before = self._given(args, kwargs)
+            infos = [_tensor_info(t) for t in _checked((args, kwargs))]  # (reported as they were)
         out = func(*args, **kwargs)
-        if self.found is None:
+        if self.found is None and func in _LIFTS:  # a constant of the code: what it is written into is the origin
+            self.literals += [t for t in _checked(out) if _nonfinite(t)]
+        elif self.found is None:
             outs = _checked(out)
-            if any(_nonfinite(t) for t in outs) and _made_nonfinite(func, outs, _checked((args, kwargs))):
-                self.found = self._report(func, args, kwargs, outs)
+            if any(_nonfinite(t) for t in outs) and _made_nonfinite(
+                    func, outs, before if before is not None else self._given(args, kwargs)):
+                self.found = self._report(func, args, kwargs, outs, infos)
             self.count += 1
         return out
 
-    def _report(self, func: Any, args: Any, kwargs: Any, outs: list[torch.Tensor]) -> OpReport:
+    def _given(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
+        """An operation's non-finite inputs, but for the constants written in the code."""
+        return [t for t in _checked((args, kwargs)) if _nonfinite(t) and not any(t is c for c in self.literals)]
+
+    def _report(self, func: Any, args: Any, kwargs: Any, outs: list[torch.Tensor],
+                inputs: list[dict[str, Any]] | None = None) -> OpReport:
         overload = str(func)
         name = "aten::" + overload.split(".")[1] if overload.startswith("aten.") else overload
         node_name, frames = None, None
@@ -145,8 +163,10 @@ class _Finder(TorchDispatchMode):
             frames = [(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in traceback.extract_stack()]
         user = _user_frame(frames)
         file, line, function, code = user if user else (None, None, None, None)
-        return OpReport(name, overload, self.phase, file, line, code, function, node_name, self.count,
-                        [_tensor_info(t) for t in _checked((args, kwargs))], [_tensor_info(t) for t in outs])
+        if inputs is None:
+            inputs = [_tensor_info(t) for t in _checked((args, kwargs))]
+        return OpReport(name, overload, self.phase, file, line, code, function, node_name, self.count, inputs,
+                        [_tensor_info(t) for t in outs])
 
 
 def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bundled_source: bool = False,

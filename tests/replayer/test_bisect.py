@@ -537,6 +537,25 @@ def test_a_divergence_between_runs_of_other_machines_names_what_differs(tmp_path
                           f"{torch.__version__} vs 2.4.1+cu121; GPUs none vs NVIDIA A100-SXM4-80GB)"), cause
 
 
+@recorder.paper_step("Eq. 32", description="padded positions set to NaN")
+def _padded_with_nan(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[1, 3:] = float("nan")
+    return y
+
+
+def test_ops_names_a_nan_written_by_indexed_assignment(tmp_path: Path) -> None:
+    """`y[1, 3:] = float("nan")` runs fill_ with the NaN lifted to a tensor, into a view: its inputs
+    looked non-finite (the constant, and the view after the write), and --ops said no operation made
+    the NaN, though the replay made it again."""
+    from replayer.ops import bisect_ops
+
+    rec = _record_calls(tmp_path / "run.zarr", [(_padded_with_nan, torch.randn(2, 5, 3))])
+    op = bisect_ops(rec, rec.step(0))
+    assert op is not None and op.name == "aten::fill_" and op.code == 'y[1, 3:] = float("nan")', op
+    assert op.inputs[0]["stats"]["nan"] == 0  # the view as it was before the write
+
+
 def test_inputs_of_another_dtype_or_shape_are_not_the_same_inputs(tmp_path: Path) -> None:
     """Statistics of the same values in float32 and float64, or zeros in two shapes, are equal, as
     are the bytes of one tensor and of its reshape: the comparison takes dtype and shape too."""
