@@ -137,7 +137,7 @@ def tensors_by_name(value: Any, prefix: str, *, copy: bool = False, grads: bool 
     def name(t: torch.Tensor, path: str) -> str:
         full = f"{prefix}.{path}" if path else prefix
         found[full] = t.detach().clone() if copy else t
-        grad = t.grad if grads and t.requires_grad else None
+        grad = t.grad if grads and t.requires_grad and (t.is_leaf or t.retains_grad) else None  # (else: warns)
         if grad is not None:
             found[f"{full}{layout.GRAD_SUFFIX}"] = grad.detach().clone() if copy else grad
         return full

@@ -2171,3 +2171,29 @@ def test_a_step_recursing_hundreds_deep_is_recorded_and_replayed(tmp_path: Path)
     res = replayer.replay(rec, 0)
     assert res.match and len(res.inner) == depth and all(s.match for s in res.inner)
     assert sys.getrecursionlimit() == limit
+
+
+@recorder.paper_step("Eq. 26", description="EMA teacher update, in place, over lists of parameters")
+def ema_teacher(teacher: list[torch.Tensor], student: list[torch.Tensor], m: float = 0.99) -> None:
+    with torch.no_grad():
+        for t, s in zip(teacher, student, strict=True):
+            t.mul_(m).add_(s, alpha=1 - m)
+
+
+def test_an_in_place_update_of_parameters_replays_without_torch_warnings(tmp_path: Path) -> None:
+    """Replaying an EMA update over lists of parameters printed torch's warning about reading the
+    .grad of a tensor that is not a leaf (twice)."""
+    import warnings
+
+    student, teacher = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", model=student, optimizer=opt):
+        for _ in range(2):
+            student(torch.randn(2, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ema_teacher(list(teacher.parameters()), list(student.parameters()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = replayer.replay(tmp_path / "run.zarr", "Eq. 26@iter=1")
+    assert res.match and res.compared and [str(w.message)[:60] for w in caught] == []
