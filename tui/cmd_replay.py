@@ -114,8 +114,10 @@ def summary(rec: Any) -> dict[str, Any]:
         total_time += float(t1[mask].max() - t0[mask].min())
     paper_steps = []
     if n:  # per paper step: two classes may share a name (Attention, Eq. 3 and Eq. 5)
+        parent = table.column("parent")
         for (name, _), start, mask in rec.paper_steps():
-            time = float((t1[mask] - t0[mask]).sum())
+            outer = mask & ~_inside_another_of(mask, parent)  # a recursion's time once, not once per level
+            time = float((t1[outer] - t0[outer]).sum())
             paper = dict(papers[start])
             paper_steps.append({"name": str(name), "paper": {k: paper.get(k) for k in
                                                              ("label", "algorithm", "step", "equation", "description")},
@@ -132,10 +134,23 @@ def summary(rec: Any) -> dict[str, Any]:
             "alerts": int(with_alerts(rec).sum()) if n else 0,
             "exceptions": int((status == layout.STATUSES.index("exception")).sum()),
             "first_nonfinite": first.to_json() if first is not None else None,
+            "first_nonfinite_came_in": origin is not None and origin.step is None and first is not None,
             "ended_by": rec.ended_by,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
             "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec),
             "grad_scaler_skipped": rec.scaler_skips}
+
+
+def _inside_another_of(mask: np.ndarray, parent: np.ndarray) -> np.ndarray:
+    """Per step: whether a step of ``mask`` encloses it (one of its ancestors, by ``parent``)."""
+    inside = np.zeros(len(mask), dtype=bool)
+    above = parent.copy()
+    while (above >= 0).any():
+        known = above >= 0
+        at = np.where(known, above, 0)
+        inside |= known & mask[at]
+        above = np.where(known, parent[at], -1)
+    return inside
 
 
 def _ranks(rec: Any) -> list[dict[str, Any]]:
@@ -236,7 +251,8 @@ def info(args: argparse.Namespace) -> int:
             share = "" if p["time_share"] is None else f"{100 * p['time_share']:5.1f}%"
             print(f"  {_cell(p['name'], width)}  {_cell(paper_reference(p['paper']), 28)} "
                   f"{p['forward_calls']:>7} {p['backward_calls']:>8}  {share}")
-        print("  (time: the share of the iterations' wall time spent in the step, inner steps included)")
+        print("  (time: the share of the iterations' wall time spent in the step, inner steps included, a "
+              "recursion once)")
     print(f"\nalerts: {doc['alerts']}   exceptions: {doc['exceptions']}")
     skips = doc["grad_scaler_skipped"]
     if skips:
@@ -251,7 +267,11 @@ def info(args: argparse.Namespace) -> int:
         print("NaN origin: none found (pdbg bisect says why)")
     else:
         rank = f"rank {first['rank']} · " if len(doc["rank_details"]) > 1 else ""
-        print(f"NaN origin: {rank}{_step_text(first)}  (pdbg bisect for why)")
+        if doc["first_nonfinite_came_in"]:  # no recorded step made it: where it entered is no origin
+            print(f"NaN origin: none of the recorded steps; it came in at {rank}{_step_text(first)}  (pdbg bisect "
+                  "for why)")
+        else:
+            print(f"NaN origin: {rank}{_step_text(first)}  (pdbg bisect for why)")
     bundle = doc["bundle"]
     if bundle is not None:
         origin = bundle.get("origin") or {}

@@ -556,6 +556,17 @@ def test_ops_names_a_nan_written_by_indexed_assignment(tmp_path: Path) -> None:
     assert op.inputs[0]["stats"]["nan"] == 0  # the view as it was before the write
 
 
+def test_info_does_not_call_where_a_nan_came_in_its_origin(tmp_path: Path) -> None:
+    """A NaN made outside every step (in a DataLoader worker) reaches a step: bisect says it came in
+    from outside, and pdbg info called that step the "NaN origin"."""
+    _record_calls(tmp_path / "run.zarr", [(_shifted, torch.tensor([1.0, float("nan")]))])
+    res = pdbg("info", str(tmp_path / "run.zarr"), cwd=tmp_path)
+    line = next(x for x in res.stdout.splitlines() if x.startswith("NaN origin"))
+    assert line.startswith("NaN origin: none of the recorded steps; it came in at step 0: "), line
+    doc = json.loads(pdbg("info", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path).stdout)
+    assert doc["first_nonfinite"]["index"] == 0 and doc["first_nonfinite_came_in"] is True
+
+
 def test_inputs_of_another_dtype_or_shape_are_not_the_same_inputs(tmp_path: Path) -> None:
     """Statistics of the same values in float32 and float64, or zeros in two shapes, are equal, as
     are the bytes of one tensor and of its reshape: the comparison takes dtype and shape too."""

@@ -2171,6 +2171,10 @@ def test_a_step_recursing_hundreds_deep_is_recorded_and_replayed(tmp_path: Path)
     res = replayer.replay(rec, 0)
     assert res.match and len(res.inner) == depth and all(s.match for s in res.inner)
     assert sys.getrecursionlimit() == limit
+    from tui.cmd_replay import summary  # pdbg info: the recursion's time once (it said 15000%)
+
+    (forward,) = [p for p in summary(rec)["paper_steps"] if p["forward_calls"]]
+    assert 0 < forward["time_share"] <= 1, forward
 
 
 @recorder.paper_step("Eq. 26", description="EMA teacher update, in place, over lists of parameters")
