@@ -1027,6 +1027,11 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
                  "optimizer or its settings, such as the learning rate, or at initialisation)" if first else "")
         return f"{same}, but {_names(changed)} differ{'s' if len(changed) == 1 else ''}, so {results}{where}"
     reasons = []
+    alone = sorted(_label(k) for k in set(res_a) ^ set(res_b))
+    if alone:  # a gradient one run computed and the other did not
+        which = sa if set(res_a) - set(res_b) else sb
+        reasons.append(f"{_names(alone)} {'is' if len(alone) == 1 else 'are'} recorded in {which.rec.reader.label} "
+                       "only (an input that required grad in one run and not in the other)")
     if sa.arguments != sb.arguments:
         reasons.append(f"its non-tensor arguments differ ({_short(sa.arguments)} vs {_short(sb.arguments)})")
     if sa.definition.get("source_sha256") != sb.definition.get("source_sha256"):

@@ -567,6 +567,24 @@ def test_info_does_not_call_where_a_nan_came_in_its_origin(tmp_path: Path) -> No
     assert doc["first_nonfinite"]["index"] == 0 and doc["first_nonfinite_came_in"] is True
 
 
+@recorder.paper_step("Eq. 33", description="scaled by a weight")
+def _scaled_by(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
+
+
+def test_a_gradient_one_run_computed_and_the_other_did_not_is_named(tmp_path: Path) -> None:
+    """One run's input required grad, the other's did not: the cause blamed nondeterministic kernels."""
+    runs = []
+    for name, grad in (("a.zarr", False), ("b.zarr", True)):
+        with recorder.record(tmp_path / name) as run:
+            _scaled_by(torch.ones(3).requires_grad_(grad), torch.full((3,), 2.0, requires_grad=True)).sum().backward()
+            run.next_iteration()
+        runs.append(replayer.open(tmp_path / name))
+    cause = replayer.first_divergence(*runs).cause
+    assert cause.endswith(f"the grad of args.0 is recorded in {tmp_path / 'b.zarr'} only (an input that required "
+                          "grad in one run and not in the other)"), cause
+
+
 def test_inputs_of_another_dtype_or_shape_are_not_the_same_inputs(tmp_path: Path) -> None:
     """Statistics of the same values in float32 and float64, or zeros in two shapes, are equal, as
     are the bytes of one tensor and of its reshape: the comparison takes dtype and shape too."""
