@@ -270,14 +270,28 @@ def _autocast_on(device: str) -> bool:
         return bool(torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled())
 
 
+_ARCHITECTURES = {"AMD64": "x86_64", "x64": "x86_64", "arm64": "aarch64", "ARM64": "aarch64"}
+
+
+def _system(platform_text: Any) -> str | None:
+    """The operating system a ``platform.platform()`` text names (``Linux-6.1...``, ``Windows-10-...``,
+    ``macOS-14.2-arm64-...``): its first word; None if it says none."""
+    if not isinstance(platform_text, str) or not platform_text:
+        return None
+    return platform_text.split("-", 1)[0]
+
+
 def environment_differences(run_info: dict[str, Any], settings: dict[str, Any] | None = None) -> list[str]:
     """Every difference between the recording machine and this one that can change numerics."""
     out = []
     now_settings = snapshot.settings()
+    recorded_machine = run_info.get("machine")
     pairs = [("torch version", run_info.get("torch"), torch.__version__),
              ("numpy version", run_info.get("numpy"), np.__version__),
              ("python version", run_info.get("python"), platform.python_version()),
-             ("machine", run_info.get("machine"), platform.machine()),
+             ("machine", _ARCHITECTURES.get(recorded_machine, recorded_machine),  # Windows says AMD64
+              _ARCHITECTURES.get(platform.machine(), platform.machine())),
+             ("operating system", _system(run_info.get("platform")), _system(platform.platform())),
              ("CPU capability", run_info.get("cpu_capability"), now_settings.get("cpu_capability"))]
     for what, then, now in pairs:
         if then is not None and then != now:

@@ -2201,3 +2201,18 @@ def test_an_in_place_update_of_parameters_replays_without_torch_warnings(tmp_pat
         warnings.simplefilter("always")
         res = replayer.replay(tmp_path / "run.zarr", "Eq. 26@iter=1")
     assert res.match and res.compared and [str(w.message)[:60] for w in caught] == []
+
+
+def test_environment_differences_name_the_operating_system_and_not_a_spelling_of_the_architecture() -> None:
+    """A recording from Windows said "machine: recorded AMD64, here x86_64" (the same architecture)
+    and nothing of Windows against Linux."""
+    import platform
+
+    from replayer.state import environment_differences
+
+    here = platform.platform().split("-", 1)[0]
+    other = "Windows" if here != "Windows" else "Linux"
+    machine = {"x86_64": "AMD64", "AMD64": "x86_64"}.get(platform.machine(), platform.machine())
+    said = environment_differences({"machine": machine, "platform": f"{other}-10-10.0.19045-SP0"})
+    assert said == [f"operating system: recorded {other}, here {here}"], said
+    assert environment_differences({"machine": platform.machine(), "platform": platform.platform()}) == []
