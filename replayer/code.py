@@ -19,6 +19,7 @@ import importlib.util
 import inspect
 import linecache
 import os
+import platform
 import socket
 import sys
 import types
@@ -114,6 +115,10 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
         raise ReplayError(f"cannot read the training script {file} ({exc.strerror or exc}); pass its "
                           "current path with --script (replayer.replay(..., script=...))") from None
     except SyntaxError as exc:
+        if text is not None:  # the copy a bundle carries, written for the Python that recorded it
+            raise ReplayError(f"the bundle's copy of the training script {file} does not parse with this Python "
+                              f"({platform.python_version()}; line {exc.lineno}: {exc.msg}); replay it with the "
+                              "Python version it was recorded with (pdbg info names it)") from None
         raise ReplayError(f"the training script {file} does not parse now (line {exc.lineno}: {exc.msg}); "
                           "fix it or pass another copy with --script") from None
     body = [n for n in tree.body if not _is_main_guard(n)]

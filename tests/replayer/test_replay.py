@@ -2216,3 +2216,18 @@ def test_environment_differences_name_the_operating_system_and_not_a_spelling_of
     said = environment_differences({"machine": machine, "platform": f"{other}-10-10.0.19045-SP0"})
     assert said == [f"operating system: recorded {other}, here {here}"], said
     assert environment_differences({"machine": platform.machine(), "platform": platform.platform()}) == []
+
+
+def test_a_bundled_script_that_does_not_parse_here_names_the_python_version(tmp_path: Path) -> None:
+    """A bundle's copy of a script written for a newer Python (`type Shape = ...` on 3.11) was
+    "does not parse now; fix it", for a file the receiver does not have."""
+    import platform
+
+    from replayer.code import script_module
+
+    with pytest.raises(ReplayError) as raised:
+        script_module("/home/alice/proj/train.py", text="def f(:\n    pass\n")
+    assert str(raised.value).startswith(
+        "the bundle's copy of the training script /home/alice/proj/train.py does not parse with this Python "
+        f"({platform.python_version()}; line 1: "), str(raised.value)
+    assert str(raised.value).endswith("replay it with the Python version it was recorded with (pdbg info names it)")
