@@ -138,7 +138,30 @@ def summary(rec: Any) -> dict[str, Any]:
             "ended_by": rec.ended_by,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
             "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec),
-            "grad_scaler_skipped": rec.scaler_skips}
+            "grad_scaler_skipped": rec.scaler_skips, "tensors_kept": _tensors_kept(rec)}
+
+
+def _tensors_kept(rec: Any) -> str | None:
+    """Which iterations' tensors a run kept, where its mode keeps some only (what can be replayed)."""
+    run = rec.run_info
+    mode, every = run.get("mode"), run.get("every")
+    if mode == "stats":
+        return "none (stats mode: statistics only; nothing can be replayed)"
+    if mode == "full" and isinstance(every, int) and every > 1:
+        return f"every {every} iterations (--every {every}: iterations 0, {every}, {2 * every}, ...)"
+    if mode == "flight":
+        flight = rec.rank.final.get("flight") if isinstance(rec.rank.final, dict) else None
+        dumps = flight.get("dumps") if isinstance(flight, dict) else None
+        if not isinstance(dumps, list):  # not closed: what the ring wrote is known at close
+            return "the iterations the flight ring wrote out (known when the recording closes)"
+        written = sorted({int(i) for d in dumps if isinstance(d, dict) for i in d.get("iterations") or []
+                          if isinstance(i, int)})
+        reasons = sorted({str(d.get("reason")) for d in dumps if isinstance(d, dict) and d.get("reason")})
+        if not written:
+            return "none (the flight ring wrote out no iteration)"
+        shown = ", ".join(str(i) for i in written[:12]) + (", ..." if len(written) > 12 else "")
+        return f"iterations {shown} (the flight ring, written out at: {', '.join(reasons)})"
+    return None
 
 
 def _inside_another_of(mask: np.ndarray, parent: np.ndarray) -> np.ndarray:
@@ -227,6 +250,8 @@ def info(args: argparse.Namespace) -> int:
     if run:
         print(f"recorded {run.get('started', '?')} on {run.get('hostname', '?')}: {' '.join(run.get('argv') or [])} "
               f"(torch {run.get('torch')}, mode {run.get('mode')})")
+        if doc["tensors_kept"]:
+            print(f"tensors kept: {doc['tensors_kept']}")
     if doc["ended_by"]:
         print(f"ended by: {doc['ended_by']}")
     if len(doc["rank_details"]) > 1:

@@ -752,6 +752,27 @@ class RankReader:
                 return note.removeprefix(f"{record.name}: ")
         if any(layout.DROPPED_NOTE in n for n in notes):
             return "its bytes were dropped: the store could not keep up with training"
+        return self._why_no_bytes_kept(int(self.column("steps/iteration")[record.step]))
+
+    def _why_no_bytes_kept(self, iteration: int) -> str:
+        """Why the run kept no tensor bytes of ``iteration``, from its mode (README, ``record``)."""
+        mode, every = self.run_info.get("mode"), self.run_info.get("every")
+        if mode == "stats":
+            return "the run was recorded in stats mode, which keeps statistics only"
+        if mode == "full" and isinstance(every, int) and every > 1 and iteration % every:
+            below = iteration - iteration % every
+            return (f"the run kept tensors every {every} iterations (--every {every}), and this is iteration "
+                    f"{iteration}: the nearest kept are {below} and {below + every}")
+        if mode == "flight":
+            flight = self.final.get("flight") if isinstance(self.final, dict) else None
+            dumps = flight.get("dumps") if isinstance(flight, dict) else None
+            written = sorted({int(i) for d in dumps or [] if isinstance(d, dict)
+                              for i in d.get("iterations") or [] if isinstance(i, int)})
+            if written:
+                shown = ", ".join(str(i) for i in written[:12]) + (", ..." if len(written) > 12 else "")
+                return (f"flight mode keeps the tensors of the iterations its ring wrote out ({shown}), and "
+                        f"iteration {iteration} is not one of them")
+            return "flight mode keeps the tensors of the iterations its ring wrote out, and this is not one of them"
         return ("recorded in stats mode, on an iteration --every skipped, or in flight mode outside the "
                 "iterations the ring wrote out")
 

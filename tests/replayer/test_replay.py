@@ -712,7 +712,8 @@ def test_a_step_without_payloads_says_why_it_cannot_be_replayed(tmp_path: Path) 
     with recorder.record(tmp_path / "stats.zarr", mode="stats"):
         kinds.spectral(torch.ones(2, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64))
     error = one_line_error(pdbg("replay", str(tmp_path / "stats.zarr"), "Eq. 7", cwd=tmp_path))
-    assert "kept statistics only for input args.0 (recorded in stats mode" in error
+    assert "kept statistics only for input args.0 (the run was recorded in stats mode, which keeps statistics only" \
+        in error
 
 
 def test_a_step_drawing_from_a_generator_it_is_given_replays(tmp_path: Path) -> None:
@@ -2231,3 +2232,29 @@ def test_a_bundled_script_that_does_not_parse_here_names_the_python_version(tmp_
         "the bundle's copy of the training script /home/alice/proj/train.py does not parse with this Python "
         f"({platform.python_version()}; line 1: "), str(raised.value)
     assert str(raised.value).endswith("replay it with the Python version it was recorded with (pdbg info names it)")
+
+
+@pytest.mark.parametrize("mode, options, why, kept", [
+    ("stats", {}, "the run was recorded in stats mode, which keeps statistics only",
+     "none (stats mode: statistics only; nothing can be replayed)"),
+    ("full", {"every": 2}, "the run kept tensors every 2 iterations (--every 2), and this is iteration 1: the nearest "
+     "kept are 0 and 2", "every 2 iterations (--every 2: iterations 0, 2, 4, ...)"),
+    ("flight", {"keep": 1}, "flight mode keeps the tensors of the iterations its ring wrote out (3), and iteration 1 "
+     "is not one of them", "iterations 3 (the flight ring, written out at: end)"),
+])
+def test_which_iterations_kept_their_tensors_is_said(tmp_path: Path, mode: str, options: dict[str, Any], why: str,
+                                                     kept: str) -> None:
+    """Every statistics-only answer guessed among three causes ("stats mode, an iteration --every
+    skipped, or flight mode outside the ring"), and pdbg info did not say which iterations can be
+    replayed: the recording knows its mode, its every, and what its ring wrote out."""
+    from tui.cmd_replay import summary
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode=mode, **options) as run:
+        for i in range(4):
+            project(torch.full((2, 4), float(i)), torch.ones(4, 3))
+            run.next_iteration()
+    rec = replayer.open(path)
+    record = rec.step("Eq. 9@iter=1").records[0]
+    assert not record.has_payload and rec.rank.why_statistics_only(record) == why
+    assert summary(rec)["tensors_kept"] == kept
