@@ -128,7 +128,8 @@ class Recording:
         return len(self.rank)
 
     def __repr__(self) -> str:
-        return printable(f"<Recording {self.reader.label}: {len(self)} steps, {self.status}>")
+        return printable(f"<Recording {self.reader.label}: {len(self)} step{'s' if len(self) != 1 else ''}, "
+                         f"{self.status}>")
 
     def _repr_html_(self) -> str:
         from . import notebook
@@ -379,7 +380,7 @@ class StepTable:
         return StepTable(self.rec, self.rows[key])
 
     def __repr__(self) -> str:
-        return f"<StepTable: {len(self)} steps>"
+        return f"<StepTable: {len(self)} step{'s' if len(self) != 1 else ''}>"
 
     def _repr_html_(self) -> str:
         from . import notebook

@@ -201,3 +201,11 @@ def test_reused_pid_is_not_taken_for_a_live_writer(good_run):
     manifest["writer"]["start"] += 1
     write_sealed(manifest_path, manifest)
     assert RunReader(good_run).status == "recording"
+
+
+def test_a_one_step_recording_reads_as_one_step(good_run):
+    """Its repr said "1 steps"."""
+    import replayer
+
+    rec = replayer.open(good_run)
+    assert repr(rec) == f"<Recording {good_run}: 1 step, complete>" and repr(rec.steps) == "<StepTable: 1 step>"
