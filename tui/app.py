@@ -828,13 +828,13 @@ class PdbgApp(App[None]):
             except PdbgError as exc:
                 self.set_panel(Text(str(exc), style="red"))
                 return
-            self._jump(found, f"step {'before' if backward else 'after'} this one where {value}")
+            self._jump(found, f"step {'before' if backward else 'after'} this one matching {value!r}")
             if found is not None:
                 self.set_panel(Text(f"{'◀' if backward else '▶'} {value}: step {found}", style="cyan"))
 
         way = "previous" if backward else "next"
-        self.push_screen(Prompt(f"find the {way} step where (ROLE[.NAME].STAT OP NUMBER, and/or/not)",
-                                "output.absmax > 1e3"), done)
+        self.push_screen(Prompt(f"find the {way} step: a condition (ROLE[.NAME].STAT OP NUMBER, and/or/not), a "
+                                "selector, or SELECTOR when CONDITION", "output.absmax > 1e3"), done)
 
     def action_filter(self) -> None:
         def done(value: str | None) -> None:

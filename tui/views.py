@@ -334,9 +334,29 @@ def next_anomaly(model: TimelineModel, index: int, step: int) -> int:
     return int(earlier[-1]) if len(earlier) else index
 
 
-def find(model: TimelineModel, index: int, condition: str, backward: bool) -> int | None:
-    """The next (previous) step after (before) ``index`` whose statistics satisfy ``condition``."""
-    hits = np.flatnonzero(Condition(condition).evaluate(model.rec))
+def find(model: TimelineModel, index: int, text: str, backward: bool) -> int | None:
+    """The next (previous) step after (before) ``index``, among those the filter shows, that ``text``
+    names: a condition on its statistics (``output.absmax > 1e3``), a step selector (``Head``,
+    ``blocks.1:backward``), or both as ``pdbg find`` takes them (``Head when output.absmax > 0``)."""
+    rec = model.rec
+    where, sep, condition = text.partition(" when ")
+    if sep:
+        mask = np.zeros(len(rec), dtype=bool)
+        mask[rec.steps.select(where.strip()).rows] = True
+        mask &= Condition(condition).evaluate(rec)
+    else:
+        try:
+            mask = Condition(text).evaluate(rec)
+        except PdbgError as exc:  # not a condition: a selector, or neither (the condition's error says why)
+            try:
+                rows = rec.steps.select(text.strip()).rows
+            except PdbgError:
+                rows = []
+            if not len(rows):
+                raise exc from None
+            mask = np.zeros(len(rec), dtype=bool)
+            mask[rows] = True
+    hits = np.intersect1d(np.flatnonzero(mask), model.rows)  # (the filter's steps only)
     pick = hits[hits < index][-1:] if backward else hits[hits > index][:1]
     return int(pick[0]) if len(pick) else None
 

@@ -101,6 +101,32 @@ def test_g_goes_to_the_origin_and_the_step_pane_follows(nan_path: Path) -> None:
     run(body, nan_path)
 
 
+def test_find_keeps_the_filter_and_takes_a_selector(nan_path: Path) -> None:
+    """`/` and `\\` searched every step: one the filter hid cleared the filter; and they took only a
+    condition, so "the previous call of this step where ..." could not be asked."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("f")
+        await answer(pilot, "smooth_relu")
+        shown = set(app.model.rows.tolist())
+        await pilot.press("home")
+        await pilot.press("slash")
+        await answer(pilot, "output.absmax > 0")
+        assert app.model.filter_text == "smooth_relu" and app.timeline.step_index in shown
+        assert app.step.name == "smooth_relu"
+        await pilot.press("end")
+        await pilot.press("backslash")
+        await answer(pilot, "smooth_relu@iter=1 when output.absmax > 0")
+        expected = replayer.find(app.rec, "smooth_relu@iter=1", "output.absmax > 0", start=int(app.model.rows[-1]),
+                                 backward=True)
+        assert expected is not None and expected.index in shown and app.timeline.step_index == expected.index
+        await pilot.press("home")
+        await pilot.press("slash")
+        await answer(pilot, "smooth_relu@iter=1")  # a selector alone
+        assert app.step.name == "smooth_relu" and app.step.iteration == 1
+
+    run(body, nan_path)
+
+
 def test_goto_find_and_filter(nan_path: Path) -> None:
     async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
         await pilot.press("colon")
