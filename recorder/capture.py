@@ -743,7 +743,9 @@ class Session:
             if hooks:  # the user's hooks on every module's calls: a replay runs without them
                 frame.notes.append(f"{_one_line(hooks)}: {layout.GLOBAL_HOOK_NOTE}")
             frame.module_doc = self._module_doc(module)  # as the call finds it (a schedule may change it)
-            tapping = torch.is_grad_enabled() and frame.vmap is None
+            # (inference mode makes no graph, with grad mode on too: torch.enable_grad() inside inference_mode())
+            inference = torch.is_inference_mode_enabled()
+            tapping = torch.is_grad_enabled() and not inference and frame.vmap is None
             slots = taps.argument_slots(args, kwargs) if tapping else []
             tapped = frozenset(id(t) for _, t in slots)
             nested: set[int] = set()
@@ -756,7 +758,7 @@ class Session:
                 frame.link = link
                 link.outer = next((f.link for f in reversed(self._stack()) if f.link is not None), None)
                 link.since = taps.sequence_now()
-            if link is None and frame.vmap is None:
+            if link is None and frame.vmap is None and not inference:
                 self._remember_ungraded(frame)
             if module is not None:
                 for name, p in module.named_parameters():

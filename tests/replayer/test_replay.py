@@ -2258,3 +2258,24 @@ def test_which_iterations_kept_their_tensors_is_said(tmp_path: Path, mode: str, 
     record = rec.step("Eq. 9@iter=1").records[0]
     assert not record.has_payload and rec.rank.why_statistics_only(record) == why
     assert summary(rec)["tensors_kept"] == kept
+
+
+def test_a_call_under_inference_mode_with_grad_enabled_has_no_backward_step(tmp_path: Path) -> None:
+    """`with torch.inference_mode(), torch.enable_grad():` (a test-time-adaptation helper) makes no
+    graph, but grad mode is on: the call was given a backward step, which took the parameter grads
+    of the next training call's pass, and the replay called them a total over two calls."""
+    layer = Shared()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.01)
+    with recorder.record(tmp_path / "run.zarr", model=layer, optimizer=opt):
+        for _ in range(2):
+            with torch.inference_mode(), torch.enable_grad():
+                layer(torch.randn(3, 4))
+            layer(torch.randn(3, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(tmp_path / "run.zarr")
+    backward = rec.steps.filter(phase="backward")
+    assert len(backward) == 2 and [rec.step(s.forward).call for s in backward] == [1, 1]
+    for step in backward:
+        res = replayer.replay(rec, step.index)
+        assert res.match and not [w for w in res.warnings if "total over" in w], res.warnings
