@@ -1351,6 +1351,8 @@ class Session:
         return out
 
     def _on_grad_output(self, link: BackwardLink, grads: tuple[torch.Tensor | None, ...]) -> None:
+        if _batched_backward(link, grads):
+            return
         def run() -> None:
             frame = self._open_backward(link)
             for name, g in zip(link.output_names, grads):
@@ -1359,6 +1361,8 @@ class Session:
         self._guard("capturing grad outputs", run)
 
     def _on_grad_input(self, link: BackwardLink, grads: tuple[torch.Tensor | None, ...]) -> None:
+        if _batched_backward(link, grads):
+            return
         def run() -> None:
             frame = self._open_backward(link)
             for name, g in zip(link.input_names, grads):
@@ -1374,6 +1378,8 @@ class Session:
         module has begun its backward in this pass, is that call's graph's (two graphs built before
         either backward), not this call's. Without that other call, it is this call's, through a
         path other than its outputs (an auxiliary loss kept on the module)."""
+        if _batched_backward(link, (grad,)):
+            return
         def run() -> None:
             if name in link.own:  # its uses in the call's graph have all run by now
                 if name in link.sums:  # some sent no gradient: the sum of those that did is the call's own
@@ -1395,6 +1401,8 @@ class Session:
         are among ``grads``): add each one's contribution to the call's own parameter grad; once
         every use has sent one, it is recorded (what never came, a use with no gradient to send,
         at the pass's end: ``_finish_own``)."""
+        if _batched_backward(link, grads):
+            return
         def run() -> None:
             for k, name in places:
                 if name not in link.own:  # a later call reused its nodes: recorded as a total (_reused_nodes)
@@ -1550,6 +1558,17 @@ def _stored_values(t: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, NotImplementedError):
         pass
     return None
+
+
+def _batched_backward(link: BackwardLink, grads: tuple[Any, ...]) -> bool:
+    """Whether these gradients come from a batched backward pass of a call made outside vmap
+    (``autograd.grad(..., is_grads_batched=True)``, a vectorized ``autograd.functional.jacobian``):
+    many backward passes at once, which is no backward step of the call (and whose batched gradients
+    can be neither detached nor copied); not recorded."""
+    return link.fwd.vmap is None and any(isinstance(g, torch.Tensor) and _LEGACY_BATCHED(g) for g in grads)
+
+
+_LEGACY_BATCHED = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)  # (autograd's batching)
 
 
 _DEEP = 32  # nested step calls from which each call makes sure of the recursion limit (_recursion_room)

@@ -2279,3 +2279,28 @@ def test_a_call_under_inference_mode_with_grad_enabled_has_no_backward_step(tmp_
     for step in backward:
         res = replayer.replay(rec, step.index)
         assert res.match and not [w for w in res.warnings if "total over" in w], res.warnings
+
+
+def test_a_vectorized_jacobian_through_a_step_keeps_the_recording_going(tmp_path: Path) -> None:
+    """autograd.functional.jacobian(step, x, vectorize=True) runs one batched backward pass, whose
+    gradients cannot be detached: the recorder stopped for the rest of the run. The batched pass is
+    left out; the run's ordinary backward passes are recorded and replay."""
+    import warnings
+
+    w = torch.randn(4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught, recorder.record(tmp_path / "run.zarr") as run:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            x = torch.randn(4)
+            jacobian = torch.autograd.functional.jacobian(lambda t: configured(t, SimpleConfig()), x, vectorize=True)
+            (configured(x * w, SimpleConfig()).sum() + jacobian.sum()).backward()
+            run.next_iteration()
+    assert run.status == "complete" and not [w for w in caught if "stopped recording" in str(w.message)]
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert len(rec.steps.filter(phase="forward")) == 4 and len(rec.steps.filter(phase="backward")) == 2
+    for step in rec.steps:
+        assert replayer.replay(rec, step.index).match, step
+
+
+class SimpleConfig:
+    scale = 0.5
