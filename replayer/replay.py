@@ -651,11 +651,6 @@ class Replayer:
     def _backward(self, step: Step, threads: int | None, nested: bool) -> ReplayResult:
         if step.forward is None:
             raise ReplayError(f"backward step {step.index} does not name its forward call; it cannot be replayed")
-        if layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
-            raise ReplayError(f"backward step {step.index} ran through the gradients an earlier backward pass took "
-                              "with create_graph=True (a gradient penalty): its gradients hold second-order terms "
-                              "that a replay of this step's backward alone does not compute; that earlier pass's "
-                              "backward step replays")
         fwd = self.rec.step(step.forward)
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}
@@ -760,6 +755,8 @@ class Replayer:
                                   "the replayed forward")
             targets.append(source)
         unfollowed = [n for n in fwd.extra.get("notes", []) if layout.UNFOLLOWED_NOTE in n or layout.UNCOPIED_NOTE in n]
+        if not pairs and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
+            raise ReplayError(_second_order(step))
         if not pairs:
             why = (f"the replay produced none of the outputs they were recorded for ({', '.join(lost)})" if lost else
                    "; ".join(unfollowed) or "its forward's output holds no tensor the recorder follows for gradients")
@@ -792,11 +789,20 @@ class Replayer:
             result.inner = tap.compare_backward(param_grads, fwd.module_path, step.index)
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
+        if not result.match and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
+            # (a later first-order pass through the same graph, autograd.grad with retain_graph, matches)
+            raise ReplayError(_second_order(step))
         self._likely_causes(result, call)
         return result
 
 
 Around = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+def _second_order(step: Step) -> str:
+    return (f"backward step {step.index} ran through the gradients an earlier backward pass took with "
+            "create_graph=True (a gradient penalty): its gradients hold second-order terms that a replay of this "
+            "step's backward alone does not compute; that earlier pass's backward step replays")
 
 
 def _names_step(key: str, step: Step) -> bool:

@@ -1133,6 +1133,26 @@ def test_a_gradient_penalty_pass_is_named_not_a_mismatch(tmp_path: Path) -> None
     assert res.returncode == 0 and doc["matched"] == doc["replayed"] == 2 and len(doc["not_replayed"]) == 1
 
 
+def test_a_first_order_pass_after_one_with_create_graph_replays(tmp_path: Path) -> None:
+    """After autograd.grad(..., create_graph=True) through a call, a plain second autograd.grad
+    through the same retained graph was refused as holding second-order terms, though its gradients
+    are first order: it replays bit for bit now, and a pass through the gradients is still refused."""
+    torch.manual_seed(0)
+    critic = Critic()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=critic, mode="full"):
+        x = torch.randn(8, 4, requires_grad=True)
+        y = critic(x)
+        (g1,) = torch.autograd.grad(y[:, 0].sum(), x, create_graph=True)
+        (g2,) = torch.autograd.grad(y[:, 1].sum(), x, retain_graph=True)  # first order, the same graph
+        (y.pow(2).mean() + g1.pow(2).mean()).backward()  # through g1's graph: second order
+    rec = replayer.open(path)
+    assert [s.phase for s in rec.steps] == ["forward", "backward", "backward", "backward"]
+    assert replayer.replay(rec, 1).match and replayer.replay(rec, 2).match
+    with pytest.raises(ReplayError, match=r"^backward step 3 ran through the gradients an earlier backward pass "):
+        replayer.replay(rec, 3)
+
+
 def test_a_parameters_gradient_hook_does_not_change_the_calls_own_grad(tmp_path: Path) -> None:
     """A pruning mask applied by a hook on a parameter's gradient: the recorded parameter grad is
     the call's own, as its backward computed it before the hook masked the total, so a replay
