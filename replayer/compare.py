@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,13 +138,23 @@ def tensors_by_name(value: Any, prefix: str, *, copy: bool = False, grads: bool 
     def name(t: torch.Tensor, path: str) -> str:
         full = f"{prefix}.{path}" if path else prefix
         found[full] = t.detach().clone() if copy else t
-        grad = t.grad if grads and t.requires_grad and (t.is_leaf or t.retains_grad) else None  # (else: warns)
+        grad = _grad_of(t) if grads and t.requires_grad else None
         if grad is not None:
             found[f"{full}{layout.GRAD_SUFFIX}"] = grad.detach().clone() if copy else grad
         return full
 
     jsonval.encode(value, tensor_name=name)
     return found
+
+
+def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
+    """``t.grad``; of a tensor that is not a leaf (a step may set one's ``.grad`` itself), without
+    the warning torch gives when it has none (an EMA update over a list of parameters)."""
+    if t.is_leaf or t.retains_grad:
+        return t.grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return t.grad
 
 
 def compare_record(rank: Any, record: Any, value: Any, missing: str) -> Diff:

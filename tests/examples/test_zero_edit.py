@@ -42,4 +42,4 @@ def test_recorded_unedited_then_every_step_replays(tmp_path: Path) -> None:
     verify = pdbg("verify", str(out), "--json", cwd=tmp_path)
     assert verify.returncode == 0, verify.stderr
     assert json.loads(verify.stdout) == {"replayed": len(got), "matched": len(got), "mismatches": [],
-                                         "not_replayed": []}
+                                         "not_replayed": [], "environment_differences": []}

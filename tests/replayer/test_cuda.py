@@ -59,7 +59,8 @@ def test_every_step_replays_bitwise_and_cuda_rng_is_restored(cuda_run: Path) -> 
 def test_verify_in_a_fresh_process(cuda_run: Path, tmp_path: Path) -> None:
     res = pdbg("verify", str(cuda_run), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert json.loads(res.stdout) == {"replayed": 24, "matched": 24, "mismatches": [], "not_replayed": []}
+    assert json.loads(res.stdout) == {"replayed": 24, "matched": 24, "mismatches": [], "not_replayed": [],
+                                      "environment_differences": []}
 
 
 def test_a_training_under_cuda_as_the_default_device_keeps_its_payloads(tmp_path: Path) -> None:
