@@ -165,14 +165,15 @@ def _tensors_kept(rec: Any) -> str | None:
 
 
 def _inside_another_of(mask: np.ndarray, parent: np.ndarray) -> np.ndarray:
-    """Per step: whether a step of ``mask`` encloses it (one of its ancestors, by ``parent``)."""
-    inside = np.zeros(len(mask), dtype=bool)
-    above = parent.copy()
-    while (above >= 0).any():
-        known = above >= 0
-        at = np.where(known, above, 0)
-        inside |= known & mask[at]
-        above = np.where(known, parent[at], -1)
+    """Per step: whether a step of ``mask`` encloses it (one of its ancestors, by ``parent``), by
+    pointer doubling (log2(levels) passes; parents come before their children, so chains end)."""
+    up = parent.astype(np.int64).copy()  # the ancestor 2**k levels up, or -1
+    inside = (up >= 0) & mask[np.where(up >= 0, up, 0)]  # among the ancestors up to ``up``
+    while (up >= 0).any():
+        has = up >= 0
+        at = np.where(has, up, 0)
+        inside = inside | (has & inside[at])
+        up = np.where(has, up[at], -1)
     return inside
 
 

@@ -590,6 +590,12 @@ class RankReader:
             allowed = f"{low} or more" if limit is None else f"{low}..{limit - 1}"
             raise FormatError(f"{self.run.label}: {path} row {start + first} holds {values[first]} (allowed: "
                               f"{allowed}); the recording is damaged")
+        if path == "steps/parent":  # entered before its child: a chain of parents always ends (no cycle)
+            bad = values >= np.arange(start, start + len(values))
+            if bad.any():
+                row = start + int(np.flatnonzero(bad)[0])
+                raise FormatError(f"{self.run.label}: step {row} names step {int(values[row - start])} as the step it "
+                                  "ran inside, which began after it; the recording is damaged")
         if path == "steps/forward":  # a forward step names none, a backward step an earlier one
             phase = self.rows("steps/phase", start, start + len(values))
             index = np.arange(start, start + len(values))
