@@ -1572,7 +1572,9 @@ _LEGACY_BATCHED = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda
 
 
 _DEEP = 32  # nested step calls from which each call makes sure of the recursion limit (_recursion_room)
-_FRAMES_PER_STEP = 4  # the frames a recorded step call adds: paper_step's wrapper, Session.call, invoke (+1 spare)
+# the frames a recorded step call adds (paper_step's wrapper, Session.call, invoke), not one more: a
+# recursion that never ends must still reach the limit, at about the depth it would unrecorded
+_FRAMES_PER_STEP = 3
 _CAPTURE_FRAMES = 200  # what capturing a call's inputs and outputs may take (encoding nested arguments)
 
 _UNTAPPED_NOTE = ("a tensor passed both directly and inside a container (list, dict...) has no gradient recorded: "

@@ -49,3 +49,8 @@ class StepNotFoundError(PdbgError, KeyError):
 
 class ReplayError(PdbgError, RuntimeError):
     """A step cannot be replayed: its code cannot be found, or something it needs was not recorded."""
+
+
+class NotOnThisMachine(ReplayError):
+    """A step that cannot be replayed on this machine, but can on one like the recording's (a GPU
+    step where there is no GPU)."""

@@ -1060,11 +1060,11 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
 def _machines_differ(sa: Step, sb: Step) -> list[str]:
     """What of the software and hardware two runs were recorded with differs, as it changes numerics:
     versions, the CPU's vector units, the GPUs, the devices the step's tensors were on."""
+    from .state import machine_facts
+
     ia, ib = sa.rec.run_info, sb.rec.run_info
-    out = [f"{what} {ia.get(key)} vs {ib.get(key)}" for what, key in (
-        ("torch", "torch"), ("numpy", "numpy"), ("Python", "python"), ("machine", "machine"),
-        ("CPU capability", "cpu_capability")) if ia.get(key) is not None and ib.get(key) is not None
-        and ia.get(key) != ib.get(key)]
+    out = [f"{what} {a} vs {b}" for (what, a), (_, b) in zip(machine_facts(ia), machine_facts(ib), strict=True)
+           if a is not None and b is not None and a != b]
 
     def gpus(info: dict[str, Any]) -> str:
         found = [g.get("name") for g in info.get("cuda") or [] if isinstance(g, dict)] \

@@ -30,7 +30,7 @@ import numpy as np
 
 from recorder import jsonval
 from recorder.annotate import source_lines
-from recorder.errors import PdbgError, ReplayError
+from recorder.errors import NotOnThisMachine, PdbgError
 from recorder.store import backend, codecs, layout
 from recorder.store.writer import StoreWriter
 
@@ -341,7 +341,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
             try:
                 result = Replayer(check, use_bundled_source=session is not None).replay(check.step(new_main),
                                                                                         nested=False)
-            except ReplayError as exc:  # not here (a GPU step on a machine without one): written, unverified
+            except NotOnThisMachine as exc:  # a GPU step on a machine without one: written, unverified
                 not_verified = str(exc).replace(f"step {new_main} ", f"step {main.index} ", 1)
             else:
                 verified = bool(result.match) if result.compared else None  # nothing compared: nothing verified

@@ -616,7 +616,9 @@ class Step:
         """Whether autograd was on when the step was entered (off: torch.no_grad, inference_mode, an
         evaluation); always for a backward step (its forward ran with it on; the pass itself runs
         with it off)."""
-        return self.phase == "backward" or self.settings.get("grad_enabled") is not False
+        settings = self.settings  # (inference mode makes no graph, with grad mode on too)
+        return self.phase == "backward" or (settings.get("grad_enabled") is not False
+                                            and not settings.get("inference_mode"))
 
     @property
     def rng(self) -> dict[str, Any]:

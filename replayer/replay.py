@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from recorder import capture, jsonval, snapshot
-from recorder.errors import PdbgError, ReplayError, brief
+from recorder.errors import NotOnThisMachine, PdbgError, ReplayError, brief
 from recorder.payload import overlaps_itself
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
@@ -601,7 +601,7 @@ class Replayer:
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
                 with self._around("forward"), collectives.replayed(step, inner if nested else None) as talk, \
-                        _recursion_room(len(inner)):
+                        _recursion_room(step, inner):
                     out = call.run()
                 warnings += talk.warnings
                 if talk.used and (self.plan.edits or self.plan.swaps):
@@ -725,7 +725,7 @@ class Replayer:
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
                 with self._around("forward"), collectives.replayed(fwd, inner if nested else None) as talk, \
-                        _recursion_room(len(inner)):
+                        _recursion_room(fwd, inner):
                     out = call.run()
                 warnings += talk.warnings
             except PdbgError:
@@ -789,8 +789,9 @@ class Replayer:
             result.inner = tap.compare_backward(param_grads, fwd.module_path, step.index)
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
-        if not result.match and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
-            # (a later first-order pass through the same graph, autograd.grad with retain_graph, matches)
+        if not result.match and self.plan.empty and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
+            # (a later first-order pass through the same graph, autograd.grad with retain_graph, matches; a
+            # what-if is meant to differ)
             raise ReplayError(_second_order(step))
         self._likely_causes(result, call)
         return result
@@ -819,10 +820,14 @@ def _skeleton_modules(doc: Any, path: str) -> Iterator[tuple[str, dict[str, Any]
 
 
 @contextlib.contextmanager
-def _recursion_room(inner: int) -> Iterator[None]:
-    """Python's recursion limit raised by the frames the taps add to ``inner`` steps the replay
-    follows (a step that recursed 400 deep, recorded so, replays so), put back after."""
-    before, added = sys.getrecursionlimit(), _TAP_FRAMES * inner
+def _recursion_room(step: Step, inner: list[Step]) -> Iterator[None]:
+    """Python's recursion limit raised by the frames the taps add to each level of the steps the
+    replay follows inside ``step`` (a step that recursed 400 deep, recorded so, replays so), put
+    back after."""
+    depth: dict[int, int] = {step.index: 0}
+    for s in sorted(inner, key=lambda s: s.index):  # (a parent is entered before its children)
+        depth[s.index] = depth.get(s.parent if s.parent is not None else -1, 0) + 1
+    before, added = sys.getrecursionlimit(), _TAP_FRAMES * max(depth.values())
     if added:
         sys.setrecursionlimit(before + added)
     try:
@@ -995,8 +1000,8 @@ def _materialize(step: Step, rec: TensorRecord) -> torch.Tensor:
     device = torch.device(rec.device)
     if device.type != "cpu":
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ReplayError(f"step {rec.step} was recorded on {rec.device}, and this machine has no GPU; replay it "
-                              "on a machine with one")
+            raise NotOnThisMachine(f"step {rec.step} was recorded on {rec.device}, and this machine has no GPU; replay "
+                                   "it on a machine with one")
         value = value.to(device)
     return value
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from recorder import skeleton, snapshot
-from recorder.errors import ReplayError
+from recorder.errors import NotOnThisMachine, ReplayError
 from recorder.payload import dtype_from_name
 
 # setting -> (setter from the recorded value, getter of the current value as the recorder stores it)
@@ -244,9 +244,9 @@ def neutral(settings: dict[str, Any]) -> Iterator[None]:
             torch.set_default_dtype(dtype_from_name(dtype))
         device = settings.get("default_device")  # (absent from recordings made before it was recorded)
         if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
-            raise ReplayError(f"the step ran with {device} as the default device (torch.set_default_device, or "
-                              "a `with torch.device(...)` block), and this machine has no GPU; replay it on a "
-                              "machine with one")
+            raise NotOnThisMachine(f"the step ran with {device} as the default device (torch.set_default_device, "
+                                   "or a `with torch.device(...)` block), and this machine has no GPU; replay it on a "
+                                   "machine with one")
         if device is not None and str(torch.get_default_device()) != device:
             # innermost: above a caller's own torch.device(...)
             stack.enter_context(_recorded(torch.device, "default_device", device))
@@ -281,19 +281,25 @@ def _system(platform_text: Any) -> str | None:
     return platform_text.split("-", 1)[0]
 
 
+def machine_facts(run_info: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The software and hardware a run's information names that can change numerics, as comparable
+    values (Windows' AMD64 is x86_64; the operating system from ``platform``): versions, the
+    machine, the operating system and the CPU capability; None where it names none."""
+    machine = run_info.get("machine")
+    return [("torch version", run_info.get("torch")), ("numpy version", run_info.get("numpy")),
+            ("python version", run_info.get("python")), ("machine", _ARCHITECTURES.get(machine, machine)),
+            ("operating system", _system(run_info.get("platform"))),
+            ("CPU capability", run_info.get("cpu_capability"))]
+
+
 def environment_differences(run_info: dict[str, Any], settings: dict[str, Any] | None = None) -> list[str]:
     """Every difference between the recording machine and this one that can change numerics."""
     out = []
     now_settings = snapshot.settings()
-    recorded_machine = run_info.get("machine")
-    pairs = [("torch version", run_info.get("torch"), torch.__version__),
-             ("numpy version", run_info.get("numpy"), np.__version__),
-             ("python version", run_info.get("python"), platform.python_version()),
-             ("machine", _ARCHITECTURES.get(recorded_machine, recorded_machine),  # Windows says AMD64
-              _ARCHITECTURES.get(platform.machine(), platform.machine())),
-             ("operating system", _system(run_info.get("platform")), _system(platform.platform())),
-             ("CPU capability", run_info.get("cpu_capability"), now_settings.get("cpu_capability"))]
-    for what, then, now in pairs:
+    here = {"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "platform": platform.platform(),
+            "cpu_capability": now_settings.get("cpu_capability")}
+    for (what, then), (_, now) in zip(machine_facts(run_info), machine_facts(here), strict=True):
         if then is not None and then != now:
             out.append(f"{what}: recorded {then}, here {now}")
     cuda_then = [g for g in run_info.get("cuda") or [] if isinstance(g, dict)] if isinstance(

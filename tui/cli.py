@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pdbg: error: {_not_there(argv[0], as_command=True)}", file=sys.stderr)
             return 2
         argv = ["tui", *argv]  # pdbg RUN: the TUI
+    if argv[:1] == ["bundle"]:
+        argv = cmd_bundle.legacy_script_flag(argv)
     args = parser.parse_args(argv)
     try:
         handler = getattr(args, "handler", None)

@@ -28,12 +28,22 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--iteration", action="store_true", help="bundle the step's whole iteration")
     p.add_argument("--verify", action="store_true", help="replay it once before sealing; record the outcome")
     p.add_argument("--repro", action="store_true", help="also write repro.py next to the bundle")
-    p.add_argument("--script", nargs="?", const=True, metavar="PATH", help="the training script's path now, if it "
-                   "moved since recording (without PATH: --repro, as before)")
+    p.add_argument("--script", metavar="PATH", help="the training script's path now, if it moved since recording "
+                   "(a .py file; --script followed by anything else is --repro, as it was before)")
     p.add_argument("--force", action="store_true", help="replace FILE (and repro.py, with --repro) if it exists")
     rank_option(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(handler=run)
+
+
+def legacy_script_flag(argv: list[str]) -> list[str]:
+    """``pdbg bundle ... --script`` not followed by a ``.py`` path: the flag that wrote repro.py before
+    ``--repro`` (``--script run.zarr STEP -o f.pdbg``, ``... -o f.pdbg --script``), made ``--repro``."""
+    out = list(argv)
+    for i, word in enumerate(out):
+        if word == "--script" and not (i + 1 < len(out) and out[i + 1].endswith(".py")):
+            out[i] = "--repro"
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

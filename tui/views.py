@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -342,22 +343,17 @@ def find(model: TimelineModel, index: int, text: str, backward: bool) -> int | N
     ``blocks.1:backward``), or both as ``pdbg find`` takes them (``Head when output.absmax > 0``)."""
     rec = model.rec
     where, sep, condition = text.partition(" when ")
-    if sep:
-        mask = np.zeros(len(rec), dtype=bool)
-        mask[rec.steps.select(where.strip()).rows] = True
+    if not sep:  # a condition alone (it compares), or a selector alone
+        where, condition = ("", text) if re.search(r"[<>]|[=!]=", text) else (text, None)  # (not @iter=K)
+    mask = np.ones(len(rec), dtype=bool)
+    if where.strip():
+        rows = rec.steps.select(where.strip()).rows
+        if not len(rows):
+            rec.step(where.strip())  # names no step: raises, saying what the recording has (as pdbg find)
+        mask[:] = False
+        mask[rows] = True
+    if condition is not None:
         mask &= Condition(condition).evaluate(rec)
-    else:
-        try:
-            mask = Condition(text).evaluate(rec)
-        except PdbgError as exc:  # not a condition: a selector, or neither (the condition's error says why)
-            try:
-                rows = rec.steps.select(text.strip()).rows
-            except PdbgError:
-                rows = []
-            if not len(rows):
-                raise exc from None
-            mask = np.zeros(len(rec), dtype=bool)
-            mask[rows] = True
     hits = np.intersect1d(np.flatnonzero(mask), model.rows)  # (the filter's steps only)
     pick = hits[hits < index][-1:] if backward else hits[hits > index][:1]
     return int(pick[0]) if len(pick) else None

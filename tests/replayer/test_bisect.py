@@ -534,7 +534,12 @@ def test_a_divergence_between_runs_of_other_machines_names_what_differs(tmp_path
                                             "cuda": [{"name": "NVIDIA A100-SXM4-80GB", "sm_count": 108}]}}
     cause = replayer.first_divergence(a, b).cause
     assert cause.endswith(f"output differs: the runs were recorded with different software or hardware (torch "
-                          f"{torch.__version__} vs 2.4.1+cu121; GPUs none vs NVIDIA A100-SXM4-80GB)"), cause
+                          f"version {torch.__version__} vs 2.4.1+cu121; GPUs none vs NVIDIA A100-SXM4-80GB)"), cause
+    b.rank.attrs = {**b.rank.attrs, "run": {**a.run_info, "machine": {"x86_64": "AMD64"}.get(
+        a.run_info["machine"], a.run_info["machine"]), "platform": "Windows-10-10.0.19045-SP0"}}
+    cause = replayer.first_divergence(a, b).cause  # (Windows says AMD64 for x86_64: the same machine)
+    here = a.run_info["platform"].split("-", 1)[0]
+    assert cause.endswith(f"(operating system {here} vs Windows)"), cause
 
 
 @recorder.paper_step("Eq. 32", description="padded positions set to NaN")

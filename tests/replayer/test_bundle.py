@@ -22,7 +22,7 @@ from torch import nn
 
 import recorder
 import replayer
-from recorder.errors import FormatError, ReplayError
+from recorder.errors import FormatError, NotOnThisMachine, ReplayError
 from recorder.store import layout
 from tests.cli import ROOT
 
@@ -698,8 +698,8 @@ def test_a_step_that_cannot_be_replayed_here_is_bundled_unverified(recorded: tup
     monkeypatch.syspath_prepend(str(code))
 
     def on_a_gpu(step: Any, rec: Any) -> torch.Tensor:
-        raise ReplayError(f"step {rec.step} was recorded on cuda:0, and this machine has no GPU; replay it on a "
-                          "machine with one")
+        raise NotOnThisMachine(f"step {rec.step} was recorded on cuda:0, and this machine has no GPU; replay it on a "
+                               "machine with one")
 
     monkeypatch.setattr(replay_mod, "_materialize", on_a_gpu)
     rec = replayer.open(run_path)
@@ -709,3 +709,21 @@ def test_a_step_that_cannot_be_replayed_here_is_bundled_unverified(recorded: tup
         f"step {asked.index} was recorded on cuda:0, and this machine has no GPU; replay it on a machine with one")
     assert info.to_json()["not_verified"] == info.not_verified and (tmp_path / "gpu.pdbg").exists()
     assert replayer.open(tmp_path / "gpu.pdbg").main_step.name == asked.name
+    # a refusal that holds on every machine is still one: no bundle that replays nowhere
+    monkeypatch.setattr(replay_mod, "_materialize", lambda step, rec: (_ for _ in ()).throw(
+        ReplayError("the step's code cannot be found")))
+    with pytest.raises(ReplayError, match="the step's code cannot be found"):
+        replayer.bundle(rec, asked, tmp_path / "nowhere.pdbg", verify=True)
+    assert not (tmp_path / "nowhere.pdbg").exists()
+
+
+def test_bundle_script_flag_without_a_py_path_still_writes_repro_py() -> None:
+    """`--script` wrote repro.py before `--repro`; now that it may take the script's path, the old
+    command lines (`--script` before RUN, or last) keep their meaning."""
+    from tui.cmd_bundle import legacy_script_flag
+
+    assert legacy_script_flag(["bundle", "--script", "run.zarr", "3", "-o", "f.pdbg"]) == [
+        "bundle", "--repro", "run.zarr", "3", "-o", "f.pdbg"]
+    assert legacy_script_flag(["bundle", "run.zarr", "3", "-o", "f.pdbg", "--script"])[-1] == "--repro"
+    assert legacy_script_flag(["bundle", "run.zarr", "3", "--script", "moved/train.py"])[-2:] == [
+        "--script", "moved/train.py"]

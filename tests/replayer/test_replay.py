@@ -1152,6 +1152,8 @@ def test_a_first_order_pass_after_one_with_create_graph_replays(tmp_path: Path) 
     assert replayer.replay(rec, 1).match and replayer.replay(rec, 2).match
     with pytest.raises(ReplayError, match=r"^backward step 3 ran through the gradients an earlier backward pass "):
         replayer.replay(rec, 3)
+    what_if = replayer.replay(rec, 2, edit={"grad_output:output": "x * 2"})  # meant to differ: not refused
+    assert what_if.compared and not what_if.match
 
 
 def test_a_parameters_gradient_hook_does_not_change_the_calls_own_grad(tmp_path: Path) -> None:
@@ -2300,6 +2302,7 @@ def test_a_call_under_inference_mode_with_grad_enabled_has_no_backward_step(tmp_
     rec = replayer.open(tmp_path / "run.zarr")
     backward = rec.steps.filter(phase="backward")
     assert len(backward) == 2 and [rec.step(s.forward).call for s in backward] == [1, 1]
+    assert not rec.step("Eq. 4@iter=0#0").grad_enabled and "forward (no grad)" in repr(rec.step("Eq. 4@iter=0#0"))
     for step in backward:
         res = replayer.replay(rec, step.index)
         assert res.match and not [w for w in res.warnings if "total over" in w], res.warnings

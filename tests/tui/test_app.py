@@ -123,6 +123,11 @@ def test_find_keeps_the_filter_and_takes_a_selector(nan_path: Path) -> None:
         await pilot.press("slash")
         await answer(pilot, "smooth_relu@iter=1")  # a selector alone
         assert app.step.name == "smooth_relu" and app.step.iteration == 1
+        for typo, said in (("smoth_relu when output.absmax > 0", "no step matches 'smoth_relu'; names in this"),
+                           ("smoth_relu", "no step matches 'smoth_relu'; names in this")):
+            await pilot.press("slash")
+            await answer(pilot, typo)  # a selector that names no step: said, as pdbg find says it
+            assert panel(app).startswith(said), panel(app)
 
     run(body, nan_path)
 
