@@ -150,12 +150,10 @@ def _tensors_kept(rec: Any) -> str | None:
     if mode == "full" and isinstance(every, int) and every > 1:
         return f"every {every} iterations (--every {every}: iterations 0, {every}, {2 * every}, ...)"
     if mode == "flight":
-        flight = rec.rank.final.get("flight") if isinstance(rec.rank.final, dict) else None
-        dumps = flight.get("dumps") if isinstance(flight, dict) else None
-        if not isinstance(dumps, list):  # not closed: what the ring wrote is known at close
+        written = rec.rank.ring_iterations()
+        if written is None:  # not closed: what the ring wrote is known at close
             return "the iterations the flight ring wrote out (known when the recording closes)"
-        written = sorted({int(i) for d in dumps if isinstance(d, dict) for i in d.get("iterations") or []
-                          if isinstance(i, int)})
+        dumps = rec.rank.final["flight"]["dumps"]
         reasons = sorted({str(d.get("reason")) for d in dumps if isinstance(d, dict) and d.get("reason")})
         if not written:
             return "none (the flight ring wrote out no iteration)"

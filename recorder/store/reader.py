@@ -760,6 +760,16 @@ class RankReader:
             return "its bytes were dropped: the store could not keep up with training"
         return self._why_no_bytes_kept(int(self.column("steps/iteration")[record.step]))
 
+    def ring_iterations(self) -> list[int] | None:
+        """The iterations a flight-mode run's ring wrote out, in order (``final``'s flight dumps); None
+        where the run says nothing of them (another mode, or not closed)."""
+        flight = self.final.get("flight") if isinstance(self.final, dict) else None
+        dumps = flight.get("dumps") if isinstance(flight, dict) else None
+        if not isinstance(dumps, list):
+            return None
+        return sorted({int(i) for d in dumps if isinstance(d, dict) for i in d.get("iterations") or []
+                       if isinstance(i, int)})
+
     def _why_no_bytes_kept(self, iteration: int) -> str:
         """Why the run kept no tensor bytes of ``iteration``, from its mode (README, ``record``)."""
         mode, every = self.run_info.get("mode"), self.run_info.get("every")
@@ -770,10 +780,10 @@ class RankReader:
             return (f"the run kept tensors every {every} iterations (--every {every}), and this is iteration "
                     f"{iteration}: the nearest kept are {below} and {below + every}")
         if mode == "flight":
-            flight = self.final.get("flight") if isinstance(self.final, dict) else None
-            dumps = flight.get("dumps") if isinstance(flight, dict) else None
-            written = sorted({int(i) for d in dumps or [] if isinstance(d, dict)
-                              for i in d.get("iterations") or [] if isinstance(i, int)})
+            written = self.ring_iterations() or []
+            if iteration in written:  # written out, but this tensor's bytes did not fit in the ring
+                return (f"flight mode wrote out iteration {iteration}, but not this tensor's bytes: they did not fit "
+                        "in the ring (record with a larger max_ring_bytes)")
             if written:
                 shown = ", ".join(str(i) for i in written[:12]) + (", ..." if len(written) > 12 else "")
                 return (f"flight mode keeps the tensors of the iterations its ring wrote out ({shown}), and "

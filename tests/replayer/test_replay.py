@@ -2331,3 +2331,23 @@ def test_a_vectorized_jacobian_through_a_step_keeps_the_recording_going(tmp_path
 
 class SimpleConfig:
     scale = 0.5
+
+
+def test_a_tensor_the_flight_ring_could_not_hold_says_so(tmp_path: Path) -> None:
+    """A tensor of an iteration the ring wrote out, whose bytes did not fit in it (max_ring_bytes),
+    was said to be of an iteration outside the ring."""
+    import warnings
+
+    path = tmp_path / "run.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the ring says it overflowed)
+        with recorder.record(path, mode="flight", keep=1, max_ring_bytes=100_000) as run:
+            for i in range(2):
+                project(torch.full((200, 64), float(i)), torch.ones(64, 64))
+                run.next_iteration()
+    rec = replayer.open(path)
+    assert rec.rank.ring_iterations() == [1]
+    lost = [r for r in rec.step("Eq. 9@iter=1").records if not r.has_payload]
+    assert lost and rec.rank.why_statistics_only(lost[0]) == (
+        "flight mode wrote out iteration 1, but not this tensor's bytes: they did not fit in the ring (record with "
+        "a larger max_ring_bytes)")
