@@ -562,8 +562,9 @@ def _series(rec: Recording, step: Step, record: Any, stat: str, width: int = 0) 
     same = rec.steps.filter(name=step.name, module_path=step.module_path, phase=step.phase)
     rows = same.rows
     ids = np.asarray(rec.rank.column("steps/settings"))[rows]
-    grad = {int(i): rec.step(int(rows[np.argmax(ids == i)])).grad_enabled for i in np.unique(ids)}
-    rows = rows[np.array([grad[int(i)] == step.grad_enabled for i in ids], dtype=bool)]
+    distinct, first_of, inverse = np.unique(ids, return_index=True, return_inverse=True)  # (one settings doc each)
+    grad = np.array([rec.step(int(rows[k])).grad_enabled for k in first_of], dtype=bool)
+    rows = rows[grad[inverse.reshape(-1)] == step.grad_enabled]
     iterations = same.column("iteration")[np.isin(same.rows, rows)]
     starts = np.r_[0, np.flatnonzero(np.diff(iterations)) + 1]  # each iteration's first such call
     ordinal = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
