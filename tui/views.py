@@ -562,7 +562,7 @@ def _series(rec: Recording, step: Step, record: Any, stat: str, width: int = 0) 
     same = rec.steps.filter(name=step.name, module_path=step.module_path, phase=step.phase)
     rows = same.rows
     ids = np.asarray(rec.rank.column("steps/settings"))[rows]
-    distinct, first_of, inverse = np.unique(ids, return_index=True, return_inverse=True)  # (one settings doc each)
+    _, first_of, inverse = np.unique(ids, return_index=True, return_inverse=True)  # (one settings doc each)
     grad = np.array([rec.step(int(rows[k])).grad_enabled for k in first_of], dtype=bool)
     rows = rows[grad[inverse.reshape(-1)] == step.grad_enabled]
     iterations = same.column("iteration")[np.isin(same.rows, rows)]
