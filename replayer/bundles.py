@@ -37,9 +37,9 @@ from recorder.store.writer import StoreWriter
 from . import recipes as recipes_mod
 from .bisect import step_flags, subtree
 from .code import SESSION_SCRIPT, made_here, package_root
-from .recording import BUNDLE_KEY, Recording, Step
+from .recording import BUNDLE_FORMAT, BUNDLE_KEY, Recording, Step
 
-FORMAT = "paperdebugger.bundle"
+FORMAT = BUNDLE_FORMAT
 _DOC_COLUMNS = ("name", "definition", "module_path", "module", "settings", "args", "output", "extra")
 
 

@@ -32,6 +32,7 @@ from recorder.store import backend, layout
 from recorder.store.reader import RankReader, RunReader, TensorRecord
 
 BUNDLE_KEY = "bundle.json"  # a failure bundle's own description, at the store's root
+BUNDLE_FORMAT = "paperdebugger.bundle"  # its "format"
 _INT_COLUMNS = ("phase", "iteration", "call", "parent", "forward", "status", "tensor_start", "tensor_count")
 
 
@@ -146,6 +147,10 @@ class Recording:
             doc = json.loads(raw)
         except ValueError:
             raise FormatError(f"{self.reader.label}: {BUNDLE_KEY} is not valid JSON") from None
+        if isinstance(doc, dict) and doc.get("format", BUNDLE_FORMAT) != BUNDLE_FORMAT:
+            raise FormatError(f"{self.reader.label}: {BUNDLE_KEY} says it is a {str(doc['format'])[:60]!r}, which this "
+                              f"PaperDebugger does not read (it reads {BUNDLE_FORMAT!r}); upgrade paperdebugger, or "
+                              "open the recording the bundle was made from")
         if not isinstance(doc, dict) or not isinstance(doc.get("main_step"), int):
             raise FormatError(f"{self.reader.label}: {BUNDLE_KEY} names no main step")
         kinds = {"origin": dict, "verified": (dict, type(None)), "sources": dict, "modules": dict,

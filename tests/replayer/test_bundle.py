@@ -727,3 +727,16 @@ def test_bundle_script_flag_without_a_py_path_still_writes_repro_py() -> None:
     assert legacy_script_flag(["bundle", "run.zarr", "3", "-o", "f.pdbg", "--script"])[-1] == "--repro"
     assert legacy_script_flag(["bundle", "run.zarr", "3", "--script", "moved/train.py"])[-2:] == [
         "--script", "moved/train.py"]
+
+
+def test_a_bundle_of_another_format_is_refused(recorded: tuple[Path, Path], tmp_path: Path) -> None:
+    """bundle.json's "format" was not checked: a bundle of a newer format opened as this one."""
+    run_path, code = recorded
+    made = replayer.bundle(replayer.open(run_path), "Eq. 1@iter=2", tmp_path / "f.pdbg")
+    opened = tmp_path / "opened"
+    zipfile.ZipFile(made.path).extractall(opened)  # (an unzipped bundle opens as a directory)
+    meta = json.loads((opened / "bundle.json").read_text())
+    (opened / "bundle.json").write_text(json.dumps({**meta, "format": "paperdebugger.bundle/2"}))
+    with pytest.raises(FormatError, match=r"bundle.json says it is a 'paperdebugger.bundle/2', which this "
+                                          r"PaperDebugger does not read \(it reads 'paperdebugger.bundle'\); upgrade"):
+        replayer.open(opened).bundle_info
