@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recorder
+from recorder.framework import pdbg_program
 
 VOCAB, SEQ, D, HEADS = 64, 16, 32, 2
 
@@ -91,22 +92,26 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(out: Path, iterations: int, lr: float) -> int | None:
-    """Train under the recorder; returns the iteration whose loss went non-finite, if any."""
+    """Train under the recorder until the loss goes non-finite, which raises, as a training loop's
+    guard does: the run dies, and its recording is marked crashed. Returns that iteration, if any."""
     torch.manual_seed(0)
     model = Model()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    with recorder.record(out, model=model, optimizer=opt, mode="full"):
-        for it in range(iterations):
-            x, y = batch(it)
-            loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
-            if not torch.isfinite(loss):
-                print(f"iteration {it}: loss is {loss.item()} - training stopped")
-                return it
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if it % 5 == 0:
-                print(f"iteration {it}: loss {loss.item():.3f}")
+    try:
+        with recorder.record(out, model=model, optimizer=opt, mode="full"):
+            for it in range(iterations):
+                x, y = batch(it)
+                loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"iteration {it}: loss is {loss.item()}")
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if it % 5 == 0:
+                    print(f"iteration {it}: loss {loss.item():.3f}")
+    except FloatingPointError as exc:
+        print(f"{exc} - the training died (FloatingPointError)")
+        return int(str(exc).split(":")[0].split()[-1])
     return None
 
 
@@ -143,7 +148,7 @@ def origin(path: Path) -> None:
                       f"nan {int(s['nan'])} inf {int(s['inf'])}")
     names = ", ".join(f"#{s.index} {s.name}" for s in found.spread[:5])
     print(f"  then non-finite: {names or 'nothing else recorded (training stopped)'}")
-    print(f"\nthe same from the command line: pdbg bisect {path} --ops")
+    print(f"\nthe same from the command line: {pdbg_program()} bisect {path} --ops")
 
 
 def try_fixes(path: Path) -> None:
@@ -162,7 +167,7 @@ def try_fixes(path: Path) -> None:
         out = res.outputs[0]
         before, after = (int(s["nan"] + s["inf"]) for s in (out.recorded, out.replayed))
         print(f"  {label}: {before} -> {after}" + ("  (finite)" if after == 0 else ""))
-    print(f"  the same from the command line: pdbg replay {path} {origin.index} "
+    print(f"  the same from the command line: {pdbg_program()} replay {path} {origin.index} "
           "--edit 'args.0=x.clamp(-50, 50)'")
 
 
@@ -175,10 +180,10 @@ def share(path: Path) -> Path | None:
     if origin is None:
         return None
     out = path.with_suffix(".pdbg")
-    info = replayer.bundle(rec, origin, out, verify=True, script=True, overwrite=True)
+    info = replayer.bundle(rec, origin, out, verify=True, repro=True, overwrite=True)
     verdict = "bitwise match" if info.verified else "MISMATCH"
     print(f"\nbundle: {info.path} ({info.bytes // 1024} KB, verified: {verdict}); replay it anywhere with: "
-          f"pdbg replay {info.path}  (or python {info.script})")
+          f"{pdbg_program()} replay {info.path}  (or python {info.script})")
     return out
 
 
@@ -208,8 +213,9 @@ def main() -> int:
         from tui.app import run_app
 
         run_app(str(args.out), str(step.index) if step is not None else None)
+        print(f"open it in the TUI again: {pdbg_program()} {args.out}{at}")
     else:
-        print(f"\nopen it in the TUI: pdbg {args.out}{at}")
+        print(f"\nopen it in the TUI: {pdbg_program()} {args.out}{at}")
     return 0 if crashed_at is not None else 1
 
 

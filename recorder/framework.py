@@ -98,12 +98,28 @@ def _outermost_lists(module: torch.nn.Module, prefix: str) -> list[str]:
     return found
 
 
+def pdbg_program() -> str:
+    """How to run ``pdbg`` from the shell the user is in: ``pdbg`` where it is on the PATH, else
+    the one installed beside this Python (``.venv/bin/pdbg``, the virtual environment not
+    activated: ``make demo``, a script run with ``.venv/bin/python``)."""
+    import shutil
+    from pathlib import Path
+
+    if shutil.which("pdbg"):
+        return "pdbg"
+    beside = Path(sys.executable).parent / "pdbg"
+    if not beside.exists():
+        return "pdbg"
+    relative = os.path.relpath(beside)
+    return shlex.quote(relative if not relative.startswith("..") else str(beside))
+
+
 def open_command(path: Any, index: int | None, rank: int = 0) -> str | None:
     """``pdbg PATH --at INDEX`` (with ``--rank K`` for a rank other than 0), as ``pdbg record`` prints
     it; None for a recording ``pdbg`` cannot be pointed at (a zarr store object)."""
     if not isinstance(path, (str, os.PathLike)):
         return None
-    words = ["pdbg", shlex.quote(os.fspath(path))]
+    words = [pdbg_program(), shlex.quote(os.fspath(path))]
     if index is not None:
         words += ["--at", str(index)]
     if rank:
