@@ -47,6 +47,10 @@ class StepNotFoundError(PdbgError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class AlreadyRecording(RecordingError):
+    """``record()`` while a recording is active in the process (one at a time)."""
+
+
 class ReplayError(PdbgError, RuntimeError):
     """A step cannot be replayed: its code cannot be found, or something it needs was not recorded."""
 

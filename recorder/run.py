@@ -27,7 +27,7 @@ from torch.amp.grad_scaler import GradScaler
 from torch.optim import optimizer as optimizer_mod
 
 from . import autohooks, capture, collectives, compiled, jsonval, monitors, snapshot
-from .errors import RecordingError
+from .errors import AlreadyRecording, RecordingError
 from .items import ScalerSkip
 from .pipeline import WHEN_SLOW, Pipeline
 from .store import backend, layout
@@ -69,9 +69,9 @@ class Run:
         max_ring_bytes = 4 << 30 if max_ring_bytes is None else max_ring_bytes
         if capture.ACTIVE is not None:
             where = getattr(getattr(capture.ACTIVE, "pipeline", None), "where", lambda: "another recording")()
-            raise RecordingError(f"a recording is already active in this process ({where}); close it before starting "
-                                 "another: run.close() on the Run that recorder.record returned (a `with` block "
-                                 "closes it at its end)")
+            raise AlreadyRecording(f"a recording is already active in this process ({where}); close it before "
+                                   "starting another: run.close() on the Run that recorder.record returned (a `with` "
+                                   "block closes it at its end)")
         if not isinstance(path, (str, os.PathLike)) and not hasattr(path, "set"):
             raise RecordingError(f"path must be a directory path or a zarr store, not {type(path).__name__}")
         remote = backend.is_url(path)

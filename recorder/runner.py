@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import collectives, skeleton
-from .errors import RecordingError
+from .errors import AlreadyRecording, RecordingError
 from .store import backend
 
 
@@ -166,6 +166,11 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
         finally:
             constructors.close()
             restore()
+    if isinstance(error, AlreadyRecording) and not run.steps and created:  # the script records itself
+        shutil.rmtree(out_path, ignore_errors=True)  # nothing recorded: leave nothing behind
+        raise RecordingError(f"{script_path} records itself (it calls recorder.record, a second recording in the "
+                             "process pdbg record runs it in): run it with python, or take its record() out to "
+                             "record it with pdbg record") from None
     text = _script_traceback(error, script_path) if error is not None else ""
     return ScriptResult(code, run.status or status, run.steps, error, text,
                         type(error).__name__ if error is not None else None, failure=run.failure)

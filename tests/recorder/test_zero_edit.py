@@ -250,3 +250,19 @@ class TestPdbgRecord:
         assert rec.returncode == 0
         (warn,) = [ln for ln in rec.stderr.splitlines() if ln.startswith("pdbg: warning:")]
         assert "'layers.*' matched no module" in warn and "'blocks.0'" in warn and "'head'" in warn
+
+
+def test_pdbg_record_of_a_script_that_records_itself_says_so(tmp_path):
+    """The script's own recorder.record raised "a recording is already active ... run.close() on the
+    Run that recorder.record returned" with a traceback, about a recording pdbg had opened, and left
+    pdbg's store behind with 0 steps."""
+    (tmp_path / "mine.py").write_text(
+        "import torch, recorder\n\n\n@recorder.paper_step('Eq. 1')\ndef double(x):\n    return x * 2\n\n\n"
+        "with recorder.record('own.zarr'):\n    double(torch.ones(2))\n")
+    for mode in ("full", "flight"):
+        res = pdbg("record", "--mode", mode, "-o", "run.zarr", "--", "mine.py", cwd=tmp_path)
+        assert res.returncode == 2 and res.stderr == (
+            "pdbg: error: mine.py records itself (it calls recorder.record, a second recording in the process pdbg "
+            "record runs it in): run it with python, or take its record() out to record it with pdbg record\n"), \
+            res.stderr
+        assert not (tmp_path / "run.zarr").exists()
