@@ -71,12 +71,12 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if result.traceback_text:
         sys.stderr.write(result.traceback_text)
-    print(f"pdbg: {_summary(args.out, result)}", file=sys.stderr)
+    print(f"pdbg: {_summary(args.out, result, args.modules)}", file=sys.stderr)
     return result.exit_code
 
 
-def _summary(out: str, result: Any) -> str:
-    """Where the recording is, and the step an exception escaped from."""
+def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
+    """Where the recording is, and the step an exception escaped from (or why none was recorded)."""
     from recorder import collectives
 
     who = collectives.identity()  # under torchrun every rank prints this line: say whose it is
@@ -94,6 +94,10 @@ def _summary(out: str, result: Any) -> str:
     text = f"{rank}recording in {out} ({result.status}, {steps} step{'s' if steps != 1 else ''})"
     if result.failure:  # said in a warning when it happened, maybe thousands of lines above
         text += f"; recording stopped: {result.failure}"
+    elif steps == 0:  # nothing marked, nothing named: what to record
+        text += ("; no step was recorded: --modules matched no module (the warning above lists the paths called)"
+                 if modules else "; no step was recorded: the script marks no paper step; name its modules with "
+                 "--modules (module paths from the outermost module called: 'blocks.*', or '**' for every one)")
     if result.died is not None or result.ring_recovered is not None:
         return text + _death(result)
     if result.exception_name is None:

@@ -266,3 +266,17 @@ def test_pdbg_record_of_a_script_that_records_itself_says_so(tmp_path):
             "record runs it in): run it with python, or take its record() out to record it with pdbg record\n"), \
             res.stderr
         assert not (tmp_path / "run.zarr").exists()
+
+
+def test_pdbg_record_that_records_no_step_says_what_to_name(tmp_path):
+    """A plain script recorded without --modules: "recording in run.zarr (complete, 0 steps)", and
+    nothing said that its modules must be named."""
+    (tmp_path / "plain.py").write_text("import torch\nfrom torch import nn\n\nnet = nn.Sequential(nn.Linear(4, 4))\n"
+                                       "net(torch.randn(2, 4)).sum().backward()\n")
+    res = pdbg("record", "-o", "run.zarr", "--", "plain.py", cwd=tmp_path)
+    assert res.returncode == 0 and res.stderr.rstrip().splitlines()[-1] == (
+        "pdbg: recording in run.zarr (complete, 0 steps); no step was recorded: the script marks no paper step; "
+        "name its modules with --modules (module paths from the outermost module called: 'blocks.*', or '**' for "
+        "every one)"), res.stderr
+    res = pdbg("record", "-o", "other.zarr", "--modules", "0", "--", "plain.py", cwd=tmp_path)
+    assert res.stderr.rstrip().endswith("other.zarr (complete, 2 steps)"), res.stderr
