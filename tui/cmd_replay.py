@@ -162,6 +162,9 @@ def _tensors_kept(rec: Any) -> str | None:
     return None
 
 
+_ALERTS_LISTED = 5  # steps whose alerts pdbg info prints
+
+
 def _inside_another_of(mask: np.ndarray, parent: np.ndarray) -> np.ndarray:
     """Per step: whether a step of ``mask`` encloses it (one of its ancestors, by ``parent``), by
     pointer doubling (log2(levels) passes; parents come before their children, so chains end)."""
@@ -278,6 +281,18 @@ def info(args: argparse.Namespace) -> int:
         print("  (time: the share of the iterations' wall time spent in the step, inner steps included, a "
               "recursion once)")
     print(f"\nalerts: {doc['alerts']}   exceptions: {doc['exceptions']}")
+    if doc["alerts"]:  # what they say (the first few; the TUI's a lists them all)
+        from replayer.bisect import with_alerts
+
+        from .views import alert_text
+
+        flagged = np.flatnonzero(with_alerts(rec))
+        for index in flagged[:_ALERTS_LISTED]:
+            step = rec.step(int(index))
+            for alert in step.extra.get("alerts", []) or []:
+                print(f"  step {step.index} ({step.name}, iteration {step.iteration}): {alert_text(alert)}")
+        if len(flagged) > _ALERTS_LISTED:
+            print(f"  ... and {len(flagged) - _ALERTS_LISTED} more steps (the TUI's a lists every one)")
     skips = doc["grad_scaler_skipped"]
     if skips:
         listed = [str(i) for i in skips.get("iterations") or []]

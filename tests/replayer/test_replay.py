@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import random
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -462,6 +463,8 @@ def test_info_summarises_the_run_and_finds_the_first_nonfinite_step(tmp_path: Pa
     assert doc["bytes"] > 10_000
     text = pdbg("info", str(path), cwd=tmp_path).stdout
     assert "NaN origin: none of the recorded steps; it came in at step" in text and "Block" in text  # (poisoned)
+    # what the alert says, not only how many there are
+    assert re.search(r"\nalerts: 1 .*\n  step \d+ \(Attention, iteration 1\): watch attention_weights: ", text), text
     # The NaN step replays bit for bit, NaN positions included.
     res = replayer.replay(replayer.open(path), first["index"])
     assert res.match and res.diffs["output"].recorded["nan"] > 0
