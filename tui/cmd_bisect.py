@@ -19,7 +19,7 @@ from typing import Any
 
 from recorder.errors import PdbgError
 
-from .cmd_replay import STEP_HELP, _open, _step_text, rank_option
+from .cmd_replay import STEP_HELP, _num, _open, _step_text, rank_option
 
 
 def add_parsers(sub: Any) -> None:
@@ -112,13 +112,13 @@ def bisect(args: argparse.Namespace) -> int:
             print(f"    {op.code}")
         for i, t in enumerate(op.inputs):
             st = t.get("stats") or {}
-            print(f"  input {i}: {t['dtype']}{t['shape']} min {st.get('min')} max {st.get('max')} "
-                  f"nan {st.get('nan')} inf {st.get('inf')}")
+            print(f"  {op.name}'s input {i}: {t['dtype']}{t['shape']} min {_num(st.get('min'))} "
+                  f"max {_num(st.get('max'))} nan {_num(st.get('nan'))} inf {_num(st.get('inf'))}")
     if op_note:  # why no operation is named, or that the code named is not the recorded code
         print(op_note)
     if origin.spread:
-        print("then: " + "; ".join(f"step {s.index} {s.name} ({s.phase}, iteration {s.iteration})"
-                                   for s in origin.spread))
+        print("then: " + "; ".join(f"step {s.index} {s.name}{f' at {s.module_path}' if s.module_path else ''} "
+                                   f"({s.phase}, iteration {s.iteration})" for s in origin.spread))
     return 1
 
 

@@ -25,6 +25,8 @@ def test_demo_records_the_crash_and_names_its_origin(tmp_path):
     assert "paper: Eq. 2" in proc.stdout
     assert "origin: Eq. 2 · smooth_relu · blocks.0.attn · forward · iteration 12" in proc.stdout  # pdbg bisect --ops
     assert "operation: aten::exp" in proc.stdout
+    assert "  aten::exp's input 0: float32[8, 2, 16, 16] min " in proc.stdout  # (the operation's, not the step's)
+    assert "then: step 147 Block at blocks.1 (forward, iteration 12)" in proc.stdout
     assert "operation: aten::exp at " in proc.stdout and "torch.exp(x + beta)" in proc.stdout
     assert "swap in a stable SmoothReLU: 2 -> 0  (finite)" in proc.stdout
     assert "clamp its input to [-50, 50]: 2 -> 0  (finite)" in proc.stdout
