@@ -20,7 +20,7 @@ import recorder
 import replayer
 from recorder import capture
 from recorder.errors import RecordingError, ReplayError
-from recorder.framework import FrameworkCallback, auto_modules
+from recorder.framework import FrameworkCallback, auto_modules, pdbg_program
 from tests.cli import python
 from tests.recorder.test_flight import payload_iterations
 
@@ -168,7 +168,7 @@ class TestLightning:
         assert torch.equal(first.tensor("args.0").view(torch.int32), x.view(torch.int32))
         assert len(said) == 1
         assert "Linear at net.layers.1 forward, iteration 12" in said[0] and "NaN" in said[0]
-        assert said[0].endswith(f"open it there: pdbg {path} --at {origin.index}")
+        assert said[0].endswith(f"open it there: {pdbg_program()} {path} --at {origin.index}")
 
     def test_detect_anomaly_crash_is_recorded(self, pl: Any, tmp_path: Path) -> None:
         """Trainer(detect_anomaly=True) makes backward raise at the NaN: on_exception closes the run
@@ -436,7 +436,7 @@ class TestHuggingFace:
         blocks = [("transformer.h.0", 0), ("transformer.h.1", 1)]
         assert by_iteration(rec) == {it: blocks for it in range(20)}
         assert len(said) == 1 and "GPT2Block at transformer.h.1 forward, iteration 12, call 1" in said[0]
-        assert said[0].endswith(f"open it there: pdbg {path} --at {origin.index}")
+        assert said[0].endswith(f"open it there: {pdbg_program()} {path} --at {origin.index}")
         # The recorded steps replay bit for bit (the model's config, a dataclass, with the attention
         # implementation set after it was made): block 0 of the anomaly's iteration and the last one's.
         kept = [s for s in rec.steps.filter(iteration=12) if s.module_path == "transformer.h.0"]
@@ -567,7 +567,8 @@ class TestHuggingFace:
         with recorder_warnings() as said, pytest.raises(OverflowError):
             trainer.train()
         assert callback.close() == "crashed"
-        assert len(said) == 1 and f"the recording (crashed) is in {first}; open it there: pdbg {first}" in said[0]
+        assert len(said) == 1 and f"the recording (crashed) is in {first}; open it there: {pdbg_program()} {first}" \
+            in said[0]
         blocks = [("transformer.h.0", 0), ("transformer.h.1", 1)]
         assert by_iteration(replayer.open(first)) == {it: blocks for it in range(6)}
         assert by_iteration(replayer.open(second)) == {it: blocks for it in range(6)}

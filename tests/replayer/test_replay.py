@@ -65,11 +65,11 @@ def test_verify_says_how_the_environment_differs(gpt_run: Path, tmp_path: Path) 
     environment = {**env(), "ATEN_CPU_CAPABILITY": "default"}
     recorded = replayer.open(gpt_run).step(0).settings.get("cpu_capability")
     assert recorded not in (None, "DEFAULT"), recorded  # (a machine with vector units recorded it)
-    res = subprocess.run([sys.executable, "-m", "tui.cli", "verify", str(gpt_run), "--sample", "2", "--json"],
+    res = subprocess.run([sys.executable, "-m", "tui.cli", "verify", str(gpt_run), "--sample", "1", "--json"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=environment, check=False)
     differences = json.loads(res.stdout)["environment_differences"]
     assert any("CPU capability" in d and "DEFAULT" in d for d in differences), differences
-    text = subprocess.run([sys.executable, "-m", "tui.cli", "verify", str(gpt_run), "--sample", "2"], cwd=tmp_path,
+    text = subprocess.run([sys.executable, "-m", "tui.cli", "verify", str(gpt_run), "--sample", "1"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300, env=environment, check=False).stdout
     assert "\nenvironment differs from the recording: " in text and "CPU capability" in text, text
 
