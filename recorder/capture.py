@@ -532,9 +532,6 @@ class Session:
         def invoke(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return fn(module, *args, **kwargs) if module is not None else fn(*args, **kwargs)
 
-        depth = len(self._stack())
-        if depth >= _DEEP:  # a recursion of steps: the frames the recorder adds to each must not end it
-            self._recursion_room(depth)
         started = self.begin(defn, module, args, kwargs)
         if started is None:
             return invoke(args, kwargs)
@@ -587,7 +584,10 @@ class Session:
         except Exception as exc:
             self.fail("capturing a step's inputs", exc)
             return None
-        self._stack().append(frame)
+        stack = self._stack()
+        stack.append(frame)
+        if len(stack) >= _DEEP:  # a recursion of steps: the frames the recorder adds to each must not end it
+            self._recursion_room(len(stack))
         return frame, args, kwargs, link
 
     def end(self, frame: Frame | None, out: Any, link: BackwardLink | None) -> Any:

@@ -45,7 +45,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from recorder import supervise
-    from recorder.runner import run_script, warnings_as_lines
+    from recorder.runner import run_script
 
     if args.every is not None and args.every < 1:
         raise RecordingError(f"--every must be a positive integer, not {args.every}")
@@ -63,11 +63,11 @@ def run(args: argparse.Namespace) -> int:
                                "on_anomaly": args.on_anomaly}
     if args.keep is not None:
         options["keep"] = args.keep
-    with warnings_as_lines():
-        if args.mode == "flight" and supervise.available(args.out):  # a child process; the ring outlives it
-            result = supervise.run_script_in_child(args.script, script_args, args.out, **options)
-        else:
-            result = run_script(args.script, script_args, args.out, mode=args.mode, **options)
+    # (its warnings are pdbg: warning: lines, as every command's: tui.cli.main)
+    if args.mode == "flight" and supervise.available(args.out):  # a child process; the ring outlives it
+        result = supervise.run_script_in_child(args.script, script_args, args.out, **options)
+    else:
+        result = run_script(args.script, script_args, args.out, mode=args.mode, **options)
     sys.stdout.flush()
     if result.traceback_text:
         sys.stderr.write(result.traceback_text)

@@ -114,9 +114,11 @@ def summary(rec: Any) -> dict[str, Any]:
         total_time += float(t1[mask].max() - t0[mask].min())
     paper_steps = []
     if n:  # per paper step: two classes may share a name (Attention, Eq. 3 and Eq. 5)
+        from .views import inside_another_of
+
         parent = table.column("parent")
         for (name, _), start, mask in rec.paper_steps():
-            outer = mask & ~_inside_another_of(mask, parent)  # a recursion's time once, not once per level
+            outer = mask & ~inside_another_of(mask, parent)  # a recursion's time once, not once per level
             time = float((t1[outer] - t0[outer]).sum())
             paper = dict(papers[start])
             paper_steps.append({"name": str(name), "paper": {k: paper.get(k) for k in
@@ -163,19 +165,6 @@ def _tensors_kept(rec: Any) -> str | None:
 
 
 _ALERTS_LISTED = 5  # steps whose alerts pdbg info prints
-
-
-def _inside_another_of(mask: np.ndarray, parent: np.ndarray) -> np.ndarray:
-    """Per step: whether a step of ``mask`` encloses it (one of its ancestors, by ``parent``), by
-    pointer doubling (log2(levels) passes; parents come before their children, so chains end)."""
-    up = parent.astype(np.int64).copy()  # the ancestor 2**k levels up, or -1
-    inside = (up >= 0) & mask[np.where(up >= 0, up, 0)]  # among the ancestors up to ``up``
-    while (up >= 0).any():
-        has = up >= 0
-        at = np.where(has, up, 0)
-        inside = inside | (has & inside[at])
-        up = np.where(has, up[at], -1)
-    return inside
 
 
 def _ranks(rec: Any) -> list[dict[str, Any]]:

@@ -25,18 +25,28 @@ STATUS_STYLE = {"ok": "green", "alert": "yellow", "nonfinite": "bold red", "exce
 ROLE_ORDER = {role: i for i, role in enumerate(layout.ROLES)}
 
 
-def depths(parent: np.ndarray) -> np.ndarray:
-    """Nesting depth of every step (0 at the top), by pointer doubling: log2(levels) passes (a
-    recursion of steps 10,000 deep is 14 passes, not 10,000). Parents come before their children
-    (the reader refuses others), so every chain ends."""
+def up_the_parents(parent: np.ndarray, first: np.ndarray, combine: Any) -> np.ndarray:
+    """Per step, ``first`` (its value for its parent alone) combined over all its ancestors, by
+    pointer doubling: log2(levels) passes (a recursion of steps 10,000 deep is 14, not 10,000).
+    Parents come before their children (the reader refuses others), so every chain ends."""
     up = parent.astype(np.int64).copy()  # the ancestor 2**k levels up, or -1
-    depth = (up >= 0).astype(np.int64)  # the levels from each step to ``up``
+    value = first  # over the ancestors up to ``up``
     while (up >= 0).any():
         has = up >= 0
         at = np.where(has, up, 0)
-        depth = np.where(has, depth + depth[at], depth)
+        value = np.where(has, combine(value, value[at]), value)
         up = np.where(has, up[at], -1)
-    return depth.astype(np.int32)
+    return value
+
+
+def depths(parent: np.ndarray) -> np.ndarray:
+    """Nesting depth of every step (0 at the top)."""
+    return up_the_parents(parent, (parent >= 0).astype(np.int64), np.add).astype(np.int32)
+
+
+def inside_another_of(mask: np.ndarray, parent: np.ndarray) -> np.ndarray:
+    """Per step: whether a step of ``mask`` encloses it (one of its ancestors)."""
+    return up_the_parents(parent, (parent >= 0) & mask[np.where(parent >= 0, parent, 0)], np.logical_or)
 
 
 class _StepColumn:

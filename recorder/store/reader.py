@@ -120,6 +120,7 @@ class RunReader:
         """``storage_options``: a URL's fsspec options (see ``backend.open_store``)."""
         self.target = target
         self.label = backend.describe(target)
+        self._told_newer = False  # a newer minor schema is warned of once
         if not isinstance(target, zarr.abc.store.Store) and not backend.is_url(target) and \
                 not Path(backend.local_path(target)).exists():
             raise NotARecordingError(f"{self.label}: no such file or directory; give the path of a recording "
@@ -204,7 +205,7 @@ class RunReader:
         except ValueError:
             raise FormatError(f"{self.label}: {where} has an invalid schema version {version!r}") from None
         if major == layout.SCHEMA_MAJOR and minor > layout.parse_version(layout.SCHEMA_VERSION)[1] and \
-                not getattr(self, "_told_newer", False):
+                not self._told_newer:
             from recorder.capture import warn
 
             self._told_newer = True
