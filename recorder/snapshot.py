@@ -221,6 +221,17 @@ def _first(pair: Any) -> Any:
     return pair[0] if isinstance(pair, tuple) else pair
 
 
+_SMALLEST_NORMAL, _HALF = np.float32(np.finfo(np.float32).tiny), np.float32(0.5)
+
+
+def flushes_denormals() -> bool:
+    """Whether this thread's floating point unit flushes denormal results to zero (FTZ): set by
+    ``torch.set_flush_denormal(True)``, and by any shared library built with ``-ffast-math`` that the
+    process loaded. It changes the results of operators whose values reach the denormal range. Read by
+    computing one (~0.3 us; there is no getter), so it is what the thread does, whoever set it."""
+    return bool(_SMALLEST_NORMAL * _HALF == 0)
+
+
 def _candidates() -> list[tuple[str, Any, Any]]:
     """(setting, fast getter or None, public getter) for every numerics setting.
 
@@ -272,6 +283,7 @@ def _candidates() -> list[tuple[str, Any, Any]]:
         ("cpu_capability", None, lambda: b.cpu.get_cpu_capability()),  # noqa: PLW0108 (looked up late: older builds lack it)
         ("grad_enabled", None, torch.is_grad_enabled),
         ("inference_mode", None, torch.is_inference_mode_enabled),
+        ("flush_denormal", None, flushes_denormals),
         ("autocast_cpu", None, lambda: torch.is_autocast_enabled("cpu")),
         ("autocast_cpu_dtype", None, lambda: torch.get_autocast_dtype("cpu")),
         ("autocast_cuda", None, lambda: torch.is_autocast_enabled("cuda")),

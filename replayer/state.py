@@ -58,7 +58,16 @@ def _setters() -> dict[str, Setter]:
         "sdp_mem_efficient": b.cuda.enable_mem_efficient_sdp,
         "sdp_math": b.cuda.enable_math_sdp,
         "sdp_cudnn": getattr(b.cuda, "enable_cudnn_sdp", lambda value: None),
+        "flush_denormal": _flush_denormal,
     }
+
+
+def _flush_denormal(value: bool) -> None:
+    """Flush denormals to zero on this thread, or stop (``torch.set_flush_denormal``)."""
+    if not isinstance(value, bool):
+        raise ValueError("not a bool")
+    if not torch.set_flush_denormal(bool(value)) and value:
+        raise RuntimeError("this CPU cannot flush denormals to zero")
 
 
 # Settings set per call rather than globally (grad mode, autocast) and ones a process cannot change.

@@ -1601,6 +1601,36 @@ def test_onednn_switched_off_while_recording_is_switched_off_for_the_replay(tmp_
     assert torch.backends.mkldnn.enabled
 
 
+@recorder.paper_step("Eq. 24", description="a scale into float32's denormal range")
+def tiny_scale(x: torch.Tensor, s: float) -> torch.Tensor:
+    return x * s
+
+
+def test_denormals_flushed_while_recording_are_flushed_for_the_replay(tmp_path: Path) -> None:
+    """torch.set_flush_denormal(True) (or a library built with -ffast-math) while recording: the
+    setting is recorded, and the replay, in a process that does not flush, flushes too, forward and
+    backward bit for bit (its outputs were zeros where the replay made denormals: a MISMATCH with no
+    reason given); the caller's setting comes back after."""
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals to zero")
+    path = tmp_path / "run.zarr"
+    x = torch.linspace(1, 2, 64, requires_grad=True)
+    try:
+        assert snapshot.flushes_denormals()
+        with recorder.record(path, mode="full"):
+            tiny_scale(x, 1e-39).sum().backward()
+    finally:
+        torch.set_flush_denormal(False)
+    assert not snapshot.flushes_denormals()
+    rec = replayer.open(path)
+    assert rec.step(0).settings["flush_denormal"] is True
+    assert not rec.step(0).tensor("output").any()  # flushed: zeros, where this process makes denormals
+    assert (x.detach() * 1e-39).all()
+    results = [replayer.replay(rec, i) for i in range(len(rec))]
+    assert len(results) == 2 and all(r.match for r in results), [str(r) for r in results]
+    assert not snapshot.flushes_denormals()
+
+
 def _nudge(module: nn.Module, args: Any, out: Any) -> Any:
     return out + 0.01 if isinstance(module, nn.Linear) else None
 
