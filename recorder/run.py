@@ -130,6 +130,7 @@ class Run:
         elif optimizer is not None:
             self._hooks.append(optimizer.register_step_post_hook(self._on_step))
         self._hooks.append(_GradScaling(self))
+        self._hooks.append(_BackwardCalls(self.session))
         self.closed = False
         self._pid = os.getpid()  # a forked child has the recording's objects, not the recording
         self.status: str | None = None
@@ -610,6 +611,49 @@ def git_state(where: str) -> dict[str, Any] | None:
         return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+class _BackwardCalls:
+    """A backward pass that raises (anomaly mode's "returned nan values", an autograd Function's own
+    error), caught by the training loop, which goes on within the same iteration (it skips the batch):
+    autograd never calls back at the end of such a pass, so its steps would stay open, and the next
+    pass's gradients would go into them. Autograd's entry into its engine (behind ``Tensor.backward``,
+    ``torch.autograd.backward`` and ``torch.autograd.grad``) is wrapped while recording: an exception
+    leaving its outermost call on a thread ends the open pass there, its steps written with what they
+    captured and the exception given to the step whose backward was under way. ``remove()`` (at
+    close, with the other hooks) puts the original back."""
+
+    def __init__(self, session: capture.Session) -> None:
+        names = ("_engine_run_backward",) if hasattr(torch.autograd, "_engine_run_backward") else ("backward", "grad")
+        self._originals = {name: getattr(torch.autograd, name) for name in names}
+        self._wrappers = {name: self._wrap(session, fn) for name, fn in self._originals.items()}
+        for name, wrapper in self._wrappers.items():
+            setattr(torch.autograd, name, wrapper)
+
+    @staticmethod
+    def _wrap(session: capture.Session, original: Callable[..., Any]) -> Callable[..., Any]:
+        depth = threading.local()  # a pass inside a pass (reentrant checkpointing) is the outer one's
+
+        @functools.wraps(original)
+        def run_backward(*args: Any, **kwargs: Any) -> Any:
+            depth.n = getattr(depth, "n", 0) + 1
+            try:
+                return original(*args, **kwargs)
+            except BaseException as exc:
+                if depth.n == 1 and session.enabled and not session.closed:
+                    try:
+                        session._end_of_backward(aborted=True, exception=exc)
+                    except Exception as failure:  # the training's own exception goes on, whatever happened here
+                        session.fail("ending a backward pass that raised", failure)
+                raise
+            finally:
+                depth.n -= 1
+        return run_backward
+
+    def remove(self) -> None:
+        for name, original in self._originals.items():
+            if getattr(torch.autograd, name) is self._wrappers[name]:  # else wrapped again since: leave it
+                setattr(torch.autograd, name, original)
 
 
 class _GradScaling:

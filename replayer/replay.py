@@ -762,6 +762,12 @@ class Replayer:
                    "; ".join(unfollowed) or "its forward's output holds no tensor the recorder follows for gradients")
             raise ReplayError(f"backward step {step.index} has no grad outputs to start a backward from: {why}")
         warnings += [f"forward step {fwd.index}: {n}" for n in unfollowed]
+        raised_doc = step.extra.get("exception") or {}
+        if not targets and raised_doc:
+            raised_text = f"{str(raised_doc.get('type', '')).split(':')[-1]}: {str(raised_doc.get('message'))[:200]}"
+            raise ReplayError(f"backward step {step.index}: its backward pass raised ({' '.join(raised_text.split())}) "
+                              "before this step sent any gradient; a replay has nothing to compare (its forward, "
+                              f"step {fwd.index}, replays)")
         if not targets:
             raise ReplayError(f"backward step {step.index} has no grad input, and " + (
                 f"its {not_compared}" if not_compared else "no parameter grad recorded") + ": a replay has nothing to "

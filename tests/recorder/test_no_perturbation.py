@@ -56,15 +56,21 @@ def test_training_bitwise_identical_with_recording(tmp_path, kwargs):
 
 
 def test_global_hooks_removed_after_close(tmp_path):
-    """After a recording closes, no module or optimizer hook of the recorder remains."""
+    """After a recording closes, no module or optimizer hook of the recorder remains, and torch's
+    functions it wraps while recording (GradScaler's, autograd's entry into its engine) are torch's own."""
     from torch.nn.modules import module as module_mod
 
     before = (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks))
+    functions = {name: getattr(torch.autograd, name) for name in ("backward", "grad", "_engine_run_backward")
+                 if hasattr(torch.autograd, name)}
+    scaler = (torch.amp.GradScaler.scale, torch.amp.GradScaler.step)
     model = TinyGPT()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with recorder.record(tmp_path / "run.zarr", model=model, optimizer=opt):
         model(batch(0)[0]).sum().backward()
     assert (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks)) == before
+    assert {name: getattr(torch.autograd, name) for name in functions} == functions
+    assert (torch.amp.GradScaler.scale, torch.amp.GradScaler.step) == scaler
     assert not opt._optimizer_step_post_hooks
     assert all(not p._backward_hooks for p in model.parameters())
 

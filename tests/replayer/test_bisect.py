@@ -100,6 +100,57 @@ def test_a_nan_anomaly_mode_stops_in_the_backward_names_that_step(tmp_path: Path
     assert res.returncode == 1 and "anomaly mode stopped the backward pass" in res.stdout, res.stdout + res.stderr
 
 
+@recorder.paper_step("Eq. 3", description="a magnitude: sqrt(h * h), NaN gradient where h is 0")
+class Magnitude(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.sqrt(h * h)
+
+
+def test_a_backward_that_raises_caught_by_the_loop_leaves_the_next_pass_its_own(tmp_path: Path) -> None:
+    """Anomaly mode raises in a step's backward; the loop catches it, skips the batch and trains on
+    the next within the same iteration. The pass that raised ends there: its step carries the exception
+    and bisect names it; the next pass's step is a step of its own, its parameter grads replay bit for
+    bit (they went into the aborted step, which then mismatched, and the good one was marked as stopped)."""
+    torch.manual_seed(0)
+    layer = Magnitude()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    caught = []
+    with torch.autograd.set_detect_anomaly(True), recorder.record(path, model=layer, optimizer=opt, mode="full"):
+        for it in range(3):
+            batches = [torch.zeros(2, 4), torch.randn(2, 4)] if it == 1 else [torch.randn(2, 4)]
+            for x in batches:
+                try:
+                    layer(x).sum().backward()
+                except RuntimeError as exc:
+                    caught.append(str(exc))
+                    opt.zero_grad()
+                    continue
+                break
+            opt.step()
+            opt.zero_grad()
+    assert len(caught) == 1 and "returned nan values" in caught[0]
+    rec = replayer.open(path)
+    steps = rec.steps
+    assert [(s.phase, s.iteration) for s in steps] == [("forward", 0), ("backward", 0), ("forward", 1),
+                                                        ("backward", 1), ("forward", 1), ("backward", 1),
+                                                        ("forward", 2), ("backward", 2)]
+    aborted, retried = steps[3], steps[5]
+    assert aborted.status == "exception" and "returned nan values" in aborted.extra["exception"]["message"]
+    assert not retried.extra.get("notes") and retried.status == "ok" and retried.forward == 4
+    assert replayer.first_nonfinite(rec).step.index == aborted.index
+    for s in steps:
+        if s.index != aborted.index:
+            assert replayer.replay(rec, s.index).match, s.index
+    with pytest.raises(replayer.ReplayError, match=r"its backward pass raised \(RuntimeError: Function "):
+        replayer.replay(rec, aborted.index)
+
+
 class _NanGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
