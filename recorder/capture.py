@@ -47,6 +47,7 @@ ROLE = {name: i for i, name in enumerate(layout.ROLES)}
 _BY_CONTENT = frozenset({"param", "buffer"})
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
 _MODULE_DOCS_LIMIT = 4096  # module documents remembered (modules made anew at every step would grow it)
+_UNINITIALIZED = torch.nn.parameter.UninitializedTensorMixin
 _DUMPS_KEPT = 256  # flight mode: ring writes listed in the run's metadata, first and last each
 _UNGRADED_KEPT = 256  # calls without grad inside activation checkpointing remembered per step and module
 
@@ -1058,6 +1059,12 @@ class Session:
     def _capture(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
         """Snapshot one tensor into the frame; returns its record name (for the arguments document)."""
         requires_grad = t.requires_grad
+        if isinstance(t, _UNINITIALIZED):  # a lazy module's, before the call that gives it its shape
+            frame.tensors.append(TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype),
+                                            device=str(t.device), requires_grad=requires_grad, shape=(), stride=(),
+                                            stats=stats_mod.EMPTY, payload=None, held=self.iteration))
+            frame.notes.append(f"{name}: {layout.UNINITIALIZED_NOTE}")
+            return name
         owner = id(t) if role in _BY_CONTENT else 0  # (before detach: the parameter's identity counts)
         by_content = bool(owner) and frame.payloads and self._by_content(owner)
         if frame.vmap is not None:

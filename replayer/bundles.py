@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import sys
+import sysconfig
 import tempfile
 import textwrap
 import zipfile
@@ -119,7 +120,7 @@ def _sources(rec: Recording, steps: list[Step], script: str | None) -> tuple[dic
     sources: dict[str, str] = {}
     modules: dict[str, str] = {}
     size = 0
-    todo = [(name, file, code) for name, file, code in seeds if name and isinstance(file, str)]
+    todo = [(name, file, code) for name, file, code in seeds if name and isinstance(file, str) and not installed(file)]
     while todo and len(sources) < _SOURCE_FILES:
         name, file, code = todo.pop(0)
         if file in sources or not file.endswith(".py"):  # Python files only: a recording names the files
@@ -138,6 +139,18 @@ def _sources(rec: Recording, steps: list[Step], script: str | None) -> tuple[dic
         todo += [(*found, None) for found in _project_imports(name, file, text, cwd if isinstance(cwd, str) else None)
                  if found[1] not in sources]
     return sources, modules
+
+
+def installed(file: str) -> bool:
+    """Whether a file belongs to Python or to an installed package (torch's ``nn/modules/linear.py``,
+    on this machine or, by its path, on the one that recorded): the other machine has its own, and a
+    bundle carrying it would shadow that package while the bundled code loads."""
+    parts = set(Path(file).parts)
+    if parts & {"site-packages", "dist-packages"}:
+        return True
+    paths = sysconfig.get_paths()
+    roots = {Path(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
+    return any(root == p or root in p.parents for p in [Path(file)] for root in roots)
 
 
 def _holds_definition(text: str, code: str) -> bool:
@@ -287,10 +300,12 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         raise BundleError(f"cannot write {out}: directory {out.parent} does not exist")
     rows, full = _selection(rec, main, iteration)
     steps = [rec.step(i) for i in rows]
+    fwd = rec.step(main.forward) if main.forward is not None else main
     for r in [*(main.records if main.phase == "forward" else []),
-              *(rec.step(main.forward).records if main.forward is not None else []),
+              *(fwd.records if main.forward is not None else []),
               *(main.records if main.phase == "backward" else [])]:
-        if r.role in ("input", "param", "buffer", "grad_output") and not r.has_payload:
+        if r.role in ("input", "param", "buffer", "grad_output") and not r.has_payload and \
+                r.name not in fwd.uninitialized:
             raise BundleError(f"step {main.index} kept statistics only for {r.role} {r.name} "
                               f"({rec.rank.why_statistics_only(r)}): there is nothing to replay; bundle a step "
                               "recorded with payloads (mode full, or a flight dump)")

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, UninitializedTensorMixin
 from torch.nn.utils import parametrize, prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 
@@ -135,6 +137,9 @@ class Builder:
         where = path or "the step's module"
         override, self._override = self._override, None  # a swap: another class in this module's place
         unrecorded = doc.get("unrecorded") or {}
+        lazy = override is None and issubclass(self.module_class(doc["class"]), LazyModuleMixin)
+        if lazy:  # the handles of the hooks that initialize it: made again (_lazy_again)
+            unrecorded = {k: v for k, v in unrecorded.items() if k not in _LAZY_HANDLES}
         grafted: dict[str, Any] = {}
         if unrecorded and override is None:
             names = ", ".join(f"{k} ({v})" for k, v in unrecorded.items())
@@ -176,6 +181,8 @@ class Builder:
             module._buffers[name] = None if spec is None else torch.empty(0, device="cpu")
             if spec is not None and not spec.get("persistent", True):
                 module._non_persistent_buffers_set.add(name)
+        if lazy:
+            _lazy_again(module)
         for name, child in (doc.get("children") or {}).items():
             module._modules[name] = None if child is None else self._node(child, join_path(path, name), out)
         if doc.get("linked"):
@@ -205,6 +212,8 @@ class Builder:
             vars(hook).update(jsonval.decode(spec.get("attrs") or {}))
             module.register_forward_pre_hook(_Recompute(hook) if top and self._top_hooks_ran else hook)
         for text in doc.get("other_hooks") or ():
+            if isinstance(module, LazyModuleMixin) and text.endswith(LazyModuleMixin._infer_parameters.__qualname__):
+                continue  # made again (_lazy_again)
             # The step's own forward hooks ran after its output was recorded; its pre-hooks, before
             # its state was, unless global hooks recorded it (they run first).
             if top and (text.startswith("forward hook") or (text.startswith("forward pre-hook")
@@ -337,6 +346,24 @@ def _parametrize(module: torch.nn.Module, names: list[str], where: str) -> None:
         inject_property(module, name)
 
 
+_LAZY_HANDLES = ("_initialize_hook", "_load_hook")
+
+
+def _lazy_again(module: Any) -> None:
+    """A lazy module (``nn.LazyLinear``) recorded before the call that gave its parameters their
+    shapes, rebuilt from its skeleton: its parameters and buffers uninitialized again (the recorded ones
+    are loaded over them) and the hooks its ``__init__`` registers, which initialize them at that call
+    with the generator's state it had then (the replay's, applied: the same values)."""
+    for name, p in module._parameters.items():
+        if p is not None:
+            module._parameters[name] = UninitializedParameter(requires_grad=p.requires_grad)
+    for name, b in module._buffers.items():
+        if b is not None:
+            module._buffers[name] = UninitializedBuffer()
+    module._load_hook = module._register_load_state_dict_pre_hook(module._lazy_load_hook)
+    module._initialize_hook = module.register_forward_pre_hook(module._infer_parameters, with_kwargs=True)
+
+
 def _placeholder() -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
 
@@ -359,7 +386,7 @@ def load_state(module: torch.nn.Module, params: dict[str, torch.Tensor], buffers
                 sub._buffers[leaf] = value
                 continue
             current, grad = sub._parameters.get(leaf), requires_grad.get(name, True)
-            if isinstance(current, torch.nn.Parameter):
+            if isinstance(current, torch.nn.Parameter) and not isinstance(current, UninitializedTensorMixin):
                 with torch.no_grad():
                     current.data = value
                 current.requires_grad_(grad)
@@ -367,6 +394,8 @@ def load_state(module: torch.nn.Module, params: dict[str, torch.Tensor], buffers
                 sub._parameters[leaf] = torch.nn.Parameter(value, requires_grad=grad)
     for name, p in expected_params.items():
         if name in (tied or {}) and tied[name] in params:  # Rebuilt.link() makes it that one
+            continue
+        if isinstance(p, UninitializedTensorMixin):  # a lazy module's, before its first call
             continue
         if name not in params and p is not None and (p.device.type == "meta" or p.numel() == 0):
             problems.append(f"parameter {name} was not recorded (tied to another parameter?)")

@@ -663,6 +663,14 @@ class Step:
         doc = self._doc("extra")
         return doc if isinstance(doc, dict) else {}
 
+    @property
+    def uninitialized(self) -> frozenset[str]:
+        """Names of the records of a lazy module's parameters and buffers that were uninitialized
+        when the call began (``nn.LazyLinear`` before the call that gave them their shapes): shape ()
+        and no payload, and a replay leaves them uninitialized for the call to initialize."""
+        suffix = f": {layout.UNINITIALIZED_NOTE}"
+        return frozenset(n.removesuffix(suffix) for n in self.extra.get("notes", ()) if n.endswith(suffix))
+
     def why_statistics_only(self, record: TensorRecord) -> str:
         """Why one of this step's tensor records has statistics and no payload (RankReader's answer)."""
         return self.rec.rank.why_statistics_only(record)

@@ -412,8 +412,9 @@ class Replayer:
         records = step.records
         warnings += [f"{note} (a likely cause of any difference)" for note in step.extra.get("notes", [])
                      if layout.GLOBAL_HOOK_NOTE in note and not any(note in w for w in warnings)]
+        lazy = step.uninitialized
         for r in records:
-            if r.role in ("input", "param", "buffer") and not r.has_payload:
+            if r.role in ("input", "param", "buffer") and not r.has_payload and r.name not in lazy:
                 raise ReplayError(f"step {step.index} ({step.name}) kept statistics only for {r.role} {r.name} "
                                   f"({step.why_statistics_only(r)}); it cannot be replayed")
         tensors = {r.name: r for r in records if r.role == "input"}
@@ -458,8 +459,11 @@ class Replayer:
             module = built.module
             warnings.extend(built.warnings)
             rebuilt.update({join_path(step.module_path, k): v for k, v in built.how.items()})
-            params = {r.name: self._edit(r.name, _materialize(step, r)) for r in records if r.role == "param"}
-            buffers = {r.name: self._edit(r.name, _materialize(step, r)) for r in records if r.role == "buffer"}
+            # (a lazy module's parameters before its first call: left uninitialized, as the call found them)
+            params = {r.name: self._edit(r.name, _materialize(step, r)) for r in records
+                      if r.role == "param" and r.name not in lazy}
+            buffers = {r.name: self._edit(r.name, _materialize(step, r)) for r in records
+                       if r.role == "buffer" and r.name not in lazy}
             devices = {t.device for t in (*params.values(), *buffers.values())}
             if "constructor" in built.how.values() and len(devices) == 1:
                 module.to(next(iter(devices)))

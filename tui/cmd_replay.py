@@ -507,11 +507,21 @@ def _kept(rec: Any) -> list[int]:
     rank, n = rec.rank, len(rec)
     if not rank.lengths.get("tensors"):
         return list(range(n))
-    needed = np.isin(rank.column("tensors/role"), [layout.ROLES.index(r) for r in
-                                                   ("input", "param", "buffer", "grad_output")])
-    missing = np.concatenate([[0], np.cumsum(needed & (rank.payload_column() < 0))])
+    roles = rank.column("tensors/role")
+    needed = np.isin(roles, [layout.ROLES.index(r) for r in ("input", "param", "buffer", "grad_output")])
+    unkept = needed & (rank.payload_column() < 0)
+    missing = np.concatenate([[0], np.cumsum(unkept)])
     start = rank.column("steps/tensor_start").astype(np.int64)
-    own = missing[start + rank.column("steps/tensor_count")] == missing[start]
+    end = start + rank.column("steps/tensor_count")
+    own = missing[end] == missing[start]
+    # A lazy module's parameters before its first call have no bytes, and a replay needs none
+    # (Step.uninitialized): looked at, step by step, where every record missing is a 0-d parameter or buffer.
+    lazy_like = np.concatenate([[0], np.cumsum(unkept & (rank.column("tensors/ndim") == 0) & np.isin(
+        roles, [layout.ROLES.index("param"), layout.ROLES.index("buffer")]))])
+    for i in np.flatnonzero(~own & (lazy_like[end] - lazy_like[start] == missing[end] - missing[start])).tolist():
+        step = rec.step(i)
+        own[i] = {r.name for r in step.records if r.role in ("param", "buffer") and not r.has_payload} <= \
+            step.uninitialized and all(r.has_payload for r in step.records if r.role in ("input", "grad_output"))
     forward = rank.column("steps/forward").astype(np.int64)
     backward = (rank.column("steps/phase") == 1) & (forward >= 0)
     kept = own.copy()

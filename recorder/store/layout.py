@@ -58,6 +58,10 @@ NO_REF = -1  # a missing reference in an integer column (no parent, no payload, 
 DROPPED_NOTE = "payload(s) not recorded: the store could not keep up"
 # A record's note for a tensor without strided bytes (sparse, meta): "<name>: <layout> tensor on <device>: " + this
 METADATA_NOTE = "metadata only"
+# A record's note for a lazy module's parameter or buffer before its first call gave it a shape:
+# "<name>: " + this. The record has shape () and no statistics.
+UNINITIALIZED_NOTE = ("uninitialized (a lazy module's, before the call that gives it its shape; a replay leaves it "
+                      "uninitialized, and the call initializes it again with the recorded RNG)")
 # A forward step's note: "<output record names> " + this (no tap followed them: see recorder.taps)
 # A forward step's note: "<parameter names>: " + this.
 RETURNED_PARAM_NOTE = ("returned as they are by the step (leaves, not followed for gradients): the gradient the "

@@ -1,0 +1,105 @@
+"""Models that change while they train: lazy modules that take their shapes at their first call,
+an optimizer made anew when training resumes from a checkpoint, a module reached under two names.
+Each records whole, and its steps replay bit for bit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recorder
+import replayer
+from recorder.store import layout
+from tests.cli import pdbg, python
+
+
+def test_lazy_modules_record_their_first_call_and_replay_it(tmp_path: Path) -> None:
+    """nn.LazyLinear's parameters are uninitialized until its first call: recording stopped there
+    ("Attempted to use an uninitialized parameter") and training went on unrecorded. Such parameters
+    are recorded as uninitialized; the first call replays by initializing them again from the
+    recorded RNG, bit for bit, and so does everything after; verify counts every step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(4), nn.LazyBatchNorm1d())
+    path = tmp_path / "run.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recorder.RecorderWarning)
+        with recorder.record(path, model=model, modules="*", optimizer="auto", mode="full"):
+            model(torch.zeros(2, 10))  # the dry run torch's docs ask for, before the optimizer
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            for _ in range(2):
+                F.cross_entropy(model(torch.randn(8, 10)), torch.randint(0, 4, (8,))).backward()
+                opt.step()
+                opt.zero_grad()
+    rec = replayer.open(path)
+    assert rec.status == "complete"
+    first = rec.step("0@iter=0#0")
+    assert first.uninitialized == {"weight", "bias"}
+    assert rec.step("3@iter=0#0").uninitialized == {"weight", "bias", "running_mean", "running_var"}
+    assert rec.step("0@iter=1").uninitialized == frozenset()
+    assert layout.UNINITIALIZED_NOTE in first.extra["notes"][0]
+    for i in range(len(rec)):
+        res = replayer.replay(rec, i)
+        assert res.match, (i, str(res), res.warnings)
+        assert not any("could not be recorded" in w or "_infer_parameters" in w for w in res.warnings), res.warnings
+    out = pdbg("verify", str(path), cwd=tmp_path)
+    assert out.returncode == 0 and f"{len(rec)} of {len(rec)} steps replayed bit for bit" in out.stdout, out.stdout
+
+
+PARAMETRIZED = '''
+import sys
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+import recorder
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, w):
+        return self.s * w / w.norm()
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+parametrize.register_parametrization(model[2], "weight", Scaled())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with recorder.record(sys.argv[1], model=model, modules="*", optimizer=opt, mode="full"):
+    for _ in range(2):
+        model(torch.randn(4, 6)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+'''
+
+
+def test_a_bundle_of_a_torch_layer_carries_the_script_and_not_torch(tmp_path: Path) -> None:
+    """A torch layer's step (nn.Linear, with a parametrization the script defines): its bundle carried
+    torch's own nn/modules/linear.py beside the script, and a replay with the bundled source made
+    torch and torch.nn empty packages while it loaded the script ("module 'torch.nn' has no attribute
+    'Module'"). Files of installed packages are not carried."""
+    from replayer.bundles import installed
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(PARAMETRIZED)
+    res = python("train.py", "run.zarr", cwd=project)
+    assert res.returncode == 0, res.stderr
+    assert installed(torch.nn.modules.linear.__file__) and installed(warnings.__file__)
+    assert not installed(str(project / "train.py"))
+    made = pdbg("bundle", "run.zarr", "2@iter=1", "-o", "b.pdbg", "--verify", "--json", cwd=project)
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["sources"] == [str(project / "train.py")]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(project / "b.pdbg", elsewhere / "b.pdbg")
+    shutil.rmtree(project)
+    res = pdbg("replay", "b.pdbg", "--use-bundled-source", cwd=elsewhere)
+    assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
