@@ -32,6 +32,8 @@ from .recording import Recording, Step
 _SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep for m in (torch, recorder)) + (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
     os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep)
+_TORCH_NN = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "nn") + os.sep
+_REPLAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.py")  # where _Call.run calls the step
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n(?P<code>[^\n]*)')
 
 
@@ -64,12 +66,19 @@ class OpReport:
 
 
 def _user_frame(frames: list[tuple[str, int, str, str]]) -> tuple[str, int, str, str] | None:
-    """The innermost frame of the user's code."""
-    for file, line, func, code in reversed(frames):
+    """The innermost frame of the user's code inside the replayed step: below the replay's call of it
+    (the frames above are what called the replay: pdbg's command line, a notebook)."""
+    calls = [i for i, (file, _, func, _) in enumerate(frames) if func == "run" and os.path.abspath(file) == _REPLAY]
+    inside = frames[calls[-1] + 1:] if calls else frames
+    for file, line, func, code in reversed(inside):
         path = os.path.abspath(file)
         if file.startswith("<") or path.startswith(_SKIP_DIRS):
             continue
         return path, line, func, code
+    for file, line, func, code in reversed(inside):  # none: torch's own layers made it (an nn.Linear's forward)
+        path = os.path.abspath(file)
+        if path.startswith(_TORCH_NN):
+            return path, line, func, code
     return None
 
 

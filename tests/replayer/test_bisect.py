@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,23 @@ def test_exp_overflow_in_smooth_relu_is_found_down_to_the_operation(overflow_run
     doc = json.loads(pdbg("bisect", str(overflow_run), "--ops", "--json", cwd=tmp_path).stdout)
     assert doc["origin"]["index"] == step.index and doc["op"]["name"] == "aten::exp"
     assert doc["op"]["line"] == op.line and {"origin", "cause", "op", "spread"} <= set(doc)
+
+
+def test_an_operation_of_torchs_own_layer_is_placed_in_torch_not_in_the_caller(tmp_path: Path) -> None:
+    """An nn.Linear whose weight overflows makes the Inf in aten::addmm, inside torch's own forward.
+    The operation's line was the caller's: the line that called first_nonfinite (here), or pdbg's own
+    cmd_bisect.py under `pdbg bisect --ops`; it is nn.Linear's forward."""
+    layer = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        layer.weight.fill_(3e38)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=torch.nn.ModuleDict({"fc": layer}), modules=["fc"], mode="full"):
+        layer(torch.ones(2, 4))
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert origin.op is not None and origin.op.name == "aten::addmm"
+    assert origin.op.file == os.path.abspath(torch.nn.modules.linear.__file__) and origin.op.function == "forward"
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert "cmd_bisect.py" not in res.stdout and "torch/nn/modules/linear.py" in res.stdout, res.stdout
 
 
 def test_a_nan_born_in_the_backward_only(tmp_path: Path) -> None:
