@@ -99,8 +99,8 @@ def _sets(node: ast.stmt) -> list[str]:
     return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
 
 
-def script_module(path: str | os.PathLike[str], text: str | None = None, main_module: str | None = None
-                  ) -> tuple[types.ModuleType, str, frozenset[str]]:
+def script_module(path: str | os.PathLike[str], text: str | None = None, main_module: str | None = None,
+                  argv: list[str] | None = None) -> tuple[types.ModuleType, str, frozenset[str]]:
     """Load a training script's definitions as a module named ``__main__`` (its classes and
     functions keep the ``__main__:QualName`` references they were recorded under). Returns the
     module, a note on what was left out, and the names that statements left out would have set.
@@ -159,8 +159,11 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
     parts = [body] if guarded else [[n] for n in body]
     failed: list[str] = []
     unset: set[str] = set()
-    saved_main = sys.modules.get("__main__")
+    saved_main, saved_argv = sys.modules.get("__main__"), sys.argv
     sys.modules["__main__"] = module  # dataclasses and typing look the defining module up by name
+    # The script's top level sees the arguments it was recorded with (``ITERS = int(sys.argv[1])``, an
+    # argparse parser at module level), not the replaying program's (pdbg's own: "replay", a path).
+    sys.argv = [str(file), *(str(a) for a in (argv or [])[1:])]
     try:
         with extra_path([where]), state.kept():
             for part in parts:
@@ -170,16 +173,17 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
                 code = compile(ast.Module(body=part, type_ignores=[]), str(file), "exec")
                 try:
                     exec(code, module.__dict__)  # noqa: S102 - the user's own script, as they asked
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:  # (sys.exit or argparse's error at its top level)
                     if guarded:
                         raise
                     failed.append(f"line {part[0].lineno}: {type(exc).__name__}: {exc}")
                     unset.update(_sets(part[0]))
                 else:
                     unset.difference_update(() if guarded else _sets(part[0]))  # set again, later: defined
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise ReplayError(f"loading the definitions of {file} failed: {type(exc).__name__}: {exc}") from None
     finally:
+        sys.argv = saved_argv
         if saved_main is not None:
             sys.modules["__main__"] = saved_main
     if failed:
@@ -299,8 +303,10 @@ class CodeLoader:
             with self.bundle_imports() if text is not None and text is self.bundled.get(self.script) \
                     else contextlib.nullcontext():
                 main_module = self.run_info.get("main_module")
-                self._main, note, self.skipped = script_module(self.script, text,
-                                                               main_module if isinstance(main_module, str) else None)
+                argv = self.run_info.get("argv")
+                self._main, note, self.skipped = script_module(
+                    self.script, text, main_module if isinstance(main_module, str) else None,
+                    argv if isinstance(argv, list) else None)
             if "no if __name__" in note and self.script != SESSION_SCRIPT and (
                     self.skipped or "(0 top-level statements skipped)" not in note):  # worth a warning: some left out
                 self.notes.append(f"{self.script}: {note}")

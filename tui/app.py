@@ -122,7 +122,7 @@ class Timeline(ScrollView, can_focus=True):
         position = scroll_y + y
         width = self.size.width
         if position >= len(self.model.rows):
-            return Strip.blank(width)
+            return Strip.blank(width, self.rich_style)
         index = int(self.model.rows[position])
         pieces = self.model.row(index, width=self.scrollable_content_region.width)
         selected = position == self.cursor
@@ -224,7 +224,9 @@ class StepPane(ScrollView, can_focus=True):
             if isinstance(part, Table):
                 self._table_at = len(lines)
             lines += console.render_lines(part, options, pad=False)
-        self._lines = [Strip(line) for line in lines]
+        # (a segment rich left without a style gets an empty one: NO_COLOR's monochrome filter reads every one's)
+        self._lines = [Strip([s if s.style is not None else Segment(s.text, _PLAIN, s.control) for s in line])
+                       for line in lines]
         size = Size(width, len(self._lines))
         if size == self.virtual_size:
             return
@@ -290,11 +292,11 @@ class StepPane(ScrollView, can_focus=True):
         width = self.scrollable_content_region.width
         position = self.scroll_offset.y + y
         if position >= len(self._lines):
-            return Strip.blank(width)
+            return Strip.blank(width, self.rich_style)
         strip = self._lines[position]
         if self.view is not None and self._table_at >= 0 and position == self._table_at + 1 + self.selected:
             strip = strip.apply_style(_style("on #264f78" if self.has_focus else "on #1f3550"))
-        return strip.crop(0, width).extend_cell_length(width)
+        return strip.crop(0, width).extend_cell_length(width, self.rich_style)
 
     def on_resize(self) -> None:
         self._build()
@@ -567,6 +569,7 @@ class Actions(Provider):
 
 # Control characters and bidirectional overrides: a recording's names and messages may hold terminal
 # escape sequences (a shared bundle is data from elsewhere). Drawn, they would reach the terminal.
+_PLAIN = Style()
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 

@@ -7,19 +7,16 @@ Errors are one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
-import io
 import os
 import sys
-from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
 from recorder.errors import PdbgError
 from replayer.recording import ESCAPES as _ESCAPES  # control characters, escaped in what pdbg prints
 
-from . import cmd_bisect, cmd_bundle, cmd_record, cmd_replay, cmd_serve
+from . import cmd_bisect, cmd_bundle, cmd_record, cmd_replay, cmd_serve, output
 
 
 def _version() -> str:
@@ -60,39 +57,6 @@ COMMANDS = ("record", "info", "replay", "verify", "bisect", "find", "bundle", "s
 _READERS = frozenset({"info", "replay", "verify", "bisect", "find", "bundle"})  # print what a recording holds
 
 
-class _Printable(io.TextIOBase):
-    """A text stream that writes what it is given with control characters escaped (``_ESCAPES``)."""
-
-    def __init__(self, stream: io.TextIOBase) -> None:
-        self.stream = stream
-
-    def write(self, text: str) -> int:
-        self.stream.write(text.translate(_ESCAPES))
-        return len(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-    def isatty(self) -> bool:
-        return self.stream.isatty()
-
-    def writable(self) -> bool:
-        return True
-
-
-@contextlib.contextmanager
-def _printable_output() -> Iterator[None]:
-    saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _Printable(sys.stdout), _Printable(sys.stderr)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = saved
-
-
 def _tui(args: argparse.Namespace) -> int:
     from recorder.store import backend
 
@@ -130,21 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bundle"]:
         argv = cmd_bundle.legacy_script_flag(argv)
     args = parser.parse_args(argv)
-    try:
-        handler = getattr(args, "handler", None)
-        if handler is None:
-            print("pdbg: error: give a command, or a recording to open (see pdbg --help)", file=sys.stderr)
-            return 2
-        from recorder.runner import warnings_as_lines
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        print("pdbg: error: give a command, or a recording to open (see pdbg --help)", file=sys.stderr)
+        return 2
+    from recorder.runner import warnings_as_lines
 
-        with _printable_output() if args.command in _READERS else contextlib.nullcontext(), warnings_as_lines():
-            return int(handler(args))
-    except PdbgError as exc:
-        print(f"pdbg: error: {str(exc).translate(_ESCAPES)}", file=sys.stderr)
-        return exc.exit_code
-    except BrokenPipeError:  # `pdbg ... | head`: the reader left; not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return 0
+    with output.streams(_ESCAPES if args.command in _READERS else None):
+        try:
+            with output.json_only(bool(getattr(args, "json", False))), warnings_as_lines():
+                return int(handler(args))
+        except PdbgError as exc:
+            print(f"pdbg: error: {str(exc).translate(_ESCAPES)}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:  # Ctrl-C: nothing it was writing is left half-written (bundles, recipes)
+            print("pdbg: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

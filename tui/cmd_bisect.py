@@ -19,6 +19,7 @@ from typing import Any
 
 from recorder.errors import PdbgError
 
+from . import output
 from .cmd_replay import STEP_HELP, _num, _open, _step_text, rank_option
 
 
@@ -69,7 +70,7 @@ def bisect(args: argparse.Namespace) -> int:
                             "--against; use one or the other")
         div = replayer.first_divergence(rec, _open(args.against, args.rank or 0))
         if args.json:
-            print(json.dumps(div.to_json()))
+            output.emit_json(json.dumps(div.to_json()))
         else:
             print(div.cause if div.step is None else f"root cause: {div.cause}")
             if div.followed:
@@ -91,7 +92,7 @@ def bisect(args: argparse.Namespace) -> int:
         doc = origin.to_json()
         if op_note:
             doc["op_note"] = op_note
-        print(json.dumps(doc))
+        output.emit_json(json.dumps(doc))
         return 1 if origin.found else 0
     if not origin.found:
         print(origin.cause)
@@ -136,7 +137,7 @@ def find(args: argparse.Namespace) -> int:
     where = None if args.where == "*" else args.where
     found = replayer.find(rec, where, args.when, start=start, backward=args.backward)
     if args.json:
-        print(json.dumps({"step": found.to_json() if found else None}))
+        output.emit_json(json.dumps({"step": found.to_json() if found else None}))
     elif found is None:
         print("no step matches" + (f" before {start.index}" if args.backward and start else
                                    f" after {start.index}" if start else ""))

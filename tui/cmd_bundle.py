@@ -15,6 +15,7 @@ import json
 import shlex
 from typing import Any
 
+from . import output
 from .cmd_replay import STEP_HELP, _open, _size, _step_text, rank_option
 
 
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     info = replayer.bundle(rec, step, args.out, iteration=args.iteration, verify=args.verify,
                            script=args.script or False, repro=args.repro, overwrite=args.force)
     if args.json:
-        print(json.dumps(info.to_json()))
+        output.emit_json(json.dumps(info.to_json()))
     else:
         print(f"{info.path}: {_size(info.bytes)}, {info.steps} step{'s' if info.steps != 1 else ''}; main "
               f"{_step_text(step.to_json())} (step {info.main_step} in the bundle)")

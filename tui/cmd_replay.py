@@ -21,6 +21,8 @@ import numpy as np
 from recorder.errors import PdbgError, ReplayError
 from recorder.store import layout
 
+from . import output
+
 STEP_HELP = ("an index, or NAME[@iter=K][#CALL][:backward] where NAME is a step name, paper label or module path "
              "(e.g. 'Eq. 2@iter=17#3', h.1.mlp@iter=5:backward)")
 
@@ -96,7 +98,7 @@ def _open(path: str, rank: int = 0) -> Any:
 
 
 def _emit(doc: dict[str, Any]) -> None:
-    print(json.dumps(doc, allow_nan=False))
+    output.emit_json(json.dumps(doc, allow_nan=False))
 
 
 # -- info ----------------------------------------------------------------------------------------

@@ -968,3 +968,21 @@ def test_n_passes_over_inf_a_mask_makes_at_every_call(tmp_path: Path) -> None:
         assert counts == {"Eq. 3": 0, "Eq. 4": 1}, counts  # causal_mask, naive_softmax
 
     run(body, path)
+
+
+def test_no_color_draws_every_screen(nan_path: Path, monkeypatch) -> None:
+    """NO_COLOR=1 (textual then draws in monochrome): the app crashed on its first frame, on the blank
+    lines and padding it drew without a style. Every screen draws, and the keys still work."""
+    monkeypatch.setenv("NO_COLOR", "1")
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        assert app.no_color
+        for key in ("g", "enter", "t", "escape", "p", "escape", "question_mark", "escape", "a", "escape", "r"):
+            await pilot.press(key)
+            await pilot.pause()
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.is_running and app.step.index == 12
+        assert "replay of step 12: bitwise match" in panel(app), panel(app)
+
+    run(body, nan_path)

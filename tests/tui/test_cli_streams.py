@@ -1,0 +1,106 @@
+"""`pdbg` in a shell: what it prints never ends in a traceback of its own (a reader that left, a
+closed stdout, an encoding without a character, Ctrl-C), its exit code stays its answer, `--json`
+is JSON whatever the replayed script prints, and a script's top level sees its recorded arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tui.cli
+from replayer.replay import Replayer
+from tests.cli import env, pdbg, python
+from tests.tui.recordings import nan_run
+
+SCRIPT = '''
+import argparse
+import sys
+
+import torch
+from torch import nn
+
+import recorder
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("iters", type=int)
+ARGS = parser.parse_args()  # at the top level, as many scripts do
+print("loading the script")
+
+
+@recorder.paper_step("Eq. 1")
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        print("in forward", tuple(x.shape))  # a debugging print
+        return torch.tanh(self.fc(x)) * ARGS.iters
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    block = Block()
+    with recorder.record(ARGS.out, mode="full"):
+        for _ in range(ARGS.iters):
+            block(torch.randn(2, 4)).sum().backward()
+'''
+
+
+def test_a_script_that_parses_its_arguments_at_the_top_level_replays_and_json_stays_json(tmp_path: Path) -> None:
+    """A script that parses sys.argv at its top level was loaded with pdbg's own arguments: every
+    replay failed with the script's argparse usage ("argument iters: invalid int value: 'replay'"),
+    exit 2, and the TUI's r ended the app. It now sees the arguments it was recorded with. What it
+    prints (at its top level, inside a step) went to stdout and broke --json; it goes to stderr."""
+    (tmp_path / "train.py").write_text(SCRIPT)
+    res = python("train.py", "run.zarr", "3", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    res = pdbg("replay", "run.zarr", "0", cwd=tmp_path)
+    assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
+    res = pdbg("verify", "run.zarr", "--json", cwd=tmp_path)
+    assert res.returncode == 0 and "loading the script" in res.stderr and "in forward (2, 4)" in res.stderr
+    assert json.loads(res.stdout)["matched"] == 6  # the whole of stdout is the one JSON object
+
+
+@pytest.fixture(scope="module")
+def nan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return nan_run(tmp_path_factory.mktemp("streams") / "nän run.zarr")
+
+
+def test_output_problems_end_the_output_not_the_answer(nan_path: Path, tmp_path: Path) -> None:
+    """`pdbg bisect` finds a NaN (exit 1). With stdout an encoding that lacks a character (·, ä) it
+    raised UnicodeEncodeError; with stdout closed (>&-), or a reader that left before it wrote (`| true`),
+    it gave a traceback or exit 0. It writes what it can, escaped, and exits 1 each time."""
+    command = [sys.executable, "-m", "tui.cli", "bisect", str(nan_path)]
+    ascii_env = {**env(), "PYTHONIOENCODING": "ascii"}
+    res = subprocess.run(command, capture_output=True, text=True, env=ascii_env, timeout=300, check=False)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "\\xb7" in res.stdout or "\\xe4" in res.stdout, res.stdout
+    closed = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(),
+                            timeout=300, check=False, preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 1 and "Traceback" not in closed.stderr, closed.stderr
+    read, write = os.pipe()
+    os.close(read)  # the reader left before anything was written: every write is EPIPE
+    try:
+        left = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True, env=env(), timeout=300,
+                              check=False)
+    finally:
+        os.close(write)
+    assert left.returncode == 1 and left.stderr == "", left.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_130(nan_path: Path, monkeypatch, capsys) -> None:
+    """Ctrl-C while a command runs (here: inside a replay of verify) printed a traceback of 20-50 lines."""
+    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Replayer, "replay", interrupted)
+    assert tui.cli.main(["verify", str(nan_path)]) == 130
+    err = capsys.readouterr().err
+    assert err == "pdbg: interrupted\n", err
