@@ -39,6 +39,7 @@ class ScriptResult:
     died: str | None = None  # the script's process ended without closing the recording: why ("signal SIGABRT")
     ring_recovered: dict[str, Any] | None = None  # flight mode: what the parent wrote out of the shared ring
     failure: str | None = None  # why recording stopped early (status "incomplete"): a full disk, a failed writer
+    modules_called: int | None = None  # distinct module paths the script called (None: not known)
 
 
 def check_output(out: str | os.PathLike[str]) -> Path:
@@ -173,7 +174,9 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
                              "record it with pdbg record") from None
     text = _script_traceback(error, script_path) if error is not None else ""
     return ScriptResult(code, run.status or status, run.steps, error, text,
-                        type(error).__name__ if error is not None else None, failure=run.failure)
+                        type(error).__name__ if error is not None else None, failure=run.failure,
+                        modules_called=len(run.session.selector.paths) if run.session.autocapture is not None
+                        else None)
 
 
 @contextlib.contextmanager

@@ -122,7 +122,8 @@ def _outcome(out: Any, code: int, report: dict[str, Any], ring: shmring.RingFile
         steps = lengths.get("steps", 0) if isinstance(lengths, dict) else 0
     return runner.ScriptResult(exit_code, str(report.get("status") or status or "crashed"), steps,
                                exception_name=report.get("exception"), died=died, ring_recovered=recovered,
-                               failure=failure)
+                               failure=failure, modules_called=report.get("modules_called")
+                               if isinstance(report.get("modules_called"), int) else None)
 
 
 def _child_command() -> list[str]:
@@ -222,7 +223,8 @@ def child_main() -> int:
     if result.traceback_text:
         sys.stderr.write(result.traceback_text)
     _report(result_fd, {"exit_code": result.exit_code, "status": result.status, "steps": result.steps,
-                        "exception": result.exception_name, "failure": result.failure})
+                        "exception": result.exception_name, "failure": result.failure,
+                        "modules_called": result.modules_called})
     return result.exit_code
 
 

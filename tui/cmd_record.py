@@ -94,6 +94,10 @@ def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
     text = f"{rank}recording in {out} ({result.status}, {steps} step{'s' if steps != 1 else ''})"
     if result.failure:  # said in a warning when it happened, maybe thousands of lines above
         text += f"; recording stopped: {result.failure}"
+    elif steps == 0 and result.modules_called == 0 and result.exception_name is not None:
+        text += f"; no step was recorded: the script raised {result.exception_name} before it called any module"
+    elif steps == 0 and result.modules_called == 0:
+        text += "; no step was recorded: the script called no module"
     elif steps == 0:  # nothing marked, nothing named: what to record
         text += ("; no step was recorded: --modules matched no module (the warning above lists the paths called)"
                  if modules else "; no step was recorded: the script marks no paper step; name its modules with "

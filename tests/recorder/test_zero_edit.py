@@ -282,3 +282,15 @@ def test_pdbg_record_that_records_no_step_says_what_to_name(tmp_path):
         "every one)"), res.stderr
     res = pdbg("record", "-o", "other.zarr", "--modules", "0", "--", "plain.py", cwd=tmp_path)
     assert res.stderr.rstrip().endswith("other.zarr (complete, 2 steps)"), res.stderr
+
+
+def test_pdbg_record_of_a_script_that_dies_before_any_module_says_so(tmp_path):
+    """A script that dies loading its data, before its first forward: the summary said that --modules
+    matched no module and pointed at a warning listing the paths called, which there was not."""
+    (tmp_path / "early.py").write_text("import torch\nfrom torch import nn\n\nnet = nn.Sequential(nn.Linear(4, 4))\n"
+                                       "open('no_such_data.csv')\nnet(torch.randn(2, 4))\n")
+    for mode in ("full", "flight"):
+        res = pdbg("record", "--mode", mode, "-o", f"{mode}.zarr", "--modules", "0", "--", "early.py", cwd=tmp_path)
+        assert res.returncode == 1 and res.stderr.rstrip().splitlines()[-1] == (
+            f"pdbg: recording in {mode}.zarr (crashed, 0 steps); no step was recorded: the script raised "
+            "FileNotFoundError before it called any module"), res.stderr
