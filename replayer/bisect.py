@@ -18,6 +18,7 @@ import json
 import operator
 import os
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -552,7 +553,7 @@ def _from_another_rank(rec: Recording, step: Step) -> bool:
 def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord) -> str:
     """What ``_entered_cause`` says of a step's own input ``r`` that arrived non-finite."""
     full = f"{source.module_path}.{r.name}" if source.module_path and r.role in ("param", "buffer") else r.name
-    last = _last_finite_iteration(rec, source, r.role, r.name)
+    last = _last_finite_iteration(rec, step if r.role == "grad_output" else source, r.role, r.name)
     since = f"; it was last finite in iteration {last}" if last is not None else \
         "; it was never finite in this recording"
     if r.role in ("param", "buffer"):
@@ -565,11 +566,17 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord) -> 
 
 
 def _last_finite_iteration(rec: Recording, step: Step, role: str, name: str) -> int | None:
-    """The last earlier iteration in which the same step saw that tensor finite."""
+    """The last earlier iteration in which the same step saw that tensor finite. The steps searched are
+    those that hold such a record: backward steps for grad outputs, grad inputs and parameter grads
+    (a forward step never holds one), forward steps for the rest. An input or a grad output is each
+    call's own: another call of the same iteration saw another tensor, so only earlier iterations count;
+    a parameter or buffer is the same tensor at every call, and an earlier call of the iteration counts."""
+    phase = "backward" if role in ("grad_output", "grad_input", "param_grad") else "forward"
     table = rec.steps
+    before = (table.column("iteration") < step.iteration if role in ("input", "grad_output")
+              else table.column("index") < step.index)
     same = np.flatnonzero((table.column("name") == step.name) & (table.column("module_path") == step.module_path)
-                          & (table.column("phase") == layout.PHASES.index(step.phase))
-                          & (table.column("index") < step.index))
+                          & (table.column("phase") == layout.PHASES.index(phase)) & before)
     for k in same[::-1][:1000]:
         earlier = rec.step(int(k))
         for r in earlier.records:
@@ -876,16 +883,24 @@ def _parts(p: _Prints, step: Step) -> tuple[dict[Any, Any], dict[Any, Any], dict
 
 def _keys(rec: Recording) -> list[tuple[Any, ...]]:
     """Per step, what aligns it with the other run's: (iteration, module path, phase, call, name,
-    paper label): two steps of one name, each its own paper step, count their own calls."""
+    paper label), and how many steps before it had the same: two steps of one name, each its own paper
+    step, count their own calls, and the backward steps of one call from several passes (retain_graph,
+    torch.autograd.grad then backward, a gradient penalty) align in their order, the k-th with the k-th."""
     table = rec.steps
     cols = [table.column(c) for c in ("iteration", "module_path", "phase", "call", "name", "label")]
-    return list(zip(*(c.tolist() for c in cols)))
+    seen: Counter[tuple[Any, ...]] = Counter()
+    keys = []
+    for key in zip(*(c.tolist() for c in cols)):
+        keys.append((*key, seen[key]))
+        seen[key] += 1
+    return keys
 
 
 def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     """The first step where run B parts from run A for a reason of its own.
 
-    Steps are aligned by (iteration, module path, phase, call, name, paper label) and compared by payload hash
+    Steps are aligned by (iteration, module path, phase, call, name, paper label), the backward steps of
+    one call from several passes in their order, and compared by payload hash
     (by statistics where either run kept only those). A step whose inputs were identical in both runs but
     whose results differ is a *root cause* (its parameters differ, or it computed differently); a
     step that only received different inputs *followed*. The root cause reported is the first in
@@ -894,8 +909,9 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     steps), and there is no root cause among the steps: later ones whose parameters differ only
     follow it (the optimizer stepped with other gradients).
     """
+    keys_a = _keys(rec_a)
     keys_b = {k: i for i, k in enumerate(_keys(rec_b))}
-    pairs = [(i, keys_b.get(k)) for i, k in enumerate(_keys(rec_a))]
+    pairs = [(i, keys_b.get(k)) for i, k in enumerate(keys_a)]
     common = sum(j is not None for _, j in pairs)
     if not common:
         raise RecordingError("the two recordings have no steps in common (same iteration, module path, phase, call "
@@ -943,7 +959,7 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     while descended:  # the innermost root cause: the first one inside it, and so on down
         descended = False
         for k in subtree(rec_a, index):
-            j = keys_b.get(_keys_one(rec_a, k))
+            j = pairs[k][1]
             if j is None:
                 continue
             sa, sb = rec_a.step(k), rec_b.step(j)
@@ -974,11 +990,6 @@ def _followers(pairs: list[tuple[int, int | None]], after: int, pa: _Prints, pb:
             if len(found) == SPREAD:
                 break
     return found
-
-
-def _keys_one(rec: Recording, index: int) -> tuple[Any, ...]:
-    s = rec.step(index)
-    return (s.iteration, s.module_path, layout.PHASES.index(s.phase), s.call, s.name, s.paper.get("label"))
 
 
 def _names(names: list[str], shown: int = 5) -> str:
@@ -1036,6 +1047,7 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
         reasons.append(f"its non-tensor arguments differ ({_short(sa.arguments)} vs {_short(sb.arguments)})")
     if sa.definition.get("source_sha256") != sb.definition.get("source_sha256"):
         reasons.append("its code differs between the runs")
+    reasons += _module_differences(sa, sb)
     if sa.settings != sb.settings:
         keys = sorted(k for k in set(sa.settings) | set(sb.settings) if sa.settings.get(k) != sb.settings.get(k))
         reasons.append(f"settings differ ({', '.join(keys[:5])})")
@@ -1055,6 +1067,74 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
     if others and not reasons:
         why += f"; its {' and '.join(others)} RNG states differ too, which matters only if it draws from them"
     return f"{same} and parameters, but {results}: {why}"
+
+
+_ABSENT = object()
+# What else of a module skeleton (docs/FORMAT.md) changes what a call computes, as a cause names it.
+_SKELETON_PARTS = {"class": "class", "init": "constructor arguments", "params": "parameters", "buffers": "buffers",
+                   "unrecorded": "attributes without a data form", "parametrized": "parametrizations",
+                   "hooks": "hooks", "other_hooks": "hooks", "tied": "tied parameters"}
+
+
+def _module_doc(step: Step) -> dict[str, Any]:
+    """The skeleton of a step's module as the call found it (a backward step's: its forward's); empty for
+    a function step."""
+    doc = step._doc("module")
+    if not isinstance(doc, dict) and step.phase == "backward" and step.forward is not None:
+        doc = step.rec.step(step.forward)._doc("module")
+    return doc if isinstance(doc, dict) else {}
+
+
+def _module_differences(sa: Step, sb: Step) -> list[str]:
+    """What of the module two aligned steps called differs between the runs, from their recorded skeletons:
+    training or eval mode (a model.eval() with no model.train() after it), attributes (a temperature, a
+    scale set by the loop), and the rest of the skeleton, its own and its submodules'."""
+    modes: dict[tuple[bool, bool], list[str]] = {}
+    attrs: list[tuple[str, Any, Any]] = []
+    parts: dict[str, list[str]] = {}
+
+    def walk(a: dict[str, Any], b: dict[str, Any], path: str) -> None:
+        if isinstance(a.get("training"), bool) and isinstance(b.get("training"), bool) \
+                and a["training"] != b["training"]:
+            modes.setdefault((a["training"], b["training"]), []).append(path)
+        attrs_a = a.get("attrs") if isinstance(a.get("attrs"), dict) else {}
+        attrs_b = b.get("attrs") if isinstance(b.get("attrs"), dict) else {}
+        for k in sorted(set(attrs_a) | set(attrs_b), key=str):
+            va, vb = attrs_a.get(k, _ABSENT), attrs_b.get(k, _ABSENT)
+            if va != vb:
+                attrs.append((f"{path}.{k}" if path else str(k), va, vb))
+        for key, what in _SKELETON_PARTS.items():
+            if a.get(key) != b.get(key) and path not in parts.get(what, []):
+                parts.setdefault(what, []).append(path)
+        kids_a = a.get("children") if isinstance(a.get("children"), dict) else {}
+        kids_b = b.get("children") if isinstance(b.get("children"), dict) else {}
+        if set(kids_a) != set(kids_b):
+            parts.setdefault("submodules", []).append(path)
+        for name in sorted(set(kids_a) & set(kids_b), key=str):
+            if isinstance(kids_a[name], dict) and isinstance(kids_b[name], dict):
+                walk(kids_a[name], kids_b[name], f"{path}.{name}" if path else str(name))
+
+    walk(_module_doc(sa), _module_doc(sb), "")
+    out = []
+    for (mode_a, mode_b), paths in modes.items():
+        subs = [p for p in paths if p]
+        who = (("its module" + (f" and {len(subs)} of its submodules" if subs else "")) if "" in paths
+               else f"its submodule{'s' if len(subs) != 1 else ''} {_names(subs)}")
+        verb = "was" if len(paths) == 1 else "were"
+        out.append(f"{who} {verb} in {'training' if mode_a else 'eval'} mode in this run and in "
+                   f"{'training' if mode_b else 'eval'} mode in the other (a model.eval() with no model.train() "
+                   "after it?)")
+
+    def value(v: Any) -> str:
+        return "not set" if v is _ABSENT else _short(v)
+
+    out += [f"attribute {name}: {value(a)} in this run, {value(b)} in the other" for name, a, b in attrs[:3]]
+    if len(attrs) > 3:
+        out.append(f"{len(attrs) - 3} more of its module's attributes differ ({_names([n for n, _, _ in attrs[3:]])})")
+    for what, paths in parts.items():
+        where = _names([p or "its own" for p in paths])
+        out.append(f"its module's {what} differ{'s' if what == 'class' else ''} ({where})")
+    return out
 
 
 def _machines_differ(sa: Step, sb: Step) -> list[str]:

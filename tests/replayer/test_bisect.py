@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -735,6 +736,114 @@ def test_a_backward_difference_names_whose_gradient_differs(tmp_path: Path) -> N
     assert div.step is not None and div.step.phase == "backward", div.cause
     assert "same inputs and parameters, but the grad of args.0, the grad of fc.bias, the grad of fc.weight differ: " \
            "nothing recorded explains it" in div.cause, div.cause
+
+
+def _record_two_passes(path: Path, second_scale_at: int | None = None) -> replayer.Recording:
+    """Three iterations of one call with two backward passes through its retained graph (two losses);
+    ``second_scale_at``: in that iteration the second pass's backward computes differently."""
+    torch.manual_seed(0)
+    model = _GradScaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(path, model=model, optimizer=opt):
+        for i in range(3):
+            out = model(torch.ones(2, 3))
+            out.sum().backward(retain_graph=True)
+            _ScaledGrad.scale = 1.5 if i == second_scale_at else 1.0
+            out.square().mean().backward()
+            _ScaledGrad.scale = 1.0
+            opt.step()
+            opt.zero_grad()
+    return replayer.open(path)
+
+
+def test_several_backward_passes_of_one_call_are_matched_in_their_order(tmp_path: Path) -> None:
+    """The backward steps of one call from two passes (retain_graph) share iteration, path, phase,
+    call and name: only the last was kept, so a recording compared with itself, or with the same
+    training recorded again, was said to differ at the first pass. The k-th pass pairs with the k-th."""
+    a = _record_two_passes(tmp_path / "a.zarr")
+    for other in (a, _record_two_passes(tmp_path / "again.zarr")):
+        div = replayer.first_divergence(a, other)
+        assert div.step is None and div.first_difference is None and div.compared == len(a), div.cause
+        assert div.cause == f"no divergence: the {len(a)} steps the runs have in common match"
+    same = pdbg("bisect", str(tmp_path / "a.zarr"), "--against", str(tmp_path / "a.zarr"), cwd=tmp_path)
+    assert same.returncode == 0 and same.stdout.startswith("no divergence"), same.stdout
+    div = replayer.first_divergence(a, _record_two_passes(tmp_path / "b.zarr", second_scale_at=1))
+    second = [s for s in a.steps if s.phase == "backward" and s.iteration == 1][1]  # the second pass's
+    assert div.step is not None and div.step.index == second.index, div.cause
+    assert div.other is not None and div.other.index == second.index
+    assert "same inputs and parameters, but the grad of fc.bias, the grad of fc.weight differ" in div.cause, div.cause
+
+
+def test_a_grad_output_is_said_to_be_finite_in_the_iterations_it_was(tmp_path: Path) -> None:
+    """A loss made NaN in iteration 2 outside every step sends a NaN grad output into the second call's
+    backward. Its last finite iteration was looked for among forward steps, which hold no grad output,
+    and bisect said it "was never finite in this recording"; nor is the first call's finite grad output
+    of the same iteration another tensor's last finite iteration."""
+    torch.manual_seed(0)
+    model = _GradScaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, optimizer=opt):
+        for i in range(3):
+            weight = torch.full((2, 3), float("nan") if i == 2 else 1.0)
+            (model(torch.ones(2, 3)).sum() + (model(torch.ones(2, 3)) * weight).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    origin = replayer.first_nonfinite(replayer.open(path))
+    entered = origin.entered
+    assert entered is not None and (entered.phase, entered.iteration, entered.call) == ("backward", 2, 1), origin.cause
+    assert origin.cause.startswith("grad output output of step ")
+    assert origin.cause.endswith("came non-finite from the backward of code outside every recorded step; it was "
+                                 "last finite in iteration 1"), origin.cause
+
+
+@recorder.paper_step("Eq. 34", description="dropout, then a temperature")
+class _Tempered(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop, self.temperature = torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc(x)) / self.temperature
+
+
+def _record_tempered(path: Path, change: Callable[[_Tempered], None] | None = None) -> replayer.Recording:
+    """Three iterations of the same training; ``change`` is applied to the module before iteration 1."""
+    torch.manual_seed(0)
+    model = _Tempered()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(path, model=model, optimizer=opt):
+        for i in range(3):
+            if i == 1 and change is not None:
+                change(model)
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return replayer.open(path)
+
+
+def test_a_module_mode_or_attribute_that_differs_is_named(tmp_path: Path) -> None:
+    """A model left in eval mode in one run (a model.eval() with no model.train() after it), or an
+    attribute set otherwise (a temperature): the same inputs and parameters gave other outputs, and the
+    cause said "nothing recorded explains it", though each step's module skeleton records both."""
+    base = _record_tempered(tmp_path / "base.zarr")
+    changes: dict[str, tuple[Callable[[_Tempered], Any], str]] = {
+        "eval": (lambda m: m.eval(), "its module and 2 of its submodules were in eval mode in this run and in "
+                                     "training mode in the other (a model.eval() with no model.train() after it?)"),
+        "drop_eval": (lambda m: m.drop.eval(), "its submodule drop was in eval mode in this run and in training "
+                                               "mode in the other (a model.eval() with no model.train() after it?)"),
+        "temperature": (lambda m: setattr(m, "temperature", 2.0), "attribute temperature: 2.0 in this run, 1.0 in "
+                                                                  "the other"),
+        "p": (lambda m: setattr(m.drop, "p", 0.25), "attribute drop.p: 0.25 in this run, 0.5 in the other")}
+    for name, (change, says) in changes.items():
+        other = _record_tempered(tmp_path / f"{name}.zarr", change)
+        div = replayer.first_divergence(other, base)
+        assert div.step is not None and (div.step.name, div.step.phase, div.step.iteration) == (
+            "_Tempered", "forward", 1), (name, div.cause)
+        assert div.cause.endswith(f"same inputs and parameters, but output differs: {says}"), (name, div.cause)
+    res = pdbg("bisect", str(tmp_path / "base.zarr"), "--against", str(tmp_path / "eval.zarr"), cwd=tmp_path)
+    assert res.returncode == 1 and "its module and 2 of its submodules were in training mode in this run and in " \
+                                   "eval mode in the other" in res.stdout.splitlines()[0], res.stdout
 
 
 def test_parameters_changed_between_recorded_steps_are_said_to_be(tmp_path: Path) -> None:
