@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["tui", *argv]  # pdbg RUN: the TUI
     if argv[:1] == ["bundle"]:
         argv = cmd_bundle.legacy_script_flag(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # (argparse's own message names the top-level help, not the command's)
+        command = f"pdbg {args.command}" if getattr(args, "command", None) else "pdbg"
+        print(f"pdbg: error: unrecognized arguments: {' '.join(unknown)} (options: {command} --help)", file=sys.stderr)
+        return 2
     handler = getattr(args, "handler", None)
     if handler is None:
         print("pdbg: error: give a command, or a recording to open (see pdbg --help)", file=sys.stderr)

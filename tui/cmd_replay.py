@@ -241,7 +241,8 @@ def info(args: argparse.Namespace) -> int:
           f"{doc['ranks']} rank{'s' if doc['ranks'] != 1 else ''}, {_size(doc['bytes'])} on disk "
           f"(schema {doc['schema_version']})")
     if run:
-        print(f"recorded {run.get('started', '?')} on {run.get('hostname', '?')}: {' '.join(run.get('argv') or [])} "
+        command = shlex.join(str(a) for a in run.get("argv") or [])
+        print(f"recorded {run.get('started', '?')} on {run.get('hostname', '?')}: {command} "
               f"(torch {run.get('torch')}, mode {run.get('mode')})")
         if doc["tensors_kept"]:
             print(f"tensors kept: {doc['tensors_kept']}")

@@ -1,4 +1,5 @@
-"""pdbg serve RUN [--host 127.0.0.1] [--port 8000] [--allow-remote] [--public-url URL] [--at STEP] [--rank K]
+"""pdbg serve RUN [--host 127.0.0.1] [--port 8000] [--allow-remote] [--public-url URL] [--at STEP] [--script PATH]
+[--use-bundled-source] [--rank K]
 
 The TUI in a web browser (textual-serve): each browser tab that opens the page gets its own `pdbg tui
 RUN` process, driven over a websocket. It binds to loopback by default; from another machine, forward

@@ -189,8 +189,8 @@ class RunReader:
                         f"{self.label} holds only rank {part}'s part of a run of several processes: rank 0 recorded "
                         f"to another path, and every rank must record to the same one; move {layout.rank_group(part)}/"
                         " into the recording rank 0 made, and open that")
-            raise NotARecordingError(f"{self.label} is not a PaperDebugger recording (no '{layout.ATTRS_KEY}' "
-                                     "metadata in its zarr.json); give the path of a recording")
+            raise NotARecordingError(f"{self.label} is not a PaperDebugger recording (it has no zarr.json with "
+                                     f"'{layout.ATTRS_KEY}' metadata); give the path of a recording")
         self._check_version(ours.get("schema_version"), "zarr.json")
         self._check_sum(ours, ours.get("schema_version"), "zarr.json", "its PaperDebugger attributes")
         for key in ("run", "final"):
