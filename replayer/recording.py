@@ -219,13 +219,14 @@ class Recording:
                 return (f"{which[:at]} has no backward step (no backward pass reached it: its output was not "
                         "used for the loss, or was detached, as truncated backpropagation does)")
             values = np.unique(shorter.column(what))
-            span = f"{values[0]}..{values[-1]}" if len(values) > 1 else f"{values[0]}"
+            gaps = values[-1] - values[0] + 1 != len(values)  # (calls 1 and 3 of blocks.1: not "1..3")
+            span = (", ".join(str(v) for v in values[:3]) + (f", ..., {values[-1]}" if len(values) > 3 else "")
+                    if gaps else f"{values[0]}..{values[-1]}") if len(values) > 1 else f"{values[0]}"
             asked = re.match(r"\d+", which[at + len(cut):])
-            if len(values) > 2 and values[-1] - values[0] + 1 != len(values) and asked is not None:
+            if len(values) > 2 and gaps and asked is not None:
                 k = int(asked[0])  # inside the span, but not one of them (a step run every 10 iterations)
-                shown = ", ".join(str(v) for v in values[:3]) + (f", ..., {values[-1]}" if len(values) > 3 else "")
                 near = [str(v) for v in (values[values < k][-1:].tolist() + values[values > k][:1].tolist())]
-                return (f"{which[:at]} has {len(values)} {what}s ({shown}); the nearest to {k}: "
+                return (f"{which[:at]} has {len(values)} {what}s ({span}); the nearest to {k}: "
                         f"{' and '.join(near)}")
             names = list(dict.fromkeys(str(n) for n in shorter.names))
             if what == "call" and len(names) > 1:  # a label several steps share: each counts its own calls

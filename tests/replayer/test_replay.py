@@ -1702,6 +1702,18 @@ def every_third(x: torch.Tensor) -> torch.Tensor:
     return x * 0.9
 
 
+def test_a_selectors_hint_lists_calls_and_iterations_that_have_gaps(tmp_path: Path) -> None:
+    """A step with calls 1 and 3 of an iteration (or iterations 1 and 3) was said to have "calls 1..3"."""
+    with recorder.record(tmp_path / "run.zarr") as run:
+        for i in range(4):
+            if i % 2:
+                every_third(torch.ones(2))
+            run.next_iteration()
+    rec = replayer.open(tmp_path / "run.zarr")
+    with pytest.raises(StepNotFoundError, match=r"; Eq. 9 has iterations 1, 3$"):
+        rec.step("Eq. 9@iter=8")
+
+
 def test_selectors_of_evaluations_sparse_steps_and_the_root(tmp_path: Path) -> None:
     """An iteration inside a sparse step's span was answered "has iterations 3..9", as if it had it;
     a no-grad evaluation call's backward was said to be unused by the loss; ``.`` (the root module)
