@@ -19,6 +19,7 @@ import fnmatch
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,11 +74,14 @@ class ModuleSelector:
     def __bool__(self) -> bool:
         return bool(self.patterns)
 
-    def selects(self, path: str, module: torch.nn.Module) -> bool:
+    def selects(self, path: str, module: torch.nn.Module, others: Callable[[], list[str]] | None = None) -> bool:
+        """Whether the globs select the module at ``path``; ``others``: its other paths (a module reached
+        under several names is recorded under the first, and a glob naming any of them selects it)."""
         found = self._cache.get(path)
         if found is None:
             self.paths.setdefault(path, type(module).__qualname__)
-            hits = [i for i, p in enumerate(self.patterns) if glob_matches(p, path)]
+            names = [path, *(others() if others is not None else ())]
+            hits = [i for i, p in enumerate(self.patterns) if any(glob_matches(p, n) for n in names)]
             self.matched.update(hits)
             found = self._cache[path] = bool(hits)
         return found
@@ -146,8 +150,8 @@ class GlobalCapture:
             return
         self._roots.add(id(top))
         for module in top.modules():
-            path = self.session.modules.path_of(module)
-            if not _marked(module) and any(glob_matches(p, path) for p in self.selector.patterns):
+            names = [self.session.modules.path_of(module), *self.session.modules.other_paths(module)]
+            if not _marked(module) and any(glob_matches(p, n) for p in self.selector.patterns for n in names):
                 module.__dict__[_SELECTED] = True
                 self._selected.append(weakref.ref(module))
 
@@ -166,7 +170,8 @@ class GlobalCapture:
     def _note_marked(self, module: torch.nn.Module) -> None:
         try:
             if not self.session.recomputing():  # (a recomputation's paths mean nothing)
-                self.selector.selects(self.session.modules.path_of(module), module)
+                self.selector.selects(self.session.modules.path_of(module), module,
+                                      lambda: self.session.modules.other_paths(module))
         except Exception as exc:
             self.session.fail("matching module paths", exc)
 
@@ -212,7 +217,8 @@ class GlobalCapture:
             # A recomputation runs outside the model, where paths mean nothing: it is taken when
             # its original call was recorded (see Session._begin_recomputation).
             recomputation = session.recomputing()
-            if not recomputation and not self.selector.selects(session.modules.path_of(module), module):
+            if not recomputation and not self.selector.selects(session.modules.path_of(module), module,
+                                                               lambda: session.modules.other_paths(module)):
                 return None
         except Exception as exc:
             session.fail("matching module paths", exc)

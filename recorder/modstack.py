@@ -25,7 +25,9 @@ class ModuleStack:
     def __init__(self, model: torch.nn.Module | None = None) -> None:
         self.model = model
         self.local = threading.local()
-        self._paths: dict[int, tuple[Any, dict[int, str]]] = {}  # id(root) -> (weak ref to root, {id(module): path})
+        # id(root) -> (weak ref to root, {id(module): path}, {id(module): its other paths}): a module reached
+        # under several names (``self.dec = self.enc``, one block at two places) has the first one as its path
+        self._paths: dict[int, tuple[Any, dict[int, str], dict[int, list[str]]]] = {}
         self._enter: Callable[..., Any] | None = None
         self._exit: Callable[..., Any] | None = None
         self._handles = [
@@ -99,16 +101,25 @@ class ModuleStack:
         """``{id(m): path}`` of the modules under ``root``, cached, rebuilt when ``module`` is not among
         them; a module not under ``root`` is then entered with the path "" (root's own), so that it
         does not rebuild them on every call."""
+        return self._entry(root, module)[1]
+
+    def _entry(self, root: torch.nn.Module, module: torch.nn.Module
+               ) -> tuple[Any, dict[int, str], dict[int, list[str]]]:
         entry = self._paths.get(id(root))
-        paths = entry[1] if entry is not None and entry[0]() is root else None
-        if paths is None or id(module) not in paths:
-            paths = {id(m): compiled.path_without_wrappers(name)
-                     for name, m in root.named_modules(remove_duplicate=True)}
+        if entry is None or entry[0]() is not root or id(module) not in entry[1]:
+            paths: dict[int, str] = {}
+            others: dict[int, list[str]] = {}
+            for named, m in root.named_modules(remove_duplicate=False):
+                name = compiled.path_without_wrappers(named)
+                if id(m) not in paths:
+                    paths[id(m)] = name
+                elif name != paths[id(m)]:
+                    others.setdefault(id(m), []).append(name)
             if len(self._paths) >= 64:  # a new outermost module per call: forget the old ones
                 self._paths.clear()
-            self._paths[id(root)] = (weakref.ref(root), paths)  # a reused id is not taken for the old module
+            entry = self._paths[id(root)] = (weakref.ref(root), paths, others)  # (a reused id is not the old module)
             paths.setdefault(id(module), "")
-        return paths
+        return entry
 
     def path_of(self, module: torch.nn.Module) -> str:
         """Path of ``module`` relative to ``root()`` ("" for that module)."""
@@ -116,6 +127,11 @@ class ModuleStack:
         if root is None or root is module:
             return ""
         return self._paths_under(root, module)[id(module)]
+
+    def other_paths(self, module: torch.nn.Module) -> list[str]:
+        """The other paths ``module`` is reached by under ``root()`` (``dec`` for ``self.dec = self.enc``)."""
+        root = self.root()
+        return [] if root is None or root is module else self._entry(root, module)[2].get(id(module), [])
 
     def enclosing_path(self) -> str:
         """Path of the innermost module running (for function steps), or ""."""

@@ -103,3 +103,32 @@ def test_a_bundle_of_a_torch_layer_carries_the_script_and_not_torch(tmp_path: Pa
     shutil.rmtree(project)
     res = pdbg("replay", "b.pdbg", "--use-bundled-source", cwd=elsewhere)
     assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+        self.mid = nn.Tanh()
+        self.dec = self.enc  # one module under two names (weights shared by reuse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.mid(self.enc(x)))
+
+
+def test_a_module_reached_under_two_names_is_selected_by_either(tmp_path: Path) -> None:
+    """`self.dec = self.enc`: --modules dec recorded no step ("'dec' matched no module; the module paths
+    called were: '', 'enc', 'mid'"), though model.dec was called. A glob naming any of a module's
+    names selects it; its calls are recorded under its first name, and replay bit for bit."""
+    torch.manual_seed(0)
+    model = EncoderDecoder()
+    path = tmp_path / "run.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with recorder.record(path, model=model, modules="dec", mode="full"):
+            model(torch.randn(2, 4)).sum().backward()
+    assert not [w for w in caught if "matched no module" in str(w.message)]
+    rec = replayer.open(path)
+    assert [(s.module_path, s.phase, s.call) for s in rec.steps] == [
+        ("enc", "forward", 0), ("enc", "forward", 1), ("enc", "backward", 1), ("enc", "backward", 0)]
+    assert all(replayer.replay(rec, i).match for i in range(len(rec)))
