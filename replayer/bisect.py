@@ -128,6 +128,8 @@ def find_op(origin: Origin, step: Step, *, use_bundled_source: bool = False,
     if origin.op is None:
         origin.op_note = ("no single operation inside the step turned finite values into NaN/Inf during the "
                           f"replay{drift}")
+    elif origin.op.how():
+        origin.op_note = f"{origin.op.how()}{drift}"
     elif notes:
         origin.op_note = f"the operation and line are those of the code the replay ran{drift}"
 

@@ -52,11 +52,27 @@ class OpReport:
     index: int = 0  # how many operations the step ran before it, from 0
     inputs: list[dict[str, Any]] = field(default_factory=list)
     outputs: list[dict[str, Any]] = field(default_factory=list)
+    # None: it made NaN/Inf from finite inputs. "inf": no operation of the step did (the Inf came in),
+    # and this one made NaN of Inf (inf - inf, 0 * inf). "forward": in a backward step none did, and this
+    # operation of its forward made the NaN (masked there: torch.where(x > 0, x.sqrt(), 0)) that the
+    # backward then carried into the gradient.
+    made: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "file": self.file, "line": self.line, "code": self.code,
                 "function": self.function, "overload": self.overload, "phase": self.phase, "node": self.node,
-                "index": self.index, "inputs": self.inputs, "outputs": self.outputs}
+                "index": self.index, "inputs": self.inputs, "outputs": self.outputs, "made": self.made}
+
+    def how(self) -> str | None:
+        """How this operation made the step's first NaN/Inf, when not from finite inputs (``made``)."""
+        if self.made == "inf":
+            return (f"no operation inside the step made the Inf (it came in); {self.name} made NaN of it "
+                    "(inf - inf, 0 * inf)")
+        if self.made == "forward":
+            return (f"no operation of the backward made NaN from finite values: the forward's {self.name} made it, "
+                    "where the forward's output did not keep it (masked: torch.where, a product with 0), and its "
+                    "backward carried it into the gradient")
+        return None
 
     def where(self) -> str:
         at = f"{self.file}:{self.line}" if self.file else "no user source line found"
@@ -129,6 +145,7 @@ class _Finder(TorchDispatchMode):
         super().__init__()
         self.phase = phase
         self.found: OpReport | None = None
+        self.nan_of_inf: OpReport | None = None  # the first that made NaN where its inputs held Inf, no NaN
         self.count = 0
         self.literals: list[torch.Tensor] = []  # NaN/Inf written in the code (y[m] = float("nan")), lifted to tensors
 
@@ -145,9 +162,14 @@ class _Finder(TorchDispatchMode):
             self.literals += [t for t in _checked(out) if _nonfinite(t)]
         elif self.found is None:
             outs = _checked(out)
-            if any(_nonfinite(t) for t in outs) and _made_nonfinite(
-                    func, outs, before if before is not None else self._given(args, kwargs)):
-                self.found = self._report(func, args, kwargs, outs, infos)
+            if any(_nonfinite(t) for t in outs):
+                given = before if before is not None else self._given(args, kwargs)
+                if _made_nonfinite(func, outs, given):
+                    self.found = self._report(func, args, kwargs, outs, infos)
+                elif self.nan_of_inf is None and any(bool(t.isnan().any()) for t in outs) and \
+                        not any(bool(t.isnan().any()) for t in given):
+                    self.nan_of_inf = self._report(func, args, kwargs, outs, infos)
+                    self.nan_of_inf.made = "inf"
             self.count += 1
         return out
 
@@ -196,8 +218,7 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
                 # warning detect_anomaly gives, which only warnings.catch_warnings() would hide, and that
                 # swaps the whole process's filters, from a TUI worker's thread too)
                 stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
-            else:
-                finders[stage] = stack.enter_context(_Finder(stage))
+            finders[stage] = stack.enter_context(_Finder(stage))
             yield
 
     result = Replayer(rec, script=script, use_bundled_source=use_bundled_source).replay(
@@ -205,4 +226,11 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
     if notes is not None:
         notes += [w for w in result.warnings if "changed since" in w]
     finder = finders.get(step.phase)
-    return finder.found if finder is not None else None
+    if finder is None:
+        return None
+    if finder.found is None and step.phase == "backward" and "forward" in finders:
+        masked = finders["forward"].found  # a NaN the forward made and hid, which the backward carried
+        if masked is not None:
+            masked.made = "forward"
+            return masked
+    return finder.found or finder.nan_of_inf

@@ -988,7 +988,7 @@ class PdbgApp(App[None]):
 
                 op = bisect_ops(self.rec, origin.step, **self.code_options)
                 if op is not None:
-                    text.append(f"\noperation: {op.where()}", style="yellow")
+                    text.append(f"\noperation: {op.where()}" + (f"\n{op.how()}" if op.how() else ""), style="yellow")
             except PdbgError as exc:
                 text.append(f"\noperation-level bisection needs a replay: {exc}", style="dim")
         self._report(text)

@@ -81,6 +81,38 @@ def test_an_operation_of_torchs_own_layer_is_placed_in_torch_not_in_the_caller(t
     assert "cmd_bisect.py" not in res.stdout and "torch/nn/modules/linear.py" in res.stdout, res.stdout
 
 
+@recorder.paper_step("Eq. 5", description="a difference of a tensor with itself")
+def cancel(x: torch.Tensor) -> torch.Tensor:
+    return x - x
+
+
+@recorder.paper_step("Eq. 6", description="a root of the positive part, 0 elsewhere")
+def safe_root(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))
+
+
+def test_operations_that_make_nan_of_an_inf_or_in_a_masked_forward_are_named(tmp_path: Path) -> None:
+    """Two NaNs no operation makes from finite values: inf - inf inside a step given an Inf, and the
+    gradient of torch.where(x > 0, sqrt(x), 0), whose forward's sqrt made NaN the where hid and whose
+    backward carried it (0 * NaN). --ops said "no single operation ... turned finite values into NaN";
+    it names aten::sub, and the forward's aten::sqrt at its line, each saying how."""
+    with recorder.record(tmp_path / "inf.zarr"):
+        cancel(torch.tensor([1.0, float("inf"), 2.0, float("inf")]))
+    origin = replayer.first_nonfinite(replayer.open(tmp_path / "inf.zarr"), ops=True)
+    assert origin.op is not None and origin.op.name == "aten::sub" and origin.op.made == "inf"
+    assert origin.op_note.startswith("no operation inside the step made the Inf (it came in); aten::sub made NaN")
+    with recorder.record(tmp_path / "masked.zarr"):
+        x = torch.tensor([-1.0, 4.0, 9.0], requires_grad=True)
+        safe_root(x).sum().backward()
+    origin = replayer.first_nonfinite(replayer.open(tmp_path / "masked.zarr"), ops=True)
+    assert origin.step is not None and origin.step.phase == "backward"
+    op = origin.op
+    assert op is not None and (op.name, op.phase, op.made) == ("aten::sqrt", "forward", "forward")
+    assert op.line == line_of(safe_root, "torch.sqrt") and "the forward's aten::sqrt made it" in origin.op_note
+    res = pdbg("bisect", str(tmp_path / "masked.zarr"), "--ops", cwd=tmp_path)
+    assert res.returncode == 1 and "operation: aten::sqrt" in res.stdout and "masked" in res.stdout, res.stdout
+
+
 def test_a_nan_born_in_the_backward_only(tmp_path: Path) -> None:
     """sqrt at 0: the forward is finite, the gradient is not; the origin is the backward step, and
     the operation is the backward's, attributed to the forward line of the sqrt."""
