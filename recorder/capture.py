@@ -30,7 +30,7 @@ from torch.autograd import Variable
 from . import autohooks, compiled, flight, jsonval, modstack, monitors, skeleton, snapshot, taps, transforms
 from . import payload as payload_mod
 from . import stats as stats_mod
-from .items import ForgetIterations, PayloadItem, StepItem, TensorItem, copy_buffer
+from .items import ForgetIterations, PayloadItem, RingWritten, StepItem, TensorItem, copy_buffer, log_ring_write
 from .store import layout
 
 if TYPE_CHECKING:
@@ -48,7 +48,6 @@ _BY_CONTENT = frozenset({"param", "buffer"})
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
 _MODULE_DOCS_LIMIT = 4096  # module documents remembered (modules made anew at every step would grow it)
 _UNINITIALIZED = torch.nn.parameter.UninitializedTensorMixin
-_DUMPS_KEPT = 256  # flight mode: ring writes listed in the run's metadata, first and last each
 _UNGRADED_KEPT = 256  # calls without grad inside activation checkpointing remembered per step and module
 
 # -1 on a thread where autograd's engine is not running a backward pass. Where torch lacks it,
@@ -336,13 +335,21 @@ class Session:
         return self.mode == "full" and self.iteration % self.every == 0
 
     # -- flight mode -------------------------------------------------------------------------------
-    def dump_ring(self, reason: str) -> None:
-        """Write out the payloads held in the flight ring (an anomaly, an exception, a signal, the end)."""
+    def dump_ring(self, reason: str, current: bool = False) -> None:
+        """Write out the payloads held in the flight ring (an anomaly, an exception, a signal, the end).
+        ``current``: an anomaly's, whose iteration is listed as written even where the ring holds none
+        of its bytes, for the rest of it goes straight out (``_direct_iteration``)."""
         if self.ring is None or not self.enabled:
             return
         try:
             with self.lock:
+                if current:
+                    self._ring_note()
                 iterations, items = self.ring.take_all()
+                if iterations:  # listed before its bytes go: a commit in between cannot leave it out
+                    dump = {"reason": reason, "iterations": iterations, "bytes": sum(i.nbytes for i in items)}
+                    self._log_dump(dump)
+                    self._send(RingWritten(dict(dump)), 0)
                 for item in items:
                     self._send(item, item.nbytes)
                     if item.key is not None:
@@ -351,8 +358,6 @@ class Session:
                     # Records whose bytes the ring did not keep (over max_bytes) would wait for them
                     # in the writer forever: it drops them, after attaching the bytes just sent.
                     self._send(ForgetIterations(iterations), 0)
-                    self._log_dump({"reason": reason, "iterations": iterations,
-                                    "bytes": sum(i.nbytes for i in items)})
         except Exception as exc:
             self.fail("writing the flight ring", exc)
 
@@ -373,23 +378,8 @@ class Session:
                  "max_ring_bytes or keep", stacklevel=4)
 
     def _log_dump(self, dump: dict[str, Any]) -> None:
-        """List a ring write for the run's metadata. A run whose every iteration is anomalous writes
-        the ring at every iteration: the first and the last ``_DUMPS_KEPT`` writes are listed, the
-        ones between are summed up in one entry between them (reason ``"omitted"``)."""
-        if len(self.dumps) < 2 * _DUMPS_KEPT:
-            self.dumps.append(dump)
-            return
-        if self.dumps[_DUMPS_KEPT]["reason"] != "omitted":
-            gone = self.dumps[_DUMPS_KEPT]
-            self.dumps[_DUMPS_KEPT] = {"reason": "omitted", "dumps": 1, "bytes": gone["bytes"],
-                                       "first_iteration": gone["iterations"][0],
-                                       "last_iteration": gone["iterations"][-1]}
-        else:
-            summary, gone = self.dumps[_DUMPS_KEPT], self.dumps.pop(_DUMPS_KEPT + 1)
-            summary["dumps"] += 1
-            summary["bytes"] += gone["bytes"]
-            summary["last_iteration"] = gone["iterations"][-1]
-        self.dumps.append(dump)
+        """List a ring write for the run's final metadata (items.log_ring_write)."""
+        log_ring_write(self.dumps, dump)
 
     def _mark_sent(self, key: tuple[int, int, int]) -> None:
         """Remember contents on their way to the store, so they are not copied again. Only a cache
@@ -410,12 +400,28 @@ class Session:
                 self._mark_sent(item.key)
             self._send(item, item.nbytes)
             return
-        if self.iteration != self._ring_iteration:  # the first bytes of an iteration make room for it
-            self._ring_iteration = self.iteration
-            self._forget(*self.ring.start_iteration(self.iteration))
+        self._ring_room()
         changed = self.ring.add(self.iteration, ref, item)
         if changed is not None:  # a full ring drops iterations too
             self._forget(*changed)
+
+    def _ring_room(self) -> None:
+        """Flight mode: the first payload of an iteration makes room for it in the ring."""
+        assert self.ring is not None
+        if self.iteration != self._ring_iteration:
+            self._ring_iteration = self.iteration
+            self._forget(*self.ring.start_iteration(self.iteration))
+
+    def _ring_note(self) -> None:
+        """Flight mode: the ring lists this iteration as its own though it holds no bytes of it: those
+        are in the store already (``seen``, written out by an earlier anomaly), or the iteration's are
+        written out now. Writing the ring out then names it among the iterations whose tensors were
+        kept, even where none of its payloads was new (NaN after NaN, bytes that repeat; under ``pdbg
+        record`` every payload is taken by content)."""
+        assert self.ring is not None
+        with self.ring.lock:
+            self._ring_room()
+            self.ring.note(self.iteration)
 
     def _forget(self, dropped: list[int], freed: list[PayloadItem]) -> None:
         """Iterations left the ring unwritten: reuse their buffers, and tell the writer, which holds
@@ -521,7 +527,7 @@ class Session:
             return
         if anomaly:
             self._direct_iteration = self.iteration
-            self.dump_ring("exception" if frame.exception is not None else "nonfinite")
+            self.dump_ring("exception" if frame.exception is not None else "nonfinite", current=True)
 
     # -- forward ---------------------------------------------------------------------------------
     def call(self, defn: Any, fn: Callable[..., Any], module: torch.nn.Module | None,
@@ -1148,7 +1154,10 @@ class Session:
                                       units, aliases)
         key = payload_mod.content_key(units, unit)
         held = key in self.seen  # on its way to the store already
-        if not held and self.ring is not None:
+        if held:
+            if self.ring is not None and self.iteration != self._direct_iteration:
+                self._ring_note()
+        elif self.ring is not None:
             with self.ring.lock:  # found and held again at once: no other thread drops it in between
                 found = self.ring.find(key)
                 if found is not None:  # the same bytes wait in the ring: hold them for this iteration too

@@ -74,6 +74,13 @@ class FlightRing:
             self._owners[id(item)] = owners + 1
             return (dropped, freed) if dropped or freed else None
 
+    def note(self, iteration: int) -> None:
+        """Count ``iteration`` among the ring's without holding bytes for it (its payloads are in the
+        store already): ``take_all`` lists it, ``start_iteration`` drops it as any other."""
+        with self.lock:
+            if iteration not in self._iterations:
+                self._iterations[iteration] = {}
+
     def start_iteration(self, iteration: int) -> tuple[list[int], list[PayloadItem]]:
         """Keep room for ``iteration``: drop iterations older than the last ``keep``. Returns the
         dropped iteration numbers and the items no longer held."""

@@ -74,6 +74,41 @@ class ForgetIterations:
     iterations: list[int]
 
 
+DUMPS_KEPT = 256  # flight mode: ring writes listed in the run's metadata, first and last each
+
+
+def log_ring_write(dumps: list[dict[str, Any]], dump: dict[str, Any]) -> None:
+    """List a write-out of the flight ring in ``dumps`` (the run's ``flight.dumps``). A run whose every
+    iteration is anomalous writes the ring at every iteration: the first and the last ``DUMPS_KEPT``
+    writes are listed, the ones between are summed up in one entry between them (reason ``"omitted"``)."""
+    if len(dumps) < 2 * DUMPS_KEPT:
+        dumps.append(dump)
+        return
+    if dumps[DUMPS_KEPT]["reason"] != "omitted":
+        gone = dumps[DUMPS_KEPT]
+        dumps[DUMPS_KEPT] = {"reason": "omitted", "dumps": 1, "bytes": gone["bytes"],
+                             "first_iteration": gone["iterations"][0], "last_iteration": gone["iterations"][-1]}
+    else:
+        summary, gone = dumps[DUMPS_KEPT], dumps.pop(DUMPS_KEPT + 1)
+        summary["dumps"] += 1
+        summary["bytes"] += gone["bytes"]
+        summary["last_iteration"] = gone["iterations"][-1]
+    dumps.append(dump)
+
+
+@dataclass
+class RingWritten:
+    """Flight mode: the ring was written out (``dump``, an entry of ``flight.dumps``). Sent before the
+    bytes it writes; the writer lists it in the run's ``info``, committed with each manifest, so that
+    the run still names the iterations it kept when its process dies before closing it (``pdbg record``'s
+    parent then closes it with what was committed: recorder.recover)."""
+
+    dump: dict[str, Any]
+
+    def add_to(self, info: dict) -> None:
+        log_ring_write(info.setdefault("flight", {}).setdefault("dumps", []), dict(self.dump))
+
+
 SKIPS_KEY = "grad_scaler_skipped"  # in the run's final attributes and its manifest's info (docs/FORMAT.md)
 SKIPS_LISTED = 1024  # skipped iterations listed whatever their scale; past that, those at a scale above 1
 

@@ -36,7 +36,7 @@ import torch
 
 from . import jsonval, snapshot
 from . import payload as payload_mod
-from .items import ForgetIterations, PayloadItem, ScalerSkip, StagingPool, StepItem
+from .items import ForgetIterations, PayloadItem, RingWritten, ScalerSkip, StagingPool, StepItem
 from .store import backend, layout
 from .store.writer import StoreWriter
 
@@ -169,7 +169,7 @@ class Pipeline:
 
     def _wake_due(self, item: Any) -> bool:
         """Whether to wake the writer for the item just queued (the module's docstring says why not always)."""
-        return (not isinstance(item, (StepItem, PayloadItem, ForgetIterations, ScalerSkip))
+        return (not isinstance(item, (StepItem, PayloadItem, ForgetIterations, ScalerSkip, RingWritten))
                 or len(self._queue) >= WAKE_ITEMS
                 or self._bytes * WAKE_SHARE >= self.max_queue_bytes
                 or self._record_bytes * WAKE_SHARE >= self.max_record_bytes)
@@ -385,7 +385,7 @@ class Pipeline:
                     self._waiting[ref] = rows
                 else:
                     del self._waiting[ref]
-        elif isinstance(item, ScalerSkip):
+        elif isinstance(item, (ScalerSkip, RingWritten)):
             item.add_to(self.writer.info)
         else:
             raise TypeError(f"unexpected queue item {type(item).__name__}")

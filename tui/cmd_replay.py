@@ -154,11 +154,12 @@ def _tensors_kept(rec: Any) -> str | None:
     if mode == "full" and isinstance(every, int) and every > 1:
         return f"every {every} iterations (--every {every}: iterations 0, {every}, {2 * every}, ...)"
     if mode == "flight":
-        written = rec.rank.ring_iterations()
-        if written is None:  # not closed: what the ring wrote is known at close
+        written, writes = rec.rank.ring_iterations(), rec.rank.ring_writes()
+        if written is None or writes is None:  # still recording: what the ring wrote is known at close
             return "the iterations the flight ring wrote out (known when the recording closes)"
-        dumps = rec.rank.final["flight"]["dumps"]
-        reasons = sorted({str(d.get("reason")) for d in dumps if isinstance(d, dict) and d.get("reason")})
+        reasons = sorted({str(d.get("reason")) for d in writes if d.get("reason") not in (None, "died")})
+        if any(d.get("reason") == "died" for d in writes):  # written out by pdbg record after a hard crash
+            reasons.append("the process's death (by pdbg record)")
         if not written:
             return "none (the flight ring wrote out no iteration)"
         shown = ", ".join(str(i) for i in written[:12]) + (", ..." if len(written) > 12 else "")

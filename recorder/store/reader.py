@@ -761,15 +761,32 @@ class RankReader:
             return "its bytes were dropped: the store could not keep up with training"
         return self._why_no_bytes_kept(int(self.column("steps/iteration")[record.step]))
 
-    def ring_iterations(self) -> list[int] | None:
-        """The iterations a flight-mode run's ring wrote out, in order (``final``'s flight dumps); None
-        where the run says nothing of them (another mode, or not closed)."""
-        flight = self.final.get("flight") if isinstance(self.final, dict) else None
-        dumps = flight.get("dumps") if isinstance(flight, dict) else None
-        if not isinstance(dumps, list):
+    def ring_writes(self) -> list[dict[str, Any]] | None:
+        """A flight-mode run's write-outs of its ring (``flight.dumps``): ``final``'s, or for a run whose
+        process died before closing it, what its manifests committed as it went; after a hard crash
+        under ``pdbg record``, one more, reason ``"died"``, for the iterations its parent wrote out of
+        the shared ring (``ring_recovered``). None where the run says nothing of them (another mode, or
+        a run still recording whose ring has written nothing yet)."""
+        if self.run_info.get("mode") != "flight":
             return None
-        return sorted({int(i) for d in dumps if isinstance(d, dict) for i in d.get("iterations") or []
-                       if isinstance(i, int)})
+        final = self.final
+        flight = (final or self.committed_info).get("flight")
+        dumps = flight.get("dumps") if isinstance(flight, dict) else None
+        writes = [d for d in dumps if isinstance(d, dict)] if isinstance(dumps, list) else []
+        recovered = final.get("ring_recovered")
+        if isinstance(recovered, dict) and recovered.get("iterations"):
+            writes.append({"reason": "died", "iterations": recovered["iterations"], "bytes": recovered.get("bytes")})
+        if not writes and not final and self.status == "recording":
+            return None
+        return writes
+
+    def ring_iterations(self) -> list[int] | None:
+        """The iterations whose tensors a flight-mode run's ring wrote out, in order (``ring_writes``);
+        None where the run says nothing of them."""
+        writes = self.ring_writes()
+        if writes is None:
+            return None
+        return sorted({int(i) for d in writes for i in d.get("iterations") or [] if isinstance(i, int)})
 
     def _why_no_bytes_kept(self, iteration: int) -> str:
         """Why the run kept no tensor bytes of ``iteration``, from its mode (README, ``record``)."""
@@ -781,7 +798,13 @@ class RankReader:
             return (f"the run kept tensors every {every} iterations (--every {every}), and this is iteration "
                     f"{iteration}: the nearest kept are {below} and {below + every}")
         if mode == "flight":
+            writes = self.ring_writes() or []
             written = self.ring_iterations() or []
+            if iteration in written and not any(iteration in d.get("iterations") or [] for d in writes
+                                                if d.get("reason") != "died"):
+                return (f"the recording process died, and pdbg record wrote out iteration {iteration} from the "
+                        "flight ring's shared memory, but not this tensor's bytes: they were not there (see "
+                        "ring_recovered in the run's final metadata)")
             if iteration in written:  # written out, but this tensor's bytes did not fit in the ring
                 return (f"flight mode wrote out iteration {iteration}, but not this tensor's bytes: they did not fit "
                         "in the ring (record with a larger max_ring_bytes)")

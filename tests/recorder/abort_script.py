@@ -1,14 +1,17 @@
 """Script of test_hard_crash, run under `pdbg record --mode flight`: a small deterministic model.
 
-    abort_script.py ITERATIONS [--die-at K [--how abort|kill] [--no-flush]] [--flush-at J] [--forever] [--maps]
+    abort_script.py ITERATIONS [--die-at K [--how abort|kill] [--no-flush]] [--flush-at J] [--nan-at N] [--forever]
+                    [--maps]
 
 Trains ``build()`` with SGD on ``input_for(i)``, one optimizer step per iteration. ``--die-at K``:
 after the backward pass of iteration K, commit what the recording holds (``recorder.flush()``: steps
 of the last second are otherwise committed by the next periodic commit, which a hard crash never
 sees), then die hard before the optimizer steps: ``os.abort()`` (SIGABRT, as native code does) or
 SIGKILL (as the OOM killer does); ``--no-flush``: without that commit. ``--flush-at J``: commit after
-the backward pass of iteration J. ``--forever``: train until killed, printing "iteration I" after each.
-``--maps``: print the mapping of the flight ring's shared memory ("ring: ...", from /proc/self/maps).
+the backward pass of iteration J. ``--nan-at N``: a NaN in the input of iteration N, whose gradients
+are dropped before the optimizer steps (the flight ring is written out there). ``--forever``: train until killed,
+printing "iteration I" after each. ``--maps``: print the mapping of the flight ring's shared memory
+("ring: ...", from /proc/self/maps).
 
 The test imports this file for ``build``, ``input_for`` and ``LR`` (recomputing what was recorded),
 so importing it must have no side effects.
@@ -49,6 +52,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--how", choices=("abort", "kill"), default="abort")
     parser.add_argument("--no-flush", action="store_true")
     parser.add_argument("--flush-at", type=int)
+    parser.add_argument("--nan-at", type=int)
     parser.add_argument("--forever", action="store_true")
     parser.add_argument("--maps", action="store_true")
     args = parser.parse_args(argv)
@@ -59,7 +63,11 @@ def main(argv: list[str]) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     i = 0
     while args.forever or i < args.iterations:
-        model(input_for(i)).pow(2).mean().backward()
+        x = input_for(i)
+        if i == args.nan_at:
+            x[0, 0] = float("nan")
+        loss = model(x).pow(2).mean()
+        loss.backward()
         if i == args.flush_at or (i == args.die_at and not args.no_flush):
             import recorder
 
@@ -68,6 +76,8 @@ def main(argv: list[str]) -> None:
             if args.how == "abort":
                 os.abort()
             os.kill(os.getpid(), signal.SIGKILL)
+        if i == args.nan_at:
+            opt.zero_grad()  # its update skipped: the step below changes nothing, and still ends the iteration
         opt.step()
         opt.zero_grad()
         if args.forever:

@@ -203,6 +203,57 @@ def assert_ring_written_on_sigterm(path: Path) -> None:
     assert run.attrs["final"]["flight"]["dumps"][0]["reason"] == "SIGTERM"
 
 
+POISONED = """
+import torch, torch.nn as nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for i in range(6):
+    x = torch.randn(3, 4)
+    if i == 3:
+        x[0, 0] = float("nan")  # its update makes every weight NaN: from then on each step is all NaN
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_pdbg_info_names_every_iteration_a_flight_recording_kept(tmp_path: Path) -> None:
+    """Under `pdbg record --mode flight` (the ring in shared memory: every payload taken by content),
+    an iteration whose payloads all repeated bytes written out already (NaN after NaN) was left out
+    of the ring's write-outs: `pdbg info` said "iterations 2, 3" while 4 and 5 had their tensors and
+    replayed. Both paths, pdbg's child process and a recording in this process, now name exactly the
+    iterations whose tensors are in the store, and why_statistics_only names them too."""
+    import json
+
+    from recorder.runner import run_script
+    from tests.cli import pdbg
+
+    script = tmp_path / "poisoned.py"
+    script.write_text(POISONED)
+    modules = ["1", "2"]  # the Tanh and the last Linear: their inputs are all NaN after iteration 3
+    res = pdbg("record", "-o", "child.zarr", "--mode", "flight", "--modules", *modules, "--", str(script),
+               cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    in_process = tmp_path / "here.zarr"
+    assert run_script(script, [], in_process, mode="flight", modules=modules).status == "complete"
+    for path in (tmp_path / "child.zarr", in_process):
+        recorded, kept = payload_iterations(path)
+        assert recorded == set(range(6)) and kept == {2, 3, 4, 5}, path
+        rank = RunReader(str(path)).rank(0)
+        assert rank.ring_iterations() == [2, 3, 4, 5], path
+        info = pdbg("info", str(path), "--json", cwd=tmp_path)
+        assert json.loads(info.stdout)["tensors_kept"] == (
+            "iterations 2, 3, 4, 5 (the flight ring, written out at: nonfinite)"), info.stdout + info.stderr
+        first = [s for s in range(len(rank)) if int(rank.column("steps/iteration")[s]) == 0][0]
+        unkept = [r for r in rank.tensor_records(first) if not r.has_payload][0]
+        assert rank.why_statistics_only(unkept) == (
+            "flight mode keeps the tensors of the iterations its ring wrote out (2, 3, 4, 5), and iteration 0 is "
+            "not one of them")
+
+
 def test_a_schema_1_0_recording_without_late_payloads_still_reads(run_path: Path) -> None:
     """Recordings made before late/ existed (schema 1.0: no such arrays, no such length) read as before."""
     import json

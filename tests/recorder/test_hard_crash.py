@@ -124,6 +124,28 @@ class TestHardCrash:
             "with a larger --keep, so that the ring spans more than a second, to keep the last committed "
             "iterations"), rec.stderr
 
+    def test_the_iterations_written_before_and_after_the_death_are_all_named(self, tmp_path: Path) -> None:
+        """A NaN at iteration 3 writes the ring (iterations 2 and 3); the process dies at iteration 9 and
+        pdbg writes out 8 and 9. The run's final metadata is written by pdbg, not by the process that
+        wrote the ring at 3: `pdbg info` said "known when the recording closes", and the statistics-only
+        answers named no iteration. Now both name exactly the iterations whose tensors are there."""
+        rec = record(tmp_path, "20", "--nan-at", "3", "--die-at", "9")
+        assert rec.returncode == 128 + signal.SIGABRT, rec.stderr
+        path = tmp_path / "run.zarr"
+        recorded, kept = payload_iterations(path)
+        assert recorded == set(range(10)) and kept == {2, 3, 8, 9}
+        rank = RunReader(str(path)).rank(0)
+        assert rank.ring_iterations() == [2, 3, 8, 9]
+        info = subprocess.run([sys.executable, "-m", "tui.cli", "info", "run.zarr", "--json"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, check=False, env=env())
+        assert json.loads(info.stdout)["tensors_kept"] == (
+            "iterations 2, 3, 8, 9 (the flight ring, written out at: nonfinite, the process's death (by pdbg "
+            "record))"), info.stdout + info.stderr
+        unkept = [r for r in rank.tensor_records(0) if not r.has_payload][0]
+        assert rank.why_statistics_only(unkept) == (
+            "flight mode keeps the tensors of the iterations its ring wrote out (2, 3, 8, 9), and iteration 0 is "
+            "not one of them")
+
     def test_a_script_that_ends_normally_leaves_no_shared_memory_behind(self, tmp_path: Path) -> None:
         """With the ring in a file ($PDBG_RING_DIR), the script maps it while it runs, and nothing is
         left in that directory once pdbg is done; the run is complete, the ring written at the end."""

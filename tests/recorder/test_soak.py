@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recorder
-from recorder import capture
+from recorder import capture, items
 from recorder.store import layout
 from recorder.store.reader import RunReader
 
@@ -179,8 +179,8 @@ def test_contents_remembered_as_sent_are_bounded_in_flight_mode(run_path: Path,
 
 def test_ring_writes_listed_in_the_metadata_are_bounded() -> None:
     """Every ring write is listed in the run's final metadata; a run anomalous at every iteration lists
-    the first and the last ``_DUMPS_KEPT`` and sums up the ones between."""
-    k = capture._DUMPS_KEPT
+    the first and the last ``DUMPS_KEPT`` and sums up the ones between."""
+    k = items.DUMPS_KEPT
     session = SimpleNamespace(dumps=[])
     for i in range(2 * k + 100):
         capture.Session._log_dump(session, {"reason": "nonfinite", "iterations": [i], "bytes": 10})  # type: ignore[arg-type]
