@@ -395,6 +395,8 @@ class Replayer:
                 self._repository = _repository_changed(self.rec.run_info)
             if self._repository:
                 result.warnings.append(self._repository)
+            else:
+                result.warnings += _files_changed_since(self.rec.run_info, call, self.loader.script)
         names = _data_globals(call.fn)
         if names:
             result.warnings.append(f"the step's code reads the module-level {', '.join(names)}, whose values are not "
@@ -867,6 +869,30 @@ def _by_type(doc: Any, as_dicts: bool = False) -> Any:
     if isinstance(doc, list):
         return [_by_type(v, as_dicts) for v in doc]
     return doc
+
+
+def _files_changed_since(run_info: dict[str, Any], call: _Call, script: str | None) -> list[str]:
+    """The files of the replayed module's classes (its submodules', whose code a recording does not
+    hash: only the step's own is) modified after the recording began: code the step ran may differ.
+    ``script``: the training script's path, where its classes (``__main__``'s) were loaded from."""
+    from .bundles import installed
+
+    started = run_info.get("started_unix")
+    if not isinstance(started, (int, float)) or call.module is None:
+        return []
+    changed: dict[str, list[str]] = {}
+    for cls in dict.fromkeys(type(m) for m in call.module.modules()):
+        try:
+            file = script if cls.__module__ == "__main__" else inspect.getsourcefile(cls)
+        except (TypeError, OSError):
+            continue
+        if file is None or installed(file) or file in changed and cls.__qualname__ in changed[file]:
+            continue
+        with contextlib.suppress(OSError):
+            if os.path.getmtime(file) > started:
+                changed.setdefault(file, []).append(cls.__qualname__)
+    return [f"{file} was modified after the recording began, and the step's module uses {', '.join(names)} from it: "
+            "its code may not be what ran (a likely cause of any difference)" for file, names in changed.items()]
 
 
 def _repository_changed(run_info: dict[str, Any]) -> str | None:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import re
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -342,6 +344,51 @@ def test_editing_the_source_after_recording_is_reported_as_drift(tmp_path: Path)
     assert back.first_divergence.step.phase == "backward"
     cli = pdbg("replay", str(run), "smooth_relu@iter=0#1", cwd=tmp_path)
     assert cli.returncode == 1 and "code of smooth_relu changed since recording" in cli.stdout
+
+
+CHILD_SCRIPT = """
+import sys
+import torch
+from torch import nn
+import recorder
+
+
+class SoftAct(nn.Module):
+    def forward(self, x):
+        return torch.log1p(torch.exp(x * 4.0))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = SoftAct()
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+torch.manual_seed(0)
+model = nn.Sequential(Block())
+with recorder.record(sys.argv[1], model=model, modules="0", mode="full"):
+    model(torch.randn(2, 4))
+"""
+
+
+def test_a_submodule_whose_file_changed_since_recording_is_named(tmp_path: Path) -> None:
+    """The code of a step's submodule (SoftAct inside the recorded Block) edited after recording: the
+    replay was a MISMATCH with no warning (only the step's own code is hashed). The file modified
+    after the recording began is named, with the classes the step's module uses from it."""
+    script = tmp_path / "train.py"
+    script.write_text(CHILD_SCRIPT)
+    assert python("train.py", "run.zarr", cwd=tmp_path).returncode == 0
+    script.write_text(CHILD_SCRIPT.replace("x * 4.0", "x * 4.01"))
+    os.utime(script, (time.time() + 5, time.time() + 5))  # (a second's clock on some file systems)
+    res = pdbg("replay", "run.zarr", "0", "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and not doc["match"]
+    assert any(w.startswith(f"{script} was modified after the recording began, and the step's module uses Block, "
+                            "SoftAct from it") for w in doc["warnings"]), doc["warnings"]
 
 
 def test_a_moved_script_is_found_with_script_option(tmp_path: Path) -> None:
