@@ -227,6 +227,9 @@ class Session:
         # id(module) -> (weak reference, training flag, document): weak, so that modules made anew at
         # every call (and their parameters) are not kept alive by the recording.
         self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], tuple[Any, ...], dict[str, Any]]] = {}
+        # id(module) -> (weak reference, {buffer name: (weak buffer, its version counter)}) as its last
+        # recorded call left them (see _buffers_written)
+        self._left_buffers: dict[int, tuple[weakref.ref[torch.nn.Module], dict[str, tuple[Any, int]]]] = {}
         self._known_settings: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.rng = snapshot.RngReader()
         stats_mod.prepare()  # the one-pass statistics kernel: compiled or loaded once per process
@@ -605,6 +608,7 @@ class Session:
         try:
             with transforms.outside_if(frame.vmap is not None):
                 out = self._exit(frame, out, link)
+            self._buffers_left(frame.module)
         except Exception as exc:
             self.fail("capturing a step's outputs", exc)
             return out
@@ -774,7 +778,11 @@ class Session:
                         if p._backward_hooks:  # the user's gradient hooks (pruning masks): the recorded grad is theirs
                             self._note_param_hooks(frame, name, p)
                         link.params.append((name, p))
-                for name, b in module.named_buffers():
+                buffers = list(module.named_buffers())
+                written = self._buffers_written(module, buffers)
+                if written:
+                    frame.notes.append(f"{_one_line(written)}: {layout.BUFFERS_WRITTEN_NOTE}")
+                for name, b in buffers:
                     self._capture(frame, "buffer", name, b)
             if link is not None:
                 args, kwargs = self._tap_inputs(link, args, kwargs, tapped & nested, frame, slots)
@@ -942,6 +950,7 @@ class Session:
             frame.t_end = time.perf_counter() - self.t0
             frame.exception = exception_doc(exc)
             self._submit(frame)
+            self._buffers_left(frame.module)
         except Exception as err:
             self.fail("recording an exception", err)
 
@@ -1318,6 +1327,34 @@ class Session:
             doc = {**skeleton.build(module), "instance": number[1]}
             entry = self._module_docs[id(module)] = (weakref.ref(module), key, doc)
         return entry[2]
+
+    def _buffers_left(self, module: torch.nn.Module | None) -> None:
+        """Remember each buffer of a module whose call just ended, and its version counter: what
+        the module's next recorded call should find, unless other code writes or replaces it."""
+        if module is None:
+            return
+        left = {name: (weakref.ref(b), b._version) for name, b in module.named_buffers() if not b.is_inference()}
+        if not left:
+            self._left_buffers.pop(id(module), None)
+            return
+        if len(self._left_buffers) >= _MODULE_DOCS_LIMIT:  # modules made anew each call: forget those gone
+            self._left_buffers = {k: v for k, v in self._left_buffers.items() if v[0]() is not None}
+        self._left_buffers[id(module)] = (weakref.ref(module), left)
+
+    def _buffers_written(self, module: torch.nn.Module, buffers: list[tuple[str, torch.Tensor]]) -> list[str]:
+        """The buffers that code outside the module's calls wrote in place or replaced since its last
+        recorded call (a checkpoint's load_state_dict, ``model.to(torch.float64)``, a reset): a replay
+        of that call must not take what this one finds for the call's own result. (Its in-place
+        writes bump a buffer's version counter; a replacement is another tensor.)"""
+        entry = self._left_buffers.get(id(module))
+        if entry is None or entry[0]() is not module:
+            return []
+        written = []
+        for name, b in buffers:
+            was = entry[1].get(name)
+            if was is not None and (was[0]() is not b or b._version != was[1]):  # (a tracked one is not inference)
+                written.append(name)
+        return written
 
     # -- backward --------------------------------------------------------------------------------
     def _guard(self, where: str, fn: Callable[[], None]) -> None:

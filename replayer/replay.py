@@ -30,7 +30,7 @@ import torch
 
 from recorder import capture, jsonval, snapshot
 from recorder.errors import NotOnThisMachine, PdbgError, ReplayError, brief
-from recorder.payload import overlaps_itself
+from recorder.payload import dtype_name, overlaps_itself
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
@@ -211,7 +211,11 @@ class Replayer:
         several processes (DistributedDataParallel broadcasts buffers between calls). A buffer the
         replay left as it was, though the next call found it changed, was changed between the calls
         (a temperature the loop anneals, ``model.to(torch.bfloat16)``): not compared, and said so;
-        under an intervention it is compared (leaving it is what the change did)."""
+        under an intervention it is compared (leaving it is what the change did). Nor is one that
+        code between the calls wrote or replaced, whatever the call did to it: one the next call
+        notes so (the recorder watches buffers' version counters: a checkpoint's load_state_dict),
+        or one the next call found in another dtype, shape or device than the call left it
+        (``model.double()``, in a recording made before that note)."""
         before = {r.name: r for r in step.records if r.role == "buffer"}
         if module is None or not before or int(self.rec.run_info.get("world_size") or 1) > 1:
             return []
@@ -225,9 +229,12 @@ class Replayer:
         if following is None:
             return []
         now = dict(module.named_buffers(remove_duplicate=False))
+        suffix = f": {layout.BUFFERS_WRITTEN_NOTE}"
+        written = {name for n in following.extra.get("notes", []) if isinstance(n, str) and n.endswith(suffix)
+                   for name in n.removesuffix(suffix).split(", ")}  # (as the recorder wrote them: escaped)
         hooked = [p for p, doc in _skeleton_modules(step._doc("module"), "")  # their buffers change in hooks
                   if doc.get("hooks") or doc.get("other_hooks") or doc.get("parametrized")]  # the replay remakes
-        diffs, outside = [], []
+        diffs, outside, between = [], [], []
         for r in following.records:
             was = before.get(r.name)
             if r.role != "buffer" or was is None or r.name not in now or not (r.has_payload and was.has_payload):
@@ -239,6 +246,15 @@ class Replayer:
             if self.plan.empty and compare_record(step.rec.rank, was, now[r.name], "").match:
                 outside.append(r.name)  # the same code left it: changed between the calls, not by this one
                 continue
+            if r.name.encode("unicode_escape").decode() in written:
+                between.append(r.name)
+                continue
+            left = (dtype_name(now[r.name].dtype), tuple(now[r.name].shape))
+            if left == (was.dtype, tuple(was.shape)) and (r.dtype, tuple(r.shape), r.device) != \
+                    (was.dtype, tuple(was.shape), was.device):  # converted or moved between the calls
+                between.append(f"{r.name} (left {was.dtype}{list(was.shape)} on {was.device}, found "
+                               f"{r.dtype}{list(r.shape)} on {r.device})")
+                continue
             d = compare_record(step.rec.rank, r, now[r.name], "")
             d.name = f"after:{r.name}"
             if not d.match:
@@ -249,6 +265,10 @@ class Replayer:
             warnings.append(f"not compared: {', '.join(outside)}, changed between this call and the next (step "
                             f"{following.index}) by code outside the step, not by the call (the replay left "
                             f"{'them' if len(outside) > 1 else 'it'} as recorded)")
+        if between:
+            warnings.append(f"not compared: {', '.join(between)}, written or replaced between this call and the next "
+                            f"(step {following.index}) by code outside the step (load_state_dict, .to(), a reset): "
+                            "what that call found is not this call's result")
         return diffs
 
     def _skipped_hint(self, exc: BaseException | None) -> str:
@@ -778,12 +798,16 @@ class Replayer:
             raise ReplayError(f"backward step {step.index} has no grad input, and " + (
                 f"its {not_compared}" if not_compared else "no parameter grad recorded") + ": a replay has nothing to "
                 "compare")
-        with state.applied({**step.settings, **self.plan.settings}, step.rng, threads=threads, notes=warnings), \
+        # A pass taken with create_graph=True ran its backward with grad mode on (what the step's settings
+        # record), under which torch computes some gradients by other formulas (SiLU's): the replay takes it so.
+        settings = {**step.settings, **self.plan.settings}
+        graphed = settings.get("grad_enabled") is True
+        with state.applied(settings, step.rng, threads=threads, notes=warnings), \
                 self._around("backward"), collectives.refused_in_backward(step):
             try:
                 try:
                     grads = torch.autograd.grad([o for o, _ in pairs], targets, grad_outputs=[g for _, g in pairs],
-                                                allow_unused=True)
+                                                allow_unused=True, create_graph=graphed)
                 except RuntimeError as exc:
                     if "use_reentrant=True" not in str(exc) or not all(t.is_leaf for t in targets):
                         raise
@@ -793,6 +817,8 @@ class Replayer:
             except Exception as exc:  # noqa: BLE001 - an edited grad output of another shape, a swapped module's own
                 raise ReplayError(f"backward step {step.index}: torch.autograd.grad from the recorded grad outputs "
                                   f"raised {brief(exc)}") from exc
+        if graphed:  # (the graph of the gradients is not kept)
+            grads = tuple(g.detach() if g is not None else None for g in grads)
         values = {r.name if r.role == "grad_input" else f"param_grad:{r.name}": g for r, g in zip(wanted, grads)}
         result.values = values
         result.outputs = [_compare_one(step, r, g) for r, g in zip(wanted, grads)]

@@ -62,6 +62,10 @@ METADATA_NOTE = "metadata only"
 # "<name>: " + this. The record has shape () and no statistics.
 UNINITIALIZED_NOTE = ("uninitialized (a lazy module's, before the call that gives it its shape; a replay leaves it "
                       "uninitialized, and the call initializes it again with the recorded RNG)")
+# A forward step's note: "<buffer names>: " + this. Recordings made before it lack it.
+BUFFERS_WRITTEN_NOTE = ("written or replaced since the module's last recorded call, by code outside its calls "
+                        "(load_state_dict, .to(), a reset, a call not recorded): the call found them as that code "
+                        "left them, not as its last call did")
 # A forward step's note: "<output record names> " + this (no tap followed them: see recorder.taps)
 # A forward step's note: "<parameter names>: " + this.
 RETURNED_PARAM_NOTE = ("returned as they are by the step (leaves, not followed for gradients): the gradient the "

@@ -24,7 +24,7 @@ from torch import nn
 
 import recorder
 import replayer
-from recorder import jsonval, snapshot
+from recorder import capture, jsonval, snapshot
 from recorder.errors import FormatError, ReplayError, StepNotFoundError
 from recorder.store import layout
 from replayer.intervene import InterventionError
@@ -1206,6 +1206,44 @@ def test_a_first_order_pass_after_one_with_create_graph_replays(tmp_path: Path) 
     assert what_if.compared and not what_if.match
 
 
+@recorder.paper_step("Eq. 14", description="an encoder with SiLU activations")
+class SiluEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(10, 24)
+        self.l2 = nn.Linear(24, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.silu(self.l2(nn.functional.silu(self.l1(x))))
+
+
+@pytest.mark.parametrize("wrt", ["input", "params"])
+def test_a_pass_with_create_graph_through_silu_replays_bit_for_bit(tmp_path: Path, wrt: str) -> None:
+    """A gradient penalty's first pass (autograd.grad with create_graph=True) ran its backward with
+    grad mode on, under which torch computes SiLU's gradient by another formula: the replay takes
+    the gradients with create_graph too, and matches bit for bit (it was a MISMATCH of ~17 ULP)."""
+    torch.manual_seed(0)
+    enc = SiluEncoder()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=enc, mode="full"):
+        x = torch.randn(16, 10, requires_grad=wrt == "input")
+        loss = enc(x).pow(2).mean()
+        targets = [x] if wrt == "input" else list(enc.parameters())
+        grads = torch.autograd.grad(loss, targets, create_graph=True)
+        (loss + sum(g.pow(2).sum() for g in grads)).backward()
+    rec = replayer.open(path)
+    assert [s.phase for s in rec.steps] == ["forward", "backward", "backward"]
+    assert rec.step(1).settings["grad_enabled"] is True
+    result = replayer.replay(rec, 1)
+    assert result.match and result.outputs, [d.summary() for d in result.outputs]
+    compared = [r for r in rec.step(1).records if r.role in ("grad_input", "param_grad")]
+    assert len(compared) == len(result.outputs) == (1 if wrt == "input" else 4)
+    for r in compared:
+        replayed = result.values[r.name if r.role == "grad_input" else f"param_grad:{r.name}"]
+        assert bits_equal(rec.step(1).rec.rank.tensor(r), replayed)
+    assert not any(v.requires_grad for v in result.values.values())
+
+
 def test_a_parameters_gradient_hook_does_not_change_the_calls_own_grad(tmp_path: Path) -> None:
     """A pruning mask applied by a hook on a parameter's gradient: the recorded parameter grad is
     the call's own, as its backward computed it before the hook masked the total, so a replay
@@ -1590,6 +1628,94 @@ def test_a_buffer_changed_between_calls_by_the_loop_is_not_a_mismatch(tmp_path: 
     assert (f"not compared: tau, changed between this call and the next (step {forwards[1]}) by code outside the "
             "step, not by the call (the replay left it as recorded)") in result.warnings
     assert all(replayer.replay(rec, i).match for i in range(len(rec)))
+
+
+# What Tally adds to its buffer at each call, times its input's mean: changed after a recording, a
+# replay's in-place update of the buffer is wrong.
+TALLY_SCALE = [1.0]
+
+
+@recorder.paper_step("Eq. 17", description="a running total of the inputs, kept in a buffer")
+class Tally(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x.detach().mean(0) * TALLY_SCALE[0])
+        return self.fc(x)
+
+
+def test_a_checkpoint_loaded_between_calls_is_not_a_mismatch_of_the_buffers(tmp_path: Path) -> None:
+    """load_state_dict rolls the buffers back to a checkpoint between two calls: the next call finds
+    what the checkpoint held, not what the call left. The recording notes it (the buffer's version
+    counter moved between the calls), and the replay of the call before does not compare the buffer
+    with it, and says so (it was a MISMATCH on after:total, and `pdbg verify` exited 1). A wrong
+    in-place update by the call itself is still a mismatch."""
+    torch.manual_seed(0)
+    model = Tally()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, mode="full"):
+        for i in range(4):
+            if i == 1:
+                checkpoint = {k: v.clone() for k, v in model.state_dict().items()}
+            if i == 3:
+                model.load_state_dict(checkpoint)
+            model(torch.randn(8, 4))
+    rec = replayer.open(path)
+    assert [s.phase for s in rec.steps] == ["forward"] * 4
+    before = replayer.replay(rec, 2)
+    assert before.match and [d.name for d in before.outputs] == ["output"], [d.summary() for d in before.outputs]
+    assert ("not compared: total, written or replaced between this call and the next (step 3) by code outside the "
+            "step (load_state_dict, .to(), a reset): what that call found is not this call's result") in before.warnings
+    assert [n for n in rec.step(3).extra.get("notes", []) if layout.BUFFERS_WRITTEN_NOTE in n] == [
+        f"total: {layout.BUFFERS_WRITTEN_NOTE}"]
+    assert not any(layout.BUFFERS_WRITTEN_NOTE in n for i in (1, 2) for n in rec.step(i).extra.get("notes", []))
+    kept = replayer.replay(rec, 1)
+    assert kept.match and [d.name for d in kept.outputs] == ["output", "after:total"]
+    done = pdbg("verify", str(path), cwd=tmp_path)
+    assert done.returncode == 0 and "4 of 4 steps replayed bit for bit" in done.stdout, done.stdout + done.stderr
+    TALLY_SCALE[0] = 2.0
+    try:
+        wrong = replayer.replay(rec, 1)
+        assert not wrong.match and wrong.diffs["output"].match and not wrong.diffs["after:total"].match
+        assert "against what the next call, step 2, found" in wrong.diffs["after:total"].reason
+        assert replayer.replay(rec, 2).match  # (its buffer is not compared: the checkpoint's is no result of it)
+    finally:
+        TALLY_SCALE[0] = 1.0
+
+
+@pytest.mark.parametrize("noted", [True, False])
+def test_a_buffer_converted_between_calls_it_updates_is_not_a_mismatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       noted: bool) -> None:
+    """``model.double()`` between two calls of a BatchNorm in training: the next call finds its
+    running statistics as float64, which the call left as float32 after updating them. The replay
+    does not compare them with it, and says so (it was a MISMATCH, "recorded float64[4], replayed
+    float32[4]"); also in a recording made before the recorder noted buffers written between calls
+    (``noted`` False), where the dtype tells."""
+    if not noted:
+        monkeypatch.setattr(capture.Session, "_buffers_written", lambda self, module, buffers: [], raising=False)
+    torch.manual_seed(0)
+    norm = Norm()
+    path = tmp_path / "run.zarr"
+    dtype = torch.float32
+    with recorder.record(path, model=norm, mode="full"):
+        for i in range(3):
+            if i == 2:
+                norm.double()
+                dtype = torch.float64
+            norm(torch.randn(8, 4, dtype=dtype))
+    rec = replayer.open(path)
+    result = replayer.replay(rec, 1)
+    assert result.match and {d.name for d in result.outputs} == {"output", "after:bn.num_batches_tracked"}, \
+        [d.summary() for d in result.outputs]
+    said = [w for w in result.warnings if w.startswith("not compared: bn.running_mean")]
+    assert len(said) == 1 and "between this call and the next (step 2)" in said[0], result.warnings
+    if not noted:
+        assert "bn.running_mean (left float32[4] on cpu, found float64[4] on cpu)" in said[0]
+    assert all(replayer.replay(rec, i).match for i in range(len(rec)))
+    assert any(layout.BUFFERS_WRITTEN_NOTE in n for n in rec.step(2).extra.get("notes", [])) == noted
 
 
 @recorder.paper_step("Eq. 21", description="a step the user stopped with Ctrl-C")
