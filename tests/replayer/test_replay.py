@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from recorder.store import layout
 from replayer.intervene import InterventionError
 from replayer.rebuild import Builder
 from replayer.replay import NOTHING_COMPARED, Replayer
-from tests.cli import SCRIPTS, pdbg, python
+from tests.cli import SCRIPTS, env, pdbg, python
 from tests.models import poison_at, record_training
 
 ITERATIONS = 3
@@ -1491,11 +1492,13 @@ def test_a_definition_reading_a_name_an_unguarded_script_skips_is_skipped_too(tm
 
 
 UNGUARDED_ARGV = """
+import os
 import sys
 import torch
 import recorder
 
-out = sys.argv[1]
+out = sys.argv[1] if "PDBG_TEST_OUT" not in os.environ else os.environ["PDBG_TEST_OUT"]
+data = os.environ["PDBG_TEST_DATA"]  # set when recorded, not when replayed
 scale = float(sys.argv[2]) if len(sys.argv) > 2 else 3.0
 label = f"into {out}"
 
@@ -1512,19 +1515,21 @@ with recorder.record(out, mode="full"):
 
 def test_an_unguarded_scripts_definition_that_fails_when_loaded_is_left_out(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """`out = sys.argv[1]` at an unguarded script's top level: no call in it, so it was kept as a
-    definition, and it raises in a replaying process with fewer arguments (a bundle's repro.py, a
-    notebook): loading the script failed and nothing replayed. It is left out, with what reads
-    what it sets, and named; the step replays."""
+    """`data = os.environ["PDBG_TEST_DATA"]` at an unguarded script's top level: no call in it, so it
+    was kept as a definition, and it raises in a replaying process without that variable (a bundle's
+    repro.py, a notebook): loading the script failed and nothing replayed. It is left out, with what
+    reads what it sets, and named; the step replays. (`out = sys.argv[1]` loads: the script's top
+    level sees the arguments it was recorded with, whatever the replaying process's are.)"""
     (tmp_path / "train.py").write_text(UNGUARDED_ARGV)
-    made = python("train.py", str(tmp_path / "run.zarr"), cwd=tmp_path)
+    made = subprocess.run([sys.executable, "train.py", str(tmp_path / "run.zarr")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, check=False, env={**env(), "PDBG_TEST_DATA": "/data"})
     assert made.returncode == 0, made.stderr
     monkeypatch.setattr(sys, "argv", ["repro.py"])
+    monkeypatch.delenv("PDBG_TEST_DATA", raising=False)
     result = replayer.replay(replayer.open(tmp_path / "run.zarr"), 0)
     assert result.match, (result.exception, result.warnings)
-    assert any("1 of its definitions failed when loaded and were left out (line 6: IndexError: list index out of "
-               "range), and what reads them; names not defined: label, out" in w for w in result.warnings), \
-        result.warnings
+    assert any("1 of its definitions failed when loaded and were left out (line 8: KeyError: 'PDBG_TEST_DATA'), "
+               "and what reads them; names not defined: data" in w for w in result.warnings), result.warnings
 
 
 class Handle:
