@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -122,15 +123,13 @@ class Run:
         self._signals = self._catch_signals() if mode == "flight" else {}
         self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
         self._hooks: list[Any] = []
-        self._stepping: int | None = None  # with optimizer="auto": id of the optimizer that counts
-        self._optimizer = optimizer
         self._stepped: int | None = None  # id of the optimizer whose step hook ran last (see _GradScaling)
-        if optimizer == "auto":
-            self._hooks.append(optimizer_mod.register_optimizer_step_post_hook(self._on_any_step))
-        elif optimizer is not None:
-            self._hooks.append(optimizer.register_step_post_hook(self._on_step))
+        self._optimizers = _OptimizerSteps(self, optimizer) if optimizer is not None else None
+        if self._optimizers is not None:
+            self._hooks.append(self._optimizers)
         self._hooks.append(_GradScaling(self))
-        self._hooks.append(_BackwardCalls(self.session))
+        self._backward = _BackwardCalls(self.session)
+        self._hooks.append(self._backward)
         self.closed = False
         self._pid = os.getpid()  # a forked child has the recording's objects, not the recording
         self.status: str | None = None
@@ -178,35 +177,14 @@ class Run:
         except Exception:  # never let a query of the process group disturb training
             return
 
-    def _on_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        self._stepped = id(optimizer)
-        if compiled.tracing():  # a compiled optimizer step (recorder.compiled)
-            compiled.eagerly(self.next_iteration)
-        else:
-            self.next_iteration()
-
-    def _on_any_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        self._stepped = id(optimizer)
-        if compiled.tracing():
-            compiled.eagerly(self._on_any_step, optimizer)
-            return
-        # With several optimizers (a GAN's two), the first one to step counts the iterations.
-        if self._stepping is None:
-            self._stepping = id(optimizer)
-        if id(optimizer) == self._stepping:
-            self.next_iteration()
-
     def _skipped_step(self, optimizer: torch.optim.Optimizer, scale: float | None = None) -> None:
         """GradScaler skipped ``optimizer.step()`` (Inf or NaN in the scaled gradients) at loss scale
         ``scale``: the iteration ends as if it had stepped, and is listed in the run's ``grad_scaler_skipped``
         (see _GradScaling)."""
         before = self.session.iteration
-        if self._optimizer is None:
+        if self._optimizers is None:
             return
-        if self._optimizer == "auto":
-            self._on_any_step(optimizer)
-        elif optimizer is self._optimizer:
-            self.next_iteration()
+        self._optimizers.stepped(optimizer, hooked=False)
         if self.session.iteration != before:  # the writer keeps the list (the manifest's info, then final)
             self.pipeline.submit(ScalerSkip(before, scale))
 
@@ -312,12 +290,12 @@ class Run:
         self._hooks = []
         self._restore_signals()
         self.session.close(exception)
-        self._optimizer = None  # a closed recording keeps no training object alive (the model: session.close)
         if self._forked():  # the parent closes the recording; this process only took its hooks out
             return
         if self._backend_later and self._writer.dist["backend"] is None:
             self._learn_backend()
         self._warn_unmatched()
+        self._warn_uncounted()
         self._writer_failed()
         pipe = self.pipeline  # its counters are final: nothing more is handed over
         info: dict[str, Any] = {"ended_unix": time.time(), "iterations": self.session.iteration + 1,
@@ -325,6 +303,8 @@ class Run:
                                 "peak_queue_bytes": pipe.peak_queue_bytes, "peak_record_bytes": pipe.peak_record_bytes,
                                 "when_slow": pipe.when_slow, "dropped_payloads": pipe.dropped_payloads,
                                 "dropped_payload_bytes": pipe.dropped_bytes, "queue_wait_s": round(pipe.waited_s, 3)}
+        if self._optimizers is not None and self._optimizers.takeovers:
+            info["optimizer_replaced"] = self._optimizers.takeovers_doc()
         ring = self.session.ring
         if ring is not None:
             info["flight"] = {"keep": ring.keep, "max_ring_bytes": ring.max_bytes, "peak_ring_bytes": ring.peak_bytes,
@@ -427,6 +407,21 @@ class Run:
         capture.warn(f"module glob(s) {', '.join(map(repr, missed))} matched no module{so_far}; the module paths "
                      f"called were: {shown}{more}", stacklevel=3)
 
+    def _warn_uncounted(self) -> None:
+        """Backward passes ran, yet the iterations never advanced: a hand-written update (no torch.optim
+        optimizer) under ``optimizer="auto"``, or an optimizer given that never stepped; said once, at
+        the end, as every step of the run is then in iteration 0."""
+        counter = self._optimizers
+        passes = self._backward.passes
+        if counter is None or counter.steps or self.session.iteration or passes < 2 or not self.session.next_index:
+            return  # (a run that recorded no step is told what to name instead)
+        why = ("no torch.optim optimizer stepped" if not counter.any_step else
+               f"the {counter.first_name} given to record() never stepped")
+        capture.warn(f"every step is in iteration 0: {passes} backward passes ran and {why} (iterations advance "
+                     "on optimizer.step()); to number the iterations of a hand-written update, record in code "
+                     "with recorder.record and call run.next_iteration() after each update (README, \"How "
+                     "iterations are counted\")", stacklevel=3)
+
     def warn_if_nothing_selected(self) -> None:
         """When no ``modules`` glob has matched a module yet (nothing of them is recorded), say so now
         rather than when the recording closes (a framework callback asks after the first step)."""
@@ -500,6 +495,8 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
         model: the model being trained; module paths are relative to it.
         optimizer: iterations advance after each of its ``step()`` calls; ``"auto"``: after each
             ``step()`` of the first optimizer that steps, whichever it is (global optimizer hooks).
+            Either way an optimizer that steps parameters the counted one stepped has replaced it (a
+            resumed or re-created optimizer), and counts from its first step (see _OptimizerSteps).
         mode: "full" (payloads of every tensor), "stats" (statistics only, tiny) or "flight"
             (statistics, and the payloads of the last ``keep`` iterations, held in memory and written
             on a NaN/Inf, an exception, SIGTERM/SIGINT or the end; see recorder.flight).
@@ -621,22 +618,25 @@ class _BackwardCalls:
     ``torch.autograd.backward`` and ``torch.autograd.grad``) is wrapped while recording: an exception
     leaving its outermost call on a thread ends the open pass there, its steps written with what they
     captured and the exception given to the step whose backward was under way. ``remove()`` (at
-    close, with the other hooks) puts the original back."""
+    close, with the other hooks) puts the original back. ``passes`` counts the outermost calls (see
+    Run._warn_uncounted)."""
 
     def __init__(self, session: capture.Session) -> None:
+        self.passes = 0
         names = ("_engine_run_backward",) if hasattr(torch.autograd, "_engine_run_backward") else ("backward", "grad")
         self._originals = {name: getattr(torch.autograd, name) for name in names}
         self._wrappers = {name: self._wrap(session, fn) for name, fn in self._originals.items()}
         for name, wrapper in self._wrappers.items():
             setattr(torch.autograd, name, wrapper)
 
-    @staticmethod
-    def _wrap(session: capture.Session, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, session: capture.Session, original: Callable[..., Any]) -> Callable[..., Any]:
         depth = threading.local()  # a pass inside a pass (reentrant checkpointing) is the outer one's
 
         @functools.wraps(original)
         def run_backward(*args: Any, **kwargs: Any) -> Any:
             depth.n = getattr(depth, "n", 0) + 1
+            if depth.n == 1:
+                self.passes += 1
             try:
                 return original(*args, **kwargs)
             except BaseException as exc:
@@ -654,6 +654,153 @@ class _BackwardCalls:
         for name, original in self._originals.items():
             if getattr(torch.autograd, name) is self._wrappers[name]:  # else wrapped again since: leave it
                 setattr(torch.autograd, name, original)
+
+
+class _OptimizerSteps:
+    """Which optimizer's ``step()`` ends an iteration, while recording: global optimizer step hooks,
+    which ``remove()`` takes out at close with the other hooks.
+
+    The optimizer given to ``record()`` counts, or with ``"auto"`` the first one that steps. Another
+    optimizer's step ends no iteration (a GAN's second optimizer, over other parameters), unless it
+    steps parameters the counted one stepped: then it has replaced it (a checkpoint loaded into a new
+    optimizer, one made again after a NaN or after unfreezing layers; the old one never steps
+    again), and counts from its first step on; ``takeovers`` lists where, for the run's final
+    metadata. Parameters are known by weak references, which an address reused by a new tensor
+    cannot match. No step replaces the counted one that runs inside another optimizer's step (the
+    base optimizer of SAM or ZeroRedundancyOptimizer) or that ran the counted one's step inside its
+    own (their wrapper). When the replaced optimizer steps again right after its replacement's
+    first step, the two step shared parameters together rather than one after the other: the first
+    counts again, no replacement is followed any more, and a RecorderWarning says that the
+    replacement's first step started an extra iteration."""
+
+    def __init__(self, run: Run, optimizer: torch.optim.Optimizer | str) -> None:
+        self._run = run
+        self._counted: weakref.ref[torch.optim.Optimizer] | None = None
+        self._params: dict[int, weakref.ref[torch.Tensor]] = {}  # the counted one's, as of its last step
+        self._n_params = -1
+        self._previous: weakref.ref[torch.optim.Optimizer] | None = None  # the one the counted one replaced
+        self._since_takeover = 0  # the counted one's steps since it replaced _previous
+        self._follow = True
+        self._began: dict[int, int] = {}  # id of an optimizer whose step is running: counted steps before it
+        self.steps = 0  # steps that ended an iteration
+        self.any_step = False
+        self.first_name = type(optimizer).__name__
+        self.takeovers: list[tuple[int, str]] = []  # (the iteration its first step ended, class), the first 64
+        self.takeover_count = 0
+        if optimizer != "auto":
+            self._take(optimizer)  # type: ignore[arg-type]
+        self._handles = [optimizer_mod.register_optimizer_step_pre_hook(self._step_begins),
+                         optimizer_mod.register_optimizer_step_post_hook(self._step_ended)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _take(self, optimizer: torch.optim.Optimizer) -> None:
+        self._counted = weakref.ref(optimizer)
+        self._n_params = -1
+        self._know_params(optimizer)
+
+    def _know_params(self, optimizer: torch.optim.Optimizer) -> None:
+        """The counted optimizer's parameters, again when their number changed (``add_param_group``)."""
+        n = sum(len(group["params"]) for group in optimizer.param_groups)
+        if n != self._n_params:
+            self._n_params = n
+            self._params = {id(p): weakref.ref(p) for group in optimizer.param_groups for p in group["params"]}
+
+    def _shares_params(self, optimizer: torch.optim.Optimizer) -> bool:
+        known = self._params
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                ref = known.get(id(p))
+                if ref is not None and ref() is p:
+                    return True
+        return False
+
+    def _step_begins(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if compiled.tracing():  # a compiled optimizer step (recorder.compiled)
+            compiled.eagerly(self._step_begins, optimizer)
+            return
+        self._began[id(optimizer)] = self.steps
+
+    def _step_ended(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._run._stepped = id(optimizer)
+        if compiled.tracing():
+            compiled.eagerly(self._step_ended, optimizer)
+            return
+        self.stepped(optimizer, wrapped=self._began.pop(id(optimizer), self.steps) != self.steps)
+
+    def stepped(self, optimizer: torch.optim.Optimizer, *, hooked: bool = True, wrapped: bool = False) -> None:
+        """``optimizer`` stepped (``hooked``), or GradScaler skipped its step; ``wrapped``: the counted
+        optimizer stepped inside its step."""
+        self.any_step = True
+        counted = self._counted() if self._counted is not None else None
+        if optimizer is not counted:
+            if self._counted is None:  # "auto": the first one to step counts
+                self._take(optimizer)
+            elif not self._replaces(optimizer, hooked, wrapped):
+                return
+        else:
+            self._know_params(optimizer)
+            self._since_takeover += 1
+        self.steps += 1
+        self._run.next_iteration()
+
+    def _replaces(self, optimizer: torch.optim.Optimizer, hooked: bool, wrapped: bool) -> bool:
+        """Whether ``optimizer``, not the counted one, takes over counting (see the class)."""
+        if not self._follow or wrapped or not self._shares_params(optimizer) or (hooked and _inside_another_step()):
+            return False
+        previous = self._previous() if self._previous is not None else None
+        counted = self._counted() if self._counted is not None else None
+        if optimizer is previous and self._since_takeover == 1 and counted is not None:
+            self._follow = False
+            self.takeover_count -= 1
+            ended = self.takeovers.pop()[0] if len(self.takeovers) > self.takeover_count else None
+            self._take(optimizer)
+            ours, theirs = type(optimizer).__name__, type(counted).__name__
+            both = f"two {ours} optimizers" if ours == theirs else f"{ours} and {theirs}"
+            at = f"iteration {ended}" if ended is not None else "an iteration"
+            capture.warn(f"{both} step parameters they share: iterations follow the steps of the one that stepped "
+                         f"first only; the other's first step, taken for a new optimizer replacing it (a resumed "
+                         f"optimizer), ended {at} early, and later iterations are numbered one higher",
+                         stacklevel=capture._outside_recorder())
+            return True
+        self._previous = self._counted
+        self._since_takeover = 1  # its first step, which it is taking
+        self._take(optimizer)
+        if len(self.takeovers) < 64:
+            self.takeovers.append((self._run.session.iteration, type(optimizer).__name__))
+        self.takeover_count += 1
+        return True
+
+    def takeovers_doc(self) -> dict[str, Any]:
+        """The run's ``final.optimizer_replaced`` (docs/FORMAT.md)."""
+        return {"count": self.takeover_count, "iterations": [it for it, _ in self.takeovers],
+                "optimizers": [name for _, name in self.takeovers]}
+
+
+def _step_code() -> Any:
+    """The code of the wrapper torch runs each optimizer's ``step()`` in (its hooks' caller), or None."""
+    try:
+        return optimizer_mod.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
+    except Exception:  # noqa: BLE001 - another torch: no step is then taken for an inner one
+        return None
+
+
+_STEP_CODE = _step_code()
+
+
+def _inside_another_step() -> bool:
+    """Whether the optimizer step whose post hook runs now was called inside another optimizer's step."""
+    frame, seen = sys._getframe(1), 0
+    while frame is not None:
+        if frame.f_code is _STEP_CODE:
+            seen += 1
+            if seen == 2:
+                return True
+        frame = frame.f_back
+    return False
 
 
 class _GradScaling:

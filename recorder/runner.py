@@ -2,9 +2,10 @@
 
 The script sees what ``python script.py ARGS`` would give it: ``sys.argv`` is ``[script, *ARGS]``,
 ``sys.path[0]`` is the script's directory, ``__name__`` is ``"__main__"``. Iterations advance on the
-steps of the first optimizer that steps (global optimizer hooks). The recording is closed before
-this returns: ``complete`` when the script ends normally (or exits with status 0), ``crashed`` when
-it raises or exits with another status; the exception is recorded on the innermost step it escaped.
+steps of the first optimizer that steps, or of one that replaces it (global optimizer hooks). The
+recording is closed before this returns: ``complete`` when the script ends normally (or exits with
+status 0), ``crashed`` when it raises or exits with another status; the exception is recorded on the
+innermost step it escaped.
 """
 
 from __future__ import annotations

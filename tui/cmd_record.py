@@ -5,7 +5,8 @@ Run an unmodified training script as `python script.py args` (or `python -m MODU
 recording it (modes: full, stats,
 flight; --keep N iterations in flight mode; --on-anomaly record, stop or pdb): decorated paper
 steps, plus every module whose path matches a --modules glob (`blocks.*` is each block, `**.attn`
-every attn, `**` every module). Iterations advance on the steps of the first optimizer that steps.
+every attn, `**` every module). Iterations advance on the steps of the first optimizer that steps, or
+of a new one over its parameters that replaces it (a resumed optimizer).
 The script's stdout is left alone; pdbg's own lines go to stderr. Exits with the script's exit code.
 
 In flight mode the script runs in a child process and the ring's bytes in shared memory, so that a

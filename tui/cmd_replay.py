@@ -142,7 +142,8 @@ def summary(rec: Any) -> dict[str, Any]:
             "ended_by": rec.ended_by,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
             "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec),
-            "grad_scaler_skipped": rec.scaler_skips, "tensors_kept": _tensors_kept(rec)}
+            "grad_scaler_skipped": rec.scaler_skips, "tensors_kept": _tensors_kept(rec),
+            "optimizer_replaced": rec.rank.final.get("optimizer_replaced")}
 
 
 def _tensors_kept(rec: Any) -> str | None:
@@ -294,6 +295,13 @@ def info(args: argparse.Namespace) -> int:
         print(f"GradScaler skipped {_count(skips['count'], 'optimizer step')} ({which}): overflows of the scaled "
               "loss; bisect passes over their backward steps where the loss scale was above 1 (--scaler-skips "
               "looks at them)")
+    replaced = doc["optimizer_replaced"]
+    if replaced:
+        at = ", ".join(f"{it} ({name})" for it, name in zip(replaced["iterations"], replaced["optimizers"]))
+        more = replaced["count"] - len(replaced["iterations"])
+        print(f"optimizer replaced at iteration{'s' if replaced['count'] != 1 else ''} {at}"
+              + (f" and {more} more" if more > 0 else "") + ": a new optimizer over the same parameters (resumed "
+              "or re-created) counts the iterations from its first step, which ends that iteration")
     first = doc["first_nonfinite"]
     if first is None:
         print("NaN origin: none found (pdbg bisect says why)")

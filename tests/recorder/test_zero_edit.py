@@ -6,6 +6,7 @@ import json
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -172,6 +173,134 @@ class TestInProcess:
         assert RunReader(str(run_path)).status == "crashed"
 
 
+def forward_iterations(path: Path) -> list[int]:
+    """The iteration of each forward step of blocks.0: one per batch of the loops below."""
+    return [int(s["iteration"]) for s in steps(path) if s["phase"] == 0 and s["path"] == "blocks.0"]
+
+
+def recorder_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+
+
+class TestIterations:
+    """Which optimizer's steps end an iteration when there are several, or none."""
+
+    @pytest.mark.parametrize("given", ["auto", "optimizer"])
+    def test_a_new_optimizer_over_the_same_parameters_counts_from_its_first_step(self, run_path: Path,
+                                                                                   given: str) -> None:
+        """A checkpoint resumed into a new optimizer mid-run (the old one still referenced, as after
+        unfreezing layers): its steps end the iterations. They ended none, and batches 3 to 5 were all
+        in iteration 3, with nothing said; the run's metadata now says where it took over."""
+        model = Net()
+        opt = first = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with recorder.record(run_path, optimizer=first if given == "optimizer" else "auto", modules="blocks.*"):
+                for i in range(6):
+                    if i == 3:
+                        state = opt.state_dict()
+                        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                        opt.load_state_dict(state)
+                    model(torch.randn(3, 6)).backward()
+                    opt.step()
+                    opt.zero_grad()
+        assert forward_iterations(run_path) == [0, 1, 2, 3, 4, 5]
+        final = RunReader(str(run_path)).rank(0).final
+        assert final["iterations"] == 7  # (the last step opened iteration 6, where nothing ran)
+        assert final["optimizer_replaced"] == {"count": 1, "iterations": [3], "optimizers": ["AdamW"]}
+        assert recorder_warnings(caught) == []  # following it is what the user expects: nothing to warn of
+        assert first is not opt
+
+    def test_a_second_optimizer_over_other_parameters_ends_no_iteration(self, run_path: Path) -> None:
+        """A GAN: the first optimizer to step (the discriminator's) counts; the generator's, over other
+        parameters, stepping after it in every batch, does not."""
+        gen, disc = nn.Linear(6, 6), Net()
+        opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+        opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+        with recorder.record(run_path, optimizer="auto", modules="blocks.*"):
+            for _ in range(4):
+                disc(torch.randn(3, 6)).backward()
+                opt_d.step()
+                opt_d.zero_grad()
+                gen(torch.randn(3, 6)).sum().backward()
+                opt_g.step()
+                opt_g.zero_grad()
+        assert forward_iterations(run_path) == [0, 1, 2, 3]
+        assert "optimizer_replaced" not in RunReader(str(run_path)).rank(0).final
+
+    def test_an_optimizer_stepped_inside_another_replaces_nothing(self, run_path: Path) -> None:
+        """A wrapper optimizer (SAM, ZeroRedundancyOptimizer) over the same parameters steps its base
+        optimizer inside its own step: one iteration per step, whichever of the two is given."""
+        class Wrapper(torch.optim.Optimizer):
+            def __init__(self, params: Any) -> None:
+                super().__init__(params, {})
+                self.base = torch.optim.SGD(self.param_groups, lr=0.1)
+
+            def step(self, closure: Any = None) -> None:  # type: ignore[override]
+                self.base.step()
+
+        for name, pick in (("auto", lambda w: "auto"), ("wrapper", lambda w: w), ("base", lambda w: w.base)):
+            model = Net()
+            opt = Wrapper(model.parameters())
+            path = run_path.with_name(f"{name}.zarr")
+            with recorder.record(path, optimizer=pick(opt), modules="blocks.*"):
+                for _ in range(3):
+                    model(torch.randn(3, 6)).backward()
+                    opt.step()
+                    opt.zero_grad()
+            assert forward_iterations(path) == [0, 1, 2], name
+            assert "optimizer_replaced" not in RunReader(str(path)).rank(0).final, name
+
+    def test_two_optimizers_stepping_shared_parameters_count_the_first_and_say_so(self, run_path: Path) -> None:
+        """Both step every batch (an adversarial autoencoder's encoder): the second's first step looks
+        like a replacement until the first steps again; then the first counts, and the extra iteration
+        the second's first step made is named in a warning."""
+        model = Net()
+        opt_all = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt_some = torch.optim.Adam(model.blocks[0].parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with recorder.record(run_path, optimizer="auto", modules="blocks.*"):
+                for _ in range(4):
+                    for opt in (opt_all, opt_some):
+                        model(torch.randn(3, 6)).backward()
+                        opt.step()
+                        opt.zero_grad()
+        assert forward_iterations(run_path) == [0, 1, 2, 3, 3, 4, 4, 5]
+        (said,) = recorder_warnings(caught)
+        assert said == ("SGD and Adam step parameters they share: iterations follow the steps of the one that "
+                        "stepped first only; the other's first step, taken for a new optimizer replacing it (a "
+                        "resumed optimizer), ended iteration 1 early, and later iterations are numbered one higher")
+        assert "optimizer_replaced" not in RunReader(str(run_path)).rank(0).final
+
+    def test_a_hand_written_update_is_warned_of_at_the_end(self, run_path: Path) -> None:
+        """No torch.optim optimizer steps: every step is in iteration 0, and the recording says so once,
+        when it closes, with how to mark the iterations (it said nothing)."""
+        model = Net()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with recorder.record(run_path, optimizer="auto", modules="blocks.*"):
+                for _ in range(3):
+                    model(torch.randn(3, 6)).backward()
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.sub_(0.1 * p.grad)
+                            p.grad = None
+        assert forward_iterations(run_path) == [0, 0, 0]
+        assert recorder_warnings(caught) == [
+            "every step is in iteration 0: 3 backward passes ran and no torch.optim optimizer stepped (iterations "
+            "advance on optimizer.step()); to number the iterations of a hand-written update, record in code with "
+            "recorder.record and call run.next_iteration() after each update (README, \"How iterations are "
+            "counted\")"]
+        with warnings.catch_warnings(record=True) as caught:  # marked by hand: nothing to say
+            warnings.simplefilter("always")
+            with recorder.record(run_path.with_name("marked.zarr"), optimizer="auto", modules="blocks.*") as run:
+                for _ in range(3):
+                    model(torch.randn(3, 6)).backward()
+                    run.next_iteration()
+        assert recorder_warnings(caught) == []
+
+
 class TestPdbgRecord:
     def test_records_each_block_call_and_changes_nothing(self, tmp_path: Path) -> None:
         """`pdbg record --modules 'blocks.*'`: one forward and one backward step per block call, the
@@ -294,3 +423,46 @@ def test_pdbg_record_of_a_script_that_dies_before_any_module_says_so(tmp_path):
         assert res.returncode == 1 and res.stderr.rstrip().splitlines()[-1] == (
             f"pdbg: recording in {mode}.zarr (crashed, 0 steps); no step was recorded: the script raised "
             "FileNotFoundError before it called any module"), res.stderr
+
+
+RESUMED = """import torch
+from torch import nn
+
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+for i in range(8):
+    if i == 4:  # resumed from a checkpoint, as a restarted job does
+        state = opt.state_dict()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        opt.load_state_dict(state)
+    net(torch.randn(8, 4)).square().mean().backward()
+    {update}
+"""
+
+
+def test_pdbg_record_follows_a_resumed_optimizer_and_warns_of_a_hand_written_one(tmp_path):
+    """A new optimizer loaded from a checkpoint mid-run: `pdbg info` said 5 iterations for 8, the
+    fifth holding four batches; it says 8 and where the optimizer was replaced. Parameters updated by
+    hand: one iteration, and nothing said; a warning says it, once, at the end."""
+    (tmp_path / "resumed.py").write_text(RESUMED.format(update="opt.step(); opt.zero_grad()"))
+    res = pdbg("record", "-o", "run.zarr", "--modules", "*", "--", "resumed.py", cwd=tmp_path)
+    assert res.returncode == 0 and "warning" not in res.stderr, res.stderr
+    info = pdbg("info", "run.zarr", cwd=tmp_path).stdout.splitlines()
+    assert info[0].startswith("run.zarr: complete, 48 steps, 8 iterations,"), info
+    assert ("optimizer replaced at iteration 4 (AdamW): a new optimizer over the same parameters (resumed or "
+            "re-created) counts the iterations from its first step, which ends that iteration") in info
+    doc = json.loads(pdbg("info", "run.zarr", "--json", cwd=tmp_path).stdout)
+    assert doc["iterations"] == 8 and doc["optimizer_replaced"] == {"count": 1, "iterations": [4],
+                                                                     "optimizers": ["AdamW"]}
+    by_hand = ("with torch.no_grad():\n        for p in net.parameters():\n            p -= 0.01 * p.grad\n"
+               "            p.grad = None")
+    (tmp_path / "by_hand.py").write_text(RESUMED.format(update=by_hand))
+    res = pdbg("record", "-o", "hand.zarr", "--modules", "*", "--", "by_hand.py", cwd=tmp_path)
+    assert res.returncode == 0
+    assert [ln for ln in res.stderr.splitlines() if ln.startswith("pdbg: warning:")] == [
+        "pdbg: warning: every step is in iteration 0: 8 backward passes ran and no torch.optim optimizer stepped "
+        "(iterations advance on optimizer.step()); to number the iterations of a hand-written update, record in "
+        "code with recorder.record and call run.next_iteration() after each update (README, \"How iterations are "
+        "counted\")"], res.stderr
+    assert json.loads(pdbg("info", "hand.zarr", "--json", cwd=tmp_path).stdout)["optimizer_replaced"] is None
