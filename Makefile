@@ -20,8 +20,9 @@ demo: $(STAMP)  ## record a real NaN crash and show where it came from
 	$(PY) examples/nan_smooth_relu.py --out runs/nan_smooth_relu.zarr
 
 # Tests run in parallel (pytest-xdist), one worker per core up to PYTEST_WORKERS; each test's files are its own.
+# --dist worksteal: a worker that runs out of tests takes queued ones from another (no long tail of one worker).
 PYTEST_WORKERS ?= 4
-PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=$(PYTEST_WORKERS)
+PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=$(PYTEST_WORKERS) --dist worksteal
 
 test: $(STAMP) browser  ## the whole suite, slow tests included (what CI runs)
 	$(PYTEST)
