@@ -749,8 +749,9 @@ class _OptimizerSteps:
 
     def _replaces(self, optimizer: torch.optim.Optimizer, hooked: bool, wrapped: bool) -> bool:
         """Whether ``optimizer``, not the counted one, takes over counting (see the class)."""
-        if not self._follow or wrapped or not self._shares_params(optimizer) or (hooked and _inside_another_step()):
-            return False
+        inside = _inside_another_step() if hooked else any(k != id(optimizer) for k in self._began)
+        if not self._follow or wrapped or inside or not self._shares_params(optimizer):
+            return False  # (a skip GradScaler made inside the counted optimizer's step: accelerate's wrapper)
         previous = self._previous() if self._previous is not None else None
         counted = self._counted() if self._counted is not None else None
         if optimizer is previous and self._since_takeover == 1 and counted is not None:

@@ -141,16 +141,23 @@ def _sources(rec: Recording, steps: list[Step], script: str | None) -> tuple[dic
     return sources, modules
 
 
+# Installed packages a bundle never carries: every machine that replays one has them (torch and numpy
+# themselves, the frameworks whose callbacks record), and a bundled copy of one of their files would
+# shadow the installed package while the bundled code loads. A project installed into site-packages
+# (pip install .) is carried as any other.
+_NEVER_CARRIED = frozenset({"torch", "torchvision", "torchaudio", "functorch", "numpy", "transformers", "lightning",
+                            "pytorch_lightning", "lightning_fabric", "accelerate"})
+
+
 def installed(file: str) -> bool:
-    """Whether a file belongs to Python or to an installed package (torch's ``nn/modules/linear.py``,
-    on this machine or, by its path, on the one that recorded): the other machine has its own, and a
-    bundle carrying it would shadow that package while the bundled code loads."""
-    parts = set(Path(file).parts)
-    if parts & {"site-packages", "dist-packages"}:
-        return True
-    paths = sysconfig.get_paths()
-    roots = {Path(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
-    return any(root == p or root in p.parents for p in [Path(file)] for root in roots)
+    """Whether a file belongs to Python's standard library or to one of ``_NEVER_CARRIED`` (torch's
+    ``nn/modules/linear.py``), on this machine or, by its path, on the one that recorded."""
+    parts = Path(file).parts
+    for i, part in enumerate(parts[:-1]):
+        if part in ("site-packages", "dist-packages"):
+            return parts[i + 1].removesuffix(".py") in _NEVER_CARRIED
+    stdlib = [Path(p) for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")} if p]
+    return any(root in Path(file).parents for root in stdlib)
 
 
 def _holds_definition(text: str, code: str) -> bool:

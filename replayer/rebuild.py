@@ -182,7 +182,7 @@ class Builder:
             if spec is not None and not spec.get("persistent", True):
                 module._non_persistent_buffers_set.add(name)
         if lazy:
-            _lazy_again(module)
+            _lazy_again(module, doc.get("params") or {})
         for name, child in (doc.get("children") or {}).items():
             module._modules[name] = None if child is None else self._node(child, join_path(path, name), out)
         if doc.get("linked"):
@@ -349,14 +349,17 @@ def _parametrize(module: torch.nn.Module, names: list[str], where: str) -> None:
 _LAZY_HANDLES = ("_initialize_hook", "_load_hook")
 
 
-def _lazy_again(module: Any) -> None:
+def _lazy_again(module: Any, specs: dict[str, Any]) -> None:
     """A lazy module (``nn.LazyLinear``) recorded before the call that gave its parameters their
     shapes, rebuilt from its skeleton: its parameters and buffers uninitialized again (the recorded ones
     are loaded over them) and the hooks its ``__init__`` registers, which initialize them at that call
-    with the generator's state it had then (the replay's, applied: the same values)."""
+    with the generator's state it had then (the replay's, applied: the same values). ``specs``: the
+    skeleton's parameters (whether each required grad)."""
     for name, p in module._parameters.items():
         if p is not None:
-            module._parameters[name] = UninitializedParameter(requires_grad=p.requires_grad)
+            spec = specs.get(name)
+            module._parameters[name] = UninitializedParameter(
+                requires_grad=bool(spec.get("requires_grad", True)) if isinstance(spec, dict) else True)
     for name, b in module._buffers.items():
         if b is not None:
             module._buffers[name] = UninitializedBuffer()

@@ -7,6 +7,7 @@ Errors are one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
 import sys
@@ -104,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from recorder.runner import warnings_as_lines
 
-    with output.streams(_ESCAPES if args.command in _READERS else None):
+    # What reads a recording prints through output.streams; pdbg record leaves the script's streams
+    # as they are (it may reconfigure them, or write to their buffer), and the TUI has the terminal.
+    with output.streams(_ESCAPES, wrap=args.command in _READERS):
         try:
             with output.json_only(bool(getattr(args, "json", False))), warnings_as_lines():
                 return int(handler(args))
@@ -114,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # Ctrl-C: nothing it was writing is left half-written (bundles, recipes)
             print("pdbg: interrupted", file=sys.stderr)
             return 130
+        except BrokenPipeError:  # (record, serve: `pdbg ... | head`) the reader left; not an error of ours
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            return 0
 
 
 if __name__ == "__main__":

@@ -63,18 +63,26 @@ class Output(io.TextIOBase):
     def encoding(self) -> str:  # type: ignore[override]
         return getattr(self.stream, "encoding", None) or "utf-8"
 
+    @property
+    def errors(self) -> str | None:  # type: ignore[override]
+        return getattr(self.stream, "errors", None)
+
+    def __getattr__(self, name: str) -> Any:  # the rest as the stream has it (buffer, reconfigure, line_buffering)
+        return getattr(self.stream, name)
+
 
 @contextlib.contextmanager
-def streams(escapes: dict[int, str] | None) -> Iterator[None]:
-    """stdout and stderr as ``Output`` for the duration (a closed one, ``>&-``, is /dev/null);
-    ``escapes``: control characters to escape (in what a recording holds: names, messages)."""
+def streams(escapes: dict[int, str] | None, wrap: bool = True) -> Iterator[None]:
+    """stdout and stderr as ``Output`` for the duration (``wrap``), and a closed one (``>&-``) as
+    /dev/null; ``escapes``: control characters to escape (in what a recording holds: names, messages)."""
     saved = sys.stdout, sys.stderr
     opened = []
     for name in ("stdout", "stderr"):
         if getattr(sys, name) is None:  # started with the descriptor closed
             opened.append(open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115 - closed below
             setattr(sys, name, opened[-1])
-    sys.stdout, sys.stderr = Output(sys.stdout, escapes), Output(sys.stderr, escapes)  # type: ignore[assignment]
+    if wrap:
+        sys.stdout, sys.stderr = Output(sys.stdout, escapes), Output(sys.stderr, escapes)  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -228,6 +228,31 @@ class TestIterations:
         assert forward_iterations(run_path) == [0, 1, 2, 3]
         assert "optimizer_replaced" not in RunReader(str(run_path)).rank(0).final
 
+    def test_a_step_gradscaler_skips_inside_the_given_wrapper_replaces_nothing(self, run_path: Path) -> None:
+        """An optimizer wrapper that runs GradScaler inside its step (accelerate's AcceleratedOptimizer
+        under fp16), given to record(): an overflow GradScaler skipped in the base optimizer was taken
+        for a new optimizer replacing the wrapper ("optimizer replaced at iteration 2")."""
+        class Wrapped(torch.optim.Optimizer):
+            def __init__(self, base: torch.optim.Optimizer, scaler: Any) -> None:
+                super().__init__(base.param_groups, base.defaults)
+                self.base, self.scaler = base, scaler
+
+            def step(self, closure: Any = None) -> None:  # type: ignore[override]
+                self.scaler.step(self.base, closure)
+                self.scaler.update()
+
+        model = Net()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        opt = Wrapped(torch.optim.SGD(model.parameters(), lr=1e-2), scaler)
+        with recorder.record(run_path, optimizer=opt, modules="blocks.*"):
+            for i in range(5):
+                loss = model(torch.randn(3, 6)) * (float("inf") if i == 2 else 1.0)
+                scaler.scale(loss).backward()
+                opt.step()
+                opt.zero_grad()
+        assert forward_iterations(run_path) == [0, 1, 2, 3, 4]
+        assert "optimizer_replaced" not in RunReader(str(run_path)).rank(0).final
+
     def test_an_optimizer_stepped_inside_another_replaces_nothing(self, run_path: Path) -> None:
         """A wrapper optimizer (SAM, ZeroRedundancyOptimizer) over the same parameters steps its base
         optimizer inside its own step: one iteration per step, whichever of the two is given."""

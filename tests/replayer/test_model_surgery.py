@@ -23,17 +23,17 @@ def test_lazy_modules_record_their_first_call_and_replay_it(tmp_path: Path) -> N
     """nn.LazyLinear's parameters are uninitialized until its first call: recording stopped there
     ("Attempted to use an uninitialized parameter") and training went on unrecorded. Such parameters
     are recorded as uninitialized; the first call replays by initializing them again from the
-    recorded RNG, bit for bit, and so does everything after; verify counts every step."""
+    recorded RNG, bit for bit, its backward too, and so does everything after; verify counts every step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(4), nn.LazyBatchNorm1d())
     path = tmp_path / "run.zarr"
     with warnings.catch_warnings():
         warnings.simplefilter("error", recorder.RecorderWarning)
         with recorder.record(path, model=model, modules="*", optimizer="auto", mode="full"):
-            model(torch.zeros(2, 10))  # the dry run torch's docs ask for, before the optimizer
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            for _ in range(2):
+            opt = None
+            for _ in range(2):  # the first batch initializes the parameters (and takes their gradients)
                 F.cross_entropy(model(torch.randn(8, 10)), torch.randint(0, 4, (8,))).backward()
+                opt = opt or torch.optim.SGD(model.parameters(), lr=0.05)
                 opt.step()
                 opt.zero_grad()
     rec = replayer.open(path)
@@ -94,6 +94,7 @@ def test_a_bundle_of_a_torch_layer_carries_the_script_and_not_torch(tmp_path: Pa
     assert res.returncode == 0, res.stderr
     assert installed(torch.nn.modules.linear.__file__) and installed(warnings.__file__)
     assert not installed(str(project / "train.py"))
+    assert not installed("/venv/lib/python3.11/site-packages/mymodel/__init__.py")  # a project pip-installed
     made = pdbg("bundle", "run.zarr", "2@iter=1", "-o", "b.pdbg", "--verify", "--json", cwd=project)
     assert made.returncode == 0, made.stderr
     assert json.loads(made.stdout)["sources"] == [str(project / "train.py")]

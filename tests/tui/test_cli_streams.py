@@ -104,3 +104,15 @@ def test_ctrl_c_is_one_line_and_exit_130(nan_path: Path, monkeypatch, capsys) ->
     assert tui.cli.main(["verify", str(nan_path)]) == 130
     err = capsys.readouterr().err
     assert err == "pdbg: interrupted\n", err
+
+
+def test_pdbg_record_leaves_the_scripts_streams_as_they_are(tmp_path: Path) -> None:
+    """A script that reconfigures sys.stdout and writes to its buffer, recorded in pdbg's own process
+    (full mode): pdbg's stream wrapper reached it, and it died with AttributeError ('reconfigure')."""
+    (tmp_path / "train.py").write_text(
+        "import sys\nimport torch\nfrom torch import nn\n\nsys.stdout.reconfigure(line_buffering=True)\n"
+        "net = nn.Sequential(nn.Linear(4, 4))\nnet(torch.randn(2, 4)).sum().backward()\n"
+        "sys.stdout.buffer.write(b'raw bytes\\n')\nprint('done', sys.stdout.errors)\n")
+    res = pdbg("record", "-o", "run.zarr", "--modules", "0", "--", "train.py", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("raw bytes\ndone "), res.stdout + res.stderr
+    assert res.stderr.rstrip().endswith("run.zarr (complete, 2 steps)"), res.stderr
