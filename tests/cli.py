@@ -34,3 +34,26 @@ def pdbg_as_a_user(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
                           check=False, env=env())
+
+
+def pdbg_here(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``pdbg`` run in this process (``tui.cli.main``), for the many one-line refusals of bad input: what a
+    fresh process would print and return, without the second it takes to start one. SystemExit (argparse's
+    refusals) is its exit code; any other exception propagates, failing the test as a traceback would."""
+    import contextlib
+    import io
+
+    from tui.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(["pdbg", *args], code, out.getvalue(), err.getvalue())

@@ -15,7 +15,7 @@ import replayer
 from recorder import snapshot
 from replayer import recipes
 from replayer.intervene import InterventionError
-from tests.cli import pdbg
+from tests.cli import pdbg, pdbg_here
 from tests.models import record_training
 from tests.replayer import nanmodels
 
@@ -134,7 +134,7 @@ def test_bad_interventions_get_one_line_and_exit_code_2(stack_run: tuple[Path, o
         (["--set", "nosuch=1"], "unknown setting 'nosuch'"),
     ]
     for flags, message in cases:
-        res = pdbg("replay", run, "smooth_relu@iter=1", *flags, cwd=tmp_path)
+        res = pdbg_here("replay", run, "smooth_relu@iter=1", *flags, cwd=tmp_path)
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1 and message in lines[0], (flags, res.stderr)
         assert "Traceback" not in res.stderr
@@ -309,7 +309,7 @@ def test_more_bad_interventions_get_one_line_and_exit_code_2(stack_run: tuple[Pa
                                                                "inputs are args.0"),
     ]
     for step, flags, message in cases:
-        res = pdbg("replay", run, step, *flags, cwd=tmp_path)
+        res = pdbg_here("replay", run, step, *flags, cwd=tmp_path)
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1 and message in lines[0], (flags, res.stderr)
     rec = replayer.open(run)

@@ -31,7 +31,7 @@ from recorder.store import layout
 from replayer.intervene import InterventionError
 from replayer.rebuild import Builder
 from replayer.replay import NOTHING_COMPARED, Replayer
-from tests.cli import SCRIPTS, env, pdbg, python
+from tests.cli import SCRIPTS, env, pdbg, pdbg_here, python
 from tests.models import poison_at, record_training
 
 ITERATIONS = 3
@@ -435,7 +435,7 @@ def test_bad_command_lines_get_one_line_and_exit_code_2(gpt_run: Path, tmp_path:
                        # empty: refused as blank ones are, not taken for "any step" ('*' is)
                        (("find", str(gpt_run), "*", "--when", ""), "but found the end in the condition ''"),
                        (("find", str(gpt_run), ""), "invalid step selector ''")):
-        assert says in one_line_error(pdbg(*args, cwd=tmp_path)), args
+        assert says in one_line_error(pdbg_here(*args, cwd=tmp_path)), args
 
 
 def test_verify_of_a_sample_refuses_a_damaged_step_table(gpt_run: Path, tmp_path: Path) -> None:
@@ -445,22 +445,22 @@ def test_verify_of_a_sample_refuses_a_damaged_step_table(gpt_run: Path, tmp_path
     shutil.copytree(gpt_run, damaged)
     (damaged / "rank0" / "steps" / "t_end" / "c" / "0").unlink()
     assert "chunk rank0/steps/t_end/c/0 is missing" in one_line_error(
-        pdbg("verify", str(damaged), "--sample", "2", cwd=tmp_path))
+        pdbg_here("verify", str(damaged), "--sample", "2", cwd=tmp_path))
 
 
 def test_bad_input_gets_one_line_and_exit_code_2(gpt_run: Path, tmp_path: Path) -> None:
-    assert "step 999 is out of range" in one_line_error(pdbg("replay", str(gpt_run), "999", cwd=tmp_path))
+    assert "step 999 is out of range" in one_line_error(pdbg_here("replay", str(gpt_run), "999", cwd=tmp_path))
     assert "no step matches 'nothing@iter=1'" in one_line_error(
-        pdbg("replay", str(gpt_run), "nothing@iter=1", cwd=tmp_path))
-    assert "give the STEP" in one_line_error(pdbg("replay", str(gpt_run), cwd=tmp_path))
+        pdbg_here("replay", str(gpt_run), "nothing@iter=1", cwd=tmp_path))
+    assert "give the STEP" in one_line_error(pdbg_here("replay", str(gpt_run), cwd=tmp_path))
     assert "--threads must be a positive" in one_line_error(
-        pdbg("replay", str(gpt_run), "0", "--threads", "0", cwd=tmp_path))
-    assert "is not a PaperDebugger recording" in one_line_error(pdbg("verify", str(tmp_path), cwd=tmp_path))
+        pdbg_here("replay", str(gpt_run), "0", "--threads", "0", cwd=tmp_path))
+    assert "is not a PaperDebugger recording" in one_line_error(pdbg_here("verify", str(tmp_path), cwd=tmp_path))
     rec = replayer.open(gpt_run)
     with pytest.raises(StepNotFoundError):
         replayer.replay(rec, len(rec))
     # a swap key that names nothing in the step: refused before the replay (it was a warning, and a MATCH)
-    said = one_line_error(pdbg("replay", str(gpt_run), "Block@iter=1", "--swap", "atn=tests.models:Attention",
+    said = one_line_error(pdbg_here("replay", str(gpt_run), "Block@iter=1", "--swap", "atn=tests.models:Attention",
                                cwd=tmp_path))
     assert said.startswith("pdbg: error: swap atn: names nothing in step ") and "attn" in said, said
     with pytest.raises(InterventionError, match=r"swap nosuch: names nothing in step \d+ \(Block\)"):
