@@ -238,6 +238,7 @@ class Session:
         self.dumps: list[dict[str, Any]] = []  # flight mode: when and why the ring was written (see _log_dump)
         self._direct_iteration = -1  # flight mode: after an anomaly its iteration's bytes go straight out
         self._ring_iteration = -1  # flight mode: the iteration the ring last made room for
+        self._ring_noted = -1  # flight mode: the iteration _ring_note listed last (once per iteration, not per payload)
         self.shared: Any = None  # flight mode: the ring's bytes in shared memory (share_ring)
         self._unshared_warned = False
         self.selector = autohooks.ModuleSelector(modules)
@@ -349,6 +350,7 @@ class Session:
                 if current:
                     self._ring_note()
                 iterations, items = self.ring.take_all()
+                self._ring_noted = -1  # (taken: listed again if more of it goes into the ring)
                 if iterations:  # listed before its bytes go: a commit in between cannot leave it out
                     dump = {"reason": reason, "iterations": iterations, "bytes": sum(i.nbytes for i in items)}
                     self._log_dump(dump)
@@ -422,15 +424,20 @@ class Session:
         kept, even where none of its payloads was new (NaN after NaN, bytes that repeat; under ``pdbg
         record`` every payload is taken by content)."""
         assert self.ring is not None
+        if self._ring_noted == self.iteration:  # (a frozen weight repeats at every call: a lock each time)
+            return
         with self.ring.lock:
             self._ring_room()
             self.ring.note(self.iteration)
+            self._ring_noted = self.iteration
 
     def _forget(self, dropped: list[int], freed: list[PayloadItem]) -> None:
         """Iterations left the ring unwritten: reuse their buffers, and tell the writer, which holds
         their records (waiting for bytes) until then."""
         self._reuse(freed)
         if dropped:
+            if self._ring_noted in dropped:
+                self._ring_noted = -1
             if self.shared is not None:  # before the writer hears of it: a crash in between forgets them too
                 self.shared.held_from(max(dropped) + 1)
             self._send(ForgetIterations(dropped), 0)

@@ -664,13 +664,19 @@ class Step:
         doc = self._doc("extra")
         return doc if isinstance(doc, dict) else {}
 
+    def noted(self, note: str) -> frozenset[str]:
+        """The record names the step's notes ``"<name>[, <name>...]: " + note`` list (as the recorder
+        wrote them: control characters escaped)."""
+        suffix = f": {note}"
+        return frozenset(name for n in self.extra.get("notes", ()) if isinstance(n, str) and n.endswith(suffix)
+                         for name in n.removesuffix(suffix).split(", "))
+
     @property
     def uninitialized(self) -> frozenset[str]:
         """Names of the records of a lazy module's parameters and buffers that were uninitialized
         when the call began (``nn.LazyLinear`` before the call that gave them their shapes): shape ()
         and no payload, and a replay leaves them uninitialized for the call to initialize."""
-        suffix = f": {layout.UNINITIALIZED_NOTE}"
-        return frozenset(n.removesuffix(suffix) for n in self.extra.get("notes", ()) if n.endswith(suffix))
+        return self.noted(layout.UNINITIALIZED_NOTE)
 
     def why_statistics_only(self, record: TensorRecord) -> str:
         """Why one of this step's tensor records has statistics and no payload (RankReader's answer)."""

@@ -229,9 +229,7 @@ class Replayer:
         if following is None:
             return []
         now = dict(module.named_buffers(remove_duplicate=False))
-        suffix = f": {layout.BUFFERS_WRITTEN_NOTE}"
-        written = {name for n in following.extra.get("notes", []) if isinstance(n, str) and n.endswith(suffix)
-                   for name in n.removesuffix(suffix).split(", ")}  # (as the recorder wrote them: escaped)
+        written = following.noted(layout.BUFFERS_WRITTEN_NOTE)  # (escaped, as the recorder wrote them)
         hooked = [p for p, doc in _skeleton_modules(step._doc("module"), "")  # their buffers change in hooks
                   if doc.get("hooks") or doc.get("other_hooks") or doc.get("parametrized")]  # the replay remakes
         diffs, outside, between = [], [], []
@@ -790,8 +788,7 @@ class Replayer:
         warnings += [f"forward step {fwd.index}: {n}" for n in unfollowed]
         raised_doc = step.extra.get("exception") or {}
         if not targets and raised_doc:
-            raised_text = f"{str(raised_doc.get('type', '')).split(':')[-1]}: {str(raised_doc.get('message'))[:200]}"
-            raise ReplayError(f"backward step {step.index}: its backward pass raised ({' '.join(raised_text.split())}) "
+            raise ReplayError(f"backward step {step.index}: its backward pass raised ({_raised(raised_doc)}) "
                               "before this step sent any gradient; a replay has nothing to compare (its forward, "
                               f"step {fwd.index}, replays)")
         if not targets:
@@ -1128,14 +1125,19 @@ _STOPPED_FROM_OUTSIDE = frozenset({"builtins:KeyboardInterrupt", "builtins:Syste
 _RECORDER_STOPS = frozenset({"recorder.monitors:NonFiniteError", "recorder.monitors:BreakpointStop"})
 
 
+def _raised(doc: dict[str, Any]) -> str:
+    """A recorded exception (``exception_doc``) in one line: its type's name and the start of its message."""
+    return " ".join(f"{str(doc.get('type', '')).split(':')[-1]}: {str(doc.get('message', ''))[:200]}".split())
+
+
 def _exception_result(result: ReplayResult, raised: BaseException | None, recorded: Any) -> ReplayResult:
     recorded_type = recorded.get("type") if isinstance(recorded, dict) else None
     if recorded_type in _RECORDER_STOPS and raised is None:
         # The recording stopped training inside this step (a step within it went non-finite): the
         # step never returned, so there is no recorded output to compare; the replay ran it through.
         result.match = True
-        result.warnings.append(f"the recording stopped training inside this step ({recorded_type.split(':')[-1]}: "
-                               f"{str(recorded.get('message', ''))[:200]}); it returned no output to compare")
+        result.warnings.append(f"the recording stopped training inside this step ({_raised(recorded)}); it "
+                               "returned no output to compare")
         return result
     if raised is not None:
         result.exception = f"{type(raised).__name__}: {raised}"
