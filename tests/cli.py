@@ -13,6 +13,7 @@ SCRIPTS = ROOT / "tests" / "scripts"
 
 def env() -> dict[str, str]:
     out = dict(os.environ)
+    out.pop("COLUMNS", None)  # what pdbg prints to a pipe does not follow the terminal the tests run in
     out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")
     return out
 

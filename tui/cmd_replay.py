@@ -13,6 +13,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 import sys
 from typing import Any
 
@@ -432,14 +433,7 @@ def replay(args: argparse.Namespace) -> int:
                                       f"{'skeleton' if w == 'skeleton' else 'constructor'}"
                                       f"{'' if w == 'skeleton' else ' (' + ', '.join(v) + ')'}"
                                       for w, v in by_way.items()))
-    print(f"\n  {'tensor':<18} {'match':<5} {'recorded: min':>14} {'max':>9} {'nan':>5} {'inf':>5}   "
-          f"{'replayed: min':>13} {'max':>9} {'nan':>5} {'inf':>5}   {'max abs':>8} {'ULP':>6}")
-    for d in result.outputs:
-        print(f"  {d.name[:18]:<18} {'yes' if d.match else 'NO':<5} {_stats_cells(d.recorded)}   "
-              f"{_stats_cells(d.replayed, 13)}   "
-              + (f"{'-':>8} {'-':>6}" if d.name == "exception" else f"{_num(d.max_abs_diff):>8} {d.max_ulp:>6}"))
-        if d.reason and not d.match:
-            print(f"    {d.reason}")
+    _outputs_table(result.outputs)
     if result.inner:
         ok = sum(s.match for s in result.inner)
         first = result.first_divergence
@@ -476,6 +470,35 @@ def replay(args: argparse.Namespace) -> int:
     else:
         print("\nMISMATCH")
     return 0 if result.match else 1
+
+
+WIDE = 119  # columns of the table with recorded and replayed statistics side by side
+
+
+def _outputs_table(diffs: list[Any]) -> None:
+    """The replay's outputs, recorded against replayed: side by side where the terminal has room
+    (or stdout is not one), else the replayed statistics on a line of their own under a mismatch
+    (a match replays the same bits, so the same statistics)."""
+    wide = shutil.get_terminal_size((10 ** 4, 24)).columns >= WIDE
+    if wide:
+        print(f"\n  {'tensor':<18} {'match':<5} {'recorded: min':>14} {'max':>9} {'nan':>5} {'inf':>5}   "
+              f"{'replayed: min':>13} {'max':>9} {'nan':>5} {'inf':>5}   {'max abs':>8} {'ULP':>6}")
+    else:
+        print(f"\n  {'tensor':<15} {'match':<5} {'':<8} {'min':>9} {'max':>9} {'nan':>5} {'inf':>5} {'max abs':>8} "
+              f"{'ULP':>6}")
+    for d in diffs:
+        ulp = d.max_ulp if wide or d.max_ulp < 10 ** 6 else f"{d.max_ulp:.0e}"  # (the JSON has every digit)
+        far = f"{'-':>8} {'-':>6}" if d.name == "exception" else f"{_num(d.max_abs_diff):>8} {ulp:>6}"
+        if wide:
+            print(f"  {d.name[:18]:<18} {'yes' if d.match else 'NO':<5} {_stats_cells(d.recorded)}   "
+                  f"{_stats_cells(d.replayed, 13)}   {far}")
+        elif d.match:
+            print(f"  {d.name[:15]:<15} {'yes':<5} {'':<8} {_stats_cells(d.recorded, 9)} {far}")
+        else:
+            print(f"  {d.name[:15]:<15} {'NO':<5} {'recorded':<8} {_stats_cells(d.recorded, 9)}")
+            print(f"  {'':<15} {'':<5} {'replayed':<8} {_stats_cells(d.replayed, 9)} {far}")
+        if d.reason and not d.match:
+            print(f"    {d.reason}")
 
 
 def _stats_cells(st: dict[str, Any], width: int = 14) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 import tui.cli
 from replayer.replay import Replayer
-from tests.cli import env, pdbg, python
+from tests.cli import env, pdbg, pdbg_here, python
 from tests.tui.recordings import nan_run
 
 SCRIPT = '''
@@ -104,6 +104,44 @@ def test_ctrl_c_is_one_line_and_exit_130(nan_path: Path, monkeypatch, capsys) ->
     assert tui.cli.main(["verify", str(nan_path)]) == 130
     err = capsys.readouterr().err
     assert err == "pdbg: interrupted\n", err
+
+
+def test_ctrl_c_while_pdbg_starts_is_one_line_and_exit_130(monkeypatch, capsys) -> None:
+    """Ctrl-C in the second pdbg takes to import torch, before any command runs, printed a traceback
+    of the import machinery. The entry point (`pdbg` runs tui.entry:main) says one line and exits 130."""
+    import importlib.abc
+
+    import tui.entry
+
+    class Interrupted(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+            if name == "tui.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "tui.cli")
+    monkeypatch.delattr(sys.modules["tui"], "cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    assert tui.entry.main() == 130
+    assert capsys.readouterr().err == "pdbg: interrupted\n"
+
+
+def test_the_replay_table_fits_the_terminal(nan_path: Path, tmp_path: Path, monkeypatch) -> None:
+    """The replay table was 119 columns wide whatever the terminal, and wrapped in 80 columns. In a
+    narrower terminal a mismatch's replayed statistics go on a line of their own; to a pipe, or in a
+    wide terminal, recorded and replayed stay side by side."""
+    monkeypatch.setenv("COLUMNS", "80")
+    res = pdbg_here("replay", str(nan_path), "Scaled@iter=1#0", "--edit", "args.0=x*2", cwd=tmp_path)
+    assert res.returncode == 1, res.stderr
+    lines = res.stdout.splitlines()
+    top = lines.index(next(line for line in lines if line.split()[:2] == ["tensor", "match"]))
+    table = lines[top:lines.index("", top)]
+    assert len(table) == 3 and max(len(line) for line in table) <= 80, res.stdout  # (prose lines wrap as prose)
+    (recorded,) = [i for i, line in enumerate(lines) if line.split()[:3] == ["output", "NO", "recorded"]]
+    assert lines[recorded + 1].split()[0] == "replayed", res.stdout
+    monkeypatch.setenv("COLUMNS", "120")
+    res = pdbg_here("replay", str(nan_path), "Scaled@iter=1#0", "--edit", "args.0=x*2", cwd=tmp_path)
+    assert "recorded: min" in res.stdout and "replayed: min" in res.stdout, res.stdout
 
 
 def test_pdbg_record_leaves_the_scripts_streams_as_they_are(tmp_path: Path) -> None:
