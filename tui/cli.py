@@ -87,6 +87,8 @@ def _not_there(word: str, as_command: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"] and len(argv) > 1:  # pdbg -- -odd-name.zarr: the TUI on a path that starts with -
+        argv = ["tui", *argv]
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
         if len(argv) > 1 and not argv[1].startswith("-") and not os.path.exists(argv[0]):  # pdbg infoo run.zarr
             print(f"pdbg: error: {_not_there(argv[0], as_command=True)}", file=sys.stderr)

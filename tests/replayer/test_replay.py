@@ -425,6 +425,7 @@ def test_bad_command_lines_get_one_line_and_exit_code_2(gpt_run: Path, tmp_path:
                        (("info",), "the following arguments are required: RUN"),
                        (("infoo", str(gpt_run)), "unknown command 'infoo' (did you mean 'info'?)"),
                        (("nosuch.zarr",), "nosuch.zarr does not exist"),
+                       (("--", "-dash.zarr"), "-dash.zarr does not exist"),  # a path starting with -, for the TUI
                        ((str(gpt_run),), "the TUI needs a terminal"),
                        (("replay", str(gpt_run), "Attention@iter=abc"), "invalid step selector 'Attention@iter=abc'"),
                        (("replay", str(gpt_run), "Attention#x"), "invalid step selector"),
