@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pygments.token import Comment, Keyword, Name, String
 from rich.cells import cell_len
 from rich.segment import Segment
 from rich.style import Style
-from rich.syntax import Syntax
+from rich.syntax import ANSISyntaxTheme, Syntax
 from rich.table import Table
 from rich.text import Text
 from textual import on, work
@@ -281,7 +282,7 @@ class StepPane(ScrollView, can_focus=True):
             key = (view.source, view.source_line)
             syntax = self._syntax.get(key)
             if syntax is None:  # highlighting is the costly part of a step change: once per code
-                syntax = self._syntax[key] = highlighted(view.source, view.source_line or 1)
+                syntax = self._syntax[key] = highlighted(view.source, view.source_line or 1, plain=self.app.no_color)
             parts.append(syntax)
         else:
             parts.append(Text("no source recorded for this step", style="dim"))
@@ -356,9 +357,14 @@ def tensor_table(view: views.StepView, width: int | None = None) -> Table:
     return table
 
 
-def highlighted(source: str, first_line: int) -> Text:
-    """Python source with syntax colours and line numbers, as one Text (cheap to draw again)."""
-    code = Syntax(source, "python", theme="ansi_dark").highlight(source.rstrip("\n"))
+_PLAIN_CODE = ANSISyntaxTheme({Keyword: Style(bold=True), Name.Decorator: Style(bold=True), String: Style(italic=True),
+                               Comment: Style(dim=True)})
+
+
+def highlighted(source: str, first_line: int, plain: bool = False) -> Text:
+    """Python source with syntax colours and line numbers, as one Text (cheap to draw again);
+    ``plain`` (NO_COLOR): keywords in bold, no colours (whose greys would read as alarms)."""
+    code = Syntax(source, "python", theme=_PLAIN_CODE if plain else "ansi_dark").highlight(source.rstrip("\n"))
     out = Text(no_wrap=True, overflow="crop")
     for number, line in enumerate(code.split("\n", allow_blank=True), first_line):
         out.append(f"{number:>5} ", style="dim")
@@ -582,6 +588,32 @@ class _PrintableOnly(LineFilter):
                 if s.control is None and _CONTROL.search(s.text) else s for s in segments]
 
 
+class _AlarmsStandOut(LineFilter):
+    """With NO_COLOR, textual draws every colour as its grey: red (a NaN, the origin, a mismatch) and
+    magenta (an exception) turn into dark greys that barely show. Bold text in those colours, or text
+    on them, is drawn bold and reversed instead, before the greys are made."""
+
+    ALARM = Style(bold=True, reverse=True)
+
+    def apply(self, segments: list[Segment], background: Any) -> list[Segment]:
+        return [Segment(s.text, self._plain(s.style) + self.ALARM, s.control)
+                if s.control is None and s.style is not None and self._alarm(s.style) else s for s in segments]
+
+    @staticmethod
+    def _alarm(style: Style) -> bool:
+        def alarming(color: Any) -> bool:
+            if color is None or color.is_default:
+                return False
+            r, g, b = color.get_truecolor()
+            return r >= 128 and g < 0.45 * r and (b < 0.6 * r or bool(style.bold))  # red; bold magenta
+        # (text only when bold: the timeline's backward arrows and highlighted code are red or magenta too)
+        return (bool(style.bold) and alarming(style.color)) or alarming(style.bgcolor)
+
+    @staticmethod
+    def _plain(style: Style) -> Style:
+        return Style(bold=style.bold, italic=style.italic, underline=style.underline, link=style.link)
+
+
 class PdbgApp(App[None]):
     """Travel through a recording: the cursor is "now"."""
 
@@ -635,6 +667,8 @@ class PdbgApp(App[None]):
                  notice: str | None = None, script: str | None = None, use_bundled_source: bool = False) -> None:
         super().__init__()
         self._filters.append(_PrintableOnly())
+        if self.no_color:
+            self._filters.insert(0, _AlarmsStandOut())  # before textual's greys
         self.notice = notice  # shown in the panel at start (a --at that named no step)
         self.rec = rec
         # where replays find the steps' code: the script's path now (it moved), a bundle's own copy

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from textual.color import Color
 from textual.widgets import Input, Static
 
 import recorder
@@ -16,7 +17,7 @@ import replayer
 from tests.replayer import nanmodels
 from tests.tui.recordings import mixed_run, nan_run
 from tui import views
-from tui.app import ErrorApp, Inspector, PdbgApp, StepPane, open_app
+from tui.app import ErrorApp, Inspector, PdbgApp, StepPane, Timeline, open_app
 
 SIZE = (120, 36)
 
@@ -984,5 +985,37 @@ def test_no_color_draws_every_screen(nan_path: Path, monkeypatch) -> None:
         await pilot.pause()
         assert app.is_running and app.step.index == 12
         assert "replay of step 12: bitwise match" in panel(app), panel(app)
+
+    run(body, nan_path)
+
+
+def test_no_color_draws_alarms_reversed(nan_path: Path, monkeypatch) -> None:
+    """NO_COLOR turns every colour into its grey: the red of a NaN count, of the "nonfinite" status and
+    of the origin's row became dark greys on a dark background, harder to see than plain text. They are
+    drawn reversed; the backward arrows (magenta) and the step's code (no colours) are not."""
+    monkeypatch.setenv("NO_COLOR", "1")
+
+    def drawn(app: PdbgApp, strip) -> list:  # type: ignore[no-untyped-def]
+        for line_filter in app._filters:  # as textual's compositor applies them
+            strip = strip.apply_filter(line_filter, Color(0, 0, 0))
+        return list(strip)
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("n")
+        await pilot.pause()
+        step = pane(app)
+        segments = [seg for y in range(step.size.height) for seg in drawn(app, step.render_line(y))]
+        alarms = {seg.text.strip() for seg in segments if seg.style and seg.style.reverse}
+        assert {"nonfinite", "2", "3"} <= alarms, alarms  # the status, the output's NaN and Inf counts
+        timeline = app.query_one(Timeline)
+        backward = [seg for y in range(timeline.size.height) for seg in drawn(app, timeline.render_line(y))
+                    if seg.text.strip() == "←"]
+        assert backward and not any(seg.style.reverse for seg in backward)
+        await pilot.press("k")  # smooth_relu's backward: its code under the table
+        await pilot.pause()
+        segments = [seg for y in range(step.size.height) for seg in drawn(app, step.render_line(y))]
+        assert any("log1p" in seg.text for seg in segments)
+        assert not any(seg.style and seg.style.reverse for seg in segments), [seg for seg in segments
+                                                                              if seg.style and seg.style.reverse]
 
     run(body, nan_path)
