@@ -1438,7 +1438,7 @@ class Session:
         module has begun its backward in this pass, is that call's graph's (two graphs built before
         either backward), not this call's. Without that other call, it is this call's, through a
         path other than its outputs (an auxiliary loss kept on the module)."""
-        if _batched_backward(link, (grad,)):
+        if grad is None or _batched_backward(link, (grad,)):  # (None: a node ran with no gradient to send)
             return
         def run() -> None:
             if name in link.own:  # its uses in the call's graph have all run by now

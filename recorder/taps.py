@@ -40,6 +40,23 @@ def tap(tensors: list[torch.Tensor], callback: GradCallback) -> tuple[torch.Tens
     return _Tap.apply(callback, *tensors)  # type: ignore[no-any-return]
 
 
+def tap_each(tensors: list[torch.Tensor], callback: GradCallback) -> tuple[torch.Tensor, ...]:
+    """Pass each tensor through a tap of its own; ``callback(grads)`` runs when each one's gradient
+    arrives, with the others' as None. One tap for all would join their graphs: a backward pass from
+    one of them (an actor's loss) would then run the others' backward too (the critic's, with no
+    gradient), and fail where those saved tensors an optimizer step has since changed in place;
+    and none of them would go on before all had their gradient, which changes the order in which
+    autograd adds gradients from the step's other uses."""
+    if len(tensors) == 1:
+        return tap(tensors, callback)
+    count = len(tensors)
+
+    def one(k: int) -> GradCallback:
+        return lambda grads: callback(tuple(grads[0] if i == k else None for i in range(count)))
+
+    return tuple(tap([t], one(k))[0] for k, t in enumerate(tensors))
+
+
 def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback) -> tuple[dict[Any, Any], list[Any]]:
     """Tap the (key, tensor) pairs' tensors, each tensor object once: a tensor passed in several
     places stays one object in all of them (``query is key`` in self-attention, as without recording),
@@ -47,13 +64,13 @@ def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback) -> tuple[d
     tapped, in the order the callback sees their grads."""
     if len({id(value) for _, value in values}) == len(values):  # each tensor in one place: the usual call
         keys = [key for key, _ in values]
-        return dict(zip(keys, tap([value for _, value in values], callback))), keys
+        return dict(zip(keys, tap_each([value for _, value in values], callback))), keys
     first: dict[int, Any] = {}
     for key, value in values:
         first.setdefault(id(value), key)
     keys = list(first.values())
     by_key = dict(values)
-    tapped = dict(zip(keys, tap([by_key[k] for k in keys], callback)))
+    tapped = dict(zip(keys, tap_each([by_key[k] for k in keys], callback)))
     return {key: tapped[first[id(value)]] for key, value in values}, keys
 
 

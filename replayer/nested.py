@@ -270,6 +270,17 @@ class InnerTap:
         if rec is None:
             return []
         forward_of = np.asarray(rec.rank.column("steps/forward"))
+        parent_of = np.asarray(rec.rank.column("steps/parent"))
+
+        def in_pass(index: int) -> bool:  # a backward step of the outer one's pass: its parents lead to it
+            for _ in range(len(parent_of)):
+                index = int(parent_of[index])
+                if index == outer:
+                    return True
+                if index < 0 or index < (outer or 0):
+                    return False
+            return False
+
         pairs = self._pairs()
         calls = Counter(step.module_path for step, seen in pairs if seen is not None and seen.kind == "module")
         results = []
@@ -277,8 +288,12 @@ class InnerTap:
             hits = np.flatnonzero(forward_of == step.index)
             if not len(hits):
                 continue  # no backward was recorded for this call (its outputs needed no grad)
-            later = hits[hits > outer] if outer is not None else hits[:0]  # (it begins after the outer one)
-            back = Step(rec, int(later[0] if len(later) else hits[0]))
+            if outer is not None:  # the one of the outer step's pass: none when no gradient reached it there
+                after = [h for h in hits.tolist() if h > outer]
+                hits = [h for h in after if in_pass(h)] or [h for h in after if parent_of[h] < 0][:1]
+                if not hits:
+                    continue
+            back = Step(rec, int(hits[0]))
             if seen is None:
                 results.append(InnerStep(back, False, reason="recorded, but not called during the replay"))
                 continue

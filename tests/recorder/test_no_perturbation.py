@@ -137,3 +137,59 @@ def test_outputs_that_share_memory_are_left_as_they_are(tmp_path):
     assert sorted(r.name for r in backward[split.index].records if r.role == "grad_output") == [
         "output.0", "output.1", "output.2"]
     assert replayer.replay(rec, backward[split.index]).match
+
+
+class _ActorCritic(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Linear(4, 8)
+        self.pi = torch.nn.Linear(8, 3)
+        self.v = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.pi(h), self.v(h)
+
+
+def _actor_critic(path, value_only_first: bool = False):
+    torch.manual_seed(0)
+    model = _ActorCritic()
+    actor = torch.optim.Adam([*model.trunk.parameters(), *model.pi.parameters()], lr=1e-2)
+    critic = torch.optim.Adam(model.v.parameters(), lr=1e-2)
+    with contextlib.ExitStack() as stack:
+        run = None if path is None else stack.enter_context(recorder.record(path, model=model, optimizer=actor,
+                                                                            modules="**", mode="full"))
+        if value_only_first:  # a critic-only loss: no gradient reaches the policy head
+            model(torch.randn(5, 4))[1].sum().backward()
+            model.zero_grad()
+        for _ in range(3):
+            logits, v = model(torch.randn(5, 4))
+            actor.zero_grad()
+            critic.zero_grad()
+            logits.logsumexp(-1).mean().backward(retain_graph=True)
+            actor.step()  # changes pi.weight in place, which pi's backward saved
+            v.pow(2).mean().backward()  # reaches only the value head and the trunk
+            critic.step()
+    assert run is None or (run.status == "complete" and run.failure is None), run and run.failure
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def test_a_backward_from_one_output_runs_only_its_graph(tmp_path):
+    """An actor-critic step returning (pi(h), v(h)), its two losses backpropagated one after the
+    other with the actor's optimizer step between them: all of a step's outputs went through one tap,
+    whose backward sent the critic's pass into the policy head's graph too, and training died
+    ("one of the variables needed for gradient computation has been modified by an inplace
+    operation"). A critic-only loss stopped the recording (a parameter hook called with no gradient).
+    Each output has a tap of its own: training is as without recording, and every step replays."""
+    import replayer
+
+    plain = _actor_critic(None)
+    recorded = _actor_critic(tmp_path / "run.zarr")
+    assert all(torch.equal(plain[n].view(torch.uint8), recorded[n].view(torch.uint8)) for n in plain)
+    rec = replayer.open(tmp_path / "run.zarr")
+    backward = [s for s in rec.steps if s.phase == "backward" and s.module_path == ""]
+    assert [sorted(r.name for r in s.records if r.role == "grad_output") for s in backward] == [
+        ["output.0"], ["output.1"]] * 3  # the actor's pass, then the critic's
+    assert all(replayer.replay(rec, s).match for s in rec.steps)
+    _actor_critic(tmp_path / "value_first.zarr", value_only_first=True)
+    assert replayer.open(tmp_path / "value_first.zarr").status == "complete"
