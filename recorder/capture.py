@@ -147,9 +147,34 @@ class Frame:
     # The input tensors outside autograd's graph with their version counters when the call began:
     # those the call changes in place (an EMA update, a parameter update under no_grad) are recorded
     # again as it leaves them ("after:<input>", role output). Cleared when the call ends.
-    versions: list[tuple[str, torch.Tensor, int]] | None = None
+    versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None
     own_grads: list[str] = field(default_factory=list)  # a backward's parameter grads that are the call's own
     link: Any = None  # a forward's BackwardLink, when it has one
+
+
+# Writes through ``.data`` (an EMA or Polyak update, ``b_t.data.copy_(b.data)``) do not bump the
+# tensor's version counter. Small CPU tensors are therefore also kept as bits, and compared: a step's
+# inputs outside autograd's graph until the call ends, a module's buffers until its next call.
+_KEPT_INPUT_BYTES = 1 << 20
+_KEPT_BUFFER_BYTES = 1 << 16
+
+
+def _kept(t: torch.Tensor, limit: int) -> torch.Tensor | None:
+    if t.device.type != "cpu" or t.layout != torch.strided or t.numel() * t.element_size() > limit:
+        return None
+    return t.detach().clone()
+
+
+def _same_bits(kept: torch.Tensor | None, t: torch.Tensor) -> bool:
+    """Whether ``t`` holds the bits ``kept`` does (True when nothing was kept to tell)."""
+    if kept is None:
+        return True
+    try:
+        if kept.shape != t.shape or kept.dtype != t.dtype:
+            return False
+        return torch.equal(kept.reshape(-1).view(torch.uint8), t.detach().reshape(-1).view(torch.uint8))
+    except RuntimeError:  # (a dtype without a byte view: the version counter alone tells)
+        return True
 
 
 @dataclass
@@ -1023,7 +1048,8 @@ class Session:
     # -- tensors ---------------------------------------------------------------------------------
     def _encode(self, frame: Frame, value: Any, role: str, prefix: str, tapped: frozenset[int] = frozenset(),
                 top: frozenset[str] = frozenset(), nested: set[int] | None = None, per_object: bool = True,
-                unfollowed: list[str] | None = None, versions: list[tuple[str, torch.Tensor, int]] | None = None
+                unfollowed: list[str] | None = None,
+                versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None
                 ) -> Any:
         """Encode a value as tagged JSON, capturing each tensor in it under its path: once per object
         the step sees. ``tapped``: ids of the tensors a tap replaces where they stand in a place it
@@ -1054,11 +1080,12 @@ class Session:
             try:
                 named[key] = self._capture(frame, role, full, t)
                 if versions is not None and t.grad_fn is None and not t.is_inference() and named[key] == full:
-                    versions.append((full, t, t._version))
+                    versions.append((full, t, t._version, _kept(t, _KEPT_INPUT_BYTES)))
                     grad = t.grad if t.requires_grad else None  # (a leaf: a parameter an update step is given)
                     if grad is not None and not grad.is_inference():
                         self._capture(frame, role, f"{full}{layout.GRAD_SUFFIX}", grad)
-                        versions.append((f"{full}{layout.GRAD_SUFFIX}", grad, grad._version))
+                        versions.append((f"{full}{layout.GRAD_SUFFIX}", grad, grad._version,
+                                         _kept(grad, _KEPT_INPUT_BYTES)))
             except Exception as exc:  # jsonval would hide it as an opaque value: surface it
                 errors.append(exc)
                 named[key] = None
@@ -1074,8 +1101,8 @@ class Session:
         a step whose work is an in-place update is compared by a replay, and a NaN it writes is its
         own result (``first_nonfinite`` names it, rather than the next step that reads it)."""
         versions, frame.versions = frame.versions, None
-        for name, t, version in versions or ():
-            if t._version != version:
+        for name, t, version, kept in versions or ():
+            if t._version != version or not _same_bits(kept, t):
                 self._capture(frame, "output", f"{layout.AFTER_PREFIX}{name}", t)
 
     def _capture(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
@@ -1340,7 +1367,8 @@ class Session:
         the module's next recorded call should find, unless other code writes or replaces it."""
         if module is None:
             return
-        left = {name: (weakref.ref(b), b._version) for name, b in module.named_buffers() if not b.is_inference()}
+        left = {name: (weakref.ref(b), b._version, _kept(b, _KEPT_BUFFER_BYTES))
+                for name, b in module.named_buffers() if not b.is_inference()}
         if not left:
             self._left_buffers.pop(id(module), None)
             return
@@ -1350,16 +1378,18 @@ class Session:
 
     def _buffers_written(self, module: torch.nn.Module, buffers: list[tuple[str, torch.Tensor]]) -> list[str]:
         """The buffers that code outside the module's calls wrote in place or replaced since its last
-        recorded call (a checkpoint's load_state_dict, ``model.to(torch.float64)``, a reset): a replay
-        of that call must not take what this one finds for the call's own result. (Its in-place
-        writes bump a buffer's version counter; a replacement is another tensor.)"""
+        recorded call (a checkpoint's load_state_dict, ``model.to(torch.float64)``, a reset, an EMA
+        copy through ``.data``): a replay of that call must not take what this one finds for the
+        call's own result. (In-place writes bump a buffer's version counter, but for those through
+        ``.data``, seen by the bits of small CPU buffers; a replacement is another tensor.)"""
         entry = self._left_buffers.get(id(module))
         if entry is None or entry[0]() is not module:
             return []
         written = []
         for name, b in buffers:
             was = entry[1].get(name)
-            if was is not None and (was[0]() is not b or b._version != was[1]):  # (a tracked one is not inference)
+            if was is not None and (was[0]() is not b or b._version != was[1]  # (a tracked one is not inference)
+                                    or not _same_bits(was[2], b)):
                 written.append(name)
         return written
 

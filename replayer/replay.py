@@ -226,9 +226,14 @@ class Replayer:
         mine = (step._doc("module") or {}).get("instance")  # (1.11) the module object, among those at its path
         following = next((s for s in map(self.rec.step, later[:_NEXT_CALLS].tolist())
                           if mine is None or (s._doc("module") or {}).get("instance") == mine), None)
-        if following is None:
-            return []
         now = dict(module.named_buffers(remove_duplicate=False))
+        if following is None:  # what the call wrote has nothing recorded after it to be compared with
+            changed = [name for name, r in before.items() if r.has_payload and name in now
+                       and not compare_record(step.rec.rank, r, now[name], "").match]
+            if changed:
+                warnings.append(f"not compared: {', '.join(changed)}, which the call changed: no later call of "
+                                "this module was recorded, to say what it left")
+            return []
         written = following.noted(layout.BUFFERS_WRITTEN_NOTE)  # (escaped, as the recorder wrote them)
         hooked = [p for p, doc in _skeleton_modules(step._doc("module"), "")  # their buffers change in hooks
                   if doc.get("hooks") or doc.get("other_hooks") or doc.get("parametrized")]  # the replay remakes

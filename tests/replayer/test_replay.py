@@ -1724,6 +1724,50 @@ def test_a_buffer_converted_between_calls_it_updates_is_not_a_mismatch(tmp_path:
     assert any(layout.BUFFERS_WRITTEN_NOTE in n for n in rec.step(2).extra.get("notes", [])) == noted
 
 
+@recorder.paper_step("Eq. 5", description="Polyak averaging of the target, through .data")
+def polyak_through_data(target: list[torch.Tensor], online: list[torch.Tensor], tau: float) -> None:
+    for p_t, p in zip(target, online):
+        p_t.data.mul_(tau).add_((1 - tau) * p.data)  # (.data: autograd's version counter does not move)
+
+
+def test_writes_through_data_are_seen(tmp_path: Path) -> None:
+    """Writes through ``.data`` do not bump autograd's version counters, by which the recorder saw
+    in-place updates. A Polyak update of a target network written so was recorded as changing none of
+    its inputs: nothing compared, and a NaN it wrote into the target was found "kept out of results"
+    at the next step (bisect exit 0). A target encoder's BatchNorm buffers copied from the online
+    one (``b_t.data.copy_(b.data)``, BYOL) made every replay of the target's calls a MISMATCH of
+    its running statistics. Small CPU tensors are now also compared by their bits. And the
+    last call of a module, whose buffer updates no later call recorded, says they were not compared."""
+    torch.manual_seed(0)
+    online, target = Norm(), Norm()
+    target.load_state_dict(online.state_dict())
+    target.requires_grad_(False)
+    optimizer = torch.optim.SGD(online.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=online, optimizer=optimizer, modules="**", mode="full"):
+        for i in range(4):
+            x = torch.randn(8, 4)
+            with torch.no_grad():
+                target(x)
+            (online(x) - 1).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            polyak_through_data(list(target.parameters()), list(online.parameters()), float("nan") if i == 2 else 0.9)
+            for b_t, b in zip(target.buffers(), online.buffers()):
+                b_t.data.copy_(b.data)
+    rec = replayer.open(path)
+    update = rec.step("Eq. 5@iter=1")  # (after the optimizer step that ends iteration 0)
+    assert {r.name for r in update.records if r.role == "output"} == {"after:args.0.0", "after:args.0.1"}
+    results = [replayer.replay(rec, s) for s in rec.steps if s.iteration < 3]  # (after the NaN: NaN stays NaN)
+    assert all(r.match for r in results), [(r.step.index, [d.summary() for d in r.outputs if not d.match])
+                                           for r in results if not r.match]
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is not None and (origin.step.name, origin.step.iteration) == ("polyak_through_data", 3)
+    last = replayer.replay(rec, [s for s in rec.steps if s.phase == "forward" and s.name == "Norm"][-1])
+    assert any(w.startswith("not compared: bn.running_mean, bn.running_var, bn.num_batches_tracked, which the "
+                            "call changed: no later call") for w in last.warnings), last.warnings
+
+
 @recorder.paper_step("Eq. 21", description="a step the user stopped with Ctrl-C")
 def interrupted(x: torch.Tensor, stop: bool) -> torch.Tensor:
     if stop:
