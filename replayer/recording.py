@@ -436,13 +436,27 @@ class StepTable:
             for name, iteration, call, phase in _readings(selector):  # the longest NAME first
                 exact = self._exactly(name)
                 if len(exact):
-                    return exact.filter(phase=phase or "forward", iteration=iteration, call=call)
+                    return exact._picked(phase or "forward", iteration, call)
         sel = parse_selector(selector)
-        table = self.filter(phase=sel.phase, iteration=sel.iteration, call=sel.call)
+        table = self._picked(sel.phase, sel.iteration, sel.call)
         if sel.name == ".":  # the root module: not a function step called outside every module (its path is "" too)
             table = StepTable(self.rec, table.rows[self.rec._modules[table.rows]])
         found = table._where_named(sel.matches_name)
         return found if len(found) else table._where_named(sel.matches_name, references=True)
+
+    def _picked(self, phase: str | None, iteration: int | None, call: int | None) -> StepTable:
+        """The steps of a selector's phase, iteration and call. A backward step is picked by its forward
+        call's (``Block@iter=0#2:backward``: the backward of ``Block@iter=0#2``), whichever iteration
+        its pass ran in: a graph kept across optimizer steps (a replay buffer's tensors) is
+        backpropagated in a later one, where another backward of the same call number may run too."""
+        if phase != "backward" or iteration is None:
+            return self.filter(phase=phase, iteration=iteration, call=call)
+        back = self.filter(phase="backward", call=call)
+        forward = np.asarray(self.rec.rank.column("steps/forward"))[back.rows].astype(np.int64)
+        iterations = np.asarray(self.rec.rank.column("steps/iteration"))
+        known = forward >= 0
+        of_call = np.where(known, iterations[np.where(known, forward, 0)], back.column("iteration"))
+        return StepTable(self.rec, back.rows[of_call == iteration])
 
     def _exactly(self, text: str) -> StepTable:
         """The steps whose name, paper label or module path is ``text`` (else: another of its paper
@@ -693,7 +707,11 @@ class Step:
         name = self.name
         if name[:1] in ("", "@", "#", ":") or name != name.strip():
             return str(self.index)
-        return f"{name}@iter={self.iteration}#{self.call}{':backward' if self.phase == 'backward' else ''}"
+        if self.phase != "backward":
+            return f"{name}@iter={self.iteration}#{self.call}"
+        forward = self.forward  # (a backward is named by its forward call: see StepTable._picked)
+        iteration = self.iteration if forward is None else self.rec.step(forward).iteration
+        return f"{name}@iter={iteration}#{self.call}:backward"
 
     def to_json(self) -> dict[str, Any]:
         """The step object of the JSON output (README, "Command line")."""

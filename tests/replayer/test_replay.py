@@ -1937,6 +1937,42 @@ def test_a_selectors_hint_lists_calls_and_iterations_that_have_gaps(tmp_path: Pa
         rec.step("Eq. 9@iter=8")
 
 
+@recorder.paper_step("Enc")
+class Enc(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(4))
+
+    def forward(self, o: torch.Tensor) -> torch.Tensor:
+        return o + self.bias
+
+
+def test_a_backward_is_selected_by_its_forward_call(tmp_path: Path) -> None:
+    """A replay buffer keeps an encoder's outputs attached to their graph, and iteration 3's loss
+    backpropagates through iteration 0's. That backward step ran in iteration 3, with its forward's
+    call number 0: `Enc@iter=3#0:backward` named it (not the backward of Enc@iter=3#0, which did not
+    run), and `Enc@iter=0#0:backward` was refused ("no backward pass reached it"). A backward is now
+    selected by its forward call's iteration and call, as its selector writes it."""
+    torch.manual_seed(0)
+    enc, head = Enc(), nn.Linear(4, 1)
+    optimizer = torch.optim.SGD([*enc.parameters(), *head.parameters()], lr=0.1)
+    kept = []
+    with recorder.record(tmp_path / "run.zarr", optimizer=optimizer):
+        for i in range(4):
+            kept.append(enc(torch.randn(4)))
+            sample = torch.zeros(4) if i == 0 else kept[0] if i == 3 else kept[-1]
+            head(sample).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    rec = replayer.open(tmp_path / "run.zarr")
+    late = rec.step("Enc@iter=0#0:backward")
+    assert (late.iteration, late.forward) == (3, rec.step("Enc@iter=0#0").index)
+    assert late.selector == "Enc@iter=0#0:backward" and rec.step(late.selector).index == late.index
+    with pytest.raises(StepNotFoundError, match="no backward pass reached it"):
+        rec.step("Enc@iter=3#0:backward")
+    assert replayer.replay(rec, late).match
+
+
 def test_selectors_of_evaluations_sparse_steps_and_the_root(tmp_path: Path) -> None:
     """An iteration inside a sparse step's span was answered "has iterations 3..9", as if it had it;
     a no-grad evaluation call's backward was said to be unused by the loss; ``.`` (the root module)
