@@ -413,6 +413,12 @@ class Run:
         the end, as every step of the run is then in iteration 0."""
         counter = self._optimizers
         passes = self._backward.passes
+        if counter is not None and counter.steps and counter.others_since > max(2, counter.steps):
+            capture.warn(f"iteration {self.session.iteration} holds the last {counter.others_since} steps of "
+                         f"{counter.other_name}, which numbers no iteration: iterations follow the first optimizer "
+                         f"that stepped ({counter.first_taken}, {counter.steps} steps), which stopped stepping; "
+                         "give the one whose steps should number them to recorder.record(optimizer=...) (README, "
+                         "\"How iterations are counted\")", stacklevel=3)
         if counter is None or counter.steps or self.session.iteration or passes < 2 or not self.session.next_index:
             return  # (a run that recorded no step is told what to name instead)
         why = ("no torch.optim optimizer stepped" if not counter.any_step else
@@ -685,8 +691,11 @@ class _OptimizerSteps:
         self.steps = 0  # steps that ended an iteration
         self.any_step = False
         self.first_name = type(optimizer).__name__
+        self.first_taken = self.first_name  # the class of the one counting now
         self.takeovers: list[tuple[int, str]] = []  # (the iteration its first step ended, class), the first 64
         self.takeover_count = 0
+        self.others_since = 0  # steps of optimizers that count nothing since the counted one's last step
+        self.other_name = ""
         if optimizer != "auto":
             self._take(optimizer)  # type: ignore[arg-type]
         self._handles = [optimizer_mod.register_optimizer_step_pre_hook(self._step_begins),
@@ -699,6 +708,7 @@ class _OptimizerSteps:
 
     def _take(self, optimizer: torch.optim.Optimizer) -> None:
         self._counted = weakref.ref(optimizer)
+        self.first_taken = type(optimizer).__name__
         self._n_params = -1
         self._know_params(optimizer)
 
@@ -740,11 +750,14 @@ class _OptimizerSteps:
             if self._counted is None:  # "auto": the first one to step counts
                 self._take(optimizer)
             elif not self._replaces(optimizer, hooked, wrapped):
+                self.others_since += 1
+                self.other_name = type(optimizer).__name__
                 return
         else:
             self._know_params(optimizer)
             self._since_takeover += 1
         self.steps += 1
+        self.others_since = 0
         self._run.next_iteration()
 
     def _replaces(self, optimizer: torch.optim.Optimizer, hooked: bool, wrapped: bool) -> bool:

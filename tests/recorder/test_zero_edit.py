@@ -298,6 +298,30 @@ class TestIterations:
                         "resumed optimizer), ended iteration 1 early, and later iterations are numbered one higher")
         assert "optimizer_replaced" not in RunReader(str(run_path)).rank(0).final
 
+    def test_an_optimizer_that_stops_while_another_steps_on_is_warned_of(self, run_path: Path) -> None:
+        """An auxiliary model warmed up by its own optimizer, which is the first to step and so numbers
+        the iterations, then stops; the policy's optimizer steps on: every later step falls into one
+        iteration, and nothing said so. A GAN's optimizers, stepping in turn, are not warned of."""
+        aux, policy = Net(), Net()
+        warm = torch.optim.Adam(aux.parameters(), lr=1e-3)
+        main = torch.optim.SGD(policy.parameters(), lr=1e-3)
+
+        def train(steps: list[torch.optim.Optimizer]) -> list[str]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with recorder.record(run_path.with_name(f"run{len(steps)}.zarr"), optimizer="auto", modules="blocks.*"):
+                    for opt in steps:
+                        (aux if opt is warm else policy)(torch.randn(3, 6)).backward()
+                        opt.step()
+                        opt.zero_grad()
+            return recorder_warnings(caught)
+
+        assert train([warm] * 2 + [main] * 5) == [
+            "iteration 2 holds the last 5 steps of SGD, which numbers no iteration: iterations follow the first "
+            "optimizer that stepped (Adam, 2 steps), which stopped stepping; give the one whose steps should number "
+            "them to recorder.record(optimizer=...) (README, \"How iterations are counted\")"]
+        assert train([warm, main] * 4) == []
+
     def test_a_hand_written_update_is_warned_of_at_the_end(self, run_path: Path) -> None:
         """No torch.optim optimizer steps: every step is in iteration 0, and the recording says so once,
         when it closes, with how to mark the iterations (it said nothing)."""
