@@ -160,9 +160,12 @@ _KEPT_BUFFER_BYTES = 1 << 16
 
 
 def _kept(t: torch.Tensor, limit: int) -> torch.Tensor | None:
-    if t.device.type != "cpu" or t.layout != torch.strided or t.numel() * t.element_size() > limit:
+    try:
+        if t.device.type != "cpu" or t.layout != torch.strided or t.numel() * t.element_size() > limit:
+            return None
+        return t.detach().clone()
+    except Exception:  # noqa: BLE001 - a tensor subclass that will not be copied: its version counter tells
         return None
-    return t.detach().clone()
 
 
 def _same_bits(kept: torch.Tensor | None, t: torch.Tensor) -> bool:
