@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder.errors import FormatError, PdbgError, RecordingError, ReplayError
+from recorder.errors import PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
@@ -42,12 +42,11 @@ def _column(rec: Recording, name: str) -> np.ndarray:
 
 def step_flags(rec: Recording) -> np.ndarray:
     """Per step: the ``steps/flags`` bits (layout.NONFINITE_RESULT, ...). Recordings before schema 1.2
-    have no flags column: its NaN/Inf bits are computed from the tensor statistics then."""
-    try:
-        return _column(rec, "flags")
-    except FormatError:
-        pass
+    (and the first 1.2 recordings) have no flags column: its NaN/Inf bits are computed from the tensor
+    statistics then. A recording whose schema has the column and lacks it is damaged, and says so."""
     rank = rec.rank
+    if rank.holds("steps/flags"):
+        return _column(rec, "flags")
     n = len(rec)
     flags = np.zeros(n, dtype=np.int8)
     if not n or not rank.lengths.get("tensors"):
@@ -73,10 +72,9 @@ def with_alerts(rec: Recording) -> np.ndarray:
     message): status ``alert``, or another status with alerts kept beside it (a ``nonfinite`` step
     whose watch broke too; flagged from schema 1.8 on)."""
     alert = _column(rec, "status") == layout.STATUSES.index("alert")
-    try:
-        return alert | ((_column(rec, "flags") & layout.ALERTS) != 0)
-    except FormatError:  # no flags column (before 1.2)
+    if not rec.rank.holds("steps/flags"):  # (before 1.2)
         return alert
+    return alert | ((_column(rec, "flags") & layout.ALERTS) != 0)
 
 
 def subtree(rec: Recording, index: int) -> list[int]:

@@ -576,8 +576,8 @@ def verify(args: argparse.Namespace) -> int:
     rec = _open(args.run, args.rank)
     for column in layout.columns():  # the step and tensor tables whole: a damaged column is refused at once,
         table = column.path.split("/")[0]  # whichever steps --sample picks
-        if table in ("steps", "tensors") and rec.rank.lengths.get(table):
-            rec.rank.column(column.path)
+        if table in ("steps", "tensors") and rec.rank.lengths.get(table) and rec.rank.holds(column.path):
+            rec.rank.column(column.path)  # (an older schema's recording lacks the arrays added since)
     kept = _kept(rec)
     skipped = len(rec) - len(kept)
     if not kept and not len(rec):

@@ -45,6 +45,10 @@ SCHEMA_VERSION = "1.13"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       REUSED_NOTE; 1.12: a collective's "sent" (NaN and Inf this rank sent into it);
 # 1.13: tag $mapping (dict subclasses: EasyDict-style configs, OrderedDict)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
+# Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
+# late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
+# from the tensor statistics: replayer.bisect.step_flags).
+REQUIRED_SINCE: dict[str, tuple[int, int]] = {"late/tensor": (1, 1), "late/payload": (1, 1), "steps/flags": (1, 3)}
 KINDS_SINCE = (1, 8)  # recordings of this schema or later tell NaN from Inf in steps/flags
 MAPPINGS_SINCE = (1, 13)  # recordings of this schema or later keep dict subclasses as $mapping
 CHECKSUM_KEY = "checksum"

@@ -466,6 +466,15 @@ class RankReader:
             raise FormatError(f"{self.run.label}: the manifest has no length for {path}; the manifest is damaged")
         return self.lengths[table]
 
+    def holds(self, path: str) -> bool:
+        """Whether the rank has array ``path``: always where its schema has it (a missing one is damage, which
+        reading it reports), else whether it was written (``layout.REQUIRED_SINCE``: a 1.0 recording has no
+        late/, the first 1.2 recordings no steps/flags)."""
+        since = layout.REQUIRED_SINCE.get(path)
+        if since is None or layout.parse_version(self.run.schema_version) >= since:
+            return True
+        return self._stored(f"{self.prefix}/{path}/zarr.json")
+
     def column(self, path: str) -> np.ndarray:
         """A whole committed column, e.g. ``column("steps/iteration")`` (read once, then cached)."""
         if path not in self._columns:

@@ -449,6 +449,32 @@ def test_verify_of_a_sample_refuses_a_damaged_step_table(gpt_run: Path, tmp_path
         pdbg_here("verify", str(damaged), "--sample", "2", cwd=tmp_path))
 
 
+def test_verify_reads_a_recording_made_before_steps_had_flags(tmp_path: Path) -> None:
+    """Recordings of schema 1.0, 1.1 and the first 1.2 have no steps/flags column (their flags are computed
+    from the tensor statistics): `pdbg verify` called every one of them damaged, exit 2, though info, replay and
+    bisect read them and the pdbg that wrote them verified them. A recording of a schema that has the column
+    and lacks it is still damaged."""
+    from tests.sealing import as_schema
+
+    path = tmp_path / "run.zarr"
+    record_training(path, 2, poison_at(1))
+    damaged = tmp_path / "damaged.zarr"
+    shutil.copytree(path, damaged)
+    with replayer.open(path) as rec:
+        n, origin = len(rec), replayer.first_nonfinite(rec).to_json()
+    assert origin["entered"] is not None
+    as_schema(path, "1.2", without=("steps/flags",))
+    res = pdbg_here("verify", str(path), cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith(f"{path}: {n} of {n} steps replayed bit for bit"), \
+        (res.stdout, res.stderr)
+    found = pdbg_here("bisect", str(path), "--json", cwd=tmp_path)
+    assert found.returncode != 2 and json.loads(found.stdout) == origin, found.stdout + found.stderr
+    as_schema(damaged, "1.5", without=("steps/flags",))
+    for command in ("verify", "bisect"):
+        assert "array steps/flags is missing; the recording is damaged" in one_line_error(
+            pdbg_here(command, str(damaged), cwd=tmp_path))
+
+
 def test_bad_input_gets_one_line_and_exit_code_2(gpt_run: Path, tmp_path: Path) -> None:
     assert "step 999 is out of range" in one_line_error(pdbg_here("replay", str(gpt_run), "999", cwd=tmp_path))
     assert "no step matches 'nothing@iter=1'" in one_line_error(
