@@ -390,7 +390,10 @@ def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], m
     run_attrs = {**rec.run_info, "bundle_of": str(rec.path)}
     if script is not None:
         run_attrs["script"] = script
-    writer = StoreWriter(backend.open_store(where, mode="w"), run_attrs=run_attrs, compression=codecs.parse(None))
+    # The recording's own schema version: what its documents hold is what that version recorded (a 1.12
+    # recording's dict subclasses are plain dicts), and a reader must read the bundle's as it reads the recording's.
+    writer = StoreWriter(backend.open_store(where, mode="w"), run_attrs=run_attrs, compression=codecs.parse(None),
+                         schema_version=rec.reader.schema_version)
     writer.create()
     new = {old: i for i, old in enumerate(rows)}
     cols = {name: np.asarray(rank.column(f"steps/{name}")) for name in

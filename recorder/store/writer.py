@@ -268,14 +268,15 @@ class StoreWriter:
     """Creates a run and appends steps, tensor records, payloads and documents to one rank."""
 
     def __init__(self, store: Store, *, run_attrs: dict[str, Any], compression: codecs.Compression,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, schema_version: str = layout.SCHEMA_VERSION) -> None:
         """Claim the store (rank 0: its root ``zarr.json``; rank k: its group ``rank<k>/zarr.json``);
-        ``create()`` lays out the rest.
+        ``create()`` lays out the rest. ``schema_version``: the version to stamp, another than this one's
+        only for a copy of an older recording's data (a bundle), which its readers must read as that.
 
         Split in two so that the training thread pays only for the claim: the ~50 files and
         directories of a rank's arrays are made by the writer thread (``create``), next to training.
         Ranks write disjoint files (rank 0 alone the root's), so they need no lock between them."""
-        self.store, self.rank = store, rank
+        self.store, self.rank, self.schema_version = store, rank, schema_version
         group_key = f"{layout.rank_group(rank)}/zarr.json"
         claim = "zarr.json" if rank == 0 else group_key
         where = "a zarr hierarchy" if rank == 0 else f"a recording of rank {rank}"
@@ -283,7 +284,7 @@ class StoreWriter:
             raise RecordingError(f"the store already holds {where}; record into a new, empty one")
         self._files = dict(_template(rank, compression))
         root_meta = json.loads(self._files.pop("zarr.json"))
-        ours = {"format": layout.FORMAT_NAME, "schema_version": layout.SCHEMA_VERSION,
+        ours = {"format": layout.FORMAT_NAME, "schema_version": schema_version,
                 "compression": compression.describe(), "run": run_attrs}
         if world_size > 1:
             ours["world_size"] = world_size
@@ -633,7 +634,7 @@ class StoreWriter:
         """Commit: the manifest with ``lengths`` (default: everything appended and flushed)."""
         self.seq += 1
         manifest = {
-            "format": "paperdebugger.manifest", "schema_version": layout.SCHEMA_VERSION,
+            "format": "paperdebugger.manifest", "schema_version": self.schema_version,
             "status": self.status, "seq": self.seq, "updated_unix": time.time(),
             "writer": self._identity, "dist": self.dist,
             "ranks": {str(self.rank): self.lengths() if lengths is None else lengths}, "info": self.info,

@@ -740,3 +740,48 @@ def test_a_bundle_of_another_format_is_refused(recorded: tuple[Path, Path], tmp_
     with pytest.raises(FormatError, match=r"bundle.json says it is a 'paperdebugger.bundle/2', which this "
                                           r"PaperDebugger does not read \(it reads 'paperdebugger.bundle'\); upgrade"):
         replayer.open(opened).bundle_info
+
+
+@recorder.paper_step("Eq. 9", description="the two halves of a projection, by name")
+def named_halves(x: torch.Tensor) -> Any:
+    from collections import OrderedDict
+
+    return OrderedDict(low=x[:, :2] * 2, high=torch.tanh(x[:, 2:]))
+
+
+def as_plain_dicts(doc: Any) -> Any:
+    """A document as schema 1.12 and older kept it: every dict subclass ($mapping) a plain dict of its items."""
+    if isinstance(doc, list):
+        return [as_plain_dicts(v) for v in doc]
+    if not isinstance(doc, dict):
+        return doc
+    if set(doc) == {"$mapping"}:
+        return {k: as_plain_dicts(v) for k, v in doc["$mapping"]["items"]}
+    return {k: as_plain_dicts(v) for k, v in doc.items()}
+
+
+def test_a_bundle_keeps_the_schema_version_of_its_recording(tmp_path: Path) -> None:
+    """A bundle was stamped with the schema of the pdbg that made it: a 1.12 step whose output was an
+    OrderedDict (kept as a plain dict before 1.13) replayed bit for bit from its recording and MISMATCH from its
+    bundle, read by 1.13's rules; a bundle of a newer minor's recording lost the warning that it is newer."""
+    from tests.sealing import as_schema, rewrite_docs
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        named_halves(torch.randn(3, 4))
+    rewrite_docs(path, lambda i, doc: as_plain_dicts(doc) if "$mapping" in json.dumps(doc) else None)
+    as_schema(path, "1.12")
+    rec = replayer.open(path)
+    assert replayer.replay(rec, 0).match
+    made = replayer.bundle(rec, 0, tmp_path / "old.pdbg", verify=True)
+    assert made.verified is True
+    with replayer.open(made.path) as bundled:
+        assert bundled.reader.schema_version == "1.12" and replayer.replay(bundled, 0).match
+
+    newer = f"{layout.SCHEMA_MAJOR}.{layout.parse_version(layout.SCHEMA_VERSION)[1] + 1}"
+    as_schema(path, newer)
+    with pytest.warns(recorder.RecorderWarning, match=f"schema {newer}"):
+        made = replayer.bundle(replayer.open(path), 0, tmp_path / "newer.pdbg")
+    with pytest.warns(recorder.RecorderWarning, match=f"newer.pdbg was written by a newer PaperDebugger "
+                                                      fr"\(schema {newer}"):
+        assert replayer.open(made.path).reader.schema_version == newer
