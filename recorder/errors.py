@@ -32,6 +32,15 @@ class ChecksumError(FormatError):
     """Bytes read from the recording are not the bytes recorded: their checksum does not match."""
 
 
+class UnknownTagError(FormatError):
+    """A document holds a tag this PaperDebugger does not know: damage, or (in a recording of a newer minor
+    schema) something the newer version added, which a replay then refuses for that step alone."""
+
+    def __init__(self, message: str, tag: str) -> None:
+        super().__init__(message)
+        self.tag = tag
+
+
 class SchemaVersionError(FormatError):
     """The recording was written by a newer, incompatible PaperDebugger."""
 
@@ -53,6 +62,16 @@ class AlreadyRecording(RecordingError):
 
 class ReplayError(PdbgError, RuntimeError):
     """A step cannot be replayed: its code cannot be found, or something it needs was not recorded."""
+
+
+class NewerSchemaError(ReplayError):
+    """A step of a newer minor schema's recording holds what that schema added, which this PaperDebugger
+    cannot read (an unknown tag or tensor role): that step is not replayed here; the others are.
+    ``reason``: the message without the step, for a list of steps."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class NotOnThisMachine(ReplayError):

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from .errors import FormatError
+from .errors import FormatError, UnknownTagError
 
 TensorNamer = Callable[[Any, str], str | None]
 _BIGINT_BITS = 13000  # ~3900 decimal digits: below CPython's 4300-digit int/str conversion limit
@@ -392,8 +392,10 @@ class _Decoder:
         if len(doc) != 1:
             _fail(f"a tag object must have exactly one key, not {list(doc)!r:.60}")
         ((tag, payload),) = doc.items()
-        handler = _TAGS.get(tag) or _fail(f"unknown tag {tag!r:.60} (written by a newer PaperDebugger? upgrade "
-                                          "paperdebugger)")
+        handler = _TAGS.get(tag)
+        if handler is None:
+            raise UnknownTagError(f"malformed argument document: unknown tag {tag!r:.60} (written by a newer "
+                                  "PaperDebugger? upgrade paperdebugger); the recording is damaged", str(tag))
         try:
             return handler(self, tag, payload)
         except (TypeError, ValueError, OverflowError, RuntimeError) as exc:

@@ -856,7 +856,7 @@ class _Prints:
     def of(self, index: int) -> dict[tuple[str, str], _Print]:
         a, b = int(self.start[index]), int(self.start[index]) + int(self.count[index])
         kinds = [(r.dtype, r.shape) for r in self.rec.rank.tensor_records(index)] if b > a else []
-        return {(layout.ROLES[int(r)], str(nm)): _Print((int(c[0]), int(c[1])) if exact else None,
+        return {(layout.role_name(int(r)), str(nm)): _Print((int(c[0]), int(c[1])) if exact else None,
                                                         (int(p[0]), int(p[1])), kind)
                 for r, nm, c, p, exact, kind in zip(self.view.roles[a:b], self.view.names[a:b], self.content[a:b],
                                                     self.stats[a:b], self.exact[a:b], kinds)}

@@ -431,7 +431,7 @@ def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], m
                 hi, lo = (int(v) for v in hashes[r.payload])
                 pid = writer.payload((hi, lo, unit), np.asarray(units))
                 kept.add(r.payload)
-            columns["role"].append(layout.ROLES.index(r.role))
+            columns["role"].append(layout.role_value(r.role))
             columns["name"].append(writer.doc(r.name))
             columns["dtype"].append(writer.doc(r.dtype))
             columns["device"].append(writer.doc(r.device))

@@ -211,7 +211,7 @@ def step(s: Step) -> str:
             ("inside step", s.parent), ("forward call", s.forward), ("code", where),
             ("exception", _exception(extra.get("exception")))]
     notes = [_alert(a) for a in extra.get("alerts") or []] + [str(x) for x in extra.get("notes") or []]
-    records = sorted(s.records, key=lambda r: layout.ROLES.index(r.role))
+    records = sorted(s.records, key=lambda r: layout.role_value(r.role))
     tensors = table(("role", "name", "dtype", "shape", "min", "max", "mean", "std", "NaN", "Inf", "kept"),
                     [_tensor_row(r) for r in records[:TENSORS]], numeric=range(4, 10),
                     more=len(records) - TENSORS, what="tensors (step.records lists them all)")

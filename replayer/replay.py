@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from recorder import capture, jsonval, snapshot
-from recorder.errors import NotOnThisMachine, PdbgError, ReplayError, brief
+from recorder.errors import NewerSchemaError, NotOnThisMachine, PdbgError, ReplayError, UnknownTagError, brief
 from recorder.payload import dtype_name, overlaps_itself
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
@@ -133,10 +133,16 @@ class Replayer:
                               "backward: it is not replayed; replay the module it wraps (the steps at "
                               f"{join_path(step.module_path, 'module')}), recorded with --modules or as paper steps")
         self._around = around or _no_context
+        self._newer_than_this(step)
         self.plan = self._plan(step, swap, edit, settings, seed)
         backward = step.phase == "backward"
-        with state.neutral({**step.settings, **self.plan.settings}), self.loader.sources():
-            result = self._backward(step, threads, nested) if backward else self._forward(step, threads, nested)
+        try:
+            with state.neutral({**step.settings, **self.plan.settings}), self.loader.sources():
+                result = self._backward(step, threads, nested) if backward else self._forward(step, threads, nested)
+        except UnknownTagError as exc:
+            if not self.rec.reader.newer:  # a tag no version wrote: damage
+                raise
+            raise self._too_new(step, f"holds the tag {exc.tag!r:.60}") from None
         result.warnings.extend(self.plan.notes)
         for unused in [c.key for c in self.plan.edits if not c.used] + [s.key for s in self.plan.swaps if not s.used]:
             result.warnings.append(f"{unused}: matched nothing that ran during the replay")
@@ -154,6 +160,23 @@ class Replayer:
         result.warnings.extend(self.loader.notes)
         self.loader.notes.clear()
         return result
+
+    def _newer_than_this(self, step: Step) -> None:
+        """Refuse a step of a newer minor schema's recording that holds what that schema added and this one
+        cannot read (a tensor role; tags are found as they are decoded): that step alone, naming it."""
+        if not self.rec.reader.newer:
+            return
+        fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
+        unknown = sorted({r.role for s in {step, fwd} for r in s.records if r.role.startswith(layout.UNKNOWN_ROLE)})
+        if unknown:
+            raise self._too_new(step, f"holds tensor records of a role this PaperDebugger does not know "
+                                      f"({', '.join(unknown)})")
+
+    def _too_new(self, step: Step, what: str) -> NewerSchemaError:
+        """Why a step of a newer minor schema's recording cannot be replayed here: ``what`` it holds."""
+        reason = (f"{what}: a newer PaperDebugger recorded it (schema {self.rec.reader.schema_version}; this one "
+                  f"reads {layout.SCHEMA_VERSION}), and this one cannot replay it; upgrade paperdebugger to replay it")
+        return NewerSchemaError(f"step {step.index} ({step.name}) {reason}", f"the step {reason}")
 
     def _plan(self, step: Step, swap: dict[str, Any] | None, edit: dict[str, Any] | None,
               settings: dict[str, Any] | None, seed: int | None) -> intervene.Plan:

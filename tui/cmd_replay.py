@@ -594,7 +594,7 @@ def verify(args: argparse.Namespace) -> int:
         try:
             result = replayer.replay(step, threads=args.threads, nested=False)
         except ReplayError as exc:  # what a replay cannot do, and says why: not a difference found
-            refused.append({"step": step.to_json(), "reason": str(exc)})
+            refused.append({"step": step.to_json(), "reason": getattr(exc, "reason", None) or str(exc)})
         else:
             environment += [d for d in result.environment_differences if d not in environment]
             if not result.compared:  # nothing it could check: not a match

@@ -22,7 +22,6 @@ from replayer.bisect import Condition, describe, meant_inf, with_alerts
 from replayer.recording import Recording, Step, algorithm_of, paper_of
 
 STATUS_STYLE = {"ok": "green", "alert": "yellow", "nonfinite": "bold red", "exception": "bold magenta"}
-ROLE_ORDER = {role: i for i, role in enumerate(layout.ROLES)}
 
 
 def up_the_parents(parent: np.ndarray, first: np.ndarray, combine: Any) -> np.ndarray:
@@ -397,7 +396,7 @@ class StepView:
 def step_view(step: Step) -> StepView:
     definition = step.definition
     tensors = [TensorRow(r.role, r.name, "×".join(str(d) for d in r.shape) or "scalar", r.dtype, r.stats,
-                         r.nonfinite, r) for r in sorted(step.records, key=lambda r: ROLE_ORDER[r.role])]
+                         r.nonfinite, r) for r in sorted(step.records, key=lambda r: layout.role_value(r.role))]
     extra = step.extra
     notes = []
     exc = extra.get("exception")

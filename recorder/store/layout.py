@@ -185,6 +185,20 @@ ROLES: tuple[str, ...] = (
     "input", "output", "param", "buffer", "grad_output", "grad_input", "param_grad", "watch",
     "collective",  # schema 1.4: what a torch.distributed collective inside the step returned
 )
+UNKNOWN_ROLE = "unknown role"  # a role a newer minor schema added: "unknown role 9"
+
+
+def role_name(index: int) -> str:
+    """A tensor record's role by its value: one of ROLES, or ``UNKNOWN_ROLE`` and the value for one that a
+    newer minor schema added (the reader refuses such values in a recording of this schema or older)."""
+    return ROLES[index] if 0 <= index < len(ROLES) else f"{UNKNOWN_ROLE} {index}"
+
+
+def role_value(name: str) -> int:
+    """The value of a role ``role_name`` gave (a copy keeps a role a newer minor schema added)."""
+    return ROLES.index(name) if name in ROLES else int(name.removeprefix(UNKNOWN_ROLE))
+
+
 PHASES: tuple[str, ...] = ("forward", "backward")
 # A step's results by phase (role indices): NaN or Inf in one of these makes the step ``nonfinite``;
 # in its inputs, parameters or grad outputs it came from somewhere else.

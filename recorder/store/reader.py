@@ -120,7 +120,9 @@ class RunReader:
         """``storage_options``: a URL's fsspec options (see ``backend.open_store``)."""
         self.target = target
         self.label = backend.describe(target)
-        self._told_newer = False  # a newer minor schema is warned of once
+        # What a newer minor schema's warning said (once), or None: the TUI shows it, and a replay refuses the
+        # steps that hold what the newer schema added (unknown tags and tensor roles) instead of calling them damage.
+        self.newer: str | None = None
         if not isinstance(target, zarr.abc.store.Store) and not backend.is_url(target) and \
                 not Path(backend.local_path(target)).exists():
             raise NotARecordingError(f"{self.label}: no such file or directory; give the path of a recording "
@@ -205,13 +207,13 @@ class RunReader:
         except ValueError:
             raise FormatError(f"{self.label}: {where} has an invalid schema version {version!r}") from None
         if major == layout.SCHEMA_MAJOR and minor > layout.parse_version(layout.SCHEMA_VERSION)[1] and \
-                not self._told_newer:
+                self.newer is None:
             from recorder.capture import warn
 
-            self._told_newer = True
-            warn(f"{self.label} was written by a newer PaperDebugger (schema {version}; this one reads "
-                 f"{layout.SCHEMA_VERSION}): what the newer schema added is not read, and an answer may differ "
-                 "from the newer version's; upgrade paperdebugger", stacklevel=3)
+            self.newer = (f"{self.label} was written by a newer PaperDebugger (schema {version}; this one reads "
+                          f"{layout.SCHEMA_VERSION}): what the newer schema added is not read, and an answer may "
+                          "differ from the newer version's; upgrade paperdebugger")
+            warn(self.newer, stacklevel=3)
         if major > layout.SCHEMA_MAJOR:
             raise SchemaVersionError(
                 f"{self.label} uses schema {version}, newer than this PaperDebugger reads "
@@ -593,6 +595,8 @@ class RankReader:
         if bound is None or not len(values):
             return
         low, high = bound
+        if path == "tensors/role" and self.run.newer:  # a role a newer minor added (as 1.4 added collective)
+            high = None
         limit = self._length_of(high) if isinstance(high, str) else high
         bad = values < low if limit is None else (values < low) | (values >= limit)
         if bad.any():
@@ -708,7 +712,7 @@ class RankReader:
                 raise FormatError(f"{self.run.label}: tensor record {row} has a shape past the committed data "
                                   "or with negative sizes; the recording is damaged")
             out.append(TensorRecord(
-                row=row, step=int(cols["step"][i]), role=layout.ROLES[int(cols["role"][i])],
+                row=row, step=int(cols["step"][i]), role=layout.role_name(int(cols["role"][i])),
                 name=self._text(int(cols["name"][i]), "name", row),
                 dtype=self._text(int(cols["dtype"][i]), "dtype", row),
                 device=self._text(int(cols["device"][i]), "device", row), requires_grad=bool(cols["requires_grad"][i]),

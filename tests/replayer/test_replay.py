@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zarr
 from torch import nn
 
 import recorder
@@ -350,6 +351,7 @@ def test_editing_the_source_after_recording_is_reported_as_drift(tmp_path: Path)
 CHILD_SCRIPT = """
 import sys
 import torch
+import zarr
 from torch import nn
 import recorder
 
@@ -473,6 +475,58 @@ def test_verify_reads_a_recording_made_before_steps_had_flags(tmp_path: Path) ->
     for command in ("verify", "bisect"):
         assert "array steps/flags is missing; the recording is damaged" in one_line_error(
             pdbg_here(command, str(damaged), cwd=tmp_path))
+
+
+def test_a_newer_minor_recording_that_uses_something_new_is_refused_step_by_step(tmp_path: Path) -> None:
+    """A recording of a newer minor schema that uses what it added (a tag in a document, as 1.13 added
+    $mapping; a tensor role, as 1.4 added collective) stopped `pdbg verify` at the first such step, exit 2, and
+    called the recording damaged. Those steps are not replayable by this version, which says so and to upgrade;
+    verify goes on with the others. In a recording of this version, the same is damage."""
+    from tests.sealing import as_schema, rewrite_docs
+
+    made = tmp_path / "made.zarr"
+    record_training(made, 1)
+    newer = f"{layout.SCHEMA_MAJOR}.{layout.parse_version(layout.SCHEMA_VERSION)[1] + 1}"
+    for version in (newer, layout.SCHEMA_VERSION):
+        path = tmp_path / f"{version}.zarr"
+        shutil.copytree(made, path)
+        rewrite_docs(path, lambda i, doc: json.loads(json.dumps(doc).replace('"$tuple"', '"$tupl2"'))
+                     if '"$tuple"' in json.dumps(doc) else None)  # in the Blocks' skeletons (LayerNorm's shape)
+        as_schema(path, version)
+        if version != newer:
+            assert one_line_error(pdbg_here("verify", str(path), cwd=tmp_path)).endswith(
+                "unknown tag '$tupl2' (written by a newer PaperDebugger? upgrade paperdebugger); the recording is "
+                "damaged")
+        roles = zarr.open_group(path / "rank0", mode="r+")["tensors/role"]
+        roles[roles.shape[0] - 1] = len(layout.ROLES)  # the last step's last record
+        if version != newer:
+            assert f"holds {len(layout.ROLES)} (allowed: 0..{len(layout.ROLES) - 1}); the recording is damaged" in \
+                one_line_error(pdbg_here("verify", str(path), cwd=tmp_path))
+            continue
+        with pytest.warns(recorder.RecorderWarning):
+            rec = replayer.open(path)
+        blocks = rec.steps.filter(name="Block")
+        last = rec.step(len(rec) - 1)
+        assert last.name != "Block" and last.records[-1].role == f"unknown role {len(layout.ROLES)}"
+        from replayer import notebook
+        from tui import views
+
+        assert views.step_view(last).tensors[-1].role == last.records[-1].role and notebook.step(last)
+        with pytest.warns(recorder.RecorderWarning):  # (the bundle too is of the newer schema)
+            bundled = replayer.bundle(rec, last, tmp_path / f"{version}.pdbg")
+            assert replayer.open(bundled.path).main_step.records[-1].role == last.records[-1].role
+        res = pdbg_here("verify", str(path), "--json", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        doc = json.loads(res.stdout)
+        upgrade = (f": a newer PaperDebugger recorded it (schema {newer}; this one reads {layout.SCHEMA_VERSION}), "
+                   "and this one cannot replay it; upgrade paperdebugger to replay it")
+        assert {m["step"]["index"]: m["reason"] for m in doc["not_replayed"]} == {
+            **{int(i): f"the step holds the tag '$tupl2'{upgrade}" for i in blocks.column("index")},
+            last.index: f"the step holds tensor records of a role this PaperDebugger does not know (unknown role "
+                        f"{len(layout.ROLES)}){upgrade}"}
+        assert doc["replayed"] == doc["matched"] == len(rec) - len(blocks) - 1 and not doc["mismatches"]
+        assert one_line_error(pdbg_here("replay", str(path), str(int(blocks.column("index")[0])), cwd=tmp_path)) == (
+            f"pdbg: error: step {int(blocks.column('index')[0])} (Block) holds the tag '$tupl2'{upgrade}")
 
 
 def test_bad_input_gets_one_line_and_exit_code_2(gpt_run: Path, tmp_path: Path) -> None:
@@ -922,6 +976,7 @@ def test_verify_tells_steps_it_cannot_replay_from_differences(tmp_path: Path) ->
 SETTING_SCRIPT = '''
 import sys
 import torch
+import zarr
 import recorder
 
 torch.set_num_threads(1)  # top-level settings, as training scripts have them
@@ -1522,6 +1577,7 @@ UNGUARDED_ARGV = """
 import os
 import sys
 import torch
+import zarr
 import recorder
 
 out = sys.argv[1] if "PDBG_TEST_OUT" not in os.environ else os.environ["PDBG_TEST_OUT"]
