@@ -711,6 +711,8 @@ class PdbgApp(App[None]):
         text = Text("? every key · ctrl+p actions · g the NaN origin · r replay", style="dim")
         if why:
             text = Text.assemble((f"{self.rec.status}, ended by: {why}\n", "yellow"), text)
+        if self.rec.reader.newer:  # (its warning went to the terminal just before the app took the screen)
+            text = Text.assemble((self.rec.reader.newer + "\n", "yellow"), text)
         if self.notice:
             text = Text.assemble((self.notice + "\n", "red"), text)
         self.set_panel(text)

@@ -471,6 +471,29 @@ def test_clicking_a_row_moves_the_cursor_and_at_a_bad_step_still_opens(nan_path:
     asyncio.run(main())
 
 
+def test_a_newer_minor_recording_says_so_inside_the_app(nan_path: Path, tmp_path: Path) -> None:
+    """`pdbg RUN` on a recording of a newer minor schema: its warning went to the terminal just before the
+    full-screen app took it, and nothing in the app said that answers may differ from the newer version's."""
+    from recorder.store import layout
+    from tests.sealing import as_schema
+
+    path = tmp_path / "newer.zarr"
+    shutil.copytree(nan_path, path)
+    newer = f"{layout.SCHEMA_MAJOR}.{layout.parse_version(layout.SCHEMA_VERSION)[1] + 1}"
+    as_schema(path, newer)
+    with pytest.warns(recorder.RecorderWarning):
+        app = open_app(str(path))
+    assert isinstance(app, PdbgApp)
+
+    async def main() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            assert f"{path} was written by a newer PaperDebugger (schema {newer}; this one reads " \
+                   f"{layout.SCHEMA_VERSION}): what the newer schema added is not read" in panel(app)
+
+    asyncio.run(main())
+
+
 def test_a_crashed_run_says_what_ended_it_and_export_refuses_an_existing_path(tmp_path: Path) -> None:
     path = tmp_path / "crashed.zarr"
     model = nanmodels.Scaled(4)
