@@ -913,9 +913,10 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     keys_b = {k: i for i, k in enumerate(_keys(rec_b))}
     pairs = [(i, keys_b.get(k)) for i, k in enumerate(keys_a)]
     common = sum(j is not None for _, j in pairs)
+    counted = _counted_otherwise(rec_a, rec_b) if common < max(len(pairs), len(keys_b)) else ""
     if not common:
         raise RecordingError("the two recordings have no steps in common (same iteration, module path, phase, call "
-                             "and name); compare two runs of the same model")
+                             f"and name){counted}; compare two runs of the same model")
     pa, pb = _Prints(rec_a), _Prints(rec_b)
     root: dict[int, str] = {}
     result = Divergence(None, None, "", compared=common)
@@ -948,10 +949,10 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
                               for n, which in ((only_a, "this run"), (only_b, "the other")) if n)
             result.cause = (f"no divergence: the {common} step{'s' if common != 1 else ''} the runs have in common "
                             f"match" + (f" ({apart}: a run longer than the other, or steps recorded in one only)"
-                                        if apart else ""))
+                                        if apart else "") + counted)
         else:
             result.cause = (f"the results first differ at {describe(result.first_difference)}, but its inputs differ "
-                            f"too: {outside or 'they came from outside every recorded step'}")
+                            f"too: {outside or 'they came from outside every recorded step'}" + counted)
             result.followed = _followers(pairs, result.first_difference.index, pa, pb, rec_a, rec_b)
         return result
     index = result.step.index
@@ -973,6 +974,20 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     result.cause = f"{describe(result.step)}: {root[index]}"
     result.followed = _followers(pairs, result.first_difference.index, pa, pb, rec_a, rec_b)
     return result
+
+
+def _counted_otherwise(rec_a: Recording, rec_b: Recording) -> str:
+    """Why steps may not pair, where a run's call numbers count otherwise than the other's: a recording
+    before 1.10 whose calls could not be counted anew (``RankReader.old_calls``); "" where they count alike."""
+    olds = [rec_a.rank.old_calls, rec_b.rank.old_calls]
+    if olds[0] is not None and olds[1] is not None and olds[0].split(" (")[0] == olds[1].split(" (")[0]:
+        return ""
+    for old, which in zip(olds, ("this run", "the other run")):
+        if old is not None:
+            return (f"; {which} numbers the calls of a step {old}, and its steps do not hold every call its "
+                    "recorder counted, so they cannot be numbered anew: calls of one step in several places do not "
+                    "pair; record it again with this version to compare them")
+    return ""
 
 
 def _followers(pairs: list[tuple[int, int | None]], after: int, pa: _Prints, pb: _Prints, rec_a: Recording,

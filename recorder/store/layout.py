@@ -50,6 +50,9 @@ CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every ch
 # from the tensor statistics: replayer.bisect.step_flags).
 REQUIRED_SINCE: dict[str, tuple[int, int]] = {"late/tensor": (1, 1), "late/payload": (1, 1), "steps/flags": (1, 3)}
 KINDS_SINCE = (1, 8)  # recordings of this schema or later tell NaN from Inf in steps/flags
+# Recordings of this schema or later count steps/call as the recorder does now (per name, paper label and
+# code, in the iteration); 1.2 to 1.9 counted per name, 1.0 and 1.1 per name and module path.
+CALLS_SINCE = (1, 10)
 MAPPINGS_SINCE = (1, 13)  # recordings of this schema or later keep dict subclasses as $mapping
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1

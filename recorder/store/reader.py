@@ -406,6 +406,7 @@ class RankReader:
         self._chunks: dict[tuple[str, int, int], np.ndarray] = {}  # (path, chunk, end row): rows, oldest first
         self._chunk_bytes = 0
         self._docs: dict[int, Any] = {}
+        self._old_calls: str | None = None
 
     def __len__(self) -> int:
         return self.lengths["steps"]
@@ -478,10 +479,68 @@ class RankReader:
         return self._stored(f"{self.prefix}/{path}/zarr.json")
 
     def column(self, path: str) -> np.ndarray:
-        """A whole committed column, e.g. ``column("steps/iteration")`` (read once, then cached)."""
+        """A whole committed column, e.g. ``column("steps/iteration")`` (read once, then cached). The
+        ``steps/call`` of a recording before schema 1.10 is counted as 1.10 counts it (``old_calls``)."""
         if path not in self._columns:
-            self._columns[path] = self._read(path, 0, self._length_of(path))
+            values = self._read(path, 0, self._length_of(path))
+            if path == "steps/call" and self._counts_calls_otherwise:
+                values = self._renumbered(values)
+            self._columns[path] = values
         return self._columns[path]
+
+    @property
+    def old_calls(self) -> str | None:
+        """How ``steps/call`` counts where it could not be counted anew (a recording before 1.10 whose step
+        table lacks calls its recorder counted: ``_renumbered``), for a message; None where it counts as now."""
+        if self._counts_calls_otherwise:
+            self.column("steps/call")
+        return self._old_calls
+
+    @cached_property
+    def _counts_calls_otherwise(self) -> bool:
+        """Whether this rank's ``steps/call`` was counted by an older rule than the recorder's now: a
+        recording before 1.10 (a bundle holds its calls as its recording's reader gave them)."""
+        return layout.parse_version(self.run.schema_version) < layout.CALLS_SINCE and not self.final.get("bundle")
+
+    def _renumbered(self, recorded: np.ndarray) -> np.ndarray:
+        """The calls of a recording before 1.10 (``recorded``) counted as 1.10 counts them: a forward step's,
+        the forward calls before it in its iteration of the same name, paper label and code (its definition
+        document); a backward step's, its forward's. Exact where every call the old recorder counted is a
+        step of the table, which the recorded numbers are checked to show; otherwise they are kept, and
+        ``old_calls`` says how they count."""
+        self._old_calls = None
+        if not len(recorded):
+            return recorded
+        cols = {c: np.asarray(self.column(f"steps/{c}")) for c in
+                ("iteration", "name", "definition", "module_path", "phase", "forward")}
+        for c in ("name", "definition", "module_path"):  # by content (a writer's cache of documents is bounded)
+            ids, inverse = np.unique(cols[c], return_inverse=True)
+            texts = [json.dumps(self.doc(int(i)), sort_keys=True) for i in ids]
+            cols[c] = np.unique(texts, return_inverse=True)[1].reshape(-1)[inverse.reshape(-1)]
+        forward = cols["phase"] == 0
+
+        def counts(keys: tuple[str, ...]) -> np.ndarray:  # per forward step: those before it with its keys
+            _, group = np.unique(np.stack([cols[k][forward] for k in keys], axis=1), axis=0, return_inverse=True)
+            group = group.reshape(-1)
+            order = np.argsort(group, kind="stable")
+            starts = np.searchsorted(group[order], group[order])
+            out = np.empty(len(group), np.int64)
+            out[order] = np.arange(len(group)) - starts
+            return out
+
+        old = (("iteration", "name", "module_path") if layout.parse_version(self.run.schema_version) < (1, 2)
+               else ("iteration", "name"))
+        backward = np.flatnonzero(~forward)
+        source = cols["forward"][backward]
+        if not (np.array_equal(recorded[forward], counts(old)) and np.all(source >= 0)
+                and np.array_equal(recorded[backward], recorded[source])):
+            self._old_calls = ("per step name and module path" if len(old) == 3 else "per step name") + \
+                f" (schema {self.run.schema_version}; since 1.10, per name, paper label and code)"
+            return recorded
+        out = recorded.astype(np.int32)
+        out[forward] = counts(("iteration", "name", "definition"))
+        out[backward] = out[source]
+        return out
 
     def _array(self, path: str) -> Any:
         """One array, opened once (opening reads its metadata) and checked against the layout."""
@@ -657,8 +716,8 @@ class RankReader:
         length = self._length_of(path)
         if not 0 <= start <= stop <= length:
             raise FormatError(f"{self.run.label}: rows {start}:{stop} of {path} are past the committed data")
-        if path in self._columns:
-            return self._columns[path][start:stop]
+        if path in self._columns or (path == "steps/call" and self._counts_calls_otherwise):  # (counted whole)
+            return self.column(path)[start:stop]
         if stop == start:
             return self._read(path, start, stop)
         per = self._array(path).chunks[0]

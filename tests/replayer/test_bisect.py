@@ -295,6 +295,85 @@ def test_divergence_names_the_changed_module_not_its_successors(two_runs: tuple[
     assert same.returncode == 0 and same.stdout.startswith("no divergence")
 
 
+def as_schema_1_0(source: Path, path: Path) -> None:
+    """A copy of a recording made now as schema 1.0 numbered its calls: per step name and module path in the
+    iteration (the two Blocks of an iteration were each call 0; now calls 0 and 1)."""
+    import zarr
+
+    from tests.sealing import as_schema
+
+    shutil.copytree(source, path)
+    rec = replayer.open(path)
+    table = rec.steps
+    keys = zip(*(table.column(c).tolist() for c in ("iteration", "name", "module_path", "phase", "forward")))
+    calls: list[int] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    for iteration, name, module_path, phase, forward in keys:
+        if phase == 1:
+            calls.append(calls[forward])
+            continue
+        key = (iteration, name, module_path)
+        calls.append(seen.get(key, 0))
+        seen[key] = calls[-1] + 1
+    column = zarr.open_group(path / "rank0", mode="r+")["steps/call"].with_config({"write_empty_chunks": True})
+    column[:] = np.asarray(calls, np.int32)  # (all 0: zarr would drop the chunk)
+    as_schema(path, "1.0")
+
+
+def test_runs_pair_with_a_recording_that_numbered_calls_per_module_path(two_runs: tuple[Path, Path],
+                                                                       tmp_path: Path) -> None:
+    """Before schema 1.2 a call counted the calls of a step name in one module path: `bisect --against` such a
+    recording paired the second Block of an iteration (call 1 now, call 0 then) with nothing, reported a false
+    "steps only in this run", and named the wrong step; `Block@iter=2#1` matched nothing. A reader counts them
+    as the recorder does now, where the steps hold every call (they do); a bundle keeps them so counted."""
+    a, b = two_runs
+    old_a, old_b = tmp_path / "old_a.zarr", tmp_path / "old_b.zarr"
+    as_schema_1_0(a, old_a)
+    as_schema_1_0(b, old_b)
+    raw = zarr_calls(old_a)
+    assert raw.max() == 0 and (replayer.open(old_a).steps.column("call") == replayer.open(a).steps.column("call")).all()
+    rec_a = replayer.open(a)
+    same = replayer.first_divergence(rec_a, replayer.open(old_a))
+    assert same.step is None and same.cause == f"no divergence: the {len(rec_a)} steps the runs have in common match"
+    div = replayer.first_divergence(rec_a, replayer.open(old_b))
+    assert div.step is not None and (div.step.name, div.step.module_path, div.step.iteration) == (
+        "Attention", "h.1.attn", 5) and "proj.weight differs" in div.cause
+    old = replayer.open(old_a)
+    assert old.step("Block@iter=2#1").module_path == "h.1" and old.step("Block@iter=2#1").call == 1
+    made = replayer.bundle(old, "Block@iter=2#1", tmp_path / "old.pdbg")
+    with replayer.open(made.path) as bundled:
+        assert bundled.reader.schema_version == "1.0" and bundled.main_step.call == 1
+        assert bundled.bundle_info["origin"]["step"]["call"] == 1
+
+
+def zarr_calls(path: Path) -> np.ndarray:
+    """The call numbers as stored, not as the reader counts them."""
+    import zarr
+
+    return np.asarray(zarr.open_group(path / "rank0", mode="r")["steps/call"][:])
+
+
+def test_calls_that_cannot_be_counted_anew_say_why_steps_do_not_pair(two_runs: tuple[Path, Path],
+                                                                     tmp_path: Path) -> None:
+    """A recording before 1.10 whose steps do not hold every call its recorder counted (its call numbers do
+    not follow from its steps) keeps its numbers; a comparison that leaves steps unpaired says why."""
+    import zarr
+
+    a, _ = two_runs
+    old = tmp_path / "old.zarr"
+    as_schema_1_0(a, old)
+    calls = zarr.open_group(old / "rank0", mode="r+")["steps/call"]
+    last = calls.shape[0] - 1
+    calls[last] = int(calls[last]) + 1  # a backward step whose call is not its forward's
+    div = replayer.first_divergence(replayer.open(a), replayer.open(old))
+    assert div.cause.endswith(
+        "; the other run numbers the calls of a step per step name and module path (schema 1.0; since 1.10, per "
+        "name, paper label and code), and its steps do not hold every call its recorder counted, so they cannot "
+        "be numbered anew: calls of one step in several places do not pair; record it again with this version "
+        "to compare them"), div.cause
+    assert (replayer.open(old).steps.column("call") == zarr_calls(old)).all()
+
+
 def record_mlp(path: Path, mode: str, shift: int, bump: int | None = None, other_batch: int | None = None) -> None:
     """Six iterations of the same deterministic training (two Linear(300, 300) + tanh steps: 360 KB
     weights, lengths past whole vectors) in ``mode``; ``shift`` bytes allocated and held at each
