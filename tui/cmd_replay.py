@@ -536,7 +536,7 @@ def _progress(done: int, total: int) -> None:
     err.flush()
 
 
-def _kept(rec: Any) -> list[int]:
+def _kept(rec: Any) -> tuple[list[int], int]:
     """The steps whose tensors a replay starts from were kept (their inputs, parameters and
     buffers; a backward step's grad outputs and its forward's): flight mode keeps its ring's."""
     rank, n = rec.rank, len(rec)
@@ -561,7 +561,7 @@ def _kept(rec: Any) -> list[int]:
     backward = (rank.column("steps/phase") == 1) & (forward >= 0)
     kept = own.copy()
     kept[backward] &= own[forward[backward]]
-    return np.flatnonzero(kept).tolist()
+    return np.flatnonzero(kept).tolist(), int((own & ~kept).sum())
 
 
 _ALIKE_LISTED = 3  # steps refused for one reason listed one by one; more are one line
@@ -578,7 +578,7 @@ def verify(args: argparse.Namespace) -> int:
         table = column.path.split("/")[0]  # whichever steps --sample picks
         if table in ("steps", "tensors") and rec.rank.lengths.get(table) and rec.rank.holds(column.path):
             rec.rank.column(column.path)  # (an older schema's recording lacks the arrays added since)
-    kept = _kept(rec)
+    kept, forward_gone = _kept(rec)  # (forward_gone: backward steps that kept their tensors, not their forward's)
     skipped = len(rec) - len(kept)
     if not kept and not len(rec):
         why = ": it ended before its first commit" if rec.status == "crashed" else ""
@@ -611,6 +611,8 @@ def verify(args: argparse.Namespace) -> int:
            "environment_differences": environment}
     if skipped:
         doc["statistics_only"] = skipped
+    if forward_gone:
+        doc["forward_not_kept"] = forward_gone
     if args.json:
         _emit(doc)
     else:
@@ -618,7 +620,9 @@ def verify(args: argparse.Namespace) -> int:
                 if replayed else "no step replayed")
         print(f"{args.run}: {head}"
               + (f"; {_count(len(refused), 'step')} could not be replayed" if refused else "")
-              + (f"; {_count(skipped, 'step')} kept statistics only, not replayable" if skipped else ""))
+              + (f"; {_count(skipped, 'step')} kept statistics only, not replayable" if skipped else "")
+              + (f" ({forward_gone} of them backward steps that kept their own tensors, not those of their forward "
+                 "call, from an iteration flight mode had let go)" if forward_gone else ""))
         for m in mismatches:
             print(f"  {_step_text(m['step'])}: {m['reason']}")
         if refused:

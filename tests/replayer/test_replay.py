@@ -2055,6 +2055,28 @@ def test_a_backward_is_selected_by_its_forward_call(tmp_path: Path) -> None:
     assert replayer.replay(rec, late).match
 
 
+def test_verify_says_which_backward_steps_lack_their_forward(tmp_path: Path) -> None:
+    """Flight mode keeps the last iterations' tensors: a backward that ran in a kept iteration through
+    a graph of an iteration let go (a replay buffer's tensor) keeps its own tensors, not its forward
+    call's, and cannot be replayed. verify counted it as "kept statistics only", which it is not."""
+    torch.manual_seed(0)
+    enc, head = Enc(), nn.Linear(4, 1)
+    optimizer = torch.optim.SGD([*enc.parameters(), *head.parameters()], lr=0.1)
+    kept = []
+    with recorder.record(tmp_path / "run.zarr", optimizer=optimizer, mode="flight", keep=1):
+        for i in range(4):
+            kept.append(enc(torch.randn(4)))
+            head(kept[0] if i == 3 else kept[-1]).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    res = pdbg_here("verify", "run.zarr", "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert (doc["replayed"], doc["statistics_only"], doc["forward_not_kept"]) == (1, 7, 1), doc
+    res = pdbg_here("verify", "run.zarr", cwd=tmp_path)
+    assert "7 steps kept statistics only, not replayable (1 of them backward steps that kept their own tensors, " \
+           "not those of their forward call" in res.stdout, res.stdout
+
+
 def test_selectors_of_evaluations_sparse_steps_and_the_root(tmp_path: Path) -> None:
     """An iteration inside a sparse step's span was answered "has iterations 3..9", as if it had it;
     a no-grad evaluation call's backward was said to be unused by the loss; ``.`` (the root module)
