@@ -297,13 +297,32 @@ class Replayer:
                             "what that call found is not this call's result")
         return diffs
 
-    def _skipped_hint(self, exc: BaseException | None) -> str:
-        """Why a name is not defined, where a statement of the training script that sets it was left out."""
-        if not isinstance(exc, NameError) or exc.name not in self.loader.skipped:
+    def _raised_hint(self, exc: BaseException | None, step: Step) -> str:
+        """Why the replay of ``step`` raised ``exc`` where the recorded call did not, when the cause is known:
+        a name a statement of the training script sets, which a replay left out; what the recording's older
+        schema could not keep (a dict subclass before 1.13, a function as a module attribute before 1.6)."""
+        if isinstance(exc, NameError) and exc.name in self.loader.skipped:
+            return (f"{exc.name} is set at the top level of the training script {self.loader.script}, which has no "
+                    "if __name__ == '__main__' guard, so a replay loads only its definitions; put the training under "
+                    "such a guard and record again")
+        if not isinstance(exc, AttributeError):
             return ""
-        return (f"{exc.name} is set at the top level of the training script {self.loader.script}, which has no "
-                "if __name__ == '__main__' guard, so a replay loads only its definitions; put the training under "
-                "such a guard and record again")
+        version = self.rec.reader.schema_version
+        old = f"this recording is of schema {version}, which"
+        fix = ("a limitation of the old format, not a difference in the step; record again with this version to "
+               "replay it")
+        if "'dict' object has no attribute" in str(exc) and layout.parse_version(version) < layout.MAPPINGS_SINCE:
+            return (f"{old} kept a dict subclass (an EasyDict-style config read by attribute, an OrderedDict) as a "
+                    f"plain dict, and the replay was given that plain dict; {fix} (1.13 keeps its class)")
+        module = step._doc("module")
+        for _, doc in _skeleton_modules(module, ""):
+            kind = (doc.get("unrecorded") or {}).get(exc.name) if isinstance(doc.get("unrecorded"), dict) else None
+            since = _FUNCTIONS_SINCE.get(str(kind))
+            if since is not None and layout.parse_version(version) < since:
+                return (f"{old} could not keep a {kind.partition(':')[2]} as data (the module attribute "
+                        f"{exc.name}), so the module was rebuilt without it; {fix} (since {since[0]}.{since[1]}, "
+                        "torch's functions and paper steps are kept)")
+        return ""
 
     def _check_swap_keys(self, step: Step, swaps: list[intervene.Swap]) -> None:
         """Refuse, before the replay, a swap key that names nothing the step holds: not the step
@@ -452,9 +471,10 @@ class Replayer:
     # -- preparing a call ------------------------------------------------------------------------
     def _prepare(self, step: Step, warnings: list[str], rebuilt: dict[str, str],
                  grads: frozenset[str] = frozenset()) -> _Call:
-        """The call of ``step`` ready to run; ``grads``: names of inputs a backward replay takes
-        gradients of, made to require grad even where the recorded call's did not (a forward that
-        reentrant checkpointing first ran without grad, its backward recorded from the recomputation)."""
+        """The call of ``step`` ready to run; ``grads``: names of inputs and parameters a backward replay
+        takes gradients of, made to require grad even where the recorded call's did not (a forward that
+        reentrant checkpointing first ran without grad, its backward recorded from the recomputation) or
+        where the recording does not say (before schema 1.2 every requires_grad was recorded false)."""
         defn = step.definition
         module_doc = step._doc("module")
         records = step.records
@@ -515,8 +535,8 @@ class Replayer:
             devices = {t.device for t in (*params.values(), *buffers.values())}
             if "constructor" in built.how.values() and len(devices) == 1:
                 module.to(next(iter(devices)))
-            warnings.extend(load_state(module, params, buffers, {r.name: r.requires_grad for r in records
-                                                                 if r.role == "param"}, built.tied))
+            requires_grad = {r.name: r.requires_grad or r.name in grads for r in records if r.role == "param"}
+            warnings.extend(load_state(module, params, buffers, requires_grad, built.tied))
             known = len(built.warnings)
             built.link()
             warnings.extend(built.warnings[known:])
@@ -670,7 +690,7 @@ class Replayer:
                     tap.close()
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         recorded_exc = step.extra.get("exception")
-        hint = self._skipped_hint(raised)
+        hint = self._raised_hint(raised, step)
         if hint:
             warnings.append(f"a likely cause: {hint}")
         if raised is not None or recorded_exc:
@@ -707,7 +727,7 @@ class Replayer:
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}
         call = self._prepare(fwd, warnings, rebuilt,
-                             frozenset(r.name for r in step.records if r.role == "grad_input"))
+                             frozenset(r.name for r in step.records if r.role in ("grad_input", "param_grad")))
         grad_outputs = {r.name: r for r in step.records if r.role == "grad_output"}
         wanted = [r for r in step.records if r.role in ("grad_input", "param_grad")]
         # Parameter grads recorded as the call's own (schema 1.11): what its graph's uses contributed,
@@ -783,7 +803,7 @@ class Replayer:
             except PdbgError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a backward cannot start from a forward that failed
-                hint = self._skipped_hint(exc)
+                hint = self._raised_hint(exc, fwd)
                 raise ReplayError(f"backward step {step.index}: rerunning its forward (step {fwd.index}, {fwd.name}) "
                                   f"raised {brief(exc)}" + (f" ({hint})" if hint else "")) from exc
             finally:
@@ -872,6 +892,12 @@ def _second_order(step: Step) -> str:
 def _names_step(key: str, step: Step) -> bool:
     """Whether a swap key aims at ``step`` itself: its name, label, module path, or '.'."""
     return key in (".", step.name, step.paper.get("label")) or bool(step.module_path and key == step.module_path)
+
+
+# The types of functions a module skeleton's "unrecorded" names, and the schema that records them as data
+# ($function since 1.6: torch's tensor math and paper steps; $partial since 1.9).
+_FUNCTIONS_SINCE = {"builtins:function": (1, 6), "builtins:builtin_function_or_method": (1, 6),
+                    "functools:partial": (1, 9)}
 
 
 def _skeleton_modules(doc: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -72,3 +72,18 @@ def as_schema(path: Path, version: str, without: tuple[str, ...] = ()) -> None:
                 if lengths is not None and not any((group / table).glob("*/zarr.json")):
                     lengths.pop(table, None)
         write_sealed(manifest_path, manifest)
+
+
+def as_plain_dicts(index: int, doc: Any) -> Any:
+    """For ``rewrite_docs``: a document as schema 1.12 and older kept it, every dict subclass ($mapping) a
+    plain dict of its items; None for a document without one."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        if set(value) == {"$mapping"}:
+            return {k: plain(v) for k, v in value["$mapping"]["items"]}
+        return {k: plain(v) for k, v in value.items()}
+
+    return plain(doc) if "$mapping" in json.dumps(doc) else None

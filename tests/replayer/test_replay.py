@@ -351,7 +351,6 @@ def test_editing_the_source_after_recording_is_reported_as_drift(tmp_path: Path)
 CHILD_SCRIPT = """
 import sys
 import torch
-import zarr
 from torch import nn
 import recorder
 
@@ -976,7 +975,6 @@ def test_verify_tells_steps_it_cannot_replay_from_differences(tmp_path: Path) ->
 SETTING_SCRIPT = '''
 import sys
 import torch
-import zarr
 import recorder
 
 torch.set_num_threads(1)  # top-level settings, as training scripts have them
@@ -1577,7 +1575,6 @@ UNGUARDED_ARGV = """
 import os
 import sys
 import torch
-import zarr
 import recorder
 
 out = sys.argv[1] if "PDBG_TEST_OUT" not in os.environ else os.environ["PDBG_TEST_OUT"]
@@ -2480,6 +2477,95 @@ def test_an_attribute_dict_config_is_recorded_as_its_class(tmp_path: Path) -> No
     now = jsonval.encode(AttrConfig(h=torch.ones(1), act="gelu"), tensor_name=lambda t, p: "output.h")
     before = {"h": {"$tensor": "output.h"}, "act": "gelu"}
     assert _by_type(now, as_dicts=True) == _by_type(before, as_dicts=True) and _by_type(now) != _by_type(before)
+
+
+OLD_FORMAT = ("a limitation of the old format, not a difference in the step; record again with this version to "
+              "replay it")
+
+
+def test_a_replay_of_a_config_kept_as_a_plain_dict_before_1_13_says_so(tmp_path: Path) -> None:
+    """A 1.12 recording kept an EasyDict-style config as a plain dict: its replay raised AttributeError ('dict'
+    object has no attribute 'scale'), reported as the step's MISMATCH with no word that the old format is why."""
+    from tests.sealing import as_plain_dicts, as_schema, rewrite_docs
+
+    path = tmp_path / "run.zarr"
+    cfg = AttrConfig(scale=0.5, model={"width": 4, "act": "gelu"})
+    with recorder.record(path):
+        dict_configured(DictConfigured(cfg)(torch.randn(2, 4)), cfg)
+    rewrite_docs(path, as_plain_dicts)
+    as_schema(path, "1.12")
+    rec = replayer.open(path)
+    hint = ("a likely cause: this recording is of schema 1.12, which kept a dict subclass (an EasyDict-style config "
+            "read by attribute, an OrderedDict) as a plain dict, and the replay was given that plain dict; "
+            f"{OLD_FORMAT} (1.13 keeps its class)")
+    for index in range(len(rec)):
+        res = replayer.replay(rec, index)
+        assert not res.match and "'dict' object has no attribute" in res.exception and hint in res.warnings
+    text = pdbg_here("verify", str(path), cwd=tmp_path).stdout
+    assert text.count(hint) == len(rec), text
+
+
+class Activated(nn.Module):
+    """A module that keeps its activation function as an attribute (nn.TransformerEncoderLayer does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = torch.nn.functional.gelu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+
+def test_a_replay_of_a_module_whose_function_attribute_a_1_5_recording_could_not_keep_says_so(
+        tmp_path: Path) -> None:
+    """Before 1.6 a function kept as a module attribute was not recorded: the module was rebuilt without it, and
+    its replay raised AttributeError, reported as the step's MISMATCH with no word that the old format is why."""
+    from tests.sealing import as_schema, rewrite_docs
+
+    path = tmp_path / "run.zarr"
+    model = nn.Sequential(Activated())
+    with recorder.record(path, model=model, modules=["0"]):
+        model(torch.randn(2, 4)).sum().backward()
+
+    def as_1_5(index: int, doc: Any) -> Any:  # the skeleton as 1.5 wrote it: the function unrecorded
+        if not (isinstance(doc, dict) and doc.get("attrs", {}).get("act") == {
+                "$function": "torch._C._nn:gelu"}):
+            return None
+        attrs = {k: v for k, v in doc["attrs"].items() if k != "act"}
+        return {**doc, "attrs": attrs, "unrecorded": {"act": "builtins:builtin_function_or_method"}, "init": None}
+
+    rewrite_docs(path, as_1_5)
+    as_schema(path, "1.5")
+    rec = replayer.open(path)
+    why = ("this recording is of schema 1.5, which could not keep a builtin_function_or_method as data (the module "
+           f"attribute act), so the module was rebuilt without it; {OLD_FORMAT} (since 1.6, torch's functions and "
+           "paper steps are kept)")
+    res = replayer.replay(rec, 0)
+    assert not res.match and f"a likely cause: {why}" in res.warnings, res.warnings
+    with pytest.raises(ReplayError) as err:
+        replayer.replay(rec, 1)
+    assert str(err.value).endswith(f"raised AttributeError: 'Activated' object has no attribute 'act' ({why})")
+
+
+def test_a_module_backward_of_a_recording_before_1_2_replays(tmp_path: Path) -> None:
+    """Before 1.2 every tensor record's requires_grad was false: a module's backward step was refused ("param_grad
+    ... has no tensor requiring grad in the replayed forward"), blaming the recording. The parameters whose grads
+    the backward step recorded did require grad: they do in the replay, which matches bit for bit."""
+    from tests.sealing import as_schema
+
+    path = tmp_path / "run.zarr"
+    record_training(path, 1)
+    flags = zarr.open_group(path / "rank0", mode="r+")["tensors/requires_grad"].with_config(
+        {"write_empty_chunks": True})
+    flags[:] = np.zeros(flags.shape, bool)  # (all False: zarr would drop the chunk)
+    as_schema(path, "1.1")
+    rec = replayer.open(path)
+    backward = rec.steps.filter(name="Block", phase="backward")
+    assert len(backward) == 2 and not any(r.requires_grad for s in rec.steps for r in s.records)
+    for step in backward:
+        res = replayer.replay(rec, step)
+        assert res.compared and res.match, res.warnings
 
 
 def test_a_mismatch_after_the_repository_changed_says_so(tmp_path: Path) -> None:
