@@ -157,14 +157,16 @@ class Frame:
 # inputs outside autograd's graph until the call ends, a module's buffers until its next call.
 _KEPT_INPUT_BYTES = 1 << 20
 _KEPT_BUFFER_BYTES = 1 << 16
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _kept(t: torch.Tensor, limit: int) -> torch.Tensor | None:
-    try:
-        if t.device.type != "cpu" or t.layout != torch.strided or t.numel() * t.element_size() > limit:
+    try:  # (a subclass, a quantized tensor: its version counter alone tells; a byte view of one may crash)
+        if (type(t) not in _PLAIN_TENSORS or t.is_quantized or t.device.type != "cpu" or t.layout != torch.strided
+                or t.numel() * t.element_size() > limit):
             return None
         return t.detach().clone()
-    except Exception:  # noqa: BLE001 - a tensor subclass that will not be copied: its version counter tells
+    except Exception:  # noqa: BLE001
         return None
 
 

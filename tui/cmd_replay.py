@@ -541,7 +541,7 @@ def _kept(rec: Any) -> tuple[list[int], int]:
     buffers; a backward step's grad outputs and its forward's): flight mode keeps its ring's."""
     rank, n = rec.rank, len(rec)
     if not rank.lengths.get("tensors"):
-        return list(range(n))
+        return list(range(n)), 0
     roles = rank.column("tensors/role")
     needed = np.isin(roles, [layout.ROLES.index(r) for r in ("input", "param", "buffer", "grad_output")])
     unkept = needed & (rank.payload_column() < 0)

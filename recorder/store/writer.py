@@ -382,6 +382,8 @@ class StoreWriter:
         group_meta.setdefault("attributes", {}).setdefault(layout.ATTRS_KEY, {"rank": rank})
         self = cls.__new__(cls)  # what __init__ sets, from the store instead of anew
         self.store, self.rank, self._files, self.root_meta = store, rank, {}, root_meta
+        version = ours.get("schema_version")
+        self.schema_version = version if isinstance(version, str) else layout.SCHEMA_VERSION
         self.group_meta = group_meta
         dist = manifest.get("dist")
         self.dist = dict(dist) if isinstance(dist, dict) else {"rank": rank, "world_size": 1, "backend": None}
