@@ -416,13 +416,13 @@ class Run:
         if counter is not None and counter.steps and counter.others_since > max(2, counter.steps):
             capture.warn(f"iteration {self.session.iteration} holds the last {counter.others_since} steps of "
                          f"{counter.other_name}, which numbers no iteration: iterations follow the first optimizer "
-                         f"that stepped ({counter.first_taken}, {counter.steps} steps), which stopped stepping; "
+                         f"that stepped ({counter.counting}, {counter.steps} steps), which stopped stepping; "
                          "give the one whose steps should number them to recorder.record(optimizer=...) (README, "
                          "\"How iterations are counted\")", stacklevel=3)
         if counter is None or counter.steps or self.session.iteration or passes < 2 or not self.session.next_index:
             return  # (a run that recorded no step is told what to name instead)
         why = ("no torch.optim optimizer stepped" if not counter.any_step else
-               f"the {counter.first_name} given to record() never stepped")
+               f"the {counter.counting} given to record() never stepped")
         capture.warn(f"every step is in iteration 0: {passes} backward passes ran and {why} (iterations advance "
                      "on optimizer.step()); to number the iterations of a hand-written update, record in code "
                      "with recorder.record and call run.next_iteration() after each update (README, \"How "
@@ -690,8 +690,7 @@ class _OptimizerSteps:
         self._began: dict[int, int] = {}  # id of an optimizer whose step is running: counted steps before it
         self.steps = 0  # steps that ended an iteration
         self.any_step = False
-        self.first_name = type(optimizer).__name__
-        self.first_taken = self.first_name  # the class of the one counting now
+        self.counting = ""  # the class of the one that counts (the one given, or the first to step)
         self.takeovers: list[tuple[int, str]] = []  # (the iteration its first step ended, class), the first 64
         self.takeover_count = 0
         self.others_since = 0  # steps of optimizers that count nothing since the counted one's last step
@@ -708,7 +707,7 @@ class _OptimizerSteps:
 
     def _take(self, optimizer: torch.optim.Optimizer) -> None:
         self._counted = weakref.ref(optimizer)
-        self.first_taken = type(optimizer).__name__
+        self.counting = type(optimizer).__name__
         self._n_params = -1
         self._know_params(optimizer)
 

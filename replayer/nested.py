@@ -273,13 +273,12 @@ class InnerTap:
         parent_of = np.asarray(rec.rank.column("steps/parent"))
 
         def in_pass(index: int) -> bool:  # a backward step of the outer one's pass: its parents lead to it
-            for _ in range(len(parent_of)):
-                index = int(parent_of[index])
-                if index == outer:
-                    return True
-                if index < 0 or index < (outer or 0):
+            while index > outer:
+                parent = int(parent_of[index])
+                if parent >= index:  # (damaged: a parent begins before its child)
                     return False
-            return False
+                index = parent
+            return index == outer
 
         pairs = self._pairs()
         calls = Counter(step.module_path for step, seen in pairs if seen is not None and seen.kind == "module")
