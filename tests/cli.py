@@ -38,16 +38,24 @@ def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def pdbg_here(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``pdbg`` run in this process (``tui.cli.main``), for the many one-line refusals of bad input: what a
-    fresh process would print and return, without the second it takes to start one. SystemExit (argparse's
-    refusals) is its exit code; any other exception propagates, failing the test as a traceback would."""
+    """``pdbg`` run in this process (``tui.cli.main``): what a fresh process would print and return, without
+    the seconds it takes to start one (torch's import). SystemExit (argparse's refusals) is its exit code; any
+    other exception propagates, failing the test as a traceback would. Modules it imported from outside the
+    installed packages and this project (the recording's own code, the user's helpers) are forgotten after, as
+    they would be with the process: the next test's ``train.py`` or ``helpers.py`` is imported anew. Tests of
+    what a fresh process does (a first replay, a bundle on another machine, code edited after this process
+    imported it, signals) use ``pdbg``."""
     import contextlib
     import io
 
     from tui.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    before = os.getcwd()
+    before, modules = os.getcwd(), set(sys.modules)
+    # Its streams are pipes, not this process's terminal: no size to read (shutil.get_terminal_size asks
+    # sys.__stdout__), COLUMNS left out as env() leaves it out of a fresh process's environment.
+    streams, columns = (sys.__stdout__, sys.__stderr__), os.environ.pop("COLUMNS", None)
+    sys.__stdout__, sys.__stderr__ = out, err  # type: ignore[misc]
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -57,4 +65,24 @@ def pdbg_here(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                 code = exc.code if isinstance(exc.code, int) else 1
     finally:
         os.chdir(before)
+        sys.__stdout__, sys.__stderr__ = streams  # type: ignore[misc]
+        if columns is not None:
+            os.environ["COLUMNS"] = columns
+        for name in set(sys.modules) - modules:
+            if _users(sys.modules[name]):
+                del sys.modules[name]
     return subprocess.CompletedProcess(["pdbg", *args], code, out.getvalue(), err.getvalue())
+
+
+def _users(module: object) -> bool:
+    """Whether ``module`` is a user's (a script or helper of a test's), not an installed package's or this
+    project's: a torch submodule imported lazily must stay imported (imported twice, it registers twice)."""
+    file = getattr(module, "__file__", None)
+    if not file:
+        return False
+    path = Path(file).resolve()
+    if path.is_relative_to(SCRIPTS):
+        return True
+    homes = [Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)]
+    homes += [ROOT / package for package in ("recorder", "replayer", "tui", "tests")]
+    return not any(path.is_relative_to(home) for home in homes)

@@ -229,7 +229,7 @@ def test_pdbg_info_names_every_iteration_a_flight_recording_kept(tmp_path: Path)
     import json
 
     from recorder.runner import run_script
-    from tests.cli import pdbg
+    from tests.cli import pdbg, pdbg_here
 
     script = tmp_path / "poisoned.py"
     script.write_text(POISONED)
@@ -244,7 +244,7 @@ def test_pdbg_info_names_every_iteration_a_flight_recording_kept(tmp_path: Path)
         assert recorded == set(range(6)) and kept == {2, 3, 4, 5}, path
         rank = RunReader(str(path)).rank(0)
         assert rank.ring_iterations() == [2, 3, 4, 5], path
-        info = pdbg("info", str(path), "--json", cwd=tmp_path)
+        info = pdbg_here("info", str(path), "--json", cwd=tmp_path)
         assert json.loads(info.stdout)["tensors_kept"] == (
             "iterations 2, 3, 4, 5 (the flight ring, written out at: nonfinite)"), info.stdout + info.stderr
         first = [s for s in range(len(rank)) if int(rank.column("steps/iteration")[s]) == 0][0]
@@ -422,7 +422,7 @@ def test_verify_of_a_flight_recording_replays_its_ring_and_passes(tmp_path: Path
     and are counted as such, not as mismatches; the ring's steps replay bitwise; exit 0."""
     import json
 
-    from tests.cli import pdbg
+    from tests.cli import pdbg_here
 
     path = tmp_path / "run.zarr"
     torch.manual_seed(0)
@@ -433,7 +433,7 @@ def test_verify_of_a_flight_recording_replays_its_ring_and_passes(tmp_path: Path
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
-    res = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    res = pdbg_here("verify", str(path), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     assert doc["mismatches"] == [] and doc["matched"] == doc["replayed"] == 2 * 2 * 2

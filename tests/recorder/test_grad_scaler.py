@@ -99,7 +99,7 @@ def test_bisect_passes_over_the_overflows_the_scaler_handled(run_path, tmp_path)
     what the scaler skipped; gradients still non-finite at a scale of 1 are the origin (bisect named
     the first overflow, and never reached them)."""
     import replayer
-    from tests.cli import pdbg
+    from tests.cli import pdbg_here as pdbg
 
     scales, _ = train(run_path, init_scale=2.0 ** 16)
     rec = replayer.open(run_path)
@@ -127,7 +127,7 @@ def test_a_run_killed_before_it_closed_still_says_what_the_scaler_skipped(run_pa
     recording closes: a healthy mixed-precision run killed by the OOM killer or a preemption is not
     reported as a NaN at its first overflow (bisect named it, and pdbg info did too)."""
     import replayer
-    from tests.cli import pdbg
+    from tests.cli import pdbg_here as pdbg
 
     child = subprocess.run([sys.executable, "-c", "import sys; from tests.recorder.test_grad_scaler import train; "
                             "train(sys.argv[1], init_scale=2.0 ** 16, killed=True)", str(run_path)],

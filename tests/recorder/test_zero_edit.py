@@ -17,7 +17,7 @@ from recorder.autohooks import glob_matches, parse_globs
 from recorder.errors import RecordingError
 from recorder.store import layout
 from recorder.store.reader import RunReader
-from tests.cli import SCRIPTS, pdbg, python
+from tests.cli import SCRIPTS, pdbg, pdbg_here, python
 
 SCRIPT = SCRIPTS / "plain_train.py"
 
@@ -398,9 +398,9 @@ class TestPdbgRecord:
         assert rec.returncode == 3
         assert RunReader(str(tmp_path / "run.zarr")).status == "crashed"
         assert "Traceback" not in rec.stderr  # an exit code is not an error to show
-        info = pdbg("info", "run.zarr", cwd=tmp_path)
+        info = pdbg_here("info", "run.zarr", cwd=tmp_path)
         assert "ended by: SystemExit: 3" in info.stdout.splitlines()
-        assert json.loads(pdbg("info", "run.zarr", "--json", cwd=tmp_path).stdout)["ended_by"] == "SystemExit: 3"
+        assert json.loads(pdbg_here("info", "run.zarr", "--json", cwd=tmp_path).stdout)["ended_by"] == "SystemExit: 3"
 
     def test_missing_script_is_a_one_line_error_and_creates_nothing(self, tmp_path: Path) -> None:
         """A script that does not exist: exit 2, one line naming it, no store."""
@@ -497,11 +497,11 @@ def test_pdbg_record_follows_a_resumed_optimizer_and_warns_of_a_hand_written_one
     (tmp_path / "resumed.py").write_text(RESUMED.format(update="opt.step(); opt.zero_grad()"))
     res = pdbg("record", "-o", "run.zarr", "--modules", "*", "--", "resumed.py", cwd=tmp_path)
     assert res.returncode == 0 and "warning" not in res.stderr, res.stderr
-    info = pdbg("info", "run.zarr", cwd=tmp_path).stdout.splitlines()
+    info = pdbg_here("info", "run.zarr", cwd=tmp_path).stdout.splitlines()
     assert info[0].startswith("run.zarr: complete, 48 steps, 8 iterations,"), info
     assert ("optimizer replaced at iteration 4 (AdamW): a new optimizer over the same parameters (resumed or "
             "re-created) counts the iterations from its first step, which ends that iteration") in info
-    doc = json.loads(pdbg("info", "run.zarr", "--json", cwd=tmp_path).stdout)
+    doc = json.loads(pdbg_here("info", "run.zarr", "--json", cwd=tmp_path).stdout)
     assert doc["iterations"] == 8 and doc["optimizer_replaced"] == {"count": 1, "iterations": [4],
                                                                      "optimizers": ["AdamW"]}
     by_hand = ("with torch.no_grad():\n        for p in net.parameters():\n            p -= 0.01 * p.grad\n"
@@ -514,4 +514,4 @@ def test_pdbg_record_follows_a_resumed_optimizer_and_warns_of_a_hand_written_one
         "(iterations advance on optimizer.step()); to number the iterations of a hand-written update, record in "
         "code with recorder.record and call run.next_iteration() after each update (README, \"How iterations are "
         "counted\")"], res.stderr
-    assert json.loads(pdbg("info", "hand.zarr", "--json", cwd=tmp_path).stdout)["optimizer_replaced"] is None
+    assert json.loads(pdbg_here("info", "hand.zarr", "--json", cwd=tmp_path).stdout)["optimizer_replaced"] is None

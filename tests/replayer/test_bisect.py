@@ -21,7 +21,7 @@ import replayer
 from recorder.store import layout
 from replayer import bisect as bisect_mod
 from replayer.bisect import Condition, ConditionError
-from tests.cli import pdbg
+from tests.cli import pdbg_here as pdbg
 from tests.models import poison_at, record_training
 from tests.replayer import nanmodels
 

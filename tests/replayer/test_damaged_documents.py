@@ -14,7 +14,7 @@ import torch
 import recorder
 import replayer
 from recorder.errors import FormatError, ReplayError
-from tests.cli import pdbg
+from tests.cli import pdbg_here as pdbg
 from tests.sealing import rewrite_docs
 from tui import views
 

@@ -21,7 +21,7 @@ import replayer
 from recorder.errors import FormatError, ReplayError
 from recorder.store import layout
 from tests.cli import ROOT
-from tests.cli import pdbg as _pdbg
+from tests.cli import pdbg_here as _pdbg
 
 SCRIPT = Path(__file__).with_name("dist_train.py")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),

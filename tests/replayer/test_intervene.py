@@ -15,7 +15,7 @@ import replayer
 from recorder import snapshot
 from replayer import recipes
 from replayer.intervene import InterventionError
-from tests.cli import pdbg, pdbg_here
+from tests.cli import pdbg_here
 from tests.models import record_training
 from tests.replayer import nanmodels
 
@@ -54,11 +54,12 @@ def test_a_stable_function_or_a_clamped_input_makes_the_origin_finite(stack_run:
     assert torch.equal(clamped.values["output"], expected)
 
     for flag in (["--swap", f"smooth_relu={STABLE}"], ["--edit", "args.0=x.clamp(-50, 50)"]):
-        res = pdbg("replay", str(stack_run[0]), str(origin.index), *flag, cwd=tmp_path)
+        res = pdbg_here("replay", str(stack_run[0]), str(origin.index), *flag, cwd=tmp_path)
         assert res.returncode == 1, res.stderr
         assert "recorded: min" in res.stdout and "replayed: min" in res.stdout  # side by side
         assert "non-finite output values: 5 recorded, 0 now" in res.stdout
-        doc = json.loads(pdbg("replay", str(stack_run[0]), str(origin.index), *flag, "--json", cwd=tmp_path).stdout)
+        doc = json.loads(pdbg_here("replay", str(stack_run[0]), str(origin.index), *flag, "--json",
+                                   cwd=tmp_path).stdout)
         assert doc["outputs"][0]["recorded"]["inf"] == 5 and doc["outputs"][0]["replayed"]["inf"] == 0
         assert doc["intervention"] is not None
 
@@ -73,7 +74,7 @@ def test_an_edit_on_an_inner_step_propagates_through_the_enclosing_model(stack_r
     after = [s for s in res.inner if s.step.index > rec.step("smooth_relu@iter=1#0").index]
     assert after and all(nonfinite(s.diffs[0].recorded) and not nonfinite(s.diffs[0].replayed) for s in after)
     assert nonfinite(res.outputs[0].replayed) == 0 < nonfinite(res.outputs[0].recorded)
-    cli = pdbg("replay", str(stack_run[0]), "Model@iter=1", "--edit", "smooth_relu#0/args.0=x.clamp(-50, 50)",
+    cli = pdbg_here("replay", str(stack_run[0]), "Model@iter=1", "--edit", "smooth_relu#0/args.0=x.clamp(-50, 50)",
                cwd=tmp_path)
     assert "step 14 smooth_relu at second (forward): became finite (output: 5 -> 0 non-finite)" in cli.stdout
     # an inner module's parameter: scaling the first block's weights down keeps exp in range
@@ -98,7 +99,7 @@ def test_an_inner_step_is_named_by_its_path_relative_to_the_replayed_module(tmp_
         res = replayer.replay(rec, "blocks.0@iter=3", edit={f"{key}/args.0": "x.clamp(-50, 50)"})
         assert [(s.step.module_path, s.change) for s in res.inner] == [("blocks.0.softmax", "became finite")], key
         assert not res.warnings, res.warnings
-    bad = pdbg("replay", str(path), "blocks.0@iter=3", "--edit", "sofmax/args.0=x", cwd=tmp_path)
+    bad = pdbg_here("replay", str(path), "blocks.0@iter=3", "--edit", "sofmax/args.0=x", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "pdbg: error: edit sofmax/args.0: no step inside step 24 is 'sofmax'; the steps inside it are "
         "blocks.0.softmax#0"]
@@ -183,23 +184,23 @@ def test_recipes_are_saved_listed_and_applied_only_by_name(stack_run: tuple[Path
 
     run = tmp_path / "run.zarr"
     shutil.copytree(stack_run[0], run)
-    res = pdbg("replay", str(run), "smooth_relu@iter=1", "--edit", "args.0=x.clamp(-50, 50)", "--save-recipe",
+    res = pdbg_here("replay", str(run), "smooth_relu@iter=1", "--edit", "args.0=x.clamp(-50, 50)", "--save-recipe",
                "clamp-input", cwd=tmp_path)
     assert res.returncode == 1 and "saved as recipe 'clamp-input'" in res.stdout
     rec = replayer.open(run)
     saved = recipes.get(rec, "clamp-input")
     assert saved["edit"] == {"args.0": "x.clamp(-50, 50)"} and saved["result"]["outputs"][0]["replayed"]["inf"] == 0
-    info = pdbg("info", str(run), cwd=tmp_path)
+    info = pdbg_here("info", str(run), cwd=tmp_path)
     assert "clamp-input: step 12 (smooth_relu): edit args.0=x.clamp(-50, 50)" in info.stdout
-    assert json.loads(pdbg("info", str(run), "--json", cwd=tmp_path).stdout)["recipes"][0]["name"] == "clamp-input"
-    plain = pdbg("replay", str(run), "smooth_relu@iter=1", "--json", cwd=tmp_path)
+    assert json.loads(pdbg_here("info", str(run), "--json", cwd=tmp_path).stdout)["recipes"][0]["name"] == "clamp-input"
+    plain = pdbg_here("replay", str(run), "smooth_relu@iter=1", "--json", cwd=tmp_path)
     assert json.loads(plain.stdout)["intervention"] is None  # a saved recipe does nothing unless named
-    again = json.loads(pdbg("replay", str(run), "--recipe", "clamp-input", "--json", cwd=tmp_path).stdout)
+    again = json.loads(pdbg_here("replay", str(run), "--recipe", "clamp-input", "--json", cwd=tmp_path).stdout)
     assert again["step"]["index"] == 12 and again["outputs"][0]["replayed"]["inf"] == 0
-    again = pdbg("replay", str(run), "smooth_relu@iter=1", "--edit", "args.0=x.clamp(-40, 40)", "--save-recipe",
+    again = pdbg_here("replay", str(run), "smooth_relu@iter=1", "--edit", "args.0=x.clamp(-40, 40)", "--save-recipe",
                  "clamp-input", cwd=tmp_path)
     assert "saved as recipe 'clamp-input' in" in again.stdout and "(replacing the one saved " in again.stdout
-    missing = pdbg("replay", str(run), "--recipe", "nope", cwd=tmp_path)
+    missing = pdbg_here("replay", str(run), "--recipe", "nope", cwd=tmp_path)
     assert missing.returncode == 2 and "no recipe 'nope'" in missing.stderr and "clamp-input" in missing.stderr
     with pytest.raises(recipes.RecipeError, match="must be an expression"):
         recipes.save(rec, "fn", rec.step(12), edit={"args.0": lambda x: x})
@@ -281,7 +282,7 @@ def test_an_edit_expression_reaches_torch_math_and_x_only(stack_run: tuple[Path,
     # In a fresh process torch imports modules the first time a float literal or a factory needs them:
     # through the expression's frame, which has no builtins of its own.
     for text in ("x.clamp(-50.0, 50.0)", "torch.where(x > 50, torch.full_like(x, 50.), x)"):
-        res = pdbg("replay", str(stack_run[0]), "smooth_relu@iter=1", "--edit", f"args.0={text}", cwd=tmp_path)
+        res = pdbg_here("replay", str(stack_run[0]), "smooth_relu@iter=1", "--edit", f"args.0={text}", cwd=tmp_path)
         assert res.returncode == 1 and "non-finite output values: 5 recorded, 0 now" in res.stdout, res.stderr
 
 
@@ -346,10 +347,10 @@ def test_an_intervention_is_reported_as_what_it_did(stack_run: tuple[Path, objec
     """One that changes nothing says so (not "MATCH", the answer to another question); one that makes
     the replay raise says what it raised, not a count of non-finite values of no tensor."""
     run = str(stack_run[0])
-    same = pdbg("replay", run, "smooth_relu@iter=1", "--set", "deterministic=True", cwd=tmp_path)
+    same = pdbg_here("replay", run, "smooth_relu@iter=1", "--set", "deterministic=True", cwd=tmp_path)
     assert same.returncode == 0 and same.stdout.rstrip().endswith(
         "NO CHANGE: the intervention left every output bit for bit as recorded"), same.stdout + same.stderr
-    raised = pdbg("replay", run, "Scaled@iter=1#0", "--edit", "args.0=x[:, :2]", cwd=tmp_path)
+    raised = pdbg_here("replay", run, "Scaled@iter=1#0", "--edit", "args.0=x[:, :2]", cwd=tmp_path)
     assert raised.returncode == 1 and raised.stdout.rstrip().splitlines()[-1].startswith(
         "MISMATCH, as an intervention makes it: the replay raised RuntimeError"), raised.stdout
 

@@ -16,7 +16,7 @@ from torch import nn
 import recorder
 import replayer
 from recorder.store import layout
-from tests.cli import pdbg, python
+from tests.cli import pdbg, pdbg_here, python
 
 
 def test_lazy_modules_record_their_first_call_and_replay_it(tmp_path: Path) -> None:
@@ -47,7 +47,7 @@ def test_lazy_modules_record_their_first_call_and_replay_it(tmp_path: Path) -> N
         res = replayer.replay(rec, i)
         assert res.match, (i, str(res), res.warnings)
         assert not any("could not be recorded" in w or "_infer_parameters" in w for w in res.warnings), res.warnings
-    out = pdbg("verify", str(path), cwd=tmp_path)
+    out = pdbg_here("verify", str(path), cwd=tmp_path)
     assert out.returncode == 0 and f"{len(rec)} of {len(rec)} steps replayed bit for bit" in out.stdout, out.stdout
 
 

@@ -43,7 +43,7 @@ def record_gpt(where: Path, iterations: int = ITERATIONS) -> Path:
     """`pdbg record --modules mixer` of a private copy of tests/scripts/gpt_train.py; returns the run."""
     script = where / "gpt_train.py"
     shutil.copy(SCRIPTS / "gpt_train.py", script)
-    res = pdbg("record", "-o", "run.zarr", "--modules", "mixer", "--", str(script), str(iterations), cwd=where)
+    res = pdbg_here("record", "-o", "run.zarr", "--modules", "mixer", "--", str(script), str(iterations), cwd=where)
     assert res.returncode == 0, res.stderr
     return where / "run.zarr"
 
@@ -81,7 +81,7 @@ def test_verify_says_how_the_environment_differs(gpt_run: Path, tmp_path: Path) 
 def test_verify_in_a_fresh_process_replays_every_step_bitwise(gpt_run: Path, tmp_path: Path) -> None:
     """`pdbg verify` from another directory: every forward and backward step matches bit for bit,
     and loading the script's code did not run its training."""
-    res = pdbg("verify", str(gpt_run), "--json", cwd=tmp_path)
+    res = pdbg_here("verify", str(gpt_run), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "TRAINED" not in res.stdout
     doc = json.loads(res.stdout)
@@ -317,11 +317,11 @@ def test_another_cpu_capability_is_reported_and_left_alone(gpt_run: Path, monkey
 def test_forcing_another_thread_count_is_reported_as_a_likely_cause(gpt_run: Path, tmp_path: Path) -> None:
     """LayerNorm's parameter grads depend on the thread count: with --threads 1 the block's backward
     differs, and the report names the forced setting and the likely cause."""
-    res = pdbg("replay", str(gpt_run), "Block@iter=0#1:backward", "--threads", "1", cwd=tmp_path)
+    res = pdbg_here("replay", str(gpt_run), "Block@iter=0#1:backward", "--threads", "1", cwd=tmp_path)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "threads: recorded 2, replayed with 1 (forced)" in res.stdout
     assert "a likely cause of the difference" in res.stdout and "MISMATCH" in res.stdout
-    same = pdbg("replay", str(gpt_run), "Block@iter=0#1:backward", "--threads", "2", "--json", cwd=tmp_path)
+    same = pdbg_here("replay", str(gpt_run), "Block@iter=0#1:backward", "--threads", "2", "--json", cwd=tmp_path)
     assert same.returncode == 0 and json.loads(same.stdout)["match"] is True
 
 
@@ -344,7 +344,7 @@ def test_editing_the_source_after_recording_is_reported_as_drift(tmp_path: Path)
     back = replayer.replay(rec, "Block@iter=0#1:backward")
     assert not back.match and back.first_divergence.step.name == "smooth_relu"
     assert back.first_divergence.step.phase == "backward"
-    cli = pdbg("replay", str(run), "smooth_relu@iter=0#1", cwd=tmp_path)
+    cli = pdbg_here("replay", str(run), "smooth_relu@iter=0#1", cwd=tmp_path)
     assert cli.returncode == 1 and "code of smooth_relu changed since recording" in cli.stdout
 
 
@@ -386,7 +386,7 @@ def test_a_submodule_whose_file_changed_since_recording_is_named(tmp_path: Path)
     assert python("train.py", "run.zarr", cwd=tmp_path).returncode == 0
     script.write_text(CHILD_SCRIPT.replace("x * 4.0", "x * 4.01"))
     os.utime(script, (time.time() + 5, time.time() + 5))  # (a second's clock on some file systems)
-    res = pdbg("replay", "run.zarr", "0", "--json", cwd=tmp_path)
+    res = pdbg_here("replay", "run.zarr", "0", "--json", cwd=tmp_path)
     doc = json.loads(res.stdout)
     assert res.returncode == 1 and not doc["match"]
     assert any(w.startswith(f"{script} was modified after the recording began, and the step's module uses Block, "
@@ -397,13 +397,13 @@ def test_a_moved_script_is_found_with_script_option(tmp_path: Path) -> None:
     run = record_gpt(tmp_path, iterations=1)
     moved = tmp_path / "elsewhere.py"
     (tmp_path / "gpt_train.py").rename(moved)
-    gone = pdbg("replay", str(run), "Block", cwd=tmp_path)
+    gone = pdbg_here("replay", str(run), "Block", cwd=tmp_path)
     assert gone.returncode == 2 and "cannot read the training script" in gone.stderr and "--script" in gone.stderr
-    found = pdbg("replay", str(run), "Block", "--script", str(moved), cwd=tmp_path)
+    found = pdbg_here("replay", str(run), "Block", "--script", str(moved), cwd=tmp_path)
     assert found.returncode == 0, found.stderr
     # edited there too: the drift warning names the file the code was loaded from, and where it was recorded
     moved.write_text(moved.read_text().replace("class Block(nn.Module):\n", "class Block(nn.Module):\n    # edited\n"))
-    found = pdbg("replay", str(run), "Block", "--script", str(moved), cwd=tmp_path)
+    found = pdbg_here("replay", str(run), "Block", "--script", str(moved), cwd=tmp_path)
     assert (f"code of Block changed since recording ({moved}:80; recorded at {tmp_path / 'gpt_train.py'}:80)"
             in found.stdout), found.stdout
 
@@ -558,15 +558,15 @@ def test_code_that_cannot_be_imported_any_more(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(
         "import sys, torch\nsys.path.insert(0, sys.argv[1])\nimport gone_steps\n"
         "gone_steps.scale(torch.ones(3))\n")
-    assert pdbg("record", "-o", "run.zarr", "--", "train.py", str(lib), cwd=tmp_path).returncode == 0
-    assert pdbg("replay", "run.zarr", "0", cwd=tmp_path).returncode == 0  # still there: replays
+    assert pdbg_here("record", "-o", "run.zarr", "--", "train.py", str(lib), cwd=tmp_path).returncode == 0
+    assert pdbg_here("replay", "run.zarr", "0", cwd=tmp_path).returncode == 0  # still there: replays
     shutil.rmtree(lib)
-    line = one_line_error(pdbg("replay", "run.zarr", "Eq. 3", cwd=tmp_path))
+    line = one_line_error(pdbg_here("replay", "run.zarr", "Eq. 3", cwd=tmp_path))
     # (it said to run from the directory the run was recorded in: this one, where the file is gone)
     assert f"cannot import 'gone_steps', which the recording needs (No module named 'gone_steps'); its file when " \
            f"recorded, {lib / 'gone_steps.py'}, is not on this machine: install the package, or put the directory " \
            "that holds gone_steps/ (or gone_steps.py) on PYTHONPATH" in line, line
-    line = one_line_error(pdbg("verify", "run.zarr", cwd=tmp_path))
+    line = one_line_error(pdbg_here("verify", "run.zarr", cwd=tmp_path))
     assert "cannot import 'gone_steps'" in line
     with pytest.raises(ReplayError, match="cannot import 'gone_steps'"):
         replayer.replay(replayer.open(tmp_path / "run.zarr"), 0)
@@ -575,7 +575,7 @@ def test_code_that_cannot_be_imported_any_more(tmp_path: Path) -> None:
 def test_info_summarises_the_run_and_finds_the_first_nonfinite_step(tmp_path: Path) -> None:
     path = tmp_path / "run.zarr"
     record_training(path, 2, before=poison_at(1))
-    res = pdbg("info", str(path), "--json", cwd=tmp_path)
+    res = pdbg_here("info", str(path), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     # alerts: the attention step that went NaN broke its attention_weights watch too (it is nonfinite)
@@ -589,7 +589,7 @@ def test_info_summarises_the_run_and_finds_the_first_nonfinite_step(tmp_path: Pa
     first = doc["first_nonfinite"]
     assert (first["name"], first["module_path"], first["iteration"], first["phase"]) == ("Block", "h.1", 1, "forward")
     assert doc["bytes"] > 10_000
-    text = pdbg("info", str(path), cwd=tmp_path).stdout
+    text = pdbg_here("info", str(path), cwd=tmp_path).stdout
     assert "NaN origin: none of the recorded steps; it came in at step" in text and "Block" in text  # (poisoned)
     # what the alert says, not only how many there are
     assert re.search(r"\nalerts: 1 .*\n  step \d+ \(Attention, iteration 1\): watch attention_weights: ", text), text
@@ -599,7 +599,7 @@ def test_info_summarises_the_run_and_finds_the_first_nonfinite_step(tmp_path: Pa
 
 
 def test_replay_json_is_the_documented_object(gpt_run: Path, tmp_path: Path) -> None:
-    res = pdbg("replay", str(gpt_run), "Eq. 2@iter=2#1", "--json", cwd=tmp_path)
+    res = pdbg_here("replay", str(gpt_run), "Eq. 2@iter=2#1", "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert {"step", "match", "outputs", "warnings", "environment_differences"} <= set(doc)
@@ -607,7 +607,7 @@ def test_replay_json_is_the_documented_object(gpt_run: Path, tmp_path: Path) -> 
     (out,) = doc["outputs"]
     assert {"name", "match", "max_abs_diff", "max_rel_diff", "max_ulp", "recorded", "replayed"} <= set(out)
     assert set(out["recorded"]) == {"min", "max", "mean", "std", "nan", "inf"} and out["recorded"] == out["replayed"]
-    sampled = json.loads(pdbg("verify", str(gpt_run), "--sample", "5", "--json", cwd=tmp_path).stdout)
+    sampled = json.loads(pdbg_here("verify", str(gpt_run), "--sample", "5", "--json", cwd=tmp_path).stdout)
     assert sampled == {"replayed": 5, "matched": 5, "mismatches": [], "not_replayed": [], "environment_differences": []}
 
 
@@ -643,7 +643,7 @@ def test_a_module_called_twice_in_a_pass_compares_each_calls_own_parameter_grads
         assert not any("total" in w for w in res.warnings), res.warnings
     shares = [rec.step(f"Eq. 4@iter=1#{call}:backward").tensor("lin.weight", "param_grad") for call in (0, 1)]
     assert torch.equal(shares[0] + shares[1], layer.lin.weight.grad)
-    doc = json.loads(pdbg("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path).stdout)
+    doc = json.loads(pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path).stdout)
     assert doc["matched"] == doc["replayed"] == 8 and not doc["not_replayed"], doc
 
 
@@ -662,7 +662,7 @@ def test_a_weight_decay_term_in_the_loss_leaves_the_steps_backward_bit_exact(tmp
             (task + 1e-2 * sum(p.pow(2).sum() for p in model.parameters())).backward()
             opt.step()
             opt.zero_grad()
-    done = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    done = pdbg_here("verify", str(path), "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     doc = json.loads(done.stdout)
     assert doc["replayed"] == doc["matched"] == 8 and doc["not_replayed"] == [], doc
@@ -726,7 +726,7 @@ def test_a_weight_made_once_for_several_calls_is_not_compared_as_one_calls(tmp_p
         assert res.match and {d.name for d in res.outputs} == {"args.0"}, (call, res.outputs, res.warnings)
         assert any(w.startswith("parameter grads not compared: rot.parametrizations.weight.original")
                    for w in res.warnings), res.warnings
-    done = pdbg("verify", str(tmp_path / "run.zarr"), cwd=tmp_path)
+    done = pdbg_here("verify", str(tmp_path / "run.zarr"), cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -747,7 +747,7 @@ def test_a_call_under_no_grad_does_not_count_toward_parameter_grad_totals(tmp_pa
     res = replayer.replay(rec, "Eq. 4@iter=1#0:backward")
     assert res.match and sorted(d.name for d in res.outputs) == ["lin.bias", "lin.weight"]
     assert not any("times in this backward pass" in w for w in res.warnings), res.warnings
-    done = pdbg("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
+    done = pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
     assert done.returncode == 0 and json.loads(done.stdout)["mismatches"] == [], done.stdout
 
 
@@ -842,7 +842,7 @@ def test_a_step_without_payloads_says_why_it_cannot_be_replayed(tmp_path: Path) 
         replayer.open(tmp_path / "sparse.zarr").step("Eq. 7").tensor("args.0")
     with recorder.record(tmp_path / "stats.zarr", mode="stats"):
         kinds.spectral(torch.ones(2, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64))
-    error = one_line_error(pdbg("replay", str(tmp_path / "stats.zarr"), "Eq. 7", cwd=tmp_path))
+    error = one_line_error(pdbg_here("replay", str(tmp_path / "stats.zarr"), "Eq. 7", cwd=tmp_path))
     assert "kept statistics only for input args.0 (the run was recorded in stats mode, which keeps statistics only" \
         in error
 
@@ -933,7 +933,7 @@ def test_a_recurrent_cell_called_three_times_compares_each_calls_parameter_grads
             h.pow(2).sum().backward()
             opt.step()
             opt.zero_grad()
-    res = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    res = pdbg_here("verify", str(path), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     assert doc["replayed"] == doc["matched"] == 12 and doc["mismatches"] == [] and doc["not_replayed"] == []
@@ -960,13 +960,13 @@ def test_verify_tells_steps_it_cannot_replay_from_differences(tmp_path: Path) ->
     apart, with why, and exits 0 when every step it could replay matched."""
     path = tmp_path / "run.zarr"
     record_local_steps(path, 2, before=hashed)
-    res = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    res = pdbg_here("verify", str(path), "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     assert doc["replayed"] == doc["matched"] == 2 and doc["mismatches"] == []
     assert [m["step"]["name"].rsplit(".", 1)[-1] for m in doc["not_replayed"]] == ["local_step"] * 2
     assert all("<locals>" in m["reason"] for m in doc["not_replayed"]), doc["not_replayed"]
-    text = pdbg("verify", str(path), cwd=tmp_path)
+    text = pdbg_here("verify", str(path), cwd=tmp_path)
     assert text.returncode == 0 and text.stdout.splitlines()[0].endswith(
         "run.zarr: 2 of 2 steps replayed bit for bit (100.0%); 2 steps could not be replayed")
     assert text.stdout.splitlines()[1] == "could not be replayed:"
@@ -1024,10 +1024,10 @@ def test_verify_of_a_run_without_a_replayable_step_says_why(tmp_path: Path) -> N
         total(torch.randn(8, 8))
     for path, said in ((empty, f"{empty} holds no step (complete); there is nothing to replay"),
                        (stats_only, f"{stats_only} kept the tensors of no step (statistics only: mode='stats'")):
-        res = pdbg("verify", str(path), cwd=tmp_path)
+        res = pdbg_here("verify", str(path), cwd=tmp_path)
         assert res.returncode == 2 and res.stderr.startswith(f"pdbg: error: {said}"), res.stderr
         assert res.stderr.count("\n") == 1
-    res = pdbg("verify", str(stats_only), "--json", cwd=tmp_path)
+    res = pdbg_here("verify", str(stats_only), "--json", cwd=tmp_path)
     assert res.returncode == 2 and json.loads(res.stdout) == {"replayed": 0, "matched": 0, "mismatches": [],
                                                               "not_replayed": [], "statistics_only": 1,
                                                               "environment_differences": []}
@@ -1070,12 +1070,12 @@ def test_a_step_that_returns_no_tensor_is_not_called_a_match(tmp_path: Path) -> 
     assert not result.match and not result.compared and "nothing compared" in repr(result)
     assert result.warnings[0].startswith("the step returned no tensor and changed none of its inputs, parameters or "
                                          "buffers in place, which is what a replay compares")
-    res = pdbg("replay", str(path), "0", cwd=tmp_path)
+    res = pdbg_here("replay", str(path), "0", cwd=tmp_path)
     assert res.returncode == 1 and res.stdout.rstrip().endswith("NOTHING COMPARED: the step returned no tensor")
     assert "MATCH" not in res.stdout.replace("NOTHING COMPARED", "")
-    doc = json.loads(pdbg("replay", str(path), "0", "--json", cwd=tmp_path).stdout)
+    doc = json.loads(pdbg_here("replay", str(path), "0", "--json", cwd=tmp_path).stdout)
     assert doc["match"] is False and doc["compared"] is False
-    res = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    res = pdbg_here("verify", str(path), "--json", cwd=tmp_path)
     doc = json.loads(res.stdout)
     assert doc["replayed"] == doc["matched"] == 0 and len(doc["not_replayed"]) == 2
     assert res.returncode == 2 and res.stderr == ("pdbg: error: none of the 2 steps that kept their tensors could be "
@@ -1209,7 +1209,6 @@ def test_a_backward_replayed_without_comparing_its_inner_steps_still_runs_throug
     recorder's taps on the inner step. pdbg verify and bundle --verify (which leave the inner steps
     to be compared as steps of their own) replayed without the taps and reported 1-ULP differences
     that pdbg replay of the same step did not."""
-    from tests.cli import pdbg
 
     path = tmp_path / "run.zarr"
     w = torch.randn(64, 64, requires_grad=True)
@@ -1222,10 +1221,10 @@ def test_a_backward_replayed_without_comparing_its_inner_steps_still_runs_throug
         res = replayer.replay(rec, "gated_residual@iter=1:backward", nested=nested)
         assert res.compared and res.match, [d.summary() for d in res.outputs]
         assert [s.step.name for s in res.inner] == (["silu_gate"] if nested else [])
-    verify = pdbg("verify", str(path), cwd=tmp_path)
+    verify = pdbg_here("verify", str(path), cwd=tmp_path)
     assert verify.returncode == 0 and "12 of 12 steps replayed bit for bit" in verify.stdout, verify.stdout
-    shared = pdbg("bundle", str(path), "gated_residual@iter=2:backward", "-o", str(tmp_path / "b.pdbg"), "--verify",
-                  cwd=tmp_path)
+    shared = pdbg_here("bundle", str(path), "gated_residual@iter=2:backward", "-o", str(tmp_path / "b.pdbg"),
+                       "--verify", cwd=tmp_path)
     assert shared.returncode == 0, shared.stdout + shared.stderr
 
 
@@ -1260,7 +1259,7 @@ def test_a_gradient_penalty_pass_is_named_not_a_mismatch(tmp_path: Path) -> None
     with pytest.raises(ReplayError, match=r"^backward step 2 ran through the gradients an earlier backward pass "
                                           r"took with create_graph=True \(a gradient penalty\)"):
         replayer.replay(rec, 2)
-    res = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    res = pdbg_here("verify", str(path), "--json", cwd=tmp_path)
     doc = json.loads(res.stdout)
     assert res.returncode == 0 and doc["matched"] == doc["replayed"] == 2 and len(doc["not_replayed"]) == 1
 
@@ -1465,7 +1464,7 @@ def test_a_name_or_label_holding_selector_syntax_is_selected_by_itself(tmp_path:
     assert rec.step("Eq. 6@iter=1").index == 2  # the selector syntax, for a label without it
     assert rec.step("block#1@iter=1").index == 2 and rec.step("enc:forward#0:forward").index == 1
     assert all(rec.step(s.selector).index == s.index for s in rec.steps)  # rec.step takes a selector back
-    res = pdbg("replay", str(path), "block#1", cwd=tmp_path)
+    res = pdbg_here("replay", str(path), "block#1", cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.startswith("step 0: Eq. 6 (block#1)"), res.stderr
 
 
@@ -1486,7 +1485,7 @@ def test_info_table_columns_stay_aligned_with_short_and_long_names(tmp_path: Pat
     path = tmp_path / "run.zarr"
     with recorder.record(path, mode="full"):
         long_named(short_named(torch.ones(2)))
-    lines = pdbg("info", str(path), cwd=tmp_path).stdout.splitlines()
+    lines = pdbg_here("info", str(path), cwd=tmp_path).stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("step"))
     header, rows = lines[at], lines[at + 1:at + 3]
     assert [r.split()[0] for r in rows] == ["a", "n" * 39 + "…"]
@@ -1759,7 +1758,7 @@ def test_a_checkpoint_loaded_between_calls_is_not_a_mismatch_of_the_buffers(tmp_
     assert not any(layout.BUFFERS_WRITTEN_NOTE in n for i in (1, 2) for n in rec.step(i).extra.get("notes", []))
     kept = replayer.replay(rec, 1)
     assert kept.match and [d.name for d in kept.outputs] == ["output", "after:total"]
-    done = pdbg("verify", str(path), cwd=tmp_path)
+    done = pdbg_here("verify", str(path), cwd=tmp_path)
     assert done.returncode == 0 and "4 of 4 steps replayed bit for bit" in done.stdout, done.stdout + done.stderr
     TALLY_SCALE[0] = 2.0
     try:
@@ -1863,14 +1862,14 @@ def test_a_step_stopped_by_ctrl_c_is_not_a_mismatch(tmp_path: Path) -> None:
         for i in range(3):
             interrupted(torch.randn(3), stop=i == 2)
             run.next_iteration()
-    done = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    done = pdbg_here("verify", str(path), "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     doc = json.loads(done.stdout)
     assert doc["matched"] == doc["replayed"] == 2 and doc["mismatches"] == []
     (stopped,) = doc["not_replayed"]
     assert stopped["step"]["iteration"] == 2 and "stopped from outside while it ran (KeyboardInterrupt" in \
         stopped["reason"]
-    one = pdbg("replay", str(path), "Eq. 21@iter=2", cwd=tmp_path)
+    one = pdbg_here("replay", str(path), "Eq. 21@iter=2", cwd=tmp_path)
     assert one.returncode == 2 and one.stderr.count("\n") == 1 and "stopped from outside" in one.stderr
 
 
@@ -1971,11 +1970,11 @@ def test_verify_says_once_why_many_steps_cannot_be_replayed(tmp_path: Path) -> N
     of `pdbg verify`'s listing (it printed the reason once per step: 6,000 lines); --json keeps each."""
     path = tmp_path / "run.zarr"
     record_local_steps(path, 6)
-    text = pdbg("verify", str(path), cwd=tmp_path)
+    text = pdbg_here("verify", str(path), cwd=tmp_path)
     lines = text.stdout.splitlines()
     assert text.returncode == 2 and len(lines) == 3 and lines[1] == "could not be replayed:", text.stdout
     assert lines[2].startswith("  6 steps (step 0: ") and "... step 5: " in lines[2] and "<locals>" in lines[2]
-    doc = json.loads(pdbg("verify", str(path), "--json", cwd=tmp_path).stdout)
+    doc = json.loads(pdbg_here("verify", str(path), "--json", cwd=tmp_path).stdout)
     assert len(doc["not_replayed"]) == 6
 
 
@@ -2140,7 +2139,7 @@ def test_a_teachers_buffers_are_not_compared_with_its_students(tmp_path: Path) -
             (student(x) - target).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-    done = pdbg("verify", str(path), "--json", cwd=tmp_path)
+    done = pdbg_here("verify", str(path), "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stdout
     doc = json.loads(done.stdout)
     assert doc["matched"] == doc["replayed"] == 9 and doc["mismatches"] == [], doc
@@ -2164,7 +2163,7 @@ def test_verify_names_a_modules_own_hook_as_the_likely_cause(tmp_path: Path) -> 
     path = tmp_path / "run.zarr"
     with recorder.record(path, model=model, mode="full", modules=["0"]):
         model(torch.randn(3, 4)).sum().backward()
-    doc = json.loads(pdbg("verify", str(path), "--json", cwd=tmp_path).stdout)
+    doc = json.loads(pdbg_here("verify", str(path), "--json", cwd=tmp_path).stdout)
     assert doc["mismatches"], doc
     assert all("had a forward pre-hook _double" in m["reason"] and "a likely cause of any difference" in m["reason"]
                for m in doc["mismatches"]), doc["mismatches"]
@@ -2182,7 +2181,7 @@ def test_a_step_given_a_module_is_refused_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "run.zarr"
     with recorder.record(path, mode="full"):
         denoise(net, torch.randn(2, 4))
-    done = pdbg("replay", str(path), "0", cwd=tmp_path)
+    done = pdbg_here("replay", str(path), "0", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "Sequential( (0): Linear(in_features=4, out_features=4, bias=True)" in done.stderr
 
@@ -2291,7 +2290,6 @@ def test_paper_references_are_written_and_selected_as_the_paper_gives_them(tmp_p
     """paper_step("Step 5", algorithm="Algorithm 1", step=5, equation="Eq. 7") was listed as "Step 5
     step 5 (Eq. 7)" (its algorithm nowhere); a step could not be selected by its equation or by the
     reference listings show; a call number past a label's own steps was "has only call 0"."""
-    from tests.cli import pdbg
 
     path = tmp_path / "run.zarr"
     with recorder.record(path):
@@ -2306,9 +2304,9 @@ def test_paper_references_are_written_and_selected_as_the_paper_gives_them(tmp_p
                                                 r"counting its own calls \(calls 0 here\); select one by its name, "
                                                 r"e\.g\. first_half@iter=0#0"):
         rec.step("Algorithm 2@iter=0#1")
-    info = pdbg("info", str(path), cwd=tmp_path).stdout
+    info = pdbg_here("info", str(path), cwd=tmp_path).stdout
     assert "Algorithm 1, Step 5 (Eq. 7)" in info and "Algorithm 2, step 1" in info, info
-    found = pdbg("find", str(path), "Eq. 7", cwd=tmp_path)
+    found = pdbg_here("find", str(path), "Eq. 7", cwd=tmp_path)
     assert found.returncode == 0 and "update_rule" in found.stdout, found.stdout + found.stderr
 
 
