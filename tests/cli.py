@@ -37,14 +37,14 @@ def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           check=False, env=env())
 
 
-def pdbg_here(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def pdbg_here(*args: str, cwd: Path, columns: int | None = None) -> subprocess.CompletedProcess[str]:
     """``pdbg`` run in this process (``tui.cli.main``): what a fresh process would print and return, without
     the seconds it takes to start one (torch's import). SystemExit (argparse's refusals) is its exit code; any
     other exception propagates, failing the test as a traceback would. Modules it imported from outside the
     installed packages and this project (the recording's own code, the user's helpers) are forgotten after, as
     they would be with the process: the next test's ``train.py`` or ``helpers.py`` is imported anew. Tests of
     what a fresh process does (a first replay, a bundle on another machine, code edited after this process
-    imported it, signals) use ``pdbg``."""
+    imported it, signals) use ``pdbg``. ``columns``: the width of a terminal it writes to (COLUMNS), else a pipe's."""
     import contextlib
     import io
 
@@ -53,8 +53,10 @@ def pdbg_here(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     out, err = io.StringIO(), io.StringIO()
     before, modules = os.getcwd(), set(sys.modules)
     # Its streams are pipes, not this process's terminal: no size to read (shutil.get_terminal_size asks
-    # sys.__stdout__), COLUMNS left out as env() leaves it out of a fresh process's environment.
-    streams, columns = (sys.__stdout__, sys.__stderr__), os.environ.pop("COLUMNS", None)
+    # sys.__stdout__), and COLUMNS as given, else left out as env() leaves it out of a fresh process's environment.
+    streams, outer = (sys.__stdout__, sys.__stderr__), os.environ.pop("COLUMNS", None)
+    if columns is not None:
+        os.environ["COLUMNS"] = str(columns)
     sys.__stdout__, sys.__stderr__ = out, err  # type: ignore[misc]
     os.chdir(cwd)
     try:
@@ -66,8 +68,9 @@ def pdbg_here(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     finally:
         os.chdir(before)
         sys.__stdout__, sys.__stderr__ = streams  # type: ignore[misc]
-        if columns is not None:
-            os.environ["COLUMNS"] = columns
+        os.environ.pop("COLUMNS", None)
+        if outer is not None:
+            os.environ["COLUMNS"] = outer
         for name in set(sys.modules) - modules:
             if _users(sys.modules[name]):
                 del sys.modules[name]

@@ -126,12 +126,11 @@ def test_ctrl_c_while_pdbg_starts_is_one_line_and_exit_130(monkeypatch, capsys) 
     assert capsys.readouterr().err == "pdbg: interrupted\n"
 
 
-def test_the_replay_table_fits_the_terminal(nan_path: Path, tmp_path: Path, monkeypatch) -> None:
+def test_the_replay_table_fits_the_terminal(nan_path: Path, tmp_path: Path) -> None:
     """The replay table was 119 columns wide whatever the terminal, and wrapped in 80 columns. In a
     narrower terminal a mismatch's replayed statistics go on a line of their own; to a pipe, or in a
     wide terminal, recorded and replayed stay side by side."""
-    monkeypatch.setenv("COLUMNS", "80")
-    res = pdbg_here("replay", str(nan_path), "Scaled@iter=1#0", "--edit", "args.0=x*2", cwd=tmp_path)
+    res = pdbg_here("replay", str(nan_path), "Scaled@iter=1#0", "--edit", "args.0=x*2", cwd=tmp_path, columns=80)
     assert res.returncode == 1, res.stderr
     lines = res.stdout.splitlines()
     top = lines.index(next(line for line in lines if line.split()[:2] == ["tensor", "match"]))
@@ -139,8 +138,9 @@ def test_the_replay_table_fits_the_terminal(nan_path: Path, tmp_path: Path, monk
     assert len(table) == 3 and max(len(line) for line in table) <= 80, res.stdout  # (prose lines wrap as prose)
     (recorded,) = [i for i, line in enumerate(lines) if line.split()[:3] == ["output", "NO", "recorded"]]
     assert lines[recorded + 1].split()[0] == "replayed", res.stdout
-    monkeypatch.setenv("COLUMNS", "120")
-    res = pdbg_here("replay", str(nan_path), "Scaled@iter=1#0", "--edit", "args.0=x*2", cwd=tmp_path)
+    res = pdbg_here("replay", str(nan_path), "Scaled@iter=1#0", "--edit", "args.0=x*2", cwd=tmp_path, columns=120)
+    assert "recorded: min" in res.stdout and "replayed: min" in res.stdout, res.stdout
+    res = pdbg_here("replay", str(nan_path), "Scaled@iter=1#0", "--edit", "args.0=x*2", cwd=tmp_path)  # a pipe
     assert "recorded: min" in res.stdout and "replayed: min" in res.stdout, res.stdout
 
 
