@@ -213,9 +213,15 @@ class Recording:
             if not len(shorter):
                 continue
             if what == "backward":
-                if not any(self.step(int(i)).grad_enabled for i in shorter.rows[:64]):
+                calls = [self.step(int(i)) for i in shorter.rows[:64]]
+                if not any(call.grad_enabled for call in calls):
                     return (f"{which[:at]} has no backward step: it ran with gradients off (torch.no_grad or "
                             "inference_mode: an evaluation)")
+                outputs = [r for call in calls for r in call.tensors("output")]
+                if outputs and not any(r.requires_grad for r in outputs):
+                    return (f"{which[:at]} has no backward step: its outputs needed no gradient (its parameters "
+                            "are frozen, requires_grad=False, and its inputs need none either, so no backward "
+                            "pass runs through it)")
                 return (f"{which[:at]} has no backward step (no backward pass reached it: its output was not "
                         "used for the loss, or was detached, as truncated backpropagation does)")
             values = np.unique(shorter.column(what))

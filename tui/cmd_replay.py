@@ -151,6 +151,9 @@ def _tensors_kept(rec: Any) -> str | None:
     """Which iterations' tensors a run kept, where its mode keeps some only (what can be replayed)."""
     run = rec.run_info
     mode, every = run.get("mode"), run.get("every")
+    if rec.bundle_info is not None:  # its own steps' tensors, whatever its recording's mode kept of the others
+        held = sum(any(r.has_payload for r in step.records) for step in rec.steps)
+        return f"those of {held} of its {len(rec)} steps (a bundle holds the tensors of the steps it replays)"
     if mode == "stats":
         return "none (stats mode: statistics only; nothing can be replayed)"
     if mode == "full" and isinstance(every, int) and every > 1:

@@ -774,3 +774,22 @@ def test_a_bundle_keeps_the_schema_version_of_its_recording(tmp_path: Path) -> N
     with pytest.warns(recorder.RecorderWarning, match=f"newer.pdbg was written by a newer PaperDebugger "
                                                       fr"\(schema {newer}"):
         assert replayer.open(made.path).reader.schema_version == newer
+
+
+def test_info_of_a_bundle_of_a_flight_recording_says_what_the_bundle_holds(tmp_path: Path) -> None:
+    """`pdbg info` of a bundle made from a flight recording said "tensors kept: none (the flight ring wrote
+    out no iteration)", the recording's flight record, of a bundle that replays bit for bit: a recipient
+    reading info first would think it useless. It says what the bundle itself holds."""
+    from tests.cli import pdbg_here
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="flight", keep=2) as run:
+        for i in range(4):
+            named_halves(torch.full((3, 4), float("nan") if i == 3 else 0.5))
+            run.next_iteration()
+    rec = replayer.open(path)
+    made = replayer.bundle(rec, "Eq. 9@iter=3", tmp_path / "f.pdbg", verify=True)
+    assert made.verified is True
+    doc = json.loads(pdbg_here("info", str(made.path), "--json", cwd=tmp_path).stdout)
+    assert doc["tensors_kept"] == "those of 1 of its 1 steps (a bundle holds the tensors of the steps it replays)"
+    assert "tensors kept: those of 1 of its 1 steps" in pdbg_here("info", str(made.path), cwd=tmp_path).stdout

@@ -2104,6 +2104,28 @@ def test_selectors_of_evaluations_sparse_steps_and_the_root(tmp_path: Path) -> N
     assert {s.name for s in rec.steps if s.extra.get("alerts")} == {"Shared"} and root.hits == 20
 
 
+def test_a_frozen_layer_s_missing_backward_is_said_to_be_frozen(tmp_path: Path) -> None:
+    """A frozen encoder (requires_grad=False) under a trained head has no backward step: asked for it,
+    the answer blamed an output "not used for the loss, or detached", a detach bug to look for. Its
+    outputs needed no gradient, which the records show, and the answer says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", model=model, modules=["0", "1"], optimizer=opt):
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert rec.step("1@iter=1:backward").forward == rec.step("1@iter=1").index  # the head's is there
+    with pytest.raises(StepNotFoundError) as raised:
+        rec.step("0@iter=1:backward")
+    assert str(raised.value) == ("no step matches '0@iter=1:backward'; 0@iter=1 has no backward step: its outputs "
+                                 "needed no gradient (its parameters are frozen, requires_grad=False, and its inputs "
+                                 "need none either, so no backward pass runs through it)"), str(raised.value)
+
+
 @recorder.paper_step("Eq. 24", description="a block with batch statistics")
 class NormBlock(nn.Module):
     def __init__(self) -> None:
