@@ -385,6 +385,7 @@ class Replayer:
                         d, k, cls=cls, top_hooks_ran=top and _own_hooks_ran(step.definition)),
                     init, self.plan.notes)
                 sw.used += 1
+                self.plan.brought |= {id(m) for m in new.modules()} - {id(m) for m in original.modules()}
                 if rel:
                     parent_name, _, leaf = rel.rpartition(".")
                     module.get_submodule(parent_name)._modules[leaf] = new
@@ -461,7 +462,8 @@ class Replayer:
             if self._repository:
                 result.warnings.append(self._repository)
             else:
-                result.warnings += _files_changed_since(self.rec.run_info, call, self.loader.script)
+                result.warnings += _files_changed_since(self.rec.run_info, call, self.loader.script,
+                                                        self.plan.brought)
         names = _data_globals(call.fn)
         if names:
             result.warnings.append(f"the step's code reads the module-level {', '.join(names)}, whose values are not "
@@ -948,17 +950,20 @@ def _by_type(doc: Any, as_dicts: bool = False) -> Any:
     return doc
 
 
-def _files_changed_since(run_info: dict[str, Any], call: _Call, script: str | None) -> list[str]:
+def _files_changed_since(run_info: dict[str, Any], call: _Call, script: str | None,
+                         brought: set[int] = frozenset()) -> list[str]:  # type: ignore[assignment]
     """The files of the replayed module's classes (its submodules', whose code a recording does not
     hash: only the step's own is) modified after the recording began: code the step ran may differ.
-    ``script``: the training script's path, where its classes (``__main__``'s) were loaded from."""
+    ``script``: the training script's path, where its classes (``__main__``'s) were loaded from.
+    ``brought``: ids of modules a swap brought in, which the recorded step never ran (a fix is written
+    after the recording: not a likely cause, the point of the replay)."""
     from .bundles import installed
 
     started = run_info.get("started_unix")
     if not isinstance(started, (int, float)) or call.module is None:
         return []
     changed: dict[str, list[str]] = {}
-    for cls in dict.fromkeys(type(m) for m in call.module.modules()):
+    for cls in dict.fromkeys(type(m) for m in call.module.modules() if id(m) not in brought):
         try:
             file = script if cls.__module__ == "__main__" else inspect.getsourcefile(cls)
         except (TypeError, OSError):

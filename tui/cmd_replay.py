@@ -349,7 +349,8 @@ def _step_text(step: dict[str, Any]) -> str:
 
     ref = paper_reference(step["paper"])
     who = f"{ref} ({step['name']})" if ref and ref != step["name"] else step["name"]
-    return f"step {step['index']}: {who}{where}, {step['phase']}, iteration {step['iteration']}, call {step['call']}"
+    phase = step["phase"] + (" (no grad)" if step["phase"] == "forward" and step.get("grad_enabled") is False else "")
+    return f"step {step['index']}: {who}{where}, {phase}, iteration {step['iteration']}, call {step['call']}"
 
 
 # -- replay --------------------------------------------------------------------------------------

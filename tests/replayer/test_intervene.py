@@ -379,3 +379,19 @@ def test_the_api_names_its_errors_and_checks_a_role() -> None:
     step = replayer.Step.__new__(replayer.Step)
     with pytest.raises(RecordingError, match="unknown role 'bogus': use one of input, output, param"):
         replayer.Step.tensors(step, "bogus")
+
+
+def test_a_replacement_written_after_the_recording_is_not_called_code_the_step_ran(stack_run: tuple[Path, object],
+                                                                                   tmp_path: Path) -> None:
+    """A fix swapped in is written after the recording, as every fix is: the replay warned that the step's
+    module "uses" the new class from a file "modified after the recording began ... its code may not be what
+    ran (a likely cause of any difference)", as if the difference the fix made were an artefact."""
+    (tmp_path / "clamped_fix.py").write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Clamped(nn.Module):\n"
+        "    def __init__(self, d):\n        super().__init__()\n        self.fc = nn.Linear(d, d)\n\n"
+        "    def forward(self, x, scale):\n        return torch.tanh(self.fc(x) * scale).clamp(-0.5, 0.5)\n")
+    res = pdbg_here("replay", str(stack_run[0]), "Scaled@iter=1#0", "--swap", ".=clamped_fix:Clamped", "--json",
+                    cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and not doc["match"] and doc["intervention"] is not None, res.stdout + res.stderr
+    assert not [w for w in doc["warnings"] if "modified after the recording began" in w], doc["warnings"]

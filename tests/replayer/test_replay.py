@@ -2100,6 +2100,12 @@ def test_selectors_of_evaluations_sparse_steps_and_the_root(tmp_path: Path) -> N
                 ask(selector)
             assert str(raised.value) == f"no step matches {selector!r}; {said}", str(raised.value)
     assert rec.step("Eq. 4@iter=2#1:backward").forward == rec.step("Eq. 4@iter=2#1").index
+    # the evaluation call is told apart from the training one wherever a step is named (find, replay, info)
+    for command in ("find", "replay"):
+        said = pdbg_here(command, str(tmp_path / "run.zarr"), "Eq. 4@iter=2#0", cwd=tmp_path).stdout
+        assert "(Shared), forward (no grad), iteration 2, call 0" in said, said
+    said = pdbg_here("find", str(tmp_path / "run.zarr"), "Eq. 4@iter=2#1", cwd=tmp_path).stdout
+    assert "(Shared), forward, iteration 2, call 1" in said, said
     assert {s.name for s in rec.steps.select(".")} == {"Shared"} and rec.step(".").name == "Shared"
     assert {s.name for s in rec.steps if s.extra.get("alerts")} == {"Shared"} and root.hits == 20
 
