@@ -217,13 +217,14 @@ class Session:
 
     def __init__(self, pipeline: Pipeline, *, mode: str, every: int, model: torch.nn.Module | None,
                  t0: float, modules: Any = None, on_anomaly: str = "record", keep: int = 2,
-                 max_ring_bytes: int = 4 << 30) -> None:
+                 max_ring_bytes: int = 4 << 30, start_iteration: int = 0) -> None:
         self.pipeline, self.mode, self.every, self.t0 = pipeline, mode, every, t0
         self.lock = threading.RLock()
         self.local = threading.local()
         compiled.keep_dynamo_out()
         self.modules = modstack.ModuleStack(model)
-        self.iteration = 0
+        self.start_iteration = start_iteration  # the first iteration's number (a resumed run's checkpoint step)
+        self.iteration = start_iteration
         self.next_index = 0
         # Forward calls of each step in this iteration: per name, paper label and code (two classes
         # named Attention, Eq. 3 and Eq. 5, count their own calls; the instances of one class share,

@@ -157,10 +157,10 @@ class FrameworkCallback:
         if keep is not None and mode != "flight":
             raise RecordingError(f"keep={keep!r} applies to mode='flight' (the iterations its ring holds in memory); "
                                  f"mode={mode!r} has no ring: leave it out")
-        taken = sorted({"model", "optimizer"} & set(record_options))
+        taken = sorted({"model", "optimizer", "start_iteration"} & set(record_options))
         if taken:
-            raise RecordingError(f"the callback records the model the framework trains and counts its optimizer "
-                                 f"steps itself: leave out {', '.join(taken)}")
+            raise RecordingError(f"the callback records the model the framework trains and numbers the iterations by "
+                                 f"its global step itself (a resumed training's too): leave out {', '.join(taken)}")
         super().__init__()
         self.path = path
         self.options: dict[str, Any] = {"mode": mode, "modules": modules, "on_anomaly": on_anomaly, **record_options}

@@ -52,11 +52,14 @@ class Run:
                  when_slow: str = "drop_payloads",
                  modules: str | list[str] | None = None, on_anomaly: str = "record", keep: int | None = None,
                  max_ring_bytes: int | None = None, script: str | None = None, main_module: str | None = None,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, start_iteration: int = 0) -> None:
         if mode not in MODES:
             raise RecordingError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         if not isinstance(every, int) or every < 1:
             raise RecordingError(f"every must be a positive integer (payloads every k-th iteration), not {every!r}")
+        if isinstance(start_iteration, bool) or not isinstance(start_iteration, int) or start_iteration < 0:
+            raise RecordingError(f"start_iteration must be an integer >= 0 (the first iteration's number: for a "
+                                 f"resumed run, the step its checkpoint was saved at), not {start_iteration!r}")
         if every != 1 and mode != "full":
             raise RecordingError(f"every={every} applies to mode='full' (payloads every k-th iteration); mode="
                                  f"{mode!r} " + ("keeps no payload" if mode == "stats" else "keeps the payloads of the "
@@ -106,7 +109,7 @@ class Run:
         self.started = time.time()
         try:
             store = backend.open_store(path, mode="w", storage_options=storage_options)  # a URL: checked here
-            attrs = {**run_metadata(self.started, mode, every, script, main_module), **self.dist}
+            attrs = {**run_metadata(self.started, mode, every, script, main_module, start_iteration), **self.dist}
             writer = StoreWriter(store, run_attrs=attrs, compression=compression, rank=rank,
                                  world_size=self.dist["world_size"])
         except OSError as exc:
@@ -118,7 +121,7 @@ class Run:
                                  when_slow=when_slow)
         self.session = capture.Session(self.pipeline, mode=mode, every=every, model=model, t0=self.t0,
                                        modules=modules, on_anomaly=on_anomaly, keep=keep,
-                                       max_ring_bytes=max_ring_bytes)
+                                       max_ring_bytes=max_ring_bytes, start_iteration=start_iteration)
         self._unmatched_said: set[str] = set()  # modules globs already reported as matching nothing
         self._signals = self._catch_signals() if mode == "flight" else {}
         self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
@@ -298,7 +301,8 @@ class Run:
         self._warn_uncounted()
         self._writer_failed()
         pipe = self.pipeline  # its counters are final: nothing more is handed over
-        info: dict[str, Any] = {"ended_unix": time.time(), "iterations": self.session.iteration + 1,
+        begun = self.session.iteration - self.session.start_iteration + 1  # (docs/FORMAT.md: final.iterations)
+        info: dict[str, Any] = {"ended_unix": time.time(), "iterations": begun,
                                 "steps_started": self.session.next_index,
                                 "peak_queue_bytes": pipe.peak_queue_bytes, "peak_record_bytes": pipe.peak_record_bytes,
                                 "when_slow": pipe.when_slow, "dropped_payloads": pipe.dropped_payloads,
@@ -410,7 +414,7 @@ class Run:
     def _warn_uncounted(self) -> None:
         """Backward passes ran, yet the iterations never advanced: a hand-written update (no torch.optim
         optimizer) under ``optimizer="auto"``, or an optimizer given that never stepped; said once, at
-        the end, as every step of the run is then in iteration 0."""
+        the end, as every step of the run is then in its first iteration."""
         counter = self._optimizers
         passes = self._backward.passes
         if counter is not None and counter.steps and counter.others_since > max(2, counter.steps):
@@ -419,11 +423,13 @@ class Run:
                          f"that stepped ({counter.counting}, {counter.steps} steps), which stopped stepping; "
                          "give the one whose steps should number them to recorder.record(optimizer=...) (README, "
                          "\"How iterations are counted\")", stacklevel=3)
-        if counter is None or counter.steps or self.session.iteration or passes < 2 or not self.session.next_index:
+        first = self.session.start_iteration
+        if counter is None or counter.steps or self.session.iteration != first or passes < 2 or \
+                not self.session.next_index:
             return  # (a run that recorded no step is told what to name instead)
         why = ("no torch.optim optimizer stepped" if not counter.any_step else
                f"the {counter.counting} given to record() never stepped")
-        capture.warn(f"every step is in iteration 0: {passes} backward passes ran and {why} (iterations advance "
+        capture.warn(f"every step is in iteration {first}: {passes} backward passes ran and {why} (iterations advance "
                      "on optimizer.step()); to number the iterations of a hand-written update, record in code "
                      "with recorder.record and call run.next_iteration() after each update (README, \"How "
                      "iterations are counted\")", stacklevel=3)
@@ -521,7 +527,10 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
             (iterations, default 2) and ``max_ring_bytes`` (default 4 GiB); ``storage_options``: a
             URL's fsspec options, e.g. ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url":
             "http://127.0.0.1:9000"}}`` (default: ``$PDBG_STORAGE_OPTIONS``, else s3fs's own
-            environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...).
+            environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...);
+            ``start_iteration``: the first iteration's number (default 0); a run resumed from the
+            checkpoint of step N gives N, so that its iterations (selectors, the flight ring, ``every``,
+            ``bisect --against``) are the run's own (README, "Preempted and resumed runs").
 
     Returns:
         The Run; leaving the ``with`` block closes it (``complete``, or ``crashed`` on an exception;
@@ -562,11 +571,12 @@ def _restore_blosc(previous: Any) -> None:
 
 
 def run_metadata(started: float, mode: str, every: int, script: str | None = None,
-                 main_module: str | None = None) -> dict[str, Any]:
+                 main_module: str | None = None, start_iteration: int = 0) -> dict[str, Any]:
     """What a reader needs to know about where and how the run was recorded (plain JSON).
 
     ``script``: the user's script when it is not ``__main__``'s file (``pdbg record`` runs it);
-    ``main_module``: the module it is when run as ``python -m pkg.train`` (``pdbg record -- -m``)."""
+    ``main_module``: the module it is when run as ``python -m pkg.train`` (``pdbg record -- -m``);
+    ``start_iteration``: the first iteration's number (a resumed run's, from its checkpoint)."""
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = [{"name": torch.cuda.get_device_name(i),
@@ -586,7 +596,7 @@ def run_metadata(started: float, mode: str, every: int, script: str | None = Non
         "platform": platform.platform(), "machine": platform.machine(), "hostname": socket.gethostname(),
         "pid": os.getpid(), "cuda": cuda, "torch_cuda": torch.version.cuda,
         "cpu_capability": snapshot.settings()["cpu_capability"], "git": _git_commit(script),
-        "main_module": main_module,
+        "main_module": main_module, "start_iteration": start_iteration,
     }
 
 

@@ -909,14 +909,13 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     steps), and there is no root cause among the steps: later ones whose parameters differ only
     follow it (the optimizer stepped with other gradients).
     """
-    keys_a = _keys(rec_a)
-    keys_b = {k: i for i, k in enumerate(_keys(rec_b))}
+    keys_a, listed_b = _keys(rec_a), _keys(rec_b)
+    keys_b = {k: i for i, k in enumerate(listed_b)}
     pairs = [(i, keys_b.get(k)) for i, k in enumerate(keys_a)]
     common = sum(j is not None for _, j in pairs)
     counted = _counted_otherwise(rec_a, rec_b) if common < max(len(pairs), len(keys_b)) else ""
     if not common:
-        raise RecordingError("the two recordings have no steps in common (same iteration, module path, phase, call "
-                             f"and name){counted}; compare two runs of the same model")
+        raise RecordingError(_nothing_in_common(keys_a, listed_b, counted))
     pa, pb = _Prints(rec_a), _Prints(rec_b)
     root: dict[int, str] = {}
     result = Divergence(None, None, "", compared=common)
@@ -936,7 +935,7 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
             # steps), or from steps one run has and the other lacks: later steps whose parameters
             # differ only follow it (the optimizer stepped with other gradients).
             result.first_difference = sa
-            outside = _unaligned(pairs, last, (i, j), rec_a, rec_b)
+            outside = _unaligned(pairs, last, (i, j), rec_a, rec_b) or _offset(keys_a, listed_b, (i, j), pa, pb)
             break
         result.first_difference = result.step = sa
         result.other = sb
@@ -974,6 +973,64 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     result.cause = f"{describe(result.step)}: {root[index]}"
     result.followed = _followers(pairs, result.first_difference.index, pa, pb, rec_a, rec_b)
     return result
+
+
+def _span(keys: list[tuple[Any, ...]]) -> tuple[int, int]:
+    """The first and last iteration of a recording's steps (from their alignment keys), as numbers."""
+    iterations = [int(k[0]) for k in keys]
+    return min(iterations), max(iterations)
+
+
+def _nothing_in_common(keys_a: list[tuple[Any, ...]], keys_b: list[tuple[Any, ...]], counted: str) -> str:
+    """Why no step pairs: two recordings of iterations that do not overlap (two segments of one run, or one
+    resumed run numbered from 0), or of different models."""
+    (a0, a1), (b0, b1) = (_span(keys_a), _span(keys_b)) if keys_a and keys_b else ((0, 0), (0, 0))
+    if a1 < b0 or b1 < a0:
+        def span(lo: int, hi: int) -> str:
+            return f"iteration {lo}" if lo == hi else f"iterations {lo}–{hi}"
+
+        text = (f"the two recordings cover disjoint iterations (this run: {span(a0, a1)}; the other run: "
+                f"{span(b0, b1)}), so no step is in both")
+        if {k[1:] for k in keys_a} & {k[1:] for k in keys_b}:  # the same steps, at other iteration numbers
+            return (text + "; compare runs that recorded the same iterations, or, where one was resumed from a "
+                    "checkpoint and numbered its iterations from 0, record it with start_iteration set to the "
+                    "checkpoint's step (pdbg record --start-iteration N) so that both number them alike")
+        return text + "; nor do they share a step name: compare two runs of the same model"
+    return ("the two recordings have no steps in common (same iteration, module path, phase, call and name)"
+            f"{counted}; compare two runs of the same model")
+
+
+_OFFSET_CANDIDATES = 4096  # steps of the other run whose inputs are compared with those of the first that differs
+
+
+def _offset(keys_a: list[tuple[Any, ...]], keys_b: list[tuple[Any, ...]], at: tuple[int, int], pa: _Prints,
+            pb: _Prints) -> str:
+    """Where the first step whose results differ got the inputs of the same step at a later iteration of
+    the other run, and of no other iteration (an input that never changes says nothing), and so did the
+    same step one iteration on: the runs number the same iterations differently (a run resumed from a
+    checkpoint, recorded from iteration 0). What aligns them; "" when that is not it."""
+    def inputs(p: _Prints, index: int) -> dict[Any, Any]:
+        return _parts(p, p.rec.step(index))[0]
+
+    sides = ((keys_a, pa, keys_b, pb, at[0], "this run", "the other run"),
+             (keys_b, pb, keys_a, pa, at[1], "the other run", "this run"))
+    for mine, p_mine, theirs, p_theirs, index, who, other in sides:
+        key, wanted = mine[index], inputs(p_mine, index)
+        same = [k for k, o in enumerate(theirs) if o[1:] == key[1:]][:_OFFSET_CANDIDATES]
+        matches = [theirs[k][0] for k in same if inputs(p_theirs, k) == wanted]
+        if len(matches) != 1 or matches[0] <= key[0]:
+            continue
+        found = matches[0]
+        ahead = {k: i for i, k in enumerate(mine)}.get((key[0] + 1, *key[1:]))
+        later = {k: i for i, k in enumerate(theirs)}.get((found + 1, *key[1:]))
+        if ahead is not None and (later is None or inputs(p_mine, ahead) != inputs(p_theirs, later)):
+            continue  # one iteration alike by chance (a batch drawn twice), not a numbering
+        first = _span(mine)[0]
+        start = first + found - key[0]
+        return (f"{who}'s iteration {key[0]} had the inputs of {other}'s iteration {found}: {who} numbers the same "
+                f"iterations {found - key[0]} lower (resumed from a checkpoint and recorded from iteration {first}?); "
+                f"record it with start_iteration={start} (pdbg record --start-iteration {start}) to align them")
+    return ""
 
 
 def _counted_otherwise(rec_a: Recording, rec_b: Recording) -> str:
@@ -1021,11 +1078,13 @@ def _unaligned(pairs: list[tuple[int, int | None]], last: tuple[int, int], at: t
     only_a = [i for i in range(last[0] + 1, at[0]) if pairs[i][1] is None]
     only_b = [j for j in range(last[1] + 1, at[1]) if j not in paired]
     parts = []
-    for steps, rec, which in ((only_a, rec_a, "this run"), (only_b, rec_b, "the other run")):
+    for steps, rec, which, before, other in ((only_a, rec_a, "this run", "it", "the other run"),
+                                             (only_b, rec_b, "the other run", f"its step {at[1]} (the same step)",
+                                              "this run")):
         if steps:
             shown = "; ".join(describe(rec.step(k)) for k in steps[:3]) + (" ..." if len(steps) > 3 else "")
-            parts.append(f"{which} has {len(steps)} step{'s' if len(steps) != 1 else ''} right before it that the "
-                         f"other lacks ({shown})")
+            parts.append(f"{which} has {len(steps)} step{'s' if len(steps) != 1 else ''} right before {before} that "
+                         f"{other} lacks ({which}'s {shown})")
     return " and ".join(parts) + (", which may have made them" if parts else "")
 
 

@@ -1,12 +1,13 @@
 """pdbg record -o RUN [--mode M] [--keep N] [--modules GLOB ...] [--every K] [--on-anomaly A]
-                   -- script.py|-m MODULE [args]
+                   [--start-iteration N] -- script.py|-m MODULE [args]
 
 Run an unmodified training script as `python script.py args` (or `python -m MODULE args`) would,
 recording it (modes: full, stats,
 flight; --keep N iterations in flight mode; --on-anomaly record, stop or pdb): decorated paper
 steps, plus every module whose path matches a --modules glob (`blocks.*` is each block, `**.attn`
 every attn, `**` every module). Iterations advance on the steps of the first optimizer that steps, or
-of a new one over its parameters that replaces it (a resumed optimizer).
+of a new one over its parameters that replaces it (a resumed optimizer); the first is numbered 0, or
+--start-iteration N (a run resumed from a checkpoint saved at step N: its iterations keep the run's numbers).
 The script's stdout is left alone; pdbg's own lines go to stderr. Exits with the script's exit code.
 
 In flight mode the script runs in a child process and the ring's bytes in shared memory, so that a
@@ -39,6 +40,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--every", type=int, default=None, metavar="K", help="full mode: bytes every K-th iteration")
     p.add_argument("--on-anomaly", choices=("record", "stop", "pdb"), default="record",
                    help="a step with NaN/Inf results: record it (default), stop (raise NonFiniteError), or pdb")
+    p.add_argument("--start-iteration", type=int, default=0, metavar="N",
+                   help="the first iteration's number (default 0): a resumed run's step from its checkpoint")
     p.add_argument("script", help="the training script (or -m, then the module to run as python -m does)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(handler=run)
@@ -59,9 +62,12 @@ def run(args: argparse.Namespace) -> int:
         raise RecordingError(f"--every applies to --mode full (bytes every K-th iteration); --mode {args.mode} "
                              + ("keeps no bytes" if args.mode == "stats" else "keeps the bytes of the last --keep "
                                 "iterations") + ": leave --every out, or use --mode full")
+    if args.start_iteration < 0:
+        raise RecordingError(f"--start-iteration must be an integer >= 0 (the first iteration's number: for a resumed "
+                             f"run, the step its checkpoint was saved at), not {args.start_iteration}")
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
     options: dict[str, Any] = {"modules": args.modules or None, "every": args.every or 1,
-                               "on_anomaly": args.on_anomaly}
+                               "on_anomaly": args.on_anomaly, "start_iteration": args.start_iteration}
     if args.keep is not None:
         options["keep"] = args.keep
     # (its warnings are pdbg: warning: lines, as every command's: tui.cli.main)

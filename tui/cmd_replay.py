@@ -135,7 +135,8 @@ def summary(rec: Any) -> dict[str, Any]:
     origin = first_nonfinite(rec, all_ranks=True) if n or len(rec.ranks) > 1 else None
     first = (origin.step or origin.entered) if origin is not None else None
     return {"status": rec.status, "steps": n, "iterations": int(len(np.unique(iteration))) if n else 0,
-            "ranks": len(rec.reader.ranks), "rank_details": _ranks(rec), "paper_steps": paper_steps,
+            "iteration_range": _iteration_range(iteration), "ranks": len(rec.reader.ranks),
+            "rank_details": _ranks(rec), "paper_steps": paper_steps,
             "alerts": int(with_alerts(rec).sum()) if n else 0,
             "exceptions": int((status == layout.STATUSES.index("exception")).sum()),
             "first_nonfinite": first.to_json() if first is not None else None,
@@ -143,11 +144,24 @@ def summary(rec: Any) -> dict[str, Any]:
             "ended_by": rec.ended_by,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
             "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec),
-            "grad_scaler_skipped": rec.scaler_skips, "tensors_kept": _tensors_kept(rec),
+            "grad_scaler_skipped": rec.scaler_skips, "tensors_kept": _tensors_kept(rec, _iteration_range(iteration)),
             "optimizer_replaced": rec.rank.final.get("optimizer_replaced")}
 
 
-def _tensors_kept(rec: Any) -> str | None:
+def _iteration_range(iteration: np.ndarray) -> list[int] | None:
+    """The first and last iteration holding a step (a resumed run's start at its checkpoint's step), or None."""
+    return [int(iteration.min()), int(iteration.max())] if len(iteration) else None
+
+
+def _iterations_text(count: int, span: list[int] | None) -> str:
+    """"25 iterations", and their range where they do not start at 0 (a resumed run's): "25 iterations (15–39)"."""
+    text = _count(count, "iteration")
+    if span is None or span[0] == 0:
+        return text
+    return f"{text} ({span[0]})" if span[0] == span[1] else f"{text} ({span[0]}–{span[1]})"
+
+
+def _tensors_kept(rec: Any, span: list[int] | None = None) -> str | None:
     """Which iterations' tensors a run kept, where its mode keeps some only (what can be replayed)."""
     run = rec.run_info
     mode, every = run.get("mode"), run.get("every")
@@ -157,7 +171,9 @@ def _tensors_kept(rec: Any) -> str | None:
     if mode == "stats":
         return "none (stats mode: statistics only; nothing can be replayed)"
     if mode == "full" and isinstance(every, int) and every > 1:
-        return f"every {every} iterations (--every {every}: iterations 0, {every}, {2 * every}, ...)"
+        first = -(-(span[0] if span else 0) // every) * every  # the multiples of every (counted from iteration 0)
+        return (f"every {every} iterations (--every {every}: iterations {first}, {first + every}, "
+                f"{first + 2 * every}, ...)")
     if mode == "flight":
         written, writes = rec.rank.ring_iterations(), rec.rank.ring_writes()
         if written is None or writes is None:  # still recording: what the ring wrote is known at close
@@ -188,7 +204,8 @@ def _ranks(rec: Any) -> list[dict[str, Any]]:
         iterations = r.column("steps/iteration") if len(r) else np.zeros(0)
         run = r.run_info
         out.append({"rank": rank, "status": r.status, "steps": len(r),
-                    "iterations": int(len(np.unique(iterations))), "world_size": r.dist["world_size"],
+                    "iterations": int(len(np.unique(iterations))), "iteration_range": _iteration_range(iterations),
+                    "world_size": r.dist["world_size"],
                     "backend": r.dist["backend"], "hostname": run.get("hostname"), "pid": run.get("pid")})
     return out
 
@@ -243,7 +260,8 @@ def info(args: argparse.Namespace) -> int:
         _emit(doc)
         return 0
     run = rec.run_info
-    print(f"{args.run}: {doc['status']}, {_count(doc['steps'], 'step')}, {_count(doc['iterations'], 'iteration')}, "
+    iterations = _iterations_text(doc["iterations"], doc["iteration_range"])
+    print(f"{args.run}: {doc['status']}, {_count(doc['steps'], 'step')}, {iterations}, "
           f"{doc['ranks']} rank{'s' if doc['ranks'] != 1 else ''}, {_size(doc['bytes'])} on disk "
           f"(schema {doc['schema_version']})")
     if run:
@@ -262,7 +280,7 @@ def info(args: argparse.Namespace) -> int:
                       "started, or recorded to another path; every rank must record to the same one)")
                 continue
             print(f"  rank {r['rank']}: {r['status']}, {_count(r['steps'], 'step')}, "
-                  f"{_count(r['iterations'], 'iteration')}, "
+                  f"{_iterations_text(r['iterations'], r['iteration_range'])}, "
                   f"backend {r['backend'] or '?'}, {r['hostname']} pid {r['pid']}")
         print(f"  (paper steps below: rank {rec.rank.rank}; --rank K for another)")
     if doc["paper_steps"]:

@@ -866,9 +866,12 @@ class RankReader:
         if mode == "stats":
             return "the run was recorded in stats mode, which keeps statistics only"
         if mode == "full" and isinstance(every, int) and every > 1 and iteration % every:
-            below = iteration - iteration % every
+            below = iteration - iteration % every  # (counted from iteration 0, also where a resumed run starts later)
+            start = self.run_info.get("start_iteration")
+            nearest = (f"is {below + every}" if isinstance(start, int) and below < start else
+                       f"are {below} and {below + every}")
             return (f"the run kept tensors every {every} iterations (--every {every}), and this is iteration "
-                    f"{iteration}: the nearest kept are {below} and {below + every}")
+                    f"{iteration}: the nearest kept {nearest}")
         if mode == "flight":
             writes = self.ring_writes() or []
             written = self.ring_iterations() or []

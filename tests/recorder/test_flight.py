@@ -80,6 +80,21 @@ class TestFlight:
         assert [d["iterations"] for d in final["dumps"]] == [[39, 40], [48, 49]]
         assert 0 < final["peak_ring_bytes"] <= 3 * final["dumps"][0]["bytes"]
 
+    def test_a_resumed_run_keeps_the_ring_by_the_runs_own_iteration_numbers(self, run_path: Path) -> None:
+        """A run resumed at step 100 (start_iteration=100), NaN at its step 104: the ring keeps 103 and
+        104 and names them so, as the uninterrupted run would (the recording numbered them 3 and 4)."""
+        model = small_model()
+        with recorder.record(run_path, mode="flight", keep=2, modules="*", start_iteration=100) as run:
+            inputs = train(run, 8, 4, model)
+        recorded, kept = payload_iterations(run_path)
+        assert recorded == set(range(100, 108)) and kept == {103, 104, 106, 107}
+        rank = RunReader(str(run_path)).rank(0)
+        assert [d["iterations"] for d in rank.final["flight"]["dumps"]] == [[103, 104], [106, 107]]
+        assert rank.final["iterations"] == 9 and rank.run_info["start_iteration"] == 100  # 100..108 begun
+        first = [s for s in range(len(rank)) if int(rank.column("steps/iteration")[s]) == 104][0]
+        (x,) = [r for r in rank.tensor_records(first) if r.role == "input"]
+        assert torch.equal(rank.tensor(x).view(torch.int32), inputs[4].view(torch.int32))
+
     def test_exception_writes_the_ring(self, run_path: Path) -> None:
         """An exception escaping a step writes the ring: the iterations before the crash keep their bytes."""
         class Fragile(nn.Module):

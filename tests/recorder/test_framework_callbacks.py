@@ -648,6 +648,23 @@ class TestShared:
             with pytest.raises(RecordingError):
                 FrameworkCallback("run.zarr", **bad)
 
+    def test_start_iteration_is_refused_the_global_step_numbers_the_iterations(self, tmp_path: Path) -> None:
+        """A resumed training's iterations follow the framework's global step (its first training step is
+        numbered by it): a start_iteration given to the callback is refused, as model and optimizer are."""
+        with pytest.raises(RecordingError) as err:
+            FrameworkCallback(tmp_path / "run.zarr", start_iteration=15)
+        assert str(err.value) == ("the callback records the model the framework trains and numbers the iterations "
+                                  "by its global step itself (a resumed training's too): leave out start_iteration")
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        callback = FrameworkCallback(tmp_path / "resumed.zarr")
+        callback._begin(model)
+        for global_step in (15, 16):  # resumed from the checkpoint of step 15
+            callback._step_start(global_step)
+            model(torch.ones(1, 2))
+            callback._step_end()
+        callback._end()
+        assert [s.iteration for s in replayer.open(tmp_path / "resumed.zarr").steps] == [15, 15, 16, 16]
+
     def test_a_run_left_open_closes_crashed_at_exit(self, tmp_path: Path) -> None:
         """A training that raises out of the process with its recording open: closed crashed at exit,
         with the exception that ended the process, and the user is told."""

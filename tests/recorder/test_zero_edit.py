@@ -350,6 +350,57 @@ class TestIterations:
         assert recorder_warnings(caught) == []
 
 
+    def test_a_resumed_run_numbers_its_iterations_from_start_iteration(self, run_path: Path) -> None:
+        """A run resumed from a checkpoint saved at step 15 (start_iteration=15): its iterations are the
+        run's own numbers, 15 on (they were 0 on: a NaN at the run's step 17 read as iteration 2), for
+        selectors too; final.iterations counts those begun from 15; payloads every k-th iteration are kept
+        at the uninterrupted run's (multiples of k); a hand-written update is still warned of."""
+        import replayer
+
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        with recorder.record(run_path, optimizer=opt, modules="blocks.*", every=2, start_iteration=15) as run:
+            assert run.iteration == 15
+            for _ in range(4):
+                model(torch.randn(3, 6)).backward()
+                opt.step()
+                opt.zero_grad()
+        assert forward_iterations(run_path) == [15, 16, 17, 18]
+        reader = RunReader(str(run_path)).rank(0)
+        assert reader.run_info["start_iteration"] == 15
+        assert reader.final["iterations"] == 5  # 15 to 18 hold steps; the last step opened 19
+        rec = replayer.open(run_path)
+        assert rec.step("Block@iter=17").iteration == 17 and rec.step("Block@iter=17").module_path == "blocks.0"
+        kept = {s.iteration for s in rec.steps if all(r.has_payload for r in s.records)}
+        assert kept == {16, 18}
+        info = json.loads(pdbg_here("info", str(run_path), "--json", cwd=run_path.parent).stdout)
+        assert info["tensors_kept"] == "every 2 iterations (--every 2: iterations 16, 18, 20, ...)"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with recorder.record(run_path.with_name("hand.zarr"), optimizer="auto", modules="blocks.*",
+                                 start_iteration=7):
+                for _ in range(3):
+                    model(torch.randn(3, 6)).backward()
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.sub_(0.1 * p.grad)
+                            p.grad = None
+        assert forward_iterations(run_path.with_name("hand.zarr")) == [7, 7, 7]
+        assert recorder_warnings(caught) == [
+            "every step is in iteration 7: 3 backward passes ran and no torch.optim optimizer stepped (iterations "
+            "advance on optimizer.step()); to number the iterations of a hand-written update, record in code with "
+            "recorder.record and call run.next_iteration() after each update (README, \"How iterations are "
+            "counted\")"]
+
+    @pytest.mark.parametrize("bad", [-1, 2.0, True, "15", None])
+    def test_a_bad_start_iteration_is_refused_before_anything_is_created(self, run_path: Path, bad: object) -> None:
+        with pytest.raises(RecordingError) as caught:
+            recorder.record(run_path, start_iteration=bad)
+        assert str(caught.value) == (f"start_iteration must be an integer >= 0 (the first iteration's number: for "
+                                     f"a resumed run, the step its checkpoint was saved at), not {bad!r}")
+        assert not run_path.exists()
+
+
 class TestPdbgRecord:
     def test_records_each_block_call_and_changes_nothing(self, tmp_path: Path) -> None:
         """`pdbg record --modules 'blocks.*'`: one forward and one backward step per block call, the
@@ -369,6 +420,31 @@ class TestPdbgRecord:
         info = RunReader(str(tmp_path / "run.zarr")).run_info
         assert info["script"] == str(SCRIPT) and info["argv"][1:] == ["4", "--save", str(tmp_path / "rec.pt")]
         assert "pdbg: recording in run.zarr (complete, 24 steps)" in rec.stderr
+
+    def test_start_iteration_numbers_a_resumed_script_and_info_shows_the_range(self, tmp_path: Path) -> None:
+        """`pdbg record --start-iteration 15`: a script resumed from the checkpoint of step 15 numbers its
+        iterations 15 on (there was no option: a zero-edit recording of a resumed run was numbered from 0),
+        and `pdbg info` shows their range where it does not start at 0 ("4 iterations" said nothing of
+        it), in text and JSON; a bad value is one line, exit 2, and nothing runs."""
+        rec = pdbg("record", "-o", "run.zarr", "--modules", "blocks.*", "--start-iteration", "15", "--",
+                   str(SCRIPT), "4", cwd=tmp_path)
+        assert rec.returncode == 0, rec.stderr
+        assert sorted({int(s["iteration"]) for s in steps(tmp_path / "run.zarr")}) == [15, 16, 17, 18]
+        info = pdbg_here("info", "run.zarr", cwd=tmp_path)
+        assert info.stdout.startswith("run.zarr: complete, 24 steps, 4 iterations (15–18), 1 rank,"), info.stdout
+        doc = json.loads(pdbg_here("info", "run.zarr", "--json", cwd=tmp_path).stdout)
+        assert (doc["iterations"], doc["iteration_range"]) == (4, [15, 18])
+        assert doc["rank_details"][0]["iteration_range"] == [15, 18]
+        plain = pdbg("record", "-o", "plain.zarr", "--modules", "blocks.*", "--", str(SCRIPT), "2", cwd=tmp_path)
+        assert plain.returncode == 0, plain.stderr
+        info = pdbg_here("info", "plain.zarr", cwd=tmp_path)
+        assert info.stdout.startswith("plain.zarr: complete, 12 steps, 2 iterations, 1 rank,"), info.stdout
+        assert json.loads(pdbg_here("info", "plain.zarr", "--json", cwd=tmp_path).stdout)["iteration_range"] == [0, 1]
+        bad = pdbg("record", "-o", "bad.zarr", "--start-iteration", "-3", "--", str(SCRIPT), "2", cwd=tmp_path)
+        assert bad.returncode == 2 and bad.stdout == "" and bad.stderr == (
+            "pdbg: error: --start-iteration must be an integer >= 0 (the first iteration's number: for a resumed run, "
+            "the step its checkpoint was saved at), not -3\n")
+        assert not (tmp_path / "bad.zarr").exists()
 
     def test_a_crash_keeps_traceback_and_exit_code(self, tmp_path: Path) -> None:
         """A script dying mid-iteration: same exit code and traceback as without recording, the run

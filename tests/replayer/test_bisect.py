@@ -18,6 +18,7 @@ import torch
 
 import recorder
 import replayer
+from recorder.errors import RecordingError
 from recorder.store import layout
 from replayer import bisect as bisect_mod
 from replayer.bisect import Condition, ConditionError
@@ -803,9 +804,85 @@ def test_a_step_one_run_has_and_the_other_lacks_is_named(tmp_path: Path) -> None
     b = _record_calls(tmp_path / "b.zarr", [(_shifted, x), (_doubled, None), (_shifted, None)])
     div = replayer.first_divergence(a, b)
     assert div.step is None and div.first_difference is not None and div.first_difference.index == 1
-    assert div.cause.endswith("but its inputs differ too: the other run has 1 step right before it that the other "
-                              "lacks (step 1: Eq. 8 · _doubled · forward · iteration 0 · call 0), which may have made "
-                              "them"), div.cause
+    assert div.cause.endswith("but its inputs differ too: the other run has 1 step right before its step 2 (the "
+                              "same step) that this run lacks (the other run's step 1: Eq. 8 · _doubled · forward · "
+                              "iteration 0 · call 0), which may have made them"), div.cause
+    div = replayer.first_divergence(b, a)  # (it said "the other" of both runs, and step numbers of either)
+    assert div.first_difference is not None and div.first_difference.index == 2
+    assert div.cause.endswith("but its inputs differ too: this run has 1 step right before it that the other run "
+                              "lacks (this run's step 1: Eq. 8 · _doubled · forward · iteration 0 · call 0), which may "
+                              "have made them"), div.cause
+
+
+def _record_segment(path: Path, first: int, stop: int, start_iteration: int | None = None) -> replayer.Recording:
+    """A deterministic training (batches by the run's step) recorded from step ``first`` to ``stop``: a
+    segment resumed from a checkpoint of step ``first`` when it is above 0, numbered from
+    ``start_iteration`` (left out: from 0)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(i: int) -> None:
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(i))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(first):  # the steps before the checkpoint
+        step(i)
+    options = {} if start_iteration is None else {"start_iteration": start_iteration}
+    with recorder.record(path, model=model, optimizer=opt, modules="*", **options):
+        for i in range(first, stop):
+            step(i)
+    return replayer.open(path)
+
+
+def test_a_resumed_run_compares_with_the_uninterrupted_one_by_the_runs_step(tmp_path: Path) -> None:
+    """A run resumed from its checkpoint of step 3: recorded with start_iteration=3 its steps pair with
+    the uninterrupted run's, and match. Recorded from iteration 0 (as it was, there being no way to
+    number it otherwise), the inputs of its iteration 0 are the other run's iteration 3's: that is said,
+    with the start_iteration that aligns them (it said they came from outside every recorded step)."""
+    whole = _record_segment(tmp_path / "whole.zarr", 0, 6)
+    resumed = _record_segment(tmp_path / "resumed.zarr", 3, 6, start_iteration=3)
+    div = replayer.first_divergence(resumed, whole)
+    assert div.first_difference is None and div.step is None
+    only = len(whole) - len(resumed)
+    assert div.cause == (f"no divergence: the {len(resumed)} steps the runs have in common match ({only} steps only in "
+                         "the other: a run longer than the other, or steps recorded in one only)")
+    from_zero = _record_segment(tmp_path / "zero.zarr", 3, 6)
+    div = replayer.first_divergence(from_zero, whole)
+    assert div.first_difference is not None and div.first_difference.index == 0 and div.step is None
+    assert div.cause.endswith("but its inputs differ too: this run's iteration 0 had the inputs of the other run's "
+                              "iteration 3: this run numbers the same iterations 3 lower (resumed from a checkpoint "
+                              "and recorded from iteration 0?); record it with start_iteration=3 (pdbg record "
+                              "--start-iteration 3) to align them"), div.cause
+    div = replayer.first_divergence(whole, from_zero)
+    assert div.cause.endswith("but its inputs differ too: the other run's iteration 0 had the inputs of this run's "
+                              "iteration 3: the other run numbers the same iterations 3 lower (resumed from a "
+                              "checkpoint and recorded from iteration 0?); record it with start_iteration=3 (pdbg "
+                              "record --start-iteration 3) to align them"), div.cause
+    again = _record_segment(tmp_path / "again.zarr", 0, 6, start_iteration=0)  # the default, given
+    assert replayer.first_divergence(again, whole).cause == f"no divergence: the {len(whole)} steps the runs have in " \
+                                                            "common match"
+
+
+def test_two_segments_of_one_run_are_said_to_cover_disjoint_iterations(tmp_path: Path) -> None:
+    """Segments of one run before and after a preemption share no iteration: that is said, with their
+    iterations (it said to compare two runs of the same model), in one line from pdbg bisect."""
+    _record_segment(tmp_path / "before.zarr", 0, 3)
+    after = _record_segment(tmp_path / "after.zarr", 4, 7, start_iteration=4)
+    with pytest.raises(RecordingError) as caught:
+        replayer.first_divergence(after, replayer.open(tmp_path / "before.zarr"))
+    assert str(caught.value) == (
+        "the two recordings cover disjoint iterations (this run: iterations 4–6; the other run: iterations 0–2), so "
+        "no step is in both; compare runs that recorded the same iterations, or, where one was resumed from a "
+        "checkpoint and numbered its iterations from 0, record it with start_iteration set to the checkpoint's step "
+        "(pdbg record --start-iteration N) so that both number them alike")
+    res = pdbg("bisect", "before.zarr", "--against", "after.zarr", cwd=tmp_path)
+    assert res.returncode == 2 and res.stdout == "" and res.stderr == (
+        "pdbg: error: the two recordings cover disjoint iterations (this run: iterations 0–2; the other run: "
+        "iterations 4–6), so no step is in both; compare runs that recorded the same iterations, or, where one was "
+        "resumed from a checkpoint and numbered its iterations from 0, record it with start_iteration set to the "
+        "checkpoint's step (pdbg record --start-iteration N) so that both number them alike\n")
 
 
 class _ScaledGrad(torch.autograd.Function):
