@@ -500,7 +500,8 @@ class Session:
             inf_only = found is not None and not nan
             self._inf_last[key] = self._inf_step[step] = inf_only
             if inf_only and last is None:  # the first call: a mask, if the next call makes Inf again
-                self._inf_first[key] = (frame.index, monitors.nonfinite_message(self._context(frame, None), found))
+                self._inf_first[key] = (frame.index, monitors.nonfinite_message(self._context(frame, None), found,
+                                                                                    frame.tensors))
                 found = None
             elif inf_only and last:  # made at every call so far: meant
                 self._inf_first.pop(key, None)
@@ -511,7 +512,8 @@ class Session:
                     frame.anomaly = (first[0], f"{first[1]} (its next call, step {frame.index}, made none: not a mask)")
             frame.nonfinite = found
             if found is not None:
-                frame.anomaly = (frame.index, monitors.nonfinite_message(self._context(frame, None), found))
+                frame.anomaly = (frame.index, monitors.nonfinite_message(self._context(frame, None), found,
+                                                                          frame.tensors))
         return frame.nonfinite
 
     def _anomaly(self, frame: Frame) -> tuple[int, str] | None:

@@ -264,11 +264,38 @@ class Monitor:
         return alerts, pending
 
 
-def nonfinite_message(ctx: StepContext, tensor: TensorItem) -> str:
-    """'Eq. 2 (smooth_relu) forward, iteration 17, call 3: output has 12 NaN'."""
-    nan, inf = tensor.stats[6], tensor.stats[7]
-    parts = [f"{int(n)} {label}" for n, label in ((nan, "NaN"), (inf, "Inf")) if n]
-    return f"{ctx.describe()}: {tensor.name} has {' and '.join(parts)}"
+_GIVEN = {"input": "input", "param": "parameter", "buffer": "buffer", "grad_output": "grad output"}
+
+
+def nonfinite_message(ctx: StepContext, tensor: TensorItem, tensors: list[TensorItem] | tuple[()] = ()) -> str:
+    """'Eq. 2 (smooth_relu) forward, iteration 17, call 3: output has 12 NaN'. A gradient is named as
+    one ("the gradient of bias has 4 NaN", not the finite parameter); where the step's own inputs among
+    ``tensors`` (the step's records) already held NaN or Inf, a grad output the loss made NaN, a
+    parameter the optimizer wrote, the message says it came in, not made there."""
+    role = layout.role_name(tensor.role)
+    label = f"the gradient of {tensor.name}" if role in ("grad_input", "param_grad") else tensor.name
+    text = f"{ctx.describe()}: {label} has {_counts(tensor.stats)}"
+    phase = layout.PHASES.index(ctx.phase)
+    given, nan = [], False
+    for t in tensors:
+        kind = _GIVEN.get(layout.role_name(t.role))
+        if kind is not None and t.role in layout.INPUT_ROLES[phase]:
+            stats = t.stats.cpu().tolist() if isinstance(t.stats, torch.Tensor) else t.stats
+            if stats[6] or stats[7]:
+                name = "" if kind == "grad output" and t.name == "output" else f" {t.name}"
+                given.append(f"its {kind}{name} already held {_counts(stats)}")
+                nan = nan or bool(stats[6])
+    if given:  # (Inf alone may be a -inf mask the step takes at every call: said, not judged)
+        more = f" (and {len(given) - 1} more of its inputs)" if len(given) > 1 else ""
+        text += (f"; {'it came in: ' if nan else ''}{given[0]}{more} when the "
+                 f"{'call' if ctx.phase == 'forward' else 'backward step'} began")
+    return text
+
+
+def _counts(stats: Any) -> str:
+    """'12 NaN', '1020 NaN and 4 Inf' of a record's statistics."""
+    nan, inf = stats[6], stats[7]
+    return " and ".join(f"{int(n)} {label}" for n, label in ((nan, "NaN"), (inf, "Inf")) if n)
 
 
 def _run_check(check: Check, ctx: StepContext) -> dict[str, Any] | None:

@@ -9,7 +9,10 @@
 A step *produced* a non-finite value when one of its results (forward: outputs; backward: grad
 inputs and parameter grads) holds NaN or Inf while everything it computed from was finite (forward:
 its inputs, parameters and buffers; backward: its grad outputs and its forward call's inputs and
-parameters). The origin is the first such step in execution order, the innermost one where steps nest.
+parameters), or NaN of Inf it takes at every call (a -inf mask). The origin is the first such step in
+execution order, the innermost one where steps nest. NaN or Inf that came into a step from outside
+every recorded step (the data, an optimizer update) is where it *entered*, even where that step turns
+an Inf into NaN.
 """
 
 from __future__ import annotations
@@ -97,13 +100,18 @@ def describe(step: Step) -> str:
     return f"step {step.index}: " + " · ".join(parts)
 
 
+def _counts(r: TensorRecord) -> str:
+    """How many of a record's values are NaN and Inf: "1020 NaN, 4 Inf of 1024"."""
+    counts = [f"{int(r.stats[k])} {'NaN' if k == 'nan' else 'Inf'}" for k in ("nan", "inf") if r.stats[k]]
+    return f"{', '.join(counts)} of {int(np.prod(r.shape))}"
+
+
 def _nonfinite_text(step: Step, roles: frozenset[int] | set[str]) -> list[str]:
     out = []
     for r in step.records:
         if r.role in roles and r.nonfinite:
-            counts = [f"{int(r.stats[k])} {'NaN' if k == 'nan' else 'Inf'}" for k in ("nan", "inf") if r.stats[k]]
             label = r.name if r.name.startswith(r.role) else f"{r.role} {r.name}"
-            out.append(f"{label} ({', '.join(counts)} of {int(np.prod(r.shape))})")
+            out.append(f"{label} ({_counts(r)})")
     return out
 
 
@@ -143,10 +151,19 @@ class Origin:
     op: Any = None  # with ops=True: replayer.ops.OpReport, the operation inside the step
     op_note: str | None = None  # with ops=True and no op: why (the step cannot be replayed, or no operation did it)
     others: dict[int, Origin] = field(default_factory=dict)  # ranks=True: what each other rank saw first
+    followed: int | None = None  # how many steps went non-finite after it in all (``spread`` lists the first)
+    # Where no recorded step holds NaN/Inf but the run ended by an exception that speaks of one (a loss
+    # guard raising FloatingPointError before backward): that exception, made outside the recorded steps.
+    ended_by: str | None = None
 
     @property
     def found(self) -> bool:
         return self.step is not None or self.entered is not None
+
+    @property
+    def clean(self) -> bool:
+        """Nothing to report: no step made or received NaN/Inf, nor did the run end by one made outside them."""
+        return not self.found and self.ended_by is None
 
     @property
     def rank(self) -> int | None:
@@ -155,18 +172,22 @@ class Origin:
         return None if first is None else first.rec.rank.rank
 
     def to_json(self) -> dict[str, Any]:
-        """``pdbg bisect --json``: {"origin", "cause", "op", "spread", "entered", "rank", "other_ranks"}."""
+        """``pdbg bisect --json``: {"origin", "cause", "op", "spread", "entered", "ended_by", "rank",
+        "other_ranks"}."""
         return {"origin": self.step.to_json() if self.step else None, "cause": self.cause,
                 "op": self.op.to_json() if self.op is not None else None,
                 "spread": [s.to_json() for s in self.spread],
-                "entered": self.entered.to_json() if self.entered else None, "rank": self.rank,
+                "entered": self.entered.to_json() if self.entered else None, "ended_by": self.ended_by,
+                "rank": self.rank,
                 "other_ranks": {str(r): {"origin": o.step.to_json() if o.step else None,
                                          "entered": o.entered.to_json() if o.entered else None, "cause": o.cause}
                                 for r, o in self.others.items()}}
 
     def __repr__(self) -> str:
         op = f"; operation {self.op.where()}" if self.op is not None else f"; {self.op_note}" if self.op_note else ""
-        spread = f"; {len(self.spread)} steps went non-finite after it" if self.spread else ""
+        count = self.followed if self.followed is not None else len(self.spread)
+        shown = "" if self.followed is not None or len(self.spread) < SPREAD else "at least "
+        spread = f"; {shown}{count} step{'s' if count != 1 else ''} went non-finite after it" if count else ""
         return printable(f"<Origin: {self.cause}{op}{spread}>")
 
     def _repr_html_(self) -> str:
@@ -192,6 +213,9 @@ def _across_ranks(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool)
     produced = [o for o in found.values() if o.step is not None]
     pool = produced or [o for o in found.values() if o.found]
     if not pool:
+        ended = [o for o in found.values() if o.ended_by is not None]  # made outside the steps, a rank died of it
+        if ended:
+            return ended[0]
         return Origin(None, f"no non-finite values recorded on any of the {len(found)} ranks")
     origin = min(pool, key=when)
     origin.others = {r: o for r, o in found.items() if o is not origin and o.found}
@@ -392,38 +416,87 @@ def _innermost(rec: Recording, index: int, mask: np.ndarray) -> int:
         index = inner[0]
 
 
-def _scaler_handled(rec: Recording) -> np.ndarray:
+def _scaler_handled(rec: Recording) -> tuple[np.ndarray, list[int]]:
     """Per step: a backward step of an iteration whose optimizer step GradScaler skipped at a loss
-    scale above 1 (or at a scale not recorded, before schema 1.12): an overflow of the scaled loss."""
+    scale above 1 (or at a scale not recorded, before schema 1.12) and whose backward steps held Inf:
+    an overflow of the scaled loss. Also the skipped iterations whose backward held NaN and no Inf: a
+    scaled value that overflows becomes Inf first, so NaN with no Inf beside it (0/0, the gradient of
+    sqrt at 0, a loss already NaN) is no overflow, whatever the scaler did about it."""
     doc = rec.scaler_skips
     handled = np.zeros(len(rec), dtype=bool)
     if doc is None:
-        return handled
+        return handled, []
     scales = doc.get("scales") if isinstance(doc.get("scales"), list) else [None] * len(doc["iterations"])
     iterations = [int(i) for i, scale in zip(doc["iterations"], scales)
                   if isinstance(i, int) and (not isinstance(scale, (int, float)) or scale > 1.0)]
-    if iterations:
-        handled = (_column(rec, "phase") == 1) & np.isin(_column(rec, "iteration"), iterations)
-    return handled
+    if not iterations:
+        return handled, []
+    iteration = _column(rec, "iteration")
+    handled = (_column(rec, "phase") == 1) & np.isin(iteration, iterations)
+    if not handled.any() or not rec.rank.lengths.get("tensors"):
+        return handled, []
+    steps = np.asarray(rec.rank.column("tensors/step"))
+    stats = np.asarray(rec.rank.column("tensors/stats"))
+    mine = handled[steps]
+    with_inf = set(iteration[steps[mine & (stats[:, 7] > 0)]].tolist())
+    with_nan = set(iteration[steps[mine & (stats[:, 6] > 0)]].tolist())
+    return handled & np.isin(iteration, sorted(with_inf)), sorted(with_nan - with_inf)
+
+
+def _overflows_text(rec: Recording, overflowed: list[int]) -> str:
+    """What bisect says of the overflows it passed over: which iterations, and the longest run of them
+    in a row (an overflow stops once the scale is low enough; a streak to the end of the run may be no
+    overflow at all)."""
+    s = "s" if len(overflowed) != 1 else ""
+    text = (f"no non-finite values recorded outside the backward passes of the {len(overflowed)} iteration{s} whose "
+            f"optimizer step GradScaler skipped ({_names([str(i) for i in overflowed])}) and whose gradients held "
+            "Inf, as an overflow of the scaled loss does (mixed precision handles it by lowering the scale)")
+    streaks: list[list[int]] = []
+    for i in overflowed:
+        if streaks and i == streaks[-1][-1] + 1:
+            streaks[-1].append(i)
+        else:
+            streaks.append([i])
+    streak = max(streaks, key=len)
+    if len(streak) > 1:
+        doc = rec.scaler_skips or {}
+        scale = dict(zip(doc.get("iterations") or [], doc.get("scales") or []))
+        scales = (f", loss scale {scale[streak[0]]:g} down to {scale[streak[-1]]:g}"
+                  if isinstance(scale.get(streak[0]), (int, float)) and isinstance(scale.get(streak[-1]), (int, float))
+                  else "")
+        last = int(_column(rec, "iteration").max())
+        text += (f"; it skipped {len(streak)} iterations in a row ({streak[0]} to {streak[-1]}{scales})"
+                 + (", and was still skipping when the recording ended" if streak[-1] == last else "")
+                 + ": an overflow stops once the scale is low enough, a NaN or Inf made otherwise does not")
+    return text + "; pdbg bisect --scaler-skips (scaler_skips=True) shows where their NaN/Inf came from"
+
+
+def _not_overflow_note(step: Step, not_overflows: list[int]) -> str:
+    """Said of an origin in an iteration GradScaler skipped that was no overflow (``_scaler_handled``)."""
+    if step.iteration not in not_overflows:
+        return ""
+    return (f" (GradScaler skipped the optimizer step of iteration {step.iteration}, but no gradient recorded in it "
+            "held Inf: NaN without Inf is no overflow of the scaled loss)")
 
 
 def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool = False) -> Origin:
     """The first step that made NaN or Inf: its results hold NaN while its inputs held none (even if
-    they held Inf: an additive -inf mask is meant, a softmax that overflows is not), or Inf while
-    its inputs were finite, unless it makes Inf at every one of its calls (a step building a -inf
-    mask means to). A value that came non-finite from outside every step (the data, an optimizer
-    update) is ``entered``; Inf that only passes through the steps that take it from the start
-    (a mask) is no origin at all."""
+    they held Inf it takes at every call: an additive -inf mask is meant, a softmax that overflows
+    beside it is not), or Inf while its inputs were finite, unless it makes Inf at every one of its
+    calls (a step building a -inf mask means to). A value that came non-finite from outside every step
+    (the data, an optimizer update) is ``entered``, even where that step turns its Inf into NaN; Inf
+    that only passes through the steps that take it from the start (a mask) is no origin at all."""
     n = len(rec)
     if not n:
         return Origin(None, "no steps recorded")
     k = _Kinds.of(rec)
-    handled = np.zeros(n, dtype=bool) if scaler_skips else _scaler_handled(rec)
+    handled, not_overflows = (np.zeros(n, dtype=bool), []) if scaler_skips else _scaler_handled(rec)
     overflowed = sorted(set(_column(rec, "iteration")[handled & (k.result | k.given)].tolist()))
     if overflowed:  # passed over: what the scaler did about them is what mixed precision expects
         for mask in (k.result, k.nan_result, k.given, k.nan_given):
             np.logical_and(mask, ~handled, out=mask)
-    made = k.nan_result & ~k.nan_given
+    habit = k.habitual(k.given) if k.given.any() else np.zeros(n, dtype=bool)  # Inf taken at every call: a mask
+    made = k.nan_result & ~k.nan_given & (~k.given | habit)
     inf_made = k.result & ~k.nan_result & ~k.given  # Inf (only) from finite inputs
     if inf_made.any():
         made |= inf_made & ~k.masks()
@@ -434,18 +507,20 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         sent, received = _sent(step), _received(step)
         given = [r.name + (" from another rank" if r.name in received else "") for r in _own_inputs(step)
                  if r.nonfinite and _call_of(r.name) not in sent]
-        source = f"from inputs holding Inf but no NaN ({', '.join(given[:3])})" if given else "from finite inputs"
+        source = (f"from inputs holding Inf at every call, as a -inf mask does, but no NaN ({', '.join(given[:3])})"
+                  if given else "from finite inputs")
         if sent:
             source += f", and sent them to the other ranks through its {', '.join(sent)}"
-        origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} {source}",
-                        _after(rec, index, k.result, spread))
+        origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} {source}"
+                        + _not_overflow_note(step, not_overflows), _after(rec, index, k.result, spread),
+                        followed=int(k.result[index + 1:].sum()))
         if ops:
             find_op(origin, step)
         return origin
-    if k.nan_result.any():
-        came = k.nan_given
+    if k.nan_result.any():  # NaN that came in, or Inf that came in (no mask) and became NaN
+        came = k.nan_given | (k.result & k.given & ~habit)
     elif k.result.any():
-        came = k.result & k.given & ~k.habitual(k.given)
+        came = k.result & k.given & ~habit
         if not came.any():
             first = rec.step(int(np.flatnonzero(k.result)[0]))
             return Origin(None, "no NaN recorded; Inf appears only in steps that hold it at every call (first "
@@ -456,17 +531,59 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
             return raised
         contained = int(k.given.sum())
         if overflowed and not contained:
-            return Origin(None, f"no non-finite values recorded outside the backward passes of the {len(overflowed)} "
-                                f"iteration{'s' if len(overflowed) != 1 else ''} whose optimizer step GradScaler "
-                                f"skipped ({_names([str(i) for i in overflowed])}): overflows of the scaled loss, "
-                                "which it handles by lowering the scale, as mixed precision expects; pdbg bisect "
-                                "--scaler-skips (scaler_skips=True) looks at them too")
-        return Origin(None, "no non-finite values recorded" if not contained else
-                      f"no step's results held NaN or Inf; {contained} step{'s' if contained > 1 else ''} took Inf "
-                      "or NaN inputs and kept them out of their results (as an additive -inf attention mask is)")
+            return Origin(None, _overflows_text(rec, overflowed))
+        if not contained:
+            return _ended_outside(rec) or Origin(None, "no non-finite values recorded")
+        return Origin(None, f"no step's results held NaN or Inf; {contained} step{'s' if contained > 1 else ''} took "
+                            "Inf or NaN inputs and kept them out of their results (as an additive -inf attention mask "
+                            "is)")
     index = int(np.flatnonzero(came)[0])
     step = rec.step(index)
-    return Origin(None, _entered_cause(rec, step), _after(rec, index, k.result, spread, inclusive=True), entered=step)
+    origin = Origin(None, _entered_cause(rec, step) + _not_overflow_note(step, not_overflows),
+                    _after(rec, index, k.result, spread, inclusive=True), entered=step,
+                    followed=int(k.result[index + 1:].sum()))
+    if ops:
+        origin.op_note = entered_op_note(origin)
+    return origin
+
+
+def entered_op_note(origin: Origin) -> str:
+    """``ops=True`` where no recorded step made the NaN/Inf: why no operation is named."""
+    if origin.entered is not None:
+        return (f"no operation is named: no recorded step made the NaN/Inf, it came into step {origin.entered.index} "
+                "from outside them (above), so there is no step to replay operation by operation")
+    if origin.ended_by is not None:
+        return "no operation is named: no recorded step made or received the NaN/Inf (above)"
+    return "no operation is named: no recorded step made or received NaN/Inf"
+
+
+# An exception whose type or message speaks of NaN or Inf (a loss guard's FloatingPointError, "loss is nan").
+_SPEAKS_NONFINITE = re.compile(r"\b(nan|inf|infinity|infinite|non-?finite|overflow(s|ed)?)\b", re.IGNORECASE)
+
+
+def _ended_outside(rec: Recording) -> Origin | None:
+    """Where no recorded step holds NaN/Inf and the run ended by an exception: which, and after (or
+    inside) which recorded step; an exception that speaks of NaN/Inf (a loss guard raising before
+    ``backward()``) was about one made outside the recorded steps, which is then ``ended_by``."""
+    exc = rec.rank.final.get("exception")
+    why = rec.ended_by
+    if not isinstance(exc, dict) or not exc.get("type") or why is None or not len(rec):
+        return None
+    parent = _column(rec, "parent")
+    index = len(rec) - 1
+    while 0 <= int(parent[index]) < index:  # the last step to finish: the outermost of the last ones
+        index = int(parent[index])
+    last = rec.step(index)
+    nan = bool(_SPEAKS_NONFINITE.search(why)) or str(exc["type"]).endswith("FloatingPointError")
+    if last.status == "exception":
+        where = f"raised inside {describe(last)}, which returned no result"
+        made = ", so the NaN/Inf it speaks of was made inside that step, before any result of it was recorded"
+    else:
+        where = f"after the last recorded step ({describe(last)})"
+        made = (", so the NaN/Inf it speaks of was made outside the recorded steps: record the code between them "
+                "(the loss) as a paper step, or with pdbg record --modules")
+    cause = f"no recorded step made or received NaN/Inf; the run ended by {why.rstrip('.')} {where}"
+    return Origin(None, cause + made, ended_by=why) if nan else Origin(None, cause)
 
 
 # What autograd's anomaly mode (torch.autograd.set_detect_anomaly) raises where a backward function
@@ -490,7 +607,7 @@ def _anomaly_raised(rec: Recording) -> Origin | None:
     if found:  # raised where no recorded step's backward was under way
         return Origin(None, f"no non-finite values recorded; the run ended when anomaly mode stopped a backward pass "
                             f"outside every recorded step's backward, where {found.group(1)} returned NaN in its "
-                            f"output {found.group(2)}: record the code that made it as a step")
+                            f"output {found.group(2)}: record the code that made it as a step", ended_by=rec.ended_by)
     return None
 
 
@@ -556,13 +673,22 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord) -> 
     last = _last_finite_iteration(rec, step if r.role == "grad_output" else source, r.role, r.name)
     since = f"; it was last finite in iteration {last}" if last is not None else \
         "; it was never finite in this recording"
+    # Inf that came in and that the step made NaN of: the step is not where it went wrong, but say what it did
+    became = ""
+    if not r.stats["nan"] and not any(x.stats["nan"] for x in _own_inputs(step) if x.nonfinite):
+        made = _nonfinite_text(step, layout_results(step.phase))
+        if any("NaN" in m for m in made):
+            became = f"; the step made NaN of that Inf: {'; '.join(made)}"
     if r.role in ("param", "buffer"):
         return (f"{'parameter' if r.role == 'param' else 'buffer'} {full} was already non-finite when "
-                f"{describe(source)} began: the optimizer update or code outside every recorded step wrote it{since}")
+                f"{describe(source)} began ({_counts(r)}): the optimizer update or code outside every recorded step "
+                f"wrote it{since}{became}")
     if r.role == "grad_output":
-        return (f"grad output {r.name} of {describe(step)} came non-finite from the backward of code outside every "
-                f"recorded step{since}")
-    return f"input {r.name} of {describe(source)} came non-finite from code outside every recorded step{since}"
+        which = "" if r.name == "output" else f" {r.name.removeprefix('output.')}"
+        return (f"grad output{which} of {describe(step)} came non-finite ({_counts(r)}) from the backward of code "
+                f"outside every recorded step{since}{became}")
+    return (f"input {r.name} of {describe(source)} came non-finite ({_counts(r)}) from code outside every recorded "
+            f"step{since}{became}")
 
 
 def _last_finite_iteration(rec: Recording, step: Step, role: str, name: str) -> int | None:

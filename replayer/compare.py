@@ -38,9 +38,11 @@ class Diff:
     match: bool  # bit for bit (NaN positions and signed zeros included)
     max_abs_diff: float = 0.0
     max_rel_diff: float = 0.0
-    max_ulp: int = 0
+    max_ulp: int | None = 0  # None where NaN/Inf differ (no distance means anything there: ``reason`` says what)
     mismatched: int = 0  # elements whose bits differ
-    reason: str | None = None  # a shape, dtype or presence difference, when values cannot be compared
+    # A shape, dtype or presence difference, when values cannot be compared; or which NaN/Inf differ
+    # (positions, bits), where max_abs_diff and max_rel_diff are inf (null in JSON) and max_ulp None.
+    reason: str | None = None
     recorded: dict[str, Any] = field(default_factory=dict)
     replayed: dict[str, Any] = field(default_factory=dict)
 
@@ -59,6 +61,11 @@ class Diff:
             return f"{self.name}: bitwise equal"
         return (f"{self.name}: {self.mismatched} elements differ, max abs {self.max_abs_diff:.3g}, "
                 f"max rel {self.max_rel_diff:.3g}, {self.max_ulp} ULP")
+
+    @property
+    def nonfinite_differs(self) -> bool:
+        """Whether NaN or Inf differ between the recording and the replay (``max_ulp`` is None then)."""
+        return self.max_ulp is None
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -108,11 +115,23 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
         a64, b64 = a.to(torch.float64), b.to(torch.float64)
         both = torch.isfinite(a64) & torch.isfinite(b64)
         gap = (a64 - b64).abs()
-        special_differs = bool(((~both) & (_bits(a).reshape(a.shape) != _bits(b).reshape(b.shape))).any())
-        diff.max_abs_diff = math.inf if special_differs else float(gap[both].max()) if both.any() else 0.0
+        special = _nonfinite_difference(a64, b64, (~both) & (_bits(a).reshape(a.shape) != _bits(b).reshape(b.shape)))
+        if special is not None:  # an inf gap and a ULP count mean nothing there: say which differ instead
+            diff.max_abs_diff = diff.max_rel_diff = math.inf
+            diff.max_ulp = None
+            finite = both & (gap != 0)
+            if finite.any():
+                rel = gap[finite] / a64[finite].abs()
+                many = int(finite.sum())
+                special += (f"; {many} value{'s' if many != 1 else ''} finite in both differ{'s' if many == 1 else ''} "
+                            "too, by at most "
+                            f"{float(gap[finite].max()):.3g} (rel {float(rel.max()):.3g})")
+            diff.reason = special
+            return diff
+        diff.max_abs_diff = float(gap[both].max()) if both.any() else 0.0
         rel = gap / a64.abs()  # where the recorded value is 0 and the replayed one is not: inf (nan where both are 0)
         rel = torch.where(gap == 0, 0.0, rel)
-        diff.max_rel_diff = math.inf if special_differs else float(rel[both].max()) if both.any() else 0.0
+        diff.max_rel_diff = float(rel[both].max()) if both.any() else 0.0
         if a.dtype in _ORDERED_INT:
             ulp = (_ordered(a) - _ordered(b)).abs()
             diff.max_ulp = int(ulp.max())
@@ -124,6 +143,25 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
         diff.max_rel_diff = float((gap.to(torch.float64) / a.to(torch.float64).abs().clamp_min(1)).max())
         diff.max_ulp = int(gap.max())
     return diff
+
+
+def _nonfinite_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> str | None:
+    """Which NaN and Inf differ between recorded ``a`` and replayed ``b`` (as float64) where ``differ``
+    (their bits differ and one is not finite): NaN positions, NaN bits (sign or payload, NaN in both),
+    Inf; None where none does."""
+    if not bool(differ.any()):
+        return None
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    parts = []
+    for count, what in ((int((differ & nan_a & ~nan_b).sum()), "NaN in the recording and not in the replay"),
+                        (int((differ & nan_b & ~nan_a).sum()), "NaN in the replay and not in the recording"),
+                        (int((differ & nan_a & nan_b).sum()), "NaN in both whose bits differ (sign or payload)"),
+                        (int((differ & ~nan_a & ~nan_b).sum()), "Inf in one and not the same value in the other")):
+        if count:
+            parts.append(f"{count} value{'s' if count != 1 else ''} {what}")
+    positions = "NaN bits differ" if not (nan_a ^ nan_b).any() and not (differ & ~nan_a & ~nan_b).any() \
+        else "NaN/Inf positions differ"
+    return f"{positions}: {', '.join(parts)}"
 
 
 def tensors_by_name(value: Any, prefix: str, *, copy: bool = False, grads: bool = False) -> dict[str, torch.Tensor]:

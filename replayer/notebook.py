@@ -284,7 +284,8 @@ def _diff_row(d: Any) -> list[Any]:
         return join([count(stats.get("nan")), " / ", count(stats.get("inf"))]) if stats else Html("")
 
     bits = badge("equal", "match") if d.match else badge("differ", "mismatch")
-    return [code(d.name), d.role, bits, d.mismatched, number(d.max_abs_diff), number(d.max_rel_diff), d.max_ulp,
+    ulp = "-" if d.max_ulp is None else d.max_ulp  # (NaN/Inf that differ: the reason says which)
+    return [code(d.name), d.role, bits, d.mismatched, number(d.max_abs_diff), number(d.max_rel_diff), ulp,
             nonfinite(d.recorded), nonfinite(d.replayed), d.reason]
 
 

@@ -836,7 +836,7 @@ class PdbgApp(App[None]):
             self.set_panel(Text(str(exc), style="red"))
             return
         target = origin.step or origin.entered
-        self.set_panel(Text(origin.cause + self._elsewhere(origin), style="bold red" if target else "green"))
+        self.set_panel(Text(origin.cause + self._elsewhere(origin), style="green" if origin.clean else "bold red"))
         if target is not None and origin.rank in (None, self.rec.rank.rank):
             self.go_to_step(target.index)
 
@@ -1013,8 +1013,7 @@ class PdbgApp(App[None]):
         except PdbgError as exc:  # a damaged recording: say so, keep the app
             self._report(Text(str(exc), style="red"))
             return
-        target = origin.step or origin.entered
-        text = Text(origin.cause + self._elsewhere(origin), style="bold red" if target else "green")
+        text = Text(origin.cause + self._elsewhere(origin), style="green" if origin.clean else "bold red")
         if origin.rank not in (None, self.rec.rank.rank):
             self._report(text)
             return
@@ -1028,6 +1027,7 @@ class PdbgApp(App[None]):
             except PdbgError as exc:
                 text.append(f"\noperation-level bisection needs a replay: {exc}", style="dim")
         self._report(text)
+        target = origin.step or origin.entered
         if target is not None:
             self.call_from_thread(self.go_to_step, target.index)
 

@@ -4,7 +4,9 @@ pdbg find RUN WHERE --when EXPR [--from STEP] [--backward]
 bisect: the origin of the first NaN/Inf (the first step, innermost where steps nest, whose results
 went non-finite while everything it computed from was finite), from the recorded statistics; with
 --ops, the operation inside it and the line of your code; with --against OTHER, the first step
-where the two runs part for a reason of their own. Exit 1 when something was found, 0 when clean.
+where the two runs part for a reason of their own. Exit 1 when something was found (a step that made
+the NaN/Inf, the step it came into, or a run that ended by an exception speaking of a NaN/Inf made
+outside the recorded steps), 0 when clean.
 
 find: the next step after --from (or the first) that matches WHERE (a step selector; "*" for any)
 and the condition over its statistics, e.g. --when "output.absmax > 1e3"; --backward searches
@@ -83,20 +85,25 @@ def bisect(args: argparse.Namespace) -> int:
         return 1 if div.first_difference is not None else 0
     origin = replayer.first_nonfinite(rec, all_ranks=args.rank is None, scaler_skips=args.scaler_skips)
     op_note = None
-    if args.ops and origin.step is not None:
-        from replayer.bisect import find_op
+    if args.ops:
+        from replayer.bisect import entered_op_note, find_op
 
-        find_op(origin, origin.step, use_bundled_source=args.use_bundled_source, script=args.script)
+        if origin.step is not None:
+            find_op(origin, origin.step, use_bundled_source=args.use_bundled_source, script=args.script)
+        else:  # no step to replay: say why no operation is named
+            origin.op_note = entered_op_note(origin)
         op_note = origin.op_note
     if args.json:
         doc = origin.to_json()
         if op_note:
             doc["op_note"] = op_note
         output.emit_json(json.dumps(doc))
-        return 1 if origin.found else 0
+        return 0 if origin.clean else 1
     if not origin.found:
         print(origin.cause)
-        return 0
+        if op_note and not origin.clean:
+            print(op_note)
+        return 0 if origin.clean else 1
     several = len(rec.ranks) > 1
     if origin.step is not None:
         print("origin: " + (f"rank {origin.rank} · " if several else "") + _paper_line(origin.step))
@@ -107,7 +114,8 @@ def bisect(args: argparse.Namespace) -> int:
             print(f"rank {rank}: first non-finite at step {first.index} (iteration {first.iteration}): {other.cause}")
     if origin.op is not None:
         op = origin.op
-        print(f"operation: {op.name}" + (f" (in {op.node}, the backward of)" if op.node else ""))
+        node = f" (in {op.node}, the backward of the forward line below)" if op.file else f" (in {op.node})"
+        print(f"operation: {op.name}" + (node if op.node else ""))
         if op.file:
             print(f"  {op.file}:{op.line}" + (f" in {op.function}" if op.function else ""))
             print(f"    {op.code}")

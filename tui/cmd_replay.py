@@ -141,6 +141,7 @@ def summary(rec: Any) -> dict[str, Any]:
             "exceptions": int((status == layout.STATUSES.index("exception")).sum()),
             "first_nonfinite": first.to_json() if first is not None else None,
             "first_nonfinite_came_in": origin is not None and origin.step is None and first is not None,
+            "first_nonfinite_outside": origin.ended_by if origin is not None else None,
             "ended_by": rec.ended_by,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
             "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec),
@@ -314,9 +315,10 @@ def info(args: argparse.Namespace) -> int:
         listed = [str(i) for i in skips.get("iterations") or []]
         shown = ", ".join(listed[:8]) + (f" and {skips['count'] - 8} more" if skips["count"] > 8 else "")
         which = f"iteration{'s' if len(listed) != 1 else ''} {shown}"
-        print(f"GradScaler skipped {_count(skips['count'], 'optimizer step')} ({which}): overflows of the scaled "
-              "loss; bisect passes over their backward steps where the loss scale was above 1 (--scaler-skips "
-              "looks at them)")
+        print(f"GradScaler skipped {_count(skips['count'], 'optimizer step')} ({which}): NaN or Inf in the scaled "
+              "gradients; bisect passes over the backward steps of those skipped at a loss scale above 1 whose "
+              "gradients held Inf (overflows of the scaled loss; NaN without Inf is none), and --scaler-skips looks "
+              "at them too")
     replaced = doc["optimizer_replaced"]
     if replaced:
         at = ", ".join(f"{it} ({name})" for it, name in zip(replaced["iterations"], replaced["optimizers"]))
@@ -325,7 +327,10 @@ def info(args: argparse.Namespace) -> int:
               + (f" and {more} more" if more > 0 else "") + ": a new optimizer over the same parameters (resumed "
               "or re-created) counts the iterations from its first step, which ends that iteration")
     first = doc["first_nonfinite"]
-    if first is None:
+    if first is None and doc["first_nonfinite_outside"]:
+        print(f"NaN origin: outside the recorded steps, which hold no NaN/Inf; the run ended by "
+              f"{doc['first_nonfinite_outside']}  (pdbg bisect for why)")
+    elif first is None:
         print("NaN origin: none found (pdbg bisect says why)")
     else:
         rank = f"rank {first['rank']} · " if len(doc["rank_details"]) > 1 else ""
@@ -509,8 +514,11 @@ def _outputs_table(diffs: list[Any]) -> None:
         print(f"\n  {'tensor':<15} {'match':<5} {'':<8} {'min':>9} {'max':>9} {'nan':>5} {'inf':>5} {'max abs':>8} "
               f"{'ULP':>6}")
     for d in diffs:
-        ulp = d.max_ulp if wide or d.max_ulp < 10 ** 6 else f"{d.max_ulp:.0e}"  # (the JSON has every digit)
-        far = f"{'-':>8} {'-':>6}" if d.name == "exception" else f"{_num(d.max_abs_diff):>8} {ulp:>6}"
+        if d.name == "exception" or d.max_ulp is None:  # (NaN/Inf that differ: the reason line says which)
+            far = f"{'-':>8} {'-':>6}"
+        else:
+            ulp = d.max_ulp if wide or d.max_ulp < 10 ** 6 else f"{d.max_ulp:.0e}"  # (the JSON has every digit)
+            far = f"{_num(d.max_abs_diff):>8} {ulp:>6}"
         if wide:
             print(f"  {d.name[:18]:<18} {'yes' if d.match else 'NO':<5} {_stats_cells(d.recorded)}   "
                   f"{_stats_cells(d.replayed, 13)}   {far}")

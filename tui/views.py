@@ -624,7 +624,8 @@ class AlertRow:
 
 
 def alerts(rec: Recording, limit: int = 500) -> list[AlertRow]:
-    """The run against the paper's expectations: the NaN origin, exceptions, broken watches."""
+    """The run against the paper's expectations: the NaN origin, exceptions (the one that ended the run
+    too, raised outside every recorded step), broken watches."""
     from replayer import first_nonfinite
 
     out: list[AlertRow] = []
@@ -638,6 +639,9 @@ def alerts(rec: Recording, limit: int = 500) -> list[AlertRow]:
         out.append(AlertRow(origin.entered.index, "entered", origin.cause))
     status = rec.steps.column("status")
     exception = status == layout.STATUSES.index("exception")
+    ended = _ended_outside_steps(rec, origin, exception)
+    if ended is not None:
+        out.append(ended)
     for index in np.flatnonzero(exception | with_alerts(rec))[:limit]:
         step = rec.step(int(index))
         if step.status == "exception":
@@ -646,6 +650,24 @@ def alerts(rec: Recording, limit: int = 500) -> list[AlertRow]:
         for alert in step.extra.get("alerts", []) or []:
             out.append(AlertRow(step.index, "alert", f"{describe(step)}: {alert_text(alert)}"))
     return out
+
+
+def _ended_outside_steps(rec: Recording, origin: Any, exception: np.ndarray) -> AlertRow | None:
+    """The exception that ended the run, where no recorded step's row says it (raised outside every step),
+    at the last recorded step: with the NaN/Inf it speaks of, where no recorded step held one."""
+    why = rec.ended_by
+    final = rec.rank.final.get("exception")
+    if why is None or not isinstance(final, dict) or not len(rec):
+        return None
+    if origin.ended_by is not None:
+        return AlertRow(len(rec) - 1, "exception", origin.cause)
+    for index in np.flatnonzero(exception).tolist():  # the exception escaped a step, whose row says it
+        exc = rec.step(int(index)).extra.get("exception") or {}
+        if str(exc.get("message") or "").splitlines()[:1] == str(final.get("message") or "").splitlines()[:1]:
+            return None
+    last = rec.step(len(rec) - 1)
+    return AlertRow(last.index, "exception", f"the run ended by {why}, raised after the last recorded step "
+                                             f"({describe(last)}), outside every recorded step")
 
 
 @dataclass

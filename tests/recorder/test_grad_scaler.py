@@ -38,10 +38,11 @@ def root(x: torch.Tensor) -> torch.Tensor:
 
 
 def train(path, init_scale: float, nan_from: int | None = None,
-          killed: bool = False) -> tuple[list[float], recorder.Run]:
+          killed: bool = False, nan_loss_from: int | None = None) -> tuple[list[float], recorder.Run]:
     """Autocast to float16 with a GradScaler, recorded with on_anomaly="stop"; returns the scale
     each iteration ran at, and the scale after the last. ``killed``: the process commits what it
-    recorded, then is SIGKILLed before the recording closes (call it in a child process)."""
+    recorded, then is SIGKILLed before the recording closes (call it in a child process).
+    ``nan_loss_from``: from that iteration on the loss is NaN (a log(0) in it), outside every step."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(Layer(), Layer())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -54,6 +55,8 @@ def train(path, init_scale: float, nan_from: int | None = None,
                 if nan_from is not None and i >= nan_from:
                     h = root(h * 0)
                 loss = h.float().sum()
+                if nan_loss_from is not None and i >= nan_loss_from:
+                    loss = loss * float("nan")
             scales.append(scaler.get_scale())
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -95,9 +98,10 @@ def test_gradients_non_finite_at_scale_one_stop_in_scaler_step(run_path):
 
 
 def test_bisect_passes_over_the_overflows_the_scaler_handled(run_path, tmp_path):
-    """A healthy run's overflows (skipped at a loss scale above 1) are no NaN origin, and pdbg info says
-    what the scaler skipped; gradients still non-finite at a scale of 1 are the origin (bisect named
-    the first overflow, and never reached them)."""
+    """A healthy run's overflows (skipped at a loss scale above 1, their gradients holding Inf) are no NaN
+    origin, and pdbg info says what the scaler skipped. A NaN from the gradient of sqrt at 0 is no
+    overflow, though the scaler skips it too: no Inf beside it (bisect passed over it, and named it only
+    once the scale was down to 1, or said "clean" where it never got there)."""
     import replayer
     from tests.cli import pdbg_here as pdbg
 
@@ -119,7 +123,10 @@ def test_bisect_passes_over_the_overflows_the_scaler_handled(run_path, tmp_path)
         train(stopped, init_scale=8.0, nan_from=2)
     origin = replayer.first_nonfinite(replayer.open(stopped))
     assert origin.step is not None and (origin.step.name, origin.step.phase, origin.step.iteration) == (
-        "root", "backward", 5), origin.cause
+        "root", "backward", 2), origin.cause
+    assert origin.cause.endswith("from finite inputs (GradScaler skipped the optimizer step of iteration 2, but no "
+                                 "gradient recorded in it held Inf: NaN without Inf is no overflow of the scaled "
+                                 "loss)"), origin.cause
 
 
 def test_a_run_killed_before_it_closed_still_says_what_the_scaler_skipped(run_path, tmp_path):
@@ -147,7 +154,8 @@ def test_a_run_killed_before_it_closed_still_says_what_the_scaler_skipped(run_pa
 
 def test_past_the_first_skips_those_bisect_passes_over_are_still_listed(run_path, monkeypatch):
     """Only SKIPS_LISTED skips are listed whatever their scale; every skip at a scale above 1 is
-    (a long run's overflows past the first thousand were not, and bisect named them as origins)."""
+    (a long run's overflows past the first thousand were not, and bisect named them as origins). The
+    NaN of sqrt at 0 here is no overflow (no Inf): it is the origin at its first skip."""
     import replayer
 
     monkeypatch.setattr("recorder.items.SKIPS_LISTED", 1)
@@ -156,4 +164,37 @@ def test_past_the_first_skips_those_bisect_passes_over_are_still_listed(run_path
     skipped = RunReader(run_path).rank(0).final["grad_scaler_skipped"]
     assert skipped == {"count": 4, "iterations": [2, 3, 4], "scales": [8.0, 4.0, 2.0]}
     origin = replayer.first_nonfinite(replayer.open(run_path))
-    assert origin.step is not None and (origin.step.phase, origin.step.iteration) == ("backward", 5)
+    assert origin.step is not None and (origin.step.phase, origin.step.iteration) == ("backward", 2)
+
+
+def test_a_nan_loss_the_scaler_skips_is_no_overflow(run_path, tmp_path):
+    """A loss already NaN makes the scaler skip every step from then on, halving its scale: bisect passed
+    over them as "overflows of the scaled loss, as mixed precision expects" and exited 0 (clean). NaN
+    with no Inf beside it is no overflow: it came in through the grad output, and bisect says so (exit
+    1); the overflows before it, whose gradients held Inf, are still passed over."""
+    import replayer
+    from tests.cli import pdbg_here as pdbg
+
+    train(run_path, init_scale=2.0 ** 16, nan_loss_from=5)
+    rec = replayer.open(run_path)
+    skipped = rec.scaler_skips["iterations"]
+    assert [i for i in skipped if i < 5] and [i for i in skipped if i >= 5] == [5, 6, 7], skipped
+    origin = replayer.first_nonfinite(rec)
+    entered = origin.entered
+    assert origin.step is None and entered is not None, origin.cause
+    assert (entered.name, entered.phase, entered.iteration) == ("Layer", "backward", 5), origin.cause
+    assert origin.cause.startswith(f"grad output of step {entered.index}: ") and origin.cause.endswith(
+        "(GradScaler skipped the optimizer step of iteration 5, but no gradient recorded in it held Inf: NaN "
+        "without Inf is no overflow of the scaled loss)"), origin.cause
+    res = pdbg("bisect", str(run_path), cwd=tmp_path)
+    assert res.returncode == 1 and "no overflow" in res.stdout, res.stdout
+
+    overflows = tmp_path / "overflows.zarr"  # the same run without the NaN: its overflows alone
+    train(overflows, init_scale=2.0 ** 16)
+    origin = replayer.first_nonfinite(replayer.open(overflows))
+    assert skipped[:3] == [0, 1, 2] and origin.clean and origin.cause.startswith(
+        "no non-finite values recorded outside the backward passes of the 3 iterations whose optimizer step "
+        "GradScaler skipped (0, 1, 2) and whose gradients held Inf, as an overflow of the scaled loss does"), \
+        origin.cause
+    assert ("; it skipped 3 iterations in a row (0 to 2, loss scale 65536 down to 16384): an overflow stops once the "
+            "scale is low enough") in origin.cause, origin.cause

@@ -72,9 +72,10 @@ class TestOnAnomaly:
         assert RunReader(str(run_path)).status == "crashed"
 
     def test_stop_raises_out_of_backward_at_a_nonfinite_gradient(self, run_path: Path) -> None:
-        """A finite forward whose backward gives Inf stops in loss.backward(), naming the backward step."""
+        """A finite forward whose backward gives Inf stops in loss.backward(), naming the backward step and
+        the gradient that holds it (of args.0, not args.0 itself)."""
         with pytest.raises(recorder.NonFiniteError, match=r"^Eq. 5 \(root\) backward, iteration 1, call 0: "
-                                                          r"args.0 has 1 Inf$"), \
+                                                          r"the gradient of args.0 has 1 Inf$"), \
                 recorder.record(run_path, on_anomaly="stop") as run:
             for values in ([1.0, 4.0], [0.0, 4.0], [0.0, 9.0]):
                 x = torch.tensor(values, requires_grad=True)
@@ -82,6 +83,29 @@ class TestOnAnomaly:
                 run.next_iteration()
         got = statuses(run_path)
         assert got == [("root", "ok", 0), ("root", "ok", 0), ("root", "ok", 1), ("root", "nonfinite", 1)]
+
+    def test_a_stop_names_the_gradient_and_the_nan_or_inf_that_came_in(self, tmp_path: Path) -> None:
+        """A NaN loss sends NaN into the last layer's backward: the stop said "bias has 4 NaN" (the bias
+        is finite: its gradient is not) and not that the NaN came in through the grad output. An Inf the
+        optimizer wrote into a weight that the layer turns into NaN: the stop did not say the weight
+        already held it."""
+        def train(path: Path, loss_factor: float, inf_weight: bool) -> None:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+            if inf_weight:
+                with torch.no_grad():
+                    model[0].weight[0] = float("inf")
+            with recorder.record(path, model=model, modules=["0", "1"], on_anomaly="stop"):
+                (model(torch.randn(3, 4)).sum() * loss_factor).backward()
+
+        with pytest.raises(recorder.NonFiniteError, match=r"^Linear at 1 backward, iteration 0, call \d+: the gradient "
+                                                          r"of (weight|bias|args\.0) has \d+ NaN; it came in: its grad "
+                                                          r"output already held 6 NaN when the backward step began$"):
+            train(tmp_path / "loss.zarr", float("nan"), inf_weight=False)
+        with pytest.raises(recorder.NonFiniteError, match=r"^Linear at 0 forward, iteration 0, call \d+: output has "
+                                                          r"\d+ NaN( and \d+ Inf)?; its parameter weight already held "
+                                                          r"4 Inf when the call began$"):
+            train(tmp_path / "weight.zarr", 1.0, inf_weight=True)
 
     def test_a_mask_made_at_every_call_is_no_anomaly_and_an_overflow_still_is(self, run_path: Path) -> None:
         """An additive -inf attention mask, made and passed on at every call, is what the model

@@ -96,9 +96,11 @@ def test_operations_that_make_nan_of_an_inf_or_in_a_masked_forward_are_named(tmp
     """Two NaNs no operation makes from finite values: inf - inf inside a step given an Inf, and the
     gradient of torch.where(x > 0, sqrt(x), 0), whose forward's sqrt made NaN the where hid and whose
     backward carried it (0 * NaN). --ops said "no single operation ... turned finite values into NaN";
-    it names aten::sub, and the forward's aten::sqrt at its line, each saying how."""
+    it names aten::sub, and the forward's aten::sqrt at its line, each saying how. (The Inf comes in at
+    every call, as a mask does: Inf that came in once is where it entered, no step's origin.)"""
     with recorder.record(tmp_path / "inf.zarr"):
-        cancel(torch.tensor([1.0, float("inf"), 2.0, float("inf")]))
+        for _ in range(2):
+            cancel(torch.tensor([1.0, float("inf"), 2.0, float("inf")]))
     origin = replayer.first_nonfinite(replayer.open(tmp_path / "inf.zarr"), ops=True)
     assert origin.op is not None and origin.op.name == "aten::sub" and origin.op.made == "inf"
     assert origin.op_note.startswith("no operation inside the step made the Inf (it came in); aten::sub made NaN")
@@ -128,6 +130,7 @@ def test_a_nan_born_in_the_backward_only(tmp_path: Path) -> None:
     assert op.line == line_of(nanmodels.root_energy, "torch.sqrt") and "torch.sqrt" in op.code
     res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
     assert res.returncode == 1 and "SqrtBackward0" in res.stdout and "torch.sqrt(x * x)" in res.stdout
+    assert f"(in SqrtBackward0, the backward of the forward line below)\n  {op.file}:{op.line}" in res.stdout
 
 
 def test_a_nan_anomaly_mode_stops_in_the_backward_names_that_step(tmp_path: Path) -> None:
@@ -516,7 +519,7 @@ def test_an_additive_minus_inf_mask_is_not_a_nan_origin(tmp_path: Path, build_ma
     assert step is not None, origin.cause
     assert (step.name, step.module_path, step.phase, step.iteration) == \
         ("NaiveSoftmax", "blocks.0.softmax", "forward", 3)
-    assert "from inputs holding Inf but no NaN" in origin.cause
+    assert "from inputs holding Inf at every call, as a -inf mask does, but no NaN" in origin.cause
     # every step before it kept its results finite (the mask's -inf aside, where a step makes it;
     # the step enclosing it, which it returns its NaN to, starts before it)
     for earlier in rec.steps:
@@ -977,9 +980,9 @@ def test_a_grad_output_is_said_to_be_finite_in_the_iterations_it_was(tmp_path: P
     origin = replayer.first_nonfinite(replayer.open(path))
     entered = origin.entered
     assert entered is not None and (entered.phase, entered.iteration, entered.call) == ("backward", 2, 1), origin.cause
-    assert origin.cause.startswith("grad output output of step ")
-    assert origin.cause.endswith("came non-finite from the backward of code outside every recorded step; it was "
-                                 "last finite in iteration 1"), origin.cause
+    assert origin.cause.startswith("grad output of step ")  # (not "grad output output")
+    assert origin.cause.endswith("came non-finite (6 NaN of 6) from the backward of code outside every recorded "
+                                 "step; it was last finite in iteration 1"), origin.cause
 
 
 @recorder.paper_step("Eq. 34", description="dropout, then a temperature")
@@ -1091,3 +1094,127 @@ def test_an_operation_looked_for_in_code_edited_since_says_so(tmp_path: Path, mo
         "changed since recording"), after.op_note
     assert after.op_note.endswith(": what the replay ran may not be the recorded code)")
     __import__("sys").modules.pop("overflowing", None)
+
+
+def _train_linears(path: Path, before: Callable[[int, torch.nn.Sequential], None], iterations: int = 5,
+                   **options: Any) -> None:
+    """Two Linear layers recorded zero-edit style (``modules``), trained with SGD; ``before(i, model)``
+    runs at the start of iteration ``i``, outside every recorded step (an optimizer update, the data)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with recorder.record(path, model=model, optimizer=opt, modules=["0", "1"], **options):
+        for i in range(iterations):
+            before(i, model)
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def _inf_weight_at(iteration: int) -> Callable[[int, torch.nn.Sequential], None]:
+    """Writes +Inf into the first layer's first weight row at ``iteration`` (as an optimizer update that
+    divided by 0 would): the layer makes NaN of it (inf - inf across inputs of both signs)."""
+    def before(i: int, model: torch.nn.Sequential) -> None:
+        if i == iteration:
+            with torch.no_grad():
+                model[0].weight[0] = float("inf")
+
+    return before
+
+
+def test_an_inf_that_came_in_is_where_it_entered_not_the_step_that_made_nan_of_it(tmp_path: Path) -> None:
+    """An Inf the optimizer wrote into a weight, that the first Linear turns into NaN: the Linear was
+    named the origin (info, the TUI's alert, bisect without --ops) though the Inf came in; it is where
+    the Inf entered, with the last iteration the weight was finite. The Origin's repr counted the
+    spread's cap (10) as the steps that went non-finite after it; bisect --ops --json gave no op_note."""
+    path = tmp_path / "run.zarr"
+    _train_linears(path, _inf_weight_at(2), iterations=8)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, spread=3)
+    entered = origin.entered
+    assert origin.step is None and entered is not None, origin.cause
+    assert (entered.module_path, entered.phase, entered.iteration) == ("0", "forward", 2)
+    assert origin.cause.startswith(f"parameter 0.weight was already non-finite when step {entered.index}: "), \
+        origin.cause
+    assert "began (4 Inf of 16): the optimizer update or code outside every recorded step wrote it; it was last " \
+           "finite in iteration 1; the step made NaN of that Inf: output (" in origin.cause, origin.cause
+    later = int(sum(s.status == "nonfinite" for s in rec.steps if s.index > entered.index))
+    assert len(origin.spread) == 3 and later > 3
+    assert repr(origin).endswith(f"; {later} steps went non-finite after it>"), repr(origin)
+
+    info = pdbg("info", str(path), cwd=tmp_path).stdout
+    assert f"NaN origin: none of the recorded steps; it came in at step {entered.index}: " in info, info
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 1 and res.stdout.startswith("parameter 0.weight was already non-finite"), res.stdout
+    doc = json.loads(pdbg("bisect", str(path), "--ops", "--json", cwd=tmp_path).stdout)
+    assert doc["origin"] is None and doc["entered"]["index"] == entered.index and doc["op"] is None
+    assert doc["op_note"].startswith(f"no operation is named: no recorded step made the NaN/Inf, it came into "
+                                     f"step {entered.index}"), doc
+    from tui import views
+
+    rows = views.alerts(rec)
+    assert rows[0].kind == "entered" and rows[0].index == entered.index, rows
+
+
+def test_a_run_that_died_of_a_nan_made_outside_every_step_says_so(tmp_path: Path) -> None:
+    """A loss guard raises FloatingPointError before backward, no recorded step holding NaN: bisect said
+    "no non-finite values recorded" (exit 0, clean) and the alerts pane listed no exception. It says the
+    run ended by that exception after the last recorded step, that the NaN was made outside the steps,
+    exits 1; an exception that is no NaN's (IndexError) is said too, and exits 0."""
+    def train(path: Path, fail: Callable[[torch.Tensor, int], None]) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with recorder.record(path, model=model, optimizer=opt, modules=["0", "1"]):
+            for i in range(3):
+                loss = model(torch.randn(3, 4)).sum()
+                fail(loss, i)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+
+    def guard(loss: torch.Tensor, i: int) -> None:
+        loss = loss * (float("nan") if i == 2 else 1.0)  # (a log(0) in the loss)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at iteration {i}")
+
+    path = tmp_path / "guard.zarr"
+    with pytest.raises(FloatingPointError):
+        train(path, guard)
+    rec = replayer.open(path)
+    last = rec.step(len(rec) - 1)
+    assert (last.module_path, last.phase, last.iteration) == ("1", "forward", 2)
+    origin = replayer.first_nonfinite(rec)
+    assert not origin.found and not origin.clean and origin.ended_by == "FloatingPointError: loss is nan at iteration 2"
+    assert origin.cause == ("no recorded step made or received NaN/Inf; the run ended by FloatingPointError: loss is "
+                            f"nan at iteration 2 after the last recorded step ({bisect_mod.describe(last)}), so the "
+                            "NaN/Inf it speaks of was made outside the recorded steps: record the code between them "
+                            "(the loss) as a paper step, or with pdbg record --modules"), origin.cause
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 1 and res.stdout.strip() == origin.cause, res.stdout
+    doc = json.loads(pdbg("bisect", str(path), "--json", cwd=tmp_path).stdout)
+    assert doc["ended_by"] == origin.ended_by and doc["origin"] is None and doc["entered"] is None
+    info = pdbg("info", str(path), cwd=tmp_path).stdout
+    assert "NaN origin: outside the recorded steps, which hold no NaN/Inf; the run ended by FloatingPointError" \
+           in info, info
+    from tui import views
+
+    assert [(r.kind, r.index, r.text) for r in views.alerts(rec)] == [("exception", last.index, origin.cause)]
+
+    def index_error(loss: torch.Tensor, i: int) -> None:
+        if i == 1:
+            raise IndexError("Target 7 is out of bounds.")
+
+    path = tmp_path / "labels.zarr"
+    with pytest.raises(IndexError):
+        train(path, index_error)
+    rec = replayer.open(path)
+    last = rec.step(len(rec) - 1)
+    origin = replayer.first_nonfinite(rec)
+    assert origin.clean and origin.cause == (
+        "no recorded step made or received NaN/Inf; the run ended by IndexError: Target 7 is out of bounds after the "
+        f"last recorded step ({bisect_mod.describe(last)})"), origin.cause
+    assert pdbg("bisect", str(path), cwd=tmp_path).returncode == 0
+    rows = views.alerts(rec)
+    assert [(r.kind, r.index) for r in rows] == [("exception", last.index)]
+    assert "the run ended by IndexError: Target 7 is out of bounds." in rows[0].text, rows

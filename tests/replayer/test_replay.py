@@ -2871,3 +2871,33 @@ def test_a_tensor_the_flight_ring_could_not_hold_says_so(tmp_path: Path) -> None
     assert lost and rec.rank.why_statistics_only(lost[0]) == (
         "flight mode wrote out iteration 1, but not this tensor's bytes: they did not fit in the ring (record with "
         "a larger max_ring_bytes)")
+
+
+def test_nan_that_differs_is_said_to_differ_not_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    """A recorded NaN replayed as 0 showed "max abs inf" and "ULP 2143289344", and two NaN that differ only
+    in their bits "max abs inf" and "ULP 4194303": no distance means anything there. The comparison says
+    which differ (NaN positions, NaN bits), with no max abs (null in JSON) and no ULP count."""
+    from replayer.compare import compare
+    from tui.cmd_replay import _outputs_table
+
+    recorded = torch.tensor([float("nan"), 1.0, 2.0, 3.0])
+    moved = compare("output", "output", recorded, torch.tensor([0.0, 1.0, 2.5, 3.0]))
+    assert not moved.match and moved.mismatched == 2 and moved.max_ulp is None and moved.nonfinite_differs
+    assert moved.reason == ("NaN/Inf positions differ: 1 value NaN in the recording and not in the replay; 1 value "
+                            "finite in both differs too, by at most 0.5 (rel 0.25)"), moved.reason
+    doc = moved.to_json()
+    assert doc["max_abs_diff"] is None and doc["max_rel_diff"] is None and doc["max_ulp"] is None
+    json.dumps(doc, allow_nan=False)
+    other_bits = recorded.clone()
+    other_bits.view(torch.int32)[0] ^= 1  # another NaN payload
+    bits = compare("output", "output", recorded, other_bits)
+    assert not bits.match and bits.mismatched == 1 and bits.max_ulp is None
+    assert bits.reason == "NaN bits differ: 1 value NaN in both whose bits differ (sign or payload)", bits.reason
+    assert bits.summary() == f"output: {bits.reason}"
+    _outputs_table([moved])
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.lstrip().startswith("output"))
+    assert row.split()[-2:] == ["-", "-"] and "2143289344" not in table, table
+    assert "NaN/Inf positions differ" in table
+    finite = compare("output", "output", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+    assert finite.max_ulp == 2 ** 21 and finite.max_abs_diff == 0.5 and finite.reason is None

@@ -1042,3 +1042,25 @@ def test_no_color_draws_alarms_reversed(nan_path: Path, monkeypatch) -> None:
                                                                               if seg.style and seg.style.reverse]
 
     run(body, nan_path)
+
+
+def test_alerts_list_the_exception_that_ended_the_run_outside_every_step(tmp_path: Path) -> None:
+    """A run that died of an exception raised between recorded steps (an out-of-range label in the loss):
+    the opening panel said "crashed, ended by: IndexError", and the alerts pane "no non-finite values,
+    exceptions or broken expectations recorded"."""
+    path = tmp_path / "run.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    with pytest.raises(IndexError), recorder.record(path, model=model, modules=["0"]):
+        for i in range(2):
+            model(torch.ones(1, 4)).sum().backward()
+            if i == 1:
+                raise IndexError("Target 7 is out of bounds.")
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("a")
+        await pilot.pause()
+        page = str(app.screen.query_one("#page", Static).render())
+        assert "no non-finite values, exceptions" not in page, page
+        assert "exception" in page and "the run ended by IndexError: Target 7 is out of bounds." in page, page
+
+    run(body, path)
