@@ -1571,7 +1571,11 @@ class Session:
         raised (autograd then never calls back): its steps are written with what they captured, and
         ``exception``, the one that ended the recording (anomaly mode's "returned nan values", a
         Ctrl-C), goes to the step whose backward was under way: the last begun of those that had
-        not finished (no grad input came)."""
+        not finished (no grad input came). Only those are noted as stopped: a step whose grad inputs
+        and own parameter grads all came before the pass stopped is whole."""
+        cut: set[int] = set()  # links whose step the pass stopped in (before _finish_own marks partial sums done)
+        if aborted:
+            cut = {id(lk) for lk in self._pass if not lk.finished or any(n not in lk.done for n in lk.own)}
         self._finish_own(list(self._pass))
         with self.lock:
             if aborted and not self._pass:
@@ -1581,7 +1585,7 @@ class Session:
             self._pass_modules.clear()
             if aborted:
                 for link in done:
-                    if link.frame is not None:
+                    if link.frame is not None and id(link) in cut:
                         link.frame.notes.append("the backward pass stopped before this step finished")
                 running = [lk.frame for lk in done if lk.frame is not None and not lk.finished]
                 if exception is not None and running:

@@ -123,8 +123,6 @@ class Run:
                                        modules=modules, on_anomaly=on_anomaly, keep=keep,
                                        max_ring_bytes=max_ring_bytes, start_iteration=start_iteration)
         self._unmatched_said: set[str] = set()  # modules globs already reported as matching nothing
-        self._signals = self._catch_signals() if mode == "flight" else {}
-        self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
         self._hooks: list[Any] = []
         self._stepped: int | None = None  # id of the optimizer whose step hook ran last (see _GradScaling)
         self._optimizers = _OptimizerSteps(self, optimizer) if optimizer is not None else None
@@ -143,6 +141,10 @@ class Run:
         self._backend_later = self.dist["source"] == "environment"
         self._collectives = collectives.Recording(self.session.collective, self.session.in_step)
         self._collectives.install()
+        self._ended_by: str | None = None  # the signal that closed the recording ("SIGTERM"), if one did
+        # Last: a signal from here on finds everything its handler uses.
+        self._signals = self._catch_signals()
+        self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
         capture.ACTIVE = self.session
 
     # -- while recording ---------------------------------------------------------------------------
@@ -317,6 +319,8 @@ class Run:
             exception = self.session.stopped_by
         if exception is not None:
             info["exception"] = jsonval.encode(capture.exception_doc(exception, limit=None))
+        if self._ended_by is not None:
+            info["signal"] = self._ended_by
         if self.failure:
             info["recorder_failure"] = self.failure
         try:
@@ -327,9 +331,11 @@ class Run:
         self.status = "incomplete" if self.session.failure is not None else status
 
     def _catch_signals(self) -> dict[int, Any]:
-        """Flight mode: SIGTERM and SIGHUP (a closed terminal or ssh session), and SIGINT when it would
-        kill the process, first write the ring, then do what they would have done. Only the main
-        thread may set handlers."""
+        """SIGTERM and SIGHUP (a closed terminal or ssh session), and SIGINT when it would kill the
+        process, first commit what is recorded (flight mode: write the ring), then do what they would
+        have done: a signal that would end the process closes the recording first, ``crashed`` with
+        the signal's name. Every mode: a preempted job's last second of steps is not lost. Only the
+        main thread may set handlers."""
         if threading.current_thread() is not threading.main_thread():
             return {}
         previous = {}
@@ -362,6 +368,7 @@ class Run:
             if callable(handler) or handler == signal.SIG_IGN:  # the program's own handler decides; recording
                 self.flush()                                     # goes on if the program does
             else:  # the signal would have ended the process: close the recording, then let it
+                self._ended_by = signal.Signals(signum).name
                 self.close("crashed")
         _pass_signal(handler, signum, frame)
         for again in dict.fromkeys(came):  # (where the first ended the process, none of these is reached)
@@ -451,7 +458,16 @@ class Run:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if isinstance(exc, SystemExit) and exit_status(exc.code) == 0:  # sys.exit(0): the program ended well
+            exc = None
         self.close("crashed" if exc is not None else "complete", exc)
+
+
+def exit_status(code: Any) -> int:
+    """The process exit status ``sys.exit(code)`` gives: None is 0, an int itself, anything else 1."""
+    if code is None:
+        return 0
+    return code & 0xFF if isinstance(code, int) else 1
 
 
 def _before_closed_runs(handler: Any, sig: int) -> Any:
@@ -533,8 +549,11 @@ def record(path: backend.StoreTarget, model: torch.nn.Module | None = None,
             ``bisect --against``) are the run's own (README, "Preempted and resumed runs").
 
     Returns:
-        The Run; leaving the ``with`` block closes it (``complete``, or ``crashed`` on an exception;
-        ``incomplete`` when recording stopped early, as on a full disk).
+        The Run; leaving the ``with`` block closes it (``complete``, also on ``sys.exit(0)``, or
+        ``crashed`` on an exception; ``incomplete`` when recording stopped early, as on a full disk).
+        SIGTERM or SIGHUP that would end the process closes it ``crashed`` first (its ``ended_by``
+        says which); under a handler of the program's own, what is recorded is committed and the
+        handler decides.
     """
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:

@@ -204,12 +204,11 @@ def warnings_as_lines() -> Iterator[None]:
 
 def _exit_code(code: Any) -> int:
     """The process exit status ``sys.exit(code)`` gives: None is 0, an int itself, anything else 1."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)  # what the interpreter does with sys.exit("message")
-    return 1
+    from .run import exit_status
+
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)  # what the interpreter does with sys.exit("message")
+    return exit_status(code)
 
 
 def _script_traceback(exc: BaseException, script: Path) -> str:

@@ -4,10 +4,11 @@ The flight ring holds the payloads of the last ``keep`` iterations in memory unt
 keeping happens. A hard crash (a segfault or ``abort()`` in native code, the OOM killer's SIGKILL)
 gives no chance to write them, and in one process the ring dies with it. So the parent makes the
 ring's memory (recorder.shmring), runs ``recorder.runner.run_script`` in a child that holds the ring
-there, forwards SIGINT, SIGTERM and SIGHUP to it, and waits. A child that dies without closing its recording
-leaves the ring readable to the parent, which writes out what committed records wait for and closes
-the run ``crashed`` (recorder.recover). The child gets its options as JSON in an environment variable
-and answers with one JSON line on a pipe: no pickle either way.
+there, forwards SIGINT, SIGTERM and SIGHUP to it (each once: see ``_forwarding``), and waits. A
+child that dies without closing its recording leaves the ring readable to the parent, which writes
+out what committed records wait for and closes the run ``crashed`` (recorder.recover). The child
+gets its options as JSON in an environment variable and answers with one JSON line on a pipe: no
+pickle either way.
 
 Exit status: the child's; a child killed by signal N gives 128 + N, as a shell does.
 """
@@ -17,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,26 +73,32 @@ def run_script_in_child(script: str | os.PathLike[str], args: list[str], out: st
 def _supervise(script: Any, args: list[str], out: Any, options: dict[str, Any],
                ring: shmring.RingFile) -> runner.ScriptResult:
     read_end, write_end = os.pipe()
+    wake_read, wake_write = _wakeup_pipe()
     try:
         spec = {"script": os.fspath(script), "args": list(args), "out": os.fspath(out),
                 "options": {**options, "mode": "flight"}, "ring_fd": ring.fd, "result_fd": write_end,
-                "pythonpath": os.environ.get("PYTHONPATH")}
+                "wakeup_fd": wake_write, "pythonpath": os.environ.get("PYTHONPATH")}
         try:
             encoded = json.dumps(spec, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise RecordingError(f"cannot pass the recording options to the recording process ({exc}); give "
                                  "plain values") from None
-        with _forwarding() as started:
-            proc = subprocess.Popen(_child_command(), env=_child_env(encoded), pass_fds=(ring.fd, write_end))
+        with _forwarding(wake_read) as started:
+            fds = (ring.fd, write_end) if wake_write is None else (ring.fd, write_end, wake_write)
+            proc = subprocess.Popen(_child_command(), env=_child_env(encoded), pass_fds=fds)
             os.close(write_end)
             write_end = -1
+            if wake_write is not None:
+                os.close(wake_write)
+                wake_write = None
             started(proc)
             code = proc.wait()
         report = _read_report(read_end)
     finally:
         os.close(read_end)
-        if write_end >= 0:
-            os.close(write_end)
+        for fd in (write_end if write_end >= 0 else None, wake_read, wake_write):
+            if fd is not None:
+                os.close(fd)
     if "error" in report:  # the child refused the options: nothing was recorded
         raise RecordingError(str(report["error"]))
     return _outcome(out, code, report, ring)
@@ -158,21 +167,53 @@ def _read_report(fd: int) -> dict[str, Any]:
     return report if isinstance(report, dict) else {}
 
 
+def _wakeup_pipe() -> tuple[int | None, int | None]:
+    """A pipe whose write end (non-blocking) becomes the child's wakeup fd; (None, None) without one."""
+    try:
+        read_end, write_end = os.pipe()
+    except OSError:
+        return None, None
+    os.set_blocking(write_end, False)
+    return read_end, write_end
+
+
 @contextlib.contextmanager
-def _forwarding() -> Iterator[Any]:
+def _forwarding(wakeup: int | None = None) -> Iterator[Any]:
     """SIGINT, SIGTERM and SIGHUP go to the child (once started) instead of ending this process; the previous
-    handlers come back on exit. A Ctrl-C at the terminal reaches the child directly (it is in the
-    terminal's foreground process group with us), so that one is not sent a second time."""
+    handlers come back on exit. A signal the child got itself as well is not sent a second time (a
+    script's handler may count them: a second SIGTERM is often "exit now, no checkpoint"): a Ctrl-C at
+    the terminal (it is in the terminal's foreground process group with us), and any signal to the
+    process group (a scheduler's cancel or time limit), which the child reports on ``wakeup``, the
+    read end of its wakeup fd (``_ChildSignals``). Without it, or once the script has made another fd
+    its wakeup fd (asyncio does), each signal is forwarded."""
     box: list[Any] = [None]
     pending: list[int] = []
+    queue: list[int] = []  # signals being handled: one that comes meanwhile waits for the one under way
+    child: _ChildSignals | None = None
+
+    def handle(signum: int) -> None:
+        proc = box[0]
+        if signum == signal.SIGINT and _terminal_group_signalled():
+            return
+        if child is not None and child.got_it_too(signum):
+            return
+        if child is not None:
+            child.forwarding(signum)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
 
     def forward(signum: int, frame: Any) -> None:
-        proc = box[0]
-        if proc is None:
+        if box[0] is None:
             pending.append(signum)
-        elif not (signum == signal.SIGINT and _terminal_group_signalled()):
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signum)
+            return
+        queue.append(signum)
+        if len(queue) > 1:  # (this handler interrupted itself: the outer call handles it next)
+            return
+        while queue:
+            try:
+                handle(queue[0])
+            finally:
+                queue.pop(0)
 
     def started(proc: Any) -> None:
         box[0] = proc
@@ -182,12 +223,98 @@ def _forwarding() -> Iterator[Any]:
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield started
         return
+    if wakeup is not None:
+        with contextlib.suppress(OSError, RuntimeError):  # (no pipe or thread to be had: forward each one)
+            child = _ChildSignals(wakeup)
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
         yield started
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if child is not None:
+            child.close()
+
+
+class _ChildSignals:
+    """The signals the child received, read from its wakeup fd: the child makes the write end of our
+    pipe its ``signal.set_wakeup_fd``, and CPython writes there the number of each signal it receives
+    for which a Python handler is installed (flight mode's recording installs them), whatever that
+    handler is, from its C-level handler, at once. A thread here reads them as they come, and when
+    this process gets a signal, ``got_it_too`` tells whether the child got the same one at about
+    the same time, apart from the copies this process forwarded (``forwarding``)."""
+
+    WINDOW = 1.0  # seconds: a signal the child got longer ago than this was another one
+    WAIT = 0.2  # seconds to wait for the child's report of a signal sent to the group, when it has not come yet
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._stop_read, self._stop_write = os.pipe()
+        self._cond = threading.Condition(threading.RLock())
+        self._came: list[tuple[float, int]] = []  # (when read, signal number), not yet matched
+        self._sent: list[tuple[float, int]] = []  # (when sent, signal number): forwarded, its report not yet read
+        self._thread = threading.Thread(target=self._read, name="pdbg-child-signals", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        poll = select.poll()
+        poll.register(self._fd, select.POLLIN)
+        poll.register(self._stop_read, select.POLLIN)
+        while True:
+            ready = [fd for fd, _ in poll.poll()]
+            if self._stop_read in ready:
+                return
+            try:
+                data = os.read(self._fd, 512)
+            except OSError:
+                return
+            if not data:  # every write end closed: the child and what it forked are gone
+                return
+            now = time.monotonic()
+            with self._cond:  # (only those forwarded, and only recent ones: a script's SIGALRM may come often)
+                self._came = [(t, s) for t, s in self._came if now - t <= self.WINDOW]
+                self._came.extend((now, signum) for signum in data if signum in _FORWARDED)
+                self._cond.notify_all()
+
+    def forwarding(self, signum: int) -> None:
+        """This process is about to send the child ``signum``: its report is not a signal of the child's own."""
+        with self._cond:
+            self._sent.append((time.monotonic(), signum))
+
+    def got_it_too(self, signum: int) -> bool:
+        """Whether the child got ``signum`` itself (sent to the whole process group), waiting up to
+        ``WAIT`` seconds for its report; each report answers once."""
+        deadline = time.monotonic() + self.WAIT
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                self._match(now)
+                for k, (_, got) in enumerate(self._came):
+                    if got == signum:
+                        del self._came[k]
+                        return True
+                if now >= deadline:
+                    return False
+                self._cond.wait(deadline - now)
+
+    def _match(self, now: float) -> None:
+        """Forget reports and forwarded copies older than ``WINDOW``; take out the reports of the copies
+        this process forwarded."""
+        self._came = [(t, s) for t, s in self._came if now - t <= self.WINDOW]
+        sent, self._sent = self._sent, []
+        for when, signum in sent:
+            echo = next((k for k, (t, s) in enumerate(self._came) if s == signum and t >= when), None)
+            if echo is not None:
+                del self._came[echo]
+            elif now - when <= self.WINDOW:  # not reported yet (or never: no Python handler for it then)
+                self._sent.append((when, signum))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._stop_write, b"x")
+        self._thread.join()
+        os.close(self._stop_read)
+        os.close(self._stop_write)
 
 
 def _terminal_group_signalled() -> bool:
@@ -211,6 +338,7 @@ def child_main() -> int:
         os.environ["PYTHONPATH"] = spec["pythonpath"]
     result_fd = int(spec["result_fd"])
     os.set_inheritable(result_fd, False)
+    _report_signals(spec.get("wakeup_fd"))
     with runner.warnings_as_lines():
         shared = _map_ring(int(spec["ring_fd"]))
         try:
@@ -226,6 +354,19 @@ def child_main() -> int:
                         "exception": result.exception_name, "failure": result.failure,
                         "modules_called": result.modules_called})
     return result.exit_code
+
+
+def _report_signals(fd: Any) -> None:
+    """Make ``fd`` this process's wakeup fd: the parent reads there which signals this process got,
+    so as not to send a second copy of one sent to the whole process group (see ``_forwarding``)."""
+    if not isinstance(fd, int):
+        return
+    try:
+        os.set_inheritable(fd, False)  # (a forked DataLoader worker keeps it, and reports there too)
+        signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
+    except (OSError, ValueError):  # the parent forwards every signal, as without it
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _map_ring(fd: int) -> shmring.SharedRing | None:

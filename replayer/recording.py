@@ -102,6 +102,8 @@ class Recording:
             name = str(exc["type"]).rpartition(":")[2]
             message = str(exc.get("message") or "").splitlines()[0][:300] if exc.get("message") else ""
             return f"{name}: {message}" if message else name
+        if final.get("signal"):  # (written since 1.14; before, only flight mode's ring writes named it)
+            return str(final["signal"])[:40]
         signals = [d.get("reason") for d in (final.get("flight") or {}).get("dumps", [])
                    if d.get("reason") in ("SIGTERM", "SIGINT", "SIGHUP")]
         if signals:

@@ -12,7 +12,8 @@ The script's stdout is left alone; pdbg's own lines go to stderr. Exits with the
 
 In flight mode the script runs in a child process and the ring's bytes in shared memory, so that a
 hard crash of the script (a segfault, abort(), the OOM killer) still writes them out: pdbg waits for
-the child, forwards SIGINT, SIGTERM and SIGHUP to it, and when it dies without closing the recording, adds
+the child, forwards SIGINT, SIGTERM and SIGHUP to it (not a Ctrl-C or a signal to the process group, which
+the script gets itself), and when it dies without closing the recording, adds
 the payloads the ring held for the steps committed before and marks the run crashed. A script killed
 by signal N exits 128+N, as in a shell. The other modes run the script in pdbg's own process.
 """
@@ -99,8 +100,13 @@ def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
                    "it was deleted or damaged while recording")
             return f"{rank}no readable recording in {out} ({result.status}; {why})"
     text = f"{rank}recording in {out} ({result.status}, {steps} step{'s' if steps != 1 else ''})"
+    died = result.died
     if result.failure:  # said in a warning when it happened, maybe thousands of lines above
         text += f"; recording stopped: {result.failure}"
+    elif steps == 0 and isinstance(died, str) and died.startswith("signal ") and not result.modules_called:
+        # (preempted while loading, say: naming modules would not have recorded anything either)
+        text += f"; no step was recorded: the script was ended by {died.split()[1]} before it recorded anything"
+        died = None
     elif steps == 0 and result.modules_called == 0 and result.exception_name is not None:
         text += f"; no step was recorded: the script raised {result.exception_name} before it called any module"
     elif steps == 0 and result.modules_called == 0:
@@ -109,8 +115,8 @@ def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
         text += ("; no step was recorded: --modules matched no module (the warning above lists the paths called)"
                  if modules else "; no step was recorded: the script marks no paper step; name its modules with "
                  "--modules (module paths from the outermost module called: 'blocks.*', or '**' for every one)")
-    if result.died is not None or result.ring_recovered is not None:
-        return text + _death(result)
+    if died is not None or result.ring_recovered is not None:
+        return text + _death(result, died)
     if result.exception_name is None:
         return text
     try:
@@ -128,10 +134,10 @@ def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
             f"iteration {step.iteration}); open it there: {open_command(out, step.index)}")
 
 
-def _death(result: Any) -> str:
-    """How the script's process died, and what of the flight ring its parent wrote out (also where
-    the script ended but could not close its recording)."""
-    text = f"; the script's process died ({result.died})" if result.died is not None else ""
+def _death(result: Any, died: str | None) -> str:
+    """How the script's process died (``died``, unless said already), and what of the flight ring its
+    parent wrote out (also where the script ended but could not close its recording)."""
+    text = f"; the script's process died ({died})" if died is not None else ""
     ring = result.ring_recovered
     if ring is None:
         return text

@@ -30,6 +30,7 @@ from recorder import payload as payload_mod
 from recorder.errors import FormatError, NotARecordingError
 from recorder.store import layout
 from recorder.store.reader import RankReader, RunReader, TensorRecord
+from tests.cli import env
 
 if not hasattr(signal, "SIGKILL") or not hasattr(os, "fork"):
     pytest.skip("needs SIGKILL and fork (POSIX)", allow_module_level=True)
@@ -280,3 +281,46 @@ def test_sigkill_before_first_commit_opens_empty_or_raises_a_format_error(tmp_pa
         assert len(rank.column("steps/name")) == 0 and len(rank.column("tensors/step")) == 0
         opened += 1
     assert raised > 0 and opened > 0, (raised, opened)
+
+
+TERMINATED = """
+import os, signal, sys
+import torch, torch.nn as nn
+import recorder
+
+out, mode, how = sys.argv[1:]
+if how == "own_handler":  # the program's: it ends the process at once, closing nothing
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(7))
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+with recorder.record(out, optimizer=opt, mode=mode, modules="*", flush_interval=3600):  # no commit of its own
+    for i in range(6):
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    os.kill(os.getpid(), signal.SIGTERM)  # a preempted job
+    print("went on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode, how", [("full", "default"), ("stats", "default"), ("full", "own_handler")])
+def test_sigterm_commits_what_was_recorded_in_every_mode(tmp_path: Path, mode: str, how: str) -> None:
+    """Full and stats mode ignored SIGTERM: the steps since the last commit (up to a second of them)
+    and the closing metadata were lost, and the run read "the process ended without closing the
+    recording". Now, as in flight mode: the recording is committed and closed, crashed by SIGTERM,
+    before the signal ends the process; under a handler of the program's own, committed, then the
+    handler decides."""
+    script = tmp_path / "terminated.py"
+    script.write_text(TERMINATED)
+    out = tmp_path / "run.zarr"
+    res = subprocess.run([sys.executable, str(script), str(out), mode, how], capture_output=True, text=True,
+                         timeout=300, check=False, env=env())
+    assert res.returncode == (7 if how == "own_handler" else -signal.SIGTERM), res.stderr[-3000:]
+    assert "went on" not in res.stdout
+    import replayer
+
+    rec = replayer.open(out)
+    assert rec.status == "crashed"
+    assert {s.iteration for s in rec.steps} == set(range(6)) and len(rec.steps) == 6 * 3 * 2
+    assert rec.ended_by == ("SIGTERM" if how == "default" else
+                            "the process ended without closing the recording (killed, or it died)")

@@ -3,6 +3,8 @@ watch expectations mark the step."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -19,6 +21,18 @@ def normalise(x: torch.Tensor, fail: bool = False) -> torch.Tensor:
     if fail:
         raise PaperBug("denominator is zero in Eq. 4")
     return x / x.sum()
+
+
+def refuse(grad: torch.Tensor) -> None:
+    raise RuntimeError("gradient check failed")
+
+
+@recorder.paper_step("Eq. 4", description="normalise, the gradient of its denominator checked")
+def checked_normalise(x: torch.Tensor, check: bool = False) -> torch.Tensor:
+    total = x.sum()
+    if check:  # raises in the middle of this step's backward: its input's gradient never comes
+        total.register_hook(refuse)
+    return x / total
 
 
 @recorder.paper_step("Eq. 5")
@@ -110,16 +124,11 @@ def test_watch_outside_recording_is_a_no_op():
 
 def test_backward_pass_that_raises_does_not_stall_the_recording(run_path):
     """A backward pass aborted by an exception still writes its steps; later steps are committed."""
-    def refuse(grad):
-        raise RuntimeError("gradient check failed")
-
     with recorder.record(run_path) as run:
         for i in range(3):
             x = torch.randn(4, requires_grad=True)
-            if i == 0:
-                x.register_hook(refuse)
             try:
-                normalise(x * 1.0).sum().backward()
+                checked_normalise(x * 1.0, check=i == 0).sum().backward()
             except RuntimeError as exc:
                 assert "gradient check failed" in str(exc)
             run.next_iteration()
@@ -133,14 +142,10 @@ def test_backward_pass_that_raises_does_not_stall_the_recording(run_path):
 
 def test_backward_pass_that_raises_just_before_close_is_still_written(run_path):
     """A backward step left open by a failed backward pass at the very end is written on close."""
-    def refuse(grad):
-        raise RuntimeError("gradient check failed")
-
     with recorder.record(run_path) as run:
         x = torch.randn(4, requires_grad=True)
-        x.register_hook(refuse)
         try:
-            normalise(x * 1.0).sum().backward()
+            checked_normalise(x * 1.0, check=True).sum().backward()
         except RuntimeError:
             pass
     assert run.status == "complete"
@@ -148,6 +153,27 @@ def test_backward_pass_that_raises_just_before_close_is_still_written(run_path):
     assert [int(p) for p in rank.column("steps/phase")] == [0, 1]
     assert rank.doc(int(rank.column("steps/extra")[1]))["notes"] == [
         "the backward pass stopped before this step finished"]
+
+
+def test_only_the_steps_a_stopped_backward_pass_cut_short_are_noted(run_path):
+    """A backward pass stopped partway (an exception, or SIGTERM in flight mode): the steps it had
+    finished before, whose gradients all came and which replay bit for bit, were noted "the backward
+    pass stopped before this step finished" as well. Only the step it stopped in is noted now, and
+    it has the exception."""
+    import replayer
+
+    with recorder.record(run_path, mode="full"):
+        x = torch.randn(4, requires_grad=True)
+        h = checked_normalise(x * 1.0, check=True)  # its backward comes last, and stops
+        with pytest.raises(RuntimeError, match="gradient check failed"):
+            normalise(h * 2.0).pow(2).sum().backward()
+    rec = replayer.open(run_path)
+    backward = {s.name: s for s in rec.steps if s.phase == "backward"}
+    assert set(backward) == {"normalise", "checked_normalise"}
+    assert "notes" not in backward["normalise"].extra and backward["normalise"].status == "ok"
+    assert replayer.replay(rec, backward["normalise"].index).match
+    assert backward["checked_normalise"].extra["notes"] == ["the backward pass stopped before this step finished"]
+    assert backward["checked_normalise"].status == "exception"
 
 
 class Plain(torch.nn.Module):
@@ -190,3 +216,21 @@ def test_a_caught_exception_leaves_no_backward_step_behind(tmp_path, how):
         ("forward", 1, 0, "exception"), ("forward", 1, 1, "ok"), ("backward", 1, 1, "ok")]
     for step in rec.steps:
         assert replayer.replay(rec, step.index).match
+
+
+@pytest.mark.parametrize("mode", ["full", "stats", "flight"])
+@pytest.mark.parametrize("code", [0, None, 3])
+def test_sys_exit_in_a_with_block_closes_the_run_as_its_exit_status_says(tmp_path, mode, code):
+    """sys.exit(0) (or sys.exit()) in a `with recorder.record(...)` block, as a job does after its
+    checkpoint for a requeue, closed the run "crashed", "ended by: SystemExit: 0", where `pdbg record`
+    closed the same exit "complete". Exit status 0 is complete now; another is crashed, as before."""
+    import replayer
+
+    path = tmp_path / "run.zarr"
+    with pytest.raises(SystemExit), recorder.record(path, mode=mode) as run:
+        normalise(torch.randn(4))
+        sys.exit(code)
+    rec = replayer.open(path)
+    assert run.status == rec.status == ("crashed" if code else "complete")
+    assert rec.ended_by == ("SystemExit: 3" if code else None)
+    assert len(rec.steps) == 1

@@ -218,6 +218,37 @@ def assert_ring_written_on_sigterm(path: Path) -> None:
     assert run.attrs["final"]["flight"]["dumps"][0]["reason"] == "SIGTERM"
 
 
+EARLY = """
+import os, signal, sys
+import torch, torch.nn as nn
+import recorder
+
+model = nn.Sequential(nn.Linear(4, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with recorder.record(sys.argv[1], model=model, optimizer=opt, mode="flight", modules="*"):
+    os.kill(os.getpid(), signal.SIGTERM)  # preempted while loading, before the first step
+    model(torch.randn(2, 4)).sum().backward()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_before_the_first_step_says_so(tmp_path: Path) -> None:
+    """SIGTERM before the first step (a job preempted while loading its checkpoint) left the flight
+    recording crashed with no reason (its ring wrote out nothing, and only a ring write named the
+    signal); one step later it said "ended by: SIGTERM". Now it says so either way."""
+    script = tmp_path / "early.py"
+    script.write_text(EARLY)
+    path = tmp_path / "run.zarr"
+    res = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120,
+                         check=False, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == -signal.SIGTERM, res.stderr[-2000:]
+    import replayer
+
+    rec = replayer.open(path)
+    assert (rec.status, rec.ended_by, len(rec.steps)) == ("crashed", "SIGTERM", 0)
+    assert rec.reader.attrs["final"]["signal"] == "SIGTERM"
+
+
 POISONED = """
 import torch, torch.nn as nn
 
@@ -512,7 +543,7 @@ def test_a_signal_at_any_moment_writes_the_ring_once_and_ends_the_process(tmp_pa
     script.write_text(SIGNALLED)
     out = tmp_path / "run.zarr"
     res = subprocess.run([sys.executable, str(script), str(out), how], capture_output=True, text=True, timeout=120,
-                         check=False)
+                         check=False, env=dict(os.environ, PYTHONPATH=str(ROOT)))  # (this checkout's recorder)
     if how == "ctrl_c_twice":
         assert res.returncode == -signal.SIGINT and "interrupted; closed True crashed" in res.stdout, res.stderr[-2000:]
         assert res.stderr.rstrip().endswith("KeyboardInterrupt"), res.stderr[-2000:]

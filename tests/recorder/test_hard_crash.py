@@ -176,6 +176,45 @@ class TestHardCrash:
         assert_ring_written_on_sigterm(tmp_path / "run.zarr")
         assert "the script's process died (signal SIGTERM)" in err
 
+    @pytest.mark.parametrize("to", ["group", "pdbg"])
+    def test_one_sigterm_reaches_the_script_once(self, tmp_path: Path, to: str) -> None:
+        """A script whose SIGTERM handler escalates (the first: checkpoint at the end of the step; a
+        second: exit now, no checkpoint). SIGTERM to the job's process group, as a scheduler's cancel
+        or time limit sends it, reached the child directly and again as pdbg's forward of it: the
+        script exited without its checkpoint (2 runs in 5). Sent to pdbg alone, it is still forwarded."""
+        (tmp_path / "escalate.py").write_text(ESCALATING)
+        for attempt in range(3 if to == "group" else 1):
+            out = tmp_path / f"run{attempt}.zarr"
+            proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "record", "-o", str(out), "--mode", "flight",
+                                     "--", "escalate.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env(), start_new_session=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:  # blocks until the script is training
+                if line.startswith("training"):
+                    break
+            if to == "group":
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
+            rest, err = proc.communicate(timeout=120)
+            assert [ln for ln in rest.splitlines() if ln.startswith("SIGTERM")] == ["SIGTERM 1"], rest + err
+            assert "checkpoint saved" in rest and proc.returncode == 0, rest + err
+            assert RunReader(str(out)).status == "complete"
+
+    def test_sigterm_before_anything_was_recorded_is_named(self, tmp_path: Path) -> None:
+        """A job preempted while loading, before it called any module: the recording said no reason
+        (ended_by null), and pdbg advised naming modules with --modules, which would not have
+        recorded anything either. Now both name the signal."""
+        (tmp_path / "early.py").write_text("import os, signal\nimport torch\nmodel = torch.nn.Linear(4, 4)\n"
+                                           "os.kill(os.getpid(), signal.SIGTERM)\nmodel(torch.randn(2, 4))\n")
+        rec = subprocess.run([sys.executable, "-m", "tui.cli", "record", "-o", "run.zarr", "--mode", "flight", "--",
+                              "early.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+                             env=env())
+        assert rec.returncode == 128 + signal.SIGTERM, rec.stderr
+        assert rec.stderr.splitlines() == ["pdbg: recording in run.zarr (crashed, 0 steps); no step was recorded: the "
+                                           "script was ended by SIGTERM before it recorded anything"]
+        assert replayer.open(tmp_path / "run.zarr").ended_by == "SIGTERM"
+
     def test_bad_options_are_one_line_errors(self, tmp_path: Path) -> None:
         """A bad --keep (checked by pdbg) and a bad glob (refused by the recording, in the child):
         exit 2, one line, no traceback, no recording left."""
@@ -187,6 +226,35 @@ class TestHardCrash:
             (line,) = rec.stderr.strip().splitlines()
             assert line.startswith(message)
             assert not (tmp_path / "run.zarr").exists()
+
+
+ESCALATING = """
+import signal, sys
+import torch, torch.nn as nn
+
+got = []
+def on_term(signum, frame):
+    got.append(signum)
+    print(f"SIGTERM {len(got)}", flush=True)
+    if len(got) > 1:
+        print("exiting now, no checkpoint", flush=True)
+        sys.exit(1)
+signal.signal(signal.SIGTERM, on_term)
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+while True:
+    print("training", flush=True)
+    for _ in range(20):  # a step's work: a second copy of the signal, if any, comes meanwhile
+        model(torch.randn(32, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if got:
+        torch.save(model.state_dict(), "checkpoint.pt")
+        print("checkpoint saved", flush=True)
+        sys.exit(0)
+"""
 
 
 class TestSharedRing:
