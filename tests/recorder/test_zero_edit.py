@@ -329,12 +329,7 @@ class TestIterations:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with recorder.record(run_path, optimizer="auto", modules="blocks.*"):
-                for _ in range(3):
-                    model(torch.randn(3, 6)).backward()
-                    with torch.no_grad():
-                        for p in model.parameters():
-                            p.sub_(0.1 * p.grad)
-                            p.grad = None
+                _train_by_hand(model, 3)
         assert forward_iterations(run_path) == [0, 0, 0]
         assert recorder_warnings(caught) == [
             "every step is in iteration 0: 3 backward passes ran and no torch.optim optimizer stepped (iterations "
@@ -379,12 +374,7 @@ class TestIterations:
             warnings.simplefilter("always")
             with recorder.record(run_path.with_name("hand.zarr"), optimizer="auto", modules="blocks.*",
                                  start_iteration=7):
-                for _ in range(3):
-                    model(torch.randn(3, 6)).backward()
-                    with torch.no_grad():
-                        for p in model.parameters():
-                            p.sub_(0.1 * p.grad)
-                            p.grad = None
+                _train_by_hand(model, 3)
         assert forward_iterations(run_path.with_name("hand.zarr")) == [7, 7, 7]
         assert recorder_warnings(caught) == [
             "every step is in iteration 7: 3 backward passes ran and no torch.optim optimizer stepped (iterations "
@@ -399,6 +389,16 @@ class TestIterations:
         assert str(caught.value) == (f"start_iteration must be an integer >= 0 (the first iteration's number: for "
                                      f"a resumed run, the step its checkpoint was saved at), not {bad!r}")
         assert not run_path.exists()
+
+
+def _train_by_hand(model: torch.nn.Module, iterations: int) -> None:
+    """A hand-written update (no torch.optim optimizer): what optimizer="auto" cannot count."""
+    for _ in range(iterations):
+        model(torch.randn(3, 6)).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * p.grad)
+                p.grad = None
 
 
 class TestPdbgRecord:
