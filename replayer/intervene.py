@@ -317,7 +317,6 @@ class Plan:
     settings: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
     notes: list[str] = field(default_factory=list)
-    brought: set[int] = field(default_factory=set)  # ids of the modules swaps brought in (not the original's)
 
     @property
     def empty(self) -> bool:

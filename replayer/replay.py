@@ -385,7 +385,6 @@ class Replayer:
                         d, k, cls=cls, top_hooks_ran=top and _own_hooks_ran(step.definition)),
                     init, self.plan.notes)
                 sw.used += 1
-                self.plan.brought |= {id(m) for m in new.modules()} - {id(m) for m in original.modules()}
                 if rel:
                     parent_name, _, leaf = rel.rpartition(".")
                     module.get_submodule(parent_name)._modules[leaf] = new
@@ -446,7 +445,9 @@ class Replayer:
         """A replay that did not match: what the recording did not hold that may be why. Attributes a
         module's constructor made that could not be recorded (a tensor attribute training changed, not
         a buffer); where nothing else is named, the code's repository not as recorded (a helper the
-        step calls); module-level data the step's code reads."""
+        step calls); module-level data the step's code reads. Where an intervention was applied, only the
+        first: the difference is what the intervention made (a fix's file is written after the recording,
+        and its constants are not the recording's)."""
         if result.match:
             return
         if call.unrecorded:
@@ -454,7 +455,7 @@ class Replayer:
                                    f"constructor ({'; '.join(call.unrecorded)}); if training changed them after "
                                    "construction (a tensor kept as an attribute, not a buffer), the replay used other "
                                    "values (a likely cause of any difference)")
-        if not result.compared:
+        if not result.compared or not self.plan.empty:
             return
         if not any("likely cause" in w or "changed since" in w for w in result.warnings):
             if self._repository is False:  # once per replayer: two git processes (verify replays many steps)
@@ -462,8 +463,7 @@ class Replayer:
             if self._repository:
                 result.warnings.append(self._repository)
             else:
-                result.warnings += _files_changed_since(self.rec.run_info, call, self.loader.script,
-                                                        self.plan.brought)
+                result.warnings += _files_changed_since(self.rec.run_info, call, self.loader.script)
         names = _data_globals(call.fn)
         if names:
             result.warnings.append(f"the step's code reads the module-level {', '.join(names)}, whose values are not "
@@ -950,20 +950,30 @@ def _by_type(doc: Any, as_dicts: bool = False) -> Any:
     return doc
 
 
-def _files_changed_since(run_info: dict[str, Any], call: _Call, script: str | None,
-                         brought: set[int] = frozenset()) -> list[str]:  # type: ignore[assignment]
+def _files_changed_since(run_info: dict[str, Any], call: _Call, script: str | None) -> list[str]:
     """The files of the replayed module's classes (its submodules', whose code a recording does not
-    hash: only the step's own is) modified after the recording began: code the step ran may differ.
-    ``script``: the training script's path, where its classes (``__main__``'s) were loaded from.
-    ``brought``: ids of modules a swap brought in, which the recorded step never ran (a fix is written
-    after the recording: not a likely cause, the point of the replay)."""
+    hash: only the step's own is), or of a function step, modified after the recording began: code
+    the step ran may differ. ``script``: the training script's path, where its classes and functions
+    (``__main__``'s) were loaded from."""
     from .bundles import installed
 
     started = run_info.get("started_unix")
-    if not isinstance(started, (int, float)) or call.module is None:
+    if not isinstance(started, (int, float)):
+        return []
+    if call.module is None:  # a function step: its own body is hashed, not the helpers and data of its file
+        fn = inspect.unwrap(getattr(call.fn, "__func__", call.fn))
+        try:
+            file = script if getattr(fn, "__module__", None) == "__main__" else inspect.getsourcefile(fn)
+        except TypeError:
+            return []
+        with contextlib.suppress(OSError):
+            if file is not None and not installed(file) and os.path.getmtime(file) > started:
+                return [f"{file} was modified after the recording began, and the step's function "
+                        f"{getattr(fn, '__qualname__', '?')} is defined there: the helpers and module-level values "
+                        "it uses from that file may not be what ran (a likely cause of any difference)"]
         return []
     changed: dict[str, list[str]] = {}
-    for cls in dict.fromkeys(type(m) for m in call.module.modules() if id(m) not in brought):
+    for cls in dict.fromkeys(type(m) for m in call.module.modules()):
         try:
             file = script if cls.__module__ == "__main__" else inspect.getsourcefile(cls)
         except (TypeError, OSError):

@@ -2378,6 +2378,48 @@ def test_state_a_step_keeps_outside_its_arguments(tmp_path: Path) -> None:
     assert not later.match and any(w.startswith("the step's code reads the module-level TEMPERATURE (float), whose "
                                                 "values are not recorded") for w in later.warnings), later.warnings
     assert not any("module-level" in w for w in replayer.replay(rec, "warm_up@iter=1").warnings)
+    # an intervention's mismatch is what it made: the step's constants are not named as a likely cause of it
+    edited = replayer.replay(rec, "tempered@iter=2", edit={"args.0": "x * 2"})
+    assert not edited.match and not any("likely cause" in w for w in edited.warnings), edited.warnings
+
+
+SCHEDULE_SCRIPT = """
+import sys
+import numpy as np
+import torch
+import recorder
+
+BETAS = np.linspace(1e-4, 0.02, 10)
+
+
+def alpha_bar(t):
+    return float(np.cumprod(1 - BETAS)[t])
+
+
+@recorder.paper_step("Algorithm 1, line 5", description="q_sample")
+def q_sample(x, t):
+    return x * alpha_bar(t) ** 0.5
+
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1]):
+        q_sample(torch.ones(4), 7)
+"""
+
+
+def test_a_function_step_whose_file_changed_since_recording_says_so(tmp_path: Path) -> None:
+    """A noise schedule edited after the recording (a module-level array the step reads through a helper):
+    a function step's replay was a MISMATCH with no word of why (only a module step's file was checked;
+    the step's own body, hashed, had not changed). Its file is named, as a module step's is."""
+    script = tmp_path / "train.py"
+    script.write_text(SCHEDULE_SCRIPT)
+    assert python("train.py", "run.zarr", cwd=tmp_path).returncode == 0
+    script.write_text(SCHEDULE_SCRIPT.replace("0.02, 10", "0.04, 10"))
+    os.utime(script, (time.time() + 5, time.time() + 5))  # (a second's clock on some file systems)
+    doc = json.loads(pdbg_here("replay", "run.zarr", "0", "--json", cwd=tmp_path).stdout)
+    assert not doc["match"]
+    assert any(w.startswith(f"{script} was modified after the recording began, and the step's function q_sample is "
+                            "defined there") for w in doc["warnings"]), doc["warnings"]
 
 
 class Vae(nn.Module):
@@ -2873,7 +2915,7 @@ def test_a_tensor_the_flight_ring_could_not_hold_says_so(tmp_path: Path) -> None
         "a larger max_ring_bytes)")
 
 
-def test_nan_that_differs_is_said_to_differ_not_measured(capsys: pytest.CaptureFixture[str]) -> None:
+def test_nan_that_differs_is_said_to_differ_not_measured(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     """A recorded NaN replayed as 0 showed "max abs inf" and "ULP 2143289344", and two NaN that differ only
     in their bits "max abs inf" and "ULP 4194303": no distance means anything there. The comparison says
     which differ (NaN positions, NaN bits), with no max abs (null in JSON) and no ULP count."""
@@ -2894,6 +2936,7 @@ def test_nan_that_differs_is_said_to_differ_not_measured(capsys: pytest.CaptureF
     assert not bits.match and bits.mismatched == 1 and bits.max_ulp is None
     assert bits.reason == "NaN bits differ: 1 value NaN in both whose bits differ (sign or payload)", bits.reason
     assert bits.summary() == f"output: {bits.reason}"
+    monkeypatch.setenv("COLUMNS", "160")  # a wide terminal: recorded and replayed side by side, one row
     _outputs_table([moved])
     table = capsys.readouterr().out
     row = next(line for line in table.splitlines() if line.lstrip().startswith("output"))
