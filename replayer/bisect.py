@@ -12,7 +12,10 @@ its inputs, parameters and buffers; backward: its grad outputs and its forward c
 parameters), or NaN of Inf it takes at every call (a -inf mask). The origin is the first such step in
 execution order, the innermost one where steps nest. NaN or Inf that came into a step from outside
 every recorded step (the data, an optimizer update) is where it *entered*, even where that step turns
-an Inf into NaN.
+an Inf into NaN. Inf at every call (of a call number) is a mask's only where it covers part of its
+tensor, or, filling one, where the step's first call held it too (a -inf initial maximum): a
+division by 0 outside the steps that fills the input of an eval loop's call at each iteration the
+loop runs came in, however often it runs (``_Kinds.shaped``).
 """
 
 from __future__ import annotations
@@ -306,13 +309,17 @@ def _received(step: Step) -> list[str]:
 @dataclass
 class _Kinds:
     """Per step, where NaN and Inf were (from the steps' flags): ``result``/``nan_result`` (its
-    results), ``given``/``nan_given`` (its own inputs and, for a backward step, its forward's)."""
+    results), ``given``/``nan_given`` (its own inputs and, for a backward step, its forward's);
+    ``whole_result``/``whole_given``: one of those tensors was Inf in every value (from the tensor
+    statistics), which an additive -inf mask is not, and a division by 0 or an overflow often is."""
 
     rec: Recording
     result: np.ndarray
     nan_result: np.ndarray
     given: np.ndarray
     nan_given: np.ndarray
+    whole_result: np.ndarray
+    whole_given: np.ndarray
     _groups: dict[bool, np.ndarray] | None = None
 
     @classmethod
@@ -328,9 +335,11 @@ class _Kinds:
         given, nan_given = given.copy(), nan_given.copy()
         _through_collectives(rec, given, nan_given)
         back = np.flatnonzero((phase == 1) & (forward >= 0) & (forward < n))
+        whole_result, whole_given = _all_inf(rec, phase)
         given[back] |= given[forward[back]]
         nan_given[back] |= nan_given[forward[back]]
-        return cls(rec, result, nan_result, given, nan_given)
+        whole_given[back] |= whole_given[forward[back]]
+        return cls(rec, result, nan_result, given, nan_given, whole_result, whole_given)
 
     def groups(self, by_call: bool = True) -> np.ndarray:
         """Per step, a number shared by the calls of the same step: name, module path, phase and
@@ -379,24 +388,68 @@ class _Kinds:
         enough = np.where(alone, counted_steps[step] >= 2, counted_calls[group] >= 2)
         return np.where(enough, counted_by_call[group] | (alone & counted_by_step[step]), judged)
 
+    def shaped(self, held: np.ndarray, whole: np.ndarray) -> np.ndarray:
+        """Per step: whether the Inf ``held`` at its calls (with the same call number) can be a mask's:
+        on part of a tensor at each of them, or, where some call held a tensor Inf in every value
+        (``whole``: a -inf initial maximum), there from the start, at the step's first call too. Inf
+        that fills a tensor at a later call number (an eval loop's, past a division by 0 outside every
+        step) came in, however often the loop runs."""
+        group, step = self.groups(), self.groups(by_call=False)
+        if not len(group):
+            return np.ones(0, dtype=bool)
+        first = np.full(int(step.max()) + 1, len(step), dtype=np.int64)
+        np.minimum.at(first, step, np.arange(len(step)))
+        filled = np.bincount(group, weights=(whole & held).astype(np.float64)) > 0
+        return ~filled[group] | held[first[step]]
 
     def masks(self) -> np.ndarray:
         """Per step: Inf (only) made from finite inputs, at every call with finite inputs (an additive
         -inf mask), judged among those calls where there are two or more (training goes on past a
-        NaN, and the mask's later calls take it)."""
+        NaN, and the mask's later calls take it), and shaped as a mask's (``shaped``)."""
         inf_made = self.result & ~self.nan_result & ~self.given
-        return inf_made & self.habitual(inf_made, among=~self.given)
+        return inf_made & self.habitual(inf_made, among=~self.given) & self.shaped(inf_made, self.whole_result)
+
+    def takes_mask(self) -> np.ndarray:
+        """Per step: Inf taken at every call (``habitual``), shaped as a mask's (``shaped``): meant."""
+        if not self.given.any():
+            return np.zeros(len(self.given), dtype=bool)
+        return self.habitual(self.given) & self.shaped(self.given, self.whole_given)
 
 
 def meant_inf(rec: Recording) -> np.ndarray:
     """Per step: its results hold Inf and no NaN that the model means, as ``first_nonfinite`` judges
     them: made at every call from finite inputs (an additive -inf mask), or taken at every call and
-    passed on. Such a step is ``nonfinite`` in the recording but no anomaly to stop at."""
+    passed on, shaped as a mask's (``_Kinds.shaped``). Such a step is ``nonfinite`` in the recording
+    but no anomaly to stop at."""
     if not len(rec):
         return np.zeros(0, dtype=bool)
     k = _Kinds.of(rec)
     passed = k.result & ~k.nan_result & k.given & ~k.nan_given
-    return k.masks() | (passed & k.habitual(k.given))
+    return k.masks() | (passed & k.takes_mask())
+
+
+def _all_inf(rec: Recording, phase: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per step: whether one of its results, and one of its inputs (``layout.INPUT_ROLES``, and the
+    results of its collectives), held Inf in every value: Inf and no finite value (the statistics of
+    the finite values are NaN), no NaN."""
+    n = len(rec)
+    result, given = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    rank = rec.rank
+    if not n or not rank.lengths.get("tensors"):
+        return result, given
+    stats = np.asarray(rank.column("tensors/stats"))
+    whole = (stats[:, 7] > 0) & (stats[:, 6] == 0) & np.isnan(stats[:, 0])
+    if not whole.any():
+        return result, given
+    steps = np.asarray(rank.column("tensors/step"))[whole]
+    roles = np.asarray(rank.column("tensors/role"))[whole]
+    ph = phase[steps]
+    for p in (0, 1):
+        here = ph == p
+        result[steps[here & np.isin(roles, list(layout.RESULT_ROLES[p]))]] = True
+        inputs = list(layout.INPUT_ROLES[p]) + [layout.ROLES.index("collective")]
+        given[steps[here & np.isin(roles, inputs)]] = True
+    return result, given
 
 
 def _kinds_recorded(rec: Recording) -> bool:
@@ -495,7 +548,7 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     if overflowed:  # passed over: what the scaler did about them is what mixed precision expects
         for mask in (k.result, k.nan_result, k.given, k.nan_given):
             np.logical_and(mask, ~handled, out=mask)
-    habit = k.habitual(k.given) if k.given.any() else np.zeros(n, dtype=bool)  # Inf taken at every call: a mask
+    habit = k.takes_mask()  # Inf taken at every call, on part of a tensor or from the first call: a mask
     made = k.nan_result & ~k.nan_given & (~k.given | habit)
     inf_made = k.result & ~k.nan_result & ~k.given  # Inf (only) from finite inputs
     if inf_made.any():

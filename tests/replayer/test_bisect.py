@@ -605,6 +605,74 @@ def test_an_overflow_at_every_call_of_the_first_iteration_only_is_no_mask(tmp_pa
     assert not bisect_mod.meant_inf(rec)[:2].any()
 
 
+@recorder.paper_step("Denoiser", description="eps(x_t, t): a tiny MLP, its scores given an optional additive mask")
+class TinyDenoiser(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(2, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x)) * torch.softmax(scores, -1))
+
+
+def record_eval_loops(path: Path, sample: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                      train: bool = True) -> None:
+    """One training call of the denoiser per iteration (``train``); at iterations 5 and 10 an eval loop
+    outside every step calls it 4 times more (calls #1 to #4; without training #0 to #3), ``sample(k,
+    x)`` making the k-th call's input (k from 1)."""
+    torch.manual_seed(0)
+    model = TinyDenoiser()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    finite = torch.zeros(8, 4)
+    with recorder.record(path, model=model, optimizer=opt):
+        for i in range(12):
+            if train:
+                model(torch.randn(8, 2), finite).square().mean().backward()
+            if i in (5, 10):
+                with torch.no_grad():
+                    x = torch.randn(8, 2)
+                    for call in range(1, 5):
+                        x, scores = sample(call, x)
+                        x = x + 0.1 * model(x, scores)
+            opt.step()
+            opt.zero_grad()
+
+
+def test_inf_that_comes_into_a_repeated_eval_loop_is_where_it_entered(tmp_path: Path) -> None:
+    """An eval sampler (outside every step) divides by 0 before the denoiser's call #2 of its loop, run
+    at iterations 5 and 10: call #2 took Inf (every value) both times, and bisect called the step the
+    origin, "from inputs holding Inf at every call, as a -inf mask does". That call number never occurs
+    in the first iterations, and a mask's -inf is on part of its tensor: the Inf came in there."""
+    def divide_by_zero(call: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x / 0.0 if call == 2 else x), torch.zeros(8, 4)
+
+    for train in (True, False):  # (an eval-only model: the Inf fills its input from its second call on)
+        path = tmp_path / f"sampler{train}.zarr"
+        record_eval_loops(path, divide_by_zero, train)
+        rec = replayer.open(path)
+        origin = replayer.first_nonfinite(rec)
+        entered = origin.entered
+        assert origin.step is None and entered is not None, origin.cause
+        assert (entered.name, entered.iteration, entered.call) == ("TinyDenoiser", 5, 1 + train), origin.cause
+        assert "from inputs holding Inf at every call" not in origin.cause
+        assert not bisect_mod.meant_inf(rec)[entered.index]
+
+    def masked(call: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A genuine -inf mask on part of the scores, at call #2 only (which occurs only in the eval loops)."""
+        scores = torch.zeros(8, 4)
+        if call == 2:
+            scores[:, 1:] = float("-inf")
+        return x, scores
+
+    path = tmp_path / "masked.zarr"
+    record_eval_loops(path, masked)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    takers = [s for s in rec.steps if any(r.nonfinite for r in s.records)]
+    assert {(s.name, s.iteration, s.call) for s in takers} == {("TinyDenoiser", 5, 2), ("TinyDenoiser", 10, 2)}
+    assert not origin.found, origin.cause
+
+
 def test_an_overflow_to_inf_is_the_origin_of_the_nan_it_becomes(tmp_path: Path) -> None:
     """A step that overflows to Inf from finite inputs, and the next step makes NaN of it (inf - inf):
     the overflow is the origin, not the NaN after it."""
