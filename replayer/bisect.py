@@ -335,7 +335,8 @@ class _Kinds:
         given, nan_given = given.copy(), nan_given.copy()
         _through_collectives(rec, given, nan_given)
         back = np.flatnonzero((phase == 1) & (forward >= 0) & (forward < n))
-        whole_result, whole_given = _all_inf(rec, phase)
+        whole_result, whole_given = (_all_inf(rec, phase) if (result | given).any()  # (a clean run's statistics
+                                     else (np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)))  # are not read)
         given[back] |= given[forward[back]]
         nan_given[back] |= nan_given[forward[back]]
         whole_given[back] |= whole_given[forward[back]]

@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import sys
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -506,7 +507,8 @@ def _outputs_table(diffs: list[Any]) -> None:
     """The replay's outputs, recorded against replayed: side by side where the terminal has room
     (or stdout is not one), else the replayed statistics on a line of their own under a mismatch
     (a match replays the same bits, so the same statistics)."""
-    wide = shutil.get_terminal_size((10 ** 4, 24)).columns >= WIDE
+    columns = shutil.get_terminal_size((10 ** 4, 24)).columns
+    wide = columns >= WIDE
     if wide:
         print(f"\n  {'tensor':<18} {'match':<5} {'recorded: min':>14} {'max':>9} {'nan':>5} {'inf':>5}   "
               f"{'replayed: min':>13} {'max':>9} {'nan':>5} {'inf':>5}   {'max abs':>8} {'ULP':>6}")
@@ -527,8 +529,9 @@ def _outputs_table(diffs: list[Any]) -> None:
         else:
             print(f"  {d.name[:15]:<15} {'NO':<5} {'recorded':<8} {_stats_cells(d.recorded, 9)}")
             print(f"  {'':<15} {'':<5} {'replayed':<8} {_stats_cells(d.replayed, 9)} {far}")
-        if d.reason and not d.match:
-            print(f"    {d.reason}")
+        if d.reason and not d.match:  # prose: wrapped to the terminal (a pipe gets it on one line)
+            print(textwrap.fill(d.reason, width=max(40, columns - 1), initial_indent="    ", subsequent_indent="    ",
+                                break_on_hyphens=False))
 
 
 def _stats_cells(st: dict[str, Any], width: int = 14) -> str:

@@ -152,8 +152,8 @@ def test_a_nan_that_entered_a_rank_before_its_all_reduce_is_that_rank_s(tmp_path
     assert (origin.entered.name, origin.entered.iteration) == ("global_mean", 2)
     alone = replayer.first_nonfinite(replayer.open(out, 1))
     assert origin.cause == f"rank 1: {alone.cause}"
-    assert alone.cause.startswith("input args.0 of step ") and "came non-finite from code outside every recorded " \
-        "step" in alone.cause and alone.cause.endswith("; this rank sent them to the others through its "
+    assert alone.cause.startswith("input args.0 of step ") and "came non-finite (1 NaN of 256) from code outside " \
+        "every recorded step" in alone.cause and alone.cause.endswith("; this rank sent them to the others through its "
                                                        "all_reduce.0"), alone.cause
     received = replayer.first_nonfinite(replayer.open(out, 0)).cause
     assert "did not send: they came from the other rank" in received, received

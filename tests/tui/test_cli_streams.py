@@ -134,8 +134,9 @@ def test_the_replay_table_fits_the_terminal(nan_path: Path, tmp_path: Path) -> N
     assert res.returncode == 1, res.stderr
     lines = res.stdout.splitlines()
     top = lines.index(next(line for line in lines if line.split()[:2] == ["tensor", "match"]))
-    table = lines[top:lines.index("", top)]
-    assert len(table) == 3 and max(len(line) for line in table) <= 80, res.stdout  # (prose lines wrap as prose)
+    table = lines[top:lines.index("", top)]  # the header, the two rows of a mismatch, what differs (prose)
+    assert len(table) >= 3 and table[3:] and all(line.startswith("    ") for line in table[3:]), res.stdout
+    assert max(len(line) for line in table) <= 80, res.stdout
     (recorded,) = [i for i, line in enumerate(lines) if line.split()[:3] == ["output", "NO", "recorded"]]
     assert lines[recorded + 1].split()[0] == "replayed", res.stdout
     res = pdbg_here("replay", str(nan_path), "Scaled@iter=1#0", "--edit", "args.0=x*2", cwd=tmp_path, columns=120)
