@@ -42,6 +42,8 @@ class StepDef:
     kind: str  # "function" or "module"
     target: Any  # the undecorated function, or the class
     _doc: dict[str, Any] | None = field(default=None, repr=False)
+    # the module-level generator objects its code reads (snapshot.find_global_rngs), found at its first call
+    rngs: tuple[tuple[str, dict[str, Any], str], ...] | None = field(default=None, repr=False)
 
     @property
     def paper(self) -> dict[str, Any]:

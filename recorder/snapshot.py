@@ -10,10 +10,12 @@ from __future__ import annotations
 import base64
 import ctypes
 import functools
+import inspect
 import os
 import random
 import struct
 import sys
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
+
+from . import jsonval
 
 # Environment variables that change numerics or how kernels are chosen.
 ENV_VARS = ("CUBLAS_WORKSPACE_CONFIG", "CUDA_LAUNCH_BLOCKING", "NVIDIA_TF32_OVERRIDE", "OMP_NUM_THREADS",
@@ -152,6 +156,185 @@ def _numpy_gauss_offset() -> int | None:
         return None
 
 
+# -- generator objects a step's code reads as module-level globals -------------------------------
+GLOBAL_PREFIX = "global:"  # a step's RNG document part of a generator object: "global:RNG", "global:utils.GEN"
+_MAX_CODE = 64  # code objects looked through per step definition: its own, nested ones, helpers it calls
+
+
+def is_global_rng(obj: Any) -> bool:
+    """Whether ``obj`` is a generator object of its own (not one of the global ones every step records)."""
+    if isinstance(obj, torch.Generator):
+        return obj is not torch.default_generator
+    if isinstance(obj, np.random.RandomState):
+        return obj is not np.random.mtrand._rand
+    if isinstance(obj, (np.random.Generator, np.random.BitGenerator)):
+        return True
+    return isinstance(obj, random.Random) and obj is not getattr(random, "_inst", None)
+
+
+def rng_kind(obj: Any) -> str:
+    """How a message names a generator object's kind: "numpy Generator", "torch Generator (cuda)"."""
+    if isinstance(obj, torch.Generator):
+        return "torch Generator" + ("" if obj.device.type == "cpu" else f" ({obj.device})")
+    if isinstance(obj, np.random.Generator):
+        return "numpy Generator"
+    if isinstance(obj, np.random.RandomState):
+        return "numpy RandomState"
+    if isinstance(obj, np.random.BitGenerator):
+        return f"numpy {type(obj).__name__}"
+    return f"random.{type(obj).__name__}" if type(obj).__module__ == "random" else type(obj).__qualname__
+
+
+def find_global_rngs(target: Any) -> tuple[tuple[str, dict[str, Any], str], ...]:
+    """The generator objects a step's code reads as module-level globals, as (part, namespace, name):
+    ``part`` names it in the step's RNG document, ``namespace[name]`` is where it is read at each call
+    (code may rebind it). Found once per step definition, from names alone (nothing is called):
+    the names its code (``co_names``, nested code objects') holds, looked up in its module's globals
+    (``RNG``) and as attributes of the modules among them (``utils.RNG``), through the functions of
+    its own code it calls (module-level helpers, ``self.method`` of a module step's class; not
+    torch's). For a module step, ``target`` is its class, and its code starts at ``forward``."""
+    def code_of(fn: Any) -> tuple[types.CodeType, dict[str, Any]] | None:
+        try:
+            fn = inspect.unwrap(getattr(fn, "__func__", fn))
+        except ValueError:  # a cycle of __wrapped__
+            return None
+        code, env = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if not isinstance(code, types.CodeType) or not isinstance(env, dict):
+            return None
+        return code, env
+
+    def own(fn: Any) -> bool:  # the user's code, not a library's
+        module = getattr(getattr(fn, "__func__", fn), "__module__", None) or ""
+        return module.partition(".")[0] not in ("torch", "numpy", "recorder", "replayer")
+
+    cls = target if isinstance(target, type) else None
+    first = code_of(getattr(cls, "forward", None) if cls is not None else target)
+    if first is None:
+        return ()
+    todo, seen, found = [first], set(), {}
+    while todo and len(seen) < _MAX_CODE:
+        code, env = todo.pop()
+        if id(code) in seen:
+            continue
+        seen.add(id(code))
+        names = list(code.co_names)
+        todo += [(c, env) for c in code.co_consts if isinstance(c, types.CodeType)]
+        for name in names:
+            value = env.get(name)
+            if value is None and cls is not None and name not in env:
+                value = getattr(cls, name, None)  # self.helper(): a method of the step's class
+                if isinstance(value, (types.FunctionType, types.MethodType)) and own(value):
+                    nested = code_of(value)
+                    if nested is not None:
+                        todo.append(nested)
+                continue
+            if is_global_rng(value):
+                found.setdefault(GLOBAL_PREFIX + name, (env, name))
+            elif isinstance(value, types.ModuleType):
+                space = getattr(value, "__dict__", {})
+                for attr in names:
+                    if attr != name and is_global_rng(space.get(attr)):
+                        found.setdefault(f"{GLOBAL_PREFIX}{name}.{attr}", (space, attr))
+            elif isinstance(value, types.FunctionType) and own(value):
+                nested = code_of(value)
+                if nested is not None:
+                    todo.append(nested)
+    return tuple((part, space, name) for part, (space, name) in found.items())
+
+
+def _state_key(value: Any) -> Any:
+    """A hashable key of a numpy bit generator's state dict (its arrays by hash)."""
+    if isinstance(value, dict):
+        return tuple((k, _state_key(v)) for k, v in value.items())
+    if isinstance(value, np.ndarray):
+        return (str(value.dtype), xxhash.xxh3_64_intdigest(np.ascontiguousarray(value).data))
+    return value
+
+
+def global_rng_kind(obj: Any) -> str | None:
+    """The kind a generator object's state document names ("numpy.random.Generator"), or None for an
+    object whose state cannot be read."""
+    if isinstance(obj, torch.Generator):
+        return "torch.Generator"
+    if isinstance(obj, np.random.Generator):
+        return "numpy.random.Generator"
+    if isinstance(obj, np.random.RandomState):
+        return "numpy.random.RandomState"
+    if isinstance(obj, np.random.BitGenerator):
+        return "numpy.random.BitGenerator"
+    if isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom):
+        return "random.Random"
+    return None
+
+
+def read_global_rng(obj: Any) -> tuple[Any, Any] | None:
+    """(cheap key, state) of a generator object (see ``decode_rng_part`` for the state), or None for
+    an object that is not one whose state can be read (``random.SystemRandom`` has none). Reads only."""
+    kind = global_rng_kind(obj)
+    if kind == "torch.Generator":
+        state = obj.get_state()
+        return (kind, xxhash.xxh3_64_intdigest(state.numpy().data)), (kind, str(obj.device), state)
+    if kind == "random.Random":
+        state = obj.getstate()
+        return (kind, hash(state)), (kind, None, state)
+    if kind is None:
+        return None
+    state = (obj.bit_generator.state if kind == "numpy.random.Generator" else
+             obj.get_state(legacy=False) if kind == "numpy.random.RandomState" else obj.state)
+    return (kind, _state_key(state)), (kind, None, state)
+
+
+def global_rng_parts(found: tuple[tuple[str, dict[str, Any], str], ...]) -> dict[str, tuple[Any, Any]]:
+    """The states of the generator objects ``find_global_rngs`` found, as ``rng_parts`` gives them."""
+    parts = {}
+    for part, space, name in found:
+        read = read_global_rng(space.get(name))
+        if read is not None:
+            parts[part] = read
+    return parts
+
+
+def set_global_rng(obj: Any, state: Any) -> bool:
+    """Give a generator object a decoded state of its own kind; False (nothing set) where it is not
+    of that kind now, or the state does not fit it."""
+    kind, _, value = state
+    if value is None or global_rng_kind(obj) != kind:
+        return False
+    try:
+        if kind == "torch.Generator":
+            obj.set_state(value)
+        elif kind == "numpy.random.Generator":
+            obj.bit_generator.state = value
+        elif kind == "numpy.random.RandomState":
+            obj.set_state(value)
+        elif kind == "numpy.random.BitGenerator":
+            obj.state = value
+        else:
+            obj.setstate(value)
+    except (TypeError, ValueError, RuntimeError):  # another bit generator, another size of state
+        return False
+    return True
+
+
+@contextmanager
+def applied_global_rngs(wanted: list[tuple[Any, Any]]) -> Iterator[None]:
+    """Run a block with generator objects set to states ([(object, decoded state or None)]; None:
+    left as it is), then give every one of them back the state it had."""
+    saved = []
+    try:
+        for obj, state in wanted:
+            now = read_global_rng(obj)
+            if now is None:
+                continue
+            saved.append((obj, now[1]))
+            if state is not None:
+                set_global_rng(obj, state)
+        yield
+    finally:
+        for obj, state in reversed(saved):
+            set_global_rng(obj, state)
+
+
 def encode_rng_part(name: str, state: Any) -> dict[str, Any]:
     """JSON form of one generator's state."""
     if name == "numpy":
@@ -162,7 +345,24 @@ def encode_rng_part(name: str, state: Any) -> dict[str, Any]:
         version, internal, gauss_next = state
         return {"version": version, "state": _b64(np.asarray(internal, dtype="<u4").tobytes()),
                 "gauss_next": gauss_next}
+    if name.startswith(GLOBAL_PREFIX):
+        return _encode_global(state)
     return {"bytes": _b64(state.numpy().tobytes())}  # torch and cuda:N: uint8 state tensors
+
+
+def _encode_global(state: Any) -> dict[str, Any]:
+    """A generator object's state document. Each kind keeps its state in ``bytes`` (a reader of 1.14,
+    which takes a part it does not know for a torch state, reads and ignores it): torch's state
+    tensor, Python's 625 words, numpy's bit generator state dict as JSON (integers exact, arrays as
+    ``$ndarray``)."""
+    kind, device, value = state
+    if kind == "torch.Generator":
+        return {"kind": kind, "device": device, "bytes": _b64(value.numpy().tobytes())}
+    if kind == "random.Random":
+        version, internal, gauss_next = value
+        return {"kind": kind, "version": version, "bytes": _b64(np.asarray(internal, dtype="<u4").tobytes()),
+                "gauss_next": gauss_next}
+    return {"kind": kind, "bytes": _b64(jsonval.dumps(jsonval.encode(value)))}
 
 
 def decode_rng_part(name: str, doc: dict[str, Any]) -> Any:
@@ -172,7 +372,25 @@ def decode_rng_part(name: str, doc: dict[str, Any]) -> Any:
     if name == "python":
         internal = tuple(int(v) for v in np.frombuffer(base64.b64decode(doc["state"]), dtype="<u4"))
         return (doc["version"], internal, doc["gauss_next"])
+    if name.startswith(GLOBAL_PREFIX):
+        return _decode_global(doc)
     return torch.frombuffer(bytearray(base64.b64decode(doc["bytes"])), dtype=torch.uint8)
+
+
+def _decode_global(doc: dict[str, Any]) -> tuple[str, str | None, Any]:
+    """(kind, device, state) of a generator object's document; a kind this version does not know:
+    its state None (the replay leaves that generator as it is, and says so)."""
+    kind, raw = doc["kind"], base64.b64decode(doc["bytes"])
+    if kind == "torch.Generator":
+        return kind, str(doc["device"]), torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if kind == "random.Random":
+        return kind, None, (doc["version"], tuple(int(v) for v in np.frombuffer(raw, dtype="<u4")), doc["gauss_next"])
+    if kind in ("numpy.random.Generator", "numpy.random.RandomState", "numpy.random.BitGenerator"):
+        state = jsonval.decode(jsonval.loads(raw))
+        if not isinstance(state, dict):
+            raise ValueError(f"a {kind} state is a dict, not {type(state).__name__}")
+        return kind, None, state
+    return str(kind), None, None
 
 
 def _b64(data: bytes) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from recorder import snapshot
 from recorder.errors import PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
@@ -1313,11 +1314,14 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
     torch_ones = [k for k in generators if k.startswith(("torch", "cuda"))]
     if torch_ones:
         reasons.append(f"its RNG state at entry differs ({', '.join(torch_ones)})")
+    own = [k.removeprefix(snapshot.GLOBAL_PREFIX) for k in generators if k.startswith(snapshot.GLOBAL_PREFIX)]
+    if own:  # (found in its code: it draws from them)
+        reasons.append(f"the state of the module-level RNG {', '.join(own)} its code draws from differs at entry")
     why = "; ".join(reasons) or ("nothing recorded explains it: inputs that differ in a way their statistics do not "
                                  "show, or nondeterministic kernels" if by_stats
                                  else "nothing recorded explains it (nondeterministic kernels, or something the step "
                                  "reads besides its inputs: a global, an environment variable?)")
-    others = [k for k in generators if k not in torch_ones]
+    others = [k for k in generators if k not in torch_ones and not k.startswith(snapshot.GLOBAL_PREFIX)]
     if others and not reasons:
         why += f"; its {' and '.join(others)} RNG states differ too, which matters only if it draws from them"
     return f"{same} and parameters, but {results}: {why}"

@@ -464,6 +464,13 @@ class Replayer:
                 result.warnings.append(self._repository)
             else:
                 result.warnings += _files_changed_since(self.rec.run_info, call, self.loader.script)
+        if call.unread_rngs:  # what it drew is not what the recorded call drew: that, not its constants
+            several = len(call.unread_rngs) > 1
+            result.warnings.append(
+                f"the step draws from the module-level RNG{'s' if several else ''} {', '.join(call.unread_rngs)}, "
+                f"whose state{'s' if several else ''} the recording does not hold: the replay drew from "
+                f"{'their' if several else 'its'} state now (a likely cause of the difference; {self._unread_why()})")
+            return
         names = _data_globals(call.fn)
         if names:
             result.warnings.append(f"the step's code reads the module-level {', '.join(names)}, whose values are not "
@@ -566,8 +573,46 @@ class Replayer:
         drift = self.loader.drift(defn, target)
         if drift:
             warnings.append(drift)
+        rngs, unread = self._global_rngs(step, target if module_doc is not None else getattr(target, "__wrapped__",
+                                                                                             target), warnings)
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)),
-                     built.unrecorded if module_doc is not None else [])
+                     built.unrecorded if module_doc is not None else [], rngs, unread)
+
+    def _unread_why(self) -> str:
+        """Why a generator object's state is not in the recording, and what to do."""
+        if layout.parse_version(self.rec.reader.schema_version) < (1, 15):
+            return (f"this recording is of schema {self.rec.reader.schema_version}, which holds no generator object's "
+                    "state: record it again to replay such a step")
+        return "a recording holds the states of torch, numpy and random generators only: draw from one of those"
+
+    def _global_rngs(self, step: Step, target: Any, warnings: list[str]) -> tuple[list[tuple[Any, Any]], list[str]]:
+        """The generator objects the loaded code of ``step`` reads as module-level globals, each with
+        the state the recording holds for it (None: left as it is: a ``seed`` intervention, or a state
+        not recorded), and what names those whose state was not recorded, for the warning of a mismatch."""
+        try:
+            found = snapshot.find_global_rngs(target)
+        except Exception:  # noqa: BLE001 - code of an unusual kind: the recording found none in it either
+            return [], []
+        recorded = step.rng if found else {}
+        rngs, unread = [], []
+        for part, space, name in found:
+            obj = space.get(name)
+            state = recorded.get(part)
+            what = f"{part.removeprefix(snapshot.GLOBAL_PREFIX)} ({snapshot.rng_kind(obj)})"
+            if state is None:
+                unread.append(what)
+            elif state[2] is None:
+                warnings.append(f"the recorded state of the module-level RNG {what} is of a kind ({state[0]}) this "
+                                "PaperDebugger cannot set; the replay drew from its state now (upgrade paperdebugger)")
+                unread.append(what)
+                state = None
+            elif snapshot.global_rng_kind(obj) != state[0]:
+                warnings.append(f"the module-level RNG {what} is not the kind of generator recorded ({state[0]}); "
+                                "the replay drew from its state now")
+                unread.append(what)
+                state = None
+            rngs.append((obj, None if self.plan.seed is not None else state))
+        return rngs, unread
 
     def _other_call(self, step: Step, fwd: Step, other: Step, other_fwd: Step, call: _Call, threads: int | None
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -578,7 +623,7 @@ class Replayer:
                 state.per_call(other_fwd.settings, grad=True):
             try:
                 out = tensors_by_name(_Call(other_fwd, call.module, call.module, sib.args, sib.kwargs, sib.leaves,
-                                            sib.vmap).run(), "output")
+                                            sib.vmap, rngs=sib.rngs).run(), "output")
             except Exception as exc:  # noqa: BLE001 - as for the step's own forward
                 raise ReplayError(f"backward step {step.index}: rerunning the forward of step {other_fwd.index}, "
                                   f"another call of {fwd.module_path or fwd.name} in this pass, raised "
@@ -1033,7 +1078,8 @@ def _data_globals(fn: Any) -> list[str]:
         names += [i.argval for i in dis.get_instructions(here) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
         todo += [c for c in here.co_consts if isinstance(c, types.CodeType)]
     return [f"{n} ({type(env[n]).__name__})" for n in dict.fromkeys(names)
-            if isinstance(n, str) and n in env and isinstance(env[n], _DATA) and not n.startswith("__")][:5]
+            if isinstance(n, str) and n in env and isinstance(env[n], _DATA) and not n.startswith("__")
+            and not snapshot.is_global_rng(env[n])][:5]
 
 
 def _grads_by_backward(pairs: list[tuple[torch.Tensor, torch.Tensor]], targets: list[torch.Tensor],
@@ -1073,12 +1119,17 @@ class _Call:
     leaves: dict[str, torch.Tensor]
     vmap: tuple[tuple[int | None, ...], Any] | None = None  # in_dims, out_dims (see _vmap_dims)
     unrecorded: list[str] = field(default_factory=list)  # attributes the module's constructor made (Rebuilt)
+    # module-level generator objects its code reads, with their recorded states (Replayer._global_rngs)
+    rngs: list[tuple[Any, Any]] = field(default_factory=list)
+    unread_rngs: list[str] = field(default_factory=list)  # those whose state the recording does not hold
 
     def run(self) -> Any:
-        if self.vmap is None:
-            return self.fn(*self.args, **self.kwargs)
-        in_dims, out_dims = self.vmap
-        return torch.func.vmap(lambda *a: self.fn(*a, **self.kwargs), in_dims=in_dims, out_dims=out_dims)(*self.args)
+        with snapshot.applied_global_rngs(self.rngs):  # (given back as they were: a notebook's own generators)
+            if self.vmap is None:
+                return self.fn(*self.args, **self.kwargs)
+            in_dims, out_dims = self.vmap
+            return torch.func.vmap(lambda *a: self.fn(*a, **self.kwargs), in_dims=in_dims,
+                                   out_dims=out_dims)(*self.args)
 
 
 _VMAPPABLE = re.compile(r"args\.\d+|output(\.\d+)?")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import random
 
 import numpy as np
@@ -124,3 +126,52 @@ def test_rng_reader_reads_the_public_way_where_the_words_are_not_found(monkeypat
     parts = reader.parts()
     assert _same_numpy_state(parts["numpy"][1], np.random.get_state())
     assert parts["python"][1] == random.getstate()
+
+
+def _draw(obj, n: int) -> list:
+    """n numbers from a generator object of any kind: a Gaussian (numpy caches half a pair) and a
+    32-bit integer (a 64-bit bit generator keeps the other half) for numpy's."""
+    if isinstance(obj, random.Random):
+        return [obj.random() for _ in range(n)]
+    if isinstance(obj, torch.Generator):
+        return torch.randn(n, generator=obj).tolist()
+    if isinstance(obj, np.random.BitGenerator):
+        return obj.random_raw(n).tolist()
+    ints = obj.randint(0, 2**31, n) if isinstance(obj, np.random.RandomState) else obj.integers(0, 2**31, n, np.uint32)
+    return [*obj.standard_normal(n).tolist(), *ints.tolist()]
+
+
+def test_generator_objects_round_trip_and_an_older_reader_reads_their_documents():
+    """The state of each generator object a step can read (torch, numpy's Generator over each bit
+    generator, RandomState, a bit generator alone, random.Random) survives its JSON document exactly;
+    each document holds its state in ``bytes``, which a 1.14 reader decodes as it does any part it does
+    not know (a torch state) and ignores, instead of calling the recording damaged."""
+    objects = [torch.Generator().manual_seed(3), np.random.default_rng(4), np.random.Generator(np.random.MT19937(5)),
+               np.random.Generator(np.random.Philox(6)), np.random.Generator(np.random.SFC64(7)),
+               np.random.RandomState(8), np.random.PCG64DXSM(9), random.Random(10)]
+    for obj in objects:
+        for draws in (0, 3):
+            _draw(obj, draws)
+            key, state = snapshot.read_global_rng(obj)
+            doc = json.loads(json.dumps({"rng": "global:G", **snapshot.encode_rng_part("global:G", state)}))
+            back = snapshot.decode_rng_part("global:G", doc)
+            expected = _draw(obj, 5)
+            assert snapshot.set_global_rng(obj, back)
+            assert snapshot.read_global_rng(obj)[0] == key
+            assert _draw(obj, 5) == expected, type(obj)
+            old = torch.frombuffer(bytearray(base64.b64decode(doc["bytes"])), dtype=torch.uint8)  # 1.14's fallback
+            assert old.numel() > 0
+    assert snapshot.read_global_rng(random.SystemRandom()) is None  # no state to record
+
+
+def test_generator_objects_are_found_through_the_helpers_a_step_calls_and_nowhere_else():
+    """The generator objects a step's code reads are found by name in its module's globals, through
+    the module-level helpers it calls; a step that reads none has none (its calls read no state)."""
+    space = {"torch": torch, "np": np, "RNG": np.random.default_rng(0), "SCALE": 2.0}
+    exec("def plain(x):\n    return torch.relu(x) * SCALE + np.float32(1.0)\n"  # noqa: S102 - a module's code
+         "def helper(x):\n    return x + RNG.random()\n"
+         "def drawing(x):\n    return [helper(v) for v in x]\n", space)
+    assert snapshot.find_global_rngs(space["plain"]) == ()
+    found = snapshot.find_global_rngs(space["drawing"])  # through the comprehension's code and the helper's
+    assert [(part, name) for part, _, name in found] == [("global:RNG", "RNG")]
+    assert set(snapshot.global_rng_parts(found)) == {"global:RNG"}

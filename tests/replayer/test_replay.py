@@ -2944,3 +2944,115 @@ def test_nan_that_differs_is_said_to_differ_not_measured(capsys: pytest.CaptureF
     assert "NaN/Inf positions differ" in table
     finite = compare("output", "output", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
     assert finite.max_ulp == 2 ** 21 and finite.max_abs_diff == 0.5 and finite.reason is None
+
+
+_CFG_SCRIPT = '''"""Classifier-free guidance label dropping that draws from module-level generator objects."""
+import sys
+import numpy as np, torch
+import recorder
+
+NULL, P_UNCOND = 10, 0.5
+RNG = np.random.default_rng(0)
+GEN = torch.Generator().manual_seed(0)
+
+@recorder.paper_step("CFG: drop labels (numpy Generator)")
+def drop_labels_np(y):
+    keep = torch.from_numpy(RNG.random(y.shape[0]) >= P_UNCOND)
+    return torch.where(keep, y, torch.full_like(y, NULL))
+
+@recorder.paper_step("CFG: drop labels (torch Generator)")
+def drop_labels_torch(y):
+    keep = torch.rand(y.shape[0], generator=GEN) >= P_UNCOND
+    return torch.where(keep, y, torch.full_like(y, NULL))
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1]) as run:
+        for it in range(4):
+            y = torch.arange(64) % 10
+            drop_labels_np(y); drop_labels_torch(y)
+            run.next_iteration()
+'''
+
+
+def test_a_step_drawing_from_a_module_level_generator_replays_alone_in_verify_and_in_a_bundle(tmp_path: Path) -> None:
+    """A step that draws from a module-level numpy Generator or torch.Generator (CFG label dropping)
+    replays bit for bit alone (its generator set to the recorded state), so `pdbg verify` no longer
+    depends on replaying the steps in order: a sample agrees with the whole, and a bundle verifies."""
+    (tmp_path / "cfg_drop.py").write_text(_CFG_SCRIPT)
+    made = python("cfg_drop.py", "run.zarr", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    rec = replayer.open(tmp_path / "run.zarr")
+    for name in ("drop_labels_np", "drop_labels_torch"):
+        for it in (2, 0):  # a fresh load of the script each time: its generators start anew
+            res = replayer.replay(rec, f"{name}@iter={it}")
+            assert res.match and res.compared, (name, it, res.warnings)
+            assert bits_equal(res.values["output"], rec.step(f"{name}@iter={it}").tensor("output"))
+    whole = pdbg("verify", "run.zarr", cwd=tmp_path)
+    assert whole.returncode == 0 and "8 of 8 steps replayed bit for bit (100.0%)" in whole.stdout, whole.stdout
+    sample = pdbg("verify", "run.zarr", "--sample", "3", cwd=tmp_path)
+    assert sample.returncode == 0 and "3 of 3 steps replayed bit for bit (100.0%)" in sample.stdout, sample.stdout
+    for i, name in enumerate(("drop_labels_np", "drop_labels_torch")):
+        bundled = pdbg("bundle", "run.zarr", f"{name}@iter=2", "-o", f"b{i}.pdbg", "--verify", cwd=tmp_path)
+        assert bundled.returncode == 0 and "verified: the bundle replays bit for bit" in bundled.stdout, \
+            bundled.stdout + bundled.stderr
+
+
+_CFG_NP = np.random.default_rng(0)
+_CFG_GEN = torch.Generator().manual_seed(0)
+_CFG_LEGACY = np.random.RandomState(1)
+_CFG_PY = random.Random(2)
+_CFG_SYSTEM = random.SystemRandom()
+_P_DROP = 0.5
+
+
+def _cfg_keep(n: int) -> torch.Tensor:
+    """A helper the step calls: what it draws from is found through it."""
+    return torch.from_numpy(_CFG_LEGACY.rand(n) >= _P_DROP) & torch.tensor([_CFG_PY.random() >= _P_DROP
+                                                                            for _ in range(n)])
+
+
+@recorder.paper_step("Eq. 31", description="CFG label dropping from module-level generator objects")
+def cfg_drop_labels(y: torch.Tensor) -> torch.Tensor:
+    keep = torch.from_numpy(_CFG_NP.random(y.shape[0]) >= _P_DROP) & (torch.rand(y.shape[0], generator=_CFG_GEN)
+                                                                      >= _P_DROP) | _cfg_keep(y.shape[0])
+    return torch.where(keep, y, torch.full_like(y, 10))
+
+
+@recorder.paper_step("Eq. 32", description="CFG label dropping from the operating system's randomness")
+def cfg_drop_system(y: torch.Tensor) -> torch.Tensor:
+    keep = torch.tensor([_CFG_SYSTEM.random() >= _P_DROP for _ in range(y.shape[0])])
+    return torch.where(keep, y, torch.full_like(y, 10))
+
+
+def _generator_states() -> tuple[Any, ...]:
+    return (_CFG_NP.bit_generator.state, _CFG_GEN.get_state(), _CFG_LEGACY.get_state(legacy=False), _CFG_PY.getstate())
+
+
+def _same_states(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return (a[0] == b[0] and torch.equal(a[1], b[1]) and np.array_equal(a[2]["state"]["key"], b[2]["state"]["key"])
+            and a[2]["state"]["pos"] == b[2]["state"]["pos"] and a[3] == b[3])
+
+
+def test_a_replay_in_the_recording_process_sets_its_generators_and_gives_them_back(run_path: Path) -> None:
+    """In the process that recorded (a notebook), a replay runs the caller's own code: the module-level
+    generators (numpy Generator and RandomState, torch.Generator, random.Random, read through a helper
+    too) are set to the recorded states for the call and left as the caller had them; a generator whose
+    state cannot be recorded (SystemRandom) is what the mismatch warning names, not the constants."""
+    y = torch.arange(64) % 10
+    with recorder.record(run_path):
+        for _ in range(3):
+            cfg_drop_labels(y)
+        cfg_drop_system(y)
+    rec = replayer.open(run_path)
+    assert {"global:_CFG_NP", "global:_CFG_GEN", "global:_CFG_LEGACY", "global:_CFG_PY"} <= set(rec.step(1).rng)
+    cfg_drop_labels(y)  # the caller's generators move on
+    before = _generator_states()
+    for index in (1, 0, 2):
+        res = replayer.replay(rec, index)
+        assert res.match and bits_equal(res.values["output"], rec.step(index).tensor("output")), res.warnings
+        assert _same_states(_generator_states(), before)
+    res = replayer.replay(rec, 3)
+    assert not res.match
+    drawn = [w for w in res.warnings if "module-level RNG" in w]
+    assert drawn and "_CFG_SYSTEM (random.SystemRandom)" in drawn[0], res.warnings
+    assert not any("_P_DROP" in w for w in res.warnings), res.warnings
