@@ -507,7 +507,9 @@ def check_free(path: Path, dist: dict[str, Any]) -> None:
         raise RecordingError(f"{path} is a file; give the path of a new directory for the recording")
     elif path.exists() and any(path.iterdir()):
         several = multiprocessing.current_process().name != "MainProcess"  # mp.spawn's workers, a Pool's
-        raise RecordingError(f"{path} already exists and is not empty; choose a new path or delete it" + (
+        raise RecordingError(f"{path} already exists and is not empty; choose a new path (a job resumed from a "
+                             "checkpoint: one per attempt, README \"Preempted and resumed runs\"), or delete it if "
+                             "its recording is not needed" + (
             " (processes that record one run together: start recording after init_process_group, so that each "
             "knows its rank and writes its own part of the path)" if several else ""))
 

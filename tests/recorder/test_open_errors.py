@@ -176,8 +176,10 @@ class TestRecordMisuse:
         assert run.status == "complete" and len(RunReader(run_path).rank(0)) == 1
 
     def test_existing_non_empty_directory(self, good_run):
-        """An existing recording is never overwritten."""
-        with pytest.raises(RecordingError, match="already exists"):
+        """An existing recording is never overwritten; the refusal says what a requeued job does instead
+        (deleting the path would lose the segment recorded before the preemption)."""
+        with pytest.raises(RecordingError, match="already exists and is not empty; choose a new path \\(a job resumed "
+                                                 "from a checkpoint: one per attempt"):
             recorder.record(good_run)
         assert len(RunReader(good_run).rank(0)) == 1
 
