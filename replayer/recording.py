@@ -242,7 +242,13 @@ class Recording:
                 iteration = which[which.find("@iter="):at] if "@iter=" in which[:at] else ""
                 return (f"{which[:at]} names {len(names)} steps ({listed}), each counting its own calls (calls "
                         f"{span} here); select one by its name, e.g. {names[0]}{iteration}#0")
-            return f"{which[:at]} has {what}s {span}" if len(values) > 1 else f"{which[:at]} has only {what} {span}"
+            text = f"{which[:at]} has {what}s {span}" if len(values) > 1 else f"{which[:at]} has only {what} {span}"
+            base = re.split(r"[@#:]", which, maxsplit=1)[0]
+            if what == "call" and len(names) == 1 and base != names[0] and int(values[0]) > 0:
+                # (a module path's calls are numbered among its step's: every module of the class, as they ran)
+                text += (f" (calls are counted per step, {names[0]}, across every module of it in the order they "
+                         f"ran: {int(values[0])} ran before {base}'s first call in that iteration)")
+            return text
         return None
 
     # -- decoded documents, once per distinct id ---------------------------------------------------

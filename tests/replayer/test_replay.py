@@ -2110,6 +2110,21 @@ def test_selectors_of_evaluations_sparse_steps_and_the_root(tmp_path: Path) -> N
     assert {s.name for s in rec.steps if s.extra.get("alerts")} == {"Shared"} and root.hits == 20
 
 
+def test_a_path_s_call_numbers_are_said_to_be_counted_among_its_class_s(tmp_path: Path) -> None:
+    """Two Sequential modules recorded by path: `body@iter=0#0` was refused with "body@iter=0 has only call 1"
+    and no word of why (a step's calls are numbered across every module of its class, as they ran)."""
+    model = nn.ModuleDict({"t_mlp": nn.Sequential(nn.Linear(2, 2)), "body": nn.Sequential(nn.Linear(2, 2))})
+    with recorder.record(tmp_path / "run.zarr", model=model, modules=["t_mlp", "body"]):
+        model["body"](model["t_mlp"](torch.ones(1, 2)))
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert rec.step("body@iter=0#1").module_path == "body"
+    with pytest.raises(StepNotFoundError) as raised:
+        rec.step("body@iter=0#0")
+    assert str(raised.value) == ("no step matches 'body@iter=0#0'; body@iter=0 has only call 1 (calls are counted per "
+                                 "step, Sequential, across every module of it in the order they ran: 1 ran before "
+                                 "body's first call in that iteration)"), str(raised.value)
+
+
 def test_a_frozen_layer_s_missing_backward_is_said_to_be_frozen(tmp_path: Path) -> None:
     """A frozen encoder (requires_grad=False) under a trained head has no backward step: asked for it,
     the answer blamed an output "not used for the loss, or detached", a detach bug to look for. Its
