@@ -784,15 +784,6 @@ class Session:
             self._submit(frame)
             raise
 
-    @staticmethod
-    def _global_rngs(defn: Any) -> tuple[tuple[str, dict[str, Any], str], ...]:
-        """The generator objects ``defn``'s code reads as module-level globals (none where its code
-        cannot be looked through: the step is recorded without them, as before)."""
-        try:
-            return snapshot.find_global_rngs(defn.target)
-        except Exception:  # noqa: BLE001 - code of an unusual kind: recorded without them
-            return ()
-
     def _capture_inputs(self, frame: Frame, module: torch.nn.Module | None, args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> tuple[Frame, tuple[Any, ...], dict[str, Any], BackwardLink | None]:
         self.local.busy = True
@@ -800,7 +791,7 @@ class Session:
             frame.rng = self.rng.parts()
             found = frame.defn.rngs
             if found is None:
-                found = frame.defn.rngs = self._global_rngs(frame.defn)
+                found = frame.defn.rngs = snapshot.find_global_rngs(frame.defn.target)
             if found:  # generator objects the step's code reads (a CFG label dropout's own numpy Generator)
                 frame.rng = {**frame.rng, **snapshot.global_rng_parts(found)}
             frame.settings = self._settings()

@@ -186,6 +186,15 @@ def rng_kind(obj: Any) -> str:
 
 
 def find_global_rngs(target: Any) -> tuple[tuple[str, dict[str, Any], str], ...]:
+    """``_find_global_rngs``, never raising: code of an unusual kind is looked through for none (its step
+    is recorded, and replayed, without them)."""
+    try:
+        return _find_global_rngs(target)
+    except Exception:  # noqa: BLE001
+        return ()
+
+
+def _find_global_rngs(target: Any) -> tuple[tuple[str, dict[str, Any], str], ...]:
     """The generator objects a step's code reads as module-level globals, as (part, namespace, name):
     ``part`` names it in the step's RNG document, ``namespace[name]`` is where it is read at each call
     (code may rebind it). Found once per step definition, from names alone (nothing is called):

@@ -120,6 +120,7 @@ class Replayer:
                                  bundled_modules=modules if isinstance(modules, dict) else None)
         self._env: list[str] | None = None
         self._repository: str | None | bool = False  # what of the code's repository changed (False: not asked)
+        self._rng_places: dict[int, tuple[Any, Any]] = {}  # per loaded step code: (it, find_global_rngs of it)
 
     def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True,
                around: Around | None = None, swap: dict[str, Any] | None = None, edit: dict[str, Any] | None = None,
@@ -589,10 +590,10 @@ class Replayer:
         """The generator objects the loaded code of ``step`` reads as module-level globals, each with
         the state the recording holds for it (None: left as it is: a ``seed`` intervention, or a state
         not recorded), and what names those whose state was not recorded, for the warning of a mismatch."""
-        try:
-            found = snapshot.find_global_rngs(target)
-        except Exception:  # noqa: BLE001 - code of an unusual kind: the recording found none in it either
-            return [], []
+        key = id(target)  # (looked through once per loaded definition, kept alive here: verify replays many steps)
+        if key not in self._rng_places:
+            self._rng_places[key] = (target, snapshot.find_global_rngs(target))
+        found = self._rng_places[key][1]
         recorded = step.rng if found else {}
         rngs, unread = [], []
         for part, space, name in found:
@@ -1005,29 +1006,25 @@ def _files_changed_since(run_info: dict[str, Any], call: _Call, script: str | No
     started = run_info.get("started_unix")
     if not isinstance(started, (int, float)):
         return []
-    if call.module is None:  # a function step: its own body is hashed, not the helpers and data of its file
-        fn = inspect.unwrap(getattr(call.fn, "__func__", call.fn))
-        try:
-            file = script if getattr(fn, "__module__", None) == "__main__" else inspect.getsourcefile(fn)
-        except TypeError:
-            return []
-        with contextlib.suppress(OSError):
-            if file is not None and not installed(file) and os.path.getmtime(file) > started:
-                return [f"{file} was modified after the recording began, and the step's function "
-                        f"{getattr(fn, '__qualname__', '?')} is defined there: the helpers and module-level values "
-                        "it uses from that file may not be what ran (a likely cause of any difference)"]
-        return []
+    function = call.module is None  # a function step: its own body is hashed, not the helpers and data of its file
+    defined = ([inspect.unwrap(getattr(call.fn, "__func__", call.fn))] if function else
+               list(dict.fromkeys(type(m) for m in call.module.modules())))
     changed: dict[str, list[str]] = {}
-    for cls in dict.fromkeys(type(m) for m in call.module.modules()):
+    for obj in defined:
+        name = getattr(obj, "__qualname__", "?")
         try:
-            file = script if cls.__module__ == "__main__" else inspect.getsourcefile(cls)
+            file = script if getattr(obj, "__module__", None) == "__main__" else inspect.getsourcefile(obj)
         except (TypeError, OSError):
             continue
-        if file is None or installed(file) or file in changed and cls.__qualname__ in changed[file]:
+        if file is None or installed(file) or name in changed.get(file, ()):
             continue
         with contextlib.suppress(OSError):
             if os.path.getmtime(file) > started:
-                changed.setdefault(file, []).append(cls.__qualname__)
+                changed.setdefault(file, []).append(name)
+    if function:
+        return [f"{file} was modified after the recording began, and the step's function {names[0]} is defined "
+                "there: the helpers and module-level values it uses from that file may not be what ran (a likely "
+                "cause of any difference)" for file, names in changed.items()]
     return [f"{file} was modified after the recording began, and the step's module uses {', '.join(names)} from it: "
             "its code may not be what ran (a likely cause of any difference)" for file, names in changed.items()]
 
