@@ -132,6 +132,49 @@ class ScalerSkip:
             doc["scales"].append(self.scale)
 
 
+OBJECTS_KEY = "module_objects"  # in the run's final attributes and its manifest's info (docs/FORMAT.md, 1.16)
+OBJECTS_LISTED = 256  # module objects listed per place; past that, only counted
+
+
+class ModuleObjects:
+    """The writer's account of the module objects each step ran as (the skeleton's ``instance``), so
+    that readers can say which object ran a call where several ran as one step at one module path (a
+    student and its EMA teacher, deep copies of one class). Only such places are listed in the run's
+    ``info`` (``{"name", "module_path", "instances", "count"}``, committed with each manifest): a
+    reader then tells one step's object from its own documents, without reading a column whole."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()  # module document ids already accounted for
+        self._places: dict[tuple[str, str], dict[str, Any]] = {}  # (step name, module path) -> its entry
+        self._last: dict[tuple[str, str], int] = {}  # the highest instance seen there
+
+    def note(self, info: dict, module_doc_id: int, docs: dict[str, Any]) -> None:
+        """Account for a step's module document (a few per module object: once each)."""
+        if module_doc_id in self._seen:
+            return
+        self._seen.add(module_doc_id)
+        module = docs.get("module")
+        instance = module.get("instance") if isinstance(module, dict) else None
+        if not isinstance(instance, int):
+            return
+        place = (str(docs.get("name")), str(docs.get("module_path") or ""))
+        entry = self._places.get(place)
+        if entry is None:
+            self._places[place] = {"name": place[0], "module_path": place[1], "instances": [instance], "count": 1}
+            self._last[place] = instance
+            return
+        # Instances are numbered in the order first called: one above the highest seen is a new object (past
+        # the listed ones, an object's other documents, a later state of its skeleton, are not counted again)
+        if instance in entry["instances"] or instance <= self._last[place] and entry["count"] > OBJECTS_LISTED:
+            return
+        self._last[place] = max(self._last[place], instance)
+        entry["count"] += 1
+        if len(entry["instances"]) < OBJECTS_LISTED:
+            entry["instances"].append(instance)
+        if entry["count"] == 2:
+            info.setdefault(OBJECTS_KEY, []).append(entry)  # the same dict: the listing follows it as it grows
+
+
 ALIGN = 64  # bytes: torch's CPU allocator's alignment
 ALIGNED_FROM = 16 << 10  # bytes: from this size the statistics kernel's copy uses nontemporal stores (recorder.kernels)
 

@@ -36,7 +36,7 @@ import torch
 
 from . import jsonval, snapshot
 from . import payload as payload_mod
-from .items import ForgetIterations, PayloadItem, RingWritten, ScalerSkip, StagingPool, StepItem
+from .items import ForgetIterations, ModuleObjects, PayloadItem, RingWritten, ScalerSkip, StagingPool, StepItem
 from .store import backend, layout
 from .store.writer import StoreWriter
 
@@ -98,6 +98,7 @@ class Pipeline:
         self._uncommitted_rows: list[int] = []
         self._uncommitted_buffers: list[Any] = []
         self._rng_docs: dict[tuple[str, Any], int] = {}
+        self._objects = ModuleObjects()  # several module objects run as one step: the run's info lists them
         self._rng_sets: dict[tuple[tuple[str, int], ...], int] = {}  # {part: doc id} documents by content
         self.peak_queue_bytes = 0  # payload bytes, at most max_queue_bytes (or one larger payload alone)
         self.peak_record_bytes = 0
@@ -452,6 +453,8 @@ class Pipeline:
             else:  # definitions, module documents and unchanged settings are the same objects each step
                 row[col] = w.doc_of(value) if col in ("definition", "module", "settings") else w.doc(value)
         row["rng"] = self._rng_doc(item.rng) if item.rng else layout.NO_REF
+        if row.get("module", layout.NO_REF) != layout.NO_REF:
+            self._objects.note(w.info, row["module"], item.docs)
         nonfinite = False
         watched: dict[str, tuple[float, ...]] = {}
         cols: dict[str, list[Any]] = {name: [] for name in layout.TENSOR_COLUMNS if name not in ("step", "dims_start")}

@@ -97,10 +97,11 @@ def subtree(rec: Recording, index: int) -> list[int]:
 
 
 def describe(step: Step) -> str:
-    """A step in paper terms: "Algorithm 1, step 5 · MultiScaleFusion · forward · iteration 17 · call 3"."""
+    """A step in paper terms: "Algorithm 1, step 5 · MultiScaleFusion · forward · iteration 17 · call 3" (and
+    "object 2 of 2" after the module path where several module objects ran as the step: Step.module_object)."""
     ref = paper_reference(step.paper)
-    parts = [p for p in (ref, step.name, step.module_path, step.phase_text, f"iteration {step.iteration}",
-                         f"call {step.call}") if p]
+    parts = [p for p in (ref, step.name, step.module_path, step.object_text, step.phase_text,
+                         f"iteration {step.iteration}", f"call {step.call}") if p]
     return f"step {step.index}: " + " · ".join(parts)
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from recorder import jsonval
 from recorder.annotate import source_lines
 from recorder.errors import NotOnThisMachine, PdbgError
+from recorder.items import OBJECTS_KEY
 from recorder.store import backend, codecs, layout
 from recorder.store.writer import StoreWriter
 
@@ -444,7 +445,8 @@ def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], m
         row["tensor_start"] = writer.tensors_of_step(new[old], columns, dims)
         row["tensor_count"] = len(step.records)
         writer.step(new[old], row)
-    writer.close("complete", {"bundle": True})
+    objects = rec.rank.final.get(OBJECTS_KEY, rec.rank.committed_info.get(OBJECTS_KEY))  # (which object ran a step)
+    writer.close("complete", {"bundle": True, **({OBJECTS_KEY: objects} if objects else {})})
     return new[main.index]
 
 

@@ -207,6 +207,7 @@ def step(s: Step) -> str:
             ("description", paper.get("description")), ("algorithm", paper.get("algorithm")),
             ("name", s.name), ("phase", s.phase), ("iteration", s.iteration), ("call", s.call),
             ("module path", code(s.module_path) if s.module_path else muted("(the outermost module, or none)")),
+            ("module object", s.object_text or None),  # only where several ran as the step (an EMA copy)
             ("status", badge(s.status)), ("time", f"{s.duration * 1e3:.3f} ms"),
             ("inside step", s.parent), ("forward call", s.forward), ("code", where),
             ("exception", _exception(extra.get("exception")))]
@@ -239,7 +240,8 @@ def step_table(t: StepTable) -> str:
     """The first ROWS steps, one row each, read step by step (a table of millions reads 20 rows)."""
     shown = [t[i] for i in range(min(ROWS, len(t)))]
     rows = [[s.index, s.iteration, s.phase, s.call, badge(s.status), paper_reference(s.paper), code(s.name),
-             code(s.module_path) if s.module_path else "", f"{s.duration * 1e3:.2f}"] for s in shown]
+             join([code(s.module_path) if s.module_path else "", f" ({s.object_text})" if s.object_text else ""]),
+             f"{s.duration * 1e3:.2f}"] for s in shown]
     body = table(("index", "iteration", "phase", "call", "status", "paper", "name", "module path", "ms"), rows,
                  numeric=(0, 1, 3, 8), more=len(t) - len(shown), what="steps")
     return block(f"{len(t):,} steps", body, hint("table[i]", "table[20:40]", 'table.filter(status="nonfinite")',

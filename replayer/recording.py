@@ -27,6 +27,7 @@ import torch
 
 from recorder import snapshot
 from recorder.errors import FormatError, PdbgError, RecordingError, StepNotFoundError
+from recorder.items import OBJECTS_KEY
 from recorder.monitors import parse_selector
 from recorder.store import backend, layout
 from recorder.store.reader import RankReader, RunReader, TensorRecord
@@ -275,6 +276,38 @@ class Recording:
         return np.array([paper_of(d) for d in defs], dtype=object)
 
     @cached_property
+    def _object_places(self) -> dict[tuple[str, str], tuple[list[int], int]]:
+        """Where several module objects ran as one step (a student and its EMA teacher, deep copies of
+        one class: the same step name and module path): ``{(name, module path): (their instances in
+        the order first called, how many)}``, from the run's ``module_objects`` (1.16; written as the
+        run goes, so a run that never closed has them too). Empty for an older recording."""
+        found = self.rank.final.get(OBJECTS_KEY, self.rank.committed_info.get(OBJECTS_KEY))
+        places: dict[tuple[str, str], tuple[list[int], int]] = {}
+        for entry in found if isinstance(found, list) else []:
+            if not isinstance(entry, dict) or not isinstance(entry.get("instances"), list):
+                continue  # (a damaged entry: that place is not told apart, the others are)
+            instances = [i for i in entry["instances"] if isinstance(i, int) and not isinstance(i, bool)]
+            count = entry.get("count")
+            count = count if isinstance(count, int) and count >= len(instances) else len(instances)
+            if count > 1:
+                places[(str(entry.get("name")), str(entry.get("module_path") or ""))] = (instances, count)
+        return places
+
+    @cached_property
+    def _object_numbers(self) -> np.ndarray:
+        """Per step, ``k`` of ``Step.module_object`` (0 where one module object ran as the step, or the
+        object is past the listed ones): the module column, and one document per distinct module document."""
+        if not self._object_places or not len(self):
+            return np.zeros(len(self), dtype=np.int64)
+        number = {i: k for instances, _ in self._object_places.values() for k, i in enumerate(instances, 1)}
+        col = np.asarray(self.rank.column("steps/module"), dtype=np.int64)
+        numbers = np.zeros(int(col.max()) + 2, dtype=np.int64)  # the last: -1, no module document
+        for doc_id in np.unique(col[col >= 0]):
+            doc = self.rank.doc(int(doc_id))
+            numbers[doc_id] = number.get(doc.get("instance"), 0) if isinstance(doc, dict) else 0
+        return numbers[col]
+
+    @cached_property
     def _modules(self) -> np.ndarray:
         """Per step: whether it is a module's (its definition's kind), not a function's."""
         return np.array([isinstance(d, dict) and d.get("kind") == "module" for d in self._decode("definition")],
@@ -425,9 +458,10 @@ class StepTable:
 
     def filter(self, *, name: str | None = None, label: str | None = None, phase: str | None = None,
                iteration: int | None = None, call: int | None = None, status: str | None = None,
-               module_path: str | None = None) -> StepTable:
+               module_path: str | None = None, object: int | None = None) -> StepTable:
         """The steps matching every given field (``phase`` "forward"/"backward", ``status`` as in
-        docs/FORMAT.md: ok, alert, nonfinite, exception)."""
+        docs/FORMAT.md: ok, alert, nonfinite, exception; ``object`` k: the calls of the k-th module
+        object of the steps several module objects ran as, ``Step.module_object``)."""
         mask = np.ones(len(self.rows), dtype=bool)
         for col, value in (("name", name), ("label", label), ("module_path", module_path)):
             if value is not None:
@@ -439,6 +473,8 @@ class StepTable:
         for col, value in (("iteration", iteration), ("call", call)):
             if value is not None:
                 mask &= self.column(col) == value
+        if object is not None:
+            mask &= self.rec._object_numbers[self.rows] == object
         return StepTable(self.rec, self.rows[mask])
 
     def select(self, selector: str) -> StepTable:
@@ -582,6 +618,36 @@ class Step:
     @property
     def module_path(self) -> str:
         return str(self._decoded("_paths", "module_path"))
+
+    @property
+    def module_object(self) -> tuple[int, int] | None:
+        """Where several module objects ran as this step (a student and its EMA teacher: one class, one
+        step name and module path), which of them ran this call and how many there were: ``(k, n)``,
+        k from 1 in the order they were first called (0: one past the first 256, not numbered); None
+        where one object ran as this step, for a function step, and in recordings older than 1.16."""
+        places = self.rec._object_places
+        if not places:
+            return None
+        found = places.get((self.name, self.module_path))
+        module = self._doc("module") if found else None
+        if found is None or not isinstance(module, dict):
+            return None
+        instances, count = found
+        instance = module.get("instance")
+        return (instances.index(instance) + 1 if instance in instances else 0), count
+
+    @property
+    def object_text(self) -> str:
+        """ "object 2 of 2" where several module objects ran as this step (``module_object``), else ""."""
+        found = self.module_object
+        return "" if not found else f"object {found[0]} of {found[1]}" if found[0] else f"one of {found[1]} objects"
+
+    @property
+    def where(self) -> str:
+        """Where the step ran, as a listing appends it to its name: " at h.1", " at h.1 (object 2 of 2)",
+        " (object 2 of 2)" or ""."""
+        obj = self.object_text
+        return (f" at {self.module_path}" if self.module_path else "") + (f" ({obj})" if obj else "")
 
     @property
     def status(self) -> str:
@@ -729,15 +795,18 @@ class Step:
 
     def to_json(self) -> dict[str, Any]:
         """The step object of the JSON output (README, "Command line")."""
+        found = self.module_object
         return {"index": self.index, "rank": self.rec.rank.rank, "name": self.name, "phase": self.phase,
                 "iteration": self.iteration, "call": self.call, "module_path": self.module_path,
-                "paper": self.paper, "status": self.status, "grad_enabled": self.grad_enabled}
+                "paper": self.paper, "status": self.status, "grad_enabled": self.grad_enabled,
+                "object": None if found is None else found[0], "objects": None if found is None else found[1]}
 
     def __repr__(self) -> str:
         ref = paper_reference(self.paper)
         who = f"{ref} ({self.name})" if ref else self.name
         where = f" at {self.module_path}" if self.module_path else ""
-        return printable(f"<Step {self.index}: {who}{where} {self.phase_text}, iteration {self.iteration}, call "
+        obj = f", {self.object_text}," if self.object_text else ""
+        return printable(f"<Step {self.index}: {who}{where}{obj} {self.phase_text}, iteration {self.iteration}, call "
                          f"{self.call}, {self.status}>")
 
     def _repr_html_(self) -> str:

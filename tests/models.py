@@ -1,10 +1,12 @@
 """Small models used across the tests: a transformer with two decorated classes and one decorated
-function, trained with dropout."""
+function, trained with dropout; a student and its EMA teacher of one class."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -139,3 +141,38 @@ def poison_at(iteration: int) -> Callable[[int, nn.Module], None]:
                 model.h[1].ln1.weight[0] = float("nan")
 
     return before
+
+
+@recorder.paper_step("Eq. 3", description="projection head, run by the student and its EMA teacher")
+class ProjectionHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.logsumexp(self.fc(x), -1, keepdim=True) * self.fc(x).exp()
+
+
+def record_ema(path: Path, blow_up: int, iterations: int = 5) -> Path:
+    """Record a student ProjectionHead trained towards its EMA teacher (a deepcopy, called first each
+    iteration, under no_grad); the teacher's weights blow up (x 1e30) after iteration ``blow_up``'s update,
+    so that its next call's exp overflows: one step name and module path, two module objects."""
+    torch.manual_seed(0)
+    student = ProjectionHead()
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    with recorder.record(path, model=student, optimizer=opt, mode="full"):
+        for it in range(iterations):
+            x = torch.randn(4, 8)
+            with torch.no_grad():
+                target = teacher(x)
+            loss = (student(x) - target).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for t, s in zip(teacher.parameters(), student.parameters()):
+                    t.mul_(0.9).add_(s, alpha=0.1)
+                    if it == blow_up:
+                        t.mul_(1e30)
+    return path

@@ -126,8 +126,9 @@ def bisect(args: argparse.Namespace) -> int:
     if op_note:  # why no operation is named, or that the code named is not the recorded code
         print(op_note)
     if origin.spread:
-        print("then: " + "; ".join(f"step {s.index} {s.name}{f' at {s.module_path}' if s.module_path else ''} "
-                                   f"({s.phase}, iteration {s.iteration})" for s in origin.spread))
+        print("then: " + "; ".join(f"step {s.index} {s.name}{f' at {s.module_path}' if s.module_path else ''} ("
+                                   + ", ".join(p for p in (s.object_text, s.phase, f"iteration {s.iteration}") if p)
+                                   + ")" for s in origin.spread))
     return 1
 
 

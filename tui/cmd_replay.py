@@ -121,6 +121,7 @@ def summary(rec: Any) -> dict[str, Any]:
         from .views import inside_another_of
 
         parent = table.column("parent")
+        objects = rec._object_numbers
         for (name, _), start, mask in rec.paper_steps():
             outer = mask & ~inside_another_of(mask, parent)  # a recursion's time once, not once per level
             time = float((t1[outer] - t0[outer]).sum())
@@ -129,6 +130,8 @@ def summary(rec: Any) -> dict[str, Any]:
                                                              ("label", "algorithm", "step", "equation", "description")},
                                 "forward_calls": int((mask & (phase == 0)).sum()),
                                 "backward_calls": int((mask & (phase == 1)).sum()),
+                                # several module objects at one module path: a model and its EMA copy
+                                "objects": max(1, len(np.unique(objects[mask & (objects > 0)]))),
                                 "time_share": time / total_time if total_time > 0 else None})
     from replayer import first_nonfinite
     from replayer.bisect import with_alerts
@@ -298,6 +301,11 @@ def info(args: argparse.Namespace) -> int:
                   f"{p['forward_calls']:>7} {p['backward_calls']:>8}  {share}")
         print("  (time: the share of the iterations' wall time spent in the step, inner steps included, a "
               "recursion once)")
+        for p in doc["paper_steps"]:
+            if p["objects"] > 1:
+                print(f"  {p['name']}: {p['objects']} module objects at one module path (a model and its copy, such "
+                      "as an EMA teacher);\n    each step says which (\"object 1 of 2\"); the TUI's filter object:K "
+                      "shows one's calls")
     print(f"\nalerts: {doc['alerts']}   exceptions: {doc['exceptions']}")
     if doc["alerts"]:  # what they say (the first few; the TUI's a lists them all)
         from replayer.bisect import with_alerts
@@ -368,7 +376,8 @@ def info(args: argparse.Namespace) -> int:
 
 
 def _step_text(step: dict[str, Any]) -> str:
-    where = f" at {step['module_path']}" if step["module_path"] else ""
+    where = (f" at {step['module_path']}" if step["module_path"] else "") + (
+        f", object {step['object']} of {step['objects']}" if step.get("object") else "")
     from replayer.recording import paper_reference
 
     ref = paper_reference(step["paper"])
@@ -471,7 +480,8 @@ def replay(args: argparse.Namespace) -> int:
         if not result.match:
             for s in result.inner:
                 if not s.match:
-                    print(f"  step {s.step.index} {s.step.name} at {s.step.module_path or '.'} ({s.step.phase}): "
+                    obj = f"{s.step.object_text}, " if s.step.object_text else ""
+                    print(f"  step {s.step.index} {s.step.name} at {s.step.module_path or '.'} ({obj}{s.step.phase}): "
                           f"{s.change}" + _nonfinite_change(s))
     for w in result.warnings:
         print(f"warning: {w}")

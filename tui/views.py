@@ -209,6 +209,9 @@ class TimelineModel:
         status = layout.STATUSES[int(cols["status"].at(index))]
         phase = int(cols["phase"].at(index))
         name, label, path = self.text_of(index)
+        if self.rec._object_places:  # several module objects ran as a step (a model and its EMA copy): which one
+            obj = self.rec.step(index).object_text
+            path = f"{path} ({obj})" if path and obj else obj or path
         duration = float(cols["t_end"].at(index) - cols["t_start"].at(index))
         span = self.span(index) or 1.0
         filled = min(bar_width, max(0, round(bar_width * duration / span)))
@@ -246,7 +249,8 @@ class TimelineModel:
     # filters ---------------------------------------------------------------------------------
     def apply_filter(self, text: str) -> int:
         """Keep the steps whose name, paper label or module path contains ``text``, or which match
-        ``phase:backward``, ``status:nonfinite``, ``iter:K``, ``name:A,B`` (exact step names) terms
+        ``phase:backward``, ``status:nonfinite``, ``iter:K``, ``object:K`` (the K-th module object of a
+        step several ran as: Step.module_object), ``name:A,B`` (exact step names) terms
         (space-separated, all must hold); or, alone, ``name:["A", "B"]`` (exact step names as a JSON
         list, which may hold spaces and commas: the paper view's nodes).
         Returns how many remain. A term of a kind with a value it cannot have (``status:nan``,
@@ -258,6 +262,9 @@ class TimelineModel:
                 raise PdbgError(f"filter {term!r}: {key} is one of {', '.join(known)}")
             if sep and key in ("iter", "iteration") and not value.isdigit():
                 raise PdbgError(f"filter {term!r}: {key} takes an iteration number, e.g. {key}:5")
+            if sep and key == "object" and not value.isdigit():
+                raise PdbgError(f"filter {term!r}: object takes a module object's number, e.g. object:2 (a step "
+                                "several module objects ran as, such as a model and its EMA copy, says which)")
         self.filter_text = text.strip()
         mask = np.ones(self.n, dtype=bool)
         listed = _json_names(self.filter_text)
@@ -275,6 +282,8 @@ class TimelineModel:
                 mask &= self.status == layout.STATUSES.index(value)
             elif sep and key in ("iter", "iteration"):
                 mask &= self.iteration == int(value)
+            elif sep and key == "object":
+                mask &= self.rec._object_numbers == int(value)
             elif sep and key == "name":  # exact step names, comma-separated (the paper view's nodes)
                 mask &= np.isin(self.names.astype(str), value.split(","))
             else:

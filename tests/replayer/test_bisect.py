@@ -23,7 +23,7 @@ from recorder.store import layout
 from replayer import bisect as bisect_mod
 from replayer.bisect import Condition, ConditionError
 from tests.cli import pdbg_here as pdbg
-from tests.models import poison_at, record_training
+from tests.models import poison_at, record_ema, record_training
 from tests.replayer import nanmodels
 
 SCALES = (1.0, 10.0, 1000.0, 1.0)  # the third iteration makes exp overflow
@@ -1286,3 +1286,54 @@ def test_a_run_that_died_of_a_nan_made_outside_every_step_says_so(tmp_path: Path
     rows = views.alerts(rec)
     assert [(r.kind, r.index) for r in rows] == [("exception", last.index)]
     assert "the run ended by IndexError: Target 7 is out of bounds." in rows[0].text, rows
+
+
+def test_a_student_and_its_ema_teacher_of_one_class_are_told_apart(tmp_path: Path) -> None:
+    """A teacher made by deepcopy runs as the same step, at the same module path, as its student: the
+    recording says which object ran each call, so that the teacher's blow-up is not read as the student's."""
+    path = record_ema(tmp_path / "ema.zarr", blow_up=2)
+    with replayer.open(path) as rec:
+        origin = replayer.first_nonfinite(rec).step
+        assert (origin.iteration, origin.grad_enabled, origin.module_object) == (3, False, (1, 2))
+        assert "object 1 of 2" in repr(origin) and origin.to_json()["object"] == 1
+        assert {rec.step(i).module_object for i in range(len(rec))} == {(1, 2), (2, 2)}
+        teacher_steps = rec.steps.filter(object=1)
+        assert len(teacher_steps) == 5 and not any(s.grad_enabled for s in teacher_steps)
+        assert len(rec.steps.filter(object=2)) == 10  # the student's forward and backward calls
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 1 and "Head · object 1 of 2 · forward (no grad) · iteration 3" in res.stdout, res.stdout
+    info = pdbg("info", str(path), cwd=tmp_path)
+    assert "ProjectionHead: 2 module objects at one module path" in info.stdout, info.stdout
+    doc = json.loads(pdbg("info", str(path), "--json", cwd=tmp_path).stdout)
+    assert [p["objects"] for p in doc["paper_steps"]] == [2]
+    assert (doc["first_nonfinite"]["object"], doc["first_nonfinite"]["objects"]) == (1, 2)
+    with replayer.open(path) as rec:  # a bundle of the origin says so too
+        replayer.bundle(rec, replayer.first_nonfinite(rec).step, tmp_path / "teacher.pdbg")
+    with replayer.open(tmp_path / "teacher.pdbg") as bundle:
+        assert bundle.main_step.module_object == (1, 2)
+
+
+def test_module_objects_made_anew_at_every_call_are_counted_and_listed_up_to_a_bound() -> None:
+    """A module made anew at each call (a step building its head inside forward) is a new object each
+    time: the run's listing counts them all and lists the first OBJECTS_LISTED, not every one."""
+    from recorder.items import OBJECTS_KEY, OBJECTS_LISTED, ModuleObjects
+
+    objects, info = ModuleObjects(), {}
+    for instance in range(1, OBJECTS_LISTED + 101):
+        for state in range(2):  # two skeleton states (two module documents) of each object
+            doc = {"name": "Head", "module_path": "", "module": {"instance": instance}}
+            objects.note(info, 2 * instance + state, doc)
+    objects.note(info, 10_000, {"name": "Other", "module_path": "b", "module": {"instance": 10_000}})
+    [entry] = info[OBJECTS_KEY]
+    assert (entry["name"], entry["count"], entry["instances"]) == ("Head", OBJECTS_LISTED + 100,
+                                                                   list(range(1, OBJECTS_LISTED + 1)))
+
+
+def test_modules_of_one_class_at_their_own_paths_are_not_numbered(tmp_path: Path) -> None:
+    """Blocks of one class each at a path of their own are told apart by their paths: no object numbers."""
+    record_training(tmp_path / "run.zarr", 2)
+    with replayer.open(tmp_path / "run.zarr") as rec:
+        steps = [rec.step(i) for i in range(len(rec))]
+        assert len({s.module_path for s in steps if s.module_path}) > 1
+        assert all(s.module_object is None and "object" not in repr(s) for s in steps)
+        assert rec.steps.filter(object=1).rows.size == 0

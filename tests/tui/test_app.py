@@ -14,6 +14,7 @@ from textual.widgets import Input, Static
 
 import recorder
 import replayer
+from tests.models import record_ema
 from tests.replayer import nanmodels
 from tests.tui.recordings import mixed_run, nan_run
 from tui import views
@@ -1062,5 +1063,29 @@ def test_alerts_list_the_exception_that_ended_the_run_outside_every_step(tmp_pat
         page = str(app.screen.query_one("#page", Static).render())
         assert "no non-finite values, exceptions" not in page, page
         assert "exception" in page and "the run ended by IndexError: Target 7 is out of bounds." in page, page
+
+    run(body, path)
+
+
+def test_the_timeline_says_which_module_object_ran_and_filters_one(tmp_path: Path) -> None:
+    """A student and its EMA teacher (deepcopy: one class, one module path) ran as one step: each row
+    and the step pane say which object, and the filter object:K keeps one's calls."""
+    path = record_ema(tmp_path / "ema.zarr", blow_up=2)
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        rows = [app.model.row(i) for i in range(3)]
+        assert ["object 1 of 2" in "".join(t for t, _ in r) for r in rows] == [True, False, False]
+        assert all("object 2 of 2" in "".join(t for t, _ in r) for r in rows[1:])
+        await pilot.press("g")
+        await pilot.pause()
+        title = pane(app).plain().splitlines()[0]
+        assert title.startswith("Eq. 3 · ProjectionHead · object 1 of 2 · forward (no grad)"), title
+        app.apply_filter("object:2")
+        await pilot.pause()
+        assert len(app.model.rows) == 10 and all(app.rec.step(int(i)).module_object == (2, 2) for i in app.model.rows)
+        app.apply_filter("object:teacher")
+        await pilot.pause()
+        assert panel(app).startswith("filter 'object:teacher': object takes a module object's number, e.g. object:2")
+        assert app.model.filter_text == "object:2"
 
     run(body, path)
