@@ -602,12 +602,12 @@ def decode(doc: Any, *, tensor: Callable[[str], Any] | None = None, import_types
 
 
 def dumps(doc: Any) -> bytes:
-    """Serialize an encoded document as compact, key-sorted, strict (no NaN/Infinity) UTF-8 JSON.
+    """Serialize an encoded document as compact, strict (no NaN/Infinity) UTF-8 JSON, its keys in order.
 
     Args:
         doc: the output of :func:`encode`.
     """
-    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    text = json.dumps(doc, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
     return text.encode("utf-8")
 
 

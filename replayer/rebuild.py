@@ -93,8 +93,11 @@ def unresolved(value: Any) -> str | None:
 
 
 class Builder:
-    def __init__(self, loader: CodeLoader) -> None:
+    def __init__(self, loader: CodeLoader, *, names_sorted: bool = False) -> None:
+        """``names_sorted``: the recording is older than 1.16, whose documents kept their keys in sorted
+        order: a module's children, parameters and buffers are not in the order the module held them."""
         self.loader = loader
+        self.names_sorted = names_sorted
         self._override: type | None = None
         self._top_hooks_ran = True
 
@@ -132,6 +135,19 @@ class Builder:
             return out
         out.module = self._node(doc, "", out)
         return out
+
+    @staticmethod
+    def _children_in_order(kind: type, children: dict[str, Any], where: str, out: Rebuilt) -> dict[str, Any]:
+        """A recording older than 1.16 holds a module's children in name order ("0", "1", "10", "2"): a
+        Sequential or ModuleList's numbered children are put back in their numbers' order; other names
+        cannot be, and a container that runs or lists its children in order is warned of."""
+        if len(children) > 1 and all(name.isdigit() for name in children):
+            return dict(sorted(children.items(), key=lambda item: int(item[0])))
+        if len(children) > 1 and issubclass(kind, (torch.nn.Sequential, torch.nn.ModuleDict)):
+            out.warnings.append(f"{where}: recorded before schema 1.16, which kept a module's children in name "
+                                f"order: this {kind.__name__}'s children may run in another order than they did; "
+                                "record it again with this version to replay it as it ran")
+        return children
 
     def _node(self, doc: dict[str, Any], path: str, out: Rebuilt) -> torch.nn.Module:
         where = path or "the step's module"
@@ -183,7 +199,10 @@ class Builder:
                 module._non_persistent_buffers_set.add(name)
         if lazy:
             _lazy_again(module, doc.get("params") or {})
-        for name, child in (doc.get("children") or {}).items():
+        children = doc.get("children") or {}
+        if self.names_sorted:
+            children = self._children_in_order(cls, children, where, out)
+        for name, child in children.items():
             module._modules[name] = None if child is None else self._node(child, join_path(path, name), out)
         if doc.get("linked"):
             out.links.append((module, doc["linked"]))

@@ -382,7 +382,7 @@ class Replayer:
                 init = self._init_args(doc)
                 new = intervene.swap_module(
                     original, sw.replacement, sw.key,
-                    lambda cls, d=doc, k=sw.key, top=not rel: Builder(self.loader).build(
+                    lambda cls, d=doc, k=sw.key, top=not rel: self._builder().build(
                         d, k, cls=cls, top_hooks_ran=top and _own_hooks_ran(step.definition)),
                     init, self.plan.notes)
                 sw.used += 1
@@ -392,6 +392,10 @@ class Replayer:
                 else:
                     module = new
         return module
+
+    def _builder(self) -> Builder:
+        """A Builder of this recording's skeletons (before 1.16 their names were stored sorted)."""
+        return Builder(self.loader, names_sorted=layout.parse_version(self.rec.reader.schema_version) < (1, 16))
 
     def _skeleton_of(self, step: Step, rel: str) -> dict[str, Any]:
         doc = step._doc("module") or {}
@@ -532,7 +536,7 @@ class Replayer:
             raise ReplayError(f"step {step.index} ({step.name}) was called with {missing}; it cannot be replayed")
         if module_doc is not None:
             target = self._code_target(defn)  # first: importing it (from where it was) serves the skeleton too
-            built = Builder(self.loader).build(module_doc, step.module_path or step.name,
+            built = self._builder().build(module_doc, step.module_path or step.name,
                                                top_hooks_ran=_own_hooks_ran(defn))
             module = built.module
             warnings.extend(built.warnings)

@@ -46,8 +46,9 @@ SCHEMA_VERSION = "1.16"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 # 1.13: tag $mapping (dict subclasses: EasyDict-style configs, OrderedDict)
 # 1.14: run.start_iteration (the first iteration's number: a resumed run's), final.iterations counted from it
 # 1.15: a step's RNG document holds parts "global:<name>": generator objects its code reads as module-level globals
-# 1.16: the run's final attributes and manifest info list "module_objects": the places (step name, module path)
-#       several module objects ran as one step at (a student and its EMA teacher), with their instances
+# 1.16: documents keep their keys in the recorded object's order (a module's children and parameters, a dict
+#       argument's items; sorted before); the run's final attributes and manifest info list "module_objects":
+#       the places (step name, module path) several module objects ran as one step at, with their instances
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed

@@ -417,9 +417,10 @@ def test_dict_subclasses() -> None:
 
 
 def test_dict_order() -> None:
-    """encode/decode keep dict order; dumps sorts str-keyed dicts but keeps $dict order."""
+    """encode/decode and dumps/loads keep dict order (a MAML step's {name: fast weight}; sorted, as dumps
+    once wrote them, its items came back in another order)."""
     value = {"b": 1, "a": 2}
-    assert list(decode(encode(value))) == ["b", "a"] and list(roundtrip(value)) == ["a", "b"]
+    assert list(decode(encode(value))) == ["b", "a"] and list(roundtrip(value)) == ["b", "a"]
     value = {3: "x", 1: "y", "z": 0}
     assert list(roundtrip(value)) == [3, 1, "z"]
 
@@ -692,4 +693,4 @@ def test_loads_rejects_non_standard_json() -> None:
         with pytest.raises(ValueError):
             loads(data)
     assert loads(dumps({"b": 1, "a": [1.5]})) == {"a": [1.5], "b": 1}
-    assert dumps({"b": 1, "a": "é"}) == '{"a":"é","b":1}'.encode()
+    assert dumps({"b": 1, "a": "é"}) == '{"b":1,"a":"é"}'.encode()

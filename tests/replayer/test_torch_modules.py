@@ -183,3 +183,66 @@ def test_a_model_holding_a_torchscript_module_records_and_says_why_it_is_not_rep
                                  "could not be replayed")
     assert res.stdout.count("the step holds a TorchScript module") == 1  # one line for one reason
     assert "\n  4 steps (step " in res.stdout
+
+
+class Residual(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+@recorder.paper_step("Encoder", description="twelve residual blocks, two named projections, parameters w then b")
+class OrderedStack(nn.Module):
+    """Children, parameters and dict items whose order is not their names' order: a ModuleList of 12
+    ("10" sorts before "2"), a ModuleDict whose first key sorts last, parameters w before b."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Residual(d) for _ in range(12))
+        self.proj = nn.ModuleDict({"z_in": nn.Linear(d, 2 * d), "a_out": nn.Linear(2 * d, d)})
+        self.w = nn.Parameter(torch.randn(d))
+        self.b = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: torch.Tensor, scales: dict[str, float]) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        for layer in self.proj.values():
+            x = layer(x)
+        first, second = (torch.tensor(v) for v in scales.values())  # the dict's order, as the caller made it
+        own_first, own_second = list(self.parameters())[:2]  # w then b: a module's own are listed first
+        return x * own_first * first - own_second * second
+
+
+def test_children_parameters_and_dict_items_replay_in_the_order_they_ran(tmp_path: Path) -> None:
+    """Stored with sorted keys, block 10 ran before block 2 in a replay (a MISMATCH), the ModuleDict's
+    layers ran in the wrong order (shapes that do not fit), and the dict argument's items swapped."""
+    torch.manual_seed(0)
+    model = OrderedStack()
+    with recorder.record(tmp_path / "run.zarr", model=model, mode="full"):
+        model(torch.randn(4, 8), {"z": 2.0, "a": 0.5}).square().mean().backward()
+    with replayer.open(tmp_path / "run.zarr") as rec:
+        forward, backward = rec.step(0), rec.step(1)
+        assert list(forward.arguments["args"][1]) == ["z", "a"]
+        for step in (forward, backward):
+            result = replayer.replay(rec, step.index)
+            assert result.match and result.warnings == [], (step.phase, result.warnings,
+                                                            [d.summary() for d in result.outputs])
+
+
+def test_a_recording_with_sorted_names_gets_its_numbered_children_back_in_order() -> None:
+    """Before schema 1.16 a module's children were stored in name order: numbered ones are put back in
+    their numbers' order; a Sequential's named children cannot be, and the replay says so."""
+    from replayer.rebuild import Builder, Rebuilt
+
+    out = Rebuilt(nn.Module())
+    numbered = {str(i): {"class": "x"} for i in sorted(range(12), key=str)}
+    assert list(Builder._children_in_order(nn.ModuleList, numbered, "blocks", out)) == [str(i) for i in range(12)]
+    assert out.warnings == []
+    named = {"a_out": {}, "z_in": {}}
+    assert list(Builder._children_in_order(nn.Sequential, named, "proj", out)) == ["a_out", "z_in"]
+    assert out.warnings == ["proj: recorded before schema 1.16, which kept a module's children in name order: this "
+                            "Sequential's children may run in another order than they did; record it again with "
+                            "this version to replay it as it ran"]
