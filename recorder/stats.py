@@ -113,7 +113,16 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
             if got is not None:
                 return got
         return _exact(x)
-    return _stats(_working(t).reshape(-1), torch)
+    w = _working(t)
+    if t.dtype not in _FLOATS or not t.is_contiguous():  # (a copy is made in any case: half, bfloat16,
+        # complex, integers, another layout) in logical order, then summed as a contiguous float32/float64
+        # tensor is: one layout's statistics are another's to the bit, and low precision gets float64 sums
+        w = w.resolve_neg().contiguous()
+        if w.dtype in _FLOATS and w.numel() and _kernel_takes(w):
+            x = w.numpy().reshape(-1)
+            got = _from_sums(x, _slot.active.sums(x))
+            return _exact(x) if got is None else got
+    return _stats(w.reshape(-1), torch)
 
 
 _INTEGERS = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})

@@ -1276,6 +1276,17 @@ def _label(key: tuple[str, str]) -> str:
     return f"the grad of {name}" if role in ("grad_input", "param_grad") else name
 
 
+_LAID_OUT = ("input", "param", "buffer", "grad_output")  # a step's inputs, whose layout may steer its kernels
+
+
+def _layouts_differ(sa: Step, sb: Step) -> list[str]:
+    """The inputs, parameters, buffers and grad outputs of two runs' same step that have the same shape
+    but other strides."""
+    theirs = {(r.role, r.name): r for r in sb.records if r.role in _LAID_OUT}
+    return sorted(r.name for r in sa.records if r.role in _LAID_OUT and (o := theirs.get((r.role, r.name))) is not None
+                  and o.shape == r.shape and o.stride != r.stride)
+
+
 def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple[dict[Any, Any], ...],
          first: bool = False) -> str:
     """Why step ``sa`` of run A and ``sb`` of run B give different results from the same inputs:
@@ -1301,6 +1312,11 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
                        "only (an input that required grad in one run and not in the other)")
     if sa.arguments != sb.arguments:
         reasons.append(f"its non-tensor arguments differ ({_short(sa.arguments)} vs {_short(sb.arguments)})")
+    layouts = _layouts_differ(sa, sb)
+    if layouts:
+        reasons.append(f"{_names(layouts)} {'has' if len(layouts) == 1 else 'have'} another memory layout (strides) "
+                       "in each run: the same values laid out otherwise (channels_last, a transposed or sliced view) "
+                       "can be summed by the kernels in another order")
     if sa.definition.get("source_sha256") != sb.definition.get("source_sha256"):
         reasons.append("its code differs between the runs")
     reasons += _module_differences(sa, sb)

@@ -111,13 +111,13 @@ def test_kernel_is_what_the_statistics_use(kernel, monkeypatch):
         torch.set_num_threads(1)
         stats.host_stats(torch.randn(10))
         stats.host_stats(torch.randn(100_000))
-        stats.host_stats(torch.randn(300, 400).t())  # large and strided: torch's path
-        assert calls == [10, 100_000]
+        stats.host_stats(torch.randn(300, 400).t())  # large and strided: copied in logical order, then the kernel
+        assert calls == [10, 100_000, 120_000]
         torch.set_num_threads(stats.KERNEL_THREADS + 1)
         stats.host_stats(torch.randn(100_000))
         stats.host_stats(torch.randn(20))
         stats.host_stats(torch.arange(128).reshape(1, 128))  # position ids: as float64
-        assert calls == [10, 100_000, 20, 128]
+        assert calls == [10, 100_000, 120_000, 20, 128]
     finally:
         torch.set_num_threads(threads)
 
@@ -305,3 +305,35 @@ def run_python(code: str) -> None:
     """Run ``code`` in a fresh interpreter (what it patches stays there); it must exit 0."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("threads", [1, stats.KERNEL_THREADS + 1])
+def test_the_statistics_of_one_tensor_are_the_same_bits_in_every_layout(kernel, threads):
+    """The same values contiguous, channels_last, as a strided slice of a larger tensor or permuted had
+    statistics of other bits (the kernel's float64 sums for the contiguous one, torch's float32 ones for
+    the others): comparing two runs by statistics then named a step whose inputs were the same values."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 32, 32) * 3 + 0.5
+    big = torch.zeros(8, 16, 32, 64)
+    big[..., ::2] = x
+    forms = [x, x.contiguous(memory_format=torch.channels_last), big[..., ::2],
+             x.permute(3, 2, 1, 0).contiguous().permute(3, 2, 1, 0)]
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = [stats.host_stats(f) for f in forms]
+    finally:
+        torch.set_num_threads(saved)
+    assert all(np.array_equal(np.array(g), np.array(got[0]), equal_nan=True) for g in got[1:]), got
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.complex64])
+def test_low_precision_statistics_are_summed_in_float64(kernel, dtype):
+    """bfloat16 and float16 values (and complex64 magnitudes) were summed in float32: the std of 100,000
+    gains near 1 was off by 2.5e-3 relative; FORMAT.md promises ~1e-7."""
+    torch.manual_seed(0)
+    t = (1 + 0.04 * torch.randn(100_000)).to(dtype)
+    values = (t.abs() if t.is_complex() else t).double()
+    got = stats.host_stats(t)
+    assert abs(got[3] - values.std().item()) <= 1e-9 * values.std().item()
+    assert abs(got[2] - values.mean().item()) <= 1e-12

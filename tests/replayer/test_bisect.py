@@ -1337,3 +1337,25 @@ def test_modules_of_one_class_at_their_own_paths_are_not_numbered(tmp_path: Path
         assert len({s.module_path for s in steps if s.module_path}) > 1
         assert all(s.module_object is None and "object" not in repr(s) for s in steps)
         assert rec.steps.filter(object=1).rows.size == 0
+
+
+@recorder.paper_step("Eq. 6", description="a reduction in the order its input lies in memory")
+def memory_order_sum(x: torch.Tensor) -> torch.Tensor:
+    # as a kernel that walks memory would: the sum of the first values as they lie
+    flat = x.reshape(-1) if x.is_contiguous() else x.permute(0, 2, 3, 1).reshape(-1)
+    return flat[:5].sum()
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_two_runs_whose_inputs_differ_only_in_layout_are_told_so(tmp_path: Path, mode: str) -> None:
+    """The same values contiguous in one run and channels_last in the other: stats mode called the
+    inputs different ("they came from outside every recorded step", as their statistics' bits followed
+    the layout), full mode said "nothing recorded explains it"; both now name the layout."""
+    for name, layout_of in (("a", torch.contiguous_format), ("b", torch.channels_last)):
+        torch.manual_seed(0)
+        x = torch.randn(2, 3, 64, 64).contiguous(memory_format=layout_of)
+        with recorder.record(tmp_path / f"{name}.zarr", mode=mode):
+            memory_order_sum(x)
+    res = pdbg("bisect", str(tmp_path / "a.zarr"), "--against", str(tmp_path / "b.zarr"), cwd=tmp_path)
+    assert "root cause: step 0: Eq. 6 · memory_order_sum" in res.stdout, res.stdout
+    assert "args.0 has another memory layout (strides) in each run" in res.stdout, res.stdout
