@@ -149,6 +149,9 @@ class Frame:
     # again as it leaves them ("after:<input>", role output). Cleared when the call ends.
     versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None
     own_grads: list[str] = field(default_factory=list)  # a backward's parameter grads that are the call's own
+    # A forward's arguments that share memory ("aliases") or are its module's parameters ("parameter_args"),
+    # as the step's extra document names them
+    arguments: dict[str, Any] | None = None
     link: Any = None  # a forward's BackwardLink, when it has one
 
 
@@ -802,13 +805,16 @@ class Session:
             # (inference mode makes no graph, with grad mode on too: torch.enable_grad() inside inference_mode())
             inference = torch.is_inference_mode_enabled()
             tapping = torch.is_grad_enabled() and not inference and frame.vmap is None
-            slots = taps.argument_slots(args, kwargs) if tapping else []
+            slots, shared = taps.apart(taps.argument_slots(args, kwargs)) if tapping else ([], [])
             tapped = frozenset(id(t) for _, t in slots)
+            given = tapped.union(id(t) for _, t in shared) if shared else tapped
             nested: set[int] = set()
             frame.versions = [] if frame.vmap is None else None
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "", tapped,
                                           _argument_paths(args, kwargs) if tapped else frozenset(), nested,
                                           versions=frame.versions)
+            if shared:
+                self._shared_arguments(frame, shared)
             link = BackwardLink(frame) if tapping else None
             if link is not None:
                 frame.link = link
@@ -819,6 +825,8 @@ class Session:
             if module is not None:
                 for name, p in module.named_parameters():
                     self._capture(frame, "param", name, p)
+                    if id(p) in given:  # (given as an argument too: a tied projection's weight)
+                        self._parameter_argument(frame, name, p, [*slots, *shared])
                     if link is not None and p.requires_grad:
                         if p._backward_hooks:  # the user's gradient hooks (pruning masks): the recorded grad is theirs
                             self._note_param_hooks(frame, name, p)
@@ -834,6 +842,31 @@ class Session:
             return frame, args, kwargs, link
         finally:
             self.local.busy = False
+
+    @staticmethod
+    def _shared_arguments(frame: Frame, shared: list[tuple[tuple[str, Any], torch.Tensor]]) -> None:
+        """Name the arguments left untapped for sharing memory with another (taps.apart) in a note,
+        and where each lies in its storage, so that a replay gives them one storage again."""
+        names, places, groups = [], {}, {}
+        for key, t in shared:
+            name = _top_record(frame.args_doc, key)
+            if name in places:
+                continue
+            names.append(name)
+            group = groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), len(groups))
+            places[name] = [group, t.storage_offset()]
+        frame.notes.append(f"{_one_line(names)}: {layout.SHARED_ARGUMENTS_NOTE}")
+        frame.arguments = {**(frame.arguments or {}), "aliases": places}
+
+    @staticmethod
+    def _parameter_argument(frame: Frame, name: str, p: torch.Tensor, slots: list[tuple[tuple[str, Any], Any]]
+                            ) -> None:
+        """Name the argument that is the call's module's own parameter ``name``: a replay passes the
+        rebuilt parameter there, whose gradient then holds what came through the argument too."""
+        key = next(key for key, t in slots if t is p)
+        passed = (frame.arguments or {}).get("parameter_args", {})
+        passed.setdefault(_top_record(frame.args_doc, key), name)
+        frame.arguments = {**(frame.arguments or {}), "parameter_args": passed}
 
     def _exit(self, frame: Frame, out: Any, link: BackwardLink | None) -> Any:
         self.local.busy = True
@@ -1317,7 +1350,7 @@ class Session:
         self._send(StepItem(index=frame.index, row=row, docs=docs, rng=frame.rng, tensors=frame.tensors,
                             exception=frame.exception, expectations=frame.expectations, notes=frame.notes,
                             alerts=frame.alerts, collectives=frame.collectives, vmap=frame.vmap or None,
-                            own_grads=frame.own_grads), 0)
+                            own_grads=frame.own_grads, arguments=frame.arguments), 0)
 
     def _monitor(self, frame: Frame, out: Any = None) -> None:
         """Run checks, breakpoints and the anomaly action on a finished step (before it is submitted)."""
@@ -1453,22 +1486,24 @@ class Session:
                 self._links.append(link)
         return out
 
-    def _on_grad_output(self, link: BackwardLink, grads: tuple[torch.Tensor | None, ...]) -> None:
+    def _on_grad_output(self, link: BackwardLink, grads: tuple[torch.Tensor | None, ...], first: int = 0) -> None:
+        """The grads of the outputs ``link.output_names[first:]`` (one, from taps.tap_each, or all)."""
         if _batched_backward(link, grads):
             return
         def run() -> None:
             frame = self._open_backward(link)
-            for name, g in zip(link.output_names, grads):
+            for name, g in zip(link.output_names[first:first + len(grads)], grads):
                 if g is not None and name is not None:
                     self._capture(frame, "grad_output", name, g)
         self._guard("capturing grad outputs", run)
 
-    def _on_grad_input(self, link: BackwardLink, grads: tuple[torch.Tensor | None, ...]) -> None:
+    def _on_grad_input(self, link: BackwardLink, grads: tuple[torch.Tensor | None, ...], first: int = 0) -> None:
+        """The grads of the inputs ``link.input_names[first:]`` (as _on_grad_output)."""
         if _batched_backward(link, grads):
             return
         def run() -> None:
             frame = self._open_backward(link)
-            for name, g in zip(link.input_names, grads):
+            for name, g in zip(link.input_names[first:first + len(grads)], grads):
                 if g is not None:
                     self._capture(frame, "grad_input", name, g)
             frame.t_end = time.perf_counter() - self.t0
@@ -1691,6 +1726,17 @@ _UNTAPPED_NOTE = ("a tensor passed both directly and inside a container (list, d
 def _one_line(names: list[str]) -> str:
     """Record names for a note, on one line (a dict key may hold a newline)."""
     return ", ".join(n.encode("unicode_escape").decode() for n in names)
+
+
+def _top_record(args_doc: Any, key: tuple[str, Any]) -> str:
+    """The record name of the top-level argument at ``key`` (``("args", 0)``) in a call's arguments
+    document: its own path, or the first place of a tensor given in several."""
+    where, k = key
+    try:
+        ref = args_doc[where][k]
+        return ref["$tensor"] if isinstance(ref, dict) and isinstance(ref.get("$tensor"), str) else f"{where}.{k}"
+    except (KeyError, IndexError, TypeError):
+        return f"{where}.{k}"
 
 
 def _argument_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[str]:

@@ -65,6 +65,7 @@ class StepItem:
     collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls inside the step
     vmap: dict[str, list[int]] | None = None  # record name -> its vmap batch dims (recorder.transforms)
     own_grads: list[str] = field(default_factory=list)  # parameter grads that are the call's own (not totals)
+    arguments: dict[str, Any] | None = None  # "aliases", "parameter_args" (see capture.Frame.arguments)
 
 
 @dataclass

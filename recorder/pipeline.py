@@ -519,6 +519,8 @@ class Pipeline:
             extra["vmap"] = item.vmap
         if item.own_grads:
             extra["own_grads"] = sorted(item.own_grads)
+        if item.arguments:
+            extra.update(item.arguments)
         row["extra"] = w.doc(jsonval.encode(extra)) if extra else layout.NO_REF  # tags nan/inf
         status = "exception" if item.exception else "nonfinite" if nonfinite else "alert" if alerts else "ok"
         row["status"] = layout.STATUSES.index(status)

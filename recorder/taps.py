@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +21,9 @@ import torch
 
 from . import payload as payload_mod
 
-GradCallback = Callable[[tuple[torch.Tensor | None, ...]], None]
+# Called with the gradients of the tapped tensors, in their order; a tap of one of several tensors
+# (``tap_each``) calls with its own gradient alone and its place among them: ``callback((grad,), k)``.
+GradCallback = Callable[..., None]
 
 
 class _Tap(torch.autograd.Function):
@@ -41,20 +45,20 @@ def tap(tensors: list[torch.Tensor], callback: GradCallback) -> tuple[torch.Tens
 
 
 def tap_each(tensors: list[torch.Tensor], callback: GradCallback) -> tuple[torch.Tensor, ...]:
-    """Pass each tensor through a tap of its own; ``callback(grads)`` runs when each one's gradient
-    arrives, with the others' as None. One tap for all would join their graphs: a backward pass from
+    """Pass each tensor through a tap of its own; ``callback((grad,), k)`` runs when the k-th one's
+    gradient arrives (not a tuple of all with the others' as None: a step returning T tensors would
+    cost T per gradient, T² per backward). One tap for all would join their graphs: a backward pass from
     one of them (an actor's loss) would then run the others' backward too (the critic's, with no
     gradient), and fail where those saved tensors an optimizer step has since changed in place;
     and none of them would go on before all had their gradient, which changes the order in which
     autograd adds gradients from the step's other uses."""
     if len(tensors) == 1:
         return tap(tensors, callback)
-    count = len(tensors)
+    return tuple(tap([t], functools.partial(_placed, callback, k))[0] for k, t in enumerate(tensors))
 
-    def one(k: int) -> GradCallback:
-        return lambda grads: callback(tuple(grads[0] if i == k else None for i in range(count)))
 
-    return tuple(tap([t], one(k))[0] for k, t in enumerate(tensors))
+def _placed(callback: GradCallback, k: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+    callback(grads, k)
 
 
 def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback) -> tuple[dict[Any, Any], list[Any]]:
@@ -152,6 +156,22 @@ def argument_slots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[
     return slots + [(("kwargs", k), v) for k, v in kwargs.items() if wants_tap(v)]
 
 
+_Slots = list[tuple[Any, torch.Tensor]]
+
+
+def apart(slots: _Slots) -> tuple[_Slots, _Slots]:
+    """The argument_slots whose tensors share no memory with another's, and those that do (two
+    views of one buffer, overlapping windows). Those are left untapped, as outputs that share memory
+    are (see ``_overlapping``): a tap makes each a new object for autograd, so an in-place change the
+    step makes to one would no longer reach the other's gradient, and training would change."""
+    if len(slots) < 2:
+        return slots, []
+    shared = _overlapping([t for _, t in slots])
+    if not shared:
+        return slots, []
+    return [s for s in slots if id(s[1]) not in shared], [s for s in slots if id(s[1]) in shared]
+
+
 def _children(value: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
     """A container's items as (kind, [(key, item)]), keyed as recorder.jsonval names their paths:
     plain tuples and lists and torch's return types by index, named tuples and dataclasses by field
@@ -235,10 +255,71 @@ def _overlapping(tensors: list[torch.Tensor]) -> set[int]:
         spans.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append((start, end, t))
     shared: set[int] = set()
     for group in spans.values():
-        for i, (start_a, end_a, a) in enumerate(group):
-            for start_b, end_b, b in group[i + 1:]:
-                if a is not b and start_a < end_b and start_b < end_a and _meet(a, b):  # (one object: one tap)
-                    shared.update((id(a), id(b)))
+        if len(group) > 1:
+            shared |= _shared_in(group)
+    return shared
+
+
+def _shared_in(group: list[tuple[int, int, torch.Tensor]]) -> set[int]:
+    """Ids of the tensors of one storage (``(start byte, end byte, tensor)``) that meet another: the
+    pairs whose byte ranges intersect, found in order of their starts (a step's many disjoint
+    views, ``h.unbind(0)``, cost one sort), then told apart by ``_meet``. Where those pairs are many
+    (``h.unbind(1)``: every range spans the others), by counting how often each byte is used."""
+    group = sorted(group, key=lambda span: span[0])
+    if sum(end - start for start, end, _ in group) > 4 * (max(end for _, end, _ in group) - group[0][0]):
+        counted = _shared_by_bytes(group)  # (ranges four deep on average: ~4 pairs per tensor or more)
+        if counted is not None:
+            return counted
+    budget = 4 * len(group) + 64  # pairs looked at before counting bytes instead
+    shared: set[int] = set()
+    active: list[tuple[int, int]] = []  # (end, place in group) of the ranges begun and not yet ended
+    for i, (start, end, t) in enumerate(group):
+        while active and active[0][0] <= start:
+            heapq.heappop(active)
+        for _, j in active:
+            other = group[j][2]
+            if other is t or id(other) in shared and id(t) in shared:  # (one object: one tap)
+                continue
+            budget -= 1
+            if budget < 0:
+                counted = _shared_by_bytes(group)
+                if counted is not None:
+                    return counted
+                budget = len(group) ** 2  # too large to count: pair by pair
+            if _meet(other, t):
+                shared.update((id(other), id(t)))
+        heapq.heappush(active, (end, i))
+    return shared
+
+
+_COUNTED_BYTES = 1 << 24  # the span of one storage's tensors that _shared_by_bytes counts at most
+
+
+def _shared_by_bytes(group: list[tuple[int, int, torch.Tensor]]) -> set[int] | None:
+    """``_shared_in`` by counting the tensors that use each byte of the span they lie in (on the
+    CPU, from their offsets and strides alone: no data is read); None where that span is larger
+    than ``_COUNTED_BYTES``. A tensor whose elements overlap its own meets any other in its range."""
+    low, high = group[0][0], max(end for _, end, _ in group)
+    if high - low > _COUNTED_BYTES:
+        return None
+    counts = torch.zeros(high - low, dtype=torch.int16 if len(group) < 1 << 15 else torch.int32)
+    places = []
+    own = []  # (start, end, tensor) of those overlapping themselves
+    for start, end, t in {id(t): (start, end, t) for start, end, t in group}.values():
+        size = t.element_size()
+        shape, stride = (*t.shape, size), (*(st * size for st in t.stride()), 1)
+        if payload_mod.overlaps_itself(tuple(t.shape), t.stride()):
+            own.append((start, end, t))
+            continue
+        place = counts.as_strided(shape, stride, start - low)
+        place.add_(1)
+        places.append((place, t))
+    shared = {id(t) for place, t in places if bool((place > 1).any())}
+    for start, end, t in own:
+        met = [other for s, e, other in group if other is not t and s < end and start < e]
+        if met:
+            shared.update(id(other) for other in met)
+            shared.add(id(t))
     return shared
 
 
@@ -344,10 +425,12 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
                   skip: frozenset[int] = frozenset(), slots: list[Any] | None = None,
                   ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
     """Tap the argument_slots, but for tensors whose id is in ``skip`` (also passed inside a list:
-    the list keeps the untapped tensor, and autograd would sum its gradients in another order).
-    ``slots``: argument_slots, when the caller has them. Returns new args, kwargs and the names
+    the list keeps the untapped tensor, and autograd would sum its gradients in another order) and
+    those that share memory with another (see ``apart``). ``slots``: those to tap, when the caller
+    has them. Returns new args, kwargs and the names
     (``args.0``, ``kwargs.mask``) of the tapped tensors, in the order the callback sees them."""
-    slots = [(key, t) for key, t in (argument_slots(args, kwargs) if slots is None else slots) if id(t) not in skip]
+    slots = [(key, t) for key, t in (apart(argument_slots(args, kwargs))[0] if slots is None else slots)
+             if id(t) not in skip]
     if not slots:
         return args, kwargs, []
     tapped, keys = _tap_slots(slots, callback)

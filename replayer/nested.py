@@ -123,7 +123,8 @@ class InnerTap:
             seen.grad_inputs.update({n: g.detach().clone() for n, g in zip(names, grads) if g is not None})
 
         holder: list[list[str | None]] = [[]]
-        new_args, new_kwargs, holder[0] = taps.tap_arguments(args, kwargs, lambda g: got(g, holder[0]))
+        new_args, new_kwargs, holder[0] = taps.tap_arguments(args, kwargs,
+                                                             lambda g, k=0: got(g, holder[0][k:k + len(g)]))
         return new_args, new_kwargs
 
     def _tap_out(self, seen: _Seen, output: Any) -> Any:
@@ -134,7 +135,7 @@ class InnerTap:
             seen.grad_outputs.update({n: g.detach().clone() for n, g in zip(names, grads) if g is not None})
 
         holder: list[list[str | None]] = [[]]
-        output, holder[0], _ = taps.tap_output(output, lambda g: got(g, holder[0]))
+        output, holder[0], _ = taps.tap_output(output, lambda g, k=0: got(g, holder[0][k:k + len(g)]))
         return output
 
     def _enter(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import capture, jsonval, snapshot
+from recorder import capture, jsonval, snapshot, taps
 from recorder.errors import NewerSchemaError, NotOnThisMachine, PdbgError, ReplayError, UnknownTagError, brief
 from recorder.payload import dtype_name, overlaps_itself
 from recorder.store import layout
@@ -503,12 +503,17 @@ class Replayer:
         leaves: dict[str, torch.Tensor] = {}
         given: dict[str, torch.Tensor] = {}  # one object per record: a tensor passed twice was one object
 
+        aliases = _aliases(step, tensors, warnings)
+
         def tensor(name: str) -> torch.Tensor:
             if name in given:
                 return given[name]
             rec = tensors.get(name)
             if rec is None:
                 raise ReplayError(f"step {step.index}: argument tensor {name!r} is missing from the recording")
+            if name in aliases:
+                self._one_storage(step, aliases[name], tensors, grads, given, leaves)
+                return given[name]
             leaf = self._edit(name, _materialize(step, rec))
             if (rec.requires_grad or name in grads) and (leaf.is_floating_point() or leaf.is_complex()):
                 leaf.requires_grad_(True)
@@ -554,6 +559,7 @@ class Replayer:
             known = len(built.warnings)
             built.link()
             warnings.extend(built.warnings[known:])
+            args, kwargs = self._parameter_arguments(step, module, args, kwargs, given, leaves, warnings)
             target = target if target is not None else type(module)
             if self.plan.edits_inside():
                 self._edit_inner_state(step, module)
@@ -582,6 +588,55 @@ class Replayer:
                                                                                              target), warnings)
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)),
                      built.unrecorded if module_doc is not None else [], rngs, unread)
+
+    def _one_storage(self, step: Step, members: dict[str, int], tensors: dict[str, TensorRecord],
+                     grads: frozenset[str], given: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> None:
+        """Give the arguments that were views of one storage (``members``: record name -> storage
+        offset) views of one storage again, holding their recorded values, so that an in-place change
+        the step makes to one reaches the others, as it did. Where one requires grad, the storage is
+        a copy of a leaf: its views take in-place changes, and autograd follows them into the others."""
+        values = {n: self._edit(n, _materialize(step, tensors[n])) for n in members}
+        first = next(iter(values.values()))
+        low = min(members.values())
+        span = max(members[n] - low + (1 + sum((k - 1) * st for k, st in zip(v.shape, v.stride())) if v.numel() else 0)
+                   for n, v in values.items())
+        storage = torch.zeros(span, dtype=first.dtype, device=first.device)
+        for n, v in values.items():
+            storage.as_strided(v.shape, v.stride(), members[n] - low).copy_(v)
+        if any(tensors[n].requires_grad or n in grads for n in members) and (first.is_floating_point() or
+                                                                              first.is_complex()):
+            storage.requires_grad_(True)
+            storage = storage.clone()  # (in-place changes to views of a leaf are refused)
+        for n, v in values.items():
+            given[n] = leaves[n] = storage.as_strided(v.shape, v.stride(), members[n] - low)
+
+    def _parameter_arguments(self, step: Step, module: torch.nn.Module, args: list[Any], kwargs: dict[str, Any],
+                             given: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], warnings: list[str]
+                             ) -> tuple[list[Any], dict[str, Any]]:
+        """Pass the rebuilt module's own parameter where the recorded call was given it as an argument
+        (a tied projection's weight: the step's extra ``parameter_args``), through a tap as recorded: the
+        parameter's gradient then holds what came through the argument too, and the argument's
+        gradient is what came through it alone, as both were recorded."""
+        passed = step.extra.get("parameter_args")
+        if not isinstance(passed, dict) or not passed:
+            return args, kwargs
+        own = dict(module.named_parameters(remove_duplicate=False))
+        edited = {c.tensor for c in self.plan.edits_for(None)}
+        swap: dict[int, torch.Tensor] = {}
+        for name, param_name in passed.items():
+            p, old = own.get(param_name), given.get(name)
+            if old is None or name in edited:  # (an edit of the argument: the replay passes what it made)
+                continue
+            if p is None:
+                warnings.append(f"{name} was the module's parameter {param_name}, which the rebuilt module lacks: the "
+                                "replay passed a copy, whose gradient does not reach the parameter's (a likely cause "
+                                "of any difference)")
+                continue
+            new = taps.tap([p], _no_gradient_wanted)[0] if p.requires_grad else p
+            swap[id(old)] = given[name] = leaves[name] = new
+        if not swap:
+            return args, kwargs
+        return [swap.get(id(a), a) for a in args], {k: swap.get(id(v), v) for k, v in kwargs.items()}
 
     def _unread_why(self) -> str:
         """Why a generator object's state is not in the recording, and what to do."""
@@ -892,9 +947,11 @@ class Replayer:
                               "before this step sent any gradient; a replay has nothing to compare (its forward, "
                               f"step {fwd.index}, replays)")
         if not targets:
-            raise ReplayError(f"backward step {step.index} has no grad input, and " + (
-                f"its {not_compared}" if not_compared else "no parameter grad recorded") + ": a replay has nothing to "
-                "compare")
+            shared = [n.partition(": ")[0] for n in fwd.extra.get("notes", []) if layout.SHARED_ARGUMENTS_NOTE in n]
+            raise ReplayError(f"backward step {step.index} has no grad input" + (
+                f" (its forward's arguments {shared[0]} shared memory: they are not followed for gradients)"
+                if shared else "") + ", and " + (f"its {not_compared}" if not_compared else
+                                                 "no parameter grad recorded") + ": a replay has nothing to compare")
         # A pass taken with create_graph=True ran its backward with grad mode on (what the step's settings
         # record), under which torch computes some gradients by other formulas (SiLU's): the replay takes it so.
         settings = {**step.settings, **self.plan.settings}
@@ -1210,6 +1267,35 @@ def _with_strides(value: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)  # (its gaps are never read)
     out.copy_(value)
     return out
+
+
+def _aliases(step: Step, tensors: dict[str, TensorRecord], warnings: list[str]) -> dict[str, dict[str, int]]:
+    """The arguments that were views of one storage when recorded (the step's extra ``aliases``:
+    record name -> [storage, offset]): record name -> its storage's {member: offset}. Those that
+    cannot be views of one storage again (of several dtypes or devices, a payload missing) are left
+    out, and a warning names them as a likely cause of a difference."""
+    recorded = step.extra.get("aliases")
+    if not isinstance(recorded, dict):
+        return {}
+    groups: dict[Any, dict[str, int]] = {}
+    for name, place in recorded.items():
+        if isinstance(place, list) and len(place) == 2 and name in tensors:
+            groups.setdefault(place[0], {})[name] = int(place[1])
+    found: dict[str, dict[str, int]] = {}
+    for members in groups.values():
+        records = [tensors[n] for n in members]
+        if len({(r.dtype, r.device) for r in records}) == 1 and all(r.has_payload and r.stride for r in records):
+            found.update(dict.fromkeys(members, members))
+        else:
+            warnings.append(f"{', '.join(members)} shared memory when recorded (views of one tensor), and the replay "
+                            "cannot give them one storage again (of several dtypes or devices, or not recorded in "
+                            "full): an in-place change the step makes to one does not reach the others (a likely "
+                            "cause of any difference)")
+    return found
+
+
+def _no_gradient_wanted(grads: tuple[torch.Tensor | None, ...]) -> None:
+    """A replay's tap on a parameter given as an argument: its gradient is taken by autograd.grad."""
 
 
 def _stand_in(leaf: torch.Tensor) -> torch.Tensor:

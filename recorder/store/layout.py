@@ -108,6 +108,10 @@ SECOND_ORDER_NOTE = ("an earlier backward pass took this call's gradients with c
                      "penalty): this pass's gradients hold second-order terms, through that graph of gradients")
 UNFOLLOWED_NOTE = ("not followed for gradients (taps reach tensors in tuples, lists, dicts, named tuples and "
                    "dataclasses only): a replay of the backward leaves out the gradients that came through them")
+# A forward step's note: "<input record names>: " + this; its extra's "aliases" says where each lies in which storage.
+SHARED_ARGUMENTS_NOTE = ("share memory with each other (views of one tensor): not followed for gradients, so that an "
+                         "in-place change to one reaches the others' gradients as without recording; a replay gives "
+                         "them one storage again")
 # A forward step's note: "<output record names>: " + this (an object holding them could not be copied)
 UNCOPIED_NOTE = ("in an object that could not be copied to follow them (a copy failed, or kept them in another place): "
                  "their grad outputs are not recorded")

@@ -147,3 +147,81 @@ def test_edge_places_record_their_gradients_and_replay(tmp_path: Path) -> None:
         if step.index != checkpointed.index:
             result = replayer.replay(rec, step.index)
             assert result.match, (step.index, step.name, step.phase, [d.summary() for d in result.outputs])
+
+
+@recorder.paper_step("Eq. 7", description="two overlapping windows of one buffer, one changed in place")
+def windows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a.mul_(2.0)  # b sees it: the windows share memory
+    return a * b + b
+
+
+def _windowed(path: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    h = torch.randn(3, 12, requires_grad=True)
+    with recorder.record(path, mode="full") if path is not None else torch.enable_grad():
+        buf = h * 1.5
+        out = windows(buf[:, 0:8], buf[:, 4:12])
+        out.sum().backward()
+    return out.detach(), h.grad
+
+
+def test_arguments_sharing_memory_train_as_unrecorded_and_replay_as_views_of_one_storage(tmp_path: Path) -> None:
+    """Two argument views of one buffer, one changed in place by the step: a tap on each would make
+    them two objects for autograd, and the in-place change would no longer reach the other's
+    gradient. They are left untapped, so training is as without recording, bit for bit; a replay
+    gives them one storage again, so the step's output replays bit for bit."""
+    plain = _windowed(None)
+    recorded = _windowed(tmp_path / "run.zarr")
+    assert torch.equal(recorded[0], plain[0]) and torch.equal(recorded[1], plain[1])
+    rec = replayer.open(tmp_path / "run.zarr")
+    fwd = rec.steps.filter(name="windows", phase="forward")[0]
+    assert any(n.startswith("args.0, args.1: share memory") for n in fwd.extra["notes"])
+    assert fwd.extra["aliases"] == {"args.0": [0, 0], "args.1": [0, 4]}
+    result = replayer.replay(rec, fwd.index)
+    assert result.match and result.warnings == []
+    back = rec.steps.filter(name="windows", phase="backward")[0]
+    with pytest.raises(ReplayError, match=r"arguments args\.0, args\.1 shared memory"):
+        replayer.replay(rec, back.index)
+
+
+@recorder.paper_step("Eq. 8", description="a tied projection: the embedding's weight passed in")
+class TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+
+    def forward(self, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.emb(idx) @ weight.t()
+
+
+def test_a_module_given_its_own_parameter_replays_its_backward(tmp_path: Path) -> None:
+    """A module step given its own parameter as an argument: its recorded parameter grad holds what
+    came through the argument too, and a replay passes the rebuilt parameter there, so both the
+    argument's and the parameter's gradients replay bit for bit."""
+    torch.manual_seed(0)
+    head = TiedHead()
+    with recorder.record(tmp_path / "run.zarr", model=head, mode="full"):
+        head(torch.randint(0, 11, (5,)), head.emb.weight).logsumexp(-1).mean().backward()
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert rec.steps[0].extra["parameter_args"] == {"args.1": "emb.weight"}
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.index, step.phase, [d.summary() for d in result.outputs])
+        assert {d.name for d in result.outputs} == ({"output"} if step.phase == "forward" else {"args.1", "emb.weight"})
+
+
+@recorder.paper_step("Eq. 9", description="per-timestep states of a batch-first sequence")
+def per_step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return x.cumsum(1).unbind(1)
+
+
+def test_many_views_of_one_tensor_are_each_followed(tmp_path: Path) -> None:
+    """A step returning many disjoint views whose byte ranges all overlap (``unbind(1)``: told apart
+    by counting bytes) follows each for gradients, and its backward replays."""
+    x = torch.randn(3, 200, 2, requires_grad=True)
+    with recorder.record(tmp_path / "run.zarr", mode="full"):
+        torch.stack(per_step(x * 1)[::2]).sum().backward()
+    rec = replayer.open(tmp_path / "run.zarr")
+    back = rec.steps.filter(name="per_step", phase="backward")[0]
+    assert {r.name for r in back.records if r.role == "grad_output"} == {f"output.{k}" for k in range(0, 200, 2)}
+    assert replayer.replay(rec, back.index).match
