@@ -1,5 +1,9 @@
 """Operation-level bisection: replay one step with every aten operation checked, and name the first
-that turned finite inputs into NaN or Inf, with the user's source line.
+that turned finite inputs into NaN or Inf, with the user's source line. Where the step's result holds
+NaN, an operation that made Inf by writing a constant (masked_fill(mask, -inf), torch.full(..., -inf):
+a mask, which later operations absorb) is passed over: the first that made NaN is named (the softmax
+of a row that is all -inf), saying which operation wrote the Inf it made NaN of, unless an operation
+computed an Inf (an overflow, a division by zero) before it.
 
 A forward step runs under a ``TorchDispatchMode`` that checks each operation's outputs; the source
 line is the innermost frame of the Python stack that is the user's code (not torch's, not
@@ -11,10 +15,12 @@ computation each operation is attributed to the node running it and that node's 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import sysconfig
 import traceback
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 import recorder
 from recorder import stats as stats_mod
 
+from .bisect import layout_results
 from .compare import stats_dict
 from .recording import Recording, Step
 
@@ -52,26 +59,39 @@ class OpReport:
     index: int = 0  # how many operations the step ran before it, from 0
     inputs: list[dict[str, Any]] = field(default_factory=list)
     outputs: list[dict[str, Any]] = field(default_factory=list)
-    # None: it made NaN/Inf from finite inputs. "inf": no operation of the step did (the Inf came in),
-    # and this one made NaN of Inf (inf - inf, 0 * inf). "forward": in a backward step none did, and this
-    # operation of its forward made the NaN (masked there: torch.where(x > 0, x.sqrt(), 0)) that the
-    # backward then carried into the gradient.
+    # None: it made NaN/Inf from finite inputs. "inf": it made NaN of Inf (inf - inf, 0 * inf), an Inf
+    # that came into the step or, with inf_from, that an earlier operation made. "forward": in a backward
+    # step none did, and this operation of its forward made the NaN (masked there: torch.where(x > 0,
+    # x.sqrt(), 0)) that the backward then carried into the gradient.
     made: str | None = None
+    of_inf: bool = False  # it made NaN of Inf, not of finite values
+    inf_from: OpReport | None = None  # the operation of the step (or its forward) that made that Inf, if one did
 
     def to_json(self) -> dict[str, Any]:
+        doc = self._json()
+        doc["inf_from"] = self.inf_from._json() if self.inf_from is not None else None
+        return doc
+
+    def _json(self) -> dict[str, Any]:
         return {"name": self.name, "file": self.file, "line": self.line, "code": self.code,
                 "function": self.function, "overload": self.overload, "phase": self.phase, "node": self.node,
                 "index": self.index, "inputs": self.inputs, "outputs": self.outputs, "made": self.made}
 
     def how(self) -> str | None:
         """How this operation made the step's first NaN/Inf, when not from finite inputs (``made``)."""
-        if self.made == "inf":
+        if self.made == "inf" and self.inf_from is None:
             return (f"no operation inside the step made the Inf (it came in); {self.name} made NaN of it "
                     "(inf - inf, 0 * inf)")
+        if self.made == "inf":
+            by = "the step's forward" if self.inf_from.phase != self.phase else "an earlier operation of the step"
+            return f"{self.name} made NaN of an Inf (inf - inf, 0 * inf) that {by} made: {self.inf_from.where()}"
         if self.made == "forward":
-            return (f"no operation of the backward made NaN from finite values: the forward's {self.name} made it, "
-                    "where the forward's output did not keep it (masked: torch.where, a product with 0), and its "
-                    "backward carried it into the gradient")
+            of = " of an Inf (inf - inf, 0 * inf)" if self.of_inf else ""
+            source = "" if self.inf_from is None else \
+                f"; the forward's {self.inf_from.name} made that Inf: {self.inf_from.where()}"
+            return (f"no operation of the backward made NaN from finite values: the forward's {self.name} made "
+                    f"it{of}, where the forward's output did not keep it (masked: torch.where, masked_fill, a product "
+                    f"with 0), and its backward carried it into the gradient{source}")
         return None
 
     def where(self) -> str:
@@ -116,20 +136,23 @@ def _nonfinite(t: torch.Tensor) -> bool:
     return t.numel() > 0 and not bool(torch.isfinite(t).all())
 
 
-def _made_nonfinite(func: Any, outs: list[torch.Tensor], given: list[torch.Tensor]) -> bool:
-    """Whether an operation whose outputs hold NaN/Inf made some: its inputs were all finite (none in
-    ``given``, the non-finite ones), or it is pointwise and an output is non-finite where every input
-    (broadcast) was finite (``exp`` of scores that overflow, next to the -inf of a mask: the mask's
-    -inf gives 0, the overflow Inf)."""
+def _made(func: Any, outs: list[torch.Tensor], given: list[Any], bad: Any) -> bool:
+    """Whether an operation made values that are ``bad`` (``torch.isnan``, or ``_not_finite``) in its
+    outputs: none of its inputs held any (``given``: for each input that did, where its values were
+    not, as it was before the operation; None for an operation that is not pointwise), or it is
+    pointwise and an output is bad where every input (broadcast) was not (``exp`` of scores that
+    overflow, next to the -inf of a mask: the mask's -inf gives 0, the overflow Inf)."""
+    if not any(bool(bad(out).any()) for out in outs):
+        return False
     if not given:
         return True
     if torch.Tag.pointwise not in getattr(func, "tags", ()):
-        return False  # its non-finite inputs can reach any of its outputs
+        return False  # its bad inputs can reach any of its outputs
     for out in outs:
-        new = ~torch.isfinite(out)
+        new = bad(out)
         try:
-            for t in given:
-                new &= torch.isfinite(t).broadcast_to(out.shape)
+            for ok in given:
+                new &= ok.broadcast_to(out.shape)
         except RuntimeError:  # an input that does not broadcast to this output (another of its outputs)
             continue
         if bool(new.any()):
@@ -137,45 +160,136 @@ def _made_nonfinite(func: Any, outs: list[torch.Tensor], given: list[torch.Tenso
     return False
 
 
+def _not_finite(t: torch.Tensor) -> torch.Tensor:
+    return ~torch.isfinite(t)
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError, TypeError):  # a tensor without storage (a subclass's)
+        return None
+
+
+@dataclass
+class _Given:
+    """A non-finite input of an operation, as it was before the operation (which may write into it)."""
+
+    tensor: torch.Tensor
+    nan: bool  # it held NaN
+    finite: torch.Tensor | None  # where it was finite (only for a pointwise operation, the only one that asks)
+    not_nan: torch.Tensor | None  # where it was not NaN (the same)
+
+
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
 class _Finder(TorchDispatchMode):
-    def __init__(self, phase: str) -> None:
+    """``nan``: the step's result holds NaN, so the first operation that made NaN is looked for too,
+    past one that made only Inf, and where each Inf came from (a tensor's storage to the operation that
+    made its Inf from finite values), to say what that operation made its NaN of. ``whole``: go on to
+    the end (a backward step's forward, whose Inf the backward may take from saved tensors).
+    ``earlier``: the forward's finder of a backward step, which knows where the forward's Inf came from."""
+
+    def __init__(self, phase: str, *, nan: bool = False, whole: bool = False, earlier: _Finder | None = None) -> None:
         super().__init__()
-        self.phase = phase
-        self.found: OpReport | None = None
-        self.nan_of_inf: OpReport | None = None  # the first that made NaN where its inputs held Inf, no NaN
+        self.phase, self.nan, self.whole, self.earlier = phase, nan, whole, earlier
+        self.found: OpReport | None = None  # the first that made NaN/Inf from finite inputs
+        self.computed: OpReport | None = None  # the first that did so, not by writing an Inf of the code (a mask)
+        self.first_nan: OpReport | None = None  # the first that made NaN: of finite values, or of Inf (made "inf")
+        self.infs: dict[int, tuple[weakref.ref[torch.Tensor], OpReport]] = {}  # nan: storage -> who made its Inf
         self.count = 0
         self.literals: list[torch.Tensor] = []  # NaN/Inf written in the code (y[m] = float("nan")), lifted to tensors
 
+    @property
+    def looking(self) -> bool:
+        return self.found is None or (self.nan and ((self.first_nan is None and self.computed is None) or self.whole))
+
+    @property
+    def named(self) -> OpReport | None:
+        """The operation to name where the step's result holds NaN: the first that made NaN, or that
+        computed an Inf before it; None when neither did."""
+        made = [op for op in (self.computed, self.first_nan) if op is not None]
+        return min(made, key=lambda op: op.index) if made else None
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        looking = self.looking
         # An operation that writes into its input (y[1, 3:] = nan: fill_ of a view) is judged by its
         # inputs as they were before it wrote.
         before, infos = None, None
-        if self.found is None and func._schema.is_mutable:
-            before = self._given(args, kwargs)
+        if looking and func._schema.is_mutable:
+            before = self._given(func, args, kwargs)
             infos = [_tensor_info(t) for t in _checked((args, kwargs))]  # (reported as they were)
         out = func(*args, **kwargs)
-        if self.found is None and func in _LIFTS:  # a constant of the code: what it is written into is the origin
+        if looking and func in _LIFTS:  # a constant of the code: what it is written into is the origin
             self.literals += [t for t in _checked(out) if _nonfinite(t)]
-        elif self.found is None:
+        elif looking:
             outs = _checked(out)
             if any(_nonfinite(t) for t in outs):
-                given = before if before is not None else self._given(args, kwargs)
-                if _made_nonfinite(func, outs, given):
-                    self.found = self._report(func, args, kwargs, outs, infos)
-                elif self.nan_of_inf is None and any(bool(t.isnan().any()) for t in outs) and \
-                        not any(bool(t.isnan().any()) for t in given):
-                    self.nan_of_inf = self._report(func, args, kwargs, outs, infos)
-                    self.nan_of_inf.made = "inf"
+                self._judge(func, args, kwargs, outs,
+                            before if before is not None else self._given(func, args, kwargs), infos)
             self.count += 1
         return out
 
-    def _given(self, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    def _judge(self, func: Any, args: Any, kwargs: Any, outs: list[torch.Tensor], given: list[_Given],
+               infos: list[dict[str, Any]] | None) -> None:
+        report: OpReport | None = None
+
+        def reported() -> OpReport:
+            nonlocal report
+            if report is None:
+                report = self._report(func, args, kwargs, outs, infos)
+            return report
+
+        made = _made(func, outs, [g.finite for g in given], _not_finite)
+        if made and self.found is None:
+            self.found = reported()
+        if made and self.computed is None and not self._writes_inf(args, kwargs):
+            self.computed = reported()
+        if self.first_nan is None and _made(func, outs, [g.not_nan for g in given if g.nan], torch.isnan):
+            self.first_nan = reported()
+            if not _made(func, outs, [g.finite for g in given], torch.isnan):  # no NaN where all was finite
+                self.first_nan.of_inf = True
+                self.first_nan.made = "inf"
+                self.first_nan.inf_from = self._inf_of(given)
+        elif self.nan:  # where the Inf of its outputs came from: this operation, or where its inputs' came from
+            source = reported() if made else self._inf_of(given)
+            if source is not None:
+                for t in outs:
+                    key = _storage(t) if _nonfinite(t) else None
+                    if key is not None:
+                        self.infs[key] = (weakref.ref(t, self._forget(key)), source)
+
+    def _writes_inf(self, args: Any, kwargs: Any) -> bool:
+        """Whether an operation writes an Inf written in the code (a scalar -inf argument, a literal
+        lifted to a tensor), as one building a mask does, rather than computing it."""
+        return any((isinstance(x, float) and math.isinf(x)) or
+                   (isinstance(x, torch.Tensor) and any(x is c for c in self.literals) and _nonfinite(x))
+                   for x in tree_leaves((args, kwargs)))
+
+    def _forget(self, key: int) -> Any:
+        def forget(ref: weakref.ref[torch.Tensor]) -> None:  # (its memory may hold another tensor next)
+            if self.infs.get(key, (None,))[0] is ref:
+                del self.infs[key]
+        return forget
+
+    def _inf_of(self, given: list[_Given]) -> OpReport | None:
+        """The operation that made the Inf of the first of these inputs whose Inf an operation made."""
+        for g in given:
+            key = _storage(g.tensor)
+            for finder in (self, self.earlier):
+                entry = finder.infs.get(key) if finder is not None and key is not None else None
+                if entry is not None and entry[0]() is not None:
+                    return entry[1]
+        return None
+
+    def _given(self, func: Any, args: Any, kwargs: Any) -> list[_Given]:
         """An operation's non-finite inputs, but for the constants written in the code."""
-        return [t for t in _checked((args, kwargs)) if _nonfinite(t) and not any(t is c for c in self.literals)]
+        masks = torch.Tag.pointwise in getattr(func, "tags", ())
+        return [_Given(t, bool(t.isnan().any()), torch.isfinite(t) if masks else None,
+                       ~torch.isnan(t) if masks else None)
+                for t in _checked((args, kwargs)) if _nonfinite(t) and not any(t is c for c in self.literals)]
 
     def _report(self, func: Any, args: Any, kwargs: Any, outs: list[torch.Tensor],
                 inputs: list[dict[str, Any]] | None = None) -> OpReport:
@@ -203,12 +317,16 @@ class _Finder(TorchDispatchMode):
 def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bundled_source: bool = False,
                notes: list[str] | None = None, script: str | os.PathLike[str] | None = None) -> OpReport | None:
     """Replay ``step`` operation by operation; the first that made NaN/Inf from finite inputs, or
-    None when none did (the values then came from outside the step's operations). ``notes``
+    None when none did (the values then came from outside the step's operations); where the step's
+    result holds NaN, the first that made NaN (of an Inf: ``made``, ``inf_from``) unless one computed
+    an Inf before it, passing over those that wrote an Inf of the code (a mask's -inf). ``notes``
     receives the replay's warnings that its code is not the recorded code (edited since).
     ``script``: where the training script is now, if it moved (as ``replayer.replay``'s)."""
     from .replay import Replayer
 
     finders: dict[str, _Finder] = {}
+    results = layout_results(step.phase)
+    nan = any(r.stats["nan"] for r in step.records if r.role in results)
 
     @contextlib.contextmanager
     def around(stage: str) -> Iterator[None]:
@@ -218,7 +336,8 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
                 # warning detect_anomaly gives, which only warnings.catch_warnings() would hide, and that
                 # swaps the whole process's filters, from a TUI worker's thread too)
                 stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
-            finders[stage] = stack.enter_context(_Finder(stage))
+            earlier = finders.get("forward") if stage != "forward" else None
+            finders[stage] = stack.enter_context(_Finder(stage, nan=nan, whole=stage != step.phase, earlier=earlier))
             yield
 
     result = Replayer(rec, script=script, use_bundled_source=use_bundled_source).replay(
@@ -228,9 +347,13 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
     finder = finders.get(step.phase)
     if finder is None:
         return None
-    if finder.found is None and step.phase == "backward" and "forward" in finders:
-        masked = finders["forward"].found  # a NaN the forward made and hid, which the backward carried
-        if masked is not None:
-            masked.made = "forward"
-            return masked
-    return finder.found or finder.nan_of_inf
+    forward = finders.get("forward") if step.phase == "backward" else None
+    if nan and finder.named is not None:
+        return finder.named
+    if nan and forward is not None and forward.named is not None:
+        forward.named.made = "forward"  # a NaN the forward made and hid, which the backward carried
+        return forward.named
+    if finder.found is None and forward is not None and forward.found is not None:
+        forward.found.made = "forward"
+        return forward.found
+    return finder.found or finder.first_nan

@@ -134,3 +134,40 @@ def record_masked(path: object, boosts: tuple[float, ...], build_mask: bool = Fa
             model(x, boost).square().mean().backward()
             opt.step()
             opt.zero_grad()
+
+
+class PaddedAttention(nn.Module):
+    """nn.MultiheadAttention given a bool key_padding_mask, which it turns into -inf itself
+    (masked_fill_ in _canonical_mask) at every call; a sequence that is all padding makes its
+    softmax NaN (every key -inf)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(d, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.mha(x, x, x, key_padding_mask=pad)[0]
+
+
+class PaddedModel(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.attn = PaddedAttention(d)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(x, pad)
+
+
+def record_padded(path: object, empty_at: int = 2, iterations: int = 3) -> None:
+    """One padded batch an iteration, with an empty sequence (all padding) at ``empty_at``."""
+    torch.manual_seed(0)
+    model = PaddedModel()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with recorder.record(path, model=model, optimizer=opt, modules=["attn"]):
+        for i in range(iterations):
+            x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(i))
+            lengths = torch.tensor([5, 3, 0 if i == empty_at else 2])
+            pad = torch.arange(5)[None, :] >= lengths[:, None]
+            model(x, pad).square().mean().backward()
+            opt.step()
+            opt.zero_grad()

@@ -114,6 +114,65 @@ def test_operations_that_make_nan_of_an_inf_or_in_a_masked_forward_are_named(tmp
     assert op.line == line_of(safe_root, "torch.sqrt") and "the forward's aten::sqrt made it" in origin.op_note
 
 
+def test_a_softmax_over_a_key_padding_mask_is_named_not_the_masked_fill_that_wrote_the_mask(tmp_path: Path) -> None:
+    """nn.MultiheadAttention turns a bool key_padding_mask into -inf (masked_fill_, at every call);
+    a sequence that is all padding makes its softmax NaN. --ops named the masked_fill_ (the first
+    operation that made a non-finite value from finite ones), with no word of the NaN; it names the
+    softmax, and says which operation wrote the Inf it made NaN of."""
+    path = tmp_path / "run.zarr"
+    nanmodels.record_padded(path)
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    step = origin.step
+    assert step is not None and (step.name, step.phase, step.iteration) == ("PaddedAttention", "forward", 2)
+    op = origin.op
+    assert op is not None and (op.name, op.phase, op.made) == ("aten::_softmax", "forward", "inf"), origin.op_note
+    assert op.inputs[0]["stats"]["nan"] == 0 and op.inputs[0]["stats"]["inf"] > 0 and op.outputs[0]["stats"]["nan"] > 0
+    line = line_of(nanmodels.PaddedAttention.forward, "self.mha(")
+    assert op.inf_from is not None and (op.inf_from.name, op.inf_from.line) == ("aten::masked_fill_", line)
+    assert op.line == line and origin.op_note == (
+        "aten::_softmax made NaN of an Inf (inf - inf, 0 * inf) that an earlier operation of the step made: "
+        f"{op.inf_from.where()}")
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert res.returncode == 1 and "operation: aten::_softmax\n" in res.stdout and origin.op_note in res.stdout
+    doc = json.loads(pdbg("bisect", str(path), "--ops", "--json", cwd=tmp_path).stdout)
+    assert (doc["op"]["name"], doc["op"]["made"], doc["op"]["inf_from"]["name"]) == \
+        ("aten::_softmax", "inf", "aten::masked_fill_")
+    assert doc["op"]["inf_from"]["line"] == line and doc["op_note"] == origin.op_note
+
+
+@recorder.paper_step("Eq. 8", description="softmax(s + M), the rows of an empty sequence zeroed after it")
+def zeroed_attention(s: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    s = s + torch.zeros(pad.shape).masked_fill(pad, float("-inf"))[:, None, :]
+    w = s.softmax(-1)
+    return w.masked_fill(pad.all(-1)[:, None, None], 0.0)
+
+
+def test_a_softmax_nan_hidden_in_the_forward_is_named_not_the_masked_fill_that_wrote_the_mask(tmp_path: Path) -> None:
+    """The forward's softmax of an empty sequence's scores (all -inf) is NaN, zeroed after it; the
+    backward carries that NaN into the gradient. --ops said the forward's masked_fill (writing the
+    -inf of the mask) made the NaN; it is the forward's softmax, of the Inf that masked_fill made."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        for empty in (False, True):
+            s = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(int(empty)), requires_grad=True)
+            pad = torch.tensor([[False, False, True, True], [empty] * 4])
+            (zeroed_attention(s, pad) * torch.arange(16.0).reshape(4, 4)).sum().backward()
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    step = origin.step
+    assert step is not None and (step.name, step.phase, step.iteration) == ("zeroed_attention", "backward", 0)
+    assert step.call == 1
+    op = origin.op
+    assert op is not None and (op.name, op.phase, op.made) == ("aten::_softmax", "forward", "forward"), origin.op_note
+    assert op.of_inf
+    assert op.line == line_of(zeroed_attention, "s.softmax(-1)")
+    assert op.inf_from is not None and op.inf_from.name == "aten::masked_fill"
+    assert op.inf_from.line == line_of(zeroed_attention, "masked_fill(pad")
+    assert origin.op_note.startswith("no operation of the backward made NaN from finite values: the forward's "
+                                     "aten::_softmax made it of an Inf (inf - inf, 0 * inf), where the forward's "
+                                     "output did not keep it"), origin.op_note
+    assert origin.op_note.endswith(f"; the forward's aten::masked_fill made that Inf: {op.inf_from.where()}")
+
+
 def test_a_nan_born_in_the_backward_only(tmp_path: Path) -> None:
     """sqrt at 0: the forward is finite, the gradient is not; the origin is the backward step, and
     the operation is the backward's, attributed to the forward line of the sqrt."""

@@ -247,6 +247,25 @@ def test_choosing_a_tensor_in_the_step_pane(nan_path: Path) -> None:
     run(body, nan_path)
 
 
+def test_bisect_names_the_softmax_of_a_key_padding_mask_as_first_nonfinite_does(tmp_path: Path) -> None:
+    """`b` on a run whose nn.MultiheadAttention got a sequence that is all padding named the
+    masked_fill_ writing the mask's -inf; it names the softmax that made the NaN, as
+    replayer.first_nonfinite(ops=True) does, and the masked_fill_ as where its Inf came from."""
+    path = tmp_path / "run.zarr"
+    nanmodels.record_padded(path)
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert origin.op is not None and origin.op.name == "aten::_softmax"
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("b")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.timeline.step_index == origin.step.index
+        assert f"operation: {origin.op.where()}\n{origin.op_note}" in panel(app), panel(app)
+
+    run(body, path)
+
+
 def test_actions_replay_bisect_edit_swap(nan_path: Path) -> None:
     async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
         await pilot.press("r")
