@@ -165,8 +165,8 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 def _kept(t: torch.Tensor, limit: int) -> torch.Tensor | None:
     try:  # (a subclass, a quantized tensor: its version counter alone tells; a byte view of one may crash)
-        if (type(t) not in _PLAIN_TENSORS or t.is_quantized or t.device.type != "cpu" or t.layout != torch.strided
-                or t.numel() * t.element_size() > limit):
+        if (type(t) not in _PLAIN_TENSORS or t.is_quantized or t.is_nested or t.device.type != "cpu"
+                or t.layout != torch.strided or t.numel() * t.element_size() > limit):
             return None
         return t.detach().clone()
     except Exception:  # noqa: BLE001
@@ -240,6 +240,7 @@ class Session:
         self.closed = False  # set by close(): callbacks of graphs that outlive the recording do nothing
         self.failure: str | None = None
         self._slow_warned = False  # the warning that payloads are being dropped was given
+        self._unread_warned = False  # the warning that a tensor could not be captured was given
         # Names of payloads sent before they are hashed; next() is atomic under the GIL.
         self._tokens = itertools.count(1)
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
@@ -782,7 +783,7 @@ class Session:
             return self._capture_inputs(frame, module, args, kwargs)
         except Exception as exc:
             # Every index must reach the writer, or the steps after it could never be committed.
-            frame.notes.append(f"capture failed: {type(exc).__name__}: {exc}")
+            frame.notes.append(f"{layout.CAPTURE_FAILED_NOTE}: {type(exc).__name__}: {exc}")
             frame.t_end = frame.t_start
             self._submit(frame)
             raise
@@ -891,7 +892,7 @@ class Session:
                 if link is not None:
                     out = self._tap_outputs(link, out, tapped & nested, frame, slots)
             except Exception as exc:
-                frame.notes.append(f"capture failed: {type(exc).__name__}: {exc}")
+                frame.notes.append(f"{layout.CAPTURE_FAILED_NOTE}: {type(exc).__name__}: {exc}")
                 raise
             finally:
                 self._monitor(frame, out)
@@ -1059,10 +1060,11 @@ class Session:
                 frame.notes.append(f"watch({name!r}) got a {type(tensor).__name__}, not a tensor")
                 return
             shape = expect.get("expected_shape")
+            actual = _shape_of(tensor)
             if shape is not None and (len(shape) != tensor.dim() or any(
-                    e is not None and e != s for e, s in zip(shape, tensor.shape))):
+                    e is not None and e != s for e, s in zip(shape, actual))):
                 expect["shape_alert"] = {"watch": name, "check": "shape", "expected": shape,
-                                         "actual": list(tensor.shape), "reference": expect.get("reference")}
+                                         "actual": list(actual), "reference": expect.get("reference")}
             with transforms.outside_if(frame.vmap is not None):
                 self._capture(frame, "watch", name, tensor)
             frame.expectations.append(expect)
@@ -1152,7 +1154,30 @@ class Session:
                 self._capture(frame, "output", f"{layout.AFTER_PREFIX}{name}", t)
 
     def _capture(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
-        """Snapshot one tensor into the frame; returns its record name (for the arguments document)."""
+        """Snapshot one tensor into the frame; returns its record name (for the arguments document).
+        A tensor that cannot be read as the recorder expects (a tensor subclass or layout it does not
+        know) gets a record with what could be read and a note saying why: one odd tensor must not
+        stop the recording of every step after it."""
+        try:
+            return self._capture_tensor(frame, role, name, t)
+        except WriterStopped:
+            raise
+        except Exception as exc:  # (its record is appended last: none was)
+            frame.tensors.append(TensorItem(role=ROLE[role], name=name, dtype=_dtype_text(t), device=_device_text(t),
+                                            requires_grad=bool(getattr(t, "requires_grad", False)),
+                                            shape=_shape_of(t), stride=(), stats=stats_mod.EMPTY, payload=None,
+                                            held=self.iteration))
+            message = " ".join(str(exc).split())[:300]
+            frame.notes.append(f"{name}: {type(t).__name__} that could not be captured ({type(exc).__name__}: "
+                               f"{message}): {layout.METADATA_NOTE}, without statistics")
+            if not self._unread_warned:
+                self._unread_warned = True
+                warn(f"PaperDebugger could not capture {name} of {frame.defn.name} ({type(t).__name__}; "
+                     f"{type(exc).__name__}: {message}): its record keeps what could be read and a note, and "
+                     "recording goes on (once; the step's notes name each such tensor)", stacklevel=_outside_recorder())
+            return name
+
+    def _capture_tensor(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
         requires_grad = t.requires_grad
         if isinstance(t, _UNINITIALIZED):  # a lazy module's, before the call that gives it its shape
             frame.tensors.append(TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype),
@@ -1169,12 +1194,19 @@ class Session:
         t = t.detach()
         device = t.device
         on_cpu = device.type == "cpu"
-        meta_only = t.layout != torch.strided or device.type == "meta"
+        meta_only = t.is_nested or t.layout != torch.strided or device.type == "meta"
         item = TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype), device=str(device),
-                          requires_grad=requires_grad, shape=tuple(t.shape),
+                          requires_grad=requires_grad, shape=_shape_of(t),
                           stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None,
                           held=self.iteration)
-        if meta_only:
+        if t.is_nested:  # (torch.nested, jagged or strided): ragged dimensions have no size, and no strides
+            parts = t.unbind()
+            frame.notes.append(f"{name}: nested tensor ({_layout_text(t)} layout) of {_nested_sizes(parts)} on "
+                               f"{device}: {layout.METADATA_NOTE}; statistics over all its values, its ragged "
+                               f"dimensions {layout.RAGGED_DIM} in its shape")
+            if parts:
+                item.stats = self._stats(frame, name, torch.cat([p.reshape(-1) for p in parts]), on_cpu)
+        elif meta_only:
             values = _stored_values(t)
             if values is None:
                 frame.notes.append(f"{name}: {t.layout} tensor on {device}: {layout.METADATA_NOTE}")
@@ -1685,6 +1717,49 @@ def exception_doc(exc: BaseException, limit: int | None = 50) -> dict[str, str]:
     ``limit`` frames), cut to bounded lengths."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=limit))
     return {"type": jsonval.type_ref(type(exc)), "message": str(exc)[:10000], "traceback": tb[-20000:]}
+
+
+def _shape_of(t: Any) -> tuple[int, ...]:
+    """A tensor's shape as plain ints: a dimension without one size (a nested tensor's ragged one, the
+    symbolic ``j1`` of the jagged layout) is ``layout.RAGGED_DIM``, and a tensor whose dimensions cannot
+    be read at all has shape ()."""
+    try:
+        if not t.is_nested:
+            shape = tuple(t.shape)
+            if all(type(d) is int for d in shape):
+                return shape
+            return tuple(d if type(d) is int else layout.RAGGED_DIM for d in shape)  # (a symbolic size)
+        sizes = [tuple(p.shape) for p in t.unbind()]
+        inner = [s[0] if len(set(s)) == 1 else layout.RAGGED_DIM for s in zip(*sizes)] if sizes else \
+            [layout.RAGGED_DIM] * (t.dim() - 1)
+        return (len(sizes), *(int(d) for d in inner))
+    except Exception:  # noqa: BLE001 - (what a record without shape says instead: its note)
+        return ()
+
+
+def _nested_sizes(parts: tuple[torch.Tensor, ...], shown: int = 8) -> str:
+    """The sizes of a nested tensor's tensors, for its note: "2 tensors of sizes (3, 4), (5, 4)"."""
+    sizes = ", ".join(str(tuple(p.shape)).replace(",)", ")") for p in parts[:shown])
+    more = f", ... ({len(parts) - shown} more)" if len(parts) > shown else ""
+    return f"{len(parts)} tensor{'' if len(parts) == 1 else 's'}" + (f" of sizes {sizes}{more}" if parts else "")
+
+
+def _layout_text(t: torch.Tensor) -> str:
+    return str(t.layout).removeprefix("torch.")
+
+
+def _dtype_text(t: Any) -> str:
+    try:
+        return payload_mod.dtype_name(t.dtype)
+    except Exception:  # noqa: BLE001
+        return str(getattr(t, "dtype", "unknown")).removeprefix("torch.")
+
+
+def _device_text(t: Any) -> str:
+    try:
+        return str(t.device)
+    except Exception:  # noqa: BLE001
+        return "unknown"
 
 
 def _stored_values(t: torch.Tensor) -> torch.Tensor | None:

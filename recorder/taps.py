@@ -146,7 +146,10 @@ _TAP_NODE = _Tap._backward_cls  # type: ignore[attr-defined]
 
 
 def wants_tap(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.requires_grad and value.layout == torch.strided
+    """Whether a tap can follow ``value`` for gradients: a strided tensor that requires grad (a nested
+    tensor's strided layout has no one shape for a tap's view of it: not followed)."""
+    return isinstance(value, torch.Tensor) and value.requires_grad and value.layout == torch.strided \
+        and not value.is_nested
 
 
 def argument_slots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[tuple[str, Any], torch.Tensor]]:

@@ -108,6 +108,8 @@ def describe(step: Step) -> str:
 def _counts(r: TensorRecord) -> str:
     """How many of a record's values are NaN and Inf: "1020 NaN, 4 Inf of 1024"."""
     counts = [f"{int(r.stats[k])} {'NaN' if k == 'nan' else 'Inf'}" for k in ("nan", "inf") if r.stats[k]]
+    if any(d < 0 for d in r.shape):  # a nested tensor's ragged dimension: no count from the shape
+        return ", ".join(counts)
     return f"{', '.join(counts)} of {int(np.prod(r.shape))}"
 
 

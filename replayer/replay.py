@@ -494,6 +494,12 @@ class Replayer:
         records = step.records
         warnings += [f"{note} (a likely cause of any difference)" for note in step.extra.get("notes", [])
                      if layout.GLOBAL_HOOK_NOTE in note and not any(note in w for w in warnings)]
+        failed = next((n for n in step.extra.get("notes", []) if isinstance(n, str)
+                       and n.startswith(f"{layout.CAPTURE_FAILED_NOTE}: ")), None)
+        if failed is not None:  # its arguments or outputs are missing: a replay would run another call
+            raise ReplayError(f"step {step.index} ({step.name}): the recorder failed to capture this call "
+                              f"({failed.removeprefix(f'{layout.CAPTURE_FAILED_NOTE}: ')}) and stopped recording "
+                              "there; it cannot be replayed")
         lazy = step.uninitialized
         for r in records:
             if r.role in ("input", "param", "buffer") and not r.has_payload and r.name not in lazy:

@@ -600,11 +600,31 @@ def _kept(rec: Any) -> tuple[list[int], int]:
         step = rec.step(i)
         own[i] = {r.name for r in step.records if r.role in ("param", "buffer") and not r.has_payload} <= \
             step.uninitialized and all(r.has_payload for r in step.records if r.role in ("input", "grad_output"))
+    # A step of an iteration whose tensors were kept, whose tensors without bytes are so by their own note
+    # (a nested or sparse input, a tensor the recorder could not read): replayed, to be listed as not
+    # replayable with that note, not counted with the steps the recording's mode kept statistics of.
+    for i in np.flatnonzero(~own & _iterations_kept(rec)).tolist():
+        step = rec.step(i)
+        unkept = [r for r in step.records if r.role in ("input", "param", "buffer", "grad_output")
+                  and not r.has_payload and r.name not in step.uninitialized]
+        own[i] = bool(unkept) and all(layout.METADATA_NOTE in step.why_statistics_only(r) for r in unkept)
     forward = rank.column("steps/forward").astype(np.int64)
     backward = (rank.column("steps/phase") == 1) & (forward >= 0)
     kept = own.copy()
     kept[backward] &= own[forward[backward]]
     return np.flatnonzero(kept).tolist(), int((own & ~kept).sum())
+
+
+def _iterations_kept(rec: Any) -> np.ndarray:
+    """Per step, whether the recording's mode kept the tensors of its iteration: every iteration in
+    full mode (every k-th with ``every``), the iterations flight mode's ring wrote out, none in stats mode."""
+    iterations = rec.rank.column("steps/iteration").astype(np.int64)
+    mode, every = rec.run_info.get("mode"), rec.run_info.get("every")
+    if mode == "full":
+        return iterations % every == 0 if isinstance(every, int) and every > 1 else np.ones(len(iterations), bool)
+    if mode == "flight":
+        return np.isin(iterations, rec.rank.ring_iterations() or [])
+    return np.zeros(len(iterations), bool)
 
 
 _ALIKE_LISTED = 3  # steps refused for one reason listed one by one; more are one line

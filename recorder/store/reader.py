@@ -767,7 +767,9 @@ class RankReader:
         for i in range(stop - start):
             row, ndim, first = start + i, int(ndims[i]), int(dstarts[i]) - lo
             own = dims[first:first + 2 * ndim]
-            if len(own) != 2 * ndim or (own[:ndim] < 0).any():
+            if len(own) != 2 * ndim or ((own[:ndim] < 0).any() and not (
+                    self._ragged and int(cols["payload"][i]) == layout.NO_REF and row not in self._late
+                    and (own[:ndim] >= layout.RAGGED_DIM).all())):
                 raise FormatError(f"{self.run.label}: tensor record {row} has a shape past the committed data "
                                   "or with negative sizes; the recording is damaged")
             out.append(TensorRecord(
@@ -779,6 +781,11 @@ class RankReader:
                 stats={k: float(v) for k, v in zip(layout.STAT_NAMES, cols["stats"][i])},
                 payload=self._late.get(row, int(cols["payload"][i]))))
         return out
+
+    @cached_property
+    def _ragged(self) -> bool:
+        """Whether a record's shape may hold ``layout.RAGGED_DIM`` (a nested tensor's ragged dimension, 1.17)."""
+        return layout.parse_version(self.run.schema_version) >= layout.RAGGED_SINCE
 
     def payload_column(self) -> np.ndarray:
         """The payload row of every tensor record (-1: statistics only), the payloads attached

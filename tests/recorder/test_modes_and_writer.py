@@ -223,14 +223,21 @@ def test_a_failed_writer_reads_incomplete_once_close_returns(run_path, monkeypat
 
 
 def test_capture_failure_degrades(run_path, monkeypatch):
-    """An internal error while capturing a step warns once and the call still returns its result."""
+    """An internal error while capturing a tensor warns once, the call still returns its result, and
+    the tensor's record says why it holds no statistics: recording goes on (it stopped, the run
+    incomplete, before one odd tensor could no longer end a recording)."""
     monkeypatch.setattr(stats, "host_stats", lambda t: 1 / 0)  # statistics alone
     monkeypatch.setattr(stats, "copy_stats", lambda t, dst, src: 1 / 0)  # statistics taken with a copy
-    with pytest.warns(recorder.RecorderWarning, match="ZeroDivisionError"):
+    with pytest.warns(recorder.RecorderWarning, match="ZeroDivisionError") as caught:
         with recorder.record(run_path) as run:
             out = [scale(torch.ones(2)) for _ in range(3)]
     assert all(torch.equal(o, torch.full((2,), 2.0)) for o in out)
-    assert run.failure is not None
+    assert run.failure is None and run.status == "complete"
+    assert len([w for w in caught if "could not capture" in str(w.message)]) == 1
+    reader = RunReader(run_path).rank(0)
+    assert reader.lengths["steps"] == 3
+    assert all(reader.why_statistics_only(r).startswith("Tensor that could not be captured (ZeroDivisionError")
+               for step in range(3) for r in reader.tensor_records(step))
 
 
 def test_host_and_device_statistics_agree():

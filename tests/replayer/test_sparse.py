@@ -1,8 +1,11 @@
 """Sparse gradients (nn.Embedding(sparse=True)) are recorded as statistics of the values they store:
-a NaN in one is found; a backward replay compares the dense gradients and says which it could not."""
+a NaN in one is found; a backward replay compares the dense gradients and says which it could not.
+Nested tensors (torch.nested, jagged and strided) and tensors the recorder cannot read are records
+of statistics too, and the recording goes on; a step given one is listed as not replayable, with why."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from torch import nn
 import recorder
 import replayer
 from recorder.errors import ReplayError
+from tests.cli import pdbg_here
 
 
 @recorder.paper_step("Eq. 8", description="embed tokens, then project")
@@ -75,3 +79,170 @@ def test_a_backward_step_with_only_a_sparse_gradient_is_refused_in_one_line(tmp_
     rec = replayer.open(tmp_path / "run.zarr")
     with pytest.raises(ReplayError, match="has nothing a replay could compare: param_grad weight"):
         replayer.replay(rec, rec.steps.filter(phase="backward")[0].index)
+
+
+@recorder.paper_step("Eq. 1", description="an ordinary step")
+def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w
+
+
+@recorder.paper_step("Eq. 3", description="mean over a nested tensor of variable-length sequences")
+def _pool_nested(nt: torch.Tensor) -> torch.Tensor:
+    return torch.stack([t.mean(0) for t in nt.unbind()])
+
+
+def _nested_run(path: Path, layout: torch.layout, nested_at: int = 0) -> list[torch.Tensor]:
+    """Four iterations of an ordinary step, and in iteration ``nested_at`` a step given a nested tensor
+    (the first step of the run when 0); returns the nested tensor's parts."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    parts = [torch.randn(3, 4), torch.randn(5, 4)]
+    with recorder.record(path, optimizer=opt, mode="full") as run:
+        for it in range(4):
+            y = torch.zeros(())
+            if it == nested_at:
+                y = y + _pool_nested(torch.nested.nested_tensor(parts, layout=layout)).sum()
+            y = y + _project(torch.randn(2, 4), w).sum()
+            y.backward()
+            opt.step()
+            opt.zero_grad()
+    assert run.status == "complete"
+    return parts
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+def test_a_nested_tensor_keeps_its_statistics_and_the_recording_goes_on(tmp_path: Path, layout: torch.layout) -> None:
+    """A torch.nested tensor given to a step stopped the recording: the jagged layout's symbolic size
+    (j1) failed the writer, the whole recording lost when it came in iteration 0; the strided layout,
+    which has no sizes, failed capture, and its step was kept with no arguments. It is a record of
+    statistics, its ragged dimension -1 in its shape and its sizes in a note, and every step after it
+    is recorded."""
+    parts = _nested_run(tmp_path / "run.zarr", layout)
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert rec.status == "complete"
+    assert [(s.name, s.iteration) for s in rec.steps.filter(phase="forward")] == \
+        [("_pool_nested", 0), ("_project", 0), ("_project", 1), ("_project", 2), ("_project", 3)]
+    step = rec.steps.filter(name="_pool_nested")[0]
+    record = next(r for r in step.records if r.role == "input")
+    assert (record.name, record.shape, record.dtype, record.has_payload) == ("args.0", (2, -1, 4), "float32", False)
+    values = torch.cat([p.reshape(-1) for p in parts])
+    assert (record.stats["min"], record.stats["max"], record.stats["absmax"], record.stats["nan"]) == \
+        (values.min().item(), values.max().item(), values.abs().max().item(), 0)
+    assert step.why_statistics_only(record).startswith(
+        f"nested tensor ({str(layout).removeprefix('torch.')} layout) of 2 tensors of sizes (3, 4), (5, 4) on cpu: "
+        "metadata only")
+    assert step.tensor("output").shape == (2, 4)
+    assert not any(layout_note.startswith("capture failed") for layout_note in step.extra.get("notes", []))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+def test_a_step_given_a_nested_tensor_is_listed_as_not_replayable(tmp_path: Path, layout: torch.layout) -> None:
+    """`pdbg verify` replayed the strided-nested step with no arguments (a TypeError, "7 of 8", exit 1)
+    and `pdbg replay` printed MISMATCH: the step is one a replay cannot redo, listed with why, and the
+    others replay bit for bit."""
+    _nested_run(tmp_path / "run.zarr", layout, nested_at=1)
+    rec = replayer.open(tmp_path / "run.zarr")
+    step = rec.steps.filter(name="_pool_nested")[0]
+    with pytest.raises(ReplayError, match=r"kept statistics only for input args\.0 \(nested tensor"):
+        replayer.replay(rec, step.index)
+    res = pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert (doc["mismatches"], doc["matched"], doc["replayed"]) == ([], 8, 8)
+    assert [m["step"]["index"] for m in doc["not_replayed"]] == [step.index]
+    assert "nested tensor" in doc["not_replayed"][0]["reason"]
+    assert "statistics_only" not in doc
+
+
+class _Unreadable(torch.Tensor):
+    """A tensor subclass whose values cannot be taken out of autograd (as some wrappers refuse)."""
+
+    def detach(self) -> torch.Tensor:  # type: ignore[override]
+        raise RuntimeError("this wrapper cannot be detached")
+
+
+@recorder.paper_step("Eq. 4", description="scale")
+def _scale(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x.as_subclass(torch.Tensor) * 2 + y
+
+
+def test_a_tensor_the_recorder_cannot_read_degrades_its_record_not_the_recording(tmp_path: Path) -> None:
+    """Any failure to capture one tensor stopped the whole recording ("PaperDebugger stopped recording",
+    the run incomplete): that tensor's record keeps what could be read, a note says why, and the step
+    and the run go on."""
+    with pytest.warns(recorder.RecorderWarning, match=r"could not capture args\.0 of _scale \(_Unreadable; "
+                                                      r"RuntimeError: this wrapper cannot be detached\)"):
+        with recorder.record(tmp_path / "run.zarr", mode="full") as run:
+            for _ in range(2):
+                _scale(torch.ones(3).as_subclass(_Unreadable), torch.zeros(3))
+                run.next_iteration()
+    assert run.status == "complete"
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert len(rec.steps) == 2
+    step = rec.step(0)
+    odd = next(r for r in step.records if r.name == "args.0")
+    assert (odd.shape, odd.has_payload) == ((3,), False)
+    assert step.why_statistics_only(odd) == ("_Unreadable that could not be captured (RuntimeError: this wrapper "
+                                             "cannot be detached): metadata only, without statistics")
+    assert torch.equal(step.tensor("args.1"), torch.zeros(3)) and torch.equal(step.tensor("output"), 2 * torch.ones(3))
+    with pytest.raises(ReplayError, match="_Unreadable that could not be captured"):
+        replayer.replay(rec, 0)
+
+
+def test_a_step_whose_capture_failed_is_not_replayed_without_its_arguments(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose capture failed (the recorder stops there) was replayed with no arguments: a TypeError
+    reported as a MISMATCH. A replay refuses it and says why."""
+    from recorder import capture
+
+    def broken() -> list[str]:
+        raise RuntimeError("hooks unreadable")
+
+    with pytest.warns(recorder.RecorderWarning, match="PaperDebugger stopped recording"):
+        with recorder.record(tmp_path / "run.zarr", mode="full") as run:
+            _project(torch.ones(2, 4), torch.ones(4, 4))
+            run.next_iteration()
+            monkeypatch.setattr(capture.skeleton, "global_hooks", broken)
+            _project(torch.ones(2, 4), torch.ones(4, 4))
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert len(rec.steps) == 2 and rec.status == "incomplete"
+    with pytest.raises(ReplayError, match=r"the recorder failed to capture this call \(RuntimeError: hooks "
+                                          r"unreadable\) and stopped recording there; it cannot be replayed"):
+        replayer.replay(rec, 1)
+    res = pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert (res.returncode, doc["matched"], doc["mismatches"]) == (0, 1, [])
+    assert [m["step"]["index"] for m in doc["not_replayed"]] == [1]
+
+
+@recorder.paper_step("Eq. 5", description="scale a nested tensor")
+def _scale_nested(nt: torch.Tensor) -> torch.Tensor:
+    return nt * 2.0
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+def test_a_nested_tensor_that_requires_grad_is_recorded_through_its_backward(tmp_path: Path,
+                                                                            layout: torch.layout) -> None:
+    """A strided nested tensor that requires grad was followed for gradients like a strided tensor,
+    which has one shape, and the tap failed: the recording stopped. Nested tensors are not followed;
+    the forward steps, their outputs and the backward of the step after them are recorded."""
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    opt = torch.optim.SGD([a, b], lr=0.1)
+    first = torch.cat([a.detach().reshape(-1), b.detach().reshape(-1)])
+    with recorder.record(tmp_path / "run.zarr", optimizer=opt, mode="full") as run:
+        for _ in range(2):
+            nt = torch.nested.as_nested_tensor([a * 1, b * 1], layout=layout)
+            _pool_nested(_scale_nested(nt)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert run.status == "complete"
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert [(s.name, s.phase) for s in rec.steps.filter(iteration=1)] == \
+        [("_scale_nested", "forward"), ("_pool_nested", "forward"), ("_pool_nested", "backward")]
+    out = next(r for r in rec.steps.filter(name="_scale_nested")[0].records if r.role == "output")
+    assert (out.shape, out.has_payload) == ((2, -1, 4), False)
+    assert (out.stats["min"], out.stats["max"]) == ((2 * first).min().item(), (2 * first).max().item())
