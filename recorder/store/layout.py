@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.17"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.16"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -48,8 +48,8 @@ SCHEMA_VERSION = "1.17"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 # 1.15: a step's RNG document holds parts "global:<name>": generator objects its code reads as module-level globals
 # 1.16: documents keep their keys in the recorded object's order (a module's children and parameters, a dict
 #       argument's items; sorted before); the run's final attributes and manifest info list "module_objects":
-#       the places (step name, module path) several module objects ran as one step at, with their instances
-# 1.17: a tensor record's shape may hold RAGGED_DIM (a torch.nested tensor's ragged dimension; statistics only)
+#       the places (step name, module path) several module objects ran as one step at, with their instances;
+#       a tensor record's shape may hold RAGGED_DIM (a torch.nested tensor's ragged dimension; statistics only)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -60,7 +60,7 @@ KINDS_SINCE = (1, 8)  # recordings of this schema or later tell NaN from Inf in 
 # code, in the iteration); 1.2 to 1.9 counted per name, 1.0 and 1.1 per name and module path.
 CALLS_SINCE = (1, 10)
 MAPPINGS_SINCE = (1, 13)  # recordings of this schema or later keep dict subclasses as $mapping
-RAGGED_SINCE = (1, 17)  # recordings of this schema or later may hold RAGGED_DIM in a shape (elsewhere: damage)
+RAGGED_SINCE = (1, 16)  # recordings of this schema or later may hold RAGGED_DIM in a shape (elsewhere: damage)
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"
@@ -78,7 +78,7 @@ METADATA_NOTE = "metadata only"
 # and recording stopped there); a replay refuses it.
 CAPTURE_FAILED_NOTE = "capture failed"
 # A dimension without one size in a record's shape (a nested tensor's ragged dimension), in a record without
-# payload. Since 1.17.
+# payload. Since 1.16.
 RAGGED_DIM = -1
 # A record's note for a lazy module's parameter or buffer before its first call gave it a shape:
 # "<name>: " + this. The record has shape () and no statistics.

@@ -784,7 +784,7 @@ class RankReader:
 
     @cached_property
     def _ragged(self) -> bool:
-        """Whether a record's shape may hold ``layout.RAGGED_DIM`` (a nested tensor's ragged dimension, 1.17)."""
+        """Whether a record's shape may hold ``layout.RAGGED_DIM`` (a nested tensor's ragged dimension, 1.16)."""
         return layout.parse_version(self.run.schema_version) >= layout.RAGGED_SINCE
 
     def payload_column(self) -> np.ndarray:
