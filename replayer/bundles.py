@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -31,7 +32,7 @@ import numpy as np
 
 from recorder import jsonval
 from recorder.annotate import source_lines
-from recorder.errors import NotOnThisMachine, PdbgError
+from recorder.errors import NotOnThisMachine, PdbgError, ReplayError
 from recorder.items import OBJECTS_KEY
 from recorder.store import backend, codecs, layout
 from recorder.store.writer import StoreWriter
@@ -61,6 +62,7 @@ class BundleInfo:
     script: Path | None = None
     sources: list[str] = field(default_factory=list)  # the source files it carries (bundle.json's "sources")
     not_verified: str | None = None  # verify asked, the step could not be replayed here: why (a GPU step, no GPU)
+    unreplayable: str | None = None  # not verified, and its documents tell a replay is refused: why
 
     @property
     def main(self) -> int:
@@ -69,10 +71,10 @@ class BundleInfo:
 
     def to_json(self) -> dict[str, Any]:
         """``pdbg bundle --json``: {"path", "bytes", "steps", "verified", "main_step", "script", "sources",
-        "not_verified"}."""
+        "not_verified", "unreplayable"}."""
         return {"path": str(self.path), "bytes": self.bytes, "steps": self.steps, "verified": self.verified,
                 "main_step": self.main_step, "script": str(self.script) if self.script else None,
-                "sources": self.sources, "not_verified": self.not_verified}
+                "sources": self.sources, "not_verified": self.not_verified, "unreplayable": self.unreplayable}
 
     def __repr__(self) -> str:
         verified = {True: "verified: bitwise match", False: "verified: MISMATCH", None: "not verified"}[self.verified]
@@ -365,7 +367,9 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                 result = Replayer(check, use_bundled_source=session is not None).replay(check.step(new_main),
                                                                                         nested=False)
             except NotOnThisMachine as exc:  # a GPU step on a machine without one: written, unverified
-                not_verified = str(exc).replace(f"step {new_main} ", f"step {main.index} ", 1)
+                not_verified = _renumbered(str(exc), rows)
+            except ReplayError as exc:  # named as the recording numbers its steps: the bundle is not written
+                raise ReplayError(_renumbered(str(exc), rows)) from exc
             else:
                 verified = bool(result.match) if result.compared else None  # nothing compared: nothing verified
                 meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
@@ -379,7 +383,18 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
     finally:
         shutil.rmtree(work, ignore_errors=True)
     repro = _write_script(out) if repro_too else None
-    return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro, sorted(sources), not_verified)
+    from .replay import known_refusal
+
+    refusal = None if verify else known_refusal(main)
+    return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro, sorted(sources), not_verified,
+                      refusal)
+
+
+def _renumbered(message: str, rows: list[int]) -> str:
+    """A replay's message about a bundle's steps, with each "step N" the recording's number (``rows``:
+    the recording's index of each bundled step)."""
+    return re.sub(r"\bstep (\d+)\b", lambda m: f"step {rows[int(m[1])]}" if int(m[1]) < len(rows) else m[0],
+                  message)
 
 
 def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], main: Step,

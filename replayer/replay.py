@@ -999,9 +999,41 @@ Around = Callable[[str], contextlib.AbstractContextManager[Any]]
 
 
 def _second_order(step: Step) -> str:
+    bundle = step.rec.bundle_info
+    where = "" if bundle is None or bundle.get("iteration") else \
+        " (in the recording this bundle was made from: bundle that step, or the whole iteration with --iteration)"
     return (f"backward step {step.index} ran through the gradients an earlier backward pass took with "
             "create_graph=True (a gradient penalty): its gradients hold second-order terms that a replay of this "
-            "step's backward alone does not compute; that earlier pass's backward step replays")
+            f"step's backward alone does not compute; that earlier pass's backward step replays{where}")
+
+
+def known_refusal(step: Step) -> str | None:
+    """Why a replay of ``step`` is sure to be refused, where its documents alone tell (an argument that
+    could not be recorded as data; a second-order backward with no grad output to start from), or None:
+    what ``pdbg bundle`` warns of without replaying."""
+    fwd = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
+    opaque = _first_opaque(fwd.arguments)
+    if opaque is not None:
+        return (f"step {fwd.index} ({fwd.name}) was called with a {opaque}, which could not be recorded as data; it "
+                "cannot be replayed")
+    if step.phase == "backward" and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []) and \
+            not any(r.role == "grad_output" for r in step.records):
+        return _second_order(step)
+    return None
+
+
+def _first_opaque(doc: Any) -> str | None:
+    """The type of the first value in an encoded document that could not be encoded (``$opaque``)."""
+    if isinstance(doc, dict):
+        inner = doc.get("$opaque")
+        if len(doc) == 1 and isinstance(inner, dict) and isinstance(inner.get("type"), str):
+            return inner["type"]
+        items: Any = doc.values()
+    elif isinstance(doc, list):
+        items = doc
+    else:
+        return None
+    return next((found for found in map(_first_opaque, items) if found is not None), None)
 
 
 def _names_step(key: str, step: Step) -> bool:

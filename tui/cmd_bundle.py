@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"not verified: it cannot be replayed here ({info.not_verified})")
         elif args.verify:
             print("not verified: the step returned no tensor, so its replay had nothing to compare")
+        if info.unreplayable:
+            print(f"warning: a replay of it will be refused: {info.unreplayable}")
         if info.script:
             print(f"repro script: {info.script} (python {shlex.quote(info.script.name)}: exit 0 on a match, 1 on a "
                   "mismatch)")

@@ -1286,6 +1286,39 @@ def test_a_first_order_pass_after_one_with_create_graph_replays(tmp_path: Path) 
     assert what_if.compared and not what_if.match
 
 
+def test_a_bundle_of_a_step_that_cannot_replay_names_the_recordings_step(tmp_path: Path) -> None:
+    """`pdbg bundle RUN 2 --verify` of a second-order step said "backward step 1" (its number in the
+    unwritten bundle) and pointed at an earlier pass the bundle lacks; a step called with a value that
+    is not data said "step 0". Both name the recording's step now, and without --verify the bundle is
+    written with the reason a replay of it will be refused."""
+    torch.manual_seed(0)
+    critic = Critic()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=critic, mode="full"):
+        Ops.apply(lambda t: t * 2, torch.randn(3))
+        x = torch.randn(8, 4, requires_grad=True)
+        y = critic(x)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        (g.norm(dim=1) - 1).pow(2).mean().backward()  # the penalty alone: no grad output, second order
+    rec = replayer.open(path)
+    assert [s.phase for s in rec.steps] == ["forward", "forward", "backward", "backward"]
+    with pytest.raises(ReplayError, match=r"^backward step 3 ran through the gradients .*that earlier pass's "
+                                          r"backward step replays \(in the recording this bundle was made from: "
+                                          r"bundle that step, or the whole iteration with --iteration\)$"):
+        replayer.bundle(rec, 3, tmp_path / "b.pdbg", verify=True)
+    assert not (tmp_path / "b.pdbg").exists()
+    info = replayer.bundle(rec, 3, tmp_path / "b.pdbg")
+    assert info.main_step == 1 and info.unreplayable is not None and \
+        info.unreplayable.startswith("backward step 3 ran through the gradients")
+    shell = pdbg_here("bundle", str(path), "3", "-o", str(tmp_path / "c.pdbg"), cwd=tmp_path)
+    assert shell.returncode == 0 and "warning: a replay of it will be refused: backward step 3 ran" in shell.stdout
+    assert replayer.bundle(rec, 2, tmp_path / "first.pdbg").unreplayable is None  # the first pass replays
+    with pytest.raises(ReplayError, match=r"^step 0 \(Ops\.apply\) was called with a builtins:function"):
+        replayer.bundle(rec, 0, tmp_path / "d.pdbg", verify=True)
+    assert replayer.bundle(rec, 0, tmp_path / "d.pdbg").unreplayable.startswith(
+        "step 0 (Ops.apply) was called with a builtins:function, which could not be recorded as data")
+
+
 @recorder.paper_step("Eq. 14", description="an encoder with SiLU activations")
 class SiluEncoder(nn.Module):
     def __init__(self) -> None:
