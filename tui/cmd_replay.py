@@ -612,7 +612,9 @@ def _kept(rec: Any) -> tuple[list[int], int]:
     backward = (rank.column("steps/phase") == 1) & (forward >= 0)
     kept = own.copy()
     kept[backward] &= own[forward[backward]]
-    return np.flatnonzero(kept).tolist(), int((own & ~kept).sum())
+    # (a step that needs none of its own, a second-order backward with no grad output, kept none either)
+    counted = np.concatenate([[0], np.cumsum(needed)])
+    return np.flatnonzero(kept).tolist(), int((own & ~kept & (counted[end] > counted[start])).sum())
 
 
 def _iterations_kept(rec: Any) -> np.ndarray:

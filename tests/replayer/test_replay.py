@@ -2106,6 +2106,24 @@ def test_verify_says_which_backward_steps_lack_their_forward(tmp_path: Path) -> 
            "not those of their forward call" in res.stdout, res.stdout
 
 
+def test_verify_does_not_count_a_backward_that_needs_no_tensors_as_keeping_its_own(tmp_path: Path) -> None:
+    """A second-order backward step (a gradient penalty's pass) has no grad output to keep: in a stats
+    recording verify said it "kept its own tensors, not those of its forward call, from an iteration
+    flight mode had let go", of a run with no flight mode that kept no tensors."""
+    torch.manual_seed(0)
+    critic = Critic()
+    with recorder.record(tmp_path / "run.zarr", model=critic, mode="stats"):
+        for _ in range(2):
+            x = torch.randn(8, 4, requires_grad=True)
+            (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+            (g.norm(dim=1) - 1).pow(2).mean().backward()  # no grad output: second order only
+    res = pdbg_here("verify", "run.zarr", "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout or "{}")
+    assert doc.get("statistics_only") == 6 and "forward_not_kept" not in doc, res.stdout + res.stderr
+    res = pdbg_here("verify", "run.zarr", cwd=tmp_path)
+    assert "6 steps kept statistics only, not replayable\n" in res.stdout and "flight" not in res.stdout, res.stdout
+
+
 def test_selectors_of_evaluations_sparse_steps_and_the_root(tmp_path: Path) -> None:
     """An iteration inside a sparse step's span was answered "has iterations 3..9", as if it had it;
     a no-grad evaluation call's backward was said to be unused by the loss; ``.`` (the root module)
