@@ -24,6 +24,7 @@ import json
 import operator
 import os
 import re
+import textwrap
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -1313,7 +1314,10 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
         reasons.append(f"{_names(alone)} {'is' if len(alone) == 1 else 'are'} recorded in {which.rec.reader.label} "
                        "only (an input that required grad in one run and not in the other)")
     if sa.arguments != sb.arguments:
-        reasons.append(f"its non-tensor arguments differ ({_short(sa.arguments)} vs {_short(sb.arguments)})")
+        where, a, b = _first_difference(sa.arguments, sb.arguments)
+        name = _argument_name(sa, where)
+        reasons.append(f"its non-tensor argument{f' {name} differs' if name else 's differ'} ({_short(a)} vs "
+                       f"{_short(b)})")
     layouts = _layouts_differ(sa, sb)
     if layouts:
         reasons.append(f"{_names(layouts)} {'has' if len(layouts) == 1 else 'have'} another memory layout (strides) "
@@ -1435,6 +1439,52 @@ def _machines_differ(sa: Step, sb: Step) -> list[str]:
     if devices_a != devices_b:
         out.append(f"tensors on {', '.join(devices_a)} vs {', '.join(devices_b)}")
     return out
+
+
+def _first_difference(a: Any, b: Any, path: tuple[Any, ...] = ()) -> tuple[tuple[Any, ...], Any, Any]:
+    """Where two documents first differ (the keys and indices down to it) and their values there: what a
+    message shows, not two prefixes that agree."""
+    if isinstance(a, dict) and isinstance(b, dict) and list(a) == list(b):
+        key = next((k for k in a if a[k] != b[k]), None)
+        return (path, a, b) if key is None else _first_difference(a[key], b[key], (*path, key))
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        return (path, a, b) if i is None else _first_difference(a[i], b[i], (*path, i))
+    return path, a, b
+
+
+def _argument_name(step: Step, path: tuple[Any, ...]) -> str | None:
+    """A path into a step's arguments document as the call was written: ``mu`` (a positional argument,
+    named from the source of a function step), ``args[1]``, ``cfg['lr']`` (tags' own keys left out)."""
+    parts = [k for k in path if not (isinstance(k, str) and k.startswith("$"))]
+    if len(parts) < 2 or parts[0] not in ("args", "kwargs"):
+        return None
+    name = str(parts[1])
+    if parts[0] == "args":
+        names = _positional_names(step)
+        name = names[parts[1]] if isinstance(parts[1], int) and parts[1] < len(names) else f"args[{parts[1]}]"
+    return name + "".join(f"[{k!r}]" for k in parts[2:])
+
+
+def _positional_names(step: Step) -> list[str]:
+    """The positional parameters of a step's call, from its recorded source: a function's, a module's
+    forward's after self ([] where neither is found)."""
+    import ast
+
+    defn = step.definition
+    if defn.get("kind") not in ("function", "module") or not isinstance(defn.get("source"), str):
+        return []
+    try:
+        tree = ast.parse(textwrap.dedent(defn["source"]))
+    except SyntaxError:
+        return []
+    top = next((n for n in tree.body if getattr(n, "name", None) == defn.get("name")), None)
+    if isinstance(top, ast.ClassDef) and defn.get("kind") == "module":
+        fn = next((n for n in top.body if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
+        return [] if fn is None else [a.arg for a in [*fn.args.posonlyargs, *fn.args.args]][1:]
+    if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)) and defn.get("kind") == "function":
+        return [a.arg for a in [*top.args.posonlyargs, *top.args.args]]
+    return []
 
 
 def _short(doc: Any) -> str:

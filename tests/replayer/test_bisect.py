@@ -1418,3 +1418,21 @@ def test_two_runs_whose_inputs_differ_only_in_layout_are_told_so(tmp_path: Path,
     res = pdbg("bisect", str(tmp_path / "a.zarr"), "--against", str(tmp_path / "b.zarr"), cwd=tmp_path)
     assert "root cause: step 0: Eq. 6 · memory_order_sum" in res.stdout, res.stdout
     assert "args.0 has another memory layout (strides) in each run" in res.stdout, res.stdout
+
+
+@recorder.paper_step("Eq. 5", description="a curvature penalty scaled by mu")
+def curvature_penalty(hv: list[torch.Tensor], mu: float, opts: dict[str, Any] | None = None) -> torch.Tensor:
+    return mu * (opts or {}).get("lr", 1.0) * sum(h.pow(2).sum() for h in hv)
+
+
+def test_against_names_the_argument_that_differs_and_its_two_values(tmp_path: Path) -> None:
+    """Two runs that pass another mu: `bisect --against` said "non-tensor arguments differ" and showed
+    the same 80 characters of both documents (the tensors' references), not mu's two values."""
+    for name, mu, lr in (("a", 1e38, 0.5), ("b", 1e-3, 0.5), ("c", 1e-3, 0.25)):
+        torch.manual_seed(0)
+        with recorder.record(tmp_path / f"{name}.zarr"):
+            curvature_penalty([torch.randn(3) for _ in range(4)], mu, opts={"lr": lr})
+    res = pdbg("bisect", "a.zarr", "--against", "b.zarr", cwd=tmp_path)
+    assert "its non-tensor argument mu differs (1e+38 vs 0.001)" in res.stdout, res.stdout + res.stderr
+    res = pdbg("bisect", "b.zarr", "--against", "c.zarr", cwd=tmp_path)
+    assert "its non-tensor argument opts['lr'] differs (0.5 vs 0.25)" in res.stdout, res.stdout + res.stderr

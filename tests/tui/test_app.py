@@ -325,7 +325,7 @@ def test_actions_bundle_and_diff(nan_path: Path, tmp_path: Path) -> None:
         await app.workers.wait_for_complete()
         await pilot.pause()
         # the first block is the innermost step whose tensors came in equal and went out different
-        assert app.timeline.step_index == 11 and "non-tensor arguments differ" in panel(app)
+        assert app.timeline.step_index == 11 and "non-tensor argument scale differs (1000.0 vs 999.0)" in panel(app)
         # Runs parted by their data have no root cause: the cursor goes to where the results first
         # differ, and the panel is not coloured as a match.
         await pilot.press("d")
