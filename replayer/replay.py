@@ -160,7 +160,25 @@ class Replayer:
                                        "likely cause of the difference (reductions split work by thread)")
         result.warnings.extend(self.loader.notes)
         self.loader.notes.clear()
+        if backward and not self.plan.empty and result.compared and not result.match and \
+                layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
+            self._second_order_unedited(step, threads, nested)
         return result
+
+    def _second_order_unedited(self, step: Step, threads: int | None, nested: bool) -> None:
+        """An intervention on a second-order backward step whose replay differs: refused as the step is
+        without it when the replay without it differs too (the second-order terms it leaves out, not the
+        intervention, would be what the comparison shows)."""
+        plan, around = self.plan, self._around
+        try:
+            self.replay(step, threads=threads, nested=nested)
+        except ReplayError as exc:
+            if str(exc) == _second_order(step):
+                raise ReplayError(f"{exc}; a replay with an intervention is refused alike: what it changes cannot be "
+                                  "told from what those terms change") from None
+            raise
+        finally:
+            self.plan, self._around = plan, around
 
     def _newer_than_this(self, step: Step) -> None:
         """Refuse a step of a newer minor schema's recording that holds what that schema added and this one

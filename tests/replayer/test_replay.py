@@ -1264,6 +1264,26 @@ def test_a_gradient_penalty_pass_is_named_not_a_mismatch(tmp_path: Path) -> None
     assert res.returncode == 0 and doc["matched"] == doc["replayed"] == 2 and len(doc["not_replayed"]) == 1
 
 
+def test_an_edit_on_a_second_order_step_is_refused_as_the_step_is(tmp_path: Path) -> None:
+    """A no-op edit (x*1) of a gradient penalty pass's grad output was a MISMATCH "as an intervention
+    makes it", while the same step without it is refused for the second-order terms a replay leaves
+    out: it is refused for them too, not blamed on the edit."""
+    torch.manual_seed(0)
+    critic = Critic()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=critic, mode="full"):
+        x = torch.randn(8, 4, requires_grad=True)
+        y = critic(x)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        (y.pow(2).mean() + (g.norm(dim=1) - 1).pow(2).mean()).backward()
+    with pytest.raises(ReplayError, match=r"^backward step 2 ran through the gradients .*; a replay with an "
+                                          r"intervention is refused alike: what it changes cannot be told from what "
+                                          r"those terms change$"):
+        replayer.replay(path, 2, edit={"grad_output:output": "x * 1"})
+    res = pdbg_here("replay", str(path), "2", "--edit", "grad_output:output=x*1", cwd=tmp_path)
+    assert res.returncode == 2 and "MISMATCH" not in res.stdout and "refused alike" in res.stderr, res.stdout
+
+
 def test_a_first_order_pass_after_one_with_create_graph_replays(tmp_path: Path) -> None:
     """After autograd.grad(..., create_graph=True) through a call, a plain second autograd.grad
     through the same retained graph was refused as holding second-order terms, though its gradients
