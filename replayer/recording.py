@@ -184,7 +184,8 @@ class Recording:
         return StepTable(self, np.arange(len(self.rank), dtype=np.int64))
 
     def step(self, which: int | str) -> Step:
-        """One step by index or selector (``NAME[@iter=K][#CALL][:backward]``; the first match)."""
+        """One step by index or selector (``NAME[@iter=K][#CALL][:backward]``; the first match, and of
+        backward steps the one of the first call)."""
         if isinstance(which, (int, np.integer)) and not isinstance(which, bool):
             index = int(which)
             if not 0 <= index < len(self):
@@ -200,6 +201,9 @@ class Recording:
             raise StepNotFoundError(f"no step matches {which!r}; " + (self._nearest(which) or (
                 f"names in this recording: {', '.join(sorted(set(self.steps.names))[:20])}"
                 + (f"; paper labels: {', '.join(labels[:20])}" if labels else ""))))
+        if found[0].phase == "backward":  # the backward of the first call, as #CALL counts: the last call's runs first
+            forward = np.asarray(self.rank.column("steps/forward"))[found.rows].astype(np.int64)
+            return Step(self, int(found.rows[np.argmin(np.where(forward >= 0, forward, found.rows))]))
         return found[0]
 
     def _nearest(self, which: str) -> str | None:

@@ -2104,6 +2104,25 @@ def test_a_backward_is_selected_by_its_forward_call(tmp_path: Path) -> None:
     assert replayer.replay(rec, late).match
 
 
+def test_a_backward_selector_without_a_call_names_the_first_calls_backward(tmp_path: Path) -> None:
+    """"Enc@iter=1:backward" named the first backward step in execution order, the last call's (#1),
+    while "Enc@iter=1" names call #0: it names #0's backward, as the README says a selector's first
+    match is."""
+    enc = Enc()
+    optimizer = torch.optim.SGD(enc.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", optimizer=optimizer):
+        for _ in range(2):
+            (enc(torch.randn(4)) * enc(torch.randn(4))).sum().backward()
+            optimizer.step()
+    rec = replayer.open(tmp_path / "run.zarr")
+    picked = rec.step("Enc@iter=1:backward")
+    assert picked.index == rec.step("Enc@iter=1#0:backward").index != rec.step("Enc@iter=1#1:backward").index
+    assert picked.forward == rec.step("Enc@iter=1").index and picked.selector == "Enc@iter=1#0:backward"
+    assert rec.step("Enc:backward").forward == rec.step("Enc").index == 0
+    res = pdbg_here("replay", "run.zarr", "Enc@iter=1:backward", "--json", cwd=tmp_path)
+    assert json.loads(res.stdout)["step"]["call"] == 0, res.stdout + res.stderr
+
+
 def test_verify_says_which_backward_steps_lack_their_forward(tmp_path: Path) -> None:
     """Flight mode keeps the last iterations' tensors: a backward that ran in a kept iteration through
     a graph of an iteration let go (a replay buffer's tensor) keeps its own tensors, not its forward
