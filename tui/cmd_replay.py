@@ -511,6 +511,7 @@ def replay(args: argparse.Namespace) -> int:
 
 
 WIDE = 119  # columns of the table with recorded and replayed statistics side by side
+NARROW = 81  # columns of the table with replayed statistics under recorded ones
 
 
 def _outputs_table(diffs: list[Any]) -> None:
@@ -519,11 +520,15 @@ def _outputs_table(diffs: list[Any]) -> None:
     (a match replays the same bits, so the same statistics)."""
     columns = shutil.get_terminal_size((10 ** 4, 24)).columns
     wide = columns >= WIDE
+    # The names as long as they are, where the terminal has room beyond the table's (a pipe has it all)
+    room = columns - (WIDE if wide else NARROW)
+    least = 18 if wide else 15
+    n = min(max(least, *(len(d.name) for d in diffs)), least + max(0, room)) if diffs else least
     if wide:
-        print(f"\n  {'tensor':<18} {'match':<5} {'recorded: min':>14} {'max':>9} {'nan':>5} {'inf':>5}   "
+        print(f"\n  {'tensor':<{n}} {'match':<5} {'recorded: min':>14} {'max':>9} {'nan':>5} {'inf':>5}   "
               f"{'replayed: min':>13} {'max':>9} {'nan':>5} {'inf':>5}   {'max abs':>8} {'ULP':>6}")
     else:
-        print(f"\n  {'tensor':<15} {'match':<5} {'':<8} {'min':>9} {'max':>9} {'nan':>5} {'inf':>5} {'max abs':>8} "
+        print(f"\n  {'tensor':<{n}} {'match':<5} {'':<8} {'min':>9} {'max':>9} {'nan':>5} {'inf':>5} {'max abs':>8} "
               f"{'ULP':>6}")
     for d in diffs:
         if d.name == "exception" or d.max_ulp is None:  # (NaN/Inf that differ: the reason line says which)
@@ -531,17 +536,23 @@ def _outputs_table(diffs: list[Any]) -> None:
         else:
             ulp = d.max_ulp if wide or d.max_ulp < 10 ** 6 else f"{d.max_ulp:.0e}"  # (the JSON has every digit)
             far = f"{_num(d.max_abs_diff):>8} {ulp:>6}"
+        name = _cut(d.name, n)
         if wide:
-            print(f"  {d.name[:18]:<18} {'yes' if d.match else 'NO':<5} {_stats_cells(d.recorded)}   "
+            print(f"  {name:<{n}} {'yes' if d.match else 'NO':<5} {_stats_cells(d.recorded)}   "
                   f"{_stats_cells(d.replayed, 13)}   {far}")
         elif d.match:
-            print(f"  {d.name[:15]:<15} {'yes':<5} {'':<8} {_stats_cells(d.recorded, 9)} {far}")
+            print(f"  {name:<{n}} {'yes':<5} {'':<8} {_stats_cells(d.recorded, 9)} {far}")
         else:
-            print(f"  {d.name[:15]:<15} {'NO':<5} {'recorded':<8} {_stats_cells(d.recorded, 9)}")
-            print(f"  {'':<15} {'':<5} {'replayed':<8} {_stats_cells(d.replayed, 9)} {far}")
+            print(f"  {name:<{n}} {'NO':<5} {'recorded':<8} {_stats_cells(d.recorded, 9)}")
+            print(f"  {'':<{n}} {'':<5} {'replayed':<8} {_stats_cells(d.replayed, 9)} {far}")
         if d.reason and not d.match:  # prose: wrapped to the terminal (a pipe gets it on one line)
             print(textwrap.fill(d.reason, width=max(40, columns - 1), initial_indent="    ", subsequent_indent="    ",
                                 break_on_hyphens=False))
+
+
+def _cut(name: str, width: int) -> str:
+    """A tensor's name in ``width`` columns: its end kept (out_proj.weight, out_proj.bias differ there)."""
+    return name if len(name) <= width else "…" + name[len(name) - width + 1:]
 
 
 def _stats_cells(st: dict[str, Any], width: int = 14) -> str:

@@ -145,6 +145,32 @@ def test_the_replay_table_fits_the_terminal(nan_path: Path, tmp_path: Path) -> N
     assert "recorded: min" in res.stdout and "replayed: min" in res.stdout, res.stdout
 
 
+@pytest.mark.parametrize("columns", [80, 120, 200, None])
+def test_the_replay_tables_tensor_names_stay_apart(columns: int | None, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Names were cut to their first 18 characters, with no ellipsis: self_attn.out_proj.weight and
+    .bias were two rows "self_attn.out_proj". They are whole where the terminal has room (a pipe has
+    it all), else cut at their start, with an ellipsis, keeping the end that tells them apart."""
+    import torch
+
+    from replayer.compare import compare
+    from tui.cmd_replay import _outputs_table
+
+    names = ["param_grad:self_attn.out_proj.weight", "param_grad:self_attn.out_proj.bias", "args.0"]
+    diffs = [compare(name, "param_grad", torch.ones(3), torch.ones(3)) for name in names]
+    monkeypatch.delenv("COLUMNS", raising=False)
+    if columns is not None:
+        monkeypatch.setenv("COLUMNS", str(columns))
+    _outputs_table(diffs)
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.split()[1:2] == ["yes"]]
+    assert len(rows) == 3 and len(set(rows)) == 3, rows
+    if columns in (200, None):
+        assert rows == names
+    else:
+        assert rows[0].startswith("…") and rows[0].endswith("proj.weight") and rows[1].endswith("proj.bias")
+        assert rows[2] == "args.0"
+
+
 def test_pdbg_record_leaves_the_scripts_streams_as_they_are(tmp_path: Path) -> None:
     """A script that reconfigures sys.stdout and writes to its buffer, recorded in pdbg's own process
     (full mode): pdbg's stream wrapper reached it, and it died with AttributeError ('reconfigure')."""
