@@ -538,7 +538,7 @@ class Replayer:
             if name in aliases:
                 self._one_storage(step, aliases[name], tensors, grads, given, leaves)
                 return given[name]
-            leaf = self._edit(name, _materialize(step, rec))
+            leaf = self._edit(name, _materialize(step, rec, self.plan.notes))
             if (rec.requires_grad or name in grads) and (leaf.is_floating_point() or leaf.is_complex()):
                 leaf.requires_grad_(True)
             leaves[name] = leaf
@@ -571,9 +571,9 @@ class Replayer:
             warnings.extend(built.warnings)
             rebuilt.update({join_path(step.module_path, k): v for k, v in built.how.items()})
             # (a lazy module's parameters before its first call: left uninitialized, as the call found them)
-            params = {r.name: self._edit(r.name, _materialize(step, r)) for r in records
+            params = {r.name: self._edit(r.name, _materialize(step, r, self.plan.notes)) for r in records
                       if r.role == "param" and r.name not in lazy}
-            buffers = {r.name: self._edit(r.name, _materialize(step, r)) for r in records
+            buffers = {r.name: self._edit(r.name, _materialize(step, r, self.plan.notes)) for r in records
                        if r.role == "buffer" and r.name not in lazy}
             devices = {t.device for t in (*params.values(), *buffers.values())}
             if "constructor" in built.how.values() and len(devices) == 1:
@@ -942,7 +942,7 @@ class Replayer:
                 if tap is not None:
                     tap.close()
         outs = tensors_by_name(out, "output")
-        pairs = [(outs[n], self._edit(n, _materialize(step, r), f"grad_output:{n}"))
+        pairs = [(outs[n], self._edit(n, _materialize(step, r, self.plan.notes), f"grad_output:{n}"))
                  for n, r in grad_outputs.items() if n in outs]
         pairs += later_pairs + [pair for other, other_fwd in others or () if other_fwd.index > fwd.index
                                 for pair in self._other_call(step, fwd, other, other_fwd, call, threads)]
@@ -1285,11 +1285,23 @@ def _vmap_dims(step: Step, nargs: int) -> tuple[tuple[int | None, ...], Any] | N
     return in_dims, tuple(dim(d, f"output.{i}") for i, d in enumerate(items))
 
 
-def _materialize(step: Step, rec: TensorRecord) -> torch.Tensor:
-    """A recorded tensor as it was: its strides and device (CPU stand-in where the device is missing)."""
+def _materialize(step: Step, rec: TensorRecord, notes: list[str] | None = None) -> torch.Tensor:
+    """A recorded tensor as it was: its strides and device (CPU stand-in where the device is missing).
+    ``notes``: where a layout is not rebuilt (a sparse view of a large tensor), a warning saying so."""
     value = step.rec.rank.tensor(rec)
     if rec.stride and tuple(rec.stride) != tuple(value.stride()) and value.numel() > 1:
         value = _with_strides(value, tuple(rec.stride))
+        shape, stride = tuple(value.shape), tuple(rec.stride)
+        missed = all(s >= 0 for s in stride) and any(n > 1 and s != 0 and s != t for n, s, t in
+                                                      zip(shape, stride, value.stride()))
+        if missed and notes is not None:
+            span = (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * value.element_size()
+            note = (f"{rec.role} {rec.name}: its recorded layout (strides {list(stride)}, a view spanning "
+                    f"{span / 2 ** 20:.0f} MiB for {value.numel() * value.element_size() / 2 ** 20:.1f} MiB of values) "
+                    "was not rebuilt (a view spanning more than 64 MiB and 8 times its values is not): it is "
+                    "replayed contiguous, and a reduction over it may differ in its last bits")
+            if note not in notes:
+                notes.append(note)
     device = torch.device(rec.device)
     if device.type != "cpu":
         if device.type == "cuda" and not torch.cuda.is_available():

@@ -906,6 +906,23 @@ def test_an_input_replays_in_its_recorded_layout(tmp_path: Path, layout: str, re
         assert result.match and result.outputs, (step.selector, [d.summary() for d in result.outputs])
 
 
+def test_a_sparse_view_of_a_large_tensor_is_said_to_replay_contiguous(tmp_path: Path) -> None:
+    """h[:, ::16] of a 68 MB tensor: its layout is not made again whole for a replay (64 MiB and 8 times
+    its values at most), which then gave it contiguous and reported a mismatch without a word of why:
+    the warning names the input whose layout was not rebuilt, and why."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    big = torch.randn(1, 17 << 20)
+    with recorder.record(path, mode="full"):
+        total(big[:, ::16])
+    del big
+    result = replayer.replay(path, 0)
+    (note,) = [w for w in result.warnings if "layout" in w]
+    assert note.startswith("input args.0: its recorded layout (strides [17825792, 16], a view spanning 68 MiB for "
+                           "4.2 MiB of values) was not rebuilt (a view spanning more than 64 MiB and 8 times its "
+                           "values is not)"), note
+
+
 @recorder.paper_step("Eq. 13", description="h_t = tanh(W [x_t; h_{t-1}])")
 class Cell(nn.Module):
     def __init__(self) -> None:
