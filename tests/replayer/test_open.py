@@ -109,7 +109,7 @@ class TestStep:
                        "call": 1, "module_path": "h.1.attn",
                        "paper": {"label": "Eq. 1", "algorithm": "Algorithm 1", "step": 3, "equation": None,
                                  "description": "causal self-attention"}, "status": obj["status"],
-                       "grad_enabled": True}
+                       "grad_enabled": True, "object": None, "objects": None}
         assert obj["status"] in ("ok", "alert")
 
 
