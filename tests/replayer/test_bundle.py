@@ -697,7 +697,7 @@ def test_a_step_that_cannot_be_replayed_here_is_bundled_unverified(recorded: tup
     run_path, code = recorded
     monkeypatch.syspath_prepend(str(code))
 
-    def on_a_gpu(step: Any, rec: Any) -> torch.Tensor:
+    def on_a_gpu(step: Any, rec: Any, notes: Any = None) -> torch.Tensor:
         raise NotOnThisMachine(f"step {rec.step} was recorded on cuda:0, and this machine has no GPU; replay it on a "
                                "machine with one")
 
@@ -710,7 +710,7 @@ def test_a_step_that_cannot_be_replayed_here_is_bundled_unverified(recorded: tup
     assert info.to_json()["not_verified"] == info.not_verified and (tmp_path / "gpu.pdbg").exists()
     assert replayer.open(tmp_path / "gpu.pdbg").main_step.name == asked.name
     # a refusal that holds on every machine is still one: no bundle that replays nowhere
-    monkeypatch.setattr(replay_mod, "_materialize", lambda step, rec: (_ for _ in ()).throw(
+    monkeypatch.setattr(replay_mod, "_materialize", lambda step, rec, notes=None: (_ for _ in ()).throw(
         ReplayError("the step's code cannot be found")))
     with pytest.raises(ReplayError, match="the step's code cannot be found"):
         replayer.bundle(rec, asked, tmp_path / "nowhere.pdbg", verify=True)
