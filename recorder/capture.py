@@ -12,6 +12,7 @@ import bisect
 import collections
 import functools
 import itertools
+import math
 import os
 import sys
 import threading
@@ -295,11 +296,13 @@ class Session:
         # Inf (no NaN) in a step's results is meant when its calls make it every time (an additive -inf
         # mask), as first_nonfinite judges it: per step (name, module path, phase) and call number in
         # the iteration, whether its last call held Inf; a step's first call's Inf waits for the next
-        # call with its number.
+        # call with its number. Inf on part of a result an earlier call of the step held Inf on part of
+        # too is a mask's, whatever the calls in between held (a batch without padding makes none).
         self._tied: tuple[Any, dict[int, tuple[str, ...]]] | None = None  # (weak root, Session._tied_params)
         self._inf_last: dict[tuple[Any, ...], bool] = {}  # (name, path, phase, call) -> last call's
         self._inf_step: dict[tuple[Any, ...], bool] = {}  # (name, path, phase) -> its last call's, whatever number
-        self._inf_first: dict[tuple[Any, ...], tuple[int, str]] = {}  # -> (index, message) of that first call
+        self._inf_first: dict[tuple[Any, ...], tuple[int, str, bool]] = {}  # -> (index, message, on part only)
+        self._inf_parts: dict[tuple[Any, ...], set[tuple[int, str]]] = {}  # (name, path, phase) -> (role, name)
         # Python's recursion limit before a recursion of steps raised it (_recursion_room), and what it was raised to
         self._recursion_limit: int | None = None
         self._raised_limit = 0
@@ -484,13 +487,16 @@ class Session:
 
         NaN always is. Inf without NaN is not where the step's previous call with the same number in
         its iteration held Inf too (an additive -inf attention mask, made or passed through at every
-        call), or, at the first call with that number, the step's previous call did; at the step's
-        very first call it waits for the next call with its number, which reports it if it holds
-        none. Sets ``frame.anomaly``, what is told of it."""
+        call), or, at the first call with that number, the step's previous call did; nor where it is on
+        part of results an earlier call of the step held Inf on part of (a padding mask, which a batch
+        without padding does not need: whether the Inf will be kept from going further is not known
+        yet). At the step's very first call it waits for the next call with its number, which reports
+        it if it holds none, unless it was on part of the results only. Sets ``frame.anomaly``, what is
+        told of it."""
         if not frame.checked:
             frame.checked = True
             results = layout.RESULT_ROLES[frame.phase]
-            found, nan = None, False
+            found, nan, parts = None, False, set()
             for t in frame.tensors:
                 if t.role in results:
                     if isinstance(t.stats, torch.Tensor):
@@ -498,26 +504,36 @@ class Session:
                     if t.stats[6] or t.stats[7]:
                         found = found or t
                         nan = nan or bool(t.stats[6])
+                        # (the statistics of the finite values are NaN where there is none)
+                        parts.add((t.role, t.name) if not math.isnan(t.stats[0]) else (-1, ""))
             step = (frame.defn.name, frame.path, frame.phase)
             key = (*step, frame.call)
             last = self._inf_last.get(key, self._inf_step.get(step))
             inf_only = found is not None and not nan
             self._inf_last[key] = self._inf_step[step] = inf_only
-            if inf_only and last is None:  # the first call: a mask, if the next call makes Inf again
+            partial = inf_only and (-1, "") not in parts
+            seen = self._inf_parts.get(step)
+            if partial:
+                self._inf_parts.setdefault(step, set()).update(parts)
+            if partial and seen is not None and parts <= seen:  # a mask's, seen before: meant
+                self._inf_first.pop(key, None)
+                found = None
+            elif inf_only and last is None:  # the first call: a mask, if the next call makes Inf again
                 self._inf_first[key] = (frame.index, monitors.nonfinite_message(self._context(frame, None), found,
-                                                                                    frame.tensors))
+                                                                                    frame.tensors), partial)
                 found = None
             elif inf_only and last:  # made at every call so far: meant
                 self._inf_first.pop(key, None)
                 found = None
             elif not inf_only and self._inf_first:
                 first = self._inf_first.pop(key, None)
-                if first is not None and found is None:  # that first call's Inf was no habit
+                if first is not None and found is None and not first[2]:  # that first call's Inf was no habit
                     frame.anomaly = (first[0], f"{first[1]} (its next call, step {frame.index}, made none: not a mask)")
             frame.nonfinite = found
             if found is not None:
-                frame.anomaly = (frame.index, monitors.nonfinite_message(self._context(frame, None), found,
-                                                                          frame.tensors))
+                frame.anomaly = (frame.index, monitors.nonfinite_message(
+                    self._context(frame, None), found, frame.tensors,
+                    second_order=layout.SECOND_ORDER_NOTE in frame.notes))
         return frame.nonfinite
 
     def _anomaly(self, frame: Frame) -> tuple[int, str] | None:

@@ -267,11 +267,14 @@ class Monitor:
 _GIVEN = {"input": "input", "param": "parameter", "buffer": "buffer", "grad_output": "grad output"}
 
 
-def nonfinite_message(ctx: StepContext, tensor: TensorItem, tensors: list[TensorItem] | tuple[()] = ()) -> str:
+def nonfinite_message(ctx: StepContext, tensor: TensorItem, tensors: list[TensorItem] | tuple[()] = (),
+                      second_order: bool = False) -> str:
     """'Eq. 2 (smooth_relu) forward, iteration 17, call 3: output has 12 NaN'. A gradient is named as
     one ("the gradient of bias has 4 NaN", not the finite parameter); where the step's own inputs among
     ``tensors`` (the step's records) already held NaN or Inf, a grad output the loss made NaN, a
-    parameter the optimizer wrote, the message says it came in, not made there."""
+    parameter the optimizer wrote, the message says it came in, not made there. ``second_order``: a
+    backward step through a graph of gradients (layout.SECOND_ORDER_NOTE), whose gradients hold terms
+    its finite grad outputs do not show: the message says it came in that way."""
     role = layout.role_name(tensor.role)
     label = f"the gradient of {tensor.name}" if role in ("grad_input", "param_grad") else tensor.name
     text = f"{ctx.describe()}: {label} has {_counts(tensor.stats)}"
@@ -289,6 +292,10 @@ def nonfinite_message(ctx: StepContext, tensor: TensorItem, tensors: list[Tensor
         more = f" (and {len(given) - 1} more of its inputs)" if len(given) > 1 else ""
         text += (f"; {'it came in: ' if nan else ''}{given[0]}{more} when the "
                  f"{'call' if ctx.phase == 'forward' else 'backward step'} began")
+    elif second_order:
+        text += ("; it came in through the graph of gradients an earlier backward pass took with create_graph=True "
+                 "(second-order terms, made where those gradients were used: a gradient penalty outside every "
+                 "recorded step?), not through its finite grad outputs")
     return text
 
 

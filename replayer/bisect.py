@@ -9,10 +9,13 @@
 A step *produced* a non-finite value when one of its results (forward: outputs; backward: grad
 inputs and parameter grads) holds NaN or Inf while everything it computed from was finite (forward:
 its inputs, parameters and buffers; backward: its grad outputs and its forward call's inputs and
-parameters), or NaN of Inf it takes at every call (a -inf mask). The origin is the first such step in
+parameters), or NaN of Inf it takes as a mask's (a -inf mask). The origin is the first such step in
 execution order, the innermost one where steps nest. NaN or Inf that came into a step from outside
-every recorded step (the data, an optimizer update) is where it *entered*, even where that step turns
-an Inf into NaN. Inf at every call (of a call number) is a mask's only where it covers part of its
+every recorded step (the data, an optimizer update, a gradient penalty computed in the loop whose NaN
+reaches a backward step through the graph of gradients) is where it *entered*, even where that step
+turns an Inf into NaN. Inf on part of a tensor that nothing non-finite came of (no later step of its
+iteration went non-finite: a padding mask, which a batch without padding does not need) is a mask's
+(``_Kinds.masks``). Inf at every call (of a call number) is a mask's only where it covers part of its
 tensor, or, filling one, where the step's first call held it too (a -inf initial maximum): a
 division by 0 outside the steps that fills the input of an eval loop's call at each iteration the
 loop runs came in, however often it runs (``_Kinds.shaped``).
@@ -236,7 +239,7 @@ def _across_ranks(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool)
 def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, all_ranks: bool = False,
                     scaler_skips: bool = False) -> Origin:
     """The origin step of the first NaN/Inf in the recording, from the recorded statistics (what
-    counts as an origin: ``_first_on_rank``; Inf a step holds at every call, as a mask, does not).
+    counts as an origin: ``_first_on_rank``; Inf a step holds as a mask's does not).
 
     Args:
         rec: an open recording.
@@ -326,6 +329,8 @@ class _Kinds:
     whole_result: np.ndarray
     whole_given: np.ndarray
     _groups: dict[bool, np.ndarray] | None = None
+    _absorbed_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    _iterations: np.ndarray | None = None  # per step, the number of its iteration among the recording's
 
     @classmethod
     def of(cls, rec: Recording) -> _Kinds:
@@ -408,30 +413,128 @@ class _Kinds:
         filled = np.bincount(group, weights=(whole & held).astype(np.float64)) > 0
         return ~filled[group] | held[first[step]]
 
-    def masks(self) -> np.ndarray:
+    def habit_masks(self) -> np.ndarray:
         """Per step: Inf (only) made from finite inputs, at every call with finite inputs (an additive
         -inf mask), judged among those calls where there are two or more (training goes on past a
         NaN, and the mask's later calls take it), and shaped as a mask's (``shaped``)."""
         inf_made = self.result & ~self.nan_result & ~self.given
         return inf_made & self.habitual(inf_made, among=~self.given) & self.shaped(inf_made, self.whole_result)
 
-    def takes_mask(self) -> np.ndarray:
+    def habit_takes(self) -> np.ndarray:
         """Per step: Inf taken at every call (``habitual``), shaped as a mask's (``shaped``): meant."""
         if not self.given.any():
             return np.zeros(len(self.given), dtype=bool)
         return self.habitual(self.given) & self.shaped(self.given, self.whole_given)
 
+    def takes_mask(self) -> np.ndarray:
+        """Per step: Inf taken that is a mask's: at every call (``habit_takes``), or on part of a tensor and
+        absorbed at this call or at an earlier one of the step (``_absorbed``)."""
+        return self.habit_takes() | self._absorbed()[1]
+
+    def nan_made(self) -> np.ndarray:
+        """Per step: NaN in its results where its inputs held none, nor Inf other than a mask's."""
+        return self.nan_result & ~self.nan_given & (~self.given | self.takes_mask())
+
+    def masks(self) -> np.ndarray:
+        """Per step: Inf (only) made from finite inputs that is a mask's: at every call (``habit_masks``), or
+        on part of a tensor and absorbed (``_absorbed``: nothing non-finite came of it). Inf that the same step
+        made at an earlier call and that was absorbed there (a padding mask, and a batch without padding in
+        between makes none) is a mask's where a step that took Inf makes NaN later in the iteration, as a
+        softmax over keys all masked does: that step is the origin. Where no such step does (nothing there
+        takes Inf as a mask's), the step that made the Inf stays the origin: an overflow absorbed once and not
+        the next time. Past a step that held NaN (training goes on) it is a mask's too: its takers take NaN."""
+        made_here, made_before = self._absorbed()[0], self._absorbed()[2]
+        out = self.habit_masks() | made_here
+        pending = made_before & ~out
+        if pending.any():
+            after_nan = np.cumsum(self.nan_result) - self.nan_result > 0
+            out |= pending & (self._later_in_iteration(self.nan_made() & self.given) | after_nan)
+        return out
+
+    def meant(self) -> np.ndarray:
+        """Per step: its results hold Inf and no NaN that the model means (``meant_inf``)."""
+        if not self.result.any():
+            return np.zeros(len(self.result), dtype=bool)
+        passed = self.result & ~self.nan_result & self.given & ~self.nan_given
+        return self.masks() | (passed & self.takes_mask())
+
+    def _later_in_iteration(self, held: np.ndarray) -> np.ndarray:
+        """Per step: ``held`` holds at a later step of its iteration."""
+        n = len(held)
+        if self._iterations is None:
+            self._iterations = np.unique(_column(self.rec, "iteration"), return_inverse=True)[1].reshape(-1)
+        where = self._iterations
+        last = np.full(int(where.max()) + 1 if n else 0, -1, dtype=np.int64)
+        np.maximum.at(last, where[held], np.flatnonzero(held))
+        return last[where] > np.arange(n)
+
+    def _earlier(self, held: np.ndarray) -> np.ndarray:
+        """Per step: ``held`` held at an earlier call of the same step with the same call number (a call
+        alone with its number, in a run that never marks its iterations: at any earlier call of the step)."""
+        group, step = self.groups(), self.groups(by_call=False)
+        n = len(held)
+        index = np.arange(n)
+
+        def before(g: np.ndarray) -> np.ndarray:
+            first = np.full(int(g.max()) + 1, n, dtype=np.int64)
+            np.minimum.at(first, g[held], index[held])
+            return first[g] < index
+
+        alone = np.bincount(group)[group] == 1
+        return np.where(alone, before(step), before(group))
+
+    def _absorbed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(made, taken, made before), per step: Inf without NaN on part of a tensor (a -inf padding mask) made
+        from finite inputs by a forward step, or taken, and absorbed: a step kept such Inf out of its results
+        (it, a later step of its iteration, or a step enclosing it), and nothing non-finite came of it: no later
+        step of its iteration nor a step enclosing it held NaN or other non-finite results (Inf on part of a
+        forward step's results is another mask; Inf meant at every call is meant), and no backward step of
+        that iteration did. ``taken`` holds where it took such Inf at a call where it was absorbed or at an
+        earlier call of the step where it was; ``made before``: Inf made so where the step's Inf was absorbed
+        at an earlier call (``masks`` says when that is a mask's). Computed once, after ``_first_on_rank``
+        sets aside what GradScaler handled."""
+        if self._absorbed_cache is not None:
+            return self._absorbed_cache
+        n = len(self.result)
+        none = np.zeros(n, dtype=bool)
+        if not n or not (self.result | self.given).any():
+            self._absorbed_cache = (none, none, none)
+            return self._absorbed_cache
+        rec = self.rec
+        phase, parent = _column(rec, "phase"), _column(rec, "parent").astype(np.int64)
+        passed = self.result & ~self.nan_result & self.given & ~self.nan_given
+        meant = self.habit_masks() | (passed & self.habit_takes())
+        part = self.result & ~self.nan_result & ~self.whole_result
+        bad = self.result & ~((phase == 0) & part) & ~meant
+        took = self.given & ~self.nan_given & ~self.whole_given
+        keeps = took & ~self.result  # took Inf and kept it out of its results
+        clean = ~self._later_in_iteration(bad) & ~bad
+        kept = keeps | self._later_in_iteration(keeps)
+        up = parent
+        while True:  # the steps enclosing a step end after it
+            inside = (up >= 0) & (up < n)
+            if not inside.any():
+                break
+            at = np.where(inside, up, 0)
+            clean &= ~(inside & bad[at])
+            kept |= inside & ~self.result[at]
+            up = np.where(inside, parent[at], -1)
+        clean &= kept  # (Inf in the last step of a recording came to nothing as far as it shows: no evidence)
+        made = part & ~self.given & (phase == 0)
+        made_here, took_here = made & clean, took & clean & ~self.nan_result & ~self.whole_result
+        self._absorbed_cache = (made_here, took_here | (took & self._earlier(took_here)),
+                                made & self._earlier(made_here))
+        return self._absorbed_cache
+
 
 def meant_inf(rec: Recording) -> np.ndarray:
     """Per step: its results hold Inf and no NaN that the model means, as ``first_nonfinite`` judges
-    them: made at every call from finite inputs (an additive -inf mask), or taken at every call and
-    passed on, shaped as a mask's (``_Kinds.shaped``). Such a step is ``nonfinite`` in the recording
-    but no anomaly to stop at."""
+    them: made from finite inputs as an additive -inf mask is (at every call, or on part of a tensor
+    where nothing non-finite came of it: ``_Kinds.masks``), or taken as a mask's and passed on
+    (``_Kinds.takes_mask``). Such a step is ``nonfinite`` in the recording but no anomaly to stop at."""
     if not len(rec):
         return np.zeros(0, dtype=bool)
-    k = _Kinds.of(rec)
-    passed = k.result & ~k.nan_result & k.given & ~k.nan_given
-    return k.masks() | (passed & k.takes_mask())
+    return _Kinds.of(rec).meant()
 
 
 def _all_inf(rec: Recording, phase: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -540,11 +643,12 @@ def _not_overflow_note(step: Step, not_overflows: list[int]) -> str:
 
 def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool = False) -> Origin:
     """The first step that made NaN or Inf: its results hold NaN while its inputs held none (even if
-    they held Inf it takes at every call: an additive -inf mask is meant, a softmax that overflows
-    beside it is not), or Inf while its inputs were finite, unless it makes Inf at every one of its
-    calls (a step building a -inf mask means to). A value that came non-finite from outside every step
-    (the data, an optimizer update) is ``entered``, even where that step turns its Inf into NaN; Inf
-    that only passes through the steps that take it from the start (a mask) is no origin at all."""
+    they held Inf it takes as a mask's: an additive -inf mask is meant, a softmax that overflows
+    beside it is not), or Inf while its inputs were finite, unless that Inf is a mask's (``_Kinds.masks``:
+    made at every call, or on part of a tensor with nothing non-finite coming of it). A value that came
+    non-finite from outside every step (the data, an optimizer update, or, into a backward step through a
+    graph of gradients, a gradient penalty computed in the loop) is ``entered``, even where that step turns
+    its Inf into NaN; Inf that only passes through the steps that take it (a mask) is no origin at all."""
     n = len(rec)
     if not n:
         return Origin(None, "no steps recorded")
@@ -554,11 +658,14 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     if overflowed:  # passed over: what the scaler did about them is what mixed precision expects
         for mask in (k.result, k.nan_result, k.given, k.nan_given):
             np.logical_and(mask, ~handled, out=mask)
-    habit = k.takes_mask()  # Inf taken at every call, on part of a tensor or from the first call: a mask
-    made = k.nan_result & ~k.nan_given & (~k.given | habit)
+    habit = k.takes_mask()  # Inf taken as a mask's: at every call, or kept from going further
+    made = k.nan_made()
     inf_made = k.result & ~k.nan_result & ~k.given  # Inf (only) from finite inputs
     if inf_made.any():
         made |= inf_made & ~k.masks()
+    through = _through_gradients(rec, made)  # came in by a graph of gradients: where it entered
+    made &= ~through
+    went = k.result & ~k.meant()  # (a mask's Inf in the iterations after it is no spread of it)
     if made.any():
         index = _innermost(rec, int(np.flatnonzero(made)[0]), made)
         step = rec.step(index)
@@ -566,23 +673,26 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         sent, received = _sent(step), _received(step)
         given = [r.name + (" from another rank" if r.name in received else "") for r in _own_inputs(step)
                  if r.nonfinite and _call_of(r.name) not in sent]
-        source = (f"from inputs holding Inf at every call, as a -inf mask does, but no NaN ({', '.join(given[:3])})"
-                  if given else "from finite inputs")
+        how = ("at every call, as a -inf mask does" if k.habit_takes()[index] else
+               "on part of a tensor, as a -inf mask does, that its earlier calls kept out of their results")
+        source = (f"from inputs holding Inf {how}, but no NaN ({', '.join(given[:3])})" if given
+                  else "from finite inputs")
         if sent:
             source += f", and sent them to the other ranks through its {', '.join(sent)}"
         origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} {source}"
-                        + _not_overflow_note(step, not_overflows), _after(rec, index, k.result, spread),
-                        followed=int(k.result[index + 1:].sum()))
+                        + _not_overflow_note(step, not_overflows), _after(rec, index, went, spread),
+                        followed=int(went[index + 1:].sum()))
         if ops:
             find_op(origin, step)
         return origin
     if k.nan_result.any():  # NaN that came in, or Inf that came in (no mask) and became NaN
-        came = k.nan_given | (k.result & k.given & ~habit)
+        came = k.nan_given | (k.result & k.given & ~habit) | through
     elif k.result.any():
-        came = k.result & k.given & ~habit
+        came = (k.result & k.given & ~habit) | through
         if not came.any():
             first = rec.step(int(np.flatnonzero(k.result)[0]))
-            return Origin(None, "no NaN recorded; Inf appears only in steps that hold it at every call (first "
+            return Origin(None, "no NaN recorded; Inf appears only in steps that hold it at every call or, on part "
+                                "of a tensor, with nothing non-finite coming of it (first "
                                 f"{describe(first)}), as a -inf attention mask does")
     else:
         raised = _anomaly_raised(rec)
@@ -599,11 +709,30 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     index = int(np.flatnonzero(came)[0])
     step = rec.step(index)
     origin = Origin(None, _entered_cause(rec, step) + _not_overflow_note(step, not_overflows),
-                    _after(rec, index, k.result, spread, inclusive=True), entered=step,
-                    followed=int(k.result[index + 1:].sum()))
+                    _after(rec, index, went, spread, inclusive=True), entered=step,
+                    followed=int(went[index + 1:].sum()))
     if ops:
         origin.op_note = entered_op_note(origin)
     return origin
+
+
+def _second_order(step: Step) -> bool:
+    """Whether a backward step ran through a graph of gradients an earlier pass took with create_graph=True."""
+    return step.phase == "backward" and layout.SECOND_ORDER_NOTE in (step.extra.get("notes") or [])
+
+
+def _through_gradients(rec: Recording, made: np.ndarray) -> np.ndarray:
+    """Per step: among ``made``, the backward steps before the first other one that ran through a graph of
+    gradients (a gradient penalty's): their results hold second-order terms their recorded inputs do not
+    show, so NaN from finite recorded inputs came in that way, made where those gradients were computed
+    (outside every recorded step, where no step before it made it), not by the step."""
+    through = np.zeros(len(made), dtype=bool)
+    phase = _column(rec, "phase")
+    for index in np.flatnonzero(made).tolist():
+        if phase[index] != 1 or not _second_order(rec.step(index)):
+            break
+        through[index] = True
+    return through
 
 
 def entered_op_note(origin: Origin) -> str:
@@ -705,6 +834,14 @@ def _entered_cause(rec: Recording, step: Step) -> str:
                     + (f"that this rank ({rec.rank.rank} of {world}) did not send: they came from {other}"
                        if counted else f"to this rank ({rec.rank.rank} of {world}), from {other}")
                     + "; look for the origin there (pdbg bisect without --rank looks at every rank)")
+        if _second_order(step):
+            made = _nonfinite_text(step, layout_results(step.phase))
+            where = ("pdbg bisect the recording this bundle came from to find where" if rec.bundle_info is not None
+                     else "record that code as a step to find where")
+            return (f"{describe(step)} received non-finite values ({'; '.join(made[:2])}) through the graph of "
+                    "gradients an earlier backward pass took with create_graph=True, not through its grad outputs, "
+                    "which were finite: second-order terms, made where those gradients were used (a gradient "
+                    f"penalty) outside the recorded steps; {where}")
         return f"{describe(step)} received non-finite values from outside every recorded step"
     sent = _sent(step)
     text = _entered_text(rec, source, step, bad[0])

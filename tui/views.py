@@ -243,7 +243,7 @@ class TimelineModel:
 
     @cached_property
     def meant(self) -> np.ndarray:
-        """Per step: Inf the model means (a -inf mask made or passed on at every call): ``n`` passes over them."""
+        """Per step: Inf the model means (a -inf mask made or passed on: ``meant_inf``): ``n`` passes over them."""
         return meant_inf(self.rec)
 
     # filters ---------------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def next_iteration(model: TimelineModel, index: int, step: int) -> int | None:
 
 def next_anomaly(model: TimelineModel, index: int, step: int) -> int:
     """The next (or previous) step shown (the filter's, if one is set) whose status is not ok, but for
-    Inf the model means (a -inf mask made or passed on at every call: ``replayer.bisect.meant_inf``)."""
+    Inf the model means (a -inf mask made or passed on: ``replayer.bisect.meant_inf``)."""
     shown = model.rows
     bad = shown[(model.status[shown] != 0) & ~model.meant[shown]]
     if step > 0:
@@ -693,7 +693,7 @@ class PaperNode:
 
 def paper_tree(model: TimelineModel) -> PaperNode:
     """Algorithm → step → equation → step name, with calls, time and anomalies per node (not Inf the
-    model means: a mask's at every call, which ``n`` passes over too)."""
+    model means: a mask's, which ``n`` passes over too)."""
     root = PaperNode("paper")
     if not model.n:
         return root

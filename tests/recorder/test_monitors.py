@@ -151,6 +151,26 @@ class TestOnAnomaly:
         assert origin.step is None and origin.cause.startswith("no NaN recorded; Inf appears only in steps that "
                                                                "hold it at every call"), origin.cause
 
+    def test_a_padding_mask_some_batches_do_not_need_does_not_stop_training(self, run_path: Path) -> None:
+        """A padding mask made at iteration 0, none at iteration 1 (a batch without padding): the stop
+        called iteration 0's Inf "not a mask" and ended training there. Inf on part of the mask, as at an
+        earlier call, is a mask's whatever the calls in between held; the softmax that makes NaN over a
+        row all masked at iteration 4 stops it. Inf that filled the result of a first call alone is still
+        stopped at the next call (test_a_mask_made_at_every_call_is_no_anomaly_and_an_overflow_still_is)."""
+        with pytest.raises(recorder.NonFiniteError) as info, recorder.record(run_path, on_anomaly="stop") as run:
+            for i in range(6):
+                pad = torch.zeros(2, 4, dtype=torch.bool)
+                if i not in (1, 3):
+                    pad[0, 2:] = True
+                if i == 4:
+                    pad[1] = True
+                padded_attention(torch.randn(2, 3, 4), padding_mask(pad))
+                run.next_iteration()
+        assert str(info.value) == ("Eq. 8 (padded_attention) forward, iteration 4, call 0: output has 12 NaN; its "
+                                   "input args.1 already held 6 Inf when the call began")
+        assert [s[:2] for s in statuses(run_path) if s[1] != "ok"] == \
+            [("padding_mask", "nonfinite")] * 3 + [("padded_attention", "nonfinite")]
+
     def test_a_recording_closed_later_says_the_stop_ended_it(self, run_path: Path) -> None:
         """A stop raised out of a framework's loop that has no exception hook (Hugging Face's
         Trainer): the recording is closed later, at exit, without the exception. It still says
@@ -198,6 +218,16 @@ def causal_mask(n: int) -> torch.Tensor:
 @recorder.paper_step("Eq. 4", description="masked attention weights")
 def masked(scores: torch.Tensor) -> torch.Tensor:
     return (scores + causal_mask(scores.shape[-1])).softmax(-1)
+
+
+@recorder.paper_step("Eq. 7", description="an additive -inf key padding mask")
+def padding_mask(pad: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(pad.shape).masked_fill(pad, float("-inf"))
+
+
+@recorder.paper_step("Eq. 8", description="attention weights over the keys, padding masked")
+def padded_attention(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (scores + mask[:, None, :]).softmax(-1)
 
 
 @recorder.paper_step("Eq. 6", description="a block around SmoothReLU")

@@ -1436,3 +1436,165 @@ def test_against_names_the_argument_that_differs_and_its_two_values(tmp_path: Pa
     assert "its non-tensor argument mu differs (1e+38 vs 0.001)" in res.stdout, res.stdout + res.stderr
     res = pdbg("bisect", "b.zarr", "--against", "c.zarr", cwd=tmp_path)
     assert "its non-tensor argument opts['lr'] differs (0.5 vs 0.25)" in res.stdout, res.stdout + res.stderr
+
+
+@recorder.paper_step("Eq. 40", description="additive -inf key padding mask")
+def _padding_mask(pad: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(pad.shape).masked_fill(pad, float("-inf"))
+
+
+@recorder.paper_step("Eq. 41", description="attention over the keys, padding masked")
+class _PaddedAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.transpose(1, 2) + mask[:, None, :]
+        return torch.softmax(scores, -1) @ x
+
+
+def record_buckets(path: Path, unpadded: set[int], empty_at: int, iterations: int = 7,
+                   on_anomaly: str = "record") -> None:
+    """Batches of 3 sequences of up to 5 tokens, the last two tokens of one padded, but for the iterations
+    ``unpadded`` (a length bucket: no padding, so the mask holds no -inf); at ``empty_at`` a sequence is
+    all padding, and the softmax over its keys, all masked, makes NaN."""
+    torch.manual_seed(0)
+    attention = _PaddedAttention()
+    opt = torch.optim.SGD(attention.parameters(), lr=0.01)
+    with recorder.record(path, model=attention, optimizer=opt, on_anomaly=on_anomaly):
+        for i in range(iterations):
+            pad = torch.zeros(3, 5, dtype=torch.bool)
+            if i not in unpadded:
+                pad[1, 3:] = True
+            if i == empty_at:
+                pad[2] = True
+            attention(torch.randn(3, 5, 4), _padding_mask(pad)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_padding_mask_that_some_batches_do_not_need_is_still_no_origin(tmp_path: Path) -> None:
+    """Batches without padding make a mask with no -inf: the mask was no longer "Inf at every call", and
+    bisect, info and the TUI's g named its call of iteration 0 the origin (the TUI's n stopped at every
+    mask), though nothing non-finite came of it until a sequence all padding made the softmax NaN at
+    iteration 5. That softmax's step is the origin; the mask's calls are Inf the model means."""
+    path = tmp_path / "buckets.zarr"
+    record_buckets(path, unpadded={1, 3}, empty_at=5)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    step = origin.step
+    assert step is not None, origin.cause
+    assert (step.name, step.phase, step.iteration) == ("_PaddedAttention", "forward", 5), origin.cause
+    assert "from inputs holding Inf on part of a tensor, as a -inf mask does" in origin.cause, origin.cause
+    assert origin.op is not None and origin.op.name == "aten::_softmax", origin.op_note
+    assert not any(s.name == "_padding_mask" for s in origin.spread), origin.spread
+    masks = [s.index for s in rec.steps if s.name == "_padding_mask" and s.status == "nonfinite"]
+    assert len(masks) == 5 and bisect_mod.meant_inf(rec)[masks].all()
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 1 and res.stdout.startswith("origin: Eq. 41 · _PaddedAttention · forward · iteration 5"), \
+        res.stdout
+    assert f"NaN origin: step {step.index}: Eq. 41" in pdbg("info", str(path), cwd=tmp_path).stdout
+    from tui import views
+
+    model = views.TimelineModel(rec)
+    assert views.next_anomaly(model, -1, 1) == step.index  # the TUI's n, from the start, passes over the masks
+
+    # No sequence all padding: nothing non-finite came of the mask, at any call.
+    clean = tmp_path / "clean.zarr"
+    record_buckets(clean, unpadded={1, 3}, empty_at=-1)
+    origin = replayer.first_nonfinite(replayer.open(clean))
+    assert not origin.found and origin.cause.startswith("no NaN recorded; Inf appears only in steps"), origin.cause
+
+
+@recorder.paper_step("Eq. 42", description="a gate: 1 / (1 + exp(-x)), written out")
+def _exp_of(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-x)
+
+
+@recorder.paper_step("Eq. 43", description="the gate from exp(-x)")
+def _gate_of(e: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + e)
+
+
+@recorder.paper_step("Eq. 44", description="a root of the gate's spread")
+def _spread_root(g: torch.Tensor) -> torch.Tensor:
+    return (g - 0.75).sqrt()
+
+
+def test_an_overflow_nothing_came_of_is_not_the_origin_of_a_later_nan(tmp_path: Path) -> None:
+    """exp overflows on part of its input at iteration 1 and the gate makes 0 of it: the iteration ends
+    finite. At iteration 4 a root of a negative value makes NaN from finite inputs: that is the origin,
+    not the overflow three iterations before, of which nothing non-finite came."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path) as run:
+        for i in range(6):
+            x = torch.tensor([1.0, 2.0, -200.0 if i == 1 else -1.0, 3.0])
+            _spread_root(_gate_of(_exp_of(x)) + (0.0 if i == 4 else 1.0))
+            run.next_iteration()
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    step = origin.step
+    assert step is not None and (step.name, step.iteration) == ("_spread_root", 4), origin.cause
+    assert "from finite inputs" in origin.cause, origin.cause
+    overflow = rec.step("_exp_of@iter=1")
+    assert overflow.status == "nonfinite" and bisect_mod.meant_inf(rec)[overflow.index]
+
+
+@recorder.paper_step("Critic", description="a bias-free ReLU critic")
+class _Critic(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(2, 32, bias=False), torch.nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)))
+
+
+def record_inline_penalty(path: Path, bad: int, on_anomaly: str = "record") -> None:
+    """WGAN-GP's critic update with the gradient penalty sqrt(sum g^2) written in the loop, not as a step.
+    At iteration ``bad`` one sample is 0, where the bias-free critic's gradient is 0 and sqrt's backward
+    makes NaN: it reaches the critic's parameter grads through the graph of gradients only."""
+    torch.manual_seed(0)
+    critic = _Critic()
+    opt = torch.optim.SGD(critic.parameters(), lr=1e-3)
+    with recorder.record(path, model=critic, optimizer=opt, on_anomaly=on_anomaly):
+        for i in range(bad + 2):
+            x = torch.randn(4, 2) * 0.5 + torch.tensor([1.0, -1.0])
+            if i == bad:
+                x[0] = 0.0
+            x.requires_grad_(True)
+            (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+            penalty = ((g.pow(2).sum(1).sqrt() - 1) ** 2).mean()
+            (critic(torch.randn(4, 2)).mean() + penalty).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_nan_that_came_in_through_a_graph_of_gradients_is_where_it_entered(tmp_path: Path) -> None:
+    """sqrt's backward, outside every recorded step, makes NaN that reaches the critic's second-order
+    backward through the graph of gradients: bisect called that step the origin, "from finite inputs",
+    and so did info, a bundle of that step and the stop. It is where the NaN came in."""
+    path = tmp_path / "penalty.zarr"
+    record_inline_penalty(path, bad=3)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    entered = origin.entered
+    assert origin.step is None and entered is not None, origin.cause
+    assert (entered.name, entered.phase, entered.iteration) == ("_Critic", "backward", 3), origin.cause
+    assert layout.SECOND_ORDER_NOTE in entered.extra["notes"]
+    assert "through the graph of gradients an earlier backward pass took with create_graph=True" in origin.cause
+    assert "from finite inputs" not in origin.cause and origin.op is None and "came into step" in origin.op_note
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert res.returncode == 1 and "through the graph of gradients" in res.stdout and "cannot be replayed" \
+        not in res.stdout, res.stdout
+    assert f"NaN origin: none of the recorded steps; it came in at step {entered.index}:" in \
+        pdbg("info", str(path), cwd=tmp_path).stdout
+    bundle = tmp_path / "critic.pdbg"
+    assert pdbg("bundle", str(path), str(entered.index), "-o", str(bundle), cwd=tmp_path).returncode == 0
+    assert "NaN origin: none of the recorded steps; it came in at step " in pdbg("info", str(bundle),
+                                                                                   cwd=tmp_path).stdout
+    with pytest.raises(recorder.NonFiniteError, match=r"^Critic \(_Critic\) backward, iteration 3, call 0: the "
+                                                      r"gradient of l1\.weight has \d+ NaN; it came in through the "
+                                                      r"graph of gradients"):
+        record_inline_penalty(tmp_path / "stop.zarr", bad=3, on_anomaly="stop")
