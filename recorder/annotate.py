@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from . import capture, skeleton
+from . import capture, skeleton, snapshot
 
 T = TypeVar("T")
 
@@ -44,11 +44,42 @@ class StepDef:
     _doc: dict[str, Any] | None = field(default=None, repr=False)
     # the module-level generator objects its code reads (snapshot.find_global_rngs), found at its first call
     rngs: tuple[tuple[str, dict[str, Any], str], ...] | None = field(default=None, repr=False)
+    # (the places of the classes and functions its code reads as module-level globals, with the values
+    # they held (snapshot.find_global_code), the definition document naming those bound elsewhere), noted at
+    # its first call and again when one of them is rebound (STE = STES[args.ste] in main)
+    _noted: tuple[tuple[tuple[dict[str, Any], str, Any], ...], dict[str, Any]] | None = field(default=None, repr=False)
+    _docs: dict[tuple[tuple[str, str], ...], dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def paper(self) -> dict[str, Any]:
         return {"label": self.label, "algorithm": self.algorithm, "step": self.step,
                 "equation": self.equation, "description": self.description}
+
+    def doc_now(self) -> dict[str, Any]:
+        """The definition document of a call starting now: ``doc()``, with ``"globals"`` naming what the
+        module-level names its code reads are bound to where that is not their own definition
+        (``{"STE": "__main__:SmoothSTE"}``). At each call, one identity check per name noted; looked
+        through again only when one was rebound. The same bindings give the same document object (the
+        writer knows it by identity)."""
+        noted = self._noted
+        if noted is not None:
+            for space, name, value in noted[0]:
+                if space.get(name) is not value:
+                    break
+            else:
+                return noted[1]
+        places, refs = snapshot.find_global_code(self.target)
+        doc = self.doc()
+        if refs:
+            key = tuple(refs.items())
+            found = self._docs.get(key)
+            if found is None:
+                if len(self._docs) >= 64:  # bindings that keep changing: only a cache
+                    self._docs.clear()
+                found = self._docs[key] = {**doc, "globals": refs}
+            doc = found
+        self._noted = (places, doc)
+        return doc
 
     def doc(self) -> dict[str, Any]:
         """The definition document stored with every step (computed once, at its first call, on the

@@ -145,6 +145,7 @@ class Frame:
     collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls made inside
     vmap: dict[str, list[int]] | None = None  # under torch.func: record name -> vmap batch dims (transforms)
     module_doc: dict[str, Any] | None = None  # the module's skeleton when the call began (a backward: its forward's)
+    definition: dict[str, Any] | None = None  # its definition document when the call began (a backward: its forward's)
     # The input tensors outside autograd's graph with their version counters when the call began:
     # those the call changes in place (an EMA update, a parameter update under no_grad) are recorded
     # again as it leaves them ("after:<input>", role output). Cleared when the call ends.
@@ -809,6 +810,7 @@ class Session:
         self.local.busy = True
         try:
             frame.rng = self.rng.parts()
+            frame.definition = frame.defn.doc_now()  # (the classes its module-level names are bound to now)
             found = frame.defn.rngs
             if found is None:
                 found = frame.defn.rngs = snapshot.find_global_rngs(frame.defn.target)
@@ -1389,7 +1391,7 @@ class Session:
         if frame.dropped:  # says why these records have statistics only
             frame.notes.append(f"{frame.dropped} {layout.DROPPED_NOTE} (when_slow='drop_payloads')")
             frame.dropped = 0
-        docs = {"name": frame.defn.name, "definition": frame.defn.doc(), "module_path": frame.path,
+        docs = {"name": frame.defn.name, "definition": frame.definition or frame.defn.doc(), "module_path": frame.path,
                 "module": frame.module_doc if frame.module_doc is not None else self._module_doc(frame.module),
                 "settings": frame.settings,
                 "args": frame.args_doc, "output": frame.output_doc}
@@ -1635,6 +1637,7 @@ class Session:
         frame.rng = self.rng.parts()
         frame.settings = self._settings()
         frame.module_doc = fwd.module_doc
+        frame.definition = fwd.definition
         if link.graphed:  # a later pass, through the graph of gradients an earlier one made
             frame.notes.append(layout.SECOND_ORDER_NOTE)
         if link.reused and len(link.own) < len(link.params):

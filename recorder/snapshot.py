@@ -197,30 +197,50 @@ def find_global_rngs(target: Any) -> tuple[tuple[str, dict[str, Any], str], ...]
 def _find_global_rngs(target: Any) -> tuple[tuple[str, dict[str, Any], str], ...]:
     """The generator objects a step's code reads as module-level globals, as (part, namespace, name):
     ``part`` names it in the step's RNG document, ``namespace[name]`` is where it is read at each call
-    (code may rebind it). Found once per step definition, from names alone (nothing is called):
-    the names its code (``co_names``, nested code objects') holds, looked up in its module's globals
-    (``RNG``) and as attributes of the modules among them (``utils.RNG``), through the functions of
-    its own code it calls (module-level helpers, ``self.method`` of a module step's class; not
-    torch's). For a module step, ``target`` is its class, and its code starts at ``forward``."""
-    def code_of(fn: Any) -> tuple[types.CodeType, dict[str, Any]] | None:
-        try:
-            fn = inspect.unwrap(getattr(fn, "__func__", fn))
-        except ValueError:  # a cycle of __wrapped__
-            return None
-        code, env = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-        if not isinstance(code, types.CodeType) or not isinstance(env, dict):
-            return None
-        return code, env
+    (code may rebind it). Found once per step definition, from names alone (``_global_reads``)."""
+    found: dict[str, tuple[dict[str, Any], str]] = {}
+    for label, space, name, value in _global_reads(target)[1]:
+        if is_global_rng(value):
+            found.setdefault(GLOBAL_PREFIX + label, (space, name))
+    return tuple((part, space, name) for part, (space, name) in found.items())
 
-    def own(fn: Any) -> bool:  # the user's code, not a library's
-        module = getattr(getattr(fn, "__func__", fn), "__module__", None) or ""
-        return module.partition(".")[0] not in ("torch", "numpy", "recorder", "replayer")
 
+def _code_of(fn: Any) -> tuple[types.CodeType, dict[str, Any]] | None:
+    """The code object and globals of a function (unwrapped: a decorator's wrapper leads to it)."""
+    try:
+        fn = inspect.unwrap(getattr(fn, "__func__", fn))
+    except ValueError:  # a cycle of __wrapped__
+        return None
+    code, env = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if not isinstance(code, types.CodeType) or not isinstance(env, dict):
+        return None
+    return code, env
+
+
+def _own(fn: Any) -> bool:
+    """Whether a function is the user's code, not a library's."""
+    module = getattr(getattr(fn, "__func__", fn), "__module__", None) or ""
+    return module.partition(".")[0] not in ("torch", "numpy", "recorder", "replayer")
+
+
+def code_globals(target: Any) -> dict[str, Any] | None:
+    """The module globals a step's code reads its names in (a module step's: its class's ``forward``'s)."""
+    first = _code_of(getattr(target, "forward", None) if isinstance(target, type) else target)
+    return first[1] if first is not None else None
+
+
+def _global_reads(target: Any) -> tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any], str, Any]]]:
+    """(the globals of the step's own code, what its code reads at module level, as (label, namespace,
+    name, value)): the names its code (``co_names``, nested code objects') holds,
+    looked up in its module's globals (label ``RNG``) and as attributes of the modules among them
+    (``utils.RNG``: namespace that module's), through the functions of its own code it calls
+    (module-level helpers, ``self.method`` of a module step's class; not torch's), from names alone
+    (nothing is called). For a module step, ``target`` is its class, and its code starts at ``forward``."""
     cls = target if isinstance(target, type) else None
-    first = code_of(getattr(cls, "forward", None) if cls is not None else target)
+    first = _code_of(getattr(cls, "forward", None) if cls is not None else target)
     if first is None:
-        return ()
-    todo, seen, found = [first], set(), {}
+        return None, []
+    todo, seen, reads = [first], set(), []
     while todo and len(seen) < _MAX_CODE:
         code, env = todo.pop()
         if id(code) in seen:
@@ -232,23 +252,70 @@ def _find_global_rngs(target: Any) -> tuple[tuple[str, dict[str, Any], str], ...
             value = env.get(name)
             if value is None and cls is not None and name not in env:
                 value = getattr(cls, name, None)  # self.helper(): a method of the step's class
-                if isinstance(value, (types.FunctionType, types.MethodType)) and own(value):
-                    nested = code_of(value)
+                if isinstance(value, (types.FunctionType, types.MethodType)) and _own(value):
+                    nested = _code_of(value)
                     if nested is not None:
                         todo.append(nested)
                 continue
-            if is_global_rng(value):
-                found.setdefault(GLOBAL_PREFIX + name, (env, name))
-            elif isinstance(value, types.ModuleType):
+            if name in env:
+                reads.append((name, env, name, value))
+            if isinstance(value, types.ModuleType):
                 space = getattr(value, "__dict__", {})
-                for attr in names:
-                    if attr != name and is_global_rng(space.get(attr)):
-                        found.setdefault(f"{GLOBAL_PREFIX}{name}.{attr}", (space, attr))
-            elif isinstance(value, types.FunctionType) and own(value):
-                nested = code_of(value)
+                reads += [(f"{name}.{attr}", space, attr, space[attr]) for attr in names
+                          if attr != name and attr in space]
+            elif isinstance(value, types.FunctionType) and _own(value):
+                nested = _code_of(value)
                 if nested is not None:
                     todo.append(nested)
-    return tuple((part, space, name) for part, (space, name) in found.items())
+    return first[1], reads
+
+
+# -- classes and functions a step's code reads as module-level globals ----------------------------
+# A script's main() may rebind one (STE = STES[args.ste]); a replay loads the code without running main,
+# and would run what the import binds. The step's definition document names what each was bound to.
+_CODE_KINDS = (type, types.FunctionType, types.BuiltinFunctionType)
+_LIBRARIES = frozenset(("torch", "numpy", "recorder", "replayer", *sys.stdlib_module_names))
+
+
+def code_ref(value: Any) -> str | None:
+    """The import reference ``module:qualname`` of a class or function (None for anything else)."""
+    if not isinstance(value, _CODE_KINDS):
+        return None
+    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        return None
+    return f"{module}:{qualname}"
+
+
+def find_global_code(target: Any) -> tuple[tuple[tuple[dict[str, Any], str, Any], ...], dict[str, str]]:
+    """``_find_global_code``, never raising (code of an unusual kind: none found)."""
+    try:
+        return _find_global_code(target)
+    except Exception:  # noqa: BLE001
+        return (), {}
+
+
+def _find_global_code(target: Any) -> tuple[tuple[tuple[dict[str, Any], str, Any], ...], dict[str, str]]:
+    """(the places (namespace, name, value) of the classes and functions a step's code reads as
+    module-level globals (``_global_reads``; in modules not torch's, numpy's or the standard library's:
+    ``modules=`` globs' steps have none), to be checked by identity at each call; {place: import reference}
+    of those bound to something else than the definition of that very name, which a replay binds
+    again): ``{"STE": "__main__:SmoothSTE"}``, a place in another module's globals as
+    ``"module:NAME"`` (an attribute of a module the code imported, a helper's global)."""
+    own_env, reads = _global_reads(target)
+    places: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = {}
+    refs: dict[str, str] = {}
+    for _, space, name, value in reads:
+        ref = code_ref(value)
+        if ref is None or (id(space), name) in places:
+            continue
+        module = space.get("__name__")
+        if not isinstance(module, str) or module.partition(".")[0] in _LIBRARIES:
+            continue
+        places[(id(space), name)] = (space, name, value)
+        if ref != f"{module}:{name}":  # (the definition of that name: what importing the module binds it to)
+            refs[name if space is own_env else f"{module}:{name}"] = ref
+    return tuple(places.values()), refs
 
 
 def _state_key(value: Any) -> Any:

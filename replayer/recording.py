@@ -365,7 +365,7 @@ def printable(text: str) -> str:
 _PAPER_KEYS = ("label", "algorithm", "step", "equation", "description")
 _DEFINITION_TYPES: dict[str, type | tuple[type, ...]] = {
     "kind": str, "ref": str, "file": str, "line": int, "source": str, "source_sha256": str, "name": str,
-    "paper": dict}
+    "paper": dict, "globals": dict}
 
 
 def paper_of(definition: Any) -> dict[str, Any]:

@@ -121,6 +121,8 @@ class Replayer:
         self._env: list[str] | None = None
         self._repository: str | None | bool = False  # what of the code's repository changed (False: not asked)
         self._rng_places: dict[int, tuple[Any, Any]] = {}  # per loaded step code: (it, find_global_rngs of it)
+        # module-level names the replay in progress bound as recorded: (namespace, name, what it held)
+        self._rebound: list[tuple[dict[str, Any], str, Any]] = []
 
     def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True,
                around: Around | None = None, swap: dict[str, Any] | None = None, edit: dict[str, Any] | None = None,
@@ -138,7 +140,7 @@ class Replayer:
         self.plan = self._plan(step, swap, edit, settings, seed)
         backward = step.phase == "backward"
         try:
-            with state.neutral({**step.settings, **self.plan.settings}), self.loader.sources():
+            with state.neutral({**step.settings, **self.plan.settings}), self.loader.sources(), self._bindings():
                 result = self._backward(step, threads, nested) if backward else self._forward(step, threads, nested)
         except UnknownTagError as exc:
             if not self.rec.reader.newer:  # a tag no version wrote: damage
@@ -480,6 +482,11 @@ class Replayer:
                                    "values (a likely cause of any difference)")
         if not result.compared or not self.plan.empty:
             return
+        if call.unchecked:
+            result.warnings.append(f"the step's code reads the module-level {'; '.join(call.unchecked)}, whose "
+                                   "recorded binding a replay cannot import to compare with the one loading the "
+                                   "code makes: if the training script rebinds it as it runs, the replay ran other "
+                                   "code (a likely cause of the difference)")
         if not any("likely cause" in w or "changed since" in w for w in result.warnings):
             if self._repository is False:  # once per replayer: two git processes (verify replays many steps)
                 self._repository = _repository_changed(self.rec.run_info)
@@ -610,8 +617,10 @@ class Replayer:
             warnings.append(drift)
         rngs, unread = self._global_rngs(step, target if module_doc is not None else getattr(target, "__wrapped__",
                                                                                              target), warnings)
+        unchecked: list[str] = []
+        self._bind_globals(defn, target, warnings, unchecked)
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)),
-                     built.unrecorded if module_doc is not None else [], rngs, unread)
+                     built.unrecorded if module_doc is not None else [], rngs, unread, unchecked)
 
     def _one_storage(self, step: Step, members: dict[str, int], tensors: dict[str, TensorRecord],
                      grads: frozenset[str], given: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> None:
@@ -661,6 +670,88 @@ class Replayer:
         if not swap:
             return args, kwargs
         return [swap.get(id(a), a) for a in args], {k: swap.get(id(v), v) for k, v in kwargs.items()}
+
+    @contextlib.contextmanager
+    def _bindings(self) -> Iterator[None]:
+        """Inside the block, the module-level names a replayed step's code reads may be bound to what they
+        were when recorded (``_bind_globals``); after it, each has what it had again (the user's own
+        ``__main__`` in a notebook, a script loaded once for many replays)."""
+        saved, self._rebound = self._rebound, []
+        try:
+            yield
+        finally:
+            for space, name, old in reversed(self._rebound):
+                if old is _UNBOUND:
+                    space.pop(name, None)
+                else:
+                    space[name] = old
+            self._rebound = saved
+
+    def _bind_globals(self, defn: dict[str, Any], target: Any, warnings: list[str], unchecked: list[str]) -> None:
+        """Bind the module-level names the step's code reads to the classes and functions they were bound
+        to when recorded (its definition's ``globals``: a script's main() rebinds ``STE = STES[args.ste]``,
+        and loading the code binds the import's), for the replay in progress (``_bindings``), saying so.
+        Where a recorded binding cannot be imported: a warning if the loaded code binds another, else its
+        name in ``unchecked`` (said where the replay differs). ``target``: the loaded class or function."""
+        recorded = defn.get("globals")
+        if not isinstance(recorded, dict) or not recorded:
+            return
+        own = snapshot.code_globals(getattr(target, "__wrapped__", target)) if target is not None else None
+        done = {(id(space), name) for space, name, _ in self._rebound}
+        for key, ref in recorded.items():
+            if not isinstance(key, str) or not isinstance(ref, str):
+                continue
+            module, _, name = key.rpartition(":")
+            label = f"{module}.{name}" if module else name
+            try:
+                space = vars(self.loader.module(module)) if module else own
+            except Exception as exc:  # noqa: BLE001 - named below, as a cause of any difference
+                warnings.append(f"the step's code reads the module-level {label}, which was {ref} when recorded, and "
+                                f"its module could not be loaded to bind it ({brief(exc)}): a likely cause of any "
+                                "difference")
+                continue
+            if space is None or (id(space), name) in done:
+                continue
+            now = space.get(name, _UNBOUND)
+            now_ref = "nothing" if now is _UNBOUND else snapshot.code_ref(now) or f"a {type(now).__name__}"
+            try:
+                obj = self.loader.resolve(ref)
+                if snapshot.code_ref(obj) is None or \
+                        str(getattr(obj, "__module__", "")).partition(".")[0] in (*sys.stdlib_module_names, "builtins"):
+                    raise ReplayError(f"{ref} is not a class or function of the training code or a library it uses")
+            except Exception as exc:  # noqa: BLE001 - the binding is named as what could not be set
+                why = str(exc) if isinstance(exc, ReplayError) else brief(exc)
+                if now_ref == ref:  # (the same name, not importable: a lambda, or a class made in a function)
+                    unchecked.append(f"{label} ({ref}: {why})")
+                else:
+                    warnings.append(f"the module-level {label} was {ref} when recorded, which a replay cannot bind "
+                                    f"again ({why}); loading the code binds it to {now_ref}, which the replay ran "
+                                    "(a likely cause of any difference)")
+                continue
+            if now is obj:
+                continue
+            self._rebound.append((space, name, now))
+            done.add((id(space), name))
+            space[name] = obj
+            text = (f"the module-level {label} was {ref} when recorded (the training script rebound it as it ran); "
+                    f"loading the code binds it to {now_ref}: replayed with {ref}, as recorded")
+            if text not in warnings:
+                warnings.append(text)
+
+    def _bind_inner(self, inner: list[Step], warnings: list[str], unchecked: list[str]) -> None:
+        """``_bind_globals`` for the steps the replayed step encloses (their code runs inside it), each
+        definition once."""
+        seen: set[tuple[str, ...]] = set()
+        for s in inner:
+            defn = s.definition
+            recorded = defn.get("globals")
+            if not isinstance(recorded, dict) or not recorded:
+                continue
+            key = (str(defn.get("ref")), *map(str, recorded.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            self._bind_globals(defn, self._code_target(defn), warnings, unchecked)
 
     def _unread_why(self) -> str:
         """Why a generator object's state is not in the recording, and what to do."""
@@ -789,7 +880,9 @@ class Replayer:
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}
         call = self._prepare(step, warnings, rebuilt)
-        inner = descendants(step) if nested or self.plan.edits_inside() or self.plan.swaps else []
+        below = descendants(step)
+        self._bind_inner(below, warnings, call.unchecked)
+        inner = below if nested or self.plan.edits_inside() or self.plan.swaps else []
         if call.vmap is not None and nested:  # the steps inside saw the batch's members, not their records
             nested = False
             if inner:
@@ -896,6 +989,7 @@ class Replayer:
         # recorder's taps on them, and autograd's order of addition follows the graph's nodes (without
         # them a sum of two paths can differ in its last bit).
         inner = descendants(fwd)
+        self._bind_inner(inner, warnings, call.unchecked)
         others = self._pass_siblings(step, fwd) if calls == 2 and totals and self.plan.empty \
             and not inner and len(totals) == sum(r.role == "param_grad" for r in wanted) else None
         if others is not None:  # every call of the pass replayed together: their total is compared
@@ -1174,6 +1268,7 @@ def _repository_changed(run_info: dict[str, Any]) -> str | None:
 
 
 _DATA = (bool, int, float, complex, str, torch.Tensor, np.ndarray, list, dict, set)
+_UNBOUND = object()  # a module-level name loading the code does not bind (main() alone does)
 
 
 def _data_globals(fn: Any) -> list[str]:
@@ -1236,6 +1331,8 @@ class _Call:
     # module-level generator objects its code reads, with their recorded states (Replayer._global_rngs)
     rngs: list[tuple[Any, Any]] = field(default_factory=list)
     unread_rngs: list[str] = field(default_factory=list)  # those whose state the recording does not hold
+    # module-level names its code reads whose recorded binding cannot be imported to check (Replayer._bind_globals)
+    unchecked: list[str] = field(default_factory=list)
 
     def run(self) -> Any:
         with snapshot.applied_global_rngs(self.rngs):  # (given back as they were: a notebook's own generators)

@@ -49,7 +49,9 @@ SCHEMA_VERSION = "1.16"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 # 1.16: documents keep their keys in the recorded object's order (a module's children and parameters, a dict
 #       argument's items; sorted before); the run's final attributes and manifest info list "module_objects":
 #       the places (step name, module path) several module objects ran as one step at, with their instances;
-#       a tensor record's shape may hold RAGGED_DIM (a torch.nested tensor's ragged dimension; statistics only)
+#       a tensor record's shape may hold RAGGED_DIM (a torch.nested tensor's ragged dimension; statistics only);
+#       later, without a change of schema: a definition document's "globals" (what module-level names its code
+#       reads were bound to: classes and functions other than that name's own definition; older readers ignore it)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed

@@ -3178,3 +3178,161 @@ def test_a_replay_in_the_recording_process_sets_its_generators_and_gives_them_ba
     drawn = [w for w in res.warnings if "module-level RNG" in w]
     assert drawn and "_CFG_SYSTEM (random.SystemRandom)" in drawn[0], res.warnings
     assert not any("_P_DROP" in w for w in res.warnings), res.warnings
+
+
+_STE_SCRIPT = '''"""Binary activations whose straight-through estimator a flag picks: main() rebinds the global STE."""
+import sys
+import torch
+import recorder
+
+
+class SignSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.sign(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output
+
+
+class SmoothSTE(SignSTE):
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return grad_output * torch.sqrt(1 - x * x)  # NaN where |x| > 1
+
+
+STES = {"plain": SignSTE, "smooth": SmoothSTE}
+STE = SignSTE
+
+
+def act(x):  # a helper the module step calls: the global is found through it
+    return STE.apply(x)
+
+
+@recorder.paper_step("Eq. 1")
+def binarize(x):
+    return STE.apply(x)
+
+
+@recorder.paper_step("Eq. 2")
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return act(self.lin(x))
+
+
+def made_here():
+    class LocalSTE(SmoothSTE):
+        pass
+    return LocalSTE
+
+
+def main():
+    global STE
+    STE = made_here() if sys.argv[2] == "local" else STES[sys.argv[2]]
+    torch.manual_seed(0)
+    block = Block()
+    with recorder.record(sys.argv[1]) as run:
+        for _ in range(2):
+            x = (torch.randn(16, 8) * 2).requires_grad_()
+            (binarize(x).sum() + block(x).sum()).backward()
+            run.next_iteration()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_step_reading_a_global_class_main_rebinds_replays_the_recorded_class(tmp_path: Path) -> None:
+    """A step whose code reads a module-level global that the script's main() rebinds (STE = STES[args.ste])
+    replays with what the global was bound to when recorded, not with what loading the script binds (main
+    does not run in a replay): a replay in a fresh process matches bit for bit (the recorded NaN too) and
+    says what it bound, through a helper of a module step as well; verify and a bundle agree."""
+    (tmp_path / "bnn.py").write_text(_STE_SCRIPT)
+    made = python("bnn.py", "run.zarr", "smooth", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert rec.step("binarize@iter=0").definition["globals"] == {"STE": "__main__:SmoothSTE"}
+    assert rec.step("Block@iter=0").definition["globals"] == {"STE": "__main__:SmoothSTE"}
+    assert rec.step("binarize@iter=0:backward").tensor("args.0").isnan().any()
+    res = pdbg("replay", "run.zarr", "binarize@iter=0:backward", cwd=tmp_path)
+    assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
+    assert ("the module-level STE was __main__:SmoothSTE when recorded (the training script rebound it as it ran); "
+            "loading the code binds it to __main__:SignSTE: replayed with __main__:SmoothSTE, as recorded"
+            ) in res.stdout
+    whole = pdbg("verify", "run.zarr", cwd=tmp_path)
+    assert whole.returncode == 0 and "8 of 8 steps replayed bit for bit (100.0%)" in whole.stdout, whole.stdout
+    bundled = pdbg("bundle", "run.zarr", "Block@iter=1:backward", "-o", "b.pdbg", "--verify", cwd=tmp_path)
+    assert bundled.returncode == 0 and "verified: the bundle replays bit for bit" in bundled.stdout, \
+        bundled.stdout + bundled.stderr
+
+
+def test_a_global_bound_to_a_class_a_replay_cannot_import_is_named_as_the_likely_cause(tmp_path: Path) -> None:
+    """Where main() bound the global to a class made inside a function, which a replay cannot import, the
+    replay runs what loading the script binds and its warning names the recorded class as the likely cause."""
+    (tmp_path / "bnn.py").write_text(_STE_SCRIPT)
+    made = python("bnn.py", "run.zarr", "local", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    res = pdbg("replay", "run.zarr", "binarize@iter=0:backward", cwd=tmp_path)
+    assert "MISMATCH" in res.stdout, res.stdout + res.stderr
+    warning = next((line for line in res.stdout.splitlines() if "__main__:made_here.<locals>.LocalSTE" in line), "")
+    assert warning.startswith("warning: the module-level STE was __main__:made_here.<locals>.LocalSTE when "
+                              "recorded, which a replay cannot bind again") and \
+        "loading the code binds it to __main__:SignSTE, which the replay ran (a likely cause" in warning, res.stdout
+
+
+class _PlainSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.sign(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output
+
+
+class _ScaledSTE(_PlainSTE):
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output * 0.5
+
+
+_STE = _PlainSTE
+
+
+@recorder.paper_step("Eq. 33", description="sign with the straight-through estimator the global _STE names")
+def ste_sign(x: torch.Tensor) -> torch.Tensor:
+    return _STE.apply(x)
+
+
+def test_a_global_rebound_during_the_run_is_recorded_per_call_and_given_back_after_a_replay(run_path: Path) -> None:
+    """A global the training rebinds between calls (a schedule of estimators) is noted again at the call
+    that finds it rebound: each call's replay runs the class it ran, and the caller's binding (a notebook's
+    own module) is what it was after every replay."""
+    global _STE  # noqa: PLW0603 - rebound as training code does
+    try:
+        with recorder.record(run_path) as run:
+            for ste in (_PlainSTE, _ScaledSTE, _PlainSTE):
+                _STE = ste
+                x = torch.randn(8, requires_grad=True)
+                ste_sign(x).sum().backward()
+                run.next_iteration()
+        rec = replayer.open(run_path)
+        assert [rec.step(f"ste_sign@iter={i}").definition.get("globals") for i in range(3)] == \
+            [{"_STE": f"{__name__}:_PlainSTE"}, {"_STE": f"{__name__}:_ScaledSTE"}, {"_STE": f"{__name__}:_PlainSTE"}]
+        _STE = _ScaledSTE
+        for i in range(3):
+            res = replayer.replay(rec, f"ste_sign@iter={i}:backward")
+            assert res.match and bits_equal(res.values["args.0"], rec.step(f"ste_sign@iter={i}:backward")
+                                            .tensor("args.0")), (i, res.warnings)
+            assert any(w.startswith("the module-level _STE was") for w in res.warnings) == (i != 1), res.warnings
+            assert _STE is _ScaledSTE
+    finally:
+        _STE = _PlainSTE
