@@ -27,6 +27,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _INTS, _NUMBERS = (int,), (int, float)
 _CALLBACK_NOTE = "raised by the tensor callback of recorder.jsonval.decode"
 _DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+_QSCHEMES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.qscheme)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +53,9 @@ class Opaque:
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """A dataclass/namedtuple/enum/plain object whose type was not imported; enums have
-    ``fields={"name": ...}``; ``kind`` is "dataclass", "namedtuple", "enum" or "object"."""
+    """A dataclass/namedtuple/enum/plain object whose type was not imported, or a class that was not
+    (``kind`` "class", no fields); enums have ``fields={"name": ...}``; ``kind`` is "dataclass",
+    "namedtuple", "enum", "object" or "class"."""
     type: str
     kind: str
     fields: dict
@@ -150,6 +152,7 @@ _LEAVES: list[tuple[Any, str | None, Callable[[Any], Any]]] = [  # (type, tag or
     (bytearray, "$bytearray", lambda v: base64.b64encode(v).decode()),
     (type(Ellipsis), "$ellipsis", lambda v: None),
     (torch.dtype, "$dtype", lambda v: str(v).removeprefix("torch.")),
+    (torch.qscheme, "$qscheme", lambda v: str(v).removeprefix("torch.")),  # a torch.ao observer's per_tensor_affine
     (torch.device, "$device", str),
     (torch.Size, "$size", lambda v: [int(d) for d in v]),
     (range, "$range", lambda v: [_enc_int(x) for x in (v.start, v.stop, v.step)]),
@@ -208,6 +211,9 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
         if isinstance(value, torch.Generator):  # its state before the call: a replay draws the same numbers
             state = base64.b64encode(value.get_state().numpy().tobytes()).decode()
             return {"$generator": {"device": str(value.device), "state": state}}
+        if isinstance(value, type):  # a class a constructor takes (torch.ao's FakeQuantize(observer=...))
+            ref = class_ref(value)
+            return {"$class": ref} if ref is not None else _opaque(value)
         if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
             ref = function_ref(value)
             return {"$function": ref} if ref is not None else _opaque(value)
@@ -327,6 +333,18 @@ def function_ref(fn: Any) -> str | None:
             except (ImportError, AttributeError):
                 continue
     return None
+
+
+def class_ref(cls: type) -> str | None:
+    """``"module:QualName"`` of a class that importing that name gives back, else None (a class
+    defined inside a function, or one no longer reachable by its name)."""
+    ref = type_ref(cls)
+    if "<" in ref:
+        return None
+    try:
+        return ref if import_ref(ref) is cls else None
+    except (ImportError, AttributeError, ValueError):
+        return None
 
 
 def walk(doc: Any) -> Iterator[Any]:
@@ -509,6 +527,19 @@ class _Decoder:
                 pass
         return Opaque("builtins:function", ref)
 
+    def cls(self, tag: str, payload: Any) -> Any:
+        """A class (since 1.16): looked up only when asked to import, as the replay finds code, and
+        only a class comes back; otherwise a ``Record`` of kind "class"."""
+        ref = _expect(payload, str, tag)
+        if self.resolve is not None:
+            try:
+                found = self.resolve(ref)
+                if isinstance(found, type):
+                    return found
+            except Exception:  # noqa: BLE001, S110 - not importable here: stays a description
+                pass
+        return Record(ref, "class", {})
+
     def partial(self, tag: str, payload: Any) -> Any:
         ref, args, kwargs = _keys(payload, tag, "function", "args", "kwargs")
         fn = self.function("$function", ref)
@@ -544,6 +575,7 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$ellipsis": lambda d, t, p: ... if p is None else _fail("$ellipsis payload must be null"),
     "$range": lambda d, t, p: range(*d.items(p, t, 3, _INTS)),
     "$dtype": lambda d, t, p: _DTYPES.get(_expect(p, str, t)) or _fail(f"unknown torch dtype {p!r:.60}"),
+    "$qscheme": lambda d, t, p: _QSCHEMES.get(_expect(p, str, t)) or _fail(f"unknown torch qscheme {p!r:.60}"),
     "$device": lambda d, t, p: torch.device(_expect(p, str, t)),
     "$size": lambda d, t, p: torch.Size(d.items(p, t, None, _INTS)),
     "$tensor": _Decoder.tensor_ref,
@@ -551,6 +583,7 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$generator": _Decoder.generator,
     "$function": _Decoder.function,
     "$partial": _Decoder.partial,
+    "$class": _Decoder.cls,
     "$opaque": lambda d, t, p: Opaque(*(_expect(x, str, t) for x in _keys(p, t, "type", "repr"))),
     **dict.fromkeys(("$npscalar", "$ndarray"), _Decoder.numpy),
 }
@@ -588,8 +621,8 @@ def decode(doc: Any, *, tensor: Callable[[str], Any] | None = None, import_types
     Args:
         doc: data produced by :func:`encode` (or read back by :func:`loads`).
         tensor: ``callable(name) -> Any`` for ``{"$tensor": name}`` (its errors pass); default TensorRef.
-        import_types: import dataclass/namedtuple/enum/object/mapping types (importlib, then getattr along the
-            qualname) and rebuild the values. Otherwise, or when that fails, nothing is called:
+        import_types: import dataclass/namedtuple/enum/object/mapping types and ``$class`` classes (importlib,
+            then getattr along the qualname) and rebuild the values. Otherwise, or when that fails, nothing is called:
             Records come back. Plain objects get their fields set on a bare instance (no ``__init__``).
         resolve: ``callable("module:QualName") -> type`` used instead of importing (implies import_types).
     """

@@ -38,6 +38,7 @@ class Rebuilt:
     links: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)  # parameter name -> the name it is the same tensor as
     unrecorded: list[str] = field(default_factory=list)  # attributes not recorded that a constructor made
+    left_out: list[str] = field(default_factory=list)  # attributes it lacks or holds as data only: the warnings
 
     def link(self) -> None:
         """Tie parameters that were one tensor under several names (``tied``), and point attributes
@@ -168,6 +169,7 @@ class Builder:
                     out.warnings.append(f"{where}: attributes {', '.join(missing)} could not be recorded as data and "
                                         "the module was not built with known constructor arguments; rebuilt "
                                         "without them")
+                    out.left_out.append(out.warnings[-1])
             else:
                 module = self._construct(doc, path, out)
                 if module is not None:
@@ -176,6 +178,7 @@ class Builder:
                     return module
                 out.warnings.append(f"{where}: attributes {names} could not be recorded as data and the module was "
                                     "not built with known constructor arguments; rebuilt without them")
+                out.left_out.append(out.warnings[-1])
         cls = override if override is not None else self.module_class(doc["class"])
         module = cls.__new__(cls)
         torch.nn.Module.__init__(module)  # torch's bookkeeping only; the user's __init__ does not run
@@ -189,6 +192,7 @@ class Builder:
             missing = unresolved(decoded)
             if missing:
                 out.warnings.append(f"{where}: attribute {key} holds {missing}; left as recorded data")
+                out.left_out.append(out.warnings[-1])
             module.__dict__[key] = decoded
         module.__dict__.update(grafted)
         for name, spec in (doc.get("params") or {}).items():

@@ -620,7 +620,8 @@ class Replayer:
         unchecked: list[str] = []
         self._bind_globals(defn, target, warnings, unchecked)
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)),
-                     built.unrecorded if module_doc is not None else [], rngs, unread, unchecked)
+                     built.unrecorded if module_doc is not None else [], rngs, unread, unchecked,
+                     built.left_out if module_doc is not None else [])
 
     def _one_storage(self, step: Step, members: dict[str, int], tensors: dict[str, TensorRecord],
                      grads: frozenset[str], given: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> None:
@@ -917,6 +918,11 @@ class Replayer:
         hint = self._raised_hint(raised, step)
         if hint:
             warnings.append(f"a likely cause: {hint}")
+        if raised is not None and not recorded_exc and call.left_out:
+            raise ReplayError(f"step {step.index} ({step.name}): the replay raised {brief(raised)}, where the recorded "
+                              f"call returned normally, and the module was rebuilt incomplete ({call.left_out[0]}): "
+                              "a rebuild that is not the recorded module, not a difference in the step"
+                              + (f" (a likely cause: {hint})" if hint else ""))
         if raised is not None or recorded_exc:
             return _exception_result(result, raised, recorded_exc)
         values = tensors_by_name(out, "output")
@@ -1029,6 +1035,8 @@ class Replayer:
                 raise
             except Exception as exc:  # noqa: BLE001 - a backward cannot start from a forward that failed
                 hint = self._raised_hint(exc, fwd)
+                if call.left_out and not hint:
+                    hint = f"the module was rebuilt incomplete: {call.left_out[0]}"
                 raise ReplayError(f"backward step {step.index}: rerunning its forward (step {fwd.index}, {fwd.name}) "
                                   f"raised {brief(exc)}" + (f" ({hint})" if hint else "")) from exc
             finally:
@@ -1333,6 +1341,7 @@ class _Call:
     unread_rngs: list[str] = field(default_factory=list)  # those whose state the recording does not hold
     # module-level names its code reads whose recorded binding cannot be imported to check (Replayer._bind_globals)
     unchecked: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)  # what the module was rebuilt without (Rebuilt.left_out)
 
     def run(self) -> Any:
         with snapshot.applied_global_rngs(self.rngs):  # (given back as they were: a notebook's own generators)

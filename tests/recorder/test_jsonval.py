@@ -326,6 +326,33 @@ def test_torch_math_functions_by_reference_and_nothing_else() -> None:
         assert decode({"$function": ref}, import_types=True) == Opaque("builtins:function", ref)
 
 
+def test_qschemes_and_classes_by_name() -> None:
+    """A torch.ao observer's qscheme and the observer class FakeQuantize is built with were opaque, so
+    its replay lacked them: a qscheme is its name; a class that importing its reference gives back is
+    that reference, looked up only when asked to import (a class only), else a description."""
+    from torch.ao.quantization import MovingAverageMinMaxObserver
+
+    values = [torch.per_tensor_affine, torch.per_channel_symmetric, MovingAverageMinMaxObserver, Point, torch.nn.ReLU]
+    doc = encode(values)
+    assert doc == [{"$qscheme": "per_tensor_affine"}, {"$qscheme": "per_channel_symmetric"},
+                   {"$class": "torch.ao.quantization.observer:MovingAverageMinMaxObserver"},
+                   {"$class": type_ref(Point)}, {"$class": "torch.nn.modules.activation:ReLU"}]
+    assert decode(loads(dumps(doc)), import_types=True) == values
+    assert decode(doc)[:2] == values[:2]  # a qscheme needs no import
+    assert decode(doc)[2] == Record("torch.ao.quantization.observer:MovingAverageMinMaxObserver", "class", {})
+
+    def local() -> type:
+        class Local:
+            pass
+        return Local
+
+    assert "$opaque" in encode(local())  # not found again by its name
+    assert decode({"$class": "os:system"}, import_types=True) == Record("os:system", "class", {})  # no class
+    assert decode({"$class": "no_such_module:X"}, import_types=True) == Record("no_such_module:X", "class", {})
+    with pytest.raises(FormatError, match="unknown torch qscheme"):
+        decode({"$qscheme": "float32"})
+
+
 def test_a_partial_of_torch_math_or_checkpoint_by_reference() -> None:
     """functools.partial of a function recorded by reference (an activation with its options,
     Hugging Face's checkpoint function) is recorded with its arguments and comes back as an equal
@@ -532,7 +559,7 @@ def test_tensor_meta_without_name() -> None:
 def test_opaque_objects(tmp_path: Any) -> None:
     """Unsupported objects become Opaque with their type and a (truncated, guarded) repr."""
     with open(tmp_path / "f.txt", "w") as handle:
-        cases = [lambda x: x, handle, io.BytesIO(b"x"), Thing(), Point, os, object()]
+        cases = [lambda x: x, handle, io.BytesIO(b"x"), Thing(), type("Unreachable", (), {}), os, object()]
         for value in cases:
             out = roundtrip(value)
             assert isinstance(out, Opaque) and out.type == type_ref(value) and out.repr == repr(value)[:200]

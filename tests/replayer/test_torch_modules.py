@@ -6,6 +6,7 @@ nn.MultiheadAttention's fast path (taken only when query is key is value)."""
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -246,3 +247,66 @@ def test_a_recording_with_sorted_names_gets_its_numbered_children_back_in_order(
     assert out.warnings == ["proj: recorded before schema 1.16, which kept a module's children in name order: this "
                             "Sequential's children may run in another order than they did; record it again with "
                             "this version to replay it as it ran"]
+
+
+class FakeQuantNet(nn.Module):
+    """torch.ao QAT as a user writes it: a FakeQuantize built with its observer class and a qscheme."""
+
+    def __init__(self) -> None:
+        from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver
+
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.fq = FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255, dtype=torch.quint8,
+                               qscheme=torch.per_tensor_affine)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fq(self.fc(x))
+
+
+def test_fake_quantize_and_its_observer_replay_bit_for_bit(tmp_path: Path) -> None:
+    """A FakeQuantize and its observer hold a torch.qscheme and were built with an observer class, both once
+    unrecordable: the replay raised AttributeError ('no attribute qscheme'), which verify called a MISMATCH.
+    Now both are recorded by name, and every step replays bit for bit, the observer's buffers included."""
+    torch.manual_seed(0)
+    model = FakeQuantNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    modules = ["fq", "fq.activation_post_process"]
+    with recorder.record(tmp_path / "run.zarr", model=model, optimizer=opt, modules=modules):
+        for _ in range(3):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert {s.name for s in rec.steps} == {"FakeQuantize", "MovingAverageMinMaxObserver"}
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.index, step.name, step.phase, result.warnings, [d.summary() for d in result.outputs])
+        assert not any("could not be recorded" in w for w in result.warnings), result.warnings
+    res = pdbg("verify", "run.zarr", cwd=tmp_path)
+    assert res.returncode == 0 and "replayed bit for bit (100.0%)" in res.stdout, res.stdout + res.stderr
+
+
+class Thresholded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.pick = lambda x: x.clamp(min=0)  # a lambda: not data, and no constructor arguments to rebuild with
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pick(self.lin(x))
+
+
+def test_a_step_whose_rebuild_lacks_an_attribute_is_not_replayable_not_a_mismatch(tmp_path: Path) -> None:
+    """A module rebuilt without an attribute that could not be recorded raised on replay, and verify listed
+    the step as a MISMATCH, as if its numbers differed: it is listed as not replayed, saying why."""
+    model = nn.Sequential(Thresholded())
+    with recorder.record(tmp_path / "run.zarr", model=model, modules=["0"]):
+        model(torch.randn(2, 4)).sum().backward()
+    rec = replayer.open(tmp_path / "run.zarr")
+    with pytest.raises(ReplayError, match="the module was rebuilt incomplete .*attributes pick"):
+        replayer.replay(rec, 0)
+    res = pdbg("verify", "run.zarr", "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert doc["mismatches"] == [] and len(doc["not_replayed"]) == 2, doc
+    assert "raised AttributeError" in doc["not_replayed"][0]["reason"], doc
