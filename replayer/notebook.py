@@ -324,7 +324,9 @@ def _operation(o: Origin) -> list[tuple[str, Any]]:
         return [("operation", muted("replayer.first_nonfinite(rec, ops=True) names it"))] if o.step else []
     return [("operation", code(op.name)), ("autograd node", op.node),
             ("at", f"{op.file}:{op.line}" if op.file else muted("no user source line found")),
-            ("code", code(op.code) if op.code else None), ("how", op.how())]
+            ("code", code(op.code) if op.code else None),
+            ("its forward", f"{op.forward['file']}:{op.forward['line']}" if op.forward and op.forward.get("file")
+             else None), ("how", op.how())]
 
 
 def divergence(d: Divergence) -> str:

@@ -9,15 +9,19 @@ A forward step runs under a ``TorchDispatchMode`` that checks each operation's o
 line is the innermost frame of the Python stack that is the user's code (not torch's, not
 PaperDebugger's, not the standard library's). A backward step's forward runs with autograd's anomaly
 mode (NaN checks off), which keeps the forward stack on every graph node; during the gradient
-computation each operation is attributed to the node running it and that node's forward line.
+computation each operation is attributed to the node running it and that node's forward line, except
+in the backward of a custom ``torch.autograd.Function``: that is the user's code, running on the live
+stack, whose line is named (the forward line that made the node is kept as context).
 """
 
 from __future__ import annotations
 
 import contextlib
+import linecache
 import math
 import os
 import re
+import sys
 import sysconfig
 import traceback
 import weakref
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -41,6 +46,7 @@ _SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep f
     os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep)
 _TORCH_NN = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "nn") + os.sep
 _REPLAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.py")  # where _Call.run calls the step
+_BACKWARD_APPLY = BackwardCFunction.apply.__code__  # what calls a custom Function's backward (or vjp)
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n(?P<code>[^\n]*)')
 
 
@@ -66,6 +72,9 @@ class OpReport:
     made: str | None = None
     of_inf: bool = False  # it made NaN of Inf, not of finite values
     inf_from: OpReport | None = None  # the operation of the step (or its forward) that made that Inf, if one did
+    # backward of a custom autograd.Function: file, line, function and code are in its backward, and this
+    # is {"file", "line", "function", "code"} of the forward line that made the node (None elsewhere)
+    forward: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc = self._json()
@@ -75,7 +84,8 @@ class OpReport:
     def _json(self) -> dict[str, Any]:
         return {"name": self.name, "file": self.file, "line": self.line, "code": self.code,
                 "function": self.function, "overload": self.overload, "phase": self.phase, "node": self.node,
-                "index": self.index, "inputs": self.inputs, "outputs": self.outputs, "made": self.made}
+                "index": self.index, "inputs": self.inputs, "outputs": self.outputs, "made": self.made,
+                "forward": self.forward}
 
     def how(self) -> str | None:
         """How this operation made the step's first NaN/Inf, when not from finite inputs (``made``)."""
@@ -97,6 +107,8 @@ class OpReport:
     def where(self) -> str:
         at = f"{self.file}:{self.line}" if self.file else "no user source line found"
         node = f" in {self.node}" if self.node else ""
+        if self.node and self.forward is not None:
+            node = f" in {self.node} (the custom Function's backward)"
         code = f": {self.code}" if self.code else ""
         return f"{self.name}{node} at {at}{code}"
 
@@ -116,6 +128,22 @@ def _user_frame(frames: list[tuple[str, int, str, str]]) -> tuple[str, int, str,
         if path.startswith(_TORCH_NN):
             return path, line, func, code
     return None
+
+
+def _function_backward_frames(node: Any) -> list[tuple[str, int, str, str]] | None:
+    """The live frames of a custom ``autograd.Function``'s backward (or vjp) that ``node`` is running,
+    outermost first: the user's code, below the innermost call torch makes of it; None for a node of
+    torch's own (its backward formula is C++: only its forward line names user code)."""
+    if getattr(node, "_forward_cls", None) is None:
+        return None
+    frame, chain = sys._getframe(1), []
+    while frame is not None and frame.f_code is not _BACKWARD_APPLY:
+        chain.append(frame)
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return [(f.f_code.co_filename, f.f_lineno or 0, f.f_code.co_name,
+             linecache.getline(f.f_code.co_filename, f.f_lineno or 0).strip()) for f in reversed(chain)]
 
 
 def _tensor_info(t: torch.Tensor) -> dict[str, Any]:
@@ -295,7 +323,7 @@ class _Finder(TorchDispatchMode):
                 inputs: list[dict[str, Any]] | None = None) -> OpReport:
         overload = str(func)
         name = "aten::" + overload.split(".")[1] if overload.startswith("aten.") else overload
-        node_name, frames = None, None
+        node_name, frames, forward, user = None, None, None, None
         if self.phase == "backward":
             node = torch._C._current_autograd_node()
             if node is not None:
@@ -304,14 +332,21 @@ class _Finder(TorchDispatchMode):
                 if stack:
                     frames = [(m["file"], int(m["line"]), m["func"].strip(), m["code"].strip())
                               for m in _FRAME.finditer("".join(stack))]
-        if frames is None:
-            frames = [(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in traceback.extract_stack()]
-        user = _user_frame(frames)
+                own = _function_backward_frames(node)
+                if own:  # the user's backward made it: its line; the forward line that made the node as context
+                    at = _user_frame(frames) if frames else None
+                    forward = dict(zip(("file", "line", "function", "code"), at or (None,) * 4, strict=True))
+                    user = _user_frame(own) or (os.path.abspath(own[0][0]), *own[0][1:])
+        if user is None:
+            if frames is None:
+                frames = [(f.filename, f.lineno or 0, f.name, (f.line or "").strip())
+                          for f in traceback.extract_stack()]
+            user = _user_frame(frames)
         file, line, function, code = user if user else (None, None, None, None)
         if inputs is None:
             inputs = [_tensor_info(t) for t in _checked((args, kwargs))]
         return OpReport(name, overload, self.phase, file, line, code, function, node_name, self.count, inputs,
-                        [_tensor_info(t) for t in outs])
+                        [_tensor_info(t) for t in outs], forward=forward)
 
 
 def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bundled_source: bool = False,

@@ -114,11 +114,18 @@ def bisect(args: argparse.Namespace) -> int:
             print(f"rank {rank}: first non-finite at step {first.index} (iteration {first.iteration}): {other.cause}")
     if origin.op is not None:
         op = origin.op
-        node = f" (in {op.node}, the backward of the forward line below)" if op.file else f" (in {op.node})"
+        ahead = op.forward is not None  # a custom Function's backward: its own line, then its forward's
+        node = f" (in {op.node}, the custom Function's backward)" if ahead else \
+            f" (in {op.node}, the backward of the forward line below)" if op.file else f" (in {op.node})"
         print(f"operation: {op.name}" + (node if op.node else ""))
         if op.file:
             print(f"  {op.file}:{op.line}" + (f" in {op.function}" if op.function else ""))
             print(f"    {op.code}")
+        if ahead and op.forward.get("file"):
+            fwd = op.forward
+            print(f"  made by the forward at {fwd['file']}:{fwd['line']}"
+                  + (f" in {fwd['function']}" if fwd.get("function") else ""))
+            print(f"    {fwd['code']}")
         for i, t in enumerate(op.inputs):
             st = t.get("stats") or {}
             print(f"  {op.name}'s input {i}: {t['dtype']}{t['shape']} min {_num(st.get('min'))} "

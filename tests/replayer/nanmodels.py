@@ -28,6 +28,26 @@ def root_energy(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(x * x)
 
 
+class StepSizeGrad(torch.autograd.Function):
+    """An LSQ-style quantizer: finite forward; its hand-written backward divides by the step size."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, s)
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, s = ctx.saved_tensors
+        q = x / s  # a zero step size: Inf, then NaN in the grad of s
+        return g, (g * (q.round() - q)).sum().reshape(s.shape)
+
+
+@recorder.paper_step("Eq. 6", description="quantize with a learned step size")
+def quantize_lsq(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return StepSizeGrad.apply(x, s)
+
+
 def stable_smooth_relu(x: torch.Tensor, beta: float = 1.0, gamma: float = 1.0) -> torch.Tensor:
     """The same function, computed without overflow (softplus switches to x for large x)."""
     return torch.nn.functional.softplus(x + beta) / gamma

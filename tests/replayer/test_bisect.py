@@ -192,6 +192,30 @@ def test_a_nan_born_in_the_backward_only(tmp_path: Path) -> None:
     assert f"(in SqrtBackward0, the backward of the forward line below)\n  {op.file}:{op.line}" in res.stdout
 
 
+def test_a_nan_made_in_a_custom_functions_backward_names_its_backward_line(tmp_path: Path) -> None:
+    """A custom autograd.Function's backward is the user's code: the operation that made the NaN there
+    was named at the forward line that called Function.apply (which holds no division); it is named at
+    its own line in the backward, the forward line kept as context."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        s = torch.zeros(1, requires_grad=True)
+        nanmodels.quantize_lsq(torch.tensor([0.3, -0.6]), s).sum().backward()
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert origin.step is not None and (origin.step.name, origin.step.phase) == ("quantize_lsq", "backward")
+    op = origin.op
+    assert (op.name, op.node, op.function) == ("aten::div", "StepSizeGradBackward", "backward"), op
+    assert op.line == line_of(nanmodels.StepSizeGrad.backward, "q = x / s") and op.code.startswith("q = x / s")
+    assert op.file == os.path.abspath(nanmodels.__file__)
+    assert op.forward == {"file": op.file, "line": line_of(nanmodels.quantize_lsq, "StepSizeGrad.apply"),
+                          "function": "quantize_lsq", "code": "return StepSizeGrad.apply(x, s)"}
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert (f"operation: aten::div (in StepSizeGradBackward, the custom Function's backward)\n  {op.file}:{op.line} "
+            f"in backward\n    q = x / s") in res.stdout, res.stdout
+    assert f"made by the forward at {op.file}:{op.forward['line']} in quantize_lsq" in res.stdout, res.stdout
+    doc = json.loads(pdbg("bisect", str(path), "--ops", "--json", cwd=tmp_path).stdout)
+    assert (doc["op"]["line"], doc["op"]["forward"]["line"]) == (op.line, op.forward["line"]), doc["op"]
+
+
 def test_a_nan_anomaly_mode_stops_in_the_backward_names_that_step(tmp_path: Path) -> None:
     """The same, with torch.autograd.set_detect_anomaly(True) on: anomaly mode raises where the NaN
     is made, inside the step's backward, before any recorded gradient holds it. The backward step
