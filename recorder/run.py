@@ -128,6 +128,9 @@ class Run:
         self._optimizers = _OptimizerSteps(self, optimizer) if optimizer is not None else None
         if self._optimizers is not None:
             self._hooks.append(self._optimizers)
+        self._uncounted = _UncountedSteps(self.session) if optimizer is None else None
+        if self._uncounted is not None:
+            self._hooks.append(self._uncounted)
         self._hooks.append(_GradScaling(self))
         self._backward = _BackwardCalls(self.session)
         self._hooks.append(self._backward)
@@ -420,8 +423,9 @@ class Run:
 
     def _warn_uncounted(self) -> None:
         """Backward passes ran, yet the iterations never advanced: a hand-written update (no torch.optim
-        optimizer) under ``optimizer="auto"``, or an optimizer given that never stepped; said once, at
-        the end, as every step of the run is then in its first iteration."""
+        optimizer) under ``optimizer="auto"``, an optimizer given that never stepped, or no optimizer
+        given while one stepped; said once, at the end, as every step of the run is then in its first
+        iteration."""
         counter = self._optimizers
         passes = self._backward.passes
         if counter is not None and counter.steps and counter.others_since > max(2, counter.steps):
@@ -431,6 +435,15 @@ class Run:
                          "give the one whose steps should number them to recorder.record(optimizer=...) (README, "
                          "\"How iterations are counted\")", stacklevel=3)
         first = self.session.start_iteration
+        seen = self._uncounted
+        if seen is not None and seen.steps and self.session.iteration == first and \
+                self.session.next_index > seen.steps_before:
+            capture.warn(f"every step is in iteration {first}: {seen.name}.step() ran {seen.steps} "
+                         f"time{'s' if seen.steps != 1 else ''}, but record() was given no optimizer, so none ended "
+                         "an iteration; pass optimizer=your_optimizer (or optimizer=\"auto\") to recorder.record, or "
+                         "call run.next_iteration() after each update (README, \"How iterations are counted\")",
+                         stacklevel=3)
+            return
         if counter is None or counter.steps or self.session.iteration != first or passes < 2 or \
                 not self.session.next_index:
             return  # (a run that recorded no step is told what to name instead)
@@ -691,6 +704,30 @@ class _BackwardCalls:
         for name, original in self._originals.items():
             if getattr(torch.autograd, name) is self._wrappers[name]:  # else wrapped again since: leave it
                 setattr(torch.autograd, name, original)
+
+
+class _UncountedSteps:
+    """Without an optimizer given to ``record()`` nothing ends an iteration: the ``torch.optim`` steps
+    that ran anyway (counted by a global step hook), for the warning at close that every step is in
+    one iteration (``Run._warn_uncounted``)."""
+
+    def __init__(self, session: capture.Session) -> None:
+        self._session = session
+        self.steps = 0
+        self.name = ""  # the class of the first optimizer that stepped
+        self.steps_before = 0  # steps started before its first step: those are in the right iteration
+        self._handle = optimizer_mod.register_optimizer_step_post_hook(self._stepped)
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if compiled.tracing():  # a compiled optimizer step (recorder.compiled)
+            compiled.eagerly(self._stepped, optimizer)
+            return
+        if not self.steps:
+            self.name, self.steps_before = type(optimizer).__name__, self._session.next_index
+        self.steps += 1
+
+    def remove(self) -> None:
+        self._handle.remove()
 
 
 class _OptimizerSteps:

@@ -344,6 +344,37 @@ class TestIterations:
                     run.next_iteration()
         assert recorder_warnings(caught) == []
 
+    def test_an_optimizer_not_given_to_record_is_warned_of_once_at_the_end(self, run_path: Path) -> None:
+        """record() without optimizer= counts no iterations: a torch.optim optimizer that stepped five times
+        put every step in iteration 0 in silence. The recording says so once, when it closes, naming the
+        optimizer and what to pass; nothing where the iterations were marked by hand, or nothing ran after
+        the only step."""
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with recorder.record(run_path, modules="blocks.*"):
+                for _ in range(5):
+                    model(torch.randn(3, 6)).backward()
+                    opt.step()
+                    opt.zero_grad()
+        assert forward_iterations(run_path) == [0] * 5
+        assert recorder_warnings(caught) == [
+            "every step is in iteration 0: SGD.step() ran 5 times, but record() was given no optimizer, so none "
+            "ended an iteration; pass optimizer=your_optimizer (or optimizer=\"auto\") to recorder.record, or call "
+            "run.next_iteration() after each update (README, \"How iterations are counted\")"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with recorder.record(run_path.with_name("marked.zarr"), modules="blocks.*") as run:
+                for _ in range(3):
+                    model(torch.randn(3, 6)).backward()
+                    opt.step()
+                    run.next_iteration()
+            with recorder.record(run_path.with_name("one.zarr"), modules="blocks.*"):
+                model(torch.randn(3, 6)).backward()
+                opt.step()
+        assert recorder_warnings(caught) == []
+
 
     def test_a_resumed_run_numbers_its_iterations_from_start_iteration(self, run_path: Path) -> None:
         """A run resumed from a checkpoint saved at step 15 (start_iteration=15): its iterations are the
