@@ -217,6 +217,23 @@ class BackwardLink:
     done: set[str] = field(default_factory=set)  # in the pass under way: parameters whose own grad is recorded
 
 
+def _inner_first(frames: list[Frame]) -> list[Frame]:
+    """A backward pass's steps (in index order) with every step after the steps nested in it, as a
+    forward's finish: each step's subtree follows it in index order, so the last index of that subtree,
+    then the deeper step first, orders them. The monitor's first stop then falls on the innermost step
+    of the first that went non-finite, the step bisect names."""
+    by_index = {f.index: f for f in frames}
+    last = {f.index: f.index for f in frames}
+    depth = dict.fromkeys(last, 0)
+    for f in frames:
+        up = by_index.get(f.parent)
+        while up is not None:
+            last[up.index] = max(last[up.index], f.index)
+            depth[f.index] += 1
+            up = by_index.get(up.parent)
+    return sorted(frames, key=lambda f: (last[f.index], -depth[f.index]))
+
+
 class Session:
     """State of one active recording."""
 
@@ -1695,9 +1712,11 @@ class Session:
             return
         pending = None
         try:
-            for frame in sorted((f for f in frames if f is not None), key=lambda f: f.index):
+            ordered = sorted((f for f in frames if f is not None), key=lambda f: f.index)
+            for frame in _inner_first(ordered):  # a stop names the innermost step, as in the forward
                 self._monitor(frame)
                 pending = pending or frame.pending
+            for frame in ordered:
                 self._submit(frame)
                 self._after_step(frame)
         except Exception as exc:

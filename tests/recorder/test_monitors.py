@@ -30,6 +30,27 @@ def root(x: torch.Tensor) -> torch.Tensor:
     return x.sqrt()
 
 
+@recorder.paper_step("Eq. 8", description="a learned step size, finite forward; 0 makes its gradient NaN")
+class StepSize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sqrt(self.s * self.s)  # d/ds at 0: inf * 0
+
+
+@recorder.paper_step("Eq. 9", description="a layer whose input is scaled by a learned step size")
+class QuantLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.q = StepSize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.q(x))
+
+
 def statuses(path: Path) -> list[tuple[str, str, int]]:
     rank = RunReader(str(path)).rank(0)
     col = rank.column
@@ -106,6 +127,21 @@ class TestOnAnomaly:
                                                           r"\d+ NaN( and \d+ Inf)?; its parameter weight already held "
                                                           r"4 Inf when the call began$"):
             train(tmp_path / "weight.zarr", 1.0, inf_weight=True)
+
+    def test_a_stop_in_a_nested_steps_backward_names_the_inner_step_as_bisect_does(self, run_path: Path) -> None:
+        """A NaN made in the backward of a step nested in another (a quantizer's step size inside a quantized
+        layer) is in both steps' gradients: the stop named the outer step, bisect the inner one that made it.
+        The stop names the inner one, as it does for a NaN made in the forward."""
+        import replayer
+
+        model = QuantLayer()
+        with pytest.raises(recorder.NonFiniteError) as info, recorder.record(run_path, model=model,
+                                                                             on_anomaly="stop"):
+            model(torch.randn(3, 4)).sum().backward()
+        origin = replayer.first_nonfinite(replayer.open(run_path)).step
+        assert (origin.name, origin.phase, origin.module_path) == ("StepSize", "backward", "q")
+        assert str(info.value).startswith("Eq. 8 (StepSize) at q backward, iteration 0, call 0: the gradient of s "
+                                          "has 1 NaN"), str(info.value)
 
     def test_a_mask_made_at_every_call_is_no_anomaly_and_an_overflow_still_is(self, run_path: Path) -> None:
         """An additive -inf attention mask, made and passed on at every call, is what the model
