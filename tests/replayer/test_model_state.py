@@ -295,7 +295,7 @@ def test_a_mismatch_names_the_attributes_a_constructor_made(tmp_path: Path) -> N
     assert first.match and not first.warnings
     assert not later.match and later.warnings == [
         "attributes that could not be recorded as data came from the module's constructor (the step's module: "
-        "center (torch:Tensor), shape_of (builtins:function)); if training changed them after construction (a "
+        "shape_of (builtins:function), center (torch:Tensor)); if training changed them after construction (a "
         "tensor kept as an attribute, not a buffer), the replay used other values (a likely cause of any difference)"]
 
 
