@@ -166,9 +166,10 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _kept(t: torch.Tensor, limit: int) -> torch.Tensor | None:
-    try:  # (a subclass, a quantized tensor: its version counter alone tells; a byte view of one may crash)
+    try:  # (a subclass, a quantized tensor: its version counter alone tells; a byte view of one may crash;
+        # so may a read of a tensor larger than its storage)
         if (type(t) not in _PLAIN_TENSORS or t.is_quantized or t.is_nested or t.device.type != "cpu"
-                or t.layout != torch.strided or t.numel() * t.element_size() > limit):
+                or t.layout != torch.strided or t.numel() * t.element_size() > limit or not payload_mod.backed(t)):
             return None
         return t.detach().clone()
     except Exception:  # noqa: BLE001
@@ -180,7 +181,7 @@ def _same_bits(kept: torch.Tensor | None, t: torch.Tensor) -> bool:
     if kept is None:
         return True
     try:
-        if kept.shape != t.shape or kept.dtype != t.dtype:
+        if kept.shape != t.shape or kept.dtype != t.dtype or not payload_mod.backed(t):  # (bytes gone: changed)
             return False
         return torch.equal(kept.reshape(-1).view(torch.uint8), t.detach().reshape(-1).view(torch.uint8))
     except RuntimeError:  # (a dtype without a byte view: the version counter alone tells)
@@ -1230,6 +1231,10 @@ class Session:
         device = t.device
         on_cpu = device.type == "cpu"
         meta_only = t.is_nested or t.layout != torch.strided or device.type == "meta"
+        if not meta_only and type(t) is torch.Tensor and not payload_mod.backed(t):  # (to _capture's record and note)
+            raise RuntimeError(f"its storage of {t.untyped_storage().nbytes()} bytes is smaller than its shape "
+                               f"{list(t.shape)} and strides {list(t.stride())} need (freed or resized in place); "
+                               "a read of it would crash the process")
         item = TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype), device=str(device),
                           requires_grad=requires_grad, shape=_shape_of(t),
                           stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None,

@@ -7,6 +7,8 @@ bits, never a conversion of values.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 import xxhash
@@ -65,24 +67,69 @@ def flat(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Dtypes whose tensors numpy views directly (Tensor.numpy()).
-_NUMPY_VIEWABLE = {torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128, torch.bool,
-                   torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+# Dtypes numpy has: a tensor of one is viewed directly (host_array).
+_NUMPY_DTYPE = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
+                torch.complex64: np.complex64, torch.complex128: np.complex128, torch.bool: np.bool_,
+                torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
+                torch.int64: np.int64}
+_NUMPY_VIEWABLE = frozenset(_NUMPY_DTYPE)
+
+
+class _Memory(ctypes.c_char * (1 << 48)):
+    """The bytes from a CPU tensor's data pointer on (as many as any tensor could reach; none is
+    read but those an array made over it covers), for ``np.frombuffer``: the array's base, which
+    keeps the tensor alive."""
+
+    __slots__ = ("tensor",)
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor's memory (a dtype numpy has); detached first only when it
-    requires grad: a tensor the recorder already detached is not detached again (~1 us each).
-    A conjugate or negative view comes back resolved, as a copy: ``z.conj()`` only flips a bit,
-    so its memory does not hold its values (and numpy() refuses to view it)."""
-    if t.requires_grad:
-        t = t.detach()
-    try:
-        return t.numpy()
-    except RuntimeError:
-        if not (t.is_conj() or t.is_neg()):
-            raise
-        return t.resolve_conj().resolve_neg().numpy()
+    """A CPU tensor's values (a dtype numpy has) as a 1-D numpy array in element order: a view of
+    its memory, or (strided) a copy when no view has that order. A conjugate or negative view comes
+    back resolved, as a copy: ``z.conj()`` only flips a bit, so its memory does not hold its values.
+
+    Not ``Tensor.numpy()``: it marks the tensor's storage non-resizable for good (even after the
+    array is gone), and a torch.ao observer's ``resize_`` of its empty min_val/max_val buffers then
+    failed, or left a buffer larger than its storage that the next read crashed the process on.
+    Recording changes nothing of the user's tensors. (A view over the data pointer, through ctypes:
+    ~0.4 us, numpy() ~0.5 us and a detach, ~1 us, of a tensor that requires grad.)
+
+    That flag kept a tensor from being resized, so its memory freed, under a numpy view of it still
+    in use. Without it, no view of user memory may be used once user code can run again. Checked:
+    each use (statistics: stats.host_stats, stats.copy_stats; payloads: as_units, then in
+    capture._cpu_payload the content hash and the copy) is done on the training thread before the
+    step's capture returns; a payload that aliases the tensor's memory is copied before it goes to
+    the writer thread, the flight ring or a shared ring (capture._copy_payload), and only the copy is
+    hashed later or kept."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return _viewed(t)
+
+
+def _viewed(t: torch.Tensor) -> np.ndarray:
+    """``host_array`` of a tensor that is not a conjugate or negative view."""
+    dtype = _NUMPY_DTYPE.get(t.dtype)
+    if dtype is None or not t.is_cpu:  # (another layout has no data pointer: data_ptr() raises)
+        raise TypeError(f"no numpy view of a {t.dtype} tensor on {t.device}")
+    memory = _Memory.from_address(t.data_ptr())
+    memory.tensor = t
+    if t.is_contiguous():
+        return np.frombuffer(memory, dtype, t.numel())
+    size = t.element_size()
+    return np.ndarray(t.shape, dtype, memory, 0, tuple(s * size for s in t.stride())).reshape(-1)
+
+
+def backed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds every element its shape, strides and offset reach: a storage
+    resized in place to fewer bytes (by FSDP's freeing, by a ``resize_`` that failed half-way)
+    leaves a tensor that any read of crashes the process."""
+    nbytes = t.nbytes
+    if not nbytes:
+        return True
+    size = t.element_size()
+    if not t.is_contiguous():
+        nbytes = size * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+    return t.storage_offset() * size + nbytes <= t.untyped_storage().nbytes()
 
 
 def as_units(t: torch.Tensor) -> tuple[np.ndarray, int, bool]:
@@ -95,18 +142,16 @@ def as_units(t: torch.Tensor) -> tuple[np.ndarray, int, bool]:
     if t.numel() == 0:
         return np.empty(0, dtype=_NUMPY_UNIT[unit]), unit, False
     if t.dtype in _NUMPY_VIEWABLE and not (t.is_conj() or t.is_neg()):
-        # One torch call, the rest numpy views: each torch call costs ~2-5 us of dispatch.
-        arr = host_array(t)
-        if arr.flags.c_contiguous:  # the common case: a view of the tensor's memory
-            return arr.reshape(-1).view(_NUMPY_UNIT[unit]), unit, True
-        flat_a = arr.reshape(-1)  # a view when the layout allows, else a copy in element order
-        if not flat_a.flags.c_contiguous:  # a strided 1-D view: reshape leaves it as it is
+        # No torch operation (each costs ~2-5 us of dispatch): the tensor's attributes, then numpy views.
+        flat_a = _viewed(t)
+        if not flat_a.flags.c_contiguous:  # a strided 1-D view (reshape leaves one as it is)
             flat_a = flat_a.copy()
-        return flat_a.view(_NUMPY_UNIT[unit]), unit, bool(np.may_share_memory(flat_a, arr))
+        # (numpy makes a view's base the owner of its memory: the tensor's, or a copy's)
+        return flat_a.view(_NUMPY_UNIT[unit]), unit, type(flat_a.base) is _Memory
     flat_t = flat(t)
     aliases = flat_t.data_ptr() == t.data_ptr()  # a copy has memory of its own
     # Through uint8 first: a direct view between some dtypes (bool, float8, complex) is refused.
-    return units_of_bytes(flat_t.view(torch.uint8).numpy(), unit), unit, aliases
+    return units_of_bytes(host_array(flat_t.view(torch.uint8)), unit), unit, aliases
 
 
 _PARALLEL_COPY = 1 << 20  # bytes from which torch's copy (on its intra-op threads) beats numpy's (one thread)

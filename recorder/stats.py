@@ -105,7 +105,7 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
     small_ints = t.dtype in _INTEGERS and t.numel() <= SMALL
     takes = (t.dtype in _FLOATS and _kernel_takes(t)) or (small_ints and _slot.active is not None)
     if takes or small_ints or (t.dtype in _FLOATS and t.numel() <= SMALL):
-        x = payload.host_array(t).reshape(-1)  # a view, or (strided and small) a copy
+        x = payload.host_array(t)  # a view, or (strided and small) a copy
         if small_ints:
             x = x.astype(np.float64)  # as _working converts them
         if takes and len(x) and x.flags.c_contiguous and x.flags.writeable:
@@ -119,7 +119,7 @@ def host_stats(t: torch.Tensor) -> tuple[float, ...]:
         # tensor is: one layout's statistics are another's to the bit, and low precision gets float64 sums
         w = w.resolve_neg().contiguous()
         if w.dtype in _FLOATS and w.numel() and _kernel_takes(w):
-            x = w.numpy().reshape(-1)
+            x = payload.host_array(w)  # (not w.numpy(): see host_array)
             got = _from_sums(x, _slot.active.sums(x))
             return _exact(x) if got is None else got
     return _stats(w.reshape(-1), torch)

@@ -1,9 +1,14 @@
-"""Recording never perturbs training: the recorder consumes no RNG and changes no setting."""
+"""Recording never perturbs training: the recorder consumes no RNG and changes no setting, nor any
+property of the user's tensors."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +18,8 @@ import recorder
 from recorder import snapshot
 from recorder.store import layout
 from tests.models import TinyGPT, batch, train_step
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(record_kwargs, path, iterations=4):
@@ -193,3 +200,119 @@ def test_a_backward_from_one_output_runs_only_its_graph(tmp_path):
     assert all(replayer.replay(rec, s).match for s in rec.steps)
     _actor_critic(tmp_path / "value_first.zarr", value_only_first=True)
     assert replayer.open(tmp_path / "value_first.zarr").status == "complete"
+
+
+def _qat(path, mode: str = "full") -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    from torch.ao.nn import qat as nnqat
+    from torch.ao.quantization import get_default_qat_qconfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(nnqat.Linear(4, 3, qconfig=get_default_qat_qconfig("x86")))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with contextlib.ExitStack() as stack:
+        run = None if path is None else stack.enter_context(recorder.record(path, model=model, optimizer=opt,
+                                                                            modules=["0"], mode=mode))
+        for _ in range(3):
+            loss = model(torch.randn(2, 4)).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    assert run is None or (run.status == "complete" and run.failure is None), run and run.failure
+    return losses, {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", ["full", "stats", "flight"])
+def test_a_qat_observer_resizes_its_buffers_as_unrecorded(tmp_path, mode):
+    """A torch.ao per-channel QAT observer (the default qconfig of prepare_qat) resizes its empty
+    min_val/max_val buffers in place at its first forward. The recorder had viewed them through
+    Tensor.numpy(), which marks a storage non-resizable for good: the resize failed ("Trying to
+    resize storage that is not resizable"), or left a buffer of 3 values on an empty storage, and the
+    process died (SIGSEGV) at the end of the step. Training is now bitwise as unrecorded."""
+    plain_losses, plain = _qat(None)
+    losses, state = _qat(tmp_path / "run.zarr", mode)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(losses, plain_losses))
+    assert state.keys() == plain.keys() and "0.weight_fake_quant.activation_post_process.min_val" in state
+    for name, t in state.items():
+        assert t.shape == plain[name].shape and torch.equal(t.view(torch.uint8), plain[name].view(torch.uint8)), name
+    assert state["0.weight_fake_quant.activation_post_process.min_val"].shape == (3,)
+
+
+@recorder.paper_step("Eq. 4", description="a step given plain tensors")
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2.0
+
+
+def test_a_recorded_tensor_can_be_resized_afterwards(tmp_path):
+    """A tensor recorded as a step's input (or its gradient, a buffer...) stays resizable in place:
+    the recorder views its memory without Tensor.numpy(), which marked its storage non-resizable."""
+    x, empty, grad_input = torch.arange(4.0), torch.zeros(0), torch.ones(3, requires_grad=True)
+    with recorder.record(tmp_path / "run.zarr", mode="full") as run:
+        doubled(x)
+        doubled(empty)
+        doubled(grad_input).sum().backward()
+    assert run.status == "complete"
+    x.resize_(10_000)
+    empty.resize_(3)
+    grad_input.detach().resize_(10_000)
+    assert x.shape == (10_000,) and torch.equal(x[:4], torch.arange(4.0)) and empty.shape == (3,)
+
+
+FREEING = """
+import sys
+
+import torch
+
+import recorder
+
+
+class Freeing(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.ones(3))
+
+    def forward(self, x):
+        out = x * self.b.sum()
+        self.b.untyped_storage().resize_(0)  # freed after use, as FSDP frees a parameter's storage
+        return out
+
+
+@recorder.paper_step("Eq. 5", description="frees its input's storage")
+def free_input(x):
+    out = x * 2.0
+    x.untyped_storage().resize_(0)
+    return out
+
+
+model = torch.nn.Sequential(Freeing())
+with recorder.record(sys.argv[1], model=model, modules=["0"]) as run:
+    for _ in range(2):
+        model(torch.ones(2))
+        model[0].b.untyped_storage().resize_(12)  # allocated again before its next call
+        model[0].b.fill_(1.0)
+        free_input(torch.ones(3))
+print(run.status, run.failure)
+"""
+
+
+def test_a_tensor_whose_storage_was_freed_is_recorded_without_its_bytes(tmp_path):
+    """A buffer or an input whose storage the step freed (resized to 0 bytes, its shape left as it
+    was) crashed the process (SIGSEGV) when the recorder kept or compared its bytes at the step's
+    end. The recording goes on: such a tensor is recorded as metadata, with a note saying why."""
+    script = tmp_path / "freeing.py"
+    script.write_text(FREEING)
+    path = tmp_path / "run.zarr"
+    res = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120,
+                         check=False, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["complete", "None"]
+    import replayer
+
+    rec = replayer.open(path)
+    step = rec.step("Eq. 5#0")
+    [after] = [r for r in step.records if r.name == f"{layout.AFTER_PREFIX}args.0"]
+    assert after.shape == (3,) and not after.has_payload
+    assert any(n.startswith(f"{layout.AFTER_PREFIX}args.0: ") and "smaller than its shape" in n
+               for n in step.extra.get("notes", [])), step.extra
+    assert [r.shape for r in rec.step("Freeing#1").records if r.name == "b"] == [(3,)]
