@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -234,9 +235,7 @@ def build(path: Path, tpl: Templates, iterations: int, nan_iteration: int | None
                            forward=_shift(item.row["forward"], by),
                            t_start=item.row["t_start"] - t_kind + t_base + dt,
                            t_end=item.row["t_end"] - t_kind + t_base + dt)
-                step = StepItem(index=item.index + by, row=row, docs=item.docs, rng=rng, tensors=item.tensors,
-                                exception=item.exception, expectations=item.expectations, notes=item.notes,
-                                alerts=item.alerts)
+                step = dataclasses.replace(item, index=item.index + by, row=row, rng=rng)  # (the rest as recorded)
                 if not pipeline.submit(step, 1024):
                     raise RuntimeError(f"the writer stopped: {pipeline.error!r}")
         info = {"ended_unix": time.time(), "iterations": iterations, "steps_started": iterations * per,
