@@ -10,7 +10,10 @@ import functools
 import importlib
 import json
 import math
+import os
 import re
+import sys
+import sysconfig
 import types
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -309,6 +312,32 @@ def _callable_by_ref(ref: str) -> bool:
             and not name.startswith(("load", "save", "hub", "compile", "set_", "use_")))
 
 
+def may_construct(cls: type) -> bool:
+    """May a replay hand a class a recording names (``$class``) to the code it runs, which may call it
+    (an observer class a FakeQuantize constructs)? torch's modules (an nn.Module subclass, torch.ao's
+    observers) and the training code's own classes: not the standard library's nor another installed
+    package's, so that a recording from elsewhere cannot hand a constructor subprocess.Popen."""
+    module = str(getattr(cls, "__module__", "") or "")
+    top = module.partition(".")[0]
+    if top == "torch":
+        return issubclass(cls, torch.nn.Module) or module.startswith("torch.ao.")
+    if top in sys.stdlib_module_names or top == "builtins":
+        return False
+    return user_code(module)
+
+
+def user_code(module: str) -> bool:
+    """Whether a loaded module is the training code's: a file outside the installed packages (site- or
+    dist-packages) and the standard library (a script, a project on the path, an editable install)."""
+    file = getattr(sys.modules.get(module), "__file__", None)
+    if not isinstance(file, str):
+        return False
+    parts = os.path.normpath(os.path.abspath(file)).split(os.sep)
+    stdlib = os.path.normpath(sysconfig.get_paths()["stdlib"])
+    return "site-packages" not in parts and "dist-packages" not in parts and \
+        not os.path.abspath(file).startswith(stdlib + os.sep)
+
+
 def _is_torch_function(fn: Any, ref: str) -> bool:
     """A function (not a class, module or method of another object) defined in torch's math modules,
     or one of ``_ALSO_CALLABLE`` where ``ref`` names it."""
@@ -534,7 +563,7 @@ class _Decoder:
         if self.resolve is not None:
             try:
                 found = self.resolve(ref)
-                if isinstance(found, type):
+                if isinstance(found, type) and may_construct(found):
                     return found
             except Exception:  # noqa: BLE001, S110 - not importable here: stays a description
                 pass

@@ -348,6 +348,12 @@ def test_qschemes_and_classes_by_name() -> None:
 
     assert "$opaque" in encode(local())  # not found again by its name
     assert decode({"$class": "os:system"}, import_types=True) == Record("os:system", "class", {})  # no class
+    # A class a recording from elsewhere names is handed to the code a replay runs (a constructor may call
+    # it) only where it is torch's module or observer, or the training code's: not subprocess.Popen, not a
+    # torch class that starts processes, not another installed package's
+    for ref in ("subprocess:Popen", "multiprocessing:Process", "numpy:ndarray",
+                "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler:SubprocessHandler"):
+        assert decode({"$class": ref}, import_types=True) == Record(ref, "class", {}), ref
     assert decode({"$class": "no_such_module:X"}, import_types=True) == Record("no_such_module:X", "class", {})
     with pytest.raises(FormatError, match="unknown torch qscheme"):
         decode({"$qscheme": "float32"})

@@ -3338,3 +3338,17 @@ def test_a_global_rebound_during_the_run_is_recorded_per_call_and_given_back_aft
             assert _STE is _ScaledSTE
     finally:
         _STE = _PlainSTE
+
+
+def test_a_recorded_binding_names_only_torch_math_or_the_training_codes_own() -> None:
+    """A recording from elsewhere can name what a module-level global was bound to: a replay binds it
+    (and the step's code then calls it) only where it is torch's tensor math or module, or the training
+    code's own class or function, never os.system, torch.load or another installed package's."""
+    import os
+
+    import numpy as np
+
+    from replayer.replay import _bindable
+
+    assert [_bindable(obj) for obj in (os.system, torch.load, np.load, np.ndarray, subprocess.Popen)] == [False] * 5
+    assert all(_bindable(obj) for obj in (torch.tanh, torch.nn.functional.gelu, torch.nn.Linear, Critic))
