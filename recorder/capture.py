@@ -852,6 +852,15 @@ class Session:
                                           versions=frame.versions)
             if shared:
                 self._shared_arguments(frame, shared)
+            elif frame.vmap is None:  # arguments that need no tap may share memory too (views of a buffer, no_grad)
+                others = _top_tensors(args, kwargs)
+                if len(others) > 1:
+                    try:
+                        overlapping = taps.overlapping([t for _, t in others])
+                    except Exception:  # noqa: BLE001 - a tensor without a storage to place: replayed apart, as before
+                        overlapping = set()
+                    if overlapping:
+                        self._shared_arguments(frame, [(k, t) for k, t in others if id(t) in overlapping], note=False)
             link = BackwardLink(frame) if tapping else None
             if link is not None:
                 frame.link = link
@@ -881,9 +890,10 @@ class Session:
             self.local.busy = False
 
     @staticmethod
-    def _shared_arguments(frame: Frame, shared: list[tuple[tuple[str, Any], torch.Tensor]]) -> None:
-        """Name the arguments left untapped for sharing memory with another (taps.apart) in a note,
-        and where each lies in its storage, so that a replay gives them one storage again."""
+    def _shared_arguments(frame: Frame, shared: list[tuple[tuple[str, Any], torch.Tensor]], note: bool = True) -> None:
+        """Name the arguments left untapped for sharing memory with another (taps.apart) in a note
+        (``note``; not for those that needed no tap), and where each lies in its storage, so that a
+        replay gives them one storage again."""
         names, places, groups = [], {}, {}
         for key, t in shared:
             name = _top_record(frame.args_doc, key)
@@ -892,7 +902,8 @@ class Session:
             names.append(name)
             group = groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), len(groups))
             places[name] = [group, t.storage_offset()]
-        frame.notes.append(f"{_one_line(names)}: {layout.SHARED_ARGUMENTS_NOTE}")
+        if note:
+            frame.notes.append(f"{_one_line(names)}: {layout.SHARED_ARGUMENTS_NOTE}")
         frame.arguments = {**(frame.arguments or {}), "aliases": places}
 
     @staticmethod
@@ -1844,6 +1855,14 @@ _UNTAPPED_NOTE = ("a tensor passed both directly and inside a container (list, d
 def _one_line(names: list[str]) -> str:
     """Record names for a note, on one line (a dict key may hold a newline)."""
     return ", ".join(n.encode("unicode_escape").decode() for n in names)
+
+
+def _top_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[tuple[str, Any], torch.Tensor]]:
+    """A call's top-level tensor arguments, keyed as argument_slots keys them (plain CPU or device tensors
+    with strided memory: a nested or sparse one has no byte range to share)."""
+    found = [(("args", i), a) for i, a in enumerate(args) if type(a) in _PLAIN_TENSORS]
+    found += [(("kwargs", k), v) for k, v in kwargs.items() if type(v) in _PLAIN_TENSORS]
+    return [(k, t) for k, t in found if t.layout == torch.strided and not t.is_nested]
 
 
 def _top_record(args_doc: Any, key: tuple[str, Any]) -> str:

@@ -165,11 +165,11 @@ _Slots = list[tuple[Any, torch.Tensor]]
 def apart(slots: _Slots) -> tuple[_Slots, _Slots]:
     """The argument_slots whose tensors share no memory with another's, and those that do (two
     views of one buffer, overlapping windows). Those are left untapped, as outputs that share memory
-    are (see ``_overlapping``): a tap makes each a new object for autograd, so an in-place change the
+    are (see ``overlapping``): a tap makes each a new object for autograd, so an in-place change the
     step makes to one would no longer reach the other's gradient, and training would change."""
     if len(slots) < 2:
         return slots, []
-    shared = _overlapping([t for _, t in slots])
+    shared = overlapping([t for _, t in slots])
     if not shared:
         return slots, []
     return [s for s in slots if id(s[1]) not in shared], [s for s in slots if id(s[1]) in shared]
@@ -233,8 +233,8 @@ def output_places(output: Any) -> tuple[list[tuple[Any, torch.Tensor]], frozense
     keys from the top. Tensors in other objects are left alone: rebuilding an arbitrary class is
     not safe."""
     found = _followed(output)
-    if len(found) > 1:  # tensors that share memory stay as they are: see _overlapping
-        shared = _overlapping([t for _, _, t in found])
+    if len(found) > 1:  # tensors that share memory stay as they are: see overlapping
+        shared = overlapping([t for _, _, t in found])
         if shared:
             found = [f for f in found if id(f[2]) not in shared]
     slots = [(keys, t) for keys, _, t in found if wants_tap(t) and not t.is_leaf]
@@ -242,7 +242,7 @@ def output_places(output: Any) -> tuple[list[tuple[Any, torch.Tensor]], frozense
     return slots, frozenset(p for _, p, _ in found), leaves
 
 
-def _overlapping(tensors: list[torch.Tensor]) -> set[int]:
+def overlapping(tensors: list[torch.Tensor]) -> set[int]:
     """Ids of the tensors whose memory overlaps another's (a step returning ``x`` and a view of it).
     A tap makes each a new object for autograd: an in-place change to one after the step would no
     longer reach the other's gradient, and training would change. Left untapped, they are not

@@ -39,6 +39,9 @@ class Rebuilt:
     tied: dict[str, str] = field(default_factory=dict)  # parameter name -> the name it is the same tensor as
     unrecorded: list[str] = field(default_factory=list)  # attributes not recorded that a constructor made
     left_out: list[str] = field(default_factory=list)  # attributes it lacks or holds as data only: the warnings
+    # (a recording before 1.16, which stored names sorted) containers whose children may be out of order:
+    # named where the replay differs
+    order_doubts: list[str] = field(default_factory=list)
 
     def link(self) -> None:
         """Tie parameters that were one tensor under several names (``tied``), and point attributes
@@ -139,15 +142,17 @@ class Builder:
 
     @staticmethod
     def _children_in_order(kind: type, children: dict[str, Any], where: str, out: Rebuilt) -> dict[str, Any]:
-        """A recording older than 1.16 holds a module's children in name order ("0", "1", "10", "2"): a
-        Sequential or ModuleList's numbered children are put back in their numbers' order; other names
-        cannot be, and a container that runs or lists its children in order is warned of."""
-        if len(children) > 1 and all(name.isdigit() for name in children):
+        """A recording older than 1.16 holds a module's children in name order ("0", "1", "10", "2"):
+        numbered ones are put back in their numbers' order (a Sequential's, a ModuleList's, children
+        added in a loop), but a ModuleDict's, whose keys are names even when they are numbers (an FPN's
+        "32", "16", "8"); a container that runs or lists its children in order and whose order cannot
+        be told is named where the replay differs (``order_doubts``)."""
+        if len(children) < 2:
+            return children
+        if all(name.isdigit() for name in children) and not issubclass(kind, torch.nn.ModuleDict):
             return dict(sorted(children.items(), key=lambda item: int(item[0])))
-        if len(children) > 1 and issubclass(kind, (torch.nn.Sequential, torch.nn.ModuleDict)):
-            out.warnings.append(f"{where}: recorded before schema 1.16, which kept a module's children in name "
-                                f"order: this {kind.__name__}'s children may run in another order than they did; "
-                                "record it again with this version to replay it as it ran")
+        if issubclass(kind, (torch.nn.Sequential, torch.nn.ModuleDict)):
+            out.order_doubts.append(f"{where}: this {kind.__name__}'s children")
         return children
 
     def _node(self, doc: dict[str, Any], path: str, out: Rebuilt) -> torch.nn.Module:

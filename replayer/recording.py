@@ -297,6 +297,15 @@ class Recording:
                 places[(str(entry.get("name")), str(entry.get("module_path") or ""))] = (instances, count)
         return places
 
+    def objects_numbered(self) -> None:
+        """Raise RecordingError where the recording cannot say which module object ran a step: one made
+        before schema 1.16, which listed no places several objects ran at (``_object_places``)."""
+        version = self.reader.schema_version
+        if layout.parse_version(version) < (1, 16) and not self._object_places:
+            raise RecordingError(f"{self.reader.label} was recorded with schema {version}, which does not list the "
+                                 "module objects that ran as one step (a model and its EMA copy): they are numbered "
+                                 "in recordings of schema 1.16 and later; record it again with this version")
+
     @cached_property
     def _object_numbers(self) -> np.ndarray:
         """Per step, ``k`` of ``Step.module_object`` (0 where one module object ran as the step, or the
@@ -478,6 +487,7 @@ class StepTable:
             if value is not None:
                 mask &= self.column(col) == value
         if object is not None:
+            self.rec.objects_numbered()
             mask &= self.rec._object_numbers[self.rows] == object
         return StepTable(self.rec, self.rows[mask])
 

@@ -494,6 +494,14 @@ class Replayer:
                 result.warnings.append(self._repository)
             else:
                 result.warnings += _files_changed_since(self.rec.run_info, call, self.loader.script)
+        if layout.parse_version(self.rec.reader.schema_version) < (1, 16):
+            doubts = f" ({'; '.join(call.order_doubts)} may have run in another order)" if call.order_doubts else ""
+            result.warnings.append(
+                f"recorded with schema {self.rec.reader.schema_version}, before 1.16: its documents held a module's "
+                f"children and parameters and a dict argument's items in name order{doubts}, and it did not record "
+                "what the step's module-level names were bound to, which arguments shared memory, nor which was "
+                "the module's own parameter (a likely cause of the difference); record it again with this version "
+                "to replay it as it ran")
         if call.unread_rngs:  # what it drew is not what the recorded call drew: that, not its constants
             several = len(call.unread_rngs) > 1
             result.warnings.append(
@@ -621,7 +629,8 @@ class Replayer:
         self._bind_globals(defn, target, warnings, unchecked)
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)),
                      built.unrecorded if module_doc is not None else [], rngs, unread, unchecked,
-                     built.left_out if module_doc is not None else [])
+                     built.left_out if module_doc is not None else [],
+                     built.order_doubts if module_doc is not None else [])
 
     def _one_storage(self, step: Step, members: dict[str, int], tensors: dict[str, TensorRecord],
                      grads: frozenset[str], given: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> None:
@@ -1341,6 +1350,7 @@ class _Call:
     # module-level names its code reads whose recorded binding cannot be imported to check (Replayer._bind_globals)
     unchecked: list[str] = field(default_factory=list)
     left_out: list[str] = field(default_factory=list)  # what the module was rebuilt without (Rebuilt.left_out)
+    order_doubts: list[str] = field(default_factory=list)  # (before 1.16) children that may be out of order
 
     def run(self) -> Any:
         with snapshot.applied_global_rngs(self.rngs):  # (given back as they were: a notebook's own generators)

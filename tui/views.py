@@ -265,6 +265,8 @@ class TimelineModel:
             if sep and key == "object" and not value.isdigit():
                 raise PdbgError(f"filter {term!r}: object takes a module object's number, e.g. object:2 (a step "
                                 "several module objects ran as, such as a model and its EMA copy, says which)")
+            if sep and key == "object":
+                self.rec.objects_numbered()  # (a recording before 1.16: says so, the filter stays)
         self.filter_text = text.strip()
         mask = np.ones(self.n, dtype=bool)
         listed = _json_names(self.filter_text)

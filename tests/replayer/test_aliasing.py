@@ -225,3 +225,28 @@ def test_many_views_of_one_tensor_are_each_followed(tmp_path: Path) -> None:
     back = rec.steps.filter(name="per_step", phase="backward")[0]
     assert {r.name for r in back.records if r.role == "grad_output"} == {f"output.{k}" for k in range(0, 200, 2)}
     assert replayer.replay(rec, back.index).match
+
+
+@recorder.paper_step("Eq. 9", description="shift a cache window in place, then mix it with the window ahead")
+def shift_mix(window: torch.Tensor, ahead: torch.Tensor) -> torch.Tensor:
+    window.mul_(0.5)  # ahead overlaps window: it sees this
+    return window * 2 + ahead
+
+
+def test_arguments_sharing_memory_that_need_no_gradient_replay_as_views_of_one_storage(tmp_path: Path) -> None:
+    """Overlapping views of a buffer that needs no gradient (a KV cache's window, or any under no_grad)
+    were given a storage each by a replay: the step's in-place change no longer reached the other view,
+    and verify reported a MISMATCH with no word of why."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        cache = torch.randn(10)
+        shift_mix(cache[0:6], cache[2:8])
+        with torch.no_grad():
+            g = torch.randn(10, requires_grad=True)
+            shift_mix(g[0:6], g[2:8])
+    with replayer.open(path) as rec:
+        for step in rec.steps:
+            assert step.extra["aliases"] == {"args.0": [0, 0], "args.1": [0, 2]}  # one storage, elements 0 and 2 on
+            result = replayer.replay(rec, step.index)
+            assert result.match, (step.index, [d.summary() for d in result.outputs], result.warnings)
+            assert not any("share memory" in n for n in step.extra.get("notes", [])), step.extra  # no gradient note

@@ -1622,3 +1622,36 @@ def test_a_nan_that_came_in_through_a_graph_of_gradients_is_where_it_entered(tmp
                                                       r"gradient of l1\.weight has \d+ NaN; it came in through the "
                                                       r"graph of gradients"):
         record_inline_penalty(tmp_path / "stop.zarr", bad=3, on_anomaly="stop")
+
+
+def test_asking_an_older_recording_for_one_module_object_says_it_cannot_tell(tmp_path: Path) -> None:
+    """A recording before schema 1.16 lists no module objects: object:2 found no step, as if the run had
+    no second object (an EMA teacher it had); it says the recording cannot tell, in Python and in the TUI."""
+    import asyncio
+
+    from tests.sealing import as_schema
+    from tui.app import PdbgApp
+
+    path = record_ema(tmp_path / "old.zarr", blow_up=99)
+    with replayer.open(path) as rec:
+        assert len(rec.steps.filter(object=2)) == 10
+    for doc_path in [path / "zarr.json", path / "rank0" / "zarr.json", path / layout.MANIFEST_KEY]:  # as 1.15 wrote it
+        doc = json.loads(doc_path.read_text())
+        for holder in (doc.get("attributes", {}).get(layout.ATTRS_KEY, {}).get("final"), doc.get("info")):
+            if isinstance(holder, dict):
+                holder.pop("module_objects", None)
+        doc_path.write_text(json.dumps(doc))
+    as_schema(path, "1.15")
+    with replayer.open(path) as rec:
+        with pytest.raises(RecordingError, match=r"recorded with schema 1.15, which does not list the module objects"):
+            rec.steps.filter(object=2)
+
+        async def main() -> str:
+            app = PdbgApp(rec)
+            async with app.run_test(size=(120, 36)) as pilot:
+                await pilot.pause()
+                app.apply_filter("object:2")
+                await pilot.pause()
+                return str(app.panel_text)
+
+        assert "recorded with schema 1.15, which does not list the module objects" in asyncio.run(main())

@@ -235,7 +235,7 @@ def test_children_parameters_and_dict_items_replay_in_the_order_they_ran(tmp_pat
 
 def test_a_recording_with_sorted_names_gets_its_numbered_children_back_in_order() -> None:
     """Before schema 1.16 a module's children were stored in name order: numbered ones are put back in
-    their numbers' order; a Sequential's named children cannot be, and the replay says so."""
+    their numbers' order; a Sequential's named children cannot be, and the replay says so where it differs."""
     from replayer.rebuild import Builder, Rebuilt
 
     out = Rebuilt(nn.Module())
@@ -244,9 +244,7 @@ def test_a_recording_with_sorted_names_gets_its_numbered_children_back_in_order(
     assert out.warnings == []
     named = {"a_out": {}, "z_in": {}}
     assert list(Builder._children_in_order(nn.Sequential, named, "proj", out)) == ["a_out", "z_in"]
-    assert out.warnings == ["proj: recorded before schema 1.16, which kept a module's children in name order: this "
-                            "Sequential's children may run in another order than they did; record it again with "
-                            "this version to replay it as it ran"]
+    assert out.warnings == [] and out.order_doubts == ["proj: this Sequential's children"]  # said on a difference
 
 
 class FakeQuantNet(nn.Module):
@@ -310,3 +308,49 @@ def test_a_step_whose_rebuild_lacks_an_attribute_is_not_replayable_not_a_mismatc
     doc = json.loads(res.stdout)
     assert doc["mismatches"] == [] and len(doc["not_replayed"]) == 2, doc
     assert "raised AttributeError" in doc["not_replayed"][0]["reason"], doc
+
+
+def test_an_older_recordings_numbered_module_dict_keeps_its_order_and_its_doubts_are_said_on_a_difference() -> None:
+    """A ModuleDict's keys are names even when they are numbers (an FPN's "32", "16", "8"): a recording
+    before 1.16 (names stored sorted) no longer has them put in their numbers' order, which was the
+    wrong one; a Sequential's or ModuleDict's children whose order cannot be told are doubts, named
+    where the replay differs, not a warning on a replay that matches."""
+    from replayer.rebuild import Builder, Rebuilt
+
+    out = Rebuilt(nn.Module())
+    strides = {"16": {}, "32": {}, "8": {}}  # as 1.15 stored {"32", "16", "8"}
+    assert list(Builder._children_in_order(nn.ModuleDict, strides, "fpn", out)) == ["16", "32", "8"]
+    assert list(Builder._children_in_order(nn.ModuleList, {"0": {}, "10": {}, "2": {}}, "b", out)) == ["0", "2", "10"]
+    assert out.warnings == [] and out.order_doubts == ["fpn: this ModuleDict's children"]
+
+
+@recorder.paper_step("Eq. 9", description="a weighted sum of a dict's values, in its order")
+def weighted(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    first, second = parts.values()
+    return first * 2 + second
+
+
+def test_a_difference_in_a_recording_before_schema_1_16_names_what_it_did_not_hold(tmp_path: Path) -> None:
+    """A 1.15 recording's dict argument came back in name order and replayed other values, with no word of
+    why (nor in verify): the replay names the older schema's limits as the likely cause."""
+    from recorder.store import layout as layout_mod
+    from tests.sealing import as_schema, rewrite_docs
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        weighted({"z": torch.ones(3), "a": torch.arange(3.0)})
+    def sorted_as_before(i: int, doc: Any) -> Any:  # the dict argument's items in name order, as 1.15 stored them
+        if isinstance(doc, dict) and doc.get("args") and isinstance(doc["args"][0], dict) and "z" in doc["args"][0]:
+            return {**doc, "args": [dict(sorted(doc["args"][0].items())), *doc["args"][1:]]}
+        return None
+
+    rewrite_docs(path, sorted_as_before)
+    as_schema(path, "1.15")
+    with replayer.open(path) as rec:
+        assert rec.reader.schema_version == "1.15" and layout_mod.parse_version("1.15") < (1, 16)
+        result = replayer.replay(rec, 0)
+    assert not result.match
+    assert any(w.startswith("recorded with schema 1.15, before 1.16: its documents held") and "likely cause" in w
+               for w in result.warnings), result.warnings
+    res = pdbg("verify", str(path), cwd=tmp_path)
+    assert "recorded with schema 1.15, before 1.16" in res.stdout + res.stderr, res.stdout
