@@ -854,7 +854,7 @@ class Session:
                 self._shared_arguments(frame, shared)
             elif frame.vmap is None:  # arguments that need no tap may share memory too (views of a buffer, no_grad)
                 others = _top_tensors(args, kwargs)
-                if len(others) > 1:
+                if len(others) > 1 and not tapped.issuperset(id(t) for _, t in others):  # (apart checked those)
                     try:
                         overlapping = taps.overlapping([t for _, t in others])
                     except Exception:  # noqa: BLE001 - a tensor without a storage to place: replayed apart, as before

@@ -318,24 +318,36 @@ def may_construct(cls: type) -> bool:
     observers) and the training code's own classes: not the standard library's nor another installed
     package's, so that a recording from elsewhere cannot hand a constructor subprocess.Popen."""
     module = str(getattr(cls, "__module__", "") or "")
-    top = module.partition(".")[0]
-    if top == "torch":
+    if module.partition(".")[0] == "torch":
         return issubclass(cls, torch.nn.Module) or module.startswith("torch.ao.")
-    if top in sys.stdlib_module_names or top == "builtins":
-        return False
+    return user_code(module)
+
+
+def may_bind(obj: Any) -> bool:
+    """May a replay bind a module-level name of the training code to this class or function, which the
+    step's code then calls? A class as ``may_construct`` says; a function of torch's tensor math (F.gelu,
+    as a recorded attribute's) or of the training code (not os.system, torch.load or another installed
+    package's function)."""
+    if isinstance(obj, type):
+        return may_construct(obj)
+    module = str(getattr(obj, "__module__", "") or "")
+    if module.partition(".")[0] == "torch":
+        return function_ref(obj) is not None
     return user_code(module)
 
 
 def user_code(module: str) -> bool:
     """Whether a loaded module is the training code's: a file outside the installed packages (site- or
     dist-packages) and the standard library (a script, a project on the path, an editable install)."""
+    if module.partition(".")[0] in sys.stdlib_module_names or module == "builtins":
+        return False
     file = getattr(sys.modules.get(module), "__file__", None)
     if not isinstance(file, str):
         return False
-    parts = os.path.normpath(os.path.abspath(file)).split(os.sep)
+    path = os.path.normpath(os.path.abspath(file))
+    parts = path.split(os.sep)
     stdlib = os.path.normpath(sysconfig.get_paths()["stdlib"])
-    return "site-packages" not in parts and "dist-packages" not in parts and \
-        not os.path.abspath(file).startswith(stdlib + os.sep)
+    return "site-packages" not in parts and "dist-packages" not in parts and not path.startswith(stdlib + os.sep)
 
 
 def _is_torch_function(fn: Any, ref: str) -> bool:

@@ -350,7 +350,7 @@ class _Kinds:
         # Whether Inf fills a tensor matters only to the steps that hold Inf without NaN (a mask's, or an
         # overflow): where none does (a clean run; a run whose every non-finite value is NaN), the tensor
         # statistics are not read (2,990,000 records of a million-step recording: ~190 MB)
-        if ((result & ~nan_result) | (given & ~nan_given)).any():
+        if _inf_alone(result, nan_result, given, nan_given):
             whole_result, whole_given = _all_inf(rec, phase)
             whole_given[back] |= whole_given[forward[back]]
         else:
@@ -505,7 +505,7 @@ class _Kinds:
             return self._absorbed_cache
         n = len(self.result)
         none = np.zeros(n, dtype=bool)
-        if not n or not ((self.result & ~self.nan_result) | (self.given & ~self.nan_given)).any():  # (no Inf alone)
+        if not n or not _inf_alone(self.result, self.nan_result, self.given, self.nan_given):
             self._absorbed_cache = (none, none, none)
             return self._absorbed_cache
         rec = self.rec
@@ -533,6 +533,12 @@ class _Kinds:
         self._absorbed_cache = (made_here, took_here | (took & self._earlier(took_here)),
                                 made & self._earlier(made_here))
         return self._absorbed_cache
+
+
+def _inf_alone(result: np.ndarray, nan_result: np.ndarray, given: np.ndarray, nan_given: np.ndarray) -> bool:
+    """Whether some step holds Inf without NaN in its results or its inputs: only there can a mask
+    judgement (which tensors Inf fills, the calls of each step, what absorbed an Inf) change an answer."""
+    return bool(((result & ~nan_result) | (given & ~nan_given)).any())
 
 
 def meant_inf(rec: Recording) -> np.ndarray:

@@ -726,7 +726,7 @@ class Replayer:
             now_ref = "nothing" if now is _UNBOUND else snapshot.code_ref(now) or f"a {type(now).__name__}"
             try:
                 obj = self.loader.resolve(ref)
-                if snapshot.code_ref(obj) is None or not _bindable(obj):
+                if snapshot.code_ref(obj) is None or not jsonval.may_bind(obj):
                     raise ReplayError(f"{ref} is not a class or function of the training code or of torch")
             except Exception as exc:  # noqa: BLE001 - the binding is named as what could not be set
                 why = str(exc) if isinstance(exc, ReplayError) else brief(exc)
@@ -1398,18 +1398,6 @@ def _vmap_dims(step: Step, nargs: int) -> tuple[tuple[int | None, ...], Any] | N
     if not isinstance(items, list):
         items = [None] * len([r for r in step.records if r.role == "output"])
     return in_dims, tuple(dim(d, f"output.{i}") for i, d in enumerate(items))
-
-
-def _bindable(obj: Any) -> bool:
-    """May a replay bind a module-level name of the training code to this class or function, which the
-    step's code then calls: torch's own or the training code's (a recording from elsewhere naming
-    os.system, or another installed package's function, is not bound)."""
-    if isinstance(obj, type):
-        return jsonval.may_construct(obj)
-    module = str(getattr(obj, "__module__", "") or "")
-    if module.partition(".")[0] == "torch":  # torch's tensor math only (F.gelu), as a recorded attribute's
-        return jsonval.function_ref(obj) is not None
-    return module.partition(".")[0] not in (*sys.stdlib_module_names, "builtins") and jsonval.user_code(module)
 
 
 def _materialize(step: Step, rec: TensorRecord, notes: list[str] | None = None) -> torch.Tensor:

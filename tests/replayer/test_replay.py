@@ -3348,7 +3348,7 @@ def test_a_recorded_binding_names_only_torch_math_or_the_training_codes_own() ->
 
     import numpy as np
 
-    from replayer.replay import _bindable
+    from recorder.jsonval import may_bind as _bindable
 
     assert [_bindable(obj) for obj in (os.system, torch.load, np.load, np.ndarray, subprocess.Popen)] == [False] * 5
     assert all(_bindable(obj) for obj in (torch.tanh, torch.nn.functional.gelu, torch.nn.Linear, Critic))
