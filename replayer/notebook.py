@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from recorder.store import layout
 
-from .recording import paper_reference
+from .recording import alert_text, paper_reference
 
 if TYPE_CHECKING:
     from .bisect import Divergence, Origin
@@ -211,7 +211,7 @@ def step(s: Step) -> str:
             ("status", badge(s.status)), ("time", f"{s.duration * 1e3:.3f} ms"),
             ("inside step", s.parent), ("forward call", s.forward), ("code", where),
             ("exception", _exception(extra.get("exception")))]
-    notes = [_alert(a) for a in extra.get("alerts") or []] + [str(x) for x in extra.get("notes") or []]
+    notes = [alert_text(a) for a in extra.get("alerts") or []] + [str(x) for x in extra.get("notes") or []]
     records = sorted(s.records, key=lambda r: layout.role_value(r.role))
     tensors = table(("role", "name", "dtype", "shape", "min", "max", "mean", "std", "NaN", "Inf", "kept"),
                     [_tensor_row(r) for r in records[:TENSORS]], numeric=range(4, 10),
@@ -227,13 +227,6 @@ def _tensor_row(r: Any) -> list[Any]:
     shape = "×".join(str(d) for d in r.shape) or "scalar"
     return [r.role, code(r.name), r.dtype, shape, *(number(st.get(k)) for k in ("min", "max", "mean", "std")),
             count(st.get("nan")), count(st.get("inf")), "bytes" if r.has_payload else muted("stats")]
-
-
-def _alert(alert: Any) -> str:
-    if isinstance(alert, dict) and "check" in alert:
-        return (f"watch {alert.get('watch')}: {alert['check']}, expected {alert.get('expected')}, "
-                f"got {alert.get('actual')}")
-    return str(alert.get("message") or alert) if isinstance(alert, dict) else str(alert)
 
 
 def step_table(t: StepTable) -> str:

@@ -546,6 +546,25 @@ class StepTable:
         return StepTable(self.rec, self.rows[hits[inverse.reshape(-1)]])
 
 
+def alert_text(alert: Any) -> str:
+    """One line for an alert a step holds: a broken ``watch()`` expectation ("watch h: range expected
+    [0, 1], got [-0.2, 3.1] (Eq. 4)"), or what a ``register_check`` or ``breakpoint`` said ("check
+    'output small': output absmax 0.892 > 0.1")."""
+    if not isinstance(alert, dict):
+        return str(alert)
+    if "watch" in alert:
+        ref = f" ({alert['reference']})" if alert.get("reference") else ""
+        bad = f" and {alert['nonfinite']} NaN/Inf" if alert.get("nonfinite") else ""
+        return (f"watch {alert.get('watch')}: {alert.get('check')} expected {alert.get('expected')}, "
+                f"got {alert.get('actual')}{bad}{ref}")
+    message = str(alert.get("message") or "")
+    kind, name = alert.get("kind"), alert.get("check")
+    if kind in ("check", "breakpoint") and name is not None:
+        said = f"{kind} {name!r}"
+        return message if message.startswith(said) else f"{said}: {message}" if message else said
+    return message or str(alert)
+
+
 def _references(label: str | None, paper: dict[str, Any]) -> list[str | None]:
     """What a step's paper reference may be selected by: its label, its algorithm, its equation, and
     the whole reference as listings write it ("Algorithm 1, step 5 (Eq. 7)", and without the equation)."""

@@ -72,10 +72,17 @@ def _tui(args: argparse.Namespace) -> int:
     return run_app(args.run, args.at, args.rank, script=args.script, use_bundled_source=args.use_bundled_source)
 
 
+# Words people try for a command that has another name here (difflib would offer `pdbg list` "bisect").
+_GUESSED = {"list": "info", "ls": "info", "steps": "info", "show": "info", "summary": "info", "stats": "info",
+            "diff": "bisect --against", "compare": "bisect --against", "nan": "bisect", "origin": "bisect",
+            "export": "bundle", "share": "bundle", "open": "tui", "view": "tui", "browse": "serve", "web": "serve",
+            "check": "verify", "search": "find", "run": "record", "rerun": "replay"}
+
+
 def _not_there(word: str, as_command: bool) -> str:
     """The error for ``pdbg WORD ...`` where WORD is neither a command nor a path that exists
     (``as_command``: more words follow it, so it was meant as a command)."""
-    close = difflib.get_close_matches(word, COMMANDS, n=1)
+    close = [_GUESSED[word.lower()]] if word.lower() in _GUESSED else difflib.get_close_matches(word, COMMANDS, n=1)
     meant = f" (did you mean {close[0]!r}?)" if close and os.sep not in word else ""
     commands = ", ".join(COMMANDS)
     if as_command:

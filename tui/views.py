@@ -19,7 +19,7 @@ from rich.cells import cell_len, set_cell_size
 from recorder.errors import PdbgError
 from recorder.store import layout
 from replayer.bisect import Condition, describe, meant_inf, with_alerts
-from replayer.recording import Recording, Step, algorithm_of, paper_of
+from replayer.recording import Recording, Step, alert_text, algorithm_of, paper_of
 
 STATUS_STYLE = {"ok": "green", "alert": "yellow", "nonfinite": "bold red", "exception": "bold magenta"}
 
@@ -420,17 +420,6 @@ def step_view(step: Step) -> StepView:
     return StepView(describe(step).split(": ", 1)[1], step.paper.get("description"), step.status,
                     definition.get("source"), definition.get("line"), definition.get("file"),
                     arguments_text(step.arguments), tensors, notes)
-
-
-def alert_text(alert: Any) -> str:
-    if not isinstance(alert, dict):
-        return str(alert)
-    if "check" in alert:
-        ref = f" ({alert['reference']})" if alert.get("reference") else ""
-        bad = f" and {alert['nonfinite']} NaN/Inf" if alert.get("nonfinite") else ""
-        return (f"watch {alert.get('watch')}: {alert['check']} expected {alert.get('expected')}, "
-                f"got {alert.get('actual')}{bad}{ref}")
-    return str(alert.get("message") or alert)
 
 
 _ARGUMENT_DEPTH = 8  # levels of nesting shown

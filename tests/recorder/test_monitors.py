@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import subprocess
 import sys
@@ -304,6 +305,27 @@ class TestChecks:
                 run.next_iteration()
         assert alerts(run_path) == [(1, ["mean -0.3 is not positive"])]
         assert [s[1] for s in statuses(run_path)] == ["ok", "alert", "ok"]
+
+    def test_a_check_and_a_breakpoint_are_shown_by_what_they_said(self, run_path: Path) -> None:
+        """`pdbg info`, the TUI's alerts pane and a notebook show a check's message and a breakpoint's
+        name (they were shown as a broken watch: "watch None: ... expected None, got None")."""
+        import replayer
+        from tests.cli import pdbg_here
+        from tui import views
+
+        recorder.register_check("positive mean")(lambda step: step.stats["output"]["mean"] > 0 or "not positive")
+        recorder.breakpoint("Eq. 2", lambda step: True, "record", name="every")
+        with recorder.record(run_path):
+            smooth_relu(torch.tensor([-9.0]), gamma=-1.0)
+        want = ["check 'positive mean': not positive", "breakpoint 'every' fired"]
+        proc = pdbg_here("info", str(run_path), cwd=run_path.parent)
+        out = proc.stdout
+        assert proc.returncode == 0 and all(f"  step 0 (smooth_relu, iteration 0): {w}" in out for w in want), out
+        assert "watch" not in out
+        with replayer.open(run_path) as rec:
+            assert [r.text.rsplit("call 0: ", 1)[1] for r in views.alerts(rec)] == want
+            page = rec.step(0)._repr_html_()
+        assert all(html.escape(w) in page for w in want) and "watch None" not in page
 
     def test_alerts_on_a_nonfinite_step_are_counted_and_listed(self, run_path: Path) -> None:
         """A step that goes NaN and breaks a watch is `nonfinite`, and keeps its alert: `pdbg info`

@@ -425,6 +425,9 @@ def test_bad_command_lines_get_one_line_and_exit_code_2(gpt_run: Path, tmp_path:
                        ((), "give a command, or a recording to open"),
                        (("info",), "the following arguments are required: RUN"),
                        (("infoo", str(gpt_run)), "unknown command 'infoo' (did you mean 'info'?)"),
+                       # words for a command it has under another name: not the nearest spelling ('bisect')
+                       (("list", str(gpt_run)), "unknown command 'list' (did you mean 'info'?)"),
+                       (("diff", str(gpt_run), str(gpt_run)), "unknown command 'diff' (did you mean 'bisect --"),
                        (("nosuch.zarr",), "nosuch.zarr does not exist"),
                        (("--", "-dash.zarr"), "-dash.zarr does not exist"),  # a path starting with -, for the TUI
                        ((str(gpt_run),), "the TUI needs a terminal"),
