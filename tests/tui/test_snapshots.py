@@ -13,11 +13,13 @@ import html
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import replayer
+import replayer.state
 from tui.app import PdbgApp
 
 HERE = Path(__file__).parent
@@ -71,11 +73,19 @@ async def _screens(tmp: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def screens(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     # The replay screen lists settings that differ from the recording's, and a process cannot change
-    # its CPU capability: here it reads as the recording's, so that the screens are the same on every
-    # machine (the note itself: tests/replayer/test_replay.py).
-    recorded = replayer.open(BUNDLE).main_step.settings.get("cpu_capability")
+    # its CPU capability, its thread counts' defaults (the cores it has) or the environment it was
+    # started in (OMP_NUM_THREADS=1 on a shared machine): here they read as the recording's, so that
+    # the screens are the same on every machine (the note itself: tests/replayer/test_replay.py).
+    settings = replayer.open(BUNDLE).main_step.settings
+    real = replayer.state.environment_differences
+
+    def as_recorded(run_info: dict[str, Any], step_settings: dict[str, Any] | None = None) -> list[str]:
+        return [d for d in real(run_info, step_settings)
+                if not d.startswith(("num_threads:", "num_interop_threads:", "environment variable "))]
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.backends.cpu, "get_cpu_capability", lambda: recorded)
+        mp.setattr(torch.backends.cpu, "get_cpu_capability", lambda: settings.get("cpu_capability"))
+        mp.setattr(replayer.state, "environment_differences", as_recorded)
         return asyncio.run(_screens(tmp_path_factory.mktemp("snap")))
 
 
