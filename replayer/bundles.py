@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import sys
 import sysconfig
 import tempfile
@@ -38,6 +39,7 @@ from recorder.store import backend, codecs, layout
 from recorder.store.writer import StoreWriter
 
 from . import recipes as recipes_mod
+from . import state
 from .bisect import step_flags, subtree
 from .code import SESSION_SCRIPT, made_here, package_root
 from .recording import BUNDLE_FORMAT, BUNDLE_KEY, Recording, Step
@@ -63,6 +65,7 @@ class BundleInfo:
     sources: list[str] = field(default_factory=list)  # the source files it carries (bundle.json's "sources")
     not_verified: str | None = None  # verify asked, the step could not be replayed here: why (a GPU step, no GPU)
     unreplayable: str | None = None  # not verified, and its documents tell a replay is refused: why
+    verified_with: dict[str, Any] | None = None  # what the verifying replay ran with (bundle.json's, FORMAT.md)
 
     @property
     def main(self) -> int:
@@ -71,10 +74,11 @@ class BundleInfo:
 
     def to_json(self) -> dict[str, Any]:
         """``pdbg bundle --json``: {"path", "bytes", "steps", "verified", "main_step", "script", "sources",
-        "not_verified", "unreplayable"}."""
+        "not_verified", "unreplayable", "verified_with"}."""
         return {"path": str(self.path), "bytes": self.bytes, "steps": self.steps, "verified": self.verified,
                 "main_step": self.main_step, "script": str(self.script) if self.script else None,
-                "sources": self.sources, "not_verified": self.not_verified, "unreplayable": self.unreplayable}
+                "sources": self.sources, "not_verified": self.not_verified, "unreplayable": self.unreplayable,
+                "verified_with": self.verified_with}
 
     def __repr__(self) -> str:
         verified = {True: "verified: bitwise match", False: "verified: MISMATCH", None: "not verified"}[self.verified]
@@ -356,7 +360,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         if carried:
             backend.put(backend.open_store(store_dir, mode="w"), recipes_mod.KEY,
                         json.dumps(carried, indent=1).encode())
-        verified, not_verified = None, None
+        verified, not_verified, verified_with = None, None, None
         if verify:
             backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta).encode())
             from .replay import Replayer
@@ -372,8 +376,10 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                 raise ReplayError(_renumbered(str(exc), rows)) from exc
             else:
                 verified = bool(result.match) if result.compared else None  # nothing compared: nothing verified
+                verified_with = _verifying_environment(check.step(new_main))
                 meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
-                                    "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings}
+                                    "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings,
+                                    "environment": verified_with}
         backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta, indent=1).encode())
         partial = work / "bundle.zip"
         with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED) as archive:
@@ -387,7 +393,75 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
 
     refusal = None if verify else known_refusal(main)
     return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro, sorted(sources), not_verified,
-                      refusal)
+                      refusal, verified_with)
+
+
+def _verifying_environment(step: Step) -> dict[str, Any]:
+    """What a bundle's verifying replay of ``step`` ran with: this machine's software and CPU (the
+    keys of a run's information, ``state.this_machine``), its host, the devices of the step's
+    tensors and, where one is a GPU, the GPUs (as a run's ``cuda``)."""
+    steps = [step, *([step.rec.step(step.forward)] if step.forward is not None else [])]
+    devices = sorted({r.device for s in steps for r in s.records})
+    return {**state.this_machine(), "hostname": socket.gethostname(), "devices": devices,
+            "cuda": state.gpus() if any(d.startswith("cuda") for d in devices) else None}
+
+
+_TEXT_KEYS = ("paperdebugger", "torch", "torch_cuda", "numpy", "python", "machine", "platform", "cpu_capability",
+              "hostname")
+
+
+def verified_environment(verified: Any) -> dict[str, Any] | None:
+    """What verified a bundle (its ``verified["environment"]``), as far as it is text (a bundle comes
+    from elsewhere); None where it was not verified, or was verified before bundles recorded with what."""
+    env = verified.get("environment") if isinstance(verified, dict) else None
+    if not isinstance(env, dict):
+        return None
+    out: dict[str, Any] = {k: env[k] for k in _TEXT_KEYS if isinstance(env.get(k), str)}
+    devices = env.get("devices")
+    out["devices"] = [d for d in devices if isinstance(d, str)] if isinstance(devices, list) else []
+    cuda = env.get("cuda")
+    out["cuda"] = [{"name": str(g.get("name")), "sm_count": g.get("sm_count")} for g in cuda if isinstance(g, dict)] \
+        if isinstance(cuda, list) else None
+    return out
+
+
+def environment_text(env: dict[str, Any], run_info: dict[str, Any]) -> str:
+    """What verified a bundle, on one line: its versions, machine and CPU capability, the devices
+    its tensors were on, and its host, said to be the recording's or another (``run_info``: the
+    recording's)."""
+    parts = [f"{what.removesuffix(' version')} {value}" for what, value in state.machine_facts(env)
+             if value is not None]
+    gpus = env.get("cuda") or []
+    on = []
+    for device in env.get("devices") or []:
+        kind, _, number = device.partition(":")
+        index = int(number) if number.isdigit() else 0
+        on.append(f"{device} ({gpus[index]['name']})" if kind == "cuda" and index < len(gpus) else device)
+    if on:
+        parts.append("tensors on " + ", ".join(on))
+    host, recorded_on = env.get("hostname"), run_info.get("hostname")
+    if host is not None:
+        parts.append(f"host {host}" + (" (the machine that recorded it)" if host == recorded_on else
+                                       f" (not the machine that recorded it, {recorded_on})" if recorded_on else ""))
+    return ", ".join(parts)
+
+
+def verification_note(rec: Recording) -> str | None:
+    """For a bundle verified when made, one line: its verdict, what verified it and what here differs
+    from that (``state.environment_differences``); None for a recording, or a bundle not verified.
+    A bundle made before bundles recorded what verified them says so."""
+    info = rec.bundle_info
+    verified = info.get("verified") if info is not None else None
+    if not isinstance(verified, dict):
+        return None
+    verdict = {True: "bitwise match", None: "nothing compared"}.get(verified.get("match"), "MISMATCH")
+    env = verified_environment(verified)
+    if env is None:
+        return (f"bundle verified when made: {verdict} (with what PaperDebugger, torch and machine is not recorded: "
+                "made before bundles recorded it)")
+    differences = state.environment_differences(env, verified=True)
+    return (f"bundle verified when made: {verdict}, with {environment_text(env, rec.run_info)}; here "
+            + ("the same" if not differences else "differs: " + "; ".join(differences)))
 
 
 def _renumbered(message: str, rows: list[int]) -> str:
@@ -479,6 +553,7 @@ from pathlib import Path
 
 import replayer
 from recorder.errors import PdbgError
+from replayer import bundles
 
 given = [a for a in sys.argv[1:] if a != "--use-bundled-source"]
 bundle = Path(given[0]) if given else Path(__file__).with_name({bundle!r})
@@ -494,6 +569,9 @@ for diff in result.outputs:
     print(f"  {{diff.summary()}}")
 for line in result.warnings + result.environment_differences:
     print(f"  note: {{line}}")
+verified = getattr(bundles, "verification_note", lambda rec: None)(rec)  # (an older paperdebugger has none)
+if verified:
+    print(f"  note: {{verified}}")
 sys.exit(0 if result.match else 1)
 '''
 

@@ -343,7 +343,10 @@ def bundle_info(b: BundleInfo) -> str:
     """The file written, its size, steps and main step, and how it was verified."""
     verified = {True: badge("verified: bitwise match", "match"), False: badge("verified: mismatch", "mismatch"),
                 None: badge("not verified")}[b.verified]
+    from .bundles import environment_text
+
     rows = [("path", code(b.path)), ("size", f"{b.bytes:,} bytes"), ("steps", b.steps), ("main step", b.main_step),
+            ("verified with", environment_text(b.verified_with, {}) if b.verified_with else None),
             ("script", code(b.script) if b.script else None)]
     return block(join(["Bundle ", code(b.path.name), " ", verified]), fields(rows),
                  hint("replayer.replay(replayer.open(info.path))", f"pdbg info {b.path.name}",

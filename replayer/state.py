@@ -11,6 +11,8 @@ reported instead.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.metadata
 import os
 import platform
 import random
@@ -290,40 +292,74 @@ def _system(platform_text: Any) -> str | None:
     return platform_text.split("-", 1)[0]
 
 
+def _torch_build(run_info: dict[str, Any]) -> Any:
+    """torch's version with its build: a pip wheel's says it (2.3.0+cu121, 2.3.0+cpu); another
+    build's (conda's 2.3.0) gets the CUDA it was built for added, where the information names it."""
+    version, cuda = run_info.get("torch"), run_info.get("torch_cuda")
+    if isinstance(version, str) and "+" not in version and isinstance(cuda, str):
+        return f"{version} (CUDA {cuda})"
+    return version
+
+
 def machine_facts(run_info: dict[str, Any]) -> list[tuple[str, Any]]:
     """The software and hardware a run's information names that can change numerics, as comparable
     values (Windows' AMD64 is x86_64; the operating system from ``platform``): versions, the
-    machine, the operating system and the CPU capability; None where it names none."""
+    machine, the operating system and the CPU capability; None where it names none (a recording
+    names no PaperDebugger version: a bundle's verification does)."""
     machine = run_info.get("machine")
-    return [("torch version", run_info.get("torch")), ("numpy version", run_info.get("numpy")),
-            ("python version", run_info.get("python")), ("machine", _ARCHITECTURES.get(machine, machine)),
+    return [("PaperDebugger version", run_info.get("paperdebugger")), ("torch version", _torch_build(run_info)),
+            ("numpy version", run_info.get("numpy")), ("python version", run_info.get("python")),
+            ("machine", _ARCHITECTURES.get(machine, machine) if isinstance(machine, str) else machine),
             ("operating system", _system(run_info.get("platform"))),
             ("CPU capability", run_info.get("cpu_capability"))]
 
 
-def environment_differences(run_info: dict[str, Any], settings: dict[str, Any] | None = None) -> list[str]:
-    """Every difference between the recording machine and this one that can change numerics."""
+@functools.cache
+def paperdebugger_version() -> str | None:
+    """The installed paperdebugger's version; None where it runs from a checkout that is not installed."""
+    try:
+        return importlib.metadata.version("paperdebugger")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def this_machine() -> dict[str, Any]:
+    """What ``machine_facts`` reads, as this process has it (the keys of a run's information)."""
+    return {"paperdebugger": paperdebugger_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "numpy": np.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "platform": platform.platform(), "cpu_capability": snapshot.settings().get("cpu_capability")}
+
+
+def gpus() -> list[dict[str, Any]]:
+    """This machine's GPUs as a run's information lists them (``cuda``): name and SM count; [] without one."""
+    if not torch.cuda.is_available():
+        return []
+    return [{"name": torch.cuda.get_device_name(i),
+             "sm_count": torch.cuda.get_device_properties(i).multi_processor_count}
+            for i in range(torch.cuda.device_count())]
+
+
+def environment_differences(run_info: dict[str, Any], settings: dict[str, Any] | None = None, *,
+                            verified: bool = False) -> list[str]:
+    """Every difference between the recording machine and this one that can change numerics.
+    ``verified``: ``run_info`` is what verified a bundle when it was made (its ``verified``
+    ``environment``), and each difference says "verified with" instead of "recorded"."""
     out = []
-    now_settings = snapshot.settings()
-    here = {"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "platform": platform.platform(),
-            "cpu_capability": now_settings.get("cpu_capability")}
-    for (what, then), (_, now) in zip(machine_facts(run_info), machine_facts(here), strict=True):
+    then_word = "verified with" if verified else "recorded"
+    for (what, then), (_, now) in zip(machine_facts(run_info), machine_facts(this_machine()), strict=True):
         if then is not None and then != now:
-            out.append(f"{what}: recorded {then}, here {now}")
+            out.append(f"{what}: {then_word} {then}, here {now if now is not None else 'unknown'}")
     cuda_then = [g for g in run_info.get("cuda") or [] if isinstance(g, dict)] if isinstance(
         run_info.get("cuda"), list) else []
-    cuda_now = []
-    if torch.cuda.is_available():
-        cuda_now = [{"name": torch.cuda.get_device_name(i),
-                     "sm_count": torch.cuda.get_device_properties(i).multi_processor_count}
-                    for i in range(torch.cuda.device_count())]
+    cuda_now = gpus()
     if cuda_then and not cuda_now:
-        out.append(f"GPU: recorded on {cuda_then[0]['name']}, this machine has none")
+        out.append(f"GPU: {'verified' if verified else 'recorded'} on {cuda_then[0].get('name')}, this machine has "
+                   "none")
     for i, (then, now) in enumerate(zip(cuda_then, cuda_now)):
         if then.get("name") != now["name"] or then.get("sm_count") != now["sm_count"]:
-            out.append(f"GPU {i}: recorded {then.get('name')} ({then.get('sm_count')} SMs), here {now['name']} "
+            out.append(f"GPU {i}: {then_word} {then.get('name')} ({then.get('sm_count')} SMs), here {now['name']} "
                        f"({now['sm_count']} SMs)")
+    now_settings = snapshot.settings()
     if settings:
         recorded_env = settings.get("env") if isinstance(settings.get("env"), dict) else {}
         for name in ("num_threads", "num_interop_threads"):

@@ -711,12 +711,32 @@ class PdbgApp(App[None]):
         text = Text("? every key · ctrl+p actions · g the NaN origin · r replay", style="dim")
         if why:
             text = Text.assemble((f"{self.rec.status}, ended by: {why}\n", "yellow"), text)
+        verified = self._bundle_verified()
+        if verified:
+            text = Text.assemble(verified, "\n", text)
         if self.rec.reader.newer:  # (its warning went to the terminal just before the app took the screen)
             text = Text.assemble((self.rec.reader.newer + "\n", "yellow"), text)
         if self.notice:
             text = Text.assemble((self.notice + "\n", "red"), text)
         self.set_panel(text)
         self.panel_full = ""  # a hint, no result: v has nothing to open
+
+    def _bundle_verified(self) -> Text | None:
+        """For a bundle verified when made: its verdict, what verified it and what here differs from
+        that (in yellow where something does); nothing for one made before bundles recorded what
+        verified them (pdbg info says it is not recorded)."""
+        from replayer.bundles import verification_note, verified_environment
+
+        try:
+            info = self.rec.bundle_info
+            if info is None or verified_environment(info.get("verified")) is None:
+                return None
+            note = verification_note(self.rec)
+        except PdbgError:  # a damaged bundle.json: the steps may still be read
+            return None
+        if note is None:
+            return None
+        return Text(note, style="yellow" if "MISMATCH" in note or "; here differs" in note else "dim")
 
     def _summary(self) -> str:
         ranks = self.rec.ranks
@@ -1091,6 +1111,10 @@ class PdbgApp(App[None]):
         verdict = (f"not verified: it cannot be replayed here ({info.not_verified})" if info.not_verified else
                    "not verified: the step returned no tensor" if info.verified is None else
                    "verified: replays bit for bit" if info.verified else "MISMATCH when replayed from the bundle")
+        if info.verified is not None and info.verified_with is not None:  # (what a receiver compares theirs with)
+            from replayer.bundles import environment_text
+
+            verdict += f", with {environment_text(info.verified_with, self.rec.run_info)}"
         steps = f"{info.steps} step{'s' if info.steps != 1 else ''}"
         self._report(Text(f"wrote {info.path} ({info.bytes} bytes, {steps}); {verdict}",
                           style="green" if info.verified else "yellow" if info.verified is None else "red"))

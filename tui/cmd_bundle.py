@@ -64,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
         if info.verified is not None:
             print("verified: " + ("the bundle replays bit for bit" if info.verified else "MISMATCH when replayed from "
                                   "the bundle (see pdbg replay)"))
+            if info.verified_with is not None:  # recorded in the bundle, for whoever replays it elsewhere
+                from replayer.bundles import environment_text
+
+                print(f"verified with: {environment_text(info.verified_with, rec.run_info)}")
         elif info.not_verified:
             print(f"not verified: it cannot be replayed here ({info.not_verified})")
         elif args.verify:

@@ -221,6 +221,7 @@ def _bundle_summary(rec: Any) -> dict[str, Any] | None:
     info = rec.bundle_info
     if info is None:
         return None
+    from replayer.bundles import verified_environment
     from replayer.code import CodeLoader, drift_without_running
     from replayer.state import environment_differences
 
@@ -237,10 +238,13 @@ def _bundle_summary(rec: Any) -> dict[str, Any] | None:
                          "state": drift_without_running(definition, rec.run_info, dirs),
                          "bundled": definition.get("file") in (info.get("sources") or {})})
     dist = rec.rank.dist
+    verified_with = verified_environment(info.get("verified"))
     return {"main_step": main.to_json(), "origin": info.get("origin"), "created": info.get("created"),
             "rank": dist["rank"] if dist["world_size"] > 1 else None, "world_size": dist["world_size"],
             "verified": info.get("verified"), "environment_differences": environment_differences(
-                rec.run_info, main.settings), "code": code,
+                rec.run_info, main.settings),
+            "verified_environment_differences": None if verified_with is None else environment_differences(
+                verified_with, verified=True), "code": code,
             "sources": sorted(str(f) for f in (info.get("sources") or {}))}
 
 
@@ -358,6 +362,17 @@ def info(args: argparse.Namespace) -> int:
               + ("not verified when made" if not verified else
                  "verified when made: " + {True: "bitwise match", None: "nothing compared"}.get(verified.get("match"),
                                                                                               "MISMATCH")))
+        if verified:
+            from replayer.bundles import environment_text, verified_environment
+
+            verified_with = verified_environment(verified)
+            if verified_with is None:
+                print("verified with: not recorded (the bundle was made before bundles recorded what verified them)")
+            else:
+                print(f"verified with: {environment_text(verified_with, rec.run_info)}")
+                here = bundle["verified_environment_differences"]
+                print("here: " + ("the same as where it was verified" if not here else
+                                  "differs from where it was verified: " + "; ".join(here)))
         print(f"main step: {_step_text(bundle['main_step'])}  (pdbg replay {shlex.quote(args.run)})")
         diffs = bundle["environment_differences"]
         print("environment: " + ("same as where it was recorded" if not diffs else "; ".join(diffs)))
@@ -487,6 +502,12 @@ def replay(args: argparse.Namespace) -> int:
         print(f"warning: {w}")
     if result.environment_differences:
         print("environment differs from the recording: " + "; ".join(result.environment_differences))
+    if rec.main_step is not None and step.index == rec.main_step.index:  # a bundle's: what verified it, and here
+        from replayer.bundles import verification_note
+
+        note = verification_note(rec)
+        if note:
+            print(note)
     if args.save_recipe:
         print(f"saved as recipe {args.save_recipe!r} in {args.run} "
               + (f"(replacing the one saved {replaced.get('saved', '')[:19].replace('T', ' ')} for step "

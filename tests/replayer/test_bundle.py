@@ -185,6 +185,98 @@ def test_repro_script_and_code_drift(recorded: tuple[Path, Path], tmp_path: Path
         (code / "bundlemod.py.orig").rename(code / "bundlemod.py")
 
 
+def test_a_verified_bundle_says_what_verified_it_and_what_differs_here(recorded: tuple[Path, Path],
+                                                                        tmp_path: Path) -> None:
+    """bundle.json's verification said match or not, never what replayed it: a receiver whose replay
+    differed could not tell whether it was verified on the recording's machine, nor compare it with
+    theirs. It names PaperDebugger, torch (with its build), Python, the machine, CPU capability, the
+    devices and the host; pdbg info, replay, bundle, repro.py, the TUI and the notebook show it, and
+    what here differs from it. A bundle made before says it is not recorded."""
+    import asyncio
+    import importlib.metadata
+    import platform
+    import socket
+
+    from tui.app import open_app
+
+    run_path, code = recorded
+    made = pdbg("bundle", str(run_path), "Eq. 1@iter=2", "-o", "failure.pdbg", "--verify", "--repro", cwd=tmp_path,
+                code=code)
+    assert made.returncode == 0, made.stdout + made.stderr
+    env = json.loads(zipfile.ZipFile(tmp_path / "failure.pdbg").read("bundle.json"))["verified"]["environment"]
+    here = {"paperdebugger": importlib.metadata.version("paperdebugger"), "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda, "python": platform.python_version(), "machine": platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "hostname": socket.gethostname(),
+            "devices": ["cpu"], "cuda": None}
+    assert {k: env.get(k) for k in here} == here
+    said = (f"PaperDebugger {here['paperdebugger']}, torch {torch.__version__}, numpy ")
+    host = f"CPU capability {here['cpu_capability']}, tensors on cpu, host {here['hostname']} (the machine that " \
+        "recorded it)"
+    assert f"verified with: {said}" in made.stdout and host in made.stdout, made.stdout
+    info = pdbg("info", "failure.pdbg", cwd=tmp_path, code=code)
+    assert f"verified with: {said}" in info.stdout and host in info.stdout, info.stdout
+    assert "here: the same as where it was verified\n" in info.stdout
+    assert "here the same" in run([sys.executable, "repro.py"], tmp_path, code).stdout
+
+    elsewhere = {"torch": "2.4.0", "torch_cuda": "12.1", "cpu_capability": "NO AVX", "hostname": "gpu-7",
+                 "devices": ["cuda:0"], "cuda": [{"name": "NVIDIA H100 80GB HBM3", "sm_count": 132}]}
+
+    def verified_elsewhere(name: str, data: bytes) -> bytes:
+        if name != "bundle.json":
+            return data
+        doc = json.loads(data)
+        doc["verified"]["environment"].update(elsewhere)
+        return json.dumps(doc).encode()
+
+    rewrite(tmp_path / "failure.pdbg", tmp_path / "other.pdbg", verified_elsewhere)
+    differ = (f"torch version: verified with 2.4.0 (CUDA 12.1), here {torch.__version__}; CPU capability: verified "
+              f"with NO AVX, here {here['cpu_capability']}")
+    info = pdbg("info", "other.pdbg", cwd=tmp_path, code=code)
+    assert f"host gpu-7 (not the machine that recorded it, {here['hostname']})" in info.stdout, info.stdout
+    assert "tensors on cuda:0 (NVIDIA H100 80GB HBM3)" in info.stdout
+    assert f"here: differs from where it was verified: {differ}" in info.stdout, info.stdout
+    doc = json.loads(pdbg("info", "other.pdbg", "--json", cwd=tmp_path, code=code).stdout)["bundle"]
+    assert doc["verified_environment_differences"][:2] == differ.split("; ")
+    replayed = pdbg("replay", "other.pdbg", cwd=tmp_path, code=code)
+    assert replayed.returncode == 0 and f"here differs: {differ}" in replayed.stdout, replayed.stdout
+    repro = run([sys.executable, "repro.py", "other.pdbg"], tmp_path, code)
+    assert repro.returncode == 0 and "note: bundle verified when made: bitwise match, with PaperDebugger" in \
+        repro.stdout and f"here differs: {differ}" in repro.stdout, repro.stdout
+
+    async def opened(path: Path) -> str:
+        app = open_app(str(path))
+        async with app.run_test(size=(150, 40)) as pilot:
+            await pilot.pause()
+            return str(app.panel_text)
+
+    assert f"here differs: {differ}" in asyncio.run(opened(tmp_path / "other.pdbg"))
+
+    def made_before(name: str, data: bytes) -> bytes:
+        if name != "bundle.json":
+            return data
+        doc = json.loads(data)
+        del doc["verified"]["environment"]
+        return json.dumps(doc).encode()
+
+    rewrite(tmp_path / "failure.pdbg", tmp_path / "before.pdbg", made_before)
+    info = pdbg("info", "before.pdbg", cwd=tmp_path, code=code)
+    assert info.returncode == 0 and "verified when made: bitwise match" in info.stdout
+    assert "verified with: not recorded (the bundle was made before bundles recorded what verified them)" in \
+        info.stdout and "here:" not in info.stdout
+    assert json.loads(pdbg("info", "before.pdbg", "--json", cwd=tmp_path, code=code).stdout)["bundle"][
+        "verified_environment_differences"] is None
+    replayed = pdbg("replay", "before.pdbg", cwd=tmp_path, code=code)
+    assert replayed.returncode == 0 and "bundle verified when made: bitwise match (with what PaperDebugger, torch " \
+        "and machine is not recorded" in replayed.stdout, replayed.stdout + replayed.stderr
+
+    from replayer import notebook
+
+    made_here = replayer.bundle(replayer.open(run_path), "Eq. 1@iter=2", tmp_path / "nb.pdbg", verify=True)
+    assert made_here.verified_with is not None and made_here.verified_with["torch"] == torch.__version__
+    assert made_here.to_json()["verified_with"] == made_here.verified_with
+    assert f"torch {torch.__version__}" in notebook.bundle_info(made_here)
+
+
 class Evil:
     """Unpickling this creates a marker file: the proof that a planted payload ran."""
 
