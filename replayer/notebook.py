@@ -210,11 +210,14 @@ def step(s: Step) -> str:
             ("module object", s.object_text or None),  # only where several ran as the step (an EMA copy)
             ("status", badge(s.status)), ("time", f"{s.duration * 1e3:.3f} ms"),
             ("inside step", s.parent), ("forward call", s.forward), ("code", where),
-            ("exception", _exception(extra.get("exception")))]
+            ("exception", _exception(extra.get("exception"))),
+            ("frozen parameters", _frozen(s))]
     notes = [alert_text(a) for a in extra.get("alerts") or []] + [str(x) for x in extra.get("notes") or []]
     records = sorted(s.records, key=lambda r: layout.role_value(r.role))
+    frozen = set(s.frozen)
     tensors = table(("role", "name", "dtype", "shape", "min", "max", "mean", "std", "NaN", "Inf", "kept"),
-                    [_tensor_row(r) for r in records[:TENSORS]], numeric=range(4, 10),
+                    [_tensor_row(r, r.role == "param" and r.name in frozen) for r in records[:TENSORS]],
+                    numeric=range(4, 10),
                     more=len(records) - TENSORS, what="tensors (step.records lists them all)")
     title = join([f"Step {s.index} ", code(s.selector), " ", badge(s.status)])
     name = repr(records[0].name) if records else "NAME"
@@ -222,10 +225,21 @@ def step(s: Step) -> str:
                  hint(f"rec.step({s.index}).tensor({name})", f"replayer.replay(rec, {s.index})"))
 
 
-def _tensor_row(r: Any) -> list[Any]:
+def _frozen(s: Step) -> str | None:
+    """The parameters frozen at the call (requires_grad=False), a backward step's at its forward
+    call: they get no gradient (``step.frozen``)."""
+    frozen = s.frozen
+    if not frozen:
+        return None
+    shown = ", ".join(frozen[:LINES]) + (f" and {len(frozen) - LINES} more" if len(frozen) > LINES else "")
+    return f"{shown} (requires_grad=False: no gradient" + (" recorded)" if s.phase == "backward" else ")")
+
+
+def _tensor_row(r: Any, frozen: bool = False) -> list[Any]:
     st = r.stats
     shape = "×".join(str(d) for d in r.shape) or "scalar"
-    return [r.role, code(r.name), r.dtype, shape, *(number(st.get(k)) for k in ("min", "max", "mean", "std")),
+    role = join([muted("frozen "), r.role]) if frozen else r.role
+    return [role, code(r.name), r.dtype, shape, *(number(st.get(k)) for k in ("min", "max", "mean", "std")),
             count(st.get("nan")), count(st.get("inf")), "bytes" if r.has_payload else muted("stats")]
 
 

@@ -711,6 +711,17 @@ class Step:
         """Every tensor record: role, name, shape, dtype, device, statistics, payload reference."""
         return self.rec.rank.tensor_records(self.index)
 
+    @cached_property
+    def frozen(self) -> list[str]:
+        """The names of the module's parameters that were frozen at this call (``requires_grad=False``:
+        a frozen backbone, an embedding, what LoRA adapters leave alone), which get no gradient: no
+        ``param_grad`` record. A backward step's are those of its forward call. Empty for recordings
+        before schema 1.2, which did not keep the flag."""
+        if layout.parse_version(self.rec.rank.run.schema_version) < layout.REQUIRES_GRAD_SINCE:
+            return []
+        call = self if self.phase != "backward" else self.rec.step(self.forward) if self.forward is not None else None
+        return [] if call is None else [r.name for r in call.records if r.role == "param" and not r.requires_grad]
+
     def tensors(self, role: str | None = None) -> list[TensorRecord]:
         """The records with one role (input, output, param, buffer, grad_output, grad_input,
         param_grad, watch, collective: ``layout.ROLES``), or all."""

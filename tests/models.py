@@ -176,3 +176,36 @@ def record_ema(path: Path, blow_up: int, iterations: int = 5) -> Path:
                     if it == blow_up:
                         t.mul_(1e30)
     return path
+
+
+@recorder.paper_step("Eq. 4", description="a head fine-tuned on a frozen embedding and backbone")
+class FineTuned(nn.Module):
+    """Fine-tuning: an embedding and a backbone frozen (requires_grad=False), a head trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.backbone = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.backbone(self.embed(idx))))
+
+
+def record_fine_tuning(path: Path, iterations: int = 3, unfreeze_at: int = 2) -> Path:
+    """Record FineTuned with its embedding and backbone frozen, the backbone unfrozen from iteration
+    ``unfreeze_at`` on (a schedule that thaws layers one by one)."""
+    torch.manual_seed(0)
+    model = FineTuned()
+    model.embed.requires_grad_(False)
+    model.backbone.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(path, model=model, optimizer=opt, mode="full"):
+        for it in range(iterations):
+            if it == unfreeze_at:
+                model.backbone.requires_grad_(True)
+            loss = model(torch.randint(0, 16, (4, 3))).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return path

@@ -269,6 +269,8 @@ class StepPane(ScrollView, can_focus=True):
         if view.description:
             parts.append(Text(view.description, style="italic"))
         parts += [Text(n, style="yellow") for n in view.notes]
+        if view.frozen:
+            parts.append(Text(view.frozen, style="cyan"))
         parts.append(Text())
         if view.tensors:
             parts.append(tensor_table(view, self._width))
@@ -329,7 +331,8 @@ def tensor_table(view: views.StepView, width: int | None = None) -> Table:
                 return Text(str(count), style="bold red" if count else "")
             return Text(views.fmt_number(value))
 
-        rows.append((Text(t.role), Text(t.name), Text(t.shape), Text(t.dtype), cell("min"), cell("max"),
+        role = Text.assemble(("frozen ", "cyan"), t.role) if t.frozen else Text(t.role)  # requires_grad=False
+        rows.append((role, Text(t.name), Text(t.shape), Text(t.dtype), cell("min"), cell("max"),
                      cell("mean"), cell("std"), cell("nan"), cell("inf")))
     # (a cell's padding: one column each side, none at the table's edges: two more than the width given)
     need = [max([len(name), *(row[i].cell_len for row in rows)]) + 2 for i, name in enumerate(_COLUMNS)]

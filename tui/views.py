@@ -389,6 +389,7 @@ class TensorRow:
     stats: dict[str, float]
     nonfinite: bool
     record: Any
+    frozen: bool = False  # a parameter with requires_grad=False at this call: it gets no gradient
 
 
 @dataclass
@@ -402,12 +403,15 @@ class StepView:
     arguments: str
     tensors: list[TensorRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    frozen: str | None = None  # which parameters were frozen at the call (``frozen_text``)
 
 
 def step_view(step: Step) -> StepView:
     definition = step.definition
+    frozen = set(step.frozen)
     tensors = [TensorRow(r.role, r.name, "×".join(str(d) for d in r.shape) or "scalar", r.dtype, r.stats,
-                         r.nonfinite, r) for r in sorted(step.records, key=lambda r: layout.role_value(r.role))]
+                         r.nonfinite, r, r.role == "param" and r.name in frozen)
+               for r in sorted(step.records, key=lambda r: layout.role_value(r.role))]
     extra = step.extra
     notes = []
     exc = extra.get("exception")
@@ -419,7 +423,27 @@ def step_view(step: Step) -> StepView:
         notes.append(str(note))
     return StepView(describe(step).split(": ", 1)[1], step.paper.get("description"), step.status,
                     definition.get("source"), definition.get("line"), definition.get("file"),
-                    arguments_text(step.arguments), tensors, notes)
+                    arguments_text(step.arguments), tensors, notes, frozen_text(step))
+
+
+_FROZEN_LISTED = 6  # frozen parameters named in the step pane; more are counted
+
+
+def frozen_text(step: Step) -> str | None:
+    """Which of the module's parameters were frozen at the call (requires_grad=False), so that no
+    gradient of theirs is recorded: "2 of 4 parameters frozen (...): emb.weight, ..."; a backward
+    step's, those of its forward call; None where none was (or the recording does not say)."""
+    frozen = step.frozen
+    if not frozen:
+        return None
+    call = step if step.phase != "backward" or step.forward is None else step.rec.step(step.forward)
+    total = sum(r.role == "param" for r in call.records)
+    names = ", ".join(frozen[:_FROZEN_LISTED]) + (f" and {len(frozen) - _FROZEN_LISTED} more"
+                                                  if len(frozen) > _FROZEN_LISTED else "")
+    if step.phase == "backward":
+        return (f"no gradient for {len(frozen)} of {total} parameters: frozen at the forward call "
+                f"(requires_grad=False): {names}")
+    return f"{len(frozen)} of {total} parameters frozen (requires_grad=False: they get no gradient): {names}"
 
 
 _ARGUMENT_DEPTH = 8  # levels of nesting shown
@@ -514,7 +538,9 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
     statistic across iterations."""
     rec = step.rec
     record = next(r for r in step.records if r.name == name and r.role == role)
-    title = f"{role} {name} · {'×'.join(map(str, record.shape)) or 'scalar'} {record.dtype} · step {step.index}"
+    frozen = " (frozen: requires_grad=False)" if role == "param" and name in step.frozen else ""
+    title = (f"{role} {name}{frozen} · {'×'.join(map(str, record.shape)) or 'scalar'} {record.dtype} · step "
+             f"{step.index}")
     histogram: list[int] = []
     edges = (math.nan, math.nan)
     values: list[str] = []

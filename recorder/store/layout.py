@@ -58,6 +58,7 @@ CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every ch
 # from the tensor statistics: replayer.bisect.step_flags).
 REQUIRED_SINCE: dict[str, tuple[int, int]] = {"late/tensor": (1, 1), "late/payload": (1, 1), "steps/flags": (1, 3)}
 KINDS_SINCE = (1, 8)  # recordings of this schema or later tell NaN from Inf in steps/flags
+REQUIRES_GRAD_SINCE = (1, 2)  # recordings of this schema or later keep a tensor's requires_grad (before: false)
 # Recordings of this schema or later count steps/call as the recorder does now (per name, paper label and
 # code, in the iteration); 1.2 to 1.9 counted per name, 1.0 and 1.1 per name and module path.
 CALLS_SINCE = (1, 10)

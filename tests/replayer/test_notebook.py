@@ -494,3 +494,39 @@ class TestNotebookSession:
         elsewhere.mkdir()
         done = pdbg("replay", str(info.path), "--use-bundled-source", cwd=elsewhere)
         assert done.returncode == 0 and "MATCH: bit for bit" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_step_says_which_parameters_were_frozen_at_its_call(tmp_path: Path) -> None:
+    """A fine-tuning run with a frozen embedding and backbone: a step's notebook table listed every
+    parameter alike, and its backward step had gradients for the head only, with nothing saying why.
+    ``step.frozen`` names the parameters frozen at that call (a backward step's, at its forward call;
+    the backbone thaws at iteration 2), and the table marks them."""
+    from tests.models import record_fine_tuning
+
+    with replayer.open(record_fine_tuning(tmp_path / "ft.zarr")) as rec:
+        forward, backward, thawed = rec.step(0), rec.step(1), rec.step("FineTuned@iter=2")
+        assert forward.frozen == backward.frozen == ["embed.weight", "backbone.weight", "backbone.bias"]
+        assert thawed.frozen == ["embed.weight"]
+        assert [r.name for r in backward.tensors("param_grad")] == ["head.bias", "head.weight"]
+        out = text(render("frozen", forward))
+        assert "frozen parameters embed.weight, backbone.weight, backbone.bias (requires_grad=False: no gradient)" \
+            in out
+        assert "frozen param embed.weight" in out and "frozen param head.weight" not in out and \
+            " param head.weight" in out
+        assert "frozen parameters embed.weight, backbone.weight, backbone.bias (requires_grad=False: no gradient " \
+            "recorded)" in text(render("frozen_backward", backward))
+        assert "frozen param backbone.weight" not in text(render("thawed", thawed))
+    # Before schema 1.2 every record's requires_grad was false: such a recording does not say what was frozen.
+    import shutil
+
+    import zarr
+
+    from tests.sealing import as_schema
+
+    shutil.copytree(tmp_path / "ft.zarr", tmp_path / "old.zarr")
+    column = zarr.open_group(tmp_path / "old.zarr" / "rank0", mode="r+")["tensors/requires_grad"]
+    column.with_config({"write_empty_chunks": True})[:] = False
+    as_schema(tmp_path / "old.zarr", "1.1")
+    with replayer.open(tmp_path / "old.zarr") as old:
+        assert old.step(0).frozen == old.step(1).frozen == []
+        assert "frozen param" not in text(render("old", old.step(0)))

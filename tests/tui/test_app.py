@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -14,7 +15,7 @@ from textual.widgets import Input, Static
 
 import recorder
 import replayer
-from tests.models import record_ema
+from tests.models import record_ema, record_fine_tuning
 from tests.replayer import nanmodels
 from tests.tui.recordings import mixed_run, nan_run
 from tui import views
@@ -1106,5 +1107,49 @@ def test_the_timeline_says_which_module_object_ran_and_filters_one(tmp_path: Pat
         await pilot.pause()
         assert panel(app).startswith("filter 'object:teacher': object takes a module object's number, e.g. object:2")
         assert app.model.filter_text == "object:2"
+
+    run(body, path)
+
+
+def test_the_step_pane_marks_the_parameters_frozen_at_the_call(tmp_path: Path) -> None:
+    """Fine-tuning with a frozen embedding and backbone: every parameter was listed alike, and a
+    backward step had gradients for some and none for others with nothing saying why, though each
+    parameter record keeps its requires_grad. A frozen one is marked, the step says which were
+    frozen at that call (the backbone thaws at iteration 2), and the inspector's title too."""
+    path = record_fine_tuning(tmp_path / "ft.zarr")
+    shot = os.environ.get("PDBG_FROZEN_SCREENSHOT")  # (a picture of the pane, to look at)
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        lines = pane(app).plain().splitlines()
+        assert "3 of 5 parameters frozen (requires_grad=False: they get no gradient): embed.weight, " \
+            "backbone.weight, backbone.bias" in " ".join(pane(app).plain().split())
+        params = [line.split() for line in lines if "param" in line.split()[:2]]  # (role, name, ...)
+        assert [(words[0] == "frozen", words[2 if words[0] == "frozen" else 1]) for words in params] == [
+            (True, "embed.weight"), (True, "backbone.weight"), (True, "backbone.bias"), (False, "head.weight"),
+            (False, "head.bias")], params
+        if shot:
+            app.save_screenshot(shot)
+        await pilot.press("right")  # its backward step: gradients for the head only
+        await pilot.pause()
+        assert "no gradient for 3 of 5 parameters: frozen at the forward call (requires_grad=False): embed.weight, " \
+            "backbone.weight, backbone.bias" in " ".join(pane(app).plain().split())  # (wrapped at the pane's width)
+        assert [r.name for r in pane(app).view.tensors if r.role == "param_grad"] == ["head.bias", "head.weight"]
+        await pilot.press("]", "]")  # iteration 2: the backbone thawed
+        await pilot.pause()
+        assert app.timeline.step_index == 4
+        text = pane(app).plain()
+        assert "1 of 5 parameters frozen (requires_grad=False: they get no gradient): embed.weight" in \
+            " ".join(text.split())
+        assert [line.split()[:2] for line in text.splitlines() if "backbone.weight" in line] == [["param",
+                                                                                                 "backbone.weight"]]
+        await pilot.press("tab")
+        chosen = next(i for i, t in enumerate(pane(app).view.tensors) if t.name == "embed.weight")
+        for _ in range(chosen):
+            await pilot.press("down")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, Inspector)
+        assert "param embed.weight (frozen: requires_grad=False) · 16×8 float32 · step 4" in \
+            str(app.screen.query_one("#page", Static).render())
 
     run(body, path)
