@@ -279,9 +279,10 @@ class Session:
         self._hook_scan: dict[int, tuple[int, dict[int, Any]]] = {}
         self._pass_modules: collections.Counter[int] = collections.Counter()
         self._callback_queued = False
-        # id(module) -> (weak reference, training flag, document): weak, so that modules made anew at
-        # every call (and their parameters) are not kept alive by the recording.
-        self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], tuple[Any, ...], dict[str, Any]]] = {}
+        # id(module) -> (weak reference, state key, document, the generator objects it holds: _module_entry):
+        # weak, so that modules made anew at every call (and their parameters) are not kept alive by the recording.
+        self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], tuple[Any, ...], dict[str, Any],
+                                           tuple[tuple[str, Any, str], ...]]] = {}
         # id(module) -> (weak reference, {buffer name: (weak buffer, its version counter)}) as its last
         # recorded call left them (see _buffers_written)
         self._left_buffers: dict[int, tuple[weakref.ref[torch.nn.Module], dict[str, tuple[Any, int]]]] = {}
@@ -838,7 +839,10 @@ class Session:
             hooks = skeleton.global_hooks()
             if hooks:  # the user's hooks on every module's calls: a replay runs without them
                 frame.notes.append(f"{_one_line(hooks)}: {layout.GLOBAL_HOOK_NOTE}")
-            frame.module_doc = self._module_doc(module)  # as the call finds it (a schedule may change it)
+            if module is not None:  # its skeleton, as the call finds it (a schedule may change it)
+                frame.module_doc, held = self._module_entry(module)
+                if held:  # generators the module holds (a noise layer's own torch.Generator), as the call finds them
+                    frame.rng = {**frame.rng, **snapshot.module_rng_parts(held)}
             # (inference mode makes no graph, with grad mode on too: torch.enable_grad() inside inference_mode())
             inference = torch.is_inference_mode_enabled()
             tapping = torch.is_grad_enabled() and not inference and frame.vmap is None
@@ -1471,10 +1475,13 @@ class Session:
         return known
 
     def _module_doc(self, module: torch.nn.Module | None) -> dict[str, Any] | None:
-        if module is None:
-            return None
-        # Built again only when the tree's attributes changed (skeleton.state_key: a temperature
-        # schedule, a counter, a child put in eval mode); the writer stores each distinct skeleton once.
+        return self._module_entry(module)[0] if module is not None else None
+
+    def _module_entry(self, module: torch.nn.Module) -> tuple[dict[str, Any], tuple[tuple[str, Any, str], ...]]:
+        """(the module's skeleton, the generator objects it holds: ``snapshot.find_module_rngs``). Both are
+        made again only when the tree's attributes changed (skeleton.state_key: a temperature schedule,
+        a counter, a child put in eval mode, a generator replaced); the writer stores each distinct
+        skeleton once."""
         entry = self._module_docs.get(id(module))
         key = skeleton.state_key(module)
         if entry is None or entry[0]() is not module or entry[1] != key:  # (an id can be reused)
@@ -1488,8 +1495,8 @@ class Session:
                     self._instances = {k: v for k, v in self._instances.items() if v[0]() is not None}
                 number = self._instances[id(module)] = (weakref.ref(module), next(self._instance_numbers))
             doc = {**skeleton.build(module), "instance": number[1]}
-            entry = self._module_docs[id(module)] = (weakref.ref(module), key, doc)
-        return entry[2]
+            entry = self._module_docs[id(module)] = (weakref.ref(module), key, doc, snapshot.find_module_rngs(module))
+        return entry[2], entry[3]
 
     def _buffers_left(self, module: torch.nn.Module | None) -> None:
         """Remember each buffer of a module whose call just ended, and its version counter: what

@@ -70,8 +70,10 @@ _TENSOR = object()  # a tensor attribute's skeleton holds its type only: which t
 
 def state_key(module: torch.nn.Module) -> tuple[Any, ...]:
     """What ``build(module)`` depends on that may change between calls, cheaply (no encoding): for
-    every module of the tree, each attribute's name and value (numbers, strings, flags by value; a
-    generator by its state; other objects by identity, so a list changed in place goes unseen)."""
+    every module of the tree, each attribute's name and value (numbers, strings, flags by value; other
+    objects by identity, so a list changed in place goes unseen). A generator is known by identity
+    too: its state at each call is a part of the step's RNG document (``snapshot.find_module_rngs``),
+    not a skeleton of its own at every call."""
     key: list[Any] = []
     stack = [module]
     while stack:
@@ -86,8 +88,6 @@ def state_key(module: torch.nn.Module) -> tuple[Any, ...]:
                 key.append(value)
             elif isinstance(value, torch.Tensor):
                 key.append(_TENSOR)
-            elif kind is torch.Generator:
-                key.append(bytes(value.get_state().numpy()))
             else:
                 key.append(id(value))
         stack.extend(c for c in m._modules.values() if c is not None)

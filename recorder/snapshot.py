@@ -16,6 +16,7 @@ import random
 import struct
 import sys
 import types
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -370,6 +371,68 @@ def global_rng_parts(found: tuple[tuple[str, dict[str, Any], str], ...]) -> dict
     return parts
 
 
+# -- generator objects a step's module holds as attributes ----------------------------------------
+MODULE_PREFIX = "module:"  # a step's RNG part of a generator its module holds: "module:gen", "module:inner.rng"
+
+
+def find_module_rngs(module: torch.nn.Module) -> tuple[tuple[str, Any, str], ...]:
+    """The generator objects (``is_global_rng``) that a module and its submodules hold as attributes,
+    as (part, weak reference to the module holding it, attribute name): ``part`` names it in the
+    step's RNG document by its path from ``module`` ("module:gen", "module:inner.rng"). Looked for
+    once per module object (the recorder does so where it builds the module's skeleton, again only
+    when an attribute was rebound); a generator held at two places is a part at each. Never raises: a
+    tree of an unusual kind is looked through for none (its step is recorded, and replayed, without them)."""
+    found = []
+    try:
+        for path, m in module.named_modules():
+            for name, value in m.__dict__.items():
+                if is_global_rng(value) and global_rng_kind(value) is not None:
+                    found.append((f"{MODULE_PREFIX}{path}.{name}" if path else f"{MODULE_PREFIX}{name}",
+                                  weakref.ref(m), name))
+    except Exception:  # noqa: BLE001
+        return ()
+    return tuple(found)
+
+
+def module_rng_parts(found: tuple[tuple[str, Any, str], ...]) -> dict[str, tuple[Any, Any]]:
+    """The states of the generator objects ``find_module_rngs`` found, as ``rng_parts`` gives them
+    (read at each call: two reads of a dict, and the generator's state)."""
+    parts = {}
+    for part, owner, name in found:
+        m = owner()
+        try:
+            read = read_global_rng(m.__dict__.get(name)) if m is not None else None
+        except Exception:  # noqa: BLE001 - a subclass whose state cannot be read: replayed as rebuilt, and named
+            read = None
+        if read is not None:
+            parts[part] = read
+    return parts
+
+
+def made_rng(state: Any) -> Any:
+    """A new generator object of a decoded state's kind, in that state (a module's numpy Generator,
+    which its skeleton cannot hold as data, made again for a replay), or None where the state names
+    no kind this version makes. Only numpy's own bit generators are made, whatever the state names."""
+    kind, device, value = state
+    if value is None:
+        return None
+    try:
+        if kind == "torch.Generator":
+            made: Any = torch.Generator(device=torch.device(str(device)))
+        elif kind == "random.Random":
+            made = random.Random()
+        else:
+            name = value.get("bit_generator") if isinstance(value, dict) else None
+            bits = getattr(np.random, name, None) if isinstance(name, str) else None
+            if not (isinstance(bits, type) and issubclass(bits, np.random.BitGenerator)):
+                return None
+            made = (np.random.Generator(bits()) if kind == "numpy.random.Generator" else
+                    np.random.RandomState(bits()) if kind == "numpy.random.RandomState" else bits())
+    except (RuntimeError, TypeError, ValueError):  # a device this machine lacks, or one torch does not know
+        return None
+    return made if set_global_rng(made, state) else None
+
+
 def set_global_rng(obj: Any, state: Any) -> bool:
     """Give a generator object a decoded state of its own kind; False (nothing set) where it is not
     of that kind now, or the state does not fit it."""
@@ -421,7 +484,7 @@ def encode_rng_part(name: str, state: Any) -> dict[str, Any]:
         version, internal, gauss_next = state
         return {"version": version, "state": _b64(np.asarray(internal, dtype="<u4").tobytes()),
                 "gauss_next": gauss_next}
-    if name.startswith(GLOBAL_PREFIX):
+    if name.startswith((GLOBAL_PREFIX, MODULE_PREFIX)):
         return _encode_global(state)
     return {"bytes": _b64(state.numpy().tobytes())}  # torch and cuda:N: uint8 state tensors
 
@@ -448,7 +511,7 @@ def decode_rng_part(name: str, doc: dict[str, Any]) -> Any:
     if name == "python":
         internal = tuple(int(v) for v in np.frombuffer(base64.b64decode(doc["state"]), dtype="<u4"))
         return (doc["version"], internal, doc["gauss_next"])
-    if name.startswith(GLOBAL_PREFIX):
+    if name.startswith((GLOBAL_PREFIX, MODULE_PREFIX)):
         return _decode_global(doc)
     return torch.frombuffer(bytearray(base64.b64decode(doc["bytes"])), dtype=torch.uint8)
 

@@ -1491,11 +1491,15 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
     own = [k.removeprefix(snapshot.GLOBAL_PREFIX) for k in generators if k.startswith(snapshot.GLOBAL_PREFIX)]
     if own:  # (found in its code: it draws from them)
         reasons.append(f"the state of the module-level RNG {', '.join(own)} its code draws from differs at entry")
+    held = [k.removeprefix(snapshot.MODULE_PREFIX) for k in generators if k.startswith(snapshot.MODULE_PREFIX)]
+    if held:  # (a generator a module holds is there to be drawn from)
+        reasons.append(f"the state of the generator {', '.join(held)} its module holds differs at entry")
     why = "; ".join(reasons) or ("nothing recorded explains it: inputs that differ in a way their statistics do not "
                                  "show, or nondeterministic kernels" if by_stats
                                  else "nothing recorded explains it (nondeterministic kernels, or something the step "
                                  "reads besides its inputs: a global, an environment variable?)")
-    others = [k for k in generators if k not in torch_ones and not k.startswith(snapshot.GLOBAL_PREFIX)]
+    others = [k for k in generators if k not in torch_ones and not k.startswith((snapshot.GLOBAL_PREFIX,
+                                                                                 snapshot.MODULE_PREFIX))]
     if others and not reasons:
         why += f"; its {' and '.join(others)} RNG states differ too, which matters only if it draws from them"
     return f"{same} and parameters, but {results}: {why}"
@@ -1506,6 +1510,11 @@ _ABSENT = object()
 _SKELETON_PARTS = {"class": "class", "init": "constructor arguments", "params": "parameters", "buffers": "buffers",
                    "unrecorded": "attributes without a data form", "parametrized": "parametrizations",
                    "hooks": "hooks", "other_hooks": "hooks", "tied": "tied parameters"}
+
+
+def _forward_of(step: Step) -> Step:
+    """A backward step's forward call (where its module's state is recorded); a forward step itself."""
+    return step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
 
 
 def _module_doc(step: Step) -> dict[str, Any]:
@@ -1524,6 +1533,9 @@ def _module_differences(sa: Step, sb: Step) -> list[str]:
     modes: dict[tuple[bool, bool], list[str]] = {}
     attrs: list[tuple[str, Any, Any]] = []
     parts: dict[str, list[str]] = {}
+    # (since 1.17 a torch.Generator attribute's state in the skeleton is the one it was built with, and the
+    # call's is in its RNG parts, compared there)
+    held = any(k.startswith(snapshot.MODULE_PREFIX) for s in (sa, sb) for k in _forward_of(s).rng)
 
     def walk(a: dict[str, Any], b: dict[str, Any], path: str) -> None:
         if isinstance(a.get("training"), bool) and isinstance(b.get("training"), bool) \
@@ -1533,6 +1545,8 @@ def _module_differences(sa: Step, sb: Step) -> list[str]:
         attrs_b = b.get("attrs") if isinstance(b.get("attrs"), dict) else {}
         for k in sorted(set(attrs_a) | set(attrs_b), key=str):
             va, vb = attrs_a.get(k, _ABSENT), attrs_b.get(k, _ABSENT)
+            if held and isinstance(va, dict) and isinstance(vb, dict) and "$generator" in va and "$generator" in vb:
+                continue
             if va != vb:
                 attrs.append((f"{path}.{k}" if path else str(k), va, vb))
         for key, what in _SKELETON_PARTS.items():

@@ -4,8 +4,10 @@ From its skeleton (the default): the class is looked up, an instance is made wit
 torch's own ``Module.__init__`` (never the user's ``__init__``), the recorded attributes are set and
 the submodules rebuilt the same way. A module whose skeleton names attributes that could not be
 recorded as data (a lambda, a closure over a submodule) is built by calling its constructor with
-the recorded constructor arguments instead. Either way the parameters and buffers are then loaded
-as they were at the step. ``Rebuilt.how`` says, per module path, which way each module was built.
+the recorded constructor arguments instead; a generator it held (a numpy Generator, which has no data
+form) is not such an attribute where the step's RNG document holds its state: it is made again in that
+state. Either way the parameters and buffers are then loaded as they were at the step. ``Rebuilt.how``
+says, per module path, which way each module was built.
 """
 
 from __future__ import annotations
@@ -97,11 +99,17 @@ def unresolved(value: Any) -> str | None:
 
 
 class Builder:
-    def __init__(self, loader: CodeLoader, *, names_sorted: bool = False) -> None:
+    def __init__(self, loader: CodeLoader, *, names_sorted: bool = False,
+                 generators: dict[str, Any] | None = None) -> None:
         """``names_sorted``: the recording is older than 1.16, whose documents kept their keys in sorted
-        order: a module's children, parameters and buffers are not in the order the module held them."""
+        order: a module's children, parameters and buffers are not in the order the module held them.
+        ``generators``: the recorded states of the generators the module held at the call, by place
+        ("rng", "inner.rng"; the step's RNG parts "module:<place>", decoded): an attribute the skeleton
+        could not hold as data (a numpy Generator) that was such a generator is made again in its state,
+        not taken from a constructor."""
         self.loader = loader
         self.names_sorted = names_sorted
+        self.generators = generators or {}
         self._override: type | None = None
         self._top_hooks_ran = True
 
@@ -162,6 +170,9 @@ class Builder:
         lazy = override is None and issubclass(self.module_class(doc["class"]), LazyModuleMixin)
         if lazy:  # the handles of the hooks that initialize it: made again (_lazy_again)
             unrecorded = {k: v for k, v in unrecorded.items() if k not in _LAZY_HANDLES}
+        generators = self._generators(unrecorded, path)
+        if generators:
+            unrecorded = {k: v for k, v in unrecorded.items() if k not in generators}
         grafted: dict[str, Any] = {}
         if unrecorded and override is None:
             names = ", ".join(f"{k} ({v})" for k, v in unrecorded.items())
@@ -179,6 +190,8 @@ class Builder:
                 module = self._construct(doc, path, out)
                 if module is not None:
                     _overlay(module, doc)
+                    for key, generator in generators.items():  # (one the constructor made is set for the call)
+                        module.__dict__.setdefault(key, generator)
                     out.unrecorded.append(f"{where}: {names}")
                     return module
                 out.warnings.append(f"{where}: attributes {names} could not be recorded as data and the module was "
@@ -200,6 +213,7 @@ class Builder:
                 out.left_out.append(out.warnings[-1])
             module.__dict__[key] = decoded
         module.__dict__.update(grafted)
+        module.__dict__.update(generators)
         for name, spec in (doc.get("params") or {}).items():
             module._parameters[name] = None if spec is None else _placeholder()
         for name, spec in (doc.get("buffers") or {}).items():
@@ -225,6 +239,17 @@ class Builder:
                               "newer") from None
         out.how[path] = "skeleton"
         return module
+
+    def _generators(self, unrecorded: dict[str, str], path: str) -> dict[str, Any]:
+        """The attributes among ``unrecorded`` (name -> the type the skeleton names) that held generators
+        whose state at the call the recording holds, made again of that very type in that state."""
+        made = {}
+        for key, kind in unrecorded.items():
+            state = self.generators.get(join_path(path, key))
+            generator = snapshot.made_rng(state) if state is not None else None
+            if generator is not None and jsonval.type_ref(type(generator)) == kind:  # (not a subclass of its own)
+                made[key] = generator
+        return made
 
     def _hooks(self, module: torch.nn.Module, doc: dict[str, Any], path: str, out: Rebuilt) -> None:
         """Put back the forward pre-hooks that compute a tensor (hook-based weight_norm and

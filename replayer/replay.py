@@ -400,9 +400,11 @@ class Replayer:
                     continue
                 doc = self._skeleton_of(step, rel)
                 init = self._init_args(doc)
+                held = {place[len(rel) + 1:] if rel else place: value for place, value in _held_states(step.rng).items()
+                        if not rel or place.startswith(f"{rel}.")}
                 new = intervene.swap_module(
                     original, sw.replacement, sw.key,
-                    lambda cls, d=doc, k=sw.key, top=not rel: self._builder().build(
+                    lambda cls, d=doc, k=sw.key, top=not rel, g=held: self._builder(g).build(
                         d, k, cls=cls, top_hooks_ran=top and _own_hooks_ran(step.definition)),
                     init, self.plan.notes)
                 sw.used += 1
@@ -413,9 +415,11 @@ class Replayer:
                     module = new
         return module
 
-    def _builder(self) -> Builder:
-        """A Builder of this recording's skeletons (before 1.16 their names were stored sorted)."""
-        return Builder(self.loader, names_sorted=layout.parse_version(self.rec.reader.schema_version) < (1, 16))
+    def _builder(self, generators: dict[str, Any] | None = None) -> Builder:
+        """A Builder of this recording's skeletons (before 1.16 their names were stored sorted); ``generators``:
+        the states of the generators the module held, by place (``_held_states``)."""
+        return Builder(self.loader, names_sorted=layout.parse_version(self.rec.reader.schema_version) < (1, 16),
+                       generators=generators)
 
     def _skeleton_of(self, step: Step, rel: str) -> dict[str, Any]:
         doc = step._doc("module") or {}
@@ -502,12 +506,23 @@ class Replayer:
                 "what the step's module-level names were bound to, which arguments shared memory, nor which was "
                 "the module's own parameter (a likely cause of the difference); record it again with this version "
                 "to replay it as it ran")
+        held = call.unset_rngs or self._unheld_rngs(call)
+        if held:  # what it drew is not what the recorded call drew: that, not its constants
+            several = len(held) > 1
+            its, s = ("their", "s") if several else ("its", "")
+            why, then = (f"whose recorded state{s} the replay could not set", "") if call.unset_rngs else (
+                f"whose state{s} at each call recordings before schema 1.17 do not hold (this one is "
+                f"{self.rec.reader.schema_version})", "; record it again with this version to replay it as it ran")
+            result.warnings.append(f"the step's module held the generator{s} {', '.join(held)}, {why}: the replay drew "
+                                   f"from {its} state in the rebuilt module (a likely cause of the difference){then}")
         if call.unread_rngs:  # what it drew is not what the recorded call drew: that, not its constants
             several = len(call.unread_rngs) > 1
             result.warnings.append(
                 f"the step draws from the module-level RNG{'s' if several else ''} {', '.join(call.unread_rngs)}, "
                 f"whose state{'s' if several else ''} the recording does not hold: the replay drew from "
                 f"{'their' if several else 'its'} state now (a likely cause of the difference; {self._unread_why()})")
+            return
+        if held:  # (not its constants either)
             return
         names = _data_globals(call.fn)
         if names:
@@ -578,10 +593,13 @@ class Replayer:
                                   "(a module is rebuilt for its forward only); make the step a function of its "
                                   "tensors (a staticmethod), or a module of its own, to replay it")
             raise ReplayError(f"step {step.index} ({step.name}) was called with {missing}; it cannot be replayed")
+        held: list[tuple[Any, Any]] = []
+        unset: list[str] = []
         if module_doc is not None:
             target = self._code_target(defn)  # first: importing it (from where it was) serves the skeleton too
-            built = self._builder().build(module_doc, step.module_path or step.name,
-                                               top_hooks_ran=_own_hooks_ran(defn))
+            recorded_rng = step.rng
+            built = self._builder(_held_states(recorded_rng)).build(module_doc, step.module_path or step.name,
+                                                                    top_hooks_ran=_own_hooks_ran(defn))
             module = built.module
             warnings.extend(built.warnings)
             rebuilt.update({join_path(step.module_path, k): v for k, v in built.how.items()})
@@ -605,6 +623,7 @@ class Replayer:
             if self.plan.swaps:  # a replacement's constructor must not draw from the caller's generators
                 with snapshot.applied_rng({}, cuda=True):
                     module = self._swap_inside(step, module, descendants(step) if step.phase == "forward" else [])
+            held, unset = self._module_rngs(recorded_rng, module, warnings)
             fn: Any = module
         else:
             module = None
@@ -628,7 +647,7 @@ class Replayer:
         unchecked: list[str] = []
         self._bind_globals(defn, target, warnings, unchecked)
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)),
-                     built.unrecorded if module_doc is not None else [], rngs, unread, unchecked,
+                     built.unrecorded if module_doc is not None else [], rngs, unread, held, unset, unchecked,
                      built.left_out if module_doc is not None else [],
                      built.order_doubts if module_doc is not None else [])
 
@@ -762,6 +781,19 @@ class Replayer:
             seen.add(key)
             self._bind_globals(defn, self._code_target(defn), warnings, unchecked)
 
+    def _unheld_rngs(self, call: _Call) -> list[str]:
+        """The generators the rebuilt module of a recording before schema 1.17 holds whose state at the call
+        its skeleton did not hold either (a numpy Generator; a torch.Generator's state was in it), as a
+        warning names them."""
+        if call.module is None or layout.parse_version(self.rec.reader.schema_version) >= (1, 17):
+            return []
+        found = []
+        for part, owner, name in snapshot.find_module_rngs(call.module):
+            obj = owner().__dict__.get(name)
+            if not isinstance(obj, torch.Generator):
+                found.append(f"{part.removeprefix(snapshot.MODULE_PREFIX)} ({snapshot.rng_kind(obj)})")
+        return found
+
     def _unread_why(self) -> str:
         """Why a generator object's state is not in the recording, and what to do."""
         if layout.parse_version(self.rec.reader.schema_version) < (1, 15):
@@ -798,16 +830,51 @@ class Replayer:
             rngs.append((obj, None if self.plan.seed is not None else state))
         return rngs, unread
 
+    def _module_rngs(self, recorded: dict[str, Any], module: torch.nn.Module, warnings: list[str]
+                     ) -> tuple[list[tuple[Any, Any]], list[str]]:
+        """The generator objects of the rebuilt ``module`` at the places the recorded call's module held
+        generators (``recorded``: the step's decoded RNG parts, "module:<path>" among them), each with its
+        recorded state at the call's start (None: left as it is, under a ``seed`` intervention), and what
+        names those the replay could not set (not on the rebuilt module, another kind or device), for the
+        warning of a mismatch."""
+        rngs, unset = [], []
+        for part, saved in recorded.items():
+            if not part.startswith(snapshot.MODULE_PREFIX):
+                continue
+            place = part.removeprefix(snapshot.MODULE_PREFIX)
+            owner_path, _, name = place.rpartition(".")
+            try:
+                owner = module.get_submodule(owner_path)
+            except AttributeError:
+                owner = None
+            obj = owner.__dict__.get(name) if owner is not None else None
+            kind = snapshot.global_rng_kind(obj) if obj is not None else None
+            if saved[2] is None:
+                warnings.append(f"the recorded state of the module's generator {place} is of a kind ({saved[0]}) this "
+                                "PaperDebugger cannot set; the replay drew from its state now (upgrade paperdebugger)")
+                unset.append(f"{place} ({saved[0]})")
+            elif kind is None:
+                unset.append(f"{place} ({saved[0]}, not on the rebuilt module)")
+            elif kind != saved[0] or (kind == "torch.Generator" and str(obj.device) != saved[1]):
+                recorded_as = f"{saved[0]} on {saved[1]}" if saved[0] == "torch.Generator" else saved[0]
+                warnings.append(f"the module's generator {place} is a {snapshot.rng_kind(obj)} in the replay, not the "
+                                f"{recorded_as} recorded; the replay drew from its state now")
+                unset.append(f"{place} ({snapshot.rng_kind(obj)})")
+            else:
+                rngs.append((obj, None if self.plan.seed is not None else saved))
+        return rngs, unset
+
     def _other_call(self, step: Step, fwd: Step, other: Step, other_fwd: Step, call: _Call, threads: int | None
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Run another call of the pass (``other_fwd``) on the module of ``call``; its outputs, paired
         with the grad outputs its backward step (``other``) recorded."""
         sib = self._prepare(other_fwd, [], {})
+        held = self._module_rngs(other_fwd.rng, call.module, []) if call.module is not None else ([], [])
         with state.applied(other_fwd.settings, other_fwd.rng, threads=threads), \
                 state.per_call(other_fwd.settings, grad=True):
-            try:
+            try:  # (on this call's module: its generators set to the other call's states)
                 out = tensors_by_name(_Call(other_fwd, call.module, call.module, sib.args, sib.kwargs, sib.leaves,
-                                            sib.vmap, rngs=sib.rngs).run(), "output")
+                                            sib.vmap, rngs=sib.rngs, held=held[0]).run(), "output")
             except Exception as exc:  # noqa: BLE001 - as for the step's own forward
                 raise ReplayError(f"backward step {step.index}: rerunning the forward of step {other_fwd.index}, "
                                   f"another call of {fwd.module_path or fwd.name} in this pass, raised "
@@ -1325,6 +1392,13 @@ def _grads_by_backward(pairs: list[tuple[torch.Tensor, torch.Tensor]], targets: 
             t.grad = grad
 
 
+def _held_states(recorded: dict[str, Any]) -> dict[str, Any]:
+    """The recorded states of the generators a step's module held, by place ("gen", "inner.rng"), from its
+    decoded RNG parts."""
+    return {part.removeprefix(snapshot.MODULE_PREFIX): state for part, state in recorded.items()
+            if part.startswith(snapshot.MODULE_PREFIX)}
+
+
 def _selector_name(step: Step) -> str:
     """What names an inner step in an edit or swap key: a module step's path, else its name."""
     return step.module_path if step.definition.get("kind") == "module" and step.module_path else step.name
@@ -1347,13 +1421,17 @@ class _Call:
     # module-level generator objects its code reads, with their recorded states (Replayer._global_rngs)
     rngs: list[tuple[Any, Any]] = field(default_factory=list)
     unread_rngs: list[str] = field(default_factory=list)  # those whose state the recording does not hold
+    # generator objects its module holds, with their recorded states (Replayer._module_rngs)
+    held: list[tuple[Any, Any]] = field(default_factory=list)
+    unset_rngs: list[str] = field(default_factory=list)  # those recorded that the replay could not set
     # module-level names its code reads whose recorded binding cannot be imported to check (Replayer._bind_globals)
     unchecked: list[str] = field(default_factory=list)
     left_out: list[str] = field(default_factory=list)  # what the module was rebuilt without (Rebuilt.left_out)
     order_doubts: list[str] = field(default_factory=list)  # (before 1.16) children that may be out of order
 
     def run(self) -> Any:
-        with snapshot.applied_global_rngs(self.rngs):  # (given back as they were: a notebook's own generators)
+        # (given back as they were: a notebook's own generators, a module another call of the pass runs on too)
+        with snapshot.applied_global_rngs([*self.rngs, *self.held]):
             if self.vmap is None:
                 return self.fn(*self.args, **self.kwargs)
             in_dims, out_dims = self.vmap

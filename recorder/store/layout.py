@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.16"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.17"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -52,6 +52,8 @@ SCHEMA_VERSION = "1.16"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       a tensor record's shape may hold RAGGED_DIM (a torch.nested tensor's ragged dimension; statistics only);
 #       later, without a change of schema: a definition document's "globals" (what module-level names its code
 #       reads were bound to: classes and functions other than that name's own definition; older readers ignore it)
+# 1.17: a module step's RNG document holds parts "module:<path>": generator objects its module and submodules hold
+#       as attributes, at each call (the skeleton's torch.Generator state is the one it was built with)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed

@@ -142,20 +142,24 @@ def _draw(obj, n: int) -> list:
 
 
 def test_generator_objects_round_trip_and_an_older_reader_reads_their_documents():
-    """The state of each generator object a step can read (torch, numpy's Generator over each bit
-    generator, RandomState, a bit generator alone, random.Random) survives its JSON document exactly;
-    each document holds its state in ``bytes``, which a 1.14 reader decodes as it does any part it does
-    not know (a torch state) and ignores, instead of calling the recording damaged."""
+    """The state of each generator object a step can read or its module hold (torch, numpy's Generator
+    over each bit generator, RandomState, a bit generator alone, random.Random) survives its JSON
+    document exactly, as a part "global:<name>" and as a part "module:<place>" (1.17), and a generator
+    of its kind is made again in it; each document holds its state in ``bytes``, which a 1.14 to 1.16
+    reader decodes as it does any part it does not know (a torch state) and ignores, instead of calling
+    the recording damaged."""
     objects = [torch.Generator().manual_seed(3), np.random.default_rng(4), np.random.Generator(np.random.MT19937(5)),
                np.random.Generator(np.random.Philox(6)), np.random.Generator(np.random.SFC64(7)),
                np.random.RandomState(8), np.random.PCG64DXSM(9), random.Random(10)]
     for obj in objects:
-        for draws in (0, 3):
+        for draws, part in ((0, "global:G"), (3, "global:G"), (2, "module:inner.gen")):
             _draw(obj, draws)
             key, state = snapshot.read_global_rng(obj)
-            doc = json.loads(json.dumps({"rng": "global:G", **snapshot.encode_rng_part("global:G", state)}))
-            back = snapshot.decode_rng_part("global:G", doc)
+            doc = json.loads(json.dumps({"rng": part, **snapshot.encode_rng_part(part, state)}))
+            back = snapshot.decode_rng_part(part, doc)
             expected = _draw(obj, 5)
+            made = snapshot.made_rng(back)
+            assert type(made) is type(obj) and _draw(made, 5) == expected, type(obj)
             assert snapshot.set_global_rng(obj, back)
             assert snapshot.read_global_rng(obj)[0] == key
             assert _draw(obj, 5) == expected, type(obj)
@@ -175,3 +179,55 @@ def test_generator_objects_are_found_through_the_helpers_a_step_calls_and_nowher
     found = snapshot.find_global_rngs(space["drawing"])  # through the comprehension's code and the helper's
     assert [(part, name) for part, _, name in found] == [("global:RNG", "RNG")]
     assert set(snapshot.global_rng_parts(found)) == {"global:RNG"}
+
+
+class _HoldsGenerators(torch.nn.Module):
+    """A layer whose submodule holds a torch.Generator and which holds a numpy Generator itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.inner.gen = torch.Generator().manual_seed(0)
+        self.rng = np.random.default_rng(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + torch.rand(x.shape, generator=self.inner.gen) + float(self.rng.random())
+
+
+def test_the_generators_a_module_holds_are_looked_for_once_per_module_object_and_read_at_each_call(
+        run_path, monkeypatch):
+    """The generators a step's module and its submodules hold are looked for once per module object (again
+    only when one is replaced), and their states read at each call as parts of the step's RNG document;
+    a module holding a torch.Generator no longer has its skeleton built, encoded and stored again at every
+    call because the generator's state moved (what a call cost grew with the size of the module)."""
+    from recorder import skeleton
+
+    counts = {"found": 0, "built": 0}
+    find, build = snapshot.find_module_rngs, skeleton.build
+
+    def counted_find(module):
+        counts["found"] += 1
+        return find(module)
+
+    def counted_build(module, memo=None):
+        counts["built"] += memo is None  # (the skeleton of each submodule is built through it too)
+        return build(module, memo)
+
+    monkeypatch.setattr(snapshot, "find_module_rngs", counted_find)
+    monkeypatch.setattr(skeleton, "build", counted_build)
+    layer = recorder.annotate(_HoldsGenerators(), "Eq. 50")
+    with torch.no_grad(), recorder.record(run_path, mode="stats"):
+        for i in range(6):
+            if i == 4:
+                layer.rng = np.random.default_rng(9)  # replaced: looked for again
+            layer(torch.ones(2, 4))
+    assert counts == {"found": 2, "built": 2}
+    rank = RunReader(run_path).rank(0)
+    modules = [int(m) for m in rank.column("steps/module")]
+    assert modules[:4] == [modules[0]] * 4 and modules[4:] == [modules[4]] * 2 and modules[0] != modules[4]
+    parts = [rng_parts(rank, i) for i in range(6)]
+    assert all({"module:inner.gen", "module:rng"} <= set(p) for p in parts)
+    gens = [p["module:inner.gen"][2] for p in parts]
+    assert all(not torch.equal(a, b) for a, b in zip(gens, gens[1:]))  # each call's state, read as it began
+    assert torch.equal(gens[0], torch.Generator().manual_seed(0).get_state())
+    assert parts[4]["module:rng"][2] == np.random.default_rng(9).bit_generator.state

@@ -1655,3 +1655,33 @@ def test_asking_an_older_recording_for_one_module_object_says_it_cannot_tell(tmp
                 return str(app.panel_text)
 
         assert "recorded with schema 1.15, which does not list the module objects" in asyncio.run(main())
+
+
+@recorder.paper_step("Eq. 51", description="noise from the module's own torch.Generator")
+class _HeldGate(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand(x.shape, generator=self.gen)
+
+
+def test_a_divergence_names_the_generator_its_module_holds(tmp_path: Path) -> None:
+    """Two runs whose noise layer's own generator went apart between two calls (one drew from it
+    outside the step): the cause named its skeleton's attribute with two strings of base64, the state
+    the skeleton was built with at each call; it names the generator, whose state at each call the
+    step's RNG document holds."""
+    recs = []
+    for extra in (False, True):
+        gate = _HeldGate()
+        with recorder.record(tmp_path / f"run{extra}.zarr") as run:
+            for it in range(3):
+                if extra and it == 2:
+                    torch.rand(1, generator=gate.gen)
+                gate(torch.ones(4))
+                run.next_iteration()
+        recs.append(replayer.open(tmp_path / f"run{extra}.zarr"))
+    div = replayer.first_divergence(*recs)
+    assert div.cause.endswith("same inputs and parameters, but output differs: the state of the generator gen its "
+                              "module holds differs at entry"), div.cause

@@ -3185,6 +3185,211 @@ def test_a_replay_in_the_recording_process_sets_its_generators_and_gives_them_ba
     assert not any("_P_DROP" in w for w in res.warnings), res.warnings
 
 
+_HELD_SCRIPT = '''"""Noise layers holding their own generators: each kind, on a submodule, one replaced in training."""
+import sys
+import numpy as np, torch
+from torch import nn
+import recorder
+
+
+@recorder.paper_step("Eq. 40", description="multiplicative noise from the module's own torch.Generator")
+class NoisyGate(nn.Module):
+    def __init__(self):
+        super().__init__(); self.gen = torch.Generator().manual_seed(0)
+    def forward(self, x):
+        return x * (1 + 0.1 * torch.randn(x.shape, generator=self.gen))
+
+
+@recorder.paper_step("Eq. 41", description="noise from the module's own numpy Generator")
+class NoisyNp(nn.Module):
+    def __init__(self):
+        super().__init__(); self.rng = np.random.default_rng(0)
+    def forward(self, x):
+        return x * torch.from_numpy(1 + 0.1 * self.rng.standard_normal(x.shape).astype(np.float32))
+
+
+@recorder.paper_step("Eq. 42", description="noise from a legacy RandomState and from a bit generator alone")
+class Legacy(nn.Module):
+    def __init__(self):
+        super().__init__(); self.rs = np.random.RandomState(3); self.bits = np.random.PCG64(4)
+    def forward(self, x):
+        a = torch.from_numpy(self.rs.rand(*x.shape).astype(np.float32))
+        return x * a + torch.from_numpy(np.random.Generator(self.bits).random(x.shape, dtype=np.float32))
+
+
+class Inner(nn.Module):  # not a step: its generator is found from the step that holds it
+    def __init__(self):
+        super().__init__(); self.gen = torch.Generator().manual_seed(1); self.lin = nn.Linear(8, 8)
+    def forward(self, x):
+        return self.lin(x) * torch.rand(x.shape, generator=self.gen)
+
+
+@recorder.paper_step("Eq. 43", description="a submodule's generator")
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__(); self.inner = Inner()
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+@recorder.paper_step("Eq. 44", description="a generator the training loop replaces (reseeded each epoch)")
+class Reseeded(nn.Module):
+    def __init__(self):
+        super().__init__(); self.gen = torch.Generator().manual_seed(5)
+    def forward(self, x):
+        return x + torch.rand(x.shape, generator=self.gen)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    mods = [NoisyGate(), NoisyNp(), Legacy(), Outer(), Reseeded()]
+    with recorder.record(sys.argv[1]) as run:
+        for it in range(4):
+            if it == 2:
+                mods[-1].gen = torch.Generator().manual_seed(50)
+            x = torch.linspace(-1, 1, 32).reshape(4, 8).requires_grad_()  # the same each call: only the noise differs
+            for m in mods:
+                m(x).sum().backward()
+            run.next_iteration()
+'''
+_HELD_STEPS = ("NoisyGate", "NoisyNp", "Legacy", "Outer", "Reseeded")
+
+
+def test_a_module_holding_its_own_generators_replays_each_call_alone_in_verify_and_in_a_bundle(tmp_path: Path) -> None:
+    """A noise layer that draws from a generator it holds (a torch.Generator, a numpy Generator, a
+    RandomState, a bit generator alone; on the step's module or a submodule; replaced between calls)
+    replayed a later call with the generator's state as rebuilt (a numpy one's: its seed's, a MISMATCH
+    in verify and from a bundle): each call's state is recorded, and a replay of any call alone, forward
+    and backward, in verify and from a bundle, draws the recorded call's numbers."""
+    (tmp_path / "noisy.py").write_text(_HELD_SCRIPT)
+    made = python("noisy.py", "run.zarr", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert {"module:gen"} <= set(rec.step("NoisyGate@iter=3").rng)
+    assert {"module:rs", "module:bits"} <= set(rec.step("Legacy@iter=3").rng)
+    assert "module:inner.gen" in rec.step("Outer@iter=1").rng
+    for name in _HELD_STEPS:
+        first, later = rec.step(f"{name}@iter=0"), rec.step(f"{name}@iter=3")
+        assert not bits_equal(first.tensor("output"), later.tensor("output"))  # each call drew other numbers
+        for step in (later, first):  # the later call first: alone, not after the calls before it
+            res = replayer.replay(rec, step.index)
+            assert res.match and res.compared, (name, step.index, res.warnings)
+            assert bits_equal(res.values["output"], step.tensor("output"))
+            backward = next(s for s in rec.steps if s.forward == step.index and s.phase == "backward")
+            back = replayer.replay(rec, backward.index)  # its forward again, with the call's noise
+            assert back.match and back.compared, (name, back.warnings)
+    whole = pdbg_here("verify", "run.zarr", cwd=tmp_path)
+    assert whole.returncode == 0 and "40 of 40 steps replayed bit for bit (100.0%)" in whole.stdout, whole.stdout
+    for name in ("NoisyNp", "Outer"):
+        bundled = pdbg("bundle", "run.zarr", f"{name}@iter=3", "-o", f"{name}.pdbg", "--verify", cwd=tmp_path)
+        assert bundled.returncode == 0 and "verified: the bundle replays bit for bit" in bundled.stdout, \
+            bundled.stdout + bundled.stderr
+
+
+class _HeldNoise(nn.Module):
+    """A noisy linear layer holding a numpy Generator (not a paper step: annotated, so no constructor
+    arguments are recorded and a replay rebuilds it from its skeleton alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.rng = np.random.default_rng(11)
+        self.gen = torch.Generator().manual_seed(12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.from_numpy(self.rng.standard_normal(x.shape).astype(np.float32))
+        return self.lin(x) * (1 + 0.1 * noise) + 0.01 * torch.randn(x.shape, generator=self.gen)
+
+
+def test_a_module_generator_replays_rebuilt_from_its_skeleton_and_under_an_edit(run_path: Path) -> None:
+    """An annotated module holding a numpy Generator, whose constructor arguments are not recorded, could
+    not be rebuilt (the generator was no data): it is made again in the recorded call's state, for either
+    call of a pass and for its backward. An edit reruns the call with the recorded call's noise; the
+    caller's generators are given back after."""
+    layer = recorder.annotate(_HeldNoise(), "Eq. 45")
+    with recorder.record(run_path) as run:
+        for _ in range(3):
+            x = torch.randn(2, 6)
+            (layer(x) + layer(x + 1)).sum().backward()  # two calls in each backward pass
+            run.next_iteration()
+    rec = replayer.open(run_path)
+    assert rec.step(0)._doc("module")["unrecorded"] == {"rng": "numpy.random._generator:Generator"}
+    before = (layer.rng.bit_generator.state, layer.gen.get_state(), torch.get_rng_state(), np.random.get_state()[1])
+    for step in (rec.step("Eq. 45@iter=2#1"), rec.step("Eq. 45@iter=0")):
+        res = replayer.replay(rec, step.index)
+        assert res.match and bits_equal(res.values["output"], step.tensor("output")), res.warnings
+        assert set(res.rebuilt.values()) == {"skeleton"}, res.rebuilt
+    backward = next(s for s in rec.steps if s.phase == "backward" and s.forward == rec.step("Eq. 45@iter=2").index)
+    res = replayer.replay(rec, backward.index)
+    assert res.match and res.compared, res.warnings
+    step = rec.step("Eq. 45@iter=2")
+    edited = replayer.replay(rec, step.index, edit={"args.0": "x * 0"})
+    state = step.rng
+    rng = snapshot.made_rng(state["module:rng"])
+    gen = snapshot.made_rng(state["module:gen"])
+    noise = torch.from_numpy(rng.standard_normal((2, 6)).astype(np.float32))
+    bias = step.tensor("lin.bias", "param")
+    expected = bias.expand(2, 6) * (1 + 0.1 * noise) + 0.01 * torch.randn((2, 6), generator=gen)
+    assert bits_equal(edited.values["output"], expected)
+    after = (layer.rng.bit_generator.state, layer.gen.get_state(), torch.get_rng_state(), np.random.get_state()[1])
+    assert after[0] == before[0] and torch.equal(after[1], before[1]) and torch.equal(after[2], before[2])
+    assert np.array_equal(after[3], before[3])
+
+
+@recorder.paper_step("Eq. 46", description="multiplicative noise from the module's own torch.Generator")
+class _GateHeld(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1 + 0.1 * torch.randn(x.shape, generator=self.gen))
+
+
+@recorder.paper_step("Eq. 47", description="multiplicative noise from the module's own numpy Generator")
+class _NpHeld(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = np.random.default_rng(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.from_numpy(1 + 0.1 * self.rng.standard_normal(x.shape).astype(np.float32))
+
+
+def test_a_recording_of_schema_1_16_of_modules_holding_generators_replays_as_before(
+        run_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1.16 recording held a module's torch.Generator in its skeleton, built again at each call whose
+    state differed, and no numpy Generator's state: its torch ones still replay from the skeleton; a
+    numpy one's later call differs as before, and the warning names the generator and the older schema
+    instead of its constants."""
+    from recorder import skeleton
+    from tests.sealing import as_schema
+
+    plain_key = skeleton.state_key
+    monkeypatch.setattr(snapshot, "find_module_rngs", lambda module: ())  # as 1.16 recorded: no such parts
+    monkeypatch.setattr(skeleton, "state_key", lambda m: (plain_key(m), *(  # a generator by its state
+        bytes(g.get_state().numpy()) for sub in m.modules() for g in vars(sub).values() if type(g) is torch.Generator)))
+    gate, noisy = _GateHeld(), _NpHeld()
+    with recorder.record(run_path) as run:
+        for _ in range(4):
+            x = torch.randn(3, 5)
+            gate(x), noisy(x)
+            run.next_iteration()
+    monkeypatch.undo()
+    as_schema(run_path, "1.16")
+    rec = replayer.open(run_path)
+    assert not any(part.startswith("module:") for s in rec.steps for part in s.rng)
+    for it in (3, 0):
+        res = replayer.replay(rec, f"Eq. 46@iter={it}")
+        assert res.match, res.warnings
+    assert replayer.replay(rec, "Eq. 47@iter=0").match
+    res = replayer.replay(rec, "Eq. 47@iter=3")
+    assert not res.match
+    held = [w for w in res.warnings if w.startswith("the step's module held the generator rng (numpy Generator)")]
+    assert held and "before schema 1.17 do not hold (this one is 1.16)" in held[0] and "record it again" in held[0], \
+        res.warnings
+
+
 _STE_SCRIPT = '''"""Binary activations whose straight-through estimator a flag picks: main() rebinds the global STE."""
 import sys
 import torch
