@@ -144,6 +144,7 @@ class Frame:
     nonfinite: TensorItem | None = None  # the first result tensor holding NaN or Inf
     collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls made inside
     vmap: dict[str, list[int]] | None = None  # under torch.func: record name -> vmap batch dims (transforms)
+    vmap_randomness: list[str] | None = None  # under vmap: each level's randomness, innermost first (transforms)
     module_doc: dict[str, Any] | None = None  # the module's skeleton when the call began (a backward: its forward's)
     definition: dict[str, Any] | None = None  # its definition document when the call began (a backward: its forward's)
     # The input tensors outside autograd's graph with their version counters when the call began:
@@ -163,6 +164,12 @@ class Frame:
 _KEPT_INPUT_BYTES = 1 << 20
 _KEPT_BUFFER_BYTES = 1 << 16
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _buffers_of(module: torch.nn.Module, transformed: bool) -> list[tuple[str, torch.Tensor]]:
+    """A module's buffers by name; ``transformed`` (a call under torch.func): the tensors behind the
+    transforms' wrappers, which outlive the call (a wrapper is made anew at each)."""
+    return [(n, transforms.plain(b)[0] if transformed else b) for n, b in module.named_buffers()]
 
 
 def _kept(t: torch.Tensor, limit: int) -> torch.Tensor | None:
@@ -813,6 +820,7 @@ class Session:
         try:
             if transforms.active():  # under torch.func: forward only, outside the transforms
                 frame.vmap = {}
+                frame.vmap_randomness = transforms.randomness() or None  # (read before outside() clears them)
                 frame.notes.append(transforms.NOTE)
                 with transforms.outside():
                     return self._capture_inputs(frame, module, args, kwargs)
@@ -882,7 +890,7 @@ class Session:
                             self._note_param_hooks(frame, name, p)
                         link.params.append((name, p))
                 buffers = list(module.named_buffers())
-                written = self._buffers_written(module, buffers)
+                written = self._buffers_written(module, _buffers_of(module, frame.vmap is not None))
                 if written:
                     frame.notes.append(f"{_one_line(written)}: {layout.BUFFERS_WRITTEN_NOTE}")
                 for name, b in buffers:
@@ -1437,6 +1445,7 @@ class Session:
         self._send(StepItem(index=frame.index, row=row, docs=docs, rng=frame.rng, tensors=frame.tensors,
                             exception=frame.exception, expectations=frame.expectations, notes=frame.notes,
                             alerts=frame.alerts, collectives=frame.collectives, vmap=frame.vmap or None,
+                            vmap_randomness=frame.vmap_randomness,
                             own_grads=frame.own_grads, arguments=frame.arguments), 0)
 
     def _monitor(self, frame: Frame, out: Any = None) -> None:
@@ -1503,8 +1512,10 @@ class Session:
         the module's next recorded call should find, unless other code writes or replaces it."""
         if module is None:
             return
-        left = {name: (weakref.ref(b), b._version, _kept(b, _KEPT_BUFFER_BYTES))
-                for name, b in module.named_buffers() if not b.is_inference()}
+        transformed = transforms.active()  # (a stack_module_state ensemble's: the stacked tensor behind each)
+        with transforms.outside_if(transformed):
+            left = {name: (weakref.ref(b), b._version, _kept(b, _KEPT_BUFFER_BYTES))
+                    for name, b in _buffers_of(module, transformed) if not b.is_inference()}
         if not left:
             self._left_buffers.pop(id(module), None)
             return

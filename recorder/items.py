@@ -64,6 +64,7 @@ class StepItem:
     alerts: list[dict[str, Any]] = field(default_factory=list)  # from user checks and breakpoints
     collectives: list[dict[str, Any]] = field(default_factory=list)  # torch.distributed calls inside the step
     vmap: dict[str, list[int]] | None = None  # record name -> its vmap batch dims (recorder.transforms)
+    vmap_randomness: list[str] | None = None  # each vmap level's randomness, innermost first (recorder.transforms)
     own_grads: list[str] = field(default_factory=list)  # parameter grads that are the call's own (not totals)
     arguments: dict[str, Any] | None = None  # "aliases", "parameter_args" (see capture.Frame.arguments)
 

@@ -517,6 +517,8 @@ class Pipeline:
             extra["collectives"] = item.collectives
         if item.vmap:
             extra["vmap"] = item.vmap
+        if item.vmap_randomness:
+            extra["vmap_randomness"] = item.vmap_randomness
         if item.own_grads:
             extra["own_grads"] = sorted(item.own_grads)
         if item.arguments:

@@ -6,7 +6,8 @@ memory of their own, and inside a transform torch lifts even plain tensors into 
 ``torch.get_rng_state()`` fails): the recorder's own work runs ``outside()`` the transforms, on
 the tensors the wrappers hold (``plain``). The recorder records the tensor
 each wrapper holds: its values, and for ``vmap`` the whole batch, with the batch dimension of each
-level kept in the step's ``extra`` document (``vmap``). Gradients there are computed by the
+level kept in the step's ``extra`` document (``vmap``), and the ``randomness`` each ``vmap`` level
+ran with (``vmap_randomness``: a replay must draw as it did). Gradients there are computed by the
 transform, not by autograd's backward pass, so such a step has no backward step.
 """
 
@@ -23,6 +24,11 @@ try:
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _clear
 except ImportError:  # an older torch: capture under a transform fails, and recording stops with a warning
     _clear = contextlib.nullcontext  # type: ignore[assignment]
+try:
+    from torch._functorch.pyfunctorch import VmapInterpreter as _VmapInterpreter
+    from torch._functorch.pyfunctorch import coerce_cinterpreter as _coerce
+except ImportError:  # (then which randomness a vmap ran with is not recorded: see randomness())
+    _VmapInterpreter = _coerce = None  # type: ignore[assignment,misc]
 
 NOTE = ("called under a torch.func transform (vmap, grad, jvp...): recorded forward only, each tensor "
         "as the values the transform holds")
@@ -42,6 +48,20 @@ def plain(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
             bdims.append(_functorch.maybe_get_bdim(t))
         t = _functorch.get_unwrapped(t)
     return t, bdims
+
+
+def randomness() -> list[str] | None:
+    """The ``randomness`` ("error", "same" or "different") of each ``vmap`` level running now, innermost
+    first (empty when none is); None where this torch does not tell (its functorch interpreter stack
+    is not readable from Python)."""
+    stack = getattr(_functorch, "get_interpreter_stack", None)
+    if stack is None or _coerce is None:
+        return None
+    try:
+        levels = [_coerce(c) for c in stack() or ()]
+        return [str(i.randomness()) for i in reversed(levels) if isinstance(i, _VmapInterpreter)]
+    except Exception:  # noqa: BLE001 - an interpreter this code does not know: not recorded, as on an older torch
+        return None
 
 
 @contextlib.contextmanager

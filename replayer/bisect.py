@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import snapshot
+from recorder import snapshot, transforms
 from recorder.errors import PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
@@ -880,7 +880,8 @@ def _from_another_rank(rec: Recording, step: Step) -> bool:
 def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord) -> str:
     """What ``_entered_cause`` says of a step's own input ``r`` that arrived non-finite."""
     full = f"{source.module_path}.{r.name}" if source.module_path and r.role in ("param", "buffer") else r.name
-    last = _last_finite_iteration(rec, step if r.role == "grad_output" else source, r.role, r.name)
+    earlier = _last_finite_step(rec, step if r.role == "grad_output" else source, r.role, r.name)
+    last = earlier.iteration if earlier is not None else None
     since = f"; it was last finite in iteration {last}" if last is not None else \
         "; it was never finite in this recording"
     # Inf that came in and that the step made NaN of: the step is not where it went wrong, but say what it did
@@ -889,6 +890,11 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord) -> 
         made = _nonfinite_text(step, layout_results(step.phase))
         if any("NaN" in m for m in made):
             became = f"; the step made NaN of that Inf: {'; '.join(made)}"
+    if r.role == "param" and earlier is not None and _forward_only(earlier):
+        return (f"parameter {full} was already non-finite when {describe(source)} began ({_counts(r)}); it was last "
+                f"finite in {describe(earlier)}, which ran under a torch.func transform and is recorded forward "
+                "only: the gradients taken through it (the backward pass after its vmap, or the transform's own) are "
+                f"not recorded, and are the likely source, through the optimizer update{became}")
     if r.role in ("param", "buffer"):
         return (f"{'parameter' if r.role == 'param' else 'buffer'} {full} was already non-finite when "
                 f"{describe(source)} began ({_counts(r)}): the optimizer update or code outside every recorded step "
@@ -901,8 +907,16 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord) -> 
             f"step{since}{became}")
 
 
-def _last_finite_iteration(rec: Recording, step: Step, role: str, name: str) -> int | None:
-    """The last earlier iteration in which the same step saw that tensor finite. The steps searched are
+def _forward_only(step: Step) -> bool:
+    """Whether a forward step ran under a torch.func transform with grad enabled: gradients were likely
+    taken through it (by the transform, or by a backward pass after a vmap), and the recorder, which
+    records such a step forward only, holds none of them."""
+    return step.phase == "forward" and step.settings.get("grad_enabled") is not False and \
+        any(transforms.NOTE in n for n in step.extra.get("notes", []) if isinstance(n, str))
+
+
+def _last_finite_step(rec: Recording, step: Step, role: str, name: str) -> Step | None:
+    """The last earlier call of the same step (name, module path) that saw that tensor finite. The steps searched are
     those that hold such a record: backward steps for grad outputs, grad inputs and parameter grads
     (a forward step never holds one), forward steps for the rest. An input or a grad output is each
     call's own: another call of the same iteration saw another tensor, so only earlier iterations count;
@@ -917,7 +931,7 @@ def _last_finite_iteration(rec: Recording, step: Step, role: str, name: str) -> 
         earlier = rec.step(int(k))
         for r in earlier.records:
             if r.role == role and r.name == name and not r.nonfinite:
-                return earlier.iteration
+                return earlier
     return None
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import taps
+from recorder import taps, transforms
 from recorder.store import layout
 
 from .compare import Diff, compare_record, tensors_by_name
@@ -116,7 +116,7 @@ class InnerTap:
                                                                always_call=True))
 
     def _tap_in(self, seen: _Seen, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not self.backward:
+        if not self.backward or transforms.active():  # (under torch.func the recorder tapped nothing either)
             return None
 
         def got(grads: tuple[Any, ...], names: list[str | None]) -> None:
@@ -128,7 +128,7 @@ class InnerTap:
         return new_args, new_kwargs
 
     def _tap_out(self, seen: _Seen, output: Any) -> Any:
-        if not self.backward:
+        if not self.backward or transforms.active():
             return output
 
         def got(grads: tuple[Any, ...], names: list[str | None]) -> None:
@@ -327,5 +327,10 @@ def _diffs(step: Step, roles: tuple[str, ...], values: dict[str, torch.Tensor], 
 
 
 def _snapshot(output: Any) -> dict[str, torch.Tensor]:
-    """The output's tensors by record name, copied (later in-place changes must not show)."""
-    return tensors_by_name(output, "output", copy=True)
+    """The output's tensors by record name, copied (later in-place changes must not show). Under a
+    torch.func transform (an inner step called under vmap): the tensors its wrappers hold, a vmap's
+    whole batch, as the recorder recorded them (a wrapper is no tensor once the transform returns)."""
+    if not transforms.active():
+        return tensors_by_name(output, "output", copy=True)
+    with transforms.outside():
+        return {n: transforms.plain(t)[0].detach().clone() for n, t in tensors_by_name(output, "output").items()}

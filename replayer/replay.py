@@ -15,10 +15,10 @@ each inner step (``res.inner``, ``res.first_divergence``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import os
-import re
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
 from recorder import capture, jsonval, snapshot, taps
 from recorder.errors import NewerSchemaError, NotOnThisMachine, PdbgError, ReplayError, UnknownTagError, brief
@@ -322,6 +323,11 @@ class Replayer:
         """Why the replay of ``step`` raised ``exc`` where the recorded call did not, when the cause is known:
         a name a statement of the training script sets, which a replay left out; what the recording's older
         schema could not keep (a dict subclass before 1.13, a function as a module attribute before 1.6)."""
+        if exc is not None and _RANDOMNESS_ERROR in str(exc) and step.extra.get("vmap") and \
+                "vmap_randomness" not in step.extra:
+            return ("the step drew random numbers under torch.func.vmap, and the recording does not say with which "
+                    "randomness= (an older PaperDebugger did not record it, nor does one on a torch whose vmap does "
+                    "not tell): the replay ran it with vmap's default, 'error'; record it again to replay it")
         if isinstance(exc, NameError) and exc.name in self.loader.skipped:
             return (f"{exc.name} is set at the top level of the training script {self.loader.script}, which has no "
                     "if __name__ == '__main__' guard, so a replay loads only its definitions; put the training under "
@@ -646,7 +652,8 @@ class Replayer:
                                                                                              target), warnings)
         unchecked: list[str] = []
         self._bind_globals(defn, target, warnings, unchecked)
-        return _Call(step, fn, module, list(args), dict(kwargs), leaves, _vmap_dims(step, len(args)),
+        vmap = _vmap_plan(step, list(args), dict(kwargs), given, self.loader.resolve, warnings)
+        return _Call(step, fn, module, list(args), dict(kwargs), leaves, vmap,
                      built.unrecorded if module_doc is not None else [], rngs, unread, held, unset, unchecked,
                      built.left_out if module_doc is not None else [],
                      built.order_doubts if module_doc is not None else [])
@@ -959,12 +966,6 @@ class Replayer:
         below = descendants(step)
         self._bind_inner(below, warnings, call.unchecked)
         inner = below if nested or self.plan.edits_inside() or self.plan.swaps else []
-        if call.vmap is not None and nested:  # the steps inside saw the batch's members, not their records
-            nested = False
-            if inner:
-                warnings.append("the steps inside are not compared: this step ran under torch.func.vmap")
-            if not (self.plan.edits_inside() or self.plan.swaps):
-                inner = []
         tap = InnerTap(call.module, step.module_path, inner, plan=self.plan) if inner else None
         settings = {**step.settings, **self.plan.settings}
         out, raised = None, None
@@ -1416,7 +1417,7 @@ class _Call:
     args: list[Any]
     kwargs: dict[str, Any]
     leaves: dict[str, torch.Tensor]
-    vmap: tuple[tuple[int | None, ...], Any] | None = None  # in_dims, out_dims (see _vmap_dims)
+    vmap: _Vmap | None = None  # how it runs under torch.func.vmap again, where it ran under it
     unrecorded: list[str] = field(default_factory=list)  # attributes the module's constructor made (Rebuilt)
     # module-level generator objects its code reads, with their recorded states (Replayer._global_rngs)
     rngs: list[tuple[Any, Any]] = field(default_factory=list)
@@ -1434,12 +1435,7 @@ class _Call:
         with snapshot.applied_global_rngs([*self.rngs, *self.held]):
             if self.vmap is None:
                 return self.fn(*self.args, **self.kwargs)
-            in_dims, out_dims = self.vmap
-            return torch.func.vmap(lambda *a: self.fn(*a, **self.kwargs), in_dims=in_dims,
-                                   out_dims=out_dims)(*self.args)
-
-
-_VMAPPABLE = re.compile(r"args\.\d+|output(\.\d+)?")
+            return self.vmap.run(self.fn, self.module, self.args, self.kwargs)
 
 
 def _own_hooks_ran(defn: dict[str, Any]) -> bool:
@@ -1449,33 +1445,118 @@ def _own_hooks_ran(defn: dict[str, Any]) -> bool:
     return (defn.get("paper") or {}).get("label") is not None
 
 
-def _vmap_dims(step: Step, nargs: int) -> tuple[tuple[int | None, ...], Any] | None:
+@dataclass
+class _Vmap:
+    """How a step called under torch.func.vmap runs under ``vmap`` again: the batch dimension of each
+    argument (``in_dims``, a pytree of the (args, kwargs) pair: nested and keyword tensors too), of the
+    module's parameters and buffers a ``stack_module_state`` ensemble batched (``state``: name -> dim,
+    passed by ``torch.func.functional_call``), of the outputs (``out_dims``, the recorded output's
+    structure: a tuple, dict or nested one), and the ``randomness`` it ran with. ``size``: the batch
+    size, where no argument is batched (a random draw of randomness="different" batched the outputs)."""
+
+    in_dims: Any
+    state: dict[str, int]
+    out_dims: Any
+    randomness: str
+    size: int | None = None
+
+    def run(self, fn: Any, module: torch.nn.Module | None, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        state: dict[str, torch.Tensor] = {}
+        if self.state and module is not None:
+            own = {**dict(module.named_parameters(remove_duplicate=False)),
+                   **dict(module.named_buffers(remove_duplicate=False))}
+            state = {n: own[n] for n in self.state if n in own}
+        dims = ({n: self.state[n] for n in state}, *self.in_dims)
+        given: tuple[Any, ...] = (state, args, kwargs)
+        if self.size is not None:  # (vmap needs one batched argument: a stand-in of the batch's size)
+            dims, given = (*dims, 0), (*given, torch.empty(self.size))
+
+        def one(state: dict[str, torch.Tensor], a: list[Any], k: dict[str, Any], *_: Any) -> Any:
+            if state:
+                return torch.func.functional_call(fn, state, tuple(a), k)
+            return fn(*a, **k)
+
+        return torch.func.vmap(one, in_dims=dims, out_dims=self.out_dims, randomness=self.randomness)(*given)
+
+
+_RANDOMNESS_ERROR = "randomness error mode"  # what torch's vmap raises at a random draw under randomness="error"
+
+
+def _vmap_plan(step: Step, args: list[Any], kwargs: dict[str, Any], given: dict[str, torch.Tensor],
+               resolve: Callable[[str], Any], warnings: list[str]) -> _Vmap | None:
     """For a step called under torch.func.vmap (its ``extra`` names the batch dimension of each
-    batched record, and the records hold the whole batch): the ``in_dims`` and ``out_dims`` that
-    replay it under ``vmap`` again. One level, batching positional tensor arguments and outputs."""
+    batched record, and the records hold the whole batch): how to replay it under ``vmap`` again
+    (``given``: the argument tensors by record name). One level; a watched tensor batched with them is
+    not an argument nor compared, and is left out."""
     dims = step.extra.get("vmap")
     if not dims:
         return None
     if any(len(d) != 1 for d in dims.values()):
         raise ReplayError(f"step {step.index} ({step.name}) ran under nested torch.func.vmap; replaying it is not "
                           "supported")
-    other = sorted(n for n in dims if not _VMAPPABLE.fullmatch(n))
-    if other:
-        raise ReplayError(f"step {step.index} ({step.name}) ran under torch.func.vmap with {', '.join(other)} batched; "
-                          "only positional tensor arguments and outputs can be batched in a replay")
-    def dim(doc: Any, place: str) -> int | None:  # the record a place names (one tensor passed twice: one record)
-        name = doc.get("$tensor", place) if isinstance(doc, dict) else place
-        return dims.get(name, [None])[0]
+    roles = {r.name: r.role for r in step.records}
+    by_id = {id(t): n for n, t in given.items()}
+    state = {n: d[0] for n, d in dims.items() if roles.get(n) in ("param", "buffer")}
+    placed: set[str] = set()
 
-    args_doc = (step.arguments or {}).get("args") or []
-    in_dims = tuple(dim(args_doc[i] if i < len(args_doc) else None, f"args.{i}") for i in range(nargs))
-    if "output" in dims:
-        return in_dims, dims["output"][0]
-    out = step._doc("output")
-    items = out.get("$tuple") if isinstance(out, dict) else out
-    if not isinstance(items, list):
-        items = [None] * len([r for r in step.records if r.role == "output"])
-    return in_dims, tuple(dim(d, f"output.{i}") for i, d in enumerate(items))
+    def in_dim(value: Any) -> int | None:
+        name = by_id.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if name not in dims:
+            return None
+        placed.add(name)
+        return dims[name][0]
+
+    in_dims = tree_map(in_dim, (list(args), dict(kwargs)))
+    other = sorted(n for n, role in roles.items() if n in dims and role == "input" and n not in placed)
+    if other:
+        raise ReplayError(f"step {step.index} ({step.name}) ran under torch.func.vmap with {', '.join(other)} batched "
+                          "inside an object torch's vmap does not take apart (it takes tuples, lists, dicts, named "
+                          "tuples); it cannot be replayed under vmap")
+    size = None
+    if not any(d is not None for d in tree_leaves(in_dims)) and not state:
+        rec = next(r for r in step.records if r.name in dims)
+        size = int(rec.shape[dims[rec.name][0]])
+    out_dims = _out_dims(step, step._doc("output"), dims, resolve)
+    levels = step.extra.get("vmap_randomness")
+    levels = [str(r) for r in levels] if isinstance(levels, list) and levels else ["error"]
+    if len(set(levels)) > 1:
+        warnings.append(f"the step ran inside {len(levels)} nested vmap levels of randomness {', '.join(levels)} "
+                        f"(innermost first); the replay runs one, with randomness={levels[0]!r} (a likely cause of "
+                        "any difference)")
+    return _Vmap(in_dims, state, out_dims, levels[0], size)
+
+
+def _out_dims(step: Step, doc: Any, dims: dict[str, list[int]], resolve: Callable[[str], Any]) -> Any:
+    """``vmap``'s ``out_dims`` for a step's recorded output document: its structure (tuples, lists, dicts,
+    named tuples, OrderedDicts) with each tensor's batch dimension, and None for each part that holds no
+    batched tensor (vmap gives it back as it is)."""
+    if not any(isinstance(d, dict) and d.get("$tensor") in dims for d in jsonval.walk(doc)):
+        return None
+    if isinstance(doc, list):
+        return [_out_dims(step, d, dims, resolve) for d in doc]
+    if not any(isinstance(k, str) and k.startswith("$") for k in doc):
+        return {k: _out_dims(step, v, dims, resolve) for k, v in doc.items()}
+    tag, body = next(iter(doc.items())) if len(doc) == 1 else ("$object", None)
+    what = f"step {step.index} ({step.name}) ran under torch.func.vmap and returned a {tag[1:]}"
+    if tag == "$tensor":
+        return dims[body][0]
+    if tag == "$tuple" and isinstance(body, list):
+        return tuple(_out_dims(step, d, dims, resolve) for d in body)
+    if tag in ("$namedtuple", "$mapping") and isinstance(body, dict):
+        what = f"step {step.index} ({step.name}) ran under torch.func.vmap and returned a {body.get('type')}"
+        try:
+            cls = resolve(str(body.get("type")))
+        except ReplayError as exc:
+            raise ReplayError(f"{what} holding batched tensors, whose class a replay needs to give vmap the shape of "
+                              f"the outputs, and cannot load ({exc}); it cannot be replayed under vmap") from None
+        fields, items = body.get("fields"), body.get("items")
+        if tag == "$namedtuple" and isinstance(fields, dict) and isinstance(cls, type) and issubclass(cls, tuple):
+            return cls(**{k: _out_dims(step, v, dims, resolve) for k, v in fields.items()})
+        if cls is collections.OrderedDict and isinstance(items, list):
+            return cls((k, _out_dims(step, v, dims, resolve)) for k, v in items)
+    raise ReplayError(f"{what} holding batched tensors, which a replay cannot give vmap as the shape of its "
+                      "outputs (it gives tuples, lists, dicts, named tuples and OrderedDicts); it cannot be replayed "
+                      "under vmap")
 
 
 def _materialize(step: Step, rec: TensorRecord, notes: list[str] | None = None) -> torch.Tensor:

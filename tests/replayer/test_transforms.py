@@ -4,14 +4,18 @@ them, recording going on afterwards, and a vmapped step replayed under vmap agai
 
 from __future__ import annotations
 
+import asyncio
+import copy
+
 import pytest
 import torch
-from torch.func import functional_call, grad, jvp, vmap
+from torch.func import functional_call, grad, jvp, stack_module_state, vmap
 
 import recorder
 import replayer
 from recorder import transforms
 from recorder.errors import ReplayError
+from replayer.bisect import describe
 from tests.cli import ROOT, pdbg
 
 
@@ -91,6 +95,10 @@ def test_a_vmapped_step_replays_under_vmap_bit_for_bit(recorded):
     for index in (0, 1, 2, 3, 4, 5, 6, 8, 9):
         result = replayer.replay(rec, index)
         assert result.match, (index, result.outputs)
+    # the steps inside a vmapped step: compared with their records, the whole batch (they were left out)
+    for index in (1, 5):
+        inner = replayer.replay(rec, index).inner
+        assert [(s.step.index, s.match) for s in inner] == [(index + 1, True)]
     with pytest.raises(ReplayError, match="nested torch.func.vmap"):
         replayer.replay(rec, 7)
 
@@ -100,3 +108,192 @@ def test_replaying_a_step_of_nested_vmap_is_one_line_from_the_cli(recorded):
     done = pdbg("replay", str(rec.path), "7", cwd=ROOT)
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "nested torch.func.vmap" in done.stderr
+
+
+@recorder.paper_step("Eq. 7", description="MLP with dropout")
+class DropoutMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+@recorder.paper_step("Eq. 8", description="one draw of noise for the whole batch")
+def jitter(x: torch.Tensor) -> torch.Tensor:
+    return x + 0.1 * torch.randn(x.shape)
+
+
+def test_random_draws_under_vmap_replay_with_the_recorded_randomness(tmp_path):
+    """DP-SGD per-sample gradients of a model with dropout need vmap(..., randomness="different"):
+    a replay under vmap's default ("error") raised at the first draw, and every correct step was a
+    MISMATCH. The randomness is recorded, and the replay draws as the call did, at each call."""
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((functional_call(model, params, (x.unsqueeze(0),)).squeeze(0) - y) ** 2).mean()
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0), randomness="different")
+    path = tmp_path / "dpsgd.zarr"
+    with recorder.record(path, model=model, optimizer=opt, mode="full") as run:
+        for _ in range(2):
+            x, y = torch.randn(6, 4), torch.randn(6, 1)
+            grads = per_sample({k: v.detach() for k, v in model.named_parameters()}, x, y)
+            for k, p in model.named_parameters():
+                p.grad = grads[k].mean(0)
+            vmap(jitter, randomness="same")(x)
+            opt.step()
+            opt.zero_grad()
+    assert run.failure is None
+    rec = replayer.open(path)
+    steps = list(rec.steps)
+    assert [(s.name, s.iteration) for s in steps] == [("DropoutMLP", 0), ("jitter", 0), ("DropoutMLP", 1),
+                                                        ("jitter", 1)]
+    for s in steps:  # the first call and a later one (the batch's draws depend on the generator's state)
+        result = replayer.replay(rec, s.index)
+        assert result.match and result.exception is None, (s.index, result.exception, result.outputs)
+    assert [s.extra["vmap_randomness"] for s in steps] == [["different"], ["same"]] * 2
+
+
+def test_a_recording_that_lacks_the_randomness_says_so(tmp_path, monkeypatch):
+    """A recording that does not hold the randomness (an older PaperDebugger, or a torch whose vmap
+    does not tell) replays under vmap's default, and the replay that raises says why."""
+    monkeypatch.setattr(transforms, "randomness", lambda: None)
+    path = tmp_path / "old.zarr"
+    with recorder.record(path, mode="full"):
+        vmap(jitter, randomness="same")(torch.randn(3, 4))
+    rec = replayer.open(path)
+    assert "vmap_randomness" not in rec.step(0).extra
+    result = replayer.replay(rec, 0)
+    assert not result.match and "randomness error mode" in result.exception
+    assert any("does not say with which randomness=" in w for w in result.warnings)
+
+
+@recorder.paper_step("Eq. 9", description="energy of one sample")
+def energy(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.log1p((v * w).pow(2).sum())
+
+
+@recorder.paper_step("Algorithm 3", description="mean energy over the batch")
+def batch_energy(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return vmap(energy, in_dims=(0, None))(x, w).mean()
+
+
+@pytest.fixture(scope="module")
+def outer_over_vmap(tmp_path_factory):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.SGD([w], lr=0.01)
+    path = tmp_path_factory.mktemp("outer") / "outer.zarr"
+    with recorder.record(path, optimizer=opt) as run:
+        for _ in range(2):
+            batch_energy(torch.randn(4, 3), w).backward()
+            opt.step()
+            opt.zero_grad()
+    assert run.failure is None
+    return path
+
+
+def test_an_outer_step_that_vmaps_an_inner_step_replays_and_compares_it(outer_over_vmap):
+    """The inner step's replayed outputs were batched tensors escaped from the vmap, and comparing
+    them raised RuntimeError; the backward replay tapped them under vmap, which torch refuses. The
+    inner step is compared as recorded, the whole batch, and the backward replays."""
+    rec = replayer.open(outer_over_vmap)
+    assert [(s.name, s.phase) for s in list(rec.steps)[:3]] == [("batch_energy", "forward"), ("energy", "forward"),
+                                                                ("batch_energy", "backward")]
+    result = replayer.replay(rec, 0)
+    assert result.match and [(s.step.index, s.match) for s in result.inner] == [(1, True)]
+    for nested in (True, False):
+        assert replayer.replay(rec, 2, nested=nested).match
+    done = pdbg("replay", str(outer_over_vmap), "0", cwd=ROOT)
+    assert done.returncode == 0 and "inner steps: 1 of 1 match" in done.stdout, done.stderr
+
+
+def test_the_tui_replays_an_outer_step_that_vmaps_an_inner_step(outer_over_vmap):
+    from tui.app import PdbgApp
+
+    async def main() -> str:
+        app = PdbgApp(replayer.open(outer_over_vmap))
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.pause()
+            await pilot.press("r")
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            return str(app.panel_text)
+
+    assert "replay of step 0: bitwise match" in asyncio.run(main())
+
+
+@recorder.paper_step("Eq. 10", description="watched hidden layer, statistics of it")
+class Watched(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = recorder.watch(torch.relu(self.fc(x)) * scale, "hidden", expected_shape=(8,))
+        return {"max": h.max(), "mean": h.mean(), "pair": (h.min(), 2)}
+
+
+def test_a_watch_a_keyword_and_a_dict_output_batched_by_vmap_replay(tmp_path):
+    """A step under vmap with a watched intermediate, a batched keyword argument and a dict output was
+    refused ("only positional tensor arguments and outputs can be batched"): it replays under vmap."""
+    torch.manual_seed(0)
+    layer = Watched()
+    path = tmp_path / "watched.zarr"
+    with recorder.record(path, mode="full"):
+        vmap(lambda x, s: layer(x, scale=s)["max"])(torch.randn(3, 4), torch.arange(1.0, 4.0))
+    rec = replayer.open(path)
+    step = rec.step(0)
+    assert set(step.extra["vmap"]) == {"args.0", "kwargs.scale", "hidden", "output.max", "output.mean",
+                                       "output.pair.0"}
+    result = replayer.replay(rec, 0)
+    assert result.match, result.outputs
+    assert sorted(d.name for d in result.outputs) == ["output.max", "output.mean", "output.pair.0"]
+
+
+@recorder.paper_step("Eq. 11", description="ensemble member")
+class Member(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.bn(torch.sqrt(self.fc1(x) ** 2)))  # (a NaN gradient where fc1(x) is 0)
+
+
+def test_a_stack_module_state_ensemble_replays_and_bisect_names_its_unrecorded_backward(tmp_path):
+    """torch.func's model ensemble (stack_module_state, vmap over functional_call) batches the member's
+    parameters and buffers: its replay was refused. It replays under vmap, the BatchNorm statistics the
+    call updated compared too. Its backward (an ordinary loss.backward() after the vmap) is not
+    recorded; the NaN it makes was blamed on the optimizer alone: bisect names the step."""
+    torch.manual_seed(0)
+    members = [Member() for _ in range(3)]
+    params, buffers = stack_module_state(members)
+    base = copy.deepcopy(members[0]).to("meta")
+    opt = torch.optim.SGD(params.values(), lr=0.1)
+    path = tmp_path / "ensemble.zarr"
+    with recorder.record(path, optimizer=opt, mode="full") as run:
+        for it in range(3):
+            x = torch.randn(8, 4)
+            if it == 1:
+                x[0] = 0.0
+                with torch.no_grad():
+                    params["fc1.bias"].zero_()
+            preds = vmap(lambda p, b, x: functional_call(base, (p, b), (x,)), in_dims=(0, 0, None))(params, buffers, x)
+            preds.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert run.failure is None
+    rec = replayer.open(path)
+    assert rec.step(0).extra["vmap"]["fc1.weight"] == [0] and rec.step(0).extra["vmap"]["bn.running_mean"] == [0]
+    for index in (0, 1):
+        result = replayer.replay(rec, index)
+        assert result.match, (result.outputs, result.warnings)
+        assert {"output", "after:bn.running_mean", "after:bn.running_var"} <= {d.name for d in result.outputs}
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and origin.entered.index == 2
+    assert f"last finite in {describe(rec.step(1))}" in origin.cause and "recorded forward only" in origin.cause
