@@ -28,7 +28,6 @@ import operator
 import os
 import re
 import textwrap
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +40,7 @@ from recorder.errors import PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
-from .recording import Recording, Step, paper_reference, printable
+from .recording import Recording, Step, paper_of, paper_reference, printable
 
 _RESULT, _INPUT = layout.NONFINITE_RESULT, layout.NONFINITE_INPUT
 SPREAD = 10  # steps listed after the origin
@@ -1128,14 +1127,21 @@ class Divergence:
     followed: list[Step] = field(default_factory=list)  # the first SPREAD steps after it that differ only
     # because their inputs did
     compared: int = 0
+    # Where the runs first differ by a step one ran and the other did not (an expert called in one only): that
+    # step, of run B where unpaired_other (first_difference is then run A's step after the place it ran at)
+    unpaired: Step | None = None
+    unpaired_other: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """``pdbg bisect --against --json``: {"divergence", "cause", "other", "first_difference",
-        "followed", "compared"} (README, "Command line")."""
+        "followed", "compared", "unpaired"} (README, "Command line")."""
+        unpaired = None if self.unpaired is None else \
+            {**self.unpaired.to_json(), "run": "other" if self.unpaired_other else "this"}
         return {"divergence": self.step.to_json() if self.step else None, "cause": self.cause,
                 "other": self.other.to_json() if self.other else None,
                 "first_difference": self.first_difference.to_json() if self.first_difference else None,
-                "followed": [s.to_json() for s in self.followed[:SPREAD]], "compared": self.compared}
+                "followed": [s.to_json() for s in self.followed[:SPREAD]], "compared": self.compared,
+                "unpaired": unpaired}
 
     def __repr__(self) -> str:
         return printable(f"<Divergence: {self.cause}>")
@@ -1231,69 +1237,206 @@ def _parts(p: _Prints, step: Step) -> tuple[dict[Any, Any], dict[Any, Any], dict
     return args, params, results
 
 
-def _keys(rec: Recording) -> list[tuple[Any, ...]]:
-    """Per step, what aligns it with the other run's: (iteration, module path, phase, call, name,
-    paper label), and how many steps before it had the same: two steps of one name, each its own paper
-    step, count their own calls, and the backward steps of one call from several passes (retain_graph,
-    torch.autograd.grad then backward, a gradient penalty) align in their order, the k-th with the k-th."""
-    table = rec.steps
-    cols = [table.column(c) for c in ("iteration", "module_path", "phase", "call", "name", "label")]
-    seen: Counter[tuple[Any, ...]] = Counter()
-    keys = []
-    for key in zip(*(c.tolist() for c in cols)):
-        keys.append((*key, seen[key]))
-        seen[key] += 1
-    return keys
+def _dense(values: np.ndarray) -> np.ndarray:
+    return np.unique(values, return_inverse=True)[1].reshape(-1).astype(np.int64)
+
+
+def _combined(keys: np.ndarray) -> np.ndarray:
+    """Per row of ``keys`` (int64 columns), one number: the same for equal rows, another for other rows (the
+    columns as digits of one number, renumbered densely where it would overflow; np.unique(axis=0) sorts
+    rows several times slower)."""
+    out = np.zeros(len(keys), np.int64)
+    if not len(keys):
+        return out
+    bound = 1
+    for column in np.ascontiguousarray(keys.T):
+        digits = column - column.min()
+        span = int(digits.max()) + 1
+        if bound * span >= 1 << 62:
+            out = _dense(out)
+            bound = int(out.max()) + 1
+            if bound * span >= 1 << 62:
+                digits = _dense(column)
+                span = int(digits.max()) + 1
+        out = out * span + digits
+        bound *= span
+    return out
+
+
+def _ranks(keys: np.ndarray) -> np.ndarray:
+    """Per row of ``keys``, how many rows before it are the same."""
+    group = _combined(keys)
+    order = np.argsort(group, kind="stable")
+    ordered = group[order]
+    first = np.ones(len(group), bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    at = np.arange(len(group))
+    out = np.empty(len(group), np.int64)
+    out[order] = at - np.maximum.accumulate(np.where(first, at, 0))
+    return out
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else "" if value is None else str(value)
+
+
+def _coded(rec: Recording, column: str, codes: dict[Any, int], value: Callable[[Any], Any]) -> np.ndarray:
+    """Per step, a number for ``value`` of its document in ``column``, the same for the same value in
+    either run (``codes`` is both runs'), from one document read per distinct one."""
+    ids = np.asarray(rec.rank.column(f"steps/{column}"), dtype=np.int64)
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    numbers = np.array([codes.setdefault(value(rec.rank.doc(int(i))), len(codes)) for i in uniq], dtype=np.int64)
+    return numbers[inverse.reshape(-1)]
+
+
+def _label_and_kind(definition: Any) -> tuple[Any, bool]:
+    return paper_of(definition).get("label"), isinstance(definition, dict) and definition.get("kind") == "module"
+
+
+# The columns of an alignment key (``_keys``); _LABEL numbers the paper label and whether the step is a module's.
+_ITERATION, _PATH, _PHASE, _COUNT, _NAME, _LABEL, _OBJECT, _SEEN = range(8)
+_PLACE = [_ITERATION, _PATH, _PHASE, _NAME, _LABEL, _OBJECT]  # a step's calls in an iteration: the key less its count
+
+
+def _keys(rec: Recording, codes: dict[str, dict[Any, int]], by_path: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per step, what aligns it with the other run's (a row: iteration, module path, phase, count, name,
+    paper label with the step's kind, module object, and how many steps before it had all these), and
+    whether it is a module's step. A module step counts the calls of its module path in the iteration (of
+    its module object, where several ran there), a backward step its forward call's: the k-th call of one
+    expert pairs with the other run's k-th whichever other experts ran (a call number counts the calls of
+    every module of the step's name). A function step counts by its call number. Two steps of one name,
+    each its own paper step, count their own calls, and the backward steps of one call from several passes
+    (retain_graph, torch.autograd.grad then backward, a gradient penalty) align in their order, the k-th
+    with the k-th. ``by_path`` False: module steps count by their call numbers too (a recording whose steps
+    lack calls its recorder counted, whose calls at a module path cannot be counted from its steps)."""
+    n = len(rec)
+    keys = np.zeros((n, _SEEN + 1), np.int64)
+    if not n:
+        return keys, np.zeros(0, bool)
+    keys[:, _ITERATION] = _column(rec, "iteration")
+    keys[:, _PHASE] = _column(rec, "phase")
+    keys[:, _PATH] = _coded(rec, "module_path", codes["path"], _text)
+    keys[:, _NAME] = _coded(rec, "name", codes["name"], _text)
+    keys[:, _LABEL] = _coded(rec, "definition", codes["definition"], _label_and_kind)
+    kinds = np.zeros(len(codes["definition"]), bool)
+    for (_, module_kind), number in codes["definition"].items():
+        kinds[number] = module_kind
+    module = kinds[keys[:, _LABEL]]
+    keys[:, _OBJECT] = rec._object_numbers
+    call = _column(rec, "call").astype(np.int64)
+    keys[:, _COUNT] = call
+    if by_path:
+        count = np.full(n, -1, np.int64)
+        forward = np.flatnonzero(module & (keys[:, _PHASE] == 0))
+        count[forward] = _ranks(keys[forward][:, [_ITERATION, _PATH, _NAME, _LABEL, _OBJECT]])
+        back = np.flatnonzero(module & (keys[:, _PHASE] == 1))
+        source = _column(rec, "forward")[back].astype(np.int64)
+        counted = count[np.where((source >= 0) & (source < n), source, 0)]
+        keys[back, _COUNT] = np.where((source >= 0) & (source < n) & (counted >= 0), counted, -1 - call[back])
+        keys[forward, _COUNT] = count[forward]
+    keys[:, _SEEN] = _ranks(keys[:, :_SEEN])
+    return keys, module
+
+
+@dataclass
+class _Aligned:
+    """Two runs' steps paired by their keys (``_keys``): per step of each run, its step in the other, or -1."""
+
+    rec_a: Recording
+    rec_b: Recording
+    keys_a: np.ndarray
+    keys_b: np.ndarray
+    module_a: np.ndarray
+    module_b: np.ndarray
+    a: np.ndarray  # per step of run A: its step in run B, or -1
+    b: np.ndarray  # per step of run B: its step in run A, or -1
+
+    def side(self, other: bool) -> tuple[Recording, np.ndarray, np.ndarray, np.ndarray]:
+        """Run A's (``other`` False) or run B's recording, keys, module flags and pairs."""
+        return (self.rec_b, self.keys_b, self.module_b, self.b) if other else \
+            (self.rec_a, self.keys_a, self.module_a, self.a)
+
+
+def _one_step(rec: Recording) -> bool:
+    """Whether a recording is a bundle of one step and those inside it, not of its whole iteration."""
+    info = rec.bundle_info
+    return info is not None and not info.get("iteration")
+
+
+def _aligned(rec_a: Recording, rec_b: Recording) -> _Aligned:
+    """Both runs' steps paired (``_keys``). Module steps count their calls at their module path where both
+    runs' steps hold every call of their iterations: not in a recording before 1.10 that lacks calls its
+    recorder counted, nor in a bundle of one step (its call 5 of a module is the only one it holds)."""
+    codes: dict[str, dict[Any, int]] = {"path": {}, "name": {}, "definition": {}}
+    by_path = not any(rec.rank.old_calls is not None or _one_step(rec) for rec in (rec_a, rec_b))
+    (keys_a, module_a), (keys_b, module_b) = _keys(rec_a, codes, by_path), _keys(rec_b, codes, by_path)
+    pairs_a, pairs_b = np.full(len(keys_a), -1, np.int64), np.full(len(keys_b), -1, np.int64)
+    if len(keys_a) and len(keys_b):  # (a key is one run's once: its last column counts those before it)
+        ids = _combined(np.concatenate([keys_a, keys_b]))
+        ids_a, ids_b = ids[:len(keys_a)], ids[len(keys_a):]
+        order = np.argsort(ids_b)
+        at = np.minimum(np.searchsorted(ids_b[order], ids_a), len(ids_b) - 1)
+        found = ids_b[order][at] == ids_a
+        pairs_a[found] = order[at][found]
+        pairs_b[pairs_a[found]] = np.flatnonzero(found)
+    return _Aligned(rec_a, rec_b, keys_a, keys_b, module_a, module_b, pairs_a, pairs_b)
 
 
 def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     """The first step where run B parts from run A for a reason of its own.
 
-    Steps are aligned by (iteration, module path, phase, call, name, paper label), the backward steps of
-    one call from several passes in their order, and compared by payload hash
+    Steps are aligned by (iteration, module path, phase, call, name, paper label), a module step's call
+    counted at its module path (the k-th call of one expert pairs with the k-th, whichever other experts
+    ran), the backward steps of one call from several passes in their order, and compared by payload hash
     (by statistics where either run kept only those). A step whose inputs were identical in both runs but
     whose results differ is a *root cause* (its parameters differ, or it computed differently); a
     step that only received different inputs *followed*. The root cause reported is the first in
     run A's execution order, the innermost where steps nest. Where the first step whose results
     differ got different inputs, they came from outside every recorded step (the data, code between
     steps), and there is no root cause among the steps: later ones whose parameters differ only
-    follow it (the optimizer stepped with other gradients).
+    follow it (the optimizer stepped with other gradients). A step one run ran and the other did not
+    (an expert called in one run only), before all these and among the steps both runs recorded, is
+    where they first differ (``Divergence.unpaired``).
     """
-    keys_a, listed_b = _keys(rec_a), _keys(rec_b)
-    keys_b = {k: i for i, k in enumerate(listed_b)}
-    pairs = [(i, keys_b.get(k)) for i, k in enumerate(keys_a)]
-    common = sum(j is not None for _, j in pairs)
-    counted = _counted_otherwise(rec_a, rec_b) if common < max(len(pairs), len(keys_b)) else ""
+    al = _aligned(rec_a, rec_b)
+    common = int(np.count_nonzero(al.a >= 0))
+    counted = _counted_otherwise(rec_a, rec_b) if common < max(len(al.a), len(al.b)) else ""
     if not common:
-        raise RecordingError(_nothing_in_common(keys_a, listed_b, counted))
+        raise RecordingError(_nothing_in_common(al.keys_a, al.keys_b, counted))
     pa, pb = _Prints(rec_a), _Prints(rec_b)
     root: dict[int, str] = {}
     result = Divergence(None, None, "", compared=common)
     last = (-1, -1)  # the last pair of aligned steps before the one looked at
-    outside = ""
-    for i, j in pairs:
-        if j is None:
-            continue
+    at: tuple[int, int] | None = None  # the first pair whose results differ
+    parts: tuple[Any, ...] = ()
+    for i in np.flatnonzero(al.a >= 0).tolist():
+        j = int(al.a[i])
         sa, sb = rec_a.step(i), rec_b.step(j)
-        args_a, params_a, res_a = _parts(pa, sa)
-        args_b, params_b, res_b = _parts(pb, sb)
-        if res_a == res_b:
+        parts = (_parts(pa, sa), _parts(pb, sb))
+        if parts[0][2] == parts[1][2]:
             last = (i, j)
             continue
-        if args_a != args_b:
+        at = (i, j)
+        break
+    inputs_differ = at is not None and parts[0][0] != parts[1][0]
+    alone = _first_unpaired(al, at, last if inputs_differ else None)
+    if alone is not None:
+        return _ran_alone(al, result, alone, at, pa, pb, counted)
+    outside = ""
+    if at is not None:
+        sa, sb = rec_a.step(at[0]), rec_b.step(at[1])
+        result.first_difference = sa
+        if inputs_differ:
             # The first difference came in from outside every recorded step (a batch, code between
             # steps), or from steps one run has and the other lacks: later steps whose parameters
             # differ only follow it (the optimizer stepped with other gradients).
-            result.first_difference = sa
-            outside = _unaligned(pairs, last, (i, j), rec_a, rec_b) or _offset(keys_a, listed_b, (i, j), pa, pb)
-            break
-        result.first_difference = result.step = sa
-        result.other = sb
-        root[i] = _why(sa, sb, (args_a, params_a, res_a), (args_b, params_b, res_b), first=True)
-        break
+            outside = _unaligned(al, last, at) or _offset(al.keys_a, al.keys_b, at, pa, pb)
+        else:
+            result.step, result.other = sa, sb
+            root[at[0]] = _why(sa, sb, parts[0], parts[1], first=True)
     if result.step is None:
         if result.first_difference is None:
-            only_a, only_b = len(pairs) - common, len(keys_b) - common
+            only_a, only_b = len(al.a) - common, len(al.b) - common
             apart = "; ".join(f"{n} step{'s' if n != 1 else ''} only in {which}"
                               for n, which in ((only_a, "this run"), (only_b, "the other")) if n)
             result.cause = (f"no divergence: the {common} step{'s' if common != 1 else ''} the runs have in common "
@@ -1302,15 +1445,15 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
         else:
             result.cause = (f"the results first differ at {describe(result.first_difference)}, but its inputs differ "
                             f"too: {outside or 'they came from outside every recorded step'}" + counted)
-            result.followed = _followers(pairs, result.first_difference.index, pa, pb, rec_a, rec_b)
+            result.followed = _followers(al, result.first_difference.index, pa, pb)
         return result
     index = result.step.index
     descended = True
     while descended:  # the innermost root cause: the first one inside it, and so on down
         descended = False
         for k in subtree(rec_a, index):
-            j = pairs[k][1]
-            if j is None:
+            j = int(al.a[k])
+            if j < 0:
                 continue
             sa, sb = rec_a.step(k), rec_b.step(j)
             args_a, params_a, res_a = _parts(pa, sa)
@@ -1320,28 +1463,122 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
                 root[k] = _why(sa, sb, (args_a, params_a, res_a), (args_b, params_b, res_b), first=True)
                 index, descended = k, True
                 break
-    result.cause = f"{describe(result.step)}: {root[index]}"
-    result.followed = _followers(pairs, result.first_difference.index, pa, pb, rec_a, rec_b)
+    result.cause = f"{describe(result.step)}: {root[index]}{_inside(al, result.step, result.other)}"
+    result.followed = _followers(al, result.first_difference.index, pa, pb)
     return result
 
 
-def _span(keys: list[tuple[Any, ...]]) -> tuple[int, int]:
+def _inside(al: _Aligned, sa: Step, sb: Step | None) -> str:
+    """The steps inside a root cause that ran in one run only (the experts its router chose), named: its
+    results differ by them too."""
+    parts = []
+    for rec, pairs, step, which in ((al.rec_a, al.a, sa, "this run"), (al.rec_b, al.b, sb, "the other")):
+        if step is None:
+            continue
+        alone = [k for k in subtree(rec, step.index) if pairs[k] < 0]
+        names = list(dict.fromkeys(rec.step(k).module_path or rec.step(k).name for k in alone))
+        if alone:
+            parts.append(f"{len(alone)} step{'s' if len(alone) != 1 else ''} ran in {which} only ({_names(names)})")
+    return f"; inside it, {' and '.join(parts)}" if parts else ""
+
+
+def _compared(al: _Aligned, other: bool) -> np.ndarray:
+    """The steps of a run (``other``: run B's) that ran there only, among those both runs recorded: from the
+    first iteration with a step of both to the run's last step that pairs. Those before (a run resumed
+    from a checkpoint) and after it (a run longer than the other) are not; nor, against a bundle of one
+    step and those inside it, any (it lacks the rest of its iteration)."""
+    _, keys, _, pairs = al.side(other)
+    paired = np.flatnonzero(pairs >= 0)
+    if _one_step(al.side(not other)[0]) or not len(paired):
+        return np.zeros(0, np.int64)
+    stop = int(paired[-1])
+    return np.flatnonzero((pairs[:stop] < 0) & (keys[:stop, _ITERATION] >= keys[paired[0], _ITERATION]))
+
+
+def _first_unpaired(al: _Aligned, at: tuple[int, int] | None, named: tuple[int, int] | None
+                    ) -> tuple[bool, int, int] | None:
+    """The first step one run ran and the other did not (``_compared``), before the first pair whose
+    results differ (``at``; None: every pair matched), but not one the cause of ``at`` names (``named``:
+    where its inputs differ, those after the last pair that matched): (whether it is run B's, its index,
+    the step of run A at or after which it ran)."""
+    found = []
+    for other in (False, True):
+        steps = _compared(al, other)
+        if at is not None:
+            steps = steps[steps < at[other]]
+        if named is not None:
+            steps = steps[steps < named[other]]
+        if not len(steps):
+            continue
+        if not other:
+            found.append((float(steps[0]), False, int(steps[0]), int(steps[0])))
+            continue
+        seen = np.maximum.accumulate(np.where(al.b >= 0, np.arange(len(al.b)), -1))[steps]  # the pair before
+        after = np.where(seen >= 0, al.b[np.maximum(seen, 0)], -1)  # its step in run A, which it followed
+        k = int(np.argmin(after))
+        found.append((after[k] + 0.5, True, int(steps[k]), min(int(after[k]) + 1, len(al.a) - 1)))
+    if not found:
+        return None
+    _, other, index, place = min(found)
+    return other, index, place
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
+
+
+def _ran_alone(al: _Aligned, result: Divergence, alone: tuple[bool, int, int], at: tuple[int, int] | None,
+               pa: _Prints, pb: _Prints, counted: str) -> Divergence:
+    """The answer where the runs first differ by a step one ran and the other did not: which, how often
+    either ran it there, how many others ran in one run only, and the first aligned step whose results differ."""
+    other, index, place = alone
+    rec, keys, module, _ = al.side(other)
+    step = rec.step(index)
+    which, whose = ("the other run", "the other run's ") if other else ("this run", "")
+    what = (step.module_path or step.name) + (f" ({step.object_text})" if step.object_text else "") \
+        if module[index] else step.name + (f" (in {step.module_path})" if step.module_path else "")
+    what = f"the backward of {what}" if step.phase == "backward" else what
+    place_key = keys[index, _PLACE]
+    mine = int(np.count_nonzero((keys[:, _PLACE] == place_key).all(axis=1)))
+    theirs_keys = al.side(not other)[1]
+    theirs = int(np.count_nonzero((theirs_keys[:, _PLACE] == place_key).all(axis=1)))
+    iteration = int(keys[index, _ITERATION])
+    if not theirs:
+        ran = f"{what} ran in {which} only, in iteration {iteration}"
+    elif mine != theirs:
+        ran = (f"{what} ran {_times(mine)} in iteration {iteration} in {which}, {_times(theirs)} in "
+               f"{'this run' if other else 'the other run'}")
+    else:
+        ran = f"{what} ran as call {step.call} of iteration {iteration} in {which} only"
+    before = f", before this run's step {place}" if other else ""
+    result.first_difference, result.unpaired, result.unpaired_other = al.rec_a.step(place), step, other
+    more = len(_compared(al, False)) + len(_compared(al, True)) - 1
+    also = (f"; {more} more step{'s' if more != 1 else ''} of those both runs recorded ran in one only"
+            if more > 0 else "")
+    then = f"; of the steps both ran, the results first differ at {describe(al.rec_a.step(at[0]))}" if at else ""
+    result.cause = (f"the runs first differ by a step that ran in one of them only: {ran} ({whose}{describe(step)}"
+                    f"{before}){also}{then}" + counted)
+    result.followed = _followers(al, place, pa, pb)
+    return result
+
+
+def _span(keys: np.ndarray) -> tuple[int, int]:
     """The first and last iteration of a recording's steps (from their alignment keys), as numbers."""
-    iterations = [int(k[0]) for k in keys]
-    return min(iterations), max(iterations)
+    return int(keys[:, _ITERATION].min()), int(keys[:, _ITERATION].max())
 
 
-def _nothing_in_common(keys_a: list[tuple[Any, ...]], keys_b: list[tuple[Any, ...]], counted: str) -> str:
+def _nothing_in_common(keys_a: np.ndarray, keys_b: np.ndarray, counted: str) -> str:
     """Why no step pairs: two recordings of iterations that do not overlap (two segments of one run, or one
     resumed run numbered from 0), or of different models."""
-    (a0, a1), (b0, b1) = (_span(keys_a), _span(keys_b)) if keys_a and keys_b else ((0, 0), (0, 0))
+    (a0, a1), (b0, b1) = (_span(keys_a), _span(keys_b)) if len(keys_a) and len(keys_b) else ((0, 0), (0, 0))
     if a1 < b0 or b1 < a0:
         def span(lo: int, hi: int) -> str:
             return f"iteration {lo}" if lo == hi else f"iterations {lo}–{hi}"
 
         text = (f"the two recordings cover disjoint iterations (this run: {span(a0, a1)}; the other run: "
                 f"{span(b0, b1)}), so no step is in both")
-        if {k[1:] for k in keys_a} & {k[1:] for k in keys_b}:  # the same steps, at other iteration numbers
+        rest = _combined(np.concatenate([keys_a[:, 1:], keys_b[:, 1:]]))
+        if len(np.intersect1d(rest[:len(keys_a)], rest[len(keys_a):])):  # the same steps, at other iteration numbers
             return (text + "; compare runs that recorded the same iterations, or, where one was resumed from a "
                     "checkpoint and numbered its iterations from 0, record it with start_iteration set to the "
                     "checkpoint's step (pdbg record --start-iteration N) so that both number them alike")
@@ -1353,8 +1590,13 @@ def _nothing_in_common(keys_a: list[tuple[Any, ...]], keys_b: list[tuple[Any, ..
 _OFFSET_CANDIDATES = 4096  # steps of the other run whose inputs are compared with those of the first that differs
 
 
-def _offset(keys_a: list[tuple[Any, ...]], keys_b: list[tuple[Any, ...]], at: tuple[int, int], pa: _Prints,
-            pb: _Prints) -> str:
+def _row(keys: np.ndarray, key: np.ndarray) -> int | None:
+    """The step whose alignment key is ``key``, or None."""
+    found = np.flatnonzero((keys == key).all(axis=1))
+    return int(found[0]) if len(found) else None
+
+
+def _offset(keys_a: np.ndarray, keys_b: np.ndarray, at: tuple[int, int], pa: _Prints, pb: _Prints) -> str:
     """Where the first step whose results differ got the inputs of the same step at a later iteration of
     the other run, and of no other iteration (an input that never changes says nothing), and so did the
     same step one iteration on: the runs number the same iterations differently (a run resumed from a
@@ -1362,24 +1604,31 @@ def _offset(keys_a: list[tuple[Any, ...]], keys_b: list[tuple[Any, ...]], at: tu
     def inputs(p: _Prints, index: int) -> dict[Any, Any]:
         return _parts(p, p.rec.step(index))[0]
 
+    def shifted(key: np.ndarray, by: int) -> np.ndarray:
+        out = key.copy()
+        out[_ITERATION] += by
+        return out
+
     sides = ((keys_a, pa, keys_b, pb, at[0], "this run", "the other run"),
              (keys_b, pb, keys_a, pa, at[1], "the other run", "this run"))
     for mine, p_mine, theirs, p_theirs, index, who, other in sides:
         key, wanted = mine[index], inputs(p_mine, index)
-        same = [k for k, o in enumerate(theirs) if o[1:] == key[1:]][:_OFFSET_CANDIDATES]
-        matches = [theirs[k][0] for k in same if inputs(p_theirs, k) == wanted]
-        if len(matches) != 1 or matches[0] <= key[0]:
+        iteration = int(key[_ITERATION])
+        same = np.flatnonzero((theirs[:, 1:] == key[1:]).all(axis=1))[:_OFFSET_CANDIDATES]
+        matches = [int(theirs[k, _ITERATION]) for k in same.tolist() if inputs(p_theirs, k) == wanted]
+        if len(matches) != 1 or matches[0] <= iteration:
             continue
         found = matches[0]
-        ahead = {k: i for i, k in enumerate(mine)}.get((key[0] + 1, *key[1:]))
-        later = {k: i for i, k in enumerate(theirs)}.get((found + 1, *key[1:]))
+        ahead = _row(mine, shifted(key, 1))
+        later = _row(theirs, shifted(key, found - iteration + 1))
         if ahead is not None and (later is None or inputs(p_mine, ahead) != inputs(p_theirs, later)):
             continue  # one iteration alike by chance (a batch drawn twice), not a numbering
         first = _span(mine)[0]
-        start = first + found - key[0]
-        return (f"{who}'s iteration {key[0]} had the inputs of {other}'s iteration {found}: {who} numbers the same "
-                f"iterations {found - key[0]} lower (resumed from a checkpoint and recorded from iteration {first}?); "
-                f"record it with start_iteration={start} (pdbg record --start-iteration {start}) to align them")
+        start = first + found - iteration
+        return (f"{who}'s iteration {iteration} had the inputs of {other}'s iteration {found}: {who} numbers the same "
+                f"iterations {found - iteration} lower (resumed from a checkpoint and recorded from iteration "
+                f"{first}?); record it with start_iteration={start} (pdbg record --start-iteration {start}) to align "
+                "them")
     return ""
 
 
@@ -1397,14 +1646,13 @@ def _counted_otherwise(rec_a: Recording, rec_b: Recording) -> str:
     return ""
 
 
-def _followers(pairs: list[tuple[int, int | None]], after: int, pa: _Prints, pb: _Prints, rec_a: Recording,
-               rec_b: Recording) -> list[Step]:
+def _followers(al: _Aligned, after: int, pa: _Prints, pb: _Prints) -> list[Step]:
     """The first SPREAD steps after ``after`` whose results differ because their inputs did."""
     found: list[Step] = []
-    for i, j in pairs:
-        if i <= after or j is None:
+    for i in np.flatnonzero(al.a >= 0).tolist():
+        if i <= after:
             continue
-        sa, sb = rec_a.step(i), rec_b.step(j)
+        sa, sb = al.rec_a.step(i), al.rec_b.step(int(al.a[i]))
         args_a, _, res_a = _parts(pa, sa)
         args_b, _, res_b = _parts(pb, sb)
         if res_a != res_b and args_a != args_b:
@@ -1420,16 +1668,14 @@ def _names(names: list[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def _unaligned(pairs: list[tuple[int, int | None]], last: tuple[int, int], at: tuple[int, int], rec_a: Recording,
-               rec_b: Recording) -> str:
+def _unaligned(al: _Aligned, last: tuple[int, int], at: tuple[int, int]) -> str:
     """The steps one run has and the other lacks between the aligned steps ``last`` and ``at``
     (a step added to one run, or called once more): where inputs that differ may have come from."""
-    paired = {j for _, j in pairs if j is not None}
-    only_a = [i for i in range(last[0] + 1, at[0]) if pairs[i][1] is None]
-    only_b = [j for j in range(last[1] + 1, at[1]) if j not in paired]
+    only_a = (np.flatnonzero(al.a[last[0] + 1: at[0]] < 0) + last[0] + 1).tolist()
+    only_b = (np.flatnonzero(al.b[last[1] + 1: at[1]] < 0) + last[1] + 1).tolist()
     parts = []
-    for steps, rec, which, before, other in ((only_a, rec_a, "this run", "it", "the other run"),
-                                             (only_b, rec_b, "the other run", f"its step {at[1]} (the same step)",
+    for steps, rec, which, before, other in ((only_a, al.rec_a, "this run", "it", "the other run"),
+                                             (only_b, al.rec_b, "the other run", f"its step {at[1]} (the same step)",
                                               "this run")):
         if steps:
             shown = "; ".join(describe(rec.step(k)) for k in steps[:3]) + (" ..." if len(steps) > 3 else "")

@@ -346,6 +346,8 @@ def divergence(d: Divergence) -> str:
     rows = [("root cause (run A)", step_ref(d.step, False) if d.step is not None else None),
             ("same step in run B", step_ref(d.other, False) if d.other is not None else None), ("cause", d.cause),
             ("first difference", step_ref(d.first_difference, False) if d.first_difference is not None else None),
+            (f"ran in run {'B' if d.unpaired_other else 'A'} only",
+             step_ref(d.unpaired, False) if d.unpaired is not None else None),
             ("steps compared", f"{d.compared:,}")]
     return block(title, fields(rows), _steps("followed (different inputs only)", d.followed, "steps"),
                  hint("div.step", "div.followed", "replayer.replay(rec_a, div.step)") if d.step is not None

@@ -968,6 +968,136 @@ def test_a_step_one_run_has_and_the_other_lacks_is_named(tmp_path: Path) -> None
                               "have made them"), div.cause
 
 
+class _Expert(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class _TopOne(torch.nn.Module):
+    """A top-1 mixture of experts whose router sends token t to expert ``route[t]``; an expert given no
+    token is not called (the usual ``if sel.numel() == 0: continue``)."""
+
+    def __init__(self, route: list[int]) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(_Expert() for _ in range(8))
+        self.route = route
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, chosen = torch.zeros_like(x), torch.tensor(self.route)
+        for e, expert in enumerate(self.experts):
+            sel = torch.where(chosen == e)[0]
+            if sel.numel() == 0:
+                continue
+            out = out.index_add(0, sel, expert(x.index_select(0, sel)))
+        return x + out
+
+
+class _TwoMoE(torch.nn.Module):
+    def __init__(self, route: list[int]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_TopOne(route), _TopOne([1, 1, 2, 2])])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _record_moe(path: Path, route: list[int], train: bool, modules: list[str] | None = None) -> replayer.Recording:
+    """Two MoE layers, the first routing four tokens by ``route`` (the second alike in every run). ``train``:
+    two iterations of SGD, recorded with --modules 'layers.*.experts.*'; else one forward under no_grad (an
+    evaluation), with 'layers.0.experts.*'; ``modules``: those instead."""
+    torch.manual_seed(0)
+    model = _TwoMoE(route)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    with recorder.record(path, model=model, optimizer=opt if train else None,
+                         modules=modules or ["layers.*.experts.*" if train else "layers.0.experts.*"]):
+        for _ in range(2 if train else 1):
+            if not train:
+                with torch.no_grad():
+                    model(x)
+                continue
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return replayer.open(path)
+
+
+def test_an_expert_that_got_other_tokens_is_compared_whichever_experts_ran(tmp_path: Path) -> None:
+    """Two evaluations of a top-1 MoE whose router sends token 2 to expert 5 instead of 3 in run B. Steps
+    paired by their call numbers, which count the calls of every expert (step _Expert): expert 3 was call 1
+    in one run and call 0 in the other, never paired, and was passed over for expert 6 (call 2 in both,
+    alike): "no divergence", exit 0. An expert's calls pair by their count at its module path."""
+    a = _record_moe(tmp_path / "a.zarr", [0, 3, 3, 6], train=False)
+    b = _record_moe(tmp_path / "b.zarr", [5, 3, 5, 6], train=False)
+    div = replayer.first_divergence(a, b)
+    first = div.first_difference
+    assert first is not None and first.module_path == "layers.0.experts.3" and div.step is None, div.cause
+    assert div.cause == (
+        "the results first differ at step 1: _Expert · layers.0.experts.3 · forward (no grad) · iteration 0 · call 1, "
+        "but its inputs differ too: this run has 1 step right before it that the other run lacks (this run's step 0: "
+        "_Expert · layers.0.experts.0 · forward (no grad) · iteration 0 · call 0), which may have made them")
+    res = pdbg("bisect", "a.zarr", "--against", "b.zarr", cwd=tmp_path)
+    assert res.returncode == 1 and res.stdout.splitlines()[0] == div.cause, res.stdout
+    assert replayer.first_divergence(a, a).cause == "no divergence: the 3 steps the runs have in common match"
+
+
+def test_an_expert_that_ran_in_one_run_only_is_where_they_differ(tmp_path: Path) -> None:
+    """Run B's router sends token 0 to expert 5 instead of expert 0, and every expert both runs called got
+    the same tokens. Expert 0 (call 0 in run A) and expert 5 (call 1 in run B) paired with nothing and were
+    forgotten: "no divergence" for the evaluation; the training's first difference was put in layer 1 ("came
+    from outside every recorded step") though layer 0, recorded, is where the runs part. A step one run ran
+    and the other did not, among those both recorded, is a difference, in the order they ran."""
+    a = _record_moe(tmp_path / "a.zarr", [0, 3, 6, 6], train=False)
+    b = _record_moe(tmp_path / "b.zarr", [5, 3, 6, 6], train=False)
+    div = replayer.first_divergence(a, b)
+    assert div.cause == (
+        "the runs first differ by a step that ran in one of them only: layers.0.experts.0 ran in this run only, in "
+        "iteration 0 (step 0: _Expert · layers.0.experts.0 · forward (no grad) · iteration 0 · call 0); 1 more step of "
+        "those both runs recorded ran in one only")
+    assert div.step is None and div.unpaired is not None and not div.unpaired_other
+    assert div.unpaired.index == 0 and div.first_difference is not None and div.first_difference.index == 0
+    assert "ran in run A only" in div._repr_html_()
+    div = replayer.first_divergence(b, a)
+    assert div.unpaired is not None and div.unpaired_other and div.unpaired.module_path == "layers.0.experts.0"
+    assert div.cause == (
+        "the runs first differ by a step that ran in one of them only: layers.0.experts.0 ran in the other run only, "
+        "in iteration 0 (the other run's step 0: _Expert · layers.0.experts.0 · forward (no grad) · iteration 0 · call "
+        "0, before this run's step 0); 1 more step of those both runs recorded ran in one only")
+    res = pdbg("bisect", "b.zarr", "--against", "a.zarr", "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and doc["unpaired"]["module_path"] == "layers.0.experts.0"
+    assert doc["unpaired"]["run"] == "other" and doc["first_difference"]["index"] == 0
+
+    a = _record_moe(tmp_path / "ta.zarr", [0, 3, 6, 6], train=True)
+    b = _record_moe(tmp_path / "tb.zarr", [5, 3, 6, 6], train=True)
+    div = replayer.first_divergence(a, b)
+    assert div.cause.startswith("the runs first differ by a step that ran in one of them only: layers.0.experts.0 "
+                                "ran in this run only, in iteration 0 (step 0: _Expert · layers.0.experts.0 · "
+                                "forward · iteration 0 · call 0); "), div.cause
+    assert div.cause.endswith("; of the steps both ran, the results first differ at step 3: _Expert · "
+                              "layers.1.experts.1 · forward · iteration 0 · call 3"), div.cause
+    assert div.unpaired is not None and (div.unpaired.module_path, div.unpaired.index) == ("layers.0.experts.0", 0)
+    res = pdbg("bisect", "ta.zarr", "--against", "tb.zarr", cwd=tmp_path)
+    assert res.returncode == 1 and res.stdout.splitlines()[0] == div.cause
+    a = _record_moe(tmp_path / "moved.zarr", [0, 3, 3, 6], train=True)  # expert 3 got a token less: it is named
+    div = replayer.first_divergence(a, _record_moe(tmp_path / "moved_b.zarr", [5, 3, 5, 6], train=True))
+    assert div.first_difference is not None and div.first_difference.module_path == "layers.0.experts.3", div.cause
+    assert replayer.first_divergence(a, a).cause == f"no divergence: the {len(a)} steps the runs have in common match"
+    layers = ["layers.*", "layers.*.experts.*"]  # the MoE layer recorded too: the root cause, with what ran inside it
+    div = replayer.first_divergence(_record_moe(tmp_path / "la.zarr", [0, 3, 6, 6], True, layers),
+                                    _record_moe(tmp_path / "lb.zarr", [5, 3, 6, 6], True, layers))
+    assert div.step is not None and div.step.module_path == "layers.0", div.cause
+    assert div.cause.endswith("attribute route: [0, 3, 6, 6] in this run, [5, 3, 6, 6] in the other; inside it, 1 "
+                              "step ran in this run only (layers.0.experts.0) and 1 step ran in the other only "
+                              "(layers.0.experts.5)"), div.cause
+
+
 def _record_segment(path: Path, first: int, stop: int, start_iteration: int | None = None) -> replayer.Recording:
     """A deterministic training (batches by the run's step) recorded from step ``first`` to ``stop``: a
     segment resumed from a checkpoint of step ``first`` when it is above 0, numbered from
