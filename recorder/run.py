@@ -109,7 +109,9 @@ class Run:
         self.started = time.time()
         try:
             store = backend.open_store(path, mode="w", storage_options=storage_options)  # a URL: checked here
-            attrs = {**run_metadata(self.started, mode, every, script, main_module, start_iteration), **self.dist}
+            attrs = {**run_metadata(self.started, mode, every, script, main_module, start_iteration), **self.dist,
+                     # its module globs (a diff tells a module the other run did not select from one that did not run)
+                     "modules": [modules] if isinstance(modules, str) else list(modules or [])}
             writer = StoreWriter(store, run_attrs=attrs, compression=compression, rank=rank,
                                  world_size=self.dist["world_size"])
         except OSError as exc:

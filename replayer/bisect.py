@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import snapshot, transforms
+from recorder import autohooks, snapshot, transforms
 from recorder.errors import PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
@@ -1486,13 +1486,47 @@ def _compared(al: _Aligned, other: bool) -> np.ndarray:
     """The steps of a run (``other``: run B's) that ran there only, among those both runs recorded: from the
     first iteration with a step of both to the run's last step that pairs. Those before (a run resumed
     from a checkpoint) and after it (a run longer than the other) are not; nor, against a bundle of one
-    step and those inside it, any (it lacks the rest of its iteration)."""
+    step and those inside it, any (it lacks the rest of its iteration); nor those of a step the other run
+    never recorded at all, in any iteration (a module only one run's ``modules=`` chose: recorded in one
+    only, which says nothing of what ran)."""
     _, keys, _, pairs = al.side(other)
     paired = np.flatnonzero(pairs >= 0)
     if _one_step(al.side(not other)[0]) or not len(paired):
         return np.zeros(0, np.int64)
     stop = int(paired[-1])
-    return np.flatnonzero((pairs[:stop] < 0) & (keys[:stop, _ITERATION] >= keys[paired[0], _ITERATION]))
+    steps = np.flatnonzero((pairs[:stop] < 0) & (keys[:stop, _ITERATION] >= keys[paired[0], _ITERATION]))
+    return steps[_recorded_there(al, other, steps)]
+
+
+def _recorded_there(al: _Aligned, other: bool, steps: np.ndarray) -> np.ndarray:
+    """Per step of one run (``other``: run B's), whether the other run would have recorded it had it run
+    there: a paper step's, or a module step at a path the other run's ``modules`` globs select. For a
+    recording that does not list its globs (before 2026-12-06), whether the other run recorded a step of
+    its name and paper label at all (the other run's experts, not a class only this run chose)."""
+    rec, keys, module, _ = al.side(other)
+    there = al.side(not other)[0]
+    globs = there.run_info.get("modules")
+    if isinstance(globs, list) and all(isinstance(g, str) for g in globs):
+        try:
+            patterns = autohooks.parse_globs(globs)
+        except RecordingError:
+            patterns = None
+        if patterns is not None:
+            labels = _column(rec, "definition")
+            out = np.ones(len(steps), bool)
+            chosen: dict[str, bool] = {}
+            for n, k in enumerate(steps.tolist()):
+                if not module[k] or paper_of(rec.rank.doc(int(labels[k]))).get("label") is not None:
+                    continue  # a paper step is recorded wherever it runs
+                path = rec.step(k).module_path
+                if path not in chosen:
+                    chosen[path] = any(autohooks.glob_matches(p, path) for p in patterns)
+                out[n] = chosen[path]
+            return out
+    theirs = al.side(not other)[1]
+    where = [_NAME, _LABEL]
+    ids = _combined(np.concatenate([keys[steps][:, where], theirs[:, where]]))
+    return np.isin(ids[:len(steps)], ids[len(steps):])
 
 
 def _first_unpaired(al: _Aligned, at: tuple[int, int] | None, named: tuple[int, int] | None

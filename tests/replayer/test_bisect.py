@@ -25,6 +25,7 @@ from replayer.bisect import Condition, ConditionError
 from tests.cli import pdbg_here as pdbg
 from tests.models import poison_at, record_ema, record_training
 from tests.replayer import nanmodels
+from tests.sealing import write_sealed
 
 SCALES = (1.0, 10.0, 1000.0, 1.0)  # the third iteration makes exp overflow
 
@@ -1096,6 +1097,28 @@ def test_an_expert_that_ran_in_one_run_only_is_where_they_differ(tmp_path: Path)
     assert div.cause.endswith("attribute route: [0, 3, 6, 6] in this run, [5, 3, 6, 6] in the other; inside it, 1 "
                               "step ran in this run only (layers.0.experts.0) and 1 step ran in the other only "
                               "(layers.0.experts.5)"), div.cause
+
+
+def test_a_module_only_one_run_chose_to_record_is_no_difference(tmp_path: Path) -> None:
+    """The same training recorded twice, with more modules chosen the first time: the second run's
+    steps pair with the first's, and the experts it did not select did not "run in this run only"
+    (the run lists its globs; a recording that does not is judged by the step names the other has)."""
+    a = _record_moe(tmp_path / "all.zarr", [0, 3, 6, 6], True, ["layers.*.experts.*", "layers.*"])
+    b = _record_moe(tmp_path / "some.zarr", [0, 3, 6, 6], True, ["layers.0.experts.*"])
+    assert b.run_info["modules"] == ["layers.0.experts.*"]
+    for x, y in ((a, b), (b, a)):
+        div = replayer.first_divergence(x, y)
+        assert div.cause.startswith("no divergence: ") and div.unpaired is None, div.cause
+    # without the globs: layers.1's experts are steps of a name the other run has, so they are taken for
+    # experts that ran in this run only; the MoE layers are of a name it lacks, so they are not
+    for meta_path in [tmp_path / "some.zarr" / "zarr.json", *sorted((tmp_path / "some.zarr").glob("rank*/zarr.json"))]:
+        meta = json.loads(meta_path.read_text())
+        ours = meta.get("attributes", {}).get(layout.ATTRS_KEY)
+        if isinstance(ours, dict) and isinstance(ours.get("run"), dict):
+            ours["run"].pop("modules")
+            write_sealed(meta_path, meta)
+    div = replayer.first_divergence(replayer.open(tmp_path / "all.zarr"), replayer.open(tmp_path / "some.zarr"))
+    assert div.unpaired is not None and div.unpaired.module_path.startswith("layers.1.experts."), div.cause
 
 
 def _record_segment(path: Path, first: int, stop: int, start_iteration: int | None = None) -> replayer.Recording:
