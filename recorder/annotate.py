@@ -17,14 +17,15 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from . import capture, skeleton, snapshot
+from . import capture, jsonval, skeleton, snapshot
 
 T = TypeVar("T")
 
@@ -145,6 +146,48 @@ def code_info(target: Any) -> dict[str, Any]:
         script = getattr(main, "__file__", None)
         info["script"] = os.path.abspath(script) if script else None
     return info
+
+
+# Per class: where it is defined and its source's SHA-256, or None (torch's, an installed package's, no
+# source): found once per class, however many modules of it a recording meets.
+_CLASS_CODE: weakref.WeakKeyDictionary[type, dict[str, Any] | None] = weakref.WeakKeyDictionary()
+
+
+def class_code(cls: type) -> dict[str, Any] | None:
+    """``{"file", "line", "source_sha256"}`` of a class that is the training code's own (a script, a project
+    on the path: ``jsonval.user_code``), found once per class; None for torch's and installed packages'
+    classes (the recorded versions cover those), one defined inside a function (no replay finds it again)
+    and one whose source cannot be read."""
+    try:
+        return _CLASS_CODE[cls]
+    except KeyError:
+        pass
+    except TypeError:  # a metaclass that makes its classes unhashable
+        return None
+    module = getattr(cls, "__module__", None)
+    qualname = getattr(cls, "__qualname__", None)
+    found = None
+    if isinstance(module, str) and isinstance(qualname, str) and "<" not in qualname and (
+            module == "__main__" or jsonval.user_code(module)):  # (__main__: a notebook's too, which has no file)
+        try:
+            with _SOURCE_LOCK:
+                info = code_info(cls)
+        except Exception:  # noqa: BLE001 - a class inspect cannot place: not hashed, the recording goes on
+            info = {"source_sha256": None}
+        if info["source_sha256"]:
+            found = {"file": info["file"], "line": info["line"], "source_sha256": info["source_sha256"]}
+    _CLASS_CODE[cls] = found
+    return found
+
+
+def submodule_code(classes: Iterable[type]) -> dict[str, dict[str, Any]]:
+    """``{"module:QualName": class_code(cls)}`` for those of ``classes`` that are the training code's own."""
+    out = {}
+    for cls in classes:
+        code = class_code(cls)
+        if code is not None:
+            out[jsonval.type_ref(cls)] = code
+    return out
 
 
 def _check_label(label: Any, **texts: Any) -> None:

@@ -193,16 +193,26 @@ def _link(value: Any, owned: dict[int, list[str]], depth: int = 0) -> Any:
     return _NO_LINK
 
 
-def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The skeleton of ``module`` and its submodules (plain JSON; shared subtrees via ``memo``)."""
-    if memo is None:  # the top: also which parameter names are the same tensor as an earlier one
-        memo = {}
-        doc = build(module, memo)
+def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None,
+          classes: dict[type, None] | None = None) -> dict[str, Any]:
+    """The skeleton of ``module`` and its submodules (plain JSON; shared subtrees via ``memo``; the
+    classes of the submodules met into ``classes``)."""
+    if memo is None:  # the top: also which parameter names are the same tensor as an earlier one, and the
+        memo, classes = {}, {}  # code of the submodules' classes that are the training code's own
+        doc = build(module, memo, classes)
         tied = tied_parameters(module)
-        return {**doc, "tied": tied} if tied else doc
+        if tied:
+            doc = {**doc, "tied": tied}
+        classes.pop(own_class(module), None)  # (the step's own: its definition holds it)
+        from .annotate import submodule_code  # annotate imports this module
+
+        code = submodule_code(classes)
+        return {**doc, "submodule_code": code} if code else doc
     found = memo.get(id(module))
     if found is not None:
         return found
+    if classes is not None:
+        classes[own_class(module)] = None
     attrs: dict[str, Any] = {}
     unrecorded: dict[str, str] = {}
     linked: dict[str, Any] = {}
@@ -242,7 +252,7 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
     if other_hooks:
         doc["other_hooks"] = other_hooks
     memo[id(module)] = doc
-    doc["children"] = {name: None if child is None else build(child, memo)
+    doc["children"] = {name: None if child is None else build(child, memo, classes)
                        for name, child in module._modules.items()}
     return doc
 

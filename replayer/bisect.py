@@ -1770,6 +1770,7 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
                        "can be summed by the kernels in another order")
     if sa.definition.get("source_sha256") != sb.definition.get("source_sha256"):
         reasons.append("its code differs between the runs")
+    reasons += _submodule_code_differences(sa, sb)
     reasons += _module_differences(sa, sb)
     if sa.settings != sb.settings:
         keys = sorted(k for k in set(sa.settings) | set(sb.settings) if sa.settings.get(k) != sb.settings.get(k))
@@ -1818,6 +1819,17 @@ def _module_doc(step: Step) -> dict[str, Any]:
     if not isinstance(doc, dict) and step.phase == "backward" and step.forward is not None:
         doc = step.rec.step(step.forward)._doc("module")
     return doc if isinstance(doc, dict) else {}
+
+
+def _submodule_code_differences(sa: Step, sb: Step) -> list[str]:
+    """The classes of the training code's own among the submodules of two aligned module steps whose recorded
+    code differs between the runs (schema 1.17: a recording before it holds none to compare)."""
+    from .code import submodule_entries, submodule_label
+
+    theirs = {ref: entry for ref, entry, _ in submodule_entries(_module_doc(sb), sb.module_path)}
+    return [f"the code of {submodule_label(ref, sa.name, paths)} differs between the runs"
+            for ref, entry, paths in submodule_entries(_module_doc(sa), sa.module_path)
+            if ref in theirs and theirs[ref]["source_sha256"] != entry["source_sha256"]]
 
 
 def _module_differences(sa: Step, sb: Step) -> list[str]:

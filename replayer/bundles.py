@@ -14,6 +14,7 @@ the chunks are compressed already. ``bundle.json`` at its root says which step i
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import re
@@ -41,7 +42,7 @@ from recorder.store.writer import StoreWriter
 from . import recipes as recipes_mod
 from . import state
 from .bisect import step_flags, subtree
-from .code import SESSION_SCRIPT, made_here, package_root
+from .code import SESSION_SCRIPT, made_here, package_root, source_in, static_source, submodule_entries, submodule_label
 from .recording import BUNDLE_FORMAT, BUNDLE_KEY, Recording, Step
 
 FORMAT = BUNDLE_FORMAT
@@ -66,6 +67,9 @@ class BundleInfo:
     not_verified: str | None = None  # verify asked, the step could not be replayed here: why (a GPU step, no GPU)
     unreplayable: str | None = None  # not verified, and its documents tell a replay is refused: why
     verified_with: dict[str, Any] | None = None  # what the verifying replay ran with (bundle.json's, FORMAT.md)
+    # code not as recorded: what the verifying replay found changed, and carried copies of submodule classes that
+    # changed since recording (a replay with the bundled source runs them)
+    code_notes: list[str] = field(default_factory=list)
 
     @property
     def main(self) -> int:
@@ -74,11 +78,11 @@ class BundleInfo:
 
     def to_json(self) -> dict[str, Any]:
         """``pdbg bundle --json``: {"path", "bytes", "steps", "verified", "main_step", "script", "sources",
-        "not_verified", "unreplayable", "verified_with"}."""
+        "not_verified", "unreplayable", "verified_with", "code_notes"}."""
         return {"path": str(self.path), "bytes": self.bytes, "steps": self.steps, "verified": self.verified,
                 "main_step": self.main_step, "script": str(self.script) if self.script else None,
                 "sources": self.sources, "not_verified": self.not_verified, "unreplayable": self.unreplayable,
-                "verified_with": self.verified_with}
+                "verified_with": self.verified_with, "code_notes": self.code_notes}
 
     def __repr__(self) -> str:
         verified = {True: "verified: bitwise match", False: "verified: MISMATCH", None: "not verified"}[self.verified]
@@ -121,6 +125,16 @@ def _sources(rec: Recording, steps: list[Step], script: str | None) -> tuple[dic
     ``_SOURCE_BYTES``: the step's own files and the script first."""
     seeds = [(str(s.definition.get("ref", "")).partition(":")[0], s.definition.get("file"), s.definition.get("source"))
              for s in steps]
+    for s in steps:  # the files of its submodules' classes (1.17) that hold the class as recorded (by its hash: a
+        for ref, entry, _ in submodule_entries(s._doc("module")):  # recording from someone else may name any file)
+            name, _, qualname = ref.partition(":")
+            file = entry["file"]
+            if name == "__main__" or not isinstance(file, str) or not file.endswith(".py") or installed(file) or \
+                    any(seed[1] == file for seed in seeds):
+                continue
+            now = static_source(file, qualname)
+            if now is not None and hashlib.sha256(now.encode()).hexdigest() == entry["source_sha256"]:
+                seeds.append((name, file, None))
     if _needs_main(steps):  # the script only where the steps name code it defined (not a launcher's settings)
         seeds.append(("__main__", script, None))
     cwd = rec.run_info.get("cwd")
@@ -361,6 +375,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
             backend.put(backend.open_store(store_dir, mode="w"), recipes_mod.KEY,
                         json.dumps(carried, indent=1).encode())
         verified, not_verified, verified_with = None, None, None
+        notes = _carried_drift(steps, sources)
         if verify:
             backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta).encode())
             from .replay import Replayer
@@ -380,6 +395,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                 meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
                                     "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings,
                                     "environment": verified_with}
+                notes = [w for w in result.warnings if "changed since recording" in w] + notes
         backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta, indent=1).encode())
         partial = work / "bundle.zip"
         with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED) as archive:
@@ -393,7 +409,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
 
     refusal = None if verify else known_refusal(main)
     return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro, sorted(sources), not_verified,
-                      refusal, verified_with)
+                      refusal, verified_with, notes)
 
 
 def _verifying_environment(step: Step) -> dict[str, Any]:
@@ -462,6 +478,26 @@ def verification_note(rec: Recording) -> str | None:
     differences = state.environment_differences(env, verified=True)
     return (f"bundle verified when made: {verdict}, with {environment_text(env, rec.run_info)}; here "
             + ("the same" if not differences else "differs: " + "; ".join(differences)))
+
+
+def _carried_drift(steps: list[Step], sources: dict[str, str]) -> list[str]:
+    """A sentence for each class of the steps' submodules (1.17) whose copy in a carried file is not the
+    recorded code: a replay with ``--use-bundled-source`` runs that copy."""
+    out, seen = [], set()
+    for s in steps:
+        for ref, entry, paths in submodule_entries(s._doc("module"), s.module_path):
+            text = sources.get(entry["file"]) if isinstance(entry["file"], str) else None
+            if ref in seen or text is None:
+                continue
+            seen.add(ref)
+            copy = source_in(text, ref.partition(":")[2])
+            if copy is None or hashlib.sha256(copy.encode()).hexdigest() != entry["source_sha256"]:
+                label = submodule_label(ref, s.name, paths)
+                out.append(f"the carried {entry['file']} holds {label} changed since recording: a replay with "
+                           "--use-bundled-source runs that code" if copy is not None else
+                           f"the carried {entry['file']} no longer defines {label}: a replay with "
+                           "--use-bundled-source cannot rebuild it")
+    return out
 
 
 def _renumbered(message: str, rows: list[int]) -> str:

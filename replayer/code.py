@@ -494,6 +494,20 @@ class CodeLoader:
             return f"code of {name} changed since recording ({self._where_now(obj, where)})"
         return None
 
+    def submodule_drift(self, doc: Any, owner: str, module_path: str, classes: dict[str, Any]) -> list[str]:
+        """A sentence for each class of the training code's own among a module step's submodules whose code
+        now differs from the recorded code (the skeleton's ``submodule_code``, 1.17), or cannot be read;
+        ``doc``: the step's module skeleton, ``owner``: the step's name, ``classes``: the rebuilt module's
+        classes by reference (the code the replay runs: nothing else is imported)."""
+        out = []
+        for ref, entry, paths in submodule_entries(doc, module_path):
+            cls = classes.get(ref)
+            if cls is not None:
+                drift = self.drift({**entry, "name": submodule_label(ref, owner, paths)}, cls)
+                if drift:
+                    out.append(drift)
+        return out
+
     def _where_now(self, obj: Any, recorded: str) -> str:
         """``file:line`` of ``obj``'s code as loaded now, and where it was recorded when that differs
         (a script moved and given with --script)."""
@@ -504,6 +518,50 @@ class CodeLoader:
             except (OSError, TypeError):
                 return recorded
         return now if now == recorded else f"{now}; recorded at {recorded}"
+
+
+def submodule_entries(doc: Any, module_path: str = "") -> list[tuple[str, dict[str, Any], list[str]]]:
+    """``(class reference, {"file", "line", "source_sha256"}, paths)`` for each class a module skeleton's
+    ``submodule_code`` (1.17) holds the code of, with the paths (under ``module_path``) of the submodules
+    of that class, in the skeleton's order; a reference no submodule has, or an entry of another form (a
+    recording from someone else may hold anything), is left out."""
+    code = doc.get("submodule_code") if isinstance(doc, dict) else None
+    if not isinstance(code, dict) or not code:
+        return []
+    places: dict[str, list[str]] = {}
+    stack: list[tuple[Any, str]] = [(doc, module_path)]
+    while stack:
+        node, path = stack.pop()
+        children = node.get("children") if isinstance(node, dict) else None
+        if not isinstance(children, dict):
+            continue
+        below = []
+        for name, child in children.items():
+            if isinstance(child, dict):
+                where = f"{path}.{name}" if path else str(name)
+                if isinstance(child.get("class"), str):
+                    places.setdefault(child["class"], []).append(where)
+                below.append((child, where))
+        stack.extend(reversed(below))
+    out = []
+    for ref, entry in code.items():
+        if ref in places and isinstance(entry, dict) and isinstance(entry.get("source_sha256"), str):
+            file, line = entry.get("file"), entry.get("line")
+            out.append((ref, {"file": file if isinstance(file, str) else None,
+                              "line": line if isinstance(line, int) and not isinstance(line, bool) else None,
+                              "source_sha256": entry["source_sha256"]}, places[ref]))
+    return out
+
+
+def submodule_place(owner: str, paths: list[str]) -> str:
+    """``a submodule of Block: blocks.0.mlp``: where a submodule class is, as messages say it."""
+    return f"a submodule of {owner}: " + ", ".join(paths[:2]) + (f" and {len(paths) - 2} more" if len(paths) > 2
+                                                                 else "")
+
+
+def submodule_label(ref: str, owner: str, paths: list[str]) -> str:
+    """``MLP (a submodule of Block: blocks.0.mlp)``: a submodule class as messages name it."""
+    return f"{ref.partition(':')[2] or ref} ({submodule_place(owner, paths)})"
 
 
 def find_module_file(name: str, dirs: list[str]) -> Path | None:
@@ -524,8 +582,16 @@ def static_source(file: str | os.PathLike[str], qualname: str) -> str | None:
     read with ``ast``: nothing is imported or run."""
     try:
         text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return source_in(text, qualname)
+
+
+def source_in(text: str, qualname: str) -> str | None:
+    """``static_source`` of the text of a file (a bundle's copy)."""
+    try:
         tree = ast.parse(text)
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+    except (SyntaxError, ValueError, RecursionError):
         return None
     nodes: list[ast.stmt] = tree.body
     node: ast.stmt | None = None

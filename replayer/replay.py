@@ -29,14 +29,14 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from recorder import capture, jsonval, snapshot, taps
+from recorder import capture, jsonval, skeleton, snapshot, taps
 from recorder.errors import NewerSchemaError, NotOnThisMachine, PdbgError, ReplayError, UnknownTagError, brief
 from recorder.payload import dtype_name, overlaps_itself
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
 from . import collectives, intervene, state
-from .code import CodeLoader
+from .code import CodeLoader, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, descendants
 from .rebuild import Builder, load_state, unresolved
@@ -492,6 +492,10 @@ class Replayer:
                                    "values (a likely cause of any difference)")
         if not result.compared or not self.plan.empty:
             return
+        if call.code_drift:  # a submodule's class whose code is not what the recorded call ran
+            drifted = set(call.code_drift)
+            result.warnings[:] = [f"{w}: a likely cause of the difference" if w in drifted else w
+                                  for w in result.warnings]
         if call.unchecked:
             result.warnings.append(f"the step's code reads the module-level {'; '.join(call.unchecked)}, whose "
                                    "recorded binding a replay cannot import to compare with the one loading the "
@@ -504,7 +508,18 @@ class Replayer:
                 result.warnings.append(self._repository)
             else:
                 result.warnings += _files_changed_since(self.rec.run_info, call, self.loader.script)
-        if layout.parse_version(self.rec.reader.schema_version) < (1, 16):
+        version = layout.parse_version(self.rec.reader.schema_version)
+        if version < layout.SUBMODULE_CODE_SINCE and call.module is not None:
+            own = skeleton.own_class(call.module)
+            users = [c.__qualname__ for c in call.classes.values() if c is not own and isinstance(
+                where := getattr(c, "__module__", None), str) and (where == "__main__" or jsonval.user_code(where))]
+            if users:
+                result.warnings.append(
+                    f"recorded with schema {self.rec.reader.schema_version}, before 1.17, which held no hash of the "
+                    f"code of a module's submodule classes: whether that of {', '.join(users[:4])}"
+                    f"{' ...' if len(users) > 4 else ''} changed since recording cannot be checked (a likely cause "
+                    "of the difference if it did)")
+        if version < (1, 16):
             doubts = f" ({'; '.join(call.order_doubts)} may have run in another order)" if call.order_doubts else ""
             result.warnings.append(
                 f"recorded with schema {self.rec.reader.schema_version}, before 1.16: its documents held a module's "
@@ -609,6 +624,10 @@ class Replayer:
             module = built.module
             warnings.extend(built.warnings)
             rebuilt.update({join_path(step.module_path, k): v for k, v in built.how.items()})
+            # the code of its submodules' classes (the rebuilt module's, before any swap) against the recorded
+            classes = {jsonval.type_ref(c): c for c in dict.fromkeys(skeleton.own_class(m) for m in module.modules())}
+            code_drift = self.loader.submodule_drift(module_doc, step.name, step.module_path, classes)
+            warnings.extend(code_drift)
             # (a lazy module's parameters before its first call: left uninitialized, as the call found them)
             params = {r.name: self._edit(r.name, _materialize(step, r, self.plan.notes)) for r in records
                       if r.role == "param" and r.name not in lazy}
@@ -632,7 +651,7 @@ class Replayer:
             held, unset = self._module_rngs(recorded_rng, module, warnings)
             fn: Any = module
         else:
-            module = None
+            module, classes, code_drift = None, {}, []
             target = self.loader.resolve(defn.get("ref", ""), defn.get("file"))
             if getattr(target, "__pdbg_step__", None) is None:  # a recording names it: only ever a paper step
                 raise ReplayError(f"{defn.get('ref')} is not a paper step (a function decorated with "
@@ -656,7 +675,7 @@ class Replayer:
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, vmap,
                      built.unrecorded if module_doc is not None else [], rngs, unread, held, unset, unchecked,
                      built.left_out if module_doc is not None else [],
-                     built.order_doubts if module_doc is not None else [])
+                     built.order_doubts if module_doc is not None else [], code_drift, classes)
 
     def _one_storage(self, step: Step, members: dict[str, int], tensors: dict[str, TensorRecord],
                      grads: frozenset[str], given: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> None:
@@ -932,8 +951,12 @@ class Replayer:
                               & (table.column("name")[lo:hi] == fwd.name) & (phase[lo:hi] == 1)) + lo
 
     def _inner_drift(self, result: ReplayResult) -> None:
-        """Drift of the inner steps' code: an inner step that diverges is often one whose code changed."""
-        seen: set[str] = set()
+        """Drift of the inner steps' code: an inner step that diverges is often one whose code changed. (Those
+        of its submodules' classes the step's own check compared are not said again.)"""
+        step = result.step
+        doc = step._doc("module") if step.phase == "forward" or step.forward is None else \
+            self.rec.step(step.forward)._doc("module")
+        seen = {ref for ref, _, _ in submodule_entries(doc)}
         for inner in result.inner:
             defn = inner.step.definition
             ref = defn.get("ref")
@@ -1429,6 +1452,8 @@ class _Call:
     unchecked: list[str] = field(default_factory=list)
     left_out: list[str] = field(default_factory=list)  # what the module was rebuilt without (Rebuilt.left_out)
     order_doubts: list[str] = field(default_factory=list)  # (before 1.16) children that may be out of order
+    code_drift: list[str] = field(default_factory=list)  # submodule classes whose code changed since recording
+    classes: dict[str, Any] = field(default_factory=dict)  # the rebuilt module's classes, by reference
 
     def run(self) -> Any:
         # (given back as they were: a notebook's own generators, a module another call of the pass runs on too)

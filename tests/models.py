@@ -209,3 +209,89 @@ def record_fine_tuning(path: Path, iterations: int = 3, unfreeze_at: int = 2) ->
             loss.backward()
             opt.step()
     return path
+
+
+# A model of the user's own module file, recorded with record(modules=...) in a fresh process: each Block holds
+# an MLP and a Gate of that file (and torch's LayerNorm and Linear); edit_mlp changes MLP's code afterwards.
+SUBMODEL = '''
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, 2 * d)
+        self.proj = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.proj(torch.relu(self.fc(x)))
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        return torch.sigmoid(x)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return x + self.gate(x) * self.mlp(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+'''
+
+SUBMODEL_TRAIN = '''
+import sys
+import torch
+import recorder
+from submodel import Net
+
+torch.manual_seed(0)
+model = Net(4, 2)
+with recorder.record(sys.argv[1], model=model, modules="blocks.*", mode="full"):
+    model(torch.randn(2, 4)).sum().backward()
+'''
+
+
+def record_submodel(where: Path, name: str = "run.zarr") -> Path:
+    """Write ``submodel.py`` (SUBMODEL) and ``train.py`` into ``where``, unless there, and record two Blocks'
+    calls (forward and backward) into ``where / name`` in a fresh process."""
+    import subprocess
+    import sys
+
+    from tests.cli import env
+
+    if not (where / "submodel.py").exists():
+        (where / "submodel.py").write_text(SUBMODEL)
+        (where / "train.py").write_text(SUBMODEL_TRAIN)
+    res = subprocess.run([sys.executable, "train.py", name], cwd=where, capture_output=True, text=True, timeout=300,
+                         check=False, env=env())
+    assert res.returncode == 0, res.stderr
+    return where / name
+
+
+def edit_mlp(where: Path) -> Path:
+    """Change MLP's forward in ``where / "submodel.py"`` (a bug fixed after recording), its modification time
+    left as it was (a checkout that keeps times, a copy with rsync -t): only the code tells. Returns the file."""
+    import os
+
+    module = where / "submodel.py"
+    times = module.stat()
+    module.write_text(module.read_text().replace("torch.relu(self.fc(x))", "torch.relu(self.fc(x) + 0.01)"))
+    os.utime(module, ns=(times.st_atime_ns, times.st_mtime_ns))
+    return module

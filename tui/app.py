@@ -156,6 +156,7 @@ class StepPane(ScrollView, can_focus=True):
         super().__init__(**kwargs)
         self.view: views.StepView | None = None
         self.drift: str | None = None
+        self.code_drift: list[str] = []  # the classes of its submodules whose code changed since recording
         self.message: Text | None = None  # shown instead of a step ("no steps committed yet")
         self.title = Text()
         self._syntax: dict[tuple[str, int | None], Text] = {}
@@ -164,14 +165,15 @@ class StepPane(ScrollView, can_focus=True):
         self._table_at = -1  # the line of the first tensor row
 
     # -- contents --------------------------------------------------------------------------------
-    def show(self, view: views.StepView, drift: str | None) -> None:
+    def show(self, view: views.StepView, drift: str | None, code_drift: list[str] | None = None) -> None:
         self.view, self.drift, self.message = view, drift, None
+        self.code_drift = list(code_drift or ())
         self.title = Text.assemble((view.title, "bold"), "  ", (view.status, views.STATUS_STYLE[view.status]))
         self.set_reactive(StepPane.selected, 0)
         self._changed()
 
     def show_message(self, message: Text | str) -> None:
-        self.view, self.drift = None, None
+        self.view, self.drift, self.code_drift = None, None, []
         self.message = self.title = message if isinstance(message, Text) else Text(message)
         self._changed()
 
@@ -281,6 +283,7 @@ class StepPane(ScrollView, can_focus=True):
             where = f"{view.source_file}:{view.source_line}"
             parts.append(Text.assemble((where, "dim"), ("  " + self.drift, "bold yellow") if self.drift else "",
                                        no_wrap=True, overflow="ellipsis"))
+            parts += [Text(d, style="bold yellow") for d in self.code_drift]
             key = (view.source, view.source_line)
             syntax = self._syntax.get(key)
             if syntax is None:  # highlighting is the costly part of a step change: once per code
@@ -682,6 +685,7 @@ class PdbgApp(App[None]):
         self.panel_text: Text | str = ""
         self.panel_full: Text | str = ""  # the panel's result whole (a replay's every tensor and warning)
         self._drifts: dict[int, str | None] = {}
+        self._code_states: dict[tuple[Any, ...], str] = {}  # a submodule class's code now: once per class and hash
 
     # -- layout --------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -769,7 +773,7 @@ class PdbgApp(App[None]):
                                   " and holds none")
                 pane.border_title = None
                 return
-            pane.show(views.step_view(step), self._drift(step))
+            pane.show(views.step_view(step), self._drift(step), self._code_drift(step))
         except PdbgError as exc:  # a damaged part of the recording: say so, keep the app usable
             pane.show_message(Text(f"cannot show this step: {exc}", style="red"))
             return
@@ -786,6 +790,28 @@ class PdbgApp(App[None]):
             state = drift_without_running(step.definition, self.rec.run_info, CodeLoader(self.rec.run_info).dirs)
             self._drifts[key] = f"✎ {state}" if state.startswith("changed") else None
         return self._drifts[key]
+
+    def _code_drift(self, step: Any) -> list[str]:
+        """The classes of the step's submodules whose code changed since recording (schema 1.17; read from the
+        files, never run; each class's file parsed once)."""
+        from replayer.code import CodeLoader, drift_without_running, submodule_entries, submodule_label
+
+        row = int(step._col("module"))
+        if row < 0 and step.phase == "backward" and step.forward is not None:
+            step = self.rec.step(step.forward)  # (a backward step's module is its forward's)
+            row = int(step._col("module"))
+        if row < 0:
+            return []
+        doc = self.rec.rank.doc(row)
+        out = []
+        for ref, entry, paths in submodule_entries(doc, step.module_path):
+            key = (ref, entry["file"], entry["source_sha256"])
+            if key not in self._code_states:
+                self._code_states[key] = drift_without_running({**entry, "ref": ref}, self.rec.run_info,
+                                                               CodeLoader(self.rec.run_info).dirs)
+            if self._code_states[key].startswith("changed"):
+                out.append(f"✎ code of {submodule_label(ref, step.name, paths)} {self._code_states[key]}")
+        return out
 
     def set_panel(self, text: Text | str, full: Text | str | None = None, *, transient: bool = False) -> None:
         """Show ``text`` in the result panel (a few lines high); ``full``: the whole result, which
@@ -931,6 +957,7 @@ class PdbgApp(App[None]):
         if filter_text:
             self.model.apply_filter(filter_text)
         self._drifts.clear()
+        self._code_states.clear()
         self.timeline.model = self.model
         self.timeline.refresh_rows()
         if index is not None:

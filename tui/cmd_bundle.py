@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"not verified: it cannot be replayed here ({info.not_verified})")
         elif args.verify:
             print("not verified: the step returned no tensor, so its replay had nothing to compare")
+        for note in info.code_notes:
+            print(f"warning: {note}")
         if info.unreplayable:
             print(f"warning: a replay of it will be refused: {info.unreplayable}")
         if info.script:

@@ -9,6 +9,7 @@ or a module path; ``.`` is the root module): ``smooth_relu@iter=17#3``, ``"Eq. 2
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import re
@@ -222,11 +223,12 @@ def _bundle_summary(rec: Any) -> dict[str, Any] | None:
     if info is None:
         return None
     from replayer.bundles import verified_environment
-    from replayer.code import CodeLoader, drift_without_running
+    from replayer.code import CodeLoader, drift_without_running, source_in, submodule_entries, submodule_place
     from replayer.state import environment_differences
 
     main = rec.main_step
     dirs = CodeLoader(rec.run_info).dirs
+    sources = info.get("sources") or {}
     code = []
     seen = set()
     for step in rec.steps:
@@ -236,7 +238,20 @@ def _bundle_summary(rec: Any) -> dict[str, Any] | None:
             seen.add(ref)
             code.append({"name": definition.get("name"), "ref": ref,
                          "state": drift_without_running(definition, rec.run_info, dirs),
-                         "bundled": definition.get("file") in (info.get("sources") or {})})
+                         "bundled": definition.get("file") in sources})
+        # the classes of its module's submodules that are the training code's own (1.17), and their carried copy
+        for sub, entry, paths in submodule_entries(step._doc("module"), step.module_path):
+            if sub in seen:
+                continue
+            seen.add(sub)
+            carried = sources.get(entry["file"]) if isinstance(entry["file"], str) else None
+            copy = source_in(carried, sub.partition(":")[2]) if isinstance(carried, str) else None
+            code.append({"name": sub.partition(":")[2], "ref": sub, "submodule": submodule_place(step.name, paths),
+                         "state": drift_without_running({**entry, "ref": sub}, rec.run_info, dirs),
+                         "bundled": isinstance(carried, str),
+                         "bundled_state": None if not isinstance(carried, str) else "not found" if copy is None
+                         else "unchanged" if hashlib.sha256(copy.encode()).hexdigest() == entry["source_sha256"]
+                         else "changed since recording"})
     dist = rec.rank.dist
     verified_with = verified_environment(info.get("verified"))
     return {"main_step": main.to_json(), "origin": info.get("origin"), "created": info.get("created"),
@@ -378,7 +393,12 @@ def info(args: argparse.Namespace) -> int:
         print("environment: " + ("same as where it was recorded" if not diffs else "; ".join(diffs)))
         for c in bundle["code"]:
             extra = " - bundled source available (--use-bundled-source)" if c["bundled"] else ""
-            print(f"code of {c['name']} ({c['ref']}): {c['state']}{extra}")
+            if c.get("bundled_state") == "changed since recording":  # what --use-bundled-source would run
+                extra += ", but the bundled copy changed since recording"
+            elif c.get("bundled_state") == "not found":
+                extra += ", but the bundled copy does not define it"
+            where = f", {c['submodule']}" if c.get("submodule") else ""
+            print(f"code of {c['name']} ({c['ref']}{where}): {c['state']}{extra}")
         if bundle.get("sources"):
             print(f"source files carried: {', '.join(bundle['sources'])}")
     if doc["recipes"]:

@@ -53,7 +53,9 @@ SCHEMA_VERSION = "1.17"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       later, without a change of schema: a definition document's "globals" (what module-level names its code
 #       reads were bound to: classes and functions other than that name's own definition; older readers ignore it)
 # 1.17: a module step's RNG document holds parts "module:<path>": generator objects its module and submodules hold
-#       as attributes, at each call (the skeleton's torch.Generator state is the one it was built with)
+#       as attributes, at each call (the skeleton's torch.Generator state is the one it was built with); and
+#       the skeleton of a step's module holds "submodule_code": the file, line and source SHA-256 of each class of
+#       its submodules that is the training code's own, by class reference (older readers ignore it)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -66,6 +68,7 @@ REQUIRES_GRAD_SINCE = (1, 2)  # recordings of this schema or later keep a tensor
 CALLS_SINCE = (1, 10)
 MAPPINGS_SINCE = (1, 13)  # recordings of this schema or later keep dict subclasses as $mapping
 RAGGED_SINCE = (1, 16)  # recordings of this schema or later may hold RAGGED_DIM in a shape (elsewhere: damage)
+SUBMODULE_CODE_SINCE = (1, 17)  # recordings of this schema or later hold the code hashes of submodule classes
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"

@@ -6,6 +6,9 @@ with torch's own."""
 from __future__ import annotations
 
 import gc
+import hashlib
+import inspect
+import sys
 import weakref
 from pathlib import Path
 
@@ -151,6 +154,35 @@ class TestPayloads:
                 assert s["norm"] == pytest.approx(t.norm().item(), rel=1e-5)
                 checked += 1
         assert checked > 300
+
+
+def test_a_module_steps_skeleton_holds_the_code_of_its_submodule_classes(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each Block's skeleton holds, by class reference, the file, first line and source SHA-256 of the classes
+    of its submodules that are the training code's own (Attention, MLP), not of torch's (LayerNorm, Linear,
+    Dropout: the recorded versions say which) nor of Block itself (its definition holds that); each class's
+    source is read once, however many modules of it the recording builds skeletons of."""
+    from tests.models import MLP, Attention, Block, smooth_relu
+
+    annotate = sys.modules["recorder.annotate"]  # (recorder.annotate is the function)
+
+    for step in (Block, Attention, smooth_relu):  # (their definitions: read at their first call, here or before)
+        step.__pdbg_step__.doc()
+    annotate._CLASS_CODE.clear()
+    read: list[object] = []
+    code_info = annotate.code_info
+    monkeypatch.setattr(annotate, "code_info", lambda target: (read.append(target), code_info(target))[1])
+    record_training(tmp_path / "run.zarr", 2)
+    rank = RunReader(tmp_path / "run.zarr").rank(0)
+    expected = {f"tests.models:{cls.__qualname__}": {
+        "file": inspect.getsourcefile(cls), "line": inspect.getsourcelines(cls)[1],
+        "source_sha256": hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()} for cls in (Attention, MLP)}
+    modules = {(s["name"], s["path"]): rank.doc(int(rank.column("steps/module")[s["index"]])) for s in rows(rank)
+               if s["phase"] == 0 and s["name"] != "smooth_relu"}
+    assert set(modules) == {("Block", "h.0"), ("Block", "h.1"), ("Attention", "h.0.attn"), ("Attention", "h.1.attn")}
+    for (name, _), doc in modules.items():
+        assert doc.get("submodule_code") == (expected if name == "Block" else None), (name, doc.get("submodule_code"))
+    assert read == [Attention, MLP]
 
 
 def test_a_closed_recording_keeps_no_training_object_alive(tmp_path: Path) -> None:

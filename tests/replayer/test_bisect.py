@@ -1338,6 +1338,23 @@ def test_a_module_mode_or_attribute_that_differs_is_named(tmp_path: Path) -> Non
                                    "eval mode in the other" in res.stdout.splitlines()[0], res.stdout
 
 
+def test_a_submodule_class_whose_code_differs_between_the_runs_is_named(tmp_path: Path) -> None:
+    """Two runs of one script, MLP (a class of the user's module file inside each Block) fixed between them:
+    the Block's own code is the same, and the cause said "nothing recorded explains it". It names MLP."""
+    from tests.models import edit_mlp, record_submodel
+
+    before = record_submodel(tmp_path, "before.zarr")
+    edit_mlp(tmp_path)
+    after = record_submodel(tmp_path, "after.zarr")
+    div = replayer.first_divergence(replayer.open(before), replayer.open(after))
+    assert div.step is not None and (div.step.index, div.step.name, div.step.module_path) == (0, "Block", "blocks.0")
+    assert div.cause.endswith("same inputs and parameters, but output differs: the code of MLP (a submodule of Block: "
+                              "blocks.0.mlp) differs between the runs"), div.cause
+    res = pdbg("bisect", str(before), "--against", str(after), cwd=tmp_path)
+    assert res.returncode == 1 and res.stdout.splitlines()[0].endswith("the code of MLP (a submodule of Block: "
+                                                                       "blocks.0.mlp) differs between the runs")
+
+
 def test_parameters_changed_between_recorded_steps_are_said_to_be(tmp_path: Path) -> None:
     """Two runs alike but for the learning rate: every step of the first iteration matches, and the
     parameters the second finds differ. The cause says they changed outside the recorded steps."""

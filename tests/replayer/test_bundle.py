@@ -277,6 +277,47 @@ def test_a_verified_bundle_says_what_verified_it_and_what_differs_here(recorded:
     assert f"torch {torch.__version__}" in notebook.bundle_info(made_here)
 
 
+def test_a_bundle_names_a_submodule_class_edited_here_or_in_its_carried_copy(tmp_path: Path) -> None:
+    """Blocks holding an MLP of the user's module file, MLP edited after recording: pdbg info of a bundle
+    named only Block's code, unchanged, and a bundle made after the edit carried the edited MLP and said
+    nothing. Now info names MLP, changed here, and says whether the bundled copy is the recorded code; a
+    bundle made after the edit warns that it carries a changed MLP, its verification names MLP as the likely
+    cause, and a replay with its bundled source elsewhere names MLP too."""
+    from tests.cli import pdbg_here
+    from tests.models import edit_mlp, record_submodel
+
+    run_path = record_submodel(tmp_path)
+    made = pdbg_here("bundle", str(run_path), "0", "-o", "before.pdbg", "--verify", "--json", cwd=tmp_path)
+    assert made.returncode == 0 and json.loads(made.stdout)["code_notes"] == [], made.stdout
+    module = edit_mlp(tmp_path)
+    info = pdbg_here("info", "before.pdbg", cwd=tmp_path).stdout
+    assert f"code of MLP (submodel:MLP, a submodule of Block: blocks.0.mlp): changed since recording ({module}) - " \
+        "bundled source available (--use-bundled-source)\n" in info, info
+    assert f"code of Gate (submodel:Gate, a submodule of Block: blocks.0.gate): unchanged ({module}) - bundled " \
+        "source available (--use-bundled-source)\n" in info, info
+    carried = pdbg_here("replay", "before.pdbg", "--use-bundled-source", "--json", cwd=tmp_path)
+    assert carried.returncode == 0 and json.loads(carried.stdout)["warnings"] == [], carried.stdout
+
+    made = pdbg_here("bundle", str(run_path), "0", "-o", "after.pdbg", "--verify", cwd=tmp_path)
+    assert made.returncode == 1 and "verified: MISMATCH when replayed from the bundle" in made.stdout
+    assert f"warning: code of MLP (a submodule of Block: blocks.0.mlp) changed since recording ({module}:6): a " \
+        "likely cause of the difference\n" in made.stdout, made.stdout
+    assert f"warning: the carried {module} holds MLP (a submodule of Block: blocks.0.mlp) changed since recording: a " \
+        "replay with --use-bundled-source runs that code\n" in made.stdout, made.stdout
+    info = pdbg_here("info", "after.pdbg", cwd=tmp_path).stdout
+    assert "code of MLP (submodel:MLP, a submodule of Block: blocks.0.mlp): changed since recording " \
+        f"({module}) - bundled source available (--use-bundled-source), but the bundled copy changed since " \
+        "recording\n" in info, info
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(tmp_path / "after.pdbg", elsewhere)
+    res = pdbg_here("replay", "after.pdbg", "--use-bundled-source", "--json", cwd=elsewhere)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and not doc["match"]
+    assert doc["warnings"] == [f"code of MLP (a submodule of Block: blocks.0.mlp) changed since recording "
+                               f"({module}:6): a likely cause of the difference"], doc["warnings"]
+
+
 class Evil:
     """Unpickling this creates a marker file: the proof that a planted payload ran."""
 

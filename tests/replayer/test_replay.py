@@ -378,19 +378,66 @@ with recorder.record(sys.argv[1], model=model, modules="0", mode="full"):
 
 
 def test_a_submodule_whose_file_changed_since_recording_is_named(tmp_path: Path) -> None:
-    """The code of a step's submodule (SoftAct inside the recorded Block) edited after recording: the
-    replay was a MISMATCH with no warning (only the step's own code is hashed). The file modified
-    after the recording began is named, with the classes the step's module uses from it."""
+    """The code of a step's submodule (SoftAct inside the recorded Block, both in the script) edited after
+    recording: the replay names SoftAct's changed code (schema 1.17 holds its hash); a recording before 1.17,
+    which holds none, names the file modified after the recording began, with the classes the step's module
+    uses from it, and says the submodules' code cannot be checked."""
+    from tests.sealing import as_schema, rewrite_docs
+
     script = tmp_path / "train.py"
     script.write_text(CHILD_SCRIPT)
     assert python("train.py", "run.zarr", cwd=tmp_path).returncode == 0
+    shutil.copytree(tmp_path / "run.zarr", tmp_path / "old.zarr")
+    rewrite_docs(tmp_path / "old.zarr", lambda i, doc: {k: v for k, v in doc.items() if k != "submodule_code"}
+                 if isinstance(doc, dict) and "submodule_code" in doc else None)
+    as_schema(tmp_path / "old.zarr", "1.16")
     script.write_text(CHILD_SCRIPT.replace("x * 4.0", "x * 4.01"))
     os.utime(script, (time.time() + 5, time.time() + 5))  # (a second's clock on some file systems)
     res = pdbg_here("replay", "run.zarr", "0", "--json", cwd=tmp_path)
     doc = json.loads(res.stdout)
     assert res.returncode == 1 and not doc["match"]
+    assert f"code of SoftAct (a submodule of Block: 0.act) changed since recording ({script}:8): a likely cause of " \
+        "the difference" in doc["warnings"], doc["warnings"]
+    assert not any("was modified after the recording began" in w for w in doc["warnings"]), doc["warnings"]
+    res = pdbg_here("replay", "old.zarr", "0", "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and not doc["match"]
     assert any(w.startswith(f"{script} was modified after the recording began, and the step's module uses Block, "
                             "SoftAct from it") for w in doc["warnings"]), doc["warnings"]
+    assert "recorded with schema 1.16, before 1.17, which held no hash of the code of a module's submodule " \
+        "classes: whether that of SoftAct changed since recording cannot be checked (a likely cause of the " \
+        "difference if it did)" in doc["warnings"], doc["warnings"]
+    assert not any("SoftAct (a submodule" in w for w in doc["warnings"]), doc["warnings"]
+
+
+def test_a_submodule_class_edited_after_recording_is_named_in_replay_and_verify(tmp_path: Path) -> None:
+    """Blocks recorded with record(modules=...), each holding an MLP and a Gate of the user's module file; MLP's
+    forward edited afterwards, its file's time kept: replay and verify were a MISMATCH with no word of why (only
+    the step's own class, Block, was hashed). Now they name MLP, where it is, and its code as the likely cause;
+    Gate, unchanged, is not named, nor anything on a replay before the edit."""
+    from tests.models import edit_mlp, record_submodel
+
+    run = record_submodel(tmp_path)
+    before = pdbg_here("replay", str(run), "0", "--json", cwd=tmp_path)
+    assert before.returncode == 0 and json.loads(before.stdout)["warnings"] == [], before.stdout
+    module = edit_mlp(tmp_path)
+    res = pdbg_here("replay", str(run), "0", "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and not doc["match"]
+    assert doc["warnings"] == [f"code of MLP (a submodule of Block: blocks.0.mlp) changed since recording "
+                               f"({module}:6): a likely cause of the difference"]
+    back = pdbg_here("replay", str(run), "Block@iter=0#1:backward", cwd=tmp_path)
+    assert back.returncode == 1 and f"warning: code of MLP (a submodule of Block: blocks.1.mlp) changed since " \
+        f"recording ({module}:6): a likely cause of the difference" in back.stdout, back.stdout
+    verify = pdbg_here("verify", str(run), cwd=tmp_path)
+    assert verify.returncode == 1
+    lines = verify.stdout.splitlines()
+    assert lines[0] == f"{run}: 0 of 4 steps replayed bit for bit (0.0%)"
+    steps = [line for line in lines if line.startswith("  step ")]  # (not the environment's line, where it differs)
+    for line, path in zip(steps, ("blocks.0", "blocks.1", "blocks.1", "blocks.0"), strict=True):
+        assert line.endswith(f"; code of MLP (a submodule of Block: {path}.mlp) changed since recording ({module}:6): "
+                             "a likely cause of the difference"), line
+    assert "Gate" not in verify.stdout + res.stdout
 
 
 def test_a_moved_script_is_found_with_script_option(tmp_path: Path) -> None:

@@ -104,6 +104,35 @@ def test_g_goes_to_the_origin_and_the_step_pane_follows(nan_path: Path) -> None:
     run(body, nan_path)
 
 
+def test_the_step_pane_names_a_submodule_class_edited_after_recording(tmp_path: Path) -> None:
+    """A Block whose own code is as recorded, but whose MLP (a class of the user's module file) was edited
+    after recording: the step pane showed no change. It names MLP under the source's place, on the forward
+    step and on its backward step; before the edit, and for the unchanged Gate, it says nothing."""
+    from tests.models import edit_mlp, record_submodel
+
+    path = record_submodel(tmp_path)
+
+    async def unchanged(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        assert pane(app).drift is None and pane(app).code_drift == [] and "✎" not in pane(app).plain()
+
+    run(unchanged, path)
+    module = edit_mlp(tmp_path)
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        step = pane(app)
+        assert step.drift is None  # (Block's own code)
+        assert step.code_drift == [f"✎ code of MLP (a submodule of Block: blocks.0.mlp) changed since recording "
+                                   f"({module})"]
+        assert "✎ code of MLP (a submodule of Block: blocks.0.mlp) changed since" in step.plain()
+        await pilot.press("end")  # blocks.0's backward step: its forward's module
+        await pilot.pause()
+        assert app.step.phase == "backward" and app.step.module_path == "blocks.0"
+        assert pane(app).code_drift == [f"✎ code of MLP (a submodule of Block: blocks.0.mlp) changed since "
+                                        f"recording ({module})"]
+
+    run(body, path)
+
+
 def test_find_keeps_the_filter_and_takes_a_selector(nan_path: Path) -> None:
     """`/` and `\\` searched every step: one the filter hid cleared the filter; and they took only a
     condition, so "the previous call of this step where ..." could not be asked."""
