@@ -127,6 +127,9 @@ class Frame:
     t_start: float
     payloads: bool
     forward: int = layout.NO_REF
+    # The outermost step enclosing it when it began, itself where none did (a backward: its forward's): the
+    # calls of a step in one such pass are siblings (one expert an MoE layer's top-2 loop calls twice)
+    root: int = layout.NO_REF
     rng: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] | None = None
     args_doc: Any = None
@@ -321,13 +324,17 @@ class Session:
         self._ungraded: dict[tuple[str, int], list[Frame]] = {}
         self._unreported: list[Frame] = []  # steps with device statistics: on_nonfinite looks once per iteration
         # Inf (no NaN) in a step's results is meant when its calls make it every time (an additive -inf
-        # mask), as first_nonfinite judges it: per step (name, module path, phase) and call number in
-        # the iteration, whether its last call held Inf; a step's first call's Inf waits for the next
-        # call with its number. Inf on part of a result an earlier call of the step held Inf on part of
-        # too is a mask's, whatever the calls in between held (a batch without padding makes none).
+        # mask), as first_nonfinite judges it: per step (name, module path, phase: each expert of an MoE its
+        # own) and call number in the iteration, whether its last call held Inf; a step's first call's Inf
+        # waits for the next call with its number. Where no call had its number before (a run that never
+        # marks its iterations), the step's last call stands for it, of another pass (Frame.root) where that
+        # one held Inf: a sibling's Inf is no habit. Inf on part of a result an earlier call of the step held
+        # Inf on part of too is a mask's, whatever the calls in between held (a batch without padding makes
+        # none).
         self._tied: tuple[Any, dict[int, tuple[str, ...]]] | None = None  # (weak root, Session._tied_params)
         self._inf_last: dict[tuple[Any, ...], bool] = {}  # (name, path, phase, call) -> last call's
-        self._inf_step: dict[tuple[Any, ...], bool] = {}  # (name, path, phase) -> its last call's, whatever number
+        # (name, path, phase) -> (its last call's pass, that call's, the last call's of an earlier pass or None)
+        self._inf_step: dict[tuple[Any, ...], tuple[int, bool, bool | None]] = {}
         self._inf_first: dict[tuple[Any, ...], tuple[int, str, bool]] = {}  # -> (index, message, on part only)
         self._inf_parts: dict[tuple[Any, ...], set[tuple[int, str]]] = {}  # (name, path, phase) -> (role, name)
         # Python's recursion limit before a recursion of steps raised it (_recursion_room), and what it was raised to
@@ -535,9 +542,17 @@ class Session:
                         parts.add((t.role, t.name) if not math.isnan(t.stats[0]) else (-1, ""))
             step = (frame.defn.name, frame.path, frame.phase)
             key = (*step, frame.call)
-            last = self._inf_last.get(key, self._inf_step.get(step))
             inf_only = found is not None and not nan
-            self._inf_last[key] = self._inf_step[step] = inf_only
+            here = frame.root if frame.root >= 0 else frame.index
+            prior = self._inf_step.get(step)
+            if prior is None or prior[0] != here:
+                stands = None if prior is None else prior[1]
+                self._inf_step[step] = (here, inf_only, stands)
+            else:  # a sibling's Inf is no habit, its finite result no mask's: as first_nonfinite judges them
+                stands = prior[2] if prior[1] else False
+                self._inf_step[step] = (here, inf_only, prior[2])
+            last = self._inf_last.get(key, stands)
+            self._inf_last[key] = inf_only
             partial = inf_only and (-1, "") not in parts
             seen = self._inf_parts.get(step)
             if partial:
@@ -748,7 +763,7 @@ class Session:
             return
         stub = Frame(index=frame.index, phase=0, defn=frame.defn, module=frame.module, path=frame.path,
                      call=frame.call, parent=frame.parent, iteration=frame.iteration, t_start=frame.t_start,
-                     payloads=False)
+                     payloads=False, root=frame.root)
         stub.args_doc = frame.args_doc  # which places were one tensor (see _not_own_records)
         with self.lock:
             calls = self._ungraded.setdefault((frame.defn.name, id(frame.module)), [])
@@ -815,6 +830,7 @@ class Session:
             frame = Frame(index=self._new_index(), phase=0, defn=defn, module=module, path=path, call=call,
                           parent=stack[-1].index if stack else layout.NO_REF, iteration=self.iteration,
                           t_start=time.perf_counter() - self.t0, payloads=self._payloads_now())
+            frame.root = stack[0].index if stack else frame.index
         finally:
             self.local.busy = False
         try:
@@ -1684,7 +1700,7 @@ class Session:
         now = time.perf_counter() - self.t0
         frame = Frame(index=self._new_index(), phase=1, defn=fwd.defn, module=fwd.module, path=fwd.path,
                       call=fwd.call, parent=parent, iteration=self.iteration, t_start=now,
-                      payloads=self._payloads_now(), forward=fwd.index, t_end=now)
+                      payloads=self._payloads_now(), forward=fwd.index, t_end=now, root=fwd.root)
         frame.rng = self.rng.parts()
         frame.settings = self._settings()
         frame.module_doc = fwd.module_doc

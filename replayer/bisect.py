@@ -135,10 +135,20 @@ def find_op(origin: Origin, step: Step, *, use_bundled_source: bool = False,
     from .ops import bisect_ops
 
     notes: list[str] = []
+    replayed: list[Any] = []
     try:
-        origin.op = bisect_ops(step.rec, step, use_bundled_source=use_bundled_source, notes=notes, script=script)
+        origin.op = bisect_ops(step.rec, step, use_bundled_source=use_bundled_source, notes=notes, script=script,
+                               replayed=replayed)
     except ReplayError as exc:
         origin.op_note = f"operation-level bisection needs a replay, and this step cannot be replayed: {exc}"
+        return
+    unlike = _unreproduced(replayed[0], notes) if replayed else None
+    if unlike is not None:  # what the replay ran is not what the recorded call ran: its operation may not be either
+        differs, why = unlike
+        found = ("no single operation inside the step turned finite values into NaN/Inf during it" if origin.op is None
+                 else "the operation and line named are the replay's, not necessarily ones the recorded call ran")
+        how = f"; {origin.op.how()}" if origin.op is not None and origin.op.how() else ""
+        origin.op_note = f"the replay did not reproduce the recorded step ({differs}): {found}{how}; {why}"
         return
     drift = f" ({'; '.join(notes)}: what the replay ran may not be the recorded code)" if notes else ""
     if origin.op is None:
@@ -148,6 +158,23 @@ def find_op(origin: Origin, step: Step, *, use_bundled_source: bool = False,
         origin.op_note = f"{origin.op.how()}{drift}"
     elif notes:
         origin.op_note = f"the operation and line are those of the code the replay ran{drift}"
+
+
+def _unreproduced(result: Any, drift: list[str]) -> tuple[str, str] | None:
+    """Where the replay of ``find_op`` did not give the recorded results: (what differs, the likely
+    causes the replay names: code changed since, module-level values it reads, the environment; else
+    what to suspect); None where it matched (or had nothing to compare)."""
+    if result.match or not result.compared:
+        return None
+    differs = "; ".join(d.summary() for d in result.outputs if not d.match)
+    causes = [f"{'; '.join(drift)}: the replay ran the code as it is now"] if drift else []
+    causes += [w for w in result.warnings if "likely cause" in w and w not in drift]
+    if result.environment_differences:
+        causes.append(f"the environment differs from the recording's ({'; '.join(result.environment_differences)}: "
+                      "a likely cause of a difference of a few ULP)")
+    return differs, "; ".join(causes) if causes else (
+        "the code the step runs, or a value it reads besides its inputs (a module-level value, an environment "
+        "variable), may not be the recorded run's")
 
 
 @dataclass
@@ -330,6 +357,7 @@ class _Kinds:
     _groups: dict[bool, np.ndarray] | None = None
     _absorbed_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     _iterations: np.ndarray | None = None  # per step, the number of its iteration among the recording's
+    _passes: np.ndarray | None = None  # per step, the row of the outermost step enclosing it (``passes``)
 
     @classmethod
     def of(cls, rec: Recording) -> _Kinds:
@@ -382,16 +410,28 @@ class _Kinds:
         mask, a -inf initial maximum) is what the model means, not a value that went bad. A call alone
         with its call number (a run that never marks its iterations numbers every call anew) is
         judged with all the step's calls, whatever their number, as the recorder judges it while
-        recording."""
+        recording, where they ran in two or more passes (``passes``): the calls one call of an enclosing
+        step makes (an MoE layer's top-2 loop calling one expert twice, in a run that died in its first
+        iteration) are no habit, whatever they held."""
         def every_call(group: np.ndarray, counted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             calls = np.bincount(group, weights=counted.astype(np.float64))
             held = np.bincount(group, weights=(mask & counted).astype(np.float64))
             return calls, (calls >= 2) & (held == calls)
 
         group, step = self.groups(), self.groups(by_call=False)
+        passes = self.passes()
+
+        def every_pass(counted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """Per step group: in how many passes it ran ``counted``, and whether that is two or more with
+            ``mask`` held at every such call."""
+            calls, held_all = every_call(step, counted)
+            pairs = np.unique(step[counted].astype(np.int64) * len(step) + passes[counted])
+            ran = np.bincount(pairs // max(len(step), 1), minlength=len(calls)).astype(np.float64)
+            return ran, held_all & (ran >= 2)
+
         everywhere = np.ones(len(mask), dtype=bool)
         calls, by_call = every_call(group, everywhere)
-        _, by_step = every_call(step, everywhere)
+        _, by_step = every_pass(everywhere)
         alone = calls[group] == 1  # a run without iterations: its calls judged together, whatever their number
         judged = by_call[group] | (alone & by_step[step])
         if among is None:
@@ -399,9 +439,30 @@ class _Kinds:
         # Among the calls where ``among`` holds, where there are two or more of them to judge by; else
         # among all (an overflow at both calls of the first iteration, NaN after it, is no mask)
         counted_calls, counted_by_call = every_call(group, among)
-        counted_steps, counted_by_step = every_call(step, among)
-        enough = np.where(alone, counted_steps[step] >= 2, counted_calls[group] >= 2)
+        counted_passes, counted_by_step = every_pass(among)
+        enough = np.where(alone, counted_passes[step] >= 2, counted_calls[group] >= 2)
         return np.where(enough, counted_by_call[group] | (alone & counted_by_step[step]), judged)
+
+    def passes(self) -> np.ndarray:
+        """Per step, the pass it ran in: the row of its outermost enclosing step (the ``parent`` chain; a
+        step that none encloses is its own), of its forward's for a backward step (its forward's calls
+        were one pass). Calls of a step in one pass are siblings (an expert that an MoE layer's top-2 loop
+        calls twice, one layer's mask made for two attentions), not the same call made again."""
+        if self._passes is None:
+            n = len(self.result)
+            parent = _column(self.rec, "parent").astype(np.int64)
+            roots, up = np.arange(n, dtype=np.int64), parent.copy()
+            for _ in range(n):  # the steps enclosing a step began before it: one round per level of nesting
+                inside = (up >= 0) & (up < n)
+                if not inside.any():
+                    break
+                roots = np.where(inside, up, roots)
+                up = np.where(inside, parent[np.where(inside, up, 0)], -1)
+            forward = _column(self.rec, "forward").astype(np.int64)
+            back = np.flatnonzero((_column(self.rec, "phase") == 1) & (forward >= 0) & (forward < n))
+            roots[back] = roots[forward[back]]
+            self._passes = roots
+        return self._passes
 
     def shaped(self, held: np.ndarray, whole: np.ndarray) -> np.ndarray:
         """Per step: whether the Inf ``held`` at its calls (with the same call number) can be a mask's:
@@ -1094,16 +1155,21 @@ def find(rec: Recording, where: str | None, when: str | None, start: int | Step 
          backward: bool = False) -> Step | None:
     """The next (or, with ``backward``, the previous) step after ``start`` that matches the selector
     ``where`` (None: any) and the condition ``when`` over its statistics (None: any), from the index
-    alone. ``start`` None: from the beginning (from the end with ``backward``). A selector that names
-    no step of the recording raises StepNotFoundError (saying what it has), as ``rec.step`` does."""
+    alone. ``start`` None: from the beginning (from the end with ``backward``); there a selector alone
+    finds the step it names, as ``rec.step``, ``replay`` and the TUI's ``:`` take it (of backward steps,
+    the backward of the first call, though a later call's runs first), and with a condition the first
+    matching step in the order the steps began. A selector that names no step of the recording raises
+    StepNotFoundError (saying what it has), as ``rec.step`` does."""
     n = len(rec)
     mask = np.ones(n, dtype=bool)
     if where is not None:  # an empty selector or condition is refused, not taken for "any"
         mask[:] = False
-        rows = rec.steps.select(where).rows
-        if not len(rows):  # a selector that names no step of the recording (misspelt, an iteration it lacks)
+        found = rec.steps.select(where)
+        if not len(found):  # a selector that names no step of the recording (misspelt, an iteration it lacks)
             rec.step(where)  # raises, saying what the recording or that step has
-        mask[rows] = True
+        if when is None and start is None and not backward:
+            return rec._picked(found)
+        mask[found.rows] = True
     if when is not None:
         mask &= Condition(when).evaluate(rec)
     first = int(start.index if isinstance(start, Step) else start) if start is not None else None

@@ -50,9 +50,12 @@ class Diff:
         def clean(x: float) -> float | None:
             return None if isinstance(x, float) and not math.isfinite(x) else x
 
-        return {"name": self.name, "role": self.role, "match": self.match, "max_abs_diff": clean(self.max_abs_diff),
-                "max_rel_diff": clean(self.max_rel_diff), "max_ulp": self.max_ulp, "mismatched": self.mismatched,
-                "reason": self.reason, "recorded": self.recorded, "replayed": self.replayed}
+        far = self.measured
+        return {"name": self.name, "role": self.role, "match": self.match,
+                "max_abs_diff": clean(self.max_abs_diff) if far else None,
+                "max_rel_diff": clean(self.max_rel_diff) if far else None, "max_ulp": self.max_ulp if far else None,
+                "mismatched": self.mismatched, "reason": self.reason, "recorded": self.recorded,
+                "replayed": self.replayed}
 
     def summary(self) -> str:
         if self.reason:
@@ -61,6 +64,13 @@ class Diff:
             return f"{self.name}: bitwise equal"
         return (f"{self.name}: {self.mismatched} elements differ, max abs {self.max_abs_diff:.3g}, "
                 f"max rel {self.max_rel_diff:.3g}, {self.max_ulp} ULP")
+
+    @property
+    def measured(self) -> bool:
+        """Whether ``max_abs_diff``, ``max_rel_diff`` and ``max_ulp`` measure a distance: the values were
+        compared element by element (of one dtype and shape, both there) and no NaN or Inf differ. Where
+        shapes differ (an edit that gives an expert 2 tokens where it had none) they mean nothing."""
+        return self.max_ulp is not None and (self.match or self.mismatched > 0)
 
     @property
     def nonfinite_differs(self) -> bool:
@@ -98,7 +108,9 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
     diff = Diff(name, role, True, recorded=rec_stats, replayed=rep_stats)
     if replayed.dtype != recorded.dtype or tuple(replayed.shape) != tuple(recorded.shape):
         diff.match, diff.max_abs_diff, diff.max_rel_diff = False, math.inf, math.inf
-        diff.reason = (f"recorded {str(recorded.dtype).removeprefix('torch.')}{list(recorded.shape)}, replayed "
+        what = "shapes differ" if replayed.dtype == recorded.dtype else "dtypes differ" if tuple(
+            replayed.shape) == tuple(recorded.shape) else "dtypes and shapes differ"
+        diff.reason = (f"{what}: recorded {str(recorded.dtype).removeprefix('torch.')}{list(recorded.shape)}, replayed "
                        f"{str(replayed.dtype).removeprefix('torch.')}{list(replayed.shape)}")
         return diff
     differ = _bits(recorded) != _bits(replayed)

@@ -293,8 +293,9 @@ def _diff_row(d: Any) -> list[Any]:
         return join([count(stats.get("nan")), " / ", count(stats.get("inf"))]) if stats else Html("")
 
     bits = badge("equal", "match") if d.match else badge("differ", "mismatch")
-    ulp = "-" if d.max_ulp is None else d.max_ulp  # (NaN/Inf that differ: the reason says which)
-    return [code(d.name), d.role, bits, d.mismatched, number(d.max_abs_diff), number(d.max_rel_diff), ulp,
+    far = d.measured  # (NaN/Inf or shapes that differ: no distance, the reason says which)
+    ulp, gap, rel = (d.max_ulp, number(d.max_abs_diff), number(d.max_rel_diff)) if far else ("-", "-", "-")
+    return [code(d.name), d.role, bits, d.mismatched, gap, rel, ulp,
             nonfinite(d.recorded), nonfinite(d.replayed), d.reason]
 
 
@@ -333,7 +334,8 @@ def _operation(o: Origin) -> list[tuple[str, Any]]:
             ("at", f"{op.file}:{op.line}" if op.file else muted("no user source line found")),
             ("code", code(op.code) if op.code else None),
             ("its forward", f"{op.forward['file']}:{op.forward['line']}" if op.forward and op.forward.get("file")
-             else None), ("how", op.how())]
+             else None), ("how", op.how()),
+            ("replay", o.op_note if o.op_note and o.op_note != op.how() else None)]  # (code drift, a replay unlike it)
 
 
 def divergence(d: Divergence) -> str:

@@ -350,12 +350,15 @@ class _Finder(TorchDispatchMode):
 
 
 def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bundled_source: bool = False,
-               notes: list[str] | None = None, script: str | os.PathLike[str] | None = None) -> OpReport | None:
+               notes: list[str] | None = None, script: str | os.PathLike[str] | None = None,
+               replayed: list[Any] | None = None) -> OpReport | None:
     """Replay ``step`` operation by operation; the first that made NaN/Inf from finite inputs, or
     None when none did (the values then came from outside the step's operations); where the step's
     result holds NaN, the first that made NaN (of an Inf: ``made``, ``inf_from``) unless one computed
     an Inf before it, passing over those that wrote an Inf of the code (a mask's -inf). ``notes``
-    receives the replay's warnings that its code is not the recorded code (edited since).
+    receives the replay's warnings that its code is not the recorded code (edited since); ``replayed``,
+    the replay's ``ReplayResult``: where its results are not the recorded ones, the operation found is
+    the replay's, not necessarily one the recorded call ran.
     ``script``: where the training script is now, if it moved (as ``replayer.replay``'s)."""
     from .replay import Replayer
 
@@ -379,6 +382,8 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
         step, threads=threads, nested=False, around=around)
     if notes is not None:
         notes += [w for w in result.warnings if "changed since" in w]
+    if replayed is not None:
+        replayed.append(result)
     finder = finders.get(step.phase)
     if finder is None:
         return None

@@ -201,7 +201,12 @@ class Recording:
             raise StepNotFoundError(f"no step matches {which!r}; " + (self._nearest(which) or (
                 f"names in this recording: {', '.join(sorted(set(self.steps.names))[:20])}"
                 + (f"; paper labels: {', '.join(labels[:20])}" if labels else ""))))
-        if found[0].phase == "backward":  # the backward of the first call, as #CALL counts: the last call's runs first
+        return self._picked(found)
+
+    def _picked(self, found: StepTable) -> Step:
+        """The step a selector names among the steps it matches (``found``, not empty): the first, and of
+        backward steps the backward of the first call, as #CALL counts (the last call's runs first)."""
+        if found[0].phase == "backward":
             forward = np.asarray(self.rank.column("steps/forward"))[found.rows].astype(np.int64)
             return Step(self, int(found.rows[np.argmin(np.where(forward >= 0, forward, found.rows))]))
         return found[0]

@@ -545,11 +545,14 @@ class Replayer:
             return
         if held:  # (not its constants either)
             return
-        names = _data_globals(call.fn)
+        kind = type(call.module)
+        own = call.fn if call.module is None else None if kind.__module__.startswith("torch.") else kind.forward
+        names = _data_globals(own)  # (a module step's: its forward's, torch's own modules aside)
         if names:
             result.warnings.append(f"the step's code reads the module-level {', '.join(names)}, whose values are not "
                                    "recorded: the replay used their values now (a likely cause of any difference, if "
-                                   "training changes them: an annealed temperature, a global step count)")
+                                   "training changes them, an annealed temperature, a global step count, or the "
+                                   "environment or command line set them when the code was loaded)")
 
     # -- preparing a call ------------------------------------------------------------------------
     def _prepare(self, step: Step, warnings: list[str], rebuilt: dict[str, str],

@@ -1068,12 +1068,14 @@ class PdbgApp(App[None]):
             self._report(text)
             return
         if origin.step is not None:
-            try:
-                from replayer.ops import bisect_ops
+            try:  # (as pdbg bisect --ops: what the operation's replay did not reproduce is said too)
+                from replayer.bisect import find_op
 
-                op = bisect_ops(self.rec, origin.step, **self.code_options)
-                if op is not None:
-                    text.append(f"\noperation: {op.where()}" + (f"\n{op.how()}" if op.how() else ""), style="yellow")
+                find_op(origin, origin.step, **self.code_options)
+                if origin.op is not None:
+                    text.append(f"\noperation: {origin.op.where()}", style="yellow")
+                if origin.op_note:
+                    text.append(f"\n{origin.op_note}", style="yellow" if origin.op is not None else "dim")
             except PdbgError as exc:
                 text.append(f"\noperation-level bisection needs a replay: {exc}", style="dim")
         self._report(text)

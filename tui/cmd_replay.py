@@ -572,7 +572,7 @@ def _outputs_table(diffs: list[Any]) -> None:
         print(f"\n  {'tensor':<{n}} {'match':<5} {'':<8} {'min':>9} {'max':>9} {'nan':>5} {'inf':>5} {'max abs':>8} "
               f"{'ULP':>6}")
     for d in diffs:
-        if d.name == "exception" or d.max_ulp is None:  # (NaN/Inf that differ: the reason line says which)
+        if d.name == "exception" or not d.measured:  # (NaN/Inf or shapes that differ: the reason line says which)
             far = f"{'-':>8} {'-':>6}"
         else:
             ulp = d.max_ulp if wide or d.max_ulp < 10 ** 6 else f"{d.max_ulp:.0e}"  # (the JSON has every digit)

@@ -208,6 +208,25 @@ class TestOnAnomaly:
         assert [s[:2] for s in statuses(run_path) if s[1] != "ok"] == \
             [("padding_mask", "nonfinite")] * 3 + [("padded_attention", "nonfinite")]
 
+    def test_an_experts_two_calls_in_one_layer_call_are_no_habit(self, run_path: Path) -> None:
+        """A top-2 layer calls experts.1 twice per iteration (calls #1 and #3 of ExpExpert). In iteration 0
+        both overflow, filling their results; in iteration 1 call #3 makes none. Call #3 of iteration 0
+        found no earlier call with its number, and the expert's call #1 just before it, in the same layer
+        call, stood for it: Inf "made at every call so far", a mask's, so training never stopped, where
+        bisect names that call. A sibling's Inf is no habit: its next call with that number judges it, as
+        a first call's."""
+        import replayer
+
+        layer = TwoChoices()
+        with pytest.raises(recorder.NonFiniteError) as info, recorder.record(run_path, on_anomaly="stop") as run:
+            for i in range(3):
+                layer(torch.full((2,), 1000.0), torch.full((2,), 1000.0 if i == 0 else 0.0))
+                run.next_iteration()
+        assert str(info.value) == ("Eq. 3 (ExpExpert) at experts.1 forward, iteration 0, call 3: output has 2 Inf (its "
+                                   "next call, step 9, made none: not a mask)"), str(info.value)
+        origin = replayer.first_nonfinite(replayer.open(run_path)).step
+        assert origin is not None and (origin.module_path, origin.iteration, origin.call) == ("experts.1", 0, 3)
+
     def test_a_recording_closed_later_says_the_stop_ended_it(self, run_path: Path) -> None:
         """A stop raised out of a framework's loop that has no exception hook (Hugging Face's
         Trainer): the recording is closed later, at exit, without the exception. It still says
@@ -265,6 +284,24 @@ def padding_mask(pad: torch.Tensor) -> torch.Tensor:
 @recorder.paper_step("Eq. 8", description="attention weights over the keys, padding masked")
 def padded_attention(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (scores + mask[:, None, :]).softmax(-1)
+
+
+@recorder.paper_step("Eq. 3", description="an expert: exp of its tokens")
+class ExpExpert(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.exp()
+
+
+@recorder.paper_step("Algorithm 1", description="a top-2 layer: each expert called once per choice")
+class TwoChoices(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([ExpExpert(), ExpExpert()])
+
+    def forward(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """``first``, ``second``: the tokens each choice sends to experts.1 (experts.0 gets zeros)."""
+        out = self.experts[0](torch.zeros(2)) + self.experts[1](first)
+        return out + self.experts[0](torch.zeros(2)) + self.experts[1](second)
 
 
 @recorder.paper_step("Eq. 6", description="a block around SmoothReLU")

@@ -83,6 +83,52 @@ def test_an_operation_of_torchs_own_layer_is_placed_in_torch_not_in_the_caller(t
     assert "cmd_bisect.py" not in res.stdout and "torch/nn/modules/linear.py" in res.stdout, res.stdout
 
 
+GATE = "exp"  # the expert's activation, as code that reads os.environ at import chooses it
+
+
+@recorder.paper_step("Eq. 3", description="an expert whose activation a module-level setting chooses")
+class SwitchedExpert(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if GATE == "exp":
+            return h.exp()
+        return torch.log1p(torch.exp(h))
+
+
+def test_an_operation_named_from_a_replay_that_did_not_reproduce_the_step_says_so(tmp_path: Path) -> None:
+    """The expert's code path depends on a module-level setting (an environment variable read at import)
+    that the replay sees otherwise: it took the other branch, and --ops named its aten::exp on a line the
+    recorded call never ran, with no note (op_note null), though `pdbg replay` of the step says MISMATCH.
+    The note says the replay did not reproduce the step, and names the setting as the likely cause."""
+    global GATE  # noqa: PLW0603 - the module-level setting the step reads
+    torch.manual_seed(0)
+    expert = SwitchedExpert()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=expert, mode="full"):
+        expert(torch.randn(3, 4) * 300)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.op is not None and origin.op.line == line_of(SwitchedExpert.forward, "h.exp()")
+    assert origin.op_note is None, origin.op_note  # the replay matched: nothing to say
+    try:
+        GATE = "softplus"
+        origin = replayer.first_nonfinite(rec, ops=True)
+        assert origin.op is not None and origin.op.line == line_of(SwitchedExpert.forward, "log1p")
+        assert origin.op_note is not None and origin.op_note.startswith(
+            "the replay did not reproduce the recorded step (output: "), origin.op_note
+        assert "the operation and line named are the replay's, not necessarily ones the recorded call ran" in \
+            origin.op_note and "module-level GATE (str)" in origin.op_note, origin.op_note
+        doc = json.loads(pdbg("bisect", str(path), "--ops", "--json", cwd=tmp_path).stdout)
+        assert doc["op"]["line"] == origin.op.line and doc["op_note"] == origin.op_note
+        assert origin.op_note in pdbg("bisect", str(path), "--ops", cwd=tmp_path).stdout
+    finally:
+        GATE = "exp"
+
+
 @recorder.paper_step("Eq. 5", description="a difference of a tensor with itself")
 def cancel(x: torch.Tensor) -> torch.Tensor:
     return x - x
@@ -567,6 +613,36 @@ def test_find_backward_from_the_origin_matches_a_brute_force_scan(overflow_run: 
     assert none.returncode == 1 and none.stdout.startswith("no step matches")
 
 
+@recorder.paper_step("Eq. 3", description="one expert, called once per choice of a top-2 router")
+def routed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x @ w).tanh()
+
+
+def test_find_takes_the_step_a_backward_selector_names_as_replay_does(tmp_path: Path) -> None:
+    """`pdbg find RUN 'Eq. 3@iter=0:backward'` (and replayer.find) gave the backward of the last call, which
+    runs first, where replay, rec.step and the TUI's `:` take the backward of the first call, as the README's
+    selectors say: checked with find, a selector named another call than the one replayed. A search with a
+    condition still finds the first matching step in the order the steps began."""
+    w = torch.randn(4, 4, requires_grad=True)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path) as run:
+        for _ in range(2):
+            x = torch.randn(3, 4)
+            (routed(x, w) + routed(x.flip(0), w)).sum().backward()
+            run.next_iteration()
+    rec = replayer.open(path)
+    for selector, call in (("Eq. 3@iter=0:backward", 0), ("routed@iter=1:backward", 0), ("Eq. 3#1:backward", 1)):
+        named = rec.step(selector)
+        assert (named.phase, named.call) == ("backward", call), selector
+        found = replayer.find(rec, selector, None)
+        assert found is not None and found.index == named.index, selector
+        doc = json.loads(pdbg("find", str(path), selector, "--json", cwd=tmp_path).stdout)
+        assert doc["step"]["index"] == named.index, selector
+    searched = replayer.find(rec, "Eq. 3@iter=0:backward", "grad_input.0.absmax >= 0")
+    assert searched is not None and (searched.call, searched.index) == (1, rec.step("Eq. 3@iter=0#1:backward").index)
+    assert searched.index < rec.step("Eq. 3@iter=0:backward").index  # the last call's backward ran first
+
+
 def test_conditions(overflow_run: Path) -> None:
     rec = replayer.open(overflow_run)
     grads = Condition("grad_input.0.nan > 0 or grad_input.0.inf > 0").evaluate(rec)
@@ -687,6 +763,58 @@ def test_an_overflow_at_every_call_of_the_first_iteration_only_is_no_mask(tmp_pa
     origin = replayer.first_nonfinite(rec)
     assert origin.step is not None and (origin.step.index, origin.step.name) == (0, "soft_plus"), origin.cause
     assert not bisect_mod.meant_inf(rec)[:2].any()
+
+
+@recorder.paper_step("Eq. 3", description="an expert with an exp output gate")
+class GatedExpert(torch.nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.fc, self.scale = torch.nn.Linear(8, 8), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * self.scale).exp()
+
+
+@recorder.paper_step("Algorithm 1", description="a top-2 MoE layer: each expert called once per choice")
+class TopTwo(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList([GatedExpert(1.0), GatedExpert(200.0)])  # exp overflows in experts.1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for k in range(2):
+            for expert in self.experts:
+                out = out + expert(x[k::2]).sum(0)
+        return out
+
+
+def test_an_overflow_at_both_calls_of_one_pass_that_dies_in_its_first_iteration_is_no_mask(tmp_path: Path) -> None:
+    """A top-2 MoE calls experts.1 twice in iteration 0 and both calls overflow exp to +Inf; a loss guard
+    ends the run there. Each call is alone with its call number, and the two were judged together, as a
+    run that never marks its iterations is, as Inf made at every call (a mask's): bisect named the MoE
+    layer. Calls that one call of an enclosing step makes are one pass, no habit: the expert is named."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    moe = TopTwo()
+    opt = torch.optim.SGD(moe.parameters(), lr=0.1)
+    with pytest.raises(FloatingPointError), recorder.record(path, model=moe, optimizer=opt):
+        for _ in range(3):
+            loss = moe(torch.randn(8, 8)).square().mean()
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss.item()}")
+            loss.backward()
+            opt.step()
+    rec = replayer.open(path)
+    calls = [s for s in rec.steps if s.module_path == "experts.1"]
+    assert [(s.call, s.iteration) for s in calls] == [(1, 0), (3, 0)]
+    assert all(r.stats["inf"] and not r.stats["nan"] for s in calls for r in s.records if r.role == "output")
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is not None, origin.cause
+    assert (origin.step.name, origin.step.module_path, origin.step.call) == ("GatedExpert", "experts.1", 1), \
+        origin.cause
+    assert "from finite inputs" in origin.cause
+    assert not bisect_mod.meant_inf(rec)[[s.index for s in calls]].any()
 
 
 @recorder.paper_step("Denoiser", description="eps(x_t, t): a tiny MLP, its scores given an optional additive mask")
@@ -1393,7 +1521,7 @@ def test_find_and_bisect_refuse_what_names_nothing(overflow_run: Path, tmp_path:
 
 def test_an_operation_looked_for_in_code_edited_since_says_so(tmp_path: Path, monkeypatch) -> None:
     """After the step's code was fixed, bisect --ops said that no operation made the NaN, as if the
-    recorded code had none: it says the replay ran the code as it is now."""
+    recorded code had none: it says the replay did not reproduce the step, and ran the code as it is now."""
     import importlib
 
     (tmp_path / "overflowing.py").write_text(
@@ -1411,9 +1539,10 @@ def test_an_operation_looked_for_in_code_edited_since_says_so(tmp_path: Path, mo
     __import__("sys").modules.pop("overflowing")  # as in a new process: the replay imports the file as it is
     after = replayer.first_nonfinite(replayer.open(path), ops=True)
     assert after.op is None and after.op_note.startswith(
-        "no single operation inside the step turned finite values into NaN/Inf during the replay (code of soft "
-        "changed since recording"), after.op_note
-    assert after.op_note.endswith(": what the replay ran may not be the recorded code)")
+        "the replay did not reproduce the recorded step (output: NaN/Inf positions differ: 4 values Inf in one and "
+        "not the same value in the other): no single operation inside the step turned finite values into NaN/Inf "
+        "during it; code of soft changed since recording"), after.op_note
+    assert after.op_note.endswith(": the replay ran the code as it is now")
     __import__("sys").modules.pop("overflowing", None)
 
 

@@ -3117,7 +3117,17 @@ def test_nan_that_differs_is_said_to_differ_not_measured(capsys: pytest.CaptureF
     assert row.split()[-2:] == ["-", "-"] and "2143289344" not in table, table
     assert "NaN/Inf positions differ" in table
     finite = compare("output", "output", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
-    assert finite.max_ulp == 2 ** 21 and finite.max_abs_diff == 0.5 and finite.reason is None
+    assert finite.max_ulp == 2 ** 21 and finite.max_abs_diff == 0.5 and finite.reason is None and finite.measured
+    # An edit that gives an expert 2 tokens where it had none: "max abs inf, ULP 0" was shown
+    grown = compare("output", "output", torch.zeros(0, 32), torch.ones(2, 32))
+    assert not grown.match and not grown.measured and not grown.nonfinite_differs
+    assert grown.reason == "shapes differ: recorded float32[0, 32], replayed float32[2, 32]", grown.reason
+    doc = grown.to_json()
+    assert doc["max_abs_diff"] is None and doc["max_rel_diff"] is None and doc["max_ulp"] is None
+    _outputs_table([grown])
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.lstrip().startswith("output"))
+    assert row.split()[-2:] == ["-", "-"], table
 
 
 _CFG_SCRIPT = '''"""Classifier-free guidance label dropping that draws from module-level generator objects."""
