@@ -17,7 +17,7 @@ import struct
 import sys
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -204,6 +204,29 @@ def _find_global_rngs(target: Any) -> tuple[tuple[str, dict[str, Any], str], ...
         if is_global_rng(value):
             found.setdefault(GLOBAL_PREFIX + label, (space, name))
     return tuple((part, space, name) for part, (space, name) in found.items())
+
+
+def global_rng_places(target: Any, parts: Iterable[str]) -> dict[str, tuple[dict[str, Any], str]]:
+    """Where the step's code reads the generator parts ``parts`` ("global:RNG") as (namespace, name),
+    whatever each name holds now: a replay's loaded script binds ``RNG = None`` where its main() made
+    the generator, which ``find_global_rngs`` does not take for one. A bare name the code reads that
+    its own module does not bind at all is placed in that module. Never raises (none found)."""
+    wanted = {p for p in parts if p.startswith(GLOBAL_PREFIX)}
+    if not wanted:
+        return {}
+    try:
+        own, reads = _global_reads(target)
+        places: dict[str, tuple[dict[str, Any], str]] = {}
+        for label, space, name, _ in reads:
+            if GLOBAL_PREFIX + label in wanted:
+                places.setdefault(GLOBAL_PREFIX + label, (space, name))
+        for part in wanted - set(places):
+            label = part.removeprefix(GLOBAL_PREFIX)
+            if own is not None and label.isidentifier() and label not in own:
+                places[part] = (own, label)
+        return places
+    except Exception:  # noqa: BLE001 - code of an unusual kind
+        return {}
 
 
 def _code_of(fn: Any) -> tuple[types.CodeType, dict[str, Any]] | None:

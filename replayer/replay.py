@@ -833,12 +833,17 @@ class Replayer:
     def _global_rngs(self, step: Step, target: Any, warnings: list[str]) -> tuple[list[tuple[Any, Any]], list[str]]:
         """The generator objects the loaded code of ``step`` reads as module-level globals, each with
         the state the recording holds for it (None: left as it is: a ``seed`` intervention, or a state
-        not recorded), and what names those whose state was not recorded, for the warning of a mismatch."""
+        not recorded), and what names those whose state was not recorded, for the warning of a mismatch.
+        Where the loaded code binds a recorded generator's name to None or to another kind (a script's
+        main() made it: ``RNG = np.random.default_rng(args.seed)``), one of the recorded kind is made in
+        the recorded state and bound there for the replay in progress (``_bindings``)."""
         key = id(target)  # (looked through once per loaded definition, kept alive here: verify replays many steps)
         if key not in self._rng_places:
             self._rng_places[key] = (target, snapshot.find_global_rngs(target))
         found = self._rng_places[key][1]
-        recorded = step.rng if found else {}
+        ids = step._doc("rng")  # (decoded only where it holds a generator object's state)
+        held = isinstance(ids, dict) and any(str(k).startswith(snapshot.GLOBAL_PREFIX) for k in ids)
+        recorded = step.rng if found or held else {}
         rngs, unread = [], []
         for part, space, name in found:
             obj = space.get(name)
@@ -852,12 +857,46 @@ class Replayer:
                 unread.append(what)
                 state = None
             elif snapshot.global_rng_kind(obj) != state[0]:
-                warnings.append(f"the module-level RNG {what} is not the kind of generator recorded ({state[0]}); "
-                                "the replay drew from its state now")
-                unread.append(what)
-                state = None
+                made = self._made_global(part, space, name, state, warnings)
+                if made is None:
+                    warnings.append(f"the module-level RNG {what} is not the kind of generator recorded ({state[0]}); "
+                                    "the replay drew from its state now")
+                    unread.append(what)
+                    state = None
+                else:
+                    obj = made
+            rngs.append((obj, None if self.plan.seed is not None else state))
+        seen = {part for part, _, _ in found}
+        missing = [p for p in recorded if p.startswith(snapshot.GLOBAL_PREFIX) and p not in seen]
+        for part, (space, name) in snapshot.global_rng_places(target, missing).items():
+            state, obj = recorded[part], space.get(name)
+            if snapshot.global_rng_kind(obj) != state[0]:  # (of that kind: made by this replay for another step)
+                obj = self._made_global(part, space, name, state, warnings)
+                if obj is None:
+                    now = space.get(name, _UNBOUND)
+                    what = f"{part.removeprefix(snapshot.GLOBAL_PREFIX)} ({state[0]})"
+                    warnings.append(f"the module-level RNG {what} could not be made again in its recorded state, and "
+                                    f"loading the code binds it to {_bound_as(now)}: the replay ran with that (a "
+                                    "likely cause of any difference)")
+                    unread.append(what)
+                    continue
             rngs.append((obj, None if self.plan.seed is not None else state))
         return rngs, unread
+
+    def _made_global(self, part: str, space: dict[str, Any], name: str, state: Any, warnings: list[str]) -> Any:
+        """A generator of the recorded ``state``'s kind, made in that state and bound to ``space[name]`` for
+        the replay in progress (``_bindings``), saying so; None (nothing bound) where none can be made."""
+        made = snapshot.made_rng(state)
+        if made is None:
+            return None
+        now = space.get(name, _UNBOUND)
+        self._rebound.append((space, name, now))
+        space[name] = made
+        label = part.removeprefix(snapshot.GLOBAL_PREFIX)
+        warnings.append(f"the module-level {label} was a {snapshot.rng_kind(made)} when recorded (the training script "
+                        f"made it as it ran); loading the code binds it to {_bound_as(now)}: replayed with one made "
+                        "from the recording, in its recorded state")
+        return made
 
     def _module_rngs(self, recorded: dict[str, Any], module: torch.nn.Module, warnings: list[str]
                      ) -> tuple[list[tuple[Any, Any]], list[str]]:
@@ -1379,6 +1418,15 @@ def _repository_changed(run_info: dict[str, Any]) -> str | None:
 
 _DATA = (bool, int, float, complex, str, torch.Tensor, np.ndarray, list, dict, set)
 _UNBOUND = object()  # a module-level name loading the code does not bind (main() alone does)
+
+
+def _bound_as(value: Any) -> str:
+    """What a message says a module-level name is bound to: "None", "nothing", "a numpy Generator"."""
+    if value is _UNBOUND:
+        return "nothing"
+    if value is None:
+        return "None"
+    return f"a {snapshot.rng_kind(value)}" if snapshot.is_global_rng(value) else f"a {type(value).__name__}"
 
 
 def _data_globals(fn: Any) -> list[str]:

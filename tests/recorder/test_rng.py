@@ -179,6 +179,11 @@ def test_generator_objects_are_found_through_the_helpers_a_step_calls_and_nowher
     found = snapshot.find_global_rngs(space["drawing"])  # through the comprehension's code and the helper's
     assert [(part, name) for part, _, name in found] == [("global:RNG", "RNG")]
     assert set(snapshot.global_rng_parts(found)) == {"global:RNG"}
+    space["RNG"] = None  # a replay's script: main(), which made it, did not run
+    assert snapshot.find_global_rngs(space["drawing"]) == ()
+    places = snapshot.global_rng_places(space["drawing"], ["global:RNG", "global:GONE", "torch"])
+    assert {part: (where is space, name) for part, (where, name) in places.items()} == \
+        {"global:RNG": (True, "RNG"), "global:GONE": (True, "GONE")}
 
 
 class _HoldsGenerators(torch.nn.Module):

@@ -3242,6 +3242,57 @@ def test_a_replay_in_the_recording_process_sets_its_generators_and_gives_them_ba
     assert not any("_P_DROP" in w for w in res.warnings), res.warnings
 
 
+_MAIN_RNG_SCRIPT = '''"""Jitter from the run's numpy Generator, made by main() from a --seed flag (None on import)."""
+import sys
+import numpy as np, torch
+import recorder
+
+RNG = None  # set by main() from the command line
+
+
+@recorder.paper_step("Eq. 14", description="jitter from the run's seeded numpy Generator")
+def jitter(x, scale):
+    return x + scale * torch.from_numpy(RNG.standard_normal(x.shape).astype(np.float32))
+
+
+def main(out, seed):
+    global RNG
+    RNG = np.random.default_rng(seed)
+    lin = torch.nn.Linear(6, 6)
+    with recorder.record(out) as run:
+        for _ in range(3):
+            jitter(lin(torch.randn(2, 6)), 0.1).pow(2).mean().backward()
+            run.next_iteration()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
+'''
+
+
+def test_a_module_level_generator_main_made_is_made_again_from_the_recording(tmp_path: Path) -> None:
+    """A step reading a module-level numpy Generator that the script's main() makes (RNG = None at import,
+    the argparse pattern) replays bit for bit, forward and backward, in any order: a replay loads the script
+    without running main(), so the generator is made of the recorded kind in its recorded state, bound for
+    the call and said so; the loaded module's RNG is None again after."""
+    (tmp_path / "jit.py").write_text(_MAIN_RNG_SCRIPT)
+    made = python("jit.py", "run.zarr", "17", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert "global:RNG" in rec.step("jitter@iter=0").rng
+    r = Replayer(rec)
+    for which in ("jitter@iter=2", "jitter@iter=0", "jitter@iter=1:backward"):
+        res = r.replay(which)
+        step = rec.step(which)
+        name = "output" if step.phase == "forward" else "args.0"
+        assert res.match and bits_equal(res.values[name], step.tensor(name)), (which, res.warnings)
+        assert ("the module-level RNG was a numpy Generator when recorded (the training script made it as it ran); "
+                "loading the code binds it to None: replayed with one made from the recording, in its recorded "
+                "state") in res.warnings, res.warnings
+    defn = rec.step("jitter@iter=0").definition
+    assert r.loader.resolve(defn["ref"], defn.get("file")).__wrapped__.__globals__["RNG"] is None
+
+
 _HELD_SCRIPT = '''"""Noise layers holding their own generators: each kind, on a submodule, one replaced in training."""
 import sys
 import numpy as np, torch
