@@ -1256,6 +1256,7 @@ class _Prints:
         self.count = _column(rec, "tensor_count")
         empty = not rank.lengths.get("tensors")
         self.view = _TensorView(rec)
+        self._data: dict[int, str] = {}  # per output document: its text as compared (``data``)
         if empty:
             self.content = self.stats = np.zeros((0, 2), dtype=np.uint64)
             self.exact = np.zeros(0, dtype=bool)
@@ -1283,6 +1284,34 @@ class _Prints:
                 for r, nm, c, p, exact, kind in zip(self.view.roles[a:b], self.view.names[a:b], self.content[a:b],
                                                     self.stats[a:b], self.exact[a:b], kinds)}
 
+    def data(self, step: Step) -> str:
+        """A forward step's output document as compared between runs: its non-tensor values (a numpy
+        array, a float a step returns), which no tensor record holds, with tensors by record name
+        (compared as records); an address in the repr of a value not recorded as data masked (a default
+        repr differs between runs of the same code)."""
+        doc_id = int(step._col("output"))
+        if doc_id not in self._data:
+            text = json.dumps(self.rec.rank.doc(doc_id), sort_keys=True)
+            if '"$opaque"' in text:
+                text = json.dumps(_masked(self.rec.rank.doc(doc_id)), sort_keys=True)
+            self._data[doc_id] = text
+        return self._data[doc_id]
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+def _masked(doc: Any) -> Any:
+    """A tagged JSON document with the addresses in its ``$opaque`` reprs masked."""
+    if isinstance(doc, dict):
+        opaque = doc.get("$opaque")
+        if isinstance(opaque, dict) and isinstance(opaque.get("repr"), str):
+            return {**doc, "$opaque": {**opaque, "repr": _ADDRESS.sub("0x", opaque["repr"])}}
+        return {k: _masked(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_masked(v) for v in doc]
+    return doc
+
 
 _ARGS = {"forward": ("input",), "backward": ("grad_output",)}
 _PARAMS = ("param", "buffer")
@@ -1300,7 +1329,12 @@ def _parts(p: _Prints, step: Step) -> tuple[dict[Any, Any], dict[Any, Any], dict
     else:
         params = {k: v for k, v in mine.items() if k[0] in _PARAMS}
     results = {k: v for k, v in mine.items() if k[0] in _RESULTS[step.phase]}
+    if step.phase == "forward":
+        results[_DATA] = p.data(step)
     return args, params, results
+
+
+_DATA = ("output", "non-tensor output")  # a forward step's result that its output document alone holds (_Prints.data)
 
 
 def _dense(values: np.ndarray) -> np.ndarray:

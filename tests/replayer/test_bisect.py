@@ -973,6 +973,48 @@ def test_a_divergence_compares_the_generator_states_themselves(tmp_path: Path) -
                               "(torch)"), div.cause
 
 
+_MIX_GEN = np.random.default_rng(0)
+
+
+@recorder.paper_step("Mixup", description="numpy mixup from a module-level numpy Generator")
+def _np_mixup(x: np.ndarray) -> tuple[np.ndarray, float]:
+    lam = _MIX_GEN.beta(0.4, 0.4)
+    return (lam * x + (1 - lam) * x[::-1]).astype(np.float32), float(lam)
+
+
+@recorder.paper_step("Eq. 52", description="a result with a handle no recording holds as data")
+def _with_handle(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    return x + 1, object()  # (its repr names its address, another in each run)
+
+
+def test_a_divergence_compares_numpy_results_and_names_the_module_level_generator(tmp_path: Path) -> None:
+    """Two runs that differ only in the seed of the numpy Generator a mixup step draws from: the tensor
+    step after it was said to have inputs "from outside every recorded step", as the mixup step's numpy
+    output (no tensor record) was not compared; it is the root cause, named with its generator. A result
+    not recorded as data (its repr holding an address) is no difference."""
+    global _MIX_GEN  # noqa: PLW0603 - the seed a run's main() would set
+    recs = []
+    try:
+        for i, seed in enumerate((123, 124, 123)):
+            _MIX_GEN = np.random.default_rng(seed)
+            with recorder.record(tmp_path / f"run{i}.zarr") as run:
+                mixed, _ = _np_mixup(np.arange(8, dtype=np.float32).reshape(4, 2))
+                _doubled(_with_handle(torch.from_numpy(mixed))[0])
+                run.next_iteration()
+            recs.append(replayer.open(tmp_path / f"run{i}.zarr"))
+    finally:
+        _MIX_GEN = np.random.default_rng(0)
+    div = replayer.first_divergence(recs[1], recs[0])
+    assert div.step is not None and div.step.name == "_np_mixup" and div.first_difference.index == 0, div.cause
+    assert div.cause.endswith("same inputs and parameters, but non-tensor output differs: the state of the "
+                              "module-level RNG _MIX_GEN its code draws from differs at entry"), div.cause
+    assert [s.name for s in div.followed] == ["_with_handle", "_doubled"], div.cause
+    handles = [rec.step("_with_handle@iter=0").output_structure for rec in (recs[0], recs[2])]
+    assert handles[0] != handles[1] and "$opaque" in json.dumps(handles[0]), handles
+    same = replayer.first_divergence(recs[0], recs[2])
+    assert same.step is None and same.cause.startswith("no divergence"), same.cause
+
+
 SCALE = 1.0
 
 
