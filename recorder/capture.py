@@ -576,7 +576,20 @@ class Session:
                 frame.anomaly = (frame.index, monitors.nonfinite_message(
                     self._context(frame, None), found, frame.tensors,
                     second_order=layout.SECOND_ORDER_NOTE in frame.notes))
+            elif frame.anomaly is None and frame.output_doc is not None:
+                self._nonfinite_values(frame)
         return frame.nonfinite
+
+    def _nonfinite_values(self, frame: Frame) -> None:
+        """A step whose result holds no non-finite tensor but NaN/Inf in a number that is none (a numpy
+        array, a float), as recorded: the anomaly is there, where it was made (the writer flags it so)."""
+        made = jsonval.nonfinite(frame.output_doc, "output")
+        if made:
+            given = jsonval.nonfinite(frame.args_doc) if frame.args_doc is not None else []
+            text = f"{self._context(frame, None).describe()}: {made[0].path} ({made[0].kind}) has {made[0].counts()}"
+            if given:
+                text += f"; it came in: its argument {given[0].text()} already held it when the call began"
+            frame.anomaly = (frame.index, text)
 
     def _anomaly(self, frame: Frame) -> tuple[int, str] | None:
         """(index, message) of the anomaly this finished step shows, if any: its own NaN or Inf, or

@@ -401,6 +401,98 @@ def walk(doc: Any) -> Iterator[Any]:
             stack.extend(reversed(value))
 
 
+@dataclasses.dataclass(frozen=True)
+class NonFinite:
+    """A number of an encoded document (not a tensor) holding NaN or Inf: where (``"args.5"``), what
+    (``"numpy float64[4]"``, ``"float"``) and how many of its values are NaN and Inf."""
+    path: str
+    kind: str
+    nan: int
+    inf: int
+    size: int = 1
+
+    def counts(self) -> str:
+        """'1 NaN of 4'."""
+        counts = ", ".join(f"{n} {w}" for n, w in ((self.nan, "NaN"), (self.inf, "Inf")) if n)
+        return f"{counts}{f' of {self.size}' if self.size > 1 else ''}"
+
+    def text(self) -> str:
+        """'args.5 (numpy float64[4], 1 NaN of 4)'."""
+        return f"{self.path} ({self.kind}, {self.counts()})"
+
+
+def _float_tag(value: Any) -> tuple[int, int] | None:
+    """(NaN, Inf) of an encoded float: ``{"$float": "nan"}``; None for a finite one."""
+    if isinstance(value, dict) and len(value) == 1 and isinstance(value.get("$float"), str):
+        return (1, 0) if value["$float"] == "nan" else (0, 1)
+    return None
+
+
+def nonfinite(doc: Any, path: str = "") -> list[NonFinite]:
+    """The numbers of an encoded document (``encode``'s: floats, numpy scalars and arrays, complex
+    numbers, inside any container) that hold NaN or Inf, with their paths below ``path``. Cheap where
+    there are none: a float is finite unless tagged ``$float``, and only float and complex ``$ndarray``
+    data are decoded (4,096 values at most)."""
+    found: list[NonFinite] = []
+
+    def go(value: Any, where: str) -> None:
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                go(v, f"{where}.{i}" if where else str(i))
+            return
+        if not isinstance(value, dict):
+            return
+        tag = next(iter(value)) if len(value) == 1 else None
+        if tag is None or not tag.startswith("$"):
+            for k, v in value.items():
+                go(v, f"{where}.{k}" if where else str(k))
+            return
+        payload = value[tag]
+        counted = _float_tag(value)
+        if counted is not None:
+            found.append(NonFinite(where, "float", *counted))
+        elif tag == "$complex" and isinstance(payload, list):
+            parts = [c for c in map(_float_tag, payload) if c is not None]
+            if parts:
+                found.append(NonFinite(where, "complex", int(any(c[0] for c in parts)),
+                                       int(not any(c[0] for c in parts))))
+        elif tag == "$npscalar" and isinstance(payload, dict):
+            inner = nonfinite(payload.get("value"), where)
+            found.extend(dataclasses.replace(f, kind=f"numpy {payload.get('dtype')}") for f in inner)
+        elif tag == "$ndarray" and isinstance(payload, dict):
+            try:
+                dt = np.dtype(payload["dtype"])
+                if dt.kind not in "fc":
+                    return
+                data = np.frombuffer(base64.b64decode(payload["data"]), dtype=dt)
+                nan = int(np.isnan(data).sum())
+                inf = int(np.isinf(data).sum())
+            except (KeyError, TypeError, ValueError):
+                return
+            if nan or inf:
+                shape = ", ".join(str(d) for d in payload.get("shape", []))
+                found.append(NonFinite(where, f"numpy {dt}[{shape}]", nan, inf, int(data.size)))
+        elif tag in ("$tuple", "$list", "$set", "$frozenset", "$slice"):
+            go(payload, where)
+        elif tag in ("$namedtuple", "$dataclass", "$object", "$mapping") and isinstance(payload, dict):
+            for part in ("fields", "attrs"):
+                if isinstance(payload.get(part), dict):
+                    go(payload[part], where)
+            for pair in payload.get("items") or []:
+                if isinstance(pair, list) and len(pair) == 2:
+                    go(pair[1], f"{where}.{pair[0]}" if where else str(pair[0]))
+        elif tag == "$dict" and isinstance(payload, list):
+            for pair in payload:
+                if isinstance(pair, list) and len(pair) == 2:
+                    go(pair[1], f"{where}.{pair[0]}" if where else str(pair[0]))
+        elif tag == "$partial" and isinstance(payload, dict):
+            go(payload.get("args"), f"{where}.args" if where else "args")
+            go(payload.get("kwargs"), f"{where}.kwargs" if where else "kwargs")
+
+    go(doc, path)
+    return found
+
+
 def _fail(message: str) -> NoReturn:
     raise FormatError(f"malformed argument document: {message}; the recording is damaged")
 

@@ -494,6 +494,14 @@ class Pipeline:
             dims += t.shape
             # Sparse and meta tensors have no strides: -1 each, so every record keeps 2 * ndim dims.
             dims += t.stride if len(t.stride) == len(t.shape) else (-1,) * len(t.shape)
+        # NaN/Inf in the numbers that are no tensors (numpy arrays, floats): a step that made them is where
+        # they were made, and one that took them did not make them of finite inputs
+        for doc, is_result in ((item.docs.get("output"), True), (item.docs.get("args"), False)):
+            for found in jsonval.nonfinite(doc) if doc is not None else ():
+                if is_result:
+                    nonfinite, nan_result = True, nan_result or bool(found.nan)
+                else:
+                    bad_input, nan_input = True, nan_input or bool(found.nan)
         row["tensor_start"] = w.tensors_of_step(item.index, cols, dims)
         # Each record waits under the iteration whose ring holds its bytes, and is forgotten with it.
         for position, ref, held in waiting:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import autohooks, snapshot, transforms
+from recorder import autohooks, jsonval, snapshot, transforms
 from recorder.errors import PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
@@ -122,7 +122,21 @@ def _nonfinite_text(step: Step, roles: frozenset[int] | set[str]) -> list[str]:
         if r.role in roles and r.nonfinite:
             label = r.name if r.name.startswith(r.role) else f"{r.role} {r.name}"
             out.append(f"{label} ({_counts(r)})")
+    if "output" in roles and step.phase == "forward":
+        out += [f.text() for f in _values(step, "output")]
     return out
+
+
+def _values(step: Step, where: str) -> list[jsonval.NonFinite]:
+    """NaN/Inf in a forward step's recorded numbers that are no tensors (numpy arrays, floats): in its
+    ``"output"`` or its ``"args"`` (``args.5``, ``kwargs.w``)."""
+    if step.phase != "forward":
+        return []
+    try:
+        return jsonval.nonfinite(step.output_structure, "output") if where == "output" else \
+            jsonval.nonfinite(step.arguments)
+    except Exception:  # noqa: BLE001 - a damaged document: only the tensors are judged
+        return []
 
 
 # -- the origin of a NaN --------------------------------------------------------------------------
@@ -747,6 +761,7 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         sent, received = _sent(step), _received(step)
         given = [r.name + (" from another rank" if r.name in received else "") for r in _own_inputs(step)
                  if r.nonfinite and _call_of(r.name) not in sent]
+        given += [f.text() for f in _values(_own_nonfinite(rec, step)[0], "args")]
         how = ("at every call, as a -inf mask does" if k.habit_takes()[index] else
                "on part of a tensor, as a -inf mask does, that its earlier calls kept out of their results")
         source = (f"from inputs holding Inf {how}, but no NaN ({', '.join(given[:3])})" if given
@@ -898,6 +913,10 @@ def _entered_cause(rec: Recording, step: Step) -> str:
     """Why no recorded step is to blame: which tensor arrived non-finite, and since when. A step's own
     inputs come first: a rank whose input was non-finite sent it to the others, it did not receive it."""
     source, bad = _own_nonfinite(rec, step)
+    values = _values(source, "args") if not bad else []
+    if values:  # a number that is no tensor (a numpy array, a float) brought it
+        return (f"argument {values[0].text()} of {describe(source)} came non-finite from code outside every "
+                "recorded step: a value that is no tensor (record the code that made it as a paper step)")
     if not bad:
         received = _received(step)
         if received:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import math
 import os
 import sys
 import types
@@ -1077,8 +1078,15 @@ class Replayer:
         doc_now = jsonval.encode(out, tensor_name=lambda t, p: f"output.{p}" if p else "output")
         as_dicts = layout.parse_version(self.rec.rank.run.schema_version) < layout.MAPPINGS_SINCE
         if _by_type(doc_now, as_dicts) != _by_type(step.output_structure, as_dicts):
-            result.outputs.append(Diff("output structure", "output", False, reason="the non-tensor parts of the "
-                                       "output differ from the recording"))
+            far = _max_value_diff(step.output_structure, doc_now)
+            result.outputs.append(Diff(
+                "output structure", "output", False, max_abs_diff=math.inf if far is None else far, max_ulp=None,
+                reason="the non-tensor parts of the output differ from the recording"
+                + (f" (numbers that differ: max abs difference {far:.6g})" if far is not None else "")))
+        elif not result.outputs and _holds_values(step.output_structure):
+            # numpy arrays and other values that are no tensor, compared by their encoding (a numpy array
+            # by dtype, shape and bytes): bit for bit equal
+            result.outputs.append(Diff("output structure", "output", True))
         result.outputs += self._buffers_after(step, call.module, result.warnings)
         if tap is not None:
             result.inner = tap.compare()
@@ -1335,6 +1343,62 @@ def _recursion_room(step: Step, inner: list[Step]) -> Iterator[None]:
 
 
 _TAP_FRAMES = 6  # frames an inner step's call takes through the taps (the step's wrapper, InnerTap.call, ...)
+
+
+def _holds_values(doc: Any) -> bool:
+    """Whether an output document holds a value that is no tensor (a numpy array, a number, a string)."""
+    if isinstance(doc, list):
+        return any(_holds_values(v) for v in doc)
+    if isinstance(doc, dict):
+        if len(doc) == 1 and next(iter(doc)) in ("$tensor", "$tensor_meta"):
+            return False
+        if len(doc) == 1 and next(iter(doc)) in ("$tuple", "$list"):
+            return _holds_values(next(iter(doc.values())))
+        return bool(doc) and (next(iter(doc)).startswith("$") or any(_holds_values(v) for v in doc.values()))
+    return doc is not None
+
+
+def _max_value_diff(recorded: Any, replayed: Any) -> float | None:
+    """The largest absolute difference between the numbers of two output documents where they pair up
+    (numpy arrays of one shape, numbers); None where none do, or where NaN/Inf differ."""
+    pairs: list[tuple[Any, Any]] = []
+
+    def number(doc: Any) -> Any:
+        if isinstance(doc, dict) and len(doc) == 1 and "$ndarray" in doc:
+            try:
+                return jsonval.decode(doc)
+            except Exception:  # noqa: BLE001 - a damaged array: no number for it
+                return None
+        if isinstance(doc, dict) and len(doc) == 1 and ("$npscalar" in doc or "$float" in doc):
+            return jsonval.decode(doc)
+        return doc if isinstance(doc, (int, float)) and not isinstance(doc, bool) else None
+
+    def go(a: Any, b: Any) -> None:
+        x, y = number(a), number(b)
+        if x is not None and y is not None:
+            pairs.append((x, y))
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for p, q in zip(a, b, strict=True):
+                go(p, q)
+        elif isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+            for k in a:
+                go(a[k], b[k])
+
+    go(recorded, replayed)
+    far = None
+    for a, b in pairs:
+        try:
+            x, y = np.asarray(a), np.asarray(b)
+            if x.shape != y.shape or x.dtype.kind not in "biufc" or y.dtype.kind not in "biufc":
+                continue
+            d = np.abs(x.astype(np.complex128) - y.astype(np.complex128)) if x.size else np.zeros(0)
+        except (TypeError, ValueError):
+            continue
+        if d.size and not np.isfinite(d).all():
+            return None
+        if d.size:
+            far = max(far or 0.0, float(d.max()))
+    return far
 
 
 def _by_type(doc: Any, as_dicts: bool = False) -> Any:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -509,3 +510,22 @@ class TestPdbgRecordOnAnomaly:
         assert proc.returncode == 0, proc.stderr
         assert "(Pdb) 2" in proc.stdout and "iteration 3 ok" in proc.stdout
         assert "pdbg: Eq. 2 (smooth_relu) forward, iteration 0, call 2: output has 1 Inf; opening pdb" in proc.stderr
+
+
+@recorder.paper_step("Eq. 40", description="inverse-frequency class weights, in numpy")
+def np_class_weights(counts: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        w = counts.sum() / (counts * len(counts))
+        return w / w.sum()  # a zero count: inf / inf = nan
+
+
+def test_stop_at_a_nan_a_step_made_in_numpy(run_path: Path) -> None:
+    """on_anomaly='stop' stops at the step whose numpy result holds NaN, not at the step that uses it."""
+    with pytest.raises(recorder.NonFiniteError) as info, recorder.record(run_path, on_anomaly="stop") as run:
+        for it in range(3):
+            w = np_class_weights(np.array([1.0, 2.0, 0.0 if it == 1 else 3.0]))
+            smooth_relu(torch.as_tensor(w, dtype=torch.float32))
+            run.next_iteration()
+    assert str(info.value) == ("Eq. 40 (np_class_weights) forward, iteration 1, call 0: output (numpy float64[3]) "
+                               "has 1 NaN of 3")
+    assert statuses(run_path)[-1] == ("np_class_weights", "nonfinite", 1)

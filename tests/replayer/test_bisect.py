@@ -2026,3 +2026,53 @@ def test_a_divergence_names_the_generator_its_module_holds(tmp_path: Path) -> No
     div = replayer.first_divergence(*recs)
     assert div.cause.endswith("same inputs and parameters, but output differs: the state of the generator gen its "
                               "module holds differs at entry"), div.cause
+
+
+@recorder.paper_step("Eq. 40", description="inverse-frequency class weights, in numpy")
+def np_class_weights(counts: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        w = counts.sum() / (counts * len(counts))
+        return w / w.sum()  # a zero count: inf / inf = nan
+
+
+@recorder.paper_step("Eq. 41", description="a loss weighted by numpy class weights")
+def np_weighted_loss(z: torch.Tensor, w: np.ndarray) -> torch.Tensor:
+    return (z * torch.as_tensor(w, dtype=torch.float32)).sum()
+
+
+def record_numpy_nan(path: Path, **kwargs: Any) -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    with recorder.record(path, model=lin, **kwargs) as run:
+        for it in range(3):
+            w = np_class_weights(np.array([1.0, 2.0, 0.0 if it == 1 else 3.0]))
+            np_weighted_loss(lin(torch.randn(3)), w).backward()
+            run.next_iteration()
+
+
+def test_nan_made_in_numpy_is_blamed_on_the_step_that_made_it(tmp_path: Path) -> None:
+    """A NaN a step makes in numpy is that step's, not the next step's "from finite inputs"."""
+    record_numpy_nan(tmp_path / "run.zarr")
+    rec = replayer.open(tmp_path / "run.zarr")
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is not None and origin.step.name == "np_class_weights" and origin.step.iteration == 1
+    assert "output (numpy float64[3], 1 NaN of 3)" in origin.cause
+    assert origin.step.status == "nonfinite"
+    taker = rec.step(origin.step.index + 1)
+    assert taker.name == "np_weighted_loss"
+    assert bisect_mod.step_flags(rec)[taker.index] & layout.NAN_INPUT
+
+
+def test_nan_entering_through_a_numpy_argument_is_named(tmp_path: Path) -> None:
+    """Where the numpy value that holds NaN was made outside every step, the step that took it did not
+    make it "from finite inputs": the answer names the argument."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    with recorder.record(tmp_path / "run.zarr", model=lin) as run:
+        for it in range(2):
+            w = np.array([1.0, np.nan if it else 1.0, 1.0])
+            np_weighted_loss(lin(torch.randn(3)), w).backward()
+            run.next_iteration()
+    origin = replayer.first_nonfinite(replayer.open(tmp_path / "run.zarr"))
+    assert origin.step is None and origin.entered is not None and origin.entered.iteration == 1
+    assert "argument args.1 (numpy float64[3], 1 NaN of 3)" in origin.cause

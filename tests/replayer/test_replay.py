@@ -3668,3 +3668,24 @@ def test_a_recorded_binding_names_only_torch_math_or_the_training_codes_own() ->
 
     assert [_bindable(obj) for obj in (os.system, torch.load, np.load, np.ndarray, subprocess.Popen)] == [False] * 5
     assert all(_bindable(obj) for obj in (torch.tanh, torch.nn.functional.gelu, torch.nn.Linear, Critic))
+
+
+@recorder.paper_step("Eq. 42", description="a matching in numpy")
+def np_matching(cost: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    c = cost.detach().numpy()
+    return c.argmin(0).astype(np.int64), np.arange(c.shape[1], dtype=np.int64)
+
+
+def test_a_step_returning_numpy_values_replays_as_compared(tmp_path: Path) -> None:
+    """A step that returns numpy arrays is compared by their dtype, shape and bytes: its correct replay
+    is a match (not "nothing compared"), a changed one a mismatch with the largest difference."""
+    torch.manual_seed(0)
+    with recorder.record(tmp_path / "run.zarr"):
+        np_matching(torch.randn(4, 3))
+    rec = replayer.open(tmp_path / "run.zarr")
+    result = replayer.replay(rec, rec.step(0))
+    assert result.compared and result.match
+    assert [(d.name, d.match) for d in result.outputs] == [("output structure", True)]
+    edited = replayer.replay(rec, rec.step(0), edit={"args.0": "-x"})
+    assert edited.compared and not edited.match
+    assert edited.outputs[0].max_ulp is None and "max abs difference" in (edited.outputs[0].reason or "")
