@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import functools
 import itertools
 import math
@@ -1144,8 +1145,15 @@ class Session:
             frame = self._innermost()
             if frame is None:
                 return
+            if isinstance(tensor, (np.ndarray, np.generic)) and tensor.dtype.kind in "biufc":
+                # a numpy intermediate is watched (kept, checked) as a copy of it as a tensor; a dtype torch has
+                # not (uint32 before 2.3) is not
+                with contextlib.suppress(TypeError, ValueError, RuntimeError):
+                    tensor = torch.tensor(np.asarray(tensor))
             if not isinstance(tensor, torch.Tensor):
                 frame.notes.append(f"watch({name!r}) got a {type(tensor).__name__}, not a tensor")
+                warn(f"PaperDebugger: recorder.watch({name!r}) got a {type(tensor).__name__}, which it cannot check: "
+                     "pass a tensor or a numeric numpy array", stacklevel=3)
                 return
             shape = expect.get("expected_shape")
             actual = _shape_of(tensor)

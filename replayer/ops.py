@@ -65,10 +65,11 @@ class OpReport:
     index: int = 0  # how many operations the step ran before it, from 0
     inputs: list[dict[str, Any]] = field(default_factory=list)
     outputs: list[dict[str, Any]] = field(default_factory=list)
-    # None: it made NaN/Inf from finite inputs. "inf": it made NaN of Inf (inf - inf, 0 * inf), an Inf
-    # that came into the step or, with inf_from, that an earlier operation made. "forward": in a backward
-    # step none did, and this operation of its forward made the NaN (masked there: torch.where(x > 0,
-    # x.sqrt(), 0)) that the backward then carried into the gradient.
+    # None: it made NaN/Inf from finite inputs. "outside": it made a tensor of data holding NaN that code outside
+    # torch's operators computed (torch.from_numpy of numpy's result), which no operation made. "inf": it made
+    # NaN of Inf (inf - inf, 0 * inf), an Inf that came into the step or, with inf_from, that an earlier
+    # operation made. "forward": in a backward step none did, and this operation of its forward made the NaN
+    # (masked there: torch.where(x > 0, x.sqrt(), 0)) that the backward then carried into the gradient.
     made: str | None = None
     of_inf: bool = False  # it made NaN of Inf, not of finite values
     inf_from: OpReport | None = None  # the operation of the step (or its forward) that made that Inf, if one did
@@ -95,6 +96,10 @@ class OpReport:
         if self.made == "inf":
             by = "the step's forward" if self.inf_from.phase != self.phase else "an earlier operation of the step"
             return f"{self.name} made NaN of an Inf (inf - inf, 0 * inf) that {by} made: {self.inf_from.where()}"
+        if self.made == "outside":
+            return ("no operation of torch's made the NaN: it came into them from outside, in data that code outside "
+                    "torch's operators (numpy code in the step) computed, made a tensor at this line; torch's "
+                    "operations after it only carried it")
         if self.made == "forward":
             of = " of an Inf (inf - inf, 0 * inf)" if self.of_inf else ""
             source = "" if self.inf_from is None else \
@@ -228,6 +233,9 @@ class _Finder(TorchDispatchMode):
         self.infs: dict[int, tuple[weakref.ref[torch.Tensor], OpReport]] = {}  # nan: storage -> who made its Inf
         self.count = 0
         self.literals: list[torch.Tensor] = []  # NaN/Inf written in the code (y[m] = float("nan")), lifted to tensors
+        # The first tensor made of data holding NaN that no operation of torch's made (torch.from_numpy of what
+        # numpy code computed), where the step's NaN may have come from
+        self.outside: OpReport | None = None
 
     @property
     def looking(self) -> bool:
@@ -251,7 +259,15 @@ class _Finder(TorchDispatchMode):
             infos = [_tensor_info(t) for t in _checked((args, kwargs))]  # (reported as they were)
         out = func(*args, **kwargs)
         if looking and func in _LIFTS:  # a constant of the code: what it is written into is the origin
-            self.literals += [t for t in _checked(out) if _nonfinite(t)]
+            for t in _checked(out):
+                if not _nonfinite(t):
+                    continue
+                if t.numel() > 1 and bool(t.isnan().any()):  # data made outside torch's operators (numpy): no
+                    if self.outside is None:  # constant, and the operations that carry its NaN did not make it
+                        self.outside = self._report(func, args, kwargs, [t], [])
+                        self.outside.made = "outside"
+                else:
+                    self.literals.append(t)
         elif looking:
             outs = _checked(out)
             if any(_nonfinite(t) for t in outs):
@@ -389,11 +405,16 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
         return None
     forward = finders.get("forward") if step.phase == "backward" else None
     if nan and finder.named is not None:
-        return finder.named
+        return _first(finder.named, finder.outside)
     if nan and forward is not None and forward.named is not None:
         forward.named.made = "forward"  # a NaN the forward made and hid, which the backward carried
         return forward.named
     if finder.found is None and forward is not None and forward.found is not None:
         forward.found.made = "forward"
         return forward.found
-    return finder.found or finder.first_nan
+    return _first(finder.found or finder.first_nan, finder.outside)
+
+
+def _first(op: OpReport | None, outside: OpReport | None) -> OpReport | None:
+    """The operation found, unless NaN came into torch's operators from outside them (numpy code) before it."""
+    return outside if outside is not None and (op is None or outside.index <= op.index) else op

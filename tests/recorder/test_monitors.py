@@ -529,3 +529,24 @@ def test_stop_at_a_nan_a_step_made_in_numpy(run_path: Path) -> None:
     assert str(info.value) == ("Eq. 40 (np_class_weights) forward, iteration 1, call 0: output (numpy float64[3]) "
                                "has 1 NaN of 3")
     assert statuses(run_path)[-1] == ("np_class_weights", "nonfinite", 1)
+
+
+@recorder.paper_step("Eq. 44", description="raw class weights, watched")
+def np_watched_weights(counts: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        w = counts.sum() / counts
+    recorder.watch(w, "raw_weights", expected_range=(0, 10))
+    return np.nan_to_num(w, posinf=1.0)
+
+
+def test_watch_checks_a_numpy_array(run_path: Path) -> None:
+    """watch() on a numpy intermediate checks its expectations as on a tensor: Inf breaks a range."""
+    with recorder.record(run_path) as run:
+        for it in range(2):
+            np_watched_weights(np.array([1.0, 2.0, 0.0 if it == 1 else 3.0]))
+            run.next_iteration()
+    rank = RunReader(str(run_path)).rank(0)
+    extras = [int(e) for e in rank.column("steps/extra")]
+    got = [(int(rank.column("steps/iteration")[i]), a) for i, e in enumerate(extras) if e >= 0
+           for a in rank.doc(e).get("alerts", [])]
+    assert [(it, a["watch"], a["check"], a["nonfinite"]) for it, a in got] == [(1, "raw_weights", "range", 1)]

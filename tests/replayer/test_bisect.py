@@ -2076,3 +2076,23 @@ def test_nan_entering_through_a_numpy_argument_is_named(tmp_path: Path) -> None:
     origin = replayer.first_nonfinite(replayer.open(tmp_path / "run.zarr"))
     assert origin.step is None and origin.entered is not None and origin.entered.iteration == 1
     assert "argument args.1 (numpy float64[3], 1 NaN of 3)" in origin.cause
+
+
+@recorder.paper_step("Eq. 43", description="a focal matching cost, computed in numpy")
+def np_focal_cost(logits: torch.Tensor) -> torch.Tensor:
+    p = np.where(logits.detach().softmax(-1).numpy() < 1e-3, 0.0, 0.5)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = -np.log(p) * p  # 0 * inf = nan
+    return torch.from_numpy(c).float().clamp(max=10.0)
+
+
+def test_ops_says_a_nan_made_by_numpy_code_in_the_step_came_from_outside_torch(tmp_path: Path) -> None:
+    """--ops does not name the copy that carried numpy's NaN into a tensor as having made it "from finite
+    inputs": the NaN came from outside torch's operators, at the line that made the tensor."""
+    with recorder.record(tmp_path / "run.zarr"):
+        np_focal_cost(torch.tensor([[0.0, 30.0, 1.0], [1.0, 0.0, 0.5]]))
+    origin = replayer.first_nonfinite(replayer.open(tmp_path / "run.zarr"), ops=True)
+    assert origin.step is not None and origin.step.name == "np_focal_cost"
+    assert origin.op is not None and origin.op.made == "outside"
+    assert origin.op.line == line_of(np_focal_cost, "torch.from_numpy")
+    assert "no operation of torch's made the NaN" in (origin.op_note or "")
