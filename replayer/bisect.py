@@ -165,7 +165,12 @@ def find_op(origin: Origin, step: Step, *, use_bundled_source: bool = False,
         origin.op_note = f"the replay did not reproduce the recorded step ({differs}): {found}{how}; {why}"
         return
     drift = f" ({'; '.join(notes)}: what the replay ran may not be the recorded code)" if notes else ""
-    if origin.op is None:
+    if origin.op is None and not any(r.nonfinite for r in step.records if r.role == "output") and \
+            _values(step, "output"):
+        origin.op_note = ("no operation of torch's is named: the NaN/Inf is in a result that is no tensor "
+                          f"({_values(step, 'output')[0].text()}), made by code outside torch's operators (numpy "
+                          f"code in the step){drift}")
+    elif origin.op is None:
         origin.op_note = ("no single operation inside the step turned finite values into NaN/Inf during the "
                           f"replay{drift}")
     elif origin.op.how():

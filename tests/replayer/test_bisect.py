@@ -2096,3 +2096,11 @@ def test_ops_says_a_nan_made_by_numpy_code_in_the_step_came_from_outside_torch(t
     assert origin.op is not None and origin.op.made == "outside"
     assert origin.op.line == line_of(np_focal_cost, "torch.from_numpy")
     assert "no operation of torch's made the NaN" in (origin.op_note or "")
+
+
+def test_ops_on_a_step_whose_nan_is_in_its_numpy_result(tmp_path: Path) -> None:
+    """--ops on a step that made its NaN in numpy names no torch operation, and says the NaN is in its numpy result."""
+    record_numpy_nan(tmp_path / "run.zarr")
+    origin = replayer.first_nonfinite(replayer.open(tmp_path / "run.zarr"), ops=True)
+    assert origin.step is not None and origin.step.name == "np_class_weights" and origin.op is None
+    assert "in a result that is no tensor (output (numpy float64[3], 1 NaN of 3))" in (origin.op_note or "")
