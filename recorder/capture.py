@@ -582,9 +582,10 @@ class Session:
         return frame.nonfinite
 
     def _nonfinite_values(self, frame: Frame) -> None:
-        """A step whose result holds no non-finite tensor but NaN/Inf in a number that is none (a numpy
-        array, a float), as recorded: the anomaly is there, where it was made (the writer flags it so)."""
-        made = jsonval.nonfinite(frame.output_doc, "output")
+        """A step whose result holds no non-finite tensor but NaN in a number that is none (a numpy array, a
+        float), as recorded: the anomaly is there, where it was made (the writer flags it so). Inf alone is
+        not told here: a step may return ``math.inf`` at every call as a bound (bisect judges it so too)."""
+        made = [m for m in jsonval.nonfinite(frame.output_doc, "output") if m.nan]
         if made:
             given = jsonval.nonfinite(frame.args_doc) if frame.args_doc is not None else []
             text = f"{self._context(frame, None).describe()}: {made[0].path} ({made[0].kind}) has {made[0].counts()}"
