@@ -1959,8 +1959,9 @@ def test_writes_through_data_are_seen(tmp_path: Path) -> None:
     results = [replayer.replay(rec, s) for s in rec.steps if s.iteration < 3]  # (after the NaN: NaN stays NaN)
     assert all(r.match for r in results), [(r.step.index, [d.summary() for d in r.outputs if not d.match])
                                            for r in results if not r.match]
-    origin = replayer.first_nonfinite(rec)
-    assert origin.step is not None and (origin.step.name, origin.step.iteration) == ("polyak_through_data", 3)
+    origin = replayer.first_nonfinite(rec)  # (the NaN came in through tau, a float argument: no step made it)
+    assert origin.entered is not None and (origin.entered.name, origin.entered.iteration) == ("polyak_through_data", 3)
+    assert origin.cause.startswith("argument args.2 (float, 1 NaN) of step")
     last = replayer.replay(rec, [s for s in rec.steps if s.phase == "forward" and s.name == "Norm"][-1])
     assert any(w.startswith("not compared: bn.running_mean, bn.running_var, bn.num_batches_tracked, which the "
                             "call changed: no later call") for w in last.warnings), last.warnings
