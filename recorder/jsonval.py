@@ -24,6 +24,8 @@ import torch
 from .errors import FormatError, UnknownTagError
 
 TensorNamer = Callable[[Any, str], str | None]
+NDARRAY_VALUES = 4096  # a numpy array of more values is not recorded as data ($opaque)
+_NDARRAY_SPAN = 1 << 24  # bytes: a rebuilt array's memory in its recorded strides, at most (else its order)
 _BIGINT_BITS = 13000  # ~3900 decimal digits: below CPython's 4300-digit int/str conversion limit
 _NP_KINDS = "biufcSU"
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -127,6 +129,28 @@ def _mapping(value: dict, pairs: list, sub: Callable[[Any, Any], Any]) -> dict |
     if own:
         out["attrs"] = {k: sub(k, v) for k, v in own.items()}
     return {"$mapping": out}
+
+
+_LARGE = "<numpy array of {} values of {}, shape {}>"  # an $opaque's repr for an array too large to be data
+_NP_GENERATORS = {f"numpy.random.{m}:{c}" for m, c in (
+    ("_generator", "Generator"), ("mtrand", "RandomState"), ("_pcg64", "PCG64"), ("_pcg64", "PCG64DXSM"),
+    ("_mt19937", "MT19937"), ("_philox", "Philox"), ("_sfc64", "SFC64"))}
+_LARGE_RE = re.compile(r"<numpy array of (\d+) values of (\S+), shape (\[[\d, ]*\])>")
+
+
+def opaque_reason(value: Opaque) -> str | None:
+    """Why a value was not recorded as data, where the recording says and it is not its type alone:
+    a numpy array over the size recorded as data ("a numpy array of 12,288 values (float32, shape
+    [4, 3, 32, 32]), over the 4,096 recorded as data"), a numpy generator passed as an argument; None
+    for another (and for such an array in a recording before this note, which kept numpy's repr)."""
+    if value.type in _NP_GENERATORS:
+        return (f"a numpy {value.type.rpartition(':')[2]} passed as an argument, whose state is not recorded there "
+                "(a generator read as a module-level global or held by the step's module is)")
+    found = _LARGE_RE.fullmatch(value.repr) if value.type == "numpy:ndarray" else None
+    if found is None:
+        return None
+    return (f"a numpy array of {int(found[1]):,} values ({found[2]}, shape {found[3]}), over the "
+            f"{NDARRAY_VALUES:,} recorded as data")
 
 
 def _opaque(value: Any) -> dict:
@@ -235,10 +259,16 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
                 active.discard(id(value))
         if type(value) is np.ndarray:
             dt = value.dtype
-            if value.size > 4096 or dt.kind not in _NP_KINDS + "mM" or np.dtype(str(dt)) != dt:
+            if dt.kind not in _NP_KINDS + "mM" or np.dtype(str(dt)) != dt:
                 return _opaque(value)
+            if value.size > NDARRAY_VALUES:  # (its repr is numpy's summary: what a reader says is why)
+                return {"$opaque": {"type": type_ref(value), "repr": _LARGE.format(
+                    value.size, str(dt).encode("ascii", "backslashreplace").decode(), list(value.shape))}}
             data = base64.b64encode(np.ascontiguousarray(value).tobytes()).decode()
-            return {"$ndarray": {"dtype": str(dt), "shape": list(value.shape), "data": data}}
+            out = {"dtype": str(dt), "shape": list(value.shape), "data": data}
+            if not value.flags.c_contiguous:  # (1.17) its layout: numpy's sums, torch.from_numpy depend on it
+                out["strides"] = [int(s) for s in value.strides]
+            return {"$ndarray": out}
         if id(value) in active or not (isinstance(value, (list, tuple, dict, set, frozenset, slice)) or (
                 dataclasses.is_dataclass(value) and not isinstance(value, type)) or _plain_object(value)):
             return _opaque(value)  # unsupported, or a reference cycle
@@ -634,13 +664,23 @@ class _Decoder:
             raise
 
     def numpy(self, tag: str, payload: Any) -> Any:
+        strides = None
+        if tag == "$ndarray" and isinstance(payload, dict) and "strides" in payload:  # (1.17) a layout other than C
+            payload = dict(payload)
+            strides = payload.pop("strides")
         name, *rest = _keys(payload, tag, "dtype", *(("value",) if tag == "$npscalar" else ("shape", "data")))
         dtype = np.dtype(_expect(name, str, tag))
         if dtype.kind not in _NP_KINDS + ("mM" if tag == "$ndarray" else ""):
             _fail(f"{tag} dtype {name!r:.60} is not allowed")
         if tag == "$npscalar":
             return dtype.type(self.dec(rest[0]))
-        return np.frombuffer(_unb64(rest[1], tag), dtype=dtype).reshape(_expect(rest[0], list, tag)).copy()
+        values = np.frombuffer(_unb64(rest[1], tag), dtype=dtype).reshape(_expect(rest[0], list, tag)).copy()
+        if strides is None:
+            return values
+        strides = [_expect(s, _INTS, tag) for s in _expect(strides, list, tag)]
+        if len(strides) != values.ndim:
+            _fail(f"{tag} strides {strides!r:.60} do not match its shape {list(values.shape)!r:.60}")
+        return as_strides(values, strides)
 
     def generator(self, tag: str, payload: Any) -> torch.Generator:
         device, state = _keys(payload, tag, "device", "state")
@@ -720,6 +760,27 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$opaque": lambda d, t, p: Opaque(*(_expect(x, str, t) for x in _keys(p, t, "type", "repr"))),
     **dict.fromkeys(("$npscalar", "$ndarray"), _Decoder.numpy),
 }
+
+
+def as_strides(values: np.ndarray, strides: list[int]) -> np.ndarray:
+    """``values`` (C-contiguous) laid out with ``strides`` (bytes, as ``ndarray.strides``): a view with
+    these strides over memory of its own, as a transposed, reversed or sliced array was recorded, so that
+    what depends on the layout (numpy's summation order, ``torch.from_numpy`` refusing negative strides)
+    does as it did. Where that memory would be too large (a recorded stride past the others), the same
+    order of dimensions and directions without the gaps."""
+    if values.size <= 1 or list(values.strides) == list(strides):
+        return values
+    shape, item = values.shape, values.itemsize
+    span = item + sum((n - 1) * abs(s) for n, s in zip(shape, strides, strict=True))
+    if span <= max(_NDARRAY_SPAN, values.nbytes):
+        start = sum((n - 1) * -s for n, s in zip(shape, strides, strict=True) if s < 0)
+        memory = np.zeros(span, dtype=np.uint8)
+        out = np.lib.stride_tricks.as_strided(memory[start:start + item].view(values.dtype), shape, strides)
+        out[...] = values
+        return out
+    order = sorted(range(values.ndim), key=lambda d: -abs(strides[d]))  # outermost first, as they were in memory
+    flip = tuple(slice(None, None, -1) if s < 0 else slice(None) for s in strides)
+    return np.ascontiguousarray(values[flip].transpose(order)).transpose(np.argsort(order))[flip]
 
 
 def _set_attrs(obj: Any, attrs: dict[str, Any]) -> None:

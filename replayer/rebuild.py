@@ -73,6 +73,10 @@ def unresolved(value: Any) -> str | None:
     """What in a decoded value could not be brought back (an opaque value, a type not importable
     now, a tensor whose data was not kept), or None."""
     if isinstance(value, jsonval.Opaque):
+        reason = jsonval.opaque_reason(value)
+        if reason is not None:
+            return reason + (" (pass it as a tensor, torch.from_numpy(a), to have it recorded)"
+                             if value.type == "numpy:ndarray" else "")
         shown = " ".join(str(value.repr).split())  # one line, whatever the repr's layout
         shown = shown if len(shown) <= 120 else shown[:119] + "…"
         return f"a {value.type} ({shown}), which could not be recorded as data"

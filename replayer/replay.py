@@ -1076,8 +1076,9 @@ class Replayer:
         result.values = values
         result.outputs = _compare_all(step, [r for r in step.records if r.role == "output"], values)
         doc_now = jsonval.encode(out, tensor_name=lambda t, p: f"output.{p}" if p else "output")
-        as_dicts = layout.parse_version(self.rec.rank.run.schema_version) < layout.MAPPINGS_SINCE
-        if _by_type(doc_now, as_dicts) != _by_type(step.output_structure, as_dicts):
+        schema = layout.parse_version(self.rec.rank.run.schema_version)
+        as_dicts, layouts = schema < layout.MAPPINGS_SINCE, schema >= layout.STRIDES_SINCE
+        if _by_type(doc_now, as_dicts, layouts) != _by_type(step.output_structure, as_dicts, layouts):
             far = _max_value_diff(step.output_structure, doc_now)
             result.outputs.append(Diff(
                 "output structure", "output", False, max_abs_diff=math.inf if far is None else far, max_ulp=None,
@@ -1283,20 +1284,21 @@ def known_refusal(step: Step) -> str | None:
     fwd = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
     opaque = _first_opaque(fwd.arguments)
     if opaque is not None:
-        return (f"step {fwd.index} ({fwd.name}) was called with a {opaque}, which could not be recorded as data; it "
-                "cannot be replayed")
+        what = unresolved(opaque) if jsonval.opaque_reason(opaque) is not None else \
+            f"a {opaque.type}, which could not be recorded as data"
+        return f"step {fwd.index} ({fwd.name}) was called with {what}; it cannot be replayed"
     if step.phase == "backward" and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []) and \
             not any(r.role == "grad_output" for r in step.records):
         return _second_order(step)
     return None
 
 
-def _first_opaque(doc: Any) -> str | None:
-    """The type of the first value in an encoded document that could not be encoded (``$opaque``)."""
+def _first_opaque(doc: Any) -> jsonval.Opaque | None:
+    """The first value in an encoded document that could not be encoded (``$opaque``)."""
     if isinstance(doc, dict):
         inner = doc.get("$opaque")
         if len(doc) == 1 and isinstance(inner, dict) and isinstance(inner.get("type"), str):
-            return inner["type"]
+            return jsonval.Opaque(inner["type"], str(inner.get("repr", "")))
         items: Any = doc.values()
     elif isinstance(doc, list):
         items = doc
@@ -1401,22 +1403,25 @@ def _max_value_diff(recorded: Any, replayed: Any) -> float | None:
     return far
 
 
-def _by_type(doc: Any, as_dicts: bool = False) -> Any:
+def _by_type(doc: Any, as_dicts: bool = False, layouts: bool = True) -> Any:
     """An output document with each opaque object stood for by its type alone: its repr may hold
     its address (``<generator object ... at 0x7f...>``), which no replay gives again. ``as_dicts``:
-    dict subclasses as their items, as recordings before schema 1.13 kept them."""
+    dict subclasses as their items, as recordings before schema 1.13 kept them. ``layouts`` False:
+    numpy arrays by their values alone, as recordings before schema 1.17 kept them (no strides)."""
     if isinstance(doc, dict):
         if len(doc) == 1 and isinstance(doc.get("$opaque"), dict):
             return {"$opaque": doc["$opaque"].get("type")}
+        if not layouts and len(doc) == 1 and isinstance(doc.get("$ndarray"), dict):
+            return {"$ndarray": {k: v for k, v in doc["$ndarray"].items() if k != "strides"}}
         if as_dicts and len(doc) == 1 and isinstance(doc.get("$mapping"), dict):
             pairs = doc["$mapping"].get("items")
-            pairs = [_by_type(p, as_dicts) for p in pairs] if isinstance(pairs, list) else []
+            pairs = [_by_type(p, as_dicts, layouts) for p in pairs] if isinstance(pairs, list) else []
             if all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and p[0][:1] != "$" for p in pairs):
                 return dict(pairs)
             return {"$dict": pairs}
-        return {k: _by_type(v, as_dicts) for k, v in doc.items()}
+        return {k: _by_type(v, as_dicts, layouts) for k, v in doc.items()}
     if isinstance(doc, list):
-        return [_by_type(v, as_dicts) for v in doc]
+        return [_by_type(v, as_dicts, layouts) for v in doc]
     return doc
 
 

@@ -55,7 +55,8 @@ SCHEMA_VERSION = "1.17"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 # 1.17: a module step's RNG document holds parts "module:<path>": generator objects its module and submodules hold
 #       as attributes, at each call (the skeleton's torch.Generator state is the one it was built with); and
 #       the skeleton of a step's module holds "submodule_code": the file, line and source SHA-256 of each class of
-#       its submodules that is the training code's own, by class reference (older readers ignore it)
+#       its submodules that is the training code's own, by class reference (older readers ignore it); and
+#       a $ndarray laid out other than C-contiguous (a transposed or reversed view) holds its "strides"
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -67,6 +68,7 @@ REQUIRES_GRAD_SINCE = (1, 2)  # recordings of this schema or later keep a tensor
 # code, in the iteration); 1.2 to 1.9 counted per name, 1.0 and 1.1 per name and module path.
 CALLS_SINCE = (1, 10)
 MAPPINGS_SINCE = (1, 13)  # recordings of this schema or later keep dict subclasses as $mapping
+STRIDES_SINCE = (1, 17)  # recordings of this schema or later keep a numpy array's layout ($ndarray "strides")
 RAGGED_SINCE = (1, 16)  # recordings of this schema or later may hold RAGGED_DIM in a shape (elsewhere: damage)
 SUBMODULE_CODE_SINCE = (1, 17)  # recordings of this schema or later hold the code hashes of submodule classes
 CHECKSUM_KEY = "checksum"

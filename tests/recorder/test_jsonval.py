@@ -693,6 +693,43 @@ def test_import_types_true_only_builds_matching_types(monkeypatch: pytest.Monkey
     assert calls == []
 
 
+NP_LAYOUTS = {
+    "transposed": lambda a: a.T,
+    "reversed": lambda a: a[::-1],
+    "both reversed, transposed": lambda a: a[::-1, ::-1].T,
+    "columns with gaps, reversed": lambda a: a[:, ::-3],
+    "a column": lambda a: a[:, 5],
+    "broadcast": lambda a: np.broadcast_to(a[0], (4, 64)),
+    "Fortran order": np.asfortranarray,
+    "big-endian, reversed": lambda a: a.astype(">f8")[::-1],
+}
+
+
+@pytest.mark.parametrize("make", list(NP_LAYOUTS.values()), ids=list(NP_LAYOUTS))
+def test_a_numpy_array_comes_back_in_its_layout(make: Any) -> None:
+    """A transposed, reversed, sliced or broadcast numpy array decodes with its strides (numpy's sums
+    follow them, torch.from_numpy refuses negative ones), its values and dtype as encoded; a
+    C-contiguous one's document holds no strides, as before 1.17, and such a document decodes
+    C-contiguous."""
+    value = make(np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32))
+    doc = encode(value)
+    back = decode(loads(dumps(doc)))
+    assert back.strides == value.strides and back.dtype == value.dtype and back.tobytes() == value.tobytes()
+    assert back.sum(axis=0).tobytes() == value.sum(axis=0).tobytes()
+    plain = {"$ndarray": {k: v for k, v in doc["$ndarray"].items() if k != "strides"}}
+    assert "strides" not in encode(np.ascontiguousarray(value))["$ndarray"]
+    assert decode(plain).flags.c_contiguous and decode(plain).tobytes() == value.tobytes()
+
+
+def test_a_numpy_layout_too_large_to_rebuild_keeps_its_order_and_directions() -> None:
+    """Strides spanning more memory than may be made again for a few values (a document's, whatever
+    it says) give the same order of dimensions and directions without the gaps."""
+    value = np.arange(6, dtype=np.float32).reshape(2, 3)
+    doc = {"$ndarray": {**encode(value)["$ndarray"], "strides": [4, -(1 << 40)]}}
+    back = decode(doc)
+    assert back.strides == (4, -8) and back.tobytes() == value.tobytes()
+
+
 @pytest.mark.parametrize(
     "doc",
     [
@@ -711,6 +748,9 @@ def test_import_types_true_only_builds_matching_types(monkeypatch: pytest.Monkey
         {"$mapping": {"type": "x:Y", "items": {"a": 1}}}, {"$mapping": {"type": 1, "items": []}},
         {"$mapping": {"type": "x:Y", "items": [], "extra": 1}}, {"$mapping": {"type": "x:Y", "items": [], "attrs": []}},
         {"$mapping": {"type": "x:Y", "items": [[[1], 2]]}},
+        {"$ndarray": {"dtype": "float32", "shape": [2], "data": "AAAAAAAAAAA=", "strides": [4, 4]}},
+        {"$ndarray": {"dtype": "float32", "shape": [2], "data": "AAAAAAAAAAA=", "strides": "F"}},
+        {"$ndarray": {"dtype": "float32", "shape": [2], "data": "AAAAAAAAAAA=", "strides": [4.0]}},
     ],
 )
 def test_malformed_docs_raise_value_error(doc: Any) -> None:

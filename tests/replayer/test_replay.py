@@ -31,7 +31,7 @@ from recorder.errors import FormatError, ReplayError, StepNotFoundError
 from recorder.store import layout
 from replayer.intervene import InterventionError
 from replayer.rebuild import Builder
-from replayer.replay import NOTHING_COMPARED, Replayer
+from replayer.replay import NOTHING_COMPARED, Replayer, known_refusal
 from tests.cli import SCRIPTS, env, pdbg, pdbg_here, python
 from tests.models import poison_at, record_training
 
@@ -971,6 +971,69 @@ def test_a_sparse_view_of_a_large_tensor_is_said_to_replay_contiguous(tmp_path: 
     assert note.startswith("input args.0: its recorded layout (strides [17825792, 16], a view spanning 68 MiB for "
                            "4.2 MiB of values) was not rebuilt (a view spanning more than 64 MiB and 8 times its "
                            "values is not)"), note
+
+
+@recorder.paper_step("Eq. 12a", description="column sums of a numpy feature matrix")
+def np_colsum(feats_t: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(feats_t.sum(axis=0))
+
+
+@recorder.paper_step("Eq. 12b", description="numpy -> torch without a copy")
+def np_to_tensor(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a) * 1.0
+
+
+def test_a_numpy_argument_replays_in_its_recorded_layout(tmp_path: Path) -> None:
+    """A transposed numpy array (numpy sums it in another order than a C-contiguous copy: 35 of 64
+    sums differed by up to 128 ULP) and a reversed one (torch.from_numpy refuses negative strides: the
+    recorded ValueError, which a copy did not raise) are given to the replay in their recorded
+    layout: both replay as they ran."""
+    path = tmp_path / "run.zarr"
+    rng = np.random.default_rng(0)
+    with recorder.record(path, mode="full"):
+        for _ in range(3):
+            feats = rng.standard_normal((40, 64)).astype(np.float32)
+            np_colsum(feats.T)
+            base = rng.standard_normal(8).astype(np.float32)
+            with contextlib.suppress(ValueError):
+                np_to_tensor(base[::-1])
+    rec = replayer.open(path)
+    step = rec.step("Eq. 12a@iter=0")
+    seen = []
+    spy = lambda fn: lambda a: (seen.append(a.strides), fn(a))[1]  # noqa: E731
+    result = replayer.replay(rec, step.index, swap={"np_colsum": spy})
+    assert result.match and bits_equal(result.values["output"], step.tensor("output")), \
+        [d.summary() for d in result.outputs]
+    assert seen == [(4, 256)]
+    step = rec.step("Eq. 12b@iter=0")
+    assert step.status == "exception"
+    result = replayer.replay(rec, step.index)
+    assert result.match, (result.warnings, [d.summary() for d in result.outputs])
+    assert rec.step("Eq. 12a@iter=0").arguments["args"][0]["$ndarray"]["strides"] == [4, 256]
+
+
+@recorder.paper_step("Eq. 12c", description="a numpy batch, drawn from a numpy generator passed in")
+def np_jitter(images: np.ndarray, rng: Any = None) -> torch.Tensor:
+    return torch.from_numpy(images + (0 if rng is None else rng.standard_normal(images.shape, dtype=np.float32)))
+
+
+def test_a_step_given_a_large_numpy_array_or_a_numpy_generator_says_why_it_cannot_be_replayed(tmp_path: Path) -> None:
+    """A numpy array over the 4,096 values recorded as data, and a numpy generator passed as an
+    argument, were refused as values that "could not be recorded as data", which they are: the
+    refusal says which (its size against the limit, with what to do; the generator) instead."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        np_jitter(np.zeros((4, 3, 32, 32), dtype=np.float32))
+        np_jitter(np.zeros(3, dtype=np.float32), np.random.default_rng(0))
+    rec = replayer.open(path)
+    with pytest.raises(ReplayError, match=r"^step 0 \(np_jitter\) was called with a numpy array of 12,288 values "
+                       r"\(float32, shape \[4, 3, 32, 32\]\), over the 4,096 recorded as data \(pass it as a tensor, "
+                       r"torch\.from_numpy\(a\), to have it recorded\); it cannot be replayed$"):
+        replayer.replay(rec, 0)
+    with pytest.raises(ReplayError, match=r"^step 1 \(np_jitter\) was called with a numpy Generator passed as an "
+                       r"argument, whose state is not recorded there"):
+        replayer.replay(rec, 1)
+    assert known_refusal(rec.step(0)).startswith("step 0 (np_jitter) was called with a numpy array of 12,288")
 
 
 @recorder.paper_step("Eq. 13", description="h_t = tanh(W [x_t; h_{t-1}])")
