@@ -371,6 +371,33 @@ ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0b, 0x20), *r
 ESCAPES.update({c: f"\\u{c:04x}" for c in (*range(0x202a, 0x202f), *range(0x2066, 0x206a))})
 
 
+_CONTAINER_KINDS = {"a tensor", "a list", "a dict", "a tuple", "a namedtuple", "a dataclass", "a mapping", "a object",
+                    "a set", "a frozenset"}  # (what a container holds is named on its own: args.0.1)
+
+
+def value_kind(doc: Any) -> str | None:
+    """What an encoded value is, in words: "a numpy float64 array of shape [4]", "a numpy float32",
+    "a tensor", "an int", "a numpy:ndarray not recorded as data"; None for a missing one (no output)."""
+    if doc is None:
+        return None
+    if isinstance(doc, dict) and len(doc) == 1:
+        tag, payload = next(iter(doc.items()))
+        if tag in ("$tensor", "$tensor_meta"):
+            return "a tensor"
+        if tag == "$ndarray" and isinstance(payload, dict):
+            return f"a numpy {payload.get('dtype')} array of shape {payload.get('shape')}"
+        if tag == "$npscalar" and isinstance(payload, dict):
+            return f"a numpy {payload.get('dtype')}"
+        if tag == "$opaque" and isinstance(payload, dict):
+            return f"a {payload.get('type')} not recorded as data"
+        if tag == "$float":
+            return "a float"
+        if isinstance(tag, str) and tag.startswith("$"):
+            return f"a {tag[1:]}"
+    name = {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "dict"}.get(type(doc), "value")
+    return f"{'an' if name == 'int' else 'a'} {name}"
+
+
 def printable(text: str) -> str:
     """``text`` with control characters escaped (``ESCAPES``): for a repr a terminal may print."""
     return text.translate(ESCAPES)
@@ -738,9 +765,33 @@ class Step:
         """A recorded tensor's exact value by record name (``args.0``, ``output``, ``fc.weight``)."""
         found = [r for r in self.records if r.name == name and (role is None or r.role == role)]
         if not found:
-            names = ", ".join(f"{r.role}:{r.name}" for r in self.records)
-            raise StepNotFoundError(f"step {self.index} has no tensor {name!r}; it has {names}")
+            names = ", ".join(f"{r.role}:{r.name}" for r in self.records) or "no tensors"
+            raise StepNotFoundError(f"step {self.index} has no tensor {name!r}; it has {names}{self.others_text()}")
         return self.rec.rank.tensor(found[0])
+
+    def non_tensors(self) -> dict[str, str]:
+        """The call's arguments and output that are not tensors, by name (``args.0``, ``kwargs.w``,
+        ``output``; a container's are not looked into), each as what it is ("a numpy float64 array of
+        shape [4]", "an int", "a numpy:ndarray not recorded as data"): what a message naming a step's
+        tensors says it has besides. A backward step's: its forward's."""
+        call = self if self.phase != "backward" else self.rec.step(self.forward) if self.forward is not None else None
+        if call is None:
+            return {}
+        doc = call.arguments if isinstance(call.arguments, dict) else {}
+        args = doc.get("args") if isinstance(doc.get("args"), list) else []
+        kwargs = doc.get("kwargs") if isinstance(doc.get("kwargs"), dict) else {}
+        out = {f"args.{i}": value_kind(v) for i, v in enumerate(args)}
+        out.update({f"kwargs.{k}": value_kind(v) for k, v in kwargs.items()})
+        out["output"] = value_kind(call.output_structure)
+        return {k: v for k, v in out.items() if v is not None and v not in _CONTAINER_KINDS}
+
+    def others_text(self) -> str:
+        """`` (and args.0, a numpy float64 array of shape [4], which is not a tensor)``, or ""."""
+        others = self.non_tensors()
+        if not others:
+            return ""
+        shown = "; ".join(f"{k}, {v}" for k, v in list(others.items())[:8]) + ("; ..." if len(others) > 8 else "")
+        return f" (and {shown}, which {'is not a tensor' if len(others) == 1 else 'are not tensors'})"
 
     def _doc(self, column: str) -> Any:
         return self.rec.rank.doc(int(self._col(column)))

@@ -228,10 +228,16 @@ class Replayer:
             if step.phase == "backward":
                 names |= {f"grad_output:{r.name}" for r in step.tensors("grad_output")}
                 names |= {r.name for r in step.tensors("grad_output")} - names
+            others = {k: v for k, v in fwd.non_tensors().items() if k != "output"}
             for c in own:
-                if c.tensor not in names:
-                    raise intervene.InterventionError(f"edit {c.key}: step {step.index} has no tensor {c.tensor!r}; "
-                                                      f"it has {', '.join(sorted(names))}")
+                kind = others.get(c.tensor)
+                if c.tensor in names or (kind or "").startswith("a numpy ") and not kind.endswith("as data"):
+                    continue
+                if kind is not None:
+                    raise intervene.InterventionError(f"edit {c.key}: {c.tensor} of step {step.index} is {kind}; an "
+                                                      "edit changes a tensor or a numpy value")
+                raise intervene.InterventionError(f"edit {c.key}: step {step.index} has no tensor {c.tensor!r}; it has "
+                                                  f"{', '.join(sorted(names)) or 'no tensors'}{fwd.others_text()}")
         aimed = [c for c in plan.edits if c.step is not None]
         if aimed:
             fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
@@ -477,6 +483,34 @@ class Replayer:
                 value = c.run(value)
         return value
 
+    def _edit_numpy(self, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """Apply the plan's edits of the replayed step's numpy arguments (``args.N``, ``kwargs.NAME``): the
+        expression gets the value as a tensor (``x.clamp(min=1)``, ``torch.nan_to_num(x)``), and the call
+        gets what it made back as numpy, of the recorded dtype (and, of the recorded shape, layout)."""
+        for c in self.plan.edits_for(None):
+            where, _, key = c.tensor.partition(".")
+            place: Any = args if where == "args" and key.isdigit() and int(key) < len(args) else \
+                kwargs if where == "kwargs" and key in kwargs else None
+            at: Any = int(key) if place is args else key
+            if place is None or not isinstance(place[at], (np.ndarray, np.generic)):
+                continue
+            was = place[at]
+            try:
+                x = torch.from_numpy(np.array(was, dtype=was.dtype.newbyteorder("=")))
+            except TypeError:
+                raise intervene.InterventionError(f"edit {c.key}: {c.tensor} is a numpy {was.dtype} "
+                                                  f"{'array' if isinstance(was, np.ndarray) else 'value'}, which "
+                                                  "torch cannot hold; an edit changes numbers") from None
+            c.used += 1
+            made = c.run(x).detach().cpu().numpy().astype(was.dtype)
+            if isinstance(was, np.generic):
+                place[at] = was.dtype.type(made.item()) if made.size == 1 else made
+            elif made.shape == was.shape and not was.flags.c_contiguous:
+                place[at] = jsonval.as_strides(np.ascontiguousarray(made), list(was.strides))
+            else:
+                place[at] = np.ascontiguousarray(made)
+        return args, kwargs
+
     def _likely_causes(self, result: ReplayResult, call: _Call) -> None:
         """A replay that did not match: what the recording did not hold that may be why. Attributes a
         module's constructor made that could not be recorded (a tensor attribute training changed, not
@@ -618,6 +652,7 @@ class Replayer:
                                   "(a module is rebuilt for its forward only); make the step a function of its "
                                   "tensors (a staticmethod), or a module of its own, to replay it")
             raise ReplayError(f"step {step.index} ({step.name}) was called with {missing}; it cannot be replayed")
+        args, kwargs = self._edit_numpy(list(args), dict(kwargs))
         held: list[tuple[Any, Any]] = []
         unset: list[str] = []
         if module_doc is not None:

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+import recorder
 import replayer
 from recorder import snapshot
+from recorder.errors import StepNotFoundError
 from replayer import recipes
 from replayer.intervene import InterventionError
 from tests.cli import pdbg_here
@@ -395,3 +397,49 @@ def test_a_replacement_written_after_the_recording_is_not_called_code_the_step_r
     doc = json.loads(res.stdout)
     assert res.returncode == 1 and not doc["match"] and doc["intervention"] is not None, res.stdout + res.stderr
     assert not [w for w in doc["warnings"] if "modified after the recording began" in w], doc["warnings"]
+
+
+@recorder.paper_step("Eq. 4", description="inverse-frequency class weights, in numpy")
+def np_class_weights(counts: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = counts.sum() / (counts * len(counts))
+        return w / w.sum()  # a zero count: inf / inf = nan
+
+
+@recorder.paper_step("Eq. 2", description="a weighted loss, weights given in numpy")
+def np_weighted(x: torch.Tensor, weights: np.ndarray, scale: np.float32, n: int) -> torch.Tensor:
+    return (x * torch.from_numpy(weights.copy()).float()).sum() * float(scale) * n
+
+
+def test_a_numpy_argument_can_be_edited(tmp_path: Path) -> None:
+    """"Would nan_to_num on the weights fix it?": an edit of a numpy argument was refused ("step 0 has no
+    tensor 'args.0'; it has " and nothing). The expression gets it as a tensor and the call gets back
+    a numpy value of its recorded dtype and layout; a step's non-tensor values are named where an edit
+    or Step.tensor names something it does not have."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        weights = np_class_weights(np.array([3, 0, 5, 2], dtype=np.float64))
+        np_weighted(torch.ones(2, 4), np.ascontiguousarray(np.stack([weights, weights]).T).T, np.float32(0.5), 3)
+    rec = replayer.open(path)
+    res = replayer.replay(rec, "np_class_weights", edit={"args.0": "x.clamp(min=1)"})
+    assert not res.match
+    expected = np_class_weights.__wrapped__(np.array([3, 1, 5, 2], dtype=np.float64))
+    assert not np.isnan(expected).any()
+    seen = []
+    spy = lambda fn: lambda *a: (seen.append(a), fn(*a))[1]  # noqa: E731
+    res = replayer.replay(rec, "np_weighted", edit={"args.1": "torch.nan_to_num(x, nan=1.0)", "args.2": "x * 2"},
+                          swap={"np_weighted": spy})
+    (args,) = seen
+    assert args[1].dtype == np.float64 and args[1].strides == (8, 16) and args[1].tobytes() == \
+        np.nan_to_num(np.stack([weights, weights]), nan=1.0).tobytes()
+    assert type(args[2]) is np.float32 and args[2] == np.float32(1.0)
+    assert res.values["output"].isfinite().all()
+    with pytest.raises(InterventionError, match=r"^edit args.3: args.3 of step 1 is an int; an edit changes a tensor "
+                                                r"or a numpy value$"):
+        replayer.replay(rec, "np_weighted", edit={"args.3": "x + 1"})
+    with pytest.raises(InterventionError, match=r"^edit args.7: step 0 has no tensor 'args.7'; it has no tensors "
+                                                r"\(and args.0, a numpy float64 array of shape \[4\]; output, a numpy "
+                                                r"float64 array of shape \[4\], which are not tensors\)$"):
+        replayer.replay(rec, "np_class_weights", edit={"args.7": "x"})
+    with pytest.raises(StepNotFoundError, match=r"^step 0 has no tensor 'output'; it has no tensors \(and args.0, "):
+        rec.step("np_class_weights").tensor("output")
