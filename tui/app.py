@@ -276,8 +276,13 @@ class StepPane(ScrollView, can_focus=True):
         parts.append(Text())
         if view.tensors:
             parts.append(tensor_table(view, self._width))
-        else:
+        elif not view.numpy:
             parts.append(Text("no tensors recorded for this step", style="dim"))
+        if view.numpy:  # what a step whose data is numpy was given and made (the tensor table has none of it)
+            parts.append(Text("numpy values" if view.tensors else "numpy values (no tensors recorded for this step)",
+                              style="bold"))
+            parts += [Text.assemble((f"  {name}  ", "bold"), (summary, "bold red" if bad else ""))
+                      for name, summary, bad in view.numpy]
         parts.append(Text.assemble(("arguments ", "dim"), view.arguments))
         if view.source:
             where = f"{view.source_file}:{view.source_line}"

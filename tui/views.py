@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from rich.cells import cell_len, set_cell_size
 
+from recorder import jsonval
 from recorder.errors import PdbgError
 from recorder.store import layout
 from replayer.bisect import Condition, describe, meant_inf, with_alerts
@@ -404,6 +405,7 @@ class StepView:
     tensors: list[TensorRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     frozen: str | None = None  # which parameters were frozen at the call (``frozen_text``)
+    numpy: list[tuple[str, str, int]] = field(default_factory=list)  # (name, summary, NaN+Inf) per ``numpy_values``
 
 
 def step_view(step: Step) -> StepView:
@@ -423,7 +425,7 @@ def step_view(step: Step) -> StepView:
         notes.append(str(note))
     return StepView(describe(step).split(": ", 1)[1], step.paper.get("description"), step.status,
                     definition.get("source"), definition.get("line"), definition.get("file"),
-                    arguments_text(step.arguments), tensors, notes, frozen_text(step))
+                    arguments_text(step.arguments), tensors, notes, frozen_text(step), numpy_values(step))
 
 
 _FROZEN_LISTED = 6  # frozen parameters named in the step pane; more are counted
@@ -444,6 +446,81 @@ def frozen_text(step: Step) -> str | None:
         return (f"no gradient for {len(frozen)} of {total} parameters: frozen at the forward call "
                 f"(requires_grad=False): {names}")
     return f"{len(frozen)} of {total} parameters frozen (requires_grad=False: they get no gradient): {names}"
+
+
+_NUMPY_SHOWN = 4  # values of a numpy array shown
+_NUMPY_LISTED = 12  # numpy values listed in the step pane
+
+
+def numpy_summary(tag: str, payload: Any, full: bool = True) -> tuple[str, int]:
+    """A recorded numpy value in words, and its count of NaN and Inf: ``float64[4] [0.2, 0.5, nan, 0.1]
+    min 0.1 max 0.5, 1 NaN`` (``full`` False: dtype, shape, the first values and the non-finite ones
+    only, as the arguments line shows them). A document it cannot read: its dtype alone."""
+    dtype = str(payload.get("dtype")) if isinstance(payload, dict) else "?"
+    try:
+        value = np.asarray(jsonval.decode({tag: payload}))
+    except (ValueError, TypeError):
+        return f"{dtype} (unreadable)", 0
+    shape = "" if tag == "$npscalar" else "[" + "×".join(str(d) for d in value.shape) + "]"
+    flat, kind = value.reshape(-1), value.dtype.kind
+    item = {"f": lambda v: _fmt_value(float(v)), "b": lambda v: str(bool(v)), "i": lambda v: str(int(v)),
+            "u": lambda v: str(int(v))}.get(kind, str)
+    shown = [item(v) for v in flat[:_NUMPY_SHOWN]]
+    text = f"{dtype}{shape} " + (shown[0] if tag == "$npscalar" or value.ndim == 0 and shown else
+                                 "[" + ", ".join(shown) + (", …" if flat.size > _NUMPY_SHOWN else "") + "]")
+    if kind not in "iuf":
+        return text, 0
+    as_float = flat.astype(np.float64)
+    nan, inf = (int(np.isnan(as_float).sum()), int(np.isinf(as_float).sum())) if kind == "f" else (0, 0)
+    finite = as_float[np.isfinite(as_float)]
+    if full and flat.size > 1 and finite.size:
+        low, high = (finite.min(), finite.max()) if kind == "f" else (flat.min(), flat.max())
+        text += f"  min {item(low)} max {item(high)}"
+    if nan or inf:
+        text += " (" + ", ".join(f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "Inf")) if n) + ")"
+    return text, nan + inf
+
+
+def numpy_values(step: Step) -> list[tuple[str, str, int]]:
+    """The numpy values among the step's arguments and output (``args.5``, ``output.1``; nested ones
+    by their path), as ``numpy_summary`` gives them: a step whose data is numpy shows what it was
+    given and made, NaN included; an array too large to be recorded is named as not recorded."""
+    out: list[tuple[str, str, int]] = []
+
+    def walk(doc: Any, path: str, depth: int) -> None:
+        if len(out) >= _NUMPY_LISTED or depth > _ARGUMENT_DEPTH:
+            return
+        if isinstance(doc, dict):
+            if len(doc) == 1 and next(iter(doc)) in ("$ndarray", "$npscalar"):
+                tag, payload = next(iter(doc.items()))
+                out.append((path, *numpy_summary(tag, payload)))
+                return
+            if len(doc) == 1 and isinstance(doc.get("$opaque"), dict) and doc["$opaque"].get("type") == "numpy:ndarray":
+                reason = jsonval.opaque_reason(jsonval.Opaque("numpy:ndarray", str(doc["$opaque"].get("repr"))))
+                out.append((path, f"not recorded: {reason or 'not data'}", 0))
+                return
+            if len(doc) == 1 and isinstance(next(iter(doc)), str) and next(iter(doc)).startswith("$"):
+                inner = next(iter(doc.values()))
+                items = enumerate(inner) if isinstance(inner, list) else (
+                    inner.get("fields", {}).items() if isinstance(inner, dict) and
+                    isinstance(inner.get("fields"), dict) else ())
+            else:
+                items = doc.items()
+        elif isinstance(doc, list):
+            items = enumerate(doc)
+        else:
+            return
+        for key, value in items:
+            walk(value, f"{path}.{key}", depth + 1)
+
+    doc = step.arguments if isinstance(step.arguments, dict) else {}
+    for i, value in enumerate(doc.get("args") or []):
+        walk(value, f"args.{i}", 0)
+    for key, value in (doc.get("kwargs") or {}).items() if isinstance(doc.get("kwargs"), dict) else ():
+        walk(value, f"kwargs.{key}", 0)
+    if step.phase != "backward":
+        walk(step.output_structure, "output", 0)
+    return out
 
 
 _ARGUMENT_DEPTH = 8  # levels of nesting shown
@@ -468,8 +545,13 @@ def arguments_text(doc: Any, limit: int = 300) -> str:
                     return str(payload)
                 if tag in ("$dataclass", "$object", "$namedtuple", "$mapping") and isinstance(payload, dict):
                     return f"{str(payload.get('type')).split(':')[-1]}(...)"
+                if tag == "$ndarray" and isinstance(payload, dict):
+                    return "ndarray " + numpy_summary(tag, payload, full=False)[0]
+                if tag == "$npscalar" and isinstance(payload, dict):  # np.float32(1.5)
+                    dtype, _, shown = numpy_summary(tag, payload, full=False)[0].partition(" ")
+                    return f"np.{dtype}({shown})"
                 if tag == "$opaque" and isinstance(payload, dict):
-                    return f"<{payload.get('type')}>"
+                    return f"<{payload.get('type')}, not recorded>"
                 if tag == "$function" and isinstance(payload, str):  # torch.nn.functional:silu -> silu
                     return payload.rpartition(":")[2]
                 if tag == "$generator" and isinstance(payload, dict):

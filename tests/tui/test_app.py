@@ -8,6 +8,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from textual.color import Color
@@ -1182,3 +1183,46 @@ def test_the_step_pane_marks_the_parameters_frozen_at_the_call(tmp_path: Path) -
             str(app.screen.query_one("#page", Static).render())
 
     run(body, path)
+
+
+@recorder.paper_step("Eq. 4", description="inverse-frequency class weights (numpy)")
+def np_class_weights(counts: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = counts.sum() / (counts * len(counts))
+        return w / w.sum()  # a zero count: inf / inf = nan
+
+
+@recorder.paper_step("Eq. 2", description="a weighted loss, weights given in numpy")
+def np_weighted(x: torch.Tensor, weights: np.ndarray) -> torch.Tensor:
+    return (x * torch.from_numpy(weights)).sum()
+
+
+def test_the_step_pane_shows_numpy_values_and_their_nan(tmp_path: Path) -> None:
+    """A step whose data is numpy said "no tensors recorded for this step" and never showed its NaN
+    output; at the step that used it, the NaN-bearing numpy argument showed as ``ndarray(...)``. The
+    pane now lists each numpy value with its dtype, shape, first values, range and NaN/Inf count."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        weights = np_class_weights(np.array([3, 0, 5, 2], dtype=np.float64))
+        np_weighted(torch.ones(4, dtype=torch.float64), weights)
+
+    async def main() -> None:
+        app = PdbgApp(replayer.open(path))
+        async with app.run_test(size=(160, 40)) as pilot:
+            await pilot.pause()
+            app.timeline.go_to(0)
+            await pilot.pause()
+            text = pane(app).plain()
+            assert "no tensors recorded for this step" in text and "numpy values" in text
+            lines = [" ".join(line.split()) for line in text.splitlines()]
+            assert "args.0 float64[4] [3, 0, 5, 2] min 0 max 5" in lines, text
+            assert "output float64[4] [0, nan, 0, 0] min 0 max 0 (1 NaN)" in lines, text
+            app.save_screenshot(str(tmp_path / "weights.svg"))
+            app.timeline.go_to(1)
+            await pilot.pause()
+            text = pane(app).plain()
+            assert "args.1 float64[4] [0, nan, 0, 0] min 0 max 0 (1 NaN)" in [" ".join(x.split())
+                                                                           for x in text.splitlines()], text
+            assert "ndarray float64[4] [0, nan, 0, 0] (1 NaN)" in " ".join(text.split()), text
+
+    asyncio.run(main())

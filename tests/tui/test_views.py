@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import replayer
@@ -42,7 +43,21 @@ def test_arguments_read_as_the_call_was_written() -> None:
                       "f": {"$opaque": {"type": "builtins:function", "repr": "<lambda>"}}}}
     assert views.arguments_text(doc) == ("(<args.0>, <args.0>, 2.5, fn=silu, generator=Generator(cpu), "
                                          "dtype=torch.bfloat16, device='cuda:0', cfg=Config(...), "
-                                         "f=<builtins:function>)")
+                                         "f=<builtins:function, not recorded>)")
+
+
+def test_numpy_arguments_read_with_dtype_shape_values_and_nan() -> None:
+    """Numpy arguments showed as ``ndarray(...)`` and ``npscalar(...)``, like one that was not recorded
+    (``<numpy:ndarray>``): they now show their dtype, shape, first values and NaN/Inf count, and a value
+    not recorded as data says so."""
+    from recorder import jsonval
+
+    doc = jsonval.encode({"args": [np.array([0.5, np.nan, np.inf, 1, 2], dtype=np.float64), np.float32(1.5),
+                                   np.zeros(5000, dtype=np.float32), np.array([True, False])],
+                          "kwargs": {"n": np.uint64(2**64 - 1)}})
+    assert views.arguments_text(doc) == ("(ndarray float64[5] [0.5, nan, inf, 1, …] (1 NaN, 1 Inf), "
+                                         "np.float32(1.5), <numpy:ndarray, not recorded>, ndarray bool[2] "
+                                         "[True, False], n=np.uint64(18446744073709551615))")
 
 
 def test_timeline_rows_keep_their_columns_with_wide_characters_and_deep_nesting(tmp_path: Path) -> None:
