@@ -160,6 +160,7 @@ class Frame:
     # as the step's extra document names them
     arguments: dict[str, Any] | None = None
     link: Any = None  # a forward's BackwardLink, when it has one
+    duals: list[str] = field(default_factory=list)  # record names of forward-AD dual tensors (taps.dual)
 
 
 # Writes through ``.data`` (an EMA or Polyak update, ``b_t.data.copy_(b.data)``) do not bump the
@@ -376,11 +377,13 @@ class Session:
                 self.failure = f"{where}: {type(exc).__name__}: {exc}"
                 message = f"PaperDebugger stopped recording ({self.failure}); training continues"
             level = _outside_recorder()  # the user's line that called into the recording, not the recorder's
+            kept = self._write_ring_before_failure() if self.ring is not None and \
+                not isinstance(exc, WriterStopped) else ""
             if isinstance(exc, WriterStopped) and self.pipeline.store_gone():
                 warn(message, stacklevel=level)
             else:
-                warn(f"{message} and the steps committed so far stay readable; the run is marked incomplete (crashed "
-                     "where not even that can be written)", stacklevel=level)
+                warn(f"{message} and the steps committed so far stay readable{kept}; the run is marked incomplete "
+                     "(crashed where not even that can be written)", stacklevel=level)
 
     def disown(self) -> None:
         """In a forked child (a DataLoader worker): record nothing. The writer thread, the store and
@@ -438,6 +441,31 @@ class Session:
                     self._send(ForgetIterations(iterations), 0)
         except Exception as exc:
             self.fail("writing the flight ring", exc)
+
+    def _write_ring_before_failure(self) -> str:
+        """Flight mode, recording stopped by a failure of its own: write out the iterations the ring
+        holds that were complete before it (the failure's own is not: the step it failed in, and
+        those after, are missing from it), so that the tensors already kept are not lost with the
+        rest of the recording. Returns what to add to the warning."""
+        if self.pipeline.error is not None:  # (no writer to write them)
+            return ""
+        try:
+            with self.lock:
+                iterations, items = self.ring.take_before(self.iteration)  # type: ignore[union-attr]
+                if not iterations:
+                    return ""
+                dump = {"reason": "failure", "iterations": iterations, "bytes": sum(i.nbytes for i in items)}
+                self._log_dump(dump)
+                self._send(RingWritten(dict(dump)), 0)
+                for item in items:
+                    self._send(item, item.nbytes)
+                self._send(ForgetIterations(iterations), 0)  # (as dump_ring: records over max_bytes)
+        except Exception as exc:  # noqa: BLE001 - said in the one warning
+            return (f", but the flight ring's tensors could not be written out ({type(exc).__name__}: {exc}): its "
+                    "iterations keep their statistics only")
+        shown = ", ".join(str(i) for i in iterations)
+        return (f", and the flight ring's tensors of iteration{'s' if len(iterations) > 1 else ''} {shown} (complete "
+                "before the failure) are written out")
 
     def share_ring(self, shared: Any) -> None:
         """Flight mode: hold the ring's payload bytes in ``shared`` (a recorder.shmring.SharedRing)
@@ -1288,6 +1316,8 @@ class Session:
             t, bdims = transforms.plain(t)
             if bdims:
                 frame.vmap[name] = bdims
+        elif taps.dual(t):  # (its primal values are recorded: detach() leaves the tangent out)
+            frame.duals.append(name)
         t = t.detach()
         device = t.device
         on_cpu = device.type == "cpu"
@@ -1474,6 +1504,9 @@ class Session:
         if frame.dropped:  # says why these records have statistics only
             frame.notes.append(f"{frame.dropped} {layout.DROPPED_NOTE} (when_slow='drop_payloads')")
             frame.dropped = 0
+        if frame.duals:
+            frame.notes.append(f"{_one_line(frame.duals)}: {layout.DUAL_NOTE}")
+            frame.duals = []
         docs = {"name": frame.defn.name, "definition": frame.definition or frame.defn.doc(), "module_path": frame.path,
                 "module": frame.module_doc if frame.module_doc is not None else self._module_doc(frame.module),
                 "settings": frame.settings,

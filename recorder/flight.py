@@ -109,6 +109,24 @@ class FlightRing:
             self.bytes = 0
             return iterations, items
 
+    def take_before(self, iteration: int) -> tuple[list[int], list[PayloadItem]]:
+        """Take the iterations before ``iteration`` out of the ring: their numbers and items, each
+        item once, oldest first (``take_all`` for those only). An item that a later iteration holds
+        too stays held by it."""
+        with self.lock:
+            iterations: list[int] = []
+            seen: set[int] = set()
+            items = []
+            while self._iterations and next(iter(self._iterations)) < iteration:
+                number, held = next(iter(self._iterations.items()))
+                iterations.append(number)
+                for item in held.values():
+                    if id(item) not in seen:
+                        seen.add(id(item))
+                        items.append(item)
+                self._drop_oldest()
+            return iterations, items
+
     def _drop_oldest(self) -> list[PayloadItem]:
         _, items = self._iterations.popitem(last=False)
         freed = []

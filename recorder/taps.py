@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from . import payload as payload_mod
 
@@ -37,6 +38,14 @@ class _Tap(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         ctx.callback(grads)
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _callback: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        # Forward-mode AD: a tap is an identity, so each tangent passes through as it is, the very
+        # tensor (the outputs alias their inputs, and so do their tangents, as without the tap).
+        # Without this, a dual tensor meeting a tap raises. A step's dual tensors are not tapped
+        # (see ``dual``); a tapped tensor that is dual all the same must not stop training.
+        return tangents
 
 
 def tap(tensors: list[torch.Tensor], callback: GradCallback) -> tuple[torch.Tensor, ...]:
@@ -147,9 +156,25 @@ _TAP_NODE = _Tap._backward_cls  # type: ignore[attr-defined]
 
 def wants_tap(value: Any) -> bool:
     """Whether a tap can follow ``value`` for gradients: a strided tensor that requires grad (a nested
-    tensor's strided layout has no one shape for a tap's view of it: not followed)."""
+    tensor's strided layout has no one shape for a tap's view of it: not followed), and carries no
+    forward-AD tangent (see ``dual``)."""
     return isinstance(value, torch.Tensor) and value.requires_grad and value.layout == torch.strided \
-        and not value.is_nested
+        and not value.is_nested and not dual(value)
+
+
+def dual(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a forward-AD dual tensor (``torch.autograd.forward_ad.make_dual``) of the dual
+    level open now. Not followed for gradients: the gradient that reaches the step through its
+    tangent (a JVP penalty's) does not pass its outputs' taps, so the grad inputs of a backward
+    recorded from them could not be computed from its grad outputs. Costs one lookup where no dual
+    level is open (nearly always)."""
+    level = getattr(_forward_ad, "_current_level", -1)
+    if level < 0:
+        return False
+    try:
+        return torch._VF._unpack_dual(t, level=level).tangent is not None
+    except Exception:  # noqa: BLE001 - a subclass refusing the call: followed as any tensor (the tap's jvp)
+        return False
 
 
 def argument_slots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[tuple[str, Any], torch.Tensor]]:

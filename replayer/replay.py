@@ -1001,6 +1001,8 @@ class Replayer:
             if other.forward is None or layout.SECOND_ORDER_NOTE in other.extra.get("notes", []):
                 return None
             other_fwd = self.rec.step(other.forward)
+            if _dual(other_fwd):  # its share of the totals came through tangents too (see _backward)
+                return None
             kept = [r for r in [*other_fwd.records, *other.records] if r.role in ("input", "param", "buffer",
                                                                                    "grad_output")]
             if any(not r.has_payload for r in kept) or other_fwd.extra.get("exception") or \
@@ -1171,6 +1173,10 @@ class Replayer:
         reused = [r for r in totals if r in wanted] if layout.REUSED_NOTE in step.extra.get("notes", []) else []
         if reused:
             leave_out(reused, f"{', '.join(r.name for r in reused)}: {layout.REUSED_NOTE}")
+        dual = [r for r in totals if r in wanted] if _dual(fwd) else []
+        if dual:  # a JVP penalty's gradient reached them through the call's tangents, which were not recorded
+            leave_out(dual, f"{', '.join(r.name for r in dual)}: totals over the pass, which sent them gradients "
+                            "through the forward-AD tangents of the call's tensors too (not recorded)")
         calls = self._calls_of_module(step, fwd)
         # Totals over two calls (a Siamese encoder's two views) are the same bits in either order; with
         # more, autograd's order of addition is not one a replay can be sure to follow. (The calls' own
@@ -1244,7 +1250,8 @@ class Replayer:
                 raise ReplayError(f"backward step {step.index}: {r.role} {r.name} has no tensor requiring grad in "
                                   "the replayed forward")
             targets.append(source)
-        unfollowed = [n for n in fwd.extra.get("notes", []) if layout.UNFOLLOWED_NOTE in n or layout.UNCOPIED_NOTE in n]
+        unfollowed = [n for n in fwd.extra.get("notes", []) if layout.UNFOLLOWED_NOTE in n or layout.UNCOPIED_NOTE in n
+                      or layout.DUAL_NOTE in n]
         if not pairs and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
             raise ReplayError(_second_order(step))
         if not pairs:
@@ -1301,6 +1308,11 @@ class Replayer:
 
 
 Around = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+def _dual(fwd: Step) -> bool:
+    """Whether a forward step's call had forward-AD dual tensors (``layout.DUAL_NOTE``)."""
+    return any(isinstance(n, str) and layout.DUAL_NOTE in n for n in fwd.extra.get("notes", []))
 
 
 def _second_order(step: Step) -> str:

@@ -184,7 +184,9 @@ def _tensors_kept(rec: Any, span: list[int] | None = None) -> str | None:
         written, writes = rec.rank.ring_iterations(), rec.rank.ring_writes()
         if written is None or writes is None:  # still recording: what the ring wrote is known at close
             return "the iterations the flight ring wrote out (known when the recording closes)"
-        reasons = sorted({str(d.get("reason")) for d in writes if d.get("reason") not in (None, "died")})
+        reasons = sorted({str(d.get("reason")) for d in writes if d.get("reason") not in (None, "died", "failure")})
+        if any(d.get("reason") == "failure" for d in writes):  # the recorder stopped: the ring's complete iterations
+            reasons.append("the recorder's failure (the iterations complete before it)")
         if any(d.get("reason") == "died" for d in writes):  # written out by pdbg record after a hard crash
             reasons.append("the process's death (by pdbg record)")
         if not written:

@@ -132,6 +132,12 @@ UNFOLLOWED_NOTE = ("not followed for gradients (taps reach tensors in tuples, li
 SHARED_ARGUMENTS_NOTE = ("share memory with each other (views of one tensor): not followed for gradients, so that an "
                          "in-place change to one reaches the others' gradients as without recording; a replay gives "
                          "them one storage again")
+# A step's note: "<record names>: " + this. Since 2026-12-06, without a schema change (before, recording stopped at
+# the first such call).
+# A replay runs the step on the primal values and compares its primal results.
+DUAL_NOTE = ("forward-AD dual tensors (torch.autograd.forward_ad): their primal values are recorded, not their "
+             "tangents, and they are not followed for gradients (the gradient a JVP term sends through a tangent "
+             "does not pass the step's outputs)")
 # A forward step's note: "<output record names>: " + this (an object holding them could not be copied)
 UNCOPIED_NOTE = ("in an object that could not be copied to follow them (a copy failed, or kept them in another place): "
                  "their grad outputs are not recorded")

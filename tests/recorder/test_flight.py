@@ -486,6 +486,55 @@ def test_verify_of_a_flight_recording_replays_its_ring_and_passes(tmp_path: Path
     assert doc["statistics_only"] == 3 * 2 * 2
 
 
+def test_a_recorder_failure_writes_out_the_iterations_the_ring_held_before_it(tmp_path: Path, monkeypatch) -> None:
+    """Flight mode, keep=3, the recorder failing inside iteration 3 (its second step call): one
+    warning says so and what was kept, training goes on, and the ring's iterations complete before
+    the failure (1 and 2; 0 had left the ring) are written out, their steps replaying bit for bit,
+    instead of being thrown away with the rest of the recording. The failure's own iteration is not
+    (the step it failed in, and those after, are missing)."""
+    import warnings
+
+    import replayer
+    from recorder import capture
+
+    original = capture.Session._capture_inputs
+    calls = []
+
+    def flaky(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 * 2 + 2:
+            raise RuntimeError("simulated capture failure")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(capture.Session, "_capture_inputs", flaky)
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with recorder.record(path, model=model, optimizer=opt, mode="flight", keep=3, modules=["*"]) as run:
+            for _ in range(6):
+                model(torch.randn(3, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert run.status == "incomplete" and len(calls) == 3 * 2 + 2
+    messages = [str(w.message) for w in caught if "stopped recording" in str(w.message)]
+    assert len(messages) == 1
+    assert "the flight ring's tensors of iterations 1, 2 (complete before the failure) are written out" in messages[0]
+    rank = RunReader(str(path)).rank(0)
+    assert rank.ring_iterations() == [1, 2]
+    assert [d["reason"] for d in rank.ring_writes()] == ["failure"]
+    rec = replayer.open(path)
+    kept = [s for s in rec.steps if s.iteration in (1, 2)]
+    assert len(kept) == 2 * 4
+    for step in kept:
+        assert all(r.has_payload for r in step.records), step
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.index, result.outputs)
+    assert not any(r.has_payload for s in rec.steps if s.iteration in (0, 3) for r in s.records if r.role == "input")
+
+
 SIGNALLED = """
 import os, signal, sys
 import torch, torch.nn as nn

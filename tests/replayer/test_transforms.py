@@ -5,7 +5,9 @@ them, recording going on afterwards, and a vmapped step replayed under vmap agai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import recorder
 import replayer
 from recorder import transforms
 from recorder.errors import ReplayError
+from recorder.store import layout
 from replayer.bisect import describe
 from tests.cli import ROOT, pdbg
 
@@ -297,3 +300,67 @@ def test_a_stack_module_state_ensemble_replays_and_bisect_names_its_unrecorded_b
     origin = replayer.first_nonfinite(rec)
     assert origin.step is None and origin.entered.index == 2
     assert f"last finite in {describe(rec.step(1))}" in origin.cause and "recorded forward only" in origin.cause
+
+
+@recorder.paper_step("Eq. 7", description="a layer a JVP penalty also runs on dual tensors")
+class DualLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def _jvp_training(record_to=None):
+    """Three iterations of a loss with a JVP penalty taken with torch.autograd.forward_ad dual tensors
+    through a recorded module; returns each iteration's loss and J v."""
+    import torch.autograd.forward_ad as fwad
+
+    torch.manual_seed(0)
+    layer = DualLayer()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    seen = []
+    run = recorder.record(record_to, model=layer, optimizer=opt, mode="full") if record_to else None
+    with run if run is not None else contextlib.nullcontext():
+        for _ in range(3):
+            x, v = torch.randn(4, 3), torch.randn(4, 3)
+            loss = layer(x).pow(2).mean()
+            with fwad.dual_level():
+                jv = fwad.unpack_dual(layer(fwad.make_dual(x, v))).tangent
+            loss = loss + 0.1 * jv.pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            seen += [loss.detach(), jv.detach()]
+    return seen, run
+
+
+def test_a_step_called_on_forward_ad_dual_tensors_is_recorded_and_its_primal_replays(tmp_path):
+    """A recorded module called on torch.autograd.forward_ad dual tensors (a JVP penalty): training
+    sees the same losses and tangents bit for bit, every step of every iteration is recorded (the
+    recorder's tap once stopped the whole recording at the first such call), the dual call's forward
+    replays bit for bit on the primal values, and its backward, whose gradient came through the
+    tangent, is refused with the reason rather than compared."""
+    plain, _ = _jvp_training()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        seen, run = _jvp_training(tmp_path / "run.zarr")
+    assert run.status == "complete" and run.failure is None
+    assert [bits(t) for t in seen] == [bits(t) for t in plain]
+    rec = replayer.open(tmp_path / "run.zarr")
+    steps = list(rec.steps)
+    assert [(s.iteration, s.phase, s.call) for s in steps] == [
+        (i, phase, call) for i in range(3) for phase, call in (("forward", 0), ("forward", 1), ("backward", 0),
+                                                              ("backward", 1))]
+    dual = [s for s in steps if s.phase == "forward" and s.call == 1]
+    for s in dual:
+        assert s.noted(layout.DUAL_NOTE) == {"args.0", "output"}
+        result = replayer.replay(rec, s.index)
+        assert result.match, result.outputs
+    for s in steps:
+        if s.phase == "backward" and s.call == 0:
+            assert replayer.replay(rec, s.index).match
+        elif s.phase == "backward":
+            with pytest.raises(ReplayError, match="no grad outputs.*forward-AD dual tensors"):
+                replayer.replay(rec, s.index)
