@@ -33,6 +33,7 @@ from . import autohooks, compiled, flight, jsonval, modstack, monitors, skeleton
 from . import payload as payload_mod
 from . import stats as stats_mod
 from .items import ForgetIterations, PayloadItem, RingWritten, StepItem, TensorItem, copy_buffer, log_ring_write
+from .quiet import quiet
 from .store import layout
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ _BY_CONTENT = frozenset({"param", "buffer"})
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
 _MODULE_DOCS_LIMIT = 4096  # module documents remembered (modules made anew at every step would grow it)
 _UNINITIALIZED = torch.nn.parameter.UninitializedTensorMixin
+_SUBCLASS_ATTRS = 64  # a tensor subclass instance's attributes recorded at most (see Session._note_subclass)
 _UNGRADED_KEPT = 256  # calls without grad inside activation checkpointing remembered per step and module
 
 # -1 on a thread where autograd's engine is not running a backward pass. Where torch lacks it,
@@ -735,7 +737,8 @@ class Session:
         if self.recomputing() if recomputation is None else recomputation:
             return self._begin_recomputation(defn, module, args, kwargs)
         try:
-            frame, args, kwargs, link = self._enter(defn, module, args, kwargs)
+            with quiet():
+                frame, args, kwargs, link = self._enter(defn, module, args, kwargs)
         except Exception as exc:
             self.fail("capturing a step's inputs", exc)
             return None
@@ -753,7 +756,6 @@ class Session:
         try:
             with transforms.outside_if(frame.vmap is not None):
                 out = self._exit(frame, out, link)
-            self._buffers_left(frame.module)
         except Exception as exc:
             self.fail("capturing a step's outputs", exc)
             return out
@@ -825,11 +827,12 @@ class Session:
         if original is None or not torch.is_grad_enabled():
             return None
         try:
-            link = BackwardLink(original)
-            link.since = taps.sequence_now()  # the recomputation's graph: its parameters' uses are the call's own
-            skip = _nested_tensors({"args": list(args), "kwargs": kwargs}, _argument_paths(args, kwargs))
-            skip |= _not_own_records(original.args_doc, args, kwargs)
-            args, kwargs = self._tap_inputs(link, args, kwargs, skip)
+            with quiet():
+                link = BackwardLink(original)
+                link.since = taps.sequence_now()  # the recomputation's graph: its parameters' uses are the call's own
+                skip = _nested_tensors({"args": list(args), "kwargs": kwargs}, _argument_paths(args, kwargs))
+                skip |= _not_own_records(original.args_doc, args, kwargs)
+                args, kwargs = self._tap_inputs(link, args, kwargs, skip)
         except Exception as exc:
             self.fail("tapping a recomputed step's inputs", exc)
             return None
@@ -840,13 +843,14 @@ class Session:
         if link is None:
             return out
         try:
-            module = link.fwd.module
-            slots, reached, _ = taps.output_places(out)
-            if module is not None:
-                link.params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-                link.until = taps.sequence_now()
-                self._hook_params(link.fwd, link, [t for _, t in slots], notes=False)
-            out = self._tap_outputs(link, out, _nested_tensors(out, reached), slots=slots)
+            with quiet():
+                module = link.fwd.module
+                slots, reached, _ = taps.output_places(out)
+                if module is not None:
+                    link.params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+                    link.until = taps.sequence_now()
+                    self._hook_params(link.fwd, link, [t for _, t in slots], notes=False)
+                out = self._tap_outputs(link, out, _nested_tensors(out, reached), slots=slots)
         except Exception as exc:
             self.fail("tapping a recomputed step's outputs", exc)
         return out
@@ -992,23 +996,9 @@ class Session:
         try:
             frame.t_end = time.perf_counter() - self.t0
             try:
-                slots, reached, leaves = taps.output_places(out) if link is not None else ([], frozenset(), [])
-                tapped = frozenset(id(t) for _, t in slots)
-                nested: set[int] = set()
-                unfollowed: list[str] | None = [] if link is not None else None
-                frame.output_doc = self._encode(frame, out, "output", "output", tapped, reached, nested,
-                                                per_object=False, unfollowed=unfollowed)
-                self._changed_inputs(frame)
-                if unfollowed:
-                    frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
-                if link is not None:
-                    link.until = taps.sequence_now()
-                    if link.params:
-                        self._hook_params(frame, link, [t for _, t in slots])
-                if leaves and frame.module is not None:
-                    self._note_returned_parameters(frame, leaves, link.own if link is not None else {})
-                if link is not None:
-                    out = self._tap_outputs(link, out, tapped & nested, frame, slots)
+                with quiet():  # (not the monitors below: the user's checks)
+                    out = self._capture_outputs(frame, out, link)
+                    self._buffers_left(frame.module)
             except Exception as exc:
                 frame.notes.append(f"{layout.CAPTURE_FAILED_NOTE}: {type(exc).__name__}: {exc}")
                 raise
@@ -1018,6 +1008,27 @@ class Session:
             return out
         finally:
             self.local.busy = False
+
+    def _capture_outputs(self, frame: Frame, out: Any, link: BackwardLink | None) -> Any:
+        """Capture a finished call's outputs and tap them for its backward; returns the (tapped) output."""
+        slots, reached, leaves = taps.output_places(out) if link is not None else ([], frozenset(), [])
+        tapped = frozenset(id(t) for _, t in slots)
+        nested: set[int] = set()
+        unfollowed: list[str] | None = [] if link is not None else None
+        frame.output_doc = self._encode(frame, out, "output", "output", tapped, reached, nested,
+                                        per_object=False, unfollowed=unfollowed)
+        self._changed_inputs(frame)
+        if unfollowed:
+            frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
+        if link is not None:
+            link.until = taps.sequence_now()
+            if link.params:
+                self._hook_params(frame, link, [t for _, t in slots])
+        if leaves and frame.module is not None:
+            self._note_returned_parameters(frame, leaves, link.own if link is not None else {})
+        if link is not None:
+            out = self._tap_outputs(link, out, tapped & nested, frame, slots)
+        return out
 
     def _tied_params(self) -> dict[int, tuple[str, ...]]:
         """``id(parameter) -> its paths`` for the parameters registered in more than one place under
@@ -1147,7 +1158,8 @@ class Session:
             frame.t_end = time.perf_counter() - self.t0
             frame.exception = exception_doc(exc)
             self._submit(frame)
-            self._buffers_left(frame.module)
+            with quiet():
+                self._buffers_left(frame.module)
         except Exception as err:
             self.fail("recording an exception", err)
 
@@ -1155,7 +1167,8 @@ class Session:
         """Record keyword arguments of a running step that were not known when it began."""
         self.local.busy = True
         try:
-            doc = self._encode(frame, kwargs, "input", "kwargs")
+            with quiet():
+                doc = self._encode(frame, kwargs, "input", "kwargs")
             if isinstance(frame.args_doc, dict):
                 frame.args_doc["kwargs"] = doc
         except Exception as exc:
@@ -1190,7 +1203,7 @@ class Session:
                     e is not None and e != s for e, s in zip(shape, actual))):
                 expect["shape_alert"] = {"watch": name, "check": "shape", "expected": shape,
                                          "actual": list(actual), "reference": expect.get("reference")}
-            with transforms.outside_if(frame.vmap is not None):
+            with transforms.outside_if(frame.vmap is not None), quiet():
                 self._capture(frame, "watch", name, tensor)
             frame.expectations.append(expect)
         except Exception as exc:
@@ -1211,7 +1224,8 @@ class Session:
             base = f"{op}.{len(frame.collectives)}"
             self.local.busy = True
             try:
-                names = [self._capture(frame, "collective", base + suffix, t) for suffix, t in results]
+                with quiet():
+                    names = [self._capture(frame, "collective", base + suffix, t) for suffix, t in results]
             finally:
                 self.local.busy = False
             frame.collectives.append({**doc, "name": base, "seq": seq, "results": names})
@@ -1310,6 +1324,9 @@ class Session:
                                             stats=stats_mod.EMPTY, payload=None, held=self.iteration))
             frame.notes.append(f"{name}: {layout.UNINITIALIZED_NOTE}")
             return name
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and frame.vmap is None and \
+                not t.is_nested:  # (a jagged nested tensor is torch's subclass: statistics only, not replayed)
+            self._note_subclass(frame, name, t)
         owner = id(t) if role in _BY_CONTENT else 0  # (before detach: the parameter's identity counts)
         by_content = bool(owner) and frame.payloads and self._by_content(owner)
         if frame.vmap is not None:
@@ -1360,6 +1377,20 @@ class Session:
             item.stats = self._stats(frame, name, t, on_cpu) if stats is None else stats
         frame.tensors.append(item)
         return name
+
+    @staticmethod
+    def _note_subclass(frame: Frame, name: str, t: torch.Tensor) -> None:
+        """Name a tensor subclass's class, and the attributes its instance holds, in the step's extra
+        ``subclasses`` (record name -> ``{"type", "attrs"}``): a replay gives the step an instance of
+        that class again (a fixed-point tensor whose ``__torch_function__`` rounds every result
+        computes other values as a plain tensor). The record holds its values as a plain tensor's."""
+        doc: dict[str, Any] = {"type": jsonval.type_ref(t)}
+        state = getattr(t, "__dict__", None)
+        if isinstance(state, dict) and state:
+            doc["attrs"] = jsonval.encode({k: v for k, v in list(state.items())[:_SUBCLASS_ATTRS] if type(k) is str})
+        subclasses = (frame.arguments or {}).get("subclasses", {})
+        subclasses.setdefault(name, doc)
+        frame.arguments = {**(frame.arguments or {}), "subclasses": subclasses}
 
     def _by_content(self, owner: int) -> bool:
         """Whether to hash a parameter's or buffer's bytes (``owner``: its id) before copying them,
@@ -1616,7 +1647,7 @@ class Session:
         if not self.enabled or self.closed:
             return
         try:
-            with self.lock:
+            with self.lock, quiet():
                 fn()
         except Exception as exc:
             self.fail(where, exc)

@@ -32,7 +32,7 @@ class _Tap(torch.autograd.Function):
     def forward(ctx: Any, callback: GradCallback, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.callback = callback
         ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in tensors)
+        return tuple(_alias(t) for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -46,6 +46,24 @@ class _Tap(torch.autograd.Function):
         # Without this, a dual tensor meeting a tap raises. A step's dual tensors are not tapped
         # (see ``dual``); a tapped tensor that is dual all the same must not stop training.
         return tangents
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()``; for a tensor subclass that keeps its class through operations (not ``Parameter``),
+    of its class and with its instance attributes, as the call gets it unrecorded. The subclass's
+    ``__torch_function__`` does not see this detach (recorder.quiet): it is the recorder's, not the
+    training code's (a logging subclass would count it, a strict one could refuse it)."""
+    cls = type(t)
+    if cls is torch.Tensor:
+        return t.detach()
+    with torch._C.DisableTorchFunction():
+        out = t.detach()
+        if type(out) is not cls and cls.__torch_function__ is not torch._C._disabled_torch_function_impl:
+            out = out.as_subclass(cls)
+            state = getattr(t, "__dict__", None)
+            if state:
+                out.__dict__.update(state)
+    return out
 
 
 def tap(tensors: list[torch.Tensor], callback: GradCallback) -> tuple[torch.Tensor, ...]:

@@ -334,9 +334,8 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
               *(main.records if main.phase == "backward" else [])]:
         if r.role in ("input", "param", "buffer", "grad_output") and not r.has_payload and \
                 r.name not in fwd.uninitialized:
-            raise BundleError(f"step {main.index} kept statistics only for {r.role} {r.name} "
-                              f"({rec.rank.why_statistics_only(r)}): there is nothing to replay; bundle a step "
-                              "recorded with payloads (mode full, or a flight dump)")
+            raise BundleError(f"step {main.index} kept {main.kept_only(r)}: there is nothing to replay; bundle a "
+                              "step recorded with payloads (mode full, or a flight dump)")
     script_now = str(Path(moved).resolve()) if moved is not None else rec.run_info.get("script")
     sources, modules = _sources(rec, steps, script_now)
     if isinstance(script_now, str) and _needs_main(steps) and script_now not in sources:

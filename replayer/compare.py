@@ -101,9 +101,12 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
     if not isinstance(replayed, torch.Tensor):
         return Diff(name, role, False, math.inf, math.inf, 0, reason=f"replay gave {type(replayed).__name__}, "
                     "not a tensor", recorded=rec_stats)
-    # Values, not memory: a lazy conjugate or negation (``z.conj()``) only flips a bit on its tensor.
-    replayed = replayed.detach().cpu().resolve_conj().resolve_neg()
-    recorded = recorded.detach().cpu().resolve_conj().resolve_neg()
+    # Values, not memory: a lazy conjugate or negation (``z.conj()``) only flips a bit on its tensor. Read
+    # as a plain tensor: a subclass's __torch_function__ (one that rounds, or refuses what it does not
+    # know) has no say in the replay's reading of it.
+    with torch._C.DisableTorchFunction():
+        replayed = replayed.detach().cpu().resolve_conj().resolve_neg()
+        recorded = recorded.detach().cpu().resolve_conj().resolve_neg()
     rep_stats = stats_dict(stats_mod.host_stats(replayed))
     diff = Diff(name, role, True, recorded=rec_stats, replayed=rep_stats)
     if replayed.dtype != recorded.dtype or tuple(replayed.shape) != tuple(recorded.shape):
@@ -187,10 +190,11 @@ def tensors_by_name(value: Any, prefix: str, *, copy: bool = False, grads: bool 
 
     def name(t: torch.Tensor, path: str) -> str:
         full = f"{prefix}.{path}" if path else prefix
-        found[full] = t.detach().clone() if copy else t
-        grad = _grad_of(t) if grads and t.requires_grad else None
-        if grad is not None:
-            found[f"{full}{layout.GRAD_SUFFIX}"] = grad.detach().clone() if copy else grad
+        with torch._C.DisableTorchFunction():  # (a copy is the replay's reading: a plain tensor, as compare's)
+            found[full] = t.detach().clone() if copy else t
+            grad = _grad_of(t) if grads and t.requires_grad else None
+            if grad is not None:
+                found[f"{full}{layout.GRAD_SUFFIX}"] = grad.detach().clone() if copy else grad
         return full
 
     jsonval.encode(value, tensor_name=name)

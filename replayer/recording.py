@@ -876,6 +876,16 @@ class Step:
         """Why one of this step's tensor records has statistics and no payload (RankReader's answer)."""
         return self.rec.rank.why_statistics_only(record)
 
+    def kept_only(self, record: TensorRecord) -> str:
+        """What the recording kept of a record without payload, and why, for a refusal to replay:
+        ``statistics only for input args.0 (...)``, or, where not even those were kept (a tensor the
+        recorder could not read, a meta tensor), ``only the shape and dtype of input args.0 (...)``."""
+        why = self.why_statistics_only(record)
+        what = f"{record.role} {record.name}"
+        if "without statistics" in why or why.endswith(layout.METADATA_NOTE):
+            return f"only the shape and dtype of {what}, no values or statistics ({why})"
+        return f"statistics only for {what} ({why})"
+
     @property
     def environment(self) -> dict[str, Any]:
         return self.rec.run_info

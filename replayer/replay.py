@@ -571,6 +571,12 @@ class Replayer:
                 f"{self.rec.reader.schema_version})", "; record it again with this version to replay it as it ran")
             result.warnings.append(f"the step's module held the generator{s} {', '.join(held)}, {why}: the replay drew "
                                    f"from {its} state in the rebuilt module (a likely cause of the difference){then}")
+        if layout.parse_version(self.rec.reader.schema_version) < (1, 17):
+            result.warnings.append(
+                f"recorded with schema {self.rec.reader.schema_version}, before 1.17, which did not record which "
+                "tensors were of a tensor subclass: the replay gave the step plain tensors (where it was given a "
+                "subclass whose __torch_function__ changes results, a fixed-point tensor's, a likely cause of the "
+                "difference)")
         if call.unread_rngs:  # what it drew is not what the recorded call drew: that, not its constants
             several = len(call.unread_rngs) > 1
             result.warnings.append(
@@ -610,23 +616,32 @@ class Replayer:
         lazy = step.uninitialized
         for r in records:
             if r.role in ("input", "param", "buffer") and not r.has_payload and r.name not in lazy:
-                raise ReplayError(f"step {step.index} ({step.name}) kept statistics only for {r.role} {r.name} "
-                                  f"({step.why_statistics_only(r)}); it cannot be replayed")
+                raise ReplayError(f"step {step.index} ({step.name}) kept {step.kept_only(r)}; it cannot be replayed")
         tensors = {r.name: r for r in records if r.role == "input"}
         leaves: dict[str, torch.Tensor] = {}
         given: dict[str, torch.Tensor] = {}  # one object per record: a tensor passed twice was one object
 
         aliases = _aliases(step, tensors, warnings)
+        subclasses = step.extra.get("subclasses")
+        subclasses = subclasses if isinstance(subclasses, dict) else {}
+        made: dict[str, torch.Tensor] = {}  # record name -> the tensor subclass instance made of given[name]
 
         def tensor(name: str) -> torch.Tensor:
-            if name in given:
+            if name not in given:
+                plain(name)
+            if name not in subclasses:
                 return given[name]
+            if name not in made:
+                made[name] = self._subclass(name, given[name], subclasses[name], warnings)
+            return made[name]
+
+        def plain(name: str) -> None:
             rec = tensors.get(name)
             if rec is None:
                 raise ReplayError(f"step {step.index}: argument tensor {name!r} is missing from the recording")
             if name in aliases:
                 self._one_storage(step, aliases[name], tensors, grads, given, leaves)
-                return given[name]
+                return
             leaf = self._edit(name, _materialize(step, rec, self.plan.notes))
             if (rec.requires_grad or name in grads) and (leaf.is_floating_point() or leaf.is_complex()):
                 leaf.requires_grad_(True)
@@ -635,7 +650,6 @@ class Replayer:
             grad = tensors.get(f"{name}{layout.GRAD_SUFFIX}")
             if grad is not None:  # the .grad it had (a parameter given to an update step)
                 given[name].grad = self._edit(grad.name, _materialize(step, grad))
-            return given[name]
 
         arguments = step.arguments or {"args": [], "kwargs": {}}
         decoded = jsonval.decode(arguments, tensor=tensor, resolve=self.loader.resolve)
@@ -715,6 +729,43 @@ class Replayer:
                      built.unrecorded if module_doc is not None else [], rngs, unread, held, unset, unchecked,
                      built.left_out if module_doc is not None else [],
                      built.order_doubts if module_doc is not None else [], code_drift, classes)
+
+    def _subclass(self, name: str, value: torch.Tensor, doc: Any, warnings: list[str]) -> torch.Tensor:
+        """``value`` as an instance of the tensor subclass the recorded call was given at ``name`` (the
+        step's extra ``subclasses``), with the attributes its instance held: made with ``as_subclass``
+        (an alias: autograd follows it to the leaf), where the class is one a replay may make (the
+        training code's own: ``jsonval.may_construct``) and holds its values itself (no
+        ``__torch_dispatch__``). Otherwise the plain tensor, and a warning naming the class."""
+        ref = doc.get("type") if isinstance(doc, dict) else None
+        if not isinstance(ref, str):
+            return value
+        cls = jsonval.decode({"$class": ref}, resolve=self.loader.resolve)
+        why = None
+        if not isinstance(cls, type) or not issubclass(cls, torch.Tensor):
+            why = ("a replay makes only the training code's own classes, found as it finds the step's code, and "
+                   "this one is not, or cannot be imported here")
+        elif getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
+            why = "it wraps other tensors (__torch_dispatch__), and the recording holds its values alone"
+        if why is not None:
+            warnings.append(f"{name} was a {ref} (a tensor subclass) when recorded, which the replay does not make "
+                            f"again ({why}): the step was given a plain tensor (a likely cause of any difference)")
+            return value
+        with torch._C.DisableTorchFunction():  # (the subclass's own code does not see the replay's making of it)
+            out = value.as_subclass(cls)
+        attrs = doc.get("attrs")
+        if isinstance(attrs, dict) and attrs:
+            values = jsonval.decode(attrs, resolve=self.loader.resolve)
+            lost = []
+            for key, item in values.items() if isinstance(values, dict) else ():
+                if type(key) is not str or unresolved(item) or hasattr(getattr(cls, key, None), "__set__"):
+                    lost.append(str(key))  # (not over a property of its class: its code)
+                else:
+                    out.__dict__[key] = item
+            if lost:
+                warnings.append(f"{name}: the attributes {', '.join(lost)} of its {cls.__qualname__} could not be "
+                                "given back (not recorded as data): the replay left them out (a likely cause of "
+                                "any difference)")
+        return out
 
     def _one_storage(self, step: Step, members: dict[str, int], tensors: dict[str, TensorRecord],
                      grads: frozenset[str], given: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> None:
@@ -1205,8 +1256,7 @@ class Replayer:
             warnings.append(f"not compared: {what}")
         for r in [*grad_outputs.values(), *wanted]:
             if not r.has_payload:
-                raise ReplayError(f"backward step {step.index} kept statistics only for {r.role} {r.name} "
-                                  f"({step.why_statistics_only(r)}); it cannot be replayed")
+                raise ReplayError(f"backward step {step.index} kept {step.kept_only(r)}; it cannot be replayed")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan) if inner else None
         fwd_settings = {**fwd.settings, **self.plan.settings}
@@ -1278,8 +1328,9 @@ class Replayer:
                 self._around("backward"), collectives.refused_in_backward(step):
             try:
                 try:
-                    grads = torch.autograd.grad([o for o, _ in pairs], targets, grad_outputs=[g for _, g in pairs],
-                                                allow_unused=True, create_graph=graphed)
+                    grads = torch.autograd.grad([_plain(o) for o, _ in pairs], targets,
+                                                grad_outputs=[g for _, g in pairs], allow_unused=True,
+                                                create_graph=graphed)
                 except RuntimeError as exc:
                     if "use_reentrant=True" not in str(exc) or not all(t.is_leaf for t in targets):
                         raise
@@ -1308,6 +1359,15 @@ class Replayer:
 
 
 Around = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A tensor subclass's output as a plain alias of it, in its graph (autograd's ``grad`` of it is the
+    replay's call, not the step's: a subclass that refuses operations it does not know refuses it)."""
+    if type(t) is torch.Tensor or not isinstance(t, torch.Tensor):
+        return t
+    with torch._C.DisableTorchFunction():
+        return t.as_subclass(torch.Tensor)
 
 
 def _dual(fwd: Step) -> bool:
@@ -1576,7 +1636,7 @@ def _grads_by_backward(pairs: list[tuple[torch.Tensor, torch.Tensor]], targets: 
     try:
         for t, _ in kept.values():
             t.grad = None
-        torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
+        torch.autograd.backward([_plain(o) for o, _ in pairs], grad_tensors=[g for _, g in pairs])
         return tuple(t.grad for t in targets)
     finally:
         for t, grad in kept.values():

@@ -56,7 +56,9 @@ SCHEMA_VERSION = "1.17"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       as attributes, at each call (the skeleton's torch.Generator state is the one it was built with); and
 #       the skeleton of a step's module holds "submodule_code": the file, line and source SHA-256 of each class of
 #       its submodules that is the training code's own, by class reference (older readers ignore it); and
-#       a $ndarray laid out other than C-contiguous (a transposed or reversed view) holds its "strides"
+#       a $ndarray laid out other than C-contiguous (a transposed or reversed view) holds its "strides"; and
+#       a step's extra "subclasses": the tensor subclass (class reference, instance attributes) of its records
+#       that held one; a replay makes the arguments' again (before, it gave the step plain tensors)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed

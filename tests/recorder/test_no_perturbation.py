@@ -316,3 +316,97 @@ def test_a_tensor_whose_storage_was_freed_is_recorded_without_its_bytes(tmp_path
     assert any(n.startswith(f"{layout.AFTER_PREFIX}args.0: ") and "smaller than its shape" in n
                for n in step.extra.get("notes", [])), step.extra
     assert [r.shape for r in rec.step("Freeing#1").records if r.name == "b"] == [(3,)]
+
+
+@recorder.paper_step("Eq. 1", description="a layer seen by op counters")
+class _Counted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+_LOGGED: list[str] = []
+
+
+class _Logged(torch.Tensor):
+    """A tensor subclass that logs every operation its __torch_function__ sees."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        _LOGGED.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _Strict(torch.Tensor):
+    """A units tensor that refuses every operation whose units it cannot derive."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") not in ("mul", "__mul__", "__get__", "detach", "sum", "backward"):
+            raise TypeError(f"no units for {getattr(func, '__name__', func)}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@recorder.paper_step("Eq. 2", description="scale a distance")
+def _scale(d, s):
+    return d * s
+
+
+def test_torch_modes_and_tensor_subclasses_see_only_the_training_codes_operations(tmp_path):
+    """A TorchFunctionMode and a TorchDispatchMode that count operations around a recorded training step
+    (as FLOP counters do), and a tensor subclass whose __torch_function__ logs what it sees, count what
+    they count unrecorded: the recorder's own reads of the tensors are not theirs (a function mode once
+    saw 176 calls an iteration instead of 4, a dispatch mode 39 ops instead of 17, the subclass 64
+    operations a call instead of 2). A subclass that refuses operations it does not know no longer
+    refuses the recorder's reads: its values are recorded."""
+    import collections
+
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import replayer
+
+    class CountF(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = collections.Counter()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen[getattr(func, "__name__", str(func))] += 1
+            return func(*args, **(kwargs or {}))
+
+    class CountD(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = _Counted()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    def iteration():
+        f, d = CountF(), CountD()
+        with f, d:
+            layer(torch.randn(3, 4)).sum().backward()
+        del _LOGGED[:]
+        layer(torch.randn(3, 4).as_subclass(_Logged))
+        opt.step()
+        opt.zero_grad()
+        return f.seen, d.seen, collections.Counter(_LOGGED)
+
+    plain = iteration()
+    with recorder.record(tmp_path / "run.zarr", model=layer, optimizer=opt, mode="full") as run:
+        recorded = [iteration() for _ in range(2)]
+        y = _scale(torch.ones(3, requires_grad=True).as_subclass(_Strict), 2.0)
+        y.sum().backward()
+    assert run.status == "complete"
+    assert recorded == [plain, plain]
+    step = list(replayer.open(tmp_path / "run.zarr").steps)[-2]
+    assert step.name == "_scale" and all(r.has_payload for r in step.records), step.extra
