@@ -40,6 +40,7 @@ from recorder.errors import PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
+from .arguments import unrecorded_arguments
 from .recording import Recording, Step, paper_of, paper_reference, printable
 
 _RESULT, _INPUT = layout.NONFINITE_RESULT, layout.NONFINITE_INPUT
@@ -770,7 +771,7 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         how = ("at every call, as a -inf mask does" if k.habit_takes()[index] else
                "on part of a tensor, as a -inf mask does, that its earlier calls kept out of their results")
         source = (f"from inputs holding Inf {how}, but no NaN ({', '.join(given[:3])})" if given
-                  else "from finite inputs")
+                  else _finite_inputs(step, "NaN" if k.nan_result[index] else "Inf"))
         if sent:
             source += f", and sent them to the other ranks through its {', '.join(sent)}"
         origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} {source}"
@@ -808,6 +809,18 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     if ops:
         origin.op_note = entered_op_note(origin)
     return origin
+
+
+def _finite_inputs(step: Step, made: str) -> str:
+    """How an origin's inputs are described where none recorded held NaN/Inf: "from finite inputs", unless
+    an argument could not be recorded as data (a KV cache object), whose values no one saw."""
+    unrecorded = unrecorded_arguments(step)
+    if not unrecorded:
+        return "from finite inputs"
+    s, them = ("s", "them") if len(unrecorded) > 1 else ("", "it")
+    return (f"from inputs that were finite as far as recorded: its argument{s} "
+            f"{', '.join(u.text() for u in unrecorded)} could not be recorded, so whether the {made} came in "
+            f"through {them} is not known")
 
 
 def _second_order(step: Step) -> bool:

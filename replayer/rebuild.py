@@ -69,6 +69,13 @@ def tie(module: torch.nn.Module, tied: dict[str, str]) -> list[str]:
     return problems
 
 
+def _unrecorded_names(unrecorded: dict[str, str]) -> str:
+    """A module's attributes that could not be recorded as data, by name and type: "cache_k (a tensor
+    that is no parameter or buffer: register_buffer has it recorded)" for a tensor kept as a plain attribute."""
+    return ", ".join(f"{k} (a tensor that is no parameter or buffer: register_buffer has it recorded)"
+                     if v == "torch:Tensor" else f"{k} ({v})" for k, v in unrecorded.items())
+
+
 def unresolved(value: Any) -> str | None:
     """What in a decoded value could not be brought back (an opaque value, a type not importable
     now, a tensor whose data was not kept), or None."""
@@ -179,14 +186,15 @@ class Builder:
             unrecorded = {k: v for k, v in unrecorded.items() if k not in generators}
         grafted: dict[str, Any] = {}
         if unrecorded and override is None:
-            names = ", ".join(f"{k} ({v})" for k, v in unrecorded.items())
+            names = _unrecorded_names(unrecorded)
             if _set_up_after_construction(doc):  # a constructor would make it without what was set up later:
                 scratch = Rebuilt(torch.nn.Module())  # the skeleton, with those attributes from a constructed one
                 made = self._construct(doc, path, scratch)
                 grafted = {} if made is None else {k: made.__dict__[k] for k in unrecorded if k in made.__dict__}
                 missing = [k for k in unrecorded if k not in grafted]
                 if missing:
-                    out.warnings.append(f"{where}: attributes {', '.join(missing)} could not be recorded as data and "
+                    out.warnings.append(f"{where}: attributes {_unrecorded_names({k: unrecorded[k] for k in missing})} "
+                                        "could not be recorded as data and "
                                         "the module was not built with known constructor arguments; rebuilt "
                                         "without them")
                     out.left_out.append(out.warnings[-1])

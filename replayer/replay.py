@@ -37,6 +37,7 @@ from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
 from . import collectives, intervene, state
+from .arguments import unrecorded_arguments
 from .code import CodeLoader, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, descendants
@@ -665,6 +666,9 @@ class Replayer:
                                   f"{unresolved(args[0])}: a replay cannot rebuild the object a method belongs to "
                                   "(a module is rebuilt for its forward only); make the step a function of its "
                                   "tensors (a staticmethod), or a module of its own, to replay it")
+            opaque = _first_opaque(arguments)
+            if opaque is not None and missing == unresolved(opaque):  # (not a class that cannot be imported now)
+                missing = _opaque_argument(step, opaque) or missing
             raise ReplayError(f"step {step.index} ({step.name}) was called with {missing}; it cannot be replayed")
         args, kwargs = self._edit_numpy(list(args), dict(kwargs))
         held: list[tuple[Any, Any]] = []
@@ -1391,13 +1395,26 @@ def known_refusal(step: Step) -> str | None:
     fwd = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
     opaque = _first_opaque(fwd.arguments)
     if opaque is not None:
-        what = unresolved(opaque) if jsonval.opaque_reason(opaque) is not None else \
-            f"a {opaque.type}, which could not be recorded as data"
+        what = _opaque_argument(fwd, opaque) or unresolved(opaque)
         return f"step {fwd.index} ({fwd.name}) was called with {what}; it cannot be replayed"
     if step.phase == "backward" and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []) and \
             not any(r.role == "grad_output" for r in step.records):
         return _second_order(step)
     return None
+
+
+def _opaque_argument(step: Step, opaque: jsonval.Opaque) -> str | None:
+    """What a refusal says of the argument that holds ``opaque``, the first value in the step's arguments
+    not recorded as data: the argument's own type and name, and the part inside it as the reason ("a
+    transformers DynamicCache as past_key_values (its layers: DynamicLayer objects), which could not be
+    recorded as data"); None where the value has a reason of its own (a numpy array too large)."""
+    if jsonval.opaque_reason(opaque) is not None:
+        return None
+    found = next(iter(unrecorded_arguments(step)), None)
+    if found is None:
+        return None
+    return (f"{found.kind()} as {found.name}" + (f" ({found.inner})" if found.inner else "")
+            + ", which could not be recorded as data")
 
 
 def _first_opaque(doc: Any) -> jsonval.Opaque | None:

@@ -2104,3 +2104,42 @@ def test_ops_on_a_step_whose_nan_is_in_its_numpy_result(tmp_path: Path) -> None:
     origin = replayer.first_nonfinite(replayer.open(tmp_path / "run.zarr"), ops=True)
     assert origin.step is not None and origin.step.name == "np_class_weights" and origin.op is None
     assert "in a result that is no tensor (output (numpy float64[3], 1 NaN of 3))" in (origin.op_note or "")
+
+
+class _SlotLayer:
+    """A cache layer the encoder cannot take apart (no __dict__): recorded as an opaque value."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+
+class _Cache:
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.layers = [_SlotLayer(keys)]
+
+
+class _CachedAttention(torch.nn.Module):
+    def forward(self, x: torch.Tensor, past_key_values: _Cache) -> torch.Tensor:
+        return x * past_key_values.layers[0].keys.sum()
+
+
+def test_nan_through_an_unrecorded_cache_argument_is_not_called_made_from_finite_inputs(tmp_path: Path) -> None:
+    """A KV cache built before recording held NaN; the step that took it (recorded as an object whose
+    layers could not be recorded as data) is the first to show NaN, but not "from finite inputs": the
+    answer names the argument that was not recorded, and that the NaN may have come in through it."""
+    model = torch.nn.Sequential(_CachedAttention())
+    cache = _Cache(torch.tensor([1.0, float("nan")]))
+    with recorder.record(tmp_path / "run.zarr", model=model, modules=["0"]):
+        with torch.no_grad():
+            model[0](torch.ones(3), cache)
+    origin = replayer.first_nonfinite(replayer.open(tmp_path / "run.zarr"))
+    assert origin.step is not None and origin.step.name == "_CachedAttention"
+    assert "from finite inputs" not in origin.cause
+    assert origin.cause.endswith("produced output (3 NaN of 3) from inputs that were finite as far as recorded: its "
+                                 "argument past_key_values (a tests _Cache) could not be recorded, so whether the NaN "
+                                 "came in through it is not known"), origin.cause
+    with pytest.raises(recorder.errors.ReplayError, match=r"was called with a tests _Cache as past_key_values \(its "
+                       r"layers: a _SlotLayer\), which could not be recorded as data; it cannot be replayed"):
+        replayer.replay(replayer.open(tmp_path / "run.zarr"), origin.step)

@@ -1,0 +1,171 @@
+"""A step's arguments that could not be recorded as data (``$opaque`` values: a Hugging Face KV cache,
+an object of a class the encoder does not take apart), named as the user wrote them: what bisect must
+not call finite, and what a replay refusal names."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+from .recording import Step
+
+
+@dataclass(frozen=True)
+class Unrecorded:
+    """One argument of a step that holds a value not recorded as data."""
+
+    path: str  # where it is in the arguments document: "args.1", "kwargs.cache"
+    name: str  # the parameter's name where the step's recorded source tells it ("past_key_values"), else ``path``
+    type: str  # the argument's own type: "transformers.cache_utils:DynamicCache"
+    inner: str  # where inside it the part that was not recorded is ("its layers: DynamicLayer objects"), or ""
+
+    def kind(self) -> str:
+        """The argument's type in words: "a transformers DynamicCache", "a tensor"."""
+        return type_words(self.type)
+
+    def text(self) -> str:
+        """"past_key_values (a transformers DynamicCache)"."""
+        return f"{self.name} ({self.kind()})"
+
+
+def type_words(ref: str) -> str:
+    """A type reference in words, with its article: "transformers.cache_utils:DynamicCache" is "a
+    transformers DynamicCache", "builtins:list" "a list"."""
+    module, _, name = ref.rpartition(":")
+    top = module.partition(".")[0]
+    return _article(name if top in ("", "builtins") else f"{top} {name}")
+
+
+def _article(words: str) -> str:
+    return f"{'an' if words[:1].lower() in ('a', 'e', 'i', 'o', 'u') else 'a'} {words}"
+
+
+def unrecorded_arguments(step: Step) -> list[Unrecorded]:
+    """The arguments of a forward step that hold a value not recorded as data (an ``$opaque`` value, a
+    tensor recorded by its metadata alone), in the order of the arguments document."""
+    if step.phase != "forward":
+        return []
+    try:
+        doc = step.arguments
+    except Exception:  # noqa: BLE001 - a damaged document: nothing is said of it
+        return []
+    if not isinstance(doc, dict):
+        return []
+    tops: list[tuple[str, Any]] = []
+    if isinstance(doc.get("args"), list):
+        tops += [(f"args.{i}", v) for i, v in enumerate(doc["args"])]
+    if isinstance(doc.get("kwargs"), dict):
+        tops += [(f"kwargs.{k}", v) for k, v in doc["kwargs"].items()]
+    names: dict[str, str] | None = None
+    out = []
+    for path, value in tops:
+        found = list(_leaves(value, ""))
+        if not found:
+            continue
+        if names is None:
+            names = _parameter_names(step, len(doc.get("args") or []))
+        inner = ""
+        if found[0][0]:  # inside the argument: say which part, and what it held
+            first = found[0][0].split(".")[0]
+            kinds = list(dict.fromkeys(_short(t) for p, t in found if p.split(".")[0] == first))
+            count = sum(1 for p, _ in found if p.split(".")[0] == first)
+            what = f"{', '.join(kinds)} objects" if count > 1 else _article(_short(found[0][1]))
+            inner = f"its {first}: {what}"
+        name = names.get(path) or (path.removeprefix("kwargs.") if path.startswith("kwargs.") else path)
+        out.append(Unrecorded(path, name, _own_type(value), inner))
+    return out
+
+
+def _short(ref: str) -> str:
+    return ref.rpartition(":")[2] or ref
+
+
+_CONTAINERS = {"$tuple": "builtins:tuple", "$list": "builtins:list", "$set": "builtins:set",
+               "$frozenset": "builtins:frozenset", "$dict": "builtins:dict"}
+
+
+def _own_type(doc: Any) -> str:
+    """The type of an encoded value, as a type reference."""
+    if isinstance(doc, list):
+        return "builtins:list"
+    if isinstance(doc, dict) and len(doc) == 1:
+        tag, payload = next(iter(doc.items()))
+        if tag in ("$opaque", "$object", "$dataclass", "$namedtuple", "$mapping") and isinstance(payload, dict):
+            return str(payload.get("type"))
+        if tag in ("$tensor", "$tensor_meta"):
+            return "torch:Tensor"
+        if tag in _CONTAINERS:
+            return _CONTAINERS[tag]
+    return "builtins:dict" if isinstance(doc, dict) else f"builtins:{type(doc).__name__}"
+
+
+def _leaves(doc: Any, path: str) -> Any:
+    """(path below the argument, type reference) of each value in ``doc`` not recorded as data."""
+    def at(key: Any) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    if isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _leaves(v, at(i))
+        return
+    if not isinstance(doc, dict):
+        return
+    if len(doc) == 1:
+        tag, payload = next(iter(doc.items()))
+        if tag == "$opaque":
+            yield path, str(payload.get("type")) if isinstance(payload, dict) else "?"
+            return
+        if tag == "$tensor_meta":
+            yield path, "torch:Tensor"
+            return
+        if tag in ("$object", "$dataclass", "$namedtuple") and isinstance(payload, dict):
+            fields = payload.get("fields")
+            for k, v in (fields.items() if isinstance(fields, dict) else ()):
+                yield from _leaves(v, at(k))
+            attrs = payload.get("attrs")
+            for k, v in (attrs.items() if isinstance(attrs, dict) else ()):
+                yield from _leaves(v, at(k))
+            return
+        if tag in _CONTAINERS and isinstance(payload, list):
+            for i, v in enumerate(payload):
+                yield from _leaves(v[1] if tag == "$dict" and isinstance(v, list) and len(v) == 2 else v, at(i))
+            return
+        if tag.startswith("$"):  # another tagged value ($mapping, $partial): where inside it is not said
+            for v in payload.values() if isinstance(payload, dict) else payload if isinstance(payload, list) else ():
+                for _, t in _leaves(v, ""):
+                    yield path, t
+            return
+    for k, v in doc.items():
+        yield from _leaves(v, at(k))
+
+
+def _parameter_names(step: Step, positional: int) -> dict[str, str]:
+    """Argument path to parameter name ("args.1" to "past_key_values"), from the ``def`` of the
+    step's recorded source (a module's ``forward``, less ``self``); empty where it does not tell."""
+    definition = step.definition
+    source = definition.get("source")
+    if not isinstance(source, str):
+        return {}
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except (SyntaxError, ValueError):
+        return {}
+    top = tree.body[0] if tree.body else None
+    func: Any = None
+    if isinstance(top, ast.ClassDef):
+        func = next((f for f in top.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and f.name == "forward"), None)
+    elif isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        func = top
+    if func is None:
+        return {}
+    params = [a.arg for a in func.args.posonlyargs + func.args.args]
+    if isinstance(top, ast.ClassDef) and params:
+        params = params[1:]  # self
+    out = {f"args.{i}": p for i, p in enumerate(params[:positional])}
+    if func.args.vararg is not None:
+        out.update({f"args.{i}": f"*{func.args.vararg.arg}[{i - len(params)}]"
+                    for i in range(len(params), positional)})
+    return out
