@@ -1395,7 +1395,8 @@ def known_refusal(step: Step) -> str | None:
     fwd = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
     opaque = _first_opaque(fwd.arguments)
     if opaque is not None:
-        what = _opaque_argument(fwd, opaque) or unresolved(opaque)
+        what = _opaque_argument(fwd, opaque) or (unresolved(opaque) if jsonval.opaque_reason(opaque) is not None
+                                                 else f"a {opaque.type}, which could not be recorded as data")
         return f"step {fwd.index} ({fwd.name}) was called with {what}; it cannot be replayed"
     if step.phase == "backward" and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []) and \
             not any(r.role == "grad_output" for r in step.records):
@@ -1407,14 +1408,14 @@ def _opaque_argument(step: Step, opaque: jsonval.Opaque) -> str | None:
     """What a refusal says of the argument that holds ``opaque``, the first value in the step's arguments
     not recorded as data: the argument's own type and name, and the part inside it as the reason ("a
     transformers DynamicCache as past_key_values (its layers: DynamicLayer objects), which could not be
-    recorded as data"); None where the value has a reason of its own (a numpy array too large)."""
+    recorded as data"); None where the value has a reason of its own (a numpy array too large) or is the
+    argument itself (``unresolved`` names its type and repr)."""
     if jsonval.opaque_reason(opaque) is not None:
         return None
     found = next(iter(unrecorded_arguments(step)), None)
-    if found is None:
+    if found is None or not found.inner:  # the argument itself: its type and repr say what it was
         return None
-    return (f"{found.kind()} as {found.name}" + (f" ({found.inner})" if found.inner else "")
-            + ", which could not be recorded as data")
+    return f"{found.kind()} as {found.name} ({found.inner}), which could not be recorded as data"
 
 
 def _first_opaque(doc: Any) -> jsonval.Opaque | None:
