@@ -7,10 +7,15 @@ to the outermost module being called; globs match them segment by segment: ``*``
 (``**.attn`` is every ``attn``; ``**`` alone is every module). Within a segment, ``fnmatch``
 wildcards apply (``h.*.attn*``).
 
-Global forward hooks see positional arguments before the call but keyword arguments only after it,
-so for modules recorded this way keyword tensors are captured as inputs at the end of the call and
-are not followed into the backward pass (decorate the class, or ``annotate`` the instance, for that).
-Decorated classes and annotated instances are recorded by their own wrappers, never twice.
+Global forward pre-hooks see positional arguments only. A selected module is therefore given its
+own forward pre-hook with keyword arguments, which torch runs right after the global ones: its
+calls are captured there, keyword arguments as positional ones (before the call, followed into the
+backward pass, recorded again after the call when it changes them in place). torch lists a call's
+hooks before running them, so the hook exists from the next call on; the modules under the
+recording's ``model`` that the globs select get theirs when the recording starts. A call that
+begins without it (the first call of a module outside ``model``, compiled code) has its keyword
+arguments captured when it ends, as a note on the step says. Decorated classes and annotated
+instances are recorded by their own wrappers, never twice.
 """
 
 from __future__ import annotations
@@ -106,6 +111,35 @@ def _marked(module: torch.nn.Module) -> bool:
         return False
 
 
+def _inert(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """What a pickled module's copy of a ``_KeywordHook`` becomes: nothing."""
+    return None
+
+
+class _KeywordHook:
+    """The forward pre-hook (with keyword arguments) on a selected module: captures its calls, for
+    the ``GlobalCapture`` that registered it. Copies of the module (``copy.deepcopy``, an EMA model)
+    share it, and it does nothing for them; a pickled module gets ``_inert`` in its place."""
+
+    __slots__ = ("capture",)
+
+    def __init__(self, capture: GlobalCapture) -> None:
+        self.capture = capture
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.capture._keyword_pre(module, args, kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _KeywordHook:
+        return self
+
+    def __reduce__(self) -> Any:
+        return _unpickled, ()
+
+
+def _unpickled() -> Any:
+    return _inert
+
+
 class GlobalCapture:
     """Global forward hooks that record the modules a selector picks. ``close()`` removes them."""
 
@@ -119,10 +153,14 @@ class GlobalCapture:
         # __dict__ held under "forward" before (None: nothing, it inherited forward), and ours.
         self._eager: dict[type, tuple[Any, Any]] = {}
         self._eager_roots: set[int] = set()
+        # id(module) -> (weak ref to it, the handle of its _KeywordHook): the selected modules whose
+        # calls their own pre-hook captures, keyword arguments included
+        self._hooked: dict[int, tuple[weakref.ref[torch.nn.Module], Any]] = {}
+        self._hook = _KeywordHook(self)
         # Called by the session's module stack's hooks, after it pushed the module (paths are known)
         session.modules.listen(self._pre, self._post)
         if session.modules.model is not None:
-            self._guard_mark(session.modules.model)
+            self._guard_mark(session.modules.model)  # (hooks its selected modules before their first call)
             if any(getattr(m, "_compiled_call_impl", None) is not None for m in session.modules.model.modules()):
                 self._guard_eager(session.modules.model)  # compiled in place (model.compile()): no wrapper's call
 
@@ -154,10 +192,23 @@ class GlobalCapture:
             if not _marked(module) and any(glob_matches(p, n) for p in self.selector.patterns for n in names):
                 module.__dict__[_SELECTED] = True
                 self._selected.append(weakref.ref(module))
+                self._add_hook(module)
+
+    def _add_hook(self, module: torch.nn.Module) -> None:
+        """Give a selected module its own pre-hook, which sees keyword arguments (torch runs it after
+        the global pre-hooks, from the module's next call on); ``close()`` removes it."""
+        if self._hooked_now(module) or type(module).__name__ == "OptimizedModule":  # (a compile wrapper: no step)
+            return
+        handle = module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)
+        self._hooked[id(module)] = (weakref.ref(module), handle)
+
+    def _hooked_now(self, module: torch.nn.Module) -> bool:
+        entry = self._hooked.get(id(module))
+        return entry is not None and entry[0]() is module and entry[1].id in module._forward_pre_hooks
 
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if compiled.tracing():
-            return compiled.eagerly(self._begin, module, args) if getattr(module, _SELECTED, False) else None
+            return compiled.eagerly(self._late, module, args) if getattr(module, _SELECTED, False) else None
         if type(module).__name__ == "OptimizedModule":
             # About to run compiled code: mark what it will call, and have it run the selected
             # modules' forward eagerly. The wrapper is not a step itself; the module it wraps is, at
@@ -165,7 +216,26 @@ class GlobalCapture:
             self._guard_mark(module)
             self._guard_eager(module)
             return None
-        return self._begin(module, args)
+        if self._hooked.get(id(module)) is not None and self._hooked_now(module):
+            return None  # its own pre-hook, next, captures the call with its keyword arguments
+        return self._late(module, args)
+
+    def _late(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """Capture a call whose keyword arguments are seen only when it ends (see ``_end``); hook the
+        module for its next calls."""
+        started = self._begin(module, args, None)
+        if started is not None and not compiled.tracing():
+            try:
+                self._add_hook(module)
+            except Exception as exc:
+                self.session.fail("hooking a selected module", exc)
+        return None if started is None else started[0]
+
+    def _keyword_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if compiled.tracing() or not self._hooked_now(module):  # (a copy of the module sharing the hook)
+            return None
+        started = self._begin(module, args, kwargs)
+        return None if started is None else started
 
     def _note_marked(self, module: torch.nn.Module) -> None:
         try:
@@ -206,7 +276,10 @@ class GlobalCapture:
                 cls.forward = eager
                 self._eager[cls] = (before, eager)
 
-    def _begin(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    def _begin(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+               ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Capture a call of a selected module as it begins: the (tapped) arguments to call with, or
+        None. ``kwargs`` None: not known yet (taken when it ends)."""
         session = self.session
         if not session.enabled or session.closed or getattr(session.local, "busy", False):
             return None
@@ -223,12 +296,12 @@ class GlobalCapture:
         except Exception as exc:
             session.fail("matching module paths", exc)
             return None
-        started = session.begin(self._defn(module), module, args, {}, recomputation)
+        started = session.begin(self._defn(module), module, args, {} if kwargs is None else kwargs, recomputation)
         if started is None:
             return None
-        frame, new_args, _, link = started
-        self._open().append((module, frame, link))
-        return new_args
+        frame, new_args, new_kwargs, link = started
+        self._open().append((module, frame, link, kwargs is None))
+        return new_args, new_kwargs
 
     def _post(self, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
         if compiled.tracing():
@@ -242,17 +315,17 @@ class GlobalCapture:
         at = next((i for i in range(len(open_) - 1, -1, -1) if open_[i][0] is module), None)
         if at is None:
             return None
-        for _, inner, inner_link in reversed(open_[at + 1:]):  # left open by an exception torch's hooks never saw
+        for _, inner, inner_link, _ in reversed(open_[at + 1:]):  # left open by an exception torch's hooks never saw
             self.session.end_with_exception(inner, RuntimeError("this step's forward did not return normally"),
                                             inner_link)
-        _, frame, link = open_[at]
+        _, frame, link, late = open_[at]
         del open_[at:]
         session = self.session
         exc = sys.exc_info()[1]
         if exc is not None and result is None:  # called by torch while the forward's exception unwinds
             session.end_with_exception(frame, exc, link)
             return None
-        if kwargs and frame is not None:
+        if late and kwargs and frame is not None:
             session.add_kwargs(frame, kwargs)
         out = session.end(frame, result, link)
         return None if out is result else out
@@ -266,6 +339,9 @@ class GlobalCapture:
             if module is not None:
                 module.__dict__.pop(_SELECTED, None)
         self._selected.clear()
+        for _, handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
         for cls, (before, eager) in self._eager.items():
             if cls.__dict__.get("forward") is eager:  # not replaced since
                 if before is None:
@@ -275,7 +351,7 @@ class GlobalCapture:
         self._eager.clear()
         open_, self.local.open = self._open(), []
         exc = sys.exc_info()[1]
-        for _, frame, link in reversed(open_):
+        for _, frame, link, _ in reversed(open_):
             self.session.end_with_exception(frame, exc or KeyboardInterrupt("the recording ended inside this step"),
                                             link)
 

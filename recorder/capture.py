@@ -1171,6 +1171,7 @@ class Session:
                 doc = self._encode(frame, kwargs, "input", "kwargs")
             if isinstance(frame.args_doc, dict):
                 frame.args_doc["kwargs"] = doc
+            frame.notes.append(f"{_one_line(list(kwargs))}: {layout.LATE_KWARGS_NOTE}")
         except Exception as exc:
             frame.notes.append(f"keyword arguments not captured: {type(exc).__name__}: {exc}")
         finally:

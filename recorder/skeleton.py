@@ -147,6 +147,8 @@ def _hooks(module: torch.nn.Module) -> tuple[list[dict[str, Any]], set[str], lis
     derived: set[str] = set()
     others: list[str] = []
     for hook in module._forward_pre_hooks.values():
+        if is_recorders(hook):  # (the recorder's own, on a module a modules= glob selects: recorder.autohooks)
+            continue
         if isinstance(hook, prune.BasePruningMethod) and isinstance(getattr(hook, "_tensor_name", None), str):
             recorded.append({"kind": "prune", "attrs": {"_tensor_name": hook._tensor_name}})  # (the mask: a buffer)
             derived.add(hook._tensor_name)

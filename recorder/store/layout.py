@@ -144,6 +144,12 @@ DUAL_NOTE = ("forward-AD dual tensors (torch.autograd.forward_ad): their primal 
 UNCOPIED_NOTE = ("in an object that could not be copied to follow them (a copy failed, or kept them in another place): "
                  "their grad outputs are not recorded")
 
+# A forward step's note: "<keyword argument names>: " + this (a module a modules= glob selected, called
+# before its own keyword pre-hook was registered, or from compiled code: recorder.autohooks).
+LATE_KWARGS_NOTE = ("keyword arguments captured when the call ended (its module's first call, or one from compiled "
+                    "code): one the call changed in place is recorded as the call left it, and none is followed for "
+                    "gradients")
+
 
 @dataclass(frozen=True)
 class Column:

@@ -173,6 +173,96 @@ class TestInProcess:
         assert RunReader(str(run_path)).status == "crashed"
 
 
+class CachedBlock(nn.Module):
+    """A decoder block that writes its key into a cache given by keyword (``kbuf=``) at row ``pos``,
+    then attends over the rows so far; ``kscale`` 1e20 makes the key overflow to Inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(4, 8)
+        self.kscale = 1.0
+
+    def forward(self, x: torch.Tensor, *, kbuf: torch.Tensor, pos: int) -> torch.Tensor:
+        q, k = self.qk(x).split(4, -1)
+        k = k * self.kscale * self.kscale
+        kbuf[:, pos] = k
+        keys = kbuf[0, :pos + 1]
+        return x + torch.softmax(q @ keys.T, -1) @ keys
+
+
+class CachedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(CachedBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, caches: list[torch.Tensor], pos: int) -> torch.Tensor:
+        for block, kbuf in zip(self.blocks, caches):
+            x = block(x, kbuf=kbuf, pos=pos)
+        return x
+
+
+def _decode(run_path: Path, boom_at: int | None = None, **kw: Any) -> list[torch.Tensor]:
+    """Decode 3 positions of CachedNet, recorded with ``modules="blocks.*"``; returns the caches."""
+    torch.manual_seed(0)
+    model = CachedNet().eval()
+    caches = [torch.zeros(1, 3, 4) for _ in model.blocks]
+    with torch.no_grad(), recorder.record(run_path, mode="full", modules="blocks.*", **kw):
+        x = torch.randn(1, 4)
+        for pos in range(3):
+            model.blocks[0].kscale = 1e20 if pos == boom_at else 1.0
+            x = model(x, caches, pos)
+    return caches
+
+
+class TestKeywordArguments:
+    """A glob-selected module's keyword arguments are captured when its call begins, as positional
+    ones: a cache given by keyword and written in place was recorded as the call left it."""
+
+    @pytest.mark.parametrize("model", [True, False], ids=["model", "no-model"])
+    def test_a_keyword_buffer_written_in_place_is_recorded_as_the_call_found_it(self, run_path: Path,
+                                                                               model: bool) -> None:
+        """blocks.0 at position 1 gets kbuf with row 1 still zero, and leaves it written (after:kwargs.kbuf);
+        with record(model=...) from its first call, without it from its second (the first's are taken
+        when it ends, as a note says)."""
+        import replayer
+
+        torch.manual_seed(0)
+        net = CachedNet().eval()
+        caches = [torch.zeros(1, 3, 4) for _ in net.blocks]
+        with torch.no_grad(), recorder.record(run_path, mode="full", modules="blocks.*",
+                                              **({"model": net} if model else {})):
+            x = torch.randn(1, 4)
+            for pos in range(3):
+                x = net(x, caches, pos)
+        rec = replayer.open(run_path)
+        first, second = rec.step(0), rec.step(2)  # blocks.0 at positions 0 and 1
+        assert second.module_path == "blocks.0"
+        assert torch.equal(second.tensor("kwargs.kbuf")[0, 1], torch.zeros(4))
+        assert torch.equal(second.tensor("kwargs.kbuf")[0, 0], caches[0][0, 0])
+        assert torch.equal(second.tensor("after:kwargs.kbuf"), torch.cat([caches[0][:, :2], torch.zeros(1, 1, 4)], 1))
+        late = [n for n in first.extra.get("notes", []) if layout.LATE_KWARGS_NOTE in n]
+        if model:
+            assert torch.equal(first.tensor("kwargs.kbuf"), torch.zeros(1, 3, 4)) and not late
+        else:
+            assert late == [f"kbuf, pos: {layout.LATE_KWARGS_NOTE}"]
+        assert not [n for n in second.extra.get("notes", []) if layout.LATE_KWARGS_NOTE in n]
+        for step in rec.steps:
+            res = replayer.replay(rec, step)
+            assert res.match and all(d.max_ulp == 0 for d in res.outputs), (step.index, res)
+
+    def test_bisect_names_the_op_that_overflowed_into_a_keyword_cache(self, run_path: Path) -> None:
+        """The key overflows in blocks.0 at position 1 and is written into kbuf: bisect names that call
+        and its aten::mul, not "came non-finite from code outside every recorded step"."""
+        import replayer
+
+        _decode(run_path, boom_at=1)
+        rec = replayer.open(run_path)
+        origin = replayer.first_nonfinite(rec, ops=True)
+        assert origin.step is not None and origin.step.index == 2 and origin.step.module_path == "blocks.0", origin
+        op = origin.op
+        assert op is not None and op.name == "aten::mul" and op.code == "k = k * self.kscale * self.kscale", op
+
+
 def forward_iterations(path: Path) -> list[int]:
     """The iteration of each forward step of blocks.0: one per batch of the loops below."""
     return [int(s["iteration"]) for s in steps(path) if s["phase"] == 0 and s["path"] == "blocks.0"]
