@@ -119,15 +119,17 @@ def _inert(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 class _KeywordHook:
     """The forward pre-hook (with keyword arguments) on a selected module: captures its calls, for
     the ``GlobalCapture`` that registered it. Copies of the module (``copy.deepcopy``, an EMA model)
-    share it, and it does nothing for them; a pickled module gets ``_inert`` in its place."""
+    share it, and it does nothing for them, nor for any module once the recording closed (it keeps
+    no recording alive then); a pickled module gets ``_inert`` in its place."""
 
     __slots__ = ("capture",)
 
     def __init__(self, capture: GlobalCapture) -> None:
-        self.capture = capture
+        self.capture: GlobalCapture | None = capture
 
     def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.capture._keyword_pre(module, args, kwargs)
+        capture = self.capture
+        return None if capture is None else capture._keyword_pre(module, args, kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _KeywordHook:
         return self
@@ -138,6 +140,19 @@ class _KeywordHook:
 
 def _unpickled() -> Any:
     return _inert
+
+
+class _Adopted:
+    """The handle of a ``_KeywordHook`` a module got by being copied from a hooked one."""
+
+    def __init__(self, module: torch.nn.Module, key: int) -> None:
+        self.id, self._module = key, weakref.ref(module)
+
+    def remove(self) -> None:
+        module = self._module()
+        if module is not None:
+            module._forward_pre_hooks.pop(self.id, None)
+            module._forward_pre_hooks_with_kwargs.pop(self.id, None)
 
 
 class GlobalCapture:
@@ -199,7 +214,10 @@ class GlobalCapture:
         the global pre-hooks, from the module's next call on); ``close()`` removes it."""
         if self._hooked_now(module) or type(module).__name__ == "OptimizedModule":  # (a compile wrapper: no step)
             return
-        handle = module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)
+        # (a copy of a hooked module, copy.deepcopy's, holds the hook already: it is adopted, not added twice)
+        held = next((k for k, h in module._forward_pre_hooks.items() if h is self._hook), None)
+        handle = (_Adopted(module, held) if held is not None else
+                  module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True))
         self._hooked[id(module)] = (weakref.ref(module), handle)
 
     def _hooked_now(self, module: torch.nn.Module) -> bool:
@@ -216,7 +234,8 @@ class GlobalCapture:
             self._guard_mark(module)
             self._guard_eager(module)
             return None
-        if self._hooked.get(id(module)) is not None and self._hooked_now(module):
+        if self._hooked_now(module):
+            self.local.late = None
             return None  # its own pre-hook, next, captures the call with its keyword arguments
         return self._late(module, args)
 
@@ -225,6 +244,7 @@ class GlobalCapture:
         module for its next calls."""
         started = self._begin(module, args, None)
         if started is not None and not compiled.tracing():
+            self.local.late = module  # (a copy of its hook already listed for this call, a deepcopy's, skips it)
             try:
                 self._add_hook(module)
             except Exception as exc:
@@ -233,6 +253,9 @@ class GlobalCapture:
 
     def _keyword_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if compiled.tracing() or not self._hooked_now(module):  # (a copy of the module sharing the hook)
+            return None
+        if getattr(self.local, "late", None) is module:  # begun by _late
+            self.local.late = None
             return None
         started = self._begin(module, args, kwargs)
         return None if started is None else started
@@ -342,6 +365,7 @@ class GlobalCapture:
         for _, handle in self._hooked.values():
             handle.remove()
         self._hooked.clear()
+        self._hook.capture = None
         for cls, (before, eager) in self._eager.items():
             if cls.__dict__.get("forward") is eager:  # not replaced since
                 if before is None:

@@ -250,6 +250,22 @@ class TestKeywordArguments:
             res = replayer.replay(rec, step)
             assert res.match and all(d.max_ulp == 0 for d in res.outputs), (step.index, res)
 
+    def test_a_copy_of_a_hooked_module_is_recorded_once_per_call_and_left_unhooked(self, run_path: Path) -> None:
+        """copy.deepcopy of a model while recording (an EMA model) copies its modules' keyword pre-hook:
+        each call of the copy is still one step, and neither keeps a hook after the recording closes."""
+        import copy
+
+        net = CachedNet().eval()
+        caches = [torch.zeros(1, 3, 4) for _ in net.blocks]
+        with torch.no_grad(), recorder.record(run_path, model=net, modules="blocks.*"):
+            net(torch.randn(1, 4), caches, 0)
+            ema = copy.deepcopy(net)
+            for pos in range(2):
+                ema(torch.randn(1, 4), caches, pos)
+        got = steps(run_path)
+        assert [(s["path"], s["parent"]) for s in got] == [("blocks.0", -1), ("blocks.1", -1)] * 3
+        assert not [h for m in (*net.modules(), *ema.modules()) for h in m._forward_pre_hooks.values()]
+
     def test_bisect_names_the_op_that_overflowed_into_a_keyword_cache(self, run_path: Path) -> None:
         """The key overflows in blocks.0 at position 1 and is written into kbuf: bisect names that call
         and its aten::mul, not "came non-finite from code outside every recorded step"."""
