@@ -111,16 +111,12 @@ def _marked(module: torch.nn.Module) -> bool:
         return False
 
 
-def _inert(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """What a pickled module's copy of a ``_KeywordHook`` becomes: nothing."""
-    return None
-
-
 class _KeywordHook:
     """The forward pre-hook (with keyword arguments) on a selected module: captures its calls, for
     the ``GlobalCapture`` that registered it. Copies of the module (``copy.deepcopy``, an EMA model)
     share it, and it does nothing for them, nor for any module once the recording closed (it keeps
-    no recording alive then); a pickled module gets ``_inert`` in its place."""
+    no recording alive then), and takes itself off the module it is called for then; a pickled module's
+    copy loads as one of no recording."""
 
     __slots__ = ("capture",)
 
@@ -129,7 +125,12 @@ class _KeywordHook:
 
     def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         capture = self.capture
-        return None if capture is None else capture._keyword_pre(module, args, kwargs)
+        if capture is None:  # a copy made while recording, called after it closed: leave it as it was before
+            for key in [k for k, h in module._forward_pre_hooks.items() if h is self]:
+                module._forward_pre_hooks.pop(key, None)
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+            return None
+        return capture._keyword_pre(module, args, kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _KeywordHook:
         return self
@@ -139,7 +140,10 @@ class _KeywordHook:
 
 
 def _unpickled() -> Any:
-    return _inert
+    """A pickled module's copy of the hook: one of no recording, which takes itself off at its first call."""
+    hook = _KeywordHook.__new__(_KeywordHook)
+    hook.capture = None
+    return hook
 
 
 class _Adopted:

@@ -266,6 +266,29 @@ class TestKeywordArguments:
         assert [(s["path"], s["parent"]) for s in got] == [("blocks.0", -1), ("blocks.1", -1)] * 3
         assert not [h for m in (*net.modules(), *ema.modules()) for h in m._forward_pre_hooks.values()]
 
+    def test_a_copy_never_called_while_recording_drops_the_hook_and_saves_whole(self, run_path: Path) -> None:
+        """A copy kept aside while recording (the best model so far) and used after it closed: its first call
+        takes the recorder's pre-hook off (nothing of the recording is left on it), and torch.save of the whole
+        module, before that call too, loads back and runs as the original."""
+        import copy
+        import io
+
+        net = CachedNet().eval()
+        caches = [torch.zeros(1, 3, 4) for _ in net.blocks]
+        with torch.no_grad(), recorder.record(run_path, model=net, modules="blocks.*"):
+            net(torch.randn(1, 4), caches, 0)
+            best = copy.deepcopy(net)
+        buffer = io.BytesIO()
+        torch.save(best, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        x = torch.randn(1, 4)
+        with torch.no_grad():
+            want = net(x, [c.clone() for c in caches], 1)
+            for model in (best, loaded):
+                assert torch.equal(model(x, [c.clone() for c in caches], 1), want)
+                assert not [h for m in model.modules() for h in m._forward_pre_hooks.values()]
+
     def test_bisect_names_the_op_that_overflowed_into_a_keyword_cache(self, run_path: Path) -> None:
         """The key overflows in blocks.0 at position 1 and is written into kbuf: bisect names that call
         and its aten::mul, not "came non-finite from code outside every recorded step"."""
