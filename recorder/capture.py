@@ -110,6 +110,38 @@ def _outside_recorder() -> int:
     return level if frame is not None else 2
 
 
+def _in_user_code() -> int:
+    """``warn``'s stacklevel for the first frame, from its caller's caller out, of the user's own code:
+    not the recorder's, torch's, nor an installed library's (transformers' model that called the
+    layer, Lightning's or the Trainer's loop that called the training step); the recorder's caller's
+    caller where all are."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith((here, "<")) or os.sep + "torch" + os.sep in name
+                or any(f"{os.sep}{where}{os.sep}" in name for where in ("site-packages", "dist-packages"))):
+            return level
+        frame, level = frame.f_back, level + 1
+    return _outside_recorder() + 1
+
+
+def _positional_names(module: torch.nn.Module | None) -> list[str]:
+    """The names of ``module.forward``'s positional parameters, to name an argument in a message."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()  # type: ignore[union-attr]
+    except (TypeError, ValueError, AttributeError):
+        return []
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+@functools.cache
+def _is_cache_type(cls: type) -> bool:
+    return any(c.__name__.endswith("Cache") for c in cls.__mro__)
+
+
 class WriterStopped(Exception):
     """The writer thread failed or was given up on: nothing more can be recorded. Not a RuntimeError,
     which capture takes for a tensor it cannot copy."""
@@ -275,6 +307,7 @@ class Session:
         self.failure: str | None = None
         self._slow_warned = False  # the warning that payloads are being dropped was given
         self._unread_warned = False  # the warning that a tensor could not be captured was given
+        self._cache_warned = False  # the warning that a step was given a cache object that is not data was given
         # Names of payloads sent before they are hashed; next() is atomic under the GIL.
         self._tokens = itertools.count(1)
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
@@ -360,6 +393,26 @@ class Session:
     def in_step(self) -> bool:
         """Whether a step runs on this thread now, with capture on (``collective`` keeps its call)."""
         return self.enabled and not getattr(self.local, "busy", False) and self._innermost() is not None
+
+    def _warn_of_cache(self, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A step given a cache object (a ``DynamicCache``: ``generate()``, a Hugging Face forward with
+        ``use_cache``) that is not recorded as data is recorded but cannot be replayed: say so once,
+        naming the argument, where it happens rather than guessing from a config (``generate()``
+        passes its cache whatever ``config.use_cache`` says)."""
+        names = _positional_names(frame.module)
+        given = [(names[i] if i < len(names) else f"argument {i}", v, d)
+                 for i, (v, d) in enumerate(zip(args, frame.args_doc.get("args", ())))]
+        given += [(k, v, frame.args_doc.get("kwargs", {}).get(k)) for k, v in kwargs.items()]
+        for name, value, doc in given:
+            if value is None or not _is_cache_type(type(value)) or skeleton.opaque_in(doc) is None:
+                continue
+            self._cache_warned = True
+            where = f"{frame.defn.name}{f' at {frame.path}' if frame.path else ''}"
+            warn(f"PaperDebugger: {where} was given {name}, a {type(value).__name__} that is not recorded as data, "
+                 "so its steps called with a cache are recorded but cannot be replayed (generate() always passes one, "
+                 "also inside a training step); steps called without one replay: to replay training's forward, "
+                 "call it with use_cache=False (or set model.config.use_cache = False)", stacklevel=_in_user_code())
+            return
 
     def _new_index(self) -> int:
         with self.lock:
@@ -925,6 +978,8 @@ class Session:
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "", tapped,
                                           _argument_paths(args, kwargs) if tapped else frozenset(), nested,
                                           versions=frame.versions)
+            if not self._cache_warned:
+                self._warn_of_cache(frame, args, kwargs)
             if shared:
                 self._shared_arguments(frame, shared)
             elif frame.vmap is None:  # arguments that need no tap may share memory too (views of a buffer, no_grad)

@@ -201,7 +201,6 @@ class FrameworkCallback:
             raise
         self.run, self._run_path, self._model, self._first_nonfinite = run, self.path, model, None
         self._globs_checked = False
-        _warn_of_cache(model)
         _warn_of_checkpointing(model)
         run.pause()
         run.notify_nonfinite(self._nonfinite)
@@ -301,24 +300,6 @@ class FrameworkCallback:
             what += f" with {brief(exception)[:240]}"
         at = "" if self._first_nonfinite is None else " (at its first NaN/Inf)"
         warn(f"PaperDebugger: {what}; {self._where(self._first_nonfinite, run.status)}{at}", stacklevel=3)
-
-
-def _warn_of_cache(model: torch.nn.Module) -> None:
-    """A Hugging Face model whose config says ``use_cache`` hands each layer the model's cache object
-    (a ``DynamicCache``), even in training; it is not recorded as data, so the layers' recorded
-    steps cannot be replayed. Training does not use the cache: say how to turn it off."""
-    for name, module in model.named_modules():
-        config = getattr(module, "config", None)
-        generates = getattr(module, "can_generate", None)
-        makes_cache = (getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False)
-                       or (callable(generates) and generates()))  # not an encoder (BERT ignores use_cache)
-        if type(module).__module__.startswith("transformers.") and getattr(config, "use_cache", False) is True \
-                and makes_cache:
-            where = f"{name}.config" if name else "model.config"
-            warn(f"PaperDebugger: {where}.use_cache is True, so the model hands its layers a cache object "
-                 "that is not recorded as data, and their recorded steps cannot be replayed; training "
-                 f"does not use the cache: set {where}.use_cache = False before training to replay them", stacklevel=4)
-            return
 
 
 def _warn_of_checkpointing(model: torch.nn.Module) -> None:

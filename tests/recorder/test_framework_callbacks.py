@@ -391,7 +391,7 @@ def hf_trainer(hf: Any, tmp_path: Path, callback: Any, *, nan_at: int | None = N
                use_cache: bool = False, **args: Any) -> Any:
     """A two-block GPT-2 from a small config (no weights downloaded) in a Trainer; NaN out of block
     1 at global step ``nan_at``, an exception out of it at ``raise_at``. Without the cache, as the
-    callback advises (see test_the_cache_is_named_as_what_keeps_steps_from_replaying)."""
+    recorder advises (see test_the_cache_is_named_as_what_keeps_steps_from_replaying)."""
     torch.manual_seed(0)
     model = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
                                              bos_token_id=0, eos_token_id=0, use_cache=use_cache))
@@ -447,23 +447,57 @@ class TestHuggingFace:
             assert result.match and result.outputs, (step.selector, [d.summary() for d in result.outputs])
 
     def test_the_cache_is_named_as_what_keeps_steps_from_replaying(self, hf: Any, tmp_path: Path) -> None:
-        """With config.use_cache (transformers' default) the model hands each block its cache object,
-        which is not data: the callback says so once when training starts, with the fix, and a
-        replay of a block's step is refused in one line naming the cache."""
+        """With config.use_cache the model hands each block its cache object, which is not data: the
+        first step given it says so once, naming the argument and the fix, at the user's line (not
+        the Trainer's), and a replay of a block's step is refused in one line naming the cache."""
         from recorder.huggingface import PaperDebuggerCallback
 
         path = tmp_path / "run.zarr"
         trainer = hf_trainer(hf, tmp_path, PaperDebuggerCallback(path), max_steps=2, use_cache=True)
-        with recorder_warnings() as said:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             trainer.train()
-        assert len(said) == 1 and "model.config.use_cache is True" in said[0]
-        assert said[0].endswith("set model.config.use_cache = False before training to replay them")
+        said = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+        assert len(said) == 1, [str(w.message) for w in said]
+        message = str(said[0].message)
+        assert "GPT2Block at transformer.h.0 was given cache, a DynamicCache that is not recorded" in message
+        assert "cannot be replayed" in message and "use_cache=False" in message
+        assert said[0].filename == __file__
         rec = replayer.open(path)
         step = rec.steps.filter(iteration=1)[0]
         with pytest.raises(ReplayError, match=r"was called with a transformers\.cache_utils:\w+ .*could not be "
                                               "recorded as data") as info:
             replayer.replay(rec, step.index)
         assert "\n" not in str(info.value)
+
+    def test_generate_inside_a_recording_is_said_not_to_replay(self, hf: Any, tmp_path: Path) -> None:
+        """generate() passes its cache whatever config.use_cache says (it reads generation_config, made
+        with the model): recording its layers warns once, naming the cache argument, at the line that
+        called generate(); the forward called without a cache replays bit for bit."""
+        torch.manual_seed(0)
+        model = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+                                                 bos_token_id=0, eos_token_id=0, pad_token_id=0))
+        model.config.use_cache = False  # (what the warning used to advise: generate() still passes a cache)
+        model.eval()
+        prompt = torch.tensor([[1, 2, 3]])
+        path = tmp_path / "run.zarr"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with recorder.record(path, model=model, modules="transformer.h.*", mode="full") as run:
+                with torch.no_grad():
+                    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3,
+                                         do_sample=False, pad_token_id=0)
+                run.next_iteration()
+                model(out, use_cache=False).logits.sum().backward()
+        said = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+        assert len(said) == 1, [str(w.message) for w in said]
+        assert "GPT2Block at transformer.h.0 was given " in str(said[0].message)
+        assert "a DynamicCache that is not recorded as data" in str(said[0].message)
+        assert said[0].filename == __file__
+        rec = replayer.open(path)
+        for step in rec.steps.filter(iteration=1):
+            result = replayer.replay(rec, step.index)
+            assert result.match and result.outputs, (step.selector, [d.summary() for d in result.outputs])
 
     @pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}], ids=["default", "reentrant"])
     def test_layers_under_gradient_checkpointing_replay(self, hf: Any, tmp_path: Path,
