@@ -4,7 +4,9 @@ adapters that turn their framework's training events into calls on ``FrameworkCa
 - **Opening.** The recording opens when training starts (``_begin``, given the model the framework
   trains) and is paused at once: steps are recorded only inside a training step of the framework
   (``_step_start`` .. ``_step_end``), so sanity checks, evaluation, checkpointing and logging,
-  which the frameworks run between training steps, are not recorded as training steps.
+  which the frameworks run between training steps, are not recorded as training steps. Nor are
+  the calls of other callbacks' events (``_events``): a callback that generates in its batch-end
+  event, before or after this one in the list, is not recorded, whatever the order.
 - **Paths.** Inside a training step, module paths are relative to that model, whatever the
   framework or the user's code calls first (a DistributedDataParallel wrapper, ``self.net(x)``).
 - **Modules.** ``modules=None`` records what ``auto_modules`` picks: the model's own paper steps
@@ -240,18 +242,35 @@ class FrameworkCallback:
                 self._globs_checked = True
                 self.run.warn_if_nothing_selected()
 
+    # The code of the framework's functions that call the callbacks' events (and the model's own event
+    # hooks), set by the adapters: a step called from inside one is an event's (a user's callback that
+    # generates at the end of a batch), not the training step's, whichever callback comes first.
+    _events: frozenset[Any] = frozenset()
+
+    def _is_event(self, frame: Any) -> bool:
+        """Whether ``frame``, running one of ``_events``, calls an event (not the training step)."""
+        return True
+
     def _in_step(self) -> bool:
-        """Whether a step may start now (``Run.only_while``): not once the frame running the
-        training step is gone from its thread's stack; the window then closes. Other threads
-        (``nn.DataParallel``'s replicas) are not judged."""
-        loop = self._loop
-        if loop is None or threading.get_ident() != loop[0]:
+        """Whether a step may start now (``Run.only_while``): not from inside the framework's call of
+        an event (``_events``: the window is open from one event to another, and other callbacks'
+        events run in between), and not once the frame running the training step is gone from its
+        thread's stack; the window then closes. Other threads (``nn.DataParallel``'s replicas) are
+        judged by the events only."""
+        loop, events = self._loop, self._events
+        mine = loop is not None and threading.get_ident() == loop[0]
+        if not mine and not events:
             return True
         frame: Any = sys._getframe(1)
         while frame is not None:
-            if id(frame) == loop[1] and frame.f_code is loop[2]:
+            code = frame.f_code
+            if mine and id(frame) == loop[1] and code is loop[2]:  # type: ignore[index]
                 return True
+            if code in events and self._is_event(frame):
+                return False
             frame = frame.f_back
+        if not mine:
+            return True
         self._step_end()
         return False
 

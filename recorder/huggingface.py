@@ -8,7 +8,9 @@ described there and in the README, "Lightning and Hugging Face"). The Trainer's 
 - ``on_step_begin`` .. ``on_step_end``: steps are recorded; the iteration is ``state.global_step``.
   With ``gradient_accumulation_steps`` the Trainer calls ``on_step_begin`` once per optimizer step,
   before its first micro-batch, so the micro-batches share an iteration. Evaluation, logging and
-  saving run after ``on_step_end``: not recorded.
+  saving run after ``on_step_end``: not recorded. Nor is what any callback's event runs (a
+  ``TrainerCallback`` that generates in ``on_step_end`` or ``on_step_begin``, before or after this
+  one in the list): steps called from inside the Trainer's ``CallbackHandler.call_event`` are not.
 - ``on_train_end``: the recording closes ``complete``.
 
 The Trainer has no exception event: when ``train()`` raises, the recording stays open until this
@@ -30,6 +32,7 @@ from .framework import FrameworkCallback
 
 try:
     from transformers import TrainerCallback
+    from transformers.trainer_callback import CallbackHandler
 except ImportError as exc:
     if exc.name != "transformers":
         raise  # transformers is there but broken: its own error says why
@@ -53,6 +56,8 @@ class PaperDebuggerCallback(FrameworkCallback, TrainerCallback):  # type: ignore
         on_anomaly: "record" (default), "stop" or "pdb".
         record_options: other options of ``recorder.record``.
     """
+
+    _events = frozenset((CallbackHandler.call_event.__code__,))  # every event of every callback
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._begin(model)

@@ -7,7 +7,9 @@ described there and in the README, "Lightning and Hugging Face"). Lightning's ev
   relative to it, whatever ``training_step`` calls (``self(x)``, ``self.net(x)``, a DDP wrapper).
 - ``on_train_batch_start`` .. ``on_train_batch_end``: steps are recorded; the iteration is
   ``trainer.global_step``, so with ``accumulate_grad_batches`` the micro-batches of one optimizer
-  step share an iteration. Sanity checks and validation run between batches: not recorded.
+  step share an iteration. Sanity checks and validation run between batches: not recorded. Nor is
+  what any callback's event or the LightningModule's own ``on_*`` hooks run (a callback that
+  generates in ``on_train_batch_end``, before or after this one in the list).
 - ``on_exception``: the recording closes ``crashed`` with the exception (``detect_anomaly=True``
   raising in backward, a KeyboardInterrupt, an error in ``training_step``).
 - ``on_fit_end``: it closes ``complete`` (also when EarlyStopping stopped the fit). Not at
@@ -25,11 +27,13 @@ from .framework import FrameworkCallback
 
 try:
     from lightning.pytorch import Callback
+    from lightning.pytorch.trainer import call as _call
 except ImportError as exc:
     if exc.name not in ("lightning", "lightning.pytorch"):
         raise  # Lightning is there but broken: its own error says why
     try:
         from pytorch_lightning import Callback  # type: ignore[no-redef]
+        from pytorch_lightning.trainer import call as _call  # type: ignore[no-redef]
     except ImportError as old:
         if old.name != "pytorch_lightning":
             raise
@@ -50,6 +54,15 @@ class PaperDebuggerCallback(FrameworkCallback, Callback):  # type: ignore[misc]
         on_anomaly: "record" (default), "stop" or "pdb".
         record_options: other options of ``recorder.record``.
     """
+
+    # Every callback's event, and the LightningModule's own ``on_*`` hooks (not ``optimizer_step``
+    # or ``backward``, through the same function, inside which the training step runs).
+    _events = frozenset((_call._call_callback_hooks.__code__, _call._call_lightning_module_hook.__code__))
+
+    def _is_event(self, frame: Any) -> bool:
+        if frame.f_code is not _call._call_lightning_module_hook.__code__:
+            return True
+        return str(frame.f_locals.get("hook_name", "")).startswith("on_")
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._begin(pl_module)

@@ -138,7 +138,8 @@ def pl() -> Any:
 
 def lightning_fit(pl: Any, callback: Any, model: Any, batches: int = 20, val: Any = None, **options: Any) -> Any:
     trainer = pl.Trainer(max_steps=options.pop("max_steps", 20), logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **options)
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callback if isinstance(callback, list) else [callback], **options)
     trainer.fit(model, lightning_data(batches), val)
     return trainer
 
@@ -219,6 +220,40 @@ class TestLightning:
         assert rec.status == "complete"
         assert len(forwards(rec)) == 20 * 3 and len(rec) == 2 * 20 * 3
         assert all(rec.step(s.index).status == "ok" for s in forwards(rec))
+
+    @pytest.mark.parametrize("first", [True, False], ids=["user_callback_first", "pdbg_first"])
+    def test_a_callback_that_runs_the_model_is_not_recorded_whatever_the_order(self, pl: Any, tmp_path: Path,
+                                                                               first: bool) -> None:
+        """A user's callback that runs the model in on_train_batch_start and on_train_batch_end (a
+        sample between batches), before or after the recorder's in the list, and the module's own
+        on_train_batch_end hook doing the same: none of their calls is recorded, only training's."""
+        from recorder.lightning import PaperDebuggerCallback
+
+        ran: list[str] = []
+
+        def sample(module: Any, where: str) -> None:
+            with torch.no_grad():
+                module.net(torch.ones(1, WIDTH))
+            ran.append(where)
+
+        class Sampler(pl.Callback):
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                sample(pl_module, "start")
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                                   batch_idx: int) -> None:
+                sample(pl_module, "end")
+
+        net = lightning_net(pl)
+        net.on_train_batch_end = lambda outputs, batch, batch_idx: sample(net, "module")  # type: ignore[method-assign]
+        path = tmp_path / "run.zarr"
+        callbacks = [Sampler(), PaperDebuggerCallback(path)]
+        lightning_fit(pl, callbacks if first else callbacks[::-1], net, batches=4, max_steps=4)
+        assert sorted(ran) == sorted(["start", "end", "module"] * 4)
+        rec = replayer.open(path)
+        layers = [(f"net.layers.{i}", i) for i in range(3)]
+        assert by_iteration(rec) == {it: layers for it in range(4)}
+        assert len(rec) == 2 * 4 * 3
 
     def test_an_epoch_cut_short_by_its_batch_start_records_no_more_of_it(self, pl: Any, tmp_path: Path) -> None:
         """on_train_batch_start returning -1 skips the rest of the epoch, and that batch gets no batch
@@ -545,6 +580,45 @@ class TestHuggingFace:
         assert said[0].endswith("(gradient_checkpointing_kwargs of plain values, no offload) or without "
                                 "gradient_checkpointing")
         assert replayer.open(path).status == "complete"
+
+    @pytest.mark.parametrize("first", [True, False], ids=["user_callback_first", "pdbg_first"])
+    def test_a_callback_that_generates_is_not_recorded_whatever_the_order(self, hf: Any, tmp_path: Path,
+                                                                          first: bool) -> None:
+        """A user's TrainerCallback that generates in on_step_begin and on_step_end, before or after
+        the recorder's in the list: none of its calls is recorded, only the training steps' (which
+        replay), and no cache warning is given."""
+        from recorder.huggingface import PaperDebuggerCallback
+
+        samples: list[Any] = []
+
+        class Sampler(hf.TrainerCallback):
+            def _generate(self, model: Any) -> None:
+                model.eval()
+                with torch.no_grad():
+                    prompt = torch.tensor([[1, 2, 3]])
+                    samples.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2,
+                                                  do_sample=False, pad_token_id=0, use_cache=True))
+                model.train()
+
+            def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+                self._generate(model)
+
+            def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+                self._generate(model)
+
+        path = tmp_path / "run.zarr"
+        trainer = hf_trainer(hf, tmp_path, PaperDebuggerCallback(path), max_steps=3)
+        if first:
+            trainer.callback_handler.callbacks.insert(0, Sampler())
+        else:
+            trainer.add_callback(Sampler())
+        with recorder_warnings() as said:
+            trainer.train()
+        assert len(samples) == 2 * 3 and not said
+        rec = replayer.open(path)
+        blocks = [("transformer.h.0", 0), ("transformer.h.1", 1)]
+        assert by_iteration(rec) == {it: blocks for it in range(3)}
+        assert len(rec) == 2 * 3 * 2
 
     def test_gradient_accumulation_shares_iterations(self, hf: Any, tmp_path: Path) -> None:
         """gradient_accumulation_steps=2: 5 optimizer steps, 5 iterations, each with both blocks of
