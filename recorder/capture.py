@@ -399,13 +399,16 @@ class Session:
         ``use_cache``) that is not recorded as data is recorded but cannot be replayed: say so once,
         naming the argument, where it happens rather than guessing from a config (``generate()``
         passes its cache whatever ``config.use_cache`` says)."""
-        names = _positional_names(frame.module)
-        given = [(names[i] if i < len(names) else f"argument {i}", v, d)
-                 for i, (v, d) in enumerate(zip(args, frame.args_doc.get("args", ())))]
-        given += [(k, v, frame.args_doc.get("kwargs", {}).get(k)) for k, v in kwargs.items()]
-        for name, value, doc in given:
-            if value is None or not _is_cache_type(type(value)) or skeleton.opaque_in(doc) is None:
+        # (at every step until it warns: the types first, the forward's signature only for a cache found)
+        given: list[tuple[Any, Any, Any]] = [(i, v, d) for i, (v, d) in enumerate(zip(args, frame.args_doc.get(
+            "args", ()))) if v is not None and _is_cache_type(type(v))]
+        given += [(k, v, frame.args_doc.get("kwargs", {}).get(k)) for k, v in kwargs.items()
+                  if v is not None and _is_cache_type(type(v))]
+        for key, value, doc in given:
+            if skeleton.opaque_in(doc) is None:
                 continue
+            names = _positional_names(frame.module) if isinstance(key, int) else []
+            name = key if isinstance(key, str) else names[key] if key < len(names) else f"argument {key}"
             self._cache_warned = True
             where = f"{frame.defn.name}{f' at {frame.path}' if frame.path else ''}"
             warn(f"PaperDebugger: {where} was given {name}, a {type(value).__name__} that is not recorded as data, "
