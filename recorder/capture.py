@@ -308,6 +308,7 @@ class Session:
         self._slow_warned = False  # the warning that payloads are being dropped was given
         self._unread_warned = False  # the warning that a tensor could not be captured was given
         self._cache_warned = False  # the warning that a step was given a cache object that is not data was given
+        self._rebuild_warned = False  # the warning that a recorded module cannot be rebuilt by a replay was given
         # Names of payloads sent before they are hashed; next() is atomic under the GIL.
         self._tokens = itertools.count(1)
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
@@ -416,6 +417,24 @@ class Session:
                  "also inside a training step); steps called without one replay: to replay training's forward, "
                  "call it with use_cache=False (or set model.config.use_cache = False)", stacklevel=_in_user_code())
             return
+
+    def _warn_if_not_rebuilt(self, module: torch.nn.Module, doc: dict[str, Any], at: str) -> None:
+        """A recorded module holding an attribute that is not data, with no constructor arguments to
+        make it again (transformers' ``@use_kernelized_func`` layers: Llama's attention): its steps are
+        recorded, but a replay rebuilds it without that attribute, and a step whose code uses it fails.
+        Say so once, when recording, not first at the replay."""
+        found = skeleton.not_rebuilt(module, doc)
+        if found is None:
+            return
+        self._rebuild_warned = True
+        path, key, kind = found
+        where = f"{type(module).__name__}{f' at {at}' if at else ''}"
+        inner = f" (its {path})" if path else ""
+        warn(f"PaperDebugger: {where}{inner} holds {key}, a {kind} that is not recorded as data and that a replay "
+             "cannot make again (its constructor arguments are not known): a replay rebuilds it without it, and its "
+             "recorded steps fail to replay where their code uses it; to replay those, record modules that do not "
+             "hold it (modules globs for their parts)",
+             stacklevel=_in_user_code())
 
     def _new_index(self) -> int:
         with self.lock:
@@ -967,7 +986,7 @@ class Session:
             if hooks:  # the user's hooks on every module's calls: a replay runs without them
                 frame.notes.append(f"{_one_line(hooks)}: {layout.GLOBAL_HOOK_NOTE}")
             if module is not None:  # its skeleton, as the call finds it (a schedule may change it)
-                frame.module_doc, held = self._module_entry(module)
+                frame.module_doc, held = self._module_entry(module, frame.path)
                 if held:  # generators the module holds (a noise layer's own torch.Generator), as the call finds them
                     frame.rng = {**frame.rng, **snapshot.module_rng_parts(held)}
             # (inference mode makes no graph, with grad mode on too: torch.enable_grad() inside inference_mode())
@@ -1647,7 +1666,8 @@ class Session:
     def _module_doc(self, module: torch.nn.Module | None) -> dict[str, Any] | None:
         return self._module_entry(module)[0] if module is not None else None
 
-    def _module_entry(self, module: torch.nn.Module) -> tuple[dict[str, Any], tuple[tuple[str, Any, str], ...]]:
+    def _module_entry(self, module: torch.nn.Module,
+                      path: str = "") -> tuple[dict[str, Any], tuple[tuple[str, Any, str], ...]]:
         """(the module's skeleton, the generator objects it holds: ``snapshot.find_module_rngs``). Both are
         made again only when the tree's attributes changed (skeleton.state_key: a temperature schedule,
         a counter, a child put in eval mode, a generator replaced); the writer stores each distinct
@@ -1665,6 +1685,8 @@ class Session:
                     self._instances = {k: v for k, v in self._instances.items() if v[0]() is not None}
                 number = self._instances[id(module)] = (weakref.ref(module), next(self._instance_numbers))
             doc = {**skeleton.build(module), "instance": number[1]}
+            if not self._rebuild_warned:
+                self._warn_if_not_rebuilt(module, doc, path)
             entry = self._module_docs[id(module)] = (weakref.ref(module), key, doc, snapshot.find_module_rngs(module))
         return entry[2], entry[3]
 

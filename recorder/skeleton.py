@@ -64,6 +64,39 @@ def opaque_in(doc: Any) -> str | None:
     return None
 
 
+def not_rebuilt(module: torch.nn.Module, doc: dict[str, Any], path: str = "") -> tuple[str, str, str] | None:
+    """(path, attribute, type) of the first attribute of ``module``'s tree that a replay cannot put
+    back: not data (``unrecorded``), and the module holding it not built with known constructor
+    arguments to make it again. Left out: a lazy module's hooks and a generator, which a replay
+    makes again; a method patched on it, which a replay runs as its class defines it; a TorchScript
+    module, whose replay is refused for its compiled code. ``doc``: ``module``'s skeleton."""
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    if isinstance(module, torch.jit.ScriptModule):
+        return None
+
+    from .snapshot import global_rng_kind, is_global_rng
+
+    unrecorded = dict(doc.get("unrecorded") or {})
+    if unrecorded and doc.get("init") is None:
+        if isinstance(module, LazyModuleMixin):
+            unrecorded = {k: v for k, v in unrecorded.items() if k not in ("_initialize_hook", "_load_hook")}
+        for key, kind in unrecorded.items():
+            value = module.__dict__.get(key)
+            if is_global_rng(value) and global_rng_kind(value) is not None:
+                continue
+            if callable(getattr(type(module), key, None)):  # a method patched on it (forward): replayed as defined
+                continue
+            return path, key, kind
+    for name, child in (doc.get("children") or {}).items():
+        sub = module._modules.get(name)
+        if child is not None and sub is not None:
+            found = not_rebuilt(sub, child, f"{path}.{name}" if path else name)
+            if found is not None:
+                return found
+    return None
+
+
 _BY_VALUE = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device))
 _TENSOR = object()  # a tensor attribute's skeleton holds its type only: which tensor does not matter
 

@@ -534,6 +534,38 @@ class TestHuggingFace:
             result = replayer.replay(rec, step.index)
             assert result.match and result.outputs, (step.selector, [d.summary() for d in result.outputs])
 
+    def test_a_layer_a_replay_cannot_rebuild_is_said_when_recording(self, hf: Any, tmp_path: Path) -> None:
+        """Llama's attention (transformers' @use_kernelized_func) holds _kernel_funcs, an object of a
+        class made inside a function, which is not data, and its constructor arguments are not known:
+        recording its layers says so once, at the user's line, naming it, and a replay of the layer
+        says the same; its MLP, which holds no such attribute, is recorded without a word and replays."""
+        torch.manual_seed(0)
+        model = hf.LlamaForCausalLM(hf.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
+                                                   max_position_embeddings=32, use_cache=False))
+        ids = torch.randint(0, VOCAB, (2, 8))
+        for modules, path in (["model.layers.*"], tmp_path / "layers.zarr"), (["model.layers.*.mlp"],
+                                                                             tmp_path / "mlp.zarr"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with recorder.record(path, model=model, modules=modules, mode="full"):
+                    model(ids, labels=ids).loss.backward()
+                    model(ids, labels=ids).loss.backward()
+            said = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+            if modules == ["model.layers.*.mlp"]:
+                assert not said, [str(w.message) for w in said]
+                rec = replayer.open(path)
+                assert all(replayer.replay(rec, step.index).match for step in rec.steps)
+                continue
+            assert len(said) == 1, [str(w.message) for w in said]
+            assert str(said[0].message).startswith("PaperDebugger: LlamaDecoderLayer at model.layers.0 (its "
+                                                   "self_attn) holds _kernel_funcs, a ")
+            assert "fail to replay where their code uses it" in str(said[0].message)
+            assert said[0].filename == __file__
+            rec = replayer.open(path)
+            with pytest.raises(ReplayError, match="_kernel_funcs"):
+                replayer.replay(rec, rec.steps[0].index)
+
     @pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}], ids=["default", "reentrant"])
     def test_layers_under_gradient_checkpointing_replay(self, hf: Any, tmp_path: Path,
                                                         kwargs: dict[str, Any] | None) -> None:
@@ -574,6 +606,9 @@ class TestHuggingFace:
             layer._gradient_checkpointing_func = offloading
         with recorder_warnings() as said:
             trainer.train()
+        # (and, from the recording of the first layer, the attribute no replay can make again)
+        assert said[1:] and all("holds _gradient_checkpointing_func" in s for s in said[1:]), said
+        said = said[:1]
         assert len(said) == 1 and "gradient checkpointing is on (transformer.h.0) with a checkpoint function " \
             "(TestHuggingFace.test_a_checkpoint_function_not_recorded_is_named.<locals>.offloading) that is not " \
             "recorded as data" in said[0], said
