@@ -216,7 +216,8 @@ class GlobalCapture:
     def _add_hook(self, module: torch.nn.Module) -> None:
         """Give a selected module its own pre-hook, which sees keyword arguments (torch runs it after
         the global pre-hooks, from the module's next call on); ``close()`` removes it."""
-        if self._hooked_now(module) or type(module).__name__ == "OptimizedModule":  # (a compile wrapper: no step)
+        if self._hooked_now(module) or type(module).__name__ == "OptimizedModule" or isinstance(
+                module, torch.jit.ScriptModule):  # (a compile wrapper: no step; TorchScript takes no Python hooks)
             return
         # (a copy of a hooked module, copy.deepcopy's, holds the hook already: it is adopted, not added twice)
         held = next((k for k, h in module._forward_pre_hooks.items() if h is self._hook), None)

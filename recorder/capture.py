@@ -831,6 +831,8 @@ class Session:
         try:
             with transforms.outside_if(frame.vmap is not None):
                 out = self._exit(frame, out, link)
+            with quiet():  # (inside a transform, as the call ran: the tensors behind its wrappers are kept)
+                self._buffers_left(frame.module)
         except Exception as exc:
             self.fail("capturing a step's outputs", exc)
             return out
@@ -1075,7 +1077,6 @@ class Session:
             try:
                 with quiet():  # (not the monitors below: the user's checks)
                     out = self._capture_outputs(frame, out, link)
-                    self._buffers_left(frame.module)
             except Exception as exc:
                 frame.notes.append(f"{layout.CAPTURE_FAILED_NOTE}: {type(exc).__name__}: {exc}")
                 raise
