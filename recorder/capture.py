@@ -99,31 +99,24 @@ def warn(message: str, stacklevel: int = 2) -> None:
         print(f"RecorderWarning: {message}", file=sys.stderr, flush=True)
 
 
-def _outside_recorder() -> int:
+_INSTALLED = ("site-packages", "dist-packages")  # the directories installed packages live in
+
+
+def _outside_recorder(installed: bool = False) -> int:
     """``warn``'s stacklevel for the first frame, from its caller's caller out, of code that is not the
-    recorder's own (nor torch's or the standard library's hooks it ran through)."""
+    recorder's own (nor torch's or the standard library's hooks it ran through). ``installed``: nor an
+    installed library's either (transformers' model that called the layer, Lightning's or the Trainer's
+    loop that called the training step): the user's own line, where the stack holds one."""
     here = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(2), 2
-    while frame is not None and (frame.f_code.co_filename.startswith((here, "<")) or
-                                 os.sep + "torch" + os.sep in frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 2
-
-
-def _in_user_code() -> int:
-    """``warn``'s stacklevel for the first frame, from its caller's caller out, of the user's own code:
-    not the recorder's, torch's, nor an installed library's (transformers' model that called the
-    layer, Lightning's or the Trainer's loop that called the training step); the recorder's caller's
-    caller where all are."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(2), 2
+    frame, level, first = sys._getframe(2), 2, None
     while frame is not None:
         name = frame.f_code.co_filename
-        if not (name.startswith((here, "<")) or os.sep + "torch" + os.sep in name
-                or any(f"{os.sep}{where}{os.sep}" in name for where in ("site-packages", "dist-packages"))):
-            return level
+        if not (name.startswith((here, "<")) or os.sep + "torch" + os.sep in name):
+            first = level if first is None else first
+            if not installed or not any(f"{os.sep}{where}{os.sep}" in name for where in _INSTALLED):
+                return level
         frame, level = frame.f_back, level + 1
-    return _outside_recorder() + 1
+    return first if first is not None else 2
 
 
 def _positional_names(module: torch.nn.Module | None) -> list[str]:
@@ -415,7 +408,8 @@ class Session:
             warn(f"PaperDebugger: {where} was given {name}, a {type(value).__name__} that is not recorded as data, "
                  "so its steps called with a cache are recorded but cannot be replayed (generate() always passes one, "
                  "also inside a training step); steps called without one replay: to replay training's forward, "
-                 "call it with use_cache=False (or set model.config.use_cache = False)", stacklevel=_in_user_code())
+                 "call it with use_cache=False (or set model.config.use_cache = False)",
+                 stacklevel=_outside_recorder(installed=True))
             return
 
     def _warn_if_not_rebuilt(self, module: torch.nn.Module, doc: dict[str, Any], at: str) -> None:
@@ -434,7 +428,7 @@ class Session:
              "cannot make again (its constructor arguments are not known): a replay rebuilds it without it, and its "
              "recorded steps fail to replay where their code uses it; to replay those, record modules that do not "
              "hold it (modules globs for their parts)",
-             stacklevel=_in_user_code())
+             stacklevel=_outside_recorder(installed=True))
 
     def _new_index(self) -> int:
         with self.lock:
