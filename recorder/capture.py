@@ -414,7 +414,7 @@ class Session:
 
     def _warn_if_not_rebuilt(self, module: torch.nn.Module, doc: dict[str, Any], at: str) -> None:
         """A recorded module holding an attribute that is not data, with no constructor arguments to
-        make it again (transformers' ``@use_kernelized_func`` layers: Llama's attention): its steps are
+        make it again (a lambda kept as an attribute, with no ``pdbg record`` to note the arguments): its steps are
         recorded, but a replay rebuilds it without that attribute, and a step whose code uses it fails.
         Say so once, when recording, not first at the replay."""
         found = skeleton.not_rebuilt(module, doc)

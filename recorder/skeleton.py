@@ -12,6 +12,8 @@ was built with (``init``), which ``paper_step`` captures for decorated classes a
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 import weakref
 from typing import Any
 
@@ -251,6 +253,7 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
     attrs: dict[str, Any] = {}
     unrecorded: dict[str, str] = {}
     linked: dict[str, Any] = {}
+    made: dict[str, Any] = {}
     owned: dict[int, list[str]] | None = None
     hooks, derived, other_hooks = _hooks(module)  # (derived: attributes a hook computes before each call)
     for key, value in module.__dict__.items():
@@ -262,6 +265,10 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
         bad = opaque_in(doc)
         if bad is None:
             attrs[key] = doc
+            continue
+        spec = made_again(value)
+        if spec is not None:
+            made[key] = spec
             continue
         if owned is None:
             owned = _owned(module)
@@ -279,6 +286,8 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
            "init": _INIT.get(module), "children": {}}
     if linked:
         doc["linked"] = linked
+    if made:
+        doc["made"] = made
     names = parametrized(module)
     if names:
         doc["parametrized"] = names
@@ -290,6 +299,52 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
     doc["children"] = {name: None if child is None else build(child, memo, classes)
                        for name, child in module._modules.items()}
     return doc
+
+
+_MADE_ENTRIES = 64
+
+
+def made_again(value: Any) -> dict[str, Any] | None:
+    """An attribute that a replay makes again by calling a class with no arguments, as data: a module
+    that is only its class (no parameters, buffers, submodules, hooks or attributes of its own), or a
+    dict of such modules by name (``{"dict": {name: spec}}``), the form transformers' Llama-style
+    attention keeps its kernel functions in (``_kernel_funcs``, from ``@use_kernelized_func``: each a
+    module wrapping a function, of a class made inside a function). Else None."""
+    if isinstance(value, torch.nn.Module):
+        return _made_module(value)
+    if type(value) is dict and 0 < len(value) <= _MADE_ENTRIES and all(type(k) is str for k in value):
+        specs = {k: _made_module(v) if isinstance(v, torch.nn.Module) else None for k, v in value.items()}
+        if all(spec is not None for spec in specs.values()):
+            return {"dict": specs}
+    return None
+
+
+def _made_module(module: torch.nn.Module) -> dict[str, Any] | None:
+    if (module._parameters or module._buffers or module._modules or module._forward_pre_hooks
+            or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks
+            or module.__dict__.keys() - _BASE_KEYS or isinstance(module, torch.jit.ScriptModule)):
+        return None
+    cls = type(module)
+    try:
+        needs = [p for p in inspect.signature(cls).parameters.values()
+                 if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    except (TypeError, ValueError):
+        return None
+    if needs:
+        return None
+    where = getattr(cls, "__module__", None)
+    qualname = getattr(cls, "__qualname__", "")
+    if not isinstance(where, str) or not isinstance(qualname, str):
+        return None
+    if "<locals>" not in qualname:
+        return {"class": jsonval.type_ref(cls), "training": bool(module.training)}
+    # A class made inside a function is found again as the type of a module-level object of its module
+    # (transformers' ``apply_rotary_pos_emb`` is an instance of the class its kernel functions are of).
+    namespace = sys.modules.get(where)
+    for name, obj in list(vars(namespace).items()) if namespace is not None else ():
+        if type(obj) is cls:
+            return {"type_of": f"{where}:{name}", "training": bool(module.training)}
+    return None
 
 
 def tied_parameters(module: torch.nn.Module) -> dict[str, str]:

@@ -226,6 +226,10 @@ class Builder:
             module.__dict__[key] = decoded
         module.__dict__.update(grafted)
         module.__dict__.update(generators)
+        for key, spec in (doc.get("made") or {}).items():
+            made = self._made(spec, f"{where}: attribute {key}", out)
+            if made is not None:
+                module.__dict__[key] = made
         for name, spec in (doc.get("params") or {}).items():
             module._parameters[name] = None if spec is None else _placeholder()
         for name, spec in (doc.get("buffers") or {}).items():
@@ -250,6 +254,38 @@ class Builder:
                               f"this version can set up ({type(exc).__name__}: {exc}); the recording is damaged or "
                               "newer") from None
         out.how[path] = "skeleton"
+        return module
+
+    def _made(self, spec: Any, what: str, out: Rebuilt) -> Any:
+        """An attribute the skeleton's ``made`` describes (``skeleton.made_again``): a module that is only its
+        class, or a dict of them, each made again by calling its class with no arguments. None, with a
+        warning naming it, where that cannot be done here (the replay then runs without the attribute)."""
+        try:
+            if isinstance(spec, dict) and isinstance(spec.get("dict"), dict):
+                return {name: self._made_module(one) for name, one in spec["dict"].items()}
+            return self._made_module(spec)
+        except ReplayError as exc:
+            out.warnings.append(f"{what} could not be made again ({exc}); rebuilt without it")
+            out.left_out.append(out.warnings[-1])
+            return None
+
+    def _made_module(self, spec: Any) -> torch.nn.Module:
+        if not isinstance(spec, dict) or not isinstance(spec.get("class", spec.get("type_of")), str):
+            raise ReplayError("the recording's description of it is not one this version reads")
+        if "class" in spec:
+            cls = self.module_class(spec["class"])
+        else:  # a class made inside a function: the type of a module-level object
+            cls = type(self.loader.resolve(spec["type_of"]))
+            if not issubclass(cls, torch.nn.Module) or issubclass(cls, torch.jit.ScriptModule):
+                raise ReplayError(f"{spec['type_of']} is not a module now")
+        try:
+            with snapshot.applied_rng({}):
+                module = cls()
+        except Exception as exc:  # noqa: BLE001 - the class's constructor refused: said, the replay goes on
+            raise ReplayError(f"{cls.__qualname__}() failed: {type(exc).__name__}: {exc}") from None
+        if skeleton.made_again(module) is None:
+            raise ReplayError(f"{cls.__qualname__}() now makes a module with state of its own")
+        module.training = bool(spec.get("training", True))
         return module
 
     def _generators(self, unrecorded: dict[str, str], path: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.17"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.18"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -59,6 +59,8 @@ SCHEMA_VERSION = "1.17"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       a $ndarray laid out other than C-contiguous (a transposed or reversed view) holds its "strides"; and
 #       a step's extra "subclasses": the tensor subclass (class reference, instance attributes) of its records
 #       that held one; a replay makes the arguments' again (before, it gave the step plain tensors)
+# 1.18: a skeleton's "made": attributes holding modules that are only their class (or a dict of them: Llama's
+#       attention's _kernel_funcs), which a replay makes again by calling the class (before, "unrecorded")
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed

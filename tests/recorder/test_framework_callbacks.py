@@ -403,6 +403,18 @@ class TestLightning:
 VOCAB, SEQ = 64, 16
 
 
+class Squashed(nn.Module):
+    """A layer keeping a lambda (not data) as an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.squash = lambda t: torch.tanh(t) * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.squash(self.lin(x))
+
+
 @pytest.fixture
 def hf(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -534,36 +546,61 @@ class TestHuggingFace:
             result = replayer.replay(rec, step.index)
             assert result.match and result.outputs, (step.selector, [d.summary() for d in result.outputs])
 
-    def test_a_layer_a_replay_cannot_rebuild_is_said_when_recording(self, hf: Any, tmp_path: Path) -> None:
-        """Llama's attention (transformers' @use_kernelized_func) holds _kernel_funcs, an object of a
-        class made inside a function, which is not data, and its constructor arguments are not known:
-        recording its layers says so once, at the user's line, naming it, and a replay of the layer
-        says the same; its MLP, which holds no such attribute, is recorded without a word and replays."""
+    def test_llama_layers_trained_by_the_trainer_replay(self, hf: Any, tmp_path: Path) -> None:
+        """Llama's attention (transformers' @use_kernelized_func) holds _kernel_funcs: modules wrapping its
+        rotary function, of a class made inside a function. The callback's default choice, the decoder
+        layers, records without a warning, and their forward and backward steps replay bit for bit, the
+        attention rebuilt from its skeleton with those modules made again (before, every layer's replay was
+        refused)."""
+        from recorder.huggingface import PaperDebuggerCallback
+
         torch.manual_seed(0)
         model = hf.LlamaForCausalLM(hf.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                                                    num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
                                                    max_position_embeddings=32, use_cache=False))
-        ids = torch.randint(0, VOCAB, (2, 8))
-        for modules, path in (["model.layers.*"], tmp_path / "layers.zarr"), (["model.layers.*.mlp"],
-                                                                             tmp_path / "mlp.zarr"):
+        path = tmp_path / "run.zarr"
+        options = {"max_steps": 2, "per_device_train_batch_size": 2, "report_to": [], "save_strategy": "no",
+                   "use_cpu": True, "disable_tqdm": True, "learning_rate": 1e-3}
+        trainer = hf.Trainer(model=model, args=hf.TrainingArguments(output_dir=str(tmp_path / "out"), **options),
+                             train_dataset=TokenData(8), callbacks=[PaperDebuggerCallback(path, mode="full")])
+        with recorder_warnings() as said:
+            trainer.train()
+        assert not said
+        rec = replayer.open(path)
+        steps = rec.steps.filter(iteration=1)
+        assert sorted((s.module_path, s.phase) for s in steps) == [
+            (f"model.layers.{i}", phase) for i in range(2) for phase in ("backward", "forward")]
+        for step in steps:
+            result = replayer.replay(rec, step.index)
+            assert result.match and result.outputs, (step.selector, [d.summary() for d in result.outputs])
+            assert result.rebuilt[f"{step.module_path}.self_attn"] == "skeleton"
+            assert not result.warnings, result.warnings
+
+    def test_a_layer_a_replay_cannot_rebuild_is_said_when_recording(self, tmp_path: Path) -> None:
+        """A module holding an attribute that is not data (a lambda), whose constructor arguments are not
+        known: recording it says so once, at the user's line, naming it, and a replay of it says the same;
+        its part that holds none is recorded without a word and replays."""
+        torch.manual_seed(0)
+        model = nn.Sequential(Squashed(), nn.Linear(4, 2))
+        x = torch.randn(3, 4)
+        for modules, path in (["0"], tmp_path / "layer.zarr"), (["0.lin"], tmp_path / "part.zarr"):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 with recorder.record(path, model=model, modules=modules, mode="full"):
-                    model(ids, labels=ids).loss.backward()
-                    model(ids, labels=ids).loss.backward()
+                    model(x).sum().backward()
+                    model(x).sum().backward()
             said = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
-            if modules == ["model.layers.*.mlp"]:
+            if modules == ["0.lin"]:
                 assert not said, [str(w.message) for w in said]
                 rec = replayer.open(path)
                 assert all(replayer.replay(rec, step.index).match for step in rec.steps)
                 continue
             assert len(said) == 1, [str(w.message) for w in said]
-            assert str(said[0].message).startswith("PaperDebugger: LlamaDecoderLayer at model.layers.0 (its "
-                                                   "self_attn) holds _kernel_funcs, a ")
+            assert str(said[0].message).startswith("PaperDebugger: Squashed at 0 holds squash, a builtins:function")
             assert "fail to replay where their code uses it" in str(said[0].message)
             assert said[0].filename == __file__
             rec = replayer.open(path)
-            with pytest.raises(ReplayError, match="_kernel_funcs"):
+            with pytest.raises(ReplayError, match="squash"):
                 replayer.replay(rec, rec.steps[0].index)
 
     @pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}], ids=["default", "reentrant"])

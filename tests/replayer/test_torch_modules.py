@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -308,6 +309,62 @@ def test_a_step_whose_rebuild_lacks_an_attribute_is_not_replayable_not_a_mismatc
     doc = json.loads(res.stdout)
     assert doc["mismatches"] == [] and len(doc["not_replayed"]) == 2, doc
     assert "raised AttributeError" in doc["not_replayed"][0]["reason"], doc
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x) * x
+
+
+def _function_module() -> type[nn.Module]:
+    class Function(nn.Module):  # made inside a function, as transformers' kernel-function wrappers are
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x)
+
+    return Function
+
+
+ACT = _function_module()()  # a module-level instance of it: where a replay finds its class again
+
+
+class Routed(nn.Module):
+    """Keeps modules that are only their class in a dict, unregistered (Llama's attention keeps its
+    ``_kernel_funcs`` so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self._funcs = {"act": type(ACT)(), "gate": Gate()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return self._funcs["act"](h) + self._funcs["gate"](h)
+
+
+def test_modules_that_are_only_their_class_are_made_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dict of modules with no state of their own (one of a class made inside a function, found as the
+    type of a module-level object; one importable) is recorded without a warning, made again by calling
+    each class, and the steps replay bit for bit forward and backward. Where a class cannot be made
+    again at the replay, the replay names the attribute and the step is not replayed (not a MISMATCH)."""
+    model = nn.Sequential(Routed())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with recorder.record(tmp_path / "run.zarr", model=model, modules=["0"]):
+            model(torch.randn(2, 4)).sum().backward()
+    assert not [str(w.message) for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert [s.phase for s in rec.steps] == ["forward", "backward"]
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match and result.outputs and not result.warnings, result
+
+    def refuse(self: nn.Module) -> None:
+        raise RuntimeError("no longer made without arguments")
+
+    monkeypatch.setattr(Gate, "__init__", refuse)
+    with pytest.raises(ReplayError, match="rebuilt incomplete") as raised:
+        replayer.replay(rec, 0)
+    assert "attribute _funcs could not be made again (Gate() failed: RuntimeError: no longer made" in str(raised.value)
 
 
 def test_an_older_recordings_numbered_module_dict_keeps_its_order_and_its_doubts_are_said_on_a_difference() -> None:
