@@ -1128,7 +1128,7 @@ class Session:
         recomputation makes during the backward (``notes``: False, its forward step being written)."""
         walked = taps.parameter_uses(outputs, {id(p): name for name, p in link.params}, link.since) \
             if outputs and link.since >= 0 else None
-        uses, reused = walked if walked is not None else ({}, [])
+        uses, reused, whole = walked if walked is not None else ({}, [], False)
         if reused:
             self._reused_nodes(link, reused)
         by_node: dict[Any, list[tuple[int, str]]] = {}
@@ -1145,7 +1145,15 @@ class Session:
                 self._spans.insert(i, link)
         tied = self._tied_params() if frame.path else {}
         shared: list[tuple[str, list[str]]] = []
+        # A parameter the walk did not find in the call's graph, where the walk saw the whole of it (no node
+        # made before the call reached, no custom autograd.Function's backward): the call sends it no
+        # gradient. What reaches it comes from uses outside the call (a PINN's boundary term through the same
+        # network); recorded here as the call's, it would be a gradient no replay of the call makes, and
+        # counted twice where that use is a step too.
+        unreached = whole and not reused
         for name, p in link.params:
+            if unreached and name not in link.own:
+                continue
             # Every parameter's own gradient hook too: once it runs every use has sent its contribution,
             # and a pass that reached the parameter only by other paths (an auxiliary loss the module
             # keeps) records the total, as for the others (_on_param_grad).

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
+from torch.autograd.function import BackwardCFunction
 
 from . import payload as payload_mod
 
@@ -121,7 +122,7 @@ def sequence_now() -> int:
 
 
 def parameter_uses(outputs: list[torch.Tensor], params: dict[int, str], since: int
-                   ) -> tuple[dict[str, list[tuple[Any, int]]], list[int]] | None:
+                   ) -> tuple[dict[str, list[tuple[Any, int]]], list[int], bool] | None:
     """Where one call's graph uses its parameters: for each parameter (``params``: id -> name) a node
     made during the call (sequence number ``since`` or later) takes, ``[(node, k)]``, k the place of
     the parameter's gradient among the node's ``next_functions``, found by a walk back from the
@@ -132,10 +133,13 @@ def parameter_uses(outputs: list[torch.Tensor], params: dict[int, str], since: i
     Also returns the sequence numbers of the nodes made before the call that it reached other than
     through a tap of its inputs (a weight an earlier call made and cached, ``parametrize.cached()``):
     made during an earlier call, such a node sends that call's parameters this call's gradients too.
-    None when the walk is longer than ``_WALK_LIMIT`` nodes (a graph made on several threads, whose
-    sequence numbers do not bound it)."""
+    And whether the walk saw every use: False when it met a node of a custom ``autograd.Function``
+    (other than the recorder's taps), whose backward may reach parameters it was not given (reentrant
+    checkpointing runs a backward of its own). None when the walk is longer than ``_WALK_LIMIT``
+    nodes (a graph made on several threads, whose sequence numbers do not bound it)."""
     found: dict[str, list[tuple[Any, int]]] = {}
     reused: list[int] = []
+    whole = True
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     seen: set[Any] = set()
     while stack:
@@ -149,6 +153,8 @@ def parameter_uses(outputs: list[torch.Tensor], params: dict[int, str], since: i
             reused.append(node._sequence_nr())
             continue
         tap_node = type(node) is _TAP_NODE
+        if not tap_node and isinstance(node, BackwardCFunction):
+            whole = False
         for k, (after, _) in enumerate(node.next_functions):
             if after is None or after in seen:
                 continue
@@ -160,7 +166,7 @@ def parameter_uses(outputs: list[torch.Tensor], params: dict[int, str], since: i
                 stack.append(after)
             elif not tap_node:
                 reused.append(after._sequence_nr())
-    return found, reused
+    return found, reused, whole
 
 
 def _accumulate_grad_type() -> type:

@@ -8,9 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 import recorder
+import replayer
 from recorder.store.reader import RunReader
 from tests.recorder.readback import raw, step_rows
 
@@ -250,3 +252,51 @@ def test_a_pass_that_reaches_parameters_only_through_an_auxiliary_loss(tmp_path:
     (aux,) = torch.autograd.grad(net.a.aux, [net.a.weight], retain_graph=True)
     assert param_grads(tmp_path / "run.zarr", "a") == [{"weight": raw(aux)},
                                                        grads_of(out.square().mean(), net.a)]
+
+
+
+@recorder.paper_step("Eq. 3")
+class Residual(torch.nn.Module):
+    """A physics-informed residual u_rr - 4 (u = net(r)): its derivatives by r do not depend on the last
+    layer's bias, which only a boundary term outside the call reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def forward(self, r: torch.Tensor) -> torch.Tensor:
+        u = self.net(r)
+        (u_r,) = torch.autograd.grad(u, r, torch.ones_like(u), create_graph=True)
+        (u_rr,) = torch.autograd.grad(u_r, r, torch.ones_like(u_r), create_graph=True)
+        return u_rr - 4.0
+
+
+@pytest.mark.parametrize("modules", [None, ["net.*"]], ids=["residual", "and-its-layers"])
+def test_a_parameter_the_call_does_not_reach_gets_no_gradient_of_other_uses(tmp_path: Path,
+                                                                              modules: list[str] | None) -> None:
+    """A PINN's residual step sends its last bias no gradient; a boundary term through the same network,
+    outside the step, does. The step's backward records no gradient for that bias (it recorded the
+    boundary term's, which verify then called a mismatch at every iteration), its backward replays bit
+    for bit, and the recorded shares of the bias add up to the .grad the pass left (the boundary term's
+    was counted twice where the layers are steps too)."""
+    torch.manual_seed(0)
+    model = Residual()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with recorder.record(tmp_path / "run.zarr", model=model, optimizer=opt, modules=modules, mode="full"):
+        for _ in range(2):
+            r = torch.rand(6, 1, requires_grad=True)
+            loss = model(r).square().mean() + (model.net(torch.ones(1, 1)) - 1).square().mean()
+            loss.backward()
+            left = model.net[2].bias.grad.clone()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(tmp_path / "run.zarr")
+    top = [s for s in rec.steps if s.phase == "backward" and s.name == "Residual"]
+    assert len(top) == 2 and all("net.2.bias" not in {r.name for r in s.records if r.role == "param_grad"}
+                                 for s in top)
+    for step in top:
+        assert replayer.replay(rec, step.index).match
+    shares = [s.tensor(r.name, "param_grad") for s in rec.steps if s.phase == "backward" and s.iteration == 1
+              for r in s.records if r.role == "param_grad" and r.name in ("net.2.bias", "bias")
+              and s.module_path in ("", "net.2")]
+    assert raw(sum(shares)) == raw(left) if modules else shares == []
