@@ -40,7 +40,7 @@ from recorder.errors import PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
-from .arguments import unrecorded_arguments
+from .arguments import type_words, unrecorded_arguments
 from .recording import Recording, Step, paper_of, paper_reference, printable
 
 _RESULT, _INPUT = layout.NONFINITE_RESULT, layout.NONFINITE_INPUT
@@ -759,6 +759,8 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         made |= inf_made & ~k.masks()
     through = _through_gradients(rec, made)  # came in by a graph of gradients: where it entered
     made &= ~through
+    if made.any():  # after NaN/Inf came into a step and went on, one made only as far as recorded is no origin
+        made &= ~_unseen_after_entry(rec, made, (k.result & ((k.given & ~habit) | k.nan_given)) | through)
     went = k.result & ~k.meant()  # (a mask's Inf in the iterations after it is no spread of it)
     if made.any():
         index = _innermost(rec, int(np.flatnonzero(made)[0]), made)
@@ -813,14 +815,70 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
 
 def _finite_inputs(step: Step, made: str) -> str:
     """How an origin's inputs are described where none recorded held NaN/Inf: "from finite inputs", unless
-    an argument could not be recorded as data (a KV cache object), whose values no one saw."""
+    an argument could not be recorded as data (a KV cache object), whose values no one saw, or, for a
+    backward step, gradients came to its forward's outputs that were not recorded (``_unrecorded_grads``)."""
     unrecorded = unrecorded_arguments(step)
-    if not unrecorded:
+    grads = _unrecorded_grads(step)
+    if not unrecorded and not grads:
         return "from finite inputs"
+    if grads:
+        return (f"from inputs that were finite as far as recorded: {grads}, so whether the {made} came in through "
+                "them is not known")
     s, them = ("s", "them") if len(unrecorded) > 1 else ("", "it")
     return (f"from inputs that were finite as far as recorded: its argument{s} "
             f"{', '.join(u.text() for u in unrecorded)} could not be recorded, so whether the {made} came in "
             f"through {them} is not known")
+
+
+# A forward step's notes on outputs whose gradients are not recorded: "<record names>[:] " + one of these (as
+# the replay of a backward step reads them)
+_GRADS_UNRECORDED = (layout.UNFOLLOWED_NOTE, layout.UNCOPIED_NOTE, layout.DUAL_NOTE)
+
+
+def _unrecorded_grads(step: Step) -> str:
+    """For a backward step, the gradients that came to its forward's outputs and were not recorded, in
+    words ("" where none): outputs the recorder did not follow (a tensor in a plain object), or, with no
+    grad output recorded at all, an output holding no tensor it follows (a generator, whose values are
+    computed after the step returned). Its grad inputs were computed from them too, unseen."""
+    if step.phase != "backward" or step.forward is None:
+        return ""
+    fwd = step.rec.step(step.forward)
+    names = []
+    for note in fwd.extra.get("notes") or []:
+        for text in _GRADS_UNRECORDED:
+            if isinstance(note, str) and text in note:
+                names += [n for n in note.split(text)[0].rstrip(": ").split(", ") if n.startswith("output")]
+    if names:
+        return (f"the gradients that came to {', '.join(dict.fromkeys(names))} of its forward (step {fwd.index}) were "
+                "not recorded (not followed for gradients)")
+    if any(r.role == "grad_output" for r in step.records):
+        return ""
+    doc = fwd.output_structure
+    tag = next(iter(doc), None) if isinstance(doc, dict) and len(doc) == 1 else None
+    ref = doc[tag].get("type") if tag in ("$opaque", "$object") and isinstance(doc[tag], dict) else None
+    what = f"returned {type_words(ref)}, which holds" if isinstance(ref, str) else "returned"
+    return (f"its grad outputs were not recorded (its forward, step {fwd.index}, {what} no tensor the recorder "
+            "follows for gradients)")
+
+
+def _unseen_after_entry(rec: Recording, made: np.ndarray, entered: np.ndarray) -> np.ndarray:
+    """Per step: among ``made``, those before the first other one whose inputs were finite only as far as
+    recorded (an argument not recorded as data; a backward step's gradients not recorded: ``_finite_inputs``)
+    and that ran after a step NaN/Inf came into and went on from (``entered``). That NaN/Inf came in first,
+    from outside every recorded step, and may have reached them through what was not recorded: they made
+    none that anyone saw, and the step it came into is the answer."""
+    unseen = np.zeros(len(made), dtype=bool)
+    if not entered.any():
+        return unseen
+    first = int(np.flatnonzero(entered)[0])
+    for index in np.flatnonzero(made).tolist():
+        if index < first:
+            break
+        step = rec.step(index)
+        if not unrecorded_arguments(step) and not _unrecorded_grads(step):
+            break
+        unseen[index] = True
+    return unseen
 
 
 def _second_order(step: Step) -> bool:

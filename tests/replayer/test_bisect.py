@@ -2143,3 +2143,96 @@ def test_nan_through_an_unrecorded_cache_argument_is_not_called_made_from_finite
     with pytest.raises(recorder.errors.ReplayError, match=r"was called with a tests _Cache as past_key_values \(its "
                        r"layers: a _SlotLayer\), which could not be recorded as data; it cannot be replayed"):
         replayer.replay(replayer.open(tmp_path / "run.zarr"), origin.step)
+
+
+class _Box:
+    """A plain object holding a tensor: the recorder does not follow it for gradients."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+@recorder.paper_step("Eq. 11", description="features, returned in a plain object")
+def boxed(x: torch.Tensor) -> _Box:
+    return _Box(x * 1.0)
+
+
+@recorder.paper_step("Eq. 12", description="mix the features")
+class _Mix(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        return self.fc(f)
+
+
+def record_boxed(path: Path, mixed: bool = True) -> None:
+    """A step returns its features in a plain object; the loop takes their log, outside every step (NaN
+    where one is negative), and gives it to a recorded _Mix (``mixed``) or makes the loss of it."""
+    torch.manual_seed(0)
+    enc, mix = torch.nn.Linear(4, 4), _Mix()
+    opt = torch.optim.SGD([*enc.parameters(), *mix.parameters()], lr=0.1)
+    with recorder.record(path, model=torch.nn.ModuleDict({"enc": enc, "mix": mix}), optimizer=opt):
+        for _ in range(2):
+            feats = boxed(enc(torch.randn(8, 4))).t.log()
+            (mix(feats) if mixed else feats).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_nan_made_outside_every_step_is_where_it_entered_not_a_backward_whose_gradients_were_unrecorded(
+        tmp_path: Path) -> None:
+    """The NaN the loop's log() made came into _Mix's forward; the backward of the step before it, whose
+    output (in a plain object) sent it gradients the recorder did not follow, later held NaN gradients
+    too. bisect and info named that backward the origin, "from finite inputs": it is where the NaN came
+    in, at _Mix's input."""
+    path = tmp_path / "run.zarr"
+    record_boxed(path)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    entered = origin.entered
+    assert origin.step is None and entered is not None, origin.cause
+    assert (entered.name, entered.phase, entered.iteration) == ("_Mix", "forward", 0), origin.cause
+    assert origin.cause.startswith(f"input args.0 of step {entered.index}: Eq. 12 · _Mix · mix · forward · iteration "
+                                   "0 · call 0 came non-finite (") and "from code outside every recorded step" in \
+        origin.cause and "from finite inputs" not in origin.cause, origin.cause
+    assert origin.op is None and f"came into step {entered.index}" in (origin.op_note or "")
+    doc = json.loads(pdbg("bisect", str(path), "--json", cwd=tmp_path).stdout)
+    assert doc["origin"] is None and doc["entered"]["index"] == entered.index, doc
+    assert f"NaN origin: none of the recorded steps; it came in at step {entered.index}:" in \
+        pdbg("info", str(path), cwd=tmp_path).stdout
+
+
+def test_a_backward_step_whose_gradients_were_unrecorded_made_nan_only_as_far_as_recorded(tmp_path: Path) -> None:
+    """With no recorded step before it holding NaN, the backward of a step whose output (in a plain object)
+    was not followed for gradients is the first to: not "from finite inputs", its gradients were not seen."""
+    path = tmp_path / "run.zarr"
+    record_boxed(path, mixed=False)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    step = origin.step
+    assert step is not None and (step.name, step.phase, step.iteration) == ("boxed", "backward", 0), origin.cause
+    assert "from finite inputs" not in origin.cause and origin.cause.endswith(
+        f"from inputs that were finite as far as recorded: the gradients that came to output.t of its forward (step "
+        f"{step.forward}) were not recorded (not followed for gradients), so whether the NaN came in through them is "
+        "not known"), origin.cause
+    assert json.loads(pdbg("bisect", str(path), "--json", cwd=tmp_path).stdout)["cause"] == origin.cause
+
+
+@recorder.paper_step("Eq. 13", description="keys of a cache")
+def cache_keys(x: torch.Tensor) -> torch.Tensor:
+    return x * 2.0
+
+
+def test_nan_that_came_into_a_step_before_an_unrecorded_cache_argument_is_where_it_entered(tmp_path: Path) -> None:
+    """The keys a recorded step made came in NaN, and went on into a cache it could not record: the step
+    given the cache is where NaN shows next, but the NaN came in first, into the keys' step."""
+    model = torch.nn.Sequential(_CachedAttention())
+    with recorder.record(tmp_path / "run.zarr", model=model, modules=["0"]), torch.no_grad():
+        cache = _Cache(cache_keys(torch.tensor([1.0, float("nan")])))
+        model[0](torch.ones(3), cache)
+    origin = replayer.first_nonfinite(replayer.open(tmp_path / "run.zarr"))
+    entered = origin.entered
+    assert origin.step is None and entered is not None and entered.name == "cache_keys", origin.cause
+    assert origin.cause.startswith(f"input args.0 of step {entered.index}: Eq. 13 · cache_keys · forward"), origin.cause
