@@ -386,7 +386,8 @@ def watch(tensor: T, name: str, *, expected_shape: tuple[int | None, ...] | None
         expected_mean: (value, tolerance) for its mean.
         reference: where the expectation comes from ("Eq. 7").
 
-    A broken expectation marks the step ``alert``. Outside a recording this does nothing.
+    A broken expectation marks the step ``alert``. Outside a recording this does nothing. A complex
+    tensor's range, norm and mean are those of its magnitudes |z|, as its recorded statistics are.
     """
     if capture.ACTIVE is not None:
         capture.ACTIVE.watch(tensor, name, {

@@ -64,7 +64,7 @@ class StepContext:
     iteration: int
     call: int
     module_path: str
-    stats: dict[str, dict[str, float]]  # record name -> {"min", "max", ..., "nan", "inf"}
+    stats: dict[str, dict[str, float]]  # record name -> {"min", "max", ..., "nan", "inf"} (complex: of |z|)
     roles: dict[str, str]  # record name -> role
     output: Any = None  # the step's output (forward steps)
     module: bool = True  # a module's step (else a function's)

@@ -1126,7 +1126,8 @@ class Condition:
     ``param.fc.weight.norm``) or ``NAME.STAT`` for a record name in any role (``attention_weights.max``).
     ROLE is one of input, output, param, buffer, grad_output, grad_input, param_grad, watch; NAME a
     record name or, for roles other than output, the position among that role's records; STAT one of
-    min, max, mean, std, absmax, norm, nan, inf. An atom holds for a step when any tensor it names does.
+    min, max, mean, std, absmax, norm, nan, inf (a complex tensor's: of its magnitudes |z|, as recorded). An
+    atom holds for a step when any tensor it names does.
     """
 
     def __init__(self, text: str) -> None:

@@ -45,6 +45,7 @@ class Diff:
     reason: str | None = None
     recorded: dict[str, Any] = field(default_factory=dict)
     replayed: dict[str, Any] = field(default_factory=dict)
+    is_complex: bool = False  # a complex tensor, recorded or replayed: its statistics are of magnitudes |z|
 
     def to_json(self) -> dict[str, Any]:
         def clean(x: float) -> float | None:
@@ -100,7 +101,7 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
     rec_stats = stats_dict(recorded_stats if recorded_stats is not None else stats_mod.host_stats(recorded))
     if not isinstance(replayed, torch.Tensor):
         return Diff(name, role, False, math.inf, math.inf, 0, reason=f"replay gave {type(replayed).__name__}, "
-                    "not a tensor", recorded=rec_stats)
+                    "not a tensor", recorded=rec_stats, is_complex=recorded.is_complex())
     # Values, not memory: a lazy conjugate or negation (``z.conj()``) only flips a bit on its tensor. Read
     # as a plain tensor: a subclass's __torch_function__ (one that rounds, or refuses what it does not
     # know) has no say in the replay's reading of it.
@@ -108,7 +109,8 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
         replayed = replayed.detach().cpu().resolve_conj().resolve_neg()
         recorded = recorded.detach().cpu().resolve_conj().resolve_neg()
     rep_stats = stats_dict(stats_mod.host_stats(replayed))
-    diff = Diff(name, role, True, recorded=rec_stats, replayed=rep_stats)
+    diff = Diff(name, role, True, recorded=rec_stats, replayed=rep_stats,
+                is_complex=recorded.is_complex() or replayed.is_complex())
     if replayed.dtype != recorded.dtype or tuple(replayed.shape) != tuple(recorded.shape):
         diff.match, diff.max_abs_diff, diff.max_rel_diff = False, math.inf, math.inf
         what = "shapes differ" if replayed.dtype == recorded.dtype else "dtypes differ" if tuple(
@@ -130,14 +132,21 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
         a64, b64 = a.to(torch.float64), b.to(torch.float64)
         both = torch.isfinite(a64) & torch.isfinite(b64)
         gap = (a64 - b64).abs()
-        special = _nonfinite_difference(a64, b64, (~both) & (_bits(a).reshape(a.shape) != _bits(b).reshape(b.shape)))
+        bits = _bits(a).reshape(a.shape) != _bits(b).reshape(b.shape)
+        if recorded.is_complex():  # by element (its real and imaginary part), as the statistics and mismatched count
+            whole = both.all(-1)
+            special = _nonfinite_difference(_nan_elements(a64), _nan_elements(b64), ~whole & bits.any(-1))
+            finite = whole.unsqueeze(-1) & (gap != 0)  # the parts that differ of elements finite in both
+            many = int(finite.any(-1).sum())
+        else:
+            special = _nonfinite_difference(torch.isnan(a64), torch.isnan(b64), ~both & bits)
+            finite = both & (gap != 0)
+            many = int(finite.sum())
         if special is not None:  # an inf gap and a ULP count mean nothing there: say which differ instead
             diff.max_abs_diff = diff.max_rel_diff = math.inf
             diff.max_ulp = None
-            finite = both & (gap != 0)
-            if finite.any():
+            if many:
                 rel = gap[finite] / a64[finite].abs()
-                many = int(finite.sum())
                 special += (f"; {many} value{'s' if many != 1 else ''} finite in both differ{'s' if many == 1 else ''} "
                             "too, by at most "
                             f"{float(gap[finite].max()):.3g} (rel {float(rel.max()):.3g})")
@@ -160,13 +169,12 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
     return diff
 
 
-def _nonfinite_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> str | None:
-    """Which NaN and Inf differ between recorded ``a`` and replayed ``b`` (as float64) where ``differ``
-    (their bits differ and one is not finite): NaN positions, NaN bits (sign or payload, NaN in both),
-    Inf; None where none does."""
+def _nonfinite_difference(nan_a: torch.Tensor, nan_b: torch.Tensor, differ: torch.Tensor) -> str | None:
+    """Which NaN and Inf differ between the recorded and the replayed values where ``differ`` (their
+    bits differ and one is not finite), from where each is NaN (``nan_a``, ``nan_b``): NaN positions,
+    NaN bits (sign or payload, NaN in both), Inf; None where none does."""
     if not bool(differ.any()):
         return None
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
     parts = []
     for count, what in ((int((differ & nan_a & ~nan_b).sum()), "NaN in the recording and not in the replay"),
                         (int((differ & nan_b & ~nan_a).sum()), "NaN in the replay and not in the recording"),
@@ -177,6 +185,12 @@ def _nonfinite_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor
     positions = "NaN bits differ" if not (nan_a ^ nan_b).any() and not (differ & ~nan_a & ~nan_b).any() \
         else "NaN/Inf positions differ"
     return f"{positions}: {', '.join(parts)}"
+
+
+def _nan_elements(parts: torch.Tensor) -> torch.Tensor:
+    """Where complex values, as their real and imaginary parts (the last dimension), are NaN as the
+    statistics count them: their magnitude is (a NaN part and no Inf one; |inf + nan j| is inf)."""
+    return torch.isnan(parts).any(-1) & ~torch.isinf(parts).any(-1)
 
 
 def tensors_by_name(value: Any, prefix: str, *, copy: bool = False, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -215,10 +229,11 @@ def compare_record(rank: Any, record: Any, value: Any, missing: str) -> Diff:
     """Compare a replayed value with one tensor record: bitwise where its payload was kept, by
     statistics where only those were; ``missing`` says why there is no value, when there is none."""
     recorded = stats_dict(record.stats)
+    complex_ = record.dtype.startswith("complex")
     if value is None:
-        return Diff(record.name, record.role, False, reason=missing, recorded=recorded)
+        return Diff(record.name, record.role, False, reason=missing, recorded=recorded, is_complex=complex_)
     if not record.has_payload:
         now = stats_dict(stats_mod.host_stats(value.detach().cpu()))
         return Diff(record.name, record.role, now == recorded, reason="compared by statistics only (no payload "
-                    "recorded)", recorded=recorded, replayed=now)
+                    "recorded)", recorded=recorded, replayed=now, is_complex=complex_ or value.is_complex())
     return compare(record.name, record.role, rank.tensor(record), value, record.stats)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from recorder.store import layout
 
-from .recording import alert_text, paper_reference
+from .recording import alert_text, magnitudes_note, paper_reference
 
 if TYPE_CHECKING:
     from .bisect import Divergence, Origin
@@ -212,7 +212,7 @@ def step(s: Step) -> str:
             ("inside step", s.parent), ("forward call", s.forward), ("code", where),
             ("exception", _exception(extra.get("exception"))),
             ("frozen parameters", _frozen(s))]
-    notes = [alert_text(a) for a in extra.get("alerts") or []] + [str(x) for x in extra.get("notes") or []]
+    notes = [alert_text(a, s) for a in extra.get("alerts") or []] + [str(x) for x in extra.get("notes") or []]
     records = sorted(s.records, key=lambda r: layout.role_value(r.role))
     frozen = set(s.frozen)
     tensors = table(("role", "name", "dtype", "shape", "min", "max", "mean", "std", "NaN", "Inf", "kept"),
@@ -221,7 +221,9 @@ def step(s: Step) -> str:
                     more=len(records) - TENSORS, what="tensors (step.records lists them all)")
     title = join([f"Step {s.index} ", code(s.selector), " ", badge(s.status)])
     name = repr(records[0].name) if records else "NAME"
+    magnitudes = magnitudes_note([r.name for r in records[:TENSORS] if r.dtype.startswith("complex")])
     return block(title, fields(rows), listing("alerts and notes", notes), tensors,
+                 tag("div", magnitudes, _MUTED) if magnitudes else None,
                  hint(f"rec.step({s.index}).tensor({name})", f"replayer.replay(rec, {s.index})"))
 
 

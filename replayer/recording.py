@@ -578,16 +578,22 @@ class StepTable:
         return StepTable(self.rec, self.rows[hits[inverse.reshape(-1)]])
 
 
-def alert_text(alert: Any) -> str:
+def alert_text(alert: Any, step: Step | None = None) -> str:
     """One line for an alert a step holds: a broken ``watch()`` expectation ("watch h: range expected
     [0, 1], got [-0.2, 3.1] (Eq. 4)"), or what a ``register_check`` or ``breakpoint`` said ("check
-    'output small': output absmax 0.892 > 0.1")."""
+    'output small': output absmax 0.892 > 0.1"). With the ``step`` that holds it: a watch of a complex
+    tensor checked its range and mean on magnitudes, as its statistics are, and says so ("range of |z|")."""
     if not isinstance(alert, dict):
         return str(alert)
     if "watch" in alert:
         ref = f" ({alert['reference']})" if alert.get("reference") else ""
         bad = f" and {alert['nonfinite']} NaN/Inf" if alert.get("nonfinite") else ""
-        return (f"watch {alert.get('watch')}: {alert.get('check')} expected {alert.get('expected')}, "
+        check = alert.get("check")
+        if check in ("range", "mean") and step is not None and any(
+                r.role == "watch" and r.name == alert.get("watch") and r.dtype.startswith("complex")
+                for r in step.records):
+            check = f"{check} of |z|"
+        return (f"watch {alert.get('watch')}: {check} expected {alert.get('expected')}, "
                 f"got {alert.get('actual')}{bad}{ref}")
     message = str(alert.get("message") or "")
     kind, name = alert.get("kind"), alert.get("check")
@@ -595,6 +601,15 @@ def alert_text(alert: Any) -> str:
         said = f"{kind} {name!r}"
         return message if message.startswith(said) else f"{said}: {message}" if message else said
     return message or str(alert)
+
+
+def magnitudes_note(names: list[str]) -> str | None:
+    """What the statistics shown of complex tensors (``names``) are: of their magnitudes |z|, as the
+    recorder computes them (docs/FORMAT.md); None without any."""
+    if not names:
+        return None
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"the statistics of complex {shown} are of magnitudes |z|"
 
 
 def _references(label: str | None, paper: dict[str, Any]) -> list[str | None]:

@@ -1928,7 +1928,7 @@ def _compare_one(step: Step, rec: TensorRecord, value: Any) -> Diff:
 def _compare_all(step: Step, records: list[TensorRecord], values: dict[str, torch.Tensor]) -> list[Diff]:
     diffs = [_compare_one(step, r, values.get(r.name)) if r.name in values else
              Diff(r.name, r.role, False, reason="recorded, but the replay did not produce it",
-                  recorded=stats_dict(r.stats)) for r in records]
+                  recorded=stats_dict(r.stats), is_complex=r.dtype.startswith("complex")) for r in records]
     recorded = {r.name for r in records}
     for name in values:
         if name not in recorded:

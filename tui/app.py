@@ -43,7 +43,7 @@ from textual.strip import Strip
 from textual.widgets import Footer, Header, Input, Static
 
 from recorder.errors import PdbgError
-from replayer.recording import Recording
+from replayer.recording import Recording, magnitudes_note
 
 from . import views
 
@@ -276,6 +276,9 @@ class StepPane(ScrollView, can_focus=True):
         parts.append(Text())
         if view.tensors:
             parts.append(tensor_table(view, self._width))
+            magnitudes = magnitudes_note([t.name for t in view.tensors if t.dtype.startswith("complex")])
+            if magnitudes:
+                parts.append(Text(magnitudes, style="dim"))
         elif not view.numpy:
             parts.append(Text("no tensors recorded for this step", style="dim"))
         if view.numpy:  # what a step whose data is numpy was given and made (the tensor table has none of it)
@@ -499,9 +502,12 @@ class Inspector(ModalScreen[None]):
 
     @property
     def per_row(self) -> int:
-        """Values a row of the slice holds: as many as the page's width takes (8 at most; 5 at 80 columns)."""
+        """Values a row of the slice holds: as many as the page's width takes (8 at most; 5 at 80
+        columns, 2 of a complex tensor, whose values are two numbers each)."""
         page = int(self.app.size.width * 0.95) - 6  # the page's border, padding and scroll bar
-        return max(1, min(8, (page - 10) // 11))  # "   index: " and 11 columns a value
+        record = next((r for r in self.step.records if r.name == self.tensor_name and r.role == self.role), None)
+        width = views.value_width(record.dtype if record is not None else "")
+        return max(1, min(8, (page - 10) // width))  # "   index: " and the columns of a value
 
     def action_slice(self, delta: int) -> None:
         start = max(0, self.start + delta * self.ROWS * self.per_row)
@@ -1212,7 +1218,7 @@ def render_tensor(view: views.TensorView) -> Text:
     if view.histogram:
         top = max(view.histogram) or 1
         lo, hi = (views.fmt_number(e) for e in view.edges)
-        text.append(f"histogram of finite values, {lo} … {hi}\n", style="dim")
+        text.append(f"histogram of {view.histogram_of}, {lo} … {hi}\n", style="dim")
         for level in range(6, 0, -1):
             line = "".join("█" if c / top * 6 >= level else ("▄" if c / top * 6 >= level - 0.5 else " ")
                            for c in view.histogram)

@@ -48,7 +48,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("run", metavar="RUN", help="the recording")
     p.add_argument("where", metavar="WHERE", help="a step selector, or '*' for any step")
     p.add_argument("--when", metavar="EXPR", help="a condition over statistics: ROLE[.NAME].STAT OP NUMBER, joined "
-                   "with and/or/not (STAT: min max mean std absmax norm nan inf)")
+                   "with and/or/not (STAT: min max mean std absmax norm nan inf; a complex tensor's are of "
+                   "its magnitudes |z|)")
     p.add_argument("--from", dest="start", metavar="STEP", help="start after (or before, with --backward) this step: "
                    + STEP_HELP)
     p.add_argument("--backward", action="store_true", help="search towards the start of the run")
@@ -128,7 +129,8 @@ def bisect(args: argparse.Namespace) -> int:
             print(f"    {fwd['code']}")
         for i, t in enumerate(op.inputs):
             st = t.get("stats") or {}
-            print(f"  {op.name}'s input {i}: {t['dtype']}{t['shape']} min {_num(st.get('min'))} "
+            of = " of |z|" if str(t["dtype"]).startswith("complex") else ""  # (as a complex tensor's statistics are)
+            print(f"  {op.name}'s input {i}: {t['dtype']}{t['shape']}{of} min {_num(st.get('min'))} "
                   f"max {_num(st.get('max'))} nan {_num(st.get('nan'))} inf {_num(st.get('inf'))}")
     if op_note:  # why no operation is named, or that the code named is not the recorded code
         print(op_note)

@@ -337,7 +337,7 @@ def info(args: argparse.Namespace) -> int:
         for index in flagged[:_ALERTS_LISTED]:
             step = rec.step(int(index))
             for alert in step.extra.get("alerts", []) or []:
-                print(f"  step {step.index} ({step.name}, iteration {step.iteration}): {alert_text(alert)}")
+                print(f"  step {step.index} ({step.name}, iteration {step.iteration}): {alert_text(alert, step)}")
         if len(flagged) > _ALERTS_LISTED:
             print(f"  ... and {len(flagged) - _ALERTS_LISTED} more steps (the TUI's a lists every one)")
     skips = doc["grad_scaler_skipped"]
@@ -591,6 +591,11 @@ def _outputs_table(diffs: list[Any]) -> None:
         if d.reason and not d.match:  # prose: wrapped to the terminal (a pipe gets it on one line)
             print(textwrap.fill(d.reason, width=max(40, columns - 1), initial_indent="    ", subsequent_indent="    ",
                                 break_on_hyphens=False))
+    from replayer.recording import magnitudes_note
+
+    magnitudes = magnitudes_note([d.name for d in diffs if d.is_complex])
+    if magnitudes:
+        print(f"  ({magnitudes})")
 
 
 def _cut(name: str, width: int) -> str:

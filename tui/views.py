@@ -420,7 +420,7 @@ def step_view(step: Step) -> StepView:
     if isinstance(exc, dict):
         notes.append(f"exception: {exc.get('type')}: {exc.get('message')}")
     for alert in extra.get("alerts", []) or []:
-        notes.append(alert_text(alert))
+        notes.append(alert_text(alert, step))
     for note in extra.get("notes", []) or []:
         notes.append(str(note))
     return StepView(describe(step).split(": ", 1)[1], step.paper.get("description"), step.status,
@@ -587,6 +587,20 @@ def _fmt_value(x: float) -> str:
     return "nan" if math.isnan(x) else fmt_number(x)
 
 
+def _fmt_element(x: Any) -> str:
+    """A tensor element; a complex one with its real and imaginary parts ("0.5-1.25j")."""
+    if not isinstance(x, (complex, np.complexfloating)):
+        return _fmt_value(float(x))
+    negative = x.imag < 0 or (x.imag == 0 and math.copysign(1.0, x.imag) < 0)
+    return f"{_fmt_value(float(x.real))}{'-' if negative else '+'}{_fmt_value(abs(float(x.imag)))}j"
+
+
+def value_width(dtype: str) -> int:
+    """Columns one element takes in the inspector's slice, its separator included: a complex one shows
+    two numbers."""
+    return 22 if dtype.startswith("complex") else 11
+
+
 def fmt_number(x: float | None) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
@@ -612,6 +626,7 @@ class TensorView:
     start: int = 0  # the first element shown (the asked start, kept within the tensor)
     size: int = 0  # elements in the tensor (0 without a payload)
     series_at: int = -1  # this step's place in ``series``
+    histogram_of: str = "finite values"  # what the histogram counts (a complex tensor's: magnitudes)
 
 
 def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int = 8, stat: str = "absmax",
@@ -628,33 +643,46 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
     values: list[str] = []
     note = None
     begin = 0
+    complex_ = record.dtype.startswith("complex")
     if record.has_payload:
         flat = rec.rank.tensor(record).detach().reshape(-1)
-        data = flat.double().numpy() if flat.is_floating_point() or flat.dtype == np.bool_ else flat.numpy()
-        finite = data[np.isfinite(data)] if data.dtype.kind == "f" else data
+        if flat.is_complex():  # (complex32 has no numpy dtype)
+            data = flat.cdouble().numpy()
+            # its histogram is of its magnitudes, as its statistics are: in its own precision, NaN and Inf left out
+            counted = flat.abs().double().numpy()
+        else:
+            data = flat.double().numpy() if flat.is_floating_point() or flat.dtype == np.bool_ else flat.numpy()
+            counted = data
+        finite = counted[np.isfinite(counted)] if counted.dtype.kind == "f" else counted
         if len(finite):
             counts, e = np.histogram(finite, bins=bins)
             histogram, edges = counts.tolist(), (float(e[0]), float(e[-1]))
         width = max(1, per_row)
+        column = value_width(record.dtype) - 1
         begin = max(0, min(start, len(data) - 1))  # past the end: the last element
         chunk = data[begin:begin + rows * width]
         for k in range(0, len(chunk), width):
-            values.append(f"{begin + k:>8}: " + " ".join(f"{_fmt_value(float(v)):>10}" for v in chunk[k:k + width]))
+            values.append(f"{begin + k:>8}: " + " ".join(f"{_fmt_element(v):>{column}}" for v in chunk[k:k + width]))
         slice_text = f"elements {begin}..{begin + len(chunk) - 1} of {len(data)} (flattened)" if len(data) else \
             "no elements"
-        if record.dtype.startswith("complex"):
-            note = "complex values: their real parts are shown"
-        elif len(data) and not len(finite):
+        if len(data) and not len(finite):
             note = "no finite values: no histogram"
     else:
         slice_text = "statistics only (no payload recorded)"
+    if complex_ and record.has_payload:  # what the numbers on this screen are of, as the step pane's and a watch's
+        note = ("complex values: the histogram and the statistics are of their magnitudes |z|; the values shown "
+                "are real and imaginary parts" + (f" ({note})" if note else ""))
+    elif complex_:
+        note = "complex values: the statistics are of their magnitudes |z|"
     series, series_at = _series(rec, step, record, stat)
     expected = None
     for watch in step.extra.get("watches", []) or []:
         if watch.get("name") == name and watch.get("expected_range"):
             expected = _stat_bounds(stat, *watch["expected_range"])
     size = math.prod(record.shape) if record.has_payload else 0
-    return TensorView(title, histogram, edges, values, slice_text, series, stat, expected, note, begin, size, series_at)
+    shown = f"{stat} of |z|" if complex_ and stat not in ("nan", "inf") else stat
+    return TensorView(title, histogram, edges, values, slice_text, series, shown, expected, note, begin, size,
+                      series_at, "the finite values' magnitudes |z|" if complex_ else "finite values")
 
 
 def _stat_bounds(stat: str, lo: float, hi: float) -> tuple[float, float] | None:
@@ -756,7 +784,7 @@ def alerts(rec: Recording, limit: int = 500) -> list[AlertRow]:
             exc = step.extra.get("exception") or {}
             out.append(AlertRow(step.index, "exception", f"{describe(step)}: {exc.get('type')}: {exc.get('message')}"))
         for alert in step.extra.get("alerts", []) or []:
-            out.append(AlertRow(step.index, "alert", f"{describe(step)}: {alert_text(alert)}"))
+            out.append(AlertRow(step.index, "alert", f"{describe(step)}: {alert_text(alert, step)}"))
     return out
 
 

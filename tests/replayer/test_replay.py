@@ -3194,6 +3194,31 @@ def test_nan_that_differs_is_said_to_differ_not_measured(capsys: pytest.CaptureF
     assert row.split()[-2:] == ["-", "-"], table
 
 
+def test_complex_nan_that_differs_is_counted_by_element(capsys: pytest.CaptureFixture[str]) -> None:
+    """A complex NaN is one value, as the statistics and ``mismatched`` count it: the reason said
+    "4 values NaN" for 2 NaN elements (each real and imaginary part counted), and "2 values finite in
+    both differ" for one element whose two parts differ. The table says its statistics are of |z|."""
+    from recorder.stats import host_stats
+    from replayer.compare import compare, stats_dict
+    from tui.cmd_replay import _outputs_table
+
+    nan = complex(float("nan"), float("nan"))
+    recorded = torch.tensor([nan, nan, 1 + 1j, 2 + 2j, complex(float("inf"), float("nan"))], dtype=torch.complex64)
+    replayed = torch.tensor([1 + 0j, 1 + 0j, 1.5 + 1.5j, 2 + 2j, 0j], dtype=torch.complex64)
+    diff = compare("output", "output", recorded, replayed)
+    assert stats_dict(host_stats(recorded))["nan"] == 2 and diff.mismatched == 4
+    assert diff.reason == ("NaN/Inf positions differ: 2 values NaN in the recording and not in the replay, 1 value Inf "
+                           "in one and not the same value in the other; 1 value finite in both differs too, by at "
+                           "most 0.5 (rel 0.5)"), diff.reason
+    moved = recorded.clone()
+    torch.view_as_real(moved)[0, 1] = 3.0  # one part of a NaN made finite: the element is NaN in both still
+    bits = compare("output", "output", recorded, moved)
+    assert bits.mismatched == 1 and bits.reason == ("NaN bits differ: 1 value NaN in both whose bits differ (sign or "
+                                                    "payload)"), bits.reason
+    _outputs_table([diff, compare("args.0", "input", torch.ones(2), torch.ones(2))])
+    assert "(the statistics of complex output are of magnitudes |z|)" in capsys.readouterr().out
+
+
 _CFG_SCRIPT = '''"""Classifier-free guidance label dropping that draws from module-level generator objects."""
 import sys
 import numpy as np, torch

@@ -1226,3 +1226,56 @@ def test_the_step_pane_shows_numpy_values_and_their_nan(tmp_path: Path) -> None:
             assert "ndarray float64[4] [0, nan, 0, 0] (1 NaN)" in " ".join(text.split()), text
 
     asyncio.run(main())
+
+
+@recorder.paper_step("Eq. 6", description="phase-only spectrum, scaled")
+def phase_gain(xf: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    recorder.watch(xf, "xf", expected_range=(-5.0, 5.0), expected_mean=(0.0, 0.5))
+    return xf / xf.abs() * gain  # 0 / 0 at a zero mode: NaN + NaN j
+
+
+def test_a_complex_tensor_with_nan_is_inspected_by_its_magnitudes(tmp_path: Path) -> None:
+    """The inspector of a complex tensor holding NaN killed the app (np.histogram of NaN: only real
+    data had its NaN left out). It showed real parts while the step pane's statistics and watch()'s
+    checks are of magnitudes, which nothing but docs/FORMAT.md said: the histogram, the step pane and
+    the watch's alerts are now of |z| and say so, and the values show both parts."""
+    path = tmp_path / "spectrum.zarr"
+    xf = torch.tensor([3 + 4j, 0j, -6 + 8j, 0.5j], dtype=torch.complex64)
+    with recorder.record(path, mode="full"):
+        phase_gain(xf, torch.tensor([1.0, 2.0, 4.0, 8.0]))
+    rec = replayer.open(path)
+    step = rec.step(0)
+    out = next(r for r in step.records if r.name == "output")
+    view = views.tensor_view(step, "output", "output")
+    assert view.edges == (out.stats["min"], out.stats["max"]) == (1.0, 8.0) and sum(view.histogram) == 3
+    watched = [row.text for row in views.alerts(rec) if row.kind == "alert"]
+    assert watched == ["step 0: Eq. 6 · phase_gain · forward · iteration 0 · call 0: watch xf: range of |z| expected "
+                       "[-5.0, 5.0], got [0.0, 10.0]",
+                       "step 0: Eq. 6 · phase_gain · forward · iteration 0 · call 0: watch xf: mean of |z| expected "
+                       "[0.0, 0.5], got 3.875"], watched
+    from replayer import notebook
+
+    assert "the statistics of complex args.0, output, xf are of magnitudes |z|" in notebook.step(step)
+
+    async def main() -> None:
+        app = PdbgApp(rec)
+        async with app.run_test(size=(150, 40)) as pilot:
+            await pilot.pause()
+            text = " ".join(pane(app).plain().split())
+            assert "the statistics of complex args.0, output, xf are of magnitudes |z|" in text, text
+            assert "watch xf: range of |z| expected [-5.0, 5.0]" in text, text
+            await pilot.press("tab")
+            for _ in range(len(step.records)):
+                if pane(app).tensor().name == "output":
+                    break
+                await pilot.press("down")
+            await pilot.press("enter")
+            await pilot.pause()
+            assert isinstance(app.screen, Inspector) and app.screen.per_row == 5
+            page = str(app.screen.query_one("#page", Static).render())
+            assert "histogram of the finite values' magnitudes |z|, 1 … 8" in page, page
+            assert "complex values: the histogram and the statistics are of their magnitudes |z|" in page, page
+            assert "0: 0.6+0.8j nan+nanj -2.4+3.2j 0+8j" in " ".join(page.split()), page
+            assert "absmax of |z| in iteration 0" in page, page
+
+    asyncio.run(main())
