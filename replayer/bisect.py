@@ -18,7 +18,10 @@ iteration went non-finite: a padding mask, which a batch without padding does no
 (``_Kinds.masks``). Inf at every call (of a call number) is a mask's only where it covers part of its
 tensor, or, filling one, where the step's first call held it too (a -inf initial maximum): a
 division by 0 outside the steps that fills the input of an eval loop's call at each iteration the
-loop runs came in, however often it runs (``_Kinds.shaped``).
+loop runs came in, however often it runs (``_Kinds.shaped``). A mask's Inf is harmless only while nothing
+non-finite comes of it: a step that kept it out of its results at earlier calls and passes it on at a later
+one (``_Kinds.harmed``), or whose results go non-finite from a recorded step's output holding it, is the
+origin there, with the step that made the Inf (``Origin.source``).
 """
 
 from __future__ import annotations
@@ -147,13 +150,35 @@ def find_op(origin: Origin, step: Step, *, use_bundled_source: bool = False,
     where there is none, or the step cannot be replayed, ``origin.op_note`` says so (the step-level
     answer stands either way). ``use_bundled_source``: a bundle's step replays with the code it carries;
     ``script``: where the training script is now, if it moved."""
+    _find_step_op(origin, step, use_bundled_source=use_bundled_source, script=script)
+    if origin.source is not None and origin.step is step:
+        _find_source_op(origin, use_bundled_source=use_bundled_source, script=script)
+
+
+def _find_source_op(origin: Origin, *, use_bundled_source: bool, script: str | os.PathLike[str] | None) -> None:
+    """``find_op`` of a harm origin: the operation inside ``origin.source`` that made the mask's Inf the origin
+    passed on, into ``origin.source_op``; where the source step cannot be replayed, ``op_note`` says so."""
+    from .ops import bisect_ops
+
+    source = origin.source
+    assert source is not None
+    try:
+        origin.source_op = bisect_ops(source.rec, source, use_bundled_source=use_bundled_source, script=script)
+    except ReplayError as exc:
+        why = f"the operation of step {source.index} that made the Inf the origin passed on is not named: {exc}"
+        origin.op_note = f"{origin.op_note}; {why}" if origin.op_note else why
+
+
+def _find_step_op(origin: Origin, step: Step, *, use_bundled_source: bool,
+                  script: str | os.PathLike[str] | None) -> None:
     from .ops import bisect_ops
 
     notes: list[str] = []
     replayed: list[Any] = []
+    harm = origin.step is step and (origin.kept is not None or origin.source is not None)
     try:
         origin.op = bisect_ops(step.rec, step, use_bundled_source=use_bundled_source, notes=notes, script=script,
-                               replayed=replayed)
+                               replayed=replayed, passed=harm, kept=origin.kept if harm else None)
     except ReplayError as exc:
         origin.op_note = f"operation-level bisection needs a replay, and this step cannot be replayed: {exc}"
         return
@@ -212,6 +237,12 @@ class Origin:
     # Where no recorded step holds NaN/Inf but the run ended by an exception that speaks of one (a loss
     # guard raising FloatingPointError before backward): that exception, made outside the recorded steps.
     ended_by: str | None = None
+    # Where the origin passed on a mask's Inf (one its earlier calls, ``kept`` the last, kept out of their results,
+    # or that it took from a recorded step's output): the step that made that Inf, if found (``_mask_source``), and
+    # with ops=True the operation inside it that did (``source_op``, replayer.ops.OpReport)
+    source: Step | None = None
+    kept: Step | None = None
+    source_op: Any = None
 
     @property
     def found(self) -> bool:
@@ -229,10 +260,12 @@ class Origin:
         return None if first is None else first.rec.rank.rank
 
     def to_json(self) -> dict[str, Any]:
-        """``pdbg bisect --json``: {"origin", "cause", "op", "spread", "entered", "ended_by", "rank",
-        "other_ranks"}."""
+        """``pdbg bisect --json``: {"origin", "cause", "op", "source", "source_op", "spread", "entered",
+        "ended_by", "rank", "other_ranks"}."""
         return {"origin": self.step.to_json() if self.step else None, "cause": self.cause,
                 "op": self.op.to_json() if self.op is not None else None,
+                "source": self.source.to_json() if self.source is not None else None,
+                "source_op": self.source_op.to_json() if self.source_op is not None else None,
                 "spread": [s.to_json() for s in self.spread],
                 "entered": self.entered.to_json() if self.entered else None, "ended_by": self.ended_by,
                 "rank": self.rank,
@@ -375,9 +408,10 @@ class _Kinds:
     whole_result: np.ndarray
     whole_given: np.ndarray
     _groups: dict[bool, np.ndarray] | None = None
-    _absorbed_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    _absorbed_cache: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
     _iterations: np.ndarray | None = None  # per step, the number of its iteration among the recording's
     _passes: np.ndarray | None = None  # per step, the row of the outermost step enclosing it (``passes``)
+    _harmed: np.ndarray | None = None  # (``harmed``, once flags no longer change: after GradScaler's are set aside)
 
     @classmethod
     def of(cls, rec: Recording) -> _Kinds:
@@ -544,7 +578,31 @@ class _Kinds:
         if not self.result.any():
             return np.zeros(len(self.result), dtype=bool)
         passed = self.result & ~self.nan_result & self.given & ~self.nan_given
-        return self.masks() | (passed & self.takes_mask())
+        return self.masks() | (passed & self.takes_mask() & ~self.harmed())
+
+    def harmed(self) -> np.ndarray:
+        """Per step: Inf (no NaN) in its results from Inf it took as a mask's (``takes_mask``), at a call where an
+        earlier call of the step (its call number) took Inf and kept its results finite, and that nothing after
+        it kept from going further (``_absorbed``). A mask's Inf is harmless only while nothing non-finite comes
+        of it: this is where something first did (a GCN's deg^-1/2, Inf at the isolated nodes of every batch,
+        that an edge leaving such a node carries into the aggregation), an origin, no Inf the model means. (Where
+        it makes NaN of it, ``nan_made`` holds.)"""
+        if self._harmed is None:
+            passed = self.result & ~self.nan_result & self.given & ~self.nan_given
+            if passed.any():
+                passed &= self.takes_mask()
+            if passed.any():
+                passed &= self._earlier(self.given & ~self.result) & ~self._absorbed()[3]
+            self._harmed = passed
+        return self._harmed
+
+    def kept_before(self, index: int) -> int | None:
+        """The last earlier call of step ``index`` (its call number; any, where a call is alone with its number)
+        that took Inf and kept its results finite (``harmed``)."""
+        group, step = self.groups(), self.groups(by_call=False)
+        g = step if int(np.count_nonzero(group == group[index])) == 1 else group
+        held = np.flatnonzero((g[:index] == g[index]) & self.given[:index] & ~self.result[:index])
+        return int(held[-1]) if len(held) else None
 
     def _later_in_iteration(self, held: np.ndarray) -> np.ndarray:
         """Per step: ``held`` holds at a later step of its iteration."""
@@ -571,22 +629,23 @@ class _Kinds:
         alone = np.bincount(group)[group] == 1
         return np.where(alone, before(step), before(group))
 
-    def _absorbed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(made, taken, made before), per step: Inf without NaN on part of a tensor (a -inf padding mask) made
+    def _absorbed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(made, taken, made before, kept), per step: Inf without NaN on part of a tensor (a -inf padding mask) made
         from finite inputs by a forward step, or taken, and absorbed: a step kept such Inf out of its results
         (it, a later step of its iteration, or a step enclosing it), and nothing non-finite came of it: no later
         step of its iteration nor a step enclosing it held NaN or other non-finite results (Inf on part of a
         forward step's results is another mask; Inf meant at every call is meant), and no backward step of
         that iteration did. ``taken`` holds where it took such Inf at a call where it was absorbed or at an
         earlier call of the step where it was; ``made before``: Inf made so where the step's Inf was absorbed
-        at an earlier call (``masks`` says when that is a mask's). Computed once, after ``_first_on_rank``
-        sets aside what GradScaler handled."""
+        at an earlier call (``masks`` says when that is a mask's); ``kept``: whatever Inf the step held was
+        absorbed so (``harmed`` asks it of Inf passed on). Computed once, after ``_first_on_rank`` sets aside
+        what GradScaler handled."""
         if self._absorbed_cache is not None:
             return self._absorbed_cache
         n = len(self.result)
         none = np.zeros(n, dtype=bool)
         if not n or not _inf_alone(self.result, self.nan_result, self.given, self.nan_given):
-            self._absorbed_cache = (none, none, none)
+            self._absorbed_cache = (none, none, none, none)
             return self._absorbed_cache
         rec = self.rec
         phase, parent = _column(rec, "phase"), _column(rec, "parent").astype(np.int64)
@@ -611,7 +670,7 @@ class _Kinds:
         made = part & ~self.given & (phase == 0)
         made_here, took_here = made & clean, took & clean & ~self.nan_result & ~self.whole_result
         self._absorbed_cache = (made_here, took_here | (took & self._earlier(took_here)),
-                                made & self._earlier(made_here))
+                                made & self._earlier(made_here), clean)
         return self._absorbed_cache
 
 
@@ -742,7 +801,9 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     made at every call, or on part of a tensor with nothing non-finite coming of it). A value that came
     non-finite from outside every step (the data, an optimizer update, or, into a backward step through a
     graph of gradients, a gradient penalty computed in the loop) is ``entered``, even where that step turns
-    its Inf into NaN; Inf that only passes through the steps that take it (a mask) is no origin at all."""
+    its Inf into NaN; Inf that only passes through the steps that take it (a mask) is no origin at all, until
+    one passes it on where its earlier calls kept it out (``_Kinds.harmed``), or the first step it came into
+    took it from a recorded step's output (``_producer``): a mask's Inf that did harm there."""
     n = len(rec)
     if not n:
         return Origin(None, "no steps recorded")
@@ -757,6 +818,8 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     inf_made = k.result & ~k.nan_result & ~k.given  # Inf (only) from finite inputs
     if inf_made.any():
         made |= inf_made & ~k.masks()
+    harmed = k.harmed()  # a mask's Inf passed on where the step's earlier calls kept it out
+    made |= harmed
     through = _through_gradients(rec, made)  # came in by a graph of gradients: where it entered
     made &= ~through
     if made.any():  # after NaN/Inf came into a step and went on, one made only as far as recorded is no origin
@@ -770,15 +833,25 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         given = [r.name + (" from another rank" if r.name in received else "") for r in _own_inputs(step)
                  if r.nonfinite and _call_of(r.name) not in sent]
         given += [f.text() for f in _values(_own_nonfinite(rec, step)[0], "args")]
+        kept = k.kept_before(index) if harmed[index] else None
         how = ("at every call, as a -inf mask does" if k.habit_takes()[index] else
-               "on part of a tensor, as a -inf mask does, that its earlier calls kept out of their results")
+               "on part of a tensor, as a -inf mask does, that its earlier calls kept out of their results"
+               if kept is None else "on part of a tensor, as a -inf mask does")
         source = (f"from inputs holding Inf {how}, but no NaN ({', '.join(given[:3])})" if given
                   else _finite_inputs(step, "NaN" if k.nan_result[index] else "Inf"))
         if sent:
             source += f", and sent them to the other ranks through its {', '.join(sent)}"
+        maker = None
+        if kept is not None:
+            earlier = rec.step(kept)
+            maker = _mask_source(rec, k, step)
+            source += (f", which its earlier calls kept out of their results (the last: step {kept}, iteration "
+                       f"{earlier.iteration}): the first result that mask's Inf made non-finite"
+                       + _source_text(k, maker))
         origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} {source}"
                         + _not_overflow_note(step, not_overflows), _after(rec, index, went, spread),
-                        followed=int(went[index + 1:].sum()))
+                        followed=int(went[index + 1:].sum()), source=maker,
+                        kept=rec.step(kept) if kept is not None else None)
         if ops:
             find_op(origin, step)
         return origin
@@ -805,12 +878,101 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
                             "is)")
     index = int(np.flatnonzero(came)[0])
     step = rec.step(index)
+    taken = _producer(rec, step, k.result) if not through[index] and not k.nan_given[index] and \
+        _took_in_inputs(rec, step) else None
+    if taken is not None:  # a mask's Inf that a recorded step's output held: it did harm here, it did not come in
+        record, producer = taken
+        maker = _mask_source(rec, k, step)
+        what = _nonfinite_text(step, layout_results(step.phase)) or ["non-finite results"]
+        origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} from its input {record.name} "
+                              f"({_counts(record)}), the output of {describe(producer)}, which holds it as a mask's "
+                              "Inf: the first result that Inf made non-finite" + _source_text(k, maker, producer)
+                        + _not_overflow_note(step, not_overflows), _after(rec, index, went, spread),
+                        followed=int(went[index + 1:].sum()), source=maker)
+        if ops:
+            find_op(origin, step)
+        return origin
     origin = Origin(None, _entered_cause(rec, step) + _not_overflow_note(step, not_overflows),
                     _after(rec, index, went, spread, inclusive=True), entered=step,
                     followed=int(went[index + 1:].sum()))
     if ops:
         origin.op_note = entered_op_note(origin)
     return origin
+
+
+_SOURCE_SEARCH = 1000  # steps searched back for the one whose output a step's non-finite input is
+
+
+def _producer(rec: Recording, step: Step, result: np.ndarray) -> tuple[TensorRecord, Step] | None:
+    """The first non-finite input of a forward step (of a backward step's forward) that is the output of an
+    earlier forward step of its iteration (``result``: steps whose results held NaN or Inf), and that step:
+    one that finished before the call began (none enclosing it), whose output record has the same dtype and
+    shape, and the same bytes where both kept them (payloads are stored once per content: the same row),
+    else the same statistics. Searched back from the step, ``_SOURCE_SEARCH`` steps at most."""
+    source = step if step.phase == "forward" else rec.step(step.forward) if step.forward is not None else None
+    wanted = [r for r in source.records if r.role == "input" and r.nonfinite] if source is not None else []
+    if source is None or not wanted:
+        return None
+    iteration, parent = _column(rec, "iteration"), _column(rec, "parent")
+    enclosing, up = set(), int(parent[source.index])
+    while 0 <= up < len(parent):
+        enclosing.add(up)
+        up = int(parent[up])
+    for k in range(source.index - 1, max(source.index - _SOURCE_SEARCH, 0) - 1, -1):
+        if iteration[k] != iteration[source.index]:
+            break
+        if not result[k] or k in enclosing:
+            continue
+        candidate = rec.step(k)
+        if candidate.phase != "forward":
+            continue
+        for out in candidate.records:
+            if out.role == "output" and out.nonfinite:
+                for r in wanted:
+                    if _same_tensor(r, out):
+                        return r, candidate
+    return None
+
+
+def _took_in_inputs(rec: Recording, step: Step) -> bool:
+    """Whether the NaN/Inf a step took was in its (its forward's) input records alone: no parameter or buffer
+    (the optimizer's), grad output (the loss's) or collective result (another rank's) held any."""
+    source = step if step.phase == "forward" else rec.step(step.forward) if step.forward is not None else step
+    roles = ("param", "buffer", "collective", "grad_output")
+    return not any(r.role in roles and r.nonfinite for s in {source.index: source, step.index: step}.values()
+                   for r in s.records)
+
+
+def _same_tensor(a: TensorRecord, b: TensorRecord) -> bool:
+    """Whether two records hold the same values, as far as recorded (``_producer``)."""
+    if (a.dtype, a.shape) != (b.dtype, b.shape):
+        return False
+    if a.has_payload and b.has_payload:
+        return a.payload == b.payload
+    return all(x == y or (x != x and y != y) for x, y in zip(a.stats.values(), b.stats.values(), strict=True))
+
+
+def _mask_source(rec: Recording, k: _Kinds, step: Step) -> Step | None:
+    """The step that made the mask's Inf ``step`` took: the step whose output its input was, or, where that
+    step only passed it on (it took Inf too), the one whose output that step's input was, and so on."""
+    found = _producer(rec, step, k.result)
+    for _ in range(10):  # (a chain of steps passing a mask on is short)
+        if found is None or not k.given[found[1].index]:
+            break
+        further = _producer(rec, found[1], k.result)
+        if further is None:
+            break
+        found = further
+    return found[1] if found is not None else None
+
+
+def _source_text(k: _Kinds, maker: Step | None, producer: Step | None = None) -> str:
+    """What a harm origin's cause says of the step that made the mask's Inf it took (``_mask_source``)."""
+    if maker is None or (producer is not None and maker.index == producer.index):
+        return ""
+    how = ("holds Inf at every call" if k.habit_masks()[maker.index] else "made it from finite inputs"
+           if not k.given[maker.index] else "passed it on")
+    return f"; the Inf came from the output of {describe(maker)}, which {how}"
 
 
 def _finite_inputs(step: Step, made: str) -> str:

@@ -314,7 +314,9 @@ def origin(o: Origin) -> str:
             ("entered at", step_ref(o.entered) if o.entered is not None else None),
             ("description", s.paper.get("description") if s is not None else None),
             ("module path", code(s.module_path) if s is not None and s.module_path else None),
-            ("cause", o.cause), ("rank", o.rank if o.others else None), *_operation(o)]
+            ("cause", o.cause), ("rank", o.rank if o.others else None), *_operation(o),
+            ("mask's Inf from", step_ref(o.source) if o.source is not None else None),
+            ("made by", code(o.source_op.where()) if o.source_op is not None else None)]
     others = [f"rank {r}: {x.cause}" for r, x in sorted(o.others.items())]
     title = "First non-finite value: origin" if o.step is not None else \
         "First non-finite value: it came from outside every recorded step"

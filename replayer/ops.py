@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 import recorder
 from recorder import stats as stats_mod
+from recorder.errors import ReplayError
 
 from .bisect import layout_results
 from .compare import stats_dict
@@ -76,6 +77,10 @@ class OpReport:
     # backward of a custom autograd.Function: file, line, function and code are in its backward, and this
     # is {"file", "line", "function", "code"} of the forward line that made the node (None elsewhere)
     forward: dict[str, Any] | None = None
+    # made "passed": the step passed on a mask's Inf it took, and this is the first operation whose output held it
+    # where, at the earlier call of the step that kept it out of its results ({"step", "iteration", "call"}), the
+    # same operation's output was finite (None: no such call was replayed; the first operation whose output held it)
+    finite_at: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc = self._json()
@@ -86,7 +91,7 @@ class OpReport:
         return {"name": self.name, "file": self.file, "line": self.line, "code": self.code,
                 "function": self.function, "overload": self.overload, "phase": self.phase, "node": self.node,
                 "index": self.index, "inputs": self.inputs, "outputs": self.outputs, "made": self.made,
-                "forward": self.forward}
+                "forward": self.forward, "finite_at": self.finite_at}
 
     def how(self) -> str | None:
         """How this operation made the step's first NaN/Inf, when not from finite inputs (``made``)."""
@@ -96,6 +101,14 @@ class OpReport:
         if self.made == "inf":
             by = "the step's forward" if self.inf_from.phase != self.phase else "an earlier operation of the step"
             return f"{self.name} made NaN of an Inf (inf - inf, 0 * inf) that {by} made: {self.inf_from.where()}"
+        if self.made == "passed" and self.finite_at is not None:
+            at = self.finite_at
+            return (f"no operation made an Inf from finite values: {self.name} passed on the mask's Inf the step took, "
+                    f"its output holding Inf where that of the same operation was finite at step {at['step']} "
+                    f"(iteration {at['iteration']}, call {at['call']}), which kept the Inf out of its results")
+        if self.made == "passed":
+            return (f"no operation made an Inf from finite values: {self.name} is the first whose output held the "
+                    "mask's Inf the step took")
         if self.made == "outside":
             return ("no operation of torch's made the NaN: it came into them from outside, in data that code outside "
                     "torch's operators (numpy code in the step) computed, made a tensor at this line; torch's "
@@ -224,9 +237,15 @@ class _Finder(TorchDispatchMode):
     the end (a backward step's forward, whose Inf the backward may take from saved tensors).
     ``earlier``: the forward's finder of a backward step, which knows where the forward's Inf came from."""
 
-    def __init__(self, phase: str, *, nan: bool = False, whole: bool = False, earlier: _Finder | None = None) -> None:
+    def __init__(self, phase: str, *, nan: bool = False, whole: bool = False, earlier: _Finder | None = None,
+                 passed: bool = False, baseline: list[tuple[str, bool]] | None = None) -> None:
         super().__init__()
         self.phase, self.nan, self.whole, self.earlier = phase, nan, whole, earlier
+        # ``passed``: the step passed on a mask's Inf; look for the first operation whose output held non-finite
+        # values where that of the same operation (by position and overload) in ``baseline`` (``_Trace``: an
+        # earlier call that kept the Inf out of its results) did not, or any where there is no baseline to judge by
+        self.passed, self.baseline = passed, baseline
+        self.carried: OpReport | None = None
         self.found: OpReport | None = None  # the first that made NaN/Inf from finite inputs
         self.computed: OpReport | None = None  # the first that did so, not by writing an Inf of the code (a mask)
         self.first_nan: OpReport | None = None  # the first that made NaN: of finite values, or of Inf (made "inf")
@@ -239,7 +258,8 @@ class _Finder(TorchDispatchMode):
 
     @property
     def looking(self) -> bool:
-        return self.found is None or (self.nan and ((self.first_nan is None and self.computed is None) or self.whole))
+        return self.found is None or (self.nan and ((self.first_nan is None and self.computed is None) or self.whole)) \
+            or (self.passed and self.carried is None)
 
     @property
     def named(self) -> OpReport | None:
@@ -273,8 +293,22 @@ class _Finder(TorchDispatchMode):
             if any(_nonfinite(t) for t in outs):
                 self._judge(func, args, kwargs, outs,
                             before if before is not None else self._given(func, args, kwargs), infos)
+                if self.passed and self.carried is None and self._new_here(func):
+                    self.carried = self._report(func, args, kwargs, outs, infos)
+                    self.carried.made = "passed"
             self.count += 1
         return out
+
+    def _new_here(self, func: Any) -> bool:
+        """Whether the operation now run (non-finite output) was finite in ``baseline``, or the calls parted: from
+        the first operation that differs in overload, no position compares."""
+        if self.baseline is None:
+            return True
+        at = self.baseline[self.count] if self.count < len(self.baseline) else None
+        if at is None or at[0] != str(func):
+            self.baseline = None  # (the calls took other paths: the rest of the step is judged without it)
+            return True
+        return not at[1]
 
     def _judge(self, func: Any, args: Any, kwargs: Any, outs: list[torch.Tensor], given: list[_Given],
                infos: list[dict[str, Any]] | None) -> None:
@@ -365,9 +399,49 @@ class _Finder(TorchDispatchMode):
                         [_tensor_info(t) for t in outs], forward=forward)
 
 
+class _Trace(TorchDispatchMode):
+    """Per operation a step runs (but the lifts of constants, as ``_Finder`` counts them): its overload and whether
+    its output held non-finite values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, bool]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func not in _LIFTS:
+            self.ops.append((str(func), any(_nonfinite(t) for t in _checked(out))))
+        return out
+
+
+def _traced(rec: Recording, step: Step, *, threads: int | None, use_bundled_source: bool,
+            script: str | os.PathLike[str] | None) -> list[tuple[str, bool]] | None:
+    """``_Trace`` of a replay of ``step`` (its own phase), or None where it cannot be replayed."""
+    from .replay import Replayer
+
+    traces: list[_Trace] = []
+
+    @contextlib.contextmanager
+    def around(stage: str) -> Iterator[None]:
+        if stage != step.phase:
+            yield
+            return
+        with _Trace() as trace:
+            traces.append(trace)
+            yield
+
+    try:
+        Replayer(rec, script=script, use_bundled_source=use_bundled_source).replay(
+            step, threads=threads, nested=False, around=around)
+    except ReplayError:
+        return None
+    return traces[0].ops if traces else None
+
+
 def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bundled_source: bool = False,
                notes: list[str] | None = None, script: str | os.PathLike[str] | None = None,
-               replayed: list[Any] | None = None) -> OpReport | None:
+               replayed: list[Any] | None = None, passed: bool = False, kept: Step | None = None
+               ) -> OpReport | None:
     """Replay ``step`` operation by operation; the first that made NaN/Inf from finite inputs, or
     None when none did (the values then came from outside the step's operations); where the step's
     result holds NaN, the first that made NaN (of an Inf: ``made``, ``inf_from``) unless one computed
@@ -375,12 +449,19 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
     receives the replay's warnings that its code is not the recorded code (edited since); ``replayed``,
     the replay's ``ReplayResult``: where its results are not the recorded ones, the operation found is
     the replay's, not necessarily one the recorded call ran.
-    ``script``: where the training script is now, if it moved (as ``replayer.replay``'s)."""
+    ``script``: where the training script is now, if it moved (as ``replayer.replay``'s).
+    ``passed``: the step passed on a mask's Inf it took, its results holding Inf and no NaN (``first_nonfinite``'s
+    harm origin); where no operation made an Inf from finite values, the first whose output held it where, at
+    ``kept`` (an earlier call of the step that kept it out of its results, replayed too), the same one's was finite
+    is named (``made`` "passed")."""
     from .replay import Replayer
 
     finders: dict[str, _Finder] = {}
     results = layout_results(step.phase)
     nan = any(r.stats["nan"] for r in step.records if r.role in results)
+    passed = passed and not nan
+    baseline = _traced(rec, kept, threads=threads, use_bundled_source=use_bundled_source, script=script) \
+        if passed and kept is not None else None
 
     @contextlib.contextmanager
     def around(stage: str) -> Iterator[None]:
@@ -391,7 +472,9 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
                 # swaps the whole process's filters, from a TUI worker's thread too)
                 stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
             earlier = finders.get("forward") if stage != "forward" else None
-            finders[stage] = stack.enter_context(_Finder(stage, nan=nan, whole=stage != step.phase, earlier=earlier))
+            own = stage == step.phase
+            finders[stage] = stack.enter_context(_Finder(stage, nan=nan, whole=not own, earlier=earlier,
+                                                         passed=passed and own, baseline=baseline if own else None))
             yield
 
     result = Replayer(rec, script=script, use_bundled_source=use_bundled_source).replay(
@@ -409,6 +492,10 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
     if nan and forward is not None and forward.named is not None:
         forward.named.made = "forward"  # a NaN the forward made and hid, which the backward carried
         return forward.named
+    if passed and finder.found is None and finder.carried is not None:
+        if kept is not None and baseline is not None and finder.baseline is not None:
+            finder.carried.finite_at = {"step": kept.index, "iteration": kept.iteration, "call": kept.call}
+        return _first(finder.carried, finder.outside)
     if finder.found is None and forward is not None and forward.found is not None:
         forward.found.made = "forward"
         return forward.found

@@ -134,6 +134,12 @@ def bisect(args: argparse.Namespace) -> int:
                   f"max {_num(st.get('max'))} nan {_num(st.get('nan'))} inf {_num(st.get('inf'))}")
     if op_note:  # why no operation is named, or that the code named is not the recorded code
         print(op_note)
+    if origin.source_op is not None and origin.source is not None:  # where the mask's Inf it passed on was made
+        src = origin.source_op
+        print(f"the Inf it passed on: {src.name} in step {origin.source.index} ({origin.source.name})")
+        if src.file:
+            print(f"  {src.file}:{src.line}" + (f" in {src.function}" if src.function else ""))
+            print(f"    {src.code}")
     if origin.spread:
         print("then: " + "; ".join(f"step {s.index} {s.name}{f' at {s.module_path}' if s.module_path else ''} ("
                                    + ", ".join(p for p in (s.object_text, s.phase, f"iteration {s.iteration}") if p)

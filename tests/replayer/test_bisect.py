@@ -2236,3 +2236,164 @@ def test_nan_that_came_into_a_step_before_an_unrecorded_cache_argument_is_where_
     entered = origin.entered
     assert origin.step is None and entered is not None and entered.name == "cache_keys", origin.cause
     assert origin.cause.startswith(f"input args.0 of step {entered.index}: Eq. 13 · cache_keys · forward"), origin.cause
+
+@recorder.paper_step("Eq. 2", description="d_i^-1/2 from in-degrees: Inf at a node no edge enters")
+def _gcn_norm(edge_index: torch.Tensor, n: int) -> torch.Tensor:
+    deg = torch.zeros(n).index_add_(0, edge_index[1], torch.ones(edge_index.shape[1]))
+    return deg.pow(-0.5)
+
+
+@recorder.paper_step("Eq. 3", description="h_i = sum_j d_i^-1/2 d_j^-1/2 x_j W")
+class _Propagate(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor, dinv: torch.Tensor) -> torch.Tensor:
+        src, dst = edge_index
+        h = self.lin(x)
+        w = dinv[src] * dinv[dst]
+        return torch.zeros_like(h).index_add_(0, dst, h[src] * w[:, None])
+
+
+@recorder.paper_step("Eq. 9", description="an evaluation readout: node features scaled by d_i^-1/2")
+def _scaled_readout(x: torch.Tensor, dinv: torch.Tensor) -> torch.Tensor:
+    return x * dinv[:, None]
+
+
+def record_gcn(path: Path, bad_at: int, modules: list[str] | None = None, readout_at: int = -1,
+               on_anomaly: str = "record") -> None:
+    """A PyG-style GCN on sampled subgraphs of 8 nodes whose nodes 6 and 7 no edge enters: _gcn_norm holds Inf at
+    every call, harmless while no edge leaves them. At iteration ``bad_at`` an edge leaves node 7 (its Inf reaches
+    an edge weight, the loss goes NaN, and a loss guard ends the run); at ``readout_at`` an evaluation readout,
+    called then only, scales the features by the norm itself (and the run ends there)."""
+    torch.manual_seed(0)
+    prop, head = _Propagate(4), torch.nn.Linear(4, 2)
+    model = torch.nn.ModuleDict({"prop": prop, "head": head})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with recorder.record(path, model=model, optimizer=opt, modules=modules, on_anomaly=on_anomaly):
+        for it in range(7):
+            a, b = torch.randint(0, 6, (10,), generator=g), torch.randint(0, 6, (10,), generator=g)
+            src, dst = torch.cat([a, b]), torch.cat([b, a])
+            if it == bad_at:
+                src, dst = torch.cat([src, torch.tensor([7])]), torch.cat([dst, torch.tensor([0])])
+            ei = torch.stack([src, dst])
+            x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+            dinv = _gcn_norm(ei, 8)
+            if it == readout_at:
+                with torch.no_grad():
+                    if not torch.isfinite(_scaled_readout(prop(x, ei, dinv), dinv)).all():
+                        raise FloatingPointError(f"readout is not finite at iteration {it}")
+            loss = torch.nn.functional.cross_entropy(head(prop(x, ei, dinv)), y)
+            if loss.isnan():
+                raise FloatingPointError(f"loss is nan at iteration {it}")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+@pytest.mark.parametrize("modules", [None, ["head"]])
+def test_a_mask_inf_held_at_every_call_that_a_later_call_passes_on_is_the_origin_there(
+        tmp_path: Path, modules: list[str] | None) -> None:
+    """_gcn_norm's deg^-1/2 is Inf at the isolated nodes of every batch, and _Propagate took it at every call,
+    keeping it out of its result until an edge left an isolated node at iteration 4: its output held Inf, the loss
+    went NaN. Inf taken at every call was a mask's wherever it went: bisect said "no NaN recorded" and exited 0,
+    info named no origin; with the head recorded, it said the head's input "came non-finite from code outside
+    every recorded step", though it was _Propagate's output. A mask's Inf is harmless only while nothing
+    non-finite comes of it: _Propagate at iteration 4 is the origin, down to the gather of the norm that let it
+    through, and _gcn_norm's pow is named as where its Inf was made."""
+    path = tmp_path / "gcn.zarr"
+    with pytest.raises(FloatingPointError, match="loss is nan at iteration 4"):
+        record_gcn(path, bad_at=4, modules=modules)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    step = origin.step
+    assert step is not None, origin.cause
+    assert (step.name, step.phase, step.iteration) == ("_Propagate", "forward", 4), origin.cause
+    norm = rec.step("_gcn_norm@iter=4")
+    assert origin.source is not None and origin.source.index == norm.index, origin.cause
+    kept = rec.step("_Propagate@iter=3")
+    assert origin.kept is not None and origin.kept.index == kept.index
+    assert "from inputs holding Inf at every call, as a -inf mask does, but no NaN (args.2), which its earlier " \
+           f"calls kept out of their results (the last: step {kept.index}, iteration 3): the first result that " \
+           f"mask's Inf made non-finite; the Inf came from the output of step {norm.index}: Eq. 2 · _gcn_norm · " \
+           "forward · iteration 4 · call 0, which holds Inf at every call" in origin.cause, origin.cause
+    op = origin.op
+    assert op is not None and (op.name, op.made) == ("aten::index", "passed"), origin.op_note
+    assert op.line == line_of(_Propagate.forward, "w = dinv[src] * dinv[dst]")
+    assert op.finite_at == {"step": kept.index, "iteration": 3, "call": 0}
+    assert origin.source_op is not None and origin.source_op.name == "aten::pow"
+    assert origin.source_op.line == line_of(_gcn_norm, "deg.pow(-0.5)")
+    meant = bisect_mod.meant_inf(rec)
+    assert not meant[step.index] and meant[[s.index for s in rec.steps.filter(name="_gcn_norm")]].all()
+
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert res.returncode == 1 and res.stdout.startswith("origin: Eq. 3 · _Propagate · prop · forward · iteration 4"), \
+        res.stdout
+    assert "from code outside every recorded step" not in res.stdout
+    assert "operation: aten::index" in res.stdout and "the Inf it passed on: aten::pow in step " in res.stdout
+    doc = json.loads(pdbg("bisect", str(path), "--ops", "--json", cwd=tmp_path).stdout)
+    assert (doc["origin"]["index"], doc["source"]["index"]) == (step.index, norm.index)
+    assert (doc["op"]["name"], doc["source_op"]["name"]) == ("aten::index", "aten::pow")
+    assert f"NaN origin: step {step.index}: Eq. 3" in pdbg("info", str(path), cwd=tmp_path).stdout
+    from tui import views
+
+    rows = views.alerts(rec)
+    assert (rows[0].kind, rows[0].index) == ("origin", step.index), rows
+    assert views.next_anomaly(views.TimelineModel(rec), -1, 1) == step.index  # the TUI's n passes over the norms
+
+    import asyncio
+
+    from tui.app import PdbgApp
+
+    async def main() -> None:
+        app = PdbgApp(rec)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.pause()
+            await pilot.press("g")
+            await pilot.pause()
+            assert app.timeline.step_index == step.index
+            await pilot.press("home", "b")  # (as pdbg bisect --ops)
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert app.timeline.step_index == step.index
+            assert f"operation: {op.where()}" in str(app.panel_text), app.panel_text
+            assert f"the Inf it passed on: {origin.source_op.where()} (step {norm.index})" in str(app.panel_text)
+
+    asyncio.run(main())
+
+    # The recorder's live check (on_anomaly="stop") stops there too, not at the norm's Inf.
+    with pytest.raises(recorder.NonFiniteError, match="_Propagate.* iteration 4, call 0: output has 4 Inf"):
+        record_gcn(tmp_path / "stopped.zarr", bad_at=4, modules=modules, on_anomaly="stop")
+
+    # No edge leaves an isolated node: the norm's Inf never does harm, and the run is clean.
+    clean = tmp_path / "clean.zarr"
+    record_gcn(clean, bad_at=-1, modules=modules)
+    origin = replayer.first_nonfinite(replayer.open(clean))
+    assert origin.clean and origin.cause.startswith("no NaN recorded; Inf appears only in steps"), origin.cause
+    assert pdbg("bisect", str(clean), cwd=tmp_path).returncode == 0
+
+
+def test_a_mask_inf_a_step_takes_from_a_recorded_output_at_its_only_call_did_not_come_from_outside(
+        tmp_path: Path) -> None:
+    """An evaluation readout, called once, scales the features by _gcn_norm's output, Inf at every call (a mask's,
+    harmless in _Propagate): its output held NaN (0 * inf) and bisect said its input "came non-finite from code
+    outside every recorded step", exit 1 with no origin. The input is a recorded step's output: the readout is the
+    origin, where that mask's Inf did harm, and _gcn_norm the step that made it."""
+    path = tmp_path / "readout.zarr"
+    with pytest.raises(FloatingPointError, match="readout is not finite at iteration 3"):
+        record_gcn(path, bad_at=-1, readout_at=3)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    step, norm = origin.step, rec.step("_gcn_norm@iter=3")
+    assert step is not None and (step.name, step.iteration) == ("_scaled_readout", 3), origin.cause
+    assert origin.entered is None and "outside every recorded step" not in origin.cause
+    assert origin.cause.endswith(f"produced output (8 NaN of 32) from its input args.1 (2 Inf of 8), the output of "
+                                 f"step {norm.index}: Eq. 2 · _gcn_norm · forward · iteration 3 · call 0, which holds "
+                                 "it as a mask's Inf: the first result that Inf made non-finite"), origin.cause
+    assert origin.source is not None and origin.source.index == norm.index
+    assert origin.op is not None and (origin.op.name, origin.op.made) == ("aten::mul", "inf"), origin.op_note  # 0 * inf
+    assert origin.source_op is not None and origin.source_op.name == "aten::pow"
+    doc = json.loads(pdbg("bisect", str(path), "--json", cwd=tmp_path).stdout)
+    assert doc["origin"]["index"] == step.index and doc["entered"] is None
