@@ -50,6 +50,8 @@ class StepDef:
     # its first call and again when one of them is rebound (STE = STES[args.ste] in main)
     _noted: tuple[tuple[tuple[dict[str, Any], str, Any], ...], dict[str, Any]] | None = field(default=None, repr=False)
     _docs: dict[tuple[tuple[str, str], ...], dict[str, Any]] = field(default_factory=dict, repr=False)
+    # where the function is a decorator's wrapper without functools.wraps: {"decorator", "around", "variable"}
+    wrapper: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def paper(self) -> dict[str, Any]:
@@ -89,7 +91,36 @@ class StepDef:
             with _SOURCE_LOCK:
                 if self._doc is None:
                     self._doc = {"name": self.name, "paper": self.paper, "kind": self.kind, **code_info(self.target)}
+                    if self.wrapper is not None:
+                        self._doc["wrapper"] = self.wrapper
         return self._doc
+
+    def unfound(self) -> str | None:
+        """A warning where a replay will not find this function step by its import reference: it is a
+        decorator's wrapper without functools.wraps (``paper_step`` above the decorator), or its name is bound
+        to one made around it (below it: ``bound_wrapper``), or it is a lambda. Said when a recording first
+        meets the step, not when it is decorated (a replay loading the code decorates it again)."""
+        target = self.target
+        if self.kind != "function" or not isinstance(target, types.FunctionType):
+            return None
+        qualname, said = target.__qualname__, f"PaperDebugger: step {self.name} ({self.label}) is recorded, but"
+        if self.wrapper is not None:
+            return (f"{said} the function it runs, {qualname}, is a wrapper the decorator {self.wrapper['decorator']} "
+                    f"defines around {self.wrapper['around']} without functools.wraps, which a replay cannot find "
+                    f"again by its name; add @functools.wraps({self.wrapper['variable']}) to that wrapper")
+        if qualname.rpartition(".")[2] == "<lambda>":
+            return (f"{said} it is a lambda, which a replay cannot find again by its name; define it with def at "
+                    "module level")
+        if "<" in qualname:
+            return None
+        obj: Any = sys.modules.get(target.__module__)
+        for part in qualname.split("."):
+            obj = getattr(obj, part, None)
+        found = bound_wrapper(obj)
+        if found is None or found[2] is not self:
+            return None
+        return (f"{said} {target.__module__}.{qualname} is {found[0]}: a replay finds that wrapper by the step's "
+                f"name, not the step; {found[1]}")
 
 
 # Finding a step's source parses files (inspect.getsourcelines, ast.parse). Two training threads that
@@ -219,23 +250,72 @@ def paper_step(label: str, *, algorithm: str | int | None = None, step: str | in
     _check_label(label, name=name, description=description, algorithm=algorithm, equation=equation)
 
     def decorate(target: T) -> T:
+        return mark(target, sys._getframe(1).f_code)
+
+    def mark(target: Any, where: types.CodeType) -> Any:  # where: the code that decorates it
+        if isinstance(target, (staticmethod, classmethod)):  # above @staticmethod: the function it holds, kept static
+            return type(target)(mark(target.__func__, where))
         if isinstance(target, type) and issubclass(target, torch.nn.Module):
+            _check_function(target.forward, f"{target.__qualname__}.forward")
             return _decorate_class(target, name or target.__qualname__, label, algorithm, step, equation,
-                                   description)  # type: ignore[return-value]
+                                   description)
         if callable(target):
             _check_function(target)
-            defn = StepDef(name or target.__qualname__, label, algorithm, step, equation, description,  # type: ignore[attr-defined]
+            # a decorator's wrapper without functools.wraps (decorated here, defined and returned by the decorator)
+            wrapper = _wrapper_of(target)
+            if wrapper is not None and target.__code__ in where.co_consts:
+                wrapper = None  # (a factory's own step, defined and decorated in one call)
+            inner = getattr(wrapper[2], "__qualname__", None) if wrapper is not None else None
+            defn = StepDef(name or inner or target.__qualname__, label, algorithm, step, equation, description,
                            "function", target)
-            return _wrap_function(target, defn)  # type: ignore[return-value]
+            if wrapper is not None:  # (said when a recording first meets it: StepDef.unfound)
+                defn.wrapper = {"decorator": wrapper[0], "around": inner, "variable": wrapper[1]}
+            return _wrap_function(target, defn)
         raise TypeError(f"paper_step decorates functions and nn.Module classes, not {type(target).__name__}")
 
     return decorate
 
 
-def _check_function(fn: Callable[..., Any]) -> None:
-    """A TypeError for what a function step cannot be: code whose body runs after the call returns,
-    or a callable with no definition of its own to find again at replay."""
-    if isinstance(fn, functools.partial):
+def _wrapper_of(fn: Any) -> tuple[str, str, Any] | None:
+    """(the decorator's qualified name, the name the wrapper holds the function by, that function) where
+    ``fn`` could be a wrapper a decorator defined inside itself without ``functools.wraps``: a function of
+    another's locals (``twice.<locals>.w``) that holds a function and says of none it wraps it (no
+    ``__wrapped__``); else None."""
+    if not isinstance(fn, types.FunctionType) or "__wrapped__" in fn.__dict__ or not fn.__closure__:
+        return None
+    decorator, local, _ = fn.__qualname__.rpartition(".<locals>.")
+    if not local:
+        return None
+    for variable, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+        try:
+            held = cell.cell_contents
+        except ValueError:  # (a cell not filled yet)
+            continue
+        if callable(held) and not isinstance(held, type) and isinstance(getattr(held, "__qualname__", None), str):
+            return decorator, variable, held
+    return None
+
+
+def bound_wrapper(obj: Any) -> tuple[str, str, StepDef] | None:
+    """(what it is, what to do, the step) where ``obj``, which a step's import reference names, is a wrapper a
+    decorator defined around the paper step without ``functools.wraps`` (``@twice`` above ``@paper_step``):
+    that name finds the wrapper, and a replay does not look for the step inside it. None otherwise."""
+    found = _wrapper_of(obj)
+    if found is None or getattr(obj, "__pdbg_step__", None) is not None:
+        return None
+    decorator, variable, held = found
+    defn = getattr(held, "__pdbg_step__", None)
+    if not isinstance(defn, StepDef):
+        return None
+    return (f"{obj.__qualname__}, a wrapper the decorator {decorator} defines around the paper step {defn.name} "
+            "without functools.wraps", f"add @functools.wraps({variable}) to that wrapper", defn)
+
+
+def _check_function(fn: Callable[..., Any], what: str | None = None) -> None:
+    """A TypeError for what a function step (or a module step's ``forward``: ``what``) cannot be: code
+    whose body runs after the call returns, or a callable with no definition of its own to find again at
+    replay."""
+    if isinstance(fn, functools.partial) and what is None:
         raise TypeError(f"paper_step cannot decorate functools.partial({getattr(fn.func, '__qualname__', fn.func)!s}, "
                         "...): a partial has no definition of its own to replay; decorate the function it wraps, "
                         "or a def that calls it")
@@ -243,10 +323,11 @@ def _check_function(fn: Callable[..., Any]) -> None:
              "an async generator function" if inspect.isasyncgenfunction(fn) else
              "a coroutine function" if inspect.iscoroutinefunction(fn) else None)
     if later is not None:
-        raise TypeError(f"paper_step cannot record {getattr(fn, '__qualname__', fn)!s}: it is {later}, whose body runs "
-                        "after the call has returned (as the caller iterates or awaits it), outside the step; "
-                        "decorate a function that computes the values and returns them")
-    if not isinstance(getattr(fn, "__qualname__", None), str):
+        fix = "decorate a function that computes" if what is None else "make it compute"
+        raise TypeError(f"paper_step cannot record {what or getattr(fn, '__qualname__', fn)!s}: it is {later}, whose "
+                        "body runs after the call has returned (as the caller iterates or awaits it), outside the "
+                        f"step; {fix} the values and return{'s' if what is None else ''} them")
+    if what is None and not isinstance(getattr(fn, "__qualname__", None), str):
         raise TypeError(f"paper_step decorates functions and nn.Module classes, not {type(fn).__name__} objects "
                         "(they have no definition to find again at replay); decorate a def")
 
@@ -356,6 +437,7 @@ def annotate(module: torch.nn.Module, label: str, *, algorithm: str | int | None
     _check_label(label, name=name, description=description, algorithm=algorithm, equation=equation)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"annotate() takes an nn.Module instance, not {type(module).__name__}")
+    _check_function(module.forward, f"{type(module).__qualname__}.forward")
     defn = StepDef(name or type(module).__qualname__, label, algorithm, step, equation, description,
                    "module", type(module))
     forward = module.forward  # bound; may itself be an earlier annotation

@@ -302,6 +302,8 @@ class Session:
         self._unread_warned = False  # the warning that a tensor could not be captured was given
         self._cache_warned = False  # the warning that a step was given a cache object that is not data was given
         self._rebuild_warned = False  # the warning that a recorded module cannot be rebuilt by a replay was given
+        self._lazy_warned: set[Any] = set()  # the steps warned of for returning a generator (_warn_if_lazy)
+        self._defs_met: set[Any] = set()  # the step definitions met so far (StepDef.unfound looked at)
         # Names of payloads sent before they are hashed; next() is atomic under the GIL.
         self._tokens = itertools.count(1)
         self._links: list[BackwardLink] = []  # forward calls whose backward may still come
@@ -429,6 +431,22 @@ class Session:
              "recorded steps fail to replay where their code uses it; to replay those, record modules that do not "
              "hold it (modules globs for their parts)",
              stacklevel=_outside_recorder(installed=True))
+
+    def _warn_if_lazy(self, frame: Frame, out: Any) -> None:
+        """A step that returned a generator, a coroutine or another lazy iterator did its work after the
+        call had returned, as its caller iterated or awaited it, outside the step: the recording holds none
+        of it, and a replay of the call would compare only the generator's type (replayer.replay refuses
+        it). Say so once per step, when recording."""
+        kind = jsonval.lazy_kind(out)
+        if kind is None or frame.defn in self._lazy_warned:
+            return
+        self._lazy_warned.add(frame.defn)
+        label = f" ({frame.defn.label})" if frame.defn.label else ""
+        where = f"{frame.defn.name}{label}{f' at {frame.path}' if frame.path else ''}"
+        warn(f"PaperDebugger: step {where} returned {kind}, whose work runs after the call has "
+             "returned (as the caller iterates or awaits it), outside the step: the recording holds none of that "
+             "work, and a replay of the step is refused; make the step compute its values and return them (a "
+             "tensor, a list)", stacklevel=_outside_recorder(installed=True))
 
     def _new_index(self) -> int:
         with self.lock:
@@ -972,6 +990,11 @@ class Session:
         try:
             frame.rng = self.rng.parts()
             frame.definition = frame.defn.doc_now()  # (the classes its module-level names are bound to now)
+            if frame.defn not in self._defs_met:
+                self._defs_met.add(frame.defn)
+                unfound = frame.defn.unfound() if frame.defn.kind == "function" else None
+                if unfound is not None:  # (a replay would refuse its every call)
+                    warn(unfound, stacklevel=_outside_recorder(installed=True))
             found = frame.defn.rngs
             if found is None:
                 found = frame.defn.rngs = snapshot.find_global_rngs(frame.defn.target)
@@ -1083,6 +1106,7 @@ class Session:
 
     def _capture_outputs(self, frame: Frame, out: Any, link: BackwardLink | None) -> Any:
         """Capture a finished call's outputs and tap them for its backward; returns the (tapped) output."""
+        self._warn_if_lazy(frame, out)
         slots, reached, leaves = taps.output_places(out) if link is not None else ([], frozenset(), [])
         tapped = frozenset(id(t) for _, t in slots)
         nested: set[int] = set()

@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import functools
 import importlib
+import itertools
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import re
 import sys
 import sysconfig
 import types
+from collections import abc
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -151,6 +153,41 @@ def opaque_reason(value: Opaque) -> str | None:
         return None
     return (f"a numpy array of {int(found[1]):,} values ({found[2]}, shape {found[3]}), over the "
             f"{NDARRAY_VALUES:,} recorded as data")
+
+
+# Objects whose work runs as their caller iterates or awaits them, after the call that made them returned, by the
+# type a recording names them by (an $opaque's "type"): generators and coroutines, and the builtin iterators
+# (map, zip, a list's iterator) and itertools'
+_LAZY_NAMED = {type_ref(types.GeneratorType): "a generator", type_ref(types.CoroutineType): "a coroutine",
+               type_ref(types.AsyncGeneratorType): "an async generator"}
+_LAZY_ITERATORS = {type_ref(t) for t in (
+    map, filter, zip, enumerate, reversed, type(iter([])), type(iter(())), type(iter(range(0))), type(iter({})),
+    type(iter({}.values())), type(iter({}.items())), type(iter(set())), type(iter("")), type(iter(b"")),
+    *(t for t in vars(itertools).values() if isinstance(t, type)))}
+
+
+def lazy_kind(value: Any) -> str | None:
+    """What ``value`` is where it does its work only as its caller iterates or awaits it ("a generator",
+    "a coroutine", "an async generator", "a lazy iterator (builtins:map)"): a step that returns one did
+    not do that work inside the call. None for anything else (a tensor, a tuple, a list)."""
+    if value is None or isinstance(value, (torch.Tensor, tuple, list, dict)):
+        return None
+    ref = type_ref(value)
+    if ref in _LAZY_NAMED:
+        return _LAZY_NAMED[ref]
+    if ref in _LAZY_ITERATORS or isinstance(value, (abc.Iterator, abc.AsyncIterator)):
+        return f"a lazy iterator ({ref})"
+    return f"an awaitable ({ref})" if isinstance(value, abc.Awaitable) else None
+
+
+def lazy_doc(doc: Any) -> str | None:
+    """``lazy_kind`` of the value a recorded document holds (an output structure), where its type tells: a
+    generator, a coroutine or a builtin lazy iterator, recorded as ``$opaque``."""
+    inner = doc.get("$opaque") if isinstance(doc, dict) and len(doc) == 1 else None
+    ref = inner.get("type") if isinstance(inner, dict) else None
+    if ref in _LAZY_NAMED:
+        return _LAZY_NAMED[ref]
+    return f"a lazy iterator ({ref})" if ref in _LAZY_ITERATORS else None
 
 
 def _opaque(value: Any) -> dict:

@@ -31,6 +31,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from recorder import capture, jsonval, skeleton, snapshot, taps
+from recorder.annotate import bound_wrapper
 from recorder.errors import NewerSchemaError, NotOnThisMachine, PdbgError, ReplayError, UnknownTagError, brief
 from recorder.payload import dtype_name, overlaps_itself
 from recorder.store import layout
@@ -140,6 +141,9 @@ class Replayer:
                               f"{join_path(step.module_path, 'module')}), recorded with --modules or as paper steps")
         self._around = around or _no_context
         self._newer_than_this(step)
+        lazy = _lazy_refusal(step)
+        if lazy is not None:  # (before its code runs: a coroutine made and never awaited would warn)
+            raise ReplayError(lazy)
         self.plan = self._plan(step, swap, edit, settings, seed)
         backward = step.phase == "backward"
         try:
@@ -709,7 +713,18 @@ class Replayer:
             fn: Any = module
         else:
             module, classes, code_drift = None, {}, []
+            wrapper = defn.get("wrapper")
+            if isinstance(wrapper, dict):  # (1.18) a decorator's wrapper without functools.wraps: no name finds it
+                qualname = str(defn.get("ref", "")).partition(":")[2]
+                raise ReplayError(f"step {step.index} ({step.name}) runs {qualname}, a wrapper the decorator "
+                                  f"{wrapper.get('decorator')} defines around {wrapper.get('around')} without "
+                                  "functools.wraps, which a replay cannot find again by its name; add "
+                                  f"@functools.wraps({wrapper.get('variable')}) to it, and record again, to replay it")
             target = self.loader.resolve(defn.get("ref", ""), defn.get("file"))
+            found = bound_wrapper(target)
+            if found is not None:
+                raise ReplayError(f"step {step.index} ({step.name}): {defn.get('ref')} is {found[0]}, and a replay "
+                                  f"finds that wrapper by the step's name, not the step; {found[1]} to replay it")
             if getattr(target, "__pdbg_step__", None) is None:  # a recording names it: only ever a paper step
                 raise ReplayError(f"{defn.get('ref')} is not a paper step (a function decorated with "
                                   f"@recorder.paper_step) now; step {step.index} cannot be replayed: a replay calls "
@@ -1134,6 +1149,7 @@ class Replayer:
                 with self._around("forward"), collectives.replayed(step, inner if nested else None) as talk, \
                         _recursion_room(step, inner):
                     out = call.run()
+                    _refuse_lazy(step, step, out)
                 warnings += talk.warnings
                 if talk.used and (self.plan.edits or self.plan.swaps):
                     warnings.append(f"the {talk.used} collective{'s' if talk.used != 1 else ''} called during the "
@@ -1275,6 +1291,7 @@ class Replayer:
                 with self._around("forward"), collectives.replayed(fwd, inner if nested else None) as talk, \
                         _recursion_room(fwd, inner):
                     out = call.run()
+                    _refuse_lazy(step, fwd, out)
                 warnings += talk.warnings
             except PdbgError:
                 raise
@@ -1388,10 +1405,44 @@ def _second_order(step: Step) -> str:
             f"step's backward alone does not compute; that earlier pass's backward step replays{where}")
 
 
+def _lazy_text(step: Step, fwd: Step, kind: str) -> str:
+    """Why ``step`` is not replayed, where its forward call (``fwd``; itself for a forward step) returned
+    ``kind`` (``jsonval.lazy_kind``): a generator or coroutine whose body ran after the call had returned."""
+    did = f"{kind}, whose work ran after the call had returned, as its caller iterated or awaited it"
+    fix = "make the step compute its values and return them (a tensor, a list) to replay it"
+    if step is not fwd:
+        return (f"backward step {step.index}: its forward (step {fwd.index}, {fwd.name}) returned {did}: the "
+                f"gradients recorded here went through that work, outside the step; {fix}")
+    return f"step {step.index} ({step.name}) returned {did}: outside the step, which recorded none of it; {fix}"
+
+
+def _lazy_refusal(step: Step) -> str | None:
+    """``_lazy_text`` where the recorded output of ``step``'s forward call was a generator, a coroutine or
+    a builtin lazy iterator, else None."""
+    fwd = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
+    kind = jsonval.lazy_doc(fwd.output_structure)
+    return None if kind is None else _lazy_text(step, fwd, kind)
+
+
+def _refuse_lazy(step: Step, fwd: Step, out: Any) -> None:
+    """Refuse ``step`` where its replayed forward call (``fwd``'s) returned a generator, a coroutine or
+    another lazy iterator (the recording did not say: a type it does not name as one), closed unrun."""
+    kind = jsonval.lazy_kind(out)
+    if kind is None:
+        return
+    close = getattr(out, "close", None)  # (a coroutine never awaited warns when collected, unless closed)
+    if callable(close) and kind.startswith(("a generator", "a coroutine")):
+        close()
+    raise ReplayError(_lazy_text(step, fwd, kind))
+
+
 def known_refusal(step: Step) -> str | None:
     """Why a replay of ``step`` is sure to be refused, where its documents alone tell (an argument that
-    could not be recorded as data; a second-order backward with no grad output to start from), or None:
-    what ``pdbg bundle`` warns of without replaying."""
+    could not be recorded as data; a second-order backward with no grad output to start from; a step
+    that returned a generator), or None: what ``pdbg bundle`` warns of without replaying."""
+    lazy = _lazy_refusal(step)
+    if lazy is not None:
+        return lazy
     fwd = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
     opaque = _first_opaque(fwd.arguments)
     if opaque is not None:

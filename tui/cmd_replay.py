@@ -712,6 +712,7 @@ def verify(args: argparse.Namespace) -> int:
         set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))]
     replayer = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source) if picks else None
     matched, mismatches, refused = 0, [], []
+    alike: list[str] = []  # per refused step, its reason with its number written "step N" (_alike)
     environment: list[str] = []  # what differs from the machine and software that recorded it (once each)
     for done, index in enumerate(picks, 1):
         step = rec.step(index)
@@ -719,10 +720,12 @@ def verify(args: argparse.Namespace) -> int:
             result = replayer.replay(step, threads=args.threads, nested=False)
         except ReplayError as exc:  # what a replay cannot do, and says why: not a difference found
             refused.append({"step": step.to_json(), "reason": getattr(exc, "reason", None) or str(exc)})
+            alike.append(_alike(refused[-1]["reason"], step))
         else:
             environment += [d for d in result.environment_differences if d not in environment]
             if not result.compared:  # nothing it could check: not a match
                 refused.append({"step": step.to_json(), "reason": NOTHING_COMPARED})
+                alike.append(NOTHING_COMPARED)
             elif result.match:
                 matched += 1
             else:
@@ -752,15 +755,18 @@ def verify(args: argparse.Namespace) -> int:
         if refused:
             print("could not be replayed:")
             by_reason: dict[str, list[dict[str, Any]]] = {}
-            for m in refused:  # one line per reason: code defined in a notebook refuses every step alike
-                by_reason.setdefault(m["reason"], []).append(m)
-            for reason, alike in by_reason.items():
-                if len(alike) <= _ALIKE_LISTED:
-                    for m in alike:
+            for m, text in zip(refused, alike):  # one line per reason: code defined in a notebook refuses every
+                by_reason.setdefault(text, []).append(m)  # step alike, a method's self every call of it
+            for text, steps in by_reason.items():
+                reason = steps[0]["reason"]
+                if any(m["reason"] != reason for m in steps):  # told apart by their numbers only
+                    print(f"  {_steps_text([m['step'] for m in steps])}: {text}")
+                elif len(steps) <= _ALIKE_LISTED:
+                    for m in steps:
                         print(f"  {_step_text(m['step'])}: {reason}")
                 else:
-                    print(f"  {len(alike)} steps ({_step_text(alike[0]['step'])} ... "
-                          f"{_step_text(alike[-1]['step'])}): {reason}")
+                    print(f"  {len(steps)} steps ({_step_text(steps[0]['step'])} ... "
+                          f"{_step_text(steps[-1]['step'])}): {reason}")
         if environment:  # a mismatch of a few ULP here is most likely this, not the code
             print("environment differs from the recording: " + "; ".join(environment))
     if not replayed:  # nothing was checked at all: not a pass (the listing above says why)
@@ -772,12 +778,40 @@ def verify(args: argparse.Namespace) -> int:
                             "mode that never wrote its ring): there is nothing to replay; record with mode='full' "
                             "or flight")
         which = "sampled" if len(picks) < n else "that kept their tensors"
-        reasons = list(dict.fromkeys(m["reason"] for m in refused))
-        others = len(reasons) - 1
+        others = len(set(alike)) - 1
         raise PdbgError(f"none of the {_count(len(picks), 'step')} {which} could be replayed, so nothing was verified: "
-                        f"{reasons[0]}" + (f" (and {others} other reason{'s' if others > 1 else ''}, listed above)"
-                                           if others else ""))
+                        f"{refused[0]['reason']}" + (f" (and {others} other reason{'s' if others > 1 else ''}, "
+                                                     "listed above)" if others else ""))
     return 0 if not mismatches else 1
+
+
+def _alike(reason: str, step: Any) -> str:
+    """``reason`` with the number of ``step`` and of its forward call written "step N": what a refusal says of
+    every step of its kind alike (each call of a method whose self is not data names its own step)."""
+    numbers = {step.index, step.forward}
+    return re.sub(r"\bstep (\d+)\b", lambda m: "step N" if int(m[1]) in numbers else m[0], reason)
+
+
+_NUMBERS_LISTED = 10  # runs of step numbers listed for one reason; more are counted
+
+
+def _steps_text(steps: list[dict[str, Any]]) -> str:
+    """The steps one reason applies to, by number ("steps 0-5", "steps 2, 5, 8, 11"), with their paper
+    reference and name where they share one."""
+    from replayer.recording import paper_reference
+
+    runs: list[list[int]] = []
+    for index in sorted(s["index"] for s in steps):
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    shown = [f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs[:_NUMBERS_LISTED]]
+    more = f", ... ({len(steps)} steps)" if len(runs) > _NUMBERS_LISTED else ""
+    names = {(s["name"], paper_reference(s["paper"])) for s in steps}
+    name, ref = next(iter(names))
+    who = f" ({ref} ({name}))" if len(names) == 1 and ref and ref != name else f" ({name})" if len(names) == 1 else ""
+    return f"steps {', '.join(shown)}{more}{who}"
 
 
 def _cell(text: str, width: int) -> str:

@@ -60,7 +60,8 @@ SCHEMA_VERSION = "1.18"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       a step's extra "subclasses": the tensor subclass (class reference, instance attributes) of its records
 #       that held one; a replay makes the arguments' again (before, it gave the step plain tensors)
 # 1.18: a skeleton's "made": attributes holding modules that are only their class (or a dict of them: Llama's
-#       attention's _kernel_funcs), which a replay makes again by calling the class (before, "unrecorded")
+#       attention's _kernel_funcs), which a replay makes again by calling the class (before, "unrecorded"); and a
+#       definition document's "wrapper": the function is a decorator's wrapper without functools.wraps
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed

@@ -138,6 +138,19 @@ def test_what_a_function_step_cannot_be_is_refused_when_decorated():
         with pytest.raises(TypeError, match=r"cannot decorate functools.partial\(.*scaled, \.\.\.\): a partial has "
                                             r"no definition of its own to replay; decorate the function it wraps"):
             recorder.paper_step("Eq. 1", name=name)(functools.partial(scaled, s=0.5))
+    # a module whose forward yields (a sampler yielding each refinement) is refused alike: it was accepted, and
+    # its replay compared only the generator's type ("MATCH: bit for bit")
+
+    class Sampler(nn.Module):
+        def forward(self, x):
+            yield x * 2
+
+    refused = (r"paper_step cannot record test_what_a_function_step_cannot_be_is_refused_when_decorated\.<locals>\."
+               r"Sampler\.forward: it is a generator function, whose body runs after the call has returned")
+    with pytest.raises(TypeError, match=refused):
+        recorder.paper_step("Algorithm 3")(Sampler)
+    with pytest.raises(TypeError, match=refused):
+        recorder.annotate(Sampler(), "Algorithm 3")
 
 
 def test_two_threads_calling_new_steps_find_their_sources_one_at_a_time(run_path, monkeypatch):

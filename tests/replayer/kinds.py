@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -51,3 +56,67 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.kw(x, mask=torch.ones(4)))
+
+
+def logged(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A user's decorator, with functools.wraps: paper_step sees a plain function, not the generator or
+    coroutine function it calls."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@recorder.paper_step("Algorithm 3", description="iterative refinement, yielding every state")
+@logged
+def refine(x: torch.Tensor, w: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+    for _ in range(steps):
+        x = x - 0.1 * torch.tanh(x @ w)
+        yield x
+
+
+@recorder.paper_step("Eq. 11", description="per-chunk features, lazily")
+def chunks(x: torch.Tensor) -> Iterator[torch.Tensor]:
+    return (c.tanh() for c in x.chunk(2, -1))
+
+
+@recorder.paper_step("Eq. 12", description="fetch-and-transform, awaited")
+@logged
+async def transform(x: torch.Tensor) -> torch.Tensor:
+    await asyncio.sleep(0)
+    return torch.tanh(x) * 2
+
+
+@recorder.paper_step("Algorithm 4", description="a sampler module yielding each refinement")
+class Refiner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    @logged
+    def forward(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
+        for _ in range(2):
+            x = x - 0.1 * torch.tanh(self.fc(x))
+            yield x
+
+
+def twice_nowraps(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A user's decorator without functools.wraps: its wrapper is named twice_nowraps.<locals>.wrapper."""
+    def wrapper(h: torch.Tensor) -> torch.Tensor:
+        return fn(h * 2)
+    return wrapper
+
+
+@twice_nowraps
+@recorder.paper_step("Eq. 4", description="unit-normalise (decorator without wraps, outside)")
+def unit_outside(h: torch.Tensor) -> torch.Tensor:
+    return h / h.norm(dim=-1, keepdim=True)
+
+
+@recorder.paper_step("Eq. 4", description="unit-normalise (decorator without wraps, inside)")
+@twice_nowraps
+def unit_inside(h: torch.Tensor) -> torch.Tensor:
+    return h / h.norm(dim=-1, keepdim=True)
+
+
+unit_lambda = recorder.paper_step("Eq. 4", name="unit_lambda")(lambda h: h / h.norm(dim=-1, keepdim=True))

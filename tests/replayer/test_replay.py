@@ -2696,6 +2696,166 @@ def test_a_step_on_a_modules_other_method_names_its_self_as_what_cannot_be_repla
         replayer.replay(tmp_path / "static.zarr", 0)
 
 
+def test_verify_lists_a_reason_that_names_each_step_once(tmp_path: Path) -> None:
+    """A refusal whose text names the step's number (a module's helper method: every call says "step N
+    (Vae.reparameterize) is the method ...") was listed once per step by `pdbg verify`, six long lines,
+    and its error counted "2 other reasons" where there was one. The reason is listed once, with the
+    steps it applies to."""
+    path = tmp_path / "run.zarr"
+    vae = Vae()
+    with recorder.record(path) as run:
+        for _ in range(3):
+            vae(torch.randn(3, 8)).sum().backward()
+            run.next_iteration()
+    text = pdbg_here("verify", str(path), cwd=tmp_path)
+    lines = text.stdout.splitlines()
+    assert text.returncode == 2 and len(lines) == 3 and lines[1] == "could not be replayed:", text.stdout
+    assert lines[2].startswith("  steps 0-5 (Eq. 10 (Vae.reparameterize)): step N (Vae.reparameterize) is the method "
+                               "Vae.reparameterize, and its self was a tests.replayer.test_replay:Vae "), lines[2]
+    assert "step 0 (Vae.reparameterize) is the method" in text.stderr and "other reason" not in text.stderr
+    doc = json.loads(pdbg_here("verify", str(path), "--json", cwd=tmp_path).stdout)
+    assert [m["reason"].split(" (Vae")[0] for m in doc["not_replayed"]] == [
+        "step 0", "step 0", "step 2", "step 2", "step 4", "step 4"]  # (a backward step's names its forward)
+
+
+class Scaled:
+    SCALE = 3.0
+
+    @recorder.paper_step("Eq. 28", description="a staticmethod step, paper_step above @staticmethod")
+    @staticmethod
+    def unit(h: torch.Tensor) -> torch.Tensor:
+        return h / h.norm()
+
+    @recorder.paper_step("Eq. 29", description="a classmethod step, paper_step above @classmethod")
+    @classmethod
+    def scaled(cls, h: torch.Tensor) -> torch.Tensor:
+        return h * cls.SCALE
+
+    def both(self, h: torch.Tensor) -> torch.Tensor:
+        return self.scaled(self.unit(h))
+
+
+def test_paper_step_above_staticmethod_and_classmethod_binds_as_that_method(tmp_path: Path) -> None:
+    """@paper_step above @staticmethod (the order one writes them, and what a module helper method's
+    refusal advises) made a plain function of it: called through an instance it was given the instance
+    too (TypeError: takes 1 positional argument but 2 were given), recording or not. Above @staticmethod
+    and @classmethod it binds as the method it decorates, and records and replays as in the other order."""
+    h = torch.randn(5)
+    expected = h / h.norm() * 3.0
+    assert isinstance(Scaled.__dict__["unit"], staticmethod) and isinstance(Scaled.__dict__["scaled"], classmethod)
+    assert bits_equal(Scaled().both(h), expected) and bits_equal(Scaled.scaled(Scaled.unit(h)), expected)
+    path = tmp_path / "run.zarr"
+    w = nn.Parameter(h.clone())
+    with recorder.record(path):
+        (Scaled().both(w) + Scaled.scaled(Scaled.unit(w))).sum().backward()
+    rec = replayer.open(path)
+    assert sorted((rec.step(i).name, rec.step(i).phase) for i in range(len(rec))) == sorted(
+        (name, phase) for name in ("Scaled.unit", "Scaled.scaled") for phase in ("forward", "backward") for _ in "ab")
+    results = [replayer.replay(rec, i) for i in range(len(rec))]
+    assert all(r.match and r.compared for r in results), [(r.step.index, r.warnings) for r in results]
+
+
+def test_a_step_whose_work_runs_after_it_returns_is_said_when_recording_and_never_a_match(tmp_path: Path) -> None:
+    """A generator behind a decorator of the user's (functools.wraps), a returned generator expression, a
+    coroutine function behind such a decorator, and a module whose forward yields through one: their body
+    ran after the call had returned, as the caller iterated or awaited it, outside the step. Their replay
+    compared only the generator's type, "MATCH: bit for bit" (verify counted them verified), and an async
+    step's replay leaked "coroutine 'transform' was never awaited". Recording says so once per step; every
+    replay of them, forward and backward, is refused in one line, before the code runs."""
+    import asyncio
+    import gc
+    import warnings
+
+    from tests.replayer import kinds
+
+    path = tmp_path / "run.zarr"
+    w = nn.Parameter(torch.randn(4, 4) * 0.3)
+    refiner = kinds.Refiner()
+    with warnings.catch_warnings(record=True) as caught, recorder.record(path) as run:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            states = list(kinds.refine(torch.randn(8, 4), w, 2))
+            features = torch.cat(list(kinds.chunks(states[-1])), -1)
+            out = list(refiner(asyncio.run(kinds.transform(features))))[-1]
+            out.pow(2).mean().backward()
+            run.next_iteration()
+    said = [str(c.message) for c in caught if issubclass(c.category, capture.RecorderWarning)]
+    kinds_of = {"refine": "a generator", "chunks": "a generator", "transform": "a coroutine", "Refiner": "a generator"}
+    labels = {"refine": "Algorithm 3", "chunks": "Eq. 11", "transform": "Eq. 12", "Refiner": "Algorithm 4"}
+    assert sorted(said) == sorted(
+        f"PaperDebugger: step {name} ({labels[name]}) returned {kind}, whose work runs after the call has returned "
+        "(as the caller iterates or awaits it), outside the step: the recording holds none of that work, and a replay "
+        "of the step is refused; make the step compute its values and return them (a tensor, a list)"
+        for name, kind in kinds_of.items()), said
+    rec = replayer.open(path)
+    forwards = 0
+    with warnings.catch_warnings(record=True) as leaked:
+        warnings.simplefilter("always")
+        for i in range(len(rec)):
+            step = rec.step(i)
+            did = (f"returned {kinds_of[step.name]}, whose work ran after the call had returned, as its caller "
+                   "iterated or awaited it: ")
+            if step.phase == "forward":
+                forwards += 1
+                expected = re.escape(f"step {i} ({step.name}) {did}outside the step, which recorded none of it; "
+                                     "make the step compute its values and return them (a tensor, a list) to replay it")
+            else:
+                expected = re.escape(f"backward step {i}: its forward (step {step.forward}, {step.name}) {did}the "
+                                     "gradients recorded here went through that work, outside the step; ")
+            with pytest.raises(ReplayError, match=f"^{expected}"):
+                replayer.replay(rec, i)
+        gc.collect()
+    assert forwards == 8 and len(rec) > forwards
+    assert not [str(c.message) for c in leaked if issubclass(c.category, RuntimeWarning)]
+    doc = json.loads(pdbg_here("verify", str(path), "--json", cwd=tmp_path).stdout)
+    assert doc["replayed"] == doc["matched"] == 0 and len(doc["not_replayed"]) == len(rec)
+    assert known_refusal(rec.step(0)).startswith("step 0 (refine) returned a generator")
+
+
+def test_a_step_wrapped_by_a_decorator_without_functools_wraps_says_what_is_true(tmp_path: Path) -> None:
+    """A decorator of the user's without functools.wraps, outside paper_step: the replay said the name is
+    "not a paper step ... now", as if the code had changed. Inside it: the step was named
+    "twice_nowraps.<locals>.wrapper", and the refusal said to define it at module level, which it is. Neither,
+    nor a lambda step, was warned of. Recording says what is true, once per step, and so does the replay."""
+    import warnings
+
+    from tests.replayer import kinds
+
+    path = tmp_path / "run.zarr"
+    with warnings.catch_warnings(record=True) as caught, recorder.record(path) as run:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            x = torch.randn(3, 4)
+            kinds.unit_outside(x), kinds.unit_inside(x), kinds.unit_lambda(x)
+            run.next_iteration()
+    said = [str(c.message) for c in caught if issubclass(c.category, capture.RecorderWarning)]
+    assert said == [
+        "PaperDebugger: step unit_outside (Eq. 4) is recorded, but tests.replayer.kinds.unit_outside is "
+        "twice_nowraps.<locals>.wrapper, a wrapper the decorator twice_nowraps defines around the paper step "
+        "unit_outside without functools.wraps: a replay finds that wrapper by the step's name, not the step; add "
+        "@functools.wraps(fn) to that wrapper",
+        "PaperDebugger: step unit_inside (Eq. 4) is recorded, but the function it runs, "
+        "twice_nowraps.<locals>.wrapper, is a wrapper the decorator twice_nowraps defines around unit_inside without "
+        "functools.wraps, which a replay cannot find again by its name; add @functools.wraps(fn) to that wrapper",
+        "PaperDebugger: step unit_lambda (Eq. 4) is recorded, but it is a lambda, which a replay cannot find again by "
+        "its name; define it with def at module level"], said
+    rec = replayer.open(path)
+    assert [rec.step(i).name for i in range(len(rec))] == ["unit_outside", "unit_inside", "unit_lambda"] * 2
+    with pytest.raises(ReplayError, match=re.escape(
+            "step 0 (unit_outside): tests.replayer.kinds:unit_outside is twice_nowraps.<locals>.wrapper, a wrapper the "
+            "decorator twice_nowraps defines around the paper step unit_outside without functools.wraps, and a replay "
+            "finds that wrapper by the step's name, not the step; add @functools.wraps(fn) to that wrapper to replay "
+            "it")):
+        replayer.replay(rec, 0)
+    with pytest.raises(ReplayError, match=re.escape(
+            "step 1 (unit_inside) runs twice_nowraps.<locals>.wrapper, a wrapper the decorator twice_nowraps defines "
+            "around unit_inside without functools.wraps, which a replay cannot find again by its name; add "
+            "@functools.wraps(fn) to it, and record again, to replay it")):
+        replayer.replay(rec, 1)
+    with pytest.raises(ReplayError, match="is a lambda, which has no name to be found again by"):
+        replayer.replay(rec, 2)
+
+
 @recorder.paper_step("Eq. 21", description="an encoder configured by a SimpleNamespace")
 class NamespaceConfigured(nn.Module):
     def __init__(self, cfg: Any) -> None:
