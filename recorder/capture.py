@@ -1460,13 +1460,15 @@ class Session:
             if parts:
                 item.stats = self._stats(frame, name, torch.cat([p.reshape(-1) for p in parts]), on_cpu)
         elif meta_only:
-            values = _stored_values(t)
+            values = stats_mod.stored_values(t)
             if values is None:
                 frame.notes.append(f"{name}: {t.layout} tensor on {device}: {layout.METADATA_NOTE}")
-            else:  # a sparse gradient (nn.Embedding(sparse=True)): NaN in it is still found
+            else:  # a sparse gradient (nn.Embedding(sparse=True)), adjacency: NaN in it is still found
+                count = values.numel()
                 frame.notes.append(f"{name}: {t.layout} tensor on {device}: {layout.METADATA_NOTE}; statistics "
-                                   "of its stored values (the zeros it does not store left out)")
+                                   f"of its {count} stored value{'s' if count != 1 else ''} {layout.STORED_NOTE}")
                 item.stats = self._stats(frame, name, values, on_cpu)
+                self._note_sparse(frame, name, t, count)
         else:
             stats = None  # from the payload's copy, when the statistics kernel made it
             if frame.payloads:
@@ -1496,6 +1498,15 @@ class Session:
         subclasses = (frame.arguments or {}).get("subclasses", {})
         subclasses.setdefault(name, doc)
         frame.arguments = {**(frame.arguments or {}), "subclasses": subclasses}
+
+    @staticmethod
+    def _note_sparse(frame: Frame, name: str, t: torch.Tensor, count: int) -> None:
+        """Name a sparse record's layout and how many values it stores in the step's extra ``sparse``
+        (record name -> ``{"layout", "values"}``): its statistics are of those values, and a replay
+        compares a sparse result by them, a count of NaN says how many of them."""
+        sparse = (frame.arguments or {}).get("sparse", {})
+        sparse.setdefault(name, {"layout": _layout_text(t), "values": count})
+        frame.arguments = {**(frame.arguments or {}), "sparse": sparse}
 
     def _by_content(self, owner: int) -> bool:
         """Whether to hash a parameter's or buffer's bytes (``owner``: its id) before copying them,
@@ -2042,21 +2053,6 @@ def _device_text(t: Any) -> str:
         return str(t.device)
     except Exception:  # noqa: BLE001
         return "unknown"
-
-
-def _stored_values(t: torch.Tensor) -> torch.Tensor | None:
-    """The values a sparse tensor stores (COO: coalesced, duplicates summed as the tensor means
-    them), or None for a tensor without values to read (meta, or a layout torch cannot give them for)."""
-    if t.device.type == "meta":
-        return None
-    try:
-        if t.layout == torch.sparse_coo:
-            return t.coalesce().values()
-        if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
-            return t.values()
-    except (RuntimeError, NotImplementedError):
-        pass
-    return None
 
 
 def _batched_backward(link: BackwardLink, grads: tuple[Any, ...]) -> bool:

@@ -84,6 +84,25 @@ def _working(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64)  # bool and integers: exact up to 2**53
 
 
+SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def stored_values(t: torch.Tensor) -> torch.Tensor | None:
+    """The values a sparse tensor stores, of which the recorder takes a sparse tensor's statistics
+    (COO: coalesced, duplicates summed as the tensor means them), and so does a replay comparing one;
+    None for a tensor without values to read (meta, or a layout torch cannot give them for)."""
+    if t.device.type == "meta":
+        return None
+    try:
+        if t.layout == torch.sparse_coo:
+            return t.coalesce().values()
+        if t.layout in SPARSE_LAYOUTS:
+            return t.values()
+    except (RuntimeError, NotImplementedError):
+        pass
+    return None
+
+
 SMALL = 1 << 12  # elements up to which a float32/float64 CPU tensor is summarised through numpy
 
 

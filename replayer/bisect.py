@@ -112,12 +112,16 @@ def describe(step: Step) -> str:
     return f"step {step.index}: " + " · ".join(parts)
 
 
-def _counts(r: TensorRecord) -> str:
-    """How many of a record's values are NaN and Inf: "1020 NaN, 4 Inf of 1024"."""
-    counts = [f"{int(r.stats[k])} {'NaN' if k == 'nan' else 'Inf'}" for k in ("nan", "inf") if r.stats[k]]
+def _counts(rec: Recording, r: TensorRecord) -> str:
+    """How many of a record's values are NaN and Inf: "1020 NaN, 4 Inf of 1024"; of a sparse tensor's,
+    of the values it stores (its statistics are of those): "3 Inf of 27 stored values"."""
+    counts = ", ".join(f"{int(r.stats[k])} {'NaN' if k == 'nan' else 'Inf'}" for k in ("nan", "inf") if r.stats[k])
+    sparse = rec.rank.sparse_of(r)
+    if sparse is not None:
+        return f"{counts} of {sparse[1]} stored values" if sparse[1] is not None else f"{counts} of its stored values"
     if any(d < 0 for d in r.shape):  # a nested tensor's ragged dimension: no count from the shape
-        return ", ".join(counts)
-    return f"{', '.join(counts)} of {int(np.prod(r.shape))}"
+        return counts
+    return f"{counts} of {int(np.prod(r.shape))}"
 
 
 def _nonfinite_text(step: Step, roles: frozenset[int] | set[str]) -> list[str]:
@@ -125,7 +129,7 @@ def _nonfinite_text(step: Step, roles: frozenset[int] | set[str]) -> list[str]:
     for r in step.records:
         if r.role in roles and r.nonfinite:
             label = r.name if r.name.startswith(r.role) else f"{r.role} {r.name}"
-            out.append(f"{label} ({_counts(r)})")
+            out.append(f"{label} ({_counts(step.rec, r)})")
     if "output" in roles and step.phase == "forward":
         out += [f.text() for f in _values(step, "output")]
     return out
@@ -1208,20 +1212,20 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord) -> 
         if any("NaN" in m for m in made):
             became = f"; the step made NaN of that Inf: {'; '.join(made)}"
     if r.role == "param" and earlier is not None and _forward_only(earlier):
-        return (f"parameter {full} was already non-finite when {describe(source)} began ({_counts(r)}); it was last "
-                f"finite in {describe(earlier)}, which ran under a torch.func transform and is recorded forward "
+        return (f"parameter {full} was already non-finite when {describe(source)} began ({_counts(rec, r)}); it was "
+                f"last finite in {describe(earlier)}, which ran under a torch.func transform and is recorded forward "
                 "only: the gradients taken through it (the backward pass after its vmap, or the transform's own) are "
                 f"not recorded, and are the likely source, through the optimizer update{became}")
     if r.role in ("param", "buffer"):
         return (f"{'parameter' if r.role == 'param' else 'buffer'} {full} was already non-finite when "
-                f"{describe(source)} began ({_counts(r)}): the optimizer update or code outside every recorded step "
-                f"wrote it{since}{became}")
+                f"{describe(source)} began ({_counts(rec, r)}): the optimizer update or code outside every recorded "
+                f"step wrote it{since}{became}")
     if r.role == "grad_output":
         which = "" if r.name == "output" else f" {r.name.removeprefix('output.')}"
-        return (f"grad output{which} of {describe(step)} came non-finite ({_counts(r)}) from the backward of code "
-                f"outside every recorded step{since}{became}")
-    return (f"input {r.name} of {describe(source)} came non-finite ({_counts(r)}) from code outside every recorded "
-            f"step{since}{became}")
+        return (f"grad output{which} of {describe(step)} came non-finite ({_counts(rec, r)}) from the backward of "
+                f"code outside every recorded step{since}{became}")
+    return (f"input {r.name} of {describe(source)} came non-finite ({_counts(rec, r)}) from code outside every "
+            f"recorded step{since}{became}")
 
 
 def _forward_only(step: Step) -> bool:
@@ -1777,6 +1781,7 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
         at = (i, j)
         break
     inputs_differ = at is not None and parts[0][0] != parts[1][0]
+    unseen: list[str] = []  # sparse inputs the same by their statistics, where the results first differ
     alone = _first_unpaired(al, at, last if inputs_differ else None)
     if alone is not None:
         return _ran_alone(al, result, alone, at, pa, pb, counted)
@@ -1790,8 +1795,12 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
             # differ only follow it (the optimizer stepped with other gradients).
             outside = _unaligned(al, last, at) or _offset(al.keys_a, al.keys_b, at, pa, pb)
         else:
-            result.step, result.other = sa, sb
-            root[at[0]] = _why(sa, sb, parts[0], parts[1], first=True)
+            # (sparse inputs the same by statistics, and the same parameters: not a root cause, what differs may
+            # be their indices, which were not recorded)
+            unseen = _sparse_by_statistics(sa, parts[0], parts[1]) if parts[0][1] == parts[1][1] else []
+            if not unseen:
+                result.step, result.other = sa, sb
+                root[at[0]] = _why(sa, sb, parts[0], parts[1], first=True)
     if result.step is None:
         if result.first_difference is None:
             only_a, only_b = len(al.a) - common, len(al.b) - common
@@ -1801,8 +1810,9 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
                             f"match" + (f" ({apart}: a run longer than the other, or steps recorded in one only)"
                                         if apart else "") + counted)
         else:
-            result.cause = (f"the results first differ at {describe(result.first_difference)}, but its inputs differ "
-                            f"too: {outside or 'they came from outside every recorded step'}" + counted)
+            result.cause = _sparse_cause(result.first_difference, unseen) + counted if unseen else (
+                f"the results first differ at {describe(result.first_difference)}, but its inputs differ too: "
+                f"{outside or 'they came from outside every recorded step'}" + counted)
             result.followed = _followers(al, result.first_difference.index, pa, pb)
         return result
     index = result.step.index
@@ -1816,7 +1826,8 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
             sa, sb = rec_a.step(k), rec_b.step(j)
             args_a, params_a, res_a = _parts(pa, sa)
             args_b, params_b, res_b = _parts(pb, sb)
-            if res_a != res_b and args_a == args_b:
+            if res_a != res_b and args_a == args_b and (params_a != params_b or not _sparse_by_statistics(
+                    sa, (args_a, params_a), (args_b, params_b))):
                 result.step, result.other = sa, sb
                 root[k] = _why(sa, sb, (args_a, params_a, res_a), (args_b, params_b, res_b), first=True)
                 index, descended = k, True
@@ -2082,6 +2093,37 @@ def _label(key: tuple[str, str]) -> str:
     return f"the grad of {name}" if role in ("grad_input", "param_grad") else name
 
 
+def _sparse_by_statistics(step: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple[dict[Any, Any], ...],
+                          ) -> list[str]:
+    """The inputs, parameters and buffers of two runs' same step (``parts_*``: their fingerprints) that
+    compared equal by the statistics of a sparse tensor's stored values alone, all the recorder keeps of
+    one: their indices (a graph's edges, their direction) may differ unseen. Named as a cause names them."""
+    fwd = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else None
+    records: dict[tuple[str, str], TensorRecord] = {}
+    for r in fwd.records if fwd is not None else ():
+        records[(r.role, r.name)] = records[("forward " + r.role, r.name)] = r
+    records.update({(r.role, r.name): r for r in step.records})
+    found = []
+    for ours, theirs in ((parts_a[0], parts_b[0]), (parts_a[1], parts_b[1])):
+        for key, a in ours.items():
+            b, r = theirs.get(key), records.get(key)
+            if b is not None and r is not None and a == b and not a.exact_with(b) and step.rec.rank.sparse_of(r):
+                what = {"input": "argument", "forward input": "forward's argument"}.get(key[0], key[0])
+                found.append(f"{what} {key[1]}")
+    return found
+
+
+def _sparse_cause(step: Step, unseen: list[str]) -> str:
+    """What ``first_divergence`` says of the first step whose results differ where the inputs that seem
+    the same include sparse ones (``_sparse_by_statistics``)."""
+    many = len(unseen) > 1
+    return (f"the results first differ at {describe(step)}, whose sparse {_names(unseen)} "
+            f"{'are' if many else 'is'} the same in both runs by the statistics of {'their' if many else 'its'} "
+            f"stored values only (a sparse tensor's indices are not recorded): the difference likely came in "
+            f"through {'them' if many else 'it'} (other indices: a transposed adjacency, edges in another "
+            "direction), not from the step's own code; compare how each run builds it")
+
+
 _LAID_OUT = ("input", "param", "buffer", "grad_output")  # a step's inputs, whose layout may steer its kernels
 
 
@@ -2104,8 +2146,10 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
     results = f"{_names(differ)} differ{'s' if len(differ) == 1 else ''}"
     by_stats = any(not a.exact_with(b) for ours, theirs in ((args_a, args_b), (params_a, params_b))
                    for k, a in ours.items() if (b := theirs.get(k)) is not None)
-    same = ("inputs with the same statistics (one run kept statistics only: they cannot tell a reordered batch "
-            "apart)" if by_stats else "same inputs")
+    sparse = _sparse_by_statistics(sa, parts_a, parts_b) if by_stats else []
+    same = (f"inputs with the same statistics (sparse {_names(sparse)}: of {'their' if len(sparse) > 1 else 'its'} "
+            "stored values only, the indices not recorded)" if sparse else "inputs with the same statistics (one run "
+            "kept statistics only: they cannot tell a reordered batch apart)" if by_stats else "same inputs")
     if changed:
         where = (": every recorded step before it matched, so they were changed outside the recorded steps (by the "
                  "optimizer or its settings, such as the learning rate, or at initialisation)" if first else "")

@@ -43,6 +43,7 @@ from . import recipes as recipes_mod
 from . import state
 from .bisect import step_flags, subtree
 from .code import SESSION_SCRIPT, made_here, package_root, source_in, static_source, submodule_entries, submodule_label
+from .compare import BY_STATISTICS
 from .recording import BUNDLE_FORMAT, BUNDLE_KEY, Recording, Step
 
 FORMAT = BUNDLE_FORMAT
@@ -70,6 +71,16 @@ class BundleInfo:
     # code not as recorded: what the verifying replay found changed, and carried copies of submodule classes that
     # changed since recording (a replay with the bundled source runs them)
     code_notes: list[str] = field(default_factory=list)
+    # verified: the tensors that matched by statistics only, not bit for bit (a sparse result: ReplayResult's)
+    by_statistics: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        """The verification in words: "bitwise match", "match by statistics only for output" (not bit for
+        bit), "MISMATCH" or "not verified"."""
+        if self.verified and self.by_statistics:
+            return f"match by statistics only for {', '.join(self.by_statistics[:3])}, not bit for bit"
+        return {True: "bitwise match", False: "MISMATCH", None: "not verified"}[self.verified]
 
     @property
     def main(self) -> int:
@@ -78,14 +89,15 @@ class BundleInfo:
 
     def to_json(self) -> dict[str, Any]:
         """``pdbg bundle --json``: {"path", "bytes", "steps", "verified", "main_step", "script", "sources",
-        "not_verified", "unreplayable", "verified_with", "code_notes"}."""
+        "not_verified", "unreplayable", "verified_with", "code_notes", "by_statistics"}."""
         return {"path": str(self.path), "bytes": self.bytes, "steps": self.steps, "verified": self.verified,
                 "main_step": self.main_step, "script": str(self.script) if self.script else None,
                 "sources": self.sources, "not_verified": self.not_verified, "unreplayable": self.unreplayable,
-                "verified_with": self.verified_with, "code_notes": self.code_notes}
+                "verified_with": self.verified_with, "code_notes": self.code_notes,
+                "by_statistics": self.by_statistics}
 
     def __repr__(self) -> str:
-        verified = {True: "verified: bitwise match", False: "verified: MISMATCH", None: "not verified"}[self.verified]
+        verified = f"verified: {self.verdict}" if self.verified is not None else self.verdict
         return (f"<BundleInfo {self.path}: {self.steps} step{'s' if self.steps != 1 else ''}, main step "
                 f"{self.main_step}, {self.bytes} bytes, {verified}>")
 
@@ -334,6 +346,10 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
               *(main.records if main.phase == "backward" else [])]:
         if r.role in ("input", "param", "buffer", "grad_output") and not r.has_payload and \
                 r.name not in fwd.uninitialized:
+            owner = main if any(x is r for x in main.records) else fwd
+            if owner.sparse(r) is not None:  # (no mode keeps more of it: a bundle of another mode's step neither)
+                raise BundleError(f"step {main.index} cannot be bundled: "
+                                  f"{owner.sparse_refusal(r, 'bundle and replay it')}")
             raise BundleError(f"step {main.index} kept {main.kept_only(r)}: there is nothing to replay; bundle a "
                               "step recorded with payloads (mode full, or a flight dump)")
     script_now = str(Path(moved).resolve()) if moved is not None else rec.run_info.get("script")
@@ -373,7 +389,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         if carried:
             backend.put(backend.open_store(store_dir, mode="w"), recipes_mod.KEY,
                         json.dumps(carried, indent=1).encode())
-        verified, not_verified, verified_with = None, None, None
+        verified, not_verified, verified_with, by_statistics = None, None, None, []
         notes = _carried_drift(steps, sources)
         if verify:
             backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta).encode())
@@ -390,6 +406,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                 raise ReplayError(_renumbered(str(exc), rows)) from exc
             else:
                 verified = bool(result.match) if result.compared else None  # nothing compared: nothing verified
+                by_statistics = result.by_statistics if verified else []
                 verified_with = _verifying_environment(check.step(new_main))
                 meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
                                     "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings,
@@ -408,7 +425,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
 
     refusal = None if verify else known_refusal(main)
     return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro, sorted(sources), not_verified,
-                      refusal, verified_with, notes)
+                      refusal, verified_with, notes, by_statistics)
 
 
 def _verifying_environment(step: Step) -> dict[str, Any]:
@@ -470,6 +487,10 @@ def verification_note(rec: Recording) -> str | None:
     if not isinstance(verified, dict):
         return None
     verdict = {True: "bitwise match", None: "nothing compared"}.get(verified.get("match"), "MISMATCH")
+    outputs = verified.get("outputs") if isinstance(verified.get("outputs"), list) else []
+    by_statistics = [o.split(": ", 1)[0] for o in outputs if isinstance(o, str) and f": {BY_STATISTICS}" in o]
+    if verified.get("match") is True and by_statistics:  # (a sparse result: its statistics are all there is)
+        verdict = f"match by statistics only for {', '.join(by_statistics[:3])}, not bit for bit"
     env = verified_environment(verified)
     if env is None:
         return (f"bundle verified when made: {verdict} (with what PaperDebugger, torch and machine is not recorded: "
@@ -599,7 +620,8 @@ except PdbgError as exc:
     print(f"repro: {{exc}}", file=sys.stderr)
     sys.exit(2)
 print(f"step {{result.step.index}} ({{result.step.name}}, {{result.step.phase}}): "
-      + ("nothing compared" if not result.compared else "bitwise match" if result.match else "MISMATCH"))
+      + ("nothing compared" if not result.compared else "MISMATCH" if not result.match
+         else "match by statistics only" if getattr(result, "by_statistics", None) else "bitwise match"))
 for diff in result.outputs:
     print(f"  {{diff.summary()}}")
 for line in result.warnings + result.environment_differences:

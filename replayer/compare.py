@@ -9,12 +9,15 @@ from typing import Any
 
 import torch
 
+from recorder import payload
 from recorder import stats as stats_mod
+from recorder.errors import brief
 from recorder.store import layout
 
 _ORDERED_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
                 torch.bfloat16: torch.int16}
 SHOWN_STATS = ("min", "max", "mean", "std", "nan", "inf")
+BY_STATISTICS = "compared by statistics"  # how the reason of a comparison of statistics (Diff.by_statistics) starts
 
 
 def stats_dict(values: Any) -> dict[str, float | None]:
@@ -70,8 +73,15 @@ class Diff:
     def measured(self) -> bool:
         """Whether ``max_abs_diff``, ``max_rel_diff`` and ``max_ulp`` measure a distance: the values were
         compared element by element (of one dtype and shape, both there) and no NaN or Inf differ. Where
-        shapes differ (an edit that gives an expert 2 tokens where it had none) they mean nothing."""
-        return self.max_ulp is not None and (self.match or self.mismatched > 0)
+        shapes differ (an edit that gives an expert 2 tokens where it had none), or only statistics were
+        compared, they mean nothing."""
+        return self.max_ulp is not None and (self.match or self.mismatched > 0) and not self.by_statistics
+
+    @property
+    def by_statistics(self) -> bool:
+        """Whether the comparison was by statistics only, not bit for bit: the recording kept no payload
+        of the tensor (a sparse one, whose indices it never records; dropped bytes)."""
+        return (self.reason or "").startswith(BY_STATISTICS)
 
     @property
     def nonfinite_differs(self) -> bool:
@@ -227,13 +237,60 @@ def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
 
 def compare_record(rank: Any, record: Any, value: Any, missing: str) -> Diff:
     """Compare a replayed value with one tensor record: bitwise where its payload was kept, by
-    statistics where only those were; ``missing`` says why there is no value, when there is none."""
+    statistics where only those were (of a sparse tensor, of the values it stores, as the recorder took
+    them); ``missing`` says why there is no value, when there is none."""
     recorded = stats_dict(record.stats)
     complex_ = record.dtype.startswith("complex")
     if value is None:
         return Diff(record.name, record.role, False, reason=missing, recorded=recorded, is_complex=complex_)
+    if not isinstance(value, torch.Tensor):
+        return Diff(record.name, record.role, False, math.inf, math.inf, 0, reason=f"replay gave "
+                    f"{type(value).__name__}, not a tensor", recorded=recorded, is_complex=complex_)
+    sparse = rank.sparse_of(record)
+    if sparse is not None or value.layout in stats_mod.SPARSE_LAYOUTS:
+        return _compare_sparse(record, sparse, value)
     if not record.has_payload:
         now = stats_dict(stats_mod.host_stats(value.detach().cpu()))
-        return Diff(record.name, record.role, now == recorded, reason="compared by statistics only (no payload "
-                    "recorded)", recorded=recorded, replayed=now, is_complex=complex_ or value.is_complex())
+        return Diff(record.name, record.role, now == recorded, reason=f"{BY_STATISTICS} only (no payload "
+                    "recorded)", recorded=recorded, replayed=now,
+                    is_complex=complex_ or value.is_complex())
     return compare(record.name, record.role, rank.tensor(record), value, record.stats)
+
+
+def _layout_name(t: torch.Tensor) -> str:
+    return str(t.layout).removeprefix("torch.")
+
+
+def _compare_sparse(record: Any, sparse: tuple[str, int | None] | None, value: torch.Tensor) -> Diff:
+    """A record or a replayed value that is a sparse tensor (``sparse``: the record's layout and count of
+    stored values, None for a strided record): compared by the statistics of the values it stores, the
+    only thing the recorder keeps of one (its indices are not recorded, so two results of the same
+    values at other places compare equal, as the reason says); a layout, dtype, shape or count of
+    stored values that differs is a mismatch."""
+    recorded = stats_dict(record.stats)
+    kind = sparse[0] if sparse is not None else "strided"
+
+    def differs(reason: str, replayed: dict[str, Any] | None = None) -> Diff:
+        return Diff(record.name, record.role, False, math.inf, math.inf, reason=reason, recorded=recorded,
+                    replayed=replayed or {})
+
+    if _layout_name(value) != kind:
+        return differs(f"layouts differ: recorded {kind}, replayed {_layout_name(value)}")
+    dtype = payload.dtype_name(value.dtype)
+    if dtype != record.dtype or tuple(value.shape) != tuple(record.shape):
+        return differs(f"dtypes or shapes differ: recorded {record.dtype}{list(record.shape)}, replayed "
+                       f"{dtype}{list(value.shape)}")
+    with torch._C.DisableTorchFunction():
+        stored = stats_mod.stored_values(value.detach())
+        try:  # (a dtype without statistics: the recorder kept none either)
+            now = None if stored is None else stats_dict(stats_mod.host_stats(stored.cpu().resolve_conj()))
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            return differs(f"not compared: no statistics of the replay's {kind} tensor ({brief(exc)})")
+    if stored is None or now is None:
+        return differs(f"not compared: the replay's {kind} tensor gives no stored values to compare")
+    count = sparse[1] if sparse is not None else None
+    if count is not None and stored.numel() != count:
+        return differs(f"the number of stored values differs: recorded {count}, replayed {stored.numel()}", now)
+    of = f"its {count} stored values" if count is not None else "its stored values"
+    return Diff(record.name, record.role, now == recorded, reason=f"{BY_STATISTICS} of {of} only (a {kind} "
+                "tensor: its indices are not recorded)", recorded=recorded, replayed=now)

@@ -261,7 +261,8 @@ def replay_result(res: ReplayResult) -> str:
     """The verdict, each compared tensor, the first divergent inner step, warnings and differences."""
     verdict = (badge("nothing compared", "alert") if not res.compared
                else badge("no change: the intervention left every output as recorded", "alert")
-               if res.match and res.intervention else badge("bitwise match", "match") if res.match
+               if res.match and res.intervention else badge("match by statistics only", "match")
+               if res.match and res.by_statistics else badge("bitwise match", "match") if res.match
                else badge("mismatch, as the intervention makes it", "mismatch") if res.intervention
                else badge("mismatch"))
     first = res.first_divergence
@@ -294,7 +295,8 @@ def _diff_row(d: Any) -> list[Any]:
     def nonfinite(stats: dict[str, Any]) -> Html:
         return join([count(stats.get("nan")), " / ", count(stats.get("inf"))]) if stats else Html("")
 
-    bits = badge("equal", "match") if d.match else badge("differ", "mismatch")
+    bits = badge("same statistics", "match") if d.match and d.by_statistics else badge("equal", "match") \
+        if d.match else badge("differ", "mismatch")
     far = d.measured  # (NaN/Inf or shapes that differ: no distance, the reason says which)
     ulp, gap, rel = (d.max_ulp, number(d.max_abs_diff), number(d.max_rel_diff)) if far else ("-", "-", "-")
     return [code(d.name), d.role, bits, d.mismatched, gap, rel, ulp,
@@ -363,7 +365,7 @@ def divergence(d: Divergence) -> str:
 
 def bundle_info(b: BundleInfo) -> str:
     """The file written, its size, steps and main step, and how it was verified."""
-    verified = {True: badge("verified: bitwise match", "match"), False: badge("verified: mismatch", "mismatch"),
+    verified = {True: badge(f"verified: {b.verdict}", "match"), False: badge("verified: mismatch", "mismatch"),
                 None: badge("not verified")}[b.verified]
     from .bundles import environment_text
 

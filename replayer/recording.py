@@ -901,6 +901,30 @@ class Step:
             return f"only the shape and dtype of {what}, no values or statistics ({why})"
         return f"statistics only for {what} ({why})"
 
+    def sparse(self, record: TensorRecord) -> tuple[str, int | None] | None:
+        """A record that was a sparse tensor: its layout (``"sparse_coo"``) and how many values it stored
+        (None where the recording does not say); None for any other."""
+        return self.rec.rank.sparse_of(record)
+
+    def sparse_text(self, record: TensorRecord) -> str | None:
+        """A sparse record in words, "a sparse_csr tensor of 31 stored values"; None for any other."""
+        found = self.sparse(record)
+        if found is None:
+            return None
+        kind, count = found
+        return f"a {kind} tensor" + (f" of {count} stored value{'s' if count != 1 else ''}" if count is not None
+                                     else "")
+
+    def sparse_refusal(self, record: TensorRecord, to: str = "replay it") -> str:
+        """Why a step given a sparse tensor cannot be replayed or bundled, and what to do (``to``: the
+        end of it, "replay it"), for a message; the same for each step given such a tensor there."""
+        kind = (self.sparse(record) or ("sparse",))[0]
+        how = ("keep its indices and values as dense buffers and build it in forward" if record.role in (
+            "param", "buffer") else "build the sparse tensor inside the step from dense indices and values (an "
+            "edge_index)")
+        return (f"its {record.role} {record.name} is a {kind} tensor, which the recorder keeps as statistics of its "
+                f"stored values only, in every mode (no payload; its indices are not recorded); {how} to {to}")
+
     @property
     def environment(self) -> dict[str, Any]:
         return self.rec.run_info

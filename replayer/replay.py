@@ -74,6 +74,14 @@ class ReplayResult:
         return {d.name: d for d in self.outputs}
 
     @property
+    def by_statistics(self) -> list[str]:
+        """The tensors that matched by their statistics only, not bit for bit (a sparse result, whose
+        stored values' statistics are all the recorder keeps of it); an inner step's as "output of step 1 (name)"."""
+        return [d.name for d in self.outputs if d.match and d.by_statistics] + \
+            [f"{d.name} of step {s.step.index} ({s.step.name})" for s in self.inner for d in s.diffs
+             if d.match and d.by_statistics]
+
+    @property
     def compared(self) -> bool:
         """Whether the replay had anything to compare with the recording: what the step returns and
         what it changes in place (its inputs, parameters, buffers); a step that does neither with a
@@ -621,6 +629,11 @@ class Replayer:
         lazy = step.uninitialized
         for r in records:
             if r.role in ("input", "param", "buffer") and not r.has_payload and r.name not in lazy:
+                if step.sparse(r) is not None:
+                    why = step.sparse_refusal(r)
+                    refused = ReplayError(f"step {step.index} ({step.name}) cannot be replayed: {why}")
+                    refused.reason = why  # (the same for each such step: pdbg verify lists them on one line)
+                    raise refused
                 raise ReplayError(f"step {step.index} ({step.name}) kept {step.kept_only(r)}; it cannot be replayed")
         tensors = {r.name: r for r in records if r.role == "input"}
         leaves: dict[str, torch.Tensor] = {}
@@ -1325,6 +1338,13 @@ class Replayer:
                       or layout.DUAL_NOTE in n]
         if not pairs and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
             raise ReplayError(_second_order(step))
+        sparse = [r for r in fwd.records if r.role == "output" and fwd.sparse(r) is not None]
+        if not pairs and sparse and not lost and not unfollowed:
+            raise ReplayError(f"backward step {step.index} has no grad outputs to start a backward from: its forward's "
+                              f"{sparse[0].name} is {fwd.sparse_text(sparse[0])}, whose gradient the recorder does not "
+                              f"follow (a sparse tensor is recorded as statistics only); replay the forward, step "
+                              f"{fwd.index}, or return the dense values (edge weights) from the step and build the "
+                              "sparse tensor after it")
         if not pairs:
             why = (f"the replay produced none of the outputs they were recorded for ({', '.join(lost)})" if lost else
                    "; ".join(unfollowed) or "its forward's output holds no tensor the recorder follows for gradients")

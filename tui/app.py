@@ -1156,6 +1156,7 @@ class PdbgApp(App[None]):
             return
         verdict = (f"not verified: it cannot be replayed here ({info.not_verified})" if info.not_verified else
                    "not verified: the step returned no tensor" if info.verified is None else
+                   f"verified: replays, a {info.verdict}" if info.by_statistics else
                    "verified: replays bit for bit" if info.verified else "MISMATCH when replayed from the bundle")
         if info.verified is not None and info.verified_with is not None:  # (what a receiver compares theirs with)
             from replayer.bundles import environment_text
@@ -1190,16 +1191,20 @@ class PdbgApp(App[None]):
 
 def render_replay(result: Any, full: bool = False) -> Text:
     """A replay's verdict and its first tensors, inner steps and warnings; ``full``: all of them."""
+    by_statistics = ", ".join(result.by_statistics[:3])  # (a sparse result: not bit for bit)
     verdict = (("nothing compared", "bold yellow") if not result.compared
                else ("no change: the intervention left every output as recorded", "bold yellow")
-               if result.match and result.intervention else ("bitwise match", "bold green")
+               if result.match and result.intervention else (f"match, by statistics only for {by_statistics}",
+                                                            "bold green")
+               if result.match and by_statistics else ("bitwise match", "bold green")
                if result.match else ("MISMATCH, as the intervention makes it", "bold yellow") if result.intervention
                else ("MISMATCH", "bold red"))
     text = Text.assemble(f"replay of step {result.step.index}: ", verdict)
     few = None if full else 4
     for d in result.outputs[:few]:
         rec, rep = d.recorded, d.replayed
-        text.append(f"\n  {d.name}: " + ("equal" if d.match else d.summary().split(": ", 1)[-1]),
+        same = d.match and not d.by_statistics  # (by statistics: the reason says what they leave out)
+        text.append(f"\n  {d.name}: " + ("equal" if same else d.summary().split(": ", 1)[-1]),
                     style="green" if d.match else "red")
         if rep and not d.match:
             text.append(f"   recorded nan {rec.get('nan')} inf {rec.get('inf')} → replayed nan {rep.get('nan')} "
@@ -1237,12 +1242,18 @@ def render_tensor(view: views.TensorView) -> Text:
         text.append(f"\n{view.series_stat} across iterations {first}…{last} (this one underlined): " if len(values) > 1
                     else f"\n{view.series_stat} in iteration {first}, the only one with this call: ", style="dim")
         lo, hi = view.expected if view.expected else (-math.inf, math.inf)
-        for i, (char, value) in enumerate(zip(views.sparkline(values), values)):  # outside the expected range: red
-            style = "green" if lo <= value <= hi else "bold red"
+        marks = view.series_marks or [""] * len(values)
+        drawn = views.sparkline(values, marks)
+        for i, (char, value, mark) in enumerate(zip(drawn, values, marks)):  # outside the expected range: red
+            style = "dim" if mark in (views.EMPTY, views.UNKNOWN) else "green" if not mark and lo <= value <= hi \
+                else "bold red"
             text.append(char, style=f"{style} underline reverse" if i == view.series_at else style)
+        shown = [m for m in views.MARKS if m in drawn]
+        if shown:  # (a NaN absmax is no elements as often as NaN: the marks say which)
+            text.append("   " + ", ".join(f"{m} {views.MARKS[m]}" for m in shown), style="dim")
         text.append("\n")
         if view.expected:
-            broken = sum(1 for v in values if not lo <= v <= hi)
+            broken = sum(1 for v, m in zip(values, marks) if m == views.NONFINITE or (not m and not lo <= v <= hi))
             bounds = f"[{views.fmt_number(lo)}, {views.fmt_number(hi)}]"
             text.append(f"the watch's range puts {view.series_stat} in {bounds}: "
                         f"{broken} of these {len(values)} iterations outside\n",

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         print("source carried: " + (", ".join(_shown(f) for f in info.sources) if info.sources else
                                      "none (the steps' code is in the recording; a replay imports it)"))
         if info.verified is not None:
-            print("verified: " + ("the bundle replays bit for bit" if info.verified else "MISMATCH when replayed from "
+            print("verified: " + (f"the bundle replays, a {info.verdict}" if info.by_statistics else
+                                  "the bundle replays bit for bit" if info.verified else "MISMATCH when replayed from "
                                   "the bundle (see pdbg replay)"))
             if info.verified_with is not None:  # recorded in the bundle, for whoever replays it elsewhere
                 from replayer.bundles import environment_text

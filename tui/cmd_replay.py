@@ -539,6 +539,11 @@ def replay(args: argparse.Namespace) -> int:
         print("\nNOTHING COMPARED: the step returned no tensor")
     elif result.match and result.intervention:  # the question asked was "would this change anything?"
         print("\nNO CHANGE: the intervention left every output bit for bit as recorded")
+    elif result.match and result.by_statistics:  # (the reason under each says what its statistics leave out)
+        names = result.by_statistics
+        rest = len(names) < len(result.outputs) + sum(len(s.diffs) for s in result.inner)
+        print(f"\nMATCH: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} by statistics only, not bit for "
+              "bit" + (", the rest bit for bit" if rest else ""))
     elif result.match:
         print("\nMATCH: bit for bit")
     elif result.intervention and result.exception:
@@ -588,7 +593,7 @@ def _outputs_table(diffs: list[Any]) -> None:
         else:
             print(f"  {name:<{n}} {'NO':<5} {'recorded':<8} {_stats_cells(d.recorded, 9)}")
             print(f"  {'':<{n}} {'':<5} {'replayed':<8} {_stats_cells(d.replayed, 9)} {far}")
-        if d.reason and not d.match:  # prose: wrapped to the terminal (a pipe gets it on one line)
+        if d.reason and (not d.match or d.by_statistics):  # prose: wrapped to the terminal (a pipe: on one line)
             print(textwrap.fill(d.reason, width=max(40, columns - 1), initial_indent="    ", subsequent_indent="    ",
                                 break_on_hyphens=False))
     from replayer.recording import magnitudes_note
@@ -711,7 +716,7 @@ def verify(args: argparse.Namespace) -> int:
     picks = kept if args.sample is None or args.sample >= n else [kept[i] for i in sorted(
         set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))]
     replayer = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source) if picks else None
-    matched, mismatches, refused = 0, [], []
+    matched, mismatches, refused, by_statistics = 0, [], [], 0
     alike: list[str] = []  # per refused step, its reason with its number written "step N" (_alike)
     environment: list[str] = []  # what differs from the machine and software that recorded it (once each)
     for done, index in enumerate(picks, 1):
@@ -728,6 +733,7 @@ def verify(args: argparse.Namespace) -> int:
                 alike.append(NOTHING_COMPARED)
             elif result.match:
                 matched += 1
+                by_statistics += bool(result.by_statistics)
             else:
                 bad = [d.summary() for d in result.outputs if not d.match]
                 hint = [w for w in result.warnings if "likely cause" in w or "changed since" in w]
@@ -736,6 +742,8 @@ def verify(args: argparse.Namespace) -> int:
     replayed = len(picks) - len(refused)
     doc = {"replayed": replayed, "matched": matched, "mismatches": mismatches, "not_replayed": refused,
            "environment_differences": environment}
+    if by_statistics:
+        doc["by_statistics"] = by_statistics
     if skipped:
         doc["statistics_only"] = skipped
     if forward_gone:
@@ -745,6 +753,11 @@ def verify(args: argparse.Namespace) -> int:
     else:
         head = (f"{matched} of {_count(replayed, 'step')} replayed bit for bit ({100.0 * matched / replayed:.1f}%)"
                 if replayed else "no step replayed")
+        if by_statistics:  # (a sparse result: its stored values' statistics are all the recorder keeps of it)
+            share = f"{100.0 * matched / replayed:.1f}%"
+            head = (f"{matched} of {_count(replayed, 'step')} replayed and matched ({share}), "
+                    f"{by_statistics} of them by statistics only (of a result recorded without payload, a sparse "
+                    "tensor: not bit for bit)")
         print(f"{args.run}: {head}"
               + (f"; {_count(len(refused), 'step')} could not be replayed" if refused else "")
               + (f"; {_count(skipped, 'step')} kept statistics only, not replayable" if skipped else "")

@@ -627,6 +627,8 @@ class TensorView:
     size: int = 0  # elements in the tensor (0 without a payload)
     series_at: int = -1  # this step's place in ``series``
     histogram_of: str = "finite values"  # what the histogram counts (a complex tensor's: magnitudes)
+    # per value of ``series``: "" (drawn by its value), or what sparkline marks it as (NONFINITE, EMPTY, UNKNOWN)
+    series_marks: list[str] = field(default_factory=list)
 
 
 def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int = 8, stat: str = "absmax",
@@ -667,6 +669,9 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
             "no elements"
         if len(data) and not len(finite):
             note = "no finite values: no histogram"
+    elif step.sparse(record) is not None:  # (no mode records more of one)
+        slice_text = (f"{step.sparse_text(record)}: statistics of its stored values only (its indices and values are "
+                      "not recorded, in any mode)")
     else:
         slice_text = "statistics only (no payload recorded)"
     if complex_ and record.has_payload:  # what the numbers on this screen are of, as the step pane's and a watch's
@@ -674,7 +679,7 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
                 "are real and imaginary parts" + (f" ({note})" if note else ""))
     elif complex_:
         note = "complex values: the statistics are of their magnitudes |z|"
-    series, series_at = _series(rec, step, record, stat)
+    series, series_at, marks = _series(rec, step, record, stat)
     expected = None
     for watch in step.extra.get("watches", []) or []:
         if watch.get("name") == name and watch.get("expected_range"):
@@ -682,7 +687,7 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
     size = math.prod(record.shape) if record.has_payload else 0
     shown = f"{stat} of |z|" if complex_ and stat not in ("nan", "inf") else stat
     return TensorView(title, histogram, edges, values, slice_text, series, shown, expected, note, begin, size,
-                      series_at, "the finite values' magnitudes |z|" if complex_ else "finite values")
+                      series_at, "the finite values' magnitudes |z|" if complex_ else "finite values", marks)
 
 
 def _stat_bounds(stat: str, lo: float, hi: float) -> tuple[float, float] | None:
@@ -698,9 +703,11 @@ def _stat_bounds(stat: str, lo: float, hi: float) -> tuple[float, float] | None:
     return None
 
 
-def _series(rec: Recording, step: Step, record: Any, stat: str, width: int = 0) -> tuple[list[tuple[int, float]], int]:
+def _series(rec: Recording, step: Step, record: Any, stat: str, width: int = 0,
+            ) -> tuple[list[tuple[int, float]], int, list[str]]:
     """The statistic of the same tensor of the same call in the iterations around the step's own
-    (``width`` of them, the step's among them; 0: SPARK_WIDTH), and where the step's is in that list.
+    (``width`` of them, the step's among them; 0: SPARK_WIDTH), where the step's is in that list, and
+    how sparkline marks each (``_mark``).
     The same call: the same step name, module path and phase, with autograd on or off as it was (an
     evaluation's calls are not the training's), and as many such calls before it in its iteration."""
     width = width or SPARK_WIDTH
@@ -717,17 +724,37 @@ def _series(rec: Recording, step: Step, record: Any, stat: str, width: int = 0) 
     rows = rows[ordinal == mine]
     at = int(np.searchsorted(rows, step.index))
     first = max(0, min(at - width // 2, len(rows) - width))
-    out = []
+    out, marks = [], []
     for index in rows[first:first + width]:
         other = rec.step(int(index))
         for r in other.records:
             if r.name == record.name and r.role == record.role:
                 out.append((other.iteration, float(r.stats[stat])))
+                marks.append(_mark(other, r, stat))
                 break
         else:
             if other.index < step.index:
                 at -= 1  # a call without this tensor: not drawn
-    return out, at - first
+    return out, at - first, marks
+
+
+NONFINITE, EMPTY, UNKNOWN = "✗", "∅", "·"  # sparkline's marks: held NaN/Inf, no elements, no statistics
+MARKS = {NONFINITE: "held NaN or Inf", EMPTY: "no elements", UNKNOWN: "no statistics recorded"}
+
+
+def _mark(step: Step, record: Any, stat: str) -> str:
+    """How sparkline draws a record's statistic ``stat``: "" by its value; NONFINITE where the tensor held
+    NaN or Inf (its min, max, mean and absmax are over its finite values: a bar would look normal);
+    EMPTY where it had no elements (a graph with no edges: no value to draw, NaN, but nothing went
+    wrong); UNKNOWN where the recording has no statistics of it."""
+    if record.stats["nan"] or record.stats["inf"]:
+        return NONFINITE
+    if math.isfinite(record.stats[stat]):
+        return ""
+    sparse = step.sparse(record)
+    if math.prod(record.shape) == 0 or (sparse is not None and sparse[1] == 0):
+        return EMPTY
+    return UNKNOWN
 
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -736,16 +763,17 @@ SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 60  # characters of a sparkline: one value each
 
 
-def sparkline(values: list[float]) -> str:
-    """The values, scaled between the least and the greatest finite one of them."""
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return "✗" * len(values)
-    lo, hi = min(finite), max(finite)
+def sparkline(values: list[float], marks: list[str] | None = None) -> str:
+    """The values, scaled between the least and the greatest finite one of them that is not marked;
+    ``marks``: per value, "" or the character drawn for it instead (``_mark``: held NaN/Inf, no
+    elements). A value that is not finite and has no mark is drawn NONFINITE."""
+    marks = marks or [""] * len(values)
+    finite = [v for v, m in zip(values, marks) if math.isfinite(v) and not m]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)
     out = []
-    for v in values:
-        if not math.isfinite(v):
-            out.append("✗")
+    for v, m in zip(values, marks):
+        if m or not math.isfinite(v):
+            out.append(m or NONFINITE)
         else:
             out.append(SPARK[0 if hi == lo else int((v - lo) / (hi - lo) * (len(SPARK) - 1))])
     return "".join(out)

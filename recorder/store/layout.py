@@ -61,7 +61,10 @@ SCHEMA_VERSION = "1.18"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       that held one; a replay makes the arguments' again (before, it gave the step plain tensors)
 # 1.18: a skeleton's "made": attributes holding modules that are only their class (or a dict of them: Llama's
 #       attention's _kernel_funcs), which a replay makes again by calling the class (before, "unrecorded"); and a
-#       definition document's "wrapper": the function is a decorator's wrapper without functools.wraps
+#       definition document's "wrapper": the function is a decorator's wrapper without functools.wraps;
+#       and a step's extra "sparse": the layout and the number of stored values of each record that was a sparse
+#       tensor (its statistics are of those values; the note on it says the number too), by which a replay
+#       compares a sparse result and a count of NaN/Inf is of its stored values (before: a crash, the dense size)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -89,6 +92,9 @@ DROPPED_NOTE = "payload(s) not recorded: the store could not keep up"
 # for a torch.nested tensor, "<name>: nested tensor (<layout> layout) of <n> tensors of sizes ... on <device>: " + this;
 # for a tensor the recorder failed to read, "<name>: <type> that could not be captured (<error>): " + this.
 METADATA_NOTE = "metadata only"
+# The end of a sparse record's note: "<name>: <layout> tensor on <device>: metadata only; statistics of its <n>
+# stored values " + this (before 1.18 without <n>: "statistics of its stored values " + this).
+STORED_NOTE = "(the zeros it does not store left out)"
 # A step's note: this + ": <error>": capturing the call failed (its arguments or outputs are missing or partial,
 # and recording stopped there); a replay refuses it.
 CAPTURE_FAILED_NOTE = "capture failed"

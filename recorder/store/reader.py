@@ -840,6 +840,24 @@ class RankReader:
             return "its bytes were dropped: the store could not keep up with training"
         return self._why_no_bytes_kept(int(self.column("steps/iteration")[record.step]))
 
+    def sparse_of(self, record: TensorRecord) -> tuple[str, int | None] | None:
+        """A record that was a sparse tensor: its layout (``"sparse_csr"``) and how many values it
+        stored, of which its statistics are (None where a recording before schema 1.18 did not say:
+        its note names the layout only); None for any other record."""
+        if record.has_payload:
+            return None
+        extra = self.doc(int(self.column("steps/extra")[record.step]))
+        extra = extra if isinstance(extra, dict) else {}
+        found = (extra.get("sparse") or {}).get(record.name) if isinstance(extra.get("sparse"), dict) else None
+        if isinstance(found, dict) and isinstance(found.get("layout"), str):
+            count = found.get("values")
+            return found["layout"], count if type(count) is int and count >= 0 else None
+        for note in extra.get("notes", []) or []:  # (an older recording's sparse gradient: its note names the layout)
+            if isinstance(note, str) and note.startswith(f"{record.name}: torch.sparse_") and \
+                    note.endswith(layout.STORED_NOTE):
+                return note.removeprefix(f"{record.name}: torch.").split(" ", 1)[0], None
+        return None
+
     def ring_writes(self) -> list[dict[str, Any]] | None:
         """A flight-mode run's write-outs of its ring (``flight.dumps``): ``final``'s, or for a run whose
         process died before closing it, what its manifests committed as it went; after a hard crash

@@ -429,6 +429,52 @@ def test_divergence_names_the_changed_module_not_its_successors(two_runs: tuple[
     assert same.returncode == 0 and same.stdout.startswith("no divergence")
 
 
+@recorder.paper_step("Eq. 2", description="H' = A H W, A a sparse adjacency")
+class _SparseGCN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, adj: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(adj, self.lin(x))
+
+
+def _record_gcn(path: Path, transpose: bool) -> None:
+    """Three iterations of a GCN given a sparse adjacency A, or A^T (messages that flow the wrong way);
+    everything else the same."""
+    torch.manual_seed(0)
+    gcn = _SparseGCN()
+    opt = torch.optim.SGD(gcn.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with recorder.record(path, model=gcn, optimizer=opt, mode="full"):
+        for _ in range(3):
+            src, dst = torch.randint(0, 6, (10,), generator=g), torch.randint(0, 6, (10,), generator=g)
+            adj = torch.sparse_coo_tensor(torch.stack([src, dst] if transpose else [dst, src]), torch.ones(10), (6, 6))
+            gcn(adj, torch.randn(6, 4, generator=g)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_runs_that_differ_in_a_sparse_argument_are_said_to_differ_through_it(tmp_path: Path) -> None:
+    """Two full-mode runs of a GCN given A and A^T: `bisect --against` called the step the root cause,
+    of "inputs with the same statistics (one run kept statistics only: ...)". A sparse argument is
+    recorded by the statistics of its stored values only, the same for A and A^T: the difference
+    likely came in through it, and the step is no root cause."""
+    _record_gcn(tmp_path / "a.zarr", transpose=False)
+    _record_gcn(tmp_path / "t.zarr", transpose=True)
+    div = replayer.first_divergence(replayer.open(tmp_path / "t.zarr"), replayer.open(tmp_path / "a.zarr"))
+    assert div.step is None and div.first_difference is not None and div.first_difference.index == 0
+    assert div.cause.startswith("the results first differ at step 0: Eq. 2 · _SparseGCN · forward · iteration 0 · "
+                                "call 0, whose sparse argument args.0 is the same in both runs by the statistics of "
+                                "its stored values only (a sparse tensor's indices are not recorded): the difference "
+                                "likely came in through it"), div.cause
+    res = pdbg("bisect", str(tmp_path / "t.zarr"), "--against", str(tmp_path / "a.zarr"), cwd=tmp_path)
+    assert res.returncode == 1 and "root cause" not in res.stdout and "one run kept statistics only" not in res.stdout
+    same = pdbg("bisect", str(tmp_path / "a.zarr"), "--against", str(tmp_path / "a.zarr"), cwd=tmp_path)
+    assert same.returncode == 0 and same.stdout.startswith("no divergence")
+
+
 def as_schema_1_0(source: Path, path: Path) -> None:
     """A copy of a recording made now as schema 1.0 numbered its calls: per step name and module path in the
     iteration (the two Blocks of an iteration were each call 0; now calls 0 and 1)."""

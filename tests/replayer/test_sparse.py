@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 import recorder
 import replayer
 from recorder.errors import ReplayError
+from replayer.bundles import BundleError
 from tests.cli import pdbg_here
 
 
@@ -348,3 +350,169 @@ def test_a_tensor_subclass_a_replay_cannot_make_is_named_as_the_likely_cause(tmp
     assert any(w.startswith(f"args.0 was a {__name__}:test_a_tensor_subclass_a_replay_cannot_make_is_named_as_the_"
                             "likely_cause.<locals>.Local (a tensor subclass) when recorded, which the replay does "
                             "not make again") and "likely cause" in w for w in result.warnings), result.warnings
+
+
+# -- sparse results (a GCN's normalised adjacency) ----------------------------------------------------------
+_SCALE = 1.0  # what _sym_norm multiplies its weights by: a replay that reads another computes other values
+_DENSE = False  # _sym_norm returns its adjacency dense: a replay that reads True returns another layout
+# torch's warnings on making sparse tensors (invariant checks off, CSR in beta), not the tests' concern
+_SPARSE_WARNINGS = pytest.mark.filterwarnings("ignore:Sparse invariant checks", "ignore:Sparse CSR tensor support")
+EDGES = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 1, 2, 3, 0]])  # (source, destination), self-loops
+
+
+@recorder.paper_step("Eq. 11", description="A_hat = D^-1/2 A D^-1/2 from an edge list, sparse")
+def _sym_norm(edge_index: torch.Tensor, n: int, kind: str = "coo") -> torch.Tensor:
+    src, dst = edge_index
+    dinv = torch.zeros(n).index_add_(0, dst, torch.ones(dst.numel())).rsqrt() * _SCALE
+    a = torch.sparse_coo_tensor(torch.stack([dst, src]), dinv[src] * dinv[dst], (n, n)).coalesce()
+    return a.to_dense() if _DENSE else a.to_sparse_csr() if kind == "csr" else a
+
+
+@_SPARSE_WARNINGS
+@pytest.mark.parametrize("kind", ["coo", "csr"])
+def test_a_step_returning_a_sparse_tensor_replays_by_the_statistics_of_its_stored_values(
+        tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step returning a sparse tensor (a GCN's normalised adjacency) crashed `pdbg replay` and `pdbg
+    verify` ("Cannot access data pointer of Tensor that doesn't have storage", a RuntimeError). Its
+    result is compared as the recorder took it, by the statistics of the values it stores (its indices
+    are not recorded), and says so: a match by statistics, not bit for bit; other values, or another
+    layout, a mismatch."""
+    with recorder.record(tmp_path / "run.zarr", mode="full") as run:
+        for _ in range(2):
+            made = _sym_norm(EDGES, 4, kind)
+            run.next_iteration()
+    rec = replayer.open(tmp_path / "run.zarr")
+    step = rec.step(0)
+    out = next(r for r in step.records if r.role == "output")
+    assert (out.shape, out.has_payload, step.sparse(out)) == ((4, 4), False, (f"sparse_{kind}", 8))
+    assert step.extra["sparse"] == {"output": {"layout": f"sparse_{kind}", "values": 8}}
+    assert step.why_statistics_only(out).endswith("statistics of its 8 stored values (the zeros it does not store "
+                                                  "left out)")
+    result = replayer.replay(rec, 0)
+    assert result.match and result.by_statistics == ["output"]
+    diff = result.outputs[0]
+    assert diff.reason == f"compared by statistics of its 8 stored values only (a sparse_{kind} tensor: its indices " \
+                          "are not recorded)"
+    assert diff.replayed == diff.recorded and diff.recorded["max"] == made.values().max().item() and not diff.measured
+    res = pdbg_here("replay", str(tmp_path / "run.zarr"), "0", cwd=tmp_path)
+    assert res.returncode == 0 and "MATCH: output by statistics only, not bit for bit" in res.stdout, res.stdout
+    res = pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert (res.returncode, doc["matched"], doc["by_statistics"], doc["not_replayed"]) == (0, 2, 2, [])
+    monkeypatch.setattr(sys.modules[__name__], "_SCALE", 2.0)
+    other = replayer.replay(rec, 0)
+    assert not other.match and not other.by_statistics
+    assert other.outputs[0].replayed["max"] == pytest.approx(4 * made.values().max().item())
+    monkeypatch.setattr(sys.modules[__name__], "_DENSE", True)
+    dense = replayer.replay(rec, 0)
+    assert not dense.match and dense.outputs[0].reason == f"layouts differ: recorded sparse_{kind}, replayed strided"
+
+
+@recorder.paper_step("Eq. 12", description="H' = A_hat H W")
+class _Propagate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(_sym_norm(edge_index, x.shape[0]), self.lin(x))
+
+
+@_SPARSE_WARNINGS
+def test_a_step_whose_inner_step_returns_a_sparse_tensor_replays(tmp_path: Path) -> None:
+    """Replaying an outer step crashed where an inner step returned a sparse tensor: its inner steps
+    are compared, the sparse one by its statistics, and `pdbg verify` replays every step."""
+    torch.manual_seed(0)
+    layer = _Propagate()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", model=layer, optimizer=opt, mode="full"):
+        for _ in range(2):
+            layer(torch.randn(4, 3), EDGES).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(tmp_path / "run.zarr")
+    result = replayer.replay(rec, "Eq. 12@iter=0")
+    assert result.match and [s.step.name for s in result.inner] == ["_sym_norm"]
+    assert result.by_statistics == [f"output of step {result.inner[0].step.index} (_sym_norm)"]
+    assert result.outputs[0].reason is None and result.outputs[0].measured  # (its own output: bit for bit)
+    res = pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert (res.returncode, doc["mismatches"], doc["not_replayed"], doc["matched"]) == (0, [], [], 6), res.stdout
+
+
+@_SPARSE_WARNINGS
+def test_a_sparse_result_made_non_finite_is_found_counted_and_bundled(tmp_path: Path) -> None:
+    """The normalisation of a node without incoming edges puts 1/sqrt(0) = Inf into the sparse adjacency.
+    Its NaN origin said "1 Inf of 16" (the dense size; the statistics are of the 6 values it stores);
+    `bisect --ops`, `bundle --verify` and the bundle's replay crashed on the sparse result."""
+    with recorder.record(tmp_path / "run.zarr", mode="full") as run:
+        _sym_norm(EDGES, 4)
+        run.next_iteration()
+        _sym_norm(EDGES[:, EDGES[1] != 0], 4)  # node 0 has no incoming edge: the edge 0 -> 1 gets Inf
+    rec = replayer.open(tmp_path / "run.zarr")
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.step is not None and origin.step.index == 1
+    assert "output (1 Inf of 6 stored values)" in origin.cause, origin.cause
+    assert origin.op is not None and origin.op.name == "aten::rsqrt"
+    info = replayer.bundle(rec, 1, tmp_path / "b.pdbg", verify=True)
+    assert info.verified and info.by_statistics == ["output"]
+    assert info.verdict == "match by statistics only for output, not bit for bit"
+    bundled = replayer.replay(replayer.open(tmp_path / "b.pdbg"))
+    assert bundled.match and bundled.by_statistics == ["output"] and bundled.outputs[0].recorded["inf"] == 1
+
+
+@recorder.paper_step("Eq. 13", description="GCN propagation with a sparse adjacency given")
+def _propagate(adj: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return torch.sparse.mm(adj, h)
+
+
+@_SPARSE_WARNINGS
+def test_a_step_given_a_sparse_tensor_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    """`pdbg bundle` of a full-mode step given a sparse tensor said "bundle a step recorded with
+    payloads (mode full, or a flight dump)", which it was: no mode records a sparse tensor's payload.
+    Bundle and replay say that, and what to do; `pdbg verify` lists such steps on one line."""
+    with recorder.record(tmp_path / "run.zarr", mode="full") as run:
+        for _ in range(4):
+            _propagate(torch.sparse_coo_tensor(EDGES, torch.ones(8), (4, 4)), torch.ones(4, 2))
+            run.next_iteration()
+    rec = replayer.open(tmp_path / "run.zarr")
+    what = (r"its input args\.0 is a sparse_coo tensor, which the recorder keeps as statistics of its stored values "
+            r"only, in every mode \(no payload; its indices are not recorded\); build the sparse tensor inside the "
+            r"step from dense indices and values \(an edge_index\) to ")
+    with pytest.raises(BundleError, match=r"^step 0 cannot be bundled: " + what + "bundle and replay it$"):
+        replayer.bundle(rec, 0, tmp_path / "b.pdbg")
+    with pytest.raises(ReplayError, match=r"^step 0 \(_propagate\) cannot be replayed: " + what + "replay it$"):
+        replayer.replay(rec, 0)
+    res = pdbg_here("verify", str(tmp_path / "run.zarr"), cwd=tmp_path)
+    assert res.returncode == 2 and "  4 steps (step 0: Eq. 13 (_propagate), forward, iteration 0, call 0 ... step 3" \
+        in res.stdout, res.stdout
+
+
+@recorder.paper_step("Eq. 14", description="A_w = sparse(edge_index, sigmoid(w_e))")
+class _EdgeWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1, 1, 8))
+
+    def forward(self, edge_index: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.sparse_coo_tensor(edge_index, torch.sigmoid(self.w), (n, n))
+
+
+@_SPARSE_WARNINGS
+def test_a_backward_from_a_sparse_result_is_refused_saying_so(tmp_path: Path) -> None:
+    """The backward of a step returning a sparse tensor of learned edge weights was refused for "its
+    forward's output holds no tensor the recorder follows for gradients": it says that output is
+    sparse, which the recorder does not follow, and what can be replayed."""
+    weights = _EdgeWeights()
+    with recorder.record(tmp_path / "run.zarr", model=weights, mode="full"):
+        torch.sparse.mm(weights(EDGES, 4), torch.ones(4, 2)).sum().backward()
+    rec = replayer.open(tmp_path / "run.zarr")
+    backward = rec.steps.filter(phase="backward")[0]
+    with pytest.raises(ReplayError, match=rf"^backward step {backward.index} has no grad outputs to start a backward "
+                                          r"from: its forward's output is a sparse_coo tensor of 8 stored values, "
+                                          r"whose gradient the recorder does not follow \(a sparse tensor is recorded "
+                                          r"as statistics only\); replay the forward, step 0, or return the dense "
+                                          r"values \(edge weights\) from the step and build the sparse tensor after "
+                                          r"it$"):
+        replayer.replay(rec, backward.index)
+    assert replayer.replay(rec, 0).match

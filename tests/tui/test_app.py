@@ -983,6 +983,73 @@ def test_the_sparkline_draws_the_iterations_around_the_step(tmp_path: Path) -> N
     assert view.series == [(40, 1e3), (80, 1e3), (120, 1e3)] and view.series_at == 1
 
 
+@recorder.paper_step("Eq. 3", description="softmax of edge scores")
+def _edge_softmax(e: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(e, 0)
+
+
+def test_the_sparkline_marks_no_elements_and_nan_apart(tmp_path: Path) -> None:
+    """A graph without edges (zero-size scores: an absmax of NaN, no elements) was drawn ✗, the
+    non-finite mark, and the iteration whose result held NaN a normal bar (absmax is over the finite
+    values). Each has its own mark, and a legend says which is which."""
+    from tui.app import render_tensor
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path) as run:
+        for e in (torch.ones(3), torch.ones(0), torch.tensor([1.0, 2.0, 4.0]), torch.tensor([float("-inf")] * 2)):
+            _edge_softmax(e)  # (the last: all masked, exp(-inf - -inf) = NaN)
+            run.next_iteration()
+    rec = replayer.open(path)
+    view = views.tensor_view(rec.step("Eq. 3@iter=3"), "output", "output")
+    assert view.series_marks == ["", views.EMPTY, "", views.NONFINITE]
+    assert views.sparkline([v for _, v in view.series], view.series_marks) == "▁∅█✗"
+    text = render_tensor(view).plain
+    assert "absmax across iterations 0…3 (this one underlined): ▁∅█✗   ✗ held NaN or Inf, ∅ no elements\n" in text
+    assert views.sparkline([1.0, float("nan"), 3.0]) == "▁✗█"  # (without marks: what is not finite, as before)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks", "ignore:Sparse CSR tensor support")
+def test_a_step_returning_a_sparse_tensor_replays_and_bundles_in_the_app(tmp_path: Path) -> None:
+    """r, b and x on a step returning a sparse tensor (a GCN's adjacency) crashed the app (WorkerFailed:
+    "Cannot access data pointer of Tensor that doesn't have storage"). They report a match by the
+    statistics of its stored values, not bit for bit, and the operation that made its Inf, counted
+    over its stored values; the inspector says the tensor is sparse and how many values it stores,
+    where it said only "statistics only (no payload recorded)"."""
+    from tests.replayer.test_sparse import EDGES, _sym_norm
+    from tui.app import render_tensor
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full") as session:
+        for kind in ("coo", "csr"):
+            _sym_norm(EDGES, 4, kind)
+            session.next_iteration()
+        _sym_norm(EDGES[:, EDGES[1] != 0], 4)  # node 0 without incoming edges: 1/sqrt(0) in the edge 0 -> 1
+    view = views.tensor_view(replayer.open(path).step(1), "output", "output")
+    assert view.slice_text == ("a sparse_csr tensor of 8 stored values: statistics of its stored values only (its "
+                               "indices and values are not recorded, in any mode)")
+    assert view.slice_text in render_tensor(view).plain
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("r")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert panel(app).startswith("replay of step 0: match, by statistics only for output\n  output: compared by "
+                                     "statistics of its 8 stored values only (a sparse_coo tensor: its indices are "
+                                     "not recorded)"), panel(app)
+        await pilot.press("x")
+        await answer(pilot, str(tmp_path / "b.pdbg"))
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "verified: replays, a match by statistics only for output, not bit for bit" in panel(app), panel(app)
+        await pilot.press("b")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.timeline.step_index == 2 and "produced output (1 Inf of 6 stored values) from finite inputs" in \
+            panel(app) and "operation: aten::rsqrt" in panel(app), panel(app)
+
+    run(body, path)
+
+
 def test_a_filter_term_with_a_value_it_cannot_have_is_refused_and_the_filter_stays(nan_path: Path) -> None:
     """`status:nan`, `phase:fwd` and `iter:abc` matched no step, silently, as if none were so."""
     async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
