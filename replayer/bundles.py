@@ -624,6 +624,14 @@ print(f"step {{result.step.index}} ({{result.step.name}}, {{result.step.phase}})
          else "match by statistics only" if getattr(result, "by_statistics", None) else "bitwise match"))
 for diff in result.outputs:
     print(f"  {{diff.summary()}}")
+changed = [s for s in result.inner if not s.match]
+if changed:
+    first = changed[0]
+    print(f"  inner steps: {{len(changed)}} of {{len(result.inner)}} differ; the first: step {{first.step.index}} "
+          f"({{first.step.name}}): {{first.reason or first.change}}")
+extra = getattr(result, "unrecorded_inner", None)  # (an older paperdebugger has none)
+if extra is not None:
+    print(f"  {{extra.text}}")
 for line in result.warnings + result.environment_differences:
     print(f"  note: {{line}}")
 verified = getattr(bundles, "verification_note", lambda rec: None)(rec)  # (an older paperdebugger has none)

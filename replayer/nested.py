@@ -54,6 +54,30 @@ class InnerStep:
                 "outputs": [d.to_json() for d in self.diffs]}
 
 
+@dataclass
+class UnrecordedCall:
+    """Inner calls the replay made beyond the recorded ones (an edit that changed a loop's trip
+    count): nothing to compare them with. ``count`` of them; the first is call ``number`` (from 0)
+    of the step ``name`` at ``module_path`` in the replayed call, where ``recorded`` were recorded."""
+
+    name: str
+    module_path: str
+    number: int
+    recorded: int
+    count: int
+
+    @property
+    def text(self) -> str:
+        calls = f"{self.count} inner call{'s' if self.count != 1 else ''}"
+        return (f"{calls} made during the replay {'were' if self.count != 1 else 'was'} not recorded (the first: "
+                f"{self.name} at {self.module_path or '.'}, its call {self.number} in this step, where "
+                f"{self.recorded} {'were' if self.recorded != 1 else 'was'} recorded)")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "first": {"name": self.name, "module_path": self.module_path,
+                                               "call": self.number, "recorded": self.recorded}}
+
+
 def descendants(step: Step) -> list[Step]:
     """The forward steps a forward step encloses, in execution order (they follow it directly)."""
     rec = step.rec
@@ -105,11 +129,14 @@ class InnerTap:
         self._open: dict[str, list[_Seen]] = {}
         self._handles: list[Any] = []
         self._modules_wanted = {s.module_path for s in inner if s.definition.get("kind") == "module"}
+        self._root_depth = 0  # calls of the root module open: the first is the replayed step itself
         if root is not None:
             for rel, sub in root.named_modules():
-                if not rel:
-                    continue
                 path = join_path(root_path, rel)
+                if not rel:  # the root: its calls inside the replayed call (a recursion) are inner steps
+                    self._handles.append(sub.register_forward_pre_hook(self._enter_root, with_kwargs=True))
+                    self._handles.append(sub.register_forward_hook(self._exit_root, always_call=True))
+                    continue
                 self._handles.append(sub.register_forward_pre_hook(
                     lambda m, a, k, p=path: self._enter(p, a, k), with_kwargs=True))
                 self._handles.append(sub.register_forward_hook(lambda m, a, o, p=path: self._exit(p, o),
@@ -153,13 +180,20 @@ class InnerTap:
             seen.given = tapped if tapped is not None else (args, kwargs)
         return tapped if tapped is not None else edited
 
+    def _enter_root(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._root_depth += 1
+        return self._enter(self.root_path, args, kwargs) if self._root_depth > 1 else None
+
+    def _exit_root(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        self._root_depth -= 1
+        return self._exit(self.root_path, output) if self._root_depth > 0 else None
+
     def _recorded(self, seen: _Seen) -> Step | None:
         """The recorded inner step this replayed call corresponds to (same key, same order)."""
         key = (seen.kind, seen.path)
         k = self._seen_count.get(key, 0)
         self._seen_count[key] = k + 1
-        same = [s for s in self.inner if s.module_path == seen.path and (
-            ("module" if s.definition.get("kind") == "module" else f"function:{s.name}") == seen.kind)]
+        same = [s for s in self.inner if s.module_path == seen.path and _kind(s) == seen.kind]
         return same[k] if k < len(same) else None
 
     def _edit_args(self, seen: _Seen, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -242,10 +276,25 @@ class InnerTap:
             queues.setdefault((seen.kind, seen.path), []).append(seen)
         out = []
         for step in self.inner:
-            kind = "module" if step.definition.get("kind") == "module" else f"function:{step.name}"
-            queue = queues.get((kind, step.module_path))
+            queue = queues.get((_kind(step), step.module_path))
             out.append((step, queue.pop(0) if queue else None))
         return out
+
+    def unrecorded(self) -> UnrecordedCall | None:
+        """The calls the replay made beyond the recorded ones (by key and order, as paired), if any."""
+        recorded = Counter((_kind(s), s.module_path) for s in self.inner)
+        made: Counter[tuple[str, str]] = Counter()
+        first, count = None, 0
+        for seen in self.calls:
+            key = (seen.kind, seen.path)
+            made[key] += 1
+            if made[key] > recorded[key]:
+                count += 1
+                if first is None:
+                    name = seen.kind.removeprefix("function:") if seen.kind != "module" else next(
+                        s.name for s in self.inner if _kind(s) == "module" and s.module_path == seen.path)
+                    first = (name, seen.path, made[key] - 1, recorded[key])
+        return UnrecordedCall(*first, count=count) if first is not None else None
 
     def compare(self) -> list[InnerStep]:
         """Pair recorded inner steps with replayed calls (by key and order) and compare outputs."""
@@ -283,6 +332,8 @@ class InnerTap:
 
         pairs = self._pairs()
         calls = Counter(step.module_path for step, seen in pairs if seen is not None and seen.kind == "module")
+        if calls[root_path]:  # a recursion: the replayed call is one more call of the root's parameters
+            calls[root_path] += 1
         results = []
         for step, seen in pairs:
             hits = np.flatnonzero(forward_of == step.index)
@@ -309,6 +360,11 @@ class InnerTap:
             diffs = _diffs(back, roles, values, keyed=True)
             results.append(InnerStep(back, all(d.match for d in diffs), diffs))
         return sorted(results, key=lambda r: r.step.index)  # backward runs inner steps in reverse
+
+
+def _kind(step: Step) -> str:
+    """How a replayed call of ``step`` is keyed: "module", or "function:<name>"."""
+    return "module" if step.definition.get("kind") == "module" else f"function:{step.name}"
 
 
 def _after(args: Any, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -270,6 +270,7 @@ def replay_result(res: ReplayResult) -> str:
     rows = [("step", step_ref(res.step)), ("exception", res.exception),
             ("inner steps", f"{same} of {len(res.inner)} match" if res.inner else None),
             ("first divergent inner step", join([step_ref(first.step), f" ({first.change})"]) if first else None),
+            ("inner calls not recorded", res.unrecorded_inner.text if res.unrecorded_inner else None),
             ("rebuilt", ", ".join(f"{p or '(outermost)'}: {how}" for p, how in res.rebuilt.items()) or None),
             ("intervention", _short({k: v for k, v in (res.intervention or {}).items() if v not in (None, {}, [])}))]
     outputs = table(("tensor", "role", "bits", "elements differing", "max abs diff", "max rel diff", "max ULP",

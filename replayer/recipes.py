@@ -69,7 +69,8 @@ def save(rec: Recording, name: str, step: Step, *, swap: dict[str, Any] | None =
     if result is not None:
         recipe["result"] = {"match": result.match, "outputs": [
             {"name": d.name, "recorded": d.recorded, "replayed": d.replayed} for d in result.outputs],
-            "inner": [{"step": s.step.index, "change": s.change} for s in result.inner]}
+            "inner": [{"step": s.step.index, "change": s.change} for s in result.inner],
+            "unrecorded_inner": result.unrecorded_inner.to_json() if result.unrecorded_inner else None}
     doc[name] = recipe
     try:
         backend.put(rec.reader.store, KEY, json.dumps(doc, indent=1, allow_nan=False).encode(), durable=True)

@@ -10,7 +10,8 @@ function by import reference), given its recorded inputs, parameters and buffers
 its recorded RNG states and settings; the caller's own come back afterwards. A backward step runs
 its forward the same way and then ``torch.autograd.grad`` from the recorded grad outputs, and
 compares grad inputs and parameter grads. Replaying a step that encloses other steps also compares
-each inner step (``res.inner``, ``res.first_divergence``).
+each inner step (``res.inner``, ``res.first_divergence``; inner calls the replay made beyond the
+recorded ones: ``res.unrecorded_inner``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from . import collectives, intervene, state
 from .arguments import unrecorded_arguments
 from .code import CodeLoader, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
-from .nested import InnerStep, InnerTap, descendants
+from .nested import InnerStep, InnerTap, UnrecordedCall, descendants
 from .rebuild import Builder, load_state, unresolved
 from .recording import Recording, Step, join_path
 
@@ -65,6 +66,7 @@ class ReplayResult:
     environment_differences: list[str] = field(default_factory=list)
     rebuilt: dict[str, str] = field(default_factory=dict)  # module path -> "skeleton" | "constructor"
     inner: list[InnerStep] = field(default_factory=list)
+    unrecorded_inner: UnrecordedCall | None = None  # inner calls the replay made beyond the recorded ones
     values: dict[str, torch.Tensor] = field(default_factory=dict)  # the replayed tensors by name
     exception: str | None = None  # what the replayed call raised, if it raised
     intervention: dict[str, Any] | None = None  # the swaps, edits and overrides applied, if any
@@ -86,7 +88,8 @@ class ReplayResult:
         """Whether the replay had anything to compare with the recording: what the step returns and
         what it changes in place (its inputs, parameters, buffers); a step that does neither with a
         tensor has nothing."""
-        return bool(self.outputs or self.inner or self.exception or self.step.extra.get("exception"))
+        return bool(self.outputs or self.inner or self.unrecorded_inner or self.exception
+                    or self.step.extra.get("exception"))
 
     @property
     def first_divergence(self) -> InnerStep | None:
@@ -100,7 +103,9 @@ class ReplayResult:
                 "outputs": [d.to_json() for d in self.outputs], "warnings": self.warnings,
                 "environment_differences": self.environment_differences, "rebuilt": self.rebuilt,
                 "inner": [s.to_json() for s in self.inner],
-                "first_divergence": first.to_json() if first else None, "exception": self.exception,
+                "first_divergence": first.to_json() if first else None,
+                "unrecorded_inner": self.unrecorded_inner.to_json() if self.unrecorded_inner else None,
+                "exception": self.exception,
                 "intervention": self.intervention}
 
     def __repr__(self) -> str:
@@ -1211,9 +1216,10 @@ class Replayer:
             result.outputs.append(Diff("output structure", "output", True))
         result.outputs += self._buffers_after(step, call.module, result.warnings)
         if tap is not None:
-            result.inner = tap.compare()
+            result.inner, result.unrecorded_inner = tap.compare(), tap.unrecorded()
             self._inner_drift(result)
-        result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
+        result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner) \
+            and result.unrecorded_inner is None
         if not result.compared:  # never a match: nothing was checked
             result.match = False
             result.warnings.append(NOTHING_COMPARED)
@@ -1389,8 +1395,10 @@ class Replayer:
         if tap is not None and nested:
             param_grads = {r.name: g for r, g in zip(wanted, grads) if r.role == "param_grad" and g is not None}
             result.inner = tap.compare_backward(param_grads, fwd.module_path, step.index)
+            result.unrecorded_inner = tap.unrecorded()
             self._inner_drift(result)
-        result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner)
+        result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner) \
+            and result.unrecorded_inner is None
         if not result.match and self.plan.empty and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
             # (a later first-order pass through the same graph, autograd.grad with retain_graph, matches; a
             # what-if is meant to differ)

@@ -1210,9 +1210,10 @@ def render_replay(result: Any, full: bool = False) -> Text:
             text.append(f"   recorded nan {rec.get('nan')} inf {rec.get('inf')} → replayed nan {rep.get('nan')} "
                         f"inf {rep.get('inf')}", style="dim")
     changed = [s for s in result.inner if not s.match]
-    if changed:
-        text.append("\n  inner: " + "; ".join(f"step {s.step.index} {s.step.name} {s.change}" for s in changed[:few]),
-                    style="yellow")
+    extra = result.unrecorded_inner
+    if changed or extra:
+        said = [f"step {s.step.index} {s.step.name} {s.change}" for s in changed[:few]]
+        text.append("\n  inner: " + "; ".join(said + ([extra.text] if extra else [])), style="yellow")
     for w in result.warnings[:None if full else 2]:
         text.append(f"\n  {w}", style="yellow")
     if full and result.environment_differences:

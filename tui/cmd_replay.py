@@ -508,12 +508,13 @@ def replay(args: argparse.Namespace) -> int:
                                       f"{'' if w == 'skeleton' else ' (' + ', '.join(v) + ')'}"
                                       for w, v in by_way.items()))
     _outputs_table(result.outputs)
-    if result.inner:
+    extra = result.unrecorded_inner
+    if result.inner or extra:
         ok = sum(s.match for s in result.inner)
         first = result.first_divergence
         print(f"\ninner steps: {ok} of {len(result.inner)} match" + (
             "" if first is None else f"; first divergence: {_step_text(first.step.to_json())}"
-            + (f" ({first.reason})" if first.reason else "")))
+            + (f" ({first.reason})" if first.reason else "")) + (f"; {extra.text}" if extra else ""))
         if not result.match:
             for s in result.inner:
                 if not s.match:

@@ -3167,6 +3167,107 @@ def test_a_step_recursing_hundreds_deep_is_recorded_and_replayed(tmp_path: Path)
     assert 0 < forward["time_share"] <= 1, forward
 
 
+@recorder.paper_step("Algorithm 4", description="encode a parse tree bottom-up, the module calling itself")
+class TreeEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        self.mix = nn.Linear(8, 4)
+
+    def forward(self, tree: Any) -> torch.Tensor:
+        if isinstance(tree, int):
+            return self.emb.weight[tree]
+        return torch.tanh(self.mix(torch.cat([self(tree[0]), self(tree[1])])))
+
+
+@recorder.paper_step("Algorithm 5", description="a chain of n more calls of itself, each using its parameters")
+class SelfChain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        y = self.lin(x)
+        return y if n == 0 else self(torch.tanh(y), n - 1)
+
+
+def test_a_module_step_that_calls_itself_replays_with_each_nested_call_compared(tmp_path: Path) -> None:
+    """Replaying a recursive module step (a Tree-LSTM's encoder) said MISMATCH, exit 1, when it reproduced
+    bit for bit: the replay never saw the module's calls of itself, and listed each as "recorded, but not
+    called during the replay", forward and backward (and so did a bundle of it, and its repro.py). Each is
+    now paired with its recording and compared; a call of itself inside a chain once deep leaves its own
+    share of the parameter grads out (the replay has only their total over both calls)."""
+    torch.manual_seed(0)
+    enc, chain = TreeEncoder(), SelfChain()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        out = enc(((1, (2, 3)), 4)).sum() + chain(torch.randn(4, requires_grad=True), 1).sum()
+        out.backward()
+    rec = replayer.open(path)
+    tops = [s for s in rec.steps if s.parent is None]
+    assert [(s.name, s.phase) for s in tops] == [("TreeEncoder", "forward"), ("SelfChain", "forward"),
+                                                 ("SelfChain", "backward"), ("TreeEncoder", "backward")]
+    for top in tops:
+        res = replayer.replay(rec, top)
+        calls = 6 if top.name == "TreeEncoder" else 1  # the calls of itself inside the outermost
+        assert res.match and res.unrecorded_inner is None and all(s.match for s in res.inner), \
+            (top.index, [(s.step.index, s.reason, [d.summary() for d in s.diffs if not d.match]) for s in res.inner])
+        assert sum(s.step.name == top.name for s in res.inner) == calls, (top.index, len(res.inner))
+    done = pdbg_here("replay", str(path), "TreeEncoder#0", cwd=tmp_path)
+    assert done.returncode == 0 and "inner steps: 6 of 6 match" in done.stdout, done.stdout
+
+
+@recorder.paper_step("Eq. 27", description="one ponder step of adaptive computation time")
+def ponder_step(s: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(s @ w + x)
+
+
+@recorder.paper_step("Algorithm 6", description="ponder until the halting mass reaches 1 (at most 12 steps)")
+class Ponder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4) * 0.3)
+        self.halt = nn.Linear(4, 1)
+        nn.init.zeros_(self.halt.weight)
+        nn.init.zeros_(self.halt.bias)  # a halting probability of 1/2 a step: two steps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, mass, n = torch.zeros_like(x), torch.zeros(()), 0
+        while mass < 1 and n < 12:  # a data-dependent trip count
+            s = ponder_step(s, x, self.w)
+            mass = mass + torch.sigmoid(self.halt(s)).mean()
+            n += 1
+        return s
+
+
+def test_inner_calls_a_replay_makes_beyond_the_recorded_ones_are_reported(tmp_path: Path) -> None:
+    """An edit that makes an adaptive-computation loop ponder 12 steps instead of the 2 recorded: the
+    replay said "inner steps: 2 of 2 match" and dropped the 10 other calls silently. They are counted,
+    the first named, in the result, its JSON, the command line, the notebook and the TUI, and a replay
+    that made them is no match, forward and backward."""
+    from tui.app import render_replay
+
+    torch.manual_seed(0)
+    net = Ponder()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        net(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    rec = replayer.open(path)
+    assert replayer.replay(rec, "Ponder#0").match
+    for selector in ("Ponder#0", "Ponder#0:backward"):
+        res = replayer.replay(rec, selector, edit={"halt.bias": "x-5"})
+        assert len(res.inner) == 2 and not res.match, selector
+        assert selector.endswith(":backward") or all(s.match for s in res.inner)  # (the halting bias sets no s)
+        extra = res.to_json()["unrecorded_inner"]
+        assert extra == {"count": 10, "first": {"name": "ponder_step", "module_path": rec.step(0).module_path,
+                                                "call": 2, "recorded": 2}}, extra
+        text = "10 inner calls made during the replay were not recorded (the first: ponder_step at "
+        assert text in res.unrecorded_inner.text and text in render_replay(res).plain
+        assert text in res._repr_html_()  # the notebook
+    done = pdbg_here("replay", str(path), "Ponder#0", "--edit", "halt.bias=x-5", cwd=tmp_path)
+    assert done.returncode == 1 and f"inner steps: 2 of 2 match; {text}" in done.stdout, done.stdout
+
+
 @recorder.paper_step("Eq. 26", description="EMA teacher update, in place, over lists of parameters")
 def ema_teacher(teacher: list[torch.Tensor], student: list[torch.Tensor], m: float = 0.99) -> None:
     with torch.no_grad():
