@@ -1826,8 +1826,8 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
             sa, sb = rec_a.step(k), rec_b.step(j)
             args_a, params_a, res_a = _parts(pa, sa)
             args_b, params_b, res_b = _parts(pb, sb)
-            if res_a != res_b and args_a == args_b and (params_a != params_b or not _sparse_by_statistics(
-                    sa, (args_a, params_a), (args_b, params_b))):
+            if res_a != res_b and args_a == args_b and not _not_its_own(al, sa, sb) and (
+                    params_a != params_b or not _sparse_by_statistics(sa, (args_a, params_a), (args_b, params_b))):
                 result.step, result.other = sa, sb
                 root[k] = _why(sa, sb, (args_a, params_a, res_a), (args_b, params_b, res_b), first=True)
                 index, descended = k, True
@@ -1835,6 +1835,18 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     result.cause = f"{describe(result.step)}: {root[index]}{_inside(al, result.step, result.other)}"
     result.followed = _followers(al, result.first_difference.index, pa, pb)
     return result
+
+
+def _not_its_own(al: _Aligned, sa: Step, sb: Step) -> bool:
+    """Whether two runs' steps paired inside a root cause cannot part for a reason of their own: their
+    callers do not pair (a recursion of another shape in each run pairs its calls by number, a leaf with a
+    subtree), or they got other non-tensor arguments from callers that got other ones too (what the
+    caller derived from its own)."""
+    if sa.parent is None or sb.parent is None:
+        return False
+    if int(al.a[sa.parent]) != sb.parent:
+        return True
+    return sa.arguments != sb.arguments and sa.rec.step(sa.parent).arguments != sb.rec.step(sb.parent).arguments
 
 
 def _inside(al: _Aligned, sa: Step, sb: Step | None) -> str:
@@ -2164,7 +2176,7 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
         where, a, b = _first_difference(sa.arguments, sb.arguments)
         name = _argument_name(sa, where)
         reasons.append(f"its non-tensor argument{f' {name} differs' if name else 's differ'} ({_short(a)} vs "
-                       f"{_short(b)})")
+                       f"{_short(b)})" + (", passed from outside every recorded step" if sa.parent is None else ""))
     layouts = _layouts_differ(sa, sb)
     if layouts:
         reasons.append(f"{_names(layouts)} {'has' if len(layouts) == 1 else 'have'} another memory layout (strides) "

@@ -1849,6 +1849,41 @@ def test_against_names_the_argument_that_differs_and_its_two_values(tmp_path: Pa
     assert "its non-tensor argument opts['lr'] differs (0.5 vs 0.25)" in res.stdout, res.stdout + res.stderr
 
 
+@recorder.paper_step("Algorithm 7", description="encode a parse tree bottom-up, the module calling itself")
+class TreeEncoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 4)
+        self.mix = torch.nn.Linear(8, 4)
+
+    def forward(self, tree: Any) -> torch.Tensor:
+        if isinstance(tree, int):
+            return self.emb.weight[tree]
+        return torch.tanh(self.mix(torch.cat([self(tree[0]), self(tree[1])])))
+
+
+def test_against_a_recursion_of_another_shape_names_the_call_given_another_tree(tmp_path: Path) -> None:
+    """Two runs whose loop gives a recursive encoder a tree with one more composition at the root: its calls
+    pair by number, every one shifted by one, and `bisect --against` named a leaf paired with a subtree as
+    the root cause ("same inputs and parameters ... tree differs (4 vs (1, 2))"). Calls whose callers do not
+    pair, or whose arguments their differing callers passed down, are no cause: the outermost call is, given
+    its tree by the loop."""
+    trees = [((1, 2), 3), (((4, (1, 2)), (5, 6)), 7)]
+    for name in ("ok", "more"):
+        torch.manual_seed(0)
+        enc = TreeEncoder()
+        with recorder.record(tmp_path / f"{name}.zarr", model=enc, mode="full") as run:
+            for it, tree in enumerate(trees):
+                enc((tree, 3) if name == "more" and it == 1 else tree).sum().backward()
+                run.next_iteration()
+    div = replayer.first_divergence(replayer.open(tmp_path / "more.zarr"), replayer.open(tmp_path / "ok.zarr"))
+    assert div.step is not None and div.first_difference is not None, div.cause
+    assert (div.step.index, div.step.iteration, div.step.call, div.step.parent) == \
+        (div.first_difference.index, 1, 0, None), div.cause
+    assert "its non-tensor argument tree" in div.cause, div.cause
+    assert "passed from outside every recorded step" in div.cause, div.cause
+
+
 @recorder.paper_step("Eq. 40", description="additive -inf key padding mask")
 def _padding_mask(pad: torch.Tensor) -> torch.Tensor:
     return torch.zeros(pad.shape).masked_fill(pad, float("-inf"))
