@@ -118,6 +118,10 @@ class TimelineModel:
         return self._cols["t_end"].whole()
 
     @property
+    def parent(self) -> np.ndarray:
+        return self._cols["parent"].whole()
+
+    @property
     def depth(self) -> np.ndarray:
         if self._depth is None:
             self._depth = depths(self._cols["parent"].whole())
@@ -848,12 +852,14 @@ class PaperNode:
 
 def paper_tree(model: TimelineModel) -> PaperNode:
     """Algorithm → step → equation → step name, with calls, time and anomalies per node (not Inf the
-    model means: a mask's, which ``n`` passes over too)."""
+    model means: a mask's, which ``n`` passes over too). A node's time is that of its calls not inside
+    another of its calls (a recursion's once, as ``pdbg info`` counts it)."""
     root = PaperNode("paper")
     if not model.n:
         return root
     rec = model.rec
     papers = rec._papers
+    held: dict[int, tuple[PaperNode, np.ndarray]] = {}  # per node: its steps
     for (name, label), first, mask in rec.paper_steps():
         paper = dict(papers[first])
         node = root
@@ -865,8 +871,12 @@ def paper_tree(model: TimelineModel) -> PaperNode:
             n.filter = "name:" + json.dumps(sorted(([a, b] for a, b in n.names), key=str), ensure_ascii=False)
             n.forward += int((mask & (model.phase == 0)).sum())
             n.backward += int((mask & (model.phase == 1)).sum())
-            n.seconds += float((model.t_end[mask] - model.t_start[mask]).sum())
             n.alerts += int((mask & (model.status != 0) & ~model.meant).sum())  # as n counts them
+            steps = held.setdefault(id(n), (n, np.zeros(model.n, bool)))[1]
+            steps |= mask
+    spans, parent = model.t_end - model.t_start, model.parent
+    for n, steps in held.values():
+        n.seconds = float(spans[steps & ~inside_another_of(steps, parent)].sum())
     return root
 
 
