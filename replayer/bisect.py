@@ -889,7 +889,7 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         maker = _mask_source(rec, k, step)
         what = _nonfinite_text(step, layout_results(step.phase)) or ["non-finite results"]
         origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} from its input {record.name} "
-                              f"({_counts(record)}), the output of {describe(producer)}, which holds it as a mask's "
+                              f"({_counts(rec, record)}), the output of {describe(producer)}, which holds it as a mask's "
                               "Inf: the first result that Inf made non-finite" + _source_text(k, maker, producer)
                         + _not_overflow_note(step, not_overflows), _after(rec, index, went, spread),
                         followed=int(went[index + 1:].sum()), source=maker)
