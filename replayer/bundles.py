@@ -393,7 +393,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         notes = _carried_drift(steps, sources)
         if verify:
             backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta).encode())
-            from .replay import Replayer
+            from .replay import Replayer, about_code
 
             check = Recording(store_dir)
             # (a notebook's code is in the bundle only: verified as it replays elsewhere, from there)
@@ -411,7 +411,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                 meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
                                     "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings,
                                     "environment": verified_with}
-                notes = [w for w in result.warnings if "changed since recording" in w] + notes
+                notes = [w for w in result.warnings if about_code(w)] + notes
         backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta, indent=1).encode())
         partial = work / "bundle.zip"
         with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED) as archive:

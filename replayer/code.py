@@ -22,7 +22,10 @@ import os
 import platform
 import socket
 import sys
+import sysconfig
+import threading
 import types
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -165,7 +168,7 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
     # argparse parser at module level), not the replaying program's (pdbg's own: "replay", a path).
     sys.argv = [str(file), *(str(a) for a in (argv or [])[1:])]
     try:
-        with extra_path([where]), state.kept():
+        with extra_path([where]), state.kept(), operators_again(str(file)):
             for part in parts:
                 if not guarded and _loaded_now(part[0]) & unset:
                     unset.update(_sets(part[0]))
@@ -181,7 +184,11 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
                 else:
                     unset.difference_update(() if guarded else _sets(part[0]))  # set again, later: defined
     except (Exception, SystemExit) as exc:
-        raise ReplayError(f"loading the definitions of {file} failed: {type(exc).__name__}: {exc}") from None
+        again = isinstance(exc, RuntimeError) and any(t in str(exc) for t in ("TORCH_LIBRARY", "multiple times"))
+        raise ReplayError(f"loading the definitions of {file} failed: {type(exc).__name__}: {exc}" + (
+            "; an operator it defines with torch.library is in this process already with another schema (the "
+            "training code that ran here, before the script was edited): replay in a new process (pdbg replay)"
+            if again else "")) from None
     finally:
         sys.argv = saved_argv
         if saved_main is not None:
@@ -213,6 +220,103 @@ def extra_path(dirs: list[str]) -> Iterator[None]:
         yield
     finally:
         sys.path[:] = saved
+
+
+# The torch.library Libraries the latest load of each file of the training code made (by the file name
+# its code is compiled under), and the loads in progress, innermost last: (file, the Libraries it makes).
+_LIBRARIES: dict[str, list[Any]] = {}
+_LOADING: list[tuple[str, list[Any]]] = []
+_LOADING_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def operators_again(file: str) -> Iterator[None]:
+    """While ``file`` of the training code runs again (a script's definitions, a bundled module, loaded for a
+    replay), the operators it defines with ``torch.library`` (a ``Library(ns, "DEF")`` or ``"FRAGMENT"``,
+    ``torch.library.define``) are registered again as its code is now, where torch would refuse a second
+    registration: what the file's latest load registered is taken back first (as ``torch.library.custom_op``
+    replaces its own), and what the process registered otherwise (the training code that ran in this very
+    process before it replays) stays: a ``DEF`` namespace is taken as a fragment, an operator of the same
+    schema is not defined twice, and an implementation is registered over the one there for as long as this
+    load's registrations last. Without it only the first replay in a process could load such a file (torch
+    allows one ``DEF`` library per namespace)."""
+    torch = sys.modules.get("torch")
+    cls = getattr(getattr(torch, "library", None), "Library", None)
+    if cls is None:  # torch is not even imported: nothing registered an operator
+        yield
+        return
+    with _LOADING_LOCK:
+        for lib in _LIBRARIES.pop(file, []):
+            with contextlib.suppress(Exception):  # (one torch took back already: custom_op's)
+                lib._destroy()
+        made: list[Any] = []
+        _LOADING.append((file, made))
+        if len(_LOADING) == 1:
+            _patch_library(torch, cls)
+        try:
+            with warnings.catch_warnings():  # torch's warning that a kernel is registered over another
+                warnings.filterwarnings("ignore", message="Warning only once for all operators")
+                yield
+        finally:
+            _LOADING.pop()
+            if not _LOADING:
+                for name, method in _ORIGINAL.items():
+                    setattr(cls, name, method)
+            _LIBRARIES[file] = made
+
+
+_ORIGINAL: dict[str, Any] = {}  # torch.library.Library's methods while operators_again replaces them
+
+
+def _patch_library(torch: Any, cls: Any) -> None:
+    """``torch.library.Library``'s constructor, ``define`` and ``impl`` as ``operators_again`` needs them while
+    a file loads. A Library made by other code than the loading file's (a module it imports for the first
+    time) is left as torch makes it."""
+    _ORIGINAL.update({name: cls.__dict__[name] for name in ("__init__", "define", "impl")})
+    init, define, impl = _ORIGINAL["__init__"], _ORIGINAL["define"], _ORIGINAL["impl"]
+    library = torch.library
+    torch_dir, stdlib = os.path.dirname(torch.__file__) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep
+
+    def passing(file: str) -> bool:  # torch's frames and the standard library's: torch.library.define's own
+        return file.startswith(torch_dir) or (file.startswith(stdlib) and "-packages" + os.sep not in file)
+
+    def making() -> list[Any] | None:
+        """The Libraries of the load whose file's code makes this one."""
+        frame = sys._getframe(2)
+        while frame is not None and passing(frame.f_code.co_filename):
+            frame = frame.f_back
+        name = frame.f_code.co_filename if frame is not None else None
+        return next((made for file, made in reversed(_LOADING) if file == name), None)
+
+    def loaded(lib: Any) -> bool:
+        return any(lib is other for _, made in _LOADING for other in made)
+
+    def __init__(self: Any, ns: str, kind: str, dispatch_key: str = "") -> None:
+        made = making()
+        init(self, ns, "FRAGMENT" if made is not None and kind == "DEF" else kind, dispatch_key)
+        if made is not None:
+            made.append(self)
+
+    def define_again(self: Any, schema: Any, *args: Any, **kwargs: Any) -> Any:
+        if loaded(self) and isinstance(schema, str):
+            name = schema.split("(")[0].strip()
+            base, _, overload = name.partition(".")
+            try:
+                there = str(torch._C._get_schema(f"{self.ns}::{base}", overload))
+            except RuntimeError:  # not defined
+                there = None
+            if there is not None and there == str(torch._C.parse_schema(f"{self.ns}::{schema}")):
+                return base  # (what torch's define returns: the name without its overload)
+        return define(self, schema, *args, **kwargs)
+
+    def impl_again(self: Any, op_name: Any, fn: Any, dispatch_key: str = "", *args: Any, **kwargs: Any) -> Any:
+        registered = getattr(library, "_impls", None)
+        if loaded(self) and isinstance(op_name, str) and isinstance(registered, set):
+            # (older torch refuses a kernel over one registered from Python, with no allow_override)
+            registered.discard(f"{self.ns}/{op_name.split('::')[-1]}/{dispatch_key or self.dispatch_key}")
+        return impl(self, op_name, fn, dispatch_key, *args, **kwargs)
+
+    cls.__init__, cls.define, cls.impl = __init__, define_again, impl_again
 
 
 SESSION_SCRIPT = "notebook-session.py"  # a bundle's name for the cells of the interactive session that recorded it
@@ -254,7 +358,8 @@ class _BundleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__file__ = file
         if module.__spec__ is not None and module.__spec__.submodule_search_locations is not None:
             module.__path__ = [str(Path(file).parent)]
-        exec(compile(self.loader.bundled[file], file, "exec"), module.__dict__)  # noqa: S102 - asked for
+        with operators_again(file):
+            exec(compile(self.loader.bundled[file], file, "exec"), module.__dict__)  # noqa: S102 - asked for
 
 
 class CodeLoader:
@@ -311,6 +416,16 @@ class CodeLoader:
                     self.skipped or "(0 top-level statements skipped)" not in note):  # worth a warning: some left out
                 self.notes.append(f"{self.script}: {note}")
         return self._main
+
+    def file_of(self, name: str) -> str | None:
+        """The file the code of module ``name`` was loaded from for this replay (its code's ``co_filename``),
+        where it is loaded: the training script (``__main__``), a bundled module, an imported one."""
+        if name == "__main__":
+            module: Any = self._main if self.script else self._live_main()
+        else:
+            module = self._bundled_modules.get(name) or sys.modules.get(name)
+        file = getattr(module, "__file__", None)
+        return file if isinstance(file, str) else None
 
     def _live_main(self) -> types.ModuleType | None:
         """This process's ``__main__``, when this process made the recording in an interactive session
@@ -399,7 +514,8 @@ class CodeLoader:
             saved = sys.modules.get(name)
             sys.modules[name] = found  # while it runs: dataclasses look their module up
             try:
-                exec(compile(self.bundled[file], file, "exec"), found.__dict__)  # noqa: S102 - asked for
+                with operators_again(file):
+                    exec(compile(self.bundled[file], file, "exec"), found.__dict__)  # noqa: S102 - asked for
             except Exception as exc:
                 raise ReplayError(f"the bundled source of {name} ({file}) failed to load: "
                                   f"{type(exc).__name__}: {exc}") from None
@@ -575,6 +691,41 @@ def find_module_file(name: str, dirs: list[str]) -> Path | None:
             if candidate.is_file():
                 return candidate
     return None
+
+
+def projects(file: str) -> bool:
+    """Whether a file is the training code's: outside the installed packages and the standard library."""
+    parts = Path(file).parts
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return "site-packages" not in parts and "dist-packages" not in parts and stdlib not in Path(file).parents
+
+
+def late_imports(script: str, dirs: list[str], text: str) -> list[tuple[str, str, int]]:
+    """``(module, function, line)`` for each ``import`` inside a function of the training script (``main()``'s
+    ``import myops``, which loading the script for a replay does not run) of a module of the project, found in
+    ``dirs`` or on the path, whose source holds ``text`` (an operator's namespace): read, never run."""
+    try:
+        tree = ast.parse(Path(script).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError):
+        return []
+    out = []
+    for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        for node in ast.walk(function):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            else:
+                continue
+            for name in names:
+                file = find_module_file(name, dirs)
+                if file is None or not projects(str(file)):
+                    continue
+                with contextlib.suppress(OSError, UnicodeDecodeError):
+                    if text in file.read_text(encoding="utf-8") and name not in [m for m, _, _ in out]:
+                        out.append((name, function.name, node.lineno))
+                break
+    return out
 
 
 def static_source(file: str | os.PathLike[str], qualname: str) -> str | None:

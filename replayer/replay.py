@@ -21,10 +21,12 @@ import contextlib
 import inspect
 import math
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,7 @@ from recorder.store.reader import TensorRecord
 
 from . import collectives, intervene, state
 from .arguments import unrecorded_arguments
-from .code import CodeLoader, submodule_entries
+from .code import CodeLoader, late_imports, projects, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, UnrecordedCall, descendants
 from .rebuild import Builder, load_state, unresolved
@@ -376,6 +378,22 @@ class Replayer:
                         "torch's functions and paper steps are kept)")
         return ""
 
+    def _unregistered_op(self, exc: BaseException | None) -> str | None:
+        """Why a replay raised ``exc`` where the recorded call returned, when it is an operator missing from
+        ``torch.ops`` in this process (torch's AttributeError on the namespace): registered when recorded by code a
+        replay does not run (``import myops`` inside ``main()``). A refusal, not an outcome of the step's."""
+        found = _NO_OP.match(str(exc)) if isinstance(exc, AttributeError) else None
+        if found is None:
+            return None
+        script = self.loader.script if isinstance(self.loader.script, str) else None
+        late = late_imports(script, self.loader.dirs, found[1]) if script else []
+        by = f"{late[0][0]}, imported inside {late[0][1]}() of {Path(script).name} at line {late[0][2]}" \
+            if late and script else "an import inside main(), say"
+        return (f"the operator torch.ops.{found[1]}.{found[2]} is not registered in this process: code a replay does "
+                f"not run registered it ({by}); import the module that registers it at module level (the script's "
+                "top level, not main(), or the step's own file), or in Python before replaying (import "
+                f"{late[0][0] if late else 'it'}, then replayer.replay)")
+
     def _check_swap_keys(self, step: Step, swaps: list[intervene.Swap]) -> None:
         """Refuse, before the replay, a swap key that names nothing the step holds: not the step
         itself, a module inside its module, nor a step inside it (a mistyped key read as "the fix
@@ -560,7 +578,11 @@ class Replayer:
             if self._repository:
                 result.warnings.append(self._repository)
             else:
-                result.warnings += _files_changed_since(self.rec.run_info, call, self.loader.script)
+                reached = self._reached_code(result.step, call)
+                named = _files_changed_since(self.rec.run_info, call, self.loader.script, reached)
+                result.warnings += named
+                if not named and reached and not _committed(self.rec.run_info):  # (a repository as recorded: it is)
+                    result.warnings.append(_unhashed(reached))
         version = layout.parse_version(self.rec.reader.schema_version)
         if version < layout.SUBMODULE_CODE_SINCE and call.module is not None:
             own = skeleton.own_class(call.module)
@@ -612,6 +634,29 @@ class Replayer:
                                    "recorded: the replay used their values now (a likely cause of any difference, if "
                                    "training changes them, an annealed temperature, a global step count, or the "
                                    "environment or command line set them when the code was loaded)")
+
+    def _reached_code(self, step: Step, call: _Call) -> dict[str, list[str]]:
+        """The functions of the training project the replayed call ran (``_Call.reached``), by file, but for
+        the code whose source the recording holds a hash of, which a replay checks (the step's definition, the
+        classes of its module's submodules, the steps inside it): the body of a custom operator, a helper."""
+        fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
+        refs = [fwd.definition.get("ref"), *(ref for ref, _, _ in submodule_entries(fwd._doc("module"))),
+                *(s.definition.get("ref") for s in descendants(fwd))]
+        checked = []
+        for ref in {r for r in refs if isinstance(r, str) and ":" in r}:
+            module, _, qualname = ref.partition(":")
+            file = self.loader.file_of(module)
+            if file is not None:
+                checked.append((file, qualname))
+        out: dict[str, list[str]] = {}
+        for code in call.reached:
+            file, name = code.co_filename, getattr(code, "co_qualname", code.co_name).split(".<locals>")[0]
+            if name == "<module>" or file.startswith(_PAPERDEBUGGER) or name in out.get(file, ()) or any(
+                    file == where and (name == q or name.startswith(f"{q}.")) for where, q in checked):
+                continue
+            if (os.path.isfile(file) or file in self.loader.bundled) and projects(file):
+                out.setdefault(file, []).append(name)
+        return {file: sorted(names) for file, names in out.items()}
 
     # -- preparing a call ------------------------------------------------------------------------
     def _prepare(self, step: Step, warnings: list[str], rebuilt: dict[str, str],
@@ -1183,6 +1228,9 @@ class Replayer:
                     tap.close()
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         recorded_exc = step.extra.get("exception")
+        missing = None if recorded_exc else self._unregistered_op(raised)
+        if missing:
+            raise ReplayError(f"step {step.index} ({step.name}): {missing}")
         hint = self._raised_hint(raised, step)
         if hint:
             warnings.append(f"a likely cause: {hint}")
@@ -1315,6 +1363,10 @@ class Replayer:
             except PdbgError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a backward cannot start from a forward that failed
+                missing = None if fwd.extra.get("exception") else self._unregistered_op(exc)
+                if missing:
+                    raise ReplayError(f"backward step {step.index}: rerunning its forward (step {fwd.index}, "
+                                      f"{fwd.name}): {missing}") from None
                 hint = self._raised_hint(exc, fwd)
                 if call.left_out and not hint:
                     hint = f"the module was rebuilt incomplete: {call.left_out[0]}"
@@ -1375,9 +1427,10 @@ class Replayer:
                 self._around("backward"), collectives.refused_in_backward(step):
             try:
                 try:
-                    grads = torch.autograd.grad([_plain(o) for o, _ in pairs], targets,
-                                                grad_outputs=[g for _, g in pairs], allow_unused=True,
-                                                create_graph=graphed)
+                    with _reaching(call.reached):
+                        grads = torch.autograd.grad([_plain(o) for o, _ in pairs], targets,
+                                                    grad_outputs=[g for _, g in pairs], allow_unused=True,
+                                                    create_graph=graphed)
                 except RuntimeError as exc:
                     if "use_reentrant=True" not in str(exc) or not all(t.is_leaf for t in targets):
                         raise
@@ -1629,11 +1682,13 @@ def _by_type(doc: Any, as_dicts: bool = False, layouts: bool = True) -> Any:
     return doc
 
 
-def _files_changed_since(run_info: dict[str, Any], call: _Call, script: str | None) -> list[str]:
+def _files_changed_since(run_info: dict[str, Any], call: _Call, script: str | None,
+                         reached: dict[str, list[str]]) -> list[str]:
     """The files of the replayed module's classes (its submodules', whose code a recording does not
-    hash: only the step's own is), or of a function step, modified after the recording began: code
-    the step ran may differ. ``script``: the training script's path, where its classes and functions
-    (``__main__``'s) were loaded from."""
+    hash: only the step's own is), or of a function step, and of the functions the call ran besides
+    (``reached``: by file, those the recording holds no hash of), modified after the recording began:
+    code the step ran may differ. ``script``: the training script's path, where its classes and
+    functions (``__main__``'s) were loaded from."""
     from .bundles import installed
 
     started = run_info.get("started_unix")
@@ -1654,12 +1709,81 @@ def _files_changed_since(run_info: dict[str, Any], call: _Call, script: str | No
         with contextlib.suppress(OSError):
             if os.path.getmtime(file) > started:
                 changed.setdefault(file, []).append(name)
-    if function:
-        return [f"{file} was modified after the recording began, and the step's function {names[0]} is defined "
-                "there: the helpers and module-level values it uses from that file may not be what ran (a likely "
-                "cause of any difference)" for file, names in changed.items()]
-    return [f"{file} was modified after the recording began, and the step's module uses {', '.join(names)} from it: "
-            "its code may not be what ran (a likely cause of any difference)" for file, names in changed.items()]
+    ran: dict[str, list[str]] = {}
+    for file, names in reached.items():
+        with contextlib.suppress(OSError):
+            if os.path.getmtime(file) > started and not (function and file in changed):
+                ran[file] = names
+    out = [f"{file} was modified after the recording began, and the step's function {names[0]} is defined there: "
+           "the helpers and module-level values it uses from that file may not be what ran (a likely cause of any "
+           "difference)" for file, names in changed.items()] if function else []
+    for file in dict.fromkeys([*([] if function else changed), *ran]):
+        uses, calls = ([] if function else changed.get(file, [])), ran.get(file, [])
+        ran_there = f"{', '.join(calls[:6])}{' ...' if len(calls) > 6 else ''}"
+        what = (f"the step's module uses {', '.join(uses)} from it" + (f" and its call ran {ran_there} there"
+                                                                     if calls else "")
+                if uses else f"the step's call ran {ran_there} from it")
+        out.append(f"{file} was modified after the recording began, and {what}: its code may not be what ran (a likely "
+                   "cause of any difference)")
+    return out
+
+
+# What the warnings of a replay that differs say of the code it ran not being the recorded code (bundle --verify
+# names them): a definition's hash, a file's time, the repository's commit, code of which no hash was recorded.
+_ABOUT_CODE = ("changed since recording", "was modified after the recording began", "the repository of the training "
+               "code", "of which the recording holds no hash")
+
+
+def about_code(warning: str) -> bool:
+    """Whether a replay's warning says that code it ran may not be the recorded code."""
+    return any(text in warning for text in _ABOUT_CODE)
+
+
+def _unhashed(reached: dict[str, list[str]]) -> str:
+    """What a replay that differs says of the training project's code it ran besides what the recording holds
+    a hash of (``Replayer._reached_code``), where no file of it was modified after the recording began."""
+    ran = "; ".join(f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} in {file}"
+                    for file, names in list(reached.items())[:3])
+    return (f"the step's call ran code of the training project outside its recorded definition ({ran}), of which the "
+            "recording holds no hash: whether it changed since recording is not checked (a likely cause of the "
+            "difference if it did: a helper or custom operator edited since)")
+
+
+def _committed(run_info: dict[str, Any]) -> bool:
+    """Whether the recording names the git commit of the training code's repository (then a replay
+    says where the repository is not as recorded, ``_repository_changed``)."""
+    git = run_info.get("git")
+    return isinstance(git, dict) and isinstance(git.get("commit"), str)
+
+
+@contextlib.contextmanager
+def _reaching(reached: set[types.CodeType]) -> Iterator[None]:
+    """Gathers the Python functions the block runs on this thread, by code object (``_Call.reached``): where a
+    replay differs, what it ran of the training project's code besides what the recording holds a hash of is
+    named (a custom operator's body in another file). Through cProfile, which calls nothing in Python at each
+    call (a Python profile function made verify half as slow again). Where a profiler is set already (the
+    user's), it is left alone and nothing is gathered."""
+    import cProfile
+
+    profile = cProfile.Profile(builtins=False, subcalls=False)
+    try:
+        if sys.getprofile() is not None:
+            raise ValueError("a profiler is set")
+        profile.enable()
+    except ValueError:  # (Python 3.12 and later: another profiler is active)
+        yield
+        return
+    try:
+        yield
+    finally:
+        profile.disable()
+        reached.update(entry.code for entry in profile.getstats() if isinstance(entry.code, types.CodeType))
+
+
+# PaperDebugger's own packages (the recorder's paper_step wrapper runs in a replayed call too), where they are
+_HERE = Path(__file__).parents[1]
+_PAPERDEBUGGER = tuple({str(root / name) + os.sep for root in (_HERE, _HERE.resolve())
+                        for name in ("recorder", "replayer", "tui")})
 
 
 def _repository_changed(run_info: dict[str, Any]) -> str | None:
@@ -1778,10 +1902,11 @@ class _Call:
     order_doubts: list[str] = field(default_factory=list)  # (before 1.16) children that may be out of order
     code_drift: list[str] = field(default_factory=list)  # submodule classes whose code changed since recording
     classes: dict[str, Any] = field(default_factory=dict)  # the rebuilt module's classes, by reference
+    reached: set[types.CodeType] = field(default_factory=set)  # the Python code the call ran (_reaching)
 
     def run(self) -> Any:
         # (given back as they were: a notebook's own generators, a module another call of the pass runs on too)
-        with snapshot.applied_global_rngs([*self.rngs, *self.held]):
+        with snapshot.applied_global_rngs([*self.rngs, *self.held]), _reaching(self.reached):
             if self.vmap is None:
                 return self.fn(*self.args, **self.kwargs)
             return self.vmap.run(self.fn, self.module, self.args, self.kwargs)
@@ -1829,6 +1954,7 @@ class _Vmap:
 
 
 _RANDOMNESS_ERROR = "randomness error mode"  # what torch's vmap raises at a random draw under randomness="error"
+_NO_OP = re.compile(r"'_OpNamespace' '([\w.]+)' object has no attribute '(\w+)'")  # torch.ops.NS.NAME: none such
 
 
 def _vmap_plan(step: Step, args: list[Any], kwargs: dict[str, Any], given: dict[str, torch.Tensor],

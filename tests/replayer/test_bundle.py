@@ -11,6 +11,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -316,6 +317,62 @@ def test_a_bundle_names_a_submodule_class_edited_here_or_in_its_carried_copy(tmp
     assert res.returncode == 1 and not doc["match"]
     assert doc["warnings"] == [f"code of MLP (a submodule of Block: blocks.0.mlp) changed since recording "
                                f"({module}:6): a likely cause of the difference"], doc["warnings"]
+
+
+OP_SCRIPT = """
+import sys
+
+import torch
+from torch import nn
+
+import recorder
+
+LIB = torch.library.Library("pdbg_bundled", "DEF")
+LIB.define("soft(Tensor x) -> Tensor")
+
+
+def _soft(x):
+    return torch.log1p(torch.exp(x * 2.0)) / 2.0
+
+
+LIB.impl("soft", _soft, "CPU")
+
+
+@recorder.paper_step("Eq. 3")
+class Soft(nn.Module):
+    def forward(self, x):
+        return torch.ops.pdbg_bundled.soft(x)
+
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1]):
+        Soft()(torch.linspace(-2, 2, 8))
+"""
+
+
+def test_a_bundle_verification_names_the_script_whose_operator_changed(tmp_path: Path) -> None:
+    """The body of a custom operator the script defines (torch.library) edited after recording: bundle --verify
+    said "verified: MISMATCH" with no reason (its code notes were empty), where pdbg replay of the step named the
+    script modified since. Now the verification names it, with the operator's function its call ran; and the
+    bundles made one after another in this process all load the script (its operator defined again)."""
+    from tests.cli import pdbg_here
+
+    script = tmp_path / "train.py"
+    script.write_text(OP_SCRIPT)
+    assert run([sys.executable, "train.py", "run.zarr"], tmp_path, tmp_path).returncode == 0
+    made = pdbg_here("bundle", "run.zarr", "0", "-o", "before.pdbg", "--verify", "--json", cwd=tmp_path)
+    doc = json.loads(made.stdout)
+    assert made.returncode == 0 and doc["verified"] is True and doc["code_notes"] == [], made.stdout
+    script.write_text(OP_SCRIPT.replace("x * 2.0", "x * 2.01"))
+    os.utime(script, (time.time() + 5, time.time() + 5))  # (a second's clock on some file systems)
+    why = (f"{script} was modified after the recording began, and the step's module uses Soft from it and its call "
+           "ran _soft there: its code may not be what ran (a likely cause of any difference)")
+    made = pdbg_here("bundle", "run.zarr", "0", "-o", "after.pdbg", "--verify", cwd=tmp_path)
+    assert made.returncode == 1 and "verified: MISMATCH when replayed from the bundle" in made.stdout, made.stdout
+    assert f"\nwarning: {why}\n" in made.stdout, made.stdout
+    made = pdbg_here("bundle", "run.zarr", "0", "-o", "again.pdbg", "--verify", "--json", cwd=tmp_path)
+    doc = json.loads(made.stdout)
+    assert made.returncode == 1 and doc["verified"] is False and doc["code_notes"] == [why], made.stdout
 
 
 class Evil:

@@ -3068,6 +3068,195 @@ def test_a_mismatch_after_the_repository_changed_says_so(tmp_path: Path) -> None
     assert res.returncode == 1 and "when recorded and is at " in res.stdout and "git diff " in res.stdout, res.stdout
 
 
+LIBRARY_SCRIPT = """
+import sys
+
+import torch
+
+import recorder
+
+LIB = torch.library.Library("pdbg_twice", "DEF")
+LIB.define("scale(Tensor x) -> Tensor")
+
+
+def _scale(x):
+    return x * 3.0
+
+
+LIB.impl("scale", _scale, "CPU")
+torch.library.define("pdbg_twice_frag::shift", "(Tensor x) -> Tensor")
+
+
+@torch.library.impl("pdbg_twice_frag::shift", "cpu")
+def _shift(x):
+    return x + 1.0
+
+
+@recorder.paper_step("Eq. 1")
+def scaled(x):
+    return torch.ops.pdbg_twice_frag.shift(torch.ops.pdbg_twice.scale(x))
+
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1]):
+        scaled(torch.linspace(-1, 1, 5))
+    if len(sys.argv) > 2:  # replayed by the process that trained, as examples/nan_smooth_relu.py does
+        import replayer
+
+        rec = replayer.open(sys.argv[1])
+        print("replays:", [replayer.replay(rec, 0).match for _ in range(2)])
+"""
+
+
+def test_a_script_defining_operators_with_torch_library_replays_again_in_one_process(tmp_path: Path) -> None:
+    """A script defining its operators with torch.library.Library("ns", "DEF") and torch.library.define (a
+    FRAGMENT): each replay loads the script again, and torch refused to register the namespace twice, so only
+    the first replay in a process ran (the TUI's r, then b or e failed; a notebook), and a script that trained
+    and then replayed failed at its first. Now each replay runs, with the operators' code as it is now."""
+    script = tmp_path / "train.py"
+    script.write_text(LIBRARY_SCRIPT)
+    res = python("train.py", "run.zarr", "replay", cwd=tmp_path)
+    assert res.returncode == 0 and "replays: [True, True]" in res.stdout, res.stdout + res.stderr
+    rec = replayer.open(tmp_path / "run.zarr")
+    x = torch.linspace(-1, 1, 5)
+    for _ in range(2):  # (a Replayer each, as the TUI's r and e make)
+        again = replayer.replay(rec, 0)
+        assert again.match and bits_equal(again.values["output"], x * 3.0 + 1.0)
+    script.write_text(LIBRARY_SCRIPT.replace("x * 3.0", "x * 3.5"))  # the operator edited: its new code runs
+    edited = replayer.replay(rec, 0)
+    assert not edited.match and bits_equal(edited.values["output"], x * 3.5 + 1.0)
+    script.write_text(LIBRARY_SCRIPT)
+    back = replayer.replay(rec, 0)
+    assert back.match and bits_equal(back.values["output"], x * 3.0 + 1.0)
+
+
+LATE_OPS = """
+import torch
+
+
+@torch.library.custom_op("pdbg_late::soft", mutates_args=())
+def soft(x: torch.Tensor) -> torch.Tensor:
+    return torch.log1p(torch.exp(x * 2.0)) / 2.0
+"""
+
+LATE_SCRIPT = """
+import argparse
+
+import torch
+from torch import nn
+
+import recorder
+
+
+@recorder.paper_step("Eq. 3")
+class Soft(nn.Module):
+    def forward(self, x):
+        return torch.ops.pdbg_late.soft(x)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--fused", action="store_true")
+    args = parser.parse_args()
+    if args.fused:
+        import lateops  # registers torch.ops.pdbg_late.soft
+    with recorder.record(args.out):
+        Soft()(torch.linspace(-2, 2, 8))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_an_operator_an_import_inside_main_registered_is_named_not_a_mismatch(tmp_path: Path) -> None:
+    """A custom operator registered by an import inside main() (`if args.fused: import lateops`): a replay
+    loads the script's definitions without running main(), so torch.ops had no such operator, and every
+    replay was a MISMATCH ("the replay raised AttributeError: '_OpNamespace' 'pdbg_late' object has no
+    attribute 'soft'"). Now the step cannot be replayed, in one line naming the operator, the import and what
+    to do; and importing that module before replaying, as it says, replays it."""
+    (tmp_path / "lateops.py").write_text(LATE_OPS)
+    (tmp_path / "train.py").write_text(LATE_SCRIPT)
+    assert python("train.py", "run.zarr", "--fused", cwd=tmp_path).returncode == 0
+    why = ("the operator torch.ops.pdbg_late.soft is not registered in this process: code a replay does not run "
+           "registered it (lateops, imported inside main() of train.py at line 22); import the module that "
+           "registers it at module level (the script's top level, not main(), or the step's own file), or in Python "
+           "before replaying (import lateops, then replayer.replay)")
+    verify = pdbg_here("verify", "run.zarr", cwd=tmp_path)
+    assert verify.returncode == 2 and verify.stdout.splitlines() == [
+        "run.zarr: no step replayed; 1 step could not be replayed", "could not be replayed:",
+        f"  step 0: Eq. 3 (Soft), forward, iteration 0, call 0: step 0 (Soft): {why}"], verify.stdout
+    with pytest.raises(ReplayError) as refused:
+        replayer.replay(tmp_path / "run.zarr", 0)
+    assert str(refused.value) == f"step 0 (Soft): {why}"
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import lateops  # noqa: F401 - registers the operator, as the refusal says to
+
+        assert replayer.replay(tmp_path / "run.zarr", 0).match
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("lateops", None)
+
+
+ELSEWHERE_OPS = """
+import torch
+
+
+@torch.library.custom_op("pdbg_elsewhere::soft", mutates_args=())
+def soft(x: torch.Tensor) -> torch.Tensor:
+    return torch.log1p(torch.exp(x * 2.0)) / 2.0
+"""
+
+ELSEWHERE_SCRIPT = """
+import sys
+
+import torch
+from torch import nn
+
+import ops  # noqa: F401 - registers torch.ops.pdbg_elsewhere.soft
+import recorder
+
+
+@recorder.paper_step("Eq. 3")
+class Soft(nn.Module):
+    def forward(self, x):
+        return torch.ops.pdbg_elsewhere.soft(x)
+
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1]):
+        Soft()(torch.linspace(-2, 2, 8))
+"""
+
+
+def test_a_custom_operator_edited_in_another_file_is_named_where_a_replay_differs(tmp_path: Path) -> None:
+    """The body of a custom operator in another file of the project (ops.py) edited after recording: the
+    step's own code (Soft, in train.py) is as recorded, and the replay was a bare MISMATCH. Now it names the
+    file the call ran code from that was modified after the recording began, with the function; and where the
+    file's time says nothing (kept as it was), that the code it ran there is not checked against the recording."""
+    ops = tmp_path / "ops.py"
+    ops.write_text(ELSEWHERE_OPS)
+    (tmp_path / "train.py").write_text(ELSEWHERE_SCRIPT)
+    assert python("train.py", "run.zarr", cwd=tmp_path).returncode == 0
+    started = replayer.open(tmp_path / "run.zarr").run_info["started_unix"]
+    ops.write_text(ELSEWHERE_OPS.replace("x * 2.0", "x * 2.01"))
+    os.utime(ops, (time.time() + 5, time.time() + 5))
+    res = pdbg_here("replay", "run.zarr", "0", "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and doc["warnings"] == [
+        f"{ops} was modified after the recording began, and the step's call ran soft from it: its code may not be "
+        "what ran (a likely cause of any difference)"], doc["warnings"]
+    os.utime(ops, (started - 60, started - 60))
+    res = pdbg_here("replay", "run.zarr", "0", "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and doc["warnings"] == [
+        f"the step's call ran code of the training project outside its recorded definition (soft in {ops}), of "
+        "which the recording holds no hash: whether it changed since recording is not checked (a likely cause of "
+        "the difference if it did: a helper or custom operator edited since)"], doc["warnings"]
+
+
 _KERNELS: dict = {}
 
 
