@@ -16,6 +16,7 @@ import re
 import sys
 import sysconfig
 import types
+import typing
 from collections import abc
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -88,20 +89,63 @@ _NOT_PLAIN = (type, types.FunctionType, types.MethodType, types.ModuleType, type
               torch.nn.Module, torch.Tensor, np.ndarray)
 
 
+# Bases that hold no state of an instance and change nothing of how one is made: typing.Generic (torch's
+# Independent derives from Generic[D]; a C type from Python 3.12), whatever their own flags say.
+_STATELESS_BASES = (typing.Generic,)
+
+
 def _plain_object(value: Any) -> bool:
     """A user object that is only its fields: an instance of a class defined in Python whose state is
-    its ``__dict__`` (no custom pickling, no C base class), with a modest number of fields."""
+    its ``__dict__`` (no custom pickling, no C base class, no slot holding state: the empty ``__slots__``
+    of typing.Generic or of a mixin holds none), with a modest number of fields. torch.distributions'
+    transforms too, whose ``__getstate__`` only drops the link to their inverse (``_state``)."""
     cls = type(value)
     if cls is types.SimpleNamespace:  # argparse-like configs: only its fields
         return len(value.__dict__) <= _MAX_FIELDS
     if type(cls) is not type or isinstance(value, _NOT_PLAIN) or not isinstance(getattr(value, "__dict__", None), dict):
         return False
-    if any(not (c.__flags__ & _HEAPTYPE) for c in cls.__mro__[:-1]):
+    bases = [c for c in cls.__mro__[:-1] if c not in _STATELESS_BASES]
+    if any(not (c.__flags__ & _HEAPTYPE) or _holds_slots(c) for c in bases):
         return False
-    if any(name in c.__dict__ for c in cls.__mro__[:-1]
-           for name in ("__reduce__", "__reduce_ex__", "__getstate__", "__slots__")):
+    transform = _transform_class(cls)
+    if any(name in c.__dict__ and not (transform and name == "__getstate__") for c in bases
+           for name in ("__reduce__", "__reduce_ex__", "__getstate__")):
         return False
     return len(value.__dict__) <= _MAX_FIELDS
+
+
+def _holds_slots(cls: type) -> bool:
+    """Whether ``cls`` itself declares slots that hold state (not an empty ``__slots__``, nor one of only
+    ``__dict__`` and ``__weakref__``)."""
+    if "__slots__" not in cls.__dict__:
+        return False
+    slots = cls.__dict__["__slots__"]
+    try:
+        names = [slots] if isinstance(slots, str) else list(slots)
+    except TypeError:
+        return True
+    return any(n not in ("__dict__", "__weakref__") for n in names)
+
+
+def _transform_class(cls: type) -> bool:
+    """A torch.distributions transform's class whose ``__getstate__`` is torch's ``Transform.__getstate__``
+    (which only drops the link to its inverse: ``_state``). Where torch.distributions is not loaded, no
+    value is a transform."""
+    module = sys.modules.get("torch.distributions.transforms")
+    base = getattr(module, "Transform", None)
+    return isinstance(base, type) and issubclass(cls, base) and getattr(cls, "__getstate__", None) is \
+        base.__getstate__
+
+
+def _state(value: Any) -> dict:
+    """The fields a plain object is recorded by: its ``__dict__``; a torch.distributions transform's
+    without its cached inverse (``_inv``, made again when asked for, and a cycle back to the transform),
+    as its ``__getstate__`` gives it, where it is not that inverse itself (whose ``_inv`` is the transform)."""
+    state = value.__dict__
+    if state.get("_inv") is not None and _transform_class(type(value)) and \
+            type(value) is not sys.modules["torch.distributions.transforms"]._InverseTransform:
+        return {**state, "_inv": None}
+    return state
 
 
 def _mapping_class(cls: type) -> bool:
@@ -352,10 +396,10 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
                     return _opaque(value)
                 out["attrs"] = {k: sub(k, state[k]) for k in extra}
             return {"$dataclass": out}
-        names = list(dict.keys(value.__dict__))
-        if not all(type(n) is str and not _SURROGATE.search(n) for n in names):
+        state = _state(value)
+        if not all(type(n) is str and not _SURROGATE.search(n) for n in state):
             return _opaque(value)
-        return {"$object": {"type": type_ref(value), "fields": {n: sub(n, value.__dict__[n]) for n in names}}}
+        return {"$object": {"type": type_ref(value), "fields": {n: sub(n, v) for n, v in list(state.items())}}}
 
     return enc(value, "", 0)
 
@@ -842,7 +886,8 @@ def plain_instance(value: Any) -> bool:
 
 def _plain_class(cls: type) -> bool:
     return type(cls) is type and not issubclass(cls, _NOT_PLAIN) and all(
-        c.__flags__ & _HEAPTYPE for c in cls.__mro__[:-1]) and cls.__new__ is object.__new__
+        c.__flags__ & _HEAPTYPE for c in cls.__mro__[:-1] if c not in _STATELESS_BASES) and \
+        cls.__new__ is object.__new__
 
 
 def decode(doc: Any, *, tensor: Callable[[str], Any] | None = None, import_types: bool = False,

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
+from torch.distributions import Distribution
 
 from . import jsonval
 
@@ -612,6 +613,11 @@ def flushes_denormals() -> bool:
     return bool(_SMALLEST_NORMAL * _HALF == 0)
 
 
+def _validates_distributions() -> bool:
+    """torch.distributions' default ``validate_args`` (``Distribution.set_default_validate_args``)."""
+    return bool(Distribution._validate_args)
+
+
 def _candidates() -> list[tuple[str, Any, Any]]:
     """(setting, fast getter or None, public getter) for every numerics setting.
 
@@ -664,6 +670,9 @@ def _candidates() -> list[tuple[str, Any, Any]]:
         ("grad_enabled", None, torch.is_grad_enabled),
         ("inference_mode", None, torch.is_inference_mode_enabled),
         ("flush_denormal", None, flushes_denormals),
+        # torch.distributions' default: whether a distribution made without validate_args checks its parameters and
+        # the values log_prob is given (set_default_validate_args; a NaN sample raises where it does)
+        ("distributions_validate_args", None, _validates_distributions),
         ("autocast_cpu", None, lambda: torch.is_autocast_enabled("cpu")),
         ("autocast_cpu_dtype", None, lambda: torch.get_autocast_dtype("cpu")),
         ("autocast_cuda", None, lambda: torch.is_autocast_enabled("cuda")),

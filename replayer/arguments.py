@@ -9,6 +9,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from recorder import jsonval
+
 from .recording import Step
 
 
@@ -32,10 +34,10 @@ class Unrecorded:
 
 def type_words(ref: str) -> str:
     """A type reference in words, with its article: "transformers.cache_utils:DynamicCache" is "a
-    transformers DynamicCache", "builtins:list" "a list"."""
+    transformers DynamicCache", "builtins:list" "a list", "__main__:Box" (the script's) "a Box"."""
     module, _, name = ref.rpartition(":")
     top = module.partition(".")[0]
-    return _article(name if top in ("", "builtins") else f"{top} {name}")
+    return _article(name if top in ("", "builtins", "__main__") else f"{top} {name}")
 
 
 def _article(words: str) -> str:
@@ -69,12 +71,27 @@ def unrecorded_arguments(step: Step) -> list[Unrecorded]:
         inner = ""
         if found[0][0]:  # inside the argument: say which part, and what it held
             first = found[0][0].split(".")[0]
-            kinds = list(dict.fromkeys(_short(t) for p, t in found if p.split(".")[0] == first))
-            count = sum(1 for p, _ in found if p.split(".")[0] == first)
+            kinds = list(dict.fromkeys(_short(t) for p, t, _ in found if p.split(".")[0] == first))
+            count = sum(1 for p, _, _ in found if p.split(".")[0] == first)
             what = f"{', '.join(kinds)} objects" if count > 1 else _article(_short(found[0][1]))
             inner = f"its {first}: {what}"
         name = names.get(path) or (path.removeprefix("kwargs.") if path.startswith("kwargs.") else path)
         out.append(Unrecorded(path, name, _own_type(value), inner))
+    return out
+
+
+def unrecorded_outputs(doc: Any) -> list[str]:
+    """The parts of a forward step's output document not recorded as data (``$opaque`` values: its type
+    and repr alone: an object with slots or custom pickling), each with its path and type in words, and
+    why where the recording says: ["output (a mypkg Handle)", "output.1 (a numpy array of 12,288 values
+    ..., over the 4,096 recorded as data)"]. A replay compares them by their type alone: never as a match
+    of their values."""
+    out = []
+    for path, ref, payload in _leaves(doc, "output", metadata=False):
+        reason = None
+        if isinstance(payload, dict) and isinstance(payload.get("repr"), str):
+            reason = jsonval.opaque_reason(jsonval.Opaque(ref, payload["repr"]))
+        out.append(f"{path} ({reason or type_words(ref)})")
     return out
 
 
@@ -101,44 +118,47 @@ def _own_type(doc: Any) -> str:
     return "builtins:dict" if isinstance(doc, dict) else f"builtins:{type(doc).__name__}"
 
 
-def _leaves(doc: Any, path: str) -> Any:
-    """(path below the argument, type reference) of each value in ``doc`` not recorded as data."""
+def _leaves(doc: Any, path: str, metadata: bool = True) -> Any:
+    """(path below the argument, type reference, the ``$opaque`` payload or None) of each value in
+    ``doc`` not recorded as data; ``metadata`` False: not a tensor recorded by its metadata alone."""
     def at(key: Any) -> str:
         return f"{path}.{key}" if path else str(key)
 
     if isinstance(doc, list):
         for i, v in enumerate(doc):
-            yield from _leaves(v, at(i))
+            yield from _leaves(v, at(i), metadata)
         return
     if not isinstance(doc, dict):
         return
     if len(doc) == 1:
         tag, payload = next(iter(doc.items()))
         if tag == "$opaque":
-            yield path, str(payload.get("type")) if isinstance(payload, dict) else "?"
+            yield path, str(payload.get("type")) if isinstance(payload, dict) else "?", payload
             return
         if tag == "$tensor_meta":
-            yield path, "torch:Tensor"
+            if metadata:
+                yield path, "torch:Tensor", None
             return
         if tag in ("$object", "$dataclass", "$namedtuple") and isinstance(payload, dict):
             fields = payload.get("fields")
             for k, v in (fields.items() if isinstance(fields, dict) else ()):
-                yield from _leaves(v, at(k))
+                yield from _leaves(v, at(k), metadata)
             attrs = payload.get("attrs")
             for k, v in (attrs.items() if isinstance(attrs, dict) else ()):
-                yield from _leaves(v, at(k))
+                yield from _leaves(v, at(k), metadata)
             return
         if tag in _CONTAINERS and isinstance(payload, list):
             for i, v in enumerate(payload):
-                yield from _leaves(v[1] if tag == "$dict" and isinstance(v, list) and len(v) == 2 else v, at(i))
+                yield from _leaves(v[1] if tag == "$dict" and isinstance(v, list) and len(v) == 2 else v, at(i),
+                                   metadata)
             return
         if tag.startswith("$"):  # another tagged value ($mapping, $partial): where inside it is not said
             for v in payload.values() if isinstance(payload, dict) else payload if isinstance(payload, list) else ():
-                for _, t in _leaves(v, ""):
-                    yield path, t
+                for _, t, inner in _leaves(v, "", metadata):
+                    yield path, t, inner
             return
     for k, v in doc.items():
-        yield from _leaves(v, at(k))
+        yield from _leaves(v, at(k), metadata)
 
 
 def _parameter_names(step: Step, positional: int) -> dict[str, str]:

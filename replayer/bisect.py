@@ -889,8 +889,8 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         maker = _mask_source(rec, k, step)
         what = _nonfinite_text(step, layout_results(step.phase)) or ["non-finite results"]
         origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} from its input {record.name} "
-                              f"({_counts(rec, record)}), the output of {describe(producer)}, which holds it as a mask's "
-                              "Inf: the first result that Inf made non-finite" + _source_text(k, maker, producer)
+                              f"({_counts(rec, record)}), the output of {describe(producer)}, which holds it as a "
+                              "mask's Inf: the first result that Inf made non-finite" + _source_text(k, maker, producer)
                         + _not_overflow_note(step, not_overflows), _after(rec, index, went, spread),
                         followed=int(went[index + 1:].sum()), source=maker)
         if ops:
@@ -2186,9 +2186,10 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
         reasons.append("its code differs between the runs")
     reasons += _submodule_code_differences(sa, sb)
     reasons += _module_differences(sa, sb)
-    if sa.settings != sb.settings:
-        keys = sorted(k for k in set(sa.settings) | set(sb.settings) if sa.settings.get(k) != sb.settings.get(k))
-        reasons.append(f"settings differ ({', '.join(keys[:5])})")
+    if sa.settings != sb.settings:  # (not a setting one run's recorder did not record yet: no difference seen)
+        keys = sorted(k for k in set(sa.settings) & set(sb.settings) if sa.settings.get(k) != sb.settings.get(k))
+        if keys:
+            reasons.append(f"settings differ ({', '.join(keys[:5])})")
     machines = _machines_differ(sa, sb)
     if machines:
         reasons.append(f"the runs were recorded with different software or hardware ({'; '.join(machines)})")

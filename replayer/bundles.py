@@ -73,6 +73,8 @@ class BundleInfo:
     code_notes: list[str] = field(default_factory=list)
     # verified: the tensors that matched by statistics only, not bit for bit (a sparse result: ReplayResult's)
     by_statistics: list[str] = field(default_factory=list)
+    # the parts of the main step's output not recorded as data, which the verifying replay did not compare
+    not_compared: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -89,12 +91,14 @@ class BundleInfo:
 
     def to_json(self) -> dict[str, Any]:
         """``pdbg bundle --json``: {"path", "bytes", "steps", "verified", "main_step", "script", "sources",
-        "not_verified", "unreplayable", "verified_with", "code_notes", "by_statistics"}."""
+        "not_verified", "unreplayable", "verified_with", "code_notes", "by_statistics",
+        "not_compared"}."""
         return {"path": str(self.path), "bytes": self.bytes, "steps": self.steps, "verified": self.verified,
                 "main_step": self.main_step, "script": str(self.script) if self.script else None,
                 "sources": self.sources, "not_verified": self.not_verified, "unreplayable": self.unreplayable,
                 "verified_with": self.verified_with, "code_notes": self.code_notes,
-                "by_statistics": self.by_statistics}
+                "by_statistics": self.by_statistics,
+                "not_compared": self.not_compared}
 
     def __repr__(self) -> str:
         verified = f"verified: {self.verdict}" if self.verified is not None else self.verdict
@@ -390,6 +394,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
             backend.put(backend.open_store(store_dir, mode="w"), recipes_mod.KEY,
                         json.dumps(carried, indent=1).encode())
         verified, not_verified, verified_with, by_statistics = None, None, None, []
+        not_compared: list[str] = []
         notes = _carried_drift(steps, sources)
         if verify:
             backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta).encode())
@@ -411,6 +416,9 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                 meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
                                     "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings,
                                     "environment": verified_with}
+                not_compared = result.not_compared
+                if not_compared:  # (a match of what was compared: the rest is said, never a match)
+                    meta["verified"]["not_compared"] = not_compared
                 notes = [w for w in result.warnings if about_code(w)] + notes
         backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta, indent=1).encode())
         partial = work / "bundle.zip"
@@ -425,7 +433,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
 
     refusal = None if verify else known_refusal(main)
     return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro, sorted(sources), not_verified,
-                      refusal, verified_with, notes, by_statistics)
+                      refusal, verified_with, notes, by_statistics, not_compared)
 
 
 def _verifying_environment(step: Step) -> dict[str, Any]:
@@ -491,6 +499,9 @@ def verification_note(rec: Recording) -> str | None:
     by_statistics = [o.split(": ", 1)[0] for o in outputs if isinstance(o, str) and f": {BY_STATISTICS}" in o]
     if verified.get("match") is True and by_statistics:  # (a sparse result: its statistics are all there is)
         verdict = f"match by statistics only for {', '.join(by_statistics[:3])}, not bit for bit"
+    unseen = verified.get("not_compared")
+    if verified.get("match") is True and isinstance(unseen, list) and unseen:
+        verdict += f" of what was compared (not recorded as data, not compared: {', '.join(map(str, unseen))})"
     env = verified_environment(verified)
     if env is None:
         return (f"bundle verified when made: {verdict} (with what PaperDebugger, torch and machine is not recorded: "
@@ -621,7 +632,9 @@ except PdbgError as exc:
     sys.exit(2)
 print(f"step {{result.step.index}} ({{result.step.name}}, {{result.step.phase}}): "
       + ("nothing compared" if not result.compared else "MISMATCH" if not result.match
-         else "match by statistics only" if getattr(result, "by_statistics", None) else "bitwise match"))
+         else ("match by statistics only" if getattr(result, "by_statistics", None) else "bitwise match")
+         + ("" if not getattr(result, "not_compared", None) else
+            ", in what was compared; not recorded as data, not compared: " + ", ".join(result.not_compared))))
 for diff in result.outputs:
     print(f"  {{diff.summary()}}")
 changed = [s for s in result.inner if not s.match]

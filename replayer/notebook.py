@@ -259,10 +259,12 @@ def step_table(t: StepTable) -> str:
 
 def replay_result(res: ReplayResult) -> str:
     """The verdict, each compared tensor, the first divergent inner step, warnings and differences."""
+    part = " of what was compared" if res.not_compared else ""  # (the rest: "not compared", below)
     verdict = (badge("nothing compared", "alert") if not res.compared
-               else badge("no change: the intervention left every output as recorded", "alert")
-               if res.match and res.intervention else badge("match by statistics only", "match")
-               if res.match and res.by_statistics else badge("bitwise match", "match") if res.match
+               else badge("no change in what was compared" if part else
+                          "no change: the intervention left every output as recorded", "alert")
+               if res.match and res.intervention else badge(f"match by statistics only{part}", "match")
+               if res.match and res.by_statistics else badge(f"bitwise match{part}", "match") if res.match
                else badge("mismatch, as the intervention makes it", "mismatch") if res.intervention
                else badge("mismatch"))
     first = res.first_divergence
@@ -272,6 +274,7 @@ def replay_result(res: ReplayResult) -> str:
             ("first divergent inner step", join([step_ref(first.step), f" ({first.change})"]) if first else None),
             ("inner calls not recorded", res.unrecorded_inner.text if res.unrecorded_inner else None),
             ("rebuilt", ", ".join(f"{p or '(outermost)'}: {how}" for p, how in res.rebuilt.items()) or None),
+            ("not compared", ", ".join(res.not_compared) + ": not recorded as data" if res.not_compared else None),
             ("intervention", _short({k: v for k, v in (res.intervention or {}).items() if v not in (None, {}, [])}))]
     outputs = table(("tensor", "role", "bits", "elements differing", "max abs diff", "max rel diff", "max ULP",
                      "NaN / Inf recorded", "NaN / Inf replayed", "note"),

@@ -40,8 +40,8 @@ from recorder.payload import dtype_name, overlaps_itself
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
-from . import collectives, intervene, state
-from .arguments import unrecorded_arguments
+from . import collectives, distributions, intervene, state
+from .arguments import unrecorded_arguments, unrecorded_outputs
 from .code import CodeLoader, late_imports, projects, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, UnrecordedCall, descendants
@@ -50,6 +50,8 @@ from .recording import Recording, Step, join_path
 
 NOTHING_COMPARED = ("the step returned no tensor and changed none of its inputs, parameters or buffers in place, "
                     "which is what a replay compares: nothing was compared")
+UNRECORDED_OUTPUT = ("the step's output was not recorded as data, which a replay compares by its type alone: {}; and "
+                     "the step changed none of its inputs, parameters or buffers in place: nothing was compared")
 
 
 # Modules that only spread their module's work over processes: replayed alone they would communicate,
@@ -72,6 +74,8 @@ class ReplayResult:
     values: dict[str, torch.Tensor] = field(default_factory=dict)  # the replayed tensors by name
     exception: str | None = None  # what the replayed call raised, if it raised
     intervention: dict[str, Any] | None = None  # the swaps, edits and overrides applied, if any
+    # parts of the output not recorded as data, not compared (their type alone is): "output.1 (a torch Independent)"
+    not_compared: list[str] = field(default_factory=list)
 
     @property
     def diffs(self) -> dict[str, Diff]:
@@ -94,6 +98,12 @@ class ReplayResult:
                     or self.step.extra.get("exception"))
 
     @property
+    def nothing_compared(self) -> str:
+        """Why nothing was compared (where ``compared`` is False): the step returned no tensor, or what
+        it returned was not recorded as data."""
+        return UNRECORDED_OUTPUT.format(", ".join(self.not_compared)) if self.not_compared else NOTHING_COMPARED
+
+    @property
     def first_divergence(self) -> InnerStep | None:
         """The first inner step, in execution order, whose replay differs from its recording."""
         return next((s for s in self.inner if not s.match), None)
@@ -108,7 +118,7 @@ class ReplayResult:
                 "first_divergence": first.to_json() if first else None,
                 "unrecorded_inner": self.unrecorded_inner.to_json() if self.unrecorded_inner else None,
                 "exception": self.exception,
-                "intervention": self.intervention}
+                "intervention": self.intervention, "not_compared": self.not_compared}
 
     def __repr__(self) -> str:
         verdict = "nothing compared" if not self.compared else "match" if self.match else "MISMATCH"
@@ -693,15 +703,21 @@ class Replayer:
         subclasses = step.extra.get("subclasses")
         subclasses = subclasses if isinstance(subclasses, dict) else {}
         made: dict[str, torch.Tensor] = {}  # record name -> the tensor subclass instance made of given[name]
+        own_edits = {c.tensor: c.key for c in self.plan.edits_for(None)}
+        edited: dict[int, str] = {}  # id of each tensor the decoded arguments hold that an edit made -> its name
 
         def tensor(name: str) -> torch.Tensor:
             if name not in given:
                 plain(name)
             if name not in subclasses:
-                return given[name]
-            if name not in made:
-                made[name] = self._subclass(name, given[name], subclasses[name], warnings)
-            return made[name]
+                out = given[name]
+            else:
+                if name not in made:
+                    made[name] = self._subclass(name, given[name], subclasses[name], warnings)
+                out = made[name]
+            if name in own_edits:
+                edited[id(out)] = name
+            return out
 
         def plain(name: str) -> None:
             rec = tensors.get(name)
@@ -738,6 +754,9 @@ class Replayer:
                 missing = _opaque_argument(step, opaque) or missing
             raise ReplayError(f"step {step.index} ({step.name}) was called with {missing}; it cannot be replayed")
         args, kwargs = self._edit_numpy(list(args), dict(kwargs))
+        # a distribution given an edited parameter: made again from it (its derived fields, as recorded, would not be)
+        args, kwargs = distributions.remake(args, kwargs, edited, lambda name: f"edit {own_edits[name]}",
+                                            self.plan.notes)
         held: list[tuple[Any, Any]] = []
         unset: list[str] = []
         if module_doc is not None:
@@ -1268,9 +1287,13 @@ class Replayer:
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner) \
             and result.unrecorded_inner is None
+        result.not_compared = unrecorded_outputs(step.output_structure)
         if not result.compared:  # never a match: nothing was checked
             result.match = False
-            result.warnings.append(NOTHING_COMPARED)
+            result.warnings.append(result.nothing_compared)
+        elif result.not_compared:  # compared by type alone: no match of theirs is claimed
+            result.warnings.append(f"not compared: {', '.join(result.not_compared)}, not recorded as data (a replay "
+                                   "compares its type alone)")
         self._likely_causes(result, call)
         return result
 
@@ -1605,15 +1628,28 @@ _TAP_FRAMES = 6  # frames an inner step's call takes through the taps (the step'
 
 
 def _holds_values(doc: Any) -> bool:
-    """Whether an output document holds a value that is no tensor (a numpy array, a number, a string)."""
+    """Whether an output document holds a value that is no tensor and was recorded as data (a numpy array,
+    a number, a string), which its encoding compares; not a value recorded by its type alone (``$opaque``),
+    nor the type of an object whose fields hold none."""
     if isinstance(doc, list):
         return any(_holds_values(v) for v in doc)
     if isinstance(doc, dict):
-        if len(doc) == 1 and next(iter(doc)) in ("$tensor", "$tensor_meta"):
+        tag = next(iter(doc), None)
+        if len(doc) != 1 or not isinstance(tag, str) or not tag.startswith("$"):
+            return any(_holds_values(v) for v in doc.values())
+        payload = doc[tag]
+        if tag in ("$tensor", "$tensor_meta", "$opaque"):
             return False
-        if len(doc) == 1 and next(iter(doc)) in ("$tuple", "$list"):
-            return _holds_values(next(iter(doc.values())))
-        return bool(doc) and (next(iter(doc)).startswith("$") or any(_holds_values(v) for v in doc.values()))
+        if tag in ("$tuple", "$list", "$set", "$frozenset"):
+            return _holds_values(payload)
+        if tag in ("$dict", "$mapping", "$object", "$dataclass", "$namedtuple"):
+            pairs = payload.get("items") if isinstance(payload, dict) and tag == "$mapping" else payload
+            if tag in ("$dict", "$mapping"):  # (keys are no result of the step's)
+                values = [p[1] for p in pairs if isinstance(p, list) and len(p) == 2] if isinstance(pairs, list) else []
+                attrs = payload.get("attrs") if isinstance(payload, dict) else None
+                return _holds_values([values, attrs])
+            return isinstance(payload, dict) and _holds_values([payload.get("fields"), payload.get("attrs")])
+        return True
     return doc is not None
 
 

@@ -61,6 +61,7 @@ def _setters() -> dict[str, Setter]:
         "sdp_math": b.cuda.enable_math_sdp,
         "sdp_cudnn": getattr(b.cuda, "enable_cudnn_sdp", lambda value: None),
         "flush_denormal": _flush_denormal,
+        "distributions_validate_args": torch.distributions.Distribution.set_default_validate_args,
     }
 
 

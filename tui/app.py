@@ -286,6 +286,9 @@ class StepPane(ScrollView, can_focus=True):
                               style="bold"))
             parts += [Text.assemble((f"  {name}  ", "bold"), (summary, "bold red" if bad else ""))
                       for name, summary, bad in view.numpy]
+        if view.unrecorded:  # (a replay compares their type alone: never a match of their values)
+            parts.append(Text(f"not recorded as data, not compared by a replay: {', '.join(view.unrecorded)}",
+                              style="yellow"))
         parts.append(Text.assemble(("arguments ", "dim"), view.arguments))
         if view.source:
             where = f"{view.source_file}:{view.source_line}"
@@ -1192,12 +1195,16 @@ class PdbgApp(App[None]):
 def render_replay(result: Any, full: bool = False) -> Text:
     """A replay's verdict and its first tensors, inner steps and warnings; ``full``: all of them."""
     by_statistics = ", ".join(result.by_statistics[:3])  # (a sparse result: not bit for bit)
-    verdict = (("nothing compared", "bold yellow") if not result.compared
-               else ("no change: the intervention left every output as recorded", "bold yellow")
-               if result.match and result.intervention else (f"match, by statistics only for {by_statistics}",
-                                                            "bold green")
-               if result.match and by_statistics else ("bitwise match", "bold green")
-               if result.match else ("MISMATCH, as the intervention makes it", "bold yellow") if result.intervention
+    unseen = f"; not compared, not recorded as data: {', '.join(result.not_compared)}" if result.not_compared else ""
+    verdict = ((f"nothing compared: the output was not recorded as data: {', '.join(result.not_compared)}"
+                if result.not_compared else "nothing compared", "bold yellow") if not result.compared
+               else ("no change in what was compared" + unseen if unseen else
+                     "no change: the intervention left every output as recorded", "bold yellow")
+               if result.match and result.intervention else ("bitwise match of what was compared" + unseen,
+                                                             "bold yellow") if result.match and unseen
+               else (f"match, by statistics only for {by_statistics}", "bold green")
+               if result.match and by_statistics else ("bitwise match", "bold green") if result.match
+               else ("MISMATCH, as the intervention makes it", "bold yellow") if result.intervention
                else ("MISMATCH", "bold red"))
     text = Text.assemble(f"replay of step {result.step.index}: ", verdict)
     few = None if full else 4

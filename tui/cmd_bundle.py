@@ -61,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
               f"{_step_text(step.to_json())} (step {info.main_step} in the bundle)")
         print("source carried: " + (", ".join(_shown(f) for f in info.sources) if info.sources else
                                      "none (the steps' code is in the recording; a replay imports it)"))
+        unseen = f"; not recorded as data, not compared: {', '.join(info.not_compared)}" if info.not_compared else ""
         if info.verified is not None:
-            print("verified: " + (f"the bundle replays, a {info.verdict}" if info.by_statistics else
-                                  "the bundle replays bit for bit" if info.verified else "MISMATCH when replayed from "
-                                  "the bundle (see pdbg replay)"))
+            print("verified: " + (f"the bundle replays, a {info.verdict}{unseen}" if info.by_statistics else
+                                  f"the bundle replays bit for bit{', in what was compared' + unseen if unseen else ''}"
+                                  if info.verified else "MISMATCH when replayed from the bundle (see pdbg replay)"))
             if info.verified_with is not None:  # recorded in the bundle, for whoever replays it elsewhere
                 from replayer.bundles import environment_text
 
@@ -72,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
         elif info.not_verified:
             print(f"not verified: it cannot be replayed here ({info.not_verified})")
         elif args.verify:
-            print("not verified: the step returned no tensor, so its replay had nothing to compare")
+            print("not verified: " + (f"the step's output was not recorded as data ({', '.join(info.not_compared)})"
+                                      if info.not_compared else "the step returned no tensor")
+                  + ", so its replay had nothing to compare")
         for note in info.code_notes:
             print(f"warning: {note}")
         if info.unreplayable:

@@ -378,7 +378,10 @@ def info(args: argparse.Namespace) -> int:
               f"made {bundle.get('created')}; "
               + ("not verified when made" if not verified else
                  "verified when made: " + {True: "bitwise match", None: "nothing compared"}.get(verified.get("match"),
-                                                                                              "MISMATCH")))
+                                                                                              "MISMATCH")
+                 + (" of what was compared (not recorded as data, not compared: "
+                    f"{', '.join(map(str, verified['not_compared']))})"
+                    if verified.get("match") is True and verified.get("not_compared") else "")))
         if verified:
             from replayer.bundles import environment_text, verified_environment
 
@@ -536,17 +539,20 @@ def replay(args: argparse.Namespace) -> int:
               + (f"(replacing the one saved {replaced.get('saved', '')[:19].replace('T', ' ')} for step "
                  f"{replaced.get('step', {}).get('index')}) " if replaced else "")
               + f"(apply it with: pdbg replay {shlex.quote(args.run)} --recipe {shlex.quote(args.save_recipe)})")
+    unseen = f"; not compared (not recorded as data): {', '.join(result.not_compared)}" if result.not_compared else ""
     if not result.compared:
-        print("\nNOTHING COMPARED: the step returned no tensor")
+        print("\nNOTHING COMPARED: " + (f"the step's output was not recorded as data: {', '.join(result.not_compared)}"
+                                         if result.not_compared else "the step returned no tensor"))
     elif result.match and result.intervention:  # the question asked was "would this change anything?"
-        print("\nNO CHANGE: the intervention left every output bit for bit as recorded")
+        print("\nNO CHANGE: the intervention left every output bit for bit as recorded" if not unseen else
+              f"\nNO CHANGE in what was compared: the intervention left it bit for bit as recorded{unseen}")
     elif result.match and result.by_statistics:  # (the reason under each says what its statistics leave out)
         names = result.by_statistics
         rest = len(names) < len(result.outputs) + sum(len(s.diffs) for s in result.inner)
         print(f"\nMATCH: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} by statistics only, not bit for "
-              "bit" + (", the rest bit for bit" if rest else ""))
+              "bit" + (", the rest bit for bit" if rest else "") + unseen)
     elif result.match:
-        print("\nMATCH: bit for bit")
+        print("\nMATCH: bit for bit" + (f", in what was compared{unseen}" if unseen else ""))
     elif result.intervention and result.exception:
         print(f"\nMISMATCH, as an intervention makes it: the replay raised {result.exception}")
     elif result.intervention:
@@ -698,7 +704,7 @@ _ALIKE_LISTED = 3  # steps refused for one reason listed one by one; more are on
 
 
 def verify(args: argparse.Namespace) -> int:
-    from replayer.replay import NOTHING_COMPARED, Replayer
+    from replayer.replay import Replayer
 
     _check_threads(args.threads)
     if args.sample is not None and args.sample < 1:
@@ -717,7 +723,7 @@ def verify(args: argparse.Namespace) -> int:
     picks = kept if args.sample is None or args.sample >= n else [kept[i] for i in sorted(
         set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))]
     replayer = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source) if picks else None
-    matched, mismatches, refused, by_statistics = 0, [], [], 0
+    matched, mismatches, refused, by_statistics, partly = 0, [], [], 0, []
     alike: list[str] = []  # per refused step, its reason with its number written "step N" (_alike)
     environment: list[str] = []  # what differs from the machine and software that recorded it (once each)
     for done, index in enumerate(picks, 1):
@@ -730,11 +736,13 @@ def verify(args: argparse.Namespace) -> int:
         else:
             environment += [d for d in result.environment_differences if d not in environment]
             if not result.compared:  # nothing it could check: not a match
-                refused.append({"step": step.to_json(), "reason": NOTHING_COMPARED})
-                alike.append(NOTHING_COMPARED)
+                refused.append({"step": step.to_json(), "reason": result.nothing_compared})
+                alike.append(result.nothing_compared)
             elif result.match:
                 matched += 1
                 by_statistics += bool(result.by_statistics)
+                if result.not_compared:  # matched in what was compared: the rest is said, never called a match
+                    partly.append({"step": step.to_json(), "not_compared": result.not_compared})
             else:
                 bad = [d.summary() for d in result.outputs if not d.match]
                 hint = [w for w in result.warnings if "likely cause" in w or "changed since" in w]
@@ -745,6 +753,8 @@ def verify(args: argparse.Namespace) -> int:
            "environment_differences": environment}
     if by_statistics:
         doc["by_statistics"] = by_statistics
+    if partly:
+        doc["partly_compared"] = partly
     if skipped:
         doc["statistics_only"] = skipped
     if forward_gone:
@@ -766,6 +776,16 @@ def verify(args: argparse.Namespace) -> int:
                  "call, from an iteration flight mode had let go)" if forward_gone else ""))
         for m in mismatches:
             print(f"  {_step_text(m['step'])}: {m['reason']}")
+        if partly:
+            print(f"{_count(len(partly), 'step')} of those matched in what was compared; not recorded as data, so "
+                  "not compared:")
+            by_part: dict[str, list[dict[str, Any]]] = {}
+            for m in partly:
+                by_part.setdefault(", ".join(m["not_compared"]), []).append(m)
+            for parts, alike in by_part.items():
+                steps = _step_text(alike[0]["step"]) if len(alike) == 1 else \
+                    f"{len(alike)} steps ({_step_text(alike[0]['step'])} ... {_step_text(alike[-1]['step'])})"
+                print(f"  {steps}: {parts}")
         if refused:
             print("could not be replayed:")
             by_reason: dict[str, list[dict[str, Any]]] = {}

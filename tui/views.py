@@ -19,6 +19,7 @@ from rich.cells import cell_len, set_cell_size
 from recorder import jsonval
 from recorder.errors import PdbgError
 from recorder.store import layout
+from replayer.arguments import unrecorded_outputs
 from replayer.bisect import Condition, describe, meant_inf, with_alerts
 from replayer.recording import Recording, Step, alert_text, algorithm_of, paper_of
 
@@ -410,6 +411,8 @@ class StepView:
     notes: list[str] = field(default_factory=list)
     frozen: str | None = None  # which parameters were frozen at the call (``frozen_text``)
     numpy: list[tuple[str, str, int]] = field(default_factory=list)  # (name, summary, NaN+Inf) per ``numpy_values``
+    # the parts of the output not recorded as data, which a replay does not compare ("output.1 (a mypkg Handle)")
+    unrecorded: list[str] = field(default_factory=list)
 
 
 def step_view(step: Step) -> StepView:
@@ -427,9 +430,16 @@ def step_view(step: Step) -> StepView:
         notes.append(alert_text(alert, step))
     for note in extra.get("notes", []) or []:
         notes.append(str(note))
+    numpy = numpy_values(step)
+    listed = {name for name, _, _ in numpy}
+    try:
+        unrecorded = [] if step.phase == "backward" else [
+            u for u in unrecorded_outputs(step.output_structure) if u.partition(" ")[0] not in listed]
+    except Exception:  # noqa: BLE001 - a damaged document: nothing is said of it
+        unrecorded = []
     return StepView(describe(step).split(": ", 1)[1], step.paper.get("description"), step.status,
                     definition.get("source"), definition.get("line"), definition.get("file"),
-                    arguments_text(step.arguments), tensors, notes, frozen_text(step), numpy_values(step))
+                    arguments_text(step.arguments), tensors, notes, frozen_text(step), numpy, unrecorded)
 
 
 _FROZEN_LISTED = 6  # frozen parameters named in the step pane; more are counted

@@ -64,7 +64,10 @@ SCHEMA_VERSION = "1.18"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       definition document's "wrapper": the function is a decorator's wrapper without functools.wraps;
 #       and a step's extra "sparse": the layout and the number of stored values of each record that was a sparse
 #       tensor (its statistics are of those values; the note on it says the number too), by which a replay
-#       compares a sparse result and a count of NaN/Inf is of its stored values (before: a crash, the dense size)
+#       compares a sparse result and a count of NaN/Inf is of its stored values (before: a crash, the dense size);
+#       and $object for an object whose bases hold no state but have an empty __slots__ or are typing.Generic
+#       (torch.distributions' Independent) and for torch.distributions' transforms (before, $opaque); and the
+#       setting "distributions_validate_args" (torch.distributions' default validate_args)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed

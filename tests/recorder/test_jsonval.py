@@ -12,6 +12,7 @@ import json
 import math
 import os
 import struct
+import typing
 from typing import Any, NamedTuple
 
 import hypothesis.extra.numpy as hnp
@@ -614,6 +615,84 @@ def test_plain_objects() -> None:
     many = Config(1, ())
     many.__dict__.update({f"f{i}": i for i in range(100)})
     assert isinstance(roundtrip(many), Opaque)
+
+
+T = typing.TypeVar("T")
+
+
+class Box(typing.Generic[T]):
+    """A user class deriving from Generic[T]: typing.Generic's empty __slots__ holds no state."""
+
+    def __init__(self, item: T) -> None:
+        self.item = item
+
+
+class Quiet:
+    __slots__ = ()  # a mixin without state
+
+
+class Mixed(Quiet):
+    def __init__(self) -> None:
+        self.x = 1.5
+
+
+class Slotted:
+    __slots__ = ("hidden", "__dict__")  # a slot holding state outside its __dict__
+
+    def __init__(self) -> None:
+        self.hidden, self.shown = 1, 2
+
+
+def test_generic_and_slotless_bases_leave_an_object_plain() -> None:
+    """A class deriving from Generic[T] (as torch's Independent does) or from a mixin with an empty
+    __slots__ was refused as data, its whole object opaque: an empty __slots__ holds no state. A slot
+    that holds state still makes the object opaque."""
+    box = roundtrip(Box([1, 2]))
+    assert type(box) is Box and box.item == [1, 2]
+    assert encode(Box(3)) == {"$object": {"type": f"{__name__}:Box", "fields": {"item": 3}}}
+    mixed = roundtrip(Mixed())
+    assert type(mixed) is Mixed and mixed.x == 1.5
+    assert isinstance(roundtrip(Slotted()), Opaque)
+
+
+def test_torch_distributions_are_recorded_as_data() -> None:
+    """torch.distributions objects are data: their fields, tensors named by their paths (what the recorder
+    captures as tensor records: a replay compares them, bisect sees NaN in them), their lazily cached fields
+    included, as a distribution holds them. Independent (a Generic[D]) was opaque, and so was a transform
+    (its __getstate__ drops the link to its inverse, a cycle: so is it here). Each comes back as it was,
+    log_prob bit for bit."""
+    D = torch.distributions
+    torch.manual_seed(0)
+    a = torch.randn(3, 3)
+    mvn = D.MultivariateNormal(torch.zeros(3), covariance_matrix=a @ a.T + torch.eye(3))
+    mvn.scale_tril  # noqa: B018 - a lazy_property: cached in its __dict__ when read
+    ind = D.Independent(D.Normal(torch.randn(2, 3), torch.rand(2, 3) + 0.5), 1)
+    flow = D.TransformedDistribution(D.Normal(torch.zeros(3), torch.ones(3)),
+                                     [D.transforms.AffineTransform(1.0, 2.0), D.transforms.ExpTransform(),
+                                      D.transforms.ExpTransform().inv, D.transforms.SigmoidTransform()])
+    cat = D.Categorical(logits=torch.randn(2, 4), validate_args=False)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def name(t: torch.Tensor, path: str) -> str:
+        tensors[path] = t
+        return path
+
+    for dist in (mvn, ind, flow, cat):
+        tensors.clear()
+        text = dumps(encode(dist, tensor_name=name))
+        assert b"$opaque" not in text, text
+        back = decode(loads(text), tensor=tensors.__getitem__, import_types=True)
+        assert type(back) is type(dist) and back.__dict__.keys() == dist.__dict__.keys()
+        x = dist.sample((5,))
+        assert torch.equal(back.log_prob(x), dist.log_prob(x))
+    tensors.clear()
+    encode(ind, tensor_name=name)
+    assert set(tensors) == {"base_dist.loc", "base_dist.scale"}
+    tensors.clear()
+    encode(mvn, tensor_name=name)
+    assert set(tensors) == {"covariance_matrix", "loc", "_unbroadcasted_scale_tril", "scale_tril"}
+    inverse = decode(encode(flow), import_types=True).transforms[2]
+    assert type(inverse._inv) is D.transforms.ExpTransform and inverse._inv._inv is None
 
 
 def test_cycles_and_depth() -> None:

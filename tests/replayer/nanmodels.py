@@ -191,3 +191,54 @@ def record_padded(path: object, empty_at: int = 2, iterations: int = 3) -> None:
             model(x, pad).square().mean().backward()
             opt.step()
             opt.zero_grad()
+
+
+@recorder.paper_step("Eq. 9", description="q(z|x) = N(mu(x), diag(sigma(x)^2))")
+class Encoder(nn.Module):
+    """A VAE encoder that returns a torch.distributions Independent(Normal), a Generic[D]."""
+
+    def __init__(self, d: int = 16, z: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Linear(d, 2 * z)
+
+    def forward(self, x: torch.Tensor) -> torch.distributions.Independent:
+        mu, logvar = self.net(x).chunk(2, -1)
+        return torch.distributions.Independent(torch.distributions.Normal(mu, torch.exp(0.5 * logvar)), 1)
+
+
+@recorder.paper_step("Eq. 10", description="reparameterised sample z = mu + sigma * eps")
+def reparam(q: torch.distributions.Independent) -> torch.Tensor:
+    return q.rsample()
+
+
+class VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = Encoder()
+        self.dec = nn.Linear(4, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.enc(x)
+        xhat = self.dec(reparam(q))
+        return (xhat - x).square().sum(-1).mean() + q.base_dist.scale.square().mean()
+
+
+def record_vae(path: object, lr: float = 1e-2, outlier_at: int | None = None, iterations: int = 3) -> None:
+    """A VAE trained with Adam at ``lr``; at ``outlier_at`` one sample of the batch is 1000 times too large,
+    and the encoder's exp(0.5 * logvar) overflows."""
+    torch.manual_seed(0)
+    model = VAE()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    with recorder.record(path, model=model, optimizer=opt):
+        for i in range(iterations):
+            x = torch.randn(8, 16)
+            if i == outlier_at:
+                x[3] *= 1e3
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+@recorder.paper_step("Eq. 1", description="negative log-likelihood of z under a prior given as an argument")
+def prior_nll(z: torch.Tensor, prior: torch.distributions.Distribution) -> torch.Tensor:
+    return -prior.log_prob(z).mean()

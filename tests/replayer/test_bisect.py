@@ -2478,3 +2478,29 @@ def test_a_mask_inf_a_step_takes_from_a_recorded_output_at_its_only_call_did_not
     assert origin.source_op is not None and origin.source_op.name == "aten::pow"
     doc = json.loads(pdbg("bisect", str(path), "--json", cwd=tmp_path).stdout)
     assert doc["origin"]["index"] == step.index and doc["entered"] is None
+
+
+def test_a_distribution_an_encoder_returns_is_compared_and_followed(tmp_path: Path) -> None:
+    """A VAE's encoder returns Independent(Normal(mu, sigma)), a typing.Generic subclass, which was recorded
+    as opaque (its type and repr alone): the NaN origin was the next step, reparam, given it, not the
+    encoder whose exp overflowed; two runs differing in their learning rate were said to part at
+    reparam, with "same inputs and parameters" and nondeterministic kernels the likely cause. Its
+    tensors are recorded now: the encoder is the origin, the runs part at its weights, and its
+    replay compares them."""
+    nanmodels.record_vae(tmp_path / "inf.zarr", outlier_at=2)
+    rec = replayer.open(tmp_path / "inf.zarr")
+    origin = replayer.first_nonfinite(rec)
+    assert origin is not None and (origin.step.name, origin.step.phase, origin.step.iteration) == (
+        "Encoder", "forward", 2), origin.cause
+    assert "output.base_dist.scale" in origin.cause and "from finite inputs" in origin.cause
+    nanmodels.record_vae(tmp_path / "a.zarr")
+    nanmodels.record_vae(tmp_path / "b.zarr", lr=2e-2)
+    a = replayer.open(tmp_path / "a.zarr")
+    div = replayer.first_divergence(a, replayer.open(tmp_path / "b.zarr"))
+    assert div.step is not None and (div.step.name, div.step.iteration) == ("Encoder", 1), div.cause
+    assert "same inputs, but net.bias, net.weight differ" in div.cause and "nondeterministic" not in div.cause
+    result = replayer.replay(a, 0)
+    assert result.match and result.compared and not result.not_compared
+    assert [d.name for d in result.outputs] == ["output.base_dist.loc", "output.base_dist.scale"]
+    edited = replayer.replay(a, 0, edit={"args.0": "x * 100"})
+    assert not edited.match and all(not d.match for d in edited.outputs)

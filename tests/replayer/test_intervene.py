@@ -443,3 +443,42 @@ def test_a_numpy_argument_can_be_edited(tmp_path: Path) -> None:
         replayer.replay(rec, "np_class_weights", edit={"args.7": "x"})
     with pytest.raises(StepNotFoundError, match=r"^step 0 has no tensor 'output'; it has no tensors \(and args.0, "):
         rec.step("np_class_weights").tensor("output")
+
+
+def test_an_edited_parameter_of_a_distribution_argument_makes_it_again(tmp_path: Path) -> None:
+    """A MultivariateNormal given to a step is rebuilt from its recorded fields, among them the Cholesky
+    factor its constructor derived from its covariance (``_unbroadcasted_scale_tril``), which log_prob
+    reads: an edit of the covariance alone changed nothing, NO CHANGE, as if the prior's covariance did
+    not matter. A distribution given an edited parameter is made again by its constructor from it; an
+    edit of a field it derives says so; a parameter the constructor refuses is refused, in one line."""
+    D = torch.distributions
+    torch.manual_seed(0)
+    a = torch.randn(4, 4)
+    cov = a @ a.T + torch.eye(4)
+    z = torch.randn(16, 4)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        nanmodels.prior_nll(z, D.MultivariateNormal(torch.zeros(4), covariance_matrix=cov))
+        nanmodels.prior_nll(z, D.Independent(D.Normal(torch.zeros(4), torch.ones(4)), 1))
+    rec = replayer.open(path)
+    res = replayer.replay(rec, 0, edit={"args.1.covariance_matrix": "x * 4"})
+    expected = -D.MultivariateNormal(torch.zeros(4), covariance_matrix=cov * 4).log_prob(z).mean()
+    assert not res.match and torch.equal(res.values["output"], expected), res.values["output"]
+    assert not any("no parameter" in w for w in res.warnings), res.warnings
+    cli = pdbg_here("replay", str(path), "0", "--edit", "args.1.covariance_matrix=x*4", cwd=tmp_path)
+    assert cli.returncode == 1 and "NO CHANGE" not in cli.stdout, cli.stdout
+    moved = replayer.replay(rec, 0, edit={"args.1.loc": "x + 1"})
+    assert torch.equal(moved.values["output"],
+                       -D.MultivariateNormal(torch.ones(4), covariance_matrix=cov).log_prob(z).mean())
+    inner = replayer.replay(rec, 1, edit={"args.1.base_dist.scale": "x * 2"})  # inside an Independent
+    assert torch.equal(inner.values["output"],
+                       -D.Independent(D.Normal(torch.zeros(4), torch.full((4,), 2.0)), 1).log_prob(z).mean())
+    derived = replayer.replay(rec, 0, edit={"args.1._unbroadcasted_scale_tril": "x * 2"})
+    assert not derived.match and any(w.startswith(
+        "edit args.1._unbroadcasted_scale_tril: _unbroadcasted_scale_tril is no parameter of args.1, a "
+        "MultivariateNormal, which derives it from loc, covariance_matrix when made: edited alone") for w in
+        derived.warnings), derived.warnings
+    with pytest.raises(InterventionError, match=r"^edit args\.1\.covariance_matrix: args\.1, a MultivariateNormal, "
+                                                r"made again from the edited covariance_matrix, refused it "
+                                                r"\(ValueError: .*PositiveDefinite"):
+        replayer.replay(rec, 0, edit={"args.1.covariance_matrix": "-x"})

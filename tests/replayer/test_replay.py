@@ -1814,13 +1814,61 @@ def with_handle(x: torch.Tensor) -> tuple[torch.Tensor, Handle]:
 def test_an_output_object_that_is_not_data_is_compared_by_its_type(tmp_path: Path) -> None:
     """An object in a step's output that cannot be recorded as data is recorded by its type and repr,
     and the repr holds its address: compared by type, the replay matches (it always differed in
-    'output structure')."""
+    'output structure'), in what was compared: the object itself is said not to be."""
     path = tmp_path / "run.zarr"
     with recorder.record(path, mode="full"):
         with_handle(torch.randn(4))
     assert "$opaque" in json.dumps(replayer.open(path).step(0).output_structure)
     result = replayer.replay(replayer.open(path), 0)
     assert result.match and [d.name for d in result.outputs] == ["output.0"], result.outputs
+    assert result.not_compared == ["output.1 (a tests Handle)"]
+    assert "not compared: output.1 (a tests Handle), not recorded as data (a replay compares its type alone)" in \
+        result.warnings
+    res = pdbg_here("replay", str(path), "0", cwd=tmp_path)
+    assert res.stdout.rstrip().endswith("MATCH: bit for bit, in what was compared; not compared (not recorded as "
+                                        "data): output.1 (a tests Handle)"), res.stdout
+    res = pdbg_here("verify", str(path), cwd=tmp_path)
+    assert res.returncode == 0 and "1 step of those matched in what was compared; not recorded as data, so not " \
+        "compared:\n  step 0: Eq. 17 (with_handle), forward, iteration 0, call 0: output.1 (a tests Handle)" in \
+        res.stdout
+    info = replayer.bundle(replayer.open(path), 0, tmp_path / "one.pdbg", verify=True)
+    assert info.verified is True and info.not_compared == ["output.1 (a tests Handle)"]
+
+
+@recorder.paper_step("Eq. 17", description="a value kept in a handle that is not data")
+def only_handle(x: torch.Tensor) -> Handle:
+    return Handle(x.exp())
+
+
+def test_an_output_not_recorded_as_data_is_never_a_match(tmp_path: Path) -> None:
+    """A step whose output could not be recorded as data (only its type and repr are) was compared by its
+    type alone: its replay was a bitwise MATCH, `pdbg verify` counted it bit for bit, an edit that changed
+    every value it held was NO CHANGE, and the TUI said "bitwise match". Nothing was compared, and each
+    says so (the step pane too), naming what was not recorded."""
+    from tui import views
+    from tui.app import render_replay
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        only_handle(torch.randn(4))
+    rec = replayer.open(path)
+    result = replayer.replay(rec, 0)
+    assert not result.match and not result.compared and result.not_compared == ["output (a tests Handle)"]
+    assert result.warnings[0] == ("the step's output was not recorded as data, which a replay compares by its type "
+                                  "alone: output (a tests Handle); and the step changed none of its inputs, "
+                                  "parameters or buffers in place: nothing was compared")
+    assert render_replay(result).plain.startswith("replay of step 0: nothing compared: the output was not recorded "
+                                                  "as data: output (a tests Handle)")
+    edited = replayer.replay(rec, 0, edit={"args.0": "x * 100"})
+    assert not edited.match and not edited.compared
+    res = pdbg_here("replay", str(path), "0", "--edit", "args.0=x*100", cwd=tmp_path)
+    assert res.returncode == 1 and "NO CHANGE" not in res.stdout and res.stdout.rstrip().endswith(
+        "NOTHING COMPARED: the step's output was not recorded as data: output (a tests Handle)"), res.stdout
+    doc = json.loads(pdbg_here("replay", str(path), "0", "--json", cwd=tmp_path).stdout)
+    assert doc["match"] is False and doc["compared"] is False and doc["not_compared"] == ["output (a tests Handle)"]
+    res = pdbg_here("verify", str(path), cwd=tmp_path)
+    assert res.returncode == 2 and "bit for bit" not in res.stdout and "nothing was compared" in res.stderr
+    assert views.step_view(rec.step(0)).unrecorded == ["output (a tests Handle)"]  # the step pane's line
 
 
 @recorder.paper_step("Eq. 18", description="normalise with batch statistics, update the running ones")
@@ -2058,6 +2106,34 @@ def test_a_step_stopped_by_ctrl_c_is_not_a_mismatch(tmp_path: Path) -> None:
         stopped["reason"]
     one = pdbg_here("replay", str(path), "Eq. 21@iter=2", cwd=tmp_path)
     assert one.returncode == 2 and one.stderr.count("\n") == 1 and "stopped from outside" in one.stderr
+
+
+@recorder.paper_step("Eq. 21", description="negative log-likelihood under a unit normal")
+def unit_nll(x: torch.Tensor) -> torch.Tensor:
+    return -torch.distributions.Normal(torch.zeros_like(x), torch.ones_like(x)).log_prob(x).sum()
+
+
+def test_distribution_validation_switched_off_while_recording_is_off_for_the_replay(tmp_path: Path) -> None:
+    """torch.distributions.Distribution.set_default_validate_args(False) while recording (for speed, in a
+    training script's main()): log_prob given a NaN returned NaN. A replay, in a process whose default
+    validates, raised ValueError there: a MISMATCH, as if the step had raised. The default is a recorded
+    setting, applied for the replay; the caller's comes back after."""
+    D = torch.distributions.Distribution
+    before = D._validate_args
+    path = tmp_path / "run.zarr"
+    try:
+        D.set_default_validate_args(False)
+        with recorder.record(path, mode="full"):
+            unit_nll(torch.tensor([0.5, float("nan")]))
+    finally:
+        D.set_default_validate_args(True)
+    rec = replayer.open(path)
+    result = replayer.replay(rec, 0)
+    assert result.match and result.exception is None and result.outputs[0].recorded["nan"] == 1, (
+        result.exception, result.outputs)
+    assert rec.step(0).settings["distributions_validate_args"] is False
+    assert D._validate_args is True
+    D.set_default_validate_args(before)
 
 
 @recorder.paper_step("Eq. 22", description="a convolution")
