@@ -1121,7 +1121,8 @@ class Session:
             if link.params:
                 self._hook_params(frame, link, [t for _, t in slots])
         if leaves and frame.module is not None:
-            self._note_returned_parameters(frame, leaves, link.own if link is not None else {})
+            self._note_returned_parameters(frame, leaves, link.own if link is not None else {},
+                                           {n for n, _ in link.hooked} if link is not None else set())
         if link is not None:
             out = self._tap_outputs(link, out, tapped & nested, frame, slots)
         return out
@@ -1245,14 +1246,17 @@ class Session:
         self._reached = {seq: lk for seq, lk in self._reached.items() if id(lk) in live}
 
     @staticmethod
-    def _note_returned_parameters(frame: Frame, leaves: list[torch.Tensor], own: dict[str, int]) -> None:
+    def _note_returned_parameters(frame: Frame, leaves: list[torch.Tensor], own: dict[str, int],
+                                  hooked: set[str]) -> None:
         """A module step returning one of its own parameters as it is (learned queries, a position
         table): a leaf, which no tap follows; the gradient the caller's use sends it goes straight
         into the parameter's, which then holds more than this call's backward computes from its
-        outputs. Noted, so that a replay does not compare that parameter's gradient; not for one
-        whose grad is recorded as the call's own (``own``), which leaves the caller's use out."""
+        outputs. Noted, so that a replay does not compare that parameter's gradient, where it is
+        recorded as a total (``hooked``); not for one whose grad is recorded as the call's own
+        (``own``), which leaves the caller's use out, nor for one the call's graph does not use, whose
+        gradient the step does not record (``_hook_params``)."""
         mine = {id(p): name for name, p in frame.module.named_parameters()}
-        names = [mine[id(t)] for t in leaves if id(t) in mine and mine[id(t)] not in own]
+        names = [mine[id(t)] for t in leaves if id(t) in mine and mine[id(t)] not in own and mine[id(t)] in hooked]
         if names:
             frame.notes.append(f"{_one_line(names)}: {layout.RETURNED_PARAM_NOTE}")
 
