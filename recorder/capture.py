@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -83,6 +84,48 @@ def in_checkpointing(depth: int = 2) -> bool:
 
 def _is_checkpoint_code(code: Any) -> bool:
     return "checkpoint" in os.path.basename(code.co_filename) or "Checkpoint" in code.co_qualname
+
+
+_top_saved_hooks: Callable[[bool], Any] = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks",
+                                                  lambda tracing: None)
+
+
+def _saved_tensors_hooks() -> dict[str, Any] | None:
+    """The saved-tensor hooks set now (``torch.autograd.graph.saved_tensors_hooks``, the innermost pair: a
+    loop packing the activations its forward saves to bfloat16), as a step's extra keeps them: ``pack``
+    and ``unpack``, each ``{"ref": "module:QualName", "file": its source file}`` (a callable that is no
+    function: its class's reference, ``"function": false``). None where none are set, or where they are
+    activation checkpointing's (torch's, DeepSpeed's): what a checkpointed call saves is recomputed, the
+    same values, and a replay of the call without it computes the same gradients."""
+    try:
+        hooks = _top_saved_hooks(False)
+    except Exception:  # noqa: BLE001 - (hooks disabled, or a torch that tells otherwise): none known
+        return None
+    if not isinstance(hooks, tuple) or len(hooks) != 2:
+        return None
+    if any(_checkpointing_hook(h) for h in hooks):
+        return None
+    return {"pack": _hook_ref(hooks[0]), "unpack": _hook_ref(hooks[1])}
+
+
+def _checkpointing_hook(fn: Any) -> bool:
+    """Whether a saved-tensor hook is activation checkpointing's: code of torch's or an installed library's
+    (not the training code's own, whatever its file is called) that ``in_checkpointing`` takes for it."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+    if code is None or not _is_checkpoint_code(code):
+        return False
+    module = getattr(fn, "__module__", None)
+    return (isinstance(module, str) and module.partition(".")[0] == "torch") or any(
+        f"{os.sep}{where}{os.sep}" in code.co_filename for where in _INSTALLED)
+
+
+def _hook_ref(fn: Any) -> dict[str, Any]:
+    """A saved-tensor hook as ``_saved_tensors_hooks`` keeps it."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if isinstance(fn, types.FunctionType):
+        return {"ref": f"{module}:{name}", "file": fn.__code__.co_filename}
+    ref = f"{module}:{name}" if isinstance(module, str) and isinstance(name, str) else jsonval.type_ref(fn)
+    return {"ref": ref, "function": False}  # (a bound method, a partial, an object with __call__)
 
 
 class RecorderWarning(UserWarning):
@@ -255,6 +298,9 @@ class BackwardLink:
     # In the backward pass under way: parameter -> (uses whose contribution came, their sum so far).
     sums: dict[str, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)  # in the pass under way: parameters whose own grad is recorded
+    # The items of the arguments' lists, dicts and dataclasses that hold tapped tensors while the call
+    # runs, put back when it returns (taps.restore)
+    undo: taps.Undo = field(default_factory=list)
 
 
 def _inner_first(frames: list[Frame]) -> list[Frame]:
@@ -836,7 +882,15 @@ class Session:
         return frame, args, kwargs, link
 
     def end(self, frame: Frame | None, out: Any, link: BackwardLink | None) -> Any:
-        """Finish a step begun with ``begin``: capture its outputs; returns the (tapped) output."""
+        """Finish a step begun with ``begin``: capture its outputs; returns the (tapped) output. The
+        arguments' containers get their own tensors back (the tapped ones were theirs while it ran)."""
+        try:
+            return self._end(frame, out, link)
+        finally:
+            if link is not None and link.undo:
+                taps.restore(link.undo)
+
+    def _end(self, frame: Frame | None, out: Any, link: BackwardLink | None) -> Any:
         if frame is None:
             return self._end_recomputation(out, link)
         self._pop(frame)
@@ -868,6 +922,7 @@ class Session:
         whose parameter hooks go (a later backward pass through those parameters is another call's:
         a caught exception, the "skip a bad batch" pattern, must not leave a backward step behind)."""
         if link is not None:
+            taps.restore(link.undo)
             for handle in link.handles:
                 handle.remove()
             link.handles.clear()
@@ -1011,18 +1066,26 @@ class Session:
             # (inference mode makes no graph, with grad mode on too: torch.enable_grad() inside inference_mode())
             inference = torch.is_inference_mode_enabled()
             tapping = torch.is_grad_enabled() and not inference and frame.vmap is None
-            slots, shared = taps.apart(taps.argument_slots(args, kwargs)) if tapping else ([], [])
+            packing = _saved_tensors_hooks() if tapping else None
+            if packing is not None:  # what the call's backward reads is what they made of what its forward saved
+                frame.arguments = {**(frame.arguments or {}), "saved_tensors_hooks": packing}
+            found, reached = taps.argument_places(args, kwargs) if tapping else ([], frozenset())
+            slots, shared = taps.apart(found) if found else ([], [])
             tapped = frozenset(id(t) for _, t in slots)
             given = tapped.union(id(t) for _, t in shared) if shared else tapped
             nested: set[int] = set()
+            unfollowed: list[str] | None = [] if tapping else None
+            places: dict[str, str] = {}
             frame.versions = [] if frame.vmap is None else None
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "", tapped,
-                                          _argument_paths(args, kwargs) if tapped else frozenset(), nested,
-                                          versions=frame.versions)
+                                          reached, nested, unfollowed=unfollowed, versions=frame.versions,
+                                          places=places)
+            if unfollowed:  # (in objects no tap passes a tapped tensor through: their gradients are not recorded)
+                frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
             if not self._cache_warned:
                 self._warn_of_cache(frame, args, kwargs)
             if shared:
-                self._shared_arguments(frame, shared)
+                self._shared_arguments(frame, shared, places)
             elif frame.vmap is None:  # arguments that need no tap may share memory too (views of a buffer, no_grad)
                 others = _top_tensors(args, kwargs)
                 if len(others) > 1 and not tapped.issuperset(id(t) for _, t in others):  # (apart checked those)
@@ -1031,7 +1094,8 @@ class Session:
                     except Exception:  # noqa: BLE001 - a tensor without a storage to place: replayed apart, as before
                         overlapping = set()
                     if overlapping:
-                        self._shared_arguments(frame, [(k, t) for k, t in others if id(t) in overlapping], note=False)
+                        self._shared_arguments(frame, [(k, t) for k, t in others if id(t) in overlapping], places,
+                                               note=False)
             link = BackwardLink(frame) if tapping else None
             if link is not None:
                 frame.link = link
@@ -1043,7 +1107,7 @@ class Session:
                 for name, p in module.named_parameters():
                     self._capture(frame, "param", name, p)
                     if id(p) in given:  # (given as an argument too: a tied projection's weight)
-                        self._parameter_argument(frame, name, p, [*slots, *shared])
+                        self._parameter_argument(frame, name, p, [*slots, *shared], places)
                     if link is not None and p.requires_grad:
                         if p._backward_hooks:  # the user's gradient hooks (pruning masks): the recorded grad is theirs
                             self._note_param_hooks(frame, name, p)
@@ -1061,13 +1125,14 @@ class Session:
             self.local.busy = False
 
     @staticmethod
-    def _shared_arguments(frame: Frame, shared: list[tuple[tuple[str, Any], torch.Tensor]], note: bool = True) -> None:
+    def _shared_arguments(frame: Frame, shared: list[tuple[tuple[Any, ...], torch.Tensor]], records: dict[str, str],
+                          note: bool = True) -> None:
         """Name the arguments left untapped for sharing memory with another (taps.apart) in a note
         (``note``; not for those that needed no tap), and where each lies in its storage, so that a
-        replay gives them one storage again."""
+        replay gives them one storage again (``records``: an argument's path -> its record's name)."""
         names, places, groups = [], {}, {}
         for key, t in shared:
-            name = _top_record(frame.args_doc, key)
+            name = _record_at(records, key)
             if name in places:
                 continue
             names.append(name)
@@ -1078,13 +1143,13 @@ class Session:
         frame.arguments = {**(frame.arguments or {}), "aliases": places}
 
     @staticmethod
-    def _parameter_argument(frame: Frame, name: str, p: torch.Tensor, slots: list[tuple[tuple[str, Any], Any]]
-                            ) -> None:
+    def _parameter_argument(frame: Frame, name: str, p: torch.Tensor, slots: list[tuple[tuple[Any, ...], Any]],
+                            records: dict[str, str]) -> None:
         """Name the argument that is the call's module's own parameter ``name``: a replay passes the
         rebuilt parameter there, whose gradient then holds what came through the argument too."""
         key = next(key for key, t in slots if t is p)
         passed = (frame.arguments or {}).get("parameter_args", {})
-        passed.setdefault(_top_record(frame.args_doc, key), name)
+        passed.setdefault(_record_at(records, key), name)
         frame.arguments = {**(frame.arguments or {}), "parameter_args": passed}
 
     def _exit(self, frame: Frame, out: Any, link: BackwardLink | None) -> Any:
@@ -1345,8 +1410,8 @@ class Session:
     def _encode(self, frame: Frame, value: Any, role: str, prefix: str, tapped: frozenset[int] = frozenset(),
                 top: frozenset[str] = frozenset(), nested: set[int] | None = None, per_object: bool = True,
                 unfollowed: list[str] | None = None,
-                versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None
-                ) -> Any:
+                versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None,
+                places: dict[str, str] | None = None) -> Any:
         """Encode a value as tagged JSON, capturing each tensor in it under its path: once per object
         the step sees. ``tapped``: ids of the tensors a tap replaces where they stand in a place it
         reaches (``top``: the paths of those places: an argument's top level, an output's containers),
@@ -1354,9 +1419,10 @@ class Session:
         taps.tap_arguments). ``nested`` collects the ids of tapped tensors found in other places.
         ``per_object`` False: a record per place (outputs: a replay compares what each place returns).
         ``unfollowed`` collects the record names of tensors autograd computed in places outside
-        ``top`` (an output's that no tap reaches: their gradients are not recorded). ``versions``
-        collects (record name, tensor, version counter) of the tensors outside autograd's graph
-        (not computed from a tensor that requires grad), each once (see ``Frame.versions``)."""
+        ``top`` (an output's or an argument's that no tap reaches: their gradients are not recorded).
+        ``versions`` collects (record name, tensor, version counter) of the tensors outside autograd's
+        graph (not computed from a tensor that requires grad), each once (see ``Frame.versions``).
+        ``places`` collects each tensor's path -> its record's name."""
         errors: list[Exception] = []
         named: dict[Any, str | None] = {}
 
@@ -1369,12 +1435,16 @@ class Session:
                 if per_object:
                     key = (key, at_top)
             if key in named:  # the same tensor again (self-attention's query, key and value)
+                if places is not None and named[key] is not None:
+                    places[path] = named[key]  # type: ignore[assignment]
                 return named[key]
             full = f"{prefix}.{path}" if prefix and path else (prefix or path)
             if unfollowed is not None and path not in top and t.grad_fn is not None:
                 unfollowed.append(full)
             try:
                 named[key] = self._capture(frame, role, full, t)
+                if places is not None:
+                    places[path] = named[key]  # type: ignore[assignment]
                 if versions is not None and t.grad_fn is None and not t.is_inference() and named[key] == full:
                     versions.append((full, t, t._version, _kept(t, _KEPT_INPUT_BYTES)))
                     grad = t.grad if t.requires_grad else None  # (a leaf: a parameter an update step is given)
@@ -1782,7 +1852,7 @@ class Session:
         that reports their grads to ``link``; not those in ``skip`` (also inside a list: see
         taps.tap_arguments), noted on ``frame``."""
         args, kwargs, link.input_names = taps.tap_arguments(args, kwargs, _backward_callback(self._on_grad_input, link),
-                                                            skip, slots)
+                                                            skip, slots, undo=link.undo)
         if skip and frame is not None:
             frame.notes.append(_UNTAPPED_NOTE)
         return args, kwargs
@@ -2076,8 +2146,9 @@ _DEEP = 32  # nested step calls from which each call makes sure of the recursion
 _FRAMES_PER_STEP = 3
 _CAPTURE_FRAMES = 200  # what capturing a call's inputs and outputs may take (encoding nested arguments)
 
-_UNTAPPED_NOTE = ("a tensor passed both directly and inside a container (list, dict...) has no gradient recorded: "
-                 "following it through the call would change the order in which autograd sums its gradients")
+_UNTAPPED_NOTE = ("a tensor both in a place a tap follows and in one it does not (inside another object; for an "
+                  "argument, a leaf inside a container too) has no gradient recorded: following it through the call "
+                  "would change the order in which autograd sums its gradients")
 
 
 def _one_line(names: list[str]) -> str:
@@ -2093,15 +2164,12 @@ def _top_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[tu
     return [(k, t) for k, t in found if t.layout == torch.strided and not t.is_nested]
 
 
-def _top_record(args_doc: Any, key: tuple[str, Any]) -> str:
-    """The record name of the top-level argument at ``key`` (``("args", 0)``) in a call's arguments
-    document: its own path, or the first place of a tensor given in several."""
-    where, k = key
-    try:
-        ref = args_doc[where][k]
-        return ref["$tensor"] if isinstance(ref, dict) and isinstance(ref.get("$tensor"), str) else f"{where}.{k}"
-    except (KeyError, IndexError, TypeError):
-        return f"{where}.{k}"
+def _record_at(records: dict[str, str], key: tuple[Any, ...]) -> str:
+    """The record name of the argument at ``key`` (``("args", 0)``, ``("args", 1, "data")``), given its
+    arguments document's record names by path (``Session._encode``'s ``places``): its own path, or the
+    first place of a tensor given in several."""
+    path = ".".join(map(str, key))
+    return records.get(path, path)
 
 
 def _argument_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[str]:

@@ -10,6 +10,7 @@ pass through unchanged and unmaterialised (``None`` stays ``None``), so values a
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -201,11 +202,43 @@ def dual(t: torch.Tensor) -> bool:
         return False
 
 
-def argument_slots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[tuple[str, Any], torch.Tensor]]:
-    """The arguments a tap takes: every top-level tensor argument that requires grad, keyed
-    ``("args", i)`` or ``("kwargs", name)``."""
-    slots: list[tuple[tuple[str, Any], torch.Tensor]] = [(("args", i), a) for i, a in enumerate(args) if wants_tap(a)]
-    return slots + [(("kwargs", k), v) for k, v in kwargs.items() if wants_tap(v)]
+def argument_places(args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> tuple[list[tuple[tuple[Any, ...], torch.Tensor]], frozenset[str]]:
+    """The arguments a tap takes, and their paths in the call's arguments document. A tap takes every
+    top-level tensor argument that requires grad, keyed ``("args", i)`` or ``("kwargs", name)``, and the
+    tensors autograd computed (not leaves: a parameter in a list keeps its ``.grad`` for the step's code)
+    inside the containers a tapped tensor can be passed in (``_in_place``: lists, dicts, dataclasses;
+    ``_REBUILT``: tuples, named tuples such as ``PackedSequence``, torch's return types), nested up to
+    ``_DEPTH`` levels, keyed further by their keys (``("args", 0, "data")``), in the order the document
+    names them (the first place of a tensor given in several names its record)."""
+    found: list[tuple[tuple[Any, ...], str, torch.Tensor]] = []
+    active: set[int] = set()
+
+    def walk(value: Any, keys: tuple[Any, ...], path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append((keys, path, value))
+            return
+        if len(keys) >= _DEPTH + 2 or id(value) in active:
+            return
+        items = _children(value)
+        if items is None or not (_in_place(value, items[0]) or items[0] in _REBUILT):
+            return
+        active.add(id(value))
+        for key, item in items[1]:
+            walk(item, (*keys, key), f"{path}.{key}")
+        active.discard(id(value))
+
+    for i, a in enumerate(args):
+        walk(a, ("args", i), f"args.{i}")
+    for k, v in kwargs.items():
+        walk(v, ("kwargs", k), f"kwargs.{k}")
+    taken = [(keys, path, t) for keys, path, t in found if wants_tap(t) and (len(keys) == 2 or not t.is_leaf)]
+    return [(keys, t) for keys, _, t in taken], frozenset(path for _, path, _ in taken)
+
+
+def argument_slots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    """The arguments a tap takes (see ``argument_places``)."""
+    return argument_places(args, kwargs)[0]
 
 
 _Slots = list[tuple[Any, torch.Tensor]]
@@ -473,26 +506,122 @@ def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor]) -> tuple[A
     return build(value, tree), bool(kept)
 
 
+_REBUILT = ("sequence", "namedtuple", "return_type")  # (a list is a "sequence" too: see _in_place)
+# An argument's container a tapped tensor is put in while the call runs, and its item put back after:
+# (container, kind, key, item, tapped)
+Undo = list[tuple[Any, str, Any, Any, torch.Tensor]]
+
+
+def _in_place(value: Any, kind: str) -> bool:
+    """Whether a tap puts tapped tensors into the argument's container itself while the call runs (its
+    items put back after: ``restore``), rather than into a new one. Mutable containers: the caller sees
+    what the step does to them (a state dict it updates, a list it appends to), so they stay the
+    objects they are. Lists and dicts whose item assignment is ``list``'s or ``dict``'s own (an
+    ``EasyDict`` or Hugging Face's ``ModelOutput`` assigns an attribute too, which would keep the
+    untapped tensor), and dataclasses (their fields, as ``object.__setattr__`` sets them)."""
+    if kind == "dataclass":
+        return True
+    if kind == "sequence":
+        return type(value) is list
+    return kind == "mapping" and type(value).__setitem__ in (dict.__setitem__, collections.OrderedDict.__setitem__) \
+        and not getattr(value, "__dict__", None)
+
+
+def _put(container: Any, kind: str, key: Any, value: Any) -> None:
+    if kind == "dataclass":
+        object.__setattr__(container, key, value)  # (a frozen dataclass's too)
+    else:
+        container[key] = value
+
+
+def restore(undo: Undo) -> None:
+    """Put back the items ``tap_arguments`` put tapped tensors in the place of, in the arguments'
+    containers, where the call left the tapped tensor there (one it replaced stays as the call left it)."""
+    for container, kind, key, item, tapped in reversed(undo):
+        try:
+            now = getattr(container, key) if kind == "dataclass" else \
+                container[key] if kind == "mapping" or key < len(container) else None
+            if now is tapped:
+                _put(container, kind, key, item)
+        except Exception:  # noqa: BLE001, S110 - a container the call made unreadable: left as the call left it
+            pass
+    undo.clear()
+
+
+def _substitute(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], undo: Undo, made: dict[int, Any]) -> Any:
+    """``value`` (an argument) with the tensors at ``tapped``'s keys (below it) replaced: containers
+    ``_in_place`` takes the tapped tensors themselves (``undo`` says how to put their items back),
+    the others on the way to them are made anew (each once: one reached in two places, of this
+    argument or another, is the same new one in both: ``made``), as ``_rebuild`` makes an output's:
+    tuples, named tuples through their ``_make`` and torch's return types through their constructor
+    (none runs code of the user's)."""
+    if () in tapped:
+        return tapped[()]
+    tree: dict[Any, Any] = {}
+    for keys, t in tapped.items():
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = t
+
+    def build(value: Any, node: dict[Any, Any]) -> Any:
+        if id(value) in made:
+            return made[id(value)]
+        kind, items = _children(value)  # type: ignore[misc]
+
+        def new_item(key: Any, item: Any) -> Any:
+            sub = node.get(key)
+            if sub is None:
+                return made.get(id(item), item)
+            return sub if isinstance(sub, torch.Tensor) else build(item, sub)
+
+        if _in_place(value, kind):
+            made[id(value)] = value
+            for key, item in items:
+                if key in node:
+                    new = new_item(key, item)
+                    if new is not item:
+                        _put(value, kind, key, new)
+                        undo.append((value, kind, key, item, new))
+            return value
+        if kind == "namedtuple":
+            new = type(value)._make(new_item(n, v) for n, v in items)
+        else:
+            new = type(value)([new_item(i, item) for i, item in items])
+        made[id(value)] = new
+        return new
+
+    return build(value, tree)
+
+
 def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
-                  skip: frozenset[int] = frozenset(), slots: list[Any] | None = None,
+                  skip: frozenset[int] = frozenset(), slots: list[Any] | None = None, *, undo: Undo,
                   ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
-    """Tap the argument_slots, but for tensors whose id is in ``skip`` (also passed inside a list:
-    the list keeps the untapped tensor, and autograd would sum its gradients in another order) and
-    those that share memory with another (see ``apart``). ``slots``: those to tap, when the caller
-    has them. Returns new args, kwargs and the names
-    (``args.0``, ``kwargs.mask``) of the tapped tensors, in the order the callback sees them."""
+    """Tap the argument_slots, but for tensors whose id is in ``skip`` (also passed in a place no tap
+    reaches: that place keeps the untapped tensor, and autograd would sum its gradients in another
+    order) and those that share memory with another (see ``apart``). ``slots``: those to tap, when
+    the caller has them. Tensors inside lists, dicts and dataclasses are put into them while the call
+    runs: ``undo`` collects what ``restore`` puts back once it returned. Returns new args, kwargs and
+    the names (``args.0``, ``kwargs.mask``, ``args.1.data``) of the tapped tensors, in the order the
+    callback sees them."""
     slots = [(key, t) for key, t in (apart(argument_slots(args, kwargs))[0] if slots is None else slots)
              if id(t) not in skip]
     if not slots:
         return args, kwargs, []
     tapped, keys = _tap_slots(slots, callback)
     new_args, new_kwargs = list(args), dict(kwargs)
-    for (where, key), t in tapped.items():
-        if where == "args":
-            new_args[key] = t
-        else:
-            new_kwargs[key] = t
-    return tuple(new_args), new_kwargs, [f"{w}.{k}" for w, k in keys]
+    below: dict[tuple[str, Any], dict[tuple[Any, ...], torch.Tensor]] = {}
+    for key, t in tapped.items():
+        below.setdefault(key[:2], {})[key[2:]] = t
+    made: dict[int, Any] = {}
+    try:
+        for (where, key), inner in below.items():
+            held = new_args if where == "args" else new_kwargs
+            held[key] = _substitute(held[key], inner, undo, made)
+    except BaseException:
+        restore(undo)  # (the caller calls with its arguments as they were)
+        raise
+    return tuple(new_args), new_kwargs, [".".join(map(str, k)) for k in keys]
 
 
 def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = frozenset(),

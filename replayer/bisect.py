@@ -247,6 +247,9 @@ class Origin:
     source: Step | None = None
     kept: Step | None = None
     source_op: Any = None
+    # Where a grad output came in non-finite: the later step whose backward may have sent it, through an
+    # argument whose gradient was not recorded (the cause names it)
+    suspect: Step | None = None
 
     @property
     def found(self) -> bool:
@@ -896,9 +899,12 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         if ops:
             find_op(origin, step)
         return origin
-    origin = Origin(None, _entered_cause(rec, step) + _not_overflow_note(step, not_overflows),
+    bad = _own_nonfinite(rec, step)[1]
+    senders = _unrecorded_senders(rec, step) if bad and bad[0].role == "grad_output" else []
+    origin = Origin(None, _entered_cause(rec, step, senders) + _not_overflow_note(step, not_overflows),
                     _after(rec, index, went, spread, inclusive=True), entered=step,
-                    followed=int(went[index + 1:].sum()))
+                    followed=int(went[index + 1:].sum()),
+                    suspect=(_backward_of(rec, senders[0][0], index) or senders[0][0]) if senders else None)
     if ops:
         origin.op_note = entered_op_note(origin)
     return origin
@@ -1068,6 +1074,10 @@ def _through_gradients(rec: Recording, made: np.ndarray) -> np.ndarray:
 
 def entered_op_note(origin: Origin) -> str:
     """``ops=True`` where no recorded step made the NaN/Inf: why no operation is named."""
+    if origin.entered is not None and origin.suspect is not None:
+        return (f"no operation is named: the NaN/Inf came into step {origin.entered.index} through a gradient "
+                f"that was not recorded, which step {origin.suspect.index} may have made (above), so there is no "
+                "recorded result to replay operation by operation")
     if origin.entered is not None:
         return (f"no operation is named: no recorded step made the NaN/Inf, it came into step {origin.entered.index} "
                 "from outside them (above), so there is no step to replay operation by operation")
@@ -1151,9 +1161,10 @@ def _after(rec: Recording, index: int, result: np.ndarray, count: int, inclusive
     return [rec.step(int(k)) for k in later[:count]]
 
 
-def _entered_cause(rec: Recording, step: Step) -> str:
+def _entered_cause(rec: Recording, step: Step, senders: list[tuple[Step, list[str]]] | None = None) -> str:
     """Why no recorded step is to blame: which tensor arrived non-finite, and since when. A step's own
-    inputs come first: a rank whose input was non-finite sent it to the others, it did not receive it."""
+    inputs come first: a rank whose input was non-finite sent it to the others, it did not receive it.
+    ``senders``: where a grad output came so, the steps that may have sent it (``_unrecorded_senders``)."""
     source, bad = _own_nonfinite(rec, step)
     values = _values(source, "args") if not bad else []
     if values:  # a number that is no tensor (a numpy array, a float) brought it
@@ -1179,7 +1190,7 @@ def _entered_cause(rec: Recording, step: Step) -> str:
                     f"penalty) outside the recorded steps; {where}")
         return f"{describe(step)} received non-finite values from outside every recorded step"
     sent = _sent(step)
-    text = _entered_text(rec, source, step, bad[0])
+    text = _entered_text(rec, source, step, bad[0], senders or [])
     return text + f"; this rank sent them to the others through its {', '.join(sent)}" if sent else text
 
 
@@ -1198,7 +1209,8 @@ def _from_another_rank(rec: Recording, step: Step) -> bool:
     return not _own_nonfinite(rec, step)[1] and bool(_received(step))
 
 
-def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord) -> str:
+def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord,
+                  senders: list[tuple[Step, list[str]]]) -> str:
     """What ``_entered_cause`` says of a step's own input ``r`` that arrived non-finite."""
     full = f"{source.module_path}.{r.name}" if source.module_path and r.role in ("param", "buffer") else r.name
     earlier = _last_finite_step(rec, step if r.role == "grad_output" else source, r.role, r.name)
@@ -1222,10 +1234,105 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord) -> 
                 f"step wrote it{since}{became}")
     if r.role == "grad_output":
         which = "" if r.name == "output" else f" {r.name.removeprefix('output.')}"
+        if senders:  # a later step's backward sent gradients toward arguments no tap followed
+            sender, names = senders[0]
+            back = _backward_of(rec, sender, step.index)
+            more = f" (and {len(senders) - 1} more step{'s' if len(senders) > 2 else ''} like it)" \
+                if len(senders) > 1 else ""
+            return (f"grad output{which} of {describe(step)} came non-finite ({_counts(rec, r)}) from the backward "
+                    "of a later step whose gradient for an argument was not recorded: the possible source is "
+                    f"{describe(back) if back is not None else describe(sender)}{more}, whose gradient for "
+                    f"{_argument_places(sender, names)} is not recorded (not followed for gradients){since}{became}")
         return (f"grad output{which} of {describe(step)} came non-finite ({_counts(rec, r)}) from the backward of "
                 f"code outside every recorded step{since}{became}")
     return (f"input {r.name} of {describe(source)} came non-finite ({_counts(rec, r)}) from code outside every "
             f"recorded step{since}{became}")
+
+
+# A forward step's notes on arguments whose gradients are not recorded: "<record names>[:] " + one of these
+_ARGUMENT_GRADS_UNRECORDED = (layout.UNFOLLOWED_NOTE, layout.SHARED_ARGUMENTS_NOTE, layout.DUAL_NOTE)
+_SENDERS_LOOKED_AT = 100_000  # forward steps between a call and its backward looked at, at most
+
+
+def _unrecorded_senders(rec: Recording, step: Step) -> list[tuple[Step, list[str]]]:
+    """For a backward step whose grad output came non-finite: the forward steps that ran after its forward
+    (and outside it) in the iteration, before it in the backward pass, with arguments whose gradients were
+    not recorded (a tensor in an object no tap passes a tapped tensor through), and those arguments' record
+    names. Their backward sent gradients toward those arguments unseen: one of them may have made the
+    NaN/Inf. Those given the same values as one of the step's forward's outputs come first."""
+    if step.phase != "backward" or step.forward is None:
+        return []
+    fwd = step.rec.step(step.forward)
+    inside = subtree(rec, fwd.index)
+    start = (inside[-1] if inside else fwd.index) + 1
+    stop = min(step.index, start + _SENDERS_LOOKED_AT)
+    if stop <= start:
+        return []
+    phase, iteration = _column(rec, "phase")[start:stop], _column(rec, "iteration")[start:stop]
+    extra = _column(rec, "extra")[start:stop]
+    found: list[tuple[Step, list[str]]] = []
+    named: dict[int, list[str]] = {}  # extra document -> the names its notes give (steps share documents)
+    for k in np.flatnonzero((phase == 0) & (iteration == fwd.iteration) & (extra != layout.NO_REF)).tolist():
+        sender = rec.step(start + k)
+        names = named.get(int(extra[k]))
+        if names is None:
+            names = named[int(extra[k])] = list(dict.fromkeys(
+                n for note in sender.extra.get("notes") or [] for text in _ARGUMENT_GRADS_UNRECORDED
+                if isinstance(note, str) and text in note
+                for n in note.split(text)[0].rstrip(": ").split(", ") if n.startswith(("args.", "kwargs."))))
+        if names:
+            found.append((sender, names))
+    outputs = [(tuple(r.shape), r.dtype, tuple(r.stats.values())) for r in fwd.records if r.role == "output"]
+
+    def given_its_output(entry: tuple[Step, list[str]]) -> bool:
+        sender, names = entry
+        return any((tuple(r.shape), r.dtype, tuple(r.stats.values())) in outputs for r in sender.records
+                   if r.role == "input" and r.name in names)
+
+    return sorted(found, key=lambda entry: not given_its_output(entry))
+
+
+def _backward_of(rec: Recording, fwd: Step, before: int) -> Step | None:
+    """The backward step of forward step ``fwd`` recorded before step ``before``, if any (the last)."""
+    hits = np.flatnonzero(_column(rec, "forward")[fwd.index + 1:before] == fwd.index)
+    return rec.step(fwd.index + 1 + int(hits[-1])) if len(hits) else None
+
+
+def _argument_places(step: Step, names: list[str], shown: int = 3) -> str:
+    """Arguments of a forward step by record name, each with the object it was in ("args.0.h (in a Box)")."""
+    def place(name: str) -> str:
+        doc: Any = step.arguments or {}
+        for part in name.split(".")[:-1]:
+            doc = _item_doc(doc, part)
+        tag, body = next(iter(doc.items())) if isinstance(doc, dict) and len(doc) == 1 else (None, None)
+        kind = body.get("type") if tag in _TYPED and isinstance(body, dict) else None
+        if not isinstance(kind, str):
+            return name
+        return f"{name} (in {type_words(kind.partition(':')[2] if kind.startswith('__main__:') else kind)})"
+
+    listed = ", ".join(place(n) for n in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+_TYPED = ("$object", "$dataclass", "$namedtuple", "$mapping")  # tags of the objects a document names the type of
+
+
+def _item_doc(doc: Any, key: str) -> Any:
+    """The item at ``key`` (a part of a record's path) of a container in a tagged JSON document; None where
+    it holds none."""
+    if isinstance(doc, dict) and len(doc) == 1:
+        tag, body = next(iter(doc.items()))
+        if tag in ("$object", "$dataclass", "$namedtuple") and isinstance(body, dict):
+            doc = body.get("fields")
+        elif tag == "$tuple":
+            doc = body
+        elif tag in ("$mapping", "$dict"):
+            pairs = body.get("items") if tag == "$mapping" and isinstance(body, dict) else body
+            doc = {k: v for k, v in pairs if isinstance(k, str)} if isinstance(pairs, list) and all(
+                isinstance(p, list) and len(p) == 2 for p in pairs) else None
+    if isinstance(doc, list):
+        return doc[int(key)] if key.isdigit() and int(key) < len(doc) else None
+    return doc.get(key) if isinstance(doc, dict) else None
 
 
 def _forward_only(step: Step) -> bool:

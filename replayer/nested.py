@@ -111,6 +111,7 @@ class _Seen:
     grad_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     given: Any = None  # a module call's (args, kwargs) as it got them: what it changed in place is compared
     changes: bool = False  # its recorded step changed inputs in place ("after:<input>" records)
+    undo: taps.Undo = field(default_factory=list)  # its arguments' containers' items, put back when it returns
 
 
 class InnerTap:
@@ -151,7 +152,8 @@ class InnerTap:
 
         holder: list[list[str | None]] = [[]]
         new_args, new_kwargs, holder[0] = taps.tap_arguments(args, kwargs,
-                                                             lambda g, k=0: got(g, holder[0][k:k + len(g)]))
+                                                             lambda g, k=0: got(g, holder[0][k:k + len(g)]),
+                                                             undo=seen.undo)
         return new_args, new_kwargs
 
     def _tap_out(self, seen: _Seen, output: Any) -> Any:
@@ -227,6 +229,7 @@ class InnerTap:
         if not pending:
             return None
         seen = pending.pop()
+        taps.restore(seen.undo)
         seen.outputs = _snapshot(output)
         if seen.given is not None:
             seen.outputs.update(_after(*seen.given))
@@ -246,7 +249,10 @@ class InnerTap:
         tapped = self._tap_in(seen, args, kwargs)
         if tapped is not None:
             args, kwargs = tapped
-        out = fn(*args, **kwargs)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            taps.restore(seen.undo)
         seen.outputs = _snapshot(out)
         if seen.changes:
             seen.outputs.update(_after(args, kwargs))

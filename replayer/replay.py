@@ -356,6 +356,50 @@ class Replayer:
                             "what that call found is not this call's result")
         return diffs
 
+    @contextlib.contextmanager
+    def _saved_hooks(self, step: Step, warnings: list[str] | None = None) -> Iterator[None]:
+        """Around a replayed call: the saved-tensor hooks it ran under, set outside it when recorded
+        (``torch.autograd.graph.saved_tensors_hooks``: a loop packing saved activations to bfloat16), so
+        that its backward reads what they made of what it saved, as the recorded one did. Hooks a replay
+        may not run (not functions of the training code's own, found by name) are named in ``warnings``
+        (a backward replay's) as the likely cause of a difference; torch's ``save_on_cpu``, lossless, needs
+        none."""
+        doc = step.extra.get("saved_tensors_hooks")
+        hooks = self._hooks_of(doc, warnings) if isinstance(doc, dict) else None
+        if hooks is None:
+            yield
+            return
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            yield
+
+    def _hooks_of(self, doc: dict[str, Any], warnings: list[str] | None) -> tuple[Any, Any] | None:
+        places = [doc.get("pack"), doc.get("unpack")]
+        refs = [str(p.get("ref")) if isinstance(p, dict) else "?" for p in places]
+        if all(ref.startswith(_SAVE_ON_CPU) for ref in refs):
+            return None
+        found, why = [], ""
+        for place, ref in zip(places, refs):
+            try:
+                if not isinstance(place, dict) or place.get("function") is False:
+                    raise ReplayError(f"{ref} is no function (a bound method or an object), which a replay cannot "
+                                      "find again by name")
+                file = place.get("file")
+                fn = self.loader.resolve(ref, file if isinstance(file, str) else None)
+                if not isinstance(fn, types.FunctionType) or not (ref.startswith("__main__:") or jsonval.may_bind(fn)):
+                    raise ReplayError(f"{ref} is not a function of the training code's own, which alone a replay runs")
+                found.append(fn)
+            except ReplayError as exc:
+                why = str(exc)
+                break
+        if not why:
+            return found[0], found[1]
+        if warnings is not None:
+            warnings.append(f"the recorded call ran under saved-tensor hooks set outside it "
+                            f"(torch.autograd.graph.saved_tensors_hooks: pack {refs[0]}, unpack {refs[1]}), which "
+                            f"the replay could not apply ({why}): its backward read what they made of the tensors "
+                            "its forward saved (a likely cause of any difference)")
+        return None
+
     def _raised_hint(self, exc: BaseException | None, step: Step) -> str:
         """Why the replay of ``step`` raised ``exc`` where the recorded call did not, when the cause is known:
         a name a statement of the training script sets, which a replay left out; what the recording's older
@@ -1229,7 +1273,7 @@ class Replayer:
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
                 with self._around("forward"), collectives.replayed(step, inner if nested else None) as talk, \
-                        _recursion_room(step, inner):
+                        _recursion_room(step, inner), self._saved_hooks(step):
                     out = call.run()
                     _refuse_lazy(step, step, out)
                 warnings += talk.warnings
@@ -1379,7 +1423,7 @@ class Replayer:
             saved, capture.ACTIVE = capture.ACTIVE, tap
             try:
                 with self._around("forward"), collectives.replayed(fwd, inner if nested else None) as talk, \
-                        _recursion_room(fwd, inner):
+                        _recursion_room(fwd, inner), self._saved_hooks(fwd, warnings):
                     out = call.run()
                     _refuse_lazy(step, fwd, out)
                 warnings += talk.warnings
@@ -1484,6 +1528,7 @@ class Replayer:
 
 
 Around = Callable[[str], contextlib.AbstractContextManager[Any]]
+_SAVE_ON_CPU = "torch.autograd.graph:save_on_cpu."  # its hooks' references: a copy to the CPU and back, lossless
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

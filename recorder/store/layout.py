@@ -67,7 +67,10 @@ SCHEMA_VERSION = "1.18"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       compares a sparse result and a count of NaN/Inf is of its stored values (before: a crash, the dense size);
 #       and $object for an object whose bases hold no state but have an empty __slots__ or are typing.Generic
 #       (torch.distributions' Independent) and for torch.distributions' transforms (before, $opaque); and the
-#       setting "distributions_validate_args" (torch.distributions' default validate_args)
+#       setting "distributions_validate_args" (torch.distributions' default validate_args);
+#       and grad inputs of tensors inside the arguments' tuples, lists, dicts, named tuples (PackedSequence:
+#       "args.0.data") and dataclasses, and UNFOLLOWED_NOTE on input records too; a step's extra
+#       "saved_tensors_hooks": the saved-tensor hooks its call ran under, which a replay applies again
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -112,7 +115,8 @@ UNINITIALIZED_NOTE = ("uninitialized (a lazy module's, before the call that give
 BUFFERS_WRITTEN_NOTE = ("written or replaced since the module's last recorded call, by code outside its calls "
                         "(load_state_dict, .to(), a reset, a call not recorded): the call found them as that code "
                         "left them, not as its last call did")
-# A forward step's note: "<output record names> " + this (no tap followed them: see recorder.taps)
+# A forward step's note: "<output or input record names> " + this (no tap followed them: see recorder.taps;
+# input records since 1.18)
 # A forward step's note: "<parameter names>: " + this.
 RETURNED_PARAM_NOTE = ("returned as they are by the step (leaves, not followed for gradients): the gradient the "
                        "caller's use of them sends is in their parameter grads too, which a replay of this step's "

@@ -215,3 +215,110 @@ def test_a_layer_called_inside_a_reentrant_checkpoint_and_outside_replays(tmp_pa
     results = [replayer.replay(rec, s.index) for s in rec.steps]
     assert all(r.match for r in results), [(r.step.index, [d.summary() for d in r.outputs if not d.match])
                                           for r in results if not r.match]
+
+
+# -- saved-tensor hooks ---------------------------------------------------------------------------
+def pack_half(t: torch.Tensor) -> torch.Tensor:
+    """A loop's memory trick: the activations the forward saves are kept in float16 (lossy)."""
+    return t.to(torch.float16) if t.dtype == torch.float32 else t
+
+
+def unpack_half(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32) if t.dtype == torch.float16 else t
+
+
+@recorder.paper_step("Eq. 5", description="a gated block whose energy term overflows float16")
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = (x * x).sum(-1, keepdim=True)
+        return x + torch.tanh(self.fc(self.ln(x))) * torch.sigmoid(e - e.mean())
+
+
+def _packed_training(path, trick: str, scale: float = 1.0) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(Gated(), Gated(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads = []
+    with recorder.record(path, model=model, optimizer=opt, mode="full"):
+        for i in range(2):
+            x = torch.randn(6, 8) * (scale if i == 1 else 1.0)
+            if trick == "save_on_cpu":
+                hooks = torch.autograd.graph.save_on_cpu(pin_memory=False)
+            else:  # (a lambda: no name a replay could find it by)
+                hooks = torch.autograd.graph.saved_tensors_hooks(
+                    pack_half if trick == "named" else lambda t: t.to(torch.float16), unpack_half)
+            with hooks:
+                out = checkpoint(model, x, use_reentrant=False) if trick == "save_on_cpu" else model(x)
+            out.pow(2).mean().backward()
+            grads += [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+    return grads
+
+
+def test_saved_tensor_hooks_set_around_the_forward_are_applied_again_by_a_replay(tmp_path):
+    """The loop packs what the forward saves to float16: the recorded backward steps read the packed
+    values. The hooks are recorded with each call (the script's own functions, by import reference) and
+    a replay applies them again around the forward: every backward replays bit for bit (before: every
+    one a MISMATCH of ~1e-4, with no cause named)."""
+    import replayer
+
+    path = tmp_path / "run.zarr"
+    _packed_training(path, "named")
+    rec = replayer.open(path)
+    assert rec.step(0).extra["saved_tensors_hooks"] == {
+        "pack": {"ref": f"{__name__}:pack_half", "file": __file__},
+        "unpack": {"ref": f"{__name__}:unpack_half", "file": __file__}}
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.selector, [d.summary() for d in result.outputs if not d.match])
+
+
+def test_saved_tensor_hooks_a_replay_cannot_apply_are_named_as_the_likely_cause(tmp_path):
+    import replayer
+
+    path = tmp_path / "run.zarr"
+    _packed_training(path, "lambda")
+    rec = replayer.open(path)
+    back = rec.steps.filter(name="Gated", phase="backward")[0]
+    result = replayer.replay(rec, back.index)
+    assert not result.match
+    assert any(w.startswith(f"the recorded call ran under saved-tensor hooks set outside it (torch.autograd.graph."
+                            f"saved_tensors_hooks: pack {__name__}:_packed_training.<locals>.<lambda>, unpack "
+                            f"{__name__}:unpack_half), which the replay could not apply (") and
+               w.endswith("(a likely cause of any difference)") for w in result.warnings), result.warnings
+
+
+def test_save_on_cpu_and_checkpointing_hooks_need_nothing_applied(tmp_path):
+    """torch's own saved-tensor hooks: save_on_cpu's (lossless) and non-reentrant checkpointing's inside
+    it (its recomputation: not recorded as hooks of the call)."""
+    import replayer
+
+    path = tmp_path / "run.zarr"
+    _packed_training(path, "save_on_cpu")
+    rec = replayer.open(path)
+    assert all("saved_tensors_hooks" not in s.extra for s in rec.steps)
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match and not any("saved-tensor" in w for w in result.warnings), step.selector
+
+
+def test_a_nan_the_packing_made_is_found_at_the_pack_hooks_line(tmp_path):
+    """float16 packing overflows (the forward in float32 is finite): the block's backward makes NaN of the
+    Inf it reads. The operation is the packing's cast, at its line, from a replay that reproduced the
+    step (before: "the replay did not reproduce the recorded step ... the code may not be the recorded
+    run's")."""
+    import replayer
+
+    path = tmp_path / "run.zarr"
+    grads = _packed_training(path, "named", scale=1e5)
+    assert not all(torch.isfinite(g).all() for g in grads)
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert origin.step is not None and (origin.step.name, origin.step.phase) == ("Gated", "backward"), origin.cause
+    assert origin.op is not None, origin.op_note
+    assert "did not reproduce" not in (origin.op_note or ""), origin.op_note
+    assert "t.to(torch.float16)" in f"{origin.op.code} {origin.op_note}", (origin.op, origin.op_note)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
 import recorder
 import replayer
@@ -2298,6 +2299,74 @@ def test_a_backward_step_whose_gradients_were_unrecorded_made_nan_only_as_far_as
         f"from inputs that were finite as far as recorded: the gradients that came to output.t of its forward (step "
         f"{step.forward}) were not recorded (not followed for gradients), so whether the NaN came in through them is "
         "not known"), origin.cause
+    assert json.loads(pdbg("bisect", str(path), "--json", cwd=tmp_path).stdout)["cause"] == origin.cause
+
+
+@recorder.paper_step("Eq. 16", description="features")
+class _Features(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+@recorder.paper_step("Eq. 17", description="signed square root (torch.where's gradient trap) of features it is given "
+                                           "inside a container")
+def signed_root(held: Any) -> torch.Tensor:
+    h = held.t if isinstance(held, _Box) else held.data if isinstance(held, PackedSequence) else held[0]
+    return torch.where(h > 0, torch.sqrt(h), h)  # (sqrt's gradient at the negatives: NaN, which where() keeps)
+
+
+def record_rooted(path: Path, kind: str) -> None:
+    torch.manual_seed(0)
+    features = _Features()
+    opt = torch.optim.SGD(features.parameters(), lr=0.1)
+    with recorder.record(path, model=features, optimizer=opt):
+        h = features(torch.randn(8, 4))
+        held = (h,) if kind == "tuple" else _Box(h) if kind == "box" else pack_sequence([h])
+        signed_root(held).sum().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("kind, argument", [("tuple", "args.0.0"), ("packed", "args.0.data")])
+def test_a_nan_a_backward_made_toward_a_tensor_given_inside_a_container_is_that_steps(
+        tmp_path: Path, kind: str, argument: str) -> None:
+    """The backward of the step given the features inside a tuple (a PackedSequence) made the NaN: its grad
+    input there is recorded, and it is the origin. Before, it was not recorded, and bisect blamed the
+    backward of code outside every recorded step for the NaN the features' step received."""
+    path = tmp_path / "run.zarr"
+    record_rooted(path, kind)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    step = origin.step
+    assert step is not None and (step.name, step.phase) == ("signed_root", "backward"), origin.cause
+    assert f"produced grad_input {argument} (" in origin.cause and "outside every" not in origin.cause, origin.cause
+    assert origin.op is not None and origin.op.line == line_of(signed_root, "torch.sqrt(h)"), origin.op_note
+    result = replayer.replay(rec, step.index)
+    assert result.match and [d.name for d in result.outputs] == [argument]
+
+
+def test_a_step_whose_argument_in_an_object_is_not_followed_is_named_as_the_possible_source(tmp_path: Path) -> None:
+    """The features in a plain object: no tap can follow them, so the NaN the step's backward made there
+    is not recorded. The features' step received it: the cause names the step whose gradient for that
+    argument was not recorded as the possible source, not code outside every recorded step."""
+    path = tmp_path / "run.zarr"
+    record_rooted(path, "box")
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    entered, back = origin.entered, rec.steps.filter(name="signed_root", phase="backward")[0]
+    assert origin.step is None and entered is not None and (entered.name, entered.phase) == ("_Features", "backward")
+    assert "outside every recorded step" not in origin.cause, origin.cause
+    assert origin.cause.startswith(f"grad output of step {entered.index}: Eq. 16 · _Features · backward · iteration "
+                                   "0 · call 0 came non-finite (20 NaN of 32) from the backward of a later step whose "
+                                   "gradient for an argument was not recorded: the possible source is step "
+                                   f"{back.index}: Eq. 17 · signed_root · backward · iteration 0 · call 0, whose "
+                                   "gradient for args.0.t (in a tests _Box) is not recorded (not followed for "
+                                   "gradients)"), origin.cause
+    assert origin.suspect is not None and origin.suspect.index == back.index
+    assert f"which step {back.index} may have made" in (origin.op_note or ""), origin.op_note
     assert json.loads(pdbg("bisect", str(path), "--json", cwd=tmp_path).stdout)["cause"] == origin.cause
 
 
