@@ -340,7 +340,8 @@ def _operation(o: Origin) -> list[tuple[str, Any]]:
         return [("operation", o.op_note)]
     if op is None:
         return [("operation", muted("replayer.first_nonfinite(rec, ops=True) names it"))] if o.step else []
-    return [("operation", code(op.name)), ("autograd node", op.node),
+    return [("operation", code(op.name)), ("inside", code(op.within) if op.within else None),
+            ("autograd node", op.node),
             ("at", f"{op.file}:{op.line}" if op.file else muted("no user source line found")),
             ("code", code(op.code) if op.code else None),
             ("its forward", f"{op.forward['file']}:{op.forward['line']}" if op.forward and op.forward.get("file")

@@ -7,11 +7,17 @@ computed an Inf (an overflow, a division by zero) before it.
 
 A forward step runs under a ``TorchDispatchMode`` that checks each operation's outputs; the source
 line is the innermost frame of the Python stack that is the user's code (not torch's, not
-PaperDebugger's, not the standard library's). A backward step's forward runs with autograd's anomaly
-mode (NaN checks off), which keeps the forward stack on every graph node; during the gradient
-computation each operation is attributed to the node running it and that node's forward line, except
-in the backward of a custom ``torch.autograd.Function``: that is the user's code, running on the live
-stack, whose line is named (the forward line that made the node is kept as context).
+PaperDebugger's, not the standard library's). A higher-order operator (flex_attention) is looked
+inside: its operations are checked as its kernel runs them, the user's ``score_mod`` among them.
+A ``TorchFunctionMode`` alongside says which torch-level call (``torch.logdet``, a Tensor method) each
+operation belongs to: an operation of a call's implementation that takes no tensor and writes a NaN/Inf
+constant (the NaN ``torch.logdet`` gives for a negative determinant, written by ``aten::scalar_tensor``)
+is no origin of its own; the call is, where that constant reaches its result from finite inputs.
+A backward step's forward runs with autograd's anomaly mode (NaN checks off), which keeps the forward
+stack on every graph node; during the gradient computation each operation is attributed to the node
+running it and that node's forward line, except in the backward of a custom ``torch.autograd.Function``:
+that is the user's code, running on the live stack, whose line is named (the forward line that made the
+node is kept as context).
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._C import DispatchKey
+from torch._ops import HigherOrderOperator
 from torch.autograd.function import BackwardCFunction
+from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -81,6 +90,10 @@ class OpReport:
     # where, at the earlier call of the step that kept it out of its results ({"step", "iteration", "call"}), the
     # same operation's output was finite (None: no such call was replayed; the first operation whose output held it)
     finite_at: dict[str, Any] | None = None
+    within: str | None = None  # the higher-order operator it ran inside ("higher_order::flex_attention")
+    # A torch-level call named as the operation ("torch.logdet"): the operation of its implementation that
+    # wrote the NaN/Inf as a constant ("aten::scalar_tensor": the value it gives where it is undefined)
+    constant: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc = self._json()
@@ -91,10 +104,19 @@ class OpReport:
         return {"name": self.name, "file": self.file, "line": self.line, "code": self.code,
                 "function": self.function, "overload": self.overload, "phase": self.phase, "node": self.node,
                 "index": self.index, "inputs": self.inputs, "outputs": self.outputs, "made": self.made,
-                "forward": self.forward, "finite_at": self.finite_at}
+                "forward": self.forward, "finite_at": self.finite_at, "within": self.within,
+                "constant": self.constant}
 
     def how(self) -> str | None:
-        """How this operation made the step's first NaN/Inf, when not from finite inputs (``made``)."""
+        """How this operation made the step's first NaN/Inf, when not from finite inputs (``made``), or
+        from finite inputs by a constant of its implementation (``constant``)."""
+        if self.made == "constant":
+            return (f"no operation computed it: the NaN/Inf is a constant written in the code, which {self.name} "
+                    "wrote (a number argument: float('nan'), float('-inf'); torch.full(..., float('nan')))")
+        if self.constant is not None:
+            return (f"{self.name} made it from finite inputs: its implementation writes the NaN/Inf as a constant "
+                    f"({self.constant}), the value it gives for inputs outside its domain (as torch.logdet does for a "
+                    "matrix with a negative determinant)")
         if self.made == "inf" and self.inf_from is None:
             return (f"no operation inside the step made the Inf (it came in); {self.name} made NaN of it "
                     "(inf - inf, 0 * inf)")
@@ -127,8 +149,9 @@ class OpReport:
         node = f" in {self.node}" if self.node else ""
         if self.node and self.forward is not None:
             node = f" in {self.node} (the custom Function's backward)"
+        within = f" inside {self.within}" if self.within else ""
         code = f": {self.code}" if self.code else ""
-        return f"{self.name}{node} at {at}{code}"
+        return f"{self.name}{within}{node} at {at}{code}"
 
 
 def _user_frame(frames: list[tuple[str, int, str, str]]) -> tuple[str, int, str, str] | None:
@@ -182,6 +205,38 @@ def _nonfinite(t: torch.Tensor) -> bool:
     return t.numel() > 0 and not bool(torch.isfinite(t).all())
 
 
+def _takes_tensors(args: Any, kwargs: Any) -> bool:
+    return any(isinstance(x, torch.Tensor) for x in tree_leaves((args, kwargs)))
+
+
+def _op_name(func: Any) -> str:
+    """"aten::exp" of an aten operation, "higher_order::flex_attention" of a higher-order operator,
+    "torch.logdet" of a torch-level call."""
+    if isinstance(func, HigherOrderOperator):
+        return f"{func.namespace}::{func.name()}"
+    if isinstance(func, torch._ops.OpOverload):
+        overload = str(func)
+        return "aten::" + overload.split(".")[1] if overload.startswith("aten.") else overload
+    try:
+        name = resolve_name(func)
+    except Exception:  # noqa: BLE001 - torch's table of overridable functions cannot say: its own name
+        name = None
+    return name or str(getattr(func, "__qualname__", None) or func)
+
+
+def _kernel_below(func: HigherOrderOperator, args: Any, kwargs: Any) -> Any:
+    """The Python kernel a higher-order operator's dispatch runs next for these tensors (below
+    the Python key this mode is at: flex_attention's dense implementation on a CPU or CUDA tensor),
+    or None where it has none (or torch cannot say)."""
+    try:
+        keys = torch._ops._compute_keyset(args, kwargs, func.non_fallthrough_keys)
+        below = keys & torch._C._dispatch_keyset_full_after(DispatchKey.Python)
+        kernel = func.py_kernels.get(torch._ops.resolve_key(func, below.highestPriorityTypeId()))
+    except (AttributeError, NotImplementedError, RuntimeError, TypeError):
+        return None
+    return kernel if callable(kernel) and not isinstance(kernel, DispatchKey) else None
+
+
 def _made(func: Any, outs: list[torch.Tensor], given: list[Any], bad: Any) -> bool:
     """Whether an operation made values that are ``bad`` (``torch.isnan``, or ``_not_finite``) in its
     outputs: none of its inputs held any (``given``: for each input that did, where its values were
@@ -230,12 +285,51 @@ class _Given:
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
+@dataclass
+class _Call:
+    """A torch-level call of the code the step runs (``torch.logdet(w)``), while it runs."""
+
+    func: Any
+    args: Any
+    kwargs: Any
+    tensors: bool  # it took a tensor: its implementation's operations that take none are constants of it
+    constant: tuple[str, int] | None = None  # the first such operation that wrote a NaN/Inf, and its index
+    start: int = 0  # how many operations the step ran before it
+
+
+class _Calls(TorchFunctionMode):
+    """Tells the finder which torch-level call (``torch.logdet``, ``F.softmax``, a Tensor method) the
+    operations it checks belong to: the outermost only, as torch's own calls inside one run with this
+    mode off."""
+
+    def __init__(self, finder: _Finder) -> None:
+        super().__init__()
+        self.finder = finder
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        finder = self.finder
+        if finder.call is not None or not finder.looking:
+            return func(*args, **kwargs)
+        call = _Call(func, args, kwargs, _takes_tensors(args, kwargs), start=finder.count)
+        finder.call = call
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            finder.call = None
+        if call.constant is not None and finder.looking:
+            finder.settle(call, out)
+        return out
+
+
 class _Finder(TorchDispatchMode):
     """``nan``: the step's result holds NaN, so the first operation that made NaN is looked for too,
     past one that made only Inf, and where each Inf came from (a tensor's storage to the operation that
     made its Inf from finite values), to say what that operation made its NaN of. ``whole``: go on to
     the end (a backward step's forward, whose Inf the backward may take from saved tensors).
     ``earlier``: the forward's finder of a backward step, which knows where the forward's Inf came from."""
+
+    supports_higher_order_operators = True  # (flex_attention: looked inside, else judged as one operation)
 
     def __init__(self, phase: str, *, nan: bool = False, whole: bool = False, earlier: _Finder | None = None,
                  passed: bool = False, baseline: list[tuple[str, bool]] | None = None) -> None:
@@ -255,6 +349,8 @@ class _Finder(TorchDispatchMode):
         # The first tensor made of data holding NaN that no operation of torch's made (torch.from_numpy of what
         # numpy code computed), where the step's NaN may have come from
         self.outside: OpReport | None = None
+        self.within: str | None = None  # the higher-order operator whose operations run now
+        self.call: _Call | None = None  # the torch-level call running now (a forward's, told by _Calls)
 
     @property
     def looking(self) -> bool:
@@ -270,6 +366,8 @@ class _Finder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return self._higher_order(func, args, kwargs)
         looking = self.looking
         # An operation that writes into its input (y[1, 3:] = nan: fill_ of a view) is judged by its
         # inputs as they were before it wrote.
@@ -291,11 +389,15 @@ class _Finder(TorchDispatchMode):
         elif looking:
             outs = _checked(out)
             if any(_nonfinite(t) for t in outs):
-                self._judge(func, args, kwargs, outs,
-                            before if before is not None else self._given(func, args, kwargs), infos)
-                if self.passed and self.carried is None and self._new_here(func):
-                    self.carried = self._report(func, args, kwargs, outs, infos)
-                    self.carried.made = "passed"
+                call = self.call
+                if call is not None and call.tensors and not _takes_tensors(args, kwargs):
+                    self._constant(call, func, args, kwargs, outs)  # (the call it belongs to is judged after it)
+                else:
+                    self._judge(func, args, kwargs, outs,
+                                before if before is not None else self._given(func, args, kwargs), infos)
+                    if self.passed and self.carried is None and self._new_here(func):
+                        self.carried = self._report(func, args, kwargs, outs, infos)
+                        self.carried.made = "passed"
             self.count += 1
         return out
 
@@ -310,14 +412,72 @@ class _Finder(TorchDispatchMode):
             return True
         return not at[1]
 
+    def _higher_order(self, func: HigherOrderOperator, args: Any, kwargs: Any) -> Any:
+        """A higher-order operator (flex_attention, cond) is looked inside: its kernel for these
+        tensors runs with this mode on, so that its operations are checked (the user's score_mod
+        among them, with its line); one with no Python kernel here is checked as one operation."""
+        kernel = _kernel_below(func, args, kwargs)
+        if kernel is not None:
+            outer = self.within
+            self.within = outer or _op_name(func)
+            try:
+                with self:
+                    return kernel(*args, **kwargs)
+            finally:
+                self.within = outer
+        looking = self.looking
+        out = func(*args, **kwargs)
+        if looking:
+            outs = _checked(out)
+            if any(_nonfinite(t) for t in outs):
+                self._judge(func, args, kwargs, outs, self._given(func, args, kwargs), None)
+            self.count += 1
+        return out
+
+    def _constant(self, call: _Call, func: Any, args: Any, kwargs: Any, outs: list[torch.Tensor]) -> None:
+        """An operation that takes no tensor and writes a NaN/Inf, inside a torch-level call that took
+        tensors: a constant of that call's implementation (``torch.logdet``'s NaN for a negative
+        determinant, which it writes at every call and keeps only where the determinant is negative). It is
+        no origin of its own: the call is judged when it returns (``settle``). Where its Inf came from is
+        kept, for an operation that makes NaN of it."""
+        if call.constant is None:
+            call.constant = (_op_name(func), self.count)
+        if self.nan:
+            source = self._report(func, args, kwargs, outs, [])
+            for t in outs:
+                key = _storage(t) if _nonfinite(t) else None
+                if key is not None:
+                    self.infs[key] = (weakref.ref(t, self._forget(key)), source)
+
+    def settle(self, call: _Call, out: Any) -> None:
+        """A torch-level call whose implementation wrote a NaN/Inf constant, judged as one operation by
+        its inputs and its result, where no operation inside it was named: the call made NaN/Inf from
+        finite inputs where that constant reached its result (named as the call: "torch.logdet")."""
+        outs = _checked(out)
+        if not any(_nonfinite(t) for t in outs) or any(
+                op is not None and op.index >= call.start for op in (self.found, self.computed, self.first_nan)):
+            return
+        outputs = {id(t) for t in outs}  # (a call that wrote into its input: judged by the others)
+        given = [g for g in self._given(call.func, call.args, call.kwargs) if id(g.tensor) not in outputs]
+        name, index = call.constant or ("", self.count)
+        count, self.count = self.count, index  # (placed where its constant was written, among the operations)
+        try:
+            self._judge(call.func, call.args, call.kwargs, outs, given, None, constant=name)
+        finally:
+            self.count = count
+
     def _judge(self, func: Any, args: Any, kwargs: Any, outs: list[torch.Tensor], given: list[_Given],
-               infos: list[dict[str, Any]] | None) -> None:
+               infos: list[dict[str, Any]] | None, *, constant: str | None = None) -> None:
         report: OpReport | None = None
 
         def reported() -> OpReport:
             nonlocal report
             if report is None:
                 report = self._report(func, args, kwargs, outs, infos)
+                if self._writes_constant(args, kwargs):
+                    report.made = "constant"
+                elif constant:
+                    report.constant = constant
             return report
 
         made = _made(func, outs, [g.finite for g in given], _not_finite)
@@ -346,6 +506,15 @@ class _Finder(TorchDispatchMode):
                    (isinstance(x, torch.Tensor) and any(x is c for c in self.literals) and _nonfinite(x))
                    for x in tree_leaves((args, kwargs)))
 
+    def _writes_constant(self, args: Any, kwargs: Any) -> bool:
+        """Whether the NaN/Inf an operation (or a torch-level call) made is a constant written in the code:
+        it takes no tensor (``torch.full(..., nan)``), or a number argument that is NaN or Inf
+        (``masked_fill(m, nan)``), or such a number lifted to a tensor (``y[m] = float("nan")``)."""
+        leaves = tree_leaves((args, kwargs))
+        return not any(isinstance(x, torch.Tensor) for x in leaves) or any(
+            (isinstance(x, float) and not math.isfinite(x)) or
+            (isinstance(x, torch.Tensor) and any(x is c for c in self.literals) and _nonfinite(x)) for x in leaves)
+
     def _forget(self, key: int) -> Any:
         def forget(ref: weakref.ref[torch.Tensor]) -> None:  # (its memory may hold another tensor next)
             if self.infs.get(key, (None,))[0] is ref:
@@ -371,8 +540,8 @@ class _Finder(TorchDispatchMode):
 
     def _report(self, func: Any, args: Any, kwargs: Any, outs: list[torch.Tensor],
                 inputs: list[dict[str, Any]] | None = None) -> OpReport:
-        overload = str(func)
-        name = "aten::" + overload.split(".")[1] if overload.startswith("aten.") else overload
+        name = _op_name(func)
+        overload = str(func) if isinstance(func, torch._ops.OpOverload) else name
         node_name, frames, forward, user = None, None, None, None
         if self.phase == "backward":
             node = torch._C._current_autograd_node()
@@ -396,7 +565,7 @@ class _Finder(TorchDispatchMode):
         if inputs is None:
             inputs = [_tensor_info(t) for t in _checked((args, kwargs))]
         return OpReport(name, overload, self.phase, file, line, code, function, node_name, self.count, inputs,
-                        [_tensor_info(t) for t in outs], forward=forward)
+                        [_tensor_info(t) for t in outs], forward=forward, within=self.within)
 
 
 class _Trace(TorchDispatchMode):
@@ -466,6 +635,11 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
     @contextlib.contextmanager
     def around(stage: str) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
+            # (what torch.compile compiles runs eagerly, its operations checked: eager flex_attention compiles
+            # its operator with fullgraph=True, which refuses to run in a dispatch mode otherwise)
+            stance = getattr(torch.compiler, "set_stance", None)
+            if stance is not None:
+                stack.enter_context(stance("force_eager"))
             if step.phase == "backward" and stage == "forward":
                 # (set_detect_anomaly, not detect_anomaly: the same mode, restored after, without the
                 # warning detect_anomaly gives, which only warnings.catch_warnings() would hide, and that
@@ -475,6 +649,8 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
             own = stage == step.phase
             finders[stage] = stack.enter_context(_Finder(stage, nan=nan, whole=not own, earlier=earlier,
                                                          passed=passed and own, baseline=baseline if own else None))
+            if stage == "forward":  # (a backward's operations belong to autograd's nodes, named instead)
+                stack.enter_context(_Calls(finders[stage]))
             yield
 
     result = Replayer(rec, script=script, use_bundled_source=use_bundled_source).replay(

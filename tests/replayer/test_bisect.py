@@ -2573,3 +2573,110 @@ def test_a_distribution_an_encoder_returns_is_compared_and_followed(tmp_path: Pa
     assert [d.name for d in result.outputs] == ["output.base_dist.loc", "output.base_dist.scale"]
     edited = replayer.replay(a, 0, edit={"args.0": "x * 100"})
     assert not edited.match and all(not d.match for d in edited.outputs)
+
+
+@recorder.paper_step("Eq. 44", description="attention with a learned per-head distance bias (flex_attention)")
+def biased_attention(q: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor,
+                  ki: torch.Tensor) -> torch.Tensor:
+        return score + bias[h] * (qi - ki)
+
+    return flex_attention(q, q, q, score_mod=score_mod)
+
+
+def test_ops_looks_inside_flex_attention_a_higher_order_operator(tmp_path: Path, monkeypatch) -> None:
+    """flex_attention is a higher-order operator: the operation finder (a TorchDispatchMode) raised
+    torch's "no rule registered for HigherOrderOperator flex_attention and mode <...Finder object at 0x...>",
+    and --ops said the replay did not reproduce the step (the code may have drifted), though verify
+    replays it bit for bit. It looks inside: the overflow is aten::mul in the user's score_mod, at its line.
+    Where torch gives no kernel to look inside, flex_attention itself is the operation, at the call's line."""
+    from replayer import ops
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path), torch.no_grad():  # (flex_attention has no backward on the CPU)
+        for big in (0.2, 1e38):  # 1e38 * (qi - ki) overflows: inf - inf in the softmax, NaN
+            biased_attention(torch.randn(1, 2, 16, 8), torch.tensor([0.1, big]))
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    op = origin.op
+    assert origin.step is not None and origin.step.index == 1 and op is not None, origin.op_note
+    assert (op.name, op.within) == ("aten::mul", "higher_order::flex_attention") and origin.op_note is None
+    assert op.line == line_of(biased_attention, "bias[h] * (qi - ki)") and op.inputs[0]["stats"]["inf"] == 0 and \
+        op.outputs[0]["stats"]["inf"] > 0
+    assert op.where().startswith("aten::mul inside higher_order::flex_attention at ")
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert "operation: aten::mul inside higher_order::flex_attention\n" in res.stdout, res.stdout
+    assert "did not reproduce" not in res.stdout and "object at 0x" not in res.stdout, res.stdout
+
+    monkeypatch.setattr(ops, "_kernel_below", lambda func, args, kwargs: None)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.op is not None and (origin.op.name, origin.op.within) == ("higher_order::flex_attention", None)
+    assert origin.op.line == line_of(biased_attention, "return flex_attention(") and origin.op_note is None
+
+
+@recorder.paper_step("Eq. 45", description="a flow layer's log-determinant")
+def log_det(w: torch.Tensor) -> torch.Tensor:
+    return torch.logdet(w)
+
+
+@recorder.paper_step("Eq. 46", description="a log-determinant, then an exponential that overflows")
+def log_det_then_exp(w: torch.Tensor) -> torch.Tensor:
+    return torch.logdet(w) + torch.exp(w.sum() * 100)
+
+
+@recorder.paper_step("Eq. 47", description="a NaN filled in by the code")
+def filled_with_nan(x: torch.Tensor) -> torch.Tensor:
+    return torch.full(x.shape, float("nan")) + x
+
+
+def test_ops_names_the_torch_call_whose_implementation_wrote_a_nan_constant(tmp_path: Path) -> None:
+    """torch.logdet of a matrix with a negative determinant is NaN: its implementation (CompositeImplicit)
+    writes NaN with aten::scalar_tensor, which takes no input, and keeps it where the sign is -1. --ops
+    named aten::scalar_tensor "made NaN from finite inputs" (no inputs), and named it too in a step where
+    logdet's determinant was positive (it writes the NaN at every call) and exp overflowed after. It names
+    torch.logdet, with its finite input; a constant the code wrote (torch.full(..., nan)) is said to be one."""
+    flip = torch.eye(3)
+    flip[0, 0] = -1.0
+    rec = _record_calls(tmp_path / "run.zarr", [(log_det, flip)])
+    origin = replayer.first_nonfinite(rec, ops=True)
+    op = origin.op
+    assert op is not None and op.name == "torch.logdet", op
+    assert (op.constant, op.made) == ("aten::scalar_tensor", None), op
+    assert op.line == line_of(log_det, "torch.logdet(w)") and op.inputs[0]["stats"]["nan"] == 0
+    assert op.outputs[0]["stats"]["nan"] == 1
+    assert origin.op_note is not None and origin.op_note.startswith(
+        "torch.logdet made it from finite inputs: its implementation writes the NaN/Inf as a constant "
+        "(aten::scalar_tensor)"), origin.op_note
+    doc = json.loads(pdbg("bisect", str(tmp_path / "run.zarr"), "--ops", "--json", cwd=tmp_path).stdout)
+    assert (doc["op"]["name"], doc["op"]["constant"]) == ("torch.logdet", "aten::scalar_tensor")
+
+    rec = _record_calls(tmp_path / "exp.zarr", [(log_det_then_exp, torch.eye(3) * 2)])
+    op = replayer.first_nonfinite(rec, ops=True).op
+    assert op is not None and op.name == "aten::exp" and op.line == line_of(log_det_then_exp, "torch.exp"), op
+
+    rec = _record_calls(tmp_path / "full.zarr", [(filled_with_nan, torch.ones(3))])
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.op is not None and (origin.op.name, origin.op.made) == ("aten::full", "constant"), origin.op
+    assert origin.op_note.startswith("no operation computed it: the NaN/Inf is a constant written in the code")
+
+
+@torch.compile(backend="eager", fullgraph=True)
+def _compiled_scale(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x * 100)
+
+
+@recorder.paper_step("Eq. 49", description="a part compiled with fullgraph=True")
+def compiled_part(x: torch.Tensor) -> torch.Tensor:
+    return _compiled_scale(x)
+
+
+def test_ops_runs_what_torch_compile_compiled_eagerly(tmp_path: Path) -> None:
+    """torch.compile(fullgraph=True) refuses to run under the operation finder's dispatch mode ("found no
+    compiled frames"), as eager flex_attention's own compile of its operator did: --ops said the replay
+    did not reproduce the step. It runs compiled code eagerly, its operations checked."""
+    rec = _record_calls(tmp_path / "run.zarr", [(compiled_part, torch.tensor([1.0, 2.0]))])
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.op is not None and origin.op_note is None, origin.op_note
+    assert origin.op.name == "aten::exp" and origin.op.line == line_of(_compiled_scale, "torch.exp")
