@@ -173,6 +173,17 @@ def _positional_names(module: torch.nn.Module | None) -> list[str]:
     return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+def _parameter_names(fn: Any) -> list[str]:
+    """The names of a function step's positional parameters, to name an argument in a message."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 @functools.cache
 def _is_cache_type(cls: type) -> bool:
     return any(c.__name__.endswith("Cache") for c in cls.__mro__)
@@ -347,6 +358,7 @@ class Session:
         self._slow_warned = False  # the warning that payloads are being dropped was given
         self._unread_warned = False  # the warning that a tensor could not be captured was given
         self._cache_warned = False  # the warning that a step was given a cache object that is not data was given
+        self._unrecorded_warned: set[int] = set()  # steps (id of their definition) warned of an argument not data
         self._rebuild_warned = False  # the warning that a recorded module cannot be rebuilt by a replay was given
         self._lazy_warned: set[Any] = set()  # the steps warned of for returning a generator (_warn_if_lazy)
         self._defs_met: set[Any] = set()  # the step definitions met so far (StepDef.unfound looked at)
@@ -460,6 +472,32 @@ class Session:
                  stacklevel=_outside_recorder(installed=True))
             return
 
+    def _warn_of_unrecorded(self, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A step given an argument that is not data (a lambda, a function defined inside another, an
+        object the encoder does not take apart; a cache is warned of apart) is recorded, but its replay
+        is refused: say so once per step, naming the argument and the value, when recording."""
+        found = jsonval.first_opaque(frame.args_doc)
+        if found is None:
+            return
+        path, opaque = found
+        where, _, rest = path.partition(".")
+        key, _, inner = rest.partition(".")
+        given = args[int(key)] if where == "args" and key.isdigit() and int(key) < len(args) else kwargs.get(key)
+        if given is not None and _is_cache_type(type(given)):
+            return
+        self._unrecorded_warned.add(id(frame.defn))
+        name = key if where == "kwargs" else None
+        if name is None:
+            names = _positional_names(frame.module) if frame.module is not None else _parameter_names(frame.defn.target)
+            name = names[int(key)] if key.isdigit() and int(key) < len(names) else f"argument {key}"
+        name = f"{name}.{inner}" if inner else name
+        what = jsonval.function_words(opaque) or jsonval.opaque_reason(opaque) or (
+            f"a {opaque.type}, which could not be recorded as data (the recorder takes apart containers, "
+            "dataclasses and plain objects: pass its tensors as arguments instead)")
+        at = f"{frame.defn.name}{f' at {frame.path}' if frame.path else ''}"
+        warn(f"PaperDebugger: {at} was given {name}, {what}; its calls given it are recorded but a replay of them is "
+             "refused", stacklevel=_outside_recorder(installed=True))
+
     def _warn_if_not_rebuilt(self, module: torch.nn.Module, doc: dict[str, Any], at: str) -> None:
         """A recorded module holding an attribute that is not data, with no constructor arguments to
         make it again (a lambda kept as an attribute, with no ``pdbg record`` to note the arguments): its steps are
@@ -472,10 +510,14 @@ class Session:
         path, key, kind = found
         where = f"{type(module).__name__}{f' at {at}' if at else ''}"
         inner = f" (its {path})" if path else ""
-        warn(f"PaperDebugger: {where}{inner} holds {key}, a {kind} that is not recorded as data and that a replay "
-             "cannot make again (its constructor arguments are not known): a replay rebuilds it without it, and its "
-             "recorded steps fail to replay where their code uses it; to replay those, record modules that do not "
-             "hold it (modules globs for their parts)",
+        try:  # a function by its qualified name (torch.optim.swa_utils:get_ema_multi_avg_fn.<locals>.ema_update)
+            shown = jsonval.function_label((module.get_submodule(path) if path else module).__dict__.get(key))
+        except AttributeError:
+            shown = None
+        warn(f"PaperDebugger: {where}{inner} holds {key}, {shown or f'a {kind}'} that is not recorded as data and that "
+             "a replay cannot make again (its constructor arguments are not known): a replay rebuilds it without it, "
+             "and its recorded steps fail to replay where their code uses it; to replay those, record modules that do "
+             "not hold it (modules globs for their parts)",
              stacklevel=_outside_recorder(installed=True))
 
     def _warn_if_lazy(self, frame: Frame, out: Any) -> None:
@@ -1084,6 +1126,8 @@ class Session:
                 frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
             if not self._cache_warned:
                 self._warn_of_cache(frame, args, kwargs)
+            if id(frame.defn) not in self._unrecorded_warned:
+                self._warn_of_unrecorded(frame, args, kwargs)
             if shared:
                 self._shared_arguments(frame, shared, places)
             elif frame.vmap is None:  # arguments that need no tap may share memory too (views of a buffer, no_grad)

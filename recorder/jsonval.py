@@ -236,10 +236,65 @@ def lazy_doc(doc: Any) -> str | None:
 
 def _opaque(value: Any) -> dict:
     try:
-        text = repr(value).encode("utf-8", "backslashreplace").decode()[:200]
+        if isinstance(value, types.FunctionType):  # by where it was defined, which messages name it by
+            text = f"<function {value.__module__}:{value.__qualname__}>"
+        else:
+            text = repr(value)
+        text = text.encode("utf-8", "backslashreplace").decode()[:200]
     except Exception:  # noqa: BLE001 - a raising __repr__ must not stop the recording
         text = "<unrepresentable>"
     return {"$opaque": {"type": type_ref(value), "repr": text}}
+
+
+_FUNCTION_REPR = re.compile(r"<function (?P<name>\S+?)(?: at 0x[0-9a-fA-F]+)?>")
+
+
+def function_name(value: Opaque) -> str | None:
+    """A function a recording holds as ``$opaque`` (or names by a ``$function`` reference that a
+    replay did not find), by its qualified name: "the function __main__:main.<locals>.causal", "the
+    lambda __main__:<lambda>"; None for a value that is no function."""
+    if value.type != "builtins:function":
+        return None
+    found = _FUNCTION_REPR.fullmatch(value.repr)
+    name = found["name"] if found is not None else value.repr
+    return f"the {'lambda' if name.endswith('<lambda>') else 'function'} {name}"
+
+
+def function_label(value: Any) -> str | None:
+    """``function_name`` of a live function ("the function torch.optim.swa_utils:get_ema_multi_avg_fn.
+    <locals>.ema_update"), for a message of the recorder's; None for anything else."""
+    if not isinstance(value, types.FunctionType):
+        return None
+    return function_name(Opaque("builtins:function", f"<function {value.__module__}:{value.__qualname__}>"))
+
+
+def function_words(value: Opaque) -> str | None:
+    """``function_name``, with why a replay cannot have it: "the lambda __main__:<lambda>, which could
+    not be recorded as data (a lambda has no name to import it by: ...)"; None for no function."""
+    name, why = function_name(value), function_why(value)
+    if name is None:
+        return None
+    if _FUNCTION_REPR.fullmatch(value.repr) is None:  # a $function reference the replay could not find here
+        return f"{name}, which the recording names but which cannot be found here now (renamed or removed since?)"
+    return f"{name}, which could not be recorded as data{f' ({why})' if why else ''}"
+
+
+def function_why(value: Opaque) -> str | None:
+    """Why a function was recorded as ``$opaque``: a lambda, one defined inside a function, another
+    package's; None where the recording does not tell (one made before functions' names were kept)."""
+    found = _FUNCTION_REPR.fullmatch(value.repr) if value.type == "builtins:function" else None
+    if found is None:
+        return None
+    name = found["name"]
+    if name.endswith("<lambda>"):
+        return ("a lambda has no name to import it by: define it with def at module level in the training code, "
+                "which is recorded by its name")
+    if "<locals>" in name:
+        return "it was defined inside a function: only a module-level function is recorded, by its import reference"
+    if ":" in name:
+        return ("only torch's tensor math and the training code's own module-level functions are recorded, by "
+                "import reference")
+    return None
 
 
 def _enc_int(value: int) -> Any:
@@ -408,8 +463,9 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
 _MATH_MODULES = frozenset(("torch", "torch.nn.functional", "torch._C._nn", "torch.special", "torch.fft",
                            "torch.linalg", "torch._C._special", "torch._C._fft", "torch._C._linalg"))
 # Other functions of torch's that a module may keep: activation checkpointing's (Hugging Face's layers hold
-# it as functools.partial(checkpoint, use_reentrant=...)). It calls only the function it is given.
-_ALSO_CALLABLE = frozenset(("torch.utils.checkpoint:checkpoint",))
+# it as functools.partial(checkpoint, use_reentrant=...)), which calls only the function it is given; flex
+# attention's mask that masks nothing (a BlockMask's mask_mod where none was given).
+_ALSO_CALLABLE = frozenset(("torch.utils.checkpoint:checkpoint", "torch.nn.attention.flex_attention:noop_mask"))
 
 
 def _callable_by_ref(ref: str) -> bool:
@@ -447,6 +503,15 @@ def may_bind(obj: Any) -> bool:
     return user_code(module)
 
 
+def _training_function(fn: Any, ref: str) -> bool:
+    """A function defined at module level in the training code (the script, ``__main__``, as a replay
+    loads it; a module of the project), under the name ``ref`` gives: not another function bound to
+    that name there (``from os import system``), not an installed package's."""
+    module = getattr(fn, "__module__", None)
+    return isinstance(fn, types.FunctionType) and isinstance(module, str) and \
+        f"{module}:{getattr(fn, '__qualname__', None)}" == ref and (module == "__main__" or user_code(module))
+
+
 def user_code(module: str) -> bool:
     """Whether a loaded module is the training code's: a file outside the installed packages (site- or
     dist-packages) and the standard library (a script, a project on the path, an editable install)."""
@@ -471,14 +536,18 @@ def _is_torch_function(fn: Any, ref: str) -> bool:
 
 def function_ref(fn: Any) -> str | None:
     """``"module:QualName"`` of a function that importing that name gives back: one of torch's
-    (``torch.nn.functional:relu``, ``torch._C._nn:gelu``, ``torch:tanh``) or a paper step; else None."""
+    (``torch.nn.functional:relu``, ``torch._C._nn:gelu``, ``torch:tanh``), a paper step, or a
+    module-level function of the training code (``__main__:causal``, a flex_attention BlockMask's
+    mask_mod, an activation passed as an argument); else None (a lambda, a function defined inside
+    another, an installed package's)."""
     module = getattr(fn, "__module__", None)
     if not isinstance(module, str):
         return None
     step = getattr(fn, "__pdbg_step__", None) is not None
+    own = isinstance(fn, types.FunctionType) and (module == "__main__" or user_code(module))
     for name in (getattr(fn, "__qualname__", None), getattr(fn, "__name__", None)):
         ref = f"{module}:{name}"
-        if isinstance(name, str) and "<" not in name and (step or _callable_by_ref(ref)):
+        if isinstance(name, str) and "<" not in name and (step or own or _callable_by_ref(ref)):
             try:
                 if import_ref(ref) is fn:
                     return ref
@@ -602,6 +671,36 @@ def nonfinite(doc: Any, path: str = "") -> list[NonFinite]:
 
     go(doc, path)
     return found
+
+
+def first_opaque(doc: Any, path: str = "") -> tuple[str, Opaque] | None:
+    """The first value of an encoded document that could not be encoded (``$opaque``), with its path
+    below ``path`` ("args.1.mask_mod": a field of an object, an item of a container), or None."""
+    def at(key: Any) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    if isinstance(doc, list):
+        return next((f for f in (first_opaque(v, at(i)) for i, v in enumerate(doc)) if f is not None), None)
+    if not isinstance(doc, dict):
+        return None
+    tag = next(iter(doc)) if len(doc) == 1 else None
+    if tag is None or not str(tag).startswith("$"):
+        return next((f for f in (first_opaque(v, at(k)) for k, v in doc.items()) if f is not None), None)
+    payload = doc[tag]
+    if tag == "$opaque":
+        return (path, Opaque(str(payload.get("type")), str(payload.get("repr")))) if isinstance(payload, dict) else None
+    if tag in ("$tuple", "$set", "$frozenset", "$slice"):
+        return first_opaque(payload, path)
+    pairs: list[Any] = []
+    if tag in ("$namedtuple", "$dataclass", "$object") and isinstance(payload, dict):
+        pairs = [(k, v) for part in ("fields", "attrs") if isinstance(payload.get(part), dict)
+                 for k, v in payload[part].items()]
+    elif tag in ("$mapping", "$dict"):
+        items = payload.get("items") if isinstance(payload, dict) else payload
+        pairs = [tuple(p) for p in items or () if isinstance(p, list) and len(p) == 2 and isinstance(p[0], (str, int))]
+    elif tag == "$partial" and isinstance(payload, dict):
+        pairs = [("args", payload.get("args")), ("kwargs", payload.get("kwargs"))]
+    return next((f for f in (first_opaque(v, at(k)) for k, v in pairs) if f is not None), None)
 
 
 def _fail(message: str) -> NoReturn:
@@ -774,8 +873,10 @@ class _Decoder:
         if self.resolve is not None:  # only when asked to import, and only what function_ref writes
             try:
                 torch_own = _callable_by_ref(ref)
-                fn = import_ref(ref) if torch_own else self.resolve(ref)  # (a paper step: as the replay finds code)
-                if _is_torch_function(fn, ref) if torch_own else getattr(fn, "__pdbg_step__", None) is not None:
+                # (the training code's, a paper step among them: found as the replay finds code)
+                fn = import_ref(ref) if torch_own else self.resolve(ref)
+                if _is_torch_function(fn, ref) if torch_own else (
+                        getattr(fn, "__pdbg_step__", None) is not None or _training_function(fn, ref)):
                     return fn
             except Exception:  # noqa: BLE001, S110 - not importable here: stays a description
                 pass

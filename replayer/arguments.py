@@ -22,10 +22,12 @@ class Unrecorded:
     name: str  # the parameter's name where the step's recorded source tells it ("past_key_values"), else ``path``
     type: str  # the argument's own type: "transformers.cache_utils:DynamicCache"
     inner: str  # where inside it the part that was not recorded is ("its layers: DynamicLayer objects"), or ""
+    function: str = ""  # a function not recorded, by its qualified name: "the lambda __main__:<lambda>"
 
     def kind(self) -> str:
-        """The argument's type in words: "a transformers DynamicCache", "a tensor"."""
-        return type_words(self.type)
+        """The argument's type in words: "a transformers DynamicCache", "a tensor", or the function it is
+        ("the function __main__:main.<locals>.causal")."""
+        return self.function or type_words(self.type)
 
     def text(self) -> str:
         """"past_key_values (a transformers DynamicCache)"."""
@@ -68,15 +70,17 @@ def unrecorded_arguments(step: Step) -> list[Unrecorded]:
             continue
         if names is None:
             names = _parameter_names(step, len(doc.get("args") or []))
-        inner = ""
+        inner, function = "", ""
         if found[0][0]:  # inside the argument: say which part, and what it held
             first = found[0][0].split(".")[0]
             kinds = list(dict.fromkeys(_short(t) for p, t, _ in found if p.split(".")[0] == first))
             count = sum(1 for p, _, _ in found if p.split(".")[0] == first)
-            what = f"{', '.join(kinds)} objects" if count > 1 else _article(_short(found[0][1]))
+            what = f"{', '.join(kinds)} objects" if count > 1 else _named(found[0][1], found[0][2])
             inner = f"its {first}: {what}"
+        else:  # the argument itself: a function is named by its qualified name
+            function = _named(found[0][1], found[0][2]) if found[0][1] == "builtins:function" else ""
         name = names.get(path) or (path.removeprefix("kwargs.") if path.startswith("kwargs.") else path)
-        out.append(Unrecorded(path, name, _own_type(value), inner))
+        out.append(Unrecorded(path, name, _own_type(value), inner, function))
     return out
 
 
@@ -97,6 +101,13 @@ def unrecorded_outputs(doc: Any) -> list[str]:
 
 def _short(ref: str) -> str:
     return ref.rpartition(":")[2] or ref
+
+
+def _named(ref: str, payload: Any) -> str:
+    """A value not recorded as data in words (``payload``: its ``$opaque`` payload, or None): a function by
+    its qualified name, else its type with an article."""
+    shown = payload.get("repr") if isinstance(payload, dict) else None
+    return jsonval.function_name(jsonval.Opaque(ref, shown if isinstance(shown, str) else "")) or _article(_short(ref))
 
 
 _CONTAINERS = {"$tuple": "builtins:tuple", "$list": "builtins:list", "$set": "builtins:set",

@@ -69,11 +69,19 @@ def tie(module: torch.nn.Module, tied: dict[str, str]) -> list[str]:
     return problems
 
 
-def _unrecorded_names(unrecorded: dict[str, str]) -> str:
+def _unrecorded_names(unrecorded: dict[str, str], made: torch.nn.Module | None = None) -> str:
     """A module's attributes that could not be recorded as data, by name and type: "cache_k (a tensor
-    that is no parameter or buffer: register_buffer has it recorded)" for a tensor kept as a plain attribute."""
-    return ", ".join(f"{k} (a tensor that is no parameter or buffer: register_buffer has it recorded)"
-                     if v == "torch:Tensor" else f"{k} ({v})" for k, v in unrecorded.items())
+    that is no parameter or buffer: register_buffer has it recorded)" for a tensor kept as a plain attribute;
+    a function by its qualified name where the module's constructor (``made``) made one ("shape_of (the
+    lambda mypkg.layers:Anneal.__init__.<locals>.<lambda>)"), else as a function."""
+    def named(key: str, kind: str) -> str:
+        if kind == "torch:Tensor":
+            return "a tensor that is no parameter or buffer: register_buffer has it recorded"
+        if kind == "builtins:function":
+            return jsonval.function_label(made.__dict__.get(key) if made is not None else None) or "a function"
+        return kind
+
+    return ", ".join(f"{k} ({named(k, v)})" for k, v in unrecorded.items())
 
 
 def unresolved(value: Any) -> str | None:
@@ -84,6 +92,9 @@ def unresolved(value: Any) -> str | None:
         if reason is not None:
             return reason + (" (pass it as a tensor, torch.from_numpy(a), to have it recorded)"
                              if value.type == "numpy:ndarray" else "")
+        function = jsonval.function_words(value)  # (by its qualified name, not as a builtins:function)
+        if function is not None:
+            return function
         shown = " ".join(str(value.repr).split())  # one line, whatever the repr's layout
         shown = shown if len(shown) <= 120 else shown[:119] + "…"
         return f"a {value.type} ({shown}), which could not be recorded as data"
@@ -204,7 +215,7 @@ class Builder:
                     _overlay(module, doc)
                     for key, generator in generators.items():  # (one the constructor made is set for the call)
                         module.__dict__.setdefault(key, generator)
-                    out.unrecorded.append(f"{where}: {names}")
+                    out.unrecorded.append(f"{where}: {_unrecorded_names(unrecorded, module)}")
                     return module
                 out.warnings.append(f"{where}: attributes {names} could not be recorded as data and the module was "
                                     "not built with known constructor arguments; rebuilt without them")

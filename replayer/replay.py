@@ -1595,8 +1595,9 @@ def known_refusal(step: Step) -> str | None:
     fwd = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
     opaque = _first_opaque(fwd.arguments)
     if opaque is not None:
-        what = _opaque_argument(fwd, opaque) or (unresolved(opaque) if jsonval.opaque_reason(opaque) is not None
-                                                 else f"a {opaque.type}, which could not be recorded as data")
+        what = _opaque_argument(fwd, opaque) or (
+            unresolved(opaque) if jsonval.opaque_reason(opaque) is not None or jsonval.function_name(opaque)
+            else f"a {opaque.type}, which could not be recorded as data")
         return f"step {fwd.index} ({fwd.name}) was called with {what}; it cannot be replayed"
     if step.phase == "backward" and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []) and \
             not any(r.role == "grad_output" for r in step.records):
@@ -1615,7 +1616,9 @@ def _opaque_argument(step: Step, opaque: jsonval.Opaque) -> str | None:
     found = next(iter(unrecorded_arguments(step)), None)
     if found is None or not found.inner:  # the argument itself: its type and repr say what it was
         return None
-    return f"{found.kind()} as {found.name} ({found.inner}), which could not be recorded as data"
+    why = jsonval.function_why(opaque)  # (a function inside it, a BlockMask's mask_mod: why it was not recorded)
+    return f"{found.kind()} as {found.name} ({found.inner}), which could not be recorded as data" + (
+        f" ({why})" if why else "")
 
 
 def _first_opaque(doc: Any) -> jsonval.Opaque | None:

@@ -70,7 +70,9 @@ SCHEMA_VERSION = "1.18"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       setting "distributions_validate_args" (torch.distributions' default validate_args);
 #       and grad inputs of tensors inside the arguments' tuples, lists, dicts, named tuples (PackedSequence:
 #       "args.0.data") and dataclasses, and UNFOLLOWED_NOTE on input records too; a step's extra
-#       "saved_tensors_hooks": the saved-tensor hooks its call ran under, which a replay applies again
+#       "saved_tensors_hooks": the saved-tensor hooks its call ran under, which a replay applies again;
+#       and $function names module-level functions of the training code too (a BlockMask's mask_mod; before,
+#       $opaque), and an $opaque function's repr is its qualified name "<function module:QualName>"
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed

@@ -22,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from recorder import jsonval
 from recorder.errors import FormatError
 from recorder.jsonval import Opaque, Record, TensorMeta, TensorRef, decode, dumps, encode, loads, type_ref
 
@@ -327,6 +328,39 @@ def test_torch_math_functions_by_reference_and_nothing_else() -> None:
         assert decode({"$function": ref}, import_types=True) == Opaque("builtins:function", ref)
 
 
+def causal_mask(b: Any, h: Any, q: Any, k: Any) -> Any:
+    """A module-level function of the training code, as a flex_attention BlockMask's mask_mod is."""
+    return q >= k
+
+
+def test_module_level_functions_of_the_training_code_by_reference() -> None:
+    """A function of the training code passed as an argument (a BlockMask's mask_mod) was opaque, "a
+    builtins:function", so every step given one was refused, while F.gelu replayed. A module-level one is
+    recorded by reference and comes back as itself when asked to import; a lambda or a function defined
+    inside another stays opaque, named by its qualified name; a reference to anything that is not the
+    training code's own function defined under that name (the standard library's, an installed package's)
+    is never called."""
+    def inner(x: Any) -> Any:
+        return x
+
+    doc = encode([causal_mask, {"mask_mod": causal_mask}])
+    assert doc == [{"$function": f"{__name__}:causal_mask"}, {"mask_mod": {"$function": f"{__name__}:causal_mask"}}]
+    assert decode(loads(dumps(doc)), import_types=True) == [causal_mask, {"mask_mod": causal_mask}]
+    described = Opaque("builtins:function", f"{__name__}:causal_mask")
+    assert decode(doc) == [described, {"mask_mod": described}]  # not asked to import: descriptions
+    made = decode(encode(inner))
+    assert made == Opaque("builtins:function", f"<function {__name__}:test_module_level_functions_of_the_training_"
+                                               "code_by_reference.<locals>.inner>")
+    assert jsonval.function_name(made) == f"the function {made.repr[len('<function '):-1]}"
+    assert jsonval.function_name(decode(encode(lambda x: x))).startswith(f"the lambda {__name__}:")
+    assert jsonval.function_name(Opaque("builtins:function", "<function causal at 0x7f00aa>")) == "the function causal"
+    from torch.nn.attention.flex_attention import noop_mask  # (a BlockMask's mask_mod where none was given)
+
+    assert decode(encode(noop_mask), import_types=True) is noop_mask
+    for ref in ("shutil:rmtree", "json:dumps", "numpy:save", f"{__name__}:encode", f"{__name__}:os.system"):
+        assert decode({"$function": ref}, import_types=True) == Opaque("builtins:function", ref)
+
+
 def test_qschemes_and_classes_by_name() -> None:
     """A torch.ao observer's qscheme and the observer class FakeQuantize is built with were opaque, so
     its replay lacked them: a qscheme is its name; a class that importing its reference gives back is
@@ -569,7 +603,9 @@ def test_opaque_objects(tmp_path: Any) -> None:
         cases = [lambda x: x, handle, io.BytesIO(b"x"), Thing(), type("Unreachable", (), {}), os, object()]
         for value in cases:
             out = roundtrip(value)
-            assert isinstance(out, Opaque) and out.type == type_ref(value) and out.repr == repr(value)[:200]
+            shown = f"<function {__name__}:test_opaque_objects.<locals>.<lambda>>" if type(value).__name__ == \
+                "function" else repr(value)[:200]  # (a function: where it was defined, no address)
+            assert isinstance(out, Opaque) and out.type == type_ref(value) and out.repr == shown
     assert roundtrip(Thing()) == Opaque(f"{__name__}:Thing", "Thing()")
     assert roundtrip(BadRepr()) == Opaque(f"{__name__}:BadRepr", "<unrepresentable>")
     assert roundtrip([BadRepr()])[0].repr == "<unrepresentable>"

@@ -297,7 +297,8 @@ def test_a_mismatch_names_the_attributes_a_constructor_made(tmp_path: Path) -> N
     assert first.match and not first.warnings
     assert not later.match and later.warnings == [
         "attributes that could not be recorded as data came from the module's constructor (the step's module: "
-        "shape_of (builtins:function), center (a tensor that is no parameter or buffer: register_buffer has it "
+        f"shape_of (the lambda {__name__}:Anneal.__init__.<locals>.<lambda>), center (a tensor that is no parameter "
+        "or buffer: register_buffer has it "
         "recorded)); if training changed them after construction (a "
         "tensor kept as an attribute, not a buffer), the replay used other values (a likely cause of any difference)"]
 

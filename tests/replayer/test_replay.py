@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -1466,10 +1467,12 @@ def test_a_bundle_of_a_step_that_cannot_replay_names_the_recordings_step(tmp_pat
     shell = pdbg_here("bundle", str(path), "3", "-o", str(tmp_path / "c.pdbg"), cwd=tmp_path)
     assert shell.returncode == 0 and "warning: a replay of it will be refused: backward step 3 ran" in shell.stdout
     assert replayer.bundle(rec, 2, tmp_path / "first.pdbg").unreplayable is None  # the first pass replays
-    with pytest.raises(ReplayError, match=r"^step 0 \(Ops\.apply\) was called with a builtins:function"):
+    lam = f"the lambda {__name__}:test_a_bundle_of_a_step_that_cannot_replay_names_the_recordings_step.<locals>." \
+        "<lambda>"
+    with pytest.raises(ReplayError, match=r"^step 0 \(Ops\.apply\) was called with the lambda "):
         replayer.bundle(rec, 0, tmp_path / "d.pdbg", verify=True)
     assert replayer.bundle(rec, 0, tmp_path / "d.pdbg").unreplayable.startswith(
-        "step 0 (Ops.apply) was called with a builtins:function, which could not be recorded as data")
+        f"step 0 (Ops.apply) was called with {lam}, which could not be recorded as data (a lambda has no name")
 
 
 @recorder.paper_step("Eq. 14", description="an encoder with SiLU activations")
@@ -2773,7 +2776,9 @@ def test_a_step_on_a_modules_other_method_names_its_self_as_what_cannot_be_repla
     # a staticmethod given a value that is not data is told that, not that its self was one
     with recorder.record(tmp_path / "static.zarr"):
         Ops.apply(lambda t: t * 2, torch.randn(3))
-    with pytest.raises(ReplayError, match=r"step 0 \(Ops\.apply\) was called with a builtins:function"):
+    with pytest.raises(ReplayError, match=r"step 0 \(Ops\.apply\) was called with the lambda tests\.replayer\."
+                                          r"test_replay:test_a_step_on_a_modules_other_method_names_its_self_as_what_"
+                                          r"cannot_be_replayed\.<locals>\.<lambda>, which could not be recorded"):
         replayer.replay(tmp_path / "static.zarr", 0)
 
 
@@ -2935,6 +2940,78 @@ def test_a_step_wrapped_by_a_decorator_without_functools_wraps_says_what_is_true
         replayer.replay(rec, 1)
     with pytest.raises(ReplayError, match="is a lambda, which has no name to be found again by"):
         replayer.replay(rec, 2)
+
+
+def swish(t: torch.Tensor) -> torch.Tensor:
+    """An activation of the training code's own, defined at module level."""
+    return t * torch.sigmoid(t)
+
+
+def causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    return q_idx >= kv_idx
+
+
+@recorder.paper_step("Eq. 48", description="attention under a block mask it is given (flex_attention)")
+def masked_attention(q: torch.Tensor, block_mask: Any) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, q, q, block_mask=block_mask)
+
+
+def test_a_function_of_the_training_code_given_as_an_argument_replays(tmp_path: Path) -> None:
+    """A plain function of the training code passed as an argument (an activation; a flex_attention
+    BlockMask's mask_mod, the module-level causal) was recorded as opaque "a builtins:function": every
+    such step "could not be replayed", while F.gelu passed so replayed. A module-level function is
+    recorded by import reference and such steps replay bit for bit; one that really cannot be recorded
+    (a lambda) is named by its qualified name, and recording warns of it once, where the step is called."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    path = tmp_path / "run.zarr"
+    block = create_block_mask(causal, B=None, H=None, Q_LEN=16, KV_LEN=16, device="cpu", BLOCK_SIZE=8)
+    with warnings.catch_warnings(record=True) as caught, recorder.record(path), torch.no_grad():
+        warnings.simplefilter("always")
+        Ops.apply(swish, torch.randn(3))
+        masked_attention(torch.randn(1, 2, 16, 8), block)
+    assert not [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+    rec = replayer.open(path)
+    assert rec.step(0).arguments["args"][0] == {"$function": f"{__name__}:swish"}
+    assert rec.step(1).arguments["args"][1]["$object"]["fields"]["mask_mod"] == {"$function": f"{__name__}:causal"}
+    for step in rec.steps:
+        assert known_refusal(step) is None and replayer.replay(rec, step.index).match, step
+
+    lam = f"the lambda {__name__}:test_a_function_of_the_training_code_given_as_an_argument_replays.<locals>.<lambda>"
+    block = create_block_mask(lambda b, h, q, k: q >= k, B=None, H=None, Q_LEN=16, KV_LEN=16, device="cpu",
+                              BLOCK_SIZE=8)
+    with warnings.catch_warnings(record=True) as caught, recorder.record(tmp_path / "lambda.zarr"), torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(2):
+            masked_attention(torch.randn(1, 2, 16, 8), block)
+    said = [str(w.message) for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+    assert said == [f"PaperDebugger: masked_attention was given block_mask.mask_mod, {lam}, which could not be "
+                    "recorded as data (a lambda has no name to import it by: define it with def at module level in the "
+                    "training code, which is recorded by its name); its calls given it are recorded but a replay of "
+                    "them is refused"], said
+    with pytest.raises(ReplayError) as err:
+        replayer.replay(tmp_path / "lambda.zarr", 0)
+    assert str(err.value).startswith(f"step 0 (masked_attention) was called with a torch BlockMask as block_mask (its "
+                                     f"mask_mod: {lam}), which could not be recorded as data (a lambda has"), err.value
+    assert "builtins:function" not in str(err.value)
+
+
+def test_a_function_of_the_training_script_given_as_an_argument_replays(tmp_path: Path) -> None:
+    """As above, for a function of a script run by pdbg record: __main__:my_act, found again in the script
+    the replay loads."""
+    (tmp_path / "train.py").write_text(
+        "import torch, recorder\n\n"
+        "def my_act(x):\n    return x * torch.sigmoid(x)\n\n"
+        "@recorder.paper_step('Eq. 1')\n"
+        "def apply(x, act):\n    return act(x)\n\n"
+        "if __name__ == '__main__':\n    apply(torch.randn(4), my_act)\n    apply(torch.randn(4), torch.tanh)\n")
+    assert pdbg_here("record", "-o", "run.zarr", "--", "train.py", cwd=tmp_path).returncode == 0
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert rec.step(0).arguments["args"][1] == {"$function": "__main__:my_act"}
+    res = pdbg_here("verify", "run.zarr", cwd=tmp_path)
+    assert res.returncode == 0 and "2 of 2 steps replayed bit for bit" in res.stdout, res.stdout + res.stderr
 
 
 @recorder.paper_step("Eq. 21", description="an encoder configured by a SimpleNamespace")
