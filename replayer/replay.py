@@ -179,7 +179,11 @@ class Replayer:
                 raise
             raise self._too_new(step, f"holds the tag {exc.tag!r:.60}") from None
         result.warnings.extend(self.plan.notes)
-        for unused in [c.key for c in self.plan.edits if not c.used] + [s.key for s in self.plan.swaps if not s.used]:
+        for c in self.plan.edits:
+            if not c.used:
+                result.warnings.append(_made_by_the_call(step, c) or
+                                       f"{c.key}: matched nothing that ran during the replay")
+        for unused in [s.key for s in self.plan.swaps if not s.used]:
             result.warnings.append(f"{unused}: matched nothing that ran during the replay")
         if not self.plan.empty:
             result.intervention = self.plan.describe()
@@ -1603,6 +1607,26 @@ def known_refusal(step: Step) -> str | None:
             not any(r.role == "grad_output" for r in step.records):
         return _second_order(step)
     return None
+
+
+def _made_by_the_call(step: Step, edit: intervene.Change) -> str | None:
+    """Why an edit of the step's own parameter or buffer matched nothing, where the call itself made it:
+    a lazy module's (``nn.LazyLinear``), uninitialized when the call began, which the call initializes
+    (lazy initialisation), so that there is nothing to edit before it; the edit belongs at a later call
+    of the step, named where the recording holds one. None for another edit."""
+    forward = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
+    if edit.step is not None or edit.tensor not in forward.uninitialized:
+        return None
+    later = step.rec.steps.filter(phase=step.phase, module_path=step.module_path) if step.module_path else \
+        step.rec.steps.filter(phase=step.phase, name=step.name)  # (by its module: LazyLinear is Linear once made)
+    after = next((s for s in later if s.index > step.index and edit.tensor not in (
+        s.rec.step(s.forward) if s.phase == "backward" and s.forward is not None else s).uninitialized), None)
+    later_call = f"a later call, {after.selector}" if after is not None else \
+        "a later call of the step (this recording holds none)"
+    what = "it" if edit.key == edit.tensor else edit.tensor
+    return (f"{edit.key}: {what} did not exist when this call began: the call itself made it (lazy initialisation: "
+            "a lazy module such as nn.LazyLinear makes its parameters at its first call), so there was nothing to "
+            f"edit; the edit belongs at {later_call}")
 
 
 def _opaque_argument(step: Step, opaque: jsonval.Opaque) -> str | None:

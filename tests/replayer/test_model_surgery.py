@@ -51,6 +51,30 @@ def test_lazy_modules_record_their_first_call_and_replay_it(tmp_path: Path) -> N
     assert out.returncode == 0 and f"{len(rec)} of {len(rec)} steps replayed bit for bit" in out.stdout, out.stdout
 
 
+def test_an_edit_of_a_parameter_the_lazy_call_itself_made_says_so(tmp_path: Path) -> None:
+    """An edit of a lazy module's parameter at the call that made it (uninitialized when the call began)
+    answered "matched nothing that ran during the replay", then NO CHANGE, though the edit names a record
+    of the step. It says the call itself made the parameter (lazy initialisation), and names the later call
+    the edit belongs at, where it does change the output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(4))
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, modules="*", mode="full") as run:
+        for _ in range(2):
+            model(torch.randn(3, 5))
+            run.next_iteration()
+    rec = replayer.open(path)
+    first = rec.step("0@iter=0")
+    res = replayer.replay(rec, first.index, edit={"weight": "x * 0"})
+    later = [s for s in rec.steps if s.index > first.index and s.module_path == "0" and s.phase == "forward"][0]
+    assert res.warnings == [
+        "weight: it did not exist when this call began: the call itself made it (lazy initialisation: a lazy module "
+        f"such as nn.LazyLinear makes its parameters at its first call), so there was nothing to edit; the edit "
+        f"belongs at a later call, {later.selector}"], res.warnings
+    assert rec.step(later.selector).index == later.index
+    assert not replayer.replay(rec, later.selector, edit={"weight": "x * 0"}).match
+
+
 PARAMETRIZED = '''
 import sys
 import torch
