@@ -431,6 +431,17 @@ def output_slots(output: Any) -> list[tuple[Any, torch.Tensor]]:
     return output_places(output)[0]
 
 
+def _key_tree(tapped: dict[tuple[Any, ...], torch.Tensor]) -> dict[Any, Any]:
+    """The places of ``tapped``'s tensors as a tree: key -> subtree, a tapped tensor at a leaf."""
+    tree: dict[Any, Any] = {}
+    for keys, t in tapped.items():
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = t
+    return tree
+
+
 def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor]) -> tuple[Any, bool]:
     """``value`` with the tensors at ``tapped``'s keys replaced; containers on the way to them are
     made anew (each once: a container reached in two places, or from inside itself, is the same new
@@ -442,12 +453,7 @@ def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor]) -> tuple[A
     attributes), leaves that object as it was: the second value returned says whether any did."""
     if () in tapped:
         return tapped[()], False
-    tree: dict[Any, Any] = {}  # key -> subtree, a tapped tensor at a leaf
-    for keys, t in tapped.items():
-        node = tree
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = t
+    tree = _key_tree(tapped)
     made: dict[int, Any] = {}  # id(container) -> its new one
     kept: list[Any] = []  # objects left as they were
 
@@ -557,12 +563,7 @@ def _substitute(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], undo: U
     (none runs code of the user's)."""
     if () in tapped:
         return tapped[()]
-    tree: dict[Any, Any] = {}
-    for keys, t in tapped.items():
-        node = tree
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = t
+    tree = _key_tree(tapped)
 
     def build(value: Any, node: dict[Any, Any]) -> Any:
         if id(value) in made:

@@ -632,7 +632,8 @@ except PdbgError as exc:
     sys.exit(2)
 print(f"step {{result.step.index}} ({{result.step.name}}, {{result.step.phase}}): "
       + ("nothing compared" if not result.compared else "MISMATCH" if not result.match
-         else ("match by statistics only" if getattr(result, "by_statistics", None) else "bitwise match")
+         else ("match, by statistics only for " + ", ".join(result.by_statistics[:3])
+               if getattr(result, "by_statistics", None) else "bitwise match")
          + ("" if not getattr(result, "not_compared", None) else
             ", in what was compared; not recorded as data, not compared: " + ", ".join(result.not_compared))))
 for diff in result.outputs:
