@@ -831,7 +831,7 @@ class RankReader:
         keeps statistics only. A record that kept its bytes says so."""
         if record.has_payload:
             return "it has its bytes, not statistics only"
-        extra = self.doc(int(self.column("steps/extra")[record.step]))
+        extra = self.doc(int(self.rows("steps/extra", record.step, record.step + 1)[0]))
         notes = [n for n in extra.get("notes", []) if isinstance(n, str)] if isinstance(extra, dict) else []
         for note in notes:
             if note.startswith(f"{record.name}: "):
@@ -846,7 +846,7 @@ class RankReader:
         its note names the layout only); None for any other record."""
         if record.has_payload:
             return None
-        extra = self.doc(int(self.column("steps/extra")[record.step]))
+        extra = self.doc(int(self.rows("steps/extra", record.step, record.step + 1)[0]))
         extra = extra if isinstance(extra, dict) else {}
         found = (extra.get("sparse") or {}).get(record.name) if isinstance(extra.get("sparse"), dict) else None
         if isinstance(found, dict) and isinstance(found.get("layout"), str):
