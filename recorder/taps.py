@@ -442,6 +442,16 @@ def _key_tree(tapped: dict[tuple[Any, ...], torch.Tensor]) -> dict[Any, Any]:
     return tree
 
 
+def _new_item(node: dict[Any, Any], made: dict[int, Any], build: Callable[[Any, dict[Any, Any]], Any], key: Any,
+              item: Any) -> Any:
+    """What a rebuilt container holds at ``key`` in place of ``item``: the tapped tensor at a leaf of ``node``,
+    the container ``build`` makes of a subtree, else the container already made of it, or ``item``."""
+    sub = node.get(key)
+    if sub is None:
+        return made.get(id(item), item)
+    return sub if isinstance(sub, torch.Tensor) else build(item, sub)
+
+
 def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor]) -> tuple[Any, bool]:
     """``value`` with the tensors at ``tapped``'s keys replaced; containers on the way to them are
     made anew (each once: a container reached in two places, or from inside itself, is the same new
@@ -457,18 +467,11 @@ def _rebuild(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor]) -> tuple[A
     made: dict[int, Any] = {}  # id(container) -> its new one
     kept: list[Any] = []  # objects left as they were
 
-    def substitute(item: Any) -> Any:
-        return made.get(id(item), item)
-
     def build(value: Any, node: dict[Any, Any]) -> Any:
         if id(value) in made:
             return made[id(value)]
         kind, items = _children(value)  # type: ignore[misc]
-        def new_item(key: Any, item: Any) -> Any:
-            sub = node.get(key)
-            if sub is None:
-                return substitute(item)
-            return sub if isinstance(sub, torch.Tensor) else build(item, sub)
+        new_item = functools.partial(_new_item, node, made, build)
 
         if kind == "sequence" and type(value) is list or kind == "mapping" and type(value) is dict:
             new = made[id(value)] = type(value)(value)  # first: an item may hold this container again
@@ -569,13 +572,7 @@ def _substitute(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], undo: U
         if id(value) in made:
             return made[id(value)]
         kind, items = _children(value)  # type: ignore[misc]
-
-        def new_item(key: Any, item: Any) -> Any:
-            sub = node.get(key)
-            if sub is None:
-                return made.get(id(item), item)
-            return sub if isinstance(sub, torch.Tensor) else build(item, sub)
-
+        new_item = functools.partial(_new_item, node, made, build)
         if _in_place(value, kind):
             made[id(value)] = value
             for key, item in items:
