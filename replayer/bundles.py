@@ -403,8 +403,8 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
             check = Recording(store_dir)
             # (a notebook's code is in the bundle only: verified as it replays elsewhere, from there)
             try:
-                result = Replayer(check, use_bundled_source=session is not None).replay(check.step(new_main),
-                                                                                        nested=False)
+                # (its inner steps compared too, as pdbg replay and repro.py compare them where it is sent)
+                result = Replayer(check, use_bundled_source=session is not None).replay(check.step(new_main))
             except NotOnThisMachine as exc:  # a GPU step on a machine without one: written, unverified
                 not_verified = _renumbered(str(exc), rows)
             except ReplayError as exc:  # named as the recording numbers its steps: the bundle is not written
@@ -419,6 +419,8 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                 not_compared = result.not_compared
                 if not_compared:  # (a match of what was compared: the rest is said, never a match)
                     meta["verified"]["not_compared"] = not_compared
+                if by_statistics:  # (an inner step's too: the output summaries name the main step's only)
+                    meta["verified"]["by_statistics"] = by_statistics
                 notes = [w for w in result.warnings if about_code(w)] + notes
         backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta, indent=1).encode())
         partial = work / "bundle.zip"
@@ -486,6 +488,23 @@ def environment_text(env: dict[str, Any], run_info: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def verification_verdict(verified: dict[str, Any]) -> str:
+    """A bundle's ``verified`` record as its verdict: "bitwise match", "match by statistics only for
+    ... , not bit for bit" (a sparse result, the main step's or an inner step's), "nothing compared" or
+    "MISMATCH", and what a match did not compare."""
+    verdict = {True: "bitwise match", None: "nothing compared"}.get(verified.get("match"), "MISMATCH")
+    by_statistics = verified.get("by_statistics")
+    if not isinstance(by_statistics, list):  # (made before bundles kept it: the main step's output summaries)
+        outputs = verified.get("outputs") if isinstance(verified.get("outputs"), list) else []
+        by_statistics = [o.split(": ", 1)[0] for o in outputs if isinstance(o, str) and f": {BY_STATISTICS}" in o]
+    if verified.get("match") is True and by_statistics:  # (a sparse result: its statistics are all there is)
+        verdict = f"match by statistics only for {', '.join(map(str, by_statistics[:3]))}, not bit for bit"
+    unseen = verified.get("not_compared")
+    if verified.get("match") is True and isinstance(unseen, list) and unseen:
+        verdict += f" of what was compared (not recorded as data, not compared: {', '.join(map(str, unseen))})"
+    return verdict
+
+
 def verification_note(rec: Recording) -> str | None:
     """For a bundle verified when made, one line: its verdict, what verified it and what here differs
     from that (``state.environment_differences``); None for a recording, or a bundle not verified.
@@ -494,14 +513,7 @@ def verification_note(rec: Recording) -> str | None:
     verified = info.get("verified") if info is not None else None
     if not isinstance(verified, dict):
         return None
-    verdict = {True: "bitwise match", None: "nothing compared"}.get(verified.get("match"), "MISMATCH")
-    outputs = verified.get("outputs") if isinstance(verified.get("outputs"), list) else []
-    by_statistics = [o.split(": ", 1)[0] for o in outputs if isinstance(o, str) and f": {BY_STATISTICS}" in o]
-    if verified.get("match") is True and by_statistics:  # (a sparse result: its statistics are all there is)
-        verdict = f"match by statistics only for {', '.join(by_statistics[:3])}, not bit for bit"
-    unseen = verified.get("not_compared")
-    if verified.get("match") is True and isinstance(unseen, list) and unseen:
-        verdict += f" of what was compared (not recorded as data, not compared: {', '.join(map(str, unseen))})"
+    verdict = verification_verdict(verified)
     env = verified_environment(verified)
     if env is None:
         return (f"bundle verified when made: {verdict} (with what PaperDebugger, torch and machine is not recorded: "

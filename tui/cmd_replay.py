@@ -371,20 +371,15 @@ def info(args: argparse.Namespace) -> int:
             print(f"NaN origin: {rank}{_step_text(first)}  (pdbg bisect for why)")
     bundle = doc["bundle"]
     if bundle is not None:
+        from replayer.bundles import environment_text, verification_verdict, verified_environment
+
         origin = bundle.get("origin") or {}
         verified = bundle.get("verified")
         rank = f", rank {bundle['rank']} of {bundle['world_size']}" if bundle["rank"] is not None else ""
         print(f"\nbundle of {origin.get('path')} (step {origin.get('index')} there{rank}), "
               f"made {bundle.get('created')}; "
-              + ("not verified when made" if not verified else
-                 "verified when made: " + {True: "bitwise match", None: "nothing compared"}.get(verified.get("match"),
-                                                                                              "MISMATCH")
-                 + (" of what was compared (not recorded as data, not compared: "
-                    f"{', '.join(map(str, verified['not_compared']))})"
-                    if verified.get("match") is True and verified.get("not_compared") else "")))
+              + ("verified when made: " + verification_verdict(verified) if verified else "not verified when made"))
         if verified:
-            from replayer.bundles import environment_text, verified_environment
-
             verified_with = verified_environment(verified)
             if verified_with is None:
                 print("verified with: not recorded (the bundle was made before bundles recorded what verified them)")
