@@ -565,6 +565,11 @@ def arguments_text(doc: Any, limit: int = 300) -> str:
                     dtype, _, shown = numpy_summary(tag, payload, full=False)[0].partition(" ")
                     return f"np.{dtype}({shown})"
                 if tag == "$opaque" and isinstance(payload, dict):
+                    # a function by its qualified name (a lambda, one defined in main()): which it was
+                    function = jsonval.function_name(jsonval.Opaque(str(payload.get("type")), str(payload.get("repr"))))
+                    if function is not None and jsonval.function_why(
+                            jsonval.Opaque("builtins:function", str(payload.get("repr")))) is not None:
+                        return f"<{function.removeprefix('the ')}, not recorded>"
                     return f"<{payload.get('type')}, not recorded>"
                 if tag == "$function" and isinstance(payload, str):  # torch.nn.functional:silu -> silu
                     return payload.rpartition(":")[2]

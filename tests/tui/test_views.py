@@ -43,10 +43,15 @@ def test_arguments_read_as_the_call_was_written() -> None:
                       "generator": {"$generator": {"device": "cpu", "state": "AAAA"}},
                       "dtype": {"$dtype": "bfloat16"}, "device": {"$device": "cuda:0"},
                       "cfg": {"$dataclass": {"type": "m:Config", "fields": {}}},
-                      "f": {"$opaque": {"type": "builtins:function", "repr": "<lambda>"}}}}
+                      "f": {"$opaque": {"type": "builtins:function", "repr": "<lambda>"}},
+                      "g": {"$opaque": {"type": "builtins:function", "repr": "<function __main__:<lambda>>"}},
+                      "mask_mod": {"$opaque": {"type": "builtins:function",
+                                               "repr": "<function __main__:main.<locals>.causal>"}}}}
+    # (a function not recorded: by its qualified name where the recording kept it, 1.18)
     assert views.arguments_text(doc) == ("(<args.0>, <args.0>, 2.5, fn=silu, generator=Generator(cpu), "
                                          "dtype=torch.bfloat16, device='cuda:0', cfg=Config(...), "
-                                         "f=<builtins:function, not recorded>)")
+                                         "f=<builtins:function, not recorded>, g=<lambda __main__:<lambda>, not "
+                                         "recorded>, mask_mod=<function __main__:main.<locals>.causal, not recorded>)")
 
 
 def test_numpy_arguments_read_with_dtype_shape_values_and_nan() -> None:
