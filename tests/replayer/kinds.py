@@ -120,3 +120,18 @@ def unit_inside(h: torch.Tensor) -> torch.Tensor:
 
 
 unit_lambda = recorder.paper_step("Eq. 4", name="unit_lambda")(lambda h: h / h.norm(dim=-1, keepdim=True))
+
+
+@recorder.paper_step("Algorithm 4", description="encode a parse tree bottom-up, the module calling itself")
+class TreeEncoder(nn.Module):
+    """A Tree-LSTM-like encoder: a leaf is an embedding, a pair the mix of its two subtrees' codes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        self.mix = nn.Linear(8, 4)
+
+    def forward(self, tree: Any) -> torch.Tensor:
+        if isinstance(tree, int):
+            return self.emb.weight[tree]
+        return torch.tanh(self.mix(torch.cat([self(tree[0]), self(tree[1])])))

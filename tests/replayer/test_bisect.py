@@ -26,6 +26,7 @@ from replayer.bisect import Condition, ConditionError
 from tests.cli import pdbg_here as pdbg
 from tests.models import poison_at, record_ema, record_training
 from tests.replayer import nanmodels
+from tests.replayer.kinds import TreeEncoder
 from tests.sealing import write_sealed
 
 SCALES = (1.0, 10.0, 1000.0, 1.0)  # the third iteration makes exp overflow
@@ -1849,18 +1850,6 @@ def test_against_names_the_argument_that_differs_and_its_two_values(tmp_path: Pa
     res = pdbg("bisect", "b.zarr", "--against", "c.zarr", cwd=tmp_path)
     assert "its non-tensor argument opts['lr'] differs (0.5 vs 0.25)" in res.stdout, res.stdout + res.stderr
 
-
-@recorder.paper_step("Algorithm 7", description="encode a parse tree bottom-up, the module calling itself")
-class TreeEncoder(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(8, 4)
-        self.mix = torch.nn.Linear(8, 4)
-
-    def forward(self, tree: Any) -> torch.Tensor:
-        if isinstance(tree, int):
-            return self.emb.weight[tree]
-        return torch.tanh(self.mix(torch.cat([self(tree[0]), self(tree[1])])))
 
 
 def test_against_a_recursion_of_another_shape_names_the_call_given_another_tree(tmp_path: Path) -> None:

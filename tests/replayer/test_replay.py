@@ -35,6 +35,7 @@ from replayer.rebuild import Builder
 from replayer.replay import NOTHING_COMPARED, Replayer, known_refusal
 from tests.cli import SCRIPTS, env, pdbg, pdbg_here, python
 from tests.models import poison_at, record_training
+from tests.replayer.kinds import TreeEncoder
 
 ITERATIONS = 3
 STEPS_PER_PASS = 7  # per iteration: 2 x (Block, Attention, smooth_relu) + Mixer, forward and again backward
@@ -3510,18 +3511,6 @@ def test_a_step_recursing_hundreds_deep_is_recorded_and_replayed(tmp_path: Path)
     (forward,) = [p for p in summary(rec)["paper_steps"] if p["forward_calls"]]
     assert 0 < forward["time_share"] <= 1, forward
 
-
-@recorder.paper_step("Algorithm 4", description="encode a parse tree bottom-up, the module calling itself")
-class TreeEncoder(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(8, 4)
-        self.mix = nn.Linear(8, 4)
-
-    def forward(self, tree: Any) -> torch.Tensor:
-        if isinstance(tree, int):
-            return self.emb.weight[tree]
-        return torch.tanh(self.mix(torch.cat([self(tree[0]), self(tree[1])])))
 
 
 @recorder.paper_step("Algorithm 5", description="a chain of n more calls of itself, each using its parameters")

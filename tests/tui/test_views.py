@@ -4,7 +4,6 @@ rows drawn from chunks must be exactly the rows drawn from whole columns."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 import recorder
 import replayer
+from tests.replayer.kinds import TreeEncoder
 from tests.tui.recordings import nan_run
 from tui import views
 
@@ -72,7 +72,6 @@ def test_timeline_rows_keep_their_columns_with_wide_characters_and_deep_nesting(
     """Names were cut by characters, not terminal columns: a row holding CJK text pushed the
     duration bar right (cut off at 80 columns). And from 8 levels of nesting the indent took most
     of the name column. Every row now takes the same columns, and a deep step's name keeps room."""
-    import torch
     from rich.cells import cell_len
 
     import recorder
@@ -97,32 +96,20 @@ def test_timeline_rows_keep_their_columns_with_wide_characters_and_deep_nesting(
 
 
 
-@recorder.paper_step("Eq. 41", description="encode a parse tree bottom-up, the module calling itself")
-class Recurse(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(8, 4)
-        self.mix = torch.nn.Linear(8, 4)
-
-    def forward(self, tree: Any) -> torch.Tensor:
-        if isinstance(tree, int):
-            return self.emb.weight[tree]
-        return torch.tanh(self.mix(torch.cat([self(tree[0]), self(tree[1])])))
-
 
 def test_the_paper_view_counts_a_recursions_time_once(tmp_path: Path) -> None:
     """The paper view added up the time of every call of a recursive step, each nested one again inside
     its caller's (835 ms for a Tree-LSTM's encoder in a 289 ms recording), where ``pdbg info`` counts a
     recursion once: its calls inside another of its calls are not added again, forward and backward."""
-    enc = Recurse()
+    enc = TreeEncoder()
     with recorder.record(tmp_path / "run.zarr", model=enc) as run:
         for _ in range(2):
             enc((((1, 2), (3, 4)), ((5, 6), 7))).sum().backward()
             run.next_iteration()
     rec = replayer.open(tmp_path / "run.zarr")
-    node = views.paper_tree(views.TimelineModel(rec)).children["Eq. 41"]
+    node = views.paper_tree(views.TimelineModel(rec)).children["Algorithm 4"]
     table = rec.steps
     outer = table.column("parent") < 0  # every step is the encoder's: those at the top hold all the others
     spans = table.column("t_end") - table.column("t_start")
     assert (node.forward, node.backward) == (26, 26) and outer.sum() == 4
-    assert node.seconds == node.children["Recurse"].seconds == float(spans[outer].sum()) < float(spans.sum())
+    assert node.seconds == node.children["TreeEncoder"].seconds == float(spans[outer].sum()) < float(spans.sum())
