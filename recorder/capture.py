@@ -1676,6 +1676,11 @@ class Session:
                 self._ring_note()
         elif self.ring is not None:
             with self.ring.lock:  # found and held again at once: no other thread drops it in between
+                if self.iteration != self._direct_iteration:
+                    # Room first: the first payload of an iteration drops the oldest one, which may be
+                    # the only one holding these bytes (a batch evaluated every ``keep`` iterations).
+                    # Found there and held again after, their buffer went back for reuse meanwhile.
+                    self._ring_room()
                 found = self.ring.find(key)
                 if found is not None:  # the same bytes wait in the ring: hold them for this iteration too
                     self._send_payload(found, key)

@@ -300,6 +300,122 @@ def test_pdbg_info_names_every_iteration_a_flight_recording_kept(tmp_path: Path)
             "not one of them")
 
 
+VALIDATION = """
+import sys
+import torch, torch.nn as nn
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 8, 3, padding=1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+calls = []  # every module call's tensors, as this script saw them, in the order the calls started
+
+
+def saw(module, inputs):
+    calls.append({"args.0": inputs[0].detach().clone(),
+                  **{n: p.detach().clone() for n, p in module.named_parameters(recurse=False)}})
+
+
+def gave(module, inputs, output):
+    calls[-1]["output"] = output.detach().clone()  # (the children are leaves: the last call started is this one)
+
+
+for child in model:
+    child.register_forward_pre_hook(saw)
+    child.register_forward_hook(gave)
+valid = torch.randn(2, 3, 8, 8)  # a fixed validation batch, evaluated every other iteration
+for i in range(5):
+    model(torch.randn(2, 3, 8, 8)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if i % 2 == 1:
+        with torch.no_grad():
+            model(valid)
+torch.save({"calls": calls, "valid": valid}, sys.argv[1])
+"""
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def assert_every_payload_is_its_own(path: Path, calls: list[dict[str, torch.Tensor]]) -> int:
+    """Every tensor record with bytes reads (its checksum holds), and a forward step's are bitwise what
+    the script saw at that call (``calls``, in the order the forward steps started). Returns how many
+    forward records were compared."""
+    rank = RunReader(str(path)).rank(0)
+    forward = [s for s in range(len(rank)) if int(rank.column("steps/phase")[s]) == 0]
+    assert len(forward) == len(calls)
+    compared = 0
+    for step in range(len(rank)):
+        for record in rank.tensor_records(step):
+            if record.has_payload:
+                value = rank.tensor(record)  # (ChecksumError: bytes of another tensor)
+                if step in forward and record.name in calls[forward.index(step)]:
+                    assert bits(value) == bits(calls[forward.index(step)][record.name]), (step, record.name)
+                    compared += 1
+    return compared
+
+
+@pytest.mark.timeout(300)
+def test_pdbg_record_keeps_a_batch_that_recurs_every_keep_iterations_as_recorded(tmp_path: Path) -> None:
+    """`pdbg record --mode flight` (the ring in shared memory, every payload taken by content) of a
+    fixed validation batch evaluated every other iteration, keep=2: its bytes, found held by the
+    iteration two back, were held again for the new iteration after that one had been dropped and
+    its block handed back, and the next payload's copy overwrote them. The payload written out held
+    a later tensor's bytes, and pdbg verify, replay and Step.tensor said the recording was corrupted.
+    Now every record's bytes are those the script saw, the batch's included, and it verifies."""
+    import json
+
+    from tests.cli import pdbg, pdbg_here
+
+    script = tmp_path / "validation.py"
+    script.write_text(VALIDATION)
+    res = pdbg("record", "-o", "run.zarr", "--mode", "flight", "--keep", "2", "--modules", "*", "--",
+               str(script), "saw.pt", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    saved = torch.load(tmp_path / "saw.pt")
+    rank = RunReader(str(tmp_path / "run.zarr")).rank(0)
+    assert rank.ring_iterations() == [3, 4]
+    valid = [s for s in range(len(rank)) if int(rank.column("steps/iteration")[s]) == 4
+             and int(rank.column("steps/phase")[s]) == 0][0]  # the batch's first call at iteration 4
+    (args,) = [r for r in rank.tensor_records(valid) if r.name == "args.0"]
+    assert args.has_payload and bits(rank.tensor(args)) == bits(saved["valid"])
+    assert assert_every_payload_is_its_own(tmp_path / "run.zarr", saved["calls"]) == 3 * (4 + 2 + 4)  # 3 passes
+    verified = pdbg_here("verify", "run.zarr", "--json", cwd=tmp_path)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert json.loads(verified.stdout)["matched"] == 15
+
+
+def test_a_frozen_weight_captured_every_keep_iterations_keeps_its_bytes(run_path: Path) -> None:
+    """In this process too: a frozen 256 KB table (pooled staging buffers) whose step takes no tensor,
+    called every other iteration as its first capture, keep=2. Its bytes, found held by the iteration
+    two back, were held again after that iteration was dropped and their buffer given back; the next
+    iteration's first copy took that buffer, and the table's payload held another tensor's bytes."""
+
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(256, 256), requires_grad=False)
+
+        def forward(self) -> torch.Tensor:
+            return self.weight * 1
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"table": Table(), "linear": nn.Linear(256, 256)})
+    calls = []
+    with recorder.record(str(run_path), model=model, mode="flight", keep=2, modules=["*"]) as run:
+        for i in range(6):
+            if i % 2 == 0:
+                calls.append({"weight": model["table"].weight.detach().clone(), "output": model["table"]()})
+            x = torch.randn(256, 256)
+            calls.append({"args.0": x, "output": model["linear"](x).detach(),
+                          **{n: p.detach().clone() for n, p in model["linear"].named_parameters()}})
+            run.next_iteration()
+    assert RunReader(str(run_path)).rank(0).ring_iterations() == [4, 5]
+    assert assert_every_payload_is_its_own(run_path, calls) == 2 + 2 * 4
+
+
 def test_a_schema_1_0_recording_without_late_payloads_still_reads(run_path: Path) -> None:
     """Recordings made before late/ existed (schema 1.0: no such arrays, no such length) read as before."""
     import json
