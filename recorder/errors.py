@@ -29,7 +29,13 @@ class FormatError(PdbgError, ValueError):
 
 
 class ChecksumError(FormatError):
-    """Bytes read from the recording are not the bytes recorded: their checksum does not match."""
+    """Bytes read from the recording are not the bytes recorded: their checksum does not match.
+    ``reason``: what the message says of them, without the recording's name and the advice, for a list
+    (``pdbg verify`` lists each step whose tensors are corrupted and goes on)."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class UnknownTagError(FormatError):

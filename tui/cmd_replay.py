@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from recorder.errors import PdbgError, ReplayError
+from recorder.errors import ChecksumError, PdbgError, ReplayError
 from recorder.store import layout
 
 from . import output
@@ -719,6 +719,7 @@ def verify(args: argparse.Namespace) -> int:
         set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))]
     replayer = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source) if picks else None
     matched, mismatches, refused, by_statistics, partly = 0, [], [], 0, []
+    corrupted: list[dict[str, Any]] = []  # steps whose recorded bytes are not the bytes recorded
     alike: list[str] = []  # per refused step, its reason with its number written "step N" (_alike)
     environment: list[str] = []  # what differs from the machine and software that recorded it (once each)
     for done, index in enumerate(picks, 1):
@@ -728,6 +729,8 @@ def verify(args: argparse.Namespace) -> int:
         except ReplayError as exc:  # what a replay cannot do, and says why: not a difference found
             refused.append({"step": step.to_json(), "reason": getattr(exc, "reason", None) or str(exc)})
             alike.append(_alike(refused[-1]["reason"], step))
+        except ChecksumError as exc:  # damage, not a difference: said of this step, and the others verified
+            corrupted.append({"step": step.to_json(), "reason": exc.reason})
         else:
             environment += [d for d in result.environment_differences if d not in environment]
             if not result.compared:  # nothing it could check: not a match
@@ -743,9 +746,11 @@ def verify(args: argparse.Namespace) -> int:
                 hint = [w for w in result.warnings if "likely cause" in w or "changed since" in w]
                 mismatches.append({"step": step.to_json(), "reason": "; ".join(bad + hint)})
         _progress(done, len(picks))
-    replayed = len(picks) - len(refused)
+    replayed = len(picks) - len(refused) - len(corrupted)
     doc = {"replayed": replayed, "matched": matched, "mismatches": mismatches, "not_replayed": refused,
            "environment_differences": environment}
+    if corrupted:
+        doc["corrupted"] = corrupted
     if by_statistics:
         doc["by_statistics"] = by_statistics
     if partly:
@@ -766,6 +771,7 @@ def verify(args: argparse.Namespace) -> int:
                     "tensor: not bit for bit)")
         print(f"{args.run}: {head}"
               + (f"; {_count(len(refused), 'step')} could not be replayed" if refused else "")
+              + (f"; {_count(len(corrupted), 'step')} corrupted" if corrupted else "")
               + (f"; {_count(skipped, 'step')} kept statistics only, not replayable" if skipped else "")
               + (f" ({forward_gone} of them backward steps that kept their own tensors, not those of their forward "
                  "call, from an iteration flight mode had let go)" if forward_gone else ""))
@@ -796,8 +802,16 @@ def verify(args: argparse.Namespace) -> int:
                 else:
                     print(f"  {len(steps)} steps ({_step_text(steps[0]['step'])} ... "
                           f"{_step_text(steps[-1]['step'])}): {reason}")
+        if corrupted:
+            print("corrupted (a tensor's bytes read are not the bytes recorded):")
+            for m in corrupted:
+                print(f"  {_step_text(m['step'])}: {m['reason']}")
         if environment:  # a mismatch of a few ULP here is most likely this, not the code
             print("environment differs from the recording: " + "; ".join(environment))
+    if corrupted:  # (the other steps verified, and listed above)
+        raise ChecksumError(f"{args.run}: the recorded tensors of {_count(len(corrupted), 'step')} are corrupted "
+                            "(payload checksum mismatch, listed above): restore the recording from a copy or "
+                            "record again")
     if not replayed:  # nothing was checked at all: not a pass (the listing above says why)
         if not kept:
             if rec.run_info.get("mode") == "full" and rec.run_info.get("every", 1) == 1:

@@ -821,8 +821,9 @@ class RankReader:
         units = self._read(path, offset, offset + count)
         high, low = (int(v) for v in self.column("payloads/hash")[pid])
         if payload_mod.content_key(units, unit)[:2] != (high, low):
-            raise ChecksumError(f"{self.run.label}: {where}, {self.prefix}/{path}[{offset}:{offset + count}]: payload "
-                                "checksum mismatch: the recording is corrupted; restore it from a copy or record again")
+            reason = f"{where}, {self.prefix}/{path}[{offset}:{offset + count}]: payload checksum mismatch"
+            raise ChecksumError(f"{self.run.label}: {reason}: the recording is corrupted; restore it from a copy or "
+                                "record again", reason)
         return units, unit
 
     def why_statistics_only(self, record: TensorRecord) -> str:

@@ -1107,6 +1107,36 @@ def test_verify_tells_steps_it_cannot_replay_from_differences(tmp_path: Path) ->
     assert text.stdout.splitlines()[1] == "could not be replayed:"
 
 
+def test_verify_lists_a_step_whose_tensors_are_corrupted_and_verifies_the_others(tmp_path: Path) -> None:
+    """A payload whose bytes are not those recorded (its checksum fails): `pdbg verify` stopped at it
+    with one error line and checked nothing else. Now it lists that step as corrupted, with which
+    payload, replays the others, and exits 2 after the listing (in the JSON: ``corrupted``)."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full") as run:
+        for _ in range(3):
+            total(torch.randn(8, 8))
+            run.next_iteration()
+    rank = replayer.open(path).rank
+    (args,) = [r for r in rank.tensor_records(1) if r.name == "args.0"]
+    hashes = zarr.open_group(path, mode="r+")[layout.rank_group(0)]["payloads/hash"]
+    hashes[args.payload] = hashes[args.payload] ^ np.array([0, 1], dtype=hashes.dtype)  # another checksum
+    res = pdbg_here("verify", str(path), cwd=tmp_path)
+    lines = res.stdout.splitlines()
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert lines[0] == f"{path}: 2 of 2 steps replayed bit for bit (100.0%); 1 step corrupted"
+    assert lines[1] == "corrupted (a tensor's bytes read are not the bytes recorded):"
+    assert lines[2].startswith("  step 1: Eq. 12 (total), forward, iteration 1, call 0: payload "
+                               f"{args.payload} (tensor 'args.0' of step 1), rank0/blobs/") and \
+        lines[2].endswith(": payload checksum mismatch")
+    assert res.stderr == (f"pdbg: error: {path}: the recorded tensors of 1 step are corrupted (payload checksum "
+                          "mismatch, listed above): restore the recording from a copy or record again\n")
+    res = pdbg_here("verify", str(path), "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 2 and doc["replayed"] == doc["matched"] == 2 and doc["mismatches"] == []
+    assert [(m["step"]["index"], m["reason"].endswith("payload checksum mismatch")) for m in doc["corrupted"]] == [
+        (1, True)]
+
+
 SETTING_SCRIPT = '''
 import sys
 import torch
