@@ -731,12 +731,13 @@ class Session:
         part of results an earlier call of the step held Inf on part of (a padding mask, which a batch
         without padding does not need: whether the Inf will be kept from going further is not known
         yet). At the step's very first call it waits for the next call with its number, which reports
-        it if it holds none, unless it was on part of the results only. Sets ``frame.anomaly``, what is
-        told of it."""
+        it if it holds none, unless it was on part of the results only. A result that is a single value
+        and Inf (a 0-d loss) is no mask's, whatever the calls before held: reported at once. Sets
+        ``frame.anomaly``, what is told of it."""
         if not frame.checked:
             frame.checked = True
             results = layout.RESULT_ROLES[frame.phase]
-            found, nan, parts = None, False, set()
+            found, nan, lone, parts = None, False, False, set()
             for t in frame.tensors:
                 if t.role in results:
                     if isinstance(t.stats, torch.Tensor):
@@ -746,34 +747,36 @@ class Session:
                         nan = nan or bool(t.stats[6])
                         # (the statistics of the finite values are NaN where there is none)
                         parts.add((t.role, t.name) if not math.isnan(t.stats[0]) else (-1, ""))
+                        lone = lone or (t.stats[7] == 1 and math.isnan(t.stats[0]))  # one value, and Inf
             step = (frame.defn.name, frame.path, frame.phase)
             key = (*step, frame.call)
             inf_only = found is not None and not nan
+            habit = inf_only and not lone  # Inf that may be a mask's (a loss of +inf at every call is none)
             here = frame.root if frame.root >= 0 else frame.index
             prior = self._inf_step.get(step)
             if prior is None or prior[0] != here:
                 stands = None if prior is None else prior[1]
-                self._inf_step[step] = (here, inf_only, stands)
+                self._inf_step[step] = (here, habit, stands)
             else:  # a sibling's Inf is no habit, its finite result no mask's: as first_nonfinite judges them
                 stands = prior[2] if prior[1] else False
-                self._inf_step[step] = (here, inf_only, prior[2])
+                self._inf_step[step] = (here, habit, prior[2])
             last = self._inf_last.get(key, stands)
-            self._inf_last[key] = inf_only
-            partial = inf_only and (-1, "") not in parts
+            self._inf_last[key] = habit
+            partial = habit and (-1, "") not in parts
             seen = self._inf_parts.get(step)
             if partial:
                 self._inf_parts.setdefault(step, set()).update(parts)
             if partial and seen is not None and parts <= seen:  # a mask's, seen before: meant
                 self._inf_first.pop(key, None)
                 found = None
-            elif inf_only and last is None:  # the first call: a mask, if the next call makes Inf again
+            elif habit and last is None:  # the first call: a mask, if the next call makes Inf again
                 self._inf_first[key] = (frame.index, monitors.nonfinite_message(self._context(frame, None), found,
                                                                                     frame.tensors), partial)
                 found = None
-            elif inf_only and last:  # made at every call so far: meant
+            elif habit and last:  # made at every call so far: meant
                 self._inf_first.pop(key, None)
                 found = None
-            elif not inf_only and self._inf_first:
+            elif not habit and self._inf_first:
                 first = self._inf_first.pop(key, None)
                 if first is not None and found is None and not first[2]:  # that first call's Inf was no habit
                     frame.anomaly = (first[0], f"{first[1]} (its next call, step {frame.index}, made none: not a mask)")

@@ -18,10 +18,12 @@ iteration went non-finite: a padding mask, which a batch without padding does no
 (``_Kinds.masks``). Inf at every call (of a call number) is a mask's only where it covers part of its
 tensor, or, filling one, where the step's first call held it too (a -inf initial maximum): a
 division by 0 outside the steps that fills the input of an eval loop's call at each iteration the
-loop runs came in, however often it runs (``_Kinds.shaped``). A mask's Inf is harmless only while nothing
-non-finite comes of it: a step that kept it out of its results at earlier calls and passes it on at a later
-one (``_Kinds.harmed``), or whose results go non-finite from a recorded step's output holding it, is the
-origin there, with the step that made the Inf (``Origin.source``).
+loop runs came in, however often it runs; a single value that is Inf (a 0-d loss, +inf at every call
+where the loop skips the batches whose loss is not finite) never is (``_Kinds.shaped``). A mask's Inf is
+harmless only while nothing non-finite comes of it: a step that kept it out of its results at earlier calls
+and passes it on at a later one (``_Kinds.harmed``), or whose results go non-finite from a recorded step's
+output holding it (NaN of a mask's Inf it takes at every call too), is the origin there, with the step that
+made the Inf (``Origin.source``).
 """
 
 from __future__ import annotations
@@ -186,6 +188,8 @@ def _find_step_op(origin: Origin, step: Step, *, use_bundled_source: bool,
     except ReplayError as exc:
         origin.op_note = f"operation-level bisection needs a replay, and this step cannot be replayed: {exc}"
         return
+    if origin.op is not None and harm and origin.source is not None:
+        origin.op.came_from = f"step {origin.source.index} ({origin.source.name})"
     unlike = _unreproduced(replayed[0], notes) if replayed else None
     if unlike is not None:  # what the replay ran is not what the recorded call ran: its operation may not be either
         differs, why = unlike
@@ -254,6 +258,14 @@ class Origin:
     @property
     def found(self) -> bool:
         return self.step is not None or self.entered is not None
+
+    @property
+    def source_what(self) -> str:
+        """What the Inf ``source`` made is to the origin, in words: "the Inf it made NaN of" where the origin's
+        results hold NaN, else "the Inf it passed on"."""
+        results = layout_results(self.step.phase) if self.step is not None else set()
+        nan = self.step is not None and any(r.stats.get("nan") for r in self.step.records if r.role in results)
+        return "the Inf it made NaN of" if nan else "the Inf it passed on"
 
     @property
     def clean(self) -> bool:
@@ -405,7 +417,8 @@ class _Kinds:
     """Per step, where NaN and Inf were (from the steps' flags): ``result``/``nan_result`` (its
     results), ``given``/``nan_given`` (its own inputs and, for a backward step, its forward's);
     ``whole_result``/``whole_given``: one of those tensors was Inf in every value (from the tensor
-    statistics), which an additive -inf mask is not, and a division by 0 or an overflow often is."""
+    statistics), which an additive -inf mask is not, and a division by 0 or an overflow often is;
+    ``lone_result``/``lone_given``: one of them was a single value, and Inf (a loss)."""
 
     rec: Recording
     result: np.ndarray
@@ -414,6 +427,8 @@ class _Kinds:
     nan_given: np.ndarray
     whole_result: np.ndarray
     whole_given: np.ndarray
+    lone_result: np.ndarray
+    lone_given: np.ndarray
     _groups: dict[bool, np.ndarray] | None = None
     _absorbed_cache: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
     _iterations: np.ndarray | None = None  # per step, the number of its iteration among the recording's
@@ -439,11 +454,12 @@ class _Kinds:
         # overflow): where none does (a clean run; a run whose every non-finite value is NaN), the tensor
         # statistics are not read (2,990,000 records of a million-step recording: ~190 MB)
         if _inf_alone(result, nan_result, given, nan_given):
-            whole_result, whole_given = _all_inf(rec, phase)
+            whole_result, whole_given, lone_result, lone_given = _all_inf(rec, phase)
             whole_given[back] |= whole_given[forward[back]]
+            lone_given[back] |= lone_given[forward[back]]
         else:
-            whole_result, whole_given = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-        return cls(rec, result, nan_result, given, nan_given, whole_result, whole_given)
+            whole_result, whole_given, lone_result, lone_given = (np.zeros(n, dtype=bool) for _ in range(4))
+        return cls(rec, result, nan_result, given, nan_given, whole_result, whole_given, lone_result, lone_given)
 
     def groups(self, by_call: bool = True) -> np.ndarray:
         """Per step, a number shared by the calls of the same step: name, module path, phase and
@@ -525,19 +541,22 @@ class _Kinds:
             self._passes = roots
         return self._passes
 
-    def shaped(self, held: np.ndarray, whole: np.ndarray) -> np.ndarray:
+    def shaped(self, held: np.ndarray, whole: np.ndarray, lone: np.ndarray) -> np.ndarray:
         """Per step: whether the Inf ``held`` at its calls (with the same call number) can be a mask's:
         on part of a tensor at each of them, or, where some call held a tensor Inf in every value
         (``whole``: a -inf initial maximum), there from the start, at the step's first call too. Inf
         that fills a tensor at a later call number (an eval loop's, past a division by 0 outside every
-        step) came in, however often the loop runs."""
+        step) came in, however often the loop runs. A single value that is Inf (``lone``: a 0-d loss, +inf
+        at every call where the loop skips the batches whose loss is not finite) is no mask's at all: a
+        mask is Inf beside finite values, or, filling its tensor, over rows (the statistics, of the finite
+        values, do not tell +inf from -inf; how many values are Inf they do)."""
         group, step = self.groups(), self.groups(by_call=False)
         if not len(group):
             return np.ones(0, dtype=bool)
         first = np.full(int(step.max()) + 1, len(step), dtype=np.int64)
         np.minimum.at(first, step, np.arange(len(step)))
         filled = np.bincount(group, weights=(whole & held).astype(np.float64)) > 0
-        return ~filled[group] | held[first[step]]
+        return (~filled[group] | held[first[step]]) & ~(lone & held)
 
     def habit_masks(self) -> np.ndarray:
         """Per step: Inf (only) made from finite inputs, at every call with finite inputs (an additive
@@ -546,14 +565,15 @@ class _Kinds:
         inf_made = self.result & ~self.nan_result & ~self.given
         if not inf_made.any():  # (then the steps' names, paths and calls are not read)
             return inf_made
-        return inf_made & self.habitual(inf_made, among=~self.given) & self.shaped(inf_made, self.whole_result)
+        return inf_made & self.habitual(inf_made, among=~self.given) & \
+            self.shaped(inf_made, self.whole_result, self.lone_result)
 
     def habit_takes(self) -> np.ndarray:
         """Per step: Inf taken at every call (``habitual``), shaped as a mask's (``shaped``): meant. What
         it says matters only where a step took Inf and no NaN (a step that took NaN is judged by that)."""
         if not (self.given & ~self.nan_given).any():
             return np.zeros(len(self.given), dtype=bool)
-        return self.habitual(self.given) & self.shaped(self.given, self.whole_given)
+        return self.habitual(self.given) & self.shaped(self.given, self.whole_given, self.lone_given)
 
     def takes_mask(self) -> np.ndarray:
         """Per step: Inf taken that is a mask's: at every call (``habit_takes``), or on part of a tensor and
@@ -697,28 +717,34 @@ def meant_inf(rec: Recording) -> np.ndarray:
     return _Kinds.of(rec).meant()
 
 
-def _all_inf(rec: Recording, phase: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _all_inf(rec: Recording, phase: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per step: whether one of its results, and one of its inputs (``layout.INPUT_ROLES``, and the
     results of its collectives), held Inf in every value: Inf and no finite value (the statistics of
-    the finite values are NaN), no NaN."""
+    the finite values are NaN), no NaN; then whether one of its results, and one of its inputs, was
+    a single value that is Inf (a 0-d loss): Inf in every value, and one Inf."""
     n = len(rec)
-    result, given = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    out = tuple(np.zeros(n, dtype=bool) for _ in range(4))
     rank = rec.rank
     if not n or not rank.lengths.get("tensors"):
-        return result, given
+        return out
     stats = np.asarray(rank.column("tensors/stats"))
     whole = (stats[:, 7] > 0) & (stats[:, 6] == 0) & np.isnan(stats[:, 0])
     if not whole.any():
-        return result, given
+        return out
+    lone = stats[whole, 7] == 1
     steps = np.asarray(rank.column("tensors/step"))[whole]
     roles = np.asarray(rank.column("tensors/role"))[whole]
     ph = phase[steps]
+    result, given, lone_result, lone_given = out
     for p in (0, 1):
         here = ph == p
-        result[steps[here & np.isin(roles, list(layout.RESULT_ROLES[p]))]] = True
-        inputs = list(layout.INPUT_ROLES[p]) + [layout.ROLES.index("collective")]
-        given[steps[here & np.isin(roles, inputs)]] = True
-    return result, given
+        results = here & np.isin(roles, list(layout.RESULT_ROLES[p]))
+        inputs = here & np.isin(roles, list(layout.INPUT_ROLES[p]) + [layout.ROLES.index("collective")])
+        result[steps[results]] = True
+        given[steps[inputs]] = True
+        lone_result[steps[results & lone]] = True
+        lone_given[steps[inputs & lone]] = True
+    return out
 
 
 def _kinds_recorded(rec: Recording) -> bool:
@@ -855,6 +881,9 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
             source += (f", which its earlier calls kept out of their results (the last: step {kept}, iteration "
                        f"{earlier.iteration}): the first result that mask's Inf made non-finite"
                        + _source_text(k, maker))
+        elif given and k.given[index]:  # NaN of a mask's Inf: the step that made that Inf, whatever the run's length
+            maker = _mask_source(rec, k, step)
+            source += _source_text(k, maker)
         origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} {source}"
                         + _not_overflow_note(step, not_overflows), _after(rec, index, went, spread),
                         followed=int(went[index + 1:].sum()), source=maker,

@@ -30,6 +30,7 @@ import re
 import sys
 import sysconfig
 import traceback
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -73,6 +74,8 @@ class OpReport:
     function: str | None = None
     node: str | None = None  # backward: the autograd node running it ("SqrtBackward0")
     index: int = 0  # how many operations the step ran before it, from 0
+    # its tensor arguments, integer ones too (``_inputs``: {"name", "shape", "dtype", "stats", and "values" where
+    # small}), and its integer-list arguments ({"name", "dtype": "int[]", "values"})
     inputs: list[dict[str, Any]] = field(default_factory=list)
     outputs: list[dict[str, Any]] = field(default_factory=list)
     # None: it made NaN/Inf from finite inputs. "outside": it made a tensor of data holding NaN that code outside
@@ -94,6 +97,9 @@ class OpReport:
     # A torch-level call named as the operation ("torch.logdet"): the operation of its implementation that
     # wrote the NaN/Inf as a constant ("aten::scalar_tensor": the value it gives where it is undefined)
     constant: str | None = None
+    # made "inf" with no inf_from: the recorded step whose output brought the Inf in ("step 0 (log_mel)"), where
+    # bisect found it (``Origin.source``)
+    came_from: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc = self._json()
@@ -118,7 +124,8 @@ class OpReport:
                     f"({self.constant}), the value it gives for inputs outside its domain (as torch.logdet does for a "
                     "matrix with a negative determinant)")
         if self.made == "inf" and self.inf_from is None:
-            return (f"no operation inside the step made the Inf (it came in); {self.name} made NaN of it "
+            came = f"it came in, from the output of {self.came_from}" if self.came_from else "it came in"
+            return (f"no operation inside the step made the Inf ({came}); {self.name} made NaN of it "
                     "(inf - inf, 0 * inf)")
         if self.made == "inf":
             by = "the step's forward" if self.inf_from.phase != self.phase else "an earlier operation of the step"
@@ -187,6 +194,59 @@ def _function_backward_frames(node: Any) -> list[tuple[str, int, str, str]] | No
              linecache.getline(f.f_code.co_filename, f.f_lineno or 0).strip()) for f in reversed(chain)]
 
 
+def _live_frames() -> list[tuple[str, int, str, str]]:
+    """The Python stack now, outermost first, as ``_user_frame`` takes it (the source line read only where asked)."""
+    frame, chain = sys._getframe(1), []
+    while frame is not None:
+        chain.append(frame)
+        frame = frame.f_back
+    return [(f.f_code.co_filename, f.f_lineno or 0, f.f_code.co_name, "") for f in reversed(chain)]
+
+
+def _where_now() -> tuple[str, int] | None:
+    """The user's line the operation running now belongs to, as ``_Finder._report`` names it: in a backward, the
+    forward line that made the autograd node running it (a custom Function's backward: its own line)."""
+    node = torch._C._current_autograd_node()
+    frames = None
+    if node is not None:
+        own = _function_backward_frames(node)
+        stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+        frames = own or ([(m["file"], int(m["line"]), m["func"].strip(), m["code"].strip())
+                          for m in _FRAME.finditer("".join(stack))] if stack else None)
+    at = _user_frame(frames if frames else _live_frames())
+    return (at[0], at[1]) if at is not None else None
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+@contextlib.contextmanager
+def _warnings_at_user_line() -> Iterator[None]:
+    """While the step replays under the checking modes, a warning that torch raises from an operation (a C++
+    warning: std_mean's "degrees of freedom is <= 0") names the user's line, as it did in the recorded run, not
+    the mode's own (it is raised at the innermost Python frame, which is the mode's). Only the showing of such a
+    warning is changed (``warnings.showwarning``, put back after, unless replaced meanwhile): not the filters,
+    which other threads (the TUI's) share."""
+    previous = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if os.path.abspath(filename).startswith(_PACKAGE):
+            try:
+                at = _where_now()
+            except Exception:  # noqa: BLE001 - the warning is shown in any case, where it was raised
+                at = None
+            if at is not None:
+                filename, lineno, line = at[0], at[1], None
+        previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show:
+            warnings.showwarning = previous
+
+
 def _tensor_info(t: torch.Tensor) -> dict[str, Any]:
     info: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     try:
@@ -194,6 +254,36 @@ def _tensor_info(t: torch.Tensor) -> dict[str, Any]:
     except (RuntimeError, TypeError, NotImplementedError):
         info["stats"] = None
     return info
+
+
+SMALL_VALUES = 16  # an integer or boolean input of at most this many elements is shown by its values
+
+
+def _inputs(func: Any, args: Any, kwargs: Any) -> list[dict[str, Any]]:
+    """What a report shows of an operation's inputs, in the order it takes them: its tensors (``_tensor_info``),
+    integer and boolean ones too, with their values where they are small (a CTC loss's input and target
+    lengths, the indices of a gather: what decides whether it is finite), and its integer-list arguments, each
+    named by the operation's schema where it has one."""
+    schema = getattr(func, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    lists = {a.name for a in schema.arguments if "List[int]" in str(a.type)} if schema is not None else set()
+    named = [(names[i] if i < len(names) else None, a) for i, a in enumerate(args)] + list(kwargs.items())
+    shown: list[dict[str, Any]] = []
+    for name, value in named:
+        if name in lists and isinstance(value, (list, tuple)) and value and \
+                all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            shown.append({"name": name, "dtype": "int[]", "values": [int(v) for v in value]})
+            continue
+        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.layout == torch.strided
+                   and t.device.type != "meta"]
+        for i, t in enumerate(tensors):
+            info = _tensor_info(t)
+            if name is not None:
+                info["name"] = name if isinstance(value, torch.Tensor) else f"{name}.{i}"
+            if not (t.is_floating_point() or t.is_complex()) and t.numel() <= SMALL_VALUES:
+                info["values"] = t.detach().cpu().reshape(-1).tolist()
+            shown.append(info)
+    return shown
 
 
 def _checked(value: Any) -> list[torch.Tensor]:
@@ -374,7 +464,7 @@ class _Finder(TorchDispatchMode):
         before, infos = None, None
         if looking and func._schema.is_mutable:
             before = self._given(func, args, kwargs)
-            infos = [_tensor_info(t) for t in _checked((args, kwargs))]  # (reported as they were)
+            infos = _inputs(func, args, kwargs)  # (reported as they were)
         out = func(*args, **kwargs)
         if looking and func in _LIFTS:  # a constant of the code: what it is written into is the origin
             for t in _checked(out):
@@ -563,7 +653,7 @@ class _Finder(TorchDispatchMode):
             user = _user_frame(frames)
         file, line, function, code = user if user else (None, None, None, None)
         if inputs is None:
-            inputs = [_tensor_info(t) for t in _checked((args, kwargs))]
+            inputs = _inputs(func, args, kwargs)
         return OpReport(name, overload, self.phase, file, line, code, function, node_name, self.count, inputs,
                         [_tensor_info(t) for t in outs], forward=forward, within=self.within)
 
@@ -600,8 +690,9 @@ def _traced(rec: Recording, step: Step, *, threads: int | None, use_bundled_sour
             yield
 
     try:
-        Replayer(rec, script=script, use_bundled_source=use_bundled_source).replay(
-            step, threads=threads, nested=False, around=around)
+        with _warnings_at_user_line():
+            Replayer(rec, script=script, use_bundled_source=use_bundled_source).replay(
+                step, threads=threads, nested=False, around=around)
     except ReplayError:
         return None
     return traces[0].ops if traces else None
@@ -635,6 +726,7 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
     @contextlib.contextmanager
     def around(stage: str) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_warnings_at_user_line())
             # (what torch.compile compiles runs eagerly, its operations checked: eager flex_attention compiles
             # its operator with fullgraph=True, which refuses to run in a dispatch mode otherwise)
             stance = getattr(torch.compiler, "set_stance", None)

@@ -1091,7 +1091,7 @@ class PdbgApp(App[None]):
                 if origin.op_note:
                     text.append(f"\n{origin.op_note}", style="yellow" if origin.op is not None else "dim")
                 if origin.source_op is not None and origin.source is not None:
-                    text.append(f"\nthe Inf it passed on: {origin.source_op.where()} (step {origin.source.index})",
+                    text.append(f"\n{origin.source_what}: {origin.source_op.where()} (step {origin.source.index})",
                                 style="yellow")
             except PdbgError as exc:
                 text.append(f"\noperation-level bisection needs a replay: {exc}", style="dim")

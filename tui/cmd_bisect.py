@@ -128,15 +128,12 @@ def bisect(args: argparse.Namespace) -> int:
                   + (f" in {fwd['function']}" if fwd.get("function") else ""))
             print(f"    {fwd['code']}")
         for i, t in enumerate(op.inputs):
-            st = t.get("stats") or {}
-            of = " of |z|" if str(t["dtype"]).startswith("complex") else ""  # (as a complex tensor's statistics are)
-            print(f"  {op.name}'s input {i}: {t['dtype']}{t['shape']}{of} min {_num(st.get('min'))} "
-                  f"max {_num(st.get('max'))} nan {_num(st.get('nan'))} inf {_num(st.get('inf'))}")
+            print(f"  {op.name}'s input {i}{_input_words(t)}")
     if op_note:  # why no operation is named, or that the code named is not the recorded code
         print(op_note)
     if origin.source_op is not None and origin.source is not None:  # where the mask's Inf it passed on was made
         src = origin.source_op
-        print(f"the Inf it passed on: {src.name} in step {origin.source.index} ({origin.source.name})")
+        print(f"{origin.source_what}: {src.name} in step {origin.source.index} ({origin.source.name})")
         if src.file:
             print(f"  {src.file}:{src.line}" + (f" in {src.function}" if src.function else ""))
             print(f"    {src.code}")
@@ -145,6 +142,23 @@ def bisect(args: argparse.Namespace) -> int:
                                    + ", ".join(p for p in (s.object_text, s.phase, f"iteration {s.iteration}") if p)
                                    + ")" for s in origin.spread))
     return 1
+
+
+def _input_words(t: dict[str, Any]) -> str:
+    """' (input_lengths): int64[2] values [6, 6]' of one of an operation's inputs (OpReport.inputs): its
+    argument name (but self), dtype and shape, then its values (a small integer tensor, an integer list),
+    or its statistics."""
+    name = f" ({t['name']})" if t.get("name") and t["name"] != "self" else ""
+    if "shape" not in t:  # an integer-list argument
+        return f"{name}: {t['dtype']} {t.get('values')}"
+    if "values" in t:
+        return f"{name}: {t['dtype']}{t['shape']} values {t['values']}"
+    st = t.get("stats") or {}
+    if not (str(t["dtype"]).startswith(("float", "complex", "bfloat"))):  # integers, booleans: no NaN or Inf
+        return f"{name}: {t['dtype']}{t['shape']} min {_num(st.get('min'))} max {_num(st.get('max'))}"
+    of = " of |z|" if str(t["dtype"]).startswith("complex") else ""  # (as a complex tensor's statistics are)
+    return (f"{name}: {t['dtype']}{t['shape']}{of} min {_num(st.get('min'))} max {_num(st.get('max'))} "
+            f"nan {_num(st.get('nan'))} inf {_num(st.get('inf'))}")
 
 
 def _paper_line(step: Any) -> str:

@@ -148,8 +148,9 @@ class TestOnAnomaly:
     def test_a_mask_made_at_every_call_is_no_anomaly_and_an_overflow_still_is(self, run_path: Path) -> None:
         """An additive -inf attention mask, made and passed on at every call, is what the model
         means (first_nonfinite passes it over too): on_anomaly='stop' let it stop training at
-        iteration 0, and flight mode wrote its ring at every iteration. A step whose Inf came at its
-        first call only is stopped at its next call, which names that first one; a NaN, at once."""
+        iteration 0, and flight mode wrote its ring at every iteration. A step whose Inf filled its result
+        at its first call only is stopped at its next call, which names that first one; a NaN, at once (and
+        so is a single value that is Inf: test_a_loss_that_is_inf_at_every_call_stops_at_its_first)."""
         with recorder.record(run_path, on_anomaly="stop", mode="flight") as run:
             for _ in range(4):
                 masked(torch.randn(2, 4, 4))
@@ -161,16 +162,16 @@ class TestOnAnomaly:
         path = run_path.with_name("first_only.zarr")
         with pytest.raises(recorder.NonFiniteError) as info, recorder.record(path, on_anomaly="stop") as run:
             for i in range(3):
-                smooth_relu(torch.tensor([100.0 if i == 0 else 0.0]))  # exp(101) overflows at the first call
+                smooth_relu(torch.tensor([100.0 if i == 0 else 0.0] * 2))  # exp(101) overflows at the first call
                 run.next_iteration()
-        assert str(info.value) == ("Eq. 2 (smooth_relu) forward, iteration 0, call 0: output has 1 Inf (its next "
+        assert str(info.value) == ("Eq. 2 (smooth_relu) forward, iteration 0, call 0: output has 2 Inf (its next "
                                    "call, step 1, made none: not a mask)")
         told: list[tuple[int, str]] = []
         with recorder.record(run_path.with_name("told.zarr")) as run:
             run.notify_nonfinite(lambda index, message: told.append((index, message)))
             for i in range(3):
                 masked(torch.randn(2, 4, 4))
-                smooth_relu(torch.tensor([100.0 if i == 0 else 0.0]))
+                smooth_relu(torch.tensor([100.0 if i == 0 else 0.0] * 2))
                 run.next_iteration()
         assert [index for index, _ in told] == [2]  # the overflow's step, told at its next call (step 5)
         with pytest.raises(recorder.NonFiniteError, match=r"iteration 0, call 0: output has 1 NaN$"), \
@@ -188,6 +189,17 @@ class TestOnAnomaly:
         origin = replayer.first_nonfinite(replayer.open(quiet))
         assert origin.step is None and origin.cause.startswith("no NaN recorded; Inf appears only in steps that "
                                                                "hold it at every call"), origin.cause
+
+    def test_a_loss_that_is_inf_at_every_call_stops_at_its_first(self, run_path: Path) -> None:
+        """A CTC loss of +inf at call #0 of every iteration (a loop that skips the batches whose loss is not
+        finite, so that a skipped batch and the next share an iteration): Inf filling the result at every call
+        so far was taken for a mask's, and on_anomaly='stop' never stopped. A single value that is Inf is no
+        mask's: the stop comes at the first, and names it, as first_nonfinite does."""
+        from tests.replayer import nanmodels
+
+        with pytest.raises(recorder.NonFiniteError) as info:
+            nanmodels.record_skipping_ctc(run_path, (0, 2), on_anomaly="stop")
+        assert str(info.value) == "Eq. 5 (ctc_loss) forward, iteration 0, call 0: output has 1 Inf"
 
     def test_a_padding_mask_some_batches_do_not_need_does_not_stop_training(self, run_path: Path) -> None:
         """A padding mask made at iteration 0, none at iteration 1 (a batch without padding): the stop

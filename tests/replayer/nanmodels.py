@@ -242,3 +242,61 @@ def record_vae(path: object, lr: float = 1e-2, outlier_at: int | None = None, it
 @recorder.paper_step("Eq. 1", description="negative log-likelihood of z under a prior given as an argument")
 def prior_nll(z: torch.Tensor, prior: torch.distributions.Distribution) -> torch.Tensor:
     return -prior.log_prob(z).mean()
+
+
+@recorder.paper_step("Eq. 5", description="CTC loss of a batch of two utterances")
+def ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tensor,
+             target_lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths)
+
+
+def record_skipping_ctc(path: object, bad: tuple[int, ...], batches: int = 4, on_anomaly: str = "record") -> list[int]:
+    """A CTC head trained on ``batches`` batches of 6 frames each, in a loop that skips a batch whose loss is not
+    finite (ESPnet/fairseq style: no backward, no optimizer step, so the skipped batch and the next one share
+    an iteration); at the batches in ``bad`` the first utterance's transcript has 9 labels, more than its frames:
+    an infeasible alignment, a loss of +inf. Returns the batches skipped."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 5)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    skipped = []
+    with recorder.record(path, model=head, optimizer=opt, on_anomaly=on_anomaly):
+        for b in range(batches):
+            log_probs = head(torch.randn(6, 2, 8)).log_softmax(-1)
+            lengths = torch.tensor([9 if b in bad else 3, 2])
+            loss = ctc_loss(log_probs, torch.randint(1, 5, (2, 9)), torch.tensor([6, 6]), lengths)
+            if not torch.isfinite(loss):
+                skipped.append(b)
+                continue
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return skipped
+
+
+@recorder.paper_step("Eq. 2", description="log-mel features: log(mel + eps)")
+def log_mel(power: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.log(power + eps)
+
+
+@recorder.paper_step("Eq. 3", description="masked CMVN over the frames")
+def masked_cmvn(feats: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mean = (feats * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+    return (feats - mean) * mask
+
+
+def record_log_mel(path: object, iterations: int) -> None:
+    """Log-mel features with eps 0: the zero-padded frames of the shorter clip have no energy, so log_mel holds
+    -inf on part of its output at every call, and the masked CMVN makes NaN of it (-inf * 0)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    with recorder.record(path, model=lin, optimizer=opt):
+        for _ in range(iterations):
+            power = torch.rand(2, 4, 6) + 0.1
+            power[1, :, 4:] = 0
+            mask = torch.ones(2, 1, 6)
+            mask[1, :, 4:] = 0
+            feats = masked_cmvn(log_mel(power, 0.0), mask)
+            lin(feats.transpose(1, 2)).sum().backward()
+            opt.step()
+            opt.zero_grad()

@@ -2669,3 +2669,110 @@ def test_ops_runs_what_torch_compile_compiled_eagerly(tmp_path: Path) -> None:
     origin = replayer.first_nonfinite(rec, ops=True)
     assert origin.op is not None and origin.op_note is None, origin.op_note
     assert origin.op.name == "aten::exp" and origin.op.line == line_of(_compiled_scale, "torch.exp")
+
+
+@pytest.mark.parametrize("bad", [(0, 2), (0, 1, 2, 3)])
+def test_a_loss_that_is_inf_at_every_call_is_the_origin_not_a_mask(tmp_path: Path, bad: tuple[int, ...]) -> None:
+    """A CTC loss of +inf (a transcript longer than its input) in a loop that skips the batches whose loss is
+    not finite: no optimizer step, so the skipped batch and the next share an iteration, and the loss step's
+    call #0 is Inf in every iteration, the first too. Inf at every call filling its tensor from the step's first
+    call was taken for a mask's (a -inf initial maximum): bisect said "no NaN recorded ... as a -inf attention
+    mask does" and exited 0, info named no origin. A single value that is Inf is no mask: the loss is the origin."""
+    path = tmp_path / "ctc.zarr"
+    assert nanmodels.record_skipping_ctc(path, bad) == list(bad)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    step = origin.step
+    assert step is not None, origin.cause
+    assert (step.name, step.iteration, step.call, step.index) == ("ctc_loss", 0, 0, 0), origin.cause
+    assert origin.cause == f"{bisect_mod.describe(step)} produced output (1 Inf of 1) from finite inputs"
+    losses = [s.index for s in rec.steps.filter(name="ctc_loss") if any(r.nonfinite for r in s.records)]
+    assert len(losses) == len(bad) and not bisect_mod.meant_inf(rec)[losses].any()
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 1 and res.stdout.startswith("origin: Eq. 5 · ctc_loss · forward · iteration 0 · call 0")
+    assert "as a -inf attention mask does" not in res.stdout
+    assert "NaN origin: step 0: Eq. 5 (ctc_loss), forward, iteration 0, call 0" in pdbg("info", str(path),
+                                                                                        cwd=tmp_path).stdout
+
+
+def test_ops_at_a_ctc_loss_shows_its_integer_inputs(tmp_path: Path) -> None:
+    """bisect --ops at aten::_ctc_loss listed its float log-probabilities alone, finite: the input and target
+    lengths that made the loss Inf (a 9-label transcript for 6 frames) were left out, as every input that is
+    not floating point was. They are listed too, by their argument names, and by their values where small."""
+    path = tmp_path / "ctc.zarr"
+    nanmodels.record_skipping_ctc(path, (1,), batches=2)
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert origin.step is not None and (origin.step.name, origin.step.iteration) == ("ctc_loss", 1), origin.cause
+    op = origin.op
+    assert op is not None and op.name == "aten::_ctc_loss", origin.op_note
+    shown = {t.get("name"): t for t in op.inputs}
+    assert list(shown) == ["log_probs", "targets", "input_lengths", "target_lengths"], op.inputs
+    assert shown["log_probs"]["dtype"] == "float32" and shown["log_probs"]["stats"]["inf"] == 0
+    targets = shown["targets"]
+    assert (targets["dtype"], targets["shape"], "values" in targets) == ("int64", [2, 9], False)
+    assert shown["input_lengths"]["values"] == [6, 6] and shown["target_lengths"]["values"] == [9, 2]
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert "  aten::_ctc_loss's input 2 (input_lengths): int64[2] values [6, 6]\n" in res.stdout, res.stdout
+    assert "  aten::_ctc_loss's input 3 (target_lengths): int64[2] values [9, 2]\n" in res.stdout
+    assert "  aten::_ctc_loss's input 1 (targets): int64[2, 9] min " in res.stdout
+    doc = json.loads(pdbg("bisect", str(path), "--ops", "--json", cwd=tmp_path).stdout)
+    assert [(t["name"], t.get("values")) for t in doc["op"]["inputs"][2:]] == \
+        [("input_lengths", [6, 6]), ("target_lengths", [9, 2])]
+
+
+@pytest.mark.parametrize("iterations", [1, 2, 3])
+def test_the_step_that_made_an_inf_at_every_call_is_named_where_another_makes_nan_of_it(
+        tmp_path: Path, iterations: int) -> None:
+    """log(mel + 0) is -inf on the zero-padded frames at every call, and the masked CMVN makes NaN of it
+    (-inf * 0). Recorded for one iteration, bisect named log_mel and aten::log; for two or more, it named the
+    CMVN, taking "a -inf mask" that "came in", with origin.source None: log_mel, which made the Inf from finite
+    inputs, was never named. The CMVN is the origin still (the first result that mask's Inf made non-finite),
+    and its source is log_mel, down to aten::log, whatever the run's length."""
+    path = tmp_path / "logmel.zarr"
+    nanmodels.record_log_mel(path, iterations)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    made = rec.step("log_mel@iter=0")
+    log_line = line_of(nanmodels.log_mel, "torch.log(")
+    if iterations == 1:  # one call: no habit, log_mel made the Inf and is the origin
+        assert origin.step is not None and origin.step.index == made.index, origin.cause
+        assert origin.op is not None and origin.op.name == "aten::log" and origin.op.line == log_line
+        return
+    step = origin.step
+    assert step is not None and (step.name, step.iteration) == ("masked_cmvn", 0), origin.cause
+    assert origin.source is not None and origin.source.index == made.index, origin.cause
+    assert origin.cause.endswith(f"but no NaN (args.0); the Inf came from the output of {bisect_mod.describe(made)}, "
+                                 "which holds Inf at every call"), origin.cause
+    assert origin.op is not None and (origin.op.name, origin.op.made) == ("aten::mul", "inf"), origin.op
+    assert origin.op_note == (f"no operation inside the step made the Inf (it came in, from the output of step "
+                              f"{made.index} (log_mel)); aten::mul made NaN of it (inf - inf, 0 * inf)")
+    assert origin.source_op is not None and origin.source_op.name == "aten::log"
+    assert origin.source_op.line == log_line
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert f"the Inf it made NaN of: aten::log in step {made.index} (log_mel)\n" in res.stdout, res.stdout
+    doc = json.loads(pdbg("bisect", str(path), "--ops", "--json", cwd=tmp_path).stdout)
+    assert (doc["source"]["index"], doc["source_op"]["name"], doc["source_op"]["line"]) == \
+        (made.index, "aten::log", log_line)
+
+
+@recorder.paper_step("Eq. 50", description="per-utterance CMVN: (x - mean) / std over the frames")
+def utterance_cmvn(x: torch.Tensor) -> torch.Tensor:
+    std, mean = torch.std_mean(x, -1, keepdim=True)
+    return (x - mean) / std
+
+
+def test_a_warning_torch_raises_while_ops_replays_a_step_names_the_users_line(tmp_path: Path) -> None:
+    """std_mean of a one-frame utterance warns ("degrees of freedom is <= 0") and gives NaN. bisect --ops
+    names the operation, and the warning its replay raised named replayer/ops.py, the checking mode's line
+    that ran the operation: it names the user's line, as in the recorded run."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the recorded run's own warning)
+        rec = _record_calls(tmp_path / "run.zarr", [(utterance_cmvn, torch.randn(2, 1))])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.op is not None and origin.op.name == "aten::std_mean", origin.op_note
+    told = [(w.filename, w.lineno) for w in caught if "degrees of freedom" in str(w.message)]
+    assert told and set(told) == {(__file__, line_of(utterance_cmvn, "torch.std_mean"))}, told
