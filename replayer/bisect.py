@@ -204,9 +204,14 @@ def _find_step_op(origin: Origin, step: Step, *, use_bundled_source: bool,
         origin.op_note = ("no operation of torch's is named: the NaN/Inf is in a result that is no tensor "
                           f"({_values(step, 'output')[0].text()}), made by code outside torch's operators (numpy "
                           f"code in the step){drift}")
+    elif origin.op is None and replayed and replayed[0].compared and replayed[0].match:
+        exactly = "by the statistics it kept" if replayed[0].by_statistics else "bit for bit"
+        origin.op_note = (f"the replay reproduced the step {exactly}, and no single operation of torch's inside it "
+                          "turned finite values into NaN/Inf: code outside torch's operators (numpy code writing into "
+                          f"a tensor's memory) may have made them{drift}")
     elif origin.op is None:
-        origin.op_note = ("no single operation inside the step turned finite values into NaN/Inf during the "
-                          f"replay{drift}")
+        origin.op_note = ("no single operation of torch's inside the step turned finite values into NaN/Inf when it "
+                          f"was replayed{drift}")
     elif origin.op.how():
         origin.op_note = f"{origin.op.how()}{drift}"
     elif notes:

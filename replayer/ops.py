@@ -291,6 +291,18 @@ def _checked(value: Any) -> list[torch.Tensor]:
             and t.device.type != "meta" and (t.is_floating_point() or t.is_complex())]
 
 
+def _results(func: Any, args: Any, kwargs: Any, out: Any) -> list[torch.Tensor]:
+    """The tensors an operation made or changed: what it returned and the arguments its schema says it
+    writes (an in-place foreach operation, ``_foreach_addcdiv_``, returns nothing and writes its list)."""
+    outs = _checked(out)
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return outs
+    written = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+    return outs + [t for t in _checked(written) if not any(t is o for o in outs)]
+
+
 def _nonfinite(t: torch.Tensor) -> bool:
     return t.numel() > 0 and not bool(torch.isfinite(t).all())
 
@@ -477,7 +489,7 @@ class _Finder(TorchDispatchMode):
                 else:
                     self.literals.append(t)
         elif looking:
-            outs = _checked(out)
+            outs = _results(func, args, kwargs, out)
             if any(_nonfinite(t) for t in outs):
                 call = self.call
                 if call is not None and call.tensors and not _takes_tensors(args, kwargs):
@@ -518,7 +530,7 @@ class _Finder(TorchDispatchMode):
         looking = self.looking
         out = func(*args, **kwargs)
         if looking:
-            outs = _checked(out)
+            outs = _results(func, args, kwargs, out)
             if any(_nonfinite(t) for t in outs):
                 self._judge(func, args, kwargs, outs, self._given(func, args, kwargs), None)
             self.count += 1
@@ -667,9 +679,10 @@ class _Trace(TorchDispatchMode):
         self.ops: list[tuple[str, bool]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func not in _LIFTS:
-            self.ops.append((str(func), any(_nonfinite(t) for t in _checked(out))))
+            self.ops.append((str(func), any(_nonfinite(t) for t in _results(func, args, kwargs, out))))
         return out
 
 

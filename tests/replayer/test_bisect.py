@@ -1113,6 +1113,61 @@ def test_ops_names_a_nan_written_by_indexed_assignment(tmp_path: Path) -> None:
     assert op.inputs[0]["stats"]["nan"] == 0  # the view as it was before the write
 
 
+@recorder.paper_step("Eq. 4", description="a multi-tensor update without epsilon")
+def _foreach_update(params: list[torch.Tensor], num: list[torch.Tensor], den: list[torch.Tensor]) -> None:
+    torch._foreach_addcdiv_(params, num, den, value=-0.1)
+
+
+@recorder.paper_step("Eq. 4", description="a multi-tensor scaling by a divisor")
+def _foreach_scale(params: list[torch.Tensor], den: list[torch.Tensor]) -> None:
+    torch._foreach_div_(params, den)
+
+
+def test_ops_names_an_in_place_foreach_operation_that_returns_nothing(tmp_path: Path) -> None:
+    """A multi-tensor optimizer update (torch._foreach_addcdiv_) divides 0 by 0 into its parameter list: the
+    operation returns nothing and writes its list argument. bisect --ops judged an operation by what it
+    returned only, and said no single operation made the NaN; it names the foreach operation and its line."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        _foreach_update([torch.ones(4), torch.ones(3)], [torch.zeros(4), torch.ones(3)],
+                        [torch.zeros(4), torch.ones(3)])
+        _foreach_scale([torch.ones(2), torch.ones(2)], [torch.ones(2), torch.zeros(2)])
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.step is not None and origin.step.index == 0 and "after:args.0.0 (4 NaN of 4)" in origin.cause
+    op = origin.op
+    assert op is not None and op.name == "aten::_foreach_addcdiv_" and origin.op_note is None, origin.op_note
+    assert (op.file, op.line) == (os.path.abspath(__file__), line_of(_foreach_update, "_foreach_addcdiv_"))
+    assert [o["stats"]["nan"] for o in op.outputs] == [4, 0] and all(i["stats"]["nan"] == 0 for i in op.inputs)
+    from replayer.ops import bisect_ops
+
+    scaled = bisect_ops(rec, rec.step(1))  # the second list's division by 0: Inf
+    assert scaled is not None and scaled.name == "aten::_foreach_div_", scaled
+    assert [o["stats"]["inf"] for o in scaled.outputs] == [0, 2]
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert "operation: aten::_foreach_addcdiv_" in res.stdout and "no single operation" not in res.stdout, res.stdout
+
+
+@recorder.paper_step("Eq. 5", description="numpy code dividing by zero into a tensor's memory")
+def _numpy_divide(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    a = y.numpy()
+    np.divide(a, a * 0, out=a)
+    return y
+
+
+def test_no_operation_found_in_a_replay_that_matched_does_not_blame_the_replay(tmp_path: Path) -> None:
+    """numpy code writes an Inf into a tensor's memory, which no operation of torch's sees. bisect --ops said
+    no single operation made it "during the replay", as if the replay had failed; it matched bit for bit."""
+    with np.errstate(divide="ignore"):
+        rec = _record_calls(tmp_path / "run.zarr", [(_numpy_divide, torch.ones(3))])
+        origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.op is None and origin.op_note is not None and origin.op_note.startswith(
+        "the replay reproduced the step bit for bit, and no single operation of torch's inside it turned finite "
+        "values into NaN/Inf: code outside torch's operators"), origin.op_note
+    assert "during the replay" not in origin.op_note
+
+
 def test_info_does_not_call_where_a_nan_came_in_its_origin(tmp_path: Path) -> None:
     """A NaN made outside every step (in a DataLoader worker) reaches a step: bisect says it came in
     from outside, and pdbg info called that step the "NaN origin"."""
