@@ -1400,8 +1400,9 @@ def _last_finite_step(rec: Recording, step: Step, role: str, name: str) -> Step 
 # -- conditions over statistics ---------------------------------------------------------------------
 _OPS: dict[str, Callable[[Any, Any], Any]] = {">": operator.gt, ">=": operator.ge, "<": operator.lt,
                                               "<=": operator.le, "==": operator.eq, "!=": operator.ne}
+# (a word's colons: record names such as after:args.0 and args.0:grad)
 _TOKEN = re.compile(r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|inf|nan))(?![\w.])"
-                    r"|(?P<op>>=|<=|==|!=|>|<)|(?P<paren>[()])|(?P<word>[A-Za-z_][\w.]*))")
+                    r"|(?P<op>>=|<=|==|!=|>|<)|(?P<paren>[()])|(?P<word>[A-Za-z_][\w.:]*))")
 
 
 class ConditionError(PdbgError, ValueError):
@@ -1432,9 +1433,10 @@ class Condition:
     where OPERAND is ``ROLE[.NAME].STAT`` (``output.absmax``, ``output.0.max``, ``grad_input.0.nan``,
     ``param.fc.weight.norm``) or ``NAME.STAT`` for a record name in any role (``attention_weights.max``).
     ROLE is one of input, output, param, buffer, grad_output, grad_input, param_grad, watch; NAME a
-    record name or, for roles other than output, the position among that role's records; STAT one of
-    min, max, mean, std, absmax, norm, nan, inf (a complex tensor's: of its magnitudes |z|, as recorded). An
-    atom holds for a step when any tensor it names does.
+    record name (``after:args.0``, ``args.0:grad``: the colon is part of the name) or, for roles other than
+    output, the position among that role's records; STAT one of min, max, mean, std, absmax, norm, nan, inf (a
+    complex tensor's: of its magnitudes |z|, as recorded). An atom holds for a step when any tensor it names
+    does.
     """
 
     def __init__(self, text: str) -> None:

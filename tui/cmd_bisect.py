@@ -48,8 +48,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("run", metavar="RUN", help="the recording")
     p.add_argument("where", metavar="WHERE", help="a step selector, or '*' for any step")
     p.add_argument("--when", metavar="EXPR", help="a condition over statistics: ROLE[.NAME].STAT OP NUMBER, joined "
-                   "with and/or/not (STAT: min max mean std absmax norm nan inf; a complex tensor's are of "
-                   "its magnitudes |z|)")
+                   "with and/or/not (NAME: a record name, output.after:args.0 and input.args.0:grad included; STAT: "
+                   "min max mean std absmax norm nan inf; a complex tensor's are of its magnitudes |z|)")
     p.add_argument("--from", dest="start", metavar="STEP", help="start after (or before, with --backward) this step: "
                    + STEP_HELP)
     p.add_argument("--backward", action="store_true", help="search towards the start of the run")

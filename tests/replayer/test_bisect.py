@@ -708,6 +708,34 @@ def test_conditions(overflow_run: Path) -> None:
             Condition(bad)
 
 
+@recorder.paper_step("Eq. 4", description="a division by the gradient, in place")
+def _divide_by_grad(params: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p in params:
+            p.div_(p.grad)
+
+
+def test_a_condition_names_an_after_or_grad_record(tmp_path: Path) -> None:
+    """An update step's records are named after:args.0.0 (its input as it left it) and args.0.0:grad (the gradient
+    given with it); README says NAME is a record name, and a condition naming one was a parse error ("cannot read
+    the condition ... at ':args.0.0.inf > 0'")."""
+    q, p = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(4))
+    q.grad, p.grad = torch.full((2,), 0.5), torch.tensor([1.0, 0.0, 2.0, 0.0])
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        _divide_by_grad([q])
+        _divide_by_grad([p])
+    rec = replayer.open(path)
+    assert {r.name for r in rec.step(1).records} == {"args.0.0", "args.0.0:grad", "after:args.0.0"}
+    for text, steps in (("output.after:args.0.0.inf > 0", [1]), ("after:args.0.0.inf == 2", [1]),
+                        ("input.args.0.0:grad.max > 1", [1]), ("args.0.0:grad.nan == 0", [0, 1]),
+                        ("output.after:args.0.0.inf == 0 and not input.args.0.0:grad.max > 1", [0]),
+                        ("output.after:args.0.0:grad.nan > 0", [])):
+        assert np.flatnonzero(Condition(text).evaluate(rec)).tolist() == steps, text
+    res = pdbg("find", str(path), "_divide_by_grad", "--when", "output.after:args.0.0.inf > 0", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("step 1: Eq. 4 (_divide_by_grad)"), res.stdout + res.stderr
+
+
 @pytest.mark.parametrize("build_mask", [False, True])
 def test_an_additive_minus_inf_mask_is_not_a_nan_origin(tmp_path: Path, build_mask: bool) -> None:
     """Causal attention adds a -inf mask to its scores (given as an argument, or made by a recorded
