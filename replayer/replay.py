@@ -1319,16 +1319,20 @@ class Replayer:
         doc_now = jsonval.encode(out, tensor_name=lambda t, p: f"output.{p}" if p else "output")
         schema = layout.parse_version(self.rec.rank.run.schema_version)
         as_dicts, layouts = schema < layout.MAPPINGS_SINCE, schema >= layout.STRIDES_SINCE
+        was, now = _number_stats(step.output_structure), _number_stats(doc_now)
         if _by_type(doc_now, as_dicts, layouts) != _by_type(step.output_structure, as_dicts, layouts):
             far = _max_value_diff(step.output_structure, doc_now)
+            bad = (was["nan"] + was["inf"], now["nan"] + now["inf"])
             result.outputs.append(Diff(
                 "output structure", "output", False, max_abs_diff=math.inf if far is None else far, max_ulp=None,
                 reason="the non-tensor parts of the output differ from the recording"
-                + (f" (numbers that differ: max abs difference {far:.6g})" if far is not None else "")))
-        elif not result.outputs and _holds_values(step.output_structure):
+                + (f" (numbers that differ: max abs difference {far:.6g})" if far is not None else "")
+                + (f" (NaN/Inf among their numbers: {bad[0]} recorded, {bad[1]} now)" if bad[0] != bad[1] else ""),
+                recorded=was, replayed=now))
+        elif (not result.outputs or was["nan"] or was["inf"]) and _holds_values(step.output_structure):
             # numpy arrays and other values that are no tensor, compared by their encoding (a numpy array
-            # by dtype, shape and bytes): bit for bit equal
-            result.outputs.append(Diff("output structure", "output", True))
+            # by dtype, shape and bytes): bit for bit equal (beside tensors, a row only for the NaN/Inf it counts)
+            result.outputs.append(Diff("output structure", "output", True, recorded=was, replayed=now))
         result.outputs += self._buffers_after(step, call.module, result.warnings)
         if tap is not None:
             result.inner, result.unrecorded_inner = tap.compare(), tap.unrecorded()
@@ -1697,6 +1701,26 @@ def _recursion_room(step: Step, inner: list[Step]) -> Iterator[None]:
 
 
 _TAP_FRAMES = 6  # frames an inner step's call takes through the taps (the step's wrapper, InnerTap.call, ...)
+
+
+def _number_stats(doc: Any) -> dict[str, Any]:
+    """The statistics a replay shows of an output's numbers that are no tensors: how many are NaN and Inf
+    (a float, a numpy array's values: ``jsonval.nonfinite``), and where the output is one finite number (the
+    float a learning-rate schedule returns), that number as its min and max."""
+    try:
+        found = jsonval.nonfinite(doc, "output")
+    except Exception:  # noqa: BLE001 - a damaged document: no numbers counted
+        found = []
+    out: dict[str, Any] = {"nan": sum(f.nan for f in found), "inf": sum(f.inf for f in found)}
+    value = doc
+    if isinstance(doc, dict) and len(doc) == 1 and "$npscalar" in doc:
+        try:
+            value = jsonval.decode(doc).item()
+        except Exception:  # noqa: BLE001 - a damaged number: none shown
+            value = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        out["min"] = out["max"] = float(value)
+    return out
 
 
 def _holds_values(doc: Any) -> bool:

@@ -281,6 +281,10 @@ class StepPane(ScrollView, can_focus=True):
                 parts.append(Text(magnitudes, style="dim"))
         elif not view.numpy:
             parts.append(Text("no tensors recorded for this step", style="dim"))
+        if view.output is not None:  # what it returned instead (a learning-rate schedule's float)
+            counts = f"  ({view.output_nonfinite})" if view.output_nonfinite else ""
+            parts.append(Text.assemble(("output  ", "bold"), (view.output + counts,
+                                                              "bold red" if view.output_nonfinite else "")))
         if view.numpy:  # what a step whose data is numpy was given and made (the tensor table has none of it)
             parts.append(Text("numpy values" if view.tensors else "numpy values (no tensors recorded for this step)",
                               style="bold"))

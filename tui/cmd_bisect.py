@@ -49,7 +49,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("where", metavar="WHERE", help="a step selector, or '*' for any step")
     p.add_argument("--when", metavar="EXPR", help="a condition over statistics: ROLE[.NAME].STAT OP NUMBER, joined "
                    "with and/or/not (NAME: a record name, output.after:args.0 and input.args.0:grad included; STAT: "
-                   "min max mean std absmax norm nan inf; a complex tensor's are of its magnitudes |z|)")
+                   "min max mean std absmax norm nan inf; a complex tensor's are of its magnitudes |z|; output nan "
+                   "and inf count the NaN/Inf of numbers returned that are no tensors too)")
     p.add_argument("--from", dest="start", metavar="STEP", help="start after (or before, with --backward) this step: "
                    + STEP_HELP)
     p.add_argument("--backward", action="store_true", help="search towards the start of the run")

@@ -413,6 +413,10 @@ class StepView:
     numpy: list[tuple[str, str, int]] = field(default_factory=list)  # (name, summary, NaN+Inf) per ``numpy_values``
     # the parts of the output not recorded as data, which a replay does not compare ("output.1 (a mypkg Handle)")
     unrecorded: list[str] = field(default_factory=list)
+    # a forward step's output where it holds no tensor and no numpy value (the float a learning-rate schedule
+    # returns: "inf"), and the NaN/Inf its numbers hold ("1 Inf"); None where the pane shows what it returned otherwise
+    output: str | None = None
+    output_nonfinite: str = ""
 
 
 def step_view(step: Step) -> StepView:
@@ -437,9 +441,20 @@ def step_view(step: Step) -> StepView:
             u for u in unrecorded_outputs(step.output_structure) if u.partition(" ")[0] not in listed]
     except Exception:  # noqa: BLE001 - a damaged document: nothing is said of it
         unrecorded = []
+    output, bad = None, ""
+    if step.phase != "backward" and not tensors and not numpy and step.output_structure is not None and \
+            not any(u.partition(" ")[0] == "output" for u in unrecorded):
+        output = output_text(step.output_structure)
+        try:
+            found = jsonval.nonfinite(step.output_structure, "output")
+        except Exception:  # noqa: BLE001 - a damaged document: shown as it is, uncounted
+            found = []
+        nan, inf = sum(f.nan for f in found), sum(f.inf for f in found)
+        bad = ", ".join(f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "Inf")) if n)
     return StepView(describe(step).split(": ", 1)[1], step.paper.get("description"), step.status,
                     definition.get("source"), definition.get("line"), definition.get("file"),
-                    arguments_text(step.arguments), tensors, notes, frozen_text(step), numpy, unrecorded)
+                    arguments_text(step.arguments), tensors, notes, frozen_text(step), numpy, unrecorded,
+                    output, bad)
 
 
 _FROZEN_LISTED = 6  # frozen parameters named in the step pane; more are counted
@@ -544,53 +559,62 @@ _ARGUMENT_ITEMS = 64  # items of one container shown (the text is cut at its lim
 def arguments_text(doc: Any, limit: int = 300) -> str:
     """Arguments in a compact Python-like form: tensors by record name. Whatever the document holds
     (a recording from someone else), nesting past a few levels is shown as "…"."""
-    def show(value: Any, depth: int = 0) -> str:
-        if depth > _ARGUMENT_DEPTH:
-            return "…"
-        if isinstance(value, dict):
-            if "$tensor" in value and len(value) == 1:
-                return f"<{value['$tensor']}>"
-            if len(value) == 1 and str(next(iter(value))).startswith("$"):
-                tag, payload = next(iter(value.items()))
-                if tag == "$tuple" and isinstance(payload, list):
-                    return "(" + ", ".join(show(v, depth + 1) for v in payload[:_ARGUMENT_ITEMS]) + (
-                        "," if len(payload) == 1 else "") + ")"
-                if tag == "$float":
-                    return str(payload)
-                if tag in ("$dataclass", "$object", "$namedtuple", "$mapping") and isinstance(payload, dict):
-                    return f"{str(payload.get('type')).split(':')[-1]}(...)"
-                if tag == "$ndarray" and isinstance(payload, dict):
-                    return "ndarray " + numpy_summary(tag, payload, full=False)[0]
-                if tag == "$npscalar" and isinstance(payload, dict):  # np.float32(1.5)
-                    dtype, _, shown = numpy_summary(tag, payload, full=False)[0].partition(" ")
-                    return f"np.{dtype}({shown})"
-                if tag == "$opaque" and isinstance(payload, dict):
-                    # a function by its qualified name (a lambda, one defined in main()): which it was
-                    function = jsonval.function_name(jsonval.Opaque(str(payload.get("type")), str(payload.get("repr"))))
-                    if function is not None and jsonval.function_why(
-                            jsonval.Opaque("builtins:function", str(payload.get("repr")))) is not None:
-                        return f"<{function.removeprefix('the ')}, not recorded>"
-                    return f"<{payload.get('type')}, not recorded>"
-                if tag == "$function" and isinstance(payload, str):  # torch.nn.functional:silu -> silu
-                    return payload.rpartition(":")[2]
-                if tag == "$generator" and isinstance(payload, dict):
-                    return f"Generator({payload.get('device')})"
-                if tag in ("$dtype", "$device") and isinstance(payload, str):
-                    return f"torch.{payload}" if tag == "$dtype" else repr(payload)
-                return f"{str(tag)[1:]}(...)"
-            return "{" + ", ".join(f"{k}: {show(v, depth + 1)}" for k, v in list(value.items())[:_ARGUMENT_ITEMS]) + "}"
-        if isinstance(value, list):
-            return "[" + ", ".join(show(v, depth + 1) for v in value[:_ARGUMENT_ITEMS]) + "]"
-        return repr(value)[:limit]
-
     if not isinstance(doc, dict):
         return ""
     args = doc.get("args") if isinstance(doc.get("args"), list) else []
     kwargs = doc.get("kwargs") if isinstance(doc.get("kwargs"), dict) else {}
-    parts = [show(a) for a in args[:_ARGUMENT_ITEMS]]
-    parts += [f"{k}={show(v)}" for k, v in list(kwargs.items())[:_ARGUMENT_ITEMS]]
+    parts = [_shown(a, limit) for a in args[:_ARGUMENT_ITEMS]]
+    parts += [f"{k}={_shown(v, limit)}" for k, v in list(kwargs.items())[:_ARGUMENT_ITEMS]]
     text = "(" + ", ".join(parts) + ")"
     return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def output_text(doc: Any, limit: int = 300) -> str:
+    """A step's output in the compact form of ``arguments_text`` (``inf``, ``(0.5, <output.1>)``)."""
+    text = _shown(doc, limit)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _shown(value: Any, limit: int, depth: int = 0) -> str:
+    """A recorded value in the compact form of ``arguments_text``."""
+    if depth > _ARGUMENT_DEPTH:
+        return "…"
+    if isinstance(value, dict):
+        if "$tensor" in value and len(value) == 1:
+            return f"<{value['$tensor']}>"
+        if len(value) == 1 and str(next(iter(value))).startswith("$"):
+            tag, payload = next(iter(value.items()))
+            if tag == "$tuple" and isinstance(payload, list):
+                return "(" + ", ".join(_shown(v, limit, depth + 1) for v in payload[:_ARGUMENT_ITEMS]) + (
+                    "," if len(payload) == 1 else "") + ")"
+            if tag == "$float":
+                return str(payload)
+            if tag in ("$dataclass", "$object", "$namedtuple", "$mapping") and isinstance(payload, dict):
+                return f"{str(payload.get('type')).split(':')[-1]}(...)"
+            if tag == "$ndarray" and isinstance(payload, dict):
+                return "ndarray " + numpy_summary(tag, payload, full=False)[0]
+            if tag == "$npscalar" and isinstance(payload, dict):  # np.float32(1.5)
+                dtype, _, shown = numpy_summary(tag, payload, full=False)[0].partition(" ")
+                return f"np.{dtype}({shown})"
+            if tag == "$opaque" and isinstance(payload, dict):
+                # a function by its qualified name (a lambda, one defined in main()): which it was
+                function = jsonval.function_name(jsonval.Opaque(str(payload.get("type")), str(payload.get("repr"))))
+                if function is not None and jsonval.function_why(
+                        jsonval.Opaque("builtins:function", str(payload.get("repr")))) is not None:
+                    return f"<{function.removeprefix('the ')}, not recorded>"
+                return f"<{payload.get('type')}, not recorded>"
+            if tag == "$function" and isinstance(payload, str):  # torch.nn.functional:silu -> silu
+                return payload.rpartition(":")[2]
+            if tag == "$generator" and isinstance(payload, dict):
+                return f"Generator({payload.get('device')})"
+            if tag in ("$dtype", "$device") and isinstance(payload, str):
+                return f"torch.{payload}" if tag == "$dtype" else repr(payload)
+            return f"{str(tag)[1:]}(...)"
+        return "{" + ", ".join(f"{k}: {_shown(v, limit, depth + 1)}"
+                               for k, v in list(value.items())[:_ARGUMENT_ITEMS]) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown(v, limit, depth + 1) for v in value[:_ARGUMENT_ITEMS]) + "]"
+    return repr(value)[:limit]
 
 
 def fmt_seconds(seconds: float) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import shutil
 import sys
@@ -706,6 +707,41 @@ def test_conditions(overflow_run: Path) -> None:
                          ("output.max > 1 and", "expected ROLE"), ("output.max ~ 1", "cannot read")):
         with pytest.raises(ConditionError, match=message):
             Condition(bad)
+
+
+@recorder.paper_step("Eq. 9", description="inverse-square-root learning rate")
+def _inv_sqrt_lr(step: int, base_lr: float) -> float:
+    with np.errstate(divide="ignore"):
+        return float(base_lr / np.sqrt(np.float64(step)))  # step 0: inf
+
+
+@recorder.paper_step("Eq. 10", description="a tensor and a rate made of it")
+def _with_rate(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    with np.errstate(invalid="ignore"):
+        return x + 1, float(np.float64(x.sum().item()) * np.float64(scale))  # scale inf, sum 0: nan
+
+
+def test_a_condition_on_output_nan_or_inf_sees_the_numbers_a_step_returned(tmp_path: Path) -> None:
+    """A learning-rate schedule returned inf, which bisect names ("output (float, 1 Inf)"); `pdbg find
+    --when "output.inf > 0"` found no step, conditions reading only the tensor index. Output nan/inf count the
+    numbers a step returned that are no tensors, by the whole output or by the name bisect gives them."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full") as run:
+        for step in (4, 0, 1):
+            _inv_sqrt_lr(step, 1e-3)
+            _with_rate(torch.zeros(3), math.inf if step == 1 else 2.0)
+            run.next_iteration()
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is not None and origin.step.index == 2 and "output (float, 1 Inf)" in origin.cause
+    assert np.flatnonzero(Condition("output.inf > 0").evaluate(rec)).tolist() == [2]
+    assert np.flatnonzero(Condition("output.nan > 0").evaluate(rec)).tolist() == [5]
+    assert np.flatnonzero(Condition("output.1.nan >= 1 and output.0.nan == 0").evaluate(rec)).tolist() == [5]
+    assert not Condition("output.0.nan > 0 or output.1.inf > 0").evaluate(rec).any()
+    assert replayer.find(rec, "Eq. 9", "output.inf > 0").index == 2
+    assert replayer.find(rec, None, "output.nan > 0 or output.inf > 0", start=2).index == 5
+    res = pdbg("find", str(path), "Eq. 9", "--when", "output.inf > 0", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("step 2: Eq. 9 (_inv_sqrt_lr)"), res.stdout + res.stderr
 
 
 @recorder.paper_step("Eq. 4", description="a division by the gradient, in place")

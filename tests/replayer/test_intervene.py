@@ -445,6 +445,53 @@ def test_a_numpy_argument_can_be_edited(tmp_path: Path) -> None:
         rec.step("np_class_weights").tensor("output")
 
 
+@recorder.paper_step("Eq. 9", description="inverse-square-root learning rate")
+def inv_sqrt_lr(step: int, base_lr: float) -> float:
+    with np.errstate(divide="ignore"):
+        return float(base_lr / np.sqrt(np.float64(step)))  # step 0: inf
+
+
+def safe_lr(step: int, base_lr: float) -> float:
+    return float(base_lr / np.sqrt(max(step, 1)))
+
+
+@recorder.paper_step("Eq. 10", description="a scaled tensor and its mean over no elements")
+def scaled_and_rate(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    with np.errstate(divide="ignore"):
+        return x * 2, float(np.float64(x.sum().item()) / np.float64(0))  # inf
+
+
+def test_a_float_a_step_returned_is_counted_among_the_non_finite_outputs(tmp_path: Path) -> None:
+    """A learning-rate schedule returned inf; a swap that makes it finite was reported as "non-finite output
+    values: 0 recorded, 0 now", the values shown as "-": the non-tensor output's row carried no statistics.
+    It counts the NaN/Inf of the numbers the step returned that are no tensors, recorded and replayed, and
+    shows a single number as its min and max; beside a tensor, such a number is counted where it did not change."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        inv_sqrt_lr(0, 1e-3)
+        scaled_and_rate(torch.ones(3))
+    rec = replayer.open(path)
+    res = replayer.replay(rec, 0, swap={"inv_sqrt_lr": f"{__name__}:safe_lr"})
+    (out,) = res.outputs
+    assert out.name == "output structure" and not out.match and not res.match
+    assert out.recorded == {"nan": 0, "inf": 1} and out.replayed == {"nan": 0, "inf": 0, "min": 1e-3, "max": 1e-3}
+    assert out.reason.endswith("(NaN/Inf among their numbers: 1 recorded, 0 now)"), out.reason
+    same = replayer.replay(rec, 0)
+    assert same.match and [(d.name, d.recorded, d.replayed) for d in same.outputs] == [
+        ("output structure", {"nan": 0, "inf": 1}, {"nan": 0, "inf": 1})]
+    edited = replayer.replay(rec, 1, edit={"args.0": "x * 3"})
+    assert not edited.match and [(d.name, d.match, d.recorded.get("inf"), d.replayed.get("inf")) for d in
+                                 edited.outputs] == [("output.0", False, 0, 0), ("output structure", True, 1, 1)]
+
+    swap = f"inv_sqrt_lr={__name__}:safe_lr"
+    cli = pdbg_here("replay", str(path), "0", "--swap", swap, cwd=tmp_path)
+    assert cli.returncode == 1 and "non-finite output values: 1 recorded, 0 now" in cli.stdout, cli.stdout
+    assert "non-finite output values: 1 recorded, 1 now" in pdbg_here(
+        "replay", str(path), "1", "--edit", "args.0=x * 3", cwd=tmp_path).stdout
+    doc = json.loads(pdbg_here("replay", str(path), "0", "--swap", swap, "--json", cwd=tmp_path).stdout)
+    assert doc["outputs"][0]["recorded"]["inf"] == 1 and doc["outputs"][0]["replayed"]["max"] == 1e-3
+
+
 def test_an_edited_parameter_of_a_distribution_argument_makes_it_again(tmp_path: Path) -> None:
     """A MultivariateNormal given to a step is rebuilt from its recorded fields, among them the Cholesky
     factor its constructor derived from its covariance (``_unbroadcasted_scale_tril``), which log_prob

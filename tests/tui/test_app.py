@@ -1295,6 +1295,36 @@ def test_the_step_pane_shows_numpy_values_and_their_nan(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+@recorder.paper_step("Eq. 9", description="inverse-square-root learning rate")
+def inv_sqrt_lr(step: int, base_lr: float) -> float:
+    with np.errstate(divide="ignore"):
+        return float(base_lr / np.sqrt(np.float64(step)))  # step 0: inf
+
+
+def test_the_step_pane_shows_a_float_a_step_returned(tmp_path: Path) -> None:
+    """A learning-rate schedule returning inf was marked nonfinite, and its pane said only "no tensors
+    recorded for this step", never the value it returned; it shows it, red where it is NaN/Inf."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        inv_sqrt_lr(4, 1e-3)
+        inv_sqrt_lr(0, 1e-3)
+
+    async def main() -> None:
+        app = PdbgApp(replayer.open(path))
+        async with app.run_test(size=(160, 40)) as pilot:
+            await pilot.pause()
+            lines = []
+            for index in (0, 1):
+                app.timeline.go_to(index)
+                await pilot.pause()
+                text = pane(app).plain()
+                assert "no tensors recorded for this step" in text, text
+                lines.append(next((" ".join(x.split()) for x in text.splitlines() if x.startswith("output")), None))
+            assert lines == ["output 0.0005", "output inf (1 Inf)"], lines
+
+    asyncio.run(main())
+
+
 @recorder.paper_step("Eq. 6", description="phase-only spectrum, scaled")
 def phase_gain(xf: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
     recorder.watch(xf, "xf", expected_range=(-5.0, 5.0), expected_mean=(0.0, 0.5))
