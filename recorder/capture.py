@@ -49,6 +49,10 @@ ROLE = {name: i for i, name in enumerate(layout.ROLES)}
 # roles' bytes (activations, gradients) are new at almost every record: they are copied under a
 # token and hashed by the writer thread, only if they are written (see _cpu_payload).
 _BY_CONTENT = frozenset({"param", "buffer"})
+# Roles whose sparse tensors keep their parts (indices, values) as component records where the step keeps
+# payloads (1.19), so that a replay makes them again: a forward step's own; a sparse gradient (nn.Embedding's)
+# keeps the statistics of its stored values only.
+_SPARSE_PARTS_KEPT = frozenset({"input", "output", "param", "buffer"})
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
 _MODULE_DOCS_LIMIT = 4096  # module documents remembered (modules made anew at every step would grow it)
 _UNINITIALIZED = torch.nn.parameter.UninitializedTensorMixin
@@ -1590,6 +1594,10 @@ class Session:
                                    f"of its {count} stored value{'s' if count != 1 else ''} {layout.STORED_NOTE}")
                 item.stats = self._stats(frame, name, values, on_cpu)
                 self._note_sparse(frame, name, t, count)
+                if frame.payloads and role in _SPARSE_PARTS_KEPT and frame.vmap is None:
+                    frame.tensors.append(item)  # (before its parts: a reader meets the sparse record first)
+                    self._capture_parts(frame, name, t)
+                    return name
         else:
             stats = None  # from the payload's copy, when the statistics kernel made it
             if frame.payloads:
@@ -1628,6 +1636,21 @@ class Session:
         sparse = (frame.arguments or {}).get("sparse", {})
         sparse.setdefault(name, {"layout": _layout_text(t), "values": count})
         frame.arguments = {**(frame.arguments or {}), "sparse": sparse}
+
+    def _capture_parts(self, frame: Frame, name: str, t: torch.Tensor) -> None:
+        """Record the tensors a sparse tensor is made of (its indices and values, as it holds them) as
+        component records of their own, ``<name>:<part>``, with their bytes, and name them in the step's
+        extra ``sparse`` (``parts``; ``coalesced``, a COO tensor's flag), so that a replay makes it again
+        exactly (1.19). A part that cannot be captured gets its record and note as any tensor does, and a
+        reader keeps to the sparse record's statistics."""
+        parts = payload_mod.sparse_parts(t)
+        if not parts:
+            return
+        entry = frame.arguments["sparse"][name]  # (_note_sparse made it)
+        entry["parts"] = {part: self._capture(frame, "component", f"{name}{layout.PART_SEPARATOR}{part}", value)
+                          for part, value in parts.items()}
+        if t.layout == torch.sparse_coo:
+            entry["coalesced"] = bool(t.is_coalesced())
 
     def _by_content(self, owner: int) -> bool:
         """Whether to hash a parameter's or buffer's bytes (``owner``: its id) before copying them,

@@ -185,3 +185,53 @@ def from_units(units: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) ->
         return torch.empty(shape, dtype=dtype, device="cpu")
     owned = np.array(units, dtype=_NUMPY_UNIT[unit], copy=True).view(np.uint8)
     return torch.from_numpy(owned).view(dtype).reshape(shape)
+
+
+# The parts a sparse tensor is made of, by layout (its name without "torch.") and torch's name for each
+# part (its accessor), in the order its constructor takes them. Schema 1.19: component records.
+SPARSE_PARTS: dict[str, tuple[str, ...]] = {
+    "sparse_coo": ("indices", "values"),
+    "sparse_csr": ("crow_indices", "col_indices", "values"), "sparse_bsr": ("crow_indices", "col_indices", "values"),
+    "sparse_csc": ("ccol_indices", "row_indices", "values"), "sparse_bsc": ("ccol_indices", "row_indices", "values"),
+}
+
+
+def sparse_parts(t: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The tensors a sparse tensor is made of, by part name (``SPARSE_PARTS``): a COO tensor's indices
+    and values as it holds them (uncoalesced ones with their duplicates: ``is_coalesced`` says which);
+    a compressed one's (CSR, CSC, BSR, BSC) compressed and plain indices and values. None for a tensor of
+    another layout, or one torch gives no parts of (meta)."""
+    kind = str(t.layout).removeprefix("torch.")
+    if kind not in SPARSE_PARTS or t.device.type == "meta":
+        return None
+    try:
+        if kind == "sparse_coo":
+            return {"indices": t._indices(), "values": t._values()}
+        compressed, plain = ((t.crow_indices(), t.col_indices()) if kind in ("sparse_csr", "sparse_bsr")
+                             else (t.ccol_indices(), t.row_indices()))
+        return dict(zip(SPARSE_PARTS[kind], (compressed, plain, t.values())))
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def sparse_from_parts(kind: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...],
+                      coalesced: bool = False) -> torch.Tensor:
+    """The sparse tensor of layout ``kind`` (``"sparse_csr"``) and ``shape`` made of ``parts``
+    (``sparse_parts``'s), on their device; ``coalesced``: a COO tensor's ``is_coalesced``. Its invariants
+    are checked (indices within the shape, a coalesced one's sorted and unique): parts read from a
+    recording may be anything, and torch's kernels trust them. Raises ValueError where they do not make one."""
+    import warnings
+
+    order = SPARSE_PARTS.get(kind)
+    if order is None or set(parts) != set(order):
+        raise ValueError(f"a {kind} tensor is not made of {', '.join(sorted(parts)) or 'nothing'}")
+    try:
+        with warnings.catch_warnings():  # (torch's beta-state notice on making a compressed one: said when recorded)
+            warnings.simplefilter("ignore", UserWarning)
+            if kind == "sparse_coo":
+                return torch.sparse_coo_tensor(parts["indices"], parts["values"], shape, is_coalesced=coalesced,
+                                               check_invariants=True)
+            return torch.sparse_compressed_tensor(*(parts[p] for p in order), shape,
+                                                  layout=getattr(torch, kind), check_invariants=True)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(" ".join(str(exc).split())[:300]) from None

@@ -1656,15 +1656,20 @@ class Divergence:
         return notebook.divergence(self)
 
 
+_COMPONENT = layout.ROLES.index("component")
+_SPARSE_ROLES = ("input", "output", "param", "buffer")  # those whose sparse tensors keep their parts (1.19)
+
+
 class _Print:
     """A tensor record's fingerprint: its dtype and shape, its payload's hash when its bytes were
-    kept, and a hash of its statistics (always). Two are equal when their dtypes and shapes are, and
-    then by their payloads when both have one, else by statistics: a run recorded in stats mode, or in
-    flight mode outside its ring, against one that kept bytes (``exact_with`` says which)."""
+    kept (of a sparse tensor whose parts were kept, its layout, whether coalesced and its parts' hashes),
+    and a hash of its statistics (always). Two are equal when their dtypes and shapes are, and then by
+    their payloads when both have one, else by statistics: a run recorded in stats mode, or in flight mode
+    outside its ring, against one that kept bytes (``exact_with`` says which)."""
 
     __slots__ = ("content", "stats", "kind")
 
-    def __init__(self, content: tuple[int, int] | None, stats: tuple[int, int], kind: tuple[str, tuple[int, ...]]
+    def __init__(self, content: tuple[Any, ...] | None, stats: tuple[int, int], kind: tuple[str, tuple[int, ...]]
                  ) -> None:
         self.content, self.stats, self.kind = content, stats, kind
 
@@ -1716,11 +1721,18 @@ class _Prints:
 
     def of(self, index: int) -> dict[tuple[str, str], _Print]:
         a, b = int(self.start[index]), int(self.start[index]) + int(self.count[index])
-        kinds = [(r.dtype, r.shape) for r in self.rec.rank.tensor_records(index)] if b > a else []
-        return {(layout.role_name(int(r)), str(nm)): _Print((int(c[0]), int(c[1])) if exact else None,
-                                                        (int(p[0]), int(p[1])), kind)
-                for r, nm, c, p, exact, kind in zip(self.view.roles[a:b], self.view.names[a:b], self.content[a:b],
-                                                    self.stats[a:b], self.exact[a:b], kinds)}
+        records = self.rec.rank.tensor_records(index) if b > a else []
+        prints = {(layout.role_name(int(r)), str(nm)): _Print((int(c[0]), int(c[1])) if exact else None,
+                                                          (int(p[0]), int(p[1])), (rec.dtype, rec.shape))
+                  for r, nm, c, p, exact, rec in zip(self.view.roles[a:b], self.view.names[a:b], self.content[a:b],
+                                                     self.stats[a:b], self.exact[a:b], records)}
+        if (self.view.roles[a:b] == _COMPONENT).any():  # (1.19) a sparse tensor whose parts were kept: by their bytes
+            for r in records:
+                parts = self.rec.rank.sparse_parts(r) if r.role in _SPARSE_ROLES else None
+                if parts is not None:
+                    prints[(r.role, r.name)].content = (parts.layout, parts.coalesced, *(
+                        prints[("component", p.name)].content for p in parts.records.values()))
+        return prints
 
     def data(self, step: Step) -> str:
         """A forward step's output document as compared between runs: its non-tensor values (a numpy

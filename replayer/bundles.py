@@ -71,7 +71,8 @@ class BundleInfo:
     # code not as recorded: what the verifying replay found changed, and carried copies of submodule classes that
     # changed since recording (a replay with the bundled source runs them)
     code_notes: list[str] = field(default_factory=list)
-    # verified: the tensors that matched by statistics only, not bit for bit (a sparse result: ReplayResult's)
+    # verified: the tensors that matched by statistics only, not bit for bit (a sparse result whose parts were not
+    # kept: ReplayResult's)
     by_statistics: list[str] = field(default_factory=list)
     # the parts of the main step's output not recorded as data, which the verifying replay did not compare
     not_compared: list[str] = field(default_factory=list)
@@ -348,10 +349,10 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
     for r in [*(main.records if main.phase == "forward" else []),
               *(fwd.records if main.forward is not None else []),
               *(main.records if main.phase == "backward" else [])]:
-        if r.role in ("input", "param", "buffer", "grad_output") and not r.has_payload and \
+        if r.role in ("input", "param", "buffer", "grad_output") and not main.holds_values(r) and \
                 r.name not in fwd.uninitialized:
             owner = main if any(x is r for x in main.records) else fwd
-            if owner.sparse(r) is not None:  # (no mode keeps more of it: a bundle of another mode's step neither)
+            if owner.sparse(r) is not None:  # (its parts not kept: a bundle of this step could not keep them either)
                 raise BundleError(f"step {main.index} cannot be bundled: "
                                   f"{owner.sparse_refusal(r, 'bundle and replay it')}")
             raise BundleError(f"step {main.index} kept {main.kept_only(r)}: there is nothing to replay; bundle a "

@@ -80,7 +80,8 @@ class Diff:
     @property
     def by_statistics(self) -> bool:
         """Whether the comparison was by statistics only, not bit for bit: the recording kept no payload
-        of the tensor (a sparse one, whose indices it never records; dropped bytes)."""
+        of the tensor (a sparse one whose parts it did not keep: stats mode, a recording before schema 1.19;
+        dropped bytes)."""
         return (self.reason or "").startswith(BY_STATISTICS)
 
     @property
@@ -236,9 +237,9 @@ def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def compare_record(rank: Any, record: Any, value: Any, missing: str) -> Diff:
-    """Compare a replayed value with one tensor record: bitwise where its payload was kept, by
-    statistics where only those were (of a sparse tensor, of the values it stores, as the recorder took
-    them); ``missing`` says why there is no value, when there is none."""
+    """Compare a replayed value with one tensor record: bitwise where its payload was kept (of a sparse
+    tensor, its parts: 1.19), by statistics where only those were (of a sparse tensor, of the values it
+    stores, as the recorder took them); ``missing`` says why there is no value, when there is none."""
     recorded = stats_dict(record.stats)
     complex_ = record.dtype.startswith("complex")
     if value is None:
@@ -248,6 +249,9 @@ def compare_record(rank: Any, record: Any, value: Any, missing: str) -> Diff:
                     f"{type(value).__name__}, not a tensor", recorded=recorded, is_complex=complex_)
     sparse = rank.sparse_of(record)
     if sparse is not None or value.layout in stats_mod.SPARSE_LAYOUTS:
+        parts = rank.sparse_parts(record) if sparse is not None else None
+        if parts is not None:
+            return _compare_sparse_parts(rank, record, parts, value)
         return _compare_sparse(record, sparse, value)
     if not record.has_payload:
         now = stats_dict(stats_mod.host_stats(value.detach().cpu()))
@@ -263,8 +267,8 @@ def _layout_name(t: torch.Tensor) -> str:
 
 def _compare_sparse(record: Any, sparse: tuple[str, int | None] | None, value: torch.Tensor) -> Diff:
     """A record or a replayed value that is a sparse tensor (``sparse``: the record's layout and count of
-    stored values, None for a strided record): compared by the statistics of the values it stores, the
-    only thing the recorder keeps of one (its indices are not recorded, so two results of the same
+    stored values, None for a strided record), where the recording did not keep its parts: compared by
+    the statistics of the values it stores (its indices were not recorded, so two results of the same
     values at other places compare equal, as the reason says); a layout, dtype, shape or count of
     stored values that differs is a mismatch."""
     recorded = stats_dict(record.stats)
@@ -294,3 +298,51 @@ def _compare_sparse(record: Any, sparse: tuple[str, int | None] | None, value: t
     of = f"its {count} stored values" if count is not None else "its stored values"
     return Diff(record.name, record.role, now == recorded, reason=f"{BY_STATISTICS} of {of} only (a {kind} "
                 "tensor: its indices are not recorded)", recorded=recorded, replayed=now)
+
+
+def _compare_sparse_parts(rank: Any, record: Any, parts: Any, value: torch.Tensor) -> Diff:
+    """A sparse record whose parts were kept (``RankReader.sparse_parts``, 1.19) against the replayed
+    value: bit for bit, part by part (its indices and values as it held them, a COO tensor's coalesced
+    flag too), after its layout, dtype, shape and number of stored values; the distances are its
+    values'. Its statistics are of the stored values, as the recorder took them."""
+    recorded = stats_dict(record.stats)
+
+    def differs(reason: str, replayed: dict[str, Any] | None = None) -> Diff:
+        return Diff(record.name, record.role, False, math.inf, math.inf, reason=reason, recorded=recorded,
+                    replayed=replayed or {})
+
+    if _layout_name(value) != parts.layout:
+        return differs(f"layouts differ: recorded {parts.layout}, replayed {_layout_name(value)}")
+    dtype = payload.dtype_name(value.dtype)
+    if dtype != record.dtype or tuple(value.shape) != tuple(record.shape):
+        return differs(f"dtypes or shapes differ: recorded {record.dtype}{list(record.shape)}, replayed "
+                       f"{dtype}{list(value.shape)}")
+    with torch._C.DisableTorchFunction():
+        value = value.detach().cpu()
+        now_parts = payload.sparse_parts(value)
+        stored = stats_mod.stored_values(value)
+        try:
+            now = {} if stored is None else stats_dict(stats_mod.host_stats(stored.resolve_conj()))
+        except (RuntimeError, TypeError, NotImplementedError):
+            now = {}
+    if now_parts is None:
+        return differs(f"not compared: the replay's {parts.layout} tensor gives no parts to compare", now)
+    held, made = parts.records["values"].shape[:1], tuple(now_parts["values"].shape[:1])
+    if held != made:  # (a COO tensor's before it was coalesced, where it was not)
+        return differs(f"the number of stored values differs: recorded {held[0] if held else 0}, replayed "
+                       f"{made[0] if made else 0}", now)
+    coalesced = bool(value.is_coalesced()) if value.layout == torch.sparse_coo else parts.coalesced
+    if coalesced != parts.coalesced:
+        return differs(f"recorded {'' if parts.coalesced else 'un'}coalesced, replayed {'' if coalesced else 'un'}"
+                       "coalesced: its indices and values are held otherwise", now)
+    for part, part_record in parts.records.items():  # where the values lie first, then what they are
+        if part == "values":
+            continue
+        one = compare(part, "component", rank.tensor(part_record), now_parts[part], part_record.stats)
+        if not one.match:
+            return differs(f"its {part} differ (its values lie at other places): " + (
+                one.reason or f"{one.mismatched} of {math.prod(part_record.shape)} differ"), now)
+    diff = compare(record.name, record.role, rank.tensor(parts.records["values"]), now_parts["values"],
+                   parts.records["values"].stats)
+    diff.recorded, diff.replayed = recorded, now
+    return diff

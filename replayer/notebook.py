@@ -216,7 +216,8 @@ def step(s: Step) -> str:
     records = sorted(s.records, key=lambda r: layout.role_value(r.role))
     frozen = set(s.frozen)
     tensors = table(("role", "name", "dtype", "shape", "min", "max", "mean", "std", "NaN", "Inf", "kept"),
-                    [_tensor_row(r, r.role == "param" and r.name in frozen) for r in records[:TENSORS]],
+                    [_tensor_row(r, r.role == "param" and r.name in frozen,
+                                 not r.has_payload and s.sparse_parts(r) is not None) for r in records[:TENSORS]],
                     numeric=range(4, 10),
                     more=len(records) - TENSORS, what="tensors (step.records lists them all)")
     title = join([f"Step {s.index} ", code(s.selector), " ", badge(s.status)])
@@ -237,12 +238,14 @@ def _frozen(s: Step) -> str | None:
     return f"{shown} (requires_grad=False: no gradient" + (" recorded)" if s.phase == "backward" else ")")
 
 
-def _tensor_row(r: Any, frozen: bool = False) -> list[Any]:
+def _tensor_row(r: Any, frozen: bool = False, parts: bool = False) -> list[Any]:
+    """One tensor record's row; ``parts``: a sparse record whose parts hold its bytes (1.19)."""
     st = r.stats
     shape = "×".join(str(d) for d in r.shape) or "scalar"
     role = join([muted("frozen "), r.role]) if frozen else r.role
     return [role, code(r.name), r.dtype, shape, *(number(st.get(k)) for k in ("min", "max", "mean", "std")),
-            count(st.get("nan")), count(st.get("inf")), "bytes" if r.has_payload else muted("stats")]
+            count(st.get("nan")), count(st.get("inf")),
+            "bytes" if r.has_payload else "parts" if parts else muted("stats")]
 
 
 def step_table(t: StepTable) -> str:

@@ -30,7 +30,7 @@ from recorder.errors import FormatError, PdbgError, RecordingError, StepNotFound
 from recorder.items import OBJECTS_KEY
 from recorder.monitors import parse_selector
 from recorder.store import backend, layout
-from recorder.store.reader import RankReader, RunReader, TensorRecord
+from recorder.store.reader import RankReader, RunReader, SparseParts, TensorRecord
 
 BUNDLE_KEY = "bundle.json"  # a failure bundle's own description, at the store's root
 BUNDLE_FORMAT = "paperdebugger.bundle"  # its "format"
@@ -771,13 +771,14 @@ class Step:
 
     def tensors(self, role: str | None = None) -> list[TensorRecord]:
         """The records with one role (input, output, param, buffer, grad_output, grad_input,
-        param_grad, watch, collective: ``layout.ROLES``), or all."""
+        param_grad, watch, collective, component: ``layout.ROLES``), or all."""
         if role is not None and role not in layout.ROLES:
             raise RecordingError(f"unknown role {role!r}: use one of {', '.join(layout.ROLES)}")
         return [r for r in self.records if role is None or r.role == role]
 
     def tensor(self, name: str, role: str | None = None) -> torch.Tensor:
-        """A recorded tensor's exact value by record name (``args.0``, ``output``, ``fc.weight``)."""
+        """A recorded tensor's exact value by record name (``args.0``, ``output``, ``fc.weight``); a sparse
+        one's made again from its parts, where they were kept (1.19)."""
         found = [r for r in self.records if r.name == name and (role is None or r.role == role)]
         if not found:
             names = ", ".join(f"{r.role}:{r.name}" for r in self.records) or "no tensors"
@@ -906,6 +907,17 @@ class Step:
         (None where the recording does not say); None for any other."""
         return self.rec.rank.sparse_of(record)
 
+    def sparse_parts(self, record: TensorRecord) -> SparseParts | None:
+        """The records a sparse record's tensor is made of (1.19: ``<record>:indices``, ``<record>:values``
+        ...), where the recording kept every one's bytes; None for any other record, or where they were
+        not kept (stats mode, flight mode outside its ring, a recording before 1.19)."""
+        return self.rec.rank.sparse_parts(record)
+
+    def holds_values(self, record: TensorRecord) -> bool:
+        """Whether the recording holds a record's values, not only its statistics: its payload, or (1.19)
+        the parts a sparse tensor is made of, from which ``tensor`` makes it again."""
+        return record.has_payload or self.sparse_parts(record) is not None
+
     def sparse_text(self, record: TensorRecord) -> str | None:
         """A sparse record in words, "a sparse_csr tensor of 31 stored values"; None for any other."""
         found = self.sparse(record)
@@ -916,14 +928,21 @@ class Step:
                                      else "")
 
     def sparse_refusal(self, record: TensorRecord, to: str = "replay it") -> str:
-        """Why a step given a sparse tensor cannot be replayed or bundled, and what to do (``to``: the
-        end of it, "replay it"), for a message; the same for each step given such a tensor there."""
+        """Why a step given a sparse tensor whose parts the recording did not keep cannot be replayed or
+        bundled, and what to do (``to``: the end of it, "replay it"), for a message; the same for each step
+        given such a tensor there."""
         kind = (self.sparse(record) or ("sparse",))[0]
-        how = ("keep its indices and values as dense buffers and build it in forward" if record.role in (
-            "param", "buffer") else "build the sparse tensor inside the step from dense indices and values (an "
-            "edge_index)")
-        return (f"its {record.role} {record.name} is a {kind} tensor, which the recorder keeps as statistics of its "
-                f"stored values only, in every mode (no payload; its indices are not recorded); {how} to {to}")
+        what = f"its {record.role} {record.name} is a {kind} tensor"
+        if layout.parse_version(self.rec.rank.run.schema_version) < layout.SPARSE_PARTS_SINCE:
+            how = ("keep its indices and values as dense buffers and build it in forward" if record.role in (
+                "param", "buffer") else "build the sparse tensor inside the step from dense indices and values (an "
+                "edge_index)")
+            return (f"{what}, which recordings before schema {'.'.join(map(str, layout.SPARSE_PARTS_SINCE))} keep as "
+                    "statistics of its stored values only (no payload; its indices are not recorded); record again "
+                    f"with this version (mode full, or flight), or {how}, to {to}")
+        return (f"{what}, of which the recording kept statistics of its stored values only, not its indices and "
+                f"values ({self.rec.rank.why_no_parts(record)}); record the step with payloads (mode full, or a "
+                f"flight dump) to {to}")
 
     @property
     def environment(self) -> dict[str, Any]:

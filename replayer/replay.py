@@ -83,8 +83,8 @@ class ReplayResult:
 
     @property
     def by_statistics(self) -> list[str]:
-        """The tensors that matched by their statistics only, not bit for bit (a sparse result, whose
-        stored values' statistics are all the recorder keeps of it); an inner step's as "output of step 1 (name)"."""
+        """The tensors that matched by their statistics only, not bit for bit (a sparse result whose parts the
+        recording did not keep: its stored values' statistics); an inner step's as "output of step 1 (name)"."""
         return [d.name for d in self.outputs if d.match and d.by_statistics] + \
             [f"{d.name} of step {s.step.index} ({s.step.name})" for s in self.inner for d in s.diffs
              if d.match and d.by_statistics]
@@ -736,8 +736,8 @@ class Replayer:
                               "there; it cannot be replayed")
         lazy = step.uninitialized
         for r in records:
-            if r.role in ("input", "param", "buffer") and not r.has_payload and r.name not in lazy:
-                if step.sparse(r) is not None:
+            if r.role in ("input", "param", "buffer") and not step.holds_values(r) and r.name not in lazy:
+                if step.sparse(r) is not None:  # (its parts not kept: 1.19 keeps them where payloads are kept)
                     why = step.sparse_refusal(r)
                     refused = ReplayError(f"step {step.index} ({step.name}) cannot be replayed: {why}")
                     refused.reason = why  # (the same for each such step: pdbg verify lists them on one line)
@@ -1205,7 +1205,7 @@ class Replayer:
                 return None
             kept = [r for r in [*other_fwd.records, *other.records] if r.role in ("input", "param", "buffer",
                                                                                    "grad_output")]
-            if any(not r.has_payload for r in kept) or other_fwd.extra.get("exception") or \
+            if any(not other_fwd.holds_values(r) for r in kept) or other_fwd.extra.get("exception") or \
                     {r.name: r.payload for r in other_fwd.records if r.role == "param"} != params:
                 return None
             found.append((other, other_fwd))
@@ -1475,7 +1475,7 @@ class Replayer:
         if not pairs and sparse and not lost and not unfollowed:
             raise ReplayError(f"backward step {step.index} has no grad outputs to start a backward from: its forward's "
                               f"{sparse[0].name} is {fwd.sparse_text(sparse[0])}, whose gradient the recorder does not "
-                              f"follow (a sparse tensor is recorded as statistics only); replay the forward, step "
+                              f"follow (it follows strided tensors only); replay the forward, step "
                               f"{fwd.index}, or return the dense values (edge weights) from the step and build the "
                               "sparse tensor after it")
         if not pairs:
@@ -2168,7 +2168,12 @@ def _out_dims(step: Step, doc: Any, dims: dict[str, list[int]], resolve: Callabl
 
 def _materialize(step: Step, rec: TensorRecord, notes: list[str] | None = None) -> torch.Tensor:
     """A recorded tensor as it was: its strides and device (CPU stand-in where the device is missing).
-    ``notes``: where a layout is not rebuilt (a sparse view of a large tensor), a warning saying so."""
+    ``notes``: where a layout is not rebuilt (a sparse view of a large tensor), a warning saying so. A sparse
+    tensor is made again from its parts (1.19), each as it was, on its device."""
+    parts = None if rec.has_payload else step.sparse_parts(rec)
+    if parts is not None:
+        return step.rec.rank.sparse_tensor(rec, parts, {p: _materialize(step, r, notes)
+                                                        for p, r in parts.records.items()})
     value = step.rec.rank.tensor(rec)
     if rec.stride and tuple(rec.stride) != tuple(value.stride()) and value.numel() > 1:
         value = _with_strides(value, tuple(rec.stride))
@@ -2250,7 +2255,9 @@ def _no_gradient_wanted(grads: tuple[torch.Tensor | None, ...]) -> None:
 def _stand_in(leaf: torch.Tensor) -> torch.Tensor:
     """What a step is given for an input leaf that requires grad: a copy in its layout (``clone``
     makes a layout with gaps contiguous), or the leaf itself where its elements overlap (an expanded
-    tensor: torch refuses in-place changes to it anyway)."""
+    tensor: torch refuses in-place changes to it anyway); of a sparse one, a copy of its parts."""
+    if leaf.layout != torch.strided:
+        return leaf.clone()
     shape, stride = tuple(leaf.shape), leaf.stride()
     if overlaps_itself(shape, stride):
         return leaf

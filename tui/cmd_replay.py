@@ -764,11 +764,11 @@ def verify(args: argparse.Namespace) -> int:
     else:
         head = (f"{matched} of {_count(replayed, 'step')} replayed bit for bit ({100.0 * matched / replayed:.1f}%)"
                 if replayed else "no step replayed")
-        if by_statistics:  # (a sparse result: its stored values' statistics are all the recorder keeps of it)
+        if by_statistics:  # (a sparse result whose parts were not kept: its stored values' statistics)
             share = f"{100.0 * matched / replayed:.1f}%"
             head = (f"{matched} of {_count(replayed, 'step')} replayed and matched ({share}), "
                     f"{by_statistics} of them by statistics only (of a result recorded without payload, a sparse "
-                    "tensor: not bit for bit)")
+                    "tensor whose indices were not kept: not bit for bit)")
         print(f"{args.run}: {head}"
               + (f"; {_count(len(refused), 'step')} could not be replayed" if refused else "")
               + (f"; {_count(len(corrupted), 'step')} corrupted" if corrupted else "")

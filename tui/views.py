@@ -712,9 +712,12 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
             "no elements"
         if len(data) and not len(finite):
             note = "no finite values: no histogram"
-    elif step.sparse(record) is not None:  # (no mode records more of one)
-        slice_text = (f"{step.sparse_text(record)}: statistics of its stored values only (its indices and values are "
-                      "not recorded, in any mode)")
+    elif step.sparse(record) is not None:
+        parts = step.sparse_parts(record)  # (1.19, where the step kept payloads: its indices and values)
+        slice_text = (f"{step.sparse_text(record)}: statistics of its stored values; its indices and values are the "
+                      f"records {', '.join(r.name for r in parts.records.values())}" if parts is not None else
+                      f"{step.sparse_text(record)}: statistics of its stored values only (its indices and values were "
+                      f"not kept: {step.rec.rank.why_no_parts(record)})")
     else:
         slice_text = "statistics only (no payload recorded)"
     if complex_ and record.has_payload:  # what the numbers on this screen are of, as the step pane's and a watch's

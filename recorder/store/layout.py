@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.18"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.19"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -73,6 +73,12 @@ SCHEMA_VERSION = "1.18"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       "saved_tensors_hooks": the saved-tensor hooks its call ran under, which a replay applies again;
 #       and $function names module-level functions of the training code too (a BlockMask's mask_mod; before,
 #       $opaque), and an $opaque function's repr is its qualified name "<function module:QualName>"
+# 1.19: role "component": the tensors a sparse input, output, parameter or buffer is made of (COO indices and
+#       values as it held them, coalesced or not; CSR/BSR crow and col indices and values; CSC/BSC ccol and row
+#       indices and values), records of their own named "<record>:<part>" with their bytes where the step kept
+#       payloads, named in the step's extra "sparse" ("parts", and "coalesced" for COO): a replay makes the sparse
+#       tensor again and compares a sparse result bit for bit (before, statistics of its stored values only: a step
+#       given one was refused)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -87,6 +93,7 @@ MAPPINGS_SINCE = (1, 13)  # recordings of this schema or later keep dict subclas
 STRIDES_SINCE = (1, 17)  # recordings of this schema or later keep a numpy array's layout ($ndarray "strides")
 RAGGED_SINCE = (1, 16)  # recordings of this schema or later may hold RAGGED_DIM in a shape (elsewhere: damage)
 SUBMODULE_CODE_SINCE = (1, 17)  # recordings of this schema or later hold the code hashes of submodule classes
+SPARSE_PARTS_SINCE = (1, 19)  # recordings of this schema or later keep a sparse tensor's parts where they keep payloads
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"
@@ -103,6 +110,9 @@ METADATA_NOTE = "metadata only"
 # The end of a sparse record's note: "<name>: <layout> tensor on <device>: metadata only; statistics of its <n>
 # stored values " + this (before 1.18 without <n>: "statistics of its stored values " + this).
 STORED_NOTE = "(the zeros it does not store left out)"
+# A component record's name: a sparse record's name + this + the part's name ("args.0:indices", "output:values";
+# torch's names: indices, values; crow_indices, col_indices; ccol_indices, row_indices). Since 1.19.
+PART_SEPARATOR = ":"
 # A step's note: this + ": <error>": capturing the call failed (its arguments or outputs are missing or partial,
 # and recording stopped there); a replay refuses it.
 CAPTURE_FAILED_NOTE = "capture failed"
@@ -248,6 +258,7 @@ DIMS_CHUNK = 65536
 ROLES: tuple[str, ...] = (
     "input", "output", "param", "buffer", "grad_output", "grad_input", "param_grad", "watch",
     "collective",  # schema 1.4: what a torch.distributed collective inside the step returned
+    "component",  # schema 1.19: a part of a sparse record's tensor (its indices, its values): "<record>:<part>"
 )
 UNKNOWN_ROLE = "unknown role"  # a role a newer minor schema added: "unknown role 9"
 

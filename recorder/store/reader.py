@@ -112,6 +112,17 @@ class TensorRecord:
         return bool(self.stats["nan"] or self.stats["inf"])
 
 
+@dataclass(frozen=True)
+class SparseParts:
+    """The records a sparse record's tensor is made of (schema 1.19: its ``component`` records), all kept
+    with their bytes: by part name (``payload.SPARSE_PARTS``), with its layout and, for COO, whether it
+    was coalesced."""
+
+    layout: str  # "sparse_coo", "sparse_csr", ...
+    records: dict[str, TensorRecord]  # part name ("indices", "values") -> its component record
+    coalesced: bool
+
+
 class RunReader:
     """A recording opened for reading. Cheap to open whatever its size: nothing but the group
     attributes and the manifest is read until asked for."""
@@ -841,16 +852,26 @@ class RankReader:
             return "its bytes were dropped: the store could not keep up with training"
         return self._why_no_bytes_kept(int(self.column("steps/iteration")[record.step]))
 
+    def _extra_of(self, record: TensorRecord) -> dict[str, Any]:
+        """The ``extra`` document of a record's step (empty where it holds none, or is not a map)."""
+        extra = self.doc(int(self.rows("steps/extra", record.step, record.step + 1)[0]))
+        return extra if isinstance(extra, dict) else {}
+
+    @staticmethod
+    def _sparse_entry(extra: dict[str, Any], record: TensorRecord) -> dict[str, Any] | None:
+        """A record's entry in its step's extra ``sparse`` (1.18), where it has one."""
+        found = (extra.get("sparse") or {}).get(record.name) if isinstance(extra.get("sparse"), dict) else None
+        return found if isinstance(found, dict) and isinstance(found.get("layout"), str) else None
+
     def sparse_of(self, record: TensorRecord) -> tuple[str, int | None] | None:
         """A record that was a sparse tensor: its layout (``"sparse_csr"``) and how many values it
         stored, of which its statistics are (None where a recording before schema 1.18 did not say:
         its note names the layout only); None for any other record."""
         if record.has_payload:
             return None
-        extra = self.doc(int(self.rows("steps/extra", record.step, record.step + 1)[0]))
-        extra = extra if isinstance(extra, dict) else {}
-        found = (extra.get("sparse") or {}).get(record.name) if isinstance(extra.get("sparse"), dict) else None
-        if isinstance(found, dict) and isinstance(found.get("layout"), str):
+        extra = self._extra_of(record)
+        found = self._sparse_entry(extra, record)
+        if found is not None:
             count = found.get("values")
             return found["layout"], count if type(count) is int and count >= 0 else None
         for note in extra.get("notes", []) or []:  # (an older recording's sparse gradient: its note names the layout)
@@ -858,6 +879,70 @@ class RankReader:
                     note.endswith(layout.STORED_NOTE):
                 return note.removeprefix(f"{record.name}: torch.").split(" ", 1)[0], None
         return None
+
+    def _part_names(self, record: TensorRecord) -> tuple[str, dict[str, str], bool] | None:
+        """A sparse record's layout, the names of the component records of its parts by part name, and
+        whether it was coalesced, as its step's extra ``sparse`` names them (1.19); None where it names no
+        parts of a layout this reader makes (a recording before 1.19, a mode or iteration without payloads)."""
+        if record.has_payload or record.role == "component":
+            return None
+        entry = self._sparse_entry(self._extra_of(record), record)
+        parts = entry.get("parts") if entry is not None else None
+        kind = entry.get("layout") if entry is not None else None
+        if not isinstance(parts, dict) or set(parts) != set(payload_mod.SPARSE_PARTS.get(kind, ())) or \
+                not all(isinstance(n, str) for n in parts.values()):
+            return None
+        return kind, parts, entry.get("coalesced") is True
+
+    def sparse_parts(self, record: TensorRecord) -> SparseParts | None:
+        """The records a sparse record's tensor is made of (1.19: its indices and values, ``component``
+        records named ``<record>:<part>``), where the recording kept the bytes of every one, so that its
+        tensor can be made again (``tensor``); None for any other record, and for a sparse one whose parts
+        were not kept (``why_no_parts``)."""
+        named = self._part_names(record)
+        if named is None:
+            return None
+        kind, parts, coalesced = named
+        components = {r.name: r for r in self.tensor_records(record.step) if r.role == "component"}
+        found = {part: components.get(name) for part, name in parts.items()}
+        if any(r is None or not r.has_payload for r in found.values()):
+            return None
+        return SparseParts(kind, found, coalesced)  # type: ignore[arg-type]
+
+    def why_no_parts(self, record: TensorRecord) -> str:
+        """Why a sparse record's parts were not kept (``sparse_parts`` is None), for a message: a recording
+        before schema 1.19, a mode or iteration that kept statistics only, bytes dropped."""
+        if layout.parse_version(self.run.schema_version) < layout.SPARSE_PARTS_SINCE:
+            return (f"a recording before schema {'.'.join(map(str, layout.SPARSE_PARTS_SINCE))} keeps statistics of a "
+                    "sparse tensor's stored values only")
+        named = self._part_names(record)
+        if named is not None:
+            components = {r.name: r for r in self.tensor_records(record.step) if r.role == "component"}
+            for name in named[1].values():
+                part = components.get(name)
+                if part is None:
+                    return f"its part {name} is not among the step's records (the recording is damaged)"
+                if not part.has_payload:
+                    return self.why_statistics_only(part)
+        return self._why_no_bytes_kept(int(self.column("steps/iteration")[record.step]))
+
+    def sparse_tensor(self, record: TensorRecord, parts: SparseParts,
+                      values: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """A sparse record's tensor made again from its parts, exactly as it was (its indices and values
+        as it held them); ``values``: the parts as the caller read them (on their device), else read here
+        (on the CPU). Raises FormatError where they do not make the record's tensor."""
+        values = values if values is not None else {p: self.tensor(r) for p, r in parts.records.items()}
+        what = f"sparse tensor {record.name!r} of step {record.step}"
+        try:
+            out = payload_mod.sparse_from_parts(parts.layout, values, record.shape, parts.coalesced)
+        except ValueError as exc:
+            names = ", ".join(r.name for r in parts.records.values())
+            raise FormatError(f"{self.run.label}: the parts of {what} ({names}) do not make a {parts.layout} tensor of "
+                              f"shape {list(record.shape)} ({exc}); the recording is damaged") from None
+        if payload_mod.dtype_name(out.dtype) != record.dtype:
+            raise FormatError(f"{self.run.label}: the values of {what} are {payload_mod.dtype_name(out.dtype)}, its "
+                              f"record says {record.dtype}; the recording is damaged")
+        return out
 
     def ring_writes(self) -> list[dict[str, Any]] | None:
         """A flight-mode run's write-outs of its ring (``flight.dumps``): ``final``'s, or for a run whose
@@ -918,9 +1003,13 @@ class RankReader:
                 "iterations the ring wrote out")
 
     def tensor(self, record: TensorRecord) -> torch.Tensor:
-        """The recorded tensor's value (a contiguous CPU tensor), exactly as it was."""
+        """The recorded tensor's value (a contiguous CPU tensor; a sparse one made again from its parts,
+        ``sparse_parts``), exactly as it was."""
         what = f"tensor {record.name!r} of step {record.step}"
         if not record.has_payload:
+            parts = self.sparse_parts(record)
+            if parts is not None:  # (1.19) a sparse tensor, made again from its parts
+                return self.sparse_tensor(record, parts)
             raise FormatError(f"{self.run.label}: {what} has statistics only ({self.why_statistics_only(record)})")
         try:
             dtype = payload_mod.dtype_from_name(record.dtype)

@@ -881,16 +881,17 @@ def test_lazy_conjugates_replay_and_match_by_value(tmp_path: Path) -> None:
 
 
 def test_a_step_without_payloads_says_why_it_cannot_be_replayed(tmp_path: Path) -> None:
-    """The error names the reason the step's note gives (a sparse tensor is kept as statistics of its
-    stored values in every mode: what to do instead), or, without a note, the ways a recording keeps
-    statistics only; the CLI prints it on one line."""
+    """The error names the reason the step's note gives (a sparse tensor whose parts were not kept: why,
+    and what to do instead), or, without a note, the ways a recording keeps statistics only; the CLI
+    prints it on one line. (A sparse tensor recorded with its parts replays: test_sparse.py.)"""
     from tests.replayer import kinds
 
-    with recorder.record(tmp_path / "sparse.zarr", mode="full"):
+    with recorder.record(tmp_path / "sparse.zarr", mode="stats"):
         kinds.spectral(torch.eye(2, dtype=torch.complex64).to_sparse(), torch.ones(2, 2, dtype=torch.complex64))
-    with pytest.raises(ReplayError, match=r"its input args\.0 is a sparse_coo tensor, which the recorder keeps as "
-                                          r"statistics of its stored values only, in every mode .*; build the sparse "
-                                          r"tensor inside the step from dense indices and values"):
+    with pytest.raises(ReplayError, match=r"its input args\.0 is a sparse_coo tensor, of which the recording kept "
+                                          r"statistics of its stored values only, not its indices and values \(the run "
+                                          r"was recorded in stats mode, which keeps statistics only\); record the step "
+                                          r"with payloads \(mode full, or a flight dump\) to replay it"):
         replayer.replay(tmp_path / "sparse.zarr", "Eq. 7")
     why = r"\(torch\.sparse_coo tensor on cpu: metadata only; statistics of its 2 stored values"
     with pytest.raises(FormatError, match=r"statistics only " + why):

@@ -1,5 +1,8 @@
 """Sparse gradients (nn.Embedding(sparse=True)) are recorded as statistics of the values they store:
 a NaN in one is found; a backward replay compares the dense gradients and says which it could not.
+A step's sparse arguments and results (a GCN's adjacency) keep their parts (indices and values) where
+the step keeps payloads: a replay gives the step its adjacency again and compares a sparse result bit
+for bit; without them (stats mode, older recordings), a result is compared by its statistics.
 Nested tensors (torch.nested, jagged and strided) and tensors the recorder cannot read are records
 of statistics too, and the recording goes on; a step given one is listed as not replayable, with why.
 Tensor subclasses (a fixed-point tensor) are recorded with their class, and a replay makes them again."""
@@ -10,6 +13,7 @@ import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ import replayer
 from recorder.errors import ReplayError
 from replayer.bundles import BundleError
 from tests.cli import pdbg_here
+from tui import views
 
 
 @recorder.paper_step("Eq. 8", description="embed tokens, then project")
@@ -352,11 +357,13 @@ def test_a_tensor_subclass_a_replay_cannot_make_is_named_as_the_likely_cause(tmp
                             "not make again") and "likely cause" in w for w in result.warnings), result.warnings
 
 
-# -- sparse results (a GCN's normalised adjacency) ----------------------------------------------------------
+# -- sparse results (a GCN's normalised adjacency) and arguments (its adjacency given) ------------------------
 _SCALE = 1.0  # what _sym_norm multiplies its weights by: a replay that reads another computes other values
 _DENSE = False  # _sym_norm returns its adjacency dense: a replay that reads True returns another layout
 # torch's warnings on making sparse tensors (invariant checks off, CSR in beta), not the tests' concern
-_SPARSE_WARNINGS = pytest.mark.filterwarnings("ignore:Sparse invariant checks", "ignore:Sparse CSR tensor support")
+_SPARSE_WARNINGS = pytest.mark.filterwarnings("ignore:Sparse invariant checks", "ignore:Sparse CSR tensor support",
+                                              "ignore:Sparse BSR tensor support", "ignore:Sparse CSC tensor support",
+                                              "ignore:Sparse BSC tensor support")
 EDGES = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 1, 2, 3, 0]])  # (source, destination), self-loops
 
 
@@ -368,15 +375,33 @@ def _sym_norm(edge_index: torch.Tensor, n: int, kind: str = "coo") -> torch.Tens
     return a.to_dense() if _DENSE else a.to_sparse_csr() if kind == "csr" else a
 
 
+def _same_sparse(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two sparse tensors are the same bit for bit: layout, dtype, shape, a COO tensor's coalesced
+    flag, and each part (indices and values as they hold them) bitwise."""
+    from recorder import payload
+
+    pa, pb = payload.sparse_parts(a), payload.sparse_parts(b)
+    return (a.layout, a.dtype, a.shape) == (b.layout, b.dtype, b.shape) and pa is not None and pb is not None and \
+        (a.layout != torch.sparse_coo or a.is_coalesced() == b.is_coalesced()) and pa.keys() == pb.keys() and \
+        all(bits_equal(pa[k], pb[k]) for k in pa)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two strided tensors (NaN and signed zeros included)."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(width),
+                                                                      b.contiguous().view(width))
+
+
 @_SPARSE_WARNINGS
 @pytest.mark.parametrize("kind", ["coo", "csr"])
-def test_a_step_returning_a_sparse_tensor_replays_by_the_statistics_of_its_stored_values(
-        tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_returning_a_sparse_tensor_replays_bit_for_bit(tmp_path: Path, kind: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A step returning a sparse tensor (a GCN's normalised adjacency) crashed `pdbg replay` and `pdbg
-    verify` ("Cannot access data pointer of Tensor that doesn't have storage", a RuntimeError). Its
-    result is compared as the recorder took it, by the statistics of the values it stores (its indices
-    are not recorded), and says so: a match by statistics, not bit for bit; other values, or another
-    layout, a mismatch."""
+    verify` ("Cannot access data pointer of Tensor that doesn't have storage"), and was then compared by
+    the statistics of its stored values only: its indices were not recorded, so values at other places
+    matched. The recording keeps its parts (indices and values) where it keeps payloads, and a replay
+    compares it bit for bit: other values, or another layout, a mismatch with the distance of its values."""
     with recorder.record(tmp_path / "run.zarr", mode="full") as run:
         for _ in range(2):
             made = _sym_norm(EDGES, 4, kind)
@@ -385,27 +410,94 @@ def test_a_step_returning_a_sparse_tensor_replays_by_the_statistics_of_its_store
     step = rec.step(0)
     out = next(r for r in step.records if r.role == "output")
     assert (out.shape, out.has_payload, step.sparse(out)) == ((4, 4), False, (f"sparse_{kind}", 8))
-    assert step.extra["sparse"] == {"output": {"layout": f"sparse_{kind}", "values": 8}}
+    names = ("indices", "values") if kind == "coo" else ("crow_indices", "col_indices", "values")
+    assert step.extra["sparse"] == {"output": {"layout": f"sparse_{kind}", "values": 8,
+                                               "parts": {n: f"output:{n}" for n in names},
+                                               **({"coalesced": True} if kind == "coo" else {})}}
+    assert [(r.role, r.name) for r in step.records if r.role == "component"] == [("component", f"output:{n}")
+                                                                                 for n in names]
+    assert _same_sparse(step.tensor("output"), made) and step.holds_values(out)
     assert step.why_statistics_only(out).endswith("statistics of its 8 stored values (the zeros it does not store "
                                                   "left out)")
     result = replayer.replay(rec, 0)
+    assert result.match and result.by_statistics == []
+    diff = result.outputs[0]
+    assert (diff.name, diff.reason, diff.measured, diff.mismatched) == ("output", None, True, 0)
+    assert diff.recorded == diff.replayed and diff.recorded["max"] == made.values().max().item()
+    res = pdbg_here("replay", str(tmp_path / "run.zarr"), "0", cwd=tmp_path)
+    assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout and "statistics" not in res.stdout, res.stdout
+    res = pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert (res.returncode, doc["matched"], doc["not_replayed"], "by_statistics" in doc) == (0, 2, [], False), \
+        res.stdout
+    monkeypatch.setattr(sys.modules[__name__], "_SCALE", 2.0)
+    other = replayer.replay(rec, 0)
+    assert not other.match and not other.by_statistics
+    far = other.outputs[0]
+    assert far.reason is None and far.mismatched == 8 and far.measured  # (each weight scaled by 2 * 2)
+    assert far.max_abs_diff == pytest.approx(3 * made.values().max().item())
+    assert far.replayed["max"] == pytest.approx(4 * made.values().max().item())
+    monkeypatch.setattr(sys.modules[__name__], "_DENSE", True)
+    dense = replayer.replay(rec, 0)
+    assert not dense.match and dense.outputs[0].reason == f"layouts differ: recorded sparse_{kind}, replayed strided"
+
+
+@recorder.paper_step("Eq. 15", description="a ring graph's adjacency, made from nothing the step is given")
+def _ring(n: int, kind: str = "coo") -> torch.Tensor:
+    ring = torch.stack([torch.arange(n), (torch.arange(n) + 1) % n])
+    a = torch.sparse_coo_tensor(ring, torch.full((n,), 0.5) * _SCALE, (n, n)).coalesce()
+    return a.to_sparse_csr() if kind == "csr" else a
+
+
+def _without_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Record as a recorder before schema 1.19 did: a sparse tensor's statistics only, without its parts."""
+    from recorder import capture
+
+    monkeypatch.setattr(capture.payload_mod, "sparse_parts", lambda t: None)
+
+
+@_SPARSE_WARNINGS
+@pytest.mark.parametrize("kind", ["coo", "csr"])
+@pytest.mark.parametrize("kept", ["stats", "1.18"])
+def test_a_sparse_result_whose_parts_were_not_kept_is_compared_by_statistics_as_before(
+        tmp_path: Path, kind: str, kept: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the recording holds no parts of a sparse result (stats mode; a recording before schema 1.19,
+    which kept none), a replay compares it by the statistics of its stored values, as it did, and says
+    so: a match by statistics, not bit for bit; other values, a mismatch."""
+    from tests.sealing import as_schema
+
+    with monkeypatch.context() as patched:
+        if kept == "1.18":
+            _without_parts(patched)
+        with recorder.record(tmp_path / "run.zarr", mode="stats" if kept == "stats" else "full") as run:
+            for _ in range(2):
+                made = _ring(4, kind)
+                run.next_iteration()
+    if kept == "1.18":
+        as_schema(tmp_path / "run.zarr", "1.18")
+    rec = replayer.open(tmp_path / "run.zarr")
+    step = rec.step(0)
+    out = next(r for r in step.records if r.role == "output")
+    assert step.extra["sparse"] == {"output": {"layout": f"sparse_{kind}", "values": 4}}
+    assert step.sparse_parts(out) is None and not step.holds_values(out)
+    assert not [r for r in step.records if r.role == "component"]
+    result = replayer.replay(rec, 0)
     assert result.match and result.by_statistics == ["output"]
     diff = result.outputs[0]
-    assert diff.reason == f"compared by statistics of its 8 stored values only (a sparse_{kind} tensor: its indices " \
+    assert diff.reason == f"compared by statistics of its 4 stored values only (a sparse_{kind} tensor: its indices " \
                           "are not recorded)"
     assert diff.replayed == diff.recorded and diff.recorded["max"] == made.values().max().item() and not diff.measured
     res = pdbg_here("replay", str(tmp_path / "run.zarr"), "0", cwd=tmp_path)
     assert res.returncode == 0 and "MATCH: output by statistics only, not bit for bit" in res.stdout, res.stdout
-    res = pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
-    doc = json.loads(res.stdout)
-    assert (res.returncode, doc["matched"], doc["by_statistics"], doc["not_replayed"]) == (0, 2, 2, [])
+    view = views.tensor_view(step, "output", "output")
+    assert view.slice_text == (f"a sparse_{kind} tensor of 4 stored values: statistics of its stored values only (its "
+                               "indices and values were not kept: " + (
+                                   "the run was recorded in stats mode, which keeps statistics only)" if kept == "stats"
+                                   else "a recording before schema 1.19 keeps statistics of a sparse tensor's stored "
+                                   "values only)"))
     monkeypatch.setattr(sys.modules[__name__], "_SCALE", 2.0)
     other = replayer.replay(rec, 0)
     assert not other.match and not other.by_statistics
-    assert other.outputs[0].replayed["max"] == pytest.approx(4 * made.values().max().item())
-    monkeypatch.setattr(sys.modules[__name__], "_DENSE", True)
-    dense = replayer.replay(rec, 0)
-    assert not dense.match and dense.outputs[0].reason == f"layouts differ: recorded sparse_{kind}, replayed strided"
 
 
 @recorder.paper_step("Eq. 12", description="H' = A_hat H W")
@@ -421,7 +513,7 @@ class _Propagate(nn.Module):
 @_SPARSE_WARNINGS
 def test_a_step_whose_inner_step_returns_a_sparse_tensor_replays(tmp_path: Path) -> None:
     """Replaying an outer step crashed where an inner step returned a sparse tensor: its inner steps
-    are compared, the sparse one by its statistics, and `pdbg verify` replays every step."""
+    are compared, the sparse one bit for bit, and `pdbg verify` replays every step."""
     torch.manual_seed(0)
     layer = _Propagate()
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
@@ -433,18 +525,20 @@ def test_a_step_whose_inner_step_returns_a_sparse_tensor_replays(tmp_path: Path)
     rec = replayer.open(tmp_path / "run.zarr")
     result = replayer.replay(rec, "Eq. 12@iter=0")
     assert result.match and [s.step.name for s in result.inner] == ["_sym_norm"]
-    assert result.by_statistics == [f"output of step {result.inner[0].step.index} (_sym_norm)"]
+    assert result.by_statistics == [] and [(d.name, d.reason) for d in result.inner[0].diffs] == [("output", None)]
     assert result.outputs[0].reason is None and result.outputs[0].measured  # (its own output: bit for bit)
     res = pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
     doc = json.loads(res.stdout)
-    assert (res.returncode, doc["mismatches"], doc["not_replayed"], doc["matched"]) == (0, [], [], 6), res.stdout
+    assert (res.returncode, doc["mismatches"], doc["not_replayed"], doc["matched"], "by_statistics" in doc) == \
+        (0, [], [], 6, False), res.stdout
 
 
 @_SPARSE_WARNINGS
 def test_a_sparse_result_made_non_finite_is_found_counted_and_bundled(tmp_path: Path) -> None:
     """The normalisation of a node without incoming edges puts 1/sqrt(0) = Inf into the sparse adjacency.
     Its NaN origin said "1 Inf of 16" (the dense size; the statistics are of the 6 values it stores);
-    `bisect --ops`, `bundle --verify` and the bundle's replay crashed on the sparse result."""
+    `bisect --ops`, `bundle --verify` and the bundle's replay crashed on the sparse result; they compare
+    it bit for bit, its Inf too."""
     with recorder.record(tmp_path / "run.zarr", mode="full") as run:
         _sym_norm(EDGES, 4)
         run.next_iteration()
@@ -454,11 +548,12 @@ def test_a_sparse_result_made_non_finite_is_found_counted_and_bundled(tmp_path: 
     assert origin.step is not None and origin.step.index == 1
     assert "output (1 Inf of 6 stored values)" in origin.cause, origin.cause
     assert origin.op is not None and origin.op.name == "aten::rsqrt"
+    assert [r.name for r in rec.step(1).records if r.nonfinite] == ["output", "output:values"]
     info = replayer.bundle(rec, 1, tmp_path / "b.pdbg", verify=True)
-    assert info.verified and info.by_statistics == ["output"]
-    assert info.verdict == "match by statistics only for output, not bit for bit"
+    assert info.verified and info.by_statistics == [] and info.verdict == "bitwise match"
     bundled = replayer.replay(replayer.open(tmp_path / "b.pdbg"))
-    assert bundled.match and bundled.by_statistics == ["output"] and bundled.outputs[0].recorded["inf"] == 1
+    assert bundled.match and bundled.by_statistics == [] and bundled.outputs[0].recorded["inf"] == 1
+    assert _same_sparse(replayer.open(tmp_path / "b.pdbg").main_step.tensor("output"), rec.step(1).tensor("output"))
 
 
 @recorder.paper_step("Eq. 13", description="GCN propagation with a sparse adjacency given")
@@ -466,19 +561,190 @@ def _propagate(adj: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.sparse.mm(adj, h)
 
 
-@_SPARSE_WARNINGS
-def test_a_step_given_a_sparse_tensor_is_refused_with_what_to_do(tmp_path: Path) -> None:
-    """`pdbg bundle` of a full-mode step given a sparse tensor said "bundle a step recorded with
-    payloads (mode full, or a flight dump)", which it was: no mode records a sparse tensor's payload.
-    Bundle and replay say that, and what to do; `pdbg verify` lists such steps on one line."""
-    with recorder.record(tmp_path / "run.zarr", mode="full") as run:
+@recorder.paper_step("Eq. 16", description="H' = A H W, a GCN layer given its adjacency")
+class _GCNLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, adj: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(adj @ self.lin(x))
+
+
+def _adjacency(kind: str, g: torch.Generator, transpose: bool = False) -> torch.Tensor:
+    """A weighted adjacency of 6 nodes and 12 edges (some repeated) of layout ``kind``: "coo" as made (not
+    coalesced, its repeated edges twice), "coalesced", "csr", "csc"."""
+    src, dst = torch.randint(0, 6, (12,), generator=g), torch.randint(0, 6, (12,), generator=g)
+    adj = torch.sparse_coo_tensor(torch.stack([src, dst] if transpose else [dst, src]), torch.rand(12, generator=g),
+                                  (6, 6))
+    return {"coo": lambda: adj, "coalesced": adj.coalesce, "csr": adj.coalesce().to_sparse_csr,
+            "csc": adj.coalesce().to_sparse_csc}[kind]()
+
+
+def _train_gcn(path: Path | None, kind: str, mode: str = "full", transpose: bool = False, **options: Any,
+               ) -> list[torch.Tensor]:
+    """Four iterations of a GCN layer given a new adjacency of layout ``kind`` each; returns the adjacencies."""
+    torch.manual_seed(0)
+    layer = _GCNLayer()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    given = []
+    with recorder.record(path, model=layer, optimizer=opt, mode=mode, **options) if path else contextlib.nullcontext():
         for _ in range(4):
-            _propagate(torch.sparse_coo_tensor(EDGES, torch.ones(8), (4, 4)), torch.ones(4, 2))
+            given.append(_adjacency(kind, g, transpose))
+            layer(given[-1], torch.randn(6, 3, generator=g)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return given
+
+
+@_SPARSE_WARNINGS
+@pytest.mark.parametrize("kind", ["coo", "coalesced", "csr", "csc"])
+def test_a_gcn_layer_given_a_sparse_adjacency_replays_bit_for_bit(tmp_path: Path, kind: str) -> None:
+    """A GCN layer given a sparse adjacency (torch.sparse_coo, coalesced or not, sparse_csr, ...) could not
+    be replayed, verified, bisected or bundled at all: the recorder kept the adjacency's statistics only
+    ("which the recorder keeps as statistics of its stored values only, in every mode"). The recording keeps
+    its parts, and a replay gives the step the adjacency it was given, as it held it, bit for bit; every
+    forward and backward step replays, alone, in `pdbg verify`, and from a bundle."""
+    given = _train_gcn(tmp_path / "run.zarr", kind)
+    rec = replayer.open(tmp_path / "run.zarr")
+    forward = rec.steps.filter(phase="forward")
+    step = forward[0]
+    adj = next(r for r in step.records if r.name == "args.0")
+    assert not adj.has_payload and step.holds_values(adj)
+    for s, made in zip(forward, given):
+        assert _same_sparse(s.tensor("args.0"), made)  # (an uncoalesced one: as made, its repeated edges twice)
+    assert step.extra["sparse"]["args.0"].get("coalesced") == ({"coo": False, "coalesced": True}.get(kind))
+    for s in rec.steps:
+        result = replayer.replay(rec, s.index)
+        assert result.match and not result.by_statistics, (s.index, [d.summary() for d in result.outputs])
+        assert all(d.reason is None and d.measured for d in result.outputs)
+    res = pdbg_here("replay", str(tmp_path / "run.zarr"), "Eq. 16@iter=2", cwd=tmp_path)
+    assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
+    res = pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert (res.returncode, doc["mismatches"], doc["not_replayed"], "by_statistics" in doc, doc["matched"]) == \
+        (0, [], [], False, 8), res.stdout + res.stderr
+    info = replayer.bundle(rec, step.index, tmp_path / "b.pdbg", verify=True)
+    assert info.verified and info.verdict == "bitwise match"
+    bundled = replayer.open(tmp_path / "b.pdbg")
+    assert _same_sparse(bundled.main_step.tensor("args.0"), given[0]) and replayer.replay(bundled).match
+    edited = replayer.replay(rec, step.index, edit={"args.0": "x * 2"})  # other adjacency bytes: another result
+    assert not edited.match and edited.outputs[0].mismatched > 0
+
+
+@_SPARSE_WARNINGS
+@pytest.mark.parametrize("kind", ["bsr", "bsc"])
+def test_a_step_given_a_block_sparse_tensor_replays_bit_for_bit(tmp_path: Path, kind: str) -> None:
+    """Block-sparse layouts (BSR, BSC: 2x2 blocks) keep their parts too, and replay bit for bit."""
+    dense = torch.sparse_coo_tensor(EDGES, torch.arange(1.0, 9.0), (4, 4)).to_dense()
+    given = dense.to_sparse_bsr((2, 2)) if kind == "bsr" else dense.to_sparse_bsc((2, 2))
+    with recorder.record(tmp_path / "run.zarr", mode="full"):
+        _densify(given, torch.ones(4, 2))
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert _same_sparse(rec.step(0).tensor("args.0"), given)
+    assert [r.name for r in rec.step(0).records if r.role == "component"] == [
+        f"args.0:{p}" for p in (("crow_indices", "col_indices") if kind == "bsr" else ("ccol_indices", "row_indices"))
+    ] + ["args.0:values"]
+    result = replayer.replay(rec, 0)
+    assert result.match and result.outputs[0].reason is None
+
+
+@recorder.paper_step("Eq. 18", description="A H, A of any sparse layout")
+def _densify(adj: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return adj.to_dense() @ h
+
+
+@_SPARSE_WARNINGS
+def test_a_run_given_another_adjacency_differs_from_the_step_that_was_given_it(tmp_path: Path) -> None:
+    """Two runs of a GCN layer, one given A and the other A^T (messages that flow the wrong way), whose
+    stored values have the same statistics: `bisect --against` could only say the difference likely came
+    in through the sparse argument, whose indices were not recorded. It compares the adjacencies' parts,
+    bit for bit: they differ, from the first step on, and came from outside every recorded step."""
+    _train_gcn(tmp_path / "a.zarr", "coalesced")
+    _train_gcn(tmp_path / "t.zarr", "coalesced", transpose=True)
+    div = replayer.first_divergence(replayer.open(tmp_path / "t.zarr"), replayer.open(tmp_path / "a.zarr"))
+    assert div.step is None and div.first_difference is not None and div.first_difference.index == 0
+    assert div.cause.startswith("the results first differ at step 0: Eq. 16 · _GCNLayer · forward · iteration 0 · "
+                                "call 0, but its inputs differ too"), div.cause
+    assert "statistics" not in div.cause
+
+
+@recorder.paper_step("Eq. 17", description="row-normalise a weighted adjacency: A_ij / sum_j A_ij")
+def _row_normalise(adj: torch.Tensor) -> torch.Tensor:
+    degree = torch.sparse.sum(adj, dim=1).to_dense()
+    src = adj.indices()[0]
+    return torch.sparse_coo_tensor(adj.indices(), adj.values() / degree[src], adj.shape).coalesce()
+
+
+@_SPARSE_WARNINGS
+def test_a_nan_made_in_a_sparse_tensor_inside_a_step_given_one_is_found_and_replays(tmp_path: Path) -> None:
+    """A step given a sparse adjacency that makes NaN in the sparse values it returns (a node whose edges
+    all weigh 0: 0/0): its origin is that step, its NaN counted over the stored values, and the operation
+    that made it is found by replaying it (`bisect --ops`), which could not run on a step given a sparse
+    tensor; the replay and a bundle's match bit for bit, NaN included."""
+    weights = torch.tensor([1.0, 0.0, 2.0, 3.0, 0.0, 1.0, 1.0, 1.0])  # node 1's two edges weigh 0 in iteration 1
+    with recorder.record(tmp_path / "run.zarr", mode="full") as run:
+        for it in range(2):
+            adj = torch.sparse_coo_tensor(EDGES.flip(0), weights if it else weights + 1, (4, 4)).coalesce()
+            _row_normalise(adj)
             run.next_iteration()
     rec = replayer.open(tmp_path / "run.zarr")
-    what = (r"its input args\.0 is a sparse_coo tensor, which the recorder keeps as statistics of its stored values "
-            r"only, in every mode \(no payload; its indices are not recorded\); build the sparse tensor inside the "
-            r"step from dense indices and values \(an edge_index\) to ")
+    assert [s.status for s in rec.steps] == ["ok", "nonfinite"]
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.step is not None and origin.step.index == 1
+    assert "output (2 NaN of 8 stored values)" in origin.cause, origin.cause
+    assert origin.op is not None and origin.op.name == "aten::div", origin.op
+    result = replayer.replay(rec, 1)
+    assert result.match and result.outputs[0].recorded["nan"] == 2 and result.outputs[0].reason is None
+    info = replayer.bundle(rec, 1, tmp_path / "b.pdbg", verify=True)
+    assert info.verdict == "bitwise match"
+    res = pdbg_here("bisect", str(tmp_path / "run.zarr"), "--ops", cwd=tmp_path)
+    assert res.returncode == 1 and "aten::div" in res.stdout, res.stdout + res.stderr
+
+
+@_SPARSE_WARNINGS
+def test_a_flight_recording_keeps_the_sparse_adjacencies_of_its_ring(tmp_path: Path) -> None:
+    """Flight mode keeps a sparse argument's parts with the other tensors of the iterations its ring wrote
+    out, which replay bit for bit; the others kept its statistics, and a replay of one says why it cannot."""
+    given = _train_gcn(tmp_path / "run.zarr", "csr", mode="flight", keep=2)
+    rec = replayer.open(tmp_path / "run.zarr")
+    forward = rec.steps.filter(phase="forward")
+    kept = [s for s in forward if s.holds_values(next(r for r in s.records if r.name == "args.0"))]
+    assert [s.iteration for s in kept] == [2, 3]
+    for s in kept:
+        assert _same_sparse(s.tensor("args.0"), given[s.iteration])
+        assert replayer.replay(rec, s.index).match
+    with pytest.raises(ReplayError, match=r"its input args\.0 is a sparse_csr tensor, of which the recording kept "
+                                          r"statistics of its stored values only, not its indices and values \(flight "
+                                          r"mode keeps the tensors of the iterations its ring wrote out \(2, 3\), and "
+                                          r"iteration 0 is not one of them\)"):
+        replayer.replay(rec, forward[0].index)
+    res = pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert (res.returncode, doc["mismatches"], doc["not_replayed"], doc["matched"]) == (0, [], [], 4), res.stdout
+
+
+@_SPARSE_WARNINGS
+def test_a_step_given_a_sparse_tensor_whose_parts_were_not_kept_is_refused_with_what_to_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recording before schema 1.19 kept a sparse argument's statistics only: bundle and replay refuse
+    its step, saying so and what to do, and `pdbg verify` lists such steps on one line. (Before, `pdbg
+    bundle` said to "bundle a step recorded with payloads (mode full, or a flight dump)", which it was.)"""
+    from tests.sealing import as_schema
+
+    with monkeypatch.context() as patched:
+        _without_parts(patched)
+        with recorder.record(tmp_path / "run.zarr", mode="full") as run:
+            for _ in range(4):
+                _propagate(torch.sparse_coo_tensor(EDGES, torch.ones(8), (4, 4)), torch.ones(4, 2))
+                run.next_iteration()
+    as_schema(tmp_path / "run.zarr", "1.18")
+    rec = replayer.open(tmp_path / "run.zarr")
+    what = (r"its input args\.0 is a sparse_coo tensor, which recordings before schema 1\.19 keep as statistics of its "
+            r"stored values only \(no payload; its indices are not recorded\); record again with this version \(mode "
+            r"full, or flight\), or build the sparse tensor inside the step from dense indices and values \(an "
+            r"edge_index\), to ")
     with pytest.raises(BundleError, match=r"^step 0 cannot be bundled: " + what + "bundle and replay it$"):
         replayer.bundle(rec, 0, tmp_path / "b.pdbg")
     with pytest.raises(ReplayError, match=r"^step 0 \(_propagate\) cannot be replayed: " + what + "replay it$"):
@@ -510,9 +776,67 @@ def test_a_backward_from_a_sparse_result_is_refused_saying_so(tmp_path: Path) ->
     backward = rec.steps.filter(phase="backward")[0]
     with pytest.raises(ReplayError, match=rf"^backward step {backward.index} has no grad outputs to start a backward "
                                           r"from: its forward's output is a sparse_coo tensor of 8 stored values, "
-                                          r"whose gradient the recorder does not follow \(a sparse tensor is recorded "
-                                          r"as statistics only\); replay the forward, step 0, or return the dense "
-                                          r"values \(edge weights\) from the step and build the sparse tensor after "
-                                          r"it$"):
+                                          r"whose gradient the recorder does not follow \(it follows strided tensors "
+                                          r"only\); replay the forward, step 0, or return the dense values \(edge "
+                                          r"weights\) from the step and build the sparse tensor after it$"):
         replayer.replay(rec, backward.index)
     assert replayer.replay(rec, 0).match
+
+
+@_SPARSE_WARNINGS
+def test_parts_that_do_not_make_the_sparse_tensor_are_called_damage(tmp_path: Path) -> None:
+    """A recording whose parts do not make a valid sparse tensor (an edit: an uncoalesced COO tensor's
+    flag set to coalesced, whose repeated indices torch's kernels would then trust) is called damaged,
+    not given to a step; parts it does not name leave the record's statistics, as before 1.19."""
+    from recorder.errors import FormatError
+    from tests.sealing import rewrite_docs
+
+    _train_gcn(tmp_path / "run.zarr", "coo")
+    rewrite_docs(tmp_path / "run.zarr", lambda i, doc: json.loads(json.dumps(doc).replace(
+        '"coalesced": false', '"coalesced": true')) if '"coalesced": false' in json.dumps(doc) else None)
+    rec = replayer.open(tmp_path / "run.zarr")
+    with pytest.raises(FormatError, match=r"the parts of sparse tensor 'args\.0' of step 0 \(args\.0:indices, "
+                                          r"args\.0:values\) do not make a sparse_coo tensor of shape \[6, 6\] "
+                                          r"\(.*coalesced.*\); the recording is damaged"):
+        replayer.replay(rec, 0)
+    rewrite_docs(tmp_path / "run.zarr", lambda i, doc: json.loads(json.dumps(doc).replace(
+        '"indices": "args.0:indices"', '"indices": "args.0:nothing"')) if '"args.0:indices"' in json.dumps(doc)
+        else None)
+    rec = replayer.open(tmp_path / "run.zarr")
+    step = rec.step(0)
+    adj = next(r for r in step.records if r.name == "args.0")
+    assert step.sparse_parts(adj) is None
+    with pytest.raises(ReplayError, match=r"not its indices and values \(its part args\.0:nothing is not among the "
+                                          r"step's records \(the recording is damaged\)\)"):
+        replayer.replay(rec, 0)
+
+
+@recorder.paper_step("Eq. 19", description="H' = A H W, the adjacency a buffer of the layer")
+class _GCNWithGraph(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("adj", torch.sparse_coo_tensor(EDGES, torch.linspace(0.1, 0.8, 8), (4, 4)).coalesce())
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.adj, self.lin(x))
+
+
+@_SPARSE_WARNINGS
+def test_a_module_holding_a_sparse_adjacency_as_a_buffer_replays_bit_for_bit(tmp_path: Path) -> None:
+    """A GCN layer that holds its graph's sparse adjacency as a buffer was refused ("keep its indices and
+    values as dense buffers and build it in forward"): the buffer keeps its parts, and the layer's
+    forward and backward steps replay bit for bit."""
+    torch.manual_seed(0)
+    layer = _GCNWithGraph()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", model=layer, optimizer=opt, mode="full"):
+        for _ in range(2):
+            layer(torch.randn(4, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert _same_sparse(rec.step(0).tensor("adj", "buffer"), layer.adj)
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match and all(d.reason is None for d in result.outputs), [d.summary() for d in result.outputs]

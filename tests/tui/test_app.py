@@ -1011,10 +1011,11 @@ def test_the_sparkline_marks_no_elements_and_nan_apart(tmp_path: Path) -> None:
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks", "ignore:Sparse CSR tensor support")
 def test_a_step_returning_a_sparse_tensor_replays_and_bundles_in_the_app(tmp_path: Path) -> None:
     """r, b and x on a step returning a sparse tensor (a GCN's adjacency) crashed the app (WorkerFailed:
-    "Cannot access data pointer of Tensor that doesn't have storage"). They report a match by the
-    statistics of its stored values, not bit for bit, and the operation that made its Inf, counted
-    over its stored values; the inspector says the tensor is sparse and how many values it stores,
-    where it said only "statistics only (no payload recorded)"."""
+    "Cannot access data pointer of Tensor that doesn't have storage"), and then reported a match by the
+    statistics of its stored values only. They report a bitwise match (its parts were kept), and the
+    operation that made its Inf, counted over its stored values; the inspector says the tensor is sparse,
+    how many values it stores and which records hold its parts, where it said only "statistics only (no
+    payload recorded)"."""
     from tests.replayer.test_sparse import EDGES, _sym_norm
     from tui.app import render_tensor
 
@@ -1025,27 +1026,51 @@ def test_a_step_returning_a_sparse_tensor_replays_and_bundles_in_the_app(tmp_pat
             session.next_iteration()
         _sym_norm(EDGES[:, EDGES[1] != 0], 4)  # node 0 without incoming edges: 1/sqrt(0) in the edge 0 -> 1
     view = views.tensor_view(replayer.open(path).step(1), "output", "output")
-    assert view.slice_text == ("a sparse_csr tensor of 8 stored values: statistics of its stored values only (its "
-                               "indices and values are not recorded, in any mode)")
+    assert view.slice_text == ("a sparse_csr tensor of 8 stored values: statistics of its stored values; its indices "
+                               "and values are the records output:crow_indices, output:col_indices, output:values")
     assert view.slice_text in render_tensor(view).plain
 
     async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
         await pilot.press("r")
         await app.workers.wait_for_complete()
         await pilot.pause()
-        assert panel(app).startswith("replay of step 0: match, by statistics only for output\n  output: compared by "
-                                     "statistics of its 8 stored values only (a sparse_coo tensor: its indices are "
-                                     "not recorded)"), panel(app)
+        assert panel(app).startswith("replay of step 0: bitwise match\n  output: equal"), panel(app)
         await pilot.press("x")
         await answer(pilot, str(tmp_path / "b.pdbg"))
         await app.workers.wait_for_complete()
         await pilot.pause()
-        assert "verified: replays, a match by statistics only for output, not bit for bit" in panel(app), panel(app)
+        assert "verified: replays bit for bit" in panel(app), panel(app)
         await pilot.press("b")
         await app.workers.wait_for_complete()
         await pilot.pause()
         assert app.timeline.step_index == 2 and "produced output (1 Inf of 6 stored values) from finite inputs" in \
             panel(app) and "operation: aten::rsqrt" in panel(app), panel(app)
+
+    run(body, path)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks", "ignore:Sparse CSR tensor support")
+def test_a_step_given_a_sparse_adjacency_replays_in_the_app(tmp_path: Path) -> None:
+    """r on a step given a sparse adjacency (a GCN's propagation) said the step cannot be replayed (the
+    recorder kept the adjacency's statistics only): it replays bit for bit, from the adjacency's parts."""
+    from tests.replayer.test_sparse import EDGES, _propagate
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full") as session:
+        for adj in (torch.sparse_coo_tensor(EDGES, torch.arange(1.0, 9.0), (4, 4)),
+                    torch.sparse_coo_tensor(EDGES, torch.arange(1.0, 9.0), (4, 4)).coalesce().to_sparse_csr()):
+            _propagate(adj, torch.ones(4, 2))
+            session.next_iteration()
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        for index in (0, 1):  # (a COO adjacency, then a CSR one)
+            if index:
+                await pilot.press("right")
+            assert app.timeline.step_index == index
+            await pilot.press("r")
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert panel(app).startswith(f"replay of step {index}: bitwise match\n  output: equal"), panel(app)
 
     run(body, path)
 
