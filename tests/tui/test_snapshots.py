@@ -73,15 +73,17 @@ async def _screens(tmp: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def screens(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     # The replay screen lists settings that differ from the recording's, and a process cannot change
-    # its CPU capability, its thread counts' defaults (the cores it has) or the environment it was
-    # started in (OMP_NUM_THREADS=1 on a shared machine): here they read as the recording's, so that
+    # its CPU capability, its thread counts' defaults (the cores it has), the environment it was
+    # started in (OMP_NUM_THREADS=1 on a shared machine) or the Python it runs on (a patch release
+    # other than the one that made the bundle): here they read as the recording's, so that
     # the screens are the same on every machine (the note itself: tests/replayer/test_replay.py).
     settings = replayer.open(BUNDLE).main_step.settings
     real = replayer.state.environment_differences
 
     def as_recorded(*args: Any, **kwargs: Any) -> list[str]:
         return [d for d in real(*args, **kwargs)
-                if not d.startswith(("num_threads:", "num_interop_threads:", "environment variable "))]
+                if not d.startswith(("num_threads:", "num_interop_threads:", "environment variable ",
+                                     "python version:"))]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.backends.cpu, "get_cpu_capability", lambda: settings.get("cpu_capability"))
