@@ -130,12 +130,19 @@ _SOURCE_LOCK = threading.Lock()
 
 
 def source_lines(target: Any) -> tuple[list[str], int, str | None]:
-    """``inspect.getsourcelines`` of a function or class, and its file. A class whose module has no
-    file (defined in a notebook cell: its ``__main__`` is the kernel's) is found through its
-    methods' code, which names the cell's file. Raises OSError or TypeError when there is none."""
+    """``inspect.getsourcelines`` of a function or class, and its file. The file is that of the code
+    the lines come from: ``getsourcelines`` looks through ``__wrapped__`` (a step under
+    ``@torch.no_grad()`` or a ``functools.wraps`` decorator is the user's function, not torch's
+    ``_contextlib.py``), ``getsourcefile`` does not. A class whose module has no file (defined in a
+    notebook cell: its ``__main__`` is the kernel's) is found through its methods' code, which names
+    the cell's file. Raises OSError or TypeError when there is none."""
     try:
         lines, line = inspect.getsourcelines(target)
-        return lines, line, inspect.getsourcefile(target)
+        try:
+            inner = inspect.unwrap(target)
+        except ValueError:  # a cycle of __wrapped__ (getsourcelines raised it already)
+            inner = target
+        return lines, line, inspect.getsourcefile(inner)
     except (OSError, TypeError):  # (TypeError: "a built-in class", for a module without a file)
         if not isinstance(target, type):
             raise

@@ -3,8 +3,10 @@ record (paper reference, import reference, source and its hash, constructor argu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
+import os
 
 import pytest
 import torch
@@ -48,6 +50,63 @@ def test_decorated_function_definition(run_path):
     assert step["name"] == "smooth_relu" and step["definition"]["kind"] == "function"
     assert step["definition"]["ref"] == "tests.models:smooth_relu"
     assert step["module"] is None and step["path"] == ""
+
+
+@contextlib.contextmanager
+def _quiet():  # a decorator of the standard library's (contextlib.py), made with functools.wraps
+    yield
+
+
+@recorder.paper_step("Eq. 4", description="SGD with momentum")
+@torch.no_grad()
+def _sgd_update(param, grad, buf, lr, momentum):
+    buf.mul_(momentum).add_(grad)
+    param.add_(buf, alpha=-lr)
+
+
+@recorder.paper_step("Eq. 5")
+@torch.enable_grad()
+def _doubled(x):
+    return x * 2
+
+
+@recorder.paper_step("Eq. 6")
+@torch.inference_mode()
+def _tripled(x):
+    return x * 3
+
+
+@recorder.paper_step("Eq. 7")
+@_quiet()
+def _quadrupled(x):
+    return x * 4
+
+
+@torch.no_grad()
+@recorder.paper_step("Eq. 8")
+def _halved(x):
+    return x / 2
+
+
+def test_a_step_under_a_wrapping_decorator_records_the_file_its_code_is_in(run_path):
+    """``@paper_step`` above ``@torch.no_grad()`` (the usual way to write an optimizer update), and above
+    ``@torch.enable_grad()``, ``@torch.inference_mode()`` or another ``functools.wraps`` decorator: the
+    step's source and line were the user's function's, its file torch's ``utils/_contextlib.py`` (or
+    the decorator's), so the TUI showed torch's file, the code-drift check named it, and a bundle of a
+    step in a project module carried no source. Now the file is the one the source comes from, as
+    with the decorator below ``@paper_step``."""
+    steps = (_sgd_update, _doubled, _tripled, _quadrupled, _halved)
+    with recorder.record(run_path):
+        p = torch.ones(4, requires_grad=True)
+        _sgd_update(p, torch.full((4,), 0.5), torch.zeros(4), 0.1, 0.9)
+        x = torch.ones(3, requires_grad=True)
+        _doubled(x), _tripled(x), _quadrupled(x), _halved(x)
+    rank = RunReader(run_path).rank(0)
+    for i, fn in enumerate(steps):
+        d = _step(rank, i)["definition"]
+        lines, line = inspect.getsourcelines(fn)
+        assert d["file"] == os.path.abspath(__file__) and d["line"] == line, (fn, d["file"], d["line"])
+        assert d["source"] == "".join(lines) and d["ref"] == f"{__name__}:{fn.__name__}"
 
 
 def test_settings_snapshot_holds_threads_and_cpu_capability(run_path):

@@ -656,6 +656,78 @@ def test_a_bundle_carries_the_project_modules_its_code_imports(tmp_path: Path) -
     assert not [m for m in sys.modules if m == "mylib" or m.startswith("mylib.")]
 
 
+NO_GRAD_MODULE = '''
+import torch
+import recorder
+
+
+@recorder.paper_step("Eq. 4", description="SGD with momentum")
+@torch.no_grad()
+def sgd_update(param, grad, buf, lr, momentum):
+    buf.mul_(momentum).add_(grad)
+    param.add_(buf, alpha=-lr)
+
+
+@torch.no_grad()
+@recorder.paper_step("Eq. 5", description="decay")
+def decay(param, rate):
+    param.mul_(1 - rate)
+'''
+
+NO_GRAD_TRAIN = '''
+import sys
+import torch
+import recorder
+import replayer
+from optlib import decay, sgd_update
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1]):
+        p = torch.nn.Parameter(torch.ones(4))
+        p.grad = torch.full((4,), 0.5)
+        sgd_update(p, p.grad, torch.zeros(4), 0.1, 0.9)
+        decay(p, 0.01)
+    rec = replayer.open(sys.argv[1])
+    replayer.bundle(rec, 0, "update.pdbg")
+    replayer.bundle(rec, 1, "decay.pdbg")
+'''
+
+
+def test_a_bundle_of_a_step_under_no_grad_carries_its_module_and_names_its_file(tmp_path: Path) -> None:
+    """``@paper_step`` above ``@torch.no_grad()`` (an optimizer update) in a project module: the step's
+    file was recorded as torch's ``utils/_contextlib.py``, so its bundle carried no source ("source
+    carried: none") and failed elsewhere with --use-bundled-source, and the code-drift warning named
+    torch's file ("recorded at .../torch/utils/_contextlib.py:8"). Both orders of the decorators: the
+    bundle carries the module, pdbg info says its code is unchanged and bundled, the drift warning
+    names the module's file, and the bundle replays elsewhere bit for bit."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "optlib.py").write_text(NO_GRAD_MODULE)
+    (project / "train.py").write_text(NO_GRAD_TRAIN)
+    res = run([sys.executable, "train.py", "run.zarr"], project, project)
+    assert res.returncode == 0, res.stderr
+    lib = str(project / "optlib.py")
+    for name, step in (("update.pdbg", "sgd_update"), ("decay.pdbg", "decay")):
+        assert replayer.open(project / name).bundle_info["sources"].keys() == {lib}
+        res = pdbg("info", name, cwd=project, code=project)
+        assert f"code of {step} (optlib:{step}): unchanged ({lib}) - bundled source available" in res.stdout, \
+            res.stdout + res.stderr
+    (project / "optlib.py").write_text(NO_GRAD_MODULE.replace("param.mul_(1 - rate)", "param.mul_(1 - 2 * rate)")
+                                       .replace("param.add_(buf, alpha=-lr)", "param.add_(buf, alpha=-2 * lr)"))
+    for index, step, line in (("0", "sgd_update", 6), ("1", "decay", 13)):
+        res = pdbg("replay", "run.zarr", index, cwd=project, code=project)
+        assert f"warning: code of {step} changed since recording ({lib}:{line})\n" in res.stdout, \
+            res.stdout + res.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("update.pdbg", "decay.pdbg"):
+        shutil.copy(project / name, elsewhere / name)
+    shutil.rmtree(project)
+    for name in ("update.pdbg", "decay.pdbg"):
+        res = pdbg("replay", name, "--use-bundled-source", cwd=elsewhere, code=elsewhere)
+        assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
+
+
 def test_an_open_bundle_lets_go_of_its_file_when_closed(recorded: tuple[Path, Path], tmp_path: Path) -> None:
     """A bundle's Recording holds its zip open (a notebook's Out[] keeps every one displayed):
     `with replayer.open(...)` or close() lets it go. Out of file descriptors, opening one says so
