@@ -1629,7 +1629,7 @@ class Divergence:
     cause: str
     first_difference: Step | None = None  # the first aligned step whose results differ at all
     followed: list[Step] = field(default_factory=list)  # the first SPREAD steps after it that differ only
-    # because their inputs did
+    # because their inputs or parameters did
     compared: int = 0
     # Where the runs first differ by a step one ran and the other did not (an expert called in one only): that
     # step, of run B where unpaired_other (first_difference is then run A's step after the place it ran at)
@@ -1940,11 +1940,12 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     ran), the backward steps of one call from several passes in their order, and compared by payload hash
     (by statistics where either run kept only those). A step whose inputs were identical in both runs but
     whose results differ is a *root cause* (its parameters differ, or it computed differently); a
-    step that only received different inputs *followed*. The root cause reported is the first in
-    run A's execution order, the innermost where steps nest. Where the first step whose results
-    differ got different inputs, they came from outside every recorded step (the data, code between
-    steps), and there is no root cause among the steps: later ones whose parameters differ only
-    follow it (the optimizer stepped with other gradients). A step one run ran and the other did not
+    later step that only received different inputs, or different parameters (the optimizer stepped
+    after it), *followed*. The root cause reported is the first in run A's execution order, the
+    innermost where steps nest. Where the first step whose results differ got different inputs, they
+    came from outside every recorded step (the data, code between steps), and there is no root cause
+    among the steps: later ones whose parameters differ only follow it (the optimizer stepped with
+    other gradients). A step one run ran and the other did not
     (an expert called in one run only), before all these and among the steps both runs recorded, is
     where they first differ (``Divergence.unpaired``).
     """
@@ -2250,15 +2251,17 @@ def _counted_otherwise(rec_a: Recording, rec_b: Recording) -> str:
 
 
 def _followers(al: _Aligned, after: int, pa: _Prints, pb: _Prints) -> list[Step]:
-    """The first SPREAD steps after ``after`` whose results differ because their inputs did."""
+    """The first SPREAD steps after ``after`` whose results differ because their inputs or parameters did
+    (the first forward given the same batch after the optimizer stepped with other values: its parameters
+    differ, its arguments do not)."""
     found: list[Step] = []
     for i in np.flatnonzero(al.a >= 0).tolist():
         if i <= after:
             continue
         sa, sb = al.rec_a.step(i), al.rec_b.step(int(al.a[i]))
-        args_a, _, res_a = _parts(pa, sa)
-        args_b, _, res_b = _parts(pb, sb)
-        if res_a != res_b and args_a != args_b:
+        args_a, params_a, res_a = _parts(pa, sa)
+        args_b, params_b, res_b = _parts(pb, sb)
+        if res_a != res_b and (args_a != args_b or params_a != params_b):
             found.append(sa)
             if len(found) == SPREAD:
                 break

@@ -365,7 +365,8 @@ def divergence(d: Divergence) -> str:
             (f"ran in run {'B' if d.unpaired_other else 'A'} only",
              step_ref(d.unpaired, False) if d.unpaired is not None else None),
             ("steps compared", f"{d.compared:,}")]
-    return block(title, fields(rows), _steps("followed (different inputs only)", d.followed, "steps"),
+    return block(title, fields(rows), _steps("followed (different inputs or parameters only)", d.followed,
+                                             "steps"),
                  hint("div.step", "div.followed", "replayer.replay(rec_a, div.step)") if d.step is not None
                  else hint("div.first_difference", "div.followed", "replayer.replay(rec_a, div.first_difference)")
                  if d.first_difference is not None else None)

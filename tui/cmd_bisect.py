@@ -81,7 +81,7 @@ def bisect(args: argparse.Namespace) -> int:
                 from replayer.bisect import SPREAD
 
                 more = " ..." if len(div.followed) == SPREAD else ""
-                print(f"steps after it that only followed (different inputs): "
+                print(f"steps after it that only followed (different inputs or parameters): "
                       f"{', '.join(str(s.index) for s in div.followed)}{more}; first "
                       f"{_step_text(div.followed[0].to_json())}")
         return 1 if div.first_difference is not None else 0

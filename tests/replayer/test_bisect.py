@@ -617,7 +617,7 @@ def test_runs_parted_by_their_data_have_no_root_cause_among_the_steps(tmp_path: 
     res = pdbg("bisect", str(tmp_path / "a.zarr"), "--against", str(tmp_path / "b.zarr"), cwd=tmp_path)
     lines = res.stdout.splitlines()
     assert res.returncode == 1 and lines[0] == div.cause and "root cause" not in res.stdout
-    assert lines[1].startswith("steps after it that only followed (different inputs): ")
+    assert lines[1].startswith("steps after it that only followed (different inputs or parameters): ")
 
 
 def test_a_run_that_is_longer_is_said_to_be(tmp_path: Path) -> None:
@@ -1970,6 +1970,51 @@ def test_against_names_the_argument_that_differs_and_its_two_values(tmp_path: Pa
     res = pdbg("bisect", "b.zarr", "--against", "c.zarr", cwd=tmp_path)
     assert "its non-tensor argument opts['lr'] differs (0.5 vs 0.25)" in res.stdout, res.stdout + res.stderr
 
+
+
+@recorder.paper_step("Eq. 1", description="a linear map")
+class _Affine(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 12).reshape(4, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+@recorder.paper_step("Algorithm 1", description="a momentum update with its own beta")
+def _momentum_update(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, lr: float, beta: float) -> None:
+    buf.mul_(beta).add_(grad)
+    param.sub_(buf, alpha=lr)
+
+
+def test_against_lists_the_forward_given_the_parameters_the_root_cause_changed_as_followed(tmp_path: Path) -> None:
+    """Two runs whose update steps are given another beta: the root cause is the update of iteration 1
+    (at iteration 0 its buffer is zero, and beta changes nothing), and the first forward after it (the
+    same batch, the parameters that update wrote) only followed it. It was left out of the steps that
+    followed, which compared their arguments alone: the first of them was that forward's backward."""
+    for name, beta in (("a", 0.9), ("b", 0.5)):
+        model, x = _Affine(), torch.linspace(0.0, 1.0, 8).reshape(2, 4)
+        buf = torch.zeros(4, 3)
+        with recorder.record(tmp_path / f"{name}.zarr", model=model) as run:
+            for _ in range(3):
+                model(x).square().sum().backward()
+                with torch.no_grad():
+                    _momentum_update(model.w, model.w.grad, buf, 0.1, beta)
+                model.w.grad = None
+                run.next_iteration()
+    a, b = replayer.open(tmp_path / "a.zarr"), replayer.open(tmp_path / "b.zarr")
+    div = replayer.first_divergence(a, b)
+    assert div.step is not None and (div.step.name, div.step.iteration) == ("_momentum_update", 1), div.cause
+    assert "its non-tensor argument beta differs (0.9 vs 0.5)" in div.cause, div.cause
+    first = div.followed[0]
+    assert (first.name, first.phase, first.iteration) == ("_Affine", "forward", 2), [str(s) for s in div.followed]
+    assert [(s.name, s.phase) for s in div.followed[:3]] == [("_Affine", "forward"), ("_Affine", "backward"),
+                                                             ("_momentum_update", "forward")]
+    res = pdbg("bisect", "a.zarr", "--against", "b.zarr", cwd=tmp_path)
+    assert (f"steps after it that only followed (different inputs or parameters): {first.index}, "
+            f"{div.followed[1].index}, ") in res.stdout, res.stdout + res.stderr
+    assert f"; first step {first.index}: Eq. 1 (_Affine), forward, iteration 2" in res.stdout, res.stdout
 
 
 def test_against_a_recursion_of_another_shape_names_the_call_given_another_tree(tmp_path: Path) -> None:
