@@ -625,9 +625,11 @@ _REPRO = '''"""Replays the failing step in {bundle} and compares it, bit for bit
 
 Needs only paperdebugger (and the code the step uses, importable; --use-bundled-source: the code
 the bundle carries instead, which it then runs). Exit status: 0 when the replay matches the
-recording, 1 when it does not, 2 when the bundle cannot be read or replayed.
+recording, 1 when it does not, 2 when the bundle cannot be read or replayed; a reader that left
+(`python repro.py | head -3`) ends the output, not the answer.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -635,6 +637,38 @@ import replayer
 from recorder.errors import PdbgError
 from replayer import bundles
 
+
+class _Stdout:
+    """stdout, where a reader that left (a closed pipe) ends the output and not the script, whose exit
+    status is still its answer."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._reader_left()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._reader_left()
+
+    def _reader_left(self):
+        try:  # what the stream still buffers goes nowhere at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+sys.stdout = _Stdout(sys.stdout)
 given = [a for a in sys.argv[1:] if a != "--use-bundled-source"]
 bundle = Path(given[0]) if given else Path(__file__).with_name({bundle!r})
 try:

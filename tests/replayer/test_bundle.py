@@ -186,6 +186,29 @@ def test_repro_script_and_code_drift(recorded: tuple[Path, Path], tmp_path: Path
         (code / "bundlemod.py.orig").rename(code / "bundlemod.py")
 
 
+def test_repro_script_piped_into_a_reader_that_left_answers_by_its_exit_status(tmp_path: Path) -> None:
+    """``python repro.py | head -3``: repro.py ended with a BrokenPipeError traceback (exit 1 for a replay
+    that matched) where pdbg ends its output quietly. Its stdout a pipe closed before it writes: no
+    traceback, and the exit status is still the answer."""
+    from tests.models import smooth_relu
+
+    with recorder.record(tmp_path / "run.zarr"):
+        smooth_relu(torch.linspace(-2.0, 2.0, 64))
+    replayer.bundle(replayer.open(tmp_path / "run.zarr"), 0, tmp_path / "failure.pdbg", repro=True)
+    for unbuffered in ([], ["-u"]):  # (-u: each line written at once; else all of it at exit)
+        read, write = os.pipe()
+        os.close(read)  # the reader left before the first line
+        try:
+            res = subprocess.run([sys.executable, *unbuffered, "repro.py"], cwd=tmp_path, env=env_with(tmp_path),
+                                 stdout=write, stderr=subprocess.PIPE, text=True, timeout=300, check=False)
+        finally:
+            os.close(write)
+        assert res.returncode == 0 and "Traceback" not in res.stderr and "BrokenPipeError" not in res.stderr, \
+            res.stderr
+    res = run([sys.executable, "repro.py"], tmp_path, tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("step 0 (smooth_relu, forward): bitwise match"), res.stdout
+
+
 def test_a_verified_bundle_says_what_verified_it_and_what_differs_here(recorded: tuple[Path, Path],
                                                                         tmp_path: Path) -> None:
     """bundle.json's verification said match or not, never what replayed it: a receiver whose replay
