@@ -20,6 +20,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -52,6 +53,9 @@ class StepDef:
     _docs: dict[tuple[tuple[str, str], ...], dict[str, Any]] = field(default_factory=dict, repr=False)
     # where the function is a decorator's wrapper without functools.wraps: {"decorator", "around", "variable"}
     wrapper: dict[str, Any] | None = field(default=None, repr=False)
+    # where paper_step was called on the function outside the code that defines it (a library's function patched at
+    # run time: adam._single_tensor_adam = paper_step(...)(adam._single_tensor_adam)): _made_outside
+    made: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def paper(self) -> dict[str, Any]:
@@ -117,10 +121,18 @@ class StepDef:
         for part in qualname.split("."):
             obj = getattr(obj, part, None)
         found = bound_wrapper(obj)
-        if found is None or found[2] is not self:
+        if found is not None and found[2] is self:
+            return (f"{said} {target.__module__}.{qualname} is {found[0]}: a replay finds that wrapper by the step's "
+                    f"name, not the step; {found[1]}")
+        made = self.made
+        if made is None or _runs_again(made):
             return None
-        return (f"{said} {target.__module__}.{qualname} is {found[0]}: a replay finds that wrapper by the step's "
-                f"name, not the step; {found[1]}")
+        where = f"{made['file']}:{made['line']}"
+        return (f"{said} it is a paper step made at run time: paper_step was called on {target.__module__}.{qualname} "
+                f"at {where}, outside the code that defines it (a patch of a library's function), and a replay "
+                f"imports {target.__module__} and finds the undecorated function there; decorate a function defined "
+                "at the top level of your own code that calls it, and patch that in, or make the patch at the top "
+                "level of the training script, outside `if __name__ == \"__main__\":` (a replay loads that)")
 
 
 # Finding a step's source parses files (inspect.getsourcelines, ast.parse). Two training threads that
@@ -257,11 +269,12 @@ def paper_step(label: str, *, algorithm: str | int | None = None, step: str | in
     _check_label(label, name=name, description=description, algorithm=algorithm, equation=equation)
 
     def decorate(target: T) -> T:
-        return mark(target, sys._getframe(1).f_code)
+        return mark(target, sys._getframe(1))
 
-    def mark(target: Any, where: types.CodeType) -> Any:  # where: the code that decorates it
+    def mark(target: Any, frame: types.FrameType) -> Any:  # frame: the code that decorates it, running
+        where = frame.f_code
         if isinstance(target, (staticmethod, classmethod)):  # above @staticmethod: the function it holds, kept static
-            return type(target)(mark(target.__func__, where))
+            return type(target)(mark(target.__func__, frame))
         if isinstance(target, type) and issubclass(target, torch.nn.Module):
             _check_function(target.forward, f"{target.__qualname__}.forward")
             return _decorate_class(target, name or target.__qualname__, label, algorithm, step, equation,
@@ -277,6 +290,7 @@ def paper_step(label: str, *, algorithm: str | int | None = None, step: str | in
                            "function", target)
             if wrapper is not None:  # (said when a recording first meets it: StepDef.unfound)
                 defn.wrapper = {"decorator": wrapper[0], "around": inner, "variable": wrapper[1]}
+            defn.made = _made_outside(target, frame)
             return _wrap_function(target, defn)
         raise TypeError(f"paper_step decorates functions and nn.Module classes, not {type(target).__name__}")
 
@@ -301,6 +315,66 @@ def _wrapper_of(fn: Any) -> tuple[str, str, Any] | None:
         if callable(held) and not isinstance(held, type) and isinstance(getattr(held, "__qualname__", None), str):
             return decorator, variable, held
     return None
+
+
+def _made_outside(fn: Any, frame: types.FrameType | None) -> dict[str, Any] | None:
+    """``{"file", "line", "tops"}`` of the call of ``paper_step`` on ``fn`` (``frame``: the code that made it),
+    where no code of the file that defines ``fn`` is on the way to that call: a library's function patched at
+    run time (``adam._single_tensor_adam = paper_step(...)(adam._single_tensor_adam)``), which importing its
+    module does not decorate again. ``tops``: ``(file, line)`` of each module's top-level code on the way (the
+    training script's, where it made the patch or called what did). None otherwise, and for a function of
+    ``__main__`` (a replay finds it in the script, or in the session that made it)."""
+    if frame is None or getattr(fn, "__module__", None) == "__main__":
+        return None
+    try:
+        code = getattr(inspect.unwrap(fn), "__code__", None)
+    except ValueError:  # a cycle of __wrapped__
+        code = None
+    defined = getattr(code, "co_filename", None)  # (None: a builtin, defined by no file of Python code)
+    tops = []
+    outer: types.FrameType | None = frame
+    while outer is not None:
+        if outer.f_code.co_filename == defined:  # its module decorates it (through a factory of another file)
+            return None
+        if outer.f_code.co_name == "<module>":
+            tops.append((outer.f_code.co_filename, outer.f_lineno))
+        outer = outer.f_back
+    return {"file": frame.f_code.co_filename, "line": frame.f_lineno, "tops": tops}
+
+
+def is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":`` in either order, possibly combined with other conditions."""
+    if not isinstance(node, ast.If):
+        return False
+    for sub in ast.walk(node.test):
+        if isinstance(sub, ast.Compare) and len(sub.ops) == 1 and isinstance(sub.ops[0], (ast.Eq, ast.Is)):
+            sides = [sub.left, *sub.comparators]
+            names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+            mains = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+            if names and mains:
+                return True
+    return False
+
+
+def _runs_again(made: dict[str, Any]) -> bool:
+    """Whether a replay makes again the call of ``paper_step`` that ``made`` (``_made_outside``) places: one the
+    training script's top level made (or called code that made), outside its ``if __name__ == "__main__":``
+    block, which a replay loads (the statements of a script without that block are loaded only where they define
+    something: not a patch)."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not isinstance(script, str):
+        return False
+    lines = [line for file, line in made["tops"] if os.path.abspath(file) == os.path.abspath(script)]
+    if not lines:
+        return False
+    try:
+        with _SOURCE_LOCK:  # (ast.parse in two threads at once: see _SOURCE_LOCK)
+            tree = ast.parse("".join(linecache.getlines(script)) or Path(script).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return False
+    guards = [node for node in tree.body if is_main_guard(node)]
+    return bool(guards) and not any(node.lineno <= line <= (node.end_lineno or node.lineno)
+                                    for node in guards for line in lines)
 
 
 def bound_wrapper(obj: Any) -> tuple[str, str, StepDef] | None:

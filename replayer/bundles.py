@@ -152,8 +152,8 @@ def _sources(rec: Recording, steps: list[Step], script: str | None) -> tuple[dic
             now = static_source(file, qualname)
             if now is not None and hashlib.sha256(now.encode()).hexdigest() == entry["source_sha256"]:
                 seeds.append((name, file, None))
-    if _needs_main(steps):  # the script only where the steps name code it defined (not a launcher's settings)
-        seeds.append(("__main__", script, None))
+    if _needs_main(steps) or _patched(steps):  # the script only where the steps name code it defined (not a
+        seeds.append(("__main__", script, None))  # launcher's settings), or where it may patch a step in
     cwd = rec.run_info.get("cwd")
     sources: dict[str, str] = {}
     modules: dict[str, str] = {}
@@ -267,6 +267,14 @@ def _needs_main(steps: list[Step]) -> bool:
     a type or function in its arguments, its modules' attributes or constructor arguments?"""
     return any(isinstance(v, str) and v.startswith("__main__:")
                for s in steps for name in _DOC_COLUMNS for v in jsonval.walk(s._doc(name)))
+
+
+def _patched(steps: list[Step]) -> bool:
+    """Does any of these steps run a function of torch's (an installed package a bundle never carries, or the
+    standard library) as a paper step: one made at run time by a patch (``adam._single_tensor_adam =
+    paper_step(...)(...)``), which a replay finds where the training script's top level makes it again?"""
+    return any(s.definition.get("kind") == "function" and isinstance(s.definition.get("file"), str) and
+               installed(s.definition["file"]) for s in steps)
 
 
 def _session_source(rec: Recording) -> str | None:

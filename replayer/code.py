@@ -30,26 +30,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from recorder.annotate import source_lines
+from recorder.annotate import is_main_guard, source_lines
 from recorder.errors import ReplayError
 
 from . import state
 
 _DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-
-
-def _is_main_guard(node: ast.stmt) -> bool:
-    """``if __name__ == "__main__":`` in either order, possibly combined with other conditions."""
-    if not isinstance(node, ast.If):
-        return False
-    for sub in ast.walk(node.test):
-        if isinstance(sub, ast.Compare) and len(sub.ops) == 1 and isinstance(sub.ops[0], (ast.Eq, ast.Is)):
-            sides = [sub.left, *sub.comparators]
-            names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
-            mains = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
-            if names and mains:
-                return True
-    return False
 
 
 def _is_definition(node: ast.stmt) -> bool:
@@ -124,7 +110,7 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
                               "Python version it was recorded with (pdbg info names it)") from None
         raise ReplayError(f"the training script {file} does not parse now (line {exc.lineno}: {exc.msg}); "
                           "fix it or pass another copy with --script") from None
-    body = [n for n in tree.body if not _is_main_guard(n)]
+    body = [n for n in tree.body if not is_main_guard(n)]
     skipped: frozenset[str] = frozenset()  # names set by top-level statements left out
     guarded = len(body) != len(tree.body)
     if guarded:

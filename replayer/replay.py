@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import inspect
 import math
 import os
@@ -856,9 +857,7 @@ class Replayer:
                 raise ReplayError(f"step {step.index} ({step.name}): {defn.get('ref')} is {found[0]}, and a replay "
                                   f"finds that wrapper by the step's name, not the step; {found[1]} to replay it")
             if getattr(target, "__pdbg_step__", None) is None:  # a recording names it: only ever a paper step
-                raise ReplayError(f"{defn.get('ref')} is not a paper step (a function decorated with "
-                                  f"@recorder.paper_step) now; step {step.index} cannot be replayed: a replay calls "
-                                  "nothing else a recording names")
+                target = self._patched_step(step, defn, target)
             fn = getattr(target, "__wrapped__", target)  # the undecorated function: the step itself is not re-recorded
             if not callable(fn):
                 raise ReplayError(f"{defn.get('ref')} is not callable now; step {step.index} cannot be replayed")
@@ -878,6 +877,44 @@ class Replayer:
                      built.unrecorded if module_doc is not None else [], rngs, unread, held, unset, unchecked,
                      built.left_out if module_doc is not None else [],
                      built.order_doubts if module_doc is not None else [], code_drift, classes)
+
+    def _patched_step(self, step: Step, defn: dict[str, Any], target: Any) -> Any:
+        """The paper step of a function step whose reference finds something that is not one (``target``). The
+        function as its module defines it, undecorated, its code the recorded code, was made a step at run time,
+        by calling ``paper_step`` on it outside its definition (a patch: ``adam._single_tensor_adam =
+        paper_step(...)(adam._single_tensor_adam)``): found where the training script's top level makes the patch
+        (the script is loaded as a replay loads it, and the reference looked up again); otherwise a ReplayError
+        that says so. Anything else is no paper step: a replay calls nothing else a recording names."""
+        ref = str(defn.get("ref", ""))
+        module, _, qualname = ref.partition(":")
+        recorded = defn.get("source_sha256")
+        now = self.loader.source_of(target) if recorded and isinstance(target, types.FunctionType) else None
+        if now is None or hashlib.sha256(now.encode()).hexdigest() != recorded:
+            raise ReplayError(f"{ref} is not a paper step (a function decorated with @recorder.paper_step) now; step "
+                              f"{step.index} cannot be replayed: a replay calls nothing else a recording names")
+        loaded = None  # why the training script could not be looked in, if it could not
+        if module != "__main__" and self.loader.script:
+            try:
+                self.loader.main()  # (its top level, as a replay loads it: a patch there is made again)
+                again = self.loader.resolve(ref, defn.get("file"))
+            except ReplayError as exc:
+                loaded = str(exc)
+            else:
+                if getattr(again, "__pdbg_step__", None) is not None:
+                    return again
+        said = (f"step {step.index} ({step.name}) cannot be replayed: {ref} is the function as {module} defines it, "
+                "undecorated, its code the code recorded: the step was a paper step made at run time, by calling "
+                f"recorder.paper_step on it outside its definition (a patch: {module}.{qualname} = "
+                f"recorder.paper_step(...)({module}.{qualname})), which importing {module} does not do again")
+        if loaded is not None:
+            raise ReplayError(f"{said}; the training script, whose top level may make the patch again, could not be "
+                              f"loaded to look: {loaded}")
+        script = ("" if module == "__main__" or not self.loader.script else
+                  f", nor does the training script's top level, which the replay loaded ({self.loader.script})")
+        raise ReplayError(f"{said}{script}; decorate a function defined at the top level of your own code that calls "
+                          "it, and patch that in, or make the patch at the top level of the training script, outside "
+                          "`if __name__ == \"__main__\":`, and record again; in Python, make the patch before "
+                          "replaying")
 
     def _subclass(self, name: str, value: torch.Tensor, doc: Any, warnings: list[str]) -> torch.Tensor:
         """``value`` as an instance of the tensor subclass the recorded call was given at ``name`` (the

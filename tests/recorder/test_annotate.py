@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import inspect
 import os
+import sys
 
 import pytest
 import torch
@@ -107,6 +108,45 @@ def test_a_step_under_a_wrapping_decorator_records_the_file_its_code_is_in(run_p
         lines, line = inspect.getsourcelines(fn)
         assert d["file"] == os.path.abspath(__file__) and d["line"] == line, (fn, d["file"], d["line"])
         assert d["source"] == "".join(lines) and d["ref"] == f"{__name__}:{fn.__name__}"
+
+
+def test_a_library_function_patched_into_a_step_is_said_once_and_a_factory_of_another_file_is_not(
+        run_path, tmp_path, monkeypatch):
+    """A library's function made a paper step at run time (``F.softsign = paper_step(...)(F.softsign)``, in a
+    function) recorded without a word, and a replay, which imports torch.nn.functional, finds it undecorated:
+    said once, when the recording first meets it. A step decorated through a factory another file defines
+    (``@marked("Eq. 2")``, which calls paper_step there) is its module's own, and is not said."""
+    import importlib
+    import re
+    import warnings
+
+    import torch.nn.functional as F
+
+    from recorder import capture
+
+    (tmp_path / "stepfactory.py").write_text("import recorder\n\n\ndef marked(label):\n    def deco(fn):\n"
+                                             "        return recorder.paper_step(label)(fn)\n    return deco\n")
+    (tmp_path / "stepuser.py").write_text("from stepfactory import marked\n\n\n@marked('Eq. 2')\ndef halve(x):\n"
+                                          "    return x / 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        user = importlib.import_module("stepuser")
+        monkeypatch.setattr(F, "softsign", recorder.paper_step("Eq. 3")(F.softsign))
+        with warnings.catch_warnings(record=True) as caught, recorder.record(run_path):
+            warnings.simplefilter("always")
+            for _ in range(2):
+                user.halve(torch.ones(2)), F.softsign(torch.ones(2))
+    finally:
+        for name in ("stepuser", "stepfactory"):
+            sys.modules.pop(name, None)
+    said = [str(c.message) for c in caught if issubclass(c.category, capture.RecorderWarning)]
+    assert len(said) == 1 and re.fullmatch(
+        re.escape("PaperDebugger: step softsign (Eq. 3) is recorded, but it is a paper step made at run time: "
+                  f"paper_step was called on torch.nn.functional.softsign at {__file__}:") + r"\d+" + re.escape(
+            ", outside the code that defines it (a patch of a library's function), and a replay imports "
+            "torch.nn.functional and finds the undecorated function there; decorate a function defined at the top "
+            "level of your own code that calls it, and patch that in, or make the patch at the top level of the "
+            "training script, outside `if __name__ == \"__main__\":` (a replay loads that)"), said[0]), said
 
 
 def test_settings_snapshot_holds_threads_and_cpu_capability(run_path):

@@ -2990,6 +2990,75 @@ def masked_attention(q: torch.Tensor, block_mask: Any) -> torch.Tensor:
     return flex_attention(q, q, q, block_mask=block_mask)
 
 
+PATCHING_SCRIPT = '''
+import sys
+import torch
+import torch.nn.functional as F
+import recorder
+
+
+def patch():
+    F.softsign = recorder.paper_step("Eq. 3", description="torch's softsign, patched")(F.softsign)
+
+
+{top}
+
+
+def main():
+    {inside}
+    with recorder.record(sys.argv[1]):
+        for _ in range(2):
+            F.softsign(torch.linspace(-3.0, 3.0, 8))
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_library_function_patched_with_paper_step_replays_where_the_script_patches_it_again(tmp_path: Path) -> None:
+    """torch's own function made a paper step by a patch (``F.softsign = paper_step(...)(F.softsign)``): it
+    recorded without a word, and the replay refused it, "torch.nn.functional:softsign is not a paper step ...
+    now", as if the code had changed. A patch the training script's top level makes (outside its main block)
+    is made again when a replay loads the script: the steps replay, and a bundle carries the script. One made
+    inside main() is said when the recording first meets the step, and the replay says what happened."""
+    said = "PaperDebugger: step softsign (Eq. 3) is recorded, but it is a paper step made at run time"
+    for where, top, inside in (("top", "patch()", "pass"), ("main", "", "patch()")):
+        project = tmp_path / where
+        project.mkdir()
+        (project / "train.py").write_text(PATCHING_SCRIPT.format(top=top, inside=inside))
+        made = python("train.py", "run.zarr", cwd=project)
+        assert made.returncode == 0, made.stderr
+        assert made.stderr.count(said) == (where == "main"), made.stderr
+        res = pdbg("verify", "run.zarr", cwd=project)
+        if where == "top":
+            assert res.returncode == 0 and "2 of 2 steps replayed bit for bit (100.0%)" in res.stdout, \
+                res.stdout + res.stderr
+            continue
+        assert f"{said}: paper_step was called on torch.nn.functional.softsign at {project / 'train.py'}:9, " \
+               "outside the code that defines it" in made.stderr, made.stderr
+        assert "is not a paper step" not in res.stdout and (
+            "steps 0, 1 (Eq. 3 (softsign)): step N (softsign) cannot be replayed: torch.nn.functional:softsign is the "
+            "function as torch.nn.functional defines it, undecorated, its code the code recorded: the step was a "
+            "paper step made at run time, by calling recorder.paper_step on it outside its definition (a patch: "
+            "torch.nn.functional.softsign = recorder.paper_step(...)(torch.nn.functional.softsign)), which importing "
+            "torch.nn.functional does not do again, nor does the training script's top level, which the replay "
+            f"loaded ({project / 'train.py'}); decorate a function defined at the top level of your own code") \
+            in res.stdout, res.stdout
+    project = tmp_path / "top"
+    made = pdbg("bundle", "run.zarr", "0", "-o", "softsign.pdbg", cwd=project)
+    assert made.returncode == 0 and "source carried: train.py" in made.stdout, made.stdout + made.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(project / "softsign.pdbg", elsewhere)
+    shutil.rmtree(project)
+    res = pdbg("replay", "softsign.pdbg", cwd=elsewhere)
+    assert res.returncode == 2 and "could not be loaded to look: the training script" in res.stderr and \
+        "replay with --use-bundled-source" in res.stderr, res.stderr
+    res = pdbg("replay", "softsign.pdbg", "--use-bundled-source", cwd=elsewhere)
+    assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
+
+
 def test_a_function_of_the_training_code_given_as_an_argument_replays(tmp_path: Path) -> None:
     """A plain function of the training code passed as an argument (an activation; a flex_attention
     BlockMask's mask_mod, the module-level causal) was recorded as opaque "a builtins:function": every
