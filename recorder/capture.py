@@ -251,7 +251,7 @@ class Frame:
 # Writes through ``.data`` (an EMA or Polyak update, ``b_t.data.copy_(b.data)``) do not bump the
 # tensor's version counter. Small CPU tensors are therefore also kept as bits, and compared: a step's
 # inputs outside autograd's graph until the call ends, a module's buffers until its next call.
-_KEPT_INPUT_BYTES = 1 << 20
+_KEPT_INPUT_BYTES = layout.KEPT_INPUT_BYTES  # (layout.data_writes_seen: what readers take of it)
 _KEPT_BUFFER_BYTES = 1 << 16
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 

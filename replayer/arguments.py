@@ -5,11 +5,15 @@ not call finite, and what a replay refusal names."""
 from __future__ import annotations
 
 import ast
+import math
 import textwrap
 from dataclasses import dataclass
 from typing import Any
 
 from recorder import jsonval
+from recorder.payload import dtype_from_name
+from recorder.store import layout
+from recorder.store.reader import TensorRecord
 
 from .recording import Step
 
@@ -97,6 +101,29 @@ def unrecorded_outputs(doc: Any) -> list[str]:
             reason = jsonval.opaque_reason(jsonval.Opaque(ref, payload["repr"]))
         out.append(f"{path} ({reason or type_words(ref)})")
     return out
+
+
+def data_writes_unseen(record: TensorRecord) -> bool:
+    """Whether a write through ``.data`` (``p.data.add_(...)``, which leaves the version counter as it was) to the
+    input a record holds goes unseen by the recorder: it keeps the bits of CPU inputs up to 1 MiB only
+    (``layout.data_writes_seen``) to see one."""
+    if record.role != "input" or any(d < 0 for d in record.shape):
+        return False
+    try:
+        size = dtype_from_name(record.dtype).itemsize
+    except (AttributeError, TypeError, ValueError):  # (a dtype this torch does not have)
+        return False
+    return not layout.data_writes_seen(record.device, math.prod(record.shape) * size)
+
+
+def unseen_writes(step: Step) -> list[TensorRecord]:
+    """A forward step's input records that hold no record of a change (an ``after:`` output) where a change would
+    go unseen, written through ``.data`` (``data_writes_unseen``): what the call left them is not known."""
+    if step.phase != "forward":
+        return []
+    changed = {r.name[len(layout.AFTER_PREFIX):] for r in step.records
+               if r.role == "output" and r.name.startswith(layout.AFTER_PREFIX)}
+    return [r for r in step.records if r.name not in changed and data_writes_unseen(r)]
 
 
 def _short(ref: str) -> str:

@@ -28,6 +28,7 @@ made the Inf (``Origin.source``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import operator
 import os
@@ -45,7 +46,7 @@ from recorder.errors import PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
-from .arguments import type_words, unrecorded_arguments
+from .arguments import data_writes_unseen, type_words, unrecorded_arguments
 from .recording import Recording, Step, paper_of, paper_reference, printable
 
 _RESULT, _INPUT = layout.NONFINITE_RESULT, layout.NONFINITE_INPUT
@@ -257,7 +258,8 @@ class Origin:
     kept: Step | None = None
     source_op: Any = None
     # Where a grad output came in non-finite: the later step whose backward may have sent it, through an
-    # argument whose gradient was not recorded (the cause names it)
+    # argument whose gradient was not recorded; where a parameter, buffer or input came in non-finite: a recorded
+    # step given that very tensor (its values) that may have written it through .data, unseen (the cause names it)
     suspect: Step | None = None
 
     @property
@@ -935,10 +937,12 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         return origin
     bad = _own_nonfinite(rec, step)[1]
     senders = _unrecorded_senders(rec, step) if bad and bad[0].role == "grad_output" else []
-    origin = Origin(None, _entered_cause(rec, step, senders) + _not_overflow_note(step, not_overflows),
+    writers = _unseen_writers(rec, step) if bad and bad[0].role != "grad_output" else []
+    origin = Origin(None, _entered_cause(rec, step, senders, writers) + _not_overflow_note(step, not_overflows),
                     _after(rec, index, went, spread, inclusive=True), entered=step,
                     followed=int(went[index + 1:].sum()),
-                    suspect=(_backward_of(rec, senders[0][0], index) or senders[0][0]) if senders else None)
+                    suspect=(_backward_of(rec, senders[0][0], index) or senders[0][0]) if senders else
+                    writers[0][0] if writers else None)
     if ops:
         origin.op_note = entered_op_note(origin)
     return origin
@@ -1108,6 +1112,12 @@ def _through_gradients(rec: Recording, made: np.ndarray) -> np.ndarray:
 
 def entered_op_note(origin: Origin) -> str:
     """``ops=True`` where no recorded step made the NaN/Inf: why no operation is named."""
+    bad = _own_nonfinite(origin.entered.rec, origin.entered)[1] if origin.entered is not None else []
+    if origin.suspect is not None and bad and bad[0].role != "grad_output":  # (a writer: _unseen_writers)
+        return (f"no operation is named: the NaN/Inf came into step {origin.entered.index} in a tensor that step "
+                f"{origin.suspect.index} was given and may have written through .data, unseen by the recording "
+                f"(above), so no recorded result holds it to replay operation by operation; a replay of step "
+                f"{origin.suspect.index} says whether it changes it")
     if origin.entered is not None and origin.suspect is not None:
         return (f"no operation is named: the NaN/Inf came into step {origin.entered.index} through a gradient "
                 f"that was not recorded, which step {origin.suspect.index} may have made (above), so there is no "
@@ -1195,10 +1205,13 @@ def _after(rec: Recording, index: int, result: np.ndarray, count: int, inclusive
     return [rec.step(int(k)) for k in later[:count]]
 
 
-def _entered_cause(rec: Recording, step: Step, senders: list[tuple[Step, list[str]]] | None = None) -> str:
+def _entered_cause(rec: Recording, step: Step, senders: list[tuple[Step, list[str]]] | None = None,
+                   writers: list[tuple[Step, str]] | None = None) -> str:
     """Why no recorded step is to blame: which tensor arrived non-finite, and since when. A step's own
     inputs come first: a rank whose input was non-finite sent it to the others, it did not receive it.
-    ``senders``: where a grad output came so, the steps that may have sent it (``_unrecorded_senders``)."""
+    ``senders``: where a grad output came so, the steps that may have sent it (``_unrecorded_senders``);
+    ``writers``: where a parameter, buffer or input did, the steps given it that may have written it unseen
+    (``_unseen_writers``)."""
     source, bad = _own_nonfinite(rec, step)
     values = _values(source, "args") if not bad else []
     if values:  # a number that is no tensor (a numpy array, a float) brought it
@@ -1224,7 +1237,7 @@ def _entered_cause(rec: Recording, step: Step, senders: list[tuple[Step, list[st
                     f"penalty) outside the recorded steps; {where}")
         return f"{describe(step)} received non-finite values from outside every recorded step"
     sent = _sent(step)
-    text = _entered_text(rec, source, step, bad[0], senders or [])
+    text = _entered_text(rec, source, step, bad[0], senders or [], writers or [])
     return text + f"; this rank sent them to the others through its {', '.join(sent)}" if sent else text
 
 
@@ -1244,7 +1257,7 @@ def _from_another_rank(rec: Recording, step: Step) -> bool:
 
 
 def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord,
-                  senders: list[tuple[Step, list[str]]]) -> str:
+                  senders: list[tuple[Step, list[str]]], writers: list[tuple[Step, str]]) -> str:
     """What ``_entered_cause`` says of a step's own input ``r`` that arrived non-finite."""
     full = f"{source.module_path}.{r.name}" if source.module_path and r.role in ("param", "buffer") else r.name
     earlier = _last_finite_step(rec, step if r.role == "grad_output" else source, r.role, r.name)
@@ -1264,8 +1277,8 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord,
                 f"not recorded, and are the likely source, through the optimizer update{became}")
     if r.role in ("param", "buffer"):
         return (f"{'parameter' if r.role == 'param' else 'buffer'} {full} was already non-finite when "
-                f"{describe(source)} began ({_counts(rec, r)}): the optimizer update or code outside every recorded "
-                f"step wrote it{since}{became}")
+                f"{describe(source)} began ({_counts(rec, r)}): {_writers_text(writers, 'the parameter')}the "
+                f"optimizer update or code outside every recorded step wrote it{since}{became}")
     if r.role == "grad_output":
         which = "" if r.name == "output" else f" {r.name.removeprefix('output.')}"
         if senders:  # a later step's backward sent gradients toward arguments no tap followed
@@ -1279,8 +1292,76 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord,
                     f"{_argument_places(sender, names)} is not recorded (not followed for gradients){since}{became}")
         return (f"grad output{which} of {describe(step)} came non-finite ({_counts(rec, r)}) from the backward of "
                 f"code outside every recorded step{since}{became}")
+    if writers:
+        return (f"input {r.name} of {describe(source)} came non-finite ({_counts(rec, r)}): "
+                f"{_writers_text(writers, 'the input')}code outside every recorded step wrote it{since}{became}")
     return (f"input {r.name} of {describe(source)} came non-finite ({_counts(rec, r)}) from code outside every "
             f"recorded step{since}{became}")
+
+
+_WRITERS_LOOKED_AT = 100_000  # steps before the one a tensor came into non-finite looked at for unseen writers, at most
+
+
+def _unseen_writers(rec: Recording, step: Step) -> list[tuple[Step, str]]:
+    """Where a parameter, buffer or input came into ``step`` non-finite: the recorded forward steps between the last
+    call of the step that saw it finite and ``step`` that were given that very tensor (finite, its values as that call
+    recorded them: the same bytes, or the same statistics where either record kept statistics only; its shape, dtype
+    and device), and hold no record of a change to it (``after:``), where a write through ``.data`` goes unseen (a
+    tensor over 1 MiB, or not on the CPU: ``data_writes_unseen``): each may have written it. With the name of the
+    argument each was given it as; those that changed other arguments in place (an update step, which writes its
+    state) first."""
+    source, bad = _own_nonfinite(rec, step)
+    r = bad[0] if bad else None
+    if r is None or r.role not in ("param", "buffer", "input"):
+        return []
+    earlier = _last_finite_step(rec, source, r.role, r.name)
+    last = next((x for x in earlier.records if x.role == r.role and x.name == r.name and not x.nonfinite),
+                None) if earlier is not None else None
+    if last is None or not data_writes_unseen(dataclasses.replace(last, role="input")):
+        return []
+    rank = rec.rank
+    lo = max(earlier.index, source.index - _WRITERS_LOOKED_AT)  # (type: earlier is not None here)
+    steps = rank.column("tensors/step")
+    rows = np.flatnonzero((steps > lo) & (steps < source.index)
+                          & (rank.column("tensors/role") == layout.ROLES.index("input")))
+    if not len(rows):
+        return []
+    stats = np.asarray(rank.column("tensors/stats")[rows], dtype=np.float64)
+    finite = (stats[:, layout.STAT_NAMES.index("nan")] == 0) & (stats[:, layout.STAT_NAMES.index("inf")] == 0)
+    payloads = rank.payload_column()[rows]
+    wanted = np.array([last.stats[k] for k in layout.STAT_NAMES], dtype=np.float64)
+    alike = ((stats == wanted) | (np.isnan(stats) & np.isnan(wanted))).all(axis=1)
+    same = (payloads == last.payload) if last.has_payload else np.zeros(len(rows), dtype=bool)
+    if last.has_payload:  # (bytes kept on both sides: the same bytes; statistics where one kept only those)
+        same |= (payloads == layout.NO_REF) & alike
+    else:
+        same = alike
+    found: list[tuple[Step, str]] = []
+    for row in rows[finite & same][:1000].tolist():
+        x = rank.tensor_record(int(row))
+        if (x.dtype, x.shape, x.device) != (last.dtype, last.shape, last.device) or \
+                any(s.index == x.step for s, _ in found):
+            continue
+        given = rec.step(x.step)
+        if given.phase == "forward" and not any(o.role == "output" and o.name == f"{layout.AFTER_PREFIX}{x.name}"
+                                                for o in given.records):
+            found.append((given, x.name))
+    return sorted(found, key=lambda f: not any(o.role == "output" and o.name.startswith(layout.AFTER_PREFIX)
+                                              for o in f[0].records))  # (stable: in their order otherwise)
+
+
+def _writers_text(writers: list[tuple[Step, str]], what: str) -> str:
+    """The steps ``_unseen_writers`` found, as the cause names them before "... wrote it" ("" for none)."""
+    if not writers:
+        return ""
+    first, name = writers[0]
+    others = [f"step {s.index} ({s.name})" for s, _ in writers[1:4]] + \
+        ([f"{len(writers) - 4} more"] if len(writers) > 4 else [])
+    more = f" (or {', '.join(others)}, also given it)" if others else ""
+    return (f"{describe(first)} may have written it{more}: it was given that tensor as {name} (finite, holding the "
+            f"values {what} held when last seen), and a change through .data to a tensor over "
+            f"{layout.KEPT_INPUT_BYTES >> 20} MiB, or not on the CPU, goes unseen by the recording (a replay of step "
+            f"{first.index} says whether it changes it); else ")
 
 
 # A forward step's notes on arguments whose gradients are not recorded: "<record names>[:] " + one of these

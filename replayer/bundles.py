@@ -76,6 +76,9 @@ class BundleInfo:
     by_statistics: list[str] = field(default_factory=list)
     # the parts of the main step's output not recorded as data, which the verifying replay did not compare
     not_compared: list[str] = field(default_factory=list)
+    # the inputs the verifying replay changed through .data where the recording could not see a change
+    # (ReplayResult.unseen_writes): not compared as the call left them
+    unseen_writes: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -93,13 +96,13 @@ class BundleInfo:
     def to_json(self) -> dict[str, Any]:
         """``pdbg bundle --json``: {"path", "bytes", "steps", "verified", "main_step", "script", "sources",
         "not_verified", "unreplayable", "verified_with", "code_notes", "by_statistics",
-        "not_compared"}."""
+        "not_compared", "unseen_writes"}."""
         return {"path": str(self.path), "bytes": self.bytes, "steps": self.steps, "verified": self.verified,
                 "main_step": self.main_step, "script": str(self.script) if self.script else None,
                 "sources": self.sources, "not_verified": self.not_verified, "unreplayable": self.unreplayable,
                 "verified_with": self.verified_with, "code_notes": self.code_notes,
                 "by_statistics": self.by_statistics,
-                "not_compared": self.not_compared}
+                "not_compared": self.not_compared, "unseen_writes": self.unseen_writes}
 
     def __repr__(self) -> str:
         verified = f"verified: {self.verdict}" if self.verified is not None else self.verdict
@@ -404,6 +407,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                         json.dumps(carried, indent=1).encode())
         verified, not_verified, verified_with, by_statistics = None, None, None, []
         not_compared: list[str] = []
+        unseen: list[str] = []
         notes = _carried_drift(steps, sources)
         if verify:
             backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta).encode())
@@ -425,7 +429,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                 meta["verified"] = {"match": verified, "at": datetime.now(UTC).isoformat(),
                                     "outputs": [d.summary() for d in result.outputs], "warnings": result.warnings,
                                     "environment": verified_with}
-                not_compared = result.not_compared
+                not_compared, unseen = result.not_compared, result.unseen_writes
                 if not_compared:  # (a match of what was compared: the rest is said, never a match)
                     meta["verified"]["not_compared"] = not_compared
                 if by_statistics:  # (an inner step's too: the output summaries name the main step's only)
@@ -444,7 +448,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
 
     refusal = None if verify else known_refusal(main)
     return BundleInfo(out, out.stat().st_size, len(rows), new_main, verified, repro, sorted(sources), not_verified,
-                      refusal, verified_with, notes, by_statistics, not_compared)
+                      refusal, verified_with, notes, by_statistics, not_compared, unseen)
 
 
 def _verifying_environment(step: Step) -> dict[str, Any]:
@@ -690,7 +694,10 @@ print(f"step {{result.step.index}} ({{result.step.name}}, {{result.step.phase}})
          else ("match, by statistics only for " + ", ".join(result.by_statistics[:3])
                if getattr(result, "by_statistics", None) else "bitwise match")
          + ("" if not getattr(result, "not_compared", None) else
-            ", in what was compared; not recorded as data, not compared: " + ", ".join(result.not_compared))))
+            ", in what was compared; not recorded as data, not compared: " + ", ".join(result.not_compared))
+         + ("" if not getattr(result, "unseen_writes", None) else  # (an older paperdebugger has none)
+            (", in what was compared" if not getattr(result, "not_compared", None) else "")
+            + "; not compared: " + result.unseen_text)))
 for diff in result.outputs:
     print(f"  {{diff.summary()}}")
 changed = [s for s in result.inner if not s.match]

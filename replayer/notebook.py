@@ -262,7 +262,7 @@ def step_table(t: StepTable) -> str:
 
 def replay_result(res: ReplayResult) -> str:
     """The verdict, each compared tensor, the first divergent inner step, warnings and differences."""
-    part = " of what was compared" if res.not_compared else ""  # (the rest: "not compared", below)
+    part = " of what was compared" if res.not_compared or res.unseen_writes else ""  # (the rest: "not compared")
     verdict = (badge("nothing compared", "alert") if not res.compared
                else badge("no change in what was compared" if part else
                           "no change: the intervention left every output as recorded", "alert")
@@ -277,7 +277,9 @@ def replay_result(res: ReplayResult) -> str:
             ("first divergent inner step", join([step_ref(first.step), f" ({first.change})"]) if first else None),
             ("inner calls not recorded", res.unrecorded_inner.text if res.unrecorded_inner else None),
             ("rebuilt", ", ".join(f"{p or '(outermost)'}: {how}" for p, how in res.rebuilt.items()) or None),
-            ("not compared", ", ".join(res.not_compared) + ": not recorded as data" if res.not_compared else None),
+            ("not compared", "; ".join([*([", ".join(res.not_compared) + ": not recorded as data"]
+                                           if res.not_compared else []),
+                                         *([res.unseen_text] if res.unseen_text else [])]) or None),
             ("intervention", _short({k: v for k, v in (res.intervention or {}).items() if v not in (None, {}, [])}))]
     outputs = table(("tensor", "role", "bits", "elements differing", "max abs diff", "max rel diff", "max ULP",
                      "NaN / Inf recorded", "NaN / Inf replayed", "note"),

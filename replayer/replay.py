@@ -42,7 +42,7 @@ from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
 from . import collectives, distributions, intervene, state
-from .arguments import unrecorded_arguments, unrecorded_outputs
+from .arguments import unrecorded_arguments, unrecorded_outputs, unseen_writes
 from .code import CodeLoader, late_imports, projects, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, UnrecordedCall, descendants
@@ -77,6 +77,10 @@ class ReplayResult:
     intervention: dict[str, Any] | None = None  # the swaps, edits and overrides applied, if any
     # parts of the output not recorded as data, not compared (their type alone is): "output.1 (a torch Independent)"
     not_compared: list[str] = field(default_factory=list)
+    # inputs the replayed call changed in place where the recording holds no change of them: written through .data
+    # (which leaves the version counter as it was) in a tensor whose bits the recorder does not keep to see that (over
+    # 1 MiB, or not on the CPU): what the recorded call left them is not known, so not compared ("args.0")
+    unseen_writes: list[str] = field(default_factory=list)
 
     @property
     def diffs(self) -> dict[str, Diff]:
@@ -105,6 +109,15 @@ class ReplayResult:
         return UNRECORDED_OUTPUT.format(", ".join(self.not_compared)) if self.not_compared else NOTHING_COMPARED
 
     @property
+    def unseen_text(self) -> str:
+        """What ``unseen_writes`` leaves out of the comparison, in words ("" where nothing)."""
+        if not self.unseen_writes:
+            return ""
+        them = "them" if len(self.unseen_writes) > 1 else "it"
+        return (f"{', '.join(self.unseen_writes)} as the call left {them} (changed through .data, which the recording "
+                f"does not see in a tensor over {layout.KEPT_INPUT_BYTES >> 20} MiB or not on the CPU)")
+
+    @property
     def first_divergence(self) -> InnerStep | None:
         """The first inner step, in execution order, whose replay differs from its recording."""
         return next((s for s in self.inner if not s.match), None)
@@ -119,7 +132,8 @@ class ReplayResult:
                 "first_divergence": first.to_json() if first else None,
                 "unrecorded_inner": self.unrecorded_inner.to_json() if self.unrecorded_inner else None,
                 "exception": self.exception,
-                "intervention": self.intervention, "not_compared": self.not_compared}
+                "intervention": self.intervention, "not_compared": self.not_compared,
+                "unseen_writes": self.unseen_writes}
 
     def __repr__(self) -> str:
         verdict = "nothing compared" if not self.compared else "match" if self.match else "MISMATCH"
@@ -1303,6 +1317,7 @@ class Replayer:
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}
         call = self._prepare(step, warnings, rebuilt)
+        unseen = self._unseen_inputs(step, call)  # (their bits as given, to tell whether the call changes them)
         below = descendants(step)
         self._bind_inner(below, warnings, call.unchecked)
         inner = below if nested or self.plan.edits_inside() or self.plan.swaps else []
@@ -1383,8 +1398,32 @@ class Replayer:
         elif result.not_compared:  # compared by type alone: no match of theirs is claimed
             result.warnings.append(f"not compared: {', '.join(result.not_compared)}, not recorded as data (a replay "
                                    "compares its type alone)")
+        result.unseen_writes = [name for name, t, version, kept in unseen  # (its version counter as it was: .data)
+                                if t._version == version and not _same_bits(kept, t)]
+        if result.unseen_writes:
+            result.warnings.append(f"not compared: {result.unseen_text}: the replayed call changed "
+                                   f"{'them' if len(result.unseen_writes) > 1 else 'it'}, and what the recorded call "
+                                   "left is not recorded")
         self._likely_causes(result, call)
         return result
+
+    def _unseen_inputs(self, step: Step, call: _Call) -> list[tuple[str, torch.Tensor, int, torch.Tensor]]:
+        """``(name, tensor, its version counter, a copy of it)`` for the inputs of ``step`` whose change the
+        recording could not see (``arguments.unseen_writes``: written through ``.data`` in a tensor whose bits it
+        does not keep), as the replayed call is given them, those an edit changes left out: after the call, those
+        whose bits differ from the copy while the version counter did not move are ``ReplayResult.unseen_writes``."""
+        records = unseen_writes(step)
+        if not records:
+            return []
+        edited = {c.tensor for c in self.plan.edits_for(None)}
+        given = tensors_by_name({"args": call.args, "kwargs": call.kwargs}, "@", grads=True)
+        out = []
+        for r in records:
+            t = given.get(f"@.{r.name}")
+            if r.name not in edited and isinstance(t, torch.Tensor) and t.layout == torch.strided and \
+                    type(t) in (torch.Tensor, torch.nn.Parameter):
+                out.append((r.name, t, t._version, t.detach().clone()))
+        return out
 
     # -- backward --------------------------------------------------------------------------------
     def _backward(self, step: Step, threads: int | None, nested: bool) -> ReplayResult:
@@ -1616,6 +1655,16 @@ def _lazy_refusal(step: Step) -> str | None:
     fwd = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
     kind = jsonval.lazy_doc(fwd.output_structure)
     return None if kind is None else _lazy_text(step, fwd, kind)
+
+
+def _same_bits(kept: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` holds the bits ``kept`` does (NaN as NaN: a byte comparison)."""
+    try:
+        if kept.shape != t.shape or kept.dtype != t.dtype:
+            return False
+        return torch.equal(kept.reshape(-1).view(torch.uint8), t.detach().reshape(-1).view(torch.uint8))
+    except RuntimeError:  # (a dtype without a byte view: its values, then)
+        return bool(torch.equal(kept, t.detach()))
 
 
 def _refuse_lazy(step: Step, fwd: Step, out: Any) -> None:

@@ -178,6 +178,51 @@ def record_ema(path: Path, blow_up: int, iterations: int = 5) -> Path:
     return path
 
 
+@recorder.paper_step("Eq. 4", description="RMSprop without eps, old style: the update written through .data")
+def rmsprop_data_update(p: torch.Tensor, sq: torch.Tensor, lr: float, alpha: float, eps: float) -> None:
+    g = p.grad.data
+    sq.mul_(alpha).addcmul_(g, g, value=1 - alpha)
+    p.data.addcdiv_(g, sq.sqrt().add(eps), value=-lr)
+
+
+@recorder.paper_step("Eq. 5", description="a lookup that only reads its table")
+def lookup(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return table[rows].sum(0)
+
+
+@recorder.paper_step("Eq. 1", description="a linear map of one wide weight")
+class WideLinear(nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(rows, 512) * 0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def record_data_write(path: Path, rows: int) -> Path:
+    """Two iterations of a ``rows`` x 512 float32 weight (``rows`` 1024: 2 MiB, over the 1 MiB up to which the
+    recorder sees a write through .data) updated by ``rmsprop_data_update`` with eps 0: row 0 of the weight never
+    gets a gradient, so the update writes 0/0 = NaN into it, through .data. ``lookup`` reads the weight each
+    iteration and changes nothing."""
+    torch.manual_seed(0)
+    model = WideLinear(rows)
+    sq = torch.zeros_like(model.w)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # (only to count iterations)
+    with recorder.record(path, model=model, optimizer=opt, mode="full"):
+        for _ in range(2):
+            x = torch.randn(2, rows)
+            x[:, 0] = 0  # row 0 of the weight gets no gradient
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                lookup(model.w, torch.tensor([1, 2]))
+                rmsprop_data_update(model.w, sq, 0.01, 0.9, 0.0)
+            opt.step()
+    return path
+
+
 @recorder.paper_step("Eq. 4", description="a head fine-tuned on a frozen embedding and backbone")
 class FineTuned(nn.Module):
     """Fine-tuning: an embedding and a backbone frozen (requires_grad=False), a head trained."""

@@ -1200,6 +1200,7 @@ def render_replay(result: Any, full: bool = False) -> Text:
     """A replay's verdict and its first tensors, inner steps and warnings; ``full``: all of them."""
     by_statistics = ", ".join(result.by_statistics[:3])  # (a sparse result without its parts: not bit for bit)
     unseen = f"; not compared, not recorded as data: {', '.join(result.not_compared)}" if result.not_compared else ""
+    unseen += f"; not compared: {result.unseen_text}" if result.unseen_writes else ""
     verdict = ((f"nothing compared: the output was not recorded as data: {', '.join(result.not_compared)}"
                 if result.not_compared else "nothing compared", "bold yellow") if not result.compared
                else ("no change in what was compared" + unseen if unseen else

@@ -62,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
         print("source carried: " + (", ".join(_shown(f) for f in info.sources) if info.sources else
                                      "none (the steps' code is in the recording; a replay imports it)"))
         unseen = f"; not recorded as data, not compared: {', '.join(info.not_compared)}" if info.not_compared else ""
+        if info.unseen_writes:  # (changed through .data by the replay, where the recording could not see it)
+            unseen += (f"; not compared: {', '.join(info.unseen_writes)} as the call left "
+                       f"{'them' if len(info.unseen_writes) > 1 else 'it'} (changed through .data, which the "
+                       "recording does not see in a tensor over 1 MiB or not on the CPU)")
         if info.verified is not None:
             print("verified: " + (f"the bundle replays, a {info.verdict}{unseen}" if info.by_statistics else
                                   f"the bundle replays bit for bit{', in what was compared' + unseen if unseen else ''}"

@@ -535,6 +535,7 @@ def replay(args: argparse.Namespace) -> int:
                  f"{replaced.get('step', {}).get('index')}) " if replaced else "")
               + f"(apply it with: pdbg replay {shlex.quote(args.run)} --recipe {shlex.quote(args.save_recipe)})")
     unseen = f"; not compared (not recorded as data): {', '.join(result.not_compared)}" if result.not_compared else ""
+    unseen += f"; not compared: {result.unseen_text}" if result.unseen_writes else ""
     if not result.compared:
         print("\nNOTHING COMPARED: " + (f"the step's output was not recorded as data: {', '.join(result.not_compared)}"
                                          if result.not_compared else "the step returned no tensor"))
@@ -718,7 +719,7 @@ def verify(args: argparse.Namespace) -> int:
     picks = kept if args.sample is None or args.sample >= n else [kept[i] for i in sorted(
         set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))]
     replayer = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source) if picks else None
-    matched, mismatches, refused, by_statistics, partly = 0, [], [], 0, []
+    matched, mismatches, refused, by_statistics, partly, unseen = 0, [], [], 0, [], []
     corrupted: list[dict[str, Any]] = []  # steps whose recorded bytes are not the bytes recorded
     alike: list[str] = []  # per refused step, its reason with its number written "step N" (_alike)
     environment: list[str] = []  # what differs from the machine and software that recorded it (once each)
@@ -741,6 +742,8 @@ def verify(args: argparse.Namespace) -> int:
                 by_statistics += bool(result.by_statistics)
                 if result.not_compared:  # matched in what was compared: the rest is said, never called a match
                     partly.append({"step": step.to_json(), "not_compared": result.not_compared})
+                if result.unseen_writes:  # changed through .data where the recording could not see it: said too
+                    unseen.append({"step": step.to_json(), "unseen_writes": result.unseen_writes})
             else:
                 bad = [d.summary() for d in result.outputs if not d.match]
                 hint = [w for w in result.warnings if "likely cause" in w or "changed since" in w]
@@ -755,6 +758,8 @@ def verify(args: argparse.Namespace) -> int:
         doc["by_statistics"] = by_statistics
     if partly:
         doc["partly_compared"] = partly
+    if unseen:
+        doc["unseen_writes"] = unseen
     if skipped:
         doc["statistics_only"] = skipped
     if forward_gone:
@@ -787,6 +792,15 @@ def verify(args: argparse.Namespace) -> int:
                 steps = _step_text(alike[0]["step"]) if len(alike) == 1 else \
                     f"{len(alike)} steps ({_step_text(alike[0]['step'])} ... {_step_text(alike[-1]['step'])})"
                 print(f"  {steps}: {parts}")
+        if unseen:
+            print(f"{_count(len(unseen), 'step')} of those matched in what was compared; changed through .data, which "
+                  f"the recording does not see in a tensor over {layout.KEPT_INPUT_BYTES >> 20} MiB or not on the CPU, "
+                  "so not compared as the call left them:")
+            by_input: dict[str, list[dict[str, Any]]] = {}
+            for m in unseen:
+                by_input.setdefault(", ".join(m["unseen_writes"]), []).append(m)
+            for parts, alike in by_input.items():
+                print(f"  {_steps_text([m['step'] for m in alike])}: {parts}")
         if refused:
             print("could not be replayed:")
             by_reason: dict[str, list[dict[str, Any]]] = {}

@@ -139,6 +139,18 @@ AFTER_PREFIX = "after:"
 # A forward step's input record named an input leaf's record name + this: that leaf's .grad when the
 # call began (a parameter given to an update step), which a replay sets on it again. Since 1.10.
 GRAD_SUFFIX = ":grad"
+# The bytes of a CPU input up to which the recorder keeps its bits through the call, to see a write through .data
+# (``p.data.add_(...)``, which leaves the version counter as it was): a larger one's, or one not on the CPU, changed
+# so, has no AFTER_PREFIX record.
+KEPT_INPUT_BYTES = 1 << 20
+
+
+def data_writes_seen(device: str, nbytes: int) -> bool:
+    """Whether the recorder sees a write through ``.data`` to an input of a step (``device`` as a record names it,
+    ``nbytes`` its size): by the bits it keeps of a CPU input up to ``KEPT_INPUT_BYTES``."""
+    return device == "cpu" and nbytes <= KEPT_INPUT_BYTES
+
+
 # A forward step's note: "<parameter>[, <parameter>...]: " + this + " (<its other paths>)".
 SHARED_PARAM_NOTE = ("shared with modules outside the step (tied weights): their use of them adds to the parameter "
                      "grads, which a replay of this step's backward does not compute")

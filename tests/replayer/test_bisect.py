@@ -25,7 +25,7 @@ from recorder.store import layout
 from replayer import bisect as bisect_mod
 from replayer.bisect import Condition, ConditionError
 from tests.cli import pdbg_here as pdbg
-from tests.models import poison_at, record_ema, record_training
+from tests.models import poison_at, record_data_write, record_ema, record_training
 from tests.replayer import nanmodels
 from tests.replayer.kinds import TreeEncoder
 from tests.sealing import write_sealed
@@ -1970,6 +1970,35 @@ def test_against_names_the_argument_that_differs_and_its_two_values(tmp_path: Pa
     res = pdbg("bisect", "b.zarr", "--against", "c.zarr", cwd=tmp_path)
     assert "its non-tensor argument opts['lr'] differs (0.5 vs 0.25)" in res.stdout, res.stdout + res.stderr
 
+
+
+def test_a_parameter_written_through_data_over_the_bits_limit_names_the_step_given_it(tmp_path: Path) -> None:
+    """An old-style update writing a 2 MiB weight through .data (``p.data.addcdiv_``: 0/0 = NaN in a row that
+    gets no gradient): the recorder sees such a write by the bits of inputs up to 1 MiB only, so the update
+    holds no after: record, and bisect said the parameter was written by "the optimizer update or code outside
+    every recorded step", while a recorded step was given that very tensor. The steps given it (finite, its
+    values as last seen) are named as possible writers, the update (which changed other arguments in place)
+    first, as Origin.suspect; under the limit the update is the origin, as before."""
+    rec = replayer.open(record_data_write(tmp_path / "wide.zarr", 1024))
+    update, read = rec.step("rmsprop_data_update@iter=0"), rec.step("lookup@iter=0")
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and origin.entered is not None and origin.entered.name == "WideLinear", origin.cause
+    assert origin.suspect is not None and origin.suspect.index == update.index, origin.cause
+    assert (f"began (512 NaN of 524288): {bisect_mod.describe(update)} may have written it (or step {read.index} "
+            "(lookup), also given it): it was given that tensor as args.0 (finite, holding the values the parameter "
+            "held when last seen), and a change through .data to a tensor over 1 MiB, or not on the CPU, goes unseen "
+            f"by the recording (a replay of step {update.index} says whether it changes it); else the optimizer "
+            "update or code outside every recorded step wrote it; it was last finite in iteration 0") in origin.cause, \
+        origin.cause
+    assert replayer.first_nonfinite(rec, ops=True).op_note == (
+        f"no operation is named: the NaN/Inf came into step {origin.entered.index} in a tensor that step "
+        f"{update.index} was given and may have written through .data, unseen by the recording (above), so no "
+        f"recorded result holds it to replay operation by operation; a replay of step {update.index} says whether "
+        "it changes it")
+    narrow = replayer.open(record_data_write(tmp_path / "narrow.zarr", 64))
+    origin = replayer.first_nonfinite(narrow)
+    assert origin.step is not None and origin.step.name == "rmsprop_data_update" and origin.suspect is None, \
+        origin.cause
 
 
 @recorder.paper_step("Eq. 1", description="a linear map")

@@ -34,7 +34,7 @@ from replayer.intervene import InterventionError
 from replayer.rebuild import Builder
 from replayer.replay import NOTHING_COMPARED, Replayer, known_refusal
 from tests.cli import SCRIPTS, env, pdbg, pdbg_here, python
-from tests.models import poison_at, record_training
+from tests.models import poison_at, record_data_write, record_training
 from tests.replayer.kinds import TreeEncoder
 
 ITERATIONS = 3
@@ -2988,6 +2988,37 @@ def masked_attention(q: torch.Tensor, block_mask: Any) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(q, q, q, block_mask=block_mask)
+
+
+def test_a_write_through_data_the_recording_could_not_see_is_not_called_a_bit_for_bit_match(tmp_path: Path) -> None:
+    """An update writing a 2 MiB weight through .data (over the 1 MiB up to which the recorder sees such a write):
+    its replay said "MATCH: bit for bit", though the weight it changed was compared with nothing. The replay says
+    that argument was changed and not compared, everywhere it gives a verdict; a step that only reads such a
+    tensor, and a write the recording saw (a weight under the limit), are a plain match."""
+    path = record_data_write(tmp_path / "wide.zarr", 1024)
+    rec = replayer.open(path)
+    res = replayer.replay(rec, "rmsprop_data_update@iter=0")
+    assert res.match and res.unseen_writes == ["args.0"] and [d.name for d in res.outputs] == ["after:args.1"]
+    said = ("args.0 as the call left it (changed through .data, which the recording does not see in a tensor over "
+            "1 MiB or not on the CPU)")
+    assert res.unseen_text == said and f"not compared: {said}: the replayed call changed it" in res.warnings[0]
+    assert res.to_json()["unseen_writes"] == ["args.0"]
+    assert replayer.replay(rec, "lookup@iter=0").unseen_writes == []
+    narrow = replayer.open(record_data_write(tmp_path / "narrow.zarr", 64))
+    res = replayer.replay(narrow, "rmsprop_data_update@iter=0")
+    assert res.match and res.unseen_writes == [] and {d.name for d in res.outputs} == {"after:args.0", "after:args.1"}
+    out = pdbg_here("replay", str(path), "rmsprop_data_update@iter=0", cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.rstrip().endswith(
+        f"MATCH: bit for bit, in what was compared; not compared: {said}"), out.stdout
+    out = pdbg_here("verify", str(path), cwd=tmp_path)
+    updates = [rec.step(f"rmsprop_data_update@iter={i}").index for i in (0, 1)]
+    assert out.returncode == 0 and (
+        "2 steps of those matched in what was compared; changed through .data, which the recording does not see in "
+        "a tensor over 1 MiB or not on the CPU, so not compared as the call left them:\n"
+        f"  steps {updates[0]}, {updates[1]} (Eq. 4 (rmsprop_data_update)): args.0\n") in out.stdout, out.stdout
+    doc = json.loads(pdbg_here("verify", str(path), "--json", cwd=tmp_path).stdout)
+    assert [(m["step"]["index"], m["unseen_writes"]) for m in doc["unseen_writes"]] == [(i, ["args.0"])
+                                                                                       for i in updates]
 
 
 PATCHING_SCRIPT = '''
