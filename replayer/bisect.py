@@ -858,6 +858,9 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     inf_made = k.result & ~k.nan_result & ~k.given  # Inf (only) from finite inputs
     if inf_made.any():
         made |= inf_made & ~k.masks()
+    stopped = _stopped_at(rec, k.result)  # the recorder stopped the run there: nothing could come of its Inf
+    if stopped is not None and inf_made[stopped]:
+        made[stopped] = True
     harmed = k.harmed()  # a mask's Inf passed on where the step's earlier calls kept it out
     made |= harmed
     through = _through_gradients(rec, made)  # came in by a graph of gradients: where it entered
@@ -891,6 +894,8 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         elif given and k.given[index]:  # NaN of a mask's Inf: the step that made that Inf, whatever the run's length
             maker = _mask_source(rec, k, step)
             source += _source_text(k, maker)
+        if index == stopped:
+            source += _STOPPED_NOTE
         origin = Origin(step, f"{describe(step)} produced {'; '.join(what)} {source}"
                         + _not_overflow_note(step, not_overflows), _after(rec, index, went, spread),
                         followed=int(went[index + 1:].sum()), source=maker,
@@ -902,6 +907,8 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         came = k.nan_given | (k.result & k.given & ~habit) | through
     elif k.result.any():
         came = (k.result & k.given & ~habit) | through
+        if stopped is not None:
+            came[stopped] = True
         if not came.any():
             first = rec.step(int(np.flatnonzero(k.result)[0]))
             return Origin(None, "no NaN recorded; Inf appears only in steps that hold it at every call or, on part "
@@ -1162,6 +1169,29 @@ def _ended_outside(rec: Recording) -> Origin | None:
 # What autograd's anomaly mode (torch.autograd.set_detect_anomaly) raises where a backward function
 # makes NaN: the pass stops there, before any step records the NaN.
 _ANOMALY = re.compile(r"Function '(\w+)' returned nan values in its (\d+)(?:st|nd|rd|th) output")
+
+
+_STOPPED_NOTE = (", where the recorder stopped the run (on_anomaly=\"stop\"), so nothing that would have come of "
+                 "it was recorded")
+
+
+def _stopped_at(rec: Recording, result: np.ndarray) -> int | None:
+    """The step whose NaN/Inf made the recorder stop the run (``on_anomaly="stop"``): the run ended by
+    its NonFiniteError, whose message begins with the step as the recorder names it (monitors'
+    ``StepContext.describe``). Its Inf is no mask's, even where nothing non-finite came of it: the run
+    went no further. Searched among the steps whose results held NaN or Inf, the last first."""
+    exc = rec.rank.final.get("exception")
+    if not isinstance(exc, dict) or not str(exc.get("type") or "").endswith(":NonFiniteError"):
+        return None
+    message = str(exc.get("message") or "")
+    for index in np.flatnonzero(result)[::-1][:_SOURCE_SEARCH].tolist():
+        step = rec.step(int(index))
+        label = step.paper.get("label")
+        who = f"{label} ({step.name})" if label else step.name
+        where = f" at {step.module_path}" if step.module_path else ""
+        if message.startswith(f"{who}{where} {step.phase}, iteration {step.iteration}, call {step.call}: "):
+            return int(index)
+    return None
 
 
 def _anomaly_raised(rec: Recording) -> Origin | None:

@@ -3,6 +3,7 @@ part, and conditional search over a recording."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -284,6 +285,56 @@ def test_a_nan_anomaly_mode_stops_in_the_backward_names_that_step(tmp_path: Path
     assert "anomaly mode stopped the backward pass inside it" in origin.cause
     res = pdbg("bisect", str(path), cwd=tmp_path)
     assert res.returncode == 1 and "anomaly mode stopped the backward pass" in res.stdout, res.stdout + res.stderr
+
+
+@recorder.paper_step("Eq. 2", description="a smooth relu: log(1 + exp(x)), Inf where exp overflows")
+def stop_smooth_relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.log1p(torch.exp(x))
+
+
+@recorder.paper_step("Algorithm 1")
+class StopBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return stop_smooth_relu(self.fc(x))
+
+
+@pytest.mark.parametrize("on_anomaly", ["stop", "record"])
+def test_the_step_on_anomaly_stop_stopped_at_is_the_origin(tmp_path: Path, on_anomaly: str) -> None:
+    """exp overflows on part of an inner step's output at iteration 3. Recorded on, the Inf goes on into
+    the loss and that step is the origin; with on_anomaly="stop" the recorder stops the run there, so
+    nothing non-finite came of the Inf, and bisect took it for a mask's: "no NaN recorded; ... as a -inf
+    attention mask does", exit 0, and pdbg info said "NaN origin: none found"."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(StopBlock(), StopBlock())
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with contextlib.ExitStack() as stack:
+        if on_anomaly == "stop":
+            stack.enter_context(pytest.raises(recorder.NonFiniteError, match="output has"))
+        stack.enter_context(recorder.record(path, model=net, optimizer=opt, on_anomaly=on_anomaly))
+        for i in range(5):
+            loss = net(torch.randn(4, 8) * (1e4 if i == 3 else 1.0)).pow(2).mean()
+            if not torch.isfinite(loss):
+                break
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    step = origin.step
+    assert step is not None, origin.cause
+    assert (step.name, step.module_path, step.phase, step.iteration) == ("stop_smooth_relu", "0", "forward", 3)
+    assert "from finite inputs" in origin.cause
+    assert ("where the recorder stopped the run" in origin.cause) == (on_anomaly == "stop"), origin.cause
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 1 and "origin: Eq. 2 · stop_smooth_relu · 0 · forward · iteration 3" in res.stdout, \
+        res.stdout + res.stderr
+    info = pdbg("info", str(path), cwd=tmp_path)
+    assert f"NaN origin: step {step.index}: Eq. 2 (stop_smooth_relu)" in info.stdout, info.stdout + info.stderr
 
 
 @recorder.paper_step("Eq. 3", description="a magnitude: sqrt(h * h), NaN gradient where h is 0")
