@@ -631,7 +631,7 @@ def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], m
     return new[main.index]
 
 
-_REPRO = '''"""Replays the failing step in {bundle} and compares it, bit for bit, with what was recorded.
+_REPRO = '''"""Replays the failing step in {bundle_doc} and compares it, bit for bit, with what was recorded.
 
     python repro.py [BUNDLE] [--use-bundled-source]
 
@@ -718,6 +718,12 @@ sys.exit(0 if result.match else 1)
 
 
 def _write_script(bundle_path: Path) -> Path:
+    """repro.py beside the bundle. Its name goes into the script's code as a literal (``repr``), and into
+    its docstring as it is where printable, else as that literal, with every backslash and quote escaped:
+    any name the file system allows (``eq\\x3.pdbg``, ``a\"\"\"b.pdbg``, a newline) gives a script that runs."""
     script = bundle_path.with_name("repro.py")
-    script.write_text(_REPRO.format(bundle=bundle_path.name))
+    name = bundle_path.name
+    shown = name if name.isprintable() else repr(name)
+    script.write_text(_REPRO.format(bundle=name, bundle_doc=shown.replace("\\", "\\\\").replace('"', '\\"')),
+                      encoding="utf-8")
     return script

@@ -610,6 +610,19 @@ def test_a_bundle_replays_where_its_training_script_is_not(tmp_path: Path) -> No
     assert replayer.replay(replayer.open(elsewhere / "gate.pdbg"), use_bundled_source=True).match
 
 
+@pytest.mark.parametrize("name", ['eq\\x3.pdbg', 'a"""b\\N.pdbg', 'Éq. 5 — résidu\u202e\n"\\u.pdbg'])
+def test_repro_script_runs_whatever_the_bundles_file_name(recorded: tuple[Path, Path], tmp_path: Path,
+                                                          name: str) -> None:
+    """The bundle's file name went raw into repro.py's docstring: a backslash (eq\\x3.pdbg: "truncated
+    \\xXX escape") or \"\"\" made a script that did not parse, exit 1, what repro.py says of a mismatch."""
+    run_path, code = recorded
+    made = replayer.bundle(replayer.open(run_path), "Eq. 1@iter=7", tmp_path / name, repro=True)
+    assert made.script == tmp_path / "repro.py"
+    compile(made.script.read_text(encoding="utf-8"), str(made.script), "exec")
+    repro = run([sys.executable, "repro.py"], tmp_path, code)
+    assert repro.returncode == 0 and "bitwise match" in repro.stdout, repro.stdout + repro.stderr
+
+
 def test_an_existing_repro_script_is_not_overwritten(recorded: tuple[Path, Path], tmp_path: Path) -> None:
     """--script writes repro.py next to the bundle: an existing one is refused in one line, before
     anything is written, unless --force."""
