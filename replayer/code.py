@@ -88,11 +88,47 @@ def _sets(node: ast.stmt) -> list[str]:
     return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
 
 
+class Skipped(frozenset):
+    """The names that top-level statements of an unguarded script left out by its loading would have set,
+    and, in ``why``, per name, which statement was left out and why ("set at line 6 (LABEL = normalize(…)),
+    a statement left out as it calls a function"): a replay's error names it (``CodeLoader.resolve``)."""
+
+    why: dict[str, str]
+
+    def __new__(cls, names: Any = (), why: dict[str, str] | None = None) -> Skipped:
+        made = super().__new__(cls, names)
+        made.why = {k: v for k, v in (why or {}).items() if k in made}
+        return made
+
+
+def _statement_text(source: str, node: ast.stmt) -> str:
+    """A top-level statement as its first line reads ("def mélange(x):", "LABEL = normalize(...)"), cut short."""
+    line = (ast.get_source_segment(source, node) or "").splitlines()[:1]
+    text = line[0].strip() if line else type(node).__name__
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _left_out(source: str, node: ast.stmt, unset: set[str], why: dict[str, str]) -> str:
+    """Why an unguarded script's loading leaves out a top-level statement, said of a name it sets: "set at
+    line 6 (LABEL = normalize(…)), a statement left out as it calls a function", or, for a definition that
+    reads a name a statement left out sets (``why`` says of that one), "set at line 9 (def f(x):), left out
+    as it reads LABEL as it runs, set at line 6 (...), ..." """
+    made = "defined" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else "set"
+    where = f"{made} at line {node.lineno} ({_statement_text(source, node)})"
+    reads = sorted(_loaded_now(node) & unset)
+    if reads and _is_definition(node):
+        first = reads[0]
+        return f"{where}, left out as it reads {first} as it runs, {why.get(first, 'set by a statement left out')}"
+    calls = any(isinstance(n, (ast.Call, ast.Await, ast.Yield)) for n in ast.walk(node))
+    return f"{where}, a statement left out as it {'calls a function' if calls else 'is no definition'}"
+
+
 def script_module(path: str | os.PathLike[str], text: str | None = None, main_module: str | None = None,
-                  argv: list[str] | None = None) -> tuple[types.ModuleType, str, frozenset[str]]:
+                  argv: list[str] | None = None) -> tuple[types.ModuleType, str, Skipped]:
     """Load a training script's definitions as a module named ``__main__`` (its classes and
     functions keep the ``__main__:QualName`` references they were recorded under). Returns the
-    module, a note on what was left out, and the names that statements left out would have set.
+    module, a note on what was left out, and the names that statements left out would have set
+    (``Skipped``: with why each was left out).
     ``text``: the script's source, instead of reading it. ``main_module``: the module the script
     was run as (``python -m pkg.train``): loaded in its package, so that its relative imports work,
     with the package's directory on the path rather than the script's."""
@@ -112,6 +148,7 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
                           "fix it or pass another copy with --script") from None
     body = [n for n in tree.body if not is_main_guard(n)]
     skipped: frozenset[str] = frozenset()  # names set by top-level statements left out
+    why: dict[str, str] = {}  # name -> the statement left out that sets it, and why
     guarded = len(body) != len(tree.body)
     if guarded:
         note = "loaded without its if __name__ == '__main__' block"
@@ -119,10 +156,17 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
         kept = [n for n in body if _is_definition(n)]
         names = list(dict.fromkeys(name for n in body if n not in kept for name in _sets(n)))
         unset = set(names) - {name for n in kept for name in _sets(n)}
+        for n in body:
+            if n not in kept:
+                for name in _sets(n):
+                    why.setdefault(name, _left_out(source, n, set(), why))
         while unset:  # a definition that reads a name only a skipped statement sets would fail: skipped too
             reading = [n for n in kept if _loaded_now(n) & unset]
             if not reading:
                 break
+            for n in reading:
+                for name in _sets(n):
+                    why.setdefault(name, _left_out(source, n, unset, why))
             kept = [n for n in kept if n not in reading]
             more = [name for n in reading for name in _sets(n) if name not in names]
             names += more
@@ -157,6 +201,8 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
         with extra_path([where]), state.kept(), operators_again(str(file)):
             for part in parts:
                 if not guarded and _loaded_now(part[0]) & unset:
+                    for name in _sets(part[0]):
+                        why.setdefault(name, _left_out(source, part[0], unset, why))
                     unset.update(_sets(part[0]))
                     continue
                 code = compile(ast.Module(body=part, type_ignores=[]), str(file), "exec")
@@ -166,6 +212,9 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
                     if guarded:
                         raise
                     failed.append(f"line {part[0].lineno}: {type(exc).__name__}: {exc}")
+                    for name in _sets(part[0]):
+                        why.setdefault(name, f"set at line {part[0].lineno} ({_statement_text(source, part[0])}), "
+                                             f"which failed when loaded ({type(exc).__name__}: {exc})")
                     unset.update(_sets(part[0]))
                 else:
                     unset.difference_update(() if guarded else _sets(part[0]))  # set again, later: defined
@@ -185,7 +234,7 @@ def script_module(path: str | os.PathLike[str], text: str | None = None, main_mo
                  f"{', '.join(sorted(unset)[:8])}{' ...' if len(unset) > 8 else ''}")
         skipped = skipped | frozenset(unset)
     linecache.checkcache(str(file))
-    return module, note, skipped
+    return module, note, Skipped(skipped, why)
 
 
 def package_root(name: str, file: str | os.PathLike[str]) -> Path:
@@ -534,6 +583,14 @@ class CodeLoader:
             try:
                 obj = getattr(obj, part)
             except AttributeError:
+                left_out = getattr(self.skipped, "why", {}).get(part) if module_name == "__main__" and \
+                    obj is self._main and self._main is not None else None
+                if left_out is not None:  # the script's loading left it out, and said why in a note
+                    raise ReplayError(
+                        f"__main__ has no {qualname}: the training script {self.script} has no if __name__ == "
+                        f"'__main__' guard, so a replay loads only its definitions, and left {part} out: {part} is "
+                        f"{left_out}; put the script's training under if __name__ == '__main__': (the rest of its "
+                        "top level then loads as it ran), or set what it reads without a call") from None
                 if needed_by != "the recording":
                     raise ReplayError(f"{module_name} has no {qualname}; check the name") from None
                 raise ReplayError(f"{module_name} has no {qualname} now (renamed or removed since the "

@@ -1793,6 +1793,44 @@ def test_a_definition_reading_a_name_an_unguarded_script_skips_is_skipped_too(tm
                for w in result.warnings), result.warnings
 
 
+UNGUARDED_LABEL = """
+import sys, unicodedata
+import torch
+import recorder
+
+LABEL = unicodedata.normalize("NFC", "\u00c9q. 3 \u2014 m\u00e9lange")
+
+
+@recorder.paper_step(LABEL)
+def m\u00e9lange(x):
+    return x * 2
+
+
+with recorder.record(sys.argv[1]):
+    m\u00e9lange(torch.randn(3))
+"""
+
+
+def test_a_step_an_unguarded_scripts_loading_left_out_is_said_to_be(tmp_path: Path) -> None:
+    """A label computed by a call (LABEL = unicodedata.normalize(...)) in a script without a main guard: its
+    loading leaves that statement out, and the decorated function with it, and the replay said "__main__ has
+    no mélange now (renamed or removed since the recording?)". It names the statement left out and why, and
+    what to do."""
+    (tmp_path / "train.py").write_text(UNGUARDED_LABEL, encoding="utf-8")
+    made = python("train.py", str(tmp_path / "run.zarr"), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    with pytest.raises(ReplayError) as raised:
+        replayer.replay(replayer.open(tmp_path / "run.zarr"), 0)
+    message = str(raised.value)
+    assert "renamed or removed" not in message and message.startswith("__main__ has no m\u00e9lange: the training "), \
+        message
+    assert "m\u00e9lange is defined at line 10 (def m\u00e9lange(x):), left out as it reads LABEL as it runs, set at " \
+           "line 6 (LABEL = unicodedata.normalize(\"NFC\", \"\u00c9q. 3 \u2014 m\u00e9lange\")), a statement left " \
+           "out as it calls a function; put the script's training under if __name__ == '__main__':" in message, message
+    res = pdbg_here("replay", str(tmp_path / "run.zarr"), "m\u00e9lange", cwd=tmp_path)
+    assert res.returncode == 2 and "a statement left out as it calls a function" in res.stderr, res.stderr
+
+
 UNGUARDED_ARGV = """
 import os
 import sys
