@@ -5,7 +5,9 @@ path matches a glob, without a decorator or any other change to the user's code.
 to the outermost module being called; globs match them segment by segment: ``*`` is one segment
 (``blocks.*`` is each block, not its children), ``**`` any number of segments, the root included
 (``**.attn`` is every ``attn``; ``**`` alone is every module). Within a segment, ``fnmatch``
-wildcards apply (``h.*.attn*``).
+wildcards apply (``h.*.attn*``; ``[[]`` is a literal ``[``), and a segment spelled exactly as a module's
+name selects it whatever characters it holds (``heads.x[0]``, a ModuleDict key), under Unicode
+normalisation (``names.glob``).
 
 Global forward pre-hooks see positional arguments only. A selected module is therefore given its
 own forward pre-hook with keyword arguments, which torch runs right after the global ones: its
@@ -20,7 +22,6 @@ instances are recorded by their own wrappers, never twice.
 
 from __future__ import annotations
 
-import fnmatch
 import sys
 import threading
 import weakref
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import compiled, skeleton
+from . import compiled, names, skeleton
 from .errors import RecordingError
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def _match(pattern: tuple[str, ...], segments: tuple[str, ...]) -> bool:
     head, rest = pattern[0], pattern[1:]
     if head == "**":
         return any(_match(rest, segments[i:]) for i in range(len(segments) + 1))
-    return bool(segments) and fnmatch.fnmatchcase(segments[0], head) and _match(rest, segments[1:])
+    return bool(segments) and names.glob(segments[0], head) and _match(rest, segments[1:])
 
 
 class ModuleSelector:

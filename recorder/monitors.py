@@ -16,7 +16,6 @@ statistics by record name (``step.stats["output"]["absmax"]``) and, for forward 
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import pdb
 import re
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from . import names
 from .autohooks import glob_matches, parse_globs
 from .errors import RecordingError
 from .items import TensorItem
@@ -159,7 +159,7 @@ def breakpoint(where: str, when: Callable[[StepContext], Any] | None = None,  # 
 
 
 _SELECTOR = re.compile(r"^(?P<name>[^@#:].*?)(?:@iter=(?P<iter>\d+))?(?:#(?P<call>\d+))?"
-                       r"(?::(?P<phase>forward|backward))?$")
+                       r"(?::(?P<phase>forward|backward))?$", re.DOTALL)  # (a module path may hold a newline)
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ class Selector:
         whether the step is a module's (a function step called outside any module has the path "" too)."""
         if self.name == ".":
             return module_path == "" and module
-        if self.name in (name, label) or fnmatch.fnmatchcase(name, self.name):
+        if names.same(self.name, label) or names.glob(name, self.name):
             return True
         pattern = parse_globs(self.name)[0] if all(self.name.split(".")) else None
         return pattern is not None and bool(module_path) and glob_matches(pattern, module_path)

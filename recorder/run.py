@@ -420,8 +420,10 @@ class Run:
         paths = sorted(selector.paths)
         shown = ", ".join(repr(p) if p else "'' (the root)" for p in paths[:40])
         more = f" and {len(paths) - 40} more" if len(paths) > 40 else ""
+        brackets = ("; in a glob, [...] is a set of characters (x[0] is x0): write [[] for a literal [ (x[[]0]), or "
+                    "the module path whole, as called, which selects it" if any("[" in g for g in missed) else "")
         capture.warn(f"module glob(s) {', '.join(map(repr, missed))} matched no module{so_far}; the module paths "
-                     f"called were: {shown}{more}", stacklevel=3)
+                     f"called were: {shown}{more}{brackets}", stacklevel=capture._outside_recorder())
 
     def _warn_uncounted(self) -> None:
         """Backward passes ran, yet the iterations never advanced: a hand-written update (no torch.optim

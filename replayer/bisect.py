@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import autohooks, jsonval, snapshot, transforms
+from recorder import autohooks, jsonval, names, snapshot, transforms
 from recorder.errors import PdbgError, RecordingError, ReplayError
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
@@ -109,9 +109,9 @@ def subtree(rec: Recording, index: int) -> list[int]:
 def describe(step: Step) -> str:
     """A step in paper terms: "Algorithm 1, step 5 · MultiScaleFusion · forward · iteration 17 · call 3" (and
     "object 2 of 2" after the module path where several module objects ran as the step: Step.module_object)."""
-    ref = paper_reference(step.paper)
-    parts = [p for p in (ref, step.name, step.module_path, step.object_text, step.phase_text,
-                         f"iteration {step.iteration}", f"call {step.call}") if p]
+    ref = paper_reference(step.paper)  # (names as printed: their control characters escaped, names.shown)
+    parts = [p for p in (names.shown(ref), names.shown(step.name), names.shown(step.module_path), step.object_text,
+                         step.phase_text, f"iteration {step.iteration}", f"call {step.call}") if p]
     return f"step {step.index}: " + " · ".join(parts)
 
 

@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import snapshot
+from recorder import names, snapshot
 from recorder.errors import FormatError, PdbgError, RecordingError, StepNotFoundError
 from recorder.items import OBJECTS_KEY
 from recorder.monitors import parse_selector
+from recorder.names import ESCAPES, printable  # noqa: F401 (where the replayer's callers find them)
 from recorder.store import backend, layout
 from recorder.store.reader import RankReader, RunReader, SparseParts, TensorRecord
 
@@ -199,8 +200,8 @@ class Recording:
         if not len(found):
             labels = sorted({str(x) for x in self._labels if x is not None})
             raise StepNotFoundError(f"no step matches {which!r}; " + (self._nearest(which) or (
-                f"names in this recording: {', '.join(sorted(set(self.steps.names))[:20])}"
-                + (f"; paper labels: {', '.join(labels[:20])}" if labels else ""))))
+                f"names in this recording: {', '.join(names.shown(n) for n in sorted(set(self.steps.names))[:20])}"
+                + (f"; paper labels: {', '.join(names.shown(lb) for lb in labels[:20])}" if labels else ""))))
         return self._picked(found)
 
     def _picked(self, found: StepTable) -> Step:
@@ -364,13 +365,6 @@ class Recording:
         return np.isin(inverse, found[1]) if found else np.zeros(len(inverse), dtype=bool)
 
 
-# Control characters (C0 but tab and newline, DEL, C1) and bidirectional overrides, as \xNN / \uNNNN:
-# a recording's names and messages may hold terminal escape sequences (a shared bundle is data from
-# elsewhere), which would otherwise reach the terminal (pdbg's output, a repr in a Python prompt).
-ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0))}
-ESCAPES.update({c: f"\\u{c:04x}" for c in (*range(0x202a, 0x202f), *range(0x2066, 0x206a))})
-
-
 _CONTAINER_KINDS = {"a tensor", "a list", "a dict", "a tuple", "a namedtuple", "a dataclass", "a mapping", "a object",
                     "a set", "a frozenset"}  # (what a container holds is named on its own: args.0.1)
 
@@ -396,11 +390,6 @@ def value_kind(doc: Any) -> str | None:
             return f"a {tag[1:]}"
     name = {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "dict"}.get(type(doc), "value")
     return f"{'an' if name == 'int' else 'a'} {name}"
-
-
-def printable(text: str) -> str:
-    """``text`` with control characters escaped (``ESCAPES``): for a repr a terminal may print."""
-    return text.translate(ESCAPES)
 
 
 _PAPER_KEYS = ("label", "algorithm", "step", "equation", "description")
@@ -510,7 +499,7 @@ class StepTable:
         mask = np.ones(len(self.rows), dtype=bool)
         for col, value in (("name", name), ("label", label), ("module_path", module_path)):
             if value is not None:
-                mask &= self.column(col) == value
+                mask &= self._named(col, value)
         if phase is not None:
             mask &= self.column("phase") == _index_of(layout.PHASES, phase, "phase")
         if status is not None:
@@ -522,6 +511,17 @@ class StepTable:
             self.rec.objects_numbered()
             mask &= self.rec._object_numbers[self.rows] == object
         return StepTable(self.rec, self.rows[mask])
+
+    def _named(self, column: str, value: str) -> np.ndarray:
+        """Per step, whether its name, paper label or module path (``column``) is ``value``, under Unicode
+        normalisation (``names.same``): asked once per distinct document."""
+        ids = np.asarray(self.rec.rank.column(f"steps/{'definition' if column == 'label' else column}"))[self.rows]
+        if not len(ids):
+            return np.zeros(0, dtype=bool)
+        _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        texts = self.column(column)[first]
+        hits = np.array([names.same(value, None if t is None else str(t)) for t in texts], dtype=bool)
+        return hits[inverse.reshape(-1)]
 
     def select(self, selector: str) -> StepTable:
         """The steps a selector ``NAME[@iter=K][#CALL][:backward]`` names (NAME: step name, paper
@@ -556,9 +556,10 @@ class StepTable:
 
     def _exactly(self, text: str) -> StepTable:
         """The steps whose name, paper label or module path is ``text`` (else: another of its paper
-        references, ``_references``)."""
-        found = self._where_named(lambda name, label, path: text in (name, label, path))
-        return found if len(found) else self._where_named(lambda name, label, path: text == label, references=True)
+        references, ``_references``), under Unicode normalisation (``names.same``)."""
+        found = self._where_named(lambda name, label, path: any(names.same(text, x) for x in (name, label, path)))
+        return found if len(found) else self._where_named(lambda name, label, path: names.same(text, label),
+                                                          references=True)
 
     def _where_named(self, test: Callable[[str, str | None, str], bool], references: bool = False) -> StepTable:
         """The steps for which ``test(name, paper label, module path)`` holds, asked once per distinct
@@ -727,7 +728,7 @@ class Step:
         """Where the step ran, as a listing appends it to its name: " at h.1", " at h.1 (object 2 of 2)",
         " (object 2 of 2)" or ""."""
         obj = self.object_text
-        return (f" at {self.module_path}" if self.module_path else "") + (f" ({obj})" if obj else "")
+        return (f" at {names.shown(self.module_path)}" if self.module_path else "") + (f" ({obj})" if obj else "")
 
     @property
     def status(self) -> str:
@@ -970,9 +971,9 @@ class Step:
                 "object": None if found is None else found[0], "objects": None if found is None else found[1]}
 
     def __repr__(self) -> str:
-        ref = paper_reference(self.paper)
-        who = f"{ref} ({self.name})" if ref else self.name
-        where = f" at {self.module_path}" if self.module_path else ""
+        ref, name = names.shown(paper_reference(self.paper)), names.shown(self.name)
+        who = f"{ref} ({name})" if ref else name
+        where = f" at {names.shown(self.module_path)}" if self.module_path else ""
         obj = f", {self.object_text}," if self.object_text else ""
         return printable(f"<Step {self.index}: {who}{where}{obj} {self.phase_text}, iteration {self.iteration}, call "
                          f"{self.call}, {self.status}>")

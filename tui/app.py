@@ -43,6 +43,7 @@ from textual.strip import Strip
 from textual.widgets import Footer, Header, Input, Static
 
 from recorder.errors import PdbgError
+from recorder.names import shown
 from replayer.recording import Recording, magnitudes_note
 
 from . import views
@@ -350,7 +351,7 @@ def tensor_table(view: views.StepView, width: int | None = None) -> Table:
             return Text(views.fmt_number(value))
 
         role = Text.assemble(("frozen ", "cyan"), t.role) if t.frozen else Text(t.role)  # requires_grad=False
-        rows.append((role, Text(t.name), Text(t.shape), Text(t.dtype), cell("min"), cell("max"),
+        rows.append((role, Text(shown(t.name)), Text(t.shape), Text(t.dtype), cell("min"), cell("max"),
                      cell("mean"), cell("std"), cell("nan"), cell("inf")))
     # (a cell's padding: one column each side, none at the table's edges: two more than the width given)
     need = [max([len(name), *(row[i].cell_len for row in rows)]) + 2 for i, name in enumerate(_COLUMNS)]
@@ -566,7 +567,7 @@ class PaperScreen(ModalScreen[str | None]):
         def add(parent: Any, node: views.PaperNode) -> None:
             for child in node.children.values():
                 counts = f"   {child.forward}/{child.backward} · {views.fmt_seconds(child.seconds)}"
-                label = Text.assemble((child.label, "bold" if child.children else ""), (counts, "dim"),
+                label = Text.assemble((shown(child.label), "bold" if child.children else ""), (counts, "dim"),
                                       (f" · {child.alerts} anomalies", "red") if child.alerts else "")
                 branch = parent.add(label, data=child.filter, expand=True) if child.children else \
                     parent.add_leaf(label, data=child.filter)
@@ -1261,9 +1262,9 @@ def render_tensor(view: views.TensorView) -> Text:
             style = "dim" if mark in (views.EMPTY, views.UNKNOWN) else "green" if not mark and lo <= value <= hi \
                 else "bold red"
             text.append(char, style=f"{style} underline reverse" if i == view.series_at else style)
-        shown = [m for m in views.MARKS if m in drawn]
-        if shown:  # (a NaN absmax is no elements as often as NaN: the marks say which)
-            text.append("   " + ", ".join(f"{m} {views.MARKS[m]}" for m in shown), style="dim")
+        marked = [m for m in views.MARKS if m in drawn]
+        if marked:  # (a NaN absmax is no elements as often as NaN: the marks say which)
+            text.append("   " + ", ".join(f"{m} {views.MARKS[m]}" for m in marked), style="dim")
         text.append("\n")
         if view.expected:
             broken = sum(1 for v, m in zip(values, marks) if m == views.NONFINITE or (not m and not lo <= v <= hi))

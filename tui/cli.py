@@ -91,6 +91,21 @@ def _not_there(word: str, as_command: bool) -> str:
             f"command ({commands}; pdbg --help)")
 
 
+# Arguments that are text a recording's names are compared with (selectors, globs, edit keys, conditions),
+# never paths, nor the recorded script's own arguments (pdbg record passes those on as they are).
+_TEXT_ARGS = ("step", "at", "start", "where", "when", "swap", "edit", "set", "recipe", "save_recipe", "modules")
+
+
+def _text_arg(value: str) -> str:
+    """A command-line argument as the text it was typed as: Python decodes the command line with the
+    locale's encoding (under LC_ALL=C without its UTF-8 mode, "é" comes as two lone surrogates, which match
+    no name); a recording's names are UTF-8, so the argument's bytes are read as UTF-8 where they are that."""
+    try:
+        return os.fsencode(value).decode("utf-8")
+    except (UnicodeError, ValueError):
+        return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -112,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     if handler is None:
         print("pdbg: error: give a command, or a recording to open (see pdbg --help)", file=sys.stderr)
         return 2
+    for name in _TEXT_ARGS:  # (paths stay as given: the file system's bytes)
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            setattr(args, name, _text_arg(value))
+        elif isinstance(value, list):
+            setattr(args, name, [_text_arg(v) if isinstance(v, str) else v for v in value])
     from recorder.runner import warnings_as_lines
 
     # What reads a recording prints through output.streams; pdbg record leaves the script's streams

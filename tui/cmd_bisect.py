@@ -20,6 +20,7 @@ import json
 from typing import Any
 
 from recorder.errors import PdbgError
+from recorder.names import shown
 
 from . import output
 from .cmd_replay import STEP_HELP, _num, _open, _step_text, rank_option
@@ -134,12 +135,13 @@ def bisect(args: argparse.Namespace) -> int:
         print(op_note)
     if origin.source_op is not None and origin.source is not None:  # where the mask's Inf it passed on was made
         src = origin.source_op
-        print(f"{origin.source_what}: {src.name} in step {origin.source.index} ({origin.source.name})")
+        print(f"{origin.source_what}: {src.name} in step {origin.source.index} ({shown(origin.source.name)})")
         if src.file:
             print(f"  {src.file}:{src.line}" + (f" in {src.function}" if src.function else ""))
             print(f"    {src.code}")
     if origin.spread:
-        print("then: " + "; ".join(f"step {s.index} {s.name}{f' at {s.module_path}' if s.module_path else ''} ("
+        print("then: " + "; ".join(f"step {s.index} {shown(s.name)}"
+                                   + (f" at {shown(s.module_path)}" if s.module_path else "") + " ("
                                    + ", ".join(p for p in (s.object_text, s.phase, f"iteration {s.iteration}") if p)
                                    + ")" for s in origin.spread))
     return 1

@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from recorder.errors import RecordingError
+from recorder.names import shown
 
 
 def add_parser(sub: Any) -> None:
@@ -129,9 +130,9 @@ def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
     if not len(failed):
         return text
     step = failed[-1]  # steps are numbered on entry: the innermost one that raised is the last
-    where = "".join((f" at {step.module_path}" if step.module_path else "",
+    where = "".join((f" at {shown(step.module_path)}" if step.module_path else "",
                      f", {step.object_text}" if step.object_text else ""))
-    return (f"{text}; {result.exception_name} escaped step {step.index} ({step.name}{where}, "
+    return (f"{text}; {result.exception_name} escaped step {step.index} ({shown(step.name)}{where}, "
             f"iteration {step.iteration}); open it there: {open_command(out, step.index)}")
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from recorder.errors import ChecksumError, PdbgError, ReplayError
+from recorder.names import shown
 from recorder.store import layout
 
 from . import output
@@ -191,8 +192,8 @@ def _tensors_kept(rec: Any, span: list[int] | None = None) -> str | None:
             reasons.append("the process's death (by pdbg record)")
         if not written:
             return "none (the flight ring wrote out no iteration)"
-        shown = ", ".join(str(i) for i in written[:12]) + (", ..." if len(written) > 12 else "")
-        return f"iterations {shown} (the flight ring, written out at: {', '.join(reasons)})"
+        some = ", ".join(str(i) for i in written[:12]) + (", ..." if len(written) > 12 else "")
+        return f"iterations {some} (the flight ring, written out at: {', '.join(reasons)})"
     return None
 
 
@@ -314,19 +315,20 @@ def info(args: argparse.Namespace) -> int:
 
         from replayer.recording import paper_reference
 
-        width = min(40, max(4, *(cell_len(p["name"]) for p in doc["paper_steps"])))  # longer: cut ("…")
+        # (names as printed, their control characters escaped before they are padded: names.shown)
+        width = min(40, max(4, *(cell_len(shown(p["name"])) for p in doc["paper_steps"])))  # longer: cut ("…")
         print(f"\n  {'step':<{width}}  {'paper':<28} {'forward':>7} {'backward':>8}  time")
         for p in doc["paper_steps"]:
             share = "" if p["time_share"] is None else f"{100 * p['time_share']:5.1f}%"
-            print(f"  {_cell(p['name'], width)}  {_cell(paper_reference(p['paper']), 28)} "
+            print(f"  {_cell(shown(p['name']), width)}  {_cell(shown(paper_reference(p['paper'])), 28)} "
                   f"{p['forward_calls']:>7} {p['backward_calls']:>8}  {share}")
         print("  (time: the share of the iterations' wall time spent in the step, inner steps included, a "
               "recursion once)")
         for p in doc["paper_steps"]:
             if p["objects"] > 1:
-                print(f"  {p['name']}: {p['objects']} module objects at one module path (a model and its copy, such "
-                      "as an EMA teacher);\n    each step says which (\"object 1 of 2\"); the TUI's filter object:K "
-                      "shows one's calls")
+                print(f"  {shown(p['name'])}: {p['objects']} module objects at one module path (a model and its copy, "
+                      "such as an EMA teacher);\n    each step says which (\"object 1 of 2\"); the TUI's filter "
+                      "object:K shows one's calls")
     print(f"\nalerts: {doc['alerts']}   exceptions: {doc['exceptions']}")
     if doc["alerts"]:  # what they say (the first few; the TUI's a lists them all)
         from replayer.bisect import with_alerts
@@ -337,14 +339,15 @@ def info(args: argparse.Namespace) -> int:
         for index in flagged[:_ALERTS_LISTED]:
             step = rec.step(int(index))
             for alert in step.extra.get("alerts", []) or []:
-                print(f"  step {step.index} ({step.name}, iteration {step.iteration}): {alert_text(alert, step)}")
+                print(f"  step {step.index} ({shown(step.name)}, iteration {step.iteration}): "
+                      f"{alert_text(alert, step)}")
         if len(flagged) > _ALERTS_LISTED:
             print(f"  ... and {len(flagged) - _ALERTS_LISTED} more steps (the TUI's a lists every one)")
     skips = doc["grad_scaler_skipped"]
     if skips:
         listed = [str(i) for i in skips.get("iterations") or []]
-        shown = ", ".join(listed[:8]) + (f" and {skips['count'] - 8} more" if skips["count"] > 8 else "")
-        which = f"iteration{'s' if len(listed) != 1 else ''} {shown}"
+        some = ", ".join(listed[:8]) + (f" and {skips['count'] - 8} more" if skips["count"] > 8 else "")
+        which = f"iteration{'s' if len(listed) != 1 else ''} {some}"
         print(f"GradScaler skipped {_count(skips['count'], 'optimizer step')} ({which}): NaN or Inf in the scaled "
               "gradients; bisect passes over the backward steps of those skipped at a loss scale above 1 whose "
               "gradients held Inf (overflows of the scaled loss; NaN without Inf is none), and --scaler-skips looks "
@@ -411,12 +414,12 @@ def info(args: argparse.Namespace) -> int:
 
 
 def _step_text(step: dict[str, Any]) -> str:
-    where = (f" at {step['module_path']}" if step["module_path"] else "") + (
+    where = (f" at {shown(step['module_path'])}" if step["module_path"] else "") + (
         f", object {step['object']} of {step['objects']}" if step.get("object") else "")
     from replayer.recording import paper_reference
 
     ref = paper_reference(step["paper"])
-    who = f"{ref} ({step['name']})" if ref and ref != step["name"] else step["name"]
+    who = f"{shown(ref)} ({shown(step['name'])})" if ref and ref != step["name"] else shown(step["name"])
     phase = step["phase"] + (" (no grad)" if step["phase"] == "forward" and step.get("grad_enabled") is False else "")
     return f"step {step['index']}: {who}{where}, {phase}, iteration {step['iteration']}, call {step['call']}"
 
@@ -517,7 +520,8 @@ def replay(args: argparse.Namespace) -> int:
             for s in result.inner:
                 if not s.match:
                     obj = f"{s.step.object_text}, " if s.step.object_text else ""
-                    print(f"  step {s.step.index} {s.step.name} at {s.step.module_path or '.'} ({obj}{s.step.phase}): "
+                    print(f"  step {s.step.index} {shown(s.step.name)} at {shown(s.step.module_path) or '.'} "
+                          f"({obj}{s.step.phase}): "
                           f"{s.change}" + _nonfinite_change(s))
     for w in result.warnings:
         print(f"warning: {w}")
@@ -574,7 +578,10 @@ def _outputs_table(diffs: list[Any]) -> None:
     # The names as long as they are, where the terminal has room beyond the table's (a pipe has it all)
     room = columns - (WIDE if wide else NARROW)
     least = 18 if wide else 15
-    n = min(max(least, *(len(d.name) for d in diffs)), least + max(0, room)) if diffs else least
+    from rich.cells import cell_len
+
+    # (in terminal columns: a wide character takes two, a combining one none; names as printed: names.shown)
+    n = min(max(least, *(cell_len(shown(d.name)) for d in diffs)), least + max(0, room)) if diffs else least
     if wide:
         print(f"\n  {'tensor':<{n}} {'match':<5} {'recorded: min':>14} {'max':>9} {'nan':>5} {'inf':>5}   "
               f"{'replayed: min':>13} {'max':>9} {'nan':>5} {'inf':>5}   {'max abs':>8} {'ULP':>6}")
@@ -587,14 +594,14 @@ def _outputs_table(diffs: list[Any]) -> None:
         else:
             ulp = d.max_ulp if wide or d.max_ulp < 10 ** 6 else f"{d.max_ulp:.0e}"  # (the JSON has every digit)
             far = f"{_num(d.max_abs_diff):>8} {ulp:>6}"
-        name = _cut(d.name, n)
+        name = _cut(shown(d.name), n)
         if wide:
-            print(f"  {name:<{n}} {'yes' if d.match else 'NO':<5} {_stats_cells(d.recorded)}   "
+            print(f"  {name} {'yes' if d.match else 'NO':<5} {_stats_cells(d.recorded)}   "
                   f"{_stats_cells(d.replayed, 13)}   {far}")
         elif d.match:
-            print(f"  {name:<{n}} {'yes':<5} {'':<8} {_stats_cells(d.recorded, 9)} {far}")
+            print(f"  {name} {'yes':<5} {'':<8} {_stats_cells(d.recorded, 9)} {far}")
         else:
-            print(f"  {name:<{n}} {'NO':<5} {'recorded':<8} {_stats_cells(d.recorded, 9)}")
+            print(f"  {name} {'NO':<5} {'recorded':<8} {_stats_cells(d.recorded, 9)}")
             print(f"  {'':<{n}} {'':<5} {'replayed':<8} {_stats_cells(d.replayed, 9)} {far}")
         if d.reason and (not d.match or d.by_statistics):  # prose: wrapped to the terminal (a pipe: on one line)
             print(textwrap.fill(d.reason, width=max(40, columns - 1), initial_indent="    ", subsequent_indent="    ",
@@ -607,8 +614,18 @@ def _outputs_table(diffs: list[Any]) -> None:
 
 
 def _cut(name: str, width: int) -> str:
-    """A tensor's name in ``width`` columns: its end kept (out_proj.weight, out_proj.bias differ there)."""
-    return name if len(name) <= width else "…" + name[len(name) - width + 1:]
+    """A tensor's name in exactly ``width`` terminal columns (wide characters take two, combining ones none):
+    padded, or cut at its start, its end kept (out_proj.weight, out_proj.bias differ there)."""
+    from rich.cells import cell_len, set_cell_size
+
+    if cell_len(name) <= width:
+        return set_cell_size(name, width)
+    tail = ""
+    for ch in reversed(name):
+        if cell_len(ch + tail) > width - 1:
+            break
+        tail = ch + tail
+    return set_cell_size("…" + tail, width)
 
 
 def _stats_cells(st: dict[str, Any], width: int = 14) -> str:
@@ -863,12 +880,12 @@ def _steps_text(steps: list[dict[str, Any]]) -> str:
             runs[-1][1] = index
         else:
             runs.append([index, index])
-    shown = [f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs[:_NUMBERS_LISTED]]
+    numbers = [f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs[:_NUMBERS_LISTED]]
     more = f", ... ({len(steps)} steps)" if len(runs) > _NUMBERS_LISTED else ""
-    names = {(s["name"], paper_reference(s["paper"])) for s in steps}
+    names = {(shown(s["name"]), shown(paper_reference(s["paper"]))) for s in steps}
     name, ref = next(iter(names))
     who = f" ({ref} ({name}))" if len(names) == 1 and ref and ref != name else f" ({name})" if len(names) == 1 else ""
-    return f"steps {', '.join(shown)}{more}{who}"
+    return f"steps {', '.join(numbers)}{more}{who}"
 
 
 def _cell(text: str, width: int) -> str:

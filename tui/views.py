@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from rich.cells import cell_len, set_cell_size
 
-from recorder import jsonval
+from recorder import jsonval, names
 from recorder.errors import PdbgError
 from recorder.store import layout
 from replayer.arguments import unrecorded_outputs
@@ -214,7 +214,7 @@ class TimelineModel:
         cols = self._cols
         status = layout.STATUSES[int(cols["status"].at(index))]
         phase = int(cols["phase"].at(index))
-        name, label, path = self.text_of(index)
+        name, label, path = (None if x is None else names.shown(x) for x in self.text_of(index))  # (escaped)
         if self.rec._object_places:  # several module objects ran as a step (a model and its EMA copy): which one
             obj = self.rec.step(index).object_text
             path = f"{path} ({obj})" if path and obj else obj or path
@@ -277,9 +277,10 @@ class TimelineModel:
         mask = np.ones(self.n, dtype=bool)
         listed = _json_names(self.filter_text)
         if listed is not None:
-            names, kept = self.names.astype(str), np.zeros(self.n, dtype=bool)
+            kept = np.zeros(self.n, dtype=bool)
             for item in listed:  # a name, or [name, paper label]: steps of different classes may share a name
-                kept |= (names == item) if isinstance(item, str) else self.rec.paper_step_mask(item[0], item[1])
+                kept |= self.rec.steps._named("name", item) if isinstance(item, str) else \
+                    self.rec.paper_step_mask(item[0], item[1])
             self.rows = np.flatnonzero(kept)
             return len(self.rows)
         for term in self.filter_text.split():
@@ -293,10 +294,10 @@ class TimelineModel:
             elif sep and key == "object":
                 mask &= self.rec._object_numbers == int(value)
             elif sep and key == "name":  # exact step names, comma-separated (the paper view's nodes)
-                mask &= np.isin(self.names.astype(str), value.split(","))
-            else:
-                needle = term.lower()
-                hit = np.array([needle in str(s).lower() for s in self._distinct_text()], dtype=bool)
+                mask &= np.logical_or.reduce([self.rec.steps._named("name", v) for v in value.split(",")])
+            else:  # (under Unicode normalisation, and in the names as printed: names.search_text)
+                needle = names.search_key(term)
+                hit = np.array([needle in names.search_text(str(s)) for s in self._distinct_text()], dtype=bool)
                 mask &= hit[self._text_ids()]
         self.rows = np.flatnonzero(mask)
         return len(self.rows)

@@ -134,6 +134,30 @@ class TestInProcess:
         (w,) = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
         assert "'blokcs.*' matched no module" in str(w.message) and "'blocks.0'" in str(w.message)
 
+    def test_a_glob_spelled_as_a_module_path_selects_it_whatever_it_holds(self, run_path: Path) -> None:
+        """modules=['heads.x[0]'] warned "matched no module" while listing heads.x[0] among the paths called:
+        the brackets were a set of characters. A glob spelled exactly as the path (or with [[] for a literal
+        [) selects it, under Unicode normalisation (a key in NFD, a glob typed in NFC); a glob holding [
+        that selects nothing says how to write one, at the line of the user's code that recorded."""
+        heads = nn.ModuleDict({k: nn.Linear(4, 4) for k in ("x[0]", "x0", "cafe\u0301")})
+        model = nn.Sequential(heads)
+        for k, (globs, paths) in enumerate(((["0.x[0]"], {"0.x[0]", "0.x0"}), (["0.x[[]*"], {"0.x[0]"}),
+                                            (["0.caf\u00e9"], {"0.cafe\u0301"}), (["**.x[[]0]"], {"0.x[0]"}))):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with recorder.record(run_path.with_name(f"{k}.zarr"), model=model, modules=globs) as run:
+                    for m in heads.values():
+                        m(torch.randn(2, 4))
+            assert run.unmatched_globs == [] and not caught, [str(w.message) for w in caught]
+            assert {s["path"] for s in steps(run_path.with_name(f"{k}.zarr"))} == paths, globs
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with recorder.record(run_path, model=model, modules=["0.x[0]*", "0.y*"]) as run:
+                heads["x[0]"](torch.randn(2, 4))
+        (w,) = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+        assert "'0.x[0]*', '0.y*' matched no module" in str(w.message) and "'0.x[0]'" in str(w.message)
+        assert "write [[] for a literal [" in str(w.message) and w.filename == __file__, (w.filename, str(w.message))
+
     def test_a_glob_naming_a_paper_step_module_has_matched(self, run_path: Path) -> None:
         """A glob that names a module already recorded as a paper step: the step is recorded once, by
         its own wrapper, and the glob is not reported as matching nothing (nor its path left out of

@@ -30,6 +30,7 @@ import replayer
 from recorder import capture, jsonval, snapshot
 from recorder.errors import FormatError, ReplayError, StepNotFoundError
 from recorder.store import layout
+from replayer.bisect import describe
 from replayer.intervene import InterventionError
 from replayer.rebuild import Builder
 from replayer.replay import NOTHING_COMPARED, Replayer, known_refusal
@@ -1691,6 +1692,102 @@ def test_a_name_or_label_holding_selector_syntax_is_selected_by_itself(tmp_path:
     assert res.returncode == 0 and res.stdout.startswith("step 0: Eq. 6 (block#1)"), res.stderr
 
 
+@recorder.paper_step("E\u0301quation 5 \u2014 re\u0301sidu")  # decomposed (NFD), as pasted from a PDF
+def residu(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@recorder.paper_step("Eq. 1")
+def filter_step(x: torch.Tensor) -> torch.Tensor:  # (def \ufb01lter_\uff53\uff54\uff45\uff50: Python names it so)
+    return x * 2
+
+
+class Keyed(nn.Module):
+    """ModuleDict keys in NFD (a macOS file name), holding control characters, brackets, CJK and a
+    combining mark."""
+
+    KEYS = ("cafe\u0301", "a\nFAKE LINE", "tab\there", "esc\x1b[31mRED", "x[0]", "注意力", "\u03b5\u0302_block")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({k: nn.Linear(4, 4) for k in self.KEYS})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.blocks.values():
+            x = torch.tanh(m(x))
+        return residu(filter_step(x))
+
+
+@pytest.fixture(scope="module")
+def keyed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keyed") / "run.zarr"
+    torch.manual_seed(0)
+    model = Keyed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(path, model=model, optimizer=opt, modules=["**"]):
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return path
+
+
+NFC_LABEL = "\u00c9quation 5 \u2014 r\u00e9sidu"  # as typed on a keyboard
+
+
+def test_names_labels_and_paths_are_selected_under_unicode_normalisation(keyed_run: Path, tmp_path: Path) -> None:
+    """A label recorded in NFD did not match the same text typed in NFC ("no step matches 'Équation 5 —
+    résidu'; ... paper labels: Équation 5 — résidu"), nor a ModuleDict key in NFD its path typed in NFC,
+    nor a name as written in the source (def ﬁlter_ｓｔｅｐ, which Python normalises to filter_step).
+    They are compared under NFC (NFKC for identifiers) on both sides; what is stored is unchanged."""
+    rec = replayer.open(keyed_run)
+    step = rec.step(NFC_LABEL)
+    assert step.name == "residu" and step.paper["label"] == "E\u0301quation 5 \u2014 re\u0301sidu"
+    assert len(rec.steps.filter(label=NFC_LABEL)) == 4 and len(rec.steps.select(f"{NFC_LABEL}:backward")) == 2
+    assert rec.step("blocks.caf\u00e9@iter=1").module_path == "blocks.cafe\u0301"
+    assert len(rec.steps.filter(module_path="blocks.caf\u00e9")) == 4
+    assert rec.step("\ufb01lter_\uff53\uff54\uff45\uff50").name == "filter_step"
+    assert len(rec.steps.filter(name="\ufb01lter_step")) == 4
+    found = pdbg_here("find", str(keyed_run), f"{NFC_LABEL}@iter=1", cwd=tmp_path)
+    assert found.returncode == 0 and found.stdout.startswith(f"step {rec.step(f'{NFC_LABEL}@iter=1').index}: "), \
+        found.stdout + found.stderr
+
+
+def test_control_characters_in_module_paths_are_printed_escaped_and_select_their_steps(keyed_run: Path,
+                                                                                         tmp_path: Path) -> None:
+    """A ModuleDict key "a\\nFAKE LINE" was printed raw (a listing's line broke in two, a tab went out raw) and
+    could not be selected ("invalid step selector"). Every listing escapes it (\\n, \\t, \\x1b), and that
+    escaped form, or the raw text, selects the step."""
+    rec = replayer.open(keyed_run)
+    for raw in ("a\nFAKE LINE", "tab\there", "esc\x1b[31mRED"):
+        printed = raw.replace("\n", "\\n").replace("\t", "\\t").replace("\x1b", "\\x1b")
+        step = rec.step(f"blocks.{printed}@iter=1")
+        assert step.module_path == f"blocks.{raw}" and rec.step(f"blocks.{raw}@iter=1").index == step.index
+        assert printed in describe(step) and raw not in describe(step) and printed in repr(step)
+        res = pdbg_here("find", str(keyed_run), f"blocks.{printed}@iter=1", cwd=tmp_path)
+        assert res.stdout == f"step {step.index}: Linear at blocks.{printed}, forward, iteration 1, call " \
+                             f"{step.call}\n", res.stdout + res.stderr
+    listing = pdbg_here("replay", str(keyed_run), "blocks.*@iter=1#1", cwd=tmp_path)
+    assert listing.stdout.startswith("step ") and "\t" not in listing.stdout and "\nFAKE" not in listing.stdout, \
+        listing.stdout
+
+
+def test_replays_table_is_aligned_in_terminal_cells(keyed_run: Path, tmp_path: Path) -> None:
+    """The replay's tensor table padded names by their length in characters: a CJK name (two columns a
+    character) or one with a combining mark shifted its row. Every row is as wide as the header, in cells."""
+    from rich.cells import cell_len
+
+    res = pdbg_here("replay", str(keyed_run), "Keyed@iter=1:backward", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("tensor "))
+    rows = [line for line in lines[at + 1:] if line.startswith("  blocks.")]
+    wide = [r for r in rows if "注意力" in r or "\u0302" in r]
+    assert len(wide) == 4 and {cell_len(r) for r in wide} == {cell_len(lines[at])}, [lines[at], *wide]
+    assert {cell_len(r[:r.index(" yes ")]) for r in rows} == {cell_len(lines[at][:lines[at].index(" match ")])}
+    assert {cell_len(r) for r in rows} == {cell_len(lines[at])} and any("a\\nFAKE LINE" in r for r in rows), rows
+
+
 @recorder.paper_step("Eq. 7", name="a")
 def short_named(x: torch.Tensor) -> torch.Tensor:
     return x + 1
@@ -1715,6 +1812,33 @@ def test_info_table_columns_stay_aligned_with_short_and_long_names(tmp_path: Pat
     assert "Algorithm 3, a label far lo…" in rows[1]
     for row in rows:
         assert row.index(" 1 ") + 1 == header.index("forward") + 6 and len(row) == len(rows[0]), (header, row)
+
+
+@recorder.paper_step("Eq. \u202e9 qE")
+def overridden(x: torch.Tensor) -> torch.Tensor:
+    return x - 1
+
+
+@recorder.paper_step("Eq. 8\u2028(two lines)", name="\u0394_\u6ce8\u610f")
+def separated(x: torch.Tensor) -> torch.Tensor:
+    return x / 2
+
+
+def test_info_table_escapes_bidirectional_controls_before_it_pads(tmp_path: Path) -> None:
+    """A label with a right-to-left override was padded and cut on its raw width and escaped afterwards by
+    the output stream (\\u202e: six cells more), and a LINE SEPARATOR went out raw: that row stood out of the
+    table. They are escaped first, and every row is as wide as the others, in cells."""
+    from rich.cells import cell_len
+
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        separated(overridden(short_named(torch.ones(2))))
+    lines = pdbg_here("info", str(path), cwd=tmp_path).stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("step"))
+    rows = lines[at + 1:at + 4]
+    assert "Eq. \\u202e9 qE" in rows[1] and "Eq. 8\\u2028(two lines)" in rows[2] and "\u202e" not in "".join(lines)
+    widths = {cell_len(r[:r.index("     1 ")]) for r in rows}
+    assert len(widths) == 1, [(cell_len(r), r) for r in rows]
 
 
 UNGUARDED_SCRIPT = '''

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import recorder
 import tui.cli
 from replayer.replay import Replayer
 from tests.cli import env, pdbg, pdbg_here, python
@@ -93,6 +95,29 @@ def test_output_problems_end_the_output_not_the_answer(nan_path: Path, tmp_path:
     finally:
         os.close(write)
     assert left.returncode == 1 and left.stderr == "", left.stderr
+
+
+@recorder.paper_step("\u00c9q. 3 \u2014 m\u00e9lange", name="m\u00e9lange")
+def melange(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_selector_typed_under_a_locale_that_is_not_utf_8_matches(tmp_path: Path) -> None:
+    """Under LC_ALL=C with Python's UTF-8 mode off, the command line is decoded as ASCII: a non-ASCII selector
+    came as lone surrogates, matched nothing, and the error showed it garbled ('\\udcc3\\udc89q. 3 ...'). A
+    selector (or an edit key, a glob) is read as the UTF-8 it was typed in; a path stays the file system's."""
+    path = tmp_path / "r\u00e9s" / "run.zarr"
+    with recorder.record(path):
+        melange(torch.ones(2))
+    c_locale = {**env(), "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    for selector in ("\u00c9q. 3 \u2014 m\u00e9lange@iter=0", "m\u00e9lange"):
+        res = subprocess.run([sys.executable, "-m", "tui.cli", "find", str(path), selector], capture_output=True,
+                             text=True, env=c_locale, timeout=300, check=False)
+        assert res.returncode == 0 and res.stdout.startswith("step 0: "), res.stdout + res.stderr
+    res = subprocess.run([sys.executable, "-m", "tui.cli", "find", str(path), "\u00c9q. 9"], capture_output=True,
+                         text=True, env=c_locale, timeout=300, check=False)
+    assert res.returncode == 2 and "no step matches '\\xc9q. 9'" in res.stderr and "udc" not in res.stderr, \
+        res.stderr
 
 
 def test_ctrl_c_is_one_line_and_exit_130(nan_path: Path, monkeypatch, capsys) -> None:

@@ -113,3 +113,29 @@ def test_the_paper_view_counts_a_recursions_time_once(tmp_path: Path) -> None:
     spans = table.column("t_end") - table.column("t_start")
     assert (node.forward, node.backward) == (26, 26) and outer.sum() == 4
     assert node.seconds == node.children["TreeEncoder"].seconds == float(spans[outer].sum()) < float(spans.sum())
+
+
+def test_the_filter_and_the_rows_take_names_as_printed_and_under_unicode_normalisation(tmp_path: Path) -> None:
+    """f résidu found nothing of a label recorded in NFD ("filter 'résidu': 0 steps"), and a module path
+    with control characters lost them in the timeline (blocks.tabhere: typed back, it selected nothing)
+    and broke the step pane's header in two at its newline. Rows and the header show them escaped, and
+    the filter finds a name by its NFC or NFKC spelling, or by the escaped form it shows."""
+    from tests.replayer.test_replay import Keyed
+
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    model = Keyed()
+    with recorder.record(path, model=model, modules=["**"]):
+        model(torch.randn(2, 4)).sum().backward()
+    rec = replayer.open(path)
+    model_view = views.TimelineModel(rec)
+    step = rec.step("blocks.tab\\there")
+    text = "".join(piece for piece, _ in model_view.row(step.index, width=150))
+    assert "blocks.tab\\there" in text and "\t" not in text
+    header = views.step_view(rec.step("blocks.a\\nFAKE LINE")).title
+    assert "\n" not in header and "blocks.a\\nFAKE LINE" in header
+    for typed, expected in (("r\u00e9sidu", {"residu"}), ("\u00c9QUATION", {"residu"}), ("caf\u00e9", {"Linear"}),
+                            ("tab\\there", {"Linear"}), ("\ufb01lter_\uff53tep", {"filter_step"})):
+        assert model_view.apply_filter(typed) == 2, typed  # (the forward and the backward)
+        assert {rec.step(int(i)).name for i in model_view.rows} == expected
+    assert model_view.apply_filter("name:\ufb01lter_step") == 2
