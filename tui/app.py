@@ -47,6 +47,7 @@ from recorder.names import shown
 from replayer.recording import Recording, magnitudes_note
 
 from . import views
+from .cmd_replay import split_pair
 
 _STYLES: dict[str, Style] = {}
 
@@ -1110,9 +1111,9 @@ class PdbgApp(App[None]):
             return
 
         def done(value: str | None) -> None:
-            if value and "=" in value:
-                key, _, expr = value.partition("=")
-                self.action_replay(edit={key.strip(): expr.strip()})
+            pair = split_pair(value, "--edit", self.rec) if value else None  # (parted as pdbg replay --edit)
+            if pair is not None:
+                self.action_replay(edit={pair[0]: pair[1]})
             elif value:
                 self.set_panel(Text("write TENSOR=EXPR, e.g. args.0=x.clamp(-50, 50)", style="red"))
 
@@ -1126,8 +1127,8 @@ class PdbgApp(App[None]):
 
         def done(value: str | None) -> None:
             if value and step is not None:
-                key, sep, ref = value.partition("=")
-                self.action_replay(swap={key.strip(): ref.strip()} if sep else {".": value.strip()}
+                pair = split_pair(value, "--swap")  # (at the last '=', as pdbg replay --swap: a KEY may hold one)
+                self.action_replay(swap={pair[0]: pair[1]} if pair is not None else {".": value.strip()}
                                    if step.module_path or step._doc("module") else {step.name: value.strip()})
 
         self.push_screen(Prompt("swap and rerun: [KEY=]pkg.module:Name (KEY: a module path or step name)",

@@ -49,10 +49,11 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--no-inner", action="store_true", help="do not compare the steps inside this one")
     p.add_argument("--swap", action="append", default=[], metavar="KEY=REF",
                    help="replace a module (path, or step name) or function step with an import reference "
-                        "(pkg.mod:Name); repeatable")
+                        "(pkg.mod:Name), parted at the last '=' (a KEY may hold one); repeatable")
     p.add_argument("--edit", action="append", default=[], metavar="[STEP/]TENSOR=EXPR",
                    help="change a tensor with an expression in x (x, torch's operations, tensor methods, math), e.g. "
-                        "'args.0=x.clamp(-50, 50)'; STEP/ aims at a step inside this one; repeatable")
+                        "'args.0=x.clamp(-50, 50)'; STEP/ aims at a step inside this one (a STEP holding '=', "
+                        "'Eq. 5 (a=1)/args.0=x*0', is taken whole where it names a step); repeatable")
     p.add_argument("--set", action="append", default=[], metavar="SETTING=VALUE",
                    help="override a recorded setting (deterministic=true, num_threads=1); repeatable")
     p.add_argument("--seed", type=int, help="seed the generators with this instead of the recorded states")
@@ -435,24 +436,49 @@ def _num(x: Any) -> str:
     return str(x)
 
 
-def _pairs(items: list[str], flag: str) -> dict[str, str]:
-    """KEY=VALUE arguments; the key may hold '@iter=K' (a selector), so that '=' is skipped."""
+def split_pair(item: str, flag: str, rec: Any = None) -> tuple[str, str] | None:
+    """KEY and VALUE of a --swap, --edit or --set argument KEY=VALUE (the TUI's s and e prompts too), or None
+    where no '=' parts them. A key may hold '=' itself: in '@iter=K' (a selector), and in a label ("Eq. 5
+    (α=1.5)/args.0"). A swap's value is an import reference (pkg.mod:Name), which holds none: it is parted at
+    the last '='. An edit's value is an expression, which may (x.clamp(min=0), x == 0): it is parted at the
+    first '=' whose key is STEP/TENSOR with a STEP that names a step of ``rec``, else at the first '='; a
+    setting at the first."""
+    cuts = [m.start() for m in re.finditer("=", item) if 0 < m.start() < len(item) - 1
+            and not item[:m.start()].endswith("@iter")]
+    if not cuts:
+        return None
+    pos = cuts[0]
+    if flag == "--swap":
+        pos = cuts[-1]
+    elif flag == "--edit" and rec is not None and len(cuts) > 1:
+        pos = next((c for c in cuts if _names_a_step(rec, item[:c].strip())), pos)
+    return item[:pos].strip(), item[pos + 1:].strip()
+
+
+def _names_a_step(rec: Any, key: str) -> bool:
+    """Whether an edit key is STEP/TENSOR with a STEP that selects a step of ``rec``."""
+    step, sep, tensor = key.rpartition("/")
+    if not (sep and step.strip() and tensor.strip()):
+        return False
+    try:
+        return len(rec.steps.select(step)) > 0
+    except PdbgError:
+        return False
+
+
+def _pairs(items: list[str], flag: str, rec: Any = None) -> dict[str, str]:
+    """KEY=VALUE arguments, parted as ``split_pair`` says."""
     out = {}
     for item in items:
-        pos = -1
-        for m in re.finditer("=", item):
-            if not item[:m.start()].endswith("@iter"):
-                pos = m.start()
-                break
-        if pos <= 0 or pos == len(item) - 1:
+        pair = split_pair(item, flag, rec)
+        if pair is None:
             example = {"--edit": "args.0=x.clamp(-50, 50)", "--set": "deterministic=true"}.get(
                 flag, "smooth_relu=mypkg.stable:smooth_relu")
             raise PdbgError(f"{flag} takes KEY=VALUE (e.g. {flag} '{example}'), not {item!r}")
-        key = item[:pos].strip()
+        key, value = pair
         if key in out:
-            raise PdbgError(f"{flag} {key} is given twice ({out[key]!r} and {item[pos + 1:].strip()!r}); give each "
-                            "key once")
-        out[key] = item[pos + 1:].strip()
+            raise PdbgError(f"{flag} {key} is given twice ({out[key]!r} and {value!r}); give each key once")
+        out[key] = value
     return out
 
 
@@ -471,7 +497,7 @@ def replay(args: argparse.Namespace) -> int:
 
     _check_threads(args.threads)
     rec = _open(args.run, args.rank)
-    swap, edit = _pairs(args.swap, "--swap"), _pairs(args.edit, "--edit")
+    swap, edit = _pairs(args.swap, "--swap"), _pairs(args.edit, "--edit", rec)
     settings = {k: _setting_value(v) for k, v in _pairs(args.set, "--set").items()}
     seed = args.seed
     if args.recipe:

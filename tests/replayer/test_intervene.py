@@ -107,6 +107,53 @@ def test_an_inner_step_is_named_by_its_path_relative_to_the_replayed_module(tmp_
         "blocks.0.softmax#0"]
 
 
+@recorder.paper_step("Eq. 5 (\u03b1=1.5)")
+def entmax_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x * 1.5, -1)
+
+
+def softmax_last(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, -1)
+
+
+@recorder.paper_step("Algorithm 1")
+class Gated(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return entmax_like(self.fc(x))
+
+
+def test_an_edit_or_swap_key_holding_an_equals_sign_is_taken_whole(tmp_path: Path) -> None:
+    """--edit and --swap parted KEY=VALUE at the first '=': a label holding one ("Eq. 5 (α=1.5)") could not
+    be named ("edit Eq. 5 (α: '1.5)/args.0=x*0' is not a Python expression"). A swap parts at the last '='
+    (an import reference holds none); an edit at the first '=' whose STEP/ names a step (an expression may
+    hold '=' too), as the TUI's e and s prompts do."""
+    from tui.cmd_replay import split_pair
+
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    model = Gated()
+    with recorder.record(path, model=model):
+        model(torch.randn(2, 4))
+    rec = replayer.open(path)
+    label = "Eq. 5 (\u03b1=1.5)"
+    assert split_pair(f"{label}/args.0=x.clamp(min=0)", "--edit", rec) == (f"{label}/args.0", "x.clamp(min=0)")
+    assert split_pair(f"{label}=tests.replayer.test_intervene:softmax_last", "--swap") == \
+        (label, "tests.replayer.test_intervene:softmax_last")
+    assert split_pair("args.0=x.clamp(min=0)", "--edit", rec) == ("args.0", "x.clamp(min=0)")
+    assert split_pair("Gated@iter=0/args.0=x == 0", "--edit", rec) == ("Gated@iter=0/args.0", "x == 0")
+    edited = pdbg_here("replay", str(path), "Algorithm 1", "--edit", f"{label}/args.0=x*0", cwd=tmp_path)
+    assert edited.returncode == 1 and f"{label} (entmax_like), forward, iteration 0, call 0" in edited.stdout, \
+        edited.stdout + edited.stderr
+    swapped = pdbg_here("replay", str(path), "Algorithm 1", "--swap",
+                        f"{label}=tests.replayer.test_intervene:softmax_last", cwd=tmp_path)
+    assert swapped.returncode == 1 and "first divergence: step 1: " + label in swapped.stdout, \
+        swapped.stdout + swapped.stderr
+
+
 def test_a_swapped_class_gets_the_parameters_whose_names_match(stack_run: tuple[Path, object]) -> None:
     rec = replayer.open(stack_run[0])
     model = replayer.replay(rec, "Model@iter=1", swap={"first": nanmodels.StableScaled})

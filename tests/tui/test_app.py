@@ -341,6 +341,34 @@ def test_actions_replay_bisect_edit_swap(nan_path: Path) -> None:
     run(body, nan_path)
 
 
+def test_edit_and_swap_prompts_take_a_label_holding_an_equals_sign(tmp_path: Path) -> None:
+    """The e and s prompts parted TENSOR=EXPR and KEY=REF at the first '=', so that a label holding one
+    (Eq. 5 (α=1.5)) could not be named: they part as pdbg replay's --edit and --swap do."""
+    from tests.replayer.test_intervene import Gated
+
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    model = Gated()
+    with recorder.record(path, model=model):
+        model(torch.randn(2, 4))
+    label = "Eq. 5 (\u03b1=1.5)"
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        assert app.timeline.step_index == 0
+        await pilot.press("e")
+        await answer(pilot, f"{label}/args.0=x.clamp(min=0) * 0")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "MISMATCH" in panel(app) and "not a Python expression" not in panel(app), panel(app)
+        await pilot.press("s")
+        await answer(pilot, f"{label}=tests.replayer.test_intervene:softmax_last")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "MISMATCH" in panel(app) and "cannot import" not in panel(app), panel(app)
+
+    run(body, path)
+
+
 def test_actions_bundle_and_diff(nan_path: Path, tmp_path: Path) -> None:
     other = nan_run(tmp_path / "other.zarr", scales=(1.0, 999.0))
 
