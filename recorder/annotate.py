@@ -240,14 +240,21 @@ def submodule_code(classes: Iterable[type]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _check_label(label: Any, **texts: Any) -> None:
+def _check_label(label: Any, caller: str = "paper_step", **texts: Any) -> None:
+    """Refuse a label (and the other texts a step is given) that no listing can show on one line, or no
+    selector can name: not a string, empty or blank, or holding a control character. ``caller``: the
+    function given them, as the messages name it (``paper_step``, ``annotate``)."""
+    example = "paper_step('Eq. 2')" if caller == "paper_step" else "annotate(module, 'Eq. 2')"
+    where = "first" if caller == "paper_step" else "after the module"
     if not isinstance(label, str) or not label:
-        raise TypeError(f"paper_step needs the paper's label as a non-empty string first, e.g. "
-                        f"paper_step('Eq. 2'), not {label!r}")
+        raise TypeError(f"{caller} needs the paper's label as a non-empty string {where}, e.g. {example}, not "
+                        f"{label!r}")
     for what, text in (("label", label), *texts.items()):  # one line each in every listing and message
         if isinstance(text, str) and any(ord(c) < 32 or ord(c) == 127 for c in text):
-            raise ValueError(f"paper_step's {what} {text!r} holds a control character (a newline, a tab, an "
+            raise ValueError(f"{caller}'s {what} {text!r} holds a control character (a newline, a tab, an "
                              "escape); give it on one line of printable text")
+        if what in ("label", "name") and isinstance(text, str) and not text.strip():  # (a selector could not name it)
+            raise ValueError(f"{caller}'s {what} {text!r} is blank; give it as the paper writes it, e.g. {example}")
 
 
 def paper_step(label: str, *, algorithm: str | int | None = None, step: str | int | None = None,
@@ -515,7 +522,7 @@ def annotate(module: torch.nn.Module, label: str, *, algorithm: str | int | None
 
     Returns the same module, so it can wrap a construction expression.
     """
-    _check_label(label, name=name, description=description, algorithm=algorithm, equation=equation)
+    _check_label(label, "annotate", name=name, description=description, algorithm=algorithm, equation=equation)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"annotate() takes an nn.Module instance, not {type(module).__name__}")
     _check_function(module.forward, f"{type(module).__qualname__}.forward")

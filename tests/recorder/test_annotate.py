@@ -213,6 +213,24 @@ def test_bad_marks_are_refused():
         recorder.paper_step("Eq. 1")(42)
 
 
+def test_a_blank_label_is_refused_and_annotate_says_annotate():
+    """paper_step("   ") was accepted, and no selector could name its steps ("invalid step selector '   '");
+    annotate's refusals said "paper_step's label". Both are one-line errors that name the function given it."""
+    for blank in ("   ", "\u3000"):
+        with pytest.raises(ValueError, match=r"^paper_step's label '.+' is blank; give it as the paper writes it"):
+            recorder.paper_step(blank)
+    with pytest.raises(ValueError, match="^paper_step's name ' ' is blank"):
+        recorder.paper_step("Eq. 1", name=" ")
+    with pytest.raises(ValueError, match=r"^annotate's label 'a\\nb' holds a control character"):
+        recorder.annotate(nn.Linear(2, 2), "a\nb")
+    with pytest.raises(ValueError, match=r"^annotate's label ' ' is blank; give it as the paper writes it, e\.g\. "
+                                         r"annotate\(module, 'Eq\. 2'\)"):
+        recorder.annotate(nn.Linear(2, 2), " ")
+    with pytest.raises(TypeError, match="^annotate needs the paper's label as a non-empty string after the module"):
+        recorder.annotate(nn.Linear(2, 2), "")
+    assert recorder.paper_step(" Eq. 2 ") is not None  # (text around it: selected as written)
+
+
 def test_what_a_function_step_cannot_be_is_refused_when_decorated():
     """A generator's body runs after the call returned (the step recorded nothing, and a NaN it made
     was found nowhere); a functools.partial has no definition to find again (its decoration raised
