@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,6 +266,26 @@ def _layout_name(t: torch.Tensor) -> str:
     return str(t.layout).removeprefix("torch.")
 
 
+def _mismatch(record: Any, recorded: dict[str, Any]) -> Callable[..., Diff]:
+    """A function that makes a sparse record's mismatch with the replay: its reason, and the replay's
+    statistics where they were taken."""
+    def differs(reason: str, replayed: dict[str, Any] | None = None) -> Diff:
+        return Diff(record.name, record.role, False, math.inf, math.inf, reason=reason, recorded=recorded,
+                    replayed=replayed or {})
+    return differs
+
+
+def _unlike(record: Any, layout: str, value: torch.Tensor) -> str | None:
+    """How a replayed value is not of a sparse record's layout, dtype or shape; None where it is."""
+    if _layout_name(value) != layout:
+        return f"layouts differ: recorded {layout}, replayed {_layout_name(value)}"
+    dtype = payload.dtype_name(value.dtype)
+    if dtype != record.dtype or tuple(value.shape) != tuple(record.shape):
+        return (f"dtypes or shapes differ: recorded {record.dtype}{list(record.shape)}, replayed "
+                f"{dtype}{list(value.shape)}")
+    return None
+
+
 def _compare_sparse(record: Any, sparse: tuple[str, int | None] | None, value: torch.Tensor) -> Diff:
     """A record or a replayed value that is a sparse tensor (``sparse``: the record's layout and count of
     stored values, None for a strided record), where the recording did not keep its parts: compared by
@@ -273,17 +294,10 @@ def _compare_sparse(record: Any, sparse: tuple[str, int | None] | None, value: t
     stored values that differs is a mismatch."""
     recorded = stats_dict(record.stats)
     kind = sparse[0] if sparse is not None else "strided"
-
-    def differs(reason: str, replayed: dict[str, Any] | None = None) -> Diff:
-        return Diff(record.name, record.role, False, math.inf, math.inf, reason=reason, recorded=recorded,
-                    replayed=replayed or {})
-
-    if _layout_name(value) != kind:
-        return differs(f"layouts differ: recorded {kind}, replayed {_layout_name(value)}")
-    dtype = payload.dtype_name(value.dtype)
-    if dtype != record.dtype or tuple(value.shape) != tuple(record.shape):
-        return differs(f"dtypes or shapes differ: recorded {record.dtype}{list(record.shape)}, replayed "
-                       f"{dtype}{list(value.shape)}")
+    differs = _mismatch(record, recorded)
+    unlike = _unlike(record, kind, value)
+    if unlike is not None:
+        return differs(unlike)
     with torch._C.DisableTorchFunction():
         stored = stats_mod.stored_values(value.detach())
         try:  # (a dtype without statistics: the recorder kept none either)
@@ -306,17 +320,10 @@ def _compare_sparse_parts(rank: Any, record: Any, parts: Any, value: torch.Tenso
     flag too), after its layout, dtype, shape and number of stored values; the distances are its
     values'. Its statistics are of the stored values, as the recorder took them."""
     recorded = stats_dict(record.stats)
-
-    def differs(reason: str, replayed: dict[str, Any] | None = None) -> Diff:
-        return Diff(record.name, record.role, False, math.inf, math.inf, reason=reason, recorded=recorded,
-                    replayed=replayed or {})
-
-    if _layout_name(value) != parts.layout:
-        return differs(f"layouts differ: recorded {parts.layout}, replayed {_layout_name(value)}")
-    dtype = payload.dtype_name(value.dtype)
-    if dtype != record.dtype or tuple(value.shape) != tuple(record.shape):
-        return differs(f"dtypes or shapes differ: recorded {record.dtype}{list(record.shape)}, replayed "
-                       f"{dtype}{list(value.shape)}")
+    differs = _mismatch(record, recorded)
+    unlike = _unlike(record, parts.layout, value)
+    if unlike is not None:
+        return differs(unlike)
     with torch._C.DisableTorchFunction():
         value = value.detach().cpu()
         now_parts = payload.sparse_parts(value)

@@ -257,7 +257,8 @@ class StepPane(ScrollView, can_focus=True):
         console, options = self.app.console, self.app.console.options.update_width(width)
         while True:  # narrower until it fits three lines as wrapped (wrapping leaves lines part empty)
             cut = [p if cell_len(p) <= room else
-                   views._fit(p, room, keep_end="." in p and " " not in p).rstrip()  # a module path: its end says most
+                   # (a module path: its end says most)
+                   views.fit_cells(p, room, keep_end="." in p and " " not in p).rstrip()
                    for p in parts]
             title = Text.assemble((" · ".join(cut), "bold"), "  ",
                                   (self.view.status, views.STATUS_STYLE[self.view.status]))

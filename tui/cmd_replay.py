@@ -599,6 +599,8 @@ def _outputs_table(diffs: list[Any]) -> None:
     """The replay's outputs, recorded against replayed: side by side where the terminal has room
     (or stdout is not one), else the replayed statistics on a line of their own under a mismatch
     (a match replays the same bits, so the same statistics)."""
+    from .views import fit_cells
+
     columns = shutil.get_terminal_size((10 ** 4, 24)).columns
     wide = columns >= WIDE
     # The names as long as they are, where the terminal has room beyond the table's (a pipe has it all)
@@ -620,7 +622,7 @@ def _outputs_table(diffs: list[Any]) -> None:
         else:
             ulp = d.max_ulp if wide or d.max_ulp < 10 ** 6 else f"{d.max_ulp:.0e}"  # (the JSON has every digit)
             far = f"{_num(d.max_abs_diff):>8} {ulp:>6}"
-        name = _cut(shown(d.name), n)
+        name = fit_cells(shown(d.name), n, keep_end=True)  # (cut at its start: out_proj.weight, .bias differ there)
         if wide:
             print(f"  {name} {'yes' if d.match else 'NO':<5} {_stats_cells(d.recorded)}   "
                   f"{_stats_cells(d.replayed, 13)}   {far}")
@@ -637,21 +639,6 @@ def _outputs_table(diffs: list[Any]) -> None:
     magnitudes = magnitudes_note([d.name for d in diffs if d.is_complex])
     if magnitudes:
         print(f"  ({magnitudes})")
-
-
-def _cut(name: str, width: int) -> str:
-    """A tensor's name in exactly ``width`` terminal columns (wide characters take two, combining ones none):
-    padded, or cut at its start, its end kept (out_proj.weight, out_proj.bias differ there)."""
-    from rich.cells import cell_len, set_cell_size
-
-    if cell_len(name) <= width:
-        return set_cell_size(name, width)
-    tail = ""
-    for ch in reversed(name):
-        if cell_len(ch + tail) > width - 1:
-            break
-        tail = ch + tail
-    return set_cell_size("…" + tail, width)
 
 
 def _stats_cells(st: dict[str, Any], width: int = 14) -> str:

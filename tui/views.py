@@ -236,14 +236,14 @@ class TimelineModel:
             if cell_len(indent + who) > name_width:  # a long label gives way to the name, down to a third
                 room = max(name_width - cell_len(indent) - cell_len(name) - 1, min(cell_len(label), 8),
                            (name_width - cell_len(indent)) // 3)
-                who = f"{_fit(label, room).rstrip()} {name}"
+                who = f"{fit_cells(label, room).rstrip()} {name}"
         return [
             (f"{index:>6} ", "dim"),
             (f"{self.iteration_of(index):>4} ", "cyan"),
             ("→ " if phase == 0 else "← ", "blue" if phase == 0 else "magenta"),
             (f"{mark} ", STATUS_STYLE[status]),
-            (_fit(indent + who, name_width), STATUS_STYLE[status] if status != "ok" else "bold"),
-            (f" {_fit(path, path_width, keep_end=True)}", "dim"),
+            (fit_cells(indent + who, name_width), STATUS_STYLE[status] if status != "ok" else "bold"),
+            (f" {fit_cells(path, path_width, keep_end=True)}", "dim"),
             (f" {bar} {fmt_seconds(duration):>7}", "dim"),
         ]
 
@@ -944,7 +944,7 @@ def _chain(root: PaperNode, parts: list[str]) -> list[PaperNode]:
     return out
 
 
-def _fit(text: str, width: int, keep_end: bool = False) -> str:
+def fit_cells(text: str, width: int, keep_end: bool = False) -> str:
     """``text`` in exactly ``width`` terminal columns (wide characters take two), padded, or with an
     ellipsis where it was cut (at its start with ``keep_end``: the end of a module path says most)."""
     if cell_len(text) <= width:
