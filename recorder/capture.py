@@ -316,6 +316,15 @@ class BackwardLink:
     # The items of the arguments' lists, dicts and dataclasses that hold tapped tensors while the call
     # runs, put back when it returns (taps.restore)
     undo: taps.Undo = field(default_factory=list)
+    # The top-level leaf arguments that require grad (record name, tensor), which no tap takes (see
+    # taps.leaves_apart): their grad inputs are the sums of their uses' contributions in the call's graph,
+    # found with the parameters' (_hook_params); record name -> those uses, and in the pass under way as
+    # ``sums`` and ``done`` are for parameters
+    leaf_args: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    arg_uses: dict[str, int] = field(default_factory=dict)
+    arg_sums: dict[str, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
+    arg_done: set[str] = field(default_factory=set)  # in the pass under way: those its backward reached
+    arg_hooked: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # leaf arguments with a hook (handles)
 
 
 def _inner_first(frames: list[Frame]) -> list[Frame]:
@@ -1025,7 +1034,9 @@ class Session:
                 link.since = taps.sequence_now()  # the recomputation's graph: its parameters' uses are the call's own
                 skip = _nested_tensors({"args": list(args), "kwargs": kwargs}, _argument_paths(args, kwargs))
                 skip |= _not_own_records(original.args_doc, args, kwargs)
-                args, kwargs = self._tap_inputs(link, args, kwargs, skip)
+                slots, leaves = taps.leaves_apart(taps.apart(taps.argument_slots(args, kwargs))[0])
+                link.leaf_args = [(n, t) for n, t in taps.first_places(leaves) if id(t) not in skip]
+                args, kwargs = self._tap_inputs(link, args, kwargs, skip, slots=slots)
         except Exception as exc:
             self.fail("tapping a recomputed step's inputs", exc)
             return None
@@ -1041,6 +1052,9 @@ class Session:
                 slots, reached, _ = taps.output_places(out)
                 if module is not None:
                     link.params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+                    mine = {id(p) for _, p in link.params}
+                    link.leaf_args = [(n, t) for n, t in link.leaf_args if id(t) not in mine]
+                if link.params or link.leaf_args:
                     link.until = taps.sequence_now()
                     self._hook_params(link.fwd, link, [t for _, t in slots], notes=False)
                 out = self._tap_outputs(link, out, _nested_tensors(out, reached), slots=slots)
@@ -1120,45 +1134,42 @@ class Session:
                 frame.arguments = {**(frame.arguments or {}), "saved_tensors_hooks": packing}
             found, reached = taps.argument_places(args, kwargs) if tapping else ([], frozenset())
             slots, shared = taps.apart(found) if found else ([], [])
+            slots, leaves = taps.leaves_apart(slots) if slots else (slots, [])
             tapped = frozenset(id(t) for _, t in slots)
-            given = tapped.union(id(t) for _, t in shared) if shared else tapped
+            given = tapped.union(id(t) for _, t in (*shared, *leaves)) if shared or leaves else tapped
             nested: set[int] = set()
             unfollowed: list[str] | None = [] if tapping else None
             places: dict[str, str] = {}
+            grads: list[tuple[str, torch.Tensor]] = []
             frame.versions = [] if frame.vmap is None else None
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "", tapped,
                                           reached, nested, unfollowed=unfollowed, versions=frame.versions,
-                                          places=places)
+                                          places=places, grads=grads)
             if unfollowed:  # (in objects no tap passes a tapped tensor through: their gradients are not recorded)
                 frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
             if not self._cache_warned:
                 self._warn_of_cache(frame, args, kwargs)
             if id(frame.defn) not in self._unrecorded_warned:
                 self._warn_of_unrecorded(frame, args, kwargs)
-            if shared:
-                self._shared_arguments(frame, shared, places)
-            elif frame.vmap is None:  # arguments that need no tap may share memory too (views of a buffer, no_grad)
-                others = _top_tensors(args, kwargs)
-                if len(others) > 1 and not tapped.issuperset(id(t) for _, t in others):  # (apart checked those)
-                    try:
-                        overlapping = taps.overlapping([t for _, t in others])
-                    except Exception:  # noqa: BLE001 - a tensor without a storage to place: replayed apart, as before
-                        overlapping = set()
-                    if overlapping:
-                        self._shared_arguments(frame, [(k, t) for k, t in others if id(t) in overlapping], places,
-                                               note=False)
+            # arguments that need no tap may share memory too (views of a buffer, no_grad); apart checked the others
+            others = _top_tensors(args, kwargs) if frame.vmap is None else []
+            if shared or grads or len(others) > 1 and not given.issuperset(id(t) for _, t in others):
+                self._aliased_arguments(frame, others, shared, grads, places)
             link = BackwardLink(frame) if tapping else None
             if link is not None:
                 frame.link = link
                 link.outer = next((f.link for f in reversed(self._stack()) if f.link is not None), None)
                 link.since = taps.sequence_now()
+                if leaves:  # (a module's own parameter given as an argument: its gradient is in the parameter's)
+                    mine = {id(p) for p in module.parameters()} if module is not None else set()
+                    link.leaf_args = [(places.get(n, n), t) for n, t in taps.first_places(leaves) if id(t) not in mine]
             if link is None and frame.vmap is None and not inference:
                 self._remember_ungraded(frame)
             if module is not None:
                 for name, p in module.named_parameters():
                     self._capture(frame, "param", name, p)
                     if id(p) in given:  # (given as an argument too: a tied projection's weight)
-                        self._parameter_argument(frame, name, p, [*slots, *shared], places)
+                        self._parameter_argument(frame, name, p, [*slots, *shared, *leaves], places)
                     if link is not None and p.requires_grad:
                         if p._backward_hooks:  # the user's gradient hooks (pruning masks): the recorded grad is theirs
                             self._note_param_hooks(frame, name, p)
@@ -1175,22 +1186,59 @@ class Session:
         finally:
             self.local.busy = False
 
+    def _aliased_arguments(self, frame: Frame, others: list[tuple[tuple[Any, ...], torch.Tensor]],
+                           shared: list[tuple[tuple[Any, ...], torch.Tensor]], grads: list[tuple[str, torch.Tensor]],
+                           records: dict[str, str]) -> None:
+        """Find the arguments that share memory: those left untapped for it (``shared``: taps.apart),
+        else among the top-level tensors (``others``: views of a buffer, arguments under no_grad). Where
+        the call was given a leaf whose ``.grad`` is recorded (``grads``: its record name, the tensor),
+        that ``.grad`` among them too, and the tensors outside autograd's graph in any place
+        (``Frame.versions``): an update step given ``(p, p.grad)``, or lists of both, which changes the
+        gradient in place. ``records``: an argument's path -> its record's name."""
+        found = [(_record_at(records, key), t) for key, t in shared]
+        if frame.vmap is None and (grads or not shared):
+            named: list[tuple[Any, torch.Tensor]] = self._with_grads(frame, others, records) if grads else others
+            try:
+                overlapping = taps.overlapping([t for _, t in named])
+            except Exception:  # noqa: BLE001 - a tensor without a storage to place: replayed apart, as before
+                overlapping = set()
+            if grads:  # (one object in two records: the gradient given as an argument too)
+                counted = collections.Counter(id(t) for _, t in named)
+                overlapping |= {i for i, n in counted.items() if n > 1}
+            known = {name for name, _ in found}
+            for key, t in named:
+                name = key if grads else _record_at(records, key)
+                if id(t) in overlapping and name not in known:
+                    known.add(name)
+                    found.append((name, t))
+        if found:
+            self._shared_arguments(frame, found, [_record_at(records, key) for key, _ in shared])
+
     @staticmethod
-    def _shared_arguments(frame: Frame, shared: list[tuple[tuple[Any, ...], torch.Tensor]], records: dict[str, str],
-                          note: bool = True) -> None:
-        """Name the arguments left untapped for sharing memory with another (taps.apart) in a note
-        (``note``; not for those that needed no tap), and where each lies in its storage, so that a
-        replay gives them one storage again (``records``: an argument's path -> its record's name)."""
-        names, places, groups = [], {}, {}
-        for key, t in shared:
-            name = _record_at(records, key)
+    def _with_grads(frame: Frame, others: list[tuple[tuple[Any, ...], torch.Tensor]], records: dict[str, str]
+                    ) -> list[tuple[str, torch.Tensor]]:
+        """The top-level tensor arguments and the tensors outside autograd's graph in any place of the
+        arguments, leaves' recorded ``.grad`` among them, by record name (each record once)."""
+        by_name = {_record_at(records, key): t for key, t in others}
+        for name, t, _, _ in frame.versions or ():
+            if t.layout == torch.strided and not t.is_nested:
+                by_name.setdefault(name, t)
+        return list(by_name.items())
+
+    @staticmethod
+    def _shared_arguments(frame: Frame, shared: list[tuple[str, torch.Tensor]], noted: list[str]) -> None:
+        """Name the arguments left untapped for sharing memory with another (taps.apart: ``noted``) in a
+        note, and where each argument of ``shared`` (record name, tensor) lies in its storage, so that a
+        replay gives them one storage again."""
+        places: dict[str, list[int]] = {}
+        groups: dict[tuple[str, int], int] = {}
+        for name, t in shared:
             if name in places:
                 continue
-            names.append(name)
             group = groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), len(groups))
             places[name] = [group, t.storage_offset()]
-        if note:
-            frame.notes.append(f"{_one_line(names)}: {layout.SHARED_ARGUMENTS_NOTE}")
+        if noted:
+            frame.notes.append(f"{_one_line(list(dict.fromkeys(noted)))}: {layout.SHARED_ARGUMENTS_NOTE}")
         frame.arguments = {**(frame.arguments or {}), "aliases": places}
 
     @staticmethod
@@ -1234,7 +1282,7 @@ class Session:
             frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
         if link is not None:
             link.until = taps.sequence_now()
-            if link.params:
+            if link.params or link.leaf_args:
                 self._hook_params(frame, link, [t for _, t in slots])
         if leaves and frame.module is not None:
             self._note_returned_parameters(frame, leaves, link.own if link is not None else {},
@@ -1265,20 +1313,34 @@ class Session:
         computes. Without the call's own, the parameter's gradient hook records the total autograd
         accumulates over the pass (every call of the module, a weight decay term in the loss, a tied
         module's use). The others (no node found: a graph made on several threads, a walk that gave
-        up) are hooked as totals. For reentrant checkpointing this runs on the graph the
+        up) are hooked as totals. The call's leaf arguments (``link.leaf_args``) are found by the same
+        walk: their grad inputs are the sums of their uses' contributions (``_on_arg_grad``), what a tap
+        on them would have had. For reentrant checkpointing this runs on the graph the
         recomputation makes during the backward (``notes``: False, its forward step being written)."""
-        walked = taps.parameter_uses(outputs, {id(p): name for name, p in link.params}, link.since) \
-            if outputs and link.since >= 0 else None
+        keys: dict[int, Any] = {id(p): name for name, p in link.params}
+        for name, t in link.leaf_args:
+            keys.setdefault(id(t), (_ARGUMENT, name))
+        walked = taps.parameter_uses(outputs, keys, link.since) if outputs and link.since >= 0 else None
         uses, reused, whole = walked if walked is not None else ({}, [], False)
-        if reused:
+        if reused and link.params:  # (a function's own leaf arguments: found as a tap on them would find them)
             self._reused_nodes(link, reused)
         by_node: dict[Any, list[tuple[int, str]]] = {}
-        for name, edges in uses.items():
-            link.own[name] = len(edges)
+        by_arg_node: dict[Any, list[tuple[int, str]]] = {}
+        for key, edges in uses.items():
+            argument = type(key) is tuple  # (_ARGUMENT, record name)
+            name = key[1] if argument else key
+            (link.arg_uses if argument else link.own)[name] = len(edges)
             for node, k in edges:
-                by_node.setdefault(node, []).append((k, name))
+                (by_arg_node if argument else by_node).setdefault(node, []).append((k, name))
         for node, places in by_node.items():  # they go with the graph: a retained graph's next pass fires them too
             node.register_hook(_backward_callback(self._on_own_grad, link, tuple(places)))
+        for node, places in by_arg_node.items():
+            node.register_hook(_backward_callback(self._on_arg_grad, link, tuple(places)))
+        for name, t in link.leaf_args:
+            if name in link.arg_uses:
+                self._hook_arg(link, name, t)
+        if link.leaf_args and outputs and walked is None and notes:
+            frame.notes.append(f"{_one_line([n for n, _ in link.leaf_args])} {layout.LEAF_UNFOLLOWED_NOTE}")
         if link.own:
             with self.lock:
                 i = bisect.bisect_right(self._span_starts, link.since)
@@ -1462,7 +1524,7 @@ class Session:
                 top: frozenset[str] = frozenset(), nested: set[int] | None = None, per_object: bool = True,
                 unfollowed: list[str] | None = None,
                 versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None,
-                places: dict[str, str] | None = None) -> Any:
+                places: dict[str, str] | None = None, grads: list[tuple[str, torch.Tensor]] | None = None) -> Any:
         """Encode a value as tagged JSON, capturing each tensor in it under its path: once per object
         the step sees. ``tapped``: ids of the tensors a tap replaces where they stand in a place it
         reaches (``top``: the paths of those places: an argument's top level, an output's containers),
@@ -1473,7 +1535,8 @@ class Session:
         ``top`` (an output's or an argument's that no tap reaches: their gradients are not recorded).
         ``versions`` collects (record name, tensor, version counter) of the tensors outside autograd's
         graph (not computed from a tensor that requires grad), each once (see ``Frame.versions``).
-        ``places`` collects each tensor's path -> its record's name."""
+        ``places`` collects each tensor's path -> its record's name, ``grads`` the record names and
+        tensors of the leaves' ``.grad`` recorded with them (``versions``' too)."""
         errors: list[Exception] = []
         named: dict[Any, str | None] = {}
 
@@ -1503,6 +1566,8 @@ class Session:
                         self._capture(frame, role, f"{full}{layout.GRAD_SUFFIX}", grad)
                         versions.append((f"{full}{layout.GRAD_SUFFIX}", grad, grad._version,
                                          _kept(grad, _KEPT_INPUT_BYTES)))
+                        if grads is not None:
+                            grads.append((f"{full}{layout.GRAD_SUFFIX}", grad))
             except Exception as exc:  # jsonval would hide it as an opaque value: surface it
                 errors.append(exc)
                 named[key] = None
@@ -2028,10 +2093,68 @@ class Session:
                     self._own_grad(link, name, total)
         self._guard("capturing parameter grads", run)
 
+    def _on_arg_grad(self, link: BackwardLink, places: tuple[tuple[int, str], ...],
+                     grads: tuple[torch.Tensor | None, ...], _outputs: Any) -> None:
+        """A node of a call's graph that uses its leaf arguments ran: as ``_on_own_grad``, for their grad
+        inputs (once every use has sent its contribution; the rest at the pass's end: ``_finish_own``)."""
+        if _batched_backward(link, grads):
+            return
+        def run() -> None:
+            if any(grads[k] is not None for k, _ in places):  # (in the pass's steps now: _finish_own sees its sums)
+                self._open_backward(link)
+            for k, name in places:
+                came, total = link.arg_sums.get(name, (0, None))
+                g = grads[k]
+                if g is not None:
+                    total = g if total is None else total + g  # as autograd adds them: commutes bitwise
+                if came + 1 < link.arg_uses[name]:
+                    link.arg_sums[name] = (came + 1, total)
+                    continue
+                link.arg_sums.pop(name, None)
+                if total is not None:
+                    self._arg_grad(link, name, total)
+        self._guard("capturing grad inputs", run)
+
+    def _arg_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
+        frame = self._open_backward(link)
+        self._capture(frame, "grad_input", name, grad)
+        frame.t_end = max(frame.t_end, time.perf_counter() - self.t0)
+
+    def _hook_arg(self, link: BackwardLink, name: str, t: torch.Tensor, again: bool = False) -> None:
+        """Hook a leaf argument's gradient for ``link`` (``again``: one of ``link.arg_hooked``, for a
+        second backward through its graph): it runs once every use has sent its contribution and the
+        nodes that sent them have passed autograd's checks (anomaly mode raises after a node's hooks ran),
+        as an input tap's backward would: then the call's backward has reached its input."""
+        if not again:
+            link.arg_hooked.append((name, t))
+        link.handles.append(t.register_hook(_backward_callback(self._on_arg_reached, link, name)))
+
+    def _on_arg_reached(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
+        """A leaf argument's gradient, summed over the pass: the call's own grad input for it is recorded
+        by now, but where some of its uses sent no gradient (the sum of those that did, recorded here)."""
+        if grad is None or _batched_backward(link, (grad,)):
+            return
+        def run() -> None:
+            if link.frame is None:  # another graph's pass: this call's backward has not begun in it
+                return
+            if name in link.arg_sums:
+                _, total = link.arg_sums.pop(name)
+                if total is not None:
+                    self._arg_grad(link, name, total)
+            link.arg_done.add(name)
+            self._finished_without_taps(link)
+        self._guard("capturing grad inputs", run)
+
+    @staticmethod
+    def _finished_without_taps(link: BackwardLink) -> None:
+        """A call whose inputs no tap took: its backward is over once its own parameter grads and its leaf
+        arguments' grad inputs are all recorded."""
+        if not link.input_names and len(link.done) == len(link.own) and len(link.arg_done) == len(link.arg_uses):
+            link.finished = True
+
     def _own_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
         link.done.add(name)
-        if not link.input_names and len(link.done) == len(link.own):  # no input tap to end it: this does
-            link.finished = True
+        self._finished_without_taps(link)  # (no input tap to end it: this does)
         frame = self._open_backward(link)
         frame.own_grads.append(name)
         self._capture(frame, "param_grad", name, grad)
@@ -2044,7 +2167,12 @@ class Session:
             for name, (_, total) in sums.items():
                 if total is not None and link.frame is not None:
                     self._guard("capturing parameter grads", functools.partial(self._own_grad, link, name, total))
+            sums, link.arg_sums = link.arg_sums, {}
+            for name, (_, total) in sums.items():
+                if total is not None and link.frame is not None:
+                    self._guard("capturing grad inputs", functools.partial(self._arg_grad, link, name, total))
             link.done.clear()
+            link.arg_done.clear()
 
     def _open_backward(self, link: BackwardLink) -> Frame:
         if link.frame is not None:
@@ -2069,9 +2197,11 @@ class Session:
         self._pass.append(link)
         self._pass_frames[fwd.index] = frame
         self._pass_modules[id(fwd.module)] += 1
-        if link.hooked and not link.handles:  # a second backward through this call's graph: hooked again
+        if (link.hooked or link.arg_hooked) and not link.handles:  # a second backward through its graph: hooked again
             for name, p in link.hooked:
                 self._hook_param(link, name, p, again=True)
+            for name, t in link.arg_hooked:
+                self._hook_arg(link, name, t, again=True)
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(_backward_callback(self._end_of_backward))
             self._callback_queued = True
@@ -2087,7 +2217,8 @@ class Session:
         and own parameter grads all came before the pass stopped is whole."""
         cut: set[int] = set()  # links whose step the pass stopped in (before _finish_own marks partial sums done)
         if aborted:
-            cut = {id(lk) for lk in self._pass if not lk.finished or any(n not in lk.done for n in lk.own)}
+            cut = {id(lk) for lk in self._pass if not lk.finished or any(n not in lk.done for n in lk.own)
+                   or any(n not in lk.arg_done for n in lk.arg_uses)}
         self._finish_own(list(self._pass))
         with self.lock:
             if aborted and not self._pass:
@@ -2220,6 +2351,8 @@ _DEEP = 32  # nested step calls from which each call makes sure of the recursion
 # recursion that never ends must still reach the limit, at about the depth it would unrecorded
 _FRAMES_PER_STEP = 3
 _CAPTURE_FRAMES = 200  # what capturing a call's inputs and outputs may take (encoding nested arguments)
+
+_ARGUMENT = "argument"  # (_ARGUMENT, record name): a leaf argument's key among the parameters' (_hook_params)
 
 _UNTAPPED_NOTE = ("a tensor both in a place a tap follows and in one it does not (inside another object; for an "
                   "argument, a leaf inside a container too) has no gradient recorded: following it through the call "

@@ -6,6 +6,8 @@ The taps return ``detach()``-ed aliases rather than the inputs themselves: autog
 returned as-is from a custom Function as a view, and in-place operations on such views are
 forbidden, which would break common code (``nn.ReLU(inplace=True)`` on a step's input). Gradients
 pass through unchanged and unmaterialised (``None`` stays ``None``), so values are bit-identical.
+Leaves (a parameter given to an update step) pass through no tap: the step gets them as they are,
+and their gradients are found on the nodes of the call's graph that use them (``leaves_apart``).
 """
 
 from __future__ import annotations
@@ -122,11 +124,12 @@ def sequence_now() -> int:
     return -1 if node is None else node._sequence_nr()
 
 
-def parameter_uses(outputs: list[torch.Tensor], params: dict[int, str], since: int
-                   ) -> tuple[dict[str, list[tuple[Any, int]]], list[int], bool] | None:
-    """Where one call's graph uses its parameters: for each parameter (``params``: id -> name) a node
-    made during the call (sequence number ``since`` or later) takes, ``[(node, k)]``, k the place of
-    the parameter's gradient among the node's ``next_functions``, found by a walk back from the
+def parameter_uses(outputs: list[torch.Tensor], params: dict[int, Any], since: int
+                   ) -> tuple[dict[Any, list[tuple[Any, int]]], list[int], bool] | None:
+    """Where one call's graph uses its parameters: for each parameter (``params``: id -> name; or a
+    leaf argument, see ``leaves_apart``) a node made during the call (sequence number ``since`` or
+    later) takes, ``[(node, k)]``, k the place of the parameter's gradient among the node's
+    ``next_functions``, found by a walk back from the
     call's ``outputs`` that stops at nodes made before the call. A hook on those nodes sees each
     use's contribution to the parameter's gradient before autograd adds it to the others (another
     call's, a weight decay term in the loss, a tied module's), in the order autograd adds them.
@@ -138,7 +141,7 @@ def parameter_uses(outputs: list[torch.Tensor], params: dict[int, str], since: i
     (other than the recorder's taps), whose backward may reach parameters it was not given (reentrant
     checkpointing runs a backward of its own). None when the walk is longer than ``_WALK_LIMIT``
     nodes (a graph made on several threads, whose sequence numbers do not bound it)."""
-    found: dict[str, list[tuple[Any, int]]] = {}
+    found: dict[Any, list[tuple[Any, int]]] = {}
     reused: list[int] = []
     whole = True
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
@@ -204,13 +207,15 @@ def dual(t: torch.Tensor) -> bool:
 
 def argument_places(args: tuple[Any, ...], kwargs: dict[str, Any]
                     ) -> tuple[list[tuple[tuple[Any, ...], torch.Tensor]], frozenset[str]]:
-    """The arguments a tap takes, and their paths in the call's arguments document. A tap takes every
+    """The arguments followed for gradients, and their paths in the call's arguments document: every
     top-level tensor argument that requires grad, keyed ``("args", i)`` or ``("kwargs", name)``, and the
     tensors autograd computed (not leaves: a parameter in a list keeps its ``.grad`` for the step's code)
     inside the containers a tapped tensor can be passed in (``_in_place``: lists, dicts, dataclasses;
     ``_REBUILT``: tuples, named tuples such as ``PackedSequence``, torch's return types), nested up to
     ``_DEPTH`` levels, keyed further by their keys (``("args", 0, "data")``), in the order the document
-    names them (the first place of a tensor given in several names its record)."""
+    names them (the first place of a tensor given in several names its record). A tap takes those that
+    are not leaves; the top-level leaves among them (a parameter given to an update step) are followed
+    through the call's graph instead (see ``leaves_apart``)."""
     found: list[tuple[tuple[Any, ...], str, torch.Tensor]] = []
     active: set[int] = set()
 
@@ -237,11 +242,56 @@ def argument_places(args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def argument_slots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
-    """The arguments a tap takes (see ``argument_places``)."""
+    """The arguments followed for gradients (see ``argument_places``)."""
     return argument_places(args, kwargs)[0]
 
 
 _Slots = list[tuple[Any, torch.Tensor]]
+
+
+def leaves_apart(slots: _Slots) -> tuple[_Slots, _Slots]:
+    """The argument_slots a tap takes, and the leaves among them (top-level arguments: a parameter given
+    to an update step), which no tap takes. A tap would give the step another tensor, without the
+    leaf's ``.grad``, not a leaf, of class ``Tensor`` where it was a ``Parameter``: the step's code
+    (``p.data.add_(p.grad, alpha=-lr)``, ``if p.grad is not None``) would see what it does not see
+    unrecorded. The step gets the caller's tensor itself; the gradient its graph sends a leaf is found
+    as a module's parameter grads are, on the nodes of the call's graph that use it (``parameter_uses``)."""
+    if not any(t.is_leaf for _, t in slots):
+        return slots, []
+    return [s for s in slots if not s[1].is_leaf], [s for s in slots if s[1].is_leaf]
+
+
+def first_places(slots: _Slots) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor of ``slots`` once, named by the path of its first place (``args.0``), as its record is."""
+    named: dict[int, tuple[str, torch.Tensor]] = {}
+    for key, t in slots:
+        named.setdefault(id(t), (".".join(map(str, key)), t))
+    return list(named.values())
+
+
+def follow_leaves(outputs: list[torch.Tensor], leaves: list[tuple[str, torch.Tensor]], since: int,
+                  callback: Callable[[str, torch.Tensor], None]) -> bool:
+    """Hook the nodes of one call's graph (made at sequence number ``since`` or later) that use the
+    ``leaves`` (name, tensor), found by a walk back from the call's ``outputs`` (``parameter_uses``):
+    ``callback(name, grad)`` gets each use's contribution to a leaf's gradient, in the order autograd
+    adds them. False where the walk could not be made (see ``parameter_uses``)."""
+    walked = parameter_uses(outputs, {id(t): name for name, t in leaves}, since) if since >= 0 else None
+    if walked is None:
+        return False
+    by_node: dict[Any, list[tuple[int, str]]] = {}
+    for name, edges in walked[0].items():
+        for node, k in edges:
+            by_node.setdefault(node, []).append((k, name))
+    for node, places in by_node.items():
+        node.register_hook(functools.partial(_leaf_uses, callback, tuple(places)))
+    return True
+
+
+def _leaf_uses(callback: Callable[[str, torch.Tensor], None], places: tuple[tuple[int, str], ...],
+               grads: tuple[torch.Tensor | None, ...], _outputs: Any) -> None:
+    for k, name in places:
+        if grads[k] is not None:
+            callback(name, grads[k])
 
 
 def apart(slots: _Slots) -> tuple[_Slots, _Slots]:
@@ -594,16 +644,18 @@ def _substitute(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], undo: U
 
 def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
                   skip: frozenset[int] = frozenset(), slots: list[Any] | None = None, *, undo: Undo,
-                  ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
+                  leaves: bool = False) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
     """Tap the argument_slots, but for tensors whose id is in ``skip`` (also passed in a place no tap
     reaches: that place keeps the untapped tensor, and autograd would sum its gradients in another
-    order) and those that share memory with another (see ``apart``). ``slots``: those to tap, when
-    the caller has them. Tensors inside lists, dicts and dataclasses are put into them while the call
-    runs: ``undo`` collects what ``restore`` puts back once it returned. Returns new args, kwargs and
+    order), those that share memory with another (see ``apart``) and leaves (see ``leaves_apart``;
+    ``leaves``: tapped too, as recordings before schema 1.19 tapped them, for a replay of one).
+    ``slots``: those to tap, when the caller has them. Tensors inside lists, dicts and dataclasses
+    are put into them while the call runs: ``undo`` collects what ``restore`` puts back once it
+    returned. Returns new args, kwargs and
     the names (``args.0``, ``kwargs.mask``, ``args.1.data``) of the tapped tensors, in the order the
     callback sees them."""
     slots = [(key, t) for key, t in (apart(argument_slots(args, kwargs))[0] if slots is None else slots)
-             if id(t) not in skip]
+             if id(t) not in skip and (leaves or not t.is_leaf)]
     if not slots:
         return args, kwargs, []
     tapped, keys = _tap_slots(slots, callback)

@@ -112,18 +112,25 @@ class _Seen:
     given: Any = None  # a module call's (args, kwargs) as it got them: what it changed in place is compared
     changes: bool = False  # its recorded step changed inputs in place ("after:<input>" records)
     undo: taps.Undo = field(default_factory=list)  # its arguments' containers' items, put back when it returns
+    # Its top-level leaf arguments that require grad (name, tensor), which no tap takes, and autograd's
+    # sequence number when it began: at its end, its graph's uses of them are hooked (taps.follow_leaves)
+    leaves: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    since: int = -1
 
 
 class InnerTap:
     """Installed as ``recorder.capture.ACTIVE`` during a replay; records the replayed inner calls.
     With ``backward=True`` their inputs and outputs also pass through autograd taps (identities for
-    the values), so that a backward replay sees each inner step's grad inputs and grad outputs."""
+    the values), so that a backward replay sees each inner step's grad inputs and grad outputs; their
+    top-level leaf arguments are followed through their graphs, as the recorder follows them (tapped
+    too where ``leaves_tapped``: a recording before schema 1.19 tapped them)."""
 
     enabled = True
 
     def __init__(self, root: torch.nn.Module | None, root_path: str, inner: list[Step], *,
-                 backward: bool = False, plan: Any = None) -> None:
+                 backward: bool = False, plan: Any = None, leaves_tapped: bool = False) -> None:
         self.inner, self.backward, self.plan, self.root_path = inner, backward, plan, root_path
+        self.leaves_tapped = leaves_tapped
         self._seen_count: dict[tuple[str, str], int] = {}
         self.calls: list[_Seen] = []
         self._stack: list[str] = [root_path]
@@ -151,9 +158,14 @@ class InnerTap:
             seen.grad_inputs.update({n: g.detach().clone() for n, g in zip(names, grads) if g is not None})
 
         holder: list[list[str | None]] = [[]]
+        slots, leaves = taps.leaves_apart(taps.apart(taps.argument_slots(args, kwargs))[0])
+        if self.leaves_tapped:
+            slots, leaves = [*slots, *leaves], []
+        elif leaves:
+            seen.leaves, seen.since = taps.first_places(leaves), taps.sequence_now()
         new_args, new_kwargs, holder[0] = taps.tap_arguments(args, kwargs,
                                                              lambda g, k=0: got(g, holder[0][k:k + len(g)]),
-                                                             undo=seen.undo)
+                                                             slots=slots, undo=seen.undo, leaves=self.leaves_tapped)
         return new_args, new_kwargs
 
     def _tap_out(self, seen: _Seen, output: Any) -> Any:
@@ -163,8 +175,16 @@ class InnerTap:
         def got(grads: tuple[Any, ...], names: list[str | None]) -> None:
             seen.grad_outputs.update({n: g.detach().clone() for n, g in zip(names, grads) if g is not None})
 
+        def came(name: str, grad: torch.Tensor) -> None:  # (each use's contribution, added as autograd adds them)
+            was = seen.grad_inputs.get(name)
+            seen.grad_inputs[name] = grad.detach().clone() if was is None else was + grad
+
         holder: list[list[str | None]] = [[]]
-        output, holder[0], _ = taps.tap_output(output, lambda g, k=0: got(g, holder[0][k:k + len(g)]))
+        slots = taps.output_slots(output)
+        if seen.leaves:
+            taps.follow_leaves([t for _, t in slots], seen.leaves, seen.since, came)
+            seen.leaves = []
+        output, holder[0], _ = taps.tap_output(output, lambda g, k=0: got(g, holder[0][k:k + len(g)]), slots=slots)
         return output
 
     def _enter(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

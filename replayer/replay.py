@@ -787,15 +787,30 @@ class Replayer:
             if rec is None:
                 raise ReplayError(f"step {step.index}: argument tensor {name!r} is missing from the recording")
             if name in aliases:
-                self._one_storage(step, aliases[name], tensors, grads, given, leaves)
+                one_storage(aliases[name])
                 return
             leaf = self._edit(name, _materialize(step, rec, self.plan.notes))
             if (rec.requires_grad or name in grads) and (leaf.is_floating_point() or leaf.is_complex()):
                 leaf.requires_grad_(True)
             leaves[name] = leaf
             given[name] = _stand_in(leaf) if leaf.requires_grad else leaf  # in-place ops on it must not hit a leaf
+            set_grad(name)
+
+        def one_storage(members: dict[str, int]) -> None:
+            self._one_storage(step, members, tensors, grads, given, leaves)
+            for member in members:
+                set_grad(member)
+
+        def set_grad(name: str) -> None:
+            """The .grad the argument had (a parameter given to an update step), where it is recorded."""
             grad = tensors.get(f"{name}{layout.GRAD_SUFFIX}")
-            if grad is not None:  # the .grad it had (a parameter given to an update step)
+            if grad is None or name.endswith(layout.GRAD_SUFFIX):
+                return
+            if grad.name in aliases:  # (1.19) given as an argument too, or a view of one: one storage again
+                if grad.name not in given:
+                    one_storage(aliases[grad.name])
+                given[name].grad = given[grad.name]
+            else:
                 given[name].grad = self._edit(grad.name, _materialize(step, grad))
 
         arguments = step.arguments or {"args": [], "kwargs": {}}
@@ -992,9 +1007,10 @@ class Replayer:
                              given: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], warnings: list[str]
                              ) -> tuple[list[Any], dict[str, Any]]:
         """Pass the rebuilt module's own parameter where the recorded call was given it as an argument
-        (a tied projection's weight: the step's extra ``parameter_args``), through a tap as recorded: the
-        parameter's gradient then holds what came through the argument too, and the argument's
-        gradient is what came through it alone, as both were recorded."""
+        (a tied projection's weight: the step's extra ``parameter_args``): the parameter's gradient then
+        holds what came through the argument too, as recorded. Before schema 1.19 the recorder passed it
+        through a tap, and recorded the argument's gradient, what came through it alone: a replay of such
+        a recording passes it through a tap too."""
         passed = step.extra.get("parameter_args")
         if not isinstance(passed, dict) or not passed:
             return args, kwargs
@@ -1010,11 +1026,15 @@ class Replayer:
                                 "replay passed a copy, whose gradient does not reach the parameter's (a likely cause "
                                 "of any difference)")
                 continue
-            new = taps.tap([p], _no_gradient_wanted)[0] if p.requires_grad else p
+            new = taps.tap([p], _no_gradient_wanted)[0] if p.requires_grad and self._leaves_tapped() else p
             swap[id(old)] = given[name] = leaves[name] = new
         if not swap:
             return args, kwargs
         return [swap.get(id(a), a) for a in args], {k: swap.get(id(v), v) for k, v in kwargs.items()}
+
+    def _leaves_tapped(self) -> bool:
+        """Whether the recording tapped a step's top-level leaf arguments (schema before 1.19)."""
+        return layout.parse_version(self.rec.reader.schema_version) < layout.LEAVES_UNTAPPED_SINCE
 
     @contextlib.contextmanager
     def _bindings(self) -> Iterator[None]:
@@ -1496,7 +1516,8 @@ class Replayer:
             if not r.has_payload:
                 raise ReplayError(f"backward step {step.index} kept {step.kept_only(r)}; it cannot be replayed")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
-        tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan) if inner else None
+        tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan,
+                       leaves_tapped=self._leaves_tapped()) if inner else None
         fwd_settings = {**fwd.settings, **self.plan.settings}
         # The pass's other call runs in its recorded order around this one (autograd then adds their
         # parameter grads in the order it did, the last call's first).

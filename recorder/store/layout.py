@@ -78,7 +78,13 @@ SCHEMA_VERSION = "1.19"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       indices and values), records of their own named "<record>:<part>" with their bytes where the step kept
 #       payloads, named in the step's extra "sparse" ("parts", and "coalesced" for COO): a replay makes the sparse
 #       tensor again and compares a sparse result bit for bit (before, statistics of its stored values only: a step
-#       given one was refused)
+#       given one was refused);
+#       and a top-level leaf argument that requires grad (a parameter given to an update step) is not tapped: the
+#       step gets the caller's tensor (before, a tapped alias without its .grad); its grad input is the sum of its
+#       uses in the call's graph, and none is recorded for a module's own parameter given as an argument (its
+#       gradient is in the parameter's; a replay passes the parameter itself there, before 1.19 through a tap);
+#       note LEAF_UNFOLLOWED_NOTE; a step's extra "aliases" may name "<input>:grad" records (an argument's .grad
+#       given as an argument too, or sharing memory with one)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -94,6 +100,7 @@ STRIDES_SINCE = (1, 17)  # recordings of this schema or later keep a numpy array
 RAGGED_SINCE = (1, 16)  # recordings of this schema or later may hold RAGGED_DIM in a shape (elsewhere: damage)
 SUBMODULE_CODE_SINCE = (1, 17)  # recordings of this schema or later hold the code hashes of submodule classes
 SPARSE_PARTS_SINCE = (1, 19)  # recordings of this schema or later keep a sparse tensor's parts where they keep payloads
+LEAVES_UNTAPPED_SINCE = (1, 19)  # recordings of this schema or later tapped no top-level leaf argument
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"
@@ -170,6 +177,10 @@ SECOND_ORDER_NOTE = ("an earlier backward pass took this call's gradients with c
                      "penalty): this pass's gradients hold second-order terms, through that graph of gradients")
 UNFOLLOWED_NOTE = ("not followed for gradients (taps reach tensors in tuples, lists, dicts, named tuples and "
                    "dataclasses only): a replay of the backward leaves out the gradients that came through them")
+# A forward step's note: "<input record names> " + this. Since 1.19.
+LEAF_UNFOLLOWED_NOTE = ("leaves given as arguments (the step gets them as they are, untapped), whose uses in the "
+                        "call's graph could not be found (a graph of more than 100000 nodes, or made on several "
+                        "threads): their gradients are not recorded")
 # A forward step's note: "<input record names>: " + this; its extra's "aliases" says where each lies in which storage.
 SHARED_ARGUMENTS_NOTE = ("share memory with each other (views of one tensor): not followed for gradients, so that an "
                          "in-place change to one reaches the others' gradients as without recording; a replay gives "

@@ -410,3 +410,58 @@ def test_torch_modes_and_tensor_subclasses_see_only_the_training_codes_operation
     assert recorded == [plain, plain]
     step = list(replayer.open(tmp_path / "run.zarr").steps)[-2]
     assert step.name == "_scale" and all(r.has_payload for r in step.records), step.extra
+
+
+SAW: list[tuple[bool, bool, str, bool]] = []
+
+
+@recorder.paper_step("Eq. 3", description="the classic hand-written SGD update, given a parameter")
+def _sgd_update(p, lr, caller):
+    SAW.append((p.is_leaf, p.grad is not None, type(p).__name__, p is caller))
+    p.data.add_(p.grad.data, alpha=-lr)
+
+
+@recorder.paper_step("Eq. 3", description="an update skipping parameters without a gradient, as torch's do")
+def _guarded_update(p, lr):
+    if p.grad is not None:
+        p.data.add_(p.grad, alpha=-lr)
+
+
+def _hand_written_training(path):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(8, 4)
+    with recorder.record(path, mode="full") if path is not None else contextlib.nullcontext():
+        for _ in range(3):
+            lin.zero_grad()
+            lin(x).pow(2).mean().backward()
+            for p in lin.parameters():  # grad mode on, as in a training loop
+                _sgd_update(p, 0.1, p)
+                _guarded_update(p, 0.05)
+    return [p.detach().clone() for p in lin.parameters()]
+
+
+def test_a_parameter_given_directly_to_a_step_is_the_callers_tensor(tmp_path):
+    """A parameter passed to a step as a top-level argument with grad mode on (a hand-written update,
+    ``for p in model.parameters(): update(p, lr)``) is the caller's tensor inside the step: a leaf, a
+    Parameter, with its .grad. A tap once gave the step an alias without .grad: the update
+    ``p.data.add_(p.grad.data, ...)`` raised while recording, and one guarded by ``if p.grad is not None``
+    skipped every update. Training is bitwise the same, and the update steps replay bit for bit."""
+    import replayer
+
+    SAW.clear()
+    plain = _hand_written_training(None)
+    assert SAW and all(saw == (True, True, "Parameter", True) for saw in SAW)
+    SAW.clear()
+    recorded = _hand_written_training(tmp_path / "run.zarr")
+    assert SAW and all(saw == (True, True, "Parameter", True) for saw in SAW), SAW
+    for a, b in zip(plain, recorded, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    with replayer.open(tmp_path / "run.zarr") as rec:
+        updates = [s for s in rec.steps if s.name in ("_sgd_update", "_guarded_update")]
+        assert len(updates) == 12 and all(s.phase == "forward" for s in updates)
+        for step in updates:
+            assert {"args.0", "args.0:grad"} <= {r.name for r in step.records if r.role == "input"}
+            assert "after:args.0" in {r.name for r in step.records if r.role == "output"}
+            result = replayer.replay(rec, step.index)
+            assert result.match, (step.index, [d.summary() for d in result.outputs])

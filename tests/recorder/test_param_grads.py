@@ -300,3 +300,56 @@ def test_a_parameter_the_call_does_not_reach_gets_no_gradient_of_other_uses(tmp_
               for r in s.records if r.role == "param_grad" and r.name in ("net.2.bias", "bias")
               and s.module_path in ("", "net.2")]
     assert raw(sum(shares)) == raw(left) if modules else shares == []
+
+
+@recorder.paper_step("Eq. 6", description="a gated projection of a weight given as an argument")
+def gated(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w) * torch.sigmoid(x @ w.t()) + w.sum() * 0.1
+
+
+def test_a_leaf_argument_records_its_calls_own_gradient_and_replays(tmp_path: Path) -> None:
+    """A parameter given to a step directly is not tapped (the step gets it as it is, a leaf with its
+    .grad); its grad input is the sum of its uses in the call's graph (three here), found as a module's
+    own parameter grads are, without the gradient of a use outside the call (a decay term in the loss),
+    bit for bit what autograd computes for the call alone, and a replay of the backward computes the same."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 5))
+    x = torch.randn(3, 5)
+    with recorder.record(tmp_path / "run.zarr", mode="full"):
+        out = gated(x, w)
+        (out.square().mean() + w.square().sum() * 1e-2).backward()
+    own, = torch.autograd.grad(gated.__wrapped__(x, w).square().mean(), [w])
+    with replayer.open(tmp_path / "run.zarr") as rec:
+        back = rec.steps.filter(name="gated", phase="backward")[0]
+        assert [(r.role, r.name) for r in back.records if r.role != "grad_output"] == [("grad_input", "args.1")]
+        assert raw(back.tensor("args.1")) == raw(own) != raw(w.grad)
+        result = replayer.replay(rec, back.index)
+        assert result.match and [d.name for d in result.outputs] == ["args.1"], [d.summary() for d in result.outputs]
+
+
+@recorder.paper_step("Eq. 7", description="a module whose own weight a step inside it is given")
+class GatedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(5, 5))
+        self.lin = torch.nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gated(self.lin(x), self.w) * self.w[0]
+
+
+def test_a_leaf_given_to_an_inner_step_replays_in_the_outer_backward(tmp_path: Path) -> None:
+    """A module's weight given to a step inside it (a leaf, untapped): a replay of the module's backward
+    follows it through the inner step's graph as the recorder did, and the inner step's grad input for
+    it compares bit for bit."""
+    torch.manual_seed(0)
+    block = GatedBlock()
+    with recorder.record(tmp_path / "run.zarr", model=block, mode="full"):
+        block(torch.randn(3, 5)).square().mean().backward()
+    with replayer.open(tmp_path / "run.zarr") as rec:
+        back = rec.steps.filter(name="GatedBlock", phase="backward")[0]
+        result = replayer.replay(rec, back.index)
+        assert result.match and len(result.inner) == 1, [d.summary() for d in result.outputs]
+        inner = result.inner[0]
+        assert inner.match and {d.name for d in inner.diffs} == {"output", "args.0", "args.1"}, \
+            [d.summary() for d in inner.diffs]

@@ -267,24 +267,29 @@ def test_a_nan_made_in_a_custom_functions_backward_names_its_backward_line(tmp_p
     assert (doc["op"]["line"], doc["op"]["forward"]["line"]) == (op.line, op.forward["line"]), doc["op"]
 
 
-def test_a_nan_anomaly_mode_stops_in_the_backward_names_that_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("leaf", [False, True], ids=["computed", "leaf"])
+def test_a_nan_anomaly_mode_stops_in_the_backward_names_that_step(tmp_path: Path, leaf: bool) -> None:
     """The same, with torch.autograd.set_detect_anomaly(True) on: anomaly mode raises where the NaN
-    is made, inside the step's backward, before any recorded gradient holds it. The backward step
-    under way carries that exception, and bisect names it (it said "no non-finite values recorded",
-    exit 0: a clean run)."""
+    is made, inside the step's backward, before its argument's tap holds it. The backward step under
+    way carries that exception, and bisect names it (it said "no non-finite values recorded", exit 0:
+    a clean run). An argument that is a leaf has no tap: its gradient is recorded from the node that
+    made the NaN (as a module's parameter grads are), before anomaly mode raised, and bisect names
+    that grad input."""
     path = tmp_path / "run.zarr"
     with torch.autograd.set_detect_anomaly(True), pytest.raises(RuntimeError, match="returned nan values"), \
             recorder.record(path):
         x = torch.tensor([0.0, 1.0, 4.0], requires_grad=True)
-        nanmodels.root_energy(x).sum().backward()
+        nanmodels.root_energy(x if leaf else x * 1.0).sum().backward()
     rec = replayer.open(path)
     back = rec.step("root_energy:backward")
     assert back.status == "exception" and "returned nan values" in back.extra["exception"]["message"]
     origin = replayer.first_nonfinite(rec)
     assert origin.step is not None and origin.step.index == back.index
-    assert "anomaly mode stopped the backward pass inside it" in origin.cause
+    said = "produced grad_input args.0 (1 NaN of 3) from finite inputs" if leaf else \
+        "anomaly mode stopped the backward pass inside it"
+    assert said in origin.cause, origin.cause
     res = pdbg("bisect", str(path), cwd=tmp_path)
-    assert res.returncode == 1 and "anomaly mode stopped the backward pass" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 1 and said in res.stdout, res.stdout + res.stderr
 
 
 @recorder.paper_step("Eq. 2", description="a smooth relu: log(1 + exp(x)), Inf where exp overflows")
