@@ -1142,9 +1142,10 @@ _SPEAKS_NONFINITE = re.compile(r"\b(nan|inf|infinity|infinite|non-?finite|overfl
 
 
 def _ended_outside(rec: Recording) -> Origin | None:
-    """Where no recorded step holds NaN/Inf and the run ended by an exception: which, and after (or
-    inside) which recorded step; an exception that speaks of NaN/Inf (a loss guard raising before
-    ``backward()``) was about one made outside the recorded steps, which is then ``ended_by``."""
+    """Where no recorded step holds NaN/Inf and the run ended by an exception: which, and after which
+    recorded step, or inside which (the innermost it came out of: ``_raised_first``); an exception that
+    speaks of NaN/Inf (a loss guard raising before ``backward()``) was about one made outside the recorded
+    steps, which is then ``ended_by``."""
     exc = rec.rank.final.get("exception")
     why = rec.ended_by
     if not isinstance(exc, dict) or not exc.get("type") or why is None or not len(rec):
@@ -1153,7 +1154,7 @@ def _ended_outside(rec: Recording) -> Origin | None:
     index = len(rec) - 1
     while 0 <= int(parent[index]) < index:  # the last step to finish: the outermost of the last ones
         index = int(parent[index])
-    last = rec.step(index)
+    last = _raised_first(rec, rec.step(index)) if rec.step(index).status == "exception" else rec.step(index)
     nan = bool(_SPEAKS_NONFINITE.search(why)) or str(exc["type"]).endswith("FloatingPointError")
     if last.status == "exception":
         where = f"raised inside {describe(last)}, which returned no result"
@@ -1164,6 +1165,26 @@ def _ended_outside(rec: Recording) -> Origin | None:
                 "(the loss) as a paper step, or with pdbg record --modules")
     cause = f"no recorded step made or received NaN/Inf; the run ended by {why.rstrip('.')} {where}"
     return Origin(None, cause + made, ended_by=why) if nan else Origin(None, cause)
+
+
+def _raised_first(rec: Recording, step: Step) -> Step:
+    """The innermost step an exception that escaped ``step`` came out of: down from it, the last inner step of
+    each that raised the same exception (its type and message), as far as one did (a layer deep inside the
+    model, not the model)."""
+    status, parent = _column(rec, "status"), _column(rec, "parent")
+    raised = layout.STATUSES.index("exception")
+
+    def said(s: Step) -> tuple[Any, Any]:
+        exc = s.extra.get("exception") or {}
+        return exc.get("type"), exc.get("message")
+
+    while True:
+        inside = np.flatnonzero((parent[step.index + 1:] == step.index) & (status[step.index + 1:] == raised))
+        inner = next((rec.step(step.index + 1 + int(k)) for k in inside[::-1]
+                      if said(rec.step(step.index + 1 + int(k))) == said(step)), None)
+        if inner is None:
+            return step
+        step = inner
 
 
 # What autograd's anomaly mode (torch.autograd.set_detect_anomaly) raises where a backward function

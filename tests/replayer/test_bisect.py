@@ -1936,6 +1936,62 @@ def test_a_run_that_died_of_a_nan_made_outside_every_step_says_so(tmp_path: Path
     assert "the run ended by IndexError: Target 7 is out of bounds." in rows[0].text, rows
 
 
+class _Retrying(torch.nn.Module):
+    """Gives its input to ``inner``; where that raises ValueError, raises RuntimeError of its own."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.inner(x)
+        except ValueError:
+            raise RuntimeError("the head gave up") from None
+
+
+def test_an_exception_is_placed_in_the_innermost_step_it_came_out_of(tmp_path: Path) -> None:
+    """nn.BatchNorm2d after global pooling, given a batch of one sample in train mode, raises ValueError
+    inside the model: bisect said it was raised inside the whole model (the outermost step that raised), where
+    pdbg record and the step statuses name the BatchNorm2d. It names the innermost step that raised it; an
+    exception an outer step raised of its own, having caught an inner one's, is the outer step's."""
+    def train(path: Path, model: torch.nn.Module) -> None:
+        torch.manual_seed(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with recorder.record(path, model=model, optimizer=opt, modules=["**"]):
+            for bs in (4, 1):  # the epoch's last batch holds one sample
+                model(torch.randn(bs, 3, 8, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+
+    def pooled() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
+
+    path = tmp_path / "bn.zarr"
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        train(path, torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), pooled(), torch.nn.Flatten()))
+    rec = replayer.open(path)
+    raised = [s for s in rec.steps if s.status == "exception"]
+    assert [s.module_path for s in raised] == ["", "1", "1.2"], raised
+    origin = replayer.first_nonfinite(rec)
+    assert origin.clean and origin.cause == (
+        "no recorded step made or received NaN/Inf; the run ended by ValueError: Expected more than 1 value per "
+        "channel when training, got input size torch.Size([1, 4, 1, 1]) raised inside "
+        f"{bisect_mod.describe(raised[-1])}, which returned no result"), origin.cause
+    assert "BatchNorm2d · 1.2 · forward · iteration 1" in origin.cause
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == origin.cause, res.stdout
+
+    path = tmp_path / "caught.zarr"
+    with pytest.raises(RuntimeError, match="the head gave up"):
+        train(path, torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), _Retrying(pooled()), torch.nn.Flatten()))
+    rec = replayer.open(path)
+    raised = [s for s in rec.steps if s.status == "exception"]
+    assert [s.module_path for s in raised] == ["", "1", "1.inner", "1.inner.2"], raised
+    origin = replayer.first_nonfinite(rec)
+    assert f"the head gave up raised inside {bisect_mod.describe(raised[1])}," in origin.cause, origin.cause
+
+
 def test_a_student_and_its_ema_teacher_of_one_class_are_told_apart(tmp_path: Path) -> None:
     """A teacher made by deepcopy runs as the same step, at the same module path, as its student: the
     recording says which object ran each call, so that the teacher's blow-up is not read as the student's."""
