@@ -865,13 +865,18 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     made |= harmed
     through = _through_gradients(rec, made)  # came in by a graph of gradients: where it entered
     made &= ~through
+    wrote = _buffer_writers(rec, k, habit)  # NaN/Inf a call wrote into its module's buffers: its next call's
+    made[list(wrote)] = True
     if made.any():  # after NaN/Inf came into a step and went on, one made only as far as recorded is no origin
         made &= ~_unseen_after_entry(rec, made, (k.result & ((k.given & ~habit) | k.nan_given)) | through)
     went = k.result & ~k.meant()  # (a mask's Inf in the iterations after it is no spread of it)
     if made.any():
         index = _innermost(rec, int(np.flatnonzero(made)[0]), made)
         step = rec.step(index)
-        what = _nonfinite_text(step, layout_results(step.phase)) or ["non-finite results"]
+        what = _nonfinite_text(step, layout_results(step.phase)) + [
+            f"buffer {r.name} in place ({_counts(rec, r)}, as the module's next call, step {nxt.index}, found it)"
+            for nxt, r in wrote.get(index, [])] or ["non-finite results"]
+        nan = bool(k.nan_result[index]) or any(r.stats["nan"] for _, r in wrote.get(index, []))
         sent, received = _sent(step), _received(step)
         given = [r.name + (" from another rank" if r.name in received else "") for r in _own_inputs(step)
                  if r.nonfinite and _call_of(r.name) not in sent]
@@ -881,7 +886,7 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
                "on part of a tensor, as a -inf mask does, that its earlier calls kept out of their results"
                if kept is None else "on part of a tensor, as a -inf mask does")
         source = (f"from inputs holding Inf {how}, but no NaN ({', '.join(given[:3])})" if given
-                  else _finite_inputs(step, "NaN" if k.nan_result[index] else "Inf"))
+                  else _finite_inputs(step, "NaN" if nan else "Inf"))
         if sent:
             source += f", and sent them to the other ranks through its {', '.join(sent)}"
         maker = None
@@ -956,6 +961,45 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
 
 
 _SOURCE_SEARCH = 1000  # steps searched back for the one whose output a step's non-finite input is
+_WRITERS_LOOKED_AT = 1000  # calls that found a buffer non-finite looked at, at most (``_buffer_writers``)
+
+
+def _buffer_writers(rec: Recording, k: _Kinds, habit: np.ndarray) -> dict[int, list[tuple[Step, TensorRecord]]]:
+    """The forward calls that wrote NaN or Inf into their own module's buffers in place (a BatchNorm given one
+    value per channel in train mode: its unbiased running variance divides by 0), their results finite
+    maybe: {call: [(the module's next recorded call, the buffer's record there)]}. A buffer has no record of
+    its own of what a call left in it: the module's next recorded call (of the same module object) found it so,
+    where the call found it finite, and code between the two did not write or replace it (the next call's
+    ``BUFFERS_WRITTEN_NOTE``), nor convert it. The call's own inputs, parameters and buffers were finite (a call
+    that took NaN passed it on); Inf alone counts where the next call did not take it as a mask's (``habit``)
+    and its results went non-finite, as Inf coming in there otherwise would. Looked for at the calls whose
+    inputs held NaN/Inf and whose module's previous call's did not, ``_WRITERS_LOOKED_AT`` at most."""
+    phase = _column(rec, "phase")
+    calls = np.flatnonzero(phase == 0)
+    if not k.given[calls].any():
+        return {}
+    group = k.groups(by_call=False)[calls].astype(np.int64)  # each module object's calls apart
+    key = group * (int(rec._object_numbers.max()) + 1) + rec._object_numbers[calls]
+    order = np.lexsort((calls, key))
+    same = key[order][1:] == key[order][:-1]
+    later, earlier = calls[order][1:][same], calls[order][:-1][same]  # a call, and its module's previous one
+    found = k.given[later] & ~k.given[earlier]
+    wrote: dict[int, list[tuple[Step, TensorRecord]]] = {}
+    for nxt_index, index in zip(later[found][:_WRITERS_LOOKED_AT].tolist(), earlier[found].tolist()):
+        nxt = rec.step(nxt_index)
+        bad = [r for r in nxt.records if r.role == "buffer" and r.nonfinite]
+        if not bad:
+            continue
+        written = nxt.noted(layout.BUFFERS_WRITTEN_NOTE)  # (escaped, as the recorder wrote them)
+        before = {r.name: r for r in rec.step(index).records if r.role == "buffer"}
+        for r in bad:
+            was = before.get(r.name)
+            if was is None or was.nonfinite or (was.dtype, tuple(was.shape)) != (r.dtype, tuple(r.shape)) \
+                    or r.name.encode("unicode_escape").decode() in written:
+                continue
+            if r.stats["nan"] or (k.result[nxt_index] and not habit[nxt_index]):
+                wrote.setdefault(index, []).append((nxt, r))
+    return wrote
 
 
 def _producer(rec: Recording, step: Step, result: np.ndarray) -> tuple[TensorRecord, Step] | None:

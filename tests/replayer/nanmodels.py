@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
@@ -300,3 +302,64 @@ def record_log_mel(path: object, iterations: int) -> None:
             lin(feats.transpose(1, 2)).sum().backward()
             opt.step()
             opt.zero_grad()
+
+
+class RunningBN(nn.Module):
+    """A hand-written BatchNorm: it normalises by the biased variance and keeps the unbiased one in
+    ``running_var``, which a batch of one value per channel in train mode makes NaN (n / (n - 1) = 1 / 0),
+    in place, its output finite; the next call in eval mode returns NaN."""
+
+    def __init__(self, c: int, momentum: float = 0.1, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.momentum, self.eps = momentum, eps
+        self.weight, self.bias = nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
+        self.register_buffer("running_mean", torch.zeros(c))
+        self.register_buffer("running_var", torch.ones(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            mean, var = x.mean(dim=(0, 2, 3)), x.var(dim=(0, 2, 3), unbiased=False)
+            with torch.no_grad():
+                n = x.numel() / x.shape[1]
+                self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
+                self.running_var.mul_(1 - self.momentum).add_(self.momentum * var * n / (n - 1))
+        else:
+            mean, var = self.running_mean, self.running_var
+        xh = (x - mean[None, :, None, None]) / torch.sqrt(var[None, :, None, None] + self.eps)
+        return xh * self.weight[None, :, None, None] + self.bias[None, :, None, None]
+
+
+@recorder.paper_step("Eq. 7", description="batch normalisation, unbiased running variance")
+class PaperBN(RunningBN):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+class ImagePool(nn.Module):
+    """An ASPP image-pooling branch: global average, 1x1 convolution, ``bn``."""
+
+    def __init__(self, c: int, bn: nn.Module) -> None:
+        super().__init__()
+        self.pool, self.conv, self.bn = nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, c, 1), bn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(self.pool(x)))
+
+
+def record_bn(path: object, model: nn.Module, batches: tuple[int, ...], modules: list[str] | None = None,
+              between: Callable[[int, nn.Module], None] | None = None) -> None:
+    """One iteration per batch size: a train-mode step on a batch of that many 3-channel images, then
+    ``between(i, model)``, then an evaluation under inference_mode."""
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(path, model=model, optimizer=opt, modules=modules):
+        for i, size in enumerate(batches):
+            model.train()
+            model(torch.randn(size, 3, 4, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if between is not None:
+                between(i, model)
+            model.eval()
+            with torch.inference_mode():
+                model(torch.randn(4, 3, 4, 4))

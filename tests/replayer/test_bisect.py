@@ -1936,6 +1936,88 @@ def test_a_run_that_died_of_a_nan_made_outside_every_step_says_so(tmp_path: Path
     assert "the run ended by IndexError: Target 7 is out of bounds." in rows[0].text, rows
 
 
+def _bn_model(bn: torch.nn.Module) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), nanmodels.ImagePool(4, bn), torch.nn.Flatten(),
+                               torch.nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("how", ["decorated", "modules"])
+def test_a_call_that_writes_nan_into_its_own_buffer_is_the_origin(tmp_path: Path, how: str) -> None:
+    """A hand-written BatchNorm given one value per channel in train mode writes NaN into its running_var in
+    place, its output finite; the next call, in eval mode, returns NaN. bisect said the buffer came non-finite
+    into that next call from "the optimizer update or code outside every recorded step", where the recording
+    shows (replayed bit for bit, after:running_var) that the train-mode call wrote it. That call is the origin,
+    decorated and recorded by module path alike (the innermost: the BatchNorm, not the branch around it), and
+    --ops names the division."""
+    path = tmp_path / "bn.zarr"
+    if how == "decorated":
+        nanmodels.record_bn(path, _bn_model(nanmodels.PaperBN(4)), (4, 4, 1))
+    else:
+        nanmodels.record_bn(path, _bn_model(nanmodels.RunningBN(4)), (4, 4, 1), modules=["1", "1.bn"])
+    rec = replayer.open(path)
+    bn = [s for s in rec.steps if s.module_path == "1.bn" and s.phase == "forward"]
+    writer, found = next((a, b) for a, b in zip(bn, bn[1:]) if b.tensors("buffer")[1].nonfinite)
+    assert (writer.iteration, writer.grad_enabled, writer.status) == (2, True, "ok") and not found.grad_enabled
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.step is not None and origin.step.index == writer.index, origin.cause
+    assert origin.cause == (f"{bisect_mod.describe(writer)} produced buffer running_var in place (4 NaN of 4, as the "
+                            f"module's next call, step {found.index}, found it) from finite inputs"), origin.cause
+    op = origin.op
+    assert op is not None and op.name == "aten::div", (op, origin.op_note)
+    assert (Path(op.file), op.line) == (Path(inspect.getsourcefile(nanmodels)),
+                                        line_of(nanmodels.RunningBN.forward, "n / (n - 1)"))
+    assert origin.spread and origin.spread[0].index > writer.index
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 1 and origin.cause in res.stdout, res.stdout
+    info = pdbg("info", str(path), cwd=tmp_path).stdout
+    assert f"NaN origin: step {writer.index}:" in info, info
+    from tui import views
+
+    assert [(r.kind, r.index) for r in views.alerts(rec)][:1] == [("origin", writer.index)]
+
+
+def test_a_buffer_code_between_calls_wrote_nan_into_came_in(tmp_path: Path) -> None:
+    """NaN that code between a module's calls writes into its buffer came in from outside the recorded steps:
+    the call before it is no origin (the recording notes the buffer written since, from its version counter);
+    nor is a call that fills its buffer with a -inf mask that its later calls keep out of their results."""
+    def poison(i: int, model: torch.nn.Module) -> None:
+        if i == 1:
+            model[1].bn.running_var[0] = float("nan")
+
+    path = tmp_path / "reset.zarr"
+    nanmodels.record_bn(path, _bn_model(nanmodels.PaperBN(4)), (4, 4, 4), between=poison)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    entered = origin.entered
+    assert origin.step is None and entered is not None and (entered.module_path, entered.iteration) == ("1.bn", 2)
+    assert origin.cause.startswith(f"buffer 1.bn.running_var was already non-finite when {bisect_mod.describe(entered)}"
+                                   " began (1 NaN of 4): the optimizer update or code outside every recorded step "
+                                   "wrote it; it was last finite in iteration 1"), origin.cause
+
+    path = tmp_path / "mask.zarr"
+    model = torch.nn.Sequential(_MaskCache())
+    with recorder.record(path, model=model, modules=["0"]):
+        for _ in range(3):
+            model(torch.randn(2, 4, 8))
+    origin = replayer.first_nonfinite(replayer.open(path))
+    assert origin.step is None and origin.entered is None and origin.clean, origin.cause
+
+
+class _MaskCache(torch.nn.Module):
+    """Attention that writes its causal -inf mask into a buffer at its first call, and adds it at each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.zeros(4, 4))
+        self.built = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.built:
+            self.mask.masked_fill_(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf"))
+            self.built = True
+        return torch.softmax(x @ x.transpose(1, 2) + self.mask, -1) @ x
+
+
 class _Retrying(torch.nn.Module):
     """Gives its input to ``inner``; where that raises ValueError, raises RuntimeError of its own."""
 
