@@ -2081,14 +2081,7 @@ class Session:
             for k, name in places:
                 if name not in link.own:  # a later call reused its nodes: recorded as a total (_reused_nodes)
                     continue
-                came, total = link.sums.get(name, (0, None))
-                g = grads[k]
-                if g is not None:
-                    total = g if total is None else total + g  # as autograd adds them: commutes bitwise
-                if came + 1 < link.own[name]:
-                    link.sums[name] = (came + 1, total)
-                    continue
-                link.sums.pop(name, None)
+                total = _add_use(link.sums, name, grads[k], link.own[name])
                 if total is not None:
                     self._own_grad(link, name, total)
         self._guard("capturing parameter grads", run)
@@ -2103,14 +2096,7 @@ class Session:
             if any(grads[k] is not None for k, _ in places):  # (in the pass's steps now: _finish_own sees its sums)
                 self._open_backward(link)
             for k, name in places:
-                came, total = link.arg_sums.get(name, (0, None))
-                g = grads[k]
-                if g is not None:
-                    total = g if total is None else total + g  # as autograd adds them: commutes bitwise
-                if came + 1 < link.arg_uses[name]:
-                    link.arg_sums[name] = (came + 1, total)
-                    continue
-                link.arg_sums.pop(name, None)
+                total = _add_use(link.arg_sums, name, grads[k], link.arg_uses[name])
                 if total is not None:
                     self._arg_grad(link, name, total)
         self._guard("capturing grad inputs", run)
@@ -2357,6 +2343,20 @@ _ARGUMENT = "argument"  # (_ARGUMENT, record name): a leaf argument's key among 
 _UNTAPPED_NOTE = ("a tensor both in a place a tap follows and in one it does not (inside another object; for an "
                   "argument, a leaf inside a container too) has no gradient recorded: following it through the call "
                   "would change the order in which autograd sums its gradients")
+
+
+def _add_use(sums: dict[str, tuple[int, Any]], name: str, g: torch.Tensor | None, uses: int) -> torch.Tensor | None:
+    """Add one use's contribution ``g`` to a call's gradient of ``name`` (``sums``: name -> (uses that have
+    sent theirs, their sum), as autograd adds them: commutes bitwise); the sum once all ``uses`` have sent
+    theirs (None until then, or where none sent a gradient)."""
+    came, total = sums.get(name, (0, None))
+    if g is not None:
+        total = g if total is None else total + g
+    if came + 1 < uses:
+        sums[name] = (came + 1, total)
+        return None
+    sums.pop(name, None)
+    return total
 
 
 def _one_line(names: list[str]) -> str:
