@@ -290,7 +290,7 @@ class BackwardLink:
     """Ties a forward call to its backward: names of the tapped tensors and the open backward frame."""
 
     fwd: Frame
-    input_names: list[str] = field(default_factory=list)
+    input_names: list[str | None] = field(default_factory=list)  # None: a grad input not recorded
     output_names: list[str | None] = field(default_factory=list)  # None: a tap that went unused
     handles: list[Any] = field(default_factory=list)
     frame: Frame | None = None
@@ -325,6 +325,10 @@ class BackwardLink:
     arg_sums: dict[str, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
     arg_done: set[str] = field(default_factory=set)  # in the pass under way: those its backward reached
     arg_hooked: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # leaf arguments with a hook (handles)
+    # The tapped arguments with their taps' aliases, looked at when the call returns; those it changed in
+    # place through their aliases, rebased then, until its outputs are tapped (taps.rebase_changed)
+    watched: taps.Watched = field(default_factory=list)
+    rebased: taps.Rebased = field(default_factory=dict)
 
 
 def _inner_first(frames: list[Frame]) -> list[Frame]:
@@ -942,11 +946,30 @@ class Session:
     def end(self, frame: Frame | None, out: Any, link: BackwardLink | None) -> Any:
         """Finish a step begun with ``begin``: capture its outputs; returns the (tapped) output. The
         arguments' containers get their own tensors back (the tapped ones were theirs while it ran)."""
+        if link is not None and link.watched:
+            try:
+                self._rebase_changed(link)
+            except RuntimeError as exc:  # autograd's refusal of the change: the call's own error
+                self.end_with_exception(frame, exc, link)
+                raise
+            except Exception as exc:  # noqa: BLE001 - training goes on
+                self.fail("following an argument the step changed in place", exc)
         try:
             return self._end(frame, out, link)
         finally:
             if link is not None and link.undo:
                 taps.restore(link.undo)
+
+    def _rebase_changed(self, link: BackwardLink) -> None:
+        """Give the caller's tensors that the call changed in place through their taps the history of
+        that change (taps.rebase_changed): training goes on as unrecorded. Raises what autograd raised
+        (a view of a leaf changed in place): the call's change raises it unrecorded. Their nodes are
+        made after the call's, as its outputs' taps are (``until``)."""
+        with quiet():
+            changed = taps.changed_in_place(link.watched)
+            if changed:
+                link.until = taps.sequence_now()
+                link.rebased = taps.rebase_changed(changed)
 
     def _end(self, frame: Frame | None, out: Any, link: BackwardLink | None) -> Any:
         if frame is None:
@@ -984,6 +1007,12 @@ class Session:
             for handle in link.handles:
                 handle.remove()
             link.handles.clear()
+            if link.watched:  # (a caller that catches the exception goes on with its tensors as changed)
+                try:
+                    with quiet():
+                        taps.rebase_changed(taps.changed_in_place(link.watched))
+                except Exception as err:  # noqa: BLE001 - the call's own exception is the one raised
+                    self.fail("following an argument the step changed in place", err)
         if frame is None:  # a recomputation that did not finish: its graph is never used
             return
         self._pop(frame)
@@ -1055,7 +1084,8 @@ class Session:
                     mine = {id(p) for _, p in link.params}
                     link.leaf_args = [(n, t) for n, t in link.leaf_args if id(t) not in mine]
                 if link.params or link.leaf_args:
-                    link.until = taps.sequence_now()
+                    if link.until < 0:
+                        link.until = taps.sequence_now()
                     self._hook_params(link.fwd, link, [t for _, t in slots], notes=False)
                 out = self._tap_outputs(link, out, _nested_tensors(out, reached), slots=slots)
         except Exception as exc:
@@ -1281,7 +1311,8 @@ class Session:
         if unfollowed:
             frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
         if link is not None:
-            link.until = taps.sequence_now()
+            if link.until < 0:  # (set where arguments were rebased)
+                link.until = taps.sequence_now()
             if link.params or link.leaf_args:
                 self._hook_params(frame, link, [t for _, t in slots])
         if leaves and frame.module is not None:
@@ -1991,11 +2022,27 @@ class Session:
         """Pass a call's tensor arguments (``slots``, when known: taps.argument_slots) through a tap
         that reports their grads to ``link``; not those in ``skip`` (also inside a list: see
         taps.tap_arguments), noted on ``frame``."""
-        args, kwargs, link.input_names = taps.tap_arguments(args, kwargs, _backward_callback(self._on_grad_input, link),
-                                                            skip, slots, undo=link.undo)
+        args, kwargs, names = taps.tap_arguments(args, kwargs, _backward_callback(self._on_grad_input, link), skip,
+                                                 slots, undo=link.undo, watched=link.watched)
+        link.input_names = list(names)
         if skip and frame is not None:
             frame.notes.append(_UNTAPPED_NOTE)
         return args, kwargs
+
+    @staticmethod
+    def _changed_not_returned(link: BackwardLink, frame: Frame | None) -> None:
+        """Leave out the grad inputs of the arguments the call changed in place and did not return
+        (taps.rebase_changed): the caller's later uses of one send their gradients through the call's
+        in-place operations to its tap, where a replay of the call's backward, from its outputs' grads
+        alone, does not. Those it returned are its outputs: their gradients are its grad outputs."""
+        rebased, link.rebased = link.rebased, {}
+        names = []
+        for i, _, cell in rebased.values():
+            if cell[0] is None:
+                names.append(link.input_names[i])
+                link.input_names[i] = None
+        if names and frame is not None:
+            frame.notes.append(f"{_one_line(names)}: {layout.CHANGED_ARGUMENT_NOTE}")
 
     def _hook_param(self, link: BackwardLink, name: str, p: torch.Tensor, again: bool = False) -> None:
         """Hook a parameter's gradient for ``link`` (``again``: one of ``link.hooked``, for a
@@ -2010,7 +2057,9 @@ class Session:
         ``link`` (not those in ``skip``, see _tap_inputs); the link then waits for its backward (or
         the iteration's end)."""
         out, link.output_names, left = taps.tap_output(out, _backward_callback(self._on_grad_output, link), skip,
-                                                       slots)
+                                                       slots, link.rebased)
+        if link.rebased:
+            self._changed_not_returned(link, frame)
         link.complete = not (skip or left) and any(link.output_names)
         if frame is not None:
             if skip:
@@ -2040,7 +2089,7 @@ class Session:
         def run() -> None:
             frame = self._open_backward(link)
             for name, g in zip(link.input_names[first:first + len(grads)], grads):
-                if g is not None:
+                if g is not None and name is not None:
                     self._capture(frame, "grad_input", name, g)
             frame.t_end = time.perf_counter() - self.t0
             link.finished = True

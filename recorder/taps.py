@@ -6,8 +6,12 @@ The taps return ``detach()``-ed aliases rather than the inputs themselves: autog
 returned as-is from a custom Function as a view, and in-place operations on such views are
 forbidden, which would break common code (``nn.ReLU(inplace=True)`` on a step's input). Gradients
 pass through unchanged and unmaterialised (``None`` stays ``None``), so values are bit-identical.
-Leaves (a parameter given to an update step) pass through no tap: the step gets them as they are,
-and their gradients are found on the nodes of the call's graph that use them (``leaves_apart``).
+A call that changes a tapped argument in place (``torch.relu_(x)``, ``nn.ReLU(inplace=True)``) changes
+the caller's tensor's values through the alias, while autograd records the change in the alias's history
+alone: ``rebase_changed`` then gives the caller's tensor that history (see ``rebase``), as the change
+made to the tensor itself would have. Leaves (a parameter given to an update step) pass through no tap:
+the step gets them as they are, and their gradients are found on the nodes of the call's graph that use
+them (``leaves_apart``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,87 @@ class _Tap(torch.autograd.Function):
         return tangents
 
 
+class _Rebase(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, cell: list[GradCallback | None], view: bool, t: torch.Tensor,
+                _changed: torch.Tensor) -> torch.Tensor:
+        ctx.cell, ctx.view = cell, view
+        ctx.set_materialize_grads(False)
+        ctx.mark_dirty(t)
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[Any, ...]:
+        if ctx.cell[0] is not None:
+            ctx.cell[0]((grad,))
+        # The history before the change gets its gradient through the changed tensor's. A view's base
+        # (CopySlices) writes what this returns into the view's part of its own gradient: -0.0, which
+        # adds to what that path sends there exactly (x + -0.0 is x, bit for bit, -0.0 included); the
+        # zeros that path sends the rest of the base (a slice's backward's) turn a -0.0 there into 0.0.
+        before = torch.full_like(grad, -0.0) if ctx.view and grad is not None else None
+        return None, None, before, grad
+
+
+def _unsafe_set_version() -> Callable[[torch.Tensor, int], None] | None:
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None:
+        return None
+
+    def set_version(t: torch.Tensor, version: int) -> None:
+        try:
+            setter((t,), (version,))
+        except TypeError:  # (before torch 2.5: one tensor and one version)
+            setter(t, version)
+    return set_version
+
+
+_SET_VERSION = _unsafe_set_version()
+# What a tap gave a call in the place of each caller's tensor: (its place among the tapped names,
+# the caller's tensor, the tapped tensor, their version counter when tapped; see ``changed_in_place``)
+Watched = list[tuple[int, torch.Tensor, torch.Tensor, int]]
+# id(tapped tensor) -> (its place among the tapped names, the caller's tensor, the cell its rebase calls
+# back through: ``tap_output`` sets it where the call returned the tapped tensor)
+Rebased = dict[int, tuple[int, torch.Tensor, list[GradCallback | None]]]
+
+
+def rebase(t: torch.Tensor, changed: torch.Tensor) -> list[GradCallback | None]:
+    """Give ``t`` the autograd history of ``changed``, its tap's alias that a call changed in place: its
+    later uses then send their gradients through the call's in-place operations, as they do where the
+    call changed ``t`` itself. The gradient passes as it is, so training is bit for bit as unrecorded.
+    Raises what autograd raises for an in-place change to ``t`` (a view of a leaf, one of several views
+    ``split`` returned): what the call's change raises unrecorded. The version counter stays as the call
+    left it (an in-place change of autograd's own would count one more, and the call's saved tensors
+    would then refuse their backward). Returns the cell of the gradient's callback, empty."""
+    cell: list[GradCallback | None] = [None]
+    version = t._version
+    try:
+        _Rebase.apply(cell, t._is_view(), t, changed)
+    finally:
+        if t._version != version:
+            _SET_VERSION(t, version)  # type: ignore[misc]
+    return cell
+
+
+def changed_in_place(watched: Watched) -> Watched:
+    """The entries of ``watched`` whose caller's tensor the call changed in place through its tap's
+    alias: their version counter moved, and the alias has a history of its own. One read of a version
+    counter per tensor where none changed; ``watched`` is emptied. A change that did not go through the
+    alias (another reference to the caller's tensor) is in autograd's history of the caller's tensor."""
+    changed = [w for w in watched if w[1]._version != w[3] and _changed_through(w[2])]
+    watched.clear()
+    return changed if _SET_VERSION is not None else []  # (no way to keep the version counter: left as it was)
+
+
+def _changed_through(alias: torch.Tensor) -> bool:
+    node = alias.grad_fn
+    return node is not None and type(node) is not _TAP_NODE
+
+
+def rebase_changed(changed: Watched) -> Rebased:
+    """Rebase (see ``rebase``) the caller's tensors of ``changed`` (see ``changed_in_place``)."""
+    return {id(alias): (i, t, rebase(t, alias)) for i, t, alias, _ in changed}
+
+
 def _alias(t: torch.Tensor) -> torch.Tensor:
     """``t.detach()``; for a tensor subclass that keeps its class through operations (not ``Parameter``),
     of its class and with its instance attributes, as the call gets it unrecorded. The subclass's
@@ -75,37 +160,54 @@ def tap(tensors: list[torch.Tensor], callback: GradCallback) -> tuple[torch.Tens
     return _Tap.apply(callback, *tensors)  # type: ignore[no-any-return]
 
 
-def tap_each(tensors: list[torch.Tensor], callback: GradCallback) -> tuple[torch.Tensor, ...]:
+def tap_each(tensors: list[torch.Tensor], callback: GradCallback, rebased: Rebased | None = None
+             ) -> tuple[torch.Tensor, ...]:
     """Pass each tensor through a tap of its own; ``callback((grad,), k)`` runs when the k-th one's
     gradient arrives (not a tuple of all with the others' as None: a step returning T tensors would
     cost T per gradient, T² per backward). One tap for all would join their graphs: a backward pass from
     one of them (an actor's loss) would then run the others' backward too (the critic's, with no
     gradient), and fail where those saved tensors an optimizer step has since changed in place;
     and none of them would go on before all had their gradient, which changes the order in which
-    autograd adds gradients from the step's other uses."""
+    autograd adds gradients from the step's other uses.
+
+    A tensor of ``rebased`` (an argument's alias the call changed in place and returned) is given back
+    as the caller's tensor, which its rebase made it: the caller gets one tensor, as unrecorded, whose
+    gradient, that of every later use, its rebase reports in the place of a tap."""
+    if rebased and any(id(t) in rebased for t in tensors):
+        return tuple(_given_back(t, callback if len(tensors) == 1 else functools.partial(_placed, callback, k),
+                                 rebased) for k, t in enumerate(tensors))
     if len(tensors) == 1:
         return tap(tensors, callback)
     return tuple(tap([t], functools.partial(_placed, callback, k))[0] for k, t in enumerate(tensors))
+
+
+def _given_back(t: torch.Tensor, callback: GradCallback, rebased: Rebased) -> torch.Tensor:
+    entry = rebased.get(id(t))
+    if entry is None:
+        return tap([t], callback)[0]  # type: ignore[no-any-return]
+    entry[2][0] = callback
+    return entry[1]
 
 
 def _placed(callback: GradCallback, k: int, grads: tuple[torch.Tensor | None, ...]) -> None:
     callback(grads, k)
 
 
-def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback) -> tuple[dict[Any, Any], list[Any]]:
+def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback, rebased: Rebased | None = None
+               ) -> tuple[dict[Any, Any], list[Any]]:
     """Tap the (key, tensor) pairs' tensors, each tensor object once: a tensor passed in several
     places stays one object in all of them (``query is key`` in self-attention, as without recording),
     its gradient reported once, the total, under its first key. Returns {key: tapped} and the keys
-    tapped, in the order the callback sees their grads."""
+    tapped, in the order the callback sees their grads (``rebased``: see ``tap_each``)."""
     if len({id(value) for _, value in values}) == len(values):  # each tensor in one place: the usual call
         keys = [key for key, _ in values]
-        return dict(zip(keys, tap_each([value for _, value in values], callback))), keys
+        return dict(zip(keys, tap_each([value for _, value in values], callback, rebased))), keys
     first: dict[int, Any] = {}
     for key, value in values:
         first.setdefault(id(value), key)
     keys = list(first.values())
     by_key = dict(values)
-    tapped = dict(zip(keys, tap_each([by_key[k] for k in keys], callback)))
+    tapped = dict(zip(keys, tap_each([by_key[k] for k in keys], callback, rebased)))
     return {key: tapped[first[id(value)]] for key, value in values}, keys
 
 
@@ -138,9 +240,9 @@ def parameter_uses(outputs: list[torch.Tensor], params: dict[int, Any], since: i
     through a tap of its inputs (a weight an earlier call made and cached, ``parametrize.cached()``):
     made during an earlier call, such a node sends that call's parameters this call's gradients too.
     And whether the walk saw every use: False when it met a node of a custom ``autograd.Function``
-    (other than the recorder's taps), whose backward may reach parameters it was not given (reentrant
-    checkpointing runs a backward of its own). None when the walk is longer than ``_WALK_LIMIT``
-    nodes (a graph made on several threads, whose sequence numbers do not bound it)."""
+    (other than the recorder's taps and rebases), whose backward may reach parameters it was not given
+    (reentrant checkpointing runs a backward of its own). None when the walk is longer than
+    ``_WALK_LIMIT`` nodes (a graph made on several threads, whose sequence numbers do not bound it)."""
     found: dict[Any, list[tuple[Any, int]]] = {}
     reused: list[int] = []
     whole = True
@@ -157,7 +259,7 @@ def parameter_uses(outputs: list[torch.Tensor], params: dict[int, Any], since: i
             reused.append(node._sequence_nr())
             continue
         tap_node = type(node) is _TAP_NODE
-        if not tap_node and isinstance(node, BackwardCFunction):
+        if not tap_node and isinstance(node, BackwardCFunction) and type(node) is not _REBASE_NODE:
             whole = False
         for k, (after, _) in enumerate(node.next_functions):
             if after is None or after in seen:
@@ -180,6 +282,7 @@ def _accumulate_grad_type() -> type:
 
 _ACCUMULATE_GRAD = _accumulate_grad_type()
 _TAP_NODE = _Tap._backward_cls  # type: ignore[attr-defined]
+_REBASE_NODE = _Rebase._backward_cls  # type: ignore[attr-defined]
 
 
 def wants_tap(value: Any) -> bool:
@@ -644,14 +747,16 @@ def _substitute(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], undo: U
 
 def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
                   skip: frozenset[int] = frozenset(), slots: list[Any] | None = None, *, undo: Undo,
-                  leaves: bool = False) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
+                  leaves: bool = False, watched: Watched | None = None,
+                  ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
     """Tap the argument_slots, but for tensors whose id is in ``skip`` (also passed in a place no tap
     reaches: that place keeps the untapped tensor, and autograd would sum its gradients in another
     order), those that share memory with another (see ``apart``) and leaves (see ``leaves_apart``;
     ``leaves``: tapped too, as recordings before schema 1.19 tapped them, for a replay of one).
     ``slots``: those to tap, when the caller has them. Tensors inside lists, dicts and dataclasses
     are put into them while the call runs: ``undo`` collects what ``restore`` puts back once it
-    returned. Returns new args, kwargs and
+    returned. ``watched`` collects each tapped tensor with its tap's, for ``changed_in_place`` once the
+    call returned. Returns new args, kwargs and
     the names (``args.0``, ``kwargs.mask``, ``args.1.data``) of the tapped tensors, in the order the
     callback sees them."""
     slots = [(key, t) for key, t in (apart(argument_slots(args, kwargs))[0] if slots is None else slots)
@@ -659,6 +764,9 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
     if not slots:
         return args, kwargs, []
     tapped, keys = _tap_slots(slots, callback)
+    if watched is not None:
+        given = dict(slots)
+        watched.extend((i, given[k], tapped[k], given[k]._version) for i, k in enumerate(keys))
     new_args, new_kwargs = list(args), dict(kwargs)
     below: dict[tuple[str, Any], dict[tuple[Any, ...], torch.Tensor]] = {}
     for key, t in tapped.items():
@@ -675,16 +783,18 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
 
 
 def tap_output(output: Any, callback: GradCallback, skip: frozenset[int] = frozenset(),
-               slots: list[Any] | None = None) -> tuple[Any, list[str | None], list[str]]:
+               slots: list[Any] | None = None, rebased: Rebased | None = None,
+               ) -> tuple[Any, list[str | None], list[str]]:
     """Tap the output_slots (``slots``, when the caller has them) of a step's output, but for tensors
-    whose id is in ``skip`` (also in a place no tap reaches: see tap_arguments). Returns the new
-    output; the names of the tapped tensors (``output``, ``output.0``, ``output.1.h``) in the order
+    whose id is in ``skip`` (also in a place no tap reaches: see tap_arguments); an argument's alias
+    the call changed in place (``rebased``) is given back as the caller's tensor (see tap_each).
+    Returns the new output; the names of the tapped tensors (``output``, ``output.0``, ``output.1.h``) in the order
     the callback sees their grads, None for a tap that went unused (in an object that could not be
     copied: its grad always comes as None); and the names of the slots left untapped so."""
     slots = [(key, t) for key, t in (output_slots(output) if slots is None else slots) if id(t) not in skip]
     if not slots:
         return output, [], []
-    tapped, keys = _tap_slots(slots, callback)
+    tapped, keys = _tap_slots(slots, callback, rebased)
     names = {k: ".".join(("output", *map(str, k))) for k, _ in slots}
     rebuilt, kept = _rebuild(output, tapped)
     if not kept:

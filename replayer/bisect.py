@@ -1461,7 +1461,7 @@ def _writers_text(writers: list[tuple[Step, str]], what: str) -> str:
 
 # A forward step's notes on arguments whose gradients are not recorded: "<record names>[:] " + one of these
 _ARGUMENT_GRADS_UNRECORDED = (layout.UNFOLLOWED_NOTE, layout.SHARED_ARGUMENTS_NOTE, layout.DUAL_NOTE,
-                              layout.LEAF_UNFOLLOWED_NOTE)
+                              layout.LEAF_UNFOLLOWED_NOTE, layout.CHANGED_ARGUMENT_NOTE)
 _SENDERS_LOOKED_AT = 100_000  # forward steps between a call and its backward looked at, at most
 
 

@@ -116,6 +116,9 @@ class _Seen:
     # sequence number when it began: at its end, its graph's uses of them are hooked (taps.follow_leaves)
     leaves: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     since: int = -1
+    # Its tapped arguments with their taps' aliases: those it changed in place are rebased when it returns,
+    # as the recorder rebases them (taps.rebase_changed)
+    watched: taps.Watched = field(default_factory=list)
 
 
 class InnerTap:
@@ -165,10 +168,12 @@ class InnerTap:
             seen.leaves, seen.since = taps.first_places(leaves), taps.sequence_now()
         new_args, new_kwargs, holder[0] = taps.tap_arguments(args, kwargs,
                                                              lambda g, k=0: got(g, holder[0][k:k + len(g)]),
-                                                             slots=slots, undo=seen.undo, leaves=self.leaves_tapped)
+                                                             slots=slots, undo=seen.undo, leaves=self.leaves_tapped,
+                                                             watched=seen.watched)
         return new_args, new_kwargs
 
     def _tap_out(self, seen: _Seen, output: Any) -> Any:
+        rebased = taps.rebase_changed(taps.changed_in_place(seen.watched)) if seen.watched else None
         if not self.backward or transforms.active():
             return output
 
@@ -184,7 +189,8 @@ class InnerTap:
         if seen.leaves:
             taps.follow_leaves([t for _, t in slots], seen.leaves, seen.since, came)
             seen.leaves = []
-        output, holder[0], _ = taps.tap_output(output, lambda g, k=0: got(g, holder[0][k:k + len(g)]), slots=slots)
+        output, holder[0], _ = taps.tap_output(output, lambda g, k=0: got(g, holder[0][k:k + len(g)]), slots=slots,
+                                               rebased=rebased)
         return output
 
     def _enter(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -1580,6 +1580,8 @@ class Replayer:
                    "; ".join(unfollowed) or "its forward's output holds no tensor the recorder follows for gradients")
             raise ReplayError(f"backward step {step.index} has no grad outputs to start a backward from: {why}")
         warnings += [f"forward step {fwd.index}: {n}" for n in unfollowed]
+        changed = [n for n in fwd.extra.get("notes", []) if layout.CHANGED_ARGUMENT_NOTE in n]
+        warnings += [f"forward step {fwd.index}: {n}" for n in changed]
         raised_doc = step.extra.get("exception") or {}
         if not targets and raised_doc:
             raise ReplayError(f"backward step {step.index}: its backward pass raised ({_raised(raised_doc)}) "
@@ -1587,10 +1589,12 @@ class Replayer:
                               f"step {fwd.index}, replays)")
         if not targets:
             shared = [n.partition(": ")[0] for n in fwd.extra.get("notes", []) if layout.SHARED_ARGUMENTS_NOTE in n]
-            raise ReplayError(f"backward step {step.index} has no grad input" + (
-                f" (its forward's arguments {shared[0]} shared memory: they are not followed for gradients)"
-                if shared else "") + ", and " + (f"its {not_compared}" if not_compared else
-                                                 "no parameter grad recorded") + ": a replay has nothing to compare")
+            why = f" (its forward's arguments {shared[0]} shared memory: they are not followed for gradients)" \
+                if shared else f" (its forward changed its arguments {changed[0].partition(': ')[0]} in place " \
+                "without returning them: their grad inputs are not recorded)" if changed else ""
+            raise ReplayError(f"backward step {step.index} has no grad input{why}, and " + (
+                f"its {not_compared}" if not_compared else
+                "no parameter grad recorded") + ": a replay has nothing to compare")
         # A pass taken with create_graph=True ran its backward with grad mode on (what the step's settings
         # record), under which torch computes some gradients by other formulas (SiLU's): the replay takes it so.
         settings = {**step.settings, **self.plan.settings}

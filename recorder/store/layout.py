@@ -191,6 +191,12 @@ SHARED_ARGUMENTS_NOTE = ("share memory with each other (views of one tensor): no
 DUAL_NOTE = ("forward-AD dual tensors (torch.autograd.forward_ad): their primal values are recorded, not their "
              "tangents, and they are not followed for gradients (the gradient a JVP term sends through a tangent "
              "does not pass the step's outputs)")
+# A forward step's note: "<input record names>: " + this. Since 2026-12-06, without a schema change (before,
+# the caller's tensor kept its history from before the change, and its later uses' gradients missed the change).
+CHANGED_ARGUMENT_NOTE = ("changed in place by the step, which did not return them: the gradient the caller's later "
+                         "uses of them send passes through the step's in-place operations, so their grad inputs "
+                         "are not recorded, and a parameter grad of the step may hold that gradient too, which a "
+                         "replay of its backward does not compute")
 # A forward step's note: "<output record names>: " + this (an object holding them could not be copied)
 UNCOPIED_NOTE = ("in an object that could not be copied to follow them (a copy failed, or kept them in another place): "
                  "their grad outputs are not recorded")

@@ -16,6 +16,7 @@ import torch
 
 import recorder
 from recorder import snapshot
+from recorder.errors import ReplayError
 from recorder.store import layout
 from tests.models import TinyGPT, batch, train_step
 
@@ -465,3 +466,134 @@ def test_a_parameter_given_directly_to_a_step_is_the_callers_tensor(tmp_path):
             assert "after:args.0" in {r.name for r in step.records if r.role == "output"}
             result = replayer.replay(rec, step.index)
             assert result.match, (step.index, [d.summary() for d in result.outputs])
+
+
+@recorder.paper_step("Eq. 4", description="ReLU in place: returns its argument, changed")
+def _relu_in_place(x):
+    return torch.relu_(x)
+
+
+@recorder.paper_step("Eq. 4", description="a scale in place, then another result")
+def _scaled_then_other(x):
+    x.mul_(2.0)
+    return x * 1.5
+
+
+@recorder.paper_step("Eq. 4", description="several in-place operations on the argument")
+def _clamped_scaled_relu(x):
+    x.clamp_(min=-0.5)
+    x.mul_(3.0)
+    return x.relu_()
+
+
+@recorder.paper_step("Eq. 4", description="a gate given by keyword, squashed in place")
+def _gate_in_place(x, *, gate):
+    gate.sigmoid_()
+    return x * gate
+
+
+_IN_PLACE = {"relu_": _relu_in_place, "other": _scaled_then_other, "several": _clamped_scaled_relu,
+             "view": _relu_in_place, "slice": _relu_in_place}
+
+
+def _in_place_training(path, mode: str, kind: str) -> tuple[list[torch.Tensor], list[bool]]:
+    """Two iterations of a linear layer whose output a step (or an ``nn.ReLU(inplace=True)`` picked with
+    ``modules=``) changes in place, the caller's tensor used after the step too."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"lin": torch.nn.Linear(8, 8), "act": torch.nn.ReLU(inplace=True)})
+    x = torch.randn(4, 8)
+    picked = {"modules": ["act"]} if kind == "module" else {}
+    same = []
+    with recorder.record(path, model=model, mode=mode, **picked) if path is not None else contextlib.nullcontext():
+        for _ in range(2):
+            model.zero_grad()
+            h = model["lin"](x)
+            given = h.t() if kind == "view" else h[:, 1:6] if kind == "slice" else h
+            if kind == "module":
+                y = model["act"](given)
+            elif kind == "keyword":
+                y = _gate_in_place(h * 1.0, gate=given)
+            else:
+                y = _IN_PLACE[kind](given)
+            same.append(y is given)
+            ((y * 2).sum() + (given * 3).sum() + (h * h).sum() + (y * y).sum()).backward()
+    return [p.grad.clone() for p in model["lin"].parameters()], same
+
+
+@pytest.mark.parametrize("mode", ["full", "flight", "stats"])
+@pytest.mark.parametrize("kind", ["relu_", "other", "several", "keyword", "view", "slice", "module"])
+def test_a_step_changing_its_argument_in_place_trains_as_unrecorded(tmp_path, mode, kind):
+    """A step (or a module picked with ``modules=``) that changes its argument in place got a tap's alias of
+    it, and the change went into autograd's history of the alias alone: the caller's tensor kept its history
+    from before, and the gradient of its later uses skipped the change (the linear layer's weight gradient
+    off by whole units). Gradients are now bitwise as unrecorded, and a step returning its argument returns
+    the caller's tensor, as unrecorded."""
+    plain, plain_same = _in_place_training(None, mode, kind)
+    grads, same = _in_place_training(tmp_path / "run.zarr", mode, kind)
+    assert same == plain_same
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_a_step_changing_its_argument_in_place_records_what_a_replay_computes(tmp_path):
+    """A step returning its argument changed in place records the gradient of every later use of the
+    caller's tensor as its grad output, and its grad input from it: its backward replays bit for bit.
+    One that returns something else records no grad input for that argument (the gradient of the
+    caller's later uses passes its in-place operation, which a replay of its backward does not see)
+    and says so in a note; its forward replays, and a replay of its backward says why it has nothing
+    to compare."""
+    import replayer
+
+    path = tmp_path / "run.zarr"
+    _in_place_training(path, "full", "relu_")
+    with replayer.open(path) as rec:
+        back = rec.steps.filter(name="_relu_in_place", phase="backward")
+        assert len(back) == 2
+        for step in back:
+            assert {(r.role, r.name) for r in step.records if r.role.startswith("grad")} == {
+                ("grad_output", "output"), ("grad_input", "args.0")}
+        for step in rec.steps:
+            result = replayer.replay(rec, step.index)
+            assert result.match, (step.index, step.phase, [d.summary() for d in result.outputs])
+    path = tmp_path / "other.zarr"
+    _in_place_training(path, "full", "other")
+    with replayer.open(path) as rec:
+        fwd = rec.steps.filter(name="_scaled_then_other", phase="forward")[0]
+        assert f"args.0: {layout.CHANGED_ARGUMENT_NOTE}" in fwd.extra["notes"]
+        back = rec.steps.filter(name="_scaled_then_other", phase="backward")[0]
+        assert [r.name for r in back.records if r.role == "grad_input"] == []
+        assert [r.name for r in back.records if r.role == "grad_output"] == ["output"]
+        assert replayer.replay(rec, fwd.index).match
+        with pytest.raises(ReplayError, match=r"changed its arguments args\.0 in place without returning them"):
+            replayer.replay(rec, back.index)
+
+
+@recorder.paper_step("Eq. 5", description="a gate: the first half, rectified in place, times the second")
+def _half_gate(a, b):
+    a.relu_()
+    return a * b
+
+
+def _refused(path, kind: str) -> str:
+    torch.manual_seed(0)
+    w = torch.randn(4, 6, requires_grad=True)
+    with pytest.raises(RuntimeError) as raised:
+        with recorder.record(path, mode="full") if path is not None else contextlib.nullcontext():
+            if kind == "leaf":
+                _relu_in_place(w)
+            elif kind == "view of a leaf":
+                _relu_in_place(w[:, :2])
+            else:
+                _half_gate(*(w * 1).split(3, dim=1))
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("kind", ["leaf", "view of a leaf", "split"])
+def test_an_in_place_change_autograd_refuses_raises_as_unrecorded(tmp_path, kind):
+    """An in-place change that autograd refuses unrecorded (to a leaf that requires grad, a view of one,
+    one of the views ``split`` returns) raises the same error while recording: the alias a tap gives
+    the step would have let it pass, the caller's tensor then changed without autograd knowing."""
+    plain = _refused(None, kind)
+    recorded = _refused(tmp_path / "run.zarr", kind)
+    assert recorded.split(" is a view and ")[0] == plain.split(" is a view and ")[0]
+    assert recorded.endswith(plain[-60:])

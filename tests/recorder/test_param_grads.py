@@ -353,3 +353,42 @@ def test_a_leaf_given_to_an_inner_step_replays_in_the_outer_backward(tmp_path: P
         inner = result.inner[0]
         assert inner.match and {d.name for d in inner.diffs} == {"output", "args.0", "args.1"}, \
             [d.summary() for d in inner.diffs]
+
+
+@recorder.paper_step("Eq. 8", description="ReLU in place: returns its argument, changed")
+def relu_in_place(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu_(x)
+
+
+@recorder.paper_step("Eq. 9", description="a residual around an in-place ReLU; its scale used by the caller only")
+class ScaledResidual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 5)
+        self.scale = torch.nn.Parameter(torch.ones(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return relu_in_place(h) * 2 + h
+
+
+def test_an_inner_step_changing_a_tensor_in_place_leaves_the_outer_walk_whole(tmp_path: Path) -> None:
+    """An inner step changing the module's tensor in place: training is bitwise as unrecorded, and the
+    node that gives the module's tensor the change's history is the recorder's, not a custom
+    autograd.Function of the user's: the walk of the module's graph still sees all of it, so a parameter
+    the call does not use (one its caller uses) gets no gradient recorded, and the module's backward
+    replays."""
+    def train(path: Path | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        block = ScaledResidual()
+        with recorder.record(path, model=block, mode="full") if path is not None else torch.enable_grad():
+            (block(torch.randn(3, 5)) * block.scale).sum().backward()
+        return [p.grad for p in block.parameters()]
+
+    for a, b in zip(train(None), train(tmp_path / "run.zarr"), strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    with replayer.open(tmp_path / "run.zarr") as rec:
+        back = rec.steps.filter(name="ScaledResidual", phase="backward")[0]
+        assert {r.name for r in back.records if r.role == "param_grad"} == {"lin.weight", "lin.bias"}
+        result = replayer.replay(rec, back.index)
+        assert result.match, [d.summary() for d in result.outputs]

@@ -1364,6 +1364,39 @@ def test_an_inner_step_that_changes_its_input_in_place_is_compared_inside_its_pa
     assert not edited.inner[0].match and not {d.name: d for d in edited.inner[0].diffs}["after:args.0"].match
 
 
+class DroppedResidual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.3, inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        self.drop(h)  # h itself is what the dropout changed
+        return h.tanh() + x
+
+
+def test_an_outer_step_whose_inner_step_changes_a_tensor_in_place_replays_its_backward(tmp_path: Path) -> None:
+    """An inner step (an in-place dropout picked with ``modules=``) changes its argument in place, and the
+    outer step goes on with it: the recording gives the outer step's tensor the change's history, as
+    training has it unrecorded, and a replay of the outer step's backward, which taps the inner step
+    again, does too, so it compares bit for bit."""
+    def train(path: Path | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), DroppedResidual())
+        with recorder.record(path, model=model, mode="full", modules="**") if path else contextlib.nullcontext():
+            model(torch.randn(4, 8)).pow(2).sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    path = tmp_path / "run.zarr"
+    assert all(bits_equal(a, b) for a, b in zip(train(None), train(path), strict=True))
+    rec = replayer.open(path)
+    back = rec.steps.filter(name="DroppedResidual", phase="backward")[0]
+    result = replayer.replay(rec, back.index)
+    assert result.match, [d.summary() for d in result.outputs]
+    assert {d.name for d in result.outputs} == {"args.0", "fc.weight", "fc.bias"}
+
+
 @recorder.paper_step("Algorithm 3", step=2, description="SiLU gate: y * sigmoid(y)")
 def silu_gate(y: torch.Tensor) -> torch.Tensor:
     return y.sigmoid() * y
