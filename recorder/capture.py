@@ -400,7 +400,7 @@ class Session:
         # id(module) -> (weak reference, state key, document, the generator objects it holds: _module_entry):
         # weak, so that modules made anew at every call (and their parameters) are not kept alive by the recording.
         self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], tuple[Any, ...], dict[str, Any],
-                                           tuple[tuple[str, Any, str], ...]]] = {}
+                                           tuple[tuple[str, Any, Any], ...]]] = {}
         # id(module) -> (weak reference, {buffer name: (weak buffer, its version counter)}) as its last
         # recorded call left them (see _buffers_written)
         self._left_buffers: dict[int, tuple[weakref.ref[torch.nn.Module], dict[str, tuple[Any, int]]]] = {}
@@ -1172,7 +1172,12 @@ class Session:
             places: dict[str, str] = {}
             grads: list[tuple[str, torch.Tensor]] = []
             frame.versions = [] if frame.vmap is None else None
-            frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": kwargs}, "input", "", tapped,
+            defaults = frame.defn.default_rngs
+            if defaults is None:
+                defaults = frame.defn.default_rngs = snapshot.default_generators(frame.defn.target)
+            taken = snapshot.defaults_taken(defaults, args, kwargs) if defaults else None
+            recorded = {**kwargs, **taken} if taken else kwargs  # (recorded as passed: a replay passes them)
+            frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": recorded}, "input", "", tapped,
                                           reached, nested, unfollowed=unfollowed, versions=frame.versions,
                                           places=places, grads=grads)
             if unfollowed:  # (in objects no tap passes a tapped tensor through: their gradients are not recorded)
@@ -1950,7 +1955,7 @@ class Session:
         return self._module_entry(module)[0] if module is not None else None
 
     def _module_entry(self, module: torch.nn.Module,
-                      path: str = "") -> tuple[dict[str, Any], tuple[tuple[str, Any, str], ...]]:
+                      path: str = "") -> tuple[dict[str, Any], tuple[tuple[str, Any, Any], ...]]:
         """(the module's skeleton, the generator objects it holds: ``snapshot.find_module_rngs``). Both are
         made again only when the tree's attributes changed (skeleton.state_key: a temperature schedule,
         a counter, a child put in eval mode, a generator replaced); the writer stores each distinct

@@ -7,12 +7,14 @@ back in ``finally``.
 
 from __future__ import annotations
 
+import ast
 import base64
 import ctypes
 import functools
 import inspect
 import os
 import random
+import re
 import struct
 import sys
 import types
@@ -201,10 +203,45 @@ def _find_global_rngs(target: Any) -> tuple[tuple[str, dict[str, Any], str], ...
     ``part`` names it in the step's RNG document, ``namespace[name]`` is where it is read at each call
     (code may rebind it). Found once per step definition, from names alone (``_global_reads``)."""
     found: dict[str, tuple[dict[str, Any], str]] = {}
-    for label, space, name, value in _global_reads(target)[1]:
+    for label, space, name, value in _rng_reads(target)[1]:
         if is_global_rng(value):
             found.setdefault(GLOBAL_PREFIX + label, (space, name))
     return tuple((part, space, name) for part, (space, name) in found.items())
+
+
+_HELD = 64  # items of a container looked through for generators (a config's fields, a dict of generators)
+_NOT_HOLDERS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                torch.nn.Module, torch.Tensor)
+
+
+def held_rngs(label: str, value: Any) -> list[tuple[str, dict[Any, Any], Any, Any]]:
+    """The generator objects one level inside ``value``, a module-level name a step's code reads, as
+    (label, namespace, key, generator): the items of a dict (``RNGS['aug']``: namespace the dict) and
+    the attributes of a plain object (a config ``CFG.rng``: namespace its ``__dict__``). A generator
+    there is drawn from as one read by name is, and recorded the same way: otherwise a replay of a later
+    call alone would draw from the generator's state at loading, though ``pdbg verify``, which replays in
+    order, matches. Lists and tuples are not looked in (a replay could not set an item by name)."""
+    if is_global_rng(value) or isinstance(value, _NOT_HOLDERS):
+        return []
+    if isinstance(value, dict):
+        space: Any = value
+        label_of = "{}[{!r}]"
+    else:
+        space = getattr(value, "__dict__", None)
+        label_of = "{}.{}"
+        if not isinstance(space, dict) or type(value).__module__.partition(".")[0] in ("torch", "numpy"):
+            return []
+    if len(space) > _HELD:
+        return []
+    return [(label_of.format(label, key), space, key, item) for key, item in list(space.items())
+            if isinstance(key, (str, int)) and is_global_rng(item)]
+
+
+def _rng_reads(target: Any) -> tuple[dict[str, Any] | None, list[tuple[str, Any, Any, Any]]]:
+    """``_global_reads``, with the generators held one level inside what the code reads (``held_rngs``)."""
+    own, reads = _global_reads(target)
+    held = [h for label, _, _, value in reads for h in held_rngs(label, value)]
+    return own, reads + held
 
 
 def global_rng_places(target: Any, parts: Iterable[str]) -> dict[str, tuple[dict[str, Any], str]]:
@@ -216,7 +253,7 @@ def global_rng_places(target: Any, parts: Iterable[str]) -> dict[str, tuple[dict
     if not wanted:
         return {}
     try:
-        own, reads = _global_reads(target)
+        own, reads = _rng_reads(target)
         places: dict[str, tuple[dict[str, Any], str]] = {}
         for label, space, name, _ in reads:
             if GLOBAL_PREFIX + label in wanted:
@@ -395,11 +432,40 @@ def global_rng_parts(found: tuple[tuple[str, dict[str, Any], str], ...]) -> dict
     return parts
 
 
+# -- torch.Generators a step's parameters default to ----------------------------------------------
+def default_generators(target: Any) -> tuple[tuple[int | None, str, torch.Generator], ...]:
+    """The parameters of a step's function (a module step's: its class's ``forward``, past ``self``) whose
+    default is a torch.Generator of its own (``def add_noise(x, generator=G_EVAL)``), as (position, None
+    for a keyword-only one, name, the default). A call that does not pass one draws from it: it is
+    recorded as passed (its state at the call), so the call replays alone, and ``seed`` reseeds it. Found
+    once per step definition; never raises (none found)."""
+    try:
+        fn = inspect.unwrap(getattr(target, "forward", None) if isinstance(target, type) else target)
+        params = list(inspect.signature(fn).parameters.values())[1 if isinstance(target, type) else 0:]
+    except Exception:  # noqa: BLE001 - no signature (a builtin, a callable of an unusual kind)
+        return ()
+    found = []
+    for position, p in enumerate(params):
+        if isinstance(p.default, torch.Generator) and is_global_rng(p.default):
+            if p.kind is p.POSITIONAL_OR_KEYWORD:
+                found.append((position, p.name, p.default))
+            elif p.kind is p.KEYWORD_ONLY:
+                found.append((None, p.name, p.default))
+    return tuple(found)
+
+
+def defaults_taken(found: tuple[tuple[int | None, str, Any], ...], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The generators of ``default_generators`` a call with ``args`` and ``kwargs`` draws from as defaults."""
+    return {name: g for position, name, g in found
+            if name not in kwargs and (position is None or position >= len(args))}
+
+
 # -- generator objects a step's module holds as attributes ----------------------------------------
 MODULE_PREFIX = "module:"  # a step's RNG part of a generator its module holds: "module:gen", "module:inner.rng"
 
 
-def find_module_rngs(module: torch.nn.Module) -> tuple[tuple[str, Any, str], ...]:
+def find_module_rngs(module: torch.nn.Module) -> tuple[tuple[str, Any, Any], ...]:
     """The generator objects (``is_global_rng``) that a module and its submodules hold as attributes,
     as (part, weak reference to the module holding it, attribute name): ``part`` names it in the
     step's RNG document by its path from ``module`` ("module:gen", "module:inner.rng"). Looked for
@@ -409,23 +475,57 @@ def find_module_rngs(module: torch.nn.Module) -> tuple[tuple[str, Any, str], ...
     found = []
     try:
         for path, m in module.named_modules():
-            for name, value in m.__dict__.items():
+            for name, value in list(m.__dict__.items()):
+                place = f"{path}.{name}" if path else name
                 if is_global_rng(value) and global_rng_kind(value) is not None:
-                    found.append((f"{MODULE_PREFIX}{path}.{name}" if path else f"{MODULE_PREFIX}{name}",
-                                  weakref.ref(m), name))
+                    found.append((MODULE_PREFIX + place, weakref.ref(m), name))
+                elif isinstance(value, dict) and len(value) <= _HELD:  # self.gens = {"z": torch.Generator()}
+                    found += [(f"{MODULE_PREFIX}{place}[{key!r}]", weakref.ref(m), (name, key))
+                              for key, item in value.items() if isinstance(key, (str, int))
+                              and is_global_rng(item) and global_rng_kind(item) is not None]
     except Exception:  # noqa: BLE001
         return ()
     return tuple(found)
 
 
-def module_rng_parts(found: tuple[tuple[str, Any, str], ...]) -> dict[str, tuple[Any, Any]]:
+def held_by(module: Any, name: str | tuple[str, Any]) -> Any:
+    """What ``module`` holds at a place ``find_module_rngs`` names: an attribute, or (attribute, key) an
+    item of a dict attribute; None where there is nothing there."""
+    if module is None:
+        return None
+    if isinstance(name, str):
+        return module.__dict__.get(name)
+    held = module.__dict__.get(name[0])
+    return held.get(name[1]) if isinstance(held, dict) else None
+
+
+_PLACE = re.compile(r"(?:(?P<path>[^\[]*)\.)?(?P<name>[^.\[]+)(?:\[(?P<key>.+)\])?")
+
+
+def module_rng_place(place: str) -> tuple[str, str | tuple[str, Any]] | None:
+    """(the path of the submodule holding it, its attribute name or (attribute, key)) of a place
+    ``find_module_rngs`` names ("inner.gen", "gens['z']"); None for one this version cannot read."""
+    found = _PLACE.fullmatch(place)
+    if found is None:
+        return None
+    path, name, key = found["path"] or "", found["name"], found["key"]
+    if key is None:
+        return path, name
+    try:
+        value = ast.literal_eval(key)
+    except (ValueError, SyntaxError):
+        return None
+    return (path, (name, value)) if isinstance(value, (str, int)) else None
+
+
+def module_rng_parts(found: tuple[tuple[str, Any, Any], ...]) -> dict[str, tuple[Any, Any]]:
     """The states of the generator objects ``find_module_rngs`` found, as ``rng_parts`` gives them
     (read at each call: two reads of a dict, and the generator's state)."""
     parts = {}
     for part, owner, name in found:
         m = owner()
         try:
-            read = read_global_rng(m.__dict__.get(name)) if m is not None else None
+            read = read_global_rng(held_by(m, name)) if m is not None else None
         except Exception:  # noqa: BLE001 - a subclass whose state cannot be read: replayed as rebuilt, and named
             read = None
         if read is not None:

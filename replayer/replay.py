@@ -901,6 +901,8 @@ class Replayer:
                                                                                              target), warnings)
         unchecked: list[str] = []
         self._bind_globals(defn, target, warnings, unchecked)
+        if self.plan.seed is not None:
+            _seed_generators(args, kwargs, self.plan.seed)
         vmap = _vmap_plan(step, list(args), dict(kwargs), given, self.loader.resolve, warnings)
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, vmap,
                      built.unrecorded if module_doc is not None else [], rngs, unread, held, unset, unchecked,
@@ -1125,7 +1127,7 @@ class Replayer:
             return []
         found = []
         for part, owner, name in snapshot.find_module_rngs(call.module):
-            obj = owner().__dict__.get(name)
+            obj = snapshot.held_by(owner(), name)
             if not isinstance(obj, torch.Generator):
                 found.append(f"{part.removeprefix(snapshot.MODULE_PREFIX)} ({snapshot.rng_kind(obj)})")
         return found
@@ -1217,12 +1219,12 @@ class Replayer:
             if not part.startswith(snapshot.MODULE_PREFIX):
                 continue
             place = part.removeprefix(snapshot.MODULE_PREFIX)
-            owner_path, _, name = place.rpartition(".")
+            where = snapshot.module_rng_place(place)
             try:
-                owner = module.get_submodule(owner_path)
+                owner = module.get_submodule(where[0]) if where is not None else None
             except AttributeError:
                 owner = None
-            obj = owner.__dict__.get(name) if owner is not None else None
+            obj = snapshot.held_by(owner, where[1]) if owner is not None and where is not None else None
             kind = snapshot.global_rng_kind(obj) if obj is not None else None
             if saved[2] is None:
                 warnings.append(f"the recorded state of the module's generator {place} is of a kind ({saved[0]}) this "
@@ -1690,6 +1692,17 @@ def _same_bits(kept: torch.Tensor, t: torch.Tensor) -> bool:
         return torch.equal(kept.reshape(-1).view(torch.uint8), t.detach().reshape(-1).view(torch.uint8))
     except RuntimeError:  # (a dtype without a byte view: its values, then)
         return bool(torch.equal(kept, t.detach()))
+
+
+def _seed_generators(args: Any, kwargs: dict[str, Any], seed: int) -> None:
+    """Seed the torch.Generators a replay decoded for the call's arguments (and one level inside its list,
+    tuple and dict arguments) with a ``seed`` intervention's seed, as it seeds torch's own: a step drawing
+    only from a generator passed to it would otherwise draw as recorded, and look independent of the seed."""
+    for value in (*args, *kwargs.values()):
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        for item in items:
+            if isinstance(item, torch.Generator):
+                item.manual_seed(seed)
 
 
 def _refuse_lazy(step: Step, fwd: Step, out: Any) -> None:
