@@ -221,6 +221,13 @@ def held_rngs(label: str, value: Any) -> list[tuple[str, dict[Any, Any], Any, An
     there is drawn from as one read by name is, and recorded the same way: otherwise a replay of a later
     call alone would draw from the generator's state at loading, though ``pdbg verify``, which replays in
     order, matches. Lists and tuples are not looked in (a replay could not set an item by name)."""
+    try:
+        return _held_rngs(label, value)
+    except Exception:  # noqa: BLE001 - an object of an unusual kind (a __dict__ that raises): looked in for none
+        return []
+
+
+def _held_rngs(label: str, value: Any) -> list[tuple[str, dict[Any, Any], Any, Any]]:
     if is_global_rng(value) or isinstance(value, _NOT_HOLDERS):
         return []
     if isinstance(value, dict):

@@ -1,0 +1,137 @@
+"""Generators a step draws from without being given them: a parameter's default, a module-level dict
+or config object, a dict its module holds. Each call replays alone bit for bit, in any order, and a
+seed reseeds a torch.Generator passed as an argument."""
+
+from __future__ import annotations
+
+import random
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import recorder
+import replayer
+from recorder import jsonval
+from tests.cli import pdbg_here
+
+G_DEFAULT = torch.Generator().manual_seed(42)
+RNGS = {"aug": torch.Generator().manual_seed(5), "np": np.random.default_rng(5)}
+CFG = types.SimpleNamespace(rng=torch.Generator().manual_seed(6), scale=0.5)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int32)
+
+
+@recorder.paper_step("noise (default)")
+def noise_default(x: torch.Tensor, generator: torch.Generator = G_DEFAULT) -> torch.Tensor:
+    return x + torch.randn(x.shape, generator=generator)
+
+
+@recorder.paper_step("noise (keyword default)")
+def noise_keyword(x: torch.Tensor, *, scale: float = 1.0, generator: torch.Generator = G_DEFAULT) -> torch.Tensor:
+    return x + scale * torch.rand(x.shape, generator=generator)
+
+
+@recorder.paper_step("noise (dict)")
+def noise_dict(x: torch.Tensor) -> torch.Tensor:
+    extra = torch.from_numpy(RNGS["np"].standard_normal(x.shape).astype(np.float32))
+    return x + torch.randn(x.shape, generator=RNGS["aug"]) + extra
+
+
+@recorder.paper_step("noise (config)")
+def noise_config(x: torch.Tensor) -> torch.Tensor:
+    return x + CFG.scale * torch.randn(x.shape, generator=CFG.rng)
+
+
+@recorder.paper_step("noise layer (dict)")
+class NoiseDict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gens = {"z": torch.Generator().manual_seed(3)}
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator = G_DEFAULT) -> torch.Tensor:
+        return x + torch.randn(x.shape, generator=self.gens["z"]) + torch.rand(x.shape, generator=generator)
+
+
+@recorder.paper_step("sample x_T")
+def sample(n: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(n, 4, generator=generator)
+
+
+def _record(path: Path) -> None:
+    layer = NoiseDict()
+    g = torch.Generator().manual_seed(1234)
+    with recorder.record(path) as run:
+        for _ in range(3):
+            x = torch.ones(2, 4)
+            noise_config(noise_dict(noise_keyword(noise_default(x), scale=2.0)))
+            layer(x)
+            sample(2, generator=g)
+            run.next_iteration()
+
+
+NAMES = ("noise (default)", "noise (keyword default)", "noise (dict)", "noise (config)", "noise layer (dict)")
+
+
+def test_each_call_replays_alone_in_any_order(tmp_path: Path) -> None:
+    """The third call of each step first, then the others backwards: every one bit for bit (a replay in
+    recording order drew from the generators' state as loading left them, and matched only in order)."""
+    path = tmp_path / "run.zarr"
+    _record(path)
+    rec = replayer.open(path)
+    for it in (2, 0, 1):
+        for name in reversed(NAMES):
+            step = rec.step(f"{name}@iter={it}")
+            res = replayer.replay(rec, step.index)
+            assert res.match, (name, it, res.warnings)
+            assert torch.equal(bits(res.values["output"]), bits(step.tensor("output"))), (name, it)
+
+
+def test_the_generators_are_recorded_and_the_callers_are_left_as_they_were(tmp_path: Path) -> None:
+    """A default taken is recorded as the argument it was; the states of the held ones are parts of the
+    step's RNG document; replays leave the live generators where training left them."""
+    path = tmp_path / "run.zarr"
+    before = [g.get_state() for g in (G_DEFAULT, RNGS["aug"], CFG.rng)]
+    _record(path)
+    after = [g.get_state() for g in (G_DEFAULT, RNGS["aug"], CFG.rng)]
+    rec = replayer.open(path)
+    assert "generator" in rec.step("noise (default)@iter=1").arguments["kwargs"]
+    assert {"global:RNGS['aug']", "global:RNGS['np']"} <= set(rec.step("noise (dict)@iter=1").rng)
+    assert "global:CFG.rng" in rec.step("noise (config)@iter=1").rng
+    assert "module:gens['z']" in rec.step("noise layer (dict)@iter=1").rng
+    for name in NAMES:
+        replayer.replay(rec, f"{name}@iter=2")
+    assert all(torch.equal(a, g.get_state()) for a, g in zip(after, (G_DEFAULT, RNGS["aug"], CFG.rng)))
+    assert not torch.equal(before[0], after[0])
+
+
+def test_verify_of_a_sample_matches(tmp_path: Path) -> None:
+    """pdbg verify --sample replays a subset, out of the recording's order: every step still matches."""
+    path = tmp_path / "run.zarr"
+    _record(path)
+    res = pdbg_here("verify", str(path), "--sample", "3", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_seed_reseeds_a_generator_passed_as_an_argument(tmp_path: Path) -> None:
+    """A step drawing only from its generator argument changes under a seed, the same for the same seed
+    (it said NO CHANGE: the generator kept its recorded state)."""
+    path = tmp_path / "run.zarr"
+    _record(path)
+    rec = replayer.open(path)
+    assert replayer.replay(rec, "sample x_T@iter=1").match
+    a, b = (replayer.replay(rec, "sample x_T@iter=1", seed=3) for _ in range(2))
+    assert not a.match and torch.equal(bits(a.values["output"]), bits(b.values["output"]))
+    expected = torch.randn(2, 4, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(bits(a.values["output"]), bits(expected))
+
+
+def test_a_random_argument_is_refused_with_generator_advice() -> None:
+    """A random.Random argument is named as a generator, with where one is recorded, as numpy's are."""
+    reason = jsonval.opaque_reason(jsonval.Opaque(jsonval.type_ref(random.Random(0)), "<random.Random>"))
+    assert reason is not None and "random.Random passed as an argument" in reason
+    assert "module-level global" in reason
