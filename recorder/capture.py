@@ -1143,6 +1143,13 @@ class Session:
                 unfound = frame.defn.unfound() if frame.defn.kind == "function" else None
                 if unfound is not None:  # (a replay would refuse its every call)
                     warn(unfound, stacklevel=_outside_recorder(installed=True))
+                unheld = snapshot.unheld_rngs(frame.defn.target)
+                if unheld:  # (pdbg verify, replaying in order, would match where a replay alone does not)
+                    warn(f"PaperDebugger: step {frame.defn.name} reads the generator{'s' if len(unheld) > 1 else ''} "
+                         f"{', '.join(unheld[:4])}{' ...' if len(unheld) > 4 else ''}, held where the recorder does "
+                         "not record its state: a replay of a later call alone will draw other numbers; pass it as "
+                         "an argument, or hold it as a module-level name, a dict's item, or the step's module's "
+                         "attribute", stacklevel=_outside_recorder(installed=True))
             found = frame.defn.rngs
             if found is None:
                 found = frame.defn.rngs = snapshot.find_global_rngs(frame.defn.target)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import contextlib
 import ctypes
 import functools
 import inspect
@@ -244,6 +245,28 @@ def _held_rngs(label: str, value: Any) -> list[tuple[str, dict[Any, Any], Any, A
             if isinstance(key, (str, int)) and is_global_rng(item)]
 
 
+def unheld_rngs(target: Any) -> list[str]:
+    """Where the step's code reads generator objects the recorder does not record (``held_rngs`` looks
+    one level into dicts and plain objects, never into lists, tuples or further), as a warning names
+    them: "GENS[0] (torch Generator)". Looked through once per step definition; never raises (none)."""
+    try:
+        out = []
+        for label, _, _, value in _rng_reads(target)[1]:
+            inner = [(f"{label}[{i}]", item) for i, item in enumerate(value)] if isinstance(
+                value, (list, tuple)) and len(value) <= _HELD else []
+            if isinstance(value, dict) and len(value) <= _HELD:
+                inner = [(f"{label}[{key!r}]", item) for key, item in value.items()]
+            for where, item in inner:
+                if isinstance(item, (list, tuple, dict)) and len(item) <= _HELD:
+                    found = item.values() if isinstance(item, dict) else item
+                    out += [f"{where}[...] ({rng_kind(g)})" for g in found if is_global_rng(g)][:1]
+                elif is_global_rng(item) and isinstance(value, (list, tuple)):
+                    out.append(f"{where} ({rng_kind(item)})")
+        return list(dict.fromkeys(out))
+    except Exception:  # noqa: BLE001
+        return []
+
+
 def _rng_reads(target: Any) -> tuple[dict[str, Any] | None, list[tuple[str, Any, Any, Any]]]:
     """``_global_reads``, with the generators held one level inside what the code reads (``held_rngs``)."""
     own, reads = _global_reads(target)
@@ -267,11 +290,18 @@ def global_rng_places(target: Any, parts: Iterable[str]) -> dict[str, tuple[dict
                 places.setdefault(GLOBAL_PREFIX + label, (space, name))
         for part in wanted - set(places):
             label = part.removeprefix(GLOBAL_PREFIX)
+            item = _ITEM.fullmatch(label)
             if own is not None and label.isidentifier() and label not in own:
                 places[part] = (own, label)
+            elif own is not None and item is not None and isinstance(own.get(item[1]), dict):
+                with contextlib.suppress(ValueError, SyntaxError):  # (RNGS = {} at import, filled by main())
+                    places[part] = (own[item[1]], ast.literal_eval(item[2]))
         return places
     except Exception:  # noqa: BLE001 - code of an unusual kind
         return {}
+
+
+_ITEM = re.compile(r"([A-Za-z_]\w*)\[(.+)\]")  # a global: part's label of a module-level dict's item
 
 
 def _code_of(fn: Any) -> tuple[types.CodeType, dict[str, Any]] | None:

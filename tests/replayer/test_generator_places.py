@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,8 @@ from tests.cli import pdbg_here
 G_DEFAULT = torch.Generator().manual_seed(42)
 RNGS = {"aug": torch.Generator().manual_seed(5), "np": np.random.default_rng(5)}
 CFG = types.SimpleNamespace(rng=torch.Generator().manual_seed(6), scale=0.5)
+LATE: dict[str, torch.Generator] = {}  # filled as a script's main() fills it
+LISTED = [torch.Generator().manual_seed(7)]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -135,3 +138,42 @@ def test_a_random_argument_is_refused_with_generator_advice() -> None:
     reason = jsonval.opaque_reason(jsonval.Opaque(jsonval.type_ref(random.Random(0)), "<random.Random>"))
     assert reason is not None and "random.Random passed as an argument" in reason
     assert "module-level global" in reason
+
+
+@recorder.paper_step("noise (filled by main)")
+def noise_late(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.randn(x.shape, generator=LATE["z"])
+
+
+@recorder.paper_step("noise (list)")
+def noise_listed(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.randn(x.shape, generator=LISTED[0])
+
+
+def test_a_dict_item_main_made_is_made_again_for_a_replay(tmp_path: Path) -> None:
+    """A module-level dict empty at import, filled by the script's main(): the replay makes the generator in
+    its recorded state, puts it in the dict for the call, and empties it again after."""
+    path = tmp_path / "run.zarr"
+    LATE["z"] = torch.Generator().manual_seed(11)
+    try:
+        with recorder.record(path) as run:
+            for _ in range(3):
+                noise_late(torch.ones(2, 4))
+                run.next_iteration()
+    finally:
+        LATE.clear()
+    rec = replayer.open(path)
+    step = rec.step("noise (filled by main)@iter=2")
+    res = replayer.replay(rec, step.index)
+    assert res.match and torch.equal(bits(res.values["output"]), bits(step.tensor("output"))), res.warnings
+    assert any("LATE['z']" in w for w in res.warnings) and LATE == {}
+
+
+def test_a_generator_where_the_recorder_does_not_look_is_warned_of_at_record_time(tmp_path: Path) -> None:
+    """A generator in a module-level list: its state is not recorded, and the recording says so once."""
+    with warnings.catch_warnings(record=True) as caught, recorder.record(tmp_path / "run.zarr"):
+        warnings.simplefilter("always")
+        for _ in range(2):
+            noise_listed(torch.ones(2, 4))
+    said = [str(w.message) for w in caught if "LISTED[0] (torch Generator)" in str(w.message)]
+    assert len(said) == 1 and "a replay of a later call alone will draw other numbers" in said[0]
