@@ -77,6 +77,9 @@ class ReplayResult:
     intervention: dict[str, Any] | None = None  # the swaps, edits and overrides applied, if any
     # parts of the output not recorded as data, not compared (their type alone is): "output.1 (a torch Independent)"
     not_compared: list[str] = field(default_factory=list)
+    # generators the step drew from whose state the recording does not hold ("GENS[0] (torch Generator)"): a match
+    # holds only where the replay found them as the recorded call did (pdbg verify's order), not for the call alone
+    unrecorded_rngs: list[str] = field(default_factory=list)
     # inputs the replayed call changed in place where the recording holds no change of them: written through .data
     # (which leaves the version counter as it was) in a tensor whose bits the recorder does not keep to see that (over
     # 1 MiB, or not on the CPU): what the recorded call left them is not known, so not compared ("args.0")
@@ -164,7 +167,8 @@ class Replayer:
                                  bundled_modules=modules if isinstance(modules, dict) else None)
         self._env: list[str] | None = None
         self._repository: str | None | bool = False  # what of the code's repository changed (False: not asked)
-        self._rng_places: dict[int, tuple[Any, Any]] = {}  # per loaded step code: (it, find_global_rngs of it)
+        # per loaded step code: (it, find_global_rngs of it, snapshot.unheld_rngs of it)
+        self._rng_places: dict[int, tuple[Any, Any, list[str]]] = {}
         # module-level names the replay in progress bound as recorded: (namespace, name, what it held)
         self._rebound: list[tuple[dict[str, Any], str, Any]] = []
 
@@ -1137,7 +1141,10 @@ class Replayer:
         if layout.parse_version(self.rec.reader.schema_version) < (1, 15):
             return (f"this recording is of schema {self.rec.reader.schema_version}, which holds no generator object's "
                     "state: record it again to replay such a step")
-        return "a recording holds the states of torch, numpy and random generators only: draw from one of those"
+        return ("a recording holds the state of a torch, numpy or random generator read by a module-level name, as an "
+                "item of a module-level dict or an attribute of a module-level object, held by the step's module "
+                "(as an attribute or a dict attribute's item), or a torch.Generator passed as an argument: hold it "
+                "in one of those places")
 
     def _global_rngs(self, step: Step, target: Any, warnings: list[str]) -> tuple[list[tuple[Any, Any]], list[str]]:
         """The generator objects the loaded code of ``step`` reads as module-level globals, each with
@@ -1148,7 +1155,7 @@ class Replayer:
         the recorded state and bound there for the replay in progress (``_bindings``)."""
         key = id(target)  # (looked through once per loaded definition, kept alive here: verify replays many steps)
         if key not in self._rng_places:
-            self._rng_places[key] = (target, snapshot.find_global_rngs(target))
+            self._rng_places[key] = (target, snapshot.find_global_rngs(target), snapshot.unheld_rngs(target))
         found = self._rng_places[key][1]
         ids = step._doc("rng")  # (decoded only where it holds a generator object's state)
         held = isinstance(ids, dict) and any(str(k).startswith(snapshot.GLOBAL_PREFIX) for k in ids)
@@ -1190,7 +1197,7 @@ class Replayer:
                     unread.append(what)
                     continue
             rngs.append((obj, None if self.plan.seed is not None else state))
-        return rngs, unread
+        return rngs, unread + self._rng_places[key][2]
 
     def _made_global(self, part: str, space: dict[str, Any], name: str, state: Any, warnings: list[str]) -> Any:
         """A generator of the recorded ``state``'s kind, made in that state and bound to ``space[name]`` for
@@ -1414,6 +1421,14 @@ class Replayer:
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner) \
             and result.unrecorded_inner is None
         result.not_compared = unrecorded_outputs(step.output_structure)
+        result.unrecorded_rngs = list(call.unread_rngs)
+        if result.match and result.unrecorded_rngs:
+            several = len(result.unrecorded_rngs) > 1
+            result.warnings.append(
+                f"the step draws from the generator{'s' if several else ''} {', '.join(result.unrecorded_rngs)}, whose "
+                f"state{'s' if several else ''} the recording does not hold: it matched because the replay found "
+                f"{'them' if several else 'it'} as the recorded call did (replays in recording order, in one "
+                "process); a replay of this call alone, or in another order, draws other numbers")
         if not result.compared:  # never a match: nothing was checked
             result.match = False
             result.warnings.append(result.nothing_compared)

@@ -751,6 +751,7 @@ def verify(args: argparse.Namespace) -> int:
         set(np.linspace(0, n - 1, args.sample).round().astype(int).tolist()))]
     replayer = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source) if picks else None
     matched, mismatches, refused, by_statistics, partly, unseen = 0, [], [], 0, [], []
+    in_order: list[dict[str, Any]] = []  # matched only as replayed in order: generators whose state is not recorded
     corrupted: list[dict[str, Any]] = []  # steps whose recorded bytes are not the bytes recorded
     alike: list[str] = []  # per refused step, its reason with its number written "step N" (_alike)
     environment: list[str] = []  # what differs from the machine and software that recorded it (once each)
@@ -768,6 +769,8 @@ def verify(args: argparse.Namespace) -> int:
             if not result.compared:  # nothing it could check: not a match
                 refused.append({"step": step.to_json(), "reason": result.nothing_compared})
                 alike.append(result.nothing_compared)
+            elif result.match and result.unrecorded_rngs:  # (no claim that the call replays alone)
+                in_order.append({"step": step.to_json(), "generators": result.unrecorded_rngs})
             elif result.match:
                 matched += 1
                 by_statistics += bool(result.by_statistics)
@@ -791,6 +794,8 @@ def verify(args: argparse.Namespace) -> int:
         doc["partly_compared"] = partly
     if unseen:
         doc["unseen_writes"] = unseen
+    if in_order:
+        doc["matched_in_order_only"] = in_order
     if skipped:
         doc["statistics_only"] = skipped
     if forward_gone:
@@ -813,6 +818,12 @@ def verify(args: argparse.Namespace) -> int:
                  "call, from an iteration flight mode had let go)" if forward_gone else ""))
         for m in mismatches:
             print(f"  {_step_text(m['step'])}: {m['reason']}")
+        if in_order:
+            print(f"{_count(len(in_order), 'step')} matched only as replayed here, in recording order, not counted bit "
+                  "for bit: each draws from a generator whose state the recording does not hold, and replayed alone "
+                  "would draw other numbers:")
+            for m in in_order:
+                print(f"  {_step_text(m['step'])}: {', '.join(m['generators'])}")
         if partly:
             print(f"{_count(len(partly), 'step')} of those matched in what was compared; not recorded as data, so "
                   "not compared:")
@@ -870,7 +881,7 @@ def verify(args: argparse.Namespace) -> int:
         raise PdbgError(f"none of the {_count(len(picks), 'step')} {which} could be replayed, so nothing was verified: "
                         f"{refused[0]['reason']}" + (f" (and {others} other reason{'s' if others > 1 else ''}, "
                                                      "listed above)" if others else ""))
-    return 0 if not mismatches else 1
+    return 0 if not mismatches and not in_order else 1
 
 
 def _alike(reason: str, step: Any) -> str:

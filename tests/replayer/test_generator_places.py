@@ -16,7 +16,7 @@ from torch import nn
 import recorder
 import replayer
 from recorder import jsonval
-from tests.cli import pdbg_here
+from tests.cli import pdbg_here, python
 
 G_DEFAULT = torch.Generator().manual_seed(42)
 RNGS = {"aug": torch.Generator().manual_seed(5), "np": np.random.default_rng(5)}
@@ -177,3 +177,35 @@ def test_a_generator_where_the_recorder_does_not_look_is_warned_of_at_record_tim
             noise_listed(torch.ones(2, 4))
     said = [str(w.message) for w in caught if "LISTED[0] (torch Generator)" in str(w.message)]
     assert len(said) == 1 and "a replay of a later call alone will draw other numbers" in said[0]
+
+
+LISTED_SCRIPT = """
+import sys
+import torch
+import recorder
+
+GENS = [torch.Generator().manual_seed(1)]
+
+
+@recorder.paper_step("noise (list)")
+def noise_listed(x):
+    return x + torch.randn(x.shape, generator=GENS[0])
+
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1]) as run:
+        for _ in range(2):
+            noise_listed(torch.ones(2, 4))
+            run.next_iteration()
+"""
+
+
+def test_verify_does_not_count_a_match_in_order_only_as_bit_for_bit(tmp_path: Path) -> None:
+    """A step drawing from a generator in a module-level list matches only as verify replays it, in order:
+    verify lists it apart and exits 1 (it said 100% bit for bit, while a replay of a later call alone differs)."""
+    (tmp_path / "train.py").write_text(LISTED_SCRIPT)
+    made = python("train.py", "run.zarr", cwd=tmp_path)
+    assert made.returncode == 0 and "GENS[0] (torch Generator)" in made.stderr, made.stderr
+    res = pdbg_here("verify", "run.zarr", cwd=tmp_path)
+    assert res.returncode == 1 and "0 of 2 steps replayed bit for bit" in res.stdout, res.stdout + res.stderr
+    assert "matched only as replayed here, in recording order" in res.stdout and "GENS[0]" in res.stdout
