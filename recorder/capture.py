@@ -236,9 +236,11 @@ class Frame:
     vmap_randomness: list[str] | None = None  # under vmap: each level's randomness, innermost first (transforms)
     module_doc: dict[str, Any] | None = None  # the module's skeleton when the call began (a backward: its forward's)
     definition: dict[str, Any] | None = None  # its definition document when the call began (a backward: its forward's)
-    # The input tensors outside autograd's graph with their version counters when the call began:
-    # those the call changes in place (an EMA update, a parameter update under no_grad) are recorded
-    # again as it leaves them ("after:<input>", role output). Cleared when the call ends.
+    # The input tensors outside autograd's graph with their version counters when the call began, and
+    # the module's own parameters with theirs: those the call changes in place (an EMA update, a parameter
+    # update under no_grad, a router's load-balancing bias, a LoRA base weight merged in forward) are
+    # recorded again as it leaves them ("after:<input>", "after:<parameter>", role output). Cleared when
+    # the call ends.
     versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None
     own_grads: list[str] = field(default_factory=list)  # a backward's parameter grads that are the call's own
     # A forward's arguments that share memory ("aliases") or are its module's parameters ("parameter_args"),
@@ -1210,6 +1212,8 @@ class Session:
             if module is not None:
                 for name, p in module.named_parameters():
                     self._capture(frame, "param", name, p)
+                    if frame.versions is not None and not p.is_inference():  # (its version counter alone tells)
+                        frame.versions.append((name, p, p._version, None))
                     if id(p) in given:  # (given as an argument too: a tied projection's weight)
                         self._parameter_argument(frame, name, p, [*slots, *shared, *leaves], places)
                     if link is not None and p.requires_grad:
@@ -1622,9 +1626,10 @@ class Session:
         return doc
 
     def _changed_inputs(self, frame: Frame) -> None:
-        """Record again, as the call leaves them, the inputs it changed in place (``Frame.versions``):
-        a step whose work is an in-place update is compared by a replay, and a NaN it writes is its
-        own result (``first_nonfinite`` names it, rather than the next step that reads it)."""
+        """Record again, as the call leaves them, the inputs and the module's own parameters it changed in
+        place (``Frame.versions``): a step whose work is an in-place update is compared by a replay, and a
+        NaN it writes is its own result (``first_nonfinite`` names it, rather than the next step that reads
+        it). A parameter's change through ``.data`` leaves its version counter as it was, and is not seen."""
         versions, frame.versions = frame.versions, None
         for name, t, version, kept in versions or ():
             if t._version != version or not _same_bits(kept, t):

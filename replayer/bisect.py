@@ -131,11 +131,23 @@ def _nonfinite_text(step: Step, roles: frozenset[int] | set[str]) -> list[str]:
     out = []
     for r in step.records:
         if r.role in roles and r.nonfinite:
-            label = r.name if r.name.startswith(r.role) else f"{r.role} {r.name}"
+            written = _written_parameter(step, r)
+            label = f"parameter {written} in place" if written else \
+                r.name if r.name.startswith(r.role) else f"{r.role} {r.name}"
             out.append(f"{label} ({_counts(step.rec, r)})")
     if "output" in roles and step.phase == "forward":
         out += [f.text() for f in _values(step, "output")]
     return out
+
+
+def _written_parameter(step: Step, record: TensorRecord) -> str | None:
+    """The name of the module's own parameter an "after:<parameter>" output record holds as the call left it
+    (the call changed it in place: a router's load-balancing bias), else None (an input's: "after:args.0")."""
+    if record.role != "output" or not record.name.startswith(layout.AFTER_PREFIX):
+        return None
+    name = record.name[len(layout.AFTER_PREFIX):]
+    roles = {r.role for r in step.records if r.name == name}
+    return name if "param" in roles and "input" not in roles else None
 
 
 def _values(step: Step, where: str) -> list[jsonval.NonFinite]:

@@ -1391,7 +1391,8 @@ class Replayer:
             return _exception_result(result, raised, recorded_exc)
         values = tensors_by_name(out, "output")
         changed = {r.name for r in step.records if r.role == "output" and r.name.startswith(layout.AFTER_PREFIX)}
-        if changed:  # inputs the recorded call changed in place, as the replayed call left them
+        if changed:  # inputs and parameters the recorded call changed in place, as the replayed call left them
+            values.update(_changed_parameters(step, call.module, changed))
             after = tensors_by_name({"args": call.args, "kwargs": call.kwargs}, "@", grads=True)
             values.update({n: t for n, t in ((f"{layout.AFTER_PREFIX}{k[2:]}", t) for k, t in after.items())
                            if n in changed})
@@ -2430,6 +2431,17 @@ _RECORDER_STOPS = frozenset({"recorder.monitors:NonFiniteError", "recorder.monit
 def _raised(doc: dict[str, Any]) -> str:
     """A recorded exception (``exception_doc``) in one line: its type's name and the start of its message."""
     return " ".join(f"{str(doc.get('type', '')).split(':')[-1]}: {str(doc.get('message', ''))[:200]}".split())
+
+
+def _changed_parameters(step: Step, module: torch.nn.Module | None, changed: set[str]) -> dict[str, torch.Tensor]:
+    """The module's own parameters whose "after:<parameter>" records are among ``changed`` (the recorded call
+    changed them in place: a router's load-balancing bias, a frozen weight merged in forward), as the replayed
+    call left them, by those records' names."""
+    if module is None:
+        return {}
+    now = dict(module.named_parameters())
+    return {f"{layout.AFTER_PREFIX}{r.name}": now[r.name] for r in step.records
+            if r.role == "param" and r.name in now and f"{layout.AFTER_PREFIX}{r.name}" in changed}
 
 
 def _exception_result(result: ReplayResult, raised: BaseException | None, recorded: Any) -> ReplayResult:
