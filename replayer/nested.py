@@ -111,6 +111,9 @@ class _Seen:
     grad_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     given: Any = None  # a module call's (args, kwargs) as it got them: what it changed in place is compared
     changes: bool = False  # its recorded step changed inputs in place ("after:<input>" records)
+    # its module's own parameters that its recorded step changed in place ("after:<parameter>" records), by name
+    written: dict[str, torch.Tensor] = field(default_factory=dict)
+    step: Step | None = None  # its recorded step
     undo: taps.Undo = field(default_factory=list)  # its arguments' containers' items, put back when it returns
     # Its top-level leaf arguments that require grad (name, tensor), which no tap takes, and autograd's
     # sequence number when it began: at its end, its graph's uses of them are hooked (taps.follow_leaves)
@@ -149,7 +152,7 @@ class InnerTap:
                     self._handles.append(sub.register_forward_hook(self._exit_root, always_call=True))
                     continue
                 self._handles.append(sub.register_forward_pre_hook(
-                    lambda m, a, k, p=path: self._enter(p, a, k), with_kwargs=True))
+                    lambda m, a, k, p=path: self._enter(p, a, k, m), with_kwargs=True))
                 self._handles.append(sub.register_forward_hook(lambda m, a, o, p=path: self._exit(p, o),
                                                                always_call=True))
 
@@ -193,7 +196,7 @@ class InnerTap:
                                                rebased=rebased)
         return output
 
-    def _enter(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _enter(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module) -> Any:
         self._stack.append(path)
         if path not in self._modules_wanted:
             return None
@@ -201,6 +204,8 @@ class InnerTap:
         self.calls.append(seen)
         self._open.setdefault(path, []).append(seen)
         edited = self._edit_args(seen, args, kwargs)
+        if seen.changes:
+            seen.written = _written(seen.step, module)
         if edited is not None:
             args, kwargs = edited
         tapped = self._tap_in(seen, args, kwargs)
@@ -210,7 +215,7 @@ class InnerTap:
 
     def _enter_root(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._root_depth += 1
-        return self._enter(self.root_path, args, kwargs) if self._root_depth > 1 else None
+        return self._enter(self.root_path, args, kwargs, module) if self._root_depth > 1 else None
 
     def _exit_root(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         self._root_depth -= 1
@@ -226,7 +231,7 @@ class InnerTap:
 
     def _edit_args(self, seen: _Seen, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Apply the plan's edits aimed at this inner call (``STEP/args.0``); None when none apply."""
-        step = self._recorded(seen)
+        step = seen.step = self._recorded(seen)
         seen.changes = step is not None and any(r.role == "output" and r.name.startswith(layout.AFTER_PREFIX)
                                                 for r in step.records)
         if self.plan is None or step is None:
@@ -257,6 +262,8 @@ class InnerTap:
         seen = pending.pop()
         taps.restore(seen.undo)
         seen.outputs = _snapshot(output)
+        seen.outputs.update({f"{layout.AFTER_PREFIX}{n}": p.detach().clone() for n, p in seen.written.items()})
+        seen.written = {}
         if seen.given is not None:
             seen.outputs.update(_after(*seen.given))
             seen.given = None
@@ -397,6 +404,17 @@ class InnerTap:
 def _kind(step: Step) -> str:
     """How a replayed call of ``step`` is keyed: "module", or "function:<name>"."""
     return "module" if step.definition.get("kind") == "module" else f"function:{step.name}"
+
+
+def _written(step: Step | None, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own parameters whose "after:<parameter>" records ``step`` holds (its recorded call changed
+    them in place), by name: compared as the replayed call leaves them."""
+    if step is None:
+        return {}
+    now = dict(module.named_parameters())
+    changed = {r.name for r in step.records if r.role == "output"}
+    return {r.name: now[r.name] for r in step.records
+            if r.role == "param" and r.name in now and f"{layout.AFTER_PREFIX}{r.name}" in changed}
 
 
 def _after(args: Any, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:

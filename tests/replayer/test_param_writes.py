@@ -152,3 +152,38 @@ def test_a_step_that_writes_no_parameter_records_no_change(tmp_path: Path) -> No
             opt.zero_grad()
     rec = replayer.open(path)
     assert not [r.name for s in rec.steps for r in s.records if r.name.startswith("after:")]
+
+
+@recorder.paper_step("Eq. 5", description="a block around the rescaled weight")
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Rescaled(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).tanh()
+
+
+def test_an_inner_step_that_writes_its_own_parameter_is_compared_inside_its_parent(tmp_path: Path) -> None:
+    """Replaying the outer step compares the inner step's parameter as the inner call left it (after:weight), as
+    it compares the outer step's own after:inner.weight; an inner write changed by a swap is the inner step's
+    MISMATCH."""
+    torch.manual_seed(0)
+    block = Block()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=block, mode="full"):
+        for _ in range(2):
+            block(torch.randn(3, 6))
+    rec = replayer.open(path)
+    outer = replayer.replay(rec, 0)
+    assert outer.match and {d.name for d in outer.outputs} == {"output", "after:inner.weight"}
+    assert [s.step.name for s in outer.inner] == ["Rescaled"]
+    assert {d.name for d in outer.inner[0].diffs} == {"output", "after:weight"}
+
+    def doubling(m: nn.Module) -> nn.Module:
+        m.scale = 2.0
+        return m
+
+    swapped = replayer.replay(rec, 0, swap={"inner": doubling})
+    diffs = {d.name: d for d in swapped.inner[0].diffs}
+    assert not swapped.match and diffs["output"].match and not diffs["after:weight"].match
