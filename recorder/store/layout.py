@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.19"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.20"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -85,6 +85,8 @@ SCHEMA_VERSION = "1.19"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       gradient is in the parameter's; a replay passes the parameter itself there, before 1.19 through a tap);
 #       note LEAF_UNFOLLOWED_NOTE; a step's extra "aliases" may name "<input>:grad" records (an argument's .grad
 #       given as an argument too, or sharing memory with one)
+# 1.20: output records "after:<parameter>": a module step's own parameters its call changed in place (version
+#       counter), as it left them (a frozen router bias or base weight written under no_grad); before, not recorded
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
