@@ -16,7 +16,9 @@ reaches a backward step through the graph of gradients) is where it *entered*, e
 turns an Inf into NaN. Inf on part of a tensor that nothing non-finite came of (no later step of its
 iteration went non-finite: a padding mask, which a batch without padding does not need) is a mask's
 (``_Kinds.masks``). Inf at every call (of a call number) is a mask's only where it covers part of its
-tensor, or, filling one, where the step's first call held it too (a -inf initial maximum): a
+tensor, or, filling one, where the step's first call held it too (a -inf initial maximum) and, where its
+bytes were kept, no +Inf (a sampler's first reverse step dividing by sqrt(alpha_bar) = 0 at every
+evaluation fills its output with Inf of both signs: the origin, whatever follows it): a
 division by 0 outside the steps that fills the input of an eval loop's call at each iteration the
 loop runs came in, however often it runs; a single value that is Inf (a 0-d loss, +inf at every call
 where the loop skips the batches whose loss is not finite) never is (``_Kinds.shaped``). A mask's Inf is
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import operator
 import os
 import re
@@ -560,22 +563,55 @@ class _Kinds:
             self._passes = roots
         return self._passes
 
-    def shaped(self, held: np.ndarray, whole: np.ndarray, lone: np.ndarray) -> np.ndarray:
+    def shaped(self, held: np.ndarray, whole: np.ndarray, lone: np.ndarray, results: bool) -> np.ndarray:
         """Per step: whether the Inf ``held`` at its calls (with the same call number) can be a mask's:
         on part of a tensor at each of them, or, where some call held a tensor Inf in every value
-        (``whole``: a -inf initial maximum), there from the start, at the step's first call too. Inf
-        that fills a tensor at a later call number (an eval loop's, past a division by 0 outside every
-        step) came in, however often the loop runs. A single value that is Inf (``lone``: a 0-d loss, +inf
-        at every call where the loop skips the batches whose loss is not finite) is no mask's at all: a
-        mask is Inf beside finite values, or, filling its tensor, over rows (the statistics, of the finite
-        values, do not tell +inf from -inf; how many values are Inf they do)."""
+        (``whole``: a -inf initial maximum), there from the start, at the step's first call too, and -inf
+        in every value where its bytes were kept (``_plus_inf``). Inf that fills a tensor at a later call
+        number (an eval loop's, past a division by 0 outside every step) came in, however often the loop
+        runs; +Inf filling a tensor (a sampler dividing by sqrt(alpha_bar) = 0 at its first reverse step, at
+        every evaluation) is a division by 0 or an overflow, which no mask is. A single value that is Inf
+        (``lone``: a 0-d loss, +inf at every call where the loop skips the batches whose loss is not finite)
+        is no mask's at all: a mask is Inf beside finite values, or, filling its tensor, over rows (the
+        statistics, of the finite values, do not tell +inf from -inf; how many values are Inf they do: a
+        step recorded without its bytes keeps the benefit of the doubt). ``results``: ``held`` is of the
+        steps' results, else of their inputs."""
         group, step = self.groups(), self.groups(by_call=False)
         if not len(group):
             return np.ones(0, dtype=bool)
         first = np.full(int(step.max()) + 1, len(step), dtype=np.int64)
         np.minimum.at(first, step, np.arange(len(step)))
         filled = np.bincount(group, weights=(whole & held).astype(np.float64)) > 0
-        return (~filled[group] | held[first[step]]) & ~(lone & held)
+        start = held[first[step]]
+        if (filled[group] & start).any():
+            start &= ~self._plus_inf(whole & held & start & filled[group], group, results)[group]
+        return (~filled[group] | start) & ~(lone & held)
+
+    def _plus_inf(self, candidates: np.ndarray, group: np.ndarray, results: bool) -> np.ndarray:
+        """Per step group (call number): whether the first of its ``candidates`` (calls holding a tensor Inf in
+        every value) kept the bytes of such a tensor among its results (``results``) or inputs, and they hold
+        +Inf. Only that first call's records are read: a mask is the same kind of Inf at every call."""
+        plus = np.zeros(int(group.max()) + 1, dtype=bool)
+        seen: set[int] = set()
+        for index in np.flatnonzero(candidates).tolist():
+            if int(group[index]) in seen:
+                continue
+            seen.add(int(group[index]))
+            step = self.rec.step(index)
+            phase = layout.PHASES.index(step.phase)
+            roles = {layout.ROLES[i] for i in (layout.RESULT_ROLES[phase] if results else layout.INPUT_ROLES[phase])}
+            for r in step.records:
+                if r.role not in roles or not r.has_payload or not r.stats["inf"] or r.stats["nan"] or \
+                        r.stats["inf"] != math.prod(r.shape):
+                    continue
+                try:
+                    values = self.rec.rank.tensor(r)
+                except PdbgError:  # (damaged bytes: judged by the statistics alone)
+                    continue
+                if bool((values.real if values.is_complex() else values).gt(0).any()):
+                    plus[group[index]] = True
+                    break
+        return plus
 
     def habit_masks(self) -> np.ndarray:
         """Per step: Inf (only) made from finite inputs, at every call with finite inputs (an additive
@@ -585,14 +621,14 @@ class _Kinds:
         if not inf_made.any():  # (then the steps' names, paths and calls are not read)
             return inf_made
         return inf_made & self.habitual(inf_made, among=~self.given) & \
-            self.shaped(inf_made, self.whole_result, self.lone_result)
+            self.shaped(inf_made, self.whole_result, self.lone_result, True)
 
     def habit_takes(self) -> np.ndarray:
         """Per step: Inf taken at every call (``habitual``), shaped as a mask's (``shaped``): meant. What
         it says matters only where a step took Inf and no NaN (a step that took NaN is judged by that)."""
         if not (self.given & ~self.nan_given).any():
             return np.zeros(len(self.given), dtype=bool)
-        return self.habitual(self.given) & self.shaped(self.given, self.whole_given, self.lone_given)
+        return self.habitual(self.given) & self.shaped(self.given, self.whole_given, self.lone_given, False)
 
     def takes_mask(self) -> np.ndarray:
         """Per step: Inf taken that is a mask's: at every call (``habit_takes``), or on part of a tensor and

@@ -677,6 +677,22 @@ def _progress(done: int, total: int) -> None:
     err.flush()
 
 
+# Why a matched step was compared by statistics (Diff.by_statistics), as verify's summary says it
+_STATISTICS_WHY = {
+    "unkept": ("results recorded as statistics alone (stats mode, or flight mode outside the iterations it kept), "
+               "of steps that take no tensor and so replay there"),
+    "sparse": "sparse results whose indices were not kept, compared by the statistics of their stored values",
+}
+
+
+def _by_statistics_why(result: Any) -> set[str]:
+    """Why a replay's results that matched by statistics did (``_STATISTICS_WHY``'s keys): a sparse result whose
+    indices were not kept, or a result recorded without its bytes."""
+    diffs = list(result.outputs) + [d for inner in result.inner for d in inner.diffs]
+    return {"sparse" if "indices are not recorded" in (d.reason or "") else "unkept"
+            for d in diffs if d.match and d.by_statistics}
+
+
 def _kept(rec: Any) -> tuple[list[int], int]:
     """The steps whose tensors a replay starts from were kept (their inputs, parameters and
     buffers; a backward step's grad outputs and its forward's): flight mode keeps its ring's."""
@@ -752,6 +768,7 @@ def verify(args: argparse.Namespace) -> int:
     replayer = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source) if picks else None
     matched, mismatches, refused, by_statistics, partly, unseen = 0, [], [], 0, [], []
     in_order: list[dict[str, Any]] = []  # matched only as replayed in order: generators whose state is not recorded
+    statistics_why: set[str] = set()  # why those matched by statistics were (_by_statistics_why), once each
     corrupted: list[dict[str, Any]] = []  # steps whose recorded bytes are not the bytes recorded
     alike: list[str] = []  # per refused step, its reason with its number written "step N" (_alike)
     environment: list[str] = []  # what differs from the machine and software that recorded it (once each)
@@ -774,6 +791,7 @@ def verify(args: argparse.Namespace) -> int:
             elif result.match:
                 matched += 1
                 by_statistics += bool(result.by_statistics)
+                statistics_why |= _by_statistics_why(result)
                 if result.not_compared:  # matched in what was compared: the rest is said, never called a match
                     partly.append({"step": step.to_json(), "not_compared": result.not_compared})
                 if result.unseen_writes:  # changed through .data where the recording could not see it: said too
@@ -805,11 +823,11 @@ def verify(args: argparse.Namespace) -> int:
     else:
         head = (f"{matched} of {_count(replayed, 'step')} replayed bit for bit ({100.0 * matched / replayed:.1f}%)"
                 if replayed else "no step replayed")
-        if by_statistics:  # (a sparse result whose parts were not kept: its stored values' statistics)
+        if by_statistics:
             share = f"{100.0 * matched / replayed:.1f}%"
+            why = "; ".join(text for key, text in _STATISTICS_WHY.items() if key in statistics_why)
             head = (f"{matched} of {_count(replayed, 'step')} replayed and matched ({share}), "
-                    f"{by_statistics} of them by statistics only (of a result recorded without payload, a sparse "
-                    "tensor whose indices were not kept: not bit for bit)")
+                    f"{by_statistics} of them by statistics only, not bit for bit: {why}")
         print(f"{args.run}: {head}"
               + (f"; {_count(len(refused), 'step')} could not be replayed" if refused else "")
               + (f"; {_count(len(corrupted), 'step')} corrupted" if corrupted else "")

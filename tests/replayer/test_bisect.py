@@ -1054,6 +1054,83 @@ def test_inf_that_comes_into_a_repeated_eval_loop_is_where_it_entered(tmp_path: 
     assert not origin.found, origin.cause
 
 
+_ALPHA_BAR = torch.tensor([0.9, 0.6, 0.3, 0.0])  # a zero-terminal-SNR schedule: alpha_bar[T-1] = 0
+
+
+@recorder.paper_step("Alg. 2 line 4", description="one reverse step of a DDPM sampler")
+class ReverseStep(torch.nn.Module):
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor, t: int) -> torch.Tensor:
+        a = _ALPHA_BAR[t] / (_ALPHA_BAR[t - 1] if t > 0 else torch.tensor(1.0))
+        return (x - (1 - a) / (1 - _ALPHA_BAR[t]).sqrt() * self.net(x)) / a.sqrt()
+
+
+@recorder.paper_step("Alg. 2 line 4", description="one reverse step, given the network's eps")
+def reverse_step(x: torch.Tensor, t: int, eps: torch.Tensor) -> torch.Tensor:
+    a = _ALPHA_BAR[t] / (_ALPHA_BAR[t - 1] if t > 0 else torch.tensor(1.0))
+    return (x - (1 - a) / (1 - _ALPHA_BAR[t]).sqrt() * eps) / a.sqrt()
+
+
+@recorder.paper_step("Eq. x0", description="x0 = (x_t - sqrt(1 - ab) eps) / sqrt(ab)")
+def predict_x0(x_t: torch.Tensor, eps: torch.Tensor, ab: torch.Tensor) -> torch.Tensor:
+    return (x_t - (1 - ab).sqrt() * eps) / ab.sqrt()
+
+
+def record_ddpm_sampler(path: Path, late: int | None, module: bool = True, mode: str = "full") -> None:
+    """13 iterations of x0-prediction training, which divides by sqrt(0) at iteration ``late``, and an eval
+    sampler after every 4th optimizer step (recorded in iterations 4, 8 and 12) whose first reverse step
+    divides by sqrt(alpha_bar[T-1] / alpha_bar[T-2]) = 0: Inf of both signs filling its output, from finite
+    inputs, at every evaluation. The sampler is a module step calling the network (``module``) or a function
+    step given the network's eps, computed outside every step."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 4)
+    sampler = ReverseStep(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with recorder.record(path, model=net, optimizer=opt, mode=mode):
+        for it in range(13 if late is None else late + 1):
+            x0, eps = torch.randn(8, 4), torch.randn(8, 4)
+            ab = torch.full((8, 1), 0.0 if it == late else 0.5)
+            x_t = ab.sqrt() * x0 + (1 - ab).sqrt() * eps
+            loss = ((predict_x0(x_t, net(x_t), ab) - x0) ** 2).mean()
+            if not torch.isfinite(loss):
+                break
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if it % 4 == 3:
+                with torch.no_grad():
+                    x = torch.randn(2, 4)
+                    for t in reversed(range(4)):
+                        x = sampler(x, t) if module else reverse_step(x, t, net(x))
+
+
+@pytest.mark.parametrize("module", [True, False])
+@pytest.mark.parametrize("late", [None, 12])
+def test_a_sampler_whose_first_reverse_step_divides_by_zero_at_every_evaluation_is_the_origin(
+        tmp_path: Path, late: int | None, module: bool) -> None:
+    """A DDPM sampler whose schedule ends at alpha_bar = 0 fills its first reverse step's output with Inf (of
+    both signs) from finite inputs at every evaluation. Inf filling a tensor from the step's first call was
+    taken for a mask's (a -inf initial maximum): bisect named the next call, which made NaN of it, or, where
+    training divided by the same 0 at iteration 12, that iteration, the evaluations at iterations 4 and 8 never
+    mentioned; with the network outside the steps, the Inf "came non-finite from code outside every recorded
+    step". +Inf is no mask's: the first reverse step of the first evaluation is the origin, whatever follows."""
+    path = tmp_path / "ddpm.zarr"
+    record_ddpm_sampler(path, late, module)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    step = origin.step
+    assert step is not None, origin.cause
+    assert (step.name, step.iteration, step.call) == ("ReverseStep" if module else "reverse_step", 4, 0), origin.cause
+    assert origin.cause == f"{bisect_mod.describe(step)} produced output (8 Inf of 8) from finite inputs"
+    assert not bisect_mod.meant_inf(rec)[step.index]
+    assert origin.op is not None and origin.op.name == "aten::div", origin.op_note
+    code = ReverseStep.forward if module else reverse_step
+    assert origin.op.line == line_of(code, "/ a.sqrt()")
+
+
 def test_an_overflow_to_inf_is_the_origin_of_the_nan_it_becomes(tmp_path: Path) -> None:
     """A step that overflows to Inf from finite inputs, and the next step makes NaN of it (inf - inf):
     the overflow is the origin, not the NaN after it."""

@@ -1204,6 +1204,32 @@ def test_verify_of_a_run_without_a_replayable_step_says_why(tmp_path: Path) -> N
                                                               "environment_differences": []}
 
 
+@recorder.paper_step("Alg. 1 line 3", description="t ~ Uniform({0..999})")
+def sample_timesteps(batch: int) -> torch.Tensor:
+    return torch.randint(0, 1000, (batch,))
+
+
+def test_verify_says_why_steps_that_take_no_tensor_matched_by_statistics(tmp_path: Path) -> None:
+    """In stats mode, a step that takes no tensor (t ~ U drawn for an int batch size) replays, and its output,
+    recorded as statistics alone, is compared by them. verify explained that as "a result recorded without
+    payload, a sparse tensor whose indices were not kept": there is no sparse tensor. It says what applies."""
+    path = tmp_path / "stats.zarr"
+    torch.manual_seed(0)
+    net = nn.Linear(1, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with recorder.record(path, model=net, optimizer=opt, mode="stats"):
+        for _ in range(3):
+            net(sample_timesteps(8).float().unsqueeze(-1)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    res = pdbg_here("verify", str(path), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout == (f"{path}: 3 of 3 steps replayed and matched (100.0%), 3 of them by statistics only, not bit "
+                          "for bit: results recorded as statistics alone (stats mode, or flight mode outside the "
+                          "iterations it kept), of steps that take no tensor and so replay there\n"), res.stdout
+    assert "sparse" not in res.stdout
+
+
 def test_a_function_given_as_a_swap_in_python_is_told_to_be_a_factory() -> None:
     """swap={"softplus": stable_softplus} in Python calls stable_softplus(original) to make the
     replacement (an import reference names the function itself): when that raises, the message says

@@ -489,6 +489,10 @@ def test_a_sparse_result_whose_parts_were_not_kept_is_compared_by_statistics_as_
     assert diff.replayed == diff.recorded and diff.recorded["max"] == made.values().max().item() and not diff.measured
     res = pdbg_here("replay", str(tmp_path / "run.zarr"), "0", cwd=tmp_path)
     assert res.returncode == 0 and "MATCH: output by statistics only, not bit for bit" in res.stdout, res.stdout
+    res = pdbg_here("verify", str(tmp_path / "run.zarr"), cwd=tmp_path)  # (its summary says which case this is)
+    assert res.returncode == 0 and res.stdout.endswith(
+        "2 of them by statistics only, not bit for bit: sparse results whose indices were not kept, compared by the "
+        "statistics of their stored values\n"), res.stdout
     view = views.tensor_view(step, "output", "output")
     assert view.slice_text == (f"a sparse_{kind} tensor of 4 stored values: statistics of its stored values only (its "
                                "indices and values were not kept: " + (
