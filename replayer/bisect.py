@@ -30,7 +30,9 @@ made the Inf (``Origin.source``).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
 import json
 import math
 import operator
@@ -2590,9 +2592,16 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
                        "only (an input that required grad in one run and not in the other)")
     if sa.arguments != sb.arguments:
         where, a, b = _first_difference(sa.arguments, sb.arguments)
-        name = _argument_name(sa, where)
-        reasons.append(f"its non-tensor argument{f' {name} differs' if name else 's differ'} ({_short(a)} vs "
-                       f"{_short(b)})" + (", passed from outside every recorded step" if sa.parent is None else ""))
+        generators = _generator_difference(sa.arguments, sb.arguments, where)
+        if generators is not None:
+            name = _argument_name(sa, where[:where.index("$generator")])
+            reasons.append(f"its torch.Generator argument{f' {name}' if name else ''} is in another state "
+                           f"({generators})")
+        else:
+            name = _argument_name(sa, where)
+            reasons.append(f"its non-tensor argument{f' {name} differs' if name else 's differ'} ({_short(a)} vs "
+                           f"{_short(b)})")
+        reasons[-1] += ", passed from outside every recorded step" if sa.parent is None else ""
     layouts = _layouts_differ(sa, sb)
     if layouts:
         reasons.append(f"{_names(layouts)} {'has' if len(layouts) == 1 else 'have'} another memory layout (strides) "
@@ -2787,6 +2796,47 @@ def _positional_names(step: Step) -> list[str]:
     if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)) and defn.get("kind") == "function":
         return [a.arg for a in [*top.args.posonlyargs, *top.args.args]]
     return []
+
+
+def _generator_difference(a: Any, b: Any, where: tuple[Any, ...]) -> str | None:
+    """Where two arguments documents first differ inside a torch.Generator's (``$generator``: its device and
+    state, base64), how the two generators differ in words: "seed 1234 vs 99" (the seed a CPU generator's state
+    holds, ``initial_seed``), or, the seeds alike or not read, the states' short digests; None elsewhere."""
+    if "$generator" not in where:
+        return None
+    docs = []
+    for whole in (a, b):
+        doc = whole
+        for key in where[:where.index("$generator") + 1]:
+            doc = doc[key]
+        docs.append(doc if isinstance(doc, dict) else {})
+    seeds, digests = [], []
+    for doc in docs:
+        try:
+            state = base64.b64decode(str(doc.get("state")), validate=True)
+        except (ValueError, TypeError):
+            state = b""
+        digests.append(hashlib.sha256(state).hexdigest()[:12])
+        seeds.append(_generator_seed(str(doc.get("device")), state))
+    if docs[0].get("device") != docs[1].get("device"):
+        return f"on device {docs[0].get('device')} vs {docs[1].get('device')}"
+    if None not in seeds and seeds[0] != seeds[1]:
+        return f"seed {seeds[0]} vs {seeds[1]}"
+    seeded = f"both seeded {seeds[0]}, drawn from otherwise before the call: " if None not in seeds else ""
+    return f"{seeded}state {digests[0]}… vs {digests[1]}… (sha256)"
+
+
+def _generator_seed(device: str, state: bytes) -> int | None:
+    """The seed a CPU torch.Generator's recorded state was seeded with (``initial_seed`` of a generator given
+    that state); None for another device's (no accelerator is touched to read one) or a state not read."""
+    if device != "cpu" or not state:
+        return None
+    try:
+        made = torch.Generator()
+        made.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        return int(made.initial_seed())
+    except (RuntimeError, ValueError, TypeError):
+        return None
 
 
 def _short(doc: Any) -> str:

@@ -2243,6 +2243,28 @@ def test_against_names_the_argument_that_differs_and_its_two_values(tmp_path: Pa
 
 
 
+@recorder.paper_step("Alg. 2 line 1", description="x_T ~ N(0, I), from the sampler's own generator")
+def sample_noise(n: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(n, 4, generator=generator)
+
+
+def test_against_says_which_seed_a_generator_argument_had_in_each_run(tmp_path: Path) -> None:
+    """Two runs whose sampler generator was seeded 1234 and 99: `bisect --against` showed the generator's state
+    as two base64 blobs. It says the seeds; where they are alike, the states' digests."""
+    for name, seed, drawn in (("a", 1234, 0), ("b", 99, 0), ("c", 1234, 1)):
+        generator = torch.Generator().manual_seed(seed)
+        torch.randn(1, generator=generator) if drawn else None
+        with recorder.record(tmp_path / f"{name}.zarr"):
+            sample_noise(2, generator=generator)
+    res = pdbg("bisect", "a.zarr", "--against", "b.zarr", cwd=tmp_path)
+    assert "its torch.Generator argument generator is in another state (seed 1234 vs 99), passed from outside " \
+           "every recorded step" in res.stdout, res.stdout + res.stderr
+    res = pdbg("bisect", "a.zarr", "--against", "c.zarr", cwd=tmp_path)
+    assert "its torch.Generator argument generator is in another state (both seeded 1234, drawn from otherwise " \
+           "before the call: state " in res.stdout, res.stdout + res.stderr
+    assert "0gQAAAAA" not in res.stdout
+
+
 def test_a_parameter_written_through_data_over_the_bits_limit_names_the_step_given_it(tmp_path: Path) -> None:
     """An old-style update writing a 2 MiB weight through .data (``p.data.addcdiv_``: 0/0 = NaN in a row that
     gets no gradient): the recorder sees such a write by the bits of inputs up to 1 MiB only, so the update
