@@ -1052,14 +1052,18 @@ def _buffer_writers(rec: Recording, k: _Kinds, habit: np.ndarray) -> dict[int, l
     return wrote
 
 
-def _producer(rec: Recording, step: Step, result: np.ndarray) -> tuple[TensorRecord, Step] | None:
+def _producer(rec: Recording, step: Step, result: np.ndarray,
+              among: list[TensorRecord] | None = None) -> tuple[TensorRecord, Step] | None:
     """The first non-finite input of a forward step (of a backward step's forward) that is the output of an
     earlier forward step of its iteration (``result``: steps whose results held NaN or Inf), and that step:
     one that finished before the call began (none enclosing it), whose output record has the same dtype and
     shape, and the same bytes where both kept them (payloads are stored once per content: the same row),
-    else the same statistics. Searched back from the step, ``_SOURCE_SEARCH`` steps at most."""
+    else the same statistics. Searched back from the step, ``_SOURCE_SEARCH`` steps at most; ``among``: of
+    those inputs only."""
     source = step if step.phase == "forward" else rec.step(step.forward) if step.forward is not None else None
     wanted = [r for r in source.records if r.role == "input" and r.nonfinite] if source is not None else []
+    if among is not None:
+        wanted = [r for r in wanted if any(r.row == a.row for a in among)]
     if source is None or not wanted:
         return None
     iteration, parent = _column(rec, "iteration"), _column(rec, "parent")
@@ -1382,8 +1386,25 @@ def _entered_cause(rec: Recording, step: Step, senders: list[tuple[Step, list[st
                     f"penalty) outside the recorded steps; {where}")
         return f"{describe(step)} received non-finite values from outside every recorded step"
     sent = _sent(step)
-    text = _entered_text(rec, source, step, bad[0], senders or [], writers or [])
+    bad = sorted(bad, key=lambda r: not r.stats["nan"])  # the NaN that came in first: the Inf beside it may not have
+    text = _entered_text(rec, source, step, bad[0], senders or [], writers or []) + _made_inputs_text(rec, step, bad)
     return text + f"; this rank sent them to the others through its {', '.join(sent)}" if sent else text
+
+
+def _made_inputs_text(rec: Recording, step: Step, bad: list[TensorRecord]) -> str:
+    """What ``_entered_cause`` says of the other non-finite inputs of a step that are the output of an earlier
+    recorded step (``_producer``): a sampler's step given its previous call's Inf and, computed outside every
+    step from it, NaN. That Inf did not come from outside; the step that made it is named."""
+    if len(bad) < 2 or step.phase != "forward":
+        return ""
+    found = _producer(rec, step, step_flags(rec) & _RESULT != 0, [r for r in bad[1:] if r.role == "input"])
+    if found is None:
+        return ""
+    record, producer = found
+    made = not any(r.nonfinite for r in _own_inputs(producer))
+    return (f"; its input {record.name} ({_counts(rec, record)}) did not: it is the output of {describe(producer)}, "
+            + ("which made it from finite inputs (taken for a mask's Inf: without the tensor's bytes, its "
+               "statistics do not tell +Inf from -Inf)" if made else "which passed it on"))
 
 
 def _own_nonfinite(rec: Recording, step: Step) -> tuple[Step, list[TensorRecord]]:

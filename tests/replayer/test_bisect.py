@@ -1131,6 +1131,26 @@ def test_a_sampler_whose_first_reverse_step_divides_by_zero_at_every_evaluation_
     assert origin.op.line == line_of(code, "/ a.sqrt()")
 
 
+def test_an_inf_a_step_takes_from_the_recorded_step_before_it_is_not_said_to_come_from_outside(
+        tmp_path: Path) -> None:
+    """The same sampler recorded in stats mode (no bytes: Inf filling its first reverse step's output is given the
+    benefit of the doubt, a -inf initial maximum's), the network outside the steps: the next call took that Inf as
+    args.0 and the network's NaN as args.2, and bisect said args.0 "came non-finite from code outside every
+    recorded step; it was never finite", though it is the output of the recorded call before it. The NaN is what
+    came from outside; the Inf's step is named as the one that made it."""
+    path = tmp_path / "stats.zarr"
+    record_ddpm_sampler(path, None, module=False, mode="stats")
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    entered, made = origin.entered, rec.step("reverse_step@iter=4#0")
+    assert entered is not None and (entered.name, entered.iteration, entered.call) == ("reverse_step", 4, 1)
+    assert origin.cause.startswith(f"input args.2 of {bisect_mod.describe(entered)} came non-finite ("), origin.cause
+    assert origin.cause.endswith(f"; its input args.0 (8 Inf of 8) did not: it is the output of "
+                                 f"{bisect_mod.describe(made)}, which made it from finite inputs (taken for a mask's "
+                                 "Inf: without the tensor's bytes, its statistics do not tell +Inf from -Inf)"), \
+        origin.cause
+
+
 def test_an_overflow_to_inf_is_the_origin_of_the_nan_it_becomes(tmp_path: Path) -> None:
     """A step that overflows to Inf from finite inputs, and the next step makes NaN of it (inf - inf):
     the overflow is the origin, not the NaN after it."""
