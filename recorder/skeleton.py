@@ -240,6 +240,9 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
         tied = tied_parameters(module)
         if tied:
             doc = {**doc, "tied": tied}
+        shared = shared_modules(module)
+        if shared:
+            doc = {**doc, "shared_modules": shared}
         classes.pop(own_class(module), None)  # (the step's own: its definition holds it)
         from .annotate import submodule_code  # annotate imports this module
 
@@ -359,6 +362,24 @@ def tied_parameters(module: torch.nn.Module) -> dict[str, str]:
         else:
             first[id(p)] = name
     return tied
+
+
+def shared_modules(module: torch.nn.Module) -> dict[str, str]:
+    """Submodule paths that reach the same module object as one reached before them (two experts
+    sharing one projection, ``experts[1].fc2 = experts[0].fc2``): ``{"experts.1.fc2": "experts.0.fc2"}``.
+    The skeleton holds such a module's document under each path, which alone would make a replay
+    build two modules; the recorder names its calls by the first path (``modstack``). A path under
+    one named here is left out: it is shared with its parent."""
+    first: dict[int, str] = {}
+    shared: dict[str, str] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        if id(m) not in first:
+            first[id(m)] = name
+            continue
+        parts = name.split(".")
+        if not any(".".join(parts[:k]) in shared for k in range(1, len(parts))):
+            shared[name] = first[id(m)]
+    return shared
 
 
 class InitCapture:

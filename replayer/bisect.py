@@ -2665,7 +2665,8 @@ _ABSENT = object()
 # What else of a module skeleton (docs/FORMAT.md) changes what a call computes, as a cause names it.
 _SKELETON_PARTS = {"class": "class", "init": "constructor arguments", "params": "parameters", "buffers": "buffers",
                    "unrecorded": "attributes without a data form", "parametrized": "parametrizations",
-                   "hooks": "hooks", "other_hooks": "hooks", "tied": "tied parameters"}
+                   "hooks": "hooks", "other_hooks": "hooks", "tied": "tied parameters",
+                   "shared_modules": "shared submodules"}
 
 
 def _forward_of(step: Step) -> Step:

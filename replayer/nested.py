@@ -122,6 +122,10 @@ class _Seen:
     # Its tapped arguments with their taps' aliases: those it changed in place are rebased when it returns,
     # as the recorder rebases them (taps.rebase_changed)
     watched: taps.Watched = field(default_factory=list)
+    # A module call's parameters (name under its module -> its own share of their gradient): the sums of
+    # the contributions of its graph's uses of them, as the recorder sums a call's own (``own_grads``)
+    began: int = -1  # autograd's sequence number when it began (its graph's nodes are numbered from it)
+    own: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class InnerTap:
@@ -144,9 +148,13 @@ class InnerTap:
         self._handles: list[Any] = []
         self._modules_wanted = {s.module_path for s in inner if s.definition.get("kind") == "module"}
         self._root_depth = 0  # calls of the root module open: the first is the replayed step itself
+        self._modules: dict[str, torch.nn.Module] = {}  # module path -> the module there
+        self._outer_names: dict[int, str] = {}  # id(parameter) -> its name in the root (its grad's record name)
         if root is not None:
+            self._outer_names = {id(p): name for name, p in root.named_parameters()}
             for rel, sub in root.named_modules():
                 path = join_path(root_path, rel)
+                self._modules[path] = sub
                 if not rel:  # the root: its calls inside the replayed call (a recursion) are inner steps
                     self._handles.append(sub.register_forward_pre_hook(self._enter_root, with_kwargs=True))
                     self._handles.append(sub.register_forward_hook(self._exit_root, always_call=True))
@@ -208,6 +216,8 @@ class InnerTap:
             seen.written = _written(seen.step, module)
         if edited is not None:
             args, kwargs = edited
+        if self.backward:
+            seen.began = taps.sequence_now()
         tapped = self._tap_in(seen, args, kwargs)
         if seen.changes:
             seen.given = tapped if tapped is not None else (args, kwargs)
@@ -267,7 +277,38 @@ class InnerTap:
         if seen.given is not None:
             seen.outputs.update(_after(*seen.given))
             seen.given = None
-        return self._tap_out(seen, output) if self.backward else None
+        if not self.backward:
+            return None
+        output = self._tap_out(seen, output)
+        self._follow_params(seen, output)
+        return output
+
+    def _follow_params(self, seen: _Seen, output: Any) -> None:
+        """Hook the nodes of a module call's graph that use its parameters (found as the recorder finds
+        them: taps.parameter_uses from its outputs, through their taps), so that each use's contribution
+        is added to the call's own share of the parameter's gradient in the order autograd sends them.
+        That share is what a recorded ``own_grads`` record holds: a tied weight's or a shared
+        submodule's other users, and the module's other calls, add theirs to the parameter's total only."""
+        module = self._modules.get(seen.path)
+        if module is None or seen.began < 0 or transforms.active():
+            return
+        keys = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
+        outputs = [t for _, t in taps.output_slots(output)]
+        walked = taps.parameter_uses(outputs, keys, seen.began) if keys and outputs else None
+        by_node: dict[Any, list[tuple[int, str]]] = {}
+        for name, edges in (walked[0] if walked is not None else {}).items():
+            for node, k in edges:
+                by_node.setdefault(node, []).append((k, name))
+
+        def used(places: list[tuple[int, str]], grads: tuple[torch.Tensor | None, ...], _outputs: Any) -> None:
+            for k, name in places:
+                g = grads[k]
+                if g is not None:
+                    was = seen.own.get(name)
+                    seen.own[name] = g.detach().clone() if was is None else was + g
+
+        for node, places in by_node.items():
+            node.register_hook(lambda grads, outs, places=places: used(places, grads, outs))
 
     def call(self, defn: Any, fn: Any, module: torch.nn.Module | None, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
@@ -352,9 +393,10 @@ class InnerTap:
                          outer: int | None = None) -> list[InnerStep]:
         """After a backward replay: each inner step's backward (grad outputs, grad inputs, parameter
         grads) against its recorded backward step, the one of the pass of the outer backward step
-        ``outer`` (a retained graph's second pass records another). The replay's parameter grads
-        are totals over the inner module's calls in the outer call: an inner step called more than
-        once there, whose recorded grads are each call's own share (1.11), has them left out."""
+        ``outer`` (a retained graph's second pass records another). A recorded parameter grad that is
+        the call's own share (1.11) is compared with the share the replay summed for that call; one
+        that is a total, with the replayed step's grad of the parameter (``param_grads``), but for a
+        module called more than once in the outer call (see ``_param_grads``)."""
         rec = self.inner[0].rec if self.inner else None
         if rec is None:
             return []
@@ -387,18 +429,44 @@ class InnerTap:
             if seen is None:
                 results.append(InnerStep(back, False, reason="recorded, but not called during the replay"))
                 continue
-            rel = step.module_path[len(root_path):].lstrip(".") if step.module_path.startswith(root_path) else ""
-            prefix = f"{rel}." if rel and seen.kind == "module" else ""
-            shared = calls[step.module_path] > 1 and bool(back.extra.get("own_grads"))
-            own = {name[len(prefix):]: g for name, g in param_grads.items() if name.startswith(prefix)} \
-                if seen.kind == "module" and not shared else {}
+            grads, left_out = self._param_grads(step, seen, back, param_grads, root_path, calls[step.module_path])
             values = {**{f"grad_output:{k}": v for k, v in seen.grad_outputs.items()},
                       **{f"grad_input:{k}": v for k, v in seen.grad_inputs.items()},
-                      **{f"param_grad:{k}": v for k, v in own.items()}}
-            roles = ("grad_output", "grad_input") if shared else ("grad_output", "grad_input", "param_grad")
-            diffs = _diffs(back, roles, values, keyed=True)
+                      **{f"param_grad:{k}": v for k, v in grads.items()}}
+            diffs = [d for d in _diffs(back, ("grad_output", "grad_input", "param_grad"), values, keyed=True)
+                     if not (d.role == "param_grad" and d.name in left_out)]
             results.append(InnerStep(back, all(d.match for d in diffs), diffs))
         return sorted(results, key=lambda r: r.step.index)  # backward runs inner steps in reverse
+
+
+    def _param_grads(self, step: Step, seen: _Seen, back: Step, totals: dict[str, torch.Tensor], root_path: str,
+                     calls: int) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """An inner module call's parameter grads to compare with its backward step's records, by
+        record name, and the names left out. A record of its own share (``own_grads``, 1.11) is
+        compared with the share the replay's hooks summed for the call (``_follow_params``); one of
+        the total the pass accumulated, with the replayed step's grad of that parameter (``totals``,
+        by the root's names: a tied weight's is under the name it was recorded by), but where the
+        module ran more than once in the call, each call's total then being no replay's."""
+        if seen.kind != "module":
+            return {}, set()
+        own_names = back.extra.get("own_grads")
+        own_names = set(own_names) if isinstance(own_names, list) else set()
+        module = self._modules.get(seen.path)
+        if module is None:  # (no root: no module call is seen) the root's names under the module's path
+            rel = step.module_path[len(root_path):].lstrip(".") if step.module_path.startswith(root_path) else ""
+            prefix = f"{rel}." if rel else ""
+            named = {name[len(prefix):]: name for name in totals if name.startswith(prefix)}
+        else:
+            named = {name: self._outer_names.get(id(p), "") for name, p in module.named_parameters()}
+        grads: dict[str, torch.Tensor] = {}
+        for name, outer in named.items():
+            if name in own_names and name in seen.own:
+                grads[name] = seen.own[name]
+            elif outer in totals and not (calls > 1 and own_names):
+                grads[name] = totals[outer]
+        left_out = {r.name for r in back.records if r.role == "param_grad" and r.name not in grads} \
+            if calls > 1 and own_names else set()
+        return grads, left_out
 
 
 def _kind(step: Step) -> str:

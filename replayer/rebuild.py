@@ -69,6 +69,30 @@ def tie(module: torch.nn.Module, tied: dict[str, str]) -> list[str]:
     return problems
 
 
+def share(module: torch.nn.Module, shared: dict[str, str], how: dict[str, str]) -> list[str]:
+    """Make each submodule path in ``shared`` the same module as the path it maps to (one module
+    reached by two paths, as skeleton.shared_modules found them): its calls then run, and are seen,
+    as the recorded ones, under that path. The paths made so are dropped from ``how``, which then
+    counts each module once. Returns what could not be shared."""
+    problems = []
+    for path, same in shared.items():
+        owner, _, leaf = path.rpartition(".")
+        try:
+            parent, target = module.get_submodule(owner), module.get_submodule(same)
+        except AttributeError:
+            problems.append(f"submodule {path} was the same module as {same}, which the rebuilt module lacks; "
+                            "left as rebuilt")
+            continue
+        if leaf not in parent._modules:
+            problems.append(f"submodule {path} was the same module as {same}, but has no place in the rebuilt "
+                            "module; left as rebuilt")
+            continue
+        parent._modules[leaf] = target
+        for key in [k for k in how if k == path or k.startswith(f"{path}.")]:
+            del how[key]
+    return problems
+
+
 def _unrecorded_names(unrecorded: dict[str, str], made: torch.nn.Module | None = None) -> str:
     """A module's attributes that could not be recorded as data, by name and type: "cache_k (a tensor
     that is no parameter or buffer: register_buffer has it recorded)" for a tensor kept as a plain attribute;
@@ -168,6 +192,10 @@ class Builder:
             out.module = module
             return out
         out.module = self._node(doc, "", out)
+        shared = doc.get("shared_modules")
+        if isinstance(shared, dict):
+            out.warnings += share(out.module, {k: v for k, v in shared.items()
+                                               if isinstance(k, str) and isinstance(v, str)}, out.how)
         return out
 
     @staticmethod

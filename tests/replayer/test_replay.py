@@ -2801,11 +2801,11 @@ class TwiceInside(nn.Module):
 
 
 def test_a_blocks_backward_with_an_inner_step_called_twice_matches(tmp_path: Path) -> None:
-    """A block step whose inner module step runs twice in one call: the block's nested backward
-    replay computes the inner parameters' total over both calls, and each inner backward step holds
-    its own call's share. Those are left out of the inner comparison (each share was compared with
-    the total: a MISMATCH), the rest compared; and with a retained graph's second pass, each pass's
-    inner steps are its own (the first pass's were taken)."""
+    """A block step whose inner module step runs twice in one call: each inner backward step holds its
+    own call's share of the inner parameters' gradient, and is compared with the share its replayed
+    call sends (each share was once compared with the total over both calls, a MISMATCH, then left
+    out); and with a retained graph's second pass, each pass's inner steps are its own (the first
+    pass's were taken)."""
     torch.manual_seed(0)
     model = nn.Sequential(TwiceInside(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -2824,7 +2824,7 @@ def test_a_blocks_backward_with_an_inner_step_called_twice_matches(tmp_path: Pat
         res = replayer.replay(rec, block.index)
         assert res.match and len(res.inner) == 2 and all(s.match for s in res.inner), \
             (block.index, [(s.step.index, s.reason, [d.summary() for d in s.diffs if not d.match]) for s in res.inner])
-        assert all({d.role for d in s.diffs} == {"grad_output", "grad_input"} for s in res.inner)
+        assert all({d.role for d in s.diffs} == {"grad_output", "grad_input", "param_grad"} for s in res.inner)
 
 
 def test_a_name_set_again_after_a_failed_definition_is_defined(tmp_path: Path,
