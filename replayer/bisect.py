@@ -568,11 +568,11 @@ class _Kinds:
     def shaped(self, held: np.ndarray, whole: np.ndarray, lone: np.ndarray, results: bool) -> np.ndarray:
         """Per step: whether the Inf ``held`` at its calls (with the same call number) can be a mask's:
         on part of a tensor at each of them, or, where some call held a tensor Inf in every value
-        (``whole``: a -inf initial maximum), there from the start, at the step's first call too, and -inf
-        in every value where its bytes were kept (``_plus_inf``). Inf that fills a tensor at a later call
+        (``whole``: a -inf initial maximum), there from the start, at the step's first call too, and of one
+        sign where its bytes were kept (``_plus_inf``). Inf that fills a tensor at a later call
         number (an eval loop's, past a division by 0 outside every step) came in, however often the loop
-        runs; +Inf filling a tensor (a sampler dividing by sqrt(alpha_bar) = 0 at its first reverse step, at
-        every evaluation) is a division by 0 or an overflow, which no mask is. A single value that is Inf
+        runs; Inf of both signs filling a tensor (a sampler dividing by sqrt(alpha_bar) = 0 at its first reverse
+        step, at every evaluation) is a division by 0, which no mask is. A single value that is Inf
         (``lone``: a 0-d loss, +inf at every call where the loop skips the batches whose loss is not finite)
         is no mask's at all: a mask is Inf beside finite values, or, filling its tensor, over rows (the
         statistics, of the finite values, do not tell +inf from -inf; how many values are Inf they do: a
@@ -592,7 +592,9 @@ class _Kinds:
     def _plus_inf(self, candidates: np.ndarray, group: np.ndarray, results: bool) -> np.ndarray:
         """Per step group (call number): whether the first of its ``candidates`` (calls holding a tensor Inf in
         every value) kept the bytes of such a tensor among its results (``results``) or inputs, and they hold
-        +Inf. Only that first call's records are read: a mask is the same kind of Inf at every call."""
+        Inf of both signs: a signed tensor divided by 0. A mask, or an initial maximum or minimum, fills its
+        tensor with one sign (an exp that overflows at every call, too: the habit judges it). Only that first
+        call's records are read: a mask is the same kind of Inf at every call."""
         plus = np.zeros(int(group.max()) + 1, dtype=bool)
         seen: set[int] = set()
         for index in np.flatnonzero(candidates).tolist():
@@ -610,7 +612,8 @@ class _Kinds:
                     values = self.rec.rank.tensor(r)
                 except PdbgError:  # (damaged bytes: judged by the statistics alone)
                     continue
-                if bool((values.real if values.is_complex() else values).gt(0).any()):
+                values = values.real if values.is_complex() else values
+                if bool(values.gt(0).any()) and bool(values.lt(0).any()):
                     plus[group[index]] = True
                     break
         return plus
