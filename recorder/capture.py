@@ -1011,8 +1011,7 @@ class Session:
             link.handles.clear()
             if link.watched:  # (a caller that catches the exception goes on with its tensors as changed)
                 try:
-                    with quiet():
-                        taps.rebase_changed(taps.changed_in_place(link.watched))
+                    self._rebase_changed(link)
                 except Exception as err:  # noqa: BLE001 - the call's own exception is the one raised
                     self.fail("following an argument the step changed in place", err)
         if frame is None:  # a recomputation that did not finish: its graph is never used
