@@ -331,6 +331,9 @@ class BackwardLink:
     # place through their aliases, rebased then, until its outputs are tapped (taps.rebase_changed)
     watched: taps.Watched = field(default_factory=list)
     rebased: taps.Rebased = field(default_factory=dict)
+    # Its input taps' nodes with their aliases, until its graph is walked when it returns: those with several
+    # uses pass each use's gradient on apart (taps.pass_apart)
+    tap_nodes: taps.TapNodes = field(default_factory=list)
 
 
 def _inner_first(frames: list[Frame]) -> list[Frame]:
@@ -1084,7 +1087,7 @@ class Session:
                     link.params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
                     mine = {id(p) for _, p in link.params}
                     link.leaf_args = [(n, t) for n, t in link.leaf_args if id(t) not in mine]
-                if link.params or link.leaf_args:
+                if link.params or link.leaf_args or link.tap_nodes:
                     if link.until < 0:
                         link.until = taps.sequence_now()
                     self._hook_params(link.fwd, link, [t for _, t in slots], notes=False)
@@ -1328,7 +1331,7 @@ class Session:
         if link is not None:
             if link.until < 0:  # (set where arguments were rebased)
                 link.until = taps.sequence_now()
-            if link.params or link.leaf_args:
+            if link.params or link.leaf_args or link.tap_nodes:
                 self._hook_params(frame, link, [t for _, t in slots])
         if leaves and frame.module is not None:
             self._note_returned_parameters(frame, leaves, link.own if link is not None else {},
@@ -1361,12 +1364,19 @@ class Session:
         module's use). The others (no node found: a graph made on several threads, a walk that gave
         up) are hooked as totals. The call's leaf arguments (``link.leaf_args``) are found by the same
         walk: their grad inputs are the sums of their uses' contributions (``_on_arg_grad``), what a tap
-        on them would have had. For reentrant checkpointing this runs on the graph the
+        on them would have had. So are the uses of the call's tapped arguments (``link.tap_nodes``), which their
+        taps then pass on apart (taps.pass_apart). For reentrant checkpointing this runs on the graph the
         recomputation makes during the backward (``notes``: False, its forward step being written)."""
         keys: dict[int, Any] = {id(p): name for name, p in link.params}
         for name, t in link.leaf_args:
             keys.setdefault(id(t), (_ARGUMENT, name))
-        walked = taps.parameter_uses(outputs, keys, link.since) if outputs and link.since >= 0 else None
+        tapped = taps.uses_of(link.tap_nodes) if link.tap_nodes else None
+        link.tap_nodes = []
+        walked = taps.parameter_uses(outputs, keys, link.since, tapped) if outputs and link.since >= 0 else None
+        if tapped and walked is not None:
+            taps.pass_apart(tapped)
+        if not (link.params or link.leaf_args):
+            return
         uses, reused, whole = walked if walked is not None else ({}, [], False)
         if reused and link.params:  # (a function's own leaf arguments: found as a tap on them would find them)
             self._reused_nodes(link, reused)
@@ -2039,7 +2049,7 @@ class Session:
         that reports their grads to ``link``; not those in ``skip`` (also inside a list: see
         taps.tap_arguments), noted on ``frame``."""
         args, kwargs, names = taps.tap_arguments(args, kwargs, _backward_callback(self._on_grad_input, link), skip,
-                                                 slots, undo=link.undo, watched=link.watched)
+                                                 slots, undo=link.undo, watched=link.watched, nodes=link.tap_nodes)
         link.input_names = list(names)
         if skip and frame is not None:
             frame.notes.append(_UNTAPPED_NOTE)

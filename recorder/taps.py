@@ -12,6 +12,14 @@ alone: ``rebase_changed`` then gives the caller's tensor that history (see ``reb
 made to the tensor itself would have. Leaves (a parameter given to an update step) pass through no tap:
 the step gets them as they are, and their gradients are found on the nodes of the call's graph that use
 them (``leaves_apart``).
+
+A step that uses a tapped argument several times (``attn(h, h, h)``, ``x * w1 + (x * w2).sin()``) sends
+the tap one gradient per use. Unrecorded, autograd adds each into the caller's tensor's gradient one by
+one, among the contributions of the caller's other uses of it; a tap that added them up first and passed
+on their sum would change that gradient (and all upstream of it) in its last bits. So a tap of an argument
+keeps spare edges to the caller's tensor, and once the call returned, its uses in the call's graph are
+found and hooked (``pass_apart``): each use's contribution then goes on alone, by an edge of its own, in
+the order autograd sends them, and the tap reports their sum, what autograd would have summed.
 """
 
 from __future__ import annotations
@@ -35,25 +43,34 @@ from . import payload as payload_mod
 GradCallback = Callable[..., None]
 
 
+# The edges to each caller's tensor a tap of an argument keeps beyond its own: up to 1 + _SPARES uses of the
+# argument in the call's graph pass their contributions on apart (see ``pass_apart``), more are summed.
+_SPARES = 3
+
+
 class _Tap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, callback: GradCallback, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
+    def forward(ctx: Any, callback: GradCallback, spares: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # ``tensors``: the n tensors tapped, then each ``spares`` times again (edges to pass uses on by)
+        ctx.callback, ctx.spares = callback, spares
+        ctx.apart = None  # per tensor: the edges its uses' contributions go on by (pass_apart); None: summed
         ctx.set_materialize_grads(False)
-        return tuple(_alias(t) for t in tensors)
+        return tuple(_alias(t) for t in tensors[:len(tensors) // (1 + spares)])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        if ctx.apart is not None:
+            return (None, None, *_passed_apart(ctx, grads))
         ctx.callback(grads)
-        return (None, *grads)
+        return (None, None, *grads, *(None,) * (len(grads) * ctx.spares))
 
     @staticmethod
-    def jvp(ctx: Any, _callback: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    def jvp(ctx: Any, _callback: Any, _spares: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         # Forward-mode AD: a tap is an identity, so each tangent passes through as it is, the very
         # tensor (the outputs alias their inputs, and so do their tangents, as without the tap).
         # Without this, a dual tensor meeting a tap raises. A step's dual tensors are not tapped
         # (see ``dual``); a tapped tensor that is dual all the same must not stop training.
-        return tangents
+        return tangents[:len(tangents) // (1 + ctx.spares)]
 
 
 class _Rebase(torch.autograd.Function):
@@ -155,13 +172,16 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def tap(tensors: list[torch.Tensor], callback: GradCallback) -> tuple[torch.Tensor, ...]:
-    """Pass tensors through one tap; ``callback(grads)`` runs once when their gradients arrive."""
-    return _Tap.apply(callback, *tensors)  # type: ignore[no-any-return]
+def tap(tensors: list[torch.Tensor], callback: GradCallback, spares: int = 0) -> tuple[torch.Tensor, ...]:
+    """Pass tensors through one tap; ``callback(grads)`` runs once when their gradients arrive. ``spares``:
+    the edges to each tensor it keeps beyond its own, by which ``pass_apart`` can pass uses on apart."""
+    if spares:
+        tensors = [*tensors, *(t for t in tensors for _ in range(spares))]
+    return _Tap.apply(callback, spares, *tensors)  # type: ignore[no-any-return]
 
 
-def tap_each(tensors: list[torch.Tensor], callback: GradCallback, rebased: Rebased | None = None
-             ) -> tuple[torch.Tensor, ...]:
+def tap_each(tensors: list[torch.Tensor], callback: GradCallback, rebased: Rebased | None = None,
+             spares: int = 0) -> tuple[torch.Tensor, ...]:
     """Pass each tensor through a tap of its own; ``callback((grad,), k)`` runs when the k-th one's
     gradient arrives (not a tuple of all with the others' as None: a step returning T tensors would
     cost T per gradient, T² per backward). One tap for all would join their graphs: a backward pass from
@@ -177,8 +197,8 @@ def tap_each(tensors: list[torch.Tensor], callback: GradCallback, rebased: Rebas
         return tuple(_given_back(t, callback if len(tensors) == 1 else functools.partial(_placed, callback, k),
                                  rebased) for k, t in enumerate(tensors))
     if len(tensors) == 1:
-        return tap(tensors, callback)
-    return tuple(tap([t], functools.partial(_placed, callback, k))[0] for k, t in enumerate(tensors))
+        return tap(tensors, callback, spares)
+    return tuple(tap([t], functools.partial(_placed, callback, k), spares)[0] for k, t in enumerate(tensors))
 
 
 def _given_back(t: torch.Tensor, callback: GradCallback, rebased: Rebased) -> torch.Tensor:
@@ -193,21 +213,22 @@ def _placed(callback: GradCallback, k: int, grads: tuple[torch.Tensor | None, ..
     callback(grads, k)
 
 
-def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback, rebased: Rebased | None = None
-               ) -> tuple[dict[Any, Any], list[Any]]:
+def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback, rebased: Rebased | None = None,
+               spares: int = 0) -> tuple[dict[Any, Any], list[Any]]:
     """Tap the (key, tensor) pairs' tensors, each tensor object once: a tensor passed in several
     places stays one object in all of them (``query is key`` in self-attention, as without recording),
-    its gradient reported once, the total, under its first key. Returns {key: tapped} and the keys
-    tapped, in the order the callback sees their grads (``rebased``: see ``tap_each``)."""
+    its gradient reported once, the total, under its first key (its uses there are one tap's, which
+    ``pass_apart`` passes on apart). Returns {key: tapped} and the keys tapped, in the order the callback
+    sees their grads (``rebased``, ``spares``: see ``tap_each``, ``tap``)."""
     if len({id(value) for _, value in values}) == len(values):  # each tensor in one place: the usual call
         keys = [key for key, _ in values]
-        return dict(zip(keys, tap_each([value for _, value in values], callback, rebased))), keys
+        return dict(zip(keys, tap_each([value for _, value in values], callback, rebased, spares))), keys
     first: dict[int, Any] = {}
     for key, value in values:
         first.setdefault(id(value), key)
     keys = list(first.values())
     by_key = dict(values)
-    tapped = dict(zip(keys, tap_each([by_key[k] for k in keys], callback, rebased)))
+    tapped = dict(zip(keys, tap_each([by_key[k] for k in keys], callback, rebased, spares)))
     return {key: tapped[first[id(value)]] for key, value in values}, keys
 
 
@@ -226,8 +247,8 @@ def sequence_now() -> int:
     return -1 if node is None else node._sequence_nr()
 
 
-def parameter_uses(outputs: list[torch.Tensor], params: dict[int, Any], since: int
-                   ) -> tuple[dict[Any, list[tuple[Any, int]]], list[int], bool] | None:
+def parameter_uses(outputs: list[torch.Tensor], params: dict[int, Any], since: int,
+                   tapped: Uses | None = None) -> tuple[dict[Any, list[tuple[Any, int]]], list[int], bool] | None:
     """Where one call's graph uses its parameters: for each parameter (``params``: id -> name; or a
     leaf argument, see ``leaves_apart``) a node made during the call (sequence number ``since`` or
     later) takes, ``[(node, k)]``, k the place of the parameter's gradient among the node's
@@ -235,6 +256,8 @@ def parameter_uses(outputs: list[torch.Tensor], params: dict[int, Any], since: i
     call's ``outputs`` that stops at nodes made before the call. A hook on those nodes sees each
     use's contribution to the parameter's gradient before autograd adds it to the others (another
     call's, a weight decay term in the loss, a tied module's), in the order autograd adds them.
+    ``tapped`` (see ``uses_of``): the nodes of the call's input taps, each with a list per tensor it
+    tapped, where the walk puts the ``(node, k)`` of each use of that tensor's alias it finds.
 
     Also returns the sequence numbers of the nodes made before the call that it reached other than
     through a tap of its inputs (a weight an earlier call made and cached, ``parametrize.cached()``):
@@ -248,6 +271,7 @@ def parameter_uses(outputs: list[torch.Tensor], params: dict[int, Any], since: i
     whole = True
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     seen: set[Any] = set()
+    taps = tapped or {}
     while stack:
         node = stack.pop()
         if node in seen:
@@ -261,8 +285,15 @@ def parameter_uses(outputs: list[torch.Tensor], params: dict[int, Any], since: i
         tap_node = type(node) is _TAP_NODE
         if not tap_node and isinstance(node, BackwardCFunction) and type(node) is not _REBASE_NODE:
             whole = False
-        for k, (after, _) in enumerate(node.next_functions):
-            if after is None or after in seen:
+        spare = _first_spare(node) if tap_node else None
+        for k, (after, nr) in enumerate(node.next_functions):
+            if after is None or spare is not None and k >= spare and _unused_spare(node, k):
+                continue
+            uses = taps.get(after)
+            if uses is not None:
+                uses[nr].append((node, k))
+                continue
+            if after in seen:
                 continue
             if type(after) is _ACCUMULATE_GRAD:
                 name = params.get(id(after.variable))
@@ -273,6 +304,130 @@ def parameter_uses(outputs: list[torch.Tensor], params: dict[int, Any], since: i
             elif not tap_node:
                 reused.append(after._sequence_nr())
     return found, reused, whole
+
+
+# A call's input taps' nodes, each with the alias it gave the call (tap_arguments)
+TapNodes = list[tuple[Any, torch.Tensor]]
+# A call's input taps' nodes -> per tensor tapped, the (node, k) of each use of its alias in the call's graph
+Uses = dict[Any, list[list[tuple[Any, int]]]]
+
+
+def uses_of(nodes: TapNodes) -> Uses:
+    """The taps of ``nodes`` (a call's input taps: ``tap_arguments``) whose uses ``parameter_uses`` is to find,
+    each with an empty list per tensor tapped. Not those whose alias has a gradient hook of the call's own
+    (``x.register_hook(...)``, ``x.retain_grad()``): the hook sees, and may change, the gradient that reaches
+    the tap, which must then be the sum of the uses, passed on as the hook left it."""
+    return {node: [[] for _ in range(len(node.next_functions) // (1 + node.spares))] for node, alias in nodes
+            if not alias._backward_hooks and not alias.retains_grad}
+
+
+def _first_spare(node: Any) -> int | None:
+    """The place of a tap's first spare edge among its ``next_functions``; None for a tap without spares."""
+    spares = node.spares
+    return len(node.next_functions) // (1 + spares) if spares else None
+
+
+def _unused_spare(node: Any, k: int) -> bool:
+    """Whether a tap's spare edge ``k`` passes nothing on: only those of its tensors' uses that it passes on
+    apart do (``pass_apart``); its other spares are no uses of the caller's tensor."""
+    apart = node.apart
+    if apart is None:
+        return True
+    i, j = divmod(k - _first_spare(node), node.spares)
+    return j + 1 >= apart[i]
+
+
+_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def pass_apart(tapped: Uses) -> None:
+    """Have a call's input taps pass each use's contribution on alone, by an edge of their own, where the
+    walk (``parameter_uses``) found two uses of the tapped tensor's alias or more (``attn(h, h, h)``: three)
+    and the tap has edges for them. A hook on each using node takes the contribution it sends the tap (its
+    post-hook's result: the contribution left out), in the order autograd runs those nodes, and the tap
+    sends them on in that order: autograd adds them into the caller's tensor's gradient one by one, among
+    its other uses', as it does unrecorded. More uses than the tap's edges are summed as before; a use the
+    walk did not find (a tensor the call kept for later) still goes into the tap's own input, and on."""
+    if _TASK_ID is None:
+        return
+    by_node: dict[Any, list[tuple[int, Any, int]]] = {}
+    for tap_node, uses in tapped.items():
+        edges = [len(found) if 1 < len(found) <= 1 + tap_node.spares else 1 for found in uses]
+        if max(edges) == 1:
+            continue
+        tap_node.apart, tap_node.came, tap_node.task = edges, None, -1
+        for i, found in enumerate(uses):
+            if edges[i] > 1:
+                for node, k in found:
+                    by_node.setdefault(node, []).append((k, tap_node, i))
+    for node, places in by_node.items():
+        node.register_hook(functools.partial(_divert, tuple(places)))
+
+
+def _divert(places: tuple[tuple[int, Any, int], ...], grads: tuple[torch.Tensor | None, ...], _outputs: Any
+            ) -> tuple[torch.Tensor | None, ...] | None:
+    """A using node's post-hook: keep the contributions it sends taps that pass their uses on apart
+    (``places``: (k, the tap's node, the tensor's place in it)) for those taps' backward, in the order
+    they come, and send the taps nothing. Anomaly mode checks the node's results for NaN after its hooks:
+    there it keeps them, and the tap passes their sum on, so that a NaN stops the pass at this node."""
+    if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+        return None
+    task = _TASK_ID()  # type: ignore[misc]
+    new = list(grads)
+    for k, tap_node, i in places:
+        g = grads[k]
+        if g is None:
+            continue
+        if tap_node.task != task:  # (a pass that did not reach the tap left its contributions behind)
+            tap_node.task, tap_node.came = task, [[] for _ in tap_node.apart]
+        tap_node.came[i].append(g)
+        new[k] = None
+    return tuple(new)
+
+
+def _passed_apart(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+    """A tap's backward where its uses pass on apart (``pass_apart``): each tensor's contributions, those its
+    uses' hooks kept in the order they came, then what reached the tap's own input (uses the walk did not
+    find), each by an edge of its own (what exceeds its edges summed on its last); the callback gets their
+    sums, added in that order, as autograd would have added them into that input."""
+    came = ctx.came if ctx.task == _TASK_ID() else None  # type: ignore[misc]
+    ctx.came, ctx.task = None, -1
+    n, spares = len(grads), ctx.spares
+    out: list[torch.Tensor | None] = [None] * (n * (1 + spares))
+    totals = []
+    for i, rest in enumerate(grads):
+        parts = [*(came[i] if came is not None else ()), *((rest,) if rest is not None else ())]
+        totals.append(_recorded_total(parts))
+        edges = (i, *range(n + i * spares, n + (i + 1) * spares))
+        if len(parts) > len(edges):  # (a use the walk did not find, where every edge has one: summed)
+            parts[len(edges) - 1:] = [_total(parts[len(edges) - 1:])]
+        for k, g in zip(edges, parts):
+            out[k] = g
+    ctx.callback(tuple(totals))
+    return out
+
+
+def _total(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of contributions, added one by one in their order, as autograd adds them into a node's input
+    (``a + b`` and ``a.add_(b)`` hold the same bits; with grad mode on, in a graph of gradients, as there)."""
+    total = parts[0]
+    for g in parts[1:]:
+        total = total + g
+    return total
+
+
+def _recorded_total(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``_total`` outside any graph of gradients, for the record; None where none came, or where they do
+    not add up (the recording must not stop the pass)."""
+    if len(parts) < 2:
+        return parts[0] if parts else None
+    try:
+        if not torch.is_grad_enabled():  # (a backward pass without create_graph: no context to enter)
+            return _total(parts)
+        with torch.no_grad():
+            return _total(parts)
+    except Exception:  # noqa: BLE001 - left unrecorded: the contributions themselves go on
+        return None
 
 
 def _accumulate_grad_type() -> type:
@@ -373,14 +528,18 @@ def first_places(slots: _Slots) -> list[tuple[str, torch.Tensor]]:
 
 
 def follow_leaves(outputs: list[torch.Tensor], leaves: list[tuple[str, torch.Tensor]], since: int,
-                  callback: Callable[[str, torch.Tensor], None]) -> bool:
+                  callback: Callable[[str, torch.Tensor], None], taps: TapNodes | None = None) -> bool:
     """Hook the nodes of one call's graph (made at sequence number ``since`` or later) that use the
     ``leaves`` (name, tensor), found by a walk back from the call's ``outputs`` (``parameter_uses``):
     ``callback(name, grad)`` gets each use's contribution to a leaf's gradient, in the order autograd
-    adds them. False where the walk could not be made (see ``parameter_uses``)."""
-    walked = parameter_uses(outputs, {id(t): name for name, t in leaves}, since) if since >= 0 else None
+    adds them. ``taps``: the call's input taps' nodes, whose uses the same walk finds and passes on apart
+    (``pass_apart``). False where the walk could not be made (see ``parameter_uses``)."""
+    tapped = uses_of(taps) if taps else None
+    walked = parameter_uses(outputs, {id(t): name for name, t in leaves}, since, tapped) if since >= 0 else None
     if walked is None:
         return False
+    if tapped:
+        pass_apart(tapped)
     by_node: dict[Any, list[tuple[int, str]]] = {}
     for name, edges in walked[0].items():
         for node, k in edges:
@@ -747,7 +906,7 @@ def _substitute(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], undo: U
 
 def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
                   skip: frozenset[int] = frozenset(), slots: list[Any] | None = None, *, undo: Undo,
-                  leaves: bool = False, watched: Watched | None = None,
+                  leaves: bool = False, watched: Watched | None = None, nodes: TapNodes | None = None,
                   ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
     """Tap the argument_slots, but for tensors whose id is in ``skip`` (also passed in a place no tap
     reaches: that place keeps the untapped tensor, and autograd would sum its gradients in another
@@ -756,14 +915,17 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
     ``slots``: those to tap, when the caller has them. Tensors inside lists, dicts and dataclasses
     are put into them while the call runs: ``undo`` collects what ``restore`` puts back once it
     returned. ``watched`` collects each tapped tensor with its tap's, for ``changed_in_place`` once the
-    call returned. Returns new args, kwargs and
+    call returned; ``nodes`` each tap's node with its alias, for ``uses_of`` once the call returned. Returns new
+    args, kwargs and
     the names (``args.0``, ``kwargs.mask``, ``args.1.data``) of the tapped tensors, in the order the
     callback sees them."""
     slots = [(key, t) for key, t in (apart(argument_slots(args, kwargs))[0] if slots is None else slots)
              if id(t) not in skip and (leaves or not t.is_leaf)]
     if not slots:
         return args, kwargs, []
-    tapped, keys = _tap_slots(slots, callback)
+    tapped, keys = _tap_slots(slots, callback, spares=_SPARES)
+    if nodes is not None:
+        nodes.extend((tapped[k].grad_fn, tapped[k]) for k in keys)
     if watched is not None:
         given = dict(slots)
         watched.extend((i, given[k], tapped[k], given[k]._version) for i, k in enumerate(keys))

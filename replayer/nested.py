@@ -126,6 +126,8 @@ class _Seen:
     # the contributions of its graph's uses of them, as the recorder sums a call's own (``own_grads``)
     began: int = -1  # autograd's sequence number when it began (its graph's nodes are numbered from it)
     own: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Its input taps' nodes, whose uses pass on apart once it returned, as the recorder's do (taps.pass_apart)
+    tap_nodes: taps.TapNodes = field(default_factory=list)
 
 
 class InnerTap:
@@ -133,14 +135,18 @@ class InnerTap:
     With ``backward=True`` their inputs and outputs also pass through autograd taps (identities for
     the values), so that a backward replay sees each inner step's grad inputs and grad outputs; their
     top-level leaf arguments are followed through their graphs, as the recorder follows them (tapped
-    too where ``leaves_tapped``: a recording before schema 1.19 tapped them)."""
+    too where ``leaves_tapped``: a recording before schema 1.19 tapped them). An argument an inner
+    call uses several times has each use's gradient passed on apart, as the recorder passes it
+    (``uses_apart``; a recording before schema 1.21 passed on their sum: autograd's additions upstream,
+    an outer step's gradients, in the last bits, are then the recording's)."""
 
     enabled = True
 
     def __init__(self, root: torch.nn.Module | None, root_path: str, inner: list[Step], *,
-                 backward: bool = False, plan: Any = None, leaves_tapped: bool = False) -> None:
+                 backward: bool = False, plan: Any = None, leaves_tapped: bool = False,
+                 uses_apart: bool = True) -> None:
         self.inner, self.backward, self.plan, self.root_path = inner, backward, plan, root_path
-        self.leaves_tapped = leaves_tapped
+        self.leaves_tapped, self.uses_apart = leaves_tapped, uses_apart
         self._seen_count: dict[tuple[str, str], int] = {}
         self.calls: list[_Seen] = []
         self._stack: list[str] = [root_path]
@@ -176,11 +182,14 @@ class InnerTap:
         if self.leaves_tapped:
             slots, leaves = [*slots, *leaves], []
         elif leaves:
-            seen.leaves, seen.since = taps.first_places(leaves), taps.sequence_now()
+            seen.leaves = taps.first_places(leaves)
+        if seen.leaves or self.uses_apart:
+            seen.since = taps.sequence_now()
         new_args, new_kwargs, holder[0] = taps.tap_arguments(args, kwargs,
                                                              lambda g, k=0: got(g, holder[0][k:k + len(g)]),
                                                              slots=slots, undo=seen.undo, leaves=self.leaves_tapped,
-                                                             watched=seen.watched)
+                                                             watched=seen.watched,
+                                                             nodes=seen.tap_nodes if self.uses_apart else None)
         return new_args, new_kwargs
 
     def _tap_out(self, seen: _Seen, output: Any) -> Any:
@@ -197,9 +206,9 @@ class InnerTap:
 
         holder: list[list[str | None]] = [[]]
         slots = taps.output_slots(output)
-        if seen.leaves:
-            taps.follow_leaves([t for _, t in slots], seen.leaves, seen.since, came)
-            seen.leaves = []
+        if seen.leaves or seen.tap_nodes:
+            taps.follow_leaves([t for _, t in slots], seen.leaves, seen.since, came, seen.tap_nodes)
+            seen.leaves, seen.tap_nodes = [], []
         output, holder[0], _ = taps.tap_output(output, lambda g, k=0: got(g, holder[0][k:k + len(g)]), slots=slots,
                                                rebased=rebased)
         return output

@@ -597,3 +597,207 @@ def test_an_in_place_change_autograd_refuses_raises_as_unrecorded(tmp_path, kind
     recorded = _refused(tmp_path / "run.zarr", kind)
     assert recorded.split(" is a view and ")[0] == plain.split(" is a view and ")[0]
     assert recorded.endswith(plain[-60:])
+
+
+@recorder.paper_step("Eq. 6", description="attention of a sequence with itself")
+def _attention(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v
+
+
+_GATES: dict[str, torch.Tensor] = {}
+
+
+@recorder.paper_step("Eq. 6", description="its argument used twice: scaled, and scaled then squashed")
+def _used_twice(x):
+    return x * _GATES["w1"] + (x * _GATES["w2"]).sin()
+
+
+@recorder.paper_step("Eq. 6", description="a residual around self-attention: the argument used four times")
+def _residual_attention(x):
+    return x + _attention(x, x, x)
+
+
+@recorder.paper_step("Eq. 6", description="two results of its argument, each using it twice")
+def _two_results(x):
+    return x * _GATES["w1"] + (x * _GATES["w2"]).sin(), x.exp() * x
+
+
+@recorder.paper_step("Eq. 6", description="its argument used, rectified in place, and used again")
+def _used_then_rectified(x):
+    y = (x * 2.0).exp()
+    x.relu_()
+    return y + x * _GATES["w2"]
+
+
+def _twice_and_after(h):
+    t = h.tanh()
+    return _used_twice(t) + t
+
+
+def _checkpointed(x, reentrant: bool):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(_twice_and_after, x, use_reentrant=reentrant)
+
+
+_USES = {"attention": lambda h: h + _attention(h, h, h), "twice": lambda h: _used_twice(h) + h.cos(),
+         "nested": lambda h: _residual_attention(h) * h, "before": lambda h: (h * 3).exp() + _used_twice(h),
+         "one-result-used": lambda h: _two_results(h)[0] * h, "in-place": lambda h: _used_then_rectified(h) * h,
+         "reentrant": lambda h: _checkpointed(h, True) * h, "non-reentrant": lambda h: _checkpointed(h, False) * h}
+
+
+def _several_uses(path, kind: str, dtype: torch.dtype | None, mode: str = "full", penalty: bool = False
+                  ) -> list[torch.Tensor]:
+    """Two iterations of a linear layer whose output a step uses several times, the caller using it
+    outside the step too; the parameter grads (a gradient penalty's: ``penalty``)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    _GATES.update(w1=torch.randn(16, requires_grad=True), w2=torch.randn(16, requires_grad=True))
+    x = torch.randn(4, 8, 16)
+    with recorder.record(path, model=lin, mode=mode) if path is not None else contextlib.nullcontext():
+        for _ in range(2):
+            lin.zero_grad()
+            with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+                h = lin(x)
+                loss = _USES[kind](h).float().square().mean()
+            if penalty:
+                (grad,) = torch.autograd.grad(loss, h, create_graph=True)
+                loss = loss + grad.float().square().sum()
+            loss.backward()
+    return [t.grad.clone() for t in (*lin.parameters(), *_GATES.values()) if t.grad is not None]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("kind", ["attention", "twice", "nested", "one-result-used", "in-place", "before"])
+def test_a_step_using_its_argument_several_times_trains_as_unrecorded(tmp_path, kind, dtype):
+    """A step that uses its argument several times (self-attention given h as query, key and value, a
+    step computing ``x * w1 + (x * w2).sin()``), whose caller uses that tensor outside it too: autograd
+    adds each use's gradient into the caller's tensor's gradient one by one, and a tap passed on their
+    sum, so the parameter grads upstream differed in their last bits (bf16 autocast: by up to 1e-3).
+    Each use's gradient now passes on apart, and the grads are bitwise as unrecorded: a step inside
+    another (an attention inside a residual step) too, and one whose results the caller uses one of.
+    So they stay where a sum was exact before too: a caller that used the tensor before the step only
+    (the step's uses come first), a step that changes it in place between its uses (the caller's later
+    uses go through that change, into the step)."""
+    plain = _several_uses(None, kind, dtype)
+    grads = _several_uses(tmp_path / "run.zarr", kind, dtype)
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("kind", ["reentrant", "non-reentrant"])
+def test_a_checkpointed_step_using_its_argument_twice_trains_as_unrecorded(tmp_path, kind):
+    """The same inside activation checkpointing: reentrant checkpointing taps the step where its
+    recomputation runs, in the backward pass, and passes its uses on apart there."""
+    plain = _several_uses(None, kind, None)
+    grads = _several_uses(tmp_path / "run.zarr", kind, None, mode="stats")
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("kind", ["attention", "nested"])
+def test_a_gradient_penalty_through_a_step_using_its_argument_several_times_is_as_unrecorded(tmp_path, kind):
+    """A first pass taken with create_graph=True (a gradient penalty) sends each use's gradient on with
+    its own graph, and the second pass through those graphs gives bitwise the grads it does unrecorded."""
+    plain = _several_uses(None, kind, None, penalty=True)
+    grads = _several_uses(tmp_path / "run.zarr", kind, None, mode="stats", penalty=True)
+    for a, b in zip(plain, grads, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+def test_a_step_using_its_argument_several_times_records_what_a_replay_computes(tmp_path):
+    """The uses passed on apart, a step's grad input is still their sum, added as autograd adds them:
+    every step, the residual around the attention and the attention inside it, replays bit for bit."""
+    import replayer
+
+    path = tmp_path / "run.zarr"
+    _several_uses(path, "nested", torch.bfloat16)
+    with replayer.open(path) as rec:
+        back = rec.steps.filter(name="_residual_attention", phase="backward")
+        assert len(back) == 2 and all("args.0" in {r.name for r in s.records if r.role == "grad_input"} for s in back)
+        for step in rec.steps:
+            result = replayer.replay(rec, step.index)
+            assert result.match, (step.index, step.phase, [d.summary() for d in result.outputs])
+
+
+_KEPT: list[torch.Tensor] = []
+
+
+@recorder.paper_step("Eq. 7", description="its argument used twice, and a term of it kept for the caller")
+def _keeps_a_term(x):
+    out = x * _GATES["w1"] + x * _GATES["w2"]
+    _KEPT.append(x.exp())
+    return out
+
+
+def test_a_use_outside_the_steps_outputs_still_sends_its_gradient(tmp_path):
+    """A use of the argument the walk from the step's outputs does not find (a term the step keeps for
+    its caller) still sends its gradient on, with the uses passed on apart: the grads differ from
+    unrecorded at most in their last bits."""
+    def train(path):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 8)
+        _GATES.update(w1=torch.randn(8, requires_grad=True), w2=torch.randn(8, requires_grad=True))
+        with recorder.record(path, model=lin, mode="stats") if path is not None else contextlib.nullcontext():
+            h = lin(torch.randn(4, 8))
+            (_keeps_a_term(h) + _KEPT.pop() + h).square().sum().backward()
+        return [t.grad.clone() for t in (*lin.parameters(), *_GATES.values())]
+
+    plain = train(None)
+    for a, b in zip(plain, train(tmp_path / "run.zarr"), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@recorder.paper_step("Eq. 8", description="its argument used twice, once under a square root")
+def _rooted(x):
+    return x * 2.0 + x.sqrt()
+
+
+def test_anomaly_mode_names_the_operation_of_a_use_passed_on_apart(tmp_path):
+    """Anomaly mode checks each node's results for NaN after its hooks: the node of a use whose gradient
+    is NaN is the one it names, as unrecorded (not the recorder's tap, with the use passed on apart)."""
+    def raised(path):
+        x = torch.tensor([-1.0, 4.0], requires_grad=True)
+        with recorder.record(path, mode="stats") if path is not None else contextlib.nullcontext(), \
+                torch.autograd.set_detect_anomaly(True), pytest.raises(RuntimeError) as caught:
+            (_rooted(x * 1.0) + x).sum().backward()
+        return str(caught.value)
+
+    assert "SqrtBackward0" in raised(None)
+    assert "SqrtBackward0" in raised(tmp_path / "run.zarr")
+
+
+_SEEN_BY_HOOK: list[torch.Tensor] = []
+
+
+def _halved(g):
+    _SEEN_BY_HOOK.append(g)
+    return g * 0.5
+
+
+@recorder.paper_step("Eq. 9", description="its argument used twice, its gradient halved by a hook")
+def _hooked_twice(x):
+    x.register_hook(_halved)
+    return x * _GATES["w1"] + (x * _GATES["w2"]).sin()
+
+
+def test_a_gradient_hook_on_an_argument_used_twice_sees_and_changes_their_sum(tmp_path):
+    """A step that hooks its argument's gradient (``x.register_hook``) gets the hook called with the sum
+    of its uses, and what the hook returns goes on: its uses are not passed on apart, which would leave
+    the hook nothing to see."""
+    def train(path):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 8)
+        _GATES.update(w1=torch.randn(8, requires_grad=True), w2=torch.randn(8, requires_grad=True))
+        _SEEN_BY_HOOK.clear()
+        with recorder.record(path, model=lin, mode="stats") if path is not None else contextlib.nullcontext():
+            _hooked_twice(lin(torch.randn(4, 8))).square().sum().backward()
+        assert len(_SEEN_BY_HOOK) == 1
+        return [t.grad.clone() for t in (*lin.parameters(), *_GATES.values())]
+
+    for a, b in zip(train(None), train(tmp_path / "run.zarr"), strict=True):
+        assert torch.equal(_bits(a), _bits(b))

@@ -4731,3 +4731,43 @@ def test_a_step_returning_numpy_values_replays_as_compared(tmp_path: Path) -> No
     edited = replayer.replay(rec, rec.step(0), edit={"args.0": "-x"})
     assert edited.compared and not edited.match
     assert edited.outputs[0].max_ulp is None and "max abs difference" in (edited.outputs[0].reason or "")
+
+
+@recorder.paper_step("Eq. 43", description="self-attention: its argument as query, key and value")
+def self_attention(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x @ x.transpose(-1, -2) / 4, -1) @ x
+
+
+@recorder.paper_step("Eq. 44", description="a residual around self-attention")
+def residual_attention(x: torch.Tensor) -> torch.Tensor:
+    return x + self_attention(x)
+
+
+def _record_residual_attention(path: Path) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    with recorder.record(path, model=lin, mode="full"), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = lin(torch.randn(4, 8, 16))
+        (residual_attention(h) * h).float().square().mean().backward()
+
+
+def test_a_recording_before_uses_were_passed_apart_replays_as_recorded(tmp_path: Path, monkeypatch) -> None:
+    """Since schema 1.21 a step's taps pass each use of an argument on apart (the attention given x three
+    times), as autograd adds them unrecorded; before, their sum, and the residual step around the attention
+    recorded the bits that sum gave its grad input. A replay of each passes the inner step's uses on as its
+    recorder did: both replay bit for bit, and a 1.20 recording replayed the 1.21 way would not."""
+    from recorder import taps
+    from tests.sealing import as_schema
+
+    _record_residual_attention(tmp_path / "new.zarr")
+    monkeypatch.setattr(taps, "pass_apart", lambda tapped: None)  # (the recorder before 1.21: the uses summed)
+    _record_residual_attention(tmp_path / "old.zarr")
+    monkeypatch.undo()
+    shutil.copytree(tmp_path / "old.zarr", tmp_path / "old-stamped.zarr")
+    as_schema(tmp_path / "old-stamped.zarr", "1.20")
+    for name, matches in (("new", True), ("old-stamped", True), ("old", False)):
+        with replayer.open(tmp_path / f"{name}.zarr") as rec:
+            back = rec.steps.filter(name="residual_attention", phase="backward")[0]
+            result = replayer.replay(rec, back.index)
+            assert result.match is matches, (name, [d.summary() for d in result.outputs])
+            assert all(inner.match for inner in result.inner), name
