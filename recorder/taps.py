@@ -44,8 +44,10 @@ GradCallback = Callable[..., None]
 
 
 # The edges to each caller's tensor a tap of an argument keeps beyond its own: up to 1 + _SPARES uses of the
-# argument in the call's graph pass their contributions on apart (see ``pass_apart``), more are summed.
-_SPARES = 3
+# argument in the call's graph pass their contributions on apart (see ``pass_apart``), more are summed. A spare
+# edge costs ~0.3 us a call (3 -> 15: +4 us per tapped tensor); recordings of schema 1.21 kept 3 (SPARES_BEFORE).
+_SPARES = 15
+SPARES_BEFORE = 3
 
 
 class _Tap(torch.autograd.Function):
@@ -907,7 +909,7 @@ def _substitute(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], undo: U
 def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
                   skip: frozenset[int] = frozenset(), slots: list[Any] | None = None, *, undo: Undo,
                   leaves: bool = False, watched: Watched | None = None, nodes: TapNodes | None = None,
-                  ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
+                  spares: int | None = None) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
     """Tap the argument_slots, but for tensors whose id is in ``skip`` (also passed in a place no tap
     reaches: that place keeps the untapped tensor, and autograd would sum its gradients in another
     order), those that share memory with another (see ``apart``) and leaves (see ``leaves_apart``;
@@ -915,15 +917,16 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
     ``slots``: those to tap, when the caller has them. Tensors inside lists, dicts and dataclasses
     are put into them while the call runs: ``undo`` collects what ``restore`` puts back once it
     returned. ``watched`` collects each tapped tensor with its tap's, for ``changed_in_place`` once the
-    call returned; ``nodes`` each tap's node with its alias, for ``uses_of`` once the call returned. Returns new
-    args, kwargs and
-    the names (``args.0``, ``kwargs.mask``, ``args.1.data``) of the tapped tensors, in the order the
+    call returned; ``nodes`` each tap's node with its alias, for ``uses_of`` once the call returned; ``spares``:
+    each tap's spare edges (``_SPARES`` unless given: a replay gives a recording's inner steps as many as their
+    recorder did). Returns new
+    args, kwargs and the names (``args.0``, ``kwargs.mask``, ``args.1.data``) of the tapped tensors, in the order the
     callback sees them."""
     slots = [(key, t) for key, t in (apart(argument_slots(args, kwargs))[0] if slots is None else slots)
              if id(t) not in skip and (leaves or not t.is_leaf)]
     if not slots:
         return args, kwargs, []
-    tapped, keys = _tap_slots(slots, callback, spares=_SPARES)
+    tapped, keys = _tap_slots(slots, callback, spares=_SPARES if spares is None else spares)
     if nodes is not None:
         nodes.extend((tapped[k].grad_fn, tapped[k]) for k in keys)
     if watched is not None:

@@ -138,15 +138,16 @@ class InnerTap:
     too where ``leaves_tapped``: a recording before schema 1.19 tapped them). An argument an inner
     call uses several times has each use's gradient passed on apart, as the recorder passes it
     (``uses_apart``; a recording before schema 1.21 passed on their sum: autograd's additions upstream,
-    an outer step's gradients, in the last bits, are then the recording's)."""
+    an outer step's gradients, in the last bits, are then the recording's), up to as many as its recorder
+    passed on apart (``spares``: one less; taps.SPARES_BEFORE for a recording of schema 1.21)."""
 
     enabled = True
 
     def __init__(self, root: torch.nn.Module | None, root_path: str, inner: list[Step], *,
                  backward: bool = False, plan: Any = None, leaves_tapped: bool = False,
-                 uses_apart: bool = True) -> None:
+                 uses_apart: bool = True, spares: int | None = None) -> None:
         self.inner, self.backward, self.plan, self.root_path = inner, backward, plan, root_path
-        self.leaves_tapped, self.uses_apart = leaves_tapped, uses_apart
+        self.leaves_tapped, self.uses_apart, self.spares = leaves_tapped, uses_apart, spares
         self._seen_count: dict[tuple[str, str], int] = {}
         self.calls: list[_Seen] = []
         self._stack: list[str] = [root_path]
@@ -189,7 +190,8 @@ class InnerTap:
                                                              lambda g, k=0: got(g, holder[0][k:k + len(g)]),
                                                              slots=slots, undo=seen.undo, leaves=self.leaves_tapped,
                                                              watched=seen.watched,
-                                                             nodes=seen.tap_nodes if self.uses_apart else None)
+                                                             nodes=seen.tap_nodes if self.uses_apart else None,
+                                                             spares=self.spares)
         return new_args, new_kwargs
 
     def _tap_out(self, seen: _Seen, output: Any) -> Any:

@@ -1046,6 +1046,11 @@ class Replayer:
         """Whether the recording's taps passed each use of an argument on apart (schema 1.21 or later)."""
         return layout.parse_version(self.rec.reader.schema_version) >= layout.USES_APART_SINCE
 
+    def _spares(self) -> int:
+        """The spare edges the recording's taps kept (uses of an argument passed on apart, less one)."""
+        recorded = layout.parse_version(self.rec.reader.schema_version)
+        return taps._SPARES if recorded >= layout.MORE_SPARES_SINCE else taps.SPARES_BEFORE
+
     @contextlib.contextmanager
     def _bindings(self) -> Iterator[None]:
         """Inside the block, the module-level names a replayed step's code reads may be bound to what they
@@ -1539,7 +1544,8 @@ class Replayer:
                 raise ReplayError(f"backward step {step.index} kept {step.kept_only(r)}; it cannot be replayed")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan,
-                       leaves_tapped=self._leaves_tapped(), uses_apart=self._uses_apart()) if inner else None
+                       leaves_tapped=self._leaves_tapped(), uses_apart=self._uses_apart(),
+                       spares=self._spares()) if inner else None
         fwd_settings = {**fwd.settings, **self.plan.settings}
         # The pass's other call runs in its recorded order around this one (autograd then adds their
         # parameter grads in the order it did, the last call's first).

@@ -629,6 +629,11 @@ def _used_then_rectified(x):
     return y + x * _GATES["w2"]
 
 
+@recorder.paper_step("Eq. 6", description="its argument used nine times: a polynomial and its gates")
+def _many_uses(x):
+    return x * _GATES["w1"] + (x * _GATES["w2"]).sin() + x.exp() * x + x.cos() + x.tanh() * x * x + x.square()
+
+
 def _twice_and_after(h):
     t = h.tanh()
     return _used_twice(t) + t
@@ -642,7 +647,7 @@ def _checkpointed(x, reentrant: bool):
 
 _USES = {"attention": lambda h: h + _attention(h, h, h), "twice": lambda h: _used_twice(h) + h.cos(),
          "nested": lambda h: _residual_attention(h) * h, "before": lambda h: (h * 3).exp() + _used_twice(h),
-         "one-result-used": lambda h: _two_results(h)[0] * h, "in-place": lambda h: _used_then_rectified(h) * h,
+         "many": lambda h: _many_uses(h) + h.sin(), "one-result-used": lambda h: _two_results(h)[0] * h, "in-place": lambda h: _used_then_rectified(h) * h,
          "reentrant": lambda h: _checkpointed(h, True) * h, "non-reentrant": lambda h: _checkpointed(h, False) * h}
 
 
@@ -672,7 +677,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["float32", "bf16-autocast"])
-@pytest.mark.parametrize("kind", ["attention", "twice", "nested", "one-result-used", "in-place", "before"])
+@pytest.mark.parametrize("kind", ["attention", "twice", "nested", "many", "one-result-used", "in-place", "before"])
 def test_a_step_using_its_argument_several_times_trains_as_unrecorded(tmp_path, kind, dtype):
     """A step that uses its argument several times (self-attention given h as query, key and value, a
     step computing ``x * w1 + (x * w2).sin()``), whose caller uses that tensor outside it too: autograd
@@ -680,6 +685,7 @@ def test_a_step_using_its_argument_several_times_trains_as_unrecorded(tmp_path, 
     sum, so the parameter grads upstream differed in their last bits (bf16 autocast: by up to 1e-3).
     Each use's gradient now passes on apart, and the grads are bitwise as unrecorded: a step inside
     another (an attention inside a residual step) too, and one whose results the caller uses one of.
+    A step using it nine times (a polynomial: up to 16 uses pass on apart, 4 before schema 1.22) too.
     So they stay where a sum was exact before too: a caller that used the tensor before the step only
     (the step's uses come first), a step that changes it in place between its uses (the caller's later
     uses go through that change, into the step)."""

@@ -4771,3 +4771,43 @@ def test_a_recording_before_uses_were_passed_apart_replays_as_recorded(tmp_path:
             result = replayer.replay(rec, back.index)
             assert result.match is matches, (name, [d.summary() for d in result.outputs])
             assert all(inner.match for inner in result.inner), name
+
+
+@recorder.paper_step("Eq. 45", description="a polynomial: its argument used eight times")
+def polynomial(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5 + x * x * 0.25 + x.exp() * x + x.sin() + x.tanh() * x + x.cos()
+
+
+@recorder.paper_step("Eq. 46", description="a residual around the polynomial")
+def residual_polynomial(x: torch.Tensor) -> torch.Tensor:
+    return x + polynomial(x)
+
+
+def _record_residual_polynomial(path: Path) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    with recorder.record(path, model=lin, mode="full"), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = lin(torch.randn(4, 8, 16))
+        (residual_polynomial(h) * h).float().square().mean().backward()
+
+
+def test_a_recording_with_four_uses_apart_replays_as_recorded(tmp_path: Path, monkeypatch) -> None:
+    """Since schema 1.22 a tap passes up to 16 uses of an argument on apart; a recording of 1.21 passed 4 on
+    apart and summed the others (the polynomial's eight uses of x), and the residual step around it recorded
+    the bits that gave its grad input. A replay gives the inner step's taps as many edges as its recorder
+    did: both replay bit for bit, and a 1.21 recording replayed with 1.22's edges would not."""
+    from recorder import taps
+    from tests.sealing import as_schema
+
+    _record_residual_polynomial(tmp_path / "new.zarr")
+    monkeypatch.setattr(taps, "_SPARES", taps.SPARES_BEFORE)  # (the recorder of 1.21: four uses apart)
+    _record_residual_polynomial(tmp_path / "old.zarr")
+    monkeypatch.undo()
+    shutil.copytree(tmp_path / "old.zarr", tmp_path / "old-stamped.zarr")
+    as_schema(tmp_path / "old-stamped.zarr", "1.21")
+    for name, matches in (("new", True), ("old-stamped", True), ("old", False)):
+        with replayer.open(tmp_path / f"{name}.zarr") as rec:
+            back = rec.steps.filter(name="residual_polynomial", phase="backward")[0]
+            result = replayer.replay(rec, back.index)
+            assert result.match is matches, (name, [d.summary() for d in result.outputs])
+            assert all(inner.match for inner in result.inner), name
