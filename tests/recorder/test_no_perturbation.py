@@ -647,7 +647,8 @@ def _checkpointed(x, reentrant: bool):
 
 _USES = {"attention": lambda h: h + _attention(h, h, h), "twice": lambda h: _used_twice(h) + h.cos(),
          "nested": lambda h: _residual_attention(h) * h, "before": lambda h: (h * 3).exp() + _used_twice(h),
-         "many": lambda h: _many_uses(h) + h.sin(), "one-result-used": lambda h: _two_results(h)[0] * h, "in-place": lambda h: _used_then_rectified(h) * h,
+         "many": lambda h: _many_uses(h) + h.sin(),
+         "one-result-used": lambda h: _two_results(h)[0] * h, "in-place": lambda h: _used_then_rectified(h) * h,
          "reentrant": lambda h: _checkpointed(h, True) * h, "non-reentrant": lambda h: _checkpointed(h, False) * h}
 
 
