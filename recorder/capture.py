@@ -1183,11 +1183,16 @@ class Session:
             places: dict[str, str] = {}
             grads: list[tuple[str, torch.Tensor]] = []
             frame.versions = [] if frame.vmap is None else None
-            defaults = frame.defn.default_rngs
+            defaults = frame.defn.defaults
             if defaults is None:
-                defaults = frame.defn.default_rngs = snapshot.default_generators(frame.defn.target)
+                defaults = frame.defn.defaults = snapshot.step_defaults(frame.defn.target)
             taken = snapshot.defaults_taken(defaults, args, kwargs) if defaults else None
-            recorded = {**kwargs, **taken} if taken else kwargs  # (recorded as passed: a replay passes them)
+            recorded = kwargs
+            if taken:  # (a tensor or torch.Generator recorded as passed: a replay passes it)
+                passed, parts = snapshot.defaults_apart(taken)
+                recorded = {**kwargs, **passed} if passed else kwargs
+                if parts:
+                    frame.rng = {**frame.rng, **parts}
             frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": recorded}, "input", "", tapped,
                                           reached, nested, unfollowed=unfollowed, versions=frame.versions,
                                           places=places, grads=grads)

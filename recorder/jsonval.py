@@ -191,11 +191,12 @@ def opaque_reason(value: Opaque) -> str | None:
     for another (and for such an array in a recording before this note, which kept numpy's repr)."""
     if value.type in _NP_GENERATORS:
         return (f"a numpy {value.type.rpartition(':')[2]} passed as an argument, whose state is not recorded there "
-                "(a generator read as a module-level global or held by the step's module is)")
+                "(a generator read as a module-level global, held by the step's module or taken as a parameter's "
+                "default is)")
     if value.type in ("random:Random", "random:SystemRandom"):
         return (f"a {value.type.replace(':', '.')} passed as an argument, whose state is not recorded there (a "
-                "random.Random read as a module-level global or held by the step's module is; a torch.Generator "
-                "passed as an argument is too)")
+                "random.Random read as a module-level global, held by the step's module or taken as a parameter's "
+                "default is; a torch.Generator passed as an argument is too)")
     found = _LARGE_RE.fullmatch(value.repr) if value.type == "numpy:ndarray" else None
     if found is None:
         return None

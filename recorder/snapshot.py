@@ -469,13 +469,17 @@ def global_rng_parts(found: tuple[tuple[str, dict[str, Any], str], ...]) -> dict
     return parts
 
 
-# -- torch.Generators a step's parameters default to ----------------------------------------------
-def default_generators(target: Any) -> tuple[tuple[int | None, str, torch.Generator], ...]:
+# -- tensors and generators a step's parameters default to ---------------------------------------
+DEFAULT_PREFIX = "default:"  # a step's RNG part of a generator object a parameter defaults to: "default:rng"
+
+
+def step_defaults(target: Any) -> tuple[tuple[int | None, str, Any], ...]:
     """The parameters of a step's function (a module step's: its class's ``forward``, past ``self``) whose
-    default is a torch.Generator of its own (``def add_noise(x, generator=G_EVAL)``), as (position, None
-    for a keyword-only one, name, the default). A call that does not pass one draws from it: it is
-    recorded as passed (its state at the call), so the call replays alone, and ``seed`` reseeds it. Found
-    once per step definition; never raises (none found)."""
+    default is a tensor (``def add_bias(x, bias=BIAS)``) or a generator object of its own (``generator=G_EVAL``,
+    ``rng=np.random.default_rng(0)``), as (position, None for a keyword-only one, name, the default). A call
+    that does not pass one computes with it as it is then: a tensor training changes in place, a generator
+    drawn from at every call. Found once per step definition (through a decorator's ``functools.wraps``,
+    ``torch.no_grad()``'s); never raises (none found)."""
     try:
         fn = inspect.unwrap(getattr(target, "forward", None) if isinstance(target, type) else target)
         params = list(inspect.signature(fn).parameters.values())[1 if isinstance(target, type) else 0:]
@@ -483,19 +487,38 @@ def default_generators(target: Any) -> tuple[tuple[int | None, str, torch.Genera
         return ()
     found = []
     for position, p in enumerate(params):
-        if isinstance(p.default, torch.Generator) and is_global_rng(p.default):
+        held = p.default
+        if isinstance(held, torch.Tensor) or (is_global_rng(held) and global_rng_kind(held) is not None):
             if p.kind is p.POSITIONAL_OR_KEYWORD:
-                found.append((position, p.name, p.default))
+                found.append((position, p.name, held))
             elif p.kind is p.KEYWORD_ONLY:
-                found.append((None, p.name, p.default))
+                found.append((None, p.name, held))
     return tuple(found)
 
 
 def defaults_taken(found: tuple[tuple[int | None, str, Any], ...], args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The generators of ``default_generators`` a call with ``args`` and ``kwargs`` draws from as defaults."""
-    return {name: g for position, name, g in found
+    """The defaults of ``step_defaults`` a call with ``args`` and ``kwargs`` leaves to the function."""
+    return {name: held for position, name, held in found
             if name not in kwargs and (position is None or position >= len(args))}
+
+
+def defaults_apart(taken: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """The defaults a call takes (``defaults_taken``) as a recording holds them: (the tensors and
+    torch.Generators, recorded as if passed, so that a replay passes them with their values or state at
+    the call; the states of the other generator objects, which no argument encoding holds, as the RNG parts
+    ``default:<name>``, as ``global_rng_parts`` gives them, which a replay sets in the default of the code it
+    loaded)."""
+    passed: dict[str, Any] = {}
+    parts: dict[str, tuple[Any, Any]] = {}
+    for name, held in taken.items():
+        if isinstance(held, (torch.Tensor, torch.Generator)):
+            passed[name] = held
+        else:
+            read = read_global_rng(held)
+            if read is not None:
+                parts[DEFAULT_PREFIX + name] = read
+    return passed, parts
 
 
 # -- generator objects a step's module holds as attributes ----------------------------------------
@@ -645,7 +668,7 @@ def encode_rng_part(name: str, state: Any) -> dict[str, Any]:
         version, internal, gauss_next = state
         return {"version": version, "state": _b64(np.asarray(internal, dtype="<u4").tobytes()),
                 "gauss_next": gauss_next}
-    if name.startswith((GLOBAL_PREFIX, MODULE_PREFIX)):
+    if name.startswith((GLOBAL_PREFIX, MODULE_PREFIX, DEFAULT_PREFIX)):
         return _encode_global(state)
     return {"bytes": _b64(state.numpy().tobytes())}  # torch and cuda:N: uint8 state tensors
 
@@ -672,7 +695,7 @@ def decode_rng_part(name: str, doc: dict[str, Any]) -> Any:
     if name == "python":
         internal = tuple(int(v) for v in np.frombuffer(base64.b64decode(doc["state"]), dtype="<u4"))
         return (doc["version"], internal, doc["gauss_next"])
-    if name.startswith((GLOBAL_PREFIX, MODULE_PREFIX)):
+    if name.startswith((GLOBAL_PREFIX, MODULE_PREFIX, DEFAULT_PREFIX)):
         return _decode_global(doc)
     return torch.frombuffer(bytearray(base64.b64decode(doc["bytes"])), dtype=torch.uint8)
 

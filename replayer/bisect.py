@@ -2653,12 +2653,16 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
     held = [k.removeprefix(snapshot.MODULE_PREFIX) for k in generators if k.startswith(snapshot.MODULE_PREFIX)]
     if held:  # (a generator a module holds is there to be drawn from)
         reasons.append(f"the state of the generator {', '.join(held)} its module holds differs at entry")
+    taken = [k.removeprefix(snapshot.DEFAULT_PREFIX) for k in generators if k.startswith(snapshot.DEFAULT_PREFIX)]
+    if taken:  # (a parameter's default the call took: it draws from it)
+        reasons.append(f"the state of the generator its parameter {', '.join(taken)} defaults to differs at entry")
     why = "; ".join(reasons) or ("nothing recorded explains it: inputs that differ in a way their statistics do not "
                                  "show, or nondeterministic kernels" if by_stats
                                  else "nothing recorded explains it (nondeterministic kernels, or something the step "
                                  "reads besides its inputs: a global, an environment variable?)")
     others = [k for k in generators if k not in torch_ones and not k.startswith((snapshot.GLOBAL_PREFIX,
-                                                                                 snapshot.MODULE_PREFIX))]
+                                                                                 snapshot.MODULE_PREFIX,
+                                                                                 snapshot.DEFAULT_PREFIX))]
     if others and not reasons:
         why += f"; its {' and '.join(others)} RNG states differ too, which matters only if it draws from them"
     return f"{same} and parameters, but {results}: {why}"

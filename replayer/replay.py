@@ -901,8 +901,9 @@ class Replayer:
         drift = self.loader.drift(defn, target)
         if drift:
             warnings.append(drift)
-        rngs, unread = self._global_rngs(step, target if module_doc is not None else getattr(target, "__wrapped__",
-                                                                                             target), warnings)
+        code = target if module_doc is not None else getattr(target, "__wrapped__", target)
+        rngs, unread = self._global_rngs(step, code, warnings)
+        rngs += self._default_rngs(step, code, warnings)
         unchecked: list[str] = []
         self._bind_globals(defn, target, warnings, unchecked)
         if self.plan.seed is not None:
@@ -1152,8 +1153,8 @@ class Replayer:
                     "state: record it again to replay such a step")
         return ("a recording holds the state of a torch, numpy or random generator read by a module-level name, as an "
                 "item of a module-level dict or an attribute of a module-level object, held by the step's module "
-                "(as an attribute or a dict attribute's item), or a torch.Generator passed as an argument: hold it "
-                "in one of those places")
+                "(as an attribute or a dict attribute's item), or taken as a parameter's default, or a torch.Generator "
+                "passed as an argument: hold it in one of those places")
 
     def _global_rngs(self, step: Step, target: Any, warnings: list[str]) -> tuple[list[tuple[Any, Any]], list[str]]:
         """The generator objects the loaded code of ``step`` reads as module-level globals, each with
@@ -1207,6 +1208,31 @@ class Replayer:
                     continue
             rngs.append((obj, None if self.plan.seed is not None else state))
         return rngs, unread + self._rng_places[key][2]
+
+    def _default_rngs(self, step: Step, target: Any, warnings: list[str]) -> list[tuple[Any, Any]]:
+        """The generator objects the loaded code's parameters default to where the recorded call took them
+        (its RNG parts "default:<name>"), each with its recorded state (None: left as it is, under a ``seed``
+        intervention). One the loaded code does not default to, or of another kind, is left out, saying so."""
+        ids = step._doc("rng")  # (decoded only where it holds such a state)
+        if not isinstance(ids, dict) or not any(str(k).startswith(snapshot.DEFAULT_PREFIX) for k in ids):
+            return []
+        loaded = {name: held for _, name, held in snapshot.step_defaults(target)}
+        rngs = []
+        for part, saved in step.rng.items():
+            if not part.startswith(snapshot.DEFAULT_PREFIX):
+                continue
+            name = part.removeprefix(snapshot.DEFAULT_PREFIX)
+            obj = loaded.get(name)
+            kind = snapshot.global_rng_kind(obj) if name in loaded else None
+            if saved[2] is None or kind != saved[0]:
+                now = f"a {snapshot.rng_kind(obj)}" if kind is not None else "no generator"
+                why = (f"is of a kind ({saved[0]}) this PaperDebugger cannot set (upgrade paperdebugger)"
+                       if saved[2] is None else f"was a {saved[0]}; the loaded code's default is {now}")
+                warnings.append(f"the generator the parameter {name} defaults to {why}: the replay drew from its "
+                                "state now (a likely cause of any difference)")
+                continue
+            rngs.append((obj, None if self.plan.seed is not None else saved))
+        return rngs
 
     def _made_global(self, part: str, space: dict[str, Any], name: str, state: Any, warnings: list[str]) -> Any:
         """A generator of the recorded ``state``'s kind, made in that state and bound to ``space[name]`` for

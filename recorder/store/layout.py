@@ -91,7 +91,11 @@ SCHEMA_VERSION = "1.22"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       apart, as autograd adds them unrecorded (before, their sum: the caller's gradients, and all upstream of
 #       them, differed in the last bits); a step's records are as before, but the grad inputs and parameter grads
 #       of an outer step whose inner step so used its argument hold the bits autograd's additions give that way
-# 1.22: up to 16 uses of each argument pass on apart (1.21: 4; more were summed, in the last bits as before 1.21)
+# 1.22: a step's RNG document holds parts "default:<parameter>": the numpy and Python generator objects its
+#       parameters default to, where the call took the default; and a tensor a call takes as a parameter's
+#       default is recorded as if passed through a decorator's functools.wraps and for an annotated instance
+#       too (before, a paper step's own signature only); and up to 16 uses of each argument
+#       pass on apart (1.21: 4; more were summed, in the last bits as before 1.21)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
