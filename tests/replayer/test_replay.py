@@ -4743,36 +4743,6 @@ def residual_attention(x: torch.Tensor) -> torch.Tensor:
     return x + self_attention(x)
 
 
-def _record_residual_attention(path: Path) -> None:
-    torch.manual_seed(0)
-    lin = nn.Linear(16, 16)
-    with recorder.record(path, model=lin, mode="full"), torch.autocast("cpu", dtype=torch.bfloat16):
-        h = lin(torch.randn(4, 8, 16))
-        (residual_attention(h) * h).float().square().mean().backward()
-
-
-def test_a_recording_before_uses_were_passed_apart_replays_as_recorded(tmp_path: Path, monkeypatch) -> None:
-    """Since schema 1.21 a step's taps pass each use of an argument on apart (the attention given x three
-    times), as autograd adds them unrecorded; before, their sum, and the residual step around the attention
-    recorded the bits that sum gave its grad input. A replay of each passes the inner step's uses on as its
-    recorder did: both replay bit for bit, and a 1.20 recording replayed the 1.21 way would not."""
-    from recorder import taps
-    from tests.sealing import as_schema
-
-    _record_residual_attention(tmp_path / "new.zarr")
-    monkeypatch.setattr(taps, "pass_apart", lambda tapped: None)  # (the recorder before 1.21: the uses summed)
-    _record_residual_attention(tmp_path / "old.zarr")
-    monkeypatch.undo()
-    shutil.copytree(tmp_path / "old.zarr", tmp_path / "old-stamped.zarr")
-    as_schema(tmp_path / "old-stamped.zarr", "1.20")
-    for name, matches in (("new", True), ("old-stamped", True), ("old", False)):
-        with replayer.open(tmp_path / f"{name}.zarr") as rec:
-            back = rec.steps.filter(name="residual_attention", phase="backward")[0]
-            result = replayer.replay(rec, back.index)
-            assert result.match is matches, (name, [d.summary() for d in result.outputs])
-            assert all(inner.match for inner in result.inner), name
-
-
 @recorder.paper_step("Eq. 45", description="a polynomial: its argument used eight times")
 def polynomial(x: torch.Tensor) -> torch.Tensor:
     return x * 0.5 + x * x * 0.25 + x.exp() * x + x.sin() + x.tanh() * x + x.cos()
@@ -4783,31 +4753,46 @@ def residual_polynomial(x: torch.Tensor) -> torch.Tensor:
     return x + polynomial(x)
 
 
-def _record_residual_polynomial(path: Path) -> None:
+def _record_residual(path: Path, step: Any) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(16, 16)
     with recorder.record(path, model=lin, mode="full"), torch.autocast("cpu", dtype=torch.bfloat16):
         h = lin(torch.randn(4, 8, 16))
-        (residual_polynomial(h) * h).float().square().mean().backward()
+        (step(h) * h).float().square().mean().backward()
 
 
-def test_a_recording_with_four_uses_apart_replays_as_recorded(tmp_path: Path, monkeypatch) -> None:
-    """Since schema 1.22 a tap passes up to 16 uses of an argument on apart; a recording of 1.21 passed 4 on
-    apart and summed the others (the polynomial's eight uses of x), and the residual step around it recorded
-    the bits that gave its grad input. A replay gives the inner step's taps as many edges as its recorder
-    did: both replay bit for bit, and a 1.21 recording replayed with 1.22's edges would not."""
+def _sum_the_uses(monkeypatch: pytest.MonkeyPatch) -> None:
     from recorder import taps
+
+    monkeypatch.setattr(taps, "pass_apart", lambda tapped: None)
+
+
+def _four_uses_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    from recorder import taps
+
+    monkeypatch.setattr(taps, "_SPARES", taps.SPARES_BEFORE)
+
+
+@pytest.mark.parametrize(("step", "older", "schema"), [(residual_attention, _sum_the_uses, "1.20"),
+                                                       (residual_polynomial, _four_uses_apart, "1.21")],
+                         ids=["uses-summed-before-1.21", "four-uses-apart-before-1.22"])
+def test_a_recording_of_an_older_tap_replays_as_recorded(tmp_path: Path, monkeypatch, step, older, schema) -> None:
+    """Since schema 1.21 a step's taps pass each use of an argument on apart (the attention given x three
+    times), as autograd adds them unrecorded; before, their sum. Since 1.22 up to 16 uses (the polynomial's
+    eight); 1.21 passed 4 on apart and summed the others. The residual step around each recorded the bits its
+    recorder's way gave its grad input. A replay passes the inner step's uses on as its recorder did: each
+    recording replays bit for bit, and an older one replayed the newer way would not."""
     from tests.sealing import as_schema
 
-    _record_residual_polynomial(tmp_path / "new.zarr")
-    monkeypatch.setattr(taps, "_SPARES", taps.SPARES_BEFORE)  # (the recorder of 1.21: four uses apart)
-    _record_residual_polynomial(tmp_path / "old.zarr")
+    _record_residual(tmp_path / "new.zarr", step)
+    older(monkeypatch)  # (the recorder of the schema before)
+    _record_residual(tmp_path / "old.zarr", step)
     monkeypatch.undo()
     shutil.copytree(tmp_path / "old.zarr", tmp_path / "old-stamped.zarr")
-    as_schema(tmp_path / "old-stamped.zarr", "1.21")
+    as_schema(tmp_path / "old-stamped.zarr", schema)
     for name, matches in (("new", True), ("old-stamped", True), ("old", False)):
         with replayer.open(tmp_path / f"{name}.zarr") as rec:
-            back = rec.steps.filter(name="residual_polynomial", phase="backward")[0]
+            back = rec.steps.filter(name=step.__name__, phase="backward")[0]
             result = replayer.replay(rec, back.index)
             assert result.match is matches, (name, [d.summary() for d in result.outputs])
             assert all(inner.match for inner in result.inner), name
