@@ -465,17 +465,18 @@ def dual(t: torch.Tensor) -> bool:
         return False
 
 
-def argument_places(args: tuple[Any, ...], kwargs: dict[str, Any]
+def argument_places(args: tuple[Any, ...], kwargs: dict[str, Any], nested_leaves: bool = True
                     ) -> tuple[list[tuple[tuple[Any, ...], torch.Tensor]], frozenset[str]]:
     """The arguments followed for gradients, and their paths in the call's arguments document: every
-    top-level tensor argument that requires grad, keyed ``("args", i)`` or ``("kwargs", name)``, and the
-    tensors autograd computed (not leaves: a parameter in a list keeps its ``.grad`` for the step's code)
+    top-level tensor argument that requires grad, keyed ``("args", i)`` or ``("kwargs", name)``, and those
     inside the containers a tapped tensor can be passed in (``_in_place``: lists, dicts, dataclasses;
     ``_REBUILT``: tuples, named tuples such as ``PackedSequence``, torch's return types), nested up to
     ``_DEPTH`` levels, keyed further by their keys (``("args", 0, "data")``), in the order the document
     names them (the first place of a tensor given in several names its record). A tap takes those that
-    are not leaves; the top-level leaves among them (a parameter given to an update step) are followed
-    through the call's graph instead (see ``leaves_apart``)."""
+    are not leaves; the leaves among them (a parameter given to an update step, a functional forward's
+    weights in a dict) are followed through the call's graph instead (see ``leaves_apart``): a leaf in a
+    container since schema 1.23 (``nested_leaves`` False: left out, as a replay of an older recording's
+    inner steps leaves them)."""
     found: list[tuple[tuple[Any, ...], str, torch.Tensor]] = []
     active: set[int] = set()
 
@@ -497,13 +498,15 @@ def argument_places(args: tuple[Any, ...], kwargs: dict[str, Any]
         walk(a, ("args", i), f"args.{i}")
     for k, v in kwargs.items():
         walk(v, ("kwargs", k), f"kwargs.{k}")
-    taken = [(keys, path, t) for keys, path, t in found if wants_tap(t) and (len(keys) == 2 or not t.is_leaf)]
+    taken = [(keys, path, t) for keys, path, t in found
+             if wants_tap(t) and (nested_leaves or len(keys) == 2 or not t.is_leaf)]
     return [(keys, t) for keys, _, t in taken], frozenset(path for _, path, _ in taken)
 
 
-def argument_slots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+def argument_slots(args: tuple[Any, ...], kwargs: dict[str, Any], nested_leaves: bool = True
+                   ) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
     """The arguments followed for gradients (see ``argument_places``)."""
-    return argument_places(args, kwargs)[0]
+    return argument_places(args, kwargs, nested_leaves)[0]
 
 
 _Slots = list[tuple[Any, torch.Tensor]]

@@ -139,15 +139,18 @@ class InnerTap:
     call uses several times has each use's gradient passed on apart, as the recorder passes it
     (``uses_apart``; a recording before schema 1.21 passed on their sum: autograd's additions upstream,
     an outer step's gradients, in the last bits, are then the recording's), up to as many as its recorder
-    passed on apart (``spares``: one less; taps.SPARES_BEFORE for a recording of schema 1.21)."""
+    passed on apart (``spares``: one less; taps.SPARES_BEFORE for a recording of schema 1.21). The leaves
+    inside its container arguments are followed too, where the recorder followed them (``nested_leaves``:
+    schema 1.23)."""
 
     enabled = True
 
     def __init__(self, root: torch.nn.Module | None, root_path: str, inner: list[Step], *,
                  backward: bool = False, plan: Any = None, leaves_tapped: bool = False,
-                 uses_apart: bool = True, spares: int | None = None) -> None:
+                 uses_apart: bool = True, spares: int | None = None, nested_leaves: bool = True) -> None:
         self.inner, self.backward, self.plan, self.root_path = inner, backward, plan, root_path
         self.leaves_tapped, self.uses_apart, self.spares = leaves_tapped, uses_apart, spares
+        self.nested_leaves = nested_leaves
         self._seen_count: dict[tuple[str, str], int] = {}
         self.calls: list[_Seen] = []
         self._stack: list[str] = [root_path]
@@ -179,7 +182,7 @@ class InnerTap:
             seen.grad_inputs.update({n: g.detach().clone() for n, g in zip(names, grads) if g is not None})
 
         holder: list[list[str | None]] = [[]]
-        slots, leaves = taps.leaves_apart(taps.apart(taps.argument_slots(args, kwargs))[0])
+        slots, leaves = taps.leaves_apart(taps.apart(taps.argument_slots(args, kwargs, self.nested_leaves))[0])
         if self.leaves_tapped:
             slots, leaves = [*slots, *leaves], []
         elif leaves:

@@ -1047,6 +1047,10 @@ class Replayer:
         """Whether the recording's taps passed each use of an argument on apart (schema 1.21 or later)."""
         return layout.parse_version(self.rec.reader.schema_version) >= layout.USES_APART_SINCE
 
+    def _since(self, version: tuple[int, int]) -> bool:
+        """Whether the recording is of schema ``version`` or later."""
+        return layout.parse_version(self.rec.reader.schema_version) >= version
+
     def _spares(self) -> int:
         """The spare edges the recording's taps kept (uses of an argument passed on apart, less one)."""
         recorded = layout.parse_version(self.rec.reader.schema_version)
@@ -1571,7 +1575,7 @@ class Replayer:
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan,
                        leaves_tapped=self._leaves_tapped(), uses_apart=self._uses_apart(),
-                       spares=self._spares()) if inner else None
+                       spares=self._spares(), nested_leaves=self._since(layout.NESTED_LEAVES_SINCE)) if inner else None
         fwd_settings = {**fwd.settings, **self.plan.settings}
         # The pass's other call runs in its recorded order around this one (autograd then adds their
         # parameter grads in the order it did, the last call's first).

@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.22"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.23"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -96,6 +96,8 @@ SCHEMA_VERSION = "1.22"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       default is recorded as if passed through a decorator's functools.wraps and for an annotated instance
 #       too (before, a paper step's own signature only); and up to 16 uses of each argument
 #       pass on apart (1.21: 4; more were summed, in the last bits as before 1.21)
+# 1.23: grad inputs of the leaves inside a step's container arguments (a functional forward's weights in a dict:
+#       "args.1.w1"), the sums of their uses in the call's graph, as a top-level leaf's (before, none)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -114,6 +116,7 @@ SPARSE_PARTS_SINCE = (1, 19)  # recordings of this schema or later keep a sparse
 LEAVES_UNTAPPED_SINCE = (1, 19)  # recordings of this schema or later tapped no top-level leaf argument
 USES_APART_SINCE = (1, 21)  # recordings of this schema or later pass an argument's uses in a step on apart
 MORE_SPARES_SINCE = (1, 22)  # ... up to 16 uses of each (before: 4; the rest summed)
+NESTED_LEAVES_SINCE = (1, 23)  # ... and follow the leaves inside container arguments for their gradients
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"

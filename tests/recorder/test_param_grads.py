@@ -5,8 +5,10 @@ backward, a second backward through a retained graph, and a backward pass that r
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -392,3 +394,80 @@ def test_an_inner_step_changing_a_tensor_in_place_leaves_the_outer_walk_whole(tm
         assert {r.name for r in back.records if r.role == "param_grad"} == {"lin.weight", "lin.bias"}
         result = replayer.replay(rec, back.index)
         assert result.match, [d.summary() for d in result.outputs]
+
+
+@recorder.paper_step("Eq. 10", description="a functional MLP: its weights given in a dict, a list and a tuple")
+def functional_mlp(x: torch.Tensor, params: dict[str, torch.Tensor], extra: list[torch.Tensor],
+                   pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    return (h @ extra[0]) * pair[0] + pair[1] + h.sum() * extra[0].mean()
+
+
+def test_leaves_inside_containers_record_their_calls_own_gradients_and_replay(tmp_path: Path) -> None:
+    """Parameters given to a step inside a dict, a list or a tuple (a functional forward, MAML's fast weights
+    at their first step) are followed as top-level ones are: each gets a grad input, the sum of its uses in
+    the call's graph, bit for bit what autograd computes for the call alone; the step gets the caller's
+    tensors themselves; training is bitwise as unrecorded; a replay of the backward computes the same."""
+    torch.manual_seed(0)
+    made = {"w1": torch.randn(4, 6), "b1": torch.randn(6), "w2": torch.randn(6, 3), "s": torch.randn(3),
+            "c": torch.randn(3)}
+    x = torch.randn(5, 4)
+
+    def train(path: Path | None) -> tuple[dict[str, torch.Tensor], list[Any]]:
+        p = {k: torch.nn.Parameter(v.clone()) for k, v in made.items()}
+        seen: list[Any] = []
+        with recorder.record(path, mode="full") if path is not None else contextlib.nullcontext():
+            params, extra, pair = {"w1": p["w1"], "b1": p["b1"]}, [p["w2"]], (p["s"], p["c"])
+            out = functional_mlp(x, params, extra, pair)
+            seen.extend([params["w1"] is p["w1"], extra[0] is p["w2"], pair[0] is p["s"]])
+            (out.square().mean() + p["w1"].square().sum() * 1e-2).backward()
+        return {k: v.grad for k, v in p.items()}, seen
+
+    plain, _ = train(None)
+    grads, seen = train(tmp_path / "run.zarr")
+    assert all(seen)
+    for k in made:
+        assert raw(grads[k]) == raw(plain[k]), k
+    p = {k: torch.nn.Parameter(v.clone()) for k, v in made.items()}
+    args = (x, {"w1": p["w1"], "b1": p["b1"]}, [p["w2"]], (p["s"], p["c"]))
+    names = {"args.1.w1": "w1", "args.1.b1": "b1", "args.2.0": "w2", "args.3.0": "s", "args.3.1": "c"}
+    own = dict(zip(names.values(), torch.autograd.grad(functional_mlp.__wrapped__(*args).square().mean(),
+                                                       [p[k] for k in names.values()])))
+    with replayer.open(tmp_path / "run.zarr") as rec:
+        back = rec.steps.filter(name="functional_mlp", phase="backward")[0]
+        got = {r.name for r in back.records if r.role == "grad_input"}
+        assert got == set(names), got
+        for name, key in names.items():
+            assert raw(back.tensor(name)) == raw(own[key]), name
+        result = replayer.replay(rec, back.index)
+        assert result.match and {d.name for d in result.outputs} == set(names), [d.summary() for d in result.outputs]
+
+
+@recorder.paper_step("Eq. 11", description="a module handing its own weights to a functional step in containers")
+class FunctionalBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.b1 = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(6))
+        self.w2, self.s, self.c = (torch.nn.Parameter(torch.randn(6, 3)), torch.nn.Parameter(torch.randn(3)),
+                                   torch.nn.Parameter(torch.randn(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional_mlp(x, {"w1": self.w1, "b1": self.b1}, [self.w2], (self.s, self.c)) * self.s
+
+
+def test_leaves_inside_an_inner_steps_containers_replay_in_the_outer_backward(tmp_path: Path) -> None:
+    """A module's weights given to a step inside it in a dict, a list and a tuple: a replay of the module's
+    backward follows them through the inner step's graph as the recorder did, and the inner step's grad
+    inputs for them compare bit for bit."""
+    torch.manual_seed(0)
+    block = FunctionalBlock()
+    with recorder.record(tmp_path / "run.zarr", model=block, mode="full"):
+        block(torch.randn(5, 4)).square().mean().backward()
+    with replayer.open(tmp_path / "run.zarr") as rec:
+        back = rec.steps.filter(name="FunctionalBlock", phase="backward")[0]
+        result = replayer.replay(rec, back.index)
+        assert result.match and len(result.inner) == 1, [d.summary() for d in result.outputs]
+        inner = result.inner[0]
+        assert inner.match and {d.name for d in inner.diffs} == {
+            "output", "args.1.w1", "args.1.b1", "args.2.0", "args.3.0", "args.3.1"}, \
+            [d.summary() for d in inner.diffs]
