@@ -17,9 +17,9 @@ from recorder.errors import PdbgError, ReplayError, StepNotFoundError
 from .bisect import Divergence, Origin, find, first_divergence, first_nonfinite
 from .bundles import BundleInfo, bundle
 from .intervene import InterventionError
-from .recording import Recording, Step, StepTable, open
+from .recording import ChecksumReport, DamagedPayload, Recording, Step, StepTable, open
 from .replay import ReplayResult, replay
 
-__all__ = ["BundleInfo", "Divergence", "InterventionError", "Origin", "PdbgError", "Recording", "ReplayError",
-           "ReplayResult", "Step", "StepNotFoundError", "StepTable", "bundle", "find", "first_divergence",
-           "first_nonfinite", "open", "replay"]
+__all__ = ["BundleInfo", "ChecksumReport", "DamagedPayload", "Divergence", "InterventionError", "Origin", "PdbgError",
+           "Recording", "ReplayError", "ReplayResult", "Step", "StepNotFoundError", "StepTable", "bundle", "find",
+           "first_divergence", "first_nonfinite", "open", "replay"]

@@ -364,6 +364,76 @@ class Recording:
         found = groups.get((name, label))
         return np.isin(inverse, found[1]) if found else np.zeros(len(inverse), dtype=bool)
 
+    def check_payloads(self, progress: Callable[[int, int], None] | None = None) -> ChecksumReport:
+        """Read every payload of every rank of the run and check its bytes against their recorded
+        checksum (``pdbg info --check``): what a replay of every step would find corrupted, without
+        replaying. Each stored payload is read once, whatever number of tensor records share it, and
+        one blob chunk is held at a time.
+
+        Args:
+            progress: called as ``progress(done, total)`` after each payload.
+
+        Raises FormatError where the tables that say where the payloads are cannot be read.
+        """
+        ranks = [self.of_rank(r) for r in self.ranks]
+        total, done, nbytes = sum(r.rank.lengths["payloads"] for r in ranks), 0, 0
+        damaged = []
+        for rec in ranks:
+            holders: tuple[np.ndarray, np.ndarray] | None = None  # (payload column sorted, its rows): at first damage
+            for found in rec.rank.check_payloads():
+                done, nbytes = done + 1, nbytes + found.nbytes
+                if found.problem is not None:
+                    if holders is None:
+                        column = rec.rank.payload_column()
+                        order = np.argsort(column, kind="stable")
+                        holders = column[order], order
+                    damaged.append(DamagedPayload(rec.rank.rank, found.payload, found.problem,
+                                                  rec._users(found.payload, *holders)))
+                if progress is not None:
+                    progress(done, total)
+        return ChecksumReport(done, nbytes, damaged)
+
+    def _users(self, payload: int, sorted_payloads: np.ndarray, rows: np.ndarray) -> list[tuple[int, str | None, str]]:
+        """The tensor records of this rank that hold ``payload`` (found in its records' payload column, sorted, and
+        the rows in that order), by step: (step index, step name, record name), the step's name None where its
+        step was not committed (a record is written before its step)."""
+        lo, hi = np.searchsorted(sorted_payloads, [payload, payload + 1])
+        out = []
+        for row in rows[lo:hi].tolist():
+            record = self.rank.tensor_record(row)
+            out.append((record.step, self.step(record.step).name if record.step < len(self) else None, record.name))
+        return sorted(out, key=lambda user: user[0])
+
+
+@dataclass(frozen=True)
+class DamagedPayload:
+    """A payload whose bytes are not the bytes recorded, or cannot be read (``Recording.check_payloads``)."""
+
+    rank: int
+    payload: int  # its row in the rank's payloads/ table
+    problem: str  # what is wrong and where: "payload 5, rank0/blobs/u4[40:80]: payload checksum mismatch"
+    used_by: list[tuple[int, str | None, str]]  # (step index, step name, record name) of each tensor record holding it
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "payload": self.payload, "problem": self.problem,
+                "used_by": [{"step": i, "name": name, "record": record} for i, name, record in self.used_by]}
+
+
+@dataclass(frozen=True)
+class ChecksumReport:
+    """What ``Recording.check_payloads`` found: how many payloads it read, their bytes, and the damaged ones."""
+
+    payloads: int
+    nbytes: int
+    damaged: list[DamagedPayload]
+
+    @property
+    def intact(self) -> bool:
+        return not self.damaged
+
+    def to_json(self) -> dict[str, Any]:
+        return {"payloads": self.payloads, "bytes": self.nbytes, "damaged": [d.to_json() for d in self.damaged]}
+
 
 _CONTAINER_KINDS = {"a tensor", "a list", "a dict", "a tuple", "a namedtuple", "a dataclass", "a mapping", "a object",
                     "a set", "a frozenset"}  # (what a container holds is named on its own: args.0.1)

@@ -1,5 +1,5 @@
-"""pdbg info RUN, pdbg replay RUN STEP, pdbg verify RUN [--sample N]: summarise a recording, replay
-one step, replay many.
+"""pdbg info RUN [--check], pdbg replay RUN STEP, pdbg verify RUN [--sample N]: summarise a recording (and
+check every payload's bytes against their checksum), replay one step, replay many.
 
 STEP is an index or a selector ``NAME[@iter=K][#CALL][:backward]`` (NAME: a step name, a paper label
 or a module path; ``.`` is the root module): ``smooth_relu@iter=17#3``, ``"Eq. 2@iter=17"``,
@@ -36,6 +36,9 @@ def add_parsers(sub: Any) -> None:
                        "their calls and share of the time, alerts, the first non-finite step, size and status.")
     p.add_argument("run", metavar="RUN", help="the recording (directory or bundle)")
     rank_option(p)
+    p.add_argument("--check", action="store_true", help="also read every payload (the tensors' bytes) and check it "
+                   "against its checksum, listing each one corrupted or unreadable with the steps whose tensors hold "
+                   "it; exit 1 when any is")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(handler=info)
 
@@ -286,8 +289,11 @@ def info(args: argparse.Namespace) -> int:
     rec = _open(args.run, args.rank)
     doc = summary(rec)
     if args.json:
+        report = rec.check_payloads(progress=_checking) if args.check else None
+        if report is not None:
+            doc["payload_check"] = report.to_json()
         _emit(doc)
-        return 0
+        return 0 if report is None or report.intact else 1
     run = rec.run_info
     iterations = _iterations_text(doc["iterations"], doc["iteration_range"])
     print(f"{args.run}: {doc['status']}, {_count(doc['steps'], 'step')}, {iterations}, "
@@ -412,7 +418,41 @@ def info(args: argparse.Namespace) -> int:
         print("\nrecipes (code: applied only when named with pdbg replay --recipe NAME):")
         for recipe in doc["recipes"]:
             print(f"  {recipes.describe(recipe)}")
-    return 0
+    if not args.check:
+        print("\npayloads: not read (--check reads each one and checks it against its checksum)")
+        return 0
+    sys.stdout.flush()  # (the summary shows while the payloads are read)
+    report = rec.check_payloads(progress=_checking)
+    _print_check(report)
+    return 0 if report.intact else 1
+
+
+_USERS_LISTED = 6  # tensor records named per damaged payload; more are counted
+
+
+def _print_check(report: Any) -> None:
+    """``pdbg info --check``'s listing: the payloads read, and each damaged one with the tensor records holding it."""
+    read = f"{report.payloads} read ({_size(report.nbytes)})"
+    if not report.payloads:
+        print("\npayloads: none stored (statistics only), so none to check")
+    elif report.intact:
+        print(f"\npayloads: {read}, every one intact (its bytes match their checksum)")
+    if report.intact:
+        return
+    print(f"\npayloads: {read}; {len(report.damaged)} corrupted or unreadable (restore the recording from a copy, or "
+          "record again):")
+    for damaged in report.damaged:
+        users = [f"{shown(record)} of step {index}" + (f" ({shown(name)})" if name is not None else " (not committed)")
+                 for index, name, record in damaged.used_by]
+        held = ", ".join(users[:_USERS_LISTED]) + (f", ... ({len(users)} records)" if len(users) > _USERS_LISTED
+                                                     else "")
+        print(f"  {damaged.problem}; " + (f"held by {held}" if users else "held by no tensor record"))
+
+
+def _checking(done: int, total: int) -> None:
+    """``pdbg info --check``'s progress bar, redrawn once per 1/200 of the payloads."""
+    if done == total or done % max(1, total // 200) == 0:
+        _progress(done, total, "checking payloads")
 
 
 def _step_text(step: dict[str, Any]) -> str:
@@ -665,13 +705,13 @@ def _check_threads(threads: int | None) -> None:
 
 
 # -- verify --------------------------------------------------------------------------------------
-def _progress(done: int, total: int) -> None:
+def _progress(done: int, total: int, doing: str = "verifying") -> None:
     err = getattr(sys.stderr, "stream", sys.stderr)  # past the escaping of control characters (tui.cli): a \r of ours
     if not err.isatty():
         return
     width = 30
     filled = width * done // max(total, 1)
-    err.write(f"\rverifying [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    err.write(f"\r{doing} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
     if done == total:
         err.write("\n")
     err.flush()

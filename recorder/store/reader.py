@@ -16,6 +16,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -110,6 +111,16 @@ class TensorRecord:
     @property
     def nonfinite(self) -> bool:
         return bool(self.stats["nan"] or self.stats["inf"])
+
+
+@dataclass(frozen=True)
+class PayloadCheck:
+    """One payload as ``RankReader.check_payloads`` found it: its row, its size in bytes, and None where its
+    bytes are those recorded, else what is wrong (a line of a listing, without the recording's name)."""
+
+    payload: int
+    nbytes: int
+    problem: str | None
 
 
 @dataclass(frozen=True)
@@ -823,19 +834,78 @@ class RankReader:
         where = f"payload {pid}" + (f" ({of})" if of else "")
         if not 0 <= pid < self.lengths["payloads"]:
             raise FormatError(f"{self.run.label}: {where} is out of range; the recording is damaged")
+        place = self._payload_place(pid, where)
+        path, unit, offset, count = place
+        units = self._read(path, offset, offset + count)
+        self._check_payload(pid, units, where, place)
+        return units, unit
+
+    def _payload_place(self, pid: int, where: str) -> tuple[str, int, int, int]:
+        """Where a payload's bytes are stored: its blob array, unit index, first unit and unit count."""
         unit = int(self.column("payloads/blob")[pid])
         offset, count = int(self.column("payloads/offset")[pid]), int(self.column("payloads/count")[pid])
         path = f"blobs/{layout.BLOB_UNITS[unit]}"
         if offset < 0 or count < 0 or offset + count > self._length_of(path):
             raise FormatError(f"{self.run.label}: {where} points past the committed data; the recording is "
                               "damaged")
-        units = self._read(path, offset, offset + count)
+        return path, unit, offset, count
+
+    def _check_payload(self, pid: int, units: np.ndarray, where: str, place: tuple[str, int, int, int]) -> None:
+        """Raise ChecksumError unless ``units``, read at payload ``pid``'s ``place``, hash to its recorded hash."""
+        path, unit, offset, count = place
         high, low = (int(v) for v in self.column("payloads/hash")[pid])
         if payload_mod.content_key(units, unit)[:2] != (high, low):
             reason = f"{where}, {self.prefix}/{path}[{offset}:{offset + count}]: payload checksum mismatch"
             raise ChecksumError(f"{self.run.label}: {reason}: the recording is corrupted; restore it from a copy or "
                                 "record again", reason)
-        return units, unit
+
+    def check_payloads(self) -> Iterator[PayloadCheck]:
+        """Every payload of the rank once, in the order its bytes are stored, checked against its hash as
+        ``payload_units`` checks it. Each blob chunk is read once, however many payloads it holds (a
+        payload read alone decodes its whole chunk), and only one is held at a time: a run of any size
+        is checked in the memory of its largest payload. A chunk that cannot be read (missing,
+        truncated, not decodable) fails each payload in it; damage to the payload table itself
+        (``payloads/``) raises FormatError, as it does for any read."""
+        if not self.lengths["payloads"]:
+            return
+        blob, offset, units = (self.column(f"payloads/{c}") for c in ("blob", "offset", "count"))
+        self.column("payloads/hash")  # (the whole table read first: damage to it is said once, not per payload)
+        itemsize = [np.dtype(layout.BLOB_DTYPES[u]).itemsize for u in layout.BLOB_UNITS]
+        held: dict[str, Any] = {}  # the blob chunk read last: {"key": (path, index), "rows" or "error"}
+        for pid in np.lexsort((offset, blob)).tolist():
+            where, nbytes = f"payload {pid}", max(0, int(units[pid])) * itemsize[int(blob[pid])]
+            try:
+                place = self._payload_place(pid, where)
+                path, _, start, count = place
+                self._check_payload(pid, self._scan_read(path, start, start + count, held), where, place)
+            except ChecksumError as exc:
+                yield PayloadCheck(pid, nbytes, exc.reason)
+            except FormatError as exc:  # its message without the recording's name, as a line of a listing says it
+                text = str(exc).removeprefix(f"{self.run.label}: ")
+                yield PayloadCheck(pid, nbytes, text if text.startswith(where) else f"{where}: {text}")
+            else:
+                yield PayloadCheck(pid, nbytes, None)
+
+    def _scan_read(self, path: str, start: int, stop: int, held: dict[str, Any]) -> np.ndarray:
+        """Rows ``start:stop`` of a blob array, for ``check_payloads``: from the chunk read last (``held``) where
+        they lie in it, else from the chunks they span, each read whole, the last of them kept in ``held``."""
+        if stop == start:
+            return self._read(path, start, stop)
+        per, length = self._array(path).chunks[0], self._length_of(path)
+        parts = []
+        for k in range(start // per, (stop - 1) // per + 1):
+            if held.get("key") != (path, k):
+                held.clear()
+                held["key"] = (path, k)
+                try:
+                    held["rows"] = self._read(path, k * per, min((k + 1) * per, length))
+                except FormatError as exc:
+                    held["error"] = str(exc)
+            if "error" in held:
+                raise FormatError(held["error"])
+            lo = k * per
+            parts.append(held["rows"][max(start, lo) - lo:min(stop, lo + per) - lo])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def why_statistics_only(self, record: TensorRecord) -> str:
         """Why a tensor record has statistics and no payload, for a message: its step's note on it (a
