@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import sys
 import sysconfig
@@ -181,22 +182,27 @@ _LARGE = "<numpy array of {} values of {}, shape {}>"  # an $opaque's repr for a
 _NP_GENERATORS = {f"numpy.random.{m}:{c}" for m, c in (
     ("_generator", "Generator"), ("mtrand", "RandomState"), ("_pcg64", "PCG64"), ("_pcg64", "PCG64DXSM"),
     ("_mt19937", "MT19937"), ("_philox", "Philox"), ("_sfc64", "SFC64"))}
+# Generator objects a ``$rng`` holds the state of (numpy's own and random.Random; not SystemRandom, a subclass)
+_RNGS = (np.random.Generator, np.random.RandomState, np.random.BitGenerator, random.Random)
 _LARGE_RE = re.compile(r"<numpy array of (\d+) values of (\S+), shape (\[[\d, ]*\])>")
 
 
 def opaque_reason(value: Opaque) -> str | None:
     """Why a value was not recorded as data, where the recording says and it is not its type alone:
     a numpy array over the size recorded as data ("a numpy array of 12,288 values (float32, shape
-    [4, 3, 32, 32]), over the 4,096 recorded as data"), a numpy generator passed as an argument; None
-    for another (and for such an array in a recording before this note, which kept numpy's repr)."""
+    [4, 3, 32, 32]), over the 4,096 recorded as data"), a numpy or Python generator passed as an argument
+    that a recording before 1.23 held as ``$opaque`` (since, ``$rng``), a random.SystemRandom; None for
+    another (and for such an array in a recording before this note, which kept numpy's repr)."""
     if value.type in _NP_GENERATORS:
-        return (f"a numpy {value.type.rpartition(':')[2]} passed as an argument, whose state is not recorded there "
-                "(a generator read as a module-level global, held by the step's module or taken as a parameter's "
-                "default is)")
-    if value.type in ("random:Random", "random:SystemRandom"):
-        return (f"a {value.type.replace(':', '.')} passed as an argument, whose state is not recorded there (a "
-                "random.Random read as a module-level global, held by the step's module or taken as a parameter's "
-                "default is; a torch.Generator passed as an argument is too)")
+        return (f"a numpy {value.type.rpartition(':')[2]} passed as an argument, whose state is not recorded (a "
+                "recording made before schema 1.23 holds none; since, only one on numpy's own bit generators is): "
+                "record again with this version, using one of numpy's bit generators, to replay it")
+    if value.type == "random:Random":
+        return ("a random.Random passed as an argument, whose state a recording made before schema 1.23 does not "
+                "hold: record again with this version to replay it")
+    if value.type == "random:SystemRandom":
+        return ("a random.SystemRandom passed as an argument, which draws from the operating system: it has no "
+                "state to record or replay (pass a random.Random, whose state is recorded at each call)")
     found = _LARGE_RE.fullmatch(value.repr) if value.type == "numpy:ndarray" else None
     if found is None:
         return None
@@ -379,6 +385,10 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
         if isinstance(value, torch.Generator):  # its state before the call: a replay draws the same numbers
             state = base64.b64encode(value.get_state().numpy().tobytes()).decode()
             return {"$generator": {"device": str(value.device), "state": state}}
+        if isinstance(value, _RNGS):  # (1.23) numpy's and Python's, so too: the state document a global one's is
+            from . import snapshot  # (which encodes numpy's states with this module: imported when first needed)
+            doc = snapshot.argument_rng(value)
+            return {"$rng": doc} if doc is not None else _opaque(value)
         if isinstance(value, type):  # a class a constructor takes (torch.ao's FakeQuantize(observer=...))
             ref = class_ref(value)
             return {"$class": ref} if ref is not None else _opaque(value)
@@ -873,6 +883,20 @@ class _Decoder:
         made.set_state(torch.frombuffer(bytearray(_unb64(state, tag)), dtype=torch.uint8))
         return made
 
+    def rng(self, tag: str, payload: Any) -> Any:
+        """A numpy or Python generator object (1.23): a new one of the recorded kind in the recorded state;
+        one of a kind or bit generator this version does not make, a description (a replay refuses it)."""
+        from . import snapshot
+
+        kind = _expect(_expect(payload, dict, tag).get("kind"), str, tag)
+        try:
+            made = snapshot.made_argument_rng(payload)
+        except KeyError as exc:
+            _fail(f"{tag} payload of kind {kind!r:.60} lacks {exc}")
+        if made is None:
+            return Opaque(kind, f"<{kind} in a recorded state this PaperDebugger cannot make again>")
+        return made
+
     def function(self, tag: str, payload: Any) -> Any:
         ref = _expect(payload, str, tag)
         if self.resolve is not None:  # only when asked to import, and only what function_ref writes
@@ -941,6 +965,7 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$tensor": _Decoder.tensor_ref,
     "$tensor_meta": _Decoder.tensor_meta,
     "$generator": _Decoder.generator,
+    "$rng": _Decoder.rng,
     "$function": _Decoder.function,
     "$partial": _Decoder.partial,
     "$class": _Decoder.cls,

@@ -617,6 +617,30 @@ def made_rng(state: Any) -> Any:
     return made if set_global_rng(made, state) else None
 
 
+# -- numpy and Python generator objects passed as arguments ($rng, since 1.23) --------------------
+def argument_rng(value: Any) -> dict[str, Any] | None:
+    """The state document of a generator object passed as an argument (``$rng``), read at the call: a
+    ``global:`` part's (``_encode_global``). Only numpy's own Generator, RandomState and bit generators and
+    ``random.Random`` itself, which a replay makes again as they were (``made_rng``): None for a subclass of
+    them, whose methods a new generator of the base kind would not run, a Generator of another package's bit
+    generator, and ``random.SystemRandom``, which has no state. Reads only."""
+    cls = type(value)
+    own = (value.bit_generator if cls is np.random.Generator else value if isinstance(value, np.random.BitGenerator)
+           else None)
+    if own is not None and getattr(np.random, type(own).__name__, None) is not type(own):
+        return None
+    if own is None and cls is not np.random.RandomState and cls is not random.Random:
+        return None
+    read = read_global_rng(value)
+    return None if read is None else _encode_global(read[1])
+
+
+def made_argument_rng(doc: dict[str, Any]) -> Any:
+    """A new generator object in the state of an argument's document (``argument_rng``), or None where it
+    names a kind or a bit generator this version does not make (a newer version's)."""
+    return made_rng(_decode_global(doc))
+
+
 def set_global_rng(obj: Any, state: Any) -> bool:
     """Give a generator object a decoded state of its own kind; False (nothing set) where it is not
     of that kind now, or the state does not fit it."""

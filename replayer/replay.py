@@ -22,6 +22,7 @@ import hashlib
 import inspect
 import math
 import os
+import random
 import re
 import sys
 import types
@@ -1157,8 +1158,8 @@ class Replayer:
                     "state: record it again to replay such a step")
         return ("a recording holds the state of a torch, numpy or random generator read by a module-level name, as an "
                 "item of a module-level dict or an attribute of a module-level object, held by the step's module "
-                "(as an attribute or a dict attribute's item), or taken as a parameter's default, or a torch.Generator "
-                "passed as an argument: hold it in one of those places")
+                "(as an attribute or a dict attribute's item), taken as a parameter's default, or passed as an "
+                "argument: hold it in one of those places")
 
     def _global_rngs(self, step: Step, target: Any, warnings: list[str]) -> tuple[list[tuple[Any, Any]], list[str]]:
         """The generator objects the loaded code of ``step`` reads as module-level globals, each with
@@ -1751,14 +1752,30 @@ def _same_bits(kept: torch.Tensor, t: torch.Tensor) -> bool:
 
 
 def _seed_generators(args: Any, kwargs: dict[str, Any], seed: int) -> None:
-    """Seed the torch.Generators a replay decoded for the call's arguments (and one level inside its list,
-    tuple and dict arguments) with a ``seed`` intervention's seed, as it seeds torch's own: a step drawing
-    only from a generator passed to it would otherwise draw as recorded, and look independent of the seed."""
+    """Seed the generator objects a replay decoded for the call's arguments (torch.Generators; numpy's and
+    Python's, since 1.23; and one level inside its list, tuple and dict arguments) with a ``seed``
+    intervention's seed, as it seeds torch's, numpy's and Python's own: a step drawing only from a generator
+    passed to it would otherwise draw as recorded, and look independent of the seed."""
     for value in (*args, *kwargs.values()):
         items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
         for item in items:
             if isinstance(item, torch.Generator):
                 item.manual_seed(seed)
+            elif isinstance(item, random.Random):
+                item.seed(seed)
+            elif isinstance(item, (np.random.Generator, np.random.RandomState, np.random.BitGenerator)):
+                _seed_numpy(item, seed)
+
+
+def _seed_numpy(rng: Any, seed: int) -> None:
+    """Seed a numpy generator as one of its kind made with ``seed`` is: a RandomState on MT19937 as
+    ``RandomState(seed)`` (32 bits, as numpy's global one is seeded), any other by its bit generator made
+    from the seed, as ``np.random.default_rng(seed)`` makes a PCG64 (a RandomState cannot seed another)."""
+    kind, _, state = snapshot.read_global_rng(rng)[1]
+    if kind == "numpy.random.RandomState" and state["bit_generator"] == "MT19937":
+        rng.seed(seed % 2**32)
+    else:  # (a torch seed may be negative)
+        snapshot.set_global_rng(rng, (kind, None, getattr(np.random, state["bit_generator"])(seed % 2**64).state))
 
 
 def _refuse_lazy(step: Step, fwd: Step, out: Any) -> None:

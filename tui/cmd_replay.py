@@ -60,7 +60,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SETTING=VALUE",
                    help="override a recorded setting (deterministic=true, num_threads=1); repeatable")
     p.add_argument("--seed", type=int, help="seed the generators with this instead of the recorded states (torch, "
-                   "numpy, random, and the torch.Generators passed to the step)")
+                   "numpy, random, and the torch, numpy and random generators passed to the step)")
     p.add_argument("--save-recipe", metavar="NAME", help="save this intervention in the recording under NAME")
     p.add_argument("--recipe", metavar="NAME", help="apply the recipe saved under NAME (STEP defaults to its step)")
     _bundled_option(p)

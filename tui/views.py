@@ -608,6 +608,8 @@ def _shown(value: Any, limit: int, depth: int = 0) -> str:
                 return payload.rpartition(":")[2]
             if tag == "$generator" and isinstance(payload, dict):
                 return f"Generator({payload.get('device')})"
+            if tag == "$rng" and isinstance(payload, dict):  # numpy.random.Generator -> Generator(numpy)
+                return f"{str(payload.get('kind')).rpartition('.')[2]}({str(payload.get('kind')).partition('.')[0]})"
             if tag in ("$dtype", "$device") and isinstance(payload, str):
                 return f"torch.{payload}" if tag == "$dtype" else repr(payload)
             return f"{str(tag)[1:]}(...)"

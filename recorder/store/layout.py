@@ -96,7 +96,10 @@ SCHEMA_VERSION = "1.23"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       default is recorded as if passed through a decorator's functools.wraps and for an annotated instance
 #       too (before, a paper step's own signature only); and up to 16 uses of each argument
 #       pass on apart (1.21: 4; more were summed, in the last bits as before 1.21)
-# 1.23: grad inputs of the leaves inside a step's container arguments (a functional forward's weights in a dict:
+# 1.23: tag $rng: a numpy Generator, RandomState or bit generator or a random.Random passed as an argument, its
+#       state at the call as a "global:" RNG part's document, which a replay makes a new generator of (before,
+#       $opaque, and the step's replay was refused); a reader of 1.22 refuses such a step as holding an unknown tag;
+#       and grad inputs of the leaves inside a step's container arguments (a functional forward's weights in a dict:
 #       "args.1.w1"), the sums of their uses in the call's graph, as a top-level leaf's (before, none)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:

@@ -11,6 +11,7 @@ import io
 import json
 import math
 import os
+import random
 import struct
 import typing
 from typing import Any, NamedTuple
@@ -309,6 +310,22 @@ def test_a_generator_is_its_device_and_state() -> None:
     assert doc["g"]["$generator"]["device"] == "cpu"
     with pytest.raises(FormatError, match="bad \\$generator payload"):
         decode({"$generator": {"device": "cpu", "state": "AAAA"}})
+
+
+@pytest.mark.parametrize("make", [lambda: np.random.default_rng(3), lambda: np.random.RandomState(3),
+                                  lambda: np.random.Generator(np.random.MT19937(3)), lambda: np.random.Philox(3),
+                                  lambda: random.Random(3)])
+def test_a_numpy_or_python_generator_is_its_kind_and_state(make: Any) -> None:
+    """Encoding reads a numpy or Python generator's state without drawing from it (1.23: $rng; before,
+    $opaque); decoding, through strict JSON, makes a new one of its kind that draws the same numbers."""
+    g = make()
+    draw = (lambda r: r.random_raw(3).tolist()) if isinstance(g, np.random.BitGenerator) else (
+        lambda r: [r.random() for _ in range(3)])
+    draw(g)
+    doc = loads(dumps(encode([g])))
+    made = decode(doc)[0]
+    assert type(made) is type(g) and made is not g
+    assert draw(made) == draw(g)
 
 
 def test_torch_math_functions_by_reference_and_nothing_else() -> None:
