@@ -16,14 +16,12 @@ import recorder
 import replayer
 from recorder import snapshot
 from tests.cli import pdbg_here
+from tests.replays import assert_each_call_replays_alone, bits
 
 BIAS = torch.zeros(4)  # changed in place between the calls, as training changes a running statistic
 NP_RNG = np.random.default_rng(5)
 PY_RNG = random.Random(6)
 
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.int32)
 
 
 @recorder.paper_step("add bias")
@@ -88,13 +86,7 @@ def test_each_call_replays_alone_in_any_order(tmp_path: Path) -> None:
     drawn from in its state now: MISMATCH from the second call on)."""
     path = tmp_path / "run.zarr"
     _train(path)
-    rec = replayer.open(path)
-    for it in (2, 0, 1):
-        for name in reversed(NAMES):
-            step = rec.step(f"{name}@iter={it}")
-            res = replayer.replay(rec, step.index)
-            assert res.match, (name, it, res.warnings)
-            assert torch.equal(bits(res.values["output"]), bits(step.tensor("output"))), (name, it)
+    assert_each_call_replays_alone(path, NAMES)
 
 
 def test_defaults_are_recorded_and_the_live_ones_left_as_they_were(tmp_path: Path) -> None:

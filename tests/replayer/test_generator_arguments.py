@@ -19,10 +19,7 @@ from recorder import jsonval, snapshot
 from recorder.errors import FormatError, UnknownTagError
 from recorder.store import layout
 from tests.cli import pdbg_here
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.int32)
+from tests.replays import assert_each_call_replays_alone, bits
 
 
 @recorder.paper_step("jitter (numpy Generator)")
@@ -78,13 +75,7 @@ def test_each_call_replays_alone_in_any_order(tmp_path: Path) -> None:
     were $opaque, and every replay was refused)."""
     path = tmp_path / "run.zarr"
     _train(path)
-    rec = replayer.open(path)
-    for it in (2, 0, 1):
-        for name in reversed(NAMES):
-            step = rec.step(f"{name}@iter={it}")
-            res = replayer.replay(rec, step.index)
-            assert res.match, (name, it, res.warnings)
-            assert torch.equal(bits(res.values["output"]), bits(step.tensor("output"))), (name, it)
+    assert_each_call_replays_alone(path, NAMES)
 
 
 def test_the_states_are_recorded_and_the_callers_generators_left_as_they_were(tmp_path: Path) -> None:

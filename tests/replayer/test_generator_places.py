@@ -17,6 +17,7 @@ import recorder
 import replayer
 from recorder import jsonval
 from tests.cli import pdbg_here, python
+from tests.replays import assert_each_call_replays_alone, bits
 
 G_DEFAULT = torch.Generator().manual_seed(42)
 RNGS = {"aug": torch.Generator().manual_seed(5), "np": np.random.default_rng(5)}
@@ -24,9 +25,6 @@ CFG = types.SimpleNamespace(rng=torch.Generator().manual_seed(6), scale=0.5)
 LATE: dict[str, torch.Generator] = {}  # filled as a script's main() fills it
 LISTED = [torch.Generator().manual_seed(7)]
 
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.int32)
 
 
 @recorder.paper_step("noise (default)")
@@ -85,13 +83,7 @@ def test_each_call_replays_alone_in_any_order(tmp_path: Path) -> None:
     recording order drew from the generators' state as loading left them, and matched only in order)."""
     path = tmp_path / "run.zarr"
     _record(path)
-    rec = replayer.open(path)
-    for it in (2, 0, 1):
-        for name in reversed(NAMES):
-            step = rec.step(f"{name}@iter={it}")
-            res = replayer.replay(rec, step.index)
-            assert res.match, (name, it, res.warnings)
-            assert torch.equal(bits(res.values["output"]), bits(step.tensor("output"))), (name, it)
+    assert_each_call_replays_alone(path, NAMES)
 
 
 def test_the_generators_are_recorded_and_the_callers_are_left_as_they_were(tmp_path: Path) -> None:
