@@ -50,9 +50,9 @@ ROLE = {name: i for i, name in enumerate(layout.ROLES)}
 # token and hashed by the writer thread, only if they are written (see _cpu_payload).
 _BY_CONTENT = frozenset({"param", "buffer"})
 # Roles whose sparse tensors keep their parts (indices, values) as component records where the step keeps
-# payloads (1.19), so that a replay makes them again: a forward step's own; a sparse gradient (nn.Embedding's)
-# keeps the statistics of its stored values only.
-_SPARSE_PARTS_KEPT = frozenset({"input", "output", "param", "buffer"})
+# payloads, so that a replay makes them again and compares them bit for bit: a forward step's own (1.19), and a
+# backward step's sparse gradients (1.24: nn.Embedding(sparse=True)'s weight grad; before, statistics only).
+_SPARSE_PARTS_KEPT = frozenset({"input", "output", "param", "buffer", "grad_output", "grad_input", "param_grad"})
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
 _MODULE_DOCS_LIMIT = 4096  # module documents remembered (modules made anew at every step would grow it)
 _UNINITIALIZED = torch.nn.parameter.UninitializedTensorMixin

@@ -1908,7 +1908,8 @@ class Divergence:
 
 
 _COMPONENT = layout.ROLES.index("component")
-_SPARSE_ROLES = ("input", "output", "param", "buffer")  # those whose sparse tensors keep their parts (1.19)
+# Those whose sparse tensors keep their parts (1.19; the gradients since 1.24)
+_SPARSE_ROLES = ("input", "output", "param", "buffer", "grad_output", "grad_input", "param_grad")
 
 
 class _Print:

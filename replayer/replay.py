@@ -1563,15 +1563,18 @@ class Replayer:
             leave_out(totals, f"{fwd.module_path or fwd.name} ran {calls} times in this backward pass (iteration "
                               f"{fwd.iteration}), and each recorded parameter grad is the total over all of them "
                               "(autograd accumulates before the hook sees it)")
-        unkept = [r for r in wanted if not r.has_payload and layout.METADATA_NOTE in step.why_statistics_only(r)]
-        if unkept:  # a sparse gradient (nn.Embedding(sparse=True)): statistics only, nothing to compare with
+        unkept = [r for r in wanted if not step.holds_values(r) and layout.METADATA_NOTE in step.why_statistics_only(r)]
+        if unkept:  # a sparse gradient whose parts were not kept (a recording before 1.24): nothing to compare with
             wanted = [r for r in wanted if r not in unkept]
-            what = f"{', '.join(f'{r.role} {r.name}' for r in unkept)} ({step.why_statistics_only(unkept[0])})"
+            why = step.why_statistics_only(unkept[0])
+            if step.sparse(unkept[0]) is not None:
+                why += f"; its indices and values were not kept: {step.rec.rank.why_no_parts(unkept[0])}"
+            what = f"{', '.join(f'{r.role} {r.name}' for r in unkept)} ({why})"
             if not wanted:
                 raise ReplayError(f"backward step {step.index} has nothing a replay could compare: {what}")
             warnings.append(f"not compared: {what}")
         for r in [*grad_outputs.values(), *wanted]:
-            if not r.has_payload:
+            if not step.holds_values(r):
                 raise ReplayError(f"backward step {step.index} kept {step.kept_only(r)}; it cannot be replayed")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan,

@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.23"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.24"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -101,6 +101,10 @@ SCHEMA_VERSION = "1.23"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       $opaque, and the step's replay was refused); a reader of 1.22 refuses such a step as holding an unknown tag;
 #       and grad inputs of the leaves inside a step's container arguments (a functional forward's weights in a dict:
 #       "args.1.w1"), the sums of their uses in the call's graph, as a top-level leaf's (before, none)
+# 1.24: component records of a backward step's sparse gradients (grad_output, grad_input, param_grad: the weight grad
+#       of nn.Embedding(sparse=True)) where the step kept payloads, named in its extra "sparse" as 1.19's are, by
+#       which a backward replay compares them bit for bit (before, statistics of their stored values only: not
+#       compared, and a backward step with no other gradient refused)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -116,6 +120,7 @@ STRIDES_SINCE = (1, 17)  # recordings of this schema or later keep a numpy array
 RAGGED_SINCE = (1, 16)  # recordings of this schema or later may hold RAGGED_DIM in a shape (elsewhere: damage)
 SUBMODULE_CODE_SINCE = (1, 17)  # recordings of this schema or later hold the code hashes of submodule classes
 SPARSE_PARTS_SINCE = (1, 19)  # recordings of this schema or later keep a sparse tensor's parts where they keep payloads
+SPARSE_GRAD_PARTS_SINCE = (1, 24)  # ... a sparse gradient's too (before: its statistics only)
 LEAVES_UNTAPPED_SINCE = (1, 19)  # recordings of this schema or later tapped no top-level leaf argument
 USES_APART_SINCE = (1, 21)  # recordings of this schema or later pass an argument's uses in a step on apart
 MORE_SPARES_SINCE = (1, 22)  # ... up to 16 uses of each (before: 4; the rest summed)
