@@ -47,7 +47,7 @@ class StepDef:
     # the module-level generator objects its code reads (snapshot.find_global_rngs), found at its first call
     rngs: tuple[tuple[str, dict[str, Any], str], ...] | None = field(default=None, repr=False)
     # its parameters whose default is a tensor or a generator object (snapshot.step_defaults), found at its first call
-    defaults: tuple[tuple[int | None, str, Any], ...] | None = field(default=None, repr=False)
+    defaults: tuple[tuple[int | None, str, Any, bool], ...] | None = field(default=None, repr=False)
     # (the places of the classes and functions its code reads as module-level globals, with the values
     # they held (snapshot.find_global_code), the definition document naming those bound elsewhere), noted at
     # its first call and again when one of them is rebound (STE = STES[args.ste] in main)

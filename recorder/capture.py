@@ -1187,13 +1187,14 @@ class Session:
             if defaults is None:
                 defaults = frame.defn.defaults = snapshot.step_defaults(frame.defn.target)
             taken = snapshot.defaults_taken(defaults, args, kwargs) if defaults else None
-            recorded = kwargs
+            given_args, recorded = list(args), kwargs
             if taken:  # (a tensor or torch.Generator recorded as passed: a replay passes it)
-                passed, parts = snapshot.defaults_apart(taken)
+                appended, passed, parts = snapshot.defaults_apart(defaults, taken)
+                given_args += appended
                 recorded = {**kwargs, **passed} if passed else kwargs
                 if parts:
                     frame.rng = {**frame.rng, **parts}
-            frame.args_doc = self._encode(frame, {"args": list(args), "kwargs": recorded}, "input", "", tapped,
+            frame.args_doc = self._encode(frame, {"args": given_args, "kwargs": recorded}, "input", "", tapped,
                                           reached, nested, unfollowed=unfollowed, versions=frame.versions,
                                           places=places, grads=grads)
             if unfollowed:  # (in objects no tap passes a tapped tensor through: their gradients are not recorded)

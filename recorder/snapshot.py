@@ -473,52 +473,68 @@ def global_rng_parts(found: tuple[tuple[str, dict[str, Any], str], ...]) -> dict
 DEFAULT_PREFIX = "default:"  # a step's RNG part of a generator object a parameter defaults to: "default:rng"
 
 
-def step_defaults(target: Any) -> tuple[tuple[int | None, str, Any], ...]:
+def step_defaults(target: Any) -> tuple[tuple[int | None, str, Any, bool], ...]:
     """The parameters of a step's function (a module step's: its class's ``forward``, past ``self``) whose
     default is a tensor (``def add_bias(x, bias=BIAS)``) or a generator object of its own (``generator=G_EVAL``,
-    ``rng=np.random.default_rng(0)``), as (position, None for a keyword-only one, name, the default). A call
-    that does not pass one computes with it as it is then: a tensor training changes in place, a generator
-    drawn from at every call. Found once per step definition (through a decorator's ``functools.wraps``,
+    ``rng=np.random.default_rng(0)``), as (position, None for a keyword-only one, name, the default, whether
+    it is positional-only). A call that does not pass one computes with it as it is then: a tensor training
+    changes in place, a generator drawn from at every call. A positional-only one (``bias=BIAS, /``) can be
+    recorded as passed only by position, with every positional-only default before it, so those come too,
+    whatever they hold. Found once per step definition (through a decorator's ``functools.wraps``,
     ``torch.no_grad()``'s); never raises (none found)."""
     try:
         fn = inspect.unwrap(getattr(target, "forward", None) if isinstance(target, type) else target)
         params = list(inspect.signature(fn).parameters.values())[1 if isinstance(target, type) else 0:]
     except Exception:  # noqa: BLE001 - no signature (a builtin, a callable of an unusual kind)
         return ()
-    found = []
+    found, positional = [], []
     for position, p in enumerate(params):
         held = p.default
-        if isinstance(held, torch.Tensor) or (is_global_rng(held) and global_rng_kind(held) is not None):
-            if p.kind is p.POSITIONAL_OR_KEYWORD:
-                found.append((position, p.name, held))
-            elif p.kind is p.KEYWORD_ONLY:
-                found.append((None, p.name, held))
-    return tuple(found)
+        wanted = isinstance(held, torch.Tensor) or (is_global_rng(held) and global_rng_kind(held) is not None)
+        if p.kind is p.POSITIONAL_ONLY and held is not p.empty:
+            positional.append(((position, p.name, held, True), wanted))
+        elif wanted and p.kind is p.POSITIONAL_OR_KEYWORD:
+            found.append((position, p.name, held, False))
+        elif wanted and p.kind is p.KEYWORD_ONLY:
+            found.append((None, p.name, held, False))
+    last = max((i for i, (_, wanted) in enumerate(positional) if wanted), default=-1)
+    return tuple(entry for entry, _ in positional[:last + 1]) + tuple(found)
 
 
-def defaults_taken(found: tuple[tuple[int | None, str, Any], ...], args: tuple[Any, ...],
+def defaults_taken(found: tuple[tuple[int | None, str, Any, bool], ...], args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The defaults of ``step_defaults`` a call with ``args`` and ``kwargs`` leaves to the function."""
-    return {name: held for position, name, held in found
-            if name not in kwargs and (position is None or position >= len(args))}
+    """The defaults of ``step_defaults`` a call with ``args`` and ``kwargs`` leaves to the function, in the
+    order of its parameters (a positional-only one's name in ``kwargs`` is a ``**kwargs`` key: not it)."""
+    return {name: held for position, name, held, only in found
+            if (only or name not in kwargs) and (position is None or position >= len(args))}
 
 
-def defaults_apart(taken: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
-    """The defaults a call takes (``defaults_taken``) as a recording holds them: (the tensors and
-    torch.Generators, recorded as if passed, so that a replay passes them with their values or state at
-    the call; the states of the other generator objects, which no argument encoding holds, as the RNG parts
+def defaults_apart(found: tuple[tuple[int | None, str, Any, bool], ...], taken: dict[str, Any]
+                   ) -> tuple[list[Any], dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """The defaults a call takes (``defaults_taken``) as a recording holds them: (the positional-only ones
+    from the call's last argument up to the last tensor or torch.Generator among them, in order, appended to
+    its ``args``, since a replay can pass them by position only; the other tensors and torch.Generators,
+    recorded as if passed by keyword; so a replay passes them with their values or state at the call; the
+    states of the other generator objects, which no argument encoding holds, as the RNG parts
     ``default:<name>``, as ``global_rng_parts`` gives them, which a replay sets in the default of the code it
     loaded)."""
+    last = max((position for position, name, held, only in found
+                if only and name in taken and isinstance(held, (torch.Tensor, torch.Generator))), default=-1)
+    appended: list[Any] = []
     passed: dict[str, Any] = {}
     parts: dict[str, tuple[Any, Any]] = {}
-    for name, held in taken.items():
-        if isinstance(held, (torch.Tensor, torch.Generator)):
+    for position, name, held, only in found:
+        if name not in taken:
+            continue
+        if only and position is not None and position <= last:
+            appended.append(held)
+        elif isinstance(held, (torch.Tensor, torch.Generator)):
             passed[name] = held
         else:
             read = read_global_rng(held)
             if read is not None:
                 parts[DEFAULT_PREFIX + name] = read
-    return passed, parts
+    return appended, passed, parts
 
 
 # -- generator objects a step's module holds as attributes ----------------------------------------

@@ -1221,7 +1221,7 @@ class Replayer:
         ids = step._doc("rng")  # (decoded only where it holds such a state)
         if not isinstance(ids, dict) or not any(str(k).startswith(snapshot.DEFAULT_PREFIX) for k in ids):
             return []
-        loaded = {name: held for _, name, held in snapshot.step_defaults(target)}
+        loaded = {name: held for _, name, held, _ in snapshot.step_defaults(target)}
         rngs = []
         for part, saved in step.rng.items():
             if not part.startswith(snapshot.DEFAULT_PREFIX):

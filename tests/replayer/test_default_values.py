@@ -124,7 +124,7 @@ def test_a_default_the_call_overrides_is_not_taken() -> None:
     """Passed by keyword or by position, a parameter's default is not what the call computes with: not taken."""
     found = snapshot.step_defaults(jitter.__pdbg_step__.target)
     x, g = torch.ones(2), np.random.default_rng(1)
-    assert [name for _, name, _ in found] == ["rng"]
+    assert [name for _, name, *_ in found] == ["rng"]
     assert snapshot.defaults_taken(found, (x,), {}) == {"rng": NP_RNG}
     assert snapshot.defaults_taken(found, (x, g), {}) == {} and snapshot.defaults_taken(found, (x,), {"rng": g}) == {}
 
@@ -146,3 +146,91 @@ def test_verify_in_a_fresh_process_matches_every_step(tmp_path: Path) -> None:
     _train(path)
     res = pdbg_here("verify", str(path), cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@recorder.paper_step("add bias (positional-only)")
+def add_bias_positional(x: torch.Tensor, bias: torch.Tensor = BIAS, /) -> torch.Tensor:
+    return x + bias
+
+
+@recorder.paper_step("blend (positional-only)")
+def blend(x: torch.Tensor, k: float = 0.5, rng: np.random.Generator = NP_RNG, bias: torch.Tensor = BIAS, /,
+          scale: float = 1.0) -> torch.Tensor:
+    return (x * k + bias) * scale + float(rng.standard_normal())
+
+
+@recorder.paper_step("noisy (positional-only)")
+def noisy(x: torch.Tensor, bias: torch.Tensor = BIAS, rng: np.random.Generator = NP_RNG, /) -> torch.Tensor:
+    return x + bias + float(rng.standard_normal())
+
+
+class ShiftPositional(nn.Module):
+    def forward(self, x: torch.Tensor, bias: torch.Tensor = BIAS, /) -> torch.Tensor:
+        return x - bias
+
+
+POSITIONAL = ("add bias (positional-only)", "blend (positional-only)", "noisy (positional-only)", "shift (positional)")
+
+
+def _train_positional(path: Path | None) -> list[torch.Tensor]:
+    """Three iterations of the steps with positional-only defaults, from a fixed start; every step's result."""
+    BIAS.zero_()
+    NP_RNG.bit_generator.state = np.random.default_rng(5).bit_generator.state
+    shift = recorder.annotate(ShiftPositional(), "Eq. 3", name="shift (positional)")
+    out = []
+    with recorder.record(path) if path is not None else contextlib.nullcontext() as run:
+        for i in range(3):
+            x = torch.ones(2, 4)
+            out += [add_bias_positional(x), blend(x, scale=2.0) if i != 1 else blend(x, 0.25), noisy(x), shift(x)]
+            BIAS.add_(torch.linspace(0.1, 0.4, 4))
+            if run is not None:
+                run.next_iteration()
+    return out
+
+
+class TestPositionalOnlyDefaults:
+    def test_each_call_replays_alone_in_any_order(self, tmp_path: Path) -> None:
+        """A tensor default of a positional-only parameter: recorded (it was not, and a replay ran with the
+        tensor's value now, MISMATCH from the second call on), so every call replays alone bit for bit."""
+        path = tmp_path / "run.zarr"
+        _train_positional(path)
+        assert_each_call_replays_alone(path, POSITIONAL)
+
+    def test_they_are_recorded_by_position_with_the_defaults_before_them(self, tmp_path: Path) -> None:
+        """Appended to the recorded args, the positional-only defaults before them too (a float, a numpy
+        Generator as $rng), never in kwargs, where a replay would pass them by keyword; a generator default
+        after the last tensor stays the RNG part default:<name>."""
+        path = tmp_path / "run.zarr"
+        _train_positional(path)
+        rec = replayer.open(path)
+        want = torch.linspace(0.1, 0.4, 4)
+        for name in ("add bias (positional-only)", "shift (positional)"):
+            step = rec.step(f"{name}@iter=1")
+            assert len(step.arguments["args"]) == 2 and step.arguments["kwargs"] == {}, name
+            assert torch.equal(bits(step.tensor("args.1")), bits(want)), name
+        first, second = (rec.step(f"blend (positional-only)@iter={i}").arguments for i in (0, 1))
+        assert first["args"][1] == 0.5 and "$rng" in first["args"][2] and first["kwargs"] == {"scale": 2.0}
+        assert second["args"][1] == 0.25 and len(second["args"]) == 4 and second["kwargs"] == {}
+        assert not any(p.startswith("default:") for p in rec.step("blend (positional-only)@iter=1").rng)
+        step = rec.step("noisy (positional-only)@iter=1")
+        assert len(step.arguments["args"]) == 2 and "default:rng" in step.rng
+
+    def test_a_call_passing_them_records_what_it_passed(self) -> None:
+        """Passed by position, none is taken; a **kwargs key of the same name does not pass one."""
+        found = snapshot.step_defaults(blend.__pdbg_step__.target)
+        assert [(position, name, only) for position, name, _, only in found] == \
+            [(1, "k", True), (2, "rng", True), (3, "bias", True)]
+        x = torch.ones(2)
+        assert snapshot.defaults_taken(found, (x, 1.0, NP_RNG, x), {}) == {}
+        taken = snapshot.defaults_taken(found, (x, 1.0), {"k": 2.0})
+        assert list(taken) == ["rng", "bias"]
+        assert snapshot.defaults_apart(found, taken) == ([NP_RNG, BIAS], {}, {})
+        assert snapshot.step_defaults(noisy.__pdbg_step__.target)[-1][1:] == ("rng", NP_RNG, True)
+
+    def test_recording_changes_nothing_in_training(self, tmp_path: Path) -> None:
+        """The same results, bit for bit, with and without recording, and the defaults end where they did."""
+        bare = _train_positional(None)
+        ends = (BIAS.clone(), NP_RNG.bit_generator.state)
+        recorded = _train_positional(tmp_path / "run.zarr")
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(bare, recorded, strict=True))
+        assert torch.equal(bits(BIAS), bits(ends[0])) and NP_RNG.bit_generator.state == ends[1]
