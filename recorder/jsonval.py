@@ -185,13 +185,17 @@ _NP_GENERATORS = {f"numpy.random.{m}:{c}" for m, c in (
 # Generator objects a ``$rng`` holds the state of (numpy's own and random.Random; not SystemRandom, a subclass)
 _RNGS = (np.random.Generator, np.random.RandomState, np.random.BitGenerator, random.Random)
 _LARGE_RE = re.compile(r"<numpy array of (\d+) values of (\S+), shape (\[[\d, ]*\])>")
+# an Opaque's repr for a $rng this version cannot make (a newer recorder's kind or bit generator): its words
+_UNMADE_RNG = "<{} in a recorded state this PaperDebugger cannot make again>"
+_UNMADE_RNG_RE = re.compile(re.escape(_UNMADE_RNG).replace(r"\{\}", "(.+)"))
 
 
 def opaque_reason(value: Opaque) -> str | None:
     """Why a value was not recorded as data, where the recording says and it is not its type alone:
     a numpy array over the size recorded as data ("a numpy array of 12,288 values (float32, shape
     [4, 3, 32, 32]), over the 4,096 recorded as data"), a numpy or Python generator passed as an argument
-    that a recording before 1.23 held as ``$opaque`` (since, ``$rng``), a random.SystemRandom; None for
+    that a recording before 1.23 held as ``$opaque`` (since, ``$rng``), a random.SystemRandom; or why a
+    ``$rng`` recorded as data cannot be made again here (a newer version's kind or bit generator); None for
     another (and for such an array in a recording before this note, which kept numpy's repr)."""
     if value.type in _NP_GENERATORS:
         return (f"a numpy {value.type.rpartition(':')[2]} passed as an argument, whose state is not recorded (a "
@@ -200,6 +204,10 @@ def opaque_reason(value: Opaque) -> str | None:
     if value.type == "random:Random":
         return ("a random.Random passed as an argument, whose state a recording made before schema 1.23 does not "
                 "hold: record again with this version to replay it")
+    unmade = _UNMADE_RNG_RE.fullmatch(value.repr) if ":" not in value.type else None  # ($opaque types have one)
+    if unmade is not None:
+        return (f"a {unmade[1]} passed as an argument, whose state the recording holds, but of a kind this "
+                "PaperDebugger cannot make (recorded by a newer version: upgrade paperdebugger to replay it)")
     if value.type == "random:SystemRandom":
         return ("a random.SystemRandom passed as an argument, which draws from the operating system: it has no "
                 "state to record or replay (pass a random.Random, whose state is recorded at each call)")
@@ -894,7 +902,7 @@ class _Decoder:
         except KeyError as exc:
             _fail(f"{tag} payload of kind {kind!r:.60} lacks {exc}")
         if made is None:
-            return Opaque(kind, f"<{kind} in a recorded state this PaperDebugger cannot make again>")
+            return Opaque(kind, _UNMADE_RNG.format(snapshot.argument_rng_words(payload)))
         return made
 
     def function(self, tag: str, payload: Any) -> Any:

@@ -657,6 +657,18 @@ def made_argument_rng(doc: dict[str, Any]) -> Any:
     return made_rng(_decode_global(doc))
 
 
+def argument_rng_words(doc: dict[str, Any]) -> str:
+    """What generator an argument's document (``argument_rng``) holds, for a message: its kind, and a numpy
+    one's bit generator ("numpy.random.Generator on the bit generator PCG64"). Never raises."""
+    kind = str(doc.get("kind"))
+    try:
+        state = _decode_global(doc)[2]
+    except Exception:  # noqa: BLE001 - a state this version cannot read: its kind alone
+        state = None
+    bits = state.get("bit_generator") if isinstance(state, dict) else None
+    return f"{kind:.60} on the bit generator {bits:.60}" if isinstance(bits, str) else f"{kind:.60}"
+
+
 def set_global_rng(obj: Any, state: Any) -> bool:
     """Give a generator object a decoded state of its own kind; False (nothing set) where it is not
     of that kind now, or the state does not fit it."""

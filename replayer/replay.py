@@ -1850,11 +1850,18 @@ def _opaque_argument(step: Step, opaque: jsonval.Opaque) -> str | None:
 
 
 def _first_opaque(doc: Any) -> jsonval.Opaque | None:
-    """The first value in an encoded document that could not be encoded (``$opaque``)."""
+    """The first value in an encoded document that could not be encoded (``$opaque``), or that this version
+    cannot decode but to a description (a ``$rng`` of a newer version's kind)."""
     if isinstance(doc, dict):
         inner = doc.get("$opaque")
         if len(doc) == 1 and isinstance(inner, dict) and isinstance(inner.get("type"), str):
             return jsonval.Opaque(inner["type"], str(inner.get("repr", "")))
+        if len(doc) == 1 and "$rng" in doc:
+            try:
+                made = jsonval.decode(doc)
+            except PdbgError:  # (damaged: the replay's decoding says so)
+                return None
+            return made if isinstance(made, jsonval.Opaque) else None
         items: Any = doc.values()
     elif isinstance(doc, list):
         items = doc

@@ -4,6 +4,7 @@ for bit, a seed reseeds them, and recording leaves training as it was."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import random
 from pathlib import Path
@@ -18,8 +19,10 @@ import replayer
 from recorder import jsonval, snapshot
 from recorder.errors import FormatError, UnknownTagError
 from recorder.store import layout
+from replayer.replay import known_refusal
 from tests.cli import pdbg_here
 from tests.replays import assert_each_call_replays_alone, bits
+from tests.sealing import rewrite_docs
 
 
 @recorder.paper_step("jitter (numpy Generator)")
@@ -157,3 +160,35 @@ def test_what_cannot_be_made_again_stays_a_description() -> None:
             jsonval.decode(doc)
     finally:
         jsonval._TAGS["$rng"] = tags
+
+
+@pytest.mark.parametrize(("kind", "bits_name", "words"), [
+    ("numpy.random.Generator", "Later", "numpy.random.Generator on the bit generator Later"),
+    ("numpy.random.Sampler", None, "numpy.random.Sampler")])
+def test_a_generator_of_a_newer_versions_kind_is_refused_saying_to_upgrade(tmp_path: Path, kind: str,
+                                                                          bits_name: str | None, words: str) -> None:
+    """A $rng of a kind or bit generator this version does not make (a newer recorder's): the replay said it
+    "could not be recorded as data", and it was recorded. It says which generator, and to upgrade, in one line."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        jitter(torch.ones(2, 4), np.random.default_rng(1))
+
+    def newer(_: int, doc: Any) -> Any:
+        if not (isinstance(doc, dict) and isinstance(doc.get("args"), list) and len(doc["args"]) == 2):
+            return None
+        held = doc["args"][1]["$rng"]
+        state = jsonval.loads(base64.b64decode(held["bytes"]))
+        if bits_name is not None:
+            state["bit_generator"] = bits_name
+        held.update(kind=kind, bytes=base64.b64encode(jsonval.dumps(state)).decode("ascii"))
+        return doc
+
+    rewrite_docs(path, newer)
+    res = pdbg_here("replay", str(path), "jitter (numpy Generator)", cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert f"was called with a {words} passed as an argument" in lines[0], lines[0]
+    assert "newer version" in lines[0] and "upgrade paperdebugger" in lines[0], lines[0]
+    assert "could not be recorded as data" not in lines[0], lines[0]
+    refusal = known_refusal(replayer.open(path).step(0))
+    assert refusal is not None and words in refusal and "upgrade paperdebugger" in refusal, refusal
