@@ -654,7 +654,13 @@ def argument_rng(value: Any) -> dict[str, Any] | None:
 def made_argument_rng(doc: dict[str, Any]) -> Any:
     """A new generator object in the state of an argument's document (``argument_rng``), or None where it
     names a kind or a bit generator this version does not make (a newer version's)."""
-    return made_rng(_decode_global(doc))
+    return made_rng(argument_rng_state(doc))
+
+
+def argument_rng_state(doc: dict[str, Any]) -> tuple[str, str | None, Any]:
+    """(kind, device, state) of an argument's generator document (``argument_rng``), as ``made_rng`` takes it:
+    a numpy one's state its bit generator's dict; a kind this version does not know, its state None."""
+    return _decode_global(doc)
 
 
 def argument_rng_words(doc: dict[str, Any]) -> str:
@@ -662,7 +668,7 @@ def argument_rng_words(doc: dict[str, Any]) -> str:
     one's bit generator ("numpy.random.Generator on the bit generator PCG64"). Never raises."""
     kind = str(doc.get("kind"))
     try:
-        state = _decode_global(doc)[2]
+        state = argument_rng_state(doc)[2]
     except Exception:  # noqa: BLE001 - a state this version cannot read: its kind alone
         state = None
     bits = state.get("bit_generator") if isinstance(state, dict) else None

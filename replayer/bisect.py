@@ -2622,6 +2622,12 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
             name = _argument_name(sa, where[:where.index("$generator")])
             reasons.append(f"its torch.Generator argument{f' {name}' if name else ''} is in another state "
                            f"({generators})")
+        elif (rng := _rng_difference(sa.arguments, sb.arguments, where)) is not None:
+            name = _argument_name(sa, where[:where.index("$rng")])
+            kind, how = rng
+            reasons.append(f"its {kind} argument{f' {name}' if name else ''} is in another state ({how})"
+                           if kind is not None else f"its generator argument{f' {name}' if name else ''} is of "
+                           f"another kind ({how})")
         else:
             name = _argument_name(sa, where)
             reasons.append(f"its non-tensor argument{f' {name} differs' if name else 's differ'} ({_short(a)} vs "
@@ -2854,6 +2860,60 @@ def _generator_difference(a: Any, b: Any, where: tuple[Any, ...]) -> str | None:
         return f"seed {seeds[0]} vs {seeds[1]}"
     seeded = f"both seeded {seeds[0]}, drawn from otherwise before the call: " if None not in seeds else ""
     return f"{seeded}state {digests[0]}… vs {digests[1]}… (sha256)"
+
+
+def _rng_difference(a: Any, b: Any, where: tuple[Any, ...]) -> tuple[str | None, str] | None:
+    """Where two arguments documents first differ inside a numpy or Python generator's (``$rng``, 1.23: its kind
+    and state), (its kind, how the two differ in words): a numpy one's bit generators ("bit generator PCG64 vs
+    MT19937"), else the first field of the states that differs, both values where short ("state['state']['key'][0] 1
+    vs 2": MT19937's seed), their short digests where not; (None, both kinds) where the kinds differ; None elsewhere."""
+    if "$rng" not in where:
+        return None
+    docs = []
+    for whole in (a, b):
+        doc = whole
+        for key in where[:where.index("$rng") + 1]:
+            doc = doc[key]
+        docs.append(doc if isinstance(doc, dict) else {})
+    kind, other = (str(d.get("kind")) for d in docs)
+    if kind != other:
+        return None, f"a {kind:.60} in this run, a {other:.60} in the other"
+    states = []
+    for doc in docs:
+        try:
+            states.append(snapshot.argument_rng_state(doc)[2])
+        except Exception:  # noqa: BLE001 - damaged, or of a kind this version cannot read: its document's fields
+            states.append(None)
+    if isinstance(states[0], dict) and isinstance(states[1], dict):  # numpy's: its bit generator's state
+        bits, theirs = states[0].get("bit_generator"), states[1].get("bit_generator")
+        if bits != theirs:
+            return kind, f"bit generator {bits!s:.40} vs {theirs!s:.40}"
+        path, va, vb = _first_difference(_listed(states[0]), _listed(states[1]))
+        field = "".join(f"[{k!r}]" for k in path)
+        return kind, f"bit generator {bits!s:.40}, state{field} {_two_values(va, vb)}"
+    path, va, vb = _first_difference({k: v for k, v in docs[0].items() if k != "kind"},
+                                     {k: v for k, v in docs[1].items() if k != "kind"})
+    field = {"bytes": "state"}.get(str(path[0]), str(path[0])) if path else "state"  # (Python's: its 625 words)
+    return kind, f"{field} {_two_values(va, vb)}"
+
+
+def _listed(value: Any) -> Any:
+    """A decoded generator state with its arrays as lists (compared, and walked down to an item, as JSON is)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _listed(v) for k, v in value.items()}
+    return value
+
+
+def _two_values(a: Any, b: Any) -> str:
+    """Two values of a field that differs between the runs, as they are where short, as short digests where not
+    (a 128-bit PCG64 state, 625 words of Python's, an array)."""
+    shown = [json.dumps(v, default=str) for v in (a, b)]
+    if max(map(len, shown)) <= 20:
+        return f"{shown[0]} vs {shown[1]}"
+    digests = [hashlib.sha256(text.encode()).hexdigest()[:12] for text in shown]
+    return f"{digests[0]}… vs {digests[1]}… (sha256)"
 
 
 def _generator_seed(device: str, state: bytes) -> int | None:

@@ -8,6 +8,7 @@ import inspect
 import json
 import math
 import os
+import random
 import shutil
 import sys
 from collections.abc import Callable
@@ -2283,6 +2284,42 @@ def test_against_says_which_seed_a_generator_argument_had_in_each_run(tmp_path: 
     assert "its torch.Generator argument generator is in another state (both seeded 1234, drawn from otherwise " \
            "before the call: state " in res.stdout, res.stdout + res.stderr
     assert "0gQAAAAA" not in res.stdout
+
+
+@recorder.paper_step("Alg. 2 line 2", description="exploration noise from a numpy or Python generator")
+def exploration_noise(n: int, rng: Any) -> torch.Tensor:
+    return torch.tensor([rng.random() for _ in range(n)])
+
+
+def test_against_says_a_numpy_or_python_generator_argument_is_in_another_state(tmp_path: Path) -> None:
+    """Two runs whose numpy Generator, RandomState or random.Random argument was seeded otherwise: `bisect
+    --against` said "its non-tensor argument rng differs" and showed the base64 of the states. It names the
+    argument and its kind, and the bit generators or the first field of the states that differs."""
+    rngs = {"a": np.random.default_rng(1), "b": np.random.default_rng(2),
+            "c": np.random.Generator(np.random.MT19937(1)), "d": np.random.RandomState(1),
+            "e": np.random.RandomState(2), "f": random.Random(1), "g": random.Random(2)}
+    for name, rng in rngs.items():
+        with recorder.record(tmp_path / f"{name}.zarr"):
+            exploration_noise(3, rng)
+
+    def cause(a: str, b: str) -> str:
+        res = pdbg("bisect", f"{a}.zarr", "--against", f"{b}.zarr", cwd=tmp_path)
+        assert "non-tensor argument" not in res.stdout and "bytes" not in res.stdout, res.stdout + res.stderr
+        return res.stdout
+
+    out = cause("a", "b")
+    assert "its numpy.random.Generator argument rng is in another state (bit generator PCG64, " \
+           "state['state']['state'] " in out and "(sha256)), passed from outside every recorded step" in out, out
+    out = cause("a", "c")
+    assert "its numpy.random.Generator argument rng is in another state (bit generator PCG64 vs MT19937)" in out, out
+    out = cause("a", "d")
+    assert "its generator argument rng is of another kind (a numpy.random.Generator in this run, a " \
+           "numpy.random.RandomState in the other)" in out, out
+    out = cause("d", "e")
+    assert "its numpy.random.RandomState argument rng is in another state (bit generator MT19937, " \
+           "state['state']['key'][0] 1 vs 2)" in out, out
+    out = cause("f", "g")
+    assert "its random.Random argument rng is in another state (state " in out and "(sha256))" in out, out
 
 
 def test_a_parameter_written_through_data_over_the_bits_limit_names_the_step_given_it(tmp_path: Path) -> None:
