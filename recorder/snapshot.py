@@ -487,7 +487,8 @@ def step_defaults(target: Any) -> tuple[tuple[int | None, str, Any, bool], ...]:
         params = list(inspect.signature(fn).parameters.values())[1 if isinstance(target, type) else 0:]
     except Exception:  # noqa: BLE001 - no signature (a builtin, a callable of an unusual kind)
         return ()
-    found, positional = [], []
+    found: list[tuple[int | None, str, Any, bool]] = []
+    positional: list[tuple[tuple[int | None, str, Any, bool], bool]] = []  # (entry, a tensor or generator)
     for position, p in enumerate(params):
         held = p.default
         wanted = isinstance(held, torch.Tensor) or (is_global_rng(held) and global_rng_kind(held) is not None)
