@@ -340,11 +340,16 @@ def _inner_first(frames: list[Frame]) -> list[Frame]:
     """A backward pass's steps (in index order) with every step after the steps nested in it, as a
     forward's finish: each step's subtree follows it in index order, so the last index of that subtree,
     then the deeper step first, orders them. The monitor's first stop then falls on the innermost step
-    of the first that went non-finite, the step bisect names."""
+    of the first that went non-finite, the step bisect names. A step through a graph of gradients
+    (layout.SECOND_ORDER_NOTE: a critic's backward inside a gradient penalty's) comes after the step it runs
+    inside: the terms it passes on were made in that step's code, which bisect names where its inputs were
+    recorded finite (bisect._innermost)."""
     by_index = {f.index: f for f in frames}
     last = {f.index: f.index for f in frames}
     depth = dict.fromkeys(last, 0)
     for f in frames:
+        if layout.SECOND_ORDER_NOTE in f.notes:
+            continue
         up = by_index.get(f.parent)
         while up is not None:
             last[up.index] = max(last[up.index], f.index)
@@ -398,6 +403,7 @@ class Session:
         # The same, by their forward's index, and how many of them each module has (a recurrent cell
         # opens thousands in one pass: looked up, not searched).
         self._pass_frames: dict[int, Frame] = {}
+        self._ended: dict[int, Frame] = {}  # a finished backward pass's steps by index, while they are monitored
         # id(parameter) -> (the last of its gradient hooks' keys looked at, the user's among them)
         self._hook_scan: dict[int, tuple[int, dict[int, Any]]] = {}
         self._pass_modules: collections.Counter[int] = collections.Counter()
@@ -804,12 +810,18 @@ class Session:
                     frame.anomaly = (first[0], f"{first[1]} (its next call, step {frame.index}, made none: not a mask)")
             frame.nonfinite = found
             if found is not None:
+                second = layout.SECOND_ORDER_NOTE in frame.notes
                 frame.anomaly = (frame.index, monitors.nonfinite_message(
-                    self._context(frame, None), found, frame.tensors,
-                    second_order=layout.SECOND_ORDER_NOTE in frame.notes))
+                    self._context(frame, None), found, frame.tensors, second_order=second,
+                    within=self._enclosing_backward(frame) if second else None))
             elif frame.anomaly is None and frame.output_doc is not None:
                 self._nonfinite_values(frame)
         return frame.nonfinite
+
+    def _enclosing_backward(self, frame: Frame) -> str | None:
+        """The backward step of this pass that ``frame`` (a backward step) runs inside, described; None where none."""
+        outer = self._ended.get(frame.parent)
+        return None if outer is None else self._context(outer, None).describe()
 
     def _nonfinite_values(self, frame: Frame) -> None:
         """A step whose result holds no non-finite tensor but NaN in a number that is none (a numpy array, a
@@ -2315,9 +2327,13 @@ class Session:
         pending = None
         try:
             ordered = sorted((f for f in frames if f is not None), key=lambda f: f.index)
-            for frame in _inner_first(ordered):  # a stop names the innermost step, as in the forward
-                self._monitor(frame)
-                pending = pending or frame.pending
+            self._ended = {f.index: f for f in ordered}
+            try:
+                for frame in _inner_first(ordered):  # a stop names the innermost step, as in the forward
+                    self._monitor(frame)
+                    pending = pending or frame.pending
+            finally:
+                self._ended = {}
             for frame in ordered:
                 self._submit(frame)
                 self._after_step(frame)

@@ -816,10 +816,14 @@ def _kinds_recorded(rec: Recording) -> bool:
 
 
 def _innermost(rec: Recording, index: int, mask: np.ndarray) -> int:
-    """``index``, or the first step nested inside it where ``mask`` holds too (innermost)."""
+    """``index``, or the first step nested inside it where ``mask`` holds too (innermost), but not one whose
+    gradients coming in were not recorded (``_unrecorded_grads``) inside one whose were: what came into it is
+    not known, and the outer step's own code may have made it (a gradient penalty's sqrt at a zero norm, whose
+    NaN the critic's second-order backward inside it passes on: the penalty's backward replays, the critic's
+    does not)."""
     while True:
         inner = [k for k in subtree(rec, index) if mask[k]]
-        if not inner:
+        if not inner or _unrecorded_grads(rec.step(inner[0])) and not _unrecorded_grads(rec.step(index)):
             return index
         index = inner[0]
 
@@ -1007,7 +1011,8 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
                     _after(rec, index, went, spread, inclusive=True), entered=step,
                     followed=int(went[index + 1:].sum()),
                     suspect=(_backward_of(rec, senders[0][0], index) or senders[0][0]) if senders else
-                    writers[0][0] if writers else None)
+                    writers[0][0] if writers else _gradient_user(rec, step) if not bad and _second_order(step)
+                    else None)
     if ops:
         origin.op_note = entered_op_note(origin)
     return origin
@@ -1204,6 +1209,27 @@ def _second_order(step: Step) -> bool:
     return step.phase == "backward" and layout.SECOND_ORDER_NOTE in (step.extra.get("notes") or [])
 
 
+def _gradient_user(rec: Recording, step: Step) -> Step | None:
+    """For a backward step through a graph of gradients (``_second_order``), the recorded step whose own code
+    used those gradients, where one did: a backward step of its pass before it, through such a graph too, whose
+    forward took gradients with create_graph=True itself (a backward step of that call began while it ran: a
+    ``gradient_penalty(d_out, interp)`` calling torch.autograd.grad). Its backward made the second-order terms,
+    which none of its records holds (the gradients went from it to the critic's parameters straight). None where
+    no step did (the loop took them: outside every recorded step)."""
+    phase, forward, iteration = _column(rec, "phase"), _column(rec, "forward"), _column(rec, "iteration")
+    start, end = _column(rec, "t_start"), _column(rec, "t_end")
+    for index in range(step.index - 1, max(step.index - _SOURCE_SEARCH, 0) - 1, -1):
+        if iteration[index] != iteration[step.index]:
+            break
+        fwd = int(forward[index])
+        if phase[index] != 1 or fwd < 0 or not _second_order(rec.step(index)):
+            continue
+        inner = np.flatnonzero((phase[fwd + 1:index] == 1) & (forward[fwd + 1:index] == fwd)) + fwd + 1
+        if any(start[k] <= end[fwd] for k in inner.tolist()):
+            return rec.step(index)
+    return None
+
+
 def _through_gradients(rec: Recording, made: np.ndarray) -> np.ndarray:
     """Per step: among ``made``, the backward steps before the first other one that ran through a graph of
     gradients (a gradient penalty's): their results hold second-order terms their recorded inputs do not
@@ -1381,12 +1407,20 @@ def _entered_cause(rec: Recording, step: Step, senders: list[tuple[Step, list[st
                     + "; look for the origin there (pdbg bisect without --rank looks at every rank)")
         if _second_order(step):
             made = _nonfinite_text(step, layout_results(step.phase))
+            text = (f"{describe(step)} received non-finite values ({'; '.join(made[:2])}) through the graph of "
+                    "gradients an earlier backward pass took with create_graph=True, not through its grad outputs, "
+                    "which were finite: second-order terms, made where those gradients were used")
+            user = _gradient_user(rec, step)
+            if user is not None:
+                return (f"{text}: by {describe(user)}, in this pass before this one; its forward (step "
+                        f"{user.forward}) took them with create_graph=True itself, and its backward sent them on to "
+                        "the parameters straight, so no record of it holds them. A replay cannot find its operation "
+                        "where its arguments are linked by a graph made outside it (a penalty given d_out and "
+                        "interp): record it as a module holding the critic, whose backward replays operation by "
+                        "operation")
             where = ("pdbg bisect the recording this bundle came from to find where" if rec.bundle_info is not None
                      else "record that code as a step to find where")
-            return (f"{describe(step)} received non-finite values ({'; '.join(made[:2])}) through the graph of "
-                    "gradients an earlier backward pass took with create_graph=True, not through its grad outputs, "
-                    "which were finite: second-order terms, made where those gradients were used (a gradient "
-                    f"penalty) outside the recorded steps; {where}")
+            return f"{text} (a gradient penalty) outside the recorded steps; {where}"
         return f"{describe(step)} received non-finite values from outside every recorded step"
     sent = _sent(step)
     bad = sorted(bad, key=lambda r: not r.stats["nan"])  # the NaN that came in first: the Inf beside it may not have

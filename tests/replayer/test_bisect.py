@@ -2580,6 +2580,80 @@ def test_a_nan_that_came_in_through_a_graph_of_gradients_is_where_it_entered(tmp
         record_inline_penalty(tmp_path / "stop.zarr", bad=3, on_anomaly="stop")
 
 
+@recorder.paper_step("Eq. 3", description="WGAN-GP's gradient penalty, holding the critic")
+class _Penalty(torch.nn.Module):
+    def __init__(self, critic: torch.nn.Module) -> None:
+        super().__init__()
+        self.critic = critic
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(self.critic(x).sum(), x, create_graph=True)
+        return ((g.pow(2).sum(1).sqrt() - 1) ** 2).mean()
+
+
+@recorder.paper_step("Eq. 3", description="WGAN-GP's gradient penalty of the critic's output at x")
+def _penalty_of(d_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    (g,) = torch.autograd.grad(d_out.sum(), x, create_graph=True)
+    return ((g.pow(2).sum(1).sqrt() - 1) ** 2).mean()
+
+
+def record_recorded_penalty(path: Path, bad: int, form: str, on_anomaly: str = "record") -> None:
+    """``record_inline_penalty`` with the penalty a recorded step: a module holding the critic (the critic, a
+    recorded step too, runs inside it), or a function given the critic's output and its input."""
+    torch.manual_seed(0)
+    critic = recorder.paper_step("Algorithm 1", step=4, description="the critic")(_Critic)()
+    penalty = _Penalty(critic)
+    model = torch.nn.ModuleDict({"critic": critic, "penalty": penalty})
+    opt = torch.optim.SGD(critic.parameters(), lr=1e-3)
+    with recorder.record(path, model=model, optimizer=opt, on_anomaly=on_anomaly):
+        for i in range(bad + 2):
+            x = torch.randn(4, 2) * 0.5 + torch.tensor([1.0, -1.0])
+            if i == bad:
+                x[0] = 0.0
+            if form == "module":
+                gp = penalty(x)
+            else:
+                x.requires_grad_(True)
+                gp = _penalty_of(critic(x), x)
+            (critic(torch.randn(4, 2)).mean() + gp).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_recorded_penalty_whose_sqrt_makes_nan_is_the_origin_not_the_critic_inside_it(tmp_path: Path) -> None:
+    """The penalty a module step holding the critic: sqrt's backward at a zero gradient makes NaN in the
+    penalty's own backward, and the critic's second-order backward inside it passes it on. bisect named the
+    critic's (its gradients coming in unrecorded; it cannot be replayed, so no operation), and the stop did too;
+    both name the penalty's backward, which replays, and the operation: sqrt's backward dividing by 0."""
+    path = tmp_path / "penalty.zarr"
+    record_recorded_penalty(path, bad=3, form="module")
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert origin.step is not None, origin.cause
+    assert (origin.step.name, origin.step.phase, origin.step.iteration) == ("_Penalty", "backward", 3), origin.cause
+    assert "from finite inputs" in origin.cause
+    assert origin.op is not None and (origin.op.name, origin.op.node) == ("aten::div", "SqrtBackward0"), origin.op
+    assert origin.op.code is not None and "sqrt()" in origin.op.code, origin.op.code
+    with pytest.raises(recorder.NonFiniteError, match=r"^Eq\. 3 \(_Penalty\) at penalty backward, iteration 3"):
+        record_recorded_penalty(tmp_path / "stop.zarr", bad=3, form="module", on_anomaly="stop")
+
+
+def test_a_penalty_given_the_critics_output_is_named_where_the_nan_came_in(tmp_path: Path) -> None:
+    """The penalty a function step given the critic's output and its input: its backward sends the
+    second-order terms to the critic's parameters straight, so none of its records holds the NaN, and bisect
+    said it came from outside the recorded steps ("record that code as a step", which it is). It names the
+    penalty's backward step as where those gradients were used, and how to make it replay."""
+    path = tmp_path / "penalty.zarr"
+    record_recorded_penalty(path, bad=3, form="function")
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert origin.step is None and origin.entered is not None, origin.cause
+    assert (origin.entered.name, origin.entered.phase) == ("_Critic", "backward"), origin.cause
+    user = origin.suspect
+    assert user is not None and (user.name, user.phase, user.iteration) == ("_penalty_of", "backward", 3)
+    assert f"by {replayer.bisect.describe(user)}" in origin.cause and "outside the recorded steps" not in origin.cause
+    assert "record it as a module holding the critic" in origin.cause
+
+
 def test_asking_an_older_recording_for_one_module_object_says_it_cannot_tell(tmp_path: Path) -> None:
     """A recording before schema 1.16 lists no module objects: object:2 found no step, as if the run had
     no second object (an EMA teacher it had); it says the recording cannot tell, in Python and in the TUI."""
