@@ -7,14 +7,18 @@ from __future__ import annotations
 import ast
 import math
 import textwrap
+import traceback
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from recorder import jsonval
 from recorder.payload import dtype_from_name
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
+from .compare import tensors_by_name
 from .recording import Step
 
 
@@ -101,6 +105,51 @@ def unrecorded_outputs(doc: Any) -> list[str]:
             reason = jsonval.opaque_reason(jsonval.Opaque(ref, payload["repr"]))
         out.append(f"{path} ({reason or type_words(ref)})")
     return out
+
+
+_NOT_IN_GRAPH = "appears to not have been used in the graph"  # torch.autograd.grad, an input its outputs miss
+
+
+def linked_outside(exc: BaseException | None, step: Step, args: Any, kwargs: Any) -> str | None:
+    """Why a forward step whose replay raised ``exc`` (where the recorded call returned) cannot be replayed,
+    when ``exc`` is torch.autograd.grad refusing to differentiate the step's own argument (``args``,
+    ``kwargs``: the replayed call's): a gradient penalty written as ``gradient_penalty(d_out, interp)``, whose
+    ``d_out = D(interp)`` was computed outside the step. The recorded call's arguments were linked by that
+    graph; a replay is given them as recorded tensors, unlinked, so no replay can redo the step."""
+    if not isinstance(exc, RuntimeError) or _NOT_IN_GRAPH not in str(exc):
+        return None
+    given = {id(t): name[2:] for name, t in tensors_by_name({"args": args, "kwargs": kwargs}, "@").items()}
+    wrt = [given[id(t)] for t in _grad_inputs(exc) if id(t) in given]
+    if not wrt:
+        return None
+    names = _parameter_names(step, len(args) if isinstance(args, (list, tuple)) else 0)
+
+    def named(path: str) -> str:
+        top = ".".join(path.split(".")[:2])
+        return names.get(top, top.removeprefix("kwargs.")) + path[len(top):]
+
+    wrt_names = ", ".join(dict.fromkeys(named(p) for p in wrt))
+    others = ", ".join(dict.fromkeys(named(r.name) for r in step.records
+                                     if r.role == "input" and r.requires_grad and r.name not in wrt))
+    made = f"{others} computed from {wrt_names}" if others else f"what it differentiates computed from {wrt_names}"
+    return (f"its arguments are linked by autograd history made outside the step, which a replay cannot rebuild: "
+            f"it calls torch.autograd.grad with respect to its argument {wrt_names}, and the recorded call was given "
+            f"{made} before the call (a critic's output on it, in a gradient penalty); a replay is given the recorded "
+            f"tensors without that graph, and torch finds {wrt_names} unused. To replay it, make the step compute "
+            f"{others or 'what it differentiates'} itself: a paper-step module holding the model (self.D = D) whose "
+            f"forward takes {wrt_names} and calls it (a function step given D is refused too: a module passed as an "
+            "argument is not data)")
+
+
+def _grad_inputs(exc: BaseException) -> list[torch.Tensor]:
+    """The tensors given as ``inputs`` to the torch.autograd.grad call that raised ``exc``, read from its frame."""
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        if frame.f_code.co_name == "grad" and frame.f_globals.get("__name__") == "torch.autograd":
+            inputs = frame.f_locals.get("inputs")
+            if isinstance(inputs, torch.Tensor):
+                return [inputs]
+            return [t for t in inputs if isinstance(t, torch.Tensor)] if isinstance(inputs, (list, tuple)) else []
+    return []
 
 
 def data_writes_unseen(record: TensorRecord) -> bool:

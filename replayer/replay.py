@@ -43,7 +43,7 @@ from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
 from . import collectives, distributions, intervene, state
-from .arguments import unrecorded_arguments, unrecorded_outputs, unseen_writes
+from .arguments import linked_outside, unrecorded_arguments, unrecorded_outputs, unseen_writes
 from .code import CodeLoader, late_imports, projects, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, UnrecordedCall, descendants
@@ -1416,7 +1416,8 @@ class Replayer:
                     tap.close()
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         recorded_exc = step.extra.get("exception")
-        missing = None if recorded_exc else self._unregistered_op(raised)
+        missing = None if recorded_exc else \
+            self._unregistered_op(raised) or linked_outside(raised, step, call.args, call.kwargs)
         if missing:
             raise ReplayError(f"step {step.index} ({step.name}): {missing}")
         hint = self._raised_hint(raised, step)
@@ -1597,7 +1598,8 @@ class Replayer:
             except PdbgError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a backward cannot start from a forward that failed
-                missing = None if fwd.extra.get("exception") else self._unregistered_op(exc)
+                missing = None if fwd.extra.get("exception") else \
+                    self._unregistered_op(exc) or linked_outside(exc, fwd, call.args, call.kwargs)
                 if missing:
                     raise ReplayError(f"backward step {step.index}: rerunning its forward (step {fwd.index}, "
                                       f"{fwd.name}): {missing}") from None

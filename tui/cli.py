@@ -12,7 +12,7 @@ import difflib
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from recorder.errors import PdbgError
 from replayer.recording import ESCAPES as _ESCAPES  # control characters, escaped in what pdbg prints
@@ -29,10 +29,33 @@ def _version() -> str:
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose errors are one line (the problem, and where the options are listed)
-    instead of a usage block and the error."""
+    instead of a usage block and the error, and whose options may come between positional arguments
+    (``pdbg replay RUN --no-inner STEP``)."""
+
+    _plain = False  # set while parse_known_intermixed_args runs its two plain passes
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"pdbg: error: {message} (options: {self.prog} --help)\n")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        # argparse fills the positionals it can from the first run of words: an optional one (replay's STEP)
+        # is left empty when an option follows RUN, and the STEP after the option is then "unrecognized".
+        # Intermixed parsing takes the options first, then the positionals from the words left over.
+        if self._plain or not self._intermixable(args):
+            return super().parse_known_args(args, namespace)
+        self._plain = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._plain = False
+
+    def _intermixable(self, args: Any) -> bool:
+        """Whether intermixed parsing applies: not to a parser of subcommands, nor to pdbg record (the
+        script's own arguments follow it as they are), nor where ``--`` marks what follows as positional
+        (the second pass would read a ``-name`` after it as an option)."""
+        words = sys.argv[1:] if args is None else list(args)
+        nested = any(a.nargs in (argparse.PARSER, argparse.REMAINDER) for a in self._get_positional_actions())
+        return not nested and "--" not in words
 
 
 def build_parser() -> argparse.ArgumentParser:

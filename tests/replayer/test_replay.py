@@ -1493,6 +1493,45 @@ def test_a_gradient_penalty_pass_is_named_not_a_mismatch(tmp_path: Path) -> None
     assert res.returncode == 0 and doc["matched"] == doc["replayed"] == 2 and len(doc["not_replayed"]) == 1
 
 
+@recorder.paper_step("Eq. 3", description="a gradient penalty given the critic's output and its input")
+def gradient_penalty(d_out: torch.Tensor, interp: torch.Tensor) -> torch.Tensor:
+    (g,) = torch.autograd.grad(d_out.sum(), interp, create_graph=True)
+    return (g.norm(dim=1) - 1).pow(2).mean()
+
+
+def test_a_penalty_given_the_critics_output_and_its_input_is_refused_not_a_mismatch(tmp_path: Path) -> None:
+    """WGAN-GP as gradient_penalty(d_out, interp) with d_out = D(interp) made before the call: the graph linking
+    the arguments is outside the step, and a replay given the recorded tensors raised torch's "not been used in
+    the graph", a MISMATCH (verify exit 1). Refused in one line that says why and what replays, forward and
+    backward; `pdbg replay` exits 2, `pdbg verify` lists it under "could not be replayed" and exits 0."""
+    torch.manual_seed(0)
+    critic = Critic()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=critic, mode="full"):
+        interp = torch.randn(8, 4, requires_grad=True)
+        (critic(interp).mean() + gradient_penalty(critic(interp), interp)).backward()
+    rec = replayer.open(path)
+    forward, *backward = [s.index for s in rec.steps if s.name == "gradient_penalty"]
+    assert backward and all(rec.step(i).phase == "backward" for i in backward)
+    why = (r"its arguments are linked by autograd history made outside the step, which a replay cannot rebuild: "
+           r"it calls torch.autograd.grad with respect to its argument interp, and the recorded call was given "
+           r"d_out computed from interp before the call .*a paper-step module holding the model")
+    with pytest.raises(ReplayError, match=rf"^step {forward} \(gradient_penalty\): {why}"):
+        replayer.replay(rec, forward)
+    for index in backward:
+        with pytest.raises(ReplayError, match=rf"^backward step {index}: rerunning its forward \(step {forward}, "
+                                              rf"gradient_penalty\): {why}"):
+            replayer.replay(rec, index)
+    res = pdbg_here("replay", str(path), str(forward), cwd=tmp_path)
+    assert res.returncode == 2 and "MISMATCH" not in res.stdout and len(res.stderr.splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(f"pdbg: error: step {forward} (gradient_penalty): its arguments are linked")
+    res = pdbg_here("verify", str(path), "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 0 and doc["matched"] == doc["replayed"] and not doc["mismatches"], res.stdout
+    refused = {e["step"]["index"] for e in doc["not_replayed"] if "linked by autograd" in e["reason"]}
+    assert refused == {forward, *backward}, doc["not_replayed"]
+
+
 def test_an_edit_on_a_second_order_step_is_refused_as_the_step_is(tmp_path: Path) -> None:
     """A no-op edit (x*1) of a gradient penalty pass's grad output was a MISMATCH "as an intervention
     makes it", while the same step without it is refused for the second-order terms a replay leaves

@@ -151,6 +151,38 @@ def test_ctrl_c_while_pdbg_starts_is_one_line_and_exit_130(monkeypatch, capsys) 
     assert capsys.readouterr().err == "pdbg: interrupted\n"
 
 
+def test_options_may_come_between_run_and_step(nan_path: Path, tmp_path: Path) -> None:
+    """`pdbg replay RUN --no-inner STEP` (and `--threads 1 STEP`) said "unrecognized arguments: STEP", exit 2:
+    argparse filled the optional STEP with nothing before the option. They replay as STEP first does."""
+    run, step = str(nan_path), "Scaled@iter=0#0"
+    first = pdbg_here("replay", run, step, "--no-inner", "--threads", "1", cwd=tmp_path)
+    assert first.returncode == 0 and "MATCH" in first.stdout, first.stderr
+    for order in ([run, "--no-inner", step, "--threads", "1"], [run, "--threads", "1", step, "--no-inner"],
+                  ["--no-inner", run, "--threads", "1", step]):
+        res = pdbg_here("replay", *order, cwd=tmp_path)
+        assert res.returncode == 0 and res.stdout == first.stdout, (order, res.stderr)
+    res = pdbg_here("replay", "--json", str(nan_path), "Scaled@iter=0#0", "extra", cwd=tmp_path)
+    assert res.returncode == 2 and "unrecognized arguments: extra" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["replay", "r.zarr", "--no-inner", "5"], {"run": "r.zarr", "step": "5", "no_inner": True}),
+    (["replay", "--threads", "1", "r.zarr", "--json", "-1"], {"run": "r.zarr", "step": "-1", "threads": 1}),
+    (["replay", "r.zarr", "--no-inner"], {"run": "r.zarr", "step": None, "no_inner": True}),
+    (["bundle", "r.zarr", "-o", "b.pdbg", "5", "--verify"], {"run": "r.zarr", "step": "5", "out": "b.pdbg"}),
+    (["find", "r.zarr", "--backward", "Eq. 2"], {"run": "r.zarr", "where": "Eq. 2", "backward": True}),
+    (["bisect", "--ops", "r.zarr", "--against", "o.zarr"], {"run": "r.zarr", "against": "o.zarr", "ops": True}),
+    (["tui", "--at", "3", "r.zarr"], {"run": "r.zarr", "at": "3"}),
+    (["tui", "--", "-odd.zarr"], {"run": "-odd.zarr"}),
+    (["record", "-o", "r.zarr", "train.py", "--lr", "1", "x"], {"script": "train.py", "args": ["--lr", "1", "x"]}),
+])
+def test_every_commands_options_may_come_anywhere(argv: list[str], expected: dict[str, object]) -> None:
+    """Options before, between or after a command's positional arguments parse alike; pdbg record still
+    passes what follows the script on to it, and `--` still marks a path that starts with -."""
+    args, unknown = tui.cli.build_parser().parse_known_args(argv)
+    assert not unknown and {k: getattr(args, k) for k in expected} == expected, (unknown, args)
+
+
 def test_the_replay_table_fits_the_terminal(nan_path: Path, tmp_path: Path) -> None:
     """The replay table was 119 columns wide whatever the terminal, and wrapped in 80 columns. In a
     narrower terminal a mismatch's replayed statistics go on a line of their own; to a pipe, or in a
