@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import taps, transforms
+from recorder import skeleton, taps, transforms
 from recorder.store import layout
 
 from .compare import Diff, compare_record, tensors_by_name
@@ -153,6 +153,10 @@ class InnerTap:
         self.nested_leaves = nested_leaves
         self._seen_count: dict[tuple[str, str], int] = {}
         self.calls: list[_Seen] = []
+        # The leaf arguments requiring grad that inner calls were given (a gradient penalty's interpolates,
+        # made inside the replayed step): their gradients, which the recorded pass computed into .grad, are
+        # what a backward replay asks autograd for too, or their uses' hooks never run
+        self.leaves: list[torch.Tensor] = []
         self._stack: list[str] = [root_path]
         self._open: dict[str, list[_Seen]] = {}
         self._handles: list[Any] = []
@@ -162,8 +166,9 @@ class InnerTap:
         self._outer_names: dict[int, str] = {}  # id(parameter) -> its name in the root (its grad's record name)
         if root is not None:
             self._outer_names = {id(p): name for name, p in root.named_parameters()}
+            recorded_as = _shared_paths(root, root_path, inner)
             for rel, sub in root.named_modules():
-                path = join_path(root_path, rel)
+                path = recorded_as.get(rel) or join_path(root_path, rel)
                 self._modules[path] = sub
                 if not rel:  # the root: its calls inside the replayed call (a recursion) are inner steps
                     self._handles.append(sub.register_forward_pre_hook(self._enter_root, with_kwargs=True))
@@ -183,6 +188,7 @@ class InnerTap:
 
         holder: list[list[str | None]] = [[]]
         slots, leaves = taps.leaves_apart(taps.apart(taps.argument_slots(args, kwargs, self.nested_leaves))[0])
+        self.leaves += [t for _, t in leaves if t.requires_grad]
         if self.leaves_tapped:
             slots, leaves = [*slots, *leaves], []
         elif leaves:
@@ -359,6 +365,14 @@ class InnerTap:
     def watch(self, tensor: Any, name: str, expect: dict[str, Any]) -> None:
         pass
 
+    def forget_grads(self) -> None:
+        """Drop the gradients the inner calls got so far: those of the backward passes the replayed forward
+        took itself (a gradient penalty's ``autograd.grad(..., create_graph=True)``), which the recording
+        holds as other backward steps. A backward replay compares the inner steps of its own pass, which
+        starts after this; the first-order gradients of a leaf argument would be added to its own."""
+        for seen in self.calls:
+            seen.grad_inputs, seen.grad_outputs, seen.own = {}, {}, {}
+
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -425,6 +439,8 @@ class InnerTap:
                 index = parent
             return index == outer
 
+        outer_recorded = {r.name for r in Step(rec, outer).records if r.role == "param_grad"} \
+            if outer is not None else None
         pairs = self._pairs()
         calls = Counter(step.module_path for step, seen in pairs if seen is not None and seen.kind == "module")
         if calls[root_path]:  # a recursion: the replayed call is one more call of the root's parameters
@@ -443,7 +459,8 @@ class InnerTap:
             if seen is None:
                 results.append(InnerStep(back, False, reason="recorded, but not called during the replay"))
                 continue
-            grads, left_out = self._param_grads(step, seen, back, param_grads, root_path, calls[step.module_path])
+            grads, left_out = self._param_grads(step, seen, back, param_grads, root_path, calls[step.module_path],
+                                                outer_recorded)
             values = {**{f"grad_output:{k}": v for k, v in seen.grad_outputs.items()},
                       **{f"grad_input:{k}": v for k, v in seen.grad_inputs.items()},
                       **{f"param_grad:{k}": v for k, v in grads.items()}}
@@ -454,13 +471,16 @@ class InnerTap:
 
 
     def _param_grads(self, step: Step, seen: _Seen, back: Step, totals: dict[str, torch.Tensor], root_path: str,
-                     calls: int) -> tuple[dict[str, torch.Tensor], set[str]]:
+                     calls: int, outer_recorded: set[str] | None = None) -> tuple[dict[str, torch.Tensor], set[str]]:
         """An inner module call's parameter grads to compare with its backward step's records, by
         record name, and the names left out. A record of its own share (``own_grads``, 1.11) is
         compared with the share the replay's hooks summed for the call (``_follow_params``); one of
         the total the pass accumulated, with the replayed step's grad of that parameter (``totals``,
         by the root's names: a tied weight's is under the name it was recorded by), but where the
-        module ran more than once in the call, each call's total then being no replay's."""
+        module ran more than once in the call, each call's total then being no replay's, and where the
+        replayed step recorded no grad of that parameter (``outer_recorded``, its param_grad record names):
+        the total is then all other code's (a critic's loss terms, where its call inside a gradient penalty
+        sent its bias nothing)."""
         if seen.kind != "module":
             return {}, set()
         own_names = back.extra.get("own_grads")
@@ -480,7 +500,43 @@ class InnerTap:
                 grads[name] = totals[outer]
         left_out = {r.name for r in back.records if r.role == "param_grad" and r.name not in grads} \
             if calls > 1 and own_names else set()
+        if outer_recorded is not None:
+            left_out |= {r.name for r in back.records if r.role == "param_grad" and r.name not in grads
+                         and r.name not in own_names and named.get(r.name) not in outer_recorded}
         return grads, left_out
+
+
+def _shared_paths(root: torch.nn.Module, root_path: str, inner: list[Step]) -> dict[str, str]:
+    """``{rel: recorded path}`` for the submodules of the rebuilt ``root`` whose recorded inner steps the
+    recorder named by a path outside ``root_path``: a module the model holds too and reached first there
+    (a gradient penalty's ``self.D = model.D``, recorded at ``D``, runs at ``gp.D``). The recording names
+    no other path of a module, so each such step is paired with the one submodule of its class not at a
+    recorded path (of several, the one whose own name is the recorded path's last part); none where that
+    is still ambiguous: its call is then "not called", as before."""
+    if not root_path:
+        return {}
+    below = f"{root_path}."
+    outside: dict[str, str] = {}  # recorded path -> its module's class (qualified name)
+    for s in inner:
+        path = s.module_path
+        if s.definition.get("kind") == "module" and path != root_path and not path.startswith(below):
+            doc = s._doc("module")
+            cls = doc.get("class") if isinstance(doc, dict) else None
+            if isinstance(cls, str):
+                outside.setdefault(path, cls.rpartition(":")[2])
+    if not outside:
+        return {}
+    at_recorded = {s.module_path for s in inner}
+    free = [(rel, skeleton.own_class(sub).__qualname__) for rel, sub in root.named_modules()
+            if rel and join_path(root_path, rel) not in at_recorded]
+    out: dict[str, str] = {}
+    for path, cls in outside.items():
+        fits = [rel for rel, c in free if c == cls and rel not in out]
+        if len(fits) > 1:
+            fits = [rel for rel in fits if rel.rpartition(".")[2] == path.rpartition(".")[2]]
+        if len(fits) == 1:
+            out[fits[0]] = path
+    return out
 
 
 def _kind(step: Step) -> str:

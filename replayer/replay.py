@@ -321,7 +321,10 @@ class Replayer:
         code between the calls wrote or replaced, whatever the call did to it: one the next call
         notes so (the recorder watches buffers' version counters: a checkpoint's load_state_dict),
         or one the next call found in another dtype, shape or device than the call left it
-        (``model.double()``, in a recording made before that note)."""
+        (``model.double()``, in a recording made before that note). Spectral norm's power-iteration vectors
+        (``parametrizations.weight.0._u``, the hook-based ``weight_u``) are compared too, also where the
+        replay left them as recorded; the buffers of a module with other hooks (a pruning mask, which
+        pruning again replaces between calls; hooks the replay does not remake) are not."""
         before = {r.name: r for r in step.records if r.role == "buffer"}
         if module is None or not before or int(self.rec.run_info.get("world_size") or 1) > 1:
             return []
@@ -341,18 +344,21 @@ class Replayer:
                                 "this module was recorded, to say what it left")
             return []
         written = following.noted(layout.BUFFERS_WRITTEN_NOTE)  # (escaped, as the recorder wrote them)
-        hooked = [p for p, doc in _skeleton_modules(step._doc("module"), "")  # their buffers change in hooks
-                  if doc.get("hooks") or doc.get("other_hooks") or doc.get("parametrized")]  # the replay remakes
+        modules = list(_skeleton_modules(step._doc("module"), ""))
+        in_call = _written_in_call(modules)
+        hooked = [p for p, doc in modules if doc.get("other_hooks") or doc.get("hooks") and not any(
+            _is_spectral(h) for h in doc["hooks"])]
         diffs, outside, between = [], [], []
         for r in following.records:
             was = before.get(r.name)
             if r.role != "buffer" or was is None or r.name not in now or not (r.has_payload and was.has_payload):
                 continue
-            if any(r.name.startswith(f"{p}." if p else "") for p in hooked) or ".parametrizations." in f".{r.name}":
+            if any(r.name.startswith(f"{p}." if p else "") for p in hooked):
                 continue
             if r.payload == was.payload:  # the same bytes before and after: the call left it alone
                 continue
-            if self.plan.empty and compare_record(step.rec.rank, was, now[r.name], "").match:
+            if self.plan.empty and not r.name.startswith(in_call) \
+                    and compare_record(step.rec.rank, was, now[r.name], "").match:
                 outside.append(r.name)  # the same code left it: changed between the calls, not by this one
                 continue
             if r.name.encode("unicode_escape").decode() in written:
@@ -1612,6 +1618,8 @@ class Replayer:
                 capture.ACTIVE = saved
                 if tap is not None:
                     tap.close()
+        if tap is not None:
+            tap.forget_grads()
         outs = tensors_by_name(out, "output")
         pairs = [(outs[n], self._edit(n, _materialize(step, r, self.plan.notes), f"grad_output:{n}"))
                  for n, r in grad_outputs.items() if n in outs]
@@ -1667,10 +1675,11 @@ class Replayer:
                 self._around("backward"), collectives.refused_in_backward(step):
             try:
                 try:
+                    inner_leaves = [t for t in tap.leaves if not any(t is x for x in targets)] if tap else []
                     with _reaching(call.reached):
-                        grads = torch.autograd.grad([_plain(o) for o, _ in pairs], targets,
+                        grads = torch.autograd.grad([_plain(o) for o, _ in pairs], [*targets, *inner_leaves],
                                                     grad_outputs=[g for _, g in pairs], allow_unused=True,
-                                                    create_graph=graphed)
+                                                    create_graph=graphed)[:len(targets)]
                 except RuntimeError as exc:
                     if "use_reentrant=True" not in str(exc) or not all(t.is_leaf for t in targets):
                         raise
@@ -1881,6 +1890,27 @@ def _names_step(key: str, step: Step) -> bool:
 # ($function since 1.6: torch's tensor math and paper steps; $partial since 1.9).
 _FUNCTIONS_SINCE = {"builtins:function": (1, 6), "builtins:builtin_function_or_method": (1, 6),
                     "functools:partial": (1, 9)}
+
+
+def _is_spectral(hook: Any) -> bool:
+    return isinstance(hook, dict) and hook.get("kind") == "spectral_norm"
+
+
+def _written_in_call(modules: list[tuple[str, dict[str, Any]]]) -> tuple[str, ...]:
+    """The names (prefixes) of the buffers torch's own code writes inside a module's call, of a skeleton's
+    ``modules``: spectral norm's power-iteration vectors, in a parametrization (``fc.parametrizations.``)
+    or the hook-based form's (``fc.weight_u``). A replay that left one as recorded skipped that work: it
+    is compared, not taken for a change between the calls."""
+    out: list[str] = []
+    for path, doc in modules:
+        if doc.get("parametrized"):
+            out.append(f"{join_path(path, 'parametrizations')}.")
+        for hook in doc.get("hooks") or ():
+            attrs = hook.get("attrs") if _is_spectral(hook) else None
+            name = attrs.get("name") if isinstance(attrs, dict) else None
+            if isinstance(name, str):
+                out += [join_path(path, f"{name}_u"), join_path(path, f"{name}_v")]
+    return tuple(out)
 
 
 def _skeleton_modules(doc: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:

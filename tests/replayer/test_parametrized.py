@@ -112,6 +112,45 @@ def test_a_bundle_of_a_step_with_a_hook_based_spectral_norm_replays_elsewhere(tm
     assert info.verified is True
 
 
+_VECTORS = {"spectral_norm": ("fc.parametrizations.weight.0._u", "fc.parametrizations.weight.0._v"),
+            "hooked_spectral_norm": ("fc.weight_u", "fc.weight_v")}
+
+
+@pytest.mark.parametrize("norm", list(_VECTORS))
+def test_spectral_norms_power_iteration_vectors_are_compared_after_the_call(norm: str, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spectral norm's power iteration updates its vectors in place at every training call: a forward
+    replay compares them, as BatchNorm's running statistics, with what the next call found (only the
+    output was compared: a replay whose power iteration left them as they were matched)."""
+    torch.manual_seed(0)
+    normed = Normed(norm)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=normed, mode="full"):
+        for _ in range(2):
+            normed(torch.randn(8, 4))
+    rec = replayer.open(path)
+    result = replayer.replay(rec, 0)
+    vectors = {f"after:{name}" for name in _VECTORS[norm]}
+    assert result.match and vectors <= {d.name for d in result.outputs}, result.warnings
+    if norm != "spectral_norm":
+        return
+
+    forward = parametrizations._SpectralNorm.forward
+
+    def on_copies(self: nn.Module, weight: torch.Tensor) -> torch.Tensor:  # the same weight, the vectors kept
+        u, v = self._u.clone(), self._v.clone()
+        out = forward(self, weight)
+        with torch.no_grad():
+            self._u.copy_(u)
+            self._v.copy_(v)
+        return out
+
+    monkeypatch.setattr(parametrizations._SpectralNorm, "forward", on_copies)
+    forgetful = replayer.replay(rec, 0)
+    assert forgetful.diffs["output"].match and not forgetful.match
+    assert not forgetful.diffs["after:fc.parametrizations.weight.0._u"].match
+
+
 @recorder.paper_step("Eq. 6", description="a linear layer whose output a hook changes")
 class Hooked(nn.Module):
     def __init__(self) -> None:

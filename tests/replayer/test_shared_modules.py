@@ -145,3 +145,64 @@ def test_experts_sharing_a_submodule_recorded_without_it_replay_their_shares(tmp
     assert result.match and len(result.inner) == 2, _failing(result)
     for path in ("moe.experts.0", "moe.experts.1"):
         assert {"fc2.weight", "fc2.bias", "fc1.weight", "fc1.bias"} == _param_grads(result, path)
+
+
+@recorder.paper_step("Algorithm 1", step=4, description="the critic")
+class Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@recorder.paper_step("Eq. 3", description="the gradient penalty")
+class GradPenalty(nn.Module):
+    def __init__(self, critic: nn.Module) -> None:
+        super().__init__()
+        self.D = critic
+
+    def forward(self, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+        x = (0.3 * real + 0.7 * fake).requires_grad_(True)
+        g, = torch.autograd.grad(self.D(x).sum(), x, create_graph=True)
+        return ((g.norm(2, dim=1) - 1) ** 2).mean()
+
+
+class WGAN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.D = Critic()  # the model's path of the critic, reached first: its calls are recorded as "D"
+        self.gp = GradPenalty(self.D)
+
+
+def test_a_penalty_holding_the_models_critic_replays_its_inner_call(tmp_path: Path) -> None:
+    """A gradient penalty module holding the critic the model holds too (``self.D = model.D``): its
+    call of the critic, recorded at ``D``, runs at ``gp.D`` in the replay of the penalty step. Forward
+    and backward replay bit for bit, the critic's inner step compared (it was "recorded, but not called
+    during the replay", a MISMATCH, while ``pdbg verify`` said 100%; the backward also compared the
+    interpolates' first-order gradient, and the critic's bias total, all the loss's other terms' own)."""
+    torch.manual_seed(0)
+    gan = WGAN()
+    opt = torch.optim.SGD(gan.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=gan, optimizer=opt, mode="full"):
+        for _ in range(2):
+            real, fake = torch.randn(8, 2), torch.randn(8, 2)
+            loss = gan.D(fake).mean() - gan.D(real).mean() + 10 * gan.gp(real, fake)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    rec = replayer.open(path)
+    for it in (0, 1):
+        forward = replayer.replay(rec, f"Eq. 3@iter={it}")
+        assert forward.match and [s.step.module_path for s in forward.inner] == ["D"], _failing(forward)
+        assert forward.inner[0].diffs and all(d.match for d in forward.inner[0].diffs)
+        backward = replayer.replay(rec, f"Eq. 3@iter={it}:backward")
+        assert backward.match and len(backward.inner) == 1, _failing(backward)
+        assert {"net.0.weight", "net.2.weight"} <= _param_grads(backward, "D")
+        assert any(d.role == "grad_input" and d.match for d in backward.inner[0].diffs)
+    edited = replayer.replay(rec, "Eq. 3@iter=1", edit={"args.0": "x * 1.001"})
+    assert not edited.match and not edited.inner[0].match
+    bundle = replayer.bundle(rec, rec.step("Eq. 3@iter=1").index, tmp_path / "gp.pdbg", verify=True)
+    assert bundle.verified is True
