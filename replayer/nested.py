@@ -4,7 +4,9 @@ recorder that sees them run again so that each can be compared with its recordin
 Module steps are seen through forward hooks on the rebuilt module's submodules at the recorded
 paths; function steps (``paper_step`` functions) through the decorator's hook point
 (``recorder.capture.ACTIVE``), with the path of the innermost module running around them. Replayed
-calls are matched to recorded ones by (name, module path) and their order.
+calls are matched to recorded ones by (name, module path) and their order; a submodule the recorder
+named by another path, outside the step's (the model's own, reached first), by its class
+(``_shared_paths``).
 """
 
 from __future__ import annotations
