@@ -2580,6 +2580,11 @@ def test_a_nan_that_came_in_through_a_graph_of_gradients_is_where_it_entered(tmp
         record_inline_penalty(tmp_path / "stop.zarr", bad=3, on_anomaly="stop")
 
 
+@recorder.paper_step("Algorithm 1", step=4, description="the critic")
+class _StepCritic(_Critic):
+    pass
+
+
 @recorder.paper_step("Eq. 3", description="WGAN-GP's gradient penalty, holding the critic")
 class _Penalty(torch.nn.Module):
     def __init__(self, critic: torch.nn.Module) -> None:
@@ -2602,7 +2607,7 @@ def record_recorded_penalty(path: Path, bad: int, form: str, on_anomaly: str = "
     """``record_inline_penalty`` with the penalty a recorded step: a module holding the critic (the critic, a
     recorded step too, runs inside it), or a function given the critic's output and its input."""
     torch.manual_seed(0)
-    critic = recorder.paper_step("Algorithm 1", step=4, description="the critic")(_Critic)()
+    critic = _StepCritic()
     penalty = _Penalty(critic)
     model = torch.nn.ModuleDict({"critic": critic, "penalty": penalty})
     opt = torch.optim.SGD(critic.parameters(), lr=1e-3)
@@ -2647,7 +2652,7 @@ def test_a_penalty_given_the_critics_output_is_named_where_the_nan_came_in(tmp_p
     record_recorded_penalty(path, bad=3, form="function")
     origin = replayer.first_nonfinite(replayer.open(path), ops=True)
     assert origin.step is None and origin.entered is not None, origin.cause
-    assert (origin.entered.name, origin.entered.phase) == ("_Critic", "backward"), origin.cause
+    assert (origin.entered.module_path, origin.entered.phase) == ("critic", "backward"), origin.cause
     user = origin.suspect
     assert user is not None and (user.name, user.phase, user.iteration) == ("_penalty_of", "backward", 3)
     assert f"by {replayer.bisect.describe(user)}" in origin.cause and "outside the recorded steps" not in origin.cause
