@@ -486,6 +486,10 @@ def _wrap_function(fn: Callable[..., Any], defn: StepDef) -> Callable[..., Any]:
 def _decorate_class(cls: type, name: str, *paper: Any) -> type:
     defn = StepDef(name, *paper, kind="module", target=cls)
     forward = cls.forward
+    if "forward" not in vars(cls) and getattr(forward, "__pdbg_step__", None) is not None:
+        # inherited from a class that is a step too: a call of this class is this step alone (its base's
+        # would be recorded inside it as a second step of the same call, and named by bisect as the innermost)
+        forward = forward.__wrapped__
     sig, held = _mutable_defaults(forward)
 
     @functools.wraps(forward)

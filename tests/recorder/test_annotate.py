@@ -296,3 +296,38 @@ def test_two_threads_calling_new_steps_find_their_sources_one_at_a_time(run_path
             t.join()
     assert held == [True] * 8 and run.status == "complete"
     assert len(replayer.open(run_path)) == 8
+
+
+@recorder.paper_step("Eq. 1", description="a base layer")
+class _BaseLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+@recorder.paper_step("Eq. 2", description="the paper's variant of the base layer, its forward inherited")
+class _VariantLayer(_BaseLayer):
+    pass
+
+
+def test_a_step_class_inheriting_a_step_classs_forward_is_one_step_a_call(tmp_path) -> None:
+    """A step class whose forward is inherited from a class that is a step too: a call of it was recorded
+    twice, as itself and, inside, as its base (bisect named the base, the innermost). It is one step a call,
+    its own, which replays forward and backward; the base class's own instances stay steps of the base's."""
+    import replayer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_VariantLayer(), _BaseLayer())
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model):
+        model(torch.randn(3, 4)).sum().backward()
+    with replayer.open(path) as rec:
+        assert [(s.name, s.module_path, s.phase) for s in rec.steps] == [
+            ("_VariantLayer", "0", "forward"), ("_BaseLayer", "1", "forward"),
+            ("_BaseLayer", "1", "backward"), ("_VariantLayer", "0", "backward")]
+        for step in rec.steps:
+            result = replayer.replay(rec, step.index)
+            assert result.match and result.compared, (step.index, [d.summary() for d in result.outputs])
