@@ -2868,18 +2868,27 @@ def _positional_names(step: Step) -> list[str]:
     return []
 
 
-def _generator_difference(a: Any, b: Any, where: tuple[Any, ...]) -> str | None:
-    """Where two arguments documents first differ inside a torch.Generator's (``$generator``: its device and
-    state, base64), how the two generators differ in words: "seed 1234 vs 99" (the seed a CPU generator's state
-    holds, ``initial_seed``), or, the seeds alike or not read, the states' short digests; None elsewhere."""
-    if "$generator" not in where:
+def _tagged(a: Any, b: Any, where: tuple[Any, ...], tag: str) -> list[dict[str, Any]] | None:
+    """The payloads of the ``tag`` value two arguments documents hold on the path ``where`` (their first
+    difference) leads through, each ``{}`` where it is no dict; None where that path goes through no such value."""
+    if tag not in where:
         return None
     docs = []
     for whole in (a, b):
         doc = whole
-        for key in where[:where.index("$generator") + 1]:
+        for key in where[:where.index(tag) + 1]:
             doc = doc[key]
         docs.append(doc if isinstance(doc, dict) else {})
+    return docs
+
+
+def _generator_difference(a: Any, b: Any, where: tuple[Any, ...]) -> str | None:
+    """Where two arguments documents first differ inside a torch.Generator's (``$generator``: its device and
+    state, base64), how the two generators differ in words: "seed 1234 vs 99" (the seed a CPU generator's state
+    holds, ``initial_seed``), or, the seeds alike or not read, the states' short digests; None elsewhere."""
+    docs = _tagged(a, b, where, "$generator")
+    if docs is None:
+        return None
     seeds, digests = [], []
     for doc in docs:
         try:
@@ -2901,14 +2910,9 @@ def _rng_difference(a: Any, b: Any, where: tuple[Any, ...]) -> tuple[str | None,
     and state), (its kind, how the two differ in words): a numpy one's bit generators ("bit generator PCG64 vs
     MT19937"), else the first field of the states that differs, both values where short ("state['state']['key'][0] 1
     vs 2": MT19937's seed), their short digests where not; (None, both kinds) where the kinds differ; None elsewhere."""
-    if "$rng" not in where:
+    docs = _tagged(a, b, where, "$rng")
+    if docs is None:
         return None
-    docs = []
-    for whole in (a, b):
-        doc = whole
-        for key in where[:where.index("$rng") + 1]:
-            doc = doc[key]
-        docs.append(doc if isinstance(doc, dict) else {})
     kind, other = (str(d.get("kind")) for d in docs)
     if kind != other:
         return None, f"a {kind:.60} in this run, a {other:.60} in the other"

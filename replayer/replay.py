@@ -1046,22 +1046,13 @@ class Replayer:
             return args, kwargs
         return [swap.get(id(a), a) for a in args], {k: swap.get(id(v), v) for k, v in kwargs.items()}
 
-    def _leaves_tapped(self) -> bool:
-        """Whether the recording tapped a step's top-level leaf arguments (schema before 1.19)."""
-        return layout.parse_version(self.rec.reader.schema_version) < layout.LEAVES_UNTAPPED_SINCE
-
-    def _uses_apart(self) -> bool:
-        """Whether the recording's taps passed each use of an argument on apart (schema 1.21 or later)."""
-        return layout.parse_version(self.rec.reader.schema_version) >= layout.USES_APART_SINCE
-
     def _since(self, version: tuple[int, int]) -> bool:
         """Whether the recording is of schema ``version`` or later."""
         return layout.parse_version(self.rec.reader.schema_version) >= version
 
-    def _spares(self) -> int:
-        """The spare edges the recording's taps kept (uses of an argument passed on apart, less one)."""
-        recorded = layout.parse_version(self.rec.reader.schema_version)
-        return taps._SPARES if recorded >= layout.MORE_SPARES_SINCE else taps.SPARES_BEFORE
+    def _leaves_tapped(self) -> bool:
+        """Whether the recording tapped a step's top-level leaf arguments (schema before 1.19)."""
+        return not self._since(layout.LEAVES_UNTAPPED_SINCE)
 
     @contextlib.contextmanager
     def _bindings(self) -> Iterator[None]:
@@ -1585,8 +1576,9 @@ class Replayer:
                 raise ReplayError(f"backward step {step.index} kept {step.kept_only(r)}; it cannot be replayed")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan,
-                       leaves_tapped=self._leaves_tapped(), uses_apart=self._uses_apart(),
-                       spares=self._spares(), nested_leaves=self._since(layout.NESTED_LEAVES_SINCE)) if inner else None
+                       leaves_tapped=self._leaves_tapped(), uses_apart=self._since(layout.USES_APART_SINCE),
+                       spares=taps._SPARES if self._since(layout.MORE_SPARES_SINCE) else taps.SPARES_BEFORE,
+                       nested_leaves=self._since(layout.NESTED_LEAVES_SINCE)) if inner else None
         fwd_settings = {**fwd.settings, **self.plan.settings}
         # The pass's other call runs in its recorded order around this one (autograd then adds their
         # parameter grads in the order it did, the last call's first).

@@ -2531,32 +2531,12 @@ class _Critic(torch.nn.Module):
         return self.l2(torch.relu(self.l1(x)))
 
 
-def record_inline_penalty(path: Path, bad: int, on_anomaly: str = "record") -> None:
-    """WGAN-GP's critic update with the gradient penalty sqrt(sum g^2) written in the loop, not as a step.
-    At iteration ``bad`` one sample is 0, where the bias-free critic's gradient is 0 and sqrt's backward
-    makes NaN: it reaches the critic's parameter grads through the graph of gradients only."""
-    torch.manual_seed(0)
-    critic = _Critic()
-    opt = torch.optim.SGD(critic.parameters(), lr=1e-3)
-    with recorder.record(path, model=critic, optimizer=opt, on_anomaly=on_anomaly):
-        for i in range(bad + 2):
-            x = torch.randn(4, 2) * 0.5 + torch.tensor([1.0, -1.0])
-            if i == bad:
-                x[0] = 0.0
-            x.requires_grad_(True)
-            (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
-            penalty = ((g.pow(2).sum(1).sqrt() - 1) ** 2).mean()
-            (critic(torch.randn(4, 2)).mean() + penalty).backward()
-            opt.step()
-            opt.zero_grad()
-
-
 def test_a_nan_that_came_in_through_a_graph_of_gradients_is_where_it_entered(tmp_path: Path) -> None:
     """sqrt's backward, outside every recorded step, makes NaN that reaches the critic's second-order
     backward through the graph of gradients: bisect called that step the origin, "from finite inputs",
     and so did info, a bundle of that step and the stop. It is where the NaN came in."""
     path = tmp_path / "penalty.zarr"
-    record_inline_penalty(path, bad=3)
+    record_penalty(path, bad=3)
     rec = replayer.open(path)
     origin = replayer.first_nonfinite(rec, ops=True)
     entered = origin.entered
@@ -2577,7 +2557,7 @@ def test_a_nan_that_came_in_through_a_graph_of_gradients_is_where_it_entered(tmp
     with pytest.raises(recorder.NonFiniteError, match=r"^Critic \(_Critic\) backward, iteration 3, call 0: the "
                                                       r"gradient of l1\.weight has \d+ NaN; it came in through the "
                                                       r"graph of gradients"):
-        record_inline_penalty(tmp_path / "stop.zarr", bad=3, on_anomaly="stop")
+        record_penalty(tmp_path / "stop.zarr", bad=3, on_anomaly="stop")
 
 
 @recorder.paper_step("Algorithm 1", step=4, description="the critic")
@@ -2603,13 +2583,16 @@ def _penalty_of(d_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return ((g.pow(2).sum(1).sqrt() - 1) ** 2).mean()
 
 
-def record_recorded_penalty(path: Path, bad: int, form: str, on_anomaly: str = "record") -> None:
-    """``record_inline_penalty`` with the penalty a recorded step: a module holding the critic (the critic, a
-    recorded step too, runs inside it), or a function given the critic's output and its input."""
+def record_penalty(path: Path, bad: int, form: str = "inline", on_anomaly: str = "record") -> None:
+    """WGAN-GP's critic update with the gradient penalty sqrt(sum g^2): written in the loop, not as a step
+    (``form`` "inline"), a recorded module holding the critic (the critic, a recorded step too, runs inside it:
+    "module"), or a recorded function given the critic's output and its input ("function"). At iteration
+    ``bad`` one sample is 0, where the bias-free critic's gradient is 0 and sqrt's backward makes NaN: it
+    reaches the critic's parameter grads through the graph of gradients only."""
     torch.manual_seed(0)
-    critic = _StepCritic()
+    critic = _Critic() if form == "inline" else _StepCritic()
     penalty = _Penalty(critic)
-    model = torch.nn.ModuleDict({"critic": critic, "penalty": penalty})
+    model = critic if form == "inline" else torch.nn.ModuleDict({"critic": critic, "penalty": penalty})
     opt = torch.optim.SGD(critic.parameters(), lr=1e-3)
     with recorder.record(path, model=model, optimizer=opt, on_anomaly=on_anomaly):
         for i in range(bad + 2):
@@ -2618,9 +2601,12 @@ def record_recorded_penalty(path: Path, bad: int, form: str, on_anomaly: str = "
                 x[0] = 0.0
             if form == "module":
                 gp = penalty(x)
+            elif form == "function":
+                gp = _penalty_of(critic(x.requires_grad_(True)), x)
             else:
                 x.requires_grad_(True)
-                gp = _penalty_of(critic(x), x)
+                (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+                gp = ((g.pow(2).sum(1).sqrt() - 1) ** 2).mean()
             (critic(torch.randn(4, 2)).mean() + gp).backward()
             opt.step()
             opt.zero_grad()
@@ -2632,7 +2618,7 @@ def test_a_recorded_penalty_whose_sqrt_makes_nan_is_the_origin_not_the_critic_in
     critic's (its gradients coming in unrecorded; it cannot be replayed, so no operation), and the stop did too;
     both name the penalty's backward, which replays, and the operation: sqrt's backward dividing by 0."""
     path = tmp_path / "penalty.zarr"
-    record_recorded_penalty(path, bad=3, form="module")
+    record_penalty(path, bad=3, form="module")
     origin = replayer.first_nonfinite(replayer.open(path), ops=True)
     assert origin.step is not None, origin.cause
     assert (origin.step.name, origin.step.phase, origin.step.iteration) == ("_Penalty", "backward", 3), origin.cause
@@ -2640,7 +2626,7 @@ def test_a_recorded_penalty_whose_sqrt_makes_nan_is_the_origin_not_the_critic_in
     assert origin.op is not None and (origin.op.name, origin.op.node) == ("aten::div", "SqrtBackward0"), origin.op
     assert origin.op.code is not None and "sqrt()" in origin.op.code, origin.op.code
     with pytest.raises(recorder.NonFiniteError, match=r"^Eq\. 3 \(_Penalty\) at penalty backward, iteration 3"):
-        record_recorded_penalty(tmp_path / "stop.zarr", bad=3, form="module", on_anomaly="stop")
+        record_penalty(tmp_path / "stop.zarr", bad=3, form="module", on_anomaly="stop")
 
 
 def test_a_penalty_given_the_critics_output_is_named_where_the_nan_came_in(tmp_path: Path) -> None:
@@ -2649,7 +2635,7 @@ def test_a_penalty_given_the_critics_output_is_named_where_the_nan_came_in(tmp_p
     said it came from outside the recorded steps ("record that code as a step", which it is). It names the
     penalty's backward step as where those gradients were used, and how to make it replay."""
     path = tmp_path / "penalty.zarr"
-    record_recorded_penalty(path, bad=3, form="function")
+    record_penalty(path, bad=3, form="function")
     origin = replayer.first_nonfinite(replayer.open(path), ops=True)
     assert origin.step is None and origin.entered is not None, origin.cause
     assert (origin.entered.module_path, origin.entered.phase) == ("critic", "backward"), origin.cause
