@@ -248,6 +248,9 @@ class Frame:
     arguments: dict[str, Any] | None = None
     link: Any = None  # a forward's BackwardLink, when it has one
     duals: list[str] = field(default_factory=list)  # record names of forward-AD dual tensors (taps.dual)
+    # A backward through a graph of gradients: the backward step before it in its pass whose call took those
+    # gradients itself, where one did (see Session._gradient_user_of)
+    gradient_user: Frame | None = None
 
 
 # Writes through ``.data`` (an EMA or Polyak update, ``b_t.data.copy_(b.data)``) do not bump the
@@ -301,6 +304,9 @@ class BackwardLink:
     # output's tap, before its parameters' gradients come (see Session._on_param_grad).
     complete: bool = False
     graphed: bool = False  # its gradients were taken with create_graph=True (a gradient penalty's first pass)
+    # Those gradients were taken while the call itself ran (``gradient_penalty(d_out, interp)`` calling
+    # torch.autograd.grad): the second-order terms a later pass sends through them are its code's
+    took: bool = False
     # The module's parameters that require grad, and autograd's sequence number when the call began:
     # at its end, the nodes of its graph that use them are found (taps.parameter_uses).
     params: list[tuple[str, torch.Tensor]] = field(default_factory=list)
@@ -403,6 +409,7 @@ class Session:
         # The same, by their forward's index, and how many of them each module has (a recurrent cell
         # opens thousands in one pass: looked up, not searched).
         self._pass_frames: dict[int, Frame] = {}
+        self._gradient_user: Frame | None = None  # in the pass under way, the last such step (Frame.gradient_user)
         self._ended: dict[int, Frame] = {}  # a finished backward pass's steps by index, while they are monitored
         # id(parameter) -> (the last of its gradient hooks' keys looked at, the user's among them)
         self._hook_scan: dict[int, tuple[int, dict[int, Any]]] = {}
@@ -813,7 +820,8 @@ class Session:
                 second = layout.SECOND_ORDER_NOTE in frame.notes
                 frame.anomaly = (frame.index, monitors.nonfinite_message(
                     self._context(frame, None), found, frame.tensors, second_order=second,
-                    within=self._enclosing_backward(frame) if second else None))
+                    within=self._enclosing_backward(frame) if second else None,
+                    user=self._gradient_user_of(frame) if second else None))
             elif frame.anomaly is None and frame.output_doc is not None:
                 self._nonfinite_values(frame)
         return frame.nonfinite
@@ -822,6 +830,13 @@ class Session:
         """The backward step of this pass that ``frame`` (a backward step) runs inside, described; None where none."""
         outer = self._ended.get(frame.parent)
         return None if outer is None else self._context(outer, None).describe()
+
+    def _gradient_user_of(self, frame: Frame) -> str | None:
+        """For a backward step through a graph of gradients that runs inside none: the backward step of this
+        pass before it whose forward took those gradients itself (``gradient_penalty(d_out, interp)``), described;
+        None where none did (the loop took them). As bisect's ``_gradient_user`` finds it in a recording."""
+        user = frame.gradient_user
+        return None if user is None else self._context(user, None).describe()
 
     def _nonfinite_values(self, frame: Frame) -> None:
         """A step whose result holds no non-finite tensor but NaN in a number that is none (a numpy array, a
@@ -2268,10 +2283,14 @@ class Session:
         frame.definition = fwd.definition
         if link.graphed:  # a later pass, through the graph of gradients an earlier one made
             frame.notes.append(layout.SECOND_ORDER_NOTE)
+            frame.gradient_user = self._gradient_user
+            if link.took:
+                self._gradient_user = frame
         if link.reused and len(link.own) < len(link.params):
             frame.notes.append(layout.REUSED_NOTE)
         elif torch.is_grad_enabled():  # autograd runs a backward with grad mode = create_graph
             link.graphed = True
+            link.took = any(f is fwd for f in self._stack())
         link.frame = frame
         self._pass.append(link)
         self._pass_frames[fwd.index] = frame
@@ -2305,6 +2324,7 @@ class Session:
             done, self._pass, self._callback_queued = self._pass, [], False
             self._pass_frames.clear()
             self._pass_modules.clear()
+            self._gradient_user = None
             if aborted:
                 for link in done:
                     if link.frame is not None and id(link) in cut:

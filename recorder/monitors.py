@@ -268,7 +268,7 @@ _GIVEN = {"input": "input", "param": "parameter", "buffer": "buffer", "grad_outp
 
 
 def nonfinite_message(ctx: StepContext, tensor: TensorItem, tensors: list[TensorItem] | tuple[()] = (),
-                      second_order: bool = False, within: str | None = None) -> str:
+                      second_order: bool = False, within: str | None = None, user: str | None = None) -> str:
     """'Eq. 2 (smooth_relu) forward, iteration 17, call 3: output has 12 NaN'. A gradient is named as
     one ("the gradient of bias has 4 NaN", not the finite parameter); where the step's own inputs among
     ``tensors`` (the step's records) already held NaN or Inf, a grad output the loss made NaN, a
@@ -276,7 +276,9 @@ def nonfinite_message(ctx: StepContext, tensor: TensorItem, tensors: list[Tensor
     backward step through a graph of gradients (layout.SECOND_ORDER_NOTE), whose gradients hold terms
     its finite grad outputs do not show: the message says it came in that way, and, where it runs inside
     another backward step (``within``: that step described; a gradient penalty recorded as a step, whose
-    own code used those gradients), that the terms were made there."""
+    own code used those gradients), that the terms were made there; where it does not, but a backward step
+    before it in its pass is of a call that took those gradients itself (``user``: that step described; a
+    penalty given the critic's output and its input), that they were made by it."""
     role = layout.role_name(tensor.role)
     label = f"the gradient of {tensor.name}" if role in ("grad_input", "param_grad") else tensor.name
     text = f"{ctx.describe()}: {label} has {_counts(tensor.stats)}"
@@ -295,8 +297,13 @@ def nonfinite_message(ctx: StepContext, tensor: TensorItem, tensors: list[Tensor
         text += (f"; {'it came in: ' if nan else ''}{given[0]}{more} when the "
                  f"{'call' if ctx.phase == 'forward' else 'backward step'} began")
     elif second_order:
-        where = (f"in {within}, whose backward this one runs inside (pdbg bisect names the operation)" if within
-                 else "a gradient penalty outside every recorded step?")
+        if within:
+            where = f"in {within}, whose backward this one runs inside (pdbg bisect names the operation)"
+        elif user:
+            where = (f"by {user}, whose forward took them with create_graph=True itself; record it as a module holding "
+                     "the critic to have its operation named")
+        else:
+            where = "a gradient penalty outside every recorded step?"
         text += ("; it came in through the graph of gradients an earlier backward pass took with create_graph=True "
                  f"(second-order terms, made where those gradients were used: {where}), not through its finite grad "
                  "outputs")

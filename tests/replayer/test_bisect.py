@@ -2632,8 +2632,9 @@ def test_a_recorded_penalty_whose_sqrt_makes_nan_is_the_origin_not_the_critic_in
 def test_a_penalty_given_the_critics_output_is_named_where_the_nan_came_in(tmp_path: Path) -> None:
     """The penalty a function step given the critic's output and its input: its backward sends the
     second-order terms to the critic's parameters straight, so none of its records holds the NaN, and bisect
-    said it came from outside the recorded steps ("record that code as a step", which it is). It names the
-    penalty's backward step as where those gradients were used, and how to make it replay."""
+    said it came from outside the recorded steps ("record that code as a step", which it is), and the stop
+    asked "a gradient penalty outside every recorded step?". Both name the penalty's backward step as where
+    those gradients were used, and how to make it replay."""
     path = tmp_path / "penalty.zarr"
     record_penalty(path, bad=3, form="function")
     origin = replayer.first_nonfinite(replayer.open(path), ops=True)
@@ -2643,6 +2644,12 @@ def test_a_penalty_given_the_critics_output_is_named_where_the_nan_came_in(tmp_p
     assert user is not None and (user.name, user.phase, user.iteration) == ("_penalty_of", "backward", 3)
     assert f"by {replayer.bisect.describe(user)}" in origin.cause and "outside the recorded steps" not in origin.cause
     assert "record it as a module holding the critic" in origin.cause
+    stopped = (r"^Algorithm 1 \(_StepCritic\) at critic backward, iteration 3, call \d+: the gradient of l1\.weight "
+               r"has \d+ NaN; it came in through the graph of gradients .*made where those gradients were used: by "
+               r"Eq\. 3 \(_penalty_of\) backward, iteration 3")
+    with pytest.raises(recorder.NonFiniteError, match=stopped) as stop:
+        record_penalty(tmp_path / "stop.zarr", bad=3, form="function", on_anomaly="stop")
+    assert "outside every recorded step" not in str(stop.value)
 
 
 def test_asking_an_older_recording_for_one_module_object_says_it_cannot_tell(tmp_path: Path) -> None:
