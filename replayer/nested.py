@@ -135,24 +135,23 @@ class _Seen:
 class InnerTap:
     """Installed as ``recorder.capture.ACTIVE`` during a replay; records the replayed inner calls.
     With ``backward=True`` their inputs and outputs also pass through autograd taps (identities for
-    the values), so that a backward replay sees each inner step's grad inputs and grad outputs; their
-    top-level leaf arguments are followed through their graphs, as the recorder follows them (tapped
-    too where ``leaves_tapped``: a recording before schema 1.19 tapped them). An argument an inner
-    call uses several times has each use's gradient passed on apart, as the recorder passes it
-    (``uses_apart``; a recording before schema 1.21 passed on their sum: autograd's additions upstream,
-    an outer step's gradients, in the last bits, are then the recording's), up to as many as its recorder
-    passed on apart (``spares``: one less; taps.SPARES_BEFORE for a recording of schema 1.21). The leaves
-    inside its container arguments are followed too, where the recorder followed them (``nested_leaves``:
-    schema 1.23)."""
+    the values), so that a backward replay sees each inner step's grad inputs and grad outputs. They are
+    tapped as the recorder of the recording's schema (``schema``, the current one where None) tapped them,
+    so that autograd's additions upstream, an outer step's gradients in the last bits, are the recording's:
+    their top-level leaf arguments are followed through their graphs (tapped too before 1.19); an argument
+    an inner call uses several times has each use's gradient passed on apart (their sum before 1.21), up to
+    16 uses (4 in 1.21); the leaves inside container arguments are followed too (from 1.23)."""
 
     enabled = True
 
     def __init__(self, root: torch.nn.Module | None, root_path: str, inner: list[Step], *,
-                 backward: bool = False, plan: Any = None, leaves_tapped: bool = False,
-                 uses_apart: bool = True, spares: int | None = None, nested_leaves: bool = True) -> None:
+                 backward: bool = False, plan: Any = None, schema: tuple[int, int] | None = None) -> None:
         self.inner, self.backward, self.plan, self.root_path = inner, backward, plan, root_path
-        self.leaves_tapped, self.uses_apart, self.spares = leaves_tapped, uses_apart, spares
-        self.nested_leaves = nested_leaves
+        since = (lambda version: True) if schema is None else (lambda version: schema >= version)
+        self.leaves_tapped = not since(layout.LEAVES_UNTAPPED_SINCE)
+        self.uses_apart = since(layout.USES_APART_SINCE)
+        self.spares = taps._SPARES if since(layout.MORE_SPARES_SINCE) else taps.SPARES_BEFORE
+        self.nested_leaves = since(layout.NESTED_LEAVES_SINCE)
         self._seen_count: dict[tuple[str, str], int] = {}
         self.calls: list[_Seen] = []
         # The leaf arguments requiring grad that inner calls were given (a gradient penalty's interpolates,

@@ -1576,9 +1576,7 @@ class Replayer:
                 raise ReplayError(f"backward step {step.index} kept {step.kept_only(r)}; it cannot be replayed")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan,
-                       leaves_tapped=self._leaves_tapped(), uses_apart=self._since(layout.USES_APART_SINCE),
-                       spares=taps._SPARES if self._since(layout.MORE_SPARES_SINCE) else taps.SPARES_BEFORE,
-                       nested_leaves=self._since(layout.NESTED_LEAVES_SINCE)) if inner else None
+                       schema=layout.parse_version(self.rec.reader.schema_version)) if inner else None
         fwd_settings = {**fwd.settings, **self.plan.settings}
         # The pass's other call runs in its recorded order around this one (autograd then adds their
         # parameter grads in the order it did, the last call's first).
