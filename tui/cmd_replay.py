@@ -909,7 +909,8 @@ def verify(args: argparse.Namespace) -> int:
             for text, steps in by_reason.items():
                 reason = steps[0]["reason"]
                 if any(m["reason"] != reason for m in steps):  # told apart by their numbers only
-                    print(f"  {_steps_text([m['step'] for m in steps])}: {text}")
+                    key = " (step N: each listed step's own number, or its forward's)" if "step N" in text else ""
+                    print(f"  {_steps_text([m['step'] for m in steps])}: {text}{key}")
                 elif len(steps) <= _ALIKE_LISTED:
                     for m in steps:
                         print(f"  {_step_text(m['step'])}: {reason}")

@@ -3093,6 +3093,7 @@ def test_verify_lists_a_reason_that_names_each_step_once(tmp_path: Path) -> None
     assert text.returncode == 2 and len(lines) == 3 and lines[1] == "could not be replayed:", text.stdout
     assert lines[2].startswith("  steps 0-5 (Eq. 10 (Vae.reparameterize)): step N (Vae.reparameterize) is the method "
                                "Vae.reparameterize, and its self was a tests.replayer.test_replay:Vae "), lines[2]
+    assert lines[2].endswith(" (step N: each listed step's own number, or its forward's)"), lines[2]
     assert "step 0 (Vae.reparameterize) is the method" in text.stderr and "other reason" not in text.stderr
     doc = json.loads(pdbg_here("verify", str(path), "--json", cwd=tmp_path).stdout)
     assert [m["reason"].split(" (Vae")[0] for m in doc["not_replayed"]] == [
