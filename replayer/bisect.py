@@ -1498,6 +1498,12 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord,
     if writers:
         return (f"input {r.name} of {describe(source)} came non-finite ({_counts(rec, r)}): "
                 f"{_writers_text(writers, 'the input')}code outside every recorded step wrote it{since}{became}")
+    if earlier is not None and _forward_only(earlier):  # (per-sample gradients: vmap(grad(loss)) over functional_call)
+        return (f"input {r.name} of {describe(source)} came non-finite ({_counts(rec, r)}) from code outside every "
+                f"recorded step; it was last finite in {describe(earlier)}, which ran under a torch.func transform "
+                "and is recorded forward only: where this input is made from what the gradients taken through it "
+                "update (parameters given as an argument, as to functional_call), those gradients, not recorded, are "
+                f"the likely source, through the optimizer update{became}")
     return (f"input {r.name} of {describe(source)} came non-finite ({_counts(rec, r)}) from code outside every "
             f"recorded step{since}{became}")
 
