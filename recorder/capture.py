@@ -321,6 +321,7 @@ class BackwardLink:
     # In the backward pass under way: parameter -> (uses whose contribution came, their sum so far).
     sums: dict[str, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)  # in the pass under way: parameters whose own grad is recorded
+    aside: int = -1  # the graph task of a pass found not to go through the call's graph (Session._went_through)
     # The items of the arguments' lists, dicts and dataclasses that hold tapped tensors while the call
     # runs, put back when it returns (taps.restore)
     undo: taps.Undo = field(default_factory=list)
@@ -415,6 +416,9 @@ class Session:
         self._hook_scan: dict[int, tuple[int, dict[int, Any]]] = {}
         self._pass_modules: collections.Counter[int] = collections.Counter()
         self._callback_queued = False
+        # The backward passes under way, outermost first: the thread that began each and the nodes it begins
+        # at (None: not told), given by run._BackwardCalls (see _went_through)
+        self._roots: list[tuple[int, tuple[Any, ...] | None]] = []
         # id(module) -> (weak reference, state key, document, the generator objects it holds: _module_entry):
         # weak, so that modules made anew at every call (and their parameters) are not kept alive by the recording.
         self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], tuple[Any, ...], dict[str, Any],
@@ -2159,7 +2163,10 @@ class Session:
         fires before its call's backward began at an output's tap, while another call of the same
         module has begun its backward in this pass, is that call's graph's (two graphs built before
         either backward), not this call's. Without that other call, it is this call's, through a
-        path other than its outputs (an auxiliary loss kept on the module)."""
+        path other than its outputs (an auxiliary loss kept on the module), where the pass goes through a
+        node made while the call ran; a pass that reaches the parameter only by uses made after the call (an
+        L2 penalty of the weight alone, a jvp of the module) never went through its graph, and the call, whose
+        output got no gradient (a metric taken in grad mode), has no backward step in it."""
         if grad is None or _batched_backward(link, (grad,)):  # (None: a node ran with no gradient to send)
             return
         def run() -> None:
@@ -2172,10 +2179,44 @@ class Session:
                     return
             if link.frame is None and link.complete and self._pass_modules[id(link.fwd.module)]:  # (all begun)
                 return
+            if link.frame is None and name in link.own and not self._went_through(link):
+                return
             frame = self._open_backward(link)
             self._capture(frame, "param_grad", name, grad)
             # (not the step's end: a total comes once the pass has reached every call, at its end)
         self._guard("capturing parameter grads", run)
+
+    def pass_began(self, roots: Any) -> tuple[int, tuple[Any, ...] | None]:
+        """A backward pass begins at ``roots``, what autograd's engine was given (run._BackwardCalls);
+        returns what ``pass_ended`` is given when it is over."""
+        began = (threading.get_ident(), taps.root_nodes(roots))
+        with self.lock:
+            self._roots.append(began)
+        return began
+
+    def pass_ended(self, began: tuple[int, tuple[Any, ...] | None]) -> None:
+        """The backward pass ``pass_began`` returned ``began`` for is over (or raised)."""
+        with self.lock:
+            self._roots = [r for r in self._roots if r is not began]
+
+    def _went_through(self, link: BackwardLink) -> bool:
+        """Whether the backward pass under way, which reached one of ``link``'s parameters while no output tap
+        or parameter use of the call's graph sent it anything, goes through a node made while the call ran
+        (taps.goes_through). True where that cannot be told: no pass begun through torch.autograd, passes
+        begun on several threads at once, a walk longer than its limit."""
+        task = _graph_task_id()
+        if task == -1 or link.until < link.since:
+            return True
+        if link.aside == task:
+            return False
+        with self.lock:
+            roots = list(self._roots)
+        if not roots or roots[-1][1] is None or len({thread for thread, _ in roots}) > 1:
+            return True
+        if taps.goes_through(roots[-1][1], link.since, link.until) is False:
+            link.aside = task
+            return False
+        return True
 
     def _on_own_grad(self, link: BackwardLink, places: tuple[tuple[int, str], ...],
                      grads: tuple[torch.Tensor | None, ...], _outputs: Any) -> None:

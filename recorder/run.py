@@ -671,9 +671,10 @@ class _BackwardCalls:
     pass's gradients would go into them. Autograd's entry into its engine (behind ``Tensor.backward``,
     ``torch.autograd.backward`` and ``torch.autograd.grad``) is wrapped while recording: an exception
     leaving its outermost call on a thread ends the open pass there, its steps written with what they
-    captured and the exception given to the step whose backward was under way. ``remove()`` (at
-    close, with the other hooks) puts the original back. ``passes`` counts the outermost calls (see
-    Run._warn_uncounted)."""
+    captured and the exception given to the step whose backward was under way. Each pass's roots go to
+    the session (Session.pass_began), which tells by them whether a pass went through a call's graph.
+    ``remove()`` (at close, with the other hooks) puts the original back. ``passes`` counts the
+    outermost calls (see Run._warn_uncounted)."""
 
     def __init__(self, session: capture.Session) -> None:
         self.passes = 0
@@ -691,6 +692,7 @@ class _BackwardCalls:
             depth.n = getattr(depth, "n", 0) + 1
             if depth.n == 1:
                 self.passes += 1
+            began = session.pass_began(args[0] if args else _roots_given(kwargs))
             try:
                 return original(*args, **kwargs)
             except BaseException as exc:
@@ -701,6 +703,7 @@ class _BackwardCalls:
                         session.fail("ending a backward pass that raised", failure)
                 raise
             finally:
+                session.pass_ended(began)
                 depth.n -= 1
         return run_backward
 
@@ -708,6 +711,11 @@ class _BackwardCalls:
         for name, original in self._originals.items():
             if getattr(torch.autograd, name) is self._wrappers[name]:  # else wrapped again since: leave it
                 setattr(torch.autograd, name, original)
+
+
+def _roots_given(kwargs: dict[str, Any]) -> Any:
+    """The tensors a backward pass begins at, given by keyword (``torch.autograd.backward(tensors=...)``)."""
+    return next((kwargs[k] for k in ("t_outputs", "tensors", "outputs") if k in kwargs), None)
 
 
 class _UncountedSteps:

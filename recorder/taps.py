@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.autograd import forward_ad as _forward_ad
 from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import GradientEdge
 
 from . import payload as payload_mod
 
@@ -306,6 +307,49 @@ def parameter_uses(outputs: list[torch.Tensor], params: dict[int, Any], since: i
             elif not tap_node:
                 reused.append(after._sequence_nr())
     return found, reused, whole
+
+
+def root_nodes(roots: Any) -> tuple[Any, ...] | None:
+    """The nodes a backward pass begins at, from what autograd's engine is given (a tensor, or a sequence of
+    tensors and gradient edges); a leaf begins at none. None where one of them is neither."""
+    nodes = []
+    try:
+        for root in (roots,) if isinstance(roots, (torch.Tensor, GradientEdge)) else roots:
+            if isinstance(root, GradientEdge):
+                node = root.node
+            elif isinstance(root, torch.Tensor):
+                node = root.grad_fn
+            else:
+                return None
+            if node is not None:
+                nodes.append(node)
+    except Exception:  # noqa: BLE001 - a tensor of a mode or subclass that refuses: then the pass is not told
+        return None
+    return tuple(nodes)
+
+
+def goes_through(roots: tuple[Any, ...], since: int, until: int) -> bool | None:
+    """Whether a backward pass from ``roots`` (``root_nodes``) goes through a node made while a call ran
+    (sequence numbers ``since`` to ``until``): its graph, or one it kept aside (an auxiliary loss its module
+    holds), not only uses of its parameters made after it (an L2 penalty of a weight alone, a jvp of its
+    module). The walk back from the roots stops at nodes made before the call, as ``parameter_uses`` does;
+    None when it is longer than ``_WALK_LIMIT`` nodes."""
+    stack = list(roots)
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or type(node) is _ACCUMULATE_GRAD:
+            continue
+        seen.add(node)
+        if len(seen) > _WALK_LIMIT:
+            return None
+        nr = node._sequence_nr()
+        if nr < since:
+            continue
+        if nr < until:
+            return True
+        stack.extend(after for after, _ in node.next_functions if after is not None and after not in seen)
+    return False
 
 
 # A call's input taps' nodes, each with the alias it gave the call (tap_arguments)

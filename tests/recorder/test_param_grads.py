@@ -471,3 +471,63 @@ def test_leaves_inside_an_inner_steps_containers_replay_in_the_outer_backward(tm
         assert inner.match and {d.name for d in inner.diffs} == {
             "output", "args.1.w1", "args.1.b1", "args.2.0", "args.3.0", "args.3.1"}, \
             [d.summary() for d in inner.diffs]
+
+
+def _penalty(fc: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """An L2 penalty of the weight alone: a pass that reaches it by no call of the module."""
+    return fc.weight.square().sum()
+
+
+def _jvp(fc: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A directional derivative through another call of the module (under torch.func.jvp)."""
+    _, tangent = torch.func.jvp(fc, (x,), (torch.ones_like(x),))
+    return tangent.square().mean()
+
+
+def _used(fc: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The penalty with the call's output in the loss too: the pass goes through the call's graph."""
+    return y.sum() + fc.weight.square().sum()
+
+
+def _train_with_a_metric(loss_of: Callable[..., torch.Tensor], path: Path | None) -> torch.nn.Linear:
+    """Two iterations of a call of ``fc`` in grad mode whose output is a metric (argmax) or, for ``_used``,
+    part of the loss, then a backward pass of ``loss_of``; recorded at ``path`` unless it is None."""
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(fc.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    accuracy = []
+    context = recorder.record(path, model=torch.nn.ModuleDict({"fc": fc}), optimizer=opt, modules=["fc"],
+                              mode="full") if path is not None else contextlib.nullcontext()
+    with context:
+        for _ in range(2):
+            y = fc(x)
+            accuracy.append(y.argmax(-1).eq(0).float().mean())
+            loss_of(fc, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    return fc
+
+
+@pytest.mark.parametrize("loss_of", [_penalty, _jvp], ids=["l2-penalty", "jvp"])
+def test_a_call_whose_output_gets_no_gradient_has_no_backward_step(tmp_path: Path,
+                                                                   loss_of: Callable[..., torch.Tensor]) -> None:
+    """A call whose output is only a metric, then a backward pass that reaches its parameters by other uses
+    (an L2 penalty of the weight, a jvp of the module): the pass never went through the call's graph, which
+    has no backward step (it had one holding the other pass's weight gradient), and training is bitwise the
+    same as unrecorded."""
+    fc = _train_with_a_metric(loss_of, tmp_path / "run.zarr")
+    plain = _train_with_a_metric(loss_of, None)
+    assert all(raw(a) == raw(b) for a, b in zip(fc.parameters(), plain.parameters()))
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert [s.phase for s in rec.steps] == ["forward"] * (2 if loss_of is _penalty else 4)
+
+
+def test_a_call_whose_output_the_pass_uses_records_its_own_share(tmp_path: Path) -> None:
+    """With the call's output in the loss beside the penalty, its backward step holds its own share of the
+    parameter gradients, as before."""
+    _train_with_a_metric(_used, tmp_path / "run.zarr")
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(4, 4)
+    y = fc(torch.randn(3, 4))
+    assert param_grads(tmp_path / "run.zarr", "fc")[0] == grads_of(y.sum(), fc)

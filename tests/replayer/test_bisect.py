@@ -433,6 +433,30 @@ def test_a_parameter_already_nonfinite_is_the_cause_not_a_step(tmp_path: Path) -
     assert pdbg("bisect", str(path), cwd=tmp_path).returncode == 1
 
 
+def test_a_nan_penalty_gradient_is_not_blamed_on_a_call_whose_output_got_none(tmp_path: Path) -> None:
+    """A call of a recorded module whose output is never backpropagated (a metric taken in grad mode), then a
+    penalty of its weight alone whose gradient is NaN: bisect named a backward step of that call as the
+    origin ("its forward returned no tensor the recorder follows"); the pass never went through its graph,
+    which has no backward step, and the weight turned NaN outside every recorded step."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"fc": torch.nn.Linear(4, 4)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, optimizer=opt, modules=["fc"]):
+        for _ in range(2):
+            model.fc(x).argmax(-1)
+            torch.sqrt((model.fc.weight * 0).sum()).backward()  # d sqrt(0): NaN
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    assert [s.phase for s in rec.steps] == ["forward", "forward"]
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and origin.entered is not None and origin.entered.index == 1
+    assert origin.cause.startswith("parameter fc.weight was already non-finite when step 1: "), origin.cause
+    assert "code outside every recorded step wrote it; it was last finite in iteration 0" in origin.cause
+
+
 def test_a_clean_run(tmp_path: Path) -> None:
     path = tmp_path / "run.zarr"
     record_training(path, 2)
