@@ -1266,6 +1266,9 @@ def entered_op_note(origin: Origin) -> str:
 
 # An exception whose type or message speaks of NaN or Inf (a loss guard's FloatingPointError, "loss is nan").
 _SPEAKS_NONFINITE = re.compile(r"\b(nan|inf|infinity|infinite|non-?finite|overflow(s|ed)?)\b", re.IGNORECASE)
+# torch refusing a Python number too large for the tensor's dtype (an optimizer given lr=1e39): it speaks of an
+# overflow that it kept from happening, so no tensor was made NaN or Inf.
+_REFUSED_OVERFLOW = re.compile(r"cannot be converted to type \w+ without overflow", re.IGNORECASE)
 
 
 def _ended_outside(rec: Recording) -> Origin | None:
@@ -1282,7 +1285,8 @@ def _ended_outside(rec: Recording) -> Origin | None:
     while 0 <= int(parent[index]) < index:  # the last step to finish: the outermost of the last ones
         index = int(parent[index])
     last = _raised_first(rec, rec.step(index)) if rec.step(index).status == "exception" else rec.step(index)
-    nan = bool(_SPEAKS_NONFINITE.search(why)) or str(exc["type"]).endswith("FloatingPointError")
+    speaks = bool(_SPEAKS_NONFINITE.search(_REFUSED_OVERFLOW.sub("", why)))
+    nan = speaks or str(exc["type"]).endswith("FloatingPointError")
     if last.status == "exception":
         where = f"raised inside {describe(last)}, which returned no result"
         made = ", so the NaN/Inf it speaks of was made inside that step, before any result of it was recorded"

@@ -2058,6 +2058,31 @@ def test_a_run_that_died_of_a_nan_made_outside_every_step_says_so(tmp_path: Path
     assert "the run ended by IndexError: Target 7 is out of bounds." in rows[0].text, rows
 
 
+def test_an_exception_refusing_a_too_large_number_speaks_of_no_nan(tmp_path: Path) -> None:
+    """SGD given lr=1e39: torch refuses the number inside optimizer.step() ("value cannot be converted to type
+    float without overflow"), no tensor holding NaN/Inf. bisect read "overflow" as a NaN/Inf made outside the
+    recorded steps, advised recording the loss and exited 1; it says the run ended by that exception, exit 0."""
+    path = tmp_path / "lr.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e39)
+    with pytest.raises(RuntimeError, match="without overflow"):
+        with recorder.record(path, model=model, optimizer=opt, modules=["0"]):
+            for _ in range(2):
+                model(torch.randn(3, 4)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    rec = replayer.open(path)
+    last = rec.step(len(rec) - 1)
+    origin = replayer.first_nonfinite(rec)
+    assert origin.clean and origin.ended_by is None, origin.cause
+    assert origin.cause == ("no recorded step made or received NaN/Inf; the run ended by RuntimeError: value cannot "
+                            "be converted to type float without overflow after the last recorded step "
+                            f"({bisect_mod.describe(last)})"), origin.cause
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == origin.cause, res.stdout
+
+
 def _bn_model(bn: torch.nn.Module) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), nanmodels.ImagePool(4, bn), torch.nn.Flatten(),
                                torch.nn.Linear(4, 2))
