@@ -1332,17 +1332,31 @@ def _stopped_at(rec: Recording, result: np.ndarray) -> int | None:
     its NonFiniteError, whose message begins with the step as the recorder names it (monitors'
     ``StepContext.describe``). Its Inf is no mask's, even where nothing non-finite came of it: the run
     went no further. Searched among the steps whose results held NaN or Inf, the last first."""
+    step = _stopper(rec, np.flatnonzero(result))
+    return None if step is None else step.index
+
+
+def stopped_step(rec: Recording) -> Step | None:
+    """The step whose NaN/Inf made the recorder stop the run (``on_anomaly="stop"``), or None where no
+    NonFiniteError ended it. The error is raised as that step returns and unwinds through the steps around
+    it, which are marked ``exception``, the stopping step ``nonfinite``: it, not they, is where to look."""
+    return _stopper(rec, np.flatnonzero(_column(rec, "status") == layout.STATUSES.index("nonfinite")))
+
+
+def _stopper(rec: Recording, among: np.ndarray) -> Step | None:
+    """Of the steps ``among`` (indices, ascending), searched the last first, the one the NonFiniteError that
+    ended the run names at the start of its message, as the recorder describes a step."""
     exc = rec.rank.final.get("exception")
     if not isinstance(exc, dict) or not str(exc.get("type") or "").endswith(":NonFiniteError"):
         return None
     message = str(exc.get("message") or "")
-    for index in np.flatnonzero(result)[::-1][:_SOURCE_SEARCH].tolist():
+    for index in among[::-1][:_SOURCE_SEARCH].tolist():
         step = rec.step(int(index))
         label = step.paper.get("label")
         who = f"{label} ({step.name})" if label else step.name
         where = f" at {step.module_path}" if step.module_path else ""
         if message.startswith(f"{who}{where} {step.phase}, iteration {step.iteration}, call {step.call}: "):
-            return int(index)
+            return step
     return None
 
 

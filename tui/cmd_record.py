@@ -123,16 +123,20 @@ def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
     try:
         import replayer
         from recorder.framework import open_command
+        from replayer.bisect import stopped_step
 
-        failed = replayer.open(out).steps.filter(status="exception")
+        rec = replayer.open(out)
+        failed = rec.steps.filter(status="exception")
+        stopped = stopped_step(rec)  # raised as the step with the NaN returns, which is not marked "exception"
     except Exception:  # the summary must not hide the script's own outcome
         return text
-    if not len(failed):
+    if stopped is None and not len(failed):
         return text
-    step = failed[-1]  # steps are numbered on entry: the innermost one that raised is the last
+    step = stopped or failed[-1]  # steps are numbered on entry: the innermost one that raised is the last
     where = "".join((f" at {shown(step.module_path)}" if step.module_path else "",
                      f", {step.object_text}" if step.object_text else ""))
-    return (f"{text}; {result.exception_name} escaped step {step.index} ({shown(step.name)}{where}, "
+    what = "stopped the run at" if stopped is not None else "escaped"
+    return (f"{text}; {result.exception_name} {what} step {step.index} ({shown(step.name)}{where}, "
             f"iteration {step.iteration}); open it there: {open_command(out, step.index)}")
 
 

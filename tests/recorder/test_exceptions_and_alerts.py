@@ -234,3 +234,60 @@ def test_sys_exit_in_a_with_block_closes_the_run_as_its_exit_status_says(tmp_pat
     assert run.status == rec.status == ("crashed" if code else "complete")
     assert rec.ended_by == ("SystemExit: 3" if code else None)
     assert len(rec.steps) == 1
+
+
+_STOP_SCRIPTS = {
+    "modules": """
+import torch
+class Inner(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+class Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.inner = torch.nn.Linear(4, 4), Inner()
+    def forward(self, x):
+        return self.inner(self.fc(x)).sum()
+torch.manual_seed(0)
+m = Outer()
+for it in range(3):
+    m(torch.randn(2, 4)).backward()
+""",
+    "paper": """
+import torch, recorder
+@recorder.paper_step("Eq. 2")
+def inner(x):
+    return torch.log(x)
+@recorder.paper_step("Alg. 1")
+class Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+    def forward(self, x):
+        return inner(self.fc(x)).sum()
+torch.manual_seed(0)
+m = Outer()
+for it in range(3):
+    m(torch.randn(2, 4)).backward()
+""",
+}
+
+
+@pytest.mark.parametrize("how", ["modules", "paper"])
+def test_pdbg_record_names_the_step_whose_nan_stopped_the_run(tmp_path, how):
+    """With --on-anomaly stop, the NonFiniteError raised as an inner step returns NaN unwinds through the
+    outer step: pdbg record's summary said it "escaped step 0 (Outer)" and opened the outer step. It names
+    the inner step, marked nonfinite, whose NaN stopped the run, and opens it there."""
+    from tests.cli import pdbg
+
+    (tmp_path / "train.py").write_text(_STOP_SCRIPTS[how])
+    extra = ["--modules", "**"] if how == "modules" else []
+    res = pdbg("record", "-o", "run.zarr", "--on-anomaly", "stop", *extra, "--", "train.py", cwd=tmp_path)
+    assert res.returncode != 0 and "NonFiniteError" in res.stderr, res.stderr
+    rank = RunReader(tmp_path / "run.zarr").rank(0)
+    statuses = [_status(rank, i) for i in range(len(rank))]
+    stopper = statuses.index("nonfinite")
+    assert statuses[0] == "exception" and stopper > 0, statuses
+    summary = res.stderr.strip().splitlines()[-1]
+    assert f"NonFiniteError stopped the run at step {stopper} (" in summary, summary
+    assert summary.endswith(f"run.zarr --at {stopper}"), summary
