@@ -32,6 +32,10 @@ _BASE_KEYS = frozenset(vars(torch.nn.Module()))  # what torch's Module.__init__ 
 # sets NAME = NAME_orig * NAME_mask before each call whatever the method (Identity does just that).
 HOOK_CLASSES = {"weight_norm": WeightNorm, "spectral_norm": SpectralNorm, "prune": prune.Identity}
 _HOOK_KINDS = {cls: kind for kind, cls in HOOK_CLASSES.items()}
+# An RNN's lists of its weights (and weak references to them), which torch's RNNBase._init_flat_weights derives
+# from _flat_weights_names. Where one of those weights is no parameter (DropConnect's WeightDrop sets weight_hh_l0
+# before each call) they are not recorded as links to the module's tensors; a replay derives them again as torch does.
+RNN_FLAT = ("_flat_weights", "_flat_weight_refs")
 
 
 def init_record(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -83,6 +87,8 @@ def not_rebuilt(module: torch.nn.Module, doc: dict[str, Any], path: str = "") ->
     if unrecorded and doc.get("init") is None:
         if isinstance(module, LazyModuleMixin):
             unrecorded = {k: v for k, v in unrecorded.items() if k not in ("_initialize_hook", "_load_hook")}
+        if isinstance(module, torch.nn.RNNBase):
+            unrecorded = {k: v for k, v in unrecorded.items() if k not in RNN_FLAT}
         for key, kind in unrecorded.items():
             value = module.__dict__.get(key)
             if is_global_rng(value) and global_rng_kind(value) is not None:

@@ -44,6 +44,8 @@ class Rebuilt:
     # (a recording before 1.16, which stored names sorted) containers whose children may be out of order:
     # named where the replay differs
     order_doubts: list[str] = field(default_factory=list)
+    # RNNs whose lists of their weights were not recorded as links (skeleton.RNN_FLAT): derived again by link()
+    flat: list[tuple[torch.nn.Module, tuple[str, ...]]] = field(default_factory=list)
 
     def link(self) -> None:
         """Tie parameters that were one tensor under several names (``tied``), and point attributes
@@ -53,6 +55,8 @@ class Rebuilt:
         for module, linked in self.links:
             for key, spec in linked.items():
                 module.__dict__[key] = _linked(module, spec)
+        for module, keys in self.flat:
+            _flat_weights_again(module, keys)
 
 
 def tie(module: torch.nn.Module, tied: dict[str, str]) -> list[str]:
@@ -220,6 +224,10 @@ class Builder:
         lazy = override is None and issubclass(self.module_class(doc["class"]), LazyModuleMixin)
         if lazy:  # the handles of the hooks that initialize it: made again (_lazy_again)
             unrecorded = {k: v for k, v in unrecorded.items() if k not in _LAZY_HANDLES}
+        flat: tuple[str, ...] = ()
+        if override is None and issubclass(self.module_class(doc["class"]), torch.nn.RNNBase):
+            flat = tuple(k for k in skeleton.RNN_FLAT if k in unrecorded)
+            unrecorded = {k: v for k, v in unrecorded.items() if k not in flat}
         generators = self._generators(unrecorded, path)
         if generators:
             unrecorded = {k: v for k, v in unrecorded.items() if k not in generators}
@@ -284,6 +292,8 @@ class Builder:
             module._modules[name] = None if child is None else self._node(child, join_path(path, name), out)
         if doc.get("linked"):
             out.links.append((module, doc["linked"]))
+        if flat:
+            out.flat.append((module, flat))
         try:
             if doc.get("parametrized"):
                 _parametrize(module, doc["parametrized"], where)
@@ -448,6 +458,25 @@ def _linked(module: torch.nn.Module, spec: Any) -> Any:
     except (ValueError, TypeError, AttributeError) as exc:
         raise ReplayError(f"the recording's description of a {type(module).__name__} refers to its tensors in a "
                           f"way this version does not know ({exc}); the recording is damaged or newer") from None
+
+
+def _flat_weights_again(rnn: torch.nn.Module, keys: tuple[str, ...]) -> None:
+    """An RNN's ``keys`` among ``_flat_weights`` and ``_flat_weight_refs`` derived from its weights by name, as
+    torch's ``RNNBase._init_flat_weights`` does (without flattening them: the recorded forward did that, where
+    it did, as it found its weights changed). A weight the rebuilt module lacks, a tensor the recorded code set
+    before each call (DropConnect), is None in the list, and its reference refers to a tensor that is gone, as
+    the recorded one did to the tensor an earlier call set: a forward given it anew derives the lists again."""
+    names = list(getattr(rnn, "_flat_weights_names", None) or [])
+    weights = [getattr(rnn, name) if hasattr(rnn, name) else None for name in names]
+    if "_flat_weights" in keys:
+        rnn.__dict__["_flat_weights"] = weights
+    if "_flat_weight_refs" in keys:
+        rnn.__dict__["_flat_weight_refs"] = [_gone() if w is None else weakref.ref(w) for w in weights]
+
+
+def _gone() -> weakref.ReferenceType[Any]:
+    """A weak reference whose tensor no longer exists."""
+    return weakref.ref(torch.empty(0))
 
 
 class _Recompute:

@@ -258,6 +258,72 @@ def test_a_step_recorded_without_grad_replays_inside_inference_mode(tmp_path: Pa
     assert result.match, [d.summary() for d in result.outputs]
 
 
+class WeightDrop(torch.nn.Module):
+    """AWD-LSTM's DropConnect: ``weights`` of ``module`` (an nn.LSTM) kept as parameters NAME_raw, and NAME set
+    before each call to a dropout of it, a plain tensor, with the LSTM's _flat_weights."""
+
+    def __init__(self, module: torch.nn.Module, weights: list[str], dropout: float = 0.3) -> None:
+        super().__init__()
+        self.module, self.weights, self.dropout = module, weights, dropout
+        for w in weights:
+            raw = getattr(module, w)
+            del module._parameters[w]
+            module.register_parameter(w + "_raw", torch.nn.Parameter(raw.data))
+            module.__dict__[w] = raw.data.clone()
+
+    def forward(self, *args: Any) -> Any:
+        for w in self.weights:
+            raw = getattr(self.module, w + "_raw")
+            self.module.__dict__[w] = torch.nn.functional.dropout(raw, p=self.dropout, training=self.training)
+        self.module._flat_weights = [getattr(self.module, n) for n in self.module._flat_weights_names]
+        return self.module(*args)
+
+
+class DropConnectLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(13, 8)
+        self.rnn = WeightDrop(torch.nn.LSTM(8, 16), ["weight_hh_l0"])
+        self.dec = torch.nn.Linear(16, 13)
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.rnn(self.emb(tok))[0])
+
+
+def test_an_lstm_whose_weight_dropconnect_sets_replays_in_the_steps_around_it(tmp_path: Path) -> None:
+    """AWD-LSTM's WeightDrop sets the LSTM's weight_hh_l0 (a plain tensor) and _flat_weights before each call:
+    the rebuilt LSTM lacked _flat_weight_refs, so no step holding it replayed (AttributeError). The LSTM's lists
+    of its weights are derived again as torch does: the steps around it, whose code sets that weight, replay
+    bit for bit, forward and backward; the LSTM's own steps, whose weight the recording does not hold, are
+    refused for that weight."""
+    torch.manual_seed(0)
+    model = DropConnectLM()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    path = tmp_path / "run.zarr"
+    outputs = []
+    with pytest.warns(recorder.RecorderWarning, match="holds weight_hh_l0, a torch:Tensor"), \
+            recorder.record(path, model=model, optimizer=opt, mode="full", modules=["**"]):
+        for _ in range(2):
+            out = model(torch.randint(0, 13, (5, 3)))
+            outputs.append(out.detach().clone())
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    around = [s for s in rec.steps if s.module_path in ("", "rnn")]
+    assert len(around) == 8, [(s.module_path, s.phase) for s in rec.steps]
+    for step in around:
+        res = replayer.replay(rec, step)
+        assert res.match and all(d.match and d.mismatched == 0 for d in res.outputs), (step, res.outputs)
+        if step.module_path == "" and step.phase == "forward":
+            replayed, live = res.values["output"], outputs[step.iteration]
+            assert torch.equal(replayed.view(torch.int32), live.view(torch.int32))
+    lstm = next(s for s in rec.steps if s.module_path == "rnn.module" and s.phase == "forward")
+    with pytest.raises(ReplayError, match="weight_hh_l0") as refused:
+        replayer.replay(rec, lstm)
+    assert "_flat_weight" not in str(refused.value), refused.value
+
+
 @contextlib.contextmanager
 def float64_default() -> Iterator[None]:
     torch.set_default_dtype(torch.float64)
