@@ -1269,6 +1269,10 @@ _SPEAKS_NONFINITE = re.compile(r"\b(nan|inf|infinity|infinite|non-?finite|overfl
 # torch refusing a Python number too large for the tensor's dtype (an optimizer given lr=1e39): it speaks of an
 # overflow that it kept from happening, so no tensor was made NaN or Inf.
 _REFUSED_OVERFLOW = re.compile(r"cannot be converted to type \w+ without overflow", re.IGNORECASE)
+# Quoted text in a message is the user's data (a file name, a key: "No such file or directory:
+# '/ckpt/inf/model.pt'"), not what the exception speaks of (torch quotes a node's name apart from
+# "returned nan values").
+_QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")
 
 
 def _ended_outside(rec: Recording) -> Origin | None:
@@ -1285,7 +1289,7 @@ def _ended_outside(rec: Recording) -> Origin | None:
     while 0 <= int(parent[index]) < index:  # the last step to finish: the outermost of the last ones
         index = int(parent[index])
     last = _raised_first(rec, rec.step(index)) if rec.step(index).status == "exception" else rec.step(index)
-    speaks = bool(_SPEAKS_NONFINITE.search(_REFUSED_OVERFLOW.sub("", why)))
+    speaks = bool(_SPEAKS_NONFINITE.search(_QUOTED.sub("", _REFUSED_OVERFLOW.sub("", why))))
     nan = speaks or str(exc["type"]).endswith("FloatingPointError")
     if last.status == "exception":
         where = f"raised inside {describe(last)}, which returned no result"

@@ -2083,6 +2083,27 @@ def test_an_exception_refusing_a_too_large_number_speaks_of_no_nan(tmp_path: Pat
     assert res.returncode == 0 and res.stdout.strip() == origin.cause, res.stdout
 
 
+def test_an_exception_quoting_a_name_with_inf_in_it_speaks_of_no_nan(tmp_path: Path) -> None:
+    """A run ended by a checkpoint file not found, '/ckpt/inf/model.pt': bisect read the "inf" of the quoted
+    path as a NaN/Inf made outside the recorded steps and exited 1 (a sweep flagging NaN runs by the exit code
+    counted it). Quoted text is the user's data: the run ended by that exception, exit 0."""
+    path = tmp_path / "ckpt.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(FileNotFoundError):
+        with recorder.record(path, model=model, optimizer=opt, modules=["0"]):
+            for _ in range(2):
+                model(torch.randn(3, 4)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            open(tmp_path / "ckpt" / "inf" / "model.pt")  # noqa: SIM115 - the run's last act: it raises
+    origin = replayer.first_nonfinite(replayer.open(path))
+    assert origin.clean and "no recorded step made or received NaN/Inf; the run ended by FileNotFoundError" in \
+        origin.cause and "speaks of" not in origin.cause, origin.cause
+    assert pdbg("bisect", str(path), cwd=tmp_path).returncode == 0
+
+
 def _bn_model(bn: torch.nn.Module) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), nanmodels.ImagePool(4, bn), torch.nn.Flatten(),
                                torch.nn.Linear(4, 2))
