@@ -53,6 +53,10 @@ _BY_CONTENT = frozenset({"param", "buffer"})
 # payloads, so that a replay makes them again and compares them bit for bit: a forward step's own (1.19), and a
 # backward step's sparse gradients (1.24: nn.Embedding(sparse=True)'s weight grad; before, statistics only).
 _SPARSE_PARTS_KEPT = frozenset({"input", "output", "param", "buffer", "grad_output", "grad_input", "param_grad"})
+# Roles whose tensors a replay gives the call again: where one did not begin at a multiple of layout.ALIGNMENT
+# bytes (a view xs[t]), its address modulo that is noted in the step's extra "misaligned" (1.25), for a replay to
+# give it memory there again (see Session._note_misaligned).
+_PLACED = frozenset({ROLE[r] for r in ("input", "param", "buffer", "grad_output")})
 _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip copies
 _MODULE_DOCS_LIMIT = 4096  # module documents remembered (modules made anew at every step would grow it)
 _UNINITIALIZED = torch.nn.parameter.UninitializedTensorMixin
@@ -243,8 +247,8 @@ class Frame:
     # the call ends.
     versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None
     own_grads: list[str] = field(default_factory=list)  # a backward's parameter grads that are the call's own
-    # A forward's arguments that share memory ("aliases") or are its module's parameters ("parameter_args"),
-    # as the step's extra document names them
+    # A forward's arguments that share memory ("aliases") or are its module's parameters ("parameter_args"), the
+    # records given to a call that began at an address not aligned ("misaligned"), as the step's extra names them
     arguments: dict[str, Any] | None = None
     link: Any = None  # a forward's BackwardLink, when it has one
     duals: list[str] = field(default_factory=list)  # record names of forward-AD dual tensors (taps.dual)
@@ -1770,8 +1774,23 @@ class Session:
                 except (payload_mod.UnsupportedDtype, NotImplementedError, RuntimeError) as exc:
                     frame.notes.append(f"{name}: {t.dtype} kept as metadata only ({type(exc).__name__}: {exc})")
             item.stats = self._stats(frame, name, t, on_cpu) if stats is None else stats
+            if item.role in _PLACED and (type(t) is torch.Tensor or torch._C._has_storage(t)):
+                at = t.data_ptr() % layout.ALIGNMENT  # (the address alone: most are aligned, and add nothing)
+                if at:
+                    self._note_misaligned(frame, name, at)
         frame.tensors.append(item)
         return name
+
+    @staticmethod
+    def _note_misaligned(frame: Frame, name: str, at: int) -> None:
+        """Note that the tensor of record ``name`` began ``at`` bytes past a multiple of layout.ALIGNMENT,
+        in the step's extra ``misaligned`` (record name -> bytes): a view ``xs[t]`` of a time-major batch
+        whose rows are not a multiple of it long. CPU kernels (oneDNN, MKL) pick their code by the
+        address, and ``F.linear(xs[1], w, b)`` rounds otherwise than the same values in fresh memory,
+        which a replay gives unless told where they lay."""
+        misaligned = (frame.arguments or {}).get("misaligned", {})
+        misaligned.setdefault(name, at)
+        frame.arguments = {**(frame.arguments or {}), "misaligned": misaligned}
 
     @staticmethod
     def _note_subclass(frame: Frame, name: str, t: torch.Tensor) -> None:

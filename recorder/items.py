@@ -66,7 +66,7 @@ class StepItem:
     vmap: dict[str, list[int]] | None = None  # record name -> its vmap batch dims (recorder.transforms)
     vmap_randomness: list[str] | None = None  # each vmap level's randomness, innermost first (recorder.transforms)
     own_grads: list[str] = field(default_factory=list)  # parameter grads that are the call's own (not totals)
-    arguments: dict[str, Any] | None = None  # "aliases", "parameter_args" (see capture.Frame.arguments)
+    arguments: dict[str, Any] | None = None  # "aliases", "parameter_args", "misaligned" (capture.Frame.arguments)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from recorder.payload import dtype_name, overlaps_itself
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
-from . import collectives, distributions, intervene, state
+from . import collectives, distributions, intervene, placing, state
 from .arguments import linked_outside, unrecorded_arguments, unrecorded_outputs, unseen_writes
 from .code import CodeLoader, late_imports, projects, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
@@ -1007,13 +1007,17 @@ class Replayer:
         low = min(members.values())
         span = max(members[n] - low + (1 + sum((k - 1) * st for k, st in zip(v.shape, v.stride())) if v.numel() else 0)
                    for n, v in values.items())
-        storage = torch.zeros(span, dtype=first.dtype, device=first.device)
+        size = first.element_size()
+        at = next(((placing.misaligned(step, tensors[n]) - (members[n] - low) * size) % layout.ALIGNMENT
+                   for n in members if placing.misaligned(step, tensors[n])), 0)  # (1.25: where its views lay)
+        at = 0 if at % size else at
+        storage = placing.empty_at((span,), (1,), first.dtype, first.device, at).zero_()
         for n, v in values.items():
             storage.as_strided(v.shape, v.stride(), members[n] - low).copy_(v)
         if any(tensors[n].requires_grad or n in grads for n in members) and (first.is_floating_point() or
                                                                               first.is_complex()):
-            storage.requires_grad_(True)
-            storage = storage.clone()  # (in-place changes to views of a leaf are refused)
+            storage.requires_grad_(True)  # (in-place changes to views of a leaf are refused: a copy of it)
+            storage = placing.empty_at((span,), (1,), first.dtype, first.device, at).copy_(storage)
         for n, v in values.items():
             given[n] = leaves[n] = storage.as_strided(v.shape, v.stride(), members[n] - low)
 
@@ -2423,6 +2427,13 @@ def _materialize(step: Step, rec: TensorRecord, notes: list[str] | None = None) 
             raise NotOnThisMachine(f"step {rec.step} was recorded on {rec.device}, and this machine has no GPU; replay "
                                    "it on a machine with one")
         value = value.to(device)
+    at = placing.misaligned(step, rec)
+    if at:  # (1.25) a view that began there (xs[t]): kernels pick their code, and round, by the address
+        why = placing.unplaceable(rec, at, value.element_size())
+        if why is None:
+            value = placing.placed(value, at)
+        elif notes is not None and why not in notes:
+            notes.append(why)
     return value
 
 
@@ -2483,14 +2494,15 @@ def _no_gradient_wanted(grads: tuple[torch.Tensor | None, ...]) -> None:
 
 def _stand_in(leaf: torch.Tensor) -> torch.Tensor:
     """What a step is given for an input leaf that requires grad: a copy in its layout (``clone``
-    makes a layout with gaps contiguous), or the leaf itself where its elements overlap (an expanded
-    tensor: torch refuses in-place changes to it anyway); of a sparse one, a copy of its parts."""
+    makes a layout with gaps contiguous) and at its address modulo ``layout.ALIGNMENT`` (a misaligned
+    view's, placing), or the leaf itself where its elements overlap (an expanded tensor: torch refuses
+    in-place changes to it anyway); of a sparse one, a copy of its parts."""
     if leaf.layout != torch.strided:
         return leaf.clone()
     shape, stride = tuple(leaf.shape), leaf.stride()
     if overlaps_itself(shape, stride):
         return leaf
-    out = torch.empty_strided(shape, stride, dtype=leaf.dtype, device=leaf.device)
+    out = placing.empty_at(shape, stride, leaf.dtype, leaf.device, leaf.data_ptr() % layout.ALIGNMENT)
     return out.copy_(leaf)
 
 

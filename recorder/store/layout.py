@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.24"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.25"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -105,6 +105,10 @@ SCHEMA_VERSION = "1.24"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       of nn.Embedding(sparse=True)) where the step kept payloads, named in its extra "sparse" as 1.19's are, by
 #       which a backward replay compares them bit for bit (before, statistics of their stored values only: not
 #       compared, and a backward step with no other gradient refused)
+# 1.25: a step's extra "misaligned": the bytes past a multiple of ALIGNMENT at which each of its inputs, parameters,
+#       buffers and grad outputs that did not begin at one lay (a view xs[t] of a time-major batch), by which a
+#       replay gives it memory at that address modulo ALIGNMENT again (CPU kernels pick their code by alignment, and
+#       round otherwise: before, such a step replayed as a mismatch)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -144,6 +148,8 @@ STORED_NOTE = "(the zeros it does not store left out)"
 # A component record's name: a sparse record's name + this + the part's name ("args.0:indices", "output:values";
 # torch's names: indices, values; crow_indices, col_indices; ccol_indices, row_indices). Since 1.19.
 PART_SEPARATOR = ":"
+# The address alignment a step's extra "misaligned" is about (bytes): the allocators' (CPU: 64, CUDA: a multiple of it).
+ALIGNMENT = 64
 # A step's note: this + ": <error>": capturing the call failed (its arguments or outputs are missing or partial,
 # and recording stopped there); a replay refuses it.
 CAPTURE_FAILED_NOTE = "capture failed"

@@ -764,6 +764,34 @@ def test_a_bundle_of_a_step_under_no_grad_carries_its_module_and_names_its_file(
         assert res.returncode == 0 and "MATCH: bit for bit" in res.stdout, res.stdout + res.stderr
 
 
+def test_a_bundle_of_a_call_given_a_misaligned_view_verifies(tmp_path: Path) -> None:
+    """An nn.LSTMCell unrolled over xs[t] of a time-major batch (rows of 72 bytes): the odd calls' inputs
+    began 8 and 24 bytes past a 64-byte boundary, and their bundles failed their own check ("MISMATCH when
+    replayed from the bundle"): a bundle keeps where they lay, and the forward and backward of such a call
+    verify and replay from the bundle bit for bit."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    cell, xs = nn.LSTMCell(6, 10), torch.randn(4, 3, 6)
+    with recorder.record(path, mode="full", modules="**"):
+        h = c = torch.zeros(3, 10)
+        outs = []
+        for t in range(4):
+            h, c = cell(xs[t], (h, c))
+            outs.append(h)
+        torch.stack(outs).square().sum().backward()
+    rec = replayer.open(path)
+    odd = [s for s in rec.steps if s.call in (1, 3)]
+    for step in odd:
+        out = tmp_path / f"{step.index}.pdbg"
+        info = replayer.bundle(rec, step, out, verify=True)
+        assert info.verified is True, (step.selector, info)
+        with replayer.open(out) as bundled:
+            assert replayer.replay(bundled, info.main_step).match
+            assert bundled.step(info.main_step).extra.get("misaligned") == step.extra.get("misaligned")
+    assert {(s.phase, s.call) for s in odd if s.extra.get("misaligned")} == \
+        {("forward", 1), ("forward", 3), ("backward", 3)}, [(s.phase, s.call, s.extra) for s in odd]
+
+
 def test_an_open_bundle_lets_go_of_its_file_when_closed(recorded: tuple[Path, Path], tmp_path: Path) -> None:
     """A bundle's Recording holds its zip open (a notebook's Out[] keeps every one displayed):
     `with replayer.open(...)` or close() lets it go. Out of file descriptors, opening one says so

@@ -1050,6 +1050,66 @@ def test_a_sparse_view_of_a_large_tensor_is_said_to_replay_contiguous(tmp_path: 
                            "values is not)"), note
 
 
+@recorder.paper_step("Eq. 12e", description="input projection of one time step")
+def time_step_projection(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w, b)
+
+
+def unroll(kind: str) -> None:
+    """Four time steps of a (T, B, F) batch (3 x 6 float32 rows, 72 bytes: xs[t] begins t * 72 bytes
+    in) through an nn.LSTMCell, or of a (B, T, F) one (xs[:, t], t * 24 bytes in) through a projection
+    that takes gradients of the batch too; then backward through them all."""
+    torch.manual_seed(0)
+    if kind == "LSTMCell on xs[t]":
+        cell, xs = nn.LSTMCell(6, 10), torch.randn(4, 3, 6)
+        h = c = torch.zeros(3, 10)
+        outs = []
+        for t in range(4):
+            h, c = cell(xs[t], (h, c))
+            outs.append(h)
+    else:
+        xs, w, b = torch.randn(3, 4, 6, requires_grad=True), torch.randn(40, 6, requires_grad=True), torch.randn(40)
+        outs = [time_step_projection(xs[:, t], w, b) for t in range(4)]
+    torch.stack(outs).square().sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["LSTMCell on xs[t]", "linear on xs[:, t]"])
+def test_a_view_at_a_misaligned_address_replays_where_it_lay(tmp_path: Path, kind: str) -> None:
+    """A step given xs[t] of a time-major batch (an LSTMCell unrolled over time): CPU kernels pick
+    their code by the address, and F.linear(xs[1], w, b) rounds otherwise than on the same values in
+    fresh memory, which a replay gave: every other call replayed as a mismatch, forward and backward,
+    with no warning. The recording names where each misaligned argument and grad output lay (only
+    those), and every call's forward and backward replays bit for bit."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full", modules="**" if kind.startswith("LSTMCell") else None):
+        unroll(kind)
+    rec = replayer.open(path)
+    forwards = [s for s in rec.steps if s.phase == "forward"]
+    assert len(forwards) == 4 and len(rec.steps) == 8
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match and result.outputs and not result.warnings, \
+            (step.selector, result.warnings, [d.summary() for d in result.outputs])
+    rows = 72 if kind.startswith("LSTMCell") else 24
+    assert [s.extra.get("misaligned") for s in forwards] == \
+        [None] + [{"args.0": t * rows % layout.ALIGNMENT} for t in (1, 2, 3)], [s.extra for s in forwards]
+
+
+def test_a_tensor_between_two_of_its_elements_addresses_is_said_to_replay_aligned(tmp_path: Path) -> None:
+    """A float32 tensor made over bytes at an odd address (torch.frombuffer at offset 1) cannot be made
+    again there: the replay warns that it is given aligned memory, and why that may differ."""
+    data = bytearray(np.arange(20, dtype=np.float32).tobytes() + bytes(4))
+    x = torch.frombuffer(data, dtype=torch.float32, offset=1, count=16)
+    at = x.data_ptr() % layout.ALIGNMENT
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        total(x)
+    assert replayer.open(path).step(0).extra["misaligned"] == {"args.0": at}
+    result = replayer.replay(path, 0)
+    assert f"input args.0 began {at} bytes past a 64-byte boundary when recorded (a view), not a multiple of its " \
+        "4-byte elements, which a replay cannot make again: it is given aligned memory" in " ".join(result.warnings)
+
+
 @recorder.paper_step("Eq. 12a", description="column sums of a numpy feature matrix")
 def np_colsum(feats_t: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(feats_t.sum(axis=0))
