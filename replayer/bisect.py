@@ -1516,7 +1516,7 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord,
                     f"{describe(back) if back is not None else describe(sender)}{more}, whose gradient for "
                     f"{_argument_places(sender, names)} is not recorded (not followed for gradients){since}{became}")
         return (f"grad output{which} of {describe(step)} came non-finite ({_counts(rec, r)}) from the backward of "
-                f"code outside every recorded step{since}{became}")
+                f"code outside every recorded step{since}{_hook_before(rec, step)}{became}")
     if writers:
         return (f"input {r.name} of {describe(source)} came non-finite ({_counts(rec, r)}): "
                 f"{_writers_text(writers, 'the input')}code outside every recorded step wrote it{since}{became}")
@@ -1527,7 +1527,35 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord,
                 "update (parameters given as an argument, as to functional_call), those gradients, not recorded, are "
                 f"the likely source, through the optimizer update{became}")
     return (f"input {r.name} of {describe(source)} came non-finite ({_counts(rec, r)}) from code outside every "
-            f"recorded step{since}{became}")
+            f"recorded step{since}{_hook_before(rec, source)}{became}")
+
+
+_HOOKS_LOOKED_AT = 10_000  # steps before the one a tensor came into non-finite looked at for the step that ended last
+
+
+def _hook_before(rec: Recording, step: Step) -> str:
+    """Where a tensor came into ``step`` non-finite from code outside every recorded step: the step of its phase
+    that ended last before it began, in its iteration, where that step's module has a forward hook (``step`` a
+    forward) or a backward hook (a backward), which ran on the result after it was recorded and before ``step``
+    began (a hook is not recorded, and its module document names it): a likely source, said; "" where none."""
+    first = max(step.index - _HOOKS_LOOKED_AT, 0)
+    phase, iteration = _column(rec, "phase")[first:step.index], _column(rec, "iteration")[first:step.index]
+    ends = _column(rec, "t_end")[first:step.index]
+    began = float(_column(rec, "t_start")[step.index])
+    before = np.flatnonzero((phase == layout.PHASES.index(step.phase)) & (iteration == step.iteration)
+                            & (ends <= began))
+    if not len(before):
+        return ""
+    last = rec.step(first + int(before[np.argmax(ends[before])]))
+    doc = last._doc("module") if last.module_path is not None else None
+    kind = "forward hook " if step.phase == "forward" else "backward hook "
+    named = doc.get("other_hooks") if isinstance(doc, dict) else None
+    hooks = [h.removeprefix(kind) for h in named or () if isinstance(h, str) and h.startswith(kind)]
+    if not hooks:
+        return ""
+    what = "its output" if step.phase == "forward" else "the gradients it passed on"
+    return (f"; {describe(last)} ended last before it, and its module's {kind}{', '.join(hooks)} ran on {what} after "
+            "it was recorded: a likely source (a hook's work is not recorded)")
 
 
 _WRITERS_LOOKED_AT = 100_000  # steps before the one a tensor came into non-finite looked at for unseen writers, at most

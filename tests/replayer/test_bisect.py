@@ -2104,6 +2104,57 @@ def test_an_exception_quoting_a_name_with_inf_in_it_speaks_of_no_nan(tmp_path: P
     assert pdbg("bisect", str(path), cwd=tmp_path).returncode == 0
 
 
+@recorder.paper_step("Eq. 1", description="a residual block")
+class _HookedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+@pytest.mark.parametrize("hook", ["forward", "backward"])
+def test_a_nan_a_module_hook_made_names_the_hook(tmp_path: Path, hook: str) -> None:
+    """A forward hook on the first block takes log(out - 100) at iteration 1; a full backward hook on the second
+    normalises the gradient it passes on (0/0). The NaN came into the next step "from code outside every recorded
+    step", no lead, where the recording names the hook in the module of the step that ended just before: it is
+    named as the likely source."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_HookedBlock(), _HookedBlock(), torch.nn.Linear(4, 1))
+    bad = [False]
+
+    def log_hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return torch.log(out - 100.0) if bad[0] else out
+
+    def norm_hook(module: torch.nn.Module, grad_in: Any, grad_out: Any) -> Any:
+        g = grad_in[0]
+        return (g * 0 / (g * 0).sum(),) if bad[0] else grad_in
+
+    if hook == "forward":
+        model[0].register_forward_hook(log_hook)
+    else:
+        model[1].register_full_backward_hook(norm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2, 4), torch.randn(2, 1)
+    path = tmp_path / "hook.zarr"
+    with recorder.record(path, model=model, optimizer=opt):
+        for it in range(3):
+            bad[0] = it == 1
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and origin.entered is not None and origin.entered.iteration == 1, origin.cause
+    hooked = rec.steps.filter(module_path="0" if hook == "forward" else "1", phase=hook, iteration=1)[0]
+    local = "test_a_nan_a_module_hook_made_names_the_hook.<locals>."
+    name = f"forward hook {local}log_hook ran on its output" if hook == "forward" else \
+        f"backward hook {local}norm_hook ran on the gradients it passed on"
+    assert f"{bisect_mod.describe(hooked)} ended last before it, and its module's {name} after it was recorded: a " \
+           "likely source" in origin.cause, origin.cause
+
+
 def _bn_model(bn: torch.nn.Module) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), nanmodels.ImagePool(4, bn), torch.nn.Flatten(),
                                torch.nn.Linear(4, 2))
