@@ -369,6 +369,17 @@ def _global_reads(target: Any) -> tuple[dict[str, Any] | None, list[tuple[str, d
     return first[1], reads
 
 
+def global_modules(target: Any) -> list[torch.nn.Module]:
+    """The modules (``torch.nn.Module`` objects) a step's code reads by module-level names (``_global_reads``:
+    through the helpers it calls), each once: a per-sample loss's ``functional_call(MODEL, params, ...)``
+    runs the steps inside ``MODEL`` without the model being its argument. Never raises (none found)."""
+    try:
+        found = {id(v): v for _, _, _, v in _global_reads(target)[1] if isinstance(v, torch.nn.Module)}
+    except Exception:  # noqa: BLE001 - code of an unusual kind
+        return []
+    return list(found.values())
+
+
 # -- classes and functions a step's code reads as module-level globals ----------------------------
 # A script's main() may rebind one (STE = STES[args.ste]); a replay loads the code without running main,
 # and would run what the import binds. The step's definition document names what each was bound to.

@@ -145,7 +145,8 @@ class InnerTap:
     enabled = True
 
     def __init__(self, root: torch.nn.Module | None, root_path: str, inner: list[Step], *,
-                 backward: bool = False, plan: Any = None, schema: tuple[int, int] | None = None) -> None:
+                 backward: bool = False, plan: Any = None, schema: tuple[int, int] | None = None,
+                 reached: list[torch.nn.Module] | None = None) -> None:
         self.inner, self.backward, self.plan, self.root_path = inner, backward, plan, root_path
         since = (lambda version: True) if schema is None else (lambda version: schema >= version)
         self.leaves_tapped = not since(layout.LEAVES_UNTAPPED_SINCE)
@@ -154,6 +155,10 @@ class InnerTap:
         self.nested_leaves = since(layout.NESTED_LEAVES_SINCE)
         self._seen_count: dict[tuple[str, str], int] = {}
         self.calls: list[_Seen] = []
+        # recorded inner steps (backward: their backward steps) at a path no watched module holds, which the
+        # replay could not see called: not compared (``unseen_text``), rather than "not called"
+        self.unseen: list[Step] = []
+        self._rooted = root is not None
         # The leaf arguments requiring grad that inner calls were given (a gradient penalty's interpolates,
         # made inside the replayed step): their gradients, which the recorded pass computed into .grad, are
         # what a backward replay asks autograd for too, or their uses' hooks never run
@@ -175,10 +180,32 @@ class InnerTap:
                     self._handles.append(sub.register_forward_pre_hook(self._enter_root, with_kwargs=True))
                     self._handles.append(sub.register_forward_hook(self._exit_root, always_call=True))
                     continue
-                self._handles.append(sub.register_forward_pre_hook(
-                    lambda m, a, k, p=path: self._enter(p, a, k, m), with_kwargs=True))
-                self._handles.append(sub.register_forward_hook(lambda m, a, o, p=path: self._exit(p, o),
-                                                               always_call=True))
+                self._watch(path, sub)
+        self._watch_reached(reached or [], root)
+
+    def _watch(self, path: str, module: torch.nn.Module) -> None:
+        self._handles.append(module.register_forward_pre_hook(
+            lambda m, a, k, p=path: self._enter(p, a, k, m), with_kwargs=True))
+        self._handles.append(module.register_forward_hook(lambda m, a, o, p=path: self._exit(p, o),
+                                                          always_call=True))
+
+    def _watch_reached(self, reached: list[torch.nn.Module], root: torch.nn.Module | None) -> None:
+        """Watch the submodules of the modules the step's code reads by module-level names (``reached``) at
+        the recorded paths of inner module steps the root does not hold: a per-sample loss calling
+        ``functional_call(MODEL, ...)`` runs the steps inside ``MODEL``, which the recorder named by their
+        paths in the outermost module called, ``MODEL`` itself (or the recording's model, which it is where
+        it is passed as ``model=``). A submodule is taken at a path only where it is of the class recorded
+        there, so that another module's submodule at a path of the same name is not compared with it."""
+        classes = _recorded_classes(self.inner)
+        held = {id(m) for m in root.modules()} if root is not None else set()
+        for top in reached:
+            for rel, sub in top.named_modules():
+                if id(sub) in held or rel in self._modules or classes.get(rel) != \
+                        skeleton.own_class(sub).__qualname__:
+                    continue
+                held.add(id(sub))
+                self._modules[rel] = sub
+                self._watch(rel, sub)
 
     def _tap_in(self, seen: _Seen, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.backward or transforms.active():  # (under torch.func the recorder tapped nothing either)
@@ -389,15 +416,40 @@ class InnerTap:
             out.append((step, queue.pop(0) if queue else None))
         return out
 
+    def _seeable(self, step: Step) -> bool:
+        """Whether the replay could see a call of the recorded inner ``step``: at the replayed step's path, or at
+        that of a module it watches (a function step's path is that of the module around it)."""
+        if step.module_path in self._modules:
+            return True
+        return step.module_path == self.root_path and (self._rooted or step.definition.get("kind") != "module")
+
+    @property
+    def unseen_text(self) -> str:
+        """Why the inner steps in ``unseen`` were not compared ("" where none)."""
+        if not self.unseen:
+            return ""
+        first = self.unseen[0]
+        more = f" (and {len(self.unseen) - 1} more)" if len(self.unseen) > 1 else ""
+        return (f"not compared: inner step {first.index} ({first.name} at {first.module_path or '.'}){more}: a replay "
+                "sees the steps inside the replayed step's module and inside the modules its code reads by "
+                "module-level names, at the paths the recording names them by, and none of those is at this path "
+                "(its module was reached another way: an argument's attribute, a model a helper of another module "
+                "holds)")
+
     def unrecorded(self) -> UnrecordedCall | None:
-        """The calls the replay made beyond the recorded ones (by key and order, as paired), if any."""
+        """The calls the replay made beyond the recorded ones (by key and order, as paired), if any. A function
+        step's call inside a module the replay could not watch is seen at another path than its record's: where
+        the recording holds an unseen step of that function (``unseen``), it is taken for that one's call."""
         recorded = Counter((_kind(s), s.module_path) for s in self.inner)
+        spare = Counter(_kind(s) for s in self.unseen if _kind(s) != "module")
         made: Counter[tuple[str, str]] = Counter()
         first, count = None, 0
         for seen in self.calls:
             key = (seen.kind, seen.path)
             made[key] += 1
-            if made[key] > recorded[key]:
+            if made[key] > recorded[key] and spare[seen.kind] > 0:
+                spare[seen.kind] -= 1
+            elif made[key] > recorded[key]:
                 count += 1
                 if first is None:
                     name = seen.kind.removeprefix("function:") if seen.kind != "module" else next(
@@ -409,7 +461,9 @@ class InnerTap:
         """Pair recorded inner steps with replayed calls (by key and order) and compare outputs."""
         results = []
         for step, seen in self._pairs():
-            if seen is None:
+            if seen is None and not self._seeable(step):
+                self.unseen.append(step)
+            elif seen is None:
                 results.append(InnerStep(step, False, reason="recorded, but not called during the replay"))
             elif seen.outputs is None:
                 results.append(InnerStep(step, False, reason="raised during the replay"))
@@ -457,6 +511,9 @@ class InnerTap:
                 if not hits:
                     continue
             back = Step(rec, int(hits[0]))
+            if seen is None and not self._seeable(step):
+                self.unseen.append(back)
+                continue
             if seen is None:
                 results.append(InnerStep(back, False, reason="recorded, but not called during the replay"))
                 continue
@@ -537,6 +594,18 @@ def _shared_paths(root: torch.nn.Module, root_path: str, inner: list[Step]) -> d
             fits = [rel for rel in fits if rel.rpartition(".")[2] == path.rpartition(".")[2]]
         if len(fits) == 1:
             out[fits[0]] = path
+    return out
+
+
+def _recorded_classes(inner: list[Step]) -> dict[str, str]:
+    """``{recorded path: its module's class (qualified name)}`` of the inner module steps."""
+    out: dict[str, str] = {}
+    for s in inner:
+        if s.definition.get("kind") == "module":
+            doc = s._doc("module")
+            cls = doc.get("class") if isinstance(doc, dict) else None
+            if isinstance(cls, str):
+                out.setdefault(s.module_path, cls.rpartition(":")[2])
     return out
 
 

@@ -48,7 +48,7 @@ from .code import CodeLoader, late_imports, projects, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, UnrecordedCall, descendants
 from .rebuild import Builder, load_state, unresolved
-from .recording import Recording, Step, join_path
+from .recording import Recording, Step, join_path, paper_reference
 
 NOTHING_COMPARED = ("the step returned no tensor and changed none of its inputs, parameters or buffers in place, "
                     "which is what a replay compares: nothing was compared")
@@ -710,14 +710,33 @@ class Replayer:
             return
         if held:  # (not its constants either)
             return
+        self._module_data(result, call)
+
+    def _module_data(self, result: ReplayResult, call: _Call) -> None:
+        """The module-level data the step's code reads, and that of the steps inside it, named as a likely
+        cause: its values are not recorded. Of the inner steps, those that differ where they were compared (the
+        first divergence is often in one, which reads what the step's own code does not); all, where none was
+        (``bisect --ops`` replays the step alone)."""
         kind = type(call.module)
         own = call.fn if call.module is None else None if kind.__module__.startswith("torch.") else kind.forward
         names = _data_globals(own)  # (a module step's: its forward's, torch's own modules aside)
         if names:
-            result.warnings.append(f"the step's code reads the module-level {', '.join(names)}, whose values are not "
-                                   "recorded: the replay used their values now (a likely cause of any difference, if "
-                                   "training changes them, an annealed temperature, a global step count, or the "
-                                   "environment or command line set them when the code was loaded)")
+            result.warnings.append(_data_warning("the step's code", names))
+        step = result.step
+        fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
+        inner = [s.step for s in result.inner if not s.match] if result.inner else descendants(fwd)
+        done = {fwd.definition.get("ref")}
+        for s in inner:
+            defn = s.definition
+            if defn.get("ref") in done:
+                continue
+            done.add(defn.get("ref"))
+            target = self._code_target(defn)
+            names = _data_globals(target.forward if isinstance(target, type) else target)
+            if names:
+                ref = paper_reference(s.paper)
+                who = f"{ref} ({s.name})" if ref and ref != s.name else s.name
+                result.warnings.append(_data_warning(f"the code of the inner step {s.index}: {who}", names))
 
     def _reached_code(self, step: Step, call: _Call) -> dict[str, list[str]]:
         """The functions of the training project the replayed call ran (``_Call.reached``), by file, but for
@@ -1103,8 +1122,12 @@ class Replayer:
             now_ref = "nothing" if now is _UNBOUND else snapshot.code_ref(now) or f"a {type(now).__name__}"
             try:
                 obj = self.loader.resolve(ref)
+                if obj is now:  # (``from torch.func import jacrev``: torch's, bound as recorded; nothing to bind)
+                    continue
                 if snapshot.code_ref(obj) is None or not jsonval.may_bind(obj):
-                    raise ReplayError(f"{ref} is not a class or function of the training code or of torch")
+                    raise ReplayError(f"{ref} is torch's, but not its tensor math nor a module, which alone a replay "
+                                      "binds" if ref.partition(".")[0].partition(":")[0] == "torch" else
+                                      f"{ref} is not a class or function of the training code or of torch")
             except Exception as exc:  # noqa: BLE001 - the binding is named as what could not be set
                 why = str(exc) if isinstance(exc, ReplayError) else brief(exc)
                 if now_ref == ref:  # (the same name, not importable: a lambda, or a class made in a function)
@@ -1391,7 +1414,8 @@ class Replayer:
         below = descendants(step)
         self._bind_inner(below, warnings, call.unchecked)
         inner = below if nested or self.plan.edits_inside() or self.plan.swaps else []
-        tap = InnerTap(call.module, step.module_path, inner, plan=self.plan) if inner else None
+        tap = InnerTap(call.module, step.module_path, inner, plan=self.plan, reached=_read_modules(call)) \
+            if inner else None
         settings = {**step.settings, **self.plan.settings}
         out, raised = None, None
         with state.applied(settings, step.rng, threads=threads, notes=warnings, seed=self.plan.seed), \
@@ -1430,7 +1454,10 @@ class Replayer:
                               "a rebuild that is not the recorded module, not a difference in the step"
                               + (f" (a likely cause: {hint})" if hint else ""))
         if raised is not None or recorded_exc:
-            return _exception_result(result, raised, recorded_exc)
+            _exception_result(result, raised, recorded_exc)
+            if not result.match and self.plan.empty:
+                self._module_data(result, call)
+            return result
         values = tensors_by_name(out, "output")
         changed = {r.name for r in step.records if r.role == "output" and r.name.startswith(layout.AFTER_PREFIX)}
         if changed:  # inputs and parameters the recorded call changed in place, as the replayed call left them
@@ -1460,6 +1487,8 @@ class Replayer:
         result.outputs += self._buffers_after(step, call.module, result.warnings)
         if tap is not None:
             result.inner, result.unrecorded_inner = tap.compare(), tap.unrecorded()
+            if tap.unseen:
+                warnings.append(tap.unseen_text)
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner) \
             and result.unrecorded_inner is None
@@ -1580,7 +1609,8 @@ class Replayer:
                 raise ReplayError(f"backward step {step.index} kept {step.kept_only(r)}; it cannot be replayed")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         tap = InnerTap(call.module, fwd.module_path, inner, backward=True, plan=self.plan,
-                       schema=layout.parse_version(self.rec.reader.schema_version)) if inner else None
+                       schema=layout.parse_version(self.rec.reader.schema_version),
+                       reached=_read_modules(call)) if inner else None
         fwd_settings = {**fwd.settings, **self.plan.settings}
         # The pass's other call runs in its recorded order around this one (autograd then adds their
         # parameter grads in the order it did, the last call's first).
@@ -1692,6 +1722,8 @@ class Replayer:
             param_grads = {r.name: g for r, g in zip(wanted, grads) if r.role == "param_grad" and g is not None}
             result.inner = tap.compare_backward(param_grads, fwd.module_path, step.index)
             result.unrecorded_inner = tap.unrecorded()
+            if tap.unseen:
+                result.warnings.append(tap.unseen_text)
             self._inner_drift(result)
         result.match = all(d.match for d in result.outputs) and all(s.match for s in result.inner) \
             and result.unrecorded_inner is None
@@ -2191,6 +2223,19 @@ def _bound_as(value: Any) -> str:
     return f"a {snapshot.rng_kind(value)}" if snapshot.is_global_rng(value) else f"a {type(value).__name__}"
 
 
+def _data_warning(whose: str, names: list[str]) -> str:
+    """What a replay says of the module-level data ``names`` (``_data_globals``) that ``whose`` code reads."""
+    unset = (": a name None when the code is loaded is set by the training script as it ran (its main()), which a "
+             "replay does not run; pass it to the step as an argument, or keep it in the step's module, to have it "
+             "recorded") if any(n.endswith(_NONE_AT_LOAD) for n in names) else ""
+    return (f"{whose} reads the module-level {', '.join(names)}, whose values are not recorded: the replay used their "
+            "values now (a likely cause of any difference, if training changes them, an annealed temperature, a global "
+            f"step count, or the environment or command line set them when the code was loaded){unset}")
+
+
+_NONE_AT_LOAD = " (None when the code is loaded)"
+
+
 def _data_globals(fn: Any) -> list[str]:
     """The module-level names ``fn``'s own code reads that hold data (numbers, tensors, containers),
     not functions, classes or modules: state a step depends on that is not one of its arguments."""
@@ -2206,9 +2251,16 @@ def _data_globals(fn: Any) -> list[str]:
         here = todo.pop()
         names += [i.argval for i in dis.get_instructions(here) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
         todo += [c for c in here.co_consts if isinstance(c, types.CodeType)]
-    return [f"{n} ({type(env[n]).__name__})" for n in dict.fromkeys(names)
-            if isinstance(n, str) and n in env and isinstance(env[n], _DATA) and not n.startswith("__")
-            and not snapshot.is_global_rng(env[n])][:5]
+    return [n + (_NONE_AT_LOAD if env[n] is None else f" ({type(env[n]).__name__})") for n in dict.fromkeys(names)
+            if isinstance(n, str) and n in env and (env[n] is None or isinstance(env[n], _DATA))
+            and not n.startswith("__") and not snapshot.is_global_rng(env[n])][:5]
+
+
+def _read_modules(call: _Call) -> list[torch.nn.Module]:
+    """The modules the replayed step's code reads by module-level names (a module step's: its forward's), but
+    its own: where the steps inside them ran, which a replay pairs with their records (``InnerTap``)."""
+    target = call.fn if call.module is None else type(call.module)
+    return [m for m in snapshot.global_modules(target) if m is not call.module]
 
 
 def _grads_by_backward(pairs: list[tuple[torch.Tensor, torch.Tensor]], targets: list[torch.Tensor],

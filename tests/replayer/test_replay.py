@@ -3124,6 +3124,32 @@ def test_state_a_step_keeps_outside_its_arguments(tmp_path: Path) -> None:
     assert not edited.match and not any("likely cause" in w for w in edited.warnings), edited.warnings
 
 
+LATE_SCALE: float | None = None  # set by the training code as it runs (a script's main()), None when loaded
+
+
+@recorder.paper_step("Eq. 3b", description="scaled by a module-level value set as training starts")
+def late_scaled(x: torch.Tensor) -> torch.Tensor:
+    return x / LATE_SCALE
+
+
+def test_a_replay_raising_on_a_module_level_name_none_when_loaded_names_it(tmp_path: Path) -> None:
+    """A module-level name that is None when the code is loaded and set as training starts (a model or a
+    temperature main() fills in): the replay raised, and named no module-level data, where a value set at load
+    was named. Its warning names the name, as None when the code is loaded, and says why."""
+    global LATE_SCALE  # noqa: PLW0603 - set as a script's main() sets it
+    try:
+        LATE_SCALE = 0.5
+        with recorder.record(tmp_path / "run.zarr"):
+            late_scaled(torch.ones(3))
+    finally:
+        LATE_SCALE = None
+    result = replayer.replay(replayer.open(tmp_path / "run.zarr"), "late_scaled")
+    assert not result.match and result.exception is not None and result.exception.startswith("TypeError")
+    assert any(w.startswith("the step's code reads the module-level LATE_SCALE (None when the code is loaded), "
+                            "whose values are not recorded") and "main()" in w
+               for w in result.warnings), result.warnings
+
+
 SCHEDULE_SCRIPT = """
 import sys
 import numpy as np

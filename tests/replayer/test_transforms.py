@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import types
 import warnings
 
 import pytest
 import torch
-from torch.func import functional_call, grad, jvp, stack_module_state, vmap
+from torch.func import functional_call, grad, jacrev, jvp, stack_module_state, vmap
 
 import recorder
 import replayer
@@ -402,3 +403,105 @@ def test_a_step_called_on_forward_ad_dual_tensors_is_recorded_and_its_primal_rep
         elif s.phase == "backward":
             with pytest.raises(ReplayError, match="no grad outputs.*forward-AD dual tensors"):
                 replayer.replay(rec, s.index)
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(0)
+    _PER_SAMPLE_MODEL = torch.nn.Sequential(Projection(), torch.nn.Linear(4, 1))  # the torch.func tutorial's global
+
+
+@recorder.paper_step("Eq. 12", description="per-sample loss through the module-level model")
+def per_sample_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (functional_call(_PER_SAMPLE_MODEL, params, (x.unsqueeze(0),)).squeeze(0) - y).pow(2).sum()
+
+
+def test_the_steps_inside_a_module_level_model_a_function_step_calls_are_compared(tmp_path):
+    """A per-sample loss calling the model through a module-level name (``vmap(grad(loss))`` over
+    ``functional_call(MODEL, ...)``) replayed bit for bit, yet its replay said MISMATCH: the steps inside the
+    model were "recorded, but not called during the replay" (only the step's module root was watched), while
+    verify said all matched. They are paired with their records and compared; the replay matches."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    params = {k: v.detach() for k, v in _PER_SAMPLE_MODEL.named_parameters()}
+    with recorder.record(tmp_path / "run.zarr", model=_PER_SAMPLE_MODEL) as run:
+        vmap(grad(per_sample_loss), in_dims=(None, 0, 0))(params, x, y)
+        per_sample_loss(params, x[0], y[0])
+    assert run.failure is None
+    rec = replayer.open(tmp_path / "run.zarr")
+    for selector in ("per_sample_loss#0", "per_sample_loss#1"):
+        result = replayer.replay(rec, selector)
+        assert result.match and result.compared, (selector, [s.reason for s in result.inner], result.warnings)
+        assert [(s.step.module_path, s.step.name, s.match) for s in result.inner] == \
+            [("0", "Projection", True), ("0", "row_softmax", True)], selector
+    done = pdbg("replay", str(tmp_path / "run.zarr"), "per_sample_loss#0", cwd=ROOT)
+    assert done.returncode == 0 and "inner steps: 2 of 2 match" in done.stdout, done.stdout + done.stderr
+
+
+_HOLDER = types.SimpleNamespace(model=_PER_SAMPLE_MODEL)  # a model held by a plain object, not a module-level name
+
+
+@recorder.paper_step("Eq. 12b", description="per-sample loss through a model a plain object holds")
+def held_loss(x: torch.Tensor) -> torch.Tensor:
+    return _HOLDER.model(x).pow(2).sum()
+
+
+def test_the_steps_inside_a_model_a_replay_cannot_see_are_not_compared_not_a_divergence(tmp_path):
+    """Where the model a function step calls is reached another way than a module-level name (an attribute of
+    a plain object), the replay cannot watch the modules the recorded inner steps ran in: those are said to be
+    not compared, and why, not "recorded, but not called" (a MISMATCH of a step whose outputs all match)."""
+    with recorder.record(tmp_path / "run.zarr", model=_PER_SAMPLE_MODEL) as run:
+        held_loss(torch.randn(4, 4))
+    assert run.failure is None
+    result = replayer.replay(replayer.open(tmp_path / "run.zarr"), "held_loss")
+    assert result.match and result.inner == [], ([s.reason for s in result.inner], result.warnings)
+    assert any(w.startswith("not compared: inner step 1 (Projection at 0) (and 1 more): a replay sees the steps "
+                            "inside") for w in result.warnings), result.warnings
+
+
+_JAC_STATE = {"k": 1.0}  # changed by the loop below: module-level data an inner step reads
+
+
+@recorder.paper_step("Eq. 13", description="a block whose scale a module-level dict holds")
+class _ScaledBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) * _JAC_STATE["k"])
+
+
+@recorder.paper_step("Eq. 14", description="input-Jacobian penalty")
+class _JacPenalty(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(_ScaledBlock(), torch.nn.Linear(3, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return jacrev(lambda z: self.net(z).sum())(x).pow(2).mean()
+
+
+def test_an_enclosing_steps_replay_names_its_inner_steps_module_level_data_not_torch_func(tmp_path):
+    """A step computing ``jacrev`` over a network whose inner step reads a module-level dict training changes:
+    its replay differed, and its only warning blamed ``from torch.func import jacrev`` as "not a class or
+    function of the training code or of torch" (a likely cause), while the inner step's own replay named the
+    dict. The enclosing step's replay names the inner step's module-level data, and not torch.func's jacrev."""
+    torch.manual_seed(0)
+    penalty = _JacPenalty()
+    try:
+        with recorder.record(tmp_path / "run.zarr", model=penalty) as run:
+            for k in (1.0, 0.5):
+                _JAC_STATE["k"] = k
+                penalty(torch.randn(4, 3))
+                run.next_iteration()
+    finally:
+        _JAC_STATE["k"] = 1.0
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert replayer.replay(rec, "Eq. 14@iter=0").match
+    result = replayer.replay(rec, "Eq. 14@iter=1")
+    assert not result.match and [s.match for s in result.inner] == [False]
+    inner = result.inner[0].step.index
+    assert any(w.startswith(f"the code of the inner step {inner}: Eq. 13 (_ScaledBlock) reads the module-level "
+                            "_JAC_STATE (dict), whose values are not recorded")
+               for w in result.warnings), result.warnings
+    assert not any("jacrev" in w for w in result.warnings), result.warnings
