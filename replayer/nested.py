@@ -6,7 +6,9 @@ paths; function steps (``paper_step`` functions) through the decorator's hook po
 (``recorder.capture.ACTIVE``), with the path of the innermost module running around them. Replayed
 calls are matched to recorded ones by (name, module path) and their order; a submodule the recorder
 named by another path, outside the step's (the model's own, reached first), by its class
-(``_shared_paths``).
+(``_shared_paths``). The submodules of the modules the step's code reads by module-level names (a
+per-sample loss's ``functional_call(MODEL, ...)``) are watched too, at the recorded paths of their
+classes; an inner step at a path no watched module holds is not compared, and said to be.
 """
 
 from __future__ import annotations
