@@ -303,13 +303,13 @@ def test_a_stack_module_state_ensemble_replays_and_bisect_names_its_unrecorded_b
     assert f"last finite in {describe(rec.step(1))}" in origin.cause and "recorded forward only" in origin.cause
 
 
-_PER_SAMPLE = torch.nn.Linear(3, 1)
+_NAN_SAMPLE = torch.nn.Linear(3, 1)
 
 
 @recorder.paper_step("Eq. 12", description="a per-sample loss, sqrt(r k) with k = 0 making its gradient NaN")
-def per_sample_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, k: torch.Tensor
+def nan_sample_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, k: torch.Tensor
                     ) -> torch.Tensor:
-    r = ((functional_call(_PER_SAMPLE, params, (x.unsqueeze(0),)).squeeze(0) - y) ** 2).sum()
+    r = ((functional_call(_NAN_SAMPLE, params, (x.unsqueeze(0),)).squeeze(0) - y) ** 2).sum()
     return r + torch.sqrt(r * k)
 
 
@@ -319,7 +319,7 @@ def test_per_sample_gradients_that_turn_nan_are_named_as_the_likely_source(tmp_p
     bisect said "from code outside every recorded step", no lead. It names the call that last saw them finite,
     recorded forward only under the transform, and its unrecorded gradients as the likely source."""
     torch.manual_seed(0)
-    model = copy.deepcopy(_PER_SAMPLE)
+    model = copy.deepcopy(_NAN_SAMPLE)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 3), torch.randn(4, 1)
     path = tmp_path / "per_sample.zarr"
@@ -327,7 +327,7 @@ def test_per_sample_gradients_that_turn_nan_are_named_as_the_likely_source(tmp_p
         for it in range(3):
             params = {k: v.detach() for k, v in model.named_parameters()}
             k = torch.tensor(0.0 if it == 1 else 1.0)
-            g = vmap(grad(per_sample_loss), in_dims=(None, 0, 0, None))(params, x, y, k)
+            g = vmap(grad(nan_sample_loss), in_dims=(None, 0, 0, None))(params, x, y, k)
             for n, p in model.named_parameters():
                 p.grad = g[n].mean(0)
             opt.step()
@@ -335,7 +335,7 @@ def test_per_sample_gradients_that_turn_nan_are_named_as_the_likely_source(tmp_p
     rec = replayer.open(path)
     origin = replayer.first_nonfinite(rec)
     assert origin.step is None and origin.entered is not None and origin.entered.iteration == 2, origin.cause
-    earlier = rec.steps.filter(name="per_sample_loss", iteration=1)[0]
+    earlier = rec.steps.filter(name="nan_sample_loss", iteration=1)[0]
     assert f"it was last finite in {describe(earlier)}, which ran under a torch.func transform and is recorded " \
            "forward only" in origin.cause, origin.cause
     assert "those gradients, not recorded, are the likely source, through the optimizer update" in origin.cause
