@@ -9,15 +9,19 @@ wildcards apply (``h.*.attn*``; ``[[]`` is a literal ``[``), and a segment spell
 name selects it whatever characters it holds (``heads.x[0]``, a ModuleDict key), under Unicode
 normalisation (``names.glob``).
 
-Global forward pre-hooks see positional arguments only. A selected module is therefore given its
-own forward pre-hook with keyword arguments, which torch runs right after the global ones: its
-calls are captured there, keyword arguments as positional ones (before the call, followed into the
-backward pass, recorded again after the call when it changes them in place). torch lists a call's
-hooks before running them, so the hook exists from the next call on; the modules under the
-recording's ``model`` that the globs select get theirs when the recording starts. A call that
-begins without it (the first call of a module outside ``model``, compiled code) has its keyword
-arguments captured when it ends, as a note on the step says. Decorated classes and annotated
-instances are recorded by their own wrappers, never twice.
+Global forward pre-hooks see positional arguments only, and run before the module's own. A selected
+module is therefore given its own forward pre-hook with keyword arguments, after the module's other
+forward pre-hooks: its calls are captured there, with what its ``forward`` is called with (keyword
+arguments as positional ones; before the call, followed into the backward pass, recorded again after
+the call when it changes them in place), its state and RNG states as its own pre-hooks left them, as
+a decorated class's are. torch lists a call's hooks before running them, so the hook exists from the
+next call on; the modules that the globs select under the recording's ``model`` get theirs when the
+recording starts, those under any other outermost module when it is called. A call that begins
+without it (a selected outermost module's first call, compiled code) has its keyword arguments
+captured when it ends, and one that the module's own forward pre-hooks run after (those, or ones
+registered after ours: ours moves to the end for the next call) says so in a note on the step
+(``layout.UNRUN_PRE_HOOKS_NOTE``), by which a replay knows that they ran after its recording.
+Decorated classes and annotated instances are recorded by their own wrappers, never twice.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 from . import compiled, names, skeleton
 from .errors import RecordingError
+from .store import layout
 
 if TYPE_CHECKING:
     from .annotate import StepDef
@@ -167,7 +172,8 @@ class GlobalCapture:
         self.session, self.selector = session, selector
         self.local = threading.local()
         self._defs: dict[type, StepDef] = {}
-        self._roots: set[int] = set()  # ids of the modules whose selected modules are marked
+        # id -> weak ref of the modules whose selected modules are marked (a reused id is not the old module)
+        self._roots: dict[int, weakref.ref[torch.nn.Module]] = {}
         self._selected: list[weakref.ref[torch.nn.Module]] = []  # marked modules (see _SELECTED)
         # The classes of selected modules whose forward Dynamo skips while recording: class -> what its
         # __dict__ held under "forward" before (None: nothing, it inherited forward), and ours.
@@ -204,9 +210,12 @@ class GlobalCapture:
         """Mark the modules under ``top`` that the globs select (see _SELECTED), with their paths
         relative to the outermost module being called; ``close()`` removes the marks."""
         top = compiled.unwrapped(top)
-        if id(top) in self._roots:
+        root = self._roots.get(id(top))
+        if root is not None and root() is top:
             return
-        self._roots.add(id(top))
+        if len(self._roots) >= 256:  # (outermost modules made anew each call: forget the gone ones)
+            self._roots = {k: r for k, r in self._roots.items() if r() is not None}
+        self._roots[id(top)] = weakref.ref(top)
         for module in top.modules():
             names = [self.session.modules.path_of(module), *self.session.modules.other_paths(module)]
             if not _marked(module) and any(glob_matches(p, n) for p in self.selector.patterns for n in names):
@@ -216,14 +225,14 @@ class GlobalCapture:
 
     def _add_hook(self, module: torch.nn.Module) -> None:
         """Give a selected module its own pre-hook, which sees keyword arguments (torch runs it after
-        the global pre-hooks, from the module's next call on); ``close()`` removes it."""
+        the global pre-hooks and the module's own, from the module's next call on); ``close()`` removes it."""
         if self._hooked_now(module) or type(module).__name__ == "OptimizedModule" or isinstance(
                 module, torch.jit.ScriptModule):  # (a compile wrapper: no step; TorchScript takes no Python hooks)
             return
         # (a copy of a hooked module, copy.deepcopy's, holds the hook already: it is adopted, not added twice)
         held = next((k for k, h in module._forward_pre_hooks.items() if h is self._hook), None)
         handle = (_Adopted(module, held) if held is not None else
-                  module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True))
+                  module.register_forward_pre_hook(self._hook, with_kwargs=True))
         self._hooked[id(module)] = (weakref.ref(module), handle)
 
     def _hooked_now(self, module: torch.nn.Module) -> bool:
@@ -240,15 +249,23 @@ class GlobalCapture:
             self._guard_mark(module)
             self._guard_eager(module)
             return None
-        if self._hooked_now(module):
+        hooked = self._hooked_now(module)  # (before marking: a hook added now is not among this call's)
+        if module._modules and self.session.enabled and self.session.modules.outermost(module):
+            try:
+                self.mark(module)  # (hooks its selected modules before their first call)
+            except Exception as exc:
+                self.session.fail("selecting modules", exc)
+        if hooked:
             self.local.late = None
-            return None  # its own pre-hook, next, captures the call with its keyword arguments
+            return None  # its own pre-hook, last, captures the call with its keyword arguments
         return self._late(module, args)
 
     def _late(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """Capture a call whose keyword arguments are seen only when it ends (see ``_end``); hook the
         module for its next calls."""
         started = self._begin(module, args, None)
+        if started is not None:
+            self._note_unrun(self._pre_hooks(module))
         if started is not None and not compiled.tracing():
             self.local.late = module  # (a copy of its hook already listed for this call, a deepcopy's, skips it)
             try:
@@ -263,8 +280,28 @@ class GlobalCapture:
         if getattr(self.local, "late", None) is module:  # begun by _late
             self.local.late = None
             return None
+        key = self._hooked[id(module)][1].id
+        unrun = self._pre_hooks(module, after=key)
+        if unrun:  # registered after ours: they run after this call's capture, but before the next's
+            module._forward_pre_hooks.move_to_end(key)
         started = self._begin(module, args, kwargs)
-        return None if started is None else started
+        if started is not None:
+            self._note_unrun(unrun)
+        return started
+
+    def _pre_hooks(self, module: torch.nn.Module, after: int | None = None) -> list[str]:
+        """The names of the module's own forward pre-hooks (those listed after ``after``, the key of
+        ours, where given), which run after a call's capture begun before them."""
+        hooks = list(module._forward_pre_hooks.items())
+        if after is not None:
+            hooks = hooks[next((i + 1 for i, (k, _) in enumerate(hooks) if k == after), len(hooks)):]
+        return [skeleton.hook_name(h) for _, h in hooks if not isinstance(h, _KeywordHook)]
+
+    def _note_unrun(self, unrun: list[str]) -> None:
+        """Say on the call just begun which of its module's forward pre-hooks run after its capture."""
+        frame = self._open()[-1][1]
+        if unrun and frame is not None:
+            frame.notes.append(f"{', '.join(unrun)}: {layout.UNRUN_PRE_HOOKS_NOTE}")
 
     def _note_marked(self, module: torch.nn.Module) -> None:
         try:

@@ -121,6 +121,11 @@ class ModuleStack:
             paths.setdefault(id(module), "")
         return entry
 
+    def outermost(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` is the outermost module being called on this thread, and called now."""
+        stack = self._stack()
+        return len(stack) == 1 and stack[0] is module
+
     def path_of(self, module: torch.nn.Module) -> str:
         """Path of ``module`` relative to ``root()`` ("" for that module)."""
         root = self.root()

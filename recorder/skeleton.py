@@ -153,7 +153,7 @@ def parametrized(module: torch.nn.Module) -> list[str]:
     return list(module._modules["parametrizations"]._modules)
 
 
-def _hook_name(hook: Any) -> str:
+def hook_name(hook: Any) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__qualname__
 
 
@@ -176,7 +176,7 @@ def global_hooks() -> list[str]:
     for kind, attr in GLOBAL_HOOKS:
         for hook in getattr(torch.nn.modules.module, attr, {}).values():
             if not is_recorders(hook):
-                found.append(f"global {kind} {_hook_name(hook)}")
+                found.append(f"global {kind} {hook_name(hook)}")
     return found
 
 
@@ -196,12 +196,12 @@ def _hooks(module: torch.nn.Module) -> tuple[list[dict[str, Any]], set[str], lis
             continue
         kind = _HOOK_KINDS.get(type(hook))
         if kind is None:
-            others.append(f"forward pre-hook {_hook_name(hook)}")
+            others.append(f"forward pre-hook {hook_name(hook)}")
         else:
             recorded.append({"kind": kind, "attrs": jsonval.encode(dict(vars(hook)))})
             derived.add(hook.name)
-    others += [f"forward hook {_hook_name(h)}" for h in module._forward_hooks.values()]
-    others += [f"backward hook {_hook_name(h)}" for h in (*module._backward_pre_hooks.values(),
+    others += [f"forward hook {hook_name(h)}" for h in module._forward_hooks.values()]
+    others += [f"backward hook {hook_name(h)}" for h in (*module._backward_pre_hooks.values(),
                                                           *module._backward_hooks.values())]
     return recorded, derived, others
 

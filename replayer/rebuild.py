@@ -177,8 +177,9 @@ class Builder:
 
         ``top_hooks_ran``: the top module's own forward pre-hooks had run when its state and
         arguments were recorded (a decorated class or annotated instance: recorded inside its
-        forward), so a replay must not run them again; False for a module recorded by the global
-        hooks of ``modules=`` globs, which run before the module's own."""
+        forward, or by a ``modules=`` glob's pre-hook, last, since schema 1.26), so a replay must not run
+        them again; False where they ran after (a ``modules=`` glob's module recorded before 1.26, or a
+        call noted so: ``layout.UNRUN_PRE_HOOKS_NOTE``)."""
         if not isinstance(doc, dict) or "class" not in doc:
             raise ReplayError(f"the recording holds no description of module {label!r}; it cannot be rebuilt")
         out = Rebuilt(torch.nn.Module())
@@ -351,11 +352,11 @@ class Builder:
     def _hooks(self, module: torch.nn.Module, doc: dict[str, Any], path: str, out: Rebuilt) -> None:
         """Put back the forward pre-hooks that compute a tensor (hook-based weight_norm and
         spectral_norm); say which other hooks the module had, where the replay misses them."""
-        top = not path
+        top, where = not path, path or "the step's module"
         for spec in doc.get("hooks") or ():
             cls = skeleton.HOOK_CLASSES.get(spec.get("kind"))
             if cls is None:
-                out.warnings.append(f"{path or 'the step`s module'}: a {spec.get('kind')} hook is not known to this "
+                out.warnings.append(f"{where}: a {spec.get('kind')} hook is not known to this "
                                     "version; left out of the replay")
                 continue
             hook = cls.__new__(cls)
@@ -365,11 +366,11 @@ class Builder:
             if isinstance(module, LazyModuleMixin) and text.endswith(LazyModuleMixin._infer_parameters.__qualname__):
                 continue  # made again (_lazy_again)
             # The step's own forward hooks ran after its output was recorded; its pre-hooks, before
-            # its state was, unless global hooks recorded it (they run first).
+            # its arguments and state were, unless they ran after (see build's top_hooks_ran).
             if top and (text.startswith("forward hook") or (text.startswith("forward pre-hook")
                                                              and self._top_hooks_ran)):
                 continue
-            out.warnings.append(f"{path or 'the step`s module'} had a {text} when it was recorded, which cannot be "
+            out.warnings.append(f"{where} had a {text} when it was recorded, which cannot be "
                                 "recorded as data; the replay runs without it (a likely cause of any difference)")
 
     def _construct(self, doc: dict[str, Any], path: str, out: Rebuilt) -> torch.nn.Module | None:

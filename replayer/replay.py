@@ -538,7 +538,7 @@ class Replayer:
                 new = intervene.swap_module(
                     original, sw.replacement, sw.key,
                     lambda cls, d=doc, k=sw.key, top=not rel, g=held: self._builder(g).build(
-                        d, k, cls=cls, top_hooks_ran=top and _own_hooks_ran(step.definition)),
+                        d, k, cls=cls, top_hooks_ran=top and self._own_hooks_ran(step)),
                     init, self.plan.notes)
                 sw.used += 1
                 if rel:
@@ -772,7 +772,8 @@ class Replayer:
         module_doc = step._doc("module")
         records = step.records
         warnings += [f"{note} (a likely cause of any difference)" for note in step.extra.get("notes", [])
-                     if layout.GLOBAL_HOOK_NOTE in note and not any(note in w for w in warnings)]
+                     if (layout.GLOBAL_HOOK_NOTE in note or layout.UNRUN_PRE_HOOKS_NOTE in note)
+                     and not any(note in w for w in warnings)]
         failed = next((n for n in step.extra.get("notes", []) if isinstance(n, str)
                        and n.startswith(f"{layout.CAPTURE_FAILED_NOTE}: ")), None)
         if failed is not None:  # its arguments or outputs are missing: a replay would run another call
@@ -871,7 +872,7 @@ class Replayer:
             target = self._code_target(defn)  # first: importing it (from where it was) serves the skeleton too
             recorded_rng = step.rng
             built = self._builder(_held_states(recorded_rng)).build(module_doc, step.module_path or step.name,
-                                                                    top_hooks_ran=_own_hooks_ran(defn))
+                                                                    top_hooks_ran=self._own_hooks_ran(step))
             module = built.module
             warnings.extend(built.warnings)
             rebuilt.update({join_path(step.module_path, k): v for k, v in built.how.items()})
@@ -1068,6 +1069,17 @@ class Replayer:
         if not swap:
             return args, kwargs
         return [swap.get(id(a), a) for a in args], {k: swap.get(id(v), v) for k, v in kwargs.items()}
+
+    def _own_hooks_ran(self, step: Step) -> bool:
+        """Had the step's module run its own forward pre-hooks when the step's arguments and state were
+        recorded? Yes for a decorated class or annotated instance (recorded inside its forward), and
+        for a module a ``modules=`` glob selected (its definition has no paper label) since schema 1.26,
+        which records it after them, unless a note on the call says they ran after (its first call as
+        the outermost module); before 1.26, no (recorded before them)."""
+        if (step.definition.get("paper") or {}).get("label") is not None:
+            return True
+        return self._since(layout.HOOKED_INPUTS_SINCE) and not any(
+            isinstance(n, str) and n.endswith(layout.UNRUN_PRE_HOOKS_NOTE) for n in step.extra.get("notes", ()))
 
     def _since(self, version: tuple[int, int]) -> bool:
         """Whether the recording is of schema ``version`` or later."""
@@ -2327,13 +2339,6 @@ class _Call:
             if self.vmap is None:
                 return self.fn(*self.args, **self.kwargs)
             return self.vmap.run(self.fn, self.module, self.args, self.kwargs)
-
-
-def _own_hooks_ran(defn: dict[str, Any]) -> bool:
-    """Had the step's module run its own forward pre-hooks when the step's state was recorded? Yes
-    for a decorated class or annotated instance (recorded inside its forward); no for a module that
-    the global hooks of ``modules=`` globs recorded (they run first; its definition has no paper label)."""
-    return (defn.get("paper") or {}).get("label") is not None
 
 
 @dataclass

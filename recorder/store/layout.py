@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.25"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.26"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -109,6 +109,11 @@ SCHEMA_VERSION = "1.25"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       buffers and grad outputs that did not begin at one lay (a view xs[t] of a time-major batch), by which a
 #       replay gives it memory at that address modulo ALIGNMENT again (CPU kernels pick their code by alignment, and
 #       round otherwise: before, such a step replayed as a mismatch)
+# 1.26: a module a modules= glob selects is recorded after its own forward pre-hooks ran (its arguments, state and
+#       RNG states as its forward got them, as a decorated class's), where a call says nothing else: a note
+#       UNRUN_PRE_HOOKS_NOTE names the pre-hooks that ran after it; a replay runs it without them as it runs a
+#       decorated class's (before, before them: a replay warned of them, and one that changed the arguments
+#       made every replay of the module differ)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -129,6 +134,8 @@ LEAVES_UNTAPPED_SINCE = (1, 19)  # recordings of this schema or later tapped no 
 USES_APART_SINCE = (1, 21)  # recordings of this schema or later pass an argument's uses in a step on apart
 MORE_SPARES_SINCE = (1, 22)  # ... up to 16 uses of each (before: 4; the rest summed)
 NESTED_LEAVES_SINCE = (1, 23)  # ... and follow the leaves inside container arguments for their gradients
+HOOKED_INPUTS_SINCE = (1, 26)  # recordings of this schema or later record a modules= glob's module after its own
+# forward pre-hooks ran (unless a note says otherwise: UNRUN_PRE_HOOKS_NOTE); before, before them
 CHECKSUM_KEY = "checksum"
 SCHEMA_MAJOR = 1
 ATTRS_KEY = "paperdebugger"
@@ -236,6 +243,13 @@ UNCOPIED_NOTE = ("in an object that could not be copied to follow them (a copy f
 LATE_KWARGS_NOTE = ("keyword arguments captured when the call ended (its module's first call, or one from compiled "
                     "code): one the call changed in place is recorded as the call left it, and none is followed for "
                     "gradients")
+
+# A forward step's note: "<hook names>: " + this (a module a modules= glob selected, whose capture began before
+# these forward pre-hooks of its own ran: recorder.autohooks). Since 1.26, which records such a module's calls
+# after its own forward pre-hooks (before, every call was recorded before them: HOOKED_INPUTS_SINCE).
+UNRUN_PRE_HOOKS_NOTE = ("forward pre-hooks of its module that ran after its arguments, state and RNG states were "
+                        "recorded (its first call as the outermost module, one from compiled code, or hooks "
+                        "registered while recording): a replay runs without them")
 
 
 @dataclass(frozen=True)

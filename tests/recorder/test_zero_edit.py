@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import warnings
@@ -13,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import recorder
+import replayer
 from recorder.autohooks import glob_matches, parse_globs
 from recorder.errors import RecordingError
 from recorder.store import layout
@@ -246,8 +248,8 @@ class TestKeywordArguments:
     def test_a_keyword_buffer_written_in_place_is_recorded_as_the_call_found_it(self, run_path: Path,
                                                                                model: bool) -> None:
         """blocks.0 at position 1 gets kbuf with row 1 still zero, and leaves it written (after:kwargs.kbuf);
-        with record(model=...) from its first call, without it from its second (the first's are taken
-        when it ends, as a note says)."""
+        from its first call, with record(model=...) or without it (its hook is added when the outermost
+        module is called; before, the first call's were taken when it ended, as a note said)."""
         import replayer
 
         torch.manual_seed(0)
@@ -265,10 +267,7 @@ class TestKeywordArguments:
         assert torch.equal(second.tensor("kwargs.kbuf")[0, 0], caches[0][0, 0])
         assert torch.equal(second.tensor("after:kwargs.kbuf"), torch.cat([caches[0][:, :2], torch.zeros(1, 1, 4)], 1))
         late = [n for n in first.extra.get("notes", []) if layout.LATE_KWARGS_NOTE in n]
-        if model:
-            assert torch.equal(first.tensor("kwargs.kbuf"), torch.zeros(1, 3, 4)) and not late
-        else:
-            assert late == [f"kbuf, pos: {layout.LATE_KWARGS_NOTE}"]
+        assert torch.equal(first.tensor("kwargs.kbuf"), torch.zeros(1, 3, 4)) and not late
         assert not [n for n in second.extra.get("notes", []) if layout.LATE_KWARGS_NOTE in n]
         for step in rec.steps:
             res = replayer.replay(rec, step)
@@ -324,6 +323,140 @@ class TestKeywordArguments:
         assert origin.step is not None and origin.step.index == 2 and origin.step.module_path == "blocks.0", origin
         op = origin.op
         assert op is not None and op.name == "aten::mul" and op.code == "k = k * self.kscale * self.kscale", op
+
+
+class Gate(nn.Module):
+    """A gated linear layer whose gate comes as a positional or keyword-only argument, with dropout: its
+    calls draw random numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None, *, kgate: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+        return self.drop(self.fc(x)) * torch.sigmoid(gate if kgate is None else kgate)
+
+
+class GateNet(nn.Module):
+    def __init__(self, keyword: bool) -> None:
+        super().__init__()
+        self.keyword = keyword
+        self.g1 = Gate()
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.g1(x, kgate=gate) if self.keyword else self.g1(x, gate)
+
+
+def _positional(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return args[0] + 0.1 * torch.randn_like(args[0]), args[1] * 3.0 + 1.0
+
+
+def _keyword(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    return (args[0] + 0.1 * torch.randn_like(args[0]),), {**kwargs, "kgate": kwargs["kgate"] * 3.0 + 1.0}
+
+
+def _hooked_training(path: Path | None, keyword: bool, model: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two iterations of GateNet whose g1 has a forward pre-hook that changes its arguments and draws
+    random numbers, recorded (``path``) with ``modules=["g1"]``, or not; returns the losses and
+    parameters."""
+    torch.manual_seed(0)
+    net = GateNet(keyword)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, gate = torch.randn(3, 4), torch.randn(3, 4, requires_grad=True)
+    if keyword:
+        net.g1.register_forward_pre_hook(_keyword, with_kwargs=True)
+    else:
+        net.g1.register_forward_pre_hook(_positional)
+    losses = []
+    with contextlib.ExitStack() as stack:
+        if path is not None:
+            stack.enter_context(recorder.record(path, mode="full", modules=["g1"], optimizer=opt,
+                                                **({"model": net} if model else {})))
+        for _ in range(2):
+            loss = net(x, gate.tanh()).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    return losses, [p.detach().clone() for p in net.parameters()]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.int32)
+
+
+class TestOwnPreHooks:
+    """A glob-selected module is recorded after its own forward pre-hooks ran: with the arguments its
+    forward got, its state and the RNG states the hooks left, as a decorated class is."""
+
+    @pytest.mark.parametrize("model", [True, False], ids=["model", "no-model"])
+    @pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
+    def test_forward_and_backward_replay_bit_for_bit(self, run_path: Path, keyword: bool, model: bool) -> None:
+        """A pre-hook that changes a positional or keyword argument and draws noise: every forward
+        and backward step replays bit for bit, without a word of the hook, and training is unchanged
+        (it was recorded before the hook: every replay differed)."""
+        plain = _hooked_training(None, keyword, model)
+        recorded = _hooked_training(run_path, keyword, model)
+        for a, b in zip([*plain[0], *plain[1]], [*recorded[0], *recorded[1]]):
+            assert torch.equal(_bits(a), _bits(b))
+        rec = replayer.open(run_path)
+        assert [(s.phase, s.module_path) for s in rec.steps] == [("forward", "g1"), ("backward", "g1")] * 2
+        for step in rec.steps:
+            res = replayer.replay(rec, step.index)
+            assert res.match and res.outputs and all(d.match for d in res.outputs), (step.index, res.diffs)
+            assert not any("pre-hook" in w for w in res.warnings), res.warnings
+        first = rec.step(0)
+        name = "kwargs.kgate" if keyword else "args.1"
+        gate = first.tensor(name)  # the hook's: tanh(gate) * 3 + 1, not the caller's tanh(gate)
+        assert gate.min() >= -2.0 and gate.max() <= 4.0 and gate.max() > 1.0, gate
+        assert {d.name for d in replayer.replay(rec, 1).outputs} >= {name, "fc.weight"}
+
+    def test_a_hook_registered_while_recording_is_noted_and_then_followed(self, run_path: Path) -> None:
+        """A pre-hook registered after the module's first recorded call runs after the recorder's at
+        the next call, which a note on the step says and whose replay names the hook as the likely
+        cause of its difference; the recorder's hook goes last for the calls after it."""
+        torch.manual_seed(0)
+        net = GateNet(keyword=False)
+        x, gate = torch.randn(3, 4), torch.randn(3, 4)
+        with recorder.record(run_path, mode="full", model=net, modules=["g1"]):
+            net(x, gate)
+            net.g1.register_forward_pre_hook(_positional)
+            net(x, gate)
+            net(x, gate)
+        rec = replayer.open(run_path)
+        notes = [rec.step(i).extra.get("notes", []) for i in range(3)]
+        assert notes[0] == [] and notes[2] == [], notes
+        assert notes[1] == [f"_positional: {layout.UNRUN_PRE_HOOKS_NOTE}"], notes
+        res = [replayer.replay(rec, i) for i in range(3)]
+        assert res[0].match and res[2].match and not res[1].match
+        assert f"_positional: {layout.UNRUN_PRE_HOOKS_NOTE} (a likely cause of any difference)" in res[1].warnings
+        assert not any("pre-hook" in w for w in res[2].warnings), res[2].warnings
+
+
+    def test_an_outermost_modules_first_call_is_noted_and_the_next_followed(self, run_path: Path) -> None:
+        """A selected module called as the outermost one, with no model given: its first call is captured
+        before its own pre-hook (a note says so, and its replay names the hook), its next after it."""
+        torch.manual_seed(0)
+        fc = nn.Linear(4, 4)
+        fc.register_forward_pre_hook(_double)
+        x = torch.randn(3, 4)
+        with recorder.record(run_path, mode="full", modules=["**"]):
+            fc(x)
+            fc(x)
+        rec = replayer.open(run_path)
+        assert [rec.step(i).extra.get("notes", []) for i in range(2)] == [[f"_double: {layout.UNRUN_PRE_HOOKS_NOTE}"],
+                                                                         []]
+        first, second = replayer.replay(rec, 0), replayer.replay(rec, 1)
+        assert not first.match and f"_double: {layout.UNRUN_PRE_HOOKS_NOTE} (a likely cause of any difference)" in \
+            first.warnings
+        assert second.match and not any("pre-hook" in w for w in second.warnings), second.warnings
+        assert torch.equal(_bits(rec.step(1).tensor("args.0")), _bits(x * 2))
+
+
+def _double(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * 2,)
 
 
 def forward_iterations(path: Path) -> list[int]:

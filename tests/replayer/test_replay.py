@@ -2921,20 +2921,23 @@ def _double(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (args[0] * 2,)
 
 
-def test_verify_names_a_modules_own_hook_as_the_likely_cause(tmp_path: Path) -> None:
+def test_verify_of_a_module_whose_own_pre_hook_changes_its_input(tmp_path: Path) -> None:
     """A module recorded through `modules=` with a forward pre-hook of its own that changes its
-    input: torch runs the recorder's hook first, so the input is recorded before the user's hook
-    changed it, and the replay (without the hook) differs. `pdbg verify` names the hook with the
-    difference (only `pdbg replay` did)."""
+    input: its input is recorded as the hook left it (the recorder's hook runs last), so the replay
+    (without the hook) matches, forward and backward, with no word of the hook. Where the hook ran
+    after the capture (registered while recording), `pdbg verify` names it with the difference."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
     model[0].register_forward_pre_hook(_double)
     path = tmp_path / "run.zarr"
     with recorder.record(path, model=model, mode="full", modules=["0"]):
         model(torch.randn(3, 4)).sum().backward()
+        model[0].register_forward_pre_hook(_double)
+        model(torch.randn(3, 4)).sum().backward()
     doc = json.loads(pdbg_here("verify", str(path), "--json", cwd=tmp_path).stdout)
-    assert doc["mismatches"], doc
-    assert all("had a forward pre-hook _double" in m["reason"] and "a likely cause of any difference" in m["reason"]
+    assert doc["replayed"] == 4 and doc["matched"] == 2, doc
+    assert [m["step"]["index"] for m in doc["mismatches"]] == [2, 3], doc["mismatches"]
+    assert all(f"_double: {layout.UNRUN_PRE_HOOKS_NOTE} (a likely cause of any difference)" in m["reason"]
                for m in doc["mismatches"]), doc["mismatches"]
 
 
