@@ -38,6 +38,8 @@ from . import compiled, names, skeleton
 from .errors import RecordingError
 from .store import layout
 
+_LAZY_INIT = torch.nn.modules.lazy.LazyModuleMixin._infer_parameters
+
 if TYPE_CHECKING:
     from .annotate import StepDef
     from .capture import BackwardLink, Frame, Session
@@ -291,11 +293,14 @@ class GlobalCapture:
 
     def _pre_hooks(self, module: torch.nn.Module, after: int | None = None) -> list[str]:
         """The names of the module's own forward pre-hooks (those listed after ``after``, the key of
-        ours, where given), which run after a call's capture begun before them."""
+        ours, where given), which run after a call's capture begun before them. A lazy module's
+        initialisation is not among them: the parameters it makes are recorded as uninitialized, and a
+        replay makes them again."""
         hooks = list(module._forward_pre_hooks.items())
         if after is not None:
             hooks = hooks[next((i + 1 for i, (k, _) in enumerate(hooks) if k == after), len(hooks)):]
-        return [skeleton.hook_name(h) for _, h in hooks if not isinstance(h, _KeywordHook)]
+        return [skeleton.hook_name(h) for _, h in hooks
+                if not isinstance(h, _KeywordHook) and getattr(h, "__func__", None) is not _LAZY_INIT]
 
     def _note_unrun(self, unrun: list[str]) -> None:
         """Say on the call just begun which of its module's forward pre-hooks run after its capture."""

@@ -1862,6 +1862,12 @@ def known_refusal(step: Step) -> str | None:
     return None
 
 
+def _instance(step: Step) -> Any:
+    """The module object a module step ran on, as its module document numbers it (None where it does not)."""
+    doc = step._doc("module") if step.definition.get("kind") == "module" else None
+    return doc.get("instance") if isinstance(doc, dict) else None
+
+
 def _made_by_the_call(step: Step, edit: intervene.Change) -> str | None:
     """Why an edit of the step's own parameter or buffer matched nothing, where the call itself made it:
     a lazy module's (``nn.LazyLinear``), uninitialized when the call began, which the call initializes
@@ -1870,8 +1876,13 @@ def _made_by_the_call(step: Step, edit: intervene.Change) -> str | None:
     forward = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
     if edit.step is not None or edit.tensor not in forward.uninitialized:
         return None
-    later = step.rec.steps.filter(phase=step.phase, module_path=step.module_path) if step.module_path else \
-        step.rec.steps.filter(phase=step.phase, name=step.name)  # (by its module: LazyLinear is Linear once made)
+    module = forward._doc("module") if forward.definition.get("kind") == "module" else None
+    instance = module.get("instance") if isinstance(module, dict) else None
+    if step.module_path or instance is not None:  # by its module (LazyLinear is Linear once made): its path, or
+        later = [s for s in step.rec.steps.filter(phase=step.phase, module_path=step.module_path)  # the object
+                 if step.module_path or _instance(s) == instance]
+    else:
+        later = step.rec.steps.filter(phase=step.phase, name=step.name)
     after = next((s for s in later if s.index > step.index and edit.tensor not in (
         s.rec.step(s.forward) if s.phase == "backward" and s.forward is not None else s).uninitialized), None)
     later_call = f"a later call, {after.selector}" if after is not None else \
