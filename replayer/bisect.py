@@ -1341,17 +1341,22 @@ def _stopped_at(rec: Recording, result: np.ndarray) -> int | None:
 
 
 def stopped_step(rec: Recording) -> Step | None:
-    """The step whose NaN/Inf made the recorder stop the run (``on_anomaly="stop"``), or None where no
-    NonFiniteError ended it. The error is raised as that step returns and unwinds through the steps around
-    it, which are marked ``exception``, the stopping step ``nonfinite``: it, not they, is where to look."""
-    return _stopper(rec, np.flatnonzero(_column(rec, "status") == layout.STATUSES.index("nonfinite")))
+    """The step whose NaN/Inf made the recorder stop the run (``on_anomaly="stop"``), or whose breakpoint with
+    ``action="stop"`` did, or None where neither ended it. The error is raised as that step returns and unwinds
+    through the steps around it, which are marked ``exception`` (the stopping step ``nonfinite``, or, a
+    breakpoint's, as it ended): it, not they, is where to look."""
+    found = _stopper(rec, np.flatnonzero(_column(rec, "status") == layout.STATUSES.index("nonfinite")))
+    if found is None:
+        found = _stopper(rec, np.arange(max(len(rec) - _SOURCE_SEARCH, 0), len(rec)), kind="BreakpointStop")
+    return found
 
 
-def _stopper(rec: Recording, among: np.ndarray) -> Step | None:
-    """Of the steps ``among`` (indices, ascending), searched the last first, the one the NonFiniteError that
-    ended the run names at the start of its message, as the recorder describes a step."""
+def _stopper(rec: Recording, among: np.ndarray, kind: str = "NonFiniteError") -> Step | None:
+    """Of the steps ``among`` (indices, ascending), searched the last first, the one the ``kind`` error that
+    ended the run names, as the recorder describes a step: a NonFiniteError at the start of its message, a
+    BreakpointStop at its end ("breakpoint 'name' at <step>")."""
     exc = rec.rank.final.get("exception")
-    if not isinstance(exc, dict) or not str(exc.get("type") or "").endswith(":NonFiniteError"):
+    if not isinstance(exc, dict) or not str(exc.get("type") or "").endswith(f":{kind}"):
         return None
     message = str(exc.get("message") or "")
     for index in among[::-1][:_SOURCE_SEARCH].tolist():
@@ -1359,7 +1364,9 @@ def _stopper(rec: Recording, among: np.ndarray) -> Step | None:
         label = step.paper.get("label")
         who = f"{label} ({step.name})" if label else step.name
         where = f" at {step.module_path}" if step.module_path else ""
-        if message.startswith(f"{who}{where} {step.phase}, iteration {step.iteration}, call {step.call}: "):
+        text = f"{who}{where} {step.phase}, iteration {step.iteration}, call {step.call}"
+        if message.startswith(f"{text}: ") if kind == "NonFiniteError" else \
+                message.startswith("breakpoint ") and message.endswith(f" at {text}"):
             return step
     return None
 

@@ -127,7 +127,7 @@ def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
 
         rec = replayer.open(out)
         failed = rec.steps.filter(status="exception")
-        stopped = stopped_step(rec)  # raised as the step with the NaN returns, which is not marked "exception"
+        stopped = stopped_step(rec)  # raised as the step with the NaN (or the breakpoint) returns, not "exception"
     except Exception:  # the summary must not hide the script's own outcome
         return text
     if stopped is None and not len(failed):

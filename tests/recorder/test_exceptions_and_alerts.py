@@ -291,3 +291,42 @@ def test_pdbg_record_names_the_step_whose_nan_stopped_the_run(tmp_path, how):
     summary = res.stderr.strip().splitlines()[-1]
     assert f"NonFiniteError stopped the run at step {stopper} (" in summary, summary
     assert summary.endswith(f"run.zarr --at {stopper}"), summary
+
+
+def test_pdbg_record_names_the_step_whose_breakpoint_stopped_the_run(tmp_path):
+    """A breakpoint with action="stop" at an inner module: its BreakpointStop, raised as that step returns,
+    unwinds through the outer step, and pdbg record's summary said it "escaped step 6 (Outer)". It names the
+    inner step the breakpoint stopped at, and opens it there."""
+    from tests.cli import pdbg
+
+    (tmp_path / "train.py").write_text("""
+import torch, recorder
+class Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+    def forward(self, x):
+        return self.fc(x)
+class Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+    def forward(self, x):
+        return self.inner(x) * 2
+torch.manual_seed(0)
+m = Outer()
+recorder.breakpoint("inner", lambda s: s.iteration == 1, "stop")
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for it in range(3):
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+""")
+    res = pdbg("record", "-o", "run.zarr", "--modules", "**", "--", "train.py", cwd=tmp_path)
+    assert res.returncode != 0 and "BreakpointStop" in res.stderr, res.stderr
+    rank = RunReader(tmp_path / "run.zarr").rank(0)
+    statuses = [_status(rank, i) for i in range(len(rank))]
+    outer = max(i for i, status in enumerate(statuses) if status == "exception")
+    summary = res.stderr.strip().splitlines()[-1]
+    assert f"BreakpointStop stopped the run at step {outer + 1} (Inner at inner, iteration 1)" in summary, summary
+    assert summary.endswith(f"run.zarr --at {outer + 1}"), summary
