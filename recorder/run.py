@@ -365,17 +365,23 @@ class Run:
             _pass_signal(self._signals.get(signum, signal.SIG_DFL), signum, frame)
             return
         handler = self._signals.get(signum, signal.SIG_DFL)
+        # Called by a handler set after ours, which took ours in as the program's own (Lightning's, set when
+        # fit begins, runs "existing" handlers beside its own): where ours stands for no handler at all, that
+        # one decides (Lightning finishes the batch and ends the fit by an exception); ending the process here
+        # would do what it would not have done without the recording.
+        passed_on = not callable(handler) and signal.getsignal(signum) != self._on_signal
         # Copies that come meanwhile (a signal to the whole process group, and pdbg's forward of it)
         # wait for this one; and the signal may have come while training held the queue's lock
         # (handing an item over): the writer thread must have it while the ring is written.
         with self._signals_held() as came, self.pipeline.released():
             self.session.dump_ring(signal.Signals(signum).name)
-            if callable(handler) or handler == signal.SIG_IGN:  # the program's own handler decides; recording
-                self.flush()                                     # goes on if the program does
+            if callable(handler) or handler == signal.SIG_IGN or passed_on:  # the program's own handler decides;
+                self.flush()                                                  # recording goes on if it does
             else:  # the signal would have ended the process: close the recording, then let it
                 self._ended_by = signal.Signals(signum).name
                 self.close("crashed")
-        _pass_signal(handler, signum, frame)
+        if not passed_on:
+            _pass_signal(handler, signum, frame)
         for again in dict.fromkeys(came):  # (where the first ended the process, none of these is reached)
             _pass_signal(signal.getsignal(again), again, frame)
 

@@ -347,8 +347,11 @@ class TestLightning:
     def test_sigterm_after_a_crashed_fit_closes_the_next_recording(self, pl: Any, tmp_path: Path) -> None:
         """A fit that raised closes its recording, and Lightning's teardown then puts back the
         recording's SIGTERM handler it had saved. The next fit's recording must take the program's
-        own handler (the default: end the process), not the closed one's: SIGTERM in that fit writes
-        the ring and closes the recording crashed before the process ends."""
+        own handler, not the closed one's. SIGTERM in that fit writes the ring, and Lightning's own
+        handler, which runs the recording's beside its own, ends the fit as it does without a
+        recording: it finishes the batch and raises SIGTERMException into every callback's
+        on_exception (an emergency checkpoint), which closes the recording crashed. The recording's
+        handler, standing for none, ended the process there before, on_exception never called."""
         first, second = tmp_path / "a.zarr", tmp_path / "b.zarr"
         code = textwrap.dedent(f"""
             import os, signal, sys
@@ -373,17 +376,21 @@ class TestLightning:
                     os.kill(os.getpid(), signal.SIGTERM)
                 return step(batch, batch_idx)
             net.training_step = killed
-            t.lightning_fit(pl, PaperDebuggerCallback({str(second)!r}), net, max_steps=6)
-            print("survived SIGTERM")
+            class Emergency(pl.Callback):
+                def on_exception(self, trainer, module, exception):
+                    print("on_exception:", type(exception).__name__)
+            t.lightning_fit(pl, [Emergency(), PaperDebuggerCallback({str(second)!r})], net, max_steps=6)
         """)
         proc = python("-c", code, cwd=ROOT)
-        assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr[-3000:]
-        assert "survived" not in proc.stdout
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        assert "on_exception: SIGTERMException" in proc.stdout, proc.stdout  # (then Lightning exits, status 0)
         assert replayer.open(first).status == "crashed"
         rec = replayer.open(second)
         assert rec.status == "crashed" and rec.rank.final["flight"]["dumps"][0]["reason"] == "SIGTERM"
+        assert rec.rank.final["exception"]["type"].endswith("SIGTERMException"), rec.rank.final["exception"]
         recorded, kept = payload_iterations(second)
-        assert max(recorded) == 2 and kept == {1, 2}  # the kill came before step 3's first forward
+        # the batch under way when it came is finished: the ring written at the signal (1, 2) and at the end (2, 3)
+        assert max(recorded) == 3 and kept == {1, 2, 3}
 
     def test_ddp_ranks_record_into_one_path(self, pl: Any, tmp_path: Path) -> None:
         """Lightning DDP (two CPU processes, gloo): each rank records its own group into the same
