@@ -283,9 +283,10 @@ class GlobalCapture:
             self.local.late = None
             return None
         key = self._hooked[id(module)][1].id
-        unrun = self._pre_hooks(module, after=key)
+        hooks = module._forward_pre_hooks
+        unrun = [] if next(reversed(hooks), key) == key else self._pre_hooks(module, after=key)  # (ours last: none)
         if unrun:  # registered after ours: they run after this call's capture, but before the next's
-            module._forward_pre_hooks.move_to_end(key)
+            hooks.move_to_end(key)
         started = self._begin(module, args, kwargs)
         if started is not None:
             self._note_unrun(unrun)

@@ -1876,8 +1876,7 @@ def _made_by_the_call(step: Step, edit: intervene.Change) -> str | None:
     forward = step.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
     if edit.step is not None or edit.tensor not in forward.uninitialized:
         return None
-    module = forward._doc("module") if forward.definition.get("kind") == "module" else None
-    instance = module.get("instance") if isinstance(module, dict) else None
+    instance = _instance(forward)
     if step.module_path or instance is not None:  # by its module (LazyLinear is Linear once made): its path, or
         later = [s for s in step.rec.steps.filter(phase=step.phase, module_path=step.module_path)  # the object
                  if step.module_path or _instance(s) == instance]
