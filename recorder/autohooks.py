@@ -147,6 +147,21 @@ class _KeywordHook:
         return _unpickled, ()
 
 
+# A selected module's call's keyword arguments that the call got tapped: name -> (the tapped tensor or
+# the container holding taps, the caller's value)
+_Given = dict[str, tuple[Any, Any]]
+
+
+def _give_back(kwargs: dict[str, Any], given: _Given) -> None:
+    """Put the caller's keyword arguments back in the dict torch passes the module's forward hooks, which
+    run after ours: a hook's own use of a tapped tensor would go into the step's recorded input gradient,
+    which the step's replay, run without the hook, does not reproduce. (Positional arguments come to every
+    hook in one tuple, which cannot be changed: a hook sees their taps.)"""
+    for name, (tapped, caller) in given.items():
+        if kwargs.get(name) is tapped:
+            kwargs[name] = caller
+
+
 def _unpickled() -> Any:
     """A pickled module's copy of the hook: one of no recording, which takes itself off at its first call."""
     hook = _KeywordHook.__new__(_KeywordHook)
@@ -192,7 +207,7 @@ class GlobalCapture:
             if any(getattr(m, "_compiled_call_impl", None) is not None for m in session.modules.model.modules()):
                 self._guard_eager(session.modules.model)  # compiled in place (model.compile()): no wrapper's call
 
-    def _open(self) -> list[tuple[torch.nn.Module, Frame | None, BackwardLink | None]]:
+    def _open(self) -> list[tuple[torch.nn.Module, Frame | None, BackwardLink | None, bool, _Given]]:
         open_ = getattr(self.local, "open", None)
         if open_ is None:
             open_ = self.local.open = []
@@ -372,7 +387,9 @@ class GlobalCapture:
         if started is None:
             return None
         frame, new_args, new_kwargs, link = started
-        self._open().append((module, frame, link, kwargs is None))
+        given = {k: (v, kwargs[k]) for k, v in new_kwargs.items() if k in kwargs and v is not kwargs[k]} \
+            if kwargs else {}
+        self._open().append((module, frame, link, kwargs is None, given))
         return new_args, new_kwargs
 
     def _post(self, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
@@ -387,10 +404,10 @@ class GlobalCapture:
         at = next((i for i in range(len(open_) - 1, -1, -1) if open_[i][0] is module), None)
         if at is None:
             return None
-        for _, inner, inner_link, _ in reversed(open_[at + 1:]):  # left open by an exception torch's hooks never saw
+        for _, inner, inner_link, _, _ in reversed(open_[at + 1:]):  # left open by an exception torch's hooks never saw
             self.session.end_with_exception(inner, RuntimeError("this step's forward did not return normally"),
                                             inner_link)
-        _, frame, link, late = open_[at]
+        _, frame, link, late, given = open_[at]
         del open_[at:]
         session = self.session
         exc = sys.exc_info()[1]
@@ -400,6 +417,7 @@ class GlobalCapture:
         if late and kwargs and frame is not None:
             session.add_kwargs(frame, kwargs)
         out = session.end(frame, result, link)
+        _give_back(kwargs, given)
         return None if out is result else out
 
     def close(self) -> None:
@@ -424,7 +442,7 @@ class GlobalCapture:
         self._eager.clear()
         open_, self.local.open = self._open(), []
         exc = sys.exc_info()[1]
-        for _, frame, link, _ in reversed(open_):
+        for _, frame, link, _, _ in reversed(open_):
             self.session.end_with_exception(frame, exc or KeyboardInterrupt("the recording ended inside this step"),
                                             link)
 

@@ -455,6 +455,55 @@ class TestOwnPreHooks:
         assert torch.equal(_bits(rec.step(1).tensor("args.0")), _bits(x * 2))
 
 
+class TestOwnForwardHooks:
+    """A glob-selected module's own forward hooks, which run after its recorded call, see the caller's
+    keyword tensors, not the recorder's taps of them."""
+
+    @staticmethod
+    def _training(path: Path | None, seen: list[bool]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = GateNet(keyword=True)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        x, gate = torch.randn(3, 4), torch.randn(3, 4, requires_grad=True)
+        given: list[torch.Tensor] = []
+
+        def uses_kgate(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor,
+                       ) -> torch.Tensor:
+            seen.append(kwargs["kgate"] is given[-1])
+            return out + kwargs["kgate"].sum()
+
+        net.g1.register_forward_hook(uses_kgate, with_kwargs=True)
+        out = []
+        with recorder.record(path, mode="full", model=net, modules=["g1"], optimizer=opt) if path is not None \
+                else contextlib.nullcontext():
+            for _ in range(2):
+                given.append(gate.tanh())
+                loss = net.g1(x, kgate=given[-1]).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                out.append(loss.detach())
+        return [*out, *(p.detach().clone() for p in net.parameters()), gate.grad.clone()]
+
+    def test_a_hook_using_a_keyword_tensor_replays_bit_for_bit(self, run_path: Path) -> None:
+        """A forward hook (with_kwargs) that adds a keyword tensor argument to the output: training is
+        unchanged and every step replays bit for bit (the hook's use of the tap went into the recorded
+        input gradient: every backward replay differed)."""
+        plain_seen: list[bool] = []
+        recorded_seen: list[bool] = []
+        plain = self._training(None, plain_seen)
+        recorded = self._training(run_path, recorded_seen)
+        assert plain_seen == recorded_seen == [True, True]
+        for a, b in zip(plain, recorded, strict=True):
+            assert torch.equal(_bits(a), _bits(b))
+        rec = replayer.open(run_path)
+        assert [(s.phase, s.module_path) for s in rec.steps] == [("forward", "g1"), ("backward", "g1")] * 2
+        for step in rec.steps:
+            res = replayer.replay(rec, step.index)
+            assert res.match and res.outputs and all(d.match for d in res.outputs), (step.index, res.diffs)
+        assert "kwargs.kgate" in {d.name for d in replayer.replay(rec, 1).outputs}
+
+
 def _double(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (args[0] * 2,)
 
