@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import capture, jsonval, skeleton, snapshot
 
@@ -513,7 +514,19 @@ def _decorate_class(cls: type, name: str, *paper: Any) -> type:
     cls.forward = forward_wrapper  # type: ignore[attr-defined]
     cls.__init__ = init_wrapper  # type: ignore[misc]
     cls.__pdbg_step__ = defn  # type: ignore[attr-defined]
+    _keep_class(cls)
     return cls
+
+
+def _keep_class(cls: type) -> None:
+    """Keep a decorated lazy module (a subclass of ``nn.LazyLinear``) of its class once its first call
+    made its parameters: torch then turns it into its ``cls_to_become`` (``nn.Linear``), whose calls are
+    no step of the paper, and which drops the class's own methods. It stays a subclass of the lazy class
+    (``nn.LazyLinear`` is an ``nn.Linear``; ``nn.LazyBatchNorm1d`` is a ``_BatchNorm``, not an
+    ``nn.BatchNorm1d``), whose lazy initialisation does nothing once its parameters are made."""
+    becomes = getattr(cls, "cls_to_become", None)
+    if issubclass(cls, LazyModuleMixin) and isinstance(becomes, type) and not issubclass(becomes, cls):
+        cls.cls_to_become = None  # type: ignore[attr-defined]
 
 
 def annotate(module: torch.nn.Module, label: str, *, algorithm: str | int | None = None,

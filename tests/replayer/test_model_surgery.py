@@ -4,6 +4,7 @@ Each records whole, and its steps replay bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import warnings
@@ -48,6 +49,47 @@ def test_lazy_modules_record_their_first_call_and_replay_it(tmp_path: Path) -> N
         assert not any("could not be recorded" in w or "_infer_parameters" in w for w in res.warnings), res.warnings
     out = pdbg_here("verify", str(path), cwd=tmp_path)
     assert out.returncode == 0 and f"{len(rec)} of {len(rec)} steps replayed bit for bit" in out.stdout, out.stdout
+
+
+@recorder.paper_step("Eq. 3")
+class LazyProj(nn.LazyLinear):
+    """A paper step that takes its input size at its first call."""
+
+
+def _lazy_step_training(path: Path | None) -> tuple[nn.Module, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(LazyProj(4), nn.ReLU())
+    losses = []
+    with recorder.record(path, model=model, mode="full", optimizer="auto") if path is not None \
+            else contextlib.nullcontext():
+        opt = None
+        for _ in range(3):
+            loss = F.cross_entropy(model(torch.randn(8, 10)), torch.randint(0, 4, (8,)))
+            loss.backward()
+            opt = opt or torch.optim.SGD(model.parameters(), lr=0.05)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    return model, [*losses, *(p.detach().clone() for p in model.parameters())]
+
+
+def test_a_decorated_lazy_module_stays_its_step_after_its_first_call(tmp_path: Path) -> None:
+    """A paper_step subclass of nn.LazyLinear became nn.Linear at its first call (torch's cls_to_become),
+    and its later calls were no step: it stays its class, an nn.Linear still, every call is its step, and
+    the first call and a later one replay bit for bit, forward and backward; training is unchanged."""
+    plain_model, plain = _lazy_step_training(None)
+    path = tmp_path / "run.zarr"
+    model, recorded = _lazy_step_training(path)
+    assert type(model[0]) is LazyProj and type(plain_model[0]) is LazyProj and isinstance(model[0], nn.Linear)
+    for a, b in zip(plain, recorded, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    rec = replayer.open(path)
+    assert [(s.name, s.phase, s.iteration) for s in rec.steps] == [
+        (name, phase, i) for i in range(3) for name, phase in (("LazyProj", "forward"), ("LazyProj", "backward"))]
+    for step in rec.steps:
+        res = replayer.replay(rec, step.index)
+        assert res.match and res.outputs and all(d.match for d in res.outputs), (step.index, str(res), res.warnings)
+        assert not any("could not be recorded" in w or "_infer_parameters" in w for w in res.warnings), res.warnings
 
 
 def test_an_edit_of_a_parameter_the_lazy_call_itself_made_says_so(tmp_path: Path) -> None:
