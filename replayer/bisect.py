@@ -2331,7 +2331,8 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
             # The first difference came in from outside every recorded step (a batch, code between
             # steps), or from steps one run has and the other lacks: later steps whose parameters
             # differ only follow it (the optimizer stepped with other gradients).
-            outside = _unaligned(al, last, at) or _offset(al.keys_a, al.keys_b, at, pa, pb)
+            outside = _unaligned(al, last, at) or _offset(al.keys_a, al.keys_b, at, pa, pb) or \
+                _started_later(al, last, at, parts)
         else:
             # (sparse inputs the same by statistics, and the same parameters: not a root cause, what differs may
             # be their indices, which were not recorded)
@@ -2623,11 +2624,22 @@ def _names(names: list[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + more
 
 
+def _lacked(al: _Aligned, last: tuple[int, int], at: tuple[int, int], other: bool, before_start: bool) -> list[int]:
+    """The steps of one run (``other``: run B's) between the aligned steps ``last`` and ``at`` that the
+    other run lacks: those of iterations before the other run's first (``before_start``: a run resumed
+    from a checkpoint, which never ran them where it was recorded) or those of iterations both recorded."""
+    _, keys, _, pairs = al.side(other)
+    start = _span(al.side(not other)[1])[0]
+    steps = np.flatnonzero(pairs[last[other] + 1: at[other]] < 0) + last[other] + 1
+    return steps[(keys[steps, _ITERATION] < start) == before_start].tolist()
+
+
 def _unaligned(al: _Aligned, last: tuple[int, int], at: tuple[int, int]) -> str:
     """The steps one run has and the other lacks between the aligned steps ``last`` and ``at``
-    (a step added to one run, or called once more): where inputs that differ may have come from."""
-    only_a = (np.flatnonzero(al.a[last[0] + 1: at[0]] < 0) + last[0] + 1).tolist()
-    only_b = (np.flatnonzero(al.b[last[1] + 1: at[1]] < 0) + last[1] + 1).tolist()
+    (a step added to one run, or called once more): where inputs that differ may have come from. Not
+    those of iterations before the other run's first: a resumed run lacks them by design
+    (``_started_later``)."""
+    only_a, only_b = _lacked(al, last, at, False, False), _lacked(al, last, at, True, False)
     parts = []
     for steps, rec, which, before, other in ((only_a, al.rec_a, "this run", "it", "the other run"),
                                              (only_b, al.rec_b, "the other run", f"its step {at[1]} (the same step)",
@@ -2637,6 +2649,66 @@ def _unaligned(al: _Aligned, last: tuple[int, int], at: tuple[int, int]) -> str:
             parts.append(f"{which} has {len(steps)} step{'s' if len(steps) != 1 else ''} right before {before} that "
                          f"{other} lacks ({which}'s {shown})")
     return " and ".join(parts) + (", which may have made them" if parts else "")
+
+
+def _started_later(al: _Aligned, last: tuple[int, int], at: tuple[int, int], parts: tuple[Any, ...]) -> str:
+    """Where the first step whose results differ got other inputs in a run that starts at a later
+    iteration than the other (resumed from a checkpoint), and the other run's steps before it are of
+    its earlier iterations only: those are not missing, and say nothing. What of the step's inputs
+    differs (its arguments, parameters, buffers, RNG state) and what is the same; "" where neither run
+    starts later."""
+    for other in (False, True):  # the run that starts earlier: whose steps the later one lacks
+        lacked = _lacked(al, last, at, other, True)
+        if lacked:
+            break
+    else:
+        return ""
+    sa, sb = al.rec_a.step(at[0]), al.rec_b.step(at[1])
+    (args_a, params_a, _), (args_b, params_b, _) = parts
+    late, early = ("this run", "the other run's") if other else ("the other run", "this run's")
+    start = _span(al.side(not other)[1])[0]
+    differ: list[str] = []
+    same: list[str] = []
+    names = sorted(_input_name(sa, k) for k in set(args_a) | set(args_b) if args_a.get(k) != args_b.get(k))
+    if names:
+        differ.append(f"its argument{'s' if len(names) > 1 else ''} {_names(names)} "
+                      f"differ{'s' if len(names) == 1 else ''}")
+    if sa.arguments != sb.arguments:
+        differ.append("its non-tensor arguments differ")
+    for role, what in (("param", "parameter"), ("buffer", "buffer")):
+        keys = {k for k in set(params_a) | set(params_b) if k[0] == role}
+        changed = sorted(k[1] for k in keys if params_a.get(k) != params_b.get(k))
+        if changed:
+            differ.append(f"its {what}{'s' if len(changed) > 1 else ''} {_names(changed)} "
+                          f"differ{'s' if len(changed) == 1 else ''}")
+        elif keys:
+            exact = all(k in params_a and k in params_b and params_a[k].exact_with(params_b[k]) for k in keys)
+            same.append(f"{what}s {'bit-identical' if exact else 'the same by their statistics'}")
+    rng_a, rng_b = _rng_bytes(sa), _rng_bytes(sb)
+    generators = sorted(k for k in set(rng_a) | set(rng_b) if rng_a.get(k) != rng_b.get(k))
+    if generators:
+        differ.append(f"its RNG state at entry differs ({_names(generators)})")
+    elif rng_a:
+        same.append("RNG state at entry the same")
+    data_only = not any(d.startswith(("its parameter", "its buffer", "its RNG")) for d in differ)
+    why = ("it was given other data there (the resumed run's batch order restarted with its epoch, or a data "
+           "loader state that was not restored?)" if data_only else
+           "the state it resumed from is not the other's at that iteration (a checkpoint of another step, or one not "
+           "fully restored?)")
+    kept = f" ({', '.join(same)})" if same else ""
+    return (f"{', '.join(differ)}{kept}: {late} resumed at iteration {start} "
+            f"and lacks {early} {len(lacked)} step{'s' if len(lacked) != 1 else ''} before it by design, not by "
+            f"skipping them; {why}")
+
+
+def _input_name(step: Step, key: tuple[str, str]) -> str:
+    """A step's tensor input as the call was written (``x``, ``kwargs['mask']``), from its record's
+    (role, name): ``args.0`` of a module's forward is the parameter after self; a backward's grad outputs
+    and its forward's arguments say so."""
+    role, name = key
+    path = tuple(int(p) if p.isdigit() else p for p in name.split("."))
+    shown = _argument_name(step if role == "input" else _forward_of(step), path) or name
+    return {"grad_output": f"grad_output {name}", "forward input": f"the forward's {shown}"}.get(role, shown)
 
 
 def _label(key: tuple[str, str]) -> str:

@@ -1637,22 +1637,27 @@ def test_a_module_only_one_run_chose_to_record_is_no_difference(tmp_path: Path) 
     assert div.unpaired is not None and div.unpaired.module_path.startswith("layers.1.experts."), div.cause
 
 
-def _record_segment(path: Path, first: int, stop: int, start_iteration: int | None = None) -> replayer.Recording:
+def _record_segment(path: Path, first: int, stop: int, start_iteration: int | None = None,
+                    restarted: bool = False) -> replayer.Recording:
     """A deterministic training (batches by the run's step) recorded from step ``first`` to ``stop``: a
     segment resumed from a checkpoint of step ``first`` when it is above 0, numbered from
-    ``start_iteration`` (left out: from 0)."""
+    ``start_iteration`` (left out: from 0). ``restarted``: the segment's batches start again from the
+    first (a Lightning resume restarts its epoch's batch order)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recording = False
 
     def step(i: int) -> None:
-        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(i))).square().mean().backward()
+        batch = i - first if restarted and recording else i
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(batch))).square().mean().backward()
         opt.step()
         opt.zero_grad()
 
     for i in range(first):  # the steps before the checkpoint
         step(i)
     options = {} if start_iteration is None else {"start_iteration": start_iteration}
+    recording = True
     with recorder.record(path, model=model, optimizer=opt, modules="*", **options):
         for i in range(first, stop):
             step(i)
@@ -1686,6 +1691,74 @@ def test_a_resumed_run_compares_with_the_uninterrupted_one_by_the_runs_step(tmp_
     again = _record_segment(tmp_path / "again.zarr", 0, 6, start_iteration=0)  # the default, given
     assert replayer.first_divergence(again, whole).cause == f"no divergence: the {len(whole)} steps the runs have in " \
                                                             "common match"
+
+
+def test_a_resumed_run_given_another_batch_is_not_said_to_lack_the_steps_before_it(tmp_path: Path) -> None:
+    """A run resumed from its checkpoint of step 3 (start_iteration=3) whose batch order restarted: its first
+    step got another batch and the uninterrupted run's parameters of step 3, bit for bit. That is said, and
+    that it resumed there (it blamed the 18 steps of iterations 0–2 "that this run lacks"), either way round
+    and from pdbg bisect."""
+    whole = _record_segment(tmp_path / "whole.zarr", 0, 6)
+    resumed = _record_segment(tmp_path / "resumed.zarr", 3, 6, start_iteration=3, restarted=True)
+    lacked = int(np.count_nonzero(whole.steps.column("iteration") < 3))
+    assert lacked == 18
+    ours, theirs = resumed.step(0), whole.step(lacked)
+    for name in ("weight", "bias"):
+        assert torch.equal(ours.tensor(name, "param").view(torch.int32), theirs.tensor(name, "param").view(torch.int32))
+    assert not torch.equal(ours.tensor("args.0", "input"), theirs.tensor("args.0", "input"))
+    div = replayer.first_divergence(resumed, whole)
+    assert div.step is None and div.first_difference is not None and div.first_difference.index == 0
+    assert div.cause == (
+        "the results first differ at step 0: Linear · 0 · forward · iteration 3 · call 0, but its inputs differ too: "
+        "its argument input differs (parameters bit-identical, RNG state at entry the same): this run resumed at "
+        "iteration 3 and lacks the other run's 18 steps before it by design, not by skipping them; it was given "
+        "other data there (the resumed run's batch order restarted with its epoch, or a data loader state that was "
+        "not restored?)"), div.cause
+    div = replayer.first_divergence(whole, resumed)
+    assert div.first_difference is not None and div.first_difference.index == lacked and div.step is None
+    assert div.cause.endswith(
+        "but its inputs differ too: its argument input differs (parameters bit-identical, RNG state at entry the "
+        "same): the other run resumed at iteration 3 and lacks this run's 18 steps before it by design, not by "
+        "skipping them; it was given other data there (the resumed run's batch order restarted with its epoch, or a "
+        "data loader state that was not restored?)"), div.cause
+    res = pdbg("bisect", "resumed.zarr", "--against", "whole.zarr", cwd=tmp_path)
+    assert res.returncode == 1 and "lacks the other run's 18 steps before it by design" in res.stdout, res.stdout
+    assert "right before" not in res.stdout
+
+
+def test_a_resumed_run_that_lost_its_parameters_says_which_differ(tmp_path: Path) -> None:
+    """A run resumed at step 3 whose parameters are not the uninterrupted run's of step 3 (a checkpoint of
+    another step) and whose batch is another too: both are named, and the state it resumed from blamed."""
+    whole = _record_segment(tmp_path / "whole.zarr", 0, 6)
+    resumed = _record_segment(tmp_path / "resumed.zarr", 2, 5, start_iteration=3, restarted=True)
+    div = replayer.first_divergence(resumed, whole)
+    assert div.first_difference is not None and div.first_difference.index == 0
+    assert div.cause.endswith(
+        "but its inputs differ too: its argument input differs, its parameters bias, weight differ (RNG state at "
+        "entry the same): this run resumed at iteration 3 and lacks the other run's 18 steps before it by design, "
+        "not by skipping them; the state it resumed from is not the other's at that iteration (a checkpoint of "
+        "another step, or one not fully restored?)"), div.cause
+
+
+def test_a_resumed_run_that_lacks_a_step_it_should_have_run_is_told_that_step(tmp_path: Path) -> None:
+    """A run resumed at iteration 3 that lacks a step the other ran in iteration 3: that step is named as
+    before, not the other run's steps of iterations 0–2, which a resumed run lacks by design."""
+    def calls(path: Path, start: int, iterations: list[list[Any]]) -> replayer.Recording:
+        with recorder.record(path, start_iteration=start) as run:
+            for i, fns in enumerate(iterations, start):
+                out = torch.full((3,), float(i))
+                for fn in fns:
+                    out = fn(out)
+                run.next_iteration()
+        return replayer.open(path)
+
+    whole = calls(tmp_path / "whole.zarr", 0, [[_shifted]] * 3 + [[_doubled, _shifted]])
+    resumed = calls(tmp_path / "resumed.zarr", 3, [[_shifted]])
+    div = replayer.first_divergence(resumed, whole)
+    assert div.first_difference is not None and div.first_difference.index == 0 and div.step is None
+    assert div.cause.endswith("but its inputs differ too: the other run has 1 step right before its step 4 (the "
+                              "same step) that this run lacks (the other run's step 3: Eq. 8 · _doubled · forward · "
+                              "iteration 3 · call 0), which may have made them"), div.cause
 
 
 def test_two_segments_of_one_run_are_said_to_cover_disjoint_iterations(tmp_path: Path) -> None:
