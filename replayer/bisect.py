@@ -2294,7 +2294,9 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     innermost where steps nest. Where the first step whose results differ got different inputs, they
     came from outside every recorded step (the data, code between steps), and there is no root cause
     among the steps: later ones whose parameters differ only follow it (the optimizer stepped with
-    other gradients). A step one run ran and the other did not
+    other gradients). Where one run starts at a later iteration (a segment resumed from a checkpoint), the
+    other run's steps before it say nothing of where those inputs came from: the cause says which of the
+    step's inputs differ instead (``_started_later``). A step one run ran and the other did not
     (an expert called in one run only), before all these and among the steps both runs recorded, is
     where they first differ (``Divergence.unpaired``).
     """
