@@ -2433,7 +2433,9 @@ class Session:
             self.autocapture.close()
         self._end_of_backward(aborted=True, exception=exception)
         self._report_unreported()
-        self.dump_ring("end")
+        # An exception raised between steps (the loop's own, the data loader's) wrote nothing yet: its
+        # write-out says so, for "end" reads as a run that ended normally.
+        self.dump_ring("end" if exception is None else "exception")
         self.closed = True
         if self._recursion_limit is not None and sys.getrecursionlimit() == self._raised_limit:
             sys.setrecursionlimit(self._recursion_limit)  # (unless the program set its own since)

@@ -112,6 +112,32 @@ class TestFlight:
         assert recorded == set(range(7)) and kept == {4, 5, 6}
         assert RunReader(str(run_path)).status == "crashed"
 
+    def test_an_exception_between_steps_is_named_as_the_rings_write_out(self, run_path: Path) -> None:
+        """An exception raised by the loop between steps (no step open) wrote the ring at the close as
+        "end", and pdbg info said "written out at: end" of a run that crashed; it now says "exception",
+        and a normal end keeps "end"."""
+        import replayer
+        from tui.cmd_replay import summary
+
+        model = small_model()
+        with pytest.raises(RuntimeError, match="loader broke"), \
+                recorder.record(run_path, mode="flight", keep=2, modules="*") as run:
+            for i in range(5):
+                model(torch.randn(3, 4)).pow(2).mean().backward()
+                if i == 3:
+                    raise RuntimeError("loader broke")
+                run.next_iteration()
+        rank = RunReader(str(run_path)).rank(0)
+        assert rank.status == "crashed"
+        assert rank.final["flight"]["dumps"] == [{"reason": "exception", "iterations": [2, 3],
+                                                  "bytes": rank.final["flight"]["dumps"][0]["bytes"]}]
+        assert summary(replayer.open(run_path))["tensors_kept"] == (
+            "iterations 2, 3 (the flight ring, written out at: exception)")
+        ended = run_path.parent / "ended.zarr"
+        with recorder.record(ended, mode="flight", keep=2, modules="*") as run:
+            train(run, 4, None, small_model())
+        assert summary(replayer.open(ended))["tensors_kept"] == "iterations 2, 3 (the flight ring, written out at: end)"
+
     def test_ring_is_bounded_in_bytes(self, run_path: Path) -> None:
         """max_ring_bytes caps the ring: older iterations are dropped first; the peak is reported."""
         model = small_model()
