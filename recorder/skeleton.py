@@ -261,6 +261,7 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
         classes[own_class(module)] = None
     attrs: dict[str, Any] = {}
     unrecorded: dict[str, str] = {}
+    computed: list[str] = []
     linked: dict[str, Any] = {}
     made: dict[str, Any] = {}
     owned: dict[int, list[str]] | None = None
@@ -286,6 +287,8 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
             linked[key] = link
         else:
             unrecorded[key] = bad
+            if _computed(value):
+                computed.append(key)
     params = {name: None if p is None else {"requires_grad": bool(p.requires_grad)}
               for name, p in module._parameters.items()}
     buffers = {name: None if b is None else {"persistent": name not in module._non_persistent_buffers_set}
@@ -297,6 +300,8 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
         doc["linked"] = linked
     if made:
         doc["made"] = made
+    if computed:
+        doc["computed"] = computed
     names = parametrized(module)
     if names:
         doc["parametrized"] = names
@@ -308,6 +313,16 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
     doc["children"] = {name: None if child is None else build(child, memo, classes)
                        for name, child in module._modules.items()}
     return doc
+
+
+def _computed(value: Any) -> bool:
+    """A tensor that is a result of autograd (a ``grad_fn``): code made it from parameters for the call (a
+    wrapper or hook, AWD-LSTM's WeightDrop), anew at each one, so no buffer could have held it. Never raises:
+    building a skeleton must not stop training."""
+    try:
+        return isinstance(value, torch.Tensor) and value.grad_fn is not None
+    except Exception:  # noqa: BLE001 - a tensor subclass whose grad_fn cannot be read: said as any tensor
+        return False
 
 
 _MADE_ENTRIES = 64

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,9 @@ class Rebuilt:
     order_doubts: list[str] = field(default_factory=list)
     # RNNs whose lists of their weights were not recorded as links (skeleton.RNN_FLAT): derived again by link()
     flat: list[tuple[torch.nn.Module, tuple[str, ...]]] = field(default_factory=list)
+    # tensor attributes (relative path.name) that code outside the module set before each call (the skeleton's
+    # ``computed``): a step enclosing the module replays them, its own does not
+    set_outside: list[str] = field(default_factory=list)
 
     def link(self) -> None:
         """Tie parameters that were one tensor under several names (``tied``), and point attributes
@@ -97,12 +101,18 @@ def share(module: torch.nn.Module, shared: dict[str, str], how: dict[str, str]) 
     return problems
 
 
-def _unrecorded_names(unrecorded: dict[str, str], made: torch.nn.Module | None = None) -> str:
+def _unrecorded_names(unrecorded: dict[str, str], made: torch.nn.Module | None = None,
+                      computed: Iterable[str] = ()) -> str:
     """A module's attributes that could not be recorded as data, by name and type: "cache_k (a tensor
     that is no parameter or buffer: register_buffer has it recorded)" for a tensor kept as a plain attribute;
     a function by its qualified name where the module's constructor (``made``) made one ("shape_of (the
-    lambda mypkg.layers:Anneal.__init__.<locals>.<lambda>)"), else as a function."""
+    lambda mypkg.layers:Anneal.__init__.<locals>.<lambda>)"), else as a function. A tensor the skeleton
+    names ``computed`` (a result of autograd, made anew for each call by a wrapper such as AWD-LSTM's
+    WeightDrop) is said to be set from outside: a buffer would hold one call's value, not each call's."""
     def named(key: str, kind: str) -> str:
+        if kind == "torch:Tensor" and key in computed:
+            return ("a tensor that code outside the module sets on it before each call, a wrapper or hook: it was "
+                    "computed with autograd, so it is not recorded with this step")
         if kind == "torch:Tensor":
             return "a tensor that is no parameter or buffer: register_buffer has it recorded"
         if kind == "builtins:function":
@@ -233,15 +243,19 @@ class Builder:
         if generators:
             unrecorded = {k: v for k, v in unrecorded.items() if k not in generators}
         grafted: dict[str, Any] = {}
+        computed = [k for k in doc.get("computed") or () if unrecorded.get(k) == "torch:Tensor"]
+        if computed and override is None:
+            out.set_outside += [join_path(path, k) for k in computed]
         if unrecorded and override is None:
-            names = _unrecorded_names(unrecorded)
+            names = _unrecorded_names(unrecorded, computed=computed)
             if _set_up_after_construction(doc):  # a constructor would make it without what was set up later:
                 scratch = Rebuilt(torch.nn.Module())  # the skeleton, with those attributes from a constructed one
                 made = self._construct(doc, path, scratch)
                 grafted = {} if made is None else {k: made.__dict__[k] for k in unrecorded if k in made.__dict__}
                 missing = [k for k in unrecorded if k not in grafted]
                 if missing:
-                    out.warnings.append(f"{where}: attributes {_unrecorded_names({k: unrecorded[k] for k in missing})} "
+                    out.warnings.append(f"{where}: attributes "
+                                        f"{_unrecorded_names({k: unrecorded[k] for k in missing}, computed=computed)} "
                                         "could not be recorded as data and "
                                         "the module was not built with known constructor arguments; rebuilt "
                                         "without them")
@@ -252,7 +266,7 @@ class Builder:
                     _overlay(module, doc)
                     for key, generator in generators.items():  # (one the constructor made is set for the call)
                         module.__dict__.setdefault(key, generator)
-                    out.unrecorded.append(f"{where}: {_unrecorded_names(unrecorded, module)}")
+                    out.unrecorded.append(f"{where}: {_unrecorded_names(unrecorded, module, computed)}")
                     return module
                 out.warnings.append(f"{where}: attributes {names} could not be recorded as data and the module was "
                                     "not built with known constructor arguments; rebuilt without them")

@@ -939,7 +939,8 @@ class Replayer:
         return _Call(step, fn, module, list(args), dict(kwargs), leaves, vmap,
                      built.unrecorded if module_doc is not None else [], rngs, unread, held, unset, unchecked,
                      built.left_out if module_doc is not None else [],
-                     built.order_doubts if module_doc is not None else [], code_drift, classes)
+                     built.order_doubts if module_doc is not None else [], code_drift, classes,
+                     set_outside=built.set_outside if module_doc is not None else [])
 
     def _patched_step(self, step: Step, defn: dict[str, Any], target: Any) -> Any:
         """The paper step of a function step whose reference finds something that is not one (``target``). The
@@ -1462,7 +1463,8 @@ class Replayer:
             warnings.append(f"a likely cause: {hint}")
         if raised is not None and not recorded_exc and call.left_out:
             raise ReplayError(f"step {step.index} ({step.name}): the replay raised {brief(raised)}, where the recorded "
-                              f"call returned normally, and the module was rebuilt incomplete ({call.left_out[0]}): "
+                              "call returned normally, and the module was rebuilt incomplete "
+                              f"({_set_outside(step, call.set_outside) or call.left_out[0]}): "
                               "a rebuild that is not the recorded module, not a difference in the step"
                               + (f" (a likely cause: {hint})" if hint else ""))
         if raised is not None or recorded_exc:
@@ -1647,7 +1649,8 @@ class Replayer:
                                       f"{fwd.name}): {missing}") from None
                 hint = self._raised_hint(exc, fwd)
                 if call.left_out and not hint:
-                    hint = f"the module was rebuilt incomplete: {call.left_out[0]}"
+                    lacks = _set_outside(step, call.set_outside) or call.left_out[0]
+                    hint = f"the module was rebuilt incomplete: {lacks}"
                 raise ReplayError(f"backward step {step.index}: rerunning its forward (step {fwd.index}, {fwd.name}) "
                                   f"raised {brief(exc)}" + (f" ({hint})" if hint else "")) from exc
             finally:
@@ -2342,6 +2345,7 @@ class _Call:
     code_drift: list[str] = field(default_factory=list)  # submodule classes whose code changed since recording
     classes: dict[str, Any] = field(default_factory=dict)  # the rebuilt module's classes, by reference
     reached: set[types.CodeType] = field(default_factory=set)  # the Python code the call ran (_reaching)
+    set_outside: list[str] = field(default_factory=list)  # tensors code outside the module set (Rebuilt.set_outside)
 
     def run(self) -> Any:
         # (given back as they were: a notebook's own generators, a module another call of the pass runs on too)
@@ -2349,6 +2353,24 @@ class _Call:
             if self.vmap is None:
                 return self.fn(*self.args, **self.kwargs)
             return self.vmap.run(self.fn, self.module, self.args, self.kwargs)
+
+
+def _set_outside(step: Step, names: list[str]) -> str:
+    """What a module rebuilt without tensors that code outside it set before each call (``Rebuilt.set_outside``)
+    lacks, with the step enclosing ``step``'s call, whose code sets them, to replay instead ("" where there
+    are none). Said before the rest of what it was rebuilt without: register_buffer would not fit them."""
+    if not names:
+        return ""
+    what = (f"attributes {', '.join(names)} of the step's module are tensors" if len(names) > 1 else
+            f"attribute {names[0]} of the step's module is a tensor")
+    text = (f"{what} that code outside the module sets on it before each call (a wrapper or hook), so not recorded "
+            "with this step")
+    them = "them" if len(names) > 1 else "it"
+    if step.parent is None:
+        return f"{text}; replaying a step that encloses the module's call, whose code sets {them}, works"
+    outer = step.rec.step(step.parent)
+    return (f"{text}; replaying the step that encloses it, step {outer.index} ({outer.name}{outer.where}), whose "
+            f"code sets {them}, works")
 
 
 @dataclass

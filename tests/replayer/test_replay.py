@@ -324,6 +324,30 @@ def test_an_lstm_whose_weight_dropconnect_sets_replays_in_the_steps_around_it(tm
     assert "_flat_weight" not in str(refused.value), refused.value
 
 
+def test_an_lstm_step_refused_for_a_weight_its_wrapper_sets_names_the_wrapper_step(tmp_path: Path) -> None:
+    """The LSTM's own steps under WeightDrop were refused saying "register_buffer has it recorded", advice that
+    does not fit a weight made anew (dropout of the raw weight) before every call. The refusal now says the
+    tensor is set on the module by code outside it before each call, and names the enclosing step to replay."""
+    torch.manual_seed(0)
+    model = DropConnectLM()
+    path = tmp_path / "run.zarr"
+    with pytest.warns(recorder.RecorderWarning, match="holds weight_hh_l0"), \
+            recorder.record(path, model=model, mode="full", modules=["**"]):
+        model(torch.randint(0, 13, (5, 3))).square().mean().backward()
+    rec = replayer.open(path)
+    said = ("attribute weight_hh_l0 of the step's module is a tensor that code outside the module sets on it before "
+            "each call (a wrapper or hook), so not recorded with this step; replaying the step that encloses it, "
+            "step {} (WeightDrop at rnn), whose code sets it, works")
+    for phase in ("forward", "backward"):
+        lstm = next(s for s in rec.steps if s.module_path == "rnn.module" and s.phase == phase)
+        wrapper = next(s for s in rec.steps if s.module_path == "rnn" and s.phase == phase)
+        with pytest.raises(ReplayError) as refused:
+            replayer.replay(rec, lstm)
+        assert said.format(wrapper.index) in str(refused.value), refused.value
+        assert "register_buffer" not in str(refused.value), refused.value
+        assert replayer.replay(rec, wrapper).match
+
+
 @contextlib.contextmanager
 def float64_default() -> Iterator[None]:
     torch.set_default_dtype(torch.float64)
