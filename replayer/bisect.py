@@ -1452,25 +1452,51 @@ def _entered_cause(rec: Recording, step: Step, senders: list[tuple[Step, list[st
             return f"{text} (a gradient penalty) outside the recorded steps; {where}"
         return f"{describe(step)} received non-finite values from outside every recorded step"
     sent = _sent(step)
+    found = bad
     bad = sorted(bad, key=lambda r: not r.stats["nan"])  # the NaN that came in first: the Inf beside it may not have
-    text = _entered_text(rec, source, step, bad[0], senders or [], writers or []) + _made_inputs_text(rec, step, bad)
+    made, named = _made_inputs_text(rec, step, bad)
+    text = _entered_text(rec, source, step, bad[0], senders or [], writers or []) + made + \
+        _other_inputs_text(rec, source, [r for r in found if r is not bad[0] and r.name != named])
     return text + f"; this rank sent them to the others through its {', '.join(sent)}" if sent else text
 
 
-def _made_inputs_text(rec: Recording, step: Step, bad: list[TensorRecord]) -> str:
+def _made_inputs_text(rec: Recording, step: Step, bad: list[TensorRecord]) -> tuple[str, str | None]:
     """What ``_entered_cause`` says of the other non-finite inputs of a step that are the output of an earlier
     recorded step (``_producer``): a sampler's step given its previous call's Inf and, computed outside every
-    step from it, NaN. That Inf did not come from outside; the step that made it is named."""
+    step from it, NaN. That Inf did not come from outside; the step that made it is named. With the name of
+    the input it names (None where it names none)."""
     if len(bad) < 2 or step.phase != "forward":
-        return ""
+        return "", None
     found = _producer(rec, step, step_flags(rec) & _RESULT != 0, [r for r in bad[1:] if r.role == "input"])
     if found is None:
-        return ""
+        return "", None
     record, producer = found
     made = not any(r.nonfinite for r in _own_inputs(producer))
     return (f"; its input {record.name} ({_counts(rec, record)}) did not: it is the output of {describe(producer)}, "
             + ("which made it from finite inputs (taken for a mask's Inf: without the tensor's bytes, its "
-               "statistics do not tell +Inf from -Inf)" if made else "which passed it on"))
+               "statistics do not tell +Inf from -Inf)" if made else "which passed it on")), record.name
+
+
+_OTHER_INPUTS_NAMED = 4  # the step's further non-finite inputs named one by one; the rest counted
+
+
+def _other_inputs_text(rec: Recording, source: Step, others: list[TensorRecord]) -> str:
+    """The non-finite inputs of a step beside the one ``_entered_cause`` follows (inputs, parameters, buffers;
+    a backward step's grad outputs): each came in non-finite too, and any of them may be where to look, so
+    every one is named, the first few with their counts and the rest as a count."""
+    if not others:
+        return ""
+
+    def words(r: TensorRecord) -> str:
+        if r.role == "grad_output":
+            return f"grad output {r.name.removeprefix('output.')} ({_counts(rec, r)})"
+        full = f"{source.module_path}.{r.name}" if source.module_path and r.role in ("param", "buffer") else r.name
+        return f"{'parameter' if r.role == 'param' else r.role} {full} ({_counts(rec, r)})"
+
+    shown = ", ".join(words(r) for r in others[:_OTHER_INPUTS_NAMED])
+    more = len(others) - _OTHER_INPUTS_NAMED
+    return (f"; the step's other non-finite input{'s' if len(others) > 1 else ''}: {shown}"
+            + (f" and {more} more" if more > 0 else ""))
 
 
 def _own_nonfinite(rec: Recording, step: Step) -> tuple[Step, list[TensorRecord]]:

@@ -1156,6 +1156,36 @@ def test_a_sampler_whose_first_reverse_step_divides_by_zero_at_every_evaluation_
     assert origin.op.line == line_of(code, "/ a.sqrt()")
 
 
+@recorder.paper_step("Eq. 31", description="a weighted sum of six terms")
+def six_terms(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, e: torch.Tensor,
+              f: torch.Tensor) -> torch.Tensor:
+    return a * b + c + d + e + f
+
+
+@pytest.mark.parametrize("poisoned", [3, 6])
+def test_every_non_finite_input_of_the_step_they_entered_is_named(tmp_path: Path, poisoned: int) -> None:
+    """A step given several non-finite inputs from outside every recorded step: bisect named only the first
+    (args.0), and the user looked for one source where there were several. The others are named too, each with
+    its counts, the first four one by one and the rest as a count."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full") as run:
+        for it in range(2):
+            terms = [torch.ones(4) for _ in range(6)]
+            if it == 1:
+                for k in range(poisoned):
+                    terms[k][: k % 2 + 1] = float("inf") if k % 2 else float("nan")
+            six_terms(*terms)
+            run.next_iteration()
+    origin = replayer.first_nonfinite(replayer.open(path))
+    entered = origin.entered
+    assert entered is not None and entered.iteration == 1, origin.cause
+    others = {3: "the step's other non-finite inputs: input args.1 (2 Inf of 4), input args.2 (1 NaN of 4)",
+              6: "the step's other non-finite inputs: input args.1 (2 Inf of 4), input args.2 (1 NaN of 4), input "
+                 "args.3 (2 Inf of 4), input args.4 (1 NaN of 4) and 1 more"}[poisoned]
+    assert origin.cause == (f"input args.0 of {bisect_mod.describe(entered)} came non-finite (1 NaN of 4) from code "
+                            f"outside every recorded step; it was last finite in iteration 0; {others}"), origin.cause
+
+
 def test_an_inf_a_step_takes_from_the_recorded_step_before_it_is_not_said_to_come_from_outside(
         tmp_path: Path) -> None:
     """The same sampler recorded in stats mode (no bytes: Inf filling its first reverse step's output is given the
