@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.26"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.27"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -114,6 +114,9 @@ SCHEMA_VERSION = "1.26"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       UNRUN_PRE_HOOKS_NOTE names the pre-hooks that ran after it; a replay runs it without them as it runs a
 #       decorated class's (before, before them: a replay warned of them, and one that changed the arguments
 #       made every replay of the module differ)
+# 1.27: a module skeleton's "computed": the plain tensor attributes that were computed with autograd when it was
+#       built (set on the module by code outside it for the call: AWD-LSTM's WeightDrop), by which a replay of the
+#       module's own step names the enclosing step to replay instead (before, it advised register_buffer)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
