@@ -2724,7 +2724,8 @@ def _started_later(al: _Aligned, last: tuple[int, int], at: tuple[int, int], par
            "the state it resumed from is not the other's at that iteration (a checkpoint of another step, or one not "
            "fully restored?)")
     kept = f" ({', '.join(same)})" if same else ""
-    return (f"{', '.join(differ)}{kept}: {late} resumed at iteration {start} "
+    what = ", ".join(differ) or "what differs in its inputs is not in the records compared"
+    return (f"{what}{kept}: {late} resumed at iteration {start} "
             f"and lacks {early} {len(lacked)} step{'s' if len(lacked) != 1 else ''} before it by design, not by "
             f"skipping them; {why}")
 
