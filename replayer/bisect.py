@@ -1866,9 +1866,28 @@ class Condition:
         return ("atom", *_operand(operand, self.text), op, number)
 
     def evaluate(self, rec: Recording) -> np.ndarray:
-        """One boolean per step."""
+        """One boolean per step. A ConditionError where an operand names a tensor no step of the recording
+        has: a misspelt name would otherwise read as a search that found nothing."""
         view = _TensorView(rec)
+        self._check_names(self.tree, view)
         return self._eval(self.tree, view)
+
+    def _check_names(self, node: Any, view: _TensorView) -> None:
+        if node[0] in ("and", "or", "not"):
+            for child in node[1:]:
+                self._check_names(child, view)
+            return
+        _, role, name, stat, _, _ = node
+        if name is None or len(view.rows(role, name)):
+            return
+        if role == "output" and stat in ("nan", "inf") and {name, f"output.{name}"} & set(view.numbers()[1]):
+            return
+        known = sorted(set(view.names[view.roles == layout.ROLES.index(role)] if role else view.names))
+        listed = ", ".join(known[:12]) + (f", ... ({len(known) - 12} more)" if len(known) > 12 else "")
+        what = f"{role} tensor {name!r}" if role else f"tensor {name!r}"
+        raise ConditionError(f"the condition {self.text!r} names the {what}, which no step of {view.rec.path} "
+                             f"has; {'names there: ' + listed if listed else 'it has none'} (ROLE[.NAME].STAT, "
+                             "e.g. output.absmax)")
 
     def _eval(self, node: Any, view: _TensorView) -> np.ndarray:
         kind = node[0]

@@ -1,0 +1,40 @@
+"""Bad input to `pdbg` is one line on stderr that names the problem and what to do, exit code 2, no
+traceback: a misspelt tensor in `find --when`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.cli import pdbg
+from tests.tui.recordings import nan_run
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return nan_run(tmp_path_factory.mktemp("bad_input") / "run.zarr")
+
+
+class TestFindCondition:
+    def test_a_tensor_no_step_has_is_refused(self, run: Path, tmp_path: Path) -> None:
+        """A misspelt tensor name in --when read as a search that found nothing (exit 1): it is an error."""
+        res = pdbg("find", str(run), "*", "--when", "outptu.inf > 0", cwd=tmp_path)
+        assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+        assert res.stdout == "" and len(res.stderr.splitlines()) == 1, res.stderr
+        assert res.stderr.startswith("pdbg: error: the condition 'outptu.inf > 0' names the tensor 'outptu', which "
+                                     "no step of"), res.stderr
+        assert "names there: " in res.stderr and "args.0" in res.stderr, res.stderr
+
+    def test_a_misspelt_name_of_a_role_is_refused(self, run: Path, tmp_path: Path) -> None:
+        """A name under a role (param.NAME) that no record of that role has is an error, even under not."""
+        res = pdbg("find", str(run), "*", "--when", "not param.nosuch.norm > 0", cwd=tmp_path)
+        assert res.returncode == 2 and "names the param tensor 'nosuch'" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
+
+    def test_a_condition_on_tensors_it_has_still_finds_nothing_quietly(self, run: Path, tmp_path: Path) -> None:
+        """Names the recording has, by name or position, are searched as before: no hit is exit 1."""
+        none = pdbg("find", str(run), "*", "--when", "output.absmax > 1e30 and args.0.nan > 1e9", cwd=tmp_path)
+        assert none.returncode == 1 and none.stdout.strip() == "no step matches", none.stderr
+        hit = pdbg("find", str(run), "*", "--when", "output.0.inf > 0", cwd=tmp_path)
+        assert hit.returncode == 0 and hit.stdout.startswith("step "), hit.stderr
