@@ -212,9 +212,20 @@ def _exit_code(code: Any) -> int:
 
 
 def _script_traceback(exc: BaseException, script: Path) -> str:
-    """The traceback Python would print for ``exc``, starting at the script's own frames."""
+    """The traceback Python would print for ``exc``, starting at the script's own frames. Where none of
+    them is in it (the script does not compile: a SyntaxError), the frames of this runner and of runpy are
+    left out too, as Python prints that error, so that it does not read as a failure of pdbg."""
     tb = exc.__traceback__
     target = str(script.resolve())
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != target:
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+    if tb is None:
+        tb = exc.__traceback__
+        while tb is not None and _runner_frame(tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _runner_frame(filename: str) -> bool:
+    """A frame of the machinery that runs the script: this module, runpy, importlib's bootstrap."""
+    return filename in (__file__, runpy.__file__) or filename.startswith("<frozen ")

@@ -108,6 +108,9 @@ def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
         # (preempted while loading, say: naming modules would not have recorded anything either)
         text += f"; no step was recorded: the script was ended by {died.split()[1]} before it recorded anything"
         died = None
+    elif steps == 0 and result.exception_name in ("SyntaxError", "IndentationError", "TabError"):
+        # (whatever it marks or --modules names: it never got to run them)
+        text += f"; no step was recorded: the script raised {result.exception_name} (above) before any step ran"
     elif steps == 0 and result.modules_called == 0 and result.exception_name is not None:
         text += f"; no step was recorded: the script raised {result.exception_name} before it called any module"
     elif steps == 0 and result.modules_called == 0:

@@ -1,5 +1,6 @@
 """Bad input to `pdbg` is one line on stderr that names the problem and what to do, exit code 2, no
-traceback: a misspelt tensor in `find --when`."""
+traceback: a misspelt tensor in `find --when`; and a script that does not compile is reported by
+`pdbg record` as Python reports it, not as a failure of pdbg."""
 
 from __future__ import annotations
 
@@ -38,3 +39,18 @@ class TestFindCondition:
         assert none.returncode == 1 and none.stdout.strip() == "no step matches", none.stderr
         hit = pdbg("find", str(run), "*", "--when", "output.0.inf > 0", cwd=tmp_path)
         assert hit.returncode == 0 and hit.stdout.startswith("step "), hit.stderr
+
+
+class TestScripts:
+    def test_a_script_that_does_not_compile_is_reported_as_python_does(self, tmp_path: Path) -> None:
+        """pdbg record printed pdbg's own frames (runner.py, runpy) above a script's SyntaxError, and told to mark
+        paper steps; it prints the error as Python does, and that the script never got to run a step."""
+        (tmp_path / "broken.py").write_text("x = (\n")
+        res = pdbg("record", "-o", "run.zarr", "--", "broken.py", cwd=tmp_path)
+        assert res.returncode == 1, res.stderr
+        assert "Traceback" not in res.stderr and "runner.py" not in res.stderr and "runpy" not in res.stderr, \
+            res.stderr
+        assert res.stderr.startswith('  File "broken.py", line 1\n'), res.stderr
+        assert "SyntaxError: '(' was never closed\n" in res.stderr, res.stderr
+        assert res.stderr.splitlines()[-1].endswith("no step was recorded: the script raised SyntaxError (above) "
+                                                    "before any step ran"), res.stderr
