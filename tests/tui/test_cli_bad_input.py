@@ -1,6 +1,6 @@
 """Bad input to `pdbg` is one line on stderr that names the problem and what to do, exit code 2, no
-traceback: a misspelt tensor in `find --when`; and a script that does not compile is reported by
-`pdbg record` as Python reports it, not as a failure of pdbg."""
+traceback: a misspelt tensor in `find --when`, a `--script` that is not the recorded one; and a script
+that does not compile is reported by `pdbg record` as Python reports it, not as a failure of pdbg."""
 
 from __future__ import annotations
 
@@ -8,8 +8,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import pdbg
+from tests.cli import pdbg, python
 from tests.tui.recordings import nan_run
+
+SCRIPT = '''
+import torch
+
+import recorder
+
+
+@recorder.paper_step("Eq. 1")
+def scale(x):
+    return x * 2
+
+
+if __name__ == "__main__":
+    with recorder.record("run.zarr"):
+        scale(torch.ones(3))
+'''
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +70,16 @@ class TestScripts:
         assert "SyntaxError: '(' was never closed\n" in res.stderr, res.stderr
         assert res.stderr.splitlines()[-1].endswith("no step was recorded: the script raised SyntaxError (above) "
                                                     "before any step ran"), res.stderr
+
+    def test_a_script_option_naming_another_file_says_which_file(self, tmp_path: Path) -> None:
+        """--script naming a file without the step said "__main__ has no scale now": it names the file looked in."""
+        (tmp_path / "train.py").write_text(SCRIPT)
+        (tmp_path / "other.py").write_text("print('other')\n")
+        recorded = python("train.py", cwd=tmp_path)
+        assert recorded.returncode == 0, recorded.stderr
+        res = pdbg("replay", "run.zarr", "0", "--script", "other.py", cwd=tmp_path)
+        assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+        assert res.stderr.startswith("pdbg: error: the training script other.py (__main__) has no scale now"), \
+            res.stderr
+        assert "--script" in res.stderr and "other\n" not in res.stdout
+        assert pdbg("replay", "run.zarr", "0", cwd=tmp_path).returncode == 0
