@@ -272,6 +272,23 @@ def _needs_main(steps: list[Step]) -> bool:
                for s in steps for name in _DOC_COLUMNS for v in jsonval.walk(s._doc(name)))
 
 
+def _check_moved_script(steps: list[Step], script: str, text: str, recorded: Any) -> None:
+    """Refuse a script given as the training script's path now (``--script``) that does not define a step's
+    code the script defined when recorded: the bundle would carry it, and every replay of it be refused. Read,
+    never run; a name the file does not hold anywhere, not just no def or class of it (one made under an ``if``
+    at its top level still counts), so that no script a replay could use is refused."""
+    for s in steps:
+        module, _, qualname = str(s.definition.get("ref", "")).partition(":")
+        if module != "__main__" or not qualname or source_in(text, qualname) is not None:
+            continue
+        if re.search(rf"(?<![\w.]){re.escape(qualname.split('.')[0])}\b", text):
+            continue
+        was = f" (recorded in {recorded})" if isinstance(recorded, str) and recorded != script else ""
+        raise BundleError(f"step {s.index}'s code is {qualname}, defined in the training script{was}, but --script "
+                          f"{script} does not define it: give the path of the script that does now (script= in "
+                          "Python)")
+
+
 def _patched(steps: list[Step]) -> bool:
     """Does any of these steps run a function of torch's (an installed package a bundle never carries, or the
     standard library) as a paper step: one made at run time by a patch (``adam._single_tensor_adam =
@@ -375,6 +392,8 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
         raise BundleError(f"step {main.index}'s code was defined in the training script {script_now}, which the "
                           f"bundle must carry, but {why}: give the script's path now with --script PATH "
                           "(script= in Python)")
+    if moved is not None and isinstance(script_now, str) and script_now in sources:
+        _check_moved_script(steps, script_now, sources[script_now], rec.run_info.get("script"))
     session = None
     if not rec.run_info.get("script") and _needs_main(steps):
         session = _session_source(rec)

@@ -83,3 +83,19 @@ class TestScripts:
             res.stderr
         assert "--script" in res.stderr and "other\n" not in res.stdout
         assert pdbg("replay", "run.zarr", "0", cwd=tmp_path).returncode == 0
+
+    def test_a_bundle_refuses_a_script_option_without_the_step(self, tmp_path: Path) -> None:
+        """pdbg bundle --script naming a file without the step wrote a bundle (exit 0) whose every replay was
+        refused: it is refused before anything is written; the script moved elsewhere is taken."""
+        (tmp_path / "train.py").write_text(SCRIPT)
+        (tmp_path / "other.py").write_text("print('other')\n")
+        assert python("train.py", cwd=tmp_path).returncode == 0
+        res = pdbg("bundle", "run.zarr", "0", "-o", "f.pdbg", "--script", "other.py", cwd=tmp_path)
+        assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+        assert res.stderr.startswith("pdbg: error: step 0's code is scale, defined in the training script "), res.stderr
+        assert "does not define it" in res.stderr and not (tmp_path / "f.pdbg").exists()
+        (tmp_path / "moved").mkdir()
+        (tmp_path / "train.py").rename(tmp_path / "moved" / "train.py")
+        res = pdbg("bundle", "run.zarr", "0", "-o", "f.pdbg", "--script", "moved/train.py", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        assert pdbg("replay", "f.pdbg", cwd=tmp_path).returncode == 0
