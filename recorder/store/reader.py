@@ -145,6 +145,9 @@ class RunReader:
         # What a newer minor schema's warning said (once), or None: the TUI shows it, and a replay refuses the
         # steps that hold what the newer schema added (unknown tags and tensor roles) instead of calling them damage.
         self.newer: str | None = None
+        if isinstance(target, (str, os.PathLike)) and not os.fspath(target):  # not "." (Path("") is the cwd)
+            raise NotARecordingError("the path of the recording is empty; give the path of a recording (made by "
+                                     "recorder.record or `pdbg record`)")
         if not isinstance(target, zarr.abc.store.Store) and not backend.is_url(target) and \
                 not Path(backend.local_path(target)).exists():
             raise NotARecordingError(f"{self.label}: no such file or directory; give the path of a recording "

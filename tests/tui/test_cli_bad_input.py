@@ -33,6 +33,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return nan_run(tmp_path_factory.mktemp("bad_input") / "run.zarr")
 
 
+class TestPaths:
+    @pytest.mark.parametrize("command", ["info", "verify", "bisect"])
+    def test_an_empty_recording_path_is_refused(self, command: str, run: Path) -> None:
+        """An empty RUN was taken for the working directory: "  is not a PaperDebugger recording (it has no
+        zarr.json ...)", naming nothing; it says the path is empty."""
+        res = pdbg(command, "", cwd=run.parent)
+        assert res.returncode == 2 and res.stdout == "", res.stderr
+        assert res.stderr == ("pdbg: error: the path of the recording is empty; give the path of a recording (made "
+                              "by recorder.record or `pdbg record`)\n"), res.stderr
+
+
 class TestFindCondition:
     def test_a_tensor_no_step_has_is_refused(self, run: Path, tmp_path: Path) -> None:
         """A misspelt tensor name in --when read as a search that found nothing (exit 1): it is an error."""
