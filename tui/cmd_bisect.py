@@ -10,7 +10,8 @@ outside the recorded steps), 0 when clean.
 
 find: the next step after --from (or the first) that matches WHERE (a step selector; "*" for any)
 and the condition over its statistics, e.g. --when "output.absmax > 1e3"; --backward searches
-towards the start (reverse-continue). Exit 0 when a step was found, 1 when none matches (like grep).
+towards the start (reverse-continue). Exit 0 when a step was found, 1 when none matches (like grep),
+2 when WHERE names no step of the recording or --when a tensor no step has (a misspelt name).
 """
 
 from __future__ import annotations
