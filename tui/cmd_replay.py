@@ -45,7 +45,8 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("replay", help="replay one recorded step and compare it bit for bit",
                        description="Rebuild the step's code and module, run it alone under its recorded RNG and "
                        "settings, and compare every output (backward: grad inputs and parameter grads) with the "
-                       "recording. Exit 0 when everything matches bitwise, 1 when something differs.")
+                       "recording. Exit 0 when everything matches bitwise, 1 when something differs or nothing could "
+                       "be compared (NOTHING COMPARED).")
     p.add_argument("run", metavar="RUN", help="the recording")
     p.add_argument("step", metavar="STEP", nargs="?", help=STEP_HELP + "; a bundle's main step when left out")
     _replay_options(p)
@@ -69,7 +70,9 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("verify", help="replay many steps and report determinism",
                        description="Replay every step (or --sample N spread over the run), forward and backward, "
                        "and report the share that match bitwise; list the steps a replay cannot redo, with why. "
-                       "Exit 1 when any differs.")
+                       "Exit 1 when any differs or matched only as replayed in recording order; 2 when any step's "
+                       "recorded tensors are corrupted (listed, the others still replayed) or no step could be "
+                       "replayed at all.")
     p.add_argument("run", metavar="RUN", help="the recording")
     p.add_argument("--sample", type=int, metavar="N", help="replay N steps spread evenly over the run")
     _replay_options(p)
