@@ -35,6 +35,9 @@ from recorder.errors import ReplayError
 
 from . import state
 
+# The training script's module: ``__main__``, or ``__mp_main__`` in a process that multiprocessing's spawn
+# (``torch.multiprocessing.spawn``) started, where the script is imported again under that name.
+MAIN_NAMES = ("__main__", "__mp_main__")
 _DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
@@ -455,7 +458,7 @@ class CodeLoader:
     def file_of(self, name: str) -> str | None:
         """The file the code of module ``name`` was loaded from for this replay (its code's ``co_filename``),
         where it is loaded: the training script (``__main__``), a bundled module, an imported one."""
-        if name == "__main__":
+        if name in MAIN_NAMES:
             module: Any = self._main if self.script else self._live_main()
         else:
             module = self._bundled_modules.get(name) or sys.modules.get(name)
@@ -470,7 +473,7 @@ class CodeLoader:
     def module(self, name: str, file: str | None = None, *, needed_by: str = "the recording") -> types.ModuleType:
         """Import a module; ``file`` (where it was when recorded) adds the directory it was imported from;
         ``needed_by``: who asks, for the message when it cannot be imported."""
-        if name == "__main__":
+        if name in MAIN_NAMES:
             return self.main()
         if name in self._bundled_modules:
             return self._bundled_modules[name]
@@ -811,7 +814,7 @@ def drift_without_running(definition: dict[str, Any], run_info: dict[str, Any], 
     the files on this machine alone (for ``pdbg info``, which must not run anything)."""
     ref = definition.get("ref") or ""
     module, _, qualname = ref.partition(":")
-    if module == "__main__":
+    if module in MAIN_NAMES:
         script = run_info.get("script")
         file = Path(script) if script and os.path.isfile(script) else None
     else:

@@ -401,3 +401,17 @@ def test_a_ddp_wrapper_step_is_refused_in_one_line(tmp_path: Path) -> None:
         replayer.replay(rec, "DistributedDataParallel@iter=0")
     res = pdbg("verify", str(tmp_path / "run.zarr"))
     assert "replayed bit for bit (100.0%); 2 steps could not be replayed" in res.stdout, res.stdout
+
+
+def test_steps_of_a_spawned_process_replay(tmp_path: Path) -> None:
+    """torch.multiprocessing.spawn's ranks import the script as __mp_main__: their steps and modules
+    could not be found again ('__mp_main__ has no act now'), so no step of such a run replayed."""
+    out = tmp_path / "run.zarr"
+    res = subprocess.run([sys.executable, str(Path(__file__).with_name("spawn_train.py")), str(out)], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    rec = replayer.open(out)
+    for which in ("Eq. 1@iter=1", "Eq. 1@iter=1:backward", "Block@iter=0", "Block@iter=1:backward"):
+        result = replayer.replay(rec, which)
+        assert result.match, (which, [d.to_json() for d in result.outputs], result.warnings)
+    assert "8 of 8 steps replayed bit for bit" in pdbg("verify", str(out)).stdout
