@@ -333,7 +333,8 @@ def _across_ranks(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool)
     """``first_nonfinite(all_ranks=True)``: the origin is the first step of any rank (by iteration,
     then wall clock) that produced a non-finite value from finite inputs; what the other ranks saw
     first (often a collective that received it) is in ``others``."""
-    found = {r: first_nonfinite(rec.of_rank(r), spread=spread, scaler_skips=scaler_skips) for r in rec.ranks}
+    recs = {r: rec.of_rank(r) for r in rec.ranks}
+    found = {r: first_nonfinite(recs[r], spread=spread, scaler_skips=scaler_skips) for r in rec.ranks}
 
     def when(o: Origin) -> tuple[int, bool, float]:
         """First by iteration; within one, a rank that made it from what it had before one that made
@@ -352,10 +353,26 @@ def _across_ranks(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool)
         return Origin(None, f"no non-finite values recorded on any of the {len(found)} ranks")
     origin = min(pool, key=when)
     origin.others = {r: o for r, o in found.items() if o is not origin and o.found}
+    for r, other in origin.others.items():
+        _unseen_communication(recs[r], other, origin)
     origin.cause = f"rank {origin.rank}: {origin.cause}"
     if ops and origin.step is not None:
         find_op(origin, origin.step)
     return origin
+
+
+def _unseen_communication(rec: Recording, other: Origin, origin: Origin) -> None:
+    """Where no recorded step of another rank made its first NaN/Inf, and no collective of its steps brought
+    it, yet the origin's rank had one as early: the likely way over is communication outside the steps
+    (DistributedDataParallel all-reduces the gradients in its own hooks during backward), which no cause
+    on that rank alone can name; add it to that rank's cause."""
+    first, made = other.entered, origin.step or origin.entered
+    if other.step is not None or first is None or made is None or first.iteration < made.iteration or \
+            _from_another_rank(rec, first):
+        return
+    other.cause += (f"; rank {origin.rank}'s came first (iteration {made.iteration}), and ranks also exchange "
+                    "tensors outside every recorded step (DistributedDataParallel's all-reduce of the gradients "
+                    "in backward, a collective called outside the steps), which is likely how it got here")
 
 
 def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, all_ranks: bool = False,

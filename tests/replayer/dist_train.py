@@ -11,6 +11,8 @@ the collective. Environment knobs:
   KILL_RANK, KILL_AT that rank SIGKILLs itself at the start of that iteration (after a commit)
   COUPLED            iterations from 0 that communicate (later ones use the local mean)
   BACKWARD_SYNC      1: ``global_mean``'s backward all-reduces its gradient too (as SyncBatchNorm's does)
+  DDP                1: train the model wrapped in DistributedDataParallel (which all-reduces the
+                     gradients in its own hooks, outside every step)
   RECORD_TO          record in code with recorder.record (else: run as is, e.g. under pdbg record)
 """
 
@@ -89,6 +91,8 @@ def main() -> None:
     model = Net()
     for p in model.parameters():
         dist.broadcast(p.data, 0)  # outside every step: not recorded
+    if os.environ.get("DDP") == "1":
+        model = nn.parallel.DistributedDataParallel(model)  # type: ignore[assignment]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = torch.Generator().manual_seed(100 + rank)
     target = os.environ.get("RECORD_TO")

@@ -416,3 +416,16 @@ def test_steps_of_a_spawned_process_replay(tmp_path: Path) -> None:
         result = replayer.replay(rec, which)
         assert result.match, (which, [d.to_json() for d in result.outputs], result.warnings)
     assert "8 of 8 steps replayed bit for bit" in pdbg("verify", str(out)).stdout
+
+
+def test_a_nan_that_ddp_s_gradient_all_reduce_brought_says_so(tmp_path: Path) -> None:
+    """Under DistributedDataParallel, rank 1's NaN reaches rank 0 through the gradients it all-reduces
+    outside every step: rank 0's cause blamed only its optimizer or code outside the steps."""
+    out = tmp_path / "run.zarr"
+    for res in launch(out, cli=False, NAN_RANK=1, NAN_AT=1, COUPLED=0, DDP=1, ITERATIONS=3):
+        assert res.returncode == 0, res.stderr
+    lines = pdbg("bisect", str(out), code=1).stdout.splitlines()
+    assert lines[0].startswith("origin: rank 1 · "), lines
+    rank0 = next(line for line in lines if line.startswith("rank 0: first non-finite"))
+    assert "(iteration 2)" in rank0 and "rank 1's came first (iteration 1), and ranks also exchange tensors outside " \
+        "every recorded step (DistributedDataParallel's all-reduce of the gradients in backward" in rank0, lines
