@@ -223,7 +223,8 @@ def _ranks(rec: Any) -> list[dict[str, Any]]:
         out.append({"rank": rank, "status": r.status, "steps": len(r),
                     "iterations": int(len(np.unique(iterations))), "iteration_range": _iteration_range(iterations),
                     "world_size": r.dist["world_size"],
-                    "backend": r.dist["backend"], "hostname": run.get("hostname"), "pid": run.get("pid")})
+                    "backend": r.dist["backend"], "hostname": run.get("hostname"), "pid": run.get("pid"),
+                    "ended_by": rec.of_rank(rank).ended_by})
     return out
 
 
@@ -308,7 +309,7 @@ def info(args: argparse.Namespace) -> int:
               f"(torch {run.get('torch')}, mode {run.get('mode')})")
         if doc["tensors_kept"]:
             print(f"tensors kept: {doc['tensors_kept']}")
-    if doc["ended_by"]:
+    if doc["ended_by"] and len(doc["rank_details"]) < 2:  # (of several ranks, each rank's line says its own)
         print(f"ended by: {doc['ended_by']}")
     if len(doc["rank_details"]) > 1:
         print()
@@ -320,6 +321,8 @@ def info(args: argparse.Namespace) -> int:
             print(f"  rank {r['rank']}: {r['status']}, {_count(r['steps'], 'step')}, "
                   f"{_iterations_text(r['iterations'], r['iteration_range'])}, "
                   f"backend {r['backend'] or '?'}, {r['hostname']} pid {r['pid']}")
+            if r["ended_by"]:
+                print(f"    ended by: {r['ended_by']}")
         print(f"  (paper steps below: rank {rec.rank.rank}; --rank K for another)")
     if doc["paper_steps"]:
         from rich.cells import cell_len

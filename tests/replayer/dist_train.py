@@ -8,6 +8,7 @@ the collective. Environment knobs:
                      all-reducing it (the origin, whose NaN every rank's all_reduce returns)
   POISON_RANK, POISON_AT on that rank, at that iteration, code outside every step puts a NaN into
                      ``global_mean``'s input (which it then sends to the other rank)
+  RAISE_RANK, RAISE_AT that rank raises RuntimeError at the start of that iteration
   KILL_RANK, KILL_AT that rank SIGKILLs itself at the start of that iteration (after a commit)
   COUPLED            iterations from 0 that communicate (later ones use the local mean)
   BACKWARD_SYNC      1: ``global_mean``'s backward all-reduces its gradient too (as SyncBatchNorm's does)
@@ -32,6 +33,7 @@ ITERATIONS = int(os.environ.get("ITERATIONS", "6"))
 COUPLED = int(os.environ.get("COUPLED", str(ITERATIONS)))
 NAN_RANK, NAN_AT = int(os.environ.get("NAN_RANK", "-1")), int(os.environ.get("NAN_AT", "-1"))
 KILL_RANK, KILL_AT = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AT", "-1"))
+RAISE_RANK, RAISE_AT = int(os.environ.get("RAISE_RANK", "-1")), int(os.environ.get("RAISE_AT", "-1"))
 BLOW_RANK, BLOW_AT = int(os.environ.get("BLOW_RANK", "-1")), int(os.environ.get("BLOW_AT", "-1"))
 POISON_RANK, POISON_AT = int(os.environ.get("POISON_RANK", "-1")), int(os.environ.get("POISON_AT", "-1"))
 BACKWARD_SYNC = os.environ.get("BACKWARD_SYNC") == "1"
@@ -103,6 +105,8 @@ def main() -> None:
                 assert run is not None
                 run.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if rank == RAISE_RANK and it == RAISE_AT:
+                raise RuntimeError(f"rank {rank} gave up at iteration {it}")
             x = torch.randn(16, 8, generator=data)
             t = 0.0 if (rank == NAN_RANK and it == NAN_AT) else 1.0
             scale = 0.0 if (rank == BLOW_RANK and it == BLOW_AT) else 1.0

@@ -429,3 +429,17 @@ def test_a_nan_that_ddp_s_gradient_all_reduce_brought_says_so(tmp_path: Path) ->
     rank0 = next(line for line in lines if line.startswith("rank 0: first non-finite"))
     assert "(iteration 2)" in rank0 and "rank 1's came first (iteration 1), and ranks also exchange tensors outside " \
         "every recorded step (DistributedDataParallel's all-reduce of the gradients in backward" in rank0, lines
+
+
+def test_info_says_what_ended_each_rank(tmp_path: Path) -> None:
+    """Rank 1 raises at iteration 2 while rank 0 trains on: info said the run crashed, but only rank 0's
+    (none) ended-by line, so nothing told why."""
+    out = tmp_path / "run.zarr"
+    first, second = launch(out, cli=False, RAISE_RANK=1, RAISE_AT=2, COUPLED=0, ITERATIONS=3)
+    assert first.returncode == 0 and second.returncode == 1, (first.stderr, second.stderr)
+    text = pdbg("info", str(out)).stdout
+    assert "  rank 1: crashed, 8 steps, 2 iterations, backend gloo" in text, text
+    assert "    ended by: RuntimeError: rank 1 gave up at iteration 2\n" in text, text
+    details = json.loads(pdbg("info", str(out), "--json").stdout)["rank_details"]
+    assert [(r["status"], r["ended_by"]) for r in details] == [
+        ("complete", None), ("crashed", "RuntimeError: rank 1 gave up at iteration 2")]
