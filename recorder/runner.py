@@ -41,6 +41,7 @@ class ScriptResult:
     ring_recovered: dict[str, Any] | None = None  # flight mode: what the parent wrote out of the shared ring
     failure: str | None = None  # why recording stopped early (status "incomplete"): a full disk, a failed writer
     modules_called: int | None = None  # distinct module paths the script called (None: not known)
+    steps_defined: tuple[str, ...] = ()  # the paper steps the script's top level defines (functions, classes)
 
 
 def check_output(out: str | os.PathLike[str]) -> Path:
@@ -149,13 +150,13 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
         raise
     if shared_ring is not None:
         run.session.share_ring(shared_ring)
-    code, error, exited = 0, None, None
+    code, error, exited, defined = 0, None, None, {}
     constructors = skeleton.InitCapture()  # every module class the script defines: its constructor arguments
     try:
         if module is not None:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            defined = runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(str(script_path), run_name="__main__")
+            defined = runpy.run_path(str(script_path), run_name="__main__")
     except SystemExit as exc:
         code = _exit_code(exc.code)
         exited = exc if code != 0 else None  # the recording says why it is crashed: SystemExit(3)
@@ -177,7 +178,22 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
     return ScriptResult(code, run.status or status, run.steps, error, text,
                         type(error).__name__ if error is not None else None, failure=run.failure,
                         modules_called=len(run.session.selector.paths) if run.session.autocapture is not None
-                        else None)
+                        else None, steps_defined=_paper_steps(defined))
+
+
+def _paper_steps(space: dict[str, Any]) -> tuple[str, ...]:
+    """The names in a script's globals that are paper steps: a decorated function, or a class whose
+    ``forward`` is one (so that a run which called none can say it marks some, only not here)."""
+    names = []
+    for name, value in space.items():
+        try:
+            marked = getattr(getattr(value, "forward", None) if isinstance(value, type) else value, "__pdbg_step__",
+                             None) is not None
+        except Exception:  # noqa: BLE001 - a global whose attribute lookup raises (a lazy proxy) is no step
+            marked = False
+        if marked:
+            names.append(name)
+    return tuple(names)
 
 
 @contextlib.contextmanager

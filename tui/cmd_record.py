@@ -115,6 +115,12 @@ def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
         text += f"; no step was recorded: the script raised {result.exception_name} before it called any module"
     elif steps == 0 and result.modules_called == 0:
         text += "; no step was recorded: the script called no module"
+    elif steps == 0 and not modules and result.steps_defined:
+        marked = ", ".join(result.steps_defined[:3]) + (", ..." if len(result.steps_defined) > 3 else "")
+        text += (f"; no step was recorded: the script marks paper steps ({marked}) but called none in this process; "
+                 "where its training runs in processes it starts (torch.multiprocessing.spawn, a multiprocessing "
+                 "Process), which pdbg record does not reach, record in each with recorder.record(PATH) (every rank "
+                 "into the same path), or start the ranks with torchrun --no-python pdbg record")
     elif steps == 0:  # nothing marked, nothing named: what to record
         text += ("; no step was recorded: --modules matched no module (the warning above lists the paths called)"
                  if modules else "; no step was recorded: the script marks no paper step; name its modules with "

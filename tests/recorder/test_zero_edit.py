@@ -904,6 +904,22 @@ def test_pdbg_record_that_records_no_step_says_what_to_name(tmp_path):
     assert res.stderr.rstrip().endswith("other.zarr (complete, 2 steps)"), res.stderr
 
 
+def test_pdbg_record_of_a_script_whose_steps_run_in_spawned_processes_says_so(tmp_path):
+    """A script that trains in processes it spawns (torch.multiprocessing.spawn's ranks) was told that it
+    "marks no paper step", though it marks them: they ran where pdbg record does not reach."""
+    (tmp_path / "spawns.py").write_text(
+        "import multiprocessing, torch, recorder\n\n\n@recorder.paper_step('Eq. 1')\ndef double(x):\n"
+        "    return x * 2\n\n\ndef work():\n    double(torch.ones(2))\n\n\nif __name__ == '__main__':\n"
+        "    child = multiprocessing.get_context('spawn').Process(target=work)\n    child.start()\n    child.join()\n")
+    res = pdbg("record", "-o", "run.zarr", "--", "spawns.py", cwd=tmp_path)
+    assert res.returncode == 0 and res.stderr.rstrip().splitlines()[-1] == (
+        "pdbg: recording in run.zarr (complete, 0 steps); no step was recorded: the script marks paper steps "
+        "(double) but called none in this process; where its training runs in processes it starts "
+        "(torch.multiprocessing.spawn, a multiprocessing Process), which pdbg record does not reach, record in each "
+        "with recorder.record(PATH) (every rank into the same path), or start the ranks with torchrun --no-python "
+        "pdbg record"), res.stderr
+
+
 def test_pdbg_record_of_a_script_that_dies_before_any_module_says_so(tmp_path):
     """A script that dies loading its data, before its first forward: the summary said that --modules
     matched no module and pointed at a warning listing the paths called, which there was not."""
