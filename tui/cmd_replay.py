@@ -864,6 +864,8 @@ def verify(args: argparse.Namespace) -> int:
         doc["statistics_only"] = skipped
     if forward_gone:
         doc["forward_not_kept"] = forward_gone
+    if len(rec.ranks) > 1:
+        doc["rank"] = rec.rank.rank
     if args.json:
         _emit(doc)
     else:
@@ -874,8 +876,9 @@ def verify(args: argparse.Namespace) -> int:
             why = "; ".join(text for key, text in _STATISTICS_WHY.items() if key in statistics_why)
             head = (f"{matched} of {_count(replayed, 'step')} replayed and matched ({share}), "
                     f"{by_statistics} of them by statistics only, not bit for bit: {why}")
-        print(f"{args.run}: {head}"
-              + (f"; {_count(len(refused), 'step')} could not be replayed" if refused else "")
+        several = len(rec.ranks) > 1  # (a run of several ranks: only the one opened was replayed)
+        print(f"{args.run}{f' (rank {rec.rank.rank} of {len(rec.ranks)}; --rank K for another)' if several else ''}: "
+              f"{head}" + (f"; {_count(len(refused), 'step')} could not be replayed" if refused else "")
               + (f"; {_count(len(corrupted), 'step')} corrupted" if corrupted else "")
               + (f"; {_count(skipped, 'step')} kept statistics only, not replayable" if skipped else "")
               + (f" ({forward_gone} of them backward steps that kept their own tensors, not those of their forward "

@@ -443,3 +443,11 @@ def test_info_says_what_ended_each_rank(tmp_path: Path) -> None:
     details = json.loads(pdbg("info", str(out), "--json").stdout)["rank_details"]
     assert [(r["status"], r["ended_by"]) for r in details] == [
         ("complete", None), ("crashed", "RuntimeError: rank 1 gave up at iteration 2")]
+
+
+def test_verify_of_a_run_of_several_ranks_says_which_it_replayed(nan_run: Path) -> None:
+    """`pdbg verify RUN` replays rank 0 alone, and said "N of N steps replayed" as if of the whole run."""
+    assert pdbg("verify", str(nan_run), "--sample", "2").stdout.startswith(
+        f"{nan_run} (rank 0 of 2; --rank K for another): 2 of 2 steps replayed bit for bit")
+    res = pdbg("verify", str(nan_run), "--sample", "2", "--rank", "1", "--json")
+    assert json.loads(res.stdout)["rank"] == 1
