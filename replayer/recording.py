@@ -848,9 +848,14 @@ class Step:
         return [r for r in self.records if role is None or r.role == role]
 
     def tensor(self, name: str, role: str | None = None) -> torch.Tensor:
-        """A recorded tensor's exact value by record name (``args.0``, ``output``, ``fc.weight``); a sparse
-        one's made again from its parts, where they were kept (1.19)."""
+        """A recorded tensor's exact value by record name (``args.0``, ``output``, ``fc.weight``), or by
+        ``ROLE:NAME`` (``param_grad:fc.weight``), as the refusal below lists them and a replay's ``values``
+        key a backward step's parameter grads; a sparse one's made again from its parts, where they were
+        kept (1.19)."""
         found = [r for r in self.records if r.name == name and (role is None or r.role == role)]
+        head, _, rest = name.partition(":")
+        if not found and role is None and head in layout.ROLES:  # (a record name may hold ':', "after:bn.x")
+            found = [r for r in self.records if r.name == rest and r.role == head]
         if not found:
             names = ", ".join(f"{r.role}:{r.name}" for r in self.records) or "no tensors"
             raise StepNotFoundError(f"step {self.index} has no tensor {name!r}; it has {names}{self.others_text()}")

@@ -82,6 +82,16 @@ class TestStep:
         attn = rec.step("h.0.attn@iter=0")
         assert {r.name for r in attn.tensors("param")} >= {"qkv.weight", "proj.weight"}
 
+    def test_tensor_by_role_and_name_as_the_refusal_lists_it(self, recorded):
+        """step.tensor("param_grad:NAME") is the record the step's refusal lists so, not a refusal naming it."""
+        rec, _ = recorded
+        back = rec.step("h.0.attn@iter=0:backward")
+        grad = next(r for r in back.tensors("param_grad"))
+        by_role = back.tensor(f"param_grad:{grad.name}")
+        assert torch.equal(by_role.view(torch.int32), back.tensor(grad.name, role="param_grad").view(torch.int32))
+        with pytest.raises(StepNotFoundError, match=r"has no tensor 'param_grad:nothing'; it has .*param_grad:"):
+            back.tensor("param_grad:nothing")
+
     def test_arguments_settings_source_and_environment(self, recorded):
         """Arguments as tagged JSON, settings at entry, the code's source and the run's environment."""
         rec, _ = recorded
