@@ -54,8 +54,7 @@ def save(rec: Recording, name: str, step: Step, *, swap: dict[str, Any] | None =
          result: Any = None) -> dict[str, Any]:
     """Save an intervention under ``name`` (replacing one of that name). Swaps must be import
     references and edits expressions: a callable or a tensor cannot be written down as data."""
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise RecipeError(f"recipe name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
+    check_name(name)
     for key, value in (swap or {}).items():
         if not isinstance(value, str):
             raise RecipeError(f"recipe {name}: swap {key} must be an import reference ('pkg.mod:Name') to be saved")
@@ -78,6 +77,13 @@ def save(rec: Recording, name: str, step: Step, *, swap: dict[str, Any] | None =
         raise RecipeError(f"cannot save recipe {name!r} in {rec.reader.label} ({exc.strerror or exc}); copy the "
                           "recording somewhere writable to save recipes in it") from None
     return recipe
+
+
+def check_name(name: Any) -> None:
+    """Refuse a name a recipe cannot be saved under, before anything is replayed (an empty one too,
+    which would otherwise read as no name given)."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise RecipeError(f"recipe name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
 
 
 def check_writable(rec: Recording) -> None:

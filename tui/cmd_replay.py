@@ -547,7 +547,7 @@ def replay(args: argparse.Namespace) -> int:
     swap, edit = _pairs(args.swap, "--swap"), _pairs(args.edit, "--edit", rec)
     settings = {k: _setting_value(v) for k, v in _pairs(args.set, "--set").items()}
     seed = args.seed
-    if args.recipe:
+    if args.recipe is not None:
         recipe = recipes.get(rec, args.recipe)  # applied only because it was named here
         swap, edit = {**recipe.get("swap", {}), **swap}, {**recipe.get("edit", {}), **edit}
         settings = {**recipe.get("settings", {}), **settings}
@@ -559,13 +559,14 @@ def replay(args: argparse.Namespace) -> int:
     if args.step is None:
         raise PdbgError("give the STEP to replay: " + STEP_HELP)
     step = rec.step(args.step)
-    if args.save_recipe:  # before the replay, whose result would be lost
+    if args.save_recipe is not None:  # before the replay, whose result would be lost
+        recipes.check_name(args.save_recipe)
         recipes.check_writable(rec)
     replayer_ = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source)
     result = replayer_.replay(step, threads=args.threads, nested=not args.no_inner, swap=swap, edit=edit,
                               settings=settings, seed=seed)
-    replaced = args.save_recipe and recipes.recipes(rec).get(args.save_recipe)
-    if args.save_recipe:
+    replaced = args.save_recipe is not None and recipes.recipes(rec).get(args.save_recipe)
+    if args.save_recipe is not None:
         recipes.save(rec, args.save_recipe, step, swap=swap, edit=edit, settings=settings, seed=seed, result=result)
     if args.json:
         _emit(result.to_json())
@@ -606,7 +607,7 @@ def replay(args: argparse.Namespace) -> int:
         note = verification_note(rec)
         if note:
             print(note)
-    if args.save_recipe:
+    if args.save_recipe is not None:
         print(f"saved as recipe {args.save_recipe!r} in {args.run} "
               + (f"(replacing the one saved {replaced.get('saved', '')[:19].replace('T', ' ')} for step "
                  f"{replaced.get('step', {}).get('index')}) " if replaced else "")

@@ -579,3 +579,21 @@ def test_an_edited_parameter_of_a_distribution_argument_makes_it_again(tmp_path:
                                                 r"\((ValueError: .*PositiveDefinite|_LinAlgError: .*not "
                                                 r"positive-definite)"):
         replayer.replay(rec, 0, edit={"args.1.covariance_matrix": "-x"})
+
+
+def test_an_empty_or_bad_recipe_name_is_refused_before_the_replay(stack_run: tuple[Path, object],
+                                                                  tmp_path: Path) -> None:
+    """--save-recipe '' replayed and saved nothing without a word, and --recipe '' asked for a STEP; a name
+    that cannot be saved under is refused in one line before the replay, an empty one too."""
+    import shutil
+
+    run = tmp_path / "run.zarr"
+    shutil.copytree(stack_run[0], run)
+    for name in ("", "a b"):
+        res = pdbg_here("replay", str(run), "smooth_relu@iter=1", "--edit", "args.0=x.clamp(-50, 50)",
+                        "--save-recipe", name, cwd=tmp_path)
+        assert (res.returncode, res.stdout) == (2, ""), res.stdout
+        assert res.stderr == f"pdbg: error: recipe name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)\n"
+    assert recipes.recipes(replayer.open(run)) == {}
+    res = pdbg_here("replay", str(run), "--recipe", "", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("pdbg: error: no recipe '' in "), res.stderr
