@@ -778,6 +778,20 @@ def _kept(rec: Any) -> tuple[list[int], int]:
     return np.flatnonzero(kept).tolist(), int((own & ~kept & (counted[end] > counted[start])).sum())
 
 
+def _forward_gone_why(rec: Any) -> str:
+    """Why a backward step kept its tensors and its forward call did not, in this recording's terms: a
+    bundle holds the tensors of the steps it replays (a bundled step's inner calls keep their statistics),
+    flight mode the iterations its ring wrote out, ``every`` every K-th iteration."""
+    mode, every = rec.run_info.get("mode"), rec.run_info.get("every")
+    if rec.bundle_info is not None:
+        return "a call inside the bundled step, of which the bundle keeps the statistics only"
+    if mode == "flight":
+        return "from an iteration flight mode had let go"
+    if mode == "full" and isinstance(every, int) and every > 1:
+        return f"from an iteration --every {every} kept no tensors of"
+    return "whose tensors were not kept"
+
+
 def _iterations_kept(rec: Any) -> np.ndarray:
     """Per step, whether the recording's mode kept the tensors of its iteration: every iteration in
     full mode (every k-th with ``every``), the iterations flight mode's ring wrote out, none in stats mode."""
@@ -883,7 +897,7 @@ def verify(args: argparse.Namespace) -> int:
               + (f"; {_count(len(corrupted), 'step')} corrupted" if corrupted else "")
               + (f"; {_count(skipped, 'step')} kept statistics only, not replayable" if skipped else "")
               + (f" ({forward_gone} of them backward steps that kept their own tensors, not those of their forward "
-                 "call, from an iteration flight mode had let go)" if forward_gone else ""))
+                 f"call, {_forward_gone_why(rec)})" if forward_gone else ""))
         for m in mismatches:
             print(f"  {_step_text(m['step'])}: {m['reason']}")
         if in_order:

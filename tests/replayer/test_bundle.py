@@ -1120,3 +1120,45 @@ def test_info_of_a_bundle_of_a_flight_recording_says_what_the_bundle_holds(tmp_p
     doc = json.loads(pdbg_here("info", str(made.path), "--json", cwd=tmp_path).stdout)
     assert doc["tensors_kept"] == "those of 1 of its 1 steps (a bundle holds the tensors of the steps it replays)"
     assert "tensors kept: those of 1 of its 1 steps" in pdbg_here("info", str(made.path), cwd=tmp_path).stdout
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.lin(x)) * x
+
+
+class GatedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(torch.relu(self.fc(x)))  # the gate's grad output is the block's
+
+
+def test_verify_of_a_backward_bundle_does_not_blame_flight_mode(tmp_path: Path) -> None:
+    """verify of a bundled backward step of a full recording said its inner backward step kept its tensors
+    "not those of their forward call, from an iteration flight mode had let go", of a run never in flight
+    mode: the bundle keeps its inner calls' statistics only, and it says so."""
+    from tests.cli import pdbg_here
+
+    torch.manual_seed(0)
+    model = nn.Sequential(GatedBlock())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", model=model, optimizer=optimizer, modules=["0", "0.gate"]):
+        for _ in range(2):
+            model(torch.randn(3, 4)).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    made = replayer.bundle(replayer.open(tmp_path / "run.zarr"), "0@iter=1:backward", tmp_path / "b.pdbg")
+    doc = json.loads(pdbg_here("verify", str(made.path), "--json", cwd=tmp_path).stdout)
+    assert doc.get("forward_not_kept") == 1, doc
+    out = pdbg_here("verify", str(made.path), cwd=tmp_path).stdout
+    assert "flight" not in out and ("1 of them backward steps that kept their own tensors, not those of their "
+                                    "forward call, a call inside the bundled step, of which the bundle keeps the "
+                                    "statistics only)") in out, out
