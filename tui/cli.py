@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--"] and len(argv) > 1:  # pdbg -- -odd-name.zarr: the TUI on a path that starts with -
         argv = ["tui", *argv]
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
-        if len(argv) > 1 and not argv[1].startswith("-") and not os.path.exists(argv[0]):  # pdbg infoo run.zarr
+        # pdbg infoo run.zarr; pdbg export --help, which would be the TUI's help, as for a recording named export
+        if len(argv) > 1 and (not argv[1].startswith("-") or argv[1] in ("-h", "--help")) \
+                and not os.path.exists(argv[0]):
             print(f"pdbg: error: {_not_there(argv[0], as_command=True)}", file=sys.stderr)
             return 2
         argv = ["tui", *argv]  # pdbg RUN: the TUI

@@ -583,6 +583,17 @@ def test_bad_command_lines_get_one_line_and_exit_code_2(gpt_run: Path, tmp_path:
         assert says in one_line_error(pdbg_here(*args, cwd=tmp_path)), args
 
 
+def test_help_of_an_unknown_command_is_refused_not_the_tuis(tmp_path: Path) -> None:
+    """`pdbg export --help` printed the TUI's help and exit 0, as for a recording named export: a word that is
+    neither a command nor a path, followed by --help, is an unknown command, with the one it may mean."""
+    for flag in ("--help", "-h"):
+        res = pdbg_here("export", flag, cwd=tmp_path)
+        assert (res.returncode, res.stdout) == (2, ""), res.stdout
+        assert "pdbg: error: unknown command 'export' (did you mean 'bundle'?)" in one_line_error(res), res.stderr
+    (tmp_path / "export").mkdir()  # a recording by that name: its TUI's help, as before
+    assert pdbg_here("export", "--help", cwd=tmp_path).stdout.startswith("usage: pdbg tui")
+
+
 def test_verify_of_a_sample_refuses_a_damaged_step_table(gpt_run: Path, tmp_path: Path) -> None:
     """`pdbg verify --sample 2` reads the whole step and tensor tables first: a damaged column is
     refused in one line, exit 2, as every other command does, whichever steps the sample picks."""
