@@ -414,6 +414,7 @@ class CodeLoader:
         self.spare = spare or {}  # a bundle's sources, for a training script that is not on this machine
         self.live_main = live_main
         self.script = str(script) if script is not None else run_info.get("script")
+        self.script_given = script is not None  # (a refusal then names the path given, not the recorded one)
         self._main: types.ModuleType | None = None
         self.bundled = bundled or {}  # file -> source: use these instead of the code installed here
         self._bundled_modules: dict[str, types.ModuleType] = {}
@@ -443,6 +444,10 @@ class CodeLoader:
                                   "copy, run only if you ask: replay with --use-bundled-source (use_bundled_source="
                                   "True in Python), which runs its definitions and its top-level statements outside "
                                   "`if __name__ == \"__main__\":`, or give the script with --script PATH")
+            if text is None and self.script_given and not Path(self.script).is_file():
+                recorded = self.run_info.get("script")
+                raise ReplayError(f"the training script given with --script (script= in Python), {self.script}, is "
+                                  f"not a file here; give the path the script recorded as {recorded} has now")
             with self.bundle_imports() if text is not None and text is self.bundled.get(self.script) \
                     else contextlib.nullcontext():
                 main_module = self.run_info.get("main_module")

@@ -539,6 +539,10 @@ def test_a_moved_script_is_found_with_script_option(tmp_path: Path) -> None:
     (tmp_path / "gpt_train.py").rename(moved)
     gone = pdbg_here("replay", str(run), "Block", cwd=tmp_path)
     assert gone.returncode == 2 and "cannot read the training script" in gone.stderr and "--script" in gone.stderr
+    wrong = pdbg_here("replay", str(run), "Block", "--script", str(tmp_path / "nope.py"), cwd=tmp_path)
+    assert one_line_error(wrong) == (f"pdbg: error: the training script given with --script (script= in Python), "
+                                     f"{tmp_path / 'nope.py'}, is not a file here; give the path the script recorded "
+                                     f"as {tmp_path / 'gpt_train.py'} has now"), wrong.stderr
     found = pdbg_here("replay", str(run), "Block", "--script", str(moved), cwd=tmp_path)
     assert found.returncode == 0, found.stderr
     # edited there too: the drift warning names the file the code was loaded from, and where it was recorded
