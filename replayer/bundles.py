@@ -115,18 +115,37 @@ class BundleInfo:
         return notebook.bundle_info(self)
 
 
-def _selection(rec: Recording, step: Step, iteration: bool) -> tuple[list[int], set[int]]:
-    """The steps to bundle (original indices, in order) and those whose payloads all come along."""
+def _selection(rec: Recording, step: Step, iteration: bool) -> tuple[list[int], set[int], set[int]]:
+    """The steps to bundle (original indices, in order), those whose payloads all come along, and those
+    whose buffers' payloads come along: the next call of a bundled forward call's module, which found in
+    its buffers what that call left there (a BatchNorm's running statistics, compared by a replay)."""
     if iteration:
         rows = [int(i) for i in rec.steps.filter(iteration=step.iteration).rows]
-        return rows, set(rows)
-    full = {step.index}
-    if step.phase == "backward" and step.forward is not None:
-        full.add(step.forward)
-    chosen = set(full)
-    for index in list(full):
-        chosen.update(subtree(rec, index))
-    return sorted(chosen), full
+        full = set(rows)
+        chosen = set(rows)
+    else:
+        full = {step.index}
+        if step.phase == "backward" and step.forward is not None:
+            full.add(step.forward)
+        chosen = set(full)
+        for index in list(full):
+            chosen.update(subtree(rec, index))
+    following = _following(rec, full)
+    return sorted(chosen | following), full, following - full
+
+
+def _following(rec: Recording, full: set[int]) -> set[int]:
+    """The next calls of the modules of the forward steps in ``full`` that hold buffers."""
+    from .replay import next_call
+
+    found = set()
+    for index in sorted(full):
+        step = rec.step(index)
+        if step.phase == "forward" and any(r.role == "buffer" and r.has_payload for r in step.records):
+            after = next_call(rec, step)
+            if after is not None:
+                found.add(after.index)
+    return found
 
 
 # What a bundle carries of the code, at most: bundle.json is metadata, which a reader takes up to
@@ -371,7 +390,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
                           "(or overwrite=True, --force)")
     if not out.parent.exists():
         raise BundleError(f"cannot write {out}: directory {out.parent} does not exist")
-    rows, full = _selection(rec, main, iteration)
+    rows, full, buffers_of = _selection(rec, main, iteration)
     steps = [rec.step(i) for i in rows]
     fwd = rec.step(main.forward) if main.forward is not None else main
     for r in [*(main.records if main.phase == "forward" else []),
@@ -411,7 +430,7 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
     try:
         store_dir = work / "store"
         new_main = _write_store(rec, store_dir, rows, full, main, SESSION_SCRIPT if session else
-                                script_now if moved is not None else None)
+                                script_now if moved is not None else None, buffers_of)
         meta = {"format": FORMAT, "main_step": new_main, "created": datetime.now(UTC).isoformat(),
                 "iteration": iteration, "origin": {"path": str(rec.path), "index": main.index, "step": main.to_json(),
                                                    "status": rec.status},
@@ -583,10 +602,10 @@ def _renumbered(message: str, rows: list[int]) -> str:
 
 
 def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], main: Step,
-                 script: str | None) -> int:
+                 script: str | None, buffers_of: set[int] | None = None) -> int:
     """Copy the chosen steps into a new store; returns the main step's new index. ``script``: the
     script to name in its run information instead of the recording's (a notebook session's cells, a
-    script that moved since recording)."""
+    script that moved since recording). ``buffers_of``: steps whose buffers' payloads come along too."""
     rank = rec.rank
     run_attrs = {**rec.run_info, "bundle_of": str(rec.path)}
     if script is not None:
@@ -603,6 +622,8 @@ def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], m
     hashes = np.asarray(rank.column("payloads/hash")) if rank.lengths.get("payloads") else None
     kept: set[int] = set()  # payload rows copied (dedup: inner steps keep those they share)
     full_payloads = {r.payload for old in full for r in rec.step(old).records if r.has_payload}
+    full_payloads |= {r.payload for old in buffers_of or () for r in rec.step(old).records
+                      if r.role == "buffer" and r.has_payload}
     rng_ids: dict[int, int] = {}
     for old in rows:
         step = rec.step(old)

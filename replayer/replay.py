@@ -328,13 +328,7 @@ class Replayer:
         before = {r.name: r for r in step.records if r.role == "buffer"}
         if module is None or not before or int(self.rec.run_info.get("world_size") or 1) > 1:
             return []
-        table = self.rec.steps
-        later = np.flatnonzero((table.column("phase") == 0) & (table.column("module_path") == step.module_path)
-                               & (table.column("name") == step.name))
-        later = later[later > step.index]
-        mine = (step._doc("module") or {}).get("instance")  # (1.11) the module object, among those at its path
-        following = next((s for s in map(self.rec.step, later[:_NEXT_CALLS].tolist())
-                          if mine is None or (s._doc("module") or {}).get("instance") == mine), None)
+        following = next_call(self.rec, step)
         now = dict(module.named_buffers(remove_duplicate=False))
         if following is None:  # what the call wrote has nothing recorded after it to be compared with
             changed = [name for name, r in before.items() if r.has_payload and name in now
@@ -2612,6 +2606,18 @@ def _compare_all(step: Step, records: list[TensorRecord], values: dict[str, torc
 
 # Calls at a step's module path looked through for the module object's next call (buffers after).
 _NEXT_CALLS = 64
+
+
+def next_call(rec: Recording, step: Step) -> Step | None:
+    """The module's next recorded forward call after ``step``, by the same module object: what it found in the
+    buffers is what ``step`` left in them (a BatchNorm's running statistics). A bundle carries it for that."""
+    table = rec.steps
+    later = np.flatnonzero((table.column("phase") == 0) & (table.column("module_path") == step.module_path)
+                           & (table.column("name") == step.name))
+    later = later[later > step.index]
+    mine = (step._doc("module") or {}).get("instance")  # (1.11) the module object, among those at its path
+    return next((s for s in map(rec.step, later[:_NEXT_CALLS].tolist())
+                 if mine is None or (s._doc("module") or {}).get("instance") == mine), None)
 # What stops a process from outside a step, at whatever line it ran: not the step's outcome.
 _STOPPED_FROM_OUTSIDE = frozenset({"builtins:KeyboardInterrupt", "builtins:SystemExit"})
 # What the recorder itself raises to stop training (on_anomaly="stop", "pdb"): not the step's outcome.

@@ -1162,3 +1162,39 @@ def test_verify_of_a_backward_bundle_does_not_blame_flight_mode(tmp_path: Path) 
     assert "flight" not in out and ("1 of them backward steps that kept their own tensors, not those of their "
                                     "forward call, a call inside the bundled step, of which the bundle keeps the "
                                     "statistics only)") in out, out
+
+
+class NormedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.fc(x)))
+
+
+def test_a_bundle_compares_the_running_statistics_its_step_left(tmp_path: Path) -> None:
+    """A bundle of a BatchNorm block's call held no later call of the module, so its replay compared the
+    output alone ("not compared: bn.running_mean ...: no later call of this module was recorded") where
+    the recording compared the running statistics too, and an edit of them said NO CHANGE. The bundle
+    carries the next call's buffers: compared bit for bit, and an edit shows in them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(NormedBlock())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "run.zarr", model=model, optimizer=optimizer, modules=["0"]):
+        for _ in range(3):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    made = replayer.bundle(replayer.open(tmp_path / "run.zarr"), "0@iter=1", tmp_path / "b.pdbg", verify=True)
+    assert made.verified is True
+    with replayer.open(made.path) as rec:
+        res = replayer.replay(rec)
+        after = {d.name: d for d in res.outputs if d.name.startswith("after:")}
+        assert set(after) == {"after:bn.running_mean", "after:bn.running_var", "after:bn.num_batches_tracked"}
+        assert all(d.match and d.max_ulp == 0 for d in after.values()) and res.match and not res.by_statistics
+        assert not any("not compared" in w for w in res.warnings), res.warnings
+        assert (len(rec), rec.step(1).iteration) == (2, 2)  # the module's next call, in the next iteration
+        edited = replayer.replay(rec, edit={"bn.running_mean": "x + 100"})
+        assert [d.name for d in edited.outputs if not d.match] == ["after:bn.running_mean"]
