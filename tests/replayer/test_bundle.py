@@ -989,6 +989,12 @@ def test_a_project_that_moved_is_found_with_script_by_every_command(tmp_path: Pa
     assert refused.returncode == 2 and refused.stderr == (
         f"pdbg: error: step 2's code was defined in the training script {project / 'train.py'}, which the bundle must "
         "carry, but it is not there: give the script's path now with --script PATH (script= in Python)\n")
+    wrong = pdbg("bundle", where, "Eq. 2@iter=2", "-o", "f.pdbg", "--script", str(tmp_path / "nope.py"), cwd=tmp_path,
+                 code=tmp_path)
+    assert wrong.returncode == 2 and wrong.stderr == (  # not "give --script" to one who gave it
+        f"pdbg: error: step 2's code was defined in the training script, which the bundle must carry, but "
+        f"{tmp_path / 'nope.py'}, given with --script (script= in Python), is not there: give the path the script "
+        f"recorded as {project / 'train.py'} has now\n"), wrong.stderr
     made = pdbg("bundle", where, "Eq. 2@iter=2", "-o", "f.pdbg", "--verify", "--script", script, "--repro",
                 cwd=tmp_path, code=tmp_path)
     assert made.returncode == 0 and "verified: the bundle replays bit for bit" in made.stdout, made.stdout + made.stderr
