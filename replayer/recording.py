@@ -192,7 +192,7 @@ class Recording:
             if not 0 <= index < len(self):
                 raise StepNotFoundError(f"step {index} is out of range: {self.reader.label} has " + (
                     f"{len(self)} step{'s' if len(self) != 1 else ''} (0..{len(self) - 1})" if len(self) else
-                    "no steps"))
+                    "no steps") + self._origin_hint(index))
             return Step(self, index)
         if isinstance(which, str) and which.strip().lstrip("-").isdigit():
             return self.step(int(which))
@@ -203,6 +203,19 @@ class Recording:
                 f"names in this recording: {', '.join(names.shown(n) for n in sorted(set(self.steps.names))[:20])}"
                 + (f"; paper labels: {', '.join(names.shown(lb) for lb in labels[:20])}" if labels else ""))))
         return self._picked(found)
+
+    def _origin_hint(self, index: int) -> str:
+        """For a bundle asked for a step by the number it had in the recording the bundle was made from (what
+        `pdbg bisect` named there): that a bundle numbers its steps anew, and which it is here."""
+        try:
+            info = self.bundle_info
+        except PdbgError:  # (a damaged bundle.json: the refusal stands as it is)
+            return ""
+        origin = info.get("origin") if isinstance(info, dict) else None
+        if not isinstance(origin, dict) or origin.get("index") != index:
+            return ""
+        return (f"; a bundle numbers its steps from 0: step {index} of the recording it was made from is its main "
+                f"step, {info['main_step']} here (or leave STEP out)")
 
     def _picked(self, found: StepTable) -> Step:
         """The step a selector names among the steps it matches (``found``, not empty): the first, and of

@@ -1204,3 +1204,21 @@ def test_a_bundle_compares_the_running_statistics_its_step_left(tmp_path: Path) 
         assert (len(rec), rec.step(1).iteration) == (2, 2)  # the module's next call, in the next iteration
         edited = replayer.replay(rec, edit={"bn.running_mean": "x + 100"})
         assert [d.name for d in edited.outputs if not d.match] == ["after:bn.running_mean"]
+
+
+def test_a_step_asked_for_by_its_number_in_the_recording_names_the_bundles(recorded: tuple[Path, Path],
+                                                                           tmp_path: Path) -> None:
+    """`pdbg replay failure.pdbg 14`, 14 the number bisect named in the recording, was "out of range" alone: the
+    refusal says a bundle numbers its steps anew, and which step the recording's is here."""
+    run_path, _ = recorded
+    rec = replayer.open(run_path)
+    origin = rec.step("Eq. 2@iter=3")
+    made = replayer.bundle(rec, origin, tmp_path / "b.pdbg")
+    with replayer.open(made.path) as bundled:
+        assert origin.index >= len(bundled)
+        with pytest.raises(replayer.StepNotFoundError, match=(
+                fr"^step {origin.index} is out of range: .*; a bundle numbers its steps from 0: step {origin.index} "
+                fr"of the recording it was made from is its main step, {made.main} here \(or leave STEP out\)$")):
+            bundled.step(origin.index)
+        with pytest.raises(replayer.StepNotFoundError, match=r"out of range: [^;]*$"):
+            bundled.step(origin.index + 1)
