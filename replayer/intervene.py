@@ -385,6 +385,11 @@ def swap_module(original: torch.nn.Module, replacement: Any, key: str, build_fro
                              f"failed ({type(exc).__name__}: {exc}); built from the original's skeleton, so it has the "
                              "original's recorded attributes, not its own constructor's")
         rebuilt = None
+        if new is None and init is None:  # (a torch class's arguments are not recorded: said, as a failed call is)
+            notes.append(f"swap {key}: {replacement.__qualname__} built from the original's skeleton (no constructor "
+                         f"arguments of {type(original).__qualname__} were recorded), so it has the original's "
+                         "recorded attributes, not its own constructor's; to build it yourself, give a factory "
+                         f"(lambda original: {replacement.__qualname__}(...))")
         if new is None:
             rebuilt = build_from_skeleton(replacement)  # a rebuild.Rebuilt: tensors still to be given
             new = rebuilt.module

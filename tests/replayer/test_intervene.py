@@ -597,3 +597,31 @@ def test_an_empty_or_bad_recipe_name_is_refused_before_the_replay(stack_run: tup
     assert recipes.recipes(replayer.open(run)) == {}
     res = pdbg_here("replay", str(run), "--recipe", "", cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.startswith("pdbg: error: no recipe '' in "), res.stderr
+
+
+class NormedHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+def test_a_class_swapped_in_from_the_originals_skeleton_says_so(tmp_path: Path) -> None:
+    """swap={"bn": nn.LayerNorm}: no constructor arguments of BatchNorm1d are recorded, so LayerNorm was built
+    from the BatchNorm's skeleton without a word, and the replay raised "'LayerNorm' object has no attribute
+    'normalized_shape'" with nothing to say why; a warning now says how it was built, and what to give instead."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(NormedHead())
+    with recorder.record(tmp_path / "run.zarr", model=model, modules=["0"]):
+        model(torch.randn(8, 4))
+    rec = replayer.open(tmp_path / "run.zarr")
+    res = replayer.replay(rec, "0", swap={"bn": torch.nn.LayerNorm})
+    assert not res.match and "normalized_shape" in (res.exception or ""), res.exception
+    assert ("swap bn: LayerNorm built from the original's skeleton (no constructor arguments of BatchNorm1d were "
+            "recorded), so it has the original's recorded attributes, not its own constructor's; to build it "
+            "yourself, give a factory (lambda original: LayerNorm(...))") in res.warnings, res.warnings
+    built = replayer.replay(rec, "0", swap={"bn": lambda original: torch.nn.LayerNorm(4)})
+    assert built.exception is None and not any("skeleton" in w for w in built.warnings), built.warnings
