@@ -622,13 +622,17 @@ def _children(value: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
     """A container's items as (kind, [(key, item)]), keyed as recorder.jsonval names their paths:
     plain tuples and lists and torch's return types by index, named tuples and dataclasses by field
     (a dataclass by the fields its ``__init__`` takes: the others are not recorded), dicts and dict
-    subclasses (``OrderedDict``, Hugging Face's ``ModelOutput``) by string key. None for anything
-    else (a tensor, or an object a tap does not rebuild: see ``_rebuild``)."""
+    subclasses (``OrderedDict``, Hugging Face's ``ModelOutput``) by string or int key (a dict of
+    per-scale outputs, ``{0: y0, 1: y1}``), which jsonval names by their text; an int key whose text
+    is also a string key of the dict is left out, as two records of one name would be. None for
+    anything else (a tensor, or an object a tap does not rebuild: see ``_rebuild``)."""
     kind = type(value)
     if kind in (tuple, list):
         return "sequence", list(enumerate(value))
-    if isinstance(value, dict):  # str keys as jsonval names them (not a str subclass: StrEnum)
-        return "mapping", [(k, v) for k, v in dict.items(value) if type(k) is str]
+    if isinstance(value, dict):  # not a str or int subclass (StrEnum, bool, IntEnum): jsonval names them otherwise
+        pairs = dict.items(value)
+        texts = {k for k, _ in pairs if type(k) is str}
+        return "mapping", [(k, v) for k, v in pairs if type(k) is str or type(k) is int and str(k) not in texts]
     if isinstance(value, tuple):
         names = getattr(kind, "_fields", None)
         if isinstance(names, tuple) and all(type(n) is str for n in names) and callable(getattr(kind, "_make", None)):

@@ -71,6 +71,8 @@ def _wrap(kind: str, y: torch.Tensor, aux: torch.Tensor) -> Any:
         return transformers_outputs.CausalLMOutput(loss=aux, logits=y)
     if kind == "nested":
         return y, [{"aux": aux}]
+    if kind == "int_keys":
+        return {0: y, 1: aux}
     if kind == "hidden":
         return y, Plain(aux)
     if kind == "plain":
@@ -84,7 +86,7 @@ def _y(out: Any) -> torch.Tensor:
     if isinstance(out, dict) and "logits" in out:
         assert out["logits"] is out.logits and out["loss"] is out.loss  # one object, as without recording
         return out.logits
-    if isinstance(out, tuple) and type(out) is tuple:
+    if isinstance(out, tuple) and type(out) is tuple or isinstance(out, dict) and 0 in out:
         return out[0]
     return out["y"] if isinstance(out, dict) else out.y
 
@@ -94,6 +96,8 @@ def _aux(out: Any) -> torch.Tensor:
         return out.y.mean()
     if isinstance(out, dict) and "logits" in out:
         return out.loss
+    if isinstance(out, dict) and 1 in out:
+        return out[1]
     if isinstance(out, tuple) and type(out) is tuple:
         return out[1][0]["aux"] if isinstance(out[1], list) else out[1].y
     return out["aux"] if isinstance(out, dict) else out.aux
@@ -190,6 +194,24 @@ def test_container_outputs_record_their_backward_and_replay(tmp_path: Path) -> N
                          for s in rec.steps.filter(phase="backward"))
     assert backward_grads == (2 * len(KINDS) + len(KINDS) - 1 + 1) * 2  # weights, biases; inputs after the first
     assert compared >= backward_grads
+
+
+def test_a_dict_keyed_by_ints_records_its_backward_and_replays(tmp_path: Path) -> None:
+    """``{0: y, 1: aux}`` (outputs per scale or per head): its tensors are followed for gradients by
+    the names its forward records them by, ``output.0`` and ``output.1``, so the backward replays bit
+    for bit (before, they were not followed and the backward had no grad outputs to start from)."""
+    plain = train(None, ["int_keys"])
+    recorded = train(tmp_path / "run.zarr", ["int_keys"])
+    assert _bitwise(plain[0], recorded[0]) and _bitwise(plain[1], recorded[1])
+    rec = replayer.open(tmp_path / "run.zarr")
+    backward = rec.steps.filter(name="Block", phase="backward")
+    assert len(backward) == 2
+    for step in backward:
+        assert sorted(r.name for r in step.records if r.role == "grad_output") == ["output.0", "output.1"]
+    for step in rec.steps:
+        assert not any("not followed" in n for n in step.extra.get("notes", [])), step.extra
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.index, step.name, step.phase, [d.summary() for d in result.outputs])
 
 
 @pytest.mark.parametrize("kind, why", [("plain", "output.y not followed for gradients"),
