@@ -1028,7 +1028,7 @@ class Replayer:
         at = 0 if at % size else at
         storage = placing.empty_at((span,), (1,), first.dtype, first.device, at).zero_()
         for n, v in values.items():
-            storage.as_strided(v.shape, v.stride(), members[n] - low).copy_(v)
+            _write_view(storage, v, members[n] - low)
         if any(tensors[n].requires_grad or n in grads for n in members) and (first.is_floating_point() or
                                                                               first.is_complex()):
             storage.requires_grad_(True)  # (in-place changes to views of a leaf are refused: a copy of it)
@@ -2709,3 +2709,16 @@ def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step | Non
 
 
 __all__ = ["ReplayResult", "Replayer", "replay"]
+
+
+def _write_view(storage: torch.Tensor, value: torch.Tensor, offset: int) -> None:
+    """Write ``value`` into ``storage`` where a view in its strides at ``offset`` lies. A view that
+    reaches one element from several places (``expand()``'s stride 0, an overlapping ``as_strided``)
+    cannot be copied into (torch refuses); its places that share an element held one value when
+    recorded, so each element is written once, by its flat offset."""
+    view = storage.as_strided(value.shape, value.stride(), offset)
+    if torch._debug_has_internal_overlap(view) == 0:
+        view.copy_(value)
+        return
+    places = torch.arange(storage.numel(), device=storage.device).as_strided(value.shape, value.stride(), offset)
+    storage[places.reshape(-1)] = value.reshape(-1)

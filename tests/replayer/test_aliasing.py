@@ -274,6 +274,29 @@ def test_arguments_sharing_memory_that_need_no_gradient_replay_as_views_of_one_s
             assert not any("share memory" in n for n in step.extra.get("notes", [])), step.extra  # no gradient note
 
 
+@recorder.paper_step("Eq. 9", description="a sequence and its first row broadcast over it")
+def with_first(x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    return x * 2 + first
+
+
+def test_an_expanded_view_sharing_memory_with_another_argument_replays(tmp_path: Path) -> None:
+    """``f(h, h[:1].expand(6, 4))`` and an overlapping ``as_strided`` window: views that reach one element
+    from several places (stride 0) could not be written into, and a replay of the step (and every
+    ``pdbg verify`` of the run) stopped with torch's "more than one element of the written-to tensor"."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        h = torch.randn(6, 4)
+        with_first(h, h[:1].expand(6, 4))
+        flat = torch.randn(24)
+        with_first(flat[:20].view(5, 4), flat.as_strided((5, 4), (2, 1), 1))
+    with replayer.open(path) as rec:
+        assert len(rec.steps) == 2
+        for step in rec.steps:
+            assert step.extra["aliases"]
+            result = replayer.replay(rec, step.index)
+            assert result.match, (step.index, [d.summary() for d in result.outputs], result.warnings)
+
+
 @recorder.paper_step("Eq. 2", description="coupled L2 decay added into the gradient in place, then the update")
 def l2_update(param: torch.Tensor, grad: torch.Tensor, lr: float, wd: float) -> None:
     grad.add_(param, alpha=wd)  # grad is param.grad: the parameter's gradient changes too
