@@ -807,6 +807,14 @@ def _iterations_kept(rec: Any) -> np.ndarray:
 _ALIKE_LISTED = 3  # steps refused for one reason listed one by one; more are one line
 
 
+def _replayer_fault(exc: Exception) -> str:
+    """Why a step could not be replayed when the replay failed in a way it has no message for (a fault of
+    pdbg's, not of the recording): its exception, in one line, and what to do."""
+    text = " ".join(str(exc).split())[:300]
+    return (f"the replay failed ({type(exc).__name__}{': ' + text if text else ''}), a fault of pdbg's, not of the "
+            "recording; replay this step alone with pdbg replay for its traceback, and report it")
+
+
 def verify(args: argparse.Namespace) -> int:
     from replayer.replay import Replayer
 
@@ -842,6 +850,9 @@ def verify(args: argparse.Namespace) -> int:
             alike.append(_alike(refused[-1]["reason"], step))
         except ChecksumError as exc:  # damage, not a difference: said of this step, and the others verified
             corrupted.append({"step": step.to_json(), "reason": exc.reason})
+        except Exception as exc:  # noqa: BLE001 - a fault of the replayer's own on one step: the others verified
+            refused.append({"step": step.to_json(), "reason": _replayer_fault(exc)})
+            alike.append(_alike(refused[-1]["reason"], step))
         else:
             environment += [d for d in result.environment_differences if d not in environment]
             if not result.compared:  # nothing it could check: not a match

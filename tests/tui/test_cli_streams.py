@@ -131,6 +131,28 @@ def test_ctrl_c_is_one_line_and_exit_130(nan_path: Path, monkeypatch, capsys) ->
     assert err == "pdbg: interrupted\n", err
 
 
+def test_verify_goes_on_past_a_step_the_replayer_fails_on(nan_path: Path, monkeypatch, capsys) -> None:
+    """An error the replay has no message for, on one step (a fault of pdbg's), ended `pdbg verify` of the whole
+    run with a traceback, and the other steps went unverified. That step is now listed as not replayed, with
+    the error, and the others are verified."""
+    replay = Replayer.replay
+    failed: list[int] = []
+
+    def faulty(self, step, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not failed:
+            failed.append(step.index)
+            raise RuntimeError("unsupported operation: more than one element refers to a single memory location")
+        return replay(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(Replayer, "replay", faulty)
+    code = tui.cli.main(["verify", str(nan_path), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code != 2 and len(doc["not_replayed"]) == 1, doc
+    reason = doc["not_replayed"][0]["reason"]
+    assert doc["not_replayed"][0]["step"]["index"] == failed[0] and "RuntimeError: unsupported operation" in reason
+    assert "fault of pdbg's" in reason and doc["replayed"] >= 1 and doc["matched"] == doc["replayed"], doc
+
+
 def test_ctrl_c_while_pdbg_starts_is_one_line_and_exit_130(monkeypatch, capsys) -> None:
     """Ctrl-C in the second pdbg takes to import torch, before any command runs, printed a traceback
     of the import machinery. The entry point (`pdbg` runs tui.entry:main) says one line and exits 130."""
