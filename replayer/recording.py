@@ -194,7 +194,7 @@ class Recording:
                     f"{len(self)} step{'s' if len(self) != 1 else ''} (0..{len(self) - 1})" if len(self) else
                     "no steps") + self._origin_hint(index))
             return Step(self, index)
-        if isinstance(which, str) and which.strip().lstrip("-").isdigit():
+        if isinstance(which, str) and which.strip().lstrip("-").isdecimal():
             return self.step(int(which))
         found = self.steps.select(which)
         if not len(found):

@@ -530,7 +530,7 @@ class Inspector(ModalScreen[None]):
         def done(value: str | None) -> None:
             if value is None or not value.strip():
                 return
-            if not value.strip().isdigit():
+            if not value.strip().isdecimal():
                 self.notify(f"{value.strip()!r} is not an element index: give a whole number from 0",
                             severity="error")
                 return
@@ -929,7 +929,7 @@ class PdbgApp(App[None]):
 
     def action_find(self, backward: int) -> None:
         def done(value: str | None) -> None:
-            if not value:
+            if not value or not value.strip():  # (blank names no step: a selector of nothing would match every one)
                 return
             index = self.timeline.step_index or 0
             try:
@@ -963,7 +963,8 @@ class PdbgApp(App[None]):
         self.timeline.refresh_rows()
         if current is not None:
             self.timeline.go_to(current)
-        self.set_panel(f"filter {value!r}: {count} steps (f changes it)" if value else f"no filter: {count} steps")
+        self.set_panel(f"filter {value!r}: {count} steps (f changes it)" if value.strip()
+                       else f"no filter: {count} steps")
         self.show_step()
 
     def action_reload(self) -> None:

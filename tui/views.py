@@ -266,9 +266,9 @@ class TimelineModel:
             known = {"phase": layout.PHASES, "status": layout.STATUSES}.get(key)
             if sep and known is not None and value not in known:
                 raise PdbgError(f"filter {term!r}: {key} is one of {', '.join(known)}")
-            if sep and key in ("iter", "iteration") and not value.isdigit():
+            if sep and key in ("iter", "iteration") and not value.isdecimal():
                 raise PdbgError(f"filter {term!r}: {key} takes an iteration number, e.g. {key}:5")
-            if sep and key == "object" and not value.isdigit():
+            if sep and key == "object" and not value.isdecimal():
                 raise PdbgError(f"filter {term!r}: object takes a module object's number, e.g. object:2 (a step "
                                 "several module objects ran as, such as a model and its EMA copy, says which)")
             if sep and key == "object":

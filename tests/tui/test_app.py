@@ -1429,3 +1429,44 @@ def test_a_complex_tensor_with_nan_is_inspected_by_its_magnitudes(tmp_path: Path
             assert "absmax of |z| in iteration 0" in page, page
 
     asyncio.run(main())
+
+
+def test_digits_that_are_not_decimal_are_refused_where_a_number_is_typed(nan_path: Path) -> None:
+    """A superscript `²` passes str.isdigit but not int(): the inspector's offset, the filter's `iter:`/`object:`
+    and `:` with it raised ValueError and closed the app; each is now refused with a message."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("g", "enter")
+        await pilot.pause()
+        inspector = app.screen
+        assert isinstance(inspector, Inspector)
+        await pilot.press("o")
+        await answer(pilot, "²")
+        assert app.screen is inspector and inspector.start == 0
+        await pilot.press("escape")
+        for term in ("iter:²", "object:²"):
+            app.apply_filter(term)
+            await pilot.pause()
+            assert "takes" in panel(app) and app.model.filter_text == ""
+        origin = app.timeline.step_index
+        await pilot.press("colon")
+        await answer(pilot, "²")
+        assert app.timeline.step_index == origin and "²" in panel(app)
+
+    run(body, nan_path)
+
+
+def test_a_blank_search_or_filter_moves_nowhere_and_says_there_is_no_filter(nan_path: Path) -> None:
+    """`/` with spaces only jumped to the next step, as if every step matched; a filter of spaces said
+    "filter '  ': N steps" though none was set."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("g")
+        origin = app.timeline.step_index
+        for key in ("slash", "backslash"):
+            await pilot.press(key)
+            await answer(pilot, "   ")
+            assert app.timeline.step_index == origin, key
+        app.apply_filter("  ")
+        await pilot.pause()
+        assert panel(app) == "no filter: 20 steps" and len(app.model.rows) == 20
+
+    run(body, nan_path)
