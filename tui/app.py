@@ -100,19 +100,24 @@ class Timeline(ScrollView, can_focus=True):
             self.cursor = position
 
     def watch_cursor(self, old: int, new: int) -> None:
-        top = self.scroll_offset.y
-        height = max(1, self.size.height)
-        if new < top:
-            self.scroll_to(y=new, animate=False)
-        elif new >= top + height:
-            self.scroll_to(y=new - height + 1, animate=False)
-        self.refresh()
+        self._keep_in_view(new)
         if self.on_move is not None:
             self.on_move()
 
+    def _keep_in_view(self, position: int) -> None:
+        top = self.scroll_offset.y
+        height = max(1, self.size.height)
+        if position < top:
+            self.scroll_to(y=position, animate=False)
+        elif position >= top + height:
+            self.scroll_to(y=position - height + 1, animate=False)
+        self.refresh()
+
     def on_resize(self) -> None:
-        """A result panel that grows shrinks the timeline: keep the cursor's row in view."""
-        self.watch_cursor(self.cursor, self.cursor)
+        """A result panel that grows shrinks the timeline: keep the cursor's row in view. The cursor
+        has not moved, so the step is not shown again: that would clear the answer just put in the panel
+        ("no further anomaly after this step"), whose change of height caused the resize."""
+        self._keep_in_view(self.cursor)
 
     def on_click(self, event: Any) -> None:
         offset = event.get_content_offset(self)  # (None on the border)

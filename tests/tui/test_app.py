@@ -1470,3 +1470,24 @@ def test_a_blank_search_or_filter_moves_nowhere_and_says_there_is_no_filter(nan_
         assert panel(app) == "no filter: 20 steps" and len(app.model.rows) == 20
 
     run(body, nan_path)
+
+
+def test_an_answer_about_the_cursor_survives_the_panel_shrinking_to_show_it(nan_path: Path) -> None:
+    """After a result of several lines, `n` at the last anomaly left the panel blank: the panel shrank
+    to the one-line answer, the timeline grew, and its resize cleared the answer as if the cursor had moved."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("end")
+        app.set_panel("a result\nof\nseveral\nlines")
+        await pilot.pause()
+        for key, answer_text in (("n", "no further anomaly after this step"),
+                                 ("right_square_bracket", "no later iteration")):
+            await pilot.press(key)
+            await pilot.pause()
+            assert panel(app) == answer_text, key
+            app.set_panel("a result\nof\nseveral\nlines")
+            await pilot.pause()
+        await pilot.press("left")
+        await pilot.pause()
+        assert panel(app) == "a result\nof\nseveral\nlines"
+
+    run(body, nan_path)
