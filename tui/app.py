@@ -470,6 +470,11 @@ class Inspector(ModalScreen[None]):
         super().__init__(name="tensor")
         self.step, self.tensor_name, self.role = step, name, role
         self.start, self.stat, self.numel = 0, "absmax", 0
+        self.sliced = True  # whether the page shows a slice of values, which ] [ and o move
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """A tensor kept as statistics only has no slice: its footer does not offer to move one."""
+        return self.sliced or action not in ("slice", "offset")
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
@@ -512,7 +517,11 @@ class Inspector(ModalScreen[None]):
             return
         self.start, self.numel = view.start, view.size
         text = render_tensor(view)
-        text.append("\n] [ next/previous slice · o start at element · t statistic · escape close", style="dim")
+        if self.sliced != bool(view.values):
+            self.sliced = bool(view.values)
+            self.refresh_bindings()
+        keys = "] [ next/previous slice · o start at element · " if self.sliced else ""
+        text.append(f"\n{keys}t statistic · escape close", style="dim")
         self.query_one("#page", Static).update(text)
 
     @property

@@ -1491,3 +1491,28 @@ def test_an_answer_about_the_cursor_survives_the_panel_shrinking_to_show_it(nan_
         assert panel(app) == "a result\nof\nseveral\nlines"
 
     run(body, nan_path)
+
+
+def test_the_inspector_of_a_tensor_kept_as_statistics_only_offers_no_slice_keys(tmp_path: Path) -> None:
+    """A stats-only tensor's inspector said "] [ next/previous slice · o start at element" and its footer
+    offered them, though there is no slice to move; it now offers only what works there."""
+    path = tmp_path / "stats.zarr"
+    with recorder.record(path, mode="stats") as rec:
+        for _ in range(2):
+            nanmodels.smooth_relu(torch.ones(3))
+            rec.next_iteration()
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("enter")
+        await pilot.pause()
+        inspector = app.screen
+        assert isinstance(inspector, Inspector)
+        page = str(inspector.query_one("#page", Static).render())
+        assert "statistics only" in page and "next/previous slice" not in page and "t statistic" in page
+        shown = {b.action for _, b, enabled, _ in inspector.active_bindings.values() if enabled}
+        assert "stat" in shown and not {"slice(1)", "slice(-1)", "offset"} & shown
+        await pilot.press("o")
+        await pilot.pause()
+        assert app.screen is inspector
+
+    run(body, path)
