@@ -44,6 +44,14 @@ class TestPaths:
                               "by recorder.record or `pdbg record`)\n"), res.stderr
 
 
+
+class TestStepIndex:
+    def test_a_superscript_digit_is_a_name_no_step_has(self, run: Path, tmp_path: Path) -> None:
+        """`²` passes str.isdigit but not int(): `pdbg replay RUN ²` ended in a ValueError traceback."""
+        res = pdbg("replay", str(run), "²", cwd=tmp_path)
+        assert res.returncode == 2 and res.stdout == "" and len(res.stderr.splitlines()) == 1, res.stderr
+        assert res.stderr.startswith("pdbg: error: no step matches '²'"), res.stderr
+
 class TestFindCondition:
     def test_a_tensor_no_step_has_is_refused(self, run: Path, tmp_path: Path) -> None:
         """A misspelt tensor name in --when read as a search that found nothing (exit 1): it is an error."""
