@@ -104,12 +104,15 @@ class ReplayResult:
         what it changes in place (its inputs, parameters, buffers); a step that does neither with a
         tensor has nothing."""
         return bool(self.outputs or self.inner or self.unrecorded_inner or self.exception
-                    or self.step.extra.get("exception"))
+                    or (self.step.extra.get("exception") and not _stopped(self)))
 
     @property
     def nothing_compared(self) -> str:
         """Why nothing was compared (where ``compared`` is False): the step returned no tensor, or what
         it returned was not recorded as data."""
+        if _stopped(self):
+            return (f"the recording stopped training inside this step ({_raised(self.step.extra['exception'])}), "
+                    "so it returned no output, and no step inside it was compared: nothing was compared")
         return UNRECORDED_OUTPUT.format(", ".join(self.not_compared)) if self.not_compared else NOTHING_COMPARED
 
     @property
@@ -1465,6 +1468,9 @@ class Replayer:
             _exception_result(result, raised, recorded_exc)
             if not result.match and self.plan.empty:
                 self._module_data(result, call)
+            if tap is not None and _stopped(result):  # ran through: the steps inside it are compared as usual
+                result.inner, result.unrecorded_inner = tap.compare(), tap.unrecorded()
+                result.match = all(s.match for s in result.inner) and result.unrecorded_inner is None
             return result
         values = tensors_by_name(out, "output")
         changed = {r.name for r in step.records if r.role == "output" and r.name.startswith(layout.AFTER_PREFIX)}
@@ -2622,6 +2628,13 @@ def next_call(rec: Recording, step: Step) -> Step | None:
 _STOPPED_FROM_OUTSIDE = frozenset({"builtins:KeyboardInterrupt", "builtins:SystemExit"})
 # What the recorder itself raises to stop training (on_anomaly="stop", "pdb"): not the step's outcome.
 _RECORDER_STOPS = frozenset({"recorder.monitors:NonFiniteError", "recorder.monitors:BreakpointStop"})
+
+
+def _stopped(result: ReplayResult) -> bool:
+    """Whether the recording stopped training inside the step (its recorded exception is the recorder's own
+    stop) and the replay ran it through: the step has no output to compare, the steps inside it do."""
+    recorded = result.step.extra.get("exception")
+    return isinstance(recorded, dict) and recorded.get("type") in _RECORDER_STOPS and result.exception is None
 
 
 def _raised(doc: dict[str, Any]) -> str:

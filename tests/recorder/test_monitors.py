@@ -336,6 +336,11 @@ def test_the_step_a_stop_left_replays_and_the_op_is_found(run_path: Path) -> Non
     stopped = rec.steps.filter(name="outer", iteration=3)[0]
     result = replayer.replay(rec, stopped.index)
     assert result.match and any("stopped training inside this step" in w for w in result.warnings)
+    # The step inside it, which went non-finite, is compared as in any replay of the enclosing step (it was
+    # not: the replay said MATCH of nothing compared); without the steps inside, nothing is compared, and said.
+    assert [(s.step.name, s.match) for s in result.inner] == [("smooth_relu", True)] and result.compared
+    alone = replayer.replay(rec, stopped.index, nested=False)
+    assert not alone.compared and "stopped training inside this step" in alone.nothing_compared
     origin = replayer.first_nonfinite(rec, ops=True)
     assert origin.step.name == "smooth_relu" and origin.op is not None and origin.op.name == "aten::exp"
     assert origin.op_note is None

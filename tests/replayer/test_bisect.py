@@ -847,9 +847,10 @@ def test_a_condition_names_an_after_or_grad_record(tmp_path: Path) -> None:
     assert {r.name for r in rec.step(1).records} == {"args.0.0", "args.0.0:grad", "after:args.0.0"}
     for text, steps in (("output.after:args.0.0.inf > 0", [1]), ("after:args.0.0.inf == 2", [1]),
                         ("input.args.0.0:grad.max > 1", [1]), ("args.0.0:grad.nan == 0", [0, 1]),
-                        ("output.after:args.0.0.inf == 0 and not input.args.0.0:grad.max > 1", [0]),
-                        ("output.after:args.0.0:grad.nan > 0", [])):
+                        ("output.after:args.0.0.inf == 0 and not input.args.0.0:grad.max > 1", [0])):
         assert np.flatnonzero(Condition(text).evaluate(rec)).tolist() == steps, text
+    with pytest.raises(ConditionError, match="names the output tensor 'after:args.0.0:grad', which no step"):
+        Condition("output.after:args.0.0:grad.nan > 0").evaluate(rec)  # a name no record has: said, not "no match"
     res = pdbg("find", str(path), "_divide_by_grad", "--when", "output.after:args.0.0.inf > 0", cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.startswith("step 1: Eq. 4 (_divide_by_grad)"), res.stdout + res.stderr
 
