@@ -850,6 +850,8 @@ def verify(args: argparse.Namespace) -> int:
             alike.append(_alike(refused[-1]["reason"], step))
         except ChecksumError as exc:  # damage, not a difference: said of this step, and the others verified
             corrupted.append({"step": step.to_json(), "reason": exc.reason})
+        except PdbgError:  # the recording's or the user's input, said in one line as every command says it
+            raise
         except Exception as exc:  # noqa: BLE001 - a fault of the replayer's own on one step: the others verified
             refused.append({"step": step.to_json(), "reason": _replayer_fault(exc)})
             alike.append(_alike(refused[-1]["reason"], step))
