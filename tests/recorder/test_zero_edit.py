@@ -383,6 +383,16 @@ def _hooked_training(path: Path | None, keyword: bool, model: bool) -> tuple[lis
     return losses, [p.detach().clone() for p in net.parameters()]
 
 
+def _g1_replays(rec: Any) -> list[Any]:
+    """Every step of a recording of two iterations of module g1 (forward, backward each), replayed: each
+    matched bit for bit with outputs compared; their results."""
+    assert [(s.phase, s.module_path) for s in rec.steps] == [("forward", "g1"), ("backward", "g1")] * 2
+    results = [replayer.replay(rec, step.index) for step in rec.steps]
+    for res in results:
+        assert res.match and res.outputs and all(d.match for d in res.outputs), (res.step.index, res.diffs)
+    return results
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.int32)
 
@@ -402,10 +412,7 @@ class TestOwnPreHooks:
         for a, b in zip([*plain[0], *plain[1]], [*recorded[0], *recorded[1]]):
             assert torch.equal(_bits(a), _bits(b))
         rec = replayer.open(run_path)
-        assert [(s.phase, s.module_path) for s in rec.steps] == [("forward", "g1"), ("backward", "g1")] * 2
-        for step in rec.steps:
-            res = replayer.replay(rec, step.index)
-            assert res.match and res.outputs and all(d.match for d in res.outputs), (step.index, res.diffs)
+        for res in _g1_replays(rec):
             assert not any("pre-hook" in w for w in res.warnings), res.warnings
         first = rec.step(0)
         name = "kwargs.kgate" if keyword else "args.1"
@@ -497,10 +504,7 @@ class TestOwnForwardHooks:
         for a, b in zip(plain, recorded, strict=True):
             assert torch.equal(_bits(a), _bits(b))
         rec = replayer.open(run_path)
-        assert [(s.phase, s.module_path) for s in rec.steps] == [("forward", "g1"), ("backward", "g1")] * 2
-        for step in rec.steps:
-            res = replayer.replay(rec, step.index)
-            assert res.match and res.outputs and all(d.match for d in res.outputs), (step.index, res.diffs)
+        _g1_replays(rec)
         assert "kwargs.kgate" in {d.name for d in replayer.replay(rec, 1).outputs}
 
 
