@@ -2733,18 +2733,21 @@ def _started_later(al: _Aligned, last: tuple[int, int], at: tuple[int, int], par
     start = _span(al.side(not other)[1])[0]
     differ: list[str] = []
     same: list[str] = []
+
+    def differs(what: str, names: list[str]) -> str:
+        return f"its {what}{'s' if len(names) > 1 else ''} {_names(names)} differ{'s' if len(names) == 1 else ''}"
+
     names = sorted(_input_name(sa, k) for k in set(args_a) | set(args_b) if args_a.get(k) != args_b.get(k))
     if names:
-        differ.append(f"its argument{'s' if len(names) > 1 else ''} {_names(names)} "
-                      f"differ{'s' if len(names) == 1 else ''}")
+        differ.append(differs("argument", names))
     if sa.arguments != sb.arguments:
         differ.append("its non-tensor arguments differ")
+    data = len(differ)  # (what differs so far is the data it was given; the rest, the state it resumed from)
     for role, what in (("param", "parameter"), ("buffer", "buffer")):
         keys = {k for k in set(params_a) | set(params_b) if k[0] == role}
         changed = sorted(k[1] for k in keys if params_a.get(k) != params_b.get(k))
         if changed:
-            differ.append(f"its {what}{'s' if len(changed) > 1 else ''} {_names(changed)} "
-                          f"differ{'s' if len(changed) == 1 else ''}")
+            differ.append(differs(what, changed))
         elif keys:
             exact = all(k in params_a and k in params_b and params_a[k].exact_with(params_b[k]) for k in keys)
             same.append(f"{what}s {'bit-identical' if exact else 'the same by their statistics'}")
@@ -2754,9 +2757,8 @@ def _started_later(al: _Aligned, last: tuple[int, int], at: tuple[int, int], par
         differ.append(f"its RNG state at entry differs ({_names(generators)})")
     elif rng_a:
         same.append("RNG state at entry the same")
-    data_only = not any(d.startswith(("its parameter", "its buffer", "its RNG")) for d in differ)
     why = ("it was given other data there (the resumed run's batch order restarted with its epoch, or a data "
-           "loader state that was not restored?)" if data_only else
+           "loader state that was not restored?)" if len(differ) == data else
            "the state it resumed from is not the other's at that iteration (a checkpoint of another step, or one not "
            "fully restored?)")
     kept = f" ({', '.join(same)})" if same else ""

@@ -601,7 +601,7 @@ class CodeLoader:
                         "top level then loads as it ran), or set what it reads without a call") from None
                 if needed_by != "the recording":
                     raise ReplayError(f"{module_name} has no {qualname}; check the name") from None
-                if module_name == "__main__" and obj is self._main and self.script:  # which file was looked in
+                if module_name in MAIN_NAMES and obj is self._main and self.script:  # which file was looked in
                     raise ReplayError(f"the training script {self.script} (__main__) has no {qualname} now: renamed "
                                       "or removed since the recording, or not the script recorded; give the one "
                                       "that defines it with --script (script= in Python)") from None
