@@ -146,5 +146,8 @@ class ModuleStack:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
+            # torch's global handle forgets its with_kwargs flag: left there, it keeps
+            # ``_has_any_global_hook()`` true for the rest of the process.
+            module_mod._global_forward_hooks_with_kwargs.pop(handle.id, None)
         self._handles.clear()
         self.model = None  # a closed recording keeps no training object alive

@@ -63,12 +63,21 @@ def test_training_bitwise_identical_with_recording(tmp_path, kwargs):
         assert torch.equal(params[name].view(torch.uint8), base_params[name].view(torch.uint8)), name
 
 
-def test_global_hooks_removed_after_close(tmp_path):
-    """After a recording closes, no module or optimizer hook of the recorder remains, and torch's
-    functions it wraps while recording (GradScaler's, autograd's entry into its engine) are torch's own."""
+def _global_module_hooks() -> dict[str, list[int]]:
+    """torch's global module hook tables (hooks and their flags: with_kwargs, always_call), by name: a
+    flag left behind keeps ``torch.nn.modules.module._has_any_global_hook()`` true after the hook is gone."""
     from torch.nn.modules import module as module_mod
 
-    before = (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks))
+    return {name: list(table) for name, table in vars(module_mod).items()
+            if name.startswith("_global_") and name.endswith(("_hooks", "_with_kwargs", "_always_called"))
+            and isinstance(table, dict)}
+
+
+def test_global_hooks_removed_after_close(tmp_path):
+    """After a recording closes, no module or optimizer hook of the recorder remains (nor any flag of
+    one in torch's tables), and torch's functions it wraps while recording (GradScaler's, autograd's
+    entry into its engine) are torch's own."""
+    before = _global_module_hooks()
     functions = {name: getattr(torch.autograd, name) for name in ("backward", "grad", "_engine_run_backward")
                  if hasattr(torch.autograd, name)}
     scaler = (torch.amp.GradScaler.scale, torch.amp.GradScaler.step)
@@ -76,7 +85,7 @@ def test_global_hooks_removed_after_close(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with recorder.record(tmp_path / "run.zarr", model=model, optimizer=opt):
         model(batch(0)[0]).sum().backward()
-    assert (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks)) == before
+    assert _global_module_hooks() == before
     assert {name: getattr(torch.autograd, name) for name in functions} == functions
     assert (torch.amp.GradScaler.scale, torch.amp.GradScaler.step) == scaler
     assert not opt._optimizer_step_post_hooks
@@ -88,19 +97,17 @@ def test_zero_edit_hooks_and_signal_handlers_removed_after_close(tmp_path):
     signal handler of theirs behind."""
     import signal
 
-    from torch.nn.modules import module as module_mod
     from torch.optim import optimizer as optimizer_mod
 
-    before = (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks),
-              len(optimizer_mod._global_optimizer_post_hooks), signal.getsignal(signal.SIGTERM))
+    before = (_global_module_hooks(), len(optimizer_mod._global_optimizer_post_hooks), signal.getsignal(signal.SIGTERM))
     model = TinyGPT()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with recorder.record(tmp_path / "run.zarr", optimizer="auto", mode="flight", modules="**") as run:
-        assert signal.getsignal(signal.SIGTERM) != before[3]
+        assert signal.getsignal(signal.SIGTERM) != before[2]
         train_step(model, opt, 0)
     assert run.iteration == 1
-    assert (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks),
-            len(optimizer_mod._global_optimizer_post_hooks), signal.getsignal(signal.SIGTERM)) == before
+    assert (_global_module_hooks(), len(optimizer_mod._global_optimizer_post_hooks),
+            signal.getsignal(signal.SIGTERM)) == before
 
 
 @recorder.paper_step("Eq. 2", description="heads: a reshaped view of x, and x itself")
