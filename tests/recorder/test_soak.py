@@ -205,4 +205,29 @@ def test_modules_made_at_every_call_are_not_kept_alive(run_path: Path) -> None:
             run.next_iteration()
         gc.collect()
         alive = [i for i, ref in enumerate(refs) if ref() is not None]
-    assert alive == [], f"modules of iterations {alive} are still alive"
+        held = _holders(refs[alive[0]]()) if alive else ""
+    assert alive == [], f"modules of iterations {alive} are still alive, held by: {held}"
+
+
+def _holders(obj: object, depth: int = 4) -> str:
+    """What refers to ``obj``, and what refers to those, ``depth`` levels out (types, and the keys of
+    dictionaries): names the holder when a module that should be freed is not."""
+    seen, lines, here = {id(obj)}, [], sys._getframe()
+    level = [obj]
+    for d in range(depth):
+        outer = []
+        for target in level:
+            for holder in gc.get_referrers(target):
+                if id(holder) in seen or holder is level or holder is here or isinstance(holder, list) and \
+                        any(isinstance(x, weakref.ref) for x in holder[:1]):
+                    continue
+                seen.add(id(holder))
+                what = type(holder).__qualname__
+                if isinstance(holder, dict):
+                    what += f" keys {[str(k)[:40] for k in list(holder)[:8]]}"
+                elif hasattr(holder, "f_code"):
+                    what += f" {holder.f_code.co_qualname}"
+                lines.append(f"{'  ' * d}{what}")
+                outer.append(holder)
+        level = outer[:20]
+    return "\n".join(lines[:80])
