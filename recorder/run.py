@@ -187,14 +187,17 @@ class Run:
         except Exception:  # never let a query of the process group disturb training
             return
 
-    def _skipped_step(self, optimizer: torch.optim.Optimizer, scale: float | None = None) -> None:
+    def _skipped_step(self, optimizer: torch.optim.Optimizer, scale: float | None = None,
+                      began: int | None = None) -> None:
         """GradScaler skipped ``optimizer.step()`` (Inf or NaN in the scaled gradients) at loss scale
         ``scale``: the iteration ends as if it had stepped, and is listed in the run's ``grad_scaler_skipped``
-        (see _GradScaling)."""
-        before = self.session.iteration
+        (see _GradScaling). ``began``: the iteration ``scaler.step`` began in, where the optimizer's own
+        step ran and skipped its update (a fused one): its hooks have ended the iteration already."""
+        before = self.session.iteration if began is None else began
         if self._optimizers is None:
             return
-        self._optimizers.stepped(optimizer, hooked=False)
+        if began is None:
+            self._optimizers.stepped(optimizer, hooked=False)
         if self.session.iteration != before:  # the writer keeps the list (the manifest's info, then final)
             self.pipeline.submit(ScalerSkip(before, scale))
 
@@ -902,6 +905,20 @@ def _inside_another_step() -> bool:
     return False
 
 
+def _skipped_inside(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s own step, just run by ``scaler.step``, skipped its update: an optimizer that
+    handles loss scaling itself (``_step_supports_amp_scaling``: every ``fused=True`` one) is called even
+    when the scaler found Inf or NaN, is given that finding, and skips the update in its kernel, its step
+    hooks running as for a step taken."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False) or not scaler.is_enabled():
+        return False
+    try:
+        found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device") or {}
+        return any(bool(t.item()) for t in found.values())
+    except Exception:  # noqa: BLE001 - another torch's GradScaler: taken for a step taken, as before
+        return False
+
+
 class _GradScaling:
     """Mixed precision's loss scaling (``torch.amp.GradScaler``), while recording.
 
@@ -928,12 +945,14 @@ class _GradScaling:
         @functools.wraps(step_optimizer)
         def step(scaler: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             run._stepped = None
+            began = run.session.iteration
             result = step_optimizer(scaler, optimizer, *args, **kwargs)
-            skipped = run._stepped is None and scaler.is_enabled()
+            inside = run._stepped is not None and _skipped_inside(scaler, optimizer)
+            skipped = (run._stepped is None or inside) and scaler.is_enabled()
             deferred, run.session.deferred = run.session.deferred, None
             if skipped and not run.closed:
                 try:
-                    run._skipped_step(optimizer, float(scaler.get_scale()))
+                    run._skipped_step(optimizer, float(scaler.get_scale()), began if inside else None)
                 except Exception as exc:
                     run.session.fail("counting an optimizer step that GradScaler skipped", exc)
             if deferred is not None:

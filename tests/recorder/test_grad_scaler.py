@@ -37,15 +37,16 @@ def root(x: torch.Tensor) -> torch.Tensor:
     return x.abs().sqrt()
 
 
-def train(path, init_scale: float, nan_from: int | None = None,
-          killed: bool = False, nan_loss_from: int | None = None) -> tuple[list[float], recorder.Run]:
+def train(path, init_scale: float, nan_from: int | None = None, killed: bool = False,
+          nan_loss_from: int | None = None, fused: bool = False) -> tuple[list[float], recorder.Run]:
     """Autocast to float16 with a GradScaler, recorded with on_anomaly="stop"; returns the scale
     each iteration ran at, and the scale after the last. ``killed``: the process commits what it
     recorded, then is SIGKILLed before the recording closes (call it in a child process).
-    ``nan_loss_from``: from that iteration on the loss is NaN (a log(0) in it), outside every step."""
+    ``nan_loss_from``: from that iteration on the loss is NaN (a log(0) in it), outside every step.
+    ``fused``: a fused optimizer, whose own step skips the update where the scaler found Inf."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(Layer(), Layer())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=fused or None)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     scales = []
     with recorder.record(path, model=model, optimizer=opt, mode="full", on_anomaly="stop") as run:
@@ -83,6 +84,22 @@ def test_overflows_the_scaler_skips_end_their_iteration_and_do_not_stop(run_path
     assert rank.final["grad_scaler_skipped"] == {"count": len(skipped), "iterations": skipped,
                                                  "scales": [scales[i] for i in skipped]}
     assert GradScaler.scale is ORIGINAL["scale"] and GradScaler.step is ORIGINAL["step"]
+
+
+def test_a_fused_optimizer_skipping_its_own_update_is_a_skip(run_path, tmp_path):
+    """GradScaler calls a fused optimizer's step (``AdamW(fused=True)``, nanoGPT's setup) even on an
+    overflow, and the optimizer skips its update itself: its step hooks run as for a step taken. The
+    recording took every overflow for a step taken: on_anomaly="stop" stopped training at the first
+    one, and bisect named it as the origin. The skips are now those a plain optimizer's run lists."""
+    import replayer
+
+    plain, _ = train(tmp_path / "plain.zarr", init_scale=2.0 ** 16)
+    scales, run = train(run_path, init_scale=2.0 ** 16, fused=True)
+    assert run.status == "complete" and scales == plain
+    skipped = RunReader(run_path).rank(0).final["grad_scaler_skipped"]
+    assert skipped == RunReader(tmp_path / "plain.zarr").rank(0).final["grad_scaler_skipped"]
+    assert skipped["count"] > 0, skipped
+    assert replayer.first_nonfinite(replayer.open(run_path)).clean
 
 
 def test_gradients_non_finite_at_scale_one_stop_in_scaler_step(run_path):
