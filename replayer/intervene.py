@@ -51,6 +51,7 @@ class Change:
     apply: Callable[[torch.Tensor], torch.Tensor]
     text: str | None  # the expression, when it was one (recipes keep only these)
     used: int = 0
+    reshaped: str = ""  # what the change made of the tensor's shape or dtype, the first time it changed one
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         try:
@@ -59,11 +60,21 @@ class Change:
                 out = torch.from_numpy(out)
             if not isinstance(out, torch.Tensor):
                 raise InterventionError(f"edit {self.key} gave {_a(type(out).__name__)}, not a tensor")
+            if not self.reshaped and (out.shape != x.shape or out.dtype != x.dtype):
+                self.reshaped = f"{self.key}: the edit changed {_changed(x, out)}; the step ran with it as it is"
             return out.to(x.device)
         except InterventionError:
             raise
         except Exception as exc:
             raise InterventionError(f"edit {self.key}: {type(exc).__name__}: {_one_line(exc)}") from None
+
+
+def _changed(was: torch.Tensor, now: torch.Tensor) -> str:
+    """What an edit changed of a tensor besides its numbers: ``shape (4, 8) to (3, 8)``."""
+    parts = [f"shape {tuple(was.shape)} to {tuple(now.shape)}"] if now.shape != was.shape else []
+    if now.dtype != was.dtype:
+        parts.append(f"dtype {str(was.dtype).removeprefix('torch.')} to {str(now.dtype).removeprefix('torch.')}")
+    return "its " + " and ".join(parts)
 
 
 # What an edit expression may reach. Everything is checked as it is reached (``_Sandbox``): names

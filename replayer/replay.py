@@ -206,6 +206,8 @@ class Replayer:
             if not c.used:
                 result.warnings.append(_made_by_the_call(step, c) or
                                        f"{c.key}: matched nothing that ran during the replay")
+            elif c.reshaped:
+                result.warnings.append(c.reshaped)
         for unused in [s.key for s in self.plan.swaps if not s.used]:
             result.warnings.append(f"{unused}: matched nothing that ran during the replay")
         if not self.plan.empty:

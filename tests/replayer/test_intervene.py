@@ -404,6 +404,24 @@ def test_an_intervention_is_reported_as_what_it_did(stack_run: tuple[Path, objec
         "MISMATCH, as an intervention makes it: the replay raised RuntimeError"), raised.stdout
 
 
+def test_an_edit_that_changes_a_tensors_shape_or_dtype_says_so(stack_run: tuple[Path, object],
+                                                                tmp_path: Path) -> None:
+    """An edit that hands the step a tensor of another shape (a slice) or dtype is applied as given, and
+    the replay says what it changed, so that outputs of another shape read as the edit's doing; one that
+    keeps both says nothing of it."""
+    rec = replayer.open(stack_run[0])
+    origin = replayer.first_nonfinite(rec).step
+    shape = tuple(origin.tensor("args.0").shape)
+    sliced = replayer.replay(rec, origin, edit={"args.0": "x[:1]"})
+    assert f"args.0: the edit changed its shape {shape} to {(1, *shape[1:])}; the step ran with it as it is" \
+        in sliced.warnings, sliced.warnings
+    double = replayer.replay(rec, origin, edit={"args.0": "x.double().clamp(-50, 50)"})
+    assert "args.0: the edit changed its dtype float32 to float64; the step ran with it as it is" in double.warnings
+    assert replayer.replay(rec, origin, edit={"args.0": "x.clamp(-50, 50)"}).warnings == []
+    res = pdbg_here("replay", str(stack_run[0]), str(origin.index), "--edit", "args.0=x[:1]", cwd=tmp_path)
+    assert "the edit changed its shape" in res.stdout + res.stderr, res.stdout + res.stderr
+
+
 def test_a_recipe_keeps_settings_under_the_recordings_names(tmp_path: Path) -> None:
     """`--set deterministic=true` was saved as "deterministic" and listed so by pdbg info, while the
     replay said "set deterministic_algorithms=True" (and docs/FORMAT.md showed the latter)."""
