@@ -55,6 +55,7 @@ def save(rec: Recording, name: str, step: Step, *, swap: dict[str, Any] | None =
     """Save an intervention under ``name`` (replacing one of that name). Swaps must be import
     references and edits expressions: a callable or a tensor cannot be written down as data."""
     check_name(name)
+    check_intervention(name, swap, edit, settings, seed)
     for key, value in (swap or {}).items():
         if not isinstance(value, str):
             raise RecipeError(f"recipe {name}: swap {key} must be an import reference ('pkg.mod:Name') to be saved")
@@ -84,6 +85,14 @@ def check_name(name: Any) -> None:
     which would otherwise read as no name given)."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise RecipeError(f"recipe name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
+
+
+def check_intervention(name: str, swap: Any, edit: Any, settings: Any, seed: Any) -> None:
+    """Refuse, before anything is replayed, a recipe that would hold no intervention: applied, it would
+    replay the step as recorded, which needs no recipe."""
+    if not (swap or edit or settings or seed is not None):
+        raise RecipeError(f"recipe {name}: there is no intervention to save; give a swap, an edit, a setting "
+                          "or a seed with it (--swap, --edit, --set, --seed)")
 
 
 def check_writable(rec: Recording) -> None:

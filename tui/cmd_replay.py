@@ -561,6 +561,7 @@ def replay(args: argparse.Namespace) -> int:
     step = rec.step(args.step)
     if args.save_recipe is not None:  # before the replay, whose result would be lost
         recipes.check_name(args.save_recipe)
+        recipes.check_intervention(args.save_recipe, swap, edit, settings, seed)
         recipes.check_writable(rec)
     replayer_ = Replayer(rec, script=args.script, use_bundled_source=args.use_bundled_source)
     result = replayer_.replay(step, threads=args.threads, nested=not args.no_inner, swap=swap, edit=edit,

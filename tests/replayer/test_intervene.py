@@ -617,6 +617,26 @@ def test_an_empty_or_bad_recipe_name_is_refused_before_the_replay(stack_run: tup
     assert res.returncode == 2 and res.stderr.startswith("pdbg: error: no recipe '' in "), res.stderr
 
 
+def test_a_recipe_without_an_intervention_is_refused_before_the_replay(stack_run: tuple[Path, object],
+                                                                       tmp_path: Path) -> None:
+    """--save-recipe with no --swap, --edit, --set or --seed saved a recipe that replays the step as
+    recorded; it is refused in one line before the replay, from the API too, and nothing is saved."""
+    import shutil
+
+    run = tmp_path / "run.zarr"
+    shutil.copytree(stack_run[0], run)
+    res = pdbg_here("replay", str(run), "smooth_relu@iter=1", "--save-recipe", "nothing", cwd=tmp_path)
+    assert (res.returncode, res.stdout) == (2, ""), res.stdout
+    assert res.stderr == ("pdbg: error: recipe nothing: there is no intervention to save; give a swap, an edit, "
+                          "a setting or a seed with it (--swap, --edit, --set, --seed)\n")
+    rec = replayer.open(run)
+    with pytest.raises(recipes.RecipeError, match="no intervention to save"):
+        recipes.save(rec, "nothing", rec.step("smooth_relu@iter=1"), edit={}, settings={})
+    assert recipes.recipes(replayer.open(run)) == {}
+    seeded = pdbg_here("replay", str(run), "smooth_relu@iter=1", "--seed", "0", "--save-recipe", "s", cwd=tmp_path)
+    assert seeded.returncode in (0, 1) and "saved as recipe 's'" in seeded.stdout, seeded.stdout + seeded.stderr
+
+
 class NormedHead(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
