@@ -107,6 +107,12 @@ class ReplayResult:
                     or (self.step.extra.get("exception") and not _stopped(self)))
 
     @property
+    def stopped(self) -> bool:
+        """Whether the recording stopped training inside this step (``on_anomaly="stop"``, a breakpoint) and
+        the replay ran it through: it has no output to compare, the steps inside it have."""
+        return _stopped(self)
+
+    @property
     def nothing_compared(self) -> str:
         """Why nothing was compared (where ``compared`` is False): the step returned no tensor, or what
         it returned was not recorded as data."""
@@ -1473,6 +1479,8 @@ class Replayer:
             if tap is not None and _stopped(result):  # ran through: the steps inside it are compared as usual
                 result.inner, result.unrecorded_inner = tap.compare(), tap.unrecorded()
                 result.match = all(s.match for s in result.inner) and result.unrecorded_inner is None
+            if not result.compared:  # never a match: nothing was checked (the steps inside it were not replayed)
+                result.match = False
             return result
         values = tensors_by_name(out, "output")
         changed = {r.name for r in step.records if r.role == "output" and r.name.startswith(layout.AFTER_PREFIX)}

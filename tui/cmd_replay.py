@@ -583,7 +583,8 @@ def replay(args: argparse.Namespace) -> int:
                                       f"{'skeleton' if w == 'skeleton' else 'constructor'}"
                                       f"{'' if w == 'skeleton' else ' (' + ', '.join(v) + ')'}"
                                       for w, v in by_way.items()))
-    _outputs_table(result.outputs)
+    if result.outputs:
+        _outputs_table(result.outputs)
     extra = result.unrecorded_inner
     if result.inner or extra:
         ok = sum(s.match for s in result.inner)
@@ -616,8 +617,11 @@ def replay(args: argparse.Namespace) -> int:
     unseen = f"; not compared (not recorded as data): {', '.join(result.not_compared)}" if result.not_compared else ""
     unseen += f"; not compared: {result.unseen_text}" if result.unseen_writes else ""
     if not result.compared:
-        print("\nNOTHING COMPARED: " + (f"the step's output was not recorded as data: {', '.join(result.not_compared)}"
-                                         if result.not_compared else "the step returned no tensor"))
+        print("\nNOTHING COMPARED: " + (
+            "the recording stopped training inside this step, so it returned no output, and no step inside it was "
+            "compared" + (" (--no-inner)" if args.no_inner else "") if result.stopped else
+            f"the step's output was not recorded as data: {', '.join(result.not_compared)}" if result.not_compared
+            else "the step returned no tensor"))
     elif result.match and result.intervention:  # the question asked was "would this change anything?"
         print("\nNO CHANGE: the intervention left every output bit for bit as recorded" if not unseen else
               f"\nNO CHANGE in what was compared: the intervention left it bit for bit as recorded{unseen}")

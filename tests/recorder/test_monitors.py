@@ -18,6 +18,7 @@ import recorder
 from recorder.errors import RecordingError
 from recorder.store import layout
 from recorder.store.reader import RunReader
+from tests.cli import pdbg_here
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -341,6 +342,15 @@ def test_the_step_a_stop_left_replays_and_the_op_is_found(run_path: Path) -> Non
     assert [(s.step.name, s.match) for s in result.inner] == [("smooth_relu", True)] and result.compared
     alone = replayer.replay(rec, stopped.index, nested=False)
     assert not alone.compared and "stopped training inside this step" in alone.nothing_compared
+    assert not alone.match and alone.stopped  # nothing checked is no match
+    # pdbg replay says so, exit 1 (it said "the step returned no tensor", exit 0, under an empty table header)
+    cli = pdbg_here("replay", str(run_path), str(stopped.index), "--no-inner", cwd=run_path.parent)
+    assert cli.returncode == 1 and cli.stdout.rstrip().endswith(
+        "NOTHING COMPARED: the recording stopped training inside this step, so it returned no output, and no step "
+        "inside it was compared (--no-inner)"), cli.stdout + cli.stderr
+    assert "recorded: min" not in cli.stdout
+    both = pdbg_here("replay", str(run_path), str(stopped.index), cwd=run_path.parent)
+    assert both.returncode == 0 and "inner steps: 1 of 1 match" in both.stdout and "recorded: min" not in both.stdout
     origin = replayer.first_nonfinite(rec, ops=True)
     assert origin.step.name == "smooth_relu" and origin.op is not None and origin.op.name == "aten::exp"
     assert origin.op_note is None
