@@ -62,6 +62,10 @@ class StepNotFoundError(PdbgError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class StepPositionError(StepNotFoundError, IndexError):
+    """A position beyond a step table's steps: an IndexError too, as a sequence's is."""
+
+
 class AlreadyRecording(RecordingError):
     """``record()`` while a recording is active in the process (one at a time)."""
 

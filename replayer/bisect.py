@@ -52,7 +52,7 @@ from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
 from .arguments import data_writes_unseen, type_words, unrecorded_arguments
-from .recording import Recording, Step, paper_of, paper_reference, printable
+from .recording import Recording, Step, opened, paper_of, paper_reference, printable
 
 _RESULT, _INPUT = layout.NONFINITE_RESULT, layout.NONFINITE_INPUT
 SPREAD = 10  # steps listed after the origin
@@ -375,13 +375,13 @@ def _unseen_communication(rec: Recording, other: Origin, origin: Origin) -> None
                     "in backward, a collective called outside the steps), which is likely how it got here")
 
 
-def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, all_ranks: bool = False,
-                    scaler_skips: bool = False) -> Origin:
+def first_nonfinite(rec: Recording | str | os.PathLike[str], *, ops: bool = False, spread: int = SPREAD,
+                    all_ranks: bool = False, scaler_skips: bool = False) -> Origin:
     """The origin step of the first NaN/Inf in the recording, from the recorded statistics (what
     counts as an origin: ``_first_on_rank``; Inf a step holds as a mask's does not).
 
     Args:
-        rec: an open recording.
+        rec: a recording (``replayer.open``) or its path.
         ops: also replay the origin step operation by operation and name the first aten operation
             that made a non-finite value (from finite inputs, or, for a pointwise one, where its
             inputs were finite: beside a mask's -inf), with the user's source line.
@@ -392,6 +392,7 @@ def first_nonfinite(rec: Recording, *, ops: bool = False, spread: int = SPREAD, 
             precision's GradScaler skipped at a loss scale above 1 (its overflows, which it handles
             by lowering the scale), passed over by default.
     """
+    rec = opened(rec)
     if all_ranks and len(rec.ranks) > 1:
         return _across_ranks(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
     origin = _first_on_rank(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
@@ -1999,7 +2000,7 @@ class _TensorView:
         return idx[ordinal == int(name)]
 
 
-def find(rec: Recording, where: str | None, when: str | None, start: int | Step | None = None,
+def find(rec: Recording | str | os.PathLike[str], where: str | None, when: str | None, start: int | Step | None = None,
          backward: bool = False) -> Step | None:
     """The next (or, with ``backward``, the previous) step after ``start`` that matches the selector
     ``where`` (None: any) and the condition ``when`` over its statistics (None: any), from the index
@@ -2007,7 +2008,10 @@ def find(rec: Recording, where: str | None, when: str | None, start: int | Step 
     finds the step it names, as ``rec.step``, ``replay`` and the TUI's ``:`` take it (of backward steps,
     the backward of the first call, though a later call's runs first), and with a condition the first
     matching step in the order the steps began. A selector that names no step of the recording raises
-    StepNotFoundError (saying what it has), as ``rec.step`` does."""
+    StepNotFoundError (saying what it has), as ``rec.step`` does; so does a ``start`` that is no step of
+    ``rec``. ``rec``: a Recording or its path."""
+    rec = opened(rec)
+    first = rec.step(start).index if start is not None else None
     n = len(rec)
     mask = np.ones(n, dtype=bool)
     if where is not None:  # an empty selector or condition is refused, not taken for "any"
@@ -2020,7 +2024,6 @@ def find(rec: Recording, where: str | None, when: str | None, start: int | Step 
         mask[found.rows] = True
     if when is not None:
         mask &= Condition(when).evaluate(rec)
-    first = int(start.index if isinstance(start, Step) else start) if start is not None else None
     if backward:
         hits = np.flatnonzero(mask[:first] if first is not None else mask)
         return rec.step(int(hits[-1])) if len(hits) else None
@@ -2343,7 +2346,8 @@ def _aligned(rec_a: Recording, rec_b: Recording) -> _Aligned:
     return _Aligned(rec_a, rec_b, keys_a, keys_b, module_a, module_b, pairs_a, pairs_b)
 
 
-def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
+def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording | str | os.PathLike[str]
+                     ) -> Divergence:
     """The first step where run B parts from run A for a reason of its own.
 
     Steps are aligned by (iteration, module path, phase, call, name, paper label), a module step's call
@@ -2360,8 +2364,9 @@ def first_divergence(rec_a: Recording, rec_b: Recording) -> Divergence:
     other run's steps before it say nothing of where those inputs came from: the cause says which of the
     step's inputs differ instead (``_started_later``). A step one run ran and the other did not
     (an expert called in one run only), before all these and among the steps both runs recorded, is
-    where they first differ (``Divergence.unpaired``).
+    where they first differ (``Divergence.unpaired``). Each run is a Recording or its path.
     """
+    rec_a, rec_b = opened(rec_a), opened(rec_b)
     al = _aligned(rec_a, rec_b)
     common = int(np.count_nonzero(al.a >= 0))
     counted = _counted_otherwise(rec_a, rec_b) if common < max(len(al.a), len(al.b)) else ""

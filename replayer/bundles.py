@@ -44,7 +44,7 @@ from . import state
 from .bisect import step_flags, subtree
 from .code import SESSION_SCRIPT, made_here, package_root, source_in, static_source, submodule_entries, submodule_label
 from .compare import BY_STATISTICS
-from .recording import BUNDLE_FORMAT, BUNDLE_KEY, Recording, Step
+from .recording import BUNDLE_FORMAT, BUNDLE_KEY, Recording, Step, opened
 
 FORMAT = BUNDLE_FORMAT
 _DOC_COLUMNS = ("name", "definition", "module_path", "module", "settings", "args", "output", "extra")
@@ -358,14 +358,14 @@ def _as_recorded(steps: list[Step]) -> str:
                    for name, text in added.items())
 
 
-def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str], *, iteration: bool = False,
-           verify: bool = False, script: bool | str | os.PathLike[str] = False, overwrite: bool = False,
-           repro: bool = False) -> BundleInfo:
+def bundle(rec: Recording | str | os.PathLike[str], step: int | str | Step, path: str | os.PathLike[str], *,
+           iteration: bool = False, verify: bool = False, script: bool | str | os.PathLike[str] = False,
+           overwrite: bool = False, repro: bool = False) -> BundleInfo:
     """Write a failure bundle for one step (or, with ``iteration``, its whole iteration).
 
     Args:
-        rec: the recording.
-        step: the main step: an index, a selector or a Step.
+        rec: the recording (a Recording, or its path).
+        step: the main step: an index, a selector or a Step of ``rec``.
         path: the bundle file to write (``failure.pdbg``).
         iteration: bundle every step of the main step's iteration, with all payloads.
         verify: replay the main step from the bundle before sealing it, and record the outcome.
@@ -376,7 +376,8 @@ def bundle(rec: Recording, step: int | str | Step, path: str | os.PathLike[str],
     """
     repro_too = repro or script is True
     moved = os.fspath(script) if isinstance(script, (str, os.PathLike)) else None
-    main = step if isinstance(step, Step) else rec.step(step)
+    rec = opened(rec)
+    main = rec.step(step)
     out = Path(path)
     if out.is_dir():  # (a recording is a directory too: never replaced by a bundle)
         raise BundleError(f"{out} is a directory; give the path of the bundle file to write, such as "

@@ -15,6 +15,7 @@ steps costs a few numpy arrays.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from recorder import names, snapshot
-from recorder.errors import FormatError, PdbgError, RecordingError, StepNotFoundError
+from recorder.errors import FormatError, PdbgError, RecordingError, StepNotFoundError, StepPositionError
 from recorder.items import OBJECTS_KEY
 from recorder.monitors import parse_selector
 from recorder.names import ESCAPES, printable  # noqa: F401 (where the replayer's callers find them)
@@ -36,6 +37,19 @@ from recorder.store.reader import RankReader, RunReader, SparseParts, TensorReco
 BUNDLE_KEY = "bundle.json"  # a failure bundle's own description, at the store's root
 BUNDLE_FORMAT = "paperdebugger.bundle"  # its "format"
 _INT_COLUMNS = ("phase", "iteration", "call", "parent", "forward", "status", "tensor_start", "tensor_count")
+
+
+def _same_place(a: Any, b: Any) -> bool:
+    """Whether two recordings were opened from one path (a store object: the same object)."""
+    if isinstance(a, (str, os.PathLike)) and isinstance(b, (str, os.PathLike)):
+        return os.path.realpath(os.fspath(a)) == os.path.realpath(os.fspath(b))
+    return a is b
+
+
+def opened(rec: Recording | str | os.PathLike[str] | Any) -> Recording:
+    """``rec`` where it is a Recording, else the recording at that path: every function of the API takes
+    either, as ``replay`` does."""
+    return rec if isinstance(rec, Recording) else open(rec)
 
 
 def join_path(prefix: str, name: str) -> str:
@@ -184,10 +198,22 @@ class Recording:
     def steps(self) -> StepTable:
         return StepTable(self, np.arange(len(self.rank), dtype=np.int64))
 
-    def step(self, which: int | str) -> Step:
+    def step(self, which: int | str | Step) -> Step:
         """One step by index or selector (``NAME[@iter=K][#CALL][:backward]``; the first match, and of
-        backward steps the one of the first call)."""
-        if isinstance(which, (int, np.integer)) and not isinstance(which, bool):
+        backward steps the one of the first call), or a Step of this run given back (``replay`` and
+        ``bundle`` take one: a step of another run is refused, not taken for this one's)."""
+        if isinstance(which, Step):
+            return self._own(which)
+        if not isinstance(which, (str, bool, int)):
+            try:  # numpy's integers, a 0-d integer tensor
+                which = operator.index(which)
+            except TypeError:
+                raise RecordingError(f"a step is named by its index (an int) or a selector (a str: "
+                                     f"NAME[@iter=K][#CALL][:backward]), not {type(which).__name__} {which!r:.40}"
+                                     ) from None
+        if isinstance(which, bool):
+            raise RecordingError(f"a step is named by its index (an int) or a selector (a str), not the bool {which}")
+        if isinstance(which, int):
             index = int(which)
             if not 0 <= index < len(self):
                 raise StepNotFoundError(f"step {index} is out of range: {self.reader.label} has " + (
@@ -203,6 +229,15 @@ class Recording:
                 f"names in this recording: {', '.join(names.shown(n) for n in sorted(set(self.steps.names))[:20])}"
                 + (f"; paper labels: {', '.join(names.shown(lb) for lb in labels[:20])}" if labels else ""))))
         return self._picked(found)
+
+    def _own(self, step: Step) -> Step:
+        """``step``, where it is this run's (any rank of it; opened here or again from the same path);
+        a step of another recording would be replayed or bundled from that one under this one's name."""
+        if step.rec.reader is self.reader or _same_place(step.rec.path, self.path):
+            return step
+        raise StepNotFoundError(f"step {step.index} ({step.selector}) is a step of {step.rec.reader.label}, not of "
+                                f"{self.reader.label}: give it with its own recording, or name this recording's "
+                                f"step by index or selector ({step.selector!r})")
 
     def _origin_hint(self, index: int) -> str:
         """For a bundle asked for a step by the number it had in the recording the bundle was made from (what
@@ -545,8 +580,14 @@ class StepTable:
         return (Step(self.rec, int(i)) for i in self.rows)
 
     def __getitem__(self, key: int | slice | np.ndarray) -> Any:
-        if isinstance(key, (int, np.integer)):
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            if not -len(self) <= key < len(self):
+                raise StepPositionError(f"position {key} is out of range: the table has {len(self)} step"
+                                        f"{'s' if len(self) != 1 else ''}; a step by its index: rec.step({key})")
             return Step(self.rec, int(self.rows[key]))
+        if not isinstance(key, (slice, np.ndarray, list)):
+            raise RecordingError(f"a step table is indexed by position (an int), a slice or an array, not "
+                                 f"{type(key).__name__} {key!r:.40}; steps by name: .select(SELECTOR), .filter(...)")
         return StepTable(self.rec, self.rows[key])
 
     def __repr__(self) -> str:
@@ -579,6 +620,10 @@ class StepTable:
         """The steps matching every given field (``phase`` "forward"/"backward", ``status`` as in
         docs/FORMAT.md: ok, alert, nonfinite, exception; ``object`` k: the calls of the k-th module
         object of the steps several module objects ran as, ``Step.module_object``)."""
+        for field, number in (("iteration", iteration), ("call", call), ("object", object)):
+            if number is not None and (isinstance(number, bool) or not isinstance(number, (int, np.integer))):
+                raise RecordingError(f"filter {field}={number!r:.40}: give an integer (a {type(number).__name__} "
+                                     "matches no step)")
         mask = np.ones(len(self.rows), dtype=bool)
         for col, value in (("name", name), ("label", label), ("module_path", module_path)):
             if value is not None:
@@ -865,14 +910,21 @@ class Step:
         ``ROLE:NAME`` (``param_grad:fc.weight``), as the refusal below lists them and a replay's ``values``
         key a backward step's parameter grads; a sparse one's made again from its parts, where they were
         kept (1.19)."""
+        return self.rec.rank.tensor(self.record(name, role))
+
+    def record(self, name: str, role: str | None = None) -> TensorRecord:
+        """The tensor record ``tensor`` reads, by the same name: its shape, dtype and statistics."""
+        names = ", ".join(f"{r.role}:{r.name}" for r in self.records) or "no tensors"
+        if not isinstance(name, str) or not isinstance(role, (str, type(None))):
+            raise StepNotFoundError(f"a tensor of step {self.index} is named by its record name, a str (it has "
+                                    f"{names}), not {type(name if not isinstance(name, str) else role).__name__}")
         found = [r for r in self.records if r.name == name and (role is None or r.role == role)]
         head, _, rest = name.partition(":")
         if not found and role is None and head in layout.ROLES:  # (a record name may hold ':', "after:bn.x")
             found = [r for r in self.records if r.name == rest and r.role == head]
         if not found:
-            names = ", ".join(f"{r.role}:{r.name}" for r in self.records) or "no tensors"
             raise StepNotFoundError(f"step {self.index} has no tensor {name!r}; it has {names}{self.others_text()}")
-        return self.rec.rank.tensor(found[0])
+        return found[0]
 
     def non_tensors(self) -> dict[str, str]:
         """The call's arguments and output that are not tensors, by name (``args.0``, ``kwargs.w``,
@@ -977,9 +1029,10 @@ class Step:
         and no payload, and a replay leaves them uninitialized for the call to initialize."""
         return self.noted(layout.UNINITIALIZED_NOTE)
 
-    def why_statistics_only(self, record: TensorRecord) -> str:
-        """Why one of this step's tensor records has statistics and no payload (RankReader's answer)."""
-        return self.rec.rank.why_statistics_only(record)
+    def why_statistics_only(self, record: TensorRecord | str) -> str:
+        """Why one of this step's tensor records (or the one a name gives, as ``tensor`` takes it) has
+        statistics and no payload (RankReader's answer)."""
+        return self.rec.rank.why_statistics_only(record if isinstance(record, TensorRecord) else self.record(record))
 
     def kept_only(self, record: TensorRecord) -> str:
         """What the recording kept of a record without payload, and why, for a refusal to replay:

@@ -48,7 +48,7 @@ from .code import CodeLoader, late_imports, projects, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, UnrecordedCall, descendants
 from .rebuild import Builder, load_state, unresolved
-from .recording import Recording, Step, join_path, paper_reference
+from .recording import Recording, Step, join_path, opened, paper_reference
 
 NOTHING_COMPARED = ("the step returned no tensor and changed none of its inputs, parameters or buffers in place, "
                     "which is what a replay compares: nothing was compared")
@@ -187,7 +187,12 @@ class Replayer:
                settings: dict[str, Any] | None = None, seed: int | None = None) -> ReplayResult:
         """Replay one step (see :func:`replay`). ``around(stage)`` gives a context manager entered around
         the call ("forward"; for a backward step "forward" then "backward" around the gradients)."""
-        step = which if isinstance(which, Step) else self.rec.step(which)
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+                raise ReplayError(f"threads={threads!r:.40}: give a positive number of intra-op threads (an int), or "
+                                  "None for the recorded count")
+            threads = int(threads)
+        step = self.rec.step(which)
         wrapper = _WRAPPERS.get(str(step.definition.get("ref")))
         if wrapper is not None:
             raise ReplayError(f"{wrapper} is a wrapper that communicates with the other ranks in its forward and "
@@ -2719,10 +2724,7 @@ def replay(rec: Recording | str | os.PathLike[str], step: int | str | Step | Non
     Raises ReplayError (with a one-line reason) when the step cannot be replayed, StepNotFoundError
     when ``step`` names nothing, InterventionError for a swap or edit that cannot be applied.
     """
-    if not isinstance(rec, Recording):
-        from .recording import open as open_recording
-
-        rec = open_recording(rec)
+    rec = opened(rec)
     if step is None:
         step = rec.main_step
         if step is None:

@@ -1,0 +1,122 @@
+"""The Python API driven from a notebook or a script: every entry point takes a recording or its path, a
+Step is taken only by its own recording, and arguments of the wrong kind are one-line PdbgErrors, never an
+AttributeError or a numpy error from inside."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import replayer
+from recorder.errors import PdbgError, RecordingError, ReplayError, StepNotFoundError
+from tests.models import poison_at, record_training
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two runs of TinyGPT: three iterations with a NaN written into a weight at the third, and one clean."""
+    root = tmp_path_factory.mktemp("api")
+    record_training(root / "a.zarr", 3, poison_at(2))
+    record_training(root / "b.zarr", 1)
+    return root / "a.zarr", root / "b.zarr"
+
+
+class TestPaths:
+    def test_every_entry_point_takes_a_path(self, runs, tmp_path):
+        """first_nonfinite, first_divergence, find and bundle take a path, as replay does."""
+        a, b = runs
+        rec = replayer.open(a)
+        origin = replayer.first_nonfinite(str(a))
+        assert origin.entered is not None and origin.cause == replayer.first_nonfinite(rec).cause
+        assert replayer.first_divergence(str(a), b).cause == \
+            replayer.first_divergence(rec, replayer.open(b)).cause
+        assert replayer.find(a, "smooth_relu@iter=1", None).index == rec.step("smooth_relu@iter=1").index
+        info = replayer.bundle(str(a), "smooth_relu@iter=1", tmp_path / "f.pdbg")
+        assert len(replayer.open(info.path)) == 1
+
+
+class TestStepsOfAnotherRun:
+    def test_a_step_of_another_recording_is_refused(self, runs, tmp_path):
+        """A Step of run A given with run B is refused in one line, not replayed or bundled from run A."""
+        a, b = runs
+        rec_a, rec_b = replayer.open(a), replayer.open(b)
+        step = rec_a.step(len(rec_a) - 1)
+        assert step.index >= len(rec_b)  # (run B has no such step at all)
+        for call in (lambda: replayer.replay(rec_b, step), lambda: replayer.bundle(rec_b, step, tmp_path / "x.pdbg"),
+                     lambda: rec_b.step(step), lambda: replayer.find(rec_b, None, None, start=step)):
+            with pytest.raises(StepNotFoundError, match=rf"^step {step.index} \(.*\) is a step of .*a\.zarr, not of "
+                                                        r".*b\.zarr: give it with its own recording"):
+                call()
+        assert not (tmp_path / "x.pdbg").exists()
+
+    def test_the_same_run_opened_again_takes_its_steps(self, runs):
+        """The same path opened twice: a step of one is a step of the other (a notebook that reopens a run)."""
+        a, _ = runs
+        first, again = replayer.open(a), replayer.open(a)
+        step = first.step("smooth_relu@iter=0")
+        assert again.step(step) is step
+        assert replayer.replay(again, step).match
+
+
+class TestWrongArguments:
+    def test_step_named_by_something_else(self, runs):
+        """rec.step takes an int, a numpy or 0-d tensor integer, or a selector; anything else is one line."""
+        rec = replayer.open(runs[0])
+        assert rec.step(np.int64(3)).index == rec.step(torch.tensor(3)).index == 3
+        for bad, shown in ((1.5, "float 1.5"), (None, "NoneType None"), (True, "the bool True"), ([1], "list [1]")):
+            with pytest.raises(RecordingError, match=rf"^a step is named by its index \(an int\) or a selector .*"
+                                                     rf"not {re.escape(shown)}$"):
+                rec.step(bad)
+
+    def test_tensor_named_by_something_else(self, runs):
+        """step.tensor and step.why_statistics_only take a record name; another type is one line."""
+        step = replayer.open(runs[0]).step("smooth_relu@iter=0")
+        for bad in (0, None):
+            with pytest.raises(StepNotFoundError, match=r"^a tensor of step \d+ is named by its record name, a str "
+                                                        r"\(it has input:args.0, output:output\), not "):
+                step.tensor(bad)
+        assert step.why_statistics_only("args.0") == step.why_statistics_only(step.records[0])
+        with pytest.raises(StepNotFoundError, match="has no tensor 'args.9'"):
+            step.why_statistics_only("args.9")
+
+    def test_step_table_positions(self, runs):
+        """A position beyond the table is a PdbgError that is an IndexError too; a name is pointed at select."""
+        rec = replayer.open(runs[0])
+        table = rec.steps.filter(name="smooth_relu")
+        assert table[-1].index == table.rows[-1]
+        with pytest.raises(IndexError, match=rf"^position {len(table)} is out of range: the table has {len(table)} "
+                                             rf"steps; a step by its index: rec.step\({len(table)}\)$") as caught:
+            table[len(table)]
+        assert isinstance(caught.value, PdbgError)
+        with pytest.raises(RecordingError, match=r"^a step table is indexed by position .* not str 'smooth_relu'; "
+                                                 r"steps by name: \.select\(SELECTOR\)"):
+            rec.steps["smooth_relu"]
+
+    def test_filter_numbers_given_as_text(self, runs):
+        """filter(iteration="1") is refused, not an empty table."""
+        rec = replayer.open(runs[0])
+        assert len(rec.steps.filter(iteration=np.int64(1))) == len(rec.steps.filter(iteration=1)) > 0
+        for field in ("iteration", "call", "object"):
+            with pytest.raises(RecordingError, match=rf"^filter {field}='1': give an integer \(a str matches no "
+                                                     r"step\)$"):
+                rec.steps.filter(**{field: "1"})
+
+    def test_find_from_a_start_it_does_not_have(self, runs):
+        """A start beyond the recording is refused, named as given, not taken for "nothing after it"."""
+        rec = replayer.open(runs[0])
+        for start in (len(rec) + 10, -5):
+            with pytest.raises(StepNotFoundError, match=rf"^step {start} is out of range"):
+                replayer.find(rec, None, "output.max > 0", start=start)
+
+    def test_threads_that_are_no_thread_count(self, runs):
+        """replay(threads=...) other than a positive int is refused before the replay, in one line."""
+        rec = replayer.open(runs[0])
+        for bad in (0, -3, "2", 2.5, True):
+            with pytest.raises(ReplayError, match=rf"^threads={bad!r}: give a positive number of intra-op threads"):
+                replayer.replay(rec, "smooth_relu@iter=0", threads=bad)
+        threads = torch.get_num_threads()
+        res = replayer.replay(rec, "smooth_relu@iter=0", threads=np.int64(1))
+        assert res.match and torch.get_num_threads() == threads
