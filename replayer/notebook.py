@@ -211,7 +211,9 @@ def step(s: Step) -> str:
             ("status", badge(s.status)), ("time", f"{s.duration * 1e3:.3f} ms"),
             ("inside step", s.parent), ("forward call", s.forward), ("code", where),
             ("exception", _exception(extra.get("exception"))),
-            ("frozen parameters", _frozen(s))]
+            ("frozen parameters", _frozen(s)),
+            ("not tensors", ", ".join(f"{k} ({what})" for k, what in s.non_tensors().items())
+             if s.phase != "backward" else None)]
     notes = [alert_text(a, s) for a in extra.get("alerts") or []] + [str(x) for x in extra.get("notes") or []]
     records = sorted(s.records, key=lambda r: layout.role_value(r.role))
     frozen = set(s.frozen)
@@ -219,13 +221,22 @@ def step(s: Step) -> str:
                     [_tensor_row(r, r.role == "param" and r.name in frozen,
                                  not r.has_payload and s.sparse_parts(r) is not None) for r in records[:TENSORS]],
                     numeric=range(4, 10),
-                    more=len(records) - TENSORS, what="tensors (step.records lists them all)")
+                    more=len(records) - TENSORS, what="tensors (step.records lists them all)") \
+        if records else tag("div", "no tensors", _MUTED)
     title = join([f"Step {s.index} ", code(s.selector), " ", badge(s.status)])
-    name = repr(records[0].name) if records else "NAME"
     magnitudes = magnitudes_note([r.name for r in records[:TENSORS] if r.dtype.startswith("complex")])
     return block(title, fields(rows), listing("alerts and notes", notes), tensors,
-                 tag("div", magnitudes, _MUTED) if magnitudes else None,
-                 hint(f"rec.step({s.index}).tensor({name})", f"replayer.replay(rec, {s.index})"))
+                 tag("div", magnitudes, _MUTED) if magnitudes else None, _step_hint(s, records))
+
+
+def _step_hint(s: Step, records: list[Any]) -> Html:
+    """The calls that work on this step: a tensor's value where one was kept (else why it was not: a
+    stats-mode step's ``tensor`` and ``replay`` would only be refused), and its replay."""
+    held = [r for r in records if s.holds_values(r)]
+    if records and not held:
+        return hint(f"rec.step({s.index}).why_statistics_only({records[0].name!r})")
+    first = [f"rec.step({s.index}).tensor({held[0].name!r})"] if held else []
+    return hint(*first, f"replayer.replay(rec, {s.index})")
 
 
 def _frozen(s: Step) -> str | None:

@@ -51,6 +51,11 @@ class Wide(nn.Module):
         return self.layers(x)
 
 
+@recorder.paper_step("Eq. 10", description="a learning-rate schedule: an int in, a float out, no tensors")
+def schedule(it: int, base: float = 0.1) -> float:
+    return base / (1 + it)
+
+
 def render(name: str, obj: Any) -> str:
     """``obj``'s notebook HTML (kept as a page under $PDBG_NOTEBOOK_REPRS when that is set)."""
     out = obj._repr_html_()
@@ -210,6 +215,24 @@ class TestStep:
         assert len(step.records) == 32 and "... 8 more tensors" in out
         assert out.count("layers.") == 24 - 2  # the input and the output come first
         assert ">stats</span>" in out
+
+    def test_statistics_only_step_points_at_why(self, wide: Path) -> None:
+        """A stats-mode step's summary goes on with why it has statistics only, not with tensor() and
+        replay(), which would only be refused for it."""
+        rec = replayer.open(wide)
+        out = text(render("step_stats", rec.step(0)))
+        assert "go on: rec.step(0).why_statistics_only('args.0')" in out, out
+        assert ".tensor(" not in out and "replayer.replay(" not in out
+        assert rec.step(0).why_statistics_only("args.0").startswith("the run was recorded in stats mode")
+
+    def test_step_without_tensors(self, tmp_path: Path) -> None:
+        """A step given and returning no tensor says so, with what it had instead, and no empty table."""
+        with recorder.record(tmp_path / "run.zarr", mode="full"):
+            schedule(3)
+        step = replayer.open(tmp_path / "run.zarr").step(0)
+        out = text(render("step_no_tensors", step))
+        assert "not tensors args.0 (an int), output (a float) no tensors go on: replayer.replay(rec, 0)" in out, out
+        assert "dtype" not in out and ".tensor(" not in out
 
 
 class TestStepTable:
