@@ -312,8 +312,15 @@ class Replayer:
         if aimed:
             fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
             inner = descendants(fwd)
+            named: dict[tuple[str, int], str] = {}  # (tensor, inner step) -> the key that names it
             for c in aimed:
                 hits = [s for s in inner if intervene.matches(c.step, s, fwd.module_path)]
+                for s in hits:  # a relative and a full module path, a name and a label: one tensor, two changes
+                    other = named.setdefault((c.tensor, s.index), c.key)
+                    if other != c.key:
+                        raise intervene.InterventionError(
+                            f"edit {c.key}: names the tensor edit {other} names ({c.tensor} of step {s.index}, "
+                            f"{_selector_name(s)}#{s.call}); give each tensor one change")
                 if not hits:
                     there = sorted({f"{_selector_name(s)}#{s.call}" for s in inner})
                     raise intervene.InterventionError(

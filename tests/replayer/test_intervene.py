@@ -107,6 +107,22 @@ def test_an_inner_step_is_named_by_its_path_relative_to_the_replayed_module(tmp_
         "blocks.0.softmax#0"]
 
 
+def test_two_keys_naming_one_inner_tensor_are_refused(tmp_path: Path) -> None:
+    """A relative and a full module path (or a step name) naming the same inner tensor, with two changes, are
+    refused before the replay: which of them the step got would depend on their order."""
+    path = tmp_path / "run.zarr"
+    nanmodels.record_masked(path, (1.0, 1.0, 1.0, 1e4))
+    rec = replayer.open(path)
+    for first, second in (("softmax", "blocks.0.softmax"), ("blocks.0.softmax", "NaiveSoftmax#0")):
+        with pytest.raises(InterventionError, match=rf"^edit {second}/args.0: names the tensor edit {first}/args.0 "
+                                                    r"names \(args.0 of step \d+, blocks.0.softmax#0\); give each "
+                                                    r"tensor one change$"):
+            replayer.replay(rec, "blocks.0@iter=3", edit={f"{first}/args.0": "x * 0", f"{second}/args.0": "x"})
+    bad = pdbg_here("replay", str(path), "blocks.0@iter=3", "--edit", "softmax/args.0=x * 0", "--edit",
+                    "blocks.0.softmax/args.0=x", cwd=tmp_path)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "names the tensor" in bad.stderr
+
+
 @recorder.paper_step("Eq. 5 (\u03b1=1.5)")
 def entmax_like(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x * 1.5, -1)
