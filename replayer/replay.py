@@ -149,8 +149,11 @@ class ReplayResult:
                 "unseen_writes": self.unseen_writes}
 
     def __repr__(self) -> str:
-        verdict = "nothing compared" if not self.compared else "match" if self.match else "MISMATCH"
-        return f"<ReplayResult step {self.step.index}: {verdict}, {len(self.outputs)} tensors>"
+        changed = self.intervention is not None  # (said as pdbg replay says it: an edit is meant to differ)
+        verdict = ("nothing compared" if not self.compared else ("NO CHANGE" if changed else "match") if self.match
+                   else "MISMATCH, as the intervention makes it" if changed else "MISMATCH")
+        n = len(self.outputs)
+        return f"<ReplayResult step {self.step.index}: {verdict}, {n} output{'s' if n != 1 else ''} compared>"
 
     def _repr_html_(self) -> str:
         from . import notebook

@@ -120,3 +120,15 @@ class TestWrongArguments:
         threads = torch.get_num_threads()
         res = replayer.replay(rec, "smooth_relu@iter=0", threads=np.int64(1))
         assert res.match and torch.get_num_threads() == threads
+
+
+def test_a_replay_result_says_in_one_line_what_an_intervention_did(runs):
+    """repr(ReplayResult) words a replay as pdbg replay does: an edit that changes the output is no plain
+    MISMATCH, one that changes nothing is NO CHANGE; and it counts outputs, not "1 tensors"."""
+    rec = replayer.open(runs[0])
+    step = rec.step("smooth_relu@iter=0")
+    assert repr(replayer.replay(rec, step)) == f"<ReplayResult step {step.index}: match, 1 output compared>"
+    assert repr(replayer.replay(rec, step, edit={"args.0": "x * 0"})) == \
+        f"<ReplayResult step {step.index}: MISMATCH, as the intervention makes it, 1 output compared>"
+    assert repr(replayer.replay(rec, step, edit={"args.0": "x"})) == \
+        f"<ReplayResult step {step.index}: NO CHANGE, 1 output compared>"
