@@ -303,6 +303,9 @@ class Replayer:
                 names |= {r.name for r in step.tensors("grad_output")} - names
             others = {k: v for k, v in fwd.non_tensors().items() if k != "output"}
             for c in own:
+                role, _, bare = c.tensor.partition(":")  # ROLE:NAME, as step.tensor takes it ("param:fc.weight")
+                if c.tensor not in names and role in ("input", "param", "buffer") and bare in names:
+                    c.tensor = bare
                 kind = others.get(c.tensor)
                 if c.tensor in names or (kind or "").startswith("a numpy ") and not kind.endswith("as data"):
                     continue

@@ -420,6 +420,17 @@ def test_an_intervention_is_reported_as_what_it_did(stack_run: tuple[Path, objec
         "MISMATCH, as an intervention makes it: the replay raised RuntimeError"), raised.stdout
 
 
+def test_an_edit_key_may_name_its_tensor_as_role_and_name(stack_run: tuple[Path, object]) -> None:
+    """``param:fc.weight`` names the tensor ``step.tensor`` reads under it, in an edit too (it was refused,
+    listing ``fc.weight``): the replay is the one ``fc.weight`` gives, bit for bit."""
+    rec = replayer.open(stack_run[0])
+    step = rec.step("Scaled@iter=0#0")
+    by_name = replayer.replay(rec, step, edit={"fc.weight": "x * 0.5", "args.0": "x + 1"})
+    by_role = replayer.replay(rec, step, edit={"param:fc.weight": "x * 0.5", "input:args.0": "x + 1"})
+    assert not by_name.match and by_role.warnings == by_name.warnings == []
+    assert torch.equal(by_role.values["output"].view(torch.int32), by_name.values["output"].view(torch.int32))
+
+
 def test_an_edit_that_changes_a_tensors_shape_or_dtype_says_so(stack_run: tuple[Path, object],
                                                                 tmp_path: Path) -> None:
     """An edit that hands the step a tensor of another shape (a slice) or dtype is applied as given, and
