@@ -329,6 +329,19 @@ class Origin:
         return notebook.origin(self)
 
 
+def _stopped_early(rec: Recording) -> str:
+    """What a clean answer must add where recording stopped while training went on (a full disk, a store
+    deleted or gone: the run ``incomplete``): the steps after it were never looked at, so "no non-finite
+    values recorded" alone would read as a clean run where the NaN came after the recording stopped."""
+    if rec.status != "incomplete":
+        return ""
+    why = (rec.ended_by or "recording failed").rstrip(".")
+    if not len(rec):
+        return f"; recording stopped before any step was committed ({why}), and training went on unrecorded"
+    return (f"; recording stopped early, after iteration {int(_column(rec, 'iteration').max())} ({why}), and "
+            "training went on unrecorded: a NaN/Inf made after that was not looked at")
+
+
 def _across_ranks(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool) -> Origin:
     """``first_nonfinite(all_ranks=True)``: the origin is the first step of any rank (by iteration,
     then wall clock) that produced a non-finite value from finite inputs; what the other ranks saw
@@ -396,6 +409,8 @@ def first_nonfinite(rec: Recording | str | os.PathLike[str], *, ops: bool = Fals
     if all_ranks and len(rec.ranks) > 1:
         return _across_ranks(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
     origin = _first_on_rank(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
+    if not origin.found:
+        origin.cause += _stopped_early(rec)
     rec.known_origin = origin  # a summary of the recording (its notebook repr) shows it without searching
     return origin
 

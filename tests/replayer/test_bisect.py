@@ -4,6 +4,7 @@ part, and conditional search over a recording."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import json
 import math
@@ -11,6 +12,7 @@ import os
 import random
 import shutil
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -465,6 +467,46 @@ def test_a_clean_run(tmp_path: Path) -> None:
     assert res.returncode == 0 and res.stdout.strip() == "no non-finite values recorded"
     doc = json.loads(pdbg("bisect", str(path), "--json", cwd=tmp_path).stdout)
     assert doc["origin"] is None and doc["spread"] == []
+
+
+def test_a_clean_answer_says_recording_stopped_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills up after iteration 1's commit (room for the status only: the run `incomplete`) and a NaN
+    enters the weights at iteration 3: the recorded steps are finite, and the answer says that recording stopped
+    after iteration 1 and why, so a run that went NaN unrecorded does not read as clean (it said "no non-finite
+    values recorded" alone). Exit 0: nothing recorded is to blame."""
+    from recorder.store import backend
+
+    real = backend.put
+
+    def full(store: Any, key: str, data: bytes, **kw: Any) -> None:
+        if not key.endswith(layout.MANIFEST_KEY) and not key.endswith("zarr.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(store, key, data, **kw)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "run.zarr"
+    with warnings.catch_warnings(record=True), recorder.record(path, model=model, optimizer=opt, modules=["**"]):
+        for i in range(5):
+            if i == 2:
+                recorder.flush()
+                monkeypatch.setattr(backend, "put", full)
+            if i == 3:
+                with torch.no_grad():
+                    model.weight[0, 0] = float("nan")
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    monkeypatch.setattr(backend, "put", real)
+    rec = replayer.open(path)
+    assert rec.status == "incomplete" and max(s.iteration for s in rec.steps) == 1
+    cause = replayer.first_nonfinite(rec).cause
+    assert cause.startswith("no non-finite values recorded; recording stopped early, after iteration 1 (the "
+                            "writer failed: "), cause
+    assert "No space left on device" in cause and cause.endswith("a NaN/Inf made after that was not looked at")
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == cause and not res.stderr, res
 
 
 def test_flags_of_old_recordings_are_computed_from_the_statistics(overflow_run: Path, tmp_path: Path) -> None:
