@@ -84,23 +84,32 @@ def run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _unwritten(on_disk: str) -> str:
+    """Where the status the recording was closed with could not be written (a disk with no room left even for
+    the manifest), its manifest still says ``recording`` with this process as its writer: it reads as
+    ``crashed`` once pdbg has exited, as ``pdbg info`` will then say."""
+    return "; that status could not be written: it reads as crashed once pdbg exits" if on_disk == "recording" else ""
+
+
 def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
     """Where the recording is, and the step an exception escaped from (or why none was recorded)."""
     from recorder import collectives
 
     who = collectives.identity()  # under torchrun every rank prints this line: say whose it is
     rank = f"rank {who['rank']} of {who['world_size']}: " if who["world_size"] > 1 else ""
-    steps = result.steps
+    steps, status, unwritten = result.steps, result.status, ""
     if result.status != "complete":  # what is on disk, not what was started (a full disk, a store deleted)
         try:
             from recorder.store.reader import RunReader
 
-            steps = len(RunReader(out).rank(who["rank"]))
+            part = RunReader(out).rank(who["rank"])
+            steps, unwritten = len(part), _unwritten(part.status)
+            status = part.status if not unwritten else status
         except Exception:  # noqa: BLE001 - gone, or unreadable: say so rather than a count
             why = (f"recording stopped: {result.failure}" if result.failure else
                    "it was deleted or damaged while recording")
             return f"{rank}no readable recording in {out} ({result.status}; {why})"
-    text = f"{rank}recording in {out} ({result.status}, {steps} step{'s' if steps != 1 else ''})"
+    text = f"{rank}recording in {out} ({status}, {steps} step{'s' if steps != 1 else ''}{unwritten})"
     died = result.died
     if result.failure:  # said in a warning when it happened, maybe thousands of lines above
         text += f"; recording stopped: {result.failure}"

@@ -701,13 +701,20 @@ print("trained", flush=True)
 def test_pdbg_record_on_a_full_disk_says_the_disk_is_full(tmp_path, mode):
     """On a disk with no room for the first commit, pdbg record's last line did not say why the
     recording was incomplete, and in flight mode it said that the script's process died (exit status
-    0 before the recording was closed) and to record with a larger --keep."""
+    0 before the recording was closed) and to record with a larger --keep. No room is left for the status
+    either, so the recording reads as crashed, as pdbg info then says, and the line says so (it said
+    "incomplete"): in flight mode the child that wrote it is gone; in full mode pdbg is its writer, and the
+    line says that the status could not be written."""
     from tests.cli import pdbg
 
     (tmp_path / "train.py").write_text(FULL_FROM_THE_START)
     res = pdbg("record", "--mode", mode, "-o", "run.zarr", "--", "train.py", cwd=tmp_path)
     assert res.returncode == 0 and "trained" in res.stdout, res.stderr
     last = res.stderr.rstrip().splitlines()[-1]
-    assert last == ("pdbg: recording in run.zarr (incomplete, 0 steps); recording stopped: writer: the disk holding "
+    status = "crashed, 0 steps" if mode == "flight" else \
+        "incomplete, 0 steps; that status could not be written: it reads as crashed once pdbg exits"
+    assert last == (f"pdbg: recording in run.zarr ({status}); recording stopped: writer: the disk holding "
                     "run.zarr is full (No space left on device); free space on it or record to another disk "
                     "(mode='stats' or every=k record less)"), last
+    info = pdbg("info", "run.zarr", cwd=tmp_path)
+    assert info.returncode == 0 and info.stdout.startswith("run.zarr: crashed, 0 steps"), info.stdout
