@@ -78,6 +78,8 @@ class Run:
                                    "block closes it at its end)")
         if not isinstance(path, (str, os.PathLike)) and not hasattr(path, "set"):
             raise RecordingError(f"path must be a directory path or a zarr store, not {type(path).__name__}")
+        if isinstance(path, (str, os.PathLike)) and not os.fspath(path):
+            raise RecordingError(EMPTY_PATH)
         remote = backend.is_url(path)
         local = None if remote or not isinstance(path, (str, os.PathLike)) else Path(backend.local_path(path))
         self.dist = collectives.identity()  # each rank of a distributed run records its own group
@@ -519,6 +521,9 @@ def _pass_signal(handler: Any, signum: int, frame: Any) -> None:
     elif handler != signal.SIG_IGN:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+
+EMPTY_PATH = "the recording's path is empty; give the path of a new directory for it (runs/run.zarr)"
 
 
 def check_free(path: Path, dist: dict[str, Any]) -> None:

@@ -47,8 +47,10 @@ class ScriptResult:
 def check_output(out: str | os.PathLike[str]) -> Path:
     """Refuse an output path that exists with contents, or whose parent cannot be written. The ranks
     of a distributed run (torchrun's RANK and WORLD_SIZE) share one path: each needs its own group free."""
-    from .run import check_free
+    from .run import EMPTY_PATH, check_free
 
+    if not os.fspath(out):
+        raise RecordingError(EMPTY_PATH)
     path = Path(out)
     check_free(path, collectives.identity())
     parent = path.resolve().parent

@@ -869,6 +869,12 @@ class TestPdbgRecord:
         rec = pdbg("record", "-o", str(blocker), "--", str(SCRIPT), "1", cwd=tmp_path)
         assert rec.returncode == 2 and rec.stderr.strip() == (
             f"pdbg: error: {blocker} is a file; give the path of a new directory for the recording")
+        # An empty path was read as the working directory (". already exists and is not empty")
+        empty = "the recording's path is empty; give the path of a new directory for it (runs/run.zarr)"
+        rec = pdbg("record", "-o", "", "--", str(SCRIPT), "1", cwd=tmp_path)
+        assert (rec.returncode, rec.stdout, rec.stderr.strip()) == (2, "", f"pdbg: error: {empty}")
+        with pytest.raises(recorder.RecordingError, match=re.escape(empty)):
+            recorder.record("")
 
     def test_glob_matching_nothing_warns_with_paths(self, tmp_path: Path) -> None:
         """A --modules glob that matches no module: a one-line warning listing the paths that exist."""
