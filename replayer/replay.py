@@ -786,11 +786,12 @@ class Replayer:
 
     # -- preparing a call ------------------------------------------------------------------------
     def _prepare(self, step: Step, warnings: list[str], rebuilt: dict[str, str],
-                 grads: frozenset[str] = frozenset()) -> _Call:
+                 grads: frozenset[str] = frozenset(), backward: Step | None = None) -> _Call:
         """The call of ``step`` ready to run; ``grads``: names of inputs and parameters a backward replay
         takes gradients of, made to require grad even where the recorded call's did not (a forward that
         reentrant checkpointing first ran without grad, its backward recorded from the recomputation) or
-        where the recording does not say (before schema 1.2 every requires_grad was recorded false)."""
+        where the recording does not say (before schema 1.2 every requires_grad was recorded false).
+        ``backward``: the backward step whose replay runs this call again (a refusal names it first)."""
         defn = step.definition
         module_doc = step._doc("module")
         records = step.records
@@ -811,6 +812,10 @@ class Replayer:
                     refused = ReplayError(f"step {step.index} ({step.name}) cannot be replayed: {why}")
                     refused.reason = why  # (the same for each such step: pdbg verify lists them on one line)
                     raise refused
+                if backward is not None:
+                    raise ReplayError(f"backward step {backward.index} ({backward.name}) runs its forward call, "
+                                      f"step {step.index}, again, which kept {step.kept_only(r)}; it cannot be "
+                                      "replayed")
                 raise ReplayError(f"step {step.index} ({step.name}) kept {step.kept_only(r)}; it cannot be replayed")
         tensors = {r.name: r for r in records if r.role == "input"}
         leaves: dict[str, torch.Tensor] = {}
@@ -1584,7 +1589,8 @@ class Replayer:
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}
         call = self._prepare(fwd, warnings, rebuilt,
-                             frozenset(r.name for r in step.records if r.role in ("grad_input", "param_grad")))
+                             frozenset(r.name for r in step.records if r.role in ("grad_input", "param_grad")),
+                             backward=step)
         grad_outputs = {r.name: r for r in step.records if r.role == "grad_output"}
         wanted = [r for r in step.records if r.role in ("grad_input", "param_grad")]
         # Parameter grads recorded as the call's own (schema 1.11): what its graph's uses contributed,

@@ -1011,6 +1011,16 @@ def test_a_step_without_payloads_says_why_it_cannot_be_replayed(tmp_path: Path) 
     error = one_line_error(pdbg_here("replay", str(tmp_path / "stats.zarr"), "Eq. 7", cwd=tmp_path))
     assert "kept statistics only for input args.0 (the run was recorded in stats mode, which keeps statistics only" \
         in error
+    # A backward step's refusal names the forward call it runs again, and why that one (it named step N alone)
+    from tests.replayer import nanmodels
+
+    with recorder.record(tmp_path / "grad.zarr", mode="stats"):
+        nanmodels.smooth_relu(torch.ones(3, requires_grad=True) * 2).sum().backward()
+    grad = replayer.open(tmp_path / "grad.zarr")
+    (back,) = [s for s in grad.steps if s.phase == "backward"]
+    error = one_line_error(pdbg_here("replay", str(tmp_path / "grad.zarr"), str(back.index), cwd=tmp_path))
+    assert error.startswith(f"pdbg: error: backward step {back.index} (smooth_relu) runs its forward call, step "
+                            f"{back.forward}, again, which kept statistics only for input args.0"), error
 
 
 def test_a_step_drawing_from_a_generator_it_is_given_replays(tmp_path: Path) -> None:
