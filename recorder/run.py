@@ -149,6 +149,9 @@ class Run:
         self._collectives = collectives.Recording(self.session.collective, self.session.in_step)
         self._collectives.install()
         self._ended_by: str | None = None  # the signal that closed the recording ("SIGTERM"), if one did
+        # Called with the signal's number once a signal that ends the process has closed the recording, before
+        # the process ends of it (pdbg record, recording in its own process, prints its last line there).
+        self.on_signal_end: Callable[[int], Any] | None = None
         # Last: a signal from here on finds everything its handler uses.
         self._signals = self._catch_signals()
         self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
@@ -385,6 +388,9 @@ class Run:
             else:  # the signal would have ended the process: close the recording, then let it
                 self._ended_by = signal.Signals(signum).name
                 self.close("crashed")
+                if self.on_signal_end is not None:
+                    with contextlib.suppress(Exception):  # (what it says must not keep the process alive)
+                        self.on_signal_end(signum)
         if not passed_on:
             _pass_signal(handler, signum, frame)
         for again in dict.fromkeys(came):  # (where the first ended the process, none of these is reached)

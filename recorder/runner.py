@@ -17,7 +17,7 @@ import shutil
 import sys
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,7 +108,7 @@ def module_target(args: list[str]) -> tuple[Path, str, list[str]]:
 
 def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.PathLike[str], *,
                mode: str = "full", modules: list[str] | None = None, every: int = 1, shared_ring: Any = None,
-               **options: Any) -> ScriptResult:
+               on_signal_end: Callable[[int], Any] | None = None, **options: Any) -> ScriptResult:
     """Run ``script`` with ``args`` as ``__main__`` while recording into ``out``, in this process
     (``recorder.supervise.run_script_in_child`` runs this in a child process).
 
@@ -118,6 +118,8 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
         out: the new recording's directory.
         mode, modules, every, options: as for ``recorder.record``.
         shared_ring: flight mode: a recorder.shmring.SharedRing to hold the ring's bytes in.
+        on_signal_end: called with the signal's number where a signal that ends the process (SIGTERM,
+            SIGHUP) closed the recording, just before the process ends of it: this function does not return then.
 
     Raises RecordingError (before anything runs or is created) for a missing script, an existing or
     unwritable output, or bad options.
@@ -150,6 +152,7 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
         if created and Path(out_path).exists():
             shutil.rmtree(out_path, ignore_errors=True)  # nothing recorded: leave nothing behind
         raise
+    run.on_signal_end = on_signal_end
     if shared_ring is not None:
         run.session.share_ring(shared_ring)
     code, error, exited, defined = 0, None, None, {}

@@ -15,7 +15,8 @@ hard crash of the script (a segfault, abort(), the OOM killer) still writes them
 the child, forwards SIGINT, SIGTERM and SIGHUP to it (not a Ctrl-C or a signal to the process group, which
 the script gets itself), and when it dies without closing the recording, adds
 the payloads the ring held for the steps committed before and marks the run crashed. A script killed
-by signal N exits 128+N, as in a shell. The other modes run the script in pdbg's own process.
+by signal N exits 128+N, as in a shell. The other modes run the script in pdbg's own process: a signal that
+ends it (SIGTERM, SIGHUP) closes the recording, pdbg prints its last line, and the process dies of the signal.
 """
 
 from __future__ import annotations
@@ -76,12 +77,26 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "flight" and supervise.available(args.out):  # a child process; the ring outlives it
         result = supervise.run_script_in_child(args.script, script_args, args.out, **options)
     else:
-        result = run_script(args.script, script_args, args.out, mode=args.mode, **options)
+        result = run_script(args.script, script_args, args.out, mode=args.mode,
+                            on_signal_end=lambda signum: _said_dying(args.out, args.modules, signum), **options)
     sys.stdout.flush()
     if result.traceback_text:
         sys.stderr.write(result.traceback_text)
     print(f"pdbg: {_summary(args.out, result, args.modules)}", file=sys.stderr)
     return result.exit_code
+
+
+def _said_dying(out: str, modules: list[str] | None, signum: int) -> None:
+    """The last line of a script recorded in pdbg's own process that a signal ends (SIGTERM, a scheduler's
+    cancel): said as the recording has closed, since the process then dies of the signal, as flight mode's
+    parent says it of its child."""
+    import signal
+
+    from recorder.runner import ScriptResult
+
+    sys.stdout.flush()
+    ended = ScriptResult(128 + signum, "crashed", 0, died=f"signal {signal.Signals(signum).name}")
+    print(f"pdbg: {_summary(out, ended, modules)}", file=sys.stderr, flush=True)
 
 
 def _unwritten(on_disk: str) -> str:

@@ -217,6 +217,23 @@ class TestHardCrash:
                                            "script was ended by SIGTERM before it recorded anything"]
         assert replayer.open(tmp_path / "run.zarr").ended_by == "SIGTERM"
 
+    @pytest.mark.parametrize("mode", ["full", "stats"])
+    def test_sigterm_in_pdbgs_own_process_prints_the_last_line(self, tmp_path: Path, mode: str) -> None:
+        """Full and stats mode record in pdbg's own process, which SIGTERM ends: pdbg printed no last line
+        there (flight mode's parent does). The recording closes, says so, and the process dies of the signal."""
+        (tmp_path / "late.py").write_text("import os, signal\nimport torch\n"
+                                          "model = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+                                          "for i in range(3):\n    model(torch.randn(2, 4)).sum().backward()\n"
+                                          "os.kill(os.getpid(), signal.SIGTERM)\nprint('not reached')\n")
+        rec = subprocess.run([sys.executable, "-m", "tui.cli", "record", "-o", "run.zarr", "--mode", mode,
+                              "--modules", "*", "--", "late.py"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120, check=False, env=env())
+        assert rec.returncode == -signal.SIGTERM and rec.stdout == "", rec.stderr  # (a shell says 143)
+        steps = len(replayer.open(tmp_path / "run.zarr").steps)
+        assert steps == 6 and rec.stderr.splitlines()[-1] == (
+            "pdbg: recording in run.zarr (crashed, 6 steps); the script's process died (signal SIGTERM)"), rec.stderr
+        assert replayer.open(tmp_path / "run.zarr").ended_by == "SIGTERM"
+
     def test_bad_options_are_one_line_errors(self, tmp_path: Path) -> None:
         """A bad --keep (checked by pdbg) and a bad glob (refused by the recording, in the child):
         exit 2, one line, no traceback, no recording left."""
