@@ -191,9 +191,10 @@ class Replayer:
         """Replay one step (see :func:`replay`). ``around(stage)`` gives a context manager entered around
         the call ("forward"; for a backward step "forward" then "backward" around the gradients)."""
         if threads is not None:
-            if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-                raise ReplayError(f"threads={threads!r:.40}: give a positive number of intra-op threads (an int), or "
-                                  "None for the recorded count")
+            if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or \
+                    not 1 <= threads <= state.MAX_THREADS:
+                raise ReplayError(f"threads={threads!r:.40}: give a number of intra-op threads from 1 to "
+                                  f"{state.MAX_THREADS} (an int), or None for the recorded count")
             threads = int(threads)
         step = self.rec.step(which)
         wrapper = _WRAPPERS.get(str(step.definition.get("ref")))

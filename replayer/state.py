@@ -94,7 +94,7 @@ def _restore_precision(before: dict[str, Any]) -> None:
                 owners[name].fp32_precision = before[name]
 
 
-_MAX_THREADS = 4096  # more than any machine's cores: a recorded count beyond is damage
+MAX_THREADS = 4096  # more than any machine's cores: a recorded count beyond is damage
 
 
 @contextlib.contextmanager
@@ -120,7 +120,7 @@ def applied(settings: dict[str, Any], rng: dict[str, Any], *, threads: int | Non
             value = wanted.get(name)
             if value is None or now.get(name) == value or now.get(name) is None:
                 continue
-            if name == "num_threads" and not (isinstance(value, int) and 1 <= value <= _MAX_THREADS):
+            if name == "num_threads" and not (isinstance(value, int) and 1 <= value <= MAX_THREADS):
                 notes.append(f"setting num_threads={str(value)[:40]} is no thread count this replay can use; "
                              "not applied")  # (a billion threads is a billion stacks: the process dies)
                 continue

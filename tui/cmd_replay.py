@@ -712,8 +712,10 @@ def _nonfinite_change(inner: Any) -> str:
 
 
 def _check_threads(threads: int | None) -> None:
-    if threads is not None and threads < 1:
-        raise PdbgError(f"--threads must be a positive integer, not {threads}")
+    from replayer.state import MAX_THREADS
+
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise PdbgError(f"--threads must be an integer from 1 to {MAX_THREADS}, not {threads}")
 
 
 # -- verify --------------------------------------------------------------------------------------
