@@ -479,7 +479,12 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
             return _opaque(value)
         return {"$object": {"type": type_ref(value), "fields": {n: sub(n, v) for n, v in list(state.items())}}}
 
-    return enc(value, "", 0)
+    try:
+        return enc(value, "", 0)
+    finally:
+        # The three call one another through their closures: a reference cycle, which would keep ``tensor_name``
+        # (the recorder's, holding the step's call: its module, its tensors) alive until a garbage collection.
+        enc = leaf = container = None  # type: ignore[assignment]
 
 
 # Where torch's tensor math lives: the functions a module may keep as an attribute (an activation).
@@ -692,7 +697,10 @@ def nonfinite(doc: Any, path: str = "") -> list[NonFinite]:
             go(payload.get("args"), f"{where}.args" if where else "args")
             go(payload.get("kwargs"), f"{where}.kwargs" if where else "kwargs")
 
-    go(doc, path)
+    try:
+        go(doc, path)
+    finally:
+        go = None  # type: ignore[assignment]  # (it calls itself through its closure: a cycle)
     return found
 
 

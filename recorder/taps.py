@@ -538,10 +538,13 @@ def argument_places(args: tuple[Any, ...], kwargs: dict[str, Any], nested_leaves
             walk(item, (*keys, key), f"{path}.{key}")
         active.discard(id(value))
 
-    for i, a in enumerate(args):
-        walk(a, ("args", i), f"args.{i}")
-    for k, v in kwargs.items():
-        walk(v, ("kwargs", k), f"kwargs.{k}")
+    try:
+        for i, a in enumerate(args):
+            walk(a, ("args", i), f"args.{i}")
+        for k, v in kwargs.items():
+            walk(v, ("kwargs", k), f"kwargs.{k}")
+    finally:
+        walk = None  # type: ignore[assignment]  # (it calls itself: a cycle that would keep the tensors)
     taken = [(keys, path, t) for keys, path, t in found
              if wants_tap(t) and (nested_leaves or len(keys) == 2 or not t.is_leaf)]
     return [(keys, t) for keys, _, t in taken], frozenset(path for _, path, _ in taken)
@@ -668,7 +671,10 @@ def _followed(output: Any) -> list[tuple[tuple[Any, ...], str, torch.Tensor]]:
             walk(item, (*keys, key), f"{path}.{key}" if path else str(key))
         active.discard(id(value))
 
-    walk(output, (), "")
+    try:
+        walk(output, (), "")
+    finally:
+        walk = None  # type: ignore[assignment]  # (it calls itself: a cycle that would keep the outputs)
     return found
 
 
@@ -789,7 +795,10 @@ def _meet(a: torch.Tensor, b: torch.Tensor) -> bool:
         low, high = -(nb - 1), na - 1
         return any(low <= k <= high and solve(rest - k * stride, d + 1)
                    for k in {rest // stride, rest // stride + 1} if stride)
-    return solve(b.storage_offset() - a.storage_offset(), 0)
+    try:
+        return solve(b.storage_offset() - a.storage_offset(), 0)
+    finally:
+        solve = None  # type: ignore[assignment]  # (it calls itself through its closure: a cycle)
 
 
 def output_slots(output: Any) -> list[tuple[Any, torch.Tensor]]:
