@@ -333,7 +333,7 @@ def _stopped_early(rec: Recording) -> str:
     """What a clean answer must add where recording stopped while training went on (a full disk, a store
     deleted or gone: the run ``incomplete``): the steps after it were never looked at, so "no non-finite
     values recorded" alone would read as a clean run where the NaN came after the recording stopped."""
-    if rec.status != "incomplete":
+    if rec.rank.status != "incomplete":  # (this rank's: another rank's full disk is its own)
         return ""
     why = (rec.ended_by or "recording failed").rstrip(".")
     if not len(rec):
@@ -363,7 +363,9 @@ def _across_ranks(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool)
         ended = [o for o in found.values() if o.ended_by is not None]  # made outside the steps, a rank died of it
         if ended:
             return ended[0]
-        return Origin(None, f"no non-finite values recorded on any of the {len(found)} ranks")
+        stopped = "".join(f"; rank {r}: {note.removeprefix('; ')}" for r in rec.ranks
+                          for note in [_stopped_early(recs[r])] if note)
+        return Origin(None, f"no non-finite values recorded on any of the {len(found)} ranks{stopped}")
     origin = min(pool, key=when)
     origin.others = {r: o for r, o in found.items() if o is not origin and o.found}
     for r, other in origin.others.items():

@@ -107,7 +107,7 @@ class Recording:
     def ended_by(self) -> str | None:
         """Why this rank's recording is not ``complete``, in a few words ("SystemExit: 3", "SIGTERM",
         the writer's failure...); None when it is, or while it records."""
-        if self.status in ("complete", "recording"):
+        if self.rank.status in ("complete", "recording"):
             return None
         final = self.rank.final
         for key, what in (("writer_error", "the writer failed"), ("recorder_failure", "recording failed")):

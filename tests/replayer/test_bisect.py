@@ -509,6 +509,45 @@ def test_a_clean_answer_says_recording_stopped_early(tmp_path: Path, monkeypatch
     assert res.returncode == 0 and res.stdout.strip() == cause and not res.stderr, res
 
 
+def test_a_clean_answer_over_ranks_names_the_rank_whose_recording_stopped_early(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks (torchrun's environment), rank 1's disk full after iteration 1: the answer over every rank
+    says that rank 1's recording stopped early, and not rank 0's, which closed complete (it said neither; and a
+    rank's ``ended_by`` read the run's status, so rank 0 read as stopped too)."""
+    from recorder.store import backend
+
+    real = backend.put
+
+    def full(store: Any, key: str, data: bytes, **kw: Any) -> None:
+        if not key.endswith(layout.MANIFEST_KEY) and not key.endswith("zarr.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(store, key, data, **kw)
+
+    path = tmp_path / "run.zarr"
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True), recorder.record(path, model=model, optimizer=opt, modules=["**"]):
+            for i in range(4):
+                if i == 2 and rank == 1:
+                    recorder.flush()
+                    monkeypatch.setattr(backend, "put", full)
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        monkeypatch.setattr(backend, "put", real)
+    rec = replayer.open(path)
+    assert [rec.of_rank(r).rank.status for r in (0, 1)] == ["complete", "incomplete"]
+    assert rec.of_rank(0).ended_by is None and "No space left on device" in rec.of_rank(1).ended_by
+    cause = replayer.first_nonfinite(rec, all_ranks=True).cause
+    assert cause.startswith("no non-finite values recorded on any of the 2 ranks; rank 1: recording stopped early, "
+                            "after iteration 1 (the writer failed: ") and "rank 0" not in cause, cause
+
+
 def test_flags_of_old_recordings_are_computed_from_the_statistics(overflow_run: Path, tmp_path: Path) -> None:
     """A recording made before steps/flags (schema 1.0, 1.1, the first 1.2) gets the same bits from its tensor
     statistics, its alerts aside (a status of their own then), and the same origin."""
