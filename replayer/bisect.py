@@ -2170,13 +2170,87 @@ class _Prints:
         array, a float a step returns), which no tensor record holds, with tensors by record name
         (compared as records); an address in the repr of a value not recorded as data masked (a default
         repr differs between runs of the same code)."""
-        doc_id = int(step._col("output"))
+        return self._data_text(int(step._col("output")))
+
+    def _data_text(self, doc_id: int) -> str:
         if doc_id not in self._data:
             text = json.dumps(self.rec.rank.doc(doc_id), sort_keys=True)
             if '"$opaque"' in text:
                 text = json.dumps(_masked(self.rec.rank.doc(doc_id)), sort_keys=True)
             self._data[doc_id] = text
         return self._data[doc_id]
+
+    def result_keys(self, codes: dict[Any, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Per step, a key of what ``_parts`` compares as its results, from whole columns: steps whose keys are
+        equal have equal results (their tensor records' role, name, dtype, shape, statistics and, where kept,
+        payload hash, in order, and a forward step's output document), so only steps whose keys differ need
+        their records read one by one. Steps with a sparse tensor's parts (compared by the parts' bytes) get a
+        key of their own, never equal to another's. ``codes`` numbers texts alike for both runs.
+        Returns (per step two uint64 words, per step whether it holds sparse parts)."""
+        rec, n = self.rec, len(self.start)
+        keys = np.zeros((n, 2), np.uint64)
+        sparse = np.zeros(n, bool)
+        phase = _column(rec, "phase").astype(np.int64)
+        forward = np.flatnonzero(phase == 0)
+        if len(forward):
+            ids = _column(rec, "output")[forward].astype(np.int64)
+            uniq, inverse = np.unique(ids, return_inverse=True)
+            texts = np.array([codes.setdefault(("data", self._data_text(int(i))), len(codes)) for i in uniq],
+                             dtype=np.uint64)
+            keys[forward, 0] = texts[inverse.reshape(-1)]
+        roles = self.view.roles.astype(np.int64)
+        if not len(roles) or not n:
+            return keys, sparse
+        rank = rec.rank
+        steps = self.view.steps.astype(np.int64)
+        sparse[steps[roles == _COMPONENT]] = True
+        result_roles = [np.isin(roles, [layout.ROLES.index(r) for r in _RESULTS[p]]) for p in layout.PHASES]
+        row_phase = np.where((steps >= 0) & (steps < n), phase[np.clip(steps, 0, max(n - 1, 0))], -1)
+        result = np.zeros(len(roles), bool)
+        for number, mask in enumerate(result_roles):
+            result |= mask & (row_phase == number)
+        rows = np.flatnonzero(result)
+        if not len(rows):
+            return keys, sparse
+
+        def coded(column: str, kind: str) -> np.ndarray:
+            ids = np.asarray(rank.column(f"tensors/{column}"))[rows].astype(np.int64)
+            uniq, inverse = np.unique(ids, return_inverse=True)
+            out = np.array([codes.setdefault((kind, str(rank.doc(int(i)))), len(codes)) for i in uniq], np.uint64)
+            return out[inverse.reshape(-1)]
+
+        ndim = np.asarray(rank.column("tensors/ndim"))[rows].astype(np.int64)
+        first = np.asarray(rank.column("tensors/dims_start"))[rows].astype(np.int64)
+        shape = ndim.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        if ndim.sum():
+            dims = np.asarray(rank.column("dims/values")).astype(np.int64)
+            owner = np.repeat(np.arange(len(rows)), ndim)
+            at = np.arange(len(owner)) - np.repeat(np.cumsum(ndim) - ndim, ndim)
+            with np.errstate(over="ignore"):
+                np.add.at(shape, owner, dims[first[owner] + at].astype(np.uint64) * _powers(at + 1))
+        content = np.where(self.exact[rows, None], self.content[rows], np.uint64(0))
+        words = np.stack([roles[rows].astype(np.uint64), coded("name", "name"), coded("dtype", "dtype"), shape,
+                          self.stats[rows, 0], self.stats[rows, 1], content[:, 0], content[:, 1]], axis=1)
+        place = rows - self.start[steps[rows]].astype(np.int64)  # (its place among its step's records)
+        with np.errstate(over="ignore"):
+            for word in range(2):
+                mixed = np.bitwise_xor.reduce(words * _MIX[word], axis=1) * _powers(place + 2 + word)
+                np.add.at(keys[:, word], steps[rows], mixed)
+            counts = np.bincount(steps[rows], minlength=n).astype(np.uint64)
+            keys[:, 1] ^= counts * np.uint64(0xD6E8FEB86659FD93)
+        return keys, sparse
+
+
+_MIX = (np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5,
+                  0x94D049BB133111EB, 0xBF58476D1CE4E5B9, 0xD6E8FEB86659FD93, 0xA0761D6478BD642F], dtype=np.uint64),
+        np.array([0xA0761D6478BD642F, 0xE7037ED1A0B428DB, 0x8EBC6AF09C88C6E3, 0x589965CC75374CC3,
+                  0x1D8E4E27C47D124F, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x2545F4914F6CDD1D], dtype=np.uint64))
+
+
+def _powers(exponents: np.ndarray) -> np.ndarray:
+    """An odd multiplier per position (a different one for each), so that records in another order key otherwise."""
+    with np.errstate(over="ignore"):
+        return (exponents.astype(np.uint64) * np.uint64(0x9FB21C651E98DF25)) | np.uint64(1)
 
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
@@ -2331,11 +2405,28 @@ class _Aligned:
     module_b: np.ndarray
     a: np.ndarray  # per step of run A: its step in run B, or -1
     b: np.ndarray  # per step of run B: its step in run A, or -1
+    maybe: np.ndarray | None = None  # per step of run A: whether its results may differ from its pair's (_may_differ)
 
     def side(self, other: bool) -> tuple[Recording, np.ndarray, np.ndarray, np.ndarray]:
         """Run A's (``other`` False) or run B's recording, keys, module flags and pairs."""
         return (self.rec_b, self.keys_b, self.module_b, self.b) if other else \
             (self.rec_a, self.keys_a, self.module_a, self.a)
+
+
+def _may_differ(al: _Aligned, pa: _Prints, pb: _Prints) -> np.ndarray:
+    """Per step of run A: whether its results may differ from those of its step in run B (False where it has
+    none), from both runs' whole columns (``_Prints.result_keys``): the pairs whose results ``_parts`` would
+    find equal are passed over without reading their records, which on a long run that agrees for most of its
+    length is nearly every step."""
+    if al.maybe is None:
+        codes: dict[Any, int] = {}
+        (keys_a, sparse_a), (keys_b, sparse_b) = pa.result_keys(codes), pb.result_keys(codes)
+        maybe = np.zeros(len(al.a), bool)
+        paired = np.flatnonzero(al.a >= 0)
+        other = al.a[paired]
+        maybe[paired] = (keys_a[paired] != keys_b[other]).any(axis=1) | sparse_a[paired] | sparse_b[other]
+        al.maybe = maybe
+    return al.maybe
 
 
 def _one_step(rec: Recording) -> bool:
@@ -2392,18 +2483,19 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
     pa, pb = _Prints(rec_a), _Prints(rec_b)
     root: dict[int, str] = {}
     result = Divergence(None, None, "", compared=common)
-    last = (-1, -1)  # the last pair of aligned steps before the one looked at
+    paired = np.flatnonzero(al.a >= 0)
     at: tuple[int, int] | None = None  # the first pair whose results differ
     parts: tuple[Any, ...] = ()
-    for i in np.flatnonzero(al.a >= 0).tolist():
+    for k in np.flatnonzero(_may_differ(al, pa, pb)[paired]).tolist():  # (k: the pair's place among the pairs)
+        i = int(paired[k])
         j = int(al.a[i])
-        sa, sb = rec_a.step(i), rec_b.step(j)
-        parts = (_parts(pa, sa), _parts(pb, sb))
-        if parts[0][2] == parts[1][2]:
-            last = (i, j)
-            continue
-        at = (i, j)
-        break
+        parts = (_parts(pa, rec_a.step(i)), _parts(pb, rec_b.step(j)))
+        if parts[0][2] != parts[1][2]:
+            at = (i, j)
+            break
+    else:
+        k = len(paired)
+    last = (int(paired[k - 1]), int(al.a[paired[k - 1]])) if k else (-1, -1)  # the last pair before ``at``
     inputs_differ = at is not None and parts[0][0] != parts[1][0]
     unseen: list[str] = []  # sparse inputs the same by their statistics, where the results first differ
     alone = _first_unpaired(al, at, last if inputs_differ else None)
@@ -2691,7 +2783,7 @@ def _followers(al: _Aligned, after: int, pa: _Prints, pb: _Prints) -> list[Step]
     (the first forward given the same batch after the optimizer stepped with other values: its parameters
     differ, its arguments do not)."""
     found: list[Step] = []
-    for i in np.flatnonzero(al.a >= 0).tolist():
+    for i in np.flatnonzero(_may_differ(al, pa, pb)).tolist():
         if i <= after:
             continue
         sa, sb = al.rec_a.step(i), al.rec_b.step(int(al.a[i]))

@@ -3698,3 +3698,82 @@ def test_a_warning_torch_raises_while_ops_replays_a_step_names_the_users_line(tm
     assert origin.op is not None and origin.op.name == "aten::std_mean", origin.op_note
     told = [(w.filename, w.lineno) for w in caught if "degrees of freedom" in str(w.message)]
     assert told and set(told) == {(__file__, line_of(utterance_cmvn, "torch.std_mean"))}, told
+
+
+@recorder.paper_step("Eq. 9", description="the features as a matrix")
+def _as_matrix(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x.reshape(rows, -1)
+
+
+def _record_long(path: Path, iterations: int, rows_at: dict[int, int] | None = None,
+                 scale_at: int | None = None) -> replayer.Recording:
+    """A small model trained ``iterations`` times: two recorded Linears and ``_as_matrix``, which returns its
+    features as 2 rows, or as ``rows_at[i]`` rows in iteration i (the same bytes and statistics, another shape);
+    ``scale_at``: the first Linear's weights doubled at the start of that iteration (outside every step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with recorder.record(path, model=model, optimizer=opt, modules=["0", "1"]):
+        for i in range(iterations):
+            if i == scale_at:
+                with torch.no_grad():
+                    model[0].weight.mul_(2.0)
+            x = torch.randn(3, 4)
+            loss = model(x).sum() + _as_matrix(x, (rows_at or {}).get(i, 2)).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return replayer.open(path)
+
+
+def _step_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The steps whose tensor records are read one by one (``RankReader.tensor_records``), as they are."""
+    from recorder.store.reader import RankReader, TensorRecord
+
+    reads: list[int] = []
+    real = RankReader.tensor_records
+
+    def counted(self: RankReader, step: int) -> list[TensorRecord]:
+        reads.append(step)
+        return real(self, step)
+
+    monkeypatch.setattr(RankReader, "tensor_records", counted)
+    return reads
+
+
+def test_a_divergence_late_in_a_long_run_reads_the_records_of_the_steps_that_differ_not_of_every_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs that agree for most of their length: first_divergence (pdbg bisect --against, the TUI's d) read
+    the tensor records of every step before the first difference one step at a time, in both runs (~1 ms a step:
+    39 s for a 36,000-step run, minutes for a long one); the steps whose results are the same by the whole columns
+    are passed over, and the answer is the same."""
+    a = _record_long(tmp_path / "a.zarr", 40)
+    b = _record_long(tmp_path / "b.zarr", 40, scale_at=35)
+    same = _record_long(tmp_path / "same.zarr", 40)
+    reads = _step_reads(monkeypatch)
+    div = replayer.first_divergence(a, b)
+    assert div.step is not None and div.step.index == div.first_difference.index, div.cause
+    assert (div.step.module_path, div.step.iteration, div.step.phase) == ("0", 35, "forward"), div.cause
+    assert "same inputs, but weight differs" in div.cause and len(div.followed) > 1, div.cause
+    first = div.first_difference.index
+    assert reads and min(reads) >= first - 1, (first, sorted(set(reads))[:10])
+    assert len(set(reads)) < len(a) // 4, (len(set(reads)), len(a))
+    reads.clear()
+    none = replayer.first_divergence(a, same)
+    assert none.first_difference is None and none.cause.startswith("no divergence"), none.cause
+    assert not reads, sorted(set(reads))[:10]
+
+
+def test_a_long_run_still_parts_where_a_result_has_the_same_bytes_and_statistics_in_another_shape(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steps passed over without reading their records are those whose results are the same by their dtype and
+    shape too: a result of the same bytes and statistics in another shape (a reshape that changed) is where the
+    runs part, late in a long run."""
+    a = _record_long(tmp_path / "a.zarr", 30)
+    b = _record_long(tmp_path / "b.zarr", 30, rows_at={27: 3})
+    reads = _step_reads(monkeypatch)
+    div = replayer.first_divergence(a, b)
+    assert div.step is not None, div.cause
+    assert (div.step.name, div.step.iteration, div.step.phase) == ("_as_matrix", 27, "forward"), div.cause
+    assert div.step.tensor("output").shape == (2, 6) and div.other.tensor("output").shape == (3, 4)
+    assert len(set(reads)) < len(a) // 4, (len(set(reads)), len(a))
