@@ -423,6 +423,7 @@ class Session:
         # The backward passes under way, outermost first: the thread that began each and the nodes it begins
         # at (None: not told), given by run._BackwardCalls (see _went_through)
         self._roots: list[tuple[int, tuple[Any, ...] | None]] = []
+        self._in_order: dict[int, Callable[[], None]] = {}  # id(a pass's roots entry) -> what undoes its hooks
         # id(module) -> (weak reference, state key, document, the generator objects it holds: _module_entry):
         # weak, so that modules made anew at every call (and their parameters) are not kept alive by the recording.
         self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], tuple[Any, ...], dict[str, Any],
@@ -2209,14 +2210,26 @@ class Session:
         """A backward pass begins at ``roots``, what autograd's engine was given (run._BackwardCalls);
         returns what ``pass_ended`` is given when it is over."""
         began = (threading.get_ident(), taps.root_nodes(roots))
+        undo = None
+        if began[1] and self.enabled and not self.closed:
+            try:
+                with quiet():
+                    undo = taps.order_uses(began[1])
+            except Exception as exc:
+                self.fail("ordering the uses of tapped tensors", exc)
         with self.lock:
             self._roots.append(began)
+            if undo is not None:
+                self._in_order[id(began)] = undo
         return began
 
     def pass_ended(self, began: tuple[int, tuple[Any, ...] | None]) -> None:
         """The backward pass ``pass_began`` returned ``began`` for is over (or raised)."""
         with self.lock:
             self._roots = [r for r in self._roots if r is not began]
+            undo = self._in_order.pop(id(began), None)
+        if undo is not None:
+            undo()
 
     def _went_through(self, link: BackwardLink) -> bool:
         """Whether the backward pass under way, which reached one of ``link``'s parameters while no output tap

@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import functools
 import heapq
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -57,11 +58,17 @@ class _Tap(torch.autograd.Function):
         # ``tensors``: the n tensors tapped, then each ``spares`` times again (edges to pass uses on by)
         ctx.callback, ctx.spares = callback, spares
         ctx.apart = None  # per tensor: the edges its uses' contributions go on by (pass_apart); None: summed
+        ctx.known = None  # per tensor: how many uses the walk at the call's end found (pass_apart); None: no walk
+        ctx.ordered = None  # while a pass adds its tensors' uses in order (order_uses): per tensor, their contributions
+        ctx.hooked = False  # whether uses_of found a gradient hook of the call's own on an alias
         ctx.set_materialize_grads(False)
         return tuple(_alias(t) for t in tensors[:len(tensors) // (1 + spares)])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        if ctx.ordered is not None:
+            ctx.callback(tuple(g if own is None else _recorded_total(own) for own, g in zip(ctx.ordered, grads)))
+            return (None, None, *grads, *(None,) * (len(grads) * ctx.spares))
         if ctx.apart is not None:
             return (None, None, *_passed_apart(ctx, grads))
         ctx.callback(grads)
@@ -180,7 +187,11 @@ def tap(tensors: list[torch.Tensor], callback: GradCallback, spares: int = 0) ->
     the edges to each tensor it keeps beyond its own, by which ``pass_apart`` can pass uses on apart."""
     if spares:
         tensors = [*tensors, *(t for t in tensors for _ in range(spares))]
-    return _Tap.apply(callback, spares, *tensors)  # type: ignore[no-any-return]
+    out = _Tap.apply(callback, spares, *tensors)
+    node = out[0].grad_fn
+    if node is not None:
+        node.aliases = [weakref.ref(t) for t in out]  # (a hook the caller puts on one later: see order_uses)
+    return out  # type: ignore[no-any-return]
 
 
 def tap_each(tensors: list[torch.Tensor], callback: GradCallback, rebased: Rebased | None = None,
@@ -363,8 +374,13 @@ def uses_of(nodes: TapNodes) -> Uses:
     each with an empty list per tensor tapped. Not those whose alias has a gradient hook of the call's own
     (``x.register_hook(...)``, ``x.retain_grad()``): the hook sees, and may change, the gradient that reaches
     the tap, which must then be the sum of the uses, passed on as the hook left it."""
-    return {node: [[] for _ in range(len(node.next_functions) // (1 + node.spares))] for node, alias in nodes
-            if not alias._backward_hooks and not alias.retains_grad}
+    found = {}
+    for node, alias in nodes:
+        if alias._backward_hooks or alias.retains_grad:
+            node.hooked = True
+        else:
+            found[node] = [[] for _ in range(len(node.next_functions) // (1 + node.spares))]
+    return found
 
 
 def _first_spare(node: Any) -> int | None:
@@ -393,7 +409,10 @@ def pass_apart(tapped: Uses) -> None:
     post-hook's result: the contribution left out), in the order autograd runs those nodes, and the tap
     sends them on in that order: autograd adds them into the caller's tensor's gradient one by one, among
     its other uses', as it does unrecorded. More uses than the tap's edges are summed as before; a use the
-    walk did not find (a tensor the call kept for later) still goes into the tap's own input, and on."""
+    walk did not find (a tensor the call kept for later) still goes into the tap's own input, and on: a pass
+    through such a use adds them all in order instead (``order_uses``), told by the uses found here (``known``)."""
+    for tap_node, uses in tapped.items():
+        tap_node.known = [len(found) for found in uses]
     if _TASK_ID is None:
         return
     by_node: dict[Any, list[tuple[int, Any, int]]] = {}
@@ -422,7 +441,7 @@ def _divert(places: tuple[tuple[int, Any, int], ...], grads: tuple[torch.Tensor 
     new = list(grads)
     for k, tap_node, i in places:
         g = grads[k]
-        if g is None:
+        if g is None or tap_node.ordered is not None:  # (the pass adds this tensor's uses in order: order_uses)
             continue
         if tap_node.task != task:  # (a pass that did not reach the tap left its contributions behind)
             tap_node.task, tap_node.came = task, [[] for _ in tap_node.apart]
@@ -474,6 +493,120 @@ def _recorded_total(parts: list[torch.Tensor]) -> torch.Tensor | None:
             return _total(parts)
     except Exception:  # noqa: BLE001 - left unrecorded: the contributions themselves go on
         return None
+
+
+
+def order_uses(roots: tuple[Any, ...]) -> Callable[[], None] | None:
+    """Have a backward pass from ``roots`` (``root_nodes``) add the contributions to a tapped tensor's gradient
+    in the order its uses run, as autograd adds them unrecorded, where a tap's uses were not all found when its
+    call returned (``pass_apart``'s ``known``): a use made after the call returned (an argument the call kept,
+    a generator over it, an output's every use), or one the walk from the call's outputs did not reach (a
+    result the call returned inside an object no tap reaches). Such uses send their contributions to the tap,
+    which would pass them on only when it runs, summed, among the contributions the caller's other uses of the
+    tensor sent it in the meantime: the gradient (and all upstream of it) would differ in its last bits.
+
+    A walk of the pass's graph finds, for each caller's tensor a tap leads to, every use of it: the caller's
+    own, and the uses of the taps' aliases (through taps of taps: a step inside a step). Where there are two
+    or more and a tap on their way has uses not found before (``_uses_into``), a hook on each using node keeps its contribution, in the order they run, and the last one to run sends
+    their sum, added one by one in that order: what autograd would have summed. The taps on the way send
+    their callbacks the sums of their own uses' contributions (``_Tap.backward``). Returns what undoes the
+    hooks once the pass is over; None where there was nothing to order (or the walk was longer than
+    ``_WALK_LIMIT`` nodes, anomaly mode is on: as before, the taps pass on what they get)."""
+    if torch.is_anomaly_enabled():
+        return None
+    into: dict[tuple[Any, int], list[tuple[Any, int]]] = {}  # (node, input) -> the (node, k) sending to it
+    tap_nodes: list[Any] = []
+    stack = list(roots)
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or type(node) is _ACCUMULATE_GRAD:
+            continue
+        seen.add(node)
+        if len(seen) > _WALK_LIMIT:
+            return None
+        tap_node = type(node) is _TAP_NODE
+        if tap_node:
+            tap_nodes.append(node)
+        own = len(node.next_functions) // (1 + node.spares) if tap_node else None
+        for k, (after, nr) in enumerate(node.next_functions):
+            if after is None or own is not None and k >= own:  # (a tap's spares: none carries a use of its own)
+                continue
+            into.setdefault((after, nr), []).append((node, k))
+            if after not in seen:
+                stack.append(after)
+    if not tap_nodes:
+        return None
+    # (the caller's tensors: a tap's input that is another tap's alias is among the uses of that tap's tensor)
+    targets = {edge for t in tap_nodes for edge in t.next_functions[:len(t.next_functions) // (1 + t.spares)]
+               if edge[0] is not None and (type(edge[0]) is not _TAP_NODE or _hooked(edge[0]))}
+    hooks: dict[Any, list[tuple[int, list[Any], tuple[tuple[Any, int], ...]]]] = {}
+    ordered: list[Any] = []
+    for target in targets:
+        places: list[tuple[Any, int, tuple[tuple[Any, int], ...]]] = []  # (using node, k, the taps on the way)
+        if not _uses_into(into, target, (), places) or len(places) < 2:
+            continue
+        state = [len(places), []]  # the places yet to run, the contributions come
+        for node, k, chain in places:
+            for tap_node, i in chain:
+                if tap_node.ordered is None:
+                    tap_node.ordered = [None] * (len(tap_node.next_functions) // (1 + tap_node.spares))
+                    ordered.append(tap_node)
+                if tap_node.ordered[i] is None:
+                    tap_node.ordered[i] = []
+            hooks.setdefault(node, []).append((k, state, chain))
+    if not hooks:
+        return None
+    handles = [node.register_hook(functools.partial(_in_order, tuple(places))) for node, places in hooks.items()]
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+        for tap_node in ordered:
+            tap_node.ordered = None
+    return undo
+
+
+def _uses_into(into: dict[tuple[Any, int], list[tuple[Any, int]]], edge: tuple[Any, int],
+               chain: tuple[tuple[Any, int], ...], places: list[tuple[Any, int, tuple[tuple[Any, int], ...]]]) -> bool:
+    """Put in ``places`` the uses sending gradients into ``edge`` (a node's input: ``into``), through the taps
+    of ``chain``, a tap's own uses in its place (but for one whose alias is hooked: ``_hooked``). Returns
+    whether a tap on the way has uses its call's end did not find (``pass_apart``'s ``known``)."""
+    senders = into.get(edge, [])
+    unknown = False
+    if chain:
+        known = chain[-1][0].known
+        unknown = known is None or known[chain[-1][1]] != len(senders)
+    for node, k in senders:
+        if type(node) is _TAP_NODE and not _hooked(node) and (node, k) not in chain:
+            unknown = _uses_into(into, (node, k), (*chain, (node, k)), places) or unknown
+        else:
+            places.append((node, k, chain))
+    return unknown
+
+
+def _hooked(node: Any) -> bool:
+    """Whether a tap's alias has a gradient hook (``uses_of``): it must see the sum of its uses."""
+    if node.hooked:
+        return True
+    aliases = getattr(node, "aliases", ())
+    return any(a is not None and (a._backward_hooks or a.retains_grad) for a in (ref() for ref in aliases))
+
+
+def _in_order(places: tuple[tuple[int, list[Any], tuple[tuple[Any, int], ...]], ...],
+              grads: tuple[torch.Tensor | None, ...], _outputs: Any) -> tuple[torch.Tensor | None, ...]:
+    """A using node's post-hook (``order_uses``): keep each contribution it sends a tapped tensor, for the
+    taps on its way and the sum, sent on by the last of the tensor's uses to run."""
+    new = list(grads)
+    for k, state, chain in places:
+        g = grads[k]
+        state[0] -= 1
+        if g is not None:
+            state[1].append(g)
+            for tap_node, i in chain:
+                tap_node.ordered[i].append(g)
+        new[k] = _total(state[1]) if state[0] == 0 and state[1] else None
+    return tuple(new)
 
 
 def _accumulate_grad_type() -> type:

@@ -1750,14 +1750,16 @@ class Replayer:
             try:
                 try:
                     inner_leaves = [t for t in tap.leaves if not any(t is x for x in targets)] if tap else []
-                    with _reaching(call.reached):
+                    with _reaching(call.reached), _uses_in_order([_plain(o) for o, _ in pairs],
+                                                                 self._since(layout.ORDERED_USES_SINCE)):
                         grads = torch.autograd.grad([_plain(o) for o, _ in pairs], [*targets, *inner_leaves],
                                                     grad_outputs=[g for _, g in pairs], allow_unused=True,
                                                     create_graph=graphed)[:len(targets)]
                 except RuntimeError as exc:
                     if "use_reentrant=True" not in str(exc) or not all(t.is_leaf for t in targets):
                         raise
-                    grads = _grads_by_backward(pairs, targets, [*params.values(), *call.leaves.values()])
+                    with _uses_in_order([_plain(o) for o, _ in pairs], self._since(layout.ORDERED_USES_SINCE)):
+                        grads = _grads_by_backward(pairs, targets, [*params.values(), *call.leaves.values()])
             except PdbgError:
                 raise
             except Exception as exc:  # noqa: BLE001 - an edited grad output of another shape, a swapped module's own
@@ -2211,6 +2213,20 @@ def _committed(run_info: dict[str, Any]) -> bool:
     says where the repository is not as recorded, ``_repository_changed``)."""
     git = run_info.get("git")
     return isinstance(git, dict) and isinstance(git.get("commit"), str)
+
+
+@contextlib.contextmanager
+def _uses_in_order(outputs: list[torch.Tensor], wanted: bool) -> Iterator[None]:
+    """A replayed backward from ``outputs`` adds the uses of its inner steps' tapped tensors that their ends did
+    not find in the order they run, as the recorder of the recording's schema did (``wanted``: 1.28 or later;
+    taps.order_uses): an outer step's gradients are then the recording's, bit for bit."""
+    roots = taps.root_nodes(outputs) if wanted else None
+    undo = taps.order_uses(roots) if roots else None
+    try:
+        yield
+    finally:
+        if undo is not None:
+            undo()
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.27"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.28"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -117,6 +117,9 @@ SCHEMA_VERSION = "1.27"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 # 1.27: a module skeleton's "computed": the plain tensor attributes that were computed with autograd when it was
 #       built (set on the module by code outside it for the call: AWD-LSTM's WeightDrop), by which a replay of the
 #       module's own step names the enclosing step to replay instead (before, it advised register_buffer)
+# 1.28: no record changed; a backward pass through a use of a tapped tensor that its step's end did not find (an
+#       argument used after the step returned, a result returned inside a plain object) adds that tensor's uses'
+#       gradients in the order they run (recorder.taps.order_uses), so an outer step's gradients hold other bits
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -137,6 +140,7 @@ LEAVES_UNTAPPED_SINCE = (1, 19)  # recordings of this schema or later tapped no 
 USES_APART_SINCE = (1, 21)  # recordings of this schema or later pass an argument's uses in a step on apart
 MORE_SPARES_SINCE = (1, 22)  # ... up to 16 uses of each (before: 4; the rest summed)
 NESTED_LEAVES_SINCE = (1, 23)  # ... and follow the leaves inside container arguments for their gradients
+ORDERED_USES_SINCE = (1, 28)  # ... and add the uses of a tapped tensor their steps' ends did not find in order
 HOOKED_INPUTS_SINCE = (1, 26)  # recordings of this schema or later record a modules= glob's module after its own
 # forward pre-hooks ran (unless a note says otherwise: UNRUN_PRE_HOOKS_NOTE); before, before them
 CHECKSUM_KEY = "checksum"

@@ -5010,6 +5010,7 @@ def _sum_the_uses(monkeypatch: pytest.MonkeyPatch) -> None:
     from recorder import taps
 
     monkeypatch.setattr(taps, "pass_apart", lambda tapped: None)
+    monkeypatch.setattr(taps, "order_uses", lambda roots: None)
 
 
 def _four_uses_apart(monkeypatch: pytest.MonkeyPatch) -> None:
