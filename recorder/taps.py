@@ -510,8 +510,9 @@ def order_uses(roots: tuple[Any, ...]) -> Callable[[], None] | None:
     or more and a tap on their way has uses not found before (``_uses_into``), a hook on each using node keeps
     its contribution, in the order they run, and the last one to run sends their sum, added one by one in that
     order: what autograd would have summed. The taps on the way send their callbacks the sums of their own
-    uses' contributions (``_Tap.backward``). Returns what undoes the hooks once the pass is over; None where there was nothing to order (or the walk was longer than
-    ``_WALK_LIMIT`` nodes, anomaly mode is on: as before, the taps pass on what they get)."""
+    uses' contributions (``_Tap.backward``). Returns what undoes the hooks once the pass is over; None where
+    there was nothing to order (or the walk was longer than ``_WALK_LIMIT`` nodes, anomaly mode is on: as
+    before, the taps pass on what they get)."""
     if torch.is_anomaly_enabled():
         return None
     into: dict[tuple[Any, int], list[tuple[Any, int]]] = {}  # (node, input) -> the (node, k) sending to it
