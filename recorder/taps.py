@@ -556,16 +556,20 @@ def order_uses(roots: tuple[Any, ...]) -> Callable[[], None] | None:
                 if tap_node.ordered[i] is None:
                     tap_node.ordered[i] = []
             hooks.setdefault(node, []).append((k, state, chain))
-    if not hooks:
-        return None
-    handles = [node.register_hook(functools.partial(_in_order, tuple(places))) for node, places in hooks.items()]
+    handles: list[Any] = []
 
     def undo() -> None:
         for handle in handles:
             handle.remove()
         for tap_node in ordered:
             tap_node.ordered = None
-    return undo
+    try:
+        for node, places in hooks.items():
+            handles.append(node.register_hook(functools.partial(_in_order, tuple(places))))
+    except BaseException:
+        undo()  # (a use left unhooked would keep the sum from ever being sent: then none is ordered)
+        raise
+    return undo if hooks else None
 
 
 def _uses_into(into: dict[tuple[Any, int], list[tuple[Any, int]]], edge: tuple[Any, int],
