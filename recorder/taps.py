@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import heapq
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -345,6 +345,21 @@ def goes_through(roots: tuple[Any, ...], since: int, until: int) -> bool | None:
     holds), not only uses of its parameters made after it (an L2 penalty of a weight alone, a jvp of its
     module). The walk back from the roots stops at nodes made before the call, as ``parameter_uses`` does;
     None when it is longer than ``_WALK_LIMIT`` nodes."""
+    def step(node: Any) -> Iterable[Any] | None:
+        nr = node._sequence_nr()
+        if nr < since:
+            return ()
+        if nr < until:
+            return None  # (found: the walk ends)
+        return (after for after, _ in node.next_functions if after is not None)
+
+    return _walk(roots, step)
+
+
+def _walk(roots: tuple[Any, ...], step: Callable[[Any], Iterable[Any] | None]) -> bool | None:
+    """Visit once each node a backward pass from ``roots`` reaches, depth first, but a leaf's AccumulateGrad:
+    ``step(node)`` returns the nodes to go on to from it, or None to end the walk there. Returns True where a
+    step ended it, False where it ran out of nodes, None past ``_WALK_LIMIT`` nodes."""
     stack = list(roots)
     seen: set[Any] = set()
     while stack:
@@ -354,12 +369,10 @@ def goes_through(roots: tuple[Any, ...], since: int, until: int) -> bool | None:
         seen.add(node)
         if len(seen) > _WALK_LIMIT:
             return None
-        nr = node._sequence_nr()
-        if nr < since:
-            continue
-        if nr < until:
+        after = step(node)
+        if after is None:
             return True
-        stack.extend(after for after, _ in node.next_functions if after is not None and after not in seen)
+        stack.extend(a for a in after if a not in seen)
     return False
 
 
@@ -517,26 +530,21 @@ def order_uses(roots: tuple[Any, ...]) -> Callable[[], None] | None:
         return None
     into: dict[tuple[Any, int], list[tuple[Any, int]]] = {}  # (node, input) -> the (node, k) sending to it
     tap_nodes: list[Any] = []
-    stack = list(roots)
-    seen: set[Any] = set()
-    while stack:
-        node = stack.pop()
-        if node in seen or type(node) is _ACCUMULATE_GRAD:
-            continue
-        seen.add(node)
-        if len(seen) > _WALK_LIMIT:
-            return None
+
+    def step(node: Any) -> list[Any]:
         tap_node = type(node) is _TAP_NODE
         if tap_node:
             tap_nodes.append(node)
         own = len(node.next_functions) // (1 + node.spares) if tap_node else None
+        go_on = []
         for k, (after, nr) in enumerate(node.next_functions):
             if after is None or own is not None and k >= own:  # (a tap's spares: none carries a use of its own)
                 continue
             into.setdefault((after, nr), []).append((node, k))
-            if after not in seen:
-                stack.append(after)
-    if not tap_nodes:
+            go_on.append(after)
+        return go_on
+
+    if _walk(roots, step) is None or not tap_nodes:
         return None
     # (the caller's tensors: a tap's input that is another tap's alias is among the uses of that tap's tensor)
     targets = {edge for t in tap_nodes for edge in t.next_functions[:len(t.next_functions) // (1 + t.spares)]
