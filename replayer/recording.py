@@ -914,16 +914,18 @@ class Step:
 
     def record(self, name: str, role: str | None = None) -> TensorRecord:
         """The tensor record ``tensor`` reads, by the same name: its shape, dtype and statistics."""
-        names = ", ".join(f"{r.role}:{r.name}" for r in self.records) or "no tensors"
+        def names() -> str:
+            return ", ".join(f"{r.role}:{r.name}" for r in self.records) or "no tensors"
+
         if not isinstance(name, str) or not isinstance(role, (str, type(None))):
             raise StepNotFoundError(f"a tensor of step {self.index} is named by its record name, a str (it has "
-                                    f"{names}), not {type(name if not isinstance(name, str) else role).__name__}")
+                                    f"{names()}), not {type(name if not isinstance(name, str) else role).__name__}")
         found = [r for r in self.records if r.name == name and (role is None or r.role == role)]
         head, _, rest = name.partition(":")
         if not found and role is None and head in layout.ROLES:  # (a record name may hold ':', "after:bn.x")
             found = [r for r in self.records if r.name == rest and r.role == head]
         if not found:
-            raise StepNotFoundError(f"step {self.index} has no tensor {name!r}; it has {names}{self.others_text()}")
+            raise StepNotFoundError(f"step {self.index} has no tensor {name!r}; it has {names()}{self.others_text()}")
         return found[0]
 
     def non_tensors(self) -> dict[str, str]:
