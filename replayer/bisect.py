@@ -2949,12 +2949,15 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
     differ = sorted(_label(k) for k in set(res_a) | set(res_b) if res_a.get(k) != res_b.get(k))
     changed = sorted(k[1] for k in set(params_a) | set(params_b) if params_a.get(k) != params_b.get(k))
     results = f"{_names(differ)} differ{'s' if len(differ) == 1 else ''}"
-    by_stats = any(not a.exact_with(b) for ours, theirs in ((args_a, args_b), (params_a, params_b))
-                   for k, a in ours.items() if (b := theirs.get(k)) is not None)
+    pairs = [(a, b) for ours, theirs in ((args_a, args_b), (params_a, params_b))
+             for k, a in ours.items() if (b := theirs.get(k)) is not None]
+    by_stats = any(not a.exact_with(b) for a, b in pairs)
+    both = by_stats and any(a.content is None and b.content is None for a, b in pairs)
     sparse = _sparse_by_statistics(sa, parts_a, parts_b) if by_stats else []
     same = (f"inputs with the same statistics (sparse {_names(sparse)}: of {'their' if len(sparse) > 1 else 'its'} "
-            "stored values only, the indices not recorded)" if sparse else "inputs with the same statistics (one run "
-            "kept statistics only: they cannot tell a reordered batch apart)" if by_stats else "same inputs")
+            "stored values only, the indices not recorded)" if sparse else "inputs with the same statistics ("
+            f"{'both runs' if both else 'one run'} kept statistics only: they cannot tell a reordered batch apart)"
+            if by_stats else "same inputs")
     if changed:
         where = (": every recorded step before it matched, so they were changed outside the recorded steps (by the "
                  "optimizer or its settings, such as the learning rate, or at initialisation)" if first else "")

@@ -1569,14 +1569,16 @@ def test_inputs_of_another_dtype_or_shape_are_not_the_same_inputs(tmp_path: Path
 
 def test_inputs_judged_equal_by_their_statistics_are_said_to_be(tmp_path: Path) -> None:
     """A stats-mode run whose batch is the other's reordered: its statistics match, the results do
-    not. The cause says the inputs were compared by statistics, not that they were the same."""
-    a = _record_calls(tmp_path / "a.zarr", [(_weighted, torch.tensor([1.0, 2.0]))], "stats")
+    not. The cause says the inputs were compared by statistics, not that they were the same, and which
+    runs kept statistics only (it said "one run" where both had)."""
     b = _record_calls(tmp_path / "b.zarr", [(_weighted, torch.tensor([2.0, 1.0]))], "stats")
-    div = replayer.first_divergence(a, b)
-    assert div.step is not None and "inputs with the same statistics (one run kept statistics only: they cannot " \
-                                    "tell a reordered batch apart)" in div.cause, div.cause
-    assert "inputs that differ in a way their statistics do not show" in div.cause
-    assert "same inputs" not in div.cause
+    for mode, which in (("stats", "both runs"), ("full", "one run")):
+        a = _record_calls(tmp_path / f"a_{mode}.zarr", [(_weighted, torch.tensor([1.0, 2.0]))], mode)
+        div = replayer.first_divergence(a, b)
+        assert div.step is not None and f"inputs with the same statistics ({which} kept statistics only: they " \
+                                        "cannot tell a reordered batch apart)" in div.cause, div.cause
+        assert "inputs that differ in a way their statistics do not show" in div.cause
+        assert "same inputs" not in div.cause
 
 
 def test_a_step_one_run_has_and_the_other_lacks_is_named(tmp_path: Path) -> None:
