@@ -320,10 +320,16 @@ class Replayer:
             fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
             inner = descendants(fwd)
             named: dict[tuple[str, int], str] = {}  # (tensor, inner step) -> the key that names it
+            # the replayed module's own parameters and buffers edited by their paths (attn.qkv.weight)
+            state = {c.tensor: c.key for c in own if not c.tensor.startswith(("args.", "kwargs.", "grad_output"))}
             for c in aimed:
                 hits = [s for s in inner if intervene.matches(c.step, s, fwd.module_path)]
                 for s in hits:  # a relative and a full module path, a name and a label: one tensor, two changes
                     other = named.setdefault((c.tensor, s.index), c.key)
+                    below = s.module_path[len(fwd.module_path):].lstrip(".") if fwd.module_path else s.module_path
+                    path = f"{below}.{c.tensor}" if below else c.tensor
+                    if other == c.key and not c.tensor.startswith(("args.", "kwargs.")) and path in state:
+                        other = state[path]  # (the step's parameter by its path, and the inner step's by its own)
                     if other != c.key:
                         raise intervene.InterventionError(
                             f"edit {c.key}: names the tensor edit {other} names ({c.tensor} of step {s.index}, "

@@ -123,6 +123,19 @@ def test_two_keys_naming_one_inner_tensor_are_refused(tmp_path: Path) -> None:
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "names the tensor" in bad.stderr
 
 
+def test_a_parameter_named_by_its_path_and_by_its_inner_step_is_refused(stack_run: tuple[Path, object]) -> None:
+    """The replayed step's parameter by its path below it (``first.fc.weight``) and the same parameter as its
+    inner step's (``first/fc.weight``), with two changes: refused before the replay, as two keys naming one
+    inner tensor are (both were applied, in the dict's order)."""
+    rec = replayer.open(stack_run[0])
+    with pytest.raises(InterventionError, match=r"^edit first/fc.weight: names the tensor edit first.fc.weight names "
+                                                r"\(fc.weight of step \d+, .*\); give each tensor one change$"):
+        replayer.replay(rec, "Model@iter=1", edit={"first.fc.weight": "x * 0", "first/fc.weight": "x * 2"})
+    alone = replayer.replay(rec, "Model@iter=1", edit={"first.fc.weight": "x * 1e-3"})
+    inner = replayer.replay(rec, "Model@iter=1", edit={"first/fc.weight": "x * 1e-3"})
+    assert torch.equal(alone.values["output"].view(torch.int32), inner.values["output"].view(torch.int32))
+
+
 @recorder.paper_step("Eq. 5 (\u03b1=1.5)")
 def entmax_like(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x * 1.5, -1)
