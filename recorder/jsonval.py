@@ -642,66 +642,64 @@ def nonfinite(doc: Any, path: str = "") -> list[NonFinite]:
     there are none: a float is finite unless tagged ``$float``, and only float and complex ``$ndarray``
     data are decoded (4,096 values at most)."""
     found: list[NonFinite] = []
-
-    def go(value: Any, where: str) -> None:
-        if isinstance(value, list):
-            for i, v in enumerate(value):
-                go(v, f"{where}.{i}" if where else str(i))
-            return
-        if not isinstance(value, dict):
-            return
-        tag = next(iter(value)) if len(value) == 1 else None
-        if tag is None or not tag.startswith("$"):
-            for k, v in value.items():
-                go(v, f"{where}.{k}" if where else str(k))
-            return
-        payload = value[tag]
-        counted = _float_tag(value)
-        if counted is not None:
-            found.append(NonFinite(where, "float", *counted))
-        elif tag == "$complex" and isinstance(payload, list):
-            parts = [c for c in map(_float_tag, payload) if c is not None]
-            if parts:
-                found.append(NonFinite(where, "complex", int(any(c[0] for c in parts)),
-                                       int(not any(c[0] for c in parts))))
-        elif tag == "$npscalar" and isinstance(payload, dict):
-            inner = nonfinite(payload.get("value"), where)
-            found.extend(dataclasses.replace(f, kind=f"numpy {payload.get('dtype')}") for f in inner)
-        elif tag == "$ndarray" and isinstance(payload, dict):
-            try:
-                dt = np.dtype(payload["dtype"])
-                if dt.kind not in "fc":
-                    return
-                data = np.frombuffer(base64.b64decode(payload["data"]), dtype=dt)
-                nan = int(np.isnan(data).sum())
-                inf = int(np.isinf(data).sum())
-            except (KeyError, TypeError, ValueError):
-                return
-            if nan or inf:
-                shape = ", ".join(str(d) for d in payload.get("shape", []))
-                found.append(NonFinite(where, f"numpy {dt}[{shape}]", nan, inf, int(data.size)))
-        elif tag in ("$tuple", "$list", "$set", "$frozenset", "$slice"):
-            go(payload, where)
-        elif tag in ("$namedtuple", "$dataclass", "$object", "$mapping") and isinstance(payload, dict):
-            for part in ("fields", "attrs"):
-                if isinstance(payload.get(part), dict):
-                    go(payload[part], where)
-            for pair in payload.get("items") or []:
-                if isinstance(pair, list) and len(pair) == 2:
-                    go(pair[1], f"{where}.{pair[0]}" if where else str(pair[0]))
-        elif tag == "$dict" and isinstance(payload, list):
-            for pair in payload:
-                if isinstance(pair, list) and len(pair) == 2:
-                    go(pair[1], f"{where}.{pair[0]}" if where else str(pair[0]))
-        elif tag == "$partial" and isinstance(payload, dict):
-            go(payload.get("args"), f"{where}.args" if where else "args")
-            go(payload.get("kwargs"), f"{where}.kwargs" if where else "kwargs")
-
-    try:
-        go(doc, path)
-    finally:
-        go = None  # type: ignore[assignment]  # (it calls itself through its closure: a cycle)
+    _nonfinite_into(doc, path, found)
     return found
+
+
+def _nonfinite_into(value: Any, where: str, found: list[NonFinite]) -> None:
+    """``nonfinite``'s walk: what ``value``, at ``where``, holds, put in ``found``."""
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _nonfinite_into(v, f"{where}.{i}" if where else str(i), found)
+        return
+    if not isinstance(value, dict):
+        return
+    tag = next(iter(value)) if len(value) == 1 else None
+    if tag is None or not tag.startswith("$"):
+        for k, v in value.items():
+            _nonfinite_into(v, f"{where}.{k}" if where else str(k), found)
+        return
+    payload = value[tag]
+    counted = _float_tag(value)
+    if counted is not None:
+        found.append(NonFinite(where, "float", *counted))
+    elif tag == "$complex" and isinstance(payload, list):
+        parts = [c for c in map(_float_tag, payload) if c is not None]
+        if parts:
+            found.append(NonFinite(where, "complex", int(any(c[0] for c in parts)),
+                                   int(not any(c[0] for c in parts))))
+    elif tag == "$npscalar" and isinstance(payload, dict):
+        inner = nonfinite(payload.get("value"), where)
+        found.extend(dataclasses.replace(f, kind=f"numpy {payload.get('dtype')}") for f in inner)
+    elif tag == "$ndarray" and isinstance(payload, dict):
+        try:
+            dt = np.dtype(payload["dtype"])
+            if dt.kind not in "fc":
+                return
+            data = np.frombuffer(base64.b64decode(payload["data"]), dtype=dt)
+            nan = int(np.isnan(data).sum())
+            inf = int(np.isinf(data).sum())
+        except (KeyError, TypeError, ValueError):
+            return
+        if nan or inf:
+            shape = ", ".join(str(d) for d in payload.get("shape", []))
+            found.append(NonFinite(where, f"numpy {dt}[{shape}]", nan, inf, int(data.size)))
+    elif tag in ("$tuple", "$list", "$set", "$frozenset", "$slice"):
+        _nonfinite_into(payload, where, found)
+    elif tag in ("$namedtuple", "$dataclass", "$object", "$mapping") and isinstance(payload, dict):
+        for part in ("fields", "attrs"):
+            if isinstance(payload.get(part), dict):
+                _nonfinite_into(payload[part], where, found)
+        for pair in payload.get("items") or []:
+            if isinstance(pair, list) and len(pair) == 2:
+                _nonfinite_into(pair[1], f"{where}.{pair[0]}" if where else str(pair[0]), found)
+    elif tag == "$dict" and isinstance(payload, list):
+        for pair in payload:
+            if isinstance(pair, list) and len(pair) == 2:
+                _nonfinite_into(pair[1], f"{where}.{pair[0]}" if where else str(pair[0]), found)
+    elif tag == "$partial" and isinstance(payload, dict):
+        _nonfinite_into(payload.get("args"), f"{where}.args" if where else "args", found)
+        _nonfinite_into(payload.get("kwargs"), f"{where}.kwargs" if where else "kwargs", found)
 
 
 def first_opaque(doc: Any, path: str = "") -> tuple[str, Opaque] | None:

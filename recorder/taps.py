@@ -508,7 +508,6 @@ def _recorded_total(parts: list[torch.Tensor]) -> torch.Tensor | None:
         return None
 
 
-
 def order_uses(roots: tuple[Any, ...]) -> Callable[[], None] | None:
     """Have a backward pass from ``roots`` (``root_nodes``) add the contributions to a tapped tensor's gradient
     in the order its uses run, as autograd adds them unrecorded, where a tap's uses were not all found when its
@@ -669,28 +668,10 @@ def argument_places(args: tuple[Any, ...], kwargs: dict[str, Any], nested_leaves
     inner steps leaves them)."""
     found: list[tuple[tuple[Any, ...], str, torch.Tensor]] = []
     active: set[int] = set()
-
-    def walk(value: Any, keys: tuple[Any, ...], path: str) -> None:
-        if isinstance(value, torch.Tensor):
-            found.append((keys, path, value))
-            return
-        if len(keys) >= _DEPTH + 2 or id(value) in active:
-            return
-        items = _children(value)
-        if items is None or not (_in_place(value, items[0]) or items[0] in _REBUILT):
-            return
-        active.add(id(value))
-        for key, item in items[1]:
-            walk(item, (*keys, key), f"{path}.{key}")
-        active.discard(id(value))
-
-    try:
-        for i, a in enumerate(args):
-            walk(a, ("args", i), f"args.{i}")
-        for k, v in kwargs.items():
-            walk(v, ("kwargs", k), f"kwargs.{k}")
-    finally:
-        walk = None  # type: ignore[assignment]  # (it calls itself: a cycle that would keep the tensors)
+    for i, a in enumerate(args):
+        _tensors_in(a, ("args", i), f"args.{i}", found, active, _DEPTH + 2, in_place=True)
+    for k, v in kwargs.items():
+        _tensors_in(v, ("kwargs", k), f"kwargs.{k}", found, active, _DEPTH + 2, in_place=True)
     taken = [(keys, path, t) for keys, path, t in found
              if wants_tap(t) and (nested_leaves or len(keys) == 2 or not t.is_leaf)]
     return [(keys, t) for keys, _, t in taken], frozenset(path for _, path, _ in taken)
@@ -801,27 +782,27 @@ def _followed(output: Any) -> list[tuple[tuple[Any, ...], str, torch.Tensor]]:
     """Every tensor of a step's output that a tap can reach: (its keys from the top, its path in the
     output document, the tensor); the output itself has keys () and path ""."""
     found: list[tuple[tuple[Any, ...], str, torch.Tensor]] = []
-    active: set[int] = set()
-
-    def walk(value: Any, keys: tuple[Any, ...], path: str) -> None:
-        if isinstance(value, torch.Tensor):
-            found.append((keys, path, value))
-            return
-        if len(keys) >= _DEPTH or id(value) in active:
-            return
-        items = _children(value)
-        if items is None:
-            return
-        active.add(id(value))
-        for key, item in items[1]:
-            walk(item, (*keys, key), f"{path}.{key}" if path else str(key))
-        active.discard(id(value))
-
-    try:
-        walk(output, (), "")
-    finally:
-        walk = None  # type: ignore[assignment]  # (it calls itself: a cycle that would keep the outputs)
+    _tensors_in(output, (), "", found, set(), _DEPTH)
     return found
+
+
+def _tensors_in(value: Any, keys: tuple[Any, ...], path: str, found: list[tuple[tuple[Any, ...], str, torch.Tensor]],
+                active: set[int], depth: int, in_place: bool = False) -> None:
+    """Put in ``found`` every tensor in ``value`` (at ``keys``, ``path``) and in the containers a tap reaches
+    (``_children``; ``in_place``: only those it changes in place or rebuilds, as an argument's), down to
+    ``depth`` keys; ``active``: the containers being walked (one met again is a cycle)."""
+    if isinstance(value, torch.Tensor):
+        found.append((keys, path, value))
+        return
+    if len(keys) >= depth or id(value) in active:
+        return
+    items = _children(value)
+    if items is None or in_place and not (_in_place(value, items[0]) or items[0] in _REBUILT):
+        return
+    active.add(id(value))
+    for key, item in items[1]:
+        _tensors_in(item, (*keys, key), f"{path}.{key}" if path else str(key), found, active, depth, in_place)
+    active.discard(id(value))
 
 
 def output_places(output: Any) -> tuple[list[tuple[Any, torch.Tensor]], frozenset[str], list[torch.Tensor]]:
@@ -933,18 +914,18 @@ def _meet(a: torch.Tensor, b: torch.Tensor) -> bool:
             tuple(max(na, nb) for na, nb in zip(a.shape, b.shape)), a.stride()):
         return True
     dims = sorted(zip(a.stride(), a.shape, b.shape), reverse=True)
-    # An element in both: (i - j) . stride = offset(b) - offset(a), i in a's index box, j in b's.
-    def solve(rest: int, d: int) -> bool:
-        if d == len(dims):
-            return rest == 0
-        stride, na, nb = dims[d]
-        low, high = -(nb - 1), na - 1
-        return any(low <= k <= high and solve(rest - k * stride, d + 1)
-                   for k in {rest // stride, rest // stride + 1} if stride)
-    try:
-        return solve(b.storage_offset() - a.storage_offset(), 0)
-    finally:
-        solve = None  # type: ignore[assignment]  # (it calls itself through its closure: a cycle)
+    return _solvable(dims, b.storage_offset() - a.storage_offset(), 0)
+
+
+def _solvable(dims: list[tuple[int, int, int]], rest: int, d: int) -> bool:
+    """Whether an element is in both (``_meet``): (i - j) . stride = offset(b) - offset(a), i in a's index box,
+    j in b's, over ``dims`` (stride, a's size, b's size) from the ``d``-th on."""
+    if d == len(dims):
+        return rest == 0
+    stride, na, nb = dims[d]
+    low, high = -(nb - 1), na - 1
+    return any(low <= k <= high and _solvable(dims, rest - k * stride, d + 1)
+               for k in {rest // stride, rest // stride + 1} if stride)
 
 
 def output_slots(output: Any) -> list[tuple[Any, torch.Tensor]]:
