@@ -408,15 +408,13 @@ def bundle(rec: Recording | str | os.PathLike[str], step: int | str | Step, path
     script_now = str(Path(moved).resolve()) if moved is not None else rec.run_info.get("script")
     sources, modules = _sources(rec, steps, script_now)
     if isinstance(script_now, str) and _needs_main(steps) and script_now not in sources:
-        missing = not os.path.isfile(script_now)
-        why = "it is not there" if missing else "it could not be read or is too large"
+        why = "is not there" if not os.path.isfile(script_now) else "could not be read or is too large"
         if moved is not None:  # (the path given is the one not there: say so, not to give one)
             raise BundleError(f"step {main.index}'s code was defined in the training script, which the bundle must "
-                              f"carry, but {script_now}, given with --script (script= in Python), "
-                              f"{'is not there' if missing else 'could not be read or is too large'}: give the "
+                              f"carry, but {script_now}, given with --script (script= in Python), {why}: give the "
                               f"path the script recorded as {rec.run_info.get('script')} has now")
         raise BundleError(f"step {main.index}'s code was defined in the training script {script_now}, which the "
-                          f"bundle must carry, but {why}: give the script's path now with --script PATH "
+                          f"bundle must carry, but it {why}: give the script's path now with --script PATH "
                           "(script= in Python)")
     if moved is not None and isinstance(script_now, str) and script_now in sources:
         _check_moved_script(steps, script_now, sources[script_now], rec.run_info.get("script"))
