@@ -34,13 +34,18 @@ class _Parser(argparse.ArgumentParser):
 
     _plain = False  # set while parse_known_intermixed_args runs its two plain passes
 
+    _words: list[str] = []  # the words being parsed, for error()'s hint about values that start with "-"
+
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"pdbg: error: {message} (options: {self.prog} --help)\n")
+        hint = _dash_hint(message, self._words, self._option_string_actions)
+        self.exit(2, f"pdbg: error: {message}{hint} (options: {self.prog} --help)\n")
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
         # argparse fills the positionals it can from the first run of words: an optional one (replay's STEP)
         # is left empty when an option follows RUN, and the STEP after the option is then "unrecognized".
         # Intermixed parsing takes the options first, then the positionals from the words left over.
+        if not self._plain:
+            self._words = [str(w) for w in (sys.argv[1:] if args is None else args)]
         if self._plain or not self._intermixable(args):
             return super().parse_known_args(args, namespace)
         self._plain = True
@@ -56,6 +61,21 @@ class _Parser(argparse.ArgumentParser):
         words = sys.argv[1:] if args is None else list(args)
         nested = any(a.nargs in (argparse.PARSER, argparse.REMAINDER) for a in self._get_positional_actions())
         return not nested and "--" not in words
+
+
+def _dash_hint(message: str, words: list[str], known: Any) -> str:
+    """How to pass a value that argparse took for an option because it starts with "-": ``--against -x.zarr``
+    reads as an option without its value, ``pdbg info -x.zarr`` as an unknown option."""
+    if message.endswith(": expected one argument"):
+        flags = message.split(":")[0].removeprefix("argument ").split("/")
+        for flag, value in zip(words, words[1:]):
+            if flag in flags and value.startswith("-") and value != "--":
+                return f"; a value that starts with '-' is given as {flag}={value}"
+        return ""
+    for w in words:
+        if w.startswith("-") and w.split("=")[0] not in known and ("." in w or "/" in w):
+            return f"; {w} reads as an option: a path that starts with '-' is given as ./{w}"
+    return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # (argparse's own message names the top-level help, not the command's)
         command = f"pdbg {args.command}" if getattr(args, "command", None) else "pdbg"
-        print(f"pdbg: error: unrecognized arguments: {' '.join(unknown)} (options: {command} --help)", file=sys.stderr)
+        message = f"unrecognized arguments: {' '.join(unknown)}"
+        hint = _dash_hint(message, unknown, ())
+        print(f"pdbg: error: {message}{hint} (options: {command} --help)", file=sys.stderr)
         return 2
     handler = getattr(args, "handler", None)
     if handler is None:

@@ -260,3 +260,25 @@ def test_pdbg_record_leaves_the_scripts_streams_as_they_are(tmp_path: Path) -> N
     res = pdbg("record", "-o", "run.zarr", "--modules", "0", "--", "train.py", cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.startswith("raw bytes\ndone "), res.stdout + res.stderr
     assert res.stderr.rstrip().endswith("run.zarr (complete, 2 steps)"), res.stderr
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["bisect", "r.zarr", "--against", "-x.zarr"], "a value that starts with '-' is given as --against=-x.zarr"),
+    (["replay", "r.zarr", "3", "--swap", "-fix.py"], "a value that starts with '-' is given as --swap=-fix.py"),
+    (["replay", "-x.zarr", "3"], "-x.zarr reads as an option: a path that starts with '-' is given as ./-x.zarr"),
+    (["info", "-x.zarr"], "-x.zarr reads as an option: a path that starts with '-' is given as ./-x.zarr"),
+])
+def test_a_value_that_starts_with_a_dash_gets_a_way_to_give_it(argv: list[str], hint: str, capsys) -> None:
+    """`pdbg bisect RUN --against -x.zarr` said only argparse's "expected one argument", and `pdbg info -x.zarr`
+    that RUN was missing: the error now says how to give such a value, in its one line."""
+    try:
+        code = tui.cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and hint in err, err
+
+
+def test_an_unknown_option_gets_no_dash_hint(capsys) -> None:
+    assert tui.cli.main(["replay", "r.zarr", "3", "--bogus"]) == 2
+    assert capsys.readouterr().err == "pdbg: error: unrecognized arguments: --bogus (options: pdbg replay --help)\n"
