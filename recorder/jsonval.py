@@ -341,6 +341,13 @@ _LEAVES: list[tuple[Any, str | None, Callable[[Any], Any]]] = [  # (type, tag or
 ]
 
 
+def int_key_part(key: int) -> str:
+    """The path part of a dict's int key whose text is also one of the dict's string keys (``{1: a, "1": b}``):
+    ``[1]`` (``output.[1]``), so that the two values' records have names of their own (1.29; both were
+    ``output.1`` before). An int key alone is named by its text, as a string key is."""
+    return f"[{key}]"
+
+
 def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int = 32) -> Any:
     """Encode an arbitrary Python value into JSON-compatible data (dict/list/str/int/float/bool/None).
 
@@ -460,7 +467,9 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
                     return mapping
             if all(type(k) is str and k[:1] != "$" and not _SURROGATE.search(k) for k, _ in pairs):
                 return {k: sub(k, v) for k, v in pairs}
-            return {"$dict": [[sub(k, k), sub(k, v)] for k, v in pairs]}
+            texts = {k for k, _ in pairs if type(k) is str}
+            return {"$dict": [[sub(k, k), sub(int_key_part(k) if type(k) is int and str(k) in texts else k, v)]
+                              for k, v in pairs]}
         if isinstance(value, (set, frozenset)):  # sorted by JSON text (as UTF-8, same order): deterministic
             items = sorted((sub(i, v) for i, v in enumerate(value)), key=dumps)
             return {"$frozenset" if isinstance(value, frozenset) else "$set": items}
@@ -694,9 +703,11 @@ def _nonfinite_into(value: Any, where: str, found: list[NonFinite]) -> None:
             if isinstance(pair, list) and len(pair) == 2:
                 _nonfinite_into(pair[1], f"{where}.{pair[0]}" if where else str(pair[0]), found)
     elif tag == "$dict" and isinstance(payload, list):
+        texts = {pair[0] for pair in payload if isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is str}
         for pair in payload:
             if isinstance(pair, list) and len(pair) == 2:
-                _nonfinite_into(pair[1], f"{where}.{pair[0]}" if where else str(pair[0]), found)
+                key = int_key_part(pair[0]) if type(pair[0]) is int and str(pair[0]) in texts else pair[0]
+                _nonfinite_into(pair[1], f"{where}.{key}" if where else str(key), found)
     elif tag == "$partial" and isinstance(payload, dict):
         _nonfinite_into(payload.get("args"), f"{where}.args" if where else "args", found)
         _nonfinite_into(payload.get("kwargs"), f"{where}.kwargs" if where else "kwargs", found)

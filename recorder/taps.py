@@ -38,6 +38,7 @@ from torch.autograd import forward_ad as _forward_ad
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
+from . import jsonval
 from . import payload as payload_mod
 
 # Called with the gradients of the tapped tensors, in their order; a tap of one of several tensors
@@ -748,21 +749,34 @@ def apart(slots: _Slots) -> tuple[_Slots, _Slots]:
     return [s for s in slots if id(s[1]) not in shared], [s for s in slots if id(s[1]) in shared]
 
 
+class _IntKey(int):
+    """A dict's int key whose text is also one of the dict's string keys (``{1: a, "1": b}``): equal to the
+    int and hashed as it (a dict finds its item by it), named ``[1]`` where keys are joined into record names
+    (``output.[1]``, ``args.0.[1]``), as ``jsonval.int_key_part`` names its path (schema 1.29)."""
+
+    def __str__(self) -> str:
+        return jsonval.int_key_part(int(self))
+
+    __repr__ = __str__
+
+
 def _children(value: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
     """A container's items as (kind, [(key, item)]), keyed as recorder.jsonval names their paths:
     plain tuples and lists and torch's return types by index, named tuples and dataclasses by field
     (a dataclass by the fields its ``__init__`` takes: the others are not recorded), dicts and dict
     subclasses (``OrderedDict``, Hugging Face's ``ModelOutput``) by string or int key (a dict of
-    per-scale outputs, ``{0: y0, 1: y1}``), which jsonval names by their text; an int key whose text
-    is also a string key of the dict is left out, as two records of one name would be. None for
+    per-scale outputs, ``{0: y0, 1: y1}``), which jsonval names by their text (an int key whose text
+    is also a string key of the dict as ``[1]``, and so does ``_IntKey``, its key here). None for
     anything else (a tensor, or an object a tap does not rebuild: see ``_rebuild``)."""
     kind = type(value)
     if kind in (tuple, list):
         return "sequence", list(enumerate(value))
     if isinstance(value, dict):  # not a str or int subclass (StrEnum, bool, IntEnum): jsonval names them otherwise
-        pairs = dict.items(value)
-        texts = {k for k, _ in pairs if type(k) is str}
-        return "mapping", [(k, v) for k, v in pairs if type(k) is str or type(k) is int and str(k) not in texts]
+        pairs = [(k, v) for k, v in dict.items(value) if type(k) is str or type(k) is int]
+        if any(type(k) is int for k, _ in pairs):
+            texts = {k for k, _ in pairs if type(k) is str}
+            pairs = [(_IntKey(k) if type(k) is int and str(k) in texts else k, v) for k, v in pairs]
+        return "mapping", pairs
     if isinstance(value, tuple):
         names = getattr(kind, "_fields", None)
         if isinstance(names, tuple) and all(type(n) is str for n in names) and callable(getattr(kind, "_make", None)):

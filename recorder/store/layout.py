@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.28"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.29"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -120,6 +120,8 @@ SCHEMA_VERSION = "1.28"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 # 1.28: no record changed; a backward pass through a use of a tapped tensor that its step's end did not find (an
 #       argument used after the step returned, a result returned inside a plain object) adds that tensor's uses'
 #       gradients in the order they run (recorder.taps.order_uses), so an outer step's gradients hold other bits
+# 1.29: a dict's int key whose text is also one of its string keys is named [1] in record names (output.[1]);
+#       both were output.1 before
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed

@@ -396,3 +396,42 @@ def test_tensors_given_inside_containers_record_their_gradients_and_replay(tmp_p
         assert not any("not followed" in n for n in step.extra.get("notes", [])), step.extra
         result = replayer.replay(rec, step.index)
         assert result.match, (step.index, step.name, step.phase, [d.summary() for d in result.outputs])
+
+
+@recorder.paper_step("Eq. 9", description="a dict with both 1 and '1' as keys, in and out")
+def mixed_keys(parts: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
+    return {1: parts[1] * 2, "1": torch.tanh(parts["1"]) + parts[1]}
+
+
+def _mixed_training(path: Path | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(5))
+    opt = torch.optim.SGD([w], lr=0.1)
+    losses = []
+    with recorder.record(path, optimizer=opt, mode="full") if path else _nothing():
+        for _ in range(2):
+            out = mixed_keys({1: w * 3, "1": w.sin()})
+            loss = out[1].sum() + out["1"].pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().clone())
+    return losses, [w.detach().clone()]
+
+
+def test_a_dicts_int_key_and_its_text_as_a_key_are_recorded_apart(tmp_path: Path) -> None:
+    """``{1: a, "1": b}``: both values were recorded as ``output.1`` (and given as ``args.0.1``), so a replay
+    compared one with the other and said MISMATCH, and the int key's gradient was not followed. The int key is
+    now ``[1]`` in the names (``output.[1]``): both are recorded, followed, and replay bit for bit."""
+    plain = _mixed_training(None)
+    recorded = _mixed_training(tmp_path / "run.zarr")
+    assert _bitwise(plain[0], recorded[0]) and _bitwise(plain[1], recorded[1])
+    rec = replayer.open(tmp_path / "run.zarr")
+    forward, backward = rec.steps[0], rec.steps[1]
+    assert sorted(r.name for r in forward.records) == ["args.0.1", "args.0.[1]", "output.1", "output.[1]"]
+    assert sorted(r.name for r in backward.records if r.role == "grad_output") == ["output.1", "output.[1]"]
+    assert sorted(r.name for r in backward.records if r.role == "grad_input") == ["args.0.1", "args.0.[1]"]
+    for step in rec.steps:
+        assert not any("not followed" in n for n in step.extra.get("notes", [])), step.extra
+        result = replayer.replay(rec, step.index)
+        assert result.match, (step.index, step.phase, [d.summary() for d in result.outputs])
