@@ -2351,6 +2351,7 @@ def _label_and_kind(definition: Any) -> tuple[Any, bool]:
 # The columns of an alignment key (``_keys``); _LABEL numbers the paper label and whether the step is a module's.
 _ITERATION, _PATH, _PHASE, _COUNT, _NAME, _LABEL, _OBJECT, _SEEN = range(8)
 _PLACE = [_ITERATION, _PATH, _PHASE, _NAME, _LABEL, _OBJECT]  # a step's calls in an iteration: the key less its count
+_KIND = _PLACE[1:]  # what a step is, in whatever iteration
 
 
 def _keys(rec: Recording, codes: dict[str, dict[Any, int]], by_path: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -2593,7 +2594,37 @@ def _compared(al: _Aligned, other: bool) -> np.ndarray:
         return np.zeros(0, np.int64)
     stop = int(paired[-1])
     steps = np.flatnonzero((pairs[:stop] < 0) & (keys[:stop, _ITERATION] >= keys[paired[0], _ITERATION]))
+    steps = steps[~_before_start(al, other, steps)]
     return steps[_recorded_there(al, other, steps)]
+
+
+def _before_start(al: _Aligned, other: bool, steps: np.ndarray) -> np.ndarray:
+    """Per step of one run (``other``: run B's), whether it ran before the other run began, where that run
+    starts at a later iteration (a segment resumed from a checkpoint, which never ran them where it was
+    recorded): those of the iterations before its first, and those of its first iteration before the step
+    its first step pairs with, where the segment begins its next iteration with steps of their kinds in that
+    order (``_leads_next``). Work after the optimizer step (an EMA update) is numbered with the next
+    iteration, so that of the checkpointed step is in the segment's first iteration, although it ran before
+    the checkpoint was saved."""
+    keys = al.side(other)[1]
+    _, theirs, _, their_pairs = al.side(not other)
+    start = _span(theirs)[0]
+    before = keys[steps, _ITERATION] < start
+    if start > _span(keys)[0] and len(their_pairs) and their_pairs[0] >= 0:
+        lead = np.flatnonzero(keys[:int(their_pairs[0]), _ITERATION] == start)
+        if len(lead) and _leads_next(theirs, keys[lead]):
+            before |= np.isin(steps, lead)
+    return before
+
+
+def _leads_next(keys: np.ndarray, lead: np.ndarray) -> bool:
+    """Whether a run (its alignment keys: a resumed segment's) begins its second iteration with steps of the
+    kinds of ``lead`` (the other run's keys), in their order, and then a step of the kind of its own first
+    step: the steps that the segment lacks at its start only, which it runs where the other run did."""
+    following = np.flatnonzero(keys[:, _ITERATION] == keys[0, _ITERATION] + 1)
+    kinds = keys[following][:, _KIND]
+    at = np.flatnonzero((kinds == keys[0, _KIND]).all(axis=1))
+    return bool(len(at)) and int(at[0]) == len(lead) and bool((kinds[:len(lead)] == lead[:, _KIND]).all())
 
 
 def _recorded_there(al: _Aligned, other: bool, steps: np.ndarray) -> np.ndarray:
@@ -2804,12 +2835,11 @@ def _names(names: list[str], shown: int = 5) -> str:
 
 def _lacked(al: _Aligned, last: tuple[int, int], at: tuple[int, int], other: bool, before_start: bool) -> list[int]:
     """The steps of one run (``other``: run B's) between the aligned steps ``last`` and ``at`` that the
-    other run lacks: those of iterations before the other run's first (``before_start``: a run resumed
-    from a checkpoint, which never ran them where it was recorded) or those of iterations both recorded."""
-    _, keys, _, pairs = al.side(other)
-    start = _span(al.side(not other)[1])[0]
+    other run lacks: those that ran before the other run began (``before_start``: a run resumed from a
+    checkpoint, which never ran them where it was recorded: ``_before_start``) or the others."""
+    pairs = al.side(other)[3]
     steps = np.flatnonzero(pairs[last[other] + 1: at[other]] < 0) + last[other] + 1
-    return steps[(keys[steps, _ITERATION] < start) == before_start].tolist()
+    return steps[_before_start(al, other, steps) == before_start].tolist()
 
 
 def _unaligned(al: _Aligned, last: tuple[int, int], at: tuple[int, int]) -> str:

@@ -1875,6 +1875,61 @@ def test_a_resumed_run_that_lacks_a_step_it_should_have_run_is_told_that_step(tm
                               "iteration 3 · call 0), which may have made them"), div.cause
 
 
+@recorder.paper_step("Eq. 12", description="EMA teacher update")
+@torch.no_grad()
+def _ema_update(teacher: list[torch.Tensor], student: list[torch.Tensor], m: float) -> None:
+    for t, s in zip(teacher, student):
+        t.lerp_(s, 1 - m)
+
+
+def _record_ema_segment(path: Path, first: int, stop: int, restore_rng: bool = True) -> replayer.Recording:
+    """A training with an EMA teacher updated after each optimizer step (so numbered with the next
+    iteration) and noise from the global RNG added to its batches, recorded from step ``first`` to ``stop`` with
+    start_iteration=``first``: a segment resumed from the checkpoint saved after loop index ``first - 1``, its RNG
+    state restored or not."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.3), torch.nn.Linear(4, 1))
+    teacher = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(i: int) -> None:
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) + 0.01 * torch.randn(3, 4)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        _ema_update(teacher, list(model.parameters()), 0.9)
+
+    for i in range(first):
+        step(i)
+    if not restore_rng:
+        torch.manual_seed(1)
+    with recorder.record(path, model=model, optimizer=opt, modules="*", start_iteration=first):
+        for i in range(first, stop):
+            step(i)
+    return replayer.open(path)
+
+
+def test_a_resumed_run_does_not_lack_the_update_that_ran_after_its_checkpointed_step(tmp_path: Path) -> None:
+    """An EMA update after the optimizer step is numbered with the next iteration: the uninterrupted run's
+    iteration 3 begins with the update of step 2, which ran before the checkpoint, and the run resumed at
+    iteration 3 runs it at the start of its later iterations only. Resumed with everything restored: no
+    divergence (it said the update "ran in the other run only"); without its RNG state: the inputs that differ
+    are named (it said the update may have made them), either way round and from pdbg bisect."""
+    whole = _record_ema_segment(tmp_path / "whole.zarr", 0, 6)
+    resumed = _record_ema_segment(tmp_path / "resumed.zarr", 3, 6)
+    assert whole.step(0).iteration == 0 and resumed.step(0).iteration == 3 and resumed.step(0).name != "_ema_update"
+    for x, y in ((resumed, whole), (whole, resumed)):
+        div = replayer.first_divergence(x, y)
+        assert div.cause.startswith("no divergence: ") and div.unpaired is None, div.cause
+    res = pdbg("bisect", "resumed.zarr", "--against", "whole.zarr", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("no divergence: "), res.stdout
+    lost = _record_ema_segment(tmp_path / "lost.zarr", 3, 6, restore_rng=False)
+    div = replayer.first_divergence(lost, whole)
+    assert div.unpaired is None and div.first_difference is not None and div.first_difference.index == 0
+    assert "its argument input differs, its RNG state at entry differs (torch)" in div.cause, div.cause
+    assert "right before" not in div.cause and "this run resumed at iteration 3 and lacks the other run's " in div.cause
+
+
 def test_two_segments_of_one_run_are_said_to_cover_disjoint_iterations(tmp_path: Path) -> None:
     """Segments of one run before and after a preemption share no iteration: that is said, with their
     iterations (it said to compare two runs of the same model), in one line from pdbg bisect."""
