@@ -961,6 +961,7 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     made[list(wrote)] = True
     if made.any():  # after NaN/Inf came into a step and went on, one made only as far as recorded is no origin
         made &= ~_unseen_after_entry(rec, made, (k.result & ((k.given & ~habit) | k.nan_given)) | through)
+        made &= ~_state_came_inside(rec, k, made)
     went = k.result & ~k.meant()  # (a mask's Inf in the iterations after it is no spread of it)
     if made.any():
         index = _innermost(rec, int(np.flatnonzero(made)[0]), made)
@@ -1237,6 +1238,34 @@ def _unseen_after_entry(rec: Recording, made: np.ndarray, entered: np.ndarray) -
             break
         unseen[index] = True
     return unseen
+
+
+def _state_came_inside(rec: Recording, k: _Kinds, made: np.ndarray) -> np.ndarray:
+    """Per step: among ``made``, up to the first that stays, those enclosing a forward step that found its module's
+    parameters or buffers non-finite when it began (a teacher called by a no-grad wrapper step given the batch
+    alone): the NaN/Inf came in with state that the wrapper's records do not hold, and the step it came into is
+    the answer, which names the wrapper as one that may have written it (``_caller_text``)."""
+    inside = np.zeros(len(made), dtype=bool)
+    phase = _column(rec, "phase")
+    for index in np.flatnonzero(made).tolist():
+        if not any(k.given[j] and phase[j] == 0 and _state_nonfinite(rec.step(j)) for j in subtree(rec, index)):
+            break
+        inside[index] = True
+    return inside
+
+
+def _state_nonfinite(step: Step) -> bool:
+    """Whether a step's module's parameters or buffers held NaN or Inf when the call began."""
+    return any(r.role in ("param", "buffer") and r.nonfinite for r in step.records)
+
+
+def _caller_text(rec: Recording, source: Step) -> str:
+    """Where a module step found its state non-finite: the step that called it, whose code may have written that
+    state before the call (its records do not hold it, as the wrapper's of a teacher given the batch alone), said
+    before "... wrote it" ("" where no step encloses it)."""
+    if source.parent is None:
+        return ""
+    return f"{describe(rec.step(source.parent))}, which called it, or "
 
 
 def _second_order(step: Step) -> bool:
@@ -1570,8 +1599,9 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord,
                 f"not recorded, and are the likely source, through the optimizer update{became}")
     if r.role in ("param", "buffer"):
         return (f"{'parameter' if r.role == 'param' else 'buffer'} {full} was already non-finite when "
-                f"{describe(source)} began ({_counts(rec, r)}): {_writers_text(writers, 'the parameter')}the "
-                f"optimizer update or code outside every recorded step wrote it{since}{became}")
+                f"{describe(source)} began ({_counts(rec, r)}): {_writers_text(writers, 'the parameter')}"
+                f"{_caller_text(rec, source)}the optimizer update or code outside every recorded step wrote it{since}"
+                f"{became}")
     if r.role == "grad_output":
         which = "" if r.name == "output" else f" {r.name.removeprefix('output.')}"
         if senders:  # a later step's backward sent gradients toward arguments no tap followed

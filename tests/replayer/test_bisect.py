@@ -1930,6 +1930,51 @@ def test_a_resumed_run_does_not_lack_the_update_that_ran_after_its_checkpointed_
     assert "right before" not in div.cause and "this run resumed at iteration 3 and lacks the other run's " in div.cause
 
 
+@recorder.paper_step("Eq. 13", description="teacher network")
+class _TeacherNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+_TEACHER: list[_TeacherNet] = []
+
+
+@recorder.paper_step("Eq. 14", description="teacher forward")
+@torch.no_grad()
+def _teacher_forward(x: torch.Tensor) -> torch.Tensor:
+    return _TEACHER[0](x)
+
+
+def test_a_nan_in_a_teacher_called_by_a_wrapper_step_is_said_to_have_come_in_with_its_weights(
+        tmp_path: Path) -> None:
+    """A no-grad wrapper step given the batch alone calls a teacher module whose weight the loop made NaN
+    between steps: the NaN came in with the teacher's parameter, which its step's record holds; the wrapper,
+    which called it, is named as one that may have written it (it was the origin, "from finite inputs")."""
+    torch.manual_seed(0)
+    _TEACHER[:] = [_TeacherNet().requires_grad_(False)]
+    with recorder.record(tmp_path / "run.zarr") as run:
+        for i in range(3):
+            if i == 2:
+                with torch.no_grad():
+                    _TEACHER[0].fc.weight[0, 0] = float("nan")
+            _teacher_forward(torch.randn(2, 4))
+            run.next_iteration()
+    rec = replayer.open(tmp_path / "run.zarr")
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and origin.entered is not None, origin.cause
+    assert origin.entered.name == "_TeacherNet" and origin.entered.iteration == 2, origin.cause
+    wrapper = rec.step(origin.entered.parent)
+    assert wrapper.name == "_teacher_forward"
+    inner, outer = bisect_mod.describe(origin.entered), bisect_mod.describe(wrapper)
+    assert origin.cause.startswith(f"parameter fc.weight was already non-finite when {inner} began (1 NaN of 16)"
+                                   f": {outer}, which called it, or the optimizer update or code "
+                                   "outside every recorded step wrote it"), origin.cause
+
+
 def test_two_segments_of_one_run_are_said_to_cover_disjoint_iterations(tmp_path: Path) -> None:
     """Segments of one run before and after a preemption share no iteration: that is said, with their
     iterations (it said to compare two runs of the same model), in one line from pdbg bisect."""
