@@ -1259,6 +1259,33 @@ def _state_nonfinite(step: Step) -> bool:
     return any(r.role in ("param", "buffer") and r.nonfinite for r in step.records)
 
 
+def _opaque_writers_text(rec: Recording, source: Step, earlier: Step | None) -> str:
+    """Where a module step found its state non-finite: the recorded forward steps since the last call that saw it
+    finite (``earlier``) that were given an argument they could not record (an EMA update given the target module,
+    ``ema_update(target, online, m)``), whose writes to it no record holds, said before "... wrote it" as ones that
+    may have written it ("" for none). Not the steps enclosing ``source``: ``_caller_text`` names its caller."""
+    lo = max(earlier.index if earlier is not None else -1, source.index - _WRITERS_LOOKED_AT)
+    phase, parent = _column(rec, "phase"), _column(rec, "parent")
+    enclosing, up = set(), source.parent
+    while up is not None and 0 <= up < source.index and up not in enclosing:
+        enclosing.add(up)
+        up = int(parent[up])
+    found: list[tuple[Step, str]] = []
+    for index in (np.flatnonzero(phase[lo + 1:source.index] == 0) + lo + 1).tolist():
+        if index in enclosing:
+            continue
+        step = rec.step(index)
+        opaque = unrecorded_arguments(step)
+        if opaque:
+            found.append((step, opaque[0].text()))
+    if not found:
+        return ""
+    (first, what), others = found[0], [f"step {s.index} ({s.name})" for s, _ in found[1:4]]
+    more = f" (or {', '.join(others)}{f' and {len(found) - 4} more' if len(found) > 4 else ''}, also given one)" \
+        if others else ""
+    return f"{describe(first)}, given {what}, which it could not record, may have written it{more}, or "
+
+
 def _caller_text(rec: Recording, source: Step) -> str:
     """Where a module step found its state non-finite: the step that called it, whose code may have written that
     state before the call (its records do not hold it, as the wrapper's of a teacher given the batch alone), said
@@ -1600,8 +1627,8 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord,
     if r.role in ("param", "buffer"):
         return (f"{'parameter' if r.role == 'param' else 'buffer'} {full} was already non-finite when "
                 f"{describe(source)} began ({_counts(rec, r)}): {_writers_text(writers, 'the parameter')}"
-                f"{_caller_text(rec, source)}the optimizer update or code outside every recorded step wrote it{since}"
-                f"{became}")
+                f"{_opaque_writers_text(rec, source, earlier)}{_caller_text(rec, source)}the optimizer update or code "
+                f"outside every recorded step wrote it{since}{became}")
     if r.role == "grad_output":
         which = "" if r.name == "output" else f" {r.name.removeprefix('output.')}"
         if senders:  # a later step's backward sent gradients toward arguments no tap followed
@@ -1817,7 +1844,8 @@ def _forward_only(step: Step) -> bool:
 
 
 def _last_finite_step(rec: Recording, step: Step, role: str, name: str) -> Step | None:
-    """The last earlier call of the same step (name, module path) that saw that tensor finite. The steps searched are
+    """The last earlier call of the same step (name, module path, module object: not a student's call for its EMA
+    teacher's tensor) that saw that tensor finite. The steps searched are
     those that hold such a record: backward steps for grad outputs, grad inputs and parameter grads
     (a forward step never holds one), forward steps for the rest. An input or a grad output is each
     call's own: another call of the same iteration saw another tensor, so only earlier iterations count;
@@ -1827,7 +1855,8 @@ def _last_finite_step(rec: Recording, step: Step, role: str, name: str) -> Step 
     before = (table.column("iteration") < step.iteration if role in ("input", "grad_output")
               else table.column("index") < step.index)
     same = np.flatnonzero((table.column("name") == step.name) & (table.column("module_path") == step.module_path)
-                          & (table.column("phase") == layout.PHASES.index(phase)) & before)
+                          & (table.column("phase") == layout.PHASES.index(phase)) & before
+                          & (rec._object_numbers == rec._object_numbers[step.index]))
     for k in same[::-1][:1000]:
         earlier = rec.step(int(k))
         for r in earlier.records:
