@@ -249,6 +249,8 @@ def _warnings_at_user_line() -> Iterator[None]:
 
 def _tensor_info(t: torch.Tensor) -> dict[str, Any]:
     info: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    if t._is_zerotensor():  # (no memory to read: its statistics are those of zeros)
+        t = torch.zeros(t.shape, dtype=t.dtype)
     try:
         info["stats"] = stats_dict(stats_mod.host_stats(t.detach().cpu()))
     except (RuntimeError, TypeError, NotImplementedError):
@@ -287,8 +289,12 @@ def _inputs(func: Any, args: Any, kwargs: Any) -> list[dict[str, Any]]:
 
 
 def _checked(value: Any) -> list[torch.Tensor]:
+    """The tensors of ``value`` whose values are looked at: floating-point and complex ones with memory. A
+    ZeroTensor (the zeros a double backward passes on, ``aten::_efficientzerotensor``: a MAML inner loop's or a
+    gradient penalty's second-order pass through ``abs``) has none, holds zeros alone, and torch's own
+    reductions of it under a dispatch mode end the process (a segmentation fault): it is left out."""
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.layout == torch.strided
-            and t.device.type != "meta" and (t.is_floating_point() or t.is_complex())]
+            and t.device.type != "meta" and (t.is_floating_point() or t.is_complex()) and not t._is_zerotensor()]
 
 
 def _results(func: Any, args: Any, kwargs: Any, out: Any) -> list[torch.Tensor]:

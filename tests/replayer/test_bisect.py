@@ -270,6 +270,34 @@ def test_a_nan_made_in_a_custom_functions_backward_names_its_backward_line(tmp_p
     assert (doc["op"]["line"], doc["op"]["forward"]["line"]) == (op.line, op.forward["line"]), doc["op"]
 
 
+@recorder.paper_step("Alg. 1 inner")
+def _maml_adapt(w: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    loss = (xs @ w - ys).abs().pow(1.5).mean()
+    (gw,) = torch.autograd.grad(loss, (w,), create_graph=True)
+    return w - 0.1 * gw
+
+
+def test_a_nan_in_a_second_order_backward_through_zero_tensors_names_its_operation(tmp_path: Path) -> None:
+    """A MAML inner loop whose second-order terms are NaN (|r|^1.5 at a residual of exactly 0): the outer
+    backward's pass through abs passes on ZeroTensors (aten::_efficientzerotensor), which the operation finder
+    read under its dispatch mode, and bisect --ops ended with a segmentation fault; it names the operation."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 1) * 0.3)
+    xs = torch.randn(16, 8)
+    xs[0] = 0
+    ys = xs @ torch.randn(8, 1)
+    ys[0] = 0
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        _maml_adapt(w, xs, ys).sum().backward()
+    assert w.grad is not None and w.grad.isnan().all()
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert origin.step is not None and (origin.step.name, origin.step.phase) == ("_maml_adapt", "backward")
+    assert origin.op is not None and (origin.op.name, origin.op.node) == ("aten::pow", "PowBackward0"), origin.op
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert res.returncode == 1 and "operation: aten::pow (in PowBackward0" in res.stdout, res.stdout + res.stderr
+
+
 @pytest.mark.parametrize("leaf", [False, True], ids=["computed", "leaf"])
 def test_a_nan_anomaly_mode_stops_in_the_backward_names_that_step(tmp_path: Path, leaf: bool) -> None:
     """The same, with torch.autograd.set_detect_anomaly(True) on: anomaly mode raises where the NaN
