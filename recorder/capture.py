@@ -1729,7 +1729,7 @@ class Session:
                 frame.vmap[name] = bdims
         elif taps.dual(t):  # (its primal values are recorded: detach() leaves the tangent out)
             frame.duals.append(name)
-        t = t.detach()
+        t = payload_mod.materialized(t.detach())
         device = t.device
         on_cpu = device.type == "cpu"
         meta_only = t.is_nested or t.layout != torch.strided or device.type == "meta"

@@ -83,6 +83,13 @@ class _Memory(ctypes.c_char * (1 << 48)):
     __slots__ = ("tensor",)
 
 
+def materialized(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where it is a ZeroTensor (``aten::_efficientzerotensor``: the gradient a backward formula passes
+    on where it is zero by construction, ``sgn``'s, or a double backward's through ``abs``) the zeros it stands
+    for, in memory of their own: it has none, and a read at its data pointer reads whatever lies there."""
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if t._is_zerotensor() else t
+
+
 def host_array(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's values (a dtype numpy has) as a 1-D numpy array in element order: a view of
     its memory, or (strided) a copy when no view has that order. A conjugate or negative view comes

@@ -248,6 +248,7 @@ def compare_record(rank: Any, record: Any, value: Any, missing: str) -> Diff:
     if not isinstance(value, torch.Tensor):
         return Diff(record.name, record.role, False, math.inf, math.inf, 0, reason=f"replay gave "
                     f"{type(value).__name__}, not a tensor", recorded=recorded, is_complex=complex_)
+    value = payload.materialized(value)
     sparse = rank.sparse_of(record)
     if sparse is not None or value.layout in stats_mod.SPARSE_LAYOUTS:
         parts = rank.sparse_parts(record) if sparse is not None else None

@@ -5042,3 +5042,31 @@ def test_a_recording_of_an_older_tap_replays_as_recorded(tmp_path: Path, monkeyp
             result = replayer.replay(rec, back.index)
             assert result.match is matches, (name, [d.summary() for d in result.outputs])
             assert all(inner.match for inner in result.inner), name
+
+
+@recorder.paper_step("Eq. 51", description="a linear map whose result the caller takes the sign of")
+def signed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w
+
+
+@recorder.paper_step("Eq. 52", description="a gate by the sign of its input")
+def sign_gate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.sgn() * w
+
+
+def test_zero_tensor_gradients_are_recorded_and_replayed_as_zeros(run_path: Path) -> None:
+    """sgn's backward passes on a ZeroTensor, which has no memory: the recorder recorded the grad output it
+    sent into a step from whatever lay at its data pointer, and a replay compared such a grad input it computed
+    the same way, a MISMATCH of garbage; both are the zeros they stand for, and the steps replay bit for bit."""
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    with recorder.record(run_path):
+        signed_linear(x * 1, w).sgn().sum().backward()  # its grad output: a ZeroTensor
+        sign_gate(x * 1, torch.randn(4, 8, requires_grad=True)).sum().backward()  # its grad input args.0: one
+    rec = replayer.open(run_path)
+    for name, tensor in (("signed_linear", "output"), ("sign_gate", "args.0")):
+        step = rec.step(f"{name}:backward")
+        recorded = step.tensor(tensor)
+        assert bits_equal(recorded, torch.zeros_like(recorded)), (name, recorded)
+        res = replayer.replay(rec, step.index)
+        assert res.match, (name, [(d.name, d.max_abs) for d in res.outputs])
