@@ -285,6 +285,7 @@ def paper_step(label: str, *, algorithm: str | int | None = None, step: str | in
         where = frame.f_code
         if isinstance(target, (staticmethod, classmethod)):  # above @staticmethod: the function it holds, kept static
             return type(target)(mark(target.__func__, frame))
+        _check_not_autograd_function(target)
         if isinstance(target, type) and issubclass(target, torch.nn.Module):
             _check_function(target.forward, f"{target.__qualname__}.forward")
             return _decorate_class(target, name or target.__qualname__, label, algorithm, step, equation,
@@ -400,6 +401,27 @@ def bound_wrapper(obj: Any) -> tuple[str, str, StepDef] | None:
         return None
     return (f"{obj.__qualname__}, a wrapper the decorator {decorator} defines around the paper step {defn.name} "
             "without functools.wraps", f"add @functools.wraps({variable}) to that wrapper", defn)
+
+
+def _check_not_autograd_function(target: Any) -> None:
+    """A TypeError for a custom ``torch.autograd.Function`` or its ``apply``: decorating the class would make it
+    a function (its ``apply`` gone, the training code broken), and its ``apply`` is torch's one
+    ``Function.apply`` bound to it, which a replay cannot find again by the class's name."""
+    if isinstance(target, type) and issubclass(target, torch.autograd.Function):
+        what = f"{target.__qualname__}: it is a torch.autograd.Function, not a function or an nn.Module class"
+        owner = target
+    elif inspect.ismethod(target) and isinstance(target.__self__, type) and \
+            getattr(target, "__func__", None) is _FUNCTION_APPLY:
+        owner = target.__self__
+        what = (f"{owner.__qualname__}.apply: it is torch's Function.apply bound to {owner.__qualname__} (every "
+                "custom autograd.Function's apply is that one function), which a replay cannot find again")
+    else:
+        return
+    raise TypeError(f"paper_step cannot decorate {what}; decorate a function that calls "
+                    f"{owner.__qualname__}.apply(...)")
+
+
+_FUNCTION_APPLY = getattr(inspect.getattr_static(torch.autograd.Function, "apply"), "__func__", None)
 
 
 def _check_function(fn: Callable[..., Any], what: str | None = None) -> None:

@@ -270,6 +270,33 @@ def test_what_a_function_step_cannot_be_is_refused_when_decorated():
         recorder.annotate(Sampler(), "Algorithm 3")
 
 
+class _RoundSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_a_custom_autograd_function_or_its_apply_is_refused_when_decorated():
+    """A custom autograd.Function decorated was made a function (its apply gone: the training code raised
+    AttributeError, recording or not); its apply decorated was recorded as a step named Function.apply (every
+    Function's apply is torch's one function) that no replay could find. Both are refused with what to decorate,
+    and the class stays as it was."""
+    with pytest.raises(TypeError, match=r"^paper_step cannot decorate _RoundSTE: it is a torch.autograd.Function, not "
+                                        r"a function or an nn.Module class; decorate a function that calls "
+                                        r"_RoundSTE\.apply\(\.\.\.\)$"):
+        recorder.paper_step("Eq. 1")(_RoundSTE)
+    with pytest.raises(TypeError, match=r"^paper_step cannot decorate _RoundSTE.apply: it is torch's Function.apply "
+                                        r"bound to _RoundSTE .*; decorate a function that calls _RoundSTE\.apply"):
+        recorder.paper_step("Eq. 1")(_RoundSTE.apply)
+    x = torch.tensor([0.4, 1.6], requires_grad=True)
+    _RoundSTE.apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.ones(2))
+
+
 def test_two_threads_calling_new_steps_find_their_sources_one_at_a_time(run_path, monkeypatch):
     """Two training threads calling steps for the first time at once parsed source files at once,
     and CPython 3.11's parser raised "AST constructor recursion depth mismatch": the recording
