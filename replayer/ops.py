@@ -58,6 +58,8 @@ _SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep f
 _TORCH_NN = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "nn") + os.sep
 _REPLAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.py")  # where _Call.run calls the step
 _BACKWARD_APPLY = BackwardCFunction.apply.__code__  # what calls a custom Function's backward (or vjp)
+_ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)  # runs a pass
+_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "utils", "checkpoint.py")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n(?P<code>[^\n]*)')
 
 
@@ -89,6 +91,9 @@ class OpReport:
     # backward of a custom autograd.Function: file, line, function and code are in its backward, and this
     # is {"file", "line", "function", "code"} of the forward line that made the node (None elsewhere)
     forward: dict[str, Any] | None = None
+    # backward: a hook of the user's that the pass ran made it (a tensor's register_hook, a module's backward
+    # hook): file, line, function and code are in the hook, and node is the node it ran for
+    hook: bool = False
     # made "passed": the step passed on a mask's Inf it took, and this is the first operation whose output held it
     # where, at the earlier call of the step that kept it out of its results ({"step", "iteration", "call"}), the
     # same operation's output was finite (None: no such call was replayed; the first operation whose output held it)
@@ -111,7 +116,7 @@ class OpReport:
                 "function": self.function, "overload": self.overload, "phase": self.phase, "node": self.node,
                 "index": self.index, "inputs": self.inputs, "outputs": self.outputs, "made": self.made,
                 "forward": self.forward, "finite_at": self.finite_at, "within": self.within,
-                "constant": self.constant}
+                "constant": self.constant, "hook": self.hook}
 
     def how(self) -> str | None:
         """How this operation made the step's first NaN/Inf, when not from finite inputs (``made``), or
@@ -156,6 +161,8 @@ class OpReport:
         node = f" in {self.node}" if self.node else ""
         if self.node and self.forward is not None:
             node = f" in {self.node} (the custom Function's backward)"
+        elif self.node and self.hook:
+            node = f" in a hook run for {self.node}"
         within = f" inside {self.within}" if self.within else ""
         code = f": {self.code}" if self.code else ""
         return f"{self.name}{within}{node} at {at}{code}"
@@ -194,6 +201,25 @@ def _function_backward_frames(node: Any) -> list[tuple[str, int, str, str]] | No
              linecache.getline(f.f_code.co_filename, f.f_lineno or 0).strip()) for f in reversed(chain)]
 
 
+def _hook_frames() -> list[tuple[str, int, str, str]] | None:
+    """The live frames of a hook of the user's that the backward pass running now called (a tensor's
+    ``register_hook``, a module's backward hook), outermost first, below the engine's run of the pass: the
+    operation running now is the hook's, not the backward formula's of the node it runs for, whose forward line
+    names other code. None where no code of the user's is there (a formula of torch's), or where it is a
+    checkpoint's recomputation of the forward."""
+    frame, chain = sys._getframe(1), []
+    while frame is not None and frame.f_code is not _ENGINE_RUN:
+        chain.append(frame)
+        frame = frame.f_back
+    if frame is None or _ENGINE_RUN is None:
+        return None
+    files = [os.path.abspath(f.f_code.co_filename) for f in chain]
+    if _CHECKPOINT in files or not any(not f.startswith("<") and not f.startswith(_SKIP_DIRS) for f in files):
+        return None
+    return [(f.f_code.co_filename, f.f_lineno or 0, f.f_code.co_name,
+             linecache.getline(f.f_code.co_filename, f.f_lineno or 0).strip()) for f in reversed(chain)]
+
+
 def _live_frames() -> list[tuple[str, int, str, str]]:
     """The Python stack now, outermost first, as ``_user_frame`` takes it (the source line read only where asked)."""
     frame, chain = sys._getframe(1), []
@@ -209,7 +235,7 @@ def _where_now() -> tuple[str, int] | None:
     node = torch._C._current_autograd_node()
     frames = None
     if node is not None:
-        own = _function_backward_frames(node)
+        own = _function_backward_frames(node) or _hook_frames()
         stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
         frames = own or ([(m["file"], int(m["line"]), m["func"].strip(), m["code"].strip())
                           for m in _FRAME.finditer("".join(stack))] if stack else None)
@@ -650,7 +676,7 @@ class _Finder(TorchDispatchMode):
                 inputs: list[dict[str, Any]] | None = None) -> OpReport:
         name = _op_name(func)
         overload = str(func) if isinstance(func, torch._ops.OpOverload) else name
-        node_name, frames, forward, user = None, None, None, None
+        node_name, frames, forward, user, hook = None, None, None, None, False
         if self.phase == "backward":
             node = torch._C._current_autograd_node()
             if node is not None:
@@ -664,6 +690,10 @@ class _Finder(TorchDispatchMode):
                     at = _user_frame(frames) if frames else None
                     forward = dict(zip(("file", "line", "function", "code"), at or (None,) * 4, strict=True))
                     user = _user_frame(own) or (os.path.abspath(own[0][0]), *own[0][1:])
+                else:  # a hook of the user's made it: its line (the node's forward line names other code)
+                    hooked = _hook_frames()
+                    user = _user_frame(hooked) if hooked else None
+                    hook = user is not None
         if user is None:
             if frames is None:
                 frames = [(f.filename, f.lineno or 0, f.name, (f.line or "").strip())
@@ -673,7 +703,7 @@ class _Finder(TorchDispatchMode):
         if inputs is None:
             inputs = _inputs(func, args, kwargs)
         return OpReport(name, overload, self.phase, file, line, code, function, node_name, self.count, inputs,
-                        [_tensor_info(t) for t in outs], forward=forward, within=self.within)
+                        [_tensor_info(t) for t in outs], forward=forward, within=self.within, hook=hook)
 
 
 class _Trace(TorchDispatchMode):

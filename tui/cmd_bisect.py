@@ -120,6 +120,7 @@ def bisect(args: argparse.Namespace) -> int:
         op = origin.op
         ahead = op.forward is not None  # a custom Function's backward: its own line, then its forward's
         node = f" (in {op.node}, the custom Function's backward)" if ahead else \
+            f" (in a hook of yours the backward ran for {op.node})" if op.hook else \
             f" (in {op.node}, the backward of the forward line below)" if op.file else f" (in {op.node})"
         print(f"operation: {op.name}" + (f" inside {op.within}" if op.within else "") + (node if op.node else ""))
         if op.file:

@@ -270,6 +270,32 @@ def test_a_nan_made_in_a_custom_functions_backward_names_its_backward_line(tmp_p
     assert (doc["op"]["line"], doc["op"]["forward"]["line"]) == (op.line, op.forward["line"]), doc["op"]
 
 
+@recorder.paper_step("Eq. 61")
+def _clipped_projection(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x @ w
+    h.register_hook(lambda g: g * torch.log(g.abs() - 1))  # a gradient "clip" that takes the log of |g| - 1 < 0
+    return torch.tanh(h)
+
+
+def test_a_nan_made_by_a_tensor_hook_inside_a_step_names_the_hooks_line(tmp_path: Path) -> None:
+    """A hook the step sets on an intermediate (h.register_hook) made the NaN in the backward: bisect --ops named
+    the matmul's line (h = x @ w), the forward line of the node the hook ran for; it names the hook's own line,
+    and says that a hook of the user's made it."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    with recorder.record(path):
+        _clipped_projection(torch.randn(16, 8), torch.randn(8, 8, requires_grad=True)).mean().backward()
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert origin.step is not None and (origin.step.name, origin.step.phase) == ("_clipped_projection", "backward")
+    op = origin.op
+    assert op is not None and (op.name, op.node, op.hook, op.forward) == ("aten::log", "MmBackward0", True, None), op
+    assert op.line == line_of(_clipped_projection, "h.register_hook") and op.function == "<lambda>", op
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert (f"operation: aten::log (in a hook of yours the backward ran for MmBackward0)\n  {op.file}:{op.line} in "
+            "<lambda>\n    h.register_hook(") in res.stdout, res.stdout
+    assert json.loads(pdbg("bisect", str(path), "--ops", "--json", cwd=tmp_path).stdout)["op"]["hook"] is True
+
+
 @recorder.paper_step("Alg. 1 inner")
 def _maml_adapt(w: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
     loss = (xs @ w - ys).abs().pow(1.5).mean()
