@@ -155,6 +155,14 @@ def changed_in_place(watched: Watched) -> Watched:
     return changed if _SET_VERSION is not None else []  # (no way to keep the version counter: left as it was)
 
 
+def detached_in_place(watched: Watched) -> list[torch.Tensor]:
+    """The caller's tensors of ``watched`` whose tap's alias the call detached in place (``x.detach_()``, a stop
+    of the gradient): the alias requires grad no more, while the caller's tensor, which the call would have
+    detached itself unrecorded, still does (a detach changes no version counter: ``changed_in_place`` does not
+    see it)."""
+    return [t for _, t, alias, _ in watched if not alias.requires_grad and t.requires_grad]
+
+
 def _changed_through(alias: torch.Tensor) -> bool:
     node = alias.grad_fn
     return node is not None and type(node) is not _TAP_NODE

@@ -606,6 +606,48 @@ def test_an_in_place_change_autograd_refuses_raises_as_unrecorded(tmp_path, kind
     assert recorded.endswith(plain[-60:])
 
 
+@recorder.paper_step("Eq. 5", description="a stop of the gradient: the argument detached in place")
+def _stop_gradient(x):
+    x.detach_()
+    return x * 2
+
+
+def _detaching_training(path, view: bool = False):
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    losses = []
+    with recorder.record(path, mode="full") if path is not None else contextlib.nullcontext():
+        for _ in range(2):
+            h = a(torch.randn(4, 8))
+            t = _stop_gradient(h[:, :4] if view else h)
+            loss = (b(h).pow(2) + t.sum(-1, keepdim=True)).mean()  # the caller uses h again after the step
+            loss.backward()
+            losses.append(loss.detach())
+            with torch.no_grad():
+                for p in (*a.parameters(), *b.parameters()):
+                    if p.grad is not None:  # (a's get none: the stop detached h)
+                        p.sub_(0.1 * p.grad)
+                    p.grad = None
+    return h.requires_grad, losses, [p.detach().clone() for p in (*a.parameters(), *b.parameters())]
+
+
+def test_a_step_detaching_its_argument_in_place_trains_as_unrecorded(tmp_path):
+    """A step that detaches its argument in place (x.detach_()) detaches the caller's tensor unrecorded: the
+    caller's later use of it sends no gradient on. Recorded, it detached its tap's alias alone, the caller's
+    tensor kept its history, and the layers before it were trained by that use: other losses and weights. The
+    caller's tensor is detached as the call left its alias; a view, which refuses, raises as unrecorded."""
+    plain = _detaching_training(None)
+    recorded = _detaching_training(tmp_path / "run.zarr")
+    assert plain[0] is recorded[0] is False
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(plain[1] + plain[2],
+                                                                                    recorded[1] + recorded[2]))
+    with pytest.raises(RuntimeError, match="Can't detach views in-place") as unrecorded:
+        _detaching_training(None, view=True)
+    with pytest.raises(RuntimeError, match="Can't detach views in-place") as raised:
+        _detaching_training(tmp_path / "view.zarr", view=True)
+    assert str(raised.value) == str(unrecorded.value)
+
+
 @recorder.paper_step("Eq. 6", description="attention of a sequence with itself")
 def _attention(q, k, v):
     return torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v
