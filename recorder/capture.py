@@ -1003,18 +1003,21 @@ class Session:
 
     def _rebase_changed(self, link: BackwardLink) -> None:
         """Give the caller's tensors that the call changed in place through their taps the history of
-        that change (taps.rebase_changed), and detach those it detached in place through them
-        (taps.detached_in_place): training goes on as unrecorded. Raises what autograd raised
+        that change (taps.rebase_changed), detach those it detached in place through them
+        (taps.detached_in_place), and keep the gradient of those it asked to (taps.retained_in_call):
+        training goes on as unrecorded. Raises what autograd raised
         (a view of a leaf changed in place): the call's change raises it unrecorded. Their nodes are
         made after the call's, as its outputs' taps are (``until``)."""
         with quiet():
-            detached = taps.detached_in_place(link.watched)
+            detached, retained = taps.detached_in_place(link.watched), taps.retained_in_call(link.watched)
             changed = taps.changed_in_place(link.watched)
             if changed:
                 link.until = taps.sequence_now()
                 link.rebased = taps.rebase_changed(changed)
             for t in detached:  # (a view refuses, as the call's own detach_ of it does unrecorded)
                 t.detach_()
+            for t in retained:
+                t.retain_grad()
 
     def _end(self, frame: Frame | None, out: Any, link: BackwardLink | None) -> Any:
         if frame is None:

@@ -163,6 +163,13 @@ def detached_in_place(watched: Watched) -> list[torch.Tensor]:
     return [t for _, t, alias, _ in watched if not alias.requires_grad and t.requires_grad]
 
 
+def retained_in_call(watched: Watched) -> list[torch.Tensor]:
+    """The caller's tensors of ``watched`` whose tap's alias the call asked to keep its gradient
+    (``x.retain_grad()``: the caller reads ``x.grad`` after the backward, a saliency map), which the caller's
+    tensor, the one the call would have asked unrecorded, does not keep."""
+    return [t for _, t, alias, _ in watched if alias.retains_grad and not t.retains_grad and t.requires_grad]
+
+
 def _changed_through(alias: torch.Tensor) -> bool:
     node = alias.grad_fn
     return node is not None and type(node) is not _TAP_NODE

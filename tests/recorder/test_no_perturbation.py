@@ -648,6 +648,29 @@ def test_a_step_detaching_its_argument_in_place_trains_as_unrecorded(tmp_path):
     assert str(raised.value) == str(unrecorded.value)
 
 
+@recorder.paper_step("Eq. 5", description="attention weights that keep their input's gradient for a saliency map")
+def _salient_attention(h):
+    h.retain_grad()
+    return torch.softmax(h, -1) * h
+
+
+def test_a_step_keeping_its_arguments_gradient_keeps_the_callers(tmp_path):
+    """A step that calls retain_grad() on its argument: the caller reads that tensor's .grad after the
+    backward (a saliency map). Recorded, the step's tap alias kept it, and the caller's tensor had None;
+    it has the gradient, bit for bit as unrecorded (with a use outside the step too, the last bits may differ:
+    a hooked argument's uses are summed first, as the README says)."""
+    grads = []
+    for path in (None, tmp_path / "run.zarr"):
+        torch.manual_seed(0)
+        a = torch.nn.Linear(8, 8)
+        with recorder.record(path, mode="full") if path is not None else contextlib.nullcontext():
+            h = a(torch.randn(4, 8))
+            _salient_attention(h).sum().backward()
+        assert h.retains_grad and h.grad is not None
+        grads.append(h.grad)
+    assert torch.equal(grads[0].view(torch.int32), grads[1].view(torch.int32))
+
+
 @recorder.paper_step("Eq. 6", description="attention of a sequence with itself")
 def _attention(q, k, v):
     return torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v
