@@ -179,10 +179,11 @@ def _wakeup_pipe() -> tuple[int | None, int | None]:
 
 @contextlib.contextmanager
 def _forwarding(wakeup: int | None = None) -> Iterator[Any]:
-    """SIGINT, SIGTERM and SIGHUP go to the child (once started) instead of ending this process; the previous
-    handlers come back on exit. A signal the child got itself as well is not sent a second time (a
-    script's handler may count them: a second SIGTERM is often "exit now, no checkpoint"): a Ctrl-C at
-    the terminal (it is in the terminal's foreground process group with us), and any signal to the
+    """SIGINT, SIGTERM and SIGHUP go to the child (once started) instead of ending this process, except one
+    that is ignored (the child inherits that); the previous handlers come back on exit. A signal the child
+    got itself as well is not sent a second time (a script's handler may count them: a second SIGTERM is
+    often "exit now, no checkpoint"): a Ctrl-C at the terminal (it is in the terminal's foreground
+    process group with us), and any signal to the
     process group (a scheduler's cancel or time limit), which the child reports on ``wakeup``, the
     read end of its wakeup fd (``_ChildSignals``). Without it, or once the script has made another fd
     its wakeup fd (asyncio does), each signal is forwarded."""
@@ -226,7 +227,10 @@ def _forwarding(wakeup: int | None = None) -> Iterator[Any]:
     if wakeup is not None:
         with contextlib.suppress(OSError, RuntimeError):  # (no pipe or thread to be had: forward each one)
             child = _ChildSignals(wakeup)
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    # A signal ignored when pdbg started (SIGHUP under nohup, SIGINT in a shell script's background job) stays
+    # ignored here and so in the child, which inherits it through exec only as ignored: forwarding it, or
+    # starting the child with a handler set in its place, ended a run that `python script.py` trains on through.
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED if signal.getsignal(sig) != signal.SIG_IGN}
     try:
         yield started
     finally:

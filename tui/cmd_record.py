@@ -13,10 +13,11 @@ The script's stdout is left alone; pdbg's own lines go to stderr. Exits with the
 In flight mode the script runs in a child process and the ring's bytes in shared memory, so that a
 hard crash of the script (a segfault, abort(), the OOM killer) still writes them out: pdbg waits for
 the child, forwards SIGINT, SIGTERM and SIGHUP to it (not a Ctrl-C or a signal to the process group, which
-the script gets itself), and when it dies without closing the recording, adds
-the payloads the ring held for the steps committed before and marks the run crashed. A script killed
-by signal N exits 128+N, as in a shell. The other modes run the script in pdbg's own process: a signal that
-ends it (SIGTERM, SIGHUP) closes the recording, pdbg prints its last line, and the process dies of the signal.
+the script gets itself, nor one ignored when pdbg starts, SIGHUP under nohup, which stays ignored), and
+when it dies without closing the recording, adds the payloads the ring held for the steps committed
+before and marks the run crashed. A script killed by signal N exits 128+N, as in a shell. The other modes
+run the script in pdbg's own process: a signal that ends it (SIGTERM, SIGHUP) closes the recording, pdbg
+prints its last line, and the process dies of the signal.
 """
 
 from __future__ import annotations
