@@ -165,8 +165,10 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
     except SystemExit as exc:
         code = _exit_code(exc.code)
         exited = exc if code != 0 else None  # the recording says why it is crashed: SystemExit(3)
+        defined = _top_level_globals(exc)
     except BaseException as exc:  # KeyboardInterrupt included: recorded, then reported as Python does
         code, error = (130 if isinstance(exc, KeyboardInterrupt) else 1), exc
+        defined = _top_level_globals(exc)
     finally:
         status = "complete" if code == 0 and error is None else "crashed"
         try:
@@ -184,6 +186,19 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
                         type(error).__name__ if error is not None else None, failure=run.failure,
                         modules_called=len(run.session.selector.paths) if run.session.autocapture is not None
                         else None, steps_defined=_paper_steps(defined))
+
+
+def _top_level_globals(exc: BaseException) -> dict[str, Any]:
+    """The globals of the script's top level that ``exc`` went through: runpy returns them only when the
+    script ends normally, and one interrupted before its first step (a Ctrl-C while its data loads) was
+    then said to mark no paper step."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            return dict(frame.f_globals)
+        tb = tb.tb_next
+    return {}
 
 
 def _paper_steps(space: dict[str, Any]) -> tuple[str, ...]:

@@ -132,7 +132,13 @@ def _outcome(out: Any, code: int, report: dict[str, Any], ring: shmring.RingFile
     return runner.ScriptResult(exit_code, str(report.get("status") or status or "crashed"), steps,
                                exception_name=report.get("exception"), died=died, ring_recovered=recovered,
                                failure=failure, modules_called=report.get("modules_called")
-                               if isinstance(report.get("modules_called"), int) else None)
+                               if isinstance(report.get("modules_called"), int) else None,
+                               steps_defined=_names(report.get("steps_defined")))
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """The child's list of paper step names, or none where the report holds something else."""
+    return tuple(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else ()
 
 
 def _child_command() -> list[str]:
@@ -356,7 +362,7 @@ def child_main() -> int:
         sys.stderr.write(result.traceback_text)
     _report(result_fd, {"exit_code": result.exit_code, "status": result.status, "steps": result.steps,
                         "exception": result.exception_name, "failure": result.failure,
-                        "modules_called": result.modules_called})
+                        "modules_called": result.modules_called, "steps_defined": list(result.steps_defined)})
     return result.exit_code
 
 

@@ -140,6 +140,10 @@ def _summary(out: str, result: Any, modules: list[str] | None = None) -> str:
         text += f"; no step was recorded: the script raised {result.exception_name} before it called any module"
     elif steps == 0 and result.modules_called == 0:
         text += "; no step was recorded: the script called no module"
+    elif steps == 0 and not modules and result.steps_defined and result.exception_name is not None:
+        marked = ", ".join(result.steps_defined[:3]) + (", ..." if len(result.steps_defined) > 3 else "")
+        text += (f"; no step was recorded: the script raised {result.exception_name} before it called its paper "
+                 f"steps ({marked})")
     elif steps == 0 and not modules and result.steps_defined:
         marked = ", ".join(result.steps_defined[:3]) + (", ..." if len(result.steps_defined) > 3 else "")
         text += (f"; no step was recorded: the script marks paper steps ({marked}) but called none in this process; "

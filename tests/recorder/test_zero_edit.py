@@ -983,3 +983,16 @@ def test_pdbg_record_follows_a_resumed_optimizer_and_warns_of_a_hand_written_one
         "code with recorder.record and call run.next_iteration() after each update (README, \"How iterations are "
         "counted\")"], res.stderr
     assert json.loads(pdbg_here("info", "hand.zarr", "--json", cwd=tmp_path).stdout)["optimizer_replaced"] is None
+
+
+@pytest.mark.parametrize("mode", ["full", "flight"])
+def test_pdbg_record_of_a_script_interrupted_before_its_steps_names_them(tmp_path, mode):
+    """A Ctrl-C while the first batch loads, before any paper step ran: the summary said that the script
+    "marks no paper step" and advised --modules, though it marks them (its globals were lost with the
+    exception, and flight mode's child did not pass them on)."""
+    (tmp_path / "early.py").write_text("import recorder, torch\n\n\n@recorder.paper_step('Eq. 1')\ndef double(x):\n"
+                                       "    return x * 2\n\n\nraise KeyboardInterrupt\n")
+    res = pdbg("record", "--mode", mode, "-o", "run.zarr", "--", "early.py", cwd=tmp_path)
+    assert res.returncode == 130 and res.stderr.rstrip().splitlines()[-1] == (
+        "pdbg: recording in run.zarr (crashed, 0 steps); no step was recorded: the script raised KeyboardInterrupt "
+        "before it called its paper steps (double)"), res.stderr
