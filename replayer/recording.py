@@ -116,7 +116,7 @@ class Recording:
         exc = final.get("exception")
         if isinstance(exc, dict) and exc.get("type"):
             name = str(exc["type"]).rpartition(":")[2]
-            message = str(exc.get("message") or "").splitlines()[0][:300] if exc.get("message") else ""
+            message = _first_line(str(exc.get("message") or ""))[:300]
             return f"{name}: {message}" if message else name
         if final.get("signal"):  # (written since 1.14; before, only flight mode's ring writes named it)
             return str(final["signal"])[:40]
@@ -1125,3 +1125,15 @@ class Step:
         from . import notebook
 
         return notebook.step(self)
+
+
+def _first_line(message: str) -> str:
+    """An exception's message in one line. One re-raised by torch from a DataLoader worker (or another of its
+    ``ExceptionWrapper``'s processes and threads) says only where it was caught on its first line ("Caught
+    RuntimeError in DataLoader worker process 1."): the worker's own error ends the traceback that follows."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if len(lines) > 2 and lines[1].startswith("Original Traceback"):
+        return f"{lines[0]} ({lines[-1]})"
+    return lines[0]

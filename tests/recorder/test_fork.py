@@ -83,3 +83,34 @@ def test_a_forked_child_leaves_the_recording_to_its_parent(tmp_path):
     done = python(str(script), str(tmp_path / "run.zarr"), cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["handled", "child [] False", "child exit 0", "complete 16 ['end']"]
+
+
+class Corrupt(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 5:
+            raise ValueError(f"corrupt sample {i}")
+        return torch.full((8,), float(i))
+
+
+def test_a_worker_error_that_ends_the_run_is_named_by_ended_by(run_path):
+    """A DataLoader worker's exception reaches training re-raised by torch, whose message's first line says
+    only where it was caught: `pdbg info` said "ended by: ValueError: Caught ValueError in DataLoader worker
+    process 0." and not which error (the recording holds the whole message)."""
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(Corrupt(), batch_size=2, num_workers=1, multiprocessing_context="fork")
+    try:
+        with recorder.record(run_path, model=model, optimizer=opt, mode="full"):
+            for x in loader:
+                model(augment(x)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    except ValueError:
+        pass
+    rec = replayer.open(run_path)
+    assert rec.status == "crashed" and len(rec.steps) == 2
+    assert rec.ended_by == ("ValueError: Caught ValueError in DataLoader worker process 0. "
+                            "(ValueError: corrupt sample 5)")
