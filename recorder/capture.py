@@ -2196,6 +2196,8 @@ class Session:
         output got no gradient (a metric taken in grad mode), has no backward step in it."""
         if grad is None or _batched_backward(link, (grad,)):  # (None: a node ran with no gradient to send)
             return
+        if name in link.done and name in link.own and name not in link.sums:  # (recorded from its uses: most)
+            return
         def run() -> None:
             if name in link.own:  # its uses in the call's graph have all run by now
                 if name in link.sums:  # some sent no gradient: the sum of those that did is the call's own

@@ -160,6 +160,22 @@ def test_settings_snapshot_holds_threads_and_cpu_capability(run_path):
     assert settings["deterministic_algorithms"] is False and settings["grad_enabled"] is True
 
 
+def test_settings_snapshot_names_the_default_device_a_block_or_a_setting_gives():
+    """The settings' default device is torch's, inside a ``with torch.device(...)`` block and under
+    ``torch.set_default_device`` as outside them (read without torch's getter where neither is in force)."""
+    from recorder import snapshot
+
+    assert snapshot.settings()["default_device"] == str(torch.get_default_device()) == "cpu"
+    with torch.device("meta"):
+        assert snapshot.settings()["default_device"] == "meta"
+    torch.set_default_device("meta")
+    try:
+        assert snapshot.settings()["default_device"] == "meta"
+    finally:
+        torch.set_default_device(None)
+    assert snapshot.settings()["default_device"] == "cpu"
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
