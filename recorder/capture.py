@@ -1730,13 +1730,16 @@ class Session:
             self._note_subclass(frame, name, t)
         owner = id(t) if role in _BY_CONTENT else 0  # (before detach: the parameter's identity counts)
         by_content = bool(owner) and frame.payloads and self._by_content(owner)
+        alias = False  # a plain tensor outside autograd, no dual: detach() would only make another of it
         if frame.vmap is not None:
             t, bdims = transforms.plain(t)
             if bdims:
                 frame.vmap[name] = bdims
         elif taps.dual(t):  # (its primal values are recorded: detach() leaves the tangent out)
             frame.duals.append(name)
-        t = payload_mod.materialized(t.detach())
+        else:
+            alias = not requires_grad and type(t) is torch.Tensor
+        t = payload_mod.materialized(t if alias else t.detach())
         device = t.device
         on_cpu = device.type == "cpu"
         meta_only = t.is_nested or t.layout != torch.strided or device.type == "meta"

@@ -36,7 +36,13 @@ def overlaps_itself(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # (a recording names one at every tensor record: each dtype's name is made once)
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
