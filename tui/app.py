@@ -324,7 +324,9 @@ class StepPane(ScrollView, can_focus=True):
             return Strip.blank(width, self.rich_style)
         strip = self._lines[position]
         if self.view is not None and self._table_at >= 0 and position == self._table_at + 1 + self.selected:
-            strip = strip.apply_style(_style("on #264f78" if self.has_focus else "on #1f3550"))
+            # over the row's own styles: the table's stripe on every second row would hide it otherwise
+            mark = _style("on #264f78" if self.has_focus else "on #1f3550")
+            strip = Strip(Segment.apply_style(strip, post_style=mark), strip.cell_length)
         return strip.crop(0, width).extend_cell_length(width, self.rich_style)
 
     def on_resize(self) -> None:

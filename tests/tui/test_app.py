@@ -278,6 +278,23 @@ def test_choosing_a_tensor_in_the_step_pane(nan_path: Path) -> None:
     run(body, nan_path)
 
 
+def test_the_chosen_tensor_is_marked_on_every_row(nan_path: Path) -> None:
+    """The chosen tensor's row has the highlight's background, on a striped row of the table too (the
+    stripe hid it on every second row: enter opened a tensor that did not look chosen)."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("g", "tab")
+        step_pane = pane(app)
+        for chosen in range(len(step_pane.view.tensors)):
+            await pilot.pause()
+            assert step_pane.selected == chosen
+            y = step_pane._table_at + 1 + chosen - step_pane.scroll_offset.y
+            drawn = [s for s in step_pane.render_line(y) if s.text.strip()]
+            assert drawn and {s.style.bgcolor for s in drawn} == {Color.parse("#264f78").rich_color}, chosen
+            await pilot.press("down")
+
+    run(body, nan_path)
+
+
 def test_bisect_names_the_softmax_of_a_key_padding_mask_as_first_nonfinite_does(tmp_path: Path) -> None:
     """`b` on a run whose nn.MultiheadAttention got a sequence that is all padding named the
     masked_fill_ writing the mask's -inf; it names the softmax that made the NaN, as
