@@ -170,6 +170,7 @@ class StepPane(ScrollView, can_focus=True):
         self._lines: list[Strip] = []
         self._width = -1  # the width the lines were made for
         self._table_at = -1  # the line of the first tensor row
+        self._least: int | None = None  # the height kept below the timeline (fit_below_timeline)
 
     # -- contents --------------------------------------------------------------------------------
     def show(self, view: views.StepView, drift: str | None, code_drift: list[str] | None = None) -> None:
@@ -234,6 +235,7 @@ class StepPane(ScrollView, can_focus=True):
             if isinstance(part, Table):
                 self._table_at = len(lines)
             lines += console.render_lines(part, options, pad=False)
+        self.call_later(self.fit_below_timeline)
         # (a segment rich left without a style gets an empty one: NO_COLOR's monochrome filter reads every one's)
         self._lines = [Strip([s if s.style is not None else Segment(s.text, _PLAIN, s.control) for s in line])
                        for line in lines]
@@ -331,6 +333,20 @@ class StepPane(ScrollView, can_focus=True):
 
     def on_resize(self) -> None:
         self._build()
+
+    def fit_below_timeline(self) -> None:
+        """Below the timeline (a screen narrower than PdbgApp.WIDE), keep the height that shows the step
+        down to its first tensor's row: on an 80x24 screen with a result in the panel, the two panes'
+        equal shares left this one its title, notes and the table's header, and no tensor. The timeline
+        keeps three rows (the panel at its tallest). The layout changes only when that height does."""
+        narrow = self.parent is not None and self.parent.has_class("narrow")
+        least = None
+        if narrow and self._table_at >= 0:
+            border = self.outer_size.height - self.scrollable_content_region.height  # (min-height counts it)
+            least = min(self._table_at + 2 + border, self.screen.size.height - PdbgApp.BESIDE_STEP_PANE)
+        if least != self._least:
+            self._least = least
+            self.styles.min_height = least
 
     def on_focus(self) -> None:
         self.refresh()
@@ -669,6 +685,9 @@ class PdbgApp(App[None]):
     #main.narrow StepPane { width: 1fr; height: 1fr; }
     """
     WIDE = 140  # columns from which the step pane sits beside the timeline rather than below it
+    # rows of a narrow screen that are not the step pane's, at the least: header, footer, the panel at its
+    # tallest (8) and the timeline's three rows in their border (5)
+    BESIDE_STEP_PANE = 15
     BINDINGS = [
         Binding("right,l", "step(1)", "next", show=False), Binding("left,h", "step(-1)", "back", show=False),
         Binding("down,j", "step(1)", show=False), Binding("up,k", "step(-1)", show=False),
@@ -739,6 +758,7 @@ class PdbgApp(App[None]):
 
     def on_resize(self, event: Any) -> None:
         self.query_one("#main").set_class(event.size.width < self.WIDE, "narrow")
+        self.query_one(StepPane).fit_below_timeline()
 
     def on_mount(self) -> None:
         # What exists now (imports, the recording's columns) lives as long as the app: keep the

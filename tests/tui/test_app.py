@@ -664,6 +664,32 @@ def six_heads(x):  # type: ignore[no-untyped-def]
     return tuple(x * k for k in range(1, 7))
 
 
+def test_the_step_pane_shows_a_tensor_row_when_a_result_fills_the_panel(mixed_path: Path) -> None:
+    """At 80x24 a result of six lines in the panel left the step pane (below the timeline, as tall as
+    it) room for its title, notes and the tensor table's header, but no tensor: it now keeps the rows
+    down to its first tensor's, and the timeline, shorter, still shows the cursor's row."""
+    async def main() -> None:
+        app = PdbgApp(replayer.open(mixed_path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("n")  # the broken watch: a title, the description and the watch's two lines
+            await pilot.pause()
+            app.set_panel("\n".join(f"result line {i}" for i in range(6)))
+            await pilot.pause()
+            step_pane = pane(app)
+            assert step_pane.view is not None and step_pane.view.notes
+            first = step_pane._table_at + 1
+            assert step_pane.scroll_offset.y <= first < step_pane.scroll_offset.y + step_pane.size.height
+            assert step_pane.plain().splitlines()[first].startswith("input   args.0")
+            t = app.timeline
+            assert t.size.height >= 3 and t.scroll_offset.y <= t.cursor < t.scroll_offset.y + t.size.height
+            app.set_panel("")  # the room comes back: the panes share it again
+            await pilot.press("right")
+            await pilot.pause()
+            assert t.size.height >= step_pane.size.height - 2
+
+    asyncio.run(main())
+
+
 def test_v_opens_the_whole_result_which_keys_scroll(tmp_path: Path) -> None:
     """The result panel shows a few lines (a replay's first four tensors and two warnings); it said
     nothing of the rest, which only a mouse wheel reached. It now says "v: all of it", and v opens
