@@ -579,8 +579,9 @@ class Inspector(ModalScreen[None]):
         self.dismiss(None)
 
 
-class PaperScreen(ModalScreen[str | None]):
-    """The paper steps as a tree; choosing a node filters the timeline to its steps."""
+class PaperScreen(ModalScreen[tuple[str, str] | None]):
+    """The paper steps as a tree; choosing a node filters the timeline to its steps: it returns the
+    node's filter and its path in the tree (what the panel names the filter by)."""
 
     DEFAULT_CSS = """
     PaperScreen { align: center middle; }
@@ -595,17 +596,18 @@ class PaperScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         from textual.widgets import Tree
 
-        tree: Tree[str] = Tree("paper steps · calls forward/backward · time · anomalies", id="paper-tree")
+        tree: Tree[tuple[str, str]] = Tree("paper steps · calls forward/backward · time · anomalies", id="paper-tree")
         tree.root.expand()
 
-        def add(parent: Any, node: views.PaperNode) -> None:
+        def add(parent: Any, node: views.PaperNode, path: str = "") -> None:
             for child in node.children.values():
+                where = f"{path} › {shown(child.label)}" if path else shown(child.label)
                 counts = f"   {child.forward}/{child.backward} · {views.fmt_seconds(child.seconds)}"
                 label = Text.assemble((shown(child.label), "bold" if child.children else ""), (counts, "dim"),
                                       (f" · {child.alerts} anomalies", "red") if child.alerts else "")
-                branch = parent.add(label, data=child.filter, expand=True) if child.children else \
-                    parent.add_leaf(label, data=child.filter)
-                add(branch, child)
+                branch = parent.add(label, data=(child.filter, where), expand=True) if child.children else \
+                    parent.add_leaf(label, data=(child.filter, where))
+                add(branch, child, where)
 
         add(tree.root, self.paper)
         yield tree
@@ -989,7 +991,9 @@ class PdbgApp(App[None]):
         self.push_screen(Prompt("filter: text in name, label or path; phase:backward status:nonfinite iter:5",
                                 value=self.model.filter_text), done)
 
-    def apply_filter(self, value: str) -> None:
+    def apply_filter(self, value: str, shown_as: str | None = None) -> None:
+        """``shown_as``: what the panel calls the filter (the paper view's node, whose filter text is a
+        JSON list of step names)."""
         current = self.timeline.step_index
         try:
             count = self.model.apply_filter(value)
@@ -999,7 +1003,8 @@ class PdbgApp(App[None]):
         self.timeline.refresh_rows()
         if current is not None:
             self.timeline.go_to(current)
-        self.set_panel(f"filter {value!r}: {count} steps (f changes it)" if value.strip()
+        self.set_panel(f"paper view: {shown_as}: {count} steps (f changes the filter)" if shown_as
+                       else f"filter {value!r}: {count} steps (f changes it)" if value.strip()
                        else f"no filter: {count} steps")
         self.show_step()
 
@@ -1062,9 +1067,9 @@ class PdbgApp(App[None]):
         self.push_screen(TextScreen(text, "alerts"))
 
     def action_paper(self) -> None:
-        def done(name: str | None) -> None:
-            if name:
-                self.apply_filter(name)
+        def done(choice: tuple[str, str] | None) -> None:
+            if choice:
+                self.apply_filter(*choice)
 
         self.push_screen(PaperScreen(views.paper_tree(self.model)), done)
 

@@ -545,6 +545,8 @@ def test_a_paper_node_filters_to_exactly_its_steps(mixed_path: Path) -> None:
         tree.select_node(node)
         await pilot.pause()
         assert {str(app.model.names[i]) for i in app.model.rows} == {"gated"} and len(app.model.rows) == 3
+        # the panel names the node, not the filter's JSON list of step names ('name:[["gated", "Eq. 7"]]')
+        assert panel(app) == "paper view: Algorithm 1 › step 5: 3 steps (f changes the filter)"
 
     run(body, mixed_path)
 
