@@ -534,7 +534,7 @@ class Inspector(ModalScreen[None]):
                                                         "escape close", style="red"))
             return
         self.start, self.numel = view.start, view.size
-        text = render_tensor(view)
+        text = render_tensor(view, width=self.page_width)
         if self.sliced != bool(view.values):
             self.sliced = bool(view.values)
             self.refresh_bindings()
@@ -543,10 +543,14 @@ class Inspector(ModalScreen[None]):
         self.query_one("#page", Static).update(text)
 
     @property
+    def page_width(self) -> int:
+        return int(self.app.size.width * 0.95) - 6  # the page's border, padding and scroll bar
+
+    @property
     def per_row(self) -> int:
         """Values a row of the slice holds: as many as the page's width takes (8 at most; 5 at 80
         columns, 2 of a complex tensor, whose values are two numbers each)."""
-        page = int(self.app.size.width * 0.95) - 6  # the page's border, padding and scroll bar
+        page = self.page_width
         record = next((r for r in self.step.records if r.name == self.tensor_name and r.role == self.role), None)
         width = views.value_width(record.dtype if record is not None else "")
         return max(1, min(8, (page - 10) // width))  # "   index: " and the columns of a value
@@ -1279,7 +1283,9 @@ def render_replay(result: Any, full: bool = False) -> Text:
     return text
 
 
-def render_tensor(view: views.TensorView) -> Text:
+def render_tensor(view: views.TensorView, width: int | None = None) -> Text:
+    """The inspector's page; ``width``: the page's, in which the sparkline's legend goes on a line of its
+    own where it would not fit after the sparkline (wrapped, its "✗" stayed behind, its meaning below)."""
     text = Text(view.title + "\n\n", style="bold")
     if view.histogram:
         top = max(view.histogram) or 1
@@ -1297,8 +1303,9 @@ def render_tensor(view: views.TensorView) -> Text:
     if view.series:
         values = [v for _, v in view.series]
         first, last = view.series[0][0], view.series[-1][0]
-        text.append(f"\n{view.series_stat} across iterations {first}…{last} (this one underlined): " if len(values) > 1
-                    else f"\n{view.series_stat} in iteration {first}, the only one with this call: ", style="dim")
+        label = (f"{view.series_stat} across iterations {first}…{last} (this one underlined): " if len(values) > 1
+                 else f"{view.series_stat} in iteration {first}, the only one with this call: ")
+        text.append("\n" + label, style="dim")
         lo, hi = view.expected if view.expected else (-math.inf, math.inf)
         marks = view.series_marks or [""] * len(values)
         drawn = views.sparkline(values, marks)
@@ -1308,7 +1315,9 @@ def render_tensor(view: views.TensorView) -> Text:
             text.append(char, style=f"{style} underline reverse" if i == view.series_at else style)
         marked = [m for m in views.MARKS if m in drawn]
         if marked:  # (a NaN absmax is no elements as often as NaN: the marks say which)
-            text.append("   " + ", ".join(f"{m} {views.MARKS[m]}" for m in marked), style="dim")
+            legend = ", ".join(f"{m} {views.MARKS[m]}" for m in marked)
+            fits = width is None or cell_len(label) + cell_len(drawn) + 3 + cell_len(legend) <= width
+            text.append(("   " if fits else "\n  ") + legend, style="dim")
         text.append("\n")
         if view.expected:
             broken = sum(1 for v, m in zip(values, marks) if m == views.NONFINITE or (not m and not lo <= v <= hi))

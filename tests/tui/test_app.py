@@ -1081,6 +1081,28 @@ def test_the_sparkline_marks_no_elements_and_nan_apart(tmp_path: Path) -> None:
     assert views.sparkline([1.0, float("nan"), 3.0]) == "▁✗█"  # (without marks: what is not finite, as before)
 
 
+def test_the_sparkline_legend_goes_below_where_it_would_not_fit(tmp_path: Path) -> None:
+    """At 80 columns the legend after the sparkline wrapped in the middle: its "✗" stayed after the
+    sparkline, "held NaN or Inf" went under the label. Where it does not fit, it has a line of its own."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path) as run:
+        for e in (torch.ones(3), torch.ones(0), torch.tensor([1.0, 2.0, 4.0]), torch.tensor([float("-inf")] * 2)):
+            _edge_softmax(e)
+            run.next_iteration()
+
+    async def page_at(width: int) -> str:
+        app = PdbgApp(replayer.open(path))
+        async with app.run_test(size=(width, 30)) as pilot:
+            await pilot.press("end", "enter")  # the last call's args.0: [-inf, -inf]
+            await pilot.pause()
+            assert isinstance(app.screen, Inspector)
+            return str(app.screen.query_one("#page", Static).render())
+
+    narrow, wide = asyncio.run(page_at(80)), asyncio.run(page_at(160))
+    assert "(this one underlined): ▁∅█✗\n  ✗ held NaN or Inf, ∅ no elements\n" in narrow
+    assert "(this one underlined): ▁∅█✗   ✗ held NaN or Inf, ∅ no elements\n" in wide
+
+
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks", "ignore:Sparse CSR tensor support")
 def test_a_step_returning_a_sparse_tensor_replays_and_bundles_in_the_app(tmp_path: Path) -> None:
     """r, b and x on a step returning a sparse tensor (a GCN's adjacency) crashed the app (WorkerFailed:
