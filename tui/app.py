@@ -694,6 +694,7 @@ class PdbgApp(App[None]):
     # rows of a narrow screen that are not the step pane's, at the least: header, footer, the panel at its
     # tallest (8) and the timeline's three rows in their border (5)
     BESIDE_STEP_PANE = 15
+    FOOTER_ROOM = 100  # columns that the footer's keys and the command palette's take, spaced as usual
     BINDINGS = [
         Binding("right,l", "step(1)", "next", show=False), Binding("left,h", "step(-1)", "back", show=False),
         Binding("down,j", "step(1)", show=False), Binding("up,k", "step(-1)", show=False),
@@ -757,7 +758,7 @@ class PdbgApp(App[None]):
             yield Timeline(self.model, on_move=lambda: self.show_step(), id="timeline")  # noqa: PLW0108
             yield StepPane(id="step")
         yield Static("", id="panel")
-        yield Footer()
+        yield Footer(id="keys")
 
     def on_unmount(self) -> None:
         gc.unfreeze()
@@ -765,12 +766,24 @@ class PdbgApp(App[None]):
     def on_resize(self, event: Any) -> None:
         self.query_one("#main").set_class(event.size.width < self.WIDE, "narrow")
         self.query_one(StepPane).fit_below_timeline()
+        self._fit_footer(event.size.width)
+
+    def _fit_footer(self, width: int) -> None:
+        """Under FOOTER_ROOM columns the footer's keys go compact and the command palette's key (ctrl+p, which
+        the start's panel and ? name) leaves it: docked on the right, it was drawn over "b bisect", and
+        "? keys" and "q quit" were past the edge (an 80-column footer read "^pale tte")."""
+        footer = self.query_one("#keys", Footer)
+        narrow = width < self.FOOTER_ROOM
+        if footer.compact != narrow:
+            footer.compact, footer.show_command_palette = narrow, not narrow
+            footer.refresh(recompose=True)
 
     def on_mount(self) -> None:
         # What exists now (imports, the recording's columns) lives as long as the app: keep the
         # garbage collector from scanning it on every full collection (~0.1 s each, mid-keystroke).
         gc.freeze()
         self.query_one("#main").set_class(self.size.width < self.WIDE, "narrow")
+        self._fit_footer(self.size.width)
         self.sub_title = self._summary()
         timeline = self.query_one(Timeline)
         timeline.focus()

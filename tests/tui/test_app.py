@@ -956,6 +956,28 @@ def test_the_inspector_reads_a_large_tensor_without_freezing_the_screen(nan_path
     asyncio.run(main())
 
 
+def test_the_footer_keys_fit_an_80_column_screen(nan_path: Path) -> None:
+    """At 80 columns the command palette's key, docked on the right of the footer, was drawn over
+    "b bisect", and "? keys" and "q quit" lay past the edge. The keys now go compact there, without the
+    palette's (ctrl+p, which the start's panel names); at 120 columns the footer is as before."""
+    from textual.widgets import Footer
+    from textual.widgets._footer import FooterKey
+
+    async def keys_at(width: int) -> list[tuple[str, int, int]]:
+        app = PdbgApp(replayer.open(nan_path))
+        async with app.run_test(size=(width, 24)) as pilot:
+            await pilot.pause()
+            footer = app.screen.query_one(Footer)
+            return [(k.key, k.region.x, k.region.right) for k in footer.query(FooterKey)]
+
+    narrow = asyncio.run(keys_at(80))
+    assert {"question_mark", "q", "b"} <= {key for key, _, _ in narrow}
+    assert all(right <= 80 for _, _, right in narrow), narrow
+    spans = sorted((x, right) for _, x, right in narrow)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # none drawn over another
+    assert "ctrl+p" in {key for key, _, _ in asyncio.run(keys_at(120))}
+
+
 def test_timeline_rows_keep_their_duration_on_an_80_column_screen(nan_path: Path) -> None:
     """At 80 columns the timeline's rows were cut before their duration ("6.5" of "6.5ms"): the
     module path's column narrows instead."""
