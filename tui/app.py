@@ -340,10 +340,10 @@ class StepPane(ScrollView, can_focus=True):
         equal shares left this one its title, notes and the table's header, and no tensor. The timeline
         keeps three rows (the panel at its tallest). The layout changes only when that height does."""
         narrow = self.parent is not None and self.parent.has_class("narrow")
-        least = None
-        if narrow and self._table_at >= 0:
+        least, room = None, self.screen.size.height - PdbgApp.BESIDE_STEP_PANE
+        if narrow and self._table_at >= 0 and room > 0:  # (a screen shorter than 16 rows: the equal shares)
             border = self.outer_size.height - self.scrollable_content_region.height  # (min-height counts it)
-            least = min(self._table_at + 2 + border, self.screen.size.height - PdbgApp.BESIDE_STEP_PANE)
+            least = min(self._table_at + 2 + border, room)
         if least != self._least:
             self._least = least
             self.styles.min_height = least
