@@ -1259,23 +1259,43 @@ def _state_nonfinite(step: Step) -> bool:
     return any(r.role in ("param", "buffer") and r.nonfinite for r in step.records)
 
 
+_MODULE_TYPES = ("torch.nn.", "torch.optim.")  # unrecorded arguments of these modules' types may hold parameters
+
+
+def _module_classes(step: Step) -> frozenset[str]:
+    """The classes (type references) of a module step's module and every module below it, from its skeleton."""
+    try:
+        todo, found = [step._doc("module")], set()
+    except Exception:  # noqa: BLE001 - a damaged or missing skeleton: no class is known
+        return frozenset()
+    while todo:
+        doc = todo.pop()
+        if isinstance(doc, dict):
+            found.add(str(doc.get("class")))
+            todo.extend((doc.get("children") or {}).values() if isinstance(doc.get("children"), dict) else ())
+    return frozenset(found)
+
+
 def _opaque_writers_text(rec: Recording, source: Step, earlier: Step | None) -> str:
     """Where a module step found its state non-finite: the recorded forward steps since the last call that saw it
-    finite (``earlier``) that were given an argument they could not record (an EMA update given the target module,
-    ``ema_update(target, online, m)``), whose writes to it no record holds, said before "... wrote it" as ones that
-    may have written it ("" for none). Not the steps enclosing ``source``: ``_caller_text`` names its caller."""
+    finite (``earlier``) that were given an argument they could not record that may hold that state, a module of
+    the classes of ``source``'s skeleton or one of torch's modules or optimizers (an EMA update given the target
+    module, ``ema_update(target, online, m)``; not a Hugging Face block given its ``DynamicCache``), whose writes
+    to it no record holds, said before "... wrote it" as ones that may have written it ("" for none). Not the
+    steps enclosing ``source``: ``_caller_text`` names its caller."""
     lo = max(earlier.index if earlier is not None else -1, source.index - _WRITERS_LOOKED_AT)
     phase, parent = _column(rec, "phase"), _column(rec, "parent")
     enclosing, up = set(), source.parent
     while up is not None and 0 <= up < source.index and up not in enclosing:
         enclosing.add(up)
         up = int(parent[up])
+    holders = _module_classes(source)
     found: list[tuple[Step, str]] = []
     for index in (np.flatnonzero(phase[lo + 1:source.index] == 0) + lo + 1).tolist():
         if index in enclosing:
             continue
         step = rec.step(index)
-        opaque = unrecorded_arguments(step)
+        opaque = [u for u in unrecorded_arguments(step) if u.type in holders or u.type.startswith(_MODULE_TYPES)]
         if opaque:
             found.append((step, opaque[0].text()))
     if not found:

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -2069,6 +2070,48 @@ def test_a_nan_an_update_step_given_the_modules_wrote_into_the_target_names_that
         f"{bisect_mod.describe(update)}, given target (a tests _TeacherNet), which it could "
         "not record, may have written it, or the optimizer update or code outside every recorded step wrote it; it "
         "was last finite in iteration 1"), origin.cause
+
+
+class _LockedCache:
+    """An object a step is given that the recorder cannot record and that holds no parameter (a KV cache)."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return "_LockedCache()"
+
+
+@recorder.paper_step("Eq. 16", description="a step given a cache it cannot record")
+def _with_cache(x: torch.Tensor, cache: _LockedCache) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_step_given_an_unrecorded_object_that_is_no_module_is_not_named_as_a_writer(tmp_path: Path) -> None:
+    """A step given an object it cannot record that is not a module (a Hugging Face block's DynamicCache) is not
+    named as one that may have written a parameter that code outside every step made non-finite: it cannot
+    reach it, and naming it sent the reader to the wrong step."""
+    torch.manual_seed(0)
+    target = _TeacherNet().requires_grad_(False)
+    cache = _LockedCache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recorder.RecorderWarning)
+        with recorder.record(tmp_path / "run.zarr") as run:
+            for i in range(3):
+                x = torch.randn(2, 4)
+                with torch.no_grad():
+                    target(_with_cache(x, cache))
+                if i == 1:
+                    with torch.no_grad():
+                        target.fc.weight.div_(target.fc.weight * 0)
+                run.next_iteration()
+    rec = replayer.open(tmp_path / "run.zarr")
+    origin = replayer.first_nonfinite(rec)
+    assert origin.entered is not None and origin.entered.iteration == 2, origin.cause
+    assert "_with_cache" not in origin.cause and "could not record" not in origin.cause, origin.cause
+    assert "the optimizer update or code outside every recorded step wrote it" in origin.cause, origin.cause
 
 
 def test_two_segments_of_one_run_are_said_to_cover_disjoint_iterations(tmp_path: Path) -> None:
