@@ -201,8 +201,8 @@ def _hooks(module: torch.nn.Module) -> tuple[list[dict[str, Any]], set[str], lis
             recorded.append({"kind": kind, "attrs": jsonval.encode(dict(vars(hook)))})
             derived.add(hook.name)
     others += [f"forward hook {hook_name(h)}" for h in module._forward_hooks.values()]
-    others += [f"backward hook {hook_name(h)}" for h in (*module._backward_pre_hooks.values(),
-                                                          *module._backward_hooks.values())]
+    others += [f"backward pre-hook {hook_name(h)}" for h in module._backward_pre_hooks.values()]
+    others += [f"backward hook {hook_name(h)}" for h in module._backward_hooks.values()]
     return recorded, derived, others
 
 

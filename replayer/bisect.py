@@ -1679,10 +1679,13 @@ _HOOKS_LOOKED_AT = 10_000  # steps before the one a tensor came into non-finite 
 
 
 def _hook_before(rec: Recording, step: Step) -> str:
-    """Where a tensor came into ``step`` non-finite from code outside every recorded step: the step of its phase
-    that ended last before it began, in its iteration, where that step's module has a forward hook (``step`` a
-    forward) or a backward hook (a backward), which ran on the result after it was recorded and before ``step``
-    began (a hook is not recorded, and its module document names it): a likely source, said; "" where none."""
+    """Where a tensor came into ``step`` non-finite from code outside every recorded step: the hooks that ran on it
+    after the step that made it was recorded and before ``step`` was (a hook is not recorded, and its module document
+    names it), each a likely source, said; "" where none. Those are the backward pre-hooks of a backward ``step``'s
+    own module, which ran on its grad outputs (``_own_pre_hooks``), and the forward hooks (``step`` a forward) or
+    backward hooks (a backward) of the module of the step of its phase that ended last before it began, in its
+    iteration, which ran on that step's result."""
+    own = _own_pre_hooks(rec, step)
     first = max(step.index - _HOOKS_LOOKED_AT, 0)
     phase, iteration = _column(rec, "phase")[first:step.index], _column(rec, "iteration")[first:step.index]
     ends = _column(rec, "t_end")[first:step.index]
@@ -1690,17 +1693,42 @@ def _hook_before(rec: Recording, step: Step) -> str:
     before = np.flatnonzero((phase == layout.PHASES.index(step.phase)) & (iteration == step.iteration)
                             & (ends <= began))
     if not len(before):
-        return ""
+        return own
     last = rec.step(first + int(before[np.argmax(ends[before])]))
     doc = last._doc("module") if last.module_path is not None else None
     kind = "forward hook " if step.phase == "forward" else "backward hook "
+    hooks = _hooks_named(doc, kind)
+    if not hooks:
+        return own
+    what = "its output" if step.phase == "forward" else "the gradients it passed on"
+    return (f"{own}; {describe(last)} ended last before it, and its module's {kind}{', '.join(hooks)} ran on {what} "
+            "after it was recorded: a likely source (a hook's work is not recorded)")
+
+
+def _hooks_named(doc: Any, kind: str) -> list[str]:
+    """The names of the hooks of ``kind`` ("backward hook ") a module document's ``other_hooks`` lists."""
     named = doc.get("other_hooks") if isinstance(doc, dict) else None
-    hooks = [h.removeprefix(kind) for h in named or () if isinstance(h, str) and h.startswith(kind)]
+    return [h.removeprefix(kind) for h in named or () if isinstance(h, str) and h.startswith(kind)]
+
+
+def _own_pre_hooks(rec: Recording, step: Step) -> str:
+    """Where a backward ``step``'s grad output came in non-finite: its own module's backward pre-hooks, which ran on
+    its grad outputs before the step recorded them (``register_full_backward_pre_hook``), a likely source, said; ""
+    where none. A recording before schema 1.29 named them "backward hook" as its full backward hooks, which run after
+    the step: those are said to be a likely source only if they were pre-hooks."""
+    if step.phase != "backward" or step.module_path is None:
+        return ""
+    doc = step._doc("module")
+    if layout.parse_version(rec.rank.run.schema_version) >= layout.BACKWARD_PRE_HOOKS_SINCE:
+        hooks, which = _hooks_named(doc, "backward pre-hook "), "backward pre-hook"
+    else:
+        hooks, which = _hooks_named(doc, "backward hook "), "backward hook"
     if not hooks:
         return ""
-    what = "its output" if step.phase == "forward" else "the gradients it passed on"
-    return (f"; {describe(last)} ended last before it, and its module's {kind}{', '.join(hooks)} ran on {what} after "
-            "it was recorded: a likely source (a hook's work is not recorded)")
+    told = "" if which == "backward pre-hook" else \
+        ", if it is a pre-hook (a recording before schema 1.29 does not tell a pre-hook from a full backward hook),"
+    return (f"; its own module's {which} {', '.join(hooks)}{told} ran on the gradients it was given before they were "
+            "recorded: a likely source (a hook's work is not recorded)")
 
 
 _WRITERS_LOOKED_AT = 100_000  # steps before the one a tensor came into non-finite looked at for unseen writers, at most

@@ -121,7 +121,9 @@ SCHEMA_VERSION = "1.29"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       argument used after the step returned, a result returned inside a plain object) adds that tensor's uses'
 #       gradients in the order they run (recorder.taps.order_uses), so an outer step's gradients hold other bits
 # 1.29: a dict's int key whose text is also one of its string keys is named [1] in record names (output.[1]);
-#       both were output.1 before
+#       both were output.1 before; a module skeleton's other_hooks name a backward pre-hook "backward pre-hook
+#       NAME" (before, "backward hook NAME", as a full backward hook: bisect could not tell the one that ran on a
+#       step's grad outputs before they were recorded)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -143,6 +145,7 @@ USES_APART_SINCE = (1, 21)  # recordings of this schema or later pass an argumen
 MORE_SPARES_SINCE = (1, 22)  # ... up to 16 uses of each (before: 4; the rest summed)
 NESTED_LEAVES_SINCE = (1, 23)  # ... and follow the leaves inside container arguments for their gradients
 ORDERED_USES_SINCE = (1, 28)  # ... and add the uses of a tapped tensor their steps' ends did not find in order
+BACKWARD_PRE_HOOKS_SINCE = (1, 29)  # recordings of this schema or later name a module's backward pre-hooks apart
 HOOKED_INPUTS_SINCE = (1, 26)  # recordings of this schema or later record a modules= glob's module after its own
 # forward pre-hooks ran (unless a note says otherwise: UNRUN_PRE_HOOKS_NOTE); before, before them
 CHECKSUM_KEY = "checksum"

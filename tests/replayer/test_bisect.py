@@ -2581,6 +2581,40 @@ def test_a_nan_a_module_hook_made_names_the_hook(tmp_path: Path, hook: str) -> N
            "likely source" in origin.cause, origin.cause
 
 
+def test_a_nan_a_backward_pre_hook_made_names_the_hook(tmp_path: Path) -> None:
+    """A full backward pre-hook on the second block scales the gradient it is given by NaN at iteration 1: it ran on
+    the block's grad outputs before its backward step recorded them, so they came in "from code outside every
+    recorded step". The recording names the pre-hook apart from a full backward hook, and bisect names it, on the
+    step's own module, as the likely source."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_HookedBlock(), _HookedBlock(), torch.nn.Linear(4, 1))
+    bad = [False]
+
+    def nan_pre_hook(module: torch.nn.Module, grad_out: Any) -> Any:
+        return (grad_out[0] * float("nan"),) if bad[0] else None
+
+    model[1].register_full_backward_pre_hook(nan_pre_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2, 4), torch.randn(2, 1)
+    path = tmp_path / "prehook.zarr"
+    with recorder.record(path, model=model, optimizer=opt):
+        for it in range(3):
+            bad[0] = it == 1
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    hooked = rec.steps.filter(module_path="1", phase="backward", iteration=1)[0]
+    assert hooked._doc("module")["other_hooks"] == [
+        "backward pre-hook test_a_nan_a_backward_pre_hook_made_names_the_hook.<locals>.nan_pre_hook"]
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and origin.entered is not None and origin.entered.index == hooked.index, origin.cause
+    assert "from the backward of code outside every recorded step" in origin.cause, origin.cause
+    assert "its own module's backward pre-hook test_a_nan_a_backward_pre_hook_made_names_the_hook.<locals>." \
+           "nan_pre_hook ran on the gradients it was given before they were recorded: a likely source" in \
+           origin.cause, origin.cause
+
+
 def _bn_model(bn: torch.nn.Module) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), nanmodels.ImagePool(4, bn), torch.nn.Flatten(),
                                torch.nn.Linear(4, 2))
