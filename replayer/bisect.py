@@ -1681,11 +1681,11 @@ _HOOKS_LOOKED_AT = 10_000  # steps before the one a tensor came into non-finite 
 def _hook_before(rec: Recording, step: Step) -> str:
     """Where a tensor came into ``step`` non-finite from code outside every recorded step: the hooks that ran on it
     after the step that made it was recorded and before ``step`` was (a hook is not recorded, and its module document
-    names it), each a likely source, said; "" where none. Those are the backward pre-hooks of a backward ``step``'s
-    own module, which ran on its grad outputs (``_own_pre_hooks``), and the forward hooks (``step`` a forward) or
-    backward hooks (a backward) of the module of the step of its phase that ended last before it began, in its
-    iteration, which ran on that step's result."""
-    own = _own_pre_hooks(rec, step)
+    names it), each a likely source, said; "" where none. Those are the pre-hooks of ``step``'s own module, which ran
+    on what it was given (``_own_pre_hooks``), the user's hooks on every module's calls (``_global_hooks_text``), and
+    the forward hooks (``step`` a forward) or backward hooks (a backward) of the module of the step of its phase that
+    ended last before it began, in its iteration, which ran on that step's result."""
+    own = _own_pre_hooks(rec, step) + _global_hooks_text(step)
     first = max(step.index - _HOOKS_LOOKED_AT, 0)
     phase, iteration = _column(rec, "phase")[first:step.index], _column(rec, "iteration")[first:step.index]
     ends = _column(rec, "t_end")[first:step.index]
@@ -1712,23 +1712,43 @@ def _hooks_named(doc: Any, kind: str) -> list[str]:
 
 
 def _own_pre_hooks(rec: Recording, step: Step) -> str:
-    """Where a backward ``step``'s grad output came in non-finite: its own module's backward pre-hooks, which ran on
-    its grad outputs before the step recorded them (``register_full_backward_pre_hook``), a likely source, said; ""
-    where none. A recording before schema 1.29 named them "backward hook" as its full backward hooks, which run after
-    the step: those are said to be a likely source only if they were pre-hooks."""
-    if step.phase != "backward" or step.module_path is None:
+    """Where what came into ``step`` came non-finite: its own module's pre-hooks of its phase, which ran on it before
+    the step recorded it, a likely source, said; "" where none. A forward step's module's forward pre-hooks ran on its
+    arguments (but for those its note says ran after they were recorded: ``layout.UNRUN_PRE_HOOKS_NOTE``); a
+    backward step's module's backward pre-hooks (``register_full_backward_pre_hook``) on its grad outputs. A
+    recording before schema 1.29 named the latter "backward hook" as its full backward hooks, which run after the
+    step: those are said to be a likely source only if they were pre-hooks."""
+    if step.module_path is None:
         return ""
-    doc = step._doc("module")
-    if layout.parse_version(rec.rank.run.schema_version) >= layout.BACKWARD_PRE_HOOKS_SINCE:
+    doc = _module_doc(step)
+    told = ""
+    if step.phase == "forward":
+        unrun = step.noted(layout.UNRUN_PRE_HOOKS_NOTE)
+        which = "forward pre-hook"
+        hooks = [h for h in _hooks_named(doc, "forward pre-hook ") if h not in unrun]
+    elif layout.parse_version(rec.rank.run.schema_version) >= layout.BACKWARD_PRE_HOOKS_SINCE:
         hooks, which = _hooks_named(doc, "backward pre-hook "), "backward pre-hook"
     else:
         hooks, which = _hooks_named(doc, "backward hook "), "backward hook"
+        told = ", if it is a pre-hook (a recording before schema 1.29 does not tell a pre-hook from a full backward " \
+            "hook),"
     if not hooks:
         return ""
-    told = "" if which == "backward pre-hook" else \
-        ", if it is a pre-hook (a recording before schema 1.29 does not tell a pre-hook from a full backward hook),"
-    return (f"; its own module's {which} {', '.join(hooks)}{told} ran on the gradients it was given before they were "
-            "recorded: a likely source (a hook's work is not recorded)")
+    what = "its arguments" if step.phase == "forward" else "the gradients it was given"
+    return (f"; its own module's {which} {', '.join(hooks)}{told} ran on {what} before they were recorded: a likely "
+            "source (a hook's work is not recorded)")
+
+
+def _global_hooks_text(step: Step) -> str:
+    """The hooks on every module's calls of ``step``'s phase (``register_module_forward_hook`` and the like) that its
+    call's note names: they ran on what every module made or was given, also between the recorded steps, so each is
+    a possible source of what came into ``step`` non-finite from outside every step, said; "" where none."""
+    hooks = sorted(h for h in _forward_of(step).noted(layout.GLOBAL_HOOK_NOTE)
+                   if h.startswith(f"global {step.phase} "))
+    if not hooks:
+        return ""
+    return (f"; the process had {', '.join(hooks)}, which ran on every module's "
+            "calls, between the recorded steps too: a possible source (a hook's work is not recorded)")
 
 
 _WRITERS_LOOKED_AT = 100_000  # steps before the one a tensor came into non-finite looked at for unseen writers, at most

@@ -2615,6 +2615,74 @@ def test_a_nan_a_backward_pre_hook_made_names_the_hook(tmp_path: Path) -> None:
            origin.cause, origin.cause
 
 
+def test_a_nan_a_forward_pre_hook_made_names_the_hook(tmp_path: Path) -> None:
+    """A forward pre-hook (with_kwargs) on the second block scales its argument by NaN at iteration 1: the block's
+    step records its arguments after its pre-hooks ran, so the NaN came in "from code outside every recorded step";
+    the pre-hook of the step's own module is named as the likely source."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_HookedBlock(), _HookedBlock(), torch.nn.Linear(4, 1))
+    bad = [False]
+
+    def nan_pre_hook(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        return ((args[0] * float("nan"),), kwargs) if bad[0] else None
+
+    model[1].register_forward_pre_hook(nan_pre_hook, with_kwargs=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2, 4), torch.randn(2, 1)
+    path = tmp_path / "fprehook.zarr"
+    with recorder.record(path, model=model, optimizer=opt):
+        for it in range(3):
+            bad[0] = it == 1
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    hooked = rec.steps.filter(module_path="1", phase="forward", iteration=1)[0]
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and origin.entered is not None and origin.entered.index == hooked.index, origin.cause
+    assert "its own module's forward pre-hook test_a_nan_a_forward_pre_hook_made_names_the_hook.<locals>." \
+           "nan_pre_hook ran on its arguments before they were recorded: a likely source" in origin.cause, origin.cause
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_nan_a_global_module_hook_made_names_the_hook(tmp_path: Path, phase: str) -> None:
+    """A hook on every module's calls registered while recording (``register_module_forward_hook``,
+    ``register_module_full_backward_hook``) makes NaN of the first block's output (or of the gradient the second
+    passes on) at iteration 1: the NaN came into the next step "from code outside every recorded step", and the
+    global hook that the step's note names is said to be a possible source."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_HookedBlock(), _HookedBlock(), torch.nn.Linear(4, 1))
+    bad = [False]
+
+    def nan_out(module: torch.nn.Module, args: Any, out: torch.Tensor) -> Any:
+        return out * float("nan") if bad[0] and module is model[0] else None
+
+    def nan_grad(module: torch.nn.Module, grad_in: Any, grad_out: Any) -> Any:
+        return (grad_in[0] * float("nan"),) if bad[0] and module is model[1] else None
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2, 4), torch.randn(2, 1)
+    path = tmp_path / "global.zarr"
+    with recorder.record(path, model=model, optimizer=opt):
+        register = torch.nn.modules.module.register_module_forward_hook if phase == "forward" else \
+            torch.nn.modules.module.register_module_full_backward_hook
+        handle = register(nan_out if phase == "forward" else nan_grad)
+        try:
+            for it in range(3):
+                bad[0] = it == 1
+                ((model(x) - y) ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            handle.remove()
+    origin = replayer.first_nonfinite(replayer.open(path))
+    assert origin.step is None and origin.entered is not None and origin.entered.iteration == 1, origin.cause
+    name = "forward hook test_a_nan_a_global_module_hook_made_names_the_hook.<locals>.nan_out" if phase == "forward" \
+        else "backward hook test_a_nan_a_global_module_hook_made_names_the_hook.<locals>.nan_grad"
+    assert f"the process had global {name}, which ran on every module's calls, between the recorded steps too: a " \
+           "possible source" in origin.cause, origin.cause
+
+
 def _bn_model(bn: torch.nn.Module) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), nanmodels.ImagePool(4, bn), torch.nn.Flatten(),
                                torch.nn.Linear(4, 2))
