@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +35,12 @@ class ModuleStack:
             module_mod.register_module_forward_pre_hook(self._pre),
             module_mod.register_module_forward_hook(self._post, with_kwargs=True, always_call=True),
         ]
+        # Ours runs first among the forward hooks on every module's calls: a call a modules= glob selects ends
+        # with what its forward returned, as a decorated class's does, not with what the user's global forward
+        # hooks registered before the recording made of it (which a replay, without them, cannot make).
+        hooks = module_mod._global_forward_hooks
+        if isinstance(hooks, OrderedDict):  # (torch's table: an OrderedDict in every version we support)
+            hooks.move_to_end(self._handles[1].id, last=False)
 
     def listen(self, enter: Callable[..., Any] | None, exit_: Callable[..., Any] | None) -> None:
         """Call ``enter(module, args)`` after a module is pushed, and ``exit_(module, args, *rest)``

@@ -2704,6 +2704,48 @@ def test_hooks_on_every_module_are_named_and_the_callers_own_left_out(tmp_path: 
         hook.remove()
 
 
+class _Doubled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def _double_doubled(module: nn.Module, args: Any, out: Any) -> Any:
+    return out * 2 if isinstance(module, _Doubled) else None
+
+
+def test_a_global_forward_hook_set_before_the_recording_runs_after_a_glob_steps_end(tmp_path: Path) -> None:
+    """A user's hook on every module's calls registered before the recording began, which doubles a module's output:
+    the module's step, selected by modules=, ends with what its forward returned (as a decorated class's does), and
+    replays bit for bit forward and backward (it recorded the hook's doubled output and its gradient: a MISMATCH of
+    every call); training is as unrecorded, and the hook runs after the recording closed."""
+    def train(path: Path | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), _Doubled(), nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with recorder.record(path, model=model, optimizer=opt, modules=["1"]) if path else contextlib.nullcontext():
+            for _ in range(2):
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()] + [model(torch.ones(1, 4)).detach()]
+
+    hook = torch.nn.modules.module.register_module_forward_hook(_double_doubled)
+    try:
+        plain, recorded = train(None), train(tmp_path / "doubled.zarr")
+        assert list(torch.nn.modules.module._global_forward_hooks.values()) == [_double_doubled]
+    finally:
+        hook.remove()
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, recorded))
+    rec = replayer.open(tmp_path / "doubled.zarr")
+    assert [s.phase for s in rec.steps] == ["forward", "backward"] * 2
+    results = [replayer.replay(rec, i) for i in range(len(rec))]
+    assert all(r.match for r in results), [str(r) for r in results]
+
+
 def test_verify_says_once_why_many_steps_cannot_be_replayed(tmp_path: Path) -> None:
     """Many steps refused for one reason (code a notebook cell defined: every step alike) are one line
     of `pdbg verify`'s listing (it printed the reason once per step: 6,000 lines); --json keeps each."""
