@@ -380,9 +380,10 @@ class Builder:
             if isinstance(module, LazyModuleMixin) and text.endswith(LazyModuleMixin._infer_parameters.__qualname__):
                 continue  # made again (_lazy_again)
             # The step's own forward hooks ran after its output was recorded; its pre-hooks, before
-            # its arguments and state were, unless they ran after (see build's top_hooks_ran).
-            if top and (text.startswith("forward hook") or (text.startswith("forward pre-hook")
-                                                             and self._top_hooks_ran)):
+            # its arguments and state were, unless they ran after (see build's top_hooks_ran); its backward
+            # pre-hooks, before its grad outputs were (named apart since schema 1.29).
+            if top and (text.startswith(("forward hook", "backward pre-hook")) or (
+                    text.startswith("forward pre-hook") and self._top_hooks_ran)):
                 continue
             out.warnings.append(f"{where} had a {text} when it was recorded, which cannot be "
                                 "recorded as data; the replay runs without it (a likely cause of any difference)")
