@@ -2657,7 +2657,7 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
         else:
             result.cause = _sparse_cause(result.first_difference, unseen) + counted if unseen else (
                 f"the results first differ at {describe(result.first_difference)}, but its inputs differ too: "
-                f"{outside or 'they came from outside every recorded step'}" + counted)
+                f"{outside or 'they came from outside every recorded step' + _params_too(parts)}" + counted)
             result.followed = _followers(al, result.first_difference.index, pa, pb)
         return result
     index = result.step.index
@@ -2952,6 +2952,22 @@ def _followers(al: _Aligned, after: int, pa: _Prints, pb: _Prints) -> list[Step]
             if len(found) == SPREAD:
                 break
     return found
+
+
+def _params_too(parts: tuple[tuple[dict[Any, Any], ...], tuple[dict[Any, Any], ...]]) -> str:
+    """Where a first difference's inputs differ: its parameters and buffers that differ as well (a learning rate
+    changed between the runs, an optimizer update outside every step), "" for none."""
+    (_, params_a, _), (_, params_b, _) = parts
+    changed = {k for k in set(params_a) | set(params_b) if params_a.get(k) != params_b.get(k)}
+    said = []
+    for role in _PARAMS:
+        names = sorted({name for r, name in changed if r == role})
+        if names:
+            word = "parameter" if role == "param" else role
+            said.append(f"{word}{'s' if len(names) > 1 else ''} {_names(names)}")
+    if not said:
+        return ""
+    return f"; its {' and '.join(said)} differ{'s' if len(changed) == 1 else ''} too"
 
 
 def _names(names: list[str], shown: int = 5) -> str:

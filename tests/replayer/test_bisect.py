@@ -817,6 +817,33 @@ def test_the_same_training_recorded_twice_does_not_diverge(tmp_path: Path, modes
         assert "0.weight differs" in div.cause
 
 
+def _lr_run(path: Path, lr_changed: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    with recorder.record(path, model=model, optimizer=opt, mode="full", modules=["2"]):
+        for i in range(4):
+            if i == 2 and lr_changed:
+                opt.param_groups[0]["lr"] = 0.05
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_runs_parted_by_a_learning_rate_name_the_parameters_that_came_in_different(tmp_path: Path) -> None:
+    """Two runs alike but for the learning rate from iteration 2: the first step that differs got other inputs
+    from a layer no step records, and other parameters from the optimizer; both are said (it said only that
+    its inputs came from outside every recorded step, and a reader looked for a different batch)."""
+    _lr_run(tmp_path / "a.zarr", False)
+    _lr_run(tmp_path / "b.zarr", True)
+    div = replayer.first_divergence(replayer.open(tmp_path / "a.zarr"), replayer.open(tmp_path / "b.zarr"))
+    first = div.first_difference
+    assert div.step is None and first is not None and (first.iteration, first.phase) == (3, "forward"), div.cause
+    assert div.cause.endswith("but its inputs differ too: they came from outside every recorded step; its "
+                              "parameters bias, weight differ too"), div.cause
+
+
 def test_runs_parted_by_their_data_have_no_root_cause_among_the_steps(tmp_path: Path) -> None:
     """Two runs alike but for the batch of iteration 2: the first step that differs got different
     inputs (from outside every recorded step), and that is the answer. The steps of iteration 3,
