@@ -75,6 +75,8 @@ def use_kernel(enabled: bool) -> bool:
 def _working(t: torch.Tensor) -> torch.Tensor:
     """The values to summarise, in a dtype reductions support exactly enough."""
     t = t.detach()
+    if t.is_quantized:  # (qint8: its integers mean nothing without its scale and zero point)
+        return t.dequantize()
     if t.is_complex():
         return t.abs().to(torch.float64 if t.dtype == torch.complex128 else torch.float32)
     if t.dtype in (torch.float32, torch.float64):

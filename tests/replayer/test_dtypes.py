@@ -1,0 +1,63 @@
+"""Tensors of every dtype through a recorded step, and what a replay says of them: a quantized result
+(qint8) has the statistics of its dequantized values, by which a replay compares it and two runs are told
+apart; a replay that differs only in the sign of zeros says so; distances are counted in the tensor's
+own format (a float8 ULP, a uint64 difference)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+import recorder
+import replayer
+from replayer.compare import BY_STATISTICS, compare
+
+QSCALE = {"scale": 0.1}
+
+
+@recorder.paper_step("Eq. Q", description="quantize activations to int8")
+def quantize(h: torch.Tensor) -> torch.Tensor:
+    return torch.quantize_per_tensor(h, QSCALE["scale"], 0, torch.qint8)
+
+
+@recorder.paper_step("Eq. DQ")
+def dequantize(q: torch.Tensor) -> torch.Tensor:
+    return q.dequantize() * 2
+
+
+def _record_quantized(path: Path, scale: float) -> None:
+    QSCALE["scale"] = scale
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (torch deprecates quantize_per_tensor)
+        with recorder.record(path, mode="full"):
+            for _ in range(2):
+                dequantize(quantize(torch.randn(4, 4)))
+
+
+def test_a_quantized_result_has_the_statistics_of_its_values_and_replays_by_them(tmp_path: Path) -> None:
+    """A step that returns a qint8 tensor is recorded with its dequantized values' statistics, and a
+    replay compares it by them, saying so, instead of failing on a dtype it cannot summarise."""
+    _record_quantized(tmp_path / "run.zarr", 0.1)
+    rec = replayer.open(tmp_path / "run.zarr")
+    step = rec.steps.filter(name="quantize")[0]
+    out = step.record("output")
+    values = torch.quantize_per_tensor(step.tensor("args.0"), 0.1, 0, torch.qint8).dequantize()
+    assert out.dtype == "qint8" and not out.has_payload
+    assert (out.stats["min"], out.stats["max"], out.stats["nan"]) == (values.min().item(), values.max().item(), 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        result = replayer.replay(rec, step)
+    assert result.match
+    assert result.diffs["output"].reason.startswith(BY_STATISTICS)
+
+
+def test_two_runs_whose_quantized_results_differ_part_at_the_quantizing_step(tmp_path: Path) -> None:
+    """bisect --against names the step whose qint8 result differs, not the step after it."""
+    _record_quantized(tmp_path / "a.zarr", 0.1)
+    _record_quantized(tmp_path / "b.zarr", 0.05)
+    div = replayer.first_divergence(tmp_path / "a.zarr", tmp_path / "b.zarr")
+    assert div.step is not None and div.step.name == "quantize"
