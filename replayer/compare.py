@@ -63,12 +63,12 @@ class Diff:
                 "replayed": self.replayed}
 
     def summary(self) -> str:
-        if self.reason:
+        if self.reason and not (self.measured and not self.match and self.max_ulp):
             return f"{self.name}: {self.reason}"
         if self.match:
             return f"{self.name}: bitwise equal"
         return (f"{self.name}: {self.mismatched} elements differ, max abs {self.max_abs_diff:.3g}, "
-                f"max rel {self.max_rel_diff:.3g}, {self.max_ulp} ULP")
+                f"max rel {self.max_rel_diff:.3g}, {self.max_ulp} ULP" + (f"; {self.reason}" if self.reason else ""))
 
     @property
     def measured(self) -> bool:
@@ -173,12 +173,23 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
             diff.max_ulp = int(ulp.max())
         else:  # float8 and friends: count ULPs in the nearest supported format
             diff.max_ulp = int((_ordered(a.to(torch.float32)) - _ordered(b.to(torch.float32))).abs().max())
+        diff.reason = _signed_zeros(bits & both & (gap == 0), recorded.is_complex())
     else:
         gap = (a.to(torch.int64) - b.to(torch.int64)).abs() if a.dtype != torch.uint64 else (a != b).to(torch.int64)
         diff.max_abs_diff = float(gap.max())
         diff.max_rel_diff = float((gap.to(torch.float64) / a.to(torch.float64).abs().clamp_min(1)).max())
         diff.max_ulp = int(gap.max())
     return diff
+
+
+def _signed_zeros(only_sign: torch.Tensor, complex_: bool) -> str | None:
+    """The reason of a mismatch where values equal as numbers differ in their bits (``only_sign``: +0 and
+    -0, the only such finite pair), which no distance shows; None where there are none."""
+    count = int((only_sign.any(-1) if complex_ else only_sign).sum())
+    if not count:
+        return None
+    return (f"signed zeros differ: {count} value{'s' if count != 1 else ''} +0 in one and -0 in the other "
+            "(equal as numbers, not in bits)")
 
 
 def _nonfinite_difference(nan_a: torch.Tensor, nan_b: torch.Tensor, differ: torch.Tensor) -> str | None:

@@ -5,7 +5,6 @@ own format (a float8 ULP, a uint64 difference)."""
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
@@ -61,3 +60,37 @@ def test_two_runs_whose_quantized_results_differ_part_at_the_quantizing_step(tmp
     _record_quantized(tmp_path / "b.zarr", 0.05)
     div = replayer.first_divergence(tmp_path / "a.zarr", tmp_path / "b.zarr")
     assert div.step is not None and div.step.name == "quantize"
+
+
+SIGN = {"sign": 1.0}
+
+
+@recorder.paper_step("Eq. Z")
+def zero_out(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.0 * SIGN["sign"]
+
+
+def test_a_replay_that_differs_in_the_sign_of_zeros_only_says_so(tmp_path: Path) -> None:
+    """+0 recorded and -0 replayed are a mismatch (other bits), whose reason says why: no distance shows it."""
+    SIGN["sign"] = 1.0
+    with recorder.record(tmp_path / "run.zarr"):
+        zero_out(torch.ones(4))
+        zero_out(torch.ones(2, 3, dtype=torch.complex64))
+    SIGN["sign"] = -1.0
+    try:
+        rec = replayer.open(tmp_path / "run.zarr")
+        real, complex_ = (replayer.replay(rec, s).diffs["output"] for s in rec.steps.filter(name="zero_out"))
+    finally:
+        SIGN["sign"] = 1.0
+    assert not real.match and real.mismatched == 4 and real.max_ulp == 0
+    assert real.reason is not None and real.reason.startswith("signed zeros differ: 4 values")
+    assert real.summary() == f"output: {real.reason}"
+    assert not complex_.match and complex_.reason is not None and "signed zeros differ: 6 values" in complex_.reason
+
+
+def test_signed_zeros_beside_values_that_differ_keep_the_distance_in_the_summary() -> None:
+    diff = compare("output", "output", torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.5]))
+    assert diff.max_ulp == 1 << 22 and diff.reason is not None
+    assert diff.summary().startswith("output: 2 elements differ, max abs 0.5") and "signed zeros differ: 1 value" in \
+        diff.summary()
+
