@@ -17,6 +17,11 @@ from recorder.store import layout
 
 _ORDERED_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
                 torch.bfloat16: torch.int16}
+# float8 formats are sign and magnitude like the others (e8m0 has no sign): a ULP is one of their own values
+_ORDERED_INT.update({getattr(torch, name): torch.int8 for name in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, name)})
+if hasattr(torch, "float8_e8m0fnu"):
+    _ORDERED_INT[torch.float8_e8m0fnu] = torch.uint8
 SHOWN_STATS = ("min", "max", "mean", "std", "nan", "inf")
 BY_STATISTICS = "compared by statistics"  # how the reason of a comparison of statistics (Diff.by_statistics) starts
 
@@ -171,7 +176,7 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
         if a.dtype in _ORDERED_INT:
             ulp = (_ordered(a) - _ordered(b)).abs()
             diff.max_ulp = int(ulp.max())
-        else:  # float8 and friends: count ULPs in the nearest supported format
+        else:  # a format without an integer ordering here: count ULPs in the nearest supported one
             diff.max_ulp = int((_ordered(a.to(torch.float32)) - _ordered(b.to(torch.float32))).abs().max())
         diff.reason = _signed_zeros(bits & both & (gap == 0), recorded.is_complex())
     else:

@@ -94,3 +94,15 @@ def test_signed_zeros_beside_values_that_differ_keep_the_distance_in_the_summary
     assert diff.summary().startswith("output: 2 elements differ, max abs 0.5") and "signed zeros differ: 1 value" in \
         diff.summary()
 
+
+def test_float8_distances_count_their_own_ulps() -> None:
+    """One representable step of a float8 format is 1 ULP, not the float32 ULPs between the two values."""
+    for name, a, b in (("float8_e4m3fn", 2.0, 2.25), ("float8_e5m2", 2.0, 2.5), ("float8_e4m3fnuz", 2.0, 2.25),
+                       ("float8_e5m2fnuz", -2.0, -2.5), ("float8_e8m0fnu", 2.0, 4.0)):
+        dtype = getattr(torch, name)
+        diff = compare("output", "output", torch.tensor([1.0, a]).to(dtype), torch.tensor([1.0, b]).to(dtype))
+        assert (name, diff.mismatched, diff.max_ulp) == (name, 1, 1)
+    across_zero = compare("output", "output", torch.tensor([0.015625]).to(torch.float8_e4m3fn),
+                          torch.tensor([-0.015625]).to(torch.float8_e4m3fn))
+    assert across_zero.max_ulp == 16  # 2 ** -6, the smallest normal (0x08), and its negation: 8 steps each side
+
