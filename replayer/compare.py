@@ -179,8 +179,18 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
         else:  # a format without an integer ordering here: count ULPs in the nearest supported one
             diff.max_ulp = int((_ordered(a.to(torch.float32)) - _ordered(b.to(torch.float32))).abs().max())
         diff.reason = _signed_zeros(bits & both & (gap == 0), recorded.is_complex())
+    elif a.dtype == torch.uint64:  # (int64 wraps past 2**63: each gap is the larger less the smaller, modulo 2**64)
+        ua, ub = a.reshape(-1).view(torch.int64), b.reshape(-1).view(torch.int64)
+        flip = torch.tensor(-(1 << 63), dtype=torch.int64)  # xor with it orders them as signed
+        above = (ua ^ flip) > (ub ^ flip)
+        gap = torch.where(above, ua - ub, ub - ua)
+        wide = gap < 0  # 2**63 or more
+        largest = int(gap[wide].max() if wide.any() else gap.max()) % (1 << 64)
+        unsigned = float(1 << 64)
+        rel = (gap.to(torch.float64) + wide * unsigned) / (ua.to(torch.float64) + (ua < 0) * unsigned).clamp_min(1)
+        diff.max_abs_diff, diff.max_rel_diff, diff.max_ulp = float(largest), float(rel.max()), largest
     else:
-        gap = (a.to(torch.int64) - b.to(torch.int64)).abs() if a.dtype != torch.uint64 else (a != b).to(torch.int64)
+        gap = (a.to(torch.int64) - b.to(torch.int64)).abs()
         diff.max_abs_diff = float(gap.max())
         diff.max_rel_diff = float((gap.to(torch.float64) / a.to(torch.float64).abs().clamp_min(1)).max())
         diff.max_ulp = int(gap.max())

@@ -106,3 +106,11 @@ def test_float8_distances_count_their_own_ulps() -> None:
                           torch.tensor([-0.015625]).to(torch.float8_e4m3fn))
     assert across_zero.max_ulp == 16  # 2 ** -6, the smallest normal (0x08), and its negation: 8 steps each side
 
+
+def test_uint64_distances_are_the_values_gaps() -> None:
+    recorded = torch.tensor([5, 2**63, 2**64 - 1], dtype=torch.uint64)
+    replayed = torch.tensor([9, 2**63 + 4, 0], dtype=torch.uint64)
+    diff = compare("output", "output", recorded, replayed)
+    assert (diff.mismatched, diff.max_abs_diff, diff.max_ulp) == (3, float(2**64 - 1), 2**64 - 1)
+    small = compare("output", "output", recorded[:2], replayed[:2])
+    assert (small.max_abs_diff, small.max_rel_diff, small.max_ulp) == (4.0, 0.8, 4)
