@@ -2554,7 +2554,7 @@ def _materialize(step: Step, rec: TensorRecord, notes: list[str] | None = None) 
         return step.rec.rank.sparse_tensor(rec, parts, {p: _materialize(step, r, notes)
                                                         for p, r in parts.records.items()})
     value = step.rec.rank.tensor(rec)
-    if rec.stride and tuple(rec.stride) != tuple(value.stride()) and value.numel() > 1:
+    if rec.stride and tuple(rec.stride) != tuple(value.stride()) and value.numel() != 1:
         value = _with_strides(value, tuple(rec.stride))
         shape, stride = tuple(value.shape), tuple(rec.stride)
         missed = all(s >= 0 for s in stride) and any(n > 1 and s != 0 and s != t for n, s, t in

@@ -114,3 +114,19 @@ def test_uint64_distances_are_the_values_gaps() -> None:
     assert (diff.mismatched, diff.max_abs_diff, diff.max_ulp) == (3, float(2**64 - 1), 2**64 - 1)
     small = compare("output", "output", recorded[:2], replayed[:2])
     assert (small.max_abs_diff, small.max_rel_diff, small.max_ulp) == (4.0, 0.8, 4)
+
+
+@recorder.paper_step("Eq. S")
+def layout_of(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([*x.stride(), int(x.is_contiguous())])
+
+
+def test_an_empty_argument_is_replayed_with_its_recorded_strides(tmp_path: Path) -> None:
+    """A zero-size view (a transposed empty batch) keeps its strides in a replay, as a tensor with values does."""
+    with recorder.record(tmp_path / "run.zarr"):
+        layout_of(torch.randn(4, 0, 3).transpose(0, 2))
+        layout_of(torch.randn(6, 8)[2:, 3:].t())
+    rec = replayer.open(tmp_path / "run.zarr")
+    for step in rec.steps.filter(name="layout_of"):
+        assert replayer.replay(rec, step).match, step.tensor("output")
+    assert rec.steps.filter(name="layout_of")[0].tensor("output").tolist() == [1, 3, 3, 1]
