@@ -633,8 +633,15 @@ def _fmt_value(x: float) -> str:
     return "nan" if math.isnan(x) else fmt_number(x)
 
 
+_EXACT_DIGITS = 10  # an integer element shown whole where it fits its column (value_width less the separator)
+
+
 def _fmt_element(x: Any) -> str:
-    """A tensor element; a complex one with its real and imaginary parts ("0.5-1.25j")."""
+    """A tensor element; a complex one with its real and imaginary parts ("0.5-1.25j"); an integer one
+    (a token id, an index) whole where it fits its column: 32767 and 32766 are not both 3.277e+04."""
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        whole = str(int(x))
+        return whole if len(whole) <= _EXACT_DIGITS else fmt_number(float(x))
     if not isinstance(x, (complex, np.complexfloating)):
         return _fmt_value(float(x))
     negative = x.imag < 0 or (x.imag == 0 and math.copysign(1.0, x.imag) < 0)

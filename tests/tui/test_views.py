@@ -139,3 +139,21 @@ def test_the_filter_and_the_rows_take_names_as_printed_and_under_unicode_normali
         assert model_view.apply_filter(typed) == 2, typed  # (the forward and the backward)
         assert {rec.step(int(i)).name for i in model_view.rows} == expected
     assert model_view.apply_filter("name:\ufb01lter_step") == 2
+
+
+@recorder.paper_step("Eq. T", description="look up token ids")
+def token_ids(ids: torch.Tensor) -> torch.Tensor:
+    return ids.clone()
+
+
+def test_the_inspector_shows_integer_values_whole(tmp_path: Path) -> None:
+    """Token ids and indices are shown exactly where they fit their column (32767 and 32766 told apart);
+    only those wider than it (int64 extremes) in exponent form."""
+    ids = torch.tensor([32767, 32766, 4294967295, 2**62, -5], dtype=torch.int64)
+    with recorder.record(tmp_path / "run.zarr"):
+        token_ids(ids)
+        token_ids(torch.tensor([65535, 65534], dtype=torch.uint16))
+    steps = replayer.open(tmp_path / "run.zarr").steps.filter(name="token_ids")
+    shown = views.tensor_view(steps[0], "output", "output").values[0].split()
+    assert shown[1:] == ["32767", "32766", "4294967295", "4.612e+18", "-5"]
+    assert views.tensor_view(steps[1], "args.0", "input").values[0].split()[1:] == ["65535", "65534"]
