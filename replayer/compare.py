@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -113,9 +114,30 @@ def _ordered(t: torch.Tensor) -> torch.Tensor:
     return torch.where(ints < 0, sign_min - ints, ints)
 
 
+def _summary(t: torch.Tensor) -> tuple[float, ...]:
+    """``t``'s statistics; those of no values for a dtype torch stores but has no arithmetic for
+    (bits16, float4_e2m1fn_x2), as the recorder keeps them."""
+    try:
+        return stats_mod.host_stats(t)
+    except (NotImplementedError, RuntimeError, TypeError):
+        return stats_mod.EMPTY
+
+
+@functools.cache
+def _arithmetic(dtype: torch.dtype) -> bool:
+    """Whether torch computes with ``dtype`` (a distance between two of its values means something)."""
+    if dtype.is_complex:  # (complex32 included: compared by its real and imaginary parts)
+        return True
+    try:
+        torch.zeros(1, dtype=dtype).to(torch.float64)
+        return True
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
+
+
 def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorded_stats: Any = None) -> Diff:
     """Compare a replayed value with the recorded tensor (both moved to the CPU)."""
-    rec_stats = stats_dict(recorded_stats if recorded_stats is not None else stats_mod.host_stats(recorded))
+    rec_stats = stats_dict(recorded_stats if recorded_stats is not None else _summary(recorded))
     if not isinstance(replayed, torch.Tensor):
         return Diff(name, role, False, math.inf, math.inf, 0, reason=f"replay gave {type(replayed).__name__}, "
                     "not a tensor", recorded=rec_stats, is_complex=recorded.is_complex())
@@ -125,7 +147,7 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
     with torch._C.DisableTorchFunction():
         replayed = replayed.detach().cpu().resolve_conj().resolve_neg()
         recorded = recorded.detach().cpu().resolve_conj().resolve_neg()
-    rep_stats = stats_dict(stats_mod.host_stats(replayed))
+    rep_stats = stats_dict(_summary(replayed))
     diff = Diff(name, role, True, recorded=rec_stats, replayed=rep_stats,
                 is_complex=recorded.is_complex() or replayed.is_complex())
     if replayed.dtype != recorded.dtype or tuple(replayed.shape) != tuple(recorded.shape):
@@ -141,6 +163,12 @@ def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorde
         diff.mismatched = int(differ.reshape(-1, 2).any(dim=1).sum())
     diff.match = diff.mismatched == 0
     if diff.match or recorded.numel() == 0:
+        return diff
+    if not _arithmetic(recorded.dtype):
+        diff.max_abs_diff = diff.max_rel_diff = math.inf
+        diff.max_ulp = None
+        diff.reason = (f"bits differ: {diff.mismatched} value{'s' if diff.mismatched != 1 else ''} (torch has no "
+                       f"arithmetic for {payload.dtype_name(recorded.dtype)}: no distance)")
         return diff
     a, b = recorded, replayed
     if a.is_complex():

@@ -130,3 +130,25 @@ def test_an_empty_argument_is_replayed_with_its_recorded_strides(tmp_path: Path)
     for step in rec.steps.filter(name="layout_of"):
         assert replayer.replay(rec, step).match, step.tensor("output")
     assert rec.steps.filter(name="layout_of")[0].tensor("output").tolist() == [1, 3, 3, 1]
+
+
+@recorder.paper_step("Eq. B")
+def passthru(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def test_dtypes_without_arithmetic_replay_and_compare_by_bits(tmp_path: Path) -> None:
+    """bits16 and float4_e2m1fn_x2 (packed formats torch stores but does not compute with) replay bit for
+    bit; a difference in them is said in bits, without a distance."""
+    dtypes = [getattr(torch, n) for n in ("bits16", "bits8", "float4_e2m1fn_x2") if hasattr(torch, n)]
+    tensors = [torch.arange(6, dtype=torch.int16 if d.itemsize == 2 else torch.uint8).view(d) for d in dtypes]
+    with recorder.record(tmp_path / "run.zarr"):
+        for t in tensors:
+            passthru(t)
+    rec = replayer.open(tmp_path / "run.zarr")
+    for t, step in zip(tensors, rec.steps.filter(name="passthru")):
+        assert replayer.replay(rec, step).match, t.dtype
+    other = torch.tensor([0, 1, 7], dtype=torch.int16).view(torch.bits16)
+    diff = compare("output", "output", torch.tensor([0, 1, 2], dtype=torch.int16).view(torch.bits16), other)
+    assert not diff.match and diff.mismatched == 1 and diff.max_ulp is None and not diff.measured
+    assert diff.reason == "bits differ: 1 value (torch has no arithmetic for bits16: no distance)"
