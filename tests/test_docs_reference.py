@@ -1,0 +1,62 @@
+"""What README.md and docs/ show a reader matches what a recording holds and what pdbg says and offers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import recorder
+import replayer
+from tests.models import Tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def section(path: Path, start: str, end: str) -> str:
+    text = path.read_text()
+    return text[text.index(start):text.index(end, text.index(start))]
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("docs") / "run.zarr"
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(path, model=model, optimizer=opt):
+        for _ in range(2):
+            model(torch.tensor([[1, 2, 3]])).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return path
+
+
+def reliability_message(row_start: str) -> str:
+    """The message docs/RELIABILITY.md's damage table quotes in the row that begins so."""
+    for line in (ROOT / "docs" / "RELIABILITY.md").read_text().splitlines():
+        if line.startswith(f"| {row_start}"):
+            return line.split(" | ")[2].strip("`")
+    raise AssertionError(f"docs/RELIABILITY.md has no row {row_start!r}")
+
+
+@pytest.mark.parametrize("damage", ["no zarr.json", "no attributes"])
+def test_reliability_quotes_what_a_directory_that_is_no_recording_gets(recording: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       damage: str) -> None:
+    """The damage table's message for a root zarr.json missing or without our attributes is the one raised."""
+    copy = tmp_path / "run.zarr"
+    shutil.copytree(recording, copy)
+    root = copy / "zarr.json"
+    if damage == "no zarr.json":
+        root.unlink()
+    else:
+        doc = json.loads(root.read_text())
+        del doc["attributes"]["paperdebugger"]
+        root.write_text(json.dumps(doc))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(recorder.NotARecordingError) as err:
+        replayer.open("run.zarr")
+    assert str(err.value) == reliability_message("root `zarr.json` missing, or without PaperDebugger attributes")
