@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -60,3 +61,23 @@ def test_reliability_quotes_what_a_directory_that_is_no_recording_gets(recording
     with pytest.raises(recorder.NotARecordingError) as err:
         replayer.open("run.zarr")
     assert str(err.value) == reliability_message("root `zarr.json` missing, or without PaperDebugger attributes")
+
+
+def json_example(text: str, begins: str) -> str:
+    """The ```json block of a document that begins so."""
+    for block in re.findall(r"```json\n(.*?)```", text, re.S):
+        if block.startswith(begins):
+            return block
+    raise AssertionError(f"no JSON example beginning {begins!r}")
+
+
+def test_format_examples_hold_every_key_of_the_root_attributes_and_the_manifest(recording: Path) -> None:
+    """docs/FORMAT.md's examples of the root zarr.json attributes and of manifest.json name every key a
+    recording has (the checksum a reader checks among them)."""
+    text = (ROOT / "docs" / "FORMAT.md").read_text()
+    attributes = json.loads((recording / "zarr.json").read_text())["attributes"]["paperdebugger"]
+    manifest = json.loads((recording / "manifest.json").read_text())
+    for keys, example in ((attributes, json_example(text, '{"paperdebugger"')),
+                          (manifest, json_example(text, '{"format": "paperdebugger.manifest"'))):
+        missing = sorted(k for k in keys if f'"{k}"' not in example)
+        assert not missing, f"docs/FORMAT.md's example {example.splitlines()[0]!r} lacks {missing}"
