@@ -81,3 +81,19 @@ def test_format_examples_hold_every_key_of_the_root_attributes_and_the_manifest(
                           (manifest, json_example(text, '{"format": "paperdebugger.manifest"'))):
         missing = sorted(k for k in keys if f'"{k}"' not in example)
         assert not missing, f"docs/FORMAT.md's example {example.splitlines()[0]!r} lacks {missing}"
+
+
+KEY_SPELLING = {"left_square_bracket": "`[`", "right_square_bracket": "`]`", "question_mark": "`?`",
+                "slash": "`/`", "backslash": "`\\`", "colon": "`:`", "left": "`←`", "right": "`→`", "up": "`↑`",
+                "down": "`↓`", "pageup": "PgUp", "pagedown": "PgDn", "home": "Home", "end": "End",
+                "enter": "| enter", "escape": "escape"}
+
+
+def test_readme_key_table_lists_the_keys_of_the_timeline_and_the_tensor_inspector() -> None:
+    """Every key of the main screen and of the tensor inspector is in the README's table of keys."""
+    from tui.app import Inspector, PdbgApp
+
+    table = section(ROOT / "README.md", "| key | does |", "\n\n")
+    missing = [f"{screen.__name__}: {key}" for screen in (PdbgApp, Inspector) for binding in screen.BINDINGS
+               for key in binding.key.split(",") if KEY_SPELLING.get(key, f"`{key}`") not in table]
+    assert not missing, f"the README's key table lacks {missing}"
