@@ -97,3 +97,16 @@ def test_readme_key_table_lists_the_keys_of_the_timeline_and_the_tensor_inspecto
     missing = [f"{screen.__name__}: {key}" for screen in (PdbgApp, Inspector) for binding in screen.BINDINGS
                for key in binding.key.split(",") if KEY_SPELLING.get(key, f"`{key}`") not in table]
     assert not missing, f"the README's key table lacks {missing}"
+
+
+def test_readme_names_every_mode_pdbg_record_takes_where_it_lists_them() -> None:
+    """Where the README lists pdbg record's --mode choices, it lists all of them."""
+    from tui.cli import build_parser
+
+    parser = build_parser()
+    record = next(a for a in parser._actions if a.dest == "command").choices["record"]
+    modes = next(a for a in record._actions if "--mode" in a.option_strings).choices
+    for listed in re.findall(r"--mode ?((?:[a-z]+[|\\]*)+)", (ROOT / "README.md").read_text()):
+        named = [m for m in re.split(r"\\?\|", listed) if m]
+        if len(named) > 1:
+            assert sorted(named) == sorted(modes), f"the README lists --mode {listed}; pdbg record takes {modes}"
