@@ -33,8 +33,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.modules.module import _global_backward_hooks
 
-from . import compiled, names, skeleton
+from . import compiled, names, skeleton, taps
 from .errors import RecordingError
 from .store import layout
 
@@ -417,6 +418,11 @@ class GlobalCapture:
         if late and kwargs and frame is not None:
             session.add_kwargs(frame, kwargs)
         out = session.end(frame, result, link)
+        if frame is not None and (module._backward_hooks or _global_backward_hooks):
+            try:
+                taps.before_backward_hooks(args)
+            except Exception as exc:
+                session.fail("tapping a call with backward hooks", exc)
         _give_back(kwargs, given)
         return None if out is result else out
 

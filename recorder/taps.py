@@ -501,6 +501,51 @@ def _passed_apart(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> list[torc
     return out
 
 
+def before_backward_hooks(args: tuple[Any, ...]) -> None:
+    """Have the input taps of a call whose module has full backward hooks report the gradients its
+    backward computed, not what those hooks make of them. Torch wraps the arguments for those hooks
+    (``BackwardHook.setup_input_hook``) after the forward pre-hooks that tapped them, so the hooks' node
+    sits between the call and its taps, and their result is what reaches a tap; a decorated class, tapped
+    inside its forward, sees the gradients before the hooks do, and a replay, run without them, computes
+    those. ``args``: the arguments as torch passed them to the forward (its forward hooks get them so).
+    A pre-hook on the hooks' node keeps the gradients it gets for the taps' callbacks; what goes on is
+    left as the hooks made it."""
+    node = next((t.grad_fn for t in args if isinstance(t, torch.Tensor) and t.grad_fn is not None
+                 and t.grad_fn.name() == "BackwardHookFunctionBackward"), None)
+    if node is None:
+        return
+    places: list[tuple[int, dict[int, torch.Tensor], int]] = []
+    kept: dict[Any, dict[int, torch.Tensor]] = {}
+    for i, (tapped, k) in enumerate(node.next_functions):
+        if getattr(tapped, "_forward_cls", None) is not _Tap:
+            continue
+        raw = kept.get(tapped)
+        if raw is None:
+            raw = kept[tapped] = {}
+            tapped.callback = functools.partial(_with_raw, raw, tapped.callback)
+        places.append((i, raw, k))
+    if places:
+        node.register_prehook(functools.partial(_keep_raw, tuple(places)))
+
+
+def _keep_raw(places: tuple[tuple[int, dict[int, torch.Tensor], int], ...],
+              grads: tuple[torch.Tensor | None, ...]) -> None:
+    for i, raw, k in places:
+        g = grads[i]
+        if g is not None:
+            raw[k] = g
+
+
+def _with_raw(raw: dict[int, torch.Tensor], callback: GradCallback, grads: tuple[torch.Tensor | None, ...],
+              *rest: Any) -> None:
+    """A tap's callback behind a module's full backward hooks: the gradients kept before the hooks ran,
+    where they came (a pass that ran no hook, a double backward's, reports what reached the tap)."""
+    if raw:
+        grads = tuple(raw.pop(k, g) for k, g in enumerate(grads))
+        raw.clear()
+    callback(grads, *rest)
+
+
 def _total(parts: list[torch.Tensor]) -> torch.Tensor:
     """The sum of contributions, added one by one in their order, as autograd adds them into a node's input
     (``a + b`` and ``a.add_(b)`` hold the same bits; with grad mode on, in a graph of gradients, as there)."""

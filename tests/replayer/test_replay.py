@@ -2775,6 +2775,57 @@ def test_a_steps_own_backward_pre_hook_is_no_warning(tmp_path: Path) -> None:
     assert not any("_triple_grad" in w for w in res.warnings), res.warnings
 
 
+class _GradScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def _double_grad_input(module: nn.Module, grad_in: Any, grad_out: Any) -> Any:
+    return (grad_in[0] * 2,) if isinstance(module, _GradScaled) else None
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("where", ["own", "global"])
+def test_a_glob_steps_full_backward_hook_that_changes_its_grad_input(tmp_path: Path, where: str) -> None:
+    """A module selected by modules= whose full backward hook (its own, or one on every module's calls, registered
+    before the recording) doubles its grad input: its backward step records the grad input its backward computed,
+    as a decorated class's does, and replays bit for bit (it recorded the hook's doubled one: MISMATCH, max rel 0.5);
+    training is as unrecorded."""
+    def train(path: Path | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), _GradScaled(), nn.Linear(4, 1))
+        if where == "own":
+            model[1].register_full_backward_hook(_double_grad_input)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        with recorder.record(path, model=model, optimizer=opt, modules=["1"]) if path else contextlib.nullcontext():
+            for _ in range(2):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                loss.backward()
+                out += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+                opt.step()
+                opt.zero_grad()
+        return out + [p.detach().clone() for p in model.parameters()]
+
+    hook = (torch.nn.modules.module.register_module_full_backward_hook(_double_grad_input) if where == "global"
+            else contextlib.nullcontext())
+    try:
+        plain, recorded = train(None), train(tmp_path / "scaled.zarr")
+    finally:
+        if where == "global":
+            hook.remove()
+    assert len(plain) == len(recorded)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, recorded))
+    rec = replayer.open(tmp_path / "scaled.zarr")
+    assert [s.phase for s in rec.steps] == ["forward", "backward"] * 2
+    results = [replayer.replay(rec, i) for i in range(len(rec))]
+    assert all(r.match for r in results), [str(r) for r in results]
+
+
 def test_verify_says_once_why_many_steps_cannot_be_replayed(tmp_path: Path) -> None:
     """Many steps refused for one reason (code a notebook cell defined: every step alike) are one line
     of `pdbg verify`'s listing (it printed the reason once per step: 6,000 lines); --json keeps each."""
