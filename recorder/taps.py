@@ -514,8 +514,8 @@ def before_backward_hooks(args: tuple[Any, ...]) -> None:
                  and t.grad_fn.name() == "BackwardHookFunctionBackward"), None)
     if node is None:
         return
-    places: list[tuple[int, dict[int, torch.Tensor], int]] = []
-    kept: dict[Any, dict[int, torch.Tensor]] = {}
+    places: list[tuple[int, dict[int, list[torch.Tensor]], int]] = []
+    kept: dict[Any, dict[int, list[torch.Tensor]]] = {}
     for i, (tapped, k) in enumerate(node.next_functions):
         if getattr(tapped, "_forward_cls", None) is not _Tap:
             continue
@@ -528,20 +528,22 @@ def before_backward_hooks(args: tuple[Any, ...]) -> None:
         node.register_prehook(functools.partial(_keep_raw, tuple(places)))
 
 
-def _keep_raw(places: tuple[tuple[int, dict[int, torch.Tensor], int], ...],
+def _keep_raw(places: tuple[tuple[int, dict[int, list[torch.Tensor]], int], ...],
               grads: tuple[torch.Tensor | None, ...]) -> None:
+    for raw in {id(raw): raw for _, raw, _ in places}.values():
+        raw.clear()  # (what an earlier pass kept and its tap never got: no gradient of this one)
     for i, raw, k in places:
         g = grads[i]
         if g is not None:
-            raw[k] = g
+            raw.setdefault(k, []).append(g)  # (one tensor passed twice, ``blk(x, x)``: its uses' sum)
 
 
-def _with_raw(raw: dict[int, torch.Tensor], callback: GradCallback, grads: tuple[torch.Tensor | None, ...],
+def _with_raw(raw: dict[int, list[torch.Tensor]], callback: GradCallback, grads: tuple[torch.Tensor | None, ...],
               *rest: Any) -> None:
     """A tap's callback behind a module's full backward hooks: the gradients kept before the hooks ran,
     where they came (a pass that ran no hook, a double backward's, reports what reached the tap)."""
     if raw:
-        grads = tuple(raw.pop(k, g) for k, g in enumerate(grads))
+        grads = tuple(_recorded_total(raw[k]) if k in raw else g for k, g in enumerate(grads))
         raw.clear()
     callback(grads, *rest)
 
