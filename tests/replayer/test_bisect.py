@@ -2588,16 +2588,7 @@ def test_a_nan_a_module_hook_made_names_the_hook(tmp_path: Path, hook: str) -> N
         model[0].register_forward_hook(log_hook)
     else:
         model[1].register_full_backward_hook(norm_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(2, 4), torch.randn(2, 1)
-    path = tmp_path / "hook.zarr"
-    with recorder.record(path, model=model, optimizer=opt):
-        for it in range(3):
-            bad[0] = it == 1
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    rec = replayer.open(path)
+    rec = _three_iterations_nan_in_the_second(model, bad, tmp_path / "hook.zarr")
     origin = replayer.first_nonfinite(rec)
     assert origin.step is None and origin.entered is not None and origin.entered.iteration == 1, origin.cause
     hooked = rec.steps.filter(module_path="0" if hook == "forward" else "1", phase=hook, iteration=1)[0]
@@ -2606,6 +2597,19 @@ def test_a_nan_a_module_hook_made_names_the_hook(tmp_path: Path, hook: str) -> N
         f"backward hook {local}norm_hook ran on the gradients it passed on"
     assert f"{bisect_mod.describe(hooked)} ended last before it, and its module's {name} after it was recorded: a " \
            "likely source" in origin.cause, origin.cause
+
+
+def _three_iterations_nan_in_the_second(model: torch.nn.Module, bad: list[bool], path: Path) -> replayer.Recording:
+    """Three iterations of SGD on one batch, recorded, with ``bad[0]`` true in the second (iteration 1)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2, 4), torch.randn(2, 1)
+    with recorder.record(path, model=model, optimizer=opt):
+        for it in range(3):
+            bad[0] = it == 1
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return replayer.open(path)
 
 
 def test_a_nan_a_backward_pre_hook_made_names_the_hook(tmp_path: Path) -> None:
@@ -2621,16 +2625,7 @@ def test_a_nan_a_backward_pre_hook_made_names_the_hook(tmp_path: Path) -> None:
         return (grad_out[0] * float("nan"),) if bad[0] else None
 
     model[1].register_full_backward_pre_hook(nan_pre_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(2, 4), torch.randn(2, 1)
-    path = tmp_path / "prehook.zarr"
-    with recorder.record(path, model=model, optimizer=opt):
-        for it in range(3):
-            bad[0] = it == 1
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    rec = replayer.open(path)
+    rec = _three_iterations_nan_in_the_second(model, bad, tmp_path / "prehook.zarr")
     hooked = rec.steps.filter(module_path="1", phase="backward", iteration=1)[0]
     assert hooked._doc("module")["other_hooks"] == [
         "backward pre-hook test_a_nan_a_backward_pre_hook_made_names_the_hook.<locals>.nan_pre_hook"]
@@ -2654,16 +2649,7 @@ def test_a_nan_a_forward_pre_hook_made_names_the_hook(tmp_path: Path) -> None:
         return ((args[0] * float("nan"),), kwargs) if bad[0] else None
 
     model[1].register_forward_pre_hook(nan_pre_hook, with_kwargs=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(2, 4), torch.randn(2, 1)
-    path = tmp_path / "fprehook.zarr"
-    with recorder.record(path, model=model, optimizer=opt):
-        for it in range(3):
-            bad[0] = it == 1
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    rec = replayer.open(path)
+    rec = _three_iterations_nan_in_the_second(model, bad, tmp_path / "fprehook.zarr")
     hooked = rec.steps.filter(module_path="1", phase="forward", iteration=1)[0]
     origin = replayer.first_nonfinite(rec)
     assert origin.step is None and origin.entered is not None and origin.entered.index == hooked.index, origin.cause
