@@ -908,7 +908,7 @@ def _candidates() -> list[tuple[str, Any, Any]]:
          lambda: str(torch.get_default_device())),
         ("num_threads", None, torch.get_num_threads),
         ("num_interop_threads", None, torch.get_num_interop_threads),
-        ("cpu_capability", fast("_get_cpu_capability"), lambda: b.cpu.get_cpu_capability()),  # noqa: PLW0108 (looked up late: older builds lack it)
+        ("cpu_capability", None, lambda: b.cpu.get_cpu_capability()),  # noqa: PLW0108 (looked up late: a test, or a tool, may patch it)
         ("grad_enabled", None, torch.is_grad_enabled),
         ("inference_mode", None, torch.is_inference_mode_enabled),
         ("flush_denormal", None, flushes_denormals),
