@@ -348,6 +348,11 @@ def int_key_part(key: int) -> str:
     return f"[{key}]"
 
 
+def shadowed(key: Any, texts: set[str]) -> bool:
+    """Whether ``key`` is a dict's int key whose text is one of its string keys (``texts``): named ``[1]``."""
+    return type(key) is int and str(key) in texts
+
+
 def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int = 32) -> Any:
     """Encode an arbitrary Python value into JSON-compatible data (dict/list/str/int/float/bool/None).
 
@@ -468,8 +473,7 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
             if all(type(k) is str and k[:1] != "$" and not _SURROGATE.search(k) for k, _ in pairs):
                 return {k: sub(k, v) for k, v in pairs}
             texts = {k for k, _ in pairs if type(k) is str}
-            return {"$dict": [[sub(k, k), sub(int_key_part(k) if type(k) is int and str(k) in texts else k, v)]
-                              for k, v in pairs]}
+            return {"$dict": [[sub(k, k), sub(int_key_part(k) if shadowed(k, texts) else k, v)] for k, v in pairs]}
         if isinstance(value, (set, frozenset)):  # sorted by JSON text (as UTF-8, same order): deterministic
             items = sorted((sub(i, v) for i, v in enumerate(value)), key=dumps)
             return {"$frozenset" if isinstance(value, frozenset) else "$set": items}
@@ -706,7 +710,7 @@ def _nonfinite_into(value: Any, where: str, found: list[NonFinite]) -> None:
         texts = {pair[0] for pair in payload if isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is str}
         for pair in payload:
             if isinstance(pair, list) and len(pair) == 2:
-                key = int_key_part(pair[0]) if type(pair[0]) is int and str(pair[0]) in texts else pair[0]
+                key = int_key_part(pair[0]) if shadowed(pair[0], texts) else pair[0]
                 _nonfinite_into(pair[1], f"{where}.{key}" if where else str(key), found)
     elif tag == "$partial" and isinstance(payload, dict):
         _nonfinite_into(payload.get("args"), f"{where}.args" if where else "args", found)

@@ -837,7 +837,7 @@ def _children(value: Any) -> tuple[str, list[tuple[Any, Any]]] | None:
         pairs = [(k, v) for k, v in dict.items(value) if type(k) is str or type(k) is int]
         if any(type(k) is int for k, _ in pairs):
             texts = {k for k, _ in pairs if type(k) is str}
-            pairs = [(_IntKey(k) if type(k) is int and str(k) in texts else k, v) for k, v in pairs]
+            pairs = [(_IntKey(k) if jsonval.shadowed(k, texts) else k, v) for k, v in pairs]
         return "mapping", pairs
     if isinstance(value, tuple):
         names = getattr(kind, "_fields", None)

@@ -52,7 +52,7 @@ from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
 from .arguments import data_writes_unseen, type_words, unrecorded_arguments
-from .recording import Recording, Step, opened, paper_of, paper_reference, printable
+from .recording import Recording, Step, opened, paper_of, paper_reference, printable, skeleton_modules
 
 _RESULT, _INPUT = layout.NONFINITE_RESULT, layout.NONFINITE_INPUT
 SPREAD = 10  # steps listed after the origin
@@ -1265,15 +1265,9 @@ _MODULE_TYPES = ("torch.nn.", "torch.optim.")  # unrecorded arguments of these m
 def _module_classes(step: Step) -> frozenset[str]:
     """The classes (type references) of a module step's module and every module below it, from its skeleton."""
     try:
-        todo, found = [step._doc("module")], set()
+        return frozenset(str(doc.get("class")) for _, doc in skeleton_modules(step._doc("module")))
     except Exception:  # noqa: BLE001 - a damaged or missing skeleton: no class is known
         return frozenset()
-    while todo:
-        doc = todo.pop()
-        if isinstance(doc, dict):
-            found.add(str(doc.get("class")))
-            todo.extend((doc.get("children") or {}).values() if isinstance(doc.get("children"), dict) else ())
-    return frozenset(found)
 
 
 def _opaque_writers_text(rec: Recording, source: Step, earlier: Step | None) -> str:
@@ -2954,11 +2948,16 @@ def _followers(al: _Aligned, after: int, pa: _Prints, pb: _Prints) -> list[Step]
     return found
 
 
+def _differing(a: dict[Any, Any], b: dict[Any, Any]) -> set[Any]:
+    """The keys of two runs' fingerprints (``_parts``) whose records differ, or that one run lacks."""
+    return {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
 def _params_too(parts: tuple[tuple[dict[Any, Any], ...], tuple[dict[Any, Any], ...]]) -> str:
     """Where a first difference's inputs differ: its parameters and buffers that differ as well (a learning rate
     changed between the runs, an optimizer update outside every step), "" for none."""
     (_, params_a, _), (_, params_b, _) = parts
-    changed = {k for k in set(params_a) | set(params_b) if params_a.get(k) != params_b.get(k)}
+    changed = _differing(params_a, params_b)
     said = []
     for role in _PARAMS:
         names = sorted({name for r, name in changed if r == role})
@@ -3024,7 +3023,7 @@ def _started_later(al: _Aligned, last: tuple[int, int], at: tuple[int, int], par
     def differs(what: str, names: list[str]) -> str:
         return f"its {what}{'s' if len(names) > 1 else ''} {_names(names)} differ{'s' if len(names) == 1 else ''}"
 
-    names = sorted(_input_name(sa, k) for k in set(args_a) | set(args_b) if args_a.get(k) != args_b.get(k))
+    names = sorted(_input_name(sa, k) for k in _differing(args_a, args_b))
     if names:
         differ.append(differs("argument", names))
     if sa.arguments != sb.arguments:
@@ -3119,8 +3118,8 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
     ``parts_*`` their (inputs, parameters, results) fingerprints; ``first``: no recorded step before
     them differed."""
     (args_a, params_a, res_a), (args_b, params_b, res_b) = parts_a, parts_b
-    differ = sorted(_label(k) for k in set(res_a) | set(res_b) if res_a.get(k) != res_b.get(k))
-    changed = sorted(k[1] for k in set(params_a) | set(params_b) if params_a.get(k) != params_b.get(k))
+    differ = sorted(_label(k) for k in _differing(res_a, res_b))
+    changed = sorted(k[1] for k in _differing(params_a, params_b))
     results = f"{_names(differ)} differ{'s' if len(differ) == 1 else ''}"
     pairs = [(a, b) for ours, theirs in ((args_a, args_b), (params_a, params_b))
              for k, a in ours.items() if (b := theirs.get(k)) is not None]

@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import recorder
+from recorder import payload
 from recorder import stats as stats_mod
 from recorder.errors import ReplayError
 
@@ -274,9 +275,8 @@ def _warnings_at_user_line() -> Iterator[None]:
 
 
 def _tensor_info(t: torch.Tensor) -> dict[str, Any]:
-    info: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-    if t._is_zerotensor():  # (no memory to read: its statistics are those of zeros)
-        t = torch.zeros(t.shape, dtype=t.dtype)
+    info: dict[str, Any] = {"shape": list(t.shape), "dtype": payload.dtype_name(t.dtype)}
+    t = payload.materialized(t)  # (a ZeroTensor has no memory to read: its statistics are those of zeros)
     try:
         info["stats"] = stats_dict(stats_mod.host_stats(t.detach().cpu()))
     except (RuntimeError, TypeError, NotImplementedError):

@@ -57,6 +57,14 @@ def join_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else (prefix or name)
 
 
+def skeleton_modules(doc: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(relative path, document) of a module skeleton and every module below it."""
+    if isinstance(doc, dict):
+        yield path, doc
+        for name, child in (doc.get("children") or {}).items():
+            yield from skeleton_modules(child, join_path(path, name))
+
+
 def open(path: str | os.PathLike[str] | Any, rank: int = 0, *,  # noqa: A001 (the API's name)
          storage_options: dict[str, Any] | None = None) -> Recording:
     """Open a recording (a directory, a zip/bundle file, a URL or a zarr store) for inspection and replay.

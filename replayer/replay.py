@@ -48,7 +48,7 @@ from .code import CodeLoader, late_imports, projects, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, UnrecordedCall, descendants
 from .rebuild import Builder, load_state, unresolved
-from .recording import Recording, Step, join_path, opened, paper_reference
+from .recording import Recording, Step, join_path, opened, paper_reference, skeleton_modules
 
 NOTHING_COMPARED = ("the step returned no tensor and changed none of its inputs, parameters or buffers in place, "
                     "which is what a replay compares: nothing was compared")
@@ -374,7 +374,7 @@ class Replayer:
                                 "this module was recorded, to say what it left")
             return []
         written = following.noted(layout.BUFFERS_WRITTEN_NOTE)  # (escaped, as the recorder wrote them)
-        modules = list(_skeleton_modules(step._doc("module"), ""))
+        modules = list(skeleton_modules(step._doc("module"), ""))
         in_call = _written_in_call(modules)
         hooked = [p for p, doc in modules if doc.get("other_hooks") or doc.get("hooks") and not any(
             _is_spectral(h) for h in doc["hooks"])]
@@ -483,7 +483,7 @@ class Replayer:
             return (f"{old} kept a dict subclass (an EasyDict-style config read by attribute, an OrderedDict) as a "
                     f"plain dict, and the replay was given that plain dict; {fix} (1.13 keeps its class)")
         module = step._doc("module")
-        for _, doc in _skeleton_modules(module, ""):
+        for _, doc in skeleton_modules(module, ""):
             kind = (doc.get("unrecorded") or {}).get(exc.name) if isinstance(doc.get("unrecorded"), dict) else None
             since = _FUNCTIONS_SINCE.get(str(kind))
             if since is not None and layout.parse_version(version) < since:
@@ -514,7 +514,7 @@ class Replayer:
         changed nothing")."""
         fwd = self.rec.step(step.forward) if step.phase == "backward" and step.forward is not None else step
         inner = descendants(fwd)
-        paths = [p for p, _ in _skeleton_modules(fwd._doc("module"), "") if p]
+        paths = [p for p, _ in skeleton_modules(fwd._doc("module"), "") if p]
         for sw in swaps:
             key = sw.key
             if _names_step(key, fwd):
@@ -2005,14 +2005,6 @@ def _written_in_call(modules: list[tuple[str, dict[str, Any]]]) -> tuple[str, ..
             if isinstance(name, str):
                 out += [join_path(path, f"{name}_u"), join_path(path, f"{name}_v")]
     return tuple(out)
-
-
-def _skeleton_modules(doc: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(relative path, document) of a module skeleton and every module below it."""
-    if isinstance(doc, dict):
-        yield path, doc
-        for name, child in (doc.get("children") or {}).items():
-            yield from _skeleton_modules(child, join_path(path, name))
 
 
 @contextlib.contextmanager
