@@ -2775,13 +2775,8 @@ def test_a_steps_own_backward_pre_hook_is_no_warning(tmp_path: Path) -> None:
     assert not any("_triple_grad" in w for w in res.warnings), res.warnings
 
 
-class _GradScaled(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc(x))
+class _GradScaled(_Doubled):
+    """The same block, a class of its own for the backward hook's tests to pick out."""
 
 
 def _double_grad_input(module: nn.Module, grad_in: Any, grad_out: Any) -> Any:
