@@ -2724,28 +2724,40 @@ def _before_start(al: _Aligned, other: bool, steps: np.ndarray) -> np.ndarray:
     starts at a later iteration (a segment resumed from a checkpoint, which never ran them where it was
     recorded): those of the iterations before its first, and those of its first iteration before the step
     its first step pairs with, where the segment begins its next iteration with steps of their kinds in that
-    order (``_leads_next``). Work after the optimizer step (an EMA update) is numbered with the next
-    iteration, so that of the checkpointed step is in the segment's first iteration, although it ran before
-    the checkpoint was saved."""
+    order (``_leads_next``), or, a segment of one iteration (its next ends before a step of its first step's
+    kind: the update after its last optimizer step), where this run begins its iteration after the segment's
+    first so. Work after the optimizer step (an EMA update) is numbered with the next iteration, so that
+    of the checkpointed step is in the segment's first iteration, although it ran before the checkpoint was
+    saved."""
     keys = al.side(other)[1]
     _, theirs, _, their_pairs = al.side(not other)
     start = _span(theirs)[0]
     before = keys[steps, _ITERATION] < start
     if start > _span(keys)[0] and len(their_pairs) and their_pairs[0] >= 0:
         lead = np.flatnonzero(keys[:int(their_pairs[0]), _ITERATION] == start)
-        if len(lead) and _leads_next(theirs, keys[lead]):
+        first = theirs[0, _KIND]
+        leads = _leads_next(theirs, keys[lead], first) if len(lead) else False
+        if leads is None:  # the segment ends before it says how it begins an iteration
+            leads = _leads_next(keys[int(lead[0]):], keys[lead], first)
+        if leads:
             before |= np.isin(steps, lead)
     return before
 
 
-def _leads_next(keys: np.ndarray, lead: np.ndarray) -> bool:
-    """Whether a run (its alignment keys: a resumed segment's) begins its second iteration with steps of the
-    kinds of ``lead`` (the other run's keys), in their order, and then a step of the kind of its own first
-    step: the steps that the segment lacks at its start only, which it runs where the other run did."""
+def _leads_next(keys: np.ndarray, lead: np.ndarray, first: np.ndarray) -> bool | None:
+    """Whether a run (its alignment keys from a resumed segment's first iteration on: the segment's, or the
+    uninterrupted run's) begins the iteration after it with steps of the kinds of ``lead`` (the uninterrupted
+    run's keys), in their order, and then a step of the kind ``first`` (the segment's first step's): the
+    steps that the segment lacks at its start only, which run at the start of every iteration. A run that
+    ends after steps of those kinds only (the update after its last optimizer step) begins it so too; None
+    where it ends before saying (no step of that iteration, or others than those)."""
     following = np.flatnonzero(keys[:, _ITERATION] == keys[0, _ITERATION] + 1)
     kinds = keys[following][:, _KIND]
-    at = np.flatnonzero((kinds == keys[0, _KIND]).all(axis=1))
-    return bool(len(at)) and int(at[0]) == len(lead) and bool((kinds[:len(lead)] == lead[:, _KIND]).all())
+    at = np.flatnonzero((kinds == first).all(axis=1))
+    end = int(at[0]) if len(at) else len(kinds)
+    if end != len(lead) or not (kinds[:end] == lead[:, _KIND]).all():
+        return False if len(at) else None
+    return True
 
 
 def _recorded_there(al: _Aligned, other: bool, steps: np.ndarray) -> np.ndarray:

@@ -2005,6 +2005,12 @@ def test_a_resumed_run_does_not_lack_the_update_that_ran_after_its_checkpointed_
         assert div.cause.startswith("no divergence: ") and div.unpaired is None, div.cause
     res = pdbg("bisect", "resumed.zarr", "--against", "whole.zarr", cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.startswith("no divergence: "), res.stdout
+    # A segment of one iteration: its own next iteration holds the update only; nor against a run that ends
+    # there too (it said the update "ran in the other run only": the segment's next iteration was the test).
+    short, whole4 = _record_ema_segment(tmp_path / "short.zarr", 3, 4), _record_ema_segment(tmp_path / "w4.zarr", 0, 4)
+    for x, y in ((short, whole), (whole, short), (short, whole4), (whole4, short)):
+        div = replayer.first_divergence(x, y)
+        assert div.cause.startswith("no divergence: the 7 steps ") and div.unpaired is None, div.cause
     lost = _record_ema_segment(tmp_path / "lost.zarr", 3, 6, restore_rng=False)
     div = replayer.first_divergence(lost, whole)
     assert div.unpaired is None and div.first_difference is not None and div.first_difference.index == 0
