@@ -1374,7 +1374,7 @@ class Session:
         unfollowed: list[str] | None = [] if link is not None else None
         frame.output_doc = self._encode(frame, out, "output", "output", tapped, reached, nested,
                                         per_object=False, unfollowed=unfollowed)
-        self._changed_inputs(frame)
+        self._changed_inputs(frame, link)
         if unfollowed:
             frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
         if link is not None:
@@ -1683,15 +1683,22 @@ class Session:
             raise errors[0]
         return doc
 
-    def _changed_inputs(self, frame: Frame) -> None:
+    def _changed_inputs(self, frame: Frame, link: BackwardLink | None = None) -> None:
         """Record again, as the call leaves them, the inputs and the module's own parameters it changed in
         place (``Frame.versions``): a step whose work is an in-place update is compared by a replay, and a
         NaN it writes is its own result (``first_nonfinite`` names it, rather than the next step that reads
-        it). A parameter's change through ``.data`` leaves its version counter as it was, and is not seen."""
+        it). A parameter's change through ``.data`` leaves its version counter as it was, and is not seen.
+        So are the arguments autograd computed that the call changed through their taps (``link.rebased``:
+        ``h.mul_(s)`` on an activation), which ``Frame.versions`` leaves out."""
         versions, frame.versions = frame.versions, None
         for name, t, version, kept in versions or ():
             if t._version != version or not _same_bits(kept, t):
                 self._capture(frame, "output", f"{layout.AFTER_PREFIX}{name}", t)
+        if link is not None:
+            for i, t, _ in link.rebased.values():
+                name = link.input_names[i] if i < len(link.input_names) else None
+                if name is not None:
+                    self._capture(frame, "output", f"{layout.AFTER_PREFIX}{name}", t)
 
     def _capture(self, frame: Frame, role: str, name: str, t: torch.Tensor) -> str:
         """Snapshot one tensor into the frame; returns its record name (for the arguments document).

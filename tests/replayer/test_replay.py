@@ -1508,6 +1508,46 @@ def test_a_step_that_updates_its_inputs_in_place_is_compared_and_can_be_the_orig
     assert origin.cause.endswith("produced output after:args.0.0 (4 NaN of 4) from finite inputs")
 
 
+@recorder.paper_step("Eq. 3", description="a scale of the activation, in place, returning nothing")
+def scale_in_place(h: torch.Tensor, s: float) -> None:
+    h.mul_(s)
+
+
+def test_a_step_that_changes_an_activation_in_place_is_compared_and_can_be_the_origin(tmp_path: Path) -> None:
+    """A step given a tensor autograd computed (a layer's output) that changes it in place and returns
+    nothing: the change went unrecorded (only inputs outside autograd's graph were looked at), so its replay
+    was NOTHING COMPARED, saying the step changed none of its inputs, and an Inf it wrote was found by no
+    bisect ("no non-finite values recorded"). The argument is now recorded as the call left it
+    (after:args.0), replayed bit for bit, and the step that overflowed is the origin."""
+    def train(path: Path | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        lin = nn.Linear(8, 2)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        losses = []
+        with recorder.record(path, model=lin, optimizer=opt) if path else contextlib.nullcontext():
+            for i in range(2):
+                h = lin(torch.randn(5, 8))
+                scale_in_place(h, 1e39 if i == 1 else 0.5)  # float32 overflows to Inf at i == 1
+                loss = h.pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+        return [*losses, *(p.detach() for p in lin.parameters())]
+
+    path = tmp_path / "run.zarr"
+    recorded, plain = train(path), train(None)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(recorded, plain, strict=True))
+    rec = replayer.open(path)
+    first, second = rec.steps.filter(name="scale_in_place", phase="forward")
+    assert ("output", "after:args.0") in {(r.role, r.name) for r in first.records}
+    result = replayer.replay(rec, first.index)
+    assert result.match and result.compared and [d.name for d in result.outputs] == ["after:args.0"]
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is not None and origin.step.index == second.index
+    assert origin.cause.endswith("produced output after:args.0 (10 Inf of 10) from finite inputs")
+
+
 @recorder.paper_step("Algorithm 1, step 4", description="clip the gradient norm, in place")
 def clip(params: list[nn.Parameter], max_norm: float = 0.01) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
