@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch.autograd import Variable
+from torch.nn.utils import parametrize as _parametrize
 
 from . import autohooks, compiled, flight, jsonval, modstack, monitors, skeleton, snapshot, taps, transforms
 from . import payload as payload_mod
@@ -1162,6 +1163,9 @@ class Session:
                           parent=stack[-1].index if stack else layout.NO_REF, iteration=self.iteration,
                           t_start=time.perf_counter() - self.t0, payloads=self._payloads_now())
             frame.root = stack[0].index if stack else frame.index
+            cached = _cached_parametrizations(module) if module is not None else None
+            if cached:
+                frame.notes.append(f"{_one_line(cached)}: {layout.CACHED_PARAMETRIZATION_NOTE}")
         finally:
             self.local.busy = False
         try:
@@ -2568,6 +2572,18 @@ def _add_use(sums: dict[str, tuple[int, Any]], name: str, g: torch.Tensor | None
         return None
     sums.pop(name, None)
     return total
+
+
+def _cached_parametrizations(module: torch.nn.Module) -> list[str]:
+    """The parametrized tensors of ``module`` and its submodules (``sn.weight``) that a call begun now takes from
+    the cache of ``parametrize.cached()``, made there by an earlier call: a replay of this one computes them
+    anew, and a parametrization with state of its own (spectral norm's power iteration) then gives another
+    weight. Nothing is walked outside such a cache (one read of a module global)."""
+    cache = getattr(_parametrize, "_cache", None)
+    if not getattr(_parametrize, "_cache_enabled", 0) or not cache:
+        return []
+    return [f"{path}.{name}" if path else name for path, sub in module.named_modules()
+            if _parametrize.is_parametrized(sub) for name in sub.parametrizations if (id(sub), name) in cache]
 
 
 def _one_line(names: list[str]) -> str:

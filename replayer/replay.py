@@ -803,7 +803,8 @@ class Replayer:
         module_doc = step._doc("module")
         records = step.records
         warnings += [f"{note} (a likely cause of any difference)" for note in step.extra.get("notes", [])
-                     if (layout.GLOBAL_HOOK_NOTE in note or layout.UNRUN_PRE_HOOKS_NOTE in note)
+                     if (layout.GLOBAL_HOOK_NOTE in note or layout.UNRUN_PRE_HOOKS_NOTE in note
+                         or layout.CACHED_PARAMETRIZATION_NOTE in note)
                      and not any(note in w for w in warnings)]
         failed = next((n for n in step.extra.get("notes", []) if isinstance(n, str)
                        and n.startswith(f"{layout.CAPTURE_FAILED_NOTE}: ")), None)

@@ -218,6 +218,11 @@ GLOBAL_HOOK_NOTE = ("hooks on every module's calls (torch.nn.modules.module.regi
 REUSED_NOTE = ("its parameter grads came through nodes that more than one call used (a weight made once for "
                "several calls, parametrize.cached()): each is a total over those calls, which a replay of "
                "this step's backward does not compute")
+# A forward step's note: "<parametrized tensors of its module>: " + this (their paths in the module: "sn.weight").
+# Came without a schema change (2026-12-07).
+CACHED_PARAMETRIZATION_NOTE = ("taken from the cache of torch.nn.utils.parametrize.cached(), made there by an earlier "
+                               "call: a replay makes them anew from their parametrizations (a spectral norm's power "
+                               "iteration runs again, from the vectors that call left)")
 # A forward step's note: "<parameter>: " + this + " (<hooks>)".
 PARAM_HOOK_NOTE = ("the parameter had gradient hooks of its own (Tensor.register_hook): its recorded gradient is what "
                    "they made of it, and a replay runs without them")

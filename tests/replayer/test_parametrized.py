@@ -238,3 +238,29 @@ def test_pruning_again_and_removing_it_mid_run_replays_bit_for_bit(tmp_path: Pat
         result = replayer.replay(rec, step.index)
         assert result.match and result.compared, (step.index, step.phase, result.warnings)
         assert not [w for w in result.warnings if "hook" in w or "weight" in w], result.warnings
+
+
+def test_a_call_given_a_cached_spectral_norm_weight_names_the_cache_where_its_replay_differs(tmp_path: Path) -> None:
+    """Under ``parametrize.cached()`` a second call of a spectral-norm layer takes the weight the first call made
+    (one power iteration); its replay makes the weight anew, running the power iteration again from the vectors
+    the first call left, and differs. The replay's warnings named no cause, nor did ``pdbg verify``'s line (a
+    determinism problem, for all the user could tell): the recording now notes the cached weight, and the
+    replay names it as the likely cause. The first call, which made the weight, says nothing of it."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"sn": parametrizations.spectral_norm(nn.Linear(6, 6))})
+    layer = model["sn"]
+    with torch.no_grad():  # a training step's change: the power iteration's vectors are no longer converged
+        layer.parametrizations.weight.original.add_(torch.randn(6, 6))
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, modules=["sn"]):
+        x = torch.randn(4, 6)
+        with torch.nn.utils.parametrize.cached():
+            (layer(x) + layer(x * 2)).pow(2).mean().backward()
+    rec = replayer.open(path)
+    first, second = rec.steps.filter(phase="forward")
+    assert replayer.replay(rec, first.index).match
+    assert not any("parametrize.cached()" in n for n in first.extra.get("notes", []))
+    result = replayer.replay(rec, second.index)
+    assert not result.match
+    assert any(w.startswith("weight: taken from the cache of torch.nn.utils.parametrize.cached()")
+               and w.endswith("(a likely cause of any difference)") for w in result.warnings), result.warnings
