@@ -1732,7 +1732,7 @@ class Replayer:
             why = (f"the replay produced none of the outputs they were recorded for ({', '.join(lost)})" if lost else
                    "; ".join(unfollowed) or "its forward's output holds no tensor the recorder follows for gradients")
             raise ReplayError(f"backward step {step.index} has no grad outputs to start a backward from: {why}")
-        warnings += [f"forward step {fwd.index}: {n}" for n in unfollowed]
+        warnings += [f"forward step {fwd.index}: {n} (a likely cause of any difference)" for n in unfollowed]
         changed = [n for n in fwd.extra.get("notes", []) if layout.CHANGED_ARGUMENT_NOTE in n]
         warnings += [f"forward step {fwd.index}: {n}" for n in changed]
         raised_doc = step.extra.get("exception") or {}

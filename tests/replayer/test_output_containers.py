@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import typing
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from torch import nn
 import recorder
 import replayer
 from recorder.errors import ReplayError
+from tests.cli import pdbg_here
 
 transformers_outputs = pytest.importorskip("transformers.modeling_outputs")
 
@@ -247,6 +249,23 @@ def test_an_unfollowed_output_is_named_and_its_backward_not_reported_as_a_match(
     result = replayer.replay(rec, backward.index)
     assert any("output.1.y not followed for gradients" in w for w in result.warnings)
     assert not result.match  # the bias grad lacks aux's share: reported, not hidden
+
+
+def test_verify_names_an_unfollowed_output_as_the_cause_of_its_backwards_difference(tmp_path: Path) -> None:
+    """``pdbg verify`` listed such a backward (a policy returning ``(probs, Normal(mu, std))`` is the common
+    case) as differing with no cause, or with another warning's (a module-level number the code reads)
+    while the replay's own warning said the gradients through the unfollowed output were left out: its
+    line now names that output as the likely cause."""
+    train(tmp_path / "run.zarr", ["hidden"])
+    rec = replayer.open(tmp_path / "run.zarr")
+    backward = rec.steps.filter(name="Block", phase="backward")[0]
+    result = replayer.replay(rec, backward.index)
+    assert any(w.startswith(f"forward step {backward.forward}: output.1.y not followed for gradients")
+               and w.endswith("(a likely cause of any difference)") for w in result.warnings), result.warnings
+    res = pdbg_here("verify", str(tmp_path / "run.zarr"), "--json", cwd=tmp_path)
+    assert res.returncode == 1, res.stderr
+    reasons = {m["step"]["index"]: m["reason"] for m in json.loads(res.stdout)["mismatches"]}
+    assert "output.1.y not followed for gradients" in reasons[backward.index], reasons
 
 
 class AttrDict(dict):
