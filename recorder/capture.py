@@ -1380,7 +1380,11 @@ class Session:
                                         per_object=False, unfollowed=unfollowed)
         self._changed_inputs(frame, link)
         if unfollowed:
-            frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
+            shared = {f"output.{path}" if path else "output" for path in taps.shared_outputs(out)}
+            for names, note in (([n for n in unfollowed if n not in shared], layout.UNFOLLOWED_NOTE),
+                                ([n for n in unfollowed if n in shared], layout.SHARED_OUTPUTS_NOTE)):
+                if names:
+                    frame.notes.append(f"{_one_line(names)} {note}")
         if link is not None:
             if link.until < 0:  # (set where arguments were rebased)
                 link.until = taps.sequence_now()

@@ -898,6 +898,14 @@ def output_places(output: Any) -> tuple[list[tuple[Any, torch.Tensor]], frozense
     return slots, frozenset(p for _, p, _ in found), leaves
 
 
+def shared_outputs(output: Any) -> list[str]:
+    """The paths of the tensors in a step's output, in the places a tap reaches, that ``output_places`` leaves
+    untapped because they share memory with each other (see ``overlapping``)."""
+    found = _followed(output)
+    shared = overlapping([t for _, _, t in found]) if len(found) > 1 else set()
+    return [path for _, path, t in found if id(t) in shared]
+
+
 def overlapping(tensors: list[torch.Tensor]) -> set[int]:
     """Ids of the tensors whose memory overlaps another's (a step returning ``x`` and a view of it).
     A tap makes each a new object for autograd: an in-place change to one after the step would no

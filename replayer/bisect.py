@@ -1191,7 +1191,7 @@ def _finite_inputs(step: Step, made: str) -> str:
 
 # A forward step's notes on outputs whose gradients are not recorded: "<record names>[:] " + one of these (as
 # the replay of a backward step reads them)
-_GRADS_UNRECORDED = (layout.UNFOLLOWED_NOTE, layout.UNCOPIED_NOTE, layout.DUAL_NOTE)
+_GRADS_UNRECORDED = (layout.UNFOLLOWED_NOTE, layout.UNCOPIED_NOTE, layout.DUAL_NOTE, layout.SHARED_OUTPUTS_NOTE)
 
 
 def _unrecorded_grads(step: Step) -> str:

@@ -1718,7 +1718,7 @@ class Replayer:
                                   "the replayed forward")
             targets.append(source)
         unfollowed = [n for n in fwd.extra.get("notes", []) if layout.UNFOLLOWED_NOTE in n or layout.UNCOPIED_NOTE in n
-                      or layout.DUAL_NOTE in n]
+                      or layout.DUAL_NOTE in n or layout.SHARED_OUTPUTS_NOTE in n]
         if not pairs and layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
             raise ReplayError(_second_order(step))
         sparse = [r for r in fwd.records if r.role == "output" and fwd.sparse(r) is not None]

@@ -231,6 +231,11 @@ SECOND_ORDER_NOTE = ("an earlier backward pass took this call's gradients with c
                      "penalty): this pass's gradients hold second-order terms, through that graph of gradients")
 UNFOLLOWED_NOTE = ("not followed for gradients (taps reach tensors in tuples, lists, dicts, named tuples and "
                    "dataclasses only): a replay of the backward leaves out the gradients that came through them")
+# A forward step's note: "<output record names> " + this, for outputs that share memory (a step returning x and a
+# view of it), which UNFOLLOWED_NOTE named before 2026-12-07 with a reason that was not theirs.
+SHARED_OUTPUTS_NOTE = ("share memory with each other (a tensor and a view of it): not followed for gradients, so that "
+                       "an in-place change to one after the step reaches the other's gradient as it does unrecorded; "
+                       "a replay of the backward leaves out the gradients that came through them")
 # A forward step's note: "<input record names> " + this. Since 1.19.
 LEAF_UNFOLLOWED_NOTE = ("leaves given as arguments (the step gets them as they are, untapped), whose uses in the "
                         "call's graph could not be found (a graph of more than 100000 nodes, or made on several "

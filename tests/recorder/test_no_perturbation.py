@@ -136,8 +136,9 @@ def _heads_then_in_place(path, recorded: bool) -> tuple[float, torch.Tensor]:
 def test_outputs_that_share_memory_are_left_as_they_are(tmp_path):
     """A step returning x and a view of it: an in-place change to one after the step reaches the
     other's gradient, as unrecorded (a tap would have made them two objects for autograd; they are
-    not followed for gradients, and the recording says so). Disjoint parts of one tensor (q, k, v)
-    are still followed into the backward pass."""
+    not followed for gradients, and the recording says so, for that reason: its note gave the reason of a
+    tensor inside an object, "taps reach tensors in tuples, lists, dicts ... only", of outputs that were in a
+    tuple). Disjoint parts of one tensor (q, k, v) are still followed into the backward pass."""
     import replayer
 
     plain = _heads_then_in_place(None, recorded=False)
@@ -146,7 +147,8 @@ def test_outputs_that_share_memory_are_left_as_they_are(tmp_path):
     assert plain[0] == recorded[0] and torch.equal(plain[1], recorded[1])
     rec = replayer.open(path)
     heads, split = rec.step("Eq. 2#0"), rec.step("Eq. 3#0")
-    assert any(layout.UNFOLLOWED_NOTE in n for n in heads.extra.get("notes", [])), heads.extra
+    assert not any(layout.UNFOLLOWED_NOTE in n for n in heads.extra["notes"]), heads.extra
+    assert f"output.0, output.1 {layout.SHARED_OUTPUTS_NOTE}" in heads.extra["notes"], heads.extra
     backward = {s.forward: s for s in rec.steps if s.phase == "backward"}
     assert not [r for r in backward[heads.index].records if r.role == "grad_output"]
     assert sorted(r.name for r in backward[split.index].records if r.role == "grad_output") == [
