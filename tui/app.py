@@ -153,8 +153,10 @@ class StepPane(ScrollView, can_focus=True):
     StepPane { width: 2fr; border: round $primary-darken-2; padding: 0 1; overflow-x: hidden; overflow-y: scroll; }
     StepPane:focus { border: round $accent; }
     """
-    BINDINGS = [
+    BINDINGS = [  # the chosen tensor moves, as the timeline's cursor does (ScrollView's own keys would only scroll)
         Binding("down,j", "tensor(1)", show=False), Binding("up,k", "tensor(-1)", show=False),
+        Binding("pagedown", "tensor_page(1)", show=False), Binding("pageup", "tensor_page(-1)", show=False),
+        Binding("end", "tensor_edge(1)", show=False), Binding("home", "tensor_edge(0)", show=False),
         Binding("enter", "app.inspect", show=False),
     ]
     selected: reactive[int] = reactive(0, init=False)  # the chosen tensor: a position in view.tensors
@@ -203,13 +205,35 @@ class StepPane(ScrollView, can_focus=True):
         return self.view.tensors[min(self.selected, len(self.view.tensors) - 1)]
 
     def action_tensor(self, delta: int) -> None:
-        if self.view and self.view.tensors:
-            self.selected = max(0, min(len(self.view.tensors) - 1, self.selected + delta))
+        """Choose the tensor ``delta`` rows on; at the table's first or last row, scroll instead: up to
+        the title, down to the code below the table (with no tensors, the keys only scroll)."""
+        last = len(self.view.tensors) - 1 if self.view and self.view.tensors else -1
+        chosen = max(0, min(last, self.selected + delta))
+        if last >= 0 and chosen != self.selected:
+            self.selected = chosen
+        else:
+            self.scroll_to(y=self.scroll_offset.y + delta, animate=False)
+
+    def action_tensor_page(self, delta: int) -> None:
+        self.action_tensor(delta * max(1, self.scrollable_content_region.height - 1))
+
+    def action_tensor_edge(self, end: int) -> None:
+        """Home: the first tensor, the pane scrolled to its top. End: the last tensor; pressed there
+        again, the end of the pane (the code)."""
+        last = len(self.view.tensors) - 1 if self.view and self.view.tensors else -1
+        if not end:
+            self.selected = 0
+            self.scroll_to(y=0, animate=False)
+        elif 0 <= self.selected < last:
+            self.selected = last
+        else:
+            self.scroll_to(y=self.max_scroll_y, animate=False)
 
     def watch_selected(self) -> None:
         if self._table_at >= 0:
             row = self._table_at + 1 + self.selected
-            self.scroll_to_region(Region(0, row, 1, 1), animate=False, immediate=True)
+            top = self._table_at if self.selected == 0 else row  # (the first row: with the columns' names)
+            self.scroll_to_region(Region(0, top, 1, row + 1 - top), animate=False, immediate=True)
         self.refresh()
 
     def on_click(self, event: Any) -> None:
@@ -1052,9 +1076,10 @@ class PdbgApp(App[None]):
         text = Text("Keys\n\n", style="bold")
         for _, help_text in self.ACTION_HELP:
             text.append(f"  {help_text}\n")
-        text.append("\nMoving: ↑/↓ (a row), PgUp/PgDn (a page), Home/End (the first or last step); tab "
-                    "moves the focus to the step pane, where ↑/↓ choose a tensor and enter opens the inspector. "
-                    "ctrl+p lists every action.", style="dim")
+        text.append("\nMoving: ↑/↓ (a row), PgUp/PgDn (a page), Home/End (the first or last step); tab moves the "
+                    "focus to the step pane, where the same keys choose a tensor and enter opens the inspector; past "
+                    "the last tensor (↓, or End again) they scroll on to the code. ctrl+p lists every action.",
+                    style="dim")
         self.push_screen(TextScreen(text, "help"))
 
     def action_inspect(self) -> None:

@@ -278,6 +278,45 @@ def test_choosing_a_tensor_in_the_step_pane(nan_path: Path) -> None:
     run(body, nan_path)
 
 
+def test_page_and_edge_keys_in_the_step_pane_choose_a_tensor(nan_path: Path) -> None:
+    """With the focus in the step pane, PgDn PgUp Home End move the chosen tensor, as ↑ ↓ do (they only
+    scrolled: End took the view to the code and enter then opened the first tensor, out of view); End
+    pressed again on the last tensor, or ↓ there, scrolls on to the code."""
+    async def main() -> None:
+        app = PdbgApp(replayer.open(nan_path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            await pilot.press("tab")  # step 0: the model's six tensors
+            step_pane = pane(app)
+            last = len(step_pane.view.tensors) - 1
+            page = max(1, step_pane.scrollable_content_region.height - 1)
+            assert last == 5 and app.timeline.step_index == 0
+            for key, chosen in (("end", last), ("home", 0), ("pagedown", min(last, page)), ("pageup", 0),
+                                ("end", last)):
+                await pilot.press(key)
+                await pilot.pause()
+                assert step_pane.selected == chosen, key
+                y = step_pane._table_at + 1 + chosen
+                assert step_pane.scroll_offset.y <= y < step_pane.scroll_offset.y + step_pane.size.height, key
+            await pilot.press("end")  # again, on the last tensor: the code below the table
+            await pilot.pause()
+            assert step_pane.selected == last and step_pane.scroll_offset.y == step_pane.max_scroll_y > 0
+            await pilot.press("home")
+            await pilot.pause()
+            assert step_pane.selected == 0 and step_pane.scroll_offset.y == 0
+            for _ in range(last):
+                await pilot.press("down")
+            await pilot.press("down")  # past the last tensor: the view scrolls on
+            await pilot.pause()
+            assert step_pane.selected == last and step_pane.scroll_offset.y > 0
+            await pilot.press("end", "enter")
+            await pilot.pause()
+            assert isinstance(app.screen, Inspector) and step_pane.tensor() is step_pane.view.tensors[last]
+            assert app.timeline.step_index == 0  # the timeline's cursor stayed where it was
+
+    asyncio.run(main())
+
+
 def test_the_chosen_tensor_is_marked_on_every_row(nan_path: Path) -> None:
     """The chosen tensor's row has the highlight's background, on a striped row of the table too (the
     stripe hid it on every second row: enter opened a tensor that did not look chosen)."""
