@@ -718,6 +718,7 @@ class PdbgApp(App[None]):
     # rows of a narrow screen that are not the step pane's, at the least: header, footer, the panel at its
     # tallest (8) and the timeline's three rows in their border (5)
     BESIDE_STEP_PANE = 15
+    HEADER_ROOM = 18  # columns of the header that are not its title's: the icon's (8) and the clock's space (10)
     FOOTER_ROOM = 100  # columns that the footer's keys and the command palette's take, spaced as usual
     BINDINGS = [
         Binding("right,l", "step(1)", "next", show=False), Binding("left,h", "step(-1)", "back", show=False),
@@ -791,6 +792,7 @@ class PdbgApp(App[None]):
         self.query_one("#main").set_class(event.size.width < self.WIDE, "narrow")
         self.query_one(StepPane).fit_below_timeline()
         self._fit_footer(event.size.width)
+        self.sub_title = self._summary(event.size.width)
 
     def _fit_footer(self, width: int) -> None:
         """Under FOOTER_ROOM columns the footer's keys go compact and the command palette's key (ctrl+p, which
@@ -808,7 +810,7 @@ class PdbgApp(App[None]):
         gc.freeze()
         self.query_one("#main").set_class(self.size.width < self.WIDE, "narrow")
         self._fit_footer(self.size.width)
-        self.sub_title = self._summary()
+        self.sub_title = self._summary(self.size.width)
         timeline = self.query_one(Timeline)
         timeline.focus()
         if self.start is not None:
@@ -845,11 +847,18 @@ class PdbgApp(App[None]):
             return None
         return Text(note, style="yellow" if "MISMATCH" in note or "; here differs" in note else "dim")
 
-    def _summary(self) -> str:
+    def _summary(self, width: int | None = None) -> str:
+        """The header's line after the title: status, steps, the recording's path, its rank. In ``width``
+        columns (the screen's) the path gives way from its start, so the file's name stays: the header cut
+        it at its end ("runs/nan_smooth_relu.za…" at 80 columns)."""
         ranks = self.rec.ranks
         rank = f" · rank {self.rec.rank.rank} of {len(ranks)}" if len(ranks) > 1 else ""
-        # the status first: a long path is what the header cuts on a narrow screen
-        return f"{self.rec.status} · {self.model.n} step{'s' if self.model.n != 1 else ''} · {self.path}{rank}"
+        counts = f"{self.rec.status} · {self.model.n} step{'s' if self.model.n != 1 else ''} · "
+        path = self.path
+        if width is not None:
+            room = width - self.HEADER_ROOM - cell_len(f"{self.TITLE} — {counts}{rank}")
+            path = views.shortened_path(path, max(12, room))
+        return f"{counts}{path}{rank}"
 
     @property
     def timeline(self) -> Timeline:
@@ -1066,7 +1075,7 @@ class PdbgApp(App[None]):
         self.timeline.refresh_rows()
         if index is not None:
             self.timeline.go_to(index)
-        self.sub_title = self._summary()
+        self.sub_title = self._summary(self.size.width)
         kept = f"; filter {filter_text!r}: {len(self.model.rows)} shown" if filter_text else ""
         self.set_panel(f"refreshed: {self.model.n} steps committed ({self.rec.status}){kept}")
         self.show_step()

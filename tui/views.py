@@ -953,6 +953,20 @@ def _chain(root: PaperNode, parts: list[str]) -> list[PaperNode]:
     return out
 
 
+def shortened_path(path: str, width: int) -> str:
+    """``path`` in at most ``width`` terminal columns: whole where it fits, else its last parts after
+    "…/" (``…/runs/gpt2_nan.zarr``; the file's name is what tells recordings apart), else the name's end."""
+    if cell_len(path) <= width:
+        return path
+    parts = path.rstrip("/").split("/")
+    tail = parts[-1]
+    for part in reversed(parts[:-1]):
+        if cell_len(f"…/{part}/{tail}") > width:
+            break
+        tail = f"{part}/{tail}"
+    return f"…/{tail}" if cell_len(f"…/{tail}") <= width else fit_cells(tail, width, keep_end=True)
+
+
 def fit_cells(text: str, width: int, keep_end: bool = False) -> str:
     """``text`` in exactly ``width`` terminal columns (wide characters take two), padded, or with an
     ellipsis where it was cut (at its start with ``keep_end``: the end of a module path says most)."""

@@ -278,6 +278,28 @@ def test_choosing_a_tensor_in_the_step_pane(nan_path: Path) -> None:
     run(body, nan_path)
 
 
+def test_the_header_keeps_the_recordings_file_name_at_80_columns(nan_path: Path, tmp_path: Path) -> None:
+    """At 80 columns the header cut a long path at its end, the file's name with it; the path now gives way
+    from its start ("…/runs/gpt2_nan.zarr"), and a wider screen shows more of it again."""
+    from textual.widgets._header import HeaderTitle
+
+    path = tmp_path / "a_directory_with_a_long_name" / "experiments" / "runs" / "gpt2_nan.zarr"
+    shutil.copytree(nan_path, path)
+
+    async def main() -> None:
+        app = PdbgApp(replayer.open(path), path=str(path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            drawn = app.query_one(HeaderTitle).render_line(0).text.strip()
+            assert drawn.endswith("complete · 20 steps · …/runs/gpt2_nan.zarr"), drawn
+            await pilot.resize_terminal(160, 40)
+            await pilot.pause()
+            drawn = app.query_one(HeaderTitle).render_line(0).text.strip()
+            assert drawn.endswith("/a_directory_with_a_long_name/experiments/runs/gpt2_nan.zarr"), drawn
+
+    asyncio.run(main())
+
+
 def test_page_and_edge_keys_in_the_step_pane_choose_a_tensor(nan_path: Path) -> None:
     """With the focus in the step pane, PgDn PgUp Home End move the chosen tensor, as ↑ ↓ do (they only
     scrolled: End took the view to the code and enter then opened the first tensor, out of view); End

@@ -157,3 +157,12 @@ def test_the_inspector_shows_integer_values_whole(tmp_path: Path) -> None:
     shown = views.tensor_view(steps[0], "output", "output").values[0].split()
     assert shown[1:] == ["32767", "32766", "4294967295", "4.612e+18", "-5"]
     assert views.tensor_view(steps[1], "args.0", "input").values[0].split()[1:] == ["65535", "65534"]
+
+
+def test_a_shortened_path_keeps_its_end() -> None:
+    """The header's path gives way from its start: the file's name is what the user reads."""
+    path = "/home/someone/experiments/2026/runs/gpt2_nan.zarr"
+    assert views.shortened_path(path, 80) == path
+    assert views.shortened_path(path, 20) == "…/runs/gpt2_nan.zarr"
+    assert views.shortened_path(path, 19) == "…/gpt2_nan.zarr"
+    assert views.shortened_path(path, 8) == "…an.zarr"
