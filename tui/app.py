@@ -774,6 +774,7 @@ class PdbgApp(App[None]):
         self.panel_full: Text | str = ""  # the panel's result whole (a replay's every tensor and warning)
         self._drifts: dict[int, str | None] = {}
         self._code_states: dict[tuple[Any, ...], str] = {}  # a submodule class's code now: once per class and hash
+        self._paper_filter: str | None = None  # the paper view's node the filter was set from (apply_filter)
 
     # -- layout --------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -876,7 +877,7 @@ class PdbgApp(App[None]):
         try:
             step = self.step
             if step is None:
-                pane.show_message(f"no step matches the filter {self.model.filter_text!r} (f changes it)"
+                pane.show_message(f"no step matches the filter {self.filter_name} (f changes it)"
                                   if self.model.n else "no steps committed yet (R refreshes)"
                                   if self.rec.status == "recording" else f"no steps: the recording is {self.rec.status}"
                                   " and holds none")
@@ -1038,8 +1039,23 @@ class PdbgApp(App[None]):
             if value is not None:
                 self.apply_filter(value)
 
-        self.push_screen(Prompt("filter: text in name, label or path; phase:backward status:nonfinite iter:5",
-                                value=self.model.filter_text), done)
+        title = "filter: text in name, label or path; phase:backward status:nonfinite iter:5"
+        if self.paper_filter is not None:  # its text is a JSON list of step names: not what anyone would type
+            self.push_screen(Prompt(f"{title}\n(now: the paper view's {self.paper_filter}; enter with nothing clears "
+                                    "it, escape keeps it)", "phase:backward"), done)
+            return
+        self.push_screen(Prompt(title, value=self.model.filter_text), done)
+
+    @property
+    def paper_filter(self) -> str | None:
+        """The paper view's node whose steps the filter keeps (its place in the tree), if it is one."""
+        return self._paper_filter if self.model.filter_text and self._paper_filter else None
+
+    @property
+    def filter_name(self) -> str:
+        """The filter as the panel and the step pane name it: as typed, or the paper view's node."""
+        paper = self.paper_filter
+        return f"paper view: {paper}" if paper is not None else repr(self.model.filter_text)
 
     def apply_filter(self, value: str, shown_as: str | None = None) -> None:
         """``shown_as``: what the panel calls the filter (the paper view's node, whose filter text is a
@@ -1050,6 +1066,7 @@ class PdbgApp(App[None]):
         except PdbgError as exc:  # a term with a value it cannot have: the filter stays as it was
             self.set_panel(Text(str(exc), style="red"))
             return
+        self._paper_filter = shown_as
         self.timeline.refresh_rows()
         if current is not None:
             self.timeline.go_to(current)
@@ -1076,7 +1093,7 @@ class PdbgApp(App[None]):
         if index is not None:
             self.timeline.go_to(index)
         self.sub_title = self._summary(self.size.width)
-        kept = f"; filter {filter_text!r}: {len(self.model.rows)} shown" if filter_text else ""
+        kept = f"; filter {self.filter_name}: {len(self.model.rows)} shown" if filter_text else ""
         self.set_panel(f"refreshed: {self.model.n} steps committed ({self.rec.status}){kept}")
         self.show_step()
 

@@ -612,6 +612,40 @@ def test_a_paper_node_filters_to_exactly_its_steps(mixed_path: Path) -> None:
     run(body, mixed_path)
 
 
+def test_the_filter_prompt_after_a_paper_view_choice_names_the_node(mixed_path: Path) -> None:
+    """f after a choice in the paper view opened with the filter's internal text (name:[["gated", "Eq. 7"]])
+    to edit; it opens empty, naming the node: escape keeps its steps, enter with nothing clears it. R names
+    the node too."""
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("p")
+        await pilot.pause()
+        tree = app.screen.query_one("#paper-tree")
+        algorithm = next(n for n in tree.root.children if str(n.label).startswith("Algorithm 1"))
+        tree.select_node(next(n for n in algorithm.children if str(n.label).startswith("step 5")))
+        await pilot.pause()
+        await pilot.press("R")
+        await pilot.pause()
+        assert panel(app).endswith("; filter paper view: Algorithm 1 › step 5: 3 shown"), panel(app)
+        await pilot.press("f")
+        await pilot.pause()
+        prompt = app.screen.query_one(Input)
+        assert prompt.value == "" and "name:" not in str(app.screen.query_one(Static).render())
+        assert "now: the paper view's Algorithm 1 › step 5" in str(app.screen.query_one(Static).render())
+        await pilot.press("escape")
+        await pilot.pause()
+        assert len(app.model.rows) == 3
+        await pilot.press("f")
+        await answer(pilot, "")
+        assert len(app.model.rows) == app.model.n and panel(app) == f"no filter: {app.model.n} steps"
+        await pilot.press("f")  # a filter typed is offered again as typed
+        await answer(pilot, "picky")
+        await pilot.press("f")
+        await pilot.pause()
+        assert app.screen.query_one(Input).value == "picky"
+
+    run(body, mixed_path)
+
+
 def test_clicking_a_row_moves_the_cursor_and_at_a_bad_step_still_opens(nan_path: Path, tmp_path: Path) -> None:
     async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
         assert "--at nosuch@iter=1: no step matches" in panel(app)
