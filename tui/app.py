@@ -387,7 +387,8 @@ _KEPT_FIRST = ("name", "NaN", "Inf", "min", "max", "shape", "role", "dtype", "me
 def tensor_table(view: views.StepView, width: int | None = None) -> Table:
     """A step's tensors, one line each, non-finite counts in red. In ``width`` columns, the columns
     that do not fit are left out whole, least needed first (``_KEPT_FIRST``): the NaN and Inf counts
-    stay, where a table squeezed by Rich cut them to "…"."""
+    stay, where a table squeezed by Rich cut them to "…". A long dotted name is cut in its middle
+    (``views.cut_dotted``): cut at its end, a layer's weight and bias read the same."""
     rows = []
     for t in view.tensors:
         s = t.stats
@@ -424,7 +425,10 @@ def tensor_table(view: views.StepView, width: int | None = None) -> Table:
         table.add_column(name, justify="right" if i >= 4 else "left", no_wrap=True, overflow="ellipsis",
                          max_width=name_width if name == "name" else None)
     for row in rows:
-        table.add_row(*(row[i] for i in order))
+        cells = list(row)
+        if "." in cells[1].plain and cells[1].cell_len > name_width:  # a parameter's path (Rich cut its end)
+            cells[1] = Text(views.cut_dotted(cells[1].plain, name_width))
+        table.add_row(*(cells[i] for i in order))
     return table
 
 

@@ -953,6 +953,20 @@ def _chain(root: PaperNode, parts: list[str]) -> list[PaperNode]:
     return out
 
 
+def cut_dotted(name: str, width: int) -> str:
+    """A dotted name (a parameter's path) in at most ``width`` columns, cut in its middle: its start tells
+    ``input_proj`` from ``output_proj``, its end ``weight`` from ``bias`` ("input_proje…long_name.weight").
+    The end keeps its last part whole where it can, and three fifths of the room."""
+    if cell_len(name) <= width:
+        return name
+    room = width - 1
+    end = max(cell_len(name.rsplit(".", 1)[-1]) + 1, room * 3 // 5)
+    if end >= room - 2:  # no room for a start worth reading
+        return fit_cells(name, width, keep_end=True).rstrip()
+    tail = fit_cells(name, end + 1, keep_end=True)[1:]
+    return set_cell_size(name, room - cell_len(tail)) + "…" + tail
+
+
 def shortened_path(path: str, width: int) -> str:
     """``path`` in at most ``width`` terminal columns: whole where it fits, else its last parts after
     "…/" (``…/runs/gpt2_nan.zarr``; the file's name is what tells recordings apart), else the name's end."""

@@ -339,6 +339,35 @@ def test_page_and_edge_keys_in_the_step_pane_choose_a_tensor(nan_path: Path) -> 
     asyncio.run(main())
 
 
+def test_long_parameter_names_keep_their_end_in_the_step_pane(tmp_path: Path) -> None:
+    """A submodule with a long name: its weight and bias were both cut to "input_projection_with_a_lon…",
+    and which of them held the NaN could not be read. Their names keep their start and their end, at 80 and
+    120 columns."""
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.input_projection_with_a_long_name = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.input_projection_with_a_long_name(x)
+
+    path = tmp_path / "run.zarr"
+    model = torch.nn.Sequential(Block())
+    with recorder.record(path, model=model, modules=["*"]):
+        model(torch.randn(2, 4))
+
+    async def main(size: tuple[int, int]) -> list[str]:
+        app = PdbgApp(replayer.open(path))
+        async with app.run_test(size=size) as pilot:
+            await pilot.pause()
+            return [line.split()[1] for line in pane(app).plain().splitlines() if line.startswith("param")]
+
+    for size in ((80, 24), (120, 40)):
+        names = asyncio.run(main(size))
+        assert len(names) == 2 and all(n.startswith("input_proj") and "…" in n for n in names), names
+        assert names[0].endswith("long_name.weight") and names[1].endswith("long_name.bias"), names
+
+
 def test_the_chosen_tensor_is_marked_on_every_row(nan_path: Path) -> None:
     """The chosen tensor's row has the highlight's background, on a striped row of the table too (the
     stripe hid it on every second row: enter opened a tensor that did not look chosen)."""

@@ -166,3 +166,11 @@ def test_a_shortened_path_keeps_its_end() -> None:
     assert views.shortened_path(path, 20) == "…/runs/gpt2_nan.zarr"
     assert views.shortened_path(path, 19) == "…/gpt2_nan.zarr"
     assert views.shortened_path(path, 8) == "…an.zarr"
+
+
+def test_a_dotted_name_is_cut_in_its_middle() -> None:
+    """A parameter's path keeps its start (which layer) and its end (weight or bias)."""
+    assert views.cut_dotted("fc.weight", 28) == "fc.weight"
+    assert views.cut_dotted("input_projection_with_a_long_name.weight", 28) == "input_proje…long_name.weight"
+    assert views.cut_dotted("transformer.h.1.mlp.c_fc.weight", 28) == "transformer….mlp.c_fc.weight"
+    assert views.cut_dotted("input_projection_with_a_long_name.weight", 6) == "…eight"
