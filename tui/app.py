@@ -279,13 +279,13 @@ class StepPane(ScrollView, can_focus=True):
         (the whole of each part is in the step's description below, its module path in the timeline)."""
         assert self.view is not None
         width = max(20, self._width)
-        if cell_len(self.title.plain) <= 3 * width:
-            return self.title
+        console, options = self.app.console, self.app.console.options.update_width(width)
+        if cell_len(self.title.plain) <= width or len(console.render_lines(self.title, options, pad=False)) <= 3:
+            return self.title  # (as wrapped: a title of 3 widths' cells took 4 lines, the table's first row below)
         parts = self.view.title.split(" · ")
         short = [p for p in parts if cell_len(p) <= 16]
         budget = 3 * width - cell_len(self.view.status) - 3 * len(parts)
         room = max(12, (budget - sum(map(cell_len, short))) // max(1, len(parts) - len(short)))
-        console, options = self.app.console, self.app.console.options.update_width(width)
         while True:  # narrower until it fits three lines as wrapped (wrapping leaves lines part empty)
             cut = [p if cell_len(p) <= room else
                    # (a module path: its end says most)
@@ -362,9 +362,12 @@ class StepPane(ScrollView, can_focus=True):
         """Below the timeline (a screen narrower than PdbgApp.WIDE), keep the height that shows the step
         down to its first tensor's row: on an 80x24 screen with a result in the panel, the two panes'
         equal shares left this one its title, notes and the table's header, and no tensor. The timeline
-        keeps three rows (the panel at its tallest). The layout changes only when that height does."""
+        keeps three rows beside the panel as it is now (PdbgApp.set_panel fits again when it changes; before
+        the first layout, as at its tallest). The layout changes only when that height does."""
         narrow = self.parent is not None and self.parent.has_class("narrow")
-        least, room = None, self.screen.size.height - PdbgApp.BESIDE_STEP_PANE
+        panels = self.screen.query("#panel")  # (its own screen's: a page may be open over it)
+        panel = panels.first().outer_size.height if panels else 0
+        least, room = None, self.screen.size.height - PdbgApp.BESIDE_STEP_PANE - (panel or PdbgApp.PANEL_ROWS)
         if narrow and self._table_at >= 0 and room > 0:  # (a screen shorter than 16 rows: the equal shares)
             border = self.outer_size.height - self.scrollable_content_region.height  # (min-height counts it)
             least = min(self._table_at + 2 + border, room)
@@ -719,9 +722,10 @@ class PdbgApp(App[None]):
     #main.narrow StepPane { width: 1fr; height: 1fr; }
     """
     WIDE = 140  # columns from which the step pane sits beside the timeline rather than below it
-    # rows of a narrow screen that are not the step pane's, at the least: header, footer, the panel at its
-    # tallest (8) and the timeline's three rows in their border (5)
-    BESIDE_STEP_PANE = 15
+    # rows of a narrow screen that are not the step pane's or the panel's, at the least: header, footer and the
+    # timeline's three rows in their border (5)
+    BESIDE_STEP_PANE = 7
+    PANEL_ROWS = 8  # the panel at its tallest (#panel's max-height)
     HEADER_ROOM = 18  # columns of the header that are not its title's: the icon's (8) and the clock's space (10)
     FOOTER_ROOM = 100  # columns that the footer's keys and the command palette's take, spaced as usual
     BINDINGS = [
@@ -940,6 +944,7 @@ class PdbgApp(App[None]):
         self.panel_text, self.panel_full = text, text if full is None else full
         panel = self.query_one("#panel", Static)
         panel.update(text)
+        self.call_after_refresh(self.query_one(StepPane).fit_below_timeline)  # (the panel's height may change)
         lines = str(self.panel_full).count("\n") + 1
         panel.border_subtitle = "v: all of it" if full is not None and str(full) != str(text) or lines > 6 else ""
 

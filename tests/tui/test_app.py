@@ -816,6 +816,40 @@ def test_the_step_pane_shows_a_tensor_row_when_a_result_fills_the_panel(mixed_pa
     asyncio.run(main())
 
 
+@recorder.paper_step("Eq. 12 (the gated residual update of the hierarchical encoder, with layer-wise scaling)",
+                     algorithm="Algorithm 3", step=7, description="a long label and a long description " * 3)
+def gated_update_with_a_rather_long_function_name(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(x)
+
+
+def test_a_long_titled_step_shows_its_first_tensor_at_80x24(tmp_path: Path) -> None:
+    """A step with a long paper label, name and description at 80x24: its title wrapped to four lines (its
+    cells were within three widths) and the room kept for the pane assumed the panel at its tallest, so no
+    tensor row was in view beside a one-line panel. The title takes three lines and the first tensor shows;
+    a result that fills the panel then still leaves the timeline its rows."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        y = gated_update_with_a_rather_long_function_name(torch.randn(4, requires_grad=True))
+        y.sum().backward()
+
+    async def main() -> None:
+        app = PdbgApp(replayer.open(path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("right")  # the backward step: "backward · iteration 0 · call 0" in its title
+            await pilot.pause()
+            step_pane = pane(app)
+            assert step_pane.view is not None and step_pane.view.tensors and "backward" in step_pane.view.title
+            assert step_pane._table_at <= 3 + 2 + 1  # three lines of title, two of description, one blank
+            first = step_pane._table_at + 1
+            assert step_pane.scroll_offset.y <= first < step_pane.scroll_offset.y + step_pane.size.height
+            app.set_panel("\n".join(f"result line {i}" for i in range(6)))
+            await pilot.pause()
+            await pilot.pause()
+            assert app.timeline.size.height >= 3
+
+    asyncio.run(main())
+
+
 def test_v_opens_the_whole_result_which_keys_scroll(tmp_path: Path) -> None:
     """The result panel shows a few lines (a replay's first four tensors and two warnings); it said
     nothing of the rest, which only a mouse wheel reached. It now says "v: all of it", and v opens
