@@ -634,15 +634,21 @@ class PaperScreen(ModalScreen[tuple[str, str] | None]):
         tree: Tree[tuple[str, str]] = Tree("paper steps · calls forward/backward · time · anomalies", id="paper-tree")
         tree.root.expand()
 
-        def add(parent: Any, node: views.PaperNode, path: str = "") -> None:
+        width = int(self.app.size.width * 0.9) - 3  # the tree's border and scroll bar
+
+        def add(parent: Any, node: views.PaperNode, path: str = "", depth: int = 1) -> None:
             for child in node.children.values():
                 where = f"{path} › {shown(child.label)}" if path else shown(child.label)
                 counts = f"   {child.forward}/{child.backward} · {views.fmt_seconds(child.seconds)}"
-                label = Text.assemble((shown(child.label), "bold" if child.children else ""), (counts, "dim"),
-                                      (f" · {child.alerts} anomalies", "red") if child.alerts else "")
+                alerts = f" · {child.alerts} anomalies" if child.alerts else ""
+                # a long label gives way (its whole is in the step pane): the counts and anomalies stay on screen
+                room = max(12, width - tree.guide_depth * depth - 2 - cell_len(counts + alerts))
+                name = shown(child.label) if cell_len(shown(child.label)) <= room else \
+                    views.fit_cells(shown(child.label), room).rstrip()
+                label = Text.assemble((name, "bold" if child.children else ""), (counts, "dim"), (alerts, "red"))
                 branch = parent.add(label, data=(child.filter, where), expand=True) if child.children else \
                     parent.add_leaf(label, data=(child.filter, where))
-                add(branch, child, where)
+                add(branch, child, where, depth + 1)
 
         add(tree.root, self.paper)
         yield tree

@@ -850,6 +850,31 @@ def test_a_long_titled_step_shows_its_first_tensor_at_80x24(tmp_path: Path) -> N
     asyncio.run(main())
 
 
+def test_the_paper_view_keeps_its_counts_on_an_80_column_screen(tmp_path: Path) -> None:
+    """A long paper label and step name pushed a node's calls, time and anomalies past the paper view's
+    right edge at 80 columns (reached only by scrolling sideways); the label gives way and they show."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        x = torch.randn(4, requires_grad=True)
+        gated_update_with_a_rather_long_function_name(x * float("nan")).sum().backward()
+
+    async def main() -> None:
+        app = PdbgApp(replayer.open(path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("p")
+            await pilot.pause()
+            tree = app.screen.query_one("#paper-tree")
+            assert tree.virtual_size.width <= tree.scrollable_content_region.width  # no sideways scroll
+            node, depth = tree.root, 0
+            while node.children:
+                node, depth = node.children[0], depth + 1
+            label = str(node.label)
+            assert depth == 4 and label.startswith("gated_update") and "…" in label, label
+            assert "   1/1 · " in label and label.endswith(" · 2 anomalies"), label
+
+    asyncio.run(main())
+
+
 def test_v_opens_the_whole_result_which_keys_scroll(tmp_path: Path) -> None:
     """The result panel shows a few lines (a replay's first four tensors and two warnings); it said
     nothing of the rest, which only a mouse wheel reached. It now says "v: all of it", and v opens
