@@ -1366,6 +1366,8 @@ def render_tensor(view: views.TensorView, width: int | None = None) -> Text:
     """The inspector's page; ``width``: the page's, in which the sparkline's legend goes on a line of its
     own where it would not fit after the sparkline (wrapped, its "✗" stayed behind, its meaning below)."""
     text = Text(view.title + "\n\n", style="bold")
+    if view.nonfinite:
+        text.append(view.nonfinite + "\n\n", style="bold red")
     if view.histogram:
         top = max(view.histogram) or 1
         lo, hi = (views.fmt_number(e) for e in view.edges)

@@ -682,6 +682,22 @@ class TensorView:
     histogram_of: str = "finite values"  # what the histogram counts (a complex tensor's: magnitudes)
     # per value of ``series``: "" (drawn by its value), or what sparkline marks it as (NONFINITE, EMPTY, UNKNOWN)
     series_marks: list[str] = field(default_factory=list)
+    nonfinite: str | None = None  # how many NaN and Inf it holds, and where the first is (``nonfinite_where``)
+
+
+def nonfinite_where(counted: np.ndarray, shape: tuple[int, ...]) -> str | None:
+    """For values (flattened) holding NaN or Inf, how many and where the first is ("1 NaN of 256; the first
+    at element 17 [1, 1]"), else None: the slice shown from element 0 may hold none of them."""
+    if counted.dtype.kind != "f":
+        return None
+    bad = ~np.isfinite(counted)
+    if not bad.any():
+        return None
+    nan = int(np.isnan(counted).sum())
+    counts = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (int(bad.sum()) - nan, "Inf")) if n)
+    first = int(np.argmax(bad))
+    index = f" [{', '.join(str(int(i)) for i in np.unravel_index(first, shape))}]" if len(shape) > 1 else ""
+    return f"{counts} of {len(counted)}; the first at element {first}{index} (o goes to an element)"
 
 
 def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int = 8, stat: str = "absmax",
@@ -698,6 +714,7 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
     values: list[str] = []
     note = None
     begin = 0
+    nonfinite = None
     complex_ = record.dtype.startswith("complex")
     if record.has_payload:
         flat = rec.rank.tensor(record).detach().reshape(-1)
@@ -709,6 +726,7 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
             data = flat.double().numpy() if flat.is_floating_point() or flat.dtype == np.bool_ else flat.numpy()
             counted = data
         finite = counted[np.isfinite(counted)] if counted.dtype.kind == "f" else counted
+        nonfinite = nonfinite_where(counted, tuple(record.shape))
         if len(finite):
             counts, e = np.histogram(finite, bins=bins)
             histogram, edges = counts.tolist(), (float(e[0]), float(e[-1]))
@@ -743,7 +761,8 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
     size = math.prod(record.shape) if record.has_payload else 0
     shown = f"{stat} of |z|" if complex_ and stat not in ("nan", "inf") else stat
     return TensorView(title, histogram, edges, values, slice_text, series, shown, expected, note, begin, size,
-                      series_at, "the finite values' magnitudes |z|" if complex_ else "finite values", marks)
+                      series_at, "the finite values' magnitudes |z|" if complex_ else "finite values", marks,
+                      nonfinite)
 
 
 def _stat_bounds(stat: str, lo: float, hi: float) -> tuple[float, float] | None:

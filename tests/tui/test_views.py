@@ -174,3 +174,22 @@ def test_a_dotted_name_is_cut_in_its_middle() -> None:
     assert views.cut_dotted("input_projection_with_a_long_name.weight", 28) == "input_proje…long_name.weight"
     assert views.cut_dotted("transformer.h.1.mlp.c_fc.weight", 28) == "transformer….mlp.c_fc.weight"
     assert views.cut_dotted("input_projection_with_a_long_name.weight", 6) == "…eight"
+
+
+def test_the_inspector_says_how_many_values_are_not_finite_and_where_the_first_is(nan_path: Path) -> None:
+    """The inspector's page showed the slice from element 0 and a histogram of the finite values: of a
+    tensor with a NaN further on, neither showed it, nor said how many there were. It says both."""
+    from tui.app import render_tensor
+
+    step = replayer.open(nan_path).step(12)  # the origin: exp overflowed in 5 of 12 elements
+    out = step.tensor("output").reshape(-1)
+    first = int(torch.nonzero(~torch.isfinite(out))[0])
+    view = views.tensor_view(step, "output", "output")
+    assert view.nonfinite == (f"5 Inf of 12; the first at element {first} [{first // 4}, {first % 4}] "
+                              "(o goes to an element)")
+    assert view.nonfinite in str(render_tensor(view))
+    assert views.tensor_view(step, "args.0", "input").nonfinite is None
+    values = np.zeros(256)
+    values[[17, 40]] = np.nan, np.inf
+    assert views.nonfinite_where(values, (16, 16)).startswith("1 NaN and 1 Inf of 256; the first at element 17 [1, 1]")
+    assert views.nonfinite_where(np.arange(3), (3,)) is None
