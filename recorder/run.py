@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import difflib
 import functools
@@ -156,6 +157,8 @@ class Run:
         self._signals = self._catch_signals()
         self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
         capture.ACTIVE = self.session
+        _LEFT_OPEN[id(self)] = self
+        _hook_exit()
 
     # -- while recording ---------------------------------------------------------------------------
     @property
@@ -300,6 +303,7 @@ class Run:
 
     def _close(self, status: str, exception: BaseException | None) -> None:
         self.closed = True
+        _LEFT_OPEN.pop(id(self), None)
         if capture.ACTIVE is self.session:
             capture.ACTIVE = None
         self._collectives.remove()
@@ -495,6 +499,35 @@ class Run:
         if isinstance(exc, SystemExit) and exit_status(exc.code) == 0:  # sys.exit(0): the program ended well
             exc = None
         self.close("crashed" if exc is not None else "complete", exc)
+
+
+_LEFT_OPEN: dict[int, Run] = {}  # recordings not closed yet, closed when the process ends if still so
+
+
+def _close_left_open() -> None:
+    """Close the recordings the program left open (``run = recorder.record(...)`` with no ``with`` and no
+    ``close()``, as a notebook's cells do) when its main thread ends: ``complete``, or ``crashed`` with the
+    uncaught exception that ends the process (the interpreter has set ``sys.last_value`` by then), or with
+    the stop the recording raised (``on_anomaly="stop"``, caught by the program). Left to
+    the writer's daemon thread, the steps of the last second (a short script's all) and a flight ring
+    would die with the process, and the run would read as killed. A forked child's copy is not its own.
+    A framework callback's recording is closed first, by its own hook (recorder.framework), registered
+    after this one and so run before it."""
+    exception = getattr(sys, "last_value", None)
+    for run in list(_LEFT_OPEN.values()):
+        if not run._forked():
+            stopped = exception is not None or run.session.stopped_by is not None
+            run.close("crashed" if stopped else "complete", exception)
+
+
+@functools.cache
+def _hook_exit() -> None:
+    """Run ``_close_left_open`` at the end of the main thread, not in ``atexit``, by when the thread pools
+    that zarr writes through are shut down (see recorder.framework._hook_exit)."""
+    try:
+        threading._register_atexit(_close_left_open)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # not in this Python, or the process is ending already
+        atexit.register(_close_left_open)
 
 
 def exit_status(code: Any) -> int:

@@ -9,6 +9,7 @@ import gc
 import hashlib
 import inspect
 import sys
+import textwrap
 import weakref
 from pathlib import Path
 
@@ -16,7 +17,9 @@ import pytest
 import torch
 
 import recorder
+import replayer
 from recorder.store.reader import RunReader
+from tests.cli import ROOT, python
 from tests.models import record_training
 
 ITERATIONS = 5
@@ -217,3 +220,41 @@ def test_a_second_recording_names_the_active_one(tmp_path: Path) -> None:
     finally:
         run.close()
     assert repr(run) == f"<Run {tmp_path / 'first.zarr'}: complete, mode full>"
+
+
+@pytest.mark.parametrize("mode", ["full", "flight"])
+@pytest.mark.parametrize("ending", ["returns", "raises"])
+def test_a_recording_left_open_is_closed_when_the_process_ends(tmp_path: Path, mode: str, ending: str) -> None:
+    """A script (or notebook) that opens a recording without `with` and never closes it: when the process
+    ends, the recording is closed with every step (three accumulated iterations, inside the writer's first
+    second), its flight ring written, `complete`, or `crashed` with the exception that ended the process."""
+    path = tmp_path / "run.zarr"
+    code = textwrap.dedent(f"""
+        import torch
+        import recorder
+
+        @recorder.paper_step("Eq. 1")
+        def act(x):
+            return torch.tanh(x)
+
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = recorder.record({str(path)!r}, model=model, optimizer=opt, mode={mode!r})
+        for _ in range(3):
+            for _ in range(2):
+                act(model(torch.ones(2, 4))).sum().div(2).backward()
+            opt.step()
+            opt.zero_grad()
+        if {ending == "raises"}:
+            raise ValueError("the data loader broke")
+    """)
+    proc = python("-c", code, cwd=ROOT)
+    assert proc.returncode == (1 if ending == "raises" else 0), proc.stderr
+    rec = replayer.open(path)
+    assert len(rec) == 12 and [s.iteration for s in rec.steps][::4] == [0, 1, 2]
+    if ending == "raises":
+        assert rec.status == "crashed" and rec.rank.final["exception"]["message"] == "the data loader broke"
+    else:
+        assert rec.status == "complete" and "exception" not in rec.rank.final
+    if mode == "flight":
+        assert rec.rank.final["flight"]["dumps"][-1]["iterations"] == [1, 2]
