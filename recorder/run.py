@@ -140,6 +140,7 @@ class Run:
         self._backward = _BackwardCalls(self.session)
         self._hooks.append(self._backward)
         self.closed = False
+        self._entered = False  # inside its `with` block (see __enter__)
         self._pid = os.getpid()  # a forked child has the recording's objects, not the recording
         self.status: str | None = None
         self._blosc_threads = _single_threaded_blosc()
@@ -492,6 +493,17 @@ class Run:
         return self.session.selector.unmatched()
 
     def __enter__(self) -> Run:
+        """Refuses a recording closed already (a notebook cell's `with run:` run again) and one whose `with`
+        block is running (the inner block's end would close it): either way the block would train unrecorded
+        and nothing would say so."""
+        where = backend.describe(self.path)
+        if self.closed:
+            raise RecordingError(f"the recording {where} is closed ({self.status or 'closed'}); a recording is "
+                                 "entered once: start a new one, recorder.record(NEW_PATH, ...)")
+        if self._entered:
+            raise RecordingError(f"the recording {where} is in its `with` block already; enter it once (the inner "
+                                 "block's end would close it)")
+        self._entered = True
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -258,3 +258,25 @@ def test_a_recording_left_open_is_closed_when_the_process_ends(tmp_path: Path, m
         assert rec.status == "complete" and "exception" not in rec.rank.final
     if mode == "flight":
         assert rec.rank.final["flight"]["dumps"][-1]["iterations"] == [1, 2]
+
+
+def test_a_recording_is_entered_once(tmp_path: Path) -> None:
+    """`with run:` again on a closed recording (a notebook cell run again), or inside its own `with` block
+    (whose inner end would close it), is refused: the block would train unrecorded, and nothing said so."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    run = recorder.record(tmp_path / "closed.zarr", model=model, modules=["*"])
+    with run:
+        model(torch.ones(2, 4))
+    with pytest.raises(recorder.RecordingError) as err:
+        with run:
+            model(torch.ones(2, 4))
+    assert str(err.value) == (f"the recording {tmp_path / 'closed.zarr'} is closed (complete); a recording is "
+                              "entered once: start a new one, recorder.record(NEW_PATH, ...)")
+    run = recorder.record(tmp_path / "nested.zarr", model=model, modules=["*"])
+    with pytest.raises(recorder.RecordingError, match=r"nested\.zarr is in its `with` block already; enter it once"):
+        with run:
+            model(torch.ones(2, 4))
+            with run:
+                model(torch.ones(2, 4))
+    assert run.status == "crashed"
+    assert len(replayer.open(tmp_path / "closed.zarr")) == len(replayer.open(tmp_path / "nested.zarr")) == 2
