@@ -47,6 +47,7 @@ __all__ = [
     "StepDef",
     "StepNotFoundError",
     "annotate",
+    "close",
     "flush",
     "open_run",
     "paper_step",
@@ -74,6 +75,15 @@ def flush(timeout: float | None = 60.0) -> bool:
 
     session = capture.ACTIVE
     return session is not None and bool(session.pipeline.flush(timeout))
+
+
+def close() -> bool:
+    """Close the active recording, ``complete``, as ``run.close()`` on its Run would: for a Run out of reach (a
+    notebook's ``recorder.record(...)`` run as a statement, its result not kept), which would refuse every
+    later recording of the process (AlreadyRecording). Returns False when no recording is active."""
+    from .run import close_active
+
+    return close_active()
 
 
 def open_run(path: Any) -> Any:

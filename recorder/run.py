@@ -76,7 +76,7 @@ class Run:
             where = getattr(getattr(capture.ACTIVE, "pipeline", None), "where", lambda: "another recording")()
             raise AlreadyRecording(f"a recording is already active in this process ({where}); close it before "
                                    "starting another: run.close() on the Run that recorder.record returned (a `with` "
-                                   "block closes it at its end)")
+                                   "block closes it at its end), or recorder.close() where that Run is out of reach")
         if not isinstance(path, (str, os.PathLike)) and not hasattr(path, "set"):
             raise RecordingError(f"path must be a directory path or a zarr store, not {type(path).__name__}")
         if isinstance(path, (str, os.PathLike)) and not os.fspath(path):
@@ -530,6 +530,16 @@ def _close_left_open() -> None:
         if not run._forked():
             stopped = exception is not None or run.session.stopped_by is not None
             run.close("crashed" if stopped else "complete", exception)
+
+
+def close_active() -> bool:
+    """Close the active recording, as ``close()`` on its Run would (see ``recorder.close``). False when this
+    process has none."""
+    for run in list(_LEFT_OPEN.values()):
+        if run.session is capture.ACTIVE and not run._forked():
+            run.close()
+            return True
+    return False
 
 
 @functools.cache

@@ -280,3 +280,21 @@ def test_a_recording_is_entered_once(tmp_path: Path) -> None:
                 model(torch.ones(2, 4))
     assert run.status == "crashed"
     assert len(replayer.open(tmp_path / "closed.zarr")) == len(replayer.open(tmp_path / "nested.zarr")) == 2
+
+
+def test_a_recording_out_of_reach_is_closed_by_recorder_close(tmp_path: Path) -> None:
+    """A notebook's `recorder.record(...)` run as a statement keeps no Run to close, and every later recording
+    was refused until the kernel restarted: the refusal names recorder.close(), which closes it complete."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    recorder.record(tmp_path / "lost.zarr", model=model, modules=["*"])
+    model(torch.ones(2, 4))
+    gc.collect()
+    with pytest.raises(recorder.RecordingError, match=r"lost\.zarr\); .* or recorder\.close\(\) where that Run is "
+                                                      r"out of reach$"):
+        recorder.record(tmp_path / "next.zarr", model=model, modules=["*"])
+    assert recorder.close() is True and recorder.close() is False
+    lost = replayer.open(tmp_path / "lost.zarr")
+    assert lost.status == "complete" and len(lost) == 2
+    with recorder.record(tmp_path / "next.zarr", model=model, modules=["*"]) as run:
+        model(torch.ones(2, 4))
+    assert run.status == "complete" and len(replayer.open(tmp_path / "next.zarr")) == 2
