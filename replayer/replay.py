@@ -288,7 +288,8 @@ class Replayer:
                 try:
                     resolved = self.loader.resolve(text, needed_by="the swap")
                 except ReplayError as exc:
-                    raise intervene.InterventionError(f"swap {key}: {exc}") from None
+                    whose = "of the step itself ('.')" if key == "." else key
+                    raise intervene.InterventionError(f"swap {whose}: {exc}") from None
             elif not callable(given):
                 raise intervene.InterventionError(f"swap {key}: give an import reference, a class or a callable, "
                                                   f"not {type(given).__name__}")

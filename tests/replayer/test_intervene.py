@@ -224,6 +224,9 @@ def test_bad_interventions_get_one_line_and_exit_code_2(stack_run: tuple[Path, o
     with pytest.raises(InterventionError, match="called as a factory with the original module, raised .*; a module "
                                                 "step is swapped for an nn.Module class, or a function"):
         replayer.replay(rec, "Scaled@iter=1#0", swap={".": nanmodels.stable_smooth_relu})
+    # the TUI's s without a key swaps the step itself: its error names that, not a key "."
+    with pytest.raises(InterventionError, match=r"^swap of the step itself \('\.'\): 'StableScaled' is not an import "):
+        replayer.replay(rec, "Scaled@iter=1#0", swap={".": "StableScaled"})
 
 
 def test_nothing_leaks_out_of_the_replay(stack_run: tuple[Path, nanmodels.Stack], tmp_path: Path) -> None:
