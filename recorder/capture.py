@@ -1446,9 +1446,9 @@ class Session:
             for node, k in edges:
                 (by_arg_node if argument else by_node).setdefault(node, []).append((k, name))
         for node, places in by_node.items():  # they go with the graph: a retained graph's next pass fires them too
-            node.register_hook(_backward_callback(self._on_own_grad, link, tuple(places)))
+            taps.hook_use(node, _backward_callback(self._on_own_grad, link, tuple(places)))
         for node, places in by_arg_node.items():
-            node.register_hook(_backward_callback(self._on_arg_grad, link, tuple(places)))
+            taps.hook_use(node, _backward_callback(self._on_arg_grad, link, tuple(places)))
         for name, t in link.leaf_args:
             if name in link.arg_uses:
                 self._hook_arg(link, name, t)

@@ -501,6 +501,28 @@ def _passed_apart(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> list[torc
     return out
 
 
+# The node torch puts between a module's caller and its forward for the module's full backward hooks and backward
+# pre-hooks (``BackwardHook.setup_input_hook``): its post-hook is theirs, and changes what it sends on.
+_MODULE_HOOKS_NODE = "BackwardHookFunctionBackward"
+
+
+def hook_use(node: Any, hook: Callable[[tuple[torch.Tensor | None, ...], Any], None]) -> None:
+    """Hook a node of a call's graph that uses a parameter or a leaf argument: ``hook(grads, outputs)`` gets
+    the contributions it sends them. On the node of a module's full backward hooks (a leaf given to the module,
+    ``blk(x)``) those are what the hooks made of the gradients: there a pre-hook takes the gradients the
+    module's backward computed instead, those a replay of the call computes (the node is an identity, its
+    k-th output the k-th input)."""
+    if node.name() == _MODULE_HOOKS_NODE:
+        node.register_prehook(functools.partial(_before_module_hooks, hook))
+    else:
+        node.register_hook(hook)
+
+
+def _before_module_hooks(hook: Callable[[tuple[torch.Tensor | None, ...], Any], None],
+                         grads: tuple[torch.Tensor | None, ...]) -> None:
+    hook(grads, None)
+
+
 def before_backward_hooks(args: tuple[Any, ...]) -> None:
     """Have the input taps of a call whose module has full backward hooks report the gradients its
     backward computed, not what those hooks make of them. Torch wraps the arguments for those hooks
@@ -511,7 +533,7 @@ def before_backward_hooks(args: tuple[Any, ...]) -> None:
     A pre-hook on the hooks' node keeps the gradients it gets for the taps' callbacks; what goes on is
     left as the hooks made it."""
     node = next((t.grad_fn for t in args if isinstance(t, torch.Tensor) and t.grad_fn is not None
-                 and t.grad_fn.name() == "BackwardHookFunctionBackward"), None)
+                 and t.grad_fn.name() == _MODULE_HOOKS_NODE), None)
     if node is None:
         return
     places: list[tuple[int, dict[int, list[torch.Tensor]], int]] = []
@@ -787,7 +809,7 @@ def follow_leaves(outputs: list[torch.Tensor], leaves: list[tuple[str, torch.Ten
         for node, k in edges:
             by_node.setdefault(node, []).append((k, name))
     for node, places in by_node.items():
-        node.register_hook(functools.partial(_leaf_uses, callback, tuple(places)))
+        hook_use(node, functools.partial(_leaf_uses, callback, tuple(places)))
     return True
 
 
