@@ -339,6 +339,9 @@ class BackwardLink:
     arg_sums: dict[str, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
     arg_done: set[str] = field(default_factory=set)  # in the pass under way: those its backward reached
     arg_hooked: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # leaf arguments with a hook (handles)
+    # A leaf passed in several places that torch gives the call through its module's backward hooks' node
+    # (taps.split_places): that node's edge k -> the record name of its place, whose grad input it is
+    split_leaves: dict[int, str] = field(default_factory=dict)
     # The tapped arguments with their taps' aliases, looked at when the call returns; those it changed in
     # place through their aliases, rebased then, until its outputs are tapped (taps.rebase_changed)
     watched: taps.Watched = field(default_factory=list)
@@ -1224,6 +1227,9 @@ class Session:
             slots, shared = taps.apart(found) if found else ([], [])
             slots, leaves = taps.leaves_apart(slots) if slots else (slots, [])
             tapped = frozenset(id(t) for _, t in slots)
+            split = taps.split_places(module, args) if found else frozenset()
+            if split:  # (a place no tap reaches, inside a list: one tensor there, as it was)
+                split = split.difference(id(t) for keys, t in found if len(keys) > 2)
             given = tapped.union(id(t) for _, t in (*shared, *leaves)) if shared or leaves else tapped
             nested: set[int] = set()
             unfollowed: list[str] | None = [] if tapping else None
@@ -1243,7 +1249,7 @@ class Session:
                     frame.rng = {**frame.rng, **parts}
             frame.args_doc = self._encode(frame, {"args": given_args, "kwargs": recorded}, "input", "", tapped,
                                           reached, nested, unfollowed=unfollowed, versions=frame.versions,
-                                          places=places, grads=grads)
+                                          places=places, grads=grads, split=split)
             if unfollowed:  # (in objects no tap passes a tapped tensor through: their gradients are not recorded)
                 frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
             if not self._cache_warned:
@@ -1262,6 +1268,8 @@ class Session:
                 if leaves:  # (a module's own parameter given as an argument: its gradient is in the parameter's)
                     mine = {id(p) for p in module.parameters()} if module is not None else set()
                     link.leaf_args = [(places.get(n, n), t) for n, t in taps.first_places(leaves) if id(t) not in mine]
+                    if split:
+                        self._split_leaves(link, args, split, mine, places)
             if link is None and frame.vmap is None and not inference:
                 self._remember_ungraded(frame)
             if module is not None:
@@ -1282,10 +1290,26 @@ class Session:
                 for name, b in buffers:
                     self._capture(frame, "buffer", name, b)
             if link is not None:
-                args, kwargs = self._tap_inputs(link, args, kwargs, tapped & nested, frame, slots)
+                args, kwargs = self._tap_inputs(link, args, kwargs, tapped & nested, frame, slots, split)
             return frame, args, kwargs, link
         finally:
             self.local.busy = False
+
+    @staticmethod
+    def _split_leaves(link: BackwardLink, args: tuple[Any, ...], split: frozenset[int], mine: set[int],
+                      places: dict[str, str]) -> None:
+        """Follow a leaf passed in several places (taps.split_places) per place: its k-th tensor among the
+        positional arguments is the k-th edge of the node of the module's backward hooks, whose contribution
+        is that place's grad input (``BackwardLink.split_leaves``)."""
+        named = {n for n, _ in link.leaf_args}
+        tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        for k, (i, t) in enumerate(tensors):
+            if id(t) in split and t.is_leaf and t.requires_grad and id(t) not in mine:
+                name = places.get(f"args.{i}", f"args.{i}")
+                link.split_leaves[k] = name
+                if name not in named:
+                    named.add(name)
+                    link.leaf_args.append((name, t))
 
     def _aliased_arguments(self, frame: Frame, others: list[tuple[tuple[Any, ...], torch.Tensor]],
                            shared: list[tuple[tuple[Any, ...], torch.Tensor]], grads: list[tuple[str, torch.Tensor]],
@@ -1397,6 +1421,19 @@ class Session:
             out = self._tap_outputs(link, out, tapped & nested, frame, slots)
         return out
 
+    @staticmethod
+    def _per_place(link: BackwardLink, name: str, edges: list[tuple[Any, int]]
+                   ) -> list[tuple[str, list[tuple[Any, int]]]]:
+        """A leaf argument's uses found by the walk, per record name: those of a leaf passed in several
+        places by the node of its module's backward hooks, by their places (``BackwardLink.split_leaves``)."""
+        if not link.split_leaves:
+            return [(name, edges)]
+        by_name: dict[str, list[tuple[Any, int]]] = {}
+        for node, k in edges:
+            place = link.split_leaves.get(k) if taps.module_hooks_node(node) else None
+            by_name.setdefault(place or name, []).append((node, k))
+        return list(by_name.items())
+
     def _tied_params(self) -> dict[int, tuple[str, ...]]:
         """``id(parameter) -> its paths`` for the parameters registered in more than one place under
         the module paths' root (weight tying: ``lm_head.weight = embed.weight``), cached per root."""
@@ -1441,10 +1478,10 @@ class Session:
         by_arg_node: dict[Any, list[tuple[int, str]]] = {}
         for key, edges in uses.items():
             argument = type(key) is tuple  # (_ARGUMENT, record name)
-            name = key[1] if argument else key
-            (link.arg_uses if argument else link.own)[name] = len(edges)
-            for node, k in edges:
-                (by_arg_node if argument else by_node).setdefault(node, []).append((k, name))
+            for name, its in (self._per_place(link, key[1], edges) if argument else ((key, edges),)):
+                (link.arg_uses if argument else link.own)[name] = len(its)
+                for node, k in its:
+                    (by_arg_node if argument else by_node).setdefault(node, []).append((k, name))
         for node, places in by_node.items():  # they go with the graph: a retained graph's next pass fires them too
             taps.hook_use(node, _backward_callback(self._on_own_grad, link, tuple(places)))
         for node, places in by_arg_node.items():
@@ -1637,7 +1674,8 @@ class Session:
                 top: frozenset[str] = frozenset(), nested: set[int] | None = None, per_object: bool = True,
                 unfollowed: list[str] | None = None,
                 versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None,
-                places: dict[str, str] | None = None, grads: list[tuple[str, torch.Tensor]] | None = None) -> Any:
+                places: dict[str, str] | None = None, grads: list[tuple[str, torch.Tensor]] | None = None,
+                split: frozenset[int] = frozenset()) -> Any:
         """Encode a value as tagged JSON, capturing each tensor in it under its path: once per object
         the step sees. ``tapped``: ids of the tensors a tap replaces where they stand in a place it
         reaches (``top``: the paths of those places: an argument's top level, an output's containers),
@@ -1649,7 +1687,8 @@ class Session:
         ``versions`` collects (record name, tensor, version counter) of the tensors outside autograd's
         graph (not computed from a tensor that requires grad), each once (see ``Frame.versions``).
         ``places`` collects each tensor's path -> its record's name, ``grads`` the record names and
-        tensors of the leaves' ``.grad`` recorded with them (``versions``' too)."""
+        tensors of the leaves' ``.grad`` recorded with them (``versions``' too). ``split``: ids of the
+        tensors recorded once per place of ``top`` (tapped per place: taps.split_places)."""
         errors: list[Exception] = []
         named: dict[Any, str | None] = {}
 
@@ -1661,6 +1700,8 @@ class Session:
                     nested.add(id(t))
                 if per_object:
                     key = (key, at_top)
+            if split and id(t) in split and path in top:
+                key = (id(t), path)
             if key in named:  # the same tensor again (self-attention's query, key and value)
                 if places is not None and named[key] is not None:
                     places[path] = named[key]  # type: ignore[assignment]
@@ -2125,13 +2166,14 @@ class Session:
             self.fail(where, exc)
 
     def _tap_inputs(self, link: BackwardLink, args: tuple[Any, ...], kwargs: dict[str, Any], skip: frozenset[int],
-                    frame: Frame | None = None, slots: list[Any] | None = None,
+                    frame: Frame | None = None, slots: list[Any] | None = None, split: frozenset[int] = frozenset(),
                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Pass a call's tensor arguments (``slots``, when known: taps.argument_slots) through a tap
         that reports their grads to ``link``; not those in ``skip`` (also inside a list: see
-        taps.tap_arguments), noted on ``frame``."""
+        taps.tap_arguments), noted on ``frame``; those in ``split`` per place (taps.split_places)."""
         args, kwargs, names = taps.tap_arguments(args, kwargs, _backward_callback(self._on_grad_input, link), skip,
-                                                 slots, undo=link.undo, watched=link.watched, nodes=link.tap_nodes)
+                                                 slots, undo=link.undo, watched=link.watched, nodes=link.tap_nodes,
+                                                 split=split)
         link.input_names = list(names)
         if skip and frame is not None:
             frame.notes.append(_UNTAPPED_NOTE)

@@ -37,6 +37,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
+from torch.nn.modules.module import _global_backward_hooks, _global_backward_pre_hooks
 
 from . import jsonval
 from . import payload as payload_mod
@@ -244,15 +245,18 @@ def _placed(callback: GradCallback, k: int, grads: tuple[torch.Tensor | None, ..
 
 
 def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback, rebased: Rebased | None = None,
-               spares: int = 0) -> tuple[dict[Any, Any], list[Any]]:
+               spares: int = 0, split: frozenset[int] = frozenset()) -> tuple[dict[Any, Any], list[Any]]:
     """Tap the (key, tensor) pairs' tensors, each tensor object once: a tensor passed in several
     places stays one object in all of them (``query is key`` in self-attention, as without recording),
     its gradient reported once, the total, under its first key (its uses there are one tap's, which
-    ``pass_apart`` passes on apart). Returns {key: tapped} and the keys tapped, in the order the callback
-    sees their grads (``rebased``, ``spares``: see ``tap_each``, ``tap``)."""
+    ``pass_apart`` passes on apart); but for a tensor whose id is in ``split`` (see ``split_places``), which
+    gets an alias per place, all from one tap, and a gradient per place. Returns {key: tapped} and the keys
+    tapped, in the order the callback sees their grads (``rebased``, ``spares``: see ``tap_each``, ``tap``)."""
     if len({id(value) for _, value in values}) == len(values):  # each tensor in one place: the usual call
         keys = [key for key, _ in values]
         return dict(zip(keys, tap_each([value for _, value in values], callback, rebased, spares))), keys
+    if split and any(id(value) in split for _, value in values):
+        return _tap_places(values, callback, spares, split)
     first: dict[int, Any] = {}
     for key, value in values:
         first.setdefault(id(value), key)
@@ -260,6 +264,50 @@ def _tap_slots(values: list[tuple[Any, Any]], callback: GradCallback, rebased: R
     by_key = dict(values)
     tapped = dict(zip(keys, tap_each([by_key[k] for k in keys], callback, rebased, spares)))
     return {key: tapped[first[id(value)]] for key, value in values}, keys
+
+
+def _tap_places(values: list[tuple[Any, Any]], callback: GradCallback, spares: int, split: frozenset[int]
+                ) -> tuple[dict[Any, Any], list[Any]]:
+    """``_tap_slots`` where some tensors are tapped per place (``split``): one tap per tensor, with an output
+    per place for those, in the order of their places. A tap's outputs send their gradients on together,
+    each place's by an edge of its own and in the order of the places, as torch's node for the module's
+    backward hooks sends them unrecorded (see ``split_places``)."""
+    places: dict[int, list[Any]] = {}
+    given: dict[int, torch.Tensor] = {}
+    for key, value in values:
+        places.setdefault(id(value), []).append(key)
+        given[id(value)] = value
+    tapped: dict[Any, Any] = {}
+    keys: list[Any] = []
+    for ident, found in places.items():
+        at = found if ident in split else found[:1]
+        outs = tap([given[ident]] * len(at), functools.partial(_placed, callback, len(keys)), spares)
+        tapped.update(zip(at, outs))
+        keys += at
+    for key, value in values:
+        tapped.setdefault(key, tapped[places[id(value)][0]])
+    return tapped, keys
+
+
+def split_places(module: torch.nn.Module | None, args: tuple[Any, ...]) -> frozenset[int]:
+    """Ids of the tensors passed twice or more among a module call's positional arguments (``blk(h, h)``) where
+    torch gives them to the call through the node of the module's full backward hooks or backward pre-hooks
+    (``BackwardHook.setup_input_hook``): an alias per place, each with a gradient of its own, which that node
+    sends on one after the other. A tap of the tensor's places as one would record the sum of those, added
+    in another order than a replay's single tensor adds its uses in; a tap per place records each place's
+    gradient, as a decorated class, tapped inside its forward, does, and a replay gives each place a tensor.
+    Empty where torch passes the arguments as they are (no such hooks: one object, one tap)."""
+    if module is None or len(args) < 2:
+        return frozenset()
+    if not (module._backward_pre_hooks or _global_backward_pre_hooks
+            or (module._backward_hooks or _global_backward_hooks) and module._get_backward_hooks()[0]):
+        return frozenset()
+    seen: set[int] = set()
+    twice: set[int] = set()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            (twice if id(a) in seen else seen).add(id(a))
+    return frozenset(twice)
 
 
 _PROBE = torch.zeros(0, requires_grad=True)  # a leaf whose view makes a node: autograd's sequence number now
@@ -512,10 +560,15 @@ def hook_use(node: Any, hook: Callable[[tuple[torch.Tensor | None, ...], Any], N
     ``blk(x)``) those are what the hooks made of the gradients: there a pre-hook takes the gradients the
     module's backward computed instead, those a replay of the call computes (the node is an identity, its
     k-th output the k-th input)."""
-    if node.name() == _MODULE_HOOKS_NODE:
+    if module_hooks_node(node):
         node.register_prehook(functools.partial(_before_module_hooks, hook))
     else:
         node.register_hook(hook)
+
+
+def module_hooks_node(node: Any) -> bool:
+    """Whether an autograd node is the one torch puts before a module's forward for its backward hooks."""
+    return node.name() == _MODULE_HOOKS_NODE  # type: ignore[no-any-return]
 
 
 def _before_module_hooks(hook: Callable[[tuple[torch.Tensor | None, ...], Any], None],
@@ -1202,7 +1255,8 @@ def _substitute(value: Any, tapped: dict[tuple[Any, ...], torch.Tensor], undo: U
 def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradCallback,
                   skip: frozenset[int] = frozenset(), slots: list[Any] | None = None, *, undo: Undo,
                   leaves: bool = False, watched: Watched | None = None, nodes: TapNodes | None = None,
-                  spares: int | None = None) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
+                  spares: int | None = None, split: frozenset[int] = frozenset(),
+                  ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
     """Tap the argument_slots, but for tensors whose id is in ``skip`` (also passed in a place no tap
     reaches: that place keeps the untapped tensor, and autograd would sum its gradients in another
     order), those that share memory with another (see ``apart``) and leaves (see ``leaves_apart``;
@@ -1212,14 +1266,14 @@ def tap_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], callback: GradC
     returned. ``watched`` collects each tapped tensor with its tap's, for ``changed_in_place`` once the
     call returned; ``nodes`` each tap's node with its alias, for ``uses_of`` once the call returned; ``spares``:
     each tap's spare edges (``_SPARES`` unless given: a replay gives a recording's inner steps as many as their
-    recorder did). Returns new
+    recorder did); ``split``: ids of tensors tapped per place (``split_places``). Returns new
     args, kwargs and the names (``args.0``, ``kwargs.mask``, ``args.1.data``) of the tapped tensors, in the order the
     callback sees them."""
     slots = [(key, t) for key, t in (apart(argument_slots(args, kwargs))[0] if slots is None else slots)
              if id(t) not in skip and (leaves or not t.is_leaf)]
     if not slots:
         return args, kwargs, []
-    tapped, keys = _tap_slots(slots, callback, spares=_SPARES if spares is None else spares)
+    tapped, keys = _tap_slots(slots, callback, spares=_SPARES if spares is None else spares, split=split)
     if nodes is not None:
         nodes.extend((tapped[k].grad_fn, tapped[k]) for k in keys)
     if watched is not None:

@@ -2901,6 +2901,66 @@ def test_a_glob_steps_leaf_argument_gets_its_grad_from_before_the_full_backward_
     assert all(r.match for r in results), [str(r) for r in results]
 
 
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.g = nn.Linear(16, 16)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(a)) * self.g(b) + a * b.sin() + a.exp()
+
+
+def _double_two_inputs(module: nn.Module, grad_in: Any, grad_out: Any) -> Any:
+    return tuple(g * 2 for g in grad_in) if isinstance(module, _TwoInputs) else None
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("leaf", [False, True], ids=["activation", "leaf"])
+@pytest.mark.parametrize("where", ["own", "global"])
+def test_a_tensor_passed_twice_to_a_glob_step_with_a_full_backward_hook(tmp_path: Path, where: str,
+                                                                         leaf: bool) -> None:
+    """``blk(h, h)``, blk selected by modules= and with a full backward hook: torch gives each place an alias of its
+    own through the hook's node, so each place is recorded, tapped and followed apart, with a grad input of its
+    own, and the backward replays bit for bit (the sum of the two was recorded under args.0: 4-16 ULP from the
+    replay's one tensor, which adds its uses in another order); training, h's gradient included, is as unrecorded."""
+    def train(path: Path | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"pre": nn.Linear(16, 16), "blk": _TwoInputs(), "post": nn.Linear(16, 1)})
+        if where == "own":
+            model["blk"].register_full_backward_hook(_double_two_inputs)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        with recorder.record(path, model=model, optimizer=opt, modules=["blk"]) if path else contextlib.nullcontext():
+            for _ in range(2):
+                x = torch.randn(8, 16, requires_grad=leaf)
+                h = x if leaf else model["pre"](x)
+                loss = model["post"](model["blk"](h, h) + h).pow(2).mean()
+                loss.backward()
+                out += [loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
+                out += [x.grad] if leaf else []
+                opt.step()
+                opt.zero_grad()
+        return out + [p.detach().clone() for p in model.parameters()]
+
+    hook = (torch.nn.modules.module.register_module_full_backward_hook(_double_two_inputs) if where == "global"
+            else contextlib.nullcontext())
+    try:
+        plain, recorded = train(None), train(tmp_path / "twice.zarr")
+    finally:
+        if where == "global":
+            hook.remove()
+    assert len(plain) == len(recorded)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, recorded))
+    rec = replayer.open(tmp_path / "twice.zarr")
+    assert [s.phase for s in rec.steps] == ["forward", "backward"] * 2
+    for step in rec.steps:
+        role = "input" if step.phase == "forward" else "grad_input"
+        assert sorted(t.name for t in step.tensors(role)) == ["args.0", "args.1"]
+    results = [replayer.replay(rec, i) for i in range(len(rec))]
+    assert all(r.match for r in results), [str(r) for r in results]
+
+
 def test_verify_says_once_why_many_steps_cannot_be_replayed(tmp_path: Path) -> None:
     """Many steps refused for one reason (code a notebook cell defined: every step alike) are one line
     of `pdbg verify`'s listing (it printed the reason once per step: 6,000 lines); --json keeps each."""
