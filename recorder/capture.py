@@ -1228,8 +1228,9 @@ class Session:
             slots, leaves = taps.leaves_apart(slots) if slots else (slots, [])
             tapped = frozenset(id(t) for _, t in slots)
             split = taps.split_places(module, args) if found else frozenset()
-            if split:  # (a place no tap reaches, inside a list: one tensor there, as it was)
-                split = split.difference(id(t) for keys, t in found if len(keys) > 2)
+            if split:  # (tapped or followed, and given as positional arguments alone: all through the hooks' node)
+                split = (split & tapped.union(id(t) for _, t in leaves)).difference(
+                    id(t) for keys, t in found if len(keys) > 2 or keys[0] != "args")
             given = tapped.union(id(t) for _, t in (*shared, *leaves)) if shared or leaves else tapped
             nested: set[int] = set()
             unfollowed: list[str] | None = [] if tapping else None

@@ -2915,20 +2915,27 @@ def _double_two_inputs(module: nn.Module, grad_in: Any, grad_out: Any) -> Any:
     return tuple(g * 2 for g in grad_in) if isinstance(module, _TwoInputs) else None
 
 
+def _same_grad_outputs(module: nn.Module, grad_out: Any) -> Any:
+    return None
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 @pytest.mark.parametrize("leaf", [False, True], ids=["activation", "leaf"])
-@pytest.mark.parametrize("where", ["own", "global"])
+@pytest.mark.parametrize("where", ["own", "global", "pre-hook"])
 def test_a_tensor_passed_twice_to_a_glob_step_with_a_full_backward_hook(tmp_path: Path, where: str,
                                                                          leaf: bool) -> None:
-    """``blk(h, h)``, blk selected by modules= and with a full backward hook: torch gives each place an alias of its
-    own through the hook's node, so each place is recorded, tapped and followed apart, with a grad input of its
-    own, and the backward replays bit for bit (the sum of the two was recorded under args.0: 4-16 ULP from the
-    replay's one tensor, which adds its uses in another order); training, h's gradient included, is as unrecorded."""
+    """``blk(h, h)``, blk selected by modules= and with a full backward hook (or a backward pre-hook alone): torch
+    gives each place an alias of its own through the hooks' node, so each place is recorded, tapped and followed
+    apart, with a grad input of its own, and the backward replays bit for bit (the sum of the two was recorded
+    under args.0: 4-16 ULP from the replay's one tensor, which adds its uses in another order); training, h's
+    gradient included, is as unrecorded."""
     def train(path: Path | None) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = nn.ModuleDict({"pre": nn.Linear(16, 16), "blk": _TwoInputs(), "post": nn.Linear(16, 1)})
         if where == "own":
             model["blk"].register_full_backward_hook(_double_two_inputs)
+        elif where == "pre-hook":
+            model["blk"].register_full_backward_pre_hook(_same_grad_outputs)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         out = []
         with recorder.record(path, model=model, optimizer=opt, modules=["blk"]) if path else contextlib.nullcontext():
