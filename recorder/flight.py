@@ -1,4 +1,4 @@
-"""The flight recorder's ring: payloads of the last ``keep`` iterations, held in memory.
+"""The flight recorder's ring: payloads of the last ``keep`` iterations that recorded any, held in memory.
 
 In ``mode="flight"`` every step's statistics go to the store as usual, but tensor bytes wait here.
 They are written only when something worth keeping happens: a step produces NaN or Inf, an exception
@@ -82,12 +82,16 @@ class FlightRing:
                 self._iterations[iteration] = {}
 
     def start_iteration(self, iteration: int) -> tuple[list[int], list[PayloadItem]]:
-        """Keep room for ``iteration``: drop iterations older than the last ``keep``. Returns the
-        dropped iteration numbers and the items no longer held."""
+        """Keep room for ``iteration``: drop the oldest iterations until ``keep - 1`` earlier ones are
+        left. Counted, not told by their numbers, which may skip: Lightning's global step, which numbers a
+        framework callback's iterations, goes up by two a batch under manual optimization with two
+        optimizers, and the ring would hold one batch where ``keep=2`` promises two. Returns the dropped
+        iteration numbers and the items no longer held."""
         with self.lock:
             dropped: list[int] = []
             freed: list[PayloadItem] = []
-            while self._iterations and next(iter(self._iterations)) <= iteration - self.keep:
+            while self._iterations and next(iter(self._iterations)) < iteration \
+                    and len(self._iterations) - (iteration in self._iterations) >= self.keep:
                 dropped.append(next(iter(self._iterations)))
                 freed += self._drop_oldest()
             return dropped, freed

@@ -500,6 +500,22 @@ def test_ring_finds_held_bytes_until_the_last_iteration_holding_them_leaves() ->
     assert ring.find(kept.key) is None and ring.bytes == 0
 
 
+def test_ring_keeps_the_last_iterations_whose_numbers_skip() -> None:
+    """``keep`` counts the iterations the ring holds, not their numbers: iterations numbered 0, 2, 4
+    (a framework's global step going up by two) keep two of them, as 0, 1, 2 would."""
+    import numpy as np
+
+    from recorder.flight import FlightRing
+    from recorder.items import PayloadItem
+
+    ring = FlightRing(keep=2, max_bytes=1 << 20)
+    items = [PayloadItem(key=(k, k, 2), unit=2, data=np.full(4, k, np.uint32)) for k in range(3)]
+    for iteration, item in zip((0, 2, 4), items, strict=True):
+        ring.start_iteration(iteration)
+        ring.add(iteration, item.key, item)
+    assert ring.take_all() == ([2, 4], items[1:])
+
+
 def test_a_closed_recording_keeps_no_buffers(run_path: Path) -> None:
     """What a flight recording allocated to stage and write its bytes (its staging buffers, the
     store's chunk buffers) is let go when it closes: a closed ``Run`` stays with whoever holds it (a

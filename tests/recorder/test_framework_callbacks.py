@@ -205,6 +205,36 @@ class TestLightning:
         assert by_iteration(rec) == {it: [("net.layers.1", 0), ("net.layers.1", 1)] for it in range(10)}
         assert len([s for s in rec.steps if s.phase == "backward"]) == 20
 
+    def test_manual_optimization_with_two_optimizers_keeps_the_last_batches(self, pl: Any, tmp_path: Path) -> None:
+        """A GAN's training step steps two optimizers: the global step, and the iterations, go 0, 2, 4, 6;
+        flight mode's keep=2 holds the tensors of the last two batches, not of one."""
+        from recorder.lightning import PaperDebuggerCallback
+
+        class Gan(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.automatic_optimization = False
+                self.gen, self.disc = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+
+            def training_step(self, batch: Any, batch_idx: int) -> None:
+                opt_gen, opt_disc = self.optimizers()
+                fake = self.gen(batch[1])
+                opt_disc.zero_grad()
+                self.manual_backward(self.disc(batch[0]).mean() - self.disc(fake.detach()).mean())
+                opt_disc.step()
+                opt_gen.zero_grad()
+                self.manual_backward(self.disc(fake).mean())
+                opt_gen.step()
+
+            def configure_optimizers(self) -> Any:
+                return [torch.optim.SGD(self.gen.parameters(), lr=0.01),
+                        torch.optim.SGD(self.disc.parameters(), lr=0.01)]
+
+        path = tmp_path / "run.zarr"
+        trainer = lightning_fit(pl, PaperDebuggerCallback(path, keep=2), Gan(), batches=4, max_steps=8)
+        assert trainer.global_step == 8
+        assert payload_iterations(path) == ({0, 2, 4, 6}, {4, 6})
+
     def test_clean_fit_with_validation_records_training_only(self, pl: Any, tmp_path: Path) -> None:
         """No NaN: no warning, the run is complete; the sanity check and four validations ran their
         forwards, none of them recorded (every recorded forward has its backward)."""
