@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import compiled, jsonval, skeleton
+from . import capture, compiled, jsonval, skeleton
 from .capture import warn
 from .errors import RecordingError, brief
 
@@ -311,14 +311,16 @@ class FrameworkCallback:
 
     def _nonfinite(self, index: int, message: str) -> None:
         self._first_nonfinite = index
-        warn(f"PaperDebugger: {message} (the first NaN/Inf of this run); {self._where(index)}", stacklevel=2)
+        warn(f"PaperDebugger: {message} (the first NaN/Inf of this run); {self._where(index)}",
+             stacklevel=capture._outside_recorder(installed=True))
 
     def _warn_crashed(self, run: Run, exception: BaseException | None) -> None:
         what = "training stopped"
         if exception is not None:
             what += f" with {brief(exception)[:240]}"
         at = "" if self._first_nonfinite is None else " (at its first NaN/Inf)"
-        warn(f"PaperDebugger: {what}; {self._where(self._first_nonfinite, run.status)}{at}", stacklevel=3)
+        warn(f"PaperDebugger: {what}; {self._where(self._first_nonfinite, run.status)}{at}",
+             stacklevel=capture._outside_recorder(installed=True))
 
 
 def _warn_of_checkpointing(model: torch.nn.Module) -> None:

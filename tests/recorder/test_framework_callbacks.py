@@ -884,6 +884,24 @@ class TestShared:
         callback._end()
         assert [s.iteration for s in replayer.open(tmp_path / "resumed.zarr").steps] == [15, 15, 16, 16]
 
+    def test_the_warnings_point_at_the_training_code(self, tmp_path: Path) -> None:
+        """The NaN's warning and the crash's name the line of the training code that ran into them, not
+        the recorder's own (where a warning's source line says nothing to the user)."""
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        callback = FrameworkCallback(tmp_path / "run.zarr")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            callback._begin(model)
+            callback._step_start(0)
+            model(torch.tensor([[float("nan"), 1.0]])).sum().backward()
+            callback._step_end()
+            callback._crash(ValueError("the loss is NaN"))
+        said = [w for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+        assert [str(w.message).split(";")[0] for w in said] == [
+            "PaperDebugger: Linear at 0 forward, iteration 0, call 0: output has 2 NaN",
+            "PaperDebugger: training stopped with ValueError: the loss is NaN"]
+        assert {w.filename for w in said} == {__file__}
+
     def test_a_run_left_open_closes_crashed_at_exit(self, tmp_path: Path) -> None:
         """A training that raises out of the process with its recording open: closed crashed at exit,
         with the exception that ended the process, and the user is told."""
