@@ -2896,9 +2896,12 @@ def _offset(keys_a: np.ndarray, keys_b: np.ndarray, at: tuple[int, int], pa: _Pr
     """Where the first step whose results differ got the inputs of the same step at a later iteration of
     the other run, and of no other iteration (an input that never changes says nothing), and so did the
     same step one iteration on: the runs number the same iterations differently (a run resumed from a
-    checkpoint, recorded from iteration 0). What aligns them; "" when that is not it."""
-    def inputs(p: _Prints, index: int) -> dict[Any, Any]:
-        return _parts(p, p.rec.step(index))[0]
+    checkpoint, recorded from iteration 0). What aligns them; "" when that is not it. Its parameters
+    too: a resumed run whose batch order restarted gets the other run's earlier batches again, later
+    in its own numbering, but trains on them from another state (and is numbered right)."""
+    def inputs(p: _Prints, index: int) -> tuple[dict[Any, Any], dict[Any, Any]]:
+        args, params, _ = _parts(p, p.rec.step(index))
+        return args, params
 
     def shifted(key: np.ndarray, by: int) -> np.ndarray:
         out = key.copy()

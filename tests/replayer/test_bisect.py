@@ -1922,6 +1922,19 @@ def test_a_resumed_run_given_another_batch_is_not_said_to_lack_the_steps_before_
     assert "right before" not in res.stdout
 
 
+def test_a_resumed_run_whose_batches_restarted_is_not_said_to_be_numbered_otherwise(tmp_path: Path) -> None:
+    """A run resumed at step 3 (numbered from there, as the framework callbacks number it) whose batch order
+    restarted, run long enough that its iteration 6 gets the uninterrupted run's batch of iteration 3: its
+    parameters are not that iteration's, so the runs do not number the same iterations otherwise (it told the
+    user to record the uninterrupted run with start_iteration=3, which a callback refuses); the batch is named."""
+    whole = _record_segment(tmp_path / "whole.zarr", 0, 9)
+    resumed = _record_segment(tmp_path / "resumed.zarr", 3, 9, start_iteration=3, restarted=True)
+    for div in (replayer.first_divergence(resumed, whole), replayer.first_divergence(whole, resumed)):
+        assert div.first_difference is not None and div.step is None
+        assert "numbers the same iterations" not in div.cause, div.cause
+        assert "its argument input differs (parameters bit-identical, RNG state at entry the same)" in div.cause
+
+
 def test_a_resumed_run_that_lost_its_parameters_says_which_differ(tmp_path: Path) -> None:
     """A run resumed at step 3 whose parameters are not the uninterrupted run's of step 3 (a checkpoint of
     another step) and whose batch is another too: both are named, and the state it resumed from blamed."""
