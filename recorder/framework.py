@@ -51,10 +51,11 @@ _OPEN: dict[int, FrameworkCallback] = {}  # callbacks whose recording is open, c
 
 
 def _close_open_at_exit() -> None:
-    # The uncaught exception that ends the process, if one does (the interpreter sets it).
-    exception = getattr(sys, "last_value", None)
+    from .run import ending_exception
+
     for callback in list(_OPEN.values()):
-        callback.close(exception)
+        # The uncaught exception that ends the process, if one does (in a Jupyter kernel: a training cell's)
+        callback.close(None if callback.run is None else ending_exception(callback.run))
 
 
 @functools.cache

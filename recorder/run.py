@@ -154,6 +154,7 @@ class Run:
         # Called with the signal's number once a signal that ends the process has closed the recording, before
         # the process ends of it (pdbg record, recording in its own process, prints its last line there).
         self.on_signal_end: Callable[[int], Any] | None = None
+        self._cells = _Cells.of(self)  # in a Jupyter kernel: which cell's exception ended the recording
         # Last: a signal from here on finds everything its handler uses.
         self._signals = self._catch_signals()
         self._replaced = dict(self._signals)  # what a handler put back after close() passes signals to
@@ -305,6 +306,8 @@ class Run:
     def _close(self, status: str, exception: BaseException | None) -> None:
         self.closed = True
         _LEFT_OPEN.pop(id(self), None)
+        if self._cells is not None:
+            self._cells.unregister()
         if capture.ACTIVE is self.session:
             capture.ACTIVE = None
         self._collectives.remove()
@@ -525,11 +528,57 @@ def _close_left_open() -> None:
     would die with the process, and the run would read as killed. A forked child's copy is not its own.
     A framework callback's recording is closed first, by its own hook (recorder.framework), registered
     after this one and so run before it."""
-    exception = getattr(sys, "last_value", None)
     for run in list(_LEFT_OPEN.values()):
         if not run._forked():
+            exception = ending_exception(run)
             stopped = exception is not None or run.session.stopped_by is not None
             run.close("crashed" if stopped else "complete", exception)
+
+
+def ending_exception(run: Run) -> BaseException | None:
+    """The exception that ends ``run``'s process, if one does: the uncaught one (``sys.last_value``). In an
+    IPython session (a Jupyter kernel) no cell's exception ends the process, and ``sys.last_value`` is the last
+    one any cell raised, a typo's before the recording as well: there it is the exception of the last cell that
+    recorded steps of ``run``, None where that cell finished."""
+    cells = getattr(run, "_cells", None)
+    return cells.exception if cells is not None else getattr(sys, "last_value", None)
+
+
+class _Cells:
+    """What the cells of an IPython session (a Jupyter kernel) did with one recording: the exception of the
+    last cell that recorded steps of it, told by IPython's ``pre_run_cell`` and ``post_run_cell`` events."""
+
+    def __init__(self, run: Run, shell: Any) -> None:
+        self.session, self.shell = run.session, shell
+        self.start: int | None = None  # the session's next step index when the cell began (None: the cell
+        self.exception: BaseException | None = None  # that made the recording, which recorded it)
+
+    @classmethod
+    def of(cls, run: Run) -> _Cells | None:
+        """Follow ``run``'s cells where this process runs IPython's (imported already, never here)."""
+        try:
+            shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+            if shell is None:
+                return None
+            cells = cls(run, shell)
+            shell.events.register("pre_run_cell", cells.begins)
+            shell.events.register("post_run_cell", cells.ends)
+            return cells
+        except Exception:  # following the cells must never stop a recording: sys.last_value, as in a script
+            return None
+
+    def begins(self, info: Any = None) -> None:
+        self.start = self.session.next_index
+
+    def ends(self, result: Any = None) -> None:
+        if self.start is None or self.session.next_index > self.start:
+            self.exception = getattr(result, "error_in_exec", None)
+
+    def unregister(self) -> None:
+        """The recording is closed: its cells are no longer followed."""
+        for event, callback in (("pre_run_cell", self.begins), ("post_run_cell", self.ends)):
+            with contextlib.suppress(Exception):
+                self.shell.events.unregister(event, callback)
 
 
 def close_active() -> bool:

@@ -298,3 +298,81 @@ def test_a_recording_out_of_reach_is_closed_by_recorder_close(tmp_path: Path) ->
     with recorder.record(tmp_path / "next.zarr", model=model, modules=["*"]) as run:
         model(torch.ones(2, 4))
     assert run.status == "complete" and len(replayer.open(tmp_path / "next.zarr")) == 2
+
+
+KERNEL = textwrap.dedent('''
+    import sys, types
+
+    class Events:
+        """IPython's EventManager, as a Jupyter kernel's shell has it."""
+        def __init__(self):
+            self.callbacks = {"pre_run_cell": [], "post_run_cell": []}
+        def register(self, event, function):
+            self.callbacks[event].append(function)
+        def unregister(self, event, function):
+            self.callbacks[event].remove(function)
+
+    class Shell:
+        """A kernel's shell: a cell's exception is shown and kept in sys.last_value; the process goes on."""
+        def __init__(self):
+            self.events = Events()
+        def run_cell(self, code):
+            for f in self.events.callbacks["pre_run_cell"][:]:
+                f(None)
+            result = types.SimpleNamespace(error_in_exec=None)
+            try:
+                exec(code, globals())
+            except Exception as exc:
+                result.error_in_exec = sys.last_value = exc
+            for f in self.events.callbacks["post_run_cell"][:]:
+                f(result)
+
+    shell = Shell()
+    sys.modules["IPython"] = types.SimpleNamespace(get_ipython=lambda: shell)
+''')
+
+TRAINING_CELL = textwrap.dedent('''
+    import torch
+    import recorder
+
+    @recorder.paper_step("Eq. 1")
+    def act(x):
+        return torch.tanh(x)
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder.record(PATH, model=model, optimizer=opt)
+    for it in range(3):
+        if it == BREAKS_AT:
+            raise ValueError("the data loader broke")
+        act(model(torch.ones(2, 4))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+''')
+
+
+@pytest.mark.parametrize(("cells", "ended_by"), [
+    (["undefined_name_typo", "TRAIN"], None),  # a typo fixed before training
+    (["TRAIN", "replayer_typo.open(PATH)"], None),  # a typo after it
+    (["TRAIN", "BREAKS_AT = None", "TRAIN_AGAIN"], None),  # the training cell fixed and run again
+    (["TRAIN", "print('plotting')"], "the data loader broke"),  # the training cell's own
+])
+def test_a_notebook_recording_left_open_ends_with_its_training_cells_exception(
+        tmp_path: Path, cells: list[str], ended_by: str | None) -> None:
+    """In a Jupyter kernel every exception a cell shows is in sys.last_value, and the process ends of none: a
+    recording left open (`recorder.record(...)` as a statement) closed `crashed` with a typo's NameError from
+    any cell, one before the recording too. It is `crashed` with the exception of the last cell that recorded
+    steps of it, `complete` where that cell finished."""
+    path = tmp_path / "run.zarr"
+    breaks = 1 if ended_by or "TRAIN_AGAIN" in cells else None
+    again = TRAINING_CELL.replace("recorder.record(PATH, model=model, optimizer=opt)", "")
+    code = KERNEL + f"PATH, BREAKS_AT = {str(path)!r}, {breaks!r}\n" + "".join(
+        f"shell.run_cell({(TRAINING_CELL if c == 'TRAIN' else again if c == 'TRAIN_AGAIN' else c)!r})\n"
+        for c in cells)
+    proc = python("-c", code, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    rec = replayer.open(path)
+    if ended_by is None:
+        assert rec.status == "complete" and "exception" not in rec.rank.final, rec.ended_by
+    else:
+        assert rec.status == "crashed" and rec.rank.final["exception"]["message"] == ended_by
