@@ -327,14 +327,34 @@ def _session_source(rec: Recording) -> str | None:
         return None
     kept = []
     for cell in cells:
-        if not isinstance(cell, str) or not cell.strip():
-            continue
-        try:
-            ast.parse(cell)
-        except SyntaxError:
-            continue
-        kept.append(cell.rstrip("\n") + "\n")
+        code = _cell_code(cell) if isinstance(cell, str) and cell.strip() else None
+        if code is not None:
+            kept.append(code.rstrip("\n") + "\n")
     return "\n".join(kept) or None
+
+
+# Cell magics that run their cell as Python in the session's namespace: what it defines is defined there.
+_PYTHON_CELL_MAGICS = frozenset({"time", "capture", "prun", "debug"})
+
+
+def _cell_code(cell: str) -> str | None:
+    """A cell's Python as a replay loads it: None where it does not parse; the body of a cell magic that runs
+    it as Python (``%%time``: IPython keeps ``get_ipython().run_cell_magic('time', '', BODY)``, a statement the
+    replay would leave out with the definitions in BODY)."""
+    for _ in range(8):  # (%%capture over %%time ...)
+        try:
+            tree = ast.parse(cell)
+        except SyntaxError:
+            return None
+        call = tree.body[0].value if len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and
+                call.func.attr == "run_cell_magic" and isinstance(call.func.value, ast.Call) and
+                isinstance(call.func.value.func, ast.Name) and call.func.value.func.id == "get_ipython" and
+                len(call.args) == 3 and all(isinstance(a, ast.Constant) and isinstance(a.value, str)
+                                            for a in call.args) and call.args[0].value in _PYTHON_CELL_MAGICS):
+            return cell
+        cell = call.args[2].value
+    return None
 
 
 def _as_recorded(steps: list[Step]) -> str:

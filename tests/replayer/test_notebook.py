@@ -498,6 +498,24 @@ class TestNotebookSession:
         assert done.returncode == 0 and "MATCH: bit for bit" in done.stdout, done.stdout + done.stderr
         assert "changed since recording" not in done.stdout
 
+    def test_a_step_defined_in_a_time_cell_is_carried(self, notebook_session: Any, tmp_path: Path) -> None:
+        """A cell under ``%%time`` (kept in ``In`` as ``get_ipython().run_cell_magic('time', '', BODY)``, a
+        statement) defines its step in the session: the bundle carries BODY's definitions. It was refused
+        ("the training script notebook-session.py (__main__) has no timed_cube now")."""
+        main = sys.modules["__main__"]
+        body = '@recorder.paper_step("Eq. 12")\ndef timed_cube(x):\n    return x ** 3 + 1\n'
+        exec(compile(body, "<timed exec>", "exec"), main.__dict__)  # noqa: S102 - as %%time runs it: no source
+        main.In.append(f"get_ipython().run_cell_magic('time', '', {body!r})\n")
+        with recorder.record(tmp_path / "timed.zarr", mode="full"):
+            main.timed_cube(torch.full((2,), 1.5))
+        rec = replayer.open(tmp_path / "timed.zarr")
+        info = replayer.bundle(rec, 0, tmp_path / "failure.pdbg", verify=True)
+        assert info.verified is True
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        done = pdbg("replay", str(info.path), "--use-bundled-source", cwd=elsewhere)
+        assert done.returncode == 0 and "MATCH: bit for bit" in done.stdout, done.stdout + done.stderr
+
     def test_a_session_whose_cells_cannot_be_read_is_refused(self, notebook_session: Any, tmp_path: Path) -> None:
         del sys.modules["__main__"].In  # a plain Python REPL keeps no history
         with pytest.raises(replayer.bundles.BundleError, match="defined in an interactive session"):
