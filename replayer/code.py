@@ -360,6 +360,15 @@ def _patch_library(torch: Any, cls: Any) -> None:
 SESSION_SCRIPT = "notebook-session.py"  # a bundle's name for the cells of the interactive session that recorded it
 
 
+def session_statement(name: str, why: str | None) -> str:
+    """Why a bundle's replay of a notebook's cells has no ``name``: a statement of a cell sets it (``why``: which,
+    at its line in the carried cells), and the replay runs only the cells' imports and definitions."""
+    return (f"{name} is set in a cell of the notebook session by a statement"
+            f"{f' ({why})' if why else ''}, and a bundle's replay runs only the cells' imports and definitions, never "
+            f"their statements; set {name} without a call, or in a module, then record again and bundle from that "
+            "notebook")
+
+
 def made_here(run_info: dict[str, Any]) -> bool:
     """Was the recording made by this very process?"""
     return run_info.get("pid") == os.getpid() and run_info.get("hostname") == socket.gethostname()
@@ -593,6 +602,9 @@ class CodeLoader:
             except AttributeError:
                 left_out = getattr(self.skipped, "why", {}).get(part) if module_name == "__main__" and \
                     obj is self._main and self._main is not None else None
+                if left_out is not None and self.script == SESSION_SCRIPT:
+                    raise ReplayError(f"__main__ has no {qualname}: "
+                                      f"{session_statement(part, left_out)}") from None
                 if left_out is not None:  # the script's loading left it out, and said why in a note
                     raise ReplayError(
                         f"__main__ has no {qualname}: the training script {self.script} has no if __name__ == "
@@ -601,6 +613,11 @@ class CodeLoader:
                         "top level then loads as it ran), or set what it reads without a call") from None
                 if needed_by != "the recording":
                     raise ReplayError(f"{module_name} has no {qualname}; check the name") from None
+                if module_name in MAIN_NAMES and obj is self._main and self.script == SESSION_SCRIPT:
+                    raise ReplayError(f"the notebook session's cells that the bundle carries define no {qualname}: "
+                                      "it was defined by a cell that does not parse as Python (a magic's, a shell "
+                                      "command's), or by code a cell ran; define it in a plain cell or a module, "
+                                      "record again and bundle from that notebook") from None
                 if module_name in MAIN_NAMES and obj is self._main and self.script:  # which file was looked in
                     raise ReplayError(f"the training script {self.script} (__main__) has no {qualname} now: renamed "
                                       "or removed since the recording, or not the script recorded; give the one "

@@ -44,7 +44,7 @@ from recorder.store.reader import TensorRecord
 
 from . import collectives, distributions, intervene, placing, state
 from .arguments import linked_outside, unrecorded_arguments, unrecorded_outputs, unseen_writes
-from .code import CodeLoader, late_imports, projects, submodule_entries
+from .code import SESSION_SCRIPT, CodeLoader, late_imports, projects, session_statement, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, UnrecordedCall, descendants
 from .rebuild import Builder, load_state, unresolved
@@ -470,6 +470,8 @@ class Replayer:
             return ("the step drew random numbers under torch.func.vmap, and the recording does not say with which "
                     "randomness= (an older PaperDebugger did not record it, nor does one on a torch whose vmap does "
                     "not tell): the replay ran it with vmap's default, 'error'; record it again to replay it")
+        if isinstance(exc, NameError) and exc.name in self.loader.skipped and self.loader.script == SESSION_SCRIPT:
+            return session_statement(exc.name, self.loader.skipped.why.get(exc.name))
         if isinstance(exc, NameError) and exc.name in self.loader.skipped:
             return (f"{exc.name} is set at the top level of the training script {self.loader.script}, which has no "
                     "if __name__ == '__main__' guard, so a replay loads only its definitions; put the training under "

@@ -516,6 +516,35 @@ class TestNotebookSession:
         done = pdbg("replay", str(info.path), "--use-bundled-source", cwd=elsewhere)
         assert done.returncode == 0 and "MATCH: bit for bit" in done.stdout, done.stdout + done.stderr
 
+    def test_what_the_carried_cells_leave_out_is_named_as_a_notebooks(
+            self, notebook_session: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        """A bundle's replay runs the cells' definitions, not their statements: a name a cell's statement sets
+        (``GAIN = math.sqrt(2)``) and a step a cell's statement defines are named as the notebook's, where the
+        hint was the script's ("put the training under such a guard", "give the one that defines it with
+        --script")."""
+        main = sys.modules["__main__"]
+        cells = ["import math\nGAIN = math.sqrt(2.0)\n",
+                 '@recorder.paper_step("Eq. 13")\ndef gained(x):\n    return x * GAIN\n',
+                 'exec(\'@recorder.paper_step("Eq. 14")\\ndef hidden(x):\\n    return x + 1\\n\')\n']
+        for number, cell in enumerate(cells, start=20):
+            name = f"/tmp/ipykernel_1/{number}.py"
+            monkeypatch.setitem(linecache.cache, name, (len(cell), None, cell.splitlines(True), name))
+            exec(compile(cell, name, "exec"), main.__dict__)  # noqa: S102 - the test's own cells
+            main.In.append(cell)
+        with recorder.record(tmp_path / "cells.zarr", mode="full"):
+            main.gained(torch.ones(2))
+            main.hidden(torch.ones(2))
+        rec = replayer.open(tmp_path / "cells.zarr")
+        info = replayer.bundle(rec, 0, tmp_path / "gained.pdbg")
+        with pytest.raises(replayer.ReplayError, match=r"the notebook session's cells that the bundle carries "
+                                                       r"define no hidden: .*define it in a plain cell or a module"):
+            replayer.bundle(rec, 1, tmp_path / "hidden.pdbg", verify=True)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        done = pdbg("replay", str(info.path), "--use-bundled-source", cwd=elsewhere)
+        assert "GAIN is set in a cell of the notebook session by a statement (set at line" in done.stdout, done.stdout
+        assert "__name__" not in done.stdout and "training script" not in done.stdout
+
     def test_a_session_whose_cells_cannot_be_read_is_refused(self, notebook_session: Any, tmp_path: Path) -> None:
         del sys.modules["__main__"].In  # a plain Python REPL keeps no history
         with pytest.raises(replayer.bundles.BundleError, match="defined in an interactive session"):
