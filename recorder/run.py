@@ -581,14 +581,21 @@ class _Cells:
                 self.shell.events.unregister(event, callback)
 
 
+def active_run() -> Run | None:
+    """The recording this process is making now, if any (a forked child's copy is not its own)."""
+    for run in list(_LEFT_OPEN.values()):
+        if run.session is capture.ACTIVE and not run._forked():
+            return run
+    return None
+
+
 def close_active() -> bool:
     """Close the active recording, as ``close()`` on its Run would (see ``recorder.close``). False when this
     process has none."""
-    for run in list(_LEFT_OPEN.values()):
-        if run.session is capture.ACTIVE and not run._forked():
-            run.close()
-            return True
-    return False
+    run = active_run()
+    if run is not None:
+        run.close()
+    return run is not None
 
 
 @functools.cache

@@ -18,6 +18,7 @@ import json
 import operator
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -77,7 +78,25 @@ def open(path: str | os.PathLike[str] | Any, rank: int = 0, *,  # noqa: A001 (th
 
     Raises NotARecordingError, FormatError or SchemaVersionError with a one-line message.
     """
+    _commit_own(path)
     return Recording(path, rank, storage_options=storage_options)
+
+
+def _commit_own(path: Any) -> None:
+    """Commit what this process has recorded so far into ``path`` when it is still recording there (a notebook's
+    cell after the training cell that left its recording open): the writer commits only every
+    ``flush_interval``, so a recording opened at once lacked its last second of steps, a short training's all,
+    and bisect found no NaN in it."""
+    recording = sys.modules.get("recorder.run")  # (not imported: nothing is recording)
+    run = recording.active_run() if recording is not None else None
+    if run is None or not isinstance(path, (str, os.PathLike)) or not isinstance(run.path, (str, os.PathLike)):
+        return
+    try:
+        same = os.path.realpath(os.fspath(path)) == os.path.realpath(os.fspath(run.path))
+    except (OSError, ValueError):
+        return
+    if same:
+        run.flush()
 
 
 class Recording:

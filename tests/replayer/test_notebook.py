@@ -389,6 +389,25 @@ class TestNotebookKernel:
         assert all(p.startswith("<div") and "smooth_relu@iter=1#0" in p for p in pages)
 
 
+def test_a_recording_opened_while_this_process_records_it_holds_every_step(tmp_path: Path) -> None:
+    """A notebook's next cell opens the recording its training cell left open (`recorder.record(...)` as a
+    statement, "Run All"): it showed the steps of the writer's last commit only, none of a short training's,
+    and first_nonfinite found no NaN. Opening it commits what was recorded so far."""
+    torch.manual_seed(0)
+    model = nanmodels.Scaled(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = recorder.record(tmp_path / "run.zarr", model=model, optimizer=opt, flush_interval=3600)
+    try:
+        for scale in (1.0, 1000.0):
+            model(torch.randn(2, 4), scale).sum().backward()
+            opt.step()
+        rec = replayer.open(tmp_path / "run.zarr")
+        assert rec.status == "recording" and len(rec) == run.session.next_index > 0
+        assert replayer.first_nonfinite(rec).step.name == "smooth_relu"
+    finally:
+        run.close()
+
+
 CELLS = [
     "import torch\nimport recorder\n",
     textwrap.dedent('''
