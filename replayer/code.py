@@ -444,8 +444,10 @@ class CodeLoader:
                 live = self._live_main()
                 if live is None:
                     raise ReplayError("the step's code was defined in __main__ of an interactive session (a notebook "
-                                      "or a REPL, no script), which only that session holds; replay it there, or "
-                                      "pass a file that defines it (--script, or script= in Python)")
+                                      "or a REPL, no script), which only that session holds; replay it there (or "
+                                      "bundle it there: replayer.bundle), or pass a file that defines it (--script, "
+                                      "or script= in Python): a notebook saved as a script (jupyter nbconvert --to "
+                                      "script) gives its definitions")
                 return live
             text = self.bundled.get(self.script)
             if text is None and self.script in self.spare and not Path(self.script).is_file():

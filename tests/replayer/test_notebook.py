@@ -467,6 +467,12 @@ class TestNotebookSession:
         done = pdbg("replay", str(tmp_path / "run.zarr"), "0", cwd=tmp_path)
         assert done.returncode == 2 and "Traceback" not in done.stderr
         assert "defined in __main__ of an interactive session" in done.stderr
+        assert "bundle it there: replayer.bundle" in done.stderr and "jupyter nbconvert --to script" in done.stderr
+        # ... which, its statements left out, replays the steps
+        (tmp_path / "notebook.py").write_text("# In[1]:\n" + "\n# In[ ]:\n".join(CELLS[:3] + CELLS[4:]))
+        done = pdbg("replay", str(tmp_path / "run.zarr"), "1", "--script", "notebook.py", cwd=tmp_path)
+        assert done.returncode == 0 and "MATCH: bit for bit" in done.stdout, done.stdout + done.stderr
+        assert not (tmp_path / "trained.txt").exists()
 
     def test_a_class_redefined_in_a_later_cell_is_named_as_changed(self, notebook_session: Any,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
