@@ -78,9 +78,11 @@ def flush(timeout: float | None = 60.0) -> bool:
 
 
 def close() -> bool:
-    """Close the active recording, ``complete``, as ``run.close()`` on its Run would: for a Run out of reach (a
-    notebook's ``recorder.record(...)`` run as a statement, its result not kept), which would refuse every
-    later recording of the process (AlreadyRecording). Returns False when no recording is active."""
+    """Close the active recording, for a Run out of reach (a notebook's ``recorder.record(...)`` run as a
+    statement, its result not kept), which would refuse every later recording of the process (AlreadyRecording).
+    It is closed as the end of the process would close it: ``crashed`` with the stop it raised
+    (``on_anomaly="stop"``) or, in a notebook, with the exception of the last cell that recorded steps of it;
+    ``complete`` otherwise. Returns False when no recording is active."""
     from .run import close_active
 
     return close_active()

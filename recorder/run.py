@@ -530,9 +530,14 @@ def _close_left_open() -> None:
     after this one and so run before it."""
     for run in list(_LEFT_OPEN.values()):
         if not run._forked():
-            exception = ending_exception(run)
-            stopped = exception is not None or run.session.stopped_by is not None
-            run.close("crashed" if stopped else "complete", exception)
+            _close_ended(run, ending_exception(run))
+
+
+def _close_ended(run: Run, exception: BaseException | None) -> None:
+    """Close ``run``, which its program left open: ``crashed`` with ``exception``, or with the stop it raised
+    (``on_anomaly="stop"``, caught by the program); ``complete`` where neither ended it."""
+    stopped = exception is not None or run.session.stopped_by is not None
+    run.close("crashed" if stopped else "complete", exception)
 
 
 def ending_exception(run: Run) -> BaseException | None:
@@ -590,11 +595,11 @@ def active_run() -> Run | None:
 
 
 def close_active() -> bool:
-    """Close the active recording, as ``close()`` on its Run would (see ``recorder.close``). False when this
+    """Close the active recording, as the end of the process would (see ``recorder.close``). False when this
     process has none."""
     run = active_run()
     if run is not None:
-        run.close()
+        _close_ended(run, run._cells.exception if run._cells is not None else None)
     return run is not None
 
 

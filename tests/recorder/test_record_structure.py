@@ -300,6 +300,18 @@ def test_a_recording_out_of_reach_is_closed_by_recorder_close(tmp_path: Path) ->
     assert run.status == "complete" and len(replayer.open(tmp_path / "next.zarr")) == 2
 
 
+def test_recorder_close_after_a_stop_closes_crashed(tmp_path: Path) -> None:
+    """A notebook's training cell stopped by on_anomaly="stop", its recording left open: recorder.close() closed it
+    `complete`, where the end of the kernel would have closed it `crashed` with the stop."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    recorder.record(tmp_path / "stopped.zarr", model=model, modules=["*"], on_anomaly="stop")
+    with pytest.raises(recorder.NonFiniteError):
+        model(torch.full((2, 4), torch.inf))
+    assert recorder.close() is True
+    rec = replayer.open(tmp_path / "stopped.zarr")
+    assert rec.status == "crashed" and rec.ended_by.startswith("NonFiniteError: "), rec.ended_by
+
+
 KERNEL = textwrap.dedent('''
     import sys, types
 
@@ -356,6 +368,7 @@ TRAINING_CELL = textwrap.dedent('''
     (["TRAIN", "replayer_typo.open(PATH)"], None),  # a typo after it
     (["TRAIN", "BREAKS_AT = None", "TRAIN_AGAIN"], None),  # the training cell fixed and run again
     (["TRAIN", "print('plotting')"], "the data loader broke"),  # the training cell's own
+    (["TRAIN", "recorder.close()", "typo_after_closing"], "the data loader broke"),  # closed by hand: the same
 ])
 def test_a_notebook_recording_left_open_ends_with_its_training_cells_exception(
         tmp_path: Path, cells: list[str], ended_by: str | None) -> None:
