@@ -15,6 +15,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,19 @@ def join(parts: Iterable[Any], sep: str = "") -> Html:
 
 def code(text: Any) -> Html:
     return tag("code", text, _CODE)
+
+
+def location(file: Any, line: Any) -> str:
+    """``file:line``, or for a cell of this kernel, whose file is a temporary name
+    (``/tmp/ipykernel_4711/2890.py``), the cell as IPython's tracebacks name it: "Cell In[3], line 2"."""
+    try:
+        shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+        named = shell.compile.format_code_name(file) if shell is not None else None  # None: not a cell of it
+    except Exception:  # (another IPython: the file it is)
+        named = None
+    if isinstance(named, tuple) and len(named) == 2 and all(isinstance(n, str) for n in named):
+        return f"{named[0]} {named[1]}, line {line}"
+    return f"{file}:{line}"
 
 
 def muted(text: Any) -> Html:
@@ -202,7 +216,7 @@ def _exception(doc: Any) -> str | None:
 def step(s: Step) -> str:
     """Selector, paper reference, where and when, notes, and a table of the step's tensors."""
     paper, extra, defn = s.paper, s.extra, s.definition
-    where = f"{defn.get('file')}:{defn.get('line')}" if defn.get("file") else defn.get("ref")
+    where = location(defn.get("file"), defn.get("line")) if defn.get("file") else defn.get("ref")
     rows = [("paper", paper_reference(paper) or None),
             ("description", paper.get("description")), ("algorithm", paper.get("algorithm")),
             ("name", s.name), ("phase", s.phase), ("iteration", s.iteration), ("call", s.call),
@@ -358,10 +372,10 @@ def _operation(o: Origin) -> list[tuple[str, Any]]:
         return [("operation", muted("replayer.first_nonfinite(rec, ops=True) names it"))] if o.step else []
     return [("operation", code(op.name)), ("inside", code(op.within) if op.within else None),
             ("autograd node", op.node),
-            ("at", f"{op.file}:{op.line}" if op.file else muted("no user source line found")),
+            ("at", location(op.file, op.line) if op.file else muted("no user source line found")),
             ("code", code(op.code) if op.code else None),
-            ("its forward", f"{op.forward['file']}:{op.forward['line']}" if op.forward and op.forward.get("file")
-             else None), ("how", op.how()),
+            ("its forward", location(op.forward["file"], op.forward.get("line")) if op.forward and
+             op.forward.get("file") else None), ("how", op.how()),
             ("replay", o.op_note if o.op_note and o.op_note != op.how() else None)]  # (code drift, a replay unlike it)
 
 

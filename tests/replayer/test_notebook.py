@@ -474,6 +474,20 @@ class TestNotebookSession:
         assert done.returncode == 0 and "MATCH: bit for bit" in done.stdout, done.stdout + done.stderr
         assert not (tmp_path / "trained.txt").exists()
 
+    def test_a_cells_code_is_named_as_ipython_names_it(self, notebook_session: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+        """A step a cell defines is shown at "Cell In[2], line 2", as IPython's tracebacks name the cell, where
+        its file is a temporary name of the kernel's ("/tmp/ipykernel_1/1.py:2", which is on no disk)."""
+        cells = {f"/tmp/ipykernel_1/{n}.py": ("Cell", f"In[{n + 1}]") for n in range(3)}
+        compiler = type("Compiler", (), {"format_code_name": staticmethod(cells.get)})()
+        shell = type("Shell", (), {"compile": compiler})()
+        monkeypatch.setitem(sys.modules, "IPython", type(os)("IPython"))
+        monkeypatch.setattr(sys.modules["IPython"], "get_ipython", lambda: shell, raising=False)
+        out = text(render("notebook_step", notebook_session.step(1)))
+        assert "code Cell In[2], line 2 " in out and "ipykernel" not in out, out
+        monkeypatch.setattr(sys.modules["IPython"], "get_ipython", lambda: None)  # not in the kernel: its file
+        assert "code /tmp/ipykernel_1/1.py:2 " in text(render("notebook_step", notebook_session.step(1)))
+
     def test_a_class_redefined_in_a_later_cell_is_named_as_changed(self, notebook_session: Any,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
         """A module class a cell defines has its source recorded, found through its methods (its
