@@ -546,7 +546,9 @@ def ending_exception(run: Run) -> BaseException | None:
     one any cell raised, a typo's before the recording as well: there it is the exception of the last cell that
     recorded steps of ``run``, None where that cell finished."""
     cells = getattr(run, "_cells", None)
-    return cells.exception if cells is not None else getattr(sys, "last_value", None)
+    if cells is not None and cells.ended:
+        return cells.exception
+    return getattr(sys, "last_value", None)  # (a script run by IPython: no cell ended, its traceback the last)
 
 
 class _Cells:
@@ -557,6 +559,7 @@ class _Cells:
         self.session, self.shell = run.session, shell
         self.start: int | None = None  # the session's next step index when the cell began (None: the cell
         self.exception: BaseException | None = None  # that made the recording, which recorded it)
+        self.ended = False  # a cell ended since the recording began (not so in a script `ipython train.py` runs)
 
     @classmethod
     def of(cls, run: Run) -> _Cells | None:
@@ -576,6 +579,7 @@ class _Cells:
         self.start = self.session.next_index
 
     def ends(self, result: Any = None) -> None:
+        self.ended = True
         if self.start is None or self.session.next_index > self.start:
             self.exception = getattr(result, "error_in_exec", None)
 

@@ -369,6 +369,7 @@ TRAINING_CELL = textwrap.dedent('''
     (["TRAIN", "BREAKS_AT = None", "TRAIN_AGAIN"], None),  # the training cell fixed and run again
     (["TRAIN", "print('plotting')"], "the data loader broke"),  # the training cell's own
     (["TRAIN", "recorder.close()", "typo_after_closing"], "the data loader broke"),  # closed by hand: the same
+    (["SCRIPT"], "the data loader broke"),  # `ipython train.py`: no cell, the script's traceback shown
 ])
 def test_a_notebook_recording_left_open_ends_with_its_training_cells_exception(
         tmp_path: Path, cells: list[str], ended_by: str | None) -> None:
@@ -379,7 +380,9 @@ def test_a_notebook_recording_left_open_ends_with_its_training_cells_exception(
     path = tmp_path / "run.zarr"
     breaks = 1 if ended_by or "TRAIN_AGAIN" in cells else None
     again = TRAINING_CELL.replace("recorder.record(PATH, model=model, optimizer=opt)", "")
+    script = f"try:\n    exec({TRAINING_CELL!r})\nexcept Exception as exc:\n    sys.last_value = exc\n"
     code = KERNEL + f"PATH, BREAKS_AT = {str(path)!r}, {breaks!r}\n" + "".join(
+        script if c == "SCRIPT" else
         f"shell.run_cell({(TRAINING_CELL if c == 'TRAIN' else again if c == 'TRAIN_AGAIN' else c)!r})\n"
         for c in cells)
     proc = python("-c", code, cwd=ROOT)
