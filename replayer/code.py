@@ -369,6 +369,19 @@ def session_statement(name: str, why: str | None) -> str:
             "notebook")
 
 
+def location(file: Any, line: Any) -> str:
+    """``file:line``, or for a cell of this kernel, whose file is a temporary name
+    (``/tmp/ipykernel_4711/2890.py``), the cell as IPython's tracebacks name it: "Cell In[3], line 2"."""
+    try:
+        shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+        named = shell.compile.format_code_name(file) if shell is not None else None  # None: not a cell of it
+    except Exception:  # (another IPython: the file it is)
+        named = None
+    if isinstance(named, tuple) and len(named) == 2 and all(isinstance(n, str) for n in named):
+        return f"{named[0]} {named[1]}, line {line}"
+    return f"{file}:{line}"
+
+
 def made_here(run_info: dict[str, Any]) -> bool:
     """Was the recording made by this very process?"""
     return run_info.get("pid") == os.getpid() and run_info.get("hostname") == socket.gethostname()
@@ -676,7 +689,7 @@ class CodeLoader:
         if not recorded:
             return None
         now = self.source_of(obj)
-        where = f"{definition.get('file')}:{definition.get('line')}"
+        where = location(definition.get("file"), definition.get("line"))
         name = definition.get("name") or definition.get("ref")
         if now is None:
             return f"source of {name} cannot be read now; it cannot be checked against the recording ({where})"
@@ -704,7 +717,7 @@ class CodeLoader:
         with self._inspectable(obj) as target:
             try:
                 _, line, file = source_lines(target)
-                now = f"{file or inspect.getfile(target)}:{line}"
+                now = location(file or inspect.getfile(target), line)
             except (OSError, TypeError):
                 return recorded
         return now if now == recorded else f"{now}; recorded at {recorded}"

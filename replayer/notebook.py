@@ -15,13 +15,13 @@ from __future__ import annotations
 import html
 import json
 import math
-import sys
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from recorder.store import layout
 
+from .code import location
 from .recording import alert_text, magnitudes_note, paper_reference
 
 if TYPE_CHECKING:
@@ -73,19 +73,6 @@ def join(parts: Iterable[Any], sep: str = "") -> Html:
 
 def code(text: Any) -> Html:
     return tag("code", text, _CODE)
-
-
-def location(file: Any, line: Any) -> str:
-    """``file:line``, or for a cell of this kernel, whose file is a temporary name
-    (``/tmp/ipykernel_4711/2890.py``), the cell as IPython's tracebacks name it: "Cell In[3], line 2"."""
-    try:
-        shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
-        named = shell.compile.format_code_name(file) if shell is not None else None  # None: not a cell of it
-    except Exception:  # (another IPython: the file it is)
-        named = None
-    if isinstance(named, tuple) and len(named) == 2 and all(isinstance(n, str) for n in named):
-        return f"{named[0]} {named[1]}, line {line}"
-    return f"{file}:{line}"
 
 
 def muted(text: Any) -> Html:

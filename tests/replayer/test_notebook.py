@@ -478,13 +478,19 @@ class TestNotebookSession:
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
         """A step a cell defines is shown at "Cell In[2], line 2", as IPython's tracebacks name the cell, where
         its file is a temporary name of the kernel's ("/tmp/ipykernel_1/1.py:2", which is on no disk)."""
-        cells = {f"/tmp/ipykernel_1/{n}.py": ("Cell", f"In[{n + 1}]") for n in range(3)}
+        cells = {f"/tmp/ipykernel_1/{n}.py": ("Cell", f"In[{n + 1}]") for n in (0, 1, 2, 9)}
         compiler = type("Compiler", (), {"format_code_name": staticmethod(cells.get)})()
         shell = type("Shell", (), {"compile": compiler})()
         monkeypatch.setitem(sys.modules, "IPython", type(os)("IPython"))
         monkeypatch.setattr(sys.modules["IPython"], "get_ipython", lambda: shell, raising=False)
         out = text(render("notebook_step", notebook_session.step(1)))
         assert "code Cell In[2], line 2 " in out and "ipykernel" not in out, out
+        cell = CELLS[1].replace("return cell_log(self.lin(x).exp())", "return cell_log(self.lin(x).exp() + 1)")
+        monkeypatch.setitem(linecache.cache, "/tmp/ipykernel_1/9.py", (len(cell), None, cell.splitlines(True),
+                                                                        "/tmp/ipykernel_1/9.py"))
+        exec(compile(cell, "/tmp/ipykernel_1/9.py", "exec"), sys.modules["__main__"].__dict__)  # noqa: S102
+        assert "code of CellBlock changed since recording (Cell In[10], line 7; recorded at Cell In[2], line 7)" \
+            in replayer.replay(notebook_session, 0).warnings
         monkeypatch.setattr(sys.modules["IPython"], "get_ipython", lambda: None)  # not in the kernel: its file
         assert "code /tmp/ipykernel_1/1.py:2 " in text(render("notebook_step", notebook_session.step(1)))
 
