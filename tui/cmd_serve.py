@@ -64,22 +64,50 @@ def run(args: argparse.Namespace) -> int:
     if remote:
         print(f"pdbg: warning: serving on {args.host}:{args.port}, which is not loopback: anyone who reaches this "
               "port can replay steps of the recording, running its code on this machine", file=sys.stderr)
-    command = [sys.executable, "-m", "tui.cli", "tui", args.run, "--rank", str(args.rank)]
-    if args.at is not None:
-        command += ["--at", args.at]
-    if args.script is not None:
-        command += ["--script", args.script]
-    if args.use_bundled_source:
-        command += ["--use-bundled-source"]
     url = args.public_url or f"http://{_url_host(args.host)}:{args.port}"
-    server = Server(shlex.join(command), host=args.host, port=args.port, title=f"pdbg {args.run}",
-                    public_url=url.rstrip("/"))
+    server = _server_class(Server)(_tui_command(args), host=args.host, port=args.port, title=f"pdbg {args.run}",
+                                   public_url=url.rstrip("/"))
+    server.fixed_url = args.public_url is not None
     print(f"pdbg: serving {args.run} ({len(rec)} steps) on {url}; open it in a browser, Ctrl+C to stop", flush=True)
     try:
         server.serve()
     except OSError as exc:  # lost the port to another process after the check
         raise ServeError(_bind_problem(args.host, args.port, exc)) from None
     return 0
+
+
+def _tui_command(args: argparse.Namespace) -> str:
+    """The shell command each browser tab runs. Option values are joined to their options and RUN follows
+    ``--``, so that a path or selector that starts with '-' (``pdbg serve -- -x.zarr``) reaches the child as
+    it reached us, not as an option it refuses, which leaves the tab blank."""
+    command = [sys.executable, "-m", "tui.cli", "tui", f"--rank={args.rank}"]
+    if args.at is not None:
+        command.append(f"--at={args.at}")
+    if args.script is not None:
+        command.append(f"--script={args.script}")
+    if args.use_bundled_source:
+        command.append("--use-bundled-source")
+    return shlex.join([*command, "--", args.run])
+
+
+def _server_class(server: type) -> type:
+    """textual-serve's Server, writing into the page the address the browser reached it by.
+
+    textual-serve writes the page's script, style and websocket URLs from its public URL, which would be
+    http://HOST:PORT: on --host 0.0.0.0 a browser on another machine would look for them at 0.0.0.0 (itself),
+    and through ``ssh -L 9000:127.0.0.1:8000`` at port 8000 of the laptop; the TUI would never load. Unless
+    --public-url fixes the address (a proxy), each page's URLs follow the Host header its request came with.
+    """
+
+    class PageAddressServer(server):  # type: ignore[misc, valid-type]
+        fixed_url = False
+
+        async def handle_index(self, request: Any) -> Any:
+            if not self.fixed_url:  # set and read with no await between: no other request interleaves
+                self.public_url = f"{request.scheme}://{request.host}"
+            return await super().handle_index(request)
+
+    return PageAddressServer
 
 
 def _resolve(host: str, port: int) -> list[Any]:

@@ -7,7 +7,10 @@ screenshot is saved as ``serve.png`` in the test's temporary directory, or in ``
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import http.client
 import json
 import os
 import selectors
@@ -67,14 +70,22 @@ def accepts(port: int) -> bool:
 @pytest.fixture
 def server(run_path: Path) -> Iterator[tuple[int, subprocess.Popen[str]]]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "serve", str(run_path), "--port", str(port)],
-                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with serving(["serve", str(run_path), "--port", str(port)], port, ROOT) as (proc, first):
+        assert first.startswith(f"pdbg: serving {run_path} (20 steps) on http://127.0.0.1:{port}"), first
+        yield port, proc
+
+
+@contextlib.contextmanager
+def serving(args: list[str], port: int, cwd: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``pdbg ARGS`` listening on ``port``, with the line it printed first; stopped with Ctrl+C at the end."""
+    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", *args], cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         first = read_line(proc)
-        assert first.startswith(f"pdbg: serving {run_path} (20 steps) on http://127.0.0.1:{port}"), first
+        assert first.startswith("pdbg: serving "), first
         wait_for(f"the server to listen on port {port}", lambda: accepts(port) or proc.poll() is not None)
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        yield port, proc
+        yield proc, first
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -209,3 +220,66 @@ def test_not_a_recording_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
     out = pdbg("serve", str(tmp_path / "notes.txt"), cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.startswith("pdbg: error: ") and out.stderr.count("\n") == 1
+
+
+def page(port: int, host: str) -> str:
+    """The page a browser that reached the server as ``host`` is given."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.request("GET", "/", headers={"Host": host})
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+def terminal_output(port: int, until: str) -> str:
+    """What a browser tab's terminal receives over the websocket, read until ``until`` appears or the
+    connection ends (the tab's process exited)."""
+    import aiohttp
+
+    received: list[str] = []
+
+    async def read() -> None:
+        async with aiohttp.ClientSession() as session, \
+                session.ws_connect(f"http://127.0.0.1:{port}/ws?width=100&height=30") as ws:
+            while until not in "".join(received):
+                message = await ws.receive()
+                if message.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                    return
+                data = message.data
+                received.append(data.decode("utf-8", "replace") if isinstance(data, bytes) else data)
+
+    async def read_for_a_while() -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(read(), WAIT_S)
+
+    asyncio.run(read_for_a_while())
+    return "".join(received)
+
+
+def test_the_page_points_at_the_address_the_browser_used(server: tuple[int, subprocess.Popen[str]]) -> None:
+    """A browser on another machine (--host 0.0.0.0), or one at the end of ssh -L 9000:127.0.0.1:8000, loads
+    the page's script and websocket from the address it reached the server by, not from the bind address."""
+    port, _ = server
+    html = page(port, "gpu-host.example:9000")
+    assert 'data-session-websocket-url="ws://gpu-host.example:9000/ws"' in html
+    assert '<script src="http://gpu-host.example:9000/static/js/textual.js">' in html
+    assert "127.0.0.1" not in html
+
+
+def test_public_url_still_names_the_address(run_path: Path) -> None:
+    port = free_port()
+    with serving(["serve", str(run_path), "--port", str(port), "--public-url", "https://portal.example/pdbg/"],
+                 port, ROOT):
+        html = page(port, f"127.0.0.1:{port}")
+    assert 'data-session-websocket-url="wss://portal.example/pdbg/ws"' in html
+
+
+def test_a_path_that_starts_with_a_dash(run_path: Path, tmp_path: Path) -> None:
+    """pdbg serve -- -x.zarr: each tab's TUI opens the recording (its process was given -x.zarr as an option,
+    refused it and exited: a blank page)."""
+    shutil.copytree(run_path, tmp_path / "-x.zarr")
+    port = free_port()
+    with serving(["serve", "--port", str(port), "--", "-x.zarr"], port, tmp_path):
+        seen = terminal_output(port, "complete · 20 steps")
+    assert "complete · 20 steps" in seen and "-x.zarr" in seen
