@@ -2155,11 +2155,15 @@ def find(rec: Recording | str | os.PathLike[str], where: str | None, when: str |
     if where is not None:  # an empty selector or condition is refused, not taken for "any"
         mask[:] = False
         found = rec.steps.select(where)
-        if not len(found):  # a selector that names no step of the recording (misspelt, an iteration it lacks)
-            rec.step(where)  # raises, saying what the recording or that step has
-        if when is None and start is None and not backward:
+        if not len(found):  # an index ("0"), or a selector that names no step (misspelt, an iteration it lacks)
+            named = rec.step(where)  # raises for the latter, saying what the recording or that step has
+            if when is None and start is None and not backward:
+                return named
+            mask[named.index] = True
+        elif when is None and start is None and not backward:
             return rec._picked(found)
-        mask[found.rows] = True
+        else:
+            mask[found.rows] = True
     if when is not None:
         mask &= Condition(when).evaluate(rec)
     if backward:

@@ -907,6 +907,19 @@ def test_find_backward_from_the_origin_matches_a_brute_force_scan(overflow_run: 
     assert none.returncode == 1 and none.stdout.startswith("no step matches")
 
 
+def test_find_takes_a_step_index_as_replay_does(overflow_run: Path, tmp_path: Path) -> None:
+    """`pdbg find RUN 3` said "position 3 is out of range: the table has 0 steps" (exit 2), though replay takes
+    an index as a step; an index beyond the recording is still one line naming how many steps it has."""
+    rec = replayer.open(overflow_run)
+    forward = next(s.index for s in rec.steps if s.phase == "forward" and s.index > 0)
+    assert replayer.find(rec, "3", None).index == 3
+    assert replayer.find(rec, str(forward), "output.absmax >= 0").index == forward
+    res = pdbg("find", str(overflow_run), "3", "--json", cwd=tmp_path)
+    assert res.returncode == 0 and json.loads(res.stdout)["step"]["index"] == 3
+    out = pdbg("find", str(overflow_run), str(len(rec)), cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and f"has {len(rec)} steps" in out.stderr
+
+
 @recorder.paper_step("Eq. 3", description="one expert, called once per choice of a top-2 router")
 def routed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x @ w).tanh()
