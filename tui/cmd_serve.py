@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
                          "'paperdebugger[serve]'") from None
     _check_bindable(args.host, args.port, addresses)
     if remote:
-        print(f"pdbg: warning: serving on {args.host}:{args.port}, which is not loopback: anyone who reaches this "
-              "port can replay steps of the recording, running its code on this machine", file=sys.stderr)
+        print(f"pdbg: warning: serving on {_url_host(args.host)}:{args.port}, which is not loopback: anyone who "
+              "reaches this port can replay steps of the recording, running its code on this machine", file=sys.stderr)
     url = args.public_url or f"http://{_url_host(args.host)}:{args.port}"
     server = _server_class(Server)(_tui_command(args), host=args.host, port=args.port, title=f"pdbg {args.run}",
                                    public_url=url.rstrip("/"))

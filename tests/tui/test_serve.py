@@ -283,3 +283,22 @@ def test_a_path_that_starts_with_a_dash(run_path: Path, tmp_path: Path) -> None:
     with serving(["serve", "--port", str(port), "--", "-x.zarr"], port, tmp_path):
         seen = terminal_output(port, "complete · 20 steps")
     assert "complete · 20 steps" in seen and "-x.zarr" in seen
+
+
+def test_the_warning_writes_an_ipv6_address_in_brackets(run_path: Path) -> None:
+    """--host :: read "serving on :::8000", the port lost among the colons."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "serve", str(run_path), "--host", "::", "--allow-remote",
+                             "--port", str(port)], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        warning = proc.stderr.readline()
+        assert warning.startswith(f"pdbg: warning: serving on [::]:{port}, which is not loopback"), warning
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
