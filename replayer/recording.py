@@ -21,6 +21,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from dataclasses import field as _field
 from functools import cached_property
 from typing import Any
 
@@ -453,6 +454,8 @@ class Recording:
         ranks = [self.of_rank(r) for r in self.ranks]
         total, done, nbytes = sum(r.rank.lengths["payloads"] for r in ranks), 0, 0
         damaged = []
+        # the tables first: a step's or tensor record's chunk lost is damage a replay or bisect meets too
+        tables = [(rec.rank.rank, problem) for rec in ranks for problem in rec.rank.check_tables()]
         for rec in ranks:
             holders: tuple[np.ndarray, np.ndarray] | None = None  # (payload column sorted, its rows): at first damage
             for found in rec.rank.check_payloads():
@@ -466,7 +469,7 @@ class Recording:
                                                   rec._users(found.payload, *holders)))
                 if progress is not None:
                     progress(done, total)
-        return ChecksumReport(done, nbytes, damaged)
+        return ChecksumReport(done, nbytes, damaged, tables)
 
     def _users(self, payload: int, sorted_payloads: np.ndarray, rows: np.ndarray) -> list[tuple[int, str | None, str]]:
         """The tensor records of this rank that hold ``payload`` (found in its records' payload column, sorted, and
@@ -501,13 +504,16 @@ class ChecksumReport:
     payloads: int
     nbytes: int
     damaged: list[DamagedPayload]
+    # (rank, what is wrong) per column of the step, tensor, payload or document tables that cannot be read whole
+    damaged_tables: list[tuple[int, str]] = _field(default_factory=list)
 
     @property
     def intact(self) -> bool:
-        return not self.damaged
+        return not self.damaged and not self.damaged_tables
 
     def to_json(self) -> dict[str, Any]:
-        return {"payloads": self.payloads, "bytes": self.nbytes, "damaged": [d.to_json() for d in self.damaged]}
+        return {"payloads": self.payloads, "bytes": self.nbytes, "damaged": [d.to_json() for d in self.damaged],
+                "damaged_tables": [{"rank": rank, "problem": problem} for rank, problem in self.damaged_tables]}
 
 
 _CONTAINER_KINDS = {"a tensor", "a list", "a dict", "a tuple", "a namedtuple", "a dataclass", "a mapping", "a object",

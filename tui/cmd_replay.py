@@ -439,11 +439,16 @@ _USERS_LISTED = 6  # tensor records named per damaged payload; more are counted
 def _print_check(report: Any) -> None:
     """``pdbg info --check``'s listing: the payloads read, and each damaged one with the tensor records holding it."""
     read = f"{report.payloads} read ({_size(report.nbytes)})"
+    if report.damaged_tables:
+        print(f"\ntables: {len(report.damaged_tables)} column{'s' if len(report.damaged_tables) != 1 else ''} "
+              "damaged (restore the recording from a copy; replay, verify and bisect refuse it):")
+        for _, problem in report.damaged_tables:
+            print(f"  {problem}")
     if not report.payloads:
         print("\npayloads: none stored (statistics only), so none to check")
-    elif report.intact:
+    elif not report.damaged:
         print(f"\npayloads: {read}, every one intact (its bytes match their checksum)")
-    if report.intact:
+    if not report.damaged:
         return
     print(f"\npayloads: {read}; {len(report.damaged)} corrupted or unreadable (restore the recording from a copy, or "
           "record again):")

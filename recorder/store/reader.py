@@ -889,6 +889,22 @@ class RankReader:
             else:
                 yield PayloadCheck(pid, nbytes, None)
 
+    def check_tables(self) -> Iterator[str]:
+        """Every committed column of the rank's tables (steps, tensors, payloads, documents, shapes; not the blobs,
+        which ``check_payloads`` reads) read once, a chunk at a time, as any read checks it: a chunk missing,
+        truncated or not decodable, or a value that points outside its table. Yields what is wrong with each
+        column that fails, at its first damaged chunk, in the words a read would raise it with."""
+        for path, col in _COLUMNS.items():
+            if col.kind == "blob" or not self.holds(path):
+                continue
+            try:
+                length = self._length_of(path)
+                per = self._array(path).chunks[0]
+                for start in range(0, length, per):
+                    self._read(path, start, min(start + per, length))
+            except FormatError as exc:
+                yield str(exc).removeprefix(f"{self.run.label}: ")
+
     def _scan_read(self, path: str, start: int, stop: int, held: dict[str, Any]) -> np.ndarray:
         """Rows ``start:stop`` of a blob array, for ``check_payloads``: from the chunk read last (``held``) where
         they lie in it, else from the chunks they span, each read whole, the last of them kept in ``held``."""

@@ -62,7 +62,8 @@ class TestPdbgInfoCheck:
         assert res.stdout.splitlines()[-1] == (f"payloads: {count} read ({_size(stored_bytes(pristine))}), every one "
                                                "intact (its bytes match their checksum)")
         doc = json.loads(pdbg_here("info", str(pristine), "--check", "--json", cwd=tmp_path).stdout)
-        assert doc["payload_check"] == {"payloads": count, "bytes": stored_bytes(pristine), "damaged": []}
+        assert doc["payload_check"] == {"payloads": count, "bytes": stored_bytes(pristine), "damaged": [],
+                                        "damaged_tables": []}
 
     def test_without_check_no_payload_is_read_and_the_option_is_named(self, pristine: Path, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,6 +136,23 @@ class TestPdbgInfoCheck:
                           "it; the recording is damaged or was copied incompletely; held by "
                           f"{users_text(holders(run, pid))}" for pid in in_u8]
         assert f"{len(in_u8)} corrupted or unreadable" in res.stdout
+
+    def test_a_deleted_chunk_of_a_table_is_named(self, run: Path, tmp_path: Path) -> None:
+        """A missing chunk of the tensor records' table (not of a payload): every payload's bytes are intact, but
+        replay refuses the recording; --check said every payload intact and exited 0. It names the chunk, exit 1,
+        and --json lists it."""
+        (run / "rank0/tensors/step/c/0").unlink()
+        said = ("chunk rank0/tensors/step/c/0 is missing, but the manifest commits rows in it; the recording is "
+                "damaged or was copied incompletely")
+        res = pdbg_here("info", str(run), "--check", cwd=tmp_path)
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "\ntables: 1 column damaged (restore the recording from a copy; replay, verify and bisect refuse it):\n"\
+               f"  {said}\n" in res.stdout, res.stdout
+        assert "payloads: " in res.stdout and "every one intact" in res.stdout
+        res = pdbg_here("info", str(run), "--check", "--json", cwd=tmp_path)
+        assert res.returncode == 1 and json.loads(res.stdout)["payload_check"]["damaged_tables"] == [
+            {"rank": 0, "problem": said}], res.stdout
+        assert pdbg_here("replay", str(run), "0", cwd=tmp_path).returncode == 2
 
     @pytest.mark.parametrize("what, says", [("directory", "is not a PaperDebugger recording"),
                                             ("file", "is not a PaperDebugger recording"),
