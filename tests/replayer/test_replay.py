@@ -2823,6 +2823,22 @@ def _double_grad_input(module: nn.Module, grad_in: Any, grad_out: Any) -> Any:
     return (grad_in[0] * 2,) if isinstance(module, _GradScaled) else None
 
 
+def _trained_as_unrecorded(train: Any, path: Path, on_every_module: Any = None) -> replayer.Recording:
+    """``train(None)`` and ``train(path)`` (unrecorded and recorded; each returns its losses, gradients and
+    parameters), with ``on_every_module`` a full backward hook on every module's calls if given: asserts they
+    are bitwise the same, and opens the recording."""
+    hook = (torch.nn.modules.module.register_module_full_backward_hook(on_every_module) if on_every_module
+            else contextlib.nullcontext())
+    try:
+        plain, recorded = train(None), train(path)
+    finally:
+        if on_every_module:
+            hook.remove()
+    assert len(plain) == len(recorded)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, recorded))
+    return replayer.open(path)
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 @pytest.mark.parametrize("where", ["own", "global"])
 def test_a_glob_steps_full_backward_hook_that_changes_its_grad_input(tmp_path: Path, where: str) -> None:
@@ -2846,16 +2862,7 @@ def test_a_glob_steps_full_backward_hook_that_changes_its_grad_input(tmp_path: P
                 opt.zero_grad()
         return out + [p.detach().clone() for p in model.parameters()]
 
-    hook = (torch.nn.modules.module.register_module_full_backward_hook(_double_grad_input) if where == "global"
-            else contextlib.nullcontext())
-    try:
-        plain, recorded = train(None), train(tmp_path / "scaled.zarr")
-    finally:
-        if where == "global":
-            hook.remove()
-    assert len(plain) == len(recorded)
-    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, recorded))
-    rec = replayer.open(tmp_path / "scaled.zarr")
+    rec = _trained_as_unrecorded(train, tmp_path / "scaled.zarr", _double_grad_input if where == "global" else None)
     assert [s.phase for s in rec.steps] == ["forward", "backward"] * 2
     results = [replayer.replay(rec, i) for i in range(len(rec))]
     assert all(r.match for r in results), [str(r) for r in results]
@@ -2885,16 +2892,7 @@ def test_a_glob_steps_leaf_argument_gets_its_grad_from_before_the_full_backward_
                 opt.zero_grad()
         return out + [p.detach().clone() for p in model.parameters()]
 
-    hook = (torch.nn.modules.module.register_module_full_backward_hook(_double_grad_input) if where == "global"
-            else contextlib.nullcontext())
-    try:
-        plain, recorded = train(None), train(tmp_path / "leaf.zarr")
-    finally:
-        if where == "global":
-            hook.remove()
-    assert len(plain) == len(recorded)
-    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, recorded))
-    rec = replayer.open(tmp_path / "leaf.zarr")
+    rec = _trained_as_unrecorded(train, tmp_path / "leaf.zarr", _double_grad_input if where == "global" else None)
     backward = rec.steps.filter(phase="backward")
     assert len(backward) == 2 and all("args.0" in [t.name for t in s.tensors("grad_input")] for s in backward)
     results = [replayer.replay(rec, i) for i in range(len(rec))]
@@ -2950,16 +2948,7 @@ def test_a_tensor_passed_twice_to_a_glob_step_with_a_full_backward_hook(tmp_path
                 opt.zero_grad()
         return out + [p.detach().clone() for p in model.parameters()]
 
-    hook = (torch.nn.modules.module.register_module_full_backward_hook(_double_two_inputs) if where == "global"
-            else contextlib.nullcontext())
-    try:
-        plain, recorded = train(None), train(tmp_path / "twice.zarr")
-    finally:
-        if where == "global":
-            hook.remove()
-    assert len(plain) == len(recorded)
-    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, recorded))
-    rec = replayer.open(tmp_path / "twice.zarr")
+    rec = _trained_as_unrecorded(train, tmp_path / "twice.zarr", _double_two_inputs if where == "global" else None)
     assert [s.phase for s in rec.steps] == ["forward", "backward"] * 2
     for step in rec.steps:
         role = "input" if step.phase == "forward" else "grad_input"

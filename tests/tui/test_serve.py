@@ -87,12 +87,17 @@ def serving(args: list[str], port: int, cwd: Path) -> Iterator[tuple[subprocess.
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
         yield proc, first
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
+
+
+def interrupt(proc: subprocess.Popen[str]) -> None:
+    """Stop a server as Ctrl+C does; killed if it is still there 20 s later."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def read_line(proc: subprocess.Popen[str], timeout: float = WAIT_S) -> str:
@@ -202,8 +207,7 @@ def test_binding_beyond_loopback_needs_a_flag_and_warns(run_path: Path, tmp_path
         wait_for(f"the server to listen on port {port}", lambda: accepts(port) or proc.poll() is not None)
         assert proc.poll() is None
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=20)
+        interrupt(proc)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -296,9 +300,4 @@ def test_the_warning_writes_an_ipv6_address_in_brackets(run_path: Path) -> None:
         warning = proc.stderr.readline()
         assert warning.startswith(f"pdbg: warning: serving on [::]:{port}, which is not loopback"), warning
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
