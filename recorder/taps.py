@@ -586,7 +586,7 @@ def before_backward_hooks(args: tuple[Any, ...]) -> None:
     A pre-hook on the hooks' node keeps the gradients it gets for the taps' callbacks; what goes on is
     left as the hooks made it."""
     node = next((t.grad_fn for t in args if isinstance(t, torch.Tensor) and t.grad_fn is not None
-                 and t.grad_fn.name() == _MODULE_HOOKS_NODE), None)
+                 and module_hooks_node(t.grad_fn)), None)
     if node is None:
         return
     places: list[tuple[int, dict[int, list[torch.Tensor]], int]] = []
