@@ -2155,15 +2155,12 @@ def find(rec: Recording | str | os.PathLike[str], where: str | None, when: str |
     if where is not None:  # an empty selector or condition is refused, not taken for "any"
         mask[:] = False
         found = rec.steps.select(where)
-        if not len(found):  # an index ("0"), or a selector that names no step (misspelt, an iteration it lacks)
-            named = rec.step(where)  # raises for the latter, saying what the recording or that step has
-            if when is None and start is None and not backward:
-                return named
-            mask[named.index] = True
-        elif when is None and start is None and not backward:
-            return rec._picked(found)
-        else:
-            mask[found.rows] = True
+        # an index ("0"), or a selector that names no step (misspelt, an iteration it lacks): rec.step raises for
+        # the latter, saying what the recording or that step has
+        named = rec.step(where) if not len(found) else None
+        if when is None and start is None and not backward:
+            return named if named is not None else rec._picked(found)
+        mask[found.rows if named is None else named.index] = True
     if when is not None:
         mask &= Condition(when).evaluate(rec)
     if backward:
