@@ -10,6 +10,7 @@ reaches the port can replay steps, which runs the recording's code on this machi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import ipaddress
 import shlex
@@ -106,6 +107,25 @@ def _server_class(server: type) -> type:
             if not self.fixed_url:  # set and read with no await between: no other request interleaves
                 self.public_url = f"{request.scheme}://{request.host}"
             return await super().handle_index(request)
+
+        async def handle_websocket(self, request: Any) -> Any:
+            tabs = self.__dict__.setdefault("_tabs", set())
+            tab = asyncio.current_task()
+            tabs.add(tab)
+            try:
+                return await super().handle_websocket(request)
+            finally:
+                tabs.discard(tab)
+
+        async def on_shutdown(self, app: Any) -> None:
+            """Ctrl+C or SIGTERM: end every open tab now. Left to aiohttp, each tab's websocket kept its handler
+            waiting for the shutdown timeout (~20 s) before its TUI was told to quit; cancelled, the handler
+            closes the websocket and quits the TUI at once (textual-serve's own path for a cancelled tab)."""
+            tabs = list(self.__dict__.get("_tabs", ()))
+            for tab in tabs:
+                tab.cancel()
+            await asyncio.gather(*tabs, return_exceptions=True)
+            await super().on_shutdown(app)
 
     return PageAddressServer
 

@@ -301,3 +301,32 @@ def test_the_warning_writes_an_ipv6_address_in_brackets(run_path: Path) -> None:
         assert warning.startswith(f"pdbg: warning: serving on [::]:{port}, which is not loopback"), warning
     finally:
         interrupt(proc)
+
+
+def test_stopping_the_server_ends_open_tabs_at_once() -> None:
+    """Ctrl+C or SIGTERM with a tab open: the server's shutdown ends the tab's handler (which closes its
+    websocket and quits its TUI), instead of aiohttp waiting out its shutdown timeout (~20 s a tab) first."""
+    from tui.cmd_serve import _server_class
+
+    ended: list[str] = []
+
+    class Base:  # textual-serve's Server, as far as the subclass uses it: a tab's handler runs until cancelled
+        async def handle_websocket(self, request: Any) -> str:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                ended.append(request)
+            return "closed"
+
+        async def on_shutdown(self, app: Any) -> None:
+            ended.append("base shutdown")
+
+    async def scenario() -> list[Any]:
+        server = _server_class(Base)()
+        tabs = [asyncio.ensure_future(server.handle_websocket(f"tab {i}")) for i in range(2)]
+        await asyncio.sleep(0)  # (both handlers start and wait on their websocket)
+        await server.on_shutdown(None)
+        return [tab.done() for tab in tabs]
+
+    assert asyncio.run(scenario()) == [True, True]
+    assert sorted(ended[:2]) == ["tab 0", "tab 1"] and ended[2:] == ["base shutdown"]
