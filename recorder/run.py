@@ -774,8 +774,26 @@ def run_metadata(started: float, mode: str, every: int, script: str | None = Non
         "platform": platform.platform(), "machine": platform.machine(), "hostname": socket.gethostname(),
         "pid": os.getpid(), "cuda": cuda, "torch_cuda": torch.version.cuda,
         "cpu_capability": snapshot.settings()["cpu_capability"], "git": _git_commit(script),
-        "main_module": main_module, "start_iteration": start_iteration,
+        "main_module": main_module, "start_iteration": start_iteration, "notebook": _notebook(),
     }
+
+
+def _notebook() -> str | None:
+    """The notebook this process runs, when it is a Jupyter kernel: its path as the kernel knows it (Jupyter's
+    ``JPY_SESSION_NAME``, which ipykernel passes on as ``__session__``; VS Code's ``__vsc_ipynb_file__``), ""
+    for a kernel that does not say, None outside one. Its ``argv`` is only ipykernel's launcher and the kernel's
+    connection file, which tell a reader of the recording nothing."""
+    try:
+        shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+        if shell is None or getattr(shell, "kernel", None) is None:  # (a terminal IPython has no kernel)
+            return None
+        names = getattr(shell, "user_ns", None) or {}
+        for found in (names.get("__vsc_ipynb_file__"), names.get("__session__"), os.environ.get("JPY_SESSION_NAME")):
+            if isinstance(found, str) and found:
+                return found
+        return ""
+    except Exception:  # telling the notebook must never stop a recording
+        return None
 
 
 def _git_commit(script: str | None) -> dict[str, Any] | None:

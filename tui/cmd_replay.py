@@ -114,6 +114,15 @@ def _emit(doc: dict[str, Any]) -> None:
 
 
 # -- info ----------------------------------------------------------------------------------------
+def _command_text(run: dict[str, Any]) -> str:
+    """What ran the recording: its command line, or the notebook of a Jupyter kernel (whose command line is only
+    ipykernel's launcher and a connection file)."""
+    notebook = run.get("notebook")
+    if notebook is not None:
+        return f"notebook {notebook}" if notebook else "a Jupyter kernel (its notebook not named)"
+    return shlex.join(str(a) for a in run.get("argv") or [])
+
+
 def summary(rec: Any) -> dict[str, Any]:
     """The ``pdbg info --json`` object (README, "Command line"), plus each paper step's share of the iteration time."""
     table = rec.steps
@@ -304,7 +313,7 @@ def info(args: argparse.Namespace) -> int:
           f"{doc['ranks']} rank{'s' if doc['ranks'] != 1 else ''}, {_size(doc['bytes'])} on disk "
           f"(schema {doc['schema_version']})")
     if run:
-        command = shlex.join(str(a) for a in run.get("argv") or [])
+        command = _command_text(run)
         print(f"recorded {run.get('started', '?')} on {run.get('hostname', '?')}: {command} "
               f"(torch {run.get('torch')}, mode {run.get('mode')})")
         if doc["tensors_kept"]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import hashlib
 import inspect
+import os
+import subprocess
 import sys
 import textwrap
 import weakref
@@ -19,7 +21,7 @@ import torch
 import recorder
 import replayer
 from recorder.store.reader import RunReader
-from tests.cli import ROOT, python
+from tests.cli import ROOT, pdbg, python
 from tests.models import record_training
 
 ITERATIONS = 5
@@ -392,3 +394,44 @@ def test_a_notebook_recording_left_open_ends_with_its_training_cells_exception(
         assert rec.status == "complete" and "exception" not in rec.rank.final, rec.ended_by
     else:
         assert rec.status == "crashed" and rec.rank.final["exception"]["message"] == ended_by
+
+
+@pytest.mark.parametrize(("names", "env", "said"), [
+    ({"__session__": "analysis/train.ipynb"}, {}, "notebook analysis/train.ipynb"),  # Jupyter, via ipykernel
+    ({}, {"JPY_SESSION_NAME": "/home/u/train.ipynb"}, "notebook /home/u/train.ipynb"),  # an older ipykernel
+    ({"__vsc_ipynb_file__": "/w/nb.ipynb"}, {}, "notebook /w/nb.ipynb"),  # VS Code
+    ({}, {}, "a Jupyter kernel (its notebook not named)"),
+])
+def test_a_notebook_recording_names_its_notebook(tmp_path: Path, names: dict[str, str], env: dict[str, str],
+                                                 said: str) -> None:
+    """A kernel's argv is ipykernel's launcher and its connection file (`ipykernel_launcher.py -f
+    .../kernel-7f3.json`), which `pdbg info` showed as what ran the recording: it names the notebook."""
+    path = tmp_path / "run.zarr"
+    code = textwrap.dedent(f'''
+        import sys, types
+        sys.argv = ["/venv/lib/python3.11/site-packages/ipykernel_launcher.py", "-f", "/run/kernel-7f3.json"]
+        shell = types.SimpleNamespace(kernel=object(), user_ns={names!r})
+        sys.modules["IPython"] = types.SimpleNamespace(get_ipython=lambda: shell)
+        import torch, recorder
+        model = torch.nn.Linear(2, 2)
+        with recorder.record({str(path)!r}, model=model, modules=["**"]):
+            model(torch.ones(1, 2))
+    ''')
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert replayer.open(path).run_info["notebook"] == said.removeprefix("notebook ").replace(
+        "a Jupyter kernel (its notebook not named)", "")
+    info = pdbg("info", str(path), cwd=tmp_path)
+    assert info.returncode == 0, info.stderr
+    line = next(x for x in info.stdout.splitlines() if x.startswith("recorded "))
+    assert f": {said} (torch" in line and "kernel-7f3" not in line
+
+
+def test_a_script_recording_names_no_notebook(tmp_path: Path) -> None:
+    """Outside a kernel (a terminal IPython, a script) `notebook` is null and `pdbg info` shows the command line."""
+    path = tmp_path / "run.zarr"
+    model = torch.nn.Linear(2, 2)
+    with recorder.record(path, model=model, modules=["**"]):
+        model(torch.ones(1, 2))
+    assert replayer.open(path).run_info["notebook"] is None
