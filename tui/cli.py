@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import difflib
 import os
+import shlex
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, NoReturn
@@ -110,8 +111,10 @@ def _tui(args: argparse.Namespace) -> int:
         raise PdbgError(_not_there(args.run, as_command=False))
     web = "web_driver" in os.environ.get("TEXTUAL_DRIVER", "")  # pdbg serve: a browser is the terminal
     if not web and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        run = shlex.quote(args.run)
+        served = f"-- {run}" if args.run.startswith("-") else run  # (a dash path is an option to pdbg serve)
         raise PdbgError("the TUI needs a terminal (stdin and stdout are not one here): use pdbg info, bisect or "
-                        f"replay on {args.run}, or pdbg serve {args.run} to open it in a browser")
+                        f"replay on {args.run}, or pdbg serve {served} to open it in a browser")
     return run_app(args.run, args.at, args.rank, script=args.script, use_bundled_source=args.use_bundled_source)
 
 

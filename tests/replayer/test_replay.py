@@ -585,6 +585,9 @@ def test_bad_command_lines_get_one_line_and_exit_code_2(gpt_run: Path, tmp_path:
                        (("find", str(gpt_run), "*", "--when", ""), "but found the end in the condition ''"),
                        (("find", str(gpt_run), ""), "invalid step selector ''")):
         assert says in one_line_error(pdbg_here(*args, cwd=tmp_path)), args
+    dash = tmp_path / "-dash.zarr"  # the TUI's hint for a recording whose name starts with '-': serve takes it after --
+    shutil.copytree(gpt_run, dash)
+    assert "pdbg serve -- -dash.zarr to open it" in one_line_error(pdbg_here("--", "-dash.zarr", cwd=tmp_path))
 
 
 def test_help_of_an_unknown_command_is_refused_not_the_tuis(tmp_path: Path) -> None:
