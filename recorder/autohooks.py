@@ -26,6 +26,7 @@ Decorated classes and annotated instances are recorded by their own wrappers, ne
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -107,6 +108,21 @@ class ModuleSelector:
 # Set on the modules the globs select, for the hooks as Dynamo traces them (torch.compile), which
 # cannot work out paths: a selected module's call leaves the graph to be recorded, others stay in.
 _SELECTED = "_paperdebugger_selected"
+
+
+def _eager_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` run eagerly from compiled code (``torch.compiler.disable``), but traced where the
+    graph must stay whole (``fullgraph=True``): there the disabled function would raise, and the
+    module's call is not recorded (``compiled.whole_graph`` says so)."""
+    disabled = torch.compiler.disable(forward)
+
+    @functools.wraps(forward)
+    def eager(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if compiled.tracing() and compiled.whole_graph(f"module {type(self).__name__}"):
+            return forward(self, *args, **kwargs)
+        return disabled(self, *args, **kwargs)
+
+    return eager
 
 
 def _marked(module: torch.nn.Module) -> bool:
@@ -259,7 +275,9 @@ class GlobalCapture:
 
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if compiled.tracing():
-            return compiled.eagerly(self._late, module, args) if getattr(module, _SELECTED, False) else None
+            if not getattr(module, _SELECTED, False) or compiled.whole_graph(f"module {type(module).__name__}"):
+                return None
+            return compiled.eagerly(self._late, module, args)
         if type(module).__name__ == "OptimizedModule":
             # About to run compiled code: mark what it will call, and have it run the selected
             # modules' forward eagerly. The wrapper is not a step itself; the module it wraps is, at
@@ -360,7 +378,7 @@ class GlobalCapture:
             cls = type(module)
             if module.__dict__.get(_SELECTED) and cls not in self._eager and "forward" not in module.__dict__:
                 before = cls.__dict__.get("forward")
-                eager = torch.compiler.disable(cls.forward)
+                eager = _eager_forward(cls.forward)
                 cls.forward = eager
                 self._eager[cls] = (before, eager)
 
@@ -395,7 +413,9 @@ class GlobalCapture:
 
     def _post(self, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
         if compiled.tracing():
-            return compiled.eagerly(self._end, module, args, *rest) if getattr(module, _SELECTED, False) else None
+            if not getattr(module, _SELECTED, False) or compiled.whole_graph(f"module {type(module).__name__}"):
+                return None
+            return compiled.eagerly(self._end, module, args, *rest)
         return self._end(module, args, *rest)
 
     def _end(self, module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:

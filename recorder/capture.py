@@ -923,11 +923,13 @@ class Session:
     def call(self, defn: Any, fn: Callable[..., Any], module: torch.nn.Module | None,
              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one step call with capture around it."""
-        if compiled.tracing():  # called from code Dynamo traces: recorded outside the graph, eagerly
-            return compiled.eagerly(self._call_from_compiled, defn, fn, module, args, kwargs)
-
         def invoke(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return fn(module, *args, **kwargs) if module is not None else fn(*args, **kwargs)
+
+        if compiled.tracing():  # called from code Dynamo traces: recorded outside the graph, eagerly
+            if compiled.whole_graph(f"paper step {defn.name!r}"):
+                return invoke(args, kwargs)
+            return compiled.eagerly(self._call_from_compiled, defn, fn, module, args, kwargs)
 
         started = self.begin(defn, module, args, kwargs)
         if started is None:
@@ -1619,7 +1621,8 @@ class Session:
         if not self.enabled:
             return
         if compiled.tracing():
-            compiled.eagerly(self.watch, tensor, name, expect)
+            if not compiled.whole_graph(f"watch({name!r})"):
+                compiled.eagerly(self.watch, tensor, name, expect)
             return
         try:
             frame = self._innermost()

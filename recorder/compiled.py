@@ -7,6 +7,10 @@ there and runs ``fn`` as plain Python, with everything it calls (``torch.compile
 recorded step under torch.compile therefore runs eagerly, as its replay does; the code between
 steps stays compiled.
 
+Where Dynamo may not break the graph (``fullgraph=True``, ``torch._dynamo.error_on_graph_break(True)``), a
+break raises and would end the training: there ``whole_graph()`` is true, and the entry points let the
+step be traced into the graph as it is unrecorded, with a warning that it is not recorded.
+
 ``torch._disable_dynamo`` imports ``torch._dynamo`` at its first call, which only happens while
 Dynamo traces (it is loaded then): ``import recorder`` and eager recording never pay its import.
 """
@@ -89,6 +93,33 @@ def _recorder_code() -> list[types.CodeType]:
             found[id(obj)] = obj
             roots.extend(c for c in obj.co_consts if isinstance(c, types.CodeType))
     return list(found.values())
+
+
+def whole_graph(what: str = "a paper step") -> bool:
+    """Whether the code Dynamo traces now must be one graph (``fullgraph=True`` or
+    ``error_on_graph_break``), where ``eagerly`` would raise instead of breaking the graph: then a
+    RecorderWarning says that ``what`` is not recorded there, and True. Dynamo runs this function while
+    it traces and takes its result as a constant (``_dynamo_marked_constant``, what
+    ``torch._dynamo.assume_constant_result`` sets): it warns at each trace, not at each call of the
+    compiled code, and never breaks the graph itself. On a torch whose tracer does not say, False."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.utils import _get_error_on_graph_break
+
+        tx = InstructionTranslator.current_tx()
+        whole = bool(getattr(tx, "one_graph", False) or _get_error_on_graph_break())
+    except Exception:  # noqa: BLE001 - a torch without these: break the graph as before
+        return False
+    if whole:
+        from .capture import warn
+
+        warn(f"{what} called inside code torch.compile traces with fullgraph=True (or error_on_graph_break) is "
+             "not recorded: it cannot leave the graph to run eagerly. It runs compiled, as without recording; "
+             "compile without fullgraph=True to record it", stacklevel=1)
+    return whole
+
+
+whole_graph._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 # ``eagerly(fn, *args, **kwargs)``: ``fn(*args, **kwargs)`` as plain Python, and all it calls, also

@@ -264,3 +264,55 @@ def test_modules_selected_in_an_inductor_compiled_model_run_eagerly_and_replay(t
     for step in rec.steps:
         result = replayer.replay(rec, step.index)
         assert result.match, (step.selector, [d.summary() for d in result.outputs if not d.match])
+
+
+def train_fullgraph(path, model: nn.Module, recorded: bool, modules: list[str] | None = None,
+                    ) -> tuple[list[torch.Tensor], int, list[str]]:
+    """Three iterations of ``model`` compiled with fullgraph=True (recorded into ``path`` or not): the
+    losses and parameters, the graphs Dynamo compiled, and the RecorderWarnings."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    forward = torch.compile(model, backend="eager", fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with recorder.record(path, model=model, optimizer=opt, mode="full", modules=modules) if recorded \
+                else warnings.catch_warnings():
+            losses = [train_step(forward, opt, i) for i in range(ITERATIONS)]
+    said = [str(w.message) for w in caught if issubclass(w.category, recorder.RecorderWarning)]
+    return losses + [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"], said
+
+
+class PlainLM(nn.Module):
+    """Plain's blocks over TinyGPT's batches: no decorated step, recorded through a glob."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.blocks = Plain().blocks
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("selected", ["decorated", "glob"])
+def test_a_model_compiled_with_fullgraph_trains_as_unrecorded_and_says_its_steps_are_not_recorded(tmp_path, selected):
+    """torch.compile(model, fullgraph=True): the recorder's graph break at each step raised (Dynamo's
+    Unsupported) and ended the training. The steps now stay in the one graph, unrecorded, and a
+    RecorderWarning names them: training bit for bit as without recording, with the same graphs."""
+    make, modules, named = (TinyGPT, None, "paper step 'Attention'") if selected == "decorated" else \
+        (PlainLM, ["blocks.*"], "module Sequential")
+    torch.manual_seed(0)
+    want, want_graphs, _ = train_fullgraph(None, make(), recorded=False)
+    torch.manual_seed(0)
+    got, graphs, said = train_fullgraph(tmp_path / "run.zarr", make(), recorded=True, modules=modules)
+    for a, b in zip(got, want, strict=True):
+        assert raw(a) == raw(b)
+    assert graphs == want_graphs == 1
+    assert any(s.startswith(named) and "fullgraph=True" in s and "not recorded" in s for s in said), said
