@@ -95,6 +95,15 @@ def _recorder_code() -> list[types.CodeType]:
     return list(found.values())
 
 
+# How many times ``whole_graph`` let a step or a selected module stay in a graph unrecorded (a recording
+# compares it with its value at its start: the module paths of those calls are not known to it).
+_unrecorded = [0]
+
+
+def unrecorded_traces() -> int:
+    return _unrecorded[0]
+
+
 def whole_graph(what: str = "a paper step") -> bool:
     """Whether the code Dynamo traces now must be one graph (``fullgraph=True`` or
     ``error_on_graph_break``), where ``eagerly`` would raise instead of breaking the graph: then a
@@ -111,6 +120,7 @@ def whole_graph(what: str = "a paper step") -> bool:
     except Exception:  # noqa: BLE001 - a torch without these: break the graph as before
         return False
     if whole:
+        _unrecorded[0] += 1
         from .capture import warn
 
         warn(f"{what} called inside code torch.compile traces with fullgraph=True (or error_on_graph_break) is "

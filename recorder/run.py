@@ -128,6 +128,7 @@ class Run:
                                        modules=modules, on_anomaly=on_anomaly, keep=keep,
                                        max_ring_bytes=max_ring_bytes, start_iteration=start_iteration)
         self._unmatched_said: set[str] = set()  # modules globs already reported as matching nothing
+        self._whole_graphs_at_start = compiled.unrecorded_traces()
         self._hooks: list[Any] = []
         self._stepped: int | None = None  # id of the optimizer whose step hook ran last (see _GradScaling)
         self._optimizers = _OptimizerSteps(self, optimizer) if optimizer is not None else None
@@ -447,8 +448,10 @@ class Run:
         more = f" and {len(paths) - 40} more" if len(paths) > 40 else ""
         brackets = ("; in a glob, [...] is a set of characters (x[0] is x0): write [[] for a literal [ (x[[]0]), or "
                     "the module path whole, as called, which selects it" if any("[" in g for g in missed) else "")
+        unseen = ("; calls inside code compiled with fullgraph=True are not recorded (said when compiled), nor their "
+                  "paths seen" if compiled.unrecorded_traces() != self._whole_graphs_at_start else "")
         capture.warn(f"module glob(s) {', '.join(map(repr, missed))} matched no module{so_far}; the module paths "
-                     f"called were: {shown}{more}{brackets}", stacklevel=capture._outside_recorder())
+                     f"called were: {shown}{more}{brackets}{unseen}", stacklevel=capture._outside_recorder())
 
     def _warn_uncounted(self) -> None:
         """Backward passes ran, yet the iterations never advanced: a hand-written update (no torch.optim
