@@ -38,6 +38,44 @@ from .store.writer import StoreWriter
 
 MODES = ("full", "stats", "flight")
 
+_STARTING = threading.Lock()  # guards _starting
+_starting: list[Any] = []  # the paths of recordings whose Run is being made (none, or one)
+
+
+def _one_start_at_a_time(init: Callable[..., None]) -> Callable[..., None]:
+    """``Run.__init__`` refusing a second recording while another thread's is being made: "one recording at
+    a time" is checked on ``capture.ACTIVE``, which is set only at the end of ``__init__`` (after the store is
+    made), so two threads that start their own recordings at once both passed the check and both recorded,
+    every step in the second (one model's and the other's) and none in the first. The second is refused as
+    a later one is, at once; ``__init__`` itself is not held under a lock (a remote store may take seconds)."""
+
+    @functools.wraps(init)
+    def start(self: Run, path: Any, *args: Any, **kwargs: Any) -> None:
+        with _STARTING:
+            if _starting:
+                raise AlreadyRecording(f"a recording is being started in this process on another thread ("
+                                       f"{backend.describe(_starting[0])}); one recording is active at a time: "
+                                       "close it before starting another")
+            _starting.append(path)
+        try:
+            init(self, path, *args, **kwargs)
+        finally:
+            with _STARTING:
+                _starting.clear()
+
+    return start
+
+
+def _forget_starting_in_child() -> None:
+    """A child forked while another thread made a recording holds none of it (see capture's fork hook)."""
+    _starting.clear()
+    _STARTING.release()
+
+
+# (A fork waits for the lock, so that the child's copy is not held by a thread it does not have.)
+os.register_at_fork(before=_STARTING.acquire, after_in_parent=_STARTING.release,
+                    after_in_child=_forget_starting_in_child)
+
 
 class Run:
     """A recording in progress. Use as a context manager (``with recorder.record(...) as run``) or
@@ -47,6 +85,7 @@ class Run:
         state = getattr(self, "status", None) or ("closed" if getattr(self, "closed", False) else "recording")
         return f"<Run {backend.describe(self.path)}: {state}, mode {self.mode}>"
 
+    @_one_start_at_a_time
     def __init__(self, path: backend.StoreTarget, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, mode: str = "full", every: int = 1,
                  compressor: Any = None, max_queue_bytes: int = 512 << 20, flush_interval: float = 1.0,

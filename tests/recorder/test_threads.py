@@ -1,0 +1,63 @@
+"""Recordings and the threads of the training process: one recording at a time however the threads start
+theirs, and a training thread that outlives the main thread recorded to its end."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+import recorder
+import replayer
+from recorder.errors import AlreadyRecording
+from recorder.store import backend
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, iterations: int) -> None:
+    for _ in range(iterations):
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_two_threads_starting_recordings_at_once_record_one(tmp_path: Path, monkeypatch) -> None:
+    """Two threads each start a recording of their own model: the second `record()`, made while the first is
+    still creating its store, is refused as a later one is (AlreadyRecording, one line), and the first records
+    its own steps alone. Before, both passed the check: the first held no step, the second both models'."""
+    opened = backend.open_store
+    first_in_store, second_done = threading.Event(), threading.Event()
+    refused: list[BaseException] = []
+
+    def open_store(path, *args, **kwargs):
+        if Path(path).name == "first.zarr":
+            first_in_store.set()
+            second_done.wait()
+        return opened(path, *args, **kwargs)
+
+    def second() -> None:
+        first_in_store.wait()
+        model = torch.nn.Linear(8, 1)
+        try:
+            with recorder.record(tmp_path / "second.zarr", model=model):
+                _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+        except recorder.RecordingError as exc:
+            refused.append(exc)
+        finally:
+            second_done.set()
+
+    monkeypatch.setattr(backend, "open_store", open_store)
+    thread = threading.Thread(target=second)
+    thread.start()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with recorder.record(tmp_path / "first.zarr", model=model, optimizer=optimizer, modules=["*"]) as run:
+        thread.join()
+        _train(model, optimizer, 3)
+    assert [type(exc) for exc in refused] == [AlreadyRecording]
+    assert "\n" not in str(refused[0]) and "first.zarr" in str(refused[0])
+    assert not (tmp_path / "second.zarr").exists()
+    assert run.status == "complete"
+    rec = replayer.open(tmp_path / "first.zarr")
+    assert len(rec.steps) == 12  # 2 modules, forward and backward, 3 iterations
+    assert {rec.step(i).module_path for i in range(len(rec.steps))} == {"0", "1"}
