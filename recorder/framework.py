@@ -51,8 +51,10 @@ _OPEN: dict[int, FrameworkCallback] = {}  # callbacks whose recording is open, c
 
 
 def _close_open_at_exit() -> None:
-    from .run import ending_exception
+    from .run import ending_exception, wait_for_program_threads
 
+    if _OPEN:  # (a trainer fitting on a thread the main thread did not join records to the end of its fit)
+        wait_for_program_threads()
     for callback in list(_OPEN.values()):
         # The uncaught exception that ends the process, if one does (in a Jupyter kernel: a training cell's)
         callback.close(None if callback.run is None else ending_exception(callback.run))

@@ -570,9 +570,33 @@ def _close_left_open() -> None:
     would die with the process, and the run would read as killed. A forked child's copy is not its own.
     A framework callback's recording is closed first, by its own hook (recorder.framework), registered
     after this one and so run before it."""
-    for run in list(_LEFT_OPEN.values()):
-        if not run._forked():
-            _close_ended(run, ending_exception(run))
+    left = [run for run in _LEFT_OPEN.values() if not run._forked()]
+    interrupted = None
+    try:
+        if left:
+            wait_for_program_threads()
+    except KeyboardInterrupt as exc:  # a Ctrl-C while a thread trains on ends the process, as it would have
+        interrupted = exc
+    for run in left:
+        _close_ended(run, interrupted or ending_exception(run))
+    if interrupted is not None:
+        raise interrupted
+
+
+def wait_for_program_threads() -> None:
+    """Wait for the threads that keep the process alive (not daemons) before the recordings left open are closed
+    at the end of the main thread: CPython runs its threading exit hooks, where those are closed, before it waits
+    for these threads, so a training thread the main thread never joined (a script that starts it and ends) went
+    on unrecorded, and its run read ``complete`` without its steps. A thread pool's workers, which their pool's own
+    exit hook stops (run after these), are not waited for, nor are the recorder's threads."""
+    pools = getattr(sys.modules.get("concurrent.futures.thread"), "_threads_queues", {})
+    while True:
+        alive = [thread for thread in threading.enumerate() if thread is not threading.current_thread()
+                 and not thread.daemon and thread not in pools and not thread.name.startswith("pdbg-")]
+        if not alive:
+            return
+        for thread in alive:
+            thread.join()
 
 
 def _close_ended(run: Run, exception: BaseException | None) -> None:

@@ -124,7 +124,7 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
     Raises RecordingError (before anything runs or is created) for a missing script, an existing or
     unwritable output, or bad options.
     """
-    from .run import Run
+    from .run import Run, wait_for_program_threads
 
     script_path, module, args = script_target(script, args)  # (-m MODULE: run as that module, in its package)
     remote = backend.is_url(out)  # s3://...: checked when the run opens it (credentials, bucket)
@@ -170,6 +170,11 @@ def run_script(script: str | os.PathLike[str], args: list[str], out: str | os.Pa
         code, error = (130 if isinstance(exc, KeyboardInterrupt) else 1), exc
         defined = _top_level_globals(exc)
     finally:
+        try:  # the process ends when its last thread does, not the script's main code: a thread it left training
+            if not isinstance(error, KeyboardInterrupt):
+                wait_for_program_threads()
+        except KeyboardInterrupt as exc:
+            code, error = 130, exc
         status = "complete" if code == 0 and error is None else "crashed"
         try:
             run.close(status, error or exited)

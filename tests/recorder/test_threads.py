@@ -3,6 +3,7 @@ theirs, and a training thread that outlives the main thread recorded to its end.
 
 from __future__ import annotations
 
+import textwrap
 import threading
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import recorder
 import replayer
 from recorder.errors import AlreadyRecording
 from recorder.store import backend
+from tests.cli import pdbg, python
 
 
 def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, iterations: int) -> None:
@@ -61,3 +63,52 @@ def test_two_threads_starting_recordings_at_once_record_one(tmp_path: Path, monk
     rec = replayer.open(tmp_path / "first.zarr")
     assert len(rec.steps) == 12  # 2 modules, forward and backward, 3 iterations
     assert {rec.step(i).module_path for i in range(len(rec.steps))} == {"0", "1"}
+
+
+# Training on a thread the main thread never joins: it starts when the main thread's code has ended.
+_TRAINS_ON_A_THREAD = textwrap.dedent("""
+    import threading, torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    {record}
+    go = threading.Event()
+    def train():
+        go.wait()
+        for _ in range(5):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        print(float(model[0].weight.detach().sum()))
+    threading.Thread(target=train).start()
+    go.set()
+""")
+
+
+def test_a_recording_left_open_waits_for_a_thread_that_outlives_the_main_thread(tmp_path: Path) -> None:
+    """`run = recorder.record(...)` with the training on a thread the main thread does not join: the process
+    ends when that thread does, and so does the recording, with its every step (it closed when the main
+    thread ended: `complete`, none of the thread's steps)."""
+    script = tmp_path / "script.py"
+    script.write_text(_TRAINS_ON_A_THREAD.format(
+        record=f"import recorder; recorder.record({str(tmp_path / 'run.zarr')!r}, optimizer=opt, modules=['*'])"))
+    done = python(str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rec = replayer.open(tmp_path / "run.zarr")
+    assert rec.status == "complete"
+    assert len(rec.steps) == 30  # 3 modules, forward and backward, 5 iterations
+    assert [rec.step(i).iteration for i in range(0, 30, 6)] == [0, 1, 2, 3, 4]
+
+
+def test_pdbg_record_waits_for_a_thread_that_outlives_the_scripts_main_code(tmp_path: Path) -> None:
+    """`pdbg record` of an unmodified script whose training runs on a thread it does not join records the
+    thread's every step, and trains as the script alone does (it said "complete, 0 steps; the script called
+    no module")."""
+    script = tmp_path / "script.py"
+    script.write_text(_TRAINS_ON_A_THREAD.format(record=""))
+    alone = python(str(script), cwd=tmp_path)
+    done = pdbg("record", "-o", str(tmp_path / "run.zarr"), "--modules", "*", "--", str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == alone.stdout.strip()
+    assert "(complete, 30 steps)" in done.stdout + done.stderr
+    assert len(replayer.open(tmp_path / "run.zarr").steps) == 30
