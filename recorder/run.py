@@ -587,9 +587,14 @@ def wait_for_program_threads() -> None:
     """Wait for the threads that keep the process alive (not daemons) before the recordings left open are closed
     at the end of the main thread: CPython runs its threading exit hooks, where those are closed, before it waits
     for these threads, so a training thread the main thread never joined (a script that starts it and ends) went
-    on unrecorded, and its run read ``complete`` without its steps. A thread pool's workers, which their pool's own
-    exit hook stops (run after these), are not waited for, nor are the recorder's threads."""
-    pools = getattr(sys.modules.get("concurrent.futures.thread"), "_threads_queues", {})
+    on unrecorded, and its run read ``complete`` without its steps. Threads that wait for an exit hook run after
+    this one are not waited for, which would never end: a thread pool's workers and a process pool's manager,
+    whose module was imported before the recording began (threading's exit hooks run last registered first;
+    concurrent.futures is the standard library's only user of them, and a thread waiting for an ``atexit``
+    function would hang the process anyway, since CPython joins every such thread before those run). Nor are
+    the recorder's threads."""
+    pools = [*getattr(sys.modules.get("concurrent.futures.thread"), "_threads_queues", {}),
+             *getattr(sys.modules.get("concurrent.futures.process"), "_threads_wakeups", {})]
     while True:
         alive = [thread for thread in threading.enumerate() if thread is not threading.current_thread()
                  and not thread.daemon and thread not in pools and not thread.name.startswith("pdbg-")]

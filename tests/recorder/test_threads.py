@@ -112,3 +112,24 @@ def test_pdbg_record_waits_for_a_thread_that_outlives_the_scripts_main_code(tmp_
     assert done.stdout.splitlines()[0] == alone.stdout.strip()
     assert "(complete, 30 steps)" in done.stdout + done.stderr
     assert len(replayer.open(tmp_path / "run.zarr").steps) == 30
+
+
+def test_a_process_pool_left_open_does_not_hang_the_end_of_a_recording(tmp_path: Path) -> None:
+    """A recording left open waits for the training threads at the end of the process, but not for a process
+    pool's manager thread: imported before the recording began, its pool is told to stop by an exit hook that
+    runs after the recorder's, and waiting for it hung the process."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(f"""
+        import concurrent.futures.process
+        import torch, recorder
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        recorder.record({str(tmp_path / 'run.zarr')!r}, optimizer=opt, modules=['**'])
+        pool = concurrent.futures.ProcessPoolExecutor(2)
+        print(sum(pool.map(abs, [-1, -2, 3])))
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    """))
+    done = python(str(script), cwd=tmp_path)  # (on a hang: its timeout fails the test)
+    assert (done.returncode, done.stdout) == (0, "6\n"), done.stderr
+    assert replayer.open(tmp_path / "run.zarr").status == "complete"
