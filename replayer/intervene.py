@@ -54,8 +54,11 @@ class Change:
     reshaped: str = ""  # what the change made of the tensor's shape or dtype, the first time it changed one
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The edited value of ``x``. The change gets a copy: an in-place expression (``x.mul_(0)``) must
+        not reach the tensor the replay goes on using (an inner step's input that its enclosing step
+        reads again after the call), or the replay would answer another question than the edit asks."""
         try:
-            out = self.apply(x)
+            out = self.apply(x.clone())
             if isinstance(out, np.ndarray):
                 out = torch.from_numpy(out)
             if not isinstance(out, torch.Tensor):

@@ -706,3 +706,44 @@ def test_a_class_swapped_in_from_the_originals_skeleton_says_so(tmp_path: Path) 
             "yourself, give a factory (lambda original: LayerNorm(...))") in res.warnings, res.warnings
     built = replayer.replay(rec, "0", swap={"bn": lambda original: torch.nn.LayerNorm(4)})
     assert built.exception is None and not any("skeleton" in w for w in built.warnings), built.warnings
+
+
+@recorder.paper_step("Eq. 8", description="weights from scores, then the scores again")
+def reweigh(h: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(h, -1)
+
+
+@recorder.paper_step("Algorithm 2")
+class Reweighted(torch.nn.Module):
+    """Reads the inner step's input again after the call (``a * h``), as a gated block does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return reweigh(h) * h
+
+
+def test_an_in_place_edit_changes_only_what_the_inner_step_gets(tmp_path: Path) -> None:
+    """An edit written in place (``x.mul_(0)``) on an inner step's input zeroed the enclosing step's own
+    tensor too, which it reads again after the call: the replay answered "what if h were zero" where the
+    edit asks "what if reweigh saw zeros". It changes a copy: the bits of the out-of-place edit."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    model = Reweighted()
+    with recorder.record(path, model=model):
+        model(torch.randn(3, 4))
+    rec = replayer.open(path)
+    step = rec.step("Algorithm 2")
+    h = step.tensor("args.0") @ step.tensor("fc.weight").T + step.tensor("fc.bias")
+    expected = torch.softmax(h * 0, -1) * h
+    for change in ("x * 0", "x.mul_(0)", "x.zero_()", lambda x: x.mul_(0)):
+        res = replayer.replay(rec, step, edit={"reweigh/args.0": change})
+        assert torch.equal(res.values["output"].detach().view(torch.int32), expected.view(torch.int32)), change
+        assert [(s.step.name, s.change) for s in res.inner] == [("reweigh", "changed")], change
+    own = replayer.replay(rec, step, edit={"args.0": "x.mul_(2)"})
+    assert torch.equal(own.values["output"].view(torch.int32),
+                       replayer.replay(rec, step, edit={"args.0": "x * 2"}).values["output"].view(torch.int32))
+
