@@ -135,6 +135,17 @@ def _arithmetic(dtype: torch.dtype) -> bool:
         return False
 
 
+def statistics(value: Any) -> dict[str, float | None]:
+    """The statistics of a replayed tensor that no record compares (one a swapped-in replacement returned
+    where the recorded call returned another structure): shown, and counted among the non-finite values a
+    replay made, as a compared one's are. Empty for anything but a dense tensor."""
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return {}
+    with torch._C.DisableTorchFunction():
+        value = payload.materialized(value).detach().cpu().resolve_conj().resolve_neg()
+    return stats_dict(_summary(value))
+
+
 def compare(name: str, role: str, recorded: torch.Tensor, replayed: Any, recorded_stats: Any = None) -> Diff:
     """Compare a replayed value with the recorded tensor (both moved to the CPU)."""
     rec_stats = stats_dict(recorded_stats if recorded_stats is not None else _summary(recorded))

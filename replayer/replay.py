@@ -42,7 +42,7 @@ from recorder.payload import dtype_name, overlaps_itself
 from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
-from . import collectives, distributions, intervene, placing, state
+from . import collectives, compare, distributions, intervene, placing, state
 from .arguments import linked_outside, unrecorded_arguments, unrecorded_outputs, unseen_writes
 from .code import SESSION_SCRIPT, CodeLoader, late_imports, projects, session_statement, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
@@ -2659,7 +2659,10 @@ def _compare_all(step: Step, records: list[TensorRecord], values: dict[str, torc
     recorded = {r.name for r in records}
     for name in values:
         if name not in recorded:
-            diffs.append(Diff(name, "output", False, reason="produced by the replay, not in the recording"))
+            value = values[name]
+            diffs.append(Diff(name, "output", False, reason="produced by the replay, not in the recording",
+                              replayed=compare.statistics(value),
+                              is_complex=isinstance(value, torch.Tensor) and value.is_complex()))
     return diffs
 
 

@@ -13,9 +13,9 @@ import torch
 
 import recorder
 import replayer
-from recorder import snapshot
+from recorder import snapshot, stats
 from recorder.errors import StepNotFoundError
-from replayer import recipes
+from replayer import compare, recipes
 from replayer.intervene import InterventionError
 from tests.cli import pdbg_here
 from tests.models import record_training
@@ -747,3 +747,26 @@ def test_an_in_place_edit_changes_only_what_the_inner_step_gets(tmp_path: Path) 
     assert torch.equal(own.values["output"].view(torch.int32),
                        replayer.replay(rec, step, edit={"args.0": "x * 2"}).values["output"].view(torch.int32))
 
+
+def smooth_relu_in_a_tuple(x: torch.Tensor, beta: float = 1.0, gamma: float = 1.0) -> tuple[torch.Tensor]:
+    """smooth_relu's values, in a tuple the recorded call did not return."""
+    return (torch.log1p(torch.exp(x + beta)) / gamma,)
+
+
+def test_an_output_the_recording_lacks_is_counted_among_the_non_finite_values(stack_run: tuple[Path, object],
+                                                                              tmp_path: Path) -> None:
+    """A replacement that returned the overflowing values in a tuple was said to leave "5 recorded, 0 now":
+    its ``output.0`` had no statistics, so the replay seemed to have made the NaN go away. They are shown
+    and counted."""
+    rec = replayer.open(stack_run[0])
+    origin = replayer.first_nonfinite(rec).step
+    ref = "tests.replayer.test_intervene:smooth_relu_in_a_tuple"
+    res = replayer.replay(rec, origin, swap={"smooth_relu": ref})
+    extra = res.diffs["output.0"]
+    assert extra.reason == "produced by the replay, not in the recording" and extra.replayed["inf"] == 5
+    assert extra.replayed == compare.stats_dict(stats.host_stats(res.values["output.0"].detach()))
+    cli = pdbg_here("replay", str(stack_run[0]), str(origin.index), "--swap", f"smooth_relu={ref}", cwd=tmp_path)
+    assert cli.returncode == 1 and "non-finite output values: 5 recorded, 5 now" in cli.stdout, cli.stdout + cli.stderr
+    doc = json.loads(pdbg_here("replay", str(stack_run[0]), str(origin.index), "--swap", f"smooth_relu={ref}",
+                               "--json", cwd=tmp_path).stdout)
+    assert [o["replayed"]["inf"] for o in doc["outputs"] if o["name"] == "output.0"] == [5]
