@@ -40,7 +40,41 @@ def recipes(rec: Recording) -> dict[str, dict[str, Any]]:
         doc = json.loads(raw)
     except (ValueError, RecursionError):
         raise RecipeError(f"{rec.reader.label}: {KEY} is not valid JSON; remove it or fix it") from None
-    return doc if isinstance(doc, dict) else {}
+    problem = _malformed(doc)
+    if problem:
+        raise RecipeError(f"{rec.reader.label}: {KEY} {problem}; remove it or fix it")
+    return doc
+
+
+def _malformed(doc: Any) -> str:
+    """What keeps ``doc`` from being ``{name: recipe}`` as ``save`` writes it ("" where nothing): a file
+    edited by hand or damaged would otherwise fail with a traceback where ``pdbg info`` lists it or a
+    replay applies it, or, not an object at all, read as holding no recipes."""
+    if not isinstance(doc, dict):
+        return f"holds {_a_json(doc)}, not an object of recipes by name"
+    for name, recipe in doc.items():
+        if not isinstance(recipe, dict):
+            return f"holds {_a_json(recipe)} as recipe {name!r}, not a recipe object"
+        step = recipe.get("step")
+        index = step.get("index") if isinstance(step, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool):
+            return f"holds recipe {name!r} without a step object whose index is an integer"
+        for part, values in (("swap", "import references"), ("edit", "expressions")):
+            given = recipe.get(part, {})
+            if not isinstance(given, dict) or not all(isinstance(v, str) for v in given.values()):
+                return f"holds recipe {name!r} whose {part} is not an object of keys and {values}"
+        if not isinstance(recipe.get("settings", {}), dict):
+            return f"holds recipe {name!r} whose settings is not an object of setting names and values"
+        seed = recipe.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            return f"holds recipe {name!r} whose seed is not an integer or null"
+    return ""
+
+
+def _a_json(value: Any) -> str:
+    """A JSON value's kind, as a reader of the file names it ("an array", "a number")."""
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
 
 
 def _canonical(settings: Any) -> dict[str, Any]:

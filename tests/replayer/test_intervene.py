@@ -770,3 +770,33 @@ def test_an_output_the_recording_lacks_is_counted_among_the_non_finite_values(st
     doc = json.loads(pdbg_here("replay", str(stack_run[0]), str(origin.index), "--swap", f"smooth_relu={ref}",
                                "--json", cwd=tmp_path).stdout)
     assert [o["replayed"]["inf"] for o in doc["outputs"] if o["name"] == "output.0"] == [5]
+
+
+def test_a_recipes_file_of_another_shape_is_one_line_and_exit_code_2(stack_run: tuple[Path, object],
+                                                                     tmp_path: Path) -> None:
+    """recipes.json edited by hand or damaged, valid JSON but not {name: recipe}: pdbg info and
+    replay --recipe printed a traceback (exit 1), and an array read as no recipes at all."""
+    import shutil
+
+    run = tmp_path / "run.zarr"
+    shutil.copytree(stack_run[0], run)
+    saved = pdbg_here("replay", str(run), "smooth_relu@iter=1", "--edit", "args.0=x.clamp(-50, 50)", "--save-recipe",
+                      "clamp", cwd=tmp_path)
+    assert saved.returncode == 1, saved.stderr
+    good = json.loads((run / recipes.KEY).read_text())
+    recipe = good["clamp"]
+    for doc, says in (([recipe], "holds an array, not an object of recipes by name"),
+                      ({"clamp": 5}, "holds a number as recipe 'clamp', not a recipe object"),
+                      ({"clamp": {**recipe, "settings": "x"}}, "whose settings is not an object"),
+                      ({"clamp": {**recipe, "edit": ["x * 0"]}}, "whose edit is not an object of keys and expressions"),
+                      ({"clamp": {**recipe, "swap": {".": 5}}}, "whose swap is not an object of keys and import"),
+                      ({"clamp": {k: v for k, v in recipe.items() if k != "step"}}, "without a step object"),
+                      ({"clamp": {**recipe, "step": {**recipe["step"], "index": "12"}}}, "without a step object"),
+                      ({"clamp": {**recipe, "seed": "0"}}, "whose seed is not an integer or null")):
+        (run / recipes.KEY).write_text(json.dumps(doc))
+        for argv in (("info", str(run)), ("replay", str(run), "--recipe", "clamp")):
+            res = pdbg_here(*argv, cwd=tmp_path)
+            assert res.returncode == 2 and res.stderr.count("\n") == 1 and says in res.stderr, (argv, res.stderr)
+            assert res.stderr.startswith(f"pdbg: error: {run}: recipes.json "), res.stderr
+        with pytest.raises(recipes.RecipeError, match="remove it or fix it$"):
+            recipes.recipes(replayer.open(run))
