@@ -422,7 +422,29 @@ def swap_module(original: torch.nn.Module, replacement: Any, key: str, build_fro
     if not isinstance(new, torch.nn.Module):
         raise InterventionError(f"swap {key}: the replacement, called as a factory with the original module, gave "
                                 f"{_a(type(new).__name__)}, not an nn.Module; {factory}")
+    _own_values(original, new, key, notes)
     return new
+
+
+def _own_values(original: torch.nn.Module, new: torch.nn.Module, key: str, notes: list[str]) -> None:
+    """Name the parameters and buffers of a factory's module that the original has too (same name and
+    shape) but with other values: a class swapped in takes the original's, a factory's module keeps what
+    it made (``lambda original: StableNorm(8)``: fresh weights), which reads as the fix failing where it
+    is the weights that changed."""
+    theirs = {**dict(original.named_parameters(remove_duplicate=False)), **dict(original.named_buffers())}
+    mine = {**dict(new.named_parameters(remove_duplicate=False)), **dict(new.named_buffers())}
+    other = []
+    for name, value in mine.items():
+        source = theirs.get(name)
+        if source is None or source is value or source.shape != value.shape or source.device != value.device \
+                or torch.strided not in (source.layout, value.layout) or source.layout != value.layout:
+            continue
+        if source.dtype != value.dtype or not torch.equal(_as_bytes(source), _as_bytes(value)):  # NaN too
+            other.append(name)
+    if other:
+        notes.append(f"swap {key}: the factory's module runs with its own {', '.join(sorted(other))}, not the "
+                     "original's recorded values (a class swapped in takes those); to use them, have the factory "
+                     "copy them (new.load_state_dict(original.state_dict(), strict=False))")
 
 
 def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, notes: list[str],
@@ -455,6 +477,10 @@ def _take_parameters(original: torch.nn.Module, new: torch.nn.Module, key: str, 
         notes.append(f"swap {key}: the original's {', '.join(unused)} have no place in the replacement")
     if odd:
         notes.append(f"swap {key}: shapes differ, left as the replacement made them: {', '.join(odd)}")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
 def _one_line(exc: BaseException) -> str:

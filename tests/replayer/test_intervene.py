@@ -800,3 +800,32 @@ def test_a_recipes_file_of_another_shape_is_one_line_and_exit_code_2(stack_run: 
             assert res.stderr.startswith(f"pdbg: error: {run}: recipes.json "), res.stderr
         with pytest.raises(recipes.RecipeError, match="remove it or fix it$"):
             recipes.recipes(replayer.open(run))
+
+
+def test_a_factorys_module_with_its_own_weights_says_so(stack_run: tuple[Path, object]) -> None:
+    """swap={"first": lambda original: StableFc(4)} ran with StableFc's fresh fc weights, where a class swapped
+    in takes the original's, and nothing said so: the fix looked like it changed the numbers by itself."""
+    rec = replayer.open(stack_run[0])
+    note = ("swap first: the factory's module runs with its own fc.bias, fc.weight, not the original's recorded "
+            "values (a class swapped in takes those); to use them, have the factory copy them "
+            "(new.load_state_dict(original.state_dict(), strict=False))")
+
+    def fresh(original: torch.nn.Module) -> torch.nn.Module:
+        new = nanmodels.StableFc(4)
+        with torch.no_grad():
+            new.fc.weight.fill_(0.5), new.fc.bias.fill_(-0.5)  # (what its own initialisation makes, whatever seed)
+        return new
+
+    made = replayer.replay(rec, "Model@iter=1", swap={"first": fresh})
+    assert note in made.warnings, made.warnings
+
+    def copying(original: torch.nn.Module) -> torch.nn.Module:
+        new = nanmodels.StableFc(4)
+        new.load_state_dict(original.state_dict())
+        return new
+
+    copied = replayer.replay(rec, "Model@iter=1", swap={"first": copying})
+    built = replayer.replay(rec, "Model@iter=1", swap={"first": nanmodels.StableFc})
+    assert copied.warnings == built.warnings == [], (copied.warnings, built.warnings)
+    assert torch.equal(copied.values["output"].view(torch.int32), built.values["output"].view(torch.int32))
+    assert replayer.replay(rec, "Model@iter=1", swap={"first": lambda original: original}).warnings == []
