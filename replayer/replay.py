@@ -1463,6 +1463,7 @@ class Replayer:
         rebuilt: dict[str, str] = {}
         call = self._prepare(step, warnings, rebuilt)
         unseen = self._unseen_inputs(step, call)  # (their bits as given, to tell whether the call changes them)
+        kept = self._kept_inputs(step, call)
         below = descendants(step)
         self._bind_inner(below, warnings, call.unchecked)
         inner = below if nested or self.plan.edits_inside() or self.plan.swaps else []
@@ -1491,6 +1492,10 @@ class Replayer:
                 capture.ACTIVE = saved
                 if tap is not None:
                     tap.close()
+        written = [name for name, t, version in kept if t._version != version]
+        if written:
+            warnings.append(f"the replayed call changed {', '.join(written)} in place, which the recorded call left "
+                            "as it was given: the intervention also changes what the step's caller goes on with")
         result = ReplayResult(step, True, [], warnings, rebuilt=rebuilt)
         recorded_exc = step.extra.get("exception")
         missing = None if recorded_exc else \
@@ -1591,6 +1596,20 @@ class Replayer:
                     type(t) in (torch.Tensor, torch.nn.Parameter):
                 out.append((r.name, t, t._version, t.detach().clone()))
         return out
+
+    def _kept_inputs(self, step: Step, call: _Call) -> list[tuple[str, torch.Tensor, int]]:
+        """``(name, tensor, its version counter)`` for the recorded input tensors of a replay with an intervention
+        that the recorded call did not change in place (no ``after:`` record): after the call, those whose
+        counter moved are what a swapped-in replacement (or an edit) made the step write into its inputs, which
+        no output compares."""
+        if self.plan.empty:
+            return []
+        changed = {r.name[len(layout.AFTER_PREFIX):] for r in step.records
+                   if r.role == "output" and r.name.startswith(layout.AFTER_PREFIX)}
+        inputs = {r.name for r in step.records if r.role == "input"} - changed
+        given = tensors_by_name({"args": call.args, "kwargs": call.kwargs}, "@")
+        return [(name, t, t._version) for name, t in ((k[2:], v) for k, v in given.items())
+                if name in inputs and isinstance(t, torch.Tensor) and not t.is_inference()]
 
     # -- backward --------------------------------------------------------------------------------
     def _backward(self, step: Step, threads: int | None, nested: bool) -> ReplayResult:

@@ -829,3 +829,33 @@ def test_a_factorys_module_with_its_own_weights_says_so(stack_run: tuple[Path, o
     assert copied.warnings == built.warnings == [], (copied.warnings, built.warnings)
     assert torch.equal(copied.values["output"].view(torch.int32), built.values["output"].view(torch.int32))
     assert replayer.replay(rec, "Model@iter=1", swap={"first": lambda original: original}).warnings == []
+
+
+@recorder.paper_step("Eq. 9", description="scale by two")
+class Doubler(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+class DoublerInPlace(torch.nn.Module):
+    """The same numbers, written into its input as well."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return x.mul_(2)
+
+
+def test_a_replacement_that_writes_into_its_input_says_so(tmp_path: Path) -> None:
+    """A module swapped in that changed its input in place, where the recorded call left it as given, was said
+    nowhere: the output matched, and the caller's tensor changed unseen."""
+    path = tmp_path / "run.zarr"
+    model = torch.nn.Sequential(Doubler())
+    with recorder.record(path, model=model):
+        model(torch.randn(2, 3))
+    rec = replayer.open(path)
+    res = replayer.replay(rec, "Doubler", swap={".": DoublerInPlace})
+    assert res.diffs["output"].match and res.warnings == [
+        "the replayed call changed args.0 in place, which the recorded call left as it was given: the intervention "
+        "also changes what the step's caller goes on with"], res.warnings
+    assert replayer.replay(rec, "Doubler", swap={".": Doubler}).warnings == []
+    assert replayer.replay(rec, "Doubler", edit={"args.0": "x.mul_(1)"}).warnings == []  # (the edit's own copy)
