@@ -2187,17 +2187,19 @@ class Divergence:
     # step, of run B where unpaired_other (first_difference is then run A's step after the place it ran at)
     unpaired: Step | None = None
     unpaired_other: bool = False
+    # Where every pair matched: how many of them only by statistics (either run kept none of a tensor's bytes)
+    by_statistics: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """``pdbg bisect --against --json``: {"divergence", "cause", "other", "first_difference",
-        "followed", "compared", "unpaired"} (README, "Command line")."""
+        "followed", "compared", "by_statistics", "unpaired"} (README, "Command line")."""
         unpaired = None if self.unpaired is None else \
             {**self.unpaired.to_json(), "run": "other" if self.unpaired_other else "this"}
         return {"divergence": self.step.to_json() if self.step else None, "cause": self.cause,
                 "other": self.other.to_json() if self.other else None,
                 "first_difference": self.first_difference.to_json() if self.first_difference else None,
                 "followed": [s.to_json() for s in self.followed[:SPREAD]], "compared": self.compared,
-                "unpaired": unpaired}
+                "by_statistics": self.by_statistics, "unpaired": unpaired}
 
     def __repr__(self) -> str:
         return printable(f"<Divergence: {self.cause}>")
@@ -2271,6 +2273,17 @@ class _Prints:
         with np.errstate(over="ignore"):
             self.stats[:, 0] = np.bitwise_xor.reduce(stats * primes, axis=1)
             self.stats[:, 1] = np.bitwise_xor.reduce(stats * primes[::-1], axis=1)
+
+    def by_statistics(self) -> np.ndarray:
+        """Per step, whether a tensor record of it kept statistics only (stats mode, flight mode outside its
+        ring, a payload dropped when the recorder fell behind): a comparison of it is by those statistics, which
+        cannot tell a reordered batch apart, not by bytes."""
+        n = len(self.start)
+        steps = np.asarray(self.view.steps, np.int64)
+        if len(steps) != len(self.exact):
+            return np.zeros(n, bool)
+        loose = steps[~self.exact]
+        return np.bincount(loose[(loose >= 0) & (loose < n)], minlength=n)[:n] > 0
 
     def of(self, index: int) -> dict[tuple[str, str], _Print]:
         a, b = int(self.start[index]), int(self.start[index]) + int(self.count[index])
@@ -2648,7 +2661,7 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
                               for n, which in ((only_a, "this run"), (only_b, "the other")) if n)
             result.cause = (f"no divergence: the {common} step{'s' if common != 1 else ''} the runs have in common "
                             f"match" + (f" ({apart}: a run longer than the other, or steps recorded in one only)"
-                                        if apart else "") + counted)
+                                        if apart else "") + _loosely(al, pa, pb, result) + counted)
         else:
             result.cause = _sparse_cause(result.first_difference, unseen) + counted if unseen else (
                 f"the results first differ at {describe(result.first_difference)}, but its inputs differ too: "
@@ -2675,6 +2688,23 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
     result.cause = f"{describe(result.step)}: {root[index]}{_inside(al, result.step, result.other)}"
     result.followed = _followers(al, result.first_difference.index, pa, pb)
     return result
+
+
+def _loosely(al: _Aligned, pa: _Prints, pb: _Prints, result: Divergence) -> str:
+    """Where every pair matched: how many of them matched by statistics only (either run kept no bytes of a
+    tensor of the step), set as ``result.by_statistics``, and which run kept statistics only: said, or a
+    "match" reads as bit for bit where tensors in another order match as well; "" where all matched by bytes."""
+    paired = np.flatnonzero(al.a >= 0)
+    loose_a, loose_b = pa.by_statistics()[paired], pb.by_statistics()[al.a[paired]]
+    count = int(np.count_nonzero(loose_a | loose_b))
+    result.by_statistics = count
+    if not count:
+        return ""
+    who = "neither run kept" if loose_a.any() and loose_b.any() else \
+        "this run did not keep" if loose_a.any() else "the other run did not keep"
+    share = f"all {count}" if count == len(paired) else f"{count} of them"
+    return (f"; {share} by statistics only: {who} the bytes of some of their tensors, and statistics cannot tell a "
+            "reordered batch apart")
 
 
 def _not_its_own(al: _Aligned, sa: Step, sb: Step) -> bool:

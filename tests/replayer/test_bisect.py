@@ -817,6 +817,50 @@ def test_the_same_training_recorded_twice_does_not_diverge(tmp_path: Path, modes
         assert "0.weight differs" in div.cause
 
 
+@recorder.paper_step("Eq. 3")
+def _squash(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * 2
+
+
+def _record_squash(path: Path, mode: str, flipped: bool) -> None:
+    """Three iterations of one paper step on a batch, ``flipped``: its rows in reverse order (the same statistics)."""
+    w = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.0)
+    g = torch.Generator().manual_seed(0)
+    with recorder.record(path, optimizer=opt, mode=mode):
+        for _ in range(3):
+            x = torch.randn(8, 4, generator=g)
+            _squash((x.flip(0) if flipped else x) + w).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("modes", [("stats", "stats"), ("full", "stats"), ("stats", "full")])
+def test_runs_that_match_by_statistics_only_say_so(tmp_path: Path, modes: tuple[str, str]) -> None:
+    """Two runs whose step got its batch's rows in another order, where either kept statistics only: they match,
+    as their statistics are alike, and the answer says how many steps matched by statistics only, and that those
+    cannot tell a reordered batch apart (it said that the steps match, which reads as bit for bit)."""
+    _record_squash(tmp_path / "a.zarr", modes[0], False)
+    _record_squash(tmp_path / "b.zarr", modes[1], True)
+    div = replayer.first_divergence(tmp_path / "a.zarr", tmp_path / "b.zarr")
+    assert div.first_difference is None and div.by_statistics == div.compared == 6, div.cause
+    who = {("stats", "stats"): "neither run kept", ("full", "stats"): "the other run did not keep",
+           ("stats", "full"): "this run did not keep"}[modes]
+    assert div.cause == (f"no divergence: the 6 steps the runs have in common match; all 6 by statistics only: {who} "
+                         "the bytes of some of their tensors, and statistics cannot tell a reordered batch apart")
+    res = pdbg("bisect", "a.zarr", "--against", "b.zarr", "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 0 and doc["by_statistics"] == 6 and doc["cause"] == div.cause
+
+
+def test_runs_that_match_bit_for_bit_say_no_more(tmp_path: Path) -> None:
+    """Two full recordings of the same training: every step matched by its bytes, and the answer says only that."""
+    _record_squash(tmp_path / "a.zarr", "full", False)
+    _record_squash(tmp_path / "b.zarr", "full", False)
+    div = replayer.first_divergence(tmp_path / "a.zarr", tmp_path / "b.zarr")
+    assert div.by_statistics == 0 and div.cause == "no divergence: the 6 steps the runs have in common match"
+
+
 def _lr_run(path: Path, lr_changed: bool) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
