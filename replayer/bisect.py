@@ -2665,7 +2665,9 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
         else:
             result.cause = _sparse_cause(result.first_difference, unseen) + counted if unseen else (
                 f"the results first differ at {describe(result.first_difference)}, but its inputs differ too: "
-                f"{outside or 'they came from outside every recorded step' + _params_too(parts)}" + counted)
+                f"{outside or 'they came from outside every recorded step' + _params_too(parts)}"
+                + _told(sa, sb, _differing(parts[0][0], parts[1][0]) | _differing(parts[0][1], parts[1][1]))
+                + counted)
             result.followed = _followers(al, result.first_difference.index, pa, pb)
         return result
     index = result.step.index
@@ -3179,7 +3181,8 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
     if changed:
         where = (": every recorded step before it matched, so they were changed outside the recorded steps (by the "
                  "optimizer or its settings, such as the learning rate, or at initialisation)" if first else "")
-        return f"{same}, but {_names(changed)} differ{'s' if len(changed) == 1 else ''}, so {results}{where}"
+        told = _told(sa, sb, _differing(params_a, params_b) | _differing(res_a, res_b))
+        return f"{same}, but {_names(changed)} differ{'s' if len(changed) == 1 else ''}, so {results}{where}{told}"
     reasons = []
     alone = sorted(_label(k) for k in set(res_a) ^ set(res_b))
     if alone:  # a gradient one run computed and the other did not
@@ -3243,7 +3246,39 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
                                                                                  snapshot.DEFAULT_PREFIX))]
     if others and not reasons:
         why += f"; its {' and '.join(others)} RNG states differ too, which matters only if it draws from them"
-    return f"{same} and parameters, but {results}: {why}"
+    return f"{same} and parameters, but {results}: {why}{_told(sa, sb, _differing(res_a, res_b))}"
+
+
+def _told(sa: Step, sb: Step, keys: set[Any], shown: int = 3) -> str:
+    """Of the records ``keys`` of two runs' same step that differ, those whose dtypes or shapes differ (bfloat16
+    in one run) or whose NaN or Inf counts do (a NaN in one run's batch or weight), as a cause adds them: what a
+    reader asks first of two runs that part, and which neither a name nor "differs" tells; "" for none."""
+    said = []
+    order = ("input", "forward input", "grad_output", *_PARAMS)  # (what the step got first, then what it made)
+    for key in sorted(keys, key=lambda k: (order.index(k[0]) if k[0] in order else len(order), str(k[1]))):
+        ra, rb = _record_of(sa, key), _record_of(sb, key)
+        if ra is None or rb is None:
+            continue
+        label = _input_name(sa, key) if key[0] in ("input", "grad_output", "forward input") else _label(key)
+        if ra.dtype != rb.dtype:
+            said.append(f"{label} is {ra.dtype} in this run, {rb.dtype} in the other")
+        if ra.shape != rb.shape:
+            said.append(f"{label} is of shape {tuple(ra.shape)} in this run, {tuple(rb.shape)} in the other")
+        for stat, what in (("nan", "NaN"), ("inf", "Inf")):
+            na, nb = int(ra.stats[stat]), int(rb.stats[stat])
+            if na != nb:
+                said.append(f"{label} holds {na or 'no'} {what} in this run, {nb or 'none'} in the other")
+    more = f"; and {len(said) - shown} more such" if len(said) > shown else ""
+    return "".join(f"; {s}" for s in said[:shown]) + more
+
+
+def _record_of(step: Step, key: tuple[str, str]) -> TensorRecord | None:
+    """The tensor record a fingerprint's key (``_parts``) names: a backward step's forward inputs and parameters
+    are its forward call's; None for what no tensor record holds (a forward's non-tensor output)."""
+    role, name = key
+    if role.startswith("forward ") or (role in _PARAMS and step.phase == "backward"):
+        step, role = _forward_of(step), role.removeprefix("forward ")
+    return next((r for r in step.records if r.role == role and r.name == name), None)
 
 
 _ABSENT = object()

@@ -861,6 +861,52 @@ def test_runs_that_match_bit_for_bit_say_no_more(tmp_path: Path) -> None:
     assert div.by_statistics == 0 and div.cause == "no divergence: the 6 steps the runs have in common match"
 
 
+def _record_poisoned(path: Path, batch_nan: int | None = None, weight_nan: int | None = None,
+                     dtype: torch.dtype = torch.float32) -> None:
+    """Four iterations of two Linear(6, 6) + ReLU modules in ``dtype``; ``batch_nan``: a NaN in that iteration's
+    batch; ``weight_nan``: one written into the second Linear's weight after that iteration's optimizer step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 6)).to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    with recorder.record(path, model=model, optimizer=opt, modules=["0", "2"]):
+        for i in range(4):
+            x = torch.randn(4, 6, generator=g).to(dtype)
+            if i == batch_nan:
+                x[1, 2] = float("nan")
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == weight_nan:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = float("nan")
+
+
+def test_runs_parted_by_a_nan_or_a_dtype_say_which_tensor_holds_it(tmp_path: Path) -> None:
+    """Where two runs part at a tensor one run holds a NaN in (its batch, a weight written outside every step) or
+    that is of another dtype, the answer names that tensor and what differs (it said only that the inputs came
+    from outside every recorded step, or that the weight differed as by the learning rate)."""
+    _record_poisoned(tmp_path / "a.zarr")
+    _record_poisoned(tmp_path / "batch.zarr", batch_nan=2)
+    _record_poisoned(tmp_path / "weight.zarr", weight_nan=1)
+    _record_poisoned(tmp_path / "bf16.zarr", dtype=torch.bfloat16)
+    div = replayer.first_divergence(tmp_path / "a.zarr", tmp_path / "batch.zarr")
+    first = div.first_difference
+    assert div.step is None and (first.iteration, first.module_path, first.phase) == (2, "0", "forward"), div.cause
+    assert div.cause.endswith("they came from outside every recorded step; input holds no NaN in this run, 1 in "
+                              "the other"), div.cause
+    back = replayer.first_divergence(tmp_path / "batch.zarr", tmp_path / "a.zarr")
+    assert back.cause.endswith("; input holds 1 NaN in this run, none in the other"), back.cause
+    div = replayer.first_divergence(tmp_path / "a.zarr", tmp_path / "weight.zarr")
+    assert (div.step.iteration, div.step.module_path, div.step.phase) == (2, "2", "forward"), div.cause
+    assert "same inputs, but weight differs, so output differs" in div.cause
+    assert div.cause.endswith("; weight holds no NaN in this run, 1 in the other; output holds no NaN in this run, "
+                              "4 in the other"), div.cause
+    div = replayer.first_divergence(tmp_path / "a.zarr", tmp_path / "bf16.zarr")
+    assert div.cause.endswith("; input is float32 in this run, bfloat16 in the other; bias is float32 in this run, "
+                              "bfloat16 in the other; weight is float32 in this run, bfloat16 in the other"), div.cause
+
+
 def _lr_run(path: Path, lr_changed: bool) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
@@ -1693,17 +1739,21 @@ def test_a_gradient_one_run_computed_and_the_other_did_not_is_named(tmp_path: Pa
 
 def test_inputs_of_another_dtype_or_shape_are_not_the_same_inputs(tmp_path: Path) -> None:
     """Statistics of the same values in float32 and float64, or zeros in two shapes, are equal, as
-    are the bytes of one tensor and of its reshape: the comparison takes dtype and shape too."""
+    are the bytes of one tensor and of its reshape: the comparison takes dtype and shape too, and says which."""
     x = torch.linspace(-1, 1, 8).reshape(2, 4)
     pairs = {"dtype": ((x, "stats"), (x.double(), "stats")), "shape": ((torch.zeros(2, 4), "stats"),
                                                                       (torch.zeros(2, 8), "stats")),
              "reshaped": ((x, "full"), (x.reshape(4, 2), "full"))}
+    told = {"dtype": "x is float32 in this run, float64 in the other",
+            "shape": "x is of shape (2, 4) in this run, (2, 8) in the other",
+            "reshaped": "x is of shape (2, 4) in this run, (4, 2) in the other"}
     for what, ((xa, mode_a), (xb, mode_b)) in pairs.items():
         a = _record_calls(tmp_path / f"{what}a.zarr", [(_shifted, xa)], mode_a)
         b = _record_calls(tmp_path / f"{what}b.zarr", [(_shifted, xb)], mode_b)
         div = replayer.first_divergence(a, b)
         assert div.step is None and div.first_difference is not None, (what, div.cause)
-        assert div.cause.endswith("but its inputs differ too: they came from outside every recorded step"), what
+        assert div.cause.endswith("but its inputs differ too: they came from outside every recorded step; "
+                                  + told[what]), div.cause
 
 
 def test_inputs_judged_equal_by_their_statistics_are_said_to_be(tmp_path: Path) -> None:
@@ -1811,7 +1861,8 @@ def test_an_expert_that_got_other_tokens_is_compared_whichever_experts_ran(tmp_p
     assert div.cause == (
         "the results first differ at step 1: _Expert · layers.0.experts.3 · forward (no grad) · iteration 0 · call 1, "
         "but its inputs differ too: this run has 1 step right before it that the other run lacks (this run's step 0: "
-        "_Expert · layers.0.experts.0 · forward (no grad) · iteration 0 · call 0), which may have made them")
+        "_Expert · layers.0.experts.0 · forward (no grad) · iteration 0 · call 0), which may have made them; "
+        "x is of shape (2, 4) in this run, (1, 4) in the other")
     res = pdbg("bisect", "a.zarr", "--against", "b.zarr", cwd=tmp_path)
     assert res.returncode == 1 and res.stdout.splitlines()[0] == div.cause, res.stdout
     assert replayer.first_divergence(a, a).cause == "no divergence: the 3 steps the runs have in common match"
