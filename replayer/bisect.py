@@ -2177,7 +2177,7 @@ class Divergence:
     """The answer of :func:`first_divergence`."""
 
     step: Step | None  # in run A: the root cause (same inputs, different results), innermost
-    other: Step | None  # the same step in run B
+    other: Step | None  # the same step in run B (of the root cause; where there is none, of first_difference)
     cause: str
     first_difference: Step | None = None  # the first aligned step whose results differ at all
     followed: list[Step] = field(default_factory=list)  # the first SPREAD steps after it that differ only
@@ -2640,7 +2640,7 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
     outside = ""
     if at is not None:
         sa, sb = rec_a.step(at[0]), rec_b.step(at[1])
-        result.first_difference = sa
+        result.first_difference, result.other = sa, sb
         if inputs_differ:
             # The first difference came in from outside every recorded step (a batch, code between
             # steps), or from steps one run has and the other lacks: later steps whose parameters
@@ -2881,6 +2881,8 @@ def _ran_alone(al: _Aligned, result: Divergence, alone: tuple[bool, int, int], a
         ran = f"{what} ran as call {step.call} of iteration {iteration} in {which} only"
     before = f", before this run's step {place}" if other else ""
     result.first_difference, result.unpaired, result.unpaired_other = al.rec_a.step(place), step, other
+    paired = int(al.a[place]) if 0 <= place < len(al.a) else -1
+    result.other = al.rec_b.step(paired) if paired >= 0 else None
     more = len(_compared(al, False)) + len(_compared(al, True)) - 1
     also = (f"; {more} more step{'s' if more != 1 else ''} of those both runs recorded ran in one only"
             if more > 0 else "")

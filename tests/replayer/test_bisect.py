@@ -907,6 +907,36 @@ def test_runs_parted_by_a_nan_or_a_dtype_say_which_tensor_holds_it(tmp_path: Pat
                               "bfloat16 in the other; weight is float32 in this run, bfloat16 in the other"), div.cause
 
 
+def _record_stack(path: Path, depth: int) -> None:
+    """Two iterations of ``depth`` recorded Linear(4, 4) layers and a recorded head."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(depth)]),
+                                torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with recorder.record(path, model=model, optimizer=opt, modules=["0.*", "1"]):
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_runs_that_differ_without_a_root_cause_give_the_other_runs_step(tmp_path: Path) -> None:
+    """A run with one layer more: the head's results first differ, with other inputs, and the other run's head
+    step is another index; Divergence.other (and --json's other) is that step, as for a root cause (it was None,
+    and the other run's step was found only in the cause's words)."""
+    _record_stack(tmp_path / "a.zarr", 2)
+    _record_stack(tmp_path / "b.zarr", 3)
+    div = replayer.first_divergence(tmp_path / "a.zarr", tmp_path / "b.zarr")
+    first, other = div.first_difference, div.other
+    assert div.step is None and first is not None and other is not None, div.cause
+    assert (first.module_path, first.phase, first.index) == ("1", "forward", 2)
+    assert (other.module_path, other.phase, other.index) == ("1", "forward", 3)
+    res = pdbg("bisect", "a.zarr", "--against", "b.zarr", "--json", cwd=tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and doc["other"]["index"] == 3 and doc["first_difference"]["index"] == 2
+
+
 def _lr_run(path: Path, lr_changed: bool) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
