@@ -52,6 +52,7 @@ from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
 from .arguments import data_writes_unseen, type_words, unrecorded_arguments
+from .compare import Diff, compare
 from .recording import Recording, Step, opened, paper_of, paper_reference, printable, skeleton_modules
 
 _RESULT, _INPUT = layout.NONFINITE_RESULT, layout.NONFINITE_INPUT
@@ -2189,17 +2190,23 @@ class Divergence:
     unpaired_other: bool = False
     # Where every pair matched: how many of them only by statistics (either run kept none of a tensor's bytes)
     by_statistics: int = 0
+    # How far the results of the step named (the root cause, else first_difference) are from the other run's, this
+    # run's taken as the reference: those both runs kept the bytes of, of one dtype and shape, with no NaN or Inf
+    # that differ (the cause names those)
+    distances: list[Diff] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """``pdbg bisect --against --json``: {"divergence", "cause", "other", "first_difference",
-        "followed", "compared", "by_statistics", "unpaired"} (README, "Command line")."""
+        "followed", "compared", "by_statistics", "unpaired", "distances"} (README, "Command line")."""
         unpaired = None if self.unpaired is None else \
             {**self.unpaired.to_json(), "run": "other" if self.unpaired_other else "this"}
         return {"divergence": self.step.to_json() if self.step else None, "cause": self.cause,
                 "other": self.other.to_json() if self.other else None,
                 "first_difference": self.first_difference.to_json() if self.first_difference else None,
                 "followed": [s.to_json() for s in self.followed[:SPREAD]], "compared": self.compared,
-                "by_statistics": self.by_statistics, "unpaired": unpaired}
+                "by_statistics": self.by_statistics, "unpaired": unpaired,
+                "distances": [{k: d.to_json()[k] for k in ("name", "role", "mismatched", "max_abs_diff",
+                                                            "max_rel_diff", "max_ulp")} for d in self.distances]}
 
     def __repr__(self) -> str:
         return printable(f"<Divergence: {self.cause}>")
@@ -2669,6 +2676,7 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
                 + _told(sa, sb, _differing(parts[0][0], parts[1][0]) | _differing(parts[0][1], parts[1][1]))
                 + counted)
             result.followed = _followers(al, result.first_difference.index, pa, pb)
+            result.distances = _distances(result.first_difference, result.other)
         return result
     index = result.step.index
     descended = True
@@ -2689,7 +2697,32 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
                 break
     result.cause = f"{describe(result.step)}: {root[index]}{_inside(al, result.step, result.other)}"
     result.followed = _followers(al, result.first_difference.index, pa, pb)
+    result.distances = _distances(result.step, result.other)
     return result
+
+
+def _distances(sa: Step, sb: Step | None) -> list[Diff]:
+    """How far each result of run B's step ``sb`` is from run A's ``sa`` (``Divergence.distances``): of those both
+    runs kept the bytes of, alike in dtype and shape and in NaN and Inf, that differ. Where a payload cannot be read
+    (damaged) that result is left out: the distances add to the answer, which the bytes of no other step decide."""
+    if sb is None:
+        return []
+    out = []
+    for ra in sa.records:
+        rb = _record_of(sb, (ra.role, ra.name)) if ra.role in _RESULTS[sa.phase] else None
+        if rb is None or not (ra.has_payload and rb.has_payload) or (ra.dtype, ra.shape) != (rb.dtype, rb.shape) \
+                or (ra.stats["nan"], ra.stats["inf"]) != (rb.stats["nan"], rb.stats["inf"]):
+            continue
+        try:
+            ta, tb = sa.rec.rank.tensor(ra), sb.rec.rank.tensor(rb)
+        except (RecordingError, OSError, ValueError):
+            continue
+        if not isinstance(ta, torch.Tensor) or not isinstance(tb, torch.Tensor) or ta.is_sparse or tb.is_sparse:
+            continue
+        d = compare(_label((ra.role, ra.name)), ra.role, ta, tb)
+        if d.measured and not d.match:
+            out.append(d)
+    return out
 
 
 def _loosely(al: _Aligned, pa: _Prints, pb: _Prints, result: Divergence) -> str:

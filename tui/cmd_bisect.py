@@ -86,6 +86,9 @@ def bisect(args: argparse.Namespace) -> int:
                 print(f"steps after it that only followed (different inputs or parameters): "
                       f"{', '.join(str(s.index) for s in div.followed)}{more}; first "
                       f"{_step_text(div.followed[0].to_json())}")
+            if div.distances:
+                print("how far the other run's results are from this run's: "
+                      + "; ".join(d.summary() for d in div.distances))
         return 1 if div.first_difference is not None else 0
     origin = replayer.first_nonfinite(rec, all_ranks=args.rank is None, scaler_skips=args.scaler_skips)
     op_note = None

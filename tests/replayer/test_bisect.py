@@ -964,6 +964,40 @@ def test_runs_parted_by_a_learning_rate_name_the_parameters_that_came_in_differe
                               "parameters bias, weight differ too"), div.cause
 
 
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor's bits as integers that count ULPs across zero."""
+    bits = t.contiguous().view(torch.int32).to(torch.int64)
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def test_runs_that_part_say_how_far_the_results_are(tmp_path: Path) -> None:
+    """Two full runs parted by the learning rate: the answer gives how far the other run's results of the step
+    named are from this run's, as torch computes them from the two recorded tensors (it said only that they
+    differ: one ULP of a reduction order and a real divergence read alike), in Python, --json and the text."""
+    _lr_run(tmp_path / "a.zarr", False)
+    _lr_run(tmp_path / "b.zarr", True)
+    div = replayer.first_divergence(tmp_path / "a.zarr", tmp_path / "b.zarr")
+    assert div.first_difference is not None and div.other is not None and len(div.distances) == 1, div.cause
+    ta, tb = div.first_difference.tensor("output"), div.other.tensor("output")
+    d = div.distances[0]
+    assert (d.name, d.role) == ("output", "output")
+    assert d.mismatched == int((ta.view(torch.int32) != tb.view(torch.int32)).sum()) > 0
+    a64, b64 = ta.double(), tb.double()  # (float32 values differ exactly in float64)
+    assert d.max_abs_diff == float((a64 - b64).abs().max())
+    assert d.max_rel_diff == float(((a64 - b64).abs() / a64.abs()).max())
+    assert d.max_ulp == int((_ordered(ta) - _ordered(tb)).abs().max())
+    res = pdbg("bisect", "a.zarr", "--against", "b.zarr", "--json", cwd=tmp_path)
+    assert json.loads(res.stdout)["distances"] == [{"name": "output", "role": "output", "mismatched": d.mismatched,
+                                                    "max_abs_diff": d.max_abs_diff, "max_rel_diff": d.max_rel_diff,
+                                                    "max_ulp": d.max_ulp}]
+    res = pdbg("bisect", "a.zarr", "--against", "b.zarr", cwd=tmp_path)
+    assert res.stdout.splitlines()[-1] == ("how far the other run's results are from this run's: output: "
+                                           f"{d.mismatched} elements differ, max abs {d.max_abs_diff:.3g}, max rel "
+                                           f"{d.max_rel_diff:.3g}, {d.max_ulp} ULP"), res.stdout
+    same = replayer.first_divergence(tmp_path / "a.zarr", tmp_path / "a.zarr")
+    assert same.distances == [] and "distances" in same.to_json()
+
+
 def test_runs_parted_by_their_data_have_no_root_cause_among_the_steps(tmp_path: Path) -> None:
     """Two runs alike but for the batch of iteration 2: the first step that differs got different
     inputs (from outside every recorded step), and that is the answer. The steps of iteration 3,
