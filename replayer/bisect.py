@@ -2668,7 +2668,8 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
                               for n, which in ((only_a, "this run"), (only_b, "the other")) if n)
             result.cause = (f"no divergence: the {common} step{'s' if common != 1 else ''} the runs have in common "
                             f"match" + (f" ({apart}: a run longer than the other, or steps recorded in one only)"
-                                        if apart else "") + _loosely(al, pa, pb, result) + counted)
+                                        if apart else "") + _loosely(al, pa, pb, result) + _live(rec_a, rec_b)
+                            + counted)
         else:
             result.cause = _sparse_cause(result.first_difference, unseen) + counted if unseen else (
                 f"the results first differ at {describe(result.first_difference)}, but its inputs differ too: "
@@ -2723,6 +2724,14 @@ def _distances(sa: Step, sb: Step | None) -> list[Diff]:
         if d.measured and not d.match:
             out.append(d)
     return out
+
+
+def _live(rec_a: Recording, rec_b: Recording) -> str:
+    """Where a run was still being recorded when read: which, and that its later steps were not compared (a "no
+    divergence" then holds so far only); "" where neither was."""
+    live = [(which, rec) for which, rec in (("this run", rec_a), ("the other run", rec_b)) if rec.status == "recording"]
+    return "".join(f"; {which} was still being recorded ({len(rec)} step{'s' if len(rec) != 1 else ''} when read): "
+                   "the steps it records after were not compared" for which, rec in live)
 
 
 def _loosely(al: _Aligned, pa: _Prints, pb: _Prints, result: Divergence) -> str:

@@ -937,6 +937,37 @@ def test_runs_that_differ_without_a_root_cause_give_the_other_runs_step(tmp_path
     assert res.returncode == 1 and doc["other"]["index"] == 3 and doc["first_difference"]["index"] == 2
 
 
+def _record_pair_of_layers(path: Path, iterations: int, against: Path | None = None) -> str | None:
+    """``iterations`` of two recorded Linear layers; ``against``: the cause of a diff of that run against this one,
+    taken while this one still records (after its second iteration)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    cause = None
+    with recorder.record(path, model=model, optimizer=opt, modules=["*"]):
+        for i in range(iterations):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1 and against is not None:
+                recorder.flush()
+                cause = replayer.first_divergence(against, path).cause
+    return cause
+
+
+def test_a_diff_against_a_run_still_recording_says_so(tmp_path: Path) -> None:
+    """A diff against a run still being recorded: "no divergence" holds only for the steps written so far, and the
+    answer says that run was still being recorded (it said only that one run was longer than the other)."""
+    _record_pair_of_layers(tmp_path / "a.zarr", 4)
+    cause = _record_pair_of_layers(tmp_path / "b.zarr", 4, against=tmp_path / "a.zarr")
+    assert cause == ("no divergence: the 8 steps the runs have in common match (8 steps only in this run: a run longer "
+                     "than the other, or steps recorded in one only); the other run was still being recorded (8 steps "
+                     "when read): the steps it records after were not compared")
+    done = replayer.first_divergence(tmp_path / "a.zarr", tmp_path / "b.zarr")
+    assert done.cause == "no divergence: the 16 steps the runs have in common match"
+
+
 def _lr_run(path: Path, lr_changed: bool) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
