@@ -2667,9 +2667,8 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
             apart = "; ".join(f"{n} step{'s' if n != 1 else ''} only in {which}"
                               for n, which in ((only_a, "this run"), (only_b, "the other")) if n)
             result.cause = (f"no divergence: the {common} step{'s' if common != 1 else ''} the runs have in common "
-                            f"match" + (f" ({apart}: a run longer than the other, or steps recorded in one only)"
-                                        if apart else "") + _loosely(al, pa, pb, result) + _live(rec_a, rec_b)
-                            + counted)
+                            f"match" + (f" ({apart}: {_why_apart(rec_a, rec_b)})" if apart else "")
+                            + _loosely(al, pa, pb, result) + _live(rec_a, rec_b) + counted)
         else:
             result.cause = _sparse_cause(result.first_difference, unseen) + counted if unseen else (
                 f"the results first differ at {describe(result.first_difference)}, but its inputs differ too: "
@@ -2724,6 +2723,13 @@ def _distances(sa: Step, sb: Step | None) -> list[Diff]:
         if d.measured and not d.match:
             out.append(d)
     return out
+
+
+def _why_apart(rec_a: Recording, rec_b: Recording) -> str:
+    """Why steps of a run that matched the other's have no pair there: a bundle of one step holds no more."""
+    if _one_step(rec_a) or _one_step(rec_b):
+        return f"{'this run' if _one_step(rec_a) else 'the other'} is a bundle of one step, which holds no other"
+    return "a run longer than the other, or steps recorded in one only"
 
 
 def _live(rec_a: Recording, rec_b: Recording) -> str:

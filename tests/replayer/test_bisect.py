@@ -1063,6 +1063,19 @@ def test_a_run_that_is_longer_is_said_to_be(tmp_path: Path) -> None:
                          "only in this run: a run longer than the other, or steps recorded in one only)")
 
 
+def test_a_bundle_of_one_step_is_said_to_hold_no_other(tmp_path: Path) -> None:
+    """A run against a bundle of one of its steps: the steps the bundle lacks are said to be missing because it
+    holds one step (it said "a run longer than the other, or steps recorded in one only")."""
+    record_mlp(tmp_path / "a.zarr", "full", 8)
+    a = replayer.open(tmp_path / "a.zarr")
+    one = tmp_path / "one.pdbg"
+    replayer.bundle(a, a.steps.filter(iteration=1)[0], one)
+    div = replayer.first_divergence(a, replayer.open(one))
+    assert div.first_difference is None
+    assert div.cause == (f"no divergence: the 1 step the runs have in common match ({len(a) - 1} steps only in this "
+                         "run: the other is a bundle of one step, which holds no other)"), div.cause
+
+
 def test_runs_of_different_models_are_refused_in_one_line(two_runs: tuple[Path, Path], overflow_run: Path,
                                                            tmp_path: Path) -> None:
     res = pdbg("bisect", str(two_runs[0]), "--against", str(overflow_run), cwd=tmp_path)
