@@ -18,6 +18,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.nn.modules import module as _module
 from torch.nn.utils import parametrize, prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
@@ -206,6 +207,19 @@ def _hooks(module: torch.nn.Module) -> tuple[list[dict[str, Any]], set[str], lis
     return recorded, derived, others
 
 
+def hooks_node(module: torch.nn.Module) -> bool:
+    """Whether torch passes the module's calls' tensors through the node of its backward hooks (``BackwardHook``):
+    it has full backward hooks or backward pre-hooks, its own or on every module's calls. That node is an identity
+    with an edge per argument (one tensor passed twice, ``blk(h, h)``, is two aliases of it, their gradients sent
+    on one after the other), so a replay of the module's step, or of one around it, inserts it again, to add
+    gradients in the order the recorded pass did, where the hooks themselves cannot be recorded. Read from the
+    attributes torch's call reads (a TorchScript module refuses ``_get_backward_hooks``)."""
+    own_full = getattr(module, "_is_full_backward_hook", None) is True and getattr(module, "_backward_hooks", None)
+    every_full = _module._global_is_full_backward_hook is True and _module._global_backward_hooks
+    return bool(getattr(module, "_backward_pre_hooks", None) or _module._global_backward_pre_hooks
+                or own_full or every_full)
+
+
 _NO_LINK = object()
 
 
@@ -309,6 +323,8 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
         doc["hooks"] = hooks
     if other_hooks:
         doc["other_hooks"] = other_hooks
+    if hooks_node(module):
+        doc["hooks_node"] = True
     memo[id(module)] = doc
     doc["children"] = {name: None if child is None else build(child, memo, classes)
                        for name, child in module._modules.items()}

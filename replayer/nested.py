@@ -209,7 +209,8 @@ class InnerTap:
                 self._modules[rel] = sub
                 self._watch(rel, sub)
 
-    def _tap_in(self, seen: _Seen, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _tap_in(self, seen: _Seen, args: tuple[Any, ...], kwargs: dict[str, Any],
+                module: torch.nn.Module | None = None) -> Any:
         if not self.backward or transforms.active():  # (under torch.func the recorder tapped nothing either)
             return None
 
@@ -225,12 +226,16 @@ class InnerTap:
             seen.leaves = taps.first_places(leaves)
         if seen.leaves or self.uses_apart:
             seen.since = taps.sequence_now()
+        split = taps.split_places(module, args)
+        if split:  # (as the recorder taps them: tapped, and given as positional arguments alone)
+            split = (split & {id(t) for _, t in slots}).difference(
+                id(t) for key, t in slots if len(key) > 2 or key[0] != "args")
         new_args, new_kwargs, holder[0] = taps.tap_arguments(args, kwargs,
                                                              lambda g, k=0: got(g, holder[0][k:k + len(g)]),
                                                              slots=slots, undo=seen.undo, leaves=self.leaves_tapped,
                                                              watched=seen.watched,
                                                              nodes=seen.tap_nodes if self.uses_apart else None,
-                                                             spares=self.spares)
+                                                             spares=self.spares, split=split)
         return new_args, new_kwargs
 
     def _tap_out(self, seen: _Seen, output: Any) -> Any:
@@ -268,7 +273,7 @@ class InnerTap:
             args, kwargs = edited
         if self.backward:
             seen.began = taps.sequence_now()
-        tapped = self._tap_in(seen, args, kwargs)
+        tapped = self._tap_in(seen, args, kwargs, module)
         if seen.changes:
             seen.given = tapped if tapped is not None else (args, kwargs)
         return tapped if tapped is not None else edited

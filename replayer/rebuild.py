@@ -264,6 +264,7 @@ class Builder:
                 module = self._construct(doc, path, out)
                 if module is not None:
                     _overlay(module, doc)
+                    _hooks_nodes(module, doc, top=not path)
                     for key, generator in generators.items():  # (one the constructor made is set for the call)
                         module.__dict__.setdefault(key, generator)
                     out.unrecorded.append(f"{where}: {_unrecorded_names(unrecorded, module, computed)}")
@@ -376,6 +377,7 @@ class Builder:
             hook = cls.__new__(cls)
             vars(hook).update(jsonval.decode(spec.get("attrs") or {}))
             module.register_forward_pre_hook(_Recompute(hook) if top and self._top_hooks_ran else hook)
+        _hooks_nodes(module, doc, top, children=False)
         for text in doc.get("other_hooks") or ():
             if isinstance(module, LazyModuleMixin) and text.endswith(LazyModuleMixin._infer_parameters.__qualname__):
                 continue  # made again (_lazy_again)
@@ -588,3 +590,20 @@ def load_state(module: torch.nn.Module, params: dict[str, torch.Tensor], buffers
         if name not in params and p is not None and (p.device.type == "meta" or p.numel() == 0):
             problems.append(f"parameter {name} was not recorded (tied to another parameter?)")
     return problems
+
+
+def _hooks_nodes(module: torch.nn.Module, doc: dict[str, Any], top: bool, children: bool = True) -> None:
+    """Have torch pass the calls of the modules inside the step (and, with ``children``, of the submodules a
+    constructor made) through the node of their backward hooks where the recording says it did
+    (``skeleton.hooks_node``); not the step's own module, whose recorded gradients are those before the node."""
+    if not top and doc.get("hooks_node"):
+        module.register_full_backward_pre_hook(_no_backward_hook)
+    docs = (doc.get("children") or {}) if children else {}
+    for name, child in module._modules.items():
+        if child is not None and isinstance(docs.get(name), dict):
+            _hooks_nodes(child, docs[name], False)
+
+
+def _no_backward_hook(module: torch.nn.Module, grad_output: Any) -> None:
+    """Stands for a module's backward hooks, which a replay cannot run (see ``skeleton.hooks_node``): it has
+    torch put their node around the module's calls again, and leaves the gradients as they are."""

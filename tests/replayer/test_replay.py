@@ -2960,6 +2960,55 @@ def test_a_tensor_passed_twice_to_a_glob_step_with_a_full_backward_hook(tmp_path
     assert all(r.match for r in results), [str(r) for r in results]
 
 
+class _CallsTwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(16, 16)
+        self.blk = _TwoInputs()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        return self.blk(h, h) + h
+
+
+def _grads_as_they_are(module: nn.Module, grad_in: Any, grad_out: Any) -> Any:
+    return None
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize(("where", "globs"), [("own", ["outer"]), ("own", ["outer", "outer.blk"]),
+                                              ("pre-hook", ["outer", "outer.blk"]), ("global", ["outer"])])
+def test_the_step_around_a_module_with_backward_hooks_given_a_tensor_twice(tmp_path: Path, where: str,
+                                                                           globs: list[str]) -> None:
+    """The step around ``blk(h, h)``, blk with a full backward hook or a backward pre-hook that leaves the gradients
+    as they are: torch passes h through the hooks' node, an alias per place, whose gradients reach h one after the
+    other; the replay, which cannot run the hooks, puts that node there again, and the step's backward replays bit
+    for bit (it used h itself in blk: pre's gradient 2-64 ULP off), blk's own inner step too."""
+    def train(path: Path | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"outer": _CallsTwoInputs(), "post": nn.Linear(16, 1)})
+        if where == "own":
+            model["outer"].blk.register_full_backward_hook(_grads_as_they_are)
+        elif where == "pre-hook":
+            model["outer"].blk.register_full_backward_pre_hook(_same_grad_outputs)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        with recorder.record(path, model=model, optimizer=opt, modules=globs) if path else contextlib.nullcontext():
+            for _ in range(2):
+                loss = model["post"](model["outer"](torch.randn(8, 16))).pow(2).mean()
+                loss.backward()
+                out += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+                opt.step()
+                opt.zero_grad()
+        return out + [p.detach().clone() for p in model.parameters()]
+
+    rec = _trained_as_unrecorded(train, tmp_path / "around.zarr", _grads_as_they_are if where == "global" else None)
+    assert {s.module_path for s in rec.steps} == set(globs)
+    results = [replayer.replay(rec, i) for i in range(len(rec))]
+    assert all(r.match for r in results), [str(r) for r in results]
+    assert all(i.match for r in results for i in r.inner)
+
+
 def test_verify_says_once_why_many_steps_cannot_be_replayed(tmp_path: Path) -> None:
     """Many steps refused for one reason (code a notebook cell defined: every step alike) are one line
     of `pdbg verify`'s listing (it printed the reason once per step: 6,000 lines); --json keeps each."""
