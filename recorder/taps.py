@@ -881,9 +881,22 @@ def apart(slots: _Slots) -> tuple[_Slots, _Slots]:
     if len(slots) < 2:
         return slots, []
     shared = overlapping([t for _, t in slots])
-    if not shared:
+    if not shared or _hooks_aliases([t for _, t in slots if id(t) in shared]):
         return slots, []
     return [s for s in slots if id(s[1]) not in shared], [s for s in slots if id(s[1]) in shared]
+
+
+def _hooks_aliases(tensors: list[torch.Tensor]) -> bool:
+    """Whether tensors that share memory are the aliases torch's node for a module's backward hooks gave its
+    forward, one per place of a tensor passed twice (``step(x, x)``, a decorated class with a full backward hook,
+    tapped inside its forward): each has a gradient of its own, which that node sends on one after the other, so
+    a tap per alias records each place's gradient and leaves the order in which they reach the tensor as it was."""
+    node = tensors[0].grad_fn
+    if node is None or not module_hooks_node(node):
+        return False
+    first = tensors[0]
+    return all(t.grad_fn is node and t.data_ptr() == first.data_ptr() and t.shape == first.shape
+               and t.stride() == first.stride() and t.dtype == first.dtype for t in tensors[1:])
 
 
 class _IntKey(int):

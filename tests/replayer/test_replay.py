@@ -3009,6 +3009,51 @@ def test_the_step_around_a_module_with_backward_hooks_given_a_tensor_twice(tmp_p
     assert all(i.match for r in results for i in r.inner)
 
 
+@recorder.paper_step("Eq. 2")
+class _TwoInputsStep(_TwoInputs):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("leaf", [False, True], ids=["activation", "leaf"])
+def test_a_decorated_class_with_a_full_backward_hook_given_a_tensor_twice(tmp_path: Path, leaf: bool) -> None:
+    """``step(h, h)``, a decorated class with a full backward hook: torch gives its forward an alias of h per place,
+    which share memory; each is tapped, its backward records each place's gradient, bitwise what the hook was given
+    (it recorded none: the aliases were left untapped as tensors sharing memory), and replays bit for bit."""
+    given: list[torch.Tensor] = []
+
+    def keep(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
+        given.extend(g.clone() for g in grad_in)
+
+    def train(path: Path | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"pre": nn.Linear(16, 16), "blk": _TwoInputsStep(), "post": nn.Linear(16, 1)})
+        model["blk"].register_full_backward_hook(keep)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        with recorder.record(path, model=model, optimizer=opt) if path else contextlib.nullcontext():
+            for _ in range(2):
+                x = torch.randn(8, 16, requires_grad=leaf)
+                h = x if leaf else model["pre"](x)
+                loss = model["post"](model["blk"](h, h) + h).pow(2).mean()
+                loss.backward()
+                out += [loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
+                out += [x.grad] if leaf else []
+                opt.step()
+                opt.zero_grad()
+        return out + [p.detach().clone() for p in model.parameters()]
+
+    rec = _trained_as_unrecorded(train, tmp_path / "twice.zarr")
+    backward = [s for s in rec.steps if s.phase == "backward"]
+    assert len(backward) == 2 and len(given) == 8  # (per place and pass; unrecorded, then recorded)
+    for k, step in enumerate(backward):
+        for i in range(2):
+            got, want = step.tensor(f"args.{i}"), given[4 + 2 * k + i]
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    results = [replayer.replay(rec, i) for i in range(len(rec))]
+    assert all(r.match for r in results), [str(r) for r in results]
+
+
 def test_verify_says_once_why_many_steps_cannot_be_replayed(tmp_path: Path) -> None:
     """Many steps refused for one reason (code a notebook cell defined: every step alike) are one line
     of `pdbg verify`'s listing (it printed the reason once per step: 6,000 lines); --json keeps each."""
