@@ -440,7 +440,7 @@ class GlobalCapture:
         out = session.end(frame, result, link)
         if frame is not None and (module._backward_hooks or _global_backward_hooks):
             try:
-                taps.before_backward_hooks(args)
+                taps.before_backward_hooks(args, kwargs)
             except Exception as exc:
                 session.fail("tapping a call with backward hooks", exc)
         _give_back(kwargs, given)

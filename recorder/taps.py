@@ -576,7 +576,7 @@ def _before_module_hooks(hook: Callable[[tuple[torch.Tensor | None, ...], Any], 
     hook(grads, None)
 
 
-def before_backward_hooks(args: tuple[Any, ...]) -> None:
+def before_backward_hooks(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
     """Have the input taps of a call whose module has full backward hooks report the gradients its
     backward computed, not what those hooks make of them. Torch wraps the arguments for those hooks
     (``BackwardHook.setup_input_hook``) after the forward pre-hooks that tapped them, so the hooks' node
@@ -584,15 +584,19 @@ def before_backward_hooks(args: tuple[Any, ...]) -> None:
     inside its forward, sees the gradients before the hooks do, and a replay, run without them, computes
     those. ``args``: the arguments as torch passed them to the forward (its forward hooks get them so).
     A pre-hook on the hooks' node keeps the gradients it gets for the taps' callbacks; what goes on is
-    left as the hooks made it."""
+    left as the hooks made it. Not for a tap whose tensor the call was given in a place torch does not pass
+    through that node too (``blk(h, other=h)``, ``blk(h, [h])``: ``kwargs``, or inside a container), whose gradient
+    holds what came by that place as well: it reports what reached it."""
     node = next((t.grad_fn for t in args if isinstance(t, torch.Tensor) and t.grad_fn is not None
                  and module_hooks_node(t.grad_fn)), None)
     if node is None:
         return
+    past = {t.grad_fn for key, t in argument_slots(args, kwargs or {})
+            if (len(key) > 2 or key[0] != "args") and t.grad_fn is not None}
     places: list[tuple[int, dict[int, list[torch.Tensor]], int]] = []
     kept: dict[Any, dict[int, list[torch.Tensor]]] = {}
     for i, (tapped, k) in enumerate(node.next_functions):
-        if getattr(tapped, "_forward_cls", None) is not _Tap:
+        if getattr(tapped, "_forward_cls", None) is not _Tap or tapped in past:
             continue
         raw = kept.get(tapped)
         if raw is None:

@@ -264,7 +264,7 @@ class Builder:
                 module = self._construct(doc, path, out)
                 if module is not None:
                     _overlay(module, doc)
-                    _hooks_nodes(module, doc, top=not path)
+                    _hooks_nodes(module, doc)
                     for key, generator in generators.items():  # (one the constructor made is set for the call)
                         module.__dict__.setdefault(key, generator)
                     out.unrecorded.append(f"{where}: {_unrecorded_names(unrecorded, module, computed)}")
@@ -377,7 +377,7 @@ class Builder:
             hook = cls.__new__(cls)
             vars(hook).update(jsonval.decode(spec.get("attrs") or {}))
             module.register_forward_pre_hook(_Recompute(hook) if top and self._top_hooks_ran else hook)
-        _hooks_nodes(module, doc, top, children=False)
+        _hooks_nodes(module, doc, children=False)
         for text in doc.get("other_hooks") or ():
             if isinstance(module, LazyModuleMixin) and text.endswith(LazyModuleMixin._infer_parameters.__qualname__):
                 continue  # made again (_lazy_again)
@@ -592,16 +592,17 @@ def load_state(module: torch.nn.Module, params: dict[str, torch.Tensor], buffers
     return problems
 
 
-def _hooks_nodes(module: torch.nn.Module, doc: dict[str, Any], top: bool, children: bool = True) -> None:
-    """Have torch pass the calls of the modules inside the step (and, with ``children``, of the submodules a
-    constructor made) through the node of their backward hooks where the recording says it did
-    (``skeleton.hooks_node``); not the step's own module, whose recorded gradients are those before the node."""
-    if not top and doc.get("hooks_node"):
+def _hooks_nodes(module: torch.nn.Module, doc: dict[str, Any], children: bool = True) -> None:
+    """Have torch pass the module's calls (with ``children``, also those of the submodules a constructor made)
+    through the node of their backward hooks where the recording says it did (``skeleton.hooks_node``). The step's
+    own module too: a tensor it was given both by position and by keyword (``blk(h, other=h)``) sends what came
+    through the node into its gradient as one contribution, as recorded; its places given apart get what they got."""
+    if doc.get("hooks_node"):
         module.register_full_backward_pre_hook(_no_backward_hook)
     docs = (doc.get("children") or {}) if children else {}
     for name, child in module._modules.items():
         if child is not None and isinstance(docs.get(name), dict):
-            _hooks_nodes(child, docs[name], False)
+            _hooks_nodes(child, docs[name])
 
 
 def _no_backward_hook(module: torch.nn.Module, grad_output: Any) -> None:
