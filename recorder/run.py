@@ -213,8 +213,11 @@ class Run:
         return self.session.next_index
 
     def next_iteration(self) -> None:
-        """Start the next iteration (done for you on ``optimizer.step()`` when an optimizer is given)."""
+        """Start the next iteration (done for you on ``optimizer.step()`` when an optimizer is given). The
+        steps of an optimizer that counts nothing before it are then numbered (see ``_warn_uncounted``)."""
         self.session.next_iteration()
+        if self._optimizers is not None:
+            self._optimizers.others_since = 0
         if self._backend_later and self._writer.dist["backend"] is None:
             self._learn_backend()
 
@@ -503,8 +506,10 @@ class Run:
             capture.warn(f"iteration {self.session.iteration} holds the last {counter.others_since} steps of "
                          f"{counter.other_name}, which numbers no iteration: iterations follow the first optimizer "
                          f"that stepped ({counter.counting}, {counter.steps} steps), which stopped stepping; "
-                         "give the one whose steps should number them to recorder.record(optimizer=...) (README, "
-                         "\"How iterations are counted\")", stacklevel=3)
+                         "give the one whose steps should number them to recorder.record(optimizer=...), or, for "
+                         "one made after the recording began (an adapters' optimizer once the base was frozen), "
+                         "call run.next_iteration() after each of its steps (README, \"How iterations are "
+                         "counted\")", stacklevel=3)
         first = self.session.start_iteration
         seen = self._uncounted
         if seen is not None and seen.steps and self.session.iteration == first and \

@@ -658,8 +658,34 @@ class TestIterations:
         assert train([warm] * 2 + [main] * 5) == [
             "iteration 2 holds the last 5 steps of SGD, which numbers no iteration: iterations follow the first "
             "optimizer that stepped (Adam, 2 steps), which stopped stepping; give the one whose steps should number "
-            "them to recorder.record(optimizer=...) (README, \"How iterations are counted\")"]
+            "them to recorder.record(optimizer=...), or, for one made after the recording began (an adapters' "
+            "optimizer once the base was frozen), call run.next_iteration() after each of its steps (README, "
+            "\"How iterations are counted\")"]
         assert train([warm, main] * 4) == []
+
+    def test_an_optimizer_made_mid_run_whose_steps_the_script_numbers_is_not_warned_of(self, run_path: Path) -> None:
+        """LoRA attached mid-run: the base frozen, a new optimizer over the adapters only, which takes nothing
+        over from the first. The warning's advice, run.next_iteration() after each of its steps, numbered the
+        iterations, yet the recording still said the last iteration held every one of those steps."""
+        model = Net()
+        first = torch.optim.SGD(model.parameters(), lr=1e-3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with recorder.record(run_path, model=model, optimizer=first, modules="blocks.*") as run:
+                for opt in [first] * 2:
+                    model(torch.randn(3, 6)).backward()
+                    opt.step()
+                    opt.zero_grad()
+                model.requires_grad_(False)
+                adapter = torch.nn.Parameter(torch.zeros(6))
+                adapters = torch.optim.AdamW([adapter], lr=1e-2)
+                for _ in range(4):
+                    (model(torch.randn(3, 6) + adapter)).backward()
+                    adapters.step()
+                    adapters.zero_grad()
+                    run.next_iteration()
+        assert forward_iterations(run_path) == [0, 1, 2, 3, 4, 5]
+        assert recorder_warnings(caught) == []
 
     def test_a_hand_written_update_is_warned_of_at_the_end(self, run_path: Path) -> None:
         """No torch.optim optimizer steps: every step is in iteration 0, and the recording says so once,
