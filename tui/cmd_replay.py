@@ -350,8 +350,8 @@ def info(args: argparse.Namespace) -> int:
         for p in doc["paper_steps"]:
             if p["objects"] > 1:
                 print(f"  {shown(p['name'])}: {p['objects']} module objects at one module path (a model and its copy, "
-                      "such as an EMA teacher);\n    each step says which (\"object 1 of 2\"); the TUI's filter "
-                      "object:K shows one's calls")
+                      "such as an EMA teacher, or a module replaced mid-run);\n    each step says which (\"object 1 "
+                      "of 2\"); the TUI's filter object:K shows one's calls")
     print(f"\nalerts: {doc['alerts']}   exceptions: {doc['exceptions']}")
     if doc["alerts"]:  # what they say (the first few; the TUI's a lists them all)
         from replayer.bisect import with_alerts

@@ -13,6 +13,7 @@ from torch import nn
 
 import recorder
 import replayer
+from tests.cli import pdbg
 
 VOCAB, WIDTH = 11, 8
 
@@ -134,3 +135,21 @@ def test_a_hook_registered_mid_run_on_a_submodule_is_named_by_the_replay(tmp_pat
     assert any(w.startswith("fc had a forward hook _halve") for w in res.warnings), res.warnings
     before = replayer.replay(rec, "block@iter=0")
     assert before.match and not any("_halve" in w for w in before.warnings), before.warnings
+
+
+def test_info_says_a_module_replaced_mid_run_may_be_why_a_path_has_two_objects(tmp_path: Path) -> None:
+    """A new head put in mid-run makes two module objects at one path: pdbg info named only a model and its copy
+    (an EMA teacher) as the reason, which a user who replaced the head does not recognise."""
+    torch.manual_seed(0)
+    model = Net()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=model, mode="full", modules=["block.fc"]) as run:
+        for it in range(2):
+            if it == 1:
+                model.block.fc = nn.Linear(WIDTH, WIDTH)
+            model(torch.randn(6, 4), torch.randint(0, VOCAB, (6, 5))).sum().backward()
+            run.next_iteration()
+    res = pdbg("info", str(path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "Linear: 2 module objects at one module path (a model and its copy, such as an EMA teacher, or a module " \
+           "replaced mid-run)" in res.stdout, res.stdout
