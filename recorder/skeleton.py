@@ -113,13 +113,15 @@ _TENSOR = object()  # a tensor attribute's skeleton holds its type only: which t
 def state_key(module: torch.nn.Module) -> tuple[Any, ...]:
     """What ``build(module)`` depends on that may change between calls, cheaply (no encoding): for
     every module of the tree, its class, each attribute's name and value (numbers, strings, flags by
-    value; other objects by identity, so a list changed in place goes unseen), which parameter, buffer
-    and child objects it holds under which names, whether each parameter requires grad, and its hooks.
+    value; other objects by identity, so a list changed in place goes unseen), the names of its
+    parameters and buffers, which of its parameters are one tensor (tied) and whether each requires
+    grad, which child objects it holds under which names, and its hooks.
     Surgery mid-run changes the skeleton through these alone: an activation swapped for another class
     with the same attributes (``nn.ReLU`` for ``nn.SiLU``), a weight tied to another module's, a layer
     frozen, a hook registered. A generator is known by identity too: its state at each call is a part
     of the step's RNG document (``snapshot.find_module_rngs``), not a skeleton of its own at every call."""
     key: list[Any] = []
+    first: dict[int, int] = {}  # id of a parameter -> the number of the first name it was met under
     stack = [module]
     while stack:
         m = stack.pop()
@@ -139,12 +141,10 @@ def state_key(module: torch.nn.Module) -> tuple[Any, ...]:
         params, buffers, children = m._parameters, m._buffers, m._modules
         if params:
             key.append(tuple(params))
-            for p in params.values():
-                key.append(id(p))
-                key.append(p is not None and p.requires_grad)
+            for p in params.values():  # which are one tensor, not which tensors (functional_call swaps them)
+                key.append(None if p is None else (first.setdefault(id(p), len(first)), p.requires_grad))
         if buffers:
             key.append(tuple(buffers))
-            key.extend(map(id, buffers.values()))
             key.append(len(m._non_persistent_buffers_set))
         if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
             key.append((*m._forward_pre_hooks, None, *m._forward_hooks, None, *m._backward_pre_hooks, None,
