@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -2920,6 +2920,28 @@ def _same_grad_outputs(module: nn.Module, grad_out: Any) -> Any:
     return None
 
 
+def _given_twice_trained(path: Path | None, blk: Callable[[], nn.Module], leaf: bool,
+                         modules: list[str] | None = None) -> list[torch.Tensor]:
+    """Two iterations of ``post(blk(h, h) + h)``, h ``pre``'s output (or the input itself, a leaf), recorded into
+    ``path`` when given (``modules=``, else the decorated steps): the losses, gradients and parameters."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"pre": nn.Linear(16, 16), "blk": blk(), "post": nn.Linear(16, 1)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    selected = {} if modules is None else {"modules": modules}
+    out = []
+    with recorder.record(path, model=model, optimizer=opt, **selected) if path else contextlib.nullcontext():
+        for _ in range(2):
+            x = torch.randn(8, 16, requires_grad=leaf)
+            h = x if leaf else model["pre"](x)
+            loss = model["post"](model["blk"](h, h) + h).pow(2).mean()
+            loss.backward()
+            out += [loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
+            out += [x.grad] if leaf else []
+            opt.step()
+            opt.zero_grad()
+    return out + [p.detach().clone() for p in model.parameters()]
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 @pytest.mark.parametrize("leaf", [False, True], ids=["activation", "leaf"])
 @pytest.mark.parametrize("where", ["own", "global", "pre-hook"])
@@ -2930,26 +2952,16 @@ def test_a_tensor_passed_twice_to_a_glob_step_with_a_full_backward_hook(tmp_path
     apart, with a grad input of its own, and the backward replays bit for bit (the sum of the two was recorded
     under args.0: 4-16 ULP from the replay's one tensor, which adds its uses in another order); training, h's
     gradient included, is as unrecorded."""
-    def train(path: Path | None) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        model = nn.ModuleDict({"pre": nn.Linear(16, 16), "blk": _TwoInputs(), "post": nn.Linear(16, 1)})
+    def blk() -> nn.Module:
+        made = _TwoInputs()
         if where == "own":
-            model["blk"].register_full_backward_hook(_double_two_inputs)
+            made.register_full_backward_hook(_double_two_inputs)
         elif where == "pre-hook":
-            model["blk"].register_full_backward_pre_hook(_same_grad_outputs)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        out = []
-        with recorder.record(path, model=model, optimizer=opt, modules=["blk"]) if path else contextlib.nullcontext():
-            for _ in range(2):
-                x = torch.randn(8, 16, requires_grad=leaf)
-                h = x if leaf else model["pre"](x)
-                loss = model["post"](model["blk"](h, h) + h).pow(2).mean()
-                loss.backward()
-                out += [loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
-                out += [x.grad] if leaf else []
-                opt.step()
-                opt.zero_grad()
-        return out + [p.detach().clone() for p in model.parameters()]
+            made.register_full_backward_pre_hook(_same_grad_outputs)
+        return made
+
+    def train(path: Path | None) -> list[torch.Tensor]:
+        return _given_twice_trained(path, blk, leaf, modules=["blk"])
 
     rec = _trained_as_unrecorded(train, tmp_path / "twice.zarr", _double_two_inputs if where == "global" else None)
     assert [s.phase for s in rec.steps] == ["forward", "backward"] * 2
@@ -3025,23 +3037,13 @@ def test_a_decorated_class_with_a_full_backward_hook_given_a_tensor_twice(tmp_pa
     def keep(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
         given.extend(g.clone() for g in grad_in)
 
+    def blk() -> nn.Module:
+        made = _TwoInputsStep()
+        made.register_full_backward_hook(keep)
+        return made
+
     def train(path: Path | None) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        model = nn.ModuleDict({"pre": nn.Linear(16, 16), "blk": _TwoInputsStep(), "post": nn.Linear(16, 1)})
-        model["blk"].register_full_backward_hook(keep)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        out = []
-        with recorder.record(path, model=model, optimizer=opt) if path else contextlib.nullcontext():
-            for _ in range(2):
-                x = torch.randn(8, 16, requires_grad=leaf)
-                h = x if leaf else model["pre"](x)
-                loss = model["post"](model["blk"](h, h) + h).pow(2).mean()
-                loss.backward()
-                out += [loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
-                out += [x.grad] if leaf else []
-                opt.step()
-                opt.zero_grad()
-        return out + [p.detach().clone() for p in model.parameters()]
+        return _given_twice_trained(path, blk, leaf)
 
     rec = _trained_as_unrecorded(train, tmp_path / "twice.zarr")
     backward = [s for s in rec.steps if s.phase == "backward"]
