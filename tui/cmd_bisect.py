@@ -70,6 +70,12 @@ def bisect(args: argparse.Namespace) -> int:
     if args.script is not None and not args.ops:
         raise PdbgError("--script says where the training script is for --ops (the replay of the origin step); "
                         "add --ops, or leave --script out")
+    if args.use_bundled_source and not args.ops:
+        raise PdbgError("--use-bundled-source says which code the replay of the origin step runs, for --ops; "
+                        "add --ops, or leave --use-bundled-source out")
+    if args.use_bundled_source and rec.bundle_info is None:
+        raise PdbgError(f"{args.run} is not a bundle: there is no bundled source to use (--use-bundled-source "
+                        "applies to a failure bundle, made by pdbg bundle)")
     if args.against:
         if args.ops or args.scaler_skips:
             raise PdbgError(f"{'--ops' if args.ops else '--scaler-skips'} applies to the origin of a NaN, not to "

@@ -52,6 +52,24 @@ class TestStepIndex:
         assert res.returncode == 2 and res.stdout == "" and len(res.stderr.splitlines()) == 1, res.stderr
         assert res.stderr.startswith("pdbg: error: no step matches '²'"), res.stderr
 
+class TestBisectOptions:
+    @pytest.mark.parametrize("option", [["--script", "train.py"], ["--use-bundled-source"]])
+    def test_an_option_of_ops_alone_is_refused(self, option: list[str], run: Path, tmp_path: Path) -> None:
+        """--use-bundled-source without --ops was ignored (exit 1, the origin printed as if it applied), where
+        --script without --ops is refused: both say they are for --ops."""
+        res = pdbg("bisect", str(run), *option, cwd=tmp_path)
+        assert res.returncode == 2 and res.stdout == "" and len(res.stderr.splitlines()) == 1, res.stderr
+        assert f"{option[0]} says " in res.stderr and f"add --ops, or leave {option[0]} out" in res.stderr, res.stderr
+
+    def test_bundled_source_of_a_run_that_is_no_bundle_is_refused(self, run: Path, tmp_path: Path) -> None:
+        """--ops --use-bundled-source on a directory run answered exit 1 with an op note that the step "cannot be
+        replayed"; as for pdbg replay, it is bad input: no bundled source to use."""
+        res = pdbg("bisect", str(run), "--ops", "--use-bundled-source", cwd=tmp_path)
+        assert res.returncode == 2 and res.stdout == "" and len(res.stderr.splitlines()) == 1, res.stderr
+        assert res.stderr.startswith(f"pdbg: error: {run} is not a bundle: there is no bundled source to use"), \
+            res.stderr
+
+
 class TestFindCondition:
     def test_a_tensor_no_step_has_is_refused(self, run: Path, tmp_path: Path) -> None:
         """A misspelt tensor name in --when read as a search that found nothing (exit 1): it is an error."""
