@@ -40,3 +40,22 @@ def test_every_subcommand_and_option_is_in_the_readme() -> None:
         documented = set(re.findall(r"--[a-z][a-z-]*", rows[name]))
         assert documented <= options, f"pdbg {name}: the README names {sorted(documented - options)}, which pdbg " \
                                       "does not take"
+
+
+def test_the_readme_writes_an_optional_positional_argument_in_brackets() -> None:
+    """The row of `pdbg replay` wrote `RUN STEP`, STEP required, where a bundle's main step is replayed without
+    one (`pdbg replay failure.pdbg`): each positional argument is written as the help's usage writes it."""
+    rows = reference_rows()
+    for name, sub in subcommands().items():
+        if name == "record":  # `-- script.py|-m MODULE [args]`: the script and its arguments, written as a command line
+            continue
+        for action in sub._actions:
+            if action.option_strings or action.nargs in (argparse.REMAINDER, "*"):
+                continue
+            metavar = action.metavar or action.dest.upper()
+            optional = action.nargs == "?"
+            written = re.search(rf"(\[)?\b{re.escape(metavar)}\b(\])?", rows[name].split("`")[1])
+            assert written, f"pdbg {name}: the README's command reference does not name {metavar}"
+            need = "optional" if optional else "required"
+            assert bool(written.group(1) and written.group(2)) == optional, \
+                f"pdbg {name}: {metavar} is {need}, the README writes {written.group(0)}"
