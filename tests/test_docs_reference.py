@@ -110,3 +110,12 @@ def test_readme_names_every_mode_pdbg_record_takes_where_it_lists_them() -> None
         named = [m for m in re.split(r"\\?\|", listed) if m]
         if len(named) > 1:
             assert sorted(named) == sorted(modes), f"the README lists --mode {listed}; pdbg record takes {modes}"
+
+
+def test_the_readme_lists_every_document_of_docs() -> None:
+    """README's Documentation list left out docs/RELIABILITY.md, which the README sends its reader to (remote
+    stores, hard crashes, the errors the API raises): every docs/*.md is listed there, and each one exists."""
+    listing = section(ROOT / "README.md", "## Documentation", "## Development")
+    listed = set(re.findall(r"\]\((docs/[A-Z]+\.md)\)", listing))
+    present = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    assert listed == present, (sorted(present - listed), sorted(listed - present))
