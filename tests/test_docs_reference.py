@@ -119,3 +119,13 @@ def test_the_readme_lists_every_document_of_docs() -> None:
     listed = set(re.findall(r"\]\((docs/[A-Z]+\.md)\)", listing))
     present = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
     assert listed == present, (sorted(present - listed), sorted(listed - present))
+
+
+def test_every_attribute_of_run_the_readme_names_is_one_a_recording_run_has(tmp_path: Path) -> None:
+    """The README named `run.main_module`, which the object of `with recorder.record(...) as run` does not have
+    (the module is in the recording's run_info): each `run.NAME` it names is an attribute of that object."""
+    names = set(re.findall(r"`run\.([a-z_]+)\b(?!\.zarr)", (ROOT / "README.md").read_text())) - {"zarr"}
+    assert names, "the README names no attribute of run"
+    with recorder.record(tmp_path / "run.zarr") as run:
+        missing = sorted(n for n in names if not hasattr(run, n))
+    assert not missing, f"the README names run.{missing}, which a recording's run does not have"
