@@ -97,15 +97,21 @@ def _is_checkpoint_code(code: Any) -> bool:
 
 _top_saved_hooks: Callable[[bool], Any] = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks",
                                                   lambda tracing: None)
+_pop_saved_hooks: Callable[[], Any] | None = getattr(torch._C._autograd, "_pop_saved_tensors_default_hooks", None)
+_push_saved_hooks: Callable[..., Any] | None = getattr(torch._C._autograd, "_push_saved_tensors_default_hooks", None)
 
 
-def _saved_tensors_hooks() -> dict[str, Any] | None:
+def _saved_tensors_hooks(checkpointed: bool = False) -> dict[str, Any] | None:
     """The saved-tensor hooks set now (``torch.autograd.graph.saved_tensors_hooks``, the innermost pair: a
     loop packing the activations its forward saves to bfloat16), as a step's extra keeps them: ``pack``
     and ``unpack``, each ``{"ref": "module:QualName", "file": its source file}`` (a callable that is no
-    function: its class's reference, ``"function": false``). None where none are set, or where they are
-    activation checkpointing's (torch's, DeepSpeed's): what a checkpointed call saves is recomputed, the
-    same values, and a replay of the call without it computes the same gradients."""
+    function: its class's reference, ``"function": false``). None where none are set.
+
+    Where the innermost pair is activation checkpointing's (torch's, DeepSpeed's), what the call saves is
+    recomputed, but the checkpoint saved the arguments it recomputes from through the pair set outside it,
+    and its backward reads what they made of them: that pair, with ``"checkpoint": true``, which a replay
+    cannot apply as the checkpoint did. ``checkpointed``: the call runs inside a reentrant checkpoint's
+    forward, without grad, where the pair set now is the one its arguments were saved through."""
     try:
         hooks = _top_saved_hooks(False)
     except Exception:  # noqa: BLE001 - (hooks disabled, or a torch that tells otherwise): none known
@@ -113,8 +119,41 @@ def _saved_tensors_hooks() -> dict[str, Any] | None:
     if not isinstance(hooks, tuple) or len(hooks) != 2:
         return None
     if any(_checkpointing_hook(h) for h in hooks):
+        hooks, checkpointed = _saved_hooks_below(hooks), True
+        if hooks is None or any(_checkpointing_hook(h) for h in hooks):
+            return None
+    if checkpointed and all(_hook_ref(h)["ref"].startswith(_SAVE_ON_CPU) for h in hooks):
+        return None  # (lossless: the checkpoint recomputes from the very values)
+    doc = {"pack": _hook_ref(hooks[0]), "unpack": _hook_ref(hooks[1])}
+    return {**doc, "checkpoint": True} if checkpointed else doc
+
+
+_SAVE_ON_CPU = "torch.autograd.graph:save_on_cpu."  # torch's offloading hooks' references begin so
+
+
+def _any_saved_hooks() -> bool:
+    try:
+        return _top_saved_hooks(False) is not None
+    except Exception:  # noqa: BLE001 - (hooks disabled): none known
+        return False
+
+
+def _saved_hooks_below(top: tuple[Any, Any]) -> tuple[Any, Any] | None:
+    """The saved-tensor hooks set outside the innermost pair ``top``: torch tells only the innermost, so it is
+    taken off for the look and put back as it was."""
+    if _pop_saved_hooks is None or _push_saved_hooks is None:
         return None
-    return {"pack": _hook_ref(hooks[0]), "unpack": _hook_ref(hooks[1])}
+    try:
+        _pop_saved_hooks()
+    except Exception:  # noqa: BLE001 - (a torch that keeps them otherwise): none known
+        return None
+    try:
+        below = _top_saved_hooks(False)
+    except Exception:  # noqa: BLE001
+        below = None
+    finally:
+        _push_saved_hooks(*top)
+    return below if isinstance(below, tuple) and len(below) == 2 else None
 
 
 def _checkpointing_hook(fn: Any) -> bool:
@@ -1223,6 +1262,9 @@ class Session:
             inference = torch.is_inference_mode_enabled()
             tapping = torch.is_grad_enabled() and not inference and frame.vmap is None
             packing = _saved_tensors_hooks() if tapping else None
+            if packing is None and not torch.is_grad_enabled() and not inference and _any_saved_hooks() \
+                    and in_checkpointing(3):  # (a reentrant checkpoint's forward saves its arguments under them)
+                packing = _saved_tensors_hooks(checkpointed=True)
             if packing is not None:  # what the call's backward reads is what they made of what its forward saved
                 frame.arguments = {**(frame.arguments or {}), "saved_tensors_hooks": packing}
             found, reached = taps.argument_places(args, kwargs) if tapping else ([], frozenset())

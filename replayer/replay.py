@@ -426,12 +426,32 @@ class Replayer:
         (a backward replay's) as the likely cause of a difference; torch's ``save_on_cpu``, lossless, needs
         none."""
         doc = step.extra.get("saved_tensors_hooks")
+        if isinstance(doc, dict) and doc.get("checkpoint"):
+            self._checkpoint_hooks_warning(doc, warnings)
+            yield
+            return
         hooks = self._hooks_of(doc, warnings) if isinstance(doc, dict) else None
         if hooks is None:
             yield
             return
         with torch.autograd.graph.saved_tensors_hooks(*hooks):
             yield
+
+    @staticmethod
+    def _checkpoint_hooks_warning(doc: dict[str, Any], warnings: list[str] | None) -> None:
+        """A call inside activation checkpointing under saved-tensor hooks set outside the checkpoint: the
+        checkpoint saved the arguments it recomputes from through them, and the recorded backward recomputed
+        the call from what they made of those, which a replay of the call alone does not redo (applied
+        around the call they would pack what the checkpoint kept exact); lossless ``save_on_cpu`` changes
+        nothing."""
+        refs = [str(p.get("ref")) if isinstance(p, dict) else "?" for p in (doc.get("pack"), doc.get("unpack"))]
+        if warnings is None or all(ref.startswith(_SAVE_ON_CPU) for ref in refs):
+            return
+        warnings.append(f"the recorded call ran inside activation checkpointing under saved-tensor hooks set "
+                        f"outside it (torch.autograd.graph.saved_tensors_hooks: pack {refs[0]}, unpack {refs[1]}): "
+                        "the checkpoint saved the tensors it recomputes the call from through them, and the "
+                        "recorded backward recomputed it from what they made of them, which the replay does not "
+                        "(a likely cause of any difference in the backward)")
 
     def _hooks_of(self, doc: dict[str, Any], warnings: list[str] | None) -> tuple[Any, Any] | None:
         places = [doc.get("pack"), doc.get("unpack")]

@@ -246,13 +246,17 @@ def _packed_training(path, trick: str, scale: float = 1.0) -> list[torch.Tensor]
     with recorder.record(path, model=model, optimizer=opt, mode="full"):
         for i in range(2):
             x = torch.randn(6, 8) * (scale if i == 1 else 1.0)
+            x.requires_grad_(trick == "checkpointed reentrant")
             if trick == "save_on_cpu":
                 hooks = torch.autograd.graph.save_on_cpu(pin_memory=False)
             else:  # (a lambda: no name a replay could find it by)
                 hooks = torch.autograd.graph.saved_tensors_hooks(
-                    pack_half if trick == "named" else lambda t: t.to(torch.float16), unpack_half)
+                    (lambda t: t.to(torch.float16)) if trick == "lambda" else pack_half, unpack_half)
             with hooks:
-                out = checkpoint(model, x, use_reentrant=False) if trick == "save_on_cpu" else model(x)
+                if trick in ("save_on_cpu", "checkpointed", "checkpointed reentrant"):
+                    out = checkpoint(model, x, use_reentrant=trick == "checkpointed reentrant")
+                else:
+                    out = model(x)
             out.pow(2).mean().backward()
             grads += [p.grad.clone() for p in model.parameters()]
             opt.step()
@@ -291,6 +295,27 @@ def test_saved_tensor_hooks_a_replay_cannot_apply_are_named_as_the_likely_cause(
                             f"saved_tensors_hooks: pack {__name__}:_packed_training.<locals>.<lambda>, unpack "
                             f"{__name__}:unpack_half), which the replay could not apply (") and
                w.endswith("(a likely cause of any difference)") for w in result.warnings), result.warnings
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_saved_tensor_hooks_set_outside_a_checkpoint_are_named_in_its_backward_replay(tmp_path, reentrant):
+    """The loop packs saved activations to float16 around a checkpointed model: the checkpoint saves the
+    input it recomputes from through those hooks, and the backward recomputes the blocks from what they
+    made of it (either variant). A replay of a block alone cannot redo that: its backward differs, and says
+    why (before: no hooks were recorded, and every backward step was a MISMATCH with no warning)."""
+    path = tmp_path / "run.zarr"
+    _packed_training(path, "checkpointed reentrant" if reentrant else "checkpointed")
+    rec = replayer.open(path)
+    first = rec.steps.filter(name="Gated", phase="forward")[0]
+    assert first.extra["saved_tensors_hooks"] == {
+        "pack": {"ref": f"{__name__}:pack_half", "file": __file__},
+        "unpack": {"ref": f"{__name__}:unpack_half", "file": __file__}, "checkpoint": True}
+    assert replayer.replay(rec, first.index).match
+    back = rec.steps.filter(name="Gated", phase="backward")[-1]
+    result = replayer.replay(rec, back.index)
+    assert any(w.startswith("the recorded call ran inside activation checkpointing under saved-tensor hooks set "
+                            f"outside it (torch.autograd.graph.saved_tensors_hooks: pack {__name__}:pack_half, "
+                            f"unpack {__name__}:unpack_half)") for w in result.warnings), result.warnings
 
 
 def test_save_on_cpu_and_checkpointing_hooks_need_nothing_applied(tmp_path):
