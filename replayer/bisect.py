@@ -1022,9 +1022,12 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
             return Origin(None, _overflows_text(rec, overflowed))
         if not contained:
             return _ended_outside(rec) or Origin(None, "no non-finite values recorded")
+        first = rec.step(int(np.flatnonzero(k.given)[0]))
+        phase = layout.PHASES.index(first.phase)
+        held = _nonfinite_text(first, {layout.ROLES[i] for i in layout.INPUT_ROLES[phase]})
         return Origin(None, f"no step's results held NaN or Inf; {contained} step{'s' if contained > 1 else ''} took "
                             "Inf or NaN inputs and kept them out of their results (as an additive -inf attention mask "
-                            "is)")
+                            f"is); first {describe(first)}" + (f", given {'; '.join(held)}" if held else ""))
     index = int(np.flatnonzero(came)[0])
     step = rec.step(index)
     taken = _producer(rec, step, k.result) if not through[index] and not k.nan_given[index] and \

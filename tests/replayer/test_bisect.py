@@ -4368,3 +4368,24 @@ def test_a_long_run_still_parts_where_a_result_has_the_same_bytes_and_statistics
     assert (div.step.name, div.step.iteration, div.step.phase) == ("_as_matrix", 27, "forward"), div.cause
     assert div.step.tensor("output").shape == (2, 6) and div.other.tensor("output").shape == (3, 4)
     assert len(set(reads)) < len(a) // 4, (len(set(reads)), len(a))
+
+
+def test_inf_taken_and_kept_out_names_the_first_step_that_took_it(tmp_path: Path) -> None:
+    """A BatchNorm whose running_var went Inf (a batch whose variance overflowed) normalises to finite
+    results in eval mode: no origin, but bisect's answer said only how many steps took Inf and kept it out,
+    leaving the user to search for which. It names the first such step and the input that held the Inf."""
+    def overflow(i: int, model: torch.nn.Module) -> None:
+        if i == 0:
+            model[1].running_var[1] = float("inf")
+
+    path = tmp_path / "bn.zarr"
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
+    nanmodels.record_bn(path, model, (4, 4), modules=["1"], between=overflow)
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    first = next(s for s in rec.steps if any(r.nonfinite for r in s.tensors("buffer")))
+    assert origin.step is None and origin.clean, origin.cause
+    assert origin.cause.endswith(f"; first {bisect_mod.describe(first)}, given buffer running_var (1 Inf of 4)"), \
+        origin.cause
+    res = pdbg("bisect", str(path), "--json", cwd=tmp_path)
+    assert res.returncode == 0 and json.loads(res.stdout)["cause"] == origin.cause, res.stdout
