@@ -608,7 +608,9 @@ class _Kinds:
         sign where its bytes were kept (``_plus_inf``). Inf that fills a tensor at a later call
         number (an eval loop's, past a division by 0 outside every step) came in, however often the loop
         runs; Inf of both signs filling a tensor (a sampler dividing by sqrt(alpha_bar) = 0 at its first reverse
-        step, at every evaluation) is a division by 0, which no mask is. A single value that is Inf
+        step, at every evaluation) is a division by 0, which no mask is: such a call is none, and the step's calls
+        that held Inf on part of the tensor still can be (sqrt's backward at 0, absorbed by a ReLU's backward at
+        every call, until the call whose input was all zeros fills its gradient). A single value that is Inf
         (``lone``: a 0-d loss, +inf at every call where the loop skips the batches whose loss is not finite)
         is no mask's at all: a mask is Inf beside finite values, or, filling its tensor, over rows (the
         statistics, of the finite values, do not tell +inf from -inf; how many values are Inf they do: a
@@ -621,9 +623,10 @@ class _Kinds:
         np.minimum.at(first, step, np.arange(len(step)))
         filled = np.bincount(group, weights=(whole & held).astype(np.float64)) > 0
         start = held[first[step]]
+        signed = np.zeros(len(group), dtype=bool)
         if (filled[group] & start).any():
-            start &= ~self._plus_inf(whole & held & start & filled[group], group, results)[group]
-        return (~filled[group] | start) & ~(lone & held)
+            signed = self._plus_inf(whole & held & start & filled[group], group, results)[group] & whole & held
+        return (~filled[group] | start) & ~signed & ~(lone & held)
 
     def _plus_inf(self, candidates: np.ndarray, group: np.ndarray, results: bool) -> np.ndarray:
         """Per step group (call number): whether the first of its ``candidates`` (calls holding a tensor Inf in

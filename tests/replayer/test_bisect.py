@@ -4389,3 +4389,51 @@ def test_inf_taken_and_kept_out_names_the_first_step_that_took_it(tmp_path: Path
         origin.cause
     res = pdbg("bisect", str(path), "--json", cwd=tmp_path)
     assert res.returncode == 0 and json.loads(res.stdout)["cause"] == origin.cause, res.stdout
+
+
+class _Sqrt(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+class _SqrtNet(torch.nn.Module):
+    """sqrt after a ReLU: sqrt's backward is Inf where the ReLU gave 0, and the ReLU's backward, unrecorded,
+    absorbs it; with ``zero`` set, the code between them multiplies by 0, and sqrt's backward fills its gradient
+    with Inf of both signs that that multiplication makes NaN of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.sqrt, self.l2 = torch.nn.Linear(4, 8), _Sqrt(), torch.nn.Linear(8, 3)
+        self.zero = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.l1(x))
+        return self.l2(self.sqrt(h * 0 if self.zero else h))
+
+
+def test_a_backward_inf_absorbed_at_earlier_calls_is_passed_over_for_the_call_that_fills_its_gradient(
+        tmp_path: Path) -> None:
+    """sqrt's backward at 0 gives Inf on part of its gradient at every iteration, absorbed by the ReLU's backward
+    before it; at iteration 3 it fills the gradient with Inf of both signs (a division by 0), which becomes NaN.
+    bisect named iteration 0, where nothing non-finite came of it (and, in flight mode, a step outside the ring
+    that --ops could not replay): the step's call that filled its gradient is the origin."""
+    torch.manual_seed(0)
+    model = _SqrtNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "sqrt.zarr"
+    with recorder.record(path, model=model, optimizer=opt, modules=["l1", "sqrt", "l2"]):
+        for i in range(5):
+            model.zero = i == 3
+            torch.nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    sqrt_back = [s for s in rec.steps if s.module_path == "sqrt" and s.phase == "backward"]
+    assert all(s.status == "nonfinite" for s in sqrt_back[:3])
+    origin = replayer.first_nonfinite(rec)
+    step = origin.step
+    assert step is not None and (step.module_path, step.phase, step.iteration) == ("sqrt", "backward", 3), origin.cause
+    made = "produced grad_input args.0 (64 Inf of 64) from finite inputs"
+    assert origin.cause == f"{bisect_mod.describe(step)} {made}", origin.cause
+    res = pdbg("bisect", str(path), "--json", cwd=tmp_path)
+    assert res.returncode == 1 and json.loads(res.stdout)["origin"]["index"] == step.index, res.stdout
