@@ -1649,7 +1649,7 @@ def _entered_text(rec: Recording, source: Step, step: Step, r: TensorRecord,
         return (f"{'parameter' if r.role == 'param' else 'buffer'} {full} was already non-finite when "
                 f"{describe(source)} began ({_counts(rec, r)}): {_writers_text(writers, 'the parameter')}"
                 f"{_opaque_writers_text(rec, source, earlier)}{_caller_text(rec, source)}the optimizer update or code "
-                f"outside every recorded step wrote it{since}{became}")
+                f"outside every recorded step wrote it{since}{_finite_gradient_text(rec, source, r, earlier)}{became}")
     if r.role == "grad_output":
         which = "" if r.name == "output" else f" {r.name.removeprefix('output.')}"
         if senders:  # a later step's backward sent gradients toward arguments no tap followed
@@ -1910,6 +1910,30 @@ def _forward_only(step: Step) -> bool:
     records such a step forward only, holds none of them."""
     return step.phase == "forward" and step.settings.get("grad_enabled") is not False and \
         any(transforms.NOTE in n for n in step.extra.get("notes", []) if isinstance(n, str))
+
+
+def _finite_gradient_text(rec: Recording, source: Step, r: TensorRecord, earlier: Step | None) -> str:
+    """Of a parameter that came non-finite into ``source`` and was finite at ``earlier``: where the backward
+    calls of the step in between recorded its gradient, all finite, say so. The update did not pass on a
+    non-finite gradient then: it made the NaN/Inf itself (a learning rate, eps = 0 with a zero gradient), or
+    code between the backward and the update changed the gradient (clipping by a norm that another parameter's
+    gradient made NaN): the user looks there, not at the backward pass."""
+    if r.role != "param" or earlier is None:
+        return ""
+    table = rec.steps
+    index = table.column("index")
+    same = np.flatnonzero((table.column("name") == source.name) & (table.column("module_path") == source.module_path)
+                          & (table.column("phase") == layout.PHASES.index("backward"))
+                          & (index > earlier.index) & (index < source.index)
+                          & (rec._object_numbers == rec._object_numbers[source.index]))
+    grads = [(back, g) for back in (rec.step(int(k)) for k in same[-100:]) for g in back.records
+             if g.role == "param_grad" and g.name == r.name]
+    if not grads or any(g.nonfinite for _, g in grads):
+        return ""
+    return (f"; its gradient was finite as {describe(grads[-1][0])} left it: the {'NaN' if r.stats['nan'] else 'Inf'} "
+            "was made after that backward, by the update itself (its learning rate, eps = 0 on a zero gradient), by "
+            "code that changed the gradient (clipping by a norm another gradient made non-finite) or by code that "
+            "wrote the parameter")
 
 
 def _last_finite_step(rec: Recording, step: Step, role: str, name: str) -> Step | None:

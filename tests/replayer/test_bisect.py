@@ -486,7 +486,7 @@ def test_a_parameter_already_nonfinite_is_the_cause_not_a_step(tmp_path: Path) -
     assert (origin.entered.name, origin.entered.module_path, origin.entered.iteration) == ("Block", "h.1", 2)
     assert origin.cause.startswith("parameter h.1.ln1.weight was already non-finite when step ")
     assert "the optimizer update or code outside every recorded step wrote it" in origin.cause
-    assert origin.cause.endswith("it was last finite in iteration 1")
+    assert "it was last finite in iteration 1; its gradient was finite as " in origin.cause, origin.cause
     assert pdbg("bisect", str(path), cwd=tmp_path).returncode == 1
 
 
@@ -2663,7 +2663,8 @@ def test_an_inf_that_came_in_is_where_it_entered_not_the_step_that_made_nan_of_i
     assert origin.cause.startswith(f"parameter 0.weight was already non-finite when step {entered.index}: "), \
         origin.cause
     assert "began (4 Inf of 16): the optimizer update or code outside every recorded step wrote it; it was last " \
-           "finite in iteration 1; the step made NaN of that Inf: output (" in origin.cause, origin.cause
+           "finite in iteration 1; its gradient was finite as " in origin.cause, origin.cause
+    assert "or by code that wrote the parameter; the step made NaN of that Inf: output (" in origin.cause, origin.cause
     later = int(sum(s.status == "nonfinite" for s in rec.steps if s.index > entered.index))
     assert len(origin.spread) == 3 and later > 3
     assert repr(origin).endswith(f"; {later} steps went non-finite after it>"), repr(origin)
@@ -4437,3 +4438,29 @@ def test_a_backward_inf_absorbed_at_earlier_calls_is_passed_over_for_the_call_th
     assert origin.cause == f"{bisect_mod.describe(step)} {made}", origin.cause
     res = pdbg("bisect", str(path), "--json", cwd=tmp_path)
     assert res.returncode == 1 and json.loads(res.stdout)["origin"]["index"] == step.index, res.stdout
+
+
+def test_a_parameter_an_update_made_nan_from_finite_gradients_says_its_gradient_was_finite(tmp_path: Path) -> None:
+    """Adam with eps = 0 divides 0 by 0 where a gradient is exactly zero (a ReLU's dead unit): the weight turns NaN
+    in the update. bisect said "the optimizer update or code outside every recorded step wrote it", leaving open
+    whether a NaN gradient was passed on; the backward step recorded the gradient finite, and it says so, sending
+    the user to the update (or to what changed the gradient after the backward) rather than to the backward pass."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=0.0)
+    path = tmp_path / "adam.zarr"
+    with recorder.record(path, model=model, optimizer=opt, modules=["0", "2"]):
+        for _ in range(2):
+            model(torch.randn(8, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    entered = origin.entered
+    assert origin.step is None and entered is not None and (entered.module_path, entered.iteration) == ("0", 1)
+    back = next(s for s in rec.steps if (s.module_path, s.phase, s.iteration) == ("0", "backward", 0))
+    assert not any(r.nonfinite for r in back.records)
+    assert f"; its gradient was finite as {bisect_mod.describe(back)} left it: the NaN was made after that backward, " \
+           "by the update itself" in origin.cause, origin.cause
+    res = pdbg("bisect", str(path), "--json", cwd=tmp_path)
+    assert res.returncode == 1 and json.loads(res.stdout)["cause"] == origin.cause, res.stdout
