@@ -471,7 +471,7 @@ def bundle(rec: Recording | str | os.PathLike[str], step: int | str | Step, path
         verified, not_verified, verified_with, by_statistics = None, None, None, []
         not_compared: list[str] = []
         unseen: list[str] = []
-        notes = _carried_drift(steps, sources)
+        notes = _steps_drift(steps, sources) + _carried_drift(steps, sources)
         if verify:
             backend.put(backend.open_store(store_dir, mode="w"), BUNDLE_KEY, json.dumps(meta).encode())
             from .replay import Replayer, about_code
@@ -597,6 +597,46 @@ def verification_note(rec: Recording) -> str | None:
     differences = state.environment_differences(env, verified=True)
     return (f"bundle verified when made: {verdict}, with {environment_text(env, rec.run_info)}; here "
             + ("the same" if not differences else "differs: " + "; ".join(differences)))
+
+
+def _steps_drift(steps: list[Step], sources: dict[str, str]) -> list[str]:
+    """A sentence for each file a bundled step's own code came from that no longer holds that code as
+    recorded: carried (the script, which the steps need), a replay with ``--use-bundled-source`` runs the
+    code changed since; not carried, none does, and a replay elsewhere finds the code nowhere unless that
+    machine has the file. Said when the bundle is made, where the file can still be put back."""
+    out, seen = [], set()
+    for s in steps:
+        file, code = s.definition.get("file"), s.definition.get("source")
+        if not isinstance(file, str) or not isinstance(code, str) or (file, s.name) in seen or \
+                not file.endswith(".py") or installed(file):
+            continue
+        seen.add((file, s.name))
+        text = sources.get(file)
+        if text is None:
+            try:
+                text = Path(file).read_text(encoding="utf-8") if os.path.isfile(file) else None
+            except (OSError, UnicodeDecodeError):
+                text = None
+            if text is not None and _as_recorded_in(text, s.definition) is False:
+                out.append(f"{file} is not carried: the code of {s.name} there changed since recording, so the "
+                           "bundle holds no file with it as recorded (a replay of the bundle, with "
+                           "--use-bundled-source too, imports the code of the machine it runs on); restore the "
+                           "file as it was recorded and bundle again to carry it")
+        elif _as_recorded_in(text, s.definition) is False:
+            out.append(f"the carried {file} holds {s.name} changed since recording: a replay with "
+                       "--use-bundled-source runs that code")
+    return out
+
+
+def _as_recorded_in(text: str, definition: dict[str, Any]) -> bool | None:
+    """Whether a file's text defines a step's code as recorded, by its hash (a line added at the end of
+    the recorded source still holds it as text); None where that cannot be told: code defined inside a
+    function, or a recording without the hash."""
+    qualname, digest = str(definition.get("ref", "")).partition(":")[2], definition.get("source_sha256")
+    if not qualname or "<" in qualname or not isinstance(digest, str):
+        return None
+    copy = source_in(text, qualname)
+    return copy is not None and hashlib.sha256(copy.encode()).hexdigest() == digest
 
 
 def _carried_drift(steps: list[Step], sources: dict[str, str]) -> list[str]:

@@ -1,0 +1,69 @@
+"""Bundles made after the code of a step changed since recording: what the bundle carries, and what it says."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import recorder
+import replayer
+
+STEPS = '''
+import torch
+import recorder
+
+
+@recorder.paper_step("Eq. 1")
+def scale(x):
+    return x * 2.0
+
+
+@recorder.paper_step("Eq. 2")
+def shift(x):
+    return x + 1.0
+'''
+
+
+@pytest.fixture
+def edited_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[replayer.Recording, Path]:
+    """A recording of two steps of ``driftsteps.py``; returns it and the file, which a test then edits."""
+    module = tmp_path / "driftsteps.py"
+    module.write_text(STEPS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "driftsteps", raising=False)
+    steps = importlib.import_module("driftsteps")
+    with recorder.record(tmp_path / "run.zarr"):
+        steps.shift(steps.scale(torch.arange(4.0)))
+    return replayer.open(tmp_path / "run.zarr"), module
+
+
+def test_a_bundle_says_the_step_file_it_could_not_carry_because_the_code_changed(
+        edited_later: tuple[replayer.Recording, Path], tmp_path: Path) -> None:
+    """The file no longer holds the step as recorded: it was left out with nothing said but "the steps' code is
+    in the recording", and the bundle then failed to import it elsewhere, even with --use-bundled-source."""
+    rec, module = edited_later
+    module.write_text(STEPS.replace("x * 2.0", "x * 3.0"))
+    info = replayer.bundle(rec, "Eq. 1", tmp_path / "failure.pdbg")
+    assert info.sources == []
+    assert info.code_notes == [
+        f"{module} is not carried: the code of scale there changed since recording, so the bundle holds no file "
+        "with it as recorded (a replay of the bundle, with --use-bundled-source too, imports the code of the "
+        "machine it runs on); restore the file as it was recorded and bundle again to carry it"]
+
+
+def test_a_bundle_says_its_carried_file_holds_a_step_changed_since_recording(
+        edited_later: tuple[replayer.Recording, Path], tmp_path: Path) -> None:
+    """A line added at the end of a step's body still holds the recorded source as text, so the file was
+    carried, changed, without a word: a replay with --use-bundled-source would run the new code."""
+    rec, module = edited_later
+    module.write_text(STEPS.replace("return x + 1.0", "return x + 1.0 + 0.5"))
+    info = replayer.bundle(rec, "Eq. 2", tmp_path / "failure.pdbg")
+    assert info.sources == [str(module)]
+    assert info.code_notes == [f"the carried {module} holds shift changed since recording: a replay with "
+                               "--use-bundled-source runs that code"]
+    unchanged = replayer.bundle(rec, "Eq. 1", tmp_path / "other.pdbg")
+    assert unchanged.sources == [str(module)] and unchanged.code_notes == []
