@@ -716,7 +716,8 @@ class Replayer:
                 result.warnings.append(self._repository)
             else:
                 reached = self._reached_code(result.step, call)
-                named = _files_changed_since(self.rec.run_info, call, self.loader.script, reached)
+                named = self._differs_from_bundle(call, reached) or \
+                    _files_changed_since(self.rec.run_info, call, self.loader.script, reached)
                 result.warnings += named
                 if not named and reached and not _committed(self.rec.run_info):  # (a repository as recorded: it is)
                     result.warnings.append(_unhashed(reached))
@@ -790,6 +791,52 @@ class Replayer:
                 ref = paper_reference(s.paper)
                 who = f"{ref} ({s.name})" if ref and ref != s.name else s.name
                 result.warnings.append(_data_warning(f"the code of the inner step {s.index}: {who}", names))
+
+    def _differs_from_bundle(self, call: _Call, reached: dict[str, list[str]]) -> list[str]:
+        """For a bundle replayed with the code here, each file the call ran code from (the step's own, its
+        module's classes', ``reached``) whose text here is not the copy the bundle carries of it: the bundle
+        holds that file, so the difference is known, not guessed from a file's time (which a copy to another
+        machine does not keep)."""
+        info = self.rec.bundle_info
+        if info is None or self.loader.bundled:
+            return []
+        sources, modules = info.get("sources") or {}, info.get("modules") or {}
+        copies: dict[str, str] = {}  # a file here -> the bundle's copy of it, by the module it is
+        for name, recorded in modules.items():
+            here = getattr(sys.modules.get(name), "__file__", None)
+            if isinstance(here, str) and isinstance(sources.get(recorded), str):
+                copies[os.path.realpath(here)] = recorded
+        script = self.rec.run_info.get("script")
+        if self.loader.script and isinstance(script, str) and isinstance(sources.get(script), str):
+            copies[os.path.realpath(self.loader.script)] = script
+        function = call.module is None
+        defined = ([inspect.unwrap(getattr(call.fn, "__func__", call.fn))] if function else
+                   list(dict.fromkeys(type(m) for m in call.module.modules())))
+        ran: dict[str, list[str]] = {}
+        for obj in defined:
+            with contextlib.suppress(TypeError, OSError):
+                file = self.loader.script if getattr(obj, "__module__", None) == "__main__" else \
+                    inspect.getsourcefile(obj)
+                if file is not None:
+                    ran.setdefault(file, []).append(getattr(obj, "__qualname__", "?"))
+        for file, names in reached.items():
+            ran.setdefault(file, []).extend(n for n in names if n not in ran.get(file, ()))
+        out = []
+        for file, names in ran.items():
+            recorded = copies.get(os.path.realpath(file))
+            if recorded is None:
+                continue
+            try:
+                here = Path(file).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if here != sources[recorded]:
+                shown = f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+                copy = "the copy" if os.path.realpath(recorded) == os.path.realpath(file) else f"the copy of {recorded}"
+                out.append(f"{file} is not {copy} this bundle carries, and the step's call ran "
+                           f"{shown} from it: a likely cause of the difference (--use-bundled-source runs the "
+                           "bundle's copy)")
+        return out
 
     def _reached_code(self, step: Step, call: _Call) -> dict[str, list[str]]:
         """The functions of the training project the replayed call ran (``_Call.reached``), by file, but for

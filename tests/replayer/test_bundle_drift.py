@@ -67,3 +67,47 @@ def test_a_bundle_says_its_carried_file_holds_a_step_changed_since_recording(
                                "--use-bundled-source runs that code"]
     unchanged = replayer.bundle(rec, "Eq. 1", tmp_path / "other.pdbg")
     assert unchanged.sources == [str(module)] and unchanged.code_notes == []
+
+
+HELPED = '''
+import recorder
+from drifthelp import act
+
+
+@recorder.paper_step("Eq. 3")
+def activate(x):
+    return act(x) * 2.0
+'''
+
+
+def test_a_bundle_replayed_with_the_code_here_names_the_helper_file_that_is_not_its_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper the step calls, edited here and its time set back (a copy to another machine keeps no time
+    to go by): the replay said that code "is not checked", though the bundle carries the file it came from."""
+    import os
+
+    helper = tmp_path / "drifthelp.py"
+    helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.0\n")
+    (tmp_path / "drifthelped.py").write_text(HELPED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("drifthelp", "drifthelped"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    steps = importlib.import_module("drifthelped")
+    with recorder.record(tmp_path / "run.zarr"):
+        steps.activate(torch.linspace(-1.0, 1.0, 8))
+    made = replayer.bundle(replayer.open(tmp_path / "run.zarr"), "Eq. 3", tmp_path / "failure.pdbg")
+    assert str(helper) in made.sources
+    then = helper.stat().st_mtime - 3600
+    helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.5\n")
+    os.utime(helper, (then, then))
+    for name in ("drifthelp", "drifthelped"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    res = replayer.replay(replayer.open(tmp_path / "failure.pdbg"), 0)
+    assert res.match is False
+    assert f"{helper} is not the copy this bundle carries, and the step's call ran act from it: a likely cause of " \
+           "the difference (--use-bundled-source runs the bundle's copy)" in res.warnings, res.warnings
+    assert not any("holds no hash" in w for w in res.warnings), res.warnings
+    bundled = replayer.replay(replayer.open(tmp_path / "failure.pdbg"), 0, use_bundled_source=True)
+    assert bundled.match is True
+    want = replayer.open(tmp_path / "failure.pdbg").step(0).tensor("output")
+    assert torch.equal(bundled.values["output"].view(torch.int32), want.view(torch.int32))
