@@ -1066,8 +1066,17 @@ class Step:
 
     def why_statistics_only(self, record: TensorRecord | str) -> str:
         """Why one of this step's tensor records (or the one a name gives, as ``tensor`` takes it) has
-        statistics and no payload (RankReader's answer)."""
-        return self.rec.rank.why_statistics_only(record if isinstance(record, TensorRecord) else self.record(record))
+        statistics and no payload (RankReader's answer; of a bundle's step other than its main step and that
+        step's forward call, that a bundle keeps those as statistics, not the recording's reason)."""
+        record = record if isinstance(record, TensorRecord) else self.record(record)
+        info = self.rec.bundle_info
+        if info is not None and not info.get("iteration"):
+            main = self.rec.step(info["main_step"])
+            if self.index not in (main.index, main.forward):
+                return (f"a bundle keeps the tensors of its steps other than its main step {main.index} ({main.name}) "
+                        "as statistics only, where that step does not share them: bundle this step itself from "
+                        "the recording to replay it")
+        return self.rec.rank.why_statistics_only(record)
 
     def kept_only(self, record: TensorRecord) -> str:
         """What the recording kept of a record without payload, and why, for a refusal to replay:

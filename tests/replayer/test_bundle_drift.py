@@ -25,6 +25,11 @@ def scale(x):
 @recorder.paper_step("Eq. 2")
 def shift(x):
     return x + 1.0
+
+
+@recorder.paper_step("Eq. 4")
+def both(x):
+    return shift(scale(x))
 '''
 
 
@@ -111,3 +116,23 @@ def test_a_bundle_replayed_with_the_code_here_names_the_helper_file_that_is_not_
     assert bundled.match is True
     want = replayer.open(tmp_path / "failure.pdbg").step(0).tensor("output")
     assert torch.equal(bundled.values["output"].view(torch.int32), want.view(torch.int32))
+
+
+def test_an_inner_step_of_a_bundle_says_the_bundle_kept_its_statistics(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its refusal gave the recording's reasons ("recorded in stats mode, on an iteration --every skipped, or in
+    flight mode"), none of them true: a bundle keeps an inner step's tensors as statistics by design."""
+    (tmp_path / "driftnested.py").write_text(STEPS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "driftnested", raising=False)
+    steps = importlib.import_module("driftnested")
+    with recorder.record(tmp_path / "run.zarr"):
+        steps.both(torch.arange(4.0))
+    made = replayer.bundle(replayer.open(tmp_path / "run.zarr"), "Eq. 4", tmp_path / "outer.pdbg")
+    bundled = replayer.open(made.path)
+    with pytest.raises(Exception) as refused:
+        replayer.replay(bundled, bundled.step(2))
+    assert "a bundle keeps the tensors of its steps other than its main step 0 (both) as statistics only, " \
+           "where that step does not share them: bundle this step itself from the recording to replay it" \
+           in str(refused.value), str(refused.value)
+    assert "stats mode" not in str(refused.value)
