@@ -103,15 +103,21 @@ def _hook(model: Net) -> None:
     model.block.fc.register_forward_hook(_halve)
 
 
-def test_an_activation_swapped_mid_run_for_another_class_with_the_same_attributes_replays(tmp_path: Path) -> None:
-    """nn.ReLU and nn.SiLU hold the same attributes (inplace=False): the skeleton the first call recorded stayed
-    the block's, so every later step replayed ReLU and differed."""
-    rec = _recorded(tmp_path, _swap_activation)
-    after = [s for s in rec.steps if s.module_path == "block" and s.iteration >= 1]
+def _replay_after_the_change(rec: replayer.Recording, path: str) -> None:
+    """The steps of the module at ``path`` after the change (iterations 1 and 2, forward and backward) replay
+    bit for bit."""
+    after = [s for s in rec.steps if s.module_path == path and s.iteration >= 1]
     assert len(after) == 4, [(s.module_path, s.phase, s.iteration) for s in rec.steps]
     for step in after:
         res = replayer.replay(rec, step)
         assert res.match, (step, res.outputs, res.warnings)
+
+
+def test_an_activation_swapped_mid_run_for_another_class_with_the_same_attributes_replays(tmp_path: Path) -> None:
+    """nn.ReLU and nn.SiLU hold the same attributes (inplace=False): the skeleton the first call recorded stayed
+    the block's, so every later step replayed ReLU and differed."""
+    rec = _recorded(tmp_path, _swap_activation)
+    _replay_after_the_change(rec, "block")
     assert replayer.replay(rec, "block@iter=0").match
 
 
@@ -119,11 +125,7 @@ def test_a_weight_tied_mid_run_inside_a_recorded_module_replays(tmp_path: Path) 
     """``out.weight = emb.weight`` after the first call: the skeleton had no ``tied`` entry, so the tied
     steps' replays raised (the parameter recorded once, under its first name) and were not replayed."""
     rec = _recorded(tmp_path, _tie)
-    after = [s for s in rec.steps if s.module_path == "core" and s.iteration >= 1]
-    assert len(after) == 4, [(s.module_path, s.phase, s.iteration) for s in rec.steps]
-    for step in after:
-        res = replayer.replay(rec, step)
-        assert res.match, (step, res.outputs, res.warnings)
+    _replay_after_the_change(rec, "core")
 
 
 def test_a_hook_registered_mid_run_on_a_submodule_is_named_by_the_replay(tmp_path: Path) -> None:
