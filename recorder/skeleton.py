@@ -138,18 +138,19 @@ def state_key(module: torch.nn.Module) -> tuple[Any, ...]:
                 key.append(_TENSOR)
             else:
                 key.append(id(value))
+        # (keys() and values(), not iteration: a TorchScript module's tables are wrappers that cannot be iterated)
         params, buffers, children = m._parameters, m._buffers, m._modules
         if params:
-            key.append(tuple(params))
+            key.append(tuple(params.keys()))
             for p in params.values():  # which are one tensor, not which tensors (functional_call swaps them)
                 key.append(None if p is None else (first.setdefault(id(p), len(first)), p.requires_grad))
         if buffers:
-            key.append(tuple(buffers))
-            key.append(len(m._non_persistent_buffers_set))
+            key.append(tuple(buffers.keys()))
+            key.append(len(getattr(m, "_non_persistent_buffers_set", ())))
         if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
             key.append((*m._forward_pre_hooks, None, *m._forward_hooks, None, *m._backward_pre_hooks, None,
                         *m._backward_hooks))  # (handle ids: one removed and another registered differ)
-        key.append(tuple(children))
+        key.append(tuple(children.keys()))
         for c in children.values():
             key.append(id(c))
             if c is not None:
