@@ -627,6 +627,12 @@ def ending_exception(run: Run) -> BaseException | None:
     return getattr(sys, "last_value", None)  # (a script run by IPython: no cell ended, its traceback the last)
 
 
+def ipython_shell() -> Any:
+    """The IPython shell this process runs (a Jupyter kernel's, a terminal's), or None: asked only where
+    IPython is imported already, never importing it here."""
+    return getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+
+
 class _Cells:
     """What the cells of an IPython session (a Jupyter kernel) did with one recording: the exception of the
     last cell that recorded steps of it, told by IPython's ``pre_run_cell`` and ``post_run_cell`` events."""
@@ -641,7 +647,7 @@ class _Cells:
     def of(cls, run: Run) -> _Cells | None:
         """Follow ``run``'s cells where this process runs IPython's (imported already, never here)."""
         try:
-            shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+            shell = ipython_shell()
             if shell is None:
                 return None
             cells = cls(run, shell)
@@ -860,7 +866,7 @@ def _notebook() -> str | None:
     for a kernel that does not say, None outside one. Its ``argv`` is only ipykernel's launcher and the kernel's
     connection file, which tell a reader of the recording nothing."""
     try:
-        shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+        shell = ipython_shell()
         if shell is None or getattr(shell, "kernel", None) is None:  # (a terminal IPython has no kernel)
             return None
         names = getattr(shell, "user_ns", None) or {}

@@ -32,6 +32,7 @@ from typing import Any
 
 from recorder.annotate import is_main_guard, source_lines
 from recorder.errors import ReplayError
+from recorder.run import ipython_shell
 
 from . import state
 
@@ -373,7 +374,7 @@ def location(file: Any, line: Any) -> str:
     """``file:line``, or for a cell of this kernel, whose file is a temporary name
     (``/tmp/ipykernel_4711/2890.py``), the cell as IPython's tracebacks name it: "Cell In[3], line 2"."""
     try:
-        shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+        shell = ipython_shell()
         named = shell.compile.format_code_name(file) if shell is not None else None  # None: not a cell of it
     except Exception:  # (another IPython: the file it is)
         named = None
