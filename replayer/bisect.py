@@ -279,6 +279,10 @@ class Origin:
     # argument whose gradient was not recorded; where a parameter, buffer or input came in non-finite: a recorded
     # step given that very tensor (its values) that may have written it through .data, unseen (the cause names it)
     suspect: Step | None = None
+    # Where no recorded step holds NaN/Inf but a step raised an exception that speaks of one (a NaN check inside
+    # the step, raising FloatingPointError before it returned): the innermost step it came out of. The NaN/Inf was
+    # made inside it; ``find_op`` replays it operation by operation.
+    raised_in: Step | None = None
 
     @property
     def found(self) -> bool:
@@ -294,8 +298,9 @@ class Origin:
 
     @property
     def clean(self) -> bool:
-        """Nothing to report: no step made or received NaN/Inf, nor did the run end by one made outside them."""
-        return not self.found and self.ended_by is None
+        """Nothing to report: no step made or received NaN/Inf, nor did the run end by one made outside them, nor
+        did a step raise an exception that speaks of one."""
+        return not self.found and self.ended_by is None and self.raised_in is None
 
     @property
     def rank(self) -> int | None:
@@ -305,13 +310,14 @@ class Origin:
 
     def to_json(self) -> dict[str, Any]:
         """``pdbg bisect --json``: {"origin", "cause", "op", "source", "source_op", "spread", "entered",
-        "ended_by", "rank", "other_ranks"}."""
+        "ended_by", "raised_in", "rank", "other_ranks"}."""
         return {"origin": self.step.to_json() if self.step else None, "cause": self.cause,
                 "op": self.op.to_json() if self.op is not None else None,
                 "source": self.source.to_json() if self.source is not None else None,
                 "source_op": self.source_op.to_json() if self.source_op is not None else None,
                 "spread": [s.to_json() for s in self.spread],
                 "entered": self.entered.to_json() if self.entered else None, "ended_by": self.ended_by,
+                "raised_in": self.raised_in.to_json() if self.raised_in is not None else None,
                 "rank": self.rank,
                 "other_ranks": {str(r): {"origin": o.step.to_json() if o.step else None,
                                          "entered": o.entered.to_json() if o.entered else None, "cause": o.cause}
@@ -412,6 +418,8 @@ def first_nonfinite(rec: Recording | str | os.PathLike[str], *, ops: bool = Fals
     if all_ranks and len(rec.ranks) > 1:
         return _across_ranks(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
     origin = _first_on_rank(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
+    if ops and origin.step is None and origin.raised_in is not None:  # the step its NaN check raised in
+        find_op(origin, origin.raised_in)
     if not origin.found:
         origin.cause += _stopped_early(rec)
     rec.known_origin = origin  # a summary of the recording (its notebook repr) shows it without searching
@@ -1024,7 +1032,7 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         if overflowed and not contained:
             return Origin(None, _overflows_text(rec, overflowed))
         if not contained:
-            return _ended_outside(rec) or Origin(None, "no non-finite values recorded")
+            return _ended_outside(rec) or _raised_caught(rec) or Origin(None, "no non-finite values recorded")
         first = rec.step(int(np.flatnonzero(k.given)[0]))
         phase = layout.PHASES.index(first.phase)
         held = _nonfinite_text(first, {layout.ROLES[i] for i in layout.INPUT_ROLES[phase]})
@@ -1411,7 +1419,33 @@ def _ended_outside(rec: Recording) -> Origin | None:
         made = (", so the NaN/Inf it speaks of was made outside the recorded steps: record the code between them "
                 "(the loss) as a paper step, or with pdbg record --modules")
     cause = f"no recorded step made or received NaN/Inf; the run ended by {why.rstrip('.')} {where}"
-    return Origin(None, cause + made, ended_by=why) if nan else Origin(None, cause)
+    if not nan:
+        return Origin(None, cause)
+    return Origin(None, cause + made, ended_by=why, raised_in=last if last.status == "exception" else None)
+
+
+def _raised_caught(rec: Recording) -> Origin | None:
+    """Where no recorded step holds NaN/Inf and the run did not end by an exception, but steps raised one that
+    speaks of NaN/Inf and the training code caught it (a NaN check inside a step, a loop that skips the batch):
+    the first such step, the innermost it came out of (``_raised_first``), in which the NaN/Inf was made."""
+    status, parent = _column(rec, "status"), _column(rec, "parent")
+    raised = np.flatnonzero(status == layout.STATUSES.index("exception"))
+    speaking = []
+    for index in raised.tolist():
+        exc = rec.step(int(index)).extra.get("exception") or {}
+        said = _QUOTED.sub("", _REFUSED_OVERFLOW.sub("", str(exc.get("message") or "")))
+        if str(exc.get("type") or "").endswith("FloatingPointError") or _SPEAKS_NONFINITE.search(said):
+            speaking.append(int(index))
+    if not speaking:
+        return None
+    outermost = [i for i in speaking if not (0 <= int(parent[i]) < i and int(parent[i]) in speaking)]
+    first = _raised_first(rec, rec.step(outermost[0]))
+    exc = first.extra.get("exception") or {}
+    said = " ".join(f"{str(exc.get('type', '')).split(':')[-1]}: {str(exc.get('message', ''))[:200]}".split())
+    more = f" ({len(outermost)} calls raised one, caught each time)" if len(outermost) > 1 else ""
+    return Origin(None, f"no non-finite values recorded; {describe(first)} raised {said}, which the training code "
+                        f"caught{more}: the NaN/Inf it speaks of was made inside that step, before any result of it "
+                        "was recorded", raised_in=first)
 
 
 def _raised_first(rec: Recording, step: Step) -> Step:

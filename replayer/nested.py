@@ -13,6 +13,7 @@ classes; an inner step at a path no watched module holds is not compared, and sa
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recorder import skeleton, taps, transforms
+from recorder import jsonval, skeleton, taps, transforms
 from recorder.store import layout
 
 from .compare import Diff, compare_record, tensors_by_name
@@ -111,6 +112,7 @@ class _Seen:
     kind: str  # "module" or "function:<name>"
     path: str
     outputs: dict[str, torch.Tensor] | None = None  # None until it returns
+    raised: str | None = None  # the type (jsonval.type_ref) of the exception it raised, if it raised one
     grad_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     grad_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     given: Any = None  # a module call's (args, kwargs) as it got them: what it changed in place is compared
@@ -326,6 +328,10 @@ class InnerTap:
             return None
         seen = pending.pop()
         taps.restore(seen.undo)
+        exc = sys.exc_info()[1]
+        if output is None and exc is not None:  # (an always-called hook, run as the module's forward raises)
+            seen.raised = jsonval.type_ref(type(exc))
+            return None
         seen.outputs = _snapshot(output)
         seen.outputs.update({f"{layout.AFTER_PREFIX}{n}": p.detach().clone() for n, p in seen.written.items()})
         seen.written = {}
@@ -380,6 +386,9 @@ class InnerTap:
             args, kwargs = tapped
         try:
             out = fn(*args, **kwargs)
+        except BaseException as exc:
+            seen.raised = jsonval.type_ref(type(exc))
+            raise
         finally:
             taps.restore(seen.undo)
         seen.outputs = _snapshot(out)
@@ -472,6 +481,17 @@ class InnerTap:
                 self.unseen.append(step)
             elif seen is None:
                 results.append(InnerStep(step, False, reason="recorded, but not called during the replay"))
+            elif seen.raised is not None or step.extra.get("exception"):  # one of them raised: which, against which
+                recorded = (step.extra.get("exception") or {}).get("type")
+                if seen.raised is not None and seen.raised == recorded:
+                    results.append(InnerStep(step, True, reason=f"raised {recorded.split(':')[-1]}, as recorded"))
+                elif seen.raised is not None:
+                    was = f"raised {recorded.split(':')[-1]}" if recorded else "returned"
+                    results.append(InnerStep(step, False, reason=f"raised {seen.raised.split(':')[-1]} during the "
+                                             f"replay; the recorded call {was}"))
+                else:
+                    results.append(InnerStep(step, False, reason=f"the recorded call raised {recorded.split(':')[-1]}; "
+                                             "the replayed one returned"))
             elif seen.outputs is None:
                 results.append(InnerStep(step, False, reason="raised during the replay"))
             else:

@@ -1585,6 +1585,11 @@ class Replayer:
             if tap is not None and _stopped(result):  # ran through: the steps inside it are compared as usual
                 result.inner, result.unrecorded_inner = tap.compare(), tap.unrecorded()
                 result.match = all(s.match for s in result.inner) and result.unrecorded_inner is None
+            elif tap is not None:  # one or both raised: the steps inside it, up to where it raised, are compared
+                # too (one that raised by its exception's type): where the replay parts from the recording
+                result.inner = tap.compare()
+                result.unrecorded_inner = tap.unrecorded() if raised is None else None
+                result.match = result.match and all(s.match for s in result.inner) and result.unrecorded_inner is None
             if not result.compared:  # never a match: nothing was checked (the steps inside it were not replayed)
                 result.match = False
             return result

@@ -1009,7 +1009,7 @@ class PdbgApp(App[None]):
         except PdbgError as exc:  # a damaged recording: say so, keep the app
             self.set_panel(Text(str(exc), style="red"))
             return
-        target = origin.step or origin.entered
+        target = origin.step or origin.entered or origin.raised_in
         self.set_panel(Text(origin.cause + self._elsewhere(origin), style="green" if origin.clean else "bold red"))
         if target is not None and origin.rank in (None, self.rec.rank.rank):
             self.go_to_step(target.index)

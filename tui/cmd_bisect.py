@@ -101,8 +101,9 @@ def bisect(args: argparse.Namespace) -> int:
     if args.ops:
         from replayer.bisect import entered_op_note, find_op
 
-        if origin.step is not None:
-            find_op(origin, origin.step, use_bundled_source=args.use_bundled_source, script=args.script)
+        if origin.step is not None or origin.raised_in is not None:  # (a step that raised: the NaN was made in it)
+            find_op(origin, origin.step or origin.raised_in, use_bundled_source=args.use_bundled_source,
+                    script=args.script)
         else:  # no step to replay: say why no operation is named
             origin.op_note = entered_op_note(origin)
         op_note = origin.op_note
@@ -114,6 +115,8 @@ def bisect(args: argparse.Namespace) -> int:
         return 0 if origin.clean else 1
     if not origin.found:
         print(origin.cause)
+        if origin.op is not None:
+            _print_op(origin.op)
         if op_note and not origin.clean:
             print(op_note)
         return 0 if origin.clean else 1
@@ -126,22 +129,7 @@ def bisect(args: argparse.Namespace) -> int:
         if first is not None:
             print(f"rank {rank}: first non-finite at step {first.index} (iteration {first.iteration}): {other.cause}")
     if origin.op is not None:
-        op = origin.op
-        ahead = op.forward is not None  # a custom Function's backward: its own line, then its forward's
-        node = f" (in {op.node}, the custom Function's backward)" if ahead else \
-            f" (in a hook of yours the backward ran for {op.node})" if op.hook else \
-            f" (in {op.node}, the backward of the forward line below)" if op.file else f" (in {op.node})"
-        print(f"operation: {op.name}" + (f" inside {op.within}" if op.within else "") + (node if op.node else ""))
-        if op.file:
-            print(f"  {op.file}:{op.line}" + (f" in {op.function}" if op.function else ""))
-            print(f"    {op.code}")
-        if ahead and op.forward.get("file"):
-            fwd = op.forward
-            print(f"  made by the forward at {fwd['file']}:{fwd['line']}"
-                  + (f" in {fwd['function']}" if fwd.get("function") else ""))
-            print(f"    {fwd['code']}")
-        for i, t in enumerate(op.inputs):
-            print(f"  {op.name}'s input {i}{_input_words(t)}")
+        _print_op(origin.op)
     if op_note:  # why no operation is named, or that the code named is not the recorded code
         print(op_note)
     if origin.source_op is not None and origin.source is not None:  # where the mask's Inf it passed on was made
@@ -156,6 +144,26 @@ def bisect(args: argparse.Namespace) -> int:
                                    + ", ".join(p for p in (s.object_text, s.phase, f"iteration {s.iteration}") if p)
                                    + ")" for s in origin.spread))
     return 1
+
+
+def _print_op(op: Any) -> None:
+    """The operation ``--ops`` named (replayer.ops.OpReport): its name and node, the line of the user's code,
+    its forward's line for a custom Function's backward, and its inputs."""
+    ahead = op.forward is not None  # a custom Function's backward: its own line, then its forward's
+    node = f" (in {op.node}, the custom Function's backward)" if ahead else \
+        f" (in a hook of yours the backward ran for {op.node})" if op.hook else \
+        f" (in {op.node}, the backward of the forward line below)" if op.file else f" (in {op.node})"
+    print(f"operation: {op.name}" + (f" inside {op.within}" if op.within else "") + (node if op.node else ""))
+    if op.file:
+        print(f"  {op.file}:{op.line}" + (f" in {op.function}" if op.function else ""))
+        print(f"    {op.code}")
+    if ahead and op.forward.get("file"):
+        fwd = op.forward
+        print(f"  made by the forward at {fwd['file']}:{fwd['line']}"
+              + (f" in {fwd['function']}" if fwd.get("function") else ""))
+        print(f"    {fwd['code']}")
+    for i, t in enumerate(op.inputs):
+        print(f"  {op.name}'s input {i}{_input_words(t)}")
 
 
 def _input_words(t: dict[str, Any]) -> str:

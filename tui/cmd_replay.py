@@ -165,6 +165,8 @@ def summary(rec: Any) -> dict[str, Any]:
             "first_nonfinite": first.to_json() if first is not None else None,
             "first_nonfinite_came_in": origin is not None and origin.step is None and first is not None,
             "first_nonfinite_outside": origin.ended_by if origin is not None else None,
+            "first_nonfinite_raised_in": origin.raised_in.to_json()
+            if origin is not None and origin.raised_in is not None else None,
             "ended_by": rec.ended_by,
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
             "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec),
@@ -382,8 +384,12 @@ def info(args: argparse.Namespace) -> int:
         print(f"optimizer replaced at iteration{'s' if replaced['count'] != 1 else ''} {at}"
               + (f" and {more} more" if more > 0 else "") + ": a new optimizer over the same parameters (resumed "
               "or re-created) counts the iterations from its first step, which ends that iteration")
-    first = doc["first_nonfinite"]
-    if first is None and doc["first_nonfinite_outside"]:
+    first, raised_in = doc["first_nonfinite"], doc["first_nonfinite_raised_in"]
+    if first is None and raised_in is not None:  # a NaN check inside a step raised before it returned
+        how = "ended the run" if doc["first_nonfinite_outside"] else "the training code caught"
+        print(f"NaN origin: inside {_step_text(raised_in)}, which raised an exception that speaks of NaN/Inf before "
+              f"it returned ({how})  (pdbg bisect --ops for the operation)")
+    elif first is None and doc["first_nonfinite_outside"]:
         print(f"NaN origin: outside the recorded steps, which hold no NaN/Inf; the run ended by "
               f"{doc['first_nonfinite_outside']}  (pdbg bisect for why)")
     elif first is None:

@@ -4464,3 +4464,54 @@ def test_a_parameter_an_update_made_nan_from_finite_gradients_says_its_gradient_
            "by the update itself" in origin.cause, origin.cause
     res = pdbg("bisect", str(path), "--json", cwd=tmp_path)
     assert res.returncode == 1 and json.loads(res.stdout)["cause"] == origin.cause, res.stdout
+
+
+
+@recorder.paper_step("Eq. 4", description="a root with a NaN check of its own")
+def checked_root(x: torch.Tensor) -> torch.Tensor:
+    y = x.sqrt()
+    if torch.isnan(y).any():
+        raise FloatingPointError("NaN in the root")
+    return y
+
+
+@recorder.paper_step("Algorithm 2")
+def checked_update(x: torch.Tensor) -> torch.Tensor:
+    return checked_root(torch.exp(x) - 2.0)
+
+
+@pytest.mark.parametrize("caught", [False, True], ids=["ends-the-run", "caught"])
+def test_a_nan_check_inside_a_step_that_raises_names_that_step_and_its_operation(tmp_path: Path, caught: bool) -> None:
+    """A step's own NaN check raises FloatingPointError before the step returns, so no recorded result holds the
+    NaN. Where the run ended by it, bisect said the NaN was made inside that step but --ops "no operation is
+    named"; where the training loop caught it and went on (skipping the batch), bisect said "no non-finite values
+    recorded", exit 0, as of a clean run. Both now name the step (the innermost the exception came out of), exit 1,
+    and --ops replays it operation by operation: aten::sqrt at the line of the check's step; pdbg info names it."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    with contextlib.ExitStack() as stack:
+        if not caught:
+            stack.enter_context(pytest.raises(FloatingPointError, match="NaN in the root"))
+        stack.enter_context(recorder.record(path))
+        for _ in range(3):
+            try:
+                checked_update(torch.randn(6, requires_grad=True)).sum().backward()
+            except FloatingPointError:
+                if not caught:
+                    raise
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=False)
+    assert origin.step is None and origin.raised_in is not None and not origin.clean
+    assert (origin.raised_in.name, origin.raised_in.phase, origin.raised_in.iteration) == ("checked_root", "forward", 0)
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    said = "which the training code caught (3 calls raised one" if caught else "which returned no result"
+    assert said in res.stdout and f"step {origin.raised_in.index}: Eq. 4" in res.stdout, res.stdout
+    lines = res.stdout.splitlines()
+    at = lines.index("operation: aten::sqrt")
+    assert lines[at + 1].endswith(f"test_bisect.py:{line_of(checked_root, 'y = x.sqrt()')} in checked_root"), res.stdout
+    assert replayer.first_nonfinite(rec, ops=True).op.name == "aten::sqrt"
+    doc = json.loads(pdbg("bisect", str(path), "--ops", "--json", cwd=tmp_path).stdout)
+    assert doc["raised_in"]["index"] == origin.raised_in.index and doc["op"]["name"] == "aten::sqrt", doc
+    info = pdbg("info", str(path), cwd=tmp_path).stdout
+    assert f"NaN origin: inside step {origin.raised_in.index}" in info and "pdbg bisect --ops" in info, info

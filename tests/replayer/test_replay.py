@@ -5471,3 +5471,29 @@ def test_zero_tensor_gradients_are_recorded_and_replayed_as_zeros(run_path: Path
         assert bits_equal(recorded, torch.zeros_like(recorded)), (name, recorded)
         res = replayer.replay(rec, step.index)
         assert res.match, (name, [(d.name, d.max_abs) for d in res.outputs])
+
+
+def test_a_step_that_raised_replays_with_the_steps_inside_it_compared(tmp_path: Path) -> None:
+    """A step whose inner step's NaN check raised: its replay raised the same exception and said MATCH with no
+    word of the steps inside it (the one that computed before the raise, the one that raised), as if they had not
+    run. They are compared as in a step that returned: the first by its output, the one that raised by its
+    exception's type; an inner step whose recorded call raised where the replayed one raised another, or none,
+    does not match."""
+    from tests.replayer.test_bisect import checked_update
+
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    with pytest.raises(FloatingPointError), recorder.record(path):
+        checked_update(torch.randn(6, requires_grad=True))
+    rec = replayer.open(path)
+    outer = rec.step("checked_update")
+    res = replayer.replay(rec, outer)
+    assert res.match and res.exception is not None and res.exception.startswith("FloatingPointError")
+    assert [(s.step.name, s.match) for s in res.inner] == [("checked_root", True)]
+    assert res.inner[0].reason == "raised FloatingPointError, as recorded"
+    done = pdbg_here("replay", str(path), str(outer.index), cwd=tmp_path)
+    assert done.returncode == 0 and "inner steps: 1 of 1 match" in done.stdout, done.stdout
+    # (the check's step given a finite input now: it returns, where its recorded call raised)
+    res = replayer.replay(rec, outer, edit={"checked_root/args.0": "x.abs()"})
+    root = [s for s in res.inner if s.step.name == "checked_root"]
+    assert not res.match and root and not root[0].match, res.inner

@@ -1788,3 +1788,26 @@ def test_the_inspector_of_a_tensor_kept_as_statistics_only_offers_no_slice_keys(
         assert app.screen is inspector
 
     run(body, path)
+
+
+def test_g_goes_to_the_step_a_nan_check_raised_in(tmp_path: Path) -> None:
+    """A run that ended by a step's own NaN check (FloatingPointError raised inside the step, so no recorded result
+    holds the NaN): `g` showed the cause and left the cursor where it was; it goes to that step."""
+    from tests.replayer.test_bisect import checked_update
+
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    with pytest.raises(FloatingPointError), recorder.record(path):
+        for _ in range(2):
+            checked_update(torch.randn(6))
+    raised_in = replayer.first_nonfinite(replayer.open(path)).raised_in
+    assert raised_in is not None and raised_in.name == "checked_root"
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        app.go_to_step(0)
+        await pilot.pause()
+        await pilot.press("g")
+        await pilot.pause()
+        assert app.timeline.step_index == raised_in.index and "which returned no result" in panel(app), panel(app)
+
+    run(body, path)
