@@ -367,8 +367,12 @@ def _across_ranks(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool)
     produced = [o for o in found.values() if o.step is not None]
     pool = produced or [o for o in found.values() if o.found]
     if not pool:
-        ended = [o for o in found.values() if o.ended_by is not None]  # made outside the steps, a rank died of it
+        # made outside the steps, a rank died of it; else a step's own NaN check raised (caught)
+        ended = [o for o in found.values() if o.ended_by is not None] or \
+            [o for o in found.values() if o.raised_in is not None]
         if ended:
+            if len(rec.ranks) > 1 and ended[0].raised_in is not None:
+                ended[0].cause = f"rank {ended[0].raised_in.rec.rank.rank}: {ended[0].cause}"
             return ended[0]
         stopped = "".join(f"; rank {r}: {note.removeprefix('; ')}" for r in rec.ranks
                           for note in [_stopped_early(recs[r])] if note)
@@ -416,12 +420,15 @@ def first_nonfinite(rec: Recording | str | os.PathLike[str], *, ops: bool = Fals
     """
     rec = opened(rec)
     if all_ranks and len(rec.ranks) > 1:
-        return _across_ranks(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
-    origin = _first_on_rank(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
-    if ops and origin.step is None and origin.raised_in is not None:  # the step its NaN check raised in
-        find_op(origin, origin.raised_in)
-    if not origin.found:
-        origin.cause += _stopped_early(rec)
+        origin = _across_ranks(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
+    else:
+        origin = _first_on_rank(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
+        if not origin.found:
+            origin.cause += _stopped_early(rec)
+    if ops and origin.step is None and origin.raised_in is not None and origin.op is None:  # where a NaN check
+        find_op(origin, origin.raised_in)  # raised: the operation inside that step
+    if all_ranks and len(rec.ranks) > 1:
+        return origin
     rec.known_origin = origin  # a summary of the recording (its notebook repr) shows it without searching
     return origin
 

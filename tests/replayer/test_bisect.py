@@ -4515,3 +4515,24 @@ def test_a_nan_check_inside_a_step_that_raises_names_that_step_and_its_operation
     assert doc["raised_in"]["index"] == origin.raised_in.index and doc["op"]["name"] == "aten::sqrt", doc
     info = pdbg("info", str(path), cwd=tmp_path).stdout
     assert f"NaN origin: inside step {origin.raised_in.index}" in info and "pdbg bisect --ops" in info, info
+
+
+def test_a_nan_check_that_raised_on_one_rank_of_two_is_named_with_its_rank(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks (RANK and WORLD_SIZE as a launcher sets them), rank 1's step raising from its own NaN check, caught
+    by its loop: bisect over both ranks said "no non-finite values recorded on any of the 2 ranks"; it names rank 1's
+    step and, with --ops, the operation inside it."""
+    out = tmp_path / "run.zarr"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        torch.manual_seed(0)
+        with recorder.record(out):
+            try:
+                checked_update(torch.randn(6) if rank else torch.zeros(6) + 2.0)
+            except FloatingPointError:
+                pass
+    origin = replayer.first_nonfinite(replayer.open(out), all_ranks=True, ops=True)
+    assert origin.raised_in is not None and origin.raised_in.rec.rank.rank == 1, origin.cause
+    assert origin.cause.startswith("rank 1: no non-finite values recorded; step 1: Eq. 4"), origin.cause
+    assert origin.op is not None and origin.op.name == "aten::sqrt"
