@@ -330,6 +330,16 @@ def _steps(title: str, steps: Sequence[Step], what: str) -> Html:
 
 def origin(o: Origin) -> str:
     """Where the first NaN/Inf came from: the step, the sentence, the operation, where it spread."""
+    if o.raised_in is not None or (not o.found and o.ended_by is not None):  # no recorded result holds it: the
+        # step whose own NaN check raised before it returned, or an exception that ended the run speaking of one
+        where = o.raised_in
+        title = "First non-finite value: made inside a step that raised" if where is not None else \
+            "First non-finite value: the run ended by it, outside the recorded steps"
+        rows = [("raised in", step_ref(where) if where is not None else None), ("cause", o.cause),
+                *(_operation(o) if where is not None else []), ("run ended by", o.ended_by)]
+        calls = [f"replayer.replay(rec, {where.index})", f'replayer.bundle(rec, {where.index}, "failure.pdbg", '
+                 'verify=True)'] if where is not None else ["replayer.first_nonfinite(rec)"]
+        return block(join([title, " ", badge("nonfinite")]), fields(rows), hint(*calls))
     if not o.found:
         return block(join(["No non-finite value found ", badge("ok")]), tag("div", o.cause, _MUTED))
     s = o.step

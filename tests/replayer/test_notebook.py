@@ -645,3 +645,26 @@ def test_a_step_says_which_parameters_were_frozen_at_its_call(tmp_path: Path) ->
     with replayer.open(tmp_path / "old.zarr") as old:
         assert old.step(0).frozen == old.step(1).frozen == []
         assert "frozen param" not in text(render("old", old.step(0)))
+
+
+def test_an_origin_a_step_s_nan_check_raised_in_is_shown_as_one(tmp_path: Path) -> None:
+    """A run that ended by a step's own NaN check (no recorded result holds the NaN) showed "No non-finite value
+    found" with an "ok" badge in a notebook: it shows the step it raised in, the cause and, asked for, the
+    operation; a run ended by a loss guard outside the steps says so, not "ok" either."""
+    from tests.replayer.test_bisect import checked_update
+
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    with pytest.raises(FloatingPointError), recorder.record(path):
+        checked_update(torch.randn(6))
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    out = text(render("origin_raised", origin))
+    assert "First non-finite value: made inside a step that raised nonfinite" in out and "ok" not in out.split()
+    assert f"raised in {origin.raised_in.selector}" in out and "operation aten::sqrt" in out, out
+    assert "which returned no result" in out and f"replayer.replay(rec, {origin.raised_in.index})" in out
+    guarded = tmp_path / "guarded.zarr"
+    with pytest.raises(FloatingPointError), recorder.record(guarded):
+        loss = nanmodels.root_energy(torch.tensor([1.0, 4.0])).sum() * float("nan")
+        raise FloatingPointError(f"loss is {loss.item()}")
+    out = text(replayer.first_nonfinite(replayer.open(guarded))._repr_html_())
+    assert "the run ended by it, outside the recorded steps nonfinite" in out and "loss is nan" in out, out
