@@ -340,6 +340,8 @@ def _stopped_early(rec: Recording) -> str:
     """What a clean answer must add where recording stopped while training went on (a full disk, a store
     deleted or gone: the run ``incomplete``): the steps after it were never looked at, so "no non-finite
     values recorded" alone would read as a clean run where the NaN came after the recording stopped."""
+    if rec.rank.torn:  # steps committed, then lost with the last writes (a power cut): not looked at either
+        return f"; {rec.rank.torn}: a NaN/Inf in the steps after those was not looked at"
     if rec.rank.status != "incomplete":  # (this rank's: another rank's full disk is its own)
         return ""
     why = (rec.ended_by or "recording failed").rstrip(".")

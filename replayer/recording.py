@@ -135,6 +135,13 @@ class Recording:
     def ended_by(self) -> str | None:
         """Why this rank's recording is not ``complete``, in a few words ("SystemExit: 3", "SIGTERM",
         the writer's failure...); None when it is, or while it records."""
+        if self.rank.status == "recording":
+            return None
+        why = self._ended_by()
+        torn = self.rank.torn  # what of the committed steps was lost (the recording's last writes)
+        return why if not torn else f"{why}; {torn}" if why else torn
+
+    def _ended_by(self) -> str | None:
         if self.rank.status in ("complete", "recording"):
             return None
         final = self.rank.final

@@ -350,6 +350,8 @@ class RunReader:
         status = manifest.get("status", "recording")
         if status == "recording" and not self._writer_alive(manifest):
             return "crashed"
+        if status == "complete" and self.rank(rank).torn:  # it ended well, but what it wrote last is lost
+            return "incomplete"
         return str(status)
 
     def _writer_alive(self, manifest: dict[str, Any]) -> bool:
@@ -432,6 +434,10 @@ class RankReader:
         self._chunk_bytes = 0
         self._docs: dict[int, Any] = {}
         self._old_calls: str | None = None
+        self.committed = dict(self.lengths)  # what the manifest commits; ``lengths``: what can be read of it
+        # Why some committed rows cannot be read (the chunks written last lost: a power cut), or None.
+        self.torn: str | None = None
+        self._cut_torn_tail()
 
     def __len__(self) -> int:
         return self.lengths["steps"]
@@ -486,13 +492,106 @@ class RankReader:
     def status(self) -> str:
         return self.run.rank_status(self.rank)
 
-    def _length_of(self, path: str) -> int:
-        if path in self.lengths:  # a log (docs/bytes, dims/values, blobs/u4)
-            return self.lengths[path]
+    def _length_of(self, path: str, lengths: dict[str, int] | None = None) -> int:
+        lengths = self.lengths if lengths is None else lengths
+        if path in lengths:  # a log (docs/bytes, dims/values, blobs/u4)
+            return lengths[path]
         table = path.split("/")[0]
-        if table not in self.lengths or path in _LOGS:
+        if table not in lengths or path in _LOGS:
             raise FormatError(f"{self.run.label}: the manifest has no length for {path}; the manifest is damaged")
-        return self.lengths[table]
+        return lengths[table]
+
+    def _cut_torn_tail(self) -> None:
+        """Cut the lengths to the rows before chunks at the end of the committed data that are missing,
+        empty or truncated, where everything read keeps pointing at rows that can be read.
+
+        The writer commits its manifest synced to disk, and the small chunk files before it only written
+        (syncing dozens per commit would cost more than the commit): after a power cut, or a disk that
+        lost its last writes, the manifest can commit rows whose chunk files came back empty. Without
+        this, every read of the run failed on them; now the steps before them open, and ``torn`` says
+        what was lost. Damage elsewhere (not at the end of a column) is still reported when it is read,
+        as are payload bytes (a replay that needs them says so). Local stores only: a bundle (a zip) is
+        checked whole by ``zipcheck``, and a remote store's writes are whole objects."""
+        if backend.local_root(self.run.store) is None or not self.lengths.get("steps"):
+            return
+        readable: dict[str, int] = {}
+        whys: dict[str, str] = {}  # what is wrong with the first chunk of the torn end of each column
+        for path in _COLUMNS:
+            if path.startswith("blobs/"):
+                continue
+            try:
+                n = self._length_of(path)
+                if not n or not self.holds(path):
+                    continue
+                arr = self._array(path)
+            except FormatError:  # damaged otherwise: said when it is read
+                continue
+            per = arr.chunks[0]
+            index = (n - 1) // per
+            while index >= 0:
+                try:
+                    self._check_chunk(path, arr, index)
+                    break
+                except FormatError as exc:
+                    whys[path] = str(exc).removeprefix(f"{self.run.label}: ").removesuffix("; the recording is damaged")
+                    index -= 1
+            if (index + 1) * per < n:
+                readable[path] = (index + 1) * per
+        if not readable:
+            return
+        # Named: the column of the cut (the step table's first, where the steps are cut to).
+        why = whys[min(readable, key=lambda p: (not p.startswith("steps/"), readable[p]))]
+
+        def table(name: str) -> int:
+            return min([self.committed[name], *(r for p, r in readable.items()
+                                                if p.split("/")[0] == name and p not in _LOGS)])
+
+        def first(bad: np.ndarray, limit: int) -> int:
+            return int(np.flatnonzero(bad)[0]) if bad.any() else limit
+
+        for log in ("docs/bytes", "dims/values"):
+            if log in readable:
+                self.lengths[log] = readable[log]
+        docs = table("docs")
+        ends = self._raw("docs/offset", docs) + self._raw("docs/length", docs)
+        docs = first(ends > self.lengths.get("docs/bytes", 0), docs)
+        payloads = table("payloads")
+        tensors = table("tensors")
+        cols = {c: self._raw(f"tensors/{c}", tensors) for c in ("name", "dtype", "device", "payload", "dims_start",
+                                                                "ndim")}
+        tensors = first((cols["name"] >= docs) | (cols["dtype"] >= docs) | (cols["device"] >= docs)
+                        | (cols["payload"] >= payloads)
+                        | (cols["dims_start"] + 2 * cols["ndim"].astype(np.int64) > self.lengths["dims/values"]),
+                        tensors)
+        late = table("late") if self.lengths.get("late") else 0
+        if late:
+            late = first((self._raw("late/tensor", late) >= tensors) | (self._raw("late/payload", late) >= payloads),
+                         late)
+        steps = table("steps")
+        bad = self._raw("steps/tensor_start", steps) + self._raw("steps/tensor_count", steps) > tensors
+        for path in _DOC_REFS:
+            if path.startswith("steps/") and self.holds(path):
+                bad |= self._raw(path, steps) >= docs
+        steps = first(bad, steps)
+        if not steps:
+            raise FormatError(f"{self.run.label}: {why}; no step before it can be read")
+        self.lengths.update(steps=steps, tensors=tensors, payloads=payloads, docs=docs, late=late)
+        self.torn = (f"the last writes before it ended did not all reach the disk ({why}): {steps} of its "
+                     f"{self.committed['steps']} committed steps can be read")
+
+    def _raw(self, path: str, stop: int) -> np.ndarray:
+        """Rows ``0:stop`` of a column, their chunk files checked, their values not (``_cut_torn_tail``
+        looks for the values that point past what can be read)."""
+        arr = self._array(path)
+        if not stop:
+            return np.zeros(0, dtype=arr.dtype)
+        for index in range((stop - 1) // arr.chunks[0] + 1):
+            self._check_chunk(path, arr, index)
+        try:
+            return np.asarray(arr[:stop])
+        except (RuntimeError, ValueError, TypeError, OSError) as exc:
+            raise FormatError(f"{self.run.label}: {self.prefix}/{path} rows 0:{stop} cannot be decoded "
+                              f"({_why(exc)}); the recording is damaged") from None
 
     def holds(self, path: str) -> bool:
         """Whether the rank has array ``path``: always where its schema has it (a missing one is damage, which
@@ -606,7 +705,7 @@ class RankReader:
                 arr.chunks[0] * row_bytes > _MAX_CHUNK_BYTES:
             raise FormatError(f"{label}: {key}/zarr.json declares shape {arr.shape} in chunks of {arr.chunks}, "
                               f"which {path} cannot have; the recording is damaged")
-        rows, n = arr.shape[0], self._length_of(path)
+        rows, n = arr.shape[0], self._length_of(path, self.committed)
         if rows < n or (self.run.rank_closed(self.rank) and rows != n):
             raise FormatError(f"{label}: array {path} has {rows} rows but {n} are committed; the recording is "
                               "damaged")

@@ -1,0 +1,124 @@
+"""A recording whose last chunk files were lost after their commit (a power cut: the manifest is synced, the
+small chunk files before it are not) opens with the steps before them, says what was lost, and never reads
+as complete. Before, every reader refused the whole run (`pdbg info`, bisect and replay exited 2 on the
+truncated chunk, the TUI died with a traceback), though thousands of steps before it were intact."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import replayer
+from recorder.errors import FormatError
+from tests.cli import ROOT, env, pdbg_here
+
+CHILD = "tests.recorder.torn_child"
+PER_CHUNK = 32  # rows per chunk of a step column in the child (8192 // 256)
+
+
+def record(path: Path, *, close: bool = False) -> Path:
+    """30 iterations of 4 steps (120: chunks 0..3 of a step column), a NaN at iteration 25 (step 100); then
+    committed and SIGKILLed, or closed."""
+    proc = subprocess.run([sys.executable, "-m", CHILD, str(path), "30", "25", *(["--close"] if close else [])],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == (0 if close else -9), proc.stderr[-3000:]
+    return path
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return record(tmp_path_factory.mktemp("torn") / "killed.zarr")
+
+
+def torn(source: Path, tmp_path: Path, column: str = "steps/phase", chunk: str = "3", size: int = 0) -> Path:
+    path = tmp_path / "torn.zarr"
+    shutil.copytree(source, path)
+    with open(path / "rank0" / column / "c" / chunk, "r+b") as f:
+        f.truncate(size)
+    return path
+
+
+def test_a_torn_last_chunk_leaves_the_steps_before_it_readable_and_bit_exact(killed: Path, tmp_path: Path) -> None:
+    """The last chunk of a step column emptied: the 96 steps before it open, crashed, every tensor as it was."""
+    rec, whole = replayer.open(torn(killed, tmp_path)), replayer.open(killed)
+    assert len(whole) == 120 and len(rec) == 3 * PER_CHUNK
+    assert rec.status == "crashed"
+    assert "rank0/steps/phase/c/3" in rec.rank.torn and f"{3 * PER_CHUNK} of its 120 committed steps" in rec.rank.torn
+    assert rec.rank.torn in rec.ended_by
+    for index in (0, len(rec) - 1):
+        records, originals = rec.rank.tensor_records(index), whole.rank.tensor_records(index)
+        assert [r.name for r in records] == [r.name for r in originals] and records
+        for r, o in zip(records, originals):
+            if o.has_payload:
+                a, b = rec.rank.tensor(r), whole.rank.tensor(o)
+                assert a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_bisect_does_not_call_a_torn_run_clean(killed: Path, tmp_path: Path) -> None:
+    """The NaN of step 100 is in the lost steps: bisect says they were not looked at, not "no non-finite values"."""
+    path = torn(killed, tmp_path)
+    origin = replayer.first_nonfinite(replayer.open(path))
+    assert origin.step is None and "not looked at" in origin.cause and "96 of its 120" in origin.cause
+    out = pdbg_here("bisect", str(path), "--json", cwd=tmp_path)
+    assert out.returncode in (0, 1) and "not looked at" in json.loads(out.stdout)["cause"], out.stderr
+
+
+def test_pdbg_info_says_what_is_lost(killed: Path, tmp_path: Path) -> None:
+    """`pdbg info` on a torn run: exit 0, the readable steps, and what was lost."""
+    path = torn(killed, tmp_path, "steps/flags", size=5)
+    out = pdbg_here("info", str(path), cwd=tmp_path)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    assert "crashed, 96 steps" in out.stdout and "96 of its 120 committed steps can be read" in out.stdout
+
+
+def test_a_torn_tensor_chunk_cuts_the_steps_whose_records_are_in_it(killed: Path, tmp_path: Path) -> None:
+    """Tensor records lost: the steps that point at them are cut, the ones before stay."""
+    rec = replayer.open(killed)
+    per = rec.rank._array("tensors/step").chunks[0]
+    last = (rec.rank.lengths["tensors"] - 1) // per
+    rec = replayer.open(torn(killed, tmp_path, "tensors/stats", f"{last}/0"))
+    starts = rec.rank.column("steps/tensor_start") + rec.rank.column("steps/tensor_count")
+    assert 0 < len(rec) < 120 and starts.max() <= last * per
+    assert rec.rank.tensor_records(len(rec) - 1)
+
+
+def test_a_complete_run_torn_is_not_complete(tmp_path: Path) -> None:
+    """A closed run whose last chunk was lost reads incomplete, never complete."""
+    path = torn(record(tmp_path / "closed.zarr", close=True), tmp_path)
+    rec = replayer.open(path)
+    assert rec.status == "incomplete" and len(rec) == 3 * PER_CHUNK and "can be read" in rec.ended_by
+
+
+def test_nothing_readable_is_a_one_line_error(killed: Path, tmp_path: Path) -> None:
+    """Every chunk of a step column torn: nothing can be read, a one-line FormatError (pdbg: exit 2)."""
+    path = torn(killed, tmp_path, chunk="3")
+    for chunk in "012":
+        (path / "rank0" / "steps" / "phase" / "c" / chunk).write_bytes(b"")
+    with pytest.raises(FormatError, match="rank0/steps/phase/c/0") as exc:
+        replayer.open(path)
+    assert "\n" not in str(exc.value)
+    out = pdbg_here("info", str(path), cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+def test_the_tui_opens_a_torn_run(killed: Path, tmp_path: Path) -> None:
+    """The TUI opens on a torn run and draws its last readable step (before: a traceback while drawing)."""
+    from tui.app import PdbgApp, open_app
+
+    async def main() -> None:
+        app = open_app(str(torn(killed, tmp_path)))
+        assert isinstance(app, PdbgApp)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.pause()
+            await pilot.press("end")
+            await pilot.pause()
+            assert app.rec.rank.torn
+
+    asyncio.run(main())

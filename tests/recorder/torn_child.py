@@ -1,0 +1,47 @@
+"""Child process of test_torn_tail: records a small model in small chunks, commits, then SIGKILLs itself.
+
+    python torn_child.py STORE ITERATIONS NAN_AT [--close]
+
+Rows per chunk are divided by 256 (32 steps per chunk of a step column) so that a short run seals several
+chunks. Iteration ``NAN_AT`` gets a NaN in its input. After the last iteration the recording is committed
+(``recorder.flush()``) and the process kills itself with SIGKILL, as the OOM killer would; ``--close``: the
+recording is closed instead, and the process ends normally.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+import recorder
+from tests.recorder.crash_child import shrink_chunks
+
+
+@recorder.paper_step("Eq. 2", description="softplus")
+def smooth(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.softplus(x)
+
+
+def main(out: str, iterations: int, nan_at: int, close: bool) -> None:
+    shrink_chunks(256)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with recorder.record(out, model=model, optimizer=opt, modules="**"):
+        for i in range(iterations):
+            x = torch.randn(2, 4)
+            if i == nan_at:
+                x[0, 0] = float("nan")
+            smooth(model(x)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if not close:
+            assert recorder.flush(), "the recording did not commit"
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--close" in sys.argv[4:])
