@@ -212,7 +212,11 @@ def _tensors_kept(rec: Any, span: list[int] | None = None) -> str | None:
         if not written:
             return "none (the flight ring wrote out no iteration)"
         some = ", ".join(str(i) for i in written[:12]) + (", ..." if len(written) > 12 else "")
-        return f"iterations {some} (the flight ring, written out at: {', '.join(reasons)})"
+        cut = rec.rank.ring_write_cut()
+        cut = (f"; the process died without closing the recording: its last write-out (iteration"
+               f"{'s' if len(cut) != 1 else ''} {', '.join(map(str, cut))}) may have been cut short, some of its "
+               "tensors without bytes") if cut else ""
+        return f"iterations {some} (the flight ring, written out at: {', '.join(reasons)}{cut})"
     return None
 
 

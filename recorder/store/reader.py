@@ -1161,6 +1161,17 @@ class RankReader:
             return None
         return sorted({int(i) for d in writes for i in d.get("iterations") or [] if isinstance(i, int)})
 
+    def ring_write_cut(self) -> list[int] | None:
+        """The iterations of a flight-mode run's last write-out of its ring where the process died without
+        closing the recording (no ``final``): a death during the write-out left only what its last commit
+        held of it. None where no write-out can have been cut short (the run was closed, or still records)."""
+        if self.final or self.status != "crashed":
+            return None
+        writes = [d for d in self.ring_writes() or [] if d.get("reason") != "died"]
+        if not writes:
+            return None
+        return sorted(int(i) for i in writes[-1].get("iterations") or [] if isinstance(i, int))
+
     def _why_no_bytes_kept(self, iteration: int) -> str:
         """Why the run kept no tensor bytes of ``iteration``, from its mode (README, ``record``)."""
         mode, every = self.run_info.get("mode"), self.run_info.get("every")
@@ -1176,6 +1187,10 @@ class RankReader:
         if mode == "flight":
             writes = self.ring_writes() or []
             written = self.ring_iterations() or []
+            if iteration in (self.ring_write_cut() or []):
+                return (f"flight mode was writing out iteration {iteration} when the process died without closing "
+                        "the recording, and this tensor's bytes were not committed before the death (or did not fit "
+                        "in the ring)")
             if iteration in written and not any(iteration in d.get("iterations") or [] for d in writes
                                                 if d.get("reason") != "died"):
                 return (f"the recording process died, and pdbg record wrote out iteration {iteration} from the "
