@@ -342,6 +342,10 @@ def _stopped_early(rec: Recording) -> str:
     values recorded" alone would read as a clean run where the NaN came after the recording stopped."""
     if rec.rank.torn:  # steps committed, then lost with the last writes (a power cut): not looked at either
         return f"; {rec.rank.torn}: a NaN/Inf in the steps after those was not looked at"
+    final = rec.rank.final
+    if rec.rank.status == "crashed" and (not final or final.get("died")):  # killed: its last second never committed
+        return ("; the process died without closing the recording: the steps it recorded after its last commit "
+                "(at most flush_interval, 1 s, before the death) were lost, and a NaN/Inf in them was not looked at")
     if rec.rank.status != "incomplete":  # (this rank's: another rank's full disk is its own)
         return ""
     why = (rec.ended_by or "recording failed").rstrip(".")

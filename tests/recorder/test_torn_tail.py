@@ -122,3 +122,19 @@ def test_the_tui_opens_a_torn_run(killed: Path, tmp_path: Path) -> None:
             assert app.rec.rank.torn
 
     asyncio.run(main())
+
+
+def test_bisect_of_a_killed_run_says_its_uncommitted_steps_were_not_looked_at(tmp_path: Path) -> None:
+    """Killed (SIGKILL) after a NaN that came after its last commit: bisect said "no non-finite values recorded",
+    exit 0, a clean run; it says the process died and its steps after the last commit were not looked at."""
+    path = tmp_path / "killed.zarr"
+    proc = subprocess.run([sys.executable, "-m", CHILD, str(path), "12", "11", "--commit-at", "9"], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    rec = replayer.open(path)
+    assert rec.status == "crashed" and len(rec) == 40  # iterations 0..9 committed, 10 and 11 (the NaN) lost
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and origin.cause.startswith("no non-finite values recorded; "), origin.cause
+    assert "after its last commit" in origin.cause and "not looked at" in origin.cause, origin.cause
+    out = pdbg_here("bisect", str(path), cwd=tmp_path)
+    assert out.returncode == 0 and "not looked at" in out.stdout, out.stdout + out.stderr

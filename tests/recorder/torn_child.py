@@ -1,11 +1,13 @@
 """Child process of test_torn_tail: records a small model in small chunks, commits, then SIGKILLs itself.
 
-    python torn_child.py STORE ITERATIONS NAN_AT [--close]
+    python torn_child.py STORE ITERATIONS NAN_AT [--close | --commit-at K]
 
 Rows per chunk are divided by 256 (32 steps per chunk of a step column) so that a short run seals several
 chunks. Iteration ``NAN_AT`` gets a NaN in its input. After the last iteration the recording is committed
 (``recorder.flush()``) and the process kills itself with SIGKILL, as the OOM killer would; ``--close``: the
-recording is closed instead, and the process ends normally.
+recording is closed instead, and the process ends normally; ``--commit-at K``: committed after iteration ``K``
+only, the iterations after it recorded and never committed. No other commit happens (``flush_interval`` of an
+hour): what a death finds committed is known.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ def smooth(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.softplus(x)
 
 
-def main(out: str, iterations: int, nan_at: int, close: bool) -> None:
+def main(out: str, iterations: int, nan_at: int, close: bool, commit_at: int | None) -> None:
     shrink_chunks(256)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with recorder.record(out, model=model, optimizer=opt, modules="**"):
+    with recorder.record(out, model=model, optimizer=opt, modules="**", flush_interval=3600):
         for i in range(iterations):
             x = torch.randn(2, 4)
             if i == nan_at:
@@ -38,10 +40,15 @@ def main(out: str, iterations: int, nan_at: int, close: bool) -> None:
             smooth(model(x)).sum().backward()
             opt.step()
             opt.zero_grad()
+            if i == commit_at:
+                assert recorder.flush(), "the recording did not commit"
         if not close:
-            assert recorder.flush(), "the recording did not commit"
+            if commit_at is None:
+                assert recorder.flush(), "the recording did not commit"
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--close" in sys.argv[4:])
+    rest = sys.argv[4:]
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--close" in rest,
+         int(rest[rest.index("--commit-at") + 1]) if "--commit-at" in rest else None)
