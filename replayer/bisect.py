@@ -342,6 +342,9 @@ def _stopped_early(rec: Recording) -> str:
     values recorded" alone would read as a clean run where the NaN came after the recording stopped."""
     if rec.rank.torn:  # steps committed, then lost with the last writes (a power cut): not looked at either
         return f"; {rec.rank.torn}: a NaN/Inf in the steps after those was not looked at"
+    if rec.rank.status == "recording":  # a live run: what it records after this read was not looked at
+        return (f"; the run is still being recorded ({len(rec)} step{'s' if len(rec) != 1 else ''} committed when "
+                "read): the steps it records after were not looked at (bisect it again)")
     final = rec.rank.final
     if rec.rank.status == "crashed" and (not final or final.get("died")):  # killed: its last second never committed
         return ("; the process died without closing the recording: the steps it recorded after its last commit "

@@ -138,3 +138,24 @@ def test_bisect_of_a_killed_run_says_its_uncommitted_steps_were_not_looked_at(tm
     assert "after its last commit" in origin.cause and "not looked at" in origin.cause, origin.cause
     out = pdbg_here("bisect", str(path), cwd=tmp_path)
     assert out.returncode == 0 and "not looked at" in out.stdout, out.stdout + out.stderr
+
+
+def test_bisect_of_a_live_run_says_it_is_still_being_recorded(tmp_path: Path) -> None:
+    """Read while training goes on (the NaN not yet made): bisect said "no non-finite values recorded" as of a
+    finished clean run; it says the run is still being recorded and what it records after was not looked at."""
+    path = tmp_path / "live.zarr"
+    child = subprocess.Popen([sys.executable, "-m", CHILD, str(path), "12", "11", "--close", "--pause-at", "4"],
+                             cwd=ROOT, env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "committed"
+        rec = replayer.open(path)
+        assert rec.status == "recording" and len(rec) == 20
+        cause = replayer.first_nonfinite(rec).cause
+        assert cause.startswith("no non-finite values recorded; the run is still being recorded (20 steps"), cause
+        out = pdbg_here("bisect", str(path), cwd=tmp_path)
+        assert out.returncode == 0 and "still being recorded" in out.stdout, out.stdout + out.stderr
+    finally:
+        child.communicate("\n", timeout=300)
+    assert child.returncode == 0
+    origin = replayer.first_nonfinite(replayer.open(path))  # finished: the NaN of iteration 11 is found
+    assert origin.found and (origin.step or origin.entered).iteration == 11
