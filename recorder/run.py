@@ -201,6 +201,7 @@ class Run:
         capture.ACTIVE = self.session
         _LEFT_OPEN[id(self)] = self
         _hook_exit()
+        _EXITS.watch()
 
     # -- while recording ---------------------------------------------------------------------------
     @property
@@ -349,6 +350,8 @@ class Run:
     def _close(self, status: str, exception: BaseException | None) -> None:
         self.closed = True
         _LEFT_OPEN.pop(id(self), None)
+        if not _LEFT_OPEN:
+            _EXITS.unwatch()
         if self._cells is not None:
             self._cells.unregister()
         if capture.ACTIVE is self.session:
@@ -583,9 +586,53 @@ def _close_left_open() -> None:
     except KeyboardInterrupt as exc:  # a Ctrl-C while a thread trains on ends the process, as it would have
         interrupted = exc
     for run in left:
-        _close_ended(run, interrupted or ending_exception(run))
+        _close_ended(run, interrupted or ending_exception(run) or _EXITS.ending(run))
     if interrupted is not None:
         raise interrupted
+
+
+class _ExitCalls:
+    """``sys.exit`` of the main thread, watched while a recording is open: at the end of the main thread, where
+    the recordings left open are closed, nothing tells how the process ends (CPython clears a ``SystemExit``
+    before its exit hooks run, and sets no ``sys.last_value`` for one), so a script that ended with
+    ``sys.exit(1)`` read ``complete``. The wrapper notes the code and the step count when it was called (a call
+    whose ``SystemExit`` the program caught and went on recording from is not how it ended) and raises as
+    ``sys.exit`` does; it is put back when the last open recording closes (a ``raise SystemExit(1)`` of the
+    program's own is not seen)."""
+
+    def __init__(self) -> None:
+        self.original: Any = None  # sys.exit as the program had it when the first recording opened
+        self.watching = False
+        self.code: Any = None
+        self.steps = 0  # the active recording's next step index when sys.exit was called
+
+    def watch(self) -> None:
+        if self.watching or not callable(getattr(sys, "exit", None)):
+            return
+        self.original, self.code, self.watching = sys.exit, None, True
+        sys.exit = self._exit
+
+    def unwatch(self) -> None:
+        if self.watching and sys.exit == self._exit:  # (one the program set since stays its own)
+            sys.exit = self.original
+        self.watching = False
+
+    def _exit(self, status: Any = None, /) -> Any:
+        if self.watching and threading.current_thread() is threading.main_thread():
+            session = capture.ACTIVE
+            self.code, self.steps = status, session.next_index if session is not None else 0
+        return self.original(status)
+
+    def ending(self, run: Run) -> BaseException | None:
+        """The failing ``sys.exit`` that ends the process ``run`` records in, if one does (not in an IPython
+        session, which catches a cell's SystemExit and goes on: there the cells tell, ``ending_exception``)."""
+        if getattr(run, "_cells", None) is not None or self.code is None or exit_status(self.code) == 0 or \
+                run.session.next_index > self.steps:
+            return None
+        return SystemExit(self.code)
+
+
+_EXITS = _ExitCalls()
 
 
 def wait_for_program_threads() -> None:

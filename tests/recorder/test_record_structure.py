@@ -262,6 +262,55 @@ def test_a_recording_left_open_is_closed_when_the_process_ends(tmp_path: Path, m
         assert rec.rank.final["flight"]["dumps"][-1]["iterations"] == [1, 2]
 
 
+@pytest.mark.parametrize("ending", ["exit(1)", "exit(0)", "caught exit(1)"])
+def test_a_recording_left_open_by_a_failing_sys_exit_reads_crashed(tmp_path: Path, ending: str) -> None:
+    """A script that leaves its recording open and ends with sys.exit(1) (a failed check, argparse's error): the
+    recording read `complete`, as if the program had ended well (CPython keeps no trace of a SystemExit for its
+    exit hooks); it is `crashed`, ended by SystemExit 1. sys.exit(0) is `complete`, and so is a sys.exit(1) whose
+    SystemExit the program caught before it recorded on; sys.exit is the program's own again after the close."""
+    path = tmp_path / "run.zarr"
+    code = textwrap.dedent(f"""
+        import sys
+        import torch
+        import recorder
+
+        @recorder.paper_step("Eq. 1")
+        def act(x):
+            return torch.tanh(x)
+
+        run = recorder.record({str(path)!r}, mode="stats")
+        act(torch.ones(3))
+        if {ending!r} == "caught exit(1)":
+            try:
+                sys.exit(1)
+            except SystemExit:
+                pass
+            act(torch.ones(3))
+        if {ending!r} == "exit(0)":
+            sys.exit(0)
+        if {ending!r} == "exit(1)":
+            sys.exit(1)
+    """)
+    proc = python("-c", code, cwd=ROOT)
+    assert proc.returncode == (1 if ending == "exit(1)" else 0), proc.stderr
+    rec = replayer.open(path)
+    if ending == "exit(1)":
+        assert rec.status == "crashed" and rec.ended_by == "SystemExit: 1"
+    else:
+        assert rec.status == "complete" and "exception" not in rec.rank.final
+
+
+def test_sys_exit_is_the_programs_own_after_the_recording_closes(tmp_path: Path) -> None:
+    """While a recording is open sys.exit is watched; once it is closed, sys.exit is the program's own again."""
+    before = sys.exit
+    run = recorder.record(tmp_path / "run.zarr", mode="stats")
+    try:
+        assert sys.exit is not before
+    finally:
+        run.close()
+    assert sys.exit is before and run.status == "complete"
+
+
 def test_a_recording_is_entered_once(tmp_path: Path) -> None:
     """`with run:` again on a closed recording (a notebook cell run again), or inside its own `with` block
     (whose inner end would close it), is refused: the block would train unrecorded, and nothing said so."""
