@@ -847,6 +847,35 @@ def source_in(text: str, qualname: str) -> str | None:
     return "".join(block)
 
 
+def carried_drift(info: dict[str, Any], run_info: dict[str, Any], dirs: list[str]) -> list[dict[str, str]]:
+    """For a bundle (``info``: its bundle.json), each source file it carries whose counterpart on this machine
+    is not the bundled copy: ``{"file": carried path, "module": module name or "" for the script, "here": the
+    file here}``; a file not here is left out (``drift_without_running`` says so of the steps' own code). A
+    step's own definition can be unchanged while a helper it calls (a module of the project it imports) is not:
+    ``pdbg info`` says which file, read, never run. The file here is the one a replay with the code here would
+    import (``find_module_file``, the recorded file's root too), and for the script the recorded path."""
+    sources, modules = info.get("sources") or {}, info.get("modules") or {}
+    places: dict[str, tuple[str, Path | None]] = {}  # carried file -> (module, the file here, if any)
+    for name, recorded in modules.items() if isinstance(modules, dict) else ():
+        if isinstance(name, str) and isinstance(recorded, str) and isinstance(sources.get(recorded), str):
+            extra = [str(package_root(name, recorded))] if name else []
+            places[recorded] = (name, find_module_file(name, [*dirs, *extra]))
+    script = run_info.get("script")
+    if isinstance(script, str) and isinstance(sources.get(script), str) and script not in places:
+        places[script] = ("", Path(script) if os.path.isfile(script) else None)
+    out = []
+    for carried, (module, here) in sorted(places.items()):
+        if here is None:
+            continue
+        try:
+            text = here.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError, ValueError):
+            text = None
+        if text != sources[carried]:
+            out.append({"file": carried, "module": module, "here": str(here)})
+    return out
+
+
 def drift_without_running(definition: dict[str, Any], run_info: dict[str, Any], dirs: list[str]) -> str:
     """"unchanged", "changed since recording" or "not found here" for a definition's code, from
     the files on this machine alone (for ``pdbg info``, which must not run anything)."""

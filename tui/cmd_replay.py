@@ -250,7 +250,14 @@ def _bundle_summary(rec: Any) -> dict[str, Any] | None:
     if info is None:
         return None
     from replayer.bundles import verified_environment
-    from replayer.code import CodeLoader, drift_without_running, source_in, submodule_entries, submodule_place
+    from replayer.code import (
+        CodeLoader,
+        carried_drift,
+        drift_without_running,
+        source_in,
+        submodule_entries,
+        submodule_place,
+    )
     from replayer.state import environment_differences
 
     main = rec.main_step
@@ -287,7 +294,8 @@ def _bundle_summary(rec: Any) -> dict[str, Any] | None:
                 rec.run_info, main.settings),
             "verified_environment_differences": None if verified_with is None else environment_differences(
                 verified_with, verified=True), "code": code,
-            "sources": sorted(str(f) for f in (info.get("sources") or {}))}
+            "sources": sorted(str(f) for f in (info.get("sources") or {})),
+            "sources_differ": carried_drift(info, rec.run_info, dirs)}
 
 
 def _recipes(rec: Any) -> dict[str, Any]:
@@ -437,6 +445,10 @@ def info(args: argparse.Namespace) -> int:
             print(f"code of {c['name']} ({c['ref']}{where}): {c['state']}{extra}")
         if bundle.get("sources"):
             print(f"source files carried: {', '.join(bundle['sources'])}")
+        for d in bundle.get("sources_differ") or ():  # (a helper the step calls can change while its own code did not)
+            what = f"module {d['module']}" if d["module"] else "the script"
+            print(f"source changed: {d['here']} ({what}) differs from the copy this bundle carries: what the steps "
+                  "call in it may compute differently here (--use-bundled-source runs the bundle's copy)")
     if doc["recipes"]:
         from replayer import recipes
 

@@ -118,6 +118,38 @@ def test_a_bundle_replayed_with_the_code_here_names_the_helper_file_that_is_not_
     assert torch.equal(bundled.values["output"].view(torch.int32), want.view(torch.int32))
 
 
+def test_info_of_a_bundle_names_a_carried_helper_file_that_changed_here(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper the step calls, edited here after bundling, the step's own code unchanged: `pdbg info` said the
+    code was "unchanged" and nothing more, and the replay then mismatched; it names the carried file that is not
+    the bundled copy (read, never run). The file as bundled is named by no such line."""
+    from tests.cli import pdbg_here
+
+    helper = tmp_path / "drifthelp.py"
+    helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.0\n")
+    (tmp_path / "drifthelped.py").write_text(HELPED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("drifthelp", "drifthelped"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    steps = importlib.import_module("drifthelped")
+    with recorder.record(tmp_path / "run.zarr"):
+        steps.activate(torch.linspace(-1.0, 1.0, 8))
+    replayer.bundle(replayer.open(tmp_path / "run.zarr"), "Eq. 3", tmp_path / "failure.pdbg")
+    same = pdbg_here("info", str(tmp_path / "failure.pdbg"), cwd=tmp_path)
+    assert same.returncode == 0 and "source changed" not in same.stdout, same.stdout
+    helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.5\n")
+    res = pdbg_here("info", str(tmp_path / "failure.pdbg"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert f"source changed: {helper} (module drifthelp) differs from the copy this bundle carries: what the " \
+           "steps call in it may compute differently here (--use-bundled-source runs the bundle's copy)" \
+           in res.stdout.splitlines(), res.stdout
+    doc = pdbg_here("info", str(tmp_path / "failure.pdbg"), "--json", cwd=tmp_path)
+    import json
+
+    assert json.loads(doc.stdout)["bundle"]["sources_differ"] == [
+        {"file": str(helper), "module": "drifthelp", "here": str(helper)}]
+
+
 def test_an_inner_step_of_a_bundle_says_the_bundle_kept_its_statistics(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Its refusal gave the recording's reasons ("recorded in stats mode, on an iteration --every skipped, or in
