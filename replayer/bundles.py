@@ -813,6 +813,9 @@ if changed:
 extra = getattr(result, "unrecorded_inner", None)  # (an older paperdebugger has none)
 if extra is not None:
     print(f"  {{extra.text}}")
+if getattr(result, "bundled_source", None):  # (an older paperdebugger has none)
+    print(f"  note: ran the copy of the code this bundle carries, not the code here: "
+          f"{{', '.join(result.bundled_source)}}")
 for line in result.warnings + result.environment_differences:
     print(f"  note: {{line}}")
 verified = getattr(bundles, "verification_note", lambda rec: None)(rec)  # (an older paperdebugger has none)

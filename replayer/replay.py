@@ -85,6 +85,8 @@ class ReplayResult:
     # (which leaves the version counter as it was) in a tensor whose bits the recorder does not keep to see that (over
     # 1 MiB, or not on the CPU): what the recorded call left them is not known, so not compared ("args.0")
     unseen_writes: list[str] = field(default_factory=list)
+    # a bundle replayed with the code it carries (use_bundled_source): those files, which ran instead of the code here
+    bundled_source: list[str] = field(default_factory=list)
 
     @property
     def diffs(self) -> dict[str, Diff]:
@@ -146,7 +148,7 @@ class ReplayResult:
                 "unrecorded_inner": self.unrecorded_inner.to_json() if self.unrecorded_inner else None,
                 "exception": self.exception,
                 "intervention": self.intervention, "not_compared": self.not_compared,
-                "unseen_writes": self.unseen_writes}
+                "unseen_writes": self.unseen_writes, "bundled_source": self.bundled_source}
 
     def __repr__(self) -> str:
         changed = self.intervention is not None  # (said as pdbg replay says it: an edit is meant to differ)
@@ -238,6 +240,7 @@ class Replayer:
                                        "likely cause of the difference (reductions split work by thread)")
         result.warnings.extend(self.loader.notes)
         self.loader.notes.clear()
+        result.bundled_source = sorted(self.loader.bundled)
         if backward and not self.plan.empty and result.compared and not result.match and \
                 layout.SECOND_ORDER_NOTE in step.extra.get("notes", []):
             self._second_order_unedited(step, threads, nested)

@@ -635,6 +635,9 @@ def replay(args: argparse.Namespace) -> int:
                     print(f"  step {s.step.index} {shown(s.step.name)} at {shown(s.step.module_path) or '.'} "
                           f"({obj}{s.step.phase}): "
                           f"{s.change}" + _nonfinite_change(s))
+    if result.bundled_source:  # (what ran is not the code here: a match says nothing of that code)
+        print("code: the copy this bundle carries (--use-bundled-source), not the code here: "
+              + ", ".join(result.bundled_source))
     for w in result.warnings:
         print(f"warning: {w}")
     if result.environment_differences:

@@ -150,6 +150,40 @@ def test_info_of_a_bundle_names_a_carried_helper_file_that_changed_here(
         {"file": str(helper), "module": "drifthelp", "here": str(helper)}]
 
 
+def test_a_replay_with_the_bundled_source_says_it_ran_that_copy(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pdbg replay BUNDLE --use-bundled-source` printed MATCH with nothing saying that the code which ran was the
+    bundle's copy, not the (here edited) code of this machine; it names the copy's files, in --json too, and a
+    replay with the code here says nothing of the kind."""
+    import json
+
+    from tests.cli import pdbg_here
+
+    helper = tmp_path / "drifthelp.py"
+    helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.0\n")
+    (tmp_path / "drifthelped.py").write_text(HELPED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("drifthelp", "drifthelped"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    steps = importlib.import_module("drifthelped")
+    with recorder.record(tmp_path / "run.zarr"):
+        steps.activate(torch.linspace(-1.0, 1.0, 8))
+    made = replayer.bundle(replayer.open(tmp_path / "run.zarr"), "Eq. 3", tmp_path / "failure.pdbg")
+    helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.5\n")
+    for name in ("drifthelp", "drifthelped"):  # (this process imported them as recorded)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    bundle = str(tmp_path / "failure.pdbg")
+    res = pdbg_here("replay", bundle, "--use-bundled-source", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "code: the copy this bundle carries (--use-bundled-source), not the code here: " \
+           + ", ".join(sorted(made.sources)) in res.stdout.splitlines(), res.stdout
+    doc = json.loads(pdbg_here("replay", bundle, "--use-bundled-source", "--json", cwd=tmp_path).stdout)
+    assert doc["match"] is True and doc["bundled_source"] == sorted(made.sources)
+    here = pdbg_here("replay", bundle, cwd=tmp_path)
+    assert here.returncode == 1 and "code: the copy" not in here.stdout
+    assert json.loads(pdbg_here("replay", bundle, "--json", cwd=tmp_path).stdout)["bundled_source"] == []
+
+
 def test_an_inner_step_of_a_bundle_says_the_bundle_kept_its_statistics(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Its refusal gave the recording's reasons ("recorded in stats mode, on an iteration --every skipped, or in
