@@ -3016,9 +3016,19 @@ def _ran_alone(al: _Aligned, result: Divergence, alone: tuple[bool, int, int], a
             if more > 0 else "")
     then = f"; of the steps both ran, the results first differ at {describe(al.rec_a.step(at[0]))}" if at else ""
     result.cause = (f"the runs first differ by a step that ran in one of them only: {ran} ({whose}{describe(step)}"
-                    f"{before}){also}{then}" + counted)
+                    f"{before}){_held_nonfinite(step)}{also}{then}" + counted)
     result.followed = _followers(al, place, pa, pb)
     return result
+
+
+def _held_nonfinite(step: Step) -> str:
+    """"; its output held NaN/Inf: output (3 NaN of 3)" for a step one run alone ran whose results held NaN or Inf
+    (a branch taken in one run only, its result a loss term or a log line): the first thing to look at; "" else."""
+    held = _nonfinite_text(step, set(_RESULTS[step.phase]))
+    if not held:
+        return ""
+    what = "output" if step.phase == "forward" else "gradients"
+    return f"; its {what} held NaN/Inf: {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}"
 
 
 def _span(keys: np.ndarray) -> tuple[int, int]:
@@ -3173,7 +3183,8 @@ def _unaligned(al: _Aligned, last: tuple[int, int], at: tuple[int, int]) -> str:
                                              (only_b, al.rec_b, "the other run", f"its step {at[1]} (the same step)",
                                               "this run")):
         if steps:
-            shown = "; ".join(describe(rec.step(k)) for k in steps[:3]) + (" ..." if len(steps) > 3 else "")
+            shown = "; ".join(describe(rec.step(k)) + _held_nonfinite(rec.step(k)).replace(";", ",", 1)
+                              for k in steps[:3]) + (" ..." if len(steps) > 3 else "")
             parts.append(f"{which} has {len(steps)} step{'s' if len(steps) != 1 else ''} right before {before} that "
                          f"{other} lacks ({which}'s {shown})")
     return " and ".join(parts) + (", which may have made them" if parts else "")

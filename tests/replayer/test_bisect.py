@@ -2027,6 +2027,58 @@ def test_an_expert_that_ran_in_one_run_only_is_where_they_differ(tmp_path: Path)
                               "(layers.0.experts.5)"), div.cause
 
 
+@recorder.paper_step("Eq. 1")
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@recorder.paper_step("Eq. 2")
+def _probe(x: torch.Tensor, d: float) -> torch.Tensor:
+    return x / d * 0.0  # NaN everywhere where d is 0
+
+
+def _record_probe(path: Path, probe_at: int | None, *, used: bool, d: float = 0.0) -> replayer.Recording:
+    """Two iterations of _doubled twice; run with ``probe_at`` also calls _probe there, whose result is dropped (a
+    log line) or, ``used``, goes on into the second _doubled."""
+    torch.manual_seed(0)
+    with recorder.record(path, mode="full") as run:
+        for i in range(2):
+            y = _doubled(torch.randn(3))
+            if i == probe_at:
+                z = _probe(y, d)
+                y = z if used else y
+            _doubled(y)
+            run.next_iteration()
+    return replayer.open(path)
+
+
+@pytest.mark.parametrize("used", [False, True])
+def test_a_step_that_ran_in_one_run_only_says_its_output_held_nan(tmp_path: Path, used: bool) -> None:
+    """Run B calls a step run A does not (a branch taken in one run only) whose output is all NaN: the answer named
+    the step and said nothing of its NaN, the first thing to look at; it says so, whether the step's result was
+    dropped (the runs first differ by that step) or used (the next step's inputs differ: the step right before).
+    A step of one run only whose output is finite gets no such words."""
+    a = _record_probe(tmp_path / "a.zarr", None, used=used)
+    b = _record_probe(tmp_path / "b.zarr", 1, used=used)
+    div = replayer.first_divergence(b, a)
+    if used:
+        assert div.cause.startswith(
+            "the results first differ at step 4: Eq. 1 · _doubled · forward · iteration 1 · call 1, but its inputs "
+            "differ too: this run has 1 step right before it that the other run lacks (this run's step 3: Eq. 2 · "
+            "_probe · forward · iteration 1 · call 0, its output held NaN/Inf: output (3 NaN of 3)), which may have "
+            "made them"), div.cause
+    else:
+        assert div.cause == (
+            "the runs first differ by a step that ran in one of them only: _probe ran in this run only, in iteration "
+            "1 (step 3: Eq. 2 · _probe · forward · iteration 1 · call 0); its output held NaN/Inf: output (3 NaN of "
+            "3)")
+        assert replayer.first_divergence(a, b).cause.endswith(
+            "before this run's step 3); its output held NaN/Inf: output (3 NaN of 3)")
+    finite = _record_probe(tmp_path / "f.zarr", 1, used=used, d=1.0)
+    cause = replayer.first_divergence(finite, a).cause
+    assert "_probe" in cause and "NaN" not in cause, cause
+
+
 def test_a_module_only_one_run_chose_to_record_is_no_difference(tmp_path: Path) -> None:
     """The same training recorded twice, with more modules chosen the first time: the second run's
     steps pair with the first's, and the experts it did not select did not "run in this run only"
