@@ -204,6 +204,23 @@ class RunReader:
                 return int(rank)
         return None
 
+    def _rank_group_of(self) -> tuple[int, Path] | None:
+        """(rank, the recording) where this path is a rank's group inside a recording (``run.zarr/rank1``, given
+        for rank 1's recording of a run of several processes), else None. Local recordings only."""
+        root = backend.local_root(self.store)
+        rank = root.name.removeprefix("rank") if root is not None else ""
+        if root is None or not rank.isdigit() or not (root.parent / "zarr.json").is_file():
+            return None
+        try:
+            meta = json.loads((root.parent / "zarr.json").read_bytes())
+        except (OSError, ValueError, RecursionError):
+            return None
+        ours = (meta.get("attributes") or {}).get(layout.ATTRS_KEY) if isinstance(meta, dict) else None
+        if not isinstance(ours, dict) or ours.get("format") != layout.FORMAT_NAME:
+            return None
+        given = Path(backend.local_path(self.target)) if isinstance(self.target, (str, os.PathLike)) else root
+        return int(rank), given.parent
+
     def _read_attrs(self) -> dict[str, Any]:
         meta = self._read_json("zarr.json")
         attributes = meta.get("attributes") if isinstance(meta, dict) else None
@@ -216,6 +233,12 @@ class RunReader:
                         f"{self.label} holds only rank {part}'s part of a run of several processes: rank 0 recorded "
                         f"to another path, and every rank must record to the same one; move {layout.rank_group(part)}/"
                         " into the recording rank 0 made, and open that")
+            inside = self._rank_group_of()
+            if inside is not None:
+                rank, parent = inside
+                raise NotARecordingError(
+                    f"{self.label} is rank {rank}'s part of the recording {parent}, not a recording of its own: give "
+                    f"{parent} with --rank {rank} (replayer.open({str(parent)!r}, rank={rank}) in Python)")
             raise NotARecordingError(f"{self.label} is not a PaperDebugger recording (it has no zarr.json with "
                                      f"'{layout.ATTRS_KEY}' metadata); give the path of a recording")
         self._check_version(ours.get("schema_version"), "zarr.json")

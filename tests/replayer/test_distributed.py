@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import replayer
-from recorder.errors import FormatError, ReplayError
+from recorder.errors import FormatError, NotARecordingError, ReplayError
 from recorder.store import layout
 from tests.cli import ROOT
 from tests.cli import pdbg_here as _pdbg
@@ -245,6 +245,19 @@ def test_a_rank_that_recorded_to_its_own_path_is_named(nan_run: Path, tmp_path: 
     assert res.stderr.strip().splitlines() == [
         f"pdbg: error: {alone} holds only rank 1's part of a run of several processes: rank 0 recorded to another "
         "path, and every rank must record to the same one; move rank1/ into the recording rank 0 made, and open that"]
+
+
+def test_a_rank_s_group_given_as_a_recording_names_the_recording_and_the_rank(nan_run: Path) -> None:
+    """`pdbg bisect run.zarr/rank1` (rank 1's recording, as a user looking at the directory takes it) said it "is
+    not a PaperDebugger recording": it names the recording the group belongs to and --rank 1."""
+    for rank in (1, 0):
+        group = nan_run / f"rank{rank}"
+        res = pdbg("bisect", str(group), code=2)
+        assert res.stderr.strip().splitlines() == [
+            f"pdbg: error: {group} is rank {rank}'s part of the recording {nan_run}, not a recording of its own: give "
+            f"{nan_run} with --rank {rank} (replayer.open({str(nan_run)!r}, rank={rank}) in Python)"], res.stderr
+    with pytest.raises(NotARecordingError, match=r"is rank 1's part of the recording"):
+        replayer.open(nan_run / "rank1")
 
 
 def test_a_backward_that_communicates_is_refused_in_one_line(tmp_path: Path) -> None:
