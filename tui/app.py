@@ -1362,12 +1362,26 @@ def render_replay(result: Any, full: bool = False) -> Text:
     return text
 
 
+def _nonfinite_lines(line: str, width: int | None) -> str:
+    """The inspector's NaN/Inf line, in ``width`` columns: where it does not fit, broken after the counts and, if
+    still too long, before the key's hint, never inside the first one's index (wrapped as words, "[1, 14, 9," stayed
+    on one line and "0]" went to the next)."""
+    from rich.cells import cell_len
+
+    if width is None or cell_len(line) <= width:
+        return line
+    counts, _, first = line.partition("; ")
+    where, hint, rest = first.partition(" (")
+    parts = [f"{counts};"] + ([first] if cell_len(first) <= width or not hint else [where, f"({rest}"])
+    return "\n".join(p.replace(", ", ",\u00a0") if p.startswith("the first") else p for p in parts)
+
+
 def render_tensor(view: views.TensorView, width: int | None = None) -> Text:
     """The inspector's page; ``width``: the page's, in which the sparkline's legend goes on a line of its
     own where it would not fit after the sparkline (wrapped, its "✗" stayed behind, its meaning below)."""
     text = Text(view.title + "\n\n", style="bold")
     if view.nonfinite:
-        text.append(view.nonfinite + "\n\n", style="bold red")
+        text.append(_nonfinite_lines(view.nonfinite, width) + "\n\n", style="bold red")
     if view.histogram:
         top = max(view.histogram) or 1
         lo, hi = (views.fmt_number(e) for e in view.edges)

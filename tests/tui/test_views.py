@@ -176,6 +176,30 @@ def test_a_dotted_name_is_cut_in_its_middle() -> None:
     assert views.cut_dotted("input_projection_with_a_long_name.weight", 6) == "…eight"
 
 
+def test_the_inspector_s_nan_line_breaks_between_its_parts_not_inside_the_index(nan_path: Path) -> None:
+    """On an 80-column terminal (the page about 66 columns wide) the NaN/Inf line of a 4-d tensor wrapped as words:
+    "... the first at element 123456 [1, 14, 9," and "0] (o goes to an element)" on the next line. It breaks after
+    the counts, then (if still too long) before the key's hint, never inside the index; a line that fits is as is."""
+    import dataclasses
+
+    from rich.console import Console
+
+    from tui.app import render_tensor
+
+    view = views.tensor_view(replayer.open(nan_path).step(12), "output", "output")
+    line = "201 NaN and 900 Inf of 524288; the first at element 123456 [1, 14, 9, 0] (o goes to an element)"
+    for width, want in ((66, ["201 NaN and 900 Inf of 524288;", "the first at element 123456 [1, 14, 9, 0] (o goes "
+                                                                  "to an element)"]),
+                        (50, ["201 NaN and 900 Inf of 524288;", "the first at element 123456 [1, 14, 9, 0]",
+                              "(o goes to an element)"])):
+        console = Console(width=width, record=True, color_system=None)
+        console.print(render_tensor(dataclasses.replace(view, nonfinite=line), width=width))
+        shown = [row.rstrip().replace("\u00a0", " ") for row in console.export_text().splitlines()]
+        assert shown[2:2 + len(want)] == want, shown[:6]
+    assert view.nonfinite is not None
+    assert str(render_tensor(view, width=66)).splitlines()[2] == view.nonfinite  # it fits: one line
+
+
 def test_the_inspector_says_how_many_values_are_not_finite_and_where_the_first_is(nan_path: Path) -> None:
     """The inspector's page showed the slice from element 0 and a histogram of the finite values: of a
     tensor with a NaN further on, neither showed it, nor said how many there were. It says both."""
