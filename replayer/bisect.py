@@ -2740,7 +2740,7 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
             unseen = _sparse_by_statistics(sa, parts[0], parts[1]) if parts[0][1] == parts[1][1] else []
             if not unseen:
                 result.step, result.other = sa, sb
-                root[at[0]] = _why(sa, sb, parts[0], parts[1], first=True)
+                root[at[0]] = _why(sa, sb, parts[0], parts[1], first=True, al=al)
     if result.step is None:
         if result.first_difference is None:
             only_a, only_b = len(al.a) - common, len(al.b) - common
@@ -2772,7 +2772,8 @@ def first_divergence(rec_a: Recording | str | os.PathLike[str], rec_b: Recording
             if res_a != res_b and args_a == args_b and not _not_its_own(al, sa, sb) and (
                     params_a != params_b or not _sparse_by_statistics(sa, (args_a, params_a), (args_b, params_b))):
                 result.step, result.other = sa, sb
-                root[k] = _why(sa, sb, (args_a, params_a, res_a), (args_b, params_b, res_b), first=True)
+                root[k] = _why(sa, sb, (args_a, params_a, res_a), (args_b, params_b, res_b), first=True,
+                             al=al)
                 index, descended = k, True
                 break
     result.cause = f"{describe(result.step)}: {root[index]}{_inside(al, result.step, result.other)}"
@@ -3301,11 +3302,62 @@ def _layouts_differ(sa: Step, sb: Step) -> list[str]:
                   and o.shape == r.shape and o.stride != r.stride)
 
 
+_LOOK_BACK = 4096  # steps before a root cause whose parameters differ looked through for one given other arguments
+
+
+def _given_other_arguments(al: _Aligned, sa: Step) -> str:
+    """Where a root cause's parameters differ though no recorded step before it differed in its results: the first
+    paired step since the module object's previous call (at most ``_LOOK_BACK`` steps back) whose non-tensor
+    arguments differ between the runs, named as the likely cause. A soft target update ``soft_update(target,
+    online, tau)`` given another tau returns nothing and takes its modules as objects that are not data: its
+    results match, but the parameters it wrote do not, and the optimizer is not to blame. "" where none is."""
+    rec_a, rec_b = al.rec_a, al.rec_b
+    found: tuple[Step, Step] | None = None
+    try:
+        same = (sa.name, sa.module_path, sa.module_object)
+        for k in range(sa.index - 1, max(-1, sa.index - 1 - _LOOK_BACK), -1):
+            step = rec_a.step(k)
+            if step.phase != "forward":
+                continue
+            if (step.name, step.module_path, step.module_object) == same:
+                break  # (its previous call: the parameters were written after it)
+            j = int(al.a[k])
+            if j >= 0 and step.arguments != (other := rec_b.step(j)).arguments:
+                found = (step, other)
+    except (RecordingError, OSError, ValueError):  # (a damaged document: the answer is the cause without it)
+        return ""
+    if found is None:
+        return ""
+    step, other = found
+    where, a, b = _first_difference(step.arguments, other.arguments)
+    name = _argument_name(step, where)
+    opaque = sorted({str(d["type"]) for d in _opaque_docs(step.arguments)})
+    objects = (f" and {'objects' if len(opaque) > 1 else 'an object'} not recorded as data "
+               f"({', '.join('a ' + t for t in opaque[:3])}), which it may have changed in place" if opaque else "")
+    return (f"{describe(step)} was given another non-tensor argument{f' {name}' if name else ''} ({_short(a)} vs "
+            f"{_short(b)}){objects}: the likely cause (what it returned matched; what it changed in place "
+            "was not recorded)")
+
+
+def _opaque_docs(doc: Any, depth: int = 0) -> list[dict[str, Any]]:
+    """The placeholders (``$opaque``) of values not recorded as data inside an arguments document."""
+    if depth > 16:
+        return []
+    if isinstance(doc, dict):
+        if isinstance(doc.get("$opaque"), dict):
+            return [doc["$opaque"]]
+        return [o for v in doc.values() for o in _opaque_docs(v, depth + 1)]
+    if isinstance(doc, list):
+        return [o for v in doc for o in _opaque_docs(v, depth + 1)]
+    return []
+
+
 def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple[dict[Any, Any], ...],
-         first: bool = False) -> str:
+         first: bool = False, al: _Aligned | None = None) -> str:
     """Why step ``sa`` of run A and ``sb`` of run B give different results from the same inputs:
     ``parts_*`` their (inputs, parameters, results) fingerprints; ``first``: no recorded step before
-    them differed."""
+    them differed (``al``, the runs' pairing: where its parameters differ, an earlier step given other
+    arguments is looked for)."""
     (args_a, params_a, res_a), (args_b, params_b, res_b) = parts_a, parts_b
     differ = sorted(_label(k) for k in _differing(res_a, res_b))
     changed = sorted(k[1] for k in _differing(params_a, params_b))
@@ -3320,7 +3372,9 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
             f"{'both runs' if both else 'one run'} kept statistics only: they cannot tell a reordered batch apart)"
             if by_stats else "same inputs")
     if changed:
-        where = (": every recorded step before it matched, so they were changed outside the recorded steps (by the "
+        given = _given_other_arguments(al, sa) if first and al is not None else ""
+        where = (f": every recorded step before it matched in its results, but {given}" if given else
+                 ": every recorded step before it matched, so they were changed outside the recorded steps (by the "
                  "optimizer or its settings, such as the learning rate, or at initialisation)" if first else "")
         told = _told(sa, sb, _differing(params_a, params_b) | _differing(res_a, res_b))
         return f"{same}, but {_names(changed)} differ{'s' if len(changed) == 1 else ''}, so {results}{where}{told}"

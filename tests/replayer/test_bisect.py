@@ -2632,6 +2632,48 @@ def test_parameters_changed_between_recorded_steps_are_said_to_be(tmp_path: Path
                               "initialisation)"), div.cause
 
 
+@recorder.paper_step("Algorithm 1", step=8, description="soft target update, the modules given as arguments")
+@torch.no_grad()
+def soft_target_update(target: torch.nn.Module, online: torch.nn.Module, tau: float) -> None:
+    for tp, p in zip(target.parameters(), online.parameters()):
+        tp.data.mul_(1 - tau).add_(tau * p.data)
+
+
+def test_a_soft_update_given_another_tau_is_named_not_the_optimizer(tmp_path: Path) -> None:
+    """Two DQN-style runs alike but for the tau of a soft target update that takes the networks as arguments (not
+    data: it returns nothing, and its writes are not recorded). The target network's next call was the root cause,
+    and the cause said every step before it matched, so the optimizer or the learning rate changed its parameters.
+    It names the soft update and its tau as the likely cause."""
+    paths = []
+    for tau in (0.05, 0.06):
+        torch.manual_seed(0)
+        online = ThreeLayers()
+        target = ThreeLayers()
+        target.load_state_dict(online.state_dict())
+        opt = torch.optim.SGD(online.parameters(), lr=0.1)
+        paths.append(tmp_path / f"tau{tau}.zarr")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the modules given to the update are not data: said once, here)
+            with recorder.record(paths[-1], model=online, optimizer=opt):
+                for _ in range(2):
+                    with torch.no_grad():
+                        goal = target(torch.ones(2, 4))
+                    (online(torch.ones(2, 4)) - goal).pow(2).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    soft_target_update(target, online, tau)
+    div = replayer.first_divergence(replayer.open(paths[0]), replayer.open(paths[1]))
+    assert div.step is not None and (div.step.name, div.step.iteration, div.step.grad_enabled) == \
+        ("ThreeLayers", 1, False), div.cause
+    assert "changed outside the recorded steps" not in div.cause, div.cause
+    assert div.cause.endswith("every recorded step before it matched in its results, but step 3: Algorithm 1, step 8 "
+                              "· soft_target_update · forward · iteration 1 · call 0 was given another non-tensor "
+                              "argument tau (0.05 vs 0.06) and an object not recorded as data (a "
+                              "tests.replayer.test_bisect:ThreeLayers), which it may have changed in place: the "
+                              "likely cause (what it returned matched; what it changed in place was not recorded)"), \
+        div.cause
+
+
 def test_find_and_bisect_refuse_what_names_nothing(overflow_run: Path, tmp_path: Path) -> None:
     """A misspelt step name, or an iteration its step does not have, is not "no step matches" (exit 1,
     as for a search that found nothing), and an empty --against is not a NaN search."""
