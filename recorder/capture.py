@@ -1773,7 +1773,7 @@ class Session:
                 named[key] = None
             return named[key]
 
-        doc = jsonval.encode(value, tensor_name=name)
+        doc = jsonval.encode(value, tensor_name=name, bounded=True)  # (at every call: bounded)
         if errors:
             raise errors[0]
         return doc
@@ -2712,7 +2712,7 @@ def _nested_tensors(value: Any, top: frozenset[str]) -> frozenset[int]:
         if path not in top:
             found.add(id(t))
 
-    jsonval.encode(value, tensor_name=seen)
+    jsonval.encode(value, tensor_name=seen, bounded=True)  # (as the call's document is)
     return frozenset(found)
 
 

@@ -29,6 +29,8 @@ from .errors import FormatError, UnknownTagError
 
 TensorNamer = Callable[[Any, str], str | None]
 NDARRAY_VALUES = 4096  # a numpy array of more values is not recorded as data ($opaque)
+CONTAINER_ITEMS = 4096  # nor a list, tuple, dict or set of more items (a DQN's replay memory passed whole)
+ENCODED_ITEMS = 65536  # nor containers met after this many items were encoded in one value (lists of long lists)
 _NDARRAY_SPAN = 1 << 24  # bytes: a rebuilt array's memory in its recorded strides, at most (else its order)
 _BIGINT_BITS = 13000  # ~3900 decimal digits: below CPython's 4300-digit int/str conversion limit
 _NP_KINDS = "biufcSU"
@@ -185,6 +187,8 @@ _NP_GENERATORS = {f"numpy.random.{m}:{c}" for m, c in (
 # Generator objects a ``$rng`` holds the state of (numpy's own and random.Random; not SystemRandom, a subclass)
 _RNGS = (np.random.Generator, np.random.RandomState, np.random.BitGenerator, random.Random)
 _LARGE_RE = re.compile(r"<numpy array of (\d+) values of (\S+), shape (\[[\d, ]*\])>")
+_MANY = "<{} of {} items{}>"  # an $opaque's repr for a container too long to be data (its items not looked at)
+_MANY_RE = re.compile(r"<(\w+) of (\d+) items( past the first \d+ encoded)?>")
 # an Opaque's repr for a $rng this version cannot make (a newer recorder's kind or bit generator): its words
 _UNMADE_RNG = "<{} in a recorded state this PaperDebugger cannot make again>"
 _UNMADE_RNG_RE = re.compile(re.escape(_UNMADE_RNG).replace(r"\{\}", "(.+)"))
@@ -211,6 +215,12 @@ def opaque_reason(value: Opaque) -> str | None:
     if value.type == "random:SystemRandom":
         return ("a random.SystemRandom passed as an argument, which draws from the operating system: it has no "
                 "state to record or replay (pass a random.Random, whose state is recorded at each call)")
+    many = _MANY_RE.fullmatch(value.repr)
+    if many is not None:
+        over = (f"met after the first {ENCODED_ITEMS:,} items of the value were recorded as data" if many[3] else
+                f"over the {CONTAINER_ITEMS:,} items recorded as data")
+        return (f"a {many[1]} of {int(many[2]):,} items, {over} (taking it apart at every call would slow training "
+                "down: make it a tensor, or give the step only the part it uses, the sampled batch)")
     found = _LARGE_RE.fullmatch(value.repr) if value.type == "numpy:ndarray" else None
     if found is None:
         return None
@@ -353,7 +363,7 @@ def shadowed(key: Any, texts: set[str]) -> bool:
     return type(key) is int and str(key) in texts
 
 
-def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int = 32) -> Any:
+def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int = 32, bounded: bool = False) -> Any:
     """Encode an arbitrary Python value into JSON-compatible data (dict/list/str/int/float/bool/None).
 
     Never raises: unsupported objects, cycles and values deeper than ``max_depth`` become ``$opaque``;
@@ -368,8 +378,13 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
             below the root (``"a.0"`` for ``t`` in ``{"a": [t]}``, ``""`` for the root): a name is stored as
             ``{"$tensor": name}``, None as ``{"$tensor_meta": ...}``; if it raises, the tensor is opaque.
         max_depth: nesting depth (the root is 0) beyond which values become opaque.
+        bounded: a step call's arguments or results, encoded at every call: a list, tuple, dict or set of more
+            than ``CONTAINER_ITEMS`` items, or met after ``ENCODED_ITEMS`` items were encoded, becomes opaque
+            (``opaque_reason`` says why), so that a replay memory passed whole does not slow training down.
+            Not for what is encoded once (a module's attributes, its constructor's arguments).
     """
     active: set[int] = set()  # ids of the containers being encoded: meeting one again is a cycle
+    spent = [0]  # items of containers encoded so far (``ENCODED_ITEMS``)
 
     def enc(value: Any, path: str, depth: int) -> Any:
         try:
@@ -443,6 +458,14 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
         if id(value) in active or not (isinstance(value, (list, tuple, dict, set, frozenset, slice)) or (
                 dataclasses.is_dataclass(value) and not isinstance(value, type)) or _plain_object(value)):
             return _opaque(value)  # unsupported, or a reference cycle
+        if bounded and isinstance(value, (list, tuple, dict, set, frozenset)):
+            # (a replay memory of 20,000 transitions took 2 s to encode at every call: training 4,000 times slower)
+            items = len(value)
+            spent[0] += items
+            if items > CONTAINER_ITEMS or spent[0] > ENCODED_ITEMS:
+                kind = type(value).__name__.encode("ascii", "backslashreplace").decode()
+                past = f" past the first {ENCODED_ITEMS} encoded" if items <= CONTAINER_ITEMS else ""
+                return {"$opaque": {"type": type_ref(value), "repr": _MANY.format(kind, items, past)}}
         active.add(id(value))
         try:
             return container(value, path, depth + 1)

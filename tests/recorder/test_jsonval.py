@@ -899,3 +899,33 @@ def test_loads_rejects_non_standard_json() -> None:
             loads(data)
     assert loads(dumps({"b": 1, "a": [1.5]})) == {"a": [1.5], "b": 1}
     assert dumps({"b": 1, "a": "é"}) == '{"b":1,"a":"é"}'.encode()
+
+
+class _ReplayMemory:
+    """A DQN's replay memory: a plain object holding its transitions in a list."""
+
+    def __init__(self, n: int) -> None:
+        self.data = [(np.zeros(4, np.float32), float(i % 3)) for i in range(n)]
+        self.capacity = n
+
+
+def test_a_replay_memory_passed_whole_is_not_taken_apart_at_every_call() -> None:
+    """A step given a replay memory of 20,000 transitions (``sample_batch(memory, 32)``) took its list apart at every
+    call: 2 s a call, training 4,000 times slower. A container of more than 4,096 items, or met after 65,536 items
+    were encoded, is a placeholder that says why, and the rest of the object is data as before."""
+    doc = encode({"memory": _ReplayMemory(jsonval.CONTAINER_ITEMS + 1), "k": 32}, bounded=True)
+    fields = doc["memory"]["$object"]["fields"]
+    assert fields["capacity"] == jsonval.CONTAINER_ITEMS + 1 and doc["k"] == 32
+    assert fields["data"] == {"$opaque": {"type": "builtins:list", "repr": "<list of 4097 items>"}}
+    assert jsonval.opaque_reason(decode(fields["data"])) == (
+        "a list of 4,097 items, over the 4,096 items recorded as data (taking it apart at every call would slow "
+        "training down: make it a tensor, or give the step only the part it uses, the sampled batch)")
+    assert encode([0] * jsonval.CONTAINER_ITEMS, bounded=True) == [0] * jsonval.CONTAINER_ITEMS  # (up to it: data)
+    episodes = [[1.0] * 4000 for _ in range(20)]  # 80,000 items in lists of 4,000: past the total
+    out = encode(episodes, bounded=True)
+    past = jsonval.ENCODED_ITEMS // 4000  # (the outer list's 20 items count too)
+    assert out[:past - 1] == episodes[:past - 1]
+    assert out[past] == {"$opaque": {"type": "builtins:list", "repr": "<list of 4000 items past the first 65536 "
+                                                                       "encoded>"}}
+    assert jsonval.opaque_reason(decode(out[past])).startswith(
+        "a list of 4,000 items, met after the first 65,536 items of the value were recorded as data")

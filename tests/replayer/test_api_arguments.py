@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import recorder
 import replayer
 from recorder.errors import PdbgError, RecordingError, ReplayError, StepNotFoundError
 from tests.models import poison_at, record_training
@@ -133,3 +134,47 @@ def test_a_replay_result_says_in_one_line_what_an_intervention_did(runs):
         f"<ReplayResult step {step.index}: MISMATCH, as the intervention makes it, 1 output compared>"
     assert repr(replayer.replay(rec, step, edit={"args.0": "x"})) == \
         f"<ReplayResult step {step.index}: NO CHANGE, 1 output compared>"
+
+
+class _Memory:
+    """A DQN's replay memory, passed whole to the step that samples from it."""
+
+    def __init__(self, n: int) -> None:
+        self.data = [(np.full(4, i, np.float32), float(i)) for i in range(n)]
+
+
+@recorder.paper_step("Algorithm 1", step=5, description="sample a minibatch from the replay memory D")
+def sample_batch(memory: _Memory, k: int) -> torch.Tensor:
+    return torch.from_numpy(np.stack([memory.data[i][0] for i in range(k)]))
+
+
+class _Lookup(torch.nn.Module):
+    """A module holding a long list as an attribute (encoded once, with its skeleton: kept as data)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.table = list(range(n))
+        self.proj = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + self.table[-1]
+
+
+def test_a_replay_memory_given_whole_is_a_placeholder_and_a_long_module_attribute_stays_data(tmp_path) -> None:
+    """sample_batch(memory, k) with 5,000 transitions in memory.data: the list was taken apart into the step's
+    arguments at every call (20,000 transitions: 2 s a call). It is a placeholder now, the warning and the
+    replay's refusal say why; a module's long list attribute, encoded once, is still data and replays."""
+    memory, lookup = _Memory(5000), _Lookup(5000)
+    path = tmp_path / "dqn.zarr"
+    with pytest.warns(Warning, match=r"sample_batch was given memory\.data, a list of 5,000 items, over the 4,096 "
+                                     r"items recorded as data"):
+        with recorder.record(path, model=lookup, modules=["**"]) as run:
+            lookup(sample_batch(memory, 8)).sum().backward()
+            run.next_iteration()
+    rec = replayer.open(path)
+    steps = {rec.step(i).name: rec.step(i) for i in range(len(rec)) if rec.step(i).phase == "forward"}
+    data = steps["sample_batch"].arguments["args"][0]["$object"]["fields"]["data"]
+    assert data == {"$opaque": {"type": "builtins:list", "repr": "<list of 5000 items>"}}
+    with pytest.raises(ReplayError, match="a list of 5,000 items, over the 4,096 items recorded as data"):
+        replayer.replay(rec, steps["sample_batch"].index)
+    assert replayer.replay(rec, steps["_Lookup"].index).match
