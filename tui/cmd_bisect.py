@@ -199,8 +199,10 @@ def find(args: argparse.Namespace) -> int:
     if args.json:
         output.emit_json(json.dumps({"step": found.to_json() if found else None}))
     elif found is None:
+        live = "" if rec.rank.status != "recording" or args.backward else \
+            f" (of the {len(rec)} steps committed when read: the run is still being recorded; search it again later)"
         print("no step matches" + (f" before {start.index}" if args.backward and start else
-                                   f" after {start.index}" if start else ""))
+                                   f" after {start.index}" if start else "") + live)
     else:
         print(_step_text(found.to_json()))
     return 0 if found is not None else 1

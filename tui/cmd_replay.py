@@ -940,6 +940,9 @@ def verify(args: argparse.Namespace) -> int:
         doc["forward_not_kept"] = forward_gone
     if len(rec.ranks) > 1:
         doc["rank"] = rec.rank.rank
+    live = rec.rank.status == "recording"  # read while it is written: what it records after was not verified
+    if live:
+        doc["still_recording"] = len(rec)
     if args.json:
         _emit(doc)
     else:
@@ -1006,6 +1009,9 @@ def verify(args: argparse.Namespace) -> int:
                 print(f"  {_step_text(m['step'])}: {m['reason']}")
         if environment:  # a mismatch of a few ULP here is most likely this, not the code
             print("environment differs from the recording: " + "; ".join(environment))
+        if live:
+            print(f"the run is still being recorded: these are the {_count(len(rec), 'step')} committed when it was "
+                  "read; the steps it records after were not verified (verify it again later)")
     if corrupted:  # (the other steps verified, and listed above)
         raise ChecksumError(f"{args.run}: the recorded tensors of {_count(len(corrupted), 'step')} are corrupted "
                             "(payload checksum mismatch, listed above): restore the recording from a copy or "

@@ -154,6 +154,17 @@ def test_bisect_of_a_live_run_says_it_is_still_being_recorded(tmp_path: Path) ->
         assert cause.startswith("no non-finite values recorded; the run is still being recorded (20 steps"), cause
         out = pdbg_here("bisect", str(path), cwd=tmp_path)
         assert out.returncode == 0 and "still being recorded" in out.stdout, out.stdout + out.stderr
+        # verify and find said nothing of it either: their answers are of the steps committed when read
+        out = pdbg_here("verify", str(path), "--sample", "3", cwd=tmp_path)
+        assert out.returncode == 0 and out.stdout.splitlines()[-1] == (
+            "the run is still being recorded: these are the 20 steps committed when it was read; the steps it "
+            "records after were not verified (verify it again later)"), out.stdout + out.stderr
+        assert json.loads(pdbg_here("verify", str(path), "--sample", "3", "--json", cwd=tmp_path).stdout)[
+            "still_recording"] == 20
+        out = pdbg_here("find", str(path), "*", "--when", "output.nan > 0", cwd=tmp_path)
+        assert out.returncode == 1 and out.stdout.strip() == (
+            "no step matches (of the 20 steps committed when read: the run is still being recorded; search it "
+            "again later)"), out.stdout + out.stderr
     finally:
         child.communicate("\n", timeout=300)
     assert child.returncode == 0
