@@ -489,6 +489,12 @@ class RankReader:
         found = self.attrs.get("final")
         if found is None and self.rank == 0:
             found = self.run.attrs.get("final")
+        manifest = self.run.manifests.get(self.rank) or {}
+        status, info = manifest.get("status", "recording"), manifest.get("info")
+        if found is None and status != "recording" and isinstance(info, dict):
+            # closed, and killed before the metadata after the manifest was written: the manifest holds the same
+            # info the final metadata would (the writer commits its status, then publishes ``final``)
+            found = {"status": status, **info}
         return dict(found or {})
 
     @property

@@ -170,3 +170,22 @@ def test_bisect_of_a_live_run_says_it_is_still_being_recorded(tmp_path: Path) ->
     assert child.returncode == 0
     origin = replayer.first_nonfinite(replayer.open(path))  # finished: the NaN of iteration 11 is found
     assert origin.found and (origin.step or origin.entered).iteration == 11
+
+
+def test_a_run_killed_between_its_last_commit_and_its_final_metadata_reads_as_it_closed(tmp_path: Path) -> None:
+    """A kill after the close committed the final manifest (status complete) and before the final metadata was
+    written: the run read complete with none of what closing says (its iterations, its end); that is in the
+    manifest, which now stands in for the metadata."""
+    finals = []
+    for kill in (True, False):
+        path = tmp_path / f"{kill}.zarr"
+        child = subprocess.run([sys.executable, "-m", "tests.recorder.close_kill_child", str(path)]
+                               + ([] if kill else ["--no-kill"]), cwd=ROOT, env=env(), capture_output=True, text=True,
+                               timeout=300, check=False)
+        assert child.returncode == (-9 if kill else 0), child.stderr
+        finals.append({k: v for k, v in replayer.open(path).rank.final.items() if not k.endswith("_unix")})
+    assert finals[0] == finals[1] and finals[0]["status"] == "complete", finals
+    rec = replayer.open(tmp_path / "True.zarr")
+    assert rec.status == "complete" and rec.ended_by is None
+    origin = replayer.first_nonfinite(rec)
+    assert origin.found and (origin.step or origin.entered).iteration == 2 and "died" not in origin.cause, origin.cause
