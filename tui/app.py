@@ -1379,7 +1379,17 @@ def _nonfinite_lines(line: str, width: int | None) -> str:
 def render_tensor(view: views.TensorView, width: int | None = None) -> Text:
     """The inspector's page; ``width``: the page's, in which the sparkline's legend goes on a line of its
     own where it would not fit after the sparkline (wrapped, its "✗" stayed behind, its meaning below)."""
-    text = Text(view.title + "\n\n", style="bold")
+    text = Text(view.title + "\n", style="bold")
+    if view.statistics:  # as recorded (of |z| for a complex tensor), wrapped between items, never inside one
+        label, line = "statistics of |z|: " if "|z|" in view.histogram_of else \
+            "statistics: ", ""
+        for item in view.statistics:
+            if line and width is not None and cell_len(label + line + "  " + item) > width:
+                text.append(label + line + "\n", style="dim")
+                label, line = " " * len(label), ""
+            line = f"{line}  {item}" if line else item
+        text.append(label + line + "\n", style="dim")
+    text.append("\n")
     if view.nonfinite:
         text.append(_nonfinite_lines(view.nonfinite, width) + "\n\n", style="bold red")
     if view.histogram:

@@ -683,6 +683,23 @@ class TensorView:
     # per value of ``series``: "" (drawn by its value), or what sparkline marks it as (NONFINITE, EMPTY, UNKNOWN)
     series_marks: list[str] = field(default_factory=list)
     nonfinite: str | None = None  # how many NaN and Inf it holds, and where the first is (``nonfinite_where``)
+    statistics: list[str] = field(default_factory=list)  # its recorded statistics, "min -2.3", ... (stats_line)
+
+
+STATISTICS = (("min", "min"), ("max", "max"), ("mean", "mean"), ("std", "std"), ("absmax", "absmax"),
+              ("norm", "norm"), ("nan", "NaN"), ("inf", "Inf"))
+
+
+def statistics_text(record: Any) -> list[str]:
+    """A record's statistics as recorded, each "name value" ("std 1.025", "NaN 0"): what a tensor kept as
+    statistics only has to show, and the std and norm that the step pane's table leaves out."""
+    out = []
+    for key, label in STATISTICS:
+        value = record.stats.get(key)
+        if value is None:
+            continue
+        out.append(f"{label} {int(value)}" if key in ("nan", "inf") else f"{label} {fmt_number(float(value))}")
+    return out
 
 
 def nonfinite_where(counted: np.ndarray, shape: tuple[int, ...]) -> str | None:
@@ -762,7 +779,7 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
     shown = f"{stat} of |z|" if complex_ and stat not in ("nan", "inf") else stat
     return TensorView(title, histogram, edges, values, slice_text, series, shown, expected, note, begin, size,
                       series_at, "the finite values' magnitudes |z|" if complex_ else "finite values", marks,
-                      nonfinite)
+                      nonfinite, statistics_text(record))
 
 
 def _stat_bounds(stat: str, lo: float, hi: float) -> tuple[float, float] | None:

@@ -1811,3 +1811,29 @@ def test_g_goes_to_the_step_a_nan_check_raised_in(tmp_path: Path) -> None:
         assert app.timeline.step_index == raised_in.index and "which returned no result" in panel(app), panel(app)
 
     run(body, path)
+
+
+def test_the_inspector_shows_the_recorded_statistics_of_a_tensor_kept_as_statistics_only(tmp_path: Path) -> None:
+    """A stats-only tensor's inspector showed a title, "statistics only" and a sparkline, none of the numbers
+    recorded (its std and norm were shown nowhere in the app); it now lists them all, within an 80-column page."""
+    path = tmp_path / "stats.zarr"
+    with recorder.record(path, mode="stats") as rec:
+        for _ in range(2):
+            nanmodels.smooth_relu(torch.tensor([3.0, -4.0, 0.0]))
+            rec.next_iteration()
+
+    async def main() -> None:
+        app = PdbgApp(replayer.open(path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("enter")
+            await pilot.pause()
+            assert isinstance(app.screen, Inspector)
+            page = str(app.screen.query_one("#page", Static).render())
+            stats = replayer.open(path).step(0).records[0].stats
+            assert stats["norm"] == 5.0
+            assert "statistics: min -4  max 3  mean -0.3333" in page
+            assert f"std {views.fmt_number(stats['std'])}" in page and "absmax 4  norm 5" in page
+            assert "NaN 0  Inf 0" in page
+            assert max(len(line) for line in page.splitlines()) <= int(80 * 0.95) - 6
+
+    asyncio.run(main())
