@@ -17,6 +17,7 @@ import gc
 import math
 import re
 import shlex
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -1142,11 +1143,14 @@ class PdbgApp(App[None]):
         text = Text("Alerts\n\n", style="bold")
         if not rows:
             text.append("no non-finite values, exceptions or broken expectations recorded", style="green")
+        # wrapped under the message's column, not under the kind's (the page's width: the inspector's)
+        room = max(20, int(self.size.width * 0.95) - 6 - 12)
         for row in rows:
             style = {"origin": "bold red", "entered": "red", "exception": "magenta",
                      "alert": "yellow"}.get(row.kind, "")
             text.append(f"  {row.kind:<9} ", style=style)
-            text.append(f"{row.text}\n")
+            lines = textwrap.wrap(row.text, room, break_on_hyphens=False) or [""]
+            text.append("\n".join([lines[0], *(" " * 12 + line for line in lines[1:])]) + "\n")
         self.push_screen(TextScreen(text, "alerts"))
 
     def action_paper(self) -> None:

@@ -235,7 +235,7 @@ def test_inspector_alerts_paper_and_help(nan_path: Path, mixed_path: Path) -> No
     async def alerts(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
         await pilot.press("a")
         await pilot.pause()
-        page = str(app.screen.query_one("#page", Static).render())
+        page = " ".join(str(app.screen.query_one("#page", Static).render()).split())  # (as read: wrapped lines joined)
         assert "exception" in page and "ValueError: all negative" in page
         assert "watch gate: range expected [0.0, 1.0]" in page
         await pilot.press("escape")
@@ -1835,5 +1835,22 @@ def test_the_inspector_shows_the_recorded_statistics_of_a_tensor_kept_as_statist
             assert f"std {views.fmt_number(stats['std'])}" in page and "absmax 4  norm 5" in page
             assert "NaN 0  Inf 0" in page
             assert max(len(line) for line in page.splitlines()) <= int(80 * 0.95) - 6
+
+    asyncio.run(main())
+
+
+def test_alerts_wrap_under_their_message_at_80_columns(nan_path: Path) -> None:
+    """An alert longer than the page wrapped back to the page's first column, under its kind ("origin"),
+    so the next alert's kind was hard to find; its lines now go on under its message's column."""
+
+    async def main() -> None:
+        app = PdbgApp(replayer.open(nan_path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("a")
+            await pilot.pause()
+            page = str(app.screen.query_one("#page", Static).render()).splitlines()
+            origin = next(i for i, line in enumerate(page) if line.startswith("  origin    "))
+            assert page[origin + 1].startswith(" " * 12) and page[origin + 1].strip()
+            assert all(len(line) <= int(80 * 0.95) - 6 for line in page)
 
     asyncio.run(main())
