@@ -98,10 +98,21 @@ def _recorder_code() -> list[types.CodeType]:
 # How many times ``whole_graph`` let a step or a selected module stay in a graph unrecorded (a recording
 # compares it with its value at its start: the module paths of those calls are not known to it).
 _unrecorded = [0]
+_unrecorded_what: list[str] = []  # what each of them was ("paper step 'Block'"), the first 4096 of the process's
 
 
 def unrecorded_traces() -> int:
     return _unrecorded[0]
+
+
+def unrecorded_doc(since: int) -> dict[str, Any] | None:
+    """What stayed in graphs unrecorded since the count was ``since`` (a recording's start), as its final
+    ``compiled_unrecorded`` keeps it (docs/FORMAT.md): ``{"count", "what"}``, ``what`` the distinct ones
+    ("paper step 'Block'", "module Linear", "watch('w')"), 32 at most; None where none stayed."""
+    count = _unrecorded[0] - since
+    if count <= 0:
+        return None
+    return {"count": count, "what": list(dict.fromkeys(_unrecorded_what[since:]))[:32]}
 
 
 def whole_graph(what: str = "a paper step") -> bool:
@@ -121,6 +132,8 @@ def whole_graph(what: str = "a paper step") -> bool:
         return False
     if whole:
         _unrecorded[0] += 1
+        if len(_unrecorded_what) < 4096:  # (once per trace, not per call: a few per compiled function)
+            _unrecorded_what.append(what)
         from .capture import warn
 
         warn(f"{what} called inside code torch.compile traces with fullgraph=True (or error_on_graph_break) is "

@@ -388,6 +388,9 @@ class Run:
             info["exception"] = jsonval.encode(capture.exception_doc(exception, limit=None))
         if self._ended_by is not None:
             info["signal"] = self._ended_by
+        unrecorded = compiled.unrecorded_doc(self._whole_graphs_at_start)
+        if unrecorded is not None:  # steps that ran inside fullgraph=True code: a run of no steps says why
+            info["compiled_unrecorded"] = unrecorded
         if self.failure:
             info["recorder_failure"] = self.failure
         try:

@@ -781,6 +781,20 @@ def magnitudes_note(names: list[str]) -> str | None:
     return f"the statistics of complex {shown} are of magnitudes |z|"
 
 
+def compiled_unrecorded_note(final: dict[str, Any]) -> str | None:
+    """What ran inside code compiled with ``fullgraph=True`` and so was not recorded (a rank's final
+    ``compiled_unrecorded``, docs/FORMAT.md), as one sentence; None where nothing was, or the
+    recording predates the key."""
+    doc = final.get("compiled_unrecorded")
+    if not isinstance(doc, dict) or not doc.get("count"):
+        return None
+    what = [str(w) for w in doc.get("what") or []]
+    named = ", ".join(what[:4]) + (f" and {len(what) - 4} more" if len(what) > 4 else "")
+    return (f"not recorded: {named or 'calls'} inside code torch.compile traced with fullgraph=True (or "
+            "error_on_graph_break), which cannot leave the graph to be recorded; compile without fullgraph=True "
+            "to record them")
+
+
 def _references(label: str | None, paper: dict[str, Any]) -> list[str | None]:
     """What a step's paper reference may be selected by: its label, its algorithm, its equation, and
     the whole reference as listings write it ("Algorithm 1, step 5 (Eq. 7)", and without the equation)."""

@@ -45,7 +45,7 @@ from textual.widgets import Footer, Header, Input, Static
 
 from recorder.errors import PdbgError
 from recorder.names import shown
-from replayer.recording import Recording, magnitudes_note
+from replayer.recording import Recording, compiled_unrecorded_note, magnitudes_note
 
 from . import views
 from .cmd_replay import split_pair
@@ -892,10 +892,11 @@ class PdbgApp(App[None]):
         try:
             step = self.step
             if step is None:
+                unrecorded = compiled_unrecorded_note(self.rec.rank.final)  # (a run compiled whole)
                 pane.show_message(f"no step matches the filter {self.filter_name} (f changes it)"
                                   if self.model.n else "no steps committed yet (R refreshes)"
                                   if self.rec.status == "recording" else f"no steps: the recording is {self.rec.status}"
-                                  " and holds none")
+                                  " and holds none" + (f"\n\n{unrecorded}" if unrecorded else ""))
                 pane.border_title = None
                 return
             pane.show(views.step_view(step), self._drift(step), self._code_drift(step))

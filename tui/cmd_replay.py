@@ -171,7 +171,8 @@ def summary(rec: Any) -> dict[str, Any]:
             "bytes": int(rec.reader.nbytes()), "schema_version": rec.reader.schema_version,
             "recipes": list(_recipes(rec).values()), "bundle": _bundle_summary(rec),
             "grad_scaler_skipped": rec.scaler_skips, "tensors_kept": _tensors_kept(rec, _iteration_range(iteration)),
-            "optimizer_replaced": rec.rank.final.get("optimizer_replaced")}
+            "optimizer_replaced": rec.rank.final.get("optimizer_replaced"),
+            "compiled_unrecorded": rec.rank.final.get("compiled_unrecorded")}
 
 
 def _iteration_range(iteration: np.ndarray) -> list[int] | None:
@@ -396,6 +397,11 @@ def info(args: argparse.Namespace) -> int:
         print(f"optimizer replaced at iteration{'s' if replaced['count'] != 1 else ''} {at}"
               + (f" and {more} more" if more > 0 else "") + ": a new optimizer over the same parameters (resumed "
               "or re-created) counts the iterations from its first step, which ends that iteration")
+    from replayer.recording import compiled_unrecorded_note
+
+    unrecorded = compiled_unrecorded_note({"compiled_unrecorded": doc["compiled_unrecorded"]})
+    if unrecorded:
+        print(unrecorded[0].upper() + unrecorded[1:] + f" ({_count(doc['compiled_unrecorded']['count'], 'trace')})")
     first, raised_in = doc["first_nonfinite"], doc["first_nonfinite_raised_in"]
     if first is None and raised_in is not None:  # a NaN check inside a step raised before it returned
         how = "ended the run" if doc["first_nonfinite_outside"] else "the training code caught"

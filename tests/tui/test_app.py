@@ -1854,3 +1854,30 @@ def test_alerts_wrap_under_their_message_at_80_columns(nan_path: Path) -> None:
             assert all(len(line) <= int(80 * 0.95) - 6 for line in page)
 
     asyncio.run(main())
+
+
+def test_a_run_whose_steps_ran_inside_fullgraph_code_says_why_it_holds_none(tmp_path: Path, capsys) -> None:
+    """Steps called inside code compiled with fullgraph=True stay in the graph unrecorded (a warning says
+    so while training); the recording then opened on "no steps: the recording is complete and holds none"
+    and `pdbg info` said nothing of them. The recording now keeps what stayed unrecorded, and both say it."""
+    from tui.cli import main as pdbg
+
+    torch._dynamo.reset()
+    path = tmp_path / "whole.zarr"
+    forward = torch.compile(lambda x: nanmodels.smooth_relu(x) * 2, backend="eager", fullgraph=True)
+    with pytest.warns(recorder.RecorderWarning, match="fullgraph=True"), recorder.record(path) as rec:
+        for _ in range(2):
+            forward(torch.ones(3))
+            rec.next_iteration()
+    torch._dynamo.reset()
+    assert replayer.open(path).rank.final["compiled_unrecorded"] == {"count": 1, "what": ["paper step 'smooth_relu'"]}
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        text = " ".join(pane(app).plain().split())
+        assert text.startswith("no steps: the recording is complete and holds none")
+        assert "not recorded: paper step 'smooth_relu' inside code torch.compile traced with fullgraph=True" in text
+
+    run(body, path)
+    assert pdbg(["info", str(path)]) == 0
+    assert "Not recorded: paper step 'smooth_relu' inside code torch.compile traced with fullgraph=True" in \
+        capsys.readouterr().out
