@@ -420,6 +420,15 @@ class StepView:
     output_nonfinite: str = ""
 
 
+def _why_statistics_only(step: Step) -> str:
+    """Why a step kept no tensor's bytes, as its first record's reason says (the run's mode, the iterations
+    a flight ring wrote out); "" where the recording cannot tell."""
+    try:
+        return step.rec.rank.why_statistics_only(step.records[0])
+    except Exception:  # noqa: BLE001 - a damaged document: the note says the rest
+        return ""
+
+
 def step_view(step: Step) -> StepView:
     definition = step.definition
     frozen = set(step.frozen)
@@ -435,6 +444,9 @@ def step_view(step: Step) -> StepView:
         notes.append(alert_text(alert, step))
     for note in extra.get("notes", []) or []:
         notes.append(str(note))
+    if step.records and not any(r.has_payload for r in step.records):  # (stats mode, flight mode outside its ring)
+        why = _why_statistics_only(step)
+        notes.append(f"statistics only, no tensor bytes: it cannot be replayed{f' ({why})' if why else ''}")
     numpy = numpy_values(step)
     listed = {name for name, _, _ in numpy}
     try:

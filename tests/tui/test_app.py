@@ -1881,3 +1881,21 @@ def test_a_run_whose_steps_ran_inside_fullgraph_code_says_why_it_holds_none(tmp_
     assert pdbg(["info", str(path)]) == 0
     assert "Not recorded: paper step 'smooth_relu' inside code torch.compile traced with fullgraph=True" in \
         capsys.readouterr().out
+
+
+def test_the_step_pane_says_a_step_kept_statistics_only_before_r_is_tried(tmp_path: Path, nan_path: Path) -> None:
+    """A step of a stats-mode run (or of a flight-mode run outside its ring) looked like any other in the
+    step pane: only r told, with an error, that it cannot be replayed. The pane now says so, and why."""
+    path = tmp_path / "stats.zarr"
+    with recorder.record(path, mode="stats"):
+        nanmodels.smooth_relu(torch.ones(3))
+
+    async def stats_only(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        text = " ".join(pane(app).plain().split())
+        assert "statistics only, no tensor bytes: it cannot be replayed (the run was recorded in stats mode" in text
+
+    async def kept(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        assert "statistics only" not in pane(app).plain()
+
+    run(stats_only, path)
+    run(kept, nan_path)
