@@ -444,7 +444,7 @@ def highlighted(source: str, first_line: int, plain: bool = False) -> Text:
     """Python source with syntax colours and line numbers, as one Text (cheap to draw again);
     ``plain`` (NO_COLOR): keywords in bold, no colours (whose greys would read as alarms)."""
     code = Syntax(source, "python", theme=_PLAIN_CODE if plain else "ansi_dark").highlight(source.rstrip("\n"))
-    out = Text(no_wrap=True, overflow="crop")
+    out = Text(no_wrap=True, overflow="ellipsis")  # a line wider than the pane ends in "…", never looks whole
     for number, line in enumerate(code.split("\n", allow_blank=True), first_line):
         out.append(f"{number:>5} ", style="dim")
         out.append_text(line)

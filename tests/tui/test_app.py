@@ -1899,3 +1899,21 @@ def test_the_step_pane_says_a_step_kept_statistics_only_before_r_is_tried(tmp_pa
 
     run(stats_only, path)
     run(kept, nan_path)
+
+
+def test_a_code_line_wider_than_the_step_pane_ends_in_an_ellipsis(nan_path: Path) -> None:
+    """The step's source lines were cut at the pane's edge with nothing to show it (`... / gam` read as
+    whole); a line that does not fit now ends in "…", and one that fits is drawn whole."""
+
+    async def main() -> None:
+        app = PdbgApp(replayer.open(nan_path))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("g")
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            lines = pane(app).plain().splitlines()
+            decorator = next(line for line in lines if '@recorder.paper_step("Eq. 2"' in line)
+            assert decorator.endswith("…") and "/ gamma" not in decorator
+            assert not any(line.rstrip().endswith("…") for line in lines if "return " in line)
+
+    asyncio.run(main())
