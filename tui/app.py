@@ -328,7 +328,8 @@ class StepPane(ScrollView, can_focus=True):
         if view.unrecorded:  # (a replay compares their type alone: never a match of their values)
             parts.append(Text(f"not recorded as data, not compared by a replay: {', '.join(view.unrecorded)}",
                               style="yellow"))
-        parts.append(Text.assemble(("arguments ", "dim"), view.arguments))
+        if view.arguments:  # (a backward step has none of its own: its tensors above are what it got)
+            parts.append(Text.assemble(("arguments ", "dim"), view.arguments))
         if view.source:
             where = f"{view.source_file}:{view.source_line}"
             parts.append(Text.assemble((where, "dim"), ("  " + self.drift, "bold yellow") if self.drift else "",

@@ -1917,3 +1917,19 @@ def test_a_code_line_wider_than_the_step_pane_ends_in_an_ellipsis(nan_path: Path
             assert not any(line.rstrip().endswith("…") for line in lines if "return " in line)
 
     asyncio.run(main())
+
+
+def test_a_backward_step_shows_no_empty_arguments_line(nan_path: Path) -> None:
+    """A backward step's pane had a line reading "arguments" and nothing after it (a backward step has
+    no arguments of its own); it now has none, and a forward step keeps its arguments."""
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        assert "arguments (<args.0>" in pane(app).plain()
+        await pilot.press("end")
+        await pilot.pause()
+        assert app.step.phase == "backward"
+        text = pane(app).plain()
+        assert "grad_output" in text and not any(line.strip() == "arguments" for line in text.splitlines())
+        assert "arguments" not in text
+
+    run(body, nan_path)
