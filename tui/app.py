@@ -1088,9 +1088,10 @@ class PdbgApp(App[None]):
         self.timeline.refresh_rows()
         if current is not None:
             self.timeline.go_to(current)
-        self.set_panel(f"paper view: {shown_as}: {count} steps (f changes the filter)" if shown_as
-                       else f"filter {value!r}: {count} steps (f changes it)" if value.strip()
-                       else f"no filter: {count} steps")
+        steps = f"{count} step{'' if count == 1 else 's'}"
+        self.set_panel(f"paper view: {shown_as}: {steps} (f changes the filter)" if shown_as
+                       else f"filter {value!r}: {steps} (f changes it)" if value.strip()
+                       else f"no filter: {steps}")
         self.show_step()
 
     def action_reload(self) -> None:
@@ -1112,7 +1113,8 @@ class PdbgApp(App[None]):
             self.timeline.go_to(index)
         self.sub_title = self._summary(self.size.width)
         kept = f"; filter {self.filter_name}: {len(self.model.rows)} shown" if filter_text else ""
-        self.set_panel(f"refreshed: {self.model.n} steps committed ({self.rec.status}){kept}")
+        self.set_panel(f"refreshed: {self.model.n} step{'' if self.model.n == 1 else 's'} committed "
+                       f"({self.rec.status}){kept}")
         self.show_step()
 
     # -- pages ---------------------------------------------------------------------------------

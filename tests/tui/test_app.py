@@ -1933,3 +1933,17 @@ def test_a_backward_step_shows_no_empty_arguments_line(nan_path: Path) -> None:
         assert "arguments" not in text
 
     run(body, nan_path)
+
+
+def test_a_filter_of_one_step_says_one_step(nan_path: Path) -> None:
+    """A filter that left one step said "1 steps"; it says "1 step", and any other count in the plural."""
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("f")
+        await answer(pilot, "iter:0 phase:backward Stack")
+        assert panel(app) == "filter 'iter:0 phase:backward Stack': 1 step (f changes it)", panel(app)
+        await pilot.press("f")
+        await answer(pilot, "iter:0 Eq. 2")
+        assert panel(app) == "filter 'iter:0 Eq. 2': 4 steps (f changes it)", panel(app)
+
+    run(body, nan_path)
