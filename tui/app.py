@@ -1240,8 +1240,18 @@ class PdbgApp(App[None]):
         if target is not None:
             self.call_from_thread(self.go_to_step, target.index)
 
+    def _replayable(self, what: str) -> bool:
+        """Whether the step at the cursor kept the bytes a rerun needs; if not, the panel says so before a
+        prompt asks for an edit or a swap that could not be tried."""
+        why = views.statistics_only(self.step)
+        if why is None:
+            return True
+        self.set_panel(Text(f"cannot {what} step {self.step.index} and rerun: it kept statistics only, no tensor "
+                            f"bytes{f' ({why})' if why else ''}", style="red"))
+        return False
+
     def action_edit(self) -> None:
-        if not self._at_a_step("edit"):
+        if not self._at_a_step("edit") or not self._replayable("edit"):
             return
 
         def done(value: str | None) -> None:
@@ -1256,7 +1266,7 @@ class PdbgApp(App[None]):
 
     def action_swap(self) -> None:
         step = self.step
-        if not self._at_a_step("swap"):
+        if not self._at_a_step("swap") or not self._replayable("swap in"):
             return
 
         def done(value: str | None) -> None:

@@ -420,9 +420,12 @@ class StepView:
     output_nonfinite: str = ""
 
 
-def _why_statistics_only(step: Step) -> str:
-    """Why a step kept no tensor's bytes, as its first record's reason says (the run's mode, the iterations
-    a flight ring wrote out); "" where the recording cannot tell."""
+def statistics_only(step: Step) -> str | None:
+    """Where a step kept its tensors' statistics and none of their bytes (stats mode, flight mode outside
+    the iterations its ring wrote out), so that it cannot be replayed: why, as its first record's reason
+    says ("" where the recording cannot tell); None where it kept bytes, or has no tensors."""
+    if not step.records or any(r.has_payload for r in step.records):
+        return None
     try:
         return step.rec.rank.why_statistics_only(step.records[0])
     except Exception:  # noqa: BLE001 - a damaged document: the note says the rest
@@ -444,8 +447,8 @@ def step_view(step: Step) -> StepView:
         notes.append(alert_text(alert, step))
     for note in extra.get("notes", []) or []:
         notes.append(str(note))
-    if step.records and not any(r.has_payload for r in step.records):  # (stats mode, flight mode outside its ring)
-        why = _why_statistics_only(step)
+    why = statistics_only(step)
+    if why is not None:
         notes.append(f"statistics only, no tensor bytes: it cannot be replayed{f' ({why})' if why else ''}")
     numpy = numpy_values(step)
     listed = {name for name, _, _ in numpy}

@@ -1947,3 +1947,21 @@ def test_a_filter_of_one_step_says_one_step(nan_path: Path) -> None:
         assert panel(app) == "filter 'iter:0 Eq. 2': 4 steps (f changes it)", panel(app)
 
     run(body, nan_path)
+
+
+def test_edit_and_swap_on_a_step_kept_as_statistics_only_say_so_before_prompting(tmp_path: Path) -> None:
+    """On a stats-mode step, e and s asked for an edit or a swap, and only after it was typed said that the
+    step cannot be replayed (a swap first named its key wrong); they now say so at once, with no prompt."""
+    path = tmp_path / "stats.zarr"
+    with recorder.record(path, mode="stats"):
+        nanmodels.smooth_relu(torch.ones(3))
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        for key, what in (("e", "edit"), ("s", "swap in")):
+            await pilot.press(key)
+            await pilot.pause()
+            assert not app.screen.query(Input), key
+            assert panel(app).startswith(f"cannot {what} step 0 and rerun: it kept statistics only, no tensor bytes "
+                                         "(the run was recorded in stats mode"), panel(app)
+
+    run(body, path)
