@@ -865,12 +865,15 @@ class PdbgApp(App[None]):
         return Text(note, style="yellow" if "MISMATCH" in note or "; here differs" in note else "dim")
 
     def _summary(self, width: int | None = None) -> str:
-        """The header's line after the title: status, steps, the recording's path, its rank. In ``width``
+        """The header's line after the title: status, the mode where it keeps tensors' bytes of some steps
+        only, steps, the recording's path, its rank. In ``width``
         columns (the screen's) the path gives way from its start, so the file's name stays: the header cut
         it at its end ("runs/nan_smooth_relu.za…" at 80 columns)."""
         ranks = self.rec.ranks
         rank = f" · rank {self.rec.rank.rank} of {len(ranks)}" if len(ranks) > 1 else ""
-        counts = f"{self.rec.status} · {self.model.n} step{'s' if self.model.n != 1 else ''} · "
+        mode = self.rec.run_info.get("mode") if self.rec.bundle_info is None else None
+        kept = {"stats": "stats mode · ", "flight": "flight mode · "}.get(mode, "")  # (what r can replay)
+        counts = f"{self.rec.status} · {kept}{self.model.n} step{'s' if self.model.n != 1 else ''} · "
         path = self.path
         if width is not None:
             room = width - self.HEADER_ROOM - cell_len(f"{self.TITLE} — {counts}{rank}")

@@ -1965,3 +1965,20 @@ def test_edit_and_swap_on_a_step_kept_as_statistics_only_say_so_before_prompting
                                          "(the run was recorded in stats mode"), panel(app)
 
     run(body, path)
+
+
+def test_the_header_names_a_mode_that_keeps_statistics_only(tmp_path: Path, nan_path: Path) -> None:
+    """The header read "complete · 1 step · stats.zarr" for a stats-mode run, as for a full one; it now
+    names stats and flight mode (whose steps r cannot all replay), at 80 columns with the file's name."""
+    path = tmp_path / "stats.zarr"
+    with recorder.record(path, mode="stats"):
+        nanmodels.smooth_relu(torch.ones(3))
+
+    async def main(at: Path, want: str) -> None:
+        app = PdbgApp(replayer.open(at))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            assert app.sub_title.startswith(want) and app.sub_title.endswith(at.name), app.sub_title
+
+    asyncio.run(main(path, "complete · stats mode · 1 step · "))
+    asyncio.run(main(nan_path, "complete · 20 steps · "))
