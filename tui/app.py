@@ -1360,7 +1360,7 @@ def render_replay(result: Any, full: bool = False) -> Text:
                if result.match and by_statistics else ("bitwise match", "bold green") if result.match
                else ("MISMATCH, as the intervention makes it", "bold yellow") if result.intervention
                else ("MISMATCH", "bold red"))
-    text = Text.assemble(f"replay of step {result.step.index}: ", verdict)
+    text = Text.assemble(f"replay of step {result.step.index}{_intervention_text(result.intervention)}: ", verdict)
     few = None if full else 4
     for d in result.outputs[:few]:
         rec, rep = d.recorded, d.replayed
@@ -1395,6 +1395,16 @@ def _nonfinite_lines(line: str, width: int | None) -> str:
     where, hint, rest = first.partition(" (")
     parts = [f"{counts};"] + ([first] if cell_len(first) <= width or not hint else [where, f"({rest}"])
     return "\n".join(p.replace(", ", ",\u00a0") if p.startswith("the first") else p for p in parts)
+
+
+def _intervention_text(intervention: dict[str, Any] | None) -> str:
+    """What a what-if replay changed, as the panel's first line names it (" with edit args.0=x.clamp(-50, 50)"),
+    so that the results of several tries are told apart; "" for a plain replay."""
+    if not intervention:
+        return ""
+    done = [f"swap {k}={v}" if k != "." else f"swap {v}" for k, v in (intervention.get("swap") or {}).items()]
+    done += [f"edit {k}={v}" for k, v in (intervention.get("edit") or {}).items()]
+    return f" with {', '.join(done)}" if done else ""
 
 
 def render_tensor(view: views.TensorView, width: int | None = None) -> Text:

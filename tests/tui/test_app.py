@@ -905,7 +905,7 @@ def test_v_opens_the_whole_result_which_keys_scroll(tmp_path: Path) -> None:
             await pilot.pause()
             assert isinstance(app.screen, TextScreen)
             page = str(app.screen.query_one("#page", Static).render())
-            assert page.startswith("replay of step 0: MISMATCH")
+            assert page.startswith("replay of step 0 with edit args.0=x * 2: MISMATCH")
             assert all(f"{n}:" in page for n in names), page
             flat = " ".join(page.split())
             assert all(" ".join(w.split()) in flat for w in expected.warnings), (expected.warnings, page)
@@ -1982,3 +1982,29 @@ def test_the_header_names_a_mode_that_keeps_statistics_only(tmp_path: Path, nan_
 
     asyncio.run(main(path, "complete · stats mode · 1 step · "))
     asyncio.run(main(nan_path, "complete · 20 steps · "))
+
+
+def test_a_what_if_result_names_the_edit_or_swap_it_tried(nan_path: Path) -> None:
+    """A rerun with an edit or a swap began "replay of step 12: MISMATCH, as the intervention makes it",
+    the same for every try, so that two tries' results could not be told apart; it now names what it tried."""
+
+    async def body(app: PdbgApp, pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("g")
+        await app.workers.wait_for_complete()
+        await pilot.press("e")
+        await answer(pilot, "args.0=x.clamp(-50, 50)")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert panel(app).startswith("replay of step 12 with edit args.0=x.clamp(-50, 50): MISMATCH"), panel(app)
+        await pilot.press("s")
+        await answer(pilot, "tests.replayer.nanmodels:stable_smooth_relu")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert panel(app).startswith("replay of step 12 with swap tests.replayer.nanmodels:stable_smooth_relu: "), \
+            panel(app)
+        await pilot.press("r")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert panel(app).startswith("replay of step 12: bitwise match"), panel(app)
+
+    run(body, nan_path)
