@@ -873,10 +873,12 @@ class PdbgApp(App[None]):
         rank = f" · rank {self.rec.rank.rank} of {len(ranks)}" if len(ranks) > 1 else ""
         mode = self.rec.run_info.get("mode") if self.rec.bundle_info is None else None
         kept = {"stats": "stats mode · ", "flight": "flight mode · "}.get(mode, "")  # (what r can replay)
-        counts = f"{self.rec.status} · {kept}{self.model.n} step{'s' if self.model.n != 1 else ''} · "
-        path = self.path
+        steps = f"{self.model.n} step{'s' if self.model.n != 1 else ''} · "
+        counts, path = f"{self.rec.status} · {kept}{steps}", self.path
         if width is not None:
             room = width - self.HEADER_ROOM - cell_len(f"{self.TITLE} — {counts}{rank}")
+            if kept and room < cell_len(Path(path).name) + 2:  # the mode gives way before the file's name
+                counts, room = f"{self.rec.status} · {steps}", room + cell_len(kept)
             path = views.shortened_path(path, max(12, room))
         return f"{counts}{path}{rank}"
 

@@ -2008,3 +2008,22 @@ def test_a_what_if_result_names_the_edit_or_swap_it_tried(nan_path: Path) -> Non
         assert panel(app).startswith("replay of step 12: bitwise match"), panel(app)
 
     run(body, nan_path)
+
+
+def test_the_header_mode_gives_way_before_the_file_name_at_80_columns(tmp_path: Path) -> None:
+    """With the mode in the header, a longer file name was cut at 80 columns ("…tcrash.z…"); the mode now
+    gives way first, and comes back where the screen is wide enough for both."""
+    path = tmp_path / "flightcrash.zarr"
+    with recorder.record(path, mode="stats"):
+        for _ in range(10):
+            nanmodels.smooth_relu(torch.ones(3))
+
+    async def main(width: int) -> str:
+        app = PdbgApp(replayer.open(path))
+        async with app.run_test(size=(width, 24)) as pilot:
+            await pilot.pause()
+            assert app.sub_title.endswith("/" + path.name), app.sub_title
+            return str(app.sub_title)
+
+    assert asyncio.run(main(80)).startswith("complete · 10 steps · …/")
+    assert asyncio.run(main(160)).startswith("complete · stats mode · 10 steps · ")
