@@ -195,9 +195,10 @@ def test_the_inspector_s_nan_line_breaks_between_its_parts_not_inside_the_index(
         console = Console(width=width, record=True, color_system=None)
         console.print(render_tensor(dataclasses.replace(view, nonfinite=line), width=width))
         shown = [row.rstrip().replace("\u00a0", " ") for row in console.export_text().splitlines()]
-        assert shown[2:2 + len(want)] == want, shown[:6]
+        at = shown.index(want[0])  # (below the title and the recorded statistics)
+        assert shown[at:at + len(want)] == want, shown[:8]
     assert view.nonfinite is not None
-    assert str(render_tensor(view, width=66)).splitlines()[2] == view.nonfinite  # it fits: one line
+    assert view.nonfinite in str(render_tensor(view, width=66)).splitlines()  # it fits: one line
 
 
 def test_the_inspector_says_how_many_values_are_not_finite_and_where_the_first_is(nan_path: Path) -> None:
