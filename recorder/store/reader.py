@@ -602,8 +602,8 @@ class RankReader:
             if path.startswith("steps/") and self.holds(path):
                 bad |= self._raw(path, steps) >= docs
         steps = first(bad, steps)
-        if not steps:
-            raise FormatError(f"{self.run.label}: {why}; no step before it can be read")
+        if not steps:  # not a torn end: damage from the first chunk on, reported where it is read (info --check
+            return  # names each damaged column; a reader of the steps refuses the recording in one line)
         self.lengths.update(steps=steps, tensors=tensors, payloads=payloads, docs=docs, late=late)
         self.torn = (f"the last writes before it ended did not all reach the disk ({why}): {steps} of its "
                      f"{self.committed['steps']} committed steps can be read")

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import replayer
-from recorder.errors import FormatError
 from tests.cli import ROOT, env, pdbg_here
 
 CHILD = "tests.recorder.torn_child"
@@ -97,15 +96,14 @@ def test_a_complete_run_torn_is_not_complete(tmp_path: Path) -> None:
 
 
 def test_nothing_readable_is_a_one_line_error(killed: Path, tmp_path: Path) -> None:
-    """Every chunk of a step column torn: nothing can be read, a one-line FormatError (pdbg: exit 2)."""
+    """Every chunk of a step column torn: nothing can be read, a one-line error naming the chunk (exit 2); the run
+    is not cut to no step (damage from the first chunk on is no torn end: info --check names each damaged column)."""
     path = torn(killed, tmp_path, chunk="3")
     for chunk in "012":
         (path / "rank0" / "steps" / "phase" / "c" / chunk).write_bytes(b"")
-    with pytest.raises(FormatError, match="rank0/steps/phase/c/0") as exc:
-        replayer.open(path)
-    assert "\n" not in str(exc.value)
     out = pdbg_here("info", str(path), cwd=tmp_path)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "rank0/steps/phase/c/0" in out.stderr, out.stderr
 
 
 def test_the_tui_opens_a_torn_run(killed: Path, tmp_path: Path) -> None:
