@@ -1294,7 +1294,7 @@ class Session:
                     frame.rng = {**frame.rng, **parts}
             frame.args_doc = self._encode(frame, {"args": given_args, "kwargs": recorded}, "input", "", tapped,
                                           reached, nested, unfollowed=unfollowed, versions=frame.versions,
-                                          places=places, grads=grads, split=split)
+                                          places=places, grads=grads, split=split, modules=True)
             if unfollowed:  # (in objects no tap passes a tapped tensor through: their gradients are not recorded)
                 frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
             if not self._cache_warned:
@@ -1721,7 +1721,7 @@ class Session:
                 unfollowed: list[str] | None = None,
                 versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None,
                 places: dict[str, str] | None = None, grads: list[tuple[str, torch.Tensor]] | None = None,
-                split: frozenset[int] = frozenset()) -> Any:
+                split: frozenset[int] = frozenset(), modules: bool = False) -> Any:
         """Encode a value as tagged JSON, capturing each tensor in it under its path: once per object
         the step sees. ``tapped``: ids of the tensors a tap replaces where they stand in a place it
         reaches (``top``: the paths of those places: an argument's top level, an output's containers),
@@ -1734,7 +1734,9 @@ class Session:
         graph (not computed from a tensor that requires grad), each once (see ``Frame.versions``).
         ``places`` collects each tensor's path -> its record's name, ``grads`` the record names and
         tensors of the leaves' ``.grad`` recorded with them (``versions``' too). ``split``: ids of the
-        tensors recorded once per place of ``top`` (tapped per place: taps.split_places)."""
+        tensors recorded once per place of ``top`` (tapped per place: taps.split_places). ``modules``: a module
+        in the value (a soft update's target network) is recorded as data (``$module``: its skeleton, and its
+        parameters and buffers as tensors at its path), so that a replay rebuilds it."""
         errors: list[Exception] = []
         named: dict[Any, str | None] = {}
 
@@ -1773,7 +1775,8 @@ class Session:
                 named[key] = None
             return named[key]
 
-        doc = jsonval.encode(value, tensor_name=name, bounded=True)  # (at every call: bounded)
+        doc = jsonval.encode(value, tensor_name=name, bounded=True,  # (at every call: bounded)
+                             module_doc=self._argument_module if modules else None)
         if errors:
             raise errors[0]
         return doc
@@ -2140,6 +2143,12 @@ class Session:
                 self._known_settings.clear()
             known = self._known_settings[key] = snapshot.settings_of(key)
         return known
+
+    def _argument_module(self, module: torch.nn.Module) -> dict[str, Any]:
+        """The skeleton of a module given as an argument (cached as a step's module's is). Its parameters and
+        buffers are inputs: a network given to every act() call of an iteration is stored once all the same
+        (the writer keeps each payload once by content)."""
+        return self._module_entry(module)[0]
 
     def _module_doc(self, module: torch.nn.Module | None) -> dict[str, Any] | None:
         return self._module_entry(module)[0] if module is not None else None

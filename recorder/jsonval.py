@@ -363,7 +363,8 @@ def shadowed(key: Any, texts: set[str]) -> bool:
     return type(key) is int and str(key) in texts
 
 
-def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int = 32, bounded: bool = False) -> Any:
+def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int = 32, bounded: bool = False,
+           module_doc: Callable[[torch.nn.Module], Any] | None = None) -> Any:
     """Encode an arbitrary Python value into JSON-compatible data (dict/list/str/int/float/bool/None).
 
     Never raises: unsupported objects, cycles and values deeper than ``max_depth`` become ``$opaque``;
@@ -382,6 +383,10 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
             than ``CONTAINER_ITEMS`` items, or met after ``ENCODED_ITEMS`` items were encoded, becomes opaque
             (``opaque_reason`` says why), so that a replay memory passed whole does not slow training down.
             Not for what is encoded once (a module's attributes, its constructor's arguments).
+        module_doc: ``callable(module) -> skeleton document | None``: an ``nn.Module`` met in the value (a
+            target network given to a soft update, a method's ``self.net``) is ``$module`` (1.30): that
+            skeleton and its parameters and buffers, each a tensor at ``<path>.<its name>``; None (or a
+            None skeleton): ``$opaque``, as before.
     """
     active: set[int] = set()  # ids of the containers being encoded: meeting one again is a cycle
     spent = [0]  # items of containers encoded so far (``ENCODED_ITEMS``)
@@ -455,6 +460,8 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
             if not value.flags.c_contiguous:  # (1.17) its layout: numpy's sums, torch.from_numpy depend on it
                 out["strides"] = [int(s) for s in value.strides]
             return {"$ndarray": out}
+        if module_doc is not None and isinstance(value, torch.nn.Module) and id(value) not in active:
+            return module(value, path, depth)  # (only reached by values no branch above took: free for the rest)
         if id(value) in active or not (isinstance(value, (list, tuple, dict, set, frozenset, slice)) or (
                 dataclasses.is_dataclass(value) and not isinstance(value, type)) or _plain_object(value)):
             return _opaque(value)  # unsupported, or a reference cycle
@@ -469,6 +476,19 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
         active.add(id(value))
         try:
             return container(value, path, depth + 1)
+        finally:
+            active.discard(id(value))
+
+    def module(value: torch.nn.Module, path: str, depth: int) -> Any:
+        skel = module_doc(value)  # type: ignore[misc]
+        if not isinstance(skel, dict):
+            return _opaque(value)
+        active.add(id(value))
+        try:
+            state = {}
+            for kind, named in (("params", value.named_parameters()), ("buffers", value.named_buffers())):
+                state[kind] = {n: enc(t, f"{path}.{n}" if path else n, depth + 1) for n, t in named}
+            return {"$module": {"skeleton": skel, **state}}
         finally:
             active.discard(id(value))
 
@@ -520,7 +540,7 @@ def encode(value: Any, *, tensor_name: TensorNamer | None = None, max_depth: int
     finally:
         # The three call one another through their closures: a reference cycle, which would keep ``tensor_name``
         # (the recorder's, holding the step's call: its module, its tensors) alive until a garbage collection.
-        enc = leaf = container = None  # type: ignore[assignment]
+        enc = leaf = container = module = None  # type: ignore[assignment]
 
 
 # Where torch's tensor math lives: the functions a module may keep as an attribute (an activation).
@@ -793,6 +813,7 @@ def _unb64(payload: Any, tag: str) -> bytes:
 
 
 Resolver = Callable[[str], Any]
+ModuleMaker = Callable[[dict, dict, dict], Any]  # (skeleton, parameters by name, buffers by name) -> module
 
 
 def import_ref(ref: str) -> Any:
@@ -806,8 +827,9 @@ def import_ref(ref: str) -> Any:
 
 
 class _Decoder:
-    def __init__(self, tensor: Callable[[str], Any] | None, resolve: Resolver | None) -> None:
-        self.tensor, self.resolve = tensor, resolve
+    def __init__(self, tensor: Callable[[str], Any] | None, resolve: Resolver | None,
+                 module: ModuleMaker | None = None) -> None:
+        self.tensor, self.resolve, self.module_maker = tensor, resolve, module
 
     def dec(self, doc: Any) -> Any:
         if isinstance(doc, list):
@@ -988,6 +1010,18 @@ class _Decoder:
             return Opaque("functools:partial", f"functools.partial({', '.join([ref, *shown])})")
         return functools.partial(fn, *args, **kwargs)
 
+    def module(self, tag: str, payload: Any) -> Any:
+        """A module given as an argument (1.30): made by the ``module`` callback from its skeleton and its
+        decoded parameters and buffers; without one, a description (``Opaque``: a reader rebuilds nothing)."""
+        skel, params, buffers = _keys(payload, tag, "skeleton", "params", "buffers")
+        skel = _expect(skel, dict, tag)
+        state = [{_expect(k, str, tag): self.dec(v) for k, v in _expect(d, dict, tag).items()}
+                 for d in (params, buffers)]
+        if self.module_maker is None:
+            ref = str(skel.get("class", "torch.nn:Module"))
+            return Opaque(ref, f"<{ref.rpartition(':')[2]} module given as an argument: a replay rebuilds it>")
+        return self.module_maker(skel, state[0], state[1])
+
     def tensor_meta(self, tag: str, payload: Any) -> TensorMeta:
         shape, dtype, device = _keys(payload, tag, "shape", "dtype", "device")
         shape = tuple(_expect(n, _INTS, tag) for n in _expect(shape, list, tag))
@@ -1021,6 +1055,7 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
     "$function": _Decoder.function,
     "$partial": _Decoder.partial,
     "$class": _Decoder.cls,
+    "$module": _Decoder.module,
     "$opaque": lambda d, t, p: Opaque(*(_expect(x, str, t) for x in _keys(p, t, "type", "repr"))),
     **dict.fromkeys(("$npscalar", "$ndarray"), _Decoder.numpy),
 }
@@ -1074,7 +1109,7 @@ def _plain_class(cls: type) -> bool:
 
 
 def decode(doc: Any, *, tensor: Callable[[str], Any] | None = None, import_types: bool = False,
-           resolve: Resolver | None = None) -> Any:
+           resolve: Resolver | None = None, module: ModuleMaker | None = None) -> Any:
     """Inverse of :func:`encode`; raises FormatError (a ValueError) for a malformed document.
 
     Args:
@@ -1084,11 +1119,13 @@ def decode(doc: Any, *, tensor: Callable[[str], Any] | None = None, import_types
             then getattr along the qualname) and rebuild the values. Otherwise, or when that fails, nothing is called:
             Records come back. Plain objects get their fields set on a bare instance (no ``__init__``).
         resolve: ``callable("module:QualName") -> type`` used instead of importing (implies import_types).
+        module: ``callable(skeleton, params, buffers) -> nn.Module`` for ``$module`` (1.30), given the decoded
+            parameters and buffers by name; default: an ``Opaque`` describing it.
     """
     if resolve is None and import_types:
         resolve = import_ref
     try:
-        return _Decoder(tensor, resolve).dec(doc)
+        return _Decoder(tensor, resolve, module).dec(doc)
     except RecursionError:  # a document nested deeper than any value a step is given
         raise FormatError("a document is nested too deeply to decode; the recording is damaged") from None
 

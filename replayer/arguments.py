@@ -137,8 +137,7 @@ def linked_outside(exc: BaseException | None, step: Step, args: Any, kwargs: Any
             f"{made} before the call (a critic's output on it, in a gradient penalty); a replay is given the recorded "
             f"tensors without that graph, and torch finds {wrt_names} unused. To replay it, make the step compute "
             f"{others or 'what it differentiates'} itself: a paper-step module holding the model (self.D = D) whose "
-            f"forward takes {wrt_names} and calls it (a function step given D is refused too: a module passed as an "
-            "argument is not data)")
+            f"forward takes {wrt_names} and calls it, or a function step given D and {wrt_names} that calls D itself")
 
 
 def _grad_inputs(exc: BaseException) -> list[torch.Tensor]:
@@ -238,6 +237,11 @@ def _leaves(doc: Any, path: str, metadata: bool = True) -> Any:
             for i, v in enumerate(payload):
                 yield from _leaves(v[1] if tag == "$dict" and isinstance(v, list) and len(v) == 2 else v, at(i),
                                    metadata)
+            return
+        if tag == "$module" and isinstance(payload, dict):  # (1.30) its skeleton is rebuilt: its tensors alone
+            for part in ("params", "buffers"):
+                for k, v in (payload[part].items() if isinstance(payload.get(part), dict) else ()):
+                    yield from _leaves(v, at(k), metadata)
             return
         if tag.startswith("$"):  # another tagged value ($mapping, $partial): where inside it is not said
             for v in payload.values() if isinstance(payload, dict) else payload if isinstance(payload, list) else ():

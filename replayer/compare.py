@@ -283,16 +283,16 @@ def tensors_by_name(value: Any, prefix: str, *, copy: bool = False, grads: bool 
         full = f"{prefix}.{path}" if path else prefix
         with torch._C.DisableTorchFunction():  # (a copy is the replay's reading: a plain tensor, as compare's)
             found[full] = t.detach().clone() if copy else t
-            grad = _grad_of(t) if grads and t.requires_grad else None
+            grad = grad_of(t) if grads and t.requires_grad else None
             if grad is not None:
                 found[f"{full}{layout.GRAD_SUFFIX}"] = grad.detach().clone() if copy else grad
         return full
 
-    jsonval.encode(value, tensor_name=name)
+    jsonval.encode(value, tensor_name=name, module_doc=lambda m: {})  # (a module argument's parameters: 1.30)
     return found
 
 
-def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
+def grad_of(t: torch.Tensor) -> torch.Tensor | None:
     """``t.grad``; of a tensor that is not a leaf (a step may set one's ``.grad`` itself), without
     the warning torch gives when it has none (an EMA update over a list of parameters)."""
     if t.is_leaf or t.retains_grad:

@@ -953,8 +953,30 @@ class Replayer:
             else:
                 given[name].grad = self._edit(grad.name, _materialize(step, grad))
 
+        def module_argument(doc: dict[str, Any], params: dict[str, Any], buffers: dict[str, Any]) -> torch.nn.Module:
+            """A module the call was given (1.30: a soft update's target network, a method's ``self.net``),
+            rebuilt from its skeleton with the parameters and buffers it had (in-place writes to them show in
+            the "after:" records' places); the call's grads of its parameters (``.grad``) are given back too."""
+            built = self._builder().build(doc, f"a module argument of {step.name}")
+            warnings.extend(built.warnings)
+            state = {**params, **buffers}
+            lost = next((n for n, t in state.items() if not isinstance(t, torch.Tensor)), None)
+            if lost is not None:
+                raise ReplayError(f"step {step.index} ({step.name}): {lost} of a module it was given is "
+                                  f"{unresolved(state[lost])}; it cannot be replayed")
+            requires = {n: bool(t.requires_grad) for n, t in params.items()}
+            warnings.extend(load_state(built.module, {n: t.detach() for n, t in params.items()}, buffers, requires,
+                                       built.tied))
+            built.link()
+            now = dict(built.module.named_parameters())
+            for n, t in params.items():
+                grad = compare.grad_of(t)
+                if grad is not None and n in now:
+                    now[n].grad = grad
+            return built.module
+
         arguments = step.arguments or {"args": [], "kwargs": {}}
-        decoded = jsonval.decode(arguments, tensor=tensor, resolve=self.loader.resolve)
+        decoded = jsonval.decode(arguments, tensor=tensor, resolve=self.loader.resolve, module=module_argument)
         missing = unresolved(decoded)
         args, kwargs = decoded.get("args", []), decoded.get("kwargs", {})
         if missing:

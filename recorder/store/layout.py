@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.29"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.30"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -124,6 +124,11 @@ SCHEMA_VERSION = "1.29"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       both were output.1 before; a module skeleton's other_hooks name a backward pre-hook "backward pre-hook
 #       NAME" (before, "backward hook NAME", as a full backward hook: bisect could not tell the one that ran on a
 #       step's grad outputs before they were recorded)
+# 1.30: tag $module: an nn.Module given to a step as an argument (a soft update's target network, inside a list, a
+#       method's self.net) is its skeleton and its parameters and buffers as input records "<path>.<name>"
+#       (with "after:" records where the call changed them in place, and ":grad" records of their .grad), which a
+#       replay rebuilds (before, $opaque: the step's replay was refused); a reader of 1.29 refuses such a step as
+#       holding an unknown tag
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed

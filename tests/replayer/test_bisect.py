@@ -2354,36 +2354,29 @@ def _ema_of_modules(target: torch.nn.Module, online: torch.nn.Module, m: float, 
 
 
 def test_a_nan_an_update_step_given_the_modules_wrote_into_the_target_names_that_step(tmp_path: Path) -> None:
-    """A BYOL-style EMA update step given the target and online modules (which it cannot record) makes the
-    target's weight Inf: the target's next call found it so, and the update, which ran since the target's last
-    call that saw it finite, is named as one that may have written it (it said only "the optimizer update or code
-    outside every recorded step", and took the online network's call of that iteration, another module object
-    at the same path, for the last that saw the target's weight finite)."""
+    """A BYOL-style EMA update step given the target and online modules makes the target's weight Inf: the
+    update is the origin, having produced the target's weight in place from finite inputs (schema 1.30 records
+    the modules it is given; before, it was only named as one that may have written it, and earlier it said only
+    "the optimizer update or code outside every recorded step")."""
     torch.manual_seed(0)
     online = _TeacherNet()
     target = _TeacherNet().requires_grad_(False)
     target.load_state_dict(online.state_dict())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", recorder.RecorderWarning)
-        with recorder.record(tmp_path / "run.zarr") as run:
-            for i in range(3):
-                x = torch.randn(2, 4)
-                online(x)
-                with torch.no_grad():
-                    target(x)
-                _ema_of_modules(target, online, 0.9, i == 1)
-                run.next_iteration()
+    with recorder.record(tmp_path / "run.zarr") as run:
+        for i in range(3):
+            x = torch.randn(2, 4)
+            online(x)
+            with torch.no_grad():
+                target(x)
+            _ema_of_modules(target, online, 0.9, i == 1)
+            run.next_iteration()
     rec = replayer.open(tmp_path / "run.zarr")
     origin = replayer.first_nonfinite(rec)
-    entered = origin.entered
-    assert origin.step is None and entered is not None and entered.iteration == 2, origin.cause
-    assert entered.module_object == (2, 2), origin.cause
     update = rec.steps.filter(name="_ema_of_modules", iteration=1)[0]
-    assert origin.cause.startswith(
-        f"parameter fc.weight was already non-finite when {bisect_mod.describe(entered)} began (16 Inf of 16): "
-        f"{bisect_mod.describe(update)}, given target (a tests _TeacherNet), which it could "
-        "not record, may have written it, or the optimizer update or code outside every recorded step wrote it; it "
-        "was last finite in iteration 1"), origin.cause
+    assert origin.step is not None and origin.step.index == update.index, origin.cause
+    assert origin.cause == (f"{bisect_mod.describe(update)} produced output after:args.0.fc.weight (16 Inf of 16) "
+                            "from finite inputs"), origin.cause
+    assert replayer.replay(rec, update.index).match
 
 
 class _LockedCache:

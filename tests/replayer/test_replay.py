@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -3397,16 +3398,41 @@ def denoise(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x - 0.1 * net(x)
 
 
-def test_a_step_given_a_module_is_refused_in_one_line(tmp_path: Path) -> None:
-    """A sampler's step given the network as an argument cannot be replayed (a module is no data):
-    the refusal quotes its repr on one line (the repr's own lines broke the message over five)."""
+class _Handle:
+    """Not data (slots, one holding a lock), with a repr of several lines."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return "_Handle(\n  lock=held\n  state=open\n)"
+
+
+@recorder.paper_step("Algorithm 2", description="one denoising step, given a handle")
+def denoise_with(handle: _Handle, x: torch.Tensor) -> torch.Tensor:
+    return x - 0.1 * x.tanh()
+
+
+def test_a_step_given_a_module_replays_and_one_given_no_data_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A sampler's step given the network as an argument replays bit for bit (schema 1.30: the module is
+    rebuilt from its skeleton; it was refused). A step given a value that is not data is refused, its repr
+    quoted on one line (the repr's own lines broke the message over five)."""
     net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     path = tmp_path / "run.zarr"
     with recorder.record(path, mode="full"):
         denoise(net, torch.randn(2, 4))
     done = pdbg_here("replay", str(path), "0", cwd=tmp_path)
+    assert done.returncode == 0 and "MATCH: bit for bit" in done.stdout, done.stdout + done.stderr
+    path = tmp_path / "handle.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recorder.RecorderWarning)
+        with recorder.record(path, mode="full"):
+            denoise_with(_Handle(), torch.randn(2, 4))
+    done = pdbg_here("replay", str(path), "0", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "Sequential( (0): Linear(in_features=4, out_features=4, bias=True)" in done.stderr
+    assert "_Handle( lock=held state=open )" in done.stderr, done.stderr
 
 
 class TwiceInside(nn.Module):
@@ -3643,14 +3669,31 @@ def test_a_function_step_whose_file_changed_since_recording_says_so(tmp_path: Pa
                             "defined there") for w in doc["warnings"]), doc["warnings"]
 
 
-class Vae(nn.Module):
+class Vae:
+    """A model object that is no module and that the recorder cannot take apart (slots, one holding a lock)."""
+
+    __slots__ = ("enc", "lock")
+
+    def __init__(self) -> None:
+        self.enc = nn.Linear(8, 4)
+        self.lock = threading.Lock()
+
+    @recorder.paper_step("Eq. 10", description="reparameterization, a method of the model object")
+    def reparameterize(self, mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+        return mu + (0.5 * logvar).exp()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reparameterize(*self.enc(x).chunk(2, 1))
+
+
+class ModuleVae(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.enc = nn.Linear(8, 4)
 
     @recorder.paper_step("Eq. 10", description="reparameterization, a method of the module")
     def reparameterize(self, mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
-        return mu + (0.5 * logvar).exp()
+        return mu + (0.5 * logvar * self.enc.bias[:2]).exp()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reparameterize(*self.enc(x).chunk(2, 1))
@@ -3663,7 +3706,21 @@ class Ops:
         return fn(x)
 
 
-def test_a_step_on_a_modules_other_method_names_its_self_as_what_cannot_be_replayed(tmp_path: Path) -> None:
+def test_a_step_on_a_modules_other_method_replays(tmp_path: Path) -> None:
+    """A module's other method decorated as a step (its self the module, reading its parameters): the module
+    is rebuilt from its skeleton (schema 1.30), and every step, forward and backward, replays bit for bit
+    (it was refused: its self was not data)."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        ModuleVae()(torch.randn(3, 8)).sum().backward()
+    rec = replayer.open(path)
+    assert [s.phase for s in rec.steps] == ["forward", "backward"]
+    for step in rec.steps:
+        result = replayer.replay(rec, step.index)
+        assert result.match, [d.summary() for d in result.outputs]
+
+
+def test_a_step_on_an_objects_other_method_names_its_self_as_what_cannot_be_replayed(tmp_path: Path) -> None:
     """The refusal said the step "was called with a ...Vae (...)", not that the value is the method's
     self, nor what to do."""
     path = tmp_path / "run.zarr"
@@ -3678,7 +3735,7 @@ def test_a_step_on_a_modules_other_method_names_its_self_as_what_cannot_be_repla
     with recorder.record(tmp_path / "static.zarr"):
         Ops.apply(lambda t: t * 2, torch.randn(3))
     with pytest.raises(ReplayError, match=r"step 0 \(Ops\.apply\) was called with the lambda tests\.replayer\."
-                                          r"test_replay:test_a_step_on_a_modules_other_method_names_its_self_as_what_"
+                                          r"test_replay:test_a_step_on_an_objects_other_method_names_its_self_as_what_"
                                           r"cannot_be_replayed\.<locals>\.<lambda>, which could not be recorded"):
         replayer.replay(tmp_path / "static.zarr", 0)
 
