@@ -43,7 +43,7 @@ from recorder.store import layout
 from recorder.store.reader import TensorRecord
 
 from . import collectives, compare, distributions, intervene, placing, state
-from .arguments import linked_outside, unrecorded_arguments, unrecorded_outputs, unseen_writes
+from .arguments import linked_outside, module_arguments, unrecorded_arguments, unrecorded_outputs, unseen_writes
 from .code import SESSION_SCRIPT, CodeLoader, late_imports, projects, session_statement, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, UnrecordedCall, descendants
@@ -1861,9 +1861,14 @@ class Replayer:
                               f"step {fwd.index}, replays)")
         if not targets:
             shared = [n.partition(": ")[0] for n in fwd.extra.get("notes", []) if layout.SHARED_ARGUMENTS_NOTE in n]
+            modules = module_arguments(fwd.arguments) if not shared and not changed else []
             why = f" (its forward's arguments {shared[0]} shared memory: they are not followed for gradients)" \
                 if shared else f" (its forward changed its arguments {changed[0].partition(': ')[0]} in place " \
-                "without returning them: their grad inputs are not recorded)" if changed else ""
+                "without returning them: their grad inputs are not recorded)" if changed else \
+                f" (the gradients of the parameters of the module{'s' if len(modules) > 1 else ''} its forward was " \
+                f"given, {', '.join(modules[:3])}, are not followed: a paper-step module holding " \
+                f"{'them as submodules' if len(modules) > 1 else 'it as a submodule'} records their parameter grads)" \
+                if modules else ""
             raise ReplayError(f"backward step {step.index} has no grad input{why}, and " + (
                 f"its {not_compared}" if not_compared else
                 "no parameter grad recorded") + ": a replay has nothing to compare")

@@ -15,7 +15,7 @@ from torch import nn
 import recorder
 import replayer
 from recorder import jsonval
-from recorder.errors import UnknownTagError
+from recorder.errors import ReplayError, UnknownTagError
 from tests.cli import pdbg
 
 
@@ -163,3 +163,28 @@ def test_a_reader_without_the_module_tag_refuses_such_a_step_saying_to_upgrade(t
     monkeypatch.delitem(jsonval._TAGS, "$module")
     with pytest.raises(UnknownTagError, match="upgrade paperdebugger"):
         replayer.replay(replayer.open(path), step.index)
+
+
+@recorder.paper_step("Eq. 2", description="distillation loss, given the student and the teacher")
+def distill_loss(student: nn.Module, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        t = teacher(x)
+    return (student(x) - t).pow(2).mean()
+
+
+def test_a_loss_given_the_student_replays_forward_and_says_why_not_backward(tmp_path: Path) -> None:
+    """A distillation loss given student and teacher: its forward replays bit for bit; its backward, whose only
+    gradients are the student's parameters', is refused in one line naming the modules whose parameter gradients
+    are not followed and what records them (it was refused as given a module that is not data)."""
+    torch.manual_seed(0)
+    student, teacher = _net(), _net()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        distill_loss(student, teacher, torch.randn(5, 4)).backward()
+    rec = replayer.open(path)
+    forward, backward = rec.steps[0], rec.steps[1]
+    assert backward.phase == "backward" and replayer.replay(rec, forward.index).match
+    with pytest.raises(ReplayError, match=r"the gradients of the parameters of the modules its forward was given, "
+                                          r"args\.0, args\.1, are not followed: a paper-step module holding them as "
+                                          r"submodules records their parameter grads"):
+        replayer.replay(rec, backward.index)
