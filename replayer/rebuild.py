@@ -172,6 +172,7 @@ class Builder:
         self.generators = generators or {}
         self._override: type | None = None
         self._top_hooks_ran = True
+        self.top_name = "the step's module"  # what warnings call the module built (one the step was given: 1.30)
 
     def module_class(self, ref: str) -> type:
         cls = self.loader.resolve(ref)
@@ -229,7 +230,7 @@ class Builder:
         return children
 
     def _node(self, doc: dict[str, Any], path: str, out: Rebuilt) -> torch.nn.Module:
-        where = path or "the step's module"
+        where = path or self.top_name
         override, self._override = self._override, None  # a swap: another class in this module's place
         unrecorded = doc.get("unrecorded") or {}
         lazy = override is None and issubclass(self.module_class(doc["class"]), LazyModuleMixin)
@@ -367,7 +368,7 @@ class Builder:
     def _hooks(self, module: torch.nn.Module, doc: dict[str, Any], path: str, out: Rebuilt) -> None:
         """Put back the forward pre-hooks that compute a tensor (hook-based weight_norm and
         spectral_norm); say which other hooks the module had, where the replay misses them."""
-        top, where = not path, path or "the step's module"
+        top, where = not path, path or self.top_name
         for spec in doc.get("hooks") or ():
             cls = skeleton.HOOK_CLASSES.get(spec.get("kind"))
             if cls is None:
@@ -392,7 +393,7 @@ class Builder:
 
     def _construct(self, doc: dict[str, Any], path: str, out: Rebuilt) -> torch.nn.Module | None:
         init = doc.get("init")
-        where = path or "the step's module"
+        where = path or self.top_name
         if not isinstance(init, dict):
             return None
         try:

@@ -957,7 +957,9 @@ class Replayer:
             """A module the call was given (1.30: a soft update's target network, a method's ``self.net``),
             rebuilt from its skeleton with the parameters and buffers it had (in-place writes to them show in
             the "after:" records' places); the call's grads of its parameters (``.grad``) are given back too."""
-            built = self._builder().build(doc, f"a module argument of {step.name}")
+            builder = self._builder()
+            builder.top_name = f"the {str(doc.get('class', '')).rpartition(':')[2] or 'module'} the step was given"
+            built = builder.build(doc, f"a module argument of {step.name}")
             warnings.extend(built.warnings)
             state = {**params, **buffers}
             lost = next((n for n, t in state.items() if not isinstance(t, torch.Tensor)), None)

@@ -188,3 +188,29 @@ def test_a_loss_given_the_student_replays_forward_and_says_why_not_backward(tmp_
                                           r"args\.0, args\.1, are not followed: a paper-step module holding them as "
                                           r"submodules records their parameter grads"):
         replayer.replay(rec, backward.index)
+
+
+class _Scaled(nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.f = lambda x: x * k  # not data, and no constructor arguments recorded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(self.lin(x))
+
+
+@recorder.paper_step("Eq. 11", description="apply a network it is given")
+def apply_net(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return net(x)
+
+
+def test_what_a_given_module_could_not_keep_is_named_as_that_modules(tmp_path: Path) -> None:
+    """A module given as an argument holding a lambda: the replay's warning names it as the module the step was
+    given, not as "the step's module" (a function step has none)."""
+    path = tmp_path / "run.zarr"
+    with pytest.warns(recorder.RecorderWarning, match="holds f"), recorder.record(path, mode="full"):
+        apply_net(_Scaled(3.0), torch.randn(2, 4))
+    result = replayer.replay(replayer.open(path), 0)
+    assert any(w.startswith("the _Scaled the step was given: attributes f (a function) could not be recorded")
+               for w in result.warnings), result.warnings
