@@ -627,6 +627,8 @@ def _shown(value: Any, limit: int, depth: int = 0) -> str:
                 return f"{str(payload.get('kind')).rpartition('.')[2]}({str(payload.get('kind')).partition('.')[0]})"
             if tag in ("$dtype", "$device") and isinstance(payload, str):
                 return f"torch.{payload}" if tag == "$dtype" else repr(payload)
+            if tag == "$module" and isinstance(payload, dict) and isinstance(payload.get("skeleton"), dict):
+                return f"{str(payload['skeleton'].get('class')).rpartition(':')[2]}(...)"  # a network it was given
             return f"{str(tag)[1:]}(...)"
         return "{" + ", ".join(f"{k}: {_shown(v, limit, depth + 1)}"
                                for k, v in list(value.items())[:_ARGUMENT_ITEMS]) + "}"

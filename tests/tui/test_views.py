@@ -54,6 +54,19 @@ def test_arguments_read_as_the_call_was_written() -> None:
                                          "recorded>, mask_mod=<function __main__:main.<locals>.causal, not recorded>)")
 
 
+def test_a_module_argument_shows_its_class() -> None:
+    """A network given to a step (schema 1.30's $module) showed as ``module(...)``; it shows its class, as an
+    object argument does, in a list as at the top."""
+    from torch import nn
+
+    from recorder import jsonval
+
+    net = nn.Sequential(nn.Linear(2, 2))
+    doc = jsonval.encode({"args": [net, [net, nn.Linear(2, 2)], 0.5], "kwargs": {}},
+                         tensor_name=lambda t, p: p, module_doc=lambda m: {"class": jsonval.type_ref(m)})
+    assert views.arguments_text(doc) == "(Sequential(...), [Sequential(...), Linear(...)], 0.5)"
+
+
 def test_numpy_arguments_read_with_dtype_shape_values_and_nan() -> None:
     """Numpy arguments showed as ``ndarray(...)`` and ``npscalar(...)``, like one that was not recorded
     (``<numpy:ndarray>``): they now show their dtype, shape, first values and NaN/Inf count, and a value
