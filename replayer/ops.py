@@ -99,7 +99,9 @@ class OpReport:
     # where, at the earlier call of the step that kept it out of its results ({"step", "iteration", "call"}), the
     # same operation's output was finite (None: no such call was replayed; the first operation whose output held it)
     finite_at: dict[str, Any] | None = None
-    within: str | None = None  # the higher-order operator it ran inside ("higher_order::flex_attention")
+    # the higher-order operator or the torch.library operator of the user's it ran inside
+    # ("higher_order::flex_attention", "mylib::rms_norm")
+    within: str | None = None
     # A torch-level call named as the operation ("torch.logdet"): the operation of its implementation that
     # wrote the NaN/Inf as a constant ("aten::scalar_tensor": the value it gives where it is undefined)
     constant: str | None = None
@@ -371,6 +373,38 @@ def _kernel_below(func: HigherOrderOperator, args: Any, kwargs: Any) -> Any:
     return kernel if callable(kernel) and not isinstance(kernel, DispatchKey) else None
 
 
+_OPERATOR_KEYS = ("CompositeExplicitAutograd", "CPU", "CUDA", "XPU", "MPS", "PrivateUse1")
+
+
+def _python_operator(func: Any, args: Any, kwargs: Any) -> Any:
+    """For an operator of the user's defined in Python with ``torch.library`` (``custom_op``, a
+    ``Library("ns", "DEF")`` with a Python ``impl``), which dispatch runs as one operation: a call of its
+    kernel for these tensors, below the Python key this mode is at, so that the operations its Python code
+    runs are checked with the mode on (the one that made NaN named at its line in the operator's code, not
+    the operator as a whole at the line that called it). None for torch's own operators and for operators
+    without a Python kernel registered (a C++ extension's: judged as one operation)."""
+    registered = getattr(torch.library, "_impls", None)
+    if not isinstance(func, torch._ops.OpOverload) or not isinstance(registered, set) or \
+            func.namespace in ("aten", "prims"):
+        return None
+    base, overload = func._schema.name.split("::")[-1], func._overloadname
+    names = (base, f"{base}.{overload}") if overload == "default" else (f"{base}.{overload}",)
+    if not any(f"{func.namespace}/{n}/{k}" in registered for n in names for k in _OPERATOR_KEYS):
+        return None
+    try:
+        keys = torch._C._dispatch_keyset_full_after(DispatchKey.Python)
+        given = torch._C.DispatchKeySet(DispatchKey.CPU)  # (a call without tensors: a CPU factory)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors:
+            given = torch._C._dispatch_keys(tensors[0])
+            for t in tensors[1:]:
+                given = given | torch._C._dispatch_keys(t)
+        below = given & keys
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return lambda: func.redispatch(below, *args, **kwargs)
+
+
 def _made(func: Any, outs: list[torch.Tensor], given: list[Any], bad: Any) -> bool:
     """Whether an operation made values that are ``bad`` (``torch.isnan``, or ``_not_finite``) in its
     outputs: none of its inputs held any (``given``: for each input that did, where its values were
@@ -503,6 +537,15 @@ class _Finder(TorchDispatchMode):
         if isinstance(func, HigherOrderOperator):
             return self._higher_order(func, args, kwargs)
         looking = self.looking
+        inside = _python_operator(func, args, kwargs) if looking else None
+        if inside is not None:  # (its operations are checked as its Python code runs them)
+            outer = self.within
+            self.within = outer or f"{func.namespace}::{func._schema.name.split('::')[-1]}"
+            try:
+                with self:
+                    return inside()
+            finally:
+                self.within = outer
         # An operation that writes into its input (y[1, 3:] = nan: fill_ of a view) is judged by its
         # inputs as they were before it wrote.
         before, infos = None, None
@@ -716,6 +759,10 @@ class _Trace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        inside = _python_operator(func, args, kwargs)
+        if inside is not None:  # (counted as _Finder counts them: the operations its Python code runs)
+            with self:
+                return inside()
         out = func(*args, **kwargs)
         if func not in _LIFTS:
             self.ops.append((str(func), any(_nonfinite(t) for t in _results(func, args, kwargs, out))))

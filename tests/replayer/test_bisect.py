@@ -271,6 +271,62 @@ def test_a_nan_made_in_a_custom_functions_backward_names_its_backward_line(tmp_p
     assert (doc["op"]["line"], doc["op"]["forward"]["line"]) == (op.line, op.forward["line"]), doc["op"]
 
 
+@torch.library.custom_op("pdbg_bisect_ops::rms_scale", mutates_args=())
+def _rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    centred = x.pow(2).mean(-1, keepdim=True) - eps  # (the paper's eps with the wrong sign)
+    return x * torch.rsqrt(centred)
+
+
+@_rms_scale.register_fake
+def _(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_SQRT_LIB = torch.library.Library("pdbg_bisect_lib", "DEF")
+_SQRT_LIB.define("shifted_sqrt(Tensor x, float c) -> Tensor")
+
+
+def _shifted_sqrt(x: torch.Tensor, c: float) -> torch.Tensor:
+    shifted = x - c
+    return torch.sqrt(shifted) + 1.0
+
+
+_SQRT_LIB.impl("shifted_sqrt", _shifted_sqrt, "CompositeExplicitAutograd")
+
+
+@recorder.paper_step("Eq. 62")
+def _normalise_with_operators(x: torch.Tensor, which: str) -> torch.Tensor:
+    if which == "custom_op":
+        return torch.ops.pdbg_bisect_ops.rms_scale(x, 10.0) * 2.0
+    return torch.ops.pdbg_bisect_lib.shifted_sqrt(x, 5.0) * 2.0
+
+
+@pytest.mark.parametrize("which", ["custom_op", "library"])
+def test_a_nan_made_inside_a_python_operator_of_the_users_names_the_operation_in_its_code(
+        tmp_path: Path, which: str) -> None:
+    """An operator defined in Python with torch.library (custom_op, a Library("ns", "DEF") impl) ran as one
+    operation: bisect --ops named the operator at the step's line that called it. Its Python code is looked
+    inside: the operation that made NaN there is named at its own line, inside the operator."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        _normalise_with_operators(torch.tensor([[0.5, -1.0, 2.0]]), which)
+    origin = replayer.first_nonfinite(replayer.open(path), ops=True)
+    assert origin.step is not None and origin.step.name == "_normalise_with_operators"
+    op = origin.op
+    text, name, within = (("torch.rsqrt(centred)", "aten::rsqrt", "pdbg_bisect_ops::rms_scale")
+                          if which == "custom_op" else
+                          ("torch.sqrt(shifted)", "aten::sqrt", "pdbg_bisect_lib::shifted_sqrt"))
+    assert (op.name, op.within) == (name, within), op
+    lines = Path(__file__).read_text().splitlines()
+    at = next(i + 1 for i, line in enumerate(lines) if text in line and "return" in line)
+    assert (op.file, op.line) == (os.path.abspath(__file__), at), op
+    assert text in op.code
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert f"operation: {name} inside {within}\n  {op.file}:{op.line} in " in res.stdout, res.stdout
+    # the step still replays bit for bit with the operators looked inside
+    assert replayer.replay(replayer.open(path), 0).match
+
+
 @recorder.paper_step("Eq. 61")
 def _clipped_projection(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     h = x @ w
