@@ -440,6 +440,11 @@ def _check_function(fn: Callable[..., Any], what: str | None = None) -> None:
         raise TypeError(f"paper_step cannot record {what or getattr(fn, '__qualname__', fn)!s}: it is {later}, whose "
                         "body runs after the call has returned (as the caller iterates or awaits it), outside the "
                         f"step; {fix} the values and return{'s' if what is None else ''} them")
+    if what is None and type(fn).__name__ == "CustomOpDef":  # (torch.library.custom_op's, no __qualname__)
+        raise TypeError(f"paper_step cannot decorate the operator {getattr(fn, '_qualname', fn)!s} that "
+                        "torch.library.custom_op made (it has no definition to find again at replay); decorate a def "
+                        "that calls it (whose backward is then recorded too), or put @recorder.paper_step under "
+                        "@torch.library.custom_op")
     if what is None and not isinstance(getattr(fn, "__qualname__", None), str):
         raise TypeError(f"paper_step decorates functions and nn.Module classes, not {type(fn).__name__} objects "
                         "(they have no definition to find again at replay); decorate a def")

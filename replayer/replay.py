@@ -1044,7 +1044,7 @@ class Replayer:
                                   f"{wrapper.get('decorator')} defines around {wrapper.get('around')} without "
                                   "functools.wraps, which a replay cannot find again by its name; add "
                                   f"@functools.wraps({wrapper.get('variable')}) to it, and record again, to replay it")
-            target = self.loader.resolve(defn.get("ref", ""), defn.get("file"))
+            target = _operator_step(self.loader.resolve(defn.get("ref", ""), defn.get("file")))
             found = bound_wrapper(target)
             if found is not None:
                 raise ReplayError(f"step {step.index} ({step.name}): {defn.get('ref')} is {found[0]}, and a replay "
@@ -1974,6 +1974,15 @@ def _same_bits(kept: torch.Tensor, t: torch.Tensor) -> bool:
         return torch.equal(kept.reshape(-1).view(torch.uint8), t.detach().reshape(-1).view(torch.uint8))
     except RuntimeError:  # (a dtype without a byte view: its values, then)
         return bool(torch.equal(kept, t.detach()))
+
+
+def _operator_step(target: Any) -> Any:
+    """The paper step an operator of ``torch.library.custom_op`` is made of (``@custom_op(...)`` over
+    ``@paper_step(...)``: the step's name finds the operator, whose kernel called the step), else ``target``."""
+    made_of = getattr(target, "_init_fn", None)
+    if type(target).__name__ == "CustomOpDef" and getattr(made_of, "__pdbg_step__", None) is not None:
+        return made_of
+    return target
 
 
 def _seed_generators(args: Any, kwargs: dict[str, Any], seed: int) -> None:

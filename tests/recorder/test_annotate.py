@@ -313,6 +313,21 @@ def test_a_custom_autograd_function_or_its_apply_is_refused_when_decorated():
     assert torch.equal(x.grad, torch.ones(2))
 
 
+@torch.library.custom_op("pdbg_annotate::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_an_operator_custom_op_made_is_refused_with_what_to_decorate():
+    """@paper_step over @torch.library.custom_op was refused as "not CustomOpDef objects", naming torch's class
+    and no way to record the operator. The refusal names the operator and the two ways that work."""
+    with pytest.raises(TypeError, match=r"^paper_step cannot decorate the operator pdbg_annotate::twice that "
+                                        r"torch.library.custom_op made .*; decorate a def that calls it .*, or put "
+                                        r"@recorder.paper_step under @torch.library.custom_op$"):
+        recorder.paper_step("Eq. 1")(_twice)
+    assert torch.equal(_twice(torch.ones(2)), torch.full((2,), 2.0))
+
+
 def test_two_threads_calling_new_steps_find_their_sources_one_at_a_time(run_path, monkeypatch):
     """Two training threads calling steps for the first time at once parsed source files at once,
     and CPython 3.11's parser raised "AST constructor recursion depth mismatch": the recording

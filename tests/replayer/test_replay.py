@@ -4344,6 +4344,46 @@ def test_a_script_defining_operators_with_torch_library_replays_again_in_one_pro
     assert back.match and bits_equal(back.values["output"], x * 3.0 + 1.0)
 
 
+OPERATOR_STEP_SCRIPT = """
+import sys
+
+import torch
+
+import recorder
+
+
+@torch.library.custom_op("pdbg_operator_step::fused", mutates_args=())
+@recorder.paper_step("Eq. 3", description="the fused kernel")
+def fused(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w) * 1.5
+
+
+@fused.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    with recorder.record(sys.argv[1]):
+        fused(torch.randn(2, 3), torch.randn(3, 4))
+"""
+
+
+def test_a_paper_step_a_custom_operator_is_made_of_replays(tmp_path: Path) -> None:
+    """A paper step that torch.library.custom_op wraps (@custom_op over @paper_step): recorded as the operator's
+    kernel ran it, but its name finds the operator, not the step, and every replay was refused with "train:fused
+    is not a paper step now". Now the replay finds the step the operator is made of, and replays it bit for bit."""
+    (tmp_path / "train.py").write_text(OPERATOR_STEP_SCRIPT)
+    assert python("train.py", "run.zarr", cwd=tmp_path).returncode == 0
+    res = pdbg_here("verify", "run.zarr", cwd=tmp_path)
+    assert res.returncode == 0 and "1 of 1 step replayed bit for bit" in res.stdout, res.stdout + res.stderr
+    again = replayer.replay(tmp_path / "run.zarr", 0)
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3), torch.randn(3, 4)
+    assert again.match and bits_equal(again.values["output"], torch.tanh(x @ w) * 1.5)
+
+
 LATE_OPS = """
 import torch
 
