@@ -891,6 +891,22 @@ def _innermost(rec: Recording, index: int, mask: np.ndarray) -> int:
         index = inner[0]
 
 
+def _during(rec: Recording, index: int, mask: np.ndarray) -> int:
+    """``index``, or, for a forward step, the first step where ``mask`` holds too that began while its call ran
+    without being nested in it (innermost): a backward step of a pass the call ran itself (torch.autograd.grad
+    in a gradient penalty, through a critic and a custom Function whose backward made the NaN). Its index comes
+    after the call's, as it opened later, but the NaN the call returned came of it."""
+    if _column(rec, "phase")[index] != 0:
+        return index
+    start, end, phase = _column(rec, "t_start"), _column(rec, "t_end"), _column(rec, "phase")
+    for k in (np.flatnonzero(mask[index + 1:index + 1 + _SOURCE_SEARCH]) + index + 1).tolist():
+        if start[k] > end[index]:
+            break
+        if phase[k] == 1 and start[k] >= start[index]:
+            return _innermost(rec, k, mask)
+    return index
+
+
 def _scaler_handled(rec: Recording) -> tuple[np.ndarray, list[int]]:
     """Per step: a backward step of an iteration whose optimizer step GradScaler skipped at a loss
     scale above 1 (or at a scale not recorded, before schema 1.12) and whose backward steps held Inf:
@@ -992,7 +1008,7 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         made &= ~_state_came_inside(rec, k, made)
     went = k.result & ~k.meant()  # (a mask's Inf in the iterations after it is no spread of it)
     if made.any():
-        index = _innermost(rec, int(np.flatnonzero(made)[0]), made)
+        index = _during(rec, _innermost(rec, int(np.flatnonzero(made)[0]), made), made)
         step = rec.step(index)
         what = _nonfinite_text(step, layout_results(step.phase)) + [
             f"buffer {r.name} in place ({_counts(rec, r)}, as the module's next call, step {nxt.index}, found it)"

@@ -327,6 +327,50 @@ def test_a_nan_made_inside_a_python_operator_of_the_users_names_the_operation_in
     assert replayer.replay(replayer.open(path), 0).match
 
 
+class _SoftAbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.eps = eps
+        return torch.sqrt(x * x + eps)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        return g * x / torch.sqrt(x * x - ctx.eps), None  # (the sign of eps wrong: NaN where |x| < 0.1)
+
+
+@recorder.paper_step("Eq. 63")
+def _soft_abs(x: torch.Tensor) -> torch.Tensor:
+    return _SoftAbs.apply(x, 0.01)
+
+
+@recorder.paper_step("Eq. 64")
+def _input_penalty(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return ((g.norm(dim=1) - 1) ** 2).mean()
+
+
+def test_a_nan_made_by_a_backward_a_gradient_penalty_ran_is_that_backward_not_the_penalty(tmp_path: Path) -> None:
+    """A gradient penalty's torch.autograd.grad ran a custom Function's backward that made NaN from finite
+    gradients: that backward step opened after the penalty's call began, so the penalty (its output NaN, its
+    inputs finite) was named the origin, with no operation to find (it cannot be replayed). The backward step
+    that ran during its call is the origin, with the operation and line in the custom backward."""
+    path = tmp_path / "run.zarr"
+    x = torch.tensor([[0.05, 1.0], [2.0, -0.02]], requires_grad=True)
+    with recorder.record(path):
+        out = _soft_abs(x * 1.0).sum(-1)
+        (out.mean() + _input_penalty(out, x)).backward()
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.step is not None and (origin.step.name, origin.step.phase) == ("_soft_abs", "backward"), origin.cause
+    penalty = next(s for s in rec.steps if s.name == "_input_penalty")
+    assert penalty.status == "nonfinite" and penalty.index < origin.step.index
+    op = origin.op
+    assert op is not None and (op.name, op.node) == ("aten::sqrt", "_SoftAbsBackward"), op
+    assert op.line == line_of(_SoftAbs.backward, "torch.sqrt(x * x - ctx.eps)")
+
+
 @recorder.paper_step("Eq. 61")
 def _clipped_projection(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     h = x @ w
