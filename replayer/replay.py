@@ -2339,7 +2339,11 @@ def _unhashed(reached: dict[str, list[str]]) -> str:
                     for file, names in list(reached.items())[:3])
     return (f"the step's call ran code of the training project outside its recorded definition ({ran}), of which the "
             "recording holds no hash: whether it changed since recording is not checked (a likely cause of the "
-            "difference if it did: a helper or custom operator edited since)")
+            "difference if it did: a helper or custom operator edited since); its files were not modified after the "
+            "recording began, so another likely cause is a value that code reads which the training changed as it "
+            "ran and a recording does not hold (an item of a module-level dict, an attribute of a module-level object "
+            "or class: SCHEDULE[\"tau\"] set in the loop, read by a custom Function's forward): pass it to the step "
+            "as an argument")
 
 
 def _committed(run_info: dict[str, Any]) -> bool:

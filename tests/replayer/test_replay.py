@@ -4508,7 +4508,59 @@ def test_a_custom_operator_edited_in_another_file_is_named_where_a_replay_differ
     assert res.returncode == 1 and doc["warnings"] == [
         f"the step's call ran code of the training project outside its recorded definition (soft in {ops}), of "
         "which the recording holds no hash: whether it changed since recording is not checked (a likely cause of "
-        "the difference if it did: a helper or custom operator edited since)"], doc["warnings"]
+        "the difference if it did: a helper or custom operator edited since); its files were not modified after the "
+        "recording began, so another likely cause is a value that code reads which the training changed as it ran "
+        "and a recording does not hold (an item of a module-level dict, an attribute of a module-level object or "
+        "class: SCHEDULE[\"tau\"] set in the loop, read by a custom Function's forward): pass it to the step as an "
+        "argument"], doc["warnings"]
+
+
+ANNEAL_SCRIPT = """
+import sys
+
+import torch
+
+import recorder
+
+SCHEDULE = {"tau": 1.0}
+
+
+class Anneal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.tau = SCHEDULE["tau"]
+        return torch.sigmoid(x / ctx.tau)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.tau * 0.25
+
+
+@recorder.paper_step("Eq. 13")
+def gate(x):
+    return Anneal.apply(x)
+
+
+if __name__ == "__main__":
+    with recorder.record(sys.argv[1]):
+        for it in range(2):
+            SCHEDULE["tau"] = 1.0 / (it + 1)
+            gate(torch.linspace(-1, 1, 4))
+"""
+
+
+def test_a_value_a_custom_function_reads_that_training_changed_is_named_as_a_likely_cause(tmp_path: Path) -> None:
+    """A custom Function's forward reading a module-level dict item the training loop changes (an annealed
+    temperature): a replay loads the script's own value, and the differing replay said only that the code it ran
+    outside the step is not hashed, "a likely cause if it did: a helper or custom operator edited since", though
+    no file changed. It now names a value the training changed that the recording does not hold as the likely
+    cause, and what to do."""
+    (tmp_path / "train.py").write_text(ANNEAL_SCRIPT)
+    assert python("train.py", "run.zarr", cwd=tmp_path).returncode == 0
+    first, second = (replayer.replay(tmp_path / "run.zarr", k) for k in (0, 1))
+    assert first.match and not second.match
+    assert any("a value that code reads which the training changed as it ran and a recording does not hold" in w
+               and "Anneal.forward" in w for w in second.warnings), second.warnings
 
 
 _KERNELS: dict = {}
