@@ -2128,7 +2128,7 @@ def test_an_expert_that_ran_in_one_run_only_is_where_they_differ(tmp_path: Path)
 
 
 @recorder.paper_step("Eq. 1")
-def _doubled(x: torch.Tensor) -> torch.Tensor:
+def _twice(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
@@ -2138,16 +2138,16 @@ def _probe(x: torch.Tensor, d: float) -> torch.Tensor:
 
 
 def _record_probe(path: Path, probe_at: int | None, *, used: bool, d: float = 0.0) -> replayer.Recording:
-    """Two iterations of _doubled twice; run with ``probe_at`` also calls _probe there, whose result is dropped (a
-    log line) or, ``used``, goes on into the second _doubled."""
+    """Two iterations of _twice twice; run with ``probe_at`` also calls _probe there, whose result is dropped (a
+    log line) or, ``used``, goes on into the second _twice."""
     torch.manual_seed(0)
     with recorder.record(path, mode="full") as run:
         for i in range(2):
-            y = _doubled(torch.randn(3))
+            y = _twice(torch.randn(3))
             if i == probe_at:
                 z = _probe(y, d)
                 y = z if used else y
-            _doubled(y)
+            _twice(y)
             run.next_iteration()
     return replayer.open(path)
 
@@ -2163,7 +2163,7 @@ def test_a_step_that_ran_in_one_run_only_says_its_output_held_nan(tmp_path: Path
     div = replayer.first_divergence(b, a)
     if used:
         assert div.cause.startswith(
-            "the results first differ at step 4: Eq. 1 · _doubled · forward · iteration 1 · call 1, but its inputs "
+            "the results first differ at step 4: Eq. 1 · _twice · forward · iteration 1 · call 1, but its inputs "
             "differ too: this run has 1 step right before it that the other run lacks (this run's step 3: Eq. 2 · "
             "_probe · forward · iteration 1 · call 0, its output held NaN/Inf: output (3 NaN of 3)), which may have "
             "made them"), div.cause
