@@ -578,19 +578,18 @@ class RankReader:
         def first(bad: np.ndarray, limit: int) -> int:
             return int(np.flatnonzero(bad)[0]) if bad.any() else limit
 
-        for log in ("docs/bytes", "dims/values"):
-            if log in readable:
-                self.lengths[log] = readable[log]
+        logs = {log: readable.get(log, self.lengths[log]) for log in ("docs/bytes", "dims/values")
+                if log in self.lengths}  # (the lengths are cut only where some step is left: below)
         docs = table("docs")
         ends = self._raw("docs/offset", docs) + self._raw("docs/length", docs)
-        docs = first(ends > self.lengths.get("docs/bytes", 0), docs)
+        docs = first(ends > logs.get("docs/bytes", 0), docs)
         payloads = table("payloads")
         tensors = table("tensors")
         cols = {c: self._raw(f"tensors/{c}", tensors) for c in ("name", "dtype", "device", "payload", "dims_start",
                                                                 "ndim")}
         tensors = first((cols["name"] >= docs) | (cols["dtype"] >= docs) | (cols["device"] >= docs)
                         | (cols["payload"] >= payloads)
-                        | (cols["dims_start"] + 2 * cols["ndim"].astype(np.int64) > self.lengths["dims/values"]),
+                        | (cols["dims_start"] + 2 * cols["ndim"].astype(np.int64) > logs["dims/values"]),
                         tensors)
         late = table("late") if self.lengths.get("late") else 0
         if late:
@@ -604,7 +603,7 @@ class RankReader:
         steps = first(bad, steps)
         if not steps:  # not a torn end: damage from the first chunk on, reported where it is read (info --check
             return  # names each damaged column; a reader of the steps refuses the recording in one line)
-        self.lengths.update(steps=steps, tensors=tensors, payloads=payloads, docs=docs, late=late)
+        self.lengths.update(logs, steps=steps, tensors=tensors, payloads=payloads, docs=docs, late=late)
         self.torn = (f"the last writes before it ended did not all reach the disk ({why}): {steps} of its "
                      f"{self.committed['steps']} committed steps can be read")
 

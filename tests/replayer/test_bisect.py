@@ -3,6 +3,7 @@ part, and conditional search over a recording."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import inspect
@@ -2732,11 +2733,21 @@ def soft_target_update(target: torch.nn.Module, online: torch.nn.Module, tau: fl
         tp.data.mul_(1 - tau).add_(tau * p.data)
 
 
-def test_a_soft_update_given_another_tau_is_named_not_the_optimizer(tmp_path: Path) -> None:
-    """Two DQN-style runs alike but for the tau of a soft target update that takes the networks as arguments (not
-    data: it returns nothing, and its writes are not recorded). The target network's next call was the root cause,
-    and the cause said every step before it matched, so the optimizer or the learning rate changed its parameters.
-    It names the soft update and its tau as the likely cause."""
+@recorder.paper_step("Algorithm 1", step=8, description="soft target update, the modules given in a deque")
+@torch.no_grad()
+def soft_target_update_of(nets: collections.deque, tau: float) -> None:
+    target, online = nets
+    for tp, p in zip(target.parameters(), online.parameters()):
+        tp.data.mul_(1 - tau).add_(tau * p.data)
+
+
+@pytest.mark.parametrize("given", ["modules", "deque"])
+def test_a_soft_update_given_another_tau_is_named_not_the_optimizer(tmp_path: Path, given: str) -> None:
+    """Two DQN-style runs alike but for the tau of a soft target update. Given the networks as arguments (recorded
+    since schema 1.30, with what it writes into the target), the update itself is where the runs part, its tau
+    named. Given them in an object that is not data (a deque), its writes are not recorded: the target network's
+    next call was the root cause, and the cause said every step before it matched, so the optimizer or the
+    learning rate changed its parameters; it names the soft update and its tau as the likely cause."""
     paths = []
     for tau in (0.05, 0.06):
         torch.manual_seed(0)
@@ -2746,7 +2757,7 @@ def test_a_soft_update_given_another_tau_is_named_not_the_optimizer(tmp_path: Pa
         opt = torch.optim.SGD(online.parameters(), lr=0.1)
         paths.append(tmp_path / f"tau{tau}.zarr")
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (the modules given to the update are not data: said once, here)
+            warnings.simplefilter("ignore")  # (the deque given to the update is not data: said once, here)
             with recorder.record(paths[-1], model=online, optimizer=opt):
                 for _ in range(2):
                     with torch.no_grad():
@@ -2754,15 +2765,22 @@ def test_a_soft_update_given_another_tau_is_named_not_the_optimizer(tmp_path: Pa
                     (online(torch.ones(2, 4)) - goal).pow(2).sum().backward()
                     opt.step()
                     opt.zero_grad()
-                    soft_target_update(target, online, tau)
+                    if given == "modules":
+                        soft_target_update(target, online, tau)
+                    else:
+                        soft_target_update_of(collections.deque([target, online]), tau)
     div = replayer.first_divergence(replayer.open(paths[0]), replayer.open(paths[1]))
+    assert "changed outside the recorded steps" not in div.cause, div.cause
+    if given == "modules":
+        assert div.step is not None and (div.step.name, div.step.iteration) == ("soft_target_update", 1), div.cause
+        assert "its non-tensor argument tau differs (0.05 vs 0.06)" in div.cause, div.cause
+        return
     assert div.step is not None and (div.step.name, div.step.iteration, div.step.grad_enabled) == \
         ("ThreeLayers", 1, False), div.cause
-    assert "changed outside the recorded steps" not in div.cause, div.cause
     assert div.cause.endswith("every recorded step before it matched in its results, but step 3: Algorithm 1, step 8 "
-                              "· soft_target_update · forward · iteration 1 · call 0 was given another non-tensor "
+                              "· soft_target_update_of · forward · iteration 1 · call 0 was given another non-tensor "
                               "argument tau (0.05 vs 0.06) and an object not recorded as data (a "
-                              "tests.replayer.test_bisect:ThreeLayers), which it may have changed in place: the "
+                              "collections:deque), which it may have changed in place: the "
                               "likely cause (what it returned matched; what it changed in place was not recorded)"), \
         div.cause
 
