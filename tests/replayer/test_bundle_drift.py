@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -85,12 +86,9 @@ def activate(x):
 '''
 
 
-def test_a_bundle_replayed_with_the_code_here_names_the_helper_file_that_is_not_its_copy(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A helper the step calls, edited here and its time set back (a copy to another machine keeps no time
-    to go by): the replay said that code "is not checked", though the bundle carries the file it came from."""
-    import os
-
+def _bundle_of_a_helped_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Any]:
+    """A step (HELPED's ``activate``) calling ``act`` of a helper module, both in files of ``tmp_path``, recorded
+    and bundled into ``failure.pdbg``: the helper's path and what ``replayer.bundle`` returned."""
     helper = tmp_path / "drifthelp.py"
     helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.0\n")
     (tmp_path / "drifthelped.py").write_text(HELPED)
@@ -100,7 +98,16 @@ def test_a_bundle_replayed_with_the_code_here_names_the_helper_file_that_is_not_
     steps = importlib.import_module("drifthelped")
     with recorder.record(tmp_path / "run.zarr"):
         steps.activate(torch.linspace(-1.0, 1.0, 8))
-    made = replayer.bundle(replayer.open(tmp_path / "run.zarr"), "Eq. 3", tmp_path / "failure.pdbg")
+    return helper, replayer.bundle(replayer.open(tmp_path / "run.zarr"), "Eq. 3", tmp_path / "failure.pdbg")
+
+
+def test_a_bundle_replayed_with_the_code_here_names_the_helper_file_that_is_not_its_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper the step calls, edited here and its time set back (a copy to another machine keeps no time
+    to go by): the replay said that code "is not checked", though the bundle carries the file it came from."""
+    import os
+
+    helper, made = _bundle_of_a_helped_step(tmp_path, monkeypatch)
     assert str(helper) in made.sources
     then = helper.stat().st_mtime - 3600
     helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.5\n")
@@ -125,16 +132,7 @@ def test_info_of_a_bundle_names_a_carried_helper_file_that_changed_here(
     the bundled copy (read, never run). The file as bundled is named by no such line."""
     from tests.cli import pdbg_here
 
-    helper = tmp_path / "drifthelp.py"
-    helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.0\n")
-    (tmp_path / "drifthelped.py").write_text(HELPED)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in ("drifthelp", "drifthelped"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    steps = importlib.import_module("drifthelped")
-    with recorder.record(tmp_path / "run.zarr"):
-        steps.activate(torch.linspace(-1.0, 1.0, 8))
-    replayer.bundle(replayer.open(tmp_path / "run.zarr"), "Eq. 3", tmp_path / "failure.pdbg")
+    helper, _ = _bundle_of_a_helped_step(tmp_path, monkeypatch)
     same = pdbg_here("info", str(tmp_path / "failure.pdbg"), cwd=tmp_path)
     assert same.returncode == 0 and "source changed" not in same.stdout, same.stdout
     helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.5\n")
@@ -159,16 +157,7 @@ def test_a_replay_with_the_bundled_source_says_it_ran_that_copy(tmp_path: Path,
 
     from tests.cli import pdbg_here
 
-    helper = tmp_path / "drifthelp.py"
-    helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.0\n")
-    (tmp_path / "drifthelped.py").write_text(HELPED)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in ("drifthelp", "drifthelped"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    steps = importlib.import_module("drifthelped")
-    with recorder.record(tmp_path / "run.zarr"):
-        steps.activate(torch.linspace(-1.0, 1.0, 8))
-    made = replayer.bundle(replayer.open(tmp_path / "run.zarr"), "Eq. 3", tmp_path / "failure.pdbg")
+    helper, made = _bundle_of_a_helped_step(tmp_path, monkeypatch)
     helper.write_text("import torch\n\n\ndef act(x):\n    return torch.relu(x) * 2.5\n")
     for name in ("drifthelp", "drifthelped"):  # (this process imported them as recorded)
         monkeypatch.delitem(sys.modules, name, raising=False)
