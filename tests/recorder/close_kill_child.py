@@ -16,6 +16,7 @@ import torch
 
 import recorder
 from recorder.store import writer
+from tests.recorder.crash_child import train_with_a_nan
 
 
 @recorder.paper_step("Eq. 2", description="softplus")
@@ -26,18 +27,7 @@ def smooth(x: torch.Tensor) -> torch.Tensor:
 def main(out: str, kill: bool) -> None:
     if kill:
         writer.StoreWriter._publish_final = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with recorder.record(out, model=model, optimizer=opt):
-        for i in range(4):
-            x = torch.randn(2, 4)
-            if i == 2:
-                x[0, 0] = float("nan")
-            smooth(model(x)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-
+    train_with_a_nan(smooth, out, 4, 2)
 
 if __name__ == "__main__":
     main(sys.argv[1], "--no-kill" not in sys.argv[2:])

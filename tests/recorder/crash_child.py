@@ -34,6 +34,22 @@ def config(seed: int) -> dict[str, int]:
             "chunk_div": rng.choice([1, 512])}
 
 
+def train_with_a_nan(step: Any, out: str, iterations: int, nan_at: int, **options: Any) -> None:
+    """``Linear(4, 4)`` then the paper ``step``, SGD, seed 0, recorded into ``out`` with ``options``: iteration
+    ``nan_at`` gets a NaN in its input (the children that die at a chosen point of a recording's life use it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with recorder.record(out, model=model, optimizer=opt, **options):
+        for i in range(iterations):
+            x = torch.randn(2, 4)
+            if i == nan_at:
+                x[0, 0] = float("nan")
+            step(model(x)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+
 def shrink_chunks(div: int) -> None:
     """Divide the rows per chunk of every array by ``div``, so that a short run seals many chunks
     and grows every array several times (the layout's chunks are sized for long runs)."""

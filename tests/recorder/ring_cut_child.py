@@ -15,6 +15,7 @@ import torch
 
 import recorder
 from recorder.store import writer
+from tests.recorder.crash_child import train_with_a_nan
 
 KILL_AT = 3  # the payload attached to its record (a ``late/`` row) after which the process dies
 _late = writer.StoreWriter.late
@@ -36,18 +37,7 @@ def smooth(x: torch.Tensor) -> torch.Tensor:
 
 def main(out: str) -> None:
     writer.StoreWriter.late = late  # type: ignore[method-assign]
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with recorder.record(out, model=model, optimizer=opt, mode="flight", keep=2, modules="**"):
-        for i in range(8):
-            x = torch.randn(2, 4)
-            if i == 5:
-                x[0, 0] = float("nan")
-            smooth(model(x)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-
+    train_with_a_nan(smooth, out, 8, 5, mode="flight", keep=2, modules="**")
 
 if __name__ == "__main__":
     main(sys.argv[1])
