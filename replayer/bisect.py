@@ -428,17 +428,15 @@ def first_nonfinite(rec: Recording | str | os.PathLike[str], *, ops: bool = Fals
             by lowering the scale), passed over by default.
     """
     rec = opened(rec)
-    if all_ranks and len(rec.ranks) > 1:
-        origin = _across_ranks(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
-    else:
-        origin = _first_on_rank(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
-        if not origin.found:
-            origin.cause += _stopped_early(rec)
+    several = all_ranks and len(rec.ranks) > 1
+    origin = _across_ranks(rec, ops=ops, spread=spread, scaler_skips=scaler_skips) if several else \
+        _first_on_rank(rec, ops=ops, spread=spread, scaler_skips=scaler_skips)
+    if not several and not origin.found:
+        origin.cause += _stopped_early(rec)
     if ops and origin.step is None and origin.raised_in is not None and origin.op is None:  # where a NaN check
         find_op(origin, origin.raised_in)  # raised: the operation inside that step
-    if all_ranks and len(rec.ranks) > 1:
-        return origin
-    rec.known_origin = origin  # a summary of the recording (its notebook repr) shows it without searching
+    if not several:
+        rec.known_origin = origin  # a summary of the recording (its notebook repr) shows it without searching
     return origin
 
 
@@ -1427,6 +1425,18 @@ _REFUSED_OVERFLOW = re.compile(r"cannot be converted to type \w+ without overflo
 _QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")
 
 
+def _speaks_nonfinite(kind: Any, message: Any) -> bool:
+    """Whether an exception (its type reference and message) speaks of a NaN or Inf: a FloatingPointError, or a
+    message that says so outside its quoted parts (a loss guard's "loss is nan")."""
+    said = _QUOTED.sub("", _REFUSED_OVERFLOW.sub("", str(message or "")))
+    return str(kind or "").endswith("FloatingPointError") or bool(_SPEAKS_NONFINITE.search(said))
+
+
+def exception_line(doc: dict[str, Any]) -> str:
+    """A recorded exception (``exception_doc``) in one line: its type's name and the start of its message."""
+    return " ".join(f"{str(doc.get('type', '')).split(':')[-1]}: {str(doc.get('message', ''))[:200]}".split())
+
+
 def _ended_outside(rec: Recording) -> Origin | None:
     """Where no recorded step holds NaN/Inf and the run ended by an exception: which, and after which
     recorded step, or inside which (the innermost it came out of: ``_raised_first``); an exception that
@@ -1441,8 +1451,7 @@ def _ended_outside(rec: Recording) -> Origin | None:
     while 0 <= int(parent[index]) < index:  # the last step to finish: the outermost of the last ones
         index = int(parent[index])
     last = _raised_first(rec, rec.step(index)) if rec.step(index).status == "exception" else rec.step(index)
-    speaks = bool(_SPEAKS_NONFINITE.search(_QUOTED.sub("", _REFUSED_OVERFLOW.sub("", why))))
-    nan = speaks or str(exc["type"]).endswith("FloatingPointError")
+    nan = _speaks_nonfinite(exc["type"], why)
     if last.status == "exception":
         where = f"raised inside {describe(last)}, which returned no result"
         made = ", so the NaN/Inf it speaks of was made inside that step, before any result of it was recorded"
@@ -1461,19 +1470,15 @@ def _raised_caught(rec: Recording) -> Origin | None:
     speaks of NaN/Inf and the training code caught it (a NaN check inside a step, a loop that skips the batch):
     the first such step, the innermost it came out of (``_raised_first``), in which the NaN/Inf was made."""
     status, parent = _column(rec, "status"), _column(rec, "parent")
-    raised = np.flatnonzero(status == layout.STATUSES.index("exception"))
-    speaking = []
-    for index in raised.tolist():
-        exc = rec.step(int(index)).extra.get("exception") or {}
-        said = _QUOTED.sub("", _REFUSED_OVERFLOW.sub("", str(exc.get("message") or "")))
-        if str(exc.get("type") or "").endswith("FloatingPointError") or _SPEAKS_NONFINITE.search(said):
-            speaking.append(int(index))
+    raised = np.flatnonzero(status == layout.STATUSES.index("exception")).tolist()
+    docs = {i: rec.step(i).extra.get("exception") or {} for i in raised}
+    speaking = [i for i in raised if _speaks_nonfinite(docs[i].get("type"), docs[i].get("message"))]
     if not speaking:
         return None
-    outermost = [i for i in speaking if not (0 <= int(parent[i]) < i and int(parent[i]) in speaking)]
+    inside = set(speaking)
+    outermost = [i for i in speaking if not (0 <= int(parent[i]) < i and int(parent[i]) in inside)]
     first = _raised_first(rec, rec.step(outermost[0]))
-    exc = first.extra.get("exception") or {}
-    said = " ".join(f"{str(exc.get('type', '')).split(':')[-1]}: {str(exc.get('message', ''))[:200]}".split())
+    said = exception_line(first.extra.get("exception") or {})
     more = f" ({len(outermost)} calls raised one, caught each time)" if len(outermost) > 1 else ""
     return Origin(None, f"no non-finite values recorded; {describe(first)} raised {said}, which the training code "
                         f"caught{more}: the NaN/Inf it speaks of was made inside that step, before any result of it "

@@ -44,6 +44,7 @@ from recorder.store.reader import TensorRecord
 
 from . import collectives, compare, distributions, intervene, placing, state
 from .arguments import linked_outside, module_arguments, unrecorded_arguments, unrecorded_outputs, unseen_writes
+from .bisect import exception_line
 from .code import SESSION_SCRIPT, CodeLoader, late_imports, projects, session_statement, submodule_entries
 from .compare import Diff, compare_record, stats_dict, tensors_by_name
 from .nested import InnerStep, InnerTap, UnrecordedCall, descendants
@@ -119,7 +120,8 @@ class ReplayResult:
         """Why nothing was compared (where ``compared`` is False): the step returned no tensor, or what
         it returned was not recorded as data."""
         if _stopped(self):
-            return (f"the recording stopped training inside this step ({_raised(self.step.extra['exception'])}), "
+            said = exception_line(self.step.extra["exception"])
+            return (f"the recording stopped training inside this step ({said}), "
                     "so it returned no output, and no step inside it was compared: nothing was compared")
         return UNRECORDED_OUTPUT.format(", ".join(self.not_compared)) if self.not_compared else NOTHING_COMPARED
 
@@ -1858,7 +1860,7 @@ class Replayer:
         warnings += [f"forward step {fwd.index}: {n}" for n in changed]
         raised_doc = step.extra.get("exception") or {}
         if not targets and raised_doc:
-            raise ReplayError(f"backward step {step.index}: its backward pass raised ({_raised(raised_doc)}) "
+            raise ReplayError(f"backward step {step.index}: its backward pass raised ({exception_line(raised_doc)}) "
                               "before this step sent any gradient; a replay has nothing to compare (its forward, "
                               f"step {fwd.index}, replays)")
         if not targets:
@@ -2829,11 +2831,6 @@ def _stopped(result: ReplayResult) -> bool:
     return isinstance(recorded, dict) and recorded.get("type") in _RECORDER_STOPS and result.exception is None
 
 
-def _raised(doc: dict[str, Any]) -> str:
-    """A recorded exception (``exception_doc``) in one line: its type's name and the start of its message."""
-    return " ".join(f"{str(doc.get('type', '')).split(':')[-1]}: {str(doc.get('message', ''))[:200]}".split())
-
-
 def _changed_parameters(step: Step, module: torch.nn.Module | None, changed: set[str]) -> dict[str, torch.Tensor]:
     """The module's own parameters whose "after:<parameter>" records are among ``changed`` (the recorded call
     changed them in place: a router's load-balancing bias, a frozen weight merged in forward), as the replayed
@@ -2851,7 +2848,7 @@ def _exception_result(result: ReplayResult, raised: BaseException | None, record
         # The recording stopped training inside this step (a step within it went non-finite): the
         # step never returned, so there is no recorded output to compare; the replay ran it through.
         result.match = True
-        result.warnings.append(f"the recording stopped training inside this step ({_raised(recorded)}); it "
+        result.warnings.append(f"the recording stopped training inside this step ({exception_line(recorded)}); it "
                                "returned no output to compare")
         return result
     if raised is not None:

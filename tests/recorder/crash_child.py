@@ -34,9 +34,11 @@ def config(seed: int) -> dict[str, int]:
             "chunk_div": rng.choice([1, 512])}
 
 
-def train_with_a_nan(step: Any, out: str, iterations: int, nan_at: int, **options: Any) -> None:
+def train_with_a_nan(step: Any, out: str, iterations: int, nan_at: int, *, after: Any = None,
+                     **options: Any) -> None:
     """``Linear(4, 4)`` then the paper ``step``, SGD, seed 0, recorded into ``out`` with ``options``: iteration
-    ``nan_at`` gets a NaN in its input (the children that die at a chosen point of a recording's life use it)."""
+    ``nan_at`` gets a NaN in its input (the children that die at a chosen point of a recording's life use it);
+    ``after(i)``, if given, is called at the end of each iteration ``i``, the recording still open."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -48,6 +50,8 @@ def train_with_a_nan(step: Any, out: str, iterations: int, nan_at: int, **option
             step(model(x)).sum().backward()
             opt.step()
             opt.zero_grad()
+            if after is not None:
+                after(i)
 
 
 def shrink_chunks(div: int) -> None:

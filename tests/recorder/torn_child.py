@@ -20,7 +20,7 @@ import sys
 import torch
 
 import recorder
-from tests.recorder.crash_child import shrink_chunks
+from tests.recorder.crash_child import shrink_chunks, train_with_a_nan
 
 
 @recorder.paper_step("Eq. 2", description="softplus")
@@ -31,27 +31,20 @@ def smooth(x: torch.Tensor) -> torch.Tensor:
 def main(out: str, iterations: int, nan_at: int, close: bool, commit_at: int | None,
          pause_at: int | None = None) -> None:
     shrink_chunks(256)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with recorder.record(out, model=model, optimizer=opt, modules="**", flush_interval=3600):
-        for i in range(iterations):
-            x = torch.randn(2, 4)
-            if i == nan_at:
-                x[0, 0] = float("nan")
-            smooth(model(x)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            if i == commit_at:
-                assert recorder.flush(), "the recording did not commit"
-            if i == pause_at:
-                assert recorder.flush(), "the recording did not commit"
-                print("committed", flush=True)
-                sys.stdin.readline()
-        if not close:
+
+    def after(i: int) -> None:
+        if i == commit_at:
+            assert recorder.flush(), "the recording did not commit"
+        if i == pause_at:
+            assert recorder.flush(), "the recording did not commit"
+            print("committed", flush=True)
+            sys.stdin.readline()
+        if i == iterations - 1 and not close:
             if commit_at is None:
                 assert recorder.flush(), "the recording did not commit"
             os.kill(os.getpid(), signal.SIGKILL)
+
+    train_with_a_nan(smooth, out, iterations, nan_at, after=after, modules="**", flush_interval=3600)
 
 
 if __name__ == "__main__":
