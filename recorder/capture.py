@@ -1845,14 +1845,15 @@ class Session:
         else:
             alias = not requires_grad and type(t) is torch.Tensor
         t = payload_mod.materialized(t if alias else t.detach())
-        device = t.device
-        on_cpu = device.type == "cpu"
-        meta_only = t.is_nested or t.layout != torch.strided or device.type == "meta"
+        # (is_cpu, not t.device: each read of that makes a device object, and its text another string)
+        on_cpu = t.is_cpu
+        device = "cpu" if on_cpu else str(t.device)
+        meta_only = t.is_nested or t.layout != torch.strided or not on_cpu and t.is_meta
         if not meta_only and type(t) is torch.Tensor and not payload_mod.backed(t):  # (to _capture's record and note)
             raise RuntimeError(f"its storage of {t.untyped_storage().nbytes()} bytes is smaller than its shape "
                                f"{list(t.shape)} and strides {list(t.stride())} need (freed or resized in place); "
                                "a read of it would crash the process")
-        item = TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype), device=str(device),
+        item = TensorItem(role=ROLE[role], name=name, dtype=payload_mod.dtype_name(t.dtype), device=device,
                           requires_grad=requires_grad, shape=_shape_of(t),
                           stride=() if meta_only else tuple(t.stride()), stats=stats_mod.EMPTY, payload=None,
                           held=self.iteration)
@@ -2601,9 +2602,10 @@ def _shape_of(t: Any) -> tuple[int, ...]:
     try:
         if not t.is_nested:
             shape = tuple(t.shape)
-            if all(type(d) is int for d in shape):
-                return shape
-            return tuple(d if type(d) is int else layout.RAGGED_DIM for d in shape)  # (a symbolic size)
+            for d in shape:  # (a loop, not all() over a generator: a tensor record reads its shape here)
+                if type(d) is not int:
+                    return tuple(d if type(d) is int else layout.RAGGED_DIM for d in shape)  # (a symbolic size)
+            return shape
         sizes = [tuple(p.shape) for p in t.unbind()]
         inner = [s[0] if len(set(s)) == 1 else layout.RAGGED_DIM for s in zip(*sizes)] if sizes else \
             [layout.RAGGED_DIM] * (t.dim() - 1)

@@ -79,6 +79,7 @@ _NUMPY_DTYPE = {torch.float16: np.float16, torch.float32: np.float32, torch.floa
                 torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
                 torch.int64: np.int64}
 _NUMPY_VIEWABLE = frozenset(_NUMPY_DTYPE)
+_UNITS: dict[torch.dtype, int] = {dtype: unit_of(dtype) for dtype in _NUMPY_DTYPE}  # (as_units: a dtype's unit at once)
 
 
 class _Memory(ctypes.c_char * (1 << 48)):
@@ -151,10 +152,21 @@ def as_units(t: torch.Tensor) -> tuple[np.ndarray, int, bool]:
     Returns (array, unit, aliases): when ``aliases`` is True the array shares ``t``'s memory (no copy
     was needed) and must be copied before ``t`` can change.
     """
-    unit = unit_of(t.dtype)
-    if t.numel() == 0:
+    dtype = t.dtype
+    unit = _UNITS.get(dtype)
+    if unit is None:
+        unit = unit_of(dtype)
+    count = t.numel()
+    if count == 0:
         return np.empty(0, dtype=_NUMPY_UNIT[unit]), unit, False
-    if t.dtype in _NUMPY_VIEWABLE and not (t.is_conj() or t.is_neg()):
+    numpy_dtype = _NUMPY_DTYPE.get(dtype)
+    if numpy_dtype is not None and t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        # The common case (a contiguous tensor numpy has the dtype of), ``_viewed``'s without reading
+        # the tensor's attributes again: a view of its memory, which aliases it.
+        memory = _Memory.from_address(t.data_ptr())
+        memory.tensor = t
+        return np.frombuffer(memory, numpy_dtype, count).view(_NUMPY_UNIT[unit]), unit, True
+    if dtype in _NUMPY_VIEWABLE and not (t.is_conj() or t.is_neg()):
         # No torch operation (each costs ~2-5 us of dispatch): the tensor's attributes, then numpy views.
         flat_a = _viewed(t)
         if not flat_a.flags.c_contiguous:  # a strided 1-D view (reshape leaves one as it is)

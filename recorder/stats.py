@@ -160,8 +160,9 @@ def copy_stats(t: torch.Tensor, dst: np.ndarray, src: np.ndarray) -> tuple[float
     ``dst`` (an array of the same units and size) and return the tensor's statistics, computed from
     the same read when the kernel takes the tensor; None when it does not (the bytes are copied all
     the same: payload.copy_into)."""
-    if t.dtype in _FLOATS and len(src) and src.flags.writeable and _kernel_takes(t):
-        x, out = src.view(_NUMPY[t.dtype]), dst.view(_NUMPY[t.dtype])
+    kind = _NUMPY.get(t.dtype)  # (float32 and float64 only)
+    if kind is not None and len(src) and src.flags.writeable and _kernel_takes(t):
+        x, out = src.view(kind), dst.view(kind)
         got = _from_sums(out, _slot.active.copy_sums(x, out))
         return _exact(out) if got is None else got  # non-finite values: counted, on the copy
     payload.copy_into(dst, src)
