@@ -311,6 +311,34 @@ def _buffers_of(module: torch.nn.Module, transformed: bool) -> list[tuple[str, t
     return [(n, transforms.plain(b)[0] if transformed else b) for n, b in module.named_buffers()]
 
 
+_NAMED_WALK = (torch.nn.Module.named_parameters, torch.nn.Module._named_members, torch.nn.Module.named_modules)
+
+
+def _parameter_places(module: torch.nn.Module) -> list[tuple[str, weakref.ref[torch.nn.Module], str]] | bool:
+    """Where ``module.named_parameters()`` finds each parameter: (its name, the module that holds it,
+    weakly, its key in that module's ``_parameters``), in its order (Session._parameters_of). False
+    where that walk is not torch's own (a class of the tree that overrides it, tables that are not
+    dicts: a TorchScript module's) or its result is not the one found so: named_parameters is then
+    called at every call."""
+    cls = type(module)
+    if (cls.named_parameters, cls._named_members) != _NAMED_WALK[:2]:
+        return False
+    places: list[tuple[str, weakref.ref[torch.nn.Module], str]] = []
+    memo: set[int] = set()
+    for prefix, m in module.named_modules():
+        if type(m).named_modules is not _NAMED_WALK[2] or type(m._parameters) is not dict:
+            return False
+        for key, p in m._parameters.items():
+            if p is None or id(p) in memo:
+                continue
+            memo.add(id(p))
+            places.append((f"{prefix}.{key}" if prefix else key, weakref.ref(m), key))
+    found = [(name, owner()._parameters[key]) for name, owner, key in places]
+    if [(n, id(p)) for n, p in module.named_parameters()] != [(n, id(p)) for n, p in found]:
+        return False
+    return places
+
+
 def _kept(t: torch.Tensor, limit: int) -> torch.Tensor | None:
     try:  # (a subclass, a quantized tensor: its version counter alone tells; a byte view of one may crash;
         # so may a read of a tensor larger than its storage)
@@ -469,8 +497,9 @@ class Session:
         self._in_order: dict[int, Callable[[], None]] = {}  # id(a pass's roots entry) -> what undoes its hooks
         # id(module) -> (weak reference, state key, document, the generator objects it holds: _module_entry):
         # weak, so that modules made anew at every call (and their parameters) are not kept alive by the recording.
+        # The last: [where its parameters are found (_parameters_of), once asked for], for as long as the key holds.
         self._module_docs: dict[int, tuple[weakref.ref[torch.nn.Module], tuple[Any, ...], dict[str, Any],
-                                           tuple[tuple[str, Any, Any], ...]]] = {}
+                                           tuple[tuple[str, Any, Any], ...], list[Any]]] = {}
         # id(module) -> (weak reference, {buffer name: (weak buffer, its version counter)}) as its last
         # recorded call left them (see _buffers_written)
         self._left_buffers: dict[int, tuple[weakref.ref[torch.nn.Module], dict[str, tuple[Any, int]]]] = {}
@@ -1318,7 +1347,7 @@ class Session:
             if link is None and frame.vmap is None and not inference:
                 self._remember_ungraded(frame)
             if module is not None:
-                for name, p in module.named_parameters():
+                for name, p in self._parameters_of(module):
                     self._capture(frame, "param", name, p)
                     if frame.versions is not None and not p.is_inference():  # (its version counter alone tells)
                         frame.versions.append((name, p, p._version, None))
@@ -1329,7 +1358,7 @@ class Session:
                             self._note_param_hooks(frame, name, p)
                         link.params.append((name, p))
                 buffers = list(module.named_buffers())
-                written = self._buffers_written(module, _buffers_of(module, frame.vmap is not None))
+                written = self._buffers_written(module, buffers if frame.vmap is None else _buffers_of(module, True))
                 if written:
                     frame.notes.append(f"{_one_line(written)}: {layout.BUFFERS_WRITTEN_NOTE}")
                 for name, b in buffers:
@@ -2175,8 +2204,27 @@ class Session:
             doc = {**skeleton.build(module), "instance": number[1]}
             if not self._rebuild_warned:
                 self._warn_if_not_rebuilt(module, doc, path)
-            entry = self._module_docs[id(module)] = (weakref.ref(module), key, doc, snapshot.find_module_rngs(module))
+            entry = self._module_docs[id(module)] = (weakref.ref(module), key, doc, snapshot.find_module_rngs(module),
+                                                     [None])
         return entry[2], entry[3]
+
+    def _parameters_of(self, module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """``list(module.named_parameters())`` for a step's module whose ``_module_entry`` the call has just
+        found or made (so its ``skeleton.state_key`` is the entry's): which module holds each parameter under
+        which name is kept with the entry, found by named_parameters once, and the tensors held there now are
+        read. The key holds every module of the tree by identity, each one's parameter names, which are None
+        and which are one tensor (named_parameters lists a tensor held twice once): with it unchanged, so is
+        that list but for the tensors in it (a parameter replaced by another, ``functional_call``'s swaps);
+        with it changed (a parameter added, tied, set to None; a child replaced) the entry is made again."""
+        entry = self._module_docs.get(id(module))
+        if entry is None or entry[0]() is not module:
+            return list(module.named_parameters())
+        places = entry[4][0]
+        if places is None:
+            places = entry[4][0] = _parameter_places(module)
+        if not places:  # (none to look up; or a tree whose parameters named_parameters finds otherwise)
+            return list(module.named_parameters()) if places is False else []
+        return [(name, owner()._parameters[key]) for name, owner, key in places]
 
     def _buffers_left(self, module: torch.nn.Module | None) -> None:
         """Remember each buffer of a module whose call just ended, and its version counter: what
