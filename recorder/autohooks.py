@@ -422,8 +422,10 @@ class GlobalCapture:
         # (kwargs, result) normally; (result,) when torch calls it while an exception unwinds.
         kwargs, result = rest if len(rest) == 2 else ({}, rest[0])
         open_ = self._open()
-        at = next((i for i in range(len(open_) - 1, -1, -1) if open_[i][0] is module), None)
-        if at is None:
+        at = len(open_) - 1  # (a loop, not a generator: this runs at the end of every module call)
+        while at >= 0 and open_[at][0] is not module:
+            at -= 1
+        if at < 0:
             return None
         for _, inner, inner_link, _, _ in reversed(open_[at + 1:]):  # left open by an exception torch's hooks never saw
             self.session.end_with_exception(inner, RuntimeError("this step's forward did not return normally"),

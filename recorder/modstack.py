@@ -69,10 +69,15 @@ class ModuleStack:
         return None if exit_ is None else exit_(module, args, *rest)
 
     def _push(self, module: torch.nn.Module) -> None:
-        self._stack().append(module)
+        stack = getattr(self.local, "stack", None)  # (_stack's, inline: this runs at every module call)
+        if stack is None:
+            stack = self.local.stack = []
+        stack.append(module)
 
     def _pop(self, module: torch.nn.Module) -> None:
-        stack = self._stack()
+        stack = getattr(self.local, "stack", None)  # (_stack's, inline)
+        if stack is None:
+            stack = self.local.stack = []
         # Pop back to this module: an exception may have skipped inner posts (they are always_call,
         # but a hook added by someone else can still raise before ours runs).
         while stack:
