@@ -53,7 +53,7 @@ _BY_CONTENT = frozenset({"param", "buffer"})
 # Roles whose sparse tensors keep their parts (indices, values) as component records where the step keeps
 # payloads, so that a replay makes them again and compares them bit for bit: a forward step's own (1.19), and a
 # backward step's sparse gradients (1.24: nn.Embedding(sparse=True)'s weight grad; before, statistics only).
-_SPARSE_PARTS_KEPT = frozenset({"input", "output", "param", "buffer", "grad_output", "grad_input", "param_grad"})
+_SPARSE_PARTS_KEPT = frozenset({"input", "output", "param", "buffer", "grad_output", *layout.GRAD_ROLES})
 # Roles whose tensors a replay gives the call again: where one did not begin at a multiple of layout.ALIGNMENT
 # bytes (a view xs[t]), its address modulo that is noted in the step's extra "misaligned" (1.25), for a replay to
 # give it memory there again (see Session._note_misaligned).
@@ -406,6 +406,8 @@ class BackwardLink:
     arg_sums: dict[str, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
     arg_done: set[str] = field(default_factory=set)  # in the pass under way: those its backward reached
     arg_hooked: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # leaf arguments with a hook (handles)
+    # (1.31) the leaf arguments that are parameters of the networks it was given: recorded as network_grad
+    networks: frozenset[str] = frozenset()
     # A leaf passed in several places that torch gives the call through its module's backward hooks' node
     # (taps.split_places): that node's edge k -> the record name of its place, whose grad input it is
     split_leaves: dict[int, str] = field(default_factory=dict)
@@ -466,6 +468,7 @@ class Session:
         self.failure: str | None = None
         self._slow_warned = False  # the warning that payloads are being dropped was given
         self._unread_warned = False  # the warning that a tensor could not be captured was given
+        self._modules_met = False  # whether a step was ever given a network (_argument_module): _encode looks then
         self._cache_warned = False  # the warning that a step was given a cache object that is not data was given
         self._unrecorded_warned: set[int] = set()  # steps (id of their definition) warned of an argument not data
         self._rebuild_warned = False  # the warning that a recorded module cannot be rebuilt by a replay was given
@@ -1324,6 +1327,8 @@ class Session:
             frame.args_doc = self._encode(frame, {"args": given_args, "kwargs": recorded}, "input", "", tapped,
                                           reached, nested, unfollowed=unfollowed, versions=frame.versions,
                                           places=places, grads=grads, split=split, modules=True)
+            # (1.31) the parameters of the networks it was given, if any
+            networks = self.local.__dict__.pop("networks", None) if self._modules_met else None
             if unfollowed:  # (in objects no tap passes a tapped tensor through: their gradients are not recorded)
                 frame.notes.append(f"{_one_line(unfollowed)} {layout.UNFOLLOWED_NOTE}")
             if not self._cache_warned:
@@ -1344,6 +1349,8 @@ class Session:
                     link.leaf_args = [(places.get(n, n), t) for n, t in taps.first_places(leaves) if id(t) not in mine]
                     if split:
                         self._split_leaves(link, args, split, mine, places)
+                if networks:  # their grads are the call's network_grad records, found as a leaf argument's
+                    self._network_leaves(link, module, networks)
             if link is None and frame.vmap is None and not inference:
                 self._remember_ungraded(frame)
             if module is not None:
@@ -1368,6 +1375,20 @@ class Session:
             return frame, args, kwargs, link
         finally:
             self.local.busy = False
+
+    @staticmethod
+    def _network_leaves(link: BackwardLink, module: torch.nn.Module | None,
+                        networks: list[tuple[str, torch.Tensor]]) -> None:
+        """Follow the parameters of the networks a call was given (a distillation loss's teacher, an ensemble's
+        members, an actor-critic's critic) as leaf arguments: their grad inputs, named by their records
+        (``args.1.0.weight``), are what the call's graph sent them, as a module step's own parameter grads are.
+        Its own module's parameters (a network it also holds) are its parameter grads already."""
+        known = {id(t) for _, t in link.leaf_args}
+        if module is not None:
+            known.update(id(p) for p in module.parameters())
+        added = [(n, p) for n, p in networks if id(p) not in known]
+        link.leaf_args += added
+        link.networks = frozenset(n for n, _ in added)
 
     @staticmethod
     def _split_leaves(link: BackwardLink, args: tuple[Any, ...], split: frozenset[int], mine: set[int],
@@ -1765,7 +1786,9 @@ class Session:
         tensors of the leaves' ``.grad`` recorded with them (``versions``' too). ``split``: ids of the
         tensors recorded once per place of ``top`` (tapped per place: taps.split_places). ``modules``: a module
         in the value (a soft update's target network) is recorded as data (``$module``: its skeleton, and its
-        parameters and buffers as tensors at its path), so that a replay rebuilds it."""
+        parameters and buffers as tensors at its path), so that a replay rebuilds it; the parameters of those
+        modules that require grad, each once, with their record names (``args.0.0.weight``), are left in
+        ``self.local.networks`` for ``_capture_inputs`` (schema 1.31: their gradients are followed)."""
         errors: list[Exception] = []
         named: dict[Any, str | None] = {}
 
@@ -1804,10 +1827,16 @@ class Session:
                 named[key] = None
             return named[key]
 
-        doc = jsonval.encode(value, tensor_name=name, bounded=True,  # (at every call: bounded)
-                             module_doc=self._argument_module if modules else None)
+        try:
+            doc = jsonval.encode(value, tensor_name=name, bounded=True,  # (at every call: bounded)
+                                 module_doc=self._argument_module if modules else None)
+        finally:
+            # (a run that never gives a step a network pays one attribute read here)
+            met = self.local.__dict__.pop("modules", None) if self._modules_met else None
         if errors:
             raise errors[0]
+        if met:
+            self.local.networks = _module_parameters(met, named)
         return doc
 
     def _changed_inputs(self, frame: Frame, link: BackwardLink | None = None) -> None:
@@ -2177,7 +2206,9 @@ class Session:
     def _argument_module(self, module: torch.nn.Module) -> dict[str, Any]:
         """The skeleton of a module given as an argument (cached as a step's module's is). Its parameters and
         buffers are inputs: a network given to every act() call of an iteration is stored once all the same
-        (the writer keeps each payload once by content)."""
+        (the writer keeps each payload once by content). Each module met is noted for ``_encode``'s ``given``."""
+        self._modules_met = True
+        self.local.__dict__.setdefault("modules", []).append(module)
         return self._module_entry(module)[0]
 
     def _module_doc(self, module: torch.nn.Module | None) -> dict[str, Any] | None:
@@ -2457,7 +2488,7 @@ class Session:
 
     def _arg_grad(self, link: BackwardLink, name: str, grad: torch.Tensor) -> None:
         frame = self._open_backward(link)
-        self._capture(frame, "grad_input", name, grad)
+        self._capture(frame, "network_grad" if name in link.networks else "grad_input", name, grad)
         frame.t_end = max(frame.t_end, time.perf_counter() - self.t0)
 
     def _hook_arg(self, link: BackwardLink, name: str, t: torch.Tensor, again: bool = False) -> None:
@@ -2735,6 +2766,19 @@ def _cached_parametrizations(module: torch.nn.Module) -> list[str]:
         return []
     return [f"{path}.{name}" if path else name for path, sub in module.named_modules()
             if _parametrize.is_parametrized(sub) for name in sub.parametrizations if (id(sub), name) in cache]
+
+
+def _module_parameters(modules: list[torch.nn.Module], named: dict[Any, str | None]) -> list[tuple[str, torch.Tensor]]:
+    """The parameters that require grad of the ``modules`` a call was given, each once, with the name of its
+    record (``named``: ``_encode``'s keys, a tensor's id first, -> record names), in the order they were met."""
+    params = {id(p): p for m in modules for p in m.parameters()
+              if p.requires_grad and p.grad_fn is None and not p.is_inference()}
+    out: dict[int, tuple[str, torch.Tensor]] = {}
+    for key, record in named.items():
+        at = key if type(key) is int else key[0] if type(key) is tuple else None
+        if at in params and record is not None and at not in out:
+            out[at] = (record, params[at])
+    return list(out.values())
 
 
 def _one_line(names: list[str]) -> str:

@@ -280,7 +280,7 @@ def nonfinite_message(ctx: StepContext, tensor: TensorItem, tensors: list[Tensor
     before it in its pass is of a call that took those gradients itself (``user``: that step described; a
     penalty given the critic's output and its input), that they were made by it."""
     role = layout.role_name(tensor.role)
-    label = f"the gradient of {tensor.name}" if role in ("grad_input", "param_grad") else tensor.name
+    label = f"the gradient of {tensor.name}" if role in layout.GRAD_ROLES else tensor.name
     text = f"{ctx.describe()}: {label} has {_counts(tensor.stats)}"
     phase = layout.PHASES.index(ctx.phase)
     given, nan = [], False

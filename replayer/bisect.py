@@ -1587,7 +1587,7 @@ def _own_inputs(step: Step) -> list[Any]:
 
 
 def layout_results(phase: str) -> set[str]:
-    return {"output"} if phase == "forward" else {"grad_input", "param_grad"}
+    return {"output"} if phase == "forward" else set(layout.GRAD_ROLES)
 
 
 def _after(rec: Recording, index: int, result: np.ndarray, count: int, inclusive: bool = False) -> list[Step]:
@@ -2014,7 +2014,7 @@ def _last_finite_step(rec: Recording, step: Step, role: str, name: str) -> Step 
     (a forward step never holds one), forward steps for the rest. An input or a grad output is each
     call's own: another call of the same iteration saw another tensor, so only earlier iterations count;
     a parameter or buffer is the same tensor at every call, and an earlier call of the iteration counts."""
-    phase = "backward" if role in ("grad_output", "grad_input", "param_grad") else "forward"
+    phase = "backward" if role in ("grad_output", *layout.GRAD_ROLES) else "forward"
     table = rec.steps
     before = (table.column("iteration") < step.iteration if role in ("input", "grad_output")
               else table.column("index") < step.index)
@@ -2064,7 +2064,7 @@ class Condition:
     Grammar: ``atom (and|or) atom``, ``not atom``, parentheses; an atom is ``OPERAND OP NUMBER``
     where OPERAND is ``ROLE[.NAME].STAT`` (``output.absmax``, ``output.0.max``, ``grad_input.0.nan``,
     ``param.fc.weight.norm``) or ``NAME.STAT`` for a record name in any role (``attention_weights.max``).
-    ROLE is one of input, output, param, buffer, grad_output, grad_input, param_grad, watch; NAME a
+    ROLE is one of input, output, param, buffer, grad_output, grad_input, param_grad, network_grad, watch; NAME a
     record name (``after:args.0``, ``args.0:grad``: the colon is part of the name) or, for roles other than
     output, the position among that role's records; STAT one of min, max, mean, std, absmax, norm, nan, inf (a
     complex tensor's: of its magnitudes |z|, as recorded). An atom holds for a step when any tensor it names
@@ -2320,7 +2320,7 @@ class Divergence:
 
 _COMPONENT = layout.ROLES.index("component")
 # Those whose sparse tensors keep their parts (1.19; the gradients since 1.24)
-_SPARSE_ROLES = ("input", "output", "param", "buffer", "grad_output", "grad_input", "param_grad")
+_SPARSE_ROLES = ("input", "output", "param", "buffer", "grad_output", *layout.GRAD_ROLES)
 
 
 class _Print:
@@ -2513,7 +2513,7 @@ def _masked(doc: Any) -> Any:
 
 _ARGS = {"forward": ("input",), "backward": ("grad_output",)}
 _PARAMS = ("param", "buffer")
-_RESULTS = {"forward": ("output",), "backward": ("grad_input", "param_grad")}
+_RESULTS = {"forward": ("output",), "backward": layout.GRAD_ROLES}
 
 
 def _parts(p: _Prints, step: Step) -> tuple[dict[Any, Any], dict[Any, Any], dict[Any, Any]]:
@@ -3278,7 +3278,7 @@ def _input_name(step: Step, key: tuple[str, str]) -> str:
 def _label(key: tuple[str, str]) -> str:
     """A compared record as the cause names it: a gradient says whose."""
     role, name = key
-    return f"the grad of {name}" if role in ("grad_input", "param_grad") else name
+    return f"the grad of {name}" if role in layout.GRAD_ROLES else name
 
 
 def _sparse_by_statistics(step: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple[dict[Any, Any], ...],

@@ -954,7 +954,7 @@ class Step:
 
     def tensors(self, role: str | None = None) -> list[TensorRecord]:
         """The records with one role (input, output, param, buffer, grad_output, grad_input,
-        param_grad, watch, collective, component: ``layout.ROLES``), or all."""
+        param_grad, watch, collective, component, network_grad: ``layout.ROLES``), or all."""
         if role is not None and role not in layout.ROLES:
             raise RecordingError(f"unknown role {role!r}: use one of {', '.join(layout.ROLES)}")
         return [r for r in self.records if role is None or r.role == role]

@@ -263,6 +263,17 @@ class Replayer:
         finally:
             self.plan, self._around = plan, around
 
+    def _networks_unfollowed(self, modules: list[str]) -> str:
+        """Why a backward step whose forward was given networks (``modules``: their places) holds no gradient of
+        their parameters: a recording before schema 1.31 does not follow them; since, none of them required grad
+        (frozen) or the call's graph sent them none."""
+        these = f"module{'s' if len(modules) > 1 else ''} its forward was given, {', '.join(modules[:3])}"
+        if self._since(layout.NETWORK_GRADS_SINCE):
+            return f"the parameters of the {these}, received no gradient from the call: frozen, or not used with grad"
+        return (f"the gradients of the parameters of the {these}, are not followed by a recording before schema "
+                f"1.31: record again with this PaperDebugger, or make the step a paper-step module holding "
+                f"{'them as submodules' if len(modules) > 1 else 'it as a submodule'}, to compare them")
+
     def _newer_than_this(self, step: Step) -> None:
         """Refuse a step of a newer minor schema's recording that holds what that schema added and this one
         cannot read (a tensor role; tags are found as they are decoded): that step alone, naming it."""
@@ -973,10 +984,13 @@ class Replayer:
                                        built.tied))
             built.link()
             now = dict(built.module.named_parameters())
+            records = {id(t): name for name, t in given.items() if name in grads} if grads else {}
             for n, t in params.items():
                 grad = compare.grad_of(t)
                 if grad is not None and n in now:
                     now[n].grad = grad
+                if id(t) in records and n in now:  # (1.31) a backward replay takes the grads of the module's own
+                    leaves[records[id(t)]] = now[n]
             return built.module
 
         arguments = step.arguments or {"args": [], "kwargs": {}}
@@ -1720,10 +1734,10 @@ class Replayer:
         warnings: list[str] = []
         rebuilt: dict[str, str] = {}
         call = self._prepare(fwd, warnings, rebuilt,
-                             frozenset(r.name for r in step.records if r.role in ("grad_input", "param_grad")),
+                             frozenset(r.name for r in step.records if r.role in layout.GRAD_ROLES),
                              backward=step)
         grad_outputs = {r.name: r for r in step.records if r.role == "grad_output"}
-        wanted = [r for r in step.records if r.role in ("grad_input", "param_grad")]
+        wanted = [r for r in step.records if r.role in layout.GRAD_ROLES]
         # Parameter grads recorded as the call's own (schema 1.11): what its graph's uses contributed,
         # before autograd added other calls', the loss's or a tied module's; the others are totals.
         own = frozenset(step.extra.get("own_grads") or ())
@@ -1835,7 +1849,7 @@ class Replayer:
         params = dict(call.module.named_parameters(remove_duplicate=False)) if call.module is not None else {}
         targets: list[torch.Tensor] = []
         for r in wanted:
-            source = call.leaves.get(r.name) if r.role == "grad_input" else params.get(r.name)
+            source = params.get(r.name) if r.role == "param_grad" else call.leaves.get(r.name)
             if source is None or not source.requires_grad:
                 raise ReplayError(f"backward step {step.index}: {r.role} {r.name} has no tensor requiring grad in "
                                   "the replayed forward")
@@ -1869,10 +1883,7 @@ class Replayer:
             why = f" (its forward's arguments {shared[0]} shared memory: they are not followed for gradients)" \
                 if shared else f" (its forward changed its arguments {changed[0].partition(': ')[0]} in place " \
                 "without returning them: their grad inputs are not recorded)" if changed else \
-                f" (the gradients of the parameters of the module{'s' if len(modules) > 1 else ''} its forward was " \
-                f"given, {', '.join(modules[:3])}, are not followed: a paper-step module holding " \
-                f"{'them as submodules' if len(modules) > 1 else 'it as a submodule'} records their parameter grads)" \
-                if modules else ""
+                f" ({self._networks_unfollowed(modules)})" if modules else ""
             raise ReplayError(f"backward step {step.index} has no grad input{why}, and " + (
                 f"its {not_compared}" if not_compared else
                 "no parameter grad recorded") + ": a replay has nothing to compare")
@@ -1902,7 +1913,7 @@ class Replayer:
                                   f"raised {brief(exc)}") from exc
         if graphed:  # (the graph of the gradients is not kept)
             grads = tuple(g.detach() if g is not None else None for g in grads)
-        values = {r.name if r.role == "grad_input" else f"param_grad:{r.name}": g for r, g in zip(wanted, grads)}
+        values = {f"param_grad:{r.name}" if r.role == "param_grad" else r.name: g for r, g in zip(wanted, grads)}
         result.values = values
         result.outputs = [_compare_one(step, r, g) for r, g in zip(wanted, grads)]
         if tap is not None and nested:

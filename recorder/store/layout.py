@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 FORMAT_NAME = "paperdebugger.run"
-SCHEMA_VERSION = "1.30"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
+SCHEMA_VERSION = "1.31"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3: run status "incomplete";
 # 1.4: one manifest per rank (rank k > 0 in rank<k>/manifest.json), rank group attributes, role "collective";
 # 1.5: a crc32c per index and document chunk, a checksum in every manifest and in our group attributes;
 # 1.6: tags $generator and $function, one record per tensor object of a call, skeleton links/parametrizations/hooks;
@@ -129,6 +129,11 @@ SCHEMA_VERSION = "1.30"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 #       (with "after:" records where the call changed them in place, and ":grad" records of their .grad), which a
 #       replay rebuilds (before, $opaque: the step's replay was refused); a reader of 1.29 refuses such a step as
 #       holding an unknown tag
+# 1.31: role network_grad: the gradients a backward step's call sent the parameters of the networks its forward
+#       was given ($module), the sums of their uses in the call's graph as a leaf argument's grad input, named by
+#       the parameters' input records (before, none: such a backward step could not be replayed); a reader of
+#       1.30 refuses such a step as holding a role it does not know
+NETWORK_GRADS_SINCE = (1, 31)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:
 # late/ came with 1.1; steps/flags during 1.2 (the first 1.2 recordings have none, and their flags are computed
@@ -359,7 +364,11 @@ ROLES: tuple[str, ...] = (
     "input", "output", "param", "buffer", "grad_output", "grad_input", "param_grad", "watch",
     "collective",  # schema 1.4: what a torch.distributed collective inside the step returned
     "component",  # schema 1.19: a part of a sparse record's tensor (its indices, its values): "<record>:<part>"
+    # schema 1.31: what a backward step's call sent a parameter of a network it was given ($module), named by
+    # that parameter's input record ("args.1.0.weight")
+    "network_grad",
 )
+GRAD_ROLES = ("grad_input", "param_grad", "network_grad")  # a backward step's results, by role name
 UNKNOWN_ROLE = "unknown role"  # a role a newer minor schema added: "unknown role 9"
 
 
@@ -378,7 +387,7 @@ PHASES: tuple[str, ...] = ("forward", "backward")
 # A step's results by phase (role indices): NaN or Inf in one of these makes the step ``nonfinite``;
 # in its inputs, parameters or grad outputs it came from somewhere else.
 RESULT_ROLES: dict[int, frozenset[int]] = {0: frozenset({ROLES.index("output")}),
-                                           1: frozenset({ROLES.index("grad_input"), ROLES.index("param_grad")})}
+                                           1: frozenset({ROLES.index(r) for r in GRAD_ROLES})}
 # A step's own inputs by phase: NaN or Inf here came from outside it (a backward step also uses its
 # forward step's inputs and parameters: see that step's flags).
 # A collective's result came from the other ranks: an input too.

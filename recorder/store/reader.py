@@ -1128,7 +1128,7 @@ class RankReader:
     def why_no_parts(self, record: TensorRecord) -> str:
         """Why a sparse record's parts were not kept (``sparse_parts`` is None), for a message: a recording
         before schema 1.19 (a gradient's: 1.24), a mode or iteration that kept statistics only, bytes dropped."""
-        grad = record.role in ("grad_output", "grad_input", "param_grad")
+        grad = record.role in ("grad_output", *layout.GRAD_ROLES)
         since = layout.SPARSE_GRAD_PARTS_SINCE if grad else layout.SPARSE_PARTS_SINCE
         if layout.parse_version(self.run.schema_version) < since:
             return (f"a recording before schema {'.'.join(map(str, since))} keeps statistics of a sparse "

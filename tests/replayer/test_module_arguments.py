@@ -172,10 +172,10 @@ def distill_loss(student: nn.Module, teacher: nn.Module, x: torch.Tensor) -> tor
     return (student(x) - t).pow(2).mean()
 
 
-def test_a_loss_given_the_student_replays_forward_and_says_why_not_backward(tmp_path: Path) -> None:
-    """A distillation loss given student and teacher: its forward replays bit for bit; its backward, whose only
-    gradients are the student's parameters', is refused in one line naming the modules whose parameter gradients
-    are not followed and what records them (it was refused as given a module that is not data)."""
+def test_a_loss_given_the_student_replays_forward_and_backward(tmp_path: Path) -> None:
+    """A distillation loss given student and teacher (the teacher used under no_grad): its forward replays bit for
+    bit, and so does its backward, whose only gradients are the student's parameters' (schema 1.31: network_grad
+    records args.0.*; before, the backward was refused as holding nothing to compare)."""
     torch.manual_seed(0)
     student, teacher = _net(), _net()
     path = tmp_path / "run.zarr"
@@ -184,10 +184,179 @@ def test_a_loss_given_the_student_replays_forward_and_says_why_not_backward(tmp_
     rec = replayer.open(path)
     forward, backward = rec.steps[0], rec.steps[1]
     assert backward.phase == "backward" and replayer.replay(rec, forward.index).match
-    with pytest.raises(ReplayError, match=r"the gradients of the parameters of the modules its forward was given, "
-                                          r"args\.0, args\.1, are not followed: a paper-step module holding them as "
-                                          r"submodules records their parameter grads"):
-        replayer.replay(rec, backward.index)
+    assert {(r.role, r.name) for r in backward.records if r.role != "grad_output"} == {
+        ("network_grad", f"args.0.{n}") for n, _ in student.named_parameters()}
+    result = replayer.replay(rec, backward.index)
+    assert result.match and len(result.outputs) == 4, [d.summary() for d in result.outputs]
+    from tui import views  # the TUI's step pane lists them
+
+    assert [t.role for t in views.step_view(backward).tensors].count("network_grad") == 4
+    for n, p in student.named_parameters():  # the only use of the student: what the call sent is its .grad
+        assert torch.equal(_bits(backward.tensor(f"args.0.{n}", "network_grad")), _bits(p.grad))
+
+
+@recorder.paper_step("Eq. 3", description="distillation through a trained teacher")
+def distill(student_logits: torch.Tensor, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (student_logits - teacher(x)).pow(2).mean()
+
+
+@recorder.paper_step("Eq. 4", description="ensemble loss")
+def ensemble_loss(nets: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return sum(((n(x) - y).pow(2).mean() for n in nets), torch.zeros(()))
+
+
+@recorder.paper_step("Eq. 5", description="policy loss through the critic")
+def policy_loss(actor: nn.Module, critic: nn.Module, obs: torch.Tensor) -> torch.Tensor:
+    return -critic(torch.cat([obs, actor(obs)], 1)).mean()
+
+
+@recorder.paper_step("Eq. 6", description="gradient penalty")
+def gradient_penalty(critic: nn.Module, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    a = torch.rand(real.shape[0], 1)
+    xi = (a * real + (1 - a) * fake).requires_grad_(True)
+    g, = torch.autograd.grad(critic(xi).sum(), xi, create_graph=True)
+    return (g.norm(dim=1) - 1).pow(2).mean()
+
+
+@recorder.paper_step("Eq. 7", description="networks in a dict and as a keyword")
+def dict_loss(nets: dict[str, nn.Module], x: torch.Tensor, *, frozen: nn.Module) -> torch.Tensor:
+    return nets["a"](x).sum() + frozen(x).sum()
+
+
+def _train_given_networks(path: Path | None) -> tuple[list[torch.Tensor], dict[str, nn.Module]]:
+    """Every kind of step given networks whose result is backpropagated: a teacher trained through a distillation
+    loss, an ensemble's list (net a shared with another step), an actor-critic, a WGAN gradient penalty, a dict
+    and a frozen network given as a keyword."""
+    torch.manual_seed(0)
+    nets = {"student": _net(), "teacher": _net(), "a": _net(), "b": _net(), "actor": _net(),
+            "critic": nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)), "c2": _net(),
+            "frozen": _net().requires_grad_(False)}
+    params = [p for k, n in nets.items() if k != "frozen" for p in n.parameters()]
+    opt = torch.optim.SGD(params, lr=0.01)
+    with recorder.record(path, model=nets["student"], optimizer=opt, mode="full") if path else \
+            contextlib.nullcontext():
+        for _ in range(2):
+            x, y = torch.randn(5, 4), torch.randn(5, 2)
+            loss = distill(nets["student"](x), nets["teacher"], x) + ensemble_loss([nets["a"], nets["b"]], x, y)
+            loss = loss + policy_loss(nets["actor"], nets["critic"], x) + gradient_penalty(nets["c2"], x, x.flip(0))
+            loss = loss + dict_loss({"a": nets["a"]}, x, frozen=nets["frozen"])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return [p.detach().clone() for p in params], nets
+
+
+class TestGivenNetworksBackward:
+    def test_every_backward_given_networks_records_and_replays_their_gradients(self, tmp_path: Path) -> None:
+        """The backward step of each call given networks holds what the call sent each of their parameters that
+        requires grad (network_grad, named by its input record), and replays bit for bit; a frozen network's
+        parameters have none; training is as unrecorded, and pdbg verify replays every step (before, those
+        backward steps held no gradient of the networks and were refused: nothing to compare)."""
+        path = tmp_path / "run.zarr"
+        recorded, nets = _train_given_networks(path)
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(recorded, _train_given_networks(None)[0],
+                                                                   strict=True))
+        rec = replayer.open(path)
+        expected = {"distill": ["args.1"], "ensemble_loss": ["args.0.0", "args.0.1"],
+                    "policy_loss": ["args.0", "args.1"], "gradient_penalty": ["args.0"], "dict_loss": ["args.0.a"]}
+        backward = [s for s in rec.steps if s.phase == "backward" and s.name in expected]
+        assert len(backward) == 10
+        for step in backward:
+            names = {r.name for r in step.records if r.role == "network_grad"}
+            prefixes = {n.rsplit(".", 2)[0] for n in names}
+            assert prefixes == set(expected[step.name]), (step.name, names)
+            assert not any(n.startswith("kwargs.frozen") for n in names)
+            result = replayer.replay(rec, step.index)
+            assert result.match and {d.name for d in result.outputs} >= names, [d.summary() for d in result.outputs]
+        last = [s for s in backward if s.name == "policy_loss"][-1]  # the critic's only use: its .grad, bit for bit
+        for n, p in nets["critic"].named_parameters():
+            assert torch.equal(_bits(last.tensor(f"args.1.{n}", "network_grad")), _bits(p.grad))
+        res = pdbg("verify", str(path), "--json", cwd=tmp_path)
+        assert res.returncode == 0 and '"mismatches": []' in res.stdout, res.stdout + res.stderr
+
+    def test_a_bundle_of_such_a_backward_replays_elsewhere(self, tmp_path: Path) -> None:
+        """pdbg bundle of an actor-critic's backward step, replayed from the bundle alone: bit for bit, its
+        networks' gradients compared."""
+        path = tmp_path / "run.zarr"
+        _train_given_networks(path)
+        out = tmp_path / "b.pdbg"
+        assert pdbg("bundle", str(path), "policy_loss@iter=1:backward", "-o", str(out), cwd=tmp_path).returncode == 0
+        res = pdbg("replay", str(out), "--json", cwd=tmp_path)
+        assert res.returncode == 0 and '"role": "network_grad"' in res.stdout, res.stdout + res.stderr
+
+
+class _Kinked(nn.Module):
+    """Finite forward (+0), NaN in its backward: sqrt's gradient at 0 is inf, times 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y + (y - y.detach()).sqrt()
+
+
+def test_a_nan_born_in_a_given_networks_gradient_is_found_by_bisect(tmp_path: Path) -> None:
+    """A trained teacher whose backward makes NaN in its own parameters' gradients, given to a distillation loss:
+    bisect names that loss's backward, producing the teacher's parameter grads from finite inputs (before, they
+    were not recorded, and the origin found was a later step that read the NaN weights)."""
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(4, 2), _Kinked()
+    opt = torch.optim.SGD([*student.parameters(), *teacher.parameters()], lr=0.01)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, model=student, optimizer=opt, mode="full"):
+        for _ in range(2):
+            x = torch.randn(5, 4)
+            loss = distill(student(x), teacher, x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is not None and (origin.step.index, origin.step.phase) == (1, "backward"), origin.cause
+    assert "network_grad args.1.lin.weight" in origin.cause, origin.cause
+    res = pdbg("bisect", str(path), "--json", cwd=tmp_path)
+    assert res.returncode == 1 and '"index": 1' in res.stdout, res.stdout + res.stderr
+
+
+def test_a_reader_without_network_grads_refuses_such_a_backward_saying_to_upgrade(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader of 1.30, which does not know the role network_grad, refuses such a backward step in one line that
+    says to upgrade (rather than comparing the gradients with none), and still replays its forward."""
+    from recorder.errors import NewerSchemaError
+    from recorder.store import layout
+
+    torch.manual_seed(0)
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        distill(torch.randn(5, 2, requires_grad=True), _net(), torch.randn(5, 4)).backward()
+    monkeypatch.setattr(layout, "SCHEMA_VERSION", "1.30")
+    monkeypatch.setattr(layout, "ROLES", layout.ROLES[:layout.ROLES.index("network_grad")])
+    with pytest.warns(recorder.RecorderWarning, match="newer"):
+        rec = replayer.open(path)
+    assert replayer.replay(rec, 0).match
+    with pytest.raises(NewerSchemaError, match=r"role this PaperDebugger does not know .*upgrade paperdebugger"):
+        replayer.replay(rec, 1)
+
+
+def test_a_recording_before_network_grads_says_to_record_again(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1.30 recording's backward of a step given a network it trains holds none of the network's gradients: its
+    replay is refused in one line that says so and to record again with this version."""
+    from recorder.capture import Session
+    from tests.sealing import as_schema
+
+    torch.manual_seed(0)
+    path = tmp_path / "run.zarr"
+    with monkeypatch.context() as m:
+        m.setattr(Session, "_network_leaves", staticmethod(lambda *a: None))  # (what 1.30 recorded)
+        with recorder.record(path, mode="full"):
+            distill_loss(_net(), _net(), torch.randn(5, 4)).backward()
+    as_schema(path, "1.30")
+    with pytest.raises(ReplayError, match=r"modules its forward was given, args\.0, args\.1, are not followed by a "
+                                          r"recording before schema 1\.31: record again"):
+        replayer.replay(replayer.open(path), 1)
 
 
 class _Scaled(nn.Module):
