@@ -1061,6 +1061,59 @@ _TAGS: dict[str, Callable[[_Decoder, str, Any], Any]] = {
 }
 
 
+def module_places(doc: Any, path: str = "") -> list[str]:
+    """The places of the modules a forward step was given (``$module``, 1.30: ``args.0``, ``args.0.net``) in
+    its arguments document, in its order."""
+    if isinstance(doc, list):
+        return [p for i, v in enumerate(doc) for p in module_places(v, f"{path}.{i}" if path else str(i))]
+    if not isinstance(doc, dict):
+        return []
+    if len(doc) == 1 and "$module" in doc:
+        return [path]
+    if len(doc) == 1 and next(iter(doc)) in ("$tuple", "$object", "$dataclass"):
+        payload = doc[next(iter(doc))]
+        inner = payload.get("fields") if isinstance(payload, dict) else payload
+        return module_places(inner, path)
+    if any(isinstance(k, str) and k.startswith("$") for k in doc):
+        return []
+    return [p for k, v in doc.items() for p in module_places(v, f"{path}.{k}" if path else str(k))]
+
+
+def given_networks(doc: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """The parameters requiring grad of the networks a call was given (``$module`` places of its recorded arguments
+    ``doc``, found in its live ``args`` and ``kwargs``), each with the name of its record (``args.1.0.weight``):
+    the names its backward step's ``network_grad`` records have (1.31). A place not found alive is left out."""
+    out: list[tuple[str, torch.Tensor]] = []
+    if not isinstance(doc, dict):
+        return out
+    live = {"args": list(args), "kwargs": kwargs}
+    for place in module_places(doc):
+        recorded, value = _at(doc, place), _at(live, place)
+        if not isinstance(value, torch.nn.Module) or not isinstance(recorded, dict):
+            continue
+        names = (recorded.get("$module") or {}).get("params") or {}
+        for n, p in value.named_parameters():
+            ref = names.get(n)
+            if p.requires_grad and isinstance(ref, dict) and isinstance(ref.get("$tensor"), str):
+                out.append((ref["$tensor"], p))
+    return out
+
+
+def _at(value: Any, place: str) -> Any:
+    """What lies at a place of ``module_places`` (``args.0.net``) in arguments, live or their document."""
+    for part in place.split("."):
+        if isinstance(value, dict) and len(value) == 1 and next(iter(value)) in ("$tuple", "$object", "$dataclass"):
+            payload = value[next(iter(value))]
+            value = payload.get("fields") if isinstance(payload, dict) else payload
+        if isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        elif isinstance(value, dict):
+            value = value.get(part, value.get(int(part)) if part.lstrip("-").isdigit() else None)
+        else:
+            value = getattr(value, part, None)
+    return value
+
+
 def as_strides(values: np.ndarray, strides: list[int]) -> np.ndarray:
     """``values`` (C-contiguous) laid out with ``strides`` (bytes, as ``ndarray.strides``): a view with
     these strides over memory of its own, as a transposed, reversed or sliced array was recorded, so that

@@ -92,22 +92,16 @@ def unrecorded_arguments(step: Step) -> list[Unrecorded]:
     return out
 
 
-def module_arguments(doc: Any, path: str = "") -> list[str]:
+def module_arguments(doc: Any) -> list[str]:
     """The places of the modules a forward step was given (``$module``, 1.30: ``args.0``, ``args.0.net``) in
     its arguments document, in its order."""
-    if isinstance(doc, list):
-        return [p for i, v in enumerate(doc) for p in module_arguments(v, f"{path}.{i}" if path else str(i))]
-    if not isinstance(doc, dict):
-        return []
-    if len(doc) == 1 and "$module" in doc:
-        return [path]
-    if len(doc) == 1 and next(iter(doc)) in ("$tuple", "$object", "$dataclass"):
-        payload = doc[next(iter(doc))]
-        inner = payload.get("fields") if isinstance(payload, dict) else payload
-        return module_arguments(inner, path)
-    if any(isinstance(k, str) and k.startswith("$") for k in doc):
-        return []
-    return [p for k, v in doc.items() for p in module_arguments(v, f"{path}.{k}" if path else str(k))]
+    return jsonval.module_places(doc)
+
+
+def network_records(doc: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """The parameters requiring grad of the networks a call was given, with their record names (1.31): see
+    ``jsonval.given_networks``."""
+    return jsonval.given_networks(doc, args, kwargs)
 
 
 def unrecorded_outputs(doc: Any) -> list[str]:

@@ -24,6 +24,7 @@ import torch
 from recorder import jsonval, skeleton, taps, transforms
 from recorder.store import layout
 
+from .arguments import network_records
 from .compare import Diff, compare_record, tensors_by_name
 from .recording import Step, join_path
 
@@ -157,6 +158,7 @@ class InnerTap:
         self.uses_apart = since(layout.USES_APART_SINCE)
         self.spares = taps._SPARES if since(layout.MORE_SPARES_SINCE) else taps.SPARES_BEFORE
         self.nested_leaves = since(layout.NESTED_LEAVES_SINCE)
+        self.network_grads = since(layout.NETWORK_GRADS_SINCE)
         self._seen_count: dict[tuple[str, str], int] = {}
         self.calls: list[_Seen] = []
         # recorded inner steps (backward: their backward steps) at a path no watched module holds, which the
@@ -226,6 +228,10 @@ class InnerTap:
             slots, leaves = [*slots, *leaves], []
         elif leaves:
             seen.leaves = taps.first_places(leaves)
+        if self.network_grads and seen.step is not None and "$module" in str(seen.step.arguments):
+            networks = self._networks(seen, args, kwargs, module)
+            seen.leaves += networks
+            self.leaves += [t for _, t in networks]
         if seen.leaves or self.uses_apart:
             seen.since = taps.sequence_now()
         split = taps.split_places(module, args)
@@ -239,6 +245,17 @@ class InnerTap:
                                                              nodes=seen.tap_nodes if self.uses_apart else None,
                                                              spares=self.spares, split=split)
         return new_args, new_kwargs
+
+    @staticmethod
+    def _networks(seen: _Seen, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  module: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
+        """The parameters of the networks the inner call was given (1.31), named by their records, as the
+        recorder follows them: their grads are its ``network_grad`` records (the call's own module's are not)."""
+        assert seen.step is not None
+        mine = {id(p) for p in module.parameters()} if module is not None else set()
+        known = {id(t) for _, t in seen.leaves}
+        return [(n, p) for n, p in network_records(seen.step.arguments, args, kwargs)
+                if id(p) not in mine and id(p) not in known]
 
     def _tap_out(self, seen: _Seen, output: Any) -> Any:
         rebased = taps.rebase_changed(taps.changed_in_place(seen.watched)) if seen.watched else None
@@ -548,8 +565,9 @@ class InnerTap:
                                                 outer_recorded)
             values = {**{f"grad_output:{k}": v for k, v in seen.grad_outputs.items()},
                       **{f"grad_input:{k}": v for k, v in seen.grad_inputs.items()},
+                      **{f"network_grad:{k}": v for k, v in seen.grad_inputs.items()},
                       **{f"param_grad:{k}": v for k, v in grads.items()}}
-            diffs = [d for d in _diffs(back, ("grad_output", "grad_input", "param_grad"), values, keyed=True)
+            diffs = [d for d in _diffs(back, ("grad_output", *layout.GRAD_ROLES), values, keyed=True)
                      if not (d.role == "param_grad" and d.name in left_out)]
             results.append(InnerStep(back, all(d.match for d in diffs), diffs))
         return sorted(results, key=lambda r: r.step.index)  # backward runs inner steps in reverse

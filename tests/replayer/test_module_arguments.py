@@ -383,3 +383,26 @@ def test_what_a_given_module_could_not_keep_is_named_as_that_modules(tmp_path: P
     result = replayer.replay(replayer.open(path), 0)
     assert any(w.startswith("the _Scaled the step was given: attributes f (a function) could not be recorded")
                for w in result.warnings), result.warnings
+
+
+@recorder.paper_step("Algorithm 2", description="a training step around a distillation loss")
+def train_step(student: nn.Module, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return distill(student(x), teacher, x) + teacher(x).pow(2).mean()
+
+
+def test_an_outer_steps_backward_compares_its_inner_steps_network_grads(tmp_path: Path) -> None:
+    """The backward replay of a training step that calls a distillation loss given the teacher compares that inner
+    loss's teacher gradients (its network_grad records) bit for bit too, not its grad inputs alone."""
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(4, 2), nn.Sequential(nn.Linear(4, 2), nn.Tanh())
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        train_step(student, teacher, torch.randn(5, 4)).backward()
+    rec = replayer.open(path)
+    outer = next(s for s in rec.steps if s.name == "train_step" and s.phase == "backward")
+    result = replayer.replay(rec, outer.index)
+    inner = {s.step.name: s for s in result.inner}["distill"]
+    assert {d.name for d in inner.diffs if d.role == "network_grad"} == {"args.1.0.weight", "args.1.0.bias"}, \
+        [d.summary() for d in inner.diffs]
+    assert result.match and inner.match and all(d.match for d in inner.diffs)
+
