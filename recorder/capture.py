@@ -1189,6 +1189,10 @@ class Session:
                 skip |= _not_own_records(original.args_doc, args, kwargs)
                 slots, leaves = taps.leaves_apart(taps.apart(taps.argument_slots(args, kwargs))[0])
                 link.leaf_args = [(n, t) for n, t in taps.first_places(leaves) if id(t) not in skip]
+                if self._modules_met and original.args_doc is not None:  # (1.31) the networks it was given
+                    networks = jsonval.given_networks(original.args_doc, args, kwargs)
+                    if networks:
+                        self._network_leaves(link, module, networks)
                 args, kwargs = self._tap_inputs(link, args, kwargs, skip, slots=slots)
         except Exception as exc:
             self.fail("tapping a recomputed step's inputs", exc)

@@ -406,3 +406,26 @@ def test_an_outer_steps_backward_compares_its_inner_steps_network_grads(tmp_path
         [d.summary() for d in inner.diffs]
     assert result.match and inner.match and all(d.match for d in inner.diffs)
 
+
+@recorder.paper_step("Eq. 12", description="apply a network it is given, checkpointed")
+def apply_tanh(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return net(x).tanh()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_step_given_a_network_records_its_gradients(tmp_path: Path, reentrant: bool) -> None:
+    """A step given a network under activation checkpointing, reentrant too (whose forward runs without grad and
+    whose backward is recorded from the recomputation): its backward step holds the network's gradients, which
+    are its .grad here, and replays bit for bit (reentrant: before, none were recorded)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        checkpoint(apply_tanh, net, torch.randn(3, 4, requires_grad=True), use_reentrant=reentrant).sum().backward()
+    rec = replayer.open(path)
+    backward = next(s for s in rec.steps if s.phase == "backward")
+    for n, p in net.named_parameters():
+        assert torch.equal(_bits(backward.tensor(f"args.0.{n}", "network_grad")), _bits(p.grad)), n
+    assert replayer.replay(rec, backward.index).match
