@@ -464,10 +464,10 @@ class InnerTap:
         first = self.unseen[0]
         more = f" (and {len(self.unseen) - 1} more)" if len(self.unseen) > 1 else ""
         return (f"not compared: inner step {first.index} ({first.name} at {first.module_path or '.'}){more}: a replay "
-                "sees the steps inside the replayed step's module and inside the modules its code reads by "
-                "module-level names, at the paths the recording names them by, and none of those is at this path "
-                "(its module was reached another way: an argument's attribute, a model a helper of another module "
-                "holds)")
+                "sees the steps inside the replayed step's module, inside the modules its code reads by "
+                "module-level names and inside the networks it is given, at the paths the recording names them by, "
+                "and none of those is at this path (its module was reached another way: an attribute of an object "
+                "it is given, a model a helper of another module holds)")
 
     def unrecorded(self) -> UnrecordedCall | None:
         """The calls the replay made beyond the recorded ones (by key and order, as paired), if any. A function

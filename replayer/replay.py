@@ -2484,10 +2484,26 @@ def _data_globals(fn: Any) -> list[str]:
 
 
 def _read_modules(call: _Call) -> list[torch.nn.Module]:
-    """The modules the replayed step's code reads by module-level names (a module step's: its forward's), but
-    its own: where the steps inside them ran, which a replay pairs with their records (``InnerTap``)."""
+    """The modules the replayed step's code reads by module-level names (a module step's: its forward's), and the
+    networks it was given (1.30: a distillation loss's paper-step teacher), but its own: where the steps inside
+    them ran, which a replay pairs with their records (``InnerTap``)."""
     target = call.fn if call.module is None else type(call.module)
-    return [m for m in snapshot.global_modules(target) if m is not call.module]
+    given = [m for m in _modules_in([*call.args, *call.kwargs.values()])]
+    found = [*snapshot.global_modules(target), *given]
+    return [m for i, m in enumerate(found) if m is not call.module and not any(m is o for o in found[:i])]
+
+
+def _modules_in(values: list[Any], depth: int = 4) -> list[torch.nn.Module]:
+    """The modules among rebuilt arguments, inside lists, tuples and dicts (an ensemble's members) too."""
+    out: list[torch.nn.Module] = []
+    for v in values:
+        if isinstance(v, torch.nn.Module):
+            out.append(v)
+        elif depth and isinstance(v, (list, tuple)):
+            out += _modules_in(list(v), depth - 1)
+        elif depth and isinstance(v, dict):
+            out += _modules_in(list(v.values()), depth - 1)
+    return out
 
 
 def _grads_by_backward(pairs: list[tuple[torch.Tensor, torch.Tensor]], targets: list[torch.Tensor],

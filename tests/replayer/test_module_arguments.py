@@ -429,3 +429,37 @@ def test_a_checkpointed_step_given_a_network_records_its_gradients(tmp_path: Pat
     for n, p in net.named_parameters():
         assert torch.equal(_bits(backward.tensor(f"args.0.{n}", "network_grad")), _bits(p.grad)), n
     assert replayer.replay(rec, backward.index).match
+
+
+@recorder.paper_step("Algorithm 3", description="a teacher network that is a paper step itself")
+class _Teacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+@recorder.paper_step("Eq. 13", description="distillation given a paper-step teacher by keyword")
+def distill_by_keyword(student_logits: torch.Tensor, x: torch.Tensor, *, teacher: nn.Module) -> torch.Tensor:
+    return (student_logits - teacher(x)).pow(2).mean() + teacher(2 * x).pow(2).mean()
+
+
+def test_the_steps_inside_a_given_paper_step_network_are_compared(tmp_path: Path) -> None:
+    """A loss given a teacher that is a paper-step module itself: a replay of the loss, forward and backward,
+    compares the teacher's two calls inside it bit for bit (before, they were "not compared": the replay did not
+    look for inner steps in the networks a step is given)."""
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(4, 2), _Teacher()
+    path = tmp_path / "run.zarr"
+    with recorder.record(path, mode="full"):
+        x = torch.randn(5, 4)
+        distill_by_keyword(student(x), x, teacher=teacher).backward()
+    rec = replayer.open(path)
+    for phase in ("forward", "backward"):
+        step = next(s for s in rec.steps if s.name == "distill_by_keyword" and s.phase == phase)
+        result = replayer.replay(rec, step.index)
+        assert [s.step.name for s in result.inner] == ["_Teacher", "_Teacher"], (phase, result.warnings)
+        assert result.match and all(s.match for s in result.inner), phase
+        assert not any("not compared" in w for w in result.warnings), result.warnings
