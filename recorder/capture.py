@@ -62,6 +62,25 @@ _SEEN_LIMIT = 1 << 20  # content keys remembered on the training thread to skip 
 _MODULE_DOCS_LIMIT = 4096  # module documents remembered (modules made anew at every step would grow it)
 _UNINITIALIZED = torch.nn.parameter.UninitializedTensorMixin
 _SUBCLASS_ATTRS = 64  # a tensor subclass instance's attributes recorded at most (see Session._note_subclass)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # (loaded where one exists)
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def _held_values(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor holding the values of a wrapper subclass ``t`` that holds no memory of its own, where the
+    recorder knows which: a DTensor's local shard (this rank's part; nothing is communicated), an
+    AsyncCollectiveTensor's result (waited for: any use of it waits, and the values are the same). None
+    for any other tensor (recorded as itself; a wrapper of another kind as metadata: ``payload.wrapper``)."""
+    if _is_dtensor(t):
+        return t._local_tensor
+    funcol = sys.modules.get("torch.distributed._functional_collectives")
+    waiting = getattr(funcol, "AsyncCollectiveTensor", None)
+    if waiting is not None and isinstance(t, waiting):
+        return t.trigger_wait() if not t.completed else t.elem
+    return None
 _UNGRADED_KEPT = 256  # calls without grad inside activation checkpointing remembered per step and module
 
 # -1 on a thread where autograd's engine is not running a backward pass. Where torch lacks it,
@@ -1894,7 +1913,14 @@ class Session:
             return name
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and frame.vmap is None and \
                 not t.is_nested:  # (a jagged nested tensor is torch's subclass: statistics only, not replayed)
-            self._note_subclass(frame, name, t)
+            inner = _held_values(t)  # (a wrapper subclass holds no memory of its own: the tensor it wraps)
+            if inner is None:
+                self._note_subclass(frame, name, t)
+            else:
+                if _is_dtensor(t):  # this rank's shard: its placement noted (its class too, for a 1.30 reader)
+                    self._note_subclass(frame, name, t)
+                    self._note_dtensor(frame, name, t)
+                t = inner
         owner = id(t) if role in _BY_CONTENT else 0  # (before detach: the parameter's identity counts)
         by_content = bool(owner) and frame.payloads and self._by_content(owner)
         alias = False  # a plain tensor outside autograd, no dual: detach() would only make another of it
@@ -1911,6 +1937,10 @@ class Session:
         on_cpu = t.is_cpu
         device = "cpu" if on_cpu else str(t.device)
         meta_only = t.is_nested or t.layout != torch.strided or not on_cpu and t.is_meta
+        if not meta_only and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and \
+                payload_mod.wrapper(t):  # (to _capture's record and note)
+            raise RuntimeError("a tensor subclass that wraps other tensors holds no memory of its own to read (its "
+                               "values are what its __torch_dispatch__ computes)")
         if not meta_only and type(t) is torch.Tensor and not payload_mod.backed(t):  # (to _capture's record and note)
             raise RuntimeError(f"its storage of {t.untyped_storage().nbytes()} bytes is smaller than its shape "
                                f"{list(t.shape)} and strides {list(t.stride())} need (freed or resized in place); "
@@ -1970,6 +2000,23 @@ class Session:
         misaligned = (frame.arguments or {}).get("misaligned", {})
         misaligned.setdefault(name, at)
         frame.arguments = {**(frame.arguments or {}), "misaligned": misaligned}
+
+    @staticmethod
+    def _note_dtensor(frame: Frame, name: str, t: torch.Tensor) -> None:
+        """Say in the step's extra ``dtensors`` (record name -> ``{"placements", "mesh", "mesh_dims",
+        "coordinate", "shape"}``) that the record holds this rank's local shard of a DTensor: how it was
+        laid out over which device mesh, where this rank sits in it, and the whole tensor's shape. Read
+        from the DTensor's own attributes: nothing is communicated."""
+        mesh = t.device_mesh
+        names = mesh.mesh_dim_names
+        coordinate = mesh.get_coordinate()
+        doc = {"placements": [repr(p) for p in t.placements], "mesh": [int(n) for n in mesh.shape],
+               "mesh_dims": list(names) if names else None,
+               "coordinate": [int(c) for c in coordinate] if coordinate is not None else None,
+               "shape": [int(n) for n in t.shape]}
+        dtensors = (frame.arguments or {}).get("dtensors", {})
+        dtensors.setdefault(name, doc)
+        frame.arguments = {**(frame.arguments or {}), "dtensors": dtensors}
 
     @staticmethod
     def _note_subclass(frame: Frame, name: str, t: torch.Tensor) -> None:

@@ -133,6 +133,18 @@ def _viewed(t: torch.Tensor) -> np.ndarray:
     return np.ndarray(t.shape, dtype, memory, 0, tuple(s * size for s in t.stride())).reshape(-1)
 
 
+def wrapper(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a wrapper tensor subclass (``_make_wrapper_subclass``: a DTensor, a tensor that
+    computes its values in ``__torch_dispatch__``), whose storage has no memory: a read at its data
+    pointer reads whatever lies there, or crashes the process."""
+    if not t.numel():
+        return False
+    try:
+        return t.untyped_storage().data_ptr() == 0
+    except RuntimeError:  # ("Attempted to access the data pointer on an invalid python storage")
+        return True
+
+
 def backed(t: torch.Tensor) -> bool:
     """Whether ``t``'s storage holds every element its shape, strides and offset reach: a storage
     resized in place to fewer bytes (by FSDP's freeing, by a ``resize_`` that failed half-way)

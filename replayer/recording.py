@@ -1134,6 +1134,33 @@ class Step:
         return f"a {kind} tensor" + (f" of {count} stored value{'s' if count != 1 else ''}" if count is not None
                                      else "")
 
+    def dtensor_refusal(self) -> str | None:
+        """Why a step whose tensors were DTensors (a tensor-parallel layer's sharded weights, a DTensor
+        argument: the step's extra ``dtensors``, 1.31) cannot be replayed, and what to do, for a message;
+        None for any other step. Its records hold this rank's local shards; the DTensor operations of the
+        call computed with the other ranks' through collectives the recording does not hold (a row-wise
+        layer's all-reduce of its partial sums), so a replay in one process cannot compute them again."""
+        dtensors = self.extra.get("dtensors")
+        if not isinstance(dtensors, dict) or not dtensors:
+            return None
+        order = {"input": 0, "param": 1, "buffer": 2}
+        records = sorted((r for r in self.records if r.name in dtensors), key=lambda r: order.get(r.role, 3))
+        if not records:
+            return None
+        r = records[0]
+        doc = dtensors[r.name] if isinstance(dtensors[r.name], dict) else {}
+        placements = ", ".join(map(str, doc.get("placements") or ())) or "unknown placements"
+        mesh = "x".join(map(str, doc.get("mesh") or ())) or "?"
+        shape = tuple(doc.get("shape") or ())
+        role = {"param": "parameter", "param_grad": "parameter gradient"}.get(r.role, r.role)
+        more = len(records) - 1
+        others = f" (and {more} other DTensor record{'s' if more != 1 else ''})" if more else ""
+        return (f"its {role} {r.name} was a DTensor{others}, {placements} over a device mesh of {mesh} ranks, of "
+                f"which the recording holds this rank's shard {tuple(r.shape)} of {shape}; a DTensor's operations "
+                "compute with the other ranks' shards through collectives the recording does not hold, so one "
+                "process cannot compute the call again; replay the steps inside it that are given plain tensors, "
+                "or make the paper step a function of local tensors (DTensor.to_local()) and record again")
+
     def sparse_refusal(self, record: TensorRecord, to: str = "replay it") -> str:
         """Why a step given a sparse tensor whose parts the recording did not keep cannot be replayed or
         bundled, and what to do (``to``: the end of it, "replay it"), for a message; the same for each step

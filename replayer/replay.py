@@ -898,6 +898,11 @@ class Replayer:
             raise ReplayError(f"step {step.index} ({step.name}): the recorder failed to capture this call "
                               f"({failed.removeprefix(f'{layout.CAPTURE_FAILED_NOTE}: ')}) and stopped recording "
                               "there; it cannot be replayed")
+        sharded = step.dtensor_refusal()
+        if sharded is not None:  # its local shards alone would compute another call than the ranks' together
+            refused = ReplayError(f"step {step.index} ({step.name}) cannot be replayed: {sharded}")
+            refused.reason = sharded  # (the same for each such step: pdbg verify lists them on one line)
+            raise refused
         lazy = step.uninitialized
         for r in records:
             if r.role in ("input", "param", "buffer") and not step.holds_values(r) and r.name not in lazy:

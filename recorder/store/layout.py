@@ -132,7 +132,11 @@ SCHEMA_VERSION = "1.31"  # 1.1: late/ (flight mode); 1.2: module skeletons; 1.3:
 # 1.31: role network_grad: the gradients a backward step's call sent the parameters of the networks its forward
 #       was given ($module), the sums of their uses in the call's graph as a leaf argument's grad input, named by
 #       the parameters' input records (before, none: such a backward step could not be replayed); a reader of
-#       1.30 refuses such a step as holding a role it does not know
+#       1.30 refuses such a step as holding a role it does not know. Also a step's extra "dtensors": the records
+#       that held a DTensor hold this rank's local shard, with its placements, device mesh, mesh coordinate and
+#       whole shape (before, the bytes at the DTensor's null data pointer: garbage); a wrapper subclass of another
+#       kind is a record of metadata with a note; a reader of 1.30 replays such a step with the local shards and
+#       may differ, with a warning naming the DTensor class
 NETWORK_GRADS_SINCE = (1, 31)
 CHECKED_SINCE = (1, 5)  # recordings of this schema or later must carry every checksum
 # Arrays that recordings of an older schema may lack, and the schema from which every recording has them:

@@ -1,0 +1,139 @@
+"""Tensors that hold no memory of their own (wrapper subclasses) under torch.distributed: a DTensor
+(tensor parallelism's sharded weights, FSDP2's sharded parameters) is recorded as this rank's local
+shard, with its placements, mesh and whole shape; an AsyncCollectiveTensor (a tensor-parallel layer's
+all-reduced output) as its values. Before, the recorder read bytes at their null data pointer: garbage
+values (false NaN findings) or a crash. A replay of a step whose tensors were DTensors is refused in one
+line naming why; the steps inside it given plain tensors replay bit for bit.
+
+These run in one process, in a gloo process group of one rank (an in-memory store: no network);
+tests/replayer/test_distributed.py runs two ranks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import recorder
+import replayer
+from recorder.errors import ReplayError
+from tests.cli import pdbg_here
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="this torch build has no gloo backend")
+
+
+@recorder.paper_step("Eq. 4", description="scaled tanh")
+def squash(h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h) * 2.0
+
+
+@recorder.paper_step("Alg. 2", step=1, description="projection")
+class Proj(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return squash(self.fc(x))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+@contextlib.contextmanager
+def one_rank() -> Iterator[None]:
+    """A gloo process group of this process alone, destroyed after."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_tensor_parallel_layer_records_its_local_shard_and_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A Colwise-parallel layer's DTensor weight is recorded as its local shard's bits, with its placement;
+    its step's replay is refused naming the DTensor, the step inside it replays bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    out = tmp_path / "run.zarr"
+    with one_rank():
+        model = Proj()
+        parallelize_module(model, init_device_mesh("cpu", (1,)), {"fc": ColwiseParallel()})
+        weight = model.fc.weight.to_local().detach().clone()
+        x = torch.randn(3, 8)
+        with recorder.record(out, model=model):
+            model(x).sum().backward()
+    rec = replayer.open(out)
+    step = rec.step("Proj")
+    assert torch.equal(bits(step.tensor("fc.weight")), bits(weight))  # its bits, not what lay at a null pointer
+    assert step.extra["dtensors"]["fc.weight"] == {"placements": ["Shard(dim=0)"], "mesh": [1], "mesh_dims": None,
+                                                   "coordinate": [0], "shape": [6, 8]}
+    assert all(r.stats["nan"] == 0 for s in rec.steps for r in rec.step(s.index).tensors())
+    with pytest.raises(ReplayError) as caught:
+        replayer.replay(rec, step.index)
+    assert "fc.weight was a DTensor" in str(caught.value) and "Shard(dim=0)" in str(caught.value)
+    assert "to_local()" in str(caught.value)
+    res = pdbg_here("replay", str(out), "Proj", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.count("\n") == 1 and "cannot be replayed: its parameter fc.weight was a DTensor" in res.stderr
+    assert replayer.replay(rec, "squash").match  # given a plain tensor (the layer's local output)
+
+
+def test_an_async_collective_tensor_is_recorded_as_its_values(tmp_path: Path) -> None:
+    """A step given an AsyncCollectiveTensor (a row-wise layer's output) records its values bit for bit and
+    replays them; the recording does not change what the step computed."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    x = torch.randn(4, 8)
+    expected = squash(x.clone())
+    out = tmp_path / "run.zarr"
+    with recorder.record(out):
+        got = squash(AsyncCollectiveTensor(x.clone()))
+    assert torch.equal(bits(got), bits(expected))
+    rec = replayer.open(out)
+    step = rec.step("squash")
+    assert torch.equal(bits(step.tensor("args.0")), bits(x))
+    assert "subclasses" not in step.extra  # nothing to make again: it only waited for its values
+    res = replayer.replay(rec, step.index)
+    assert res.match and not res.warnings
+
+
+class Wrapped(torch.Tensor):
+    """A wrapper subclass of another kind: its values are its inner tensor's, through __torch_dispatch__."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Wrapped:
+        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+        out.inner = inner
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        def unwrap(v: object) -> object:
+            return v.inner if isinstance(v, Wrapped) else v
+
+        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+        return Wrapped(out) if func is torch.ops.aten.detach.default else out  # (as a DTensor's detach is one)
+
+
+def test_a_wrapper_subclass_of_another_kind_is_recorded_as_metadata_with_a_note(tmp_path: Path) -> None:
+    """A wrapper subclass the recorder does not know holds no memory to read: its record keeps its metadata and
+    a note says why (never the bytes at its null data pointer), and the step's result is recorded as usual."""
+    x = torch.randn(4, 8)
+    out = tmp_path / "run.zarr"
+    with pytest.warns(recorder.RecorderWarning, match="could not capture args.0"), recorder.record(out):
+        squash(Wrapped(x))
+    step = replayer.open(out).step("squash")
+    arg = step.record("args.0")
+    assert not arg.has_payload and arg.shape == (4, 8)
+    assert any("wraps other tensors" in n for n in step.extra["notes"])
+    assert torch.equal(bits(step.tensor("output")), bits(squash(x)))
