@@ -161,16 +161,39 @@ def state_key(module: torch.nn.Module) -> tuple[Any, ...]:
 def own_class(module: torch.nn.Module) -> type:
     """The class ``module`` was made as: for a module that ``torch.nn.utils.parametrize`` changed
     (``parametrizations.weight_norm``, ``spectral_norm``, ``orthogonal``...), the class it had before,
-    not the ``Parametrized...`` class made for that one instance, which nothing can import."""
+    not the ``Parametrized...`` class made for that one instance, which nothing can import; for a module
+    that torch.distributed's composable APIs changed (``fully_shard``: ``FSDPBlock``, ``replicate``:
+    ``DDPBlock``), the class it had before them too (theirs are made at run time, with their own class
+    first: ``FSDPBlock(FSDPModule, Block)``)."""
     cls = type(module)
-    if cls.__module__ == parametrize.__name__ and "parametrizations" in module._modules and cls.__bases__:
-        return cls.__bases__[0]
-    return cls
+    while True:
+        if cls.__module__ == parametrize.__name__ and "parametrizations" in module._modules and cls.__bases__:
+            cls = cls.__bases__[0]
+        elif _made_by_distributed(cls):
+            cls = cls.__bases__[-1]
+        else:
+            return cls
+
+
+def _made_by_distributed(cls: type) -> bool:
+    """Whether ``cls`` is a class torch.distributed made at run time to put its own class before a module's
+    (``_fsdp_init._apply_to_module``'s ``type(f"FSDP{cls.__name__}", (FSDPModule, cls), ...)``), which
+    nothing can import: made in a module of torch.distributed that does not hold it, of two bases, the first
+    torch.distributed's."""
+    where = cls.__module__
+    if not where.startswith("torch.distributed.") or len(cls.__bases__) != 2:
+        return False
+    if not cls.__bases__[0].__module__.startswith("torch.distributed."):
+        return False
+    return getattr(sys.modules.get(where), cls.__qualname__, None) is not cls
 
 
 def parametrized(module: torch.nn.Module) -> list[str]:
     """The tensors of ``module`` that ``torch.nn.utils.parametrize`` computes (empty for most)."""
-    if own_class(module) is type(module):
+    cls = type(module)
+    while _made_by_distributed(cls):  # (fully_shard of a parametrized module: FSDPParametrizedLinear)
+        cls = cls.__bases__[-1]
+    if cls.__module__ != parametrize.__name__ or "parametrizations" not in module._modules or not cls.__bases__:
         return []
     return list(module._modules["parametrizations"]._modules)
 
