@@ -29,6 +29,10 @@ from . import jsonval
 # checkpoint of the user's model (torch.save(model)) holds nothing of the recorder's.
 _INIT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any] | None] = weakref.WeakKeyDictionary()
 _BASE_KEYS = frozenset(vars(torch.nn.Module()))  # what torch's Module.__init__ itself sets
+# Attributes that are no state of the module's own: the recorder's marks, and torch.distributed's composable
+# APIs' (fully_shard, replicate, checkpoint) state and registry, under a key with a new uuid in every process
+# (torch.distributed._composable.contract.STATE_KEY): two runs' skeletons would always differ by them.
+_NOT_STATE = ("_pdbg", "_paperdebugger", "__composable_api_state_key")
 # The hooks replay knows how to rebuild. "prune": any of torch.nn.utils.prune's methods, whose hook
 # sets NAME = NAME_orig * NAME_mask before each call whatever the method (Identity does just that).
 HOOK_CLASSES = {"weight_norm": WeightNorm, "spectral_norm": SpectralNorm, "prune": prune.Identity}
@@ -325,7 +329,7 @@ def build(module: torch.nn.Module, memo: dict[int, dict[str, Any]] | None = None
     owned: dict[int, list[str]] | None = None
     hooks, derived, other_hooks = _hooks(module)  # (derived: attributes a hook computes before each call)
     for key, value in module.__dict__.items():
-        if key in _BASE_KEYS or key.startswith(("_pdbg", "_paperdebugger")) or key in derived:
+        if key in _BASE_KEYS or key.startswith(_NOT_STATE) or key in derived:
             continue
         if key == "forward" and hasattr(value, "__pdbg_step__"):  # annotate()'s wrapper, not state
             continue

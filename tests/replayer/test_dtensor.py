@@ -166,3 +166,23 @@ def test_a_module_step_under_fully_shard_replays_bit_for_bit(tmp_path: Path) -> 
     for index in proj:
         res = replayer.replay(rec, index)
         assert res.match, (index, res.warnings)
+
+
+def test_the_module_of_a_step_under_fully_shard_holds_no_state_named_per_process(tmp_path: Path) -> None:
+    """fully_shard keeps its state on the module under keys with a new uuid in every process
+    (``__composable_api_state_key_<uuid>``): recorded in the skeleton, they made pdbg bisect --against name
+    'attribute __composable_api_state_key_...: ... in this run, not set in the other' as a cause of every
+    divergence between two runs. They are not the module's state, and not recorded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = tmp_path / "run.zarr"
+    with one_rank():
+        model = nn.Sequential(Proj())
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
+        assert [k for k in vars(model[0]) if k.startswith("__composable_api_state_key")]
+        with recorder.record(out, model=model):
+            model(torch.randn(3, 8))
+    skeleton = replayer.open(out).step("Proj")._doc("module")
+    assert skeleton["class"].endswith(":Proj")
+    assert not [k for k in {**skeleton["attrs"], **skeleton["unrecorded"]} if "composable_api" in k]
