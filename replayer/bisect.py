@@ -3394,9 +3394,12 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
             if by_stats else "same inputs")
     if changed:
         given = _given_other_arguments(al, sa) if first and al is not None else ""
+        ranks = (", or by what the other ranks sent: the gradients DistributedDataParallel or FSDP reduce across "
+                 "ranks outside every step" if len(sa.rec.ranks) > 1 else "")
         where = (f": every recorded step before it matched in its results, but {given}" if given else
                  ": every recorded step before it matched, so they were changed outside the recorded steps (by the "
-                 "optimizer or its settings, such as the learning rate, or at initialisation)" if first else "")
+                 f"optimizer or its settings, such as the learning rate, or at initialisation{ranks})" if first
+                 else "")
         told = _told(sa, sb, _differing(params_a, params_b) | _differing(res_a, res_b))
         return f"{same}, but {_names(changed)} differ{'s' if len(changed) == 1 else ''}, so {results}{where}{told}"
     reasons = []
@@ -3457,6 +3460,9 @@ def _why(sa: Step, sb: Step, parts_a: tuple[dict[Any, Any], ...], parts_b: tuple
                                  "show, or nondeterministic kernels" if by_stats
                                  else "nothing recorded explains it (nondeterministic kernels, or something the step "
                                  "reads besides its inputs: a global, an environment variable?)")
+    if sa.extra.get("dtensors") and not reasons:  # (its collectives brought in the other ranks' shards)
+        why += ("; or it took it from another rank: it computed on DTensors, whose operations take in the other "
+                "ranks' shards through collectives the recording does not hold (--rank K compares another rank)")
     others = [k for k in generators if k not in torch_ones and not k.startswith((snapshot.GLOBAL_PREFIX,
                                                                                  snapshot.MODULE_PREFIX,
                                                                                  snapshot.DEFAULT_PREFIX))]

@@ -186,3 +186,69 @@ def test_the_module_of_a_step_under_fully_shard_holds_no_state_named_per_process
     skeleton = replayer.open(out).step("Proj")._doc("module")
     assert skeleton["class"].endswith(":Proj")
     assert not [k for k in {**skeleton["attrs"], **skeleton["unrecorded"]} if "composable_api" in k]
+
+
+GAIN = [1.0]  # read by Gained's forward: what two runs below differ by, outside the step's inputs
+
+
+@recorder.paper_step("Alg. 2", step=2, description="projection, gained")
+class Gained(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * GAIN[0]
+
+
+def test_two_runs_parting_at_a_dtensor_step_name_the_other_ranks_as_a_cause(tmp_path: Path) -> None:
+    """Where two runs part at a step that computed on DTensors with the same inputs and parameters, the other
+    ranks' shards its collectives took in are named as a possible cause (before: only 'nothing recorded explains
+    it (nondeterministic kernels, ...)', while a NaN made on another rank of a tensor-parallel run came in so)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    runs = []
+    for gain in (1.0, 3.0):
+        GAIN[0] = gain
+        out = tmp_path / f"run{gain}.zarr"
+        with one_rank():
+            torch.manual_seed(0)
+            model = Gained()
+            parallelize_module(model, init_device_mesh("cpu", (1,)), {"fc": ColwiseParallel()})
+            with recorder.record(out, model=model):
+                model(torch.ones(2, 8))
+        runs.append(out)
+    GAIN[0] = 1.0
+    found = replayer.first_divergence(replayer.open(runs[0]), replayer.open(runs[1]))
+    assert found is not None and found.step.name == "Gained"
+    assert "same inputs and parameters" in found.cause
+    assert "took it from another rank: it computed on DTensors" in found.cause
+
+
+def test_parameters_parting_outside_the_steps_of_a_run_of_several_ranks_name_what_other_ranks_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs of two ranks whose rank 0 parts where its parameters came out of the update otherwise: the cause
+    named its optimizer, its settings or its initialisation, never the gradients the other ranks sent through
+    DDP's all-reduce or FSDP's reduce-scatter, outside every step. (The ranks are recorded one after the other in
+    this process, each told its rank as torchrun tells it.)"""
+    runs = []
+    for nudge in (0.0, 1e-3):
+        out = tmp_path / f"run{nudge}.zarr"
+        for rank in (0, 1):
+            monkeypatch.setenv("RANK", str(rank))
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            torch.manual_seed(0)
+            model = Proj()
+            with recorder.record(out, model=model):
+                for _ in range(2):
+                    model(torch.ones(2, 8))
+                    with torch.no_grad():  # outside every step: as a gradient another rank sent would
+                        model.fc.bias.add_(nudge)
+        runs.append(out)
+    a, b = replayer.open(runs[0]), replayer.open(runs[1])
+    assert a.ranks == [0, 1]
+    found = replayer.first_divergence(a, b)
+    assert found is not None and found.step.name == "Proj" and found.step.call == 1  # (its second call)
+    assert "changed outside the recorded steps" in found.cause
+    assert "or by what the other ranks sent: the gradients DistributedDataParallel or FSDP reduce" in found.cause
