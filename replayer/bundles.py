@@ -414,6 +414,9 @@ def bundle(rec: Recording | str | os.PathLike[str], step: int | str | Step, path
     rows, full, buffers_of = _selection(rec, main, iteration)
     steps = [rec.step(i) for i in rows]
     fwd = rec.step(main.forward) if main.forward is not None else main
+    sharded = fwd.dtensor_refusal()
+    if sharded is not None:  # (a bundle is for replaying it elsewhere: it could not be, there or here)
+        raise BundleError(f"step {main.index} cannot be bundled: {sharded}")
     for r in [*(main.records if main.phase == "forward" else []),
               *(fwd.records if main.forward is not None else []),
               *(main.records if main.phase == "backward" else [])]:

@@ -86,6 +86,10 @@ def test_a_tensor_parallel_layer_records_its_local_shard_and_is_refused_in_one_l
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.count("\n") == 1 and "cannot be replayed: its parameter fc.weight was a DTensor" in res.stderr
     assert replayer.replay(rec, "squash").match  # given a plain tensor (the layer's local output)
+    bundled = pdbg_here("bundle", str(out), "Proj:backward", "-o", str(tmp_path / "proj.pdbg"), cwd=tmp_path)
+    assert bundled.returncode == 2 and "Traceback" not in bundled.stderr and bundled.stderr.count("\n") == 1
+    assert "cannot be bundled: its parameter fc.weight was a DTensor" in bundled.stderr
+    assert not (tmp_path / "proj.pdbg").exists()
 
 
 def test_an_async_collective_tensor_is_recorded_as_its_values(tmp_path: Path) -> None:
