@@ -233,11 +233,14 @@ class GlobalCapture:
     def _defn(self, module: torch.nn.Module) -> StepDef:
         from .annotate import StepDef  # annotate imports capture, which imports this module
 
-        cls = skeleton.own_class(module)  # (not the class torch.nn.utils.parametrize made for this instance)
-        defn = self._defs.get(cls)
+        defn = self._defs.get(type(module))  # (per call: one lookup; own_class once per class met)
         if defn is None:
-            defn = self._defs[cls] = StepDef(cls.__qualname__, None, None, None, None, None,  # type: ignore[arg-type]
-                                             "module", cls)
+            cls = skeleton.own_class(module)  # (not the class parametrize or fully_shard made for this instance)
+            defn = self._defs.get(cls)
+            if defn is None:
+                defn = self._defs[cls] = StepDef(cls.__qualname__, None, None, None, None, None,  # type: ignore[arg-type]
+                                                 "module", cls)
+            self._defs[type(module)] = defn
         return defn
 
     def mark(self, top: torch.nn.Module) -> None:

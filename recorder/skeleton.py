@@ -171,12 +171,16 @@ def own_class(module: torch.nn.Module) -> type:
     first: ``FSDPBlock(FSDPModule, Block)``)."""
     cls = type(module)
     while True:
-        if cls.__module__ == parametrize.__name__ and "parametrizations" in module._modules and cls.__bases__:
+        where = cls.__module__
+        if where == _PARAMETRIZE and "parametrizations" in module._modules and cls.__bases__:
             cls = cls.__bases__[0]
-        elif _made_by_distributed(cls):
+        elif where.startswith("torch.distributed.") and _made_by_distributed(cls):
             cls = cls.__bases__[-1]
         else:
             return cls
+
+
+_PARAMETRIZE = parametrize.__name__
 
 
 def _made_by_distributed(cls: type) -> bool:

@@ -256,3 +256,23 @@ def test_parameters_parting_outside_the_steps_of_a_run_of_several_ranks_name_wha
     assert found is not None and found.step.name == "Proj" and found.step.call == 1  # (its second call)
     assert "changed outside the recorded steps" in found.cause
     assert "or by what the other ranks sent: the gradients DistributedDataParallel or FSDP reduce" in found.cause
+
+
+def test_a_module_under_fully_shard_recorded_by_modules_is_named_by_its_own_class(tmp_path: Path) -> None:
+    """A module that modules= selects under fully_shard is the step of its own class (Linear, not the FSDPLinear
+    made at run time), and replays bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = tmp_path / "run.zarr"
+    with one_rank():
+        model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 2))
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with recorder.record(out, model=model, modules=["2"]):
+            for _ in range(2):
+                model(torch.randn(3, 8)).sum().backward()
+    rec = replayer.open(out)
+    assert {rec.step(s.index).name for s in rec.steps} == {"Linear"}
+    assert all(replayer.replay(rec, s.index).match for s in rec.steps)
