@@ -1223,6 +1223,10 @@ def _finite_inputs(step: Step, made: str) -> str:
     backward step, gradients came to its forward's outputs that were not recorded (``_unrecorded_grads``)."""
     unrecorded = unrecorded_arguments(step)
     grads = _unrecorded_grads(step)
+    if step.extra.get("dtensors") and not unrecorded and not grads:  # (a backward's: its gradients' DTensors)
+        return (f"from inputs that were finite on this rank, but it computed on DTensors, whose operations take in "
+                f"the other ranks' shards through collectives the recording does not hold: the {made} may have "
+                "come from another rank")
     if not unrecorded and not grads:
         return "from finite inputs"
     if grads:

@@ -276,3 +276,26 @@ def test_a_module_under_fully_shard_recorded_by_modules_is_named_by_its_own_clas
     rec = replayer.open(out)
     assert {rec.step(s.index).name for s in rec.steps} == {"Linear"}
     assert all(replayer.replay(rec, s.index).match for s in rec.steps)
+
+
+def test_a_nan_made_in_a_dtensor_step_may_have_come_from_another_rank(tmp_path: Path) -> None:
+    """A step that computed on DTensors and made NaN from inputs finite on its rank is said to have maybe taken
+    it from another rank (its collectives took in their shards, unrecorded), not plainly 'from finite inputs':
+    under tensor parallelism a NaN made on rank 1 comes out of the all-reduce of every rank's row-wise layer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    out = tmp_path / "run.zarr"
+    GAIN[0] = float("nan")
+    try:
+        with one_rank():
+            model = Gained()
+            parallelize_module(model, init_device_mesh("cpu", (1,)), {"fc": ColwiseParallel()})
+            with recorder.record(out, model=model):
+                model(torch.ones(2, 8))
+    finally:
+        GAIN[0] = 1.0
+    found = replayer.first_nonfinite(replayer.open(out))
+    assert found is not None and found.step.name == "Gained"
+    assert "from inputs that were finite on this rank, but it computed on DTensors" in found.cause, found.cause
+    assert "the NaN may have come from another rank" in found.cause
