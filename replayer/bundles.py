@@ -692,6 +692,12 @@ def _write_store(rec: Recording, where: Path, rows: list[int], full: set[int], m
     full_payloads = {r.payload for old in full for r in rec.step(old).records if r.has_payload}
     full_payloads |= {r.payload for old in buffers_of or () for r in rec.step(old).records
                       if r.role == "buffer" and r.has_payload}
+    # The results of the steps inside the bundled ones (an inner forward's output, an inner backward's grad
+    # inputs and parameter grads): what a replay of the main step compares them by, bit for bit, as a replay of
+    # the recording does (with statistics alone, a bundle that replays exactly said "by statistics only").
+    inside = set(rows) - set(buffers_of or ()) - full
+    full_payloads |= {r.payload for old in inside for r in rec.step(old).records
+                      if r.has_payload and r.role in ("output", *layout.GRAD_ROLES)}
     rng_ids: dict[int, int] = {}
     for old in rows:
         step = rec.step(old)

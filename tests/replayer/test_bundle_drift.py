@@ -176,8 +176,9 @@ def test_a_replay_with_the_bundled_source_says_it_ran_that_copy(tmp_path: Path,
 def test_an_inner_step_of_a_bundle_says_the_bundle_kept_its_statistics(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Its refusal gave the recording's reasons ("recorded in stats mode, on an iteration --every skipped, or in
-    flight mode"), none of them true: a bundle keeps an inner step's tensors as statistics by design."""
-    (tmp_path / "driftnested.py").write_text(STEPS)
+    flight mode"), none of them true: a bundle keeps an inner step's tensors as statistics by design (its results
+    aside: an input that is neither the main step's nor another inner step's result)."""
+    (tmp_path / "driftnested.py").write_text(STEPS.replace("return shift(scale(x))", "return shift(scale(x) * 3.0)"))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "driftnested", raising=False)
     steps = importlib.import_module("driftnested")
