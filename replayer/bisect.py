@@ -1057,6 +1057,8 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     else:
         raised = _anomaly_raised(rec)
         if raised is not None:
+            if ops and raised.step is not None:
+                find_op(raised, raised.step)
             return raised
         contained = int(k.given.sum())
         if overflowed and not contained:
@@ -1511,7 +1513,7 @@ def _raised_first(rec: Recording, step: Step) -> Step:
 
 # What autograd's anomaly mode (torch.autograd.set_detect_anomaly) raises where a backward function
 # makes NaN: the pass stops there, before any step records the NaN.
-_ANOMALY = re.compile(r"Function '(\w+)' returned nan values in its (\d+)(?:st|nd|rd|th) output")
+ANOMALY = re.compile(r"Function '(\w+)' returned nan values in its (\d+)(?:st|nd|rd|th) output")
 
 
 _STOPPED_NOTE = (", where the recorder stopped the run (on_anomaly=\"stop\"), so nothing that would have come of "
@@ -1565,12 +1567,12 @@ def _anomaly_raised(rec: Recording) -> Origin | None:
     for index in np.flatnonzero(status == layout.STATUSES.index("exception")).tolist():
         step = rec.step(int(index))
         message = str((step.extra.get("exception") or {}).get("message", ""))
-        found = _ANOMALY.search(message)
+        found = ANOMALY.search(message)
         if found:
             return Origin(step, f"{describe(step)}: anomaly mode stopped the backward pass inside it, where "
                                 f"{found.group(1)} returned NaN in its output {found.group(2)} (the pass stopped "
                                 "before any recorded gradient held it)", [])
-    found = _ANOMALY.search(str(rec.ended_by or ""))
+    found = ANOMALY.search(str(rec.ended_by or ""))
     if found:  # raised where no recorded step's backward was under way
         return Origin(None, f"no non-finite values recorded; the run ended when anomaly mode stopped a backward pass "
                             f"outside every recorded step's backward, where {found.group(1)} returned NaN in its "

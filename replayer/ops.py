@@ -49,7 +49,7 @@ from recorder import payload
 from recorder import stats as stats_mod
 from recorder.errors import ReplayError
 
-from .bisect import layout_results
+from .bisect import ANOMALY, layout_results
 from .compare import stats_dict
 from .recording import Recording, Step
 
@@ -814,7 +814,10 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
 
     finders: dict[str, _Finder] = {}
     results = layout_results(step.phase)
-    nan = any(r.stats["nan"] for r in step.records if r.role in results)
+    # a backward that anomaly mode stopped where a node returned NaN, before the step's results held it
+    stopped = step.phase == "backward" and step.status == "exception" and \
+        ANOMALY.search(str((step.extra.get("exception") or {}).get("message", ""))) is not None
+    nan = stopped or any(r.stats["nan"] for r in step.records if r.role in results)
     passed = passed and not nan
     baseline = _traced(rec, kept, threads=threads, use_bundled_source=use_bundled_source, script=script) \
         if passed and kept is not None else None
@@ -842,7 +845,7 @@ def bisect_ops(rec: Recording, step: Step, *, threads: int | None = None, use_bu
             yield
 
     result = Replayer(rec, script=script, use_bundled_source=use_bundled_source).replay(
-        step, threads=threads, nested=False, around=around)
+        step, threads=threads, nested=False, around=around, stopped=stopped)
     if notes is not None:
         notes += [w for w in result.warnings if "changed since" in w]
     if replayed is not None:

@@ -191,9 +191,13 @@ class Replayer:
 
     def replay(self, which: int | str | Step, *, threads: int | None = None, nested: bool = True,
                around: Around | None = None, swap: dict[str, Any] | None = None, edit: dict[str, Any] | None = None,
-               settings: dict[str, Any] | None = None, seed: int | None = None) -> ReplayResult:
+               settings: dict[str, Any] | None = None, seed: int | None = None, stopped: bool = False
+               ) -> ReplayResult:
         """Replay one step (see :func:`replay`). ``around(stage)`` gives a context manager entered around
-        the call ("forward"; for a backward step "forward" then "backward" around the gradients)."""
+        the call ("forward"; for a backward step "forward" then "backward" around the gradients).
+        ``stopped``: a backward step whose pass raised before it sent any gradient (anomaly mode's "returned
+        nan values") runs its backward all the same, from its recorded grad outputs to its forward's inputs
+        and parameters, with nothing to compare (operation-level bisection looks at what it runs)."""
         if threads is not None:
             if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or \
                     not 1 <= threads <= state.MAX_THREADS:
@@ -215,7 +219,8 @@ class Replayer:
         backward = step.phase == "backward"
         try:
             with state.neutral({**step.settings, **self.plan.settings}), self.loader.sources(), self._bindings():
-                result = self._backward(step, threads, nested) if backward else self._forward(step, threads, nested)
+                result = self._backward(step, threads, nested, stopped) if backward else \
+                    self._forward(step, threads, nested)
         except UnknownTagError as exc:
             if not self.rec.reader.newer:  # a tag no version wrote: damage
                 raise
@@ -1732,7 +1737,7 @@ class Replayer:
                 if name in inputs and isinstance(t, torch.Tensor) and not t.is_inference()]
 
     # -- backward --------------------------------------------------------------------------------
-    def _backward(self, step: Step, threads: int | None, nested: bool) -> ReplayResult:
+    def _backward(self, step: Step, threads: int | None, nested: bool, stopped: bool = False) -> ReplayResult:
         if step.forward is None:
             raise ReplayError(f"backward step {step.index} does not name its forward call; it cannot be replayed")
         fwd = self.rec.step(step.forward)
@@ -1878,7 +1883,11 @@ class Replayer:
         changed = [n for n in fwd.extra.get("notes", []) if layout.CHANGED_ARGUMENT_NOTE in n]
         warnings += [f"forward step {fwd.index}: {n}" for n in changed]
         raised_doc = step.extra.get("exception") or {}
-        if not targets and raised_doc:
+        if not targets and raised_doc and stopped:
+            # (what the pass would have sent: every input and parameter of the call that requires grad)
+            targets = list({id(t): t for t in [*call.leaves.values(), *params.values()] if t.requires_grad}.values())
+            wanted = []
+        elif not targets and raised_doc:
             raise ReplayError(f"backward step {step.index}: its backward pass raised ({exception_line(raised_doc)}) "
                               "before this step sent any gradient; a replay has nothing to compare (its forward, "
                               f"step {fwd.index}, replays)")

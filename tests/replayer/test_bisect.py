@@ -451,6 +451,30 @@ def test_a_nan_anomaly_mode_stops_in_the_backward_names_that_step(tmp_path: Path
     assert res.returncode == 1 and said in res.stdout, res.stdout + res.stderr
 
 
+def test_bisect_ops_names_the_operation_anomaly_mode_stopped_a_backward_at(tmp_path: Path) -> None:
+    """Anomaly mode raises "Function 'MulBackward0' returned nan values" inside a step's backward, before the
+    step sent any gradient. bisect --ops said the step could not be replayed ("a replay has nothing to compare")
+    and named no operation; it replays the backward from the recorded grad output to the step's inputs and
+    names the one that made the non-finite value, as it does for the same run recorded without anomaly mode.
+    A plain replay of that step is still refused: there is nothing recorded to compare."""
+    path = tmp_path / "run.zarr"
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(RuntimeError, match="returned nan values"), \
+            recorder.record(path):
+        x = torch.tensor([0.0, 1.0, 4.0], requires_grad=True)
+        nanmodels.root_energy(x * 1.0).sum().backward()
+    rec = replayer.open(path)
+    back = rec.step("root_energy:backward")
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert origin.step is not None and origin.step.index == back.index, origin.cause
+    assert origin.op is not None and (origin.op.name, origin.op.node) == ("aten::div", "SqrtBackward0"), \
+        (origin.op, origin.op_note)
+    assert origin.op.code is not None and "torch.sqrt(x * x)" in origin.op.code, origin.op
+    res = pdbg("bisect", str(path), "--ops", cwd=tmp_path)
+    assert res.returncode == 1 and "operation: aten::div (in SqrtBackward0" in res.stdout, res.stdout + res.stderr
+    with pytest.raises(replayer.ReplayError, match="before this step sent any gradient"):
+        replayer.replay(rec, back.index)
+
+
 @recorder.paper_step("Eq. 2", description="a smooth relu: log(1 + exp(x)), Inf where exp overflows")
 def stop_smooth_relu(x: torch.Tensor) -> torch.Tensor:
     return torch.log1p(torch.exp(x))
