@@ -1065,6 +1065,9 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
             return Origin(None, _overflows_text(rec, overflowed))
         if not contained:
             return _ended_outside(rec) or _raised_caught(rec) or Origin(None, "no non-finite values recorded")
+        stopped_on = _raised_on_given(rec, k.given)
+        if stopped_on is not None:
+            return stopped_on
         first = rec.step(int(np.flatnonzero(k.given)[0]))
         phase = layout.PHASES.index(first.phase)
         held = _nonfinite_text(first, {layout.ROLES[i] for i in layout.INPUT_ROLES[phase]})
@@ -1489,6 +1492,39 @@ def _raised_caught(rec: Recording) -> Origin | None:
     return Origin(None, f"no non-finite values recorded; {describe(first)} raised {said}, which the training code "
                         f"caught{more}: the NaN/Inf it speaks of was made inside that step, before any result of it "
                         "was recorded", raised_in=first)
+
+
+def _raised_on_given(rec: Recording, given: np.ndarray) -> Origin | None:
+    """Where no step's results held NaN/Inf but a step given NaN/Inf raised an exception that speaks of it (a NaN
+    check in the step: ``assert torch.isfinite(h).all()``, ``torch._assert``): it did not keep them out of its
+    results as a mask's taker does, it stopped on them. An enclosing step that raised the same exception from
+    finite inputs of its own made them, in its code around the inner call: ``raised_in``, which ``find_op``
+    replays; else they came into the step from outside every recorded step (``entered``)."""
+    status, parent = _column(rec, "status"), _column(rec, "parent")
+    raised = layout.STATUSES.index("exception")
+    for index in np.flatnonzero(given & (status == raised)).tolist():
+        step = rec.step(index)
+        doc = step.extra.get("exception") or {}
+        if not _speaks_nonfinite(doc.get("type"), doc.get("message")):
+            continue
+        said = exception_line(doc)
+        took = _nonfinite_text(step, {layout.ROLES[i] for i in layout.INPUT_ROLES[layout.PHASES.index(step.phase)]})
+        stopped = f"{describe(step)} was given {'; '.join(took) or 'non-finite inputs'} and raised {said}"
+        up, maker = int(parent[index]), None
+        while 0 <= up < index and status[up] == raised and \
+                (rec.step(up).extra.get("exception") or {}).get("message") == doc.get("message"):
+            if not given[up]:
+                maker = rec.step(up)
+                break
+            up = int(parent[up])
+        final = rec.rank.final.get("exception")
+        ended = rec.ended_by if isinstance(final, dict) and final.get("message") == doc.get("message") else None
+        if maker is not None:
+            return Origin(None, f"no step's results held NaN or Inf; {stopped}: they were made by the code of "
+                                f"{describe(maker)} around that call, from its finite inputs (it raised the same, "
+                                "returning no result)", raised_in=maker, ended_by=ended)
+        return Origin(None, f"{stopped}: {_entered_cause(rec, step)}", entered=step, ended_by=ended)
+    return None
 
 
 def _raised_first(rec: Recording, step: Step) -> Step:

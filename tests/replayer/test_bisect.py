@@ -475,6 +475,66 @@ def test_bisect_ops_names_the_operation_anomaly_mode_stopped_a_backward_at(tmp_p
         replayer.replay(rec, back.index)
 
 
+@recorder.paper_step("Eq. 7", description="a log with a NaN check")
+def checked_log(h: torch.Tensor) -> torch.Tensor:
+    out = torch.log(h)
+    torch._assert(torch.isfinite(out).all(), "log produced non-finite values")
+    return out
+
+
+@recorder.paper_step("Algorithm 7")
+class CheckedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checked_log(self.fc(x).abs() + 1e-3).sum()
+
+
+def test_a_nan_check_in_a_step_that_raises_on_its_inf_input_is_no_mask(tmp_path: Path) -> None:
+    """A step's own NaN check (torch._assert(torch.isfinite(out).all())) raises on the Inf its enclosing step's
+    linear layer made by overflow (finite inputs), ending the run. No step's results held NaN/Inf, and bisect took
+    the inner step for a mask's taker: "kept them out of their results (as an additive -inf attention mask is)",
+    exit 0, a clean run. It names the enclosing step as where they were made (--ops: its overflowing addmm),
+    exit 1, and pdbg info says so."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    block = CheckedBlock()
+    opt = torch.optim.SGD(block.parameters(), lr=0.1)
+    with pytest.raises(AssertionError, match="non-finite"), recorder.record(path, model=block, optimizer=opt):
+        for i in range(3):
+            block(torch.rand(4, 3) * (1e38 if i == 1 else 1.0)).backward()
+            opt.step()
+            opt.zero_grad()
+    rec = replayer.open(path)
+    outer = rec.step("CheckedBlock@iter=1")
+    origin = replayer.first_nonfinite(rec, ops=True)
+    assert not origin.clean and origin.raised_in is not None and origin.raised_in.index == outer.index, origin.cause
+    assert "was given input args.0" in origin.cause and "made by the code of" in origin.cause, origin.cause
+    assert origin.op is not None and origin.op.name == "aten::addmm", (origin.op, origin.op_note)
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 1 and "as an additive -inf attention mask" not in res.stdout, res.stdout + res.stderr
+    info = pdbg("info", str(path), cwd=tmp_path)
+    assert f"NaN origin: inside step {outer.index}: Algorithm 7 (CheckedBlock)" in info.stdout, info.stdout
+
+
+def test_a_nan_check_that_raises_on_an_inf_from_the_data_says_it_came_in(tmp_path: Path) -> None:
+    """The same check given Inf by the data, the loop catching the AssertionError and going on: the Inf came in
+    (it was said to be kept out as a mask's, exit 0)."""
+    path = tmp_path / "run.zarr"
+    with recorder.record(path):
+        for i in range(3):
+            x = torch.rand(4, 3) + 0.5
+            x[0, 0] = math.inf if i == 1 else x[0, 0]
+            with contextlib.suppress(AssertionError):
+                checked_log(x)
+    origin = replayer.first_nonfinite(replayer.open(path))
+    assert origin.entered is not None and origin.entered.call == 1 and not origin.clean, origin.cause
+    assert "raised AssertionError: log produced non-finite values" in origin.cause, origin.cause
+    assert "came non-finite" in origin.cause, origin.cause
+
+
 @recorder.paper_step("Eq. 2", description="a smooth relu: log(1 + exp(x)), Inf where exp overflows")
 def stop_smooth_relu(x: torch.Tensor) -> torch.Tensor:
     return torch.log1p(torch.exp(x))
