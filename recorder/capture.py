@@ -304,7 +304,9 @@ class Frame:
     # update under no_grad, a router's load-balancing bias, a LoRA base weight merged in forward) are
     # recorded again as it leaves them ("after:<input>", "after:<parameter>", role output). Cleared when
     # the call ends.
-    versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None
+    # An inference tensor (made under torch.inference_mode: a KV cache) has no version counter (None): its kept
+    # bits alone tell (a CPU one up to layout.KEPT_INPUT_BYTES).
+    versions: list[tuple[str, torch.Tensor, int | None, torch.Tensor | None]] | None = None
     own_grads: list[str] = field(default_factory=list)  # a backward's parameter grads that are the call's own
     # A forward's arguments that share memory ("aliases") or are its module's parameters ("parameter_args"), the
     # records given to a call that began at an address not aligned ("misaligned"), as the step's extra names them
@@ -1792,7 +1794,7 @@ class Session:
     def _encode(self, frame: Frame, value: Any, role: str, prefix: str, tapped: frozenset[int] = frozenset(),
                 top: frozenset[str] = frozenset(), nested: set[int] | None = None, per_object: bool = True,
                 unfollowed: list[str] | None = None,
-                versions: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] | None = None,
+                versions: list[tuple[str, torch.Tensor, int | None, torch.Tensor | None]] | None = None,
                 places: dict[str, str] | None = None, grads: list[tuple[str, torch.Tensor]] | None = None,
                 split: frozenset[int] = frozenset(), modules: bool = False) -> Any:
         """Encode a value as tagged JSON, capturing each tensor in it under its path: once per object
@@ -1836,7 +1838,11 @@ class Session:
                 named[key] = self._capture(frame, role, full, t)
                 if places is not None:
                     places[path] = named[key]  # type: ignore[assignment]
-                if versions is not None and t.grad_fn is None and not t.is_inference() and named[key] == full:
+                if versions is not None and t.grad_fn is None and named[key] == full and t.is_inference():
+                    kept = _kept(t, _KEPT_INPUT_BYTES)  # (no version counter: the bits alone tell)
+                    if kept is not None:
+                        versions.append((full, t, None, kept))
+                elif versions is not None and t.grad_fn is None and named[key] == full:
                     versions.append((full, t, t._version, _kept(t, _KEPT_INPUT_BYTES)))
                     grad = t.grad if t.requires_grad else None  # (a leaf: a parameter an update step is given)
                     if grad is not None and not grad.is_inference():
@@ -1871,7 +1877,7 @@ class Session:
         ``h.mul_(s)`` on an activation), which ``Frame.versions`` leaves out."""
         versions, frame.versions = frame.versions, None
         for name, t, version, kept in versions or ():
-            if t._version != version or not _same_bits(kept, t):
+            if (version is not None and t._version != version) or not _same_bits(kept, t):
                 self._capture(frame, "output", f"{layout.AFTER_PREFIX}{name}", t)
         if link is not None:
             for i, t, _ in link.rebased.values():

@@ -259,6 +259,54 @@ def test_a_step_recorded_without_grad_replays_inside_inference_mode(tmp_path: Pa
     assert result.match, [d.summary() for d in result.outputs]
 
 
+@recorder.paper_step("Alg. 11", description="attention over a preallocated KV cache, written in place")
+class CachedAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+        self.kv = torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, t: int) -> torch.Tensor:
+        k, v = self.kv(x).chunk(2, -1)
+        kc[:, t:t + 1] = k if t != 3 else k / 0.0  # NaN/Inf written into the cache at call 3
+        vc[:, t:t + 1] = v
+        a = torch.softmax(self.q(x) @ kc[:, :t + 1].nan_to_num().transpose(1, 2), -1)
+        return a @ vc[:, :t + 1]
+
+
+@pytest.mark.parametrize("guard", ["inference_mode", "no_grad"])
+def test_a_kv_cache_written_in_place_under_inference_mode_is_recorded(tmp_path: Path, guard: str) -> None:
+    """Generation under torch.inference_mode() with a preallocated KV cache each call writes into in place:
+    inference tensors have no version counter, and the recorder left them out of the inputs it records again
+    as the call leaves them, so the cache's new rows were never recorded (under no_grad they are: after:args.1),
+    a replay compared the output alone, and the NaN/Inf a call wrote into the cache (and hid from its output)
+    was seen only when the next call took it, as if it came from outside. Now the inference tensors' kept bits
+    tell: after:args.1 is recorded and replayed bit for bit, bisect names the call that wrote it, and the
+    generation's results are the bits of an unrecorded run."""
+    def generate(path: Path | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        attn = CachedAttention().eval()
+        with contextlib.ExitStack() as stack:
+            if path is not None:
+                stack.enter_context(recorder.record(path, model=attn))
+            stack.enter_context(torch.inference_mode() if guard == "inference_mode" else torch.no_grad())
+            kc, vc, x = torch.zeros(2, 6, 8), torch.zeros(2, 6, 8), torch.randn(2, 1, 8)
+            for t in range(6):
+                x = attn(x, kc, vc, t)
+            return torch.cat([x.reshape(-1), kc.reshape(-1), vc.reshape(-1)]).clone()
+
+    path = tmp_path / "run.zarr"
+    plain, recorded = generate(None), generate(path)
+    assert torch.equal(plain.view(torch.int32), recorded.view(torch.int32))
+    rec = replayer.open(path)
+    assert [r.name for r in rec.step(2).records if r.role == "output"] == ["output", "after:args.1", "after:args.2"]
+    result = replayer.replay(rec, 2)
+    assert result.match and {d.name for d in result.outputs} == {"output", "after:args.1", "after:args.2"}
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is not None and origin.step.index == 3, origin.cause
+    assert "after:args.1" in origin.cause, origin.cause
+
+
 class WeightDrop(torch.nn.Module):
     """AWD-LSTM's DropConnect: ``weights`` of ``module`` (an nn.LSTM) kept as parameters NAME_raw, and NAME set
     before each call to a dropout of it, a plain tensor, with the LSTM's _flat_weights."""
