@@ -2639,6 +2639,11 @@ class Session:
             self._callback_queued = True
         return frame
 
+    def backward_running(self) -> bool:
+        """Whether a recorded step's backward is under way in the pass in progress (begun, not finished)."""
+        with self.lock:
+            return any(lk.frame is not None and not lk.finished for lk in self._pass)
+
     def _end_of_backward(self, aborted: bool = False, exception: BaseException | None = None) -> None:
         """Autograd calls this when a backward pass is over: the open backward steps are complete.
         Also called with ``aborted=True`` at iteration ends and on close, for a backward pass that

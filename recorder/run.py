@@ -378,6 +378,8 @@ class Run:
                                 "dropped_payload_bytes": pipe.dropped_bytes, "queue_wait_s": round(pipe.waited_s, 3)}
         if self._optimizers is not None and self._optimizers.takeovers:
             info["optimizer_replaced"] = self._optimizers.takeovers_doc()
+        if self._backward.raised_outside is not None:
+            info["backward_raised"] = self._backward.raised_outside
         ring = self.session.ring
         if ring is not None:
             info["flight"] = {"keep": ring.keep, "max_ring_bytes": ring.max_bytes, "peak_ring_bytes": ring.peak_bytes,
@@ -968,6 +970,9 @@ class _BackwardCalls:
 
     def __init__(self, session: capture.Session) -> None:
         self.passes = 0
+        # a pass that raised where no recorded step's backward was under way (anomaly mode stopping in the
+        # loss's backward, the loop catching it): the run's ``final.backward_raised`` (docs/FORMAT.md)
+        self.raised_outside: dict[str, Any] | None = None
         names = ("_engine_run_backward",) if hasattr(torch.autograd, "_engine_run_backward") else ("backward", "grad")
         self._originals = {name: getattr(torch.autograd, name) for name in names}
         self._wrappers = {name: self._wrap(session, fn) for name, fn in self._originals.items()}
@@ -988,6 +993,8 @@ class _BackwardCalls:
             except BaseException as exc:
                 if depth.n == 1 and session.enabled and not session.closed:
                     try:
+                        if isinstance(exc, Exception) and not session.backward_running():
+                            self._outside(session, exc)
                         session._end_of_backward(aborted=True, exception=exc)
                     except Exception as failure:  # the training's own exception goes on, whatever happened here
                         session.fail("ending a backward pass that raised", failure)
@@ -996,6 +1003,12 @@ class _BackwardCalls:
                 session.pass_ended(began)
                 depth.n -= 1
         return run_backward
+
+    def _outside(self, session: capture.Session, exc: Exception) -> None:
+        if self.raised_outside is None:
+            self.raised_outside = {"count": 0, "iteration": session.iteration,
+                                   "exception": jsonval.encode(capture.exception_doc(exc))}
+        self.raised_outside["count"] += 1
 
     def remove(self) -> None:
         for name, original in self._originals.items():

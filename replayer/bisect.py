@@ -283,6 +283,9 @@ class Origin:
     # the step, raising FloatingPointError before it returned): the innermost step it came out of. The NaN/Inf was
     # made inside it; ``find_op`` replays it operation by operation.
     raised_in: Step | None = None
+    # Where nothing else is found: a backward pass's exception that speaks of NaN/Inf, raised outside every
+    # recorded step's backward and caught by the training code (``final.backward_raised``), in one line
+    raised_outside: str | None = None
 
     @property
     def found(self) -> bool:
@@ -300,7 +303,7 @@ class Origin:
     def clean(self) -> bool:
         """Nothing to report: no step made or received NaN/Inf, nor did the run end by one made outside them, nor
         did a step raise an exception that speaks of one."""
-        return not self.found and self.ended_by is None and self.raised_in is None
+        return not self.found and self.ended_by is None and self.raised_in is None and self.raised_outside is None
 
     @property
     def rank(self) -> int | None:
@@ -318,6 +321,7 @@ class Origin:
                 "spread": [s.to_json() for s in self.spread],
                 "entered": self.entered.to_json() if self.entered else None, "ended_by": self.ended_by,
                 "raised_in": self.raised_in.to_json() if self.raised_in is not None else None,
+                "raised_outside": self.raised_outside,
                 "rank": self.rank,
                 "other_ranks": {str(r): {"origin": o.step.to_json() if o.step else None,
                                          "entered": o.entered.to_json() if o.entered else None, "cause": o.cause}
@@ -1064,7 +1068,8 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
         if overflowed and not contained:
             return Origin(None, _overflows_text(rec, overflowed))
         if not contained:
-            return _ended_outside(rec) or _raised_caught(rec) or Origin(None, "no non-finite values recorded")
+            return _ended_outside(rec) or _raised_caught(rec) or _backward_raised(rec) or \
+                Origin(None, "no non-finite values recorded")
         stopped_on = _raised_on_given(rec, k.given)
         if stopped_on is not None:
             return stopped_on
@@ -1525,6 +1530,26 @@ def _raised_on_given(rec: Recording, given: np.ndarray) -> Origin | None:
                                 "returning no result)", raised_in=maker, ended_by=ended)
         return Origin(None, f"{stopped}: {_entered_cause(rec, step)}", entered=step, ended_by=ended)
     return None
+
+
+def _backward_raised(rec: Recording) -> Origin | None:
+    """Where nothing else is found: backward passes that raised an exception speaking of NaN/Inf where no recorded
+    step's backward was under way, which the training code caught (``final.backward_raised``: anomaly mode stopping
+    in the loss's backward, a loop that skips the batch). The NaN/Inf was made outside the recorded steps."""
+    doc = rec.rank.final.get("backward_raised")
+    exc = doc.get("exception") if isinstance(doc, dict) else None
+    if not isinstance(exc, dict) or not _speaks_nonfinite(exc.get("type"), exc.get("message")):
+        return None
+    said = exception_line(exc).rstrip(".")
+    count = int(doc.get("count") or 1)
+    times = f" ({count} passes raised one, caught each time)" if count > 1 else ""
+    found = ANOMALY.search(str(exc.get("message", "")))
+    what = f"anomaly mode's {said.partition(':')[0]} ({found.group(1)} returned NaN in its output " \
+        f"{found.group(2)})" if found else said
+    return Origin(None, f"no non-finite values recorded; a backward pass in iteration {doc.get('iteration')} raised "
+                        f"{what} outside every recorded step's backward, which the training code caught{times}: the "
+                        "NaN/Inf was made by code outside the recorded steps (the loss): record it as a paper step, or "
+                        "with pdbg record --modules", raised_outside=said)
 
 
 def _raised_first(rec: Recording, step: Step) -> Step:

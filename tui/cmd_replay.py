@@ -165,6 +165,7 @@ def summary(rec: Any) -> dict[str, Any]:
             "first_nonfinite": first.to_json() if first is not None else None,
             "first_nonfinite_came_in": origin is not None and origin.step is None and first is not None,
             "first_nonfinite_outside": origin.ended_by if origin is not None else None,
+            "first_nonfinite_raised_outside": origin.raised_outside if origin is not None else None,
             "first_nonfinite_raised_in": origin.raised_in.to_json()
             if origin is not None and origin.raised_in is not None else None,
             "ended_by": rec.ended_by,
@@ -407,6 +408,9 @@ def info(args: argparse.Namespace) -> int:
         how = "ended the run" if doc["first_nonfinite_outside"] else "the training code caught"
         print(f"NaN origin: inside {_step_text(raised_in)}, which raised an exception that speaks of NaN/Inf before "
               f"it returned ({how})  (pdbg bisect --ops for the operation)")
+    elif first is None and doc.get("first_nonfinite_raised_outside"):
+        print(f"NaN origin: outside the recorded steps, which hold no NaN/Inf; a backward pass raised "
+              f"{doc['first_nonfinite_raised_outside']}, which the training code caught  (pdbg bisect for why)")
     elif first is None and doc["first_nonfinite_outside"]:
         print(f"NaN origin: outside the recorded steps, which hold no NaN/Inf; the run ended by "
               f"{doc['first_nonfinite_outside']}  (pdbg bisect for why)")

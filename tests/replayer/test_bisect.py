@@ -519,6 +519,30 @@ def test_a_nan_check_in_a_step_that_raises_on_its_inf_input_is_no_mask(tmp_path:
     assert f"NaN origin: inside step {outer.index}: Algorithm 7 (CheckedBlock)" in info.stdout, info.stdout
 
 
+def test_anomaly_mode_raising_outside_every_step_caught_by_the_loop_is_said(tmp_path: Path) -> None:
+    """Anomaly mode raises in the loss's backward (sqrt(h * h) at h = 0, outside every recorded step's backward),
+    and the loop catches it and skips the batch: nothing non-finite was recorded and the run is complete, and
+    bisect said "no non-finite values recorded", exit 0, pdbg info "none found". The recorder keeps the first such
+    exception and how many passes raised one (final.backward_raised); bisect says so, exit 1, as pdbg info does."""
+    path = tmp_path / "run.zarr"
+    with torch.autograd.set_detect_anomaly(True), recorder.record(path):
+        for _ in range(2):
+            h = checked_log(torch.tensor([1.0, 2.0, 3.0], requires_grad=True))  # log(1) = 0
+            with contextlib.suppress(RuntimeError):
+                torch.sqrt(h * h).sum().backward()
+    rec = replayer.open(path)
+    assert rec.status == "complete" and rec.rank.final["backward_raised"]["count"] == 2
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and not origin.clean, origin.cause
+    assert "raised anomaly mode's RuntimeError (MulBackward0 returned NaN in its output 0) outside every recorded " \
+        "step's backward" in origin.cause and "2 passes raised one" in origin.cause, origin.cause
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == 1 and "which the training code caught" in res.stdout, res.stdout + res.stderr
+    info = pdbg("info", str(path), cwd=tmp_path)
+    assert "NaN origin: outside the recorded steps, which hold no NaN/Inf; a backward pass raised RuntimeError" \
+        in info.stdout, info.stdout
+
+
 def test_a_nan_check_that_raises_on_an_inf_from_the_data_says_it_came_in(tmp_path: Path) -> None:
     """The same check given Inf by the data, the loop catching the AssertionError and going on: the Inf came in
     (it was said to be kept out as a mask's, exit 0)."""
