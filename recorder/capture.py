@@ -2667,7 +2667,7 @@ class Session:
             if aborted:
                 for link in done:
                     if link.frame is not None and id(link) in cut:
-                        link.frame.notes.append("the backward pass stopped before this step finished")
+                        link.frame.notes.append(layout.STOPPED_PASS_NOTE)
                 running = [lk.frame for lk in done if lk.frame is not None and not lk.finished]
                 if exception is not None and running:
                     max(running, key=lambda f: f.index).exception = exception_doc(exception)

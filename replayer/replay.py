@@ -1891,6 +1891,10 @@ class Replayer:
             raise ReplayError(f"backward step {step.index}: its backward pass raised ({exception_line(raised_doc)}) "
                               "before this step sent any gradient; a replay has nothing to compare (its forward, "
                               f"step {fwd.index}, replays)")
+        if not targets and layout.STOPPED_PASS_NOTE in step.extra.get("notes", []):
+            raise ReplayError(f"backward step {step.index}: its backward pass stopped (an exception raised during it: "
+                              "anomaly mode's, a Ctrl-C) before this step sent any gradient; a replay has nothing "
+                              f"to compare (its forward, step {fwd.index}, replays)")
         if not targets:
             shared = [n.partition(": ")[0] for n in fwd.extra.get("notes", []) if layout.SHARED_ARGUMENTS_NOTE in n]
             modules = module_arguments(fwd.arguments) if not shared and not changed else []

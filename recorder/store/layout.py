@@ -227,6 +227,9 @@ SHARED_PARAM_NOTE = ("shared with modules outside the step (tied weights): their
 # A step's note: "<hooks>: " + this. Since 1.11.
 GLOBAL_HOOK_NOTE = ("hooks on every module's calls (torch.nn.modules.module.register_module_forward_hook and the "
                     "like) were registered in the process when this step ran; a replay runs without them")
+# A backward step's note: the pass raised (anomaly mode's "returned nan values" in an inner step's backward, a
+# Ctrl-C) before this step's grad inputs and own parameter grads had all come.
+STOPPED_PASS_NOTE = "the backward pass stopped before this step finished"
 # A backward step's note: its parameter grads that are totals (not in its "own_grads") came through
 # nodes that another call made or used too. Since 1.11.
 REUSED_NOTE = ("its parameter grads came through nodes that more than one call used (a weight made once for "

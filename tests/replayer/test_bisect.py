@@ -475,6 +475,39 @@ def test_bisect_ops_names_the_operation_anomaly_mode_stopped_a_backward_at(tmp_p
         replayer.replay(rec, back.index)
 
 
+@recorder.paper_step("Algorithm 4")
+class EnergyBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nanmodels.root_energy(self.fc(x))
+
+
+def test_replaying_an_enclosing_step_whose_backward_pass_anomaly_mode_stopped_says_so(tmp_path: Path) -> None:
+    """Anomaly mode stops the pass inside an inner step's backward; the enclosing module step's backward got its
+    grad output but sent nothing. Its replay was refused as "has no grad input, and no parameter grad recorded"
+    (pdbg replay and pdbg verify), as if nothing had happened; it says the pass stopped, in one line, exit 2."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    block = EnergyBlock()
+    with torch.no_grad():
+        block.fc.weight[0] = 0.0
+        block.fc.bias[0] = 0.0
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(RuntimeError, match="returned nan values"), \
+            recorder.record(path, model=block):
+        block(torch.randn(2, 3)).sum().backward()
+    rec = replayer.open(path)
+    outer = rec.step("EnergyBlock:backward")
+    assert rec.step("root_energy:backward").status == "exception"
+    with pytest.raises(replayer.ReplayError, match=f"backward step {outer.index}: its backward pass stopped"):
+        replayer.replay(rec, outer.index)
+    res = pdbg("replay", str(path), str(outer.index), cwd=tmp_path)
+    assert res.returncode == 2 and "its backward pass stopped" in res.stderr and len(res.stderr.splitlines()) == 1, \
+        res.stdout + res.stderr
+
+
 @recorder.paper_step("Eq. 7", description="a log with a NaN check")
 def checked_log(h: torch.Tensor) -> torch.Tensor:
     out = torch.log(h)
