@@ -328,7 +328,7 @@ def test_array_metadata_that_would_misread_the_chunks_is_refused(damaged: Path, 
 
 
 @pytest.mark.parametrize(("column", "row", "value", "message"), [
-    ("tensors/role", 0, 10, "tensors/role row 0 holds 10 (allowed: 0..9)"),
+    ("tensors/role", 0, 11, "tensors/role row 0 holds 11 (allowed: 0..10)"),
     ("tensors/role", 0, -1, "tensors/role row 0 holds -1"),  # would read as the last role
     ("tensors/payload", 0, 10 ** 6, "tensors/payload row 0 holds 1000000"),
     ("tensors/name", 0, 10 ** 6, "tensors/name row 0 holds 1000000"),
