@@ -13,7 +13,7 @@ holds, how it was verified, and every difference between the environment it was 
 this one), ``pdbg replay failure.pdbg`` and ``python repro.py``. The "other machine" runs with a
 different ``OMP_NUM_THREADS``, so the environment report has something to say; the replay still
 matches, because it applies the recorded intra-op thread count: the model's call bit for bit, and the
-Eq. 1 call inside it, whose tensors a bundle keeps as statistics, by them (the verdict says so).
+Eq. 1 call inside it too (a bundle keeps the results of the steps inside its step).
 
 Run it:   python examples/share_bundle.py [--out runs/share_bundle]
 
