@@ -158,6 +158,33 @@ def unresolved(value: Any) -> str | None:
     return None
 
 
+_DISTRIBUTED_PREFIXES = ("FSDP", "DDP")  # fully_shard's FSDP<Name>(FSDPModule, <Name>), replicate's DDP<Name>
+
+
+def distributed_own_ref(ref: str, doc: dict[str, Any] | None) -> str | None:
+    """For the reference to a class FSDP2's ``fully_shard`` (or ``replicate``) made at run time, which a
+    recorder before schema 1.31 wrote for a module under it (``torch.distributed.fsdp._fully_shard._fsdp_init:
+    FSDPBlock``, made as ``FSDPBlock(FSDPModule, Block)``), the reference to the class it wrapped: the class
+    the module's constructor was recorded with, if it is named so; else one of that name where the reference
+    points outside torch.distributed, or torch.nn's. ``""`` where it is such a class but which it wrapped is not
+    known; None where the reference is not one."""
+    where, _, qualname = ref.partition(":")
+    head, _, name = qualname.rpartition(".")
+    prefix = next((p for p in _DISTRIBUTED_PREFIXES if name.startswith(p) and len(name) > len(p)), None)
+    if prefix is None:
+        return None
+    wrapped = name[len(prefix):]
+    init = (doc or {}).get("init")
+    made_as = init.get("class") if isinstance(init, dict) else None
+    if isinstance(made_as, str) and made_as.partition(":")[2].rpartition(".")[2] == wrapped:
+        return made_as
+    if not where.startswith("torch.distributed."):
+        return f"{where}:{head + '.' if head else ''}{wrapped}"
+    if isinstance(getattr(torch.nn, wrapped, None), type) and issubclass(getattr(torch.nn, wrapped), torch.nn.Module):
+        return jsonval.type_ref(getattr(torch.nn, wrapped))
+    return ""
+
+
 class Builder:
     def __init__(self, loader: CodeLoader, *, names_sorted: bool = False,
                  generators: dict[str, Any] | None = None) -> None:
@@ -174,8 +201,27 @@ class Builder:
         self._top_hooks_ran = True
         self.top_name = "the step's module"  # what warnings call the module built (one the step was given: 1.30)
 
-    def module_class(self, ref: str) -> type:
-        cls = self.loader.resolve(ref)
+    def module_class(self, ref: str, doc: dict[str, Any] | None = None) -> type:
+        """The class ``ref`` names; ``doc``: the skeleton node it is the class of, whose constructor's class
+        names the class that FSDP2's run-time class wrapped (below)."""
+        try:
+            cls = self.loader.resolve(ref)
+        except ReplayError as missing:
+            own = distributed_own_ref(ref, doc)
+            if own is None:
+                raise
+            if own:
+                try:
+                    cls = self.loader.resolve(own)
+                except ReplayError:
+                    if not ref.startswith("torch.distributed."):
+                        raise missing from None  # (not one: a class of its own, DDPMScheduler, renamed)
+                    own = ""
+            if not own:
+                raise ReplayError(f"{ref.partition(':')[2]} is the class FSDP2's fully_shard (or replicate) made at "
+                                  "run time for a module, which a recording made before schema 1.31 named in place "
+                                  "of the module's own class and no replay can import; record the run again to "
+                                  "replay this step") from None
         if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
             raise ReplayError(f"{ref} is not an nn.Module class now; the recording's module cannot be rebuilt")
         if issubclass(cls, torch.jit.ScriptModule):  # compiled code and state, nothing a skeleton can make again
@@ -233,11 +279,11 @@ class Builder:
         where = path or self.top_name
         override, self._override = self._override, None  # a swap: another class in this module's place
         unrecorded = doc.get("unrecorded") or {}
-        lazy = override is None and issubclass(self.module_class(doc["class"]), LazyModuleMixin)
+        lazy = override is None and issubclass(self.module_class(doc["class"], doc), LazyModuleMixin)
         if lazy:  # the handles of the hooks that initialize it: made again (_lazy_again)
             unrecorded = {k: v for k, v in unrecorded.items() if k not in _LAZY_HANDLES}
         flat: tuple[str, ...] = ()
-        if override is None and issubclass(self.module_class(doc["class"]), torch.nn.RNNBase):
+        if override is None and issubclass(self.module_class(doc["class"], doc), torch.nn.RNNBase):
             flat = tuple(k for k in skeleton.RNN_FLAT if k in unrecorded)
             unrecorded = {k: v for k, v in unrecorded.items() if k not in flat}
         generators = self._generators(unrecorded, path)
@@ -273,7 +319,7 @@ class Builder:
                 out.warnings.append(f"{where}: attributes {names} could not be recorded as data and the module was "
                                     "not built with known constructor arguments; rebuilt without them")
                 out.left_out.append(out.warnings[-1])
-        cls = override if override is not None else self.module_class(doc["class"])
+        cls = override if override is not None else self.module_class(doc["class"], doc)
         module = cls.__new__(cls)
         torch.nn.Module.__init__(module)  # torch's bookkeeping only; the user's __init__ does not run
         module.training = bool(doc.get("training", True))
@@ -397,7 +443,7 @@ class Builder:
         if not isinstance(init, dict):
             return None
         try:
-            cls = self.module_class(init.get("class") or doc["class"])
+            cls = self.module_class(init.get("class") or doc["class"], doc)
             args = jsonval.decode(init.get("args", []), resolve=self._resolve_type)
             kwargs = jsonval.decode(init.get("kwargs", {}), resolve=self._resolve_type)
         except ReplayError as exc:

@@ -172,6 +172,67 @@ def test_a_module_step_under_fully_shard_replays_bit_for_bit(tmp_path: Path) -> 
         assert res.match, (index, res.warnings)
 
 
+def _class_as_before_1_31(module: nn.Module) -> type:
+    """skeleton.own_class as the recorder had it before schema 1.31: blind to fully_shard's class."""
+    from torch.nn.utils import parametrize
+
+    cls = type(module)
+    if cls.__module__ == parametrize.__name__ and "parametrizations" in module._modules and cls.__bases__:
+        return cls.__bases__[0]
+    return cls
+
+
+class Unmarked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_a_step_recorded_under_fully_shard_before_1_31_replays_or_says_to_record_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recording made before schema 1.31 named a module under fully_shard by the class FSDP2 made at run time
+    (torch.distributed.fsdp._fully_shard._fsdp_init:FSDPProj), and every replay of its steps was refused with the
+    misleading '_fsdp_init has no FSDPProj now (renamed or removed since the recording?)'. The class it wrapped is
+    found again (the class its constructor was recorded with, or torch.nn's), and its steps replay bit for bit;
+    where which class it wrapped is not known, the replay says the step was recorded under fully_shard before 1.31
+    and to record again."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from recorder import skeleton
+
+    out = tmp_path / "run.zarr"
+    with one_rank():
+        torch.manual_seed(0)
+        model = nn.Sequential(Proj(), nn.Linear(6, 6), Unmarked())
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in (model[0], model[1], model[2], model):
+            fully_shard(layer, mesh=mesh)
+        with monkeypatch.context() as patch:
+            patch.setattr(skeleton, "own_class", _class_as_before_1_31)
+            with recorder.record(out, model=model, modules=["1", "2"]):
+                model(torch.randn(3, 8)).pow(2).mean().backward()
+    rec = replayer.open(out)
+    classes = {rec.step(s.index).name: rec.step(s.index)._doc("module")["class"] for s in rec.steps
+               if rec.step(s.index).phase == "forward" and rec.step(s.index)._doc("module")}
+    assert classes == {"Proj": "torch.distributed.fsdp._fully_shard._fsdp_init:FSDPProj",
+                       "FSDPLinear": "torch.distributed.fsdp._fully_shard._fsdp_init:FSDPLinear",
+                       "FSDPUnmarked": "torch.distributed.fsdp._fully_shard._fsdp_init:FSDPUnmarked"}
+    found = [s.index for s in rec.steps if rec.step(s.index).name in ("Proj", "FSDPLinear")]
+    assert len(found) == 4  # forward and backward of each
+    for index in found:
+        res = replayer.replay(rec, index)
+        assert res.match, (index, res.warnings)
+    for index in [s.index for s in rec.steps if rec.step(s.index).name == "FSDPUnmarked"]:
+        with pytest.raises(ReplayError, match=r"^FSDPUnmarked is the class FSDP2's fully_shard .* before schema "
+                                              r"1\.31 .*record the run again") as err:
+            replayer.replay(rec, index)
+        assert "renamed or removed" not in str(err.value) and "\n" not in str(err.value)
+
+
 def test_the_module_of_a_step_under_fully_shard_holds_no_state_named_per_process(tmp_path: Path) -> None:
     """fully_shard keeps its state on the module under keys with a new uuid in every process
     (``__composable_api_state_key_<uuid>``): recorded in the skeleton, they made pdbg bisect --against name
