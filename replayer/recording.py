@@ -1134,6 +1134,19 @@ class Step:
         return f"a {kind} tensor" + (f" of {count} stored value{'s' if count != 1 else ''}" if count is not None
                                      else "")
 
+    def dtensor_text(self, record: TensorRecord) -> str | None:
+        """A record whose tensor was a DTensor (the step's extra ``dtensors``, 1.31), whose shape and
+        statistics are this rank's local shard's, in words: "local shard of 12×8 (Shard(dim=0))", the whole
+        tensor's shape and its placements; None for any other record."""
+        dtensors = self.extra.get("dtensors")
+        doc = dtensors.get(record.name) if isinstance(dtensors, dict) else None
+        if not isinstance(doc, dict):
+            return None
+        shape = doc.get("shape")
+        whole = ("×".join(map(str, shape)) or "scalar") if isinstance(shape, list) else "a DTensor"
+        placements = ", ".join(map(str, doc.get("placements") or ()))
+        return f"local shard of {whole}" + (f" ({placements})" if placements else "")
+
     def dtensor_refusal(self) -> str | None:
         """Why a step whose tensors were DTensors (a tensor-parallel layer's sharded weights, a DTensor
         argument: the step's extra ``dtensors``, 1.31) cannot be replayed, and what to do, for a message;

@@ -314,6 +314,9 @@ class StepPane(ScrollView, can_focus=True):
             magnitudes = magnitudes_note([t.name for t in view.tensors if t.dtype.startswith("complex")])
             if magnitudes:
                 parts.append(Text(magnitudes, style="dim"))
+            if view.shards:  # (DTensors': the table's shape column says "6×8 shard")
+                parts.append(Text("this rank's local shards of DTensors, their shape and statistics the shard's: "
+                                  + "; ".join(view.shards), style="dim"))
         elif not view.numpy:
             parts.append(Text("no tensors recorded for this step", style="dim"))
         if view.output is not None:  # what it returned instead (a learning-rate schedule's float)

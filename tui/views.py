@@ -418,6 +418,9 @@ class StepView:
     # returns: "inf"), and the NaN/Inf its numbers hold ("1 Inf"); None where the pane shows what it returned otherwise
     output: str | None = None
     output_nonfinite: str = ""
+    # its DTensor records (1.31), whose shape and statistics are this rank's local shard's: "fc.weight: local shard
+    # of 12×8 (Shard(dim=0))" each, said under its tensor table (whose shape column says "6×8 shard")
+    shards: list[str] = field(default_factory=list)
 
 
 def statistics_only(step: Step) -> str | None:
@@ -432,12 +435,33 @@ def statistics_only(step: Step) -> str | None:
         return ""
 
 
+def shard_text(step: Step, record: Any) -> str | None:
+    """``Step.dtensor_text``: "local shard of 12×8 (Shard(dim=0))" for a DTensor's record; None for another,
+    or where the step's document is damaged."""
+    try:
+        return step.dtensor_text(record)
+    except Exception:  # noqa: BLE001 - a damaged document: the shape as recorded
+        return None
+
+
+def shape_text(step: Step, record: Any, *, short: bool = False) -> str:
+    """A record's shape, "6×8"; a DTensor's local shard's says so, "6×8 local shard of 12×8 (Shard(dim=0))"
+    (its statistics are the shard's too), or ``short``, "6×8 shard" (for the step pane's table, whose note
+    under it says the rest: ``StepView.shards``)."""
+    shape = "×".join(str(d) for d in record.shape) or "scalar"
+    shard = shard_text(step, record)
+    if not shard:
+        return shape
+    return f"{shape} shard" if short else f"{shape} {shard}"
+
+
 def step_view(step: Step) -> StepView:
     definition = step.definition
     frozen = set(step.frozen)
-    tensors = [TensorRow(r.role, r.name, "×".join(str(d) for d in r.shape) or "scalar", r.dtype, r.stats,
+    tensors = [TensorRow(r.role, r.name, shape_text(step, r, short=True), r.dtype, r.stats,
                          r.nonfinite, r, r.role == "param" and r.name in frozen)
                for r in sorted(step.records, key=lambda r: layout.role_value(r.role))]
+    shards = [f"{t.name}: {shard}" for t in tensors for shard in [shard_text(step, t.record)] if shard]
     extra = step.extra
     notes = []
     exc = extra.get("exception")
@@ -470,7 +494,7 @@ def step_view(step: Step) -> StepView:
     return StepView(describe(step).split(": ", 1)[1], step.paper.get("description"), step.status,
                     definition.get("source"), definition.get("line"), definition.get("file"),
                     arguments_text(step.arguments), tensors, notes, frozen_text(step), numpy, unrecorded,
-                    output, bad)
+                    output, bad, shards)
 
 
 _FROZEN_LISTED = 6  # frozen parameters named in the step pane; more are counted
@@ -741,8 +765,7 @@ def tensor_view(step: Step, name: str, role: str, *, start: int = 0, rows: int =
     rec = step.rec
     record = next(r for r in step.records if r.name == name and r.role == role)
     frozen = " (frozen: requires_grad=False)" if role == "param" and name in step.frozen else ""
-    title = (f"{role} {name}{frozen} · {'×'.join(map(str, record.shape)) or 'scalar'} {record.dtype} · step "
-             f"{step.index}")
+    title = f"{role} {name}{frozen} · {shape_text(step, record)} {record.dtype} · step {step.index}"
     histogram: list[int] = []
     edges = (math.nan, math.nan)
     values: list[str] = []

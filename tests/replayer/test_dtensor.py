@@ -360,3 +360,51 @@ def test_a_nan_made_in_a_dtensor_step_may_have_come_from_another_rank(tmp_path: 
     assert found is not None and found.step.name == "Gained"
     assert "from inputs that were finite on this rank, but it computed on DTensors" in found.cause, found.cause
     assert "the NaN may have come from another rank" in found.cause
+
+
+def test_the_step_pane_says_a_dtensor_record_is_a_local_shard(tmp_path: Path) -> None:
+    """A DTensor record holds this rank's local shard, its shape and statistics the shard's: the TUI's step pane
+    showed its shape with no word of it (only the step's extra["dtensors"] said so). Its tensor line says
+    "6×8 shard", a line under the table "fc.weight: local shard of 6×8 (Shard(dim=0))", and so does the
+    inspector's title; a plain tensor's line is as before."""
+    import asyncio
+
+    from textual.widgets import Static
+
+    from tui import views
+    from tui.app import Inspector, PdbgApp, StepPane
+
+    out = tmp_path / "run.zarr"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    with one_rank():
+        model = Gained()
+        parallelize_module(model, init_device_mesh("cpu", (1,)), {"fc": ColwiseParallel()})
+        with recorder.record(out, model=model):
+            model(torch.ones(2, 8))
+    view = views.step_view(replayer.open(out).step(0))
+    assert {t.name: t.shape for t in view.tensors} == {"args.0": "2×8", "fc.weight": "6×8 shard",
+                                                       "fc.bias": "6 shard", "output": "2×6"}
+    assert view.shards == ["fc.weight: local shard of 6×8 (Shard(dim=0))", "fc.bias: local shard of 6 (Shard(dim=0))"]
+
+    async def main() -> None:
+        app = PdbgApp(replayer.open(out))
+        async with app.run_test(size=(160, 36)) as pilot:
+            await pilot.pause()
+            pane = app.query_one(StepPane)
+            drawn = [pane.render_line(y).text for y in range(pane.size.height)]
+            assert any("fc.weight" in line and "6×8 shard" in line for line in drawn), drawn
+            said = " ".join(" ".join(drawn).split())
+            assert "local shards of DTensors, their shape and statistics the shard's: fc.weight: local shard of " \
+                   "6×8 (Shard(dim=0)); fc.bias: local shard of 6 (Shard(dim=0))" in said, said
+            app.save_screenshot(str(tmp_path / "shard.svg"))
+            pane.selected = next(i for i, t in enumerate(pane.view.tensors) if t.name == "fc.weight")
+            await app.run_action("inspect")
+            await pilot.pause()
+            assert isinstance(app.screen, Inspector)
+            assert "param fc.weight · 6×8 local shard of 6×8 (Shard(dim=0)) float32" in \
+                str(app.screen.query_one("#page", Static).render())
+
+    asyncio.run(main())
+    assert (tmp_path / "shard.svg").stat().st_size > 0
