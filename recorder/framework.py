@@ -281,9 +281,18 @@ class FrameworkCallback:
         """Training ended normally: close the recording ``complete``."""
         self._finish("complete", None)
 
-    def _crash(self, exception: BaseException | None) -> None:
-        """Training raised ``exception``: close the recording ``crashed``."""
-        self._finish("crashed", exception)
+    def _crash(self, exception: BaseException | None, during: str | None = None) -> None:
+        """Training raised ``exception``: close the recording ``crashed``. ``during``: what of the
+        training, not recorded, raised it (validation), where the adapter knows; else
+        ``_raised_during`` looks at the exception."""
+        if during is None and exception is not None:
+            during = self._raised_during(exception)
+        self._finish("crashed", exception, during)
+
+    def _raised_during(self, exception: BaseException) -> str | None:
+        """What of the training the callback does not record raised ``exception`` (evaluation), in a
+        few words for ``final.raised_during``; None for a training step, or where it cannot tell."""
+        return None
 
     def close(self, exception: BaseException | None = None) -> str | None:
         """Close a recording that training left open, as ``crashed`` (``exception``, if given, goes
@@ -294,16 +303,16 @@ class FrameworkCallback:
         return None if self.run is None else self.run.status
 
     # -- inside --------------------------------------------------------------------------------------
-    def _finish(self, status: str, exception: BaseException | None) -> None:
+    def _finish(self, status: str, exception: BaseException | None, during: str | None = None) -> None:
         run = self.run
         if run is None or run.closed:
             return
         self._step_end()
         _OPEN.pop(id(self), None)
-        run.close(status, exception)
+        run.close(status, exception, raised_during=during)
         self._recorded.append(self._run_path)
         if status == "crashed":
-            self._warn_crashed(run, exception)
+            self._warn_crashed(run, exception, during)
 
     def _where(self, index: int | None, status: str | None = None) -> str:
         """Where the recording is, and the command that opens it (at step ``index``)."""
@@ -317,10 +326,12 @@ class FrameworkCallback:
         warn(f"PaperDebugger: {message} (the first NaN/Inf of this run); {self._where(index)}",
              stacklevel=capture._outside_recorder(installed=True))
 
-    def _warn_crashed(self, run: Run, exception: BaseException | None) -> None:
+    def _warn_crashed(self, run: Run, exception: BaseException | None, during: str | None = None) -> None:
         what = "training stopped"
         if exception is not None:
             what += f" with {brief(exception)[:240]}"
+        if during:  # (nothing of it is recorded: say so before the user looks for it in the recording)
+            what += f", raised during {during}, which this callback does not record"
         at = "" if self._first_nonfinite is None else " (at its first NaN/Inf)"
         warn(f"PaperDebugger: {what}; {self._where(self._first_nonfinite, run.status)}{at}",
              stacklevel=capture._outside_recorder(installed=True))

@@ -19,7 +19,9 @@ process, each of which closes it ``crashed``. Meanwhile it records nothing: a st
 the Trainer's frame that began the training step is on the stack (``Run.only_while``), so
 ``trainer.evaluate()`` after the exception is not recorded as the failed step's. A NaN loss,
 which the Trainer leaves out of its logs (``logging_nan_inf_filter=True``) and trains on, is still
-recorded, and the first step that produced it is reported. Under DDP every rank records its own
+recorded, and the first step that produced it is reported. An exception that came out of the
+Trainer's evaluation is marked so when the recording closes with it (``final.raised_during``):
+``pdbg`` does not look for it between the training steps. Under DDP every rank records its own
 group into the same path.
 """
 
@@ -31,7 +33,7 @@ from typing import Any
 from .framework import FrameworkCallback
 
 try:
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback
     from transformers.trainer_callback import CallbackHandler
 except ImportError as exc:
     if exc.name != "transformers":
@@ -73,6 +75,21 @@ class PaperDebuggerCallback(FrameworkCallback, TrainerCallback):  # type: ignore
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._end()
+
+    def _raised_during(self, exception: BaseException) -> str | None:
+        """Evaluation (``Trainer.evaluate``, which ``train()`` runs between steps), where the exception's
+        traceback went through it."""
+        tb = exception.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code in _EVALUATION:
+                return "evaluation (Trainer.evaluate)"
+            tb = tb.tb_next
+        return None
+
+
+# The Trainer's evaluation, which train() runs between training steps (eval_strategy): not recorded.
+_EVALUATION = frozenset(getattr(Trainer, name).__code__ for name in ("evaluate", "evaluation_loop")
+                        if hasattr(Trainer, name))
 
 
 def _training_loop() -> Any:

@@ -11,7 +11,8 @@ described there and in the README, "Lightning and Hugging Face"). Lightning's ev
   what any callback's event or the LightningModule's own ``on_*`` hooks run (a callback that
   generates in ``on_train_batch_end``, before or after this one in the list).
 - ``on_exception``: the recording closes ``crashed`` with the exception (``detect_anomaly=True``
-  raising in backward, a KeyboardInterrupt, an error in ``training_step``).
+  raising in backward, a KeyboardInterrupt, an error in ``training_step``); one raised in validation
+  is marked so (``final.raised_during``): ``pdbg`` does not look for it between the training steps.
 - ``on_fit_end``: it closes ``complete`` (also when EarlyStopping stopped the fit). Not at
   ``on_train_end``: Lightning's teardown, between the two, puts back the signal handlers it found,
   the recording's among them; closing after it lets the recording restore the ones before it.
@@ -82,7 +83,17 @@ class PaperDebuggerCallback(FrameworkCallback, Callback):  # type: ignore[misc]
         self._step_end()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._crash(exception)
+        self._crash(exception, _unrecorded_stage(trainer))
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._end()
+
+
+def _unrecorded_stage(trainer: Any) -> str | None:
+    """The stage of the fit, not recorded, that was running when it raised: validation (the sanity
+    check's too); None for training."""
+    if getattr(trainer, "sanity_checking", False):
+        return "validation (Lightning's sanity check, before the first training step)"
+    if getattr(trainer, "validating", False):
+        return "validation"
+    return None

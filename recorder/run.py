@@ -336,18 +336,22 @@ class Run:
             self.session.fail("writing the recording", capture.WriterStopped(self.pipeline.problem()))
 
     # -- ending --------------------------------------------------------------------------------------
-    def close(self, status: str = "complete", exception: BaseException | None = None) -> None:
+    def close(self, status: str = "complete", exception: BaseException | None = None, *,
+              raised_during: str | None = None) -> None:
         """Stop recording, write everything out and mark the run ``complete`` (or ``crashed``); a run
         whose recording stopped early (a failed writer, a capture error) is ``incomplete``, which
-        wins over both (``exception`` still goes into its final information)."""
+        wins over both (``exception`` still goes into its final information). ``raised_during``: what
+        of the training, not recorded, raised ``exception`` ("validation": a framework callback's
+        recording pauses there), in a few words; ``pdbg`` says so instead of sending the user to
+        record the code between the recorded steps (``final.raised_during``)."""
         if self.closed:
             return
         with self._signals_held() as came:
-            self._close(status, exception)
+            self._close(status, exception, raised_during)
         for signum in dict.fromkeys(came):  # Ctrl-C or SIGTERM while closing: the recording is whole, then
             _pass_signal(signal.getsignal(signum), signum, None)  # they do what they would have done
 
-    def _close(self, status: str, exception: BaseException | None) -> None:
+    def _close(self, status: str, exception: BaseException | None, raised_during: str | None = None) -> None:
         self.closed = True
         _LEFT_OPEN.pop(id(self), None)
         if not _LEFT_OPEN:
@@ -388,6 +392,8 @@ class Run:
             exception = self.session.stopped_by
         if exception is not None:
             info["exception"] = jsonval.encode(capture.exception_doc(exception, limit=None))
+            if raised_during:
+                info["raised_during"] = str(raised_during)[:200]
         if self._ended_by is not None:
             info["signal"] = self._ended_by
         unrecorded = compiled.unrecorded_doc(self._whole_graphs_at_start)

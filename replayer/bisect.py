@@ -1469,6 +1469,12 @@ def _ended_outside(rec: Recording) -> Origin | None:
     if last.status == "exception":
         where = f"raised inside {describe(last)}, which returned no result"
         made = ", so the NaN/Inf it speaks of was made inside that step, before any result of it was recorded"
+    elif rec.rank.final.get("raised_during"):  # (validation: the framework callback does not record it)
+        where = f"(after the last recorded step: {describe(last)})"
+        made = (f"; the framework callback records training steps only, not {rec.rank.final['raised_during']}, so "
+                "the NaN/Inf it speaks of was made there, unrecorded: to find it, record that code itself, e.g. "
+                "trainer.validate(...) or trainer.evaluate() inside `with recorder.record(PATH, model=model, "
+                "modules=...)`")
     else:
         where = f"after the last recorded step ({describe(last)})"
         made = (", so the NaN/Inf it speaks of was made outside the recorded steps: record the code between them "

@@ -152,7 +152,9 @@ class Recording:
         if isinstance(exc, dict) and exc.get("type"):
             name = str(exc["type"]).rpartition(":")[2]
             message = _first_line(str(exc.get("message") or ""))[:300]
-            return f"{name}: {message}" if message else name
+            said = f"{name}: {message}" if message else name
+            during = final.get("raised_during")  # (a framework callback's: validation, which it does not record)
+            return f"{said.rstrip('.')}, raised during {str(during)[:200]}" if during else said
         if final.get("signal"):  # (written since 1.14; before, only flight mode's ring writes named it)
             return str(final["signal"])[:40]
         signals = [d.get("reason") for d in (final.get("flight") or {}).get("dumps", [])

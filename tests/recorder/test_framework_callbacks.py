@@ -251,6 +251,31 @@ class TestLightning:
         assert len(forwards(rec)) == 20 * 3 and len(rec) == 2 * 20 * 3
         assert all(rec.step(s.index).status == "ok" for s in forwards(rec))
 
+    def test_a_nan_check_raising_in_validation_is_said_to_be_unrecorded(self, pl: Any, tmp_path: Path) -> None:
+        """validation_step's NaN check raising after five training steps: the run closes crashed marked
+        raised during validation, the warning says the callback does not record it, and bisect says the
+        NaN was made there, not between the recorded steps (no advice to record the loss as a step)."""
+        from recorder.lightning import PaperDebuggerCallback
+
+        class Checked(type(lightning_net(pl))):  # type: ignore[misc]
+            def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+                loss = F.mse_loss(self.net(batch[0]), batch[1]) * float("nan")
+                assert torch.isfinite(loss), "validation loss is nan"
+                return loss
+
+        path = tmp_path / "run.zarr"
+        with recorder_warnings() as said, pytest.raises(AssertionError, match="validation loss is nan"):
+            lightning_fit(pl, PaperDebuggerCallback(path), Checked(), val=lightning_data(2, seed=1),
+                          val_check_interval=5, num_sanity_val_steps=0)
+        assert len(said) == 1 and "raised during validation, which this callback does not record" in said[0]
+        rec = replayer.open(path)
+        assert rec.status == "crashed" and rec.rank.final["raised_during"] == "validation"
+        assert rec.ended_by == "AssertionError: validation loss is nan, raised during validation"
+        origin = replayer.first_nonfinite(rec)
+        assert origin.step is None and origin.ended_by == rec.ended_by
+        assert "records training steps only, not validation" in origin.cause
+        assert "record the code between them" not in origin.cause
+
     @pytest.mark.parametrize("first", [True, False], ids=["user_callback_first", "pdbg_first"])
     def test_a_callback_that_runs_the_model_is_not_recorded_whatever_the_order(self, pl: Any, tmp_path: Path,
                                                                                first: bool) -> None:
@@ -765,6 +790,35 @@ class TestHuggingFace:
         failed = [s for s in rec.steps if s.status == "exception"]
         assert [(s.module_path, s.iteration) for s in failed] == [("transformer.h.1", 5)]
 
+
+    def test_an_exception_in_evaluation_is_said_to_be_unrecorded(self, hf: Any, tmp_path: Path) -> None:
+        """An evaluation that train() runs between steps raising: the run, closed with that exception, is
+        marked raised during evaluation, and bisect says the NaN was made there, not between the
+        recorded steps."""
+        from recorder.huggingface import PaperDebuggerCallback
+
+        path = tmp_path / "run.zarr"
+        callback = PaperDebuggerCallback(path)
+        trainer = hf_trainer(hf, tmp_path, callback, eval_strategy="steps", eval_steps=3)
+        block = trainer.model.transformer.h[1]
+        forward = block.forward
+
+        def checked(*a: Any, **k: Any) -> Any:
+            if not trainer.model.training:
+                raise FloatingPointError("eval loss is nan")
+            return forward(*a, **k)
+
+        block.forward = checked
+        with pytest.raises(FloatingPointError) as raised:
+            trainer.train()
+        with recorder_warnings() as said:
+            assert callback.close(raised.value) == "crashed"
+        assert len(said) == 1 and "raised during evaluation (Trainer.evaluate)" in said[0]
+        rec = replayer.open(path)
+        assert rec.rank.final["raised_during"] == "evaluation (Trainer.evaluate)"
+        origin = replayer.first_nonfinite(rec)
+        assert origin.step is None and "records training steps only, not evaluation" in origin.cause
+        assert "record the code between them" not in origin.cause
 
     def test_after_train_raised_nothing_else_is_recorded(self, hf: Any, tmp_path: Path) -> None:
         """The Trainer reports no exception: after train() raised in step 5, trainer.evaluate() and
