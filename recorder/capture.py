@@ -2649,9 +2649,10 @@ class Session:
         Also called with ``aborted=True`` at iteration ends and on close, for a backward pass that
         raised (autograd then never calls back): its steps are written with what they captured, and
         ``exception``, the one that ended the recording (anomaly mode's "returned nan values", a
-        Ctrl-C), goes to the step whose backward was under way: the last begun of those that had
-        not finished (no grad input came). Only those are noted as stopped: a step whose grad inputs
-        and own parameter grads all came before the pass stopped is whole."""
+        Ctrl-C), goes to the steps whose backward was under way: those that had not finished (no
+        grad input came), the one it stopped in and those around it, each marked ``exception`` as a
+        forward's are. Only those are noted as stopped: a step whose grad inputs and own parameter
+        grads all came before the pass stopped is whole."""
         cut: set[int] = set()  # links whose step the pass stopped in (before _finish_own marks partial sums done)
         if aborted:
             cut = {id(lk) for lk in self._pass if not lk.finished or any(n not in lk.done for n in lk.own)
@@ -2669,8 +2670,10 @@ class Session:
                     if link.frame is not None and id(link) in cut:
                         link.frame.notes.append(layout.STOPPED_PASS_NOTE)
                 running = [lk.frame for lk in done if lk.frame is not None and not lk.finished]
-                if exception is not None and running:
-                    max(running, key=lambda f: f.index).exception = exception_doc(exception)
+                if exception is not None and running:  # each step the pass was inside raised it, as in a forward
+                    doc = exception_doc(exception)
+                    for frame in running:
+                        frame.exception = doc
             frames = [link.frame for link in done]
             for link in done:
                 for handle in link.handles:

@@ -1635,7 +1635,8 @@ def _anomaly_raised(rec: Recording) -> Origin | None:
         step = rec.step(int(index))
         message = str((step.extra.get("exception") or {}).get("message", ""))
         found = ANOMALY.search(message)
-        if found:
+        if found:  # the innermost step the pass stopped in (the steps around it raised the same)
+            step = _raised_first(rec, step)
             return Origin(step, f"{describe(step)}: anomaly mode stopped the backward pass inside it, where "
                                 f"{found.group(1)} returned NaN in its output {found.group(2)} (the pass stopped "
                                 "before any recorded gradient held it)", [])

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import threading
@@ -488,7 +489,8 @@ class EnergyBlock(torch.nn.Module):
 def test_replaying_an_enclosing_step_whose_backward_pass_anomaly_mode_stopped_says_so(tmp_path: Path) -> None:
     """Anomaly mode stops the pass inside an inner step's backward; the enclosing module step's backward got its
     grad output but sent nothing. Its replay was refused as "has no grad input, and no parameter grad recorded"
-    (pdbg replay and pdbg verify), as if nothing had happened; it says the pass stopped, in one line, exit 2."""
+    (pdbg replay and pdbg verify), as if nothing had happened; it says the pass raised anomaly mode's exception
+    before the step sent any gradient, in one line, exit 2."""
     path = tmp_path / "run.zarr"
     torch.manual_seed(0)
     block = EnergyBlock()
@@ -501,11 +503,36 @@ def test_replaying_an_enclosing_step_whose_backward_pass_anomaly_mode_stopped_sa
     rec = replayer.open(path)
     outer = rec.step("EnergyBlock:backward")
     assert rec.step("root_energy:backward").status == "exception"
-    with pytest.raises(replayer.ReplayError, match=f"backward step {outer.index}: its backward pass stopped"):
+    said = f"backward step {outer.index}: its backward pass raised (RuntimeError: Function 'MulBackward0' returned nan"
+    with pytest.raises(replayer.ReplayError, match=re.escape(said)):
         replayer.replay(rec, outer.index)
     res = pdbg("replay", str(path), str(outer.index), cwd=tmp_path)
-    assert res.returncode == 2 and "its backward pass stopped" in res.stderr and len(res.stderr.splitlines()) == 1, \
-        res.stdout + res.stderr
+    assert res.returncode == 2 and said in res.stderr and "before this step sent any gradient" in res.stderr \
+        and len(res.stderr.splitlines()) == 1, res.stdout + res.stderr
+
+
+def test_an_enclosing_step_whose_backward_anomaly_mode_stopped_is_marked_exception(tmp_path: Path) -> None:
+    """Anomaly mode stops the pass inside an inner step's backward: the enclosing step's backward, which the pass
+    was inside too, was recorded ``ok`` with only a note that the pass stopped, so pdbg info and the TUI showed it
+    as fine. It is ``exception`` with the same exception, as a forward's enclosing steps are, and bisect still
+    names the inner step."""
+    path = tmp_path / "run.zarr"
+    torch.manual_seed(0)
+    block = EnergyBlock()
+    with torch.no_grad():
+        block.fc.weight[0] = 0.0
+        block.fc.bias[0] = 0.0
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(RuntimeError, match="returned nan values"), \
+            recorder.record(path, model=block):
+        block(torch.randn(2, 3)).sum().backward()
+    rec = replayer.open(path)
+    outer, inner = rec.step("EnergyBlock:backward"), rec.step("root_energy:backward")
+    assert outer.status == "exception" and inner.status == "exception"
+    assert outer.extra["exception"]["message"] == inner.extra["exception"]["message"]
+    assert "returned nan values" in outer.extra["exception"]["message"]
+    assert replayer.first_nonfinite(rec).step.index == inner.index
+    info = pdbg("info", str(path), cwd=tmp_path)
+    assert "exceptions: 2" in info.stdout, info.stdout
 
 
 @recorder.paper_step("Eq. 7", description="a log with a NaN check")
