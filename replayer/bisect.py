@@ -984,7 +984,7 @@ def _first_on_rank(rec: Recording, *, ops: bool, spread: int, scaler_skips: bool
     took it from a recorded step's output (``_producer``): a mask's Inf that did harm there."""
     n = len(rec)
     if not n:
-        return Origin(None, "no steps recorded")
+        return _nothing_recorded(rec)
     k = _Kinds.of(rec)
     handled, not_overflows = (np.zeros(n, dtype=bool), []) if scaler_skips else _scaler_handled(rec)
     overflowed = sorted(set(_column(rec, "iteration")[handled & (k.result | k.given)].tolist()))
@@ -1483,6 +1483,16 @@ def _ended_outside(rec: Recording) -> Origin | None:
     if not nan:
         return Origin(None, cause)
     return Origin(None, cause + made, ended_by=why, raised_in=last if last.status == "exception" else None)
+
+
+def _nothing_recorded(rec: Recording) -> Origin:
+    """A rank with no steps: what ended it, where an exception did (a NaN check in Lightning's sanity check,
+    before the first training step), which, speaking of NaN/Inf, is a finding: it was made before any step."""
+    exc, why = rec.rank.final.get("exception"), rec.ended_by
+    if not isinstance(exc, dict) or not exc.get("type") or why is None:
+        return Origin(None, "no steps recorded")
+    cause = f"no steps recorded; the run ended by {why.rstrip('.')} before any step was recorded"
+    return Origin(None, cause, ended_by=why if _speaks_nonfinite(exc["type"], why) else None)
 
 
 def _raised_caught(rec: Recording) -> Origin | None:

@@ -535,6 +535,23 @@ def test_an_enclosing_step_whose_backward_anomaly_mode_stopped_is_marked_excepti
     assert "exceptions: 2" in info.stdout, info.stdout
 
 
+@pytest.mark.parametrize("raised", [FloatingPointError("loss is nan"), KeyError("weights")], ids=["nan", "other"])
+def test_a_run_ended_by_an_exception_before_any_step_says_so(tmp_path: Path, raised: Exception) -> None:
+    """A run that an exception ended before any step was recorded (a NaN check in Lightning's sanity check, before
+    the first training step): bisect said only "no steps recorded", exit 0, a clean run. It names the exception;
+    one that speaks of NaN/Inf is a finding (exit 1)."""
+    path = tmp_path / "run.zarr"
+    with pytest.raises(type(raised)), recorder.record(path):
+        raise raised
+    rec = replayer.open(path)
+    origin = replayer.first_nonfinite(rec)
+    assert origin.step is None and origin.clean is (not isinstance(raised, FloatingPointError))
+    assert f"no steps recorded; the run ended by {rec.ended_by} before any step was recorded" == origin.cause
+    res = pdbg("bisect", str(path), cwd=tmp_path)
+    assert res.returncode == (1 if isinstance(raised, FloatingPointError) else 0), res.stdout + res.stderr
+    assert type(raised).__name__ in res.stdout, res.stdout
+
+
 @recorder.paper_step("Eq. 7", description="a log with a NaN check")
 def checked_log(h: torch.Tensor) -> torch.Tensor:
     out = torch.log(h)
