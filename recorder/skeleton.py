@@ -174,7 +174,7 @@ def own_class(module: torch.nn.Module) -> type:
         where = cls.__module__
         if where == _PARAMETRIZE and "parametrizations" in module._modules and cls.__bases__:
             cls = cls.__bases__[0]
-        elif where.startswith("torch.distributed.") and _made_by_distributed(cls):
+        elif _made_by_distributed(cls):
             cls = cls.__bases__[-1]
         else:
             return cls
@@ -201,7 +201,7 @@ def parametrized(module: torch.nn.Module) -> list[str]:
     cls = type(module)
     while _made_by_distributed(cls):  # (fully_shard of a parametrized module: FSDPParametrizedLinear)
         cls = cls.__bases__[-1]
-    if cls.__module__ != parametrize.__name__ or "parametrizations" not in module._modules or not cls.__bases__:
+    if cls.__module__ != _PARAMETRIZE or "parametrizations" not in module._modules or not cls.__bases__:
         return []
     return list(module._modules["parametrizations"]._modules)
 
